@@ -1,0 +1,316 @@
+"""Kimi Delta Attention (KDA) kernels in pure torch: gate, one step, recurrent loop, chunked form.
+
+Layout follows fla (fla-org/flash-linear-attention, ``fla/ops/kda``):
+q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g ``[B, T, H, K]`` (log-space decay, already activated,
+``g <= 0``); beta ``[B, T, H]`` (already through sigmoid); state key-first ``[B, H, K, V]``.
+All maths runs in fp32 (fp64 inputs stay fp64 for oracle runs); outputs keep v's dtype.
+
+Per token and head (Kimi Linear paper, arXiv:2510.26692, eq. for KDA):
+``S' = diag(exp(g)) S``; ``u = beta (v - S'^T k)``; ``S = S' + k u^T``; ``o = S^T (scale q)``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from kda_core.invariant import pointwise
+
+
+class ChunkOutput(NamedTuple):
+    """Result of :func:`kda_chunk`.
+
+    o: ``[B, T, H, V]`` outputs (v's dtype). final_state: ``[B, H, K, V]`` state after all T tokens.
+    h: ``[B, NT, H, K, V]``, ``h[:, j]`` = state *before* chunk j (``h[:, 0]`` = initial state).
+    """
+
+    o: torch.Tensor
+    final_state: torch.Tensor
+    h: torch.Tensor
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _check_inputs(q, k, v, g, beta, state, *, has_time: bool, state_name: str):
+    """Validate shapes/dtypes; raise ValueError naming the argument and the expected shape."""
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    lead = "[B, T, H, K]" if has_time else "[B, H, K]"
+    nd = 4 if has_time else 3
+    if q.dim() != nd:
+        raise ValueError(f"q must have shape {lead}, got {tuple(q.shape)}")
+    if k.shape != q.shape:
+        raise ValueError(f"k must have shape {lead} = {tuple(q.shape)} (same as q), got {tuple(k.shape)}")
+    if g.shape != q.shape:
+        raise ValueError(f"g must have shape {lead} = {tuple(q.shape)} (same as q), got {tuple(g.shape)}")
+    if v.dim() != nd or v.shape[:-1] != q.shape[:-1]:
+        exp = tuple(q.shape[:-1]) + ("V",)
+        raise ValueError(f"v must have shape {lead[:-2]}V] = {exp}, got {tuple(v.shape)}")
+    if beta.shape != q.shape[:-1]:
+        raise ValueError(f"beta must have shape {tuple(q.shape[:-1])} (q without K), got {tuple(beta.shape)}")
+    B, H, K, V = q.shape[0], q.shape[-2], q.shape[-1], v.shape[-1]
+    if state is not None:
+        if not isinstance(state, torch.Tensor) or state.shape != (B, H, K, V):
+            got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
+            raise ValueError(f"{state_name} must have shape [B, H, K, V] = {(B, H, K, V)}, got {got}")
+
+
+def kda_gate(
+    f: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+) -> torch.Tensor:
+    """Activate the raw forget-gate projection into log-space decay ``g``.
+
+    Args:
+        f: raw gate ``[..., H, K]`` (output of the low-rank forget-gate projection).
+        A_log: per-head log rate ``[H]``.
+        dt_bias: optional bias ``[H * K]`` or ``[H, K]`` added to f first.
+        lower_bound: None -> softplus form (Kimi-Linear, fla ``naive_kda_gate``):
+            ``g = -exp(A_log[h]) * softplus(f + dt_bias)``;
+            a negative float -> lower-bound form (Kimi K3, fla ``naive_kda_lowerbound_gate``):
+            ``g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))``, so ``g`` lies in
+            ``(lower_bound, 0)``.
+
+    Returns:
+        g ``[..., H, K]`` fp32 (fp64 for fp64 input), log-space, ``g <= 0``.
+
+    Raises:
+        ValueError: bad shapes, or a non-negative lower_bound.
+    """
+    if f.dim() < 2:
+        raise ValueError(f"f must have shape [..., H, K], got {tuple(f.shape)}")
+    H, K = f.shape[-2:]
+    if A_log.numel() != H:
+        raise ValueError(f"A_log must have H = {H} elements, got shape {tuple(A_log.shape)}")
+    dt = _compute_dtype(f)
+    x = f.to(dt)
+    if dt_bias is not None:
+        if dt_bias.numel() != H * K:
+            raise ValueError(f"dt_bias must have H * K = {H * K} elements, got shape {tuple(dt_bias.shape)}")
+        x = x + dt_bias.to(dt).view(H, K)
+    a = A_log.to(dt).view(H, 1).exp()  # [H, 1]
+    flat = f.shape[:-2] + (H * K,)     # transcendentals run row-invariantly (kda_core.invariant)
+    if lower_bound is None:
+        return -a * pointwise(F.softplus, x.reshape(flat)).view(x.shape)
+    if not lower_bound < 0:
+        raise ValueError(f"lower_bound must be negative (e.g. -5.0 for Kimi K3), got {lower_bound}")
+    return lower_bound * pointwise(torch.sigmoid, (a * x).reshape(flat)).view(x.shape)
+
+
+def kda_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One KDA token (no T dim). Pure: ``state`` is not modified.
+
+    Args:
+        q, k: ``[B, H, K]``; v: ``[B, H, V]``; g: ``[B, H, K]`` log decay; beta: ``[B, H]``;
+        state: ``[B, H, K, V]`` state before the token; scale: defaults to ``K ** -0.5``.
+
+    Returns:
+        (o ``[B, H, V]`` in v's dtype, new_state ``[B, H, K, V]`` fp32/fp64).
+
+    Raises:
+        ValueError: on shape mismatch (names the argument and the expected shape).
+    """
+    _check_inputs(q, k, v, g, beta, state, has_time=False, state_name="state")
+    dt = _compute_dtype(v)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    o, s = _step(q.to(dt), k.to(dt), v.to(dt), g.to(dt), beta.to(dt), state.to(dt), scale)
+    return o.to(v.dtype), s
+
+
+def _step(q, k, v, g, beta, S, scale):
+    """Unchecked step on compute-dtype tensors; fixed op order so every caller is bitwise equal."""
+    S = S * g.exp().unsqueeze(-1)                          # decay        [B, H, K, V]
+    kv = (S * k.unsqueeze(-1)).sum(-2)                     # S'^T k       [B, H, V]
+    u = beta.unsqueeze(-1) * (v - kv)                      # correction   [B, H, V]
+    S = S + k.unsqueeze(-1) * u.unsqueeze(-2)              # rank-1 write [B, H, K, V]
+    o = (S * (q * scale).unsqueeze(-1)).sum(-2)            # read         [B, H, V]
+    return o, S
+
+
+def kda_step_with_correction(q, k, v, g, beta, state, scale=None):
+    """Like :func:`kda_step` but also returns ``u`` ``[B, H, V]``, the per-token delta correction
+    ``beta (v - S'^T k)`` (used by the closed-form check of the rollback strategies, issue 3)."""
+    _check_inputs(q, k, v, g, beta, state, has_time=False, state_name="state")
+    dt = _compute_dtype(v)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    S = state.to(dt) * g.to(dt).exp().unsqueeze(-1)
+    u = beta.to(dt).unsqueeze(-1) * (v.to(dt) - (S * k.to(dt).unsqueeze(-1)).sum(-2))
+    S = S + k.to(dt).unsqueeze(-1) * u.unsqueeze(-2)
+    o = (S * (q.to(dt) * scale).unsqueeze(-1)).sum(-2)
+    return o.to(v.dtype), S, u
+
+
+def kda_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    output_states: bool = False,
+):
+    """Token-by-token KDA: the reference form (a loop of :func:`kda_step`).
+
+    Args:
+        q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g ``[B, T, H, K]``; beta ``[B, T, H]``;
+        initial_state ``[B, H, K, V]`` or None (zeros); scale defaults to ``K ** -0.5``.
+        output_states: also return every intermediate state.
+
+    Returns:
+        (o ``[B, T, H, V]``, final_state ``[B, H, K, V]``) and, with ``output_states``,
+        states ``[B, T, H, K, V]`` where ``states[:, t]`` is the state after token t.
+
+    Raises:
+        ValueError: on shape mismatch.
+    """
+    _check_inputs(q, k, v, g, beta, initial_state, has_time=True, state_name="initial_state")
+    dt, out_dtype = _compute_dtype(v), v.dtype
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if scale is None:
+        scale = K ** -0.5
+    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    S = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
+    o = q.new_empty(B, T, H, V)
+    states = q.new_empty(B, T, H, K, V) if output_states else None
+    for t in range(T):  # contiguous per-token slices: same memory layout as a one-token call
+        o[:, t], S = _step(*(x[:, t].contiguous() for x in (q, k, v, g, beta)), S, scale)
+        if states is not None:
+            states[:, t] = S
+    o = o.to(out_dtype)
+    if output_states:
+        return o, S, states
+    return o, S
+
+
+def _pairwise_decay_products(G, k, q):
+    """Strictly lower-triangular in-chunk products with pairwise decay, for keys and queries.
+
+    ``Akk[i, j] = sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])`` and the same with q_i for ``Aqk``,
+    for ``i > j``. G, k, q: ``[..., C, K]``, G the in-chunk cumulative log decay (non-increasing in
+    i), C a power of two. Every exponent used is ``<= 0`` (no overflow at any decay): pairs are
+    split by recursive halving; for a right half R and its left sibling L with boundary token r
+    (first of R), ``exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j)`` for i in R, j in L, and
+    both factors are pairwise decays between ordered tokens (each <= 1). This is the boundary-
+    reference trick of fla's ``chunk_intra`` sub-chunk kernel, applied at every level.
+
+    Returns: (Akk, Aqk), each ``[..., C, C]`` with zeros on and above the diagonal.
+    """
+    *lead, C, K = G.shape
+    A = G.new_zeros(2, *lead, C, C)                          # [2, ..., C, C]: Akk, Aqk
+    m = C // 2
+    while m >= 1:
+        nb = C // (2 * m)
+        Gv = G.reshape(*lead, nb, 2, m, K)                    # [..., nb, 2, m, K]
+        Gr = Gv[..., 1, :1, :]                               # boundary r   [..., nb, 1, K]
+        e_row = (Gv[..., 1, :, :] - Gr).exp()                # i in R       [..., nb, m, K]
+        col = k.reshape(*lead, nb, 2, m, K)[..., 0, :, :] * (Gr - Gv[..., 0, :, :]).exp()
+        rows = torch.stack((k.reshape(*lead, nb, 2, m, K)[..., 1, :, :],
+                            q.reshape(*lead, nb, 2, m, K)[..., 1, :, :])) * e_row  # [2, ..., nb, m, K]
+        blk = rows @ col.transpose(-1, -2)                   # [2, ..., nb, m, m]
+        Av = A.view(2, *lead, nb, 2, m, nb, 2, m).diagonal(dim1=-6, dim2=-3)  # [2, ..., 2, m, 2, m, nb]
+        Av[..., 1, :, 0, :, :] = blk.movedim(-3, -1)
+        m //= 2
+    return A[0], A[1]
+
+
+def kda_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> ChunkOutput:
+    """Chunked KDA (WY / UT-transform form), equal to :func:`kda_recurrent` up to rounding.
+
+    Within a chunk of C tokens: ``L[i, j] = beta_i sum_d k_i k_j exp(G_i - G_j)`` (j < i),
+    ``A = (I + L)^{-1} diag(beta)``, ``w = A (exp(G) * k)``, ``u = A v``; across chunks
+    ``v' = u - w S``, ``o = (q exp(G)) S + Aqk v'``, ``S <- diag(exp(G_C)) S + (k exp(G_C - G))^T v'``
+    (fla ``naive_chunk_kda``; Kimi Linear paper, section on the chunkwise algorithm). In-chunk decays
+    are always pairwise ``exp(G_i - G_j)`` with ``i >= j`` (see :func:`_pairwise_decay_products`).
+    Any T works: the tail is padded with exact no-op tokens (g = 0, beta = 0, k = 0).
+
+    Args:
+        q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g ``[B, T, H, K]``; beta ``[B, T, H]``;
+        initial_state ``[B, H, K, V]`` or None; scale defaults to ``K ** -0.5``;
+        chunk_size C: a power of two (default 64).
+
+    Returns:
+        :class:`ChunkOutput` (o ``[B, T, H, V]``, final_state ``[B, H, K, V]``,
+        h ``[B, NT, H, K, V]`` with ``h[:, j]`` the state before chunk j).
+
+    Raises:
+        ValueError: on shape mismatch or a chunk_size that is not a positive power of two.
+    """
+    _check_inputs(q, k, v, g, beta, initial_state, has_time=True, state_name="initial_state")
+    if not (isinstance(chunk_size, int) and chunk_size > 0 and chunk_size & (chunk_size - 1) == 0):
+        raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size!r}")
+    dt = _compute_dtype(v)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    C = chunk_size
+    if scale is None:
+        scale = K ** -0.5
+    NT = max(1, -(-T // C))
+    pad = NT * C - T
+
+    def prep(x):  # pad the T dim (dim 1) with zeros: exact no-op tokens
+        x = x.to(dt)
+        return F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
+
+    # [B, T, H, D] -> [B, H, NT, C, D]
+    def chunks(x):
+        return x.reshape(B, NT, C, H, -1).permute(0, 3, 1, 2, 4)  # [B, H, NT, C, D]
+
+    qc = (chunks(prep(q)) * scale).contiguous()       # [B, H, NT, C, K]
+    kc = chunks(prep(k)).contiguous()                 # [B, H, NT, C, K]
+    vc = chunks(prep(v)).contiguous()                 # [B, H, NT, C, V]
+    G = chunks(prep(g)).contiguous().cumsum(-2)       # [B, H, NT, C, K]
+    bc = prep(beta).reshape(B, NT, C, H).permute(0, 3, 1, 2)  # [B, H, NT, C]
+
+    Akk, Aqk = _pairwise_decay_products(G, kc, qc)           # [B, H, NT, C, C] strictly lower
+    Aqk = Aqk + torch.diag_embed((qc * kc).sum(-1))          # diagonal: exp(0) = 1
+    eye = torch.eye(C, dtype=dt)
+    Lmat = eye + Akk * bc.unsqueeze(-1)                      # I + L, unit lower   [B, H, NT, C, C]
+    Tinv = torch.linalg.solve_triangular(Lmat, eye.expand_as(Lmat), upper=False, unitriangular=True)
+    A = Tinv * bc.unsqueeze(-2)                              # (I + L)^{-1} diag(beta)
+    eG = G.exp()                                             # [B, H, NT, C, K]
+    w = A @ (kc * eG)                                        # [B, H, NT, C, K]
+    u = A @ vc                                               # [B, H, NT, C, V]
+    Glast = G[..., -1:, :]                                   # [B, H, NT, 1, K]
+    kd = (kc * (Glast - G).exp()).transpose(-1, -2)          # [B, H, NT, K, C]
+    decay_last = Glast.squeeze(-2).exp().unsqueeze(-1)       # [B, H, NT, K, 1]
+
+    S = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt).clone()
+    h = q.new_empty(B, NT, H, K, V, dtype=dt)
+    v_new = torch.empty_like(u)                              # [B, H, NT, C, V]
+    for j in range(NT):                                      # sequential only over chunks
+        h[:, j] = S
+        v_new[:, :, j] = u[:, :, j] - w[:, :, j] @ S          # [B, H, C, V]
+        S = S * decay_last[:, :, j] + kd[:, :, j] @ v_new[:, :, j]  # [B, H, K, V]
+    hs = h.transpose(1, 2)                                   # [B, H, NT, K, V]
+    o = (qc * eG) @ hs + Aqk @ v_new                         # [B, H, NT, C, V], all chunks at once
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, NT * C, H, V)[:, :T]  # [B, T, H, V]
+    return ChunkOutput(o.to(v.dtype), S, h)

@@ -1,0 +1,280 @@
+"""The two mixer layers of a Kimi hybrid: ``KDALayer`` and ``MLALayer`` (pure torch, fp32).
+
+Two execution modes share every projection (row-invariant ``kda_core.invariant.linear``):
+- ``mode="chunk"``: prefill; KDA via :func:`kda_core.kda.kda_chunk`, MLA as batched causal attention.
+- ``mode="recurrent"``: KDA via a loop of :func:`kda_core.kda.kda_step`, MLA one query row at a time
+  over exactly its causal prefix. Verifying n tokens in one call is then *bitwise* equal to decoding
+  them one by one (issue 3). ``decode`` uses this mode.
+
+Caches are immutable values: every call returns a new cache and never mutates its input.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kda_core.config import ModelConfig
+from kda_core.conv import short_conv
+from kda_core.invariant import linear, pointwise
+from kda_core.kda import kda_chunk, kda_gate, kda_recurrent
+
+MODES = ("chunk", "recurrent")
+L2_EPS = 1e-6
+RMS_EPS = 1e-6
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def _check_x(x: torch.Tensor, d: int) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != d:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must have shape [B, T, D] with D = {d}, got {got}")
+    if x.dtype != torch.float32:
+        raise ValueError(f"x must be float32, got {x.dtype}")
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """Per-head L2 norm over the last dim, eps inside the sqrt: ``x / sqrt(sum x^2 + 1e-6)``."""
+    return x * pointwise(torch.rsqrt, (x * x).sum(-1) + L2_EPS).unsqueeze(-1)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """RMSNorm over the last dim: ``x / sqrt(mean x^2 + 1e-6) * weight``."""
+    return x * pointwise(torch.rsqrt, (x * x).mean(-1) + RMS_EPS).unsqueeze(-1) * weight
+
+
+def _init(gen: torch.Generator, out_dim: int, in_dim: int) -> nn.Parameter:
+    w = torch.randn(out_dim, in_dim, generator=gen) * in_dim ** -0.5
+    return nn.Parameter(w, requires_grad=False)
+
+
+class KDACache(NamedTuple):
+    """Per-sequence KDA cache: recurrent ``[B, H, K, V]`` fp32 and conv ``[B, 2HK + HV, W-1]`` fp32
+    (raw pre-conv q, k, v inputs of the last W-1 tokens)."""
+
+    recurrent: torch.Tensor
+    conv: torch.Tensor
+
+
+class KDAAux(NamedTuple):
+    """What a KDA layer consumed, per token (for rollback strategies, issue 3).
+
+    x ``[B, T, D]`` layer input (after the pre-norm); raw_qkv ``[B, T, 2HK + HV]`` pre-conv inputs;
+    q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` after conv/SiLU/L2 norm; g ``[B, T, H, K]`` log decay;
+    beta ``[B, T, H]``; states ``[B, T, H, K, V]`` state after each token (recurrent mode only, else None).
+    """
+
+    x: torch.Tensor
+    raw_qkv: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    states: torch.Tensor | None
+
+
+class KDALayer(nn.Module):
+    """Kimi Delta Attention layer (Kimi Linear, arXiv:2510.26692; fla ``fla/layers/kda.py``).
+
+    q/k/v projections -> short conv (W = 4) + SiLU -> per-head L2 norm of q, k -> low-rank forget
+    gate through :func:`kda_gate`, ``beta = sigmoid(W_b x)`` -> KDA -> per-head gated RMSNorm
+    (sigmoid output gate, low rank) -> o_proj.
+    """
+
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator):
+        super().__init__()
+        self.cfg = cfg
+        d, H, K, V = cfg.hidden_size, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
+        r = V  # low-rank width of the gate projections (Kimi Linear uses head_dim)
+        self.qkv_proj = _init(gen, H * (2 * K + V), d)      # q | k | v stacked
+        self.conv_weight = nn.Parameter(torch.randn(cfg.conv_dim, cfg.conv_kernel, generator=gen)
+                                        * cfg.conv_kernel ** -0.5, requires_grad=False)
+        self.f_a = _init(gen, r, d)
+        self.f_b = _init(gen, H * K, r)
+        # fla's init: A in [1, 16) (we use [1, 4)), dt = softplus(dt_bias) in [1e-3, 0.1]
+        self.A_log = nn.Parameter(torch.empty(H).uniform_(1.0, 4.0, generator=gen).log(), requires_grad=False)
+        dt = torch.empty(H * K).uniform_(-6.9, -2.3, generator=gen).exp()   # log-uniform [1e-3, 0.1]
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)), requires_grad=False)
+        self.b_proj = _init(gen, H, d)
+        self.g_a = _init(gen, r, d)
+        self.g_b = _init(gen, H * V, r)
+        self.o_norm = nn.Parameter(torch.ones(V), requires_grad=False)
+        self.o_proj = _init(gen, d, H * V)
+
+    def empty_cache(self, batch: int) -> KDACache:
+        cfg = self.cfg
+        return KDACache(torch.zeros(batch, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim),
+                        torch.zeros(batch, cfg.conv_dim, cfg.conv_kernel - 1))
+
+    def project(self, x: torch.Tensor):
+        """Per-token projections of ``x [B, T, D]`` that do not depend on the cache.
+
+        Returns (raw_qkv ``[B, T, 2HK + HV]``, g ``[B, T, H, K]``, beta ``[B, T, H]``,
+        out_gate ``[B, T, H, V]``)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        H, K, V = cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
+        raw = linear(x, self.qkv_proj)                                   # [B, T, H(2K+V)]
+        f = linear(linear(x, self.f_a), self.f_b).view(B, T, H, K)       # [B, T, H, K]
+        g = kda_gate(f, self.A_log, self.dt_bias, cfg.lower_bound if cfg.gate == "lower_bound" else None)
+        beta = pointwise(torch.sigmoid, linear(x, self.b_proj))          # [B, T, H]
+        out_gate = linear(linear(x, self.g_a), self.g_b).view(B, T, H, V)  # [B, T, H, V]
+        return raw, g, beta, out_gate
+
+    def activate(self, raw: torch.Tensor, conv_state: torch.Tensor):
+        """Short conv + SiLU on raw q|k|v, then split and L2-normalise q and k.
+
+        Returns (q ``[B, T, H, K]``, k ``[B, T, H, K]``, v ``[B, T, H, V]``, new conv state)."""
+        cfg = self.cfg
+        B, T, _ = raw.shape
+        H, K, V = cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
+        y, conv = short_conv(raw, self.conv_weight, conv_state, apply_silu=False)  # [B, T, H(2K+V)]
+        y = pointwise(F.silu, y)
+        q = l2norm(y[..., : H * K].reshape(B, T, H, K))                  # [B, T, H, K]
+        k = l2norm(y[..., H * K: 2 * H * K].reshape(B, T, H, K))         # [B, T, H, K]
+        v = y[..., 2 * H * K:].reshape(B, T, H, V)                       # [B, T, H, V]
+        return q, k, v, conv
+
+    def output(self, o: torch.Tensor, out_gate: torch.Tensor) -> torch.Tensor:
+        """Gated RMSNorm per head then o_proj: ``o_proj(rmsnorm(o) * sigmoid(gate))``; o ``[B, T, H, V]``."""
+        B, T = o.shape[:2]
+        y = rmsnorm(o, self.o_norm) * pointwise(torch.sigmoid, out_gate)  # [B, T, H, V]
+        return linear(y.reshape(B, T, -1), self.o_proj)                  # [B, T, D]
+
+    def forward(self, x: torch.Tensor, cache: KDACache | None = None, mode: str = "chunk",
+                output_aux: bool = False):
+        """Run T tokens from ``cache`` (None = empty). Returns (y ``[B, T, D]``, new cache[, KDAAux])."""
+        _check_mode(mode)
+        _check_x(x, self.cfg.hidden_size)
+        if cache is None:
+            cache = self.empty_cache(x.shape[0])
+        raw, g, beta, out_gate = self.project(x)
+        q, k, v, conv = self.activate(raw, cache.conv)
+        states = None
+        if mode == "chunk":
+            o, state, _ = kda_chunk(q, k, v, g, beta, cache.recurrent)
+        elif output_aux:
+            o, state, states = kda_recurrent(q, k, v, g, beta, cache.recurrent, output_states=True)
+        else:
+            o, state = kda_recurrent(q, k, v, g, beta, cache.recurrent)
+        y = self.output(o, out_gate)
+        new_cache = KDACache(state, conv)
+        if output_aux:
+            return y, new_cache, KDAAux(x, raw, q, k, v, g, beta, states)
+        return y, new_cache
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding on the last dim (even width), positions ``[T]``; x ``[B, T, ..., R]``."""
+    R = x.shape[-1]
+    inv_freq = base ** (-torch.arange(0, R, 2, dtype=torch.float32) / R)  # [R/2]
+    ang = positions.to(torch.float32)[:, None] * inv_freq[None, :]     # [T, R/2]
+    shape = (1, ang.shape[0]) + (1,) * (x.dim() - 3) + (R // 2,)
+    cos, sin = pointwise(torch.cos, ang).view(shape), pointwise(torch.sin, ang).view(shape)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2)
+
+
+class MLALayer(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 MLA, as used by Kimi Linear / K3).
+
+    The cache keeps per token ``kv_lora_rank + qk_rope_head_dim`` values: the normalised compressed
+    ``c_kv`` and the shared roped key. Keys/values are expanded from ``c_kv`` by ``kv_b``;
+    :meth:`decode_absorbed` is the weight-absorbed decode that reads only the latents.
+    """
+
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator):
+        super().__init__()
+        self.cfg = cfg
+        d, Hm = cfg.hidden_size, cfg.num_mla_heads
+        nope, rp, vd, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        self.q_proj = _init(gen, Hm * (nope + rp), d)
+        self.kv_a = _init(gen, r + rp, d)
+        self.kv_norm = nn.Parameter(torch.ones(r), requires_grad=False)
+        self.kv_b = _init(gen, Hm * (nope + vd), r)
+        self.o_proj = _init(gen, d, Hm * vd)
+        self.scale = (nope + rp) ** -0.5
+
+    def empty_cache(self, batch: int) -> torch.Tensor:
+        return torch.zeros(batch, 0, self.cfg.latent_dim)
+
+    def latents(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Per-token latent cache entries ``[B, T, r + rope]`` for tokens at positions start.."""
+        r = self.cfg.kv_lora_rank
+        ckv = linear(x, self.kv_a)                                          # [B, T, r + rope]
+        pos = torch.arange(start, start + x.shape[1])
+        return torch.cat([rmsnorm(ckv[..., :r], self.kv_norm), rope(ckv[..., r:], pos)], dim=-1)
+
+    def _queries(self, x: torch.Tensor, start: int):
+        cfg = self.cfg
+        B, T, _ = x.shape
+        q = linear(x, self.q_proj).view(B, T, cfg.num_mla_heads, -1)       # [B, T, Hm, nope+rope]
+        pos = torch.arange(start, start + T)
+        return torch.cat([q[..., : cfg.qk_nope_head_dim], rope(q[..., cfg.qk_nope_head_dim:], pos)], dim=-1)
+
+    def _keys_values(self, lat: torch.Tensor):
+        cfg = self.cfg
+        B, L, _ = lat.shape
+        r, nope = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        kv = linear(lat[..., :r], self.kv_b).view(B, L, cfg.num_mla_heads, -1)  # [B, L, Hm, nope+vd]
+        k_rope = lat[..., r:].unsqueeze(2).expand(B, L, cfg.num_mla_heads, -1)  # [B, L, Hm, rope]
+        k = torch.cat([kv[..., :nope], k_rope], dim=-1).transpose(1, 2).contiguous()  # [B, Hm, L, dq]
+        v = kv[..., nope:].transpose(1, 2).contiguous()                     # [B, Hm, L, vd]
+        return k, v
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor | None = None, mode: str = "chunk"):
+        """Attend T new tokens over ``cache [B, L, r + rope]`` + themselves (causal).
+
+        Returns (y ``[B, T, D]``, new cache ``[B, L + T, r + rope]``)."""
+        _check_mode(mode)
+        _check_x(x, self.cfg.hidden_size)
+        B, T, _ = x.shape
+        if cache is None:
+            cache = self.empty_cache(B)
+        if cache.dim() != 3 or cache.shape[0] != B or cache.shape[2] != self.cfg.latent_dim:
+            raise ValueError(f"cache must have shape [B, L, {self.cfg.latent_dim}], got {tuple(cache.shape)}")
+        L = cache.shape[1]
+        lat = torch.cat([cache, self.latents(x, L)], dim=1)                 # [B, L+T, r+rope]
+        q = self._queries(x, L).transpose(1, 2)                             # [B, Hm, T, dq]
+        k, v = self._keys_values(lat)                                       # [B, Hm, L+T, *]
+        if mode == "chunk":
+            s = (q @ k.transpose(-1, -2)) * self.scale                      # [B, Hm, T, L+T]
+            mask = torch.ones(T, L + T, dtype=torch.bool).tril(diagonal=L)
+            o = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v  # [B, Hm, T, vd]
+        else:
+            rows = []
+            for t in range(T):  # each query over exactly its causal prefix: same shapes as decode
+                kt, vt = k[:, :, : L + t + 1].contiguous(), v[:, :, : L + t + 1].contiguous()
+                s = (q[:, :, t: t + 1] @ kt.transpose(-1, -2)) * self.scale  # [B, Hm, 1, L+t+1]
+                rows.append(torch.softmax(s, dim=-1) @ vt)                   # [B, Hm, 1, vd]
+            o = torch.cat(rows, dim=2)                                      # [B, Hm, T, vd]
+        y = linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj)        # [B, T, D]
+        return y, lat
+
+    def decode_absorbed(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        """One-token decode reading only the latent cache (weights absorbed, as FlashMLA does).
+
+        x ``[B, 1, D]``; cache ``[B, L, r + rope]`` already holding this token's latent at L-1.
+        Per head: ``score_j = (q_nope W_uk) . c_j + q_rope . k_rope_j``, ``o = (sum_j p_j c_j) W_uv``.
+        Returns y ``[B, 1, D]``. Cost is linear in L: the KV read that page 03 measures.
+        """
+        cfg = self.cfg
+        B, L, _ = cache.shape
+        r, nope, Hm = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.num_mla_heads
+        q = self._queries(x, L - 1)[:, 0]                                  # [B, Hm, dq]
+        wkv = self.kv_b.view(Hm, nope + cfg.v_head_dim, r)
+        w_uk, w_uv = wkv[:, :nope], wkv[:, nope:]                          # [Hm, nope, r], [Hm, vd, r]
+        q_lat = torch.einsum("bhn,hnr->bhr", q[..., :nope], w_uk)          # [B, Hm, r]
+        q_cat = torch.cat([q_lat, q[..., nope:]], dim=-1)                  # [B, Hm, r + rope]
+        s = (q_cat @ cache.transpose(1, 2)) * self.scale                   # [B, Hm, L]
+        o_lat = torch.softmax(s, dim=-1) @ cache[..., :r]                  # [B, Hm, r]
+        o = torch.einsum("bhr,hvr->bhv", o_lat, w_uv)                      # [B, Hm, vd]
+        return linear(o.reshape(B, 1, -1), self.o_proj)                    # [B, 1, D]

@@ -1,0 +1,176 @@
+"""``HybridLM``: a small byte-level Kimi-pattern hybrid language model (KDA + MLA), pure torch.
+
+Vocab 256 (one token per UTF-8 byte), layers in the Kimi pattern (every 4th layer MLA plus the last,
+``kda_core.config.kimi_pattern``), pre-norm residual blocks ``x + mixer(norm(x))`` then
+``x + SwiGLU(norm(x))``, weights generated deterministically from ``cfg.seed`` (no downloads).
+The per-request cache is an immutable :class:`HybridCache`; every call returns a new one.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from kda_core.config import PRESETS, ModelConfig
+from kda_core.invariant import linear, pointwise
+from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _check_mode, rmsnorm
+
+
+class HybridCache(NamedTuple):
+    """Per-request cache. ``layers[i]`` is a :class:`KDACache` for a KDA layer or the MLA latent
+    tensor ``[B, L, r + rope]`` for an MLA layer; ``num_tokens`` = L, tokens consumed so far."""
+
+    layers: tuple
+    num_tokens: int
+
+
+class ForwardOutput(NamedTuple):
+    """logits ``[B, T, 256]`` fp32; cache after the T tokens; aux: per layer index a
+    :class:`KDAAux` for KDA layers (only with ``output_aux=True``, else None)."""
+
+    logits: torch.Tensor
+    cache: HybridCache
+    aux: dict[int, KDAAux] | None
+
+
+def encode(text: str) -> torch.Tensor:
+    """UTF-8 bytes of ``text`` as token ids ``[T]`` int64."""
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+
+
+def decode(tokens) -> str:
+    """Token ids (bytes) back to text; invalid UTF-8 shows as U+FFFD."""
+    return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+class HybridLM(nn.Module):
+    """Byte-level hybrid LM. ``HybridLM()`` uses ``PRESETS["demo"]`` (8 layers, d = 128).
+
+    Raises ValueError for a config whose vocab is not 256, bad token ids or shapes.
+    """
+
+    def __init__(self, cfg: ModelConfig | None = None):
+        super().__init__()
+        cfg = PRESETS["demo"] if cfg is None else cfg
+        if cfg.vocab_size != 256:
+            raise ValueError(f"cfg.vocab_size must be 256 (byte-level), got {cfg.vocab_size}")
+        self.cfg = cfg
+        gen = torch.Generator().manual_seed(cfg.seed)
+        d, f = cfg.hidden_size, cfg.intermediate_size
+        self.embed = nn.Parameter(torch.randn(256, d, generator=gen), requires_grad=False)
+        self.mixers = nn.ModuleList(
+            MLALayer(cfg, gen) if i in cfg.mla_layers else KDALayer(cfg, gen) for i in range(cfg.num_layers))
+        self.norm1 = nn.Parameter(torch.ones(cfg.num_layers, d), requires_grad=False)
+        self.norm2 = nn.Parameter(torch.ones(cfg.num_layers, d), requires_grad=False)
+        self.mlp_up = nn.ParameterList(nn.Parameter(torch.randn(2 * f, d, generator=gen) * d ** -0.5,
+                                                    requires_grad=False) for _ in range(cfg.num_layers))
+        self.mlp_down = nn.ParameterList(nn.Parameter(torch.randn(d, f, generator=gen) * f ** -0.5,
+                                                      requires_grad=False) for _ in range(cfg.num_layers))
+        self.norm_f = nn.Parameter(torch.ones(d), requires_grad=False)
+        self.lm_head = nn.Parameter(torch.randn(256, d, generator=gen) * d ** -0.5, requires_grad=False)
+        self.eval()
+
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        return self.cfg.kda_layers
+
+    def empty_cache(self, batch: int = 1) -> HybridCache:
+        """A cache with no tokens for ``batch`` sequences."""
+        return HybridCache(tuple(m.empty_cache(batch) for m in self.mixers), 0)
+
+    def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        if not isinstance(tokens, torch.Tensor):
+            tokens = torch.as_tensor(tokens, dtype=torch.long)
+        if tokens.dim() == 1:
+            tokens = tokens.unsqueeze(0)
+        if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"tokens must be an integer tensor [B, T] or [T], got {tuple(tokens.shape)} {tokens.dtype}")
+        if tokens.numel() and (tokens.min() < 0 or tokens.max() > 255):
+            raise ValueError("tokens must be byte ids in [0, 255]")
+        return tokens.long()
+
+    def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """SwiGLU MLP of layer i on ``x [B, T, D]``."""
+        a, b = linear(x, self.mlp_up[i]).chunk(2, dim=-1)                 # [B, T, F] each
+        return linear(pointwise(torch.nn.functional.silu, a) * b, self.mlp_down[i])  # [B, T, D]
+
+    @torch.no_grad()
+    def forward(self, tokens: torch.Tensor, cache: HybridCache | None = None, mode: str = "chunk",
+                output_aux: bool = False, num_layers: int | None = None) -> ForwardOutput:
+        """Run tokens ``[B, T]`` (or ``[T]``) from ``cache`` (None = empty). Pure.
+
+        mode "chunk" (prefill) or "recurrent" (exact token-by-token maths; bitwise equal to T calls of
+        :meth:`decode_step`). ``num_layers`` stops after that many layers (used to model a verify
+        interrupted part-way); the returned logits are then None and the cache holds the later
+        layers unchanged.
+        """
+        _check_mode(mode)
+        tokens = self._check_tokens(tokens)
+        B, T = tokens.shape
+        if T == 0:
+            raise ValueError("tokens must hold at least one token")
+        if cache is None:
+            cache = self.empty_cache(B)
+        if len(cache.layers) != self.cfg.num_layers:
+            raise ValueError(f"cache must have {self.cfg.num_layers} layers, got {len(cache.layers)}")
+        stop = self.cfg.num_layers if num_layers is None else num_layers
+        if not 0 <= stop <= self.cfg.num_layers:
+            raise ValueError(f"num_layers must be in [0, {self.cfg.num_layers}], got {num_layers}")
+        x = self.embed[tokens]                                            # [B, T, D]
+        new_layers, aux = list(cache.layers), ({} if output_aux else None)
+        for i in range(stop):
+            m, h = self.mixers[i], rmsnorm(x, self.norm1[i])
+            if isinstance(m, KDALayer):
+                out = m(h, cache.layers[i], mode=mode, output_aux=output_aux)
+                if output_aux:
+                    aux[i] = out[2]
+                y, new_layers[i] = out[0], out[1]
+            else:
+                y, new_layers[i] = m(h, cache.layers[i], mode=mode)
+            x = x + y
+            x = x + self.mlp(i, rmsnorm(x, self.norm2[i]))
+        logits = linear(rmsnorm(x, self.norm_f), self.lm_head) if stop == self.cfg.num_layers else None
+        return ForwardOutput(logits, HybridCache(tuple(new_layers), cache.num_tokens + T), aux)
+
+    def prefill(self, tokens: torch.Tensor, cache: HybridCache | None = None, mode: str = "chunk"):
+        """Prefill tokens ``[B, T]``; returns (logits ``[B, T, 256]``, new cache)."""
+        out = self.forward(tokens, cache, mode=mode)
+        return out.logits, out.cache
+
+    def decode_step(self, token: torch.Tensor, cache: HybridCache):
+        """One decode token ``[B]`` (or a scalar/int); returns (logits ``[B, 256]``, new cache)."""
+        token = torch.as_tensor(token, dtype=torch.long).reshape(-1, 1)   # [B, 1]
+        out = self.forward(token, cache, mode="recurrent")
+        return out.logits[:, -1], out.cache
+
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, cache: HybridCache | None = None):
+        """Greedy generation for one or more prompts ``[B, T]``.
+
+        Returns (new tokens ``[B, max_new_tokens]`` int64, cache). The cache has consumed the prompt
+        and the first ``max_new_tokens - 1`` generated tokens: the last generated token is not fed
+        back, as in a serving engine that stops after sampling it.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        logits, cache = self.prefill(prompt, cache)
+        tok = logits[:, -1].argmax(-1)                                    # [B]
+        out = [tok]
+        for _ in range(max_new_tokens - 1):
+            step_logits, cache = self.decode_step(tok, cache)
+            tok = step_logits.argmax(-1)
+            out.append(tok)
+        return torch.stack(out, dim=1), cache
+
+
+def cache_equal(a: HybridCache, b: HybridCache) -> bool:
+    """Bitwise equality of two caches (every KDA recurrent/conv state and MLA latent)."""
+    if a.num_tokens != b.num_tokens or len(a.layers) != len(b.layers):
+        return False
+    for x, y in zip(a.layers, b.layers):
+        if isinstance(x, KDACache):
+            if not (torch.equal(x.recurrent, y.recurrent) and torch.equal(x.conv, y.conv)):
+                return False
+        elif not torch.equal(x, y):
+            return False
+    return True
