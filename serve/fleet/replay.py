@@ -1,0 +1,100 @@
+"""Routing-only replay of a trace: route each request in trace order, look up and insert its blocks
+in the chosen replica's :class:`BlockLRUCache`. No timing: a request's blocks are cached as soon as it
+is routed, and "load" for load-aware routers is the number of requests routed so far (nothing
+finishes). This isolates what routing does to hit ratio; ``simulation.py`` adds time and queues.
+
+Scale events (``ScaleEvent``) apply before the request with that index: ``add`` creates a replica
+with an empty cache; ``remove`` drops a replica and its cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from serve.fleet.block_cache import BlockLRUCache
+from serve.fleet.hashing import routing_key
+from serve.fleet.router import RouteQuery, Router
+from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+
+
+class ScaleEvent(NamedTuple):
+    """Before request ``at_request`` (index in trace order), ``action`` ("add"/"remove") ``replica``."""
+
+    at_request: int
+    action: str
+    replica: str
+
+
+class RoutingReplay(NamedTuple):
+    """Per-request arrays (length = requests): ``replica`` names, ``hit_blocks``, ``hit_tokens``,
+    ``input_tokens``; totals ``token_hit_ratio`` / ``block_hit_ratio``; ``requests_per_replica``."""
+
+    replica: list[str]
+    hit_blocks: np.ndarray
+    hit_tokens: np.ndarray
+    input_tokens: np.ndarray
+    token_hit_ratio: float
+    block_hit_ratio: float
+    requests_per_replica: dict[str, int]
+
+
+def replay_routing(
+    trace: Sequence[TraceRequest], router: Router, k: int, capacity_blocks: int | None = None,
+    block_size: int = MOONCAKE_BLOCK_TOKENS, events: Sequence[ScaleEvent] = (),
+) -> RoutingReplay:
+    """Route ``trace`` with ``router`` (routing key = first ``k`` blocks), per-replica LRU caches of
+    ``capacity_blocks`` (None = unlimited). Hit tokens are capped at ``input_length``.
+    Raises ValueError for an unknown event action."""
+    caches = {r: BlockLRUCache(capacity_blocks) for r in router.replicas}
+    pending = sorted(events, key=lambda e: e.at_request)
+    n = len(trace)
+    replicas: list[str] = []
+    hit_blocks = np.zeros(n, dtype=np.int64)
+    hit_tokens = np.zeros(n, dtype=np.int64)
+    input_tokens = np.zeros(n, dtype=np.int64)
+    total_blocks = 0
+    ev = 0
+    for i, req in enumerate(trace):
+        while ev < len(pending) and pending[ev].at_request <= i:
+            e = pending[ev]
+            if e.action == "add":
+                router.add_replica(e.replica)
+                caches[e.replica] = BlockLRUCache(capacity_blocks)
+            elif e.action == "remove":
+                router.remove_replica(e.replica)
+                caches.pop(e.replica)
+            else:
+                raise ValueError(f"ScaleEvent.action must be 'add' or 'remove', got '{e.action}'")
+            ev += 1
+        replica = router.route(RouteQuery(routing_key(req.hash_ids, k), req.hash_ids))
+        router.on_start(replica)
+        cache = caches[replica]
+        run = cache.lookup(req.hash_ids)
+        cache.touch(req.hash_ids[:run])
+        cache.insert(req.hash_ids)
+        replicas.append(replica)
+        hit_blocks[i] = run
+        hit_tokens[i] = min(run * block_size, req.input_length)
+        input_tokens[i] = req.input_length
+        total_blocks += len(req.hash_ids)
+    counts: dict[str, int] = {}
+    for r in replicas:
+        counts[r] = counts.get(r, 0) + 1
+    return RoutingReplay(
+        replicas, hit_blocks, hit_tokens, input_tokens,
+        float(hit_tokens.sum() / max(1, input_tokens.sum())),
+        float(hit_blocks.sum() / max(1, total_blocks)), counts,
+    )
+
+
+def windowed_hit_ratio(replay: RoutingReplay, window: int) -> np.ndarray:
+    """Token hit ratio over consecutive windows of ``window`` requests (last partial window kept)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1 request, got {window}")
+    starts = np.arange(0, len(replay.hit_tokens), window)
+    hits = np.add.reduceat(replay.hit_tokens, starts)
+    tokens = np.add.reduceat(replay.input_tokens, starts)
+    return hits / np.maximum(tokens, 1)
