@@ -183,6 +183,17 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> tor
     return out.flatten(-2)
 
 
+def latent_attention(q_cat: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
+    """Absorbed MLA decode core: one query per head over L cached latents.
+
+    q_cat ``[B, Hm, r + rope]`` (q_nope absorbed into the latent space, then q_rope); cache
+    ``[B, L, r + rope]``. Returns the latent output ``[B, Hm, r]`` = softmax(q . c_j * scale) @ c[:, :r].
+    Reads every cached latent once: cost linear in L.
+    """
+    s = (q_cat @ cache.transpose(1, 2)) * scale                         # [B, Hm, L]
+    return torch.softmax(s, dim=-1) @ cache[..., :kv_lora_rank]         # [B, Hm, r]
+
+
 class MLALayer(nn.Module):
     """Multi-head latent attention (DeepSeek-V2 MLA, as used by Kimi Linear / K3).
 
@@ -274,7 +285,6 @@ class MLALayer(nn.Module):
         w_uk, w_uv = wkv[:, :nope], wkv[:, nope:]                          # [Hm, nope, r], [Hm, vd, r]
         q_lat = torch.einsum("bhn,hnr->bhr", q[..., :nope], w_uk)          # [B, Hm, r]
         q_cat = torch.cat([q_lat, q[..., nope:]], dim=-1)                  # [B, Hm, r + rope]
-        s = (q_cat @ cache.transpose(1, 2)) * self.scale                   # [B, Hm, L]
-        o_lat = torch.softmax(s, dim=-1) @ cache[..., :r]                  # [B, Hm, r]
+        o_lat = latent_attention(q_cat, cache, r, self.scale)              # [B, Hm, r]
         o = torch.einsum("bhr,hvr->bhv", o_lat, w_uv)                      # [B, Hm, vd]
         return linear(o.reshape(B, 1, -1), self.o_proj)                    # [B, 1, D]

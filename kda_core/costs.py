@@ -1,0 +1,74 @@
+"""Live decode-cost measurements on this CPU (page 03, chart 2).
+
+Per decoded token and layer: one :func:`kda_core.kda.kda_step` (constant work: H K V state
+update) against one absorbed MLA decode over a latent cache of N tokens
+(:func:`kda_core.layer.latent_attention`, linear in N). Real head dims (K = V = 128, latent
+r + rope = 576) with the number of heads scaled down (``num_heads``) so a sweep stays under a
+second; the page says so. Times are medians of ``repeats`` runs (ns clock), in microseconds.
+"""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import torch
+
+from kda_core.config import ModelConfig
+from kda_core.kda import kda_step
+from kda_core.layer import latent_attention
+
+
+class DecodeCost(NamedTuple):
+    """One context length: measured median microseconds per decoded token for one layer."""
+
+    context_tokens: int
+    kda_step_us: float
+    mla_decode_us: float
+
+
+def _median_us(fn, repeats: int) -> float:
+    fn()  # warm-up (allocations, kernel selection)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - t0)
+    times.sort()
+    return times[len(times) // 2] / 1e3
+
+
+def measure_decode_cost(cfg: ModelConfig, contexts: list[int], num_heads: int = 4, repeats: int = 7,
+                        seed: int = 0) -> list[DecodeCost]:
+    """Measure per-token decode time of one KDA layer step vs one MLA decode at each context.
+
+    Args:
+        cfg: model config (head dims K, V and latent width r + rope come from it).
+        contexts: context lengths N in tokens (each >= 1, at most 262,144).
+        num_heads: heads used for both layers in the measurement (scaled down from the real model).
+        repeats: timed runs per point (median reported).
+
+    Returns: list of :class:`DecodeCost`, one per context, in input order.
+
+    Raises: ValueError on empty/out-of-range contexts or non-positive heads/repeats.
+    """
+    if not contexts or any((not isinstance(n, int)) or n < 1 or n > 262_144 for n in contexts):
+        raise ValueError(f"contexts must be ints in [1, 262144], got {contexts}")
+    if num_heads < 1 or repeats < 1:
+        raise ValueError(f"num_heads and repeats must be >= 1, got {num_heads}, {repeats}")
+    gen = torch.Generator().manual_seed(seed)
+    H, K, V, r = num_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.kv_lora_rank
+    q = torch.nn.functional.normalize(torch.randn(1, H, K, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(1, H, K, generator=gen), dim=-1)
+    v = torch.randn(1, H, V, generator=gen)
+    g = -torch.rand(1, H, K, generator=gen) * 0.1
+    beta = torch.rand(1, H, generator=gen)
+    state = torch.randn(1, H, K, V, generator=gen)
+    q_cat = torch.randn(1, H, cfg.latent_dim, generator=gen)
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    out = []
+    for n in contexts:
+        cache = torch.randn(1, n, cfg.latent_dim, generator=gen)        # [1, N, r + rope]
+        mla_us = _median_us(lambda c=cache: latent_attention(q_cat, c, r, scale), repeats)
+        kda_us = _median_us(lambda: kda_step(q, k, v, g, beta, state), repeats)  # re-measured: flat
+        out.append(DecodeCost(n, kda_us, mla_us))
+    return out

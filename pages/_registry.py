@@ -1,0 +1,24 @@
+"""The tabs of the app, in order: (section, page file, title, icon, one-line description).
+
+``app.py`` builds ``st.navigation`` from this list and the home page links to every entry, so a tab
+is added in exactly one place. Only pages that exist and work are listed.
+"""
+from typing import NamedTuple
+
+
+class Tab(NamedTuple):
+    section: str
+    path: str
+    title: str
+    icon: str
+    blurb: str
+
+
+HOME = Tab("Overview", "pages/00_home.py", "Home", ":material/home:", "what the second request saves")
+
+TABS: list[Tab] = [
+    Tab("Memory", "pages/03_kda_state_vs_kv.py", "03 KDA state vs KV cache", ":material/stacked_bar_chart:",
+        "bytes per sequence vs context; decode cost per token measured"),
+]
+
+SECTIONS = ["Overview", "Speculative decoding", "Memory", "Prefix cache", "Parallel & fleet"]

@@ -1,0 +1,94 @@
+"""AppTest for every tab in pages/_registry.py: run it, move every slider / select_slider /
+number_input to its minimum and maximum, try every selectbox option, and check that no exception
+is raised and every Plotly chart has data."""
+import json
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from pages._registry import HOME, TABS
+
+TIMEOUT_S = 120
+APP = str(Path(__file__).resolve().parents[2] / "app.py")
+
+
+def _check(at: AppTest, where: str) -> None:
+    assert not at.exception, f"{where}: exception {[e.value for e in at.exception]}"
+    for chart in at.get("plotly_chart"):
+        fig = json.loads(chart.proto.spec)
+        assert fig.get("data"), f"{where}: Plotly chart {chart.proto.id} has no traces"
+        assert any(any(k in tr for k in ("x", "y", "z", "values", "cells", "r")) for tr in fig["data"]), \
+            f"{where}: Plotly chart has traces without data"
+
+
+def _extremes(w):
+    """(min, max) values for a slider-like widget; None if it has no bounds."""
+    is_range = isinstance(w.value, (tuple, list))
+    if type(w).__name__ == "SelectSlider":
+        opts = [type(w.value[0] if is_range else w.value)(o) for o in w.options]
+        if is_range:  # narrowest ranges at each end
+            return (opts[0], opts[min(1, len(opts) - 1)]), (opts[max(0, len(opts) - 2)], opts[-1])
+        return opts[0], opts[-1]
+    lo, hi = w.min, w.max
+    if lo is None or hi is None:
+        return None
+    if is_range:
+        step = w.step or 1
+        return (lo, min(hi, lo + step)), (max(lo, hi - step), hi)
+    return lo, hi
+
+
+def _sliders(at: AppTest):
+    return list(at.slider) + list(at.select_slider) + list(at.number_input)
+
+
+def _fresh(path: str) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S)
+    at.run()
+    if path != HOME.path:
+        at.switch_page(path)
+        at.run()
+    return at
+
+
+def _sweep_sliders(at: AppTest, path: str, skip: set) -> set:
+    seen = set()
+    for i in range(len(_sliders(at))):
+        w = _sliders(at)[i]
+        key = w.key or f"#{i}"
+        if key in skip:
+            continue
+        seen.add(key)
+        ext = _extremes(w)
+        if ext is None:
+            continue
+        default = w.value
+        for val in ext:
+            target = next((x for x in _sliders(at) if (x.key or None) == w.key), w) if w.key else _sliders(at)[i]
+            target.set_value(val)
+            at.run()
+            _check(at, f"{path} {key}={val}")
+        target = next((x for x in _sliders(at) if (x.key or None) == w.key), None) if w.key else None
+        if target is not None:
+            target.set_value(default)
+            at.run()
+    return seen
+
+
+@pytest.mark.parametrize("path", [HOME.path] + [t.path for t in TABS], ids=lambda p: p.split("/")[-1][:-3])
+def test_page(path):
+    at = _fresh(path)
+    _check(at, path)
+    seen = _sweep_sliders(at, path, set())
+    for j in range(len(at.selectbox)):
+        box = at.selectbox[j]
+        default, n_opts = box.index, len(box.options)
+        for idx in range(n_opts):
+            at.selectbox[j].select_index(idx)
+            at.run()
+            _check(at, f"{path} {box.key}=#{idx}")
+            seen |= _sweep_sliders(at, path, seen)
+        if default is not None and j < len(at.selectbox):
+            at.selectbox[j].select_index(default)
+            at.run()
