@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import math
-from pathlib import Path
 
 import pytest
 
@@ -21,9 +20,6 @@ from serve.traces import (
     synthesize,
 )
 
-TRACES = Path(__file__).resolve().parents[2] / ".." / "shared" / "traces"
-CONVERSATION = TRACES / "mooncake_conversation_trace.jsonl"
-
 
 def _line(**overrides) -> str:
     obj = {"timestamp": 0, "input_length": 1000, "output_length": 10, "hash_ids": [0, 1]}
@@ -31,16 +27,16 @@ def _line(**overrides) -> str:
     return json.dumps(obj)
 
 
-def test_load_mooncake_conversation_trace():
-    trace = load_mooncake(CONVERSATION)
+def test_load_mooncake_conversation_trace(traces_dir):
+    trace = load_mooncake(traces_dir / "mooncake_conversation_trace.jsonl")
     assert len(trace) == 12031  # trace README
     assert all(r.hash_ids[0] == trace[0].hash_ids[0] for r in trace)  # shared system-prompt block
     assert all(len(r.hash_ids) == math.ceil(r.input_length / 512) for r in trace)
     assert trace[-1].timestamp_ms / 60000 == pytest.approx(59, abs=1)  # ~59 min
 
 
-def test_ideal_hit_ratio_conversation_trace_fixed_values():
-    ideal = ideal_hit_ratio(load_mooncake(CONVERSATION))
+def test_ideal_hit_ratio_conversation_trace_fixed_values(traces_dir):
+    ideal = ideal_hit_ratio(load_mooncake(traces_dir / "mooncake_conversation_trace.jsonl"))
     assert (ideal.hit_blocks, ideal.total_blocks) == (105710, 288500)
     assert ideal.hit_tokens == 54098411 and ideal.total_tokens == 144793823
     assert ideal.token_hit_ratio == pytest.approx(0.37362, abs=1e-5)
@@ -127,8 +123,8 @@ def test_synthesize_rejects_bad_arguments():
         synthesize(new_session_prob=1.5)
 
 
-def test_load_azure_code_trace():
-    trace = load_azure_csv(TRACES / "azure_llm_2023_code.csv")
+def test_load_azure_code_trace(traces_dir):
+    trace = load_azure_csv(traces_dir / "azure_llm_2023_code.csv")
     assert len(trace) == 8819
     assert trace[0].timestamp_ms == 0 and trace[1].timestamp_ms == 52  # 18:17:03.97996 -> 04.03196
     assert trace[0].input_length == 4808 and trace[0].output_length == 10
@@ -137,8 +133,8 @@ def test_load_azure_code_trace():
         load_azure_csv(io.StringIO("TIMESTAMP,ContextTokens,GeneratedTokens\nyesterday,1,2\n"))
 
 
-def test_load_vtc_artifact_on_off_less():
-    run = load_vtc_artifact(TRACES / "vtc_artifact" / "VTC_on_off_less.jsonl")
+def test_load_vtc_artifact_on_off_less(traces_dir):
+    run = load_vtc_artifact(traces_dir / "vtc_artifact" / "VTC_on_off_less.jsonl")
     assert len(run.records) == 1350 and run.throughput_rps == pytest.approx(1.7136, abs=1e-4)
     clients = {r.client for r in run.records}
     assert len(clients) == 2

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,14 +23,13 @@ from serve.fleet.router import RouteQuery
 from serve.fleet.scaling import keys_moved, load_shares, scaling_table
 from serve.traces import ideal_hit_ratio, load_mooncake
 
-TRACES = Path(__file__).resolve().parents[3] / ".." / "shared" / "traces"
 KEYS = random_keys(100_000, seed=0)
 PARAMS = {"vnodes": 160, "table_size": 65537}
 
 
 @pytest.fixture(scope="module")
-def conversation():
-    return load_mooncake(TRACES / "mooncake_conversation_trace.jsonl")
+def conversation(traces_dir):
+    return load_mooncake(traces_dir / "mooncake_conversation_trace.jsonl")
 
 
 def test_stable_hashes_are_fixed():
