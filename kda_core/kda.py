@@ -233,43 +233,53 @@ def _pairwise_decay_products(G, k, q):
     return A[0], A[1]
 
 
-def kda_chunk(
+class ChunkPrep(NamedTuple):
+    """The intra-chunk part of :func:`kda_chunk` (everything before the sequential scan over chunks).
+
+    qg ``[B, H, NT, C, K]`` scaled q times ``exp(G)``; Aqk ``[B, H, NT, C, C]`` in-chunk query-key
+    products (lower triangle incl. diagonal); w ``[B, H, NT, C, K]`` and u ``[B, H, NT, C, V]`` the WY
+    form; kd ``[B, H, NT, K, C]`` keys decayed to the chunk end, transposed (``K~_c^T``); decay_last
+    ``[B, H, NT, K, 1]`` = ``exp(G_C)``, the whole-chunk decay; num_tokens: T before padding;
+    out_dtype: v's dtype. Tensors are fp32 (fp64 for fp64 input).
+    """
+
+    qg: torch.Tensor
+    Aqk: torch.Tensor
+    w: torch.Tensor
+    u: torch.Tensor
+    kd: torch.Tensor
+    decay_last: torch.Tensor
+    num_tokens: int
+    out_dtype: torch.dtype
+
+
+class ChunkStates(NamedTuple):
+    """Result of :func:`kda_chunk_states`: h ``[B, NT, H, K, V]`` (state before chunk j), v_new
+    ``[B, H, NT, C, V]`` (``u - w h``), final_state ``[B, H, K, V]``."""
+
+    h: torch.Tensor
+    v_new: torch.Tensor
+    final_state: torch.Tensor
+
+
+def kda_chunk_prepare(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     g: torch.Tensor,
     beta: torch.Tensor,
-    initial_state: torch.Tensor | None = None,
     scale: float | None = None,
     chunk_size: int = 64,
-) -> ChunkOutput:
-    """Chunked KDA (WY / UT-transform form), equal to :func:`kda_recurrent` up to rounding.
+) -> ChunkPrep:
+    """Intra-chunk part of :func:`kda_chunk` (no state involved; parallel over chunks).
 
-    Within a chunk of C tokens: ``L[i, j] = beta_i sum_d k_i k_j exp(G_i - G_j)`` (j < i),
-    ``A = (I + L)^{-1} diag(beta)``, ``w = A (exp(G) * k)``, ``u = A v``; across chunks
-    ``v' = u - w S``, ``o = (q exp(G)) S + Aqk v'``, ``S <- diag(exp(G_C)) S + (k exp(G_C - G))^T v'``
-    (fla ``naive_chunk_kda``; Kimi Linear paper, section on the chunkwise algorithm). In-chunk decays
-    are always pairwise ``exp(G_i - G_j)`` with ``i >= j`` (see :func:`_pairwise_decay_products`).
-    Any T works: the tail is padded with exact no-op tokens (g = 0, beta = 0, k = 0).
-
-    Args:
-        q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g ``[B, T, H, K]``; beta ``[B, T, H]``;
-        initial_state ``[B, H, K, V]`` or None; scale defaults to ``K ** -0.5``;
-        chunk_size C: a power of two (default 64).
-
-    Returns:
-        :class:`ChunkOutput` (o ``[B, T, H, V]``, final_state ``[B, H, K, V]``,
-        h ``[B, NT, H, K, V]`` with ``h[:, j]`` the state before chunk j).
-
-    Raises:
-        ValueError: on shape mismatch or a chunk_size that is not a positive power of two.
+    Args/Raises: as :func:`kda_chunk` (without ``initial_state``). Returns: :class:`ChunkPrep`.
     """
-    _check_inputs(q, k, v, g, beta, initial_state, has_time=True, state_name="initial_state")
+    _check_inputs(q, k, v, g, beta, None, has_time=True, state_name="initial_state")
     if not (isinstance(chunk_size, int) and chunk_size > 0 and chunk_size & (chunk_size - 1) == 0):
         raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size!r}")
     dt = _compute_dtype(v)
     B, T, H, K = q.shape
-    V = v.shape[-1]
     C = chunk_size
     if scale is None:
         scale = K ** -0.5
@@ -302,15 +312,79 @@ def kda_chunk(
     Glast = G[..., -1:, :]                                   # [B, H, NT, 1, K]
     kd = (kc * (Glast - G).exp()).transpose(-1, -2)          # [B, H, NT, K, C]
     decay_last = Glast.squeeze(-2).exp().unsqueeze(-1)       # [B, H, NT, K, 1]
+    return ChunkPrep(qc * eG, Aqk, w, u, kd, decay_last, T, v.dtype)
 
-    S = q.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt).clone()
-    h = q.new_empty(B, NT, H, K, V, dtype=dt)
+
+def kda_chunk_states(prep: ChunkPrep, initial_state: torch.Tensor | None = None) -> ChunkStates:
+    """The sequential part of :func:`kda_chunk`: scan the chunk states from ``initial_state``.
+
+    ``v_new = u - w S``; ``S <- diag(exp(G_C)) S + K~^T v_new`` per chunk. initial_state
+    ``[B, H, K, V]`` or None (zeros). Raises ValueError on a state of the wrong shape.
+    """
+    B, H, NT, C, K = prep.w.shape
+    V = prep.u.shape[-1]
+    dt = prep.w.dtype
+    if initial_state is not None and (not isinstance(initial_state, torch.Tensor)
+                                      or initial_state.shape != (B, H, K, V)):
+        got = tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
+        raise ValueError(f"initial_state must have shape [B, H, K, V] = {(B, H, K, V)}, got {got}")
+    w, u, kd, decay_last = prep.w, prep.u, prep.kd, prep.decay_last
+    S = w.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt).clone()
+    h = w.new_empty(B, NT, H, K, V, dtype=dt)
     v_new = torch.empty_like(u)                              # [B, H, NT, C, V]
     for j in range(NT):                                      # sequential only over chunks
         h[:, j] = S
         v_new[:, :, j] = u[:, :, j] - w[:, :, j] @ S          # [B, H, C, V]
         S = S * decay_last[:, :, j] + kd[:, :, j] @ v_new[:, :, j]  # [B, H, K, V]
-    hs = h.transpose(1, 2)                                   # [B, H, NT, K, V]
-    o = (qc * eG) @ hs + Aqk @ v_new                         # [B, H, NT, C, V], all chunks at once
-    o = o.permute(0, 2, 3, 1, 4).reshape(B, NT * C, H, V)[:, :T]  # [B, T, H, V]
-    return ChunkOutput(o.to(v.dtype), S, h)
+    return ChunkStates(h, v_new, S)
+
+
+def kda_chunk_outputs(prep: ChunkPrep, states: ChunkStates) -> torch.Tensor:
+    """Outputs of :func:`kda_chunk` from the scanned states: ``o = (q exp(G)) h + Aqk v_new``,
+    all chunks at once. Returns o ``[B, T, H, V]`` in v's dtype."""
+    B, H, NT, C, _ = prep.qg.shape
+    V = prep.u.shape[-1]
+    hs = states.h.transpose(1, 2)                            # [B, H, NT, K, V]
+    o = prep.qg @ hs + prep.Aqk @ states.v_new               # [B, H, NT, C, V]
+    o = o.permute(0, 2, 3, 1, 4).reshape(B, NT * C, H, V)[:, :prep.num_tokens]  # [B, T, H, V]
+    return o.to(prep.out_dtype)
+
+
+def kda_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 64,
+) -> ChunkOutput:
+    """Chunked KDA (WY / UT-transform form), equal to :func:`kda_recurrent` up to rounding.
+
+    Within a chunk of C tokens: ``L[i, j] = beta_i sum_d k_i k_j exp(G_i - G_j)`` (j < i),
+    ``A = (I + L)^{-1} diag(beta)``, ``w = A (exp(G) * k)``, ``u = A v``; across chunks
+    ``v' = u - w S``, ``o = (q exp(G)) S + Aqk v'``, ``S <- diag(exp(G_C)) S + (k exp(G_C - G))^T v'``
+    (fla ``naive_chunk_kda``; Kimi Linear paper, section on the chunkwise algorithm). In-chunk decays
+    are always pairwise ``exp(G_i - G_j)`` with ``i >= j`` (see :func:`_pairwise_decay_products`).
+    Any T works: the tail is padded with exact no-op tokens (g = 0, beta = 0, k = 0).
+
+    Args:
+        q, k ``[B, T, H, K]``; v ``[B, T, H, V]``; g ``[B, T, H, K]``; beta ``[B, T, H]``;
+        initial_state ``[B, H, K, V]`` or None; scale defaults to ``K ** -0.5``;
+        chunk_size C: a power of two (default 64).
+
+    Returns:
+        :class:`ChunkOutput` (o ``[B, T, H, V]``, final_state ``[B, H, K, V]``,
+        h ``[B, NT, H, K, V]`` with ``h[:, j]`` the state before chunk j).
+
+    Raises:
+        ValueError: on shape mismatch or a chunk_size that is not a positive power of two.
+
+    It is :func:`kda_chunk_prepare` (intra-chunk, parallel), :func:`kda_chunk_states` (the sequential
+    scan) and :func:`kda_chunk_outputs`; context parallel (``serve.parallel.kcp``) runs them apart.
+    """
+    _check_inputs(q, k, v, g, beta, initial_state, has_time=True, state_name="initial_state")
+    prep = kda_chunk_prepare(q, k, v, g, beta, scale, chunk_size)
+    states = kda_chunk_states(prep, initial_state)
+    return ChunkOutput(kda_chunk_outputs(prep, states), states.final_state, states.h)
