@@ -1,0 +1,145 @@
+"""Fleet benchmark: routing lookups per second, the whole Mooncake conversation trace through the
+simulation (8 replicas, target < 10 s), and the fidelity figures next to the published anchors.
+
+Run: ``python -m bench.fleet`` (writes ``bench/results/fleet.json``). Timings are medians of repeats;
+lookup rates are also given relative to round-robin (the cheapest router), measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
+from serve.fleet.hashing import random_keys
+from serve.fleet.replay import replay_routing
+from serve.fleet.ring import ConsistentHashRouter
+from serve.fleet.router import RouteQuery
+from serve.fleet.scaling import scaling_table
+from serve.fleet.sim_types import FleetConfig, percentile, requests_from_trace
+from serve.fleet.simulation import simulate
+from serve.fleet.vtc import replay_vtc_suite
+from serve.traces import ideal_hit_ratio, load_mooncake
+
+REPO = Path(__file__).resolve().parents[1]
+TRACES = REPO.parent / "shared" / "traces"
+PARAMS = {"vnodes": 160, "table_size": 65537}
+
+
+def _median_time(fn, repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def lookup_rates(num_keys: int = 20_000, vector_keys: int = 1_000_000) -> dict:
+    """Scalar ``route`` lookups/s (every router) and vectorised ``assign`` keys/s (key routers)."""
+    keys = random_keys(num_keys, seed=1)
+    queries = [RouteQuery(int(k), (int(k) % 1000, int(k) % 7)) for k in keys]
+    out = {}
+    for name in ROUTERS:
+        router = make_router(name, replica_names(8), **PARAMS)
+
+        def run(router=router):
+            for q in queries:
+                router.route(q)
+
+        out[name] = {"scalar_lookups_per_s": num_keys / _median_time(run)}
+    vkeys = random_keys(vector_keys, seed=2)
+    for name in KEY_ROUTERS:
+        router = make_router(name, replica_names(8), **PARAMS)
+        out[name]["vector_keys_per_s"] = vector_keys / _median_time(lambda router=router: router.assign(vkeys), 3)
+    base = out["round_robin"]["scalar_lookups_per_s"]
+    for name in out:
+        out[name]["scalar_vs_round_robin"] = out[name]["scalar_lookups_per_s"] / base
+    return out
+
+
+def conversation_simulation(service) -> dict:
+    """Whole conversation trace (12,031 requests), 8 replicas, unlimited caches, per policy."""
+    trace = load_mooncake(TRACES / "mooncake_conversation_trace.jsonl")
+    requests = requests_from_trace(trace)
+    out = {"ideal_token_hit_ratio": ideal_hit_ratio(trace).token_hit_ratio}
+    for policy in ("ring", "round_robin", "cache_aware", "bounded_load", "least_loaded"):
+        holder = {}
+
+        def run(policy=policy, holder=holder):
+            holder["sim"] = simulate(requests, FleetConfig(service=service, num_replicas=8, router=policy,
+                                                           router_params=PARAMS))
+
+        wall = _median_time(run, 3)
+        sim = holder["sim"]
+        ttft = sim.column("ttft_ms")
+        per_replica = np.bincount([int(r.replica.split("-")[1]) for r in sim.results], minlength=8)
+        out[policy] = {"wall_s": wall, "token_hit_ratio": sim.token_hit_ratio(),
+                       "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+                       "max_over_mean_requests": float(per_replica.max() / per_replica.mean()),
+                       "throughput_rps": sim.throughput_rps()}
+    return out
+
+
+def fidelity() -> dict:
+    keys = random_keys(100_000, seed=0)
+    moved = {r.algorithm: r.moved_fraction for r in scaling_table(8, 9, keys, **PARAMS)}
+    ring = ConsistentHashRouter(replica_names(8), vnodes=160)
+    arcs = np.array(list(ring.arc_shares().values()))
+    maglev = make_router("maglev", replica_names(8), table_size=65537)
+    shares = np.array(list(maglev.entry_shares().values()))
+    trace = load_mooncake(TRACES / "mooncake_conversation_trace.jsonl")
+    ring2 = replay_routing(trace, make_router("ring", replica_names(8), vnodes=160), k=2)
+    rr = replay_routing(trace, make_router("round_robin", replica_names(8)), k=2)
+    return {
+        "keys_moved_8_to_9": moved, "keys_moved_ideal": 1 / 9, "keys_moved_mod_n_expected": 8 / 9,
+        "ring_v160_max_over_mean": float(arcs.max() / arcs.mean()),
+        "maglev_m65537_max_over_mean": float(shares.max() / shares.mean()),
+        "mooncake_ideal_token_hit_ratio": ideal_hit_ratio(trace).token_hit_ratio,
+        "mooncake_ring_k2_token_hit_ratio": ring2.token_hit_ratio,
+        "mooncake_round_robin_token_hit_ratio": rr.token_hit_ratio,
+    }
+
+
+def main() -> None:
+    vtc = replay_vtc_suite(TRACES / "vtc_artifact", "on_off_less")
+    light = vtc.light_client
+    service = vtc.service.scaled(8, 5, kv_capacity_tokens=400_000, max_batch_requests=256)
+    results = {
+        "machine": {"python": platform.python_version(), "processor": platform.processor() or platform.machine()},
+        "lookups": lookup_rates(),
+        "conversation_simulation": conversation_simulation(service),
+        "conversation_service_model": service.source,
+        "fidelity": fidelity(),
+        "vtc_on_off_less": {
+            "light_client": light,
+            "light_p99_ttft_s": {"FCFS": {"measured": vtc.p99("FCFS", light, "measured"), "ours": vtc.p99("FCFS", light)},
+                                 "VTC": {"measured": vtc.p99("VTC", light, "measured"), "ours": vtc.p99("VTC", light)}},
+            "throughput_rps": {"measured": vtc.measured_throughput_rps, "ours": vtc.ours_throughput_rps},
+        },
+    }
+    out = REPO / "bench" / "results" / "fleet.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print("routing lookups (8 replicas):")
+    for name, r in results["lookups"].items():
+        vec = f", vectorised {r['vector_keys_per_s'] / 1e6:6.1f} M keys/s" if "vector_keys_per_s" in r else ""
+        print(f"  {name:13s} {r['scalar_lookups_per_s'] / 1e3:8.0f} k/s scalar ({r['scalar_vs_round_robin']:.2f}x round-robin){vec}")
+    sim = results["conversation_simulation"]
+    print(f"conversation trace, 8 replicas ({service.source}); ideal hit {sim['ideal_token_hit_ratio']:.4f}:")
+    for policy, r in sim.items():
+        if isinstance(r, dict):
+            print(f"  {policy:13s} {r['wall_s']:5.2f} s wall  hit {r['token_hit_ratio']:.4f}  TTFT P50 {r['ttft_p50_ms']:7.0f} ms"
+                  f"  P99 {r['ttft_p99_ms']:7.0f} ms  max/mean req {r['max_over_mean_requests']:.2f}")
+    print("fidelity:", json.dumps(results["fidelity"], indent=1))
+    print("VTC on_off_less:", json.dumps(results["vtc_on_off_less"], indent=1))
+    print(f"wrote {out.relative_to(REPO)}")
+
+
+if __name__ == "__main__":
+    main()
