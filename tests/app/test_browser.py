@@ -1,0 +1,115 @@
+"""Real-browser test: Playwright drives Debian's Chromium against ``streamlit run app.py``.
+
+Visits every page in the navigation, waits until the script has finished and the charts are drawn,
+fails on any ``stException`` element or browser console error (ignoring only the offline 404s for
+fonts and ``_stcore/health``/``host-config``), and saves a screenshot of each page (the README's
+screenshot is the home page's). Skips when Chromium is missing, unless ``REQUIRE_BROWSER=1``.
+"""
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pages._registry import HOME, TABS
+
+REPO = Path(__file__).resolve().parents[2]
+CHROMIUM = "/usr/bin/chromium"
+SHOTS = REPO / "tests" / "app" / "screenshots"
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+IGNORED = re.compile(r"(fonts|\.woff2?|_stcore/health|_stcore/host-config|favicon)", re.I)
+
+pytestmark = pytest.mark.browser
+
+
+def _require_browser():
+    if not (os.path.exists(CHROMIUM) and shutil.which(CHROMIUM)):
+        if os.environ.get("REQUIRE_BROWSER") == "1":
+            pytest.fail(f"REQUIRE_BROWSER=1 but no Chromium at {CHROMIUM} (apt-get install chromium)")
+        pytest.skip(f"no Chromium at {CHROMIUM}; install Debian's chromium to run the browser test")
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        if os.environ.get("REQUIRE_BROWSER") == "1":
+            pytest.fail("REQUIRE_BROWSER=1 but the playwright package is missing (pip install -r requirements-dev.txt)")
+        pytest.skip("playwright is not installed")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    _require_browser()
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
+         "--server.address", "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false"],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+        except OSError:
+            if proc.poll() is not None:
+                pytest.fail(f"streamlit exited: {proc.stdout.read().decode()[-2000:]}")
+            time.sleep(0.3)
+    else:
+        proc.kill()
+        pytest.fail("streamlit did not start within 60 s")
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _url_path(path: str) -> str:
+    """Streamlit's URL path for a page file: the file stem without the leading number."""
+    stem = Path(path).stem
+    return re.sub(r"^\d+_", "", stem)
+
+
+def test_every_page_in_browser(server):
+    from playwright.sync_api import sync_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    errors = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+
+        def on_console(msg):
+            if msg.type == "error" and not IGNORED.search(msg.text + " " + str(msg.location.get("url", ""))):
+                errors.append(f"{page.url}: console error: {msg.text}")
+
+        page.on("console", on_console)
+        page.on("pageerror", lambda exc: errors.append(f"{page.url}: page error: {exc}"))
+        for tab in [HOME] + TABS:
+            url = server + ("/" if tab is HOME else "/" + _url_path(tab.path))
+            page.goto(url, wait_until="domcontentloaded")
+            page.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']", timeout=180_000)
+            page.wait_for_timeout(500)
+            page.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']", timeout=180_000)
+            if page.locator("[data-testid='stPlotlyChart']").count():
+                page.wait_for_selector("[data-testid='stPlotlyChart'] .main-svg", timeout=60_000)
+            exc = page.locator("[data-testid='stException']")
+            if exc.count():
+                errors.append(f"{tab.path}: stException: {exc.first.inner_text()[:500]}")
+            title = page.locator("h1").first.inner_text(timeout=10_000) if page.locator("h1").count() else ""
+            assert title, f"{tab.path}: no title rendered"
+            page.screenshot(path=str(SHOTS / f"{Path(tab.path).stem}.png"), full_page=True)
+        browser.close()
+    assert not errors, "\n".join(errors)

@@ -1,0 +1,133 @@
+"""kda_core.kda: recurrent vs chunk, fla's naive oracle, the h convention, gates, validation."""
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kda_core.kda import kda_chunk, kda_gate, kda_recurrent, kda_step, kda_step_with_correction
+
+B, H, K, V = 2, 3, 16, 12  # K != V so a transposed state cannot pass
+
+
+def _inputs(T, dtype, regime, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen, dtype=dtype)
+    f = torch.randn(B, T, H, K, generator=gen, dtype=dtype)
+    if regime == "mild":
+        g = -torch.rand(B, T, H, K, generator=gen, dtype=dtype) * 0.1
+    elif regime == "softplus":  # strong decay: A = 16, dt_bias = +3
+        g = kda_gate(f, torch.full((H,), math.log(16.0), dtype=dtype), torch.full((H * K,), 3.0, dtype=dtype))
+    else:  # lower bound pinned at -5 for the whole chunk
+        g = torch.full((B, T, H, K), -5.0, dtype=dtype)
+    beta = torch.rand(B, T, H, generator=gen, dtype=dtype)
+    s0 = torch.randn(B, H, K, V, generator=gen, dtype=dtype)
+    return q, k, v, g.to(dtype), beta, s0
+
+
+@pytest.mark.parametrize("regime", ["mild", "softplus", "lowerbound"])
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 150], ids=lambda t: f"T{t}")
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)], ids=["fp64", "fp32"])
+def test_chunk_matches_recurrent(T, regime, dtype, tol):
+    q, k, v, g, beta, s0 = _inputs(T, dtype, regime)
+    o_r, s_r = kda_recurrent(q, k, v, g, beta, s0)
+    o_c, s_c, _ = kda_chunk(q, k, v, g, beta, s0)
+    assert torch.isfinite(o_c).all() and torch.isfinite(s_c).all()
+    assert (o_r - o_c).abs().max() <= tol
+    assert (s_r - s_c).abs().max() <= tol
+    assert o_c.dtype == dtype
+
+
+def _fla_naive():
+    import fla  # fla-core: importing fla.ops needs triton, so load naive.py by file path
+    path = Path(fla.__file__).parent / "ops" / "kda" / "naive.py"
+    spec = importlib.util.spec_from_file_location("fla_kda_naive", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("T", [64, 128], ids=lambda t: f"T{t}")
+def test_against_fla_naive(T):
+    naive = _fla_naive()
+    q, k, v, g, beta, s0 = _inputs(T, torch.float32, "mild")
+    o_ref, s_ref = naive.naive_recurrent_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o_ch, s_ch = naive.naive_chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True)
+    o_r, s_r = kda_recurrent(q, k, v, g, beta, s0)
+    o_c, s_c, _ = kda_chunk(q, k, v, g, beta, s0)
+    for ours in (o_r, o_c):
+        assert (ours - o_ref).abs().max() <= 1e-5
+        assert (ours - o_ch).abs().max() <= 1e-5
+    for ours in (s_r, s_c):
+        assert (ours - s_ref).abs().max() <= 1e-5
+
+
+@pytest.mark.parametrize("T", [192, 128])
+def test_h_convention(T):
+    q, k, v, g, beta, s0 = _inputs(T, torch.float64, "mild")
+    _, _, states = kda_recurrent(q, k, v, g, beta, s0, output_states=True)
+    _, final, h = kda_chunk(q, k, v, g, beta, s0)
+    assert h.shape == (B, T // 64, H, K, V)
+    assert torch.equal(h[:, 0], s0)
+    for j in range(1, T // 64):
+        assert (h[:, j] - states[:, 64 * j - 1]).abs().max() <= 1e-10
+    assert (final - states[:, -1]).abs().max() <= 1e-10
+    assert not torch.allclose(final, h[:, -1])
+
+
+def test_step_matches_formula_and_is_pure():
+    q, k, v, g, beta, s0 = _inputs(1, torch.float64, "mild")
+    s_copy = s0.clone()
+    o, s = kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
+    assert torch.equal(s0, s_copy)
+    Sd = torch.exp(g[:, 0]).unsqueeze(-1) * s0
+    u = beta[:, 0, :, None] * (v[:, 0] - torch.einsum("bhkv,bhk->bhv", Sd, k[:, 0]))
+    S = Sd + torch.einsum("bhk,bhv->bhkv", k[:, 0], u)
+    assert torch.allclose(s, S, atol=1e-12)
+    assert torch.allclose(o, torch.einsum("bhkv,bhk->bhv", S, q[:, 0] * K ** -0.5), atol=1e-12)
+    o2, s2, u2 = kda_step_with_correction(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0)
+    assert torch.equal(s2, s) and torch.allclose(u2, u, atol=1e-12)
+
+
+def test_gates():
+    f = torch.randn(2, 5, H, K, dtype=torch.float64)
+    A_log = torch.randn(H, dtype=torch.float64)
+    dt = torch.randn(H * K, dtype=torch.float64)
+    g = kda_gate(f, A_log, dt)
+    ref = -A_log.exp().view(H, 1) * F.softplus(f + dt.view(H, K))
+    assert torch.allclose(g, ref, atol=1e-12) and (g <= 0).all()
+    lb = kda_gate(f, A_log, dt, lower_bound=-5.0)
+    ref = -5.0 * torch.sigmoid(A_log.exp().view(H, 1) * (f + dt.view(H, K)))
+    assert torch.allclose(lb, ref, atol=1e-12) and (lb > -5.0).all() and (lb < 0).all()
+
+
+def test_outputs_keep_v_dtype():
+    q, k, v, g, beta, s0 = _inputs(10, torch.float32, "mild")
+    o, _ = kda_recurrent(q, k, v.to(torch.bfloat16), g, beta, s0)
+    assert o.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(k=torch.zeros(B, 5, H, K + 1)), "k must have shape"),
+    (dict(v=torch.zeros(B, 4, H, V)), "v must have shape"),
+    (dict(beta=torch.zeros(B, 5, H, 1)), "beta must have shape"),
+    (dict(initial_state=torch.zeros(B, H, V, K)), r"initial_state must have shape \[B, H, K, V\]"),
+])
+def test_validation(bad, match):
+    q, k, v, g, beta, s0 = _inputs(5, torch.float32, "mild")
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=s0)
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        kda_chunk(**args)
+    with pytest.raises(ValueError, match=match):
+        kda_recurrent(**args)
+
+
+def test_chunk_size_validation():
+    q, k, v, g, beta, s0 = _inputs(5, torch.float32, "mild")
+    with pytest.raises(ValueError, match="chunk_size"):
+        kda_chunk(q, k, v, g, beta, chunk_size=48)

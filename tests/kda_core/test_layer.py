@@ -1,0 +1,112 @@
+"""kda_core.layer / conv / model: split invariance, padding no-op, decode == prefill, validation."""
+import pytest
+import torch
+
+from kda_core.config import PRESETS
+from kda_core.conv import short_conv
+from kda_core.layer import KDALayer, MLALayer
+from kda_core.model import HybridLM, cache_equal, decode, encode
+
+CFG = PRESETS["demo-tiny"]  # K = 16 != V = 12
+
+
+@pytest.fixture(scope="module")
+def kda_layer():
+    return KDALayer(CFG, torch.Generator().manual_seed(0))
+
+
+def _x(T, seed=0):
+    return torch.randn(1, T, CFG.hidden_size, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("split", [1, 3, 63, 64, 65])
+def test_split_invariance_recurrent_bitwise(kda_layer, split):
+    x = _x(130)
+    y, c = kda_layer(x, None, mode="recurrent")
+    y1, c1 = kda_layer(x[:, :split], None, mode="recurrent")
+    y2, c2 = kda_layer(x[:, split:], c1, mode="recurrent")
+    assert torch.equal(torch.cat([y1, y2], 1), y)
+    assert torch.equal(c2.recurrent, c.recurrent) and torch.equal(c2.conv, c.conv)
+
+
+@pytest.mark.parametrize("split", [1, 3, 63, 64, 65])
+def test_split_invariance_chunk(kda_layer, split):
+    x = _x(130)
+    y, c = kda_layer(x, None, mode="chunk")
+    y1, c1 = kda_layer(x[:, :split], None, mode="chunk")
+    y2, c2 = kda_layer(x[:, split:], c1, mode="chunk")
+    assert (torch.cat([y1, y2], 1) - y).abs().max() <= 1e-5
+    assert (c2.recurrent - c.recurrent).abs().max() <= 1e-5 and torch.equal(c2.conv, c.conv)
+
+
+def test_padding_token_is_noop_but_zero_token_is_not(kda_layer):
+    from kda_core.kda import kda_recurrent
+    _, c = kda_layer(_x(20), None, mode="recurrent")
+    H, K, V = CFG.num_heads, CFG.head_k_dim, CFG.head_v_dim
+    z = torch.zeros(1, 1, H, K)
+    # a padding token as kda_chunk pads: g = 0, beta = 0, k = 0
+    _, s_pad = kda_recurrent(z, z, torch.zeros(1, 1, H, V), z, torch.zeros(1, 1, H), c.recurrent)
+    assert torch.equal(s_pad, c.recurrent)
+    # a plain zero *input* token still decays the state and shifts the conv window
+    _, c_zero = kda_layer(torch.zeros(1, 1, CFG.hidden_size), c, mode="recurrent")
+    assert not torch.equal(c_zero.recurrent, c.recurrent)
+
+
+def test_conv_matches_conv1d():
+    x = torch.randn(2, 9, 6)
+    w = torch.randn(6, 4)
+    y, state = short_conv(x, w, None, apply_silu=False)
+    ref = torch.nn.functional.conv1d(torch.nn.functional.pad(x.transpose(1, 2), (3, 0)), w.unsqueeze(1), groups=6)
+    assert torch.allclose(y, ref.transpose(1, 2), atol=1e-6)
+    assert torch.equal(state, x.transpose(1, 2)[..., -3:])
+    with pytest.raises(ValueError, match="conv_state"):
+        short_conv(x, w, torch.zeros(2, 6, 2))
+
+
+def test_mla_absorbed_decode_matches_forward():
+    m = MLALayer(CFG, torch.Generator().manual_seed(1))
+    x = _x(20)
+    _, cache = m(x[:, :19], None)
+    y, lat = m(x[:, 19:], cache, mode="recurrent")
+    assert (m.decode_absorbed(x[:, 19:], lat) - y).abs().max() <= 1e-5
+
+
+@pytest.fixture(scope="module")
+def model():
+    return HybridLM(CFG)
+
+
+def test_decode_after_prefill_equals_prefill(model):
+    toks = encode("The KDA state replaces the KV list; the hybrid keeps MLA every 4th layer.")
+    full, _ = model.prefill(toks)
+    logits, cache = model.prefill(toks[:40])
+    for t in range(40, len(toks)):
+        step, cache = model.decode_step(toks[t:t + 1], cache)
+        assert (step[0] - full[0, t]).abs().max() <= 1e-5
+
+
+def test_recurrent_multi_token_bitwise_equals_decode_steps(model):
+    toks = encode("speculative verify must equal sequential decode")
+    _, cache = model.prefill(toks[:20])
+    out = model.forward(toks[20:29], cache, mode="recurrent")
+    c = cache
+    for t in range(20, 29):
+        step, c = model.decode_step(toks[t:t + 1], c)
+        assert torch.equal(step[0], out.logits[0, t - 20])
+    assert cache_equal(c, out.cache)
+
+
+def test_generate_deterministic_and_text_roundtrip(model):
+    a, _ = model.generate(encode("hello"), 8)
+    b, _ = HybridLM(CFG).generate(encode("hello"), 8)
+    assert torch.equal(a, b) and a.shape == (1, 8)
+    assert decode(encode("héllo")) == "héllo"
+
+
+def test_model_validation(model):
+    with pytest.raises(ValueError, match="byte ids"):
+        model.prefill(torch.tensor([1, 300]))
+    with pytest.raises(ValueError, match="mode"):
+        model.forward(torch.tensor([1]), mode="fast")
+    with pytest.raises(ValueError, match="at least one token"):
+        model.forward(torch.zeros(1, 0, dtype=torch.long))
