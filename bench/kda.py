@@ -70,14 +70,14 @@ def main(argv=None):
         v = torch.randn(B, T, H, V, generator=gen)
         g = -torch.rand(B, T, H, K, generator=gen) * 0.1
         beta = torch.rand(B, T, H, generator=gen)
-        res = {"T": T}
-        t_chunk = _median_s(lambda: kda_chunk(q, k, v, g, beta), args.repeats)
+        res, xs = {"T": T}, (q, k, v, g, beta)
+        t_chunk = _median_s(lambda xs=xs: kda_chunk(*xs), args.repeats)
         res["kda_chunk_tok_s"] = T / t_chunk
         if T <= args.max_recurrent_T:
-            t_rec = _median_s(lambda: kda_recurrent(q, k, v, g, beta), 1)
+            t_rec = _median_s(lambda xs=xs: kda_recurrent(*xs), 1)
             res["kda_recurrent_tok_s"] = T / t_rec
         if naive is not None:
-            t_naive = _median_s(lambda: naive.naive_chunk_kda(q, k, v, g, beta), 1)
+            t_naive = _median_s(lambda xs=xs: naive.naive_chunk_kda(*xs), 1)
             res["fla_naive_chunk_tok_s"] = T / t_naive
             o_ref = naive.naive_chunk_kda(q, k, v, g, beta)[0]
             res["max_abs_diff_vs_fla"] = float((kda_chunk(q, k, v, g, beta).o - o_ref).abs().max())
