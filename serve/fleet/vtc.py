@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from serve.fleet.service_model import ServiceModel, vtc_a10g_preset
+from serve.fleet.service_model import SLORA_MAX_TOTAL_TOKENS, ServiceModel, vtc_a10g_preset
 from serve.fleet.sim_types import FleetConfig, FleetRequest, SimResult, percentile
 from serve.fleet.simulation import simulate
 from serve.traces import VTCRun, load_vtc_artifact
@@ -60,18 +60,11 @@ class VTCComparison(NamedTuple):
         return row.ours_p99_s if side == "ours" else row.measured_p99_s
 
 
-def replay_vtc_suite(directory: str | Path, suite: str = "on_off_less") -> VTCComparison:
-    """Replay ``FCFS_<suite>.jsonl`` and ``VTC_<suite>.jsonl`` from ``directory`` (see module doc).
-    Raises ValueError if a file is missing or malformed."""
-    directory = Path(directory)
-    runs = {}
-    for sched in ("FCFS", "VTC"):
-        path = directory / f"{sched}_{suite}.jsonl"
-        if not path.exists():
-            raise ValueError(f"VTC artifact file not found: {path}")
-        runs[sched] = load_vtc_artifact(path)
-    service = vtc_a10g_preset(runs["FCFS"])
-    requests = requests_from_vtc(runs["FCFS"])
+def compare(requests: list[FleetRequest], service: ServiceModel,
+            measured: dict[str, dict[str, tuple[float, float]]],
+            measured_throughput_rps: dict[str, float]) -> VTCComparison:
+    """Simulate ``requests`` on one replica with FCFS and with VTC; put our per-client TTFT P50/P99
+    beside ``measured[scheduler][client] = (p50_s, p99_s)``."""
     counts: dict[str, int] = {}
     for r in requests:
         counts[r.klass] = counts.get(r.klass, 0) + 1
@@ -84,8 +77,78 @@ def replay_vtc_suite(directory: str | Path, suite: str = "on_off_less") -> VTCCo
         sims[sched] = sim
         ours_tp[sched] = sim.throughput_rps()
         for client in sorted(counts):
-            measured = np.array([r.ttft_s for r in runs[sched].records if r.client == client and r.ttft_s >= 0])
             ours = sim.column("ttft_ms", klass=client) / 1000.0
-            rows.append(ClientLatency(sched, client, counts[client], percentile(measured, 50),
-                                      percentile(measured, 99), percentile(ours, 50), percentile(ours, 99)))
-    return VTCComparison(rows, {k: v.throughput_rps for k, v in runs.items()}, ours_tp, light, service, sims)
+            m50, m99 = measured[sched][client]
+            rows.append(ClientLatency(sched, client, counts[client], m50, m99,
+                                      percentile(ours, 50), percentile(ours, 99)))
+    return VTCComparison(rows, dict(measured_throughput_rps), ours_tp, light, service, sims)
+
+
+def replay_vtc_suite(directory: str | Path, suite: str = "on_off_less") -> VTCComparison:
+    """Replay ``FCFS_<suite>.jsonl`` and ``VTC_<suite>.jsonl`` from ``directory`` (see module doc).
+    Raises ValueError if a file is missing or malformed."""
+    directory = Path(directory)
+    runs = {}
+    for sched in ("FCFS", "VTC"):
+        path = directory / f"{sched}_{suite}.jsonl"
+        if not path.exists():
+            raise ValueError(f"VTC artifact file not found: {path}")
+        runs[sched] = load_vtc_artifact(path)
+    measured: dict[str, dict[str, tuple[float, float]]] = {}
+    for sched, run in runs.items():
+        measured[sched] = {}
+        for client in sorted({r.client for r in run.records}):
+            ttft = np.array([r.ttft_s for r in run.records if r.client == client and r.ttft_s >= 0])
+            measured[sched][client] = (percentile(ttft, 50), percentile(ttft, 99))
+    return compare(requests_from_vtc(runs["FCFS"]), vtc_a10g_preset(runs["FCFS"]), measured,
+                   {k: v.throughput_rps for k, v in runs.items()})
+
+
+# --- the on_off_less suite without the files (for the app, which ships no trace) -----------------
+LIGHT, HEAVY = "dummy-lora-7b-rank-8-0", "dummy-lora-7b-rank-8-1"
+# Measured in Ying1123/VTC-artifact fair_bench/{FCFS,VTC}/all_results_on_off_less.jsonl; the tests
+# recompute every number from ../shared/traces/vtc_artifact and compare.
+ON_OFF_LESS_MEASURED = {
+    "FCFS": {LIGHT: (84.68188846111298, 173.5478834748268), HEAVY: (96.2125335931778, 182.6393851161003)},
+    "VTC": {LIGHT: (2.677807927131653, 8.339656662940978), HEAVY: (110.56682288646698, 181.12108162641525)},
+}
+ON_OFF_LESS_THROUGHPUT_RPS = {"FCFS": 1.7090327278411699, "VTC": 1.7135710939248088}
+ON_OFF_LESS_FCFS_MIN_TTFT_S = 0.1363966464996338
+# Client phases of the suite's arrival generator (first request at phase + period).
+_PHASES_S = {LIGHT: 0.749080237694725, HEAVY: 0.4753571532049581}
+
+
+def on_off_less_requests(block_size: int = 512) -> list[FleetRequest]:
+    """Rebuild the suite's 1,350 arrivals: the heavy client sends every 0.5 s (2 req/s) for 600 s;
+    the light client every 2 s (0.5 req/s) but only during the "on" half of each 120 s period
+    (on_off = 60 s); all prompts and outputs are 256 tokens. Equal to the artifact's ``req_time``s."""
+    raw = []
+    for client, period in ((HEAVY, 0.5), (LIGHT, 2.0)):
+        j = 1
+        while (t := _PHASES_S[client] + j * period) <= 600.0 + period + 1e-9:
+            if client == HEAVY or math.floor((t - _PHASES_S[client]) / 60.0) % 2 == 0:
+                raw.append((t, client))
+            j += 1
+    raw.sort()
+    out, next_id = [], 0
+    for i, (t, client) in enumerate(raw):
+        n = math.ceil(256 / block_size)
+        out.append(FleetRequest(i, t * 1000.0, 256, 256, tuple(range(next_id, next_id + n)), client))
+        next_id += n
+    return out
+
+
+def on_off_less_service() -> ServiceModel:
+    """``vtc_a10g_preset`` of the FCFS on_off_less run, from the recorded constants."""
+    prefill_s = ON_OFF_LESS_FCFS_MIN_TTFT_S
+    batch = SLORA_MAX_TOTAL_TOKENS // 512
+    step_s = batch * (1.0 / ON_OFF_LESS_THROUGHPUT_RPS["FCFS"] - prefill_s) / 255
+    return ServiceModel(prefill_tokens_per_s=256 / prefill_s, decode_step_base_ms=step_s * 1000.0,
+                        max_batch_requests=batch, kv_capacity_tokens=SLORA_MAX_TOTAL_TOKENS,
+                        source=(f"VTC artifact (S-LoRA, Llama-7B, A10G), calibrated to "
+                                f"{ON_OFF_LESS_THROUGHPUT_RPS['FCFS']:.3f} req/s"))
+
+
+def replay_on_off_less() -> VTCComparison:
+    """The on_off_less comparison from the recorded constants (no files needed)."""
+    return compare(on_off_less_requests(), on_off_less_service(), ON_OFF_LESS_MEASURED, ON_OFF_LESS_THROUGHPUT_RPS)

@@ -240,3 +240,23 @@ def test_config_validation():
         ServiceModel(prefill_tokens_per_s=0, decode_step_base_ms=1)
     with pytest.raises(ValueError, match="unique"):
         simulate([FleetRequest(0, 0, 1, 1, (1,)), FleetRequest(0, 1, 1, 1, (1,))], FleetConfig(service=SERVICE))
+
+
+def test_on_off_less_rebuilt_without_files_equals_artifact(traces_dir):
+    """The app ships no trace: its VTC panel rebuilds the suite's arrivals and uses recorded
+    constants. Both must equal what the artifact files give."""
+    from serve.fleet.vtc import on_off_less_requests, on_off_less_service, replay_on_off_less, requests_from_vtc
+
+    run = load_vtc_artifact(traces_dir / "vtc_artifact" / "FCFS_on_off_less.jsonl")
+    from_files = requests_from_vtc(run)
+    rebuilt = on_off_less_requests()
+    assert len(rebuilt) == len(from_files) == 1350
+    for a, b in zip(rebuilt, from_files, strict=True):
+        assert a.klass == b.klass and a.arrival_ms == pytest.approx(b.arrival_ms, abs=1e-6)
+        assert (a.input_length, a.output_length) == (b.input_length, b.output_length)
+    assert on_off_less_service() == vtc_a10g_preset(run)
+    offline, online = replay_on_off_less(), replay_vtc_suite(traces_dir / "vtc_artifact", "on_off_less")
+    assert offline.measured_throughput_rps == online.measured_throughput_rps
+    for a, b in zip(offline.rows, online.rows, strict=True):
+        assert a.measured_p50_s == b.measured_p50_s and a.measured_p99_s == b.measured_p99_s
+        assert a.ours_p99_s == pytest.approx(b.ours_p99_s, rel=1e-9)
