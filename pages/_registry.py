@@ -19,6 +19,8 @@ HOME = Tab("Overview", "pages/00_home.py", "Home", ":material/home:", "what the 
 TABS: list[Tab] = [
     Tab("Memory", "pages/03_kda_state_vs_kv.py", "03 KDA state vs KV cache", ":material/stacked_bar_chart:",
         "bytes per sequence vs context; decode cost per token measured"),
+    Tab("Parallel & fleet", "pages/11_fleet_hashing.py", "11 Fleet hashing", ":material/hub:",
+        "prefix-aware routing: load per replica, ring balance vs vnodes, lookup cost"),
 ]
 
 SECTIONS = ["Overview", "Speculative decoding", "Memory", "Prefix cache", "Parallel & fleet"]

@@ -196,3 +196,31 @@ def default_service(base: ServiceModel, prefill_x: float, decode_x: float, kv_ca
     svc = base.scaled(prefill_x, decode_x, kv_capacity_tokens=kv_capacity_tokens, max_batch_requests=256)
     return svc if max_prefill_tokens_per_step is None else \
         ServiceModel(**{**svc.__dict__, "max_prefill_tokens_per_step": max_prefill_tokens_per_step})
+
+
+def scale_dip(df: pd.DataFrame, at_request: int) -> pd.DataFrame:
+    """Per algorithm: mean windowed hit ratio before the event, the lowest window after it, and how
+    many requests it took to get back within 90 % of the before level (NaN if it never did)."""
+    rows = []
+    for name, g in df.groupby("algorithm", sort=False):
+        before = g[g.request < at_request].hit_ratio
+        after = g[g.request >= at_request]
+        level = float(before.mean()) if len(before) else float("nan")
+        recovered = after[after.hit_ratio >= 0.9 * level]
+        rows.append({"algorithm": name, "hit_ratio_before": level,
+                     "lowest_after": float(after.hit_ratio.min()) if len(after) else float("nan"),
+                     "requests_to_recover": float(recovered.request.iloc[0] - at_request) if len(recovered) else float("nan")})
+    return pd.DataFrame(rows)
+
+
+def page_trace(upload: bytes | None, num_requests: int, seed: int = 0) -> list[TraceRequest]:
+    """The pages' trace: an uploaded Mooncake JSONL file (first ``num_requests`` requests) or, by
+    default, ``synthesize(num_requests, ...)`` over num_requests / 3.4 seconds (the conversation
+    trace's 3.4 req/s). Raises TraceFormatError (ValueError) for a malformed upload."""
+    import io
+
+    from serve.traces import load_mooncake, synthesize
+
+    if upload:
+        return load_mooncake(io.BytesIO(upload))[:num_requests]
+    return synthesize(num_requests=num_requests, duration_s=num_requests / 3.4, seed=seed)
