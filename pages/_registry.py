@@ -21,6 +21,8 @@ TABS: list[Tab] = [
         "bytes per sequence vs context; decode cost per token measured"),
     Tab("Parallel & fleet", "pages/11_fleet_hashing.py", "11 Fleet hashing", ":material/hub:",
         "prefix-aware routing: load per replica, ring balance vs vnodes, lookup cost"),
+    Tab("Parallel & fleet", "pages/12_fleet_scaling.py", "12 Fleet scaling", ":material/open_in_full:",
+        "keys moved per algorithm when a replica joins or leaves; hit-ratio dip and recovery"),
 ]
 
 SECTIONS = ["Overview", "Speculative decoding", "Memory", "Prefix cache", "Parallel & fleet"]
