@@ -1,0 +1,343 @@
+"""``ServeEngine``: requests through a :class:`HybridLM` with every cache in a :class:`PagePool`.
+
+Request flow (one request at a time per forward; batch 1 keeps each output exact):
+
+  submit  -> lookup + pin the hit (pins before anything is allocated)     WAITING
+  admit   -> allocate private KDA_STATE pages + own KV pages (evicting
+             unpinned cache entries), restore the checkpoint into the
+             private pages (copy-on-write), drop the checkpoint pin      PREFILL
+  prefill -> chunks split at every checkpoint boundary, so the state
+             published under boundary b is the state after exactly b
+             tokens; full blocks published as they complete             DECODE
+  decode  -> one token per step; when the cache reaches its final last
+             full block, that block and its checkpoint are published     FINISHED
+  abort / reject -> every page and pin the request held is released.
+
+Checkpoint placement (C = interval, N = block size, L = prompt length): every multiple of C reached
+during prefill, the replay boundary floor((L - 1) / N) N, the end of the prompt floor(L / N) N, and at
+the request's end the last full block of prompt + output. Without a prefix cache the engine runs
+the same pages with no sharing: it is the reference.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kda_core.model import HybridCache, HybridLM
+from serve.cache_layout import CacheLayout, read_kv, read_state, write_kv, write_state, zero_state
+from serve.paged_cache import PageKind, PagePool, PoolExhausted
+from serve.prefix_cache import PrefixCache
+from serve.prefix_index import block_keys
+from serve.request import Request, RequestResult, RequestStatus
+
+DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3
+
+
+class ServeEngine:
+    """Greedy serving engine with an optional dual-granularity prefix cache.
+
+    Args:
+        model: the :class:`HybridLM` (fp32). pool: the :class:`PagePool` holding every cache.
+        prefix_cache: a :class:`PrefixCache` on the same pool, or None (no sharing: the reference).
+        max_prefill_chunk: optional cap on tokens per prefill forward.
+        block_size / num_groups: the page layout when there is no prefix cache (else the cache's).
+    Raises ValueError for a cache on another pool or model config, or bad sizes.
+    """
+
+    def __init__(self, model: HybridLM, pool: PagePool, prefix_cache: PrefixCache | None = None,
+                 max_prefill_chunk: int | None = None, *, block_size: int = 16, num_groups: int = 1):
+        if prefix_cache is not None:
+            if prefix_cache.pool is not pool:
+                raise ValueError("prefix_cache must be built on the engine's pool")
+            if prefix_cache.layout.cfg != model.cfg:
+                raise ValueError("prefix_cache was built for another model config")
+            self.layout = prefix_cache.layout
+        else:
+            self.layout = CacheLayout(model.cfg, block_size, num_groups, pool.page_bytes)
+        if max_prefill_chunk is not None and (not isinstance(max_prefill_chunk, int) or max_prefill_chunk < 1):
+            raise ValueError(f"max_prefill_chunk must be None or a positive int, got {max_prefill_chunk!r}")
+        self.model, self.pool, self.cache = model, pool, prefix_cache
+        self.max_prefill_chunk = max_prefill_chunk
+        self.requests: dict[int, Request] = {}
+        self.waiting: list[int] = []
+        self.running: list[int] = []
+        self._next_rid = 0
+        cfg = model.cfg
+        self._mla_slot = {layer: m for m, layer in enumerate(cfg.mla_layers)}
+
+    # ---- public API -------------------------------------------------------------------------------
+    def submit(self, tokens, max_new_tokens: int, record_logits: bool = False) -> int:
+        """Queue a prompt ``[T]`` of byte ids for ``max_new_tokens`` greedy tokens; returns its id.
+        With a cache, the prompt is matched and its hit pinned now. Raises ValueError on bad input."""
+        t0 = time.perf_counter()
+        prompt = [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
+        if not prompt or min(prompt) < 0 or max(prompt) > 255:
+            raise ValueError("tokens must be a non-empty sequence of byte ids in [0, 255]")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        rid = self._next_rid
+        self._next_rid += 1
+        req = Request(rid, prompt, max_new_tokens, record_logits, t0)
+        if self.cache is not None:
+            req.hit = self.cache.lookup(prompt)
+            self.cache.acquire(req.hit, rid)
+        req.timings_ms["lookup"] = _ms(t0)
+        self.requests[rid] = req
+        self.waiting.append(rid)
+        return rid
+
+    def step(self) -> bool:
+        """Admit what fits (FCFS), then run one prefill chunk of the oldest prefilling request, or else
+        one decode token for every decoding request. Returns False when there was nothing to do."""
+        while self.waiting:
+            req = self.requests[self.waiting[0]]
+            if not self._admit(req):
+                break
+            self.waiting.pop(0)
+        for rid in self.running:
+            if self.requests[rid].status is RequestStatus.PREFILL:
+                self._prefill_chunk(self.requests[rid])
+                return True
+        decoding = [self.requests[r] for r in self.running if self.requests[r].status is RequestStatus.DECODE]
+        for req in decoding:
+            self._decode_one(req)
+        return bool(decoding)
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> int:
+        """Step until no request is waiting or running; returns the steps taken.
+        Raises RuntimeError if ``max_steps`` is reached or waiting requests can make no progress."""
+        steps = 0
+        while self.waiting or self.running:
+            if steps >= max_steps:
+                raise RuntimeError(f"engine not idle after {max_steps} steps")
+            if not self.step() and not self.running:
+                raise RuntimeError("waiting requests cannot be admitted and nothing is running")
+            steps += 1
+        return steps
+
+    def abort(self, rid: int) -> bool:
+        """Abort a waiting or running request, releasing its pins and pages. Returns False if it had
+        already ended. Raises ValueError for an unknown id."""
+        req = self._get(rid)
+        if req.status in DONE:
+            return False
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(rid)
+        else:
+            self.running.remove(rid)
+        self._release(req)
+        req.status = RequestStatus.ABORTED
+        return True
+
+    def result(self, rid: int) -> RequestResult:
+        """The :class:`RequestResult` of a request (any status). Raises ValueError for an unknown id."""
+        return self._get(rid).result()
+
+    def generate(self, tokens, max_new_tokens: int, record_logits: bool = False) -> RequestResult:
+        """Submit one request and run until idle; returns its result."""
+        rid = self.submit(tokens, max_new_tokens, record_logits)
+        self.run_until_idle()
+        return self.result(rid)
+
+    # ---- admission ---------------------------------------------------------------------------------
+    def _get(self, rid: int) -> Request:
+        if rid not in self.requests:
+            raise ValueError(f"unknown request id {rid!r}")
+        return self.requests[rid]
+
+    def _rematch(self, req: Request) -> None:
+        """Swap to a longer hit if the cache gained one since submit (pin new, then unpin old)."""
+        better = self.cache.lookup(req.prompt)
+        if better.num_tokens > req.hit.num_tokens:
+            old = req.hit
+            self.cache.release(req.rid)
+            self.pool.decref(list(old.kv_pages), req.rid)
+            self.cache.acquire(better, req.rid, count=False)
+            req.hit = better
+
+    def _admit(self, req: Request) -> bool:
+        """Allocate and restore; returns False to keep waiting. Rejects a request that cannot fit."""
+        t0 = time.perf_counter()
+        cache, lay = self.cache, self.layout
+        if cache is not None:
+            self._rematch(req)
+        j = 0 if req.hit is None else len(req.hit.kv_pages)
+        need_kv = -(-req.final_tokens // lay.block_size) - j
+        need = lay.state_pages + need_kv
+        free = self.pool.num_free
+        evictable = 0 if cache is None else cache.evictable_pages()
+        held = 0 if req.hit is None else j + sum(len(g) for g in req.hit.checkpoint_pages)
+        if need > free + evictable:
+            if self.running and need + held <= self.pool.num_pages:
+                return False                                  # wait for running requests to finish
+            req.reason = (f"needs {need} pages ({lay.state_pages} state + {need_kv} KV) but only {free} are free "
+                          f"and {evictable} evictable; its {j} hit blocks stay pinned")
+            self._release(req)
+            req.status = RequestStatus.REJECTED
+            return True
+        alloc = self.pool.alloc if cache is None else cache.alloc
+        try:
+            state = alloc(PageKind.KDA_STATE, lay.state_pages, req.rid)
+            try:
+                own_kv = alloc(PageKind.MLA_KV, need_kv, req.rid)
+            except PoolExhausted:
+                self.pool.decref(state, req.rid)
+                raise
+        except PoolExhausted as err:                        # evictable count was stale: reject cleanly
+            req.reason = f"pool exhausted at admission: {err}"
+            self._release(req)
+            req.status = RequestStatus.REJECTED
+            return True
+        split, start = [], 0
+        for g in range(lay.num_groups):
+            split.append(tuple(state[start: start + lay.group_pages(g)]))
+            start += lay.group_pages(g)
+        req.state_pages = split
+        req.page_table = ([] if req.hit is None else list(req.hit.kv_pages)) + own_kv
+        req.keys = [] if req.hit is None else list(req.hit.keys)
+        req.admit_t = time.perf_counter()
+        req.timings_ms["queue"] = (t0 - req.submit_t) * 1e3 - req.timings_ms["lookup"]
+        req.timings_ms["admit"] = _ms(t0)
+        t1 = time.perf_counter()
+        try:
+            if j:
+                req.restored_bytes = cache.restore(req.hit, req.rid, split)
+                cache.release_checkpoint(req.rid)
+            else:
+                zero_state(lay, self.pool, split)
+        except Exception:
+            self._release(req)
+            req.status = RequestStatus.REJECTED
+            raise
+        req.timings_ms["restore"] = _ms(t1)
+        req.computed = j * lay.block_size
+        req.shared_kv_bytes = j * lay.kv_block_bytes
+        req.status = RequestStatus.PREFILL
+        self.running.append(req.rid)
+        return True
+
+    def _release(self, req: Request) -> None:
+        """Free the request's private pages and drop its page references and pins (any status)."""
+        pool, rid = self.pool, req.rid
+        if req.state_pages:
+            pool.decref([p for grp in req.state_pages for p in grp], rid)
+        pages = req.page_table if req.page_table else ([] if req.hit is None else list(req.hit.kv_pages))
+        pool.decref(pages, rid)
+        req.state_pages, req.page_table = [], []
+        if self.cache is not None:
+            self.cache.release(rid)
+
+    # ---- compute -----------------------------------------------------------------------------------
+    def _gather(self, req: Request) -> HybridCache:
+        """The request's cache as model tensors, read from its pages (copies)."""
+        kda = read_state(self.layout, self.pool, req.state_pages)
+        lat = read_kv(self.layout, self.pool, req.page_table, req.computed)
+        layers = tuple(kda[i] if i in kda else lat[self._mla_slot[i]] for i in range(self.model.cfg.num_layers))
+        return HybridCache(layers, req.computed)
+
+    def _scatter(self, req: Request, new: HybridCache, start: int) -> None:
+        """Write the state after ``new.num_tokens`` tokens and the latents of ``[start, new.num_tokens)``."""
+        write_state(self.layout, self.pool, req.state_pages, {i: new.layers[i] for i in self.model.cfg.kda_layers})
+        write_kv(self.layout, self.pool, req.page_table, start,
+                 [new.layers[i][:, start:] for i in self.model.cfg.mla_layers])
+        req.computed = new.num_tokens
+
+    def checkpoint_boundaries(self, num_prompt_tokens: int) -> list[int]:
+        """Prefill checkpoint boundaries of an L-token prompt: multiples of C up to L, the replay
+        boundary floor((L-1)/N) N and floor(L/N) N (zero dropped). Empty without a prefix cache."""
+        if self.cache is None:
+            return []
+        N, C, L = self.layout.block_size, self.cache.checkpoint_interval, num_prompt_tokens
+        marks = set(range(C, L + 1, C)) | {(L - 1) // N * N, L // N * N}
+        return sorted(b for b in marks if b > 0)
+
+    def _prefill_chunk(self, req: Request) -> None:
+        L, p = len(req.prompt), req.computed
+        marks = [b for b in self.checkpoint_boundaries(L) if b > p]
+        end = L if not marks else min(L, marks[0])
+        if self.max_prefill_chunk is not None:
+            end = min(end, p + self.max_prefill_chunk)
+        t0 = time.perf_counter()
+        out = self.model.forward(torch.tensor([req.prompt[p:end]]), self._gather(req), mode="chunk")
+        self._scatter(req, out.cache, p)
+        req.prefill_tokens += end - p
+        req.timings_ms["prefill"] += _ms(t0)
+        if self.cache is not None:
+            t1 = time.perf_counter()
+            self._publish(req, end, end in marks)
+            req.timings_ms["checkpoint"] += _ms(t1)
+        if end == L:
+            self._emit(req, out.logits[0, -1])
+
+    def _decode_one(self, req: Request) -> None:
+        logits, new = self.model.decode_step(req.output[-1], self._gather(req))
+        self._scatter(req, new, req.computed)
+        if self.cache is not None:
+            b_end = req.final_tokens // self.layout.block_size * self.layout.block_size
+            if req.computed == b_end and b_end > len(req.prompt) // self.layout.block_size * self.layout.block_size:
+                self._publish(req, b_end, True)
+        self._emit(req, logits[0])
+
+    def _emit(self, req: Request, logits: torch.Tensor) -> None:
+        """Greedy token from ``logits [256]``; first token sets TTFT; the last one finishes the request."""
+        req.output.append(int(logits.argmax()))
+        if req.record_logits:
+            req.logits.append(logits.clone())
+        if req.first_token_t is None:
+            req.first_token_t = time.perf_counter()
+            req.status = RequestStatus.DECODE
+        if len(req.output) == req.max_new_tokens:
+            self.running.remove(req.rid)
+            self._release(req)
+            req.status = RequestStatus.FINISHED
+
+    def _publish(self, req: Request, upto: int, checkpoint: bool) -> None:
+        """Publish the request's full blocks below ``upto`` tokens and, if asked, its checkpoint there
+        (``upto`` must equal the tokens consumed, so the state is the state after exactly ``upto``)."""
+        N = self.layout.block_size
+        nb = upto // N
+        if nb > len(req.keys):
+            req.keys = block_keys(req.tokens()[: nb * N], N)
+        self.cache.publish_blocks(req.keys, req.page_table, nb, req.rid)
+        if checkpoint and nb:
+            ok = self.cache.publish_checkpoint(req.keys, nb, req.state_pages, req.computed, req.rid)
+            req.checkpoints_written += ok
+
+    # ---- integrity ---------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Assert engine invariants (AssertionError): the cache's and pool's own; every running request
+        holds its state pages and page table with one reference each, enough pages for its tokens; and
+        every used page belongs to the cache or a live request (no leak, so an idle engine holds only
+        cache pages)."""
+        pool, lay = self.pool, self.layout
+        if self.cache is not None:
+            self.cache.check_integrity()
+        else:
+            pool.check_integrity()
+        owned = set()
+        for rid in self.running:
+            req = self.requests[rid]
+            assert req.status in (RequestStatus.PREFILL, RequestStatus.DECODE), f"running request {rid} is {req.status}"
+            pages = [p for grp in req.state_pages for p in grp]
+            assert len(pages) == lay.state_pages, f"request {rid} holds {len(pages)} state pages"
+            assert len(req.page_table) * lay.block_size >= req.final_tokens, f"request {rid}: page table too short"
+            for p in pages + req.page_table:
+                assert pool.holders(p).get(rid) == 1, f"request {rid} does not hold one reference to page {p}"
+            owned.update(pages + req.page_table)
+        for rid in self.waiting:
+            req = self.requests[rid]
+            assert req.status is RequestStatus.WAITING and not req.state_pages, f"waiting request {rid} holds pages"
+            if req.hit is not None:
+                owned.update(req.hit.kv_pages)
+                owned.update(p for grp in req.hit.checkpoint_pages for p in grp)
+        if self.cache is not None:
+            for node in self.cache.index.nodes.values():
+                owned.add(node.payload)
+                owned.update(p for c in node.ckpts.values() for p in c.payload)
+        used = {p for p, (kind, _, _) in enumerate(pool.page_table()) if kind is not PageKind.FREE}
+        assert used <= owned, f"leaked pages (used, owned by nobody): {sorted(used - owned)}"

@@ -1,0 +1,102 @@
+"""A serving request's record (:class:`Request`) and what the engine reports about it (:class:`RequestResult`)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from serve.prefix_cache import PrefixHit
+
+TIMING_PHASES = ("lookup", "queue", "admit", "restore", "prefill", "checkpoint")
+
+
+class RequestStatus(enum.StrEnum):
+    """Life cycle: WAITING (matched, queued) -> PREFILL -> DECODE -> FINISHED; or ABORTED / REJECTED."""
+
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+    ABORTED = "aborted"
+    REJECTED = "rejected"
+
+
+class RequestResult(NamedTuple):
+    """What the engine reports for one request.
+
+    output_tokens: generated ids; ttft_ms: submit -> first token (measured, perf_counter);
+    prefill_tokens: prompt tokens computed; hit_tokens: tokens restored from the cache (b);
+    kv_hit_tokens: phase-1 KV tokens; restored_bytes: checkpoint bytes copied into the request's state;
+    shared_kv_bytes: KV bytes reused by reference (hit blocks * block bytes); checkpoints_written:
+    checkpoints this request published; timings_ms: per phase in :data:`TIMING_PHASES`; logits:
+    ``[len(output_tokens), 256]`` fp32 when recorded, else None; reason: why a request was rejected.
+    """
+
+    rid: int
+    status: RequestStatus
+    prompt_tokens: int
+    output_tokens: tuple
+    ttft_ms: float | None
+    prefill_tokens: int
+    hit_tokens: int
+    kv_hit_tokens: int
+    restored_bytes: int
+    shared_kv_bytes: int
+    checkpoints_written: int
+    timings_ms: dict
+    logits: torch.Tensor | None
+    reason: str
+
+
+@dataclass
+class Request:
+    """Mutable engine-side state of one request.
+
+    Token ranges (half-open), L = len(prompt):
+      [0, hit.num_tokens)          restored (shared KV pages + checkpoint copy)
+      [hit.num_tokens, computed)   computed so far by this request (its own KV pages, private state)
+      [computed, L)                prompt still to prefill
+      [L, L + len(output) - 1)     decoded (the last output token is not fed back yet)
+    """
+
+    rid: int
+    prompt: list
+    max_new_tokens: int
+    record_logits: bool
+    submit_t: float
+    status: RequestStatus = RequestStatus.WAITING
+    hit: PrefixHit | None = None
+    keys: list = field(default_factory=list)
+    page_table: list = field(default_factory=list)
+    state_pages: list = field(default_factory=list)
+    computed: int = 0
+    output: list = field(default_factory=list)
+    logits: list = field(default_factory=list)
+    first_token_t: float | None = None
+    admit_t: float | None = None
+    timings_ms: dict = field(default_factory=lambda: dict.fromkeys(TIMING_PHASES, 0.0))
+    prefill_tokens: int = 0
+    restored_bytes: int = 0
+    shared_kv_bytes: int = 0
+    checkpoints_written: int = 0
+    reason: str = ""
+
+    @property
+    def final_tokens(self) -> int:
+        """Tokens the request's cache will have consumed at the end: L + max_new_tokens - 1."""
+        return len(self.prompt) + self.max_new_tokens - 1
+
+    def tokens(self) -> list:
+        """Prompt + output ids (the last output id is not yet consumed by the cache)."""
+        return self.prompt + self.output
+
+    def result(self) -> RequestResult:
+        hit = self.hit
+        ttft = None if self.first_token_t is None else (self.first_token_t - self.submit_t) * 1e3
+        logits = torch.stack(self.logits) if self.logits else None
+        return RequestResult(self.rid, self.status, len(self.prompt), tuple(self.output), ttft,
+                             self.prefill_tokens, 0 if hit is None else hit.num_tokens,
+                             0 if hit is None else hit.kv_tokens, self.restored_bytes, self.shared_kv_bytes,
+                             self.checkpoints_written, dict(self.timings_ms), logits, self.reason)
