@@ -19,7 +19,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, 
 MODELS = {"Kimi-Linear-48B-A3B": "kimi-linear-48b-a3b", "Kimi K3": "kimi-k3", "Custom": "custom"}
 
 c1, c2, c3 = st.columns(3)
-preset = MODELS[c1.selectbox("Model", list(MODELS), key=persist("p03_preset"))]
+preset = MODELS[c1.selectbox("Model", list(MODELS), key=persist("p03_preset"), bind="query-params")]
 state_dt = c2.selectbox("KDA state dtype", ["fp32", "bf16"], key=persist("p03_state_dtype"))
 kv_dt = c3.selectbox("MLA KV dtype", ["bf16", "fp8 (e4m3)", "fp16", "fp32"], key=persist("p03_kv_dtype"))
 if preset == "custom":
@@ -73,13 +73,13 @@ with st.expander("Per-layer table"):
 st.subheader("2 · Decode cost per token, measured on this CPU")
 e1, e2 = st.columns(2)
 heads_meas = e1.slider("Heads in the measurement (scaled down from the model)", 1, 16, key=persist("p03_meas_heads", 4))
-max_meas = e2.select_slider("Largest measured context (tokens)", options=[2 ** i for i in range(10, 17)],
-                            key=persist("p03_meas_max", 32768))
+max_meas = e2.select_slider("Largest measured context (tokens)", options=[2 ** i for i in range(10, 16)],
+                            key=persist("p03_meas_max", 16384))
 
 
 @st.cache_data(show_spinner="Measuring on this CPU…")
 def _measure(cfg_key: tuple, contexts: tuple, heads: int):
-    rows = measure_decode_cost(kc.ModelConfig(*cfg_key), list(contexts), num_heads=heads)
+    rows = measure_decode_cost(kc.ModelConfig(*cfg_key), list(contexts), num_heads=heads, repeats=5)
     return pd.DataFrame(rows, columns=rows[0]._fields)
 
 
@@ -99,4 +99,4 @@ st.caption(
     f"{cfg.latent_dim}; the model has {cfg.num_heads} KDA heads — heads are scaled down to keep the run under a second). "
     f"At N = {int(last.context_tokens):,}: KDA {last.kda_step_us:,.0f} µs vs MLA {last.mla_decode_us:,.0f} µs. "
     "KDA's step touches only its H×K×V state, so its line is flat; MLA reads all N latents (N × (r + rope) values), "
-    "so its cost grows linearly. Medians of 7 runs (perf_counter_ns).")
+    "so its cost grows linearly. Medians of 5 runs (perf_counter_ns).")
