@@ -23,6 +23,8 @@ TABS: list[Tab] = [
         "prefix-aware routing: load per replica, ring balance vs vnodes, lookup cost"),
     Tab("Parallel & fleet", "pages/12_fleet_scaling.py", "12 Fleet scaling", ":material/open_in_full:",
         "keys moved per algorithm when a replica joins or leaves; hit-ratio dip and recovery"),
+    Tab("Parallel & fleet", "pages/13_fleet_budgets.py", "13 Fleet budgets", ":material/savings:",
+        "token buckets and a VTC fair scheduler vs FCFS under a burst; vs the VTC artifact"),
 ]
 
 SECTIONS = ["Overview", "Speculative decoding", "Memory", "Prefix cache", "Parallel & fleet"]

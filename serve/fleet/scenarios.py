@@ -86,3 +86,36 @@ def run_budget_scenario(requests: Sequence[FleetRequest], classes: Sequence[Prio
     without = simulate(requests, FleetConfig(**{**base.__dict__, "scheduler": "fcfs", "classes": plain}))
     isolated = simulate(requests, FleetConfig(**{**base.__dict__, "scheduler": "vtc", "classes": tuple(classes)}))
     return BudgetRun(without, isolated, list(requests))
+
+
+def budget_frames(run: BudgetRun, classes: Sequence[PriorityClass]):
+    """DataFrames for page 13: (per-request TTFT of completed requests with an ``isolation`` column,
+    per-class P50/P99 TTFT for both runs, cumulative admitted tokens vs each bucket's budget line)."""
+    import pandas as pd
+
+    from serve.fleet.experiments import results_frame
+    from serve.fleet.sim_types import percentile
+
+    frames = []
+    for label, sim in (("without isolation", run.without), ("with isolation", run.with_isolation)):
+        df = results_frame(sim)
+        df.insert(0, "isolation", label)
+        frames.append(df)
+    per_request = pd.concat(frames, ignore_index=True)
+    done = per_request[per_request.status == "completed"]
+    summary = []
+    for (label, klass), g in done.groupby(["isolation", "klass"], sort=False):
+        summary.append({"isolation": label, "class": klass, "completed": len(g),
+                        "ttft_p50_ms": percentile(g.ttft_ms.to_numpy(), 50),
+                        "ttft_p99_ms": percentile(g.ttft_ms.to_numpy(), 99)})
+    budget_rows = []
+    for c in classes:
+        if not c.has_bucket:
+            continue
+        admitted = 0
+        for adm in run.with_isolation.admissions:
+            if adm.klass == c.name:
+                admitted += adm.tokens
+                budget_rows.append({"class": c.name, "time_s": adm.time_ms / 1000.0, "admitted_tokens": admitted,
+                                    "budget_tokens": c.burst_tokens + c.rate_tokens_per_s * adm.time_ms / 1000.0})
+    return per_request, pd.DataFrame(summary), pd.DataFrame(budget_rows)
