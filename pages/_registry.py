@@ -25,6 +25,8 @@ TABS: list[Tab] = [
         "keys moved per algorithm when a replica joins or leaves; hit-ratio dip and recovery"),
     Tab("Parallel & fleet", "pages/13_fleet_budgets.py", "13 Fleet budgets", ":material/savings:",
         "token buckets and a VTC fair scheduler vs FCFS under a burst; vs the VTC artifact"),
+    Tab("Parallel & fleet", "pages/14_fleet_simulation.py", "14 Fleet simulation", ":material/lan:",
+        "router, prefix caches and schedulers on a trace: hit ratio, TTFT per class, balance per policy"),
 ]
 
 SECTIONS = ["Overview", "Speculative decoding", "Memory", "Prefix cache", "Parallel & fleet"]
