@@ -210,9 +210,10 @@ class ServeEngine:
                 cache.release_checkpoint(req.rid)
             else:
                 zero_state(lay, self.pool, split)
-        except Exception:
+        except Exception as err:                            # e.g. CheckpointError: nothing may leak
             self._release(req)
-            req.status = RequestStatus.REJECTED
+            self.waiting.remove(req.rid)
+            req.status, req.reason = RequestStatus.REJECTED, f"restore failed: {err}"
             raise
         req.timings_ms["restore"] = _ms(t1)
         req.computed = j * lay.block_size

@@ -134,7 +134,7 @@ class PrefixIndex:
         move, nodes = self.lru.move_to_end, self.nodes
         if num_blocks and with_checkpoint:
             key = keys[num_blocks - 1]
-            for g in nodes[key].ckpts:
+            for g in sorted(nodes[key].ckpts):
                 move((key, g))
         for j in range(num_blocks - 1, -1, -1):
             move(keys[j])

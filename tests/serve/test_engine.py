@@ -1,0 +1,285 @@
+"""ServeEngine correctness scenarios (issue 5): every warm run equals the cache-off run.
+
+"Equal" = greedy tokens identical and logits within 1e-5 of the cache-off run, fp32.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serve.cache_layout import read_state, write_state
+from serve.prefix_cache import CheckpointError, PrefixCache
+from serve.prefix_index import PrefixIndex
+from serve.request import RequestStatus
+from tests.serve.prefix_helpers import (
+    LOGITS_ATOL,
+    assert_equal_to_reference,
+    make_engine,
+    max_logit_error,
+    reference,
+    run_checked,
+    tiny_model,
+    tokens,
+)
+
+torch.set_num_threads(1)  # 2 shared cores: oversubscribed OpenMP threads slow every forward ~50x
+
+
+def test_engine_without_cache_is_the_model():
+    """The cache-off engine (pages, gathers, chunking) is bitwise the plain model run."""
+    eng = make_engine(cache=False)
+    prompt = tokens(0, 37)
+    res = run_checked(eng, prompt, 4)
+    ref_tokens, ref_logits = reference(prompt, 4)
+    assert res.output_tokens == ref_tokens and torch.equal(res.logits, ref_logits)
+    assert res.prefill_tokens == 37 and res.hit_tokens == 0 and res.ttft_ms > 0
+
+
+def test_scenario1_shared_40_tokens_hits_32():
+    eng = make_engine(block_size=16, interval=16)
+    shared = tokens(1, 40)
+    r1, r2 = shared + tokens(2, 8), shared + tokens(3, 8)
+    a = run_checked(eng, r1)
+    b = run_checked(eng, r2)
+    assert a.hit_tokens == 0 and b.hit_tokens == 32 and b.prefill_tokens == 16
+    assert b.shared_kv_bytes == 2 * eng.layout.kv_block_bytes and b.restored_bytes == eng.layout.state_bytes
+    for res, p in ((a, r1), (b, r2)):
+        assert_equal_to_reference(res, p)
+
+
+def test_scenario2_interior_checkpoint_of_a_single_prefill():
+    """R1 = 256 tokens in one scheduled prefill: the engine still splits at 64/128/192 internally."""
+    eng = make_engine(block_size=64, interval=64, num_pages=32)
+    r1 = tokens(4, 256)
+    run_checked(eng, r1, 1)
+    assert [c.boundary for c in eng.cache.checkpoints()] == [64, 128, 192, 256]
+    r2 = r1[:128] + tokens(5, 100)
+    res = run_checked(eng, r2)
+    assert res.hit_tokens == 128
+    assert_equal_to_reference(res, r2)
+
+
+def _restore_mutant(monkeypatch, eng, edit):
+    """Make every restore apply ``edit(kda_caches) -> kda_caches`` to the restored private state."""
+    original = PrefixCache.restore
+
+    def mutated(self, hit, owner, dst):
+        n = original(self, hit, owner, dst)
+        caches = read_state(eng.layout, eng.pool, dst)
+        write_state(eng.layout, eng.pool, dst, edit(caches))
+        return n
+
+    monkeypatch.setattr(PrefixCache, "restore", mutated)
+
+
+def _state_after(prompt, n):
+    _, cache = tiny_model().prefill(torch.tensor([prompt[:n]]))
+    return {i: cache.layers[i] for i in tiny_model().cfg.kda_layers}
+
+
+def _scenario3(monkeypatch=None, mutant=None):
+    eng = make_engine(block_size=64, interval=64, num_pages=32)
+    r1 = tokens(6, 130)
+    run_checked(eng, r1, 1)
+    if mutant is not None:
+        _restore_mutant(monkeypatch, eng, mutant(r1))
+    r2 = r1[:128] + tokens(7, 5)
+    res = run_checked(eng, r2)
+    assert res.hit_tokens == 128
+    return eng, r1, res, max_logit_error(res, r2)
+
+
+def test_scenario3_checkpoint_holds_the_state_after_exactly_128():
+    eng, r1, _, err = _scenario3()
+    assert err <= LOGITS_ATOL
+    keys = eng.cache.keys(r1)
+    node = eng.cache.index.node(keys[1])
+    stored = read_state(eng.layout, eng.pool, [node.ckpts[0].payload])
+    for n, should_match in ((128, True), (127, False), (129, False), (64, False)):
+        ref = _state_after(r1, n)
+        close = all(torch.allclose(stored[i].recurrent, ref[i].recurrent, atol=1e-6)
+                    and torch.allclose(stored[i].conv, ref[i].conv, atol=1e-6) for i in ref)
+        assert close == should_match, f"checkpoint at 128 vs state after {n}"
+
+
+MUTANTS = {
+    "zeroed-conv": lambda r1: lambda c: {i: x._replace(conv=torch.zeros_like(x.conv)) for i, x in c.items()},
+    "conv-shifted-one-token": lambda r1: lambda c: {
+        i: x._replace(conv=_state_after(r1, 127)[i].conv) for i, x in c.items()},
+    "state-from-64": lambda r1: lambda c: _state_after(r1, 64),
+}
+
+
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_scenario3_mutants_are_caught(monkeypatch, name):
+    *_, err = _scenario3(monkeypatch, MUTANTS[name])
+    assert err > LOGITS_ATOL, f"mutant {name} was not caught (max error {err})"
+
+
+def test_scenario3_mislabelled_checkpoint_is_refused():
+    """A checkpoint whose written-at length is not its boundary cannot be restored (or inserted)."""
+    eng = make_engine(block_size=64, interval=64, num_pages=32)
+    r1 = tokens(6, 130)
+    run_checked(eng, r1, 1)
+    node = eng.cache.index.node(eng.cache.keys(r1)[1])
+    node.ckpts[0].written_at = 64
+    with pytest.raises(CheckpointError, match="written at 64"):
+        eng.submit(r1[:128] + tokens(7, 5), 2)
+        eng.step()
+    node.ckpts[0].written_at = 128
+    eng.check_integrity()
+    with pytest.raises(CheckpointError):
+        eng.cache.publish_checkpoint(eng.cache.keys(r1), 1, [()], 63, "someone")
+
+
+def test_scenario4_hit_pages_are_pinned_before_allocation():
+    """6 pages: R1 leaves 2 KV blocks + checkpoints 16 and 32 cached; R2 hits 2 blocks and needs more
+    pages than are free: eviction takes the unpinned checkpoint at 16, never a hit page."""
+    eng = make_engine(block_size=16, interval=16, num_pages=6)
+    r1 = tokens(8, 40)
+    run_checked(eng, r1, 1)
+    assert eng.pool.num_free == 2 and [c.boundary for c in eng.cache.checkpoints()] == [16, 32]
+    r2 = r1[:32] + tokens(9, 30)
+    hit = eng.cache.lookup(r2)
+    hit_pages = set(hit.kv_pages) | {p for grp in hit.checkpoint_pages for p in grp}
+    rid = eng.submit(r2, 1, record_logits=True)
+    eng.step()                                   # admission + the first prefill chunk
+    req = eng.requests[rid]
+    new_pages = {p for grp in req.state_pages for p in grp} | set(req.page_table[len(hit.kv_pages):])
+    assert hit_pages.isdisjoint(new_pages)
+    eng.check_integrity()
+    eng.run_until_idle()
+    res = eng.result(rid)
+    assert res.hit_tokens == 32
+    assert_equal_to_reference(res, r2)
+    eng.check_integrity()
+
+
+def test_scenario4_request_that_cannot_fit_is_rejected_with_reason():
+    eng = make_engine(block_size=16, interval=16, num_pages=6)
+    r1 = tokens(8, 40)
+    run_checked(eng, r1, 1)
+    baseline = eng.pool.page_table()
+    res = run_checked(eng, r1[:32] + tokens(10, 60), 1)
+    assert res.status is RequestStatus.REJECTED and "pages" in res.reason and "pinned" in res.reason
+    assert eng.pool.page_table() == baseline
+
+
+def test_scenario4_request_waits_while_another_runs():
+    eng = make_engine(block_size=16, interval=1024, num_pages=7)
+    a, b = tokens(11, 40), tokens(12, 40)
+    ra = eng.submit(a, 3, record_logits=True)
+    rb = eng.submit(b, 3, record_logits=True)
+    eng.step()
+    assert eng.requests[rb].status is RequestStatus.WAITING     # 4 + 4 pages > 7
+    eng.run_until_idle()
+    eng.check_integrity()
+    for rid, p in ((ra, a), (rb, b)):
+        assert_equal_to_reference(eng.result(rid), p)
+
+
+def test_scenario5_abort_before_admission_returns_pages():
+    eng = make_engine(block_size=16, interval=16, num_pages=8)
+    r1 = tokens(13, 40)
+    run_checked(eng, r1, 1)
+    baseline, free = eng.pool.page_table(), eng.pool.num_free
+    for i in range(20):
+        rid = eng.submit(r1[:32] + tokens(100 + i, 8), 2)
+        assert eng.requests[rid].hit.num_tokens == 32
+        eng.check_integrity()
+        assert eng.abort(rid) and eng.result(rid).status is RequestStatus.ABORTED
+        eng.check_integrity()
+        assert eng.pool.num_free == free and eng.pool.page_table() == baseline
+    assert not eng.abort(rid)
+
+
+def test_abort_mid_prefill_and_mid_decode_leaks_nothing():
+    eng = make_engine(block_size=16, interval=16, num_pages=16, max_prefill_chunk=8)
+    p = tokens(14, 50)
+    for steps in (1, 3, 9):
+        rid = eng.submit(p, 4)
+        for _ in range(steps):
+            eng.step()
+            eng.check_integrity()
+        eng.abort(rid)
+        eng.check_integrity()
+    assert not eng.waiting and not eng.running
+    eng.cache.clear()
+    assert eng.pool.num_free == eng.pool.num_pages
+
+
+def _checkpointed_turns(eng, prompts):
+    return [run_checked(eng, p, 1) for p in prompts]
+
+
+def _scenario7_prompts():
+    a1 = tokens(20, 20)
+    a2 = a1 + tokens(21, 20)
+    a3 = a2 + tokens(22, 20)
+    b1 = tokens(23, 20)
+    a4 = a3 + tokens(24, 16)
+    b2 = b1 + tokens(25, 20)
+    return [a1, a2, a3, b1, a4, b2]
+
+
+def test_scenario7_hit_refreshes_only_the_consumed_checkpoint():
+    eng = make_engine(block_size=16, interval=1024, num_pages=64, max_checkpoints=4)
+    prompts = _scenario7_prompts()
+    results = _checkpointed_turns(eng, prompts)
+    assert [r.hit_tokens for r in results] == [0, 16, 32, 0, 48, 16]
+    for res, p in zip(results, prompts):
+        assert_equal_to_reference(res, p)
+
+
+def test_scenario7_refreshing_every_ancestor_would_evict_b1(monkeypatch):
+    """The same test catches the bug it guards against: touching every ancestor's checkpoint."""
+    original = PrefixIndex.touch
+
+    def touch_all(self, keys, num_blocks, with_checkpoint=True):
+        for j in range(1, num_blocks):
+            for g in sorted(self.nodes[keys[j - 1]].ckpts):
+                self.lru.move_to_end((keys[j - 1], g))
+        original(self, keys, num_blocks, with_checkpoint)
+
+    monkeypatch.setattr(PrefixIndex, "touch", touch_all)
+    eng = make_engine(block_size=16, interval=1024, num_pages=64, max_checkpoints=4)
+    results = _checkpointed_turns(eng, _scenario7_prompts())
+    assert results[-1].hit_tokens == 0
+
+
+def test_scenario8_multi_turn_conversation():
+    eng = make_engine(block_size=16, interval=64, num_pages=64)
+    prompt = tokens(30, 45)
+    prev_len = None
+    for turn in range(5):
+        res = run_checked(eng, prompt, 6)
+        assert_equal_to_reference(res, prompt)
+        if prev_len is not None:
+            assert res.hit_tokens >= prev_len // 16 * 16, f"turn {turn + 1} hit {res.hit_tokens}"
+        prev_len = len(prompt)
+        prompt = prompt + list(res.output_tokens) + tokens(31 + turn, 13)
+
+
+def test_groups_fall_back_to_a_boundary_every_group_has():
+    eng = make_engine(block_size=16, interval=16, num_groups=3, num_pages=64, policy="multi_page")
+    r1 = tokens(40, 70)
+    run_checked(eng, r1, 1)
+    assert eng.cache.stats().complete_boundaries == 4
+    eng.cache.drop_checkpoint(r1, 64, 1)
+    r2 = r1[:66] + tokens(41, 5)
+    assert eng.cache.lookup(r2).num_tokens == 48
+    res = run_checked(eng, r2)
+    assert res.hit_tokens == 48
+    assert_equal_to_reference(res, r2)
+
+
+def test_submit_rejects_bad_input():
+    eng = make_engine()
+    with pytest.raises(ValueError, match="tokens"):
+        eng.submit([], 2)
+    with pytest.raises(ValueError, match="tokens"):
+        eng.submit([300], 2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.submit([1, 2], 0)
+    with pytest.raises(ValueError, match="unknown request"):
+        eng.result(99)
