@@ -14,6 +14,7 @@ from serve.fleet.experiments import (
     scale_events_for,
     simulate_policies,
 )
+from serve.fleet.service_model import cpu_engine_preset, measure_cpu_engine
 from serve.fleet.sim_types import FleetConfig
 from serve.fleet.vtc import on_off_less_service
 
@@ -35,7 +36,9 @@ d1, d2, d3, d4 = st.columns(4)
 scheduler = d1.selectbox("Replica scheduler", ["fcfs", "vtc"], key=persist("p14_scheduler", "vtc"))
 vip_pct = d2.slider("VIP share of requests (%)", 0, 50, step=5, key=persist("p14_vip", 10))
 scale = d3.selectbox("Scale event at half time", ["none", "add", "remove"], key=persist("p14_scale", "none"))
-speed = d4.slider("Replica speed-up vs A10G (prefill ×)", 1, 20, key=persist("p14_speed", 8))
+speed = d4.slider("Replica speed-up (prefill ×; decode × 5/8 of it)", 1, 20, key=persist("p14_speed", 8))
+MODELS = ["A10G · Llama-7B (VTC artifact, measured)", "this CPU · our KDA demo engine (measured now)"]
+model = st.selectbox("Replica service model (before the speed-up)", MODELS, key=persist("p14_model", MODELS[0]))
 policies = st.multiselect("Routing policies", list(ROUTERS), key=persist("p14_policies", ["ring", "round_robin",
                                                                                           "cache_aware", "bounded_load"]))
 upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p14_upload")
@@ -44,10 +47,16 @@ if not policies:
     st.stop()
 
 
+@st.cache_data(show_spinner="Timing our engine on this CPU…")
+def _cpu_service():
+    return cpu_engine_preset(measure_cpu_engine())
+
+
 @st.cache_data(show_spinner=False)
-def _run(upload_bytes, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, policy):
+def _run(upload_bytes, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, policy, model):
     trace = page_trace(upload_bytes, n)
-    service = default_service(on_off_less_service(), float(speed), max(1.0, speed * 5 / 8), 400_000)
+    base = on_off_less_service() if model == MODELS[0] else _cpu_service()
+    service = default_service(base, float(speed), max(1.0, speed * 5 / 8), 400_000)
     cfg = FleetConfig(service=service, num_replicas=replicas, routing_k=k, scheduler=scheduler,
                       router_params={"vnodes": 160},
                       cache_capacity_blocks=None if capacity == "unlimited" else int(capacity),
@@ -68,7 +77,7 @@ parts = []
 for i, policy in enumerate(policies):  # one cached simulation per policy; the bar advances between them
     bar.progress(i / len(policies), text=f"Simulating {policy} ({i + 1}/{len(policies)})…")
     parts.append(engine_call(_run, upload.getvalue() if upload else None, num_requests, replicas, k, capacity,
-                             scheduler, vip_pct, scale, speed, policy))
+                             scheduler, vip_pct, scale, speed, policy, model))
 bar.empty()
 per_request = pd.concat([p[0] for p in parts], ignore_index=True)
 summary = pd.concat([p[1] for p in parts], ignore_index=True)
@@ -100,7 +109,8 @@ st.dataframe(summary, hide_index=True, width="stretch")
 st.download_button("Download per-request results (CSV)", per_request.to_csv(index=False).encode(),
                    file_name="p14_requests.csv", mime="text/csv", key="p14_requests_csv")
 st.caption(f"{n_trace:,} requests (cap {num_requests:,}), {replicas} replicas: {source}. Service model: prefill "
-           "time = uncached tokens ÷ prefill rate; decode step time per batch; calibrated on the VTC artifact's A10G "
-           "measurements and sped up by the stated (assumed) factors. What to notice: round-robin scatters "
+           "time = uncached tokens ÷ prefill rate; decode step time per batch size; rates calibrated on the VTC "
+           "artifact's A10G measurements or timed on this CPU with our engine, then sped up by the stated (assumed) "
+           "factors. What to notice: round-robin scatters "
            "sessions and loses most hits; hashing on k = 1 sends everything to one replica (shared system prompt); "
            "cache-aware routing trades some balance for hits.")
