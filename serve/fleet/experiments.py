@@ -199,8 +199,9 @@ def default_service(base: ServiceModel, prefill_x: float, decode_x: float, kv_ca
 
 
 def scale_dip(df: pd.DataFrame, at_request: int) -> pd.DataFrame:
-    """Per algorithm: mean windowed hit ratio before the event, the lowest window after it, and how
-    many requests it took to get back within 90 % of the before level (NaN if it never did)."""
+    """Per algorithm: mean windowed hit ratio before the event, the lowest window after it, the hit
+    ratio lost (mean deficit vs before over the first 5 windows after the event), and how many requests
+    it took to get back within 90 % of the before level (NaN if it never did)."""
     rows = []
     for name, g in df.groupby("algorithm", sort=False):
         before = g[g.request < at_request].hit_ratio
@@ -209,6 +210,8 @@ def scale_dip(df: pd.DataFrame, at_request: int) -> pd.DataFrame:
         recovered = after[after.hit_ratio >= 0.9 * level]
         rows.append({"algorithm": name, "hit_ratio_before": level,
                      "lowest_after": float(after.hit_ratio.min()) if len(after) else float("nan"),
+                     "hit_ratio_lost": float((level - after.hit_ratio.head(5)).clip(lower=0).mean()) if len(after)
+                     else float("nan"),
                      "requests_to_recover": float(recovered.request.iloc[0] - at_request) if len(recovered) else float("nan")})
     return pd.DataFrame(rows)
 

@@ -84,6 +84,7 @@ def test_scale_event_dip_mod_n_worse_than_ring():
     df = hit_ratio_across_scale_event(trace, ["ring", "mod_n"], 8, 2, "add", 0.5, 100, None, 160)
     dip = scale_dip(df, 750).set_index("algorithm")
     assert dip.loc["mod_n", "lowest_after"] < dip.loc["ring", "lowest_after"]
+    assert dip.loc["mod_n", "hit_ratio_lost"] > dip.loc["ring", "hit_ratio_lost"] >= 0.0
 
 
 def test_simulate_policies_and_page_trace_upload():
