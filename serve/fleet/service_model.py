@@ -159,10 +159,16 @@ def measure_cpu_engine(prompt_tokens: int = 256, batch_sizes: tuple[int, ...] = 
 
 def cpu_engine_preset(rates: EngineRates, kv_capacity_tokens: int | None = 65536,
                       max_batch_requests: int = 64) -> ServiceModel:
-    """Service model from :func:`measure_cpu_engine` (linear fit of decode step vs batch size)."""
+    """Service model from :func:`measure_cpu_engine`: decode step = base + slope · batch through the
+    smallest and largest measured batch sizes (slope ≥ 0; if that line would have a non-positive
+    intercept, base = 1 µs and the line goes through the largest batch). The fit passes through one
+    measured point and never under-estimates the other."""
     (b0, t0), (b1, t1) = sorted(rates.decode_step_ms.items())[0], sorted(rates.decode_step_ms.items())[-1]
     slope = max(0.0, (t1 - t0) / (b1 - b0)) if b1 != b0 else 0.0
-    base = max(1e-3, t0 - slope * b0)
+    base = t0 - slope * b0
+    if base < 1e-3:  # super-linear timings: keep a positive intercept, pass through the larger batch
+        base = 1e-3
+        slope = (t1 - base) / b1
     return ServiceModel(rates.prefill_tokens_per_s, base, slope, max_batch_requests=max_batch_requests,
                         kv_capacity_tokens=kv_capacity_tokens, source="measured on this CPU (our engine)")
 

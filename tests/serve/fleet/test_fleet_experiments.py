@@ -18,7 +18,7 @@ from serve.fleet.experiments import (
     where_prefix_lands,
 )
 from serve.fleet.scenarios import Stream, budget_frames, budget_traffic, run_budget_scenario
-from serve.fleet.service_model import cpu_engine_preset, measure_cpu_engine
+from serve.fleet.service_model import EngineRates, cpu_engine_preset, measure_cpu_engine
 from serve.fleet.sim_types import FleetConfig
 from serve.fleet.vtc import on_off_less_service
 from serve.traces import dump_mooncake, synthesize
@@ -107,3 +107,14 @@ def test_cpu_engine_calibration_runs_our_engine():
     gaps = [svc.decode_step_ms(b) - t for b, t in rates.decode_step_ms.items()]
     assert min(gaps) >= -1e-9 and min(abs(g) for g in gaps) < 1e-6
     assert "this CPU" in svc.source
+
+
+@pytest.mark.parametrize("t1", [5.0, 12.0, 30.0, 100.0], ids=["sub-linear-down", "linear", "super-linear", "noisy"])
+def test_cpu_engine_preset_fit_never_underestimates(t1):
+    """Regression: with batch-4 timing > 4× batch-1 (a noisy shared CPU) the intercept was clipped
+    without refitting the slope, under-estimating both points."""
+    rates = EngineRates(300.0, {1: 10.0, 4: t1}, 256)
+    svc = cpu_engine_preset(rates)
+    gaps = [svc.decode_step_ms(b) - t for b, t in rates.decode_step_ms.items()]
+    assert min(gaps) >= -1e-9 and min(abs(g) for g in gaps) < 1e-9
+    assert svc.decode_step_base_ms > 0 and svc.decode_step_per_seq_ms >= 0
