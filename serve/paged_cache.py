@@ -219,7 +219,15 @@ class PagePool:
         """
         pages = pages if type(pages) is list else list(pages)
         n = len(pages)
-        if n > 1:  # fast path: every page private to owner with one reference (C-level tuple checks)
+        if n == 1:  # fast path for one private page
+            p = pages[0]
+            if type(p) is int and 0 <= p < self.num_pages and self._ref[p] == 1 and self._holders[p] is None \
+                    and self._owner[p] == owner and self._kind[p] is not PageKind.FREE:
+                self._count[self._kind[p]] -= 1
+                self._kind[p], self._ref[p], self._owner[p] = PageKind.FREE, 0, None
+                self._free.append(p)
+                return [p]
+        elif n > 1:  # fast path: every page private to owner with one reference (C-level tuple checks)
             try:
                 get = itemgetter(*pages)
                 ks = get(self._kind)

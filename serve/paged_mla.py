@@ -44,6 +44,8 @@ class PagedMLACache:
         self.num_layers, self.latent_dim, self.block_size = num_layers, latent_dim, block_size
         self.page_shape = (num_layers, block_size, latent_dim)             # [Lm, block_size, D]
         self._arena = pool.typed_arena(dtype, self.page_shape)            # [num_pages, Lm, block_size, D]
+        self._layer_arena = tuple(self._arena[:, i] for i in range(num_layers))  # each [num_pages, bs, D]
+        self._table_cache: tuple[list[int], torch.Tensor] | None = None
         self.block_table: list[int] = []
         self.num_tokens = 0
 
@@ -102,24 +104,36 @@ class PagedMLACache:
 
     # ---- reads ------------------------------------------------------------------------------------
     def table_tensor(self) -> torch.Tensor:
-        """The page table as an int64 tensor ``[num_blocks]``."""
-        return torch.tensor(self.block_table, dtype=torch.long)
+        """The page table as an int64 tensor ``[num_blocks]`` (rebuilt only when the table changed)."""
+        if self._table_cache is None or self._table_cache[0] != self.block_table:
+            self._table_cache = (list(self.block_table), torch.tensor(self.block_table, dtype=torch.long))
+        return self._table_cache[1]
 
-    def gather(self, layer: int | None = None) -> torch.Tensor:
+    def gather(self, layer: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Contiguous latents rebuilt from the pages with ``index_select`` (a copy).
 
         Returns ``[num_tokens, D]`` for MLA layer index ``layer`` (0-based among MLA layers), or
-        ``[Lm, num_tokens, D]`` for all layers when ``layer`` is None.
+        ``[Lm, num_tokens, D]`` for all layers when ``layer`` is None. ``out`` (single layer only): a
+        preallocated ``[num_blocks, block_size, D]`` buffer to gather into (no allocation); the result
+        is then a view of it. Raises ValueError for a bad layer or ``out`` shape.
         """
         idx = self.table_tensor()
         if layer is None:
-            out = self._arena.index_select(0, idx)                       # [NB, Lm, bs, D]
-            out = out.transpose(0, 1).reshape(self.num_layers, -1, self.latent_dim)  # [Lm, NB * bs, D]
-            return out[:, : self.num_tokens]
+            if out is not None:
+                raise ValueError("out is only supported with a single layer")
+            full = self._arena.index_select(0, idx)                      # [NB, Lm, bs, D]
+            full = full.transpose(0, 1).reshape(self.num_layers, -1, self.latent_dim)  # [Lm, NB * bs, D]
+            return full[:, : self.num_tokens]
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer must be in [0, {self.num_layers}), got {layer}")
-        out = self._arena[:, layer].index_select(0, idx)                 # [NB, bs, D]
-        return out.reshape(-1, self.latent_dim)[: self.num_tokens]       # [num_tokens, D]
+        if out is None:
+            out = self._layer_arena[layer].index_select(0, idx)          # [NB, bs, D]
+        elif tuple(out.shape) != (self.num_blocks, self.block_size, self.latent_dim) or out.dtype != self.dtype:
+            raise ValueError(f"out must be [{self.num_blocks}, {self.block_size}, {self.latent_dim}] "
+                             f"{self.dtype}, got {tuple(out.shape)} {out.dtype}")
+        else:
+            torch.index_select(self._layer_arena[layer], 0, idx, out=out)  # [NB, bs, D]
+        return out.view(-1, self.latent_dim)[: self.num_tokens]          # [num_tokens, D]
 
     def block_view(self, block: int) -> torch.Tensor:
         """In-place view of logical block ``block``: ``[Lm, block_size, D]`` (no copy)."""
