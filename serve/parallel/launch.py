@@ -31,7 +31,25 @@ BACKENDS = ("gloo", "nccl")
 START_METHODS = ("spawn", "forkserver")
 POLL_S = 0.02          # how often the parent checks for results / dead ranks
 KILL_GRACE_S = 2.0     # after terminate(), wait this long before kill()
+RANK_TIMEOUT_SLACK_S = 10.0  # collectives inside ranks time out later than the parent's deadline,
+                             # so the parent (which stops every rank) always decides first
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "serve.parallel.run"]
+
+
+class RankFailure(RuntimeError):
+    """A rank raised or died. ``pids``: the run's rank processes (all stopped and joined)."""
+
+    def __init__(self, message: str, pids: list[int]):
+        super().__init__(message)
+        self.pids = pids
+
+
+class RankTimeout(TimeoutError):
+    """The run passed its deadline. ``pids``: the run's rank processes (all stopped and joined)."""
+
+    def __init__(self, message: str, pids: list[int]):
+        super().__init__(message)
+        self.pids = pids
 
 
 class RanksOutput(NamedTuple):
@@ -128,16 +146,17 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
 
     Args:
         fn: a module-level (picklable) function; its return value must be picklable.
-        world_size: number of ranks (>= 1). timeout_s: deadline for the whole run, also the
-        collective timeout inside the ranks. backend: "gloo" (or "nccl" with CUDA).
+        world_size: number of ranks (>= 1). timeout_s: deadline for the whole run (the collective
+        timeout inside the ranks is a little longer, so the parent always decides). backend: "gloo" (or "nccl" with CUDA).
         start_method: "spawn" or "forkserver". threads_per_rank: torch intra-op threads per rank.
 
     Returns:
         :class:`RanksOutput` with each rank's result (numpy arrays turned back into tensors).
 
     Raises:
-        ValueError: bad arguments. RuntimeError: a rank raised or died (message names the rank and
-        carries its traceback). TimeoutError: the run did not finish within ``timeout_s``.
+        ValueError: bad arguments. RankFailure (a RuntimeError): a rank raised or died (the message
+        names the rank and carries its traceback). RankTimeout (a TimeoutError): the run did not
+        finish within ``timeout_s``.
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -152,10 +171,11 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
     if start_method == "forkserver":
         mpctx.set_forkserver_preload(FORKSERVER_PRELOAD)
     results_q = mpctx.Queue()
-    ctx = mp.start_processes(_rank_main, nprocs=world_size, join=False, start_method=start_method,
-                             args=(fn, world_size, free_port(), backend, timeout_s, threads_per_rank, args,
-                                   results_q))
+    rank_args = (fn, world_size, free_port(), backend, timeout_s + RANK_TIMEOUT_SLACK_S, threads_per_rank, args,
+                 results_q)
+    ctx = mp.start_processes(_rank_main, args=rank_args, nprocs=world_size, join=False, start_method=start_method)
     procs = ctx.processes
+    pids = [p.pid for p in procs]
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout_s
     try:
@@ -165,15 +185,15 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
             except queue.Empty:
                 dead = [(i, p.exitcode) for i, p in enumerate(procs) if i not in results and p.exitcode is not None]
                 if dead:
-                    raise RuntimeError(f"rank {dead[0][0]} of {world_size} exited with code {dead[0][1]} "
-                                       "without reporting a result") from None
+                    raise RankFailure(f"rank {dead[0][0]} of {world_size} exited with code {dead[0][1]} "
+                                      "without reporting a result", pids) from None
                 if time.monotonic() > deadline:
                     waiting = [i for i in range(world_size) if i not in results]
-                    raise TimeoutError(f"distributed run did not finish within {timeout_s:g} s; ranks {waiting} "
-                                       "had not reported (all ranks were stopped)") from None
+                    raise RankTimeout(f"distributed run did not finish within {timeout_s:g} s; ranks {waiting} "
+                                      "had not reported (all ranks were stopped)", pids) from None
                 continue
             if not ok:
-                raise RuntimeError(f"rank {rank} of {world_size} failed: {payload}")
+                raise RankFailure(f"rank {rank} of {world_size} failed: {payload}", pids)
             results[rank] = payload
         for p in procs:
             p.join(max(0.1, deadline - time.monotonic()))
@@ -181,4 +201,4 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
         _stop(procs)
         results_q.close()
         results_q.join_thread()
-    return RanksOutput([from_host(results[r]) for r in range(world_size)], [p.pid for p in procs])
+    return RanksOutput([from_host(results[r]) for r in range(world_size)], pids)

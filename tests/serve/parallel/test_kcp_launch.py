@@ -1,0 +1,112 @@
+"""serve.parallel.launch: spawned ranks, clear errors, timeouts, and no process left behind."""
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from serve.parallel.kcp import kcp_kda
+from serve.parallel.launch import RankFailure, RankTimeout, free_port, init_from_env, run_ranks
+from serve.parallel.run import KCPConfig, rank_job, run_kcp
+
+
+def _echo(rank, world_size, scale):
+    t = torch.tensor([float(rank)])
+    out = [torch.zeros(1) for _ in range(world_size)]
+    dist.all_gather(out, t)
+    return scale * torch.cat(out)
+
+
+def _raise_on_rank_1(rank, world_size):
+    if rank == 1:
+        raise ValueError("bad block on rank 1")
+    dist.barrier()                     # the other ranks wait for rank 1 forever (until stopped)
+
+
+def _hang_on_rank_0(rank, world_size):
+    if rank == 0:
+        time.sleep(3600)
+    dist.barrier()
+
+
+def _die_on_rank_1(rank, world_size):
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def _state_on_every_rank(rank, world_size):
+    x = torch.zeros(1, 4, 1, 2)
+    return kcp_kda(x, x, x, x, x[..., 0], initial_state=torch.zeros(1, 1, 2, 2)).o
+
+
+def test_spawn_run_is_exact_and_leaves_nothing(ranks_gone):
+    run = run_kcp(KCPConfig(seq_len=100, world_size=2, num_heads=1, head_k_dim=16, head_v_dim=8, check=True,
+                            start_method="spawn", timeout_s=120))
+    ranks_gone(run.pids)
+    assert len(set(run.pids)) == 2 and run.max_abs_err <= 1e-5
+
+
+def test_results_come_back_in_rank_order(ranks_gone):
+    out = run_ranks(_echo, 3, (2.0,), start_method="forkserver", timeout_s=60)
+    ranks_gone(out.pids)
+    assert all(torch.equal(r, torch.tensor([0.0, 2.0, 4.0])) for r in out.results)
+
+
+def test_a_raising_rank_fails_the_run(ranks_gone):
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure, match=r"rank 1 of 3 failed: ValueError: bad block on rank 1") as err:
+        run_ranks(_raise_on_rank_1, 3, start_method="forkserver", timeout_s=60)
+    assert time.monotonic() - t0 < 30
+    assert "Traceback" in str(err.value)
+    ranks_gone(err.value.pids)
+
+
+def test_a_hanging_rank_times_out(ranks_gone):
+    t0 = time.monotonic()
+    with pytest.raises(RankTimeout, match=r"did not finish within 3 s; ranks \[0, 1\]") as err:
+        run_ranks(_hang_on_rank_0, 2, start_method="forkserver", timeout_s=3)
+    assert time.monotonic() - t0 < 3 + 10
+    ranks_gone(err.value.pids)
+
+
+def test_a_dying_rank_fails_the_run(ranks_gone):
+    with pytest.raises(RankFailure, match="rank 1 of 2 exited with code 3") as err:
+        run_ranks(_die_on_rank_1, 2, start_method="forkserver", timeout_s=60)
+    ranks_gone(err.value.pids)
+
+
+def test_bad_arguments_inside_ranks_are_reported():
+    with pytest.raises(RuntimeError, match="config world_size = 3 but the process group has 2 ranks"):
+        run_ranks(rank_job, 2, (KCPConfig(seq_len=64, world_size=3),), start_method="forkserver", timeout_s=60)
+    with pytest.raises(RuntimeError, match="rank 1 of 2 failed: ValueError: initial_state seeds rank 0 only"):
+        run_ranks(_state_on_every_rank, 2, start_method="forkserver", timeout_s=60)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(seq_len=3, world_size=4), "seq_len must be an int >= world_size"),
+    (dict(seq_len=64, variant="tree"), "variant must be one of"),
+    (dict(seq_len=64, level="model"), "level must be one of"),
+    (dict(seq_len=64, level="layer", dtype="float64"), "dtype must be 'float32' at level 'layer'"),
+    (dict(seq_len=64, backend="nccl"), "nccl' needs CUDA"),
+    (dict(seq_len=64, start_method="fork"), "start_method must be one of"),
+    (dict(seq_len=64, num_heads=0), "num_heads must be a positive int"),
+    (dict(seq_len=64, chunk_size=48), "chunk_size must be a power of two"),
+    (dict(seq_len=64, timeout_s=0), "timeout_s must be > 0"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        KCPConfig(**kwargs)
+
+
+def test_bad_launch_arguments(monkeypatch):
+    with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+        run_ranks(_echo, 0)
+    with pytest.raises(ValueError, match="threads_per_rank"):
+        run_ranks(_echo, 1, threads_per_rank=0)
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match="not under torchrun"):
+        init_from_env()
+    assert 0 < free_port() < 65536
