@@ -28,7 +28,7 @@ from kda_core.model import HybridCache, HybridLM
 from serve.cache_layout import CacheLayout, read_kv, read_state, write_kv, write_state, zero_state
 from serve.paged_cache import PageKind, PagePool, PoolExhausted
 from serve.prefix_cache import PrefixCache
-from serve.prefix_index import block_keys
+from serve.prefix_index import block_keys, checkpoint_boundaries
 from serve.request import Request, RequestResult, RequestStatus
 
 DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
@@ -249,13 +249,11 @@ class ServeEngine:
         req.computed = new.num_tokens
 
     def checkpoint_boundaries(self, num_prompt_tokens: int) -> list[int]:
-        """Prefill checkpoint boundaries of an L-token prompt: multiples of C up to L, the replay
-        boundary floor((L-1)/N) N and floor(L/N) N (zero dropped). Empty without a prefix cache."""
+        """Prefill checkpoint boundaries of a prompt (:func:`serve.prefix_index.checkpoint_boundaries`);
+        empty without a prefix cache."""
         if self.cache is None:
             return []
-        N, C, L = self.layout.block_size, self.cache.checkpoint_interval, num_prompt_tokens
-        marks = set(range(C, L + 1, C)) | {(L - 1) // N * N, L // N * N}
-        return sorted(b for b in marks if b > 0)
+        return checkpoint_boundaries(num_prompt_tokens, self.layout.block_size, self.cache.checkpoint_interval)
 
     def _prefill_chunk(self, req: Request) -> None:
         L, p = len(req.prompt), req.computed

@@ -54,6 +54,15 @@ def block_keys(tokens: Sequence[int], block_size: int) -> list[bytes]:
     return keys
 
 
+def checkpoint_boundaries(num_tokens: int, block_size: int, interval: int) -> list[int]:
+    """Where a prefill of ``num_tokens`` (L) writes checkpoints, in tokens, ascending: every multiple of
+    the interval C up to L, the replay boundary floor((L - 1) / N) N (where an identical prompt's
+    lookup stops, since one token must be computed) and the end of the prompt floor(L / N) N."""
+    N, L = block_size, num_tokens
+    marks = set(range(interval, L + 1, interval)) | {(L - 1) // N * N, L // N * N}
+    return sorted(b for b in marks if b > 0)
+
+
 class Evicted(NamedTuple):
     """One entry removed by :meth:`PrefixIndex.evict_one` or a cascade.
 
@@ -209,12 +218,17 @@ class PrefixIndex:
         return Evicted("ckpt", key, group, ck.payload, node.depth)
 
     def _remove_block(self, node: _Node) -> list[Evicted]:
-        out = [self.remove_checkpoint(node.key, g) for g in list(node.ckpts)]
-        del self.nodes[node.key]
-        del self.lru[node.key]
+        lru, key, depth = self.lru, node.key, node.depth
+        out = []
+        for g, ck in node.ckpts.items():
+            del lru[(key, g)]
+            out.append(Evicted("ckpt", key, g, ck.payload, depth))
+        self.num_checkpoints -= len(node.ckpts)
+        del self.nodes[key]
+        del lru[key]
         if node.parent is not ROOT:
             self.nodes[node.parent].children -= 1
-        out.append(Evicted("kv", node.key, None, node.payload, node.depth))
+        out.append(Evicted("kv", key, None, node.payload, depth))
         return out
 
     def evict_one(self, checkpoints_only: bool = False) -> list[Evicted]:
@@ -224,12 +238,11 @@ class PrefixIndex:
         nodes = self.nodes
         for entry in self.lru:
             if type(entry) is tuple:
-                node = nodes[entry[0]]
-                if node.ckpts[entry[1]].pins == 0:
+                if nodes[entry[0]].ckpts[entry[1]].pins == 0:
                     return [self.remove_checkpoint(*entry)]
             elif not checkpoints_only:
                 node = nodes[entry]
-                if node.pins == 0 and node.children == 0 and all(c.pins == 0 for c in node.ckpts.values()):
+                if node.pins == 0 and node.children == 0 and not any(c.pins for c in node.ckpts.values()):
                     return self._remove_block(node)
         return []
 
