@@ -82,14 +82,7 @@ def _round_robin_median_ns(fns: list[Callable[[], object]], repeats: int) -> lis
 
 
 def _median_ns(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        fn()
-        ts.append(time.perf_counter_ns() - t0)
-    ts.sort()
-    return float(ts[len(ts) // 2])
+    return _round_robin_median_ns([fn], repeats)[0]
 
 
 class Throughput(NamedTuple):
