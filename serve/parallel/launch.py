@@ -30,6 +30,7 @@ import torch.multiprocessing as mp
 BACKENDS = ("gloo", "nccl")
 START_METHODS = ("spawn", "forkserver")
 POLL_S = 0.02          # how often the parent checks for results / dead ranks
+FAILURE_SETTLE_S = 0.5 # after a first failure, how long the other ranks get to report theirs
 KILL_GRACE_S = 2.0     # after terminate(), wait this long before kill()
 RANK_TIMEOUT_SLACK_S = 10.0  # collectives inside ranks time out later than the parent's deadline,
                              # so the parent (which stops every rank) always decides first
@@ -127,6 +128,18 @@ def _rank_main(rank, fn, world_size, port, backend, timeout_s, threads, args, re
             dist.destroy_process_group()
 
 
+def _failure_message(procs, results: dict, errors: dict) -> str:
+    """Ranks that died without a report first (usually the cause), then reported errors in arrival
+    order; the first one with its traceback, the others by their first line."""
+    n = len(procs)
+    parts = [f"rank {i} of {n} exited with code {p.exitcode} without reporting a result"
+             for i, p in enumerate(procs) if i not in results and i not in errors and p.exitcode is not None]
+    parts += [f"rank {i} of {n} failed: {msg}" for i, msg in errors.items()]
+    if not parts:
+        return f"ranks {[i for i in range(n) if i not in results]} of {n} stopped without a result"
+    return parts[0] + "".join(f"\nalso {p.splitlines()[0]}" for p in parts[1:])
+
+
 def _stop(processes) -> None:
     """Terminate, then kill, then join every process still alive."""
     for p in processes:
@@ -177,24 +190,25 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
     procs = ctx.processes
     pids = [p.pid for p in procs]
     results: dict[int, Any] = {}
+    errors: dict[int, str] = {}                 # rank -> reported error, in arrival order
     deadline = time.monotonic() + timeout_s
+    settle = None                               # after a first failure, let the others report briefly
     try:
-        while len(results) < world_size:
+        while len(results) + len(errors) < world_size and (settle is None or time.monotonic() < settle):
             try:
                 rank, ok, payload = results_q.get(timeout=POLL_S)
+                (results if ok else errors)[rank] = payload
             except queue.Empty:
-                dead = [(i, p.exitcode) for i, p in enumerate(procs) if i not in results and p.exitcode is not None]
-                if dead:
-                    raise RankFailure(f"rank {dead[0][0]} of {world_size} exited with code {dead[0][1]} "
-                                      "without reporting a result", pids) from None
-                if time.monotonic() > deadline:
-                    waiting = [i for i in range(world_size) if i not in results]
-                    raise RankTimeout(f"distributed run did not finish within {timeout_s:g} s; ranks {waiting} "
-                                      "had not reported (all ranks were stopped)", pids) from None
-                continue
-            if not ok:
-                raise RankFailure(f"rank {rank} of {world_size} failed: {payload}", pids)
-            results[rank] = payload
+                pass
+            exited = any(p.exitcode is not None and i not in results for i, p in enumerate(procs))
+            if settle is None and (errors or exited):
+                settle = time.monotonic() + FAILURE_SETTLE_S
+            if settle is None and time.monotonic() > deadline:
+                waiting = [i for i in range(world_size) if i not in results]
+                raise RankTimeout(f"distributed run did not finish within {timeout_s:g} s; ranks {waiting} "
+                                  "had not reported (all ranks were stopped)", pids)
+        if len(results) < world_size:
+            raise RankFailure(_failure_message(procs, results, errors), pids)
         for p in procs:
             p.join(max(0.1, deadline - time.monotonic()))
     finally:

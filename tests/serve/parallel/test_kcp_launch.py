@@ -30,9 +30,9 @@ def _hang_on_rank_0(rank, world_size):
     dist.barrier()
 
 
-def _die_on_rank_1(rank, world_size):
+def _die_on_rank_1(rank, world_size, code):
     if rank == 1:
-        os._exit(3)
+        os._exit(code)
     dist.barrier()
 
 
@@ -71,9 +71,11 @@ def test_a_hanging_rank_times_out(ranks_gone):
     ranks_gone(err.value.pids)
 
 
-def test_a_dying_rank_fails_the_run(ranks_gone):
-    with pytest.raises(RankFailure, match="rank 1 of 2 exited with code 3") as err:
-        run_ranks(_die_on_rank_1, 2, start_method="forkserver", timeout_s=60)
+@pytest.mark.parametrize("code", [3, 0])
+def test_a_dying_rank_fails_the_run(code, ranks_gone):
+    """The dead rank is named first, even when its peer's collective error arrives too."""
+    with pytest.raises(RankFailure, match=f"^rank 1 of 2 exited with code {code} without reporting") as err:
+        run_ranks(_die_on_rank_1, 2, (code,), start_method="forkserver", timeout_s=60)
     ranks_gone(err.value.pids)
 
 
