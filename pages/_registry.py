@@ -19,6 +19,8 @@ HOME = Tab("Overview", "pages/00_home.py", "Home", ":material/home:", "what the 
 TABS: list[Tab] = [
     Tab("Memory", "pages/03_kda_state_vs_kv.py", "03 KDA state vs KV cache", ":material/stacked_bar_chart:",
         "bytes per sequence vs context; decode cost per token measured"),
+    Tab("Memory", "pages/05_page_pool.py", "05 Unified page pool", ":material/grid_view:",
+        "one pool of MLA_KV and KDA_STATE pages under a shifting request mix; page-size policies; alloc latency"),
     Tab("Parallel & fleet", "pages/11_fleet_hashing.py", "11 Fleet hashing", ":material/hub:",
         "prefix-aware routing: load per replica, ring balance vs vnodes, lookup cost"),
     Tab("Parallel & fleet", "pages/12_fleet_scaling.py", "12 Fleet scaling", ":material/open_in_full:",
