@@ -1,0 +1,78 @@
+"""07 Prefix cache anatomy: blocks, chained keys and each group's checkpoints; the two-phase lookup step by step."""
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from pages._common import engine_call, persist, show_chart
+from serve.prefix_runs import anatomy
+
+st.title("Prefix cache anatomy")
+st.write(
+    "Each line below is a prompt (bytes are tokens). All but the last run through the engine and fill the cache: "
+    "one KV block per N tokens, keyed by a **chained** SHA-256 of (previous key, block tokens), and checkpoints of "
+    "each KDA group's state at block boundaries (every C tokens, the replay boundary ⌊(L−1)/N⌋·N and the end of "
+    "the prompt). The last prompt is then looked up in two phases: walk KV blocks left to right, then fall back "
+    "right to left to the deepest boundary where **every** group has a checkpoint.")
+
+DEFAULT = ("System: you are a terse assistant for inference engineers; always give units.\n"
+           "System: you are a terse assistant for inference engineers; always give units. User: size of a KV block?\n"
+           "System: you are a terse assistant for inference engineers; always give units. User: size of a KDA state?")
+text = st.text_area("Prompts, one per line (the last one is looked up)", key=persist("p07_prompts", DEFAULT), height=110)
+c1, c2, c3 = st.columns(3)
+block = c1.select_slider("Block size N (tokens)", [4, 8, 16, 32], key=persist("p07_block", 16))
+every = c2.select_slider("Checkpoint every C / N blocks", [1, 2, 4], key=persist("p07_every", 2))
+groups = c3.slider("KDA groups G", 1, 4, key=persist("p07_groups", 2))
+prompts = [line for line in text.splitlines() if line.strip()]
+
+
+@st.cache_data(show_spinner="Filling the cache…")
+def _anatomy(prompts, block, interval, groups, drop):
+    return anatomy(prompts, block, interval, groups, drop)
+
+
+base = engine_call(_anatomy, prompts, block, block * every, groups, None)
+prev_keys = {b["end"]: b["key"] for b in base.blocks if b["prompt"] == len(prompts) - 2}
+options = sorted({c["boundary"] for c in base.checkpoints if prev_keys.get(c["boundary"]) == c["key"][:8]})
+drop = None
+d1, d2, d3 = st.columns(3)
+if options and d1.checkbox("What if: drop one group's checkpoint", key=persist("p07_drop", False)):
+    boundary = int(d2.selectbox("at boundary (tokens of the previous prompt)", [str(b) for b in options],
+                                key=persist("p07_drop_at", str(options[-1]))))
+    drop = (boundary, int(d3.selectbox("group", [str(g) for g in range(groups)], key=persist("p07_drop_group", "0"))))
+res = engine_call(_anatomy, prompts, block, block * every, groups, drop) if drop else base
+
+st.subheader("1 · Blocks and checkpoints along the token axis")
+blocks, cks = pd.DataFrame(res.blocks), pd.DataFrame(res.checkpoints)
+fig = go.Figure()
+for cached, colour in ((True, "#4292c6"), (False, "#d9d9d9")):
+    part = blocks[blocks.cached == cached]
+    fig.add_trace(go.Bar(x=[block] * len(part), base=part.start, y=part.prompt, orientation="h", width=0.35,
+                         marker_color=colour, name="KV block cached" if cached else "block not cached",
+                         text=part.key, hovertemplate="prompt %{y} · tokens %{base}–%{x} · key %{text}<extra></extra>"))
+points = []
+for _, c in cks.iterrows():
+    for p in blocks[(blocks.end == c.boundary) & (blocks.key == c.key[:8])].prompt:
+        points.append(dict(boundary=c.boundary, group=c.group, prompt=p, y=p + 0.25 + 0.12 * c.group, key=c.key))
+pts = pd.DataFrame(points, columns=["boundary", "group", "prompt", "y", "key"])
+for g in range(groups):
+    sub = pts[pts.group == g]
+    fig.add_trace(go.Scatter(x=sub.boundary, y=sub.y, mode="markers", marker_symbol="diamond", marker_size=9,
+                             name=f"checkpoint, group {g}", text=sub.key, hovertemplate="boundary %{x} · key %{text}"))
+last = len(prompts) - 1
+for x, name, dash in ((res.kv_tokens, "phase 1: KV run", "dot"), (res.num_tokens, "phase 2: hit b", "solid")):
+    fig.add_trace(go.Scatter(x=[x, x], y=[last - 0.4, last + 0.7], mode="lines", name=f"{name} = {x}",
+                             line=dict(dash=dash, width=3)))
+fig.update_layout(barmode="overlay", xaxis_title="token position (tokens)", yaxis_title="prompt (0 = first)",
+                  yaxis=dict(tickmode="array", tickvals=list(range(len(prompts)))), height=200 + 70 * len(prompts),
+                  legend=dict(orientation="h", y=-0.3))
+show_chart(fig, blocks, key="p07_blocks_chart")
+
+st.subheader("2 · The lookup of the last prompt, step by step")
+steps = pd.DataFrame(res.steps)
+st.dataframe(steps, hide_index=True, width="stretch")
+why = steps.iloc[-1].note if len(steps) else "prompt shorter than one block"
+st.write(f"**Hit b = {res.num_tokens} tokens** (phase-1 KV run {res.kv_tokens}). Why it stops there: {why}."
+         + (f" Dropped group {drop[1]}'s checkpoint at {drop[0]}: that boundary is incomplete now." if drop else ""))
+st.caption("What to notice: keys are chained, so one changed byte changes every later key (the prompts diverge "
+           "where the blue runs end). b = max{ jN ≤ min(KV run, L − 1) : all G groups have a checkpoint at jN }. "
+           "Phase 2 needs all groups (`all()`), as in vLLM's hybrid KV cache coordinator.")
