@@ -23,6 +23,8 @@ TABS: list[Tab] = [
         "one pool of MLA_KV and KDA_STATE pages under a shifting request mix; page-size policies; alloc latency"),
     Tab("Prefix cache", "pages/07_prefix_anatomy.py", "07 Prefix cache anatomy", ":material/account_tree:",
         "blocks, chained keys, per-group checkpoints; the two-phase lookup step by step"),
+    Tab("Prefix cache", "pages/08_prefix_hit.py", "08 Prefix hit", ":material/bolt:",
+        "measured TTFT cold vs warm, prefill tokens skipped, bytes reused by kind, identical outputs"),
     Tab("Parallel & fleet", "pages/11_fleet_hashing.py", "11 Fleet hashing", ":material/hub:",
         "prefix-aware routing: load per replica, ring balance vs vnodes, lookup cost"),
     Tab("Parallel & fleet", "pages/12_fleet_scaling.py", "12 Fleet scaling", ":material/open_in_full:",
