@@ -21,6 +21,8 @@ TABS: list[Tab] = [
         "bytes per sequence vs context; decode cost per token measured"),
     Tab("Memory", "pages/05_page_pool.py", "05 Unified page pool", ":material/grid_view:",
         "one pool of MLA_KV and KDA_STATE pages under a shifting request mix; page-size policies; alloc latency"),
+    Tab("Memory", "pages/06_mla_paging.py", "06 MLA paging", ":material/account_tree:",
+        "page tables, fragmentation vs block size, measured paged gather vs contiguous, prefix sharing by refcount"),
     Tab("Prefix cache", "pages/07_prefix_anatomy.py", "07 Prefix cache anatomy", ":material/account_tree:",
         "blocks, chained keys, per-group checkpoints; the two-phase lookup step by step"),
     Tab("Prefix cache", "pages/08_prefix_hit.py", "08 Prefix hit", ":material/bolt:",

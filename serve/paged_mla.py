@@ -93,13 +93,9 @@ class PagedMLACache:
         if shared_tail:
             self.block_table[-1] = self.pool.copy_on_write(self.block_table[-1], self.owner)
         self.block_table += self.pool.alloc(PageKind.MLA_KV, new_blocks, self.owner)
-        pos = start
-        lat = latents.to(self.dtype)
-        while pos < end:                                  # one slice copy per touched block
-            blk, off = divmod(pos, bs)
-            n = min(bs - off, end - pos)
-            self._arena[self.block_table[blk], :, off: off + n].copy_(lat[:, pos - start: pos - start + n])
-            pos += n
+        pos = torch.arange(start, end)                                    # [T] token positions
+        pages = self.table_tensor()[pos // bs]                            # [T] physical page per token
+        self._arena[pages, :, pos % bs] = latents.to(self.dtype).transpose(0, 1)  # [T, Lm, D] in one scatter
         self.num_tokens = end
 
     # ---- reads ------------------------------------------------------------------------------------

@@ -178,12 +178,11 @@ def gather_timing(context_tokens: int, block_size: int, latent_dim: int = 576, k
     lat = torch.randn(context_tokens, latent_dim, generator=gen)          # [L, D]
     nb = -(-context_tokens // block_size)
     pool = PagePool(2 * nb if scatter else nb, block_size * latent_dim * 4)
+    if scatter:  # hold every page, release every other one: our blocks land on every other page
+        held = pool.alloc(PageKind.MLA_KV, 2 * nb, "other")
+        pool.decref(held[1::2], "other")
     cache = PagedMLACache(pool, "r", 1, latent_dim, block_size)
-    other = PagedMLACache(pool, "other", 1, latent_dim, block_size)
-    for b in range(nb):  # interleave: our blocks land on every other page
-        if scatter:
-            other.append(torch.zeros(1, block_size, latent_dim))
-        cache.append(lat[None, b * block_size: (b + 1) * block_size])
+    cache.append(lat[None])                                               # [1, L, D]
     tokens = [lat[i] for i in range(context_tokens)]
     q = torch.randn(1, num_heads, latent_dim, generator=gen)
     scale = latent_dim ** -0.5

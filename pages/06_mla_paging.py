@@ -1,0 +1,145 @@
+"""06 MLA paging: page tables, internal fragmentation, measured gather overhead, prefix sharing."""
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from pages._common import engine_call, persist, show_chart
+from serve.mla_paging_report import fragmentation_vs_block_size, page_table_demo, prefix_sharing_bytes
+from serve.pool_measure import gather_timing
+
+st.title("MLA paging")
+st.write(
+    "MLA keeps `kv_lora_rank + qk_rope_head_dim` latent values per token and MLA layer. Paged, a request's "
+    "tokens are cut into blocks of N tokens, and a page table maps each logical block to any free physical page "
+    "(`serve.paged_mla.PagedMLACache`). Attention then gathers the pages (`index_select`) or reads them block by "
+    "block. Below: a real page table, what block size costs in slack, the gather overhead measured on this CPU, "
+    "and the bytes that reference-counted prefix sharing saves.")
+
+BLOCKS = [1, 2, 4, 8, 16, 32, 64]
+st.subheader("1 · A request's page table (logical block → physical page)")
+c1, c2, c3, c4 = st.columns(4)
+bs = c1.select_slider("Block size N (tokens)", BLOCKS, key=persist("p06_block_size", 16))
+tokens_a = c2.slider("Request A (tokens)", 8, 256, key=persist("p06_tokens_a", 100))
+shared_pct = c3.slider("B shares A's first (%)", 0, 100, key=persist("p06_shared_pct", 50))
+own_b = c4.slider("B's own tokens", 0, 128, key=persist("p06_own_b", 30))
+
+
+@st.cache_data
+def _demo(bs, tokens_a, shared, own_b):
+    return page_table_demo(bs, tokens_a, shared, own_b, seed=0)
+
+
+shared_tokens = tokens_a * shared_pct // 100
+d = engine_call(_demo, bs, tokens_a, shared_tokens, own_b)
+ROLE_COLOR = {"A": "#2171b5", "B": "#41ab5d", "shared": "#807dba", "other": "#bdbdbd", "free": "#f0f0f0"}
+n_log = max(len(d.table_a), len(d.table_b), 1)
+stretch = (d.num_pages - 1) / max(n_log - 1, 1)       # spread logical blocks over the width of the pool row
+fig = go.Figure()
+for name, table, y, color in (("A", d.table_a, 2, ROLE_COLOR["A"]), ("B", d.table_b, 0, ROLE_COLOR["B"])):
+    xs, ys = [], []
+    for i, p in enumerate(table):
+        xs += [i * stretch, p, None]
+        ys += [y, 1, None]
+    fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", line=dict(color=color, width=1), name=f"{name}: block → page",
+                             hoverinfo="skip"))
+    fig.add_trace(go.Scatter(x=[i * stretch for i in range(len(table))], y=[y] * len(table), mode="markers",
+                             marker=dict(symbol="square", size=9, color=color), name=f"{name} logical blocks",
+                             text=[f"{name} block {i} → page {p}" for i, p in enumerate(table)], hoverinfo="text"))
+for role, color in ROLE_COLOR.items():
+    pages = [p for p, r in enumerate(d.page_roles) if r == role]
+    fig.add_trace(go.Scatter(x=pages, y=[1] * len(pages), mode="markers", name=f"page: {role}",
+                             marker=dict(symbol="square", size=9, color=color, line=dict(color="#636363", width=0.5)),
+                             text=[f"page {p}: {role}" for p in pages], hoverinfo="text"))
+fig.update_layout(xaxis_title="logical block (rows A, B; stretched) / physical page id (middle row)",
+                  yaxis=dict(title="", tickvals=[0, 1, 2], ticktext=["B blocks", "pool pages", "A blocks"]),
+                  height=330, legend=dict(orientation="h", y=-0.35))
+table_df = pd.DataFrame([("A", i, p) for i, p in enumerate(d.table_a)] + [("B", i, p) for i, p in enumerate(d.table_b)],
+                        columns=["request", "logical_block", "physical_page"])
+show_chart(fig, table_df, key="p06_table")
+st.caption(f"A: {d.tokens_a} tokens in {len(d.table_a)} blocks; B: {d.tokens_b} tokens in {len(d.table_b)} blocks, "
+           f"{len(d.shared_pages)} page(s) shared by reference count. Other requests (grey) were allocated and half "
+           "freed first, so pages are scattered. B's partial shared block is copied on write when B appends.")
+
+st.subheader("2 · Internal fragmentation vs block size")
+
+
+@st.cache_data
+def _frag():
+    lengths = np.exp(np.random.default_rng(0).uniform(np.log(16), np.log(8192), 1000)).astype(int).tolist()
+    return pd.DataFrame(fragmentation_vs_block_size([2 ** i for i in range(0, 11)], lengths))
+
+
+fdf = _frag()
+fig2 = go.Figure()
+fig2.add_trace(go.Scatter(x=fdf.block_size, y=100 * fdf.unused_fraction, name="unused KV slots (% of allocated)",
+                          mode="lines+markers"))
+fig2.add_trace(go.Scatter(x=fdf.block_size, y=fdf.mean_table_entries, name="page-table entries per request",
+                          mode="lines+markers", yaxis="y2", line=dict(dash="dot")))
+fig2.update_layout(xaxis=dict(title="block size N (tokens, log)", type="log"),
+                   yaxis=dict(title="unused slots in last blocks (% of allocated)"),
+                   yaxis2=dict(title="page-table entries per request (log)", overlaying="y", side="right", type="log"),
+                   legend=dict(orientation="h", y=-0.3))
+show_chart(fig2, fdf, key="p06_frag")
+st.caption("1,000 requests with context lengths log-uniform in [16, 8192] tokens (seeded). Unused slots = "
+           "⌈L / N⌉ · N − L per request: on average about N / 2 tokens.")
+
+st.subheader("3 · Gather overhead: paged vs contiguous, measured")
+max_ctx = st.select_slider("Longest context measured (tokens)", [1024, 4096, 16384], key=persist("p06_max_ctx", 4096))
+
+
+@st.cache_data(show_spinner="Measuring gathers on this CPU…")
+def _gather(max_ctx):
+    ctx = [c for c in (256, 1024, 4096, 16384) if c <= max_ctx]
+    return pd.DataFrame([{**g._asdict(), "gather_ratio": g.gather_ratio, "naive_ratio": g.naive_cat_us / g.contiguous_us,
+                          "attention_ratio": g.attention_ratio}
+                         for L in ctx for b in (1, 4, 16, 64, 256) for g in [gather_timing(L, b, repeats=5)]])
+
+
+gdf = engine_call(_gather, max_ctx)
+fig3 = go.Figure()
+for b, sub in gdf.groupby("block_size"):
+    fig3.add_trace(go.Scatter(x=sub.context_tokens, y=sub.gather_ratio, name=f"paged, N = {b}", mode="lines+markers"))
+naive = gdf.groupby("context_tokens").naive_ratio.median()
+fig3.add_trace(go.Scatter(x=naive.index, y=naive.values, name="naive torch.cat per token", mode="lines+markers",
+                          line=dict(dash="dot", color="gray")))
+fig3.add_hline(y=1.5, line_dash="dash", line_color="red", annotation_text="target 1.5× (N ≥ 16)")
+fig3.update_layout(xaxis=dict(title="context length (tokens, log)", type="log"),
+                   yaxis=dict(title="time ÷ contiguous copy (×, median)"), legend=dict(orientation="h", y=-0.3))
+show_chart(fig3, gdf, key="p06_gather")
+st.caption("One MLA layer's latents [L, 576] fp32 (Kimi's 512 + 64) copied into a preallocated buffer: contiguous "
+           "`copy_` vs `index_select` over a scattered page table vs `torch.cat` of per-token tensors; contenders "
+           "interleaved, single-threaded, medians of 5. The CSV also holds decode attention over contiguous latents vs "
+           "gather + attention (`attention_ratio`).")
+
+st.subheader("4 · Bytes saved by sharing a prefix")
+e1, e2, e3 = st.columns(3)
+n_req = e1.slider("Requests sharing the prefix", 1, 64, key=persist("p06_requests", 16))
+prefix = e2.slider("Shared prefix (tokens)", 0, 8192, step=64, key=persist("p06_prefix", 2048))
+unique = e3.slider("Unique tail per request (tokens)", 0, 2048, step=16, key=persist("p06_unique", 128))
+
+
+@st.cache_data
+def _sharing(n_req, prefix, unique, bs):
+    return pd.DataFrame([{**r._asdict(), "saved_bytes": r.saved_bytes}
+                         for r in prefix_sharing_bytes(n_req, prefix, unique, bs)])
+
+
+sdf = engine_call(_sharing, n_req, prefix, unique, max(bs, 16))
+fig4 = go.Figure()
+fig4.add_trace(go.Scatter(x=sdf.num_requests, y=sdf.private_bytes / 2 ** 20, name="private copies", mode="lines"))
+fig4.add_trace(go.Scatter(x=sdf.num_requests, y=sdf.shared_bytes / 2 ** 20, name="shared by reference count",
+                          mode="lines", fill="tonexty"))
+fig4.update_layout(xaxis_title="requests", yaxis_title="MLA_KV bytes in the pool (MiB)", legend=dict(orientation="h", y=-0.3))
+show_chart(fig4, sdf, key="p06_sharing")
+last = sdf.iloc[-1]
+st.metric(f"Saved at {n_req} requests", f"{last.saved_bytes / 2 ** 20:,.2f} MiB",
+          f"{100 * last.saved_bytes / max(last.private_bytes, 1):.0f}% of private")
+
+st.info(
+    "What to notice: pages scatter, yet a page table makes them one logical sequence. Smaller blocks waste fewer "
+    "slots (≈ N/2 tokens per request) but need longer page tables and more, smaller copies: the gather is slowest "
+    f"relative to a contiguous copy at N = 1 and within ~1.5× from N = 16 on. Sharing: n requests hold "
+    f"⌊P/N⌋ shared blocks once plus n · ⌈(P mod N + U)/N⌉ own blocks (N = {max(bs, 16)} here, the demo's 2 MLA layers × "
+    "80 fp32 values per token); the shared partial block is copied on write. Sources: vLLM PagedAttention "
+    "(Kwon et al., SOSP 2023); `serve/paged_mla.py`.")
