@@ -17,6 +17,12 @@ class Tab(NamedTuple):
 HOME = Tab("Overview", "pages/00_home.py", "Home", ":material/home:", "what the second request saves")
 
 TABS: list[Tab] = [
+    Tab("Speculative decoding", "pages/01_snapshot_vs_projection.py", "01 Snapshot vs projection bytes",
+        ":material/compare:", "rollback bytes per strategy, measured after a real verify; whole-model table"),
+    Tab("Speculative decoding", "pages/02_verify_and_replay.py", "02 verify_and_replay", ":material/fact_check:",
+        "live speculative decoding: every committed state bitwise equal to plain decoding, in three modes"),
+    Tab("Speculative decoding", "pages/04_raw_input_ring.py", "04 RawInputRing", ":material/autorenew:",
+        "cache layer inputs, not states: bytes vs draft length, commit time, the ring and its overflow"),
     Tab("Memory", "pages/03_kda_state_vs_kv.py", "03 KDA state vs KV cache", ":material/stacked_bar_chart:",
         "bytes per sequence vs context; decode cost per token measured"),
     Tab("Memory", "pages/05_page_pool.py", "05 Unified page pool", ":material/grid_view:",
@@ -27,6 +33,8 @@ TABS: list[Tab] = [
         "blocks, chained keys, per-group checkpoints; the two-phase lookup step by step"),
     Tab("Prefix cache", "pages/08_prefix_hit.py", "08 Prefix hit", ":material/bolt:",
         "measured TTFT cold vs warm, prefill tokens skipped, bytes reused by kind, identical outputs"),
+    Tab("Prefix cache", "pages/09_prefix_miss.py", "09 Prefix miss", ":material/trending_down:",
+        "what a miss costs and leaves behind; trace replay: hit ratio vs capacity, miss causes, interval trade-off"),
     Tab("Parallel & fleet", "pages/11_fleet_hashing.py", "11 Fleet hashing", ":material/hub:",
         "prefix-aware routing: load per replica, ring balance vs vnodes, lookup cost"),
     Tab("Parallel & fleet", "pages/12_fleet_scaling.py", "12 Fleet scaling", ":material/open_in_full:",

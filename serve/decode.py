@@ -19,7 +19,7 @@ tensors the kernel consumed — k, v, g, beta — and the raw conv inputs, and t
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -145,12 +145,15 @@ def greedy_accept(draft_tokens: Sequence[int], target_tokens: Sequence[int]) -> 
 
 
 def verify_and_replay(model: HybridLM, state: DecodeState, draft_tokens: Sequence[int],
-                      strategy: RollbackStrategy) -> VerifyResult:
+                      strategy: RollbackStrategy,
+                      before_commit: Callable[[RollbackStrategy, int], None] | None = None) -> VerifyResult:
     """One speculative step: verify the drafts, accept greedily, commit through ``strategy``.
 
     Args:
         model: the target. state: committed caches + last token (batch 1). draft_tokens: n >= 0 byte
         ids (n = 0 is a plain decode step). strategy: a :class:`RollbackStrategy` with nothing recorded.
+        before_commit: optional ``fn(strategy, num_accepted)`` run between accept and commit (page 02
+        uses it to poison the stored data of rejected tokens).
 
     Returns: :class:`VerifyResult`; ``state.cache`` is never mutated.
 
@@ -166,6 +169,8 @@ def verify_and_replay(model: HybridLM, state: DecodeState, draft_tokens: Sequenc
     t1 = time.perf_counter()
     target = tuple(int(t) for t in out.logits[0].argmax(-1))             # [1 + n] greedy tokens
     a = greedy_accept(drafts, target)
+    if before_commit is not None:
+        before_commit(strategy, a)
     t2 = time.perf_counter()
     cache = strategy.commit(a)
     t3 = time.perf_counter()

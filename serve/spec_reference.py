@@ -27,6 +27,12 @@ def sequential_decode(model: HybridLM, cache: HybridCache, tokens: Sequence[int]
     return out
 
 
+def clone_cache(cache: HybridCache) -> HybridCache:
+    """A deep copy of ``cache`` (to prove later that a call left the original untouched)."""
+    return HybridCache(tuple(KDACache(x.recurrent.clone(), x.conv.clone()) if isinstance(x, KDACache) else x.clone()
+                             for x in cache.layers), cache.num_tokens)
+
+
 def cache_max_abs_diff(a: HybridCache, b: HybridCache) -> float:
     """Largest ``|a - b|`` over every KDA state, conv state and MLA latent; inf if the shapes or token
     counts differ (a cache holding a rejected token must never read as close)."""

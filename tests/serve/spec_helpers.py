@@ -59,11 +59,6 @@ def greedy_continuation(model: HybridLM, state: DecodeState, num_tokens: int) ->
     return tokens, caches
 
 
-def clone_cache(cache: HybridCache) -> HybridCache:
-    return HybridCache(tuple(type(x)(*(t.clone() for t in x)) if isinstance(x, tuple) else x.clone()
-                             for x in cache.layers), cache.num_tokens)
-
-
 def prefilled(model: HybridLM) -> DecodeState:
     return prefill_state(model, PROMPT)
 

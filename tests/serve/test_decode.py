@@ -7,11 +7,10 @@ from kda_core.config import PRESETS
 from kda_core.model import HybridLM, cache_equal
 from serve.decode import DecodeState, ProjectionReplay, greedy_accept, speculative_generate, verify, verify_and_replay
 from serve.draft import NgramProposer, NoisyOracleProposer
-from serve.spec_reference import cache_max_abs_diff, closed_form_states, corrections
+from serve.spec_reference import cache_max_abs_diff, clone_cache, closed_form_states, corrections
 from tests.serve.spec_helpers import (
     PROMPT,
     STRATEGY_IDS,
-    clone_cache,
     greedy_continuation,
     make_strategy,
     model,

@@ -1,0 +1,75 @@
+"""01 Snapshot vs projection bytes: what each speculative-decoding rollback strategy holds per verify."""
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+import torch
+
+from pages._common import engine_call, persist, show_chart
+from serve.rollback import LayerShape
+from serve.rollback_bytes import LAYER_PRESETS, measure_layer_bytes, model_rollback_table
+
+st.title("Snapshot vs projection bytes")
+st.write(
+    "A rejected draft token has already been folded into a KDA state, so speculative decoding must be able to "
+    "rebuild the state at the last accepted token. **Snapshot** keeps the full state (and conv window) after every "
+    "verify token; **projection replay** keeps only what the kernel consumed (k, v, g, β and the raw conv inputs) "
+    "and replays; the **raw-input ring** keeps one hidden vector per token and re-projects. Bytes below are read "
+    "with `nbytes()` from the buffers each strategy filled after a real one-layer verify run now on this CPU.")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+c1, c2, c3 = st.columns(3)
+preset = c1.selectbox("Layer size", [*LAYER_PRESETS, "Custom"], key=persist("p01_preset", list(LAYER_PRESETS)[2]))
+num_draft = c2.slider("Draft length n (verify = 1 + n tokens)", 1, 16, key=persist("p01_draft", 4))
+dtype_name = c3.selectbox("Stored dtype s", list(DTYPES), key=persist("p01_dtype", "fp32"))
+if preset == "Custom":
+    d1, d2, d3, d4 = st.columns(4)
+    heads = d1.slider("Heads H", 1, 96, key=persist("p01_heads", 8))
+    k_dim = d2.select_slider("Key dim K", [16, 32, 64, 128], key=persist("p01_k", 64))
+    v_dim = d3.select_slider("Value dim V", [16, 32, 64, 128], key=persist("p01_v", 64))
+    width = d4.select_slider("Layer input width d", [64, 256, 1024, 2304, 4096, 7168], key=persist("p01_d", 1024))
+    shape = LayerShape(heads, k_dim, v_dim, 4, width)
+else:
+    shape = LAYER_PRESETS[preset]
+
+
+@st.cache_data(show_spinner="Running a one-layer verify…", max_entries=32)
+def _measure(shape: tuple, num_draft: int, dtype_name: str) -> pd.DataFrame:
+    rows = measure_layer_bytes(LayerShape(*shape), num_draft, DTYPES[dtype_name])
+    return pd.DataFrame(rows, columns=rows[0]._fields)
+
+
+df = engine_call(_measure, tuple(shape), num_draft, dtype_name)
+st.subheader(f"1 · One KDA layer (H={shape.num_heads}, K={shape.head_k_dim}, V={shape.head_v_dim}, "
+             f"d={shape.hidden_size}), {1 + num_draft} verify tokens, {dtype_name}")
+fig = go.Figure(go.Bar(x=df.strategy, y=df.vs_snapshot, marker_color=["#d62728", "#2ca02c", "#1f77b4"],
+                       text=[f"{b:,} B" for b in df.measured_bytes], textposition="outside"))
+fig.update_layout(xaxis_title="rollback strategy", yaxis_title="bytes held ÷ snapshot bytes (log)",
+                  yaxis_type="log", yaxis_range=[-3.2, 0.4], height=380)
+show_chart(fig, df, key="p01_layer_chart")
+table = df.assign(**{"measured = formula": df.measured_bytes == df.formula_bytes})
+st.dataframe(table[["strategy", "measured_bytes", "formula_bytes", "formula", "measured = formula", "vs_snapshot"]],
+             hide_index=True, width="stretch")
+st.caption(
+    f"Formula bytes = (1 + n) × per-token bytes with s = {DTYPES[dtype_name].itemsize} B; conv channels "
+    f"2HK + HV = {shape.conv_dim}, window W − 1 = 3. Measured here: snapshot = "
+    f"{df.measured_bytes[0] / df.measured_bytes[1]:,.1f}× projections = {df.measured_bytes[0] / df.measured_bytes[2]:,.0f}× "
+    "raw inputs. The snapshot's state term H·K·V grows with K·V, the projections with H·(2K + V), raw inputs only with d.")
+
+st.subheader("2 · Whole model, per draft token")
+tdf = pd.DataFrame(model_rollback_table())
+fig2 = go.Figure()
+for col, color in [("snapshot state MiB", "#d62728"), ("projections k,v,g,beta MiB", "#2ca02c"),
+                   ("conv inputs MiB", "#98df8a"), ("raw inputs MiB", "#1f77b4")]:
+    fig2.add_trace(go.Bar(x=tdf.model, y=tdf[col], name=col, marker_color=color))
+fig2.update_layout(barmode="group", xaxis_title="model", yaxis_title="MiB per draft token, all KDA layers (log)",
+                   yaxis_type="log", legend=dict(orientation="h", y=-0.25))
+show_chart(fig2, tdf, key="p01_model_chart")
+st.dataframe(tdf, hide_index=True, width="stretch")
+k3 = tdf.set_index("model").loc["kimi-k3"]
+st.write(
+    f"**What to notice.** Kimi K3 (69 KDA layers, 96 heads × 128): a snapshot holds "
+    f"**{k3['snapshot state MiB']:,.0f} MiB** of fp32 state per draft token (69 × 96·128·128·4 B), projections "
+    f"**{k3['projections k,v,g,beta MiB']:.1f} MiB** (69 × 96·(2·128+128+1)·2 B, bf16) plus "
+    f"{k3['conv inputs MiB']:.1f} MiB of raw conv inputs, and raw layer inputs **{k3['raw inputs MiB']:.2f} MiB** "
+    "(69 × 7168·2 B). Sources: SGLang's intermediate SSM state cache and vLLM's per-draft state slots (snapshot); "
+    "ReplaySSM (Dao AI Lab, 2026) for caching inputs instead of states; model sizes from the published configs.")
