@@ -23,76 +23,23 @@ Also importable from here (lazily, they live in sibling modules): ``PagedMLACach
 """
 from __future__ import annotations
 
-import enum
 import math
 from collections import Counter
 from collections.abc import Hashable, Iterable
 from operator import itemgetter
-from typing import NamedTuple
 
 import torch
 
-POISON_BYTE = 0xFF  # 0xFFFFFFFF is a NaN in fp32, 0xFFFF a NaN in fp16 and bf16 (fla's habit)
-
-
-class PageKind(enum.IntEnum):
-    """What a page holds: nothing, per-token MLA latent KV, or a per-sequence KDA state."""
-
-    FREE = 0
-    MLA_KV = 1
-    KDA_STATE = 2
-
-
-USED_KINDS = (PageKind.MLA_KV, PageKind.KDA_STATE)
-
-
-class PoolExhausted(RuntimeError):
-    """An allocation needed more free pages than the pool has. Nothing was allocated.
-
-    Attributes: kind (:class:`PageKind`), needed (pages asked for), free (pages free at the time).
-    """
-
-    def __init__(self, kind: PageKind, needed: int, free: int):
-        self.kind, self.needed, self.free = kind, needed, free
-        super().__init__(f"pool exhausted: {kind.name} needs {needed} pages, {free} free")
-
-
-class PageError(ValueError):
-    """Misuse of a page: double free, releasing a reference the caller does not hold, touching a free
-    page, or a view that does not fit the page."""
-
-
-class PoolStats(NamedTuple):
-    """Snapshot of a pool (counts in pages, sizes in bytes).
-
-    pages_by_kind: ``{PageKind: pages}`` for every kind including FREE (sums to num_pages).
-    utilisation: used pages / num_pages in [0, 1]. shared_pages: pages with reference count > 1.
-    free_runs: maximal runs of consecutive free page ids; largest_free_run: pages in the longest run;
-    external_fragmentation: ``1 - largest_free_run / free_pages`` (0 when free space is one run or
-    the pool is full) -- only matters to a caller that needs physically consecutive pages.
-    """
-
-    num_pages: int
-    page_bytes: int
-    free_pages: int
-    pages_by_kind: dict
-    utilisation: float
-    shared_pages: int
-    free_runs: int
-    largest_free_run: int
-    external_fragmentation: float
-
-
-def _positive_int(name: str, val) -> int:
-    if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-        raise ValueError(f"{name} must be a positive int, got {val!r}")
-    return val
-
-
-def _used_kind(kind) -> PageKind:
-    if kind is PageKind.MLA_KV or kind is PageKind.KDA_STATE:
-        return kind
-    raise ValueError(f"kind must be PageKind.MLA_KV or PageKind.KDA_STATE, got {kind!r}")
+from serve.page_kinds import (  # noqa: F401  (re-exported: the public names of the pool)
+    POISON_BYTE,
+    USED_KINDS,
+    PageError,
+    PageKind,
+    PoolExhausted,
+    PoolStats,
+    check_positive_int,
+    check_used_kind,
+)
 
 
 class PagePool:
@@ -107,8 +54,8 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int, page_bytes: int, poison: bool = False):
-        self.num_pages = _positive_int("num_pages", num_pages)
-        self.page_bytes = _positive_int("page_bytes", page_bytes)
+        self.num_pages = check_positive_int("num_pages", num_pages)
+        self.page_bytes = check_positive_int("page_bytes", page_bytes)
         self.poison = bool(poison)
         self.arena = torch.empty((num_pages, page_bytes), dtype=torch.uint8)  # [num_pages, page_bytes]
         if self.poison:
@@ -134,7 +81,7 @@ class PagePool:
         """Pages in use, of ``kind`` (MLA_KV / KDA_STATE) or of both (None)."""
         if kind is None:
             return self.num_pages - len(self._free)
-        return self._count[_used_kind(kind)]
+        return self._count[check_used_kind(kind)]
 
     # ---- allocation and references --------------------------------------------------------------
     def alloc(self, kind: PageKind, n: int, owner: Hashable) -> list[int]:
@@ -145,7 +92,7 @@ class PagePool:
         Raises ValueError (unknown kind, ``n`` not an int >= 0, owner None) and
         :class:`PoolExhausted` (``n`` > free pages); on any error nothing changes.
         """
-        kind = _used_kind(kind)
+        kind = check_used_kind(kind)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"n must be an int >= 0, got {n!r}")
         if owner is None:
