@@ -171,8 +171,17 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig,
                      total_tokens, miss, peak_kv, peak_st, written, ev_kv, ev_ck, time.perf_counter() - t0)
 
 
-def _sim_row(res: SimResult, **extra) -> dict:
-    row = dict(extra, block_hit_ratio=res.block_hit_ratio, token_hit_ratio=res.token_hit_ratio,
+CAPACITY_FRACTIONS = (0.01, 0.03, 0.1, 0.3, 1.0)
+
+
+def replay_row(requests: Sequence[TraceRequest], preset: str, checkpoint_interval: int, num_groups: int = 1,
+               capacity_bytes: float | None = None) -> dict:
+    """One replay with a preset's byte sizes, flattened for a table: the config, hit ratios, peak GB,
+    checkpoints written, evictions, seconds, and ``miss_<cause>`` as fractions of all tokens."""
+    res = simulate(requests, SimConfig.for_preset(preset, checkpoint_interval, num_groups, capacity_bytes))
+    row = dict(interval_tokens=checkpoint_interval, num_groups=num_groups,
+               capacity_gb=None if capacity_bytes is None else capacity_bytes / 1e9,
+               block_hit_ratio=res.block_hit_ratio, token_hit_ratio=res.token_hit_ratio,
                peak_kv_gb=res.peak_kv_bytes / 1e9, peak_state_gb=res.peak_state_bytes / 1e9,
                checkpoints_written=res.checkpoints_written, evicted_blocks=res.evicted_blocks,
                evicted_checkpoints=res.evicted_checkpoints, seconds=res.seconds)
@@ -180,29 +189,7 @@ def _sim_row(res: SimResult, **extra) -> dict:
     return row
 
 
-def capacity_sweep(requests: Sequence[TraceRequest], preset: str, checkpoint_interval: int, num_groups: int = 1,
-                   fractions: Sequence[float] = (0.01, 0.03, 0.1, 0.3, 1.0),
-                   progress: Callable[[float], None] | None = None) -> list[dict]:
-    """Hit ratios and miss causes at capacities = ``fractions`` of what an unlimited cache peaks at
-    (one row each, plus the unlimited run last; miss_* columns are fractions of all tokens)."""
-    runs = len(fractions) + 1
-
-    def step(i):
-        return None if progress is None else (lambda f: progress((i + f) / runs))
-
-    full = simulate(requests, SimConfig.for_preset(preset, checkpoint_interval, num_groups), step(0))
-    peak = full.peak_kv_bytes + full.peak_state_bytes
-    rows = []
-    for i, frac in enumerate(fractions):
-        cfg = SimConfig.for_preset(preset, checkpoint_interval, num_groups, capacity_bytes=frac * peak)
-        rows.append(_sim_row(simulate(requests, cfg, step(i + 1)), capacity_gb=frac * peak / 1e9, unlimited=False))
-    rows.append(_sim_row(full, capacity_gb=peak / 1e9, unlimited=True))
-    return rows
-
-
-def interval_sweep(requests: Sequence[TraceRequest], preset: str, intervals: Sequence[int], num_groups: int = 1,
-                   capacity_bytes: float | None = None) -> list[dict]:
-    """One row per checkpoint interval C (tokens): checkpoints written, peak state bytes, hit ratios."""
-    return [_sim_row(simulate(requests, SimConfig.for_preset(preset, c, num_groups, capacity_bytes)),
-                     interval_tokens=c, capacity_gb=None if capacity_bytes is None else capacity_bytes / 1e9)
-            for c in intervals]
+def capacity_points(unlimited: dict, fractions: Sequence[float] = CAPACITY_FRACTIONS) -> list[float]:
+    """Capacities (bytes) at ``fractions`` of what an unlimited replay (a :func:`replay_row`) peaked at."""
+    peak = (unlimited["peak_kv_gb"] + unlimited["peak_state_gb"]) * 1e9
+    return [f * peak for f in fractions]

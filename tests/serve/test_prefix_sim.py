@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from serve.prefix_index import block_keys
-from serve.prefix_sim import MISS_CAUSES, SimConfig, simulate
+from serve.prefix_sim import MISS_CAUSES, SimConfig, capacity_points, replay_row, simulate
 from serve.traces import TraceRequest, ideal_hit_ratio, load_mooncake, synthesize
 from tests.serve.prefix_helpers import make_engine, tokens
 
@@ -82,3 +82,14 @@ def test_config_validation():
         SimConfig.for_preset("nope", 512)
     with pytest.raises(ValueError, match="empty"):
         simulate([], SimConfig(16, 16, 1, (1,)))
+
+
+def test_replay_row_and_capacity_points():
+    trace = _small_trace()
+    row = replay_row(trace, "kimi-linear-48b-a3b", 512, 2)
+    assert row["capacity_gb"] is None and row["num_groups"] == 2
+    assert abs(sum(row[f"miss_{c}"] for c in MISS_CAUSES) - (1 - row["token_hit_ratio"])) < 1e-12
+    points = capacity_points(row, (0.5, 1.0))
+    assert points[1] == (row["peak_kv_gb"] + row["peak_state_gb"]) * 1e9 and points[0] == points[1] / 2
+    half = replay_row(trace, "kimi-linear-48b-a3b", 512, 2, points[0])
+    assert half["evicted_blocks"] + half["evicted_checkpoints"] > 0
