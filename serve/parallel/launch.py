@@ -14,12 +14,15 @@ its deadline, the remaining ranks are terminated (then killed) and joined, and a
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
+import types
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -140,6 +143,24 @@ def _failure_message(procs, results: dict, errors: dict) -> str:
     return parts[0] + "".join(f"\nalso {p.splitlines()[0]}" for p in parts[1:])
 
 
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Start ranks without re-running ``__main__`` in them.
+
+    spawn and forkserver children re-import the parent's ``__main__`` file before unpickling their
+    target. Under Streamlit (and its AppTest) ``__main__`` is the page script being run, so every
+    rank would run the page again. Rank functions live in importable modules, never in ``__main__``,
+    so a bare module stands in while the processes start (Streamlit swaps ``__main__`` the same way).
+    """
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
 def _stop(processes) -> None:
     """Terminate, then kill, then join every process still alive."""
     for p in processes:
@@ -158,7 +179,8 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` fresh processes with a process group.
 
     Args:
-        fn: a module-level (picklable) function; its return value must be picklable.
+        fn: a module-level function of an importable module (not ``__main__``); its return value
+        must be picklable.
         world_size: number of ranks (>= 1). timeout_s: deadline for the whole run (the collective
         timeout inside the ranks is a little longer, so the parent always decides). backend: "gloo" (or "nccl" with CUDA).
         start_method: "spawn" or "forkserver". threads_per_rank: torch intra-op threads per rank.
@@ -186,7 +208,9 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
     results_q = mpctx.Queue()
     rank_args = (fn, world_size, free_port(), backend, timeout_s + RANK_TIMEOUT_SLACK_S, threads_per_rank, args,
                  results_q)
-    ctx = mp.start_processes(_rank_main, args=rank_args, nprocs=world_size, join=False, start_method=start_method)
+    with _main_module_hidden():
+        ctx = mp.start_processes(_rank_main, args=rank_args, nprocs=world_size, join=False,
+                                 start_method=start_method)
     procs = ctx.processes
     pids = [p.pid for p in procs]
     results: dict[int, Any] = {}
