@@ -35,15 +35,16 @@ run = engine_call(_miss, prompt_tokens, next_shared, block, interval, groups)
 written = pd.DataFrame(run.written)
 m1, m2, m3, m4 = st.columns(4)
 m1.metric("Miss: prefill tokens", f"{run.miss['prefill_tokens']:,}", f"TTFT {run.miss['ttft_ms']:.1f} ms", delta_color="off")
-m2.metric("Checkpoints written", f"{written.boundary.nunique()} boundaries × {groups} groups",
-          f"{run.miss['checkpoints_written']} published atomically", delta_color="off")
+m2.metric("Checkpoints (boundaries × groups)", f"{written.boundary.nunique()} × {groups}",
+          f"{run.miss['checkpoints_written']} boundaries published atomically", delta_color="off")
 m3.metric("Next request: hit b", f"{run.hit['hit_tokens']} tokens", f"KV run {run.hit['kv_hit_tokens']}", delta_color="off")
 m4.metric("Next output identical", "yes" if run.check.outputs_identical else "NO",
           f"max |Δ logits| {run.check.max_logit_diff:.1e}", delta_color="off")
 fig = go.Figure(go.Scatter(x=written.boundary, y=written.group, mode="markers", marker_symbol="diamond",
                            marker_size=12, name="checkpoint (written at = boundary)", text=written.written_at))
-for x, name in ((min(next_shared, prompt_tokens), "next request shares up to"), (run.hit["hit_tokens"], "its hit b")):
-    fig.add_vline(x=x, line_dash="dot", annotation_text=f"{name} {x}")
+for x, name, pos in ((min(next_shared, prompt_tokens), "next request shares", "top right"),
+                     (run.hit["hit_tokens"], "its hit b =", "bottom left")):
+    fig.add_vline(x=x, line_dash="dot", annotation_text=f"{name} {x}", annotation_position=pos)
 fig.update_layout(xaxis_title="boundary (tokens)", yaxis_title="KDA group", yaxis=dict(dtick=1),
                   xaxis_range=[0, prompt_tokens + 8])
 show_chart(fig, written, key="p09_written_chart")

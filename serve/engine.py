@@ -30,6 +30,7 @@ from serve.paged_cache import PageKind, PagePool, PoolExhausted
 from serve.prefix_cache import PrefixCache
 from serve.prefix_index import block_keys, checkpoint_boundaries
 from serve.request import Request, RequestResult, RequestStatus
+from serve.spec_step import Speculation, draft_budget, speculative_step
 
 DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
 
@@ -46,11 +47,13 @@ class ServeEngine:
         prefix_cache: a :class:`PrefixCache` on the same pool, or None (no sharing: the reference).
         max_prefill_chunk: optional cap on tokens per prefill forward.
         block_size / num_groups: the page layout when there is no prefix cache (else the cache's).
+        speculation: optional :class:`serve.spec_step.Speculation` (drafts verified each decode step).
     Raises ValueError for a cache on another pool or model config, or bad sizes.
     """
 
     def __init__(self, model: HybridLM, pool: PagePool, prefix_cache: PrefixCache | None = None,
-                 max_prefill_chunk: int | None = None, *, block_size: int = 16, num_groups: int = 1):
+                 max_prefill_chunk: int | None = None, *, block_size: int = 16, num_groups: int = 1,
+                 speculation: Speculation | None = None):
         if prefix_cache is not None:
             if prefix_cache.pool is not pool:
                 raise ValueError("prefix_cache must be built on the engine's pool")
@@ -62,7 +65,7 @@ class ServeEngine:
         if max_prefill_chunk is not None and (not isinstance(max_prefill_chunk, int) or max_prefill_chunk < 1):
             raise ValueError(f"max_prefill_chunk must be None or a positive int, got {max_prefill_chunk!r}")
         self.model, self.pool, self.cache = model, pool, prefix_cache
-        self.max_prefill_chunk = max_prefill_chunk
+        self.max_prefill_chunk, self.speculation = max_prefill_chunk, speculation
         self.requests: dict[int, Request] = {}
         self.waiting: list[int] = []
         self.running: list[int] = []
@@ -80,6 +83,9 @@ class ServeEngine:
             raise ValueError("tokens must be a non-empty sequence of byte ids in [0, 255]")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if record_logits and self.speculation is not None and max_new_tokens > 1:
+            raise ValueError("record_logits with speculation needs max_new_tokens = 1 (a verify step returns "
+                             "tokens, not logits)")
         rid = self._next_rid
         self._next_rid += 1
         req = Request(rid, prompt, max_new_tokens, record_logits, t0)
@@ -271,20 +277,34 @@ class ServeEngine:
             self._publish(req, end, end in marks)
             req.timings_ms["checkpoint"] += _ms(t1)
         if end == L:
-            self._emit(req, out.logits[0, -1])
+            self._emit(req, int(out.logits[0, -1].argmax()), out.logits[0, -1])
 
     def _decode_one(self, req: Request) -> None:
-        logits, new = self.model.decode_step(req.output[-1], self._gather(req))
-        self._scatter(req, new, req.computed)
-        if self.cache is not None:
-            b_end = req.final_tokens // self.layout.block_size * self.layout.block_size
-            if req.computed == b_end and b_end > len(req.prompt) // self.layout.block_size * self.layout.block_size:
-                self._publish(req, b_end, True)
-        self._emit(req, logits[0])
+        N = self.layout.block_size
+        b_end = req.final_tokens // N * N if self.cache is not None else None
+        if self.speculation is None:
+            logits, new = self.model.decode_step(req.output[-1], self._gather(req))
+            self._scatter(req, new, req.computed)
+            emitted, rows = [int(logits[0].argmax())], [logits[0]]
+        else:
+            spec = self.speculation
+            if req.strategy is None:
+                req.proposer, req.strategy = spec.proposer(list(req.prompt)), spec.strategy()
+            n = draft_budget(spec.num_draft_tokens, req.computed, req.max_new_tokens - len(req.output), b_end)
+            res = speculative_step(self.model, self._gather(req), req.tokens(), req.proposer, req.strategy, n)
+            self._scatter(req, res.state.cache, req.computed)
+            emitted, rows = list(res.emitted_tokens), [None] * len(res.emitted_tokens)
+            req.drafted_tokens += len(res.draft_tokens)
+            req.accepted_tokens += res.num_accepted
+        if b_end is not None and req.computed == b_end and b_end > len(req.prompt) // N * N:
+            self._publish(req, b_end, True)
+        for tok, row in zip(emitted, rows):
+            self._emit(req, tok, row)
 
-    def _emit(self, req: Request, logits: torch.Tensor) -> None:
-        """Greedy token from ``logits [256]``; first token sets TTFT; the last one finishes the request."""
-        req.output.append(int(logits.argmax()))
+    def _emit(self, req: Request, token: int, logits: torch.Tensor | None) -> None:
+        """Append one greedy token (its ``logits [256]`` if recorded); the first sets TTFT; the last one
+        finishes the request."""
+        req.output.append(token)
         if req.record_logits:
             req.logits.append(logits.clone())
         if req.first_token_t is None:

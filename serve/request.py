@@ -31,7 +31,8 @@ class RequestResult(NamedTuple):
     kv_hit_tokens: phase-1 KV tokens; restored_bytes: checkpoint bytes copied into the request's state;
     shared_kv_bytes: KV bytes reused by reference (hit blocks * block bytes); checkpoints_written:
     checkpoints this request published; timings_ms: per phase in :data:`TIMING_PHASES`; logits:
-    ``[len(output_tokens), 256]`` fp32 when recorded, else None; reason: why a request was rejected.
+    ``[len(output_tokens), 256]`` fp32 when recorded, else None; reason: why a request was rejected;
+    drafted_tokens / accepted_tokens: speculative drafts proposed / accepted (0 without speculation).
     """
 
     rid: int
@@ -48,6 +49,8 @@ class RequestResult(NamedTuple):
     timings_ms: dict
     logits: torch.Tensor | None
     reason: str
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 @dataclass
@@ -81,6 +84,10 @@ class Request:
     restored_bytes: int = 0
     shared_kv_bytes: int = 0
     checkpoints_written: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    proposer: object = None
+    strategy: object = None
     reason: str = ""
 
     @property
@@ -99,4 +106,5 @@ class Request:
         return RequestResult(self.rid, self.status, len(self.prompt), tuple(self.output), ttft,
                              self.prefill_tokens, 0 if hit is None else hit.num_tokens,
                              0 if hit is None else hit.kv_tokens, self.restored_bytes, self.shared_kv_bytes,
-                             self.checkpoints_written, dict(self.timings_ms), logits, self.reason)
+                             self.checkpoints_written, dict(self.timings_ms), logits, self.reason,
+                             self.drafted_tokens, self.accepted_tokens)
