@@ -1,0 +1,14 @@
+"""KDA context parallel (KCP): one prompt across real ``torch.distributed`` ranks (issue 6, page 10).
+
+| concept | file | main type / function | tests |
+|---|---|---|---|
+| block summary (M, S_ext), fold | ``summary.py`` | ``BlockSummary``, ``chunk_summary``, ``naive_summary`` | ``tests/serve/parallel/test_kcp_summary.py`` |
+| per-rank algorithm, two variants | ``kcp.py`` | ``kcp_kda``, ``exchange_bytes`` (+ ``python -m serve.parallel.kcp``) | ``test_kcp.py`` |
+| layer prefill with the conv halo | ``halo.py`` | ``kcp_layer_prefill``, ``fold_halo`` | ``test_kcp_halo.py`` |
+| counted collectives, phase clock | ``comm.py`` | ``Comm``, ``PhaseTimes`` | (through the above) |
+| starting ranks / torchrun | ``launch.py`` | ``run_ranks``, ``init_from_env`` | ``test_kcp_launch.py`` |
+| one run: config, rank job | ``run.py`` | ``KCPConfig``, ``run_kcp``, ``KCPRun`` | ``test_kcp.py``, ``test_kcp_halo.py`` |
+| seeded inputs per token range | ``inputs.py`` | ``kda_inputs``, ``layer_inputs`` | (through the above) |
+| page 10 numbers, projection | ``report.py`` | ``compare_with``, ``project``, ``bytes_vs_context`` | ``test_kcp_report.py`` |
+| command line | ``cli.py`` | ``main`` | README commands |
+"""
