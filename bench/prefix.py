@@ -16,7 +16,8 @@ import json
 import statistics
 from pathlib import Path
 
-from serve.prefix_runs import cold_vs_warm, shared_prefix_prompts, single_thread, ttft_summary
+from serve.pool_measure import one_thread
+from serve.prefix_runs import cold_vs_warm, shared_prefix_prompts, ttft_summary
 from serve.prefix_sim import SimConfig, simulate
 from serve.traces import ideal_hit_ratio, load_mooncake
 
@@ -65,7 +66,7 @@ def main(argv=None):
         print(f"trace replay ({r['cache']}): {r['requests']} requests, {r['blocks']} blocks in "
               f"{r['seconds_median']:.2f} s; block hit {r['block_hit_ratio']:.4f} (ideal "
               f"{r['ideal_block_hit_ratio']:.4f}), token hit {r['token_hit_ratio']:.4f}")
-    with single_thread():
+    with one_thread():
         rows = ttft(args.prompt_tokens, args.fractions, args.repeats)
     print(f"{'shared':>7} {'hit':>5} {'cold ms':>8} {'warm ms':>8} {'reduction':>9} identical  max|dlogit|")
     for r in rows:

@@ -19,6 +19,7 @@ import torch
 
 from kda_core.config import ModelConfig
 from kda_core.layer import KDACache
+from serve.page_policy import kda_groups
 from serve.paged_cache import PagePool
 
 FP32_BYTES = 4
@@ -27,18 +28,8 @@ POLICIES = ("unified", "multi_page")
 
 
 def group_layers(cfg: ModelConfig, num_groups: int) -> tuple[tuple[int, ...], ...]:
-    """Split ``cfg.kda_layers`` into ``num_groups`` contiguous groups (sizes differ by at most 1).
-    Raises ValueError unless 1 <= num_groups <= number of KDA layers."""
-    layers = cfg.kda_layers
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or not 1 <= num_groups <= len(layers):
-        raise ValueError(f"num_groups must be an int in [1, {len(layers)}] (KDA layers), got {num_groups!r}")
-    q, r = divmod(len(layers), num_groups)
-    out, start = [], 0
-    for g in range(num_groups):
-        size = q + (g < r)
-        out.append(tuple(layers[start: start + size]))
-        start += size
-    return tuple(out)
+    """The KDA layers of each of ``num_groups`` contiguous groups (:func:`serve.page_policy.kda_groups`)."""
+    return kda_groups(cfg, num_groups)
 
 
 @dataclass(frozen=True)

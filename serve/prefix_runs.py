@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import functools
 import statistics
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -19,6 +18,7 @@ from kda_core.model import HybridLM
 from serve.cache_layout import CacheLayout
 from serve.engine import ServeEngine
 from serve.paged_cache import PagePool
+from serve.pool_measure import one_thread
 from serve.prefix_cache import PrefixCache
 from serve.request import TIMING_PHASES, RequestResult
 
@@ -31,17 +31,6 @@ def demo_model(preset: str = "demo") -> HybridLM:
     if preset not in RUNNABLE:
         raise ValueError(f"preset must be one of {RUNNABLE} (runnable on the CPU), got {preset!r}")
     return HybridLM(PRESETS[preset])
-
-
-@contextmanager
-def single_thread() -> Iterator[None]:
-    """Run torch on one thread inside the block (restores the previous count)."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
 
 
 def as_tokens(prompt: str | Sequence[int]) -> list[int]:
@@ -112,7 +101,7 @@ def cold_vs_warm(first: str | Sequence[int], second: str | Sequence[int], max_ne
     model = demo_model(preset)
     pages = _pages_for(model, block_size, num_groups, max(len(a), len(b)) + max_new_tokens)
     rows, checks, warm = [], [], None
-    with single_thread():
+    with one_thread():
         for r in range(repeats):
             cold = build_engine(model, block_size, interval, num_groups, pages, cache=False).generate(
                 b, max_new_tokens, record_logits=True)
@@ -170,7 +159,7 @@ def anatomy(prompts: Sequence[str | Sequence[int]], block_size: int = 16, interv
     model = demo_model(preset)
     pages = sum(_pages_for(model, block_size, num_groups, len(p) + 1) for p in ids)
     eng = build_engine(model, block_size, interval, num_groups, pages)
-    with single_thread():
+    with one_thread():
         for p in ids[:-1]:
             eng.generate(p, 1)
     cache = eng.cache
@@ -207,7 +196,7 @@ def miss_then_hit(prompt_tokens: int, next_shared: int, block_size: int = 16, in
     second = first[:next_shared] + shared_prefix_prompts(16, 0, seed + 1)[0]
     model = demo_model(preset)
     pages = _pages_for(model, block_size, num_groups, prompt_tokens + 16 + max_new_tokens)
-    with single_thread():
+    with one_thread():
         eng = build_engine(model, block_size, interval, num_groups, pages)
         miss = eng.generate(first, max_new_tokens)
         written = [c._asdict() for c in eng.cache.checkpoints()]

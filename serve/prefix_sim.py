@@ -26,8 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from kda_core.config import PRESETS, conv_state_bytes_per_layer, kda_state_bytes_per_layer, mla_kv_bytes_per_token
-from serve.cache_layout import group_layers
+from kda_core.config import PRESETS, mla_kv_bytes_per_token
+from serve.page_policy import group_state_bytes, kda_groups
 from serve.prefix_index import ROOT, PrefixIndex, checkpoint_boundaries
 from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, leading_run
 
@@ -68,8 +68,7 @@ class SimConfig:
         if preset not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
         cfg = PRESETS[preset]
-        per_layer = kda_state_bytes_per_layer(cfg, state_dtype) + conv_state_bytes_per_layer(cfg, conv_dtype)
-        groups = tuple(len(g) * per_layer for g in group_layers(cfg, num_groups))
+        groups = tuple(group_state_bytes(cfg, len(g), state_dtype, conv_dtype) for g in kda_groups(cfg, num_groups))
         return cls(block_size, checkpoint_interval, mla_kv_bytes_per_token(cfg, kv_dtype) * block_size, groups,
                    capacity_bytes)
 
