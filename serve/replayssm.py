@@ -98,7 +98,8 @@ class RawInputRing(RollbackStrategy):
         if self._slots is None:
             cfg = model.cfg
             self._ring_model = model
-            self._slots = torch.empty(self.capacity, cfg.num_kda_layers, cfg.hidden_size, dtype=self.store_dtype)
+            self._slots = torch.full((self.capacity, cfg.num_kda_layers, cfg.hidden_size), float("nan"),
+                                     dtype=self.store_dtype)      # never-written slots fail loudly
         if num_tokens > self.num_free or self.commit_end == self.head:
             if self.commit_end > self.head:                # ring full: write the state back, free history
                 self.forced_commit = True

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from kda_core.config import PRESETS
@@ -51,26 +52,30 @@ def bytes_vs_draft(model: HybridLM, max_draft: int) -> list[dict]:
     return rows
 
 
-def commit_times(model: HybridLM, num_draft: int, repeats: int = 3) -> list[dict]:
-    """Median commit (rebuild) ms of each strategy for every accepted length 0..num_draft.
+def commit_times(model: HybridLM, num_draft: int, repeats: int = 3, accepted: Sequence[int] | None = None) -> list[dict]:
+    """Median commit (rebuild) ms of each strategy for each accepted length (default: every one, 0..num_draft).
 
-    Each repeat records a fresh verify of ``1 + num_draft`` tokens and times only ``commit(a)``."""
+    Each repeat records a fresh verify of ``1 + num_draft`` tokens and times only ``commit(a)``.
+    Raises ValueError for repeats < 1 or an accepted length outside [0, num_draft]."""
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    accepted = range(num_draft + 1) if accepted is None else accepted
+    if any(not 0 <= a <= num_draft for a in accepted):
+        raise ValueError(f"accepted lengths must be in [0, {num_draft}], got {list(accepted)}")
     rows = []
     with single_thread():
         state = prefill_state(model, encode(PROMPT_TEXT))
         out = verify(model, state, [state.last_token] * num_draft)
-        for a in range(num_draft + 1):
-            for kind in range(3):
-                times = []
-                for _ in range(repeats + 1):                       # first run is a warm-up
-                    strat = _all_strategies(1 + num_draft)[kind]   # fresh: a ring holds one request
+        for a in accepted:
+            times: dict[str, list[float]] = {}
+            for _ in range(repeats + 1):               # round-robin: a burst of load hits every strategy alike
+                for strat in _all_strategies(1 + num_draft):   # fresh: a ring holds one request
                     strat.record(model, state.cache, out)
                     t0 = time.perf_counter_ns()
                     strat.commit(a)
-                    times.append((time.perf_counter_ns() - t0) / 1e6)
-                rows.append({"accepted": a, "strategy": strat.name, "commit_ms": sorted(times[1:])[repeats // 2]})
+                    times.setdefault(strat.name, []).append((time.perf_counter_ns() - t0) / 1e6)
+            rows += [{"accepted": a, "strategy": name, "commit_ms": sorted(ts[1:])[repeats // 2]}  # 1st = warm-up
+                     for name, ts in times.items()]
     return rows
 
 

@@ -2,6 +2,8 @@
 sequential greedy decoding (fp32, demo-tiny with K != V)."""
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from kda_core.config import PRESETS
 from kda_core.model import HybridLM, cache_equal
@@ -195,3 +197,25 @@ def test_strategy_misuse_raises(model, start):
         ProjectionReplay(torch.int32)
     with pytest.raises(ValueError, match="num_draft_tokens"):
         speculative_generate(model, PROMPT, 4, NgramProposer(), ProjectionReplay(), -1)
+
+
+@pytest.mark.parametrize("kind", STRATEGY_IDS)
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(plan=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4), st.booleans()), min_size=1, max_size=6))
+def test_random_step_sequences_match_sequential(model, start, kind, plan):
+    """Random (draft length, accepted count, abort-first) sequences: after every step the strategy is intact
+    and the committed caches equal a plain decode of the emitted tokens (the oracle)."""
+    strategy, state = make_strategy(kind), start
+    for n, a, abort in plan:
+        a = min(a, n)
+        target, ref_caches = greedy_continuation(model, state, n)
+        drafts = _drafts_accepting(target, a, n)
+        if abort:                                                           # a preempted verify, dropped
+            strategy.record(model, state.cache, verify(model, state, drafts))
+            strategy.discard()
+            strategy.check_integrity()
+        res = verify_and_replay(model, state, drafts, strategy)
+        strategy.check_integrity()
+        assert res.num_accepted == a and list(res.emitted_tokens) == target[: a + 1]
+        assert cache_equal(res.state.cache, ref_caches[a])
+        state = res.state
