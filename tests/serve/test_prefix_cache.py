@@ -249,3 +249,25 @@ def test_prefix_cache_matches_oracle(ops, num_pages, groups, max_ck):
         assert _contents(cache) == oracle.contents()
         for s in SEQS:
             assert (cache.lookup(s).num_tokens, cache.lookup(s).kv_tokens) == oracle.lookup(s)
+
+
+def test_evicting_a_checkpoint_keeps_kv_and_evicting_kv_drops_its_checkpoints():
+    cache = _cache(max_checkpoints=2)
+    seq = list(range(1, 17))                       # 4 blocks of 4
+    _insert(cache, seq, 4, [1, 2, 3])              # the third checkpoint evicts the LRU one (at 4)
+    assert [c.boundary for c in cache.checkpoints()] == [8, 12]
+    assert cache.stats().evicted_checkpoints == 1 and cache.lookup(seq).kv_tokens == 15
+    assert cache.lookup(seq[:5]).kv_tokens == 4 and cache.lookup(seq[:5]).num_tokens == 0   # KV still usable
+    cache.clear()
+    assert cache.checkpoints() == [] and cache.stats().kv_blocks == 0
+    assert cache.pool.num_free == cache.pool.num_pages
+    idx = PrefixIndex(1)
+    idx.add_block("a", None)
+    idx.add_block("b", "a")
+    idx.add_checkpoint("b", 0, "pages-of-b", 8)
+    idx.touch(["a", "b"], 2, with_checkpoint=False)     # the checkpoint at b is now the oldest entry
+    assert [e.kind for e in idx.evict_one()] == ["ckpt"]
+    idx.touch(["a", "b"], 2, with_checkpoint=False)     # LRU order: block b, block a
+    idx.add_checkpoint("b", 0, "pages-of-b", 8)         # then the checkpoint: block b is the oldest entry
+    assert [(e.kind, e.key) for e in idx.evict_one()] == [("ckpt", "b"), ("kv", "b")]   # block b and its checkpoint
+    idx.check_integrity(4)
