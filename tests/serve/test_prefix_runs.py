@@ -1,0 +1,52 @@
+"""The measured runs behind the home page and pages 07-09 (tiny model, small prompts)."""
+from __future__ import annotations
+
+import pytest
+
+from serve.prefix_runs import anatomy, as_tokens, cold_vs_warm, miss_then_hit, shared_prefix_prompts, ttft_summary
+
+
+def test_cold_vs_warm_rows_and_check():
+    a, b = shared_prefix_prompts(64, 10, seed=3)
+    assert a[:64] == b[:64] and a != b and len(a) == 74
+    run = cold_vs_warm(a, b, max_new_tokens=3, block_size=16, interval=32, repeats=2, preset="demo-tiny")
+    assert [r["kind"] for r in run.rows] == ["cold", "first", "warm"] * 2
+    warm = [r for r in run.rows if r["kind"] == "warm"]
+    assert all(r["hit_tokens"] == 64 and r["prefill_tokens"] == 10 for r in warm)
+    assert all(r["restored_bytes"] == run.layout.state_bytes for r in warm)
+    assert run.check.outputs_identical and run.check.max_logit_diff <= 1e-5
+    s = ttft_summary(run.rows)
+    assert s["cold_ttft_ms"] > 0 and s["ttft_reduction"] == 1 - s["warm_ttft_ms"] / s["cold_ttft_ms"]
+
+
+def test_anatomy_and_drop():
+    prompts = ["x" * 40 + "second question", "x" * 40 + "first question", "x" * 40 + "first question, again"]
+    base = anatomy(prompts, block_size=8, interval=16, num_groups=2, preset="demo-tiny")
+    assert base.num_tokens == 48 and base.kv_tokens == 48
+    assert base.steps[-1]["phase"] == 2 and base.steps[-1]["found"]
+    dropped = anatomy(prompts, 8, 16, 2, drop=(48, 1), preset="demo-tiny")
+    assert dropped.num_tokens == 32 and dropped.kv_tokens == 48          # falls back to the next complete one
+    assert {(c["boundary"], c["group"]) for c in dropped.checkpoints} == {
+        (c["boundary"], c["group"]) for c in base.checkpoints} - {(48, 1)}
+    with pytest.raises(ValueError, match="at least two prompts"):
+        anatomy(["only one"], preset="demo-tiny")
+
+
+def test_miss_then_hit():
+    run = miss_then_hit(96, 70, block_size=16, interval=32, num_groups=2, max_new_tokens=2, preset="demo-tiny")
+    assert run.miss["prefill_tokens"] == 96 and run.miss["hit_tokens"] == 0
+    assert {w["boundary"] for w in run.written} >= {32, 64, 96}
+    assert all(w["written_at"] == w["boundary"] for w in run.written)
+    assert run.hit["hit_tokens"] == 64 and run.check.outputs_identical
+    with pytest.raises(ValueError, match="next_shared"):
+        miss_then_hit(32, 40, preset="demo-tiny")
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="empty"):
+        as_tokens("")
+    assert as_tokens("é") == [195, 169]
+    with pytest.raises(ValueError, match="preset"):
+        cold_vs_warm("a", "b", preset="kimi-k3")
+    with pytest.raises(ValueError, match="shared_tokens"):
+        shared_prefix_prompts(0, 0)
