@@ -26,8 +26,11 @@ def test_anatomy_and_drop():
     assert base.steps[-1]["phase"] == 2 and base.steps[-1]["found"]
     dropped = anatomy(prompts, 8, 16, 2, drop=(48, 1), preset="demo-tiny")
     assert dropped.num_tokens == 32 and dropped.kv_tokens == 48          # falls back to the next complete one
-    assert {(c["boundary"], c["group"]) for c in dropped.checkpoints} == {
-        (c["boundary"], c["group"]) for c in base.checkpoints} - {(48, 1)}
+    key48 = next(b["key"] for b in base.blocks if b["prompt"] == 1 and b["end"] == 48)
+    gone = {(c["boundary"], c["group"], c["key"]) for c in base.checkpoints} - {
+        (c["boundary"], c["group"], c["key"]) for c in dropped.checkpoints}
+    assert len(dropped.checkpoints) == len(base.checkpoints) - 1 and [(g[0], g[1], g[2][:8]) for g in gone] == [
+        (48, 1, key48)]
     with pytest.raises(ValueError, match="at least two prompts"):
         anatomy(["only one"], preset="demo-tiny")
 
