@@ -283,3 +283,21 @@ def test_submit_rejects_bad_input():
         eng.submit([1, 2], 0)
     with pytest.raises(ValueError, match="unknown request"):
         eng.result(99)
+
+
+def test_waiting_request_rematches_at_admission():
+    """R2 is matched at submit (nothing cached yet) and waits for pages; after R1's chunk to 32 the
+    re-match finds the checkpoint at 32, which makes R2 need fewer pages, so it is admitted then."""
+    eng = make_engine(block_size=16, interval=16, num_pages=9)
+    shared = tokens(50, 48)
+    r1, r2 = shared + tokens(51, 8), shared + tokens(52, 8)
+    a = eng.submit(r1, 2, record_logits=True)
+    b = eng.submit(r2, 2, record_logits=True)
+    assert eng.requests[b].hit.num_tokens == 0
+    eng.step()
+    assert eng.requests[b].status is RequestStatus.WAITING
+    eng.run_until_idle()
+    eng.check_integrity()
+    assert eng.result(b).hit_tokens == 32 and eng.cache.stats().lookups == 2
+    for rid, p in ((a, r1), (b, r2)):
+        assert_equal_to_reference(eng.result(rid), p)
