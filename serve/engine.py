@@ -163,7 +163,7 @@ class ServeEngine:
             old = req.hit
             self.cache.release(req.rid)
             self.pool.decref(list(old.kv_pages), req.rid)
-            self.cache.acquire(better, req.rid, count=False)
+            self.cache.acquire(better, req.rid, replaces=old)
             req.hit = better
 
     def _admit(self, req: Request) -> bool:

@@ -71,7 +71,6 @@ class PrefixCache:
         self.owner = ("prefix_cache", id(self))
         self.index = PrefixIndex(num_groups)
         self._holds: dict[Hashable, _Holds] = {}
-        self._last_hit: dict[Hashable, int] = {}
         self._counts = dict(lookups=0, lookup_tokens=0, hit_tokens=0, evicted_blocks=0, evicted_checkpoints=0,
                             published_checkpoints=0, failed_checkpoints=0)
 
@@ -123,10 +122,10 @@ class PrefixCache:
         return steps
 
     # ---- pins and references ----------------------------------------------------------------------
-    def acquire(self, hit: PrefixHit, owner: Hashable, count: bool = True) -> None:
+    def acquire(self, hit: PrefixHit, owner: Hashable, replaces: PrefixHit | None = None) -> None:
         """Pin the hit (blocks ``[0, b / N)`` and the checkpoint at b) for ``owner`` and give ``owner`` one
-        page reference to each; refresh them in the LRU (only what is consumed). Counts a lookup
-        (unless ``count`` is False: a re-match of the same request).
+        page reference to each; refresh them in the LRU (only what is consumed). Counts a lookup, or,
+        with ``replaces`` (the owner's earlier, released hit: a re-match), only the extra hit tokens.
         Raises ValueError if ``owner`` already holds a hit."""
         if owner in self._holds:
             raise ValueError(f"owner {owner!r} already holds a prefix hit")
@@ -142,11 +141,10 @@ class PrefixCache:
             self.pool.incref([p for pages in hit.checkpoint_pages for p in pages], owner)
             holds.ckpt = (keys[-1], groups, hit.checkpoint_pages)
             self.index.touch(keys, j)
-        if count:
+        if replaces is None:
             self._counts["lookups"] += 1
             self._counts["lookup_tokens"] += hit.num_prompt_tokens
-        self._counts["hit_tokens"] += hit.num_tokens - (0 if count else self._last_hit.get(owner, 0))
-        self._last_hit[owner] = hit.num_tokens
+        self._counts["hit_tokens"] += hit.num_tokens - (0 if replaces is None else replaces.num_tokens)
 
     def restore(self, hit: PrefixHit, owner: Hashable, dst_pages_by_group) -> int:
         """Copy the pinned checkpoint of ``hit`` into ``dst_pages_by_group`` (the owner's private state

@@ -298,6 +298,7 @@ def test_waiting_request_rematches_at_admission():
     assert eng.requests[b].status is RequestStatus.WAITING
     eng.run_until_idle()
     eng.check_integrity()
-    assert eng.result(b).hit_tokens == 32 and eng.cache.stats().lookups == 2
+    stats = eng.cache.stats()
+    assert eng.result(b).hit_tokens == 32 and stats.lookups == 2 and stats.hit_tokens == 32
     for rid, p in ((a, r1), (b, r2)):
         assert_equal_to_reference(eng.result(rid), p)
