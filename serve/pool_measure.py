@@ -18,9 +18,8 @@ would measure the scheduler, not the copy.
 """
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -28,6 +27,7 @@ import torch
 from kda_core.layer import latent_attention
 from serve.paged_cache import PageKind, PagePool
 from serve.paged_mla import PagedMLACache
+from serve.threads import one_thread
 
 
 class NaiveListPool:
@@ -54,17 +54,6 @@ class NaiveListPool:
                 raise ValueError(f"page {p} is not owned by {owner!r}")
             del self.meta[p]
             self.free_list.append(p)
-
-
-@contextlib.contextmanager
-def one_thread() -> Iterator[None]:
-    """Run torch single-threaded inside the block, restoring the previous thread count after."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
 
 
 def _round_robin_median_ns(fns: list[Callable[[], object]], repeats: int) -> list[float]:

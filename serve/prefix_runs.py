@@ -18,9 +18,9 @@ from kda_core.model import HybridLM
 from serve.cache_layout import CacheLayout
 from serve.engine import ServeEngine
 from serve.paged_cache import PagePool
-from serve.pool_measure import one_thread
 from serve.prefix_cache import PrefixCache
 from serve.request import TIMING_PHASES, RequestResult
+from serve.threads import one_thread
 
 RUNNABLE = ("demo", "demo-k3gate", "demo-tiny")
 

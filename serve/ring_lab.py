@@ -2,7 +2,7 @@
 length for each strategy, a ring run (slots, head/tail, wrap-around, write-backs) and its overflow.
 
 All runs use a demo-shaped hybrid (8 layers: 6 KDA + 2 MLA, head dims 32) whose width d (and so
-H = d / 32 heads) is a parameter, single-threaded (see :func:`serve.spec_lab.single_thread`).
+H = d / 32 heads) is a parameter, single-threaded (see :func:`serve.threads.one_thread`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from serve.draft import NoisyOracleProposer
 from serve.replayssm import RawInputRing
 from serve.rollback import RollbackStrategy
 from serve.snapshot import SnapshotRollback
-from serve.spec_lab import PROMPT_TEXT, single_thread
+from serve.spec_lab import PROMPT_TEXT
+from serve.threads import one_thread
 
 WIDTHS = (64, 128, 256)
 
@@ -41,7 +42,7 @@ def bytes_vs_draft(model: HybridLM, max_draft: int) -> list[dict]:
     """For n = 1..max_draft: bytes each strategy holds after a real verify of 1 + n tokens (whole model,
     fp32). The ring is sized to the verify (capacity = window = 1 + n), i.e. its raw inputs only."""
     rows = []
-    with single_thread():
+    with one_thread():
         state = prefill_state(model, encode(PROMPT_TEXT))
         for n in range(1, max_draft + 1):
             out = verify(model, state, [state.last_token] * n)
@@ -63,7 +64,7 @@ def commit_times(model: HybridLM, num_draft: int, repeats: int = 3, accepted: Se
     if any(not 0 <= a <= num_draft for a in accepted):
         raise ValueError(f"accepted lengths must be in [0, {num_draft}], got {list(accepted)}")
     rows = []
-    with single_thread():
+    with one_thread():
         state = prefill_state(model, encode(PROMPT_TEXT))
         out = verify(model, state, [state.last_token] * num_draft)
         for a in accepted:
@@ -102,7 +103,7 @@ def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, 
         raise ValueError(f"requested_draft must be an int >= 0, got {requested_draft!r}")
     ring = RawInputRing(capacity, window)
     prompt = encode(PROMPT_TEXT)
-    with single_thread():
+    with one_thread():
         proposer = NoisyOracleProposer.from_model(model, prompt, max_new_tokens + requested_draft + 1,
                                                   1.0 - acceptance, seed)
         state = prefill_state(model, prompt)

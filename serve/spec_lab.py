@@ -12,11 +12,7 @@ against plain sequential greedy decoding of the same tokens.
 """
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import NamedTuple
-
-import torch
 
 from kda_core.model import HybridLM, cache_equal, encode
 from serve.decode import ProjectionReplay, prefill_state, verify, verify_and_replay
@@ -25,22 +21,11 @@ from serve.replayssm import RawInputRing
 from serve.rollback import RollbackStrategy
 from serve.snapshot import SnapshotRollback
 from serve.spec_reference import cache_max_abs_diff, clone_cache, sequential_decode
+from serve.threads import one_thread
 
 MODES = ("normal", "interrupted", "injected deviation")
 STRATEGIES = (SnapshotRollback.name, ProjectionReplay.name, RawInputRing.name)
 PROMPT_TEXT = "Kimi Delta Attention keeps a fixed-size state per layer, so a rejected draft "
-
-
-@contextlib.contextmanager
-def single_thread() -> Iterator[None]:
-    """torch on one thread inside the block (restored after): the 2 CPU cores are shared, and for
-    these small matrices oversubscribed OpenMP threads made each forward up to 20x slower here."""
-    prev = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(prev)
 
 
 def make_strategy(name: str, num_draft: int) -> RollbackStrategy:
@@ -113,7 +98,7 @@ def run_verify_lab(model: HybridLM, num_draft: int, acceptance: float, strategy_
         raise ValueError(f"abort_tokens must be in [1, {num_draft + 1}], got {abort_tokens}")
     if not 1 <= corrupt_position <= num_draft:
         raise ValueError(f"corrupt_position must be in [1, num_draft = {num_draft}], got {corrupt_position}")
-    with single_thread():
+    with one_thread():
         return _run(model, num_draft, acceptance, strategy_name, seed, mode, max_new_tokens, abort_layers,
                     abort_tokens, corrupt_position, poison_rejected)
 
