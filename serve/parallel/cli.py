@@ -30,6 +30,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--level", choices=LEVELS, default="kernel")
     p.add_argument("--initial-state", action="store_true", help="seed rank 0 with a prefix-cache state")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--piece-tokens", type=int, default=None,
+                   help="process each rank's block in pieces of this many tokens (a multiple of 64)")
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--check", action="store_true", help="compare every rank with a single-rank run")
     p.add_argument("--threads-per-rank", type=int, default=1)
@@ -41,7 +43,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def format_results(cfg: KCPConfig, results: list[RankResult]) -> str:
     """A table: one line per rank with its phases (ms), total, bytes and (with --check) max |delta|."""
     head = (f"KCP {cfg.variant} level={cfg.level} T={cfg.seq_len:,} world={cfg.world_size} B={cfg.batch} "
-            f"H={cfg.num_heads} K={cfg.head_k_dim} V={cfg.head_v_dim} {cfg.dtype} threads/rank={cfg.threads_per_rank}")
+            f"H={cfg.num_heads} K={cfg.head_k_dim} V={cfg.head_v_dim} {cfg.dtype} threads/rank={cfg.threads_per_rank} "
+            f"pieces={cfg.piece_tokens or 'whole block'}")
     cols = " ".join(f"{p:>9}" for p in PHASES)
     lines = [head, f"rank {'tokens':>13} {cols} {'total_ms':>9} {'sent_B':>10} {'recv_B':>10} {'max|d|':>9}"]
     for r in results:
@@ -60,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     world = int(os.environ["WORLD_SIZE"]) if torchrun else a.world_size
     cfg = KCPConfig(seq_len=a.seq_len, world_size=world, batch=a.batch, num_heads=a.heads, head_k_dim=a.head_k_dim,
                     head_v_dim=a.head_v_dim, variant=a.variant, level=a.level, with_initial_state=a.initial_state,
-                    dtype=a.dtype, repeats=a.repeats, check=a.check, threads_per_rank=a.threads_per_rank,
-                    backend=a.backend, timeout_s=a.timeout_s)
+                    dtype=a.dtype, piece_tokens=a.piece_tokens, repeats=a.repeats, check=a.check,
+                    threads_per_rank=a.threads_per_rank, backend=a.backend, timeout_s=a.timeout_s)
     if not torchrun:
         print(format_results(cfg, list(run_kcp(cfg).ranks)))
         return 0

@@ -49,7 +49,8 @@ def fold_halo(tails: list[torch.Tensor], block_lengths: list[int], rank: int) ->
 
 def kcp_layer_prefill(layer: KDALayer, x: torch.Tensor, cache: KDACache | None = None, *,
                       block_lengths: list[int], variant: str = "allgather", halo: bool = True,
-                      chunk_size: int = 64, comm: Comm | None = None) -> KCPLayerOutput:
+                      chunk_size: int = 64, piece_tokens: int | None = None, comm: Comm | None = None
+                      ) -> KCPLayerOutput:
     """Prefill this rank's block of a KDA layer; equal to ``layer(x_full, cache)`` up to rounding.
 
     Args:
@@ -57,7 +58,8 @@ def kcp_layer_prefill(layer: KDALayer, x: torch.Tensor, cache: KDACache | None =
         cache: the cache before the sequence, rank 0 only (None = empty);
         block_lengths: every rank's token count (all ranks know the split, like fla's cu_seqlens);
         variant: "allgather" or "ring" (state exchange; the halo is always one all-gather);
-        halo: False drops the conv halo (wrong on purpose; the tests show the error it causes).
+        halo: False drops the conv halo (wrong on purpose; the tests show the error it causes);
+        chunk_size, piece_tokens: as :func:`serve.parallel.kcp.kcp_kda`.
 
     Raises:
         ValueError: bad shapes, a cache on a rank other than 0, or block_lengths that do not match.
@@ -91,7 +93,7 @@ def kcp_layer_prefill(layer: KDALayer, x: torch.Tensor, cache: KDACache | None =
     with clock("prepare"):
         q, k, v, new_conv = layer.activate(raw, conv)
     out = kcp_kda(q, k, v, g, beta, cache.recurrent if cache is not None else None,
-                  variant=variant, chunk_size=chunk_size, comm=comm)
+                  variant=variant, chunk_size=chunk_size, piece_tokens=piece_tokens, comm=comm)
     with clock("output"):
         y = layer.output(out.o, out_gate)
     times = PhaseTimes(*(a + b for a, b in zip(clock.times(), out.times)))

@@ -27,7 +27,7 @@ import torch
 
 from kda_core.kda import kda_chunk_outputs, kda_chunk_prepare, kda_chunk_states
 from serve.parallel.comm import Comm, PhaseClock, PhaseTimes
-from serve.parallel.summary import BlockSummary, apply_summary, fold_state, summary_from_prep
+from serve.parallel.summary import BlockSummary, apply_summary, compose, fold_state, summary_from_prep
 
 VARIANTS = ("allgather", "ring")
 
@@ -52,41 +52,60 @@ def check_variant(variant: str) -> None:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
 
 
+def piece_bounds(num_tokens: int, piece_tokens: int | None, chunk_size: int) -> list[tuple[int, int]]:
+    """Half-open token ranges ``[start, end)`` of the pieces a block is processed in: one piece when
+    ``piece_tokens`` is None, else pieces of ``piece_tokens`` (a positive multiple of ``chunk_size``,
+    so no chunk straddles two pieces) and a shorter last one. Raises ValueError otherwise."""
+    if piece_tokens is None:
+        return [(0, num_tokens)]
+    if not isinstance(piece_tokens, int) or piece_tokens <= 0 or piece_tokens % chunk_size:
+        raise ValueError(f"piece_tokens must be None or a positive multiple of chunk_size = {chunk_size}, "
+                         f"got {piece_tokens!r}")
+    return [(s, min(s + piece_tokens, num_tokens)) for s in range(0, num_tokens, piece_tokens)]
+
+
 def kcp_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
             initial_state: torch.Tensor | None = None, *, variant: str = "allgather", chunk_size: int = 64,
-            comm: Comm | None = None) -> KCPOutput:
+            piece_tokens: int | None = None, comm: Comm | None = None) -> KCPOutput:
     """KDA over this rank's block, exact across ranks. Call it on every rank of the default group.
 
     Args:
         q, k ``[B, L, H, K]``; v ``[B, L, H, V]``; g ``[B, L, H, K]``; beta ``[B, L, H]``: this rank's
         tokens (rank r holds the r-th block of the sequence); initial_state ``[B, H, K, V]``: state
         before the sequence, given on rank 0 only (None = zeros); variant: "allgather" or "ring";
-        chunk_size: C; comm: the rank's :class:`Comm` (default: a new one on the default group).
+        chunk_size: C; piece_tokens: None runs the block's chunk kernel in one piece (one rank is then
+        exactly ``kda_chunk``); a multiple of C processes the block in pieces of that many tokens,
+        carrying the state (same maths, smaller working set: on this CPU the whole-block intra-chunk
+        step costs ~2-3x more per token at 65K tokens than in 4K pieces);
+        comm: the rank's :class:`Comm` (default: a new one on the default group).
 
     Returns:
         :class:`KCPOutput`.
 
     Raises:
-        ValueError: bad shapes or variant, or an initial_state on a rank other than 0.
+        ValueError: bad shapes, variant or piece_tokens, or an initial_state on a rank other than 0.
     """
     check_variant(variant)
     comm = comm or Comm()
     r, W = comm.rank, comm.world_size
     if initial_state is not None and r != 0:
         raise ValueError(f"initial_state seeds rank 0 only (it is folded into what rank 0 sends); got it on rank {r}")
+    pieces = piece_bounds(q.shape[1], piece_tokens, chunk_size)
     sent0, recv0 = comm.sent_bytes, comm.received_bytes
     clock = PhaseClock()
     with clock("prepare"):
-        prep = kda_chunk_prepare(q, k, v, g, beta, chunk_size=chunk_size)
-    B, H, _, _, K = prep.w.shape
-    V = prep.u.shape[-1]
+        preps = [kda_chunk_prepare(*(t[:, s:e] for t in (q, k, v, g, beta)), chunk_size=chunk_size) for s, e in pieces]
+    B, H, _, _, K = preps[0].w.shape
+    V = preps[0].u.shape[-1]
     if initial_state is not None and initial_state.shape != (B, H, K, V):
         raise ValueError(f"initial_state must have shape [B, H, K, V] = {(B, H, K, V)}, got {tuple(initial_state.shape)}")
     S_in = initial_state
     send = None
     if W > 1 and variant == "allgather":
         with clock("summary"):
-            summ = summary_from_prep(prep)
+            summ = summary_from_prep(preps[0])
+            for prep in preps[1:]:
+                summ = compose(summ, summary_from_prep(prep))
             if initial_state is not None:          # rank 0 sends the state after its block, seeded
                 summ = BlockSummary(summ.M, apply_summary(summ, initial_state))
         with clock("exchange"):
@@ -96,18 +115,22 @@ def kcp_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
                 S_in = fold_state([BlockSummary(s[..., :K], s[..., K:]) for s in slots[:r]])
     elif W > 1 and r > 0:                          # ring: wait for the predecessor's final state
         with clock("exchange"):
-            S_in = comm.recv(prep.u.new_empty(B, H, K, V), src=r - 1)
+            S_in = comm.recv(preps[0].u.new_empty(B, H, K, V), src=r - 1)
+    states = []
     with clock("scan"):
-        states = kda_chunk_states(prep, S_in)
+        for prep in preps:
+            states.append(kda_chunk_states(prep, S_in if not states else states[-1].final_state))
+    final_state = states[-1].final_state
     if W > 1 and variant == "ring" and r < W - 1:
         with clock("exchange"):
-            send = comm.isend(states.final_state, dst=r + 1)
+            send = comm.isend(final_state, dst=r + 1)
     with clock("output"):
-        o = kda_chunk_outputs(prep, states)
+        outs = [kda_chunk_outputs(prep, st) for prep, st in zip(preps, states)]
+        o = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)           # [B, L, H, V]
     if send is not None:
         with clock("exchange"):
             send.wait()
-    return KCPOutput(o, states.final_state, clock.times(), comm.sent_bytes - sent0, comm.received_bytes - recv0)
+    return KCPOutput(o, final_state, clock.times(), comm.sent_bytes - sent0, comm.received_bytes - recv0)
 
 
 def exchange_bytes(batch: int, num_heads: int, head_k_dim: int, head_v_dim: int, world_size: int,

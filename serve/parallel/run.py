@@ -1,9 +1,8 @@
 """One KCP run: its configuration, the job every rank executes, and the launcher the app and bench use.
 
 :func:`run_kcp` starts ``world_size`` ranks (:func:`serve.parallel.launch.run_ranks`); each rank makes
-its own block of seeded inputs (:mod:`serve.parallel.inputs`), warms up on one chunk (untimed),
-waits at a barrier, runs
-:func:`serve.parallel.kcp.kcp_kda` (or the layer prefill with the conv halo) ``repeats`` times, and
+its own block of seeded inputs (:mod:`serve.parallel.inputs`), warms up on one chunk (untimed), waits
+at a barrier, runs :func:`serve.parallel.kcp.kcp_kda` (or the layer prefill with the conv halo) ``repeats`` times, and
 reports per-phase wall times (medians), the bytes it passed to collectives, and, with ``check``, the
 max |delta| of its outputs and final state against a single-rank run of its token prefix ``[0, end)``
 (computed after the timed runs). Process start-up is not in any timing.
@@ -24,7 +23,7 @@ from kda_core.layer import KDACache, KDALayer
 from serve.parallel.comm import Comm, PhaseTimes
 from serve.parallel.halo import kcp_layer_prefill
 from serve.parallel.inputs import DTYPES, initial_state, kda_inputs, layer_inputs
-from serve.parallel.kcp import block_bounds, check_variant, kcp_kda
+from serve.parallel.kcp import block_bounds, check_variant, kcp_kda, piece_bounds
 from serve.parallel.launch import START_METHODS, check_backend, run_ranks
 
 LEVELS = ("kernel", "layer")
@@ -38,8 +37,9 @@ class KCPConfig:
     B, H, K, V; variant: "allgather" or "ring"; level: "kernel" (kda_chunk inputs) or "layer" (a
     KDALayer with hidden_size, conv halo on unless ``halo=False``); with_initial_state: seed rank 0
     with a non-zero state (a prefix-cache hit; at layer level also a conv state); dtype: "float32" or
-    "float64" (kernel only); chunk_size: C; seed; repeats: timed runs per rank (medians reported);
-    check: compare with a single-rank run; return_outputs: send outputs back to the caller;
+    "float64" (kernel only); chunk_size: C; piece_tokens: None (each rank's chunk kernel on its whole
+    block) or a multiple of C (the block in pieces, state carried; see :func:`kcp_kda`); seed;
+    repeats: timed runs per rank (medians reported); check: compare with a single-rank run; return_outputs: send outputs back to the caller;
     threads_per_rank: torch intra-op threads in each rank; backend: "gloo" | "nccl";
     start_method: "spawn" | "forkserver"; timeout_s: deadline of the whole run.
     """
@@ -57,6 +57,7 @@ class KCPConfig:
     hidden_size: int = 128
     dtype: str = "float32"
     chunk_size: int = 64
+    piece_tokens: int | None = None
     seed: int = 0
     repeats: int = 1
     check: bool = False
@@ -83,6 +84,7 @@ class KCPConfig:
             raise ValueError(f"dtype must be 'float32' at level 'layer' (KDALayer is fp32), got {self.dtype!r}")
         if self.chunk_size & (self.chunk_size - 1):
             raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
+        piece_bounds(self.seq_len, self.piece_tokens, self.chunk_size)
         if self.start_method not in START_METHODS:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {self.start_method!r}")
         if not self.timeout_s > 0:
@@ -162,7 +164,8 @@ def _kernel_data(cfg: KCPConfig, start: int, end: int, with_state: bool):
     return x, s0
 
 
-def _layer_cache(cfg: KCPConfig, layer: KDALayer) -> KDACache:
+def initial_layer_cache(cfg: KCPConfig, layer: KDALayer) -> KDACache:
+    """The seeded cache of a layer-level run with ``with_initial_state``: recurrent state and conv state."""
     s0 = initial_state(cfg.batch, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.seed)
     conv = layer_inputs(cfg.batch, layer.cfg.conv_dim, 0, layer.cfg.conv_kernel - 1, cfg.seed + 1).transpose(1, 2)
     return KDACache(s0, conv.contiguous())                                  # conv [B, D, W-1]
@@ -176,20 +179,23 @@ def rank_job(rank: int, world_size: int, cfg: KCPConfig) -> RankResult:
     start, end = cfg.bounds[rank]
     seeded = cfg.with_initial_state and rank == 0
     layer = cfg.layer() if cfg.level == "layer" else None
+    s0 = cache = None
     if layer is None:
         x, s0 = _kernel_data(cfg, start, end, seeded)
     else:
         x = layer_inputs(cfg.batch, cfg.hidden_size, start, end, cfg.seed)
-        cache = _layer_cache(cfg, layer) if seeded else None
+        cache = initial_layer_cache(cfg, layer) if seeded else None
     lengths = [e - s for s, e in cfg.bounds]
 
     def once(block_lengths: list[int]):
         n = block_lengths[rank]
         with torch.no_grad():
             if layer is None:
-                return kcp_kda(*(t[:, :n] for t in x), s0, variant=cfg.variant, chunk_size=cfg.chunk_size, comm=comm)
+                return kcp_kda(*(t[:, :n] for t in x), s0, variant=cfg.variant, chunk_size=cfg.chunk_size,
+                               piece_tokens=cfg.piece_tokens, comm=comm)
             return kcp_layer_prefill(layer, x[:, :n], cache, block_lengths=block_lengths, variant=cfg.variant,
-                                     halo=cfg.halo, chunk_size=cfg.chunk_size, comm=comm)
+                                     halo=cfg.halo, chunk_size=cfg.chunk_size, piece_tokens=cfg.piece_tokens,
+                                     comm=comm)
 
     once([min(n, cfg.chunk_size) for n in lengths])   # untimed warm-up on one chunk: first-call costs out
     runs = []
@@ -208,7 +214,7 @@ def rank_job(rank: int, world_size: int, cfg: KCPConfig) -> RankResult:
                 ref_o, ref_s = ref.o, ref.final_state
             else:
                 xr = layer_inputs(cfg.batch, cfg.hidden_size, 0, end, cfg.seed)
-                ref_o, ref_cache = layer(xr, _layer_cache(cfg, layer) if cfg.with_initial_state else None)
+                ref_o, ref_cache = layer(xr, initial_layer_cache(cfg, layer) if cfg.with_initial_state else None)
                 ref_s = ref_cache.recurrent
         err_o, err_s = _max_err(out, ref_o[:, start:end]), _max_err(state, ref_s)
     times = PhaseTimes(*(statistics.median(col) for col in zip(*(r.times for r in runs))))

@@ -6,7 +6,7 @@ import torch
 
 from kda_core.kda import kda_chunk
 from serve.parallel.inputs import initial_state, kda_inputs
-from serve.parallel.kcp import block_bounds, exchange_bytes
+from serve.parallel.kcp import block_bounds, exchange_bytes, piece_bounds
 from serve.parallel.run import KCPConfig, run_kcp
 
 TOL = {"float32": 1e-5, "float64": 1e-10}
@@ -41,6 +41,32 @@ def test_kcp_matches_single_rank(world, variant, with_state, dtype, ranks_gone):
         assert (r.sent_bytes, r.received_bytes) == exchange_bytes(B, H, K, V, world, variant, r.rank, cfg.elem_bytes)
     if world == 1:                           # one rank is exactly kda_chunk (same three functions)
         assert torch.equal(o, ref.o) and torch.equal(run.ranks[0].final_state, ref.final_state)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("variant", ["allgather", "ring"])
+@pytest.mark.parametrize("world", [1, 2, 3], ids=lambda w: f"W{w}")
+def test_kcp_in_pieces_matches_single_rank(world, variant, dtype, ranks_gone):
+    """Each rank's block in 64-token pieces with the state carried (T = 400: up to 7 pieces per rank)."""
+    cfg = KCPConfig(world_size=world, variant=variant, dtype=dtype, piece_tokens=64, with_initial_state=True,
+                    **{**BASE, "seq_len": 400})
+    run = run_kcp(cfg)
+    ranks_gone(run.pids)
+    x = kda_inputs(B, H, K, V, 0, 400, 0, dtype)
+    ref = kda_chunk(*x, initial_state(B, H, K, V, 0, dtype))
+    assert _err(torch.cat([r.o for r in run.ranks], dim=1), ref.o) <= TOL[dtype]
+    assert _err(run.ranks[-1].final_state, ref.final_state) <= TOL[dtype]
+    assert all(r.max_abs_err_state <= TOL[dtype] for r in run.ranks)
+
+
+def test_piece_bounds():
+    assert piece_bounds(150, None, 64) == [(0, 150)]
+    assert piece_bounds(150, 64, 64) == [(0, 64), (64, 128), (128, 150)]
+    assert piece_bounds(128, 128, 64) == [(0, 128)]
+    with pytest.raises(ValueError, match="piece_tokens must be None or a positive multiple of chunk_size = 64"):
+        piece_bounds(150, 100, 64)
+    with pytest.raises(ValueError, match="piece_tokens"):
+        KCPConfig(seq_len=150, piece_tokens=0)
 
 
 def test_states_matter():

@@ -6,7 +6,7 @@ import torch
 from kda_core.conv import short_conv
 from serve.parallel.halo import fold_halo, halo_bytes
 from serve.parallel.inputs import layer_inputs
-from serve.parallel.run import KCPConfig, _layer_cache, run_kcp
+from serve.parallel.run import KCPConfig, initial_layer_cache, run_kcp
 
 TOL = 1e-5
 BASE = dict(batch=2, num_heads=2, head_k_dim=16, head_v_dim=12, hidden_size=32, level="layer", check=True,
@@ -21,7 +21,7 @@ def _reference(cfg):
     layer = cfg.layer()
     x = layer_inputs(cfg.batch, cfg.hidden_size, 0, cfg.seq_len, cfg.seed)
     with torch.no_grad():
-        return layer(x, _layer_cache(cfg, layer) if cfg.with_initial_state else None)
+        return layer(x, initial_layer_cache(cfg, layer) if cfg.with_initial_state else None)
 
 
 @pytest.mark.parametrize("seq_len", [150, 7], ids=lambda t: f"T{t}")       # T = 7: blocks shorter than W - 1
@@ -41,6 +41,15 @@ def test_layer_prefill_matches_single_rank(world, variant, with_state, seq_len, 
     for r in run.ranks:
         assert r.max_abs_err_o <= TOL and r.max_abs_err_state <= TOL
         assert (r.halo_sent_bytes, r.halo_received_bytes) == halo_bytes(cfg.batch, d.conv_dim, d.conv_kernel, world)
+
+
+def test_layer_prefill_in_pieces(ranks_gone):
+    cfg = KCPConfig(seq_len=300, world_size=2, with_initial_state=True, piece_tokens=64, **BASE)
+    run = run_kcp(cfg)
+    ranks_gone(run.pids)
+    y_ref, cache_ref = _reference(cfg)
+    assert _err(torch.cat([r.o for r in run.ranks], dim=1), y_ref) <= TOL
+    assert _err(run.ranks[-1].final_state, cache_ref.recurrent) <= TOL
 
 
 @pytest.mark.parametrize("variant", ["allgather", "ring"])
