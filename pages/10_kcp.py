@@ -29,7 +29,9 @@ st.write(
     "rank against a single-rank run, time each phase, and count the bytes passed to the collectives.")
 cores = os.cpu_count() or 1
 st.info(f"This machine has {cores} CPU cores and each rank uses one thread: with more ranks than cores, ranks share "
-        "cores, so measured times at that world size include the oversubscription.")
+        "cores, so measured times at that world size include the oversubscription. Ranks are fresh processes from "
+        "torch.multiprocessing (a forkserver with torch preloaded, ~0.1 s per start). Same code across machines: "
+        "`torchrun --nproc-per-node 2 -m serve.parallel.kcp --seq-len 65536`.")
 
 VARIANTS = {"all-gather (one collective)": "allgather", "ring (W−1 serial hops)": "ring"}
 MODELS = {"Kimi-Linear-48B-A3B": "kimi-linear-48b-a3b", "Kimi K3": "kimi-k3"}
