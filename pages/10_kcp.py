@@ -72,9 +72,11 @@ for col, name in [("max_abs_err_o", "outputs o of the rank's block"), ("max_abs_
     shown = runs[runs[col].notna()]
     fig.add_trace(go.Bar(x=[f"rank {r}" for r in shown["rank"]], y=shown[col].clip(lower=1e-12), name=name,
                          text=["0 (bitwise)" if v == 0 else f"{v:.1e}" for v in shown[col]], textposition="outside"))
-fig.add_hline(y=1e-5, line_dash="dash", line_color="gray", annotation_text="1e-5 (fp32 tolerance)")
+fig.add_hline(y=1e-5, line_dash="dash", line_color="gray", annotation_text="1e-5 (fp32 tolerance)",
+              annotation_position="top left")
 fig.update_layout(barmode="group", xaxis_title="rank", yaxis_title="max |Δ| vs single-rank kda_chunk (log)",
-                  yaxis_type="log", yaxis_range=[-12.5, -3], legend=dict(orientation="h", y=-0.25))
+                  yaxis_type="log", yaxis_range=[-12.5, -3], yaxis_exponentformat="power",
+                  legend=dict(orientation="h", y=-0.25))
 show_chart(fig, runs[["rank", "start", "end", "max_abs_err_o", "max_abs_err_state"]], key="p10_exact_chart")
 verdict = "equal within 1e-5" if worst <= 1e-5 else "NOT equal within 1e-5"
 st.write(f"**{world} rank(s), {variant}: {verdict}** (worst max |Δ| = {worst:.1e}, fp32). Reference: the one-rank "
@@ -82,7 +84,8 @@ st.write(f"**{world} rank(s), {variant}: {verdict}** (worst max |Δ| = {worst:.1
          "1e-12 marked 0 are bitwise equal.")
 
 st.subheader("2 · Measured phase times per rank")
-bars = pd.concat([runs.assign(run=[f"rank {r}" for r in runs["rank"]]), base.assign(run=["1 rank (baseline)"])])
+bars = pd.concat([runs.assign(run=[f"rank {r.rank} [{r.start:,}, {r.end:,})" for r in runs.itertuples()]),
+                  base.assign(run=[f"1 rank [0, {seq_len:,}) baseline"])])
 fig2 = go.Figure()
 for p in PHASES:
     fig2.add_trace(go.Bar(x=bars.run, y=bars[f"{p}_ms"], name=p))
