@@ -53,11 +53,6 @@ def rank_rows(run: KCPRun) -> list[RankRow]:
                     r.max_abs_err_o, r.max_abs_err_state) for r in run.ranks]
 
 
-def measure(cfg: KCPConfig) -> list[RankRow]:
-    """Run ``cfg`` on real ranks (:func:`serve.parallel.run.run_kcp`) and flatten the result."""
-    return rank_rows(run_kcp(cfg))
-
-
 def single_rank(cfg: KCPConfig) -> KCPRun:
     """The one-rank run of ``cfg`` with its outputs: the baseline time and the reference outputs (one
     rank runs exactly :func:`kda_core.kda.kda_chunk`, bitwise; tests/serve/parallel/test_kcp.py).
@@ -187,4 +182,4 @@ def bytes_vs_context(cfg: ModelConfig, seq_lens: list[int], world_size: int, var
 
 
 __all__ = ["PHASES", "BytesRow", "PhaseCosts", "Projection", "RankRow", "bytes_vs_context", "compare_with",
-           "measure", "phase_costs", "project", "rank_rows", "single_rank"]
+           "phase_costs", "project", "rank_rows", "single_rank"]
