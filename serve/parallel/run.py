@@ -175,7 +175,12 @@ def rank_job(rank: int, world_size: int, cfg: KCPConfig) -> RankResult:
     """What every rank runs (under :func:`run_kcp` or torchrun); the process group is already up."""
     if world_size != cfg.world_size:
         raise ValueError(f"config world_size = {cfg.world_size} but the process group has {world_size} ranks")
-    comm = Comm("cuda" if cfg.backend == "nccl" else "cpu")
+    device = "cpu"
+    if cfg.backend == "nccl":       # compute stays on the CPU (kda_core); payloads go through this rank's GPU
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local)
+        device = f"cuda:{local}"
+    comm = Comm(device)
     start, end = cfg.bounds[rank]
     seeded = cfg.with_initial_state and rank == 0
     layer = cfg.layer() if cfg.level == "layer" else None
