@@ -131,3 +131,13 @@ def test_chunk_size_validation():
     q, k, v, g, beta, s0 = _inputs(5, torch.float32, "mild")
     with pytest.raises(ValueError, match="chunk_size"):
         kda_chunk(q, k, v, g, beta, chunk_size=48)
+
+
+def test_chunk_pieces_equal_one_piece():
+    q, k, v, g, beta, s0 = _inputs(300, torch.float64, "softplus")
+    whole = kda_chunk(q, k, v, g, beta, s0, piece_tokens=512)
+    pieces = kda_chunk(q, k, v, g, beta, s0, piece_tokens=128)
+    assert torch.equal(whole.o, pieces.o) and torch.equal(whole.final_state, pieces.final_state)
+    assert torch.equal(whole.h, pieces.h) and whole.h.shape[1] == 5
+    with pytest.raises(ValueError, match="piece_tokens"):
+        kda_chunk(q, k, v, g, beta, piece_tokens=100)
