@@ -4,9 +4,10 @@ The tab list lives in pages/_registry.py (pages/00_home.py, pages/03_kda_state_v
 """
 import streamlit as st
 
+import pages._common  # noqa: F401  (routes a first deep link through st.navigation)
 from pages._registry import HOME, SECTIONS, TABS
 
-st.set_page_config(page_title="KDA Serve Lab", page_icon=":material/memory:", layout="wide")
+st.set_page_config(page_title="KDA Serve Lab", page_icon="assets/icon.png", layout="wide")
 
 nav = {section: [] for section in SECTIONS}
 nav[HOME.section].append(st.Page(HOME.path, title=HOME.title, icon=HOME.icon, default=True))

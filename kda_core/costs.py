@@ -4,7 +4,10 @@ Per decoded token and layer: one :func:`kda_core.kda.kda_step` (constant work: H
 update) against one absorbed MLA decode over a latent cache of N tokens
 (:func:`kda_core.layer.latent_attention`, linear in N). Real head dims (K = V = 128, latent
 r + rope = 576) with the number of heads scaled down (``num_heads``) so a sweep stays under a
-second; the page says so. Times are medians of ``repeats`` runs (ns clock), in microseconds.
+second; the page says so. Each time is the minimum over ``repeats`` interleaved runs (ns clock, in
+microseconds): on a shared CPU, contention only ever adds time, so the least-disturbed run is the
+cost of the work (a median still let 100 ms stalls through on a loaded 2-core machine). Runs use one
+torch thread.
 """
 from __future__ import annotations
 
@@ -19,22 +22,24 @@ from kda_core.layer import latent_attention
 
 
 class DecodeCost(NamedTuple):
-    """One context length: measured median microseconds per decoded token for one layer."""
+    """One context length: measured microseconds per decoded token for one layer (min of runs)."""
 
     context_tokens: int
     kda_step_us: float
     mla_decode_us: float
 
 
-def _median_us(fn, repeats: int) -> float:
-    fn()  # warm-up (allocations, kernel selection)
-    times = []
+def _min_us_interleaved(fns, repeats: int) -> list[float]:
+    """Minimum time in µs of each fn over ``repeats`` rounds, the fns interleaved within a round."""
+    for fn in fns:
+        fn()  # warm-up (allocations, kernel selection)
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append(time.perf_counter_ns() - t0)
-    times.sort()
-    return times[len(times) // 2] / 1e3
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter_ns()
+            fn()
+            best[i] = min(best[i], (time.perf_counter_ns() - t0) / 1e3)
+    return best
 
 
 def measure_decode_cost(cfg: ModelConfig, contexts: list[int], num_heads: int = 4, repeats: int = 7,
@@ -45,7 +50,7 @@ def measure_decode_cost(cfg: ModelConfig, contexts: list[int], num_heads: int = 
         cfg: model config (head dims K, V and latent width r + rope come from it).
         contexts: context lengths N in tokens (each >= 1, at most 262,144).
         num_heads: heads used for both layers in the measurement (scaled down from the real model).
-        repeats: timed runs per point (median reported).
+        repeats: timed rounds per point (the minimum is reported).
 
     Returns: list of :class:`DecodeCost`, one per context, in input order.
 
@@ -66,9 +71,15 @@ def measure_decode_cost(cfg: ModelConfig, contexts: list[int], num_heads: int = 
     q_cat = torch.randn(1, H, cfg.latent_dim, generator=gen)
     scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
     out = []
-    for n in contexts:
-        cache = torch.randn(1, n, cfg.latent_dim, generator=gen)        # [1, N, r + rope]
-        mla_us = _median_us(lambda c=cache: latent_attention(q_cat, c, r, scale), repeats)
-        kda_us = _median_us(lambda: kda_step(q, k, v, g, beta, state), repeats)  # re-measured: flat
-        out.append(DecodeCost(n, kda_us, mla_us))
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for n in contexts:
+            cache = torch.randn(1, n, cfg.latent_dim, generator=gen)    # [1, N, r + rope]
+            kda_us, mla_us = _min_us_interleaved(
+                [lambda: kda_step(q, k, v, g, beta, state),             # re-measured at every N: flat
+                 lambda c=cache: latent_attention(q_cat, c, r, scale)], repeats)
+            out.append(DecodeCost(n, kda_us, mla_us))
+    finally:
+        torch.set_num_threads(prev_threads)
     return out

@@ -3,10 +3,13 @@
 - ``show_chart(fig, df, key)``: a Plotly chart with a stable key plus a CSV download of its data.
 - ``engine_call(fn, *args, **kwargs)``: run an engine call; on a ValueError/RuntimeError show
   ``st.error`` with the message and stop the page (never a stack trace in the UI).
-- ``persist(key, default)``: keep a widget's value across page switches (Streamlit drops the
-  state of widgets that are not rendered; re-assigning it in session_state keeps it). The default
-  is set through session_state, so do NOT also pass ``value=``/``index=`` to the widget.
-  Selectboxes: use display strings as options (no ``format_func``; AppTest cannot evaluate it).
+- ``persist(key, default)``: a widget key whose value starts at ``default`` (set through
+  session_state, so do NOT also pass ``value=``/``index=``) and is kept across page switches: pass
+  it together with ``persist_state="session"`` (Streamlit 1.67). Selectboxes: use display strings
+  as options (no ``format_func``; AppTest cannot evaluate it).
+
+Importing this module also routes a legacy deep link to ``st.navigation`` (see
+:func:`_route_legacy_deep_link`).
 """
 from __future__ import annotations
 
@@ -16,14 +19,34 @@ import streamlit as st
 
 from serve.errors import UserFacingErrors
 
+PERSISTED_KEYS = "_persisted_widget_keys"  # every key handed out by persist(), for the tests
+
+
+def _route_legacy_deep_link() -> None:
+    """Send a first request for a deep link through ``app.py``'s ``st.navigation``.
+
+    With a ``pages/`` folder, Streamlit 1.67 serves the first run of a fresh server in its legacy
+    multipage mode (``PagesManager.uses_pages_directory``) until ``st.navigation`` has been called
+    once: a deep link such as ``/fleet_simulation`` then runs the page file directly with an
+    auto-discovered sidebar (``common``, ``registry``, ...). Every page imports this module, so
+    clearing the flag and rerunning here makes that first run go through ``app.py`` like all others.
+    """
+    from streamlit.runtime.pages_manager import PagesManager
+
+    if PagesManager.uses_pages_directory:
+        PagesManager.uses_pages_directory = False
+        st.rerun()
+
+
+_route_legacy_deep_link()
+
 
 def persist(key: str, default=None) -> str:
-    """Keep ``st.session_state[key]`` alive across page switches, starting at ``default``.
+    """A widget key starting at ``default``; use as ``key=persist(...), persist_state="session"``.
 
-    Returns key (use it as the widget's ``key=``; pass no ``value=``/``index=`` to the widget)."""
-    if key in st.session_state:
-        st.session_state[key] = st.session_state[key]
-    elif default is not None:
+    Returns key (pass no ``value=``/``index=`` to the widget)."""
+    st.session_state.setdefault(PERSISTED_KEYS, set()).add(key)
+    if key not in st.session_state and default is not None:
         st.session_state[key] = default
     return key
 

@@ -48,3 +48,6 @@ TABS: list[Tab] = [
 ]
 
 SECTIONS = ["Overview", "Speculative decoding", "Memory", "Prefix cache", "Parallel & fleet"]
+
+if __name__ == "__main__":  # run as a legacy auto-discovered page: route through st.navigation
+    import pages._common  # noqa: F401

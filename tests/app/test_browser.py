@@ -97,6 +97,18 @@ def test_every_page_in_browser(server):
 
         page.on("console", on_console)
         page.on("pageerror", lambda exc: errors.append(f"{page.url}: page error: {exc}"))
+        # A deep link as the very first request of a fresh server must still get st.navigation's
+        # sidebar (sections, registered tabs only), not Streamlit's legacy pages/ auto-discovery.
+        first = TABS[-1]
+        page.goto(server + "/" + _url_path(first.path), wait_until="domcontentloaded")
+        page.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']", timeout=180_000)
+        page.wait_for_timeout(1000)
+        page.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']", timeout=180_000)
+        nav = page.locator("[data-testid='stSidebarNav']").inner_text(timeout=30_000)
+        for want in [first.title, TABS[0].title, "Parallel & fleet"]:
+            assert want in nav, f"deep link first: sidebar lacks {want!r}: {nav!r}"
+        for unwanted in ("common", "registry"):
+            assert unwanted not in nav.lower(), f"deep link first: sidebar lists {unwanted!r}: {nav!r}"
         for tab in [HOME] + TABS:
             url = server + ("/" if tab is HOME else "/" + _url_path(tab.path))
             page.goto(url, wait_until="domcontentloaded")
