@@ -47,9 +47,12 @@ def page_table_demo(block_size: int, tokens_a: int, shared_tokens: int, tokens_b
 
     Raises ValueError unless ``0 <= shared_tokens <= tokens_a`` and sizes are positive.
     """
-    if block_size <= 0 or tokens_a <= 0 or tokens_b_own < 0 or not 0 <= shared_tokens <= tokens_a:
-        raise ValueError(f"need block_size > 0, tokens_a > 0, tokens_b_own >= 0, 0 <= shared_tokens <= tokens_a; "
-                         f"got {block_size}, {tokens_a}, {tokens_b_own}, {shared_tokens}")
+    for name, value, least in (("block_size", block_size, 1), ("tokens_a", tokens_a, 1),
+                               ("tokens_b_own", tokens_b_own, 0), ("shared_tokens", shared_tokens, 0)):
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
+    if shared_tokens > tokens_a:
+        raise ValueError(f"shared_tokens must be <= tokens_a (B shares a prefix of A), got {shared_tokens} > {tokens_a}")
     rng = np.random.default_rng(seed)
     nb = -(-tokens_a // block_size) + -(-(shared_tokens % block_size + tokens_b_own) // block_size) + 1
     pool = PagePool(2 * nb + churn_requests * 4, _page_bytes(block_size, DEMO_LAYERS, DEMO_LATENT))
@@ -117,10 +120,15 @@ def prefix_sharing_bytes(max_requests: int, prefix_tokens: int, unique_tokens: i
     """For n = 1..max_requests: fork n requests from one prefill of ``prefix_tokens`` tokens, append
     ``unique_tokens`` to each, and count the MLA_KV pages in use (times page bytes); the private figure
     gives each request its own copy of every block. The prefix's own cache is freed after the forks, so
-    only requests hold pages. Raises ValueError on non-positive sizes."""
-    if max_requests <= 0 or block_size <= 0 or prefix_tokens < 0 or unique_tokens < 0 or prefix_tokens + unique_tokens == 0:
-        raise ValueError(f"need max_requests > 0, block_size > 0, prefix + unique tokens > 0; got "
-                         f"{max_requests}, {block_size}, {prefix_tokens}, {unique_tokens}")
+    only requests hold pages. Raises ValueError naming the argument if ``max_requests`` or ``block_size``
+    is < 1, a token count is negative, or ``prefix_tokens + unique_tokens`` is 0."""
+    for name, value, least in (("max_requests", max_requests, 1), ("block_size", block_size, 1),
+                               ("prefix_tokens", prefix_tokens, 0), ("unique_tokens", unique_tokens, 0)):
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
+    if prefix_tokens + unique_tokens == 0:
+        raise ValueError("prefix_tokens + unique_tokens must be >= 1 (each request holds at least one token), "
+                         f"got prefix_tokens={prefix_tokens}, unique_tokens={unique_tokens}")
     page_bytes = _page_bytes(block_size, num_layers, latent_dim)
     per_req = -(-(prefix_tokens + unique_tokens) // block_size)
     pool = PagePool(per_req * max_requests + 1, page_bytes)

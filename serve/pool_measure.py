@@ -3,15 +3,17 @@
 - Page alloc + free throughput of :class:`PagePool` in single-page and batched calls, against a naive
   baseline in the same run: :class:`NaiveListPool`, a Python list free list that pops the head one
   page at a time and keeps a dict of metadata per page.
-- Per-call latency samples (ns) of ``alloc`` and ``decref`` -- p50 vs p99 is the jitter.
+- Per-call latency samples (ns) of ``alloc`` and ``decref`` -- p50 vs p99 is the jitter -- and
+  :func:`latency_histogram`, their log-spaced histogram (a linear-bin histogram drawn on a log axis
+  loses its first bin, which starts at 0 ns, i.e. most of the data).
 - Gathering a request's MLA latents into a preallocated buffer (no allocator or page-fault noise):
   contiguous copy (``copy_``, the floor for moving those bytes),
   paged ``index_select`` over the page table (:meth:`PagedMLACache.gather`), and a naive ``torch.cat`` of
   per-token tensors; plus absorbed decode attention (:func:`kda_core.layer.latent_attention`) over
   contiguous latents vs gather-then-attend.
 
-Times are medians of ``repeats`` runs of ``time.perf_counter_ns`` (contenders interleaved round by
-round); ratios are relative to a baseline
+Times are medians (``gather_timing(statistic="min")``: minima) of ``repeats`` runs of
+``time.perf_counter_ns`` (contenders interleaved round by round); ratios are relative to a baseline
 measured in the same call. Torch ops run single-threaded during a measurement (:func:`one_thread`): on a
 shared 2-core machine a two-thread copy waits for a descheduled worker (8 ms stalls) and the figure
 would measure the scheduler, not the copy.
@@ -22,6 +24,7 @@ import time
 from collections.abc import Callable
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kda_core.layer import latent_attention
@@ -56,9 +59,16 @@ class NaiveListPool:
             self.free_list.append(p)
 
 
-def _round_robin_median_ns(fns: list[Callable[[], object]], repeats: int) -> list[float]:
-    """Median ns of each fn, timed in interleaved rounds (fn0, fn1, ... per round) so a burst of load
-    from other processes hits every contender alike."""
+STATISTICS = ("median", "min")
+
+
+def _round_robin_ns(fns: list[Callable[[], object]], repeats: int, statistic: str = "median") -> list[float]:
+    """Median (or minimum) ns of each fn, timed in interleaved rounds (fn0, fn1, ... per round) so a
+    burst of load from other processes hits every contender alike. The minimum is the robust choice on
+    an overloaded machine: a descheduled run only ever adds time, and with few rounds it can take the
+    median of one contender (and a ratio to it) with it."""
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
     for fn in fns:
         fn()  # warm-up
     ts: list[list[int]] = [[] for _ in fns]
@@ -67,11 +77,11 @@ def _round_robin_median_ns(fns: list[Callable[[], object]], repeats: int) -> lis
             t0 = time.perf_counter_ns()
             fn()
             out.append(time.perf_counter_ns() - t0)
-    return [float(sorted(t)[len(t) // 2]) for t in ts]
+    return [float(min(t) if statistic == "min" else sorted(t)[len(t) // 2]) for t in ts]
 
 
 def _median_ns(fn: Callable[[], object], repeats: int) -> float:
-    return _round_robin_median_ns([fn], repeats)[0]
+    return _round_robin_ns([fn], repeats)[0]
 
 
 class Throughput(NamedTuple):
@@ -130,8 +140,50 @@ def call_latencies_ns(batch_pages: int = 1, samples: int = 2000, num_pages: int 
     return out
 
 
+class LatencyHistogram(NamedTuple):
+    """Log-spaced histogram of per-call latencies, one set of bins shared by every call kind.
+
+    edges_ns: NB + 1 bin edges (ns), ``bins_per_decade`` bins per factor of 10, from at or below the
+    smallest sample to at or above the largest; bin i is ``[edges_ns[i], edges_ns[i + 1])``, the last
+    one closed. counts: per call kind, NB sample counts. p50_ns / p99_ns: per call kind, the 50th / 99th
+    percentile (ns, linear interpolation, as ``numpy.percentile``)."""
+
+    edges_ns: list[float]
+    counts: dict[str, list[int]]
+    p50_ns: dict[str, float]
+    p99_ns: dict[str, float]
+
+
+def latency_histogram(samples_ns: dict[str, list[int]], bins_per_decade: int = 10) -> LatencyHistogram:
+    """Histogram ``{call: [latency_ns, ...]}`` (e.g. :func:`call_latencies_ns` or the page-05 workload)
+    on log-spaced bins, so a 1,000x outlier does not squash the bulk into one bin starting at 0 ns.
+    Samples of 0 ns (a clock tick coarser than the call) fall in the first bin, whose lower edge is
+    then at most 0.5 ns. Raises ValueError on no samples, an empty or negative sample list, or
+    ``bins_per_decade`` < 1."""
+    if bins_per_decade < 1:
+        raise ValueError(f"bins_per_decade must be >= 1, got {bins_per_decade}")
+    if not samples_ns or any(len(v) == 0 for v in samples_ns.values()):
+        raise ValueError(f"samples_ns needs at least one sample per call, got sizes "
+                         f"{ {k: len(v) for k, v in samples_ns.items()} }")
+    arrays = {k: np.asarray(v, dtype=np.float64) for k, v in samples_ns.items()}
+    lo = min(float(a.min()) for a in arrays.values())
+    hi = max(float(a.max()) for a in arrays.values())
+    if lo < 0:
+        raise ValueError(f"latencies must be >= 0 ns, got a minimum of {lo}")
+    lo, hi = max(lo, 0.5), max(hi, 0.5)                                  # 0 ns samples go to the first bin
+    k_lo = int(np.floor(np.log10(lo) * bins_per_decade))                # edge i = 10 ** (i / bins_per_decade)
+    k_hi = max(int(np.ceil(np.log10(hi) * bins_per_decade)), k_lo + 1)
+    edges = 10.0 ** (np.arange(k_lo, k_hi + 1) / bins_per_decade)        # [NB + 1]
+    edges[0], edges[-1] = min(edges[0], lo), max(edges[-1], hi)          # guard against float round-off
+    counts = {k: np.histogram(np.maximum(a, lo), edges)[0].tolist() for k, a in arrays.items()}
+    pct = {k: np.percentile(a, [50, 99]) for k, a in arrays.items()}
+    return LatencyHistogram(edges.tolist(), counts, {k: float(p[0]) for k, p in pct.items()},
+                            {k: float(p[1]) for k, p in pct.items()})
+
+
 class GatherTiming(NamedTuple):
-    """Median microseconds to materialise one MLA layer's latents ``[L, D]`` of one request."""
+    """Microseconds (median or minimum of the rounds, see :func:`gather_timing`) to materialise one MLA
+    layer's latents ``[L, D]`` of one request."""
 
     context_tokens: int
     block_size: int
@@ -153,12 +205,15 @@ class GatherTiming(NamedTuple):
 
 
 def gather_timing(context_tokens: int, block_size: int, latent_dim: int = 576, kv_lora_rank: int = 512,
-                  num_heads: int = 8, repeats: int = 7, seed: int = 0, scatter: bool = True) -> GatherTiming:
+                  num_heads: int = 8, repeats: int = 7, seed: int = 0, scatter: bool = True,
+                  statistic: str = "median") -> GatherTiming:
     """Time contiguous vs paged vs naive materialisation of ``context_tokens`` latents of width
     ``latent_dim`` (default Kimi's 512 + 64) in fp32, and decode attention over them.
 
     ``scatter=True`` allocates the request's pages interleaved with another request's, so the page
-    table is not one consecutive run (the realistic case). Raises ValueError on non-positive sizes.
+    table is not one consecutive run (the realistic case). ``statistic``: "median" or "min" of the
+    ``repeats`` interleaved rounds (see :func:`_round_robin_ns`). Raises ValueError on non-positive sizes
+    or an unknown statistic.
     """
     if context_tokens <= 0 or block_size <= 0 or latent_dim <= kv_lora_rank:
         raise ValueError(f"need context_tokens > 0, block_size > 0, latent_dim > kv_lora_rank; got "
@@ -184,5 +239,5 @@ def gather_timing(context_tokens: int, block_size: int, latent_dim: int = 576, k
     fns = [lambda: dst.copy_(lat), lambda: cache.gather(0, out=buf), lambda: torch.cat(tokens, out=dst.view(-1)),
            lambda: latent_attention(q, lat[None], kv_lora_rank, scale), attn_paged]
     with one_thread():
-        us = [t / 1e3 for t in _round_robin_median_ns(fns, repeats)]
+        us = [t / 1e3 for t in _round_robin_ns(fns, repeats, statistic)]
     return GatherTiming(context_tokens, block_size, *us)

@@ -45,5 +45,23 @@ def test_prefix_sharing_bytes(prefix, unique, bs):
             assert r.shared_bytes == (full + r.num_requests * own) * page
         assert r.private_bytes == r.num_requests * (full + own) * page
     assert rows[0].saved_bytes == 0
-    with pytest.raises(ValueError):
-        prefix_sharing_bytes(0, 1, 1, 1)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((0, 1, 1, 1), "max_requests must be >= 1, got 0"), ((1, -1, 1, 1), "prefix_tokens must be >= 0"),
+    ((1, 1, -1, 1), "unique_tokens must be >= 0"), ((1, 1, 1, 0), "block_size must be >= 1"),
+    # regression: page 06 with both sliders at 0 showed "max_requests > 0 ... got 1, 16, 0, 0"
+    ((1, 0, 0, 16), r"prefix_tokens \+ unique_tokens must be >= 1 .*got prefix_tokens=0, unique_tokens=0"),
+])
+def test_prefix_sharing_bytes_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        prefix_sharing_bytes(*args)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((0, 10, 0, 0), "block_size must be >= 1"), ((4, 0, 0, 0), "tokens_a must be >= 1"),
+    ((4, 10, 11, 0), "shared_tokens must be <= tokens_a"), ((4, 10, 2, -1), "tokens_b_own must be >= 0"),
+])
+def test_page_table_demo_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        page_table_demo(*args)
