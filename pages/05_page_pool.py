@@ -3,8 +3,10 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
+from plotly.subplots import make_subplots
 
 from pages._common import engine_call, persist, show_chart
+from serve.pool_measure import latency_histogram
 from serve.pool_workload import WorkloadConfig, policy_waste, simulate
 
 st.title("Unified page pool")
@@ -16,14 +18,17 @@ st.write(
 
 POLICY = {"unified page size": "unified", "multi-page state": "multi_page"}
 c1, c2, c3 = st.columns(3)
-pool_mib = c1.slider("Pool size (MiB)", 4, 128, key=persist("p05_pool_mib", 32))
-policy = POLICY[c2.selectbox("Page-size policy", list(POLICY), key=persist("p05_policy", "unified page size"))]
-arrival = c3.selectbox("Arrival pattern", ["steady", "bursty"], key=persist("p05_arrival", "steady"))
+pool_mib = c1.slider("Pool size (MiB)", 4, 128, key=persist("p05_pool_mib", 32), persist_state="session")
+policy = POLICY[c2.selectbox("Page-size policy", list(POLICY),
+                             key=persist("p05_policy", "unified page size"), persist_state="session")]
+arrival = c3.selectbox("Arrival pattern", ["steady", "bursty"],
+                       key=persist("p05_arrival", "steady"), persist_state="session")
 d1, d2, d3, d4 = st.columns(4)
-long_share = d1.slider("Long requests, first half (share)", 0.0, 1.0, step=0.05, key=persist("p05_long_share", 0.1))
-groups = d2.slider("KDA groups G", 1, 6, key=persist("p05_groups", 1))
-seed = d3.number_input("Seed", 0, 9999, key=persist("p05_seed", 0))
-step = d4.slider("Grid at step", 0, 199, key=persist("p05_step", 60))
+long_share = d1.slider("Long requests, first half (share)", 0.0, 1.0, step=0.05,
+                       key=persist("p05_long_share", 0.1), persist_state="session")
+groups = d2.slider("KDA groups G", 1, 6, key=persist("p05_groups", 1), persist_state="session")
+seed = d3.number_input("Seed", 0, 9999, key=persist("p05_seed", 0), persist_state="session")
+step = d4.slider("Grid at step", 0, 199, key=persist("p05_step", 60), persist_state="session")
 
 
 @st.cache_data(show_spinner="Running the request stream on the pool…")
@@ -33,7 +38,7 @@ def _run(pool_mib, policy, long_share, arrival, groups, seed, step):
     res = simulate(cfg, snapshot_step=step)
     return {"layout": res.layout, "num_pages": res.num_pages, "kv_static": res.kv_pages_static,
             "timeline": pd.DataFrame(res.timeline), "outcomes": pd.DataFrame(res.outcomes),
-            "snapshot": res.snapshot, "latency": res.latency_ns, "waste": res.waste}
+            "snapshot": res.snapshot, "latency": latency_histogram(res.latency_ns, bins_per_decade=10), "waste": res.waste}
 
 
 r = engine_call(_run, float(pool_mib), policy, long_share, arrival, groups, int(seed), step)
@@ -64,20 +69,28 @@ st.caption("Grey = free, blues = MLA_KV, oranges = KDA_STATE; shades tell owners
 st.subheader("2 · Utilisation by kind over time")
 tl = r["timeline"]
 uni, spl = tl[tl.variant == "unified"], tl[tl.variant == "static split"]
-n = r["num_pages"]
-fig2 = go.Figure()
-fig2.add_trace(go.Scatter(x=uni.step, y=100 * uni.kda_state_pages / n, name="unified: KDA_STATE", stackgroup="u",
-                          line=dict(color="#f16913")))
-fig2.add_trace(go.Scatter(x=uni.step, y=100 * uni.mla_kv_pages / n, name="unified: MLA_KV", stackgroup="u",
-                          line=dict(color="#2171b5")))
-fig2.add_trace(go.Scatter(x=spl.step, y=100 * spl.mla_kv_pages / r["kv_static"], name="static split: KV pool used",
-                          line=dict(color="#08519c", dash="dot")))
-fig2.add_trace(go.Scatter(x=spl.step, y=100 * spl.kda_state_pages / (n - r["kv_static"]),
-                          name="static split: state pool used", line=dict(color="#a63603", dash="dot")))
-fig2.add_vline(x=100, line_dash="dash", line_color="gray", annotation_text="mix flips")
-fig2.add_vline(x=step, line_color="black", annotation_text="grid")
-fig2.update_layout(xaxis_title="step", yaxis_title="pages in use (% of the pool)", legend=dict(orientation="h", y=-0.3))
+n, kv_static = r["num_pages"], r["kv_static"]
+fig2 = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
+                     subplot_titles=("MLA_KV pages", "KDA_STATE pages"))
+PANELS = ((1, "mla_kv_pages", "MLA_KV", "#2171b5", kv_static, "KV pool"),
+          (2, "kda_state_pages", "KDA_STATE", "#f16913", n - kv_static, "state pool"))
+for row, col, kind, color, cap, cap_name in PANELS:
+    fig2.add_trace(go.Scatter(x=uni.step, y=100 * uni[col] / n, name=f"unified: {kind}", fill="tozeroy",
+                              line=dict(color=color)), row=row, col=1)
+    fig2.add_trace(go.Scatter(x=spl.step, y=100 * spl[col] / n, name=f"static split: {cap_name} used",
+                              line=dict(color=color, dash="dot")), row=row, col=1)
+    fig2.add_hline(y=100 * cap / n, line_dash="dash", line_color=color, row=row, col=1,
+                   annotation_text=f"static {cap_name} size: {cap:,} pages", annotation_position="top left")
+    labels = row == 1                                                    # name the vertical lines once
+    fig2.add_vline(x=100, line_dash="dash", line_color="gray", row=row, col=1,
+                   **({"annotation_text": "mix flips"} if labels else {}))
+    fig2.add_vline(x=step, line_color="black", row=row, col=1, **({"annotation_text": "grid"} if labels else {}))
+    fig2.update_yaxes(title_text="% of the whole pool", rangemode="tozero", row=row, col=1)
+fig2.update_xaxes(title_text="step", row=2, col=1)
+fig2.update_layout(height=560, legend=dict(orientation="h", y=-0.18))
 show_chart(fig2, tl, key="p05_util")
+st.caption(f"Both panels count pages as a share of all {n:,} pages, for both pools. A static pool cannot go above "
+           "its dashed line; the unified pool can lend any free page to either kind.")
 
 st.subheader("3 · Admitted vs rejected: unified vs static split")
 oc = r["outcomes"].assign(bar=lambda d: "phase " + d.phase.astype(str) + " · " + d.variant)
@@ -95,7 +108,9 @@ for name, pol in POLICY.items():
     rows += [{"policy": name, "waste": "KDA state padding / tail", "pct_of_used": 100 * w["state_waste_bytes"] / used},
              {"policy": name, "waste": "MLA last-block slack", "pct_of_used": 100 * w["kv_slack_bytes"] / used}]
 wdf = pd.DataFrame(rows)
-fig4 = go.Figure([go.Bar(x=sub.policy, y=sub.pct_of_used, name=kind) for kind, sub in wdf.groupby("waste")])
+WASTE_COLOR = {"KDA state padding / tail": "#f16913", "MLA last-block slack": "#2171b5"}
+fig4 = go.Figure([go.Bar(x=sub.policy, y=sub.pct_of_used, name=kind, marker_color=WASTE_COLOR[kind])
+                  for kind, sub in wdf.groupby("waste")])
 fig4.update_layout(xaxis_title="policy (demo model, this workload)", yaxis_title="unused bytes (% of used pool bytes, time-average)",
                    barmode="stack", legend=dict(orientation="h", y=-0.3))
 show_chart(fig4, wdf, key="p05_waste")
@@ -107,13 +122,27 @@ st.caption("Real presets at 16-token blocks, G groups (bf16 KV, fp32 state, bf16
            "differs is the MLA block: thousands of tokens per page under the unified policy at G = 1.")
 
 st.subheader("5 · Measured alloc / free call latency")
-lat = r["latency"]
-ldf = pd.DataFrame([(k, v) for k, vs in lat.items() for v in vs], columns=["call", "latency_ns"])
-fig5 = go.Figure([go.Histogram(x=sub.latency_ns, name=k, nbinsx=60, opacity=0.7) for k, sub in ldf.groupby("call")])
-fig5.update_layout(xaxis_title="latency per call (ns, log)", yaxis_title="calls", xaxis_type="log", barmode="overlay")
+h = r["latency"]
+edges = np.asarray(h.edges_ns)
+top = max(max(c) for c in h.counts.values()) * 1.05                   # height of the p50 / p99 markers
+fig5 = go.Figure()
+for (call, counts), color in zip(h.counts.items(), ["#2171b5", "#f16913"]):
+    # bars spanning [edges[i], edges[i+1]): centre and width in ns, so they sit exactly on the log axis
+    fig5.add_trace(go.Bar(x=(edges[:-1] + edges[1:]) / 2, y=counts, width=np.diff(edges), name=call, opacity=0.6,
+                          marker_color=color, customdata=np.stack([edges[:-1], edges[1:]], axis=1),
+                          hovertemplate="%{customdata[0]:,.0f}–%{customdata[1]:,.0f} ns: %{y} calls"))
+    for q, pct, dash in (("p50", h.p50_ns, "dot"), ("p99", h.p99_ns, "dash")):
+        v = pct[call]
+        fig5.add_trace(go.Scatter(x=[v, v], y=[0, top], mode="lines", line=dict(color=color, dash=dash, width=2),
+                                  name=f"{call} {q} = {v:,.0f} ns", hovertemplate=f"{call} {q}: {v:,.0f} ns"))
+TICKS_NS = [m * 10 ** e for e in range(0, 8) for m in (1, 2, 5)]
+fig5.update_layout(xaxis=dict(title="latency per call (ns, log scale)", type="log", tickvals=TICKS_NS,
+                              ticktext=[f"{t:,}" for t in TICKS_NS]),
+                   yaxis_title="calls per bin (10 bins per decade)", barmode="overlay", bargap=0)
+ldf = pd.DataFrame([(call, lo, hi, c) for call, counts in h.counts.items()
+                    for lo, hi, c in zip(edges[:-1], edges[1:], counts)], columns=["call", "lo_ns", "hi_ns", "calls"])
 show_chart(fig5, ldf, key="p05_latency")
-pct = ldf.groupby("call").latency_ns.quantile([0.5, 0.99]).unstack()
-st.write(" · ".join(f"**{k}** p50 {row[0.5]:,.0f} ns, p99 {row[0.99]:,.0f} ns" for k, row in pct.iterrows()))
+st.write(" · ".join(f"**{k}** p50 {h.p50_ns[k]:,.0f} ns, p99 {h.p99_ns[k]:,.0f} ns" for k in h.counts))
 
 st.info(
     "What to notice: the unified pool lends pages to whichever kind needs them, so when the mix flips it keeps "

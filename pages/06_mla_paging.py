@@ -19,10 +19,10 @@ st.write(
 BLOCKS = [1, 2, 4, 8, 16, 32, 64]
 st.subheader("1 · A request's page table (logical block → physical page)")
 c1, c2, c3, c4 = st.columns(4)
-bs = c1.select_slider("Block size N (tokens)", BLOCKS, key=persist("p06_block_size", 16))
-tokens_a = c2.slider("Request A (tokens)", 8, 256, key=persist("p06_tokens_a", 100))
-shared_pct = c3.slider("B shares A's first (%)", 0, 100, key=persist("p06_shared_pct", 50))
-own_b = c4.slider("B's own tokens", 0, 128, key=persist("p06_own_b", 30))
+bs = c1.select_slider("Block size N (tokens)", BLOCKS, key=persist("p06_block_size", 16), persist_state="session")
+tokens_a = c2.slider("Request A (tokens)", 8, 256, key=persist("p06_tokens_a", 100), persist_state="session")
+shared_pct = c3.slider("B shares A's first (%)", 0, 100, key=persist("p06_shared_pct", 50), persist_state="session")
+own_b = c4.slider("B's own tokens", 0, 128, key=persist("p06_own_b", 30), persist_state="session")
 
 
 @st.cache_data
@@ -76,16 +76,19 @@ fig2.add_trace(go.Scatter(x=fdf.block_size, y=100 * fdf.unused_fraction, name="u
                           mode="lines+markers"))
 fig2.add_trace(go.Scatter(x=fdf.block_size, y=fdf.mean_table_entries, name="page-table entries per request",
                           mode="lines+markers", yaxis="y2", line=dict(dash="dot")))
-fig2.update_layout(xaxis=dict(title="block size N (tokens, log)", type="log"),
+TICKS = [m * 10 ** e for e in range(0, 6) for m in (1, 2, 5)]         # 1, 2, 5, 10, 20, 50, ...
+fig2.update_layout(xaxis=dict(title="block size N (tokens, log)", type="log", tickvals=fdf.block_size.tolist()),
                    yaxis=dict(title="unused slots in last blocks (% of allocated)"),
-                   yaxis2=dict(title="page-table entries per request (log)", overlaying="y", side="right", type="log"),
+                   yaxis2=dict(title="page-table entries per request (log)", overlaying="y", side="right", type="log",
+                               tickvals=TICKS, ticktext=[f"{t:,}" for t in TICKS], showgrid=False),
                    legend=dict(orientation="h", y=-0.3))
 show_chart(fig2, fdf, key="p06_frag")
 st.caption("1,000 requests with context lengths log-uniform in [16, 8192] tokens (seeded). Unused slots = "
            "⌈L / N⌉ · N − L per request: on average about N / 2 tokens.")
 
 st.subheader("3 · Gather overhead: paged vs contiguous, measured")
-max_ctx = st.select_slider("Longest context measured (tokens)", [1024, 4096, 16384], key=persist("p06_max_ctx", 4096))
+max_ctx = st.select_slider("Longest context measured (tokens)", [1024, 4096, 16384],
+                           key=persist("p06_max_ctx", 4096), persist_state="session")
 
 
 @st.cache_data(show_spinner="Measuring gathers on this CPU…")
@@ -93,7 +96,7 @@ def _gather(max_ctx):
     ctx = [c for c in (256, 1024, 4096, 16384) if c <= max_ctx]
     return pd.DataFrame([{**g._asdict(), "gather_ratio": g.gather_ratio, "naive_ratio": g.naive_cat_us / g.contiguous_us,
                           "attention_ratio": g.attention_ratio}
-                         for L in ctx for b in (1, 4, 16, 64, 256) for g in [gather_timing(L, b, repeats=5)]])
+                         for L in ctx for b in (1, 4, 16, 64, 256) for g in [gather_timing(L, b, repeats=5, statistic="min")]])
 
 
 gdf = engine_call(_gather, max_ctx)
@@ -103,20 +106,24 @@ for b, sub in gdf.groupby("block_size"):
 naive = gdf.groupby("context_tokens").naive_ratio.median()
 fig3.add_trace(go.Scatter(x=naive.index, y=naive.values, name="naive torch.cat per token", mode="lines+markers",
                           line=dict(dash="dot", color="gray")))
-fig3.add_hline(y=1.5, line_dash="dash", line_color="red", annotation_text="target 1.5× (N ≥ 16)")
-fig3.update_layout(xaxis=dict(title="context length (tokens, log)", type="log"),
-                   yaxis=dict(title="time ÷ contiguous copy (×, median)"), legend=dict(orientation="h", y=-0.3))
+fig3.add_hline(y=1.5, line_dash="dash", line_color="red", annotation_text="target 1.5× (N ≥ 16)",
+               annotation_position="bottom left")
+fig3.update_layout(xaxis=dict(title="context length (tokens, log)", type="log",
+                              tickvals=sorted(gdf.context_tokens.unique().tolist())),
+                   yaxis=dict(title="time ÷ contiguous copy (×, fastest of 5 runs)"), legend=dict(orientation="h", y=-0.3))
 show_chart(fig3, gdf, key="p06_gather")
 st.caption("One MLA layer's latents [L, 576] fp32 (Kimi's 512 + 64) copied into a preallocated buffer: contiguous "
            "`copy_` vs `index_select` over a scattered page table vs `torch.cat` of per-token tensors; contenders "
-           "interleaved, single-threaded, medians of 5. The CSV also holds decode attention over contiguous latents vs "
-           "gather + attention (`attention_ratio`).")
+           "interleaved, single-threaded, fastest of 5 rounds each (on a shared CPU a descheduled round only adds "
+           "time; a median of 5 let one stalled baseline push a ratio to 0.1×). The CSV also holds decode attention "
+           "over contiguous latents vs gather + attention (`attention_ratio`).")
 
 st.subheader("4 · Bytes saved by sharing a prefix")
 e1, e2, e3 = st.columns(3)
-n_req = e1.slider("Requests sharing the prefix", 1, 64, key=persist("p06_requests", 16))
-prefix = e2.slider("Shared prefix (tokens)", 0, 8192, step=64, key=persist("p06_prefix", 2048))
-unique = e3.slider("Unique tail per request (tokens)", 0, 2048, step=16, key=persist("p06_unique", 128))
+n_req = e1.slider("Requests sharing the prefix", 1, 64, key=persist("p06_requests", 16), persist_state="session")
+prefix = e2.slider("Shared prefix (tokens)", 0, 8192, step=64, key=persist("p06_prefix", 2048), persist_state="session")
+unique = e3.slider("Unique tail per request (tokens)", 0, 2048, step=16,
+                   key=persist("p06_unique", 128), persist_state="session")
 
 
 @st.cache_data
@@ -125,16 +132,22 @@ def _sharing(n_req, prefix, unique, bs):
                          for r in prefix_sharing_bytes(n_req, prefix, unique, bs)])
 
 
-sdf = engine_call(_sharing, n_req, prefix, unique, max(bs, 16))
-fig4 = go.Figure()
-fig4.add_trace(go.Scatter(x=sdf.num_requests, y=sdf.private_bytes / 2 ** 20, name="private copies", mode="lines"))
-fig4.add_trace(go.Scatter(x=sdf.num_requests, y=sdf.shared_bytes / 2 ** 20, name="shared by reference count",
-                          mode="lines", fill="tonexty"))
-fig4.update_layout(xaxis_title="requests", yaxis_title="MLA_KV bytes in the pool (MiB)", legend=dict(orientation="h", y=-0.3))
-show_chart(fig4, sdf, key="p06_sharing")
-last = sdf.iloc[-1]
-st.metric(f"Saved at {n_req} requests", f"{last.saved_bytes / 2 ** 20:,.2f} MiB",
-          f"{100 * last.saved_bytes / max(last.private_bytes, 1):.0f}% of private")
+if prefix + unique == 0:
+    st.error("Shared prefix + unique tail must be at least 1 token: move either slider above 0.")
+else:
+    sdf = engine_call(_sharing, n_req, prefix, unique, max(bs, 16))
+    fig4 = go.Figure()
+    fig4.add_trace(go.Scatter(x=sdf.num_requests, y=sdf.shared_bytes / 2 ** 20, name="shared by reference count",
+                              mode="lines+markers"))
+    fig4.add_trace(go.Scatter(x=sdf.num_requests, y=sdf.private_bytes / 2 ** 20, mode="lines+markers", fill="tonexty",
+                              name="private copies (shaded gap = bytes saved)"))
+    fig4.update_layout(xaxis=dict(title="requests sharing the prefix", dtick=max(1, round(n_req / 8))),
+                       yaxis_title="MLA_KV bytes in the pool (MiB)",
+                       yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.3))
+    show_chart(fig4, sdf, key="p06_sharing")
+    last = sdf.iloc[-1]
+    st.metric(f"Saved at {n_req} requests", f"{last.saved_bytes / 2 ** 20:,.2f} MiB",
+              f"{100 * last.saved_bytes / max(last.private_bytes, 1):.0f}% of private")
 
 st.info(
     "What to notice: pages scatter, yet a page table makes them one logical sequence. Smaller blocks waste fewer "

@@ -1,0 +1,35 @@
+"""Helpers for page-specific AppTest regressions: open a page with widget values, read a chart's data."""
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+from streamlit.testing.v1 import AppTest
+
+APP = str(Path(__file__).resolve().parents[2] / "app.py")
+
+
+def open_page(path: str, **values) -> AppTest:
+    """Run the app, switch to ``path``, then set each widget ``key=value`` (slider, select_slider,
+    number_input or selectbox) and rerun; asserts that no run raised."""
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.run()
+    at.switch_page(path)
+    at.run()
+    for key, value in values.items():
+        next(w for w in [*at.slider, *at.select_slider, *at.number_input, *at.selectbox] if w.key == key).set_value(value)
+        at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def chart_spec(at: AppTest, key: str) -> dict:
+    """The Plotly figure (data + layout) of the chart rendered with ``key``."""
+    return next(json.loads(c.proto.spec) for c in at.get("plotly_chart") if c.proto.id.endswith(key))
+
+
+def plotly_values(array) -> list:
+    """A Plotly data array: a list, or a typed array ``{"dtype", "bdata"}`` (base64)."""
+    if isinstance(array, dict):
+        return np.frombuffer(base64.b64decode(array["bdata"]), dtype=array["dtype"]).tolist()
+    return list(array)
