@@ -5,7 +5,7 @@ import streamlit as st
 
 from kda_core.model import decode
 from pages._common import engine_call, persist, show_chart
-from pages._registry import TABS
+from pages._registry import SECTIONS, TABS
 from serve.prefix_runs import cold_vs_warm, ttft_summary
 from serve.request import TIMING_PHASES
 
@@ -21,24 +21,37 @@ SYSTEM = ("You are KDA-bot, a careful assistant for inference engineers. Answer 
           "Always state units (bytes, tokens, ms). Cite the source of every number. Prefer measured values "
           "over estimates, and say so when you estimate. The cluster runs Kimi Linear with KDA and MLA layers, "
           "paged caches, prefix caching with state checkpoints and speculative decoding. ")
+MAX_PROMPT_BYTES = 2_000  # = tokens (byte-level model): bounds the nine prefills below
 c1, c2 = st.columns(2)
 first = c1.text_area("Request 1 (fills the cache)", key=persist("p00_first", SYSTEM + "User: How big is a KDA state?"),
-                     height=170)
-second = c2.text_area("Request 2 (cold vs warm)", height=170,
+                     height=170, max_chars=MAX_PROMPT_BYTES)
+second = c2.text_area("Request 2 (cold vs warm)", height=170, max_chars=MAX_PROMPT_BYTES,
                       key=persist("p00_second", SYSTEM + "User: Why must a checkpoint sit on a block boundary?"))
 d1, d2, d3 = st.columns(3)
 max_new = d1.slider("Tokens to generate", 1, 16, key=persist("p00_new", 8))
 block = d2.select_slider("Block size N (tokens)", [8, 16, 32, 64], key=persist("p00_block", 16))
-interval_blocks = d3.select_slider("Checkpoint every C / N blocks", [1, 2, 4, 8], key=persist("p00_interval", 4))
+interval = d3.select_slider("Checkpoint interval C (tokens)", [64, 128, 256, 512], key=persist("p00_interval_c", 64))
+sizes = {name: len(prompt.encode()) for name, prompt in (("Request 1", first), ("Request 2", second))}
+st.caption(f"Each prompt is capped at {MAX_PROMPT_BYTES:,} bytes (bytes are tokens; in UTF-8 an accent takes 2 bytes, "
+           "an emoji 4): the page runs nine prefills (3 repeats of cold, request 1 and warm), and the cap bounds the "
+           f"wait. These prompts are {sizes['Request 1']:,} and {sizes['Request 2']:,} bytes.")
+too_long = [name for name, n in sizes.items() if n > MAX_PROMPT_BYTES]
+if too_long:
+    st.error(f"{' and '.join(too_long)} exceed{'s' if len(too_long) == 1 else ''} {MAX_PROMPT_BYTES:,} bytes in "
+             f"UTF-8; shorten {'it' if len(too_long) == 1 else 'them'}.")
+    st.stop()
+if not all(sizes.values()):
+    st.info("Type both prompts (each at least one character).")
+    st.stop()
 
 
 @st.cache_data(show_spinner="Running both requests through the engine (3 repeats)…")
 def _run(first, second, max_new, block, interval):
     run = cold_vs_warm(first, second, max_new, block, interval, repeats=3)
-    return pd.DataFrame(run.rows), run.check, decode(run.warm_tokens), run.layout.state_bytes
+    return pd.DataFrame(run.rows), run.check, decode(run.warm_tokens), len(run.warm_tokens), run.layout.state_bytes
 
 
-rows, check, text, state_bytes = engine_call(_run, first, second, max_new, block, block * interval_blocks)
+rows, check, text, num_generated, state_bytes = engine_call(_run, first, second, max_new, block, interval)
 summary = ttft_summary(rows.to_dict("records"))
 warm, cold = rows[rows.kind == "warm"].iloc[0], rows[rows.kind == "cold"].iloc[0]
 m1, m2, m3, m4 = st.columns(4)
@@ -50,7 +63,7 @@ m3.metric("Restored from checkpoint", f"{warm.restored_bytes / 1024:,.1f} KiB", 
 m4.metric("Shared through KV pages", f"{warm.shared_kv_bytes / 1024:,.1f} KiB", "MLA latents, by reference",
           delta_color="off")
 if check.outputs_identical:
-    st.success(f"Outputs identical to the cache-off run: {len(text.encode())} greedy tokens, max |Δ logits| = "
+    st.success(f"Outputs identical to the cache-off run: {num_generated} greedy tokens, max |Δ logits| = "
                f"{check.max_logit_diff:.1e} (≤ 1e-5 required). Warm output bytes: “{text}” (the demo model's weights are "
                "random, so its bytes are not meant to read as text)")
 else:
@@ -69,5 +82,9 @@ st.caption(f"Hit: {warm.hit_tokens} of {warm.prompt_tokens} tokens (phase-1 KV r
            "min(KV run, L − 1) that has a complete checkpoint (issue 5; vLLM/SGLang hybrid prefix caching).")
 
 st.subheader("Tabs")
-for tab in TABS:
-    st.page_link(tab.path, label=f"{tab.title} — {tab.blurb}", icon=tab.icon)
+for section in SECTIONS:
+    tabs = [tab for tab in TABS if tab.section == section]
+    if tabs:
+        st.write(f"**{section}**")
+    for tab in tabs:
+        st.page_link(tab.path, label=f"{tab.title} — {tab.blurb}", icon=tab.icon)

@@ -4,7 +4,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from pages._common import engine_call, persist, show_chart
-from serve.prefix_runs import anatomy
+from serve.prefix_runs import ANATOMY_BLOCK_COLUMNS, anatomy
 
 st.title("Prefix cache anatomy")
 st.write(
@@ -22,7 +22,15 @@ c1, c2, c3 = st.columns(3)
 block = c1.select_slider("Block size N (tokens)", [4, 8, 16, 32], key=persist("p07_block", 16))
 every = c2.select_slider("Checkpoint every C / N blocks", [1, 2, 4], key=persist("p07_every", 2))
 groups = c3.slider("KDA groups G", 1, 4, key=persist("p07_groups", 2))
-prompts = [line for line in text.splitlines() if line.strip()]
+lines = text.splitlines()
+prompts = [line for line in lines if line.strip()]
+if len(prompts) < 2:
+    st.info(f"Type at least two prompts, one per line: the earlier ones fill the cache and the last one is looked "
+            f"up. Blank lines are ignored; there {'is' if len(prompts) == 1 else 'are'} {len(prompts)} non-blank "
+            f"line{'' if len(prompts) == 1 else 's'} now.")
+    st.stop()
+if len(prompts) < len(lines):
+    st.caption(f"{len(lines) - len(prompts)} blank line(s) ignored: {len(prompts)} prompts.")
 
 
 @st.cache_data(show_spinner="Filling the cache…")
@@ -42,13 +50,26 @@ if options and d1.checkbox("What if: drop one group's checkpoint", key=persist("
 res = engine_call(_anatomy, prompts, block, block * every, groups, drop) if drop else base
 
 st.subheader("1 · Blocks and checkpoints along the token axis")
-blocks, cks = pd.DataFrame(res.blocks), pd.DataFrame(res.checkpoints)
+blocks, cks = pd.DataFrame(res.blocks, columns=ANATOMY_BLOCK_COLUMNS), pd.DataFrame(res.checkpoints)
+if blocks.empty:
+    st.info(f"Every prompt is shorter than one block (N = {block} tokens; the longest has "
+            f"{max(res.prompt_tokens)} token{'' if max(res.prompt_tokens) == 1 else 's'}): the cache keys whole blocks only, so nothing is cached and the "
+            "hit is 0. Lower N or lengthen the prompts.")
+tails = pd.DataFrame([dict(prompt=i, start=n // block * block, tokens=n % block)
+                      for i, n in enumerate(res.prompt_tokens) if n % block])
 fig = go.Figure()
 for cached, colour in ((True, "#4292c6"), (False, "#d9d9d9")):
     part = blocks[blocks.cached == cached]
     fig.add_trace(go.Bar(x=[block] * len(part), base=part.start, y=part.prompt, orientation="h", width=0.35,
                          marker_color=colour, name="KV block cached" if cached else "block not cached",
-                         text=part.key, hovertemplate="prompt %{y} · tokens %{base}–%{x} · key %{text}<extra></extra>"))
+                         text=part.key, customdata=part.end,
+                         hovertemplate="prompt %{y} · tokens %{base}–%{customdata} · key %{text}<extra></extra>"))
+if len(tails):
+    fig.add_trace(go.Bar(x=tails.tokens, base=tails.start, y=tails.prompt, orientation="h", width=0.35,
+                         marker=dict(color="#f0f0f0", line=dict(color="#969696", width=1),
+                                     pattern=dict(shape="/", fgcolor="#969696")),
+                         name="partial block (never cached)",
+                         hovertemplate="prompt %{y} · partial block from token %{base}, %{x} tokens<extra></extra>"))
 points = []
 for _, c in cks.iterrows():
     for p in blocks[(blocks.end == c.boundary) & (blocks.key == c.key[:8])].prompt:
@@ -63,6 +84,7 @@ for x, name, dash in ((res.kv_tokens, "phase 1: KV run", "dot"), (res.num_tokens
     fig.add_trace(go.Scatter(x=[x, x], y=[last - 0.4, last + 0.7], mode="lines", name=f"{name} = {x}",
                              line=dict(dash=dash, width=3)))
 fig.update_layout(barmode="overlay", xaxis_title="token position (tokens)", yaxis_title="prompt (0 = first)",
+                  xaxis=dict(range=[0, 1.02 * max(block, *res.prompt_tokens)]),
                   yaxis=dict(tickmode="array", tickvals=list(range(len(prompts)))), height=200 + 70 * len(prompts),
                   legend=dict(orientation="h", y=-0.3))
 show_chart(fig, blocks, key="p07_blocks_chart")

@@ -82,7 +82,8 @@ def compare(warm: RequestResult, cold: RequestResult) -> Comparison:
 class ColdWarm(NamedTuple):
     """rows: one dict per (repeat, kind) with TTFT, tokens, bytes and per-phase ms; cold = the prompt
     through a cache-off engine, first = the earlier request that fills the cache, warm = the prompt
-    after it; check: warm vs cold outputs; warm_text / cold_text: decoded outputs; layout: page layout."""
+    after it; check: warm vs cold outputs (worst repeat); warm_tokens: the warm output token ids of
+    repeat 0 (``max_new_tokens`` of them); layout: page layout."""
 
     rows: list
     check: Comparison
@@ -94,7 +95,10 @@ def cold_vs_warm(first: str | Sequence[int], second: str | Sequence[int], max_ne
                  block_size: int = 16, interval: int = 64, num_groups: int = 1, repeats: int = 3,
                  preset: str = "demo") -> ColdWarm:
     """Measure ``second`` cold (cache-off engine) and warm (after ``first`` filled the cache), ``repeats``
-    times on fresh engines. Raises ValueError for bad sizes or prompts."""
+    times on fresh engines. Repeat 0 generates ``max_new_tokens`` for the cold and warm runs; later
+    repeats only measure TTFT, so they stop at the first token (its logits are still compared). ``first``
+    always generates ``max_new_tokens`` (its output blocks are part of the cache it leaves). Raises
+    ValueError for bad sizes or prompts."""
     a, b = as_tokens(first), as_tokens(second)
     if repeats < 1 or max_new_tokens < 1:
         raise ValueError("repeats and max_new_tokens must be >= 1")
@@ -103,14 +107,17 @@ def cold_vs_warm(first: str | Sequence[int], second: str | Sequence[int], max_ne
     rows, checks, warm = [], [], None
     with one_thread():
         for r in range(repeats):
+            new_tokens = max_new_tokens if r == 0 else 1
             cold = build_engine(model, block_size, interval, num_groups, pages, cache=False).generate(
-                b, max_new_tokens, record_logits=True)
+                b, new_tokens, record_logits=True)
             eng = build_engine(model, block_size, interval, num_groups, pages)
             fill = eng.generate(a, max_new_tokens)
-            warm = eng.generate(b, max_new_tokens, record_logits=True)
+            res = eng.generate(b, new_tokens, record_logits=True)
+            if r == 0:
+                warm = res
             eng.check_integrity()
-            rows += [_row("cold", cold, r), _row("first", fill, r), _row("warm", warm, r)]
-            checks.append(compare(warm, cold))
+            rows += [_row("cold", cold, r), _row("first", fill, r), _row("warm", res, r)]
+            checks.append(compare(res, cold))
     worst = max(checks, key=lambda c: (not c.outputs_identical, c.max_logit_diff))
     return ColdWarm(rows, worst, warm.output_tokens, eng.layout)
 
@@ -134,11 +141,16 @@ def ttft_summary(rows: list) -> dict:
     return dict(cold_ttft_ms=cold, warm_ttft_ms=warm, ttft_reduction=1.0 - warm / cold)
 
 
+ANATOMY_BLOCK_COLUMNS = ("prompt", "block", "start", "end", "key", "cached")
+
+
 class Anatomy(NamedTuple):
-    """blocks: one row per (prompt, block) with token range, key prefix and whether the cache holds it;
+    """blocks: one dict per (prompt, full block) with the keys :data:`ANATOMY_BLOCK_COLUMNS` (token range,
+    key prefix, whether the cache holds it); empty when every prompt is shorter than one block;
     checkpoints: :meth:`PrefixCache.checkpoints` rows after the earlier prompts (and the drop);
     steps: the two-phase lookup of the last prompt; num_tokens / kv_tokens: its hit; dropped: the
-    (boundary, group) removed, if any."""
+    (boundary, group) removed, if any; prompt_tokens: each prompt's length in tokens (the tokens after
+    its last full block form a partial block, which is never cached)."""
 
     blocks: list
     checkpoints: list
@@ -146,6 +158,7 @@ class Anatomy(NamedTuple):
     num_tokens: int
     kv_tokens: int
     dropped: tuple | None
+    prompt_tokens: list
 
 
 def anatomy(prompts: Sequence[str | Sequence[int]], block_size: int = 16, interval: int = 32,
@@ -173,7 +186,8 @@ def anatomy(prompts: Sequence[str | Sequence[int]], block_size: int = 16, interv
                                cached=key in nodes))
     hit = cache.lookup(ids[-1])
     steps = [s._asdict() for s in cache.explain(ids[-1])]
-    return Anatomy(blocks, [c._asdict() for c in cache.checkpoints()], steps, hit.num_tokens, hit.kv_tokens, drop)
+    return Anatomy(blocks, [c._asdict() for c in cache.checkpoints()], steps, hit.num_tokens, hit.kv_tokens, drop,
+                   [len(p) for p in ids])
 
 
 class MissThenHit(NamedTuple):

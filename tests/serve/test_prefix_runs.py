@@ -15,6 +15,7 @@ def test_cold_vs_warm_rows_and_check():
     assert all(r["hit_tokens"] == 64 and r["prefill_tokens"] == 10 for r in warm)
     assert all(r["restored_bytes"] == run.layout.state_bytes for r in warm)
     assert run.check.outputs_identical and run.check.max_logit_diff <= 1e-5
+    assert len(run.warm_tokens) == 3                  # token ids of repeat 0, counted as tokens (not text bytes)
     s = ttft_summary(run.rows)
     assert s["cold_ttft_ms"] > 0 and s["ttft_reduction"] == 1 - s["warm_ttft_ms"] / s["cold_ttft_ms"]
 
@@ -33,6 +34,20 @@ def test_anatomy_and_drop():
         (48, 1, key48)]
     with pytest.raises(ValueError, match="at least two prompts"):
         anatomy(["only one"], preset="demo-tiny")
+
+
+def test_anatomy_of_prompts_shorter_than_one_block():
+    """Review: "a", "b" (and "hello world", "hello there") have no full block; the page crashed on the
+    empty block list."""
+    for prompts in (["a", "b"], ["hello world", "hello there"]):
+        res = anatomy(prompts, block_size=16, interval=32, num_groups=2, preset="demo-tiny")
+        assert res.blocks == [] and res.checkpoints == []
+        assert res.prompt_tokens == [len(p) for p in prompts]
+        assert res.num_tokens == res.kv_tokens == 0
+        assert [s["note"] for s in res.steps] == ["stop: partial block (below one block)"]
+    res = anatomy(["x" * 20, "x" * 20 + "y"], block_size=16, interval=16, num_groups=1, preset="demo-tiny")
+    assert [(b["prompt"], b["end"], b["cached"]) for b in res.blocks] == [(0, 16, True), (1, 16, True)]
+    assert res.prompt_tokens == [20, 21] and res.num_tokens == 16
 
 
 def test_miss_then_hit():

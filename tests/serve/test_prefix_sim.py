@@ -51,6 +51,23 @@ def test_capacity_limits_and_causes():
         assert sum(res.miss_tokens.values()) == res.total_tokens - res.hit_tokens
 
 
+def test_each_ratio_stays_below_its_own_ideal():
+    """Review: page 09 drew the token ratio against the block ideal and it crossed it. Block and token
+    ratios differ (a partial last block is one id but fewer tokens), so each is bounded by its own ideal,
+    at every capacity and interval; the token ideal can exceed the block ideal."""
+    trace = _small_trace()
+    ideal = ideal_hit_ratio(trace, 16)
+    assert ideal.token_hit_ratio != ideal.block_hit_ratio
+    for interval in (16, 64):
+        for capacity in (None, 5_000, 20_000, 80_000):
+            res = simulate(trace, SimConfig(16, interval, 100, (300, 200), capacity_bytes=capacity))
+            assert res.block_hit_ratio <= ideal.block_hit_ratio
+            assert res.token_hit_ratio <= ideal.token_hit_ratio
+            assert res.hit_tokens <= ideal.hit_tokens
+    unlimited = simulate(trace, SimConfig(16, 16, 100, (300, 200)))
+    assert unlimited.token_hit_ratio > ideal.block_hit_ratio          # the crossing the review saw: unlike measures
+
+
 def test_token_hits_follow_the_engine():
     """Same prompts through the real engine (unlimited pool, one output token, so no output blocks) and
     through the simulator on their chained keys: equal hit tokens request by request."""
