@@ -1,4 +1,6 @@
 """01 Snapshot vs projection bytes: what each speculative-decoding rollback strategy holds per verify."""
+import math
+
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
@@ -18,15 +20,18 @@ st.write(
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 c1, c2, c3 = st.columns(3)
-preset = c1.selectbox("Layer size", [*LAYER_PRESETS, "Custom"], key=persist("p01_preset", list(LAYER_PRESETS)[2]))
-num_draft = c2.slider("Draft length n (verify = 1 + n tokens)", 1, 16, key=persist("p01_draft", 4))
-dtype_name = c3.selectbox("Stored dtype s", list(DTYPES), key=persist("p01_dtype", "fp32"))
+preset = c1.selectbox("Layer size", [*LAYER_PRESETS, "Custom"],
+                      key=persist("p01_preset", list(LAYER_PRESETS)[2]), persist_state="session")
+num_draft = c2.slider("Draft length n (verify = 1 + n tokens)", 1, 16,
+                      key=persist("p01_draft", 4), persist_state="session")
+dtype_name = c3.selectbox("Stored dtype s", list(DTYPES), key=persist("p01_dtype", "fp32"), persist_state="session")
 if preset == "Custom":
     d1, d2, d3, d4 = st.columns(4)
-    heads = d1.slider("Heads H", 1, 96, key=persist("p01_heads", 8))
-    k_dim = d2.select_slider("Key dim K", [16, 32, 64, 128], key=persist("p01_k", 64))
-    v_dim = d3.select_slider("Value dim V", [16, 32, 64, 128], key=persist("p01_v", 64))
-    width = d4.select_slider("Layer input width d", [64, 256, 1024, 2304, 4096, 7168], key=persist("p01_d", 1024))
+    heads = d1.slider("Heads H", 1, 96, key=persist("p01_heads", 8), persist_state="session")
+    k_dim = d2.select_slider("Key dim K", [16, 32, 64, 128], key=persist("p01_k", 64), persist_state="session")
+    v_dim = d3.select_slider("Value dim V", [16, 32, 64, 128], key=persist("p01_v", 64), persist_state="session")
+    width = d4.select_slider("Layer input width d", [64, 256, 1024, 2304, 4096, 7168],
+                             key=persist("p01_d", 1024), persist_state="session")
     shape = LayerShape(heads, k_dim, v_dim, 4, width)
 else:
     shape = LAYER_PRESETS[preset]
@@ -43,28 +48,40 @@ st.subheader(f"1 · One KDA layer (H={shape.num_heads}, K={shape.head_k_dim}, V=
              f"d={shape.hidden_size}), {1 + num_draft} verify tokens, {dtype_name}")
 fig = go.Figure(go.Bar(x=df.strategy, y=df.vs_snapshot, marker_color=["#d62728", "#2ca02c", "#1f77b4"],
                        text=[f"{b:,} B" for b in df.measured_bytes], textposition="outside"))
+low, high = math.log10(df.vs_snapshot.min()), math.log10(df.vs_snapshot.max())   # decades spanned by the bars
 fig.update_layout(xaxis_title="rollback strategy", yaxis_title="bytes held ÷ snapshot bytes (log)",
-                  yaxis_type="log", yaxis_range=[-3.2, 0.4], height=380)
+                  yaxis_type="log", yaxis_range=[math.floor(low) - 0.2, high + 0.4], yaxis_dtick=1, height=380)
 show_chart(fig, df, key="p01_layer_chart")
 table = df.assign(**{"measured = formula": df.measured_bytes == df.formula_bytes})
+NUM = st.column_config.NumberColumn
 st.dataframe(table[["strategy", "measured_bytes", "formula_bytes", "formula", "measured = formula", "vs_snapshot"]],
-             hide_index=True, width="stretch")
+             hide_index=True, width="stretch",
+             column_config={"measured_bytes": NUM(format="%,d B"), "formula_bytes": NUM(format="%,d B"),
+                            "vs_snapshot": NUM(format="%.4f")})
 st.caption(
     f"Formula bytes = (1 + n) × per-token bytes with s = {DTYPES[dtype_name].itemsize} B; conv channels "
-    f"2HK + HV = {shape.conv_dim}, window W − 1 = 3. Measured here: snapshot = "
-    f"{df.measured_bytes[0] / df.measured_bytes[1]:,.1f}× projections = {df.measured_bytes[0] / df.measured_bytes[2]:,.0f}× "
-    "raw inputs. The snapshot's state term H·K·V grows with K·V, the projections with H·(2K + V), raw inputs only with d.")
+    f"2HK + HV = {shape.conv_dim}, window W − 1 = 3. Measured here: the snapshot holds "
+    f"{df.measured_bytes[0] / df.measured_bytes[1]:,.1f}× the projections' bytes and "
+    f"{df.measured_bytes[0] / df.measured_bytes[2]:,.1f}× the raw inputs'. The snapshot's state term H·K·V grows "
+    "with K·V, the projections with H·(2K + V), raw inputs only with d.")
 
 st.subheader("2 · Whole model, per draft token")
 tdf = pd.DataFrame(model_rollback_table())
 fig2 = go.Figure()
-for col, color in [("snapshot state MiB", "#d62728"), ("projections k,v,g,beta MiB", "#2ca02c"),
-                   ("conv inputs MiB", "#98df8a"), ("raw inputs MiB", "#1f77b4")]:
+for col, color in [("snapshot state MiB", "#d62728"), ("snapshot conv window MiB", "#ff9896"),
+                   ("projections k,v,g,beta MiB", "#2ca02c"), ("conv inputs MiB", "#98df8a"),
+                   ("raw inputs MiB", "#1f77b4")]:
     fig2.add_trace(go.Bar(x=tdf.model, y=tdf[col], name=col, marker_color=color))
 fig2.update_layout(barmode="group", xaxis_title="model", yaxis_title="MiB per draft token, all KDA layers (log)",
-                   yaxis_type="log", legend=dict(orientation="h", y=-0.25))
+                   yaxis_type="log", yaxis_dtick=1, legend=dict(orientation="h", y=-0.25))
 show_chart(fig2, tdf, key="p01_model_chart")
-st.dataframe(tdf, hide_index=True, width="stretch")
+SHORT = {"snapshot state MiB": "snap. state", "snapshot conv window MiB": "snap. conv", "conv inputs MiB": "conv in",
+         "projections k,v,g,beta MiB": "proj. k,v,g,β", "raw inputs MiB": "raw in"}
+st.dataframe(tdf, hide_index=True, width="stretch", column_config={
+    **{c: NUM(label, format="%.4g") for c, label in SHORT.items()}, "KDA layers": NUM("KDA", format="%d"),
+    **{c: NUM(c.replace("snapshot", "snap").replace(" / ", " ÷ ").replace("projections", "proj"), format="%.1f×")
+       for c in ("snapshot / projections", "snapshot / raw inputs")}})
+st.caption("Table in MiB per draft token, all KDA layers; snapshot state in fp32, everything else in bf16.")
 k3 = tdf.set_index("model").loc["kimi-k3"]
 st.write(
     f"**What to notice.** Kimi K3 (69 KDA layers, 96 heads × 128): a snapshot holds "

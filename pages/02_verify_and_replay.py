@@ -1,4 +1,6 @@
 """02 verify_and_replay: live speculative decoding, every committed state checked against plain decoding."""
+import math
+
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
@@ -6,7 +8,7 @@ from plotly.subplots import make_subplots
 
 from kda_core.model import HybridLM
 from pages._common import engine_call, persist, show_chart
-from serve.spec_lab import MODES, STRATEGIES, run_verify_lab
+from serve.spec_lab import MODES, STRATEGIES, built_by_loaded_code, run_verify_lab
 
 st.title("verify_and_replay")
 st.write(
@@ -17,11 +19,13 @@ st.write(
     "decoding of the same tokens: the difference must be exactly zero.")
 
 c1, c2, c3, c4, c5 = st.columns(5)
-mode = c1.selectbox("Mode", list(MODES), key=persist("p02_mode", MODES[0]))
-strategy = c2.selectbox("Strategy", list(STRATEGIES), key=persist("p02_strategy", STRATEGIES[1]))
-num_draft = c3.slider("Draft length n", 1, 8, key=persist("p02_draft", 4))
-acceptance = c4.slider("Acceptance rate per draft token", 0.0, 1.0, step=0.05, key=persist("p02_accept", 0.7))
-seed = c5.slider("Seed", 0, 20, key=persist("p02_seed", 0))
+mode = c1.selectbox("Mode", list(MODES), key=persist("p02_mode", MODES[0]), persist_state="session")
+strategy = c2.selectbox("Strategy", list(STRATEGIES),
+                        key=persist("p02_strategy", STRATEGIES[1]), persist_state="session")
+num_draft = c3.slider("Draft length n", 1, 8, key=persist("p02_draft", 4), persist_state="session")
+acceptance = c4.slider("Acceptance rate per draft token", 0.0, 1.0, step=0.05,
+                       key=persist("p02_accept", 0.7), persist_state="session")
+seed = c5.slider("Seed", 0, 20, key=persist("p02_seed", 0), persist_state="session")
 
 
 def _clamped(key: str, default: int, top: int) -> str:
@@ -34,18 +38,19 @@ abort_layers, abort_tokens, corrupt_at, poison = None, 1, 1, False
 if mode == "interrupted":
     e1, e2 = st.columns(2)
     layers = e1.slider("Abort the first verify after this many layers (8 = all)", 0, 8,
-                       key=persist("p02_abort_layers", 3))
+                       key=persist("p02_abort_layers", 3), persist_state="session")
     abort_tokens = e2.slider("…having fed this many verify tokens", 1, num_draft + 1,
-                             key=_clamped("p02_abort_tokens", 2, num_draft + 1))
+                             key=_clamped("p02_abort_tokens", 2, num_draft + 1), persist_state="session")
     abort_layers = None if layers == 8 else layers
 elif mode == "injected deviation":
     e1, e2 = st.columns(2)
-    corrupt_at = e1.slider("Corrupt the draft at position", 1, num_draft, key=_clamped("p02_corrupt_at", 2, num_draft))
+    corrupt_at = e1.slider("Corrupt the draft at position", 1, num_draft,
+                           key=_clamped("p02_corrupt_at", 2, num_draft), persist_state="session")
     poison = e2.checkbox("Also overwrite the stored data of rejected tokens with NaN (control)",
-                         key=persist("p02_poison", True))
+                         key=persist("p02_poison", True), persist_state="session")
 
 
-@st.cache_resource
+@st.cache_resource(validate=built_by_loaded_code)   # rebuilt after a source reload
 def _model() -> HybridLM:
     return HybridLM()
 
@@ -78,8 +83,10 @@ else:
 FLOOR = 1e-12
 fig = go.Figure(go.Scatter(x=df.step, y=df.max_abs_diff.clip(lower=FLOOR), mode="lines+markers",
                            name="max |committed − sequential|"))
-fig.add_hline(y=FLOOR, line_dash="dot", line_color="gray", annotation_position="top left",
-              annotation_text="floor 1e-12 = exactly 0 (bitwise equal)" if exact else "floor 1e-12")
+fig.add_hline(y=FLOOR, line_dash="dot", line_color="gray")
+fig.add_annotation(x=0, xref="x domain", xanchor="left", y=math.log10(FLOOR), yanchor="bottom",  # log axis: log10(y)
+                   showarrow=False,
+                   text="floor 1e-12 = exactly 0 (bitwise equal)" if exact else "floor 1e-12")
 fig.update_layout(xaxis_title="speculative step", yaxis_title="max |state − reference| (log, floored at 1e-12)",
                   yaxis_type="log", yaxis_range=[-12.5, 0], yaxis_exponentformat="power")
 show_chart(fig, df, key="p02_diff_chart")
@@ -96,6 +103,11 @@ fig2.update_yaxes(title_text="tokens", row=1, col=1)
 fig2.update_yaxes(title_text="KiB (after the verify)", row=1, col=2)
 fig2.update_yaxes(title_text="ms (wall clock, 1 thread)", row=1, col=3)
 show_chart(fig2, df, key="p02_steps_chart")
+short = df[df.num_drafted < num_draft]
+if len(short):
+    st.caption(f"Step{'s' if len(short) > 1 else ''} {', '.join(map(str, short.step))} drafted fewer than "
+               f"n = {num_draft} tokens: the 32-token budget had fewer than n + 1 tokens left (0 drafts = a plain "
+               "one-token decode), so the strategy held less.")
 
 st.write(
     "**What to notice.** The difference stays at exactly 0 in every mode: the verify pass is pure (the "

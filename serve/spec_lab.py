@@ -12,6 +12,7 @@ against plain sequential greedy decoding of the same tokens.
 """
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 from kda_core.model import HybridLM, cache_equal, encode
@@ -26,6 +27,17 @@ from serve.threads import one_thread
 MODES = ("normal", "interrupted", "injected deviation")
 STRATEGIES = (SnapshotRollback.name, ProjectionReplay.name, RawInputRing.name)
 PROMPT_TEXT = "Kimi Delta Attention keeps a fixed-size state per layer, so a rejected draft "
+
+
+def built_by_loaded_code(obj: object) -> bool:
+    """True if ``obj``'s class is still the one its module defines (looked up in ``sys.modules`` now).
+
+    For ``st.cache_resource(validate=...)`` on the pages' models: when a source file changes, Streamlit
+    evicts and re-imports every project module, but a cached model keeps running the old modules and
+    returns caches of the old ``KDACache`` class, which the new code's ``isinstance`` checks reject
+    (``AttributeError: 'KDACache' object has no attribute 'shape'``). False makes Streamlit rebuild it."""
+    cls = type(obj)
+    return getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
 
 
 def make_strategy(name: str, num_draft: int) -> RollbackStrategy:
