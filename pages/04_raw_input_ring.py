@@ -7,6 +7,7 @@ import streamlit as st
 from kda_core.model import HybridLM
 from pages._common import engine_call, persist, show_chart
 from serve import ring_lab
+from serve.spec_lab import built_by_loaded_code
 
 st.title("RawInputRing")
 st.write(
@@ -16,13 +17,14 @@ st.write(
     "most recompute. All numbers are measured now on the demo hybrid (6 KDA + 2 MLA layers) at the chosen width.")
 
 c1, c2, c3, c4 = st.columns(4)
-window = c1.slider("Rollback window (verify tokens)", 1, 16, key=persist("p04_window", 6))
-capacity = c2.slider("Ring capacity (slots)", 1, 32, key=persist("p04_capacity", 16))
-num_draft = c3.slider("Draft length n", 1, 16, key=persist("p04_draft", 4))
-width = c4.select_slider("Model width d (H = d / 32 heads)", list(ring_lab.WIDTHS), key=persist("p04_width", 128))
+window = c1.slider("Rollback window (verify tokens)", 1, 16, key=persist("p04_window", 6), persist_state="session")
+capacity = c2.slider("Ring capacity (slots)", 1, 32, key=persist("p04_capacity", 16), persist_state="session")
+num_draft = c3.slider("Draft length n", 1, 16, key=persist("p04_draft", 4), persist_state="session")
+width = c4.select_slider("Model width d (H = d / 32 heads)", list(ring_lab.WIDTHS),
+                         key=persist("p04_width", 128), persist_state="session")
 
 
-@st.cache_resource
+@st.cache_resource(validate=built_by_loaded_code)   # rebuilt after a source reload
 def _model(width: int) -> HybridLM:
     return ring_lab.ring_model(width)
 
@@ -64,7 +66,11 @@ with right:
 
 st.subheader("3 · When to use which (measured above)")
 tdf = pd.DataFrame(engine_call(ring_lab.tradeoff_table, bdf.to_dict("records"), cdf.to_dict("records"), num_draft))
-st.dataframe(tdf, hide_index=True, width="stretch")
+NUM = st.column_config.NumberColumn
+st.dataframe(tdf, hide_index=True, width="stretch", column_config={
+    "bytes per verify": NUM(format="%,d B"), "memory vs snapshot": NUM(format="percent"),
+    "commit ms (all accepted)": NUM(format="%.2f ms"), "commit ms (none accepted)": NUM(format="%.2f ms"),
+    "commit time vs snapshot": NUM(format="%.1f×")})
 ring_row, snap_row = tdf.set_index("strategy").loc["raw-input ring"], tdf.set_index("strategy").loc["snapshot"]
 st.write(
     f"At n = {num_draft} the ring holds {ring_row['memory vs snapshot']:.1%} of the snapshot's bytes but its commit "
@@ -76,17 +82,18 @@ st.write(
 st.subheader("4 · The ring after a 40-token run")
 sdf, slots, overflow, write_backs, ring_bytes = engine_call(_ring, width, capacity, window, num_draft)
 used = min(num_draft, window - 1)
-st.write(f"{capacity} slots × 6 KDA layers × d = {width} × 4 B = **{ring_bytes:,} B**; drafts of {used} tokens "
-         f"(n capped at window − 1 = {window - 1}); **{write_backs} forced write-backs** (ring full: the committed "
-         "state becomes the new checkpoint and the history slots are freed).")
+capped = f" (n = {num_draft} capped at window − 1 = {window - 1})" if used < num_draft else ""
+st.write(f"{capacity} slots × 6 KDA layers × d = {width} × 4 B = **{ring_bytes:,} B**; "
+         f"drafts of {used} tokens{capped}; "
+         f"**{write_backs} forced write-back{'' if write_backs == 1 else 's'}** during the run, the red crosses below "
+         "(ring full: the committed state becomes the new checkpoint and the history slots are freed).")
 fig3 = go.Figure(go.Bar(x=slots.slot, y=[1] * len(slots), marker_color=slots.status.map(
     {"free": "#e0e0e0", "committed": "#1f77b4", "pending": "#ff7f0e"}), text=slots.position.where(slots.position >= 0, ""),
     textposition="inside", hovertext=slots.status, name="slots"))
-for col, label in (("head", "head"), ("tail", "tail")):
-    for s in slots.slot[slots[col]]:
-        fig3.add_annotation(x=s, y=1.05, text=label, showarrow=True, arrowhead=2, ay=-30)
+for text, at_slot, rise_px in ring_lab.head_tail_labels(slots.to_dict("records")):
+    fig3.add_annotation(x=at_slot, y=1.02, text=text, showarrow=True, arrowhead=2, ay=-rise_px)
 fig3.update_layout(xaxis_title="slot index (colour: blue committed, grey free; text: token position)",
-                   yaxis_title="slot", yaxis_range=[0, 1.5], yaxis_showticklabels=False, height=260)
+                   yaxis_title="ring slots", yaxis_range=[0, 1.8], yaxis_showticklabels=False, height=280)
 show_chart(fig3, slots, key="p04_slots_chart")
 fig4 = go.Figure(go.Scatter(x=sdf.step, y=sdf.slots_in_use, mode="lines+markers", name="slots in use after commit"))
 wb = sdf[sdf.forced_write_back]
@@ -101,7 +108,8 @@ if overflow.startswith("ValueError"):
 else:
     st.info(f"Overflow check — a verify of n = {num_draft} drafts {overflow}.")
 st.write(
-    "**What to notice.** Slot index = token counter mod capacity, so history wraps around; a slot is reused only "
+    "**What to notice.** Slot index = token counter mod capacity, so history wraps around (head: the oldest slot "
+    "kept since the last write-back; tail: the next slot to write); a slot is reused only "
     "after a write-back has folded it into the checkpoint — never silently. A draft longer than the window is "
     "refused with a ValueError. Bytes: snapshot H·K·V·s + (2HK+HV)(W−1)·s, projections H·(2K+V+1)·s + (2HK+HV)·s, "
     "raw inputs d·s per token per KDA layer. Source: ReplaySSM (Dao AI Lab, 2026), `serve/replayssm.py`.")

@@ -56,35 +56,36 @@ def bytes_vs_draft(model: HybridLM, max_draft: int) -> list[dict]:
 def commit_times(model: HybridLM, num_draft: int, repeats: int = 3, accepted: Sequence[int] | None = None) -> list[dict]:
     """Median commit (rebuild) ms of each strategy for each accepted length (default: every one, 0..num_draft).
 
-    Each repeat records a fresh verify of ``1 + num_draft`` tokens and times only ``commit(a)``.
+    Each repeat records a fresh verify of ``1 + num_draft`` tokens and times only ``commit(a)``; repeats run
+    in rounds over every (accepted, strategy) pair after one discarded warm-up round.
     Raises ValueError for repeats < 1 or an accepted length outside [0, num_draft]."""
     if not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
     accepted = range(num_draft + 1) if accepted is None else accepted
     if any(not 0 <= a <= num_draft for a in accepted):
         raise ValueError(f"accepted lengths must be in [0, {num_draft}], got {list(accepted)}")
-    rows = []
+    times: dict[tuple[int, str], list[float]] = {}
     with one_thread():
         state = prefill_state(model, encode(PROMPT_TEXT))
         out = verify(model, state, [state.last_token] * num_draft)
-        for a in accepted:
-            times: dict[str, list[float]] = {}
-            for _ in range(repeats + 1):               # round-robin: a burst of load hits every strategy alike
+        for _ in range(repeats + 1):       # round-robin over (accepted, strategy): a burst of load on the
+            for a in accepted:             # shared machine hits every point alike, not one accepted length
                 for strat in _all_strategies(1 + num_draft):   # fresh: a ring holds one request
                     strat.record(model, state.cache, out)
                     t0 = time.perf_counter_ns()
                     strat.commit(a)
-                    times.setdefault(strat.name, []).append((time.perf_counter_ns() - t0) / 1e6)
-            rows += [{"accepted": a, "strategy": name, "commit_ms": sorted(ts[1:])[repeats // 2]}  # 1st = warm-up
-                     for name, ts in times.items()]
-    return rows
+                    times.setdefault((a, strat.name), []).append((time.perf_counter_ns() - t0) / 1e6)
+    return [{"accepted": a, "strategy": name, "commit_ms": sorted(ts[1:])[repeats // 2]}  # 1st round = warm-up
+            for (a, name), ts in times.items()]
 
 
 class RingRun(NamedTuple):
     """steps: per step the ring counters after the commit (head, commit_end, tail, slots in use), the
-    accepted count and whether a write-back was forced; slots: :meth:`RawInputRing.slot_table` at the
-    end; overflow: what a verify of ``requested_draft`` tokens does ("fits" or the ValueError text);
-    num_write_backs; ring_bytes."""
+    accepted count and whether a write-back was forced before its verify; slots:
+    :meth:`RawInputRing.slot_table` at the end of the run; overflow: what one more verify of
+    ``requested_draft`` tokens does after the run ("fits ..." or the ValueError text);
+    num_write_backs: write-backs forced during the run (= the steps flagged ``forced_write_back``; the
+    overflow probe's own write-back, if any, is not counted here but named in ``overflow``); ring_bytes."""
 
     steps: list[dict]
     slots: list[dict]
@@ -117,14 +118,32 @@ def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, 
             history.extend(res.emitted_tokens)
             state = res.state
         ring.check_integrity()                             # committed state == rebuild from the checkpoint
-        slots = ring.slot_table()
+        slots, num_write_backs, num_free = ring.slot_table(), ring.num_write_backs, ring.num_free
         try:
-            verify_and_replay(model, state, proposer.propose(history, requested_draft), ring)
+            probe = verify_and_replay(model, state, proposer.propose(history, requested_draft), ring)
             overflow = f"fits: {requested_draft + 1} verify tokens <= window {window}"
+            if probe.forced_commit:
+                overflow += (f", after a forced write-back (only {num_free} of {capacity} slots were free); "
+                             "not counted in the run's write-backs")
         except ValueError as exc:
             overflow = f"ValueError: {exc}"
         ring.check_integrity()
-    return RingRun(steps, slots, overflow, ring.num_write_backs, ring.nbytes())
+    return RingRun(steps, slots, overflow, num_write_backs, ring.nbytes())
+
+
+def head_tail_labels(slots: list[dict]) -> list[tuple[str, int, int]]:
+    """Labels for page 04's slot chart from :meth:`RawInputRing.slot_table` rows: ``(text, slot, rise_px)``.
+
+    head (oldest slot kept since the last write-back) and tail (next slot to write) get arrows of
+    different heights, so labels on neighbouring slots never overlap; when both sit on one slot the ring
+    is full (or empty) and a single "head = tail" label says which."""
+    tail = next(r["slot"] for r in slots if r["tail"])
+    head = next((r["slot"] for r in slots if r["head"]), None)
+    if head is None:
+        return [("head = tail (ring empty)", tail, 30)]
+    if head == tail:
+        return [("head = tail (ring full)", tail, 30)]
+    return [("head", head, 50), ("tail", tail, 25)]
 
 
 def tradeoff_table(bytes_rows: list[dict], commit_rows: list[dict], num_draft: int) -> list[dict]:

@@ -2,7 +2,16 @@
 the ring run reports write-backs and the overflow path."""
 import pytest
 
-from serve.ring_lab import WIDTHS, bytes_vs_draft, commit_times, ring_model, ring_run, tradeoff_table
+from serve.replayssm import RawInputRing
+from serve.ring_lab import (
+    WIDTHS,
+    bytes_vs_draft,
+    commit_times,
+    head_tail_labels,
+    ring_model,
+    ring_run,
+    tradeoff_table,
+)
 from serve.rollback import LayerShape, projection_bytes_per_token, raw_input_bytes_per_token, snapshot_bytes_per_token
 from tests.serve.spec_helpers import model, one_thread
 
@@ -43,6 +52,25 @@ def test_ring_run_write_backs_and_overflow(model):
     assert fits.overflow.startswith("fits")
     with pytest.raises(ValueError, match="window"):
         ring_run(model, capacity=2, window=4, requested_draft=1)
+
+
+def test_ring_run_write_backs_exclude_the_overflow_probe(model):
+    """Regression (page 04 said "3 forced write-backs" while its chart marked 2): the ring ends full,
+    so the overflow probe forces one more write-back; it is named in ``overflow``, not counted in the run."""
+    run = ring_run(model, capacity=6, window=4, requested_draft=2, max_new_tokens=12)
+    assert run.steps[-1]["slots_in_use"] == 6                      # full after the run
+    assert "after a forced write-back" in run.overflow and run.overflow.startswith("fits")
+    assert run.num_write_backs == sum(s["forced_write_back"] for s in run.steps) == 1
+
+
+def test_head_tail_labels():
+    """One label when head and tail share a slot (full or empty ring), else two at different heights."""
+    ring = RawInputRing(capacity=4, window=2)
+    assert head_tail_labels(ring.slot_table()) == [("head = tail (ring empty)", 0, 30)]
+    ring.head, ring.commit_end, ring.tail = 1, 3, 3
+    assert head_tail_labels(ring.slot_table()) == [("head", 1, 50), ("tail", 3, 25)]
+    ring.head, ring.commit_end, ring.tail = 2, 6, 6
+    assert head_tail_labels(ring.slot_table()) == [("head = tail (ring full)", 2, 30)]
 
 
 def test_ring_model_widths():
