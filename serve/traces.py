@@ -46,13 +46,43 @@ class TraceFormatError(ValueError):
     """A trace line is malformed; the message names the line number and the field."""
 
 
-def _open_text(path_or_file: str | Path | IO) -> tuple[Iterable[str], str]:
+def _open_text(path_or_file: str | Path | IO, kind: str) -> tuple[list[str], str]:
+    """Lines of a path or a text/binary file object, and the name to put in error messages.
+
+    Raises TraceFormatError naming the file for an empty (0-byte) file or bytes that are not UTF-8
+    (``kind`` says what the file should be, e.g. "a Mooncake JSON Lines trace")."""
     if isinstance(path_or_file, (str, Path)):
-        return Path(path_or_file).read_text(encoding="utf-8").splitlines(), str(path_or_file)
-    data = path_or_file.read()
+        name = str(path_or_file)
+        data: str | bytes = Path(path_or_file).read_bytes()
+    else:
+        name = str(getattr(path_or_file, "name", "") or "<file>")
+        data = path_or_file.read()
+    if len(data) == 0:
+        raise TraceFormatError(f"file {name} is empty (0 bytes): no requests; expected {kind}")
     if isinstance(data, bytes):
-        data = data.decode("utf-8")
-    return io.StringIO(data).read().splitlines(), getattr(path_or_file, "name", "<file>")
+        try:
+            data = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise TraceFormatError(
+                f"file {name} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start:,}); "
+                f"expected {kind}") from None
+    return data.splitlines(), name
+
+
+def upload_parts(upload) -> tuple[bytes | None, str]:
+    """``(content bytes, file name)`` of an uploaded file (anything with ``getvalue()`` and ``name``,
+    e.g. a Streamlit ``UploadedFile``), or ``(None, "")`` without one. An empty file gives ``b""``,
+    not None, so the loaders can report it instead of silently falling back to a default trace."""
+    if upload is None:
+        return None, ""
+    return upload.getvalue(), str(getattr(upload, "name", "") or "uploaded file")
+
+
+def named_bytes(data: bytes, name: str) -> io.BytesIO:
+    """A binary file object over ``data`` whose ``name`` the loaders put in their error messages."""
+    buf = io.BytesIO(data)
+    buf.name = name or "uploaded file"
+    return buf
 
 
 def load_mooncake(path_or_file: str | Path | IO, block_size: int = MOONCAKE_BLOCK_TOKENS) -> list[TraceRequest]:
@@ -64,13 +94,14 @@ def load_mooncake(path_or_file: str | Path | IO, block_size: int = MOONCAKE_BLOC
     Returns:
         the requests in file order (blank lines skipped).
     Raises:
-        TraceFormatError (a ValueError) naming ``line N`` and the field for: bad JSON, a missing field,
-        a non-integer or negative length or timestamp, ``len(hash_ids) != ceil(input_length / block_size)``,
-        timestamps going backwards, or an empty file.
+        TraceFormatError (a ValueError) naming the file, ``line N`` and the field for: bad JSON, a missing
+        field, a non-integer or negative length or timestamp, ``len(hash_ids) != ceil(input_length /
+        block_size)``, timestamps going backwards; naming the file for an empty (0-byte or blank-lines-only)
+        file or one that is not UTF-8 text.
     """
     if block_size <= 0:
         raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
-    lines, name = _open_text(path_or_file)
+    lines, name = _open_text(path_or_file, "a Mooncake JSON Lines trace (one JSON object per line)")
     requests: list[TraceRequest] = []
     last_ts = 0
     for line_no, line in enumerate(lines, start=1):
@@ -107,7 +138,7 @@ def load_mooncake(path_or_file: str | Path | IO, block_size: int = MOONCAKE_BLOC
         last_ts = obj["timestamp"]
         requests.append(TraceRequest(obj["timestamp"], obj["input_length"], obj["output_length"], tuple(hash_ids)))
     if not requests:
-        raise TraceFormatError(f"{name}: no requests in the trace")
+        raise TraceFormatError(f"file {name} has no requests (only blank lines); expected one JSON object per line")
     return requests
 
 
@@ -241,11 +272,14 @@ def load_azure_csv(
 
     Timestamps (wall clock, 100 ns digits) become ms since the first request. The trace has no prefix
     information, so every block gets a fresh id (starting at ``id_offset``, away from Mooncake ids):
-    nothing is shared. Raises ValueError naming the line for a bad row or a missing column.
+    nothing is shared. Raises TraceFormatError (a ValueError) naming the file and line for a bad row or a
+    missing column, and the file for an empty, header-only or non-UTF-8 file.
     """
-    lines, name = _open_text(path_or_file)
+    lines, name = _open_text(path_or_file, "an Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)")
     reader = csv.DictReader(lines)
     needed = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+    if not any(line.strip() for line in lines):
+        raise TraceFormatError(f"file {name} has no header line (only blank lines); expected {', '.join(needed)}")
     if reader.fieldnames is None or any(c not in reader.fieldnames for c in needed):
         raise TraceFormatError(f"{name}: line 1: header must contain {', '.join(needed)}, got {reader.fieldnames}")
     rows: list[tuple[datetime, int, int]] = []
@@ -261,7 +295,7 @@ def load_azure_csv(
         if rows[-1][1] < 0 or rows[-1][2] < 0:
             raise TraceFormatError(f"{name}: line {line_no}: negative token count")
     if not rows:
-        raise TraceFormatError(f"{name}: no requests in the trace")
+        raise TraceFormatError(f"file {name} has no requests (a header line but no rows)")
     rows.sort(key=lambda r: r[0])
     t0 = rows[0][0]
     out: list[TraceRequest] = []
@@ -301,9 +335,10 @@ class VTCRun(NamedTuple):
 def load_vtc_artifact(path_or_file: str | Path | IO) -> VTCRun:
     """Load one VTC artifact result file (``{"config", "result": {"responses": [...], ...}}``).
 
-    Raises ValueError naming the response index and field when a record is malformed.
+    Raises TraceFormatError (a ValueError) naming the response index and field when a record is
+    malformed, and the file when it is empty or not UTF-8 text.
     """
-    lines, name = _open_text(path_or_file)
+    lines, name = _open_text(path_or_file, "a VTC artifact result file (JSON)")
     try:
         obj = json.loads("\n".join(lines))
     except json.JSONDecodeError as err:

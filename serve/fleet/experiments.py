@@ -22,7 +22,7 @@ from serve.fleet.scaling import scaling_table
 from serve.fleet.service_model import ServiceModel
 from serve.fleet.sim_types import FleetConfig, ScaleAt, SimResult, percentile, requests_from_trace
 from serve.fleet.simulation import simulate
-from serve.traces import TraceRequest, ideal_hit_ratio
+from serve.traces import TraceRequest, ideal_hit_ratio, load_mooncake, named_bytes, synthesize
 
 ANCHORS = {
     "maglev_balance": ("Maglev (Eisenbud et al., NSDI'16): M > 100·N keeps every backend's share of the "
@@ -198,10 +198,16 @@ def default_service(base: ServiceModel, prefill_x: float, decode_x: float, kv_ca
         ServiceModel(**{**svc.__dict__, "max_prefill_tokens_per_step": max_prefill_tokens_per_step})
 
 
-def scale_dip(df: pd.DataFrame, at_request: int) -> pd.DataFrame:
+DIP_WINDOWS = 5  # scale_dip: windows after the event over which the hit-ratio loss is averaged
+
+
+def scale_dip(df: pd.DataFrame, at_request: int, windows_after: int = DIP_WINDOWS) -> pd.DataFrame:
     """Per algorithm: mean windowed hit ratio before the event, the lowest window after it, the hit
-    ratio lost (mean deficit vs before over the first 5 windows after the event), and how many requests
-    it took to get back within 90 % of the before level (NaN if it never did)."""
+    ratio lost (mean of max(0, before − window) over the first ``windows_after`` windows after the
+    event), and how many requests it took to get back within 90 % of the before level (NaN if it never
+    did within the trace)."""
+    if windows_after < 1:
+        raise ValueError(f"windows_after must be >= 1 window, got {windows_after}")
     rows = []
     for name, g in df.groupby("algorithm", sort=False):
         before = g[g.request < at_request].hit_ratio
@@ -210,20 +216,19 @@ def scale_dip(df: pd.DataFrame, at_request: int) -> pd.DataFrame:
         recovered = after[after.hit_ratio >= 0.9 * level]
         rows.append({"algorithm": name, "hit_ratio_before": level,
                      "lowest_after": float(after.hit_ratio.min()) if len(after) else float("nan"),
-                     "hit_ratio_lost": float((level - after.hit_ratio.head(5)).clip(lower=0).mean()) if len(after)
+                     "hit_ratio_lost": float((level - after.hit_ratio.head(windows_after)).clip(lower=0).mean()) if len(after)
                      else float("nan"),
                      "requests_to_recover": float(recovered.request.iloc[0] - at_request) if len(recovered) else float("nan")})
     return pd.DataFrame(rows)
 
 
-def page_trace(upload: bytes | None, num_requests: int, seed: int = 0) -> list[TraceRequest]:
-    """The pages' trace: an uploaded Mooncake JSONL file (first ``num_requests`` requests) or, by
-    default, ``synthesize(num_requests, ...)`` over num_requests / 3.4 seconds (the conversation
-    trace's 3.4 req/s). Raises TraceFormatError (ValueError) for a malformed upload."""
-    import io
+def page_trace(upload: bytes | None, num_requests: int, seed: int = 0, name: str = "uploaded file") -> list[TraceRequest]:
+    """The pages' trace: an uploaded Mooncake JSONL file (first ``num_requests`` requests) or, without
+    one (``upload`` is None), ``synthesize(num_requests, ...)`` over num_requests / 3.4 seconds (the
+    conversation trace's 3.4 req/s). An uploaded file is never silently replaced by the synthetic trace.
 
-    from serve.traces import load_mooncake, synthesize
-
-    if upload:
-        return load_mooncake(io.BytesIO(upload))[:num_requests]
+    Raises TraceFormatError (ValueError) naming the file ``name`` for a malformed, empty (0 bytes or no
+    requests) or non-UTF-8 upload."""
+    if upload is not None:
+        return load_mooncake(named_bytes(upload, name))[:num_requests]
     return synthesize(num_requests=num_requests, duration_s=num_requests / 3.4, seed=seed)

@@ -17,7 +17,9 @@ from serve.traces import (
     load_azure_csv,
     load_mooncake,
     load_vtc_artifact,
+    named_bytes,
     synthesize,
+    upload_parts,
 )
 
 
@@ -140,3 +142,48 @@ def test_load_vtc_artifact_on_off_less(traces_dir):
     assert len(clients) == 2
     with pytest.raises(TraceFormatError, match="result.responses"):
         load_vtc_artifact(io.StringIO("{}"))
+
+
+@pytest.mark.parametrize("loader", [load_mooncake, load_azure_csv, load_vtc_artifact])
+def test_empty_file_names_the_file(loader):
+    """Regression: a 0-byte upload was silently replaced by the synthetic trace (the loader was never
+    called); every loader now reports an empty file by name."""
+    with pytest.raises(TraceFormatError, match=r"^file empty\.jsonl is empty \(0 bytes\): no requests"):
+        loader(named_bytes(b"", "empty.jsonl"))
+
+
+def test_blank_or_header_only_file_has_no_requests():
+    with pytest.raises(TraceFormatError, match=r"^file blank\.jsonl has no requests \(only blank lines\)"):
+        load_mooncake(named_bytes(b"\n  \n\n", "blank.jsonl"))
+    with pytest.raises(TraceFormatError, match=r"^file h\.csv has no requests \(a header line but no rows\)"):
+        load_azure_csv(named_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n", "h.csv"))
+    with pytest.raises(TraceFormatError, match=r"^file b\.csv has no header line"):
+        load_azure_csv(named_bytes(b"\n\n", "b.csv"))
+
+
+def test_binary_file_is_not_utf8_names_file_and_offset(tmp_path):
+    """Regression: a binary upload surfaced as a raw UnicodeDecodeError with no file name."""
+    data = _line().encode() + b"\n\x89PNG\r\n\x1a\n\xff\x00"
+    for loader, kind in ((load_mooncake, "Mooncake JSON Lines"), (load_azure_csv, "Azure LLM trace CSV"),
+                         (load_vtc_artifact, "VTC artifact")):
+        with pytest.raises(TraceFormatError) as info:
+            loader(named_bytes(data, "image.png"))
+        offset = len(_line()) + 1
+        assert str(info.value).startswith(f"file image.png is not UTF-8 text (byte 0x89 at offset {offset})")
+        assert kind in str(info.value)
+    path = tmp_path / "bin.jsonl"
+    path.write_bytes(data)
+    with pytest.raises(TraceFormatError, match=f"^file {path} is not UTF-8 text"):
+        load_mooncake(path)
+
+
+def test_upload_parts_keeps_empty_uploads():
+    class Upload:
+        name = "empty.jsonl"
+
+        def getvalue(self):
+            return b""
+
+    assert upload_parts(None) == (None, "")
+    assert upload_parts(Upload()) == (b"", "empty.jsonl")
+    assert named_bytes(b"x", "").name == "uploaded file"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
+import pandas as pd
 import pytest
 
 from serve.fleet.budgets import PriorityClass
@@ -21,7 +24,7 @@ from serve.fleet.scenarios import Stream, budget_frames, budget_traffic, run_bud
 from serve.fleet.service_model import EngineRates, cpu_engine_preset, measure_cpu_engine
 from serve.fleet.sim_types import FleetConfig
 from serve.fleet.vtc import on_off_less_service
-from serve.traces import dump_mooncake, synthesize
+from serve.traces import TraceFormatError, dump_mooncake, synthesize
 
 
 def _page13_default():
@@ -118,3 +121,25 @@ def test_cpu_engine_preset_fit_never_underestimates(t1):
     gaps = [svc.decode_step_ms(b) - t for b, t in rates.decode_step_ms.items()]
     assert min(gaps) >= -1e-9 and min(abs(g) for g in gaps) < 1e-9
     assert svc.decode_step_base_ms > 0 and svc.decode_step_per_seq_ms >= 0
+
+
+@pytest.mark.parametrize("content, fragment", [(b"", "is empty (0 bytes)"), (b"\n\n", "has no requests"),
+                                               (b"\xff\xfe", "is not UTF-8 text")])
+def test_page_trace_reports_an_empty_or_binary_upload(content, fragment):
+    """Regression: ``if upload:`` treated a 0-byte upload as "no upload" and the pages silently showed
+    the synthetic trace's results. Only None means "no upload"."""
+    with pytest.raises(TraceFormatError, match=re.escape(f"file up.jsonl {fragment}")):
+        page_trace(content, 100, name="up.jsonl")
+    assert len(page_trace(None, 100)) == 100  # no upload: the synthetic trace
+
+
+def test_scale_dip_by_hand():
+    df = pd.DataFrame({"algorithm": ["a"] * 6 + ["b"] * 6, "request": list(range(0, 600, 100)) * 2,
+                       "hit_ratio": [0.4, 0.4, 0.1, 0.3, 0.5, 0.38] + [0.4, 0.4, 0.1, 0.1, 0.1, 0.1]})
+    dip = scale_dip(df, 200, windows_after=3).set_index("algorithm")
+    # a: deficits 0.3, 0.1, 0 (above) -> mean 0.4/3; first window >= 0.36 starts at 400 -> 200 requests
+    assert dip.loc["a", "hit_ratio_lost"] == pytest.approx(0.4 / 3)
+    assert dip.loc["a", "requests_to_recover"] == 200 and dip.loc["a", "lowest_after"] == pytest.approx(0.1)
+    assert dip.loc["b", "hit_ratio_lost"] == pytest.approx(0.3) and np.isnan(dip.loc["b", "requests_to_recover"])
+    with pytest.raises(ValueError, match="windows_after"):
+        scale_dip(df, 200, windows_after=0)
