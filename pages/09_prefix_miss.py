@@ -72,8 +72,8 @@ def _replay(upload_bytes, upload_name, num_requests, preset, interval, groups, c
     return replay_row(_trace(upload_bytes, upload_name, num_requests)[0], preset, interval, groups, capacity_bytes)
 
 
-data, name = upload_parts(upload)
-trace, ideal = engine_call(_trace, data, name, num_requests)
+data, upload_name = upload_parts(upload)
+trace, ideal = engine_call(_trace, data, upload_name, num_requests)
 bar = st.progress(0.0, text="Replaying the trace…")
 jobs = 1 + len(CAPACITY_FRACTIONS) + 2 * len(INTERVALS)
 done = 0
@@ -81,7 +81,7 @@ done = 0
 
 def replay(interval, capacity):
     global done
-    row = engine_call(_replay, data, name, num_requests, preset, interval, tgroups, capacity)
+    row = engine_call(_replay, data, upload_name, num_requests, preset, interval, tgroups, capacity)
     done += 1
     bar.progress(done / jobs, text=f"Replaying the trace… {done}/{jobs} runs")
     return row

@@ -13,6 +13,7 @@ from serve.fleet.experiments import (
     routing_load,
     where_prefix_lands,
 )
+from serve.traces import upload_parts
 
 st.title("Fleet hashing")
 st.write(
@@ -33,12 +34,12 @@ upload = d2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "js
 
 
 @st.cache_data(show_spinner="Routing the trace…")
-def _load(upload_bytes, n, algorithm, replicas, k, vnodes):
-    trace = page_trace(upload_bytes, n)
+def _load(upload_bytes, upload_name, n, algorithm, replicas, k, vnodes):
+    trace = page_trace(upload_bytes, n, name=upload_name)
     return trace, routing_load(trace, algorithm, replicas, k, vnodes=vnodes), ideal_ratio(trace)
 
 
-trace, load, ideal = engine_call(_load, upload.getvalue() if upload else None, num_requests, algorithm, replicas, k, vnodes)
+trace, load, ideal = engine_call(_load, *upload_parts(upload), num_requests, algorithm, replicas, k, vnodes)
 hit = load.hit_tokens.sum() / max(1, load.tokens.sum())
 st.subheader("1 · Requests per replica")
 fig = go.Figure(go.Bar(x=load.replica, y=load.requests, name="requests"))
@@ -69,7 +70,8 @@ fig2.add_trace(go.Scatter(x=bal.vnodes, y=bal.relative_spread, name="measured sp
 fig2.add_trace(go.Scatter(x=bal.vnodes, y=bal.one_over_sqrt_v, name="1/√V reference", mode="lines", line=dict(dash="dot")))
 fig2.add_trace(go.Scatter(x=bal.vnodes, y=bal.max_over_mean - 1, name="max/mean − 1", mode="lines+markers"))
 fig2.update_layout(xaxis_title="virtual nodes per replica V (log)", yaxis_title="imbalance (fraction, log)",
-                   xaxis_type="log", yaxis_type="log", legend=dict(orientation="h", y=-0.25))
+                   xaxis=dict(type="log", tickvals=VNODES), yaxis=dict(type="log", tickvals=[m * 10.0 ** e for e in range(-3, 2) for m in (1, 2, 5)], tickformat="~r"),
+                   legend=dict(orientation="h", y=-0.25))
 show_chart(fig2, bal, key="p11_balance_chart")
 st.caption(f"Exact arc shares of a ketama ring with {replicas} replicas (md5 points, as libketama / uhashring). "
            f"Published: {ANCHORS['ring_spread']}. {ANCHORS['maglev_balance']}.")

@@ -1,10 +1,19 @@
 """12 Fleet scaling: keys moved when a replica joins or leaves, and the hit-ratio dip while caches refill."""
+import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
 from pages._common import engine_call, persist, show_chart
 from serve.fleet import KEY_ROUTERS
-from serve.fleet.experiments import ANCHORS, hit_ratio_across_scale_event, keys_moved_table, page_trace, scale_dip
+from serve.fleet.experiments import (
+    ANCHORS,
+    DIP_WINDOWS,
+    hit_ratio_across_scale_event,
+    keys_moved_table,
+    page_trace,
+    scale_dip,
+)
+from serve.traces import upload_parts
 
 st.title("Fleet scaling")
 st.write(
@@ -49,16 +58,16 @@ upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "js
 
 
 @st.cache_data(show_spinner="Replaying the trace…")
-def _replay(upload_bytes, n, replicas, k, action, at, window, capacity, vnodes):
-    trace = page_trace(upload_bytes, n)
+def _replay(upload_bytes, upload_name, n, replicas, k, action, at, window, capacity, vnodes):
+    trace = page_trace(upload_bytes, n, name=upload_name)
     cap = None if capacity == "unlimited" else int(capacity)
     df = hit_ratio_across_scale_event(trace, KEY_ROUTERS, replicas, k, action, at, window, cap, vnodes)
     at_request = int(len(trace) * at)
-    return df, scale_dip(df, at_request), at_request, len(trace)
+    return df, scale_dip(df, at_request), at_request, len(trace), len({r.hash_ids[:k] for r in trace})
 
 
-df, dip, at_request, n_trace = engine_call(_replay, upload.getvalue() if upload else None, num_requests, replicas, k,
-                                           action, at, window, capacity, vnodes)
+df, dip, at_request, n_trace, n_keys = engine_call(_replay, *upload_parts(upload), num_requests, replicas, k,
+                                                   action, at, window, capacity, vnodes)
 fig2 = go.Figure()
 for name, g in df.groupby("algorithm", sort=False):
     fig2.add_trace(go.Scatter(x=g.request, y=g.hit_ratio, name=name, mode="lines"))
@@ -66,7 +75,21 @@ fig2.add_vline(x=at_request, line_dash="dash", annotation_text=f"{action} a repl
 fig2.update_layout(xaxis_title="request index (window start)", yaxis_title=f"token hit ratio per {window} requests",
                    legend=dict(orientation="h", y=-0.25))
 show_chart(fig2, df, key="p12_dip_chart")
-st.dataframe(dip, hide_index=True, width="stretch")
-st.caption(f"{n_trace:,} requests (cap {num_requests:,}), routing-only replay with per-replica LRU block caches. "
+if n_keys == 1:
+    st.warning(f"All requests share their first {k} block(s) (a shared system prompt), so there is one routing key: "
+               "every algorithm sends the whole trace to one replica and the lines coincide. Route on more blocks.")
+st.dataframe(pd.DataFrame({
+    "algorithm": dip.algorithm,
+    "hit ratio before (mean)": dip.hit_ratio_before.round(4),
+    "lowest window after": dip.lowest_after.round(4),
+    f"hit ratio lost (avg over {DIP_WINDOWS} windows after)": dip.hit_ratio_lost.round(4),
+    "requests to recover": [f"{int(v):,}" if v == v else "not recovered within the trace"
+                            for v in dip.requests_to_recover],
+}), hide_index=True, width="stretch")
+st.caption(f"Hit ratio lost = the average, over the first {DIP_WINDOWS} windows ({DIP_WINDOWS * window:,} requests) "
+           "after the event, of how far each window's token hit ratio falls below the mean before it (0 when above). "
+           "Requests to recover = requests from the event to the first window back at ≥ 90 % of that mean, in whole "
+           f"windows; the trace ends {n_trace - at_request:,} requests after the event. "
+           f"{n_trace:,} requests (cap {num_requests:,}), routing-only replay with per-replica LRU block caches. "
            "What to notice: mod-N reshuffles almost every prefix, so its hit ratio collapses and must refill from "
            "scratch; the consistent schemes lose only the moved share (~1/(n+1)) of prefixes.")

@@ -1,4 +1,6 @@
 """14 Fleet simulation: router → replicas with prefix caches and schedulers, policies side by side."""
+import math
+
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
@@ -17,6 +19,7 @@ from serve.fleet.experiments import (
 from serve.fleet.service_model import cpu_engine_preset, measure_cpu_engine
 from serve.fleet.sim_types import FleetConfig
 from serve.fleet.vtc import on_off_less_service
+from serve.traces import upload_parts
 
 st.title("Fleet simulation")
 st.write(
@@ -53,8 +56,8 @@ def _cpu_service():
 
 
 @st.cache_data(show_spinner=False)
-def _run(upload_bytes, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, policy, model):
-    trace = page_trace(upload_bytes, n)
+def _run(upload_bytes, upload_name, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, policy, model):
+    trace = page_trace(upload_bytes, n, name=upload_name)
     base = on_off_less_service() if model == MODELS[0] else _cpu_service()
     service = default_service(base, float(speed), max(1.0, speed * 5 / 8), 400_000)
     cfg = FleetConfig(service=service, num_replicas=replicas, routing_k=k, scheduler=scheduler,
@@ -76,7 +79,7 @@ bar = st.progress(0.0, text="Simulating…")
 parts = []
 for i, policy in enumerate(policies):  # one cached simulation per policy; the bar advances between them
     bar.progress(i / len(policies), text=f"Simulating {policy} ({i + 1}/{len(policies)})…")
-    parts.append(engine_call(_run, upload.getvalue() if upload else None, num_requests, replicas, k, capacity,
+    parts.append(engine_call(_run, *upload_parts(upload), num_requests, replicas, k, capacity,
                              scheduler, vip_pct, scale, speed, policy, model))
 bar.empty()
 per_request = pd.concat([p[0] for p in parts], ignore_index=True)
@@ -85,25 +88,34 @@ ideal, n_trace, source = parts[0][2:]
 
 overall = summary[summary["class"] == "all"]
 st.subheader("1 · Prefix-cache hit ratio per policy")
-fig = go.Figure(go.Bar(x=overall.policy, y=overall.hit_ratio, name="measured here"))
+fig = go.Figure(go.Bar(x=overall.policy, y=overall.hit_ratio, name="measured here",
+                       text=[f"{v:.3f}" for v in overall.hit_ratio], textposition="outside"))
 fig.add_hline(y=ideal, line_dash="dash", annotation_text=f"ideal (one infinite shared cache) {ideal:.3f}")
-fig.update_layout(xaxis_title="routing policy", yaxis_title="token hit ratio (cached / prompt tokens)")
+fig.update_layout(xaxis_title="routing policy", yaxis_title="token hit ratio (cached / prompt tokens)",
+                  yaxis_range=[0, max(ideal, overall.hit_ratio.max(), 0.05) * 1.15])
 show_chart(fig, overall, key="p14_hit_chart")
 st.caption(f"Published anchor: {ANCHORS['mooncake_cache']}.")
 
 st.subheader("2 · TTFT per class (P50 and P99)")
+per_class = summary[summary["class"] != "all"]
 fig2 = go.Figure()
 for stat in ("ttft_p50_ms", "ttft_p99_ms"):
-    for klass, g in summary[summary["class"] != "all"].groupby("class", sort=False):
-        fig2.add_trace(go.Bar(x=g.policy, y=g[stat], name=f"{klass} {stat[5:8].upper()}"))
-fig2.update_layout(barmode="group", xaxis_title="routing policy", yaxis_title="TTFT (ms, log)", yaxis_type="log",
+    for klass, g in per_class.groupby("class", sort=False):
+        fig2.add_trace(go.Bar(x=g.policy, y=g[stat], name=f"{klass} {stat[5:8].upper()}", texttemplate="%{y:,.0f}",
+                              textposition="outside", textfont_size=10))
+lo_ms = max(1.0, float(per_class[["ttft_p50_ms", "ttft_p99_ms"]].min().min()))
+hi_ms = max(lo_ms * 10, float(per_class[["ttft_p50_ms", "ttft_p99_ms"]].max().max()))
+fig2.update_layout(barmode="group", xaxis_title="routing policy", yaxis_title="TTFT (ms, log; values on the bars)",
+                   yaxis=dict(type="log", tickvals=[m * 10 ** e for e in range(8) for m in (1, 2, 5)], tickformat=",~r",
+                              range=[math.floor(math.log10(lo_ms)), math.log10(hi_ms * 2)]),
                    legend=dict(orientation="h", y=-0.25))
 show_chart(fig2, summary, key="p14_ttft_chart")
 
 st.subheader("3 · Load balance")
-fig3 = go.Figure(go.Bar(x=overall.policy, y=overall.max_over_mean_requests))
-fig3.add_hline(y=1.0, line_dash="dot", annotation_text="perfect balance")
-fig3.update_layout(xaxis_title="routing policy", yaxis_title="max / mean requests per replica")
+fig3 = go.Figure(go.Bar(x=overall.policy, y=overall.max_over_mean_requests,
+                        text=[f"{v:.2f}" for v in overall.max_over_mean_requests], textposition="outside"))
+fig3.add_hline(y=1.0, line_dash="dot")
+fig3.update_layout(xaxis_title="routing policy", yaxis_title="max / mean requests per replica (1 = perfect balance)")
 show_chart(fig3, overall, key="p14_balance_chart")
 st.dataframe(summary, hide_index=True, width="stretch")
 st.download_button("Download per-request results (CSV)", per_request.to_csv(index=False).encode(),
