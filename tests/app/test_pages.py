@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from pages._common import PERSISTED_KEYS
 from pages._registry import HOME, TABS
 
 TIMEOUT_S = 120
@@ -92,3 +93,25 @@ def test_page(path):
         if default is not None and j < len(at.selectbox):
             at.selectbox[j].select_index(default)
             at.run()
+
+
+@pytest.mark.parametrize("path", [t.path for t in TABS], ids=lambda p: p.split("/")[-1][:-3])
+def test_widget_values_survive_page_switch(path):
+    """Move the page's first persisted slider-like widget, visit Home, come back: value kept."""
+    at = _fresh(path)
+    persisted = at.session_state[PERSISTED_KEYS] if PERSISTED_KEYS in at.session_state else set()
+    widgets = [w for w in _sliders(at) if w.key in persisted and _extremes(w) is not None]
+    if not widgets:
+        pytest.skip(f"{path} has no persisted slider-like widget")
+    w = widgets[0]
+    lo, hi = _extremes(w)
+    new = hi if w.value != hi else lo
+    w.set_value(new)
+    at.run()
+    at.switch_page(HOME.path)
+    at.run()
+    at.switch_page(path)
+    at.run()
+    _check(at, path)
+    again = next(x for x in _sliders(at) if x.key == w.key)
+    assert again.value == new, f"{path}: {w.key} was {new!r} before the page switch, {again.value!r} after"
