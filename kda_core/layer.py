@@ -149,17 +149,34 @@ class KDALayer(nn.Module):
         return linear(y.reshape(B, T, -1), self.o_proj)                  # [B, T, D]
 
     def forward(self, x: torch.Tensor, cache: KDACache | None = None, mode: str = "chunk",
-                output_aux: bool = False):
-        """Run T tokens from ``cache`` (None = empty). Returns (y ``[B, T, D]``, new cache[, KDAAux])."""
+                output_aux: bool = False, state_at: tuple[int, ...] = ()):
+        """Run T tokens from ``cache`` (None = empty). Returns (y ``[B, T, D]``, new cache[, KDAAux]).
+
+        ``state_at`` (chunk mode, not with ``output_aux``): offsets t, 0 < t < T, at which to also
+        return the cache after exactly t tokens of this call; the return is then
+        (y, new cache, ``{t: KDACache}``), from the chunk states ``h`` of :func:`kda_chunk` run with
+        ``chunk_size = chunk_size_for(state_at)`` and the raw inputs of the W-1 tokens before t. One
+        forward then yields every prefix-cache checkpoint of a prefill.
+        Raises ValueError for offsets outside (0, T), in recurrent mode or with output_aux.
+        """
         _check_mode(mode)
         _check_x(x, self.cfg.hidden_size)
         if cache is None:
             cache = self.empty_cache(x.shape[0])
+        T = x.shape[1]
+        if state_at and (mode != "chunk" or output_aux or any(not 0 < t < T for t in state_at)):
+            raise ValueError(f"state_at must hold offsets in (0, {T}) and needs mode='chunk' without output_aux, "
+                             f"got {state_at} (mode={mode!r}, output_aux={output_aux})")
         raw, g, beta, out_gate = self.project(x)
         q, k, v, conv = self.activate(raw, cache.conv)
         states = None
         if mode == "chunk":
-            o, state, _ = kda_chunk(q, k, v, g, beta, cache.recurrent)
+            C = chunk_size_for(state_at)
+            o, state, h = kda_chunk(q, k, v, g, beta, cache.recurrent, chunk_size=C)
+            if state_at:
+                W1 = self.cfg.conv_kernel - 1
+                full = torch.cat([cache.conv, raw.transpose(1, 2)], dim=-1)   # [B, D, W-1+T]
+                states_at = {t: KDACache(h[:, t // C].clone(), full[..., t: t + W1].clone()) for t in state_at}
         elif output_aux:
             o, state, states = kda_recurrent(q, k, v, g, beta, cache.recurrent, output_states=True)
         else:
@@ -168,7 +185,19 @@ class KDALayer(nn.Module):
         new_cache = KDACache(state, conv)
         if output_aux:
             return y, new_cache, KDAAux(x, raw, q, k, v, g, beta, states)
+        if state_at:
+            return y, new_cache, states_at
         return y, new_cache
+
+
+def chunk_size_for(offsets) -> int:
+    """The ``kda_chunk`` chunk size that puts a chunk boundary at every offset: the largest power of two
+    dividing all of them, at most 64 (64 when there are none)."""
+    c = 64
+    for t in offsets:
+        while t % c:
+            c //= 2
+    return c
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:

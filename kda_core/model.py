@@ -27,11 +27,14 @@ class HybridCache(NamedTuple):
 
 class ForwardOutput(NamedTuple):
     """logits ``[B, T, 256]`` fp32; cache after the T tokens; aux: per layer index a
-    :class:`KDAAux` for KDA layers (only with ``output_aux=True``, else None)."""
+    :class:`KDAAux` for KDA layers (only with ``output_aux=True``, else None); states_at: with
+    ``state_at``, ``{t: {layer index: KDACache}}``, every KDA layer's cache after exactly t tokens of
+    the call (else None; MLA latents need no copy: the latent cache holds every token)."""
 
     logits: torch.Tensor
     cache: HybridCache
     aux: dict[int, KDAAux] | None
+    states_at: dict[int, dict[int, KDACache]] | None = None
 
 
 def encode(text: str) -> torch.Tensor:
@@ -97,13 +100,15 @@ class HybridLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, tokens: torch.Tensor, cache: HybridCache | None = None, mode: str = "chunk",
-                output_aux: bool = False, num_layers: int | None = None) -> ForwardOutput:
+                output_aux: bool = False, num_layers: int | None = None,
+                state_at: tuple[int, ...] = ()) -> ForwardOutput:
         """Run tokens ``[B, T]`` (or ``[T]``) from ``cache`` (None = empty). Pure.
 
         mode "chunk" (prefill) or "recurrent" (exact token-by-token maths; bitwise equal to T calls of
         :meth:`decode_step`). ``num_layers`` stops after that many layers (used to model a verify
         interrupted part-way); the returned logits are then None and the cache holds the later
-        layers unchanged.
+        layers unchanged. ``state_at`` (chunk mode): offsets t in (0, T) at which every KDA layer's
+        cache after exactly t tokens is also returned (``states_at``; see ``KDALayer.forward``).
         """
         _check_mode(mode)
         tokens = self._check_tokens(tokens)
@@ -119,19 +124,24 @@ class HybridLM(nn.Module):
             raise ValueError(f"num_layers must be in [0, {self.cfg.num_layers}], got {num_layers}")
         x = self.embed[tokens]                                            # [B, T, D]
         new_layers, aux = list(cache.layers), ({} if output_aux else None)
+        state_at = tuple(sorted(set(state_at)))
+        states_at = {t: {} for t in state_at} if state_at else None
         for i in range(stop):
             m, h = self.mixers[i], rmsnorm(x, self.norm1[i])
             if isinstance(m, KDALayer):
-                out = m(h, cache.layers[i], mode=mode, output_aux=output_aux)
+                out = m(h, cache.layers[i], mode=mode, output_aux=output_aux, state_at=state_at)
                 if output_aux:
                     aux[i] = out[2]
+                elif state_at:
+                    for t, c in out[2].items():
+                        states_at[t][i] = c
                 y, new_layers[i] = out[0], out[1]
             else:
                 y, new_layers[i] = m(h, cache.layers[i], mode=mode)
             x = x + y
             x = x + self.mlp(i, rmsnorm(x, self.norm2[i]))
         logits = linear(rmsnorm(x, self.norm_f), self.lm_head) if stop == self.cfg.num_layers else None
-        return ForwardOutput(logits, HybridCache(tuple(new_layers), cache.num_tokens + T), aux)
+        return ForwardOutput(logits, HybridCache(tuple(new_layers), cache.num_tokens + T), aux, states_at)
 
     def prefill(self, tokens: torch.Tensor, cache: HybridCache | None = None, mode: str = "chunk"):
         """Prefill tokens ``[B, T]``; returns (logits ``[B, T, 256]``, new cache)."""

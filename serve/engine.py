@@ -6,9 +6,10 @@ Request flow (one request at a time per forward; batch 1 keeps each output exact
   admit   -> allocate private KDA_STATE pages + own KV pages (evicting
              unpinned cache entries), restore the checkpoint into the
              private pages (copy-on-write), drop the checkpoint pin      PREFILL
-  prefill -> chunks split at every checkpoint boundary, so the state
-             published under boundary b is the state after exactly b
-             tokens; full blocks published as they complete             DECODE
+  prefill -> one forward yields the state after exactly b tokens for every
+             checkpoint boundary b inside it (chunk states of kda_chunk;
+             split at the boundary instead when no chunk size >= 16
+             fits); full blocks published as they complete              DECODE
   decode  -> one token per step; when the cache reaches its final last
              full block, that block and its checkpoint are published     FINISHED
   abort / reject -> every page and pin the request held is released.
@@ -24,6 +25,7 @@ import time
 
 import torch
 
+from kda_core.layer import chunk_size_for
 from kda_core.model import HybridCache, HybridLM
 from serve.cache_layout import CacheLayout, read_kv, read_state, write_kv, write_state, zero_state
 from serve.paged_cache import PageKind, PagePool, PoolExhausted
@@ -33,6 +35,7 @@ from serve.request import Request, RequestResult, RequestStatus
 from serve.spec_step import Speculation, draft_budget, speculative_step
 
 DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
+MIN_STATE_AT_CHUNK = 16  # smallest kda_chunk chunk size used to take checkpoints from inside a forward
 
 
 def _ms(t0: float) -> float:
@@ -262,13 +265,31 @@ class ServeEngine:
         return checkpoint_boundaries(num_prompt_tokens, self.layout.block_size, self.cache.checkpoint_interval)
 
     def _prefill_chunk(self, req: Request) -> None:
+        """One prefill forward. Checkpoint boundaries inside it come from the same forward
+        (``state_at``: the chunk states after exactly b tokens) when ``kda_chunk`` can put a chunk
+        boundary on each of them with chunks of at least ``MIN_STATE_AT_CHUNK`` tokens; otherwise the
+        forward stops at the next boundary, as every forward has a fixed cost (~13 ms on the demo
+        model here) that would dominate a warm prefill cut at every boundary."""
         L, p = len(req.prompt), req.computed
         marks = [b for b in self.checkpoint_boundaries(L) if b > p]
-        end = L if not marks else min(L, marks[0])
-        if self.max_prefill_chunk is not None:
-            end = min(end, p + self.max_prefill_chunk)
+        end = L if self.max_prefill_chunk is None else min(L, p + self.max_prefill_chunk)
+        inner = [b - p for b in marks if b < end]
+        if inner and chunk_size_for(inner) < MIN_STATE_AT_CHUNK:
+            end, inner = marks[0], []
         t0 = time.perf_counter()
-        out = self.model.forward(torch.tensor([req.prompt[p:end]]), self._gather(req), mode="chunk")
+        out = self.model.forward(torch.tensor([req.prompt[p:end]]), self._gather(req), mode="chunk",
+                                 state_at=tuple(inner))
+        if inner:  # latents first (blocks below each boundary), then each boundary's state
+            write_kv(self.layout, self.pool, req.page_table, p,
+                     [out.cache.layers[i][:, p:] for i in self.model.cfg.mla_layers])
+        req.timings_ms["prefill"] += _ms(t0)
+        t1 = time.perf_counter()
+        for t in inner:
+            write_state(self.layout, self.pool, req.state_pages, out.states_at[t])
+            req.computed = p + t
+            self._publish(req, p + t, True)
+        req.timings_ms["checkpoint"] += _ms(t1)
+        t0 = time.perf_counter()
         self._scatter(req, out.cache, p)
         req.prefill_tokens += end - p
         req.timings_ms["prefill"] += _ms(t0)

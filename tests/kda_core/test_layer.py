@@ -110,3 +110,26 @@ def test_model_validation(model):
         model.forward(torch.tensor([1]), mode="fast")
     with pytest.raises(ValueError, match="at least one token"):
         model.forward(torch.zeros(1, 0, dtype=torch.long))
+
+
+@pytest.mark.parametrize("offsets", [(64,), (16, 48, 96), (32, 64)], ids=str)
+def test_state_at_equals_split_prefill(model, offsets):
+    toks = encode("One chunked prefill yields the cache after exactly t tokens for every checkpoint. " * 2)
+    _, base = model.prefill(toks[:16])
+    out = model.forward(toks[16:136], base, mode="chunk", state_at=offsets)
+    for t in offsets:
+        _, ref = model.prefill(toks[16:16 + t], base)
+        for i in CFG.kda_layers:
+            got, want = out.states_at[t][i], ref.layers[i]
+            assert (got.recurrent - want.recurrent).abs().max() <= 1e-5
+            assert (got.conv - want.conv).abs().max() <= 1e-5  # layer inputs differ by rounding only
+    wrong = model.forward(toks[16:136], base, mode="chunk", state_at=(offsets[0] + 16,)).states_at
+    _, ref = model.prefill(toks[16:16 + offsets[0]], base)
+    assert (wrong[offsets[0] + 16][CFG.kda_layers[0]].recurrent - ref.layers[CFG.kda_layers[0]].recurrent).abs().max() > 1e-3
+
+
+def test_state_at_validation(model):
+    with pytest.raises(ValueError, match="state_at"):
+        model.forward(torch.arange(10), mode="chunk", state_at=(10,))
+    with pytest.raises(ValueError, match="state_at"):
+        model.forward(torch.arange(10), mode="recurrent", state_at=(4,))

@@ -286,8 +286,9 @@ def test_submit_rejects_bad_input():
 
 
 def test_waiting_request_rematches_at_admission():
-    """R2 is matched at submit (nothing cached yet) and waits for pages; after R1's chunk to 32 the
-    re-match finds the checkpoint at 32, which makes R2 need fewer pages, so it is admitted then."""
+    """R2 is matched at submit (nothing cached yet) and waits for pages; R1's one prefill forward
+    publishes its checkpoints at 16, 32 and 48 (the whole shared prefix), so the re-match at
+    admission finds 48, which makes R2 need fewer pages, so it is admitted then."""
     eng = make_engine(block_size=16, interval=16, num_pages=9)
     shared = tokens(50, 48)
     r1, r2 = shared + tokens(51, 8), shared + tokens(52, 8)
@@ -299,6 +300,6 @@ def test_waiting_request_rematches_at_admission():
     eng.run_until_idle()
     eng.check_integrity()
     stats = eng.cache.stats()
-    assert eng.result(b).hit_tokens == 32 and stats.lookups == 2 and stats.hit_tokens == 32
+    assert eng.result(b).hit_tokens == 48 and stats.lookups == 2 and stats.hit_tokens == 48
     for rid, p in ((a, r1), (b, r2)):
         assert_equal_to_reference(eng.result(rid), p)
