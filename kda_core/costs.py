@@ -4,10 +4,12 @@ Per decoded token and layer: one :func:`kda_core.kda.kda_step` (constant work: H
 update) against one absorbed MLA decode over a latent cache of N tokens
 (:func:`kda_core.layer.latent_attention`, linear in N). Real head dims (K = V = 128, latent
 r + rope = 576) with the number of heads scaled down (``num_heads``) so a sweep stays under a
-second; the page says so. Each time is the minimum over ``repeats`` interleaved runs (ns clock, in
-microseconds): on a shared CPU, contention only ever adds time, so the least-disturbed run is the
-cost of the work (a median still let 100 ms stalls through on a loaded 2-core machine). Runs use one
-torch thread.
+second; the page says so. Each time is the minimum over ``repeats`` back-to-back runs of that one
+operation (ns clock, in microseconds): on a shared CPU, contention only ever adds time, so the
+least-disturbed run is the cost of the work (a median still let 100 ms stalls through on a loaded
+2-core machine). The two operations are timed apart, not interleaved: interleaving let the MLA pass
+over N latents evict the KDA state from the CPU cache, so the KDA time grew with N (3.4x at 16k,
+found in review) although its work does not. Runs use one torch thread.
 """
 from __future__ import annotations
 
@@ -29,16 +31,14 @@ class DecodeCost(NamedTuple):
     mla_decode_us: float
 
 
-def _min_us_interleaved(fns, repeats: int) -> list[float]:
-    """Minimum time in µs of each fn over ``repeats`` rounds, the fns interleaved within a round."""
-    for fn in fns:
-        fn()  # warm-up (allocations, kernel selection)
-    best = [float("inf")] * len(fns)
+def _min_us(fn, repeats: int) -> float:
+    """Minimum time in µs of ``fn`` over ``repeats`` back-to-back runs (after one warm-up run)."""
+    fn()  # warm-up (allocations, kernel selection, cache)
+    best = float("inf")
     for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            t0 = time.perf_counter_ns()
-            fn()
-            best[i] = min(best[i], (time.perf_counter_ns() - t0) / 1e3)
+        t0 = time.perf_counter_ns()
+        fn()
+        best = min(best, (time.perf_counter_ns() - t0) / 1e3)
     return best
 
 
@@ -76,9 +76,8 @@ def measure_decode_cost(cfg: ModelConfig, contexts: list[int], num_heads: int = 
     try:
         for n in contexts:
             cache = torch.randn(1, n, cfg.latent_dim, generator=gen)    # [1, N, r + rope]
-            kda_us, mla_us = _min_us_interleaved(
-                [lambda: kda_step(q, k, v, g, beta, state),             # re-measured at every N: flat
-                 lambda c=cache: latent_attention(q_cat, c, r, scale)], repeats)
+            mla_us = _min_us(lambda c=cache: latent_attention(q_cat, c, r, scale), repeats)
+            kda_us = _min_us(lambda: kda_step(q, k, v, g, beta, state), repeats)  # re-measured at every N
             out.append(DecodeCost(n, kda_us, mla_us))
     finally:
         torch.set_num_threads(prev_threads)

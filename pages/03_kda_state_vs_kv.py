@@ -99,5 +99,6 @@ st.caption(
     f"{cfg.latent_dim}; the model has {cfg.num_heads} KDA heads — heads are scaled down to keep the run under a second). "
     f"At N = {int(last.context_tokens):,}: KDA {last.kda_step_us:,.0f} µs vs MLA {last.mla_decode_us:,.0f} µs. "
     "KDA's step touches only its H×K×V state, so its line is flat; MLA reads all N latents (N × (r + rope) values), "
-    "so its cost grows linearly. Minimum of 5 interleaved runs on one thread (perf_counter_ns): on a shared CPU, "
-    "contention only adds time, so the least-disturbed run is the cost of the work.")
+    "so its work grows linearly with N — and its time faster where the latents no longer fit in the CPU cache. "
+    "Each point is the minimum of 5 back-to-back runs on one thread (perf_counter_ns): on a shared CPU, contention only "
+    "adds time, so the least-disturbed run is the cost of the work.")

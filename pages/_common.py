@@ -51,9 +51,18 @@ def persist(key: str, default=None) -> str:
     return key
 
 
+def _decade_ticks(axis) -> None:
+    """On a log axis without explicit ticks, label only the powers of ten (Plotly's default minor
+    labels read as a bare "2" or "5", which can mean 2,000 or 20,000)."""
+    if axis.type == "log" and axis.dtick is None and axis.tickvals is None:
+        axis.update(dtick=1, minor=dict(ticks="inside", showgrid=True))
+
+
 def show_chart(fig: go.Figure, df: pd.DataFrame, key: str, filename: str | None = None) -> None:
     """Render ``fig`` with ``key`` and a CSV download button of ``df`` (the chart's data)."""
     fig.update_layout(margin=dict(l=10, r=10, t=40, b=10))
+    fig.for_each_xaxis(_decade_ticks)
+    fig.for_each_yaxis(_decade_ticks)
     st.plotly_chart(fig, key=key, width="stretch")
     st.download_button("Download CSV", df.to_csv(index=False).encode(), file_name=filename or f"{key}.csv",
                        mime="text/csv", key=f"{key}_csv")
