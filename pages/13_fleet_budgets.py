@@ -65,7 +65,7 @@ p99 = summary.set_index(["isolation", "class"]).ttft_p99_ms
 m1, m2 = st.columns(2)
 m1.metric("VIP P99 TTFT with isolation", f"{p99.get(('with isolation', 'vip'), float('nan')):,.0f} ms")
 m2.metric("VIP P99 TTFT without isolation", f"{p99.get(('without isolation', 'vip'), float('nan')):,.0f} ms")
-st.dataframe(summary, hide_index=True, width="stretch")
+st.dataframe(summary.style.format(precision=3, thousands=","), hide_index=True, width="stretch")
 st.caption(f"{n_req:,} requests over 120 s; burst of {burst_n:,} {burst_class} requests from t = 30 s. Replicas: "
            f"{source}. What to notice: VTC serves the class with the smallest token counter first and the bucket "
            "caps what the bursting class can admit, so VIP keeps its TTFT while the burst waits in its own queue.")

@@ -117,7 +117,7 @@ fig3 = go.Figure(go.Bar(x=overall.policy, y=overall.max_over_mean_requests,
 fig3.add_hline(y=1.0, line_dash="dot")
 fig3.update_layout(xaxis_title="routing policy", yaxis_title="max / mean requests per replica (1 = perfect balance)")
 show_chart(fig3, overall, key="p14_balance_chart")
-st.dataframe(summary, hide_index=True, width="stretch")
+st.dataframe(summary.style.format(precision=3, thousands=","), hide_index=True, width="stretch")
 st.download_button("Download per-request results (CSV)", per_request.to_csv(index=False).encode(),
                    file_name="p14_requests.csv", mime="text/csv", key="p14_requests_csv")
 st.caption(f"{n_trace:,} requests (cap {num_requests:,}), {replicas} replicas: {source}. Service model: prefill "
