@@ -60,7 +60,7 @@ with left:
 with right:
     st.subheader("2 · Commit (rebuild) time")
     fig2 = px.line(cdf, x="accepted", y="commit_ms", color="strategy", markers=True, color_discrete_map=COLORS)
-    fig2.update_layout(xaxis_title=f"accepted drafts (of n = {num_draft})",
+    fig2.update_layout(xaxis_title=f"accepted drafts (of n = {num_draft})", xaxis_dtick=1,
                        yaxis_title="commit ms (median of 3, 1 thread)", legend=dict(orientation="h", y=-0.3))
     show_chart(fig2, cdf, key="p04_commit_chart")
 
@@ -83,7 +83,7 @@ st.subheader("4 · The ring after a 40-token run")
 sdf, slots, overflow, write_backs, ring_bytes = engine_call(_ring, width, capacity, window, num_draft)
 used = min(num_draft, window - 1)
 capped = f" (n = {num_draft} capped at window − 1 = {window - 1})" if used < num_draft else ""
-st.write(f"{capacity} slots × 6 KDA layers × d = {width} × 4 B = **{ring_bytes:,} B**; "
+st.write(f"{capacity} slot{'' if capacity == 1 else 's'} × 6 KDA layers × d = {width} × 4 B = **{ring_bytes:,} B**; "
          f"drafts of {used} tokens{capped}; "
          f"**{write_backs} forced write-back{'' if write_backs == 1 else 's'}** during the run, the red crosses below "
          "(ring full: the committed state becomes the new checkpoint and the history slots are freed).")
@@ -93,18 +93,21 @@ fig3 = go.Figure(go.Bar(x=slots.slot, y=[1] * len(slots), marker_color=slots.sta
 for text, at_slot, rise_px in ring_lab.head_tail_labels(slots.to_dict("records")):
     fig3.add_annotation(x=at_slot, y=1.02, text=text, showarrow=True, arrowhead=2, ay=-rise_px)
 fig3.update_layout(xaxis_title="slot index (colour: blue committed, grey free; text: token position)",
-                   yaxis_title="ring slots", yaxis_range=[0, 1.8], yaxis_showticklabels=False, height=280)
+                   yaxis_title="ring slots", yaxis_range=[0, 1.8], yaxis_showticklabels=False, height=280,
+                   xaxis_dtick=1 if capacity <= 32 else None)
 show_chart(fig3, slots, key="p04_slots_chart")
 fig4 = go.Figure(go.Scatter(x=sdf.step, y=sdf.slots_in_use, mode="lines+markers", name="slots in use after commit"))
 wb = sdf[sdf.forced_write_back]
 fig4.add_trace(go.Scatter(x=wb.step, y=wb.slots_in_use, mode="markers", marker=dict(symbol="x", size=12, color="red"),
                           name="forced write-back before this verify"))
 fig4.add_hline(y=capacity, line_dash="dot", annotation_text="capacity")
-fig4.update_layout(xaxis_title="speculative step", yaxis_title="ring slots in use (tokens)",
+fig4.update_layout(xaxis_title="speculative step", yaxis_title="ring slots in use (tokens)", yaxis_rangemode="tozero",
+                   yaxis_tickformat="d",
                    legend=dict(orientation="h", y=-0.3))
 show_chart(fig4, sdf, key="p04_occupancy_chart")
 if overflow.startswith("ValueError"):
-    st.warning(f"Overflow — a verify of n = {num_draft} drafts: {overflow}")
+    st.warning(f"Overflow — a verify of n = {num_draft} drafts is refused by the ring: "
+               f"{overflow.removeprefix('ValueError: ')}")
 else:
     st.info(f"Overflow check — a verify of n = {num_draft} drafts {overflow}.")
 st.write(
