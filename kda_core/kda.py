@@ -130,18 +130,19 @@ def kda_step(
     dt = _compute_dtype(v)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    o, s = _step(q.to(dt), k.to(dt), v.to(dt), g.to(dt), beta.to(dt), state.to(dt), scale)
+    o, s, _ = _step(q.to(dt), k.to(dt), v.to(dt), g.to(dt), beta.to(dt), state.to(dt), scale)
     return o.to(v.dtype), s
 
 
 def _step(q, k, v, g, beta, S, scale):
-    """Unchecked step on compute-dtype tensors; fixed op order so every caller is bitwise equal."""
+    """Unchecked step on compute-dtype tensors; fixed op order so every caller is bitwise equal.
+    Returns (o, new state, u = the delta correction)."""
     S = S * g.exp().unsqueeze(-1)                          # decay        [B, H, K, V]
     kv = (S * k.unsqueeze(-1)).sum(-2)                     # S'^T k       [B, H, V]
     u = beta.unsqueeze(-1) * (v - kv)                      # correction   [B, H, V]
     S = S + k.unsqueeze(-1) * u.unsqueeze(-2)              # rank-1 write [B, H, K, V]
     o = (S * (q * scale).unsqueeze(-1)).sum(-2)            # read         [B, H, V]
-    return o, S
+    return o, S, u
 
 
 def kda_step_with_correction(q, k, v, g, beta, state, scale=None):
@@ -151,10 +152,7 @@ def kda_step_with_correction(q, k, v, g, beta, state, scale=None):
     dt = _compute_dtype(v)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    S = state.to(dt) * g.to(dt).exp().unsqueeze(-1)
-    u = beta.to(dt).unsqueeze(-1) * (v.to(dt) - (S * k.to(dt).unsqueeze(-1)).sum(-2))
-    S = S + k.to(dt).unsqueeze(-1) * u.unsqueeze(-2)
-    o = (S * (q.to(dt) * scale).unsqueeze(-1)).sum(-2)
+    o, S, u = _step(q.to(dt), k.to(dt), v.to(dt), g.to(dt), beta.to(dt), state.to(dt), scale)
     return o.to(v.dtype), S, u
 
 
@@ -193,7 +191,7 @@ def kda_recurrent(
     o = q.new_empty(B, T, H, V)
     states = q.new_empty(B, T, H, K, V) if output_states else None
     for t in range(T):  # contiguous per-token slices: same memory layout as a one-token call
-        o[:, t], S = _step(*(x[:, t].contiguous() for x in (q, k, v, g, beta)), S, scale)
+        o[:, t], S, _ = _step(*(x[:, t].contiguous() for x in (q, k, v, g, beta)), S, scale)
         if states is not None:
             states[:, t] = S
     o = o.to(out_dtype)
