@@ -1,14 +1,23 @@
 """Model configurations (real Kimi presets + small demo models) and cache byte accounting.
 
-Real-model facts are from the published configs: Kimi-Linear-48B-A3B
-(moonshotai/Kimi-Linear-48B-A3B-Instruct ``config.json``: 27 layers, KDA every layer except
-3, 7, 11, 15, 19, 23, 26; 32 KDA heads x 128; MLA kv_lora_rank 512, qk_rope_head_dim 64; softplus
-gate) and Kimi K3 (93 layers = 69 KDA + 24 MLA at 3, 7, ..., 91 and 92; 96 KDA heads x 128;
-lower-bound gate -5.0). Byte formulas (issue 2):
+Real-model facts are from the published Hugging Face configs (layer lists there are 1-based; ours
+are 0-based):
+
+- Kimi-Linear-48B-A3B: ``moonshotai/Kimi-Linear-48B-A3B-Instruct`` ``config.json`` at revision
+  ``e1df551a447157d4658b573f9a695d57658590e9``: 27 layers, ``linear_attn_config.full_attn_layers``
+  [4, 8, ..., 24, 27] (MLA at 0-based 3, 7, 11, 15, 19, 23, 26), 32 KDA heads x ``head_dim`` 128,
+  ``short_conv_kernel_size`` 4; MLA ``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64; softplus gate.
+- Kimi K3: ``moonshotai/Kimi-K3`` ``config.json`` (``text_config``) at revision
+  ``c5d1dd4c428bd1ce8b88c5044f3b6ccde9e3b721``: 93 layers, ``full_attn_layers`` [4, 8, ..., 92, 93]
+  (24 MLA at 0-based 3, 7, ..., 91 and 92; 69 KDA), 96 KDA heads x 128, ``short_conv_kernel_size`` 4,
+  ``gate_lower_bound`` -5.0; ``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64, ``hidden_size`` 7168.
+
+Byte formulas:
 
 - MLA latent KV per token, whole model = num_mla_layers * (kv_lora_rank + qk_rope_head_dim) * s_kv
 - KDA recurrent state per layer per sequence = H * K * V * s_state
 - KDA conv state per layer per sequence = (2 H K + H V) * (W - 1) * s_conv  (raw q, k, v inputs)
+- break-even context = fixed KDA state / MLA KV per token (with or without the conv state)
 """
 from __future__ import annotations
 
@@ -127,11 +136,13 @@ PRESETS: dict[str, ModelConfig] = {
     "kimi-linear-48b-a3b": ModelConfig(
         name="kimi-linear-48b-a3b", num_layers=27, mla_layers=kimi_pattern(27), hidden_size=2304,
         num_heads=32, head_k_dim=128, head_v_dim=128, kv_lora_rank=512, qk_rope_head_dim=64,
-        gate="softplus", source="moonshotai/Kimi-Linear-48B-A3B-Instruct config.json"),
+        gate="softplus", source="moonshotai/Kimi-Linear-48B-A3B-Instruct config.json "
+               "(revision e1df551a447157d4658b573f9a695d57658590e9)"),
     "kimi-k3": ModelConfig(
         name="kimi-k3", num_layers=93, mla_layers=kimi_pattern(93), hidden_size=7168,
         num_heads=96, head_k_dim=128, head_v_dim=128, kv_lora_rank=512, qk_rope_head_dim=64,
-        gate="lower_bound", lower_bound=-5.0, source="Kimi K3 published config (issue 2 table)"),
+        gate="lower_bound", lower_bound=-5.0, source="moonshotai/Kimi-K3 config.json, text_config "
+               "(revision c5d1dd4c428bd1ce8b88c5044f3b6ccde9e3b721)"),
     "demo": ModelConfig(
         name="demo", num_layers=8, mla_layers=kimi_pattern(8), hidden_size=128, num_heads=4,
         head_k_dim=32, head_v_dim=32, kv_lora_rank=64, qk_rope_head_dim=16, num_mla_heads=4,
@@ -180,9 +191,18 @@ def fixed_state_bytes_per_sequence(cfg: ModelConfig, state_dtype: torch.dtype = 
 
 def break_even_tokens(cfg: ModelConfig, state_dtype: torch.dtype = torch.float32,
                       kv_dtype: torch.dtype = torch.bfloat16, conv_dtype: torch.dtype = torch.bfloat16) -> float:
-    """Context length (tokens) at which the MLA KV equals the fixed KDA state (inf if no MLA layer)."""
+    """Context length (tokens) at which the MLA KV equals the fixed KDA state, recurrent + conv
+    (inf if no MLA layer)."""
     per_tok = mla_kv_bytes_per_token(cfg, kv_dtype)
     return math.inf if per_tok == 0 else fixed_state_bytes_per_sequence(cfg, state_dtype, conv_dtype) / per_tok
+
+
+def recurrent_break_even_tokens(cfg: ModelConfig, state_dtype: torch.dtype = torch.float32,
+                                kv_dtype: torch.dtype = torch.bfloat16) -> float:
+    """Like :func:`break_even_tokens` but counting only the recurrent state
+    (num_kda_layers * H K V s_state), without the conv window (inf if no MLA layer)."""
+    per_tok = mla_kv_bytes_per_token(cfg, kv_dtype)
+    return math.inf if per_tok == 0 else cfg.num_kda_layers * kda_state_bytes_per_layer(cfg, state_dtype) / per_tok
 
 
 class SequenceBytes(NamedTuple):
