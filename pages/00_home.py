@@ -21,6 +21,10 @@ SYSTEM = ("You are KDA-bot, a careful assistant for inference engineers. Answer 
           "Always state units (bytes, tokens, ms). Cite the source of every number. Prefer measured values "
           "over estimates, and say so when you estimate. The cluster runs Kimi Linear with KDA and MLA layers, "
           "paged caches, prefix caching with state checkpoints and speculative decoding. ")
+# fp32 logits of the warm run may differ from the cache-off run in the last bits: the warm prefill starts
+# from a restored checkpoint, so its chunked sums are split at other token positions.
+LOGIT_TOL = 1e-5
+TOL_TEXT = f"{LOGIT_TOL:.0e}".replace("e-0", "e-")  # 1e-5
 MAX_PROMPT_BYTES = 2_000  # = tokens (byte-level model): bounds the nine prefills below
 c1, c2 = st.columns(2)
 first = c1.text_area("Request 1 (fills the cache)", key=persist("p00_first", SYSTEM + "User: How big is a KDA state?"), persist_state="session",
@@ -62,10 +66,13 @@ m2.metric("TTFT warm (median)", f"{summary['warm_ttft_ms']:.1f} ms", f"{-summary
 m3.metric("Restored from checkpoint", f"{warm.restored_bytes / 1024:,.1f} KiB", "KDA state, copied", delta_color="off")
 m4.metric("Shared through KV pages", f"{warm.shared_kv_bytes / 1024:,.1f} KiB", "MLA latents, by reference",
           delta_color="off")
-if check.outputs_identical:
+if check.outputs_identical and check.max_logit_diff <= LOGIT_TOL:
     st.success(f"Outputs identical to the cache-off run: {num_generated} greedy tokens, max |Δ logits| = "
-               f"{check.max_logit_diff:.1e} (≤ 1e-5 required). Warm output bytes: “{''.join(c if c.isprintable() else '·' for c in text)}” (the demo model's weights are "
+               f"{check.max_logit_diff:.1e} (≤ {TOL_TEXT} required). Warm output bytes: “{''.join(c if c.isprintable() else '·' for c in text)}” (the demo model's weights are "
                "random, so its bytes are not meant to read as text; control bytes shown as ·)")
+elif check.outputs_identical:
+    st.error(f"Warm tokens equal the cache-off run's, but max |Δ logits| = {check.max_logit_diff:.1e} exceeds the "
+             f"{TOL_TEXT} tolerance.")
 else:
     st.error("Warm output differs from the cache-off run.")
 
@@ -79,7 +86,7 @@ show_chart(fig, med.reset_index(), key="p00_breakdown_chart")
 st.caption(f"Hit: {warm.hit_tokens} of {warm.prompt_tokens} tokens (phase-1 KV run {warm.kv_hit_tokens}). A "
            f"whole-model KDA state is {state_bytes:,} B whatever the prefix length; the KV shared grows with it. "
            "What to notice: warm TTFT ≈ restore + (L − b) tokens of prefill, with b the largest boundary ≤ "
-           "min(KV run, L − 1) that has a complete checkpoint (issue 5; vLLM/SGLang hybrid prefix caching).")
+           "min(KV run, L − 1) that has a complete checkpoint (as in vLLM's and SGLang's hybrid prefix caching).")
 
 st.subheader("Tabs")
 for section in SECTIONS:

@@ -5,7 +5,9 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
+from kda_core.config import PRESETS
 from pages._common import engine_call, persist, show_chart
+from serve.page_policy import vllm_vs_ours
 from serve.pool_measure import latency_histogram
 from serve.pool_workload import WorkloadConfig, policy_waste, simulate
 
@@ -117,9 +119,22 @@ show_chart(fig4, wdf, key="p05_waste")
 real = pd.DataFrame([{"model": m, **row} for m in ("kimi-linear-48b-a3b", "kimi-k3")
                      for row in policy_waste(m, 16, min(groups, 20))])
 st.dataframe(real, hide_index=True, width="stretch")
-st.caption("Real presets at 16-token blocks, G groups (bf16 KV, fp32 state, bf16 conv). With the unified block rounded "
-           "to 16 tokens, both policies leave the same state tail (⌈state / 16-token page⌉ pages either way); what "
-           "differs is the MLA block: thousands of tokens per page under the unified policy at G = 1.")
+st.caption("Real presets at 16-token blocks, G groups (bf16 KV, fp32 state, bf16 conv). Our unified policy rounds "
+           "the block up to a multiple of 16 tokens, so both policies leave the same state tail (⌈state / 16-token "
+           "page⌉ pages either way); what differs is the MLA block: thousands of tokens per page under the unified "
+           "policy at G = 1.")
+vdf = pd.DataFrame([row for m in ("kimi-linear-48b-a3b", "kimi-k3") for row in vllm_vs_ours(PRESETS[m], 16, 1)])
+NUM = st.column_config.NumberColumn
+st.dataframe(vdf, hide_index=True, width="stretch", column_config={
+    "vLLM page, one layer (B)": NUM(format="%,d B"), "our page, all MLA layers (B)": NUM(format="%,d B"),
+    "vLLM state padding": NUM(format="percent"), "our state padding": NUM(format="percent")})
+st.caption("What vLLM itself picks (`serve.page_policy.vllm_block_pick`, G = 1 on our side). vLLM sizes pages per "
+           "layer: one attention page = block × one MLA layer's latent (r + rope) × 2 B, one KDA page = one layer's "
+           "recurrent (fp32) + conv (bf16) state. It aligns the block to the attention backend's kernel block size "
+           "(`get_supported_kernel_block_sizes`: FlashInfer MLA 32, FlashMLA 64, CUTLASS MLA 128), not to 16: "
+           "block = align · ⌈state / (align · page per token)⌉ (`Platform._align_hybrid_block_size`, "
+           "vllm/platforms/interface.py), then pads the state page to the attention page. Our KV page holds every "
+           "MLA layer's latents of a block and our state page a whole group, so our block is larger.")
 
 st.subheader("5 · Measured alloc / free call latency")
 h = r["latency"]
@@ -146,8 +161,9 @@ st.write(" · ".join(f"**{k}** p50 {h.p50_ns[k]:,.0f} ns, p99 {h.p99_ns[k]:,.0f}
 
 st.info(
     "What to notice: the unified pool lends pages to whichever kind needs them, so when the mix flips it keeps "
-    "admitting while one half of the static split runs dry and the other idles. Unified page size (vLLM: grow the "
-    "block until one KV page ≥ one state, `block = ⌈state / (KV bytes per token)⌉` rounded to 16) wastes little on "
+    "admitting while one half of the static split runs dry and the other idles. Unified page size (grow the "
+    "block until one KV page ≥ one state, `block = ⌈state / (KV bytes per token)⌉` rounded up to a multiple of 16 "
+    "here; vLLM aligns to the kernel block, see the table above) wastes little on "
     "the state but makes MLA blocks hundreds of tokens long, so the last block of every request is mostly slack; "
     "multi-page state (`⌈state / page⌉` pages) keeps 16-token blocks. Latencies are one `alloc`/`decref` call per "
     "request per kind, measured with `perf_counter_ns` on this shared CPU (p99 shows the jitter). "

@@ -4,6 +4,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from pages._common import engine_call, persist, show_chart
+from serve.engine import MIN_STATE_AT_CHUNK
 from serve.prefix_runs import cold_vs_warm, shared_prefix_prompts, ttft_summary
 
 st.title("Prefix hit")
@@ -56,6 +57,9 @@ fig2 = go.Figure(go.Bar(x=reuse.kind, y=reuse.bytes / 1024, text=[f"{b / 1024:,.
 fig2.update_layout(yaxis_title="bytes reused (KiB)", xaxis_title="cache kind")
 show_chart(fig2, reuse, key="p08_bytes_chart")
 st.caption("What to notice: the KV bytes shared grow with b (one page per block), the state copied is the same "
-           "for any b. Warm TTFT ≈ TTFT_cold · (L − b) / L plus a per-chunk cost: prefill is split at every "
-           "checkpoint boundary so each checkpoint is the state after exactly b tokens, and each split costs a "
-           "forward call — a larger C means fewer splits but coarser hits. Measured on this CPU, single thread.")
+           "for any b. Warm TTFT ≈ TTFT_cold · (L − b) / L plus the restore and checkpoint copies: the remaining "
+           "prompt runs as one chunked forward, and every checkpoint boundary inside it is taken from that same "
+           "forward (the chunk states of `kda_chunk` are the state after exactly b tokens), so a smaller C adds "
+           "state copies, not forward calls. The forward is cut at a boundary only when the boundaries cannot all "
+           f"be chunk edges with chunks of at least {MIN_STATE_AT_CHUNK} tokens. A larger C gives coarser hits. "
+           "Measured on this CPU, single thread.")

@@ -5,7 +5,7 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from pages._common import engine_call, persist, show_chart
-from serve.fleet.experiments import page_trace
+from serve.fleet.experiments import MOONCAKE_TABLE2_CACHE_RATIO, page_trace
 from serve.prefix_runs import miss_then_hit
 from serve.prefix_sim import CAPACITY_FRACTIONS, MISS_CAUSES, capacity_points, replay_row
 from serve.traces import ideal_hit_ratio, upload_parts
@@ -106,6 +106,19 @@ fig2.update_layout(xaxis_type="log", xaxis_title="cache capacity (GB, log)", yax
                    legend=dict(orientation="h", y=-0.3))
 show_chart(fig2, cap.assign(ideal_block_hit_ratio=ideal.block_hit_ratio, ideal_token_hit_ratio=ideal.token_hit_ratio),
            key="p09_capacity_chart")
+trace_name = upload_name if data is not None else "synthetic generator (default)"
+st.dataframe(pd.DataFrame([
+    {"figure": "Mooncake FAST'25, Table 2 “cache ratio”", "trace": f"{t} trace (kvcache-ai/Mooncake)",
+     "ratio": r, "what it counts": "not defined in the paper"} for t, r in MOONCAKE_TABLE2_CACHE_RATIO.items()] + [
+    {"figure": "block ideal, computed now", "trace": trace_name, "ratio": ideal.block_hit_ratio,
+     "what it counts": f"hash ids in a request's leading run seen before / all ids "
+                       f"({ideal.hit_blocks:,} / {ideal.total_blocks:,})"},
+    {"figure": "token ideal, computed now", "trace": trace_name, "ratio": ideal.token_hit_ratio,
+     "what it counts": f"their tokens / all prompt tokens ({ideal.hit_tokens:,} / {ideal.total_tokens:,})"}]),
+    hide_index=True, width="stretch", column_config={"ratio": st.column_config.NumberColumn(format="percent")})
+st.caption("The paper's cache ratio and our block ideal are different counts: upload the paper's "
+           "`conversation_trace.jsonl` or `synthetic_trace.jsonl` (kvcache-ai/Mooncake, `FAST25-release/traces`) "
+           "to compute the block ideal of the same file; `tests/serve/test_mooncake_ratios.py` does it for both.")
 causes = go.Figure([go.Bar(x=[f"{c:,.0f} GB" for c in cap.capacity_gb], y=cap[f"miss_{k}"], name=k.replace("_", " "))
                     for k in MISS_CAUSES])
 causes.update_layout(barmode="stack", xaxis_title="cache capacity", yaxis_title="missed tokens (fraction of all tokens)",

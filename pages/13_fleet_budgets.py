@@ -100,7 +100,8 @@ labels = vdf.scheduler + " · " + vdf.client
 top = max(vdf.measured_p99_s.max(), vdf.ours_p99_s.max())
 TICKS_S = [v for v in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000) if v <= top * 2.5]
 fig3 = go.Figure()
-for col, name in (("measured_p99_s", "published (measured, A10G)"), ("ours_p99_s", "measured here (our simulator)")):
+for col, name in (("measured_p99_s", "VTC artifact raw files (A10G; computed here, not printed in the paper)"),
+                  ("ours_p99_s", "our simulator")):
     fig3.add_trace(go.Bar(x=labels, y=vdf[col], name=name, text=[f"{v:,.1f} s" for v in vdf[col]],
                           textposition="outside"))
 fig3.update_layout(barmode="group", xaxis_title="scheduler · client", legend=dict(orientation="h", y=-0.25),
@@ -111,15 +112,16 @@ lt = vdf[vdf.client.str.startswith("light")].set_index("scheduler")
 gap = lt.measured_p99_s["VTC"] / lt.ours_p99_s["VTC"]
 fcfs = vdf[vdf.scheduler == "FCFS"]
 fcfs_err = ((fcfs.ours_p99_s - fcfs.measured_p99_s).abs() / fcfs.measured_p99_s).max()
-st.caption(f"Published: {ANCHORS['vtc']}. Our replay rebuilds the suite's 1,350 arrivals (256/256 tokens) and runs "
+st.caption(f"Source: {ANCHORS['vtc']}. Our replay rebuilds the suite's 1,350 arrivals (256/256 tokens) and runs "
            f"one replica calibrated to the measured FCFS throughput: ours {tp_ours['FCFS']:.3f} vs measured "
            f"{tp_measured['FCFS']:.3f} req/s (FCFS), {tp_ours['VTC']:.3f} vs {tp_measured['VTC']:.3f} (VTC). "
-           f"Both show the headline: FCFS → VTC cuts the light client's P99 TTFT "
-           f"{lt.measured_p99_s['FCFS'] / lt.measured_p99_s['VTC']:.0f}× published and "
+           f"Both show the headline: FCFS → VTC cuts the light client's P99 TTFT from "
+           f"{lt.measured_p99_s['FCFS']:.1f} s to {lt.measured_p99_s['VTC']:.2f} s in the artifact's raw files "
+           f"({lt.measured_p99_s['FCFS'] / lt.measured_p99_s['VTC']:.0f}×) and "
            f"{lt.ours_p99_s['FCFS'] / lt.ours_p99_s['VTC']:.0f}× here; under FCFS our P99s are within "
-           f"{fcfs_err:.0%} of the published ones.")
+           f"{fcfs_err:.0%} of the artifact's.")
 st.caption(f"**Gap.** Under VTC the light client's P99 TTFT is {lt.ours_p99_s['VTC']:.1f} s here against "
-           f"{lt.measured_p99_s['VTC']:.1f} s published, {gap:.1f}× lower (P50 {lt.ours_p50_s['VTC']:.1f} s vs "
+           f"{lt.measured_p99_s['VTC']:.1f} s in the artifact, {gap:.1f}× lower (P50 {lt.ours_p50_s['VTC']:.1f} s vs "
            f"{lt.measured_p50_s['VTC']:.1f} s). Likely cause: our replica is calibrated on throughput only. A request's "
            "decode time matches the measured one, so FCFS, where the wait is the backlog, agrees; but under VTC the "
            "light client's wait is only the admission delay, and there our model is simpler than S-LoRA. We admit a "

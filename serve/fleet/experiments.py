@@ -33,9 +33,16 @@ ANCHORS = {
     "ring_spread": "A node's share of the ring with V vnodes has relative spread ≈ 1/√V",
     "mooncake_cache": ("Mooncake tech report (arXiv 2407.00079, §4.2, on its 2024 trace): a global LRU cache of "
                        "1,000 → 50,000 blocks lifts the hit ratio from 30 % to 50 %"),
-    "vtc": ("VTC artifact (OSDI'24; S-LoRA, Llama-7B, one A10G), on_off_less suite: light client P99 TTFT "
-            "FCFS 174 s → VTC 8.3 s"),
+    "vtc": ("VTC artifact (Ying1123/VTC-artifact, OSDI'24; S-LoRA, Llama-7B, one A10G), on_off_less suite; the "
+            "paper does not print these P99s: they are computed from the artifact's raw per-request files "
+            "(fair_bench/{FCFS,VTC}/all_results_on_off_less.jsonl)"),
 }
+
+# Mooncake (Qin et al., FAST'25), Table 2: the "cache ratio" of the two released traces
+# (kvcache-ai/Mooncake FAST25-release/traces/{conversation,synthetic}_trace.jsonl). The paper gives no
+# formula for it; the block ideal of serve.traces.ideal_hit_ratio on the same files is a different count
+# (hash ids in a request's leading run seen before / all hash ids), computed by tests/serve/test_mooncake_ratios.py.
+MOONCAKE_TABLE2_CACHE_RATIO = {"conversation": 0.40, "synthetic": 0.66}
 
 
 def routing_load(trace: Sequence[TraceRequest], algorithm: str, num_replicas: int, k: int,
