@@ -30,7 +30,7 @@ def k3_layer() -> HybridLM:
     return HybridLM(ModelConfig(name="k3-width-layer", num_layers=1, mla_layers=(), hidden_size=7168, num_heads=96,
                                 head_k_dim=128, head_v_dim=128, kv_lora_rank=512, qk_rope_head_dim=64,
                                 gate="lower_bound", lower_bound=-5.0, intermediate_size=256,
-                                source="Kimi K3 KDA layer width (issue 2 table)"))
+                                source="Kimi K3 KDA layer width (moonshotai/Kimi-K3 config.json)"))
 
 
 def run(model: HybridLM, max_draft: int, repeats: int) -> list[dict]:

@@ -6,6 +6,7 @@ import plotly.graph_objects as go
 import streamlit as st
 import torch
 
+from kda_core.config import PRESETS
 from pages._common import engine_call, persist, show_chart
 from serve.rollback import LayerShape
 from serve.rollback_bytes import LAYER_PRESETS, measure_layer_bytes, model_rollback_table
@@ -15,7 +16,8 @@ st.write(
     "A rejected draft token has already been folded into a KDA state, so speculative decoding must be able to "
     "rebuild the state at the last accepted token. **Snapshot** keeps the full state (and conv window) after every "
     "verify token; **projection replay** keeps only what the kernel consumed (k, v, g, β and the raw conv inputs) "
-    "and replays; the **raw-input ring** keeps one hidden vector per token and re-projects. Bytes below are read "
+    "and replays — as ReplaySSM does with its post-projection per-step records plus a checkpoint; the **raw-input "
+    "ring** keeps one hidden vector per token and re-projects. Bytes below are read "
     "with `nbytes()` from the buffers each strategy filled after a real one-layer verify run now on this CPU.")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -60,7 +62,7 @@ st.dataframe(table[["strategy", "measured_bytes", "formula_bytes", "formula", "m
                             "vs_snapshot": NUM(format="%.4f")})
 st.caption(
     f"Formula bytes = (1 + n) × per-token bytes with s = {DTYPES[dtype_name].itemsize} B; conv channels "
-    f"2HK + HV = {shape.conv_dim}, window W − 1 = 3. Measured here: the snapshot holds "
+    f"2HK + HV = {shape.conv_dim}, window W − 1 = {shape.conv_kernel - 1}. Measured here: the snapshot holds "
     f"{df.measured_bytes[0] / df.measured_bytes[1]:,.1f}× the projections' bytes and "
     f"{df.measured_bytes[0] / df.measured_bytes[2]:,.1f}× the raw inputs'. The snapshot's state term H·K·V grows "
     "with K·V, the projections with H·(2K + V), raw inputs only with d.")
@@ -83,10 +85,14 @@ st.dataframe(tdf, hide_index=True, width="stretch", column_config={
        for c in ("snapshot / projections", "snapshot / raw inputs")}})
 st.caption("Table in MiB per draft token, all KDA layers; snapshot state in fp32, everything else in bf16.")
 k3 = tdf.set_index("model").loc["kimi-k3"]
+K3 = PRESETS["kimi-k3"]
+n, h, kd, vd = K3.num_kda_layers, K3.num_heads, K3.head_k_dim, K3.head_v_dim
 st.write(
-    f"**What to notice.** Kimi K3 (69 KDA layers, 96 heads × 128): a snapshot holds "
-    f"**{k3['snapshot state MiB']:,.0f} MiB** of fp32 state per draft token (69 × 96·128·128·4 B), projections "
-    f"**{k3['projections k,v,g,beta MiB']:.1f} MiB** (69 × 96·(2·128+128+1)·2 B, bf16) plus "
+    f"**What to notice.** Kimi K3 ({n} KDA layers, {h} heads × {kd}): a snapshot holds "
+    f"**{k3['snapshot state MiB']:,.0f} MiB** of fp32 state per draft token ({n} × {h}·{kd}·{vd}·4 B), projections "
+    f"**{k3['projections k,v,g,beta MiB']:.1f} MiB** ({n} × {h}·(2·{kd}+{vd}+1)·2 B, bf16) plus "
     f"{k3['conv inputs MiB']:.1f} MiB of raw conv inputs, and raw layer inputs **{k3['raw inputs MiB']:.2f} MiB** "
-    "(69 × 7168·2 B). Sources: SGLang's intermediate SSM state cache and vLLM's per-draft state slots (snapshot); "
-    "ReplaySSM (Dao AI Lab, 2026) for caching inputs instead of states; model sizes from the published configs.")
+    f"({n} × {K3.hidden_size}·2 B). Sources: SGLang's intermediate SSM state cache and vLLM's per-draft state slots "
+    "(snapshot); ReplaySSM (Dao AI Lab, 2026), which caches post-projection per-step records (for a gated delta net "
+    "k, the delta term and g; for Mamba2 x, dt and B, vLLM's `append_replayssm_ring`) plus a checkpoint — closer to "
+    f"projection replay than to the raw-input ring; model sizes from {K3.source}.")

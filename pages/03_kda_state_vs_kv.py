@@ -35,10 +35,12 @@ lo, hi = st.select_slider("Context range (tokens)", options=[2 ** i for i in ran
                           value=(1024, 2 ** 20), key="p03_context", persist_state="session")
 
 sd, kd = DTYPES[state_dt], DTYPES[kv_dt]
+CONV_DTYPE = torch.bfloat16  # conv window dtype used by kda_core.config's defaults
 ctx = np.unique(np.geomspace(lo, max(hi, lo + 1), 60).astype(int))
 rows = [engine_call(kc.sequence_bytes, cfg, int(n), sd, kd) for n in ctx]
 df = pd.DataFrame(rows, columns=kc.SequenceBytes._fields)
 be = kc.break_even_tokens(cfg, sd, kd)
+be_rec = kc.recurrent_break_even_tokens(cfg, sd, kd)
 
 st.subheader("1 · Cache bytes per sequence vs context")
 fig = go.Figure()
@@ -55,13 +57,16 @@ m1, m2, m3, m4 = st.columns(4)
 m1.metric("MLA KV per token (whole model)", f"{kc.mla_kv_bytes_per_token(cfg, kd):,} B")
 m2.metric("KDA state per layer", f"{kc.kda_state_bytes_per_layer(cfg, sd):,} B")
 m3.metric("Fixed state per sequence", f"{kc.fixed_state_bytes_per_sequence(cfg, sd) / 2 ** 20:,.1f} MiB")
-m4.metric("Break-even context", "∞" if not np.isfinite(be) else f"{be:,.0f} tokens")
+m4.metric("Break-even context (recurrent + conv)", "∞" if not np.isfinite(be) else f"{be:,.0f} tokens",
+          "∞ (recurrent only)" if not np.isfinite(be_rec) else f"{be_rec:,.0f} tokens recurrent only", delta_color="off")
 st.caption(
     f"Formulas: MLA KV/token = {cfg.num_mla_layers} MLA layers × ({cfg.kv_lora_rank} + {cfg.qk_rope_head_dim}) × "
     f"{kc.dtype_bytes(kd)} B; KDA state/layer = {cfg.num_heads} × {cfg.head_k_dim} × {cfg.head_v_dim} × {kc.dtype_bytes(sd)} B; "
-    f"conv state/layer = (2HK + HV) × (W−1) × 2 B; break-even = fixed state ÷ KV per token. The dotted line counts every "
-    f"layer at MLA width ({kc.all_mla_kv_bytes_per_token(cfg, kd):,} B/token) — a mistake seen in public calculators, shown "
-    f"only as a counterfactual. Source: {cfg.source}.")
+    f"conv state/layer = (2HK + HV) × (W−1) × {kc.dtype_bytes(CONV_DTYPE)} B (bf16); break-even = fixed state ÷ KV "
+    f"per token: {be:,.0f} tokens with the conv state, {be_rec:,.0f} counting the recurrent state only. The dotted line "
+    f"counts every layer at MLA width ({kc.all_mla_kv_bytes_per_token(cfg, kd):,} B/token), as public calculators did "
+    "before fixing it (LMCache PR #4278; inference-sim issue #1635, Kimi K3) — shown only as a counterfactual. "
+    f"Source: {cfg.source}.")
 
 with st.expander("Per-layer table"):
     n_table = st.select_slider("Context for the table (tokens)", options=[2 ** i for i in range(6, 21)],

@@ -4,17 +4,21 @@ import plotly.express as px
 import plotly.graph_objects as go
 import streamlit as st
 
+from kda_core.config import PRESETS
 from kda_core.model import HybridLM
 from pages._common import engine_call, persist, show_chart
 from serve import ring_lab
 from serve.spec_lab import built_by_loaded_code
 
+DEMO = PRESETS["demo"]                 # ring_lab.ring_model changes only the width and heads
 st.title("RawInputRing")
 st.write(
     "Instead of a state per draft token, the ring keeps each token's **layer input** (one d-wide vector per KDA "
     "layer) in a fixed number of slots and rebuilds the state when committing: re-project the accepted tokens and "
-    "replay the recurrence (the idea of ReplaySSM: cache SSM inputs, not state). It is the smallest buffer and the "
-    "most recompute. All numbers are measured now on the demo hybrid (6 KDA + 2 MLA layers) at the chosen width.")
+    "replay the recurrence. It is the smallest buffer and the most recompute. ReplaySSM (\"cache SSM inputs, not "
+    "state\") stores post-projection per-step records (k, the delta term, g) plus a checkpoint, so it sits closer to "
+    "projection replay than to this ring. All numbers are measured now on the demo hybrid "
+    f"({DEMO.num_kda_layers} KDA + {DEMO.num_mla_layers} MLA layers) at the chosen width.")
 
 c1, c2, c3, c4 = st.columns(4)
 window = c1.slider("Rollback window (verify tokens)", 1, 16, key=persist("p04_window", 6), persist_state="session")
@@ -83,7 +87,8 @@ st.subheader("4 · The ring after a 40-token run")
 sdf, slots, overflow, write_backs, ring_bytes = engine_call(_ring, width, capacity, window, num_draft)
 used = min(num_draft, window - 1)
 capped = f" (n = {num_draft} capped at window − 1 = {window - 1})" if used < num_draft else ""
-st.write(f"{capacity} slot{'' if capacity == 1 else 's'} × 6 KDA layers × d = {width} × 4 B = **{ring_bytes:,} B**; "
+st.write(f"{capacity} slot{'' if capacity == 1 else 's'} × {DEMO.num_kda_layers} KDA layers × d = {width} × "
+         f"{ring_bytes // (capacity * DEMO.num_kda_layers * width)} B = **{ring_bytes:,} B**; "
          f"drafts of {used} tokens{capped}; "
          f"**{write_backs} forced write-back{'' if write_backs == 1 else 's'}** during the run, the red crosses below "
          "(ring full: the committed state becomes the new checkpoint and the history slots are freed).")
@@ -115,4 +120,5 @@ st.write(
     "kept since the last write-back; tail: the next slot to write); a slot is reused only "
     "after a write-back has folded it into the checkpoint — never silently. A draft longer than the window is "
     "refused with a ValueError. Bytes: snapshot H·K·V·s + (2HK+HV)(W−1)·s, projections H·(2K+V+1)·s + (2HK+HV)·s, "
-    "raw inputs d·s per token per KDA layer. Source: ReplaySSM (Dao AI Lab, 2026), `serve/replayssm.py`.")
+    "raw inputs d·s per token per KDA layer. Sources: ReplaySSM (Dao AI Lab, 2026) for replaying from cached "
+    "per-step records and a checkpoint; the ring itself is `serve/replayssm.py`.")

@@ -14,7 +14,9 @@ Speculative Decoding", with the greedy acceptance rule):
 
 :class:`ProjectionReplay` (this file) keeps no states: per KDA layer and verify token it keeps the
 tensors the kernel consumed — k, v, g, beta — and the raw conv inputs, and the commit replays
-``kda_step`` from the committed state over the accepted tokens.
+``kda_step`` from the committed state over the accepted tokens. ReplaySSM (Dao AI Lab, 2026) does the
+same in kind: post-projection per-step records (for a gated delta net k, the delta term and g) in a ring
+plus a state checkpoint; :mod:`serve.replayssm` instead caches the raw layer inputs.
 """
 from __future__ import annotations
 

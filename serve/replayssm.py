@@ -1,10 +1,16 @@
 """RawInputRing: roll back a KDA state by caching raw layer inputs in a ring buffer and replaying.
 
-After ReplaySSM (Dao AI Lab, 2026, "ReplaySSM: Cache SSM Inputs, Not State"): instead of writing a
-state per draft token, keep the *inputs* of recent tokens — one hidden vector x ``[d]`` per token per
-KDA layer, the layer input after its pre-norm — in a fixed ring, and rebuild any state on demand by
-re-projecting x and replaying the recurrence from a written-back checkpoint. The ring trades memory
-(``d s`` per token, versus ``H K V s`` for a snapshot) for recompute at commit.
+Instead of writing a state per draft token, keep the *raw inputs* of recent tokens — one hidden vector
+x ``[d]`` per token per KDA layer, the layer input after its pre-norm — in a fixed ring, and rebuild any
+state on demand by re-projecting x and replaying the recurrence from a written-back checkpoint. The
+ring trades memory (``d s`` per token, versus ``H K V s`` for a snapshot) for recompute at commit.
+
+Relation to ReplaySSM (Dao AI Lab, 2026, "ReplaySSM: Cache SSM Inputs, Not State"): ReplaySSM caches
+*post-projection* per-step records — for a gated delta net k, the delta term and g; for Mamba2 x, dt and
+B (vLLM: ``MambaStateShapeCalculator.append_replayssm_ring`` in
+``vllm/model_executor/layers/mamba/mamba_utils.py``) — in a ring plus an fp32 state checkpoint, and
+replays only the recurrence. That is closer to :class:`serve.decode.ProjectionReplay` (k, v, g, beta)
+than to this ring, which stores the layer input *before* the projections and re-projects at commit.
 
 Ring layout (absolute counters; slot = counter mod capacity):
 

@@ -1,5 +1,5 @@
-"""Speculative decoding inside the serving engine (issue 3's verify and rollback strategies, issue 5's
-checkpoint rule).
+"""Speculative decoding inside the serving engine (the verify and rollback strategies of
+``serve/decode.py`` and the prefix cache's checkpoint rule).
 
 A request's cache lives in pool pages between steps; a step gathers it, verifies the drafts with
 :func:`serve.decode.verify_and_replay` and writes the committed cache back. The draft budget never

@@ -1,8 +1,8 @@
 """torch thread control for measured runs.
 
 The machine has 2 cores, often shared (Streamlit sessions, other processes). For the small matrices
-of the demo model, oversubscribed OpenMP threads made a forward 20-50x slower here (measured by
-the issue-3 and issue-5 work), so measured runs use one torch thread.
+of the demo model, oversubscribed OpenMP threads made a forward 20-50x slower here (measured on
+the speculative-decoding and prefix-cache runs), so measured runs use one torch thread.
 """
 from __future__ import annotations
 

@@ -247,7 +247,8 @@ def ideal_hit_ratio(requests: Iterable[TraceRequest], block_size: int = MOONCAKE
 
     Each request hits the leading run of its ``hash_ids`` already seen in an earlier request (ids are
     chained, so a seen id implies its whole prefix was seen); hit tokens are capped at ``input_length``
-    (the last block is partial). Source of the definition: issues 5 and 7.
+    (the last block is partial). The block ratio is Mooncake's view (one hash id = one block);
+    the paper's Table 2 "cache ratio" gives no formula and is not this count.
     """
     seen: set[int] = set()
     hit_blocks = total_blocks = hit_tokens = total_tokens = 0

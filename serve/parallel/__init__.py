@@ -1,4 +1,4 @@
-"""KDA context parallel (KCP): one prompt across real ``torch.distributed`` ranks (issue 6, page 10).
+"""KDA context parallel (KCP): one prompt across real ``torch.distributed`` ranks (page 10).
 
 | concept | file | main type / function | tests |
 |---|---|---|---|

@@ -1,4 +1,4 @@
-"""kda_core.config: the byte figures of the real models (issue 2, fixed values)."""
+"""kda_core.config: the byte figures of the real models (fixed values from the published configs)."""
 import pytest
 import torch
 

@@ -1,4 +1,4 @@
-"""ServeEngine correctness scenarios (issue 5): every warm run equals the cache-off run.
+"""ServeEngine correctness scenarios: every warm run equals the cache-off run.
 
 "Equal" = greedy tokens identical and logits within 1e-5 of the cache-off run, fp32.
 """
