@@ -149,7 +149,7 @@ def test_bounded_load_without_pressure_equals_ring():
 
 def test_ring_agrees_with_uhashring_ketama():
     """Same nodes, 160 points per node (uhashring: vnodes=40 × 4 replicas): identical ring, so the
-    share of keys per node agrees exactly (well within the ±1 point the issue allows)."""
+    share of keys per node agrees exactly (well within ±1 percentage point)."""
     names = replica_names(8)
     theirs = HashRing(nodes=names, hash_fn="ketama")
     ours = ConsistentHashRouter(names, vnodes=160)
