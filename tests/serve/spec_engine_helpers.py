@@ -62,7 +62,8 @@ def state_error(stored: dict, ref: dict) -> float:
 def check_checkpoints(engine: ServeEngine, sequences, checked: set) -> int:
     """Assert every complete stored checkpoint not in ``checked`` holds the model's state after exactly
     its ``written_at`` tokens of the sequence its block key names (found among ``sequences``, token
-    lists). Adds what it checked to ``checked``; returns how many it checked."""
+    lists). Adds ``(key, pages)`` of what it checked to ``checked`` (a checkpoint evicted and published
+    again is checked again); returns how many it checked."""
     cache, N = engine.cache, engine.layout.block_size
     prefix_of = {}
     for seq in sequences:
@@ -70,7 +71,8 @@ def check_checkpoints(engine: ServeEngine, sequences, checked: set) -> int:
             prefix_of[key] = seq[: (i + 1) * N]
     done = 0
     for key, node in cache.index.nodes.items():
-        if len(node.ckpts) < cache.num_groups or key in checked:
+        entry = (key, tuple(c.payload for _, c in sorted(node.ckpts.items())))
+        if len(node.ckpts) < cache.num_groups or entry in checked:
             continue
         written = {c.written_at for c in node.ckpts.values()}
         assert written == {node.depth * N}, f"checkpoint at {node.depth * N} written at {sorted(written)}"
@@ -78,6 +80,6 @@ def check_checkpoints(engine: ServeEngine, sequences, checked: set) -> int:
         stored = read_state(engine.layout, engine.pool, [node.ckpts[g].payload for g in range(cache.num_groups)])
         err = state_error(stored, kda_state_after(prefix_of[key], node.depth * N))
         assert err <= STATE_ATOL, f"checkpoint at {node.depth * N}: max |state - model state| = {err}"
-        checked.add(key)
+        checked.add(entry)
         done += 1
     return done
