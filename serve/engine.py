@@ -10,9 +10,12 @@ Request flow (one request at a time per forward; batch 1 keeps each output exact
              checkpoint boundary b inside it (chunk states of kda_chunk;
              split at the boundary instead when no chunk size >= 16
              fits); full blocks published as they complete              DECODE
-  decode  -> one token per step; when the cache reaches its final last
-             full block, that block and its checkpoint are published     FINISHED
-  abort / reject -> every page and pin the request held is released.
+  decode  -> one token per step (accepted drafts + one with speculation),
+             committed to the request first; when the cache reaches its
+             final last full block, that block and its checkpoint are
+             published; then the request finishes if it is complete     FINISHED
+  abort / reject -> every page and pin the request held is released; a publish
+             that raises aborts its request (with the error as its reason).
 
 Checkpoint placement (C = interval, N = block size, L = prompt length): every multiple of C reached
 during prefill, the replay boundary floor((L - 1) / N) N, the end of the prompt floor(L / N) N, and at
