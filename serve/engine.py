@@ -10,9 +10,12 @@ Request flow (one request at a time per forward; batch 1 keeps each output exact
              checkpoint boundary b inside it (chunk states of kda_chunk;
              split at the boundary instead when no chunk size >= 16
              fits); full blocks published as they complete              DECODE
-  decode  -> one token per step; when the cache reaches its final last
-             full block, that block and its checkpoint are published     FINISHED
-  abort / reject -> every page and pin the request held is released.
+  decode  -> one token per step (accepted drafts + one with speculation),
+             committed to the request first; when the cache reaches its
+             final last full block, that block and its checkpoint are
+             published; then the request finishes if it is complete     FINISHED
+  abort / reject -> every page and pin the request held is released; a publish
+             that raises aborts its request (with the error as its reason).
 
 Checkpoint placement (C = interval, N = block size, L = prompt length): every multiple of C reached
 during prefill, the replay boundary floor((L - 1) / N) N, the end of the prompt floor(L / N) N, and at
@@ -301,6 +304,19 @@ class ServeEngine:
             self._emit(req, int(out.logits[0, -1].argmax()), out.logits[0, -1])
 
     def _decode_one(self, req: Request) -> None:
+        """One decode step (a verify step with speculation) in three transitions, in this order:
+
+        1. compute: the new cache is written to the request's pages (``computed`` advances by the
+           tokens consumed: the fed-back token plus the accepted drafts);
+        2. commit: every emitted token is appended to ``output`` (accepted drafts, then the bonus), so
+           ``tokens()[:computed]`` is again exactly what the cache consumed;
+        3. publish, if the cache landed on the end boundary ``b_end``, then finish if the request has all
+           its tokens (finishing releases the pages the publish reads).
+
+        Publishing before step 2 built the block keys from fewer tokens than the cache had consumed
+        whenever a verify accepted drafts onto the boundary (the class of bug in vllm-project/vllm#53505: a commit
+        landing on a boundary must publish the state after exactly that many tokens).
+        """
         N = self.layout.block_size
         b_end = req.final_tokens // N * N if self.cache is not None else None
         if self.speculation is None:
@@ -317,20 +333,30 @@ class ServeEngine:
             emitted, rows = list(res.emitted_tokens), [None] * len(res.emitted_tokens)
             req.drafted_tokens += len(res.draft_tokens)
             req.accepted_tokens += res.num_accepted
+        for tok, row in zip(emitted, rows):
+            self._append(req, tok, row)
         if b_end is not None and req.computed == b_end and b_end > len(req.prompt) // N * N:
             self._publish(req, b_end, True)
-        for tok, row in zip(emitted, rows):
-            self._emit(req, tok, row)
+        self._finish_if_done(req)
 
     def _emit(self, req: Request, token: int, logits: torch.Tensor | None) -> None:
-        """Append one greedy token (its ``logits [256]`` if recorded); the first sets TTFT; the last one
-        finishes the request."""
+        """Append one greedy token (its ``logits [256]`` if recorded), then finish the request if it was
+        the last one."""
+        self._append(req, token, logits)
+        self._finish_if_done(req)
+
+    def _append(self, req: Request, token: int, logits: torch.Tensor | None) -> None:
+        """Commit one emitted token (and its ``logits [256]`` fp32 if recorded); the first sets TTFT and
+        moves the request to DECODE. Touches no page."""
         req.output.append(token)
         if req.record_logits:
             req.logits.append(logits.clone())
         if req.first_token_t is None:
             req.first_token_t = time.perf_counter()
             req.status = RequestStatus.DECODE
+
+    def _finish_if_done(self, req: Request) -> None:
+        """FINISHED once ``max_new_tokens`` are out: leave the running list, release pages and pins."""
         if len(req.output) == req.max_new_tokens:
             self.running.remove(req.rid)
             self._release(req)
@@ -338,15 +364,30 @@ class ServeEngine:
 
     def _publish(self, req: Request, upto: int, checkpoint: bool) -> None:
         """Publish the request's full blocks below ``upto`` tokens and, if asked, its checkpoint there
-        (``upto`` must equal the tokens consumed, so the state is the state after exactly ``upto``)."""
+        (then ``upto`` must equal ``computed``, so the state is the state after exactly ``upto``).
+
+        Block keys come from the committed tokens ``tokens()[:computed]`` only. If the committed tokens
+        do not cover ``upto`` (RuntimeError) or the cache raises, the request is aborted with the error as
+        its reason (pages and pins released, out of the running list) and the error is re-raised: a
+        failed publish never leaves a request mid-flight, and the engine keeps serving the others.
+        """
         N = self.layout.block_size
         nb = upto // N
-        if nb > len(req.keys):
-            req.keys = block_keys(req.tokens()[: nb * N], N)
-        self.cache.publish_blocks(req.keys, req.page_table, nb, req.rid)
-        if checkpoint and nb:
-            ok = self.cache.publish_checkpoint(req.keys, nb, req.state_pages, req.computed, req.rid)
-            req.checkpoints_written += ok
+        try:
+            committed = req.tokens()[: req.computed]
+            if not upto <= req.computed == len(committed):
+                raise RuntimeError(f"request {req.rid}: cannot publish {upto} tokens: the cache consumed "
+                                   f"{req.computed} but only {len(committed)} are committed")
+            if nb > len(req.keys):
+                req.keys = block_keys(committed[: nb * N], N)
+            self.cache.publish_blocks(req.keys, req.page_table, nb, req.rid)
+            if checkpoint and nb:
+                ok = self.cache.publish_checkpoint(req.keys, nb, req.state_pages, req.computed, req.rid)
+                req.checkpoints_written += ok
+        except Exception as err:
+            if self.abort(req.rid):
+                req.reason = f"publish at {upto} tokens failed: {type(err).__name__}: {err}"
+            raise
 
     # ---- integrity ---------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -1,11 +1,14 @@
-"""Speculative decoding inside the serving engine (the verify and rollback strategies of
-``serve/decode.py`` and the prefix cache's checkpoint rule).
+"""Speculative decoding inside the serving engine: the verify / accept / commit step of
+:mod:`serve.decode` with any :class:`serve.rollback.RollbackStrategy`, and the draft budget that
+keeps a commit from jumping over the request's end checkpoint boundary.
 
 A request's cache lives in pool pages between steps; a step gathers it, verifies the drafts with
 :func:`serve.decode.verify_and_replay` and writes the committed cache back. The draft budget never
 lets the committed cache jump over the boundary where the request's end checkpoint goes, so the
 state published there is the state after the last *accepted* token at exactly that boundary, never
-a state that folded in a rejected draft.
+a state that folded in a rejected draft. A commit may land on that boundary with accepted drafts
+(a + 1 tokens consumed in one step); the engine commits the emitted tokens to the request before it
+publishes, so the block keys cover exactly the consumed tokens.
 """
 from __future__ import annotations
 

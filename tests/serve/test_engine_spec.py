@@ -1,38 +1,27 @@
-"""Scenario 6: speculative decoding inside the engine; the end checkpoint is the state after the last
-accepted token at exactly its boundary, never after a rejected draft; a follow-up that hits it is equal."""
+"""Speculative decoding inside the engine; the end checkpoint is the state after the last accepted token
+at exactly its boundary, never after a rejected draft; a follow-up that hits it is equal. A verify step
+that accepts drafts onto the boundary publishes exactly the committed tokens; a failed publish aborts
+its request with a reason and strands nothing."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from serve.cache_layout import CacheLayout, read_state
-from serve.decode import ProjectionReplay
-from serve.draft import NoisyOracleProposer
-from serve.engine import ServeEngine
-from serve.paged_cache import PagePool
+import serve.engine as engine_module
+from serve.cache_layout import read_state
 from serve.prefix_cache import PrefixCache
-from serve.replayssm import RawInputRing
-from serve.snapshot import SnapshotRollback
-from serve.spec_step import Speculation, draft_budget
+from serve.request import RequestStatus
+from serve.spec_step import draft_budget
 from tests.serve.prefix_helpers import assert_equal_to_reference, reference, tiny_model, tokens
+from tests.serve.spec_engine_helpers import STRATEGIES, check_checkpoints, oracle_speculation, spec_engine
 
 torch.set_num_threads(1)
 
-STRATEGIES = {
-    "snapshot": SnapshotRollback,
-    "projection": ProjectionReplay,
-    "ring": lambda: RawInputRing(capacity=24, window=8),
-}
-
 
 def _engine(strategy, prompt, max_new, corrupt_prob=0.4, num_draft=4):
-    model = tiny_model()
     ref_tokens, _ = reference(prompt, max_new)
-    spec = Speculation(lambda p: NoisyOracleProposer(p, list(ref_tokens), corrupt_prob, seed=1),
-                       STRATEGIES[strategy], num_draft)
-    pool = PagePool(64, CacheLayout.page_bytes_for(model.cfg, 16, 1), poison=True)
-    cache = PrefixCache(pool, 16, 1024, cfg=model.cfg)
-    return ServeEngine(model, pool, cache, speculation=spec)
+    return spec_engine(oracle_speculation({tuple(prompt): ref_tokens}, strategy, corrupt_prob, num_draft),
+                       interval=1024)
 
 
 def _state_after(seq, n):
@@ -86,3 +75,97 @@ def test_record_logits_needs_plain_decoding():
     eng = _engine("projection", tokens(72, 20), 4)
     with pytest.raises(ValueError, match="record_logits"):
         eng.submit(tokens(72, 20), 4, record_logits=True)
+
+
+def _spy_commits(monkeypatch) -> list:
+    """Record ``(tokens consumed after the commit, drafts accepted)`` for every verify step."""
+    commits, real = [], engine_module.speculative_step
+
+    def spy(model, cache, history, proposer, strategy, num_drafts):
+        res = real(model, cache, history, proposer, strategy, num_drafts)
+        commits.append((cache.num_tokens + 1 + res.num_accepted, res.num_accepted))
+        return res
+
+    monkeypatch.setattr(engine_module, "speculative_step", spy)
+    return commits
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+@pytest.mark.parametrize("prompt_len, accepted", [(71, 4), (72, 3), (73, 2), (74, 1)],
+                         ids=["L71-accept4", "L72-accept3", "L73-accept2", "L74-accept1"])
+def test_verify_accepting_drafts_onto_the_end_boundary(monkeypatch, strategy, prompt_len, accepted):
+    """Every draft accepted (4 per step): the verify step that lands on the end boundary 96 accepts
+    ``accepted`` drafts, so the cache consumed tokens the request had not yet committed when the old
+    engine published (IndexError in ``publish_blocks``, request left mid-flight)."""
+    prompt, max_new = tokens(70, prompt_len), 30          # the cache ends at L + 29 > 96: end boundary 96
+    eng = _engine(strategy, prompt, max_new, corrupt_prob=0.0)
+    commits = _spy_commits(monkeypatch)
+    rid = eng.submit(prompt, max_new)
+    while eng.step():
+        eng.check_integrity()
+    assert (96, accepted) in commits
+    res = eng.result(rid)
+    assert res.status is RequestStatus.FINISHED
+    assert res.output_tokens == reference(prompt, max_new)[0]
+    seq = prompt + list(res.output_tokens)
+    assert [(c.boundary, c.written_at) for c in eng.cache.checkpoints()][-1] == (96, 96)
+    assert check_checkpoints(eng, [seq], set()) == len(eng.cache.checkpoints())
+    follow = seq[:96] + tokens(71, 5)
+    rid2 = eng.submit(follow, 1, record_logits=True)
+    eng.run_until_idle()
+    assert eng.result(rid2).hit_tokens == 96
+    assert_equal_to_reference(eng.result(rid2), follow)
+    eng.check_integrity()
+
+
+def _inject_publish_failure(monkeypatch, where: str, rid: int, num_blocks: int) -> None:
+    """Make the cache raise RuntimeError("injected") when request ``rid`` publishes ``num_blocks``:
+    in ``publish_checkpoint`` (nothing published), or in ``publish_blocks`` after the blocks below
+    the last one were published (a partial publish)."""
+    real_blocks, real_ckpt = PrefixCache.publish_blocks, PrefixCache.publish_checkpoint
+
+    def blocks(self, keys, page_table, nb, owner):
+        if where == "blocks" and owner == rid and nb == num_blocks:
+            real_blocks(self, keys, page_table, nb - 1, owner)
+            raise RuntimeError("injected")
+        return real_blocks(self, keys, page_table, nb, owner)
+
+    def ckpt(self, keys, nb, pages, written_at, owner):
+        if where == "checkpoint" and owner == rid and nb == num_blocks:
+            raise RuntimeError("injected")
+        return real_ckpt(self, keys, nb, pages, written_at, owner)
+
+    monkeypatch.setattr(PrefixCache, "publish_blocks", blocks)
+    monkeypatch.setattr(PrefixCache, "publish_checkpoint", ckpt)
+
+
+@pytest.mark.parametrize("prompt_len, max_new, boundary, where", [
+    (40, 20, 32, "checkpoint"),     # prefill: the checkpoint at 32 inside the prompt's forward
+    (72, 30, 96, "blocks"),         # decode: verify lands on 96 with drafts; blocks published partly
+    (72, 30, 96, "checkpoint"),     # decode: the end checkpoint at 96
+    (72, 25, 96, "checkpoint"),     # decode: 96 is also the request's last token
+], ids=["prefill-checkpoint", "decode-blocks", "decode-checkpoint", "last-token-checkpoint"])
+def test_failed_publish_aborts_the_request_and_strands_nothing(monkeypatch, prompt_len, max_new, boundary, where):
+    prompt, other = tokens(70, prompt_len), tokens(90, 50)
+    refs = {tuple(p): reference(p, 30)[0] for p in (prompt, other)}
+    eng = spec_engine(oracle_speculation(refs, "projection", 0.0, 4), interval=32, num_pages=48)
+    rid = eng.submit(prompt, max_new)
+    rid_other = eng.submit(other, 30)
+    _inject_publish_failure(monkeypatch, where, rid, boundary // 16)
+    with pytest.raises(RuntimeError, match="injected"):
+        while eng.step():
+            eng.check_integrity()
+    req = eng.requests[rid]
+    assert req.status is RequestStatus.ABORTED and rid not in eng.running
+    assert f"publish at {boundary} tokens failed" in req.reason and "injected" in req.reason
+    assert all(rid not in eng.pool.holders(p) for p in range(eng.pool.num_pages)), "aborted request holds pages"
+    eng.check_integrity()
+    monkeypatch.undo()                                    # the other request carries on
+    eng.run_until_idle()
+    eng.check_integrity()
+    assert eng.result(rid_other).status is RequestStatus.FINISHED
+    assert eng.result(rid_other).output_tokens == refs[tuple(other)]
+    check_checkpoints(eng, [other + list(refs[tuple(other)]), prompt + list(refs[tuple(prompt)])], set())
+    eng.cache.clear()
+    eng.check_integrity()
+    assert eng.pool.num_free == eng.pool.num_pages
