@@ -91,6 +91,26 @@ class Comparison(NamedTuple):
     hit_tokens: int = 0
     on_grid: bool = True
 
+    @property
+    def verdict(self) -> str:
+        """"bitwise equal", "within tolerance (max |Δ| = x)" or "different"."""
+        if self.bitwise:
+            return "bitwise equal"
+        if self.outputs_identical and self.max_logit_diff <= WARM_TOLERANCE:
+            return f"within tolerance (max |Δ| = {self.max_logit_diff:.1e})"
+        return "different"
+
+    @property
+    def reason(self) -> str:
+        """Why, in one sentence: where the hit boundary b sits on the KDA chunk grid."""
+        b, C = self.hit_tokens, CHUNK_SIZE
+        if self.on_grid:
+            why = (f"the hit b = {b} is a multiple of the {C}-token KDA chunk, so the warm prefill from b ran on "
+                   "the cache-off run's chunk grid")
+            return why if self.bitwise else why + ", but its checkpoint was not taken by a prefill on that grid"
+        return (f"the hit b = {b} is not a multiple of the {C}-token KDA chunk, so the warm prefill's chunks start "
+                f"at b, off the cache-off run's grid, and fp32 sums round differently (allowed: {WARM_TOLERANCE:.0e})")
+
 
 def compare(warm: RequestResult, cold: RequestResult) -> Comparison:
     """Compare a warm run with the cache-off run of the same prompt (both with ``record_logits``)."""

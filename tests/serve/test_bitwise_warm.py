@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kda_core.kda import CHUNK_SIZE
-from serve.prefix_runs import WARM_TOLERANCE, build_engine, compare, demo_model, shared_prefix_prompts
+from serve.prefix_runs import WARM_TOLERANCE, Comparison, build_engine, compare, demo_model, shared_prefix_prompts
 from serve.threads import one_thread
 
 
@@ -68,3 +68,32 @@ def test_warm_off_grid_is_within_tolerance(block_size, interval, shared, follow_
     assert not check.on_grid and check.outputs_identical
     assert check.max_logit_diff <= WARM_TOLERANCE
     assert check.bitwise == torch.equal(warm.logits, cold.logits)
+
+
+def test_checkpoint_written_during_decode_is_on_grid_but_not_a_prefill_state():
+    """Request 2 extends request 1's prompt and 64 of its output tokens: the hit b = 384 is on the grid but
+    its checkpoint was written during decode (token-by-token state), so it is within tolerance, and said so."""
+    model = demo_model("demo-tiny")
+    first, _ = shared_prefix_prompts(320, 0, seed=5)
+    with one_thread():
+        eng = build_engine(model, 64, 64)
+        out = eng.generate(first, 70).output_tokens
+        second = first + list(out[:64]) + shared_prefix_prompts(0, 20, seed=9)[0]
+        warm = eng.generate(second, 4, record_logits=True)
+        cold = build_engine(model, 64, 64, cache=False).generate(second, 4, record_logits=True)
+    check = compare(warm, cold)
+    assert check.hit_tokens == 384 and check.on_grid and check.outputs_identical
+    assert check.max_logit_diff <= WARM_TOLERANCE and not check.bitwise   # 1.6e-6 here
+    assert "not taken by a prefill" in check.reason and check.verdict.startswith("within tolerance")
+
+
+def test_verdict_and_reason():
+    on = compare_row(bitwise=True, hit=320)
+    assert on.verdict == "bitwise equal" and "b = 320 is a multiple of the 64-token KDA chunk" in on.reason
+    off = compare_row(bitwise=False, hit=400, diff=3.2e-6)
+    assert off.verdict == "within tolerance (max |Δ| = 3.2e-06)" and "b = 400 is not a multiple" in off.reason
+    assert compare_row(bitwise=False, hit=400, diff=2e-5).verdict == "different"
+
+
+def compare_row(bitwise, hit, diff=0.0):
+    return Comparison(True, diff, bitwise, hit, hit % CHUNK_SIZE == 0)
