@@ -4,7 +4,7 @@ Real-model facts are from the published configs: Kimi-Linear-48B-A3B
 (moonshotai/Kimi-Linear-48B-A3B-Instruct ``config.json``: 27 layers, KDA every layer except
 3, 7, 11, 15, 19, 23, 26; 32 KDA heads x 128; MLA kv_lora_rank 512, qk_rope_head_dim 64; softplus
 gate) and Kimi K3 (93 layers = 69 KDA + 24 MLA at 3, 7, ..., 91 and 92; 96 KDA heads x 128;
-lower-bound gate -5.0). Byte formulas (issue 2):
+lower-bound gate -5.0). Byte formulas:
 
 - MLA latent KV per token, whole model = num_mla_layers * (kv_lora_rank + qk_rope_head_dim) * s_kv
 - KDA recurrent state per layer per sequence = H * K * V * s_state
@@ -131,7 +131,7 @@ PRESETS: dict[str, ModelConfig] = {
     "kimi-k3": ModelConfig(
         name="kimi-k3", num_layers=93, mla_layers=kimi_pattern(93), hidden_size=7168,
         num_heads=96, head_k_dim=128, head_v_dim=128, kv_lora_rank=512, qk_rope_head_dim=64,
-        gate="lower_bound", lower_bound=-5.0, source="Kimi K3 published config (issue 2 table)"),
+        gate="lower_bound", lower_bound=-5.0, source="Kimi K3 published config"),
     "demo": ModelConfig(
         name="demo", num_layers=8, mla_layers=kimi_pattern(8), hidden_size=128, num_heads=4,
         head_k_dim=32, head_v_dim=32, kv_lora_rank=64, qk_rope_head_dim=16, num_mla_heads=4,

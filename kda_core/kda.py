@@ -149,7 +149,7 @@ def _step(q, k, v, g, beta, S, scale):
 
 def kda_step_with_correction(q, k, v, g, beta, state, scale=None):
     """Like :func:`kda_step` but also returns ``u`` ``[B, H, V]``, the per-token delta correction
-    ``beta (v - S'^T k)`` (used by the closed-form check of the rollback strategies, issue 3)."""
+    ``beta (v - S'^T k)`` (used by the closed-form check of the speculative-decoding rollback strategies)."""
     _check_inputs(q, k, v, g, beta, state, has_time=False, state_name="state")
     dt = _compute_dtype(v)
     if scale is None:

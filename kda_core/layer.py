@@ -4,7 +4,7 @@ Two execution modes share every projection (row-invariant ``kda_core.invariant.l
 - ``mode="chunk"``: prefill; KDA via :func:`kda_core.kda.kda_chunk`, MLA as batched causal attention.
 - ``mode="recurrent"``: KDA via a loop of :func:`kda_core.kda.kda_step`, MLA one query row at a time
   over exactly its causal prefix. Verifying n tokens in one call is then *bitwise* equal to decoding
-  them one by one (issue 3). ``decode`` uses this mode.
+  them one by one (speculative decoding verify). ``decode`` uses this mode.
 
 Caches are immutable values: every call returns a new cache and never mutates its input.
 """
@@ -63,7 +63,7 @@ class KDACache(NamedTuple):
 
 
 class KDAAux(NamedTuple):
-    """What a KDA layer consumed, per token (for rollback strategies, issue 3).
+    """What a KDA layer consumed, per token (for the speculative-decoding rollback strategies).
 
     x ``[B, T, D]`` layer input (after the pre-norm); raw_qkv ``[B, T, 2HK + HV]`` pre-conv inputs;
     q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` after conv/SiLU/L2 norm; g ``[B, T, H, K]`` log decay;
