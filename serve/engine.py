@@ -267,8 +267,9 @@ class ServeEngine:
         ``max_prefill_chunk`` caps it). Every checkpoint boundary inside it comes from the same forward
         (``state_at``: the state after exactly b tokens), which runs on the 64-token chunk grid from p
         (``kda_core.kda.CHUNK_SIZE``) whatever the boundaries are. So a warm prefill from a hit b that
-        is a multiple of 64 computes every token bitwise as the cache-off run does (which starts at 0);
-        from any other b it differs by rounding (the grid moves; ~1e-6 in the logits here)."""
+        is a multiple of 64 computes every token bitwise as the cache-off run does (which starts at 0),
+        provided ``max_prefill_chunk`` is None or a multiple of 64; from any other b it differs by
+        rounding (the grid moves; a few 1e-6 in the logits of the demo model)."""
         L, p = len(req.prompt), req.computed
         marks = [b for b in self.checkpoint_boundaries(L) if b > p]
         end = L if self.max_prefill_chunk is None else min(L, p + self.max_prefill_chunk)
