@@ -1,7 +1,8 @@
 """Row-invariant linear layer: row i of ``x @ W^T`` does not depend on how many rows are computed.
 
 Why: speculative decoding verifies ``1 + n`` tokens in one call and must be *bitwise* equal to
-decoding them one at a time (page 02). On this CPU, MKL's sgemm picks a different kernel (with a
+decoding them one at a time, and a warm prefill from a prefix-cache hit on the 64-token chunk grid
+must be bitwise the cache-off prefill of the same rows (``kda_core.layer``). On this CPU, MKL's sgemm picks a different kernel (with a
 different summation order) for fewer than 16 rows, so ``linear(x[:1])`` and ``linear(x)[:1]``
 differ in the last bits (measured up to ~1e-4 at d = 2304). Padding the row count to at least
 ``MIN_ROWS`` makes every call take the same GEMM path; ``tests/kda_core/test_invariant.py``

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from kda_core.invariant import pointwise
 
+CHUNK_SIZE = 64  # C of the chunked kernel (fla's chunk_kda uses BT = 64); the prefill grid of the layers
+
 
 class ChunkOutput(NamedTuple):
     """Result of :func:`kda_chunk`.
@@ -147,7 +149,7 @@ def _step(q, k, v, g, beta, S, scale):
 
 def kda_step_with_correction(q, k, v, g, beta, state, scale=None):
     """Like :func:`kda_step` but also returns ``u`` ``[B, H, V]``, the per-token delta correction
-    ``beta (v - S'^T k)`` (used by the closed-form check of the rollback strategies in ``serve/``)."""
+    ``beta (v - S'^T k)`` (used by the closed-form check of the speculative-decoding rollback strategies)."""
     _check_inputs(q, k, v, g, beta, state, has_time=False, state_name="state")
     dt = _compute_dtype(v)
     if scale is None:
@@ -273,7 +275,7 @@ def kda_chunk_prepare(
     g: torch.Tensor,
     beta: torch.Tensor,
     scale: float | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
 ) -> ChunkPrep:
     """Intra-chunk part of :func:`kda_chunk` (no state involved; parallel over chunks).
 
@@ -361,7 +363,7 @@ def kda_chunk(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None = None,
     scale: float | None = None,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     piece_tokens: int = 1024,
 ) -> ChunkOutput:
     """Chunked KDA (WY / UT-transform form), equal to :func:`kda_recurrent` up to rounding.
@@ -378,7 +380,8 @@ def kda_chunk(
         initial_state ``[B, H, K, V]`` or None; scale defaults to ``K ** -0.5``;
         chunk_size C: a power of two (default 64);
         piece_tokens: inputs longer than this run in pieces of this many tokens (a multiple of C),
-            the state carried between pieces; same maths, smaller working set.
+            the state carried between pieces; same maths, smaller working set, and bitwise the same
+            result: every op is per chunk, so only the chunk grid (C from the first token) matters.
 
     Returns:
         :class:`ChunkOutput` (o ``[B, T, H, V]``, final_state ``[B, H, K, V]``,

@@ -4,7 +4,7 @@ Two execution modes share every projection (row-invariant ``kda_core.invariant.l
 - ``mode="chunk"``: prefill; KDA via :func:`kda_core.kda.kda_chunk`, MLA as batched causal attention.
 - ``mode="recurrent"``: KDA via a loop of :func:`kda_core.kda.kda_step`, MLA one query row at a time
   over exactly its causal prefix. Verifying n tokens in one call is then *bitwise* equal to decoding
-  them one by one (speculative verify). ``decode`` uses this mode.
+  them one by one (speculative decoding verify). ``decode`` uses this mode.
 
 Caches are immutable values: every call returns a new cache and never mutates its input.
 """
@@ -19,7 +19,7 @@ from torch import nn
 from kda_core.config import ModelConfig
 from kda_core.conv import short_conv
 from kda_core.invariant import linear, pointwise
-from kda_core.kda import kda_chunk, kda_gate, kda_recurrent
+from kda_core.kda import CHUNK_SIZE, kda_chunk, kda_gate, kda_recurrent
 
 MODES = ("chunk", "recurrent")
 L2_EPS = 1e-6
@@ -63,7 +63,7 @@ class KDACache(NamedTuple):
 
 
 class KDAAux(NamedTuple):
-    """What a KDA layer consumed, per token (for the rollback strategies of ``serve/rollback.py``).
+    """What a KDA layer consumed, per token (for the speculative-decoding rollback strategies).
 
     x ``[B, T, D]`` layer input (after the pre-norm); raw_qkv ``[B, T, 2HK + HV]`` pre-conv inputs;
     q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` after conv/SiLU/L2 norm; g ``[B, T, H, K]`` log decay;
@@ -152,11 +152,16 @@ class KDALayer(nn.Module):
                 output_aux: bool = False, state_at: tuple[int, ...] = ()):
         """Run T tokens from ``cache`` (None = empty). Returns (y ``[B, T, D]``, new cache[, KDAAux]).
 
+        Chunk mode always runs :func:`kda_chunk` on the grid of ``CHUNK_SIZE`` (C = 64) tokens from
+        the first token of the call, whatever ``state_at`` asks, so a prefill split at a multiple of C
+        computes every token bitwise as one unsplit prefill does.
+
         ``state_at`` (chunk mode, not with ``output_aux``): offsets t, 0 < t < T, at which to also
         return the cache after exactly t tokens of this call; the return is then
-        (y, new cache, ``{t: KDACache}``), from the chunk states ``h`` of :func:`kda_chunk` run with
-        ``chunk_size = chunk_size_for(state_at)`` and the raw inputs of the W-1 tokens before t. One
-        forward then yields every prefix-cache checkpoint of a prefill.
+        (y, new cache, ``{t: KDACache}``). A t on the grid (t % C == 0) takes the chunk state
+        ``h[:, t // C]`` of :func:`kda_chunk`; any other t runs the t % C tokens after the grid point
+        below it as one more short chunk from that state. The conv part is the raw inputs of the W-1
+        tokens before t. One forward then yields every prefix-cache checkpoint of a prefill.
         Raises ValueError for offsets outside (0, T), in recurrent mode or with output_aux.
         """
         _check_mode(mode)
@@ -171,12 +176,20 @@ class KDALayer(nn.Module):
         q, k, v, conv = self.activate(raw, cache.conv)
         states = None
         if mode == "chunk":
-            C = chunk_size_for(state_at)
+            C = CHUNK_SIZE
             o, state, h = kda_chunk(q, k, v, g, beta, cache.recurrent, chunk_size=C)
             if state_at:
                 W1 = self.cfg.conv_kernel - 1
                 full = torch.cat([cache.conv, raw.transpose(1, 2)], dim=-1)   # [B, D, W-1+T]
-                states_at = {t: KDACache(h[:, t // C].clone(), full[..., t: t + W1].clone()) for t in state_at}
+                states_at = {}
+                for t in state_at:
+                    s0 = t // C * C                                          # grid point at or below t
+                    rec = h[:, t // C].clone()                               # [B, H, K, V]
+                    if t > s0:                                               # tokens [s0, t): one short chunk
+                        part = slice(s0, t)
+                        rec = kda_chunk(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], rec,
+                                        chunk_size=C).final_state
+                    states_at[t] = KDACache(rec, full[..., t: t + W1].clone())
         elif output_aux:
             o, state, states = kda_recurrent(q, k, v, g, beta, cache.recurrent, output_states=True)
         else:
@@ -190,16 +203,6 @@ class KDALayer(nn.Module):
         return y, new_cache
 
 
-def chunk_size_for(offsets) -> int:
-    """The ``kda_chunk`` chunk size that puts a chunk boundary at every offset: the largest power of two
-    dividing all of them, at most 64 (64 when there are none)."""
-    c = 64
-    for t in offsets:
-        while t % c:
-            c //= 2
-    return c
-
-
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """Rotary embedding on the last dim (even width), positions ``[T]``; x ``[B, T, ..., R]``."""
     R = x.shape[-1]
@@ -210,6 +213,29 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> tor
     x1, x2 = x[..., 0::2], x[..., 1::2]
     out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return out.flatten(-2)
+
+
+def _block_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                            scale: float) -> torch.Tensor:
+    """Causal attention of T query rows (positions ``start..start+T-1``) over keys ``[0, start + T)``,
+    in blocks of ``CHUNK_SIZE`` query rows from the first row of the call.
+
+    The rows of block ``[s, e)`` (absolute positions) attend over exactly the keys ``[0, e)``, so every
+    score, softmax and ``P @ V`` reduction of a row depends only on s and e, not on how many rows the
+    call holds nor on the keys after the block: a prefill split at a multiple of ``CHUNK_SIZE`` gives
+    bitwise the rows of the unsplit one (a row of the full ``[T, L+T]`` masked product would sum over
+    ``L+T`` columns, masked zeros included, and BLAS splits that reduction by its width). It also
+    skips the masked upper blocks (about half the score work of the full product at large T).
+    q ``[B, Hm, T, dq]``; k ``[B, Hm, start+T, dq]``; v ``[B, Hm, start+T, vd]``. Returns ``[B, Hm, T, vd]``.
+    """
+    T = q.shape[2]
+    rows = []
+    for s in range(start, start + T, CHUNK_SIZE):
+        e = min(s + CHUNK_SIZE, start + T)
+        sc = (q[:, :, s - start: e - start] @ k[:, :, :e].transpose(-1, -2)) * scale  # [B, Hm, e-s, e]
+        mask = torch.ones(e - s, e, dtype=torch.bool).tril(diagonal=s)     # row i sees keys <= s + i
+        rows.append(torch.softmax(sc.masked_fill(~mask, float("-inf")), dim=-1) @ v[:, :, :e])  # [B, Hm, e-s, vd]
+    return torch.cat(rows, dim=2)
 
 
 def latent_attention(q_cat: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int, scale: float) -> torch.Tensor:
@@ -286,9 +312,7 @@ class MLALayer(nn.Module):
         q = self._queries(x, L).transpose(1, 2)                             # [B, Hm, T, dq]
         k, v = self._keys_values(lat)                                       # [B, Hm, L+T, *]
         if mode == "chunk":
-            s = (q @ k.transpose(-1, -2)) * self.scale                      # [B, Hm, T, L+T]
-            mask = torch.ones(T, L + T, dtype=torch.bool).tril(diagonal=L)
-            o = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1) @ v  # [B, Hm, T, vd]
+            o = _block_causal_attention(q, k, v, L, self.scale)            # [B, Hm, T, vd]
         else:
             rows = []
             for t in range(T):  # each query over exactly its causal prefix: same shapes as decode

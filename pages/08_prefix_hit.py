@@ -3,8 +3,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from kda_core.kda import CHUNK_SIZE
 from pages._common import engine_call, persist, show_chart
-from serve.engine import MIN_STATE_AT_CHUNK
 from serve.prefix_runs import cold_vs_warm, shared_prefix_prompts, ttft_summary
 
 st.title("Prefix hit")
@@ -38,9 +38,10 @@ m1, m2, m3, m4 = st.columns(4)
 m1.metric("TTFT reduction (median)", f"{summary['ttft_reduction']:.0%}",
           f"{summary['cold_ttft_ms']:.1f} → {summary['warm_ttft_ms']:.1f} ms", delta_color="off")
 m2.metric("Prefill tokens skipped", f"{warm.hit_tokens:,} of {warm.prompt_tokens:,}")
-m3.metric("Outputs identical", "yes" if check.outputs_identical else "NO", f"max |Δ logits| {check.max_logit_diff:.1e}",
-          delta_color="off")
+m3.metric("Warm vs cache-off output", ("bitwise" if check.bitwise else "NO" if check.verdict == "different" else "within 1e-5"),
+          f"max |Δ logits| {check.max_logit_diff:.1e}", delta_color="off")
 m4.metric("KV run (phase 1)", f"{warm.kv_hit_tokens:,} tokens", f"hit b = {warm.hit_tokens}", delta_color="off")
+st.caption(f"Warm output {check.verdict}: {check.reason}.")
 
 st.subheader("1 · TTFT, cold vs warm (3 repeats each)")
 label = {"cold": "cold (no cache)", "first": "request 1 (fills the cache)", "warm": "warm (after request 1)"}
@@ -60,6 +61,6 @@ st.caption("What to notice: the KV bytes shared grow with b (one page per block)
            "for any b. Warm TTFT ≈ TTFT_cold · (L − b) / L plus the restore and checkpoint copies: the remaining "
            "prompt runs as one chunked forward, and every checkpoint boundary inside it is taken from that same "
            "forward (the chunk states of `kda_chunk` are the state after exactly b tokens), so a smaller C adds "
-           "state copies, not forward calls. The forward is cut at a boundary only when the boundaries cannot all "
-           f"be chunk edges with chunks of at least {MIN_STATE_AT_CHUNK} tokens. A larger C gives coarser hits. "
+           "state copies, not forward calls. A boundary on the "
+           f"{CHUNK_SIZE}-token chunk grid is a chunk edge; one off the grid costs one short extra chunk per KDA layer. A larger C gives coarser hits. "
            "Measured on this CPU, single thread.")

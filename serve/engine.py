@@ -7,9 +7,9 @@ Request flow (one request at a time per forward; batch 1 keeps each output exact
              unpinned cache entries), restore the checkpoint into the
              private pages (copy-on-write), drop the checkpoint pin      PREFILL
   prefill -> one forward yields the state after exactly b tokens for every
-             checkpoint boundary b inside it (chunk states of kda_chunk;
-             split at the boundary instead when no chunk size >= 16
-             fits); full blocks published as they complete              DECODE
+             checkpoint boundary b inside it (chunk states of kda_chunk
+             on its 64-token grid, plus one short chunk for a b off
+             it); full blocks published as they complete              DECODE
   decode  -> one token per step (accepted drafts + one with speculation),
              committed to the request first; when the cache reaches its
              final last full block, that block and its checkpoint are
@@ -28,7 +28,6 @@ import time
 
 import torch
 
-from kda_core.layer import chunk_size_for
 from kda_core.model import HybridCache, HybridLM
 from serve.cache_layout import CacheLayout, read_kv, read_state, write_kv, write_state, zero_state
 from serve.paged_cache import PageKind, PagePool, PoolExhausted
@@ -38,7 +37,6 @@ from serve.request import Request, RequestResult, RequestStatus
 from serve.spec_step import Speculation, draft_budget, speculative_step
 
 DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
-MIN_STATE_AT_CHUNK = 16  # smallest kda_chunk chunk size used to take checkpoints from inside a forward
 
 
 def _ms(t0: float) -> float:
@@ -268,17 +266,17 @@ class ServeEngine:
         return checkpoint_boundaries(num_prompt_tokens, self.layout.block_size, self.cache.checkpoint_interval)
 
     def _prefill_chunk(self, req: Request) -> None:
-        """One prefill forward. Checkpoint boundaries inside it come from the same forward
-        (``state_at``: the chunk states after exactly b tokens) when ``kda_chunk`` can put a chunk
-        boundary on each of them with chunks of at least ``MIN_STATE_AT_CHUNK`` tokens; otherwise the
-        forward stops at the next boundary, as every forward has a fixed cost (~13 ms on the demo
-        model here) that would dominate a warm prefill cut at every boundary."""
+        """One prefill forward over ``[p, end)`` (the whole rest of the prompt unless
+        ``max_prefill_chunk`` caps it). Every checkpoint boundary inside it comes from the same forward
+        (``state_at``: the state after exactly b tokens), which runs on the 64-token chunk grid from p
+        (``kda_core.kda.CHUNK_SIZE``) whatever the boundaries are. So a warm prefill from a hit b that
+        is a multiple of 64 computes every token bitwise as the cache-off run does (which starts at 0),
+        provided ``max_prefill_chunk`` is None or a multiple of 64; from any other b it differs by
+        rounding (the grid moves; a few 1e-6 in the logits of the demo model)."""
         L, p = len(req.prompt), req.computed
         marks = [b for b in self.checkpoint_boundaries(L) if b > p]
         end = L if self.max_prefill_chunk is None else min(L, p + self.max_prefill_chunk)
         inner = [b - p for b in marks if b < end]
-        if inner and chunk_size_for(inner) < MIN_STATE_AT_CHUNK:
-            end, inner = marks[0], []
         t0 = time.perf_counter()
         out = self.model.forward(torch.tensor([req.prompt[p:end]]), self._gather(req), mode="chunk",
                                  state_at=tuple(inner))
