@@ -82,7 +82,9 @@ class ServeEngine:
     # ---- public API -------------------------------------------------------------------------------
     def submit(self, tokens, max_new_tokens: int, record_logits: bool = False) -> int:
         """Queue a prompt ``[T]`` of byte ids for ``max_new_tokens`` greedy tokens; returns its id.
-        With a cache, the prompt is matched and its hit pinned now. Raises ValueError on bad input."""
+        ``record_logits`` keeps each emitted token's logits ``[256]`` fp32 (with speculation: the verify
+        rows of the accepted drafts and the bonus). With a cache, the prompt is matched and its hit
+        pinned now. Raises ValueError on bad input."""
         t0 = time.perf_counter()
         prompt = [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
         if not prompt or min(prompt) < 0 or max(prompt) > 255:
