@@ -93,7 +93,11 @@ class VerifyResult(NamedTuple):
     verify tokens; num_accepted a; bonus_token = ``target_tokens[a]``; state: the new committed state;
     rollback_bytes: bytes the strategy held after recording the verify; verify_ms: forward + record
     (wall clock, ms); commit_ms: the strategy's commit (ms); forced_commit: the strategy had to commit
-    older data before recording (ring write-back).
+    older data before recording (ring write-back); logits: ``[a + 1, 256]`` fp32, row j = the verify
+    forward's logits after ``[t_0, d_1..d_j]``, whose argmax is emitted token j (the accepted drafts,
+    then the bonus). Rows of rejected drafts are dropped; the rows are bitwise equal to one
+    :meth:`HybridLM.decode_step` per emitted token (``kda_core.invariant`` keeps every GEMM and
+    pointwise op independent of the row count).
     """
 
     draft_tokens: tuple[int, ...]
@@ -105,6 +109,7 @@ class VerifyResult(NamedTuple):
     verify_ms: float
     commit_ms: float
     forced_commit: bool
+    logits: torch.Tensor
 
     @property
     def accepted_tokens(self) -> tuple[int, ...]:
@@ -157,7 +162,8 @@ def verify_and_replay(model: HybridLM, state: DecodeState, draft_tokens: Sequenc
         before_commit: optional ``fn(strategy, num_accepted)`` run between accept and commit (page 02
         uses it to poison the stored data of rejected tokens).
 
-    Returns: :class:`VerifyResult`; ``state.cache`` is never mutated.
+    Returns: :class:`VerifyResult` (with the logits ``[a + 1, 256]`` fp32 of the emitted tokens);
+    ``state.cache`` is never mutated.
 
     Raises:
         ValueError: bad tokens, batch != 1, a strategy with a pending record, or a draft longer than
@@ -171,13 +177,14 @@ def verify_and_replay(model: HybridLM, state: DecodeState, draft_tokens: Sequenc
     t1 = time.perf_counter()
     target = tuple(int(t) for t in out.logits[0].argmax(-1))             # [1 + n] greedy tokens
     a = greedy_accept(drafts, target)
+    emitted_logits = out.logits[0, : a + 1].clone()                        # [a + 1, 256] accepted + bonus
     if before_commit is not None:
         before_commit(strategy, a)
     t2 = time.perf_counter()
     cache = strategy.commit(a)
     t3 = time.perf_counter()
     return VerifyResult(drafts, target, a, target[a], DecodeState(cache, target[a]), held,
-                        (t1 - t0) * 1e3, (t3 - t2) * 1e3, strategy.forced_commit)
+                        (t1 - t0) * 1e3, (t3 - t2) * 1e3, strategy.forced_commit, emitted_logits)
 
 
 class StepRecord(NamedTuple):

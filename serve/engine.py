@@ -80,16 +80,15 @@ class ServeEngine:
     # ---- public API -------------------------------------------------------------------------------
     def submit(self, tokens, max_new_tokens: int, record_logits: bool = False) -> int:
         """Queue a prompt ``[T]`` of byte ids for ``max_new_tokens`` greedy tokens; returns its id.
-        With a cache, the prompt is matched and its hit pinned now. Raises ValueError on bad input."""
+        ``record_logits`` keeps each emitted token's logits ``[256]`` fp32 (with speculation: the verify
+        rows of the accepted drafts and the bonus). With a cache, the prompt is matched and its hit
+        pinned now. Raises ValueError on bad input."""
         t0 = time.perf_counter()
         prompt = [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
         if not prompt or min(prompt) < 0 or max(prompt) > 255:
             raise ValueError("tokens must be a non-empty sequence of byte ids in [0, 255]")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if record_logits and self.speculation is not None and max_new_tokens > 1:
-            raise ValueError("record_logits with speculation needs max_new_tokens = 1 (a verify step returns "
-                             "tokens, not logits)")
         rid = self._next_rid
         self._next_rid += 1
         req = Request(rid, prompt, max_new_tokens, record_logits, t0)
@@ -328,7 +327,7 @@ class ServeEngine:
             n = draft_budget(spec.num_draft_tokens, req.computed, req.max_new_tokens - len(req.output), b_end)
             res = speculative_step(self.model, self._gather(req), req.tokens(), req.proposer, req.strategy, n)
             self._scatter(req, res.state.cache, req.computed)
-            emitted, rows = list(res.emitted_tokens), [None] * len(res.emitted_tokens)
+            emitted, rows = list(res.emitted_tokens), list(res.logits)      # rows: a + 1 of [256]
             req.drafted_tokens += len(res.draft_tokens)
             req.accepted_tokens += res.num_accepted
         for tok, row in zip(emitted, rows):

@@ -43,6 +43,7 @@ def draft_budget(num_draft_tokens: int, consumed: int, tokens_left: int, boundar
 def speculative_step(model: HybridLM, cache: HybridCache, history: Sequence[int], proposer: DraftProposer,
                      strategy: RollbackStrategy, num_drafts: int) -> VerifyResult:
     """Draft up to ``num_drafts`` tokens after ``history`` (prompt + outputs; its last token is not yet in
-    ``cache``), verify, accept greedily and commit. Returns the :class:`VerifyResult`."""
+    ``cache``), verify, accept greedily and commit. Returns the :class:`VerifyResult` (emitted tokens
+    and their logits ``[a + 1, 256]`` fp32)."""
     drafts = proposer.propose(list(history), num_drafts)[:num_drafts]
     return verify_and_replay(model, DecodeState(cache, int(history[-1])), drafts, strategy)

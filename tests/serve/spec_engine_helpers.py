@@ -37,13 +37,14 @@ def oracle_speculation(references: dict, strategy: str, corrupt_prob: float, num
 
 
 def spec_engine(speculation: Speculation, block_size: int = 16, interval: int | None = None,
-                num_pages: int = 64) -> ServeEngine:
-    """An engine with ``speculation`` and a prefix cache (one group, checkpoint every ``interval``
-    tokens, default one block) on a poisoned pool (a never-written page reads as NaN)."""
+                num_pages: int = 64, prefix_cache: bool = True) -> ServeEngine:
+    """An engine with ``speculation`` and (unless ``prefix_cache`` is False) a prefix cache (one group,
+    checkpoint every ``interval`` tokens, default one block) on a poisoned pool (a never-written page
+    reads as NaN)."""
     model = tiny_model()
     pool = PagePool(num_pages, CacheLayout.page_bytes_for(model.cfg, block_size, 1), poison=True)
-    cache = PrefixCache(pool, block_size, interval or block_size, cfg=model.cfg)
-    return ServeEngine(model, pool, cache, speculation=speculation)
+    cache = PrefixCache(pool, block_size, interval or block_size, cfg=model.cfg) if prefix_cache else None
+    return ServeEngine(model, pool, cache, block_size=block_size, speculation=speculation)
 
 
 def kda_state_after(seq, n: int) -> dict:

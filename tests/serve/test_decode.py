@@ -1,5 +1,6 @@
 """verify_and_replay / speculative_generate: every strategy commits caches bitwise equal to plain
-sequential greedy decoding (fp32, demo-tiny with K != V)."""
+sequential greedy decoding, and the verify returns the emitted tokens' logits bitwise equal to one
+``decode_step`` per token (fp32, demo-tiny with K != V)."""
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +24,16 @@ from tests.serve.spec_helpers import (
 N_DRAFT = 4
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 __all__ = ["model", "start"]  # shared fixtures
+
+
+def _decode_logits(model, state: DecodeState, fed: list[int]) -> torch.Tensor:
+    """Plain decoding from ``state``: the ``decode_step`` logits ``[len(fed), 256]`` after feeding each
+    of ``fed`` (``fed[0]`` is ``state.last_token``)."""
+    rows, cache = [], state.cache
+    for tok in fed:
+        logits, cache = model.decode_step(torch.tensor([tok]), cache)
+        rows.append(logits[0])
+    return torch.stack(rows)
 
 
 def _drafts_accepting(target: list[int], num_accepted: int, n: int) -> list[int]:
@@ -50,6 +61,10 @@ def test_verify_and_replay_every_accept_count(model, start, kind, num_accepted):
     assert cache_max_abs_diff(res.state.cache, ref_caches[num_accepted]) == 0.0
     assert cache_equal(start.cache, before), "verify/commit mutated the committed caches"
     assert res.rollback_bytes > 0 and strategy.nbytes() == strategy.expected_nbytes()
+    ref_logits = _decode_logits(model, start, [start.last_token, *target[:num_accepted]])
+    assert res.logits.shape == (num_accepted + 1, 256) and res.logits.dtype == torch.float32
+    assert torch.equal(res.logits, ref_logits)                              # bitwise (kda_core.invariant)
+    assert [int(t) for t in res.logits.argmax(-1)] == list(res.emitted_tokens)
 
 
 @pytest.mark.parametrize("kind", STRATEGY_IDS)
@@ -218,4 +233,5 @@ def test_random_step_sequences_match_sequential(model, start, kind, plan):
         strategy.check_integrity()
         assert res.num_accepted == a and list(res.emitted_tokens) == target[: a + 1]
         assert cache_equal(res.state.cache, ref_caches[a])
+        assert torch.equal(res.logits, _decode_logits(model, state, [state.last_token, *target[:a]]))
         state = res.state

@@ -12,7 +12,7 @@ from serve.cache_layout import read_state
 from serve.prefix_cache import PrefixCache
 from serve.request import RequestStatus
 from serve.spec_step import draft_budget
-from tests.serve.prefix_helpers import assert_equal_to_reference, reference, tiny_model, tokens
+from tests.serve.prefix_helpers import assert_equal_to_reference, make_engine, reference, tiny_model, tokens
 from tests.serve.spec_engine_helpers import STRATEGIES, check_checkpoints, oracle_speculation, spec_engine
 
 torch.set_num_threads(1)
@@ -71,10 +71,19 @@ def test_draft_budget_never_jumps_the_boundary():
     assert draft_budget(0, 10, 9, 64) == 0
 
 
-def test_record_logits_needs_plain_decoding():
-    eng = _engine("projection", tokens(72, 20), 4)
-    with pytest.raises(ValueError, match="record_logits"):
-        eng.submit(tokens(72, 20), 4, record_logits=True)
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_record_logits_with_speculation_equals_plain_engine(strategy):
+    """Without a prefix cache the speculative engine records, for every emitted token (accepted drafts
+    and bonus), logits bitwise equal to the plain engine's one-token decode (``kda_core.invariant``
+    makes each verify row independent of the verify length)."""
+    prompt, max_new = tokens(72, 37), 20
+    ref_tokens, _ = reference(prompt, max_new)
+    speculation = oracle_speculation({tuple(prompt): ref_tokens}, strategy, 0.4, 4)
+    res = spec_engine(speculation, prefix_cache=False).generate(prompt, max_new, record_logits=True)
+    plain = make_engine(cache=False).generate(prompt, max_new, record_logits=True)
+    assert 0 < res.accepted_tokens < res.drafted_tokens            # accepted and rejected drafts
+    assert res.output_tokens == plain.output_tokens == ref_tokens
+    assert res.logits.shape == (max_new, 256) and torch.equal(res.logits, plain.logits)
 
 
 def _spy_commits(monkeypatch) -> list:
