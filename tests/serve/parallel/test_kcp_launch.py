@@ -1,5 +1,6 @@
 """serve.parallel.launch: spawned ranks, clear errors, timeouts, and no process left behind."""
 import os
+import threading
 import time
 
 import pytest
@@ -112,3 +113,17 @@ def test_bad_launch_arguments(monkeypatch):
     with pytest.raises(ValueError, match="not under torchrun"):
         init_from_env()
     assert 0 < free_port() < 65536
+
+
+def _unpicklable_result(rank, world_size):
+    dist.barrier()
+    return threading.Lock() if rank == 1 else rank
+
+
+def test_an_unpicklable_result_reports_the_pickling_error(ranks_gone):
+    """The queue pickles in a feeder thread whose error never reaches the parent: the rank used to
+    look like it 'exited with code 0 without reporting a result'."""
+    with pytest.raises(RankFailure, match=r"rank 1 of 2 failed: TypeError: the rank's result \(lock\) cannot be "
+                                          r"pickled.*cannot pickle '_thread.lock' object") as err:
+        run_ranks(_unpicklable_result, 2, start_method="forkserver", timeout_s=60)
+    ranks_gone(err.value.pids)
