@@ -7,8 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from serve.parallel.cli import main as cli_main
 from serve.parallel.kcp import kcp_kda
 from serve.parallel.launch import RankFailure, RankTimeout, free_port, init_from_env, run_ranks
+from serve.parallel.memory import check_rank_memory, rank_bytes
 from serve.parallel.run import KCPConfig, rank_job, run_kcp
 
 
@@ -127,3 +129,23 @@ def test_an_unpicklable_result_reports_the_pickling_error(ranks_gone):
                                           r"pickled.*cannot pickle '_thread.lock' object") as err:
         run_ranks(_unpicklable_result, 2, start_method="forkserver", timeout_s=60)
     ranks_gone(err.value.pids)
+
+
+def test_config_rejects_a_seq_len_beyond_memory_up_front(capsys):
+    """seq_len 10**8 used to be accepted and the ranks grew for minutes before failing."""
+    with pytest.raises(ValueError, match=r"seq_len=100,000,000 needs about [\d.]+ GiB per rank .* available"):
+        KCPConfig(seq_len=10**8)
+    t0 = time.monotonic()
+    assert cli_main(["--seq-len", str(10**8), "--world-size", "2"]) == 2
+    assert "error: seq_len=100,000,000 needs about" in capsys.readouterr().err
+    assert time.monotonic() - t0 < 5                       # no rank was started
+    KCPConfig(seq_len=65536)                               # the README's example still fits
+
+
+def test_rank_memory_estimate_scales_and_checks():
+    need = rank_bytes(65536, 2, 1, 4, 128, 128, 4, 64, None)
+    assert rank_bytes(131072, 2, 1, 4, 128, 128, 4, 64, None) > 1.9 * (need - 300 * 2**20)
+    assert rank_bytes(65536, 4, 1, 4, 128, 128, 4, 64, None) < need
+    check_rank_memory(need, 2, 65536, available=2 * need)
+    with pytest.raises(ValueError, match="needs about"):
+        check_rank_memory(need, 2, 65536, available=2 * need - 1)
