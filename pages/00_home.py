@@ -32,9 +32,9 @@ first = c1.text_area("Request 1 (fills the cache)", key=persist("p00_first", SYS
 second = c2.text_area("Request 2 (cold vs warm)", height=170, max_chars=MAX_PROMPT_BYTES,
                       key=persist("p00_second", SYSTEM + "User: Why must a checkpoint sit on a block boundary?"), persist_state="session")
 d1, d2, d3 = st.columns(3)
-max_new = d1.slider("Tokens to generate", 1, 16, key=persist("p00_new", 8), persist_state="session")
-block = d2.select_slider("Block size N (tokens)", [8, 16, 32, 64], key=persist("p00_block", 16), persist_state="session")
-interval = d3.select_slider("Checkpoint interval C (tokens)", [64, 128, 256, 512], key=persist("p00_interval_c", 64), persist_state="session")
+max_new = d1.slider("Tokens to generate", 1, 16, key=persist("p00_new", 8, min_value=1, max_value=16), persist_state="session")
+block = d2.select_slider("Block size N (tokens)", [8, 16, 32, 64], key=persist("p00_block", 16, options=[8, 16, 32, 64]), persist_state="session")
+interval = d3.select_slider("Checkpoint interval C (tokens)", [64, 128, 256, 512], key=persist("p00_interval_c", 64, options=[64, 128, 256, 512]), persist_state="session")
 sizes = {name: len(prompt.encode()) for name, prompt in (("Request 1", first), ("Request 2", second))}
 st.caption(f"Each prompt is capped at {MAX_PROMPT_BYTES:,} bytes (bytes are tokens; in UTF-8 an accent takes 2 bytes, "
            "an emoji 4): the page runs nine prefills (3 repeats of cold, request 1 and warm), and the cap bounds the "

@@ -23,17 +23,17 @@ st.write(
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 c1, c2, c3 = st.columns(3)
 preset = c1.selectbox("Layer size", [*LAYER_PRESETS, "Custom"],
-                      key=persist("p01_preset", list(LAYER_PRESETS)[2]), persist_state="session")
+                      key=persist("p01_preset", list(LAYER_PRESETS)[2], options=[*LAYER_PRESETS, "Custom"]), persist_state="session")
 num_draft = c2.slider("Draft length n (verify = 1 + n tokens)", 1, 16,
-                      key=persist("p01_draft", 4), persist_state="session")
-dtype_name = c3.selectbox("Stored dtype s", list(DTYPES), key=persist("p01_dtype", "fp32"), persist_state="session")
+                      key=persist("p01_draft", 4, min_value=1, max_value=16), persist_state="session")
+dtype_name = c3.selectbox("Stored dtype s", list(DTYPES), key=persist("p01_dtype", "fp32", options=list(DTYPES)), persist_state="session")
 if preset == "Custom":
     d1, d2, d3, d4 = st.columns(4)
-    heads = d1.slider("Heads H", 1, 96, key=persist("p01_heads", 8), persist_state="session")
-    k_dim = d2.select_slider("Key dim K", [16, 32, 64, 128], key=persist("p01_k", 64), persist_state="session")
-    v_dim = d3.select_slider("Value dim V", [16, 32, 64, 128], key=persist("p01_v", 64), persist_state="session")
+    heads = d1.slider("Heads H", 1, 96, key=persist("p01_heads", 8, min_value=1, max_value=96), persist_state="session")
+    k_dim = d2.select_slider("Key dim K", [16, 32, 64, 128], key=persist("p01_k", 64, options=[16, 32, 64, 128]), persist_state="session")
+    v_dim = d3.select_slider("Value dim V", [16, 32, 64, 128], key=persist("p01_v", 64, options=[16, 32, 64, 128]), persist_state="session")
     width = d4.select_slider("Layer input width d", [64, 256, 1024, 2304, 4096, 7168],
-                             key=persist("p01_d", 1024), persist_state="session")
+                             key=persist("p01_d", 1024, options=[64, 256, 1024, 2304, 4096, 7168]), persist_state="session")
     shape = LayerShape(heads, k_dim, v_dim, 4, width)
 else:
     shape = LAYER_PRESETS[preset]

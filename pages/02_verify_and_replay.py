@@ -19,17 +19,17 @@ st.write(
     "decoding of the same tokens: the difference must be exactly zero.")
 
 c1, c2, c3, c4, c5 = st.columns(5)
-mode = c1.selectbox("Mode", list(MODES), key=persist("p02_mode", MODES[0]), persist_state="session")
+mode = c1.selectbox("Mode", list(MODES), key=persist("p02_mode", MODES[0], options=list(MODES)), persist_state="session")
 strategy = c2.selectbox("Strategy", list(STRATEGIES),
-                        key=persist("p02_strategy", STRATEGIES[1]), persist_state="session")
-num_draft = c3.slider("Draft length n", 1, 8, key=persist("p02_draft", 4), persist_state="session")
+                        key=persist("p02_strategy", STRATEGIES[1], options=list(STRATEGIES)), persist_state="session")
+num_draft = c3.slider("Draft length n", 1, 8, key=persist("p02_draft", 4, min_value=1, max_value=8), persist_state="session")
 acceptance = c4.slider("Acceptance rate per draft token", 0.0, 1.0, step=0.05,
-                       key=persist("p02_accept", 0.7), persist_state="session")
-seed = c5.slider("Seed", 0, 20, key=persist("p02_seed", 0), persist_state="session")
+                       key=persist("p02_accept", 0.7, min_value=0.0, max_value=1.0), persist_state="session")
+seed = c5.slider("Seed", 0, 20, key=persist("p02_seed", 0, min_value=0, max_value=20), persist_state="session")
 
 
 def _clamped(key: str, default: int, top: int) -> str:
-    persist(key, default)
+    persist(key, default, min_value=1)
     st.session_state[key] = min(st.session_state[key], top)
     return key
 
@@ -38,7 +38,7 @@ abort_layers, abort_tokens, corrupt_at, poison = None, 1, 1, False
 if mode == "interrupted":
     e1, e2 = st.columns(2)
     layers = e1.slider("Abort the first verify after this many layers (8 = all)", 0, 8,
-                       key=persist("p02_abort_layers", 3), persist_state="session")
+                       key=persist("p02_abort_layers", 3, min_value=0, max_value=8), persist_state="session")
     abort_tokens = e2.slider("…having fed this many verify tokens", 1, num_draft + 1,
                              key=_clamped("p02_abort_tokens", 2, num_draft + 1), persist_state="session")
     abort_layers = None if layers == 8 else layers

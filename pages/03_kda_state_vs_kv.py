@@ -19,15 +19,15 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, 
 MODELS = {"Kimi-Linear-48B-A3B": "kimi-linear-48b-a3b", "Kimi K3": "kimi-k3", "Custom": "custom"}
 
 c1, c2, c3 = st.columns(3)
-preset = MODELS[c1.selectbox("Model", list(MODELS), key=persist("p03_preset"), persist_state="session", bind="query-params")]
-state_dt = c2.selectbox("KDA state dtype", ["fp32", "bf16"], key=persist("p03_state_dtype"), persist_state="session")
-kv_dt = c3.selectbox("MLA KV dtype", ["bf16", "fp8 (e4m3)", "fp16", "fp32"], key=persist("p03_kv_dtype"), persist_state="session")
+preset = MODELS[c1.selectbox("Model", list(MODELS), key=persist("p03_preset", options=list(MODELS)), persist_state="session", bind="query-params")]
+state_dt = c2.selectbox("KDA state dtype", ["fp32", "bf16"], key=persist("p03_state_dtype", options=["fp32", "bf16"]), persist_state="session")
+kv_dt = c3.selectbox("MLA KV dtype", ["bf16", "fp8 (e4m3)", "fp16", "fp32"], key=persist("p03_kv_dtype", options=["bf16", "fp8 (e4m3)", "fp16", "fp32"]), persist_state="session")
 if preset == "custom":
     d1, d2, d3, d4 = st.columns(4)
-    n_layers = d1.slider("Layers", 4, 128, key=persist("p03_layers", 48), persist_state="session")
-    ratio = d2.slider("KDA layers per MLA layer", 0, 7, key=persist("p03_ratio", 3), persist_state="session")
-    heads = d3.slider("KDA heads", 1, 128, key=persist("p03_heads", 32), persist_state="session")
-    head_dim = d4.select_slider("Head dim", [32, 64, 128, 256], key=persist("p03_head_dim", 128), persist_state="session")
+    n_layers = d1.slider("Layers", 4, 128, key=persist("p03_layers", 48, min_value=4, max_value=128), persist_state="session")
+    ratio = d2.slider("KDA layers per MLA layer", 0, 7, key=persist("p03_ratio", 3, min_value=0, max_value=7), persist_state="session")
+    heads = d3.slider("KDA heads", 1, 128, key=persist("p03_heads", 32, min_value=1, max_value=128), persist_state="session")
+    head_dim = d4.select_slider("Head dim", [32, 64, 128, 256], key=persist("p03_head_dim", 128, options=[32, 64, 128, 256]), persist_state="session")
     cfg = engine_call(kc.custom_config, n_layers, ratio, heads, head_dim)
 else:
     cfg = kc.PRESETS[preset]
@@ -70,16 +70,16 @@ st.caption(
 
 with st.expander("Per-layer table"):
     n_table = st.select_slider("Context for the table (tokens)", options=[2 ** i for i in range(6, 21)],
-                               key=persist("p03_table_ctx", 131072), persist_state="session")
+                               key=persist("p03_table_ctx", 131072, options=[2 ** i for i in range(6, 21)]), persist_state="session")
     tdf = pd.DataFrame(kc.layer_table(cfg, n_table, sd, kd))
     st.dataframe(tdf, hide_index=True, width="stretch")
     st.download_button("Download CSV", tdf.to_csv(index=False).encode(), "p03_layers.csv", "text/csv", key="p03_layers_csv")
 
 st.subheader("2 · Decode cost per token, measured on this CPU")
 e1, e2 = st.columns(2)
-heads_meas = e1.slider("Heads in the measurement (scaled down from the model)", 1, 16, key=persist("p03_meas_heads", 4), persist_state="session")
+heads_meas = e1.slider("Heads in the measurement (scaled down from the model)", 1, 16, key=persist("p03_meas_heads", 4, min_value=1, max_value=16), persist_state="session")
 max_meas = e2.select_slider("Largest measured context (tokens)", options=[2 ** i for i in range(10, 16)],
-                            key=persist("p03_meas_max", 16384), persist_state="session")
+                            key=persist("p03_meas_max", 16384, options=[2 ** i for i in range(10, 16)]), persist_state="session")
 
 
 @st.cache_data(show_spinner="Measuring on this CPU…")

@@ -21,11 +21,11 @@ st.write(
     f"({DEMO.num_kda_layers} KDA + {DEMO.num_mla_layers} MLA layers) at the chosen width.")
 
 c1, c2, c3, c4 = st.columns(4)
-window = c1.slider("Rollback window (verify tokens)", 1, 16, key=persist("p04_window", 6), persist_state="session")
-capacity = c2.slider("Ring capacity (slots)", 1, 32, key=persist("p04_capacity", 16), persist_state="session")
-num_draft = c3.slider("Draft length n", 1, 16, key=persist("p04_draft", 4), persist_state="session")
+window = c1.slider("Rollback window (verify tokens)", 1, 16, key=persist("p04_window", 6, min_value=1, max_value=16), persist_state="session")
+capacity = c2.slider("Ring capacity (slots)", 1, 32, key=persist("p04_capacity", 16, min_value=1, max_value=32), persist_state="session")
+num_draft = c3.slider("Draft length n", 1, 16, key=persist("p04_draft", 4, min_value=1, max_value=16), persist_state="session")
 width = c4.select_slider("Model width d (H = d / 32 heads)", list(ring_lab.WIDTHS),
-                         key=persist("p04_width", 128), persist_state="session")
+                         key=persist("p04_width", 128, options=list(ring_lab.WIDTHS)), persist_state="session")
 
 
 @st.cache_resource(validate=built_by_loaded_code)   # rebuilt after a source reload

@@ -20,17 +20,17 @@ st.write(
 
 POLICY = {"unified page size": "unified", "multi-page state": "multi_page"}
 c1, c2, c3 = st.columns(3)
-pool_mib = c1.slider("Pool size (MiB)", 4, 128, key=persist("p05_pool_mib", 32), persist_state="session")
+pool_mib = c1.slider("Pool size (MiB)", 4, 128, key=persist("p05_pool_mib", 32, min_value=4, max_value=128), persist_state="session")
 policy = POLICY[c2.selectbox("Page-size policy", list(POLICY),
-                             key=persist("p05_policy", "unified page size"), persist_state="session")]
+                             key=persist("p05_policy", "unified page size", options=list(POLICY)), persist_state="session")]
 arrival = c3.selectbox("Arrival pattern", ["steady", "bursty"],
-                       key=persist("p05_arrival", "steady"), persist_state="session")
+                       key=persist("p05_arrival", "steady", options=["steady", "bursty"]), persist_state="session")
 d1, d2, d3, d4 = st.columns(4)
 long_share = d1.slider("Long requests, first half (share)", 0.0, 1.0, step=0.05,
-                       key=persist("p05_long_share", 0.1), persist_state="session")
-groups = d2.slider("KDA groups G", 1, 6, key=persist("p05_groups", 1), persist_state="session")
-seed = d3.number_input("Seed", 0, 9999, key=persist("p05_seed", 0), persist_state="session")
-step = d4.slider("Grid at step", 0, 199, key=persist("p05_step", 60), persist_state="session")
+                       key=persist("p05_long_share", 0.1, min_value=0.0, max_value=1.0), persist_state="session")
+groups = d2.slider("KDA groups G", 1, 6, key=persist("p05_groups", 1, min_value=1, max_value=6), persist_state="session")
+seed = d3.number_input("Seed", 0, 9999, key=persist("p05_seed", 0, min_value=0, max_value=9999), persist_state="session")
+step = d4.slider("Grid at step", 0, 199, key=persist("p05_step", 60, min_value=0, max_value=199), persist_state="session")
 
 
 @st.cache_data(show_spinner="Running the request stream on the pool…")

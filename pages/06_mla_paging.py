@@ -26,10 +26,10 @@ st.write(
 BLOCKS = [1, 2, 4, 8, 16, 32, 64]
 st.subheader("1 · A request's page table (logical block → physical page)")
 c1, c2, c3, c4 = st.columns(4)
-bs = c1.select_slider("Block size N (tokens)", BLOCKS, key=persist("p06_block_size", 16), persist_state="session")
-tokens_a = c2.slider("Request A (tokens)", 8, 256, key=persist("p06_tokens_a", 100), persist_state="session")
-shared_pct = c3.slider("B shares A's first (%)", 0, 100, key=persist("p06_shared_pct", 50), persist_state="session")
-own_b = c4.slider("B's own tokens", 0, 128, key=persist("p06_own_b", 30), persist_state="session")
+bs = c1.select_slider("Block size N (tokens)", BLOCKS, key=persist("p06_block_size", 16, options=BLOCKS), persist_state="session")
+tokens_a = c2.slider("Request A (tokens)", 8, 256, key=persist("p06_tokens_a", 100, min_value=8, max_value=256), persist_state="session")
+shared_pct = c3.slider("B shares A's first (%)", 0, 100, key=persist("p06_shared_pct", 50, min_value=0, max_value=100), persist_state="session")
+own_b = c4.slider("B's own tokens", 0, 128, key=persist("p06_own_b", 30, min_value=0, max_value=128), persist_state="session")
 
 
 @st.cache_data
@@ -95,7 +95,7 @@ st.caption("1,000 requests with context lengths log-uniform in [16, 8192] tokens
 
 st.subheader("3 · Gather overhead: paged vs contiguous, measured")
 max_ctx = st.select_slider("Longest context measured (tokens)", [1024, 4096, 16384],
-                           key=persist("p06_max_ctx", 4096), persist_state="session")
+                           key=persist("p06_max_ctx", 4096, options=[1024, 4096, 16384]), persist_state="session")
 
 
 @st.cache_data(show_spinner="Measuring gathers on this CPU…")
@@ -127,10 +127,10 @@ st.caption(f"One MLA layer's latents [L, {KIMI.latent_dim}] fp32 (Kimi's {KIMI.k
 
 st.subheader("4 · Bytes saved by sharing a prefix")
 e1, e2, e3 = st.columns(3)
-n_req = e1.slider("Requests sharing the prefix", 1, 64, key=persist("p06_requests", 16), persist_state="session")
-prefix = e2.slider("Shared prefix (tokens)", 0, 8192, step=64, key=persist("p06_prefix", 2048), persist_state="session")
+n_req = e1.slider("Requests sharing the prefix", 1, 64, key=persist("p06_requests", 16, min_value=1, max_value=64), persist_state="session")
+prefix = e2.slider("Shared prefix (tokens)", 0, 8192, step=64, key=persist("p06_prefix", 2048, min_value=0, max_value=8192), persist_state="session")
 unique = e3.slider("Unique tail per request (tokens)", 0, 2048, step=16,
-                   key=persist("p06_unique", 128), persist_state="session")
+                   key=persist("p06_unique", 128, min_value=0, max_value=2048), persist_state="session")
 
 
 @st.cache_data

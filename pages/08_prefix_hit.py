@@ -15,13 +15,13 @@ st.write(
     "shares the MLA KV blocks, so only the tokens after the hit boundary b are prefilled.")
 
 c1, c2, c3 = st.columns(3)
-shared = c1.slider("Shared prefix (tokens)", 0, 512, step=32, key=persist("p08_shared", 384), persist_state="session")
-unique = c2.slider("Unique tail (tokens)", 16, 256, step=16, key=persist("p08_unique", 64), persist_state="session")
-new_tokens = c3.slider("Tokens to generate", 1, 8, key=persist("p08_new", 4), persist_state="session")
+shared = c1.slider("Shared prefix (tokens)", 0, 512, step=32, key=persist("p08_shared", 384, min_value=0, max_value=512), persist_state="session")
+unique = c2.slider("Unique tail (tokens)", 16, 256, step=16, key=persist("p08_unique", 64, min_value=16, max_value=256), persist_state="session")
+new_tokens = c3.slider("Tokens to generate", 1, 8, key=persist("p08_new", 4, min_value=1, max_value=8), persist_state="session")
 d1, d2, d3 = st.columns(3)
-block = d1.select_slider("Block size N (tokens)", [8, 16, 32], key=persist("p08_block", 16), persist_state="session")
-interval = d2.select_slider("Checkpoint interval C (tokens)", [32, 64, 128, 256], key=persist("p08_interval", 64), persist_state="session")
-groups = d3.slider("KDA groups G", 1, 3, key=persist("p08_groups", 1), persist_state="session")
+block = d1.select_slider("Block size N (tokens)", [8, 16, 32], key=persist("p08_block", 16, options=[8, 16, 32]), persist_state="session")
+interval = d2.select_slider("Checkpoint interval C (tokens)", [32, 64, 128, 256], key=persist("p08_interval", 64, options=[32, 64, 128, 256]), persist_state="session")
+groups = d3.slider("KDA groups G", 1, 3, key=persist("p08_groups", 1, min_value=1, max_value=3), persist_state="session")
 
 
 @st.cache_data(show_spinner="Measuring cold and warm runs…")

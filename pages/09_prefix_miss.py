@@ -19,11 +19,11 @@ st.write(
 
 st.subheader("1 · A miss, what it writes, and the next request's hit")
 c1, c2, c3, c4, c5 = st.columns(5)
-prompt_tokens = c1.slider("Prompt (tokens)", 64, 512, step=32, key=persist("p09_prompt", 256), persist_state="session")
-next_shared = c2.slider("Next request shares (tokens)", 0, 512, step=16, key=persist("p09_next", 200), persist_state="session")
-block = c3.select_slider("Block size N", [8, 16, 32], key=persist("p09_block", 16), persist_state="session")
-interval = c4.select_slider("Interval C (tokens)", [32, 64, 128], key=persist("p09_interval", 64), persist_state="session")
-groups = c5.slider("KDA groups G", 1, 3, key=persist("p09_groups", 2), persist_state="session")
+prompt_tokens = c1.slider("Prompt (tokens)", 64, 512, step=32, key=persist("p09_prompt", 256, min_value=64, max_value=512), persist_state="session")
+next_shared = c2.slider("Next request shares (tokens)", 0, 512, step=16, key=persist("p09_next", 200, min_value=0, max_value=512), persist_state="session")
+block = c3.select_slider("Block size N", [8, 16, 32], key=persist("p09_block", 16, options=[8, 16, 32]), persist_state="session")
+interval = c4.select_slider("Interval C (tokens)", [32, 64, 128], key=persist("p09_interval", 64, options=[32, 64, 128]), persist_state="session")
+groups = c5.slider("KDA groups G", 1, 3, key=persist("p09_groups", 2, min_value=1, max_value=3), persist_state="session")
 
 
 @st.cache_data(show_spinner="Running the miss and the next request…")
@@ -51,10 +51,10 @@ show_chart(fig, written, key="p09_written_chart")
 
 st.subheader("2 · A trace through capacity-limited caches")
 d1, d2, d3, d4 = st.columns(4)
-preset = d1.selectbox("Byte sizes of", ["kimi-linear-48b-a3b", "kimi-k3"], key=persist("p09_preset", "kimi-linear-48b-a3b"), persist_state="session")
-every = d2.select_slider("Checkpoint every C / 512 blocks", [1, 2, 4, 8], key=persist("p09_every", 1), persist_state="session")
-tgroups = d3.slider("Groups G", 1, 4, key=persist("p09_tgroups", 1), persist_state="session")
-num_requests = d4.slider("Requests (cap)", 500, 3000, step=250, key=persist("p09_requests", 1500), persist_state="session")
+preset = d1.selectbox("Byte sizes of", ["kimi-linear-48b-a3b", "kimi-k3"], key=persist("p09_preset", "kimi-linear-48b-a3b", options=["kimi-linear-48b-a3b", "kimi-k3"]), persist_state="session")
+every = d2.select_slider("Checkpoint every C / 512 blocks", [1, 2, 4, 8], key=persist("p09_every", 1, options=[1, 2, 4, 8]), persist_state="session")
+tgroups = d3.slider("Groups G", 1, 4, key=persist("p09_tgroups", 1, min_value=1, max_value=4), persist_state="session")
+num_requests = d4.slider("Requests (cap)", 500, 3000, step=250, key=persist("p09_requests", 1500, min_value=500, max_value=3000), persist_state="session")
 upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p09_upload")
 
 

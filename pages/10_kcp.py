@@ -36,13 +36,13 @@ st.info(f"This machine has {cores} CPU cores and each rank uses one thread: with
 VARIANTS = {"all-gather (one collective)": "allgather", "ring (W−1 serial hops)": "ring"}
 MODELS = {"Kimi-Linear-48B-A3B": "kimi-linear-48b-a3b", "Kimi K3": "kimi-k3"}
 c1, c2, c3, c4, c5 = st.columns(5)
-seq_len = c1.select_slider("Sequence length T (tokens)", [512, 1024, 2048, 4096, 8192], key=persist("p10_seq_len", 4096), persist_state="session")
-world = c2.slider("World size (ranks)", 1, 4, key=persist("p10_world", 2), persist_state="session")
-heads = c3.slider("Heads H", 1, 4, key=persist("p10_heads", 4), persist_state="session")
-head_k = c4.select_slider("Key dim K", [32, 64, 128], key=persist("p10_head_k", 128), persist_state="session")
-head_v = c5.select_slider("Value dim V", [32, 64, 128], key=persist("p10_head_v", 128), persist_state="session")
+seq_len = c1.select_slider("Sequence length T (tokens)", [512, 1024, 2048, 4096, 8192], key=persist("p10_seq_len", 4096, options=[512, 1024, 2048, 4096, 8192]), persist_state="session")
+world = c2.slider("World size (ranks)", 1, 4, key=persist("p10_world", 2, min_value=1, max_value=4), persist_state="session")
+heads = c3.slider("Heads H", 1, 4, key=persist("p10_heads", 4, min_value=1, max_value=4), persist_state="session")
+head_k = c4.select_slider("Key dim K", [32, 64, 128], key=persist("p10_head_k", 128, options=[32, 64, 128]), persist_state="session")
+head_v = c5.select_slider("Value dim V", [32, 64, 128], key=persist("p10_head_v", 128, options=[32, 64, 128]), persist_state="session")
 d1, d2 = st.columns(2)
-variant = VARIANTS[d1.selectbox("Exchange variant", list(VARIANTS), key=persist("p10_variant"), persist_state="session")]
+variant = VARIANTS[d1.selectbox("Exchange variant", list(VARIANTS), key=persist("p10_variant", options=list(VARIANTS)), persist_state="session")]
 prefix = d2.checkbox("Seed rank 0 with a prefix-cache state", key=persist("p10_prefix", False), persist_state="session")
 
 
@@ -103,7 +103,7 @@ st.caption("prepare = intra-chunk WY work (shared by the summary and the local r
            "true initial state. One timed run per rank after an untimed one-chunk warm-up; process start excluded.")
 
 st.subheader("3 · Bytes each rank receives vs context: KCP against MLA's KV all-gather")
-model = MODELS[st.selectbox("Model for the byte comparison", list(MODELS), key=persist("p10_model"), persist_state="session")]
+model = MODELS[st.selectbox("Model for the byte comparison", list(MODELS), key=persist("p10_model", options=list(MODELS)), persist_state="session")]
 cfg = PRESETS[model]
 w_bytes = max(world, 2)
 ctx = [2 ** i for i in range(10, 21)]
@@ -125,7 +125,7 @@ st.caption(
 
 st.subheader("4 · Speedup vs one rank: measured, and a projection to more ranks")
 bw = st.select_slider("Interconnect bandwidth for the projection (GB/s)", [1, 5, 10, 25, 50, 100, 200, 400],
-                      key=persist("p10_bandwidth", 25), persist_state="session")
+                      key=persist("p10_bandwidth", 25, options=[1, 5, 10, 25, 50, 100, 200, 400]), persist_state="session")
 if world < 2:
     st.info("The projection needs the summary and fold costs of a run with at least 2 ranks: move the world size.")
 else:

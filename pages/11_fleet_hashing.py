@@ -24,12 +24,12 @@ st.write(
 
 VNODES = [1, 4, 10, 40, 100, 160, 400, 1000]
 c1, c2, c3, c4 = st.columns(4)
-replicas = c1.slider("Replicas", 2, 32, key=persist("p11_replicas", 8), persist_state="session")
-vnodes = c2.select_slider("Virtual nodes per replica (ring)", VNODES, key=persist("p11_vnodes", 160), persist_state="session")
-algorithm = c3.selectbox("Algorithm", list(ROUTERS), key=persist("p11_algorithm", "ring"), persist_state="session")
-k = c4.slider("Routing prefix depth k (blocks)", 1, 8, key=persist("p11_k", 2), persist_state="session")
+replicas = c1.slider("Replicas", 2, 32, key=persist("p11_replicas", 8, min_value=2, max_value=32), persist_state="session")
+vnodes = c2.select_slider("Virtual nodes per replica (ring)", VNODES, key=persist("p11_vnodes", 160, options=VNODES), persist_state="session")
+algorithm = c3.selectbox("Algorithm", list(ROUTERS), key=persist("p11_algorithm", "ring", options=list(ROUTERS)), persist_state="session")
+k = c4.slider("Routing prefix depth k (blocks)", 1, 8, key=persist("p11_k", 2, min_value=1, max_value=8), persist_state="session")
 d1, d2 = st.columns([1, 2])
-num_requests = d1.slider("Requests (cap)", 200, 5000, step=100, key=persist("p11_requests", 2000), persist_state="session")
+num_requests = d1.slider("Requests (cap)", 200, 5000, step=100, key=persist("p11_requests", 2000, min_value=200, max_value=5000), persist_state="session")
 upload = d2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p11_upload")
 
 
@@ -92,9 +92,9 @@ st.caption("Pure-Python route() per key: ring = binary search over V·n points; 
            "O(log n) loop; Maglev = one table read; bounded loads walks the ring past full replicas.")
 
 st.subheader("4 · Where one request's prefix lands")
-if st.session_state.get("p11_index", 0) > len(trace) - 1:  # the cap shrank below the chosen index
+if type(st.session_state.get("p11_index")) is int and st.session_state["p11_index"] > len(trace) - 1:  # cap shrank
     st.session_state["p11_index"] = len(trace) - 1
-idx = st.number_input("Request index", 0, len(trace) - 1, key=persist("p11_index", 1), persist_state="session")
+idx = st.number_input("Request index", 0, len(trace) - 1, key=persist("p11_index", 1, min_value=0, max_value=len(trace) - 1), persist_state="session")
 where = engine_call(where_prefix_lands, trace, int(idx), replicas, k, vnodes)
 st.dataframe(where, hide_index=True, width="stretch")
 st.caption(f"What to notice: the key is blake2b chained over the first {k} block ids, so every request sharing "

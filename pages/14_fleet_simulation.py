@@ -30,20 +30,20 @@ st.write(
     "conversation trace); upload a Mooncake JSONL file to use your own.")
 
 c1, c2, c3, c4 = st.columns(4)
-num_requests = c1.slider("Requests (cap)", 200, 5000, step=100, key=persist("p14_requests", 2000), persist_state="session")
-replicas = c2.slider("Replicas", 1, 16, key=persist("p14_replicas", 8), persist_state="session")
-k = c3.slider("Routing prefix depth k (blocks)", 1, 4, key=persist("p14_k", 2), persist_state="session")
+num_requests = c1.slider("Requests (cap)", 200, 5000, step=100, key=persist("p14_requests", 2000, min_value=200, max_value=5000), persist_state="session")
+replicas = c2.slider("Replicas", 1, 16, key=persist("p14_replicas", 8, min_value=1, max_value=16), persist_state="session")
+k = c3.slider("Routing prefix depth k (blocks)", 1, 4, key=persist("p14_k", 2, min_value=1, max_value=4), persist_state="session")
 capacity = c4.select_slider("Cache per replica (blocks of 512 tokens)", ["0", "500", "2000", "8000", "unlimited"],
-                            key=persist("p14_capacity", "8000"), persist_state="session")
+                            key=persist("p14_capacity", "8000", options=["0", "500", "2000", "8000", "unlimited"]), persist_state="session")
 d1, d2, d3, d4 = st.columns(4)
-scheduler = d1.selectbox("Replica scheduler", ["fcfs", "vtc"], key=persist("p14_scheduler", "vtc"), persist_state="session")
-vip_pct = d2.slider("VIP share of requests (%)", 0, 50, step=5, key=persist("p14_vip", 10), persist_state="session")
-scale = d3.selectbox("Scale event at half time", ["none", "add", "remove"], key=persist("p14_scale", "none"), persist_state="session")
-speed = d4.slider("Replica speed-up (prefill ×; decode × 5/8 of it)", 1, 20, key=persist("p14_speed", 8), persist_state="session")
+scheduler = d1.selectbox("Replica scheduler", ["fcfs", "vtc"], key=persist("p14_scheduler", "vtc", options=["fcfs", "vtc"]), persist_state="session")
+vip_pct = d2.slider("VIP share of requests (%)", 0, 50, step=5, key=persist("p14_vip", 10, min_value=0, max_value=50), persist_state="session")
+scale = d3.selectbox("Scale event at half time", ["none", "add", "remove"], key=persist("p14_scale", "none", options=["none", "add", "remove"]), persist_state="session")
+speed = d4.slider("Replica speed-up (prefill ×; decode × 5/8 of it)", 1, 20, key=persist("p14_speed", 8, min_value=1, max_value=20), persist_state="session")
 MODELS = ["A10G · Llama-7B (VTC artifact, measured)", "this CPU · our KDA demo engine (measured now)"]
-model = st.selectbox("Replica service model (before the speed-up)", MODELS, key=persist("p14_model", MODELS[0]), persist_state="session")
+model = st.selectbox("Replica service model (before the speed-up)", MODELS, key=persist("p14_model", MODELS[0], options=MODELS), persist_state="session")
 policies = st.multiselect("Routing policies", list(ROUTERS), key=persist("p14_policies", ["ring", "round_robin",
-                                                                                          "cache_aware", "bounded_load"]), persist_state="session")
+                                                                                          "cache_aware", "bounded_load"], options=list(ROUTERS)), persist_state="session")
 upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p14_upload")
 if not policies:
     st.info("Pick at least one routing policy.")

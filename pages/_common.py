@@ -3,9 +3,10 @@
 - ``show_chart(fig, df, key)``: a Plotly chart with a stable key plus a CSV download of its data.
 - ``engine_call(fn, *args, **kwargs)``: run an engine call; on a ValueError/RuntimeError show
   ``st.error`` with the message and stop the page (never a stack trace in the UI).
-- ``persist(key, default)``: a widget key whose value starts at ``default`` (set through
-  session_state, so do NOT also pass ``value=``/``index=``) and is kept across page switches: pass
-  it together with ``persist_state="session"`` (Streamlit 1.67). Selectboxes: use display strings
+- ``persist(key, default, options=..., min_value=..., max_value=...)``: a widget key whose value
+  starts at ``default`` (set through session_state, so do NOT also pass ``value=``/``index=``) and is
+  kept across page switches: pass it together with ``persist_state="session"`` (Streamlit 1.67).
+  Pass the widget's options or bounds too: a stored value that breaks them falls back to the default. Selectboxes: use display strings
   as options (no ``format_func``; AppTest cannot evaluate it).
 
 Importing this module also routes a legacy deep link to ``st.navigation`` (see
@@ -41,13 +42,47 @@ def _route_legacy_deep_link() -> None:
 _route_legacy_deep_link()
 
 
-def persist(key: str, default=None) -> str:
+def _invalid(value, default, options, min_value, max_value) -> str | None:
+    """Why ``value`` cannot be the widget's value (None if it can): the type of ``default`` (a list:
+    a multiselect), membership in ``options`` (same type too: ``True`` is not the option ``1``) and
+    ``[min_value, max_value]``."""
+    if isinstance(default, list):
+        if not isinstance(value, list):
+            return f"a {type(value).__name__}, not a list"
+        if options is not None and any(v not in options for v in value):
+            return "not a subset of the options"
+        return None
+    if default is not None and type(value) is not type(default):
+        return f"a {type(value).__name__}, not a {type(default).__name__}"
+    if options is not None and not any(type(o) is type(value) and o == value for o in options):
+        return "not one of the options"
+    if isinstance(value, float) and value != value:
+        return "NaN"
+    if (min_value is not None and value < min_value) or (max_value is not None and value > max_value):
+        return f"outside [{min_value}, {max_value}]"
+    return None
+
+
+def persist(key: str, default=None, *, options=None, min_value=None, max_value=None) -> str:
     """A widget key starting at ``default``; use as ``key=persist(...), persist_state="session"``.
 
+    The stored session value is checked on every run against the widget's constraints: the type of
+    ``default``, ``options`` (selectbox / select_slider / multiselect) and ``min_value`` /
+    ``max_value`` (slider / number_input). A None, wrongly typed or invalid value (e.g. from a
+    session written by another version of the page) falls back to ``default`` (or, when it is None,
+    to the widget's own first option) with a toast saying so.
+
     Returns key (pass no ``value=``/``index=`` to the widget)."""
-    st.session_state.setdefault(PERSISTED_KEYS, set()).add(key)
-    if key not in st.session_state and default is not None:
-        st.session_state[key] = default
+    state = st.session_state
+    state.setdefault(PERSISTED_KEYS, set()).add(key)
+    if key in state:
+        why = _invalid(state[key], default, options, min_value, max_value)
+        if why is not None:
+            st.toast(f"{key}: the stored value {state[key]!r} is {why}; using the default {default!r} instead.",
+                     icon=":material/restart_alt:")
+            del state[key]
+    if key not in state and default is not None:
+        state[key] = default
     return key
 
 

@@ -24,6 +24,7 @@ the same pages with no sharing: it is the reference.
 """
 from __future__ import annotations
 
+import operator
 import time
 
 import torch
@@ -41,6 +42,31 @@ DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
 
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
+
+
+def _prompt_ids(tokens) -> list[int]:
+    """A prompt as a list of byte ids: a 1-D integer tensor / array, ``bytes``, or a sequence of ints
+    (not bools). Raises ValueError naming ``tokens`` for anything else, an empty prompt or ids
+    outside [0, 255]."""
+    expected = "tokens must be a non-empty 1-D sequence of byte ids (ints in [0, 255])"
+    if hasattr(tokens, "tolist") and hasattr(tokens, "ndim"):          # torch tensor / numpy array
+        if tokens.ndim != 1:
+            raise ValueError(f"{expected}, got an array of shape {tuple(tokens.shape)}")
+        tokens = tokens.tolist()
+    if isinstance(tokens, (str, dict, set)) or not isinstance(tokens, (bytes, bytearray, list, tuple, range)):
+        raise ValueError(f"{expected}, got {type(tokens).__name__}")
+    if not tokens:
+        raise ValueError(f"{expected}, got an empty prompt")
+    prompt = []
+    for t in tokens:
+        try:
+            i = None if isinstance(t, bool) else operator.index(t)   # ints incl. numpy ints; not 1.0, not True
+        except TypeError:
+            i = None
+        if i is None or not 0 <= i <= 255:
+            raise ValueError(f"{expected}, got {t!r} at position {len(prompt)}")
+        prompt.append(i)
+    return prompt
 
 
 class ServeEngine:
@@ -84,9 +110,7 @@ class ServeEngine:
         rows of the accepted drafts and the bonus). With a cache, the prompt is matched and its hit
         pinned now. Raises ValueError on bad input."""
         t0 = time.perf_counter()
-        prompt = [int(t) for t in (tokens.tolist() if hasattr(tokens, "tolist") else tokens)]
-        if not prompt or min(prompt) < 0 or max(prompt) > 255:
-            raise ValueError("tokens must be a non-empty sequence of byte ids in [0, 255]")
+        prompt = _prompt_ids(tokens)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         rid = self._next_rid
@@ -101,13 +125,16 @@ class ServeEngine:
         return rid
 
     def step(self) -> bool:
-        """Admit what fits (FCFS), then run one prefill chunk of the oldest prefilling request, or else
-        one decode token for every decoding request. Returns False when there was nothing to do."""
+        """Admit what fits (FCFS; a request that can never fit is REJECTED with its reason), then run
+        one prefill chunk of the oldest prefilling request, or else one decode token for every decoding
+        request. Returns False when there was nothing to do (admitting or rejecting counts as work)."""
+        admitted = False
         while self.waiting:
             req = self.requests[self.waiting[0]]
             if not self._admit(req):
                 break
             self.waiting.pop(0)
+            admitted = True
         for rid in self.running:
             if self.requests[rid].status is RequestStatus.PREFILL:
                 self._prefill_chunk(self.requests[rid])
@@ -115,11 +142,12 @@ class ServeEngine:
         decoding = [self.requests[r] for r in self.running if self.requests[r].status is RequestStatus.DECODE]
         for req in decoding:
             self._decode_one(req)
-        return bool(decoding)
+        return bool(decoding) or admitted
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> int:
-        """Step until no request is waiting or running; returns the steps taken.
-        Raises RuntimeError if ``max_steps`` is reached or waiting requests can make no progress."""
+        """Step until every request is FINISHED, ABORTED or REJECTED (a rejected request's reason is in
+        its :meth:`result`); returns the steps taken. Raises RuntimeError if ``max_steps`` is reached or
+        waiting requests can make no progress."""
         steps = 0
         while self.waiting or self.running:
             if steps >= max_steps:
@@ -148,7 +176,8 @@ class ServeEngine:
         return self._get(rid).result()
 
     def generate(self, tokens, max_new_tokens: int, record_logits: bool = False) -> RequestResult:
-        """Submit one request and run until idle; returns its result."""
+        """Submit one request and run until idle; returns its result (status REJECTED with ``reason``
+        when it can never fit the pool). Raises ValueError on bad input (see :meth:`submit`)."""
         rid = self.submit(tokens, max_new_tokens, record_logits)
         self.run_until_idle()
         return self.result(rid)

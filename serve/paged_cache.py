@@ -121,6 +121,10 @@ class PagePool:
         if not pages:
             return pages
         kinds = self._kind
+        if any(type(p) is not int for p in pages):  # bools (True would be page 1), floats, numpy scalars
+            p = next(p for p in pages if type(p) is not int)
+            raise ValueError(f"{what}: page ids must be ints in [0, {self.num_pages}), got {p!r} "
+                             f"({type(p).__name__})")
         try:
             bad = min(pages) < 0 or any(kinds[p] is PageKind.FREE for p in pages)
         except (IndexError, TypeError):
@@ -142,8 +146,8 @@ class PagePool:
     def incref(self, pages: Iterable[int], owner: Hashable) -> None:
         """Add one reference held by ``owner`` to each page (a page may repeat: one reference per entry).
 
-        Mutates: ref counts and holders. Raises ValueError / PageError (bad id, free page, owner
-        None); on error nothing changes.
+        Mutates: ref counts and holders. Raises ValueError (an id that is not an int in range, e.g. a
+        bool, or owner None) / PageError (free page); on error nothing changes.
         """
         if owner is None:
             raise ValueError("owner must not be None (None marks a free page)")
@@ -161,8 +165,9 @@ class PagePool:
         """Drop one reference held by ``owner`` from each page; a page at 0 returns to the free list.
 
         Mutates: ref counts, holders, the free list and the kind of freed pages. Returns the page ids
-        that became free. Raises PageError for a free page (double free) or a reference ``owner``
-        does not hold (freeing a page you do not own); on error nothing changes.
+        that became free. Raises ValueError for an id that is not an int in range (bools included:
+        ``True`` is not page 1); PageError for a free page (double free) or a reference ``owner`` does
+        not hold (freeing a page you do not own); on error nothing changes.
         """
         pages = pages if type(pages) is list else list(pages)
         n = len(pages)
@@ -180,7 +185,7 @@ class PagePool:
                 ks = get(self._kind)
                 fast = (min(pages) >= 0 and PageKind.FREE not in ks and get(self._holders).count(None) == n
                         and get(self._owner).count(owner) == n and get(self._ref).count(1) == n
-                        and len(set(pages)) == n)
+                        and len(set(pages)) == n and set(map(type, pages)) == {int})  # no bools
             except (IndexError, TypeError):
                 fast = False
             if fast:

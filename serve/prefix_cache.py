@@ -31,7 +31,7 @@ from collections.abc import Hashable, Sequence
 
 from kda_core.config import ModelConfig
 from serve.cache_layout import CacheLayout, copy_state
-from serve.paged_cache import PageKind, PagePool, PoolExhausted
+from serve.paged_cache import PageError, PageKind, PagePool, PoolExhausted
 from serve.prefix_hit import CacheStats, CheckpointError, CheckpointInfo, LookupStep, PrefixHit
 from serve.prefix_index import ROOT, PrefixIndex, block_keys
 
@@ -217,9 +217,23 @@ class PrefixCache:
                        owner: Hashable) -> None:
         """Publish the owner's full blocks ``[0, num_blocks)`` (``page_table[i]`` holds block i). A block
         already cached keeps its page (the owner keeps computing on its own copy); a new block's page
-        gets a cache reference. Every block is pinned for the owner until :meth:`release`."""
-        holds = self._holds.setdefault(owner, _Holds())
+        gets a cache reference. Every block is pinned for the owner until :meth:`release`.
+
+        Atomic: everything is validated before anything changes. Raises ValueError if ``num_blocks``
+        exceeds ``keys`` or ``page_table``, PageError if a page to publish is not held by ``owner``
+        (free, or another owner's); the index, pins and references are then unchanged."""
+        holds = self._holds.get(owner)
+        done = 0 if holds is None else len(holds.blocks)
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or not 0 <= num_blocks <= min(
+                len(keys), len(page_table)):
+            raise ValueError(f"num_blocks must be an int in [0, min(len(keys), len(page_table))] = "
+                             f"[0, {min(len(keys), len(page_table))}], got {num_blocks!r}")
         index = self.index
+        for i in range(done, num_blocks):
+            if keys[i] not in index.nodes and self.pool.holders(page_table[i]).get(owner, 0) < 1:
+                raise PageError(f"publish_blocks: {owner!r} holds no reference to page {page_table[i]} "
+                                f"of block {i}; nothing was published")
+        holds = self._holds.setdefault(owner, _Holds())
         for i in range(len(holds.blocks), num_blocks):
             key = keys[i]
             if index.add_block(key, ROOT if i == 0 else keys[i - 1], page_table[i]):

@@ -8,6 +8,7 @@
 | counted collectives, phase clock | ``comm.py`` | ``Comm``, ``PhaseTimes`` | (through the above) |
 | starting ranks / torchrun | ``launch.py`` | ``run_ranks``, ``init_from_env`` | ``test_kcp_launch.py`` |
 | one run: config, rank job | ``run.py`` | ``KCPConfig``, ``run_kcp``, ``KCPRun`` | ``test_kcp.py``, ``test_kcp_halo.py`` |
+| memory a rank needs vs the machine | ``memory.py`` | ``rank_bytes``, ``check_rank_memory`` | ``test_kcp_launch.py`` |
 | seeded inputs per token range | ``inputs.py`` | ``kda_inputs``, ``layer_inputs`` | (through the above) |
 | page 10 numbers, projection | ``report.py`` | ``compare_with``, ``project``, ``bytes_vs_context`` | ``test_kcp_report.py`` |
 | command line | ``cli.py`` | ``main`` | README commands |

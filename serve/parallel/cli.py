@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -58,13 +59,19 @@ def format_results(cfg: KCPConfig, results: list[RankResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit code (2 with a one-line error for a bad configuration)."""
     a = parse_args(argv)
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if torchrun else a.world_size
-    cfg = KCPConfig(seq_len=a.seq_len, world_size=world, batch=a.batch, num_heads=a.heads, head_k_dim=a.head_k_dim,
-                    head_v_dim=a.head_v_dim, variant=a.variant, level=a.level, with_initial_state=a.initial_state,
-                    dtype=a.dtype, piece_tokens=a.piece_tokens, repeats=a.repeats, check=a.check,
-                    threads_per_rank=a.threads_per_rank, backend=a.backend, timeout_s=a.timeout_s)
+    try:   # validated before any rank starts, memory included (serve.parallel.memory)
+        cfg = KCPConfig(seq_len=a.seq_len, world_size=world, batch=a.batch, num_heads=a.heads,
+                        head_k_dim=a.head_k_dim, head_v_dim=a.head_v_dim, variant=a.variant, level=a.level,
+                        with_initial_state=a.initial_state, dtype=a.dtype, piece_tokens=a.piece_tokens,
+                        repeats=a.repeats, check=a.check, threads_per_rank=a.threads_per_rank, backend=a.backend,
+                        timeout_s=a.timeout_s)
+    except ValueError as err:
+        print(f"python -m serve.parallel.kcp: error: {err}", file=sys.stderr)
+        return 2
     if not torchrun:
         print(format_results(cfg, list(run_kcp(cfg).ranks)))
         return 0

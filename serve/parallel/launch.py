@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import pickle
 import queue
 import socket
 import sys
@@ -122,7 +123,12 @@ def _rank_main(rank, fn, world_size, port, backend, timeout_s, threads, args, re
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
         out = fn(rank, world_size, *args)
-        results.put((rank, True, to_host(out)))
+        try:  # pickle here, not in the queue's feeder thread, whose errors never reach the parent
+            payload = pickle.dumps(to_host(out), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            raise TypeError(f"the rank's result ({type(out).__name__}) cannot be pickled to send it back: "
+                            f"{type(exc).__name__}: {exc}") from exc
+        results.put((rank, True, payload))
     except BaseException as exc:  # report every failure to the parent, then exit non-zero
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
         raise SystemExit(1) from exc
@@ -180,7 +186,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
 
     Args:
         fn: a module-level function of an importable module (not ``__main__``); its return value
-        must be picklable.
+        must be picklable (a rank whose result is not fails the run with the pickling error).
         world_size: number of ranks (>= 1). timeout_s: deadline for the whole run (the collective
         timeout inside the ranks is a little longer, so the parent always decides). backend: "gloo" (or "nccl" with CUDA).
         start_method: "spawn" or "forkserver". threads_per_rank: torch intra-op threads per rank.
@@ -239,4 +245,4 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
         _stop(procs)
         results_q.close()
         results_q.join_thread()
-    return RanksOutput([from_host(results[r]) for r in range(world_size)], pids)
+    return RanksOutput([from_host(pickle.loads(results[r])) for r in range(world_size)], pids)

@@ -25,6 +25,7 @@ from serve.parallel.halo import kcp_layer_prefill
 from serve.parallel.inputs import DTYPES, initial_state, kda_inputs, layer_inputs
 from serve.parallel.kcp import block_bounds, check_variant, kcp_kda, piece_bounds
 from serve.parallel.launch import START_METHODS, check_backend, run_ranks
+from serve.parallel.memory import check_rank_memory, rank_bytes
 
 LEVELS = ("kernel", "layer")
 
@@ -42,6 +43,8 @@ class KCPConfig:
     repeats: timed runs per rank (medians reported); check: compare with a single-rank run; return_outputs: send outputs back to the caller;
     threads_per_rank: torch intra-op threads in each rank; backend: "gloo" | "nccl";
     start_method: "spawn" | "forkserver"; timeout_s: deadline of the whole run.
+    Raises ValueError for bad fields, or when the ranks on this machine would need more memory than
+    it has available (:mod:`serve.parallel.memory`).
     """
 
     seq_len: int
@@ -89,6 +92,14 @@ class KCPConfig:
             raise ValueError(f"start_method must be one of {START_METHODS}, got {self.start_method!r}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+        check_rank_memory(self.rank_bytes, self.world_size, self.seq_len)   # before any rank starts
+
+    @property
+    def rank_bytes(self) -> int:
+        """Upper estimate of the largest rank's memory in bytes (:func:`serve.parallel.memory.rank_bytes`)."""
+        return rank_bytes(self.seq_len, self.world_size, self.batch, self.num_heads, self.head_k_dim,
+                          self.head_v_dim, self.elem_bytes, self.chunk_size, self.piece_tokens, self.repeats,
+                          self.check, self.hidden_size if self.level == "layer" else None)
 
     @property
     def bounds(self) -> list[tuple[int, int]]:

@@ -141,3 +141,51 @@ def test_chunk_pieces_equal_one_piece():
     assert torch.equal(whole.h, pieces.h) and whole.h.shape[1] == 5
     with pytest.raises(ValueError, match="piece_tokens"):
         kda_chunk(q, k, v, g, beta, piece_tokens=100)
+
+
+FORGET_AT = {  # (token, head, key dims) where g = -inf (full forgetting); chunk size 16, T = 50
+    "token0-all-dims": [(0, 0, slice(None))],
+    "mid-chunk-one-dim": [(5, 1, slice(3, 4))],
+    "chunk-start": [(16, 2, slice(0, 8))],
+    "chunk-end": [(15, 0, slice(None))],
+    "twice-in-one-chunk": [(18, 1, slice(None)), (27, 1, slice(2, 9))],
+    "every-head-last-token": [(49, h, slice(None)) for h in range(H)],
+}
+
+
+@pytest.mark.parametrize("where", list(FORGET_AT))
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)], ids=["fp64", "fp32"])
+def test_chunk_full_forgetting_matches_recurrent(where, dtype, tol):
+    """g = -inf zeroes the decayed state rows: the chunk form must give the recurrent result, never
+    exp(-inf - -inf) = NaN (which made the whole output NaN)."""
+    q, k, v, g, beta, s0 = _inputs(50, dtype, "softplus")
+    for t, h, dims in FORGET_AT[where]:
+        g[:, t, h, dims] = -math.inf
+    o_r, s_r = kda_recurrent(q, k, v, g, beta, s0)
+    assert torch.isfinite(o_r).all()
+    for piece_tokens in (1024, 32):               # one piece, and pieces carrying the state
+        o_c, s_c, h_c = kda_chunk(q, k, v, g, beta, s0, chunk_size=16, piece_tokens=piece_tokens)
+        assert torch.isfinite(o_c).all() and torch.isfinite(h_c).all()
+        assert (o_r - o_c).abs().max() <= tol and (s_r - s_c).abs().max() <= tol
+
+
+def test_chunk_full_forgetting_forgets_the_initial_state():
+    """-inf in every key dim at token 0: the initial state must not matter at all."""
+    q, k, v, g, beta, s0 = _inputs(20, torch.float64, "mild")
+    g[:, 0] = -math.inf
+    a = kda_chunk(q, k, v, g, beta, s0, chunk_size=8)
+    b = kda_chunk(q, k, v, g, beta, 100 * s0, chunk_size=8)
+    assert (a.o - b.o).abs().max() <= 1e-12 and (a.final_state - b.final_state).abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize("name,value", [("q", math.nan), ("k", math.inf), ("v", math.nan), ("beta", math.nan),
+                                        ("g", math.nan), ("g", math.inf), ("initial_state", -math.inf)])
+def test_chunk_rejects_non_finite_inputs(name, value):
+    """A NaN at token 5 used to poison tokens 0-4 of its chunk (the chunk form mixes a chunk's tokens);
+    now it is a ValueError naming the tensor."""
+    q, k, v, g, beta, s0 = _inputs(20, torch.float32, "mild")
+    args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=s0)
+    args[name] = args[name].clone()
+    args[name].view(-1)[5 * H if name == "beta" else 7] = value
+    with pytest.raises(ValueError, match=f"^{name} must be finite"):
+        kda_chunk(**args)

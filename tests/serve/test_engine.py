@@ -165,6 +165,18 @@ def test_scenario4_request_that_cannot_fit_is_rejected_with_reason():
     assert eng.pool.page_table() == baseline
 
 
+def test_generate_returns_a_request_that_can_never_fit_as_rejected():
+    """The rejection (with its reason) is the result; run_until_idle does not turn it into a RuntimeError."""
+    eng = make_engine(block_size=16, interval=16, num_pages=4)
+    res = eng.generate(tokens(15, 100), 2)
+    assert res.status is RequestStatus.REJECTED and "needs" in res.reason and "pages" in res.reason
+    rid = eng.submit(tokens(16, 100), 2)
+    assert eng.run_until_idle() == 1 and eng.result(rid).status is RequestStatus.REJECTED
+    eng.check_integrity()
+    assert eng.pool.num_free == eng.pool.num_pages
+    assert eng.generate(tokens(17, 20), 2).status is RequestStatus.FINISHED   # the engine still serves
+
+
 def test_scenario4_request_waits_while_another_runs():
     eng = make_engine(block_size=16, interval=1024, num_pages=7)
     a, b = tokens(11, 40), tokens(12, 40)
@@ -273,12 +285,27 @@ def test_groups_fall_back_to_a_boundary_every_group_has():
     assert_equal_to_reference(res, r2)
 
 
+@pytest.mark.parametrize("prompt", [
+    pytest.param([], id="empty"), pytest.param([300], id="300"), pytest.param(None, id="None"),
+    pytest.param(torch.zeros(2, 3, dtype=torch.long), id="2-D"), pytest.param(torch.tensor(7), id="0-D"),
+    pytest.param(7, id="scalar"), pytest.param("abc", id="str"), pytest.param([1.5, 2], id="float"),
+    pytest.param([True, 2], id="bool"), pytest.param([1, None], id="None-id")])
+def test_submit_rejects_bad_prompts(prompt):
+    eng = make_engine()
+    with pytest.raises(ValueError, match="tokens must be a non-empty 1-D sequence"):
+        eng.submit(prompt, 2)
+    assert not eng.requests and not eng.waiting
+
+
+def test_submit_accepts_tensor_bytes_and_list():
+    eng = make_engine(cache=False)
+    p = tokens(3, 10)
+    rids = [eng.submit(x, 1) for x in (p, torch.tensor(p), bytes(p))]
+    assert [eng.requests[r].prompt for r in rids] == [p, p, p]
+
+
 def test_submit_rejects_bad_input():
     eng = make_engine()
-    with pytest.raises(ValueError, match="tokens"):
-        eng.submit([], 2)
-    with pytest.raises(ValueError, match="tokens"):
-        eng.submit([300], 2)
     with pytest.raises(ValueError, match="max_new_tokens"):
         eng.submit([1, 2], 0)
     with pytest.raises(ValueError, match="unknown request"):

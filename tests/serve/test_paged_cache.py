@@ -196,3 +196,18 @@ def test_check_integrity_catches_corruption():
     pool._free.append(p)
     with pytest.raises(AssertionError):
         pool.check_integrity()
+
+
+@pytest.mark.parametrize("pages", [[True], [True, 0], [1.0], [0, 1.0]], ids=["True", "True-and-0", "1.0", "0-and-1.0"])
+def test_decref_and_incref_reject_non_int_ids(pages):
+    """``True == 1`` indexes page 1: a bool (or float) id must be refused, not free page 1."""
+    pool = PagePool(4, 16)
+    held = pool.alloc(MLA, 2, "r1")                  # pages 0 and 1
+    snapshot = pool.page_table()
+    with pytest.raises(ValueError, match="page ids must be ints"):
+        pool.decref(pages, "r1")
+    with pytest.raises(ValueError, match="page ids must be ints"):
+        pool.incref(pages, "r1")
+    assert pool.page_table() == snapshot and pool.num_free == 2
+    pool.decref(held, "r1")
+    pool.check_integrity()

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kda_core.config import PRESETS
 from serve.cache_layout import CacheLayout, group_layers, read_state, write_state, zero_state
-from serve.paged_cache import PageKind, PagePool, PoolExhausted
+from serve.paged_cache import PageError, PageKind, PagePool, PoolExhausted
 from serve.prefix_cache import PrefixCache
 from serve.prefix_index import PrefixIndex, block_keys
 from serve.prefix_oracle import PrefixOracle
@@ -271,3 +271,28 @@ def test_evicting_a_checkpoint_keeps_kv_and_evicting_kv_drops_its_checkpoints():
     idx.add_checkpoint("b", 0, "pages-of-b", 8)         # then the checkpoint: block b is the oldest entry
     assert [(e.kind, e.key) for e in idx.evict_one()] == [("ckpt", "b"), ("kv", "b")]   # block b and its checkpoint
     idx.check_integrity(4)
+
+
+@pytest.mark.parametrize("case", ["free-page", "other-owners-page"])
+def test_publish_blocks_is_atomic(case):
+    """Publishing a block whose page the owner does not hold raises before anything is added: the index
+    never points at a free page (or one the cache holds no reference to)."""
+    cache = _cache(num_pages=16)
+    seq = list(range(12))                          # 3 blocks of 4
+    kv = cache.alloc(PageKind.MLA_KV, 3, "w")
+    other = cache.alloc(PageKind.MLA_KV, 1, "x")
+    bad = 15 if case == "free-page" else other[0]
+    assert cache.pool.kind(15) is PageKind.FREE
+    before = cache.pool.page_table()
+    with pytest.raises(PageError, match="holds no reference to page"):
+        cache.publish_blocks(cache.keys(seq), kv[:2] + [bad], 3, "w")
+    assert cache.pool.page_table() == before and not cache.index.nodes
+    cache.check_integrity()
+    with pytest.raises(ValueError, match="num_blocks"):
+        cache.publish_blocks(cache.keys(seq), kv, 4, "w")
+    cache.publish_blocks(cache.keys(seq), kv, 3, "w")   # the valid call still works afterwards
+    assert cache.lookup(seq + [0]).kv_tokens == 12
+    cache.release("w")
+    cache.pool.decref(kv, "w")
+    cache.pool.decref(other, "x")
+    cache.check_integrity()

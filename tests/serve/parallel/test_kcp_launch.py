@@ -1,13 +1,16 @@
 """serve.parallel.launch: spawned ranks, clear errors, timeouts, and no process left behind."""
 import os
+import threading
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from serve.parallel.cli import main as cli_main
 from serve.parallel.kcp import kcp_kda
 from serve.parallel.launch import RankFailure, RankTimeout, free_port, init_from_env, run_ranks
+from serve.parallel.memory import check_rank_memory, rank_bytes
 from serve.parallel.run import KCPConfig, rank_job, run_kcp
 
 
@@ -112,3 +115,37 @@ def test_bad_launch_arguments(monkeypatch):
     with pytest.raises(ValueError, match="not under torchrun"):
         init_from_env()
     assert 0 < free_port() < 65536
+
+
+def _unpicklable_result(rank, world_size):
+    dist.barrier()
+    return threading.Lock() if rank == 1 else rank
+
+
+def test_an_unpicklable_result_reports_the_pickling_error(ranks_gone):
+    """The queue pickles in a feeder thread whose error never reaches the parent: the rank used to
+    look like it 'exited with code 0 without reporting a result'."""
+    with pytest.raises(RankFailure, match=r"rank 1 of 2 failed: TypeError: the rank's result \(lock\) cannot be "
+                                          r"pickled.*cannot pickle '_thread.lock' object") as err:
+        run_ranks(_unpicklable_result, 2, start_method="forkserver", timeout_s=60)
+    ranks_gone(err.value.pids)
+
+
+def test_config_rejects_a_seq_len_beyond_memory_up_front(capsys):
+    """seq_len 10**8 used to be accepted and the ranks grew for minutes before failing."""
+    with pytest.raises(ValueError, match=r"seq_len=100,000,000 needs about [\d.]+ GiB per rank .* available"):
+        KCPConfig(seq_len=10**8)
+    t0 = time.monotonic()
+    assert cli_main(["--seq-len", str(10**8), "--world-size", "2"]) == 2
+    assert "error: seq_len=100,000,000 needs about" in capsys.readouterr().err
+    assert time.monotonic() - t0 < 5                       # no rank was started
+    KCPConfig(seq_len=65536)                               # the README's example still fits
+
+
+def test_rank_memory_estimate_scales_and_checks():
+    need = rank_bytes(65536, 2, 1, 4, 128, 128, 4, 64, None)
+    assert rank_bytes(131072, 2, 1, 4, 128, 128, 4, 64, None) > 1.9 * (need - 300 * 2**20)
+    assert rank_bytes(65536, 4, 1, 4, 128, 128, 4, 64, None) < need
+    check_rank_memory(need, 2, 65536, available=2 * need)
+    with pytest.raises(ValueError, match="needs about"):
+        check_rank_memory(need, 2, 65536, available=2 * need - 1)
