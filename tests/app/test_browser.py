@@ -26,6 +26,9 @@ SHOTS = REPO / "tests" / "app" / "screenshots"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 ERROR_ALERT = "[data-testid='stAlertContentError']"  # st.error in Streamlit 1.67 (ErrorElement: stAlertContent{Kind})
+# Pages whose verdict is an st.success: the alert must be there with this text (tests/app/verdicts.py
+# checks the rest of each verdict in the AppTest sweep).
+SUCCESS = {HOME.path: "Outputs identical to the cache-off run", "pages/02_verify_and_replay.py": "Bitwise equal"}
 IGNORED = re.compile(r"(fonts|\.woff2?|_stcore/health|_stcore/host-config|favicon)", re.I)
 
 pytestmark = pytest.mark.browser
@@ -132,6 +135,10 @@ def test_every_page_in_browser(server):
             if exc.count():
                 errors.append(f"{tab.path}: stException: {exc.first.inner_text()[:500]}")
             errors += _error_alerts(page, tab.path)
+            if tab.path in SUCCESS:
+                shown = [a.inner_text() for a in page.locator("[data-testid='stAlertContentSuccess']").all()]
+                if not any(t.strip().startswith(SUCCESS[tab.path]) for t in shown):
+                    errors.append(f"{tab.path}: no success alert {SUCCESS[tab.path]!r}; shown: {shown}")
             title = page.locator("h1").first.inner_text(timeout=10_000) if page.locator("h1").count() else ""
             assert title, f"{tab.path}: no title rendered"
             page.screenshot(path=str(SHOTS / f"{Path(tab.path).stem}.png"), full_page=True)
