@@ -64,8 +64,8 @@ def expected_hit(earlier: list[list[int]], last: list[int], block: int, interval
 def _home(at: AppTest) -> None:
     ok = _one([s.value for s in at.success], r"^Outputs identical to the cache-off run: (\d+) greedy tokens, "
               r"max \|Δ logits\| = (\S+) ", "home")
-    assert int(ok.group(1)) == _widget(at, "p00_new")
-    assert float(ok.group(2)) <= LOGIT_TOL
+    assert int(ok.group(1)) == _widget(at, "p00_new"), ok.group(0)
+    assert float(ok.group(2)) <= LOGIT_TOL, ok.group(0)
     hit = _one([c.value for c in at.caption], r"^Hit: (\d+) of (\d+) tokens", "home")
     first, second = (list(_widget(at, k).encode()) for k in ("p00_first", "p00_second"))
     want = expected_hit([first], second, _widget(at, "p00_block"), _widget(at, "p00_interval_c"))
@@ -87,9 +87,9 @@ def _p02(at: AppTest) -> None:
 def _p04(at: AppTest) -> None:
     sizes = _one([m.value for m in at.markdown], r"\*\*(\d+) forced write-backs?\*\*", "04")
     crosses = next(t for t in chart_spec(at, "p04_occupancy_chart")["data"] if t["name"].startswith("forced write-back"))
-    assert len(plotly_values(crosses.get("x", []))) == int(sizes.group(1))
+    assert len(plotly_values(crosses.get("x", []))) == int(sizes.group(1)), f"04: text {sizes.group(0)!r} vs chart"
     steps = chart_spec(at, "p04_occupancy_chart")["data"][0]
-    assert max(plotly_values(steps["y"])) <= _widget(at, "p04_capacity")     # the ring never holds more than its slots
+    assert max(plotly_values(steps["y"])) <= _widget(at, "p04_capacity"), "04: more slots in use than the capacity"
 
 
 def _p05(at: AppTest) -> None:
@@ -119,7 +119,8 @@ def _p08(at: AppTest) -> None:
     _identical(_metric(at, "Outputs identical"))
     first, second = shared_prefix_prompts(_widget(at, "p08_shared"), _widget(at, "p08_unique"), seed=0)
     want = expected_hit([first], second, _widget(at, "p08_block"), _widget(at, "p08_interval"))
-    assert _metric(at, "Prefill tokens skipped").value == f"{want:,} of {len(second):,}"
+    shown = _metric(at, "Prefill tokens skipped").value
+    assert shown == f"{want:,} of {len(second):,}", f"08: skipped {shown!r}, the rule gives b = {want}"
 
 
 def _p09(at: AppTest) -> None:
@@ -128,7 +129,8 @@ def _p09(at: AppTest) -> None:
     first = shared_prefix_prompts(prompt, 0, 0)[0]                       # as serve.prefix_runs.miss_then_hit builds them
     second = first[:min(_widget(at, "p09_next"), prompt)] + shared_prefix_prompts(16, 0, 1)[0]
     want = expected_hit([first], second, _widget(at, "p09_block"), _widget(at, "p09_interval"))
-    assert _metric(at, "Next request: hit b").value == f"{want} tokens"
+    shown = _metric(at, "Next request: hit b").value
+    assert shown == f"{want} tokens", f"09: hit b {shown!r}, the rule gives {want}"
     fig = chart_spec(at, "p09_capacity_chart")                          # no capacity beats an infinite cache
     for unit in ("block", "token"):
         ideal = next(t for t in fig["data"] if t["name"].startswith(f"ideal {unit} ratio"))
@@ -143,7 +145,8 @@ def _p10(at: AppTest) -> None:
 
 def _p11(at: AppTest) -> None:
     hit = float(_metric(at, "token hit ratio (per-replica caches)").value)
-    assert hit <= float(_metric(at, "ideal (one shared cache)").value)
+    ideal = float(_metric(at, "ideal (one shared cache)").value)
+    assert hit <= ideal, f"11: per-replica hit {hit} above the one-shared-cache ideal {ideal}"
 
 
 def _p13(at: AppTest) -> None:
