@@ -2,7 +2,7 @@
 
 Visits every page in the navigation, waits until the script has finished and the charts are drawn,
 fails on any ``stException`` element, any ``st.error`` alert (``stAlertContentError``; only the texts
-allow-listed in tests/app/verdicts.py pass) or browser console error (ignoring only the offline 404s for
+allow-listed in tests/app/allowed_errors.py pass) or browser console error (ignoring only the offline 404s for
 fonts and ``_stcore/health``/``host-config``), and saves a screenshot of each page (the README's
 screenshot is the home page's). Skips when Chromium is missing, unless ``REQUIRE_BROWSER=1``.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from pages._registry import HOME, TABS
-from tests.app.verdicts import allowed
+from tests.app.allowed_errors import allowed
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"

@@ -10,7 +10,8 @@ from streamlit.testing.v1 import AppTest
 
 from pages._common import PERSISTED_KEYS
 from pages._registry import HOME, TABS
-from tests.app.verdicts import VERDICTS, allowed
+from tests.app.allowed_errors import allowed
+from tests.app.verdicts import VERDICTS
 
 TIMEOUT_S = 120
 APP = str(Path(__file__).resolve().parents[2] / "app.py")

@@ -1,10 +1,9 @@
-"""What each page must show for the sweep in test_pages.py to pass, besides "no exception".
+"""What each page must show for the sweep in test_pages.py to pass, besides "no exception" and no
+``st.error`` outside tests/app/allowed_errors.py.
 
-- ``ALLOWED_ERRORS``: the only ``st.error`` texts a page may show, each with the reason it is an
-  intentional state (bad input the page explains) rather than a bug. Any other ``st.error`` fails.
-- ``VERDICTS``: per page, a check of the page's own positive verdict (outputs identical, bitwise equal,
-  hit as the lookup rule predicts, equal within 1e-5, ...) read from the rendered elements. Each check
-  holds at every widget setting the sweep visits and fails when its verdict element is missing.
+``VERDICTS``: per page, a check of the page's own positive verdict (outputs identical, bitwise equal,
+hit as the lookup rule predicts, equal within 1e-5, ...) read from the rendered elements. Each check
+holds at every widget setting the sweep visits and fails when its verdict element is missing.
 
 Pages without a verdict (03, 06, 12) show byte formulas, timings or fractions with no pass/fail claim.
 """
@@ -18,14 +17,6 @@ from serve.prefix_runs import shared_prefix_prompts
 from tests.app.page_helpers import chart_spec, plotly_values
 
 LOGIT_TOL = 1e-5   # cache-on vs cache-off logits: the pages print "≤ 1e-5 required" (fp32, chunked vs split prefill)
-
-# (page, regex matched against the st.error text, reason it is intentional)
-ALLOWED_ERRORS: list[tuple[str, str, str]] = []
-
-
-def allowed(path: str, text: str) -> str | None:
-    """The reason ``text`` is an intentional error on ``path``, or None."""
-    return next((why for page, pattern, why in ALLOWED_ERRORS if page == path and re.search(pattern, text)), None)
 
 
 def _metric(at: AppTest, label: str):
