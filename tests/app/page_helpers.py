@@ -6,12 +6,15 @@ from pathlib import Path
 import numpy as np
 from streamlit.testing.v1 import AppTest
 
+from tests.app.allowed_errors import allowed
+
 APP = str(Path(__file__).resolve().parents[2] / "app.py")
 
 
 def open_page(path: str, **values) -> AppTest:
     """Run the app, switch to ``path``, then set each widget ``key=value`` (slider, select_slider,
-    number_input or selectbox) and rerun; asserts that no run raised."""
+    number_input or selectbox) and rerun; asserts that no run raised and that the page shows no st.error
+    except those allow-listed in tests/app/allowed_errors.py."""
     at = AppTest.from_file(APP, default_timeout=120)
     at.run()
     at.switch_page(path)
@@ -20,6 +23,8 @@ def open_page(path: str, **values) -> AppTest:
         next(w for w in [*at.slider, *at.select_slider, *at.number_input, *at.selectbox] if w.key == key).set_value(value)
         at.run()
     assert not at.exception, [e.value for e in at.exception]
+    unexpected = [e.value for e in at.error if allowed(path, e.value) is None]
+    assert not unexpected, f"{path}: st.error {unexpected}"
     return at
 
 

@@ -1,7 +1,8 @@
 """Real-browser test: Playwright drives Debian's Chromium against ``streamlit run app.py``.
 
 Visits every page in the navigation, waits until the script has finished and the charts are drawn,
-fails on any ``stException`` element or browser console error (ignoring only the offline 404s for
+fails on any ``stException`` element, any ``st.error`` alert (``stAlertContentError``; only the texts
+allow-listed in tests/app/allowed_errors.py pass) or browser console error (ignoring only the offline 404s for
 fonts and ``_stcore/health``/``host-config``), and saves a screenshot of each page (the README's
 screenshot is the home page's). Skips when Chromium is missing, unless ``REQUIRE_BROWSER=1``.
 """
@@ -17,12 +18,17 @@ from pathlib import Path
 import pytest
 
 from pages._registry import HOME, TABS
+from tests.app.allowed_errors import allowed
 
 REPO = Path(__file__).resolve().parents[2]
 CHROMIUM = "/usr/bin/chromium"
 SHOTS = REPO / "tests" / "app" / "screenshots"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+ERROR_ALERT = "[data-testid='stAlertContentError']"  # st.error in Streamlit 1.67 (ErrorElement: stAlertContent{Kind})
+# Pages whose verdict is an st.success: the alert must be there with this text (tests/app/verdicts.py
+# checks the rest of each verdict in the AppTest sweep).
+SUCCESS = {HOME.path: "Outputs identical to the cache-off run", "pages/02_verify_and_replay.py": "Bitwise equal"}
 IGNORED = re.compile(r"(fonts|\.woff2?|_stcore/health|_stcore/host-config|favicon)", re.I)
 
 pytestmark = pytest.mark.browser
@@ -82,6 +88,14 @@ def _url_path(path: str) -> str:
     return re.sub(r"^\d+_", "", stem)
 
 
+def _error_alerts(page, path: str) -> list[str]:
+    """The st.error alerts on the page that are not allow-listed for ``path`` (an stException is
+    reported on its own, not again here)."""
+    texts = [a.inner_text() for a in page.locator(ERROR_ALERT).all()
+             if not a.locator("xpath=ancestor::*[@data-testid='stException']").count()]
+    return [f"{path}: st.error: {t[:500]}" for t in texts if allowed(path, t.strip()) is None]
+
+
 def test_every_page_in_browser(server):
     from playwright.sync_api import sync_playwright
 
@@ -120,6 +134,11 @@ def test_every_page_in_browser(server):
             exc = page.locator("[data-testid='stException']")
             if exc.count():
                 errors.append(f"{tab.path}: stException: {exc.first.inner_text()[:500]}")
+            errors += _error_alerts(page, tab.path)
+            if tab.path in SUCCESS:
+                shown = [a.inner_text() for a in page.locator("[data-testid='stAlertContentSuccess']").all()]
+                if not any(t.strip().startswith(SUCCESS[tab.path]) for t in shown):
+                    errors.append(f"{tab.path}: no success alert {SUCCESS[tab.path]!r}; shown: {shown}")
             title = page.locator("h1").first.inner_text(timeout=10_000) if page.locator("h1").count() else ""
             assert title, f"{tab.path}: no title rendered"
             page.screenshot(path=str(SHOTS / f"{Path(tab.path).stem}.png"), full_page=True)

@@ -1,6 +1,7 @@
 """AppTest for every tab in pages/_registry.py: run it, move every slider / select_slider /
-number_input to its minimum and maximum, try every selectbox option, and check that no exception
-is raised and every Plotly chart has data."""
+number_input to its minimum and maximum, try every selectbox option, and check after every run that
+no exception is raised, no ``st.error`` is shown unless allow-listed with its reason, the page's own
+verdict holds (tests/app/verdicts.py) and every Plotly chart has data."""
 import json
 from pathlib import Path
 
@@ -9,13 +10,25 @@ from streamlit.testing.v1 import AppTest
 
 from pages._common import PERSISTED_KEYS
 from pages._registry import HOME, TABS
+from tests.app.allowed_errors import allowed
+from tests.app.verdicts import VERDICTS
 
 TIMEOUT_S = 120
 APP = str(Path(__file__).resolve().parents[2] / "app.py")
 
 
 def _check(at: AppTest, where: str) -> None:
+    """``where`` starts with the page path."""
     assert not at.exception, f"{where}: exception {[e.value for e in at.exception]}"
+    path = where.split()[0]
+    errors = [e.value for e in at.error]
+    unexpected = [e for e in errors if allowed(path, e) is None]
+    assert not unexpected, f"{where}: st.error {unexpected}"
+    if not errors and path in VERDICTS:   # an allowed error stops the page before its verdict
+        try:
+            VERDICTS[path](at)
+        except AssertionError as exc:
+            raise AssertionError(f"{where}: verdict failed: {exc}") from exc
     for chart in at.get("plotly_chart"):
         fig = json.loads(chart.proto.spec)
         assert fig.get("data"), f"{where}: Plotly chart {chart.proto.id} has no traces"

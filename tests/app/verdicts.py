@@ -1,0 +1,168 @@
+"""What each page must show for the sweep in test_pages.py to pass, besides "no exception" and no
+``st.error`` outside tests/app/allowed_errors.py.
+
+``VERDICTS``: per page, a check of the page's own positive verdict (outputs identical, bitwise equal,
+hit as the lookup rule predicts, equal within 1e-5, ...) read from the rendered elements. Each check
+holds at every widget setting the sweep visits and fails when its verdict element is missing.
+
+Pages without a verdict (03, 06, 12) show byte formulas, timings or fractions with no pass/fail claim.
+"""
+from __future__ import annotations
+
+import re
+
+from streamlit.testing.v1 import AppTest
+
+from serve.prefix_runs import shared_prefix_prompts
+from tests.app.page_helpers import chart_spec, plotly_values
+
+LOGIT_TOL = 1e-5   # cache-on vs cache-off logits: the pages print "≤ 1e-5 required" (fp32, chunked vs split prefill)
+
+
+def _metric(at: AppTest, label: str):
+    found = [m for m in at.metric if m.label == label]
+    assert found, f"no metric {label!r}; metrics: {[m.label for m in at.metric]}"
+    return found[0]
+
+
+def _widget(at: AppTest, key: str):
+    return next(w for w in [*at.slider, *at.select_slider, *at.selectbox, *at.text_area, *at.number_input]
+                if w.key == key).value
+
+
+def _one(texts: list[str], pattern: str, where: str) -> re.Match:
+    found = [m for m in (re.search(pattern, t) for t in texts) if m]
+    assert found, f"{where}: no text matches {pattern!r}"
+    return found[0]
+
+
+def expected_hit(earlier: list[list[int]], last: list[int], block: int, interval: int) -> int:
+    """Hit b of ``last`` after each of ``earlier`` went through a cache (checkpoint every group at once),
+    restated from the engine's documented rules rather than read from its cache: a checkpoint at b of
+    prompt p is usable if ``last`` shares p's first b tokens; p (length L) writes checkpoints at every
+    multiple of C up to L, at floor((L-1)/N)·N and at floor(L/N)·N; b is the largest usable one
+    <= min(KV run, len(last) - 1), the KV run being the whole blocks shared with a cached prompt."""
+    kv, usable = 0, set()
+    for p in earlier:
+        common = next((i for i, (a, b) in enumerate(zip(p, last)) if a != b), min(len(p), len(last)))
+        kv = max(kv, common // block * block)
+        L = len(p)
+        usable |= {b for b in {*range(interval, L + 1, interval), (L - 1) // block * block, L // block * block}
+                   if 0 < b <= common}
+    return max((b for b in usable if b <= min(kv, len(last) - 1)), default=0)
+
+
+def _home(at: AppTest) -> None:
+    ok = _one([s.value for s in at.success], r"^Outputs identical to the cache-off run: (\d+) greedy tokens, "
+              r"max \|Δ logits\| = (\S+) ", "home")
+    assert int(ok.group(1)) == _widget(at, "p00_new"), ok.group(0)
+    assert float(ok.group(2)) <= LOGIT_TOL, ok.group(0)
+    hit = _one([c.value for c in at.caption], r"^Hit: (\d+) of (\d+) tokens", "home")
+    first, second = (list(_widget(at, k).encode()) for k in ("p00_first", "p00_second"))
+    want = expected_hit([first], second, _widget(at, "p00_block"), _widget(at, "p00_interval_c"))
+    assert (int(hit.group(1)), int(hit.group(2))) == (want, len(second)), f"home: hit {hit.group(0)!r}, expected b = {want}"
+
+
+def _p01(at: AppTest) -> None:
+    table = next(d.value for d in at.dataframe if "measured = formula" in d.value.columns)
+    assert table["measured = formula"].all(), table[["strategy", "measured_bytes", "formula_bytes"]]
+
+
+def _p02(at: AppTest) -> None:
+    _one([s.value for s in at.success], r"^Bitwise equal: max \|state − sequential reference\| = 0\.0 at all \d+ steps",
+         "02")
+    if _widget(at, "p02_mode") == "interrupted":
+        assert _metric(at, "Caches untouched · retry equal").value == "True · True"
+
+
+def _p04(at: AppTest) -> None:
+    sizes = _one([m.value for m in at.markdown], r"\*\*(\d+) forced write-backs?\*\*", "04")
+    crosses = next(t for t in chart_spec(at, "p04_occupancy_chart")["data"] if t["name"].startswith("forced write-back"))
+    assert len(plotly_values(crosses.get("x", []))) == int(sizes.group(1)), f"04: text {sizes.group(0)!r} vs chart"
+    steps = chart_spec(at, "p04_occupancy_chart")["data"][0]
+    assert max(plotly_values(steps["y"])) <= _widget(at, "p04_capacity"), "04: more slots in use than the capacity"
+
+
+def _p05(at: AppTest) -> None:
+    """The caption's claim: a static sub-pool never goes above its dashed size line."""
+    fig = chart_spec(at, "p05_util")
+    caps = {s["yref"]: s["y0"] for s in fig["layout"]["shapes"] if s["y0"] == s["y1"]}
+    static = [t for t in fig["data"] if t["name"].startswith("static split")]
+    assert len(static) == 2 and len(caps) == 2
+    for t in static:
+        assert max(plotly_values(t["y"])) <= caps[t.get("yaxis", "y")] + 1e-9, t["name"]
+
+
+def _p07(at: AppTest) -> None:
+    prompts = [list(line.encode()) for line in _widget(at, "p07_prompts").splitlines() if line.strip()]
+    hit = _one([m.value for m in at.markdown], r"\*\*Hit b = (\d+) tokens\*\*", "07")
+    block = _widget(at, "p07_block")
+    want = expected_hit(prompts[:-1], prompts[-1], block, block * _widget(at, "p07_every"))
+    assert int(hit.group(1)) == want, f"07: page says b = {hit.group(1)}, the rule gives {want}"
+
+
+def _identical(metric) -> None:
+    assert metric.value == "yes", f"{metric.label}: {metric.value}"
+    assert float(metric.proto.delta.removeprefix("max |Δ logits| ")) <= LOGIT_TOL, metric.proto.delta
+
+
+def _p08(at: AppTest) -> None:
+    _identical(_metric(at, "Outputs identical"))
+    first, second = shared_prefix_prompts(_widget(at, "p08_shared"), _widget(at, "p08_unique"), seed=0)
+    want = expected_hit([first], second, _widget(at, "p08_block"), _widget(at, "p08_interval"))
+    shown = _metric(at, "Prefill tokens skipped").value
+    assert shown == f"{want:,} of {len(second):,}", f"08: skipped {shown!r}, the rule gives b = {want}"
+
+
+def _p09(at: AppTest) -> None:
+    _identical(_metric(at, "Next output identical"))
+    prompt = _widget(at, "p09_prompt")
+    first = shared_prefix_prompts(prompt, 0, 0)[0]                       # as serve.prefix_runs.miss_then_hit builds them
+    second = first[:min(_widget(at, "p09_next"), prompt)] + shared_prefix_prompts(16, 0, 1)[0]
+    want = expected_hit([first], second, _widget(at, "p09_block"), _widget(at, "p09_interval"))
+    shown = _metric(at, "Next request: hit b").value
+    assert shown == f"{want} tokens", f"09: hit b {shown!r}, the rule gives {want}"
+    fig = chart_spec(at, "p09_capacity_chart")                          # no capacity beats an infinite cache
+    for unit in ("block", "token"):
+        ideal = next(t for t in fig["data"] if t["name"].startswith(f"ideal {unit} ratio"))
+        measured = next(t for t in fig["data"] if t["name"].startswith(f"{unit} hit ratio"))
+        assert max(plotly_values(measured["y"])) <= plotly_values(ideal["y"])[0] + 1e-12, unit
+
+
+def _p10(at: AppTest) -> None:
+    ok = _one([m.value for m in at.markdown], r"^\*\*\d+ rank\(s\), \w+: (.*)\*\* \(worst max \|Δ\| = (\S+), fp32\)", "10")
+    assert ok.group(1) == "equal within 1e-5" and float(ok.group(2)) <= 1e-5, ok.group(0)
+
+
+def _p11(at: AppTest) -> None:
+    hit = float(_metric(at, "token hit ratio (per-replica caches)").value)
+    ideal = float(_metric(at, "ideal (one shared cache)").value)
+    assert hit <= ideal, f"11: per-replica hit {hit} above the one-shared-cache ideal {ideal}"
+
+
+def _p13(at: AppTest) -> None:
+    """The caption's claim: a class's admitted tokens never cross its budget line (burst + rate · t)."""
+    if any("No bucketed class admitted" in i.value for i in at.info):
+        return
+    data = chart_spec(at, "p13_budget_chart")["data"]
+    assert data
+    for admitted in (t for t in data if t["name"].endswith(": admitted")):
+        budget = next(t for t in data if t["name"] == admitted["name"].replace("admitted", "budget (burst + rate·t)"))
+        assert plotly_values(admitted["x"]) == plotly_values(budget["x"])
+        over = [(t, a, b) for t, a, b in zip(plotly_values(admitted["x"]), plotly_values(admitted["y"]),
+                                             plotly_values(budget["y"])) if a > b + 1e-6]
+        assert not over, f"{admitted['name']} above its budget at (t, admitted, budget) {over[:3]}"
+
+
+def _p14(at: AppTest) -> None:
+    fig = chart_spec(at, "p14_hit_chart")
+    ideal = next(s["y0"] for s in fig["layout"]["shapes"] if s["y0"] == s["y1"])
+    assert max(plotly_values(fig["data"][0]["y"])) <= ideal + 1e-12, "a policy beat one infinite shared cache"
+
+
+VERDICTS = {
+    "pages/00_home.py": _home, "pages/01_snapshot_vs_projection.py": _p01, "pages/02_verify_and_replay.py": _p02,
+    "pages/04_raw_input_ring.py": _p04, "pages/05_page_pool.py": _p05, "pages/07_prefix_anatomy.py": _p07,
+    "pages/08_prefix_hit.py": _p08, "pages/09_prefix_miss.py": _p09, "pages/10_kcp.py": _p10,
+    "pages/11_fleet_hashing.py": _p11, "pages/13_fleet_budgets.py": _p13, "pages/14_fleet_simulation.py": _p14,
+}
