@@ -67,8 +67,8 @@ m3.metric("Restored from checkpoint", f"{warm.restored_bytes / 1024:,.1f} KiB", 
 m4.metric("Shared through KV pages", f"{warm.shared_kv_bytes / 1024:,.1f} KiB", "MLA latents, by reference",
           delta_color="off")
 if check.outputs_identical and check.max_logit_diff <= LOGIT_TOL:
-    st.success(f"Outputs identical to the cache-off run: {num_generated} greedy tokens, logits {check.verdict}: "
-               f"{check.reason}. Warm output bytes: “{''.join(c if c.isprintable() else '·' for c in text)}” (the demo model's weights are "
+    st.success(f"Outputs identical to the cache-off run: {num_generated} greedy tokens, max |Δ logits| = "
+               f"{check.max_logit_diff:.1e} (≤ {TOL_TEXT} required), logits {check.verdict}: {check.reason}. Warm output bytes: “{''.join(c if c.isprintable() else '·' for c in text)}” (the demo model's weights are "
                "random, so its bytes are not meant to read as text; control bytes shown as ·)")
 elif check.outputs_identical:
     st.error(f"Warm tokens equal the cache-off run's, but max |Δ logits| = {check.max_logit_diff:.1e} exceeds the "
