@@ -7,7 +7,7 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from kda_core.model import HybridLM
-from pages._common import engine_call, persist, show_chart
+from pages._common import engine_call, persist, persist_clamped, show_chart
 from serve.spec_lab import MODES, STRATEGIES, built_by_loaded_code, run_verify_lab
 
 st.title("verify_and_replay")
@@ -28,24 +28,21 @@ acceptance = c4.slider("Acceptance rate per draft token", 0.0, 1.0, step=0.05,
 seed = c5.slider("Seed", 0, 20, key=persist("p02_seed", 0, min_value=0, max_value=20), persist_state="session")
 
 
-def _clamped(key: str, default: int, top: int) -> str:
-    persist(key, default, min_value=1)
-    st.session_state[key] = min(st.session_state[key], top)
-    return key
-
-
 abort_layers, abort_tokens, corrupt_at, poison = None, 1, 1, False
 if mode == "interrupted":
     e1, e2 = st.columns(2)
     layers = e1.slider("Abort the first verify after this many layers (8 = all)", 0, 8,
                        key=persist("p02_abort_layers", 3, min_value=0, max_value=8), persist_state="session")
     abort_tokens = e2.slider("…having fed this many verify tokens", 1, num_draft + 1,
-                             key=_clamped("p02_abort_tokens", 2, num_draft + 1), persist_state="session")
+                             key=persist_clamped("p02_abort_tokens", 2, 1, num_draft + 1), persist_state="session")
     abort_layers = None if layers == 8 else layers
 elif mode == "injected deviation":
     e1, e2 = st.columns(2)
-    corrupt_at = e1.slider("Corrupt the draft at position", 1, num_draft,
-                           key=_clamped("p02_corrupt_at", 2, num_draft), persist_state="session")
+    if num_draft > 1:
+        corrupt_at = e1.slider("Corrupt the draft at position", 1, num_draft,
+                               key=persist_clamped("p02_corrupt_at", 2, 1, num_draft), persist_state="session")
+    else:  # one draft: the only position to corrupt
+        e1.caption("Corrupt the draft at position 1 (the only draft)")
     poison = e2.checkbox("Also overwrite the stored data of rejected tokens with NaN (control)",
                          key=persist("p02_poison", True), persist_state="session")
 

@@ -6,7 +6,7 @@ import streamlit as st
 
 from kda_core.config import PRESETS
 from kda_core.model import HybridLM
-from pages._common import engine_call, persist, show_chart
+from pages._common import engine_call, persist, persist_clamped, show_chart
 from serve import ring_lab
 from serve.spec_lab import built_by_loaded_code
 
@@ -21,8 +21,13 @@ st.write(
     f"({DEMO.num_kda_layers} KDA + {DEMO.num_mla_layers} MLA layers) at the chosen width.")
 
 c1, c2, c3, c4 = st.columns(4)
-window = c1.slider("Rollback window (verify tokens)", 1, 16, key=persist("p04_window", 6, min_value=1, max_value=16), persist_state="session")
 capacity = c2.slider("Ring capacity (slots)", 1, 32, key=persist("p04_capacity", 16, min_value=1, max_value=32), persist_state="session")
+if capacity > 1:
+    window = c1.slider("Rollback window (verify tokens, ≤ capacity)", 1, min(16, capacity),
+                       key=persist_clamped("p04_window", 6, 1, min(16, capacity)), persist_state="session")
+else:  # a one-slot ring rolls back one verify token at most
+    window = 1
+    c1.caption("Rollback window: 1 verify token (a 1-slot ring holds no more)")
 num_draft = c3.slider("Draft length n", 1, 16, key=persist("p04_draft", 4, min_value=1, max_value=16), persist_state="session")
 width = c4.select_slider("Model width d (H = d / 32 heads)", list(ring_lab.WIDTHS),
                          key=persist("p04_width", 128, options=list(ring_lab.WIDTHS)), persist_state="session")

@@ -86,6 +86,15 @@ def persist(key: str, default=None, *, options=None, min_value=None, max_value=N
     return key
 
 
+def persist_clamped(key: str, default: int, lo: int, hi: int) -> str:
+    """:func:`persist` for a slider whose upper bound ``hi`` depends on another widget: a stored value
+    above ``hi`` is lowered to ``hi`` (the dependent widgets constrain each other instead of failing);
+    an invalid value falls back to ``default`` as in :func:`persist`. Returns key."""
+    persist(key, default, min_value=lo)
+    st.session_state[key] = min(st.session_state[key], hi)
+    return key
+
+
 def _decade_ticks(axis) -> None:
     """On a log axis without explicit ticks, label only the powers of ten (Plotly's default minor
     labels read as a bare "2" or "5", which can mean 2,000 or 20,000)."""

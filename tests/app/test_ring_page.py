@@ -24,3 +24,15 @@ def test_full_ring_gets_one_head_tail_label():
     at = open_page(PAGE)
     labels = [a["text"] for a in chart_spec(at, "p04_slots_chart")["layout"]["annotations"]]
     assert labels == ["head = tail (ring full)"]
+
+
+def test_window_slider_is_bounded_by_capacity():
+    """Dependent widgets constrain each other: a capacity below the window lowers the window instead of
+    failing, and a 1-slot ring shows a window of 1 without a slider (whose min would equal its max)."""
+    at = open_page("pages/04_raw_input_ring.py")
+    at.slider(key="p04_capacity").set_value(4).run()
+    assert not at.exception and not at.error
+    assert at.slider(key="p04_window").value == 4 and at.slider(key="p04_window").max == 4
+    at.slider(key="p04_capacity").set_value(1).run()
+    assert not at.exception and not at.error
+    assert not [s for s in at.slider if s.key == "p04_window"]
