@@ -38,6 +38,14 @@ def _int(section: Mapping, key: str, prefix: str, default: int | None = None, al
     return val
 
 
+def _count(section: Mapping, key: str, prefix: str) -> int:
+    """An optional count (>= 0, absent or null = 0)."""
+    val = section.get(key) or 0
+    if not isinstance(val, int) or isinstance(val, bool) or val < 0:
+        raise ValueError(f"field {prefix + key!r} must be an int >= 0, got {val!r}")
+    return val
+
+
 def _bool(section: Mapping, key: str, prefix: str) -> bool:
     val = section.get(key, False)
     if not isinstance(val, bool):
@@ -97,10 +105,10 @@ def from_hf_config(config: Mapping, name: str = "uploaded") -> ModelShape:
         mla_heads=vals["num_attention_heads"], q_lora_rank=vals["q_lora_rank"], kv_lora_rank=vals["kv_lora_rank"],
         qk_nope_head_dim=vals["qk_nope_head_dim"], qk_rope_head_dim=vals["qk_rope_head_dim"],
         v_head_dim=vals["v_head_dim"], mla_output_gate=_bool(text, "mla_use_output_gate", prefix),
-        first_dense_layers=text.get("first_k_dense_replace", 0) or 0,
+        first_dense_layers=_count(text, "first_k_dense_replace", prefix),
         dense_intermediate_size=vals["intermediate_size"], num_experts=vals["num_experts"],
         experts_per_token=vals["num_experts_per_token"],
-        num_shared_experts=text.get("num_shared_experts", 0) or 0,
+        num_shared_experts=_count(text, "num_shared_experts", prefix),
         moe_intermediate_size=vals["moe_intermediate_size"],
         routed_expert_hidden_size=_int(text, "routed_expert_hidden_size", prefix, default=hidden),
         tie_word_embeddings=_bool(text, "tie_word_embeddings", prefix), weight_bytes=weight_bytes,
