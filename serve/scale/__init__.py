@@ -1,0 +1,17 @@
+"""Scale layer: roofline cost of the real Kimi models (Kimi-Linear-48B-A3B, Kimi K3, their all-MLA
+counterfactuals) on datacenter GPUs, checked against the Kimi Linear tech report's curves.
+
+Pure arithmetic (no torch tensors, no Streamlit). Units: seconds, bytes, FLOP.
+
+Concept -> file -> main type -> test:
+- GPU presets (A100, H100, H200, B200) ..... hardware.py .... ``Hardware``, ``PRESETS`` ...... test_model_shape.py
+- model sizes per layer kind, presets ...... model_shape.py . ``ModelShape``, ``preset`` ..... test_model_shape.py
+- Hugging Face config.json -> ModelShape .... hf_config.py ... ``from_hf_config`` ............ test_hf_config.py
+- prefill / decode / checkpoint restore .... roofline.py .... ``prefill_time``, ``decode_time``,
+  ``checkpoint_restore_time``, ``StepCost`` ............................................... test_roofline.py
+- the report's published points ............ published.py ... ``PublishedCurve``, ``CURVES`` . test_validation.py
+- model vs report ratios, the prefill fit ... validation.py .. ``decode_ratios``, ``prefill_ratios``,
+  ``fit_prefill`` ............................................................................ test_validation.py
+
+Tests live in ``tests/serve/scale/``.
+"""
