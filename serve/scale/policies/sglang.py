@@ -99,6 +99,7 @@ class _SGLangBase:
         running = self.running_state_slots * self.replica.state_bytes
         total = cache_bytes + running
         state_cap = max(total * self.state_share - running, 0.0)
+        self._last = (None, 0, 0)
         self.tree.evict_to(cache_bytes - state_cap, state_cap)
 
     def bytes_by_kind(self) -> dict:
@@ -143,6 +144,7 @@ class SGLangNoBuffer(_SGLangBase):
         tree.insert_kv(ids, L, L)
         for pos in sorted(stops):
             tree.add_state(ids, pos)
+        self._last = (None, 0, 0)                      # the cache changed: forget the memo
 
 
 class SGLangExtraBuffer(_SGLangBase):
@@ -176,6 +178,7 @@ class SGLangExtraBuffer(_SGLangBase):
                     t = b                                  # the branching point replaces the extend end
                 tracked.append(t)
             s = e
+        self._last = (None, 0, 0)
         if not tracked:
             return
         tree.insert_kv(ids, L, max(tracked))

@@ -147,6 +147,7 @@ class VLLMMambaPolicy:
         tree = self.tree
         tree.touch(ids, hit_now, hit_now)
         last = L - L % B
+        self._last = (None, 0, 0)                          # the cache changes: forget the memo
         if last:
             tree.insert_kv(ids, L, last)
         for pos in self.state_positions(hit_now, L):
@@ -154,6 +155,7 @@ class VLLMMambaPolicy:
 
     def evict_to(self, cache_bytes: float) -> None:
         """One block pool: the older of the KV and state LRU heads goes first."""
+        self._last = (None, 0, 0)
         self.tree.evict_to(cache_bytes, 0.0)
 
     def bytes_by_kind(self) -> dict:
