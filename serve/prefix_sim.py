@@ -77,7 +77,8 @@ class SimResult(NamedTuple):
     """Outcome of a replay. Ratios in [0, 1]; tokens and bytes are totals over the trace.
 
     miss_tokens: ``{cause: tokens}`` over :data:`MISS_CAUSES`; peak_*_bytes: the most held after any
-    request; checkpoints_written: group checkpoints stored; evicted_*: entries evicted; seconds: wall time.
+    request; checkpoints_written: group checkpoints stored; evicted_*: entries evicted; seconds: wall time;
+    request_hit_tokens: the token-level hit of each request, in trace order.
     """
 
     block_hit_ratio: float
@@ -93,6 +94,7 @@ class SimResult(NamedTuple):
     evicted_blocks: int
     evicted_checkpoints: int
     seconds: float
+    request_hit_tokens: tuple = ()
 
 
 def simulate(requests: Sequence[TraceRequest], config: SimConfig,
@@ -111,6 +113,7 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig,
     miss = dict.fromkeys(MISS_CAUSES, 0)
     hit_blocks = total_blocks = hit_tokens = total_tokens = 0
     kv_used = st_used = peak_kv = peak_st = written = ev_kv = ev_ck = 0
+    request_hits: list[int] = []
     for n, r in enumerate(requests):
         ids, L = r.hash_ids, r.input_length
         full, total = L // N, len(ids)
@@ -123,6 +126,7 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig,
         hit_blocks += jb + (jb == full and run == total > full)
         total_blocks += total
         hit_tokens += jt * N
+        request_hits.append(jt * N)
         total_tokens += L
         evicted = max(0, ideal_full - kvb) * N
         new = (full - max(ideal_full, kvb)) * N
@@ -167,7 +171,8 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig,
     miss_total = sum(miss.values())
     assert miss_total == total_tokens - hit_tokens, "miss causes must add up to the missed tokens"
     return SimResult(hit_blocks / total_blocks, hit_tokens / total_tokens, hit_blocks, total_blocks, hit_tokens,
-                     total_tokens, miss, peak_kv, peak_st, written, ev_kv, ev_ck, time.perf_counter() - t0)
+                     total_tokens, miss, peak_kv, peak_st, written, ev_kv, ev_ck, time.perf_counter() - t0,
+                     tuple(request_hits))
 
 
 CAPACITY_FRACTIONS = (0.01, 0.03, 0.1, 0.3, 1.0)

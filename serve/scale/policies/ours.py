@@ -1,0 +1,60 @@
+"""Our prefix cache (this repo's engine), as a policy: a wrapper over :func:`serve.prefix_sim.simulate`.
+
+The rules live in one place: :class:`serve.prefix_index.PrefixIndex` (chained block keys, per-group
+checkpoints, two-phase lookup, kind-aware LRU) driven by :func:`serve.prefix_sim.simulate` (checkpoints
+every C tokens + the replay boundary + the prompt end, :func:`serve.prefix_index.checkpoint_boundaries`;
+lookup capped at L - 1; eviction to a byte capacity after each request), the same index the engine's
+:class:`serve.prefix_cache.PrefixCache` uses. This class only maps a replica budget onto a
+:class:`serve.prefix_sim.SimConfig` and the simulator's result onto a
+:class:`serve.scale.policies.base.PolicyResult`; it replays whole traces (``replay_trace``), not one
+request at a time.
+
+Bytes: a KV block = ``replica.kv_bytes_per_token x N``; a checkpoint of group g = that group's KDA layers'
+state (:func:`serve.page_policy.group_state_bytes`), so a complete checkpoint = one sequence's state. One
+running request holds one working state (all groups), reserved from the budget.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kda_core.config import PRESETS
+from serve.page_policy import group_state_bytes, kda_groups
+from serve.prefix_sim import SimConfig, simulate
+from serve.scale.policies.base import PolicyResult, ReplicaBytes
+from serve.traces import MOONCAKE_BLOCK_TOKENS, ideal_hit_ratio
+
+
+class OursPolicy:
+    """Our engine's policy: blocks of N (= the trace block), checkpoints every ``checkpoint_interval`` tokens
+    per group, ``num_groups`` groups, two-phase lookup. Raises ValueError via :class:`SimConfig` for an
+    interval that is not a positive multiple of N, and for an unknown preset."""
+
+    running_state_slots = 1
+
+    def __init__(self, preset: str, checkpoint_interval: int = 4 * MOONCAKE_BLOCK_TOKENS, num_groups: int = 1,
+                 tp_size: int = 1, block_size: int = MOONCAKE_BLOCK_TOKENS):
+        self.replica = ReplicaBytes.for_preset(preset, tp_size)
+        cfg = PRESETS[preset]
+        self.groups = tuple(group_state_bytes(cfg, len(g)) for g in kda_groups(cfg, num_groups))
+        self.block_size, self.checkpoint_interval = block_size, checkpoint_interval
+        self.name = f"ours C={checkpoint_interval} G={num_groups}"
+        self.config(None)                                  # validate now, not at replay time
+
+    def config(self, capacity_bytes: float | None) -> SimConfig:
+        """The simulator's config for a cache capacity (bytes; None = unlimited)."""
+        N = self.block_size
+        return SimConfig(N, self.checkpoint_interval, self.replica.kv_bytes_per_token * N, self.groups,
+                         capacity_bytes)
+
+    def replay_trace(self, requests, budget_bytes: float) -> PolicyResult:
+        """Replay through :func:`serve.prefix_sim.simulate` with capacity = budget - one running state."""
+        running = self.running_state_slots * self.replica.state_bytes
+        if budget_bytes < running:
+            raise ValueError(f"budget_bytes {budget_bytes:,.0f} is below the running state slot ({running:,} bytes)")
+        res = simulate(requests, self.config(budget_bytes - running))
+        ideal = ideal_hit_ratio(requests, self.block_size).hit_tokens
+        peak = {"kv": res.peak_kv_bytes, "state": res.peak_state_bytes, "running": running}
+        return PolicyResult(self.name, res.token_hit_ratio, res.hit_tokens, res.total_tokens, ideal,
+                            np.asarray(res.request_hit_tokens, dtype=np.int64), peak, res.checkpoints_written,
+                            res.evicted_checkpoints, res.evicted_blocks * self.block_size,
+                            res.miss_tokens["kv_no_checkpoint"], float(budget_bytes), res.seconds)

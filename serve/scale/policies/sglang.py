@@ -1,0 +1,186 @@
+"""SGLang's ``MambaRadixCache`` for hybrid (linear-attention + full-attention) models, two strategies.
+
+Sources (sgl-project/sglang):
+- ``python/sglang/srt/mem_cache/mamba_radix_cache.py``: ``_match_prefix_helper`` (the hit is the
+  deepest node on the matched path that holds a mamba value); ``_match_post_processor`` (the
+  *branching point* ``mamba_branching_seqlen`` = matched KV length floored to
+  ``mamba_cache_chunk_size`` when the KV match is longer than the state match); ``_split_node`` (a
+  split node has no state: a tombstone); ``cache_finished_req`` / ``cache_unfinished_req`` (no_buffer:
+  the request's state is copied in at the request end and at each chunk end; extra_buffer: only
+  ``mamba_last_track_seqlen`` tokens are cached, the KV beyond is freed); two LRU lists
+  (``full_lru_list``, ``mamba_lru_list``), ``evict_mamba`` (an internal node becomes a tombstone, a
+  leaf is deleted) and ``_iteratively_delete_tombstone_leaf``; no_buffer asserts ``page_size == 1``.
+- ``python/sglang/srt/managers/schedule_batch.py`` ``_mamba_radix_cache_v2_req_prepare_for_extend``
+  (extra_buffer, PR #14792): each prefill extend tracks one state, at
+  ``prefix + floor(extend / mamba_cache_chunk_size) * mamba_cache_chunk_size`` when the extend has at
+  least one chunk, or at the branching point instead when it lies inside the extend on the chunk grid;
+  ping-pong track slots (``mamba_ping_pong_track_buffer``, two per request) beside the working slot;
+  in decode a state is tracked every ``mamba_track_interval`` tokens (default 256, a multiple of the
+  page size), which a prompt-only replay never reaches (outputs are not modelled, see
+  :mod:`serve.scale.policies.base`).
+- Server-args defaults seen in public launch logs: ``mamba_scheduler_strategy='no_buffer'``,
+  ``mamba_track_interval=256``, ``mamba_full_memory_ratio=0.9``; ``mamba_cache_chunk_size`` = 64 (the
+  FLA chunk). The lookup cap of ``len(prompt) - 1`` tokens is ``Req._compute_max_prefix_len``.
+
+Not confirmed in the code read (stated, not invented): that no_buffer's scheduler ends a prefill chunk
+at the branching point so the state there is cached (``branch_split``; the match computes the point in
+both modes, extra_buffer's extend consumes it); how ``mamba_full_memory_ratio`` splits the memory
+(modelled as state pool : KV pool = ratio : 1).
+"""
+from __future__ import annotations
+
+from serve.scale.policies.base import ReplicaBytes
+from serve.scale.policies.state_tree import StateTree
+from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+
+FLA_CHUNK = 64            # mamba_cache_chunk_size
+MAMBA_FULL_MEMORY_RATIO = 0.9
+
+
+class _SGLangBase:
+    """Shared by both strategies: page size 1 (token positions), two pools, tombstone-leaf pruning."""
+
+    name = ""
+    running_state_slots = 1
+
+    def __init__(self, replica: ReplicaBytes, block_size: int = MOONCAKE_BLOCK_TOKENS,
+                 chunked_prefill_size: int = 8192, chunk: int = FLA_CHUNK,
+                 mamba_full_memory_ratio: float = MAMBA_FULL_MEMORY_RATIO):
+        for name, val in (("chunked_prefill_size", chunked_prefill_size), ("chunk", chunk)):
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if chunked_prefill_size % chunk:
+            raise ValueError(f"chunked_prefill_size must be a multiple of chunk={chunk}, got {chunked_prefill_size}")
+        if not mamba_full_memory_ratio > 0:
+            raise ValueError(f"mamba_full_memory_ratio must be > 0, got {mamba_full_memory_ratio!r}")
+        self.replica, self.block_size = replica, block_size
+        self.chunked_prefill_size, self.chunk = chunked_prefill_size, chunk
+        self.state_share = mamba_full_memory_ratio / (1 + mamba_full_memory_ratio)
+        self.tree = StateTree(block_size, replica.kv_bytes_per_token, replica.state_bytes,
+                              two_pools=True, prune_stateless_leaves=True)
+        self._last: tuple = (None, 0, 0)
+
+    @property
+    def states_written(self) -> int:
+        return self.tree.states_written
+
+    @property
+    def states_evicted(self) -> int:
+        return self.tree.states_evicted
+
+    @property
+    def kv_evicted_tokens(self) -> int:
+        return self.tree.kv_evicted_tokens
+
+    def _match(self, r: TraceRequest) -> tuple[int, int]:
+        """(hit, matched KV tokens M): M = cached KV capped at L - 1; hit = deepest state <= M."""
+        if self._last[0] is r:
+            return self._last[1], self._last[2]
+        ids, L = r.hash_ids, r.input_length
+        M = min(self.tree.shared_tokens(ids, L), max(L - 1, 0))
+        hit = self.tree.deepest_state(ids, M)
+        self._last = (r, hit, M)
+        return hit, M
+
+    def lookup(self, r: TraceRequest) -> tuple[int, int]:
+        """(hit tokens, KV-reusable tokens M) of a prompt; pure."""
+        return self._match(r)
+
+    def branching_point(self, hit: int, matched: int) -> int | None:
+        """``mamba_branching_seqlen``: M floored to the chunk when the KV match is longer than the hit."""
+        if matched <= hit:
+            return None
+        b = matched // self.chunk * self.chunk
+        return b if b > 0 else None
+
+    def evict_to(self, cache_bytes: float) -> None:
+        """Two pools: the state pool holds ``ratio / (1 + ratio)`` of the budget minus the running request's
+        slots (taken out by :func:`replay`), the KV pool the rest."""
+        running = self.running_state_slots * self.replica.state_bytes
+        total = cache_bytes + running
+        state_cap = max(total * self.state_share - running, 0.0)
+        self._last = (None, 0, 0)
+        self.tree.evict_to(cache_bytes - state_cap, state_cap)
+
+    def bytes_by_kind(self) -> dict:
+        return self.tree.bytes_by_kind()
+
+    def check_integrity(self) -> None:
+        self.tree.check_integrity()
+
+
+class SGLangNoBuffer(_SGLangBase):
+    """SGLang ``--mamba-scheduler-strategy no_buffer`` (``MambaRadixCache`` v1, page size 1).
+
+    After a request: KV of the whole prompt; a state at each prefill chunk end (``chunked_prefill_size``
+    tokens from the hit, ``cache_unfinished_req`` copies the working state into a new slot) and at the
+    request end (``cache_finished_req`` donates the working slot); with ``branch_split`` a chunk also
+    ends at the branching point, which caches a state there for the next request. One working slot per
+    running request. See the module docstring for the sources and what is not confirmed.
+    """
+
+    name = "sglang no_buffer"
+    running_state_slots = 1
+
+    def __init__(self, replica: ReplicaBytes, branch_split: bool = True, **kw):
+        super().__init__(replica, **kw)
+        self.branch_split = branch_split
+
+    def admit(self, r: TraceRequest, hit: int) -> None:
+        """Cache the prompt's KV and the states described in the class docstring."""
+        hit_now, M = self._match(r)
+        ids, L = r.hash_ids, r.input_length
+        tree = self.tree
+        tree.touch(ids, M, hit_now)
+        stops = set()
+        start = hit_now
+        b = self.branching_point(hit_now, M) if self.branch_split else None
+        if b is not None and b > hit_now:
+            stops.add(b)
+            start = b
+        stops.update(range(start + self.chunked_prefill_size, L, self.chunked_prefill_size))
+        if L:
+            stops.add(L)
+        tree.insert_kv(ids, L, L)
+        for pos in sorted(stops):
+            tree.add_state(ids, pos)
+        self._last = (None, 0, 0)                      # the cache changed: forget the memo
+
+
+class SGLangExtraBuffer(_SGLangBase):
+    """SGLang ``--mamba-scheduler-strategy extra_buffer`` (``MambaRadixCache`` v2, PR #14792).
+
+    Each prefill extend (one chunk of ``chunked_prefill_size``) tracks one state into a ping-pong slot: at
+    the extend's last chunk-aligned position, or at the branching point when it falls inside the extend on
+    the chunk grid. After the request only the last tracked length is cached (KV beyond it is freed) with
+    its state; earlier chunks cached theirs at their chunk end (``cache_unfinished_req``). An extend
+    shorter than one chunk tracks nothing. Running slots: the working slot + 2 ping-pong track slots.
+    """
+
+    name = "sglang extra_buffer"
+    running_state_slots = 3
+
+    def admit(self, r: TraceRequest, hit: int) -> None:
+        """Cache the tracked states and the KV up to the last one."""
+        hit_now, M = self._match(r)
+        ids, L = r.hash_ids, r.input_length
+        tree, c, S = self.tree, self.chunk, self.chunked_prefill_size
+        tree.touch(ids, M, hit_now)
+        b = self.branching_point(hit_now, M)
+        tracked = []
+        s = hit_now
+        while s < L:
+            e = min(s + S, L)
+            ext = e - s
+            if ext >= c:                                   # mamba_track_mask
+                t = s + ext // c * c
+                if b is not None and s < b < e and (b - s) % c == 0:
+                    t = b                                  # the branching point replaces the extend end
+                tracked.append(t)
+            s = e
+        self._last = (None, 0, 0)
+        if not tracked:
+            return
+        tree.insert_kv(ids, L, max(tracked))
+        for pos in tracked:
+            tree.add_state(ids, pos)

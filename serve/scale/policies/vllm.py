@@ -1,0 +1,167 @@
+"""vLLM's prefix caching for hybrid attention + mamba (KDA) models: ``mamba_cache_mode`` none / align / all.
+
+Sources (vllm-project/vllm):
+- block size: ``Platform._align_hybrid_block_size`` (``vllm/platforms/interface.py``; earlier
+  ``HybridAttentionMambaModelConfig`` in ``vllm/model_executor/models/config.py``), per layer and TP
+  rank. none / align: ``block = align * cdiv(mamba_page, align * attn_page_1_token)`` with
+  ``align = max(min kernel block size, cache_config.block_size)`` (:func:`serve.page_policy.vllm_block_pick`);
+  all: ``chunk = lcm(mamba_chunk_size, align)``, ``block = chunk * cdiv(cdiv(mamba_page,
+  attn_page_1_token), chunk)``. The mamba page is padded to the attention page, so a state costs one
+  attention page per KDA layer. ``mamba_chunk_size`` for KDA is taken as the 64-token FLA chunk (not
+  confirmed in vLLM's Kimi-Linear model code).
+- lookup: ``MambaManager.find_longest_cache_hit`` (``vllm/v1/core/single_type_kv_cache_manager.py``)
+  scans right to left for the deepest block whose mamba state is cached, within the attention hit;
+  every lookup is capped at ``num_tokens - 1`` (``get_computed_blocks``); hits are whole blocks.
+- align: ``MambaManager.allocate_new_blocks`` keeps one running-state block per prefill chunk and fills
+  the blocks in between with null blocks, so only a chunk's final aligned boundary caches a state (PR
+  #43628's description of issue #43587); ``Scheduler._mamba_block_aligned_split`` cuts chunks to whole
+  blocks with a mandatory stop at ``last_cache_position = L - L % block_size``; PR #50409 (open) adds the
+  replay boundary ``(L - 1) // block_size * block_size`` as another stop (``replay_stop``), without which
+  a prompt of an exact multiple of the block caches its only state at L, where no identical prompt can
+  hit it (issue #50235). The running request holds two state blocks (the previous step's, copied from,
+  and the current one; ``last_state_block_idx``).
+- all: a state is cached for every full block (``cache_blocks`` over the mamba group's blocks).
+- none: no prefix caching for the hybrid model; one state slot per running request.
+
+KV bytes are counted at trace-block granularity (the tokens of full vLLM blocks of the prompt); evicting
+a KV block drops the states on it (a state without its KV cannot be hit). vLLM's block pool evicts any
+freed block in LRU order; here KV blocks go leaves first (the tail is freed first in vLLM too).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kda_core.config import PRESETS
+from serve.page_policy import vllm_block_pick
+from serve.scale.policies.base import ReplicaBytes
+from serve.scale.policies.state_tree import StateTree
+from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+
+MODES = ("none", "align", "all")
+MAMBA_CHUNK = 64
+
+
+def vllm_block_size(preset: str, mode: str, kernel_block_size: int = 64, tp_size: int = 1,
+                    mamba_chunk_size: int = MAMBA_CHUNK) -> int:
+    """vLLM's attention (and mamba) block size in tokens for ``preset`` under ``mode`` (module docstring)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    cfg = PRESETS[preset]
+    pick = vllm_block_pick(cfg, kernel_block_size, tp_size=tp_size)
+    if mode != "all":
+        return pick.block_size
+    attn_1 = pick.attn_page_bytes // pick.block_size
+    chunk = math.lcm(mamba_chunk_size, pick.align)
+    tokens_per_state = -(-pick.state_bytes // attn_1)             # cdiv(mamba_page, attn_page_1_token)
+    return chunk * -(-tokens_per_state // chunk)
+
+
+class VLLMMambaPolicy:
+    """One ``mamba_cache_mode`` of vLLM on a real preset and TP size (see the module docstring).
+
+    Args: preset; mode: "none" | "align" | "all"; tp_size: TP ranks of the replica; kernel_block_size:
+    the MLA backend's smallest kernel block (FlashMLA 64); max_num_batched_tokens: prefill chunk budget;
+    replay_stop: PR #50409's extra mandatory stop (align); block_size: override vLLM's pick (tests);
+    trace_block_size: tokens per hash id.
+    Raises ValueError for an unknown mode or non-positive sizes.
+    """
+
+    def __init__(self, preset: str, mode: str, tp_size: int = 1, kernel_block_size: int = 64,
+                 max_num_batched_tokens: int = 8192, replay_stop: bool = False, block_size: int | None = None,
+                 trace_block_size: int = MOONCAKE_BLOCK_TOKENS):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
+                or max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be a positive int, got {max_num_batched_tokens!r}")
+        self.replica = ReplicaBytes.for_preset(preset, tp_size)
+        cfg = PRESETS[preset]
+        B = block_size if block_size is not None else vllm_block_size(preset, mode, kernel_block_size, tp_size)
+        if isinstance(B, bool) or not isinstance(B, int) or B <= 0:
+            raise ValueError(f"block_size must be a positive int, got {B!r}")
+        self.mode, self.vllm_block, self.replay_stop = mode, B, replay_stop
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.name = f"vllm {mode}" + (" +replay stop" if replay_stop else "")
+        self.running_state_slots = 1 if mode == "none" else 2
+        attn_page = B * cfg.latent_dim * torch.empty((), dtype=torch.bfloat16).element_size()  # one layer, one rank
+        self.state_bytes = cfg.num_kda_layers * attn_page * tp_size    # padded mamba pages, all ranks
+        self.block_size = trace_block_size
+        self.tree = StateTree(trace_block_size, self.replica.kv_bytes_per_token, self.state_bytes,
+                              two_pools=False, prune_stateless_leaves=False)
+        self._last: tuple = (None, 0, 0)
+
+    @property
+    def states_written(self) -> int:
+        return self.tree.states_written
+
+    @property
+    def states_evicted(self) -> int:
+        return self.tree.states_evicted
+
+    @property
+    def kv_evicted_tokens(self) -> int:
+        return self.tree.kv_evicted_tokens
+
+    def lookup(self, r: TraceRequest) -> tuple[int, int]:
+        """(hit, KV-reusable tokens): whole vLLM blocks within min(cached KV, L - 1); the hit is the deepest
+        of them with a cached state. Pure."""
+        if self._last[0] is r:
+            return self._last[1], self._last[2]
+        if self.mode == "none":
+            return 0, 0
+        ids, L, B = r.hash_ids, r.input_length, self.vllm_block
+        kv = min(self.tree.shared_tokens(ids, L), max(L - 1, 0)) // B * B
+        hit = self.tree.deepest_state(ids, kv)
+        self._last = (r, hit, kv)
+        return hit, kv
+
+    def state_positions(self, hit: int, L: int) -> list[int]:
+        """Where a prefill of L tokens from ``hit`` caches states (ascending)."""
+        B = self.vllm_block
+        last = L - L % B                                          # last_cache_position
+        if self.mode == "all":
+            return list(range(hit + B, last + 1, B))
+        if self.mode == "none":
+            return []
+        stops = {last}
+        if self.replay_stop:
+            stops.add(min((L - 1) // B * B, last))
+        step = max(self.max_num_batched_tokens // B, 1) * B       # whole blocks per chunk
+        out, s = [], hit
+        while s < L:
+            e = min(s + step, L)
+            e = min([e] + [p for p in stops if s < p < e])
+            if e % B == 0 and e <= last:
+                out.append(e)
+            s = e
+        return out
+
+    def admit(self, r: TraceRequest, hit: int) -> None:
+        """Cache the KV of the prompt's full vLLM blocks and the states at :meth:`state_positions`."""
+        if self.mode == "none":
+            return
+        hit_now, kv = self.lookup(r)
+        ids, L, B = r.hash_ids, r.input_length, self.vllm_block
+        tree = self.tree
+        tree.touch(ids, hit_now, hit_now)
+        last = L - L % B
+        self._last = (None, 0, 0)                          # the cache changes: forget the memo
+        if last:
+            tree.insert_kv(ids, L, last)
+        for pos in self.state_positions(hit_now, L):
+            tree.add_state(ids, pos)
+
+    def evict_to(self, cache_bytes: float) -> None:
+        """One block pool: the older of the KV and state LRU heads goes first."""
+        self._last = (None, 0, 0)
+        self.tree.evict_to(cache_bytes, 0.0)
+
+    def bytes_by_kind(self) -> dict:
+        return self.tree.bytes_by_kind()
+
+    def check_integrity(self) -> None:
+        self.tree.check_integrity()
+        B = self.vllm_block
+        assert all(pos % B == 0 for _, pos in self.tree.states), "a vLLM state off its block grid"
