@@ -12,6 +12,8 @@ Concept -> file -> main type -> test:
 - the report's published points ............ published.py ... ``PublishedCurve``, ``CURVES`` . test_validation.py
 - model vs report ratios, the prefill fit ... validation.py .. ``decode_ratios``, ``prefill_ratios``,
   ``fit_prefill`` ............................................................................ test_validation.py
+- production prefix-cache policies ......... policies/ ...... ``PrefixPolicy``, ``replay`` ... test_policies.py
+  (ours, SGLang no_buffer / extra_buffer, vLLM mamba_cache_mode none / align / all; see its table)
 
 Tests live in ``tests/serve/scale/``.
 """
