@@ -57,8 +57,8 @@ class LoadedTrace(NamedTuple):
 
 def show(value) -> str:
     """A short repr of a user value for an error message (never the whole of a huge value)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length():,} bits"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"an integer of {value.bit_length():,} bits" if value.bit_length() > 64 else f"{value:,}"
     return _short.repr(value)
 
 
