@@ -46,7 +46,7 @@ def _timestamp(cell: str, where: str) -> datetime:
     except ValueError:
         raise TraceFormatError(f"{where}: field 'TIMESTAMP' must look like 2023-11-16 18:17:03.9799600, "
                                f"got {show(cell)}") from None
-    if frac and not frac.isascii() or frac and not frac.isdigit():
+    if frac and not (frac.isascii() and frac.isdigit()):
         raise TraceFormatError(f"{where}: field 'TIMESTAMP' has a bad fraction of a second: {show(cell)}")
     return ts.replace(microsecond=int((frac + "000000")[:6]) if frac else 0)
 

@@ -55,7 +55,7 @@ def _seconds(value, where: str, field: str, allow_rejected: bool) -> float:
     """A finite number of seconds in [0, 30 days] (or -1 for a rejected request when allowed)."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TraceFormatError(f"{where}: field '{field}' must be a number of seconds, got {show(value)}")
-    v = float(value)
+    v = float(value) if isinstance(value, float) or abs(value) <= 1 << 53 else math.inf  # float(10**400) overflows
     if not math.isfinite(v) or not (0.0 <= v <= _MAX_SECONDS or (allow_rejected and v == -1.0)):
         raise TraceFormatError(f"{where}: field '{field}' is {show(value)}; expected seconds in "
                                f"[0, {_MAX_SECONDS:,.0f}]" + (" or -1 (rejected)" if allow_rejected else ""))
@@ -82,7 +82,7 @@ def _optional_number(result: dict, field: str, name: str) -> float:
     value = result.get(field, math.nan)
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         raise TraceFormatError(f"{name}: field 'result.{field}' must be a number, got {show(value)}")
-    return float(value)
+    return float(value) if isinstance(value, float) or abs(value) <= 1 << 53 else math.nan
 
 
 def load_vtc_artifact(path_or_file: str | Path | IO) -> VTCRun:

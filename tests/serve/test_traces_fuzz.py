@@ -34,7 +34,7 @@ PEAK_BYTES = 16 * 1024 * 1024  # every example's input is < 100 KB; a loader may
 
 EXTREME_INTS = st.sampled_from([0, 1, -1, 511, 512, 513, MAX_INPUT_TOKENS, MAX_INPUT_TOKENS + 1,
                                 MAX_OUTPUT_TOKENS + 1, MAX_TIMESTAMP_MS + 1, INT64_MAX, INT64_MAX + 1,
-                                INT64_MIN - 1, 10**11, 10**12, 10**30, -(10**30)])
+                                INT64_MIN - 1, 10**11, 10**12, 10**30, -(10**30), 10**400])
 ANY_VALUE = st.one_of(EXTREME_INTS, st.integers(), st.floats(), st.booleans(), st.none(),
                       st.text(max_size=6), st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=2),
                                                                                                st.integers(), max_size=2))

@@ -162,7 +162,9 @@ def test_unicode_line_separators_inside_a_json_string_are_kept():
       "request_latency": 1}, "field 'req_time' must be a number of seconds"),
     ({"adapter_dir": "c", "prompt_len": 1, "output_len": 1, "req_time": 0, "first_token_latency": 1,
       "request_latency": float("nan")}, "field 'request_latency' is nan"),
-], ids=["int", "list-length", "none-client", "string-time", "nan-latency"])
+    ({"adapter_dir": "c", "prompt_len": 1, "output_len": 1, "req_time": 10**400, "first_token_latency": 1,
+      "request_latency": 1}, "field 'req_time' is an integer of 1,329 bits; expected seconds"),
+], ids=["int", "list-length", "none-client", "string-time", "nan-latency", "400-digit-time"])
 def test_vtc_records_of_the_wrong_type_name_the_response(response, fragment):
     """Regression: ``int([1])`` / ``str``-less records raised TypeError (no response index)."""
     data = json.dumps({"config": {}, "result": {"responses": [response]}})
