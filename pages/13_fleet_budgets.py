@@ -52,7 +52,8 @@ def _run(vip_rate, std_rate, classes, burst_class, burst_n, burst_s, replicas, a
     service = default_service(on_off_less_service(), 8, 5, 400_000)
     run = run_budget_scenario(requests, classes, FleetConfig(service=service, num_replicas=replicas,
                                                              router="least_loaded", cache_capacity_blocks=0))
-    return budget_frames(run, classes), service.source, len(requests), n_burst, " ".join(filter(None, (cut, short)))
+    notes = (cut if burst_n else "", short)  # with no burst the file is only checked, so nothing was "cut"
+    return budget_frames(run, classes), service.source, len(requests), n_burst, " ".join(filter(None, notes))
 
 
 (per_request, summary, budget), source, n_req, n_burst, cut = engine_call(
