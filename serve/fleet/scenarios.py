@@ -74,8 +74,8 @@ def budget_traffic(steady: Sequence[Stream], duration_s: float, burst_class: str
             raw.append((start_ms + r.timestamp_ms / t_end * span_ms, max(1, r.input_length),
                         max(1, r.output_length), burst_class))
         if len(picked) < burst_requests:
-            note = (f"The Azure trace has {len(picked):,} requests, so the burst has {len(picked):,} "
-                    f"{burst_class} requests, not the {burst_requests:,} asked for.")
+            note = (f"The burst has {len(picked):,} {burst_class} requests, not the {burst_requests:,} asked for: "
+                    f"the Azure trace gave only {len(picked):,}.")
         burst = len(picked)
     else:
         for t in rng.uniform(start_ms, start_ms + span_ms, size=burst_requests):

@@ -65,6 +65,6 @@ def test_page_13_caption_gives_the_real_burst_size(monkeypatch):
     data = b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,100,10\n2023-11-16 18:17:04,200,20\n"
     at = _run_with_upload(monkeypatch, "pages/13_fleet_budgets.py", data, "short.csv")
     assert [i.value for i in at.info] == [
-        "The Azure trace has 2 requests, so the burst has 2 standard requests, not the 1,500 asked for."]
+        "The burst has 2 standard requests, not the 1,500 asked for: the Azure trace gave only 2."]
     assert any("burst of 2 standard requests" in c.value for c in at.caption)
     assert not any("burst of 1,500" in c.value for c in at.caption)

@@ -225,7 +225,7 @@ def test_short_azure_file_shrinks_the_burst_and_says_so():
     traffic = budget_traffic([Stream("vip", 1.0, 256, 64)], 120.0, "standard", 1500, 30.0, 30.0, 1024, 128,
                              azure=azure.requests)
     assert traffic.burst_requests == 2 == sum(r.klass == "standard" for r in traffic.requests)
-    assert traffic.note == "The Azure trace has 2 requests, so the burst has 2 standard requests, not the 1,500 asked for."
+    assert traffic.note == "The burst has 2 standard requests, not the 1,500 asked for: the Azure trace gave only 2."
     full = budget_traffic([], 120.0, "standard", 1500, 30.0, 30.0, 1024, 128)
     assert full.burst_requests == 1500 and full.note == ""
 
