@@ -5,7 +5,7 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from pages._common import engine_call, persist, show_chart
-from serve.fleet.experiments import MOONCAKE_TABLE2_CACHE_RATIO, page_trace
+from serve.fleet.experiments import MOONCAKE_TABLE2_CACHE_RATIO, PREFIX_SIM_TRACE_BLOCKS, page_trace
 from serve.prefix_runs import miss_then_hit
 from serve.prefix_sim import CAPACITY_FRACTIONS, MISS_CAUSES, capacity_points, replay_row
 from serve.traces import ideal_hit_ratio, upload_parts
@@ -63,8 +63,8 @@ INTERVALS = [512 * k for k in (1, 2, 4, 8, 16)]
 
 @st.cache_data(show_spinner=False)
 def _trace(upload_bytes, upload_name, num_requests):
-    trace = page_trace(upload_bytes, num_requests, name=upload_name)
-    return trace, ideal_hit_ratio(trace)
+    trace, note, _ = page_trace(upload_bytes, num_requests, name=upload_name, max_total_blocks=PREFIX_SIM_TRACE_BLOCKS)
+    return trace, ideal_hit_ratio(trace), note
 
 
 @st.cache_data(show_spinner=False)
@@ -73,7 +73,9 @@ def _replay(upload_bytes, upload_name, num_requests, preset, interval, groups, c
 
 
 data, upload_name = upload_parts(upload)
-trace, ideal = engine_call(_trace, data, upload_name, num_requests)
+trace, ideal, cut = engine_call(_trace, data, upload_name, num_requests)
+if cut:
+    st.info(cut)
 bar = st.progress(0.0, text="Replaying the trace…")
 jobs = 1 + len(CAPACITY_FRACTIONS) + 2 * len(INTERVALS)
 done = 0

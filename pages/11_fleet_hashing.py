@@ -35,11 +35,13 @@ upload = d2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "js
 
 @st.cache_data(show_spinner="Routing the trace…")
 def _load(upload_bytes, upload_name, n, algorithm, replicas, k, vnodes):
-    trace = page_trace(upload_bytes, n, name=upload_name)
-    return trace, routing_load(trace, algorithm, replicas, k, vnodes=vnodes), ideal_ratio(trace)
+    trace, note, _ = page_trace(upload_bytes, n, name=upload_name)
+    return trace, routing_load(trace, algorithm, replicas, k, vnodes=vnodes), ideal_ratio(trace), note
 
 
-trace, load, ideal = engine_call(_load, *upload_parts(upload), num_requests, algorithm, replicas, k, vnodes)
+trace, load, ideal, cut = engine_call(_load, *upload_parts(upload), num_requests, algorithm, replicas, k, vnodes)
+if cut:
+    st.info(cut)
 hit = load.hit_tokens.sum() / max(1, load.tokens.sum())
 st.subheader("1 · Requests per replica")
 fig = go.Figure(go.Bar(x=load.replica, y=load.requests, name="requests"))

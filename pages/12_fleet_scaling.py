@@ -59,15 +59,17 @@ upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "js
 
 @st.cache_data(show_spinner="Replaying the trace…")
 def _replay(upload_bytes, upload_name, n, replicas, k, action, at, window, capacity, vnodes):
-    trace = page_trace(upload_bytes, n, name=upload_name)
+    trace, note, _ = page_trace(upload_bytes, n, name=upload_name)
     cap = None if capacity == "unlimited" else int(capacity)
     df = hit_ratio_across_scale_event(trace, KEY_ROUTERS, replicas, k, action, at, window, cap, vnodes)
     at_request = int(len(trace) * at)
-    return df, scale_dip(df, at_request), at_request, len(trace), len({r.hash_ids[:k] for r in trace})
+    return df, scale_dip(df, at_request), at_request, len(trace), len({r.hash_ids[:k] for r in trace}), note
 
 
-df, dip, at_request, n_trace, n_keys = engine_call(_replay, *upload_parts(upload), num_requests, replicas, k,
-                                                   action, at, window, capacity, vnodes)
+df, dip, at_request, n_trace, n_keys, cut = engine_call(_replay, *upload_parts(upload), num_requests, replicas, k,
+                                                        action, at, window, capacity, vnodes)
+if cut:
+    st.info(cut)
 fig2 = go.Figure()
 for name, g in df.groupby("algorithm", sort=False):
     fig2.add_trace(go.Scatter(x=g.request, y=g.hit_ratio, name=name, mode="lines"))

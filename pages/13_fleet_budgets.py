@@ -6,12 +6,13 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from pages._common import engine_call, persist, show_chart
+from serve.azure_trace import read_azure_csv
 from serve.fleet.budgets import PriorityClass
-from serve.fleet.experiments import ANCHORS, default_service
+from serve.fleet.experiments import ANCHORS, PAGE_TRACE_BLOCKS, default_service
 from serve.fleet.scenarios import Stream, budget_frames, budget_traffic, run_budget_scenario
 from serve.fleet.sim_types import FleetConfig
 from serve.fleet.vtc import on_off_less_service, replay_on_off_less
-from serve.traces import load_azure_csv, named_bytes, upload_parts
+from serve.traces import named_bytes, upload_parts
 
 st.title("Fleet budgets")
 st.write(
@@ -42,16 +43,23 @@ CLASSES = (PriorityClass("vip", float(vip_weight)),
 @st.cache_data(show_spinner="Simulating both runs…")
 def _run(vip_rate, std_rate, classes, burst_class, burst_n, burst_s, replicas, azure_bytes, azure_name):
     steady = [Stream("vip", vip_rate, 256, 64), Stream("standard", std_rate, 1024, 128), Stream("batch", 0.5, 2048, 256)]
-    shape = load_azure_csv(named_bytes(azure_bytes, azure_name)) if azure_bytes is not None else None
-    requests = budget_traffic(steady, 120.0, burst_class, burst_n, 30.0, float(burst_s), 1024, 128, azure=shape)
+    shape, cut = None, ""
+    if azure_bytes is not None:
+        shape, cut, _ = read_azure_csv(named_bytes(azure_bytes, azure_name), max_requests=max(1, burst_n),
+                                       max_total_blocks=PAGE_TRACE_BLOCKS)
+    requests, n_burst, short = budget_traffic(steady, 120.0, burst_class, burst_n, 30.0, float(burst_s), 1024, 128,
+                                              azure=shape)
     service = default_service(on_off_less_service(), 8, 5, 400_000)
     run = run_budget_scenario(requests, classes, FleetConfig(service=service, num_replicas=replicas,
                                                              router="least_loaded", cache_capacity_blocks=0))
-    return budget_frames(run, classes), service.source, len(requests)
+    notes = (cut if burst_n else "", short)  # with no burst the file is only checked, so nothing was "cut"
+    return budget_frames(run, classes), service.source, len(requests), n_burst, " ".join(filter(None, notes))
 
 
-(per_request, summary, budget), source, n_req = engine_call(
+(per_request, summary, budget), source, n_req, n_burst, cut = engine_call(
     _run, vip_rate, std_rate, CLASSES, burst_class, burst_n, burst_s, replicas, *upload_parts(azure))
+if cut:
+    st.info(cut)
 
 st.subheader("1 · TTFT per class, with and without isolation")
 done = per_request[per_request.status == "completed"]
@@ -66,7 +74,7 @@ m1, m2 = st.columns(2)
 m1.metric("VIP P99 TTFT with isolation", f"{p99.get(('with isolation', 'vip'), float('nan')):,.0f} ms")
 m2.metric("VIP P99 TTFT without isolation", f"{p99.get(('without isolation', 'vip'), float('nan')):,.0f} ms")
 st.dataframe(summary.style.format(precision=3, thousands=","), hide_index=True, width="stretch")
-st.caption(f"{n_req:,} requests over 120 s; burst of {burst_n:,} {burst_class} requests from t = 30 s. Replicas: "
+st.caption(f"{n_req:,} requests over 120 s; burst of {n_burst:,} {burst_class} requests from t = 30 s. Replicas: "
            f"{source}. What to notice: VTC serves the class with the smallest token counter first and the bucket "
            "caps what the bursting class can admit, so VIP keeps its TTFT while the burst waits in its own queue.")
 

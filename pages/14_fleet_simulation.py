@@ -57,7 +57,7 @@ def _cpu_service():
 
 @st.cache_data(show_spinner=False)
 def _run(upload_bytes, upload_name, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, policy, model):
-    trace = page_trace(upload_bytes, n, name=upload_name)
+    trace, note, _ = page_trace(upload_bytes, n, name=upload_name)
     base = on_off_less_service() if model == MODELS[0] else _cpu_service()
     service = default_service(base, float(speed), max(1.0, speed * 5 / 8), 400_000)
     cfg = FleetConfig(service=service, num_replicas=replicas, routing_k=k, scheduler=scheduler,
@@ -72,7 +72,7 @@ def _run(upload_bytes, upload_name, n, replicas, k, capacity, scheduler, vip_pct
         return "vip" if every and i % every == 0 else "standard"
 
     per_request, summary = simulate_policies(trace, [policy], cfg, class_of)
-    return per_request, summary, ideal_ratio(trace), len(trace), service.source
+    return per_request, summary, ideal_ratio(trace), len(trace), service.source, note
 
 
 bar = st.progress(0.0, text="Simulating…")
@@ -84,7 +84,9 @@ for i, policy in enumerate(policies):  # one cached simulation per policy; the b
 bar.empty()
 per_request = pd.concat([p[0] for p in parts], ignore_index=True)
 summary = pd.concat([p[1] for p in parts], ignore_index=True)
-ideal, n_trace, source = parts[0][2:]
+ideal, n_trace, source, cut = parts[0][2:]
+if cut:
+    st.info(cut)
 
 overall = summary[summary["class"] == "all"]
 st.subheader("1 · Prefix-cache hit ratio per policy")

@@ -100,7 +100,8 @@ class SimResult(NamedTuple):
 def simulate(requests: Sequence[TraceRequest], config: SimConfig,
              progress: Callable[[float], None] | None = None) -> SimResult:
     """Replay ``requests`` in order through one simulated cache; see the module docstring.
-    ``progress(fraction)`` is called about every 1,000 requests. Raises ValueError on an empty trace."""
+    ``progress(fraction)`` is called about every 1,000 requests. Ratios are 0.0 when the trace has no
+    blocks or no tokens (every ``input_length`` 0). Raises ValueError on an empty trace."""
     if not requests:
         raise ValueError("requests must not be empty")
     t0 = time.perf_counter()
@@ -170,9 +171,14 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig,
         progress(1.0)
     miss_total = sum(miss.values())
     assert miss_total == total_tokens - hit_tokens, "miss causes must add up to the missed tokens"
-    return SimResult(hit_blocks / total_blocks, hit_tokens / total_tokens, hit_blocks, total_blocks, hit_tokens,
-                     total_tokens, miss, peak_kv, peak_st, written, ev_kv, ev_ck, time.perf_counter() - t0,
+    return SimResult(_ratio(hit_blocks, total_blocks), _ratio(hit_tokens, total_tokens), hit_blocks, total_blocks,
+                     hit_tokens, total_tokens, miss, peak_kv, peak_st, written, ev_kv, ev_ck, time.perf_counter() - t0,
                      tuple(request_hits))
+
+
+def _ratio(part: int, whole: int) -> float:
+    """``part / whole``, 0.0 for an empty whole (a trace whose prompts are all empty hits nothing)."""
+    return part / whole if whole else 0.0
 
 
 CAPACITY_FRACTIONS = (0.01, 0.03, 0.1, 0.3, 1.0)
@@ -189,7 +195,7 @@ def replay_row(requests: Sequence[TraceRequest], preset: str, checkpoint_interva
                peak_kv_gb=res.peak_kv_bytes / 1e9, peak_state_gb=res.peak_state_bytes / 1e9,
                checkpoints_written=res.checkpoints_written, evicted_blocks=res.evicted_blocks,
                evicted_checkpoints=res.evicted_checkpoints, seconds=res.seconds)
-    row.update({f"miss_{c}": res.miss_tokens[c] / res.total_tokens for c in MISS_CAUSES})
+    row.update({f"miss_{c}": _ratio(res.miss_tokens[c], res.total_tokens) for c in MISS_CAUSES})
     return row
 
 

@@ -1,4 +1,4 @@
-"""Request traces: the Mooncake JSON Lines format, a seeded synthetic generator, Azure and VTC loaders.
+"""Request traces: the Mooncake JSON Lines format, its loader, a seeded synthetic generator, ideal hit ratios.
 
 One request of a trace is a :class:`TraceRequest`. ``hash_ids`` has one id per ``block_size``-token
 block of the prompt (512 in the Mooncake traces; the last block is partial), and ids are *chained*:
@@ -7,23 +7,39 @@ two prompts share a cached prefix exactly for their leading run of equal ids.
 Sources (files under ``../shared/traces/``, see its README):
 - Mooncake (kvcache-ai/Mooncake, FAST'25): ``{"timestamp", "input_length", "output_length", "hash_ids"}``
   per line, timestamp in ms since the trace start.
-- Azure LLM inference trace 2023 (Splitwise, ISCA'24): CSV ``TIMESTAMP,ContextTokens,GeneratedTokens``,
-  no prefix information.
-- VTC artifact (Sheng et al., OSDI'24): measured per-request latencies of FCFS vs VTC scheduling.
+- Azure LLM inference trace 2023 (Splitwise, ISCA'24): ``serve/azure_trace.py``.
+- VTC artifact (Sheng et al., OSDI'24): ``serve/vtc_artifact.py``.
+Limits every loader applies: ``serve/trace_limits.py``.
 """
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 import math
 from collections.abc import Iterable
-from datetime import datetime
 from pathlib import Path
 from typing import IO, NamedTuple
 
 import numpy as np
+
+from serve.trace_limits import (
+    INT64_MAX,
+    INT64_MIN,
+    MAX_INPUT_TOKENS,
+    MAX_OUTPUT_TOKENS,
+    MAX_TIMESTAMP_MS,
+    MAX_TRACE_BLOCKS,
+    MAX_TRACE_REQUESTS,
+    LoadedTrace,
+    TraceFormatError,
+    check_int,
+    check_line_length,
+    cut_note,
+    read_text,
+    show,
+    text_lines,
+)
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces (trace README)
 _MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -42,33 +58,6 @@ class TraceRequest(NamedTuple):
     hash_ids: tuple[int, ...]
 
 
-class TraceFormatError(ValueError):
-    """A trace line is malformed; the message names the line number and the field."""
-
-
-def _open_text(path_or_file: str | Path | IO, kind: str) -> tuple[list[str], str]:
-    """Lines of a path or a text/binary file object, and the name to put in error messages.
-
-    Raises TraceFormatError naming the file for an empty (0-byte) file or bytes that are not UTF-8
-    (``kind`` says what the file should be, e.g. "a Mooncake JSON Lines trace")."""
-    if isinstance(path_or_file, (str, Path)):
-        name = str(path_or_file)
-        data: str | bytes = Path(path_or_file).read_bytes()
-    else:
-        name = str(getattr(path_or_file, "name", "") or "<file>")
-        data = path_or_file.read()
-    if len(data) == 0:
-        raise TraceFormatError(f"file {name} is empty (0 bytes): no requests; expected {kind}")
-    if isinstance(data, bytes):
-        try:
-            data = data.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise TraceFormatError(
-                f"file {name} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start:,}); "
-                f"expected {kind}") from None
-    return data.splitlines(), name
-
-
 def upload_parts(upload) -> tuple[bytes | None, str]:
     """``(content bytes, file name)`` of an uploaded file (anything with ``getvalue()`` and ``name``,
     e.g. a Streamlit ``UploadedFile``), or ``(None, "")`` without one. An empty file gives ``b""``,
@@ -85,61 +74,102 @@ def named_bytes(data: bytes, name: str) -> io.BytesIO:
     return buf
 
 
-def load_mooncake(path_or_file: str | Path | IO, block_size: int = MOONCAKE_BLOCK_TOKENS) -> list[TraceRequest]:
-    """Load a Mooncake JSON Lines trace.
+def _mooncake_request(line: str, where: str, block_size: int) -> TraceRequest:
+    """One validated Mooncake record (see :func:`read_mooncake` for the checks)."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise TraceFormatError(f"{where}: bad JSON ({err.msg})") from None
+    except RecursionError:
+        raise TraceFormatError(f"{where}: bad JSON (nested too deeply)") from None
+    except ValueError as err:  # e.g. an integer of more than 4,300 digits
+        raise TraceFormatError(f"{where}: bad JSON ({err})") from None
+    if not isinstance(obj, dict):
+        raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    for field in _MOONCAKE_FIELDS:
+        if field not in obj:
+            raise TraceFormatError(f"{where}: missing field '{field}'")
+    ts = check_int(obj["timestamp"], where, "timestamp", 0, MAX_TIMESTAMP_MS, "ms; 30 days")
+    length = check_int(obj["input_length"], where, "input_length", 0, MAX_INPUT_TOKENS, "tokens per prompt")
+    output = check_int(obj["output_length"], where, "output_length", 0, MAX_OUTPUT_TOKENS, "tokens per output")
+    hash_ids = obj["hash_ids"]
+    if not isinstance(hash_ids, list):
+        raise TraceFormatError(f"{where}: field 'hash_ids' must be a list of integers, got {show(hash_ids)}")
+    expected = -(-length // block_size)
+    if len(hash_ids) != expected:
+        raise TraceFormatError(f"{where}: field 'hash_ids' has {len(hash_ids)} ids but input_length "
+                               f"{length} needs ceil({length}/{block_size}) = {expected}")
+    for h in hash_ids:
+        if not isinstance(h, int) or isinstance(h, bool):
+            raise TraceFormatError(f"{where}: field 'hash_ids' must be a list of integers, got {show(h)}")
+        if not INT64_MIN <= h <= INT64_MAX:
+            raise TraceFormatError(f"{where}: field 'hash_ids' holds {show(h)}, outside the 64-bit signed "
+                                   f"range [{INT64_MIN:,}, {INT64_MAX:,}]")
+    return TraceRequest(ts, length, output, tuple(hash_ids))
+
+
+def read_mooncake(path_or_file: str | Path | IO, block_size: int = MOONCAKE_BLOCK_TOKENS,
+                  max_requests: int = MAX_TRACE_REQUESTS, max_total_blocks: int = MAX_TRACE_BLOCKS) -> LoadedTrace:
+    """Read the leading requests of a Mooncake JSON Lines trace within a budget.
 
     Args:
         path_or_file: a path, or a text/binary file object (e.g. a Streamlit upload).
         block_size: tokens per hash id (512 for the published traces).
+        max_requests / max_total_blocks: keep requests in file order while both fit (blocks = hash ids
+            summed over the kept requests); the first request that does not fit ends the read.
     Returns:
-        the requests in file order (blank lines skipped).
+        :class:`LoadedTrace` (``requests`` in file order, blank lines skipped; ``note`` says what was cut).
     Raises:
-        TraceFormatError (a ValueError) naming the file, ``line N`` and the field for: bad JSON, a missing
-        field, a non-integer or negative length or timestamp, ``len(hash_ids) != ceil(input_length /
-        block_size)``, timestamps going backwards; naming the file for an empty (0-byte or blank-lines-only)
-        file or one that is not UTF-8 text.
+        TraceFormatError (a ValueError) naming the file, ``line N`` and the field for: a line over
+        ``MAX_LINE_CHARS``, bad JSON (also nested too deeply or an integer of > 4,300 digits), a missing
+        field, a length or timestamp that is not an integer or is outside [0, limit] (``MAX_INPUT_TOKENS``,
+        ``MAX_OUTPUT_TOKENS``, ``MAX_TIMESTAMP_MS``), a hash id outside int64, ``len(hash_ids) !=
+        ceil(input_length / block_size)``, timestamps going backwards; naming the file for an empty
+        (0-byte or blank-lines-only), too large, UTF-16 or non-UTF-8 file; ValueError for a
+        non-positive ``block_size`` or budget.
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be a positive number of tokens, got {block_size}")
-    lines, name = _open_text(path_or_file, "a Mooncake JSON Lines trace (one JSON object per line)")
+    if block_size <= 0 or max_requests <= 0 or max_total_blocks <= 0:
+        raise ValueError(f"block_size, max_requests and max_total_blocks must be positive, got {block_size}, "
+                         f"{max_requests}, {max_total_blocks}")
+    text, name = read_text(path_or_file, "a Mooncake JSON Lines trace (one JSON object per line)")
     requests: list[TraceRequest] = []
-    last_ts = 0
-    for line_no, line in enumerate(lines, start=1):
+    last_ts = blocks = 0
+    for line_no, line in text_lines(text):
         if not line.strip():
             continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise TraceFormatError(f"{name}: line {line_no}: bad JSON ({err.msg})") from None
-        if not isinstance(obj, dict):
-            raise TraceFormatError(f"{name}: line {line_no}: expected a JSON object, got {type(obj).__name__}")
-        for field in _MOONCAKE_FIELDS:
-            if field not in obj:
-                raise TraceFormatError(f"{name}: line {line_no}: missing field '{field}'")
-        for field in ("timestamp", "input_length", "output_length"):
-            value = obj[field]
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TraceFormatError(f"{name}: line {line_no}: field '{field}' must be an integer, got {value!r}")
-            if value < 0:
-                raise TraceFormatError(f"{name}: line {line_no}: field '{field}' is negative ({value})")
-        hash_ids = obj["hash_ids"]
-        if not isinstance(hash_ids, list) or not all(isinstance(h, int) and not isinstance(h, bool) for h in hash_ids):
-            raise TraceFormatError(f"{name}: line {line_no}: field 'hash_ids' must be a list of integers")
-        expected = math.ceil(obj["input_length"] / block_size)
-        if len(hash_ids) != expected:
-            raise TraceFormatError(
-                f"{name}: line {line_no}: field 'hash_ids' has {len(hash_ids)} ids but input_length "
-                f"{obj['input_length']} needs ceil({obj['input_length']}/{block_size}) = {expected}"
-            )
-        if obj["timestamp"] < last_ts:
-            raise TraceFormatError(
-                f"{name}: line {line_no}: field 'timestamp' goes backwards ({obj['timestamp']} < {last_ts})"
-            )
-        last_ts = obj["timestamp"]
-        requests.append(TraceRequest(obj["timestamp"], obj["input_length"], obj["output_length"], tuple(hash_ids)))
+        if len(requests) == max_requests:
+            return LoadedTrace(requests, cut_note(name, len(requests), blocks, line_no, max_requests,
+                                                  max_total_blocks), line_no)
+        check_line_length(line, name, line_no)
+        where = f"{name}: line {line_no}"
+        req = _mooncake_request(line, where, block_size)
+        if req.timestamp_ms < last_ts:
+            raise TraceFormatError(f"{where}: field 'timestamp' goes backwards ({req.timestamp_ms} < {last_ts})")
+        if blocks + len(req.hash_ids) > max_total_blocks:
+            if not requests:
+                raise TraceFormatError(f"{where}: {len(req.hash_ids):,} blocks, more than the budget of "
+                                       f"{max_total_blocks:,} blocks")
+            return LoadedTrace(requests, cut_note(name, len(requests), blocks, line_no, max_requests,
+                                                  max_total_blocks), line_no)
+        last_ts = req.timestamp_ms
+        blocks += len(req.hash_ids)
+        requests.append(req)
     if not requests:
         raise TraceFormatError(f"file {name} has no requests (only blank lines); expected one JSON object per line")
-    return requests
+    return LoadedTrace(requests, "", 0)
+
+
+def load_mooncake(path_or_file: str | Path | IO, block_size: int = MOONCAKE_BLOCK_TOKENS) -> list[TraceRequest]:
+    """Load a whole Mooncake JSON Lines trace (the checks of :func:`read_mooncake`).
+
+    Returns the requests in file order. Raises TraceFormatError as :func:`read_mooncake` does, and
+    naming the line where the file passes ``MAX_TRACE_REQUESTS`` requests or ``MAX_TRACE_BLOCKS`` blocks.
+    """
+    loaded = read_mooncake(path_or_file, block_size)
+    if loaded.cut_line:
+        raise TraceFormatError(f"line {loaded.cut_line:,}: the file has more than the limit of "
+                               f"{MAX_TRACE_REQUESTS:,} requests or {MAX_TRACE_BLOCKS:,} blocks ({loaded.note})")
+    return loaded.requests
 
 
 def dump_mooncake(requests: Iterable[TraceRequest]) -> str:
@@ -264,98 +294,3 @@ def ideal_hit_ratio(requests: Iterable[TraceRequest], block_size: int = MOONCAKE
         hit_tokens / total_tokens if total_tokens else 0.0,
         hit_blocks, total_blocks, hit_tokens, total_tokens,
     )
-
-
-def load_azure_csv(
-    path_or_file: str | Path | IO, block_size: int = MOONCAKE_BLOCK_TOKENS, id_offset: int = 1 << 40
-) -> list[TraceRequest]:
-    """Load an Azure LLM inference trace (CSV ``TIMESTAMP,ContextTokens,GeneratedTokens``).
-
-    Timestamps (wall clock, 100 ns digits) become ms since the first request. The trace has no prefix
-    information, so every block gets a fresh id (starting at ``id_offset``, away from Mooncake ids):
-    nothing is shared. Raises TraceFormatError (a ValueError) naming the file and line for a bad row or a
-    missing column, and the file for an empty, header-only or non-UTF-8 file.
-    """
-    lines, name = _open_text(path_or_file, "an Azure LLM trace CSV (TIMESTAMP,ContextTokens,GeneratedTokens)")
-    reader = csv.DictReader(lines)
-    needed = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-    if not any(line.strip() for line in lines):
-        raise TraceFormatError(f"file {name} has no header line (only blank lines); expected {', '.join(needed)}")
-    if reader.fieldnames is None or any(c not in reader.fieldnames for c in needed):
-        raise TraceFormatError(f"{name}: line 1: header must contain {', '.join(needed)}, got {reader.fieldnames}")
-    rows: list[tuple[datetime, int, int]] = []
-    for line_no, row in enumerate(reader, start=2):
-        try:
-            stamp = row["TIMESTAMP"]
-            head, _, frac = stamp.partition(".")
-            ts = datetime.strptime(head, "%Y-%m-%d %H:%M:%S")
-            micro = int((frac + "000000")[:6]) if frac else 0
-            rows.append((ts.replace(microsecond=micro), int(row["ContextTokens"]), int(row["GeneratedTokens"])))
-        except (ValueError, TypeError) as err:
-            raise TraceFormatError(f"{name}: line {line_no}: bad row {row!r} ({err})") from None
-        if rows[-1][1] < 0 or rows[-1][2] < 0:
-            raise TraceFormatError(f"{name}: line {line_no}: negative token count")
-    if not rows:
-        raise TraceFormatError(f"file {name} has no requests (a header line but no rows)")
-    rows.sort(key=lambda r: r[0])
-    t0 = rows[0][0]
-    out: list[TraceRequest] = []
-    next_id = id_offset
-    for ts, ctx, gen in rows:
-        n = math.ceil(ctx / block_size)
-        out.append(TraceRequest(int((ts - t0).total_seconds() * 1000.0), ctx, gen, tuple(range(next_id, next_id + n))))
-        next_id += n
-    return out
-
-
-class VTCRecord(NamedTuple):
-    """One measured request of the VTC artifact (S-LoRA, Llama-7B, one A10G).
-
-    ``client`` (adapter dir), ``prompt_len`` / ``output_len`` tokens, ``req_time_s`` arrival (s since
-    start), ``ttft_s`` first-token latency (s; -1 = rejected), ``latency_s`` end-to-end latency (s).
-    """
-
-    client: str
-    prompt_len: int
-    output_len: int
-    req_time_s: float
-    ttft_s: float
-    latency_s: float
-
-
-class VTCRun(NamedTuple):
-    """One scheduler's run of one VTC suite: ``config`` (the suite's settings), ``throughput_rps``
-    (completed requests / total_time as the artifact reports it), ``total_time_s``, ``records``."""
-
-    config: dict
-    throughput_rps: float
-    total_time_s: float
-    records: list[VTCRecord]
-
-
-def load_vtc_artifact(path_or_file: str | Path | IO) -> VTCRun:
-    """Load one VTC artifact result file (``{"config", "result": {"responses": [...], ...}}``).
-
-    Raises TraceFormatError (a ValueError) naming the response index and field when a record is
-    malformed, and the file when it is empty or not UTF-8 text.
-    """
-    lines, name = _open_text(path_or_file, "a VTC artifact result file (JSON)")
-    try:
-        obj = json.loads("\n".join(lines))
-    except json.JSONDecodeError as err:
-        raise TraceFormatError(f"{name}: line {err.lineno}: bad JSON ({err.msg})") from None
-    try:
-        result = obj["result"]
-        responses = result["responses"]
-    except (KeyError, TypeError):
-        raise TraceFormatError(f"{name}: missing field 'result.responses'") from None
-    records = []
-    for i, r in enumerate(responses):
-        try:
-            records.append(VTCRecord(str(r["adapter_dir"]), int(r["prompt_len"]), int(r["output_len"]),
-                                     float(r["req_time"]), float(r["first_token_latency"]),
-                                     float(r["request_latency"])))
-        except KeyError as err:
-            raise TraceFormatError(f"{name}: response {i}: missing field {err}") from None
-    return VTCRun(obj.get("config", {}), float(result.get("throughput", float("nan"))),
-                  float(result.get("total_time", float("nan"))), records)

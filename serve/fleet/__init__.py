@@ -15,16 +15,18 @@ Concept → file → main type:
 - token buckets, classes ................ budgets.py ....... ``TokenBucket``, ``PriorityClass``
 - FCFS / VTC schedulers ................. scheduler.py ..... ``FCFSScheduler``, ``VTCScheduler``
 - service-time model, calibration ....... service_model.py . ``ServiceModel``
-- simulation inputs / outputs ........... sim_types.py ..... ``FleetConfig``, ``FleetRequest``, ``SimResult``
+- simulation inputs / outputs ........... sim_types.py ..... ``FleetConfig``, ``FleetRequest``, ``SimResult``,
+  ``fresh_block_requests`` (the one bounded builder of unshared block ids)
 - one replica (simpy process) ........... replica.py ....... ``Replica``
 - simpy fleet simulation ................ simulation.py .... ``simulate``
 - step-by-step reference simulation ..... sim_reference.py . ``reference_simulate``
 - VTC artifact replay ................... vtc.py ........... ``replay_vtc_suite``, ``replay_on_off_less``
 - budget scenario (page 13) ............. scenarios.py ..... ``budget_traffic``, ``run_budget_scenario``
-- page-sized experiments (pages 11–14) .. experiments.py ... ``routing_load``, ``simulate_policies``
+- page-sized experiments (pages 11–14) .. experiments.py ... ``routing_load``, ``simulate_policies``, ``page_trace``
 
 Tests: ``tests/serve/fleet/test_fleet_routers.py``, ``test_fleet_simulation.py``,
-``test_fleet_experiments.py``; traces: ``tests/serve/test_traces.py``; bench: ``python -m bench.fleet``.
+``test_fleet_experiments.py``; traces: ``tests/serve/test_traces.py``, upload limits:
+``tests/serve/test_traces_limits.py``, ``tests/serve/test_traces_fuzz.py``; bench: ``python -m bench.fleet``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ from serve.fleet.scaling import scaling_table
 from serve.fleet.service_model import ServiceModel
 from serve.fleet.sim_types import FleetConfig, ScaleAt, SimResult, percentile, requests_from_trace
 from serve.fleet.simulation import simulate
-from serve.traces import TraceRequest, ideal_hit_ratio, load_mooncake, named_bytes, synthesize
+from serve.trace_limits import LoadedTrace
+from serve.traces import TraceRequest, ideal_hit_ratio, named_bytes, read_mooncake, synthesize
 
 ANCHORS = {
     "maglev_balance": ("Maglev (Eisenbud et al., NSDI'16): M > 100·N keeps every backend's share of the "
@@ -229,13 +230,20 @@ def scale_dip(df: pd.DataFrame, at_request: int, windows_after: int = DIP_WINDOW
     return pd.DataFrame(rows)
 
 
-def page_trace(upload: bytes | None, num_requests: int, seed: int = 0, name: str = "uploaded file") -> list[TraceRequest]:
-    """The pages' trace: an uploaded Mooncake JSONL file (first ``num_requests`` requests) or, without
-    one (``upload`` is None), ``synthesize(num_requests, ...)`` over num_requests / 3.4 seconds (the
-    conversation trace's 3.4 req/s). An uploaded file is never silently replaced by the synthetic trace.
+PAGE_TRACE_BLOCKS = 131_072  # blocks of an upload pages 11, 12 and 14 replay (README, "Inputs and limits")
+PREFIX_SIM_TRACE_BLOCKS = 49_152  # page 09 replays its trace 16 times through serve.prefix_sim
 
-    Raises TraceFormatError (ValueError) naming the file ``name`` for a malformed, empty (0 bytes or no
-    requests) or non-UTF-8 upload."""
+
+def page_trace(upload: bytes | None, num_requests: int, seed: int = 0, name: str = "uploaded file",
+               max_total_blocks: int = PAGE_TRACE_BLOCKS) -> LoadedTrace:
+    """The pages' trace: the leading requests of an uploaded Mooncake JSONL file within
+    ``num_requests`` requests and ``max_total_blocks`` blocks, or, without one (``upload`` is None),
+    ``synthesize(num_requests, ...)`` over num_requests / 3.4 seconds (the conversation trace's
+    3.4 req/s). An uploaded file is never silently replaced by the synthetic trace.
+
+    Returns a :class:`LoadedTrace`: ``requests`` and ``note`` (what the budget cut, for ``st.info``).
+    Raises TraceFormatError (ValueError) naming the file ``name`` and the line for a malformed, empty
+    (0 bytes or no requests), out-of-limit or non-UTF-8 upload."""
     if upload is not None:
-        return load_mooncake(named_bytes(upload, name))[:num_requests]
-    return synthesize(num_requests=num_requests, duration_s=num_requests / 3.4, seed=seed)
+        return read_mooncake(named_bytes(upload, name), max_requests=num_requests, max_total_blocks=max_total_blocks)
+    return LoadedTrace(synthesize(num_requests=num_requests, duration_s=num_requests / 3.4, seed=seed), "", 0)

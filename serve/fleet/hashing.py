@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 
 MASK64 = (1 << 64) - 1
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1  # range of a block id
 
 
 def stable_hash64(data: bytes | str) -> int:
@@ -30,12 +31,16 @@ def routing_key(hash_ids: Sequence[int], k: int) -> int:
 
     key_0 = 0; key_i = blake2b(key_{i-1} ‖ id_i) — so one key identifies the whole ``k``-block prefix.
     A prompt with fewer than ``k`` blocks uses all its blocks; an empty prompt hashes to ``stable_hash64(b"")``.
-    Raises ValueError if ``k < 1``.
+    Raises ValueError if ``k < 1`` or a block id is outside the signed 64-bit range (it is hashed as
+    8 bytes; the trace loaders reject such ids first).
     """
     if k < 1:
         raise ValueError(f"k (routing prefix depth in blocks) must be >= 1, got {k}")
     key = 0
     for block_id in hash_ids[:k]:
+        if not INT64_MIN <= int(block_id) <= INT64_MAX:
+            raise ValueError(f"hash_ids: a block id of {int(block_id).bit_length()} bits is outside the signed "
+                             "64-bit range")
         key = stable_hash64(key.to_bytes(8, "big") + int(block_id).to_bytes(8, "big", signed=True))
     return key if hash_ids else stable_hash64(b"")
 

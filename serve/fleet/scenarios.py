@@ -12,14 +12,13 @@ and the VTC scheduler with the classes' weights on every replica.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from serve.fleet.budgets import PriorityClass
-from serve.fleet.sim_types import FleetConfig, FleetRequest, SimResult
+from serve.fleet.sim_types import FleetConfig, FleetRequest, SimResult, fresh_block_requests
 from serve.fleet.simulation import simulate
 from serve.traces import TraceRequest
 
@@ -41,12 +40,23 @@ class BudgetRun(NamedTuple):
     requests: list[FleetRequest]
 
 
+class BudgetTraffic(NamedTuple):
+    """The scenario's ``requests`` (sorted by arrival, ids 0..N-1), the number of ``burst_requests``
+    actually in them, and ``note``: "" or a sentence saying why the burst is smaller than asked."""
+
+    requests: list[FleetRequest]
+    burst_requests: int
+    note: str
+
+
 def budget_traffic(steady: Sequence[Stream], duration_s: float, burst_class: str, burst_requests: int,
                    burst_start_s: float, burst_duration_s: float, burst_prompt_tokens: int,
                    burst_output_tokens: int, seed: int = 0, azure: Sequence[TraceRequest] | None = None,
-                   block_size: int = 512) -> list[FleetRequest]:
-    """Requests of the scenario (see module doc), sorted by arrival, ids 0..N-1.
-    Raises ValueError for non-positive durations or negative counts."""
+                   block_size: int = 512) -> BudgetTraffic:
+    """Requests of the scenario (see module doc). With ``azure``, the burst is its first
+    ``burst_requests`` requests — fewer when the trace is shorter, which ``note`` then says.
+    Raises ValueError for non-positive durations or negative counts, or prompts over the limits of
+    :func:`serve.fleet.sim_types.fresh_block_requests`."""
     if duration_s <= 0 or burst_duration_s <= 0 or burst_requests < 0:
         raise ValueError("durations must be > 0 and burst_requests >= 0")
     rng = np.random.default_rng(seed)
@@ -56,22 +66,23 @@ def budget_traffic(steady: Sequence[Stream], duration_s: float, burst_class: str
         for t in rng.uniform(0, duration_s * 1000.0, size=n):
             raw.append((float(t), _jitter(rng, s.prompt_tokens), _jitter(rng, s.output_tokens), s.klass))
     start_ms, span_ms = burst_start_s * 1000.0, burst_duration_s * 1000.0
-    if azure:
+    note = ""
+    if azure is not None:
         picked = list(azure[:burst_requests])
         t_end = max(picked[-1].timestamp_ms, 1) if picked else 1
         for r in picked:
             raw.append((start_ms + r.timestamp_ms / t_end * span_ms, max(1, r.input_length),
                         max(1, r.output_length), burst_class))
+        if len(picked) < burst_requests:
+            note = (f"The burst has {len(picked):,} {burst_class} requests, not the {burst_requests:,} asked for: "
+                    f"the Azure trace gave only {len(picked):,}.")
+        burst = len(picked)
     else:
         for t in rng.uniform(start_ms, start_ms + span_ms, size=burst_requests):
             raw.append((float(t), _jitter(rng, burst_prompt_tokens), _jitter(rng, burst_output_tokens), burst_class))
+        burst = burst_requests
     raw.sort(key=lambda x: x[0])
-    out, next_id = [], 0
-    for i, (t, prompt, output, klass) in enumerate(raw):
-        n = math.ceil(prompt / block_size)
-        out.append(FleetRequest(i, t, prompt, output, tuple(range(next_id, next_id + n)), klass))
-        next_id += n
-    return out
+    return BudgetTraffic(fresh_block_requests(raw, block_size), burst, note)
 
 
 def _jitter(rng: np.random.Generator, mean: int) -> int:

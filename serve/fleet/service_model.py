@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from serve.traces import VTCRun
+from serve.vtc_artifact import VTCRun
 
 
 @dataclass(frozen=True)

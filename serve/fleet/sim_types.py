@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -10,6 +10,7 @@ import numpy as np
 
 from serve.fleet.budgets import PriorityClass
 from serve.fleet.service_model import ServiceModel
+from serve.trace_limits import MAX_INPUT_TOKENS, MAX_TRACE_BLOCKS
 from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 
@@ -155,3 +156,26 @@ def requests_from_trace(trace: Sequence[TraceRequest], klass: str = "standard", 
     picked = trace[:max_requests] if max_requests is not None else trace
     return [FleetRequest(id_offset + i, r.timestamp_ms * time_scale, r.input_length, r.output_length,
                          r.hash_ids, klass) for i, r in enumerate(picked)]
+
+
+def fresh_block_requests(raw: Iterable[tuple[float, int, int, str]],
+                         block_size: int = MOONCAKE_BLOCK_TOKENS) -> list[FleetRequest]:
+    """Fleet requests with ids 0..N-1 in the given order from ``(arrival_ms, prompt_tokens, output_tokens,
+    klass)`` tuples; every prompt gets ceil(prompt_tokens / block_size) fresh block ids (nothing shared).
+
+    Raises ValueError (before building anything) for a prompt outside [0, ``MAX_INPUT_TOKENS``] tokens
+    or more than ``MAX_TRACE_BLOCKS`` blocks in all: the ids are materialised, so their count is bounded."""
+    raw = list(raw)
+    total = 0
+    for i, (_, prompt, _, _) in enumerate(raw):
+        if not 0 <= prompt <= MAX_INPUT_TOKENS:
+            raise ValueError(f"request {i}: prompt of {prompt:,} tokens is outside [0, {MAX_INPUT_TOKENS:,}]")
+        total += -(-prompt // block_size)
+    if total > MAX_TRACE_BLOCKS:
+        raise ValueError(f"{len(raw):,} requests need {total:,} blocks, more than the limit of {MAX_TRACE_BLOCKS:,}")
+    out, next_id = [], 0
+    for i, (t, prompt, output, klass) in enumerate(raw):
+        n = -(-prompt // block_size)
+        out.append(FleetRequest(i, t, prompt, output, tuple(range(next_id, next_id + n)), klass))
+        next_id += n
+    return out

@@ -16,20 +16,15 @@ from typing import NamedTuple
 import numpy as np
 
 from serve.fleet.service_model import SLORA_MAX_TOTAL_TOKENS, ServiceModel, vtc_a10g_preset
-from serve.fleet.sim_types import FleetConfig, FleetRequest, SimResult, percentile
+from serve.fleet.sim_types import FleetConfig, FleetRequest, SimResult, fresh_block_requests, percentile
 from serve.fleet.simulation import simulate
-from serve.traces import VTCRun, load_vtc_artifact
+from serve.vtc_artifact import VTCRun, load_vtc_artifact
 
 
 def requests_from_vtc(run: VTCRun, block_size: int = 512) -> list[FleetRequest]:
     """One fleet request per record: arrival = ``req_time``, class = client, fresh (unshared) block ids."""
-    out, next_id = [], 0
-    for i, r in enumerate(sorted(run.records, key=lambda r: r.req_time_s)):
-        n = math.ceil(r.prompt_len / block_size)
-        out.append(FleetRequest(i, r.req_time_s * 1000.0, r.prompt_len, r.output_len,
-                                tuple(range(next_id, next_id + n)), r.client))
-        next_id += n
-    return out
+    return fresh_block_requests(((r.req_time_s * 1000.0, r.prompt_len, r.output_len, r.client)
+                                 for r in sorted(run.records, key=lambda r: r.req_time_s)), block_size)
 
 
 class ClientLatency(NamedTuple):
@@ -130,12 +125,7 @@ def on_off_less_requests(block_size: int = 512) -> list[FleetRequest]:
                 raw.append((t, client))
             j += 1
     raw.sort()
-    out, next_id = [], 0
-    for i, (t, client) in enumerate(raw):
-        n = math.ceil(256 / block_size)
-        out.append(FleetRequest(i, t * 1000.0, 256, 256, tuple(range(next_id, next_id + n)), client))
-        next_id += n
-    return out
+    return fresh_block_requests(((t * 1000.0, 256, 256, client) for t, client in raw), block_size)
 
 
 def on_off_less_service() -> ServiceModel:

@@ -8,19 +8,19 @@ import math
 
 import pytest
 
+from serve.azure_trace import load_azure_csv
 from serve.traces import (
     TraceFormatError,
     TraceRequest,
     dump_mooncake,
     ideal_hit_ratio,
     leading_run,
-    load_azure_csv,
     load_mooncake,
-    load_vtc_artifact,
     named_bytes,
     synthesize,
     upload_parts,
 )
+from serve.vtc_artifact import load_vtc_artifact
 
 
 def _line(**overrides) -> str:

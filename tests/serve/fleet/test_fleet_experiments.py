@@ -31,7 +31,7 @@ def _page13_default():
     classes = (PriorityClass("vip", 4.0), PriorityClass("standard", 1.0, rate_tokens_per_s=8000.0, burst_tokens=40000.0),
                PriorityClass("batch", 0.5, rate_tokens_per_s=3000.0, burst_tokens=20000.0))
     steady = [Stream("vip", 1.0, 256, 64), Stream("standard", 3.0, 1024, 128), Stream("batch", 0.5, 2048, 256)]
-    requests = budget_traffic(steady, 120.0, "standard", 1500, 30.0, 30.0, 1024, 128)
+    requests = budget_traffic(steady, 120.0, "standard", 1500, 30.0, 30.0, 1024, 128).requests
     cfg = FleetConfig(service=default_service(on_off_less_service(), 8, 5, 400_000), num_replicas=2,
                       router="least_loaded", cache_capacity_blocks=0)
     return run_budget_scenario(requests, classes, cfg), classes
@@ -52,8 +52,8 @@ def test_page13_default_headline():
 
 def test_budget_traffic_is_seeded_and_sorted():
     steady = [Stream("a", 2.0, 100, 10)]
-    a = budget_traffic(steady, 60.0, "b", 50, 10.0, 5.0, 200, 20, seed=1)
-    assert a == budget_traffic(steady, 60.0, "b", 50, 10.0, 5.0, 200, 20, seed=1)
+    a = budget_traffic(steady, 60.0, "b", 50, 10.0, 5.0, 200, 20, seed=1).requests
+    assert a == budget_traffic(steady, 60.0, "b", 50, 10.0, 5.0, 200, 20, seed=1).requests
     assert [r.arrival_ms for r in a] == sorted(r.arrival_ms for r in a)
     burst = [r for r in a if r.klass == "b"]
     assert len(burst) == 50 and all(10_000 <= r.arrival_ms <= 15_000 for r in burst)
@@ -92,7 +92,7 @@ def test_scale_event_dip_mod_n_worse_than_ring():
 
 def test_simulate_policies_and_page_trace_upload():
     trace = synthesize(num_requests=300, duration_s=90, seed=6)
-    assert page_trace(dump_mooncake(trace).encode(), 100) == trace[:100]
+    assert page_trace(dump_mooncake(trace).encode(), 100).requests == trace[:100]
     cfg = FleetConfig(service=default_service(on_off_less_service(), 8, 5, 400_000), num_replicas=4)
     per_request, summary = simulate_policies(trace, ["ring", "round_robin"], cfg,
                                              class_of=lambda i: "vip" if i % 10 == 0 else "standard")
@@ -130,7 +130,7 @@ def test_page_trace_reports_an_empty_or_binary_upload(content, fragment):
     the synthetic trace's results. Only None means "no upload"."""
     with pytest.raises(TraceFormatError, match=re.escape(f"file up.jsonl {fragment}")):
         page_trace(content, 100, name="up.jsonl")
-    assert len(page_trace(None, 100)) == 100  # no upload: the synthetic trace
+    assert len(page_trace(None, 100).requests) == 100  # no upload: the synthetic trace
 
 
 def test_scale_dip_by_hand():
