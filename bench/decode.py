@@ -19,7 +19,7 @@ import torch
 
 from kda_core.config import ModelConfig
 from kda_core.model import HybridLM
-from serve.ring_lab import bytes_vs_draft, commit_times
+from lab.ring import bytes_vs_draft, commit_times
 
 OUT = Path(__file__).parent / "results" / "decode.json"
 SNAP, PROJ, RING = "snapshot", "projection replay", "raw-input ring"

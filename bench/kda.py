@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kda_core.kda import kda_chunk, kda_recurrent
+from kda_core.chunk import kda_chunk
+from kda_core.kda import kda_recurrent
 
 OUT = Path(__file__).parent / "results" / "kda.json"
 

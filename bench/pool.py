@@ -1,13 +1,13 @@
 """Benchmark of the page pool: ``python -m bench.pool``.
 
-(a) Page alloc + free throughput of ``serve.paged_cache.PagePool`` (one op = one page allocated and
+(a) Page alloc + free throughput of ``serve.memory.pool.PagePool`` (one op = one page allocated and
 freed again) in single-page and batched calls, against ``NaiveListPool`` (a Python list free list,
 one page per step) in the same run; pool half occupied. Target: >= 1,000,000 ops/s batched.
 (b) Per-call latency p50 / p99 (ns) of single-page alloc and free.
 (c) Paged gather (``index_select`` over a scattered page table) vs a contiguous copy of the same
 latents, and a naive ``torch.cat`` of per-token tensors, fp32, width 576 (Kimi's 512 + 64); plus
 decode attention over contiguous latents vs gather + attention. Target: paged / contiguous <= 1.5
-at block size >= 16. Medians; single-threaded torch (see ``serve.pool_measure``).
+at block size >= 16. Medians; single-threaded torch (see ``lab.pool_timing``).
 Writes ``bench/results/pool.json``.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 import statistics
 from pathlib import Path
 
-from serve.pool_measure import alloc_free_throughput, call_latencies_ns, gather_timing
+from lab.pool_timing import alloc_free_throughput, call_latencies_ns, gather_timing
 
 OUT = Path(__file__).parent / "results" / "pool.json"
 TARGET_OPS_S = 1_000_000

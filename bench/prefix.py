@@ -1,7 +1,7 @@
 """Benchmark of the prefix cache: ``python -m bench.prefix``.
 
 (a) Replay of the whole Mooncake conversation trace (``../shared/traces``) through the block-granularity
-    cache simulator (:mod:`serve.prefix_sim`) with Kimi-Linear-48B-A3B byte sizes: wall seconds (median
+    cache simulator (:mod:`serve.prefix.sim`) with Kimi-Linear-48B-A3B byte sizes: wall seconds (median
     of repeats) for an unlimited cache with a checkpoint every block and for a 200 GB cache; target < 3 s.
 (b) TTFT cold vs warm on the demo model: a 1,024-token prompt sharing 25 / 50 / 75 / 90 % with an
     earlier request (N = 16, C = 128). Cold = the prompt through a cache-off engine; warm = the same
@@ -16,9 +16,9 @@ import json
 import statistics
 from pathlib import Path
 
-from serve.pool_measure import one_thread
-from serve.prefix_runs import cold_vs_warm, shared_prefix_prompts, ttft_summary
-from serve.prefix_sim import SimConfig, simulate
+from lab.pool_timing import one_thread
+from lab.prefix import cold_vs_warm, shared_prefix_prompts, ttft_summary
+from serve.prefix.sim import SimConfig, simulate
 from serve.traces import ideal_hit_ratio, load_mooncake
 
 OUT = Path(__file__).parent / "results" / "prefix.json"

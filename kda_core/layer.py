@@ -1,7 +1,7 @@
 """The two mixer layers of a Kimi hybrid: ``KDALayer`` and ``MLALayer`` (pure torch, fp32).
 
 Two execution modes share every projection (row-invariant ``kda_core.invariant.linear``):
-- ``mode="chunk"``: prefill; KDA via :func:`kda_core.kda.kda_chunk`, MLA as batched causal attention.
+- ``mode="chunk"``: prefill; KDA via :func:`kda_core.chunk.kda_chunk`, MLA as batched causal attention.
 - ``mode="recurrent"``: KDA via a loop of :func:`kda_core.kda.kda_step`, MLA one query row at a time
   over exactly its causal prefix. Verifying n tokens in one call is then *bitwise* equal to decoding
   them one by one (speculative decoding verify). ``decode`` uses this mode.
@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kda_core.chunk import CHUNK_SIZE, kda_chunk
 from kda_core.config import ModelConfig
 from kda_core.conv import short_conv
 from kda_core.invariant import linear, pointwise
-from kda_core.kda import CHUNK_SIZE, kda_chunk, kda_gate, kda_recurrent
+from kda_core.kda import kda_gate, kda_recurrent
 
 MODES = ("chunk", "recurrent")
 L2_EPS = 1e-6

@@ -4,9 +4,9 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from kda_core.model import decode
+from lab.prefix import cold_vs_warm, ttft_summary
 from pages._common import engine_call, persist, show_chart
 from pages._registry import SECTIONS, TABS
-from serve.prefix_runs import cold_vs_warm, ttft_summary
 from serve.request import TIMING_PHASES
 
 st.title("KDA Serve Lab — what the second request saves")

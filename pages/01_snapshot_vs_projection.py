@@ -7,9 +7,9 @@ import streamlit as st
 import torch
 
 from kda_core.config import PRESETS
+from lab.rollback import LAYER_PRESETS, measure_layer_bytes, model_rollback_table
 from pages._common import engine_call, persist, show_chart
-from serve.rollback import LayerShape
-from serve.rollback_bytes import LAYER_PRESETS, measure_layer_bytes, model_rollback_table
+from serve.spec.rollback import LayerShape
 
 st.title("Snapshot vs projection bytes")
 st.write(

@@ -7,8 +7,8 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from kda_core.model import HybridLM
+from lab.verify import MODES, STRATEGIES, built_by_loaded_code, run_verify_lab
 from pages._common import engine_call, persist, persist_clamped, show_chart
-from serve.spec_lab import MODES, STRATEGIES, built_by_loaded_code, run_verify_lab
 
 st.title("verify_and_replay")
 st.write(

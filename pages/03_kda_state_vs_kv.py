@@ -6,7 +6,7 @@ import streamlit as st
 import torch
 
 from kda_core import config as kc
-from kda_core.costs import measure_decode_cost
+from lab.state_vs_kv import measure_decode_cost
 from pages._common import engine_call, persist, show_chart
 
 st.title("KDA state vs KV cache")

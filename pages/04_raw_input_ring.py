@@ -6,9 +6,9 @@ import streamlit as st
 
 from kda_core.config import PRESETS
 from kda_core.model import HybridLM
+from lab import ring as ring_lab
+from lab.verify import built_by_loaded_code
 from pages._common import engine_call, persist, persist_clamped, show_chart
-from serve import ring_lab
-from serve.spec_lab import built_by_loaded_code
 
 DEMO = PRESETS["demo"]                 # ring_lab.ring_model changes only the width and heads
 st.title("RawInputRing")
@@ -126,4 +126,4 @@ st.write(
     "after a write-back has folded it into the checkpoint — never silently. A draft longer than the window is "
     "refused with a ValueError. Bytes: snapshot H·K·V·s + (2HK+HV)(W−1)·s, projections H·(2K+V+1)·s + (2HK+HV)·s, "
     "raw inputs d·s per token per KDA layer. Sources: ReplaySSM (Dao AI Lab, 2026) for replaying from cached "
-    "per-step records and a checkpoint; the ring itself is `serve/replayssm.py`.")
+    "per-step records and a checkpoint; the ring itself is `serve/spec/raw_input_ring.py`.")

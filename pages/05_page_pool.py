@@ -6,10 +6,10 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from kda_core.config import PRESETS
+from lab.pool import WorkloadConfig, policy_waste, simulate
+from lab.pool_timing import latency_histogram
 from pages._common import engine_call, persist, show_chart
-from serve.page_policy import vllm_vs_ours
-from serve.pool_measure import latency_histogram
-from serve.pool_workload import WorkloadConfig, policy_waste, simulate
+from serve.memory.page_policy import vllm_vs_ours
 
 st.title("Unified page pool")
 st.write(
@@ -128,7 +128,7 @@ NUM = st.column_config.NumberColumn
 st.dataframe(vdf, hide_index=True, width="stretch", column_config={
     "vLLM page, one layer (B)": NUM(format="%,d B"), "our page, all MLA layers (B)": NUM(format="%,d B"),
     "vLLM state padding": NUM(format="percent"), "our state padding": NUM(format="percent")})
-st.caption("What vLLM itself picks (`serve.page_policy.vllm_block_pick`, G = 1 on our side). vLLM sizes pages per "
+st.caption("What vLLM itself picks (`serve.memory.page_policy.vllm_block_pick`, G = 1 on our side). vLLM sizes pages per "
            "layer: one attention page = block × one MLA layer's latent (r + rope) × 2 B, one KDA page = one layer's "
            "recurrent (fp32) + conv (bf16) state. It aligns the block to the attention backend's kernel block size "
            "(`get_supported_kernel_block_sizes`: FlashInfer MLA 32, FlashMLA 64, CUTLASS MLA 128), not to 16: "
@@ -167,4 +167,4 @@ st.info(
     "the state but makes MLA blocks hundreds of tokens long, so the last block of every request is mostly slack; "
     "multi-page state (`⌈state / page⌉` pages) keeps 16-token blocks. Latencies are one `alloc`/`decref` call per "
     "request per kind, measured with `perf_counter_ns` on this shared CPU (p99 shows the jitter). "
-    "Sizes from `kda_core.config`; policies in `serve/page_policy.py`.")
+    "Sizes from `kda_core.config`; policies in `serve/memory/page_policy.py`.")

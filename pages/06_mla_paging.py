@@ -5,21 +5,21 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from kda_core.config import PRESETS
-from pages._common import engine_call, persist, show_chart
-from serve.mla_paging_report import (
+from lab.mla_paging import (
     DEMO_LATENT,
     DEMO_LAYERS,
     fragmentation_vs_block_size,
     page_table_demo,
     prefix_sharing_bytes,
 )
-from serve.pool_measure import gather_timing
+from lab.pool_timing import gather_timing
+from pages._common import engine_call, persist, show_chart
 
 st.title("MLA paging")
 st.write(
     "MLA keeps `kv_lora_rank + qk_rope_head_dim` latent values per token and MLA layer. Paged, a request's "
     "tokens are cut into blocks of N tokens, and a page table maps each logical block to any free physical page "
-    "(`serve.paged_mla.PagedMLACache`). Attention then gathers the pages (`index_select`) or reads them block by "
+    "(`serve.memory.paged_mla.PagedMLACache`). Attention then gathers the pages (`index_select`) or reads them block by "
     "block. Below: a real page table, what block size costs in slack, the gather overhead measured on this CPU, "
     "and the bytes that reference-counted prefix sharing saves.")
 
@@ -163,4 +163,4 @@ st.info(
     f"relative to a contiguous copy at N = 1, and from N = 16 on it is at most {worst16:.2f}× here. Sharing: n "
     f"requests hold ⌊P/N⌋ shared blocks once plus n · ⌈(P mod N + U)/N⌉ own blocks (N = {max(bs, 16)} here, the "
     f"demo's {DEMO_LAYERS} MLA layers × {DEMO_LATENT} fp32 values per token); the shared partial block is copied on "
-    "write. Sources: vLLM PagedAttention (Kwon et al., SOSP 2023); `serve/paged_mla.py`.")
+    "write. Sources: vLLM PagedAttention (Kwon et al., SOSP 2023); `serve/memory/paged_mla.py`.")

@@ -3,8 +3,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from lab.prefix import ANATOMY_BLOCK_COLUMNS, anatomy
 from pages._common import engine_call, persist, show_chart
-from serve.prefix_runs import ANATOMY_BLOCK_COLUMNS, anatomy
 
 st.title("Prefix cache anatomy")
 st.write(

@@ -3,9 +3,9 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from kda_core.kda import CHUNK_SIZE
+from kda_core.chunk import CHUNK_SIZE
+from lab.prefix import cold_vs_warm, shared_prefix_prompts, ttft_summary
 from pages._common import engine_call, persist, show_chart
-from serve.prefix_runs import cold_vs_warm, shared_prefix_prompts, ttft_summary
 
 st.title("Prefix hit")
 st.write(

@@ -4,10 +4,10 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
+from lab.fleet import MOONCAKE_TABLE2_CACHE_RATIO, PREFIX_SIM_TRACE_BLOCKS, page_trace
+from lab.prefix import miss_then_hit
 from pages._common import engine_call, persist, show_chart
-from serve.fleet.experiments import MOONCAKE_TABLE2_CACHE_RATIO, PREFIX_SIM_TRACE_BLOCKS, page_trace
-from serve.prefix_runs import miss_then_hit
-from serve.prefix_sim import CAPACITY_FRACTIONS, MISS_CAUSES, capacity_points, replay_row
+from serve.prefix.sim import CAPACITY_FRACTIONS, MISS_CAUSES, capacity_points, replay_row
 from serve.traces import ideal_hit_ratio, upload_parts
 
 st.title("Prefix miss")

@@ -7,18 +7,9 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from kda_core.config import PRESETS
+from lab.kcp import PHASES, RankRow, bytes_vs_context, compare_with, phase_costs, project, rank_rows, single_rank
 from pages._common import engine_call, persist, show_chart
 from serve.parallel.kcp import exchange_bytes
-from serve.parallel.report import (
-    PHASES,
-    RankRow,
-    bytes_vs_context,
-    compare_with,
-    phase_costs,
-    project,
-    rank_rows,
-    single_rank,
-)
 from serve.parallel.run import KCPConfig
 
 st.title("KDA context parallel (KCP)")
@@ -31,7 +22,7 @@ cores = os.cpu_count() or 1
 st.info(f"This machine has {cores} CPU cores and each rank uses one thread: with more ranks than cores, ranks share "
         "cores, so measured times at that world size include the oversubscription. Ranks are fresh processes from "
         "torch.multiprocessing (a forkserver with torch preloaded, ~0.1 s per start). Same code across machines: "
-        "`torchrun --nproc-per-node 2 -m serve.parallel.kcp --seq-len 65536`.")
+        "`torchrun --nproc-per-node 2 -m serve.parallel --seq-len 65536`.")
 
 VARIANTS = {"all-gather (one collective)": "allgather", "ring (W−1 serial hops)": "ring"}
 MODELS = {"Kimi-Linear-48B-A3B": "kimi-linear-48b-a3b", "Kimi K3": "kimi-k3"}

@@ -2,9 +2,7 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from pages._common import engine_call, persist, show_chart
-from serve.fleet import ROUTERS
-from serve.fleet.experiments import (
+from lab.fleet import (
     ANCHORS,
     ideal_ratio,
     measure_lookup_us,
@@ -13,6 +11,8 @@ from serve.fleet.experiments import (
     routing_load,
     where_prefix_lands,
 )
+from pages._common import engine_call, persist, show_chart
+from serve.fleet import ROUTERS
 from serve.traces import upload_parts
 
 st.title("Fleet hashing")

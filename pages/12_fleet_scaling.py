@@ -3,16 +3,9 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from lab.fleet import ANCHORS, DIP_WINDOWS, hit_ratio_across_scale_event, keys_moved_table, page_trace, scale_dip
 from pages._common import engine_call, persist, show_chart
 from serve.fleet import KEY_ROUTERS
-from serve.fleet.experiments import (
-    ANCHORS,
-    DIP_WINDOWS,
-    hit_ratio_across_scale_event,
-    keys_moved_table,
-    page_trace,
-    scale_dip,
-)
 from serve.traces import upload_parts
 
 st.title("Fleet scaling")

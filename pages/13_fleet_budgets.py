@@ -5,11 +5,11 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from lab.budgets import Stream, budget_frames, budget_traffic, run_budget_scenario
+from lab.fleet import ANCHORS, PAGE_TRACE_BLOCKS, default_service
 from pages._common import engine_call, persist, show_chart
 from serve.azure_trace import read_azure_csv
 from serve.fleet.budgets import PriorityClass
-from serve.fleet.experiments import ANCHORS, PAGE_TRACE_BLOCKS, default_service
-from serve.fleet.scenarios import Stream, budget_frames, budget_traffic, run_budget_scenario
 from serve.fleet.sim_types import FleetConfig
 from serve.fleet.vtc import on_off_less_service, replay_on_off_less
 from serve.traces import named_bytes, upload_parts

@@ -5,17 +5,10 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from lab.fleet import ANCHORS, default_service, ideal_ratio, page_trace, scale_events_for, simulate_policies
 from pages._common import engine_call, persist, show_chart
 from serve.fleet import ROUTERS
 from serve.fleet.budgets import PriorityClass
-from serve.fleet.experiments import (
-    ANCHORS,
-    default_service,
-    ideal_ratio,
-    page_trace,
-    scale_events_for,
-    simulate_policies,
-)
 from serve.fleet.service_model import cpu_engine_preset, measure_cpu_engine
 from serve.fleet.sim_types import FleetConfig
 from serve.fleet.vtc import on_off_less_service

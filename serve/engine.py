@@ -30,12 +30,13 @@ import time
 import torch
 
 from kda_core.model import HybridCache, HybridLM
-from serve.cache_layout import CacheLayout, read_kv, read_state, write_kv, write_state, zero_state
-from serve.paged_cache import PageKind, PagePool, PoolExhausted
-from serve.prefix_cache import PrefixCache
-from serve.prefix_index import block_keys, checkpoint_boundaries
+from serve.memory.layout import CacheLayout
+from serve.memory.pages import read_kv, read_state, write_kv, write_state, zero_state
+from serve.memory.pool import PageKind, PagePool, PoolExhausted
+from serve.prefix.cache import PrefixCache
+from serve.prefix.index import block_keys, checkpoint_boundaries
 from serve.request import Request, RequestResult, RequestStatus
-from serve.spec_step import Speculation, draft_budget, speculative_step
+from serve.spec.verify import Speculation, draft_budget, speculative_step
 
 DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
 
@@ -77,7 +78,7 @@ class ServeEngine:
         prefix_cache: a :class:`PrefixCache` on the same pool, or None (no sharing: the reference).
         max_prefill_chunk: optional cap on tokens per prefill forward.
         block_size / num_groups: the page layout when there is no prefix cache (else the cache's).
-        speculation: optional :class:`serve.spec_step.Speculation` (drafts verified each decode step).
+        speculation: optional :class:`serve.spec.verify.Speculation` (drafts verified each decode step).
     Raises ValueError for a cache on another pool or model config, or bad sizes.
     """
 
@@ -287,7 +288,7 @@ class ServeEngine:
         req.computed = new.num_tokens
 
     def checkpoint_boundaries(self, num_prompt_tokens: int) -> list[int]:
-        """Prefill checkpoint boundaries of a prompt (:func:`serve.prefix_index.checkpoint_boundaries`);
+        """Prefill checkpoint boundaries of a prompt (:func:`serve.prefix.index.checkpoint_boundaries`);
         empty without a prefix cache."""
         if self.cache is None:
             return []
@@ -297,7 +298,7 @@ class ServeEngine:
         """One prefill forward over ``[p, end)`` (the whole rest of the prompt unless
         ``max_prefill_chunk`` caps it). Every checkpoint boundary inside it comes from the same forward
         (``state_at``: the state after exactly b tokens), which runs on the 64-token chunk grid from p
-        (``kda_core.kda.CHUNK_SIZE``) whatever the boundaries are. So a warm prefill from a hit b that
+        (``kda_core.chunk.CHUNK_SIZE``) whatever the boundaries are. So a warm prefill from a hit b that
         is a multiple of 64 computes every token bitwise as the cache-off run does (which starts at 0),
         provided ``max_prefill_chunk`` is None or a multiple of 64; from any other b it differs by
         rounding (the grid moves; a few 1e-6 in the logits of the demo model)."""

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 import torch
 
-from serve.prefix_hit import PrefixHit
+from serve.prefix.hit import PrefixHit
 
 TIMING_PHASES = ("lookup", "queue", "admit", "restore", "prefill", "checkpoint")
 

@@ -1,6 +1,6 @@
 """Per-replica prefix cache at block granularity, LRU, for the fleet simulation.
 
-Model (the engine's prefix-cache rules, ``serve/prefix_cache.py``, reduced to one block = one unit):
+Model (the engine's prefix-cache rules, ``serve/prefix/cache.py``, reduced to one block = one unit):
 - Entries are chained block ids (one per ``block_size`` tokens; a Mooncake ``hash_id``). Because ids
   are chained, a request's hit is the *leading run* of its ids present in the cache.
 - ``lookup`` returns that run; only a ``touch`` refreshes recency, and only for the consumed run

@@ -3,7 +3,7 @@
 | concept | file | main type / function | tests |
 |---|---|---|---|
 | block summary (M, S_ext), fold | ``summary.py`` | ``BlockSummary``, ``chunk_summary``, ``naive_summary`` | ``tests/serve/parallel/test_kcp_summary.py`` |
-| per-rank algorithm, two variants | ``kcp.py`` | ``kcp_kda``, ``exchange_bytes`` (+ ``python -m serve.parallel.kcp``) | ``test_kcp.py`` |
+| per-rank algorithm, two variants | ``kcp.py`` | ``kcp_kda``, ``exchange_bytes`` (+ ``python -m serve.parallel``) | ``test_kcp.py`` |
 | layer prefill with the conv halo | ``halo.py`` | ``kcp_layer_prefill``, ``fold_halo`` | ``test_kcp_halo.py`` |
 | counted collectives, phase clock | ``comm.py`` | ``Comm``, ``PhaseTimes`` | (through the above) |
 | starting ranks / torchrun | ``launch.py`` | ``run_ranks``, ``init_from_env`` | ``test_kcp_launch.py`` |

@@ -1,4 +1,4 @@
-"""Command line of ``python -m serve.parallel.kcp`` (local ranks) and ``torchrun ... -m serve.parallel.kcp``.
+"""Command line of ``python -m serve.parallel`` (local ranks) and ``torchrun ... -m serve.parallel``.
 
 Under torchrun (``RANK``/``WORLD_SIZE`` set) this process is one rank: it joins the group from the env
 vars, runs :func:`serve.parallel.run.rank_job`, and rank 0 prints every rank's line. Otherwise it
@@ -20,7 +20,7 @@ from serve.parallel.run import LEVELS, KCPConfig, RankResult, rank_job, run_kcp
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m serve.parallel.kcp", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m serve.parallel", description=__doc__.splitlines()[0])
     p.add_argument("--seq-len", type=int, required=True, help="tokens T of the prompt")
     p.add_argument("--world-size", type=int, default=2, help="local ranks (ignored under torchrun)")
     p.add_argument("--batch", type=int, default=1)
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                         repeats=a.repeats, check=a.check, threads_per_rank=a.threads_per_rank, backend=a.backend,
                         timeout_s=a.timeout_s)
     except ValueError as err:
-        print(f"python -m serve.parallel.kcp: error: {err}", file=sys.stderr)
+        print(f"python -m serve.parallel: error: {err}", file=sys.stderr)
         return 2
     if not torchrun:
         print(format_results(cfg, list(run_kcp(cfg).ranks)))

@@ -11,12 +11,12 @@ exchange variants, run by :func:`kcp_kda` on every rank:
   its own final state on (``B H K V s`` bytes per hop) and then computes its outputs: W - 1 serial hops.
 
 An initial state (a prefix-cache hit) seeds rank 0, which folds it into what it sends. Outputs and
-final state equal single-rank :func:`kda_core.kda.kda_chunk` up to rounding; the bytes exchanged do
+final state equal single-rank :func:`kda_core.chunk.kda_chunk` up to rounding; the bytes exchanged do
 not depend on the sequence length. Sources: fla ``fla/ops/cp/KCP.md``; SGLang PR #34059; LASP-2
 (arXiv:2502.07563); LASP-1 (arXiv:2404.02882).
 
-Run it: ``python -m serve.parallel.kcp --seq-len 65536 --world-size 2`` (starts local ranks) or
-``torchrun --nproc-per-node 2 -m serve.parallel.kcp --seq-len 65536`` (one process per rank, any
+Run it: ``python -m serve.parallel --seq-len 65536 --world-size 2`` (starts local ranks) or
+``torchrun --nproc-per-node 2 -m serve.parallel --seq-len 65536`` (one process per rank, any
 number of machines). The in-app runner is :func:`serve.parallel.run.run_kcp`.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from kda_core.kda import kda_chunk_outputs, kda_chunk_prepare, kda_chunk_states
+from kda_core.chunk import kda_chunk_outputs, kda_chunk_prepare, kda_chunk_states
 from serve.parallel.comm import Comm, PhaseClock, PhaseTimes
 from serve.parallel.summary import BlockSummary, apply_summary, compose, fold_state, summary_from_prep
 
@@ -164,14 +164,3 @@ def block_bounds(seq_len: int, world_size: int) -> list[tuple[int, int]]:
         bounds.append((start, end))
         start = end
     return bounds
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI (see module doc); prints one line per rank. Under torchrun every rank runs this."""
-    from serve.parallel.cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -17,8 +17,8 @@ from typing import NamedTuple
 
 import torch
 
+from kda_core.chunk import kda_chunk
 from kda_core.config import PRESETS
-from kda_core.kda import kda_chunk
 from kda_core.layer import KDACache, KDALayer
 from serve.parallel.comm import Comm, PhaseTimes
 from serve.parallel.halo import kcp_layer_prefill

@@ -6,7 +6,7 @@ and ``B_t = beta_t k_t v_t^T``; both act on the K dim. A block of tokens therefo
 pair ``(M, S_ext)``: ``M = A_L ... A_1`` ``[K, K]`` and ``S_ext`` ``[K, V]``, the state reached from a
 zero start, so that ``S_end = M S_start + S_ext``. Pairs compose associatively; ranks exchange them.
 
-The fast form works per 64-token chunk from the WY quantities of :func:`kda_core.kda.kda_chunk_prepare`:
+The fast form works per 64-token chunk from the WY quantities of :func:`kda_core.chunk.kda_chunk_prepare`:
 ``M_c = diag(gamma_c) - K~_c^T W_c`` (``gamma_c = exp(G_C)``, the whole-chunk decay; ``K~_c`` keys
 decayed to the chunk end; ``W_c`` the WY keys), chained over chunks in fp32 (fp64 for fp64 input).
 Source: fla ``fla/ops/cp/KCP.md`` (pre-process forward, stages 1-2) and LASP-2 (arXiv:2502.07563).
@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from kda_core.kda import ChunkPrep, kda_chunk_prepare
+from kda_core.chunk import ChunkPrep, kda_chunk_prepare
 
 
 class BlockSummary(NamedTuple):

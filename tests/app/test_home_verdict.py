@@ -2,7 +2,7 @@
 import pytest
 import streamlit as st
 
-import serve.prefix_runs as prefix_runs
+import lab.prefix as prefix_runs
 from tests.app.page_helpers import open_page
 
 

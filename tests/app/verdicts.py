@@ -13,8 +13,8 @@ import re
 
 from streamlit.testing.v1 import AppTest
 
-from kda_core.kda import CHUNK_SIZE
-from serve.prefix_runs import shared_prefix_prompts
+from kda_core.chunk import CHUNK_SIZE
+from lab.prefix import shared_prefix_prompts
 from tests.app.page_helpers import chart_spec, plotly_values
 
 LOGIT_TOL = 1e-5   # cache-on vs cache-off logits: the pages print "≤ 1e-5 required" (fp32, chunked vs split prefill)
@@ -124,7 +124,7 @@ def _p08(at: AppTest) -> None:
 def _p09(at: AppTest) -> None:
     _identical(_metric(at, "Next output identical"))
     prompt = _widget(at, "p09_prompt")
-    first = shared_prefix_prompts(prompt, 0, 0)[0]                       # as serve.prefix_runs.miss_then_hit builds them
+    first = shared_prefix_prompts(prompt, 0, 0)[0]                       # as lab.prefix.miss_then_hit builds them
     second = first[:min(_widget(at, "p09_next"), prompt)] + shared_prefix_prompts(16, 0, 1)[0]
     want = expected_hit([first], second, _widget(at, "p09_block"), _widget(at, "p09_interval"))
     shown = _metric(at, "Next request: hit b").value

@@ -6,8 +6,8 @@ chunks and the MLA row blocks of both runs sit on the same grid, and every other
 import pytest
 import torch
 
+from kda_core.chunk import CHUNK_SIZE, kda_chunk
 from kda_core.config import PRESETS
-from kda_core.kda import CHUNK_SIZE, kda_chunk
 from kda_core.layer import KDALayer, MLALayer, _block_causal_attention
 from kda_core.model import HybridLM, cache_equal
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kda_core.kda import kda_chunk, kda_gate, kda_recurrent, kda_step, kda_step_with_correction
+from kda_core.chunk import kda_chunk
+from kda_core.kda import kda_gate, kda_recurrent, kda_step, kda_step_with_correction
 
 B, H, K, V = 2, 3, 16, 12  # K != V so a transposed state cannot pass
 

@@ -1,15 +1,15 @@
 """A warm run that restores a checkpoint on the 64-token chunk grid is bitwise the cache-off run.
 
 Rule (``serve.engine``, README): the warm prefill starts at the hit boundary b; when b is a multiple of
-``kda_core.kda.CHUNK_SIZE`` (64) and the checkpoint there was taken by a prefill that started on the grid,
+``kda_core.chunk.CHUNK_SIZE`` (64) and the checkpoint there was taken by a prefill that started on the grid,
 logits and tokens are bitwise equal to the cache-off run. Off the grid they agree within ``WARM_TOLERANCE``.
 """
 import pytest
 import torch
 
-from kda_core.kda import CHUNK_SIZE
-from serve.prefix_runs import WARM_TOLERANCE, Comparison, build_engine, compare, demo_model, shared_prefix_prompts
-from serve.threads import one_thread
+from kda_core.chunk import CHUNK_SIZE
+from lab.prefix import WARM_TOLERANCE, Comparison, build_engine, compare, demo_model, shared_prefix_prompts
+from lab.threads import one_thread
 
 
 def _cold_warm(first, second, block_size, interval, preset="demo", max_new_tokens=4):

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from serve.cache_layout import read_state, write_state
-from serve.prefix_cache import CheckpointError, PrefixCache
-from serve.prefix_index import PrefixIndex
+from serve.memory.pages import read_state, write_state
+from serve.prefix.cache import CheckpointError, PrefixCache
+from serve.prefix.index import PrefixIndex
 from serve.request import RequestStatus
-from tests.serve.prefix_helpers import (
+from tests.serve.prefix.helpers import (
     LOGITS_ATOL,
     assert_equal_to_reference,
     make_engine,

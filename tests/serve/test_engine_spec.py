@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import serve.engine as engine_module
-from serve.cache_layout import read_state
-from serve.prefix_cache import PrefixCache
+from serve.memory.pages import read_state
+from serve.prefix.cache import PrefixCache
 from serve.request import RequestStatus
-from serve.spec_step import draft_budget
-from tests.serve.prefix_helpers import assert_equal_to_reference, make_engine, reference, tiny_model, tokens
-from tests.serve.spec_engine_helpers import STRATEGIES, check_checkpoints, oracle_speculation, spec_engine
+from serve.spec.verify import draft_budget
+from tests.serve.engine_helpers import STRATEGIES, check_checkpoints, oracle_speculation, spec_engine
+from tests.serve.prefix.helpers import assert_equal_to_reference, make_engine, reference, tiny_model, tokens
 
 torch.set_num_threads(1)
 

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from serve.request import RequestStatus
-from tests.serve.prefix_helpers import LOGITS_ATOL, make_engine, tokens
-from tests.serve.spec_engine_helpers import STRATEGIES, check_checkpoints, oracle_speculation, spec_engine
+from tests.serve.engine_helpers import STRATEGIES, check_checkpoints, oracle_speculation, spec_engine
+from tests.serve.prefix.helpers import LOGITS_ATOL, make_engine, tokens
 
 torch.set_num_threads(1)
 

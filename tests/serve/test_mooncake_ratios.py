@@ -5,7 +5,7 @@ a request's leading run already seen / all hash ids. The values below are recomp
 """
 import pytest
 
-from serve.fleet.experiments import MOONCAKE_TABLE2_CACHE_RATIO
+from lab.fleet import MOONCAKE_TABLE2_CACHE_RATIO
 from serve.traces import ideal_hit_ratio, load_mooncake
 
 

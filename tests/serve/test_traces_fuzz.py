@@ -11,12 +11,12 @@ import tracemalloc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from lab.fleet import routing_load, simulate_policies
 from serve.azure_trace import read_azure_csv
-from serve.fleet.experiments import routing_load, simulate_policies
 from serve.fleet.sim_types import FleetConfig
 from serve.fleet.simulation import simulate
 from serve.fleet.vtc import on_off_less_service, requests_from_vtc
-from serve.prefix_sim import replay_row
+from serve.prefix.sim import replay_row
 from serve.trace_limits import (
     INT64_MAX,
     INT64_MIN,
@@ -123,7 +123,7 @@ def azure_row(draw) -> str:
      "GeneratedTokens,TIMESTAMP,ContextTokens", "TIMESTAMP,ContextTokens", "", "a,b,c"]),
        sep=SEPARATORS, cap=st.integers(1, 8), budget=st.integers(1, 4096))
 def test_read_azure_csv_fuzz(rows, header, sep, cap, budget):
-    from serve.fleet.scenarios import Stream, budget_traffic
+    from lab.budgets import Stream, budget_traffic
 
     data = sep.join([header, *rows])
     loaded = _run_bounded(read_azure_csv, named_bytes(data.encode("utf-8", "surrogatepass"), "f.csv"),

@@ -9,9 +9,9 @@ import tracemalloc
 
 import pytest
 
+from lab.fleet import PAGE_TRACE_BLOCKS, page_trace
 from serve.azure_trace import load_azure_csv, read_azure_csv
-from serve.fleet.experiments import PAGE_TRACE_BLOCKS, page_trace
-from serve.prefix_sim import replay_row
+from serve.prefix.sim import replay_row
 from serve.trace_limits import (
     MAX_INPUT_TOKENS,
     MAX_LINE_CHARS,
@@ -57,7 +57,7 @@ def test_azure_77_byte_file_with_huge_context_is_rejected_without_allocating():
 
 def test_fleet_fresh_block_ids_are_bounded():
     """Regression: scenarios.py and vtc.py built ``tuple(range(n))`` for any prompt length they got."""
-    from serve.fleet.scenarios import Stream, budget_traffic
+    from lab.budgets import Stream, budget_traffic
     from serve.fleet.vtc import requests_from_vtc
     from serve.vtc_artifact import VTCRecord, VTCRun
 
@@ -217,7 +217,7 @@ def test_output_length_over_the_limit_is_rejected():
 
 def test_short_azure_file_shrinks_the_burst_and_says_so():
     """Regression: a 2-request Azure file made a 2-request burst while page 13 said 1,500."""
-    from serve.fleet.scenarios import Stream, budget_traffic
+    from lab.budgets import Stream, budget_traffic
 
     azure = read_azure_csv(io.StringIO(HEADER + "2023-11-16 18:17:03,100,10\n2023-11-16 18:17:04,200,20\n"),
                            max_requests=1500)

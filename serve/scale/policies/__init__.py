@@ -4,7 +4,7 @@ Concept → file → main type → test:
 - replica bytes, policy interface, timeless replay .. base.py ....... ``ReplicaBytes``, ``PrefixPolicy``,
   ``replay``, ``PolicyResult`` ........................................ tests/serve/scale/test_policies.py
 - KV blocks + states at token positions, 2 LRUs ..... state_tree.py . ``StateTree`` ....... same file
-- ours (wraps serve.prefix_sim) ..................... ours.py ....... ``OursPolicy`` ...... same file
+- ours (wraps serve.prefix.sim) ..................... ours.py ....... ``OursPolicy`` ...... same file
 - SGLang MambaRadixCache no_buffer / extra_buffer ... sglang.py ..... ``SGLangNoBuffer``, ``SGLangExtraBuffer``
 - vLLM mamba_cache_mode none / align / all .......... vllm.py ....... ``VLLMMambaPolicy``, ``vllm_block_size``
 

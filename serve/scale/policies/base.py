@@ -133,7 +133,7 @@ def reserved_running_bytes(policy, replica: ReplicaBytes) -> int:
 def replay(requests: Sequence[TraceRequest], policy, budget_bytes: float, check_every: int = 0) -> PolicyResult:
     """Replay ``requests`` in order through ``policy`` under ``budget_bytes`` per replica (see the module
     docstring). A policy with a ``replay_trace(requests, budget_bytes)`` method (ours, whose rules live in
-    :func:`serve.prefix_sim.simulate`) replays itself. ``check_every`` > 0 runs ``check_integrity`` and the
+    :func:`serve.prefix.sim.simulate`) replays itself. ``check_every`` > 0 runs ``check_integrity`` and the
     budget check every that many requests (tests); 0 never.
 
     Raises ValueError for an empty trace, a negative budget, or one smaller than the running request's

@@ -1,16 +1,16 @@
-"""Our prefix cache (this repo's engine), as a policy: a wrapper over :func:`serve.prefix_sim.simulate`.
+"""Our prefix cache (this repo's engine), as a policy: a wrapper over :func:`serve.prefix.sim.simulate`.
 
-The rules live in one place: :class:`serve.prefix_index.PrefixIndex` (chained block keys, per-group
-checkpoints, two-phase lookup, kind-aware LRU) driven by :func:`serve.prefix_sim.simulate` (checkpoints
-every C tokens + the replay boundary + the prompt end, :func:`serve.prefix_index.checkpoint_boundaries`;
+The rules live in one place: :class:`serve.prefix.index.PrefixIndex` (chained block keys, per-group
+checkpoints, two-phase lookup, kind-aware LRU) driven by :func:`serve.prefix.sim.simulate` (checkpoints
+every C tokens + the replay boundary + the prompt end, :func:`serve.prefix.index.checkpoint_boundaries`;
 lookup capped at L - 1; eviction to a byte capacity after each request), the same index the engine's
-:class:`serve.prefix_cache.PrefixCache` uses. This class only maps a replica budget onto a
-:class:`serve.prefix_sim.SimConfig` and the simulator's result onto a
+:class:`serve.prefix.cache.PrefixCache` uses. This class only maps a replica budget onto a
+:class:`serve.prefix.sim.SimConfig` and the simulator's result onto a
 :class:`serve.scale.policies.base.PolicyResult`; it replays whole traces (``replay_trace``), not one
 request at a time.
 
 Bytes: a KV block = ``replica.kv_bytes_per_token x N``; a checkpoint of group g = that group's KDA layers'
-state (:func:`serve.page_policy.group_state_bytes`), so a complete checkpoint = one sequence's state. One
+state (:func:`serve.memory.page_policy.group_state_bytes`), so a complete checkpoint = one sequence's state. One
 running request holds one working state (all groups), reserved from the budget.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from __future__ import annotations
 import numpy as np
 
 from kda_core.config import PRESETS
-from serve.page_policy import group_state_bytes, kda_groups
-from serve.prefix_sim import SimConfig, simulate
+from serve.memory.page_policy import group_state_bytes, kda_groups
+from serve.prefix.sim import SimConfig, simulate
 from serve.scale.policies.base import PolicyResult, ReplicaBytes
 from serve.traces import MOONCAKE_BLOCK_TOKENS, ideal_hit_ratio
 
@@ -47,7 +47,7 @@ class OursPolicy:
                          capacity_bytes)
 
     def replay_trace(self, requests, budget_bytes: float) -> PolicyResult:
-        """Replay through :func:`serve.prefix_sim.simulate` with capacity = budget - one running state."""
+        """Replay through :func:`serve.prefix.sim.simulate` with capacity = budget - one running state."""
         running = self.running_state_slots * self.replica.state_bytes
         if budget_bytes < running:
             raise ValueError(f"budget_bytes {budget_bytes:,.0f} is below the running state slot ({running:,} bytes)")

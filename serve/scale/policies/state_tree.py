@@ -1,7 +1,7 @@
 """Cached KV at trace-block granularity plus KDA states at token positions, with LRU eviction.
 
 The production engines place states where ours cannot (SGLang at any token, vLLM at its own block
-size), so their policy models share this structure instead of :class:`serve.prefix_index.PrefixIndex`'s
+size), so their policy models share this structure instead of :class:`serve.prefix.index.PrefixIndex`'s
 per-block checkpoints. It sits beside the index and uses it for the KV part:
 
 - **KV**: one :class:`PrefixIndex` node per trace block (chained id = key); the node's payload is the
@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from serve.prefix_index import ROOT, PrefixIndex
+from serve.prefix.index import ROOT, PrefixIndex
 
 
 class StateTree:

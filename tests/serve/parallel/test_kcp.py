@@ -4,7 +4,7 @@ test_kcp_launch.py."""
 import pytest
 import torch
 
-from kda_core.kda import kda_chunk
+from kda_core.chunk import kda_chunk
 from serve.parallel.inputs import initial_state, kda_inputs
 from serve.parallel.kcp import block_bounds, exchange_bytes, piece_bounds
 from serve.parallel.run import KCPConfig, run_kcp

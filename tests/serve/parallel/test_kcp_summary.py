@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from kda_core.kda import kda_chunk, kda_recurrent
+from kda_core.chunk import kda_chunk
+from kda_core.kda import kda_recurrent
 from serve.parallel.inputs import initial_state, kda_inputs
 from serve.parallel.summary import apply_summary, chunk_summary, compose, fold_state, naive_summary
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve.prefix_sim import SimConfig, simulate
+from serve.prefix.sim import SimConfig, simulate
 from serve.scale.policies import (
     OursPolicy,
     ReplicaBytes,

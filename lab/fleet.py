@@ -1,0 +1,249 @@
+"""Page-sized experiments for the fleet pages (11–14): each returns plain data (DataFrames) from one
+call, so a page only caches the call and draws.
+
+Published anchors used by the pages live in :data:`ANCHORS` with their sources.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import pandas as pd
+
+from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
+from serve.fleet.hashing import random_keys, routing_key
+from serve.fleet.replay import ScaleEvent, replay_routing, windowed_hit_ratio
+from serve.fleet.ring import ConsistentHashRouter
+from serve.fleet.router import RouteQuery
+from serve.fleet.scaling import scaling_table
+from serve.fleet.service_model import ServiceModel
+from serve.fleet.sim_types import FleetConfig, ScaleAt, SimResult, percentile, requests_from_trace
+from serve.fleet.simulation import simulate
+from serve.trace_limits import LoadedTrace
+from serve.traces import TraceRequest, ideal_hit_ratio, named_bytes, read_mooncake, synthesize
+
+ANCHORS = {
+    "maglev_balance": ("Maglev (Eisenbud et al., NSDI'16): M > 100·N keeps every backend's share of the "
+                       "hash space within 1 % of the others"),
+    "ring_moves": "Consistent hashing (Karger et al., STOC'97): adding the (n+1)-th node moves ~1/(n+1) of keys",
+    "jump_moves": "Jump hash (Lamping & Veach, 2014): exactly the keys of the new bucket move, 1/(n+1) on average",
+    "mod_n_moves": "mod-N: a key stays only if k mod n = k mod (n+1), so ~n/(n+1) of keys move",
+    "ring_spread": "A node's share of the ring with V vnodes has relative spread ≈ 1/√V",
+    "mooncake_cache": ("Mooncake tech report (arXiv 2407.00079, §4.2, on its 2024 trace): a global LRU cache of "
+                       "1,000 → 50,000 blocks lifts the hit ratio from 30 % to 50 %"),
+    "vtc": ("VTC artifact (Ying1123/VTC-artifact, OSDI'24; S-LoRA, Llama-7B, one A10G), on_off_less suite; the "
+            "paper does not print these P99s: they are computed from the artifact's raw per-request files "
+            "(fair_bench/{FCFS,VTC}/all_results_on_off_less.jsonl)"),
+}
+
+# Mooncake (Qin et al., FAST'25), Table 2: the "cache ratio" of the two released traces
+# (kvcache-ai/Mooncake FAST25-release/traces/{conversation,synthetic}_trace.jsonl). The paper gives no
+# formula for it; the block ideal of serve.traces.ideal_hit_ratio on the same files is a different count
+# (hash ids in a request's leading run seen before / all hash ids), computed by tests/serve/test_mooncake_ratios.py.
+MOONCAKE_TABLE2_CACHE_RATIO = {"conversation": 0.40, "synthetic": 0.66}
+
+
+def routing_load(trace: Sequence[TraceRequest], algorithm: str, num_replicas: int, k: int,
+                 **params) -> pd.DataFrame:
+    """Requests and prompt tokens per replica when ``trace`` is routed by ``algorithm`` on its first
+    ``k`` blocks (routing-only replay, unlimited caches). Columns: replica, requests, tokens, hit_tokens."""
+    replay = replay_routing(trace, make_router(algorithm, replica_names(num_replicas), **params), k)
+    df = pd.DataFrame({"replica": replay.replica, "tokens": replay.input_tokens, "hit_tokens": replay.hit_tokens})
+    out = df.groupby("replica", sort=False).agg(requests=("tokens", "size"), tokens=("tokens", "sum"),
+                                               hit_tokens=("hit_tokens", "sum"))
+    out = out.reindex(replica_names(num_replicas), fill_value=0).reset_index()
+    return out
+
+
+def ring_balance_vs_vnodes(num_replicas: int, vnode_counts: Sequence[int]) -> pd.DataFrame:
+    """Exact max/mean share and relative spread (std/mean) of a ketama ring for each V; with 1/√V."""
+    rows = []
+    for v in vnode_counts:
+        shares = np.array(list(ConsistentHashRouter(replica_names(num_replicas), vnodes=v).arc_shares().values()))
+        rows.append({"vnodes": v, "max_over_mean": shares.max() / shares.mean(),
+                     "relative_spread": shares.std() / shares.mean(), "one_over_sqrt_v": 1 / np.sqrt(v)})
+    return pd.DataFrame(rows)
+
+
+def measure_lookup_us(num_replicas: int, vnodes: int, num_keys: int = 2000, repeats: int = 3) -> pd.DataFrame:
+    """Median µs per scalar ``route`` call for every router on this CPU (keys random, seeded)."""
+    keys = random_keys(num_keys, seed=3)
+    queries = [RouteQuery(int(k), (int(k) % 997, int(k) % 13)) for k in keys]
+    rows = []
+    for name in ROUTERS:
+        router = make_router(name, replica_names(num_replicas), vnodes=vnodes)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for q in queries:
+                router.route(q)
+            times.append(time.perf_counter() - t0)
+        rows.append({"algorithm": name, "us_per_key": statistics.median(times) / num_keys * 1e6})
+    return pd.DataFrame(rows)
+
+
+def where_prefix_lands(trace: Sequence[TraceRequest], index: int, num_replicas: int, k: int,
+                       vnodes: int) -> pd.DataFrame:
+    """For request ``index``: its routing key, the replica each key-based algorithm picks, and how many
+    trace requests share its first ``k`` blocks (they land on the same replica). Raises ValueError for
+    an index out of range."""
+    if not 0 <= index < len(trace):
+        raise ValueError(f"request index must be in [0, {len(trace) - 1}], got {index}")
+    req = trace[index]
+    key = routing_key(req.hash_ids, k)
+    prefix = req.hash_ids[:k]
+    sharing = sum(1 for r in trace if r.hash_ids[:k] == prefix)
+    rows = []
+    for name in KEY_ROUTERS:
+        router = make_router(name, replica_names(num_replicas), vnodes=vnodes)
+        rows.append({"algorithm": name, "replica": router.route(RouteQuery(key, req.hash_ids)),
+                     "routing_key": f"{key:016x}", "prefix_blocks": len(prefix), "requests_sharing_prefix": sharing})
+    return pd.DataFrame(rows)
+
+
+def keys_moved_table(num_replicas: int, action: str, num_keys: int, vnodes: int) -> pd.DataFrame:
+    """Fraction of keys moved per algorithm for one scale step (``action`` "add" or "remove")."""
+    keys = random_keys(num_keys, seed=0)
+    n_after = num_replicas + 1 if action == "add" else num_replicas - 1
+    rows = scaling_table(num_replicas, n_after, keys, vnodes=vnodes)
+    return pd.DataFrame([r._asdict() for r in rows])
+
+
+def hit_ratio_across_scale_event(trace: Sequence[TraceRequest], algorithms: Sequence[str], num_replicas: int,
+                                 k: int, action: str, at_fraction: float, window: int,
+                                 capacity_blocks: int | None, vnodes: int) -> pd.DataFrame:
+    """Windowed token hit ratio over the trace with one scale event at ``at_fraction`` of the requests.
+    Columns: algorithm, request (window start index), hit_ratio."""
+    at = int(len(trace) * at_fraction)
+    replica = f"replica-{num_replicas}" if action == "add" else f"replica-{num_replicas - 1}"
+    rows = []
+    for name in algorithms:
+        event = ScaleEvent(at, action, replica)
+        replay = replay_routing(trace, make_router(name, replica_names(num_replicas), vnodes=vnodes), k,
+                                capacity_blocks=capacity_blocks, events=(event,))
+        for i, ratio in enumerate(windowed_hit_ratio(replay, window)):
+            rows.append({"algorithm": name, "request": i * window, "hit_ratio": float(ratio)})
+    return pd.DataFrame(rows)
+
+
+def simulate_policies(trace: Sequence[TraceRequest], policies: Sequence[str], base: FleetConfig,
+                      class_of: Callable[[int], str] | None = None,
+                      progress: Callable[[float], None] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Run the fleet simulation once per routing policy on ``trace`` (same config otherwise).
+
+    Returns (per-request results with a ``policy`` column, per-policy × class summary with hit ratio,
+    TTFT P50/P99, queue wait P99, max/mean requests per replica and throughput)."""
+    requests = requests_from_trace(trace)
+    if class_of is not None:
+        requests = [r._replace(klass=class_of(r.request_id)) for r in requests]
+    frames, summary = [], []
+    for i, policy in enumerate(policies):
+        def sub_progress(f, i=i):
+            if progress is not None:
+                progress((i + f) / len(policies))
+
+        cfg = FleetConfig(**{**base.__dict__, "router": policy})
+        sim = simulate(requests, cfg, progress=sub_progress)
+        df = results_frame(sim)
+        df.insert(0, "policy", policy)
+        frames.append(df)
+        summary.extend(summarize(sim, policy))
+    return pd.concat(frames, ignore_index=True), pd.DataFrame(summary)
+
+
+def results_frame(sim: SimResult) -> pd.DataFrame:
+    """Per-request results with derived queue_wait_ms, ttft_ms, e2e_ms."""
+    df = pd.DataFrame([r._asdict() for r in sim.results])
+    df["queue_wait_ms"] = df.start_ms - df.arrival_ms
+    df["ttft_ms"] = df.first_token_ms - df.arrival_ms
+    df["e2e_ms"] = df.finish_ms - df.arrival_ms
+    return df
+
+
+def summarize(sim: SimResult, label: str) -> list[dict]:
+    """One row per class (and "all"): hit ratio, TTFT P50/P99, queue wait P99, balance, throughput."""
+    done = [r for r in sim.results if r.status == "completed"]
+    per_replica: dict[str, int] = {}
+    for r in done:
+        per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
+    counts = np.array(list(per_replica.values()) or [0])
+    balance = float(counts.max() / counts.mean()) if counts.mean() > 0 else float("nan")
+    rows = []
+    for klass in [None] + sorted({r.klass for r in sim.results}):
+        ttft = sim.column("ttft_ms", klass=klass)
+        wait = sim.column("queue_wait_ms", klass=klass)
+        hits = sim.column("hit_tokens", klass=klass)
+        tokens = sim.column("input_length", klass=klass)
+        rows.append({"policy": label, "class": klass or "all", "completed": len(ttft),
+                     "hit_ratio": float(hits.sum() / max(1.0, tokens.sum())),
+                     "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
+                     "queue_wait_p99_ms": percentile(wait, 99), "max_over_mean_requests": balance,
+                     "throughput_rps": sim.throughput_rps()})
+    return rows
+
+
+def ideal_ratio(trace: Sequence[TraceRequest]) -> float:
+    """Token hit ratio of one infinite shared cache (upper bound for any routing)."""
+    return ideal_hit_ratio(trace).token_hit_ratio
+
+
+def scale_events_for(num_replicas: int, action: str | None, time_ms: float) -> tuple[ScaleAt, ...]:
+    """A single add/remove event at ``time_ms`` (None → no event)."""
+    if action is None:
+        return ()
+    name = f"replica-{num_replicas}" if action == "add" else f"replica-{num_replicas - 1}"
+    return (ScaleAt(time_ms, action, name),)
+
+
+def default_service(base: ServiceModel, prefill_x: float, decode_x: float, kv_capacity_tokens: int,
+                    max_prefill_tokens_per_step: int | None = None) -> ServiceModel:
+    """The calibrated A10G preset sped up by assumed factors (labelled as such on every page)."""
+    svc = base.scaled(prefill_x, decode_x, kv_capacity_tokens=kv_capacity_tokens, max_batch_requests=256)
+    return svc if max_prefill_tokens_per_step is None else \
+        ServiceModel(**{**svc.__dict__, "max_prefill_tokens_per_step": max_prefill_tokens_per_step})
+
+
+DIP_WINDOWS = 5  # scale_dip: windows after the event over which the hit-ratio loss is averaged
+
+
+def scale_dip(df: pd.DataFrame, at_request: int, windows_after: int = DIP_WINDOWS) -> pd.DataFrame:
+    """Per algorithm: mean windowed hit ratio before the event, the lowest window after it, the hit
+    ratio lost (mean of max(0, before − window) over the first ``windows_after`` windows after the
+    event), and how many requests it took to get back within 90 % of the before level (NaN if it never
+    did within the trace)."""
+    if windows_after < 1:
+        raise ValueError(f"windows_after must be >= 1 window, got {windows_after}")
+    rows = []
+    for name, g in df.groupby("algorithm", sort=False):
+        before = g[g.request < at_request].hit_ratio
+        after = g[g.request >= at_request]
+        level = float(before.mean()) if len(before) else float("nan")
+        recovered = after[after.hit_ratio >= 0.9 * level]
+        rows.append({"algorithm": name, "hit_ratio_before": level,
+                     "lowest_after": float(after.hit_ratio.min()) if len(after) else float("nan"),
+                     "hit_ratio_lost": float((level - after.hit_ratio.head(windows_after)).clip(lower=0).mean()) if len(after)
+                     else float("nan"),
+                     "requests_to_recover": float(recovered.request.iloc[0] - at_request) if len(recovered) else float("nan")})
+    return pd.DataFrame(rows)
+
+
+PAGE_TRACE_BLOCKS = 131_072  # blocks of an upload pages 11, 12 and 14 replay (README, "Inputs and limits")
+PREFIX_SIM_TRACE_BLOCKS = 49_152  # page 09 replays its trace 16 times through serve.prefix.sim
+
+
+def page_trace(upload: bytes | None, num_requests: int, seed: int = 0, name: str = "uploaded file",
+               max_total_blocks: int = PAGE_TRACE_BLOCKS) -> LoadedTrace:
+    """The pages' trace: the leading requests of an uploaded Mooncake JSONL file within
+    ``num_requests`` requests and ``max_total_blocks`` blocks, or, without one (``upload`` is None),
+    ``synthesize(num_requests, ...)`` over num_requests / 3.4 seconds (the conversation trace's
+    3.4 req/s). An uploaded file is never silently replaced by the synthetic trace.
+
+    Returns a :class:`LoadedTrace`: ``requests`` and ``note`` (what the budget cut, for ``st.info``).
+    Raises TraceFormatError (ValueError) naming the file ``name`` and the line for a malformed, empty
+    (0 bytes or no requests), out-of-limit or non-UTF-8 upload."""
+    if upload is not None:
+        return read_mooncake(named_bytes(upload, name), max_requests=num_requests, max_total_blocks=max_total_blocks)
+    return LoadedTrace(synthesize(num_requests=num_requests, duration_s=num_requests / 3.4, seed=seed), "", 0)

@@ -1,0 +1,185 @@
+"""Numbers behind page 10: a measured KCP run as flat rows, a projection to more ranks built from the
+measured per-phase costs, and bytes per rank vs context for KCP against an MLA all-gather.
+
+Projection model (clearly a model, not a measurement): with N ranks and blocks of ``L = ceil(T / N)``
+tokens, per-token costs ``c_prepare, c_summary, c_scan, c_output`` (ms/token, measured) and a fold cost
+``c_fold`` per predecessor (ms, measured), a link of ``bandwidth_gbps`` GB/s (1 GB = 1e9 bytes) and no
+latency term:
+
+- allgather: ``L (c_prepare + c_summary + c_scan + c_output) + (N - 1) c_fold + (N - 1) P / bw``,
+  P = ``B H K (K + V) 4`` bytes (each rank receives N - 1 payloads);
+- ring: ``L c_prepare + N L c_scan + (N - 1) S / bw + L c_output``, S = ``B H K V 4`` bytes (each
+  hop waits for the previous rank's scan).
+
+It assumes one free core per rank; the measured run on this machine may oversubscribe its cores.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import torch
+
+from kda_core.config import ModelConfig, dtype_bytes
+from serve.parallel.comm import PHASES
+from serve.parallel.halo import halo_bytes
+from serve.parallel.kcp import block_bounds, check_variant, exchange_bytes
+from serve.parallel.run import KCPConfig, KCPRun, run_kcp
+
+
+class RankRow(NamedTuple):
+    """One rank of a measured run (times in ms, bytes in bytes, errors as max |delta|, NaN if unchecked)."""
+
+    rank: int
+    start: int
+    end: int
+    prepare_ms: float
+    summary_ms: float
+    exchange_ms: float
+    fold_ms: float
+    scan_ms: float
+    output_ms: float
+    total_ms: float
+    sent_bytes: int
+    received_bytes: int
+    max_abs_err_o: float
+    max_abs_err_state: float
+
+
+def rank_rows(run: KCPRun) -> list[RankRow]:
+    """Flatten a run's per-rank results (errors as the ranks measured them, NaN if unchecked)."""
+    return [RankRow(r.rank, r.start, r.end, *r.times, r.total_ms, r.sent_bytes, r.received_bytes,
+                    r.max_abs_err_o, r.max_abs_err_state) for r in run.ranks]
+
+
+def single_rank(cfg: KCPConfig) -> KCPRun:
+    """The one-rank run of ``cfg`` with its outputs: the baseline time and the reference outputs (one
+    rank runs exactly :func:`kda_core.chunk.kda_chunk`, bitwise; tests/serve/parallel/test_kcp.py).
+
+    Raises:
+        ValueError: if ``cfg.world_size`` is not 1.
+    """
+    if cfg.world_size != 1:
+        raise ValueError(f"single_rank needs world_size = 1, got {cfg.world_size}")
+    return run_kcp(dataclasses.replace(cfg, return_outputs=True, check=False))
+
+
+def compare_with(cfg: KCPConfig, reference: KCPRun) -> list[RankRow]:
+    """Run ``cfg`` and measure every rank's max |delta| against the one-rank ``reference`` run of the
+    same inputs: outputs of its block, and (last rank) the final state; NaN for the states of other
+    ranks (their block ends are not in the reference). No reference is recomputed inside the ranks.
+
+    Raises:
+        ValueError: if ``reference`` is not a one-rank run with outputs of the same inputs.
+    """
+    ref = reference.config
+    same = ("seq_len", "batch", "num_heads", "head_k_dim", "head_v_dim", "level", "with_initial_state",
+            "hidden_size", "dtype", "chunk_size", "seed")
+    if ref.world_size != 1 or reference.ranks[0].o is None or any(getattr(ref, f) != getattr(cfg, f) for f in same):
+        raise ValueError("reference must be single_rank() of a config with the same inputs "
+                         f"({', '.join(same)})")
+    run = run_kcp(dataclasses.replace(cfg, return_outputs=True, check=False))
+    o_ref, s_ref = reference.ranks[0].o, reference.ranks[0].final_state
+    rows = []
+    for row, r in zip(rank_rows(run), run.ranks):
+        err_o = float((r.o.double() - o_ref[:, r.start:r.end].double()).abs().max())
+        err_s = float((r.final_state.double() - s_ref.double()).abs().max()) if r.rank == cfg.world_size - 1 \
+            else float("nan")
+        rows.append(row._replace(max_abs_err_o=err_o, max_abs_err_state=err_s))
+    return rows
+
+
+class PhaseCosts(NamedTuple):
+    """Unit costs measured on this CPU: ms per token per phase, and ms per predecessor for the fold."""
+
+    prepare_ms_per_token: float
+    summary_ms_per_token: float
+    scan_ms_per_token: float
+    output_ms_per_token: float
+    fold_ms_per_rank: float
+
+
+def phase_costs(single: list[RankRow], multi: list[RankRow]) -> PhaseCosts:
+    """Prepare, scan and output from the one-rank run; summary and fold from a run with >= 2 ranks.
+
+    Raises:
+        ValueError: if ``single`` is not a one-rank run or ``multi`` has fewer than 2 ranks.
+    """
+    if len(single) != 1:
+        raise ValueError(f"single must be a one-rank run, got {len(single)} ranks")
+    if len(multi) < 2:
+        raise ValueError(f"multi must be a run with >= 2 ranks (the summary and fold costs), got {len(multi)}")
+    one = single[0]
+    T = one.end - one.start
+    tokens = sum(r.end - r.start for r in multi)
+    return PhaseCosts(one.prepare_ms / T, sum(r.summary_ms for r in multi) / tokens, one.scan_ms / T,
+                      one.output_ms / T, max(r.fold_ms / r.rank for r in multi[1:]))
+
+
+class Projection(NamedTuple):
+    """Projected run time on ``world_size`` ranks (ms): compute (incl. fold) and transfer, and the
+    speedup vs the measured one-rank time."""
+
+    world_size: int
+    compute_ms: float
+    transfer_ms: float
+    total_ms: float
+    speedup: float
+
+
+def project(costs: PhaseCosts, single_ms: float, seq_len: int, world_sizes: list[int], variant: str,
+            batch: int, num_heads: int, head_k_dim: int, head_v_dim: int, bandwidth_gbps: float) -> list[Projection]:
+    """The model in the module doc for each N in ``world_sizes``; N = 1 is the measured ``single_ms``.
+
+    Raises:
+        ValueError: bad variant, bandwidth <= 0, or N larger than T.
+    """
+    check_variant(variant)
+    if not bandwidth_gbps > 0:
+        raise ValueError(f"bandwidth_gbps must be > 0, got {bandwidth_gbps!r}")
+    out = []
+    for n in world_sizes:
+        block_bounds(seq_len, n)
+        if n == 1:
+            out.append(Projection(1, single_ms, 0.0, single_ms, 1.0))
+            continue
+        L = math.ceil(seq_len / n)
+        sent, _ = exchange_bytes(batch, num_heads, head_k_dim, head_v_dim, n, variant, 0)
+        hop_ms = sent / (bandwidth_gbps * 1e9) * 1e3                   # one payload over the link
+        if variant == "allgather":
+            compute = L * (costs.prepare_ms_per_token + costs.summary_ms_per_token + costs.scan_ms_per_token
+                           + costs.output_ms_per_token) + (n - 1) * costs.fold_ms_per_rank
+        else:
+            compute = L * (costs.prepare_ms_per_token + n * costs.scan_ms_per_token + costs.output_ms_per_token)
+        total = compute + (n - 1) * hop_ms
+        out.append(Projection(n, compute, (n - 1) * hop_ms, total, single_ms / total))
+    return out
+
+
+class BytesRow(NamedTuple):
+    """Bytes one rank receives for one prompt of ``num_tokens`` (the rank that receives most), whole model:
+    kcp_bytes: KDA layers (state summaries + conv halo, fp32 as this code sends them); mla_bytes: MLA
+    layers' latent KV all-gather (each rank receives the other ranks' tokens, ``kv_dtype``)."""
+
+    num_tokens: int
+    kcp_bytes: int
+    mla_bytes: int
+
+
+def bytes_vs_context(cfg: ModelConfig, seq_lens: list[int], world_size: int, variant: str,
+                     kv_dtype: torch.dtype = torch.bfloat16) -> list[BytesRow]:
+    """KCP's received bytes per rank (flat in T) against an MLA latent-KV all-gather (grows with T)."""
+    rows = []
+    H, K, V = cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
+    kcp = max(exchange_bytes(1, H, K, V, world_size, variant, r)[1] for r in range(world_size))
+    kcp += halo_bytes(1, cfg.conv_dim, cfg.conv_kernel, world_size)[1]
+    for T in seq_lens:
+        others = T - min(e - s for s, e in block_bounds(T, world_size))        # tokens held by other ranks
+        rows.append(BytesRow(T, cfg.num_kda_layers * kcp,
+                             cfg.num_mla_layers * others * cfg.latent_dim * dtype_bytes(kv_dtype)))
+    return rows
+
+
+__all__ = ["PHASES", "BytesRow", "PhaseCosts", "Projection", "RankRow", "bytes_vs_context", "compare_with",
+           "phase_costs", "project", "rank_rows", "single_rank"]

@@ -1,0 +1,148 @@
+"""What page 06 shows about MLA paging, computed on the real pool and caches.
+
+- :func:`page_table_demo`: two requests on a pool churned by other requests; B shares A's first
+  ``shared_tokens`` tokens by reference count and appends its own (its shared partial block is copied
+  on write). Returns both page tables and which pages are shared.
+- :func:`fragmentation_vs_block_size`: internal fragmentation (allocated but unwritten token slots in
+  each request's last block) and page-table entries, vs block size, for a set of context lengths.
+- :func:`prefix_sharing_bytes`: MLA_KV bytes held by N requests that share a prefix through reference
+  counts vs the same requests with private copies, measured as pages in use in the pool.
+The latent layout is the demo model's (2 MLA layers x (64 + 16) fp32) unless given.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from serve.memory.paged_mla import PagedMLACache
+from serve.memory.pool import PageKind, PagePool
+
+DEMO_LAYERS, DEMO_LATENT = 2, 80
+
+
+class PageTableDemo(NamedTuple):
+    """Page tables (logical block -> physical page) of requests A and B, the pool size, the pages both
+    reference (reference count 2), and each page's role: "A", "B", "shared", "other" or "free"."""
+
+    block_size: int
+    num_pages: int
+    table_a: list[int]
+    table_b: list[int]
+    shared_pages: list[int]
+    tokens_a: int
+    tokens_b: int
+    page_roles: list[str]
+
+
+def _page_bytes(block_size: int, num_layers: int, latent_dim: int) -> int:
+    return num_layers * block_size * latent_dim * 4  # Lm * bs * D * fp32
+
+
+def page_table_demo(block_size: int, tokens_a: int, shared_tokens: int, tokens_b_own: int, seed: int = 0,
+                    churn_requests: int = 12) -> PageTableDemo:
+    """Build A (``tokens_a`` tokens) on a pool scattered by ``churn_requests`` seeded short-lived
+    requests, fork B from A's first ``shared_tokens`` tokens and append ``tokens_b_own`` tokens to B.
+
+    Raises ValueError unless ``0 <= shared_tokens <= tokens_a`` and sizes are positive.
+    """
+    for name, value, least in (("block_size", block_size, 1), ("tokens_a", tokens_a, 1),
+                               ("tokens_b_own", tokens_b_own, 0), ("shared_tokens", shared_tokens, 0)):
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
+    if shared_tokens > tokens_a:
+        raise ValueError(f"shared_tokens must be <= tokens_a (B shares a prefix of A), got {shared_tokens} > {tokens_a}")
+    rng = np.random.default_rng(seed)
+    nb = -(-tokens_a // block_size) + -(-(shared_tokens % block_size + tokens_b_own) // block_size) + 1
+    pool = PagePool(2 * nb + churn_requests * 4, _page_bytes(block_size, DEMO_LAYERS, DEMO_LATENT))
+    churn = [pool.alloc(PageKind.MLA_KV, int(rng.integers(1, 4)), f"c{i}") for i in range(churn_requests)]
+    for i in rng.permutation(churn_requests)[: churn_requests // 2]:  # free half: holes all over the pool
+        pool.decref(churn[i], f"c{i}")
+    a = PagedMLACache(pool, "A", DEMO_LAYERS, DEMO_LATENT, block_size)
+    step = max(1, block_size // 2)
+    for start in range(0, tokens_a, step):  # grow A while a churn request also grows: interleaved pages
+        a.append(torch.zeros(DEMO_LAYERS, min(step, tokens_a - start), DEMO_LATENT))
+        if rng.random() < 0.5:
+            pool.alloc(PageKind.MLA_KV, 1, "other")
+    b = a.fork("B", shared_tokens)
+    b.append(torch.ones(DEMO_LAYERS, tokens_b_own, DEMO_LATENT))
+    pool.check_integrity()
+    shared = sorted(set(a.block_table) & set(b.block_table))
+    roles = ["free" if k is PageKind.FREE else "other" for k, _, _ in pool.page_table()]
+    for p in a.block_table:
+        roles[p] = "A"
+    for p in b.block_table:
+        roles[p] = "shared" if roles[p] == "A" else "B"
+    return PageTableDemo(block_size, pool.num_pages, list(a.block_table), list(b.block_table), shared,
+                         a.num_tokens, b.num_tokens, roles)
+
+
+class Fragmentation(NamedTuple):
+    """One block size over a set of requests: mean unused slots per request (tokens), unused share of
+    allocated KV bytes, mean page-table entries per request."""
+
+    block_size: int
+    mean_unused_tokens: float
+    unused_fraction: float
+    mean_table_entries: float
+
+
+def fragmentation_vs_block_size(block_sizes: list[int], context_tokens: list[int]) -> list[Fragmentation]:
+    """Internal fragmentation of the last block: ``ceil(L / bs) * bs - L`` slots per request of L tokens.
+    Raises ValueError on an empty or non-positive input."""
+    if not block_sizes or not context_tokens or min(block_sizes) <= 0 or min(context_tokens) <= 0:
+        raise ValueError("block_sizes and context_tokens must be non-empty lists of positive ints")
+    L = np.asarray(context_tokens)
+    rows = []
+    for bs in block_sizes:
+        blocks = -(-L // bs)                                              # ceil(L / bs) per request
+        unused = blocks * bs - L
+        rows.append(Fragmentation(bs, float(unused.mean()), float(unused.sum() / (blocks * bs).sum()),
+                                  float(blocks.mean())))
+    return rows
+
+
+class SharingBytes(NamedTuple):
+    """N requests of a shared prefix + private tail: KV bytes in the pool with and without sharing."""
+
+    num_requests: int
+    shared_bytes: int
+    private_bytes: int
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.private_bytes - self.shared_bytes
+
+
+def prefix_sharing_bytes(max_requests: int, prefix_tokens: int, unique_tokens: int, block_size: int,
+                         num_layers: int = DEMO_LAYERS, latent_dim: int = DEMO_LATENT) -> list[SharingBytes]:
+    """For n = 1..max_requests: fork n requests from one prefill of ``prefix_tokens`` tokens, append
+    ``unique_tokens`` to each, and count the MLA_KV pages in use (times page bytes); the private figure
+    gives each request its own copy of every block. The prefix's own cache is freed after the forks, so
+    only requests hold pages. Raises ValueError naming the argument if ``max_requests`` or ``block_size``
+    is < 1, a token count is negative, or ``prefix_tokens + unique_tokens`` is 0."""
+    for name, value, least in (("max_requests", max_requests, 1), ("block_size", block_size, 1),
+                               ("prefix_tokens", prefix_tokens, 0), ("unique_tokens", unique_tokens, 0)):
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
+    if prefix_tokens + unique_tokens == 0:
+        raise ValueError("prefix_tokens + unique_tokens must be >= 1 (each request holds at least one token), "
+                         f"got prefix_tokens={prefix_tokens}, unique_tokens={unique_tokens}")
+    page_bytes = _page_bytes(block_size, num_layers, latent_dim)
+    per_req = -(-(prefix_tokens + unique_tokens) // block_size)
+    pool = PagePool(per_req * max_requests + 1, page_bytes)
+    prefix = PagedMLACache(pool, "prefix", num_layers, latent_dim, block_size)
+    prefix.append(torch.zeros(num_layers, prefix_tokens, latent_dim))
+    rows, reqs, held = [], [], set()
+    tail = torch.ones(num_layers, unique_tokens, latent_dim)
+    for n in range(1, max_requests + 1):
+        req = prefix.fork(f"r{n}")
+        req.append(tail)
+        reqs.append(req)
+        held.update(req.block_table)                                     # pages any request references
+        rows.append(SharingBytes(n, len(held) * page_bytes, n * per_req * page_bytes))
+    for r in [prefix, *reqs]:
+        r.free()
+    pool.check_integrity()
+    return rows

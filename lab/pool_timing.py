@@ -1,0 +1,243 @@
+"""Live measurements of the page pool on this CPU (``bench/pool.py``, pages 05 and 06).
+
+- Page alloc + free throughput of :class:`PagePool` in single-page and batched calls, against a naive
+  baseline in the same run: :class:`NaiveListPool`, a Python list free list that pops the head one
+  page at a time and keeps a dict of metadata per page.
+- Per-call latency samples (ns) of ``alloc`` and ``decref`` -- p50 vs p99 is the jitter -- and
+  :func:`latency_histogram`, their log-spaced histogram (a linear-bin histogram drawn on a log axis
+  loses its first bin, which starts at 0 ns, i.e. most of the data).
+- Gathering a request's MLA latents into a preallocated buffer (no allocator or page-fault noise):
+  contiguous copy (``copy_``, the floor for moving those bytes),
+  paged ``index_select`` over the page table (:meth:`PagedMLACache.gather`), and a naive ``torch.cat`` of
+  per-token tensors; plus absorbed decode attention (:func:`kda_core.layer.latent_attention`) over
+  contiguous latents vs gather-then-attend.
+
+Times are medians (``gather_timing(statistic="min")``: minima) of ``repeats`` runs of
+``time.perf_counter_ns`` (contenders interleaved round by round); ratios are relative to a baseline
+measured in the same call. Torch ops run single-threaded during a measurement (:func:`one_thread`): on a
+shared 2-core machine a two-thread copy waits for a descheduled worker (8 ms stalls) and the figure
+would measure the scheduler, not the copy.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kda_core.layer import latent_attention
+from lab.threads import one_thread
+from serve.memory.paged_mla import PagedMLACache
+from serve.memory.pool import PageKind, PagePool
+
+
+class NaiveListPool:
+    """Naive reference: a Python list free list, one page per operation, metadata in a dict."""
+
+    def __init__(self, num_pages: int):
+        self.free_list = list(range(num_pages))
+        self.meta: dict[int, tuple] = {}
+
+    def alloc(self, kind: PageKind, n: int, owner) -> list[int]:
+        if n > len(self.free_list):
+            raise RuntimeError(f"naive pool exhausted: need {n}, {len(self.free_list)} free")
+        pages = []
+        for _ in range(n):
+            p = self.free_list.pop(0)
+            self.meta[p] = (kind, owner, 1)
+            pages.append(p)
+        return pages
+
+    def decref(self, pages: list[int], owner) -> None:
+        for p in pages:
+            kind, own, ref = self.meta[p]
+            if own != owner:
+                raise ValueError(f"page {p} is not owned by {owner!r}")
+            del self.meta[p]
+            self.free_list.append(p)
+
+
+STATISTICS = ("median", "min")
+
+
+def _round_robin_ns(fns: list[Callable[[], object]], repeats: int, statistic: str = "median") -> list[float]:
+    """Median (or minimum) ns of each fn, timed in interleaved rounds (fn0, fn1, ... per round) so a
+    burst of load from other processes hits every contender alike. The minimum is the robust choice on
+    an overloaded machine: a descheduled run only ever adds time, and with few rounds it can take the
+    median of one contender (and a ratio to it) with it."""
+    if statistic not in STATISTICS:
+        raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
+    for fn in fns:
+        fn()  # warm-up
+    ts: list[list[int]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, ts):
+            t0 = time.perf_counter_ns()
+            fn()
+            out.append(time.perf_counter_ns() - t0)
+    return [float(min(t) if statistic == "min" else sorted(t)[len(t) // 2]) for t in ts]
+
+
+def _median_ns(fn: Callable[[], object], repeats: int) -> float:
+    return _round_robin_ns([fn], repeats)[0]
+
+
+class Throughput(NamedTuple):
+    """Page alloc + free operations per second (one op = one page allocated and freed again)."""
+
+    batch_pages: int
+    pool_ops_s: float
+    naive_ops_s: float
+
+    @property
+    def speedup(self) -> float:
+        """pool_ops_s / naive_ops_s (> 1: the pool is faster)."""
+        return self.pool_ops_s / self.naive_ops_s
+
+
+def alloc_free_throughput(batch_pages: int, num_pages: int = 4096, occupied: float = 0.5,
+                          loops: int = 200, repeats: int = 5) -> Throughput:
+    """Alloc ``batch_pages`` pages then free them, ``loops`` times, on a pool ``occupied`` full.
+
+    Returns a :class:`Throughput` for :class:`PagePool` and :class:`NaiveListPool` (median of
+    ``repeats``). Raises ValueError if the batch does not fit the free part of the pool.
+    """
+    held = int(num_pages * occupied)
+    if not 1 <= batch_pages <= num_pages - held:
+        raise ValueError(f"batch_pages must be in [1, {num_pages - held}], got {batch_pages}")
+    rates = []
+    for pool in (PagePool(num_pages, 64), NaiveListPool(num_pages)):
+        pool.alloc(PageKind.KDA_STATE, held, "background")
+
+        def run(pool=pool):
+            for _ in range(loops):
+                pool.decref(pool.alloc(PageKind.MLA_KV, batch_pages, "r"), "r")
+
+        rates.append(loops * batch_pages / (_median_ns(run, repeats) / 1e9))
+    return Throughput(batch_pages, rates[0], rates[1])
+
+
+def call_latencies_ns(batch_pages: int = 1, samples: int = 2000, num_pages: int = 4096,
+                      occupied: float = 0.5, seed: int = 0) -> dict[str, list[int]]:
+    """Per-call latency (ns) of ``PagePool.alloc`` and ``decref`` of ``batch_pages`` pages each, on a pool
+    ``occupied`` full with a random mix of live requests (seeded). Returns ``{"alloc": [...], "free": [...]}``."""
+    pool = PagePool(num_pages, 64)
+    gen = torch.Generator().manual_seed(seed)
+    pool.alloc(PageKind.KDA_STATE, int(num_pages * occupied), "background")
+    out: dict[str, list[int]] = {"alloc": [], "free": []}
+    clock = time.perf_counter_ns
+    for i in range(samples):
+        kind = PageKind.MLA_KV if int(torch.randint(0, 2, (1,), generator=gen)) else PageKind.KDA_STATE
+        t0 = clock()
+        pages = pool.alloc(kind, batch_pages, i)
+        t1 = clock()
+        pool.decref(pages, i)
+        t2 = clock()
+        out["alloc"].append(t1 - t0)
+        out["free"].append(t2 - t1)
+    return out
+
+
+class LatencyHistogram(NamedTuple):
+    """Log-spaced histogram of per-call latencies, one set of bins shared by every call kind.
+
+    edges_ns: NB + 1 bin edges (ns), ``bins_per_decade`` bins per factor of 10, from at or below the
+    smallest sample to at or above the largest; bin i is ``[edges_ns[i], edges_ns[i + 1])``, the last
+    one closed. counts: per call kind, NB sample counts. p50_ns / p99_ns: per call kind, the 50th / 99th
+    percentile (ns, linear interpolation, as ``numpy.percentile``)."""
+
+    edges_ns: list[float]
+    counts: dict[str, list[int]]
+    p50_ns: dict[str, float]
+    p99_ns: dict[str, float]
+
+
+def latency_histogram(samples_ns: dict[str, list[int]], bins_per_decade: int = 10) -> LatencyHistogram:
+    """Histogram ``{call: [latency_ns, ...]}`` (e.g. :func:`call_latencies_ns` or the page-05 workload)
+    on log-spaced bins, so a 1,000x outlier does not squash the bulk into one bin starting at 0 ns.
+    Samples of 0 ns (a clock tick coarser than the call) fall in the first bin, whose lower edge is
+    then at most 0.5 ns. Raises ValueError on no samples, an empty or negative sample list, or
+    ``bins_per_decade`` < 1."""
+    if bins_per_decade < 1:
+        raise ValueError(f"bins_per_decade must be >= 1, got {bins_per_decade}")
+    if not samples_ns or any(len(v) == 0 for v in samples_ns.values()):
+        raise ValueError(f"samples_ns needs at least one sample per call, got sizes "
+                         f"{ {k: len(v) for k, v in samples_ns.items()} }")
+    arrays = {k: np.asarray(v, dtype=np.float64) for k, v in samples_ns.items()}
+    lo = min(float(a.min()) for a in arrays.values())
+    hi = max(float(a.max()) for a in arrays.values())
+    if lo < 0:
+        raise ValueError(f"latencies must be >= 0 ns, got a minimum of {lo}")
+    lo, hi = max(lo, 0.5), max(hi, 0.5)                                  # 0 ns samples go to the first bin
+    k_lo = int(np.floor(np.log10(lo) * bins_per_decade))                # edge i = 10 ** (i / bins_per_decade)
+    k_hi = max(int(np.ceil(np.log10(hi) * bins_per_decade)), k_lo + 1)
+    edges = 10.0 ** (np.arange(k_lo, k_hi + 1) / bins_per_decade)        # [NB + 1]
+    edges[0], edges[-1] = min(edges[0], lo), max(edges[-1], hi)          # guard against float round-off
+    counts = {k: np.histogram(np.maximum(a, lo), edges)[0].tolist() for k, a in arrays.items()}
+    pct = {k: np.percentile(a, [50, 99]) for k, a in arrays.items()}
+    return LatencyHistogram(edges.tolist(), counts, {k: float(p[0]) for k, p in pct.items()},
+                            {k: float(p[1]) for k, p in pct.items()})
+
+
+class GatherTiming(NamedTuple):
+    """Microseconds (median or minimum of the rounds, see :func:`gather_timing`) to materialise one MLA
+    layer's latents ``[L, D]`` of one request."""
+
+    context_tokens: int
+    block_size: int
+    contiguous_us: float      # dst.copy_(lat): one memcpy of the bytes into a preallocated buffer
+    paged_us: float           # PagedMLACache.gather(layer, out=buf): index_select over the page table
+    naive_cat_us: float       # torch.cat of L per-token [D] tensors (into a preallocated buffer)
+    attn_contiguous_us: float  # latent_attention over the contiguous latents
+    attn_paged_us: float      # gather + latent_attention
+
+    @property
+    def gather_ratio(self) -> float:
+        """paged_us / contiguous_us."""
+        return self.paged_us / self.contiguous_us
+
+    @property
+    def attention_ratio(self) -> float:
+        """attn_paged_us / attn_contiguous_us."""
+        return self.attn_paged_us / self.attn_contiguous_us
+
+
+def gather_timing(context_tokens: int, block_size: int, latent_dim: int = 576, kv_lora_rank: int = 512,
+                  num_heads: int = 8, repeats: int = 7, seed: int = 0, scatter: bool = True,
+                  statistic: str = "median") -> GatherTiming:
+    """Time contiguous vs paged vs naive materialisation of ``context_tokens`` latents of width
+    ``latent_dim`` (default Kimi's 512 + 64) in fp32, and decode attention over them.
+
+    ``scatter=True`` allocates the request's pages interleaved with another request's, so the page
+    table is not one consecutive run (the realistic case). ``statistic``: "median" or "min" of the
+    ``repeats`` interleaved rounds (see :func:`_round_robin_ns`). Raises ValueError on non-positive sizes
+    or an unknown statistic.
+    """
+    if context_tokens <= 0 or block_size <= 0 or latent_dim <= kv_lora_rank:
+        raise ValueError(f"need context_tokens > 0, block_size > 0, latent_dim > kv_lora_rank; got "
+                         f"{context_tokens}, {block_size}, {latent_dim}, {kv_lora_rank}")
+    gen = torch.Generator().manual_seed(seed)
+    lat = torch.randn(context_tokens, latent_dim, generator=gen)          # [L, D]
+    nb = -(-context_tokens // block_size)
+    pool = PagePool(2 * nb if scatter else nb, block_size * latent_dim * 4)
+    if scatter:  # hold every page, release every other one: our blocks land on every other page
+        held = pool.alloc(PageKind.MLA_KV, 2 * nb, "other")
+        pool.decref(held[1::2], "other")
+    cache = PagedMLACache(pool, "r", 1, latent_dim, block_size)
+    cache.append(lat[None])                                               # [1, L, D]
+    tokens = [lat[i] for i in range(context_tokens)]
+    q = torch.randn(1, num_heads, latent_dim, generator=gen)
+    scale = latent_dim ** -0.5
+    dst = torch.empty_like(lat)                                           # [L, D]
+    buf = torch.empty(nb, block_size, latent_dim)                         # [NB, bs, D]
+
+    def attn_paged():
+        return latent_attention(q, cache.gather(0, out=buf)[None], kv_lora_rank, scale)
+
+    fns = [lambda: dst.copy_(lat), lambda: cache.gather(0, out=buf), lambda: torch.cat(tokens, out=dst.view(-1)),
+           lambda: latent_attention(q, lat[None], kv_lora_rank, scale), attn_paged]
+    with one_thread():
+        us = [t / 1e3 for t in _round_robin_ns(fns, repeats, statistic)]
+    return GatherTiming(context_tokens, block_size, *us)

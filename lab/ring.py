@@ -1,0 +1,160 @@
+"""Page 04's live experiments on the RawInputRing: bytes vs draft length, commit time vs accepted
+length for each strategy, a ring run (slots, head/tail, wrap-around, write-backs) and its overflow.
+
+All runs use a demo-shaped hybrid (8 layers: 6 KDA + 2 MLA, head dims 32) whose width d (and so
+H = d / 32 heads) is a parameter, single-threaded (see :func:`lab.threads.one_thread`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from kda_core.config import PRESETS
+from kda_core.model import HybridLM, encode
+from lab.threads import one_thread
+from lab.verify import PROMPT_TEXT
+from serve.spec.draft import NoisyOracleProposer
+from serve.spec.raw_input_ring import RawInputRing
+from serve.spec.rollback import RollbackStrategy
+from serve.spec.snapshot import SnapshotRollback
+from serve.spec.verify import ProjectionReplay, prefill_state, verify, verify_and_replay
+
+WIDTHS = (64, 128, 256)
+
+
+def ring_model(width: int) -> HybridLM:
+    """The demo hybrid at hidden size ``width`` with ``width / 32`` KDA heads of K = V = 32.
+
+    Raises ValueError unless width is one of ``WIDTHS``."""
+    if width not in WIDTHS:
+        raise ValueError(f"width must be one of {WIDTHS}, got {width!r}")
+    cfg = dataclasses.replace(PRESETS["demo"], name=f"demo-d{width}", hidden_size=width, num_heads=width // 32)
+    return HybridLM(cfg)
+
+
+def _all_strategies(num_tokens: int) -> list[RollbackStrategy]:
+    return [SnapshotRollback(), ProjectionReplay(), RawInputRing(capacity=num_tokens, window=num_tokens)]
+
+
+def bytes_vs_draft(model: HybridLM, max_draft: int) -> list[dict]:
+    """For n = 1..max_draft: bytes each strategy holds after a real verify of 1 + n tokens (whole model,
+    fp32). The ring is sized to the verify (capacity = window = 1 + n), i.e. its raw inputs only."""
+    rows = []
+    with one_thread():
+        state = prefill_state(model, encode(PROMPT_TEXT))
+        for n in range(1, max_draft + 1):
+            out = verify(model, state, [state.last_token] * n)
+            for strat in _all_strategies(1 + n):
+                strat.record(model, state.cache, out)
+                rows.append({"draft_tokens": n, "strategy": strat.name, "bytes": strat.nbytes()})
+                strat.discard()
+    return rows
+
+
+def commit_times(model: HybridLM, num_draft: int, repeats: int = 3, accepted: Sequence[int] | None = None) -> list[dict]:
+    """Median commit (rebuild) ms of each strategy for each accepted length (default: every one, 0..num_draft).
+
+    Each repeat records a fresh verify of ``1 + num_draft`` tokens and times only ``commit(a)``; repeats run
+    in rounds over every (accepted, strategy) pair after one discarded warm-up round.
+    Raises ValueError for repeats < 1 or an accepted length outside [0, num_draft]."""
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
+    accepted = range(num_draft + 1) if accepted is None else accepted
+    if any(not 0 <= a <= num_draft for a in accepted):
+        raise ValueError(f"accepted lengths must be in [0, {num_draft}], got {list(accepted)}")
+    times: dict[tuple[int, str], list[float]] = {}
+    with one_thread():
+        state = prefill_state(model, encode(PROMPT_TEXT))
+        out = verify(model, state, [state.last_token] * num_draft)
+        for _ in range(repeats + 1):       # round-robin over (accepted, strategy): a burst of load on the
+            for a in accepted:             # shared machine hits every point alike, not one accepted length
+                for strat in _all_strategies(1 + num_draft):   # fresh: a ring holds one request
+                    strat.record(model, state.cache, out)
+                    t0 = time.perf_counter_ns()
+                    strat.commit(a)
+                    times.setdefault((a, strat.name), []).append((time.perf_counter_ns() - t0) / 1e6)
+    return [{"accepted": a, "strategy": name, "commit_ms": sorted(ts[1:])[repeats // 2]}  # 1st round = warm-up
+            for (a, name), ts in times.items()]
+
+
+class RingRun(NamedTuple):
+    """steps: per step the ring counters after the commit (head, commit_end, tail, slots in use), the
+    accepted count and whether a write-back was forced before its verify; slots:
+    :meth:`RawInputRing.slot_table` at the end of the run; overflow: what one more verify of
+    ``requested_draft`` tokens does after the run ("fits ..." or the ValueError text);
+    num_write_backs: write-backs forced during the run (= the steps flagged ``forced_write_back``; the
+    overflow probe's own write-back, if any, is not counted here but named in ``overflow``); ring_bytes."""
+
+    steps: list[dict]
+    slots: list[dict]
+    overflow: str
+    num_write_backs: int
+    ring_bytes: int
+
+
+def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, acceptance: float = 0.7,
+             max_new_tokens: int = 40, seed: int = 0) -> RingRun:
+    """A generation through one ring with noisy-oracle drafts of ``min(requested_draft, window - 1)``
+    tokens; then one verify of ``requested_draft`` tokens to show the overflow path.
+
+    Raises ValueError for a bad capacity/window (from :class:`RawInputRing`) or requested_draft < 0."""
+    if not isinstance(requested_draft, int) or requested_draft < 0:
+        raise ValueError(f"requested_draft must be an int >= 0, got {requested_draft!r}")
+    ring = RawInputRing(capacity, window)
+    prompt = encode(PROMPT_TEXT)
+    with one_thread():
+        proposer = NoisyOracleProposer.from_model(model, prompt, max_new_tokens + requested_draft + 1,
+                                                  1.0 - acceptance, seed)
+        state = prefill_state(model, prompt)
+        history, steps = prompt.tolist() + [state.last_token], []
+        n = min(requested_draft, window - 1)
+        while len(history) - len(prompt) < max_new_tokens:
+            res = verify_and_replay(model, state, proposer.propose(history, n), ring)
+            steps.append({"step": len(steps), "head": ring.head, "commit_end": ring.commit_end, "tail": ring.tail,
+                          "slots_in_use": ring.tail - ring.head, "accepted": res.num_accepted,
+                          "forced_write_back": res.forced_commit})
+            history.extend(res.emitted_tokens)
+            state = res.state
+        ring.check_integrity()                             # committed state == rebuild from the checkpoint
+        slots, num_write_backs, num_free = ring.slot_table(), ring.num_write_backs, ring.num_free
+        try:
+            probe = verify_and_replay(model, state, proposer.propose(history, requested_draft), ring)
+            overflow = f"fits: {requested_draft + 1} verify tokens <= window {window}"
+            if probe.forced_commit:
+                overflow += (f", after a forced write-back (only {num_free} of {capacity} slots were free); "
+                             "not counted in the run's write-backs")
+        except ValueError as exc:
+            overflow = f"ValueError: {exc}"
+        ring.check_integrity()
+    return RingRun(steps, slots, overflow, num_write_backs, ring.nbytes())
+
+
+def head_tail_labels(slots: list[dict]) -> list[tuple[str, int, int]]:
+    """Labels for page 04's slot chart from :meth:`RawInputRing.slot_table` rows: ``(text, slot, rise_px)``.
+
+    head (oldest slot kept since the last write-back) and tail (next slot to write) get arrows of
+    different heights, so labels on neighbouring slots never overlap; when both sit on one slot the ring
+    is full (or empty) and a single "head = tail" label says which."""
+    tail = next(r["slot"] for r in slots if r["tail"])
+    head = next((r["slot"] for r in slots if r["head"]), None)
+    if head is None:
+        return [("head = tail (ring empty)", tail, 30)]
+    if head == tail:
+        return [("head = tail (ring full)", tail, 30)]
+    return [("head", head, 50), ("tail", tail, 25)]
+
+
+def tradeoff_table(bytes_rows: list[dict], commit_rows: list[dict], num_draft: int) -> list[dict]:
+    """Memory vs recompute per strategy at ``num_draft``, from :func:`bytes_vs_draft` and :func:`commit_times`
+    rows: bytes per verify, commit ms with all drafts accepted and with none, each also relative to snapshot."""
+    held = {r["strategy"]: r["bytes"] for r in bytes_rows if r["draft_tokens"] == num_draft}
+    full = {r["strategy"]: r["commit_ms"] for r in commit_rows if r["accepted"] == num_draft}
+    none = {r["strategy"]: r["commit_ms"] for r in commit_rows if r["accepted"] == 0}
+    if not held or not full:
+        raise ValueError(f"no measurement at num_draft = {num_draft} in the given rows")
+    snap = SnapshotRollback.name
+    return [{"strategy": s, "bytes per verify": held[s], "memory vs snapshot": held[s] / held[snap],
+             "commit ms (all accepted)": full[s], "commit ms (none accepted)": none[s],
+             "commit time vs snapshot": full[s] / full[snap]} for s in held]

@@ -1,0 +1,97 @@
+"""Reading and writing one request's hybrid cache in pool pages, as laid out by
+:class:`serve.memory.layout.CacheLayout`: the KDA state per group and the MLA latents per block.
+
+All data is fp32, so a write then a read is bitwise exact. Functions here move bytes only; who owns
+which page is the caller's business (the engine and :class:`serve.prefix.cache.PrefixCache`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kda_core.layer import KDACache
+from serve.memory.layout import FP32_BYTES, CacheLayout
+from serve.memory.pool import PagePool
+
+
+def _flat_pages(pool: PagePool, pages) -> torch.Tensor:
+    arena = pool.typed_arena(torch.float32, (pool.page_bytes // FP32_BYTES,))  # [num_pages, E]
+    return arena[torch.as_tensor(list(pages), dtype=torch.long)].reshape(-1)  # [len(pages) * E]
+
+
+def read_state(layout: CacheLayout, pool: PagePool, pages_by_group) -> dict[int, KDACache]:
+    """Read every group's state pages into ``{layer: KDACache}`` (recurrent ``[1, H, K, V]``, conv
+    ``[1, 2HK + HV, W-1]``, fp32 copies)."""
+    cfg = layout.cfg
+    rec_shape = (1, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim)
+    conv_shape = (1, cfg.conv_dim, cfg.conv_kernel - 1)
+    n_rec, n_conv = math.prod(rec_shape), math.prod(conv_shape)
+    out = {}
+    for layers, pages in zip(layout.groups, pages_by_group):
+        flat = _flat_pages(pool, pages)
+        off = 0
+        for i in layers:
+            rec = flat[off: off + n_rec].view(rec_shape)                 # [1, H, K, V]
+            conv = flat[off + n_rec: off + n_rec + n_conv].view(conv_shape)  # [1, 2HK + HV, W-1]
+            out[i] = KDACache(rec, conv)
+            off += n_rec + n_conv
+    return out
+
+
+def write_state(layout: CacheLayout, pool: PagePool, pages_by_group, caches: dict[int, KDACache]) -> None:
+    """Write ``{layer: KDACache}`` (batch 1) into every group's state pages, in place."""
+    per_page = pool.page_bytes // FP32_BYTES
+    for layers, pages in zip(layout.groups, pages_by_group):
+        flat = torch.cat([t.reshape(-1) for i in layers for t in (caches[i].recurrent, caches[i].conv)])
+        for j, p in enumerate(pages):
+            chunk = flat[j * per_page: (j + 1) * per_page]
+            pool.view(p, torch.float32, (chunk.numel(),)).copy_(chunk)
+
+
+def zero_state(layout: CacheLayout, pool: PagePool, pages_by_group) -> None:
+    """Write the empty-sequence state (all zeros) into every group's state pages."""
+    for g, pages in enumerate(pages_by_group):
+        remaining = layout.group_state_bytes(g) // FP32_BYTES
+        for p in pages:
+            n = min(remaining, pool.page_bytes // FP32_BYTES)
+            pool.view(p, torch.float32, (n,)).zero_()
+            remaining -= n
+
+
+def copy_state(pool: PagePool, src_by_group, dst_by_group) -> None:
+    """Copy a state page by page (a checkpoint into a request's private pages, or back)."""
+    for src, dst in zip(src_by_group, dst_by_group):
+        if len(src) != len(dst):
+            raise ValueError(f"state page counts differ: {len(src)} vs {len(dst)}")
+        for s, d in zip(src, dst):
+            pool.copy_page(s, d)
+
+
+def read_kv(layout: CacheLayout, pool: PagePool, page_table, num_tokens: int) -> list[torch.Tensor]:
+    """The first ``num_tokens`` latents of a request, per MLA layer ``[1, num_tokens, r + rope]``
+    (one gather over the page table)."""
+    M, N, R = layout.kv_block_shape
+    nb = -(-num_tokens // N)
+    if nb > len(page_table):
+        raise ValueError(f"page table holds {len(page_table)} blocks, {nb} needed for {num_tokens} tokens")
+    if nb == 0:
+        return [torch.zeros(1, 0, R) for _ in range(M)]
+    arena = pool.typed_arena(torch.float32, (M, N, R))                    # [num_pages, M, N, R]
+    blocks = arena[torch.as_tensor(list(page_table[:nb]), dtype=torch.long)]  # [nb, M, N, R]
+    lat = blocks.permute(1, 0, 2, 3).reshape(M, nb * N, R)[:, :num_tokens]  # [M, num_tokens, R]
+    return [lat[m: m + 1] for m in range(M)]
+
+
+def write_kv(layout: CacheLayout, pool: PagePool, page_table, start: int, latents) -> None:
+    """Write per-MLA-layer latents ``[1, T, r + rope]`` of tokens ``[start, start + T)`` into the pages."""
+    M, N, R = layout.kv_block_shape
+    T = latents[0].shape[1]
+    pos = start
+    while pos < start + T:
+        b, off = divmod(pos, N)
+        n = min(N - off, start + T - pos)
+        page = pool.view(page_table[b], torch.float32, (M, N, R))        # [M, N, R]
+        for m in range(M):
+            page[m, off: off + n].copy_(latents[m][0, pos - start: pos - start + n])
+        pos += n

@@ -1,0 +1,205 @@
+"""Block-granularity replay of a request trace through a capacity-limited dual-granularity prefix cache.
+
+The same :class:`serve.prefix.index.PrefixIndex` as the engine's :class:`serve.prefix.cache.PrefixCache`
+(two-phase lookup, checkpoint placement, kind-aware LRU), with byte budgets instead of pages: one hash
+id = one KV block of ``block_size`` tokens (the trace's ids are chained, so they serve as block keys),
+and checkpoints cost a real preset's KDA state bytes. Requests are instantaneous (nothing stays
+pinned); after each request the cache evicts LRU entries until it fits its capacity.
+
+Two measures per request (L = input_length, ids = hash_ids, full = L // N full blocks):
+- **block level** (the trace's view, comparable with :func:`serve.traces.ideal_hit_ratio`): hit blocks
+  = the phase-2 hit over the cached full blocks (no token cap), plus the trailing partial id when it is
+  cached and the hit reaches it;
+- **token level** (the engine's rules): phase 1 capped at L - 1 tokens, phase 2 at full-block
+  boundaries. Missed tokens are split by cause: ``no_kv_block`` (never seen before), ``evicted`` (seen,
+  KV no longer cached), ``kv_no_checkpoint`` (KV cached, no complete checkpoint at or beyond),
+  ``below_one_block`` (the partial tail and the last-token cap).
+
+Only prompt blocks are inserted (a trace does not say which blocks outputs would fill).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from kda_core.config import PRESETS, mla_kv_bytes_per_token
+from serve.memory.page_policy import group_state_bytes, kda_groups
+from serve.prefix.index import ROOT, PrefixIndex, checkpoint_boundaries
+from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, leading_run
+
+MISS_CAUSES = ("no_kv_block", "evicted", "kv_no_checkpoint", "below_one_block")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """A simulated cache. Frozen; validated in ``__post_init__``.
+
+    block_size: N tokens per hash id; checkpoint_interval: C tokens (a positive multiple of N);
+    kv_block_bytes: bytes of one KV block; group_state_bytes: bytes of one checkpoint per group
+    (len = G groups); capacity_bytes: cache budget (None = unlimited).
+    """
+
+    block_size: int
+    checkpoint_interval: int
+    kv_block_bytes: int
+    group_state_bytes: tuple[int, ...]
+    capacity_bytes: float | None = None
+
+    def __post_init__(self):
+        if self.block_size <= 0 or self.checkpoint_interval <= 0 or self.checkpoint_interval % self.block_size:
+            raise ValueError(f"checkpoint_interval must be a positive multiple of block_size={self.block_size}, "
+                             f"got {self.checkpoint_interval}")
+        if self.kv_block_bytes <= 0 or not self.group_state_bytes or min(self.group_state_bytes) <= 0:
+            raise ValueError("kv_block_bytes and every group_state_bytes must be positive")
+        if self.capacity_bytes is not None and self.capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be None or >= 0, got {self.capacity_bytes}")
+
+    @classmethod
+    def for_preset(cls, preset: str, checkpoint_interval: int, num_groups: int = 1,
+                   capacity_bytes: float | None = None, block_size: int = MOONCAKE_BLOCK_TOKENS,
+                   kv_dtype: torch.dtype = torch.bfloat16, state_dtype: torch.dtype = torch.float32,
+                   conv_dtype: torch.dtype = torch.bfloat16) -> SimConfig:
+        """Byte sizes of a real preset (``kda_core.config``): KV block = MLA KV bytes/token * N; a group's
+        checkpoint = its KDA layers * (recurrent + conv state bytes)."""
+        if preset not in PRESETS:
+            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+        cfg = PRESETS[preset]
+        groups = tuple(group_state_bytes(cfg, len(g), state_dtype, conv_dtype) for g in kda_groups(cfg, num_groups))
+        return cls(block_size, checkpoint_interval, mla_kv_bytes_per_token(cfg, kv_dtype) * block_size, groups,
+                   capacity_bytes)
+
+
+class SimResult(NamedTuple):
+    """Outcome of a replay. Ratios in [0, 1]; tokens and bytes are totals over the trace.
+
+    miss_tokens: ``{cause: tokens}`` over :data:`MISS_CAUSES`; peak_*_bytes: the most held after any
+    request; checkpoints_written: group checkpoints stored; evicted_*: entries evicted; seconds: wall time;
+    request_hit_tokens: the token-level hit of each request, in trace order.
+    """
+
+    block_hit_ratio: float
+    token_hit_ratio: float
+    hit_blocks: int
+    total_blocks: int
+    hit_tokens: int
+    total_tokens: int
+    miss_tokens: dict
+    peak_kv_bytes: int
+    peak_state_bytes: int
+    checkpoints_written: int
+    evicted_blocks: int
+    evicted_checkpoints: int
+    seconds: float
+    request_hit_tokens: tuple = ()
+
+
+def simulate(requests: Sequence[TraceRequest], config: SimConfig,
+             progress: Callable[[float], None] | None = None) -> SimResult:
+    """Replay ``requests`` in order through one simulated cache; see the module docstring.
+    ``progress(fraction)`` is called about every 1,000 requests. Ratios are 0.0 when the trace has no
+    blocks or no tokens (every ``input_length`` 0). Raises ValueError on an empty trace."""
+    if not requests:
+        raise ValueError("requests must not be empty")
+    t0 = time.perf_counter()
+    N, G = config.block_size, len(config.group_state_bytes)
+    kv_b, ck_b = config.kv_block_bytes, config.group_state_bytes
+    cap = config.capacity_bytes
+    idx = PrefixIndex(G)
+    nodes = idx.nodes
+    seen: set = set()
+    miss = dict.fromkeys(MISS_CAUSES, 0)
+    hit_blocks = total_blocks = hit_tokens = total_tokens = 0
+    kv_used = st_used = peak_kv = peak_st = written = ev_kv = ev_ck = 0
+    request_hits: list[int] = []
+    for n, r in enumerate(requests):
+        ids, L = r.hash_ids, r.input_length
+        full, total = L // N, len(ids)
+        run = idx.kv_run(ids)
+        kvb = min(run, full)
+        jb = idx.checkpoint_run(ids, kvb)
+        limit = min(kvb, (L - 1) // N) if L else 0
+        jt = jb if jb <= limit else idx.checkpoint_run(ids, limit)
+        ideal_full = min(leading_run(ids, seen), full)
+        hit_blocks += jb + (jb == full and run == total > full)
+        total_blocks += total
+        hit_tokens += jt * N
+        request_hits.append(jt * N)
+        total_tokens += L
+        evicted = max(0, ideal_full - kvb) * N
+        new = (full - max(ideal_full, kvb)) * N
+        miss["kv_no_checkpoint"] += (limit - jt) * N
+        miss["evicted"] += evicted
+        miss["no_kv_block"] += new
+        miss["below_one_block"] += L - jt * N - (limit - jt) * N - evicted - new
+        if jt:
+            idx.touch(ids, jt)
+        for i in range(run, total):                           # insert the prompt's blocks
+            idx.add_block(ids[i], ROOT if i == 0 else ids[i - 1])
+            kv_used += kv_b
+        idx.touch(ids, total, with_checkpoint=False)
+        seen.update(ids)
+        for b in checkpoint_boundaries(L, N, config.checkpoint_interval):
+            b //= N
+            if b <= jt:
+                continue
+            node = nodes[ids[b - 1]]
+            if len(node.ckpts) == G:
+                idx.touch(ids, b)
+                continue
+            for g in range(G):
+                if g not in node.ckpts:
+                    idx.add_checkpoint(ids[b - 1], g, None, b * N)
+                    st_used += ck_b[g]
+                    written += 1
+        if cap is not None:
+            while kv_used + st_used > cap:
+                for ev in idx.evict_one():
+                    if ev.kind == "kv":
+                        kv_used -= kv_b
+                        ev_kv += 1
+                    else:
+                        st_used -= ck_b[ev.group]
+                        ev_ck += 1
+        peak_kv, peak_st = max(peak_kv, kv_used), max(peak_st, st_used)
+        if progress is not None and n % 1000 == 0:
+            progress(n / len(requests))
+    if progress is not None:
+        progress(1.0)
+    miss_total = sum(miss.values())
+    assert miss_total == total_tokens - hit_tokens, "miss causes must add up to the missed tokens"
+    return SimResult(_ratio(hit_blocks, total_blocks), _ratio(hit_tokens, total_tokens), hit_blocks, total_blocks,
+                     hit_tokens, total_tokens, miss, peak_kv, peak_st, written, ev_kv, ev_ck, time.perf_counter() - t0,
+                     tuple(request_hits))
+
+
+def _ratio(part: int, whole: int) -> float:
+    """``part / whole``, 0.0 for an empty whole (a trace whose prompts are all empty hits nothing)."""
+    return part / whole if whole else 0.0
+
+
+CAPACITY_FRACTIONS = (0.01, 0.03, 0.1, 0.3, 1.0)
+
+
+def replay_row(requests: Sequence[TraceRequest], preset: str, checkpoint_interval: int, num_groups: int = 1,
+               capacity_bytes: float | None = None) -> dict:
+    """One replay with a preset's byte sizes, flattened for a table: the config, hit ratios, peak GB,
+    checkpoints written, evictions, seconds, and ``miss_<cause>`` as fractions of all tokens."""
+    res = simulate(requests, SimConfig.for_preset(preset, checkpoint_interval, num_groups, capacity_bytes))
+    row = dict(interval_tokens=checkpoint_interval, num_groups=num_groups,
+               capacity_gb=None if capacity_bytes is None else capacity_bytes / 1e9,
+               block_hit_ratio=res.block_hit_ratio, token_hit_ratio=res.token_hit_ratio,
+               peak_kv_gb=res.peak_kv_bytes / 1e9, peak_state_gb=res.peak_state_bytes / 1e9,
+               checkpoints_written=res.checkpoints_written, evicted_blocks=res.evicted_blocks,
+               evicted_checkpoints=res.evicted_checkpoints, seconds=res.seconds)
+    row.update({f"miss_{c}": _ratio(res.miss_tokens[c], res.total_tokens) for c in MISS_CAUSES})
+    return row
+
+
+def capacity_points(unlimited: dict, fractions: Sequence[float] = CAPACITY_FRACTIONS) -> list[float]:
+    """Capacities (bytes) at ``fractions`` of what an unlimited replay (a :func:`replay_row`) peaked at."""
+    peak = (unlimited["peak_kv_gb"] + unlimited["peak_state_gb"]) * 1e9
+    return [f * peak for f in fractions]

@@ -1,0 +1,63 @@
+"""Page 06's data: page tables under sharing, fragmentation vs block size, bytes saved by sharing."""
+import pytest
+
+from lab.mla_paging import fragmentation_vs_block_size, page_table_demo, prefix_sharing_bytes
+
+
+@pytest.mark.parametrize("bs, a, shared, own", [(16, 100, 40, 30), (4, 37, 37, 0), (8, 64, 0, 9), (1, 20, 7, 3)],
+                         ids=lambda v: str(v))
+def test_page_table_demo(bs, a, shared, own):
+    d = page_table_demo(bs, a, shared, own, seed=1)
+    assert len(d.table_a) == -(-a // bs) and len(d.table_b) == -(-(shared + own) // bs)
+    assert len(set(d.table_a)) == len(d.table_a) and len(set(d.table_b)) == len(d.table_b)
+    full_shared = shared // bs                       # whole blocks stay shared
+    partial_shared = shared % bs != 0 and own == 0   # a partial block is shared until B writes into it
+    assert d.table_b[:full_shared] == d.table_a[:full_shared]
+    assert d.shared_pages == sorted(d.table_a[: full_shared + partial_shared])
+    assert d.tokens_b == shared + own
+    assert [p for p, r in enumerate(d.page_roles) if r == "shared"] == d.shared_pages
+    assert {d.page_roles[p] for p in d.table_a} <= {"A", "shared"} and "other" in d.page_roles
+
+
+def test_fragmentation_formula():
+    rows = fragmentation_vs_block_size([1, 16, 64], [100, 1000, 37])
+    assert rows[0].mean_unused_tokens == 0 and rows[0].mean_table_entries == pytest.approx(379)
+    assert rows[1].mean_unused_tokens == pytest.approx((12 + 8 + 11) / 3)
+    assert rows[2].unused_fraction == pytest.approx((28 + 24 + 27) / (128 + 1024 + 64))
+    with pytest.raises(ValueError):
+        fragmentation_vs_block_size([0], [5])
+
+
+@pytest.mark.parametrize("prefix, unique, bs", [(100, 10, 16), (96, 0, 16), (0, 20, 8), (37, 5, 1)])
+def test_prefix_sharing_bytes(prefix, unique, bs):
+    rows = prefix_sharing_bytes(5, prefix, unique, bs)
+    page = 2 * bs * 80 * 4
+    full = prefix // bs                              # shared whole blocks
+    own = -(-(prefix + unique) // bs) - full         # per-request blocks (COW of the partial one)
+    for r in rows:
+        if prefix % bs and unique == 0:              # nobody writes into the partial block: it stays shared
+            assert r.shared_bytes == (full + 1) * page
+        else:
+            assert r.shared_bytes == (full + r.num_requests * own) * page
+        assert r.private_bytes == r.num_requests * (full + own) * page
+    assert rows[0].saved_bytes == 0
+
+
+@pytest.mark.parametrize("args, match", [
+    ((0, 1, 1, 1), "max_requests must be >= 1, got 0"), ((1, -1, 1, 1), "prefix_tokens must be >= 0"),
+    ((1, 1, -1, 1), "unique_tokens must be >= 0"), ((1, 1, 1, 0), "block_size must be >= 1"),
+    # regression: page 06 with both sliders at 0 showed "max_requests > 0 ... got 1, 16, 0, 0"
+    ((1, 0, 0, 16), r"prefix_tokens \+ unique_tokens must be >= 1 .*got prefix_tokens=0, unique_tokens=0"),
+])
+def test_prefix_sharing_bytes_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        prefix_sharing_bytes(*args)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((0, 10, 0, 0), "block_size must be >= 1"), ((4, 0, 0, 0), "tokens_a must be >= 1"),
+    ((4, 10, 11, 0), "shared_tokens must be <= tokens_a"), ((4, 10, 2, -1), "tokens_b_own must be >= 0"),
+])
+def test_page_table_demo_errors(args, match):
+    with pytest.raises(ValueError, match=match):
+        page_table_demo(*args)

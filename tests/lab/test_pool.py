@@ -1,0 +1,48 @@
+"""Page 05's workload on real pools: deterministic, conserving, and the split pool pays for a mix shift."""
+import pytest
+
+from lab.pool import WorkloadConfig, simulate, static_kv_share
+
+
+def _outcomes(res):
+    return {(d["variant"], d["phase"], d["outcome"]): d["requests"] for d in res.outcomes}
+
+
+@pytest.mark.parametrize("policy", ["unified", "multi_page"])
+@pytest.mark.parametrize("arrival", ["steady", "bursty"])
+def test_simulate_conserves_requests_and_pages(policy, arrival):
+    cfg = WorkloadConfig(pool_mib=8, policy=policy, arrival=arrival, long_share=0.3, seed=3, num_steps=60)
+    res = simulate(cfg, snapshot_step=30)
+    o = _outcomes(res)
+    for ph in (1, 2):  # both variants see the same arrivals
+        assert o[("unified", ph, "admitted")] + o[("unified", ph, "rejected")] == \
+            o[("static split", ph, "admitted")] + o[("static split", ph, "rejected")]
+    for row in res.timeline:
+        assert row["mla_kv_pages"] + row["kda_state_pages"] + row["free_pages"] == res.num_pages
+    assert len(res.snapshot) == res.num_pages and res.latency_ns["alloc"] and res.latency_ns["free"]
+    assert res.waste["used_bytes"] > 0
+    again = simulate(cfg, snapshot_step=30)
+    assert again.timeline == res.timeline and again.outcomes == res.outcomes and again.snapshot == res.snapshot
+
+
+def test_unified_pool_absorbs_a_mix_shift():
+    cfg = WorkloadConfig(pool_mib=32, long_share=0.0, seed=0)   # all short, then all long
+    o = _outcomes(simulate(cfg))
+    assert o[("unified", 2, "rejected")] < o[("static split", 2, "rejected")]
+    assert 0 < static_kv_share(cfg) < static_kv_share(WorkloadConfig(long_share=1.0)) < 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(pool_mib=0), "pool_mib"), (dict(policy="x"), "policy"), (dict(long_share=1.5), "long_share"),
+    (dict(arrival="x"), "arrival"), (dict(preset="x"), "preset"), (dict(short_tokens=(5, 1)), "short_tokens"),
+])
+def test_config_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        WorkloadConfig(**kwargs)
+
+
+def test_simulate_errors():
+    with pytest.raises(ValueError, match="need >= 2"):
+        simulate(WorkloadConfig(pool_mib=0.1))
+    with pytest.raises(ValueError, match="snapshot_step"):
+        simulate(WorkloadConfig(num_steps=10), snapshot_step=10)

@@ -1,0 +1,70 @@
+"""The measured runs behind the home page and pages 07-09 (tiny model, small prompts)."""
+from __future__ import annotations
+
+import pytest
+
+from lab.prefix import anatomy, as_tokens, cold_vs_warm, miss_then_hit, shared_prefix_prompts, ttft_summary
+
+
+def test_cold_vs_warm_rows_and_check():
+    a, b = shared_prefix_prompts(64, 10, seed=3)
+    assert a[:64] == b[:64] and a != b and len(a) == 74
+    run = cold_vs_warm(a, b, max_new_tokens=3, block_size=16, interval=32, repeats=2, preset="demo-tiny")
+    assert [r["kind"] for r in run.rows] == ["cold", "first", "warm"] * 2
+    warm = [r for r in run.rows if r["kind"] == "warm"]
+    assert all(r["hit_tokens"] == 64 and r["prefill_tokens"] == 10 for r in warm)
+    assert all(r["restored_bytes"] == run.layout.state_bytes for r in warm)
+    assert run.check.outputs_identical and run.check.max_logit_diff <= 1e-5
+    assert len(run.warm_tokens) == 3                  # token ids of repeat 0, counted as tokens (not text bytes)
+    s = ttft_summary(run.rows)
+    assert s["cold_ttft_ms"] > 0 and s["ttft_reduction"] == 1 - s["warm_ttft_ms"] / s["cold_ttft_ms"]
+
+
+def test_anatomy_and_drop():
+    prompts = ["x" * 40 + "second question", "x" * 40 + "first question", "x" * 40 + "first question, again"]
+    base = anatomy(prompts, block_size=8, interval=16, num_groups=2, preset="demo-tiny")
+    assert base.num_tokens == 48 and base.kv_tokens == 48
+    assert base.steps[-1]["phase"] == 2 and base.steps[-1]["found"]
+    dropped = anatomy(prompts, 8, 16, 2, drop=(48, 1), preset="demo-tiny")
+    assert dropped.num_tokens == 32 and dropped.kv_tokens == 48          # falls back to the next complete one
+    key48 = next(b["key"] for b in base.blocks if b["prompt"] == 1 and b["end"] == 48)
+    gone = {(c["boundary"], c["group"], c["key"]) for c in base.checkpoints} - {
+        (c["boundary"], c["group"], c["key"]) for c in dropped.checkpoints}
+    assert len(dropped.checkpoints) == len(base.checkpoints) - 1 and [(g[0], g[1], g[2][:8]) for g in gone] == [
+        (48, 1, key48)]
+    with pytest.raises(ValueError, match="at least two prompts"):
+        anatomy(["only one"], preset="demo-tiny")
+
+
+def test_anatomy_of_prompts_shorter_than_one_block():
+    """Review: "a", "b" (and "hello world", "hello there") have no full block; the page crashed on the
+    empty block list."""
+    for prompts in (["a", "b"], ["hello world", "hello there"]):
+        res = anatomy(prompts, block_size=16, interval=32, num_groups=2, preset="demo-tiny")
+        assert res.blocks == [] and res.checkpoints == []
+        assert res.prompt_tokens == [len(p) for p in prompts]
+        assert res.num_tokens == res.kv_tokens == 0
+        assert [s["note"] for s in res.steps] == ["stop: partial block (below one block)"]
+    res = anatomy(["x" * 20, "x" * 20 + "y"], block_size=16, interval=16, num_groups=1, preset="demo-tiny")
+    assert [(b["prompt"], b["end"], b["cached"]) for b in res.blocks] == [(0, 16, True), (1, 16, True)]
+    assert res.prompt_tokens == [20, 21] and res.num_tokens == 16
+
+
+def test_miss_then_hit():
+    run = miss_then_hit(96, 70, block_size=16, interval=32, num_groups=2, max_new_tokens=2, preset="demo-tiny")
+    assert run.miss["prefill_tokens"] == 96 and run.miss["hit_tokens"] == 0
+    assert {w["boundary"] for w in run.written} >= {32, 64, 96}
+    assert all(w["written_at"] == w["boundary"] for w in run.written)
+    assert run.hit["hit_tokens"] == 64 and run.check.outputs_identical
+    with pytest.raises(ValueError, match="next_shared"):
+        miss_then_hit(32, 40, preset="demo-tiny")
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="empty"):
+        as_tokens("")
+    assert as_tokens("é") == [195, 169]
+    with pytest.raises(ValueError, match="preset"):
+        cold_vs_warm("a", "b", preset="kimi-k3")
+    with pytest.raises(ValueError, match="shared_tokens"):
+        shared_prefix_prompts(0, 0)

@@ -1,0 +1,76 @@
+"""Page 04's experiments: measured bytes equal the formulas, commit timings cover every accepted length,
+the ring run reports write-backs and the overflow path."""
+import pytest
+
+from lab.ring import WIDTHS, bytes_vs_draft, commit_times, head_tail_labels, ring_model, ring_run, tradeoff_table
+from serve.spec.raw_input_ring import RawInputRing
+from serve.spec.rollback import (
+    LayerShape,
+    projection_bytes_per_token,
+    raw_input_bytes_per_token,
+    snapshot_bytes_per_token,
+)
+from tests.serve.spec.helpers import model, one_thread
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+__all__ = ["model"]  # shared fixture
+
+
+def test_bytes_vs_draft_equal_formulas(model):
+    rows = bytes_vs_draft(model, 3)
+    shape, L = LayerShape.from_config(model.cfg), model.cfg.num_kda_layers
+    per_token = {"snapshot": snapshot_bytes_per_token(shape, 4), "projection replay": projection_bytes_per_token(shape, 4),
+                 "raw-input ring": raw_input_bytes_per_token(shape, 4)}
+    assert len(rows) == 9
+    for r in rows:
+        assert r["bytes"] == (1 + r["draft_tokens"]) * L * per_token[r["strategy"]] > 0
+
+
+def test_commit_times_and_tradeoff(model):
+    rows = commit_times(model, 2, repeats=1)
+    assert sorted((r["accepted"], r["strategy"]) for r in rows) == sorted(
+        (a, s) for a in range(3) for s in ("snapshot", "projection replay", "raw-input ring"))
+    assert all(r["commit_ms"] > 0 for r in rows)
+    table = tradeoff_table(bytes_vs_draft(model, 2), rows, 2)
+    snap = next(t for t in table if t["strategy"] == "snapshot")
+    assert snap["memory vs snapshot"] == 1.0 and snap["commit time vs snapshot"] == 1.0
+    assert all(t["memory vs snapshot"] < 1.0 for t in table if t is not snap)
+    with pytest.raises(ValueError, match="num_draft"):
+        tradeoff_table(bytes_vs_draft(model, 1), rows, 2)
+
+
+def test_ring_run_write_backs_and_overflow(model):
+    run = ring_run(model, capacity=6, window=4, requested_draft=5, max_new_tokens=24)
+    assert run.overflow.startswith("ValueError") and "rollback window of 4" in run.overflow
+    assert run.num_write_backs == sum(s["forced_write_back"] for s in run.steps) >= 2
+    assert all(s["slots_in_use"] <= 6 for s in run.steps) and len(run.slots) == 6
+    assert run.ring_bytes == 6 * model.cfg.num_kda_layers * model.cfg.hidden_size * 4
+    fits = ring_run(model, capacity=8, window=4, requested_draft=2, max_new_tokens=12)
+    assert fits.overflow.startswith("fits")
+    with pytest.raises(ValueError, match="window"):
+        ring_run(model, capacity=2, window=4, requested_draft=1)
+
+
+def test_ring_run_write_backs_exclude_the_overflow_probe(model):
+    """Regression (page 04 said "3 forced write-backs" while its chart marked 2): the ring ends full,
+    so the overflow probe forces one more write-back; it is named in ``overflow``, not counted in the run."""
+    run = ring_run(model, capacity=6, window=4, requested_draft=2, max_new_tokens=12)
+    assert run.steps[-1]["slots_in_use"] == 6                      # full after the run
+    assert "after a forced write-back" in run.overflow and run.overflow.startswith("fits")
+    assert run.num_write_backs == sum(s["forced_write_back"] for s in run.steps) == 1
+
+
+def test_head_tail_labels():
+    """One label when head and tail share a slot (full or empty ring), else two at different heights."""
+    ring = RawInputRing(capacity=4, window=2)
+    assert head_tail_labels(ring.slot_table()) == [("head = tail (ring empty)", 0, 30)]
+    ring.head, ring.commit_end, ring.tail = 1, 3, 3
+    assert head_tail_labels(ring.slot_table()) == [("head", 1, 50), ("tail", 3, 25)]
+    ring.head, ring.commit_end, ring.tail = 2, 6, 6
+    assert head_tail_labels(ring.slot_table()) == [("head = tail (ring full)", 2, 30)]
+
+
+def test_ring_model_widths():
+    assert ring_model(WIDTHS[0]).cfg.num_heads == WIDTHS[0] // 32
+    with pytest.raises(ValueError, match="width"):
+        ring_model(100)

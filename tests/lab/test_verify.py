@@ -1,0 +1,59 @@
+"""Page 02's experiment: every mode stays bitwise exact, and its checks report what they claim."""
+import sys
+import types
+
+import pytest
+
+from lab.verify import MODES, STRATEGIES, built_by_loaded_code, make_strategy, run_verify_lab
+from tests.serve.spec.helpers import model, one_thread
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+__all__ = ["model"]  # shared fixture
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("mode", MODES)
+def test_run_verify_lab_is_exact(model, mode, strategy):
+    steps = run_verify_lab(model, 4, 0.6, strategy, seed=1, mode=mode, max_new_tokens=20, abort_layers=2,
+                           abort_tokens=3, corrupt_position=2, poison_rejected=True)
+    assert sum(s.num_emitted for s in steps) + 1 == 20
+    assert all(s.max_abs_diff == 0.0 and s.tokens_match for s in steps)
+    assert all(s.rollback_bytes > 0 for s in steps)
+    if mode == "interrupted":
+        assert all(s.untouched and s.retry_equal for s in steps)
+    else:
+        assert all(s.untouched is None and s.retry_equal is None for s in steps)
+    if mode == "injected deviation":
+        full = [s for s in steps if s.num_drafted >= 2]
+        assert full and all(s.corrupted_position == 2 and s.num_accepted <= 1 for s in full)
+        assert sum(s.poisoned_tokens for s in steps) > 0
+
+
+def test_run_verify_lab_acceptance_extremes(model):
+    all_right = run_verify_lab(model, 3, 1.0, STRATEGIES[0], 0, max_new_tokens=17)
+    assert [s.num_accepted for s in all_right] == [s.num_drafted for s in all_right] and len(all_right) == 4
+    all_wrong = run_verify_lab(model, 3, 0.0, STRATEGIES[0], 0, max_new_tokens=9)
+    assert all(s.num_accepted == 0 for s in all_wrong) and len(all_wrong) == 8
+
+
+def test_run_verify_lab_validation(model):
+    with pytest.raises(ValueError, match="mode"):
+        run_verify_lab(model, 2, 0.5, STRATEGIES[0], 0, mode="chaos")
+    with pytest.raises(ValueError, match="strategy"):
+        make_strategy("magic", 2)
+    with pytest.raises(ValueError, match="abort_tokens"):
+        run_verify_lab(model, 2, 0.5, STRATEGIES[0], 0, mode="interrupted", abort_tokens=4)
+    with pytest.raises(ValueError, match="corrupt_position"):
+        run_verify_lab(model, 2, 0.5, STRATEGIES[0], 0, corrupt_position=3)
+
+
+def test_built_by_loaded_code(model, monkeypatch):
+    """A model cached across a Streamlit source reload (its module re-imported, so its class replaced)
+    must read as stale: it would hand old-class KDACache objects to the new code (AttributeError)."""
+    assert built_by_loaded_code(model)
+    reloaded = types.ModuleType(type(model).__module__)
+    reloaded.HybridLM = type("HybridLM", (), {})                 # the re-imported module's new class
+    monkeypatch.setitem(sys.modules, type(model).__module__, reloaded)
+    assert not built_by_loaded_code(model)
+    monkeypatch.delitem(sys.modules, type(model).__module__)
+    assert not built_by_loaded_code(model)

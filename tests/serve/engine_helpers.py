@@ -1,0 +1,86 @@
+"""Shared set-up for the tests of speculative decoding inside the engine: oracle speculation, an engine
+with speculation + prefix cache, and the check that every stored checkpoint is the model's state after
+exactly its ``written_at`` tokens."""
+from __future__ import annotations
+
+import torch
+
+from serve.engine import ServeEngine
+from serve.memory.layout import CacheLayout
+from serve.memory.pages import read_state
+from serve.memory.pool import PagePool
+from serve.prefix.cache import PrefixCache
+from serve.prefix.index import block_keys
+from serve.spec.draft import NoisyOracleProposer
+from serve.spec.raw_input_ring import RawInputRing
+from serve.spec.snapshot import SnapshotRollback
+from serve.spec.verify import ProjectionReplay, Speculation
+from tests.serve.prefix.helpers import tiny_model
+
+STRATEGIES = {
+    "snapshot": SnapshotRollback,
+    "projection": ProjectionReplay,
+    "ring": lambda: RawInputRing(capacity=24, window=8),
+}
+# A checkpoint comes from chunked prefill states, verify + rollback commits and decode steps; the
+# reference is one chunked prefill of the same tokens. fp32 paths differ by ~1e-6 here, while the
+# states after n - 1, n and n + 1 tokens differ by ~1: "equal" within this, "exactly n" in effect.
+STATE_ATOL = 1e-5
+
+
+def oracle_speculation(references: dict, strategy: str, corrupt_prob: float, num_draft_tokens: int,
+                       seed: int = 1) -> Speculation:
+    """Noisy-oracle drafts: ``references`` maps a prompt (tuple) to its greedy continuation; each draft
+    token is corrupted with probability ``corrupt_prob`` (0: every draft accepted, 1: none)."""
+    return Speculation(lambda p: NoisyOracleProposer(p, list(references[tuple(p)]), corrupt_prob, seed),
+                       STRATEGIES[strategy], num_draft_tokens)
+
+
+def spec_engine(speculation: Speculation, block_size: int = 16, interval: int | None = None,
+                num_pages: int = 64, prefix_cache: bool = True) -> ServeEngine:
+    """An engine with ``speculation`` and (unless ``prefix_cache`` is False) a prefix cache (one group,
+    checkpoint every ``interval`` tokens, default one block) on a poisoned pool (a never-written page
+    reads as NaN)."""
+    model = tiny_model()
+    pool = PagePool(num_pages, CacheLayout.page_bytes_for(model.cfg, block_size, 1), poison=True)
+    cache = PrefixCache(pool, block_size, interval or block_size, cfg=model.cfg) if prefix_cache else None
+    return ServeEngine(model, pool, cache, block_size=block_size, speculation=speculation)
+
+
+def kda_state_after(seq, n: int) -> dict:
+    """The model's KDA caches (by layer) after exactly the first ``n`` tokens of ``seq`` (one prefill)."""
+    model = tiny_model()
+    _, cache = model.prefill(torch.tensor([list(seq[:n])]))
+    return {i: cache.layers[i] for i in model.cfg.kda_layers}
+
+
+def state_error(stored: dict, ref: dict) -> float:
+    """max |stored - ref| over every KDA layer's recurrent state and conv window."""
+    return max(max(float((stored[i].recurrent - ref[i].recurrent).abs().max()),
+                   float((stored[i].conv - ref[i].conv).abs().max())) for i in ref)
+
+
+def check_checkpoints(engine: ServeEngine, sequences, checked: set) -> int:
+    """Assert every complete stored checkpoint not in ``checked`` holds the model's state after exactly
+    its ``written_at`` tokens of the sequence its block key names (found among ``sequences``, token
+    lists). Adds ``(key, pages)`` of what it checked to ``checked`` (a checkpoint evicted and published
+    again is checked again); returns how many it checked."""
+    cache, N = engine.cache, engine.layout.block_size
+    prefix_of = {}
+    for seq in sequences:
+        for i, key in enumerate(block_keys(seq, N)):
+            prefix_of[key] = seq[: (i + 1) * N]
+    done = 0
+    for key, node in cache.index.nodes.items():
+        entry = (key, tuple(c.payload for _, c in sorted(node.ckpts.items())))
+        if len(node.ckpts) < cache.num_groups or entry in checked:
+            continue
+        written = {c.written_at for c in node.ckpts.values()}
+        assert written == {node.depth * N}, f"checkpoint at {node.depth * N} written at {sorted(written)}"
+        assert key in prefix_of, f"checkpoint at {node.depth * N} belongs to no known sequence"
+        stored = read_state(engine.layout, engine.pool, [node.ckpts[g].payload for g in range(cache.num_groups)])
+        err = state_error(stored, kda_state_after(prefix_of[key], node.depth * N))
+        assert err <= STATE_ATOL, f"checkpoint at {node.depth * N}: max |state - model state| = {err}"
+        checked.add(entry)
+        done += 1
+    return done

@@ -1,0 +1,214 @@
+"""Hypothesis stateful test: random alloc / incref / decref / fork / append / free on both page kinds,
+replayed against an obviously-correct oracle pool (a free set and a Counter of holders per page)."""
+from collections import Counter
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from kda_core.config import PRESETS
+from serve.memory.kda_state_cache import KDAStateCache
+from serve.memory.paged_mla import PagedMLACache
+from serve.memory.pool import PageError, PageKind, PagePool, PoolExhausted
+
+LM, BS, D = 2, 4, 6                   # MLA layers, block size (tokens), latent width
+PAGE_BYTES = LM * BS * D * 4          # one fp32 block per page
+CFG = PRESETS["demo-tiny"]
+OWNERS = ("a", "b", "c")
+KINDS = (PageKind.MLA_KV, PageKind.KDA_STATE)
+
+
+class OraclePool:
+    """The pool as sets: free page ids, and per used page its kind and a Counter of holders."""
+
+    def __init__(self, num_pages):
+        self.free = set(range(num_pages))
+        self.kind, self.holders = {}, {}
+
+    def alloc(self, pages, kind, owner):
+        assert set(pages) <= self.free and len(set(pages)) == len(pages)
+        for p in pages:
+            self.free.remove(p)
+            self.kind[p], self.holders[p] = kind, Counter({owner: 1})
+
+    def incref(self, pages, owner):
+        for p in pages:
+            self.holders[p][owner] += 1
+
+    def decref(self, pages, owner):
+        for p in pages:
+            self.holders[p][owner] -= 1
+            if self.holders[p][owner] == 0:
+                del self.holders[p][owner]
+            if not self.holders[p]:
+                del self.kind[p], self.holders[p]
+                self.free.add(p)
+
+
+class PoolMachine(RuleBasedStateMachine):
+    @initialize(num_pages=st.integers(1, 24))
+    def setup(self, num_pages):
+        self.pool = PagePool(num_pages, PAGE_BYTES, poison=True)
+        self.oracle = OraclePool(num_pages)
+        self.mla: dict[str, tuple[PagedMLACache, torch.Tensor]] = {}  # name -> (cache, expected latents)
+        self.states: dict[str, KDAStateCache] = {}
+        self.counter = 0
+
+    def _name(self):
+        self.counter += 1
+        return f"req{self.counter}"
+
+    def _snapshot(self):
+        return self.pool.page_table(), sorted(self.pool._free)
+
+    # ---- raw pool operations ------------------------------------------------------------------------
+    @rule(kind=st.sampled_from(KINDS), n=st.integers(0, 8), owner=st.sampled_from(OWNERS))
+    def alloc(self, kind, n, owner):
+        before = self._snapshot()
+        if n > len(self.oracle.free):
+            with pytest.raises(PoolExhausted) as e:
+                self.pool.alloc(kind, n, owner)
+            assert (e.value.needed, e.value.free) == (n, len(self.oracle.free))
+            assert self._snapshot() == before              # a failed alloc leaves the pool unchanged
+        else:
+            self.oracle.alloc(self.pool.alloc(kind, n, owner), kind, owner)
+
+    def _raw_pages(self):  # pages held by the raw owners a / b / c
+        return sorted((p, o) for p, h in self.oracle.holders.items() for o in h if o in OWNERS)
+
+    @precondition(lambda self: self._raw_pages())
+    @rule(data=st.data(), owner=st.sampled_from(OWNERS))
+    def incref(self, data, owner):
+        p, _ = data.draw(st.sampled_from(self._raw_pages()))
+        self.pool.incref([p], owner)
+        self.oracle.incref([p], owner)
+
+    @precondition(lambda self: self._raw_pages())
+    @rule(data=st.data())
+    def decref(self, data):
+        p, o = data.draw(st.sampled_from(self._raw_pages()))
+        assert self.pool.decref([p], o) == ([p] if sum(self.oracle.holders[p].values()) == 1 else [])
+        self.oracle.decref([p], o)
+
+    @rule(page=st.integers(0, 23), owner=st.sampled_from(OWNERS))
+    def decref_not_held(self, page, owner):
+        held = self.oracle.holders.get(page, Counter())[owner] if page < self.pool.num_pages else 0
+        if held or page >= self.pool.num_pages:
+            return
+        before = self._snapshot()
+        with pytest.raises(PageError):                     # double free / not the holder
+            self.pool.decref([page], owner)
+        assert self._snapshot() == before
+
+    # ---- caches on top of the pool ------------------------------------------------------------------
+    @rule(T=st.integers(0, 10), seed=st.integers(0, 2**16))
+    def new_request(self, T, seed):
+        name = self._name()
+        cache = PagedMLACache(self.pool, name, LM, D, BS)
+        self.mla[name] = (cache, torch.zeros(LM, 0, D))
+        self.append_to(name, T, seed)
+
+    def append_to(self, name, T, seed):
+        cache, want = self.mla[name]
+        lat = torch.randn(LM, T, D, generator=torch.Generator().manual_seed(seed))
+        before_table, before = list(cache.block_table), self._snapshot()
+        try:
+            cache.append(lat)
+        except PoolExhausted:
+            assert cache.block_table == before_table and self._snapshot() == before
+            return
+        self.mla[name] = (cache, torch.cat([want, lat], dim=1))
+        self._resync()
+
+    @precondition(lambda self: self.mla)
+    @rule(data=st.data(), T=st.integers(1, 6), seed=st.integers(0, 2**16))
+    def append(self, data, T, seed):
+        self.append_to(data.draw(st.sampled_from(sorted(self.mla))), T, seed)
+
+    @precondition(lambda self: self.mla)
+    @rule(data=st.data())
+    def fork(self, data):
+        name = data.draw(st.sampled_from(sorted(self.mla)))
+        cache, want = self.mla[name]
+        n = data.draw(st.integers(0, cache.num_tokens))
+        child = cache.fork(self._name(), n)
+        self.mla[child.owner] = (child, want[:, :n])
+        self._resync()
+        if data.draw(st.booleans()):  # a child appending into a shared partial block must copy it first
+            self.append_to(child.owner, data.draw(st.integers(1, 6)), data.draw(st.integers(0, 2**16)))
+
+    @rule(G=st.integers(1, 3))
+    def new_state(self, G):
+        name, before = self._name(), self._snapshot()
+        groups = [CFG.kda_layers[i::G] for i in range(G)]
+        try:
+            self.states[name] = KDAStateCache(self.pool, name, CFG, groups)
+        except PoolExhausted:
+            assert self._snapshot() == before
+        self._resync()
+
+    @precondition(lambda self: self.mla or self.states)
+    @rule(data=st.data())
+    def free_request(self, data):
+        name = data.draw(st.sampled_from(sorted(self.mla) + sorted(self.states)))
+        (self.mla.pop(name)[0] if name in self.mla else self.states.pop(name)).free()
+        self._resync()
+
+    def _resync(self):
+        """Rebuild the oracle from the caches' own tables (each cache's pages have its kind) plus the raw
+        owners' references; the pool is then compared with it page by page."""
+        held = Counter()
+        for name, (cache, _) in self.mla.items():
+            held.update((p, name, PageKind.MLA_KV) for p in cache.block_table)
+        for name, cache in self.states.items():
+            held.update((p, name, PageKind.KDA_STATE) for pages in cache.pages for p in pages)
+        raw = {(p, o, self.oracle.kind[p]): c for p, h in self.oracle.holders.items()
+               for o, c in h.items() if o in OWNERS}
+        self.oracle = OraclePool(self.pool.num_pages)
+        for (p, o, kind), c in list(raw.items()) + list(held.items()):
+            if p in self.oracle.free:
+                self.oracle.alloc([p], kind, o)
+                c -= 1
+            assert self.oracle.kind[p] is kind, f"page {p} held as {kind.name} and {self.oracle.kind[p].name}"
+            self.oracle.incref([p] * c, o)
+
+    # ---- invariants ---------------------------------------------------------------------------------
+    @invariant()
+    def pool_matches_oracle(self):
+        if not hasattr(self, "pool"):
+            return
+        self.pool.check_integrity()
+        s = self.pool.stats()
+        assert sum(s.pages_by_kind.values()) == self.pool.num_pages
+        assert s.free_pages == len(self.oracle.free)
+        for p, (kind, _, ref) in enumerate(self.pool.page_table()):
+            assert ref >= 0
+            if p in self.oracle.free:
+                assert kind is PageKind.FREE and ref == 0      # never both free and referenced
+            else:
+                assert kind is self.oracle.kind[p] and self.pool.holders(p) == dict(self.oracle.holders[p])
+        for cache, want in self.mla.values():
+            cache.check_integrity()
+            assert torch.equal(cache.gather(), want)
+        for cache in self.states.values():
+            cache.check_integrity()
+
+    def teardown(self):
+        if not hasattr(self, "pool"):
+            return
+        for cache, _ in self.mla.values():
+            cache.free()
+        for cache in self.states.values():
+            cache.free()
+        for p, h in list(self.oracle.holders.items()):
+            for o, c in h.items():
+                if o in OWNERS:
+                    self.pool.decref([p] * c, o)
+        self.pool.check_integrity()
+        assert self.pool.num_free == self.pool.num_pages   # no leak once every request is freed
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)

@@ -1,0 +1,78 @@
+"""Shared set-up for the prefix-cache and engine tests: a tiny model, the cache-off reference, engines."""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from kda_core.config import PRESETS
+from kda_core.model import HybridLM
+from serve.engine import ServeEngine
+from serve.memory.layout import CacheLayout
+from serve.memory.pool import PagePool
+from serve.prefix.cache import PrefixCache
+
+LOGITS_ATOL = 1e-5   # "equal": greedy tokens identical and logits within this of the cache-off run
+
+
+@functools.cache
+def tiny_model() -> HybridLM:
+    return HybridLM(PRESETS["demo-tiny"])
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    """``n`` seeded random byte ids."""
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@functools.cache
+def _reference(prompt: tuple, max_new_tokens: int) -> tuple[tuple, torch.Tensor]:
+    model = tiny_model()
+    logits, cache = model.prefill(torch.tensor([prompt]))
+    rows = [logits[0, -1]]
+    out = [int(rows[-1].argmax())]
+    for _ in range(max_new_tokens - 1):
+        step, cache = model.decode_step(out[-1], cache)
+        rows.append(step[0])
+        out.append(int(step[0].argmax()))
+    return tuple(out), torch.stack(rows)
+
+
+def reference(prompt, max_new_tokens: int) -> tuple[tuple, torch.Tensor]:
+    """Cache-off greedy run straight on the model: (tokens, logits ``[max_new_tokens, 256]``)."""
+    return _reference(tuple(prompt), max_new_tokens)
+
+
+def max_logit_error(result, prompt) -> float:
+    """max |logits - reference| of a finished result (inf if the tokens differ)."""
+    ref_tokens, ref_logits = reference(prompt, len(result.output_tokens))
+    if result.output_tokens != ref_tokens:
+        return float("inf")
+    return float((result.logits - ref_logits).abs().max())
+
+
+def assert_equal_to_reference(result, prompt) -> None:
+    err = max_logit_error(result, prompt)
+    assert err <= LOGITS_ATOL, f"request {result.rid}: max |logits - cache-off| = {err} (hit {result.hit_tokens})"
+
+
+def make_engine(block_size: int = 16, interval: int = 16, num_groups: int = 1, num_pages: int = 64,
+                policy: str = "unified", max_checkpoints: int | None = None, cache: bool = True,
+                max_prefill_chunk: int | None = None) -> ServeEngine:
+    """An engine on a poisoned pool (never-written pages read as NaN) with an optional prefix cache."""
+    model = tiny_model()
+    page_bytes = CacheLayout.page_bytes_for(model.cfg, block_size, num_groups, policy)
+    pool = PagePool(num_pages, page_bytes, poison=True)
+    pc = PrefixCache(pool, block_size, interval, num_groups, cfg=model.cfg,
+                     max_checkpoints=max_checkpoints) if cache else None
+    return ServeEngine(model, pool, pc, max_prefill_chunk, block_size=block_size, num_groups=num_groups)
+
+
+def run_checked(engine: ServeEngine, prompt, max_new_tokens: int = 3):
+    """Submit one request, step to idle calling ``check_integrity`` after every step; the result."""
+    rid = engine.submit(prompt, max_new_tokens, record_logits=True)
+    engine.check_integrity()
+    while engine.step():
+        engine.check_integrity()
+    engine.check_integrity()
+    return engine.result(rid)
