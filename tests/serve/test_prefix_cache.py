@@ -12,6 +12,7 @@ from serve.paged_cache import PageKind, PagePool, PoolExhausted
 from serve.prefix_cache import PrefixCache
 from serve.prefix_index import PrefixIndex, block_keys
 from serve.prefix_oracle import PrefixOracle
+from tests.serve.prefix_helpers import insert_prefix, make_cache
 
 CFG = PRESETS["demo-tiny"]
 
@@ -64,35 +65,10 @@ def test_state_round_trip_through_pages_is_bitwise(groups):
     assert all(not back.recurrent.any() and not back.conv.any() for back in read_state(lay, pool, pages).values())
 
 
-def _cache(num_pages=64, block_size=4, groups=1, interval=4, max_checkpoints=None, policy="unified"):
-    pb = CacheLayout.page_bytes_for(CFG, block_size, groups, policy)
-    pool = PagePool(num_pages, pb, poison=True)
-    return PrefixCache(pool, block_size, interval, groups, cfg=CFG, max_checkpoints=max_checkpoints)
-
-
-def _insert(cache, seq, num_blocks, boundaries, owner="w"):
-    """Publish ``num_blocks`` blocks of ``seq`` and checkpoints at ``boundaries`` (in blocks) as a request
-    would; returns the boundaries that were published."""
-    lay = cache.layout
-    keys = cache.keys(seq)
-    kv = cache.alloc(PageKind.MLA_KV, num_blocks, owner)
-    state = cache.alloc(PageKind.KDA_STATE, lay.state_pages, owner)
-    split, start = [], 0
-    for g in range(lay.num_groups):
-        split.append(tuple(state[start: start + lay.group_pages(g)]))
-        start += lay.group_pages(g)
-    zero_state(lay, cache.pool, split)
-    cache.publish_blocks(keys, kv, num_blocks, owner)
-    done = [b for b in boundaries if cache.publish_checkpoint(keys, b, split, b * cache.block_size, owner)]
-    cache.release(owner)
-    cache.pool.decref(kv + state, owner)
-    return done
-
-
 def test_lookup_two_phases_and_cap():
-    cache = _cache()
+    cache = make_cache()
     seq = list(range(1, 21))                      # 5 blocks of 4
-    _insert(cache, seq, 5, [2, 5])
+    insert_prefix(cache, seq, 5, [2, 5])
     hit = cache.lookup(seq)
     assert (hit.kv_tokens, hit.num_tokens) == (19, 8)         # capped at len - 1; no checkpoint at 16
     assert cache.lookup(seq + [7]).num_tokens == 20
@@ -106,7 +82,7 @@ def test_lookup_two_phases_and_cap():
 
 
 def test_failed_checkpoint_publishes_nothing():
-    cache = _cache(num_pages=40, groups=3)
+    cache = make_cache(num_pages=40, groups=3)
     lay = cache.layout
     seq = list(range(12))
     kv = cache.alloc(PageKind.MLA_KV, 3, "w")
@@ -130,9 +106,9 @@ def test_failed_checkpoint_publishes_nothing():
 
 
 def test_drop_checkpoint_errors():
-    cache = _cache()
+    cache = make_cache()
     seq = list(range(8))
-    _insert(cache, seq, 2, [2])
+    insert_prefix(cache, seq, 2, [2])
     with pytest.raises(ValueError, match="multiple of 4"):
         cache.drop_checkpoint(seq, 6, 0)
     with pytest.raises(ValueError, match="no checkpoint"):
@@ -224,7 +200,7 @@ def test_prefix_cache_matches_oracle(ops, num_pages, groups, max_ck):
             if nb + 2 * cache.layout.state_pages > num_pages:
                 continue
             cache.seq = SEQS[s]
-            _insert(cache, SEQS[s], nb, sorted({b for b in bounds if b <= nb}))
+            insert_prefix(cache, SEQS[s], nb, sorted({b for b in bounds if b <= nb}))
             oracle.pin(SEQS[s], 4 * nb, -1)
         elif op[0] == "hit":
             seq = SEQS[op[1]][: op[2]]
@@ -252,9 +228,9 @@ def test_prefix_cache_matches_oracle(ops, num_pages, groups, max_ck):
 
 
 def test_evicting_a_checkpoint_keeps_kv_and_evicting_kv_drops_its_checkpoints():
-    cache = _cache(max_checkpoints=2)
+    cache = make_cache(max_checkpoints=2)
     seq = list(range(1, 17))                       # 4 blocks of 4
-    _insert(cache, seq, 4, [1, 2, 3])              # the third checkpoint evicts the LRU one (at 4)
+    insert_prefix(cache, seq, 4, [1, 2, 3])              # the third checkpoint evicts the LRU one (at 4)
     assert [c.boundary for c in cache.checkpoints()] == [8, 12]
     assert cache.stats().evicted_checkpoints == 1 and cache.lookup(seq).kv_tokens == 15
     assert cache.lookup(seq[:5]).kv_tokens == 4 and cache.lookup(seq[:5]).num_tokens == 0   # KV still usable
