@@ -276,7 +276,7 @@ def test_evicting_a_checkpoint_keeps_kv_and_evicting_kv_drops_its_checkpoints():
 def test_publish_blocks_is_atomic(case):
     """Publishing a block whose page the owner does not hold raises before anything is added: the index
     never points at a free page (or one the cache holds no reference to)."""
-    cache = _cache(num_pages=16)
+    cache = make_cache(num_pages=16)
     seq = list(range(12))                          # 3 blocks of 4
     kv = cache.alloc(PageKind.MLA_KV, 3, "w")
     other = cache.alloc(PageKind.MLA_KV, 1, "x")
