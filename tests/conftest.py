@@ -1,10 +1,26 @@
-"""Shared fixtures: where the real traces live (../shared/traces, never copied into the repo)."""
+"""Shared fixtures: where the real traces live (../shared/traces, never copied into the repo), one torch
+thread, and the hypothesis profiles.
+
+Hypothesis profiles (https://hypothesis.readthedocs.io/en/latest/settings.html#settings-profiles):
+- ``ci`` (loaded when the environment variable CI is set, as CI sets CI=true): derandomized, so every CI
+  run tests the same inputs and a property that held once holds on every run; no example database;
+  a failing run prints the blob that reproduces it (``@reproduce_failure``).
+- ``dev`` (default): random inputs each run, failures replayed from the local ``.hypothesis`` database.
+A test's own ``@settings(max_examples=...)`` wins over the profile's (the engine and decode properties
+run a forward per example and keep small budgets); inputs that once found a bug are pinned with
+``@example`` and run under every profile. ``pytest --hypothesis-profile=ci`` runs the CI inputs locally.
+"""
 import multiprocessing
 import os
 import time
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, max_examples=100, deadline=None, print_blob=True, database=None)
+settings.register_profile("dev", max_examples=100, deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO.parent / "shared" / "traces"

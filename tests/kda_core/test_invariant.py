@@ -1,4 +1,5 @@
-"""kda_core.invariant: row i of the result does not depend on how many rows are computed."""
+"""kda_core.invariant: row i of the result does not depend on how many rows are computed, and the values
+are those of the plain ops (``x @ W^T``, ``fn(x)``)."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,50 @@ def test_pointwise_row_invariant(fn):
     for m in [1, 3, 7, 40]:
         assert torch.equal(pointwise(fn, x[:m]), full[:m])
     assert torch.allclose(full, fn(x), rtol=1e-6, atol=1e-7)
+
+
+# fp32 GEMM rounding: a different kernel (or summation order) changes each output by ~sqrt(D_in) ulps of
+# sum_i |x_i w_i|; 1e-5 of that sum is >10x above it for D_in <= 2304 and far below any wrong value.
+GEMM_RTOL = 1e-5
+
+
+@pytest.mark.parametrize("shape,d_out", [
+    pytest.param((1, 128), 384, id="M1-K128-N384"),
+    pytest.param((5, 32), 4, id="M5-K32-N4"),
+    pytest.param((16, 100), 24, id="M16-K100-N24"),
+    pytest.param((2, 9, 72), 40, id="B2-T9-K72-N40"),
+    pytest.param((3, 200, 64), 96, id="B3-T200-K64-N96"),
+    pytest.param((7, 2304), 64, id="M7-K2304-N64"),
+])
+def test_linear_values(shape, d_out):
+    """Values equal ``x @ W^T`` (fp32 and fp64 references) for row counts below and above MIN_ROWS and
+    leading dims [B, T]; not only the same value for every row count."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(*shape, generator=gen), torch.randn(d_out, shape[-1], generator=gen)
+    out = linear(x, w)
+    assert out.shape == (*shape[:-1], d_out) and out.dtype == torch.float32
+    scale = (x.abs().double() @ w.abs().double().T).float()               # sum_i |x_i w_i| per output
+    for ref in (x @ w.T, (x.double() @ w.double().T).float()):
+        assert ((out - ref).abs() <= GEMM_RTOL * scale).all()
+
+
+@pytest.mark.parametrize("fn", [torch.exp, torch.sigmoid, F.softplus, F.silu, torch.rsqrt, torch.cos])
+@pytest.mark.parametrize("shape", [
+    pytest.param((1, 5), id="R1-n5"),
+    pytest.param((33, 32), id="R33-n32"),
+    pytest.param((3, 200, 70), id="B3-T200-n70-4blocks"),
+    pytest.param((2, 0, 7), id="empty"),
+])
+def test_pointwise_values(fn, shape):
+    """Values equal the plain ``fn(x)`` on awkward sizes: a last dim that is not a multiple of VEC_ROW,
+    several row blocks (B3-T200: 600 rows of 96 padded elements, 170 rows per block), no rows. Also on
+    a non-contiguous view. Tolerance: ATen's SIMD and scalar (libm) paths differ by a few ulps."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.rand(*shape, generator=gen) * 4 + 0.1                        # rsqrt needs x > 0
+    for inp in (x, x.transpose(-1, -2).contiguous().transpose(-1, -2)):
+        out = pointwise(fn, inp)
+        assert out.shape == inp.shape
+        torch.testing.assert_close(out, fn(inp), rtol=1e-6, atol=1e-7)
 
 
 def test_linear_shape_error():

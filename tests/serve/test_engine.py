@@ -47,6 +47,22 @@ def test_scenario1_shared_40_tokens_hits_32():
         assert_equal_to_reference(res, p)
 
 
+def test_identical_resubmit_hits_below_the_last_token():
+    """A 48-token prompt sent twice (N = 16): phase 1 stops at 47 (one token must be computed for the
+    logits), so the hit is the checkpoint at 32 and 16 tokens are prefilled, not a hit of 48 with nothing
+    left to compute (vLLM issue #50235)."""
+    eng = make_engine(block_size=16, interval=16)
+    prompt = tokens(60, 48)
+    a = run_checked(eng, prompt)
+    hit = eng.cache.lookup(prompt)
+    assert (hit.kv_tokens, hit.num_tokens) == (47, 32)
+    assert [c.boundary for c in eng.cache.checkpoints()] == [16, 32, 48]
+    b = run_checked(eng, prompt)
+    assert (a.hit_tokens, b.hit_tokens, b.prefill_tokens) == (0, 32, 16)
+    for res in (a, b):
+        assert_equal_to_reference(res, prompt)
+
+
 def test_scenario2_interior_checkpoint_of_a_single_prefill():
     """R1 = 256 tokens in one scheduled prefill: the engine still splits at 64/128/192 internally."""
     eng = make_engine(block_size=64, interval=64, num_pages=32)

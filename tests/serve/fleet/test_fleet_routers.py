@@ -147,19 +147,61 @@ def test_bounded_load_without_pressure_equals_ring():
         assert bounded.route(RouteQuery(int(key))) == ring.route(RouteQuery(int(key)))  # all loads 0
 
 
+def _ketama_keys(strings, seed: int) -> np.ndarray:
+    """64-bit routing keys whose top 32 bits are ketama's hash of each string (what uhashring places on
+    its ring) and whose low 32 bits are random (the ring must ignore them)."""
+    low = np.random.default_rng(seed).integers(0, 1 << 32, size=len(strings), dtype=np.uint64)
+    high = np.array([ketama_hash(s) for s in strings], dtype=np.uint64)
+    return (high << np.uint64(32)) | low
+
+
 def test_ring_agrees_with_uhashring_ketama():
-    """Same nodes, 160 points per node (uhashring: vnodes=40 × 4 replicas): identical ring, so the
-    share of keys per node agrees exactly (well within ±1 percentage point)."""
+    """Same nodes, 160 points per node (uhashring: vnodes=40 × 4 replicas): identical ring, and the
+    production path (``make_router("ring")`` then ``route`` and ``assign`` on 64-bit keys) sends every
+    key where ``uhashring.get_node`` sends the string it was derived from."""
     names = replica_names(8)
     theirs = HashRing(nodes=names, hash_fn="ketama")
-    ours = ConsistentHashRouter(names, vnodes=160)
+    ours = make_router("ring", names, **PARAMS)
     assert ours._points == theirs.runtime._keys
-    keys = [f"key-{i}" for i in range(100_000)]
-    share_theirs = collections.Counter(theirs.get_node(k) for k in keys)
-    share_ours = collections.Counter(ours.lookup_position(ketama_hash(k)) for k in keys)
+    strings = [f"key-{i}" for i in range(50_000)]
+    keys = _ketama_keys(strings, seed=3)
+    expected = [theirs.get_node(s) for s in strings]
+    assert [ours.route(RouteQuery(int(k))) for k in keys] == expected
+    assert [ours.replicas[i] for i in ours.assign(keys)] == expected
+    assert len(set(expected)) == 8
+
+
+def test_ring_at_and_between_points_agrees_with_uhashring():
+    """Positions exactly on a point, one below and one above, and both ends of the 32-bit ring: a key
+    goes to the first point strictly above its position, wrapping to the first point. uhashring's own
+    lookup is driven with the position itself (its key hash replaced by the identity)."""
+    names = replica_names(5)
+    theirs = HashRing(nodes=names, hash_fn="ketama")
+    theirs.hashi = lambda position: position
+    ours = make_router("ring", names, vnodes=160)
+    points = theirs.runtime._keys
+    positions = sorted({0, (1 << 32) - 1} | {q for p in points for q in (p - 1, p, p + 1) if 0 <= q < 1 << 32})
+    keys = np.array([(q << 32) | (q * 2654435761 & 0xFFFFFFFF) for q in positions], dtype=np.uint64)
+    expected = [theirs.get_node(q) for q in positions]
+    assert [ours.route(RouteQuery(int(k))) for k in keys] == expected
+    assert [ours.replicas[i] for i in ours.assign(keys)] == expected
+    assert ours.route(RouteQuery(points[-1] << 32)) == theirs.runtime._ring[points[0]]   # wraps
+
+
+@pytest.mark.parametrize("vnodes", [1, 2, 3, 5, 10, 161, 162, 163])
+def test_ring_has_exactly_vnodes_points_per_replica(vnodes):
+    """V points per replica for any V, not V rounded up to a multiple of 4 (one md5 digest gives 4
+    points): the first V of the ketama sequence, i.e. the first V that uhashring generates with
+    ceil(V / 4) vnodes."""
+    names = replica_names(6)
+    ours = make_router("ring", names, vnodes=vnodes)
+    theirs = HashRing(nodes=names, hash_fn="ketama", vnodes=-(-vnodes // 4))
+    assert collections.Counter(ours._owners) == dict.fromkeys(names, vnodes)
     for name in names:
-        assert abs(share_ours[name] - share_theirs[name]) / len(keys) <= 0.01
-    assert share_ours == share_theirs
+        generated = [p for p, owner in theirs.runtime._ring.items() if owner == name]
+        assert len(generated) == 4 * -(-vnodes // 4)
+        assert sorted(p for p, o in zip(ours._points, ours._owners) if o == name) == sorted(generated[:vnodes])
+    ours.check_integrity()
 
 
 def test_mooncake_ring_on_two_blocks_reaches_ideal(conversation):

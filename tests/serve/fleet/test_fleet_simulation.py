@@ -161,9 +161,20 @@ def test_vtc_counter_lift_and_weights():
     s.push(R(1, "std", 10))
     s.push(R(2, "vip", 400))  # lifted to min(backlogged others) = 200
     assert s.counters["vip"] == 200.0
-    order = [r.request_id for r in s.pop_admissible(lambda r: True)]
-    assert order == [2, 1] or order == [1, 2]
-    assert s.counters["vip"] == 200.0 + 400 / 2.0  # weight 2 halves the charge
+    # equal counters (200): the tie goes to the class seen first (std), then vip
+    assert [r.request_id for r in s.pop_admissible(lambda r: True)] == [1, 2]
+    assert s.counters == {"std": 210.0, "vip": 200.0 + 400 / 2.0}  # weight 2 halves the charge
+    for i, (k, n) in enumerate([("std", 100), ("std", 100), ("std", 100), ("vip", 10)], start=3):
+        s.push(R(i, k, n))
+    # smallest counter first after every admission: std 210 -> 310 -> 410, vip 400 -> 405, std
+    assert [r.request_id for r in s.pop_admissible(lambda r: True)] == [3, 4, 6, 5]
+    assert s.counters == {"std": 510.0, "vip": 405.0}
+    s.push(R(7, "std", 1))
+    s.push(R(8, "vip", 1))
+    assert s.counters["vip"] == 510.0              # lifted to std's 510: an idle class banks no credit
+    assert [r.request_id for r in s.pop_admissible(lambda r: r.request_id != 8)] == [7]   # tie: std first
+    assert len(s) == 1                             # vip's request did not fit: admission stops there
+    s.check_integrity()
     f = FCFSScheduler()
     for i in range(3):
         f.push(R(i, "x", 1))

@@ -9,7 +9,8 @@ from kda_core.config import PRESETS
 from kda_core.model import HybridLM
 from serve.engine import ServeEngine
 from serve.memory.layout import CacheLayout
-from serve.memory.pool import PagePool
+from serve.memory.pages import zero_state
+from serve.memory.pool import PageKind, PagePool
 from serve.prefix.cache import PrefixCache
 
 LOGITS_ATOL = 1e-5   # "equal": greedy tokens identical and logits within this of the cache-off run
@@ -76,3 +77,30 @@ def run_checked(engine: ServeEngine, prompt, max_new_tokens: int = 3):
         engine.check_integrity()
     engine.check_integrity()
     return engine.result(rid)
+
+
+def make_cache(num_pages=64, block_size=4, groups=1, interval=4, max_checkpoints=None, policy="unified"):
+    """A PrefixCache on a poisoned pool of ``num_pages`` pages (never-written pages read as NaN)."""
+    cfg = PRESETS["demo-tiny"]
+    pb = CacheLayout.page_bytes_for(cfg, block_size, groups, policy)
+    pool = PagePool(num_pages, pb, poison=True)
+    return PrefixCache(pool, block_size, interval, groups, cfg=cfg, max_checkpoints=max_checkpoints)
+
+
+def insert_prefix(cache, seq, num_blocks, boundaries, owner="w"):
+    """Publish ``num_blocks`` blocks of ``seq`` and checkpoints at ``boundaries`` (in blocks) as a request
+    would; returns the boundaries that were published."""
+    lay = cache.layout
+    keys = cache.keys(seq)
+    kv = cache.alloc(PageKind.MLA_KV, num_blocks, owner)
+    state = cache.alloc(PageKind.KDA_STATE, lay.state_pages, owner)
+    split, start = [], 0
+    for g in range(lay.num_groups):
+        split.append(tuple(state[start: start + lay.group_pages(g)]))
+        start += lay.group_pages(g)
+    zero_state(lay, cache.pool, split)
+    cache.publish_blocks(keys, kv, num_blocks, owner)
+    done = [b for b in boundaries if cache.publish_checkpoint(keys, b, split, b * cache.block_size, owner)]
+    cache.release(owner)
+    cache.pool.decref(kv + state, owner)
+    return done

@@ -90,6 +90,16 @@ def test_token_hits_follow_the_engine():
     assert res.hit_tokens == sum(hits) and sum(hits) > 0
 
 
+def test_identical_requests_hit_below_the_last_token():
+    """Two identical 32-token requests (N = 16, hash ids 7, 8): the second hits 16 tokens (the checkpoint
+    at the replay boundary, phase 1 capped at 31) while the block-level measure counts both blocks."""
+    req = TraceRequest(0, 32, 1, (7, 8))
+    res = simulate([req, req._replace(timestamp_ms=1000)], SimConfig(16, 16, 1, (1,)))
+    assert (res.hit_tokens, res.hit_blocks) == (16, 2)
+    assert res.miss_tokens["below_one_block"] == 16 and res.miss_tokens["no_kv_block"] == 32
+    assert res.checkpoints_written == 2
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="multiple"):
         SimConfig(16, 24, 1, (1,))
