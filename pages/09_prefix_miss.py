@@ -26,7 +26,7 @@ interval = c4.select_slider("Interval C (tokens)", [32, 64, 128], key=persist("p
 groups = c5.slider("KDA groups G", 1, 3, key=persist("p09_groups", 2), persist_state="session")
 
 
-@st.cache_data(show_spinner="Running the miss and the next request…")
+@st.cache_data(show_spinner="Running the miss and the next request…", max_entries=16, ttl="1h")
 def _miss(prompt_tokens, next_shared, block, interval, groups):
     return miss_then_hit(prompt_tokens, min(next_shared, prompt_tokens), block, interval, groups)
 
@@ -61,13 +61,13 @@ upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "js
 INTERVALS = [512 * k for k in (1, 2, 4, 8, 16)]
 
 
-@st.cache_data(show_spinner=False)
+@st.cache_data(show_spinner=False, max_entries=16, ttl="1h")
 def _trace(upload_bytes, upload_name, num_requests):
     trace = page_trace(upload_bytes, num_requests, name=upload_name)
     return trace, ideal_hit_ratio(trace)
 
 
-@st.cache_data(show_spinner=False)
+@st.cache_data(show_spinner=False, max_entries=16, ttl="1h")
 def _replay(upload_bytes, upload_name, num_requests, preset, interval, groups, capacity_bytes):
     return replay_row(_trace(upload_bytes, upload_name, num_requests)[0], preset, interval, groups, capacity_bytes)
 

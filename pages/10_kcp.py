@@ -51,12 +51,12 @@ def _config(seq_len, world, heads, head_k, head_v, variant, prefix):
                      variant=variant, with_initial_state=prefix, start_method="forkserver", timeout_s=120)
 
 
-@st.cache_resource(show_spinner="Running one rank (baseline and reference outputs)…", max_entries=2)
+@st.cache_resource(show_spinner="Running one rank (baseline and reference outputs)…", max_entries=2, ttl="1h")
 def _single(seq_len, heads, head_k, head_v, prefix):
     return single_rank(_config(seq_len, 1, heads, head_k, head_v, "allgather", prefix))
 
 
-@st.cache_data(show_spinner="Running the ranks on this CPU…", max_entries=64)
+@st.cache_data(show_spinner="Running the ranks on this CPU…", max_entries=16, ttl="1h")
 def _multi(seq_len, world, heads, head_k, head_v, variant, prefix):
     return compare_with(_config(seq_len, world, heads, head_k, head_v, variant, prefix),
                         _single(seq_len, heads, head_k, head_v, prefix))
