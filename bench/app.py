@@ -72,16 +72,18 @@ def _wait_idle(page, timeout_ms: int = 600_000) -> None:
 
 
 def _change_widgets(page, max_changes: int = 3) -> list[float]:
-    """Step up to ``max_changes`` sliders one notch (ArrowRight); return each rerun's seconds."""
+    """Step up to ``max_changes`` sliders one notch by keyboard (ArrowRight, or ArrowLeft at the
+    maximum) on the thumb around ``stSliderThumbValue``; return each rerun's seconds."""
     times = []
-    thumbs = page.locator("[data-testid='stSlider'] [role='slider']:not([aria-disabled='true'])")
-    for i in range(min(max_changes, thumbs.count())):
-        thumb = thumbs.nth(i)
-        before = thumb.get_attribute("aria-valuenow")
+    values = page.locator("[data-testid='stSlider'] [data-testid='stSliderThumbValue']")
+    for i in range(min(max_changes, values.count())):
+        value, thumb = values.nth(i), values.nth(i).locator("xpath=..")
+        before = value.inner_text()
         thumb.focus()
         t0 = time.perf_counter()
         thumb.press("ArrowRight")
-        if thumb.get_attribute("aria-valuenow") == before:       # at its maximum: step down instead
+        page.wait_for_timeout(100)
+        if value.inner_text() == before:                         # at its maximum: step down instead
             thumb.press("ArrowLeft")
         page.wait_for_timeout(150)
         _wait_idle(page)
