@@ -67,11 +67,17 @@ def _trace(upload_bytes, upload_name, num_requests):
     return trace, ideal_hit_ratio(trace)
 
 
-@st.cache_data(show_spinner=False, max_entries=16, ttl="1h")
+@st.cache_data(show_spinner=False, max_entries=64, ttl="1h")   # 16 small rows per setting
 def _replay(upload_bytes, upload_name, num_requests, preset, interval, groups, capacity_bytes):
     return replay_row(_trace(upload_bytes, upload_name, num_requests)[0], preset, interval, groups, capacity_bytes)
 
 
+if not st.session_state.get("p09_replay_on"):     # 16 trace replays: on request, not on every first visit
+    st.caption("Replays the trace through 16 cache configurations: several seconds of CPU the first time, "
+               "cached afterwards (shared by every visitor).")
+    if not st.button("Replay the trace", key="p09_replay_button", type="primary"):
+        st.stop()
+    st.session_state["p09_replay_on"] = True
 data, upload_name = upload_parts(upload)
 trace, ideal = engine_call(_trace, data, upload_name, num_requests)
 bar = st.progress(0.0, text="Replaying the trace…")

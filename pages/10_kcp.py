@@ -46,7 +46,7 @@ for key, top in (("p10_seq_len", seq_options[-1]), ("p10_world", max_world)):   
 VARIANTS = {"all-gather (one collective)": "allgather", "ring (W−1 serial hops)": "ring"}
 MODELS = {"Kimi-Linear-48B-A3B": "kimi-linear-48b-a3b", "Kimi K3": "kimi-k3"}
 c1, c2, c3, c4, c5 = st.columns(5)
-seq_len = c1.select_slider("Sequence length T (tokens)", seq_options, key=persist("p10_seq_len", min(4096, seq_options[-1])),
+seq_len = c1.select_slider("Sequence length T (tokens)", seq_options, key=persist("p10_seq_len", min(2048, seq_options[-1])),
                            persist_state="session")
 world = c2.slider("World size (ranks)", 1, max(max_world, 2), key=persist("p10_world", min(2, max_world)),
                   persist_state="session", disabled=max_world < 2)
