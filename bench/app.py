@@ -7,8 +7,9 @@ page records the first render time (navigation until the script is idle and the 
 the rerun time of each of up to 3 widget changes (slider/select-slider steps by keyboard), console
 errors, error alerts and tracebacks, and the server tree's RSS/PSS after the page (server + all
 descendants, ``/proc/*/smaps_rollup``; a sampler thread every 0.1 s gives the peak). Then it checks
-the lingering processes, the final memory, and opens three deep links at once on a second, fresh
-server (every session must show the sectioned navigation). Writes ``bench/results/app.json``.
+the lingering processes and the final memory, opens three heavy pages at once (all must finish),
+and opens three deep links at once on a second, fresh server (every session must show the
+sectioned navigation). Writes ``bench/results/app.json``.
 
 Goals (hosted: about 1 GB per app, 690 MiB documented floor): PSS at the end <= 500 MiB, peak
 <= 690 MiB; first render at defaults <= 2 s per page on a warm server, Home <= 4 s on a fresh one.
@@ -151,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     cold = home_cold(env)
     with streamlit_server(env=env) as (url, pid):
         result = tour(url, pid)
+        heavy = open_deep_links_together(url, ["/kcp", "/raw_input_ring", "/verify_and_replay"])
+        result["concurrent_heavy_pages_problems"] = sectioned_navigation_problems(
+            heavy, SECTIONS, [HOME.title] + [t.title for t in TABS])
+        result["pss_after_concurrent_mib"] = round(tree_memory(pid).pss_mib)
     with streamlit_server(env=env) as (url, _pid):
         views = open_deep_links_together(url, ["/fleet_hashing", "/prefix_anatomy", "/page_pool"])
     race = sectioned_navigation_problems(views, SECTIONS, [HOME.title] + [t.title for t in TABS])
@@ -168,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"PSS at the end {result['end_pss_mib']} MiB (goal <= {GOALS['end_pss_mib']}), peak {result['peak_pss_mib']} MiB "
           f"(goal <= {GOALS['peak_pss_mib']}), {result['widget_changes']} widget changes, "
           f"{result['end_processes']} process(es) left")
-    print(f"concurrent deep links: {'OK' if not race else race}")
+    print(f"concurrent deep links: {'OK' if not race else race}; three heavy pages at once: "
+          f"{result['concurrent_heavy_pages_problems'] or 'OK'} (PSS after {result['pss_after_concurrent_mib']} MiB)")
     print(f"load average before/after: {result['load_average_before']} / {result['load_average_after']}; wrote {RESULTS}")
     return 0
 
