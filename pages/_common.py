@@ -48,8 +48,9 @@ def _legacy_run() -> bool:
 def route_through_navigation() -> None:
     """Rerun a legacy-mode run through ``app.py`` (``st.navigation``); a no-op in a routed run.
 
-    Called on every run by every page (through ``persist`` and ``engine_call``) and by ``app.py``'s
-    ``__main__`` blocks of the helper modules, never at import time: an ``st.rerun()`` raised while
+    Called on every run by every page (through ``persist`` and ``engine_call``) and by the
+    ``__main__`` blocks of ``_common.py`` and ``_registry.py`` (legacy mode lists them as pages too),
+    never at import time: an ``st.rerun()`` raised while
     a module is being imported leaves a half-initialised module to sessions importing it at the same
     moment. Clears the class flag first so the rerun executes ``app.py``; the rerun keeps the page
     hash (the URL path), so a deep link lands on its page with the sectioned navigation.
