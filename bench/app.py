@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -37,6 +38,7 @@ from pages._registry import HOME, SECTIONS, TABS
 RESULTS = Path(__file__).resolve().parent / "results" / "app.json"
 GOALS = {"end_pss_mib": 500, "peak_pss_mib": 690, "home_first_render_s": 4.0, "page_first_render_s": 2.0}
 ERROR_ALERT = "[data-testid='stAlertContentError']"
+IGNORED = re.compile(r"(fonts|\.woff2?|_stcore/health|_stcore/host-config|favicon)", re.I)   # offline, as the browser test
 
 
 class PeakSampler(threading.Thread):
@@ -74,11 +76,12 @@ def _wait_idle(page, timeout_ms: int = 600_000) -> None:
 
 def _change_widgets(page, max_changes: int = 3) -> list[float]:
     """Step up to ``max_changes`` sliders one notch by keyboard (ArrowRight, or ArrowLeft at the
-    maximum) on the thumb around ``stSliderThumbValue``; return each rerun's seconds."""
+    maximum) on the range input inside the thumb around ``stSliderThumbValue`` (react-aria); return
+    each rerun's seconds (key press until the script is idle again)."""
     times = []
     values = page.locator("[data-testid='stSlider'] [data-testid='stSliderThumbValue']")
     for i in range(min(max_changes, values.count())):
-        value, thumb = values.nth(i), values.nth(i).locator("xpath=..")
+        value, thumb = values.nth(i), values.nth(i).locator("xpath=..").locator("input").first
         before = value.inner_text()
         thumb.focus()
         t0 = time.perf_counter()
@@ -86,7 +89,9 @@ def _change_widgets(page, max_changes: int = 3) -> list[float]:
         page.wait_for_timeout(100)
         if value.inner_text() == before:                         # at its maximum: step down instead
             thumb.press("ArrowLeft")
-        page.wait_for_timeout(150)
+            page.wait_for_timeout(100)
+        if value.inner_text() == before:
+            raise RuntimeError(f"slider #{i} on {page.url} did not move")
         _wait_idle(page)
         times.append(time.perf_counter() - t0)
     return times
@@ -102,7 +107,8 @@ def tour(url: str, pid: int) -> dict:
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.on("console", lambda m: console.append(m.text) if m.type == "error" else None)
+        page.on("console", lambda m: console.append(f"{m.text} {m.location.get('url', '')}")
+                if m.type == "error" and not IGNORED.search(f"{m.text} {m.location.get('url', '')}") else None)
         for tab in [HOME] + TABS:
             n_console = len(console)
             t0 = time.perf_counter()
@@ -113,7 +119,7 @@ def tour(url: str, pid: int) -> dict:
             mem = tree_memory(pid)
             rows.append(dict(page=tab.title, first_render_s=round(first, 2),
                              rerun_s=[round(x, 2) for x in reruns],
-                             console_errors=[c for c in console[n_console:] if "fonts" not in c and "favicon" not in c],
+                             console_errors=console[n_console:],
                              error_alerts=page.locator(ERROR_ALERT).count(),
                              tracebacks=page.locator("[data-testid='stException']").count(),
                              rss_mib=round(mem.rss_mib), pss_mib=round(mem.pss_mib), processes=mem.processes))
