@@ -21,9 +21,11 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from serve.errors import UserFacingErrors
+from serve.process_memory import limit_malloc_arenas, release_freed_memory
 
 PERSISTED_KEYS = "_persisted_widget_keys"  # every key handed out by persist(), for the tests
 _THIS_FILE = Path(__file__).resolve()
+limit_malloc_arenas(2)   # every script run is a new thread of the shared server: few arenas, reused
 
 
 def _legacy_run() -> bool:
@@ -98,6 +100,8 @@ def engine_call(fn, *args, **kwargs):
     except UserFacingErrors as exc:
         st.error(f"{type(exc).__name__}: {exc}")
         st.stop()
+    finally:
+        release_freed_memory()   # the call's temporaries back to the OS: the server is long-lived and shared
 
 
 if __name__ == "__main__":  # deep link to /common on a fresh server: Streamlit ran this file as a page

@@ -37,6 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from serve.process_memory import release_freed_memory
+
 BACKENDS = ("gloo", "nccl")
 START_METHODS = ("spawn", "forkserver", "fork")
 POLL_S = 0.02          # how often the parent checks for results / dead ranks
@@ -257,18 +259,6 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
             return _run_ranks(fn, world_size, args, timeout_s, backend, start_method, threads_per_rank)
         finally:
             release_freed_memory()
-
-
-def release_freed_memory() -> None:
-    """Hand memory freed by this process back to the OS (glibc ``malloc_trim(0)``; a no-op elsewhere).
-
-    Unpickling the ranks' results and comparing them allocates and frees tens of MiB from malloc
-    arenas that glibc otherwise keeps mapped, so a long-lived caller (the app's server) would grow
-    with every run."""
-    with contextlib.suppress(OSError, AttributeError):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _run_ranks(fn, world_size, args, timeout_s, backend, start_method, threads_per_rank) -> RanksOutput:
