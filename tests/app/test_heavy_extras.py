@@ -5,6 +5,8 @@ from pathlib import Path
 
 from streamlit.testing.v1 import AppTest
 
+from tests.app.verdicts import VERDICTS
+
 TIMEOUT_S = 300
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,5 +28,6 @@ def test_prefix_miss_replay_behind_button():
     at.button(key="p09_replay_button").click().run()
     assert not at.exception, [e.value for e in at.exception]
     assert len(_chart_keys(at)) == 4 and _chart_has_data(at)        # + capacity, causes, interval charts
+    VERDICTS["pages/09_prefix_miss.py"](at)                         # incl. no capacity beats the ideal
     at.run()                                                        # a rerun (any widget) keeps the replay on
     assert len(_chart_keys(at)) == 4 and not at.button
