@@ -26,7 +26,7 @@ from serve.request import TIMING_PHASES, RequestResult
 RUNNABLE = ("demo", "demo-k3gate", "demo-tiny")
 
 
-@functools.cache
+@functools.lru_cache(maxsize=len(RUNNABLE))   # bounded: one model per runnable preset
 def demo_model(preset: str = "demo") -> HybridLM:
     """The runnable model of a demo preset (weights from its seed; built once per process)."""
     if preset not in RUNNABLE:

@@ -49,7 +49,7 @@ if not all(sizes.values()):
     st.stop()
 
 
-@st.cache_data(show_spinner="Running both requests through the engine (3 repeats)…")
+@st.cache_data(show_spinner="Running both requests through the engine (3 repeats)…", max_entries=16, ttl="1h")
 def _run(first, second, max_new, block, interval):
     run = cold_vs_warm(first, second, max_new, block, interval, repeats=3)
     return pd.DataFrame(run.rows), run.check, decode(run.warm_tokens), len(run.warm_tokens), run.layout.state_bytes

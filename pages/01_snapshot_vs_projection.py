@@ -39,7 +39,7 @@ else:
     shape = LAYER_PRESETS[preset]
 
 
-@st.cache_data(show_spinner="Running a one-layer verify…", max_entries=32)
+@st.cache_data(show_spinner="Running a one-layer verify…", max_entries=16, ttl="1h")
 def _measure(shape: tuple, num_draft: int, dtype_name: str) -> pd.DataFrame:
     rows = measure_layer_bytes(LayerShape(*shape), num_draft, DTYPES[dtype_name])
     return pd.DataFrame(rows, columns=rows[0]._fields)

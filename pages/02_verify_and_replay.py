@@ -47,12 +47,12 @@ elif mode == "injected deviation":
                          key=persist("p02_poison", True), persist_state="session")
 
 
-@st.cache_resource(validate=built_by_loaded_code)   # rebuilt after a source reload
+@st.cache_resource(validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload
 def _model() -> HybridLM:
     return HybridLM()
 
 
-@st.cache_data(show_spinner="Generating with speculation…", max_entries=64)
+@st.cache_data(show_spinner="Generating with speculation…", max_entries=16, ttl="1h")
 def _run(num_draft, acceptance, strategy, seed, mode, abort_layers, abort_tokens, corrupt_at, poison) -> pd.DataFrame:
     rows = run_verify_lab(_model(), num_draft, acceptance, strategy, seed, mode, abort_layers=abort_layers,
                           abort_tokens=abort_tokens, corrupt_position=corrupt_at, poison_rejected=poison)

@@ -82,7 +82,7 @@ max_meas = e2.select_slider("Largest measured context (tokens)", options=[2 ** i
                             key=persist("p03_meas_max", 16384, options=[2 ** i for i in range(10, 16)]), persist_state="session")
 
 
-@st.cache_data(show_spinner="Measuring on this CPU…")
+@st.cache_data(show_spinner="Measuring on this CPU…", max_entries=16, ttl="1h")
 def _measure(cfg_key: tuple, contexts: tuple, heads: int):
     rows = measure_decode_cost(kc.ModelConfig(*cfg_key), list(contexts), num_heads=heads, repeats=5)
     return pd.DataFrame(rows, columns=rows[0]._fields)

@@ -33,22 +33,22 @@ width = c4.select_slider("Model width d (H = d / 32 heads)", list(ring_lab.WIDTH
                          key=persist("p04_width", 128, options=list(ring_lab.WIDTHS)), persist_state="session")
 
 
-@st.cache_resource(validate=built_by_loaded_code)   # rebuilt after a source reload
+@st.cache_resource(validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload
 def _model(width: int) -> HybridLM:
     return ring_lab.ring_model(width)
 
 
-@st.cache_data(show_spinner="Measuring bytes…")
+@st.cache_data(show_spinner="Measuring bytes…", max_entries=16, ttl="1h")
 def _bytes(width: int) -> pd.DataFrame:
     return pd.DataFrame(ring_lab.bytes_vs_draft(_model(width), 16))
 
 
-@st.cache_data(show_spinner="Timing commits…", max_entries=64)
+@st.cache_data(show_spinner="Timing commits…", max_entries=16, ttl="1h")
 def _commits(width: int, num_draft: int) -> pd.DataFrame:
     return pd.DataFrame(ring_lab.commit_times(_model(width), num_draft))
 
 
-@st.cache_data(show_spinner="Running the ring…", max_entries=64)
+@st.cache_data(show_spinner="Running the ring…", max_entries=16, ttl="1h")
 def _ring(width: int, capacity: int, window: int, num_draft: int):
     run = ring_lab.ring_run(_model(width), capacity, window, num_draft)
     return pd.DataFrame(run.steps), pd.DataFrame(run.slots), run.overflow, run.num_write_backs, run.ring_bytes

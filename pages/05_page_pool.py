@@ -33,7 +33,7 @@ seed = d3.number_input("Seed", 0, 9999, key=persist("p05_seed", 0, min_value=0, 
 step = d4.slider("Grid at step", 0, 199, key=persist("p05_step", 60, min_value=0, max_value=199), persist_state="session")
 
 
-@st.cache_data(show_spinner="Running the request stream on the pool…")
+@st.cache_data(show_spinner="Running the request stream on the pool…", max_entries=16, ttl="1h")
 def _run(pool_mib, policy, long_share, arrival, groups, seed, step):
     cfg = WorkloadConfig(pool_mib=pool_mib, policy=policy, long_share=long_share, arrival=arrival,
                          num_groups=groups, seed=seed)

@@ -32,7 +32,7 @@ shared_pct = c3.slider("B shares A's first (%)", 0, 100, key=persist("p06_shared
 own_b = c4.slider("B's own tokens", 0, 128, key=persist("p06_own_b", 30, min_value=0, max_value=128), persist_state="session")
 
 
-@st.cache_data
+@st.cache_data(max_entries=16, ttl="1h")
 def _demo(bs, tokens_a, shared, own_b):
     return page_table_demo(bs, tokens_a, shared, own_b, seed=0)
 
@@ -71,7 +71,7 @@ st.caption(f"A: {d.tokens_a} tokens in {len(d.table_a)} blocks; B: {d.tokens_b} 
 st.subheader("2 · Internal fragmentation vs block size")
 
 
-@st.cache_data
+@st.cache_data(max_entries=16, ttl="1h")
 def _frag():
     lengths = np.exp(np.random.default_rng(0).uniform(np.log(16), np.log(8192), 1000)).astype(int).tolist()
     return pd.DataFrame(fragmentation_vs_block_size([2 ** i for i in range(0, 11)], lengths))
@@ -98,7 +98,7 @@ max_ctx = st.select_slider("Longest context measured (tokens)", [1024, 4096, 163
                            key=persist("p06_max_ctx", 4096, options=[1024, 4096, 16384]), persist_state="session")
 
 
-@st.cache_data(show_spinner="Measuring gathers on this CPU…")
+@st.cache_data(show_spinner="Measuring gathers on this CPU…", max_entries=16, ttl="1h")
 def _gather(max_ctx, latent_dim, kv_lora_rank):
     ctx = [c for c in (256, 1024, 4096, 16384) if c <= max_ctx]
     return pd.DataFrame([{**g._asdict(), "gather_ratio": g.gather_ratio, "naive_ratio": g.naive_cat_us / g.contiguous_us,
@@ -133,7 +133,7 @@ unique = e3.slider("Unique tail per request (tokens)", 0, 2048, step=16,
                    key=persist("p06_unique", 128, min_value=0, max_value=2048), persist_state="session")
 
 
-@st.cache_data
+@st.cache_data(max_entries=16, ttl="1h")
 def _sharing(n_req, prefix, unique, bs):
     return pd.DataFrame([{**r._asdict(), "saved_bytes": r.saved_bytes}
                          for r in prefix_sharing_bytes(n_req, prefix, unique, bs)])

@@ -33,7 +33,7 @@ if len(prompts) < len(lines):
     st.caption(f"{len(lines) - len(prompts)} blank line(s) ignored: {len(prompts)} prompts.")
 
 
-@st.cache_data(show_spinner="Filling the cache…")
+@st.cache_data(show_spinner="Filling the cache…", max_entries=16, ttl="1h")
 def _anatomy(prompts, block, interval, groups, drop):
     return anatomy(prompts, block, interval, groups, drop)
 

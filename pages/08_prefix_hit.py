@@ -24,7 +24,7 @@ interval = d2.select_slider("Checkpoint interval C (tokens)", [32, 64, 128, 256]
 groups = d3.slider("KDA groups G", 1, 3, key=persist("p08_groups", 1, min_value=1, max_value=3), persist_state="session")
 
 
-@st.cache_data(show_spinner="Measuring cold and warm runs…")
+@st.cache_data(show_spinner="Measuring cold and warm runs…", max_entries=16, ttl="1h")
 def _measure(shared, unique, new_tokens, block, interval, groups):
     first, second = shared_prefix_prompts(shared, unique, seed=0)
     run = cold_vs_warm(first, second, new_tokens, block, interval, groups, repeats=3)

@@ -26,7 +26,7 @@ interval = c4.select_slider("Interval C (tokens)", [32, 64, 128], key=persist("p
 groups = c5.slider("KDA groups G", 1, 3, key=persist("p09_groups", 2, min_value=1, max_value=3), persist_state="session")
 
 
-@st.cache_data(show_spinner="Running the miss and the next request…")
+@st.cache_data(show_spinner="Running the miss and the next request…", max_entries=16, ttl="1h")
 def _miss(prompt_tokens, next_shared, block, interval, groups):
     return miss_then_hit(prompt_tokens, min(next_shared, prompt_tokens), block, interval, groups)
 
@@ -61,17 +61,23 @@ upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "js
 INTERVALS = [512 * k for k in (1, 2, 4, 8, 16)]
 
 
-@st.cache_data(show_spinner=False)
+@st.cache_data(show_spinner=False, max_entries=16, ttl="1h")
 def _trace(upload_bytes, upload_name, num_requests):
     trace, note, _ = page_trace(upload_bytes, num_requests, name=upload_name, max_total_blocks=PREFIX_SIM_TRACE_BLOCKS)
     return trace, ideal_hit_ratio(trace), note
 
 
-@st.cache_data(show_spinner=False)
+@st.cache_data(show_spinner=False, max_entries=64, ttl="1h")   # 16 small rows per setting
 def _replay(upload_bytes, upload_name, num_requests, preset, interval, groups, capacity_bytes):
     return replay_row(_trace(upload_bytes, upload_name, num_requests)[0], preset, interval, groups, capacity_bytes)
 
 
+if not st.session_state.get("p09_replay_on"):     # 16 trace replays: on request, not on every first visit
+    st.caption("Replays the trace through 16 cache configurations: several seconds of CPU the first time, "
+               "cached afterwards (shared by every visitor).")
+    if not st.button("Replay the trace", key="p09_replay_button", type="primary"):
+        st.stop()
+    st.session_state["p09_replay_on"] = True
 data, upload_name = upload_parts(upload)
 trace, ideal, cut = engine_call(_trace, data, upload_name, num_requests)
 if cut:

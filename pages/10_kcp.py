@@ -1,6 +1,4 @@
 """10 KCP: KDA context parallel on real torch.distributed ranks, measured on this CPU."""
-import os
-
 import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
@@ -8,9 +6,12 @@ import streamlit as st
 
 from kda_core.config import PRESETS
 from lab.kcp import PHASES, RankRow, bytes_vs_context, compare_with, phase_costs, project, rank_rows, single_rank
-from pages._common import engine_call, persist, show_chart
+from pages._common import engine_call, persist, persist_clamped, show_chart
 from serve.parallel.kcp import exchange_bytes
-from serve.parallel.run import KCPConfig
+from serve.parallel.launch import host_limits
+from serve.parallel.run import KCPConfig, rank_peak_bytes
+
+SERVER_RESERVE_MIB = 500   # the app's server after a tour of every page (python -m bench.app) stays below this
 
 st.title("KDA context parallel (KCP)")
 st.write(
@@ -18,17 +19,27 @@ st.write(
     "to a pair (M, S_ext); the pairs are exchanged, each rank folds its predecessors' pairs into its true initial "
     "state and runs the ordinary chunk kernel. Below, real processes talk over gloo on 127.0.0.1: we check every "
     "rank against a single-rank run, time each phase, and count the bytes passed to the collectives.")
-cores = os.cpu_count() or 1
-st.info(f"This machine has {cores} CPU cores and each rank uses one thread: with more ranks than cores, ranks share "
-        "cores, so measured times at that world size include the oversubscription. Ranks are fresh processes from "
-        "torch.multiprocessing (a forkserver with torch preloaded, ~0.1 s per start). Same code across machines: "
-        "`torchrun --nproc-per-node 2 -m serve.parallel --seq-len 65536`.")
+limits = host_limits()
+max_world = min(4, limits.cores)
+rank_budget = limits.memory_bytes - SERVER_RESERVE_MIB * 2 ** 20      # what the ranks may add to the server
+seq_options = [t for t in (512, 1024, 2048, 4096, 8192) if rank_peak_bytes(t, 4, 128, 128) <= rank_budget] or [512]
+st.info(
+    f"This host gives the app {limits.cores} CPU core(s) and {limits.memory_bytes / 2 ** 20:,.0f} MiB "
+    f"({limits.memory_source}), so the page offers up to {max_world} rank(s) (one thread each, one per core) and "
+    f"T up to {seq_options[-1]:,}: a rank's estimated peak at H = 4, K = V = 128 must fit in what is left after "
+    f"~{SERVER_RESERVE_MIB} MiB for the app's server. Ranks are processes forked from the server itself "
+    "(copy-on-write: they share its loaded torch; nothing stays behind after the run), one run at a time per "
+    "server. Same code across machines: `torchrun --nproc-per-node 2 -m serve.parallel.kcp --seq-len 65536`.")
 
 VARIANTS = {"all-gather (one collective)": "allgather", "ring (W−1 serial hops)": "ring"}
 MODELS = {"Kimi-Linear-48B-A3B": "kimi-linear-48b-a3b", "Kimi K3": "kimi-k3"}
 c1, c2, c3, c4, c5 = st.columns(5)
-seq_len = c1.select_slider("Sequence length T (tokens)", [512, 1024, 2048, 4096, 8192], key=persist("p10_seq_len", 4096, options=[512, 1024, 2048, 4096, 8192]), persist_state="session")
-world = c2.slider("World size (ranks)", 1, 4, key=persist("p10_world", 2, min_value=1, max_value=4), persist_state="session")
+seq_len = c1.select_slider("Sequence length T (tokens)", seq_options,
+                           key=persist("p10_seq_len", min(2048, seq_options[-1]), options=seq_options),
+                           persist_state="session")
+world = c2.slider("World size (ranks)", 1, max(max_world, 2),
+                  key=persist_clamped("p10_world", min(2, max_world), 1, max_world),
+                  persist_state="session", disabled=max_world < 2)
 heads = c3.slider("Heads H", 1, 4, key=persist("p10_heads", 4, min_value=1, max_value=4), persist_state="session")
 head_k = c4.select_slider("Key dim K", [32, 64, 128], key=persist("p10_head_k", 128, options=[32, 64, 128]), persist_state="session")
 head_v = c5.select_slider("Value dim V", [32, 64, 128], key=persist("p10_head_v", 128, options=[32, 64, 128]), persist_state="session")
@@ -39,15 +50,15 @@ prefix = d2.checkbox("Seed rank 0 with a prefix-cache state", key=persist("p10_p
 
 def _config(seq_len, world, heads, head_k, head_v, variant, prefix):
     return KCPConfig(seq_len=seq_len, world_size=world, num_heads=heads, head_k_dim=head_k, head_v_dim=head_v,
-                     variant=variant, with_initial_state=prefix, start_method="forkserver", timeout_s=120)
+                     variant=variant, with_initial_state=prefix, start_method="fork", timeout_s=120)
 
 
-@st.cache_resource(show_spinner="Running one rank (baseline and reference outputs)…", max_entries=2)
+@st.cache_resource(show_spinner="Running one rank (baseline and reference outputs)…", max_entries=2, ttl="1h")
 def _single(seq_len, heads, head_k, head_v, prefix):
     return single_rank(_config(seq_len, 1, heads, head_k, head_v, "allgather", prefix))
 
 
-@st.cache_data(show_spinner="Running the ranks on this CPU…", max_entries=64)
+@st.cache_data(show_spinner="Running the ranks on this CPU…", max_entries=16, ttl="1h")
 def _multi(seq_len, world, heads, head_k, head_v, variant, prefix):
     return compare_with(_config(seq_len, world, heads, head_k, head_v, variant, prefix),
                         _single(seq_len, heads, head_k, head_v, prefix))

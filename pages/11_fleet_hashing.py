@@ -33,7 +33,7 @@ num_requests = d1.slider("Requests (cap)", 200, 5000, step=100, key=persist("p11
 upload = d2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p11_upload")
 
 
-@st.cache_data(show_spinner="Routing the trace…")
+@st.cache_data(show_spinner="Routing the trace…", max_entries=16, ttl="1h")
 def _load(upload_bytes, upload_name, n, algorithm, replicas, k, vnodes):
     trace, note, _ = page_trace(upload_bytes, n, name=upload_name)
     return trace, routing_load(trace, algorithm, replicas, k, vnodes=vnodes), ideal_ratio(trace), note
@@ -61,7 +61,7 @@ st.caption(f"{len(trace):,} requests (cap {num_requests:,}). Routing-only replay
 st.subheader("2 · Ring balance vs virtual nodes")
 
 
-@st.cache_data
+@st.cache_data(max_entries=16, ttl="1h")
 def _balance(replicas):
     return ring_balance_vs_vnodes(replicas, VNODES)
 
@@ -81,7 +81,7 @@ st.caption(f"Exact arc shares of a ketama ring with {replicas} replicas (md5 poi
 st.subheader("3 · Lookup cost, measured on this CPU")
 
 
-@st.cache_data(show_spinner="Timing lookups…")
+@st.cache_data(show_spinner="Timing lookups…", max_entries=16, ttl="1h")
 def _lookup(replicas, vnodes):
     return measure_lookup_us(replicas, vnodes)
 

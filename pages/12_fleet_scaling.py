@@ -22,7 +22,7 @@ vnodes = c3.select_slider("Ring vnodes", [10, 40, 160, 400, 1000], key=persist("
 num_keys = c4.select_slider("Random keys", [10_000, 30_000, 100_000], key=persist("p12_keys", 100_000, options=[10_000, 30_000, 100_000]), persist_state="session")
 
 
-@st.cache_data(show_spinner="Moving keys…")
+@st.cache_data(show_spinner="Moving keys…", max_entries=16, ttl="1h")
 def _moved(replicas, action, num_keys, vnodes):
     return keys_moved_table(replicas, action, num_keys, vnodes)
 
@@ -50,7 +50,7 @@ capacity = st.select_slider("Cache per replica (blocks of 512 tokens)", ["500", 
 upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p12_upload")
 
 
-@st.cache_data(show_spinner="Replaying the trace…")
+@st.cache_data(show_spinner="Replaying the trace…", max_entries=16, ttl="1h")
 def _replay(upload_bytes, upload_name, n, replicas, k, action, at, window, capacity, vnodes):
     trace, note, _ = page_trace(upload_bytes, n, name=upload_name)
     cap = None if capacity == "unlimited" else int(capacity)

@@ -40,7 +40,7 @@ CLASSES = (PriorityClass("vip", float(vip_weight)),
            PriorityClass("batch", 0.5, rate_tokens_per_s=3000.0, burst_tokens=20000.0))
 
 
-@st.cache_data(show_spinner="Simulating both runs…")
+@st.cache_data(show_spinner="Simulating both runs…", max_entries=16, ttl="1h")
 def _run(vip_rate, std_rate, classes, burst_class, burst_n, burst_s, replicas, azure_bytes, azure_name):
     steady = [Stream("vip", vip_rate, 256, 64), Stream("standard", std_rate, 1024, 128), Stream("batch", 0.5, 2048, 256)]
     shape, cut = None, ""
@@ -95,7 +95,7 @@ else:
 st.subheader("3 · Our simulator vs the VTC artifact's measurements")
 
 
-@st.cache_data(show_spinner="Replaying the VTC on_off_less suite…")
+@st.cache_data(show_spinner="Replaying the VTC on_off_less suite…", max_entries=16, ttl="1h")
 def _vtc():
     cmp = replay_on_off_less()
     return cmp.rows, cmp.measured_throughput_rps, cmp.ours_throughput_rps, cmp.light_client

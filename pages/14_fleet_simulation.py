@@ -43,12 +43,12 @@ if not policies:
     st.stop()
 
 
-@st.cache_data(show_spinner="Timing our engine on this CPU…")
+@st.cache_data(show_spinner="Timing our engine on this CPU…", max_entries=16, ttl="1h")
 def _cpu_service():
     return cpu_engine_preset(measure_cpu_engine())
 
 
-@st.cache_data(show_spinner=False)
+@st.cache_data(show_spinner=False, max_entries=16, ttl="1h")
 def _run(upload_bytes, upload_name, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, policy, model):
     trace, note, _ = page_trace(upload_bytes, n, name=upload_name)
     base = on_off_less_service() if model == MODELS[0] else _cpu_service()

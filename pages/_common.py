@@ -9,37 +9,60 @@
   Pass the widget's options or bounds too: a stored value that breaks them falls back to the default. Selectboxes: use display strings
   as options (no ``format_func``; AppTest cannot evaluate it).
 
-Importing this module also routes a legacy deep link to ``st.navigation`` (see
-:func:`_route_legacy_deep_link`).
+- ``route_through_navigation()``: per run, send a run that Streamlit started in its legacy
+  ``pages/`` mode back through ``app.py``'s ``st.navigation`` (``persist`` and ``engine_call`` call
+  it, so every page does; importing this module has no side effect).
 """
 from __future__ import annotations
+
+from pathlib import Path
 
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
 from serve.errors import UserFacingErrors
+from serve.process_memory import limit_malloc_arenas, release_freed_memory
 
 PERSISTED_KEYS = "_persisted_widget_keys"  # every key handed out by persist(), for the tests
+_THIS_FILE = Path(__file__).resolve()
+limit_malloc_arenas(2)   # every script run is a new thread of the shared server: few arenas, reused
 
 
-def _route_legacy_deep_link() -> None:
-    """Send a first request for a deep link through ``app.py``'s ``st.navigation``.
+def _legacy_run() -> bool:
+    """True when Streamlit's legacy ``pages/`` navigation started this run (checked per run).
 
-    With a ``pages/`` folder, Streamlit 1.67 serves the first run of a fresh server in its legacy
-    multipage mode (``PagesManager.uses_pages_directory``) until ``st.navigation`` has been called
-    once: a deep link such as ``/fleet_simulation`` then runs the page file directly with an
-    auto-discovered sidebar (``common``, ``registry``, ...). Every page imports this module, so
-    clearing the flag and rerunning here makes that first run go through ``app.py`` like all others.
+    Streamlit 1.67 decides at the start of each run: while the class flag
+    ``PagesManager.uses_pages_directory`` is set (a fresh server with a ``pages/`` folder, until any
+    session calls ``st.navigation``), it runs ``_mpa_v1`` instead of ``app.py``, which registers
+    every ``pages/*.py`` file as a page (this module included) and runs the deep-linked file
+    directly. The flag is global, so another session clearing it says nothing about this run; the
+    pages registered in this run do: ``app.py``'s navigation never lists this module.
+    """
+    from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_run_ctx
+
+    ctx = get_script_run_ctx()
+    if ctx is None:                      # bare mode (python -c, tests without a runner)
+        return False
+    return any(info.get("script_path") and Path(info["script_path"]).resolve() == _THIS_FILE
+               for info in ctx.pages_manager.get_pages().values())
+
+
+def route_through_navigation() -> None:
+    """Rerun a legacy-mode run through ``app.py`` (``st.navigation``); a no-op in a routed run.
+
+    Called on every run by every page (through ``persist`` and ``engine_call``) and by the
+    ``__main__`` blocks of ``_common.py`` and ``_registry.py`` (legacy mode lists them as pages too),
+    never at import time: an ``st.rerun()`` raised while
+    a module is being imported leaves a half-initialised module to sessions importing it at the same
+    moment. Clears the class flag first so the rerun executes ``app.py``; the rerun keeps the page
+    hash (the URL path), so a deep link lands on its page with the sectioned navigation.
     """
     from streamlit.runtime.pages_manager import PagesManager
 
-    if PagesManager.uses_pages_directory:
+    if _legacy_run():
         PagesManager.uses_pages_directory = False
         st.rerun()
-
-
-_route_legacy_deep_link()
 
 
 def _invalid(value, default, options, min_value, max_value) -> str | None:
@@ -73,6 +96,7 @@ def persist(key: str, default=None, *, options=None, min_value=None, max_value=N
     to the widget's own first option) with a toast saying so.
 
     Returns key (pass no ``value=``/``index=`` to the widget)."""
+    route_through_navigation()
     state = st.session_state
     state.setdefault(PERSISTED_KEYS, set()).add(key)
     if key in state:
@@ -114,8 +138,15 @@ def show_chart(fig: go.Figure, df: pd.DataFrame, key: str, filename: str | None 
 
 def engine_call(fn, *args, **kwargs):
     """Call ``fn``; show the error text with ``st.error`` and stop the page on bad input."""
+    route_through_navigation()
     try:
         return fn(*args, **kwargs)
     except UserFacingErrors as exc:
         st.error(f"{type(exc).__name__}: {exc}")
         st.stop()
+    finally:
+        release_freed_memory()   # the call's temporaries back to the OS: the server is long-lived and shared
+
+
+if __name__ == "__main__":  # deep link to /common on a fresh server: Streamlit ran this file as a page
+    route_through_navigation()

@@ -50,4 +50,6 @@ TABS: list[Tab] = [
 SECTIONS = ["Overview", "Speculative decoding", "Memory", "Prefix cache", "Parallel & fleet"]
 
 if __name__ == "__main__":  # run as a legacy auto-discovered page: route through st.navigation
-    import pages._common  # noqa: F401
+    from pages._common import route_through_navigation
+
+    route_through_navigation()

@@ -2,7 +2,13 @@
 
 :func:`run_ranks` starts ``world_size`` processes with ``torch.multiprocessing`` (start method
 ``spawn`` by default; ``forkserver`` forks each rank from a server that has already imported torch,
-which makes a start ~0.1 s instead of ~1-4 s and is what the app uses). Ranks meet over TCP on
+which makes a start ~0.1 s instead of ~1-4 s, but that server, ~220 MiB RSS with torch loaded, stays
+for the caller's lifetime; ``fork`` forks the ranks from the caller itself, so they share its
+already-loaded pages copy-on-write and nothing stays behind: what the app uses. ``fork`` from a
+multi-threaded caller such as a Streamlit server is safe here because a rank touches only torch
+with one intra-op thread (no OpenMP pool to inherit), gloo over fresh sockets, and the result
+queue; a rank that hangs anyway is stopped at the deadline.) Calls in one process run one at a
+time (a lock): ranks of concurrent calls would share the same cores and add up in memory. Ranks meet over TCP on
 127.0.0.1 at a free port, with the gloo backend (nccl selectable when CUDA is present) and a timeout
 on every collective. Every rank sends back one picklable result (tensors converted to numpy so
 nothing depends on shared memory outliving the rank). If any rank raises, exits or the run passes
@@ -21,6 +27,7 @@ import pickle
 import queue
 import socket
 import sys
+import threading
 import time
 import traceback
 import types
@@ -31,14 +38,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from serve.process_memory import release_freed_memory
+
 BACKENDS = ("gloo", "nccl")
-START_METHODS = ("spawn", "forkserver")
+START_METHODS = ("spawn", "forkserver", "fork")
 POLL_S = 0.02          # how often the parent checks for results / dead ranks
 FAILURE_SETTLE_S = 0.5 # after a first failure, how long the other ranks get to report theirs
 KILL_GRACE_S = 2.0     # after terminate(), wait this long before kill()
 RANK_TIMEOUT_SLACK_S = 10.0  # collectives inside ranks time out later than the parent's deadline,
                              # so the parent (which stops every rank) always decides first
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "serve.parallel.run"]
+_LOCAL_RUNS = threading.Lock()   # one local multi-process run at a time in this process
 
 
 class RankFailure(RuntimeError):
@@ -62,6 +72,45 @@ class RanksOutput(NamedTuple):
 
     results: list
     pids: list[int]
+
+
+class HostLimits(NamedTuple):
+    """What this host gives the app: cores (affinity, capped by a cgroup CPU quota) and memory in
+    bytes (``KDA_LAB_MEMORY_MIB`` if set, else the cgroup limit, else MemTotal); ``memory_source``
+    says which."""
+
+    cores: int
+    memory_bytes: int
+    memory_source: str
+
+
+def host_limits() -> HostLimits:
+    """Read :class:`HostLimits` from the OS (Linux ``/proc`` and cgroup v2/v1 files when present).
+
+    Raises ValueError if ``KDA_LAB_MEMORY_MIB`` is set but not a positive number."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
+        if quota != "max":
+            cores = max(1, min(cores, -(-int(quota) // int(period))))
+    env = os.environ.get("KDA_LAB_MEMORY_MIB")
+    if env is not None:
+        try:
+            mib = float(env)
+        except ValueError:
+            mib = -1.0
+        if not mib > 0:
+            raise ValueError(f"KDA_LAB_MEMORY_MIB must be a positive number of MiB, got {env!r}")
+        return HostLimits(cores, int(mib * 2 ** 20), "KDA_LAB_MEMORY_MIB")
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        with contextlib.suppress(OSError, ValueError):
+            limit = int(open(path).read().strip())
+            if limit < 2 ** 50:                      # v1 reports "no limit" as a huge number
+                return HostLimits(cores, limit, "cgroup limit")
+    total_kib = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        total_kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
+    return HostLimits(cores, total_kib * 1024 or 2 ** 40, "MemTotal")
 
 
 def free_port() -> int:
@@ -189,7 +238,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
         must be picklable (a rank whose result is not fails the run with the pickling error).
         world_size: number of ranks (>= 1). timeout_s: deadline for the whole run (the collective
         timeout inside the ranks is a little longer, so the parent always decides). backend: "gloo" (or "nccl" with CUDA).
-        start_method: "spawn" or "forkserver". threads_per_rank: torch intra-op threads per rank.
+        start_method: "spawn", "forkserver" or "fork" (needs threads_per_rank = 1). threads_per_rank: torch intra-op threads per rank.
 
     Returns:
         :class:`RanksOutput` with each rank's result (numpy arrays turned back into tensors).
@@ -208,6 +257,17 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
     if not isinstance(threads_per_rank, int) or threads_per_rank < 1:
         raise ValueError(f"threads_per_rank must be an int >= 1, got {threads_per_rank!r}")
     check_backend(backend)
+    if start_method == "fork" and threads_per_rank != 1:
+        raise ValueError(f"start_method 'fork' needs threads_per_rank = 1 (a forked OpenMP pool can hang), "
+                         f"got {threads_per_rank}")
+    with _LOCAL_RUNS:
+        try:
+            return _run_ranks(fn, world_size, args, timeout_s, backend, start_method, threads_per_rank)
+        finally:
+            release_freed_memory()
+
+
+def _run_ranks(fn, world_size, args, timeout_s, backend, start_method, threads_per_rank) -> RanksOutput:
     mpctx = mp.get_context(start_method)
     if start_method == "forkserver":
         mpctx.set_forkserver_preload(FORKSERVER_PRELOAD)

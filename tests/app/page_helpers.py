@@ -11,10 +11,11 @@ from tests.app.allowed_errors import allowed
 APP = str(Path(__file__).resolve().parents[2] / "app.py")
 
 
-def open_page(path: str, **values) -> AppTest:
+def open_page(path: str, expect_error: bool = False, **values) -> AppTest:
     """Run the app, switch to ``path``, then set each widget ``key=value`` (slider, select_slider,
     number_input or selectbox) and rerun; asserts that no run raised and that the page shows no st.error
-    except those allow-listed in tests/app/allowed_errors.py."""
+    except those allow-listed in tests/app/allowed_errors.py (``expect_error``: the test provokes an
+    error on purpose and checks it itself)."""
     at = AppTest.from_file(APP, default_timeout=120)
     at.run()
     at.switch_page(path)
@@ -24,7 +25,7 @@ def open_page(path: str, **values) -> AppTest:
         at.run()
     assert not at.exception, [e.value for e in at.exception]
     unexpected = [e.value for e in at.error if allowed(path, e.value) is None]
-    assert not unexpected, f"{path}: st.error {unexpected}"
+    assert expect_error or not unexpected, f"{path}: st.error {unexpected}"
     return at
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pages._registry import HOME, TABS
+from pages._registry import HOME, SECTIONS, TABS
 from tests.app.allowed_errors import allowed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -144,3 +144,18 @@ def test_every_page_in_browser(server):
             page.screenshot(path=str(SHOTS / f"{Path(tab.path).stem}.png"), full_page=True)
         browser.close()
     assert not errors, "\n".join(errors)
+
+
+def test_concurrent_deep_links_on_fresh_server():
+    """Three different deep links opened at the same moment on a freshly started server (a hosted app
+    waking from sleep): every session gets st.navigation's sectioned list and its page, none the
+    legacy pages/ sidebar (``app``, ``common``, ``registry``) or an ImportError traceback."""
+    _require_browser()
+    from bench.app_server import open_deep_links_together, sectioned_navigation_problems, streamlit_server
+
+    paths = ["/fleet_hashing", "/prefix_anatomy", "/page_pool"]       # three light pages, three sections
+    assert set(paths) <= {"/" + _url_path(t.path) for t in TABS}
+    with streamlit_server() as (url, _pid):
+        views = open_deep_links_together(url, paths)
+    problems = sectioned_navigation_problems(views, SECTIONS, [HOME.title] + [t.title for t in TABS])
+    assert not problems, "\n".join(problems)

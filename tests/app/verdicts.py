@@ -129,6 +129,8 @@ def _p09(at: AppTest) -> None:
     want = expected_hit([first], second, _widget(at, "p09_block"), _widget(at, "p09_interval"))
     shown = _metric(at, "Next request: hit b").value
     assert shown == f"{want} tokens", f"09: hit b {shown!r}, the rule gives {want}"
+    if not any(c.proto.id.endswith("p09_capacity_chart") for c in at.get("plotly_chart")):
+        return                                          # the trace replay runs behind its button (test_heavy_extras)
     fig = chart_spec(at, "p09_capacity_chart")                          # no capacity beats an infinite cache
     for unit in ("block", "token"):
         ideal = next(t for t in fig["data"] if t["name"].startswith(f"ideal {unit} ratio"))

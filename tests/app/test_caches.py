@@ -1,0 +1,73 @@
+"""Every cache in the app is bounded: the server is shared by every visitor (Streamlit Community Cloud
+gives an app about 1 GB), so a cache that grows with the number of distinct widget settings grows
+until the app is killed.
+
+Static check over every page (``pages/*.py``) and every module the pages call (``serve/``,
+``kda_core/``): each ``st.cache_data`` / ``st.cache_resource`` decorator passes ``max_entries``
+(a positive int), each ``st.cache_data`` (measurements and simulations) also a ``ttl``; no
+``functools.cache`` and no ``functools.lru_cache(maxsize=None)``.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FILES = sorted([*REPO.glob("pages/*.py"), *REPO.glob("serve/**/*.py"), *REPO.glob("kda_core/**/*.py"), REPO / "app.py"])
+
+
+def _name(node: ast.expr) -> str:
+    """Dotted name of a decorator (``st.cache_data``, ``functools.lru_cache``, ``cache``)."""
+    if isinstance(node, ast.Call):
+        return _name(node.func)
+    if isinstance(node, ast.Attribute):
+        return f"{_name(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def _keywords(node: ast.expr) -> dict:
+    return {kw.arg: kw.value for kw in node.keywords} if isinstance(node, ast.Call) else {}
+
+
+def unbounded_caches(source: str, filename: str) -> list[str]:
+    """One line per cache decorator in ``source`` that is not bounded as the module doc requires."""
+    problems = []
+    for fn in ast.walk(ast.parse(source, filename)):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for dec in fn.decorator_list:
+            name, kws, where = _name(dec), _keywords(dec), f"{filename}:{dec.lineno} {fn.name}"
+            if name.endswith(("cache_data", "cache_resource")):
+                n = kws.get("max_entries")
+                if not (isinstance(n, ast.Constant) and isinstance(n.value, int) and n.value > 0):
+                    problems.append(f"{where}: {name} without a positive int max_entries")
+                if name.endswith("cache_data") and "ttl" not in kws:
+                    problems.append(f"{where}: {name} without ttl")
+            elif name in ("functools.cache", "cache"):
+                problems.append(f"{where}: {name} is unbounded (use lru_cache with a maxsize)")
+            elif name.endswith("lru_cache"):
+                size = kws.get("maxsize", dec.args[0] if isinstance(dec, ast.Call) and dec.args else None)
+                if isinstance(size, ast.Constant) and size.value is None:
+                    problems.append(f"{where}: lru_cache(maxsize=None) is unbounded")
+    return problems
+
+
+def test_every_cache_is_bounded():
+    assert any(f.name == "10_kcp.py" for f in FILES) and any(f.parts[-2] == "serve" for f in FILES)
+    problems = [p for f in FILES for p in unbounded_caches(f.read_text(), str(f.relative_to(REPO)))]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("source, bad", [
+    pytest.param("@st.cache_data\ndef f(): pass", True, id="bare-cache_data"),
+    pytest.param("@st.cache_data(max_entries=8)\ndef f(): pass", True, id="cache_data-no-ttl"),
+    pytest.param("@st.cache_data(ttl='1h')\ndef f(): pass", True, id="cache_data-no-max_entries"),
+    pytest.param("@st.cache_resource(max_entries=None)\ndef f(): pass", True, id="cache_resource-None"),
+    pytest.param("@functools.cache\ndef f(): pass", True, id="functools.cache"),
+    pytest.param("@functools.lru_cache(maxsize=None)\ndef f(): pass", True, id="lru_cache-None"),
+    pytest.param("@st.cache_data(max_entries=8, ttl='1h')\ndef f(): pass", False, id="cache_data-bounded"),
+    pytest.param("@st.cache_resource(max_entries=2)\ndef f(): pass", False, id="cache_resource-bounded"),
+    pytest.param("@functools.lru_cache(maxsize=3)\ndef f(): pass", False, id="lru_cache-3"),
+])
+def test_unbounded_caches_detects(source, bad):
+    assert bool(unbounded_caches(source, "x.py")) is bad

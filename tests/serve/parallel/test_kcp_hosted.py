@@ -1,0 +1,52 @@
+"""KCP as the hosted app runs it: ranks forked from the caller (nothing left behind), the host's limits,
+and the memory estimate that caps what page 10 offers."""
+import os
+from pathlib import Path
+
+import pytest
+
+from lab.kcp import compare_with, single_rank
+from serve.parallel.launch import host_limits, run_ranks
+from serve.parallel.run import KCPConfig, rank_peak_bytes
+
+SMALL = dict(seq_len=150, num_heads=2, head_k_dim=16, head_v_dim=12, start_method="fork", timeout_s=60)
+
+
+def _children() -> list[int]:
+    return [int(c) for t in Path(f"/proc/{os.getpid()}/task").iterdir() for c in (t / "children").read_text().split()]
+
+
+@pytest.mark.parametrize("variant", ["allgather", "ring"])
+def test_fork_ranks_exact_and_gone(variant):
+    ref = single_rank(KCPConfig(world_size=1, **SMALL))
+    rows = compare_with(KCPConfig(world_size=3, variant=variant, **SMALL), ref)
+    assert max(max(r.max_abs_err_o, 0.0) for r in rows) <= 1e-5          # fp32, chunked vs split sums
+    assert rows[-1].max_abs_err_state <= 1e-5
+    assert _children() == [], "a rank (or a forkserver) outlived the run"
+
+
+def _one(rank, world_size):
+    return rank
+
+
+def test_fork_needs_one_thread_per_rank():
+    with pytest.raises(ValueError, match="start_method 'fork' needs threads_per_rank = 1"):
+        run_ranks(_one, 2, start_method="fork", threads_per_rank=2)
+
+
+def test_host_limits_env(monkeypatch):
+    monkeypatch.setenv("KDA_LAB_MEMORY_MIB", "690")
+    lim = host_limits()
+    assert lim.memory_bytes == 690 * 2 ** 20 and lim.memory_source == "KDA_LAB_MEMORY_MIB"
+    assert 1 <= lim.cores <= (os.cpu_count() or 1)
+    monkeypatch.setenv("KDA_LAB_MEMORY_MIB", "lots")
+    with pytest.raises(ValueError, match="KDA_LAB_MEMORY_MIB must be a positive number of MiB"):
+        host_limits()
+
+
+def test_rank_peak_bytes():
+    # held elements per token and head at K = V = 128, C = 64: 3K + V + 1 + 3K + V + C + KV/C + 2V = 1,601
+    assert rank_peak_bytes(1, 1, 128, 128) == 2 * 1601 * 4 + 32 * 2 ** 20
+    assert rank_peak_bytes(8192, 4, 128, 128) > 2 * rank_peak_bytes(4096, 4, 128, 128) - 32 * 2 ** 20 - 1
+    with pytest.raises(ValueError, match="num_tokens must be a positive int"):
+        rank_peak_bytes(0, 4, 128, 128)
