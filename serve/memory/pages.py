@@ -91,7 +91,8 @@ def read_kv(layout: CacheLayout, pool: PagePool, page_table, num_tokens: int) ->
     if nb == 0:
         return [torch.zeros(1, 0, R) for _ in range(M)]
     arena = pool.typed_arena(torch.float32, (M, N, R))                    # [num_pages, M, N, R]
-    blocks = arena[torch.as_tensor(list(page_table[:nb]), dtype=torch.long)]  # [nb, M, N, R]
+    # index_select, not arena[idx]: advanced indexing of the strided arena view is ~3x slower here
+    blocks = arena.index_select(0, torch.as_tensor(list(page_table[:nb]), dtype=torch.long))  # [nb, M, N, R]
     lat = blocks.permute(1, 0, 2, 3).reshape(M, nb * N, R)[:, :num_tokens]  # [M, num_tokens, R]
     return [lat[m: m + 1] for m in range(M)]
 
