@@ -4,9 +4,9 @@
 freed again) in single-page and batched calls, against ``NaiveListPool`` (a Python list free list,
 one page per step) in the same run; pool half occupied. Target: >= 1,000,000 ops/s batched.
 (b) Per-call latency p50 / p99 (ns) of single-page alloc and free.
-(c) Paged gather (``index_select`` over a scattered page table) vs a contiguous copy of the same
-latents, and a naive ``torch.cat`` of per-token tensors, fp32, width 576 (Kimi's 512 + 64); plus
-decode attention over contiguous latents vs gather + attention. Target: paged / contiguous <= 1.5
+(c) The engine's paged read (``serve.memory.pages.read_kv``: one ``index_select`` over a scattered page
+table) vs a contiguous copy of the same latents, and a naive ``torch.cat`` of per-token tensors, fp32,
+width 576 (Kimi's 512 + 64); plus decode attention over contiguous latents vs read + attention. Target: paged / contiguous <= 1.5
 at block size >= 16. Medians; single-threaded torch (see ``lab.pool_timing``).
 Writes ``bench/results/pool.json``.
 """
@@ -54,7 +54,7 @@ def main(argv=None):
         f"{k} p50 {r['p50_ns']:,.0f} ns, p99 {r['p99_ns']:,.0f} ns" for k, r in lat_row.items()))
 
     gat = [gather_timing(L, bs, repeats=args.repeats) for L in args.contexts for bs in args.block_sizes]
-    print("(c) materialise one layer's latents [L, 576] fp32 (us, median)")
+    print("(c) read one layer's latents [L, 576] fp32 into a new tensor (us, median)")
     print(f"{'L':>6} {'bs':>4} {'contig':>9} {'paged':>9} {'cat':>9} {'paged/contig':>12} "
           f"{'cat/contig':>10} {'attn paged/contig':>17}")
     for g in gat:

@@ -169,18 +169,27 @@ def all_mla_kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype = torch.b
     return cfg.num_layers * cfg.latent_dim * dtype_bytes(kv_dtype)
 
 
+def kda_state_elems_per_layer(shape) -> tuple[int, int]:
+    """Elements of one KDA layer's state for one sequence: ``(H * K * V, (2 H K + H V) * (W - 1))``, the
+    recurrent state and the conv window. The one place this formula lives; every byte count of a KDA
+    state multiplies it by element sizes. ``shape``: a :class:`ModelConfig`, or any object with
+    ``num_heads``, ``head_k_dim``, ``head_v_dim``, ``conv_dim`` and ``conv_kernel`` (e.g.
+    ``serve.spec.rollback.LayerShape``)."""
+    return shape.num_heads * shape.head_k_dim * shape.head_v_dim, shape.conv_dim * (shape.conv_kernel - 1)
+
+
 def kda_state_bytes_per_layer(cfg: ModelConfig, state_dtype: torch.dtype = torch.float32, tp_size: int = 1) -> int:
     """Recurrent state bytes per KDA layer per sequence: H * K * V * s / tp_size (heads split by TP)."""
     if tp_size <= 0 or cfg.num_heads % tp_size:
         raise ValueError(f"tp_size must be a positive divisor of num_heads={cfg.num_heads}, got {tp_size}")
-    return cfg.num_heads * cfg.head_k_dim * cfg.head_v_dim * dtype_bytes(state_dtype) // tp_size
+    return kda_state_elems_per_layer(cfg)[0] * dtype_bytes(state_dtype) // tp_size
 
 
 def conv_state_bytes_per_layer(cfg: ModelConfig, conv_dtype: torch.dtype = torch.bfloat16, tp_size: int = 1) -> int:
     """Conv state bytes per KDA layer per sequence: (2 H K + H V) * (W - 1) * s / tp_size."""
     if tp_size <= 0 or cfg.num_heads % tp_size:
         raise ValueError(f"tp_size must be a positive divisor of num_heads={cfg.num_heads}, got {tp_size}")
-    return cfg.conv_dim * (cfg.conv_kernel - 1) * dtype_bytes(conv_dtype) // tp_size
+    return kda_state_elems_per_layer(cfg)[1] * dtype_bytes(conv_dtype) // tp_size
 
 
 def fixed_state_bytes_per_sequence(cfg: ModelConfig, state_dtype: torch.dtype = torch.float32,

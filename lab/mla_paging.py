@@ -7,19 +7,31 @@
   each request's last block) and page-table entries, vs block size, for a set of context lengths.
 - :func:`prefix_sharing_bytes`: MLA_KV bytes held by N requests that share a prefix through reference
   counts vs the same requests with private copies, measured as pages in use in the pool.
-The latent layout is the demo model's (2 MLA layers x (64 + 16) fp32) unless given.
+- :func:`gather_grid`: the engine's paged read vs a contiguous copy, measured (:func:`lab.pool_timing.gather_timing`).
+- :func:`page06`: page 06's one call, all of the above as plain data.
+Every cache is the engine's: :class:`serve.memory.layout.CacheLayout` of the demo model (2 MLA layers x
+(64 + 16) fp32 per token, multi-page policy: a page is one block), bytes moved by
+:mod:`serve.memory.pages` through :class:`serve.memory.paged_mla.PagedMLACache`.
 """
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+import pandas as pd
 import torch
 
+from kda_core.config import PRESETS
+from lab.pool_timing import gather_timing
+from serve.memory.layout import CacheLayout
 from serve.memory.paged_mla import PagedMLACache
 from serve.memory.pool import PageKind, PagePool
 
-DEMO_LAYERS, DEMO_LATENT = 2, 80
+DEMO = PRESETS["demo"]
+DEMO_LAYERS, DEMO_LATENT = DEMO.num_mla_layers, DEMO.latent_dim
+KIMI = PRESETS["kimi-linear-48b-a3b"]
 
 
 class PageTableDemo(NamedTuple):
@@ -36,8 +48,9 @@ class PageTableDemo(NamedTuple):
     page_roles: list[str]
 
 
-def _page_bytes(block_size: int, num_layers: int, latent_dim: int) -> int:
-    return num_layers * block_size * latent_dim * 4  # Lm * bs * D * fp32
+def demo_layout(block_size: int) -> CacheLayout:
+    """The demo model's engine layout with one KV block per page (multi-page policy)."""
+    return CacheLayout.for_policy(DEMO, block_size, 1, "multi_page")
 
 
 def page_table_demo(block_size: int, tokens_a: int, shared_tokens: int, tokens_b_own: int, seed: int = 0,
@@ -55,11 +68,12 @@ def page_table_demo(block_size: int, tokens_a: int, shared_tokens: int, tokens_b
         raise ValueError(f"shared_tokens must be <= tokens_a (B shares a prefix of A), got {shared_tokens} > {tokens_a}")
     rng = np.random.default_rng(seed)
     nb = -(-tokens_a // block_size) + -(-(shared_tokens % block_size + tokens_b_own) // block_size) + 1
-    pool = PagePool(2 * nb + churn_requests * 4, _page_bytes(block_size, DEMO_LAYERS, DEMO_LATENT))
+    lay = demo_layout(block_size)
+    pool = PagePool(2 * nb + churn_requests * 4, lay.page_bytes)
     churn = [pool.alloc(PageKind.MLA_KV, int(rng.integers(1, 4)), f"c{i}") for i in range(churn_requests)]
     for i in rng.permutation(churn_requests)[: churn_requests // 2]:  # free half: holes all over the pool
         pool.decref(churn[i], f"c{i}")
-    a = PagedMLACache(pool, "A", DEMO_LAYERS, DEMO_LATENT, block_size)
+    a = PagedMLACache(lay, pool, "A")
     step = max(1, block_size // 2)
     for start in range(0, tokens_a, step):  # grow A while a churn request also grows: interleaved pages
         a.append(torch.zeros(DEMO_LAYERS, min(step, tokens_a - start), DEMO_LATENT))
@@ -115,8 +129,8 @@ class SharingBytes(NamedTuple):
         return self.private_bytes - self.shared_bytes
 
 
-def prefix_sharing_bytes(max_requests: int, prefix_tokens: int, unique_tokens: int, block_size: int,
-                         num_layers: int = DEMO_LAYERS, latent_dim: int = DEMO_LATENT) -> list[SharingBytes]:
+def prefix_sharing_bytes(max_requests: int, prefix_tokens: int, unique_tokens: int,
+                         block_size: int) -> list[SharingBytes]:
     """For n = 1..max_requests: fork n requests from one prefill of ``prefix_tokens`` tokens, append
     ``unique_tokens`` to each, and count the MLA_KV pages in use (times page bytes); the private figure
     gives each request its own copy of every block. The prefix's own cache is freed after the forks, so
@@ -129,13 +143,14 @@ def prefix_sharing_bytes(max_requests: int, prefix_tokens: int, unique_tokens: i
     if prefix_tokens + unique_tokens == 0:
         raise ValueError("prefix_tokens + unique_tokens must be >= 1 (each request holds at least one token), "
                          f"got prefix_tokens={prefix_tokens}, unique_tokens={unique_tokens}")
-    page_bytes = _page_bytes(block_size, num_layers, latent_dim)
+    lay = demo_layout(block_size)
+    page_bytes = lay.page_bytes
     per_req = -(-(prefix_tokens + unique_tokens) // block_size)
     pool = PagePool(per_req * max_requests + 1, page_bytes)
-    prefix = PagedMLACache(pool, "prefix", num_layers, latent_dim, block_size)
-    prefix.append(torch.zeros(num_layers, prefix_tokens, latent_dim))
+    prefix = PagedMLACache(lay, pool, "prefix")
+    prefix.append(torch.zeros(DEMO_LAYERS, prefix_tokens, DEMO_LATENT))
     rows, reqs, held = [], [], set()
-    tail = torch.ones(num_layers, unique_tokens, latent_dim)
+    tail = torch.ones(DEMO_LAYERS, unique_tokens, DEMO_LATENT)
     for n in range(1, max_requests + 1):
         req = prefix.fork(f"r{n}")
         req.append(tail)
@@ -146,3 +161,48 @@ def prefix_sharing_bytes(max_requests: int, prefix_tokens: int, unique_tokens: i
         r.free()
     pool.check_integrity()
     return rows
+
+
+GATHER_BLOCKS = (1, 4, 16, 64, 256)
+
+
+@functools.cache
+def gather_grid(max_ctx: int) -> pd.DataFrame:
+    """Measured :func:`lab.pool_timing.gather_timing` rows (Kimi-Linear's latent, fastest of 5 rounds) for
+    contexts 256 .. ``max_ctx`` tokens and block sizes :data:`GATHER_BLOCKS`, with the ratios. Measured once
+    per process and ``max_ctx`` (a measurement, not a function of the other page-06 inputs)."""
+    ctx = [c for c in (256, 1024, 4096, 16384) if c <= max_ctx]
+    if not ctx:
+        raise ValueError(f"max_ctx must be >= 256, got {max_ctx}")
+    return pd.DataFrame([{**g._asdict(), "gather_ratio": g.gather_ratio, "naive_ratio": g.naive_cat_us / g.contiguous_us,
+                          "attention_ratio": g.attention_ratio}
+                         for L in ctx for b in GATHER_BLOCKS
+                         for g in [gather_timing(L, b, KIMI.latent_dim, KIMI.kv_lora_rank, repeats=5, statistic="min")]])
+
+
+@dataclass(frozen=True)
+class Page06:
+    """Everything page 06 draws, from one call of :func:`page06`: the page-table demo, fragmentation
+    rows (1,000 seeded log-uniform lengths in [16, 8192]), measured gather rows, and the sharing rows
+    (None when the prefix and the tail are both 0 tokens). ``sharing_block_size`` = max(block, 16)."""
+
+    demo: PageTableDemo
+    fragmentation: pd.DataFrame
+    gather: pd.DataFrame
+    sharing: pd.DataFrame | None
+    sharing_block_size: int
+
+
+def page06(block_size: int, tokens_a: int, shared_tokens: int, tokens_b_own: int, max_ctx: int,
+           num_requests: int, prefix_tokens: int, unique_tokens: int) -> Page06:
+    """Page 06's one call. Raises ValueError as :func:`page_table_demo`, :func:`gather_grid` and
+    :func:`prefix_sharing_bytes` (except a 0-token prefix + tail, which gives ``sharing=None``)."""
+    lengths = np.exp(np.random.default_rng(0).uniform(np.log(16), np.log(8192), 1000)).astype(int).tolist()
+    frag = pd.DataFrame(fragmentation_vs_block_size([2 ** i for i in range(0, 11)], lengths))
+    share_bs = max(block_size, 16)
+    sharing = None
+    if prefix_tokens + unique_tokens > 0:
+        sharing = pd.DataFrame([{**r._asdict(), "saved_bytes": r.saved_bytes} for r in
+                                prefix_sharing_bytes(num_requests, prefix_tokens, unique_tokens, share_bs)])
+    return Page06(page_table_demo(block_size, tokens_a, shared_tokens, tokens_b_own, seed=0), frag,
+                  gather_grid(max_ctx).copy(), sharing, share_bs)

@@ -9,8 +9,10 @@ short/long mix flips (``long_share`` -> ``1 - long_share``).
 
 The same arrivals run on (1) one :class:`PagePool` serving both kinds and (2) a static split of the
 same bytes: a KV-only pool and a state-only pool sized for the first half's expected demand.
-Sizes come from :func:`serve.memory.page_policy.page_layout` on the chosen config; ``alloc`` / ``decref``
-call latencies on the unified pool are measured with ``time.perf_counter_ns``.
+Sizes come from the engine's own :class:`serve.memory.layout.CacheLayout` (fp32, the block size kept,
+the page size from the chosen policy); ``alloc`` / ``decref`` call latencies on the unified pool are
+measured with ``time.perf_counter_ns``. :func:`page05` is page 05's one call: the run, the same run
+under the other policy for the waste comparison, the real presets' page sizes and vLLM's picks.
 """
 from __future__ import annotations
 
@@ -18,10 +20,13 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import pandas as pd
 
-from kda_core.config import PRESETS, mla_kv_bytes_per_token
-from serve.memory.page_policy import POLICIES, PageLayout, page_layout
+from kda_core.config import PRESETS, REAL_PRESETS
+from lab.pool_timing import LatencyHistogram, latency_histogram
+from serve.memory.layout import POLICIES, REAL_DTYPES, CacheLayout
 from serve.memory.pool import PageKind, PagePool
+from serve.memory.vllm_block import vllm_vs_ours
 
 ARRIVALS = ("steady", "bursty")
 MIB = 2 ** 20
@@ -72,8 +77,9 @@ class WorkloadConfig:
                 raise ValueError(f"{name} must be a range 0 < lo <= hi, got {(lo, hi)}")
 
     @property
-    def layout(self) -> PageLayout:
-        return page_layout(PRESETS[self.preset], self.policy, self.block_size, self.num_groups)
+    def layout(self) -> CacheLayout:
+        """The engine's layout for this config (fp32; page size from ``policy``)."""
+        return CacheLayout.for_policy(PRESETS[self.preset], self.block_size, self.num_groups, self.policy)
 
 
 @dataclass
@@ -81,9 +87,10 @@ class WorkloadResult:
     """What page 05 draws. ``timeline``: per step and pool variant, pages by kind; ``outcomes``: per
     phase and variant, admitted / rejected; ``snapshot``: ``(kind, owner, refcount)`` per page of the
     unified pool at ``snapshot_step``; ``latency_ns``: measured alloc / free call times on the unified
-    pool; ``waste``: time-averaged bytes (state padding or tail, KV last-block slack, used)."""
+    pool; ``waste``: time-averaged bytes (state padding or tail, KV page padding, KV last-block slack,
+    used)."""
 
-    layout: PageLayout
+    layout: CacheLayout
     num_pages: int
     kv_pages_static: int
     timeline: list[dict] = field(default_factory=list)
@@ -117,7 +124,7 @@ def static_kv_share(cfg: WorkloadConfig) -> float:
             (("s", cfg.short_tokens), ("l", cfg.long_tokens), ("o", cfg.output_tokens))}
     kv = (1 - cfg.long_share) * (mean["s"] + mean["o"]) + cfg.long_share * (mean["l"] + mean["o"])
     kv_pages = kv / lay.block_size
-    return kv_pages / (kv_pages + lay.num_groups * lay.state_pages)
+    return kv_pages / (kv_pages + lay.state_pages)
 
 
 def simulate(cfg: WorkloadConfig, snapshot_step: int | None = None) -> WorkloadResult:
@@ -135,11 +142,11 @@ def simulate(cfg: WorkloadConfig, snapshot_step: int | None = None) -> WorkloadR
     unified = PagePool(num_pages, lay.page_bytes)
     split = {PageKind.MLA_KV: PagePool(kv_static, lay.page_bytes),
              PageKind.KDA_STATE: PagePool(num_pages - kv_static, lay.page_bytes)}
-    state_n = lay.num_groups * lay.state_pages
-    per_token = mla_kv_bytes_per_token(PRESETS[cfg.preset])
+    state_n = lay.state_pages
+    slot_bytes = lay.kv_block_bytes // lay.block_size
     live = {"unified": {}, "static split": {}}  # rid -> (end_step, {kind: pages}, reserved tokens)
     counts = {(v, ph, o): 0 for v in live for ph in (1, 2) for o in ("admitted", "rejected")}
-    waste_sum = {"state_waste_bytes": 0.0, "kv_slack_bytes": 0.0, "used_bytes": 0.0}
+    waste_sum = {"state_waste_bytes": 0.0, "kv_padding_bytes": 0.0, "kv_slack_bytes": 0.0, "used_bytes": 0.0}
     clock = time.perf_counter_ns
     rid = 0
     for step, reqs in enumerate(_arrivals(cfg, np.random.default_rng(cfg.seed))):
@@ -178,9 +185,10 @@ def simulate(cfg: WorkloadConfig, snapshot_step: int | None = None) -> WorkloadR
                              "kda_state_pages": split[PageKind.KDA_STATE].num_used(),
                              "free_pages": sum(p.num_free for p in split.values())})
         n_live = len(live["unified"])
-        waste_sum["state_waste_bytes"] += n_live * lay.num_groups * lay.state_waste_bytes
+        waste_sum["state_waste_bytes"] += n_live * lay.state_waste_bytes
+        waste_sum["kv_padding_bytes"] += unified.num_used(PageKind.MLA_KV) * lay.kv_page_padding_bytes
         waste_sum["kv_slack_bytes"] += sum(len(g[PageKind.MLA_KV]) * lay.block_size - t
-                                           for _, g, t in live["unified"].values()) * per_token
+                                           for _, g, t in live["unified"].values()) * slot_bytes
         waste_sum["used_bytes"] += unified.num_used() * lay.page_bytes
         if step == snap:
             res.snapshot = unified.page_table()
@@ -198,12 +206,55 @@ def simulate(cfg: WorkloadConfig, snapshot_step: int | None = None) -> WorkloadR
 
 
 def policy_waste(preset: str, block_size: int, num_groups: int) -> list[dict]:
-    """Both policies for a config: page bytes, block size, state waste per group state (bytes and %)."""
+    """Both policies for a real preset in its real dtypes (:data:`serve.memory.layout.REAL_DTYPES`):
+    page bytes, state pages, and the unused share of a state's pages and of every KV page."""
     rows = []
     for policy in POLICIES:
-        lay = page_layout(PRESETS[preset], policy, block_size, num_groups)
-        rows.append({"policy": policy, "block_size": lay.block_size, "page_bytes": lay.page_bytes,
-                     "state_pages": lay.state_pages, "state_waste_bytes": lay.state_waste_bytes,
-                     "state_waste_pct": 100 * lay.state_waste_fraction})
+        lay = CacheLayout.for_policy(PRESETS[preset], block_size, num_groups, policy, **REAL_DTYPES)
+        rows.append({"model": preset, "policy": policy, "block_size": lay.block_size, "page_bytes": lay.page_bytes,
+                     "state_pages": lay.state_pages, "state_waste_pct": 100 * lay.state_waste_bytes / (
+                         lay.state_pages * lay.page_bytes), "kv_page_padding_pct": 100 * lay.kv_page_padding_bytes /
+                     lay.page_bytes})
     return rows
 
+
+@dataclass(frozen=True)
+class Page05:
+    """Everything page 05 draws, from one call of :func:`page05`. ``layout``: the engine's layout of
+    the run; ``timeline`` / ``outcomes``: :class:`WorkloadResult` rows as frames; ``snapshot``: the
+    unified pool's ``(kind, owner, refcount)`` per page at the grid step; ``latency``: the measured
+    alloc / free histogram; ``waste``: per policy and waste kind, % of used pool bytes (time-average);
+    ``real``: :func:`policy_waste` of the real presets; ``vllm``: :func:`serve.memory.vllm_block.vllm_vs_ours`."""
+
+    layout: CacheLayout
+    num_pages: int
+    kv_pages_static: int
+    timeline: pd.DataFrame
+    outcomes: pd.DataFrame
+    snapshot: list
+    latency: LatencyHistogram
+    waste: pd.DataFrame
+    real: pd.DataFrame
+    vllm: pd.DataFrame
+
+
+WASTE_KINDS = {"state_waste_bytes": "KDA state padding / tail", "kv_padding_bytes": "KV page padding",
+               "kv_slack_bytes": "MLA last-block slack"}
+
+
+def page05(pool_mib: float, policy: str, long_share: float, arrival: str, num_groups: int, seed: int,
+           snapshot_step: int) -> Page05:
+    """Page 05's one call: the demo-model stream under ``policy`` (and under the other policy for the
+    waste chart), the real presets at 16-token blocks with ``min(num_groups, 20)`` groups, and vLLM's
+    picks. Raises ValueError as :class:`WorkloadConfig` and :func:`simulate`."""
+    runs = {p: simulate(WorkloadConfig(pool_mib=pool_mib, policy=p, long_share=long_share, arrival=arrival,
+                                       num_groups=num_groups, seed=seed), snapshot_step=snapshot_step)
+            for p in sorted(POLICIES, key=lambda p: p != policy)}
+    res = runs[policy]
+    waste = pd.DataFrame([{"policy": p, "waste": label, "pct_of_used": 100 * r.waste[k] / max(r.waste["used_bytes"], 1.0)}
+                          for p, r in runs.items() for k, label in WASTE_KINDS.items()])
+    real = pd.DataFrame([row for m in REAL_PRESETS for row in policy_waste(m, 16, min(num_groups, 20))])
+    vllm = pd.DataFrame([row for m in REAL_PRESETS for row in vllm_vs_ours(PRESETS[m], 16, 1)])
+    return Page05(res.layout, res.num_pages, res.kv_pages_static, pd.DataFrame(res.timeline),
+                  pd.DataFrame(res.outcomes), res.snapshot, latency_histogram(res.latency_ns, bins_per_decade=10),
+                  waste, real, vllm)

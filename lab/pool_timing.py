@@ -6,11 +6,11 @@
 - Per-call latency samples (ns) of ``alloc`` and ``decref`` -- p50 vs p99 is the jitter -- and
   :func:`latency_histogram`, their log-spaced histogram (a linear-bin histogram drawn on a log axis
   loses its first bin, which starts at 0 ns, i.e. most of the data).
-- Gathering a request's MLA latents into a preallocated buffer (no allocator or page-fault noise):
-  contiguous copy (``copy_``, the floor for moving those bytes),
-  paged ``index_select`` over the page table (:meth:`PagedMLACache.gather`), and a naive ``torch.cat`` of
-  per-token tensors; plus absorbed decode attention (:func:`kda_core.layer.latent_attention`) over
-  contiguous latents vs gather-then-attend.
+- Reading a request's MLA latents the way the engine does (:func:`serve.memory.pages.read_kv`: one
+  index over the page table, into a new tensor) against a contiguous copy into a new tensor
+  (``clone``, the floor for moving those bytes) and a naive ``torch.cat`` of per-token tensors; plus
+  absorbed decode attention (:func:`kda_core.layer.latent_attention`) over contiguous latents vs
+  read-then-attend.
 
 Times are medians (``gather_timing(statistic="min")``: minima) of ``repeats`` runs of
 ``time.perf_counter_ns`` (contenders interleaved round by round); ratios are relative to a baseline
@@ -20,6 +20,7 @@ would measure the scheduler, not the copy.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import NamedTuple
@@ -27,9 +28,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kda_core.config import PRESETS
 from kda_core.layer import latent_attention
 from lab.threads import one_thread
-from serve.memory.paged_mla import PagedMLACache
+from serve.memory.layout import CacheLayout
+from serve.memory.pages import read_kv, write_kv
 from serve.memory.pool import PageKind, PagePool
 
 
@@ -187,11 +190,11 @@ class GatherTiming(NamedTuple):
 
     context_tokens: int
     block_size: int
-    contiguous_us: float      # dst.copy_(lat): one memcpy of the bytes into a preallocated buffer
-    paged_us: float           # PagedMLACache.gather(layer, out=buf): index_select over the page table
-    naive_cat_us: float       # torch.cat of L per-token [D] tensors (into a preallocated buffer)
+    contiguous_us: float      # lat.clone(): one copy of the bytes into a new tensor
+    paged_us: float           # serve.memory.pages.read_kv: one index over the page table, into a new tensor
+    naive_cat_us: float       # torch.cat of L per-token [D] tensors (into a new tensor)
     attn_contiguous_us: float  # latent_attention over the contiguous latents
-    attn_paged_us: float      # gather + latent_attention
+    attn_paged_us: float      # read_kv + latent_attention
 
     @property
     def gather_ratio(self) -> float:
@@ -204,11 +207,21 @@ class GatherTiming(NamedTuple):
         return self.attn_paged_us / self.attn_contiguous_us
 
 
+def one_mla_layout(block_size: int, latent_dim: int = 576, kv_lora_rank: int = 512) -> CacheLayout:
+    """The engine's layout (fp32, multi-page) for one MLA layer of Kimi-Linear's shape with latent width
+    ``latent_dim`` = ``kv_lora_rank`` + rope (the model keeps one KDA layer: a layout needs one).
+    Raises ValueError for a rope width that is not positive and even."""
+    cfg = dataclasses.replace(PRESETS["kimi-linear-48b-a3b"], name="one MLA layer", num_layers=2, mla_layers=(1,),
+                              kv_lora_rank=kv_lora_rank, qk_rope_head_dim=latent_dim - kv_lora_rank)
+    return CacheLayout.for_policy(cfg, block_size, 1, "multi_page")
+
+
 def gather_timing(context_tokens: int, block_size: int, latent_dim: int = 576, kv_lora_rank: int = 512,
                   num_heads: int = 8, repeats: int = 7, seed: int = 0, scatter: bool = True,
                   statistic: str = "median") -> GatherTiming:
-    """Time contiguous vs paged vs naive materialisation of ``context_tokens`` latents of width
-    ``latent_dim`` (default Kimi's 512 + 64) in fp32, and decode attention over them.
+    """Time the engine's paged read (:func:`serve.memory.pages.read_kv`) vs a contiguous copy vs a naive
+    per-token ``torch.cat`` of ``context_tokens`` latents of width ``latent_dim`` (default Kimi's 512 + 64,
+    one MLA layer, :func:`one_mla_layout`) in fp32, and decode attention over them.
 
     ``scatter=True`` allocates the request's pages interleaved with another request's, so the page
     table is not one consecutive run (the realistic case). ``statistic``: "median" or "min" of the
@@ -218,26 +231,25 @@ def gather_timing(context_tokens: int, block_size: int, latent_dim: int = 576, k
     if context_tokens <= 0 or block_size <= 0 or latent_dim <= kv_lora_rank:
         raise ValueError(f"need context_tokens > 0, block_size > 0, latent_dim > kv_lora_rank; got "
                          f"{context_tokens}, {block_size}, {latent_dim}, {kv_lora_rank}")
+    lay = one_mla_layout(block_size, latent_dim, kv_lora_rank)
     gen = torch.Generator().manual_seed(seed)
-    lat = torch.randn(context_tokens, latent_dim, generator=gen)          # [L, D]
+    lat = torch.randn(1, context_tokens, latent_dim, generator=gen)       # [1, L, D]
     nb = -(-context_tokens // block_size)
-    pool = PagePool(2 * nb if scatter else nb, block_size * latent_dim * 4)
+    pool = PagePool(2 * nb if scatter else nb, lay.page_bytes)
     if scatter:  # hold every page, release every other one: our blocks land on every other page
         held = pool.alloc(PageKind.MLA_KV, 2 * nb, "other")
         pool.decref(held[1::2], "other")
-    cache = PagedMLACache(pool, "r", 1, latent_dim, block_size)
-    cache.append(lat[None])                                               # [1, L, D]
-    tokens = [lat[i] for i in range(context_tokens)]
+    table = pool.alloc(PageKind.MLA_KV, nb, "r")
+    write_kv(lay, pool, table, 0, [lat])
+    tokens = [lat[0, i] for i in range(context_tokens)]
     q = torch.randn(1, num_heads, latent_dim, generator=gen)
     scale = latent_dim ** -0.5
-    dst = torch.empty_like(lat)                                           # [L, D]
-    buf = torch.empty(nb, block_size, latent_dim)                         # [NB, bs, D]
 
     def attn_paged():
-        return latent_attention(q, cache.gather(0, out=buf)[None], kv_lora_rank, scale)
+        return latent_attention(q, read_kv(lay, pool, table, context_tokens)[0], kv_lora_rank, scale)
 
-    fns = [lambda: dst.copy_(lat), lambda: cache.gather(0, out=buf), lambda: torch.cat(tokens, out=dst.view(-1)),
-           lambda: latent_attention(q, lat[None], kv_lora_rank, scale), attn_paged]
+    fns = [lat.clone, lambda: read_kv(lay, pool, table, context_tokens), lambda: torch.cat(tokens),
+           lambda: latent_attention(q, lat, kv_lora_rank, scale), attn_paged]
     with one_thread():
         us = [t / 1e3 for t in _round_robin_ns(fns, repeats, statistic)]
     return GatherTiming(context_tokens, block_size, *us)

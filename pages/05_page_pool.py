@@ -5,24 +5,22 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from kda_core.config import PRESETS
-from lab.pool import WorkloadConfig, policy_waste, simulate
-from lab.pool_timing import latency_histogram
+from lab.pool import page05
 from pages._common import engine_call, persist, show_chart
-from serve.memory.page_policy import vllm_vs_ours
 
 st.title("Unified page pool")
 st.write(
     "A hybrid model caches MLA latents **per token** and KDA states **per sequence**. One pool of equal-size "
     "pages, each tagged MLA_KV or KDA_STATE, serves both (vLLM's hybrid allocator, SGLang's unified arena). "
-    "Below, a seeded stream of short and long requests runs on the real `PagePool` of the demo model; halfway "
-    "through the mix flips, and the same arrivals also run on a static split of the same bytes.")
+    "Below, a seeded stream of short and long requests runs on the real `PagePool` of the demo model, with the "
+    "engine's own `CacheLayout` sizing its pages; halfway through the mix flips, and the same arrivals also run on "
+    "a static split of the same bytes.")
 
-POLICY = {"unified page size": "unified", "multi-page state": "multi_page"}
+POLICY = {"multi-page state": "multi_page", "unified page size": "unified"}
 c1, c2, c3 = st.columns(3)
 pool_mib = c1.slider("Pool size (MiB)", 4, 128, key=persist("p05_pool_mib", 32, min_value=4, max_value=128), persist_state="session")
 policy = POLICY[c2.selectbox("Page-size policy", list(POLICY),
-                             key=persist("p05_policy", "unified page size", options=list(POLICY)), persist_state="session")]
+                             key=persist("p05_policy", "multi-page state", options=list(POLICY)), persist_state="session")]
 arrival = c3.selectbox("Arrival pattern", ["steady", "bursty"],
                        key=persist("p05_arrival", "steady", options=["steady", "bursty"]), persist_state="session")
 d1, d2, d3, d4 = st.columns(4)
@@ -35,23 +33,19 @@ step = d4.slider("Grid at step", 0, 199, key=persist("p05_step", 60, min_value=0
 
 @st.cache_data(show_spinner="Running the request stream on the pool…", max_entries=16, ttl="1h")
 def _run(pool_mib, policy, long_share, arrival, groups, seed, step):
-    cfg = WorkloadConfig(pool_mib=pool_mib, policy=policy, long_share=long_share, arrival=arrival,
-                         num_groups=groups, seed=seed)
-    res = simulate(cfg, snapshot_step=step)
-    return {"layout": res.layout, "num_pages": res.num_pages, "kv_static": res.kv_pages_static,
-            "timeline": pd.DataFrame(res.timeline), "outcomes": pd.DataFrame(res.outcomes),
-            "snapshot": res.snapshot, "latency": latency_histogram(res.latency_ns, bins_per_decade=10), "waste": res.waste}
+    return page05(pool_mib, policy, long_share, arrival, groups, seed, step)
 
 
 r = engine_call(_run, float(pool_mib), policy, long_share, arrival, groups, int(seed), step)
-lay = r["layout"]
-st.caption(f"{r['num_pages']:,} pages of {lay.page_bytes:,} B · MLA_KV block = {lay.block_size} tokens · a group "
-           f"state spans {lay.state_pages} page(s) · static split: {r['kv_static']:,} KV pages + "
-           f"{r['num_pages'] - r['kv_static']:,} state pages (sized for the first half's mix).")
+lay = r.layout
+st.caption(f"{r.num_pages:,} pages of {lay.page_bytes:,} B · MLA_KV block = {lay.block_size} tokens "
+           f"({lay.kv_block_bytes:,} B, {lay.kv_page_padding_bytes:,} B of padding per KV page) · a model's KDA state "
+           f"spans {lay.state_pages} page(s) in {lay.num_groups} group(s) · static split: {r.kv_pages_static:,} KV pages + "
+           f"{r.num_pages - r.kv_pages_static:,} state pages (sized for the first half's mix).")
 
 st.subheader(f"1 · The pool at step {step}, coloured by kind and owner")
 cols = 64
-snap = r["snapshot"]
+snap = r.snapshot
 z = np.full(-(-len(snap) // cols) * cols, np.nan)
 text = np.full(z.shape, "", dtype=object)
 for p, (kind, owner, ref) in enumerate(snap):
@@ -69,9 +63,9 @@ show_chart(fig, grid_df, key="p05_grid")
 st.caption("Grey = free, blues = MLA_KV, oranges = KDA_STATE; shades tell owners apart (request id mod 5).")
 
 st.subheader("2 · Utilisation by kind over time")
-tl = r["timeline"]
+tl = r.timeline
 uni, spl = tl[tl.variant == "unified"], tl[tl.variant == "static split"]
-n, kv_static = r["num_pages"], r["kv_static"]
+n, kv_static = r.num_pages, r.kv_pages_static
 fig2 = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
                      subplot_titles=("MLA_KV pages", "KDA_STATE pages"))
 PANELS = ((1, "mla_kv_pages", "MLA_KV", "#2171b5", kv_static, "KV pool"),
@@ -95,7 +89,7 @@ st.caption(f"Both panels count pages as a share of all {n:,} pages, for both poo
            "its dashed line; the unified pool can lend any free page to either kind.")
 
 st.subheader("3 · Admitted vs rejected: unified vs static split")
-oc = r["outcomes"].assign(bar=lambda d: "phase " + d.phase.astype(str) + " · " + d.variant)
+oc = r.outcomes.assign(bar=lambda d: "phase " + d.phase.astype(str) + " · " + d.variant)
 fig3 = go.Figure([go.Bar(x=sub.bar, y=sub.requests, name=outcome, marker_color=color)
                   for (outcome, sub), color in zip(oc.groupby("outcome", sort=False), ["#41ab5d", "#cb181d"])])
 fig3.update_layout(xaxis_title="half of the run (phase 2 = after the mix flips) · pool", yaxis_title="requests",
@@ -103,41 +97,36 @@ fig3.update_layout(xaxis_title="half of the run (phase 2 = after the mix flips) 
 show_chart(fig3, oc, key="p05_outcomes")
 
 st.subheader("4 · Waste of each page-size policy")
-rows = []
-for name, pol in POLICY.items():
-    w = engine_call(_run, float(pool_mib), pol, long_share, arrival, groups, int(seed), step)["waste"]
-    used = max(w["used_bytes"], 1.0)
-    rows += [{"policy": name, "waste": "KDA state padding / tail", "pct_of_used": 100 * w["state_waste_bytes"] / used},
-             {"policy": name, "waste": "MLA last-block slack", "pct_of_used": 100 * w["kv_slack_bytes"] / used}]
-wdf = pd.DataFrame(rows)
-WASTE_COLOR = {"KDA state padding / tail": "#f16913", "MLA last-block slack": "#2171b5"}
+NAME = {v: k for k, v in POLICY.items()}
+wdf = r.waste.assign(policy=lambda d: d.policy.map(NAME))
+WASTE_COLOR = {"KDA state padding / tail": "#f16913", "KV page padding": "#6baed6", "MLA last-block slack": "#2171b5"}
 fig4 = go.Figure([go.Bar(x=sub.policy, y=sub.pct_of_used, name=kind, marker_color=WASTE_COLOR[kind])
                   for kind, sub in wdf.groupby("waste")])
 fig4.update_layout(xaxis_title="policy (demo model, this workload)", yaxis_title="unused bytes (% of used pool bytes, time-average)",
                    barmode="stack", legend=dict(orientation="h", y=-0.3))
 show_chart(fig4, wdf, key="p05_waste")
-real = pd.DataFrame([{"model": m, **row} for m in ("kimi-linear-48b-a3b", "kimi-k3")
-                     for row in policy_waste(m, 16, min(groups, 20))])
+real = r.real
 st.dataframe(real, hide_index=True, width="stretch")
-st.caption("Real presets at 16-token blocks, G groups (bf16 KV, fp32 state, bf16 conv). Our unified policy rounds "
-           "the block up to a multiple of 16 tokens, so both policies leave the same state tail (⌈state / 16-token "
-           "page⌉ pages either way); what differs is the MLA block: thousands of tokens per page under the unified "
-           "policy at G = 1.")
-vdf = pd.DataFrame([row for m in ("kimi-linear-48b-a3b", "kimi-k3") for row in vllm_vs_ours(PRESETS[m], 16, 1)])
+st.caption("Real presets at 16-token blocks, G groups (bf16 KV, fp32 state, bf16 conv), sized by the same "
+           "`CacheLayout.page_bytes_for`. The block stays 16 tokens under both policies (it is the prefix-cache "
+           "granularity): multi-page state wastes only the tail of a state's last page; unified page size makes a "
+           "page as large as a whole group state, so every KV page is almost all padding unless G is large.")
+vdf = r.vllm
 NUM = st.column_config.NumberColumn
 st.dataframe(vdf, hide_index=True, width="stretch", column_config={
-    "vLLM page, one layer (B)": NUM(format="%,d B"), "our page, all MLA layers (B)": NUM(format="%,d B"),
-    "vLLM state padding": NUM(format="percent"), "our state padding": NUM(format="percent")})
-st.caption("What vLLM itself picks (`serve.memory.page_policy.vllm_block_pick`, G = 1 on our side). vLLM sizes pages per "
+    "vLLM page, one layer (B)": NUM(format="%,d B"), "our page (B)": NUM(format="%,d B"),
+    "vLLM state padding": NUM(format="percent"), "our KV page padding": NUM(format="percent"),
+    "our state padding": NUM(format="percent")})
+st.caption("What vLLM itself picks (`serve.memory.vllm_block.vllm_block_pick`, G = 1 on our side). vLLM sizes pages per "
            "layer: one attention page = block × one MLA layer's latent (r + rope) × 2 B, one KDA page = one layer's "
            "recurrent (fp32) + conv (bf16) state. It aligns the block to the attention backend's kernel block size "
            "(`get_supported_kernel_block_sizes`: FlashInfer MLA 32, FlashMLA 64, CUTLASS MLA 128), not to 16: "
            "block = align · ⌈state / (align · page per token)⌉ (`Platform._align_hybrid_block_size`, "
-           "vllm/platforms/interface.py), then pads the state page to the attention page. Our KV page holds every "
-           "MLA layer's latents of a block and our state page a whole group, so our block is larger.")
+           "vllm/platforms/interface.py), then pads the state page to the attention page. vLLM grows the block so "
+           "the state padding is small; our unified policy keeps the block and pads the KV pages instead.")
 
 st.subheader("5 · Measured alloc / free call latency")
-h = r["latency"]
+h = r.latency
 edges = np.asarray(h.edges_ns)
 top = max(max(c) for c in h.counts.values()) * 1.05                   # height of the p50 / p99 markers
 fig5 = go.Figure()
@@ -161,10 +150,10 @@ st.write(" · ".join(f"**{k}** p50 {h.p50_ns[k]:,.0f} ns, p99 {h.p99_ns[k]:,.0f}
 
 st.info(
     "What to notice: the unified pool lends pages to whichever kind needs them, so when the mix flips it keeps "
-    "admitting while one half of the static split runs dry and the other idles. Unified page size (grow the "
-    "block until one KV page ≥ one state, `block = ⌈state / (KV bytes per token)⌉` rounded up to a multiple of 16 "
-    "here; vLLM aligns to the kernel block, see the table above) wastes little on "
-    "the state but makes MLA blocks hundreds of tokens long, so the last block of every request is mostly slack; "
-    "multi-page state (`⌈state / page⌉` pages) keeps 16-token blocks. Latencies are one `alloc`/`decref` call per "
-    "request per kind, measured with `perf_counter_ns` on this shared CPU (p99 shows the jitter). "
-    "Sizes from `kda_core.config`; policies in `serve/memory/page_policy.py`.")
+    "admitting while one half of the static split runs dry and the other idles. The page size decides the waste: "
+    "multi-page state keeps one 16-token KV block per page and spreads a KDA state over ⌈state / page⌉ pages "
+    "(only the last page's tail is unused); unified page size makes one page hold a whole group state, so each "
+    "KV page carries page − block bytes of padding (more groups G → smaller states → less padding). vLLM instead "
+    "grows the block (table above). Latencies are one `alloc`/`decref` call per request per kind, measured with "
+    "`perf_counter_ns` on this shared CPU (p99 shows the jitter). Sizes from `kda_core.config`; the layout and "
+    "both policies in `serve/memory/layout.py`, the engine's own.")

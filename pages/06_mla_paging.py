@@ -1,26 +1,17 @@
 """06 MLA paging: page tables, internal fragmentation, measured gather overhead, prefix sharing."""
-import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from kda_core.config import PRESETS
-from lab.mla_paging import (
-    DEMO_LATENT,
-    DEMO_LAYERS,
-    fragmentation_vs_block_size,
-    page_table_demo,
-    prefix_sharing_bytes,
-)
-from lab.pool_timing import gather_timing
+from lab.mla_paging import DEMO_LATENT, DEMO_LAYERS, KIMI, page06
 from pages._common import engine_call, persist, show_chart
 
 st.title("MLA paging")
 st.write(
     "MLA keeps `kv_lora_rank + qk_rope_head_dim` latent values per token and MLA layer. Paged, a request's "
     "tokens are cut into blocks of N tokens, and a page table maps each logical block to any free physical page "
-    "(`serve.memory.paged_mla.PagedMLACache`). Attention then gathers the pages (`index_select`) or reads them block by "
-    "block. Below: a real page table, what block size costs in slack, the gather overhead measured on this CPU, "
+    "(`serve.memory.paged_mla.PagedMLACache` over the engine's `CacheLayout` and `read_kv` / `write_kv`). Attention "
+    "then gathers the pages with one `index_select` over the page table, as the engine does. Below: a real page table, what block size costs in slack, the gather overhead measured on this CPU, "
     "and the bytes that reference-counted prefix sharing saves.")
 
 BLOCKS = [1, 2, 4, 8, 16, 32, 64]
@@ -32,13 +23,24 @@ shared_pct = c3.slider("B shares A's first (%)", 0, 100, key=persist("p06_shared
 own_b = c4.slider("B's own tokens", 0, 128, key=persist("p06_own_b", 30, min_value=0, max_value=128), persist_state="session")
 
 
-@st.cache_data(max_entries=16, ttl="1h")
-def _demo(bs, tokens_a, shared, own_b):
-    return page_table_demo(bs, tokens_a, shared, own_b, seed=0)
-
-
 shared_tokens = tokens_a * shared_pct // 100
-d = engine_call(_demo, bs, tokens_a, shared_tokens, own_b)
+st.caption("Settings of sections 3 (gather measurement) and 4 (prefix sharing):")
+e1, e2, e3, e4 = st.columns(4)
+max_ctx = e1.select_slider("Longest context measured (tokens)", [1024, 4096, 16384],
+                           key=persist("p06_max_ctx", 4096, options=[1024, 4096, 16384]), persist_state="session")
+n_req = e2.slider("Requests sharing the prefix", 1, 64, key=persist("p06_requests", 16, min_value=1, max_value=64), persist_state="session")
+prefix = e3.slider("Shared prefix (tokens)", 0, 8192, step=64, key=persist("p06_prefix", 2048, min_value=0, max_value=8192), persist_state="session")
+unique = e4.slider("Unique tail per request (tokens)", 0, 2048, step=16,
+                   key=persist("p06_unique", 128, min_value=0, max_value=2048), persist_state="session")
+
+
+@st.cache_data(show_spinner="Building page tables and measuring gathers on this CPU…", max_entries=16, ttl="1h")
+def _run(bs, tokens_a, shared, own_b, max_ctx, n_req, prefix, unique):
+    return page06(bs, tokens_a, shared, own_b, max_ctx, n_req, prefix, unique)
+
+
+r = engine_call(_run, bs, tokens_a, shared_tokens, own_b, max_ctx, n_req, prefix, unique)
+d = r.demo
 ROLE_COLOR = {"A": "#2171b5", "B": "#41ab5d", "shared": "#807dba", "other": "#bdbdbd", "free": "#f0f0f0"}
 n_log = max(len(d.table_a), len(d.table_b), 1)
 stretch = (d.num_pages - 1) / max(n_log - 1, 1)       # spread logical blocks over the width of the pool row
@@ -71,13 +73,7 @@ st.caption(f"A: {d.tokens_a} tokens in {len(d.table_a)} blocks; B: {d.tokens_b} 
 st.subheader("2 · Internal fragmentation vs block size")
 
 
-@st.cache_data(max_entries=16, ttl="1h")
-def _frag():
-    lengths = np.exp(np.random.default_rng(0).uniform(np.log(16), np.log(8192), 1000)).astype(int).tolist()
-    return pd.DataFrame(fragmentation_vs_block_size([2 ** i for i in range(0, 11)], lengths))
-
-
-fdf = _frag()
+fdf = r.fragmentation
 fig2 = go.Figure()
 fig2.add_trace(go.Scatter(x=fdf.block_size, y=100 * fdf.unused_fraction, name="unused KV slots (% of allocated)",
                           mode="lines+markers"))
@@ -94,21 +90,7 @@ st.caption("1,000 requests with context lengths log-uniform in [16, 8192] tokens
            "⌈L / N⌉ · N − L per request: on average about N / 2 tokens.")
 
 st.subheader("3 · Gather overhead: paged vs contiguous, measured")
-max_ctx = st.select_slider("Longest context measured (tokens)", [1024, 4096, 16384],
-                           key=persist("p06_max_ctx", 4096, options=[1024, 4096, 16384]), persist_state="session")
-
-
-@st.cache_data(show_spinner="Measuring gathers on this CPU…", max_entries=16, ttl="1h")
-def _gather(max_ctx, latent_dim, kv_lora_rank):
-    ctx = [c for c in (256, 1024, 4096, 16384) if c <= max_ctx]
-    return pd.DataFrame([{**g._asdict(), "gather_ratio": g.gather_ratio, "naive_ratio": g.naive_cat_us / g.contiguous_us,
-                          "attention_ratio": g.attention_ratio}
-                         for L in ctx for b in (1, 4, 16, 64, 256)
-                         for g in [gather_timing(L, b, latent_dim, kv_lora_rank, repeats=5, statistic="min")]])
-
-
-KIMI = PRESETS["kimi-linear-48b-a3b"]
-gdf = engine_call(_gather, max_ctx, KIMI.latent_dim, KIMI.kv_lora_rank)
+gdf = r.gather
 fig3 = go.Figure()
 for b, sub in gdf.groupby("block_size"):
     fig3.add_trace(go.Scatter(x=sub.context_tokens, y=sub.gather_ratio, name=f"paged, N = {b}", mode="lines+markers"))
@@ -120,29 +102,16 @@ fig3.update_layout(xaxis=dict(title="context length (tokens, log)", type="log",
                    yaxis=dict(title="time ÷ contiguous copy (×, fastest of 5 runs)"), legend=dict(orientation="h", y=-0.3))
 show_chart(fig3, gdf, key="p06_gather")
 st.caption(f"One MLA layer's latents [L, {KIMI.latent_dim}] fp32 (Kimi's {KIMI.kv_lora_rank} + "
-           f"{KIMI.qk_rope_head_dim}) copied into a preallocated buffer: contiguous `copy_` vs `index_select` over a "
-           "scattered page table vs `torch.cat` of per-token tensors; contenders interleaved, single-threaded, fastest "
+           f"{KIMI.qk_rope_head_dim}) read into a new tensor: contiguous `clone` vs the engine's `read_kv` (one "
+           "`index_select` over a scattered page table) vs `torch.cat` of per-token tensors; contenders interleaved, single-threaded, fastest "
            "of 5 rounds each (on a shared CPU a descheduled round only adds time). The CSV also holds decode "
-           "attention over contiguous latents vs gather + attention (`attention_ratio`).")
+           "attention over contiguous latents vs read + attention (`attention_ratio`).")
 
 st.subheader("4 · Bytes saved by sharing a prefix")
-e1, e2, e3 = st.columns(3)
-n_req = e1.slider("Requests sharing the prefix", 1, 64, key=persist("p06_requests", 16, min_value=1, max_value=64), persist_state="session")
-prefix = e2.slider("Shared prefix (tokens)", 0, 8192, step=64, key=persist("p06_prefix", 2048, min_value=0, max_value=8192), persist_state="session")
-unique = e3.slider("Unique tail per request (tokens)", 0, 2048, step=16,
-                   key=persist("p06_unique", 128, min_value=0, max_value=2048), persist_state="session")
-
-
-@st.cache_data(max_entries=16, ttl="1h")
-def _sharing(n_req, prefix, unique, bs):
-    return pd.DataFrame([{**r._asdict(), "saved_bytes": r.saved_bytes}
-                         for r in prefix_sharing_bytes(n_req, prefix, unique, bs)])
-
-
 if prefix + unique == 0:
     st.error("Shared prefix + unique tail must be at least 1 token: move either slider above 0.")
 else:
-    sdf = engine_call(_sharing, n_req, prefix, unique, max(bs, 16))
+    sdf = r.sharing
     fig4 = go.Figure()
     fig4.add_trace(go.Scatter(x=sdf.num_requests, y=sdf.shared_bytes / 2 ** 20, name="shared by reference count",
                               mode="lines+markers"))
@@ -161,6 +130,7 @@ st.info(
     "What to notice: pages scatter, yet a page table makes them one logical sequence. Smaller blocks waste fewer "
     "slots (≈ N/2 tokens per request) but need longer page tables and more, smaller copies: the gather is slowest "
     f"relative to a contiguous copy at N = 1, and from N = 16 on it is at most {worst16:.2f}× here. Sharing: n "
-    f"requests hold ⌊P/N⌋ shared blocks once plus n · ⌈(P mod N + U)/N⌉ own blocks (N = {max(bs, 16)} here, the "
+    f"requests hold ⌊P/N⌋ shared blocks once plus n · ⌈(P mod N + U)/N⌉ own blocks (N = {r.sharing_block_size} here, the "
     f"demo's {DEMO_LAYERS} MLA layers × {DEMO_LATENT} fp32 values per token); the shared partial block is copied on "
-    "write. Sources: vLLM PagedAttention (Kwon et al., SOSP 2023); `serve/memory/paged_mla.py`.")
+    "write. Sources: vLLM PagedAttention (Kwon et al., SOSP 2023); `serve/memory/paged_mla.py`, "
+    "`serve/memory/pages.py`.")

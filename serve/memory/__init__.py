@@ -1,0 +1,22 @@
+"""Memory layer: one pool of equal-size pages and one layout of a request's hybrid cache in it.
+
+Concept → file → main type → test:
+- page kinds, pool errors, stats ........ kinds.py ....... ``PageKind``, ``PoolExhausted``, ``PageError``, ``PoolStats``
+  → ``tests/serve/memory/test_pool.py``
+- the page pool (uint8 arena, ref counts, holders, copy-on-write, typed views, poison, integrity)
+  ......................................... pool.py ........ ``PagePool`` → ``test_pool.py``, ``test_pool_stateful.py``
+- THE cache layout + page-size policy (KV blocks, KDA groups, "unified" / "multi_page", waste)
+  ......................................... layout.py ...... ``CacheLayout``, ``group_layers``, ``group_state_bytes``
+  → ``test_layout.py``
+- reading / writing a request's state and KV over page lists (the engine's and the prefix cache's path)
+  ......................................... pages.py ....... ``read_state``, ``write_state``, ``zero_state``,
+  ``copy_state``, ``read_kv``, ``write_kv`` → ``test_pages.py`` (decode from the pool is bitwise equal)
+- a request's page table with prefix sharing and copy-on-write (page 06), on layout.py + pages.py
+  ......................................... paged_mla.py ... ``PagedMLACache`` → ``test_paged_mla.py``, ``test_pool_stateful.py``
+- what vLLM's hybrid allocator picks, beside our policy (page 05, fleet capacity policies)
+  ......................................... vllm_block.py .. ``vllm_block_pick``, ``vllm_vs_ours`` → ``test_vllm_block_pick.py``
+
+Byte formulas live in :mod:`kda_core.config` (``kda_state_elems_per_layer`` and the ``*_bytes_per_*``
+functions); this package only multiplies them out. Tests are under ``tests/serve/memory/``; the page 05/06
+experiments are ``lab/pool.py``, ``lab/pool_timing.py`` and ``lab/mla_paging.py`` (``tests/lab/``).
+"""

@@ -1,31 +1,71 @@
-"""How one request's hybrid cache lives in :class:`serve.memory.pool.PagePool` pages.
+"""THE cache layout: how one request's hybrid cache lives in :class:`serve.memory.pool.PagePool` pages,
+and the page-size policy that sizes the pool's pages for it.
 
 - **MLA KV block**: one ``PageKind.MLA_KV`` page per block of N tokens, holding
-  ``[M, N, r + rope]`` fp32 (M MLA layers, latent width r + rope) from byte 0.
-- **KDA group state**: the KDA layers are split into G contiguous groups. A group's state is the flat
-  fp32 concatenation, per layer in order, of the recurrent state ``[H, K, V]`` and the conv window
-  ``[2HK + HV, W-1]``; it spans ``ceil(group_state_bytes / page_bytes)`` ``PageKind.KDA_STATE`` pages
-  (page i holds elements ``[i E, (i+1) E)``, E = page_bytes / 4).
+  ``[M, N, r + rope]`` (M MLA layers, latent width r + rope) from byte 0.
+- **KDA group state**: the KDA layers are split into G contiguous groups (:func:`group_layers`). A
+  group's state is the flat concatenation, per layer in order, of the recurrent state ``[H, K, V]`` and
+  the conv window ``[2HK + HV, W-1]``; it spans ``ceil(group_state_bytes / page_bytes)``
+  ``PageKind.KDA_STATE`` pages (page i holds elements ``[i E, (i+1) E)``, E = page_bytes / element size).
 
-All data is fp32, so a write then a read is bitwise exact. Functions here move bytes only; who owns
-which page is the caller's business (the engine and :class:`serve.prefix.cache.PrefixCache`).
+Page-size policies (:data:`POLICIES`, :meth:`CacheLayout.page_bytes_for`); the block size N is the
+caller's and is never changed (it is the prefix-cache granularity):
+
+1. ``"unified"``: one page holds a whole group state, so a state is one page; every KV page is then
+   padded from ``kv_block_bytes`` up to that size (:attr:`CacheLayout.kv_page_padding_bytes`).
+2. ``"multi_page"``: the page is one KV block; a group state spans several pages and wastes the tail
+   of its last page (:attr:`CacheLayout.state_waste_bytes`).
+
+vLLM's hybrid allocator instead grows the attention block until one block's page holds one layer's
+state (:mod:`serve.memory.vllm_block`). Byte counts come from :mod:`kda_core.config`
+(:func:`~kda_core.config.kda_state_bytes_per_layer`, :func:`~kda_core.config.conv_state_bytes_per_layer`,
+:func:`~kda_core.config.mla_kv_bytes_per_token`). The engine stores everything in fp32 (the dtype
+defaults), so a write then a read through :mod:`serve.memory.pages` is bitwise exact; other dtypes
+size pages for the real presets but cannot be read or written.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from kda_core.config import ModelConfig
-from serve.memory.page_policy import kda_groups
+import torch
+
+from kda_core.config import (
+    ModelConfig,
+    conv_state_bytes_per_layer,
+    kda_state_bytes_per_layer,
+    mla_kv_bytes_per_token,
+)
 
 FP32_BYTES = 4
 PAGE_ALIGN_BYTES = 64
 POLICIES = ("unified", "multi_page")
+REAL_DTYPES = {"kv_dtype": torch.bfloat16, "state_dtype": torch.float32, "conv_dtype": torch.bfloat16}
+"""The real models' stored dtypes (bf16 latents and conv windows, fp32 recurrent state), for sizing pages."""
 
 
 def group_layers(cfg: ModelConfig, num_groups: int) -> tuple[tuple[int, ...], ...]:
-    """The KDA layers of each of ``num_groups`` contiguous groups (:func:`serve.memory.page_policy.kda_groups`)."""
-    return kda_groups(cfg, num_groups)
+    """Partition the KDA layers (model layer indices, in order) into ``num_groups`` contiguous groups
+    whose sizes differ by at most one (the first groups take the extra layers).
+
+    Raises ValueError unless ``num_groups`` is an int in ``[1, cfg.num_kda_layers]``.
+    """
+    layers = cfg.kda_layers
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or not 1 <= num_groups <= len(layers):
+        raise ValueError(f"num_groups must be an int in [1, {len(layers)}] (KDA layers), got {num_groups!r}")
+    base, extra = divmod(len(layers), num_groups)
+    out, start = [], 0
+    for g in range(num_groups):
+        size = base + (g < extra)
+        out.append(tuple(layers[start: start + size]))
+        start += size
+    return tuple(out)
+
+
+def group_state_bytes(cfg: ModelConfig, num_layers: int, state_dtype: torch.dtype = torch.float32,
+                      conv_dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of ``num_layers`` KDA layers' state for one sequence:
+    ``num_layers * (H K V s_state + (2HK + HV)(W-1) s_conv)``. Defaults are the real models' dtypes."""
+    return num_layers * (kda_state_bytes_per_layer(cfg, state_dtype) + conv_state_bytes_per_layer(cfg, conv_dtype))
 
 
 @dataclass(frozen=True)
@@ -33,7 +73,9 @@ class CacheLayout:
     """Page layout of a model's caches. Frozen; validated in ``__post_init__``.
 
     Args: cfg: the model config; block_size: N tokens per KV block; num_groups: G KDA layer groups;
-        page_bytes: the pool's page size (a multiple of 4 that fits one KV block).
+        page_bytes: the pool's page size (a multiple of 4 that fits one KV block); kv_dtype /
+        state_dtype / conv_dtype: stored dtypes of the latents, recurrent states and conv windows
+        (fp32, the engine's, unless only sizing pages for a real model).
     Raises ValueError for a non-positive block size, bad groups, or a page that cannot hold a block.
     """
 
@@ -41,29 +83,49 @@ class CacheLayout:
     block_size: int
     num_groups: int
     page_bytes: int
+    kv_dtype: torch.dtype = torch.float32
+    state_dtype: torch.dtype = torch.float32
+    conv_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
         group_layers(self.cfg, self.num_groups)
-        if self.page_bytes % FP32_BYTES:
-            raise ValueError(f"page_bytes must be a multiple of 4 (fp32), got {self.page_bytes}")
+        if isinstance(self.page_bytes, bool) or not isinstance(self.page_bytes, int) or self.page_bytes <= 0 \
+                or self.page_bytes % FP32_BYTES:
+            raise ValueError(f"page_bytes must be a positive multiple of 4, got {self.page_bytes!r}")
         if self.kv_block_bytes > self.page_bytes:
             raise ValueError(f"page_bytes {self.page_bytes} cannot hold one KV block of {self.block_size} tokens "
                              f"({self.kv_block_bytes} bytes); use CacheLayout.page_bytes_for")
 
     @staticmethod
-    def page_bytes_for(cfg: ModelConfig, block_size: int, num_groups: int = 1, policy: str = "unified") -> int:
-        """Page size for a policy: "unified" grows the page to hold a whole group state (vLLM's
-        unified page size; KV pages then carry padding), "multi_page" uses the KV block size (a state
-        spans several pages). Rounded up to 64 bytes."""
+    def page_bytes_for(cfg: ModelConfig, block_size: int, num_groups: int = 1, policy: str = "unified",
+                       kv_dtype: torch.dtype = torch.float32, state_dtype: torch.dtype = torch.float32,
+                       conv_dtype: torch.dtype = torch.float32) -> int:
+        """Page size under ``policy`` (see the module docstring): "unified" = max(KV block, largest
+        group state), "multi_page" = one KV block; rounded up to 64 bytes. Raises ValueError for an
+        unknown policy, a non-positive ``block_size`` or bad ``num_groups``."""
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        kv = cfg.num_mla_layers * block_size * cfg.latent_dim * FP32_BYTES
-        need = kv
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        need = block_size * mla_kv_bytes_per_token(cfg, kv_dtype)
         if policy == "unified":
-            need = max(kv, max(_layers_state_elems(cfg, g) for g in group_layers(cfg, num_groups)) * FP32_BYTES)
+            need = max(need, max(group_state_bytes(cfg, len(g), state_dtype, conv_dtype)
+                                 for g in group_layers(cfg, num_groups)))
         return -(-need // PAGE_ALIGN_BYTES) * PAGE_ALIGN_BYTES
+
+    @classmethod
+    def for_policy(cls, cfg: ModelConfig, block_size: int, num_groups: int = 1, policy: str = "unified",
+                   **dtypes: torch.dtype) -> CacheLayout:
+        """The layout whose page size :meth:`page_bytes_for` picks for ``policy``."""
+        return cls(cfg, block_size, num_groups, cls.page_bytes_for(cfg, block_size, num_groups, policy, **dtypes),
+                   **dtypes)
+
+    @property
+    def is_fp32(self) -> bool:
+        """True when every stored dtype is fp32 (the layout :mod:`serve.memory.pages` reads and writes)."""
+        return self.kv_dtype == self.state_dtype == self.conv_dtype == torch.float32
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:
@@ -77,12 +139,17 @@ class CacheLayout:
 
     @property
     def kv_block_bytes(self) -> int:
-        """Bytes of one KV block: M * N * (r + rope) * 4."""
-        return math.prod(self.kv_block_shape) * FP32_BYTES
+        """Bytes of one KV block: N * M * (r + rope) * s_kv."""
+        return self.block_size * mla_kv_bytes_per_token(self.cfg, self.kv_dtype)
+
+    @property
+    def kv_page_padding_bytes(self) -> int:
+        """Unused bytes of every KV page: page_bytes - kv_block_bytes."""
+        return self.page_bytes - self.kv_block_bytes
 
     def group_state_bytes(self, group: int) -> int:
-        """Bytes of one group's state: sum over its layers of (H K V + (2HK + HV)(W-1)) * 4."""
-        return _layers_state_elems(self.cfg, self.groups[group]) * FP32_BYTES
+        """Bytes of one group's state (:func:`group_state_bytes` of its layers, in this layout's dtypes)."""
+        return group_state_bytes(self.cfg, len(self.groups[group]), self.state_dtype, self.conv_dtype)
 
     def group_pages(self, group: int) -> int:
         """Pages one group's state spans: ceil(group_state_bytes / page_bytes)."""
@@ -98,7 +165,14 @@ class CacheLayout:
         """Pages of a whole-model KDA state (all groups)."""
         return sum(self.group_pages(g) for g in range(self.num_groups))
 
+    @property
+    def state_waste_bytes(self) -> int:
+        """Allocated but unused bytes of a whole-model state: state_pages * page_bytes - state_bytes."""
+        return self.state_pages * self.page_bytes - self.state_bytes
 
-def _layers_state_elems(cfg: ModelConfig, layers) -> int:
-    per_layer = cfg.num_heads * cfg.head_k_dim * cfg.head_v_dim + cfg.conv_dim * (cfg.conv_kernel - 1)
-    return per_layer * len(layers)
+    def sequence_pages(self, num_tokens: int) -> int:
+        """Pages one sequence holds at ``num_tokens`` of context: ceil(T / N) KV blocks + the state pages.
+        Raises ValueError for a negative ``num_tokens``."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        return -(-num_tokens // self.block_size) + self.state_pages

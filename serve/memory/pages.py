@@ -2,17 +2,26 @@
 :class:`serve.memory.layout.CacheLayout`: the KDA state per group and the MLA latents per block.
 
 All data is fp32, so a write then a read is bitwise exact. Functions here move bytes only; who owns
-which page is the caller's business (the engine and :class:`serve.prefix.cache.PrefixCache`).
+which page is the caller's business (the engine, :class:`serve.prefix.cache.PrefixCache` and
+:class:`serve.memory.paged_mla.PagedMLACache`). Every function raises ValueError for a layout that is
+not all fp32 or whose ``page_bytes`` differs from the pool's.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
+from kda_core.config import kda_state_elems_per_layer
 from kda_core.layer import KDACache
 from serve.memory.layout import FP32_BYTES, CacheLayout
 from serve.memory.pool import PagePool
+
+
+def _check(layout: CacheLayout, pool: PagePool) -> None:
+    if not layout.is_fp32:
+        raise ValueError(f"layout must store fp32 (the engine's dtype), got kv {layout.kv_dtype}, "
+                         f"state {layout.state_dtype}, conv {layout.conv_dtype}")
+    if layout.page_bytes != pool.page_bytes:
+        raise ValueError(f"layout.page_bytes {layout.page_bytes} differs from the pool's {pool.page_bytes}")
 
 
 def _flat_pages(pool: PagePool, pages) -> torch.Tensor:
@@ -23,10 +32,11 @@ def _flat_pages(pool: PagePool, pages) -> torch.Tensor:
 def read_state(layout: CacheLayout, pool: PagePool, pages_by_group) -> dict[int, KDACache]:
     """Read every group's state pages into ``{layer: KDACache}`` (recurrent ``[1, H, K, V]``, conv
     ``[1, 2HK + HV, W-1]``, fp32 copies)."""
+    _check(layout, pool)
     cfg = layout.cfg
     rec_shape = (1, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim)
     conv_shape = (1, cfg.conv_dim, cfg.conv_kernel - 1)
-    n_rec, n_conv = math.prod(rec_shape), math.prod(conv_shape)
+    n_rec, n_conv = kda_state_elems_per_layer(cfg)
     out = {}
     for layers, pages in zip(layout.groups, pages_by_group):
         flat = _flat_pages(pool, pages)
@@ -41,6 +51,7 @@ def read_state(layout: CacheLayout, pool: PagePool, pages_by_group) -> dict[int,
 
 def write_state(layout: CacheLayout, pool: PagePool, pages_by_group, caches: dict[int, KDACache]) -> None:
     """Write ``{layer: KDACache}`` (batch 1) into every group's state pages, in place."""
+    _check(layout, pool)
     per_page = pool.page_bytes // FP32_BYTES
     for layers, pages in zip(layout.groups, pages_by_group):
         flat = torch.cat([t.reshape(-1) for i in layers for t in (caches[i].recurrent, caches[i].conv)])
@@ -51,6 +62,7 @@ def write_state(layout: CacheLayout, pool: PagePool, pages_by_group, caches: dic
 
 def zero_state(layout: CacheLayout, pool: PagePool, pages_by_group) -> None:
     """Write the empty-sequence state (all zeros) into every group's state pages."""
+    _check(layout, pool)
     for g, pages in enumerate(pages_by_group):
         remaining = layout.group_state_bytes(g) // FP32_BYTES
         for p in pages:
@@ -71,6 +83,7 @@ def copy_state(pool: PagePool, src_by_group, dst_by_group) -> None:
 def read_kv(layout: CacheLayout, pool: PagePool, page_table, num_tokens: int) -> list[torch.Tensor]:
     """The first ``num_tokens`` latents of a request, per MLA layer ``[1, num_tokens, r + rope]``
     (one gather over the page table)."""
+    _check(layout, pool)
     M, N, R = layout.kv_block_shape
     nb = -(-num_tokens // N)
     if nb > len(page_table):
@@ -78,13 +91,15 @@ def read_kv(layout: CacheLayout, pool: PagePool, page_table, num_tokens: int) ->
     if nb == 0:
         return [torch.zeros(1, 0, R) for _ in range(M)]
     arena = pool.typed_arena(torch.float32, (M, N, R))                    # [num_pages, M, N, R]
-    blocks = arena[torch.as_tensor(list(page_table[:nb]), dtype=torch.long)]  # [nb, M, N, R]
+    # index_select, not arena[idx]: advanced indexing of the strided arena view is ~3x slower here
+    blocks = arena.index_select(0, torch.as_tensor(list(page_table[:nb]), dtype=torch.long))  # [nb, M, N, R]
     lat = blocks.permute(1, 0, 2, 3).reshape(M, nb * N, R)[:, :num_tokens]  # [M, num_tokens, R]
     return [lat[m: m + 1] for m in range(M)]
 
 
 def write_kv(layout: CacheLayout, pool: PagePool, page_table, start: int, latents) -> None:
     """Write per-MLA-layer latents ``[1, T, r + rope]`` of tokens ``[start, start + T)`` into the pages."""
+    _check(layout, pool)
     M, N, R = layout.kv_block_shape
     T = latents[0].shape[1]
     pos = start

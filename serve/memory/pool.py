@@ -15,11 +15,6 @@ Contract (every public method): arguments are validated first, and a call that r
 nothing (all-or-nothing). Page ids returned by :meth:`alloc` stay valid until the last reference is
 dropped by :meth:`decref`; a view returned by :meth:`view` aliases the page bytes and must not be
 used after the page is freed (the bytes may then belong to another request).
-
-Also importable from here (lazily, they live in sibling modules): ``PagedMLACache`` and
-``paged_latent_attention`` (:mod:`serve.memory.paged_mla`), ``KDAStateCache`` (:mod:`serve.memory.kda_state_cache`),
-``PooledHybridCache`` (:mod:`serve.memory.pooled_cache`), ``PageLayout``, ``page_layout``, ``kda_groups``
-(:mod:`serve.memory.page_policy`).
 """
 from __future__ import annotations
 
@@ -387,19 +382,3 @@ class PagePool:
                 assert hold is None or (all(c > 0 for c in hold.values()) and sum(hold.values()) == ref), \
                     f"page {p}: holders {hold} do not sum to ref count {ref}"
 
-
-_REEXPORTS = {
-    "PagedMLACache": "serve.memory.paged_mla", "paged_latent_attention": "serve.memory.paged_mla",
-    "KDAStateCache": "serve.memory.kda_state_cache", "PooledHybridCache": "serve.memory.pooled_cache",
-    "PageLayout": "serve.memory.page_policy", "page_layout": "serve.memory.page_policy", "kda_groups": "serve.memory.page_policy",
-}
-
-
-def __getattr__(name: str):
-    """Lazy re-exports (PEP 562): ``from serve.memory.pool import PagedMLACache, KDAStateCache`` works
-    although those live in sibling modules that import this one."""
-    if name in _REEXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_REEXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

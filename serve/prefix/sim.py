@@ -27,7 +27,7 @@ from typing import NamedTuple
 import torch
 
 from kda_core.config import PRESETS, mla_kv_bytes_per_token
-from serve.memory.page_policy import group_state_bytes, kda_groups
+from serve.memory.layout import group_layers, group_state_bytes
 from serve.prefix.index import ROOT, PrefixIndex, checkpoint_boundaries
 from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, leading_run
 
@@ -68,7 +68,7 @@ class SimConfig:
         if preset not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
         cfg = PRESETS[preset]
-        groups = tuple(group_state_bytes(cfg, len(g), state_dtype, conv_dtype) for g in kda_groups(cfg, num_groups))
+        groups = tuple(group_state_bytes(cfg, len(g), state_dtype, conv_dtype) for g in group_layers(cfg, num_groups))
         return cls(block_size, checkpoint_interval, mla_kv_bytes_per_token(cfg, kv_dtype) * block_size, groups,
                    capacity_bytes)
 

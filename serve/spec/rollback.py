@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from kda_core.config import ModelConfig, dtype_bytes
+from kda_core.config import ModelConfig, dtype_bytes, kda_state_elems_per_layer
 from kda_core.layer import KDAAux, KDACache, KDALayer
 from kda_core.model import ForwardOutput, HybridCache, HybridLM
 
@@ -56,9 +56,9 @@ class LayerShape(NamedTuple):
 
 
 def snapshot_bytes_per_token(shape: LayerShape, elem_bytes: int) -> int:
-    """Snapshot per verify token per KDA layer: state ``H K V s`` + conv window ``(2HK + HV)(W-1) s``."""
-    H, K, V = shape.num_heads, shape.head_k_dim, shape.head_v_dim
-    return H * K * V * elem_bytes + shape.conv_dim * (shape.conv_kernel - 1) * elem_bytes
+    """Snapshot per verify token per KDA layer: state ``H K V s`` + conv window ``(2HK + HV)(W-1) s``
+    (:func:`kda_core.config.kda_state_elems_per_layer`)."""
+    return sum(kda_state_elems_per_layer(shape)) * elem_bytes
 
 
 def projection_bytes_per_token(shape: LayerShape, elem_bytes: int) -> int:

@@ -1,7 +1,7 @@
 """Page 06's data: page tables under sharing, fragmentation vs block size, bytes saved by sharing."""
 import pytest
 
-from lab.mla_paging import fragmentation_vs_block_size, page_table_demo, prefix_sharing_bytes
+from lab.mla_paging import GATHER_BLOCKS, fragmentation_vs_block_size, page06, page_table_demo, prefix_sharing_bytes
 
 
 @pytest.mark.parametrize("bs, a, shared, own", [(16, 100, 40, 30), (4, 37, 37, 0), (8, 64, 0, 9), (1, 20, 7, 3)],
@@ -61,3 +61,11 @@ def test_prefix_sharing_bytes_errors(args, match):
 def test_page_table_demo_errors(args, match):
     with pytest.raises(ValueError, match=match):
         page_table_demo(*args)
+
+
+def test_page06_is_one_call_of_plain_data():
+    r = page06(8, 40, 20, 5, 1024, 3, 64, 16)
+    assert r.demo == page_table_demo(8, 40, 20, 5, seed=0) and r.sharing_block_size == 16
+    assert list(r.sharing.num_requests) == [1, 2, 3] and list(r.fragmentation.block_size) == [2 ** i for i in range(11)]
+    assert sorted(set(r.gather.context_tokens)) == [256, 1024] and set(r.gather.block_size) == set(GATHER_BLOCKS)
+    assert page06(8, 40, 20, 5, 1024, 3, 0, 0).sharing is None       # page 06 explains this case itself

@@ -1,7 +1,9 @@
 """Page 05's workload on real pools: deterministic, conserving, and the split pool pays for a mix shift."""
 import pytest
 
-from lab.pool import WorkloadConfig, simulate, static_kv_share
+from kda_core.config import PRESETS
+from lab.pool import WorkloadConfig, page05, simulate, static_kv_share
+from serve.memory.layout import CacheLayout
 
 
 def _outcomes(res):
@@ -46,3 +48,25 @@ def test_simulate_errors():
         simulate(WorkloadConfig(pool_mib=0.1))
     with pytest.raises(ValueError, match="snapshot_step"):
         simulate(WorkloadConfig(num_steps=10), snapshot_step=10)
+
+
+@pytest.mark.parametrize("policy", ["unified", "multi_page"])
+def test_waste_is_the_engine_layouts_padding(policy):
+    cfg = WorkloadConfig(pool_mib=8, policy=policy, num_groups=2, seed=1, num_steps=40)
+    lay = cfg.layout
+    assert lay == CacheLayout.for_policy(PRESETS["demo"], 16, 2, policy)   # the engine's own layout (fp32)
+    res = simulate(cfg)
+    kv_pages = sum(r["mla_kv_pages"] for r in res.timeline if r["variant"] == "unified")
+    assert res.waste["kv_padding_bytes"] == pytest.approx(kv_pages * lay.kv_page_padding_bytes / 40)
+    assert (res.waste["kv_padding_bytes"] > 0) == (policy == "unified")
+    state_pages = sum(r["kda_state_pages"] for r in res.timeline if r["variant"] == "unified")
+    assert res.waste["state_waste_bytes"] == pytest.approx(state_pages / lay.state_pages * lay.state_waste_bytes / 40)
+
+
+def test_page05_is_one_call_of_plain_data():
+    r = page05(8.0, "multi_page", 0.2, "steady", 2, 0, 30)
+    assert r.layout == WorkloadConfig(pool_mib=8, policy="multi_page", num_groups=2).layout
+    assert len(r.snapshot) == r.num_pages and set(r.timeline.variant) == {"unified", "static split"}
+    assert sorted(set(r.waste.policy)) == ["multi_page", "unified"] and len(r.waste) == 6
+    assert set(r.real.model) == {"kimi-linear-48b-a3b", "kimi-k3"} and len(r.real) == 4 and len(r.vllm) == 6
+    assert set(r.latency.counts) == {"alloc", "free"}

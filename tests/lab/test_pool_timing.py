@@ -12,10 +12,10 @@ from lab.pool_timing import (
     call_latencies_ns,
     gather_timing,
     latency_histogram,
+    one_mla_layout,
     one_thread,
 )
-from serve.memory.paged_mla import PagedMLACache
-from serve.memory.pool import PageKind, PagePool
+from serve.memory.pool import PageKind
 
 
 def test_naive_pool_is_a_free_list():
@@ -28,19 +28,6 @@ def test_naive_pool_is_a_free_list():
         pool.decref(a, "x")
     pool.decref(a, "r")
     assert sorted(pool.free_list) == [0, 1, 2, 3] and not pool.meta
-
-
-def test_gather_into_buffer_equals_gather():
-    pool = PagePool(8, 3 * 5 * 4)
-    cache = PagedMLACache(pool, "r", 1, 5, 3)
-    lat = torch.randn(1, 7, 5)
-    cache.append(lat)
-    buf = torch.full((3, 3, 5), float("nan"))
-    assert torch.equal(cache.gather(0, out=buf), lat[0]) and torch.equal(cache.gather(0), lat[0])
-    cache.append(lat[:, :3])                                  # table grows: the cached index is rebuilt
-    assert torch.equal(cache.gather(0), torch.cat([lat[0], lat[0, :3]]))
-    with pytest.raises(ValueError, match="out must be"):
-        cache.gather(0, out=buf)
 
 
 def test_measurements_shapes_and_thread_restore():
@@ -58,6 +45,8 @@ def test_measurements_shapes_and_thread_restore():
     assert g.context_tokens == 40 and min(g[2:]) > 0
     with pytest.raises(ValueError, match="latent_dim > kv_lora_rank"):
         gather_timing(40, 16, latent_dim=8, kv_lora_rank=8)
+    lay = one_mla_layout(16, 12, 8)                          # the engine's layout of what is timed
+    assert lay.kv_block_shape == (1, 16, 12) and lay.page_bytes == 16 * 12 * 4
 
 
 def _naive_bin(x: float, edges: list[float]) -> int:

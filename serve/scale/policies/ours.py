@@ -10,7 +10,7 @@ lookup capped at L - 1; eviction to a byte capacity after each request), the sam
 request at a time.
 
 Bytes: a KV block = ``replica.kv_bytes_per_token x N``; a checkpoint of group g = that group's KDA layers'
-state (:func:`serve.memory.page_policy.group_state_bytes`), so a complete checkpoint = one sequence's state. One
+state (:func:`serve.memory.layout.group_state_bytes`), so a complete checkpoint = one sequence's state. One
 running request holds one working state (all groups), reserved from the budget.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from kda_core.config import PRESETS
-from serve.memory.page_policy import group_state_bytes, kda_groups
+from serve.memory.layout import group_layers, group_state_bytes
 from serve.prefix.sim import SimConfig, simulate
 from serve.scale.policies.base import PolicyResult, ReplicaBytes
 from serve.traces import MOONCAKE_BLOCK_TOKENS, ideal_hit_ratio
@@ -35,7 +35,7 @@ class OursPolicy:
                  tp_size: int = 1, block_size: int = MOONCAKE_BLOCK_TOKENS):
         self.replica = ReplicaBytes.for_preset(preset, tp_size)
         cfg = PRESETS[preset]
-        self.groups = tuple(group_state_bytes(cfg, len(g)) for g in kda_groups(cfg, num_groups))
+        self.groups = tuple(group_state_bytes(cfg, len(g)) for g in group_layers(cfg, num_groups))
         self.block_size, self.checkpoint_interval = block_size, checkpoint_interval
         self.name = f"ours C={checkpoint_interval} G={num_groups}"
         self.config(None)                                  # validate now, not at replay time

@@ -4,7 +4,7 @@ Sources (vllm-project/vllm):
 - block size: ``Platform._align_hybrid_block_size`` (``vllm/platforms/interface.py``; earlier
   ``HybridAttentionMambaModelConfig`` in ``vllm/model_executor/models/config.py``), per layer and TP
   rank. none / align: ``block = align * cdiv(mamba_page, align * attn_page_1_token)`` with
-  ``align = max(min kernel block size, cache_config.block_size)`` (:func:`serve.memory.page_policy.vllm_block_pick`);
+  ``align = max(min kernel block size, cache_config.block_size)`` (:func:`serve.memory.vllm_block.vllm_block_pick`);
   all: ``chunk = lcm(mamba_chunk_size, align)``, ``block = chunk * cdiv(cdiv(mamba_page,
   attn_page_1_token), chunk)``. The mamba page is padded to the attention page, so a state costs one
   attention page per KDA layer. ``mamba_chunk_size`` for KDA is taken as the 64-token FLA chunk (not
@@ -34,7 +34,7 @@ import math
 import torch
 
 from kda_core.config import PRESETS
-from serve.memory.page_policy import vllm_block_pick
+from serve.memory.vllm_block import vllm_block_pick
 from serve.scale.policies.base import ReplicaBytes
 from serve.scale.policies.state_tree import StateTree
 from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest

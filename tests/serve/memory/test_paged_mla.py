@@ -1,103 +1,81 @@
-"""PagedMLACache: paged latents equal contiguous latents; prefix sharing and copy-on-write."""
+"""PagedMLACache: a page table over read_kv / write_kv; paged latents equal contiguous latents;
+prefix sharing by reference count and copy-on-write of a shared partial block."""
+import dataclasses
+
 import pytest
 import torch
 
 from kda_core.config import PRESETS
 from kda_core.layer import MLALayer
-from serve.memory.paged_mla import PagedMLACache, paged_latent_attention
-from serve.memory.pool import PageKind, PagePool, PoolExhausted
+from serve.memory.layout import CacheLayout
+from serve.memory.paged_mla import PagedMLACache
+from serve.memory.pool import PagePool, PoolExhausted
 
-ATOL = 1e-6
+CFG = PRESETS["demo-tiny"]                                   # one MLA layer, latent 16 + 8
+CFG2 = dataclasses.replace(CFG, num_layers=5, mla_layers=(3, 4))  # two MLA layers
 
 
-def _cache(pool, owner, Lm, D, bs):
-    c = PagedMLACache(pool, owner, Lm, D, bs)
+def _setup(cfg, bs, num_pages=64, spare=64):
+    lay = CacheLayout(cfg, bs, 1, CacheLayout.page_bytes_for(cfg, bs, 1, "multi_page") + spare)
+    return lay, PagePool(num_pages, lay.page_bytes, poison=True)
+
+
+def _cache(lay, pool, owner):
+    c = PagedMLACache(lay, pool, owner)
     c.check_integrity()
     return c
-
-
-def _pool_for(Lm, D, bs, num_pages=64):
-    return PagePool(num_pages, Lm * bs * D * 4 + 8, poison=True)  # 8 spare bytes per page
-
-
-def _append_in_chunks(cache, lat, gen):
-    pos = 0
-    while pos < lat.shape[1]:
-        n = int(torch.randint(1, 9, (1,), generator=gen))
-        cache.append(lat[:, pos: pos + n])
-        cache.check_integrity()
-        cache.pool.check_integrity()
-        pos += n
 
 
 @pytest.mark.parametrize("bs, L", [pytest.param(bs, L, id=f"bs{bs}-L{L}")
                                    for bs, L in [(1, 5), (3, 17), (8, 8), (16, 33), (5, 61)]])
 def test_gather_equals_contiguous(bs, L):
     gen = torch.Generator().manual_seed(bs * 100 + L)
-    Lm, D = 2, 12
-    lat = torch.randn(Lm, L, D, generator=gen)                           # [Lm, L, D]
-    pool = _pool_for(Lm, D, bs)
-    cache = _cache(pool, "r", Lm, D, bs)
-    _append_in_chunks(cache, lat, gen)
+    lay, pool = _setup(CFG2, bs)
+    lat = torch.randn(2, L, CFG2.latent_dim, generator=gen)           # [M, L, r + rope]
+    cache = _cache(lay, pool, "r")
+    pos = 0
+    while pos < L:                                                     # appends of random lengths
+        n = int(torch.randint(1, 9, (1,), generator=gen))
+        cache.append(lat[:, pos: pos + n])
+        cache.check_integrity()
+        pool.check_integrity()
+        pos += n
     assert cache.num_blocks == -(-L // bs)
-    assert torch.equal(cache.gather(), lat)
-    for layer in range(Lm):
-        assert torch.equal(cache.gather(layer), lat[layer])
-    frag = (cache.num_blocks * bs - L) * Lm * D * 4 + cache.num_blocks * 8
-    assert cache.internal_fragmentation_bytes() == frag
-    if L % bs:  # unwritten slots of the last block stay poisoned
-        assert cache.block_view(cache.num_blocks - 1)[:, L % bs:].isnan().all()
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_paged_attention_equals_contiguous(seed):
-    gen = torch.Generator().manual_seed(seed)
-    bs = int(torch.randint(1, 40, (1,), generator=gen))
-    L = int(torch.randint(1, 300, (1,), generator=gen))
-    Hm, r, rope, Lm = 4, 24, 8, 2
-    lat = torch.randn(Lm, L, r + rope, generator=gen)                   # unit scale, like RMS-normed c_kv
-    q = torch.randn(Hm, r + rope, generator=gen)
-    pool = _pool_for(Lm, r + rope, bs, num_pages=-(-L // bs) + 1)
-    cache = _cache(pool, "r", Lm, r + rope, bs)
-    _append_in_chunks(cache, lat, gen)
-    scale = 0.17
-    for layer in range(Lm):
-        c = lat[layer]                                                   # [L, r + rope]
-        ref = torch.softmax((q @ c.T) * scale, dim=-1) @ c[:, :r]        # [Hm, r]
-        out = paged_latent_attention(q, cache, layer, r, scale)
-        torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    assert all(torch.equal(g[0], lat[m]) for m, g in enumerate(cache.gather()))
+    slot = 2 * CFG2.latent_dim * 4
+    assert cache.unused_bytes() == (cache.num_blocks * bs - L) * slot + cache.num_blocks * lay.kv_page_padding_bytes
+    assert lay.kv_page_padding_bytes >= 64
 
 
 def test_mla_decode_over_gathered_pages_is_bitwise():
-    cfg = PRESETS["demo-tiny"]
-    layer = MLALayer(cfg, torch.Generator().manual_seed(1))
+    layer = MLALayer(CFG, torch.Generator().manual_seed(1))
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(1, 23, cfg.hidden_size, generator=gen)
-    _, lat = layer(x)                                                     # [1, 23, r + rope]
-    pool = _pool_for(1, cfg.latent_dim, 5)
-    cache = _cache(pool, "r", 1, cfg.latent_dim, 5)
+    x = torch.randn(1, 23, CFG.hidden_size, generator=gen)
+    _, lat = layer(x)                                                  # [1, 23, r + rope]
+    lay, pool = _setup(CFG, 5)
+    cache = _cache(lay, pool, "r")
     cache.append(lat)
-    x1 = torch.randn(1, 1, cfg.hidden_size, generator=gen)
-    assert torch.equal(layer.decode_absorbed(x1, cache.gather(0).unsqueeze(0)), layer.decode_absorbed(x1, lat))
+    x1 = torch.randn(1, 1, CFG.hidden_size, generator=gen)
+    assert torch.equal(layer.decode_absorbed(x1, cache.gather()[0]), layer.decode_absorbed(x1, lat))
 
 
 def test_fork_shares_prefix_and_copies_partial_block_on_write():
-    Lm, D, bs = 1, 4, 4
-    pool = _pool_for(Lm, D, bs, num_pages=8)
-    parent = _cache(pool, "p", Lm, D, bs)
-    base = torch.arange(10.0).view(1, 10, 1).expand(1, 10, D)           # [1, 10, D]
+    lay, pool = _setup(CFG, 4, num_pages=8)
+    D = CFG.latent_dim
+    parent = _cache(lay, pool, "p")
+    base = torch.arange(10.0).view(1, 10, 1).expand(1, 10, D)         # [1, 10, D]
     parent.append(base)
     child = parent.fork("c")
     assert child.block_table == parent.block_table and all(pool.refcount(p) == 2 for p in parent.block_table)
-    child.append(torch.full((1, 3, D), -1.0))                            # fills the shared partial block
+    child.append(torch.full((1, 3, D), -1.0))                          # fills the shared partial block
     pool.check_integrity()
     child.check_integrity()
-    assert child.block_table[:2] == parent.block_table[:2]              # full blocks still shared
-    assert child.block_table[2] != parent.block_table[2]                # partial block copied on write
-    assert torch.equal(parent.gather(), base)
-    assert torch.equal(child.gather(), torch.cat([base, torch.full((1, 3, D), -1.0)], dim=1))
+    assert child.block_table[:2] == parent.block_table[:2]             # full blocks still shared
+    assert child.block_table[2] != parent.block_table[2]               # partial block copied on write
+    assert torch.equal(parent.gather()[0], base)
+    assert torch.equal(child.gather()[0], torch.cat([base, torch.full((1, 3, D), -1.0)], dim=1))
     used_before = pool.num_used()
-    parent.append(torch.full((1, 1, D), 7.0))                            # parent's last block is private now
+    parent.append(torch.full((1, 1, D), 7.0))                          # parent's last block is private now
     assert pool.num_used() == used_before
     short = parent.fork("s", num_tokens=4)
     assert short.block_table == parent.block_table[:1] and short.num_tokens == 4
@@ -107,27 +85,21 @@ def test_fork_shares_prefix_and_copies_partial_block_on_write():
     assert pool.num_free == pool.num_pages
 
 
-def test_from_pages_and_errors():
-    Lm, D, bs = 2, 4, 4
-    pool = _pool_for(Lm, D, bs, num_pages=4)
-    a = _cache(pool, "a", Lm, D, bs)
-    a.append(torch.randn(Lm, 6, D))
-    b = PagedMLACache.from_pages(pool, "b", a.block_table, 6, Lm, D, bs)
-    assert torch.equal(b.gather(), a.gather()) and pool.refcount(a.block_table[0]) == 2
-    with pytest.raises(ValueError, match="need 2 pages"):
-        PagedMLACache.from_pages(pool, "x", a.block_table[:1], 6, Lm, D, bs)
-    (st,) = pool.alloc(PageKind.KDA_STATE, 1, "s")
-    with pytest.raises(ValueError, match="expected MLA_KV"):
-        PagedMLACache.from_pages(pool, "x", [st], 3, Lm, D, bs)
-    with pytest.raises(ValueError, match="latents must have shape"):
-        a.append(torch.randn(Lm, 2, D + 1))
-    snapshot = (list(a.block_table), a.num_tokens, pool.page_table())
+def test_errors_leave_everything_unchanged():
+    lay, pool = _setup(CFG, 4, num_pages=4)
+    a = _cache(lay, pool, "a")
+    a.append(torch.randn(1, 6, CFG.latent_dim))
+    a.fork("b")                                                        # the partial last block is shared
+    with pytest.raises(ValueError, match=r"latents must have shape \[M, T, r \+ rope\] = \[1, T, 24\]"):
+        a.append(torch.randn(1, 2, CFG.latent_dim + 1))
+    snapshot = (list(a.block_table), a.num_tokens, pool.page_table(), pool.arena.clone())
     with pytest.raises(PoolExhausted):
-        a.append(torch.randn(Lm, 7, D))                                  # COW of shared tail + 2 blocks > 1 free
-    assert (list(a.block_table), a.num_tokens, pool.page_table()) == snapshot
-    with pytest.raises(ValueError, match="block_size"):
-        PagedMLACache(pool, "z", Lm, D, 0)
-    with pytest.raises(ValueError, match="does not fit"):
-        PagedMLACache(pool, "z", Lm, D, bs + 1)
-    with pytest.raises(ValueError, match="at least one"):
-        paged_latent_attention(torch.zeros(1, D), PagedMLACache(pool, "z", Lm, D, bs), 0, 2, 1.0)
+        a.append(torch.randn(1, 7, CFG.latent_dim))                    # COW of the shared tail + 2 blocks > 2 free
+    assert (list(a.block_table), a.num_tokens, pool.page_table()) == snapshot[:3]
+    assert torch.equal(pool.arena.nan_to_num(), snapshot[3].nan_to_num())
+    with pytest.raises(ValueError, match=r"num_tokens must be an int in \[0, 6\]"):
+        a.fork("x", 7)
+    with pytest.raises(ValueError, match="owner must not be None"):
+        PagedMLACache(lay, pool, None)
+    with pytest.raises(ValueError, match="layout must be fp32 with the pool's page_bytes"):
+        PagedMLACache(CacheLayout(CFG, 4, 1, lay.page_bytes + 64), pool, "z")

@@ -1,5 +1,6 @@
 """Hypothesis stateful test: random alloc / incref / decref / fork / append / free on both page kinds,
 replayed against an obviously-correct oracle pool (a free set and a Counter of holders per page)."""
+import dataclasses
 from collections import Counter
 
 import hypothesis.strategies as st
@@ -9,13 +10,16 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kda_core.config import PRESETS
-from serve.memory.kda_state_cache import KDAStateCache
+from kda_core.layer import KDACache
+from serve.memory.layout import CacheLayout
 from serve.memory.paged_mla import PagedMLACache
+from serve.memory.pages import read_state, write_state
 from serve.memory.pool import PageError, PageKind, PagePool, PoolExhausted
 
 LM, BS, D = 2, 4, 6                   # MLA layers, block size (tokens), latent width
-PAGE_BYTES = LM * BS * D * 4          # one fp32 block per page
-CFG = PRESETS["demo-tiny"]
+PAGE_BYTES = 1024                     # one fp32 KV block (192 B) + padding; a KDA state spans 8 or 9 pages
+CFG = dataclasses.replace(PRESETS["demo-tiny"], num_layers=5, mla_layers=(3, 4), kv_lora_rank=4, qk_rope_head_dim=2)
+LAYOUTS = {G: CacheLayout(CFG, BS, G, PAGE_BYTES) for G in (1, 2, 3)}
 OWNERS = ("a", "b", "c")
 KINDS = (PageKind.MLA_KV, PageKind.KDA_STATE)
 
@@ -53,7 +57,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool = PagePool(num_pages, PAGE_BYTES, poison=True)
         self.oracle = OraclePool(num_pages)
         self.mla: dict[str, tuple[PagedMLACache, torch.Tensor]] = {}  # name -> (cache, expected latents)
-        self.states: dict[str, KDAStateCache] = {}
+        self.states: dict[str, tuple[CacheLayout, list[list[int]], dict]] = {}  # name -> (layout, pages, states)
         self.counter = 0
 
     def _name(self):
@@ -106,7 +110,7 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(T=st.integers(0, 10), seed=st.integers(0, 2**16))
     def new_request(self, T, seed):
         name = self._name()
-        cache = PagedMLACache(self.pool, name, LM, D, BS)
+        cache = PagedMLACache(LAYOUTS[1], self.pool, name)
         self.mla[name] = (cache, torch.zeros(LM, 0, D))
         self.append_to(name, T, seed)
 
@@ -139,21 +143,33 @@ class PoolMachine(RuleBasedStateMachine):
         if data.draw(st.booleans()):  # a child appending into a shared partial block must copy it first
             self.append_to(child.owner, data.draw(st.integers(1, 6)), data.draw(st.integers(0, 2**16)))
 
-    @rule(G=st.integers(1, 3))
-    def new_state(self, G):
-        name, before = self._name(), self._snapshot()
-        groups = [CFG.kda_layers[i::G] for i in range(G)]
+    @rule(G=st.integers(1, 3), seed=st.integers(0, 2**16))
+    def new_state(self, G, seed):
+        name, before, lay = self._name(), self._snapshot(), LAYOUTS[G]
         try:
-            self.states[name] = KDAStateCache(self.pool, name, CFG, groups)
+            flat = self.pool.alloc(PageKind.KDA_STATE, lay.state_pages, name)
         except PoolExhausted:
             assert self._snapshot() == before
+            return
+        pages = []
+        for g in range(G):
+            pages.append(flat[: lay.group_pages(g)])
+            flat = flat[lay.group_pages(g):]
+        gen = torch.Generator().manual_seed(seed)
+        states = {i: KDACache(torch.randn(1, CFG.num_heads, CFG.head_k_dim, CFG.head_v_dim, generator=gen),
+                              torch.randn(1, CFG.conv_dim, CFG.conv_kernel - 1, generator=gen)) for i in CFG.kda_layers}
+        write_state(lay, self.pool, pages, states)
+        self.states[name] = (lay, pages, states)
         self._resync()
 
     @precondition(lambda self: self.mla or self.states)
     @rule(data=st.data())
     def free_request(self, data):
         name = data.draw(st.sampled_from(sorted(self.mla) + sorted(self.states)))
-        (self.mla.pop(name)[0] if name in self.mla else self.states.pop(name)).free()
+        if name in self.mla:
+            self.mla.pop(name)[0].free()
+        else:
+            self.pool.decref([p for grp in self.states.pop(name)[1] for p in grp], name)
         self._resync()
 
     def _resync(self):
@@ -162,8 +178,8 @@ class PoolMachine(RuleBasedStateMachine):
         held = Counter()
         for name, (cache, _) in self.mla.items():
             held.update((p, name, PageKind.MLA_KV) for p in cache.block_table)
-        for name, cache in self.states.items():
-            held.update((p, name, PageKind.KDA_STATE) for pages in cache.pages for p in pages)
+        for name, (_, pages, _) in self.states.items():
+            held.update((p, name, PageKind.KDA_STATE) for grp in pages for p in grp)
         raw = {(p, o, self.oracle.kind[p]): c for p, h in self.oracle.holders.items()
                for o, c in h.items() if o in OWNERS}
         self.oracle = OraclePool(self.pool.num_pages)
@@ -191,17 +207,19 @@ class PoolMachine(RuleBasedStateMachine):
                 assert kind is self.oracle.kind[p] and self.pool.holders(p) == dict(self.oracle.holders[p])
         for cache, want in self.mla.values():
             cache.check_integrity()
-            assert torch.equal(cache.gather(), want)
-        for cache in self.states.values():
-            cache.check_integrity()
+            assert all(torch.equal(g[0], want[m]) for m, g in enumerate(cache.gather()))
+        for lay, pages, states in self.states.values():          # no other write reached a state's pages
+            got = read_state(lay, self.pool, pages)
+            assert all(torch.equal(got[i].recurrent, s.recurrent) and torch.equal(got[i].conv, s.conv)
+                       for i, s in states.items())
 
     def teardown(self):
         if not hasattr(self, "pool"):
             return
         for cache, _ in self.mla.values():
             cache.free()
-        for cache in self.states.values():
-            cache.free()
+        for name, (_, pages, _) in self.states.items():
+            self.pool.decref([p for grp in pages for p in grp], name)
         for p, h in list(self.oracle.holders.items()):
             for o, c in h.items():
                 if o in OWNERS:

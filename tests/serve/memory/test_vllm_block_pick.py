@@ -1,4 +1,4 @@
-"""serve.memory.page_policy.vllm_block_pick: the attention block vLLM's _align_hybrid_block_size picks.
+"""serve.memory.vllm_block.vllm_block_pick: the attention block vLLM's _align_hybrid_block_size picks.
 
 Expected values are worked by hand from the published configs: one KDA layer's state per TP rank is
 H*K*V*4 (fp32 recurrent) + (2HK + HV)*(W - 1)*2 (bf16 conv); one MLA layer's latent is
@@ -7,7 +7,7 @@ H*K*V*4 (fp32 recurrent) + (2HK + HV)*(W - 1)*2 (bf16 conv); one MLA layer's lat
 import pytest
 
 from kda_core.config import PRESETS
-from serve.memory.page_policy import VLLM_MLA_KERNEL_BLOCK, page_layout, vllm_block_pick, vllm_vs_ours
+from serve.memory.vllm_block import VLLM_MLA_KERNEL_BLOCK, vllm_block_pick, vllm_vs_ours
 
 KL_STATE = 32 * 128 * 128 * 4 + 3 * 32 * 128 * 3 * 2      # 2,170,880 B per KDA layer
 K3_STATE = 96 * 128 * 128 * 4 + 3 * 96 * 128 * 3 * 2      # 6,512,640 B per KDA layer
@@ -39,8 +39,11 @@ def test_vllm_vs_ours_rows():
     cfg = PRESETS["kimi-k3"]
     rows = vllm_vs_ours(cfg)
     assert [r["vLLM backend"] for r in rows] == list(VLLM_MLA_KERNEL_BLOCK)
-    ours = page_layout(cfg, "unified", 16, 1)
-    assert all(r["our block (tokens)"] == ours.block_size == 16256 for r in rows)   # all 69 layers, 16-aligned
+    page = 69 * K3_STATE                                # one group of all 69 KDA layers; a multiple of 64 B
+    kv_block = 16 * 24 * 1152                           # 16 tokens x 24 MLA layers x 1152 B
+    for r in rows:                                      # ours keeps the 16-token block and pads the KV page
+        assert (r["our block (tokens)"], r["our page (B)"], r["our state padding"]) == (16, page, 0.0)
+        assert r["our KV page padding"] == pytest.approx((page - kv_block) / page)
     assert [r["vLLM block (tokens)"] for r in rows] == [5664, 5696, 5760]
 
 
