@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from kda_core.config import PRESETS
 from kda_core.model import HybridLM, cache_equal
 from serve.spec.draft import NgramProposer, NoisyOracleProposer
+from serve.spec.projection import ProjectionReplay
 from serve.spec.reference import cache_max_abs_diff, clone_cache, closed_form_states, corrections
 from serve.spec.verify import (
     DecodeState,
-    ProjectionReplay,
     greedy_accept,
     speculative_generate,
     verify,
