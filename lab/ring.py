@@ -13,13 +13,13 @@ from typing import NamedTuple
 
 from kda_core.config import PRESETS
 from kda_core.model import HybridLM, encode
+from lab.rollback import strategies_for
 from lab.threads import one_thread
 from lab.verify import PROMPT_TEXT
 from serve.spec.draft import NoisyOracleProposer
 from serve.spec.raw_input_ring import RawInputRing
-from serve.spec.rollback import RollbackStrategy
 from serve.spec.snapshot import SnapshotRollback
-from serve.spec.verify import STRATEGIES, make_strategy, prefill_state, speculate, speculative_step, verify
+from serve.spec.verify import prefill_state, speculate, speculative_step, verify
 
 WIDTHS = (64, 128, 256)
 DEMO = PRESETS["demo"]                  # ring_model changes only its width and heads
@@ -35,11 +35,6 @@ def ring_model(width: int) -> HybridLM:
     return HybridLM(cfg)
 
 
-def _all_strategies(num_tokens: int) -> list[RollbackStrategy]:
-    """One fresh strategy of each kind, the ring sized to exactly one verify of ``num_tokens``."""
-    return [make_strategy(name, num_tokens) for name in STRATEGIES]
-
-
 def bytes_vs_draft(model: HybridLM, max_draft: int) -> list[dict]:
     """For n = 1..max_draft: bytes each strategy holds after a real verify of 1 + n tokens (whole model,
     fp32). The ring is sized to the verify (capacity = window = 1 + n), i.e. its raw inputs only."""
@@ -48,7 +43,7 @@ def bytes_vs_draft(model: HybridLM, max_draft: int) -> list[dict]:
         state = prefill_state(model, encode(PROMPT_TEXT))
         for n in range(1, max_draft + 1):
             out = verify(model, state, [state.last_token] * n)
-            for strat in _all_strategies(1 + n):
+            for strat in strategies_for(1 + n):
                 strat.record(model, state.cache, out)
                 rows.append({"draft_tokens": n, "strategy": strat.name, "bytes": strat.nbytes()})
                 strat.discard()
@@ -72,7 +67,7 @@ def commit_times(model: HybridLM, num_draft: int, repeats: int = 3, accepted: Se
         out = verify(model, state, [state.last_token] * num_draft)
         for _ in range(repeats + 1):       # round-robin over (accepted, strategy): a burst of load on the
             for a in accepted:             # shared machine hits every point alike, not one accepted length
-                for strat in _all_strategies(1 + num_draft):   # fresh: a ring holds one request
+                for strat in strategies_for(1 + num_draft):   # fresh: a ring holds one request
                     strat.record(model, state.cache, out)
                     t0 = time.perf_counter_ns()
                     strat.commit(a)

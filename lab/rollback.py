@@ -81,7 +81,7 @@ def layer_verify(shape: LayerShape, num_draft: int, seed: int = 0) -> tuple[Laye
     return LayerTarget(shape), base, out
 
 
-def strategies_for(num_tokens: int, store_dtype: torch.dtype) -> list[RollbackStrategy]:
+def strategies_for(num_tokens: int, store_dtype: torch.dtype = torch.float32) -> list[RollbackStrategy]:
     """One of each strategy (snapshot first); the ring sized to exactly the verify (capacity = window = T)."""
     return [make_strategy(name, num_tokens, store_dtype=store_dtype) for name in STRATEGIES]
 
