@@ -20,9 +20,10 @@ import torch
 from kda_core.config import ModelConfig
 from kda_core.model import HybridLM
 from lab.ring import bytes_vs_draft, commit_times
+from lab.verify import STRATEGIES
 
 OUT = Path(__file__).parent / "results" / "decode.json"
-SNAP, PROJ, RING = "snapshot", "projection replay", "raw-input ring"
+SNAP, PROJ, RING = STRATEGIES              # display names, in the order of serve.spec.verify.STRATEGIES
 
 
 def k3_layer() -> HybridLM:

@@ -13,15 +13,16 @@ from typing import NamedTuple
 
 from kda_core.config import PRESETS
 from kda_core.model import HybridLM, encode
+from lab.rollback import strategies_for
 from lab.threads import one_thread
 from lab.verify import PROMPT_TEXT
 from serve.spec.draft import NoisyOracleProposer
 from serve.spec.raw_input_ring import RawInputRing
-from serve.spec.rollback import RollbackStrategy
 from serve.spec.snapshot import SnapshotRollback
-from serve.spec.verify import ProjectionReplay, prefill_state, verify, verify_and_replay
+from serve.spec.verify import prefill_state, speculate, speculative_step, verify
 
 WIDTHS = (64, 128, 256)
+DEMO = PRESETS["demo"]                  # ring_model changes only its width and heads
 
 
 def ring_model(width: int) -> HybridLM:
@@ -34,10 +35,6 @@ def ring_model(width: int) -> HybridLM:
     return HybridLM(cfg)
 
 
-def _all_strategies(num_tokens: int) -> list[RollbackStrategy]:
-    return [SnapshotRollback(), ProjectionReplay(), RawInputRing(capacity=num_tokens, window=num_tokens)]
-
-
 def bytes_vs_draft(model: HybridLM, max_draft: int) -> list[dict]:
     """For n = 1..max_draft: bytes each strategy holds after a real verify of 1 + n tokens (whole model,
     fp32). The ring is sized to the verify (capacity = window = 1 + n), i.e. its raw inputs only."""
@@ -46,7 +43,7 @@ def bytes_vs_draft(model: HybridLM, max_draft: int) -> list[dict]:
         state = prefill_state(model, encode(PROMPT_TEXT))
         for n in range(1, max_draft + 1):
             out = verify(model, state, [state.last_token] * n)
-            for strat in _all_strategies(1 + n):
+            for strat in strategies_for(1 + n):
                 strat.record(model, state.cache, out)
                 rows.append({"draft_tokens": n, "strategy": strat.name, "bytes": strat.nbytes()})
                 strat.discard()
@@ -70,7 +67,7 @@ def commit_times(model: HybridLM, num_draft: int, repeats: int = 3, accepted: Se
         out = verify(model, state, [state.last_token] * num_draft)
         for _ in range(repeats + 1):       # round-robin over (accepted, strategy): a burst of load on the
             for a in accepted:             # shared machine hits every point alike, not one accepted length
-                for strat in _all_strategies(1 + num_draft):   # fresh: a ring holds one request
+                for strat in strategies_for(1 + num_draft):   # fresh: a ring holds one request
                     strat.record(model, state.cache, out)
                     t0 = time.perf_counter_ns()
                     strat.commit(a)
@@ -96,8 +93,9 @@ class RingRun(NamedTuple):
 
 def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, acceptance: float = 0.7,
              max_new_tokens: int = 40, seed: int = 0) -> RingRun:
-    """A generation through one ring with noisy-oracle drafts of ``min(requested_draft, window - 1)``
-    tokens; then one verify of ``requested_draft`` tokens to show the overflow path.
+    """A generation of ``max_new_tokens`` tokens through one ring (:func:`serve.spec.verify.speculate`) with
+    noisy-oracle drafts of at most ``min(requested_draft, window - 1)`` tokens; then one verify of
+    ``requested_draft`` tokens to show the overflow path.
 
     Raises ValueError for a bad capacity/window (from :class:`RawInputRing`) or requested_draft < 0."""
     if not isinstance(requested_draft, int) or requested_draft < 0:
@@ -109,18 +107,17 @@ def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, 
                                                   1.0 - acceptance, seed)
         state = prefill_state(model, prompt)
         history, steps = prompt.tolist() + [state.last_token], []
-        n = min(requested_draft, window - 1)
-        while len(history) - len(prompt) < max_new_tokens:
-            res = verify_and_replay(model, state, proposer.propose(history, n), ring)
-            steps.append({"step": len(steps), "head": ring.head, "commit_end": ring.commit_end, "tail": ring.tail,
-                          "slots_in_use": ring.tail - ring.head, "accepted": res.num_accepted,
-                          "forced_write_back": res.forced_commit})
-            history.extend(res.emitted_tokens)
-            state = res.state
+        for step in speculate(model, state, history, proposer, ring, min(requested_draft, window - 1),
+                              max_new_tokens - 1):
+            steps.append({"step": step.step, "head": ring.head, "commit_end": ring.commit_end, "tail": ring.tail,
+                          "slots_in_use": ring.tail - ring.head, "accepted": step.result.num_accepted,
+                          "forced_write_back": step.result.forced_commit})
+            history.extend(step.result.emitted_tokens)
+            state = step.result.state
         ring.check_integrity()                             # committed state == rebuild from the checkpoint
         slots, num_write_backs, num_free = ring.slot_table(), ring.num_write_backs, ring.num_free
         try:
-            probe = verify_and_replay(model, state, proposer.propose(history, requested_draft), ring)
+            probe = speculative_step(model, state.cache, history, proposer, ring, requested_draft)
             overflow = f"fits: {requested_draft + 1} verify tokens <= window {window}"
             if probe.forced_commit:
                 overflow += (f", after a forced write-back (only {num_free} of {capacity} slots were free); "
@@ -158,3 +155,24 @@ def tradeoff_table(bytes_rows: list[dict], commit_rows: list[dict], num_draft: i
     return [{"strategy": s, "bytes per verify": held[s], "memory vs snapshot": held[s] / held[snap],
              "commit ms (all accepted)": full[s], "commit ms (none accepted)": none[s],
              "commit time vs snapshot": full[s] / full[snap]} for s in held]
+
+
+class RingPage(NamedTuple):
+    """Everything page 04 draws, measured now on ``model``: ``bytes_rows`` (:func:`bytes_vs_draft` up to
+    16 drafts), ``commit_rows`` (:func:`commit_times` at ``num_draft``), ``tradeoff`` (:func:`tradeoff_table`),
+    ``run`` (:func:`ring_run`) and ``labels`` (:func:`head_tail_labels` of its slots)."""
+
+    bytes_rows: list[dict]
+    commit_rows: list[dict]
+    tradeoff: list[dict]
+    run: RingRun
+    labels: list[tuple[str, int, int]]
+
+
+def ring_page(model: HybridLM, capacity: int, window: int, num_draft: int) -> RingPage:
+    """Page 04's one call. Raises ValueError as :func:`ring_run` and :func:`commit_times` do."""
+    bytes_rows = bytes_vs_draft(model, 16)
+    commit_rows = commit_times(model, num_draft)
+    run = ring_run(model, capacity, window, num_draft)
+    return RingPage(bytes_rows, commit_rows, tradeoff_table(bytes_rows, commit_rows, num_draft), run,
+                    head_tail_labels(run.slots))

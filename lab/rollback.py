@@ -17,6 +17,7 @@ from kda_core.conv import short_conv
 from kda_core.kda import kda_gate, kda_recurrent
 from kda_core.layer import KDAAux, KDACache, l2norm
 from kda_core.model import ForwardOutput, HybridCache
+from serve.spec.projection import ProjectionReplay
 from serve.spec.raw_input_ring import RawInputRing
 from serve.spec.rollback import (
     LayerShape,
@@ -26,7 +27,7 @@ from serve.spec.rollback import (
     snapshot_bytes_per_token,
 )
 from serve.spec.snapshot import SnapshotRollback
-from serve.spec.verify import ProjectionReplay
+from serve.spec.verify import STRATEGIES, make_strategy
 
 MIB = 2 ** 20
 LAYER_PRESETS: dict[str, LayerShape] = {
@@ -80,10 +81,9 @@ def layer_verify(shape: LayerShape, num_draft: int, seed: int = 0) -> tuple[Laye
     return LayerTarget(shape), base, out
 
 
-def strategies_for(num_tokens: int, store_dtype: torch.dtype) -> list[RollbackStrategy]:
-    """One of each strategy; the ring sized to exactly the verify (capacity = window = T)."""
-    return [SnapshotRollback(store_dtype), ProjectionReplay(store_dtype),
-            RawInputRing(capacity=num_tokens, window=num_tokens, store_dtype=store_dtype)]
+def strategies_for(num_tokens: int, store_dtype: torch.dtype = torch.float32) -> list[RollbackStrategy]:
+    """One of each strategy (snapshot first); the ring sized to exactly the verify (capacity = window = T)."""
+    return [make_strategy(name, num_tokens, store_dtype=store_dtype) for name in STRATEGIES]
 
 
 class LayerBytes(NamedTuple):
@@ -138,3 +138,29 @@ def model_rollback_table(state_dtype: torch.dtype = torch.float32, act_dtype: to
     """:func:`model_rollback_row` for the real presets and the runnable demo."""
     return [model_rollback_row(PRESETS[n], state_dtype, act_dtype) for n in (*REAL_PRESETS, "demo")]
 
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}    # stored dtypes page 01 offers
+
+
+class RollbackPage(NamedTuple):
+    """Everything page 01 draws: the layer ``shape``, the stored element size ``elem_bytes`` (s), the
+    measured one-layer rows (:func:`measure_layer_bytes`), the whole-model rows (:func:`model_rollback_table`)
+    and the Kimi K3 config the text quotes."""
+
+    shape: LayerShape
+    elem_bytes: int
+    layer: list[LayerBytes]
+    models: list[dict]
+    k3: ModelConfig
+
+
+def rollback_page(shape: tuple[int, ...], num_draft: int, dtype_name: str) -> RollbackPage:
+    """Page 01's one call. ``shape``: ``(H, K, V, W, d)`` as :class:`LayerShape`; ``dtype_name`` a key of
+    ``DTYPES``. Raises ValueError for an unknown dtype name or ``num_draft < 0``."""
+    if dtype_name not in DTYPES:
+        raise ValueError(f"dtype_name must be one of {tuple(DTYPES)}, got {dtype_name!r}")
+    layer_shape = LayerShape(*shape)
+    return RollbackPage(layer_shape, dtype_bytes(DTYPES[dtype_name]),
+                        measure_layer_bytes(layer_shape, num_draft, DTYPES[dtype_name]), model_rollback_table(),
+                        PRESETS["kimi-k3"])

@@ -12,45 +12,25 @@ against plain sequential greedy decoding of the same tokens.
 """
 from __future__ import annotations
 
-import sys
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from kda_core.model import HybridLM, cache_equal, encode
 from lab.threads import one_thread
-from serve.spec.draft import NoisyOracleProposer
-from serve.spec.raw_input_ring import RawInputRing
+from serve.spec.draft import DraftProposer, NoisyOracleProposer
 from serve.spec.reference import cache_max_abs_diff, clone_cache, sequential_decode
 from serve.spec.rollback import RollbackStrategy
-from serve.spec.snapshot import SnapshotRollback
-from serve.spec.verify import ProjectionReplay, prefill_state, verify, verify_and_replay
+from serve.spec.verify import STRATEGIES as STRATEGY_TYPES
+from serve.spec.verify import DecodeState, make_strategy, prefill_state, speculate, verify, verify_and_replay
 
 MODES = ("normal", "interrupted", "injected deviation")
-STRATEGIES = (SnapshotRollback.name, ProjectionReplay.name, RawInputRing.name)
+STRATEGIES = tuple(STRATEGY_TYPES)  # display names
 PROMPT_TEXT = "Kimi Delta Attention keeps a fixed-size state per layer, so a rejected draft "
 
 
-def built_by_loaded_code(obj: object) -> bool:
-    """True if ``obj``'s class is still the one its module defines (looked up in ``sys.modules`` now).
-
-    For ``st.cache_resource(validate=...)`` on the pages' models: when a source file changes, Streamlit
-    evicts and re-imports every project module, but a cached model keeps running the old modules and
-    returns caches of the old ``KDACache`` class, which the new code's ``isinstance`` checks reject
-    (``AttributeError: 'KDACache' object has no attribute 'shape'``). False makes Streamlit rebuild it."""
-    cls = type(obj)
-    return getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
-
-
-def make_strategy(name: str, num_draft: int) -> RollbackStrategy:
-    """A fresh strategy by display name; the ring gets a window of one verify and room for four.
-
-    Raises ValueError for an unknown name."""
-    if name == SnapshotRollback.name:
-        return SnapshotRollback()
-    if name == ProjectionReplay.name:
-        return ProjectionReplay()
-    if name == RawInputRing.name:
-        return RawInputRing(capacity=4 * (num_draft + 1), window=num_draft + 1)
-    raise ValueError(f"strategy must be one of {STRATEGIES}, got {name!r}")
+def demo_model() -> HybridLM:
+    """The 8-layer demo hybrid (6 KDA + 2 MLA layers) the experiment runs on (seeded weights)."""
+    return HybridLM()
 
 
 class LabStep(NamedTuple):
@@ -76,15 +56,20 @@ class LabStep(NamedTuple):
     poisoned_tokens: int
 
 
-def _poison_rejected(counter: list[int]):
-    def hook(strategy: RollbackStrategy, num_accepted: int) -> None:
-        first_rejected = num_accepted + 1                 # verify token index of the first rejected draft
-        if first_rejected < strategy.num_tokens:
-            strategy.poison(first_rejected)
-            counter.append(strategy.num_tokens - first_rejected)
-        else:
-            counter.append(0)
-    return hook
+class CorruptingProposer(DraftProposer):
+    """The noisy oracle with the draft at 1-based ``position`` always forced wrong (reference token + 1)."""
+
+    name = "noisy oracle, one position corrupted"
+
+    def __init__(self, oracle: NoisyOracleProposer, position: int):
+        self.oracle, self.position = oracle, position
+
+    def propose(self, history: Sequence[int], num_tokens: int) -> list[int]:
+        drafts = self.oracle.propose(history, num_tokens)
+        if self.position <= len(drafts):
+            at = len(history) - len(self.oracle.prompt) + self.position - 1      # index in the reference
+            drafts[self.position - 1] = (self.oracle.reference[at] + 1) % 256
+        return drafts
 
 
 def run_verify_lab(model: HybridLM, num_draft: int, acceptance: float, strategy_name: str, seed: int,
@@ -117,38 +102,48 @@ def run_verify_lab(model: HybridLM, num_draft: int, acceptance: float, strategy_
 
 def _run(model, num_draft, acceptance, strategy_name, seed, mode, max_new_tokens, abort_layers, abort_tokens,
          corrupt_position, poison_rejected) -> list[LabStep]:
+    """:func:`serve.spec.verify.speculate` with this experiment's instrumentation: a corrupting proposer,
+    an aborted verify plus a clean run before each verify (``before_verify``), NaN in the rejected tokens'
+    data (``before_commit``), and after each step the checks against sequential decoding."""
     prompt = encode(PROMPT_TEXT)
-    proposer = NoisyOracleProposer.from_model(model, prompt, max_new_tokens, 1.0 - float(acceptance), seed)
-    strategy = make_strategy(strategy_name, num_draft)
+    oracle = NoisyOracleProposer.from_model(model, prompt, max_new_tokens, 1.0 - float(acceptance), seed)
+    window = num_draft + 1
+    strategy = make_strategy(strategy_name, window, capacity=4 * window)    # ring: room for four verifies
+    injected = mode == "injected deviation"
+    proposer = CorruptingProposer(oracle, corrupt_position) if injected else oracle
+    seen: dict = {}                                  # what the hooks saw in the current step
+
+    def interrupt(state: DecodeState, drafts: list[int]) -> None:
+        before = clone_cache(state.cache)
+        verify(model, state, drafts[: abort_tokens - 1], num_layers=abort_layers)   # aborted, dropped
+        seen["untouched"] = cache_equal(state.cache, before)
+        seen["clean"] = verify_and_replay(model, state, drafts, make_strategy(strategy_name, window, 4 * window))
+
+    def poison(strat: RollbackStrategy, num_accepted: int) -> None:
+        first_rejected = num_accepted + 1            # verify token index of the first rejected draft
+        seen["poisoned"] = max(0, strat.num_tokens - first_rejected)
+        if seen["poisoned"]:
+            strat.poison(first_rejected)
+
     state = prefill_state(model, prompt)
-    ref_cache, history = state.cache, prompt.tolist() + [state.last_token]
-    steps: list[LabStep] = []
-    while len(history) - len(prompt) < max_new_tokens:
-        n = min(num_draft, max_new_tokens - (len(history) - len(prompt)) - 1)
-        drafts = proposer.propose(history, n)
-        corrupted = None
-        if mode == "injected deviation" and corrupt_position <= len(drafts):
-            corrupted = corrupt_position
-            drafts[corrupted - 1] = (proposer.reference[len(history) - len(prompt) + corrupted - 1] + 1) % 256
+    history = prompt.tolist() + [state.last_token]
+    ref_cache, steps = state.cache, []
+    for step in speculate(model, state, history, proposer, strategy, num_draft, max_new_tokens - 1,
+                          before_verify=interrupt if mode == "interrupted" else None,
+                          before_commit=poison if injected and poison_rejected else None):
+        strategy.check_integrity()
+        res, before = step.result, step.before
         untouched = retry_equal = None
         if mode == "interrupted":
-            before = clone_cache(state.cache)
-            verify(model, state, drafts[: abort_tokens - 1], num_layers=abort_layers)   # aborted, dropped
-            untouched = cache_equal(state.cache, before)
-            clean = verify_and_replay(model, state, drafts, make_strategy(strategy_name, num_draft))
-        poisoned: list[int] = []
-        hook = _poison_rejected(poisoned) if mode == "injected deviation" and poison_rejected else None
-        res = verify_and_replay(model, state, drafts, strategy, before_commit=hook)
-        strategy.check_integrity()
-        if mode == "interrupted":
+            untouched, clean = seen["untouched"], seen["clean"]
             retry_equal = res.emitted_tokens == clean.emitted_tokens and cache_equal(res.state.cache, clean.state.cache)
-        ref_cache = sequential_decode(model, ref_cache, (state.last_token, *res.accepted_tokens))[-1]
+        ref_cache = sequential_decode(model, ref_cache, (before.last_token, *res.accepted_tokens))[-1]
         emitted_at = len(history) - len(prompt)
-        match = list(res.emitted_tokens) == proposer.reference[emitted_at: emitted_at + len(res.emitted_tokens)]
-        steps.append(LabStep(len(steps), state.cache.num_tokens, len(drafts), res.num_accepted, len(res.emitted_tokens),
-                             match, cache_max_abs_diff(res.state.cache, ref_cache), res.rollback_bytes, res.verify_ms,
-                             res.commit_ms, res.forced_commit, untouched, retry_equal, corrupted, sum(poisoned)))
+        match = list(res.emitted_tokens) == oracle.reference[emitted_at: emitted_at + len(res.emitted_tokens)]
+        corrupted = corrupt_position if injected and corrupt_position <= len(res.draft_tokens) else None
+        steps.append(LabStep(step.step, before.cache.num_tokens, len(res.draft_tokens), res.num_accepted,
+                             len(res.emitted_tokens), match, cache_max_abs_diff(res.state.cache, ref_cache),
+                             res.rollback_bytes, res.verify_ms, res.commit_ms, res.forced_commit, untouched,
+                             retry_equal, corrupted, seen.pop("poisoned", 0)))
         history.extend(res.emitted_tokens)
-        state = res.state
     return steps
-

@@ -4,12 +4,9 @@ import math
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
-import torch
 
-from kda_core.config import PRESETS
-from lab.rollback import LAYER_PRESETS, measure_layer_bytes, model_rollback_table
+from lab.rollback import DTYPES, LAYER_PRESETS, rollback_page
 from pages._common import engine_call, persist, show_chart
-from serve.spec.rollback import LayerShape
 
 st.title("Snapshot vs projection bytes")
 st.write(
@@ -20,7 +17,6 @@ st.write(
     "ring** keeps one hidden vector per token and re-projects. Bytes below are read "
     "with `nbytes()` from the buffers each strategy filled after a real one-layer verify run now on this CPU.")
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 c1, c2, c3 = st.columns(3)
 preset = c1.selectbox("Layer size", [*LAYER_PRESETS, "Custom"],
                       key=persist("p01_preset", list(LAYER_PRESETS)[2], options=[*LAYER_PRESETS, "Custom"]), persist_state="session")
@@ -34,18 +30,19 @@ if preset == "Custom":
     v_dim = d3.select_slider("Value dim V", [16, 32, 64, 128], key=persist("p01_v", 64, options=[16, 32, 64, 128]), persist_state="session")
     width = d4.select_slider("Layer input width d", [64, 256, 1024, 2304, 4096, 7168],
                              key=persist("p01_d", 1024, options=[64, 256, 1024, 2304, 4096, 7168]), persist_state="session")
-    shape = LayerShape(heads, k_dim, v_dim, 4, width)
+    shape = (heads, k_dim, v_dim, 4, width)
 else:
-    shape = LAYER_PRESETS[preset]
+    shape = tuple(LAYER_PRESETS[preset])
 
 
-@st.cache_data(show_spinner="Running a one-layer verify…", max_entries=16, ttl="1h")
-def _measure(shape: tuple, num_draft: int, dtype_name: str) -> pd.DataFrame:
-    rows = measure_layer_bytes(LayerShape(*shape), num_draft, DTYPES[dtype_name])
-    return pd.DataFrame(rows, columns=rows[0]._fields)
+@st.cache_data(show_spinner="Running a one-layer verify…", max_entries=32, ttl="1h")
+def _measure(shape: tuple, num_draft: int, dtype_name: str):
+    return rollback_page(shape, num_draft, dtype_name)
 
 
-df = engine_call(_measure, tuple(shape), num_draft, dtype_name)
+page = engine_call(_measure, shape, num_draft, dtype_name)
+shape = page.shape
+df = pd.DataFrame(page.layer, columns=page.layer[0]._fields)
 st.subheader(f"1 · One KDA layer (H={shape.num_heads}, K={shape.head_k_dim}, V={shape.head_v_dim}, "
              f"d={shape.hidden_size}), {1 + num_draft} verify tokens, {dtype_name}")
 fig = go.Figure(go.Bar(x=df.strategy, y=df.vs_snapshot, marker_color=["#d62728", "#2ca02c", "#1f77b4"],
@@ -61,14 +58,14 @@ st.dataframe(table[["strategy", "measured_bytes", "formula_bytes", "formula", "m
              column_config={"measured_bytes": NUM(format="%,d B"), "formula_bytes": NUM(format="%,d B"),
                             "vs_snapshot": NUM(format="%.4f")})
 st.caption(
-    f"Formula bytes = (1 + n) × per-token bytes with s = {DTYPES[dtype_name].itemsize} B; conv channels "
+    f"Formula bytes = (1 + n) × per-token bytes with s = {page.elem_bytes} B; conv channels "
     f"2HK + HV = {shape.conv_dim}, window W − 1 = {shape.conv_kernel - 1}. Measured here: the snapshot holds "
     f"{df.measured_bytes[0] / df.measured_bytes[1]:,.1f}× the projections' bytes and "
     f"{df.measured_bytes[0] / df.measured_bytes[2]:,.1f}× the raw inputs'. The snapshot's state term H·K·V grows "
     "with K·V, the projections with H·(2K + V), raw inputs only with d.")
 
 st.subheader("2 · Whole model, per draft token")
-tdf = pd.DataFrame(model_rollback_table())
+tdf = pd.DataFrame(page.models)
 fig2 = go.Figure()
 for col, color in [("snapshot state MiB", "#d62728"), ("snapshot conv window MiB", "#ff9896"),
                    ("projections k,v,g,beta MiB", "#2ca02c"), ("conv inputs MiB", "#98df8a"),
@@ -85,7 +82,7 @@ st.dataframe(tdf, hide_index=True, width="stretch", column_config={
        for c in ("snapshot / projections", "snapshot / raw inputs")}})
 st.caption("Table in MiB per draft token, all KDA layers; snapshot state in fp32, everything else in bf16.")
 k3 = tdf.set_index("model").loc["kimi-k3"]
-K3 = PRESETS["kimi-k3"]
+K3 = page.k3
 n, h, kd, vd = K3.num_kda_layers, K3.num_heads, K3.head_k_dim, K3.head_v_dim
 st.write(
     f"**What to notice.** Kimi K3 ({n} KDA layers, {h} heads × {kd}): a snapshot holds "

@@ -6,9 +6,8 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from kda_core.model import HybridLM
-from lab.verify import MODES, STRATEGIES, built_by_loaded_code, run_verify_lab
-from pages._common import engine_call, persist, persist_clamped, show_chart
+from lab.verify import MODES, STRATEGIES, demo_model, run_verify_lab
+from pages._common import built_by_loaded_code, engine_call, persist, persist_clamped, show_chart
 
 st.title("verify_and_replay")
 st.write(
@@ -48,8 +47,8 @@ elif mode == "injected deviation":
 
 
 @st.cache_resource(validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload
-def _model() -> HybridLM:
-    return HybridLM()
+def _model():
+    return demo_model()
 
 
 @st.cache_data(show_spinner="Generating with speculation…", max_entries=16, ttl="1h")

@@ -4,13 +4,9 @@ import plotly.express as px
 import plotly.graph_objects as go
 import streamlit as st
 
-from kda_core.config import PRESETS
-from kda_core.model import HybridLM
-from lab import ring as ring_lab
-from lab.verify import built_by_loaded_code
-from pages._common import engine_call, persist, persist_clamped, show_chart
+from lab.ring import DEMO, WIDTHS, ring_model, ring_page
+from pages._common import built_by_loaded_code, engine_call, persist, persist_clamped, show_chart
 
-DEMO = PRESETS["demo"]                 # ring_lab.ring_model changes only the width and heads
 st.title("RawInputRing")
 st.write(
     "Instead of a state per draft token, the ring keeps each token's **layer input** (one d-wide vector per KDA "
@@ -29,34 +25,24 @@ else:  # a one-slot ring rolls back one verify token at most
     window = 1
     c1.caption("Rollback window: 1 verify token (a 1-slot ring holds no more)")
 num_draft = c3.slider("Draft length n", 1, 16, key=persist("p04_draft", 4, min_value=1, max_value=16), persist_state="session")
-width = c4.select_slider("Model width d (H = d / 32 heads)", list(ring_lab.WIDTHS),
-                         key=persist("p04_width", 128, options=list(ring_lab.WIDTHS)), persist_state="session")
+width = c4.select_slider("Model width d (H = d / 32 heads)", list(WIDTHS),
+                         key=persist("p04_width", 128, options=list(WIDTHS)), persist_state="session")
 
 
 @st.cache_resource(validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload
-def _model(width: int) -> HybridLM:
-    return ring_lab.ring_model(width)
+def _model(width: int):
+    return ring_model(width)
 
 
-@st.cache_data(show_spinner="Measuring bytes…", max_entries=16, ttl="1h")
-def _bytes(width: int) -> pd.DataFrame:
-    return pd.DataFrame(ring_lab.bytes_vs_draft(_model(width), 16))
-
-
-@st.cache_data(show_spinner="Timing commits…", max_entries=16, ttl="1h")
-def _commits(width: int, num_draft: int) -> pd.DataFrame:
-    return pd.DataFrame(ring_lab.commit_times(_model(width), num_draft))
-
-
-@st.cache_data(show_spinner="Running the ring…", max_entries=16, ttl="1h")
-def _ring(width: int, capacity: int, window: int, num_draft: int):
-    run = ring_lab.ring_run(_model(width), capacity, window, num_draft)
-    return pd.DataFrame(run.steps), pd.DataFrame(run.slots), run.overflow, run.num_write_backs, run.ring_bytes
+@st.cache_data(show_spinner="Measuring bytes, commit times and the ring…", max_entries=16, ttl="1h")
+def _measure(width: int, capacity: int, window: int, num_draft: int):
+    return ring_page(_model(width), capacity, window, num_draft)
 
 
 COLORS = {"snapshot": "#d62728", "raw-input ring": "#1f77b4", "projection replay": "#2ca02c"}
-bdf = engine_call(_bytes, width)
-cdf = engine_call(_commits, width, num_draft)
+page = engine_call(_measure, width, capacity, window, num_draft)
+bdf, cdf, tdf = pd.DataFrame(page.bytes_rows), pd.DataFrame(page.commit_rows), pd.DataFrame(page.tradeoff)
+sdf, slots, run = pd.DataFrame(page.run.steps), pd.DataFrame(page.run.slots), page.run
 left, right = st.columns(2)
 with left:
     st.subheader("1 · Bytes held per verify")
@@ -74,7 +60,6 @@ with right:
     show_chart(fig2, cdf, key="p04_commit_chart")
 
 st.subheader("3 · When to use which (measured above)")
-tdf = pd.DataFrame(engine_call(ring_lab.tradeoff_table, bdf.to_dict("records"), cdf.to_dict("records"), num_draft))
 NUM = st.column_config.NumberColumn
 st.dataframe(tdf, hide_index=True, width="stretch", column_config={
     "bytes per verify": NUM(format="%,d B"), "memory vs snapshot": NUM(format="percent"),
@@ -89,18 +74,18 @@ st.write(
     "byte and pays a re-projection per accepted token — worth it when memory bandwidth, not FLOPs, limits decode.")
 
 st.subheader("4 · The ring after a 40-token run")
-sdf, slots, overflow, write_backs, ring_bytes = engine_call(_ring, width, capacity, window, num_draft)
 used = min(num_draft, window - 1)
 capped = f" (n = {num_draft} capped at window − 1 = {window - 1})" if used < num_draft else ""
 st.write(f"{capacity} slot{'' if capacity == 1 else 's'} × {DEMO.num_kda_layers} KDA layers × d = {width} × "
-         f"{ring_bytes // (capacity * DEMO.num_kda_layers * width)} B = **{ring_bytes:,} B**; "
-         f"drafts of {used} tokens{capped}; "
-         f"**{write_backs} forced write-back{'' if write_backs == 1 else 's'}** during the run, the red crosses below "
+         f"{run.ring_bytes // (capacity * DEMO.num_kda_layers * width)} B = **{run.ring_bytes:,} B**; "
+         f"drafts of up to {used} tokens{capped}; "
+         f"**{run.num_write_backs} forced write-back{'' if run.num_write_backs == 1 else 's'}** during the run, "
+         "the red crosses below "
          "(ring full: the committed state becomes the new checkpoint and the history slots are freed).")
 fig3 = go.Figure(go.Bar(x=slots.slot, y=[1] * len(slots), marker_color=slots.status.map(
     {"free": "#e0e0e0", "committed": "#1f77b4", "pending": "#ff7f0e"}), text=slots.position.where(slots.position >= 0, ""),
     textposition="inside", hovertext=slots.status, name="slots"))
-for text, at_slot, rise_px in ring_lab.head_tail_labels(slots.to_dict("records")):
+for text, at_slot, rise_px in page.labels:
     fig3.add_annotation(x=at_slot, y=1.02, text=text, showarrow=True, arrowhead=2, ay=-rise_px)
 fig3.update_layout(xaxis_title="slot index (colour: blue committed, grey free; text: token position)",
                    yaxis_title="ring slots", yaxis_range=[0, 1.8], yaxis_showticklabels=False, height=280,
@@ -115,11 +100,11 @@ fig4.update_layout(xaxis_title="speculative step", yaxis_title="ring slots in us
                    yaxis_tickformat="d",
                    legend=dict(orientation="h", y=-0.3))
 show_chart(fig4, sdf, key="p04_occupancy_chart")
-if overflow.startswith("ValueError"):
+if run.overflow.startswith("ValueError"):
     st.warning(f"Overflow — a verify of n = {num_draft} drafts is refused by the ring: "
-               f"{overflow.removeprefix('ValueError: ')}")
+               f"{run.overflow.removeprefix('ValueError: ')}")
 else:
-    st.info(f"Overflow check — a verify of n = {num_draft} drafts {overflow}.")
+    st.info(f"Overflow check — a verify of n = {num_draft} drafts {run.overflow}.")
 st.write(
     "**What to notice.** Slot index = token counter mod capacity, so history wraps around (head: the oldest slot "
     "kept since the last write-back; tail: the next slot to write); a slot is reused only "

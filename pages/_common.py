@@ -3,6 +3,8 @@
 - ``show_chart(fig, df, key)``: a Plotly chart with a stable key plus a CSV download of its data.
 - ``engine_call(fn, *args, **kwargs)``: run an engine call; on a ValueError/RuntimeError show
   ``st.error`` with the message and stop the page (never a stack trace in the UI).
+- ``built_by_loaded_code(obj)``: the ``validate=`` of ``st.cache_resource`` for cached models: False
+  once a source reload replaced the object's class, so Streamlit rebuilds it.
 - ``persist(key, default, options=..., min_value=..., max_value=...)``: a widget key whose value
   starts at ``default`` (set through session_state, so do NOT also pass ``value=``/``index=``) and is
   kept across page switches: pass it together with ``persist_state="session"`` (Streamlit 1.67).
@@ -15,6 +17,7 @@
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -63,6 +66,17 @@ def route_through_navigation() -> None:
     if _legacy_run():
         PagesManager.uses_pages_directory = False
         st.rerun()
+
+
+def built_by_loaded_code(obj: object) -> bool:
+    """True if ``obj``'s class is still the one its module defines (looked up in ``sys.modules`` now).
+
+    For ``st.cache_resource(validate=...)`` on the pages' models: when a source file changes, Streamlit
+    evicts and re-imports every project module, but a cached model keeps running the old modules and
+    returns caches of the old ``KDACache`` class, which the new code's ``isinstance`` checks reject
+    (``AttributeError: 'KDACache' object has no attribute 'shape'``). False makes Streamlit rebuild it."""
+    cls = type(obj)
+    return getattr(sys.modules.get(cls.__module__), cls.__qualname__, None) is cls
 
 
 def _invalid(value, default, options, min_value, max_value) -> str | None:

@@ -1,4 +1,4 @@
-"""Speculative decoding on the hybrid KDA/MLA model: verify, accept, commit with projection replay.
+"""Speculative decoding on the hybrid KDA/MLA model: verify, accept, commit; the one loop and strategy factory.
 
 One speculative step (greedy; Leviathan et al. 2023, "Fast Inference from Transformers via
 Speculative Decoding", with the greedy acceptance rule):
@@ -11,71 +11,22 @@ Speculative Decoding", with the greedy acceptance rule):
    **bonus** token ``argmax logits[a]`` -> a + 1 tokens are emitted;
 4. **commit**: the rollback strategy builds the caches after ``t_0, d_1..d_a``; the bonus becomes
    the new last committed token.
-
-:class:`ProjectionReplay` (this file) keeps no states: per KDA layer and verify token it keeps the
-tensors the kernel consumed — k, v, g, beta — and the raw conv inputs, and the commit replays
-``kda_step`` from the committed state over the accepted tokens. ReplaySSM (Dao AI Lab, 2026) does the
-same in kind: post-projection per-step records (for a gated delta net k, the delta term and g) in a ring
-plus a state checkpoint; :mod:`serve.spec.raw_input_ring` instead caches the raw layer inputs.
 """
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
 
-from kda_core.kda import kda_recurrent
-from kda_core.layer import KDAAux, KDACache, KDALayer
 from kda_core.model import ForwardOutput, HybridCache, HybridLM
 from serve.spec.draft import DraftProposer
-from serve.spec.rollback import LayerShape, RollbackStrategy, conv_window_after, owned, projection_bytes_per_token
-
-
-class ProjectionReplay(RollbackStrategy):
-    """Per KDA layer: k, g ``[1, T, H, K]``, v ``[1, T, H, V]``, beta ``[1, T, H]``, raw ``[1, T, 2HK + HV]``."""
-
-    name = "projection replay"
-    FIELDS = ("k", "v", "g", "beta", "raw_qkv")
-
-    def __init__(self, store_dtype: torch.dtype = torch.float32):
-        super().__init__(store_dtype)
-        self._store: dict[int, dict[str, torch.Tensor]] = {}
-
-    @classmethod
-    def bytes_per_token(cls, shape: LayerShape, elem_bytes: int) -> int:
-        return projection_bytes_per_token(shape, elem_bytes)
-
-    def projections(self, index: int) -> dict[str, torch.Tensor]:
-        """The stored tensors of KDA layer ``index`` (k, v, g, beta, raw_qkv; ``[1, T, ...]``)."""
-        return self._store[index]
-
-    def _record_layer(self, index: int, layer: KDALayer, base: KDACache, aux: KDAAux) -> None:
-        self._store[index] = {f: owned(getattr(aux, f), self.store_dtype) for f in self.FIELDS}
-
-    def _commit_layer(self, index: int, layer: KDALayer, base: KDACache, num_tokens: int) -> KDACache:
-        p = {f: t[:, :num_tokens] for f, t in self._store[index].items()}     # accepted tokens only
-        # the state does not depend on q; kda_recurrent runs the same per-token _step as the verify
-        _, state = kda_recurrent(torch.zeros_like(p["k"]), p["k"], p["v"], p["g"], p["beta"], base.recurrent)
-        return KDACache(state, conv_window_after(base.conv, p["raw_qkv"], num_tokens))
-
-    def _release(self) -> None:
-        self._store = {}
-
-    def _buffers(self) -> list[torch.Tensor]:
-        return [t for d in self._store.values() for t in d.values()]
-
-    def check_integrity(self) -> None:
-        super().check_integrity()
-        if not self._check_layer_buffers(self._store):
-            return
-        valid = self._valid_tokens
-        for i, p in self._store.items():
-            assert all(t.shape[1] == self._num_tokens for t in p.values()), f"layer {i}: wrong token count"
-            assert bool((p["g"][:, :valid] <= 0).all()), f"layer {i}: log decay g must be <= 0"
-            beta = p["beta"][:, :valid]
-            assert bool(((beta >= 0) & (beta <= 1)).all()), f"layer {i}: beta outside [0, 1]"
+from serve.spec.projection import ProjectionReplay
+from serve.spec.raw_input_ring import RawInputRing
+from serve.spec.rollback import RollbackStrategy
+from serve.spec.snapshot import SnapshotRollback
 
 
 class DecodeState(NamedTuple):
@@ -187,6 +138,77 @@ def verify_and_replay(model: HybridLM, state: DecodeState, draft_tokens: Sequenc
                         (t1 - t0) * 1e3, (t3 - t2) * 1e3, strategy.forced_commit, emitted_logits)
 
 
+# ---- the one speculative loop: propose -> verify_and_replay -> extend, under one draft budget ----
+
+def draft_budget(num_draft_tokens: int, consumed: int, tokens_left: int, boundary: int | None = None) -> int:
+    """Drafts allowed in one step: at most n; at most ``tokens_left - 1`` (a step emits accepted + 1
+    tokens, so it never emits more than asked); and while the cache (``consumed`` tokens) is below
+    ``boundary`` (the engine's end-checkpoint boundary), at most ``boundary - consumed - 1`` so the commit
+    (at most n + 1 tokens) lands on the boundary, not past it: the state published there is the state
+    after exactly that many accepted tokens."""
+    n = min(num_draft_tokens, tokens_left - 1)
+    if boundary is not None and consumed < boundary:
+        n = min(n, boundary - consumed - 1)
+    return max(0, n)
+
+
+def speculative_step(model: HybridLM, cache: HybridCache, history: Sequence[int], proposer: DraftProposer,
+                     strategy: RollbackStrategy, num_drafts: int,
+                     before_verify: Callable[[DecodeState, list[int]], None] | None = None,
+                     before_commit: Callable[[RollbackStrategy, int], None] | None = None) -> VerifyResult:
+    """One step: draft up to ``num_drafts`` tokens after ``history`` (prompt + outputs; its last token is
+    not yet in ``cache``), then :func:`verify_and_replay`. ``before_verify(state, drafts)`` runs between
+    the proposal and the verify (page 02 aborts a verify there, as a preemption would);
+    ``before_commit`` is passed on. Returns the :class:`VerifyResult`."""
+    drafts = proposer.propose(list(history), num_drafts)[:num_drafts]
+    state = DecodeState(cache, int(history[-1]))
+    if before_verify is not None:
+        before_verify(state, drafts)
+    return verify_and_replay(model, state, drafts, strategy, before_commit)
+
+
+class SpecStep(NamedTuple):
+    """One step of :func:`speculate`: its index, the committed state it started from, its result
+    (``result.state`` is the state after it)."""
+
+    step: int
+    before: DecodeState
+    result: VerifyResult
+
+
+def speculate(model: HybridLM, state: DecodeState, history: Sequence[int], proposer: DraftProposer,
+              strategy: RollbackStrategy, num_draft_tokens: int, num_tokens: int,
+              before_verify: Callable[[DecodeState, list[int]], None] | None = None,
+              before_commit: Callable[[RollbackStrategy, int], None] | None = None) -> Iterator[SpecStep]:
+    """The speculative loop: emit exactly ``num_tokens`` more tokens after ``history``, one
+    :func:`speculative_step` per iteration with :func:`draft_budget` drafts, yielding each step.
+
+    Args:
+        state: committed caches and ``last_token == history[-1]`` (batch 1). history: prompt + tokens
+        emitted so far. num_draft_tokens: n >= 0 drafts per step at most. num_tokens: tokens still to emit
+        (>= 0). before_verify / before_commit: the experiment hooks of :func:`speculative_step`.
+
+    Raises:
+        ValueError: ``num_draft_tokens`` or ``num_tokens`` not an int >= 0, or ``history[-1]`` is not
+        ``state.last_token``.
+    """
+    if not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
+        raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}")
+    if not isinstance(num_tokens, int) or num_tokens < 0:
+        raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    history = [int(t) for t in history]
+    if not history or history[-1] != int(state.last_token):
+        raise ValueError("history must end with state.last_token (emitted, not yet fed to the model)")
+    step = 0
+    while num_tokens > 0:
+        n = draft_budget(num_draft_tokens, state.cache.num_tokens, num_tokens)
+        res = speculative_step(model, state.cache, history, proposer, strategy, n, before_verify, before_commit)
+        yield SpecStep(step, state, res)
+        history.extend(res.emitted_tokens)
+        num_tokens -= len(res.emitted_tokens)
+        state, step = res.state, step + 1
+
+
 class StepRecord(NamedTuple):
     """One speculative step of :func:`speculative_generate`.
 
@@ -204,6 +226,12 @@ class StepRecord(NamedTuple):
     verify_ms: float
     commit_ms: float
     forced_commit: bool
+
+    @classmethod
+    def of(cls, step: SpecStep) -> StepRecord:
+        r = step.result
+        return cls(step.step, step.before.cache.num_tokens, len(r.draft_tokens), r.num_accepted,
+                   len(r.emitted_tokens), r.rollback_bytes, r.verify_ms, r.commit_ms, r.forced_commit)
 
 
 class SpecResult(NamedTuple):
@@ -226,33 +254,48 @@ def speculative_generate(model: HybridLM, prompt: torch.Tensor, max_new_tokens: 
                          strategy: RollbackStrategy, num_draft_tokens: int) -> SpecResult:
     """Greedy generation of ``max_new_tokens`` with speculation; output equals ``model.generate``.
 
-    Each step drafts ``min(num_draft_tokens, tokens still to emit - 1)`` tokens (never emits more
-    than asked). Raises ValueError for ``max_new_tokens < 1`` or ``num_draft_tokens < 0``.
+    Prefill, then :func:`speculate` for the other ``max_new_tokens - 1`` tokens. Raises ValueError for
+    ``max_new_tokens < 1`` or ``num_draft_tokens < 0``.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
-        raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}")
     state = prefill_state(model, prompt)
     history = torch.as_tensor(prompt).reshape(-1).tolist() + [state.last_token]
     out, steps = [state.last_token], []
-    while len(out) < max_new_tokens:
-        n = min(num_draft_tokens, max_new_tokens - len(out) - 1)
-        drafts = proposer.propose(history, n)[:n]
-        res = verify_and_replay(model, state, drafts, strategy)
-        steps.append(StepRecord(len(steps), state.cache.num_tokens, len(drafts), res.num_accepted,
-                                len(res.emitted_tokens), res.rollback_bytes, res.verify_ms, res.commit_ms,
-                                res.forced_commit))
-        out.extend(res.emitted_tokens)
-        history.extend(res.emitted_tokens)
-        state = res.state
+    for step in speculate(model, state, history, proposer, strategy, num_draft_tokens, max_new_tokens - 1):
+        steps.append(StepRecord.of(step))
+        out.extend(step.result.emitted_tokens)
+        state = step.result.state
     return SpecResult(out, state, steps)
 
 
-# ---- inside the serving engine: one speculative step on a request's cache, and its draft budget ----
-# The draft budget never lets the committed cache jump over the boundary where the request's end
-# checkpoint goes, so the state published there is the state after the last *accepted* token at exactly
-# that boundary; the engine commits the emitted tokens to the request before it publishes.
+# ---- the one strategy factory, and the engine's speculation settings ----
+
+STRATEGIES: dict[str, type[RollbackStrategy]] = {
+    SnapshotRollback.name: SnapshotRollback, ProjectionReplay.name: ProjectionReplay, RawInputRing.name: RawInputRing}
+
+
+def make_strategy(name: str, window: int, capacity: int | None = None,
+                  store_dtype: torch.dtype = torch.float32) -> RollbackStrategy:
+    """A fresh rollback strategy by display name (a key of ``STRATEGIES``).
+
+    Args:
+        name: ``"snapshot"``, ``"projection replay"`` or ``"raw-input ring"``.
+        window: the longest verify (1 + n drafts, tokens) it must roll back; the ring's rollback window.
+        capacity: ring slots (default ``window``: room for exactly one verify); only the ring uses it.
+        store_dtype: dtype of the stored buffers (fp32 keeps the commit bitwise exact).
+
+    Raises:
+        ValueError: an unknown name, ``window`` not an int >= 1, or (ring) ``capacity < window``.
+    """
+    if name not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {tuple(STRATEGIES)}, got {name!r}")
+    if not isinstance(window, int) or window < 1:
+        raise ValueError(f"window must be an int >= 1 (verify tokens), got {window!r}")
+    if name == RawInputRing.name:
+        return RawInputRing(window if capacity is None else capacity, window, store_dtype)
+    return STRATEGIES[name](store_dtype)
+
 
 class Speculation(NamedTuple):
     """Engine speculation settings: ``proposer(prompt) -> DraftProposer`` (one per request),
@@ -262,21 +305,11 @@ class Speculation(NamedTuple):
     strategy: Callable[[], RollbackStrategy]
     num_draft_tokens: int
 
-
-def draft_budget(num_draft_tokens: int, consumed: int, tokens_left: int, boundary: int | None) -> int:
-    """Drafts allowed in one step: at most n; at most ``tokens_left - 1`` (a step emits accepted + 1
-    tokens); and while the cache (``consumed`` tokens) is below ``boundary``, at most
-    ``boundary - consumed - 1`` so the commit (at most n + 1 tokens) lands on the boundary, not past it."""
-    n = min(num_draft_tokens, tokens_left - 1)
-    if boundary is not None and consumed < boundary:
-        n = min(n, boundary - consumed - 1)
-    return max(0, n)
-
-
-def speculative_step(model: HybridLM, cache: HybridCache, history: Sequence[int], proposer: DraftProposer,
-                     strategy: RollbackStrategy, num_drafts: int) -> VerifyResult:
-    """Draft up to ``num_drafts`` tokens after ``history`` (prompt + outputs; its last token is not yet in
-    ``cache``), verify, accept greedily and commit. Returns the :class:`VerifyResult` (emitted tokens
-    and their logits ``[a + 1, 256]`` fp32)."""
-    drafts = proposer.propose(list(history), num_drafts)[:num_drafts]
-    return verify_and_replay(model, DecodeState(cache, int(history[-1])), drafts, strategy)
+    @classmethod
+    def named(cls, proposer: Callable[[list[int]], DraftProposer], strategy: str, num_draft_tokens: int,
+              capacity: int | None = None, store_dtype: torch.dtype = torch.float32) -> Speculation:
+        """Settings whose strategies come from :func:`make_strategy` with a window of one verify
+        (``1 + num_draft_tokens``). Raises ValueError as :func:`make_strategy` does, at once."""
+        make_strategy(strategy, num_draft_tokens + 1, capacity, store_dtype)
+        return cls(proposer, functools.partial(make_strategy, strategy, num_draft_tokens + 1, capacity, store_dtype),
+                   num_draft_tokens)

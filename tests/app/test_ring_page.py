@@ -20,8 +20,9 @@ def test_write_backs_text_equals_chart_marks(values):
 
 
 def test_full_ring_gets_one_head_tail_label():
-    """Regression: with the ring full, separate "head" and "tail" labels were drawn on one slot."""
-    at = open_page(PAGE)
+    """Regression: with the ring full, separate "head" and "tail" labels were drawn on one slot.
+    (Capacity = window = 6 leaves the ring full after the 40-token run.)"""
+    at = open_page(PAGE, p04_capacity=6, p04_window=6)
     labels = [a["text"] for a in chart_spec(at, "p04_slots_chart")["layout"]["annotations"]]
     assert labels == ["head = tail (ring full)"]
 

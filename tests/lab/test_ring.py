@@ -2,7 +2,16 @@
 the ring run reports write-backs and the overflow path."""
 import pytest
 
-from lab.ring import WIDTHS, bytes_vs_draft, commit_times, head_tail_labels, ring_model, ring_run, tradeoff_table
+from lab.ring import (
+    WIDTHS,
+    bytes_vs_draft,
+    commit_times,
+    head_tail_labels,
+    ring_model,
+    ring_page,
+    ring_run,
+    tradeoff_table,
+)
 from serve.spec.raw_input_ring import RawInputRing
 from serve.spec.rollback import (
     LayerShape,
@@ -58,6 +67,25 @@ def test_ring_run_write_backs_exclude_the_overflow_probe(model):
     assert run.steps[-1]["slots_in_use"] == 6                      # full after the run
     assert "after a forced write-back" in run.overflow and run.overflow.startswith("fits")
     assert run.num_write_backs == sum(s["forced_write_back"] for s in run.steps) == 1
+
+
+def test_ring_run_emits_exactly_the_run_length(model):
+    """The run goes through the one speculative loop and its draft budget: it never over-emits (the
+    prefill token plus accepted + 1 per step is exactly max_new_tokens)."""
+    for max_new in (9, 12, 13):
+        run = ring_run(model, capacity=8, window=5, requested_draft=4, acceptance=1.0, max_new_tokens=max_new)
+        assert 1 + sum(s["accepted"] + 1 for s in run.steps) == max_new
+
+
+def test_ring_page_is_the_parts(model):
+    """Page 04's one call returns what the separate experiments return for the same arguments."""
+    page = ring_page(model, capacity=6, window=4, num_draft=2)
+    assert page.bytes_rows == bytes_vs_draft(model, 16)
+    assert {(r["accepted"], r["strategy"]) for r in page.commit_rows} == {
+        (a, s) for a in range(3) for s in ("snapshot", "projection replay", "raw-input ring")}
+    assert [t["strategy"] for t in page.tradeoff] == ["snapshot", "projection replay", "raw-input ring"]
+    assert page.run == ring_run(model, 6, 4, 2)
+    assert page.labels == head_tail_labels(page.run.slots)
 
 
 def test_head_tail_labels():

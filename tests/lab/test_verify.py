@@ -1,10 +1,7 @@
 """Page 02's experiment: every mode stays bitwise exact, and its checks report what they claim."""
-import sys
-import types
-
 import pytest
 
-from lab.verify import MODES, STRATEGIES, built_by_loaded_code, make_strategy, run_verify_lab
+from lab.verify import MODES, STRATEGIES, run_verify_lab
 from tests.serve.spec.helpers import model, one_thread
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -40,20 +37,8 @@ def test_run_verify_lab_validation(model):
     with pytest.raises(ValueError, match="mode"):
         run_verify_lab(model, 2, 0.5, STRATEGIES[0], 0, mode="chaos")
     with pytest.raises(ValueError, match="strategy"):
-        make_strategy("magic", 2)
+        run_verify_lab(model, 2, 0.5, "magic", 0)
     with pytest.raises(ValueError, match="abort_tokens"):
         run_verify_lab(model, 2, 0.5, STRATEGIES[0], 0, mode="interrupted", abort_tokens=4)
     with pytest.raises(ValueError, match="corrupt_position"):
         run_verify_lab(model, 2, 0.5, STRATEGIES[0], 0, corrupt_position=3)
-
-
-def test_built_by_loaded_code(model, monkeypatch):
-    """A model cached across a Streamlit source reload (its module re-imported, so its class replaced)
-    must read as stale: it would hand old-class KDACache objects to the new code (AttributeError)."""
-    assert built_by_loaded_code(model)
-    reloaded = types.ModuleType(type(model).__module__)
-    reloaded.HybridLM = type("HybridLM", (), {})                 # the re-imported module's new class
-    monkeypatch.setitem(sys.modules, type(model).__module__, reloaded)
-    assert not built_by_loaded_code(model)
-    monkeypatch.delitem(sys.modules, type(model).__module__)
-    assert not built_by_loaded_code(model)

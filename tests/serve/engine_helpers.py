@@ -12,16 +12,10 @@ from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
 from serve.prefix.index import block_keys
 from serve.spec.draft import NoisyOracleProposer
-from serve.spec.raw_input_ring import RawInputRing
-from serve.spec.snapshot import SnapshotRollback
-from serve.spec.verify import ProjectionReplay, Speculation
+from serve.spec.verify import Speculation
 from tests.serve.prefix.helpers import tiny_model
+from tests.serve.spec.helpers import STRATEGY_NAMES as STRATEGIES  # test id -> strategy name
 
-STRATEGIES = {
-    "snapshot": SnapshotRollback,
-    "projection": ProjectionReplay,
-    "ring": lambda: RawInputRing(capacity=24, window=8),
-}
 # A checkpoint comes from chunked prefill states, verify + rollback commits and decode steps; the
 # reference is one chunked prefill of the same tokens. fp32 paths differ by ~1e-6 here, while the
 # states after n - 1, n and n + 1 tokens differ by ~1: "equal" within this, "exactly n" in effect.
@@ -32,8 +26,8 @@ def oracle_speculation(references: dict, strategy: str, corrupt_prob: float, num
                        seed: int = 1) -> Speculation:
     """Noisy-oracle drafts: ``references`` maps a prompt (tuple) to its greedy continuation; each draft
     token is corrupted with probability ``corrupt_prob`` (0: every draft accepted, 1: none)."""
-    return Speculation(lambda p: NoisyOracleProposer(p, list(references[tuple(p)]), corrupt_prob, seed),
-                       STRATEGIES[strategy], num_draft_tokens)
+    return Speculation.named(lambda p: NoisyOracleProposer(p, list(references[tuple(p)]), corrupt_prob, seed),
+                             STRATEGIES[strategy], num_draft_tokens, capacity=24)
 
 
 def spec_engine(speculation: Speculation, block_size: int = 16, interval: int | None = None,

@@ -6,12 +6,12 @@ import torch
 
 from kda_core.config import PRESETS
 from kda_core.model import HybridCache, HybridLM
-from serve.spec.raw_input_ring import RawInputRing
-from serve.spec.snapshot import SnapshotRollback
-from serve.spec.verify import DecodeState, ProjectionReplay, prefill_state
+from serve.spec import verify as spec_verify
+from serve.spec.verify import DecodeState, prefill_state
 
 PROMPT = torch.tensor([72, 101, 108, 108, 111, 32, 75, 68, 65, 32, 115, 101, 114, 118, 101, 32, 108, 97, 98, 33])
-STRATEGY_IDS = ["snapshot", "projection", "ring"]
+STRATEGY_NAMES = {"snapshot": "snapshot", "projection": "projection replay", "ring": "raw-input ring"}  # id -> name
+STRATEGY_IDS = list(STRATEGY_NAMES)
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +35,9 @@ def start(model) -> DecodeState:
 
 
 def make_strategy(kind: str, store_dtype: torch.dtype = torch.float32):
-    """A fresh strategy; the ring gets room for several steps and a window of 8 verify tokens."""
-    if kind == "snapshot":
-        return SnapshotRollback(store_dtype)
-    if kind == "projection":
-        return ProjectionReplay(store_dtype)
-    return RawInputRing(capacity=24, window=8, store_dtype=store_dtype)
+    """A fresh strategy from :func:`serve.spec.verify.make_strategy`; the ring gets a window of 8 verify
+    tokens and room for 24 (several steps)."""
+    return spec_verify.make_strategy(STRATEGY_NAMES[kind], 8, 24, store_dtype)
 
 
 def tiny_model() -> HybridLM:

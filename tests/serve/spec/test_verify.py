@@ -9,15 +9,19 @@ from hypothesis import strategies as st
 from kda_core.config import PRESETS
 from kda_core.model import HybridLM, cache_equal
 from serve.spec.draft import NgramProposer, NoisyOracleProposer
+from serve.spec.projection import ProjectionReplay
 from serve.spec.reference import cache_max_abs_diff, clone_cache, closed_form_states, corrections
 from serve.spec.verify import (
+    STRATEGIES,
     DecodeState,
-    ProjectionReplay,
+    Speculation,
     greedy_accept,
+    speculate,
     speculative_generate,
     verify,
     verify_and_replay,
 )
+from serve.spec.verify import make_strategy as spec_make_strategy
 from tests.serve.spec.helpers import (
     PROMPT,
     STRATEGY_IDS,
@@ -242,3 +246,45 @@ def test_random_step_sequences_match_sequential(model, start, kind, plan):
         assert cache_equal(res.state.cache, ref_caches[a])
         assert torch.equal(res.logits, _decode_logits(model, state, [state.last_token, *target[:a]]))
         state = res.state
+
+
+def test_make_strategy_is_the_one_factory():
+    """Every strategy by its display name; the ring's window and capacity; bad input named."""
+    assert [type(make_strategy(k)).__name__ for k in STRATEGY_IDS] == [c.__name__ for c in STRATEGIES.values()]
+    ring = spec_make_strategy("raw-input ring", 5)
+    assert (ring.window, ring.capacity) == (5, 5)                            # default: room for one verify
+    ring = spec_make_strategy("raw-input ring", 5, capacity=20, store_dtype=torch.bfloat16)
+    assert (ring.window, ring.capacity, ring.store_dtype) == (5, 20, torch.bfloat16)
+    assert spec_make_strategy("snapshot", 3, capacity=99).store_dtype == torch.float32   # capacity: ring only
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        spec_make_strategy("snapshots", 3)
+    with pytest.raises(ValueError, match="window"):
+        spec_make_strategy("projection replay", 0)
+    with pytest.raises(ValueError, match="window"):
+        spec_make_strategy("raw-input ring", 5, capacity=4)
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        Speculation.named(NgramProposer, "ring", 4)                         # raised at once, not per request
+    spec = Speculation.named(lambda p: NgramProposer(), "raw-input ring", 4, capacity=12)
+    a, b = spec.strategy(), spec.strategy()
+    assert a is not b and (a.window, a.capacity) == (5, 12)                 # fresh per request, window 1 + n
+
+
+def test_speculate_hooks_and_budget(model, start):
+    """The one loop: each step starts where the last ended, ``before_verify`` sees the committed state and
+    the drafts about to be verified, ``before_commit`` the accepted count; it emits exactly num_tokens."""
+    history = PROMPT.tolist() + [start.last_token]
+    seen_verify, seen_commit = [], []
+    steps = list(speculate(model, start, history, NgramProposer(), make_strategy("projection"), N_DRAFT, 11,
+                           before_verify=lambda s, d: seen_verify.append((s, list(d))),
+                           before_commit=lambda st_, a: seen_commit.append(a)))
+    assert sum(len(s.result.emitted_tokens) for s in steps) == 11
+    assert [s.step for s in steps] == list(range(len(steps)))
+    for prev, step in zip(steps, steps[1:]):
+        assert step.before is prev.result.state
+    assert [(s.before, list(s.result.draft_tokens)) for s in steps] == seen_verify
+    assert [s.result.num_accepted for s in steps] == seen_commit
+    assert list(speculate(model, start, history, NgramProposer(), make_strategy("projection"), N_DRAFT, 0)) == []
+    with pytest.raises(ValueError, match="history must end"):
+        next(speculate(model, start, history[:-1], NgramProposer(), make_strategy("projection"), N_DRAFT, 3))
+    with pytest.raises(ValueError, match="num_tokens"):
+        next(speculate(model, start, history, NgramProposer(), make_strategy("projection"), N_DRAFT, -1))
