@@ -18,11 +18,12 @@ def _children() -> list[int]:
 
 @pytest.mark.parametrize("variant", ["allgather", "ring"])
 def test_fork_ranks_exact_and_gone(variant):
+    before = set(_children())          # e.g. a forkserver an earlier test of this process started
     ref = single_rank(KCPConfig(world_size=1, **SMALL))
     rows = compare_with(KCPConfig(world_size=3, variant=variant, **SMALL), ref)
     assert max(max(r.max_abs_err_o, 0.0) for r in rows) <= 1e-5          # fp32, chunked vs split sums
     assert rows[-1].max_abs_err_state <= 1e-5
-    assert _children() == [], "a rank (or a forkserver) outlived the run"
+    assert set(_children()) <= before, "a rank (or a forkserver) outlived the run"
 
 
 def _one(rank, world_size):
