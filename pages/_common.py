@@ -8,6 +8,7 @@
   kept across page switches: pass it together with ``persist_state="session"`` (Streamlit 1.67).
   Pass the widget's options or bounds too: a stored value that breaks them falls back to the default. Selectboxes: use display strings
   as options (no ``format_func``; AppTest cannot evaluate it).
+- ``upload_parts(upload)``: ``(bytes, file name)`` of an ``st.file_uploader`` value, hashable for ``st.cache_data``.
 
 Importing this module also routes a legacy deep link to ``st.navigation`` (see
 :func:`_route_legacy_deep_link`).
@@ -119,3 +120,12 @@ def engine_call(fn, *args, **kwargs):
     except UserFacingErrors as exc:
         st.error(f"{type(exc).__name__}: {exc}")
         st.stop()
+
+
+def upload_parts(upload) -> tuple[bytes | None, str]:
+    """``(content bytes, file name)`` of an uploaded file (anything with ``getvalue()`` and ``name``,
+    e.g. a Streamlit ``UploadedFile``), or ``(None, "")`` without one. An empty file gives ``b""``,
+    not None, so the loaders can report it instead of silently falling back to a default trace."""
+    if upload is None:
+        return None, ""
+    return upload.getvalue(), str(getattr(upload, "name", "") or "uploaded file")
