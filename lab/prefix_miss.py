@@ -70,13 +70,16 @@ def prefix_miss(prompt_tokens: int, next_shared: int, block_size: int, interval:
     trace, note, _ = page_trace(upload, num_requests, name=upload_name, max_total_blocks=PREFIX_SIM_TRACE_BLOCKS)
     chosen = MOONCAKE_BLOCK_TOKENS * every_blocks
     total = 1 + len(CAPACITY_FRACTIONS) + 2 * len(INTERVALS)
-    rows: dict = {}
+    rows: dict = {}  # (interval, capacity) -> row: a run asked for twice is replayed once
+    done = 0
 
     def replay(c: int, capacity: float | None) -> dict:
+        nonlocal done
         if (c, capacity) not in rows:
             rows[c, capacity] = replay_row(trace, preset, c, trace_groups, capacity)
+        done += 1
         if progress is not None:
-            progress(min(len(rows), total), total)
+            progress(done, total)
         return rows[c, capacity]
 
     points = capacity_points(replay(chosen, None))
