@@ -16,7 +16,7 @@ raw-input ring          lab/ring.py              ring_run                  04   
 page pool workload      lab/pool.py              simulate                  05          tests/lab/test_pool.py
 pool timing             lab/pool_timing.py       latency_histogram         05, 06      tests/lab/test_pool_timing.py
 MLA paging              lab/mla_paging.py        page_table_demo           06          tests/lab/test_mla_paging.py
-prefix anatomy          lab/prefix.py            anatomy_view              07          tests/lab/test_prefix_pages.py
+prefix anatomy          lab/prefix_anatomy.py    anatomy_view              07          tests/lab/test_prefix_pages.py
 prefix hit              lab/prefix.py            prefix_hit                08          tests/lab/test_prefix_pages.py
 prefix miss + replays   lab/prefix_miss.py       prefix_miss               09          tests/lab/test_prefix_miss.py
 KCP context parallel    lab/kcp.py               kcp_experiment            10          tests/lab/test_kcp.py

@@ -2,7 +2,7 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.prefix import anatomy_view
+from lab.prefix_anatomy import anatomy_view
 from pages._common import engine_call, persist, show_chart
 
 st.title("Prefix cache anatomy")

@@ -1,7 +1,8 @@
 """lab.prefix's page calls (home page, 07, 08): one call returns frames consistent with the engine runs."""
 import pytest
 
-from lab.prefix import PHASE_RUNS, anatomy, anatomy_view, home, prefix_hit
+from lab.prefix import PHASE_RUNS, anatomy, home, prefix_hit
+from lab.prefix_anatomy import anatomy_view
 
 
 def test_prefix_hit_frames():
