@@ -1,0 +1,33 @@
+"""The experiment layer: one module per page topic, imported only by ``pages/`` and ``bench/``.
+
+Each page makes ONE (cached) call into its module, which runs the real ``kda_core`` / ``serve`` code and
+returns plain data (pandas frames, frozen dataclasses, NamedTuples) for all of the page's charts. A lab
+module never imports Streamlit or a page; ``serve`` never imports ``lab`` (``tests/test_layers.py`` pins it).
+Progress is reported through a callback argument, never through module-global state.
+
+======================  =======================  ========================  ==========  ==================================
+concept (page topic)    file                     main function             page        test
+======================  =======================  ========================  ==========  ==================================
+cold vs warm prefix     lab/prefix.py            home                      00 home     tests/lab/test_prefix_pages.py
+rollback bytes          lab/rollback.py          measure_layer_bytes       01          tests/serve/spec/test_rollback.py
+verify and replay       lab/verify.py            run_verify_lab            02          tests/lab/test_verify.py
+state vs KV cache       lab/state_vs_kv.py       state_vs_kv               03          tests/lab/test_state_vs_kv.py
+raw-input ring          lab/ring.py              ring_run                  04          tests/lab/test_ring.py
+page pool workload      lab/pool.py              simulate                  05          tests/lab/test_pool.py
+pool timing             lab/pool_timing.py       latency_histogram         05, 06      tests/lab/test_pool_timing.py
+MLA paging              lab/mla_paging.py        page_table_demo           06          tests/lab/test_mla_paging.py
+prefix anatomy          lab/prefix_anatomy.py    anatomy_view              07          tests/lab/test_prefix_pages.py
+prefix hit              lab/prefix.py            prefix_hit                08          tests/lab/test_prefix_pages.py
+prefix miss + replays   lab/prefix_miss.py       prefix_miss               09          tests/lab/test_prefix_miss.py
+KCP context parallel    lab/kcp.py               kcp_experiment            10          tests/lab/test_kcp.py
+fleet hashing           lab/fleet_hashing.py     fleet_hashing             11          tests/lab/test_fleet_pages.py
+fleet scaling           lab/fleet_scaling.py     fleet_scaling             12          tests/lab/test_fleet_pages.py
+fleet budgets           lab/budgets.py           budget_page               13          tests/lab/test_fleet.py
+fleet simulation        lab/fleet_simulation.py  fleet_simulation          14          tests/lab/test_fleet_pages.py
+fleet building blocks   lab/fleet.py             page_trace, routing_load  11-14       tests/lab/test_fleet.py
+one torch thread        lab/threads.py           one_thread                (all)       (used by every measured run)
+======================  =======================  ========================  ==========  ==================================
+
+Pages 01, 02, 04, 05 and 06 are still being reduced to one call (``tests/test_layers.py``,
+``PAGES_NOT_YET_THIN``); their main function above is the one they call today.
+"""

@@ -8,19 +8,30 @@ rescaled into the burst window). Prompts share no prefix (block ids are fresh).
 
 "Without isolation" = FCFS, no buckets. "With isolation" = the classes' token buckets at admission
 and the VTC scheduler with the classes' weights on every replica.
+
+:func:`budget_page` assembles page 13's scenario from its widgets in one call. The scenario's fixed numbers
+are below, each named; they are this lab's choices (not measurements), except the replica service model,
+which is the VTC artifact's A10G calibration (:func:`serve.fleet.vtc.on_off_less_service`) sped up by
+assumed factors that the page states.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
+import pandas as pd
 
+from lab.fleet import PAGE_TRACE_BLOCKS, default_service, results_frame
+from serve.azure_trace import read_azure_csv
 from serve.fleet.budgets import PriorityClass
-from serve.fleet.sim_types import FleetConfig, FleetRequest, SimResult, fresh_block_requests
+from serve.fleet.service_model import ServiceModel
+from serve.fleet.sim_types import FleetConfig, FleetRequest, SimResult, fresh_block_requests, percentile
 from serve.fleet.simulation import simulate
-from serve.traces import TraceRequest
+from serve.fleet.vtc import on_off_less_service, replay_on_off_less
+from serve.traces import TraceRequest, named_bytes
 
 
 class Stream(NamedTuple):
@@ -102,11 +113,6 @@ def run_budget_scenario(requests: Sequence[FleetRequest], classes: Sequence[Prio
 def budget_frames(run: BudgetRun, classes: Sequence[PriorityClass]):
     """DataFrames for page 13: (per-request TTFT of completed requests with an ``isolation`` column,
     per-class P50/P99 TTFT for both runs, cumulative admitted tokens vs each bucket's budget line)."""
-    import pandas as pd
-
-    from lab.fleet import results_frame
-    from serve.fleet.sim_types import percentile
-
     frames = []
     for label, sim in (("without isolation", run.without), ("with isolation", run.with_isolation)):
         df = results_frame(sim)
@@ -130,3 +136,97 @@ def budget_frames(run: BudgetRun, classes: Sequence[PriorityClass]):
                 budget_rows.append({"class": c.name, "time_s": adm.time_ms / 1000.0, "admitted_tokens": admitted,
                                     "budget_tokens": c.burst_tokens + c.rate_tokens_per_s * adm.time_ms / 1000.0})
     return per_request, pd.DataFrame(summary), pd.DataFrame(budget_rows)
+
+
+# The scenario of page 13 (lab choices: a latency-sensitive small class, a standard class and a batch class
+# with long prompts; lengths in tokens, rates in requests/s).
+DURATION_S = 120.0  # simulated traffic (s)
+BURST_START_S = 30.0  # the burst starts after 30 s of steady traffic, so the "before" state is settled
+VIP_TOKENS = (256, 64)  # VIP prompt / output tokens: short interactive requests
+STANDARD_TOKENS = (1024, 128)  # standard prompt / output tokens; also a burst request's
+BATCH = Stream("batch", 0.5, 2048, 256)  # steady batch traffic: long prompts, long outputs
+BATCH_WEIGHT = 0.5  # VTC weight of the batch class (half a standard request's share)
+BATCH_RATE_TOKENS_PER_S = 3000.0  # batch bucket: refill rate (prompt + output tokens per s) ...
+BATCH_BURST_TOKENS = 20000.0  # ... and depth (tokens)
+STANDARD_BURST_S = 5.0  # standard bucket depth = 5 s of its refill rate
+# Replicas: the VTC artifact's A10G FCFS calibration sped up by ASSUMED factors (prefill x8, decode x5) so a
+# few replicas carry the steady load, with KV room for 400,000 tokens (a larger GPU); the page says so.
+PREFILL_SPEEDUP, DECODE_SPEEDUP, KV_CAPACITY_TOKENS = 8.0, 5.0, 400_000
+ROUTER = "least_loaded"  # no prefix is shared (fresh block ids), so routing is by load only
+BURST_CLASSES = ("standard", "batch", "vip")
+
+
+def budget_classes(vip_weight: float, standard_rate_tokens_per_s: float) -> tuple[PriorityClass, ...]:
+    """The three classes: VIP (weight ``vip_weight``, no bucket), standard (weight 1, a bucket of
+    ``standard_rate_tokens_per_s`` refilled, :data:`STANDARD_BURST_S` seconds deep), batch (see above)."""
+    return (PriorityClass("vip", float(vip_weight)),
+            PriorityClass("standard", 1.0, rate_tokens_per_s=float(standard_rate_tokens_per_s),
+                          burst_tokens=STANDARD_BURST_S * standard_rate_tokens_per_s),
+            PriorityClass("batch", BATCH_WEIGHT, rate_tokens_per_s=BATCH_RATE_TOKENS_PER_S,
+                          burst_tokens=BATCH_BURST_TOKENS))
+
+
+def budget_service() -> ServiceModel:
+    """One replica of the scenario (see :data:`PREFILL_SPEEDUP`)."""
+    return default_service(on_off_less_service(), PREFILL_SPEEDUP, DECODE_SPEEDUP, KV_CAPACITY_TOKENS)
+
+
+@dataclass(frozen=True)
+class BudgetPage:
+    """Everything page 13 draws.
+
+    per_request / summary / budget: :func:`budget_frames` (ms, tokens, s); service_source: what the replicas
+    are calibrated on; num_requests: all requests; burst_requests: burst requests actually in them; note:
+    what an Azure file's budget cut or why the burst is smaller ("" if nothing); duration_s /
+    burst_start_s: the scenario's times; vtc: the VTC artifact comparison, one row per (scheduler, client)
+    with P50/P99 TTFT measured and ours (s) and a readable ``client``; vtc_throughput_measured /
+    vtc_throughput_ours: req/s per scheduler."""
+
+    per_request: pd.DataFrame
+    summary: pd.DataFrame
+    budget: pd.DataFrame
+    service_source: str
+    num_requests: int
+    burst_requests: int
+    note: str
+    vtc: pd.DataFrame
+    vtc_throughput_measured: dict
+    vtc_throughput_ours: dict
+    duration_s: float = DURATION_S
+    burst_start_s: float = BURST_START_S
+
+
+def vtc_frame() -> tuple[pd.DataFrame, dict, dict]:
+    """The VTC artifact's on_off_less suite against our simulator (:func:`serve.fleet.vtc.replay_on_off_less`)."""
+    cmp = replay_on_off_less()
+    vdf = pd.DataFrame([r._asdict() for r in cmp.rows])
+    vdf["client"] = vdf.client.map(lambda c: "light (0.5 req/s, on/off)" if c == cmp.light_client else "heavy (2 req/s)")
+    return vdf, dict(cmp.measured_throughput_rps), dict(cmp.ours_throughput_rps)
+
+
+def budget_page(vip_rate: float, standard_rate: float, vip_weight: float, standard_budget_tokens_per_s: float,
+                burst_class: str, burst_requests: int, burst_duration_s: float, num_replicas: int,
+                azure: bytes | None = None, azure_name: str = "uploaded file") -> BudgetPage:
+    """Page 13's scenario: steady VIP / standard / batch traffic, a burst of ``burst_requests`` of
+    ``burst_class`` from :data:`BURST_START_S` (uniform, or shaped by an Azure LLM trace CSV ``azure``), run
+    with and without isolation on ``num_replicas`` replicas; plus the VTC artifact comparison.
+
+    Raises: ValueError for an unknown burst class, bad rates or sizes, or a bad Azure file
+    (TraceFormatError naming the file and line)."""
+    if burst_class not in BURST_CLASSES:
+        raise ValueError(f"burst_class must be one of {BURST_CLASSES}, got {burst_class!r}")
+    classes = budget_classes(vip_weight, standard_budget_tokens_per_s)
+    steady = [Stream("vip", vip_rate, *VIP_TOKENS), Stream("standard", standard_rate, *STANDARD_TOKENS), BATCH]
+    shape, cut = None, ""
+    if azure is not None:
+        shape, cut, _ = read_azure_csv(named_bytes(azure, azure_name), max_requests=max(1, burst_requests),
+                                       max_total_blocks=PAGE_TRACE_BLOCKS)
+    traffic = budget_traffic(steady, DURATION_S, burst_class, burst_requests, BURST_START_S, float(burst_duration_s),
+                             *STANDARD_TOKENS, azure=shape)
+    service = budget_service()
+    run = run_budget_scenario(traffic.requests, classes, FleetConfig(service=service, num_replicas=num_replicas,
+                                                                     router=ROUTER, cache_capacity_blocks=0))
+    notes = (cut if burst_requests else "", traffic.note)  # with no burst the file is only checked: nothing "cut"
+    vdf, tp_measured, tp_ours = vtc_frame()
+    return BudgetPage(*budget_frames(run, classes), service.source, len(traffic.requests), traffic.burst_requests,
+                      " ".join(filter(None, notes)), vdf, tp_measured, tp_ours)

@@ -1,5 +1,6 @@
 """Numbers behind page 10: a measured KCP run as flat rows, a projection to more ranks built from the
-measured per-phase costs, and bytes per rank vs context for KCP against an MLA all-gather.
+measured per-phase costs, and bytes per rank vs context for KCP against an MLA all-gather;
+:func:`kcp_experiment` returns all of them for the page in one call (:class:`KcpExperiment`).
 
 Projection model (clearly a model, not a measurement): with N ranks and blocks of ``L = ceil(T / N)``
 tokens, per-token costs ``c_prepare, c_summary, c_scan, c_output`` (ms/token, measured) and a fold cost
@@ -17,15 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
+import pandas as pd
 import torch
 
-from kda_core.config import ModelConfig, dtype_bytes
+from kda_core.config import PRESETS, ModelConfig, dtype_bytes
 from serve.parallel.comm import PHASES
 from serve.parallel.halo import halo_bytes
 from serve.parallel.kcp import block_bounds, check_variant, exchange_bytes
-from serve.parallel.run import KCPConfig, KCPRun, run_kcp
+from serve.parallel.launch import host_limits
+from serve.parallel.run import KCPConfig, KCPRun, rank_peak_bytes, run_kcp
 
 
 class RankRow(NamedTuple):
@@ -181,5 +185,103 @@ def bytes_vs_context(cfg: ModelConfig, seq_lens: list[int], world_size: int, var
     return rows
 
 
-__all__ = ["PHASES", "BytesRow", "PhaseCosts", "Projection", "RankRow", "bytes_vs_context", "compare_with",
-           "phase_costs", "project", "rank_rows", "single_rank"]
+VARIANTS = {"all-gather (one collective)": "allgather", "ring (W−1 serial hops)": "ring"}
+MODELS = {"Kimi-Linear-48B-A3B": "kimi-linear-48b-a3b", "Kimi K3": "kimi-k3"}  # byte comparison models
+BANDWIDTHS_GBPS = (1, 5, 10, 25, 50, 100, 200, 400)  # interconnect options of the projection (GB/s)
+PROJECTED_WORLD_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
+BYTES_CONTEXTS = tuple(2 ** i for i in range(10, 21))  # prompt lengths of the byte comparison (tokens)
+TOLERANCE = 1e-5  # max |Δ| allowed vs the one-rank run: fp32 sums taken in another order across ranks
+RUN_TIMEOUT_S = 120  # deadline of one multi-process run on the page
+
+
+@dataclass(frozen=True)
+class KcpExperiment:
+    """Everything page 10 draws for one measured configuration.
+
+    single / ranks: :class:`RankRow` tuples of the one-rank baseline and of the ``world_size``-rank run
+    (errors vs the baseline); worst_error: max |Δ| over outputs and final state (fp32); single_ms /
+    slowest_ms / speedup: baseline time, slowest rank, their ratio; bytes: :class:`BytesRow` columns plus
+    ``model`` for every :data:`MODELS` value at ``max(world_size, 2)`` ranks (``bytes_world_size``);
+    models: the :class:`ModelConfig` of each; formula_sent / formula_received: the exchange bytes of the last
+    rank from :func:`serve.parallel.kcp.exchange_bytes` for the measured H, K, V; costs: the measured
+    :class:`PhaseCosts` (None with one rank); projection: :class:`Projection` columns plus ``bandwidth_gbps``
+    for every :data:`BANDWIDTHS_GBPS` (empty with one rank)."""
+
+    config: KCPConfig
+    single: tuple
+    ranks: tuple
+    worst_error: float
+    single_ms: float
+    slowest_ms: float
+    speedup: float
+    bytes: pd.DataFrame
+    bytes_world_size: int
+    models: dict
+    formula_sent: int
+    formula_received: int
+    costs: PhaseCosts | None
+    projection: pd.DataFrame
+    phases: tuple = PHASES
+    tolerance: float = TOLERANCE
+
+
+def kcp_experiment(seq_len: int, world_size: int, num_heads: int, head_k_dim: int, head_v_dim: int,
+                   variant: str, with_initial_state: bool, start_method: str = "forkserver",
+                   timeout_s: float = RUN_TIMEOUT_S) -> KcpExperiment:
+    """Run the one-rank baseline and the ``world_size``-rank run of the same seeded inputs (fresh processes,
+    one thread each), compare them, and add the byte comparison and the projection (see the module doc).
+
+    Raises: ValueError for a bad config or variant (:class:`KCPConfig`); RuntimeError if a rank fails or
+    the run passes ``timeout_s``."""
+    cfg = KCPConfig(seq_len=seq_len, world_size=world_size, num_heads=num_heads, head_k_dim=head_k_dim,
+                    head_v_dim=head_v_dim, variant=variant, with_initial_state=with_initial_state,
+                    start_method=start_method, timeout_s=timeout_s)
+    ref = single_rank(dataclasses.replace(cfg, world_size=1, variant="allgather"))
+    single = rank_rows(ref)
+    ranks = compare_with(cfg, ref)
+    worst = max(v for r in ranks for v in (r.max_abs_err_o, r.max_abs_err_state) if not math.isnan(v))
+    single_ms, slowest_ms = single[0].total_ms, max(r.total_ms for r in ranks)
+    w_bytes = max(world_size, 2)
+    bytes_frame = pd.concat([pd.DataFrame(bytes_vs_context(PRESETS[m], list(BYTES_CONTEXTS), w_bytes, variant))
+                             .assign(model=m) for m in MODELS.values()], ignore_index=True)
+    sent, received = exchange_bytes(1, num_heads, head_k_dim, head_v_dim, world_size, variant, world_size - 1)
+    costs, projection = None, pd.DataFrame(columns=[*Projection._fields, "bandwidth_gbps"])
+    if world_size >= 2:
+        costs = phase_costs(single, ranks)
+        ns = [n for n in PROJECTED_WORLD_SIZES if n <= seq_len]
+        projection = pd.concat([pd.DataFrame(project(costs, single_ms, seq_len, ns, variant, 1, num_heads, head_k_dim,
+                                                     head_v_dim, float(bw))).assign(bandwidth_gbps=bw)
+                                for bw in BANDWIDTHS_GBPS], ignore_index=True)
+    return KcpExperiment(cfg, tuple(single), tuple(ranks), worst, single_ms, slowest_ms, single_ms / slowest_ms,
+                         bytes_frame, w_bytes, {m: PRESETS[m] for m in MODELS.values()}, sent, received, costs,
+                         projection)
+
+
+SERVER_RESERVE_MIB = 500   # the app's server after a tour of every page (python -m bench.app) stays below this
+
+
+class KcpLimits(NamedTuple):
+    """What page 10 may offer on this host: ``cores``, ``memory_bytes`` and where that figure came from
+    (``memory_source``: cgroup limit, ``KDA_LAB_MEMORY_MIB`` or MemAvailable), ``max_world`` (one rank per
+    core, at most 4) and ``seq_options`` (the T whose estimated rank peak at H = 4, K = V = 128 fits in what
+    is left after ``SERVER_RESERVE_MIB`` for the server)."""
+
+    cores: int
+    memory_bytes: int
+    memory_source: str
+    max_world: int
+    seq_options: tuple[int, ...]
+
+
+def kcp_limits() -> KcpLimits:
+    """The host limits of page 10 (:func:`serve.parallel.launch.host_limits`,
+    :func:`serve.parallel.run.rank_peak_bytes`). Raises ValueError for a malformed ``KDA_LAB_MEMORY_MIB``."""
+    limits = host_limits()
+    budget = limits.memory_bytes - SERVER_RESERVE_MIB * 2 ** 20      # what the ranks may add to the server
+    seq = tuple(t for t in (512, 1024, 2048, 4096, 8192) if rank_peak_bytes(t, 4, 128, 128) <= budget) or (512,)
+    return KcpLimits(limits.cores, limits.memory_bytes, limits.memory_source, min(4, limits.cores), seq)
+
+
+__all__ = ["BANDWIDTHS_GBPS", "MODELS", "SERVER_RESERVE_MIB", "KcpLimits", "kcp_limits", "PHASES", "VARIANTS", "BytesRow", "KcpExperiment", "PhaseCosts",
+           "Projection", "RankRow", "bytes_vs_context", "compare_with", "kcp_experiment", "phase_costs", "project",
+           "rank_rows", "single_rank"]

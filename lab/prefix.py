@@ -1,4 +1,6 @@
-"""Measured engine runs behind the home page, pages 07-09 and ``bench.prefix``.
+"""Measured engine runs behind the home page, pages 07-09 and ``bench.prefix``; :func:`home` (home page)
+ and :func:`prefix_hit` (page 08) return everything their page draws in one call
+(page 07's: :func:`lab.prefix_anatomy.anatomy_view`).
 
 Every function builds fresh engines on the runnable demo model, runs real requests through
 :class:`serve.engine.ServeEngine` single-threaded (2 shared cores: stable timings), and returns plain
@@ -9,13 +11,15 @@ from __future__ import annotations
 import functools
 import statistics
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
+import pandas as pd
 import torch
 
 from kda_core.chunk import CHUNK_SIZE
 from kda_core.config import PRESETS
-from kda_core.model import HybridLM
+from kda_core.model import HybridLM, decode
 from lab.threads import one_thread
 from serve.engine import ServeEngine
 from serve.memory.layout import CacheLayout
@@ -259,3 +263,55 @@ def miss_then_hit(prompt_tokens: int, next_shared: int, block_size: int = 16, in
         cold = build_engine(model, block_size, interval, num_groups, pages, cache=False).generate(
             second, max_new_tokens, record_logits=True)
     return MissThenHit(_row("miss", miss), written, _row("next", warm), compare(warm, cold))
+
+
+PHASE_RUNS = ("cold", "first", "warm")  # row order of the phase breakdown
+
+
+@dataclass(frozen=True)
+class PrefixRuns:
+    """Cold vs warm, ready to draw (home page and page 08).
+
+    rows: one row per (repeat, run) as in :class:`ColdWarm` (ms, tokens, bytes); phases_ms: median ms per
+    timing phase (columns :data:`serve.request.TIMING_PHASES`) per run ``kind`` in :data:`PHASE_RUNS`;
+    warm: the warm row of repeat 0; check: warm vs cache-off output; summary: :func:`ttft_summary`;
+    warm_text: the warm output of repeat 0 decoded as UTF-8 (control bytes shown as ·); num_generated:
+    its tokens; state_bytes: the whole-model KDA state (bytes); phases: the timing phase names;
+    chunk_size: the KDA chunk C (tokens)."""
+
+    rows: pd.DataFrame
+    phases_ms: pd.DataFrame
+    warm: dict
+    check: Comparison
+    summary: dict
+    warm_text: str
+    num_generated: int
+    state_bytes: int
+    phases: tuple = TIMING_PHASES
+    chunk_size: int = CHUNK_SIZE
+
+
+def _prefix_runs(run: ColdWarm) -> PrefixRuns:
+    rows = pd.DataFrame(run.rows)
+    phases = rows.groupby("kind")[[f"{p}_ms" for p in TIMING_PHASES]].median().reindex(list(PHASE_RUNS))
+    text = "".join(c if c.isprintable() else "·" for c in decode(run.warm_tokens))
+    warm = rows[rows.kind == "warm"].iloc[0].to_dict()
+    return PrefixRuns(rows, phases.reset_index(), warm, run.check, ttft_summary(run.rows), text,
+                      len(run.warm_tokens), run.layout.state_bytes)
+
+
+def home(first: str, second: str, max_new_tokens: int, block_size: int, interval: int,
+         repeats: int = 3) -> PrefixRuns:
+    """The home page: text prompt ``second`` cold and warm after ``first`` (:func:`cold_vs_warm`).
+    Raises ValueError for an empty prompt or bad sizes."""
+    return _prefix_runs(cold_vs_warm(first, second, max_new_tokens, block_size, interval, repeats=repeats))
+
+
+def prefix_hit(shared_tokens: int, unique_tokens: int, max_new_tokens: int, block_size: int, interval: int,
+               num_groups: int, repeats: int = 3, seed: int = 0) -> PrefixRuns:
+    """Page 08: two seeded random prompts sharing ``shared_tokens`` (:func:`shared_prefix_prompts`), the
+    second cold and warm. Raises ValueError for bad lengths or sizes."""
+    first, second = shared_prefix_prompts(shared_tokens, unique_tokens, seed=seed)
+    return _prefix_runs(cold_vs_warm(first, second, max_new_tokens, block_size, interval, num_groups,
+                                     repeats=repeats))
+

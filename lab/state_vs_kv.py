@@ -1,4 +1,7 @@
-"""Live decode-cost measurements on this CPU (page 03, chart 2).
+"""Page 03: cache bytes per sequence of the real configs (exact formulas of :mod:`kda_core.config`) and
+live decode-cost measurements on this CPU; :func:`state_vs_kv` returns both for the page in one call.
+
+Measurements (chart 2):
 
 Per decoded token and layer: one :func:`kda_core.kda.kda_step` (constant work: H K V state
 update) against one absorbed MLA decode over a latent cache of N tokens
@@ -14,10 +17,14 @@ found in review) although its work does not. Runs use one torch thread.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+import pandas as pd
 import torch
 
+from kda_core import config as kc
 from kda_core.config import ModelConfig
 from kda_core.kda import kda_step
 from kda_core.layer import latent_attention
@@ -82,3 +89,76 @@ def measure_decode_cost(cfg: ModelConfig, contexts: list[int], num_heads: int = 
     finally:
         torch.set_num_threads(prev_threads)
     return out
+
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8 (e4m3)": torch.float8_e4m3fn}
+STATE_DTYPES = ("fp32", "bf16")
+KV_DTYPES = ("bf16", "fp8 (e4m3)", "fp16", "fp32")
+MODELS = {"Kimi-Linear-48B-A3B": "kimi-linear-48b-a3b", "Kimi K3": "kimi-k3", "Custom": "custom"}
+CONTEXTS = tuple(2 ** i for i in range(6, 21))  # context options of the page (tokens): 64 .. 1,048,576
+MEASURED_CONTEXTS = tuple(2 ** i for i in range(10, 16))  # largest measured context options (tokens)
+CONV_DTYPE = torch.bfloat16  # conv window dtype of kda_core.config's byte formulas
+CURVE_POINTS = 60  # log-spaced contexts of the bytes chart
+MEASURE_REPEATS = 5  # timed runs per measured point (the minimum is shown)
+
+
+@dataclass(frozen=True)
+class StateVsKv:
+    """Everything page 03 draws.
+
+    cfg: the model. bytes: :class:`kda_core.config.SequenceBytes` columns per context (bytes per sequence);
+    layers: :func:`kda_core.config.layer_table` rows for every context in :data:`CONTEXTS` (column
+    ``context_tokens``); decode: :class:`DecodeCost` columns (µs). Scalars in bytes (per token / layer /
+    sequence) and tokens (break-even; inf when the model has no MLA layer); ``*_dtype_bytes`` element sizes."""
+
+    cfg: ModelConfig
+    bytes: pd.DataFrame
+    layers: pd.DataFrame
+    decode: pd.DataFrame
+    kv_bytes_per_token: int
+    all_mla_kv_bytes_per_token: int
+    state_bytes_per_layer: int
+    fixed_state_bytes: int
+    break_even_tokens: float
+    recurrent_break_even_tokens: float
+    state_dtype_bytes: int
+    kv_dtype_bytes: int
+    conv_dtype_bytes: int
+
+
+def state_vs_kv(model: str, state_dtype: str, kv_dtype: str, context_range: tuple[int, int],
+                measure_heads: int, measure_max_tokens: int, custom: tuple[int, int, int, int] | None = None,
+                repeats: int = MEASURE_REPEATS) -> StateVsKv:
+    """Bytes of ``model`` (a :data:`MODELS` value; "custom" takes ``custom`` = (layers, KDA layers per MLA
+    layer, heads, head dim)) over ``context_range`` (tokens, inclusive) with the named dtypes, and decode
+    cost measured now with ``measure_heads`` heads at 256 .. ``measure_max_tokens`` tokens (powers of two).
+
+    Raises: ValueError for an unknown model or dtype name, a bad custom config or range, or bad
+    measurement sizes (see :func:`measure_decode_cost`)."""
+    if model == "custom":
+        if custom is None:
+            raise ValueError("custom must be (layers, kda_per_mla, heads, head_dim) for the custom model")
+        cfg = kc.custom_config(*custom)
+    elif model in kc.REAL_PRESETS:
+        cfg = kc.PRESETS[model]
+    else:
+        raise ValueError(f"model must be one of {sorted(MODELS.values())}, got {model!r}")
+    for name, value, allowed in (("state_dtype", state_dtype, STATE_DTYPES), ("kv_dtype", kv_dtype, KV_DTYPES)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    lo, hi = context_range
+    if not 1 <= lo <= hi:
+        raise ValueError(f"context_range must be (lo, hi) with 1 <= lo <= hi, got {context_range}")
+    sd, kd = DTYPES[state_dtype], DTYPES[kv_dtype]
+    ctx = np.unique(np.geomspace(lo, max(hi, lo + 1), CURVE_POINTS).astype(int))
+    curve = pd.DataFrame([kc.sequence_bytes(cfg, int(n), sd, kd) for n in ctx], columns=kc.SequenceBytes._fields)
+    layers = pd.concat([pd.DataFrame(kc.layer_table(cfg, n, sd, kd)).assign(context_tokens=n) for n in CONTEXTS],
+                       ignore_index=True)
+    measured = [2 ** i for i in range(8, int(np.log2(measure_max_tokens)) + 1)]
+    decode = pd.DataFrame(measure_decode_cost(cfg, measured, num_heads=measure_heads, repeats=repeats),
+                          columns=DecodeCost._fields)
+    return StateVsKv(cfg, curve, layers, decode, kc.mla_kv_bytes_per_token(cfg, kd),
+                     kc.all_mla_kv_bytes_per_token(cfg, kd), kc.kda_state_bytes_per_layer(cfg, sd),
+                     kc.fixed_state_bytes_per_sequence(cfg, sd), kc.break_even_tokens(cfg, sd, kd),
+                     kc.recurrent_break_even_tokens(cfg, sd, kd), kc.dtype_bytes(sd), kc.dtype_bytes(kd),
+                     kc.dtype_bytes(CONV_DTYPE))

@@ -1,13 +1,10 @@
 """Home: what the second request saves — two prompts through the full serving engine, cold vs warm."""
-import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from kda_core.model import decode
-from lab.prefix import cold_vs_warm, ttft_summary
+from lab.prefix import home
 from pages._common import engine_call, persist, show_chart
 from pages._registry import SECTIONS, TABS
-from serve.request import TIMING_PHASES
 
 st.title("KDA Serve Lab — what the second request saves")
 st.write(
@@ -49,26 +46,25 @@ if not all(sizes.values()):
     st.stop()
 
 
-@st.cache_data(show_spinner="Running both requests through the engine (3 repeats)…", max_entries=16, ttl="1h")
+@st.cache_data(show_spinner="Running both requests through the engine (3 repeats)…", max_entries=32, ttl="1h")
 def _run(first, second, max_new, block, interval):
-    run = cold_vs_warm(first, second, max_new, block, interval, repeats=3)
-    return pd.DataFrame(run.rows), run.check, decode(run.warm_tokens), len(run.warm_tokens), run.layout.state_bytes
+    return home(first, second, max_new, block, interval, repeats=3)
 
 
-rows, check, text, num_generated, state_bytes = engine_call(_run, first, second, max_new, block, interval)
-summary = ttft_summary(rows.to_dict("records"))
-warm, cold = rows[rows.kind == "warm"].iloc[0], rows[rows.kind == "cold"].iloc[0]
+run = engine_call(_run, first, second, max_new, block, interval)
+check, summary = run.check, run.summary
+warm, cold = run.warm, run.rows[run.rows.kind == "cold"].iloc[0]
 m1, m2, m3, m4 = st.columns(4)
-m1.metric("Prefill tokens computed", f"{warm.prefill_tokens:,}", f"{warm.prefill_tokens - cold.prefill_tokens:,} vs cold",
+m1.metric("Prefill tokens computed", f"{warm['prefill_tokens']:,}", f"{warm['prefill_tokens'] - cold.prefill_tokens:,} vs cold",
           delta_color="inverse")
 m2.metric("TTFT warm (median)", f"{summary['warm_ttft_ms']:.1f} ms", f"{-summary['ttft_reduction']:.0%} vs cold "
           f"{summary['cold_ttft_ms']:.1f} ms", delta_color="inverse")
-m3.metric("Restored from checkpoint", f"{warm.restored_bytes / 1024:,.1f} KiB", "KDA state, copied", delta_color="off")
-m4.metric("Shared through KV pages", f"{warm.shared_kv_bytes / 1024:,.1f} KiB", "MLA latents, by reference",
+m3.metric("Restored from checkpoint", f"{warm['restored_bytes'] / 1024:,.1f} KiB", "KDA state, copied", delta_color="off")
+m4.metric("Shared through KV pages", f"{warm['shared_kv_bytes'] / 1024:,.1f} KiB", "MLA latents, by reference",
           delta_color="off")
 if check.outputs_identical and check.max_logit_diff <= LOGIT_TOL:
-    st.success(f"Outputs identical to the cache-off run: {num_generated} greedy tokens, max |Δ logits| = "
-               f"{check.max_logit_diff:.1e} (≤ {TOL_TEXT} required), logits {check.verdict}: {check.reason}. Warm output bytes: “{''.join(c if c.isprintable() else '·' for c in text)}” (the demo model's weights are "
+    st.success(f"Outputs identical to the cache-off run: {run.num_generated} greedy tokens, max |Δ logits| = "
+               f"{check.max_logit_diff:.1e} (≤ {TOL_TEXT} required), logits {check.verdict}: {check.reason}. Warm output bytes: “{run.warm_text}” (the demo model's weights are "
                "random, so its bytes are not meant to read as text; control bytes shown as ·)")
 elif check.outputs_identical:
     st.error(f"Warm tokens equal the cache-off run's, but max |Δ logits| = {check.max_logit_diff:.1e} exceeds the "
@@ -77,14 +73,14 @@ else:
     st.error("Warm output differs from the cache-off run.")
 
 st.subheader("Where the time goes (median of 3 repeats)")
-med = rows.groupby("kind")[[f"{p}_ms" for p in TIMING_PHASES]].median().reindex(["cold", "first", "warm"])
+med = run.phases_ms
 fig = go.Figure([go.Bar(name=p, y=["cold (no cache)", "request 1 (fills)", "warm"], x=med[f"{p}_ms"], orientation="h")
-                 for p in TIMING_PHASES])
+                 for p in run.phases])
 fig.update_layout(barmode="stack", xaxis_title="time to first token, by phase (ms)", yaxis_title="run",
                   legend=dict(orientation="h", y=-0.3))
-show_chart(fig, med.reset_index(), key="p00_breakdown_chart")
-st.caption(f"Hit: {warm.hit_tokens} of {warm.prompt_tokens} tokens (phase-1 KV run {warm.kv_hit_tokens}). A "
-           f"whole-model KDA state is {state_bytes:,} B whatever the prefix length; the KV shared grows with it. "
+show_chart(fig, med, key="p00_breakdown_chart")
+st.caption(f"Hit: {warm['hit_tokens']} of {warm['prompt_tokens']} tokens (phase-1 KV run {warm['kv_hit_tokens']}). A "
+           f"whole-model KDA state is {run.state_bytes:,} B whatever the prefix length; the KV shared grows with it. "
            "What to notice: warm TTFT ≈ restore + (L − b) tokens of prefill, with b the largest boundary ≤ "
            "min(KV run, L − 1) that has a complete checkpoint (as in vLLM's and SGLang's hybrid prefix caching).")
 

@@ -1,9 +1,8 @@
 """07 Prefix cache anatomy: blocks, chained keys and each group's checkpoints; the two-phase lookup step by step."""
-import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.prefix import ANATOMY_BLOCK_COLUMNS, anatomy
+from lab.prefix_anatomy import anatomy_view
 from pages._common import engine_call, persist, show_chart
 
 st.title("Prefix cache anatomy")
@@ -33,14 +32,13 @@ if len(prompts) < len(lines):
     st.caption(f"{len(lines) - len(prompts)} blank line(s) ignored: {len(prompts)} prompts.")
 
 
-@st.cache_data(show_spinner="Filling the cache…", max_entries=16, ttl="1h")
+@st.cache_data(show_spinner="Filling the cache…", max_entries=32, ttl="1h")
 def _anatomy(prompts, block, interval, groups, drop):
-    return anatomy(prompts, block, interval, groups, drop)
+    return anatomy_view(prompts, block, interval, groups, drop)
 
 
-base = engine_call(_anatomy, prompts, block, block * every, groups, None)
-prev_keys = {b["end"]: b["key"] for b in base.blocks if b["prompt"] == len(prompts) - 2}
-options = sorted({c["boundary"] for c in base.checkpoints if prev_keys.get(c["boundary"]) == c["key"][:8]})
+base = engine_call(_anatomy, prompts, block, block * every, groups, None)  # the what-if below reruns it with a drop
+options = base.droppable
 drop = None
 d1, d2, d3 = st.columns(3)
 if options and d1.checkbox("What if: drop one group's checkpoint", key=persist("p07_drop", False), persist_state="session"):
@@ -50,13 +48,11 @@ if options and d1.checkbox("What if: drop one group's checkpoint", key=persist("
 res = engine_call(_anatomy, prompts, block, block * every, groups, drop) if drop else base
 
 st.subheader("1 · Blocks and checkpoints along the token axis")
-blocks, cks = pd.DataFrame(res.blocks, columns=ANATOMY_BLOCK_COLUMNS), pd.DataFrame(res.checkpoints)
+blocks, tails, pts = res.blocks, res.tails, res.checkpoints
 if blocks.empty:
     st.info(f"Every prompt is shorter than one block (N = {block} tokens; the longest has "
             f"{max(res.prompt_tokens)} token{'' if max(res.prompt_tokens) == 1 else 's'}): the cache keys whole blocks only, so nothing is cached and the "
             "hit is 0. Lower N or lengthen the prompts.")
-tails = pd.DataFrame([dict(prompt=i, start=n // block * block, tokens=n % block)
-                      for i, n in enumerate(res.prompt_tokens) if n % block])
 fig = go.Figure()
 for cached, colour in ((True, "#4292c6"), (False, "#d9d9d9")):
     part = blocks[blocks.cached == cached]
@@ -70,11 +66,6 @@ if len(tails):
                                      pattern=dict(shape="/", fgcolor="#969696")),
                          name="partial block (never cached)",
                          hovertemplate="prompt %{y} · partial block from token %{base}, %{x} tokens<extra></extra>"))
-points = []
-for _, c in cks.iterrows():
-    for p in blocks[(blocks.end == c.boundary) & (blocks.key == c.key[:8])].prompt:
-        points.append(dict(boundary=c.boundary, group=c.group, prompt=p, y=p + 0.25 + 0.12 * c.group, key=c.key))
-pts = pd.DataFrame(points, columns=["boundary", "group", "prompt", "y", "key"])
 for g in range(groups):
     sub = pts[pts.group == g]
     fig.add_trace(go.Scatter(x=sub.boundary, y=sub.y, mode="markers", marker_symbol="diamond", marker_size=9,
@@ -90,7 +81,7 @@ fig.update_layout(barmode="overlay", xaxis_title="token position (tokens)", yaxi
 show_chart(fig, blocks, key="p07_blocks_chart")
 
 st.subheader("2 · The lookup of the last prompt, step by step")
-steps = pd.DataFrame(res.steps)
+steps = res.steps
 st.dataframe(steps, hide_index=True, width="stretch")
 why = steps.iloc[-1].note if len(steps) else "prompt shorter than one block"
 st.write(f"**Hit b = {res.num_tokens} tokens** (phase-1 KV run {res.kv_tokens}). Why it stops there: {why}."

@@ -3,8 +3,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from kda_core.chunk import CHUNK_SIZE
-from lab.prefix import cold_vs_warm, shared_prefix_prompts, ttft_summary
+from lab.prefix import prefix_hit
 from pages._common import engine_call, persist, show_chart
 
 st.title("Prefix hit")
@@ -24,16 +23,13 @@ interval = d2.select_slider("Checkpoint interval C (tokens)", [32, 64, 128, 256]
 groups = d3.slider("KDA groups G", 1, 3, key=persist("p08_groups", 1, min_value=1, max_value=3), persist_state="session")
 
 
-@st.cache_data(show_spinner="Measuring cold and warm runs…", max_entries=16, ttl="1h")
+@st.cache_data(show_spinner="Measuring cold and warm runs…", max_entries=32, ttl="1h")
 def _measure(shared, unique, new_tokens, block, interval, groups):
-    first, second = shared_prefix_prompts(shared, unique, seed=0)
-    run = cold_vs_warm(first, second, new_tokens, block, interval, groups, repeats=3)
-    return pd.DataFrame(run.rows), run.check
+    return prefix_hit(shared, unique, new_tokens, block, interval, groups, repeats=3)
 
 
-rows, check = engine_call(_measure, shared, unique, new_tokens, block, interval, groups)
-summary = ttft_summary(rows.to_dict("records"))
-warm = rows[rows.kind == "warm"].iloc[0]
+run = engine_call(_measure, shared, unique, new_tokens, block, interval, groups)
+rows, check, summary, warm = run.rows, run.check, run.summary, pd.Series(run.warm)
 m1, m2, m3, m4 = st.columns(4)
 m1.metric("TTFT reduction (median)", f"{summary['ttft_reduction']:.0%}",
           f"{summary['cold_ttft_ms']:.1f} → {summary['warm_ttft_ms']:.1f} ms", delta_color="off")
@@ -62,5 +58,5 @@ st.caption("What to notice: the KV bytes shared grow with b (one page per block)
            "prompt runs as one chunked forward, and every checkpoint boundary inside it is taken from that same "
            "forward (the chunk states of `kda_chunk` are the state after exactly b tokens), so a smaller C adds "
            "state copies, not forward calls. A boundary on the "
-           f"{CHUNK_SIZE}-token chunk grid is a chunk edge; one off the grid costs one short extra chunk per KDA layer. A larger C gives coarser hits. "
+           f"{run.chunk_size}-token chunk grid is a chunk edge; one off the grid costs one short extra chunk per KDA layer. A larger C gives coarser hits. "
            "Measured on this CPU, single thread.")

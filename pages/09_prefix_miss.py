@@ -4,11 +4,8 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from lab.fleet import MOONCAKE_TABLE2_CACHE_RATIO, PREFIX_SIM_TRACE_BLOCKS, page_trace
-from lab.prefix import miss_then_hit
-from pages._common import engine_call, persist, show_chart
-from serve.prefix.sim import CAPACITY_FRACTIONS, MISS_CAUSES, capacity_points, replay_row
-from serve.traces import ideal_hit_ratio, upload_parts
+from lab.prefix_miss import PRESETS, prefix_miss
+from pages._common import engine_call, persist, show_chart, upload_parts
 
 st.title("Prefix miss")
 st.write(
@@ -24,135 +21,114 @@ next_shared = c2.slider("Next request shares (tokens)", 0, 512, step=16, key=per
 block = c3.select_slider("Block size N", [8, 16, 32], key=persist("p09_block", 16, options=[8, 16, 32]), persist_state="session")
 interval = c4.select_slider("Interval C (tokens)", [32, 64, 128], key=persist("p09_interval", 64, options=[32, 64, 128]), persist_state="session")
 groups = c5.slider("KDA groups G", 1, 3, key=persist("p09_groups", 2, min_value=1, max_value=3), persist_state="session")
-
-
-@st.cache_data(show_spinner="Running the miss and the next request…", max_entries=16, ttl="1h")
-def _miss(prompt_tokens, next_shared, block, interval, groups):
-    return miss_then_hit(prompt_tokens, min(next_shared, prompt_tokens), block, interval, groups)
-
-
-run = engine_call(_miss, prompt_tokens, next_shared, block, interval, groups)
-written = pd.DataFrame(run.written)
-m1, m2, m3, m4 = st.columns(4)
-m1.metric("Miss: prefill tokens", f"{run.miss['prefill_tokens']:,}", f"TTFT {run.miss['ttft_ms']:.1f} ms", delta_color="off")
-m2.metric("Checkpoints (boundaries × groups)", f"{written.boundary.nunique()} × {groups}",
-          f"{run.miss['checkpoints_written']} boundaries published atomically", delta_color="off")
-m3.metric("Next request: hit b", f"{run.hit['hit_tokens']} tokens", f"KV run {run.hit['kv_hit_tokens']}", delta_color="off")
-m4.metric("Next output identical", "yes" if run.check.outputs_identical else "NO",
-          f"max |Δ logits| {run.check.max_logit_diff:.1e}", delta_color="off")
-fig = go.Figure(go.Scatter(x=written.boundary, y=written.group, mode="markers", marker_symbol="diamond",
-                           marker_size=12, name="checkpoint (written at = boundary)", text=written.written_at))
-for x, name, pos in ((min(next_shared, prompt_tokens), "next request shares", "top right"),
-                     (run.hit["hit_tokens"], "its hit b =", "bottom left")):
-    fig.add_vline(x=x, line_dash="dot", annotation_text=f"{name} {x}", annotation_position=pos)
-fig.update_layout(xaxis_title="boundary (tokens)", yaxis_title="KDA group", yaxis=dict(dtick=1),
-                  xaxis_range=[0, prompt_tokens + 8])
-show_chart(fig, written, key="p09_written_chart")
-
-st.subheader("2 · A trace through capacity-limited caches")
-d1, d2, d3, d4 = st.columns(4)
-preset = d1.selectbox("Byte sizes of", ["kimi-linear-48b-a3b", "kimi-k3"], key=persist("p09_preset", "kimi-linear-48b-a3b", options=["kimi-linear-48b-a3b", "kimi-k3"]), persist_state="session")
+part1, part2 = st.container(), st.container()
+part2.subheader("2 · A trace through capacity-limited caches")
+d1, d2, d3, d4 = part2.columns(4)
+preset = d1.selectbox("Byte sizes of", list(PRESETS), key=persist("p09_preset", PRESETS[0], options=list(PRESETS)), persist_state="session")
 every = d2.select_slider("Checkpoint every C / 512 blocks", [1, 2, 4, 8], key=persist("p09_every", 1, options=[1, 2, 4, 8]), persist_state="session")
 tgroups = d3.slider("Groups G", 1, 4, key=persist("p09_tgroups", 1, min_value=1, max_value=4), persist_state="session")
 num_requests = d4.slider("Requests (cap)", 500, 3000, step=250, key=persist("p09_requests", 1500, min_value=500, max_value=3000), persist_state="session")
-upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p09_upload")
+data, upload_name = upload_parts(part2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p09_upload"))
 
 
-INTERVALS = [512 * k for k in (1, 2, 4, 8, 16)]
+replay_on = bool(st.session_state.get("p09_replay_on"))   # 16 trace replays: on request, not on every first visit
 
 
 @st.cache_data(show_spinner=False, max_entries=16, ttl="1h")
-def _trace(upload_bytes, upload_name, num_requests):
-    trace, note, _ = page_trace(upload_bytes, num_requests, name=upload_name, max_total_blocks=PREFIX_SIM_TRACE_BLOCKS)
-    return trace, ideal_hit_ratio(trace), note
+def _run(prompt_tokens, next_shared, block, interval, groups, preset, every, tgroups, num_requests, data, upload_name,
+         replay):
+    bar = st.progress(0.0, text="Running the miss and the next request…")  # made here: replayed on a cache hit
+    run = prefix_miss(prompt_tokens, next_shared, block, interval, groups, preset, every, tgroups, num_requests, data,
+                      upload_name, progress=lambda done, total: bar.progress(done / total,
+                                                                             text=f"Replaying the trace… {done}/{total} runs"),
+                      replay=replay)
+    bar.empty()
+    return run
 
 
-@st.cache_data(show_spinner=False, max_entries=64, ttl="1h")   # 16 small rows per setting
-def _replay(upload_bytes, upload_name, num_requests, preset, interval, groups, capacity_bytes):
-    return replay_row(_trace(upload_bytes, upload_name, num_requests)[0], preset, interval, groups, capacity_bytes)
+run = engine_call(_run, prompt_tokens, next_shared, block, interval, groups, preset, every, tgroups, num_requests,
+                  data, upload_name, replay_on)
+written = run.written
+with part1:
+    m1, m2, m3, m4 = st.columns(4)
+    m1.metric("Miss: prefill tokens", f"{run.miss['prefill_tokens']:,}", f"TTFT {run.miss['ttft_ms']:.1f} ms", delta_color="off")
+    m2.metric("Checkpoints (boundaries × groups)", f"{written.boundary.nunique()} × {groups}",
+              f"{run.miss['checkpoints_written']} boundaries published atomically", delta_color="off")
+    m3.metric("Next request: hit b", f"{run.hit['hit_tokens']} tokens", f"KV run {run.hit['kv_hit_tokens']}", delta_color="off")
+    m4.metric("Next output identical", "yes" if run.check.outputs_identical else "NO",
+              f"max |Δ logits| {run.check.max_logit_diff:.1e}", delta_color="off")
+    fig = go.Figure(go.Scatter(x=written.boundary, y=written.group, mode="markers", marker_symbol="diamond",
+                               marker_size=12, name="checkpoint (written at = boundary)", text=written.written_at))
+    for x, name, pos in ((run.next_shared, "next request shares", "top right"),
+                         (run.hit["hit_tokens"], "its hit b =", "bottom left")):
+        fig.add_vline(x=x, line_dash="dot", annotation_text=f"{name} {x}", annotation_position=pos)
+    fig.update_layout(xaxis_title="boundary (tokens)", yaxis_title="KDA group", yaxis=dict(dtick=1),
+                      xaxis_range=[0, prompt_tokens + 8])
+    show_chart(fig, written, key="p09_written_chart")
 
+if run.capacity is None:
+    part2.caption("Replays the trace through 16 cache configurations: several seconds of CPU the first time, "
+                  "cached afterwards (shared by every visitor).")
+    if part2.button("Replay the trace", key="p09_replay_button", type="primary"):
+        st.session_state["p09_replay_on"] = True
+        st.rerun()
+    st.stop()
+with part2:
+    if run.note:
+        part2.info(run.note)
+    cap, tr_free, tr_cap, ideal = run.capacity, run.free, run.limited, run.ideal
+    n = run.num_requests
+    fig2 = go.Figure()
+    for unit, name, colour in (("block", "block hit ratio (hash ids)", "#08519c"),
+                               ("token", "token hit ratio (engine rules)", "#4eb3d3")):
+        fig2.add_trace(go.Scatter(x=cap.capacity_gb, y=cap[f"{unit}_hit_ratio"], mode="lines+markers", name=name,
+                                  line_color=colour))
+        level = getattr(ideal, f"{unit}_hit_ratio")
+        fig2.add_trace(go.Scatter(x=[cap.capacity_gb.min(), cap.capacity_gb.max()], y=[level, level], mode="lines",
+                                  line=dict(color=colour, dash="dash"), name=f"ideal {unit} ratio, infinite cache: {level:.3f}"))
+    fig2.update_layout(xaxis_type="log", xaxis_title="cache capacity (GB, log)", yaxis_title="hit ratio (fraction)",
+                       legend=dict(orientation="h", y=-0.3))
+    show_chart(fig2, cap.assign(ideal_block_hit_ratio=ideal.block_hit_ratio, ideal_token_hit_ratio=ideal.token_hit_ratio),
+               key="p09_capacity_chart")
+    trace_name = upload_name if data is not None else "synthetic generator (default)"
+    st.dataframe(pd.DataFrame([
+        {"figure": "Mooncake FAST'25, Table 2 “cache ratio”", "trace": f"{t} trace (kvcache-ai/Mooncake)",
+         "ratio": r, "what it counts": "not defined in the paper"} for t, r in run.paper_ratios.items()] + [
+        {"figure": "block ideal, computed now", "trace": trace_name, "ratio": ideal.block_hit_ratio,
+         "what it counts": f"hash ids in a request's leading run seen before / all ids "
+                           f"({ideal.hit_blocks:,} / {ideal.total_blocks:,})"},
+        {"figure": "token ideal, computed now", "trace": trace_name, "ratio": ideal.token_hit_ratio,
+         "what it counts": f"their tokens / all prompt tokens ({ideal.hit_tokens:,} / {ideal.total_tokens:,})"}]),
+        hide_index=True, width="stretch", column_config={"ratio": st.column_config.NumberColumn(format="percent")})
+    st.caption("The paper's cache ratio and our block ideal are different counts: upload the paper's "
+               "`conversation_trace.jsonl` or `synthetic_trace.jsonl` (kvcache-ai/Mooncake, `FAST25-release/traces`) "
+               "to compute the block ideal of the same file; `tests/serve/test_mooncake_ratios.py` does it for both.")
+    causes = go.Figure([go.Bar(x=[f"{c:,.0f} GB" for c in cap.capacity_gb], y=cap[f"miss_{k}"], name=k.replace("_", " "))
+                        for k in run.miss_causes])
+    causes.update_layout(barmode="stack", xaxis_title="cache capacity", yaxis_title="missed tokens (fraction of all tokens)",
+                         legend=dict(orientation="h", y=-0.3))
+    show_chart(causes, cap[["capacity_gb"] + [f"miss_{k}" for k in run.miss_causes]], key="p09_causes_chart")
 
-if not st.session_state.get("p09_replay_on"):     # 16 trace replays: on request, not on every first visit
-    st.caption("Replays the trace through 16 cache configurations: several seconds of CPU the first time, "
-               "cached afterwards (shared by every visitor).")
-    if not st.button("Replay the trace", key="p09_replay_button", type="primary"):
-        st.stop()
-    st.session_state["p09_replay_on"] = True
-data, upload_name = upload_parts(upload)
-trace, ideal, cut = engine_call(_trace, data, upload_name, num_requests)
-if cut:
-    st.info(cut)
-bar = st.progress(0.0, text="Replaying the trace…")
-jobs = 1 + len(CAPACITY_FRACTIONS) + 2 * len(INTERVALS)
-done = 0
-
-
-def replay(interval, capacity):
-    global done
-    row = engine_call(_replay, data, upload_name, num_requests, preset, interval, tgroups, capacity)
-    done += 1
-    bar.progress(done / jobs, text=f"Replaying the trace… {done}/{jobs} runs")
-    return row
-
-
-full = replay(512 * every, None)
-points = capacity_points(full)
-cap = pd.DataFrame([replay(512 * every, c) for c in points])
-tr_free = pd.DataFrame([replay(c, None) for c in INTERVALS])
-tr_cap = pd.DataFrame([replay(c, points[2]) for c in INTERVALS])
-bar.empty()
-n = len(trace)
-fig2 = go.Figure()
-for unit, name, colour in (("block", "block hit ratio (hash ids)", "#08519c"),
-                           ("token", "token hit ratio (engine rules)", "#4eb3d3")):
-    fig2.add_trace(go.Scatter(x=cap.capacity_gb, y=cap[f"{unit}_hit_ratio"], mode="lines+markers", name=name,
-                              line_color=colour))
-    level = getattr(ideal, f"{unit}_hit_ratio")
-    fig2.add_trace(go.Scatter(x=[cap.capacity_gb.min(), cap.capacity_gb.max()], y=[level, level], mode="lines",
-                              line=dict(color=colour, dash="dash"), name=f"ideal {unit} ratio, infinite cache: {level:.3f}"))
-fig2.update_layout(xaxis_type="log", xaxis_title="cache capacity (GB, log)", yaxis_title="hit ratio (fraction)",
-                   legend=dict(orientation="h", y=-0.3))
-show_chart(fig2, cap.assign(ideal_block_hit_ratio=ideal.block_hit_ratio, ideal_token_hit_ratio=ideal.token_hit_ratio),
-           key="p09_capacity_chart")
-trace_name = upload_name if data is not None else "synthetic generator (default)"
-st.dataframe(pd.DataFrame([
-    {"figure": "Mooncake FAST'25, Table 2 “cache ratio”", "trace": f"{t} trace (kvcache-ai/Mooncake)",
-     "ratio": r, "what it counts": "not defined in the paper"} for t, r in MOONCAKE_TABLE2_CACHE_RATIO.items()] + [
-    {"figure": "block ideal, computed now", "trace": trace_name, "ratio": ideal.block_hit_ratio,
-     "what it counts": f"hash ids in a request's leading run seen before / all ids "
-                       f"({ideal.hit_blocks:,} / {ideal.total_blocks:,})"},
-    {"figure": "token ideal, computed now", "trace": trace_name, "ratio": ideal.token_hit_ratio,
-     "what it counts": f"their tokens / all prompt tokens ({ideal.hit_tokens:,} / {ideal.total_tokens:,})"}]),
-    hide_index=True, width="stretch", column_config={"ratio": st.column_config.NumberColumn(format="percent")})
-st.caption("The paper's cache ratio and our block ideal are different counts: upload the paper's "
-           "`conversation_trace.jsonl` or `synthetic_trace.jsonl` (kvcache-ai/Mooncake, `FAST25-release/traces`) "
-           "to compute the block ideal of the same file; `tests/serve/test_mooncake_ratios.py` does it for both.")
-causes = go.Figure([go.Bar(x=[f"{c:,.0f} GB" for c in cap.capacity_gb], y=cap[f"miss_{k}"], name=k.replace("_", " "))
-                    for k in MISS_CAUSES])
-causes.update_layout(barmode="stack", xaxis_title="cache capacity", yaxis_title="missed tokens (fraction of all tokens)",
-                     legend=dict(orientation="h", y=-0.3))
-show_chart(causes, cap[["capacity_gb"] + [f"miss_{k}" for k in MISS_CAUSES]], key="p09_causes_chart")
-
-trade = make_subplots(specs=[[{"secondary_y": True}]])
-labels = [f"{c:,}" for c in INTERVALS]
-trade.add_trace(go.Bar(x=labels, y=tr_free.peak_state_gb, name="checkpoint state held, unlimited (GB)",
-                       opacity=0.5), secondary_y=False)
-trade.add_trace(go.Scatter(x=labels, y=tr_free.token_hit_ratio, mode="lines+markers",
-                           name="token hit, unlimited"), secondary_y=True)
-trade.add_trace(go.Scatter(x=labels, y=tr_cap.token_hit_ratio, mode="lines+markers",
-                           name=f"token hit at {tr_cap.capacity_gb.iloc[0]:,.0f} GB"), secondary_y=True)
-trade.update_xaxes(type="category", title_text="checkpoint interval C (tokens)")
-trade.update_yaxes(title_text="state held (GB)", secondary_y=False)
-trade.update_yaxes(title_text="token hit ratio (fraction)", secondary_y=True, showgrid=False, tickmode="auto", tickformat=".2f",
-                   range=[0, 1.1 * max(tr_free.token_hit_ratio.max(), tr_cap.token_hit_ratio.max())])
-trade.update_layout(legend=dict(orientation="h", y=-0.3))
-show_chart(trade, pd.concat([tr_free.assign(cache="unlimited"), tr_cap.assign(cache="limited")]), key="p09_interval_chart")
-st.caption(f"{n:,} requests. What to notice: a {preset} checkpoint costs far more than a KV block, so at a fixed "
-           "capacity a larger C holds more blocks and can hit more, while unlimited it only loses the interior "
-           "boundaries. Causes: no KV block = never seen; evicted = seen, no longer cached; KV but no complete "
-           "checkpoint; below one block = partial tail and the len − 1 cap. Each ratio has its own ideal (an "
-           "unlimited cache hits every request's leading run of hash ids seen before): block ideal = those ids / "
-           "all ids (Mooncake, FAST'25); token ideal = their tokens (the last id's partial block counted at its "
-           "length) / all tokens. The two differ because a partial last block counts as one id but fewer tokens; "
-           "the engine's token ratio stays a little below its ideal because it never hits the partial block or "
-           "the last token.")
+    trade = make_subplots(specs=[[{"secondary_y": True}]])
+    labels = [f"{c:,}" for c in run.intervals]
+    trade.add_trace(go.Bar(x=labels, y=tr_free.peak_state_gb, name="checkpoint state held, unlimited (GB)",
+                           opacity=0.5), secondary_y=False)
+    trade.add_trace(go.Scatter(x=labels, y=tr_free.token_hit_ratio, mode="lines+markers",
+                               name="token hit, unlimited"), secondary_y=True)
+    trade.add_trace(go.Scatter(x=labels, y=tr_cap.token_hit_ratio, mode="lines+markers",
+                               name=f"token hit at {tr_cap.capacity_gb.iloc[0]:,.0f} GB"), secondary_y=True)
+    trade.update_xaxes(type="category", title_text="checkpoint interval C (tokens)")
+    trade.update_yaxes(title_text="state held (GB)", secondary_y=False)
+    trade.update_yaxes(title_text="token hit ratio (fraction)", secondary_y=True, showgrid=False, tickmode="auto", tickformat=".2f",
+                       range=[0, 1.1 * max(tr_free.token_hit_ratio.max(), tr_cap.token_hit_ratio.max())])
+    trade.update_layout(legend=dict(orientation="h", y=-0.3))
+    show_chart(trade, pd.concat([tr_free.assign(cache="unlimited"), tr_cap.assign(cache="limited")]), key="p09_interval_chart")
+    st.caption(f"{n:,} requests. What to notice: a {preset} checkpoint costs far more than a KV block, so at a fixed "
+               "capacity a larger C holds more blocks and can hit more, while unlimited it only loses the interior "
+               "boundaries. Causes: no KV block = never seen; evicted = seen, no longer cached; KV but no complete "
+               "checkpoint; below one block = partial tail and the len − 1 cap. Each ratio has its own ideal (an "
+               "unlimited cache hits every request's leading run of hash ids seen before): block ideal = those ids / "
+               "all ids (Mooncake, FAST'25); token ideal = their tokens (the last id's partial block counted at its "
+               "length) / all tokens. The two differ because a partial last block counts as one id but fewer tokens; "
+               "the engine's token ratio stays a little below its ideal because it never hits the partial block or "
+               "the last token.")

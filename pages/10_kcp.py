@@ -1,17 +1,10 @@
 """10 KCP: KDA context parallel on real torch.distributed ranks, measured on this CPU."""
-import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from kda_core.config import PRESETS
-from lab.kcp import PHASES, RankRow, bytes_vs_context, compare_with, phase_costs, project, rank_rows, single_rank
+from lab.kcp import BANDWIDTHS_GBPS, MODELS, SERVER_RESERVE_MIB, VARIANTS, kcp_experiment, kcp_limits
 from pages._common import engine_call, persist, persist_clamped, show_chart
-from serve.parallel.kcp import exchange_bytes
-from serve.parallel.launch import host_limits
-from serve.parallel.run import KCPConfig, rank_peak_bytes
-
-SERVER_RESERVE_MIB = 500   # the app's server after a tour of every page (python -m bench.app) stays below this
 
 st.title("KDA context parallel (KCP)")
 st.write(
@@ -19,27 +12,23 @@ st.write(
     "to a pair (M, S_ext); the pairs are exchanged, each rank folds its predecessors' pairs into its true initial "
     "state and runs the ordinary chunk kernel. Below, real processes talk over gloo on 127.0.0.1: we check every "
     "rank against a single-rank run, time each phase, and count the bytes passed to the collectives.")
-limits = host_limits()
-max_world = min(4, limits.cores)
-rank_budget = limits.memory_bytes - SERVER_RESERVE_MIB * 2 ** 20      # what the ranks may add to the server
-seq_options = [t for t in (512, 1024, 2048, 4096, 8192) if rank_peak_bytes(t, 4, 128, 128) <= rank_budget] or [512]
+limits = kcp_limits()
 st.info(
     f"This host gives the app {limits.cores} CPU core(s) and {limits.memory_bytes / 2 ** 20:,.0f} MiB "
-    f"({limits.memory_source}), so the page offers up to {max_world} rank(s) (one thread each, one per core) and "
-    f"T up to {seq_options[-1]:,}: a rank's estimated peak at H = 4, K = V = 128 must fit in what is left after "
-    f"~{SERVER_RESERVE_MIB} MiB for the app's server. Ranks are processes forked from the server itself "
+    f"({limits.memory_source}), so the page offers up to {limits.max_world} rank(s) (one thread each, one per core) "
+    f"and T up to {limits.seq_options[-1]:,}: a rank's estimated peak at H = 4, K = V = 128 must fit in what is left "
+    f"after ~{SERVER_RESERVE_MIB} MiB for the app's server. Ranks are processes forked from the server itself "
     "(copy-on-write: they share its loaded torch; nothing stays behind after the run), one run at a time per "
-    "server. Same code across machines: `torchrun --nproc-per-node 2 -m serve.parallel.kcp --seq-len 65536`.")
+    "server. Same code across machines: `torchrun --nproc-per-node 2 -m serve.parallel --seq-len 65536`.")
 
-VARIANTS = {"all-gather (one collective)": "allgather", "ring (W−1 serial hops)": "ring"}
-MODELS = {"Kimi-Linear-48B-A3B": "kimi-linear-48b-a3b", "Kimi K3": "kimi-k3"}
 c1, c2, c3, c4, c5 = st.columns(5)
+seq_options = list(limits.seq_options)
 seq_len = c1.select_slider("Sequence length T (tokens)", seq_options,
                            key=persist("p10_seq_len", min(2048, seq_options[-1]), options=seq_options),
                            persist_state="session")
-world = c2.slider("World size (ranks)", 1, max(max_world, 2),
-                  key=persist_clamped("p10_world", min(2, max_world), 1, max_world),
-                  persist_state="session", disabled=max_world < 2)
+world = c2.slider("World size (ranks)", 1, max(limits.max_world, 2),
+                  key=persist_clamped("p10_world", min(2, limits.max_world), 1, limits.max_world),
+                  persist_state="session", disabled=limits.max_world < 2)
 heads = c3.slider("Heads H", 1, 4, key=persist("p10_heads", 4, min_value=1, max_value=4), persist_state="session")
 head_k = c4.select_slider("Key dim K", [32, 64, 128], key=persist("p10_head_k", 128, options=[32, 64, 128]), persist_state="session")
 head_v = c5.select_slider("Value dim V", [32, 64, 128], key=persist("p10_head_v", 128, options=[32, 64, 128]), persist_state="session")
@@ -48,39 +37,28 @@ variant = VARIANTS[d1.selectbox("Exchange variant", list(VARIANTS), key=persist(
 prefix = d2.checkbox("Seed rank 0 with a prefix-cache state", key=persist("p10_prefix", False), persist_state="session")
 
 
-def _config(seq_len, world, heads, head_k, head_v, variant, prefix):
-    return KCPConfig(seq_len=seq_len, world_size=world, num_heads=heads, head_k_dim=head_k, head_v_dim=head_v,
-                     variant=variant, with_initial_state=prefix, start_method="fork", timeout_s=120)
+@st.cache_data(show_spinner="Running one rank, then the ranks, on this CPU…", max_entries=16, ttl="1h")
+def _run(seq_len, world, heads, head_k, head_v, variant, prefix):
+    return kcp_experiment(seq_len, world, heads, head_k, head_v, variant, prefix, start_method="fork")
 
 
-@st.cache_resource(show_spinner="Running one rank (baseline and reference outputs)…", max_entries=2, ttl="1h")
-def _single(seq_len, heads, head_k, head_v, prefix):
-    return single_rank(_config(seq_len, 1, heads, head_k, head_v, "allgather", prefix))
-
-
-@st.cache_data(show_spinner="Running the ranks on this CPU…", max_entries=16, ttl="1h")
-def _multi(seq_len, world, heads, head_k, head_v, variant, prefix):
-    return compare_with(_config(seq_len, world, heads, head_k, head_v, variant, prefix),
-                        _single(seq_len, heads, head_k, head_v, prefix))
-
-
-base = pd.DataFrame(rank_rows(engine_call(_single, seq_len, heads, head_k, head_v, prefix)), columns=RankRow._fields)
-runs = pd.DataFrame(engine_call(_multi, seq_len, world, heads, head_k, head_v, variant, prefix), columns=RankRow._fields)
+run = engine_call(_run, seq_len, world, heads, head_k, head_v, variant, prefix)
+base, runs, worst, tol = pd.DataFrame(run.single), pd.DataFrame(run.ranks), run.worst_error, run.tolerance
+tol_text = f"{tol:.0e}".replace("e-0", "e-")  # 1e-5
 
 st.subheader("1 · Exactness per rank vs the single-rank run")
-worst = float(np.nanmax(runs[["max_abs_err_o", "max_abs_err_state"]].to_numpy()))
 fig = go.Figure()
 for col, name in [("max_abs_err_o", "outputs o of the rank's block"), ("max_abs_err_state", "final state (last rank)")]:
     shown = runs[runs[col].notna()]
     fig.add_trace(go.Bar(x=[f"rank {r}" for r in shown["rank"]], y=shown[col].clip(lower=1e-12), name=name,
                          text=["0 (bitwise)" if v == 0 else f"{v:.1e}" for v in shown[col]], textposition="outside"))
-fig.add_hline(y=1e-5, line_dash="dash", line_color="gray", annotation_text="1e-5 (fp32 tolerance)",
+fig.add_hline(y=tol, line_dash="dash", line_color="gray", annotation_text=f"{tol_text} (fp32 tolerance)",
               annotation_position="top left")
 fig.update_layout(barmode="group", xaxis_title="rank", yaxis_title="max |Δ| vs single-rank kda_chunk (log)",
                   yaxis_type="log", yaxis_range=[-12.5, -3], yaxis_exponentformat="power",
                   legend=dict(orientation="h", y=-0.25))
 show_chart(fig, runs[["rank", "start", "end", "max_abs_err_o", "max_abs_err_state"]], key="p10_exact_chart")
-verdict = "equal within 1e-5" if worst <= 1e-5 else "NOT equal within 1e-5"
+verdict = f"equal within {tol_text}" if worst <= tol else f"NOT equal within {tol_text}"
 st.write(f"**{world} rank(s), {variant}: {verdict}** (worst max |Δ| = {worst:.1e}, fp32). Reference: the one-rank "
          "run of the same seeded inputs, which is exactly `kda_chunk` (bitwise; asserted in the tests). Bars at "
          "1e-12 marked 0 are bitwise equal.")
@@ -89,15 +67,15 @@ st.subheader("2 · Measured phase times per rank")
 bars = pd.concat([runs.assign(run=[f"rank {r.rank} [{r.start:,}, {r.end:,})" for r in runs.itertuples()]),
                   base.assign(run=[f"1 rank [0, {seq_len:,}) baseline"])])
 fig2 = go.Figure()
-for p in PHASES:
+for p in run.phases:
     fig2.add_trace(go.Bar(x=bars.run, y=bars[f"{p}_ms"], name=p))
 fig2.update_layout(barmode="stack", xaxis_title="rank (tokens [start, end))", yaxis_title="wall time (ms)",
                    legend=dict(orientation="h", y=-0.25))
-show_chart(fig2, bars[["run", "start", "end", *[f"{p}_ms" for p in PHASES], "total_ms"]], key="p10_phase_chart")
-speedup = base.total_ms.iloc[0] / runs.total_ms.max()
+show_chart(fig2, bars[["run", "start", "end", *[f"{p}_ms" for p in run.phases], "total_ms"]], key="p10_phase_chart")
+speedup = run.speedup
 m1, m2, m3 = st.columns(3)
-m1.metric("1 rank", f"{base.total_ms.iloc[0]:,.0f} ms")
-m2.metric(f"{world} ranks (slowest rank)", f"{runs.total_ms.max():,.0f} ms")
+m1.metric("1 rank", f"{run.single_ms:,.0f} ms")
+m2.metric(f"{world} ranks (slowest rank)", f"{run.slowest_ms:,.0f} ms")
 m3.metric("Measured speedup", f"{speedup:.2f}×")
 st.caption("prepare = intra-chunk WY work (shared by the summary and the local run); summary = chaining "
            "M_c = diag(γ_c) − K̃_cᵀW_c and S_ext over the block's chunks; exchange = the collective incl. waiting for "
@@ -106,17 +84,15 @@ st.caption("prepare = intra-chunk WY work (shared by the summary and the local r
 
 st.subheader("3 · Bytes each rank receives vs context: KCP against MLA's KV all-gather")
 model = MODELS[st.selectbox("Model for the byte comparison", list(MODELS), key=persist("p10_model", options=list(MODELS)), persist_state="session")]
-cfg = PRESETS[model]
-w_bytes = max(world, 2)
-ctx = [2 ** i for i in range(10, 21)]
-bdf = pd.DataFrame(engine_call(bytes_vs_context, cfg, ctx, w_bytes, variant), columns=["num_tokens", "kcp_bytes", "mla_bytes"])
+cfg, w_bytes = run.models[model], run.bytes_world_size
+bdf = run.bytes[run.bytes.model == model].drop(columns="model")
 fig3 = go.Figure()
 fig3.add_trace(go.Scatter(x=bdf.num_tokens, y=bdf.kcp_bytes / 2 ** 20, name=f"KCP: {cfg.num_kda_layers} KDA layers (flat)"))
 fig3.add_trace(go.Scatter(x=bdf.num_tokens, y=bdf.mla_bytes / 2 ** 20, name=f"MLA: {cfg.num_mla_layers} layers' latent KV"))
 fig3.update_layout(xaxis_title="prompt length T (tokens, log)", yaxis_title=f"MiB received per rank, {w_bytes} ranks (log)",
                    xaxis_type="log", yaxis_type="log", legend=dict(orientation="h", y=-0.25))
 show_chart(fig3, bdf, key="p10_bytes_chart")
-sent, recv = exchange_bytes(1, heads, head_k, head_v, world, variant, world - 1)
+sent, recv = run.formula_sent, run.formula_received
 st.caption(
     f"Formulas per KDA layer: all-gather payload H·K·(K+V)·4 B per rank (received W−1 times), ring H·K·V·4 B per hop, "
     f"plus the conv halo (2HK+HV)·(W_conv−1)·4 B; MLA all-gather: (T − own tokens)·({cfg.kv_lora_rank} + "
@@ -126,15 +102,13 @@ st.caption(
     f"{sent:,} B / {recv:,} B, the same at any T.")
 
 st.subheader("4 · Speedup vs one rank: measured, and a projection to more ranks")
-bw = st.select_slider("Interconnect bandwidth for the projection (GB/s)", [1, 5, 10, 25, 50, 100, 200, 400],
-                      key=persist("p10_bandwidth", 25, options=[1, 5, 10, 25, 50, 100, 200, 400]), persist_state="session")
+bw = st.select_slider("Interconnect bandwidth for the projection (GB/s)", list(BANDWIDTHS_GBPS),
+                      key=persist("p10_bandwidth", 25, options=list(BANDWIDTHS_GBPS)), persist_state="session")
 if world < 2:
     st.info("The projection needs the summary and fold costs of a run with at least 2 ranks: move the world size.")
 else:
-    costs = phase_costs(list(base.itertuples(index=False, name="RankRow")), list(runs.itertuples(index=False, name="RankRow")))
-    ns = [n for n in (1, 2, 3, 4, 6, 8, 12, 16) if n <= seq_len]
-    pdf = pd.DataFrame(engine_call(project, costs, base.total_ms.iloc[0], seq_len, ns, variant, 1, heads, head_k,
-                                   head_v, float(bw)))
+    costs = run.costs
+    pdf = run.projection[run.projection.bandwidth_gbps == bw]
     fig4 = go.Figure()
     fig4.add_trace(go.Scatter(x=pdf.world_size, y=pdf.speedup, name="projection (model, not measured)",
                               mode="lines+markers", line=dict(dash="dash")))

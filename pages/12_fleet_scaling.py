@@ -3,10 +3,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.fleet import ANCHORS, DIP_WINDOWS, hit_ratio_across_scale_event, keys_moved_table, page_trace, scale_dip
-from pages._common import engine_call, persist, show_chart
-from serve.fleet import KEY_ROUTERS
-from serve.traces import upload_parts
+from lab.fleet_scaling import ACTIONS, CAPACITIES, fleet_scaling
+from pages._common import engine_call, persist, show_chart, upload_parts
 
 st.title("Fleet scaling")
 st.write(
@@ -17,74 +15,66 @@ st.write(
 
 c1, c2, c3, c4 = st.columns(4)
 replicas = c1.slider("Replicas before the event", 2, 32, key=persist("p12_replicas", 8, min_value=2, max_value=32), persist_state="session")
-action = c2.selectbox("Event", ["add", "remove"], key=persist("p12_action", "add", options=["add", "remove"]), persist_state="session")
+action = c2.selectbox("Event", list(ACTIONS), key=persist("p12_action", "add", options=list(ACTIONS)), persist_state="session")
 vnodes = c3.select_slider("Ring vnodes", [10, 40, 160, 400, 1000], key=persist("p12_vnodes", 160, options=[10, 40, 160, 400, 1000]), persist_state="session")
 num_keys = c4.select_slider("Random keys", [10_000, 30_000, 100_000], key=persist("p12_keys", 100_000, options=[10_000, 30_000, 100_000]), persist_state="session")
 
-
-@st.cache_data(show_spinner="Moving keys…", max_entries=16, ttl="1h")
-def _moved(replicas, action, num_keys, vnodes):
-    return keys_moved_table(replicas, action, num_keys, vnodes)
-
-
-moved = engine_call(_moved, replicas, action, num_keys, vnodes)
-n_after = replicas + 1 if action == "add" else replicas - 1
-st.subheader(f"1 · Keys moved going from {replicas} to {n_after} replicas")
-fig = go.Figure(go.Bar(x=moved.algorithm, y=moved.moved_fraction, name="measured here"))
-fig.add_hline(y=moved.ideal.iloc[0], line_dash="dash", annotation_text=f"ideal 1/{max(replicas, n_after)}")
-fig.add_hline(y=moved.mod_n_expected.iloc[0], line_dash="dot", annotation_text="mod-N expected n/(n+1)")
-fig.update_layout(xaxis_title="algorithm", yaxis_title="keys that change replica (fraction)")
-show_chart(fig, moved, key="p12_moved_chart")
-st.caption(f"Published: {ANCHORS['ring_moves']}; {ANCHORS['jump_moves']}; {ANCHORS['mod_n_moves']}. Maglev refills "
-           "its table, so it moves a little more than the minimum. Jump hash can only drop the last bucket cheaply: "
-           "removing the last replica here is its best case.")
-
-st.subheader("2 · Hit ratio across the scale event (trace replay)")
-d1, d2, d3, d4 = st.columns(4)
+part1, part2 = st.container(), st.container()
+part2.subheader("2 · Hit ratio across the scale event (trace replay)")
+d1, d2, d3, d4 = part2.columns(4)
 num_requests = d1.slider("Requests (cap)", 500, 5000, step=100, key=persist("p12_requests", 3000, min_value=500, max_value=5000), persist_state="session")
 k = d2.slider("Routing prefix depth k (blocks)", 1, 4, key=persist("p12_k", 2, min_value=1, max_value=4), persist_state="session")
 at = d3.slider("Event at (fraction of the trace)", 0.1, 0.9, step=0.05, key=persist("p12_at", 0.5, min_value=0.1, max_value=0.9), persist_state="session")
 window = d4.slider("Window (requests)", 50, 500, step=50, key=persist("p12_window", 100, min_value=50, max_value=500), persist_state="session")
-capacity = st.select_slider("Cache per replica (blocks of 512 tokens)", ["500", "2000", "8000", "unlimited"],
-                            key=persist("p12_capacity", "unlimited", options=["500", "2000", "8000", "unlimited"]), persist_state="session")
-upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p12_upload")
+capacity = part2.select_slider("Cache per replica (blocks of 512 tokens)", list(CAPACITIES),
+                               key=persist("p12_capacity", "unlimited", options=list(CAPACITIES)), persist_state="session")
+upload = part2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p12_upload")
 
 
-@st.cache_data(show_spinner="Replaying the trace…", max_entries=16, ttl="1h")
-def _replay(upload_bytes, upload_name, n, replicas, k, action, at, window, capacity, vnodes):
-    trace, note, _ = page_trace(upload_bytes, n, name=upload_name)
-    cap = None if capacity == "unlimited" else int(capacity)
-    df = hit_ratio_across_scale_event(trace, KEY_ROUTERS, replicas, k, action, at, window, cap, vnodes)
-    at_request = int(len(trace) * at)
-    return df, scale_dip(df, at_request), at_request, len(trace), len({r.hash_ids[:k] for r in trace}), note
+@st.cache_data(show_spinner="Moving keys and replaying the trace…", max_entries=32, ttl="1h")
+def _run(replicas, action, num_keys, vnodes, n, k, at, window, capacity, upload_bytes, upload_name):
+    return fleet_scaling(replicas, action, num_keys, vnodes, n, k, at, window, capacity, upload_bytes, upload_name)
 
 
-df, dip, at_request, n_trace, n_keys, cut = engine_call(_replay, *upload_parts(upload), num_requests, replicas, k,
-                                                        action, at, window, capacity, vnodes)
-if cut:
-    st.info(cut)
-fig2 = go.Figure()
-for name, g in df.groupby("algorithm", sort=False):
-    fig2.add_trace(go.Scatter(x=g.request, y=g.hit_ratio, name=name, mode="lines"))
-fig2.add_vline(x=at_request, line_dash="dash", annotation_text=f"{action} a replica")
-fig2.update_layout(xaxis_title="request index (window start)", yaxis_title=f"token hit ratio per {window} requests",
-                   legend=dict(orientation="h", y=-0.25))
-show_chart(fig2, df, key="p12_dip_chart")
-if n_keys == 1:
-    st.warning(f"All requests share their first {k} block(s) (a shared system prompt), so there is one routing key: "
-               "every algorithm sends the whole trace to one replica and the lines coincide. Route on more blocks.")
-st.dataframe(pd.DataFrame({
-    "algorithm": dip.algorithm,
-    "hit ratio before (mean)": dip.hit_ratio_before.round(4),
-    "lowest window after": dip.lowest_after.round(4),
-    f"hit ratio lost (avg over {DIP_WINDOWS} windows after)": dip.hit_ratio_lost.round(4),
-    "requests to recover": [f"{int(v):,}" if v == v else "not recovered within the trace"
-                            for v in dip.requests_to_recover],
-}), hide_index=True, width="stretch")
-st.caption(f"Hit ratio lost = the average, over the first {DIP_WINDOWS} windows ({DIP_WINDOWS * window:,} requests) "
-           "after the event, of how far each window's token hit ratio falls below the mean before it (0 when above). "
-           "Requests to recover = requests from the event to the first window back at ≥ 90 % of that mean, in whole "
-           f"windows; the trace ends {n_trace - at_request:,} requests after the event. "
-           f"{n_trace:,} requests (cap {num_requests:,}), routing-only replay with per-replica LRU block caches. "
-           "What to notice: mod-N reshuffles almost every prefix, so its hit ratio collapses and must refill from "
-           "scratch; the consistent schemes lose only the moved share (~1/(n+1)) of prefixes.")
+run = engine_call(_run, replicas, action, num_keys, vnodes, num_requests, k, at, window, capacity, *upload_parts(upload))
+moved, n_after, anchors = run.moved, run.replicas_after, run.anchors
+with part1:
+    st.subheader(f"1 · Keys moved going from {replicas} to {n_after} replicas")
+    fig = go.Figure(go.Bar(x=moved.algorithm, y=moved.moved_fraction, name="measured here"))
+    fig.add_hline(y=moved.ideal.iloc[0], line_dash="dash", annotation_text=f"ideal 1/{max(replicas, n_after)}")
+    fig.add_hline(y=moved.mod_n_expected.iloc[0], line_dash="dot", annotation_text="mod-N expected n/(n+1)")
+    fig.update_layout(xaxis_title="algorithm", yaxis_title="keys that change replica (fraction)")
+    show_chart(fig, moved, key="p12_moved_chart")
+    st.caption(f"Published: {anchors['ring_moves']}; {anchors['jump_moves']}; {anchors['mod_n_moves']}. Maglev refills "
+               "its table, so it moves a little more than the minimum. Jump hash can only drop the last bucket cheaply: "
+               "removing the last replica here is its best case.")
+
+with part2:
+    df, dip, at_request, n_trace, n_keys = run.dip, run.recovery, run.at_request, run.num_requests, run.routing_keys
+    if run.note:
+        st.info(run.note)
+    fig2 = go.Figure()
+    for name, g in df.groupby("algorithm", sort=False):
+        fig2.add_trace(go.Scatter(x=g.request, y=g.hit_ratio, name=name, mode="lines"))
+    fig2.add_vline(x=at_request, line_dash="dash", annotation_text=f"{action} a replica")
+    fig2.update_layout(xaxis_title="request index (window start)", yaxis_title=f"token hit ratio per {window} requests",
+                       legend=dict(orientation="h", y=-0.25))
+    show_chart(fig2, df, key="p12_dip_chart")
+    if n_keys == 1:
+        st.warning(f"All requests share their first {k} block(s) (a shared system prompt), so there is one routing key: "
+                   "every algorithm sends the whole trace to one replica and the lines coincide. Route on more blocks.")
+    st.dataframe(pd.DataFrame({
+        "algorithm": dip.algorithm,
+        "hit ratio before (mean)": dip.hit_ratio_before.round(4),
+        "lowest window after": dip.lowest_after.round(4),
+        f"hit ratio lost (avg over {run.dip_windows} windows after)": dip.hit_ratio_lost.round(4),
+        "requests to recover": [f"{int(v):,}" if v == v else "not recovered within the trace"
+                                for v in dip.requests_to_recover],
+    }), hide_index=True, width="stretch")
+    st.caption(f"Hit ratio lost = the average, over the first {run.dip_windows} windows ({run.dip_windows * window:,} requests) "
+               "after the event, of how far each window's token hit ratio falls below the mean before it (0 when above). "
+               "Requests to recover = requests from the event to the first window back at ≥ 90 % of that mean, in whole "
+               f"windows; the trace ends {n_trace - at_request:,} requests after the event. "
+               f"{n_trace:,} requests (cap {num_requests:,}), routing-only replay with per-replica LRU block caches. "
+               "What to notice: mod-N reshuffles almost every prefix, so its hit ratio collapses and must refill from "
+               "scratch; the consistent schemes lose only the moved share (~1/(n+1)) of prefixes.")

@@ -1,18 +1,12 @@
 """13 Fleet budgets: per-class token buckets + a VTC fair scheduler vs plain FCFS under a burst."""
 import math
 
-import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.budgets import Stream, budget_frames, budget_traffic, run_budget_scenario
-from lab.fleet import ANCHORS, PAGE_TRACE_BLOCKS, default_service
-from pages._common import engine_call, persist, show_chart
-from serve.azure_trace import read_azure_csv
-from serve.fleet.budgets import PriorityClass
-from serve.fleet.sim_types import FleetConfig
-from serve.fleet.vtc import on_off_less_service, replay_on_off_less
-from serve.traces import named_bytes, upload_parts
+from lab.budgets import BURST_CLASSES, budget_page
+from lab.fleet import ANCHORS
+from pages._common import engine_call, persist, show_chart, upload_parts
 
 st.title("Fleet budgets")
 st.write(
@@ -28,38 +22,26 @@ std_rate = c2.slider("Standard rate (req/s)", 0.5, 10.0, step=0.5, key=persist("
 vip_weight = c3.slider("VIP weight", 1, 8, key=persist("p13_vip_weight", 4, min_value=1, max_value=8), persist_state="session")
 std_budget = c4.slider("Standard budget (tokens/s)", 1000, 40000, step=1000, key=persist("p13_std_budget", 8000, min_value=1000, max_value=40000), persist_state="session")
 b1, b2, b3, b4 = st.columns(4)
-burst_class = b1.selectbox("Burst class", ["standard", "batch", "vip"], key=persist("p13_burst_class", "standard", options=["standard", "batch", "vip"]), persist_state="session")
+burst_class = b1.selectbox("Burst class", list(BURST_CLASSES), key=persist("p13_burst_class", "standard", options=list(BURST_CLASSES)), persist_state="session")
 burst_n = b2.slider("Burst size (requests)", 0, 3000, step=100, key=persist("p13_burst_n", 1500, min_value=0, max_value=3000), persist_state="session")
 burst_s = b3.slider("Burst duration (s)", 5, 60, step=5, key=persist("p13_burst_s", 30, min_value=5, max_value=60), persist_state="session")
 replicas = b4.slider("Replicas", 1, 8, key=persist("p13_replicas", 2, min_value=1, max_value=8), persist_state="session")
 azure = st.file_uploader("Burst shape from an Azure LLM trace CSV (optional; default: uniform generator)",
                          type=["csv"], key="p13_azure")
 
-CLASSES = (PriorityClass("vip", float(vip_weight)),
-           PriorityClass("standard", 1.0, rate_tokens_per_s=float(std_budget), burst_tokens=5.0 * std_budget),
-           PriorityClass("batch", 0.5, rate_tokens_per_s=3000.0, burst_tokens=20000.0))
 
 
-@st.cache_data(show_spinner="Simulating both runs…", max_entries=16, ttl="1h")
-def _run(vip_rate, std_rate, classes, burst_class, burst_n, burst_s, replicas, azure_bytes, azure_name):
-    steady = [Stream("vip", vip_rate, 256, 64), Stream("standard", std_rate, 1024, 128), Stream("batch", 0.5, 2048, 256)]
-    shape, cut = None, ""
-    if azure_bytes is not None:
-        shape, cut, _ = read_azure_csv(named_bytes(azure_bytes, azure_name), max_requests=max(1, burst_n),
-                                       max_total_blocks=PAGE_TRACE_BLOCKS)
-    requests, n_burst, short = budget_traffic(steady, 120.0, burst_class, burst_n, 30.0, float(burst_s), 1024, 128,
-                                              azure=shape)
-    service = default_service(on_off_less_service(), 8, 5, 400_000)
-    run = run_budget_scenario(requests, classes, FleetConfig(service=service, num_replicas=replicas,
-                                                             router="least_loaded", cache_capacity_blocks=0))
-    notes = (cut if burst_n else "", short)  # with no burst the file is only checked, so nothing was "cut"
-    return budget_frames(run, classes), service.source, len(requests), n_burst, " ".join(filter(None, notes))
+@st.cache_data(show_spinner="Simulating both runs…", max_entries=32, ttl="1h")
+def _run(vip_rate, std_rate, vip_weight, std_budget, burst_class, burst_n, burst_s, replicas, azure_bytes, azure_name):
+    return budget_page(vip_rate, std_rate, vip_weight, std_budget, burst_class, burst_n, burst_s, replicas,
+                       azure_bytes, azure_name)
 
 
-(per_request, summary, budget), source, n_req, n_burst, cut = engine_call(
-    _run, vip_rate, std_rate, CLASSES, burst_class, burst_n, burst_s, replicas, *upload_parts(azure))
-if cut:
-    st.info(cut)
+run = engine_call(_run, vip_rate, std_rate, vip_weight, std_budget, burst_class, burst_n, burst_s, replicas,
+                  *upload_parts(azure))
+per_request, summary, budget, source = run.per_request, run.summary, run.budget, run.service_source
+if run.note:
+    st.info(run.note)
 
 st.subheader("1 · TTFT per class, with and without isolation")
 done = per_request[per_request.status == "completed"]
@@ -74,7 +56,8 @@ m1, m2 = st.columns(2)
 m1.metric("VIP P99 TTFT with isolation", f"{p99.get(('with isolation', 'vip'), float('nan')):,.0f} ms")
 m2.metric("VIP P99 TTFT without isolation", f"{p99.get(('without isolation', 'vip'), float('nan')):,.0f} ms")
 st.dataframe(summary.style.format(precision=3, thousands=","), hide_index=True, width="stretch")
-st.caption(f"{n_req:,} requests over 120 s; burst of {n_burst:,} {burst_class} requests from t = 30 s. Replicas: "
+st.caption(f"{run.num_requests:,} requests over {run.duration_s:.0f} s; burst of {run.burst_requests:,} {burst_class} "
+           f"requests from t = {run.burst_start_s:.0f} s. Replicas: "
            f"{source}. What to notice: VTC serves the class with the smallest token counter first and the bucket "
            "caps what the bursting class can admit, so VIP keeps its TTFT while the burst waits in its own queue.")
 
@@ -93,17 +76,7 @@ else:
     st.caption("The admitted line never crosses the budget line: a class's admitted tokens ≤ burst + rate · t.")
 
 st.subheader("3 · Our simulator vs the VTC artifact's measurements")
-
-
-@st.cache_data(show_spinner="Replaying the VTC on_off_less suite…", max_entries=16, ttl="1h")
-def _vtc():
-    cmp = replay_on_off_less()
-    return cmp.rows, cmp.measured_throughput_rps, cmp.ours_throughput_rps, cmp.light_client
-
-
-rows, tp_measured, tp_ours, light = _vtc()
-vdf = pd.DataFrame([r._asdict() for r in rows])
-vdf["client"] = vdf.client.map(lambda c: "light (0.5 req/s, on/off)" if c == light else "heavy (2 req/s)")
+vdf, tp_measured, tp_ours = run.vtc, run.vtc_throughput_measured, run.vtc_throughput_ours
 labels = vdf.scheduler + " · " + vdf.client
 top = max(vdf.measured_p99_s.max(), vdf.ours_p99_s.max())
 TICKS_S = [v for v in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000) if v <= top * 2.5]

@@ -10,6 +10,7 @@
   kept across page switches: pass it together with ``persist_state="session"`` (Streamlit 1.67).
   Pass the widget's options or bounds too: a stored value that breaks them falls back to the default. Selectboxes: use display strings
   as options (no ``format_func``; AppTest cannot evaluate it).
+- ``upload_parts(upload)``: ``(bytes, file name)`` of an ``st.file_uploader`` value, hashable for ``st.cache_data``.
 
 - ``route_through_navigation()``: per run, send a run that Streamlit started in its legacy
   ``pages/`` mode back through ``app.py``'s ``st.navigation`` (``persist`` and ``engine_call`` call
@@ -160,6 +161,15 @@ def engine_call(fn, *args, **kwargs):
         st.stop()
     finally:
         release_freed_memory()   # the call's temporaries back to the OS: the server is long-lived and shared
+
+
+def upload_parts(upload) -> tuple[bytes | None, str]:
+    """``(content bytes, file name)`` of an uploaded file (anything with ``getvalue()`` and ``name``,
+    e.g. a Streamlit ``UploadedFile``), or ``(None, "")`` without one. An empty file gives ``b""``,
+    not None, so the loaders can report it instead of silently falling back to a default trace."""
+    if upload is None:
+        return None, ""
+    return upload.getvalue(), str(getattr(upload, "name", "") or "uploaded file")
 
 
 if __name__ == "__main__":  # deep link to /common on a fresh server: Streamlit ran this file as a page

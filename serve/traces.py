@@ -58,15 +58,6 @@ class TraceRequest(NamedTuple):
     hash_ids: tuple[int, ...]
 
 
-def upload_parts(upload) -> tuple[bytes | None, str]:
-    """``(content bytes, file name)`` of an uploaded file (anything with ``getvalue()`` and ``name``,
-    e.g. a Streamlit ``UploadedFile``), or ``(None, "")`` without one. An empty file gives ``b""``,
-    not None, so the loaders can report it instead of silently falling back to a default trace."""
-    if upload is None:
-        return None, ""
-    return upload.getvalue(), str(getattr(upload, "name", "") or "uploaded file")
-
-
 def named_bytes(data: bytes, name: str) -> io.BytesIO:
     """A binary file object over ``data`` whose ``name`` the loaders put in their error messages."""
     buf = io.BytesIO(data)

@@ -68,3 +68,12 @@ def test_page_13_caption_gives_the_real_burst_size(monkeypatch):
         "The burst has 2 standard requests, not the 1,500 asked for: the Azure trace gave only 2."]
     assert any("burst of 2 standard requests" in c.value for c in at.caption)
     assert not any("burst of 1,500" in c.value for c in at.caption)
+
+
+def test_upload_parts_keeps_empty_uploads():
+    """An empty upload is ``b""`` (the loaders report it), never None (which means: no upload)."""
+    from pages._common import upload_parts
+
+    assert upload_parts(None) == (None, "")
+    assert upload_parts(_Upload(b"", "empty.jsonl")) == (b"", "empty.jsonl")
+    assert upload_parts(_Upload(b"x", "")) == (b"x", "uploaded file")

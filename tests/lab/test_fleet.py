@@ -143,3 +143,17 @@ def test_scale_dip_by_hand():
     assert dip.loc["b", "hit_ratio_lost"] == pytest.approx(0.3) and np.isnan(dip.loc["b", "requests_to_recover"])
     with pytest.raises(ValueError, match="windows_after"):
         scale_dip(df, 200, windows_after=0)
+
+
+def test_budget_page_is_the_old_page_13_scenario():
+    """The scenario assembled by budget_page (named constants) equals the numbers the page used to build inline."""
+    from lab.budgets import budget_page
+
+    run, classes = _page13_default()
+    per_request, summary, budget = budget_frames(run, classes)
+    page = budget_page(1.0, 3.0, 4, 8000, "standard", 1500, 30, 2)
+    assert page.summary.equals(summary) and page.budget.equals(budget) and page.per_request.equals(per_request)
+    assert page.num_requests == len(run.requests) and page.burst_requests == 1500 and page.note == ""
+    assert set(page.vtc.scheduler) == {"FCFS", "VTC"} and page.vtc.client.str.startswith("light").any()
+    with pytest.raises(ValueError, match="burst_class"):
+        budget_page(1.0, 3.0, 4, 8000, "gold", 1, 30, 2)

@@ -96,3 +96,17 @@ def test_page_script_does_not_rerun_in_ranks(tmp_path, monkeypatch, ranks_gone):
     ranks_gone(out.pids)
     assert out.results == [0, 1] and not marker.exists()
     assert sys.modules["__main__"] is fake
+
+
+def test_kcp_experiment_one_call():
+    """Page 10's call: baseline + ranks compared, bytes for both models, projection for every bandwidth."""
+    from lab.kcp import BANDWIDTHS_GBPS, MODELS, kcp_experiment
+
+    run = kcp_experiment(150, 3, 2, 16, 12, "ring", True, timeout_s=60)
+    assert [(r.start, r.end) for r in run.ranks] == [(0, 50), (50, 100), (100, 150)] and len(run.single) == 1
+    assert run.worst_error <= run.tolerance and run.speedup == run.single_ms / run.slowest_ms
+    assert set(run.bytes.model) == set(MODELS.values()) and run.bytes_world_size == 3
+    assert sorted(run.projection.bandwidth_gbps.unique()) == list(BANDWIDTHS_GBPS) and run.costs is not None
+    assert run.ranks[-1].received_bytes == run.formula_received
+    one = kcp_experiment(150, 1, 2, 16, 12, "allgather", False, timeout_s=60)
+    assert one.costs is None and one.projection.empty and one.bytes_world_size == 2

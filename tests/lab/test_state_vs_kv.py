@@ -17,3 +17,22 @@ def test_measure_decode_cost_rows():
 def test_measure_decode_cost_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         measure_decode_cost(PRESETS["kimi-k3"], **kwargs)
+
+
+def test_state_vs_kv_one_call():
+    from kda_core import config as kc
+    from lab.state_vs_kv import CONTEXTS, state_vs_kv
+
+    run = state_vs_kv("kimi-k3", "fp32", "bf16", (1024, 4096), 1, 1024, repeats=1)
+    cfg = kc.PRESETS["kimi-k3"]
+    assert run.cfg == cfg and run.break_even_tokens == kc.break_even_tokens(cfg)
+    assert run.bytes.num_tokens.iloc[0] == 1024 and run.bytes.num_tokens.iloc[-1] == 4096
+    assert sorted(run.layers.context_tokens.unique()) == list(CONTEXTS)
+    assert list(run.decode.context_tokens) == [256, 512, 1024]
+    custom = state_vs_kv("custom", "bf16", "fp8 (e4m3)", (64, 64), 1, 1024, custom=(8, 3, 2, 32), repeats=1)
+    assert custom.cfg.num_layers == 8 and custom.kv_dtype_bytes == 1 and len(custom.bytes) == 2
+    for kwargs, match in ((dict(model="custom"), "custom"), (dict(model="x"), "model"), (dict(kv_dtype="int4"), "kv_dtype")):
+        args = dict(model="kimi-k3", state_dtype="fp32", kv_dtype="bf16", context_range=(64, 128), measure_heads=1,
+                    measure_max_tokens=1024) | kwargs
+        with pytest.raises(ValueError, match=match):
+            state_vs_kv(**args)

@@ -18,7 +18,6 @@ from serve.traces import (
     load_mooncake,
     named_bytes,
     synthesize,
-    upload_parts,
 )
 from serve.vtc_artifact import load_vtc_artifact
 
@@ -177,13 +176,6 @@ def test_binary_file_is_not_utf8_names_file_and_offset(tmp_path):
         load_mooncake(path)
 
 
-def test_upload_parts_keeps_empty_uploads():
-    class Upload:
-        name = "empty.jsonl"
-
-        def getvalue(self):
-            return b""
-
-    assert upload_parts(None) == (None, "")
-    assert upload_parts(Upload()) == (b"", "empty.jsonl")
+def test_named_bytes_names_the_file():
     assert named_bytes(b"x", "").name == "uploaded file"
+    assert named_bytes(b"x", "t.jsonl").name == "t.jsonl"

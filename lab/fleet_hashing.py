@@ -1,0 +1,77 @@
+"""Page 11 in one call: where a trace's requests land under each routing algorithm, load per replica, the
+ring's balance against virtual nodes and the lookup cost measured on this CPU (:func:`fleet_hashing`)."""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+
+from lab.fleet import (
+    ANCHORS,
+    ideal_ratio,
+    measure_lookup_us,
+    page_trace,
+    ring_balance_vs_vnodes,
+    routing_load,
+)
+from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
+from serve.fleet.hashing import routing_key
+from serve.fleet.router import RouteQuery
+from serve.traces import TraceRequest
+
+ALGORITHMS = tuple(ROUTERS)
+VNODES = (1, 4, 10, 40, 100, 160, 400, 1000)  # virtual nodes per replica compared in the balance chart
+
+
+@dataclass(frozen=True)
+class FleetHashing:
+    """Everything page 11 draws.
+
+    load: requests, prompt tokens and hit tokens per replica (:func:`lab.fleet.routing_load`); hit_ratio:
+    token hit ratio of the per-replica caches; ideal_ratio: of one shared infinite cache; balance: the ring's
+    exact shares per V in :data:`VNODES`; lookup: µs per route call per algorithm; landing: one row per
+    (request, key-based algorithm): request index, algorithm, replica, routing key, prefix blocks, requests
+    sharing that prefix; num_requests: trace length; note: what the budget cut from an upload; anchors: published figures with their sources."""
+
+    load: pd.DataFrame
+    hit_ratio: float
+    ideal_ratio: float
+    balance: pd.DataFrame
+    lookup: pd.DataFrame
+    landing: pd.DataFrame
+    num_requests: int
+    note: str
+    anchors: dict | None = None
+
+
+def prefix_landing(trace: Sequence[TraceRequest], num_replicas: int, k: int, vnodes: int) -> pd.DataFrame:
+    """For every request: its routing key (blake2b chained over its first ``k`` block ids), the replica each
+    key-based algorithm picks, and how many trace requests share those blocks (they land on the same
+    replica). Rows as :func:`lab.fleet.where_prefix_lands` plus ``request``, request-major."""
+    sharing = Counter(r.hash_ids[:k] for r in trace)
+    routers = {name: make_router(name, replica_names(num_replicas), vnodes=vnodes) for name in KEY_ROUTERS}
+    rows = []
+    for i, req in enumerate(trace):
+        key = routing_key(req.hash_ids, k)
+        for name, router in routers.items():
+            rows.append({"request": i, "algorithm": name, "replica": router.route(RouteQuery(key, req.hash_ids)),
+                         "routing_key": f"{key:016x}", "prefix_blocks": len(req.hash_ids[:k]),
+                         "requests_sharing_prefix": sharing[req.hash_ids[:k]]})
+    return pd.DataFrame(rows)
+
+
+def fleet_hashing(algorithm: str, num_replicas: int, k: int, vnodes: int, num_requests: int,
+                  upload: bytes | None = None, upload_name: str = "uploaded file") -> FleetHashing:
+    """Route the page trace (``upload`` or the synthetic one, :func:`lab.fleet.page_trace`) with
+    ``algorithm`` on its first ``k`` blocks; add the balance and lookup measurements for ``num_replicas``.
+
+    Raises: ValueError for an unknown algorithm or bad sizes; TraceFormatError (ValueError) for a bad upload."""
+    if algorithm not in ROUTERS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    trace, note, _ = page_trace(upload, num_requests, name=upload_name)
+    load = routing_load(trace, algorithm, num_replicas, k, vnodes=vnodes)
+    return FleetHashing(load, float(load.hit_tokens.sum() / max(1, load.tokens.sum())), ideal_ratio(trace),
+                        ring_balance_vs_vnodes(num_replicas, VNODES), measure_lookup_us(num_replicas, vnodes),
+                        prefix_landing(trace, num_replicas, k, vnodes), len(trace), note, anchors=dict(ANCHORS))

@@ -1,0 +1,49 @@
+"""Page 07 in one call: :func:`lab.prefix.anatomy` (prompts through a cached engine, then the two-phase
+lookup of the last one explained) as the frames the page draws."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pandas as pd
+
+from lab.prefix import ANATOMY_BLOCK_COLUMNS, anatomy
+
+
+@dataclass(frozen=True)
+class AnatomyView:
+    """Page 07's frames. blocks: :data:`ANATOMY_BLOCK_COLUMNS` per (prompt, full block); tails: the partial
+    block of each prompt (prompt, start, tokens; never cached); checkpoints: one row per (checkpoint, prompt
+    whose block ends at its boundary with its key): boundary, group, prompt, y (row offset of the marker),
+    key; steps: the two-phase lookup of the last prompt; droppable: boundaries of the previous prompt that
+    hold a checkpoint here (the what-if choices, taken from the run without a drop); the rest as in :class:`Anatomy`."""
+
+    blocks: pd.DataFrame
+    tails: pd.DataFrame
+    checkpoints: pd.DataFrame
+    steps: pd.DataFrame
+    droppable: list
+    num_tokens: int
+    kv_tokens: int
+    dropped: tuple | None
+    prompt_tokens: list
+
+
+def anatomy_view(prompts: Sequence[str | Sequence[int]], block_size: int = 16, interval: int = 32,
+                 num_groups: int = 2, drop: tuple[int, int] | None = None, preset: str = "demo") -> AnatomyView:
+    """:func:`anatomy` as frames for page 07. Raises ValueError as :func:`anatomy` does."""
+    res = anatomy(prompts, block_size, interval, num_groups, drop, preset)
+    blocks = pd.DataFrame(res.blocks, columns=ANATOMY_BLOCK_COLUMNS)
+    tails = pd.DataFrame([dict(prompt=i, start=n // block_size * block_size, tokens=n % block_size)
+                          for i, n in enumerate(res.prompt_tokens) if n % block_size],
+                         columns=["prompt", "start", "tokens"])
+    points = []
+    for c in res.checkpoints:
+        for p in blocks[(blocks.end == c["boundary"]) & (blocks.key == c["key"][:8])].prompt:
+            points.append(dict(boundary=c["boundary"], group=c["group"], prompt=p,
+                               y=p + 0.25 + 0.12 * c["group"], key=c["key"]))
+    points = pd.DataFrame(points, columns=["boundary", "group", "prompt", "y", "key"])
+    prev = points[points.prompt == len(res.prompt_tokens) - 2]
+    droppable = sorted(int(b) for b in prev.boundary.unique())
+    return AnatomyView(blocks, tails, points, pd.DataFrame(res.steps), droppable, res.num_tokens, res.kv_tokens,
+                       res.dropped, res.prompt_tokens)
