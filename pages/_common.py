@@ -172,5 +172,20 @@ def upload_parts(upload) -> tuple[bytes | None, str]:
     return upload.getvalue(), str(getattr(upload, "name", "") or "uploaded file")
 
 
+
+def remeasure_button(cached_fn, key: str, label: str = "Re-measure") -> None:
+    """A button that clears ``cached_fn``'s ``st.cache_data`` entries (only this page's measurement: cached
+    measurements are shared by every visitor) and reruns the page so it measures afresh."""
+    if st.button(label, key=key, help="Cached measurements are shared by all visitors; this clears this "
+                                      "page's measurement only and takes it again now."):
+        cached_fn.clear()
+        st.rerun()
+
+
+def measured_stamp(conditions) -> None:
+    """The stamp under a measured chart: when, repeats, torch threads, cores, load average
+    (:meth:`lab.timing.Conditions.stamp`)."""
+    st.caption(conditions.stamp())
+
 if __name__ == "__main__":  # deep link to /common on a fresh server: Streamlit ran this file as a page
     route_through_navigation()
