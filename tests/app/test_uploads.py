@@ -31,6 +31,7 @@ def _run_with_upload(monkeypatch, page: str, data: bytes, name: str) -> AppTest:
     at = AppTest.from_file(APP, default_timeout=180)
     at.run()
     at.switch_page(page)
+    at.session_state["p09_replay_on"] = True          # page 09 reads the trace only for its replay (a button)
     at.run()
     assert not at.exception, [e.value for e in at.exception]
     return at
