@@ -11,8 +11,8 @@ and the trace simulator :mod:`serve.prefix.sim` share one implementation of the 
   (phase 1 :meth:`PrefixIndex.kv_run`, leading blocks present, capped at L - 1 tokens; phase 2
   :meth:`PrefixIndex.checkpoint_run`, deepest complete checkpoint within that run), optionally
   recording each step for page 07;
-- **LRU**: one ordered list over both kinds of entries (:class:`LRUEntry`, typed by
-  :class:`EntryKind`: a block, or one group's checkpoint). :meth:`PrefixIndex.touch` refreshes only what a hit consumed -- the checkpoint used and
+- **LRU**: one ordered list over both kinds of entries, the index's own records
+  (:class:`BlockNode`, :class:`Checkpoint`), each typed by its ``kind`` (:class:`EntryKind`). :meth:`PrefixIndex.touch` refreshes only what a hit consumed -- the checkpoint used and
   the block path up to it -- deepest first, so a parent is always more recent than its children and
   the oldest block entry is a leaf. Pinned entries (in use by a request) are never evicted. Evicting a
   checkpoint leaves its block; evicting a block also drops that node's checkpoints.
@@ -66,15 +66,6 @@ class EntryKind(enum.IntEnum):
     CHECKPOINT = 1
 
 
-class LRUEntry(NamedTuple):
-    """One entry of the index's LRU list: ``kind``, the block's chained ``key``, and ``group`` (None
-    for a block)."""
-
-    kind: EntryKind
-    key: Hashable
-    group: int | None
-
-
 class Walk(NamedTuple):
     """The outcome of :meth:`PrefixIndex.walk`: ``kv_tokens`` (phase 1: cached KV tokens, capped at
     L - 1) and ``hit_blocks`` j (phase 2: the restore boundary is j N tokens; 0 = nothing usable)."""
@@ -98,20 +89,31 @@ class Evicted(NamedTuple):
     depth: int
 
 
-class _Node:
+class BlockNode:
+    """A cached block (an LRU entry of kind BLOCK): chained ``key``, ``parent`` key (ROOT for the first
+    block), ``depth`` (blocks in the prefix), ``children`` cached, ``pins``, the owner's ``payload`` and
+    ``ckpts`` by group."""
+
     __slots__ = ("key", "parent", "depth", "children", "pins", "payload", "ckpts")
+    kind = EntryKind.BLOCK
+    group = None
 
     def __init__(self, key, parent, depth, payload):
         self.key, self.parent, self.depth, self.payload = key, parent, depth, payload
         self.children = 0
         self.pins = 0
-        self.ckpts: dict[int, _Ckpt] = {}
+        self.ckpts: dict[int, Checkpoint] = {}
 
 
-class _Ckpt:
-    __slots__ = ("pins", "payload", "written_at")
+class Checkpoint:
+    """One group's checkpoint at block ``key`` (an LRU entry of kind CHECKPOINT): ``pins``, the owner's
+    ``payload`` and ``written_at`` (tokens the state had consumed)."""
 
-    def __init__(self, payload, written_at):
+    __slots__ = ("key", "group", "pins", "payload", "written_at")
+    kind = EntryKind.CHECKPOINT
+
+    def __init__(self, key, group, payload, written_at):
+        self.key, self.group = key, group
         self.pins, self.payload, self.written_at = 0, payload, written_at
 
 
@@ -126,8 +128,8 @@ class PrefixIndex:
         if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
             raise ValueError(f"num_groups must be an int >= 1, got {num_groups!r}")
         self._num_groups = num_groups
-        self.nodes: dict[Hashable, _Node] = {}
-        self.lru: OrderedDict[LRUEntry, None] = OrderedDict()   # oldest first
+        self.nodes: dict[Hashable, BlockNode] = {}
+        self.lru: OrderedDict[BlockNode | Checkpoint, None] = OrderedDict()   # oldest first; each has a .kind
         self.num_checkpoints = 0
 
     @property
@@ -191,6 +193,8 @@ class PrefixIndex:
     def missing_groups(self, key: Hashable) -> list[int]:
         """Groups without a checkpoint at cached block ``key`` (what publishing there would add)."""
         ckpts = self.nodes[key].ckpts
+        if len(ckpts) == self._num_groups:
+            return []
         return [g for g in range(self._num_groups) if g not in ckpts]
 
     def is_complete(self, key: Hashable) -> bool:
@@ -198,7 +202,7 @@ class PrefixIndex:
         node = self.nodes.get(key)
         return node is not None and len(node.ckpts) == self._num_groups
 
-    def node(self, key: Hashable) -> _Node:
+    def node(self, key: Hashable) -> BlockNode:
         """The node of a cached block (KeyError if absent)."""
         return self.nodes[key]
 
@@ -209,10 +213,11 @@ class PrefixIndex:
         move, nodes = self.lru.move_to_end, self.nodes
         if num_blocks and with_checkpoint:
             key = keys[num_blocks - 1]
-            for g in sorted(nodes[key].ckpts):
-                move(LRUEntry(EntryKind.CHECKPOINT, key, g))
+            ckpts = nodes[key].ckpts
+            for g in sorted(ckpts):
+                move(ckpts[g])
         for j in range(num_blocks - 1, -1, -1):
-            move(LRUEntry(EntryKind.BLOCK, keys[j], None))
+            move(nodes[keys[j]])
 
     def pin_blocks(self, keys: Sequence[Hashable], delta: int = 1) -> None:
         """Add ``delta`` (+1 pin / -1 unpin) to each cached block in ``keys``. Pinned blocks are never
@@ -248,8 +253,8 @@ class PrefixIndex:
                 raise ValueError("parent block is not cached (a block is inserted after its prefix)")
             pnode.children += 1
             depth = pnode.depth + 1
-        self.nodes[key] = _Node(key, parent, depth, payload)
-        self.lru[LRUEntry(EntryKind.BLOCK, key, None)] = None
+        node = self.nodes[key] = BlockNode(key, parent, depth, payload)
+        self.lru[node] = None
         return True
 
     def add_checkpoint(self, key: Hashable, group: int, payload: Any, written_at: int) -> None:
@@ -263,8 +268,8 @@ class PrefixIndex:
             raise ValueError(f"group must be in [0, {self._num_groups}), got {group}")
         if group in node.ckpts:
             raise ValueError(f"group {group} already has a checkpoint at this block")
-        node.ckpts[group] = _Ckpt(payload, written_at)
-        self.lru[LRUEntry(EntryKind.CHECKPOINT, key, group)] = None
+        ck = node.ckpts[group] = Checkpoint(key, group, payload, written_at)
+        self.lru[ck] = None
         self.num_checkpoints += 1
 
     # ---- removal ----------------------------------------------------------------------------------
@@ -277,19 +282,19 @@ class PrefixIndex:
         if ck.pins:
             raise ValueError(f"checkpoint of group {group} is pinned by {ck.pins} request(s)")
         del node.ckpts[group]
-        del self.lru[LRUEntry(EntryKind.CHECKPOINT, key, group)]
+        del self.lru[ck]
         self.num_checkpoints -= 1
         return Evicted(EntryKind.CHECKPOINT, key, group, ck.payload, node.depth)
 
-    def _remove_block(self, node: _Node) -> list[Evicted]:
+    def _remove_block(self, node: BlockNode) -> list[Evicted]:
         lru, key, depth = self.lru, node.key, node.depth
         out = []
         for g, ck in node.ckpts.items():
-            del lru[LRUEntry(EntryKind.CHECKPOINT, key, g)]
+            del lru[ck]
             out.append(Evicted(EntryKind.CHECKPOINT, key, g, ck.payload, depth))
         self.num_checkpoints -= len(node.ckpts)
         del self.nodes[key]
-        del lru[LRUEntry(EntryKind.BLOCK, key, None)]
+        del lru[node]
         if node.parent is not ROOT:
             self.nodes[node.parent].children -= 1
         out.append(Evicted(EntryKind.BLOCK, key, None, node.payload, depth))
@@ -299,13 +304,12 @@ class PrefixIndex:
         """Evict the least recently used unpinned entry: a checkpoint, or a leaf block together with
         its checkpoints (not with ``checkpoints_only``). Returns what was removed ([] if nothing is
         evictable)."""
-        nodes = self.nodes
-        for kind, key, group in self.lru:
-            if kind is EntryKind.CHECKPOINT:
-                if nodes[key].ckpts[group].pins == 0:
-                    return [self.remove_checkpoint(key, group)]
+        for entry in self.lru:
+            if entry.kind is EntryKind.CHECKPOINT:
+                if entry.pins == 0:
+                    return [self.remove_checkpoint(entry.key, entry.group)]
             elif not checkpoints_only:
-                node = nodes[key]
+                node = entry
                 if node.pins == 0 and node.children == 0 and not any(c.pins for c in node.ckpts.values()):
                     return self._remove_block(node)
         return []
@@ -344,11 +348,12 @@ class PrefixIndex:
         assert len(self.lru) == expected, f"LRU holds {len(self.lru)} entries, index {expected}"
         assert self.num_checkpoints == expected - len(nodes), "checkpoint counter out of date"
         pos = {}
-        for i, (kind, key, group) in enumerate(self.lru):
-            if kind is EntryKind.CHECKPOINT:
-                assert key in nodes and group in nodes[key].ckpts, "LRU names a missing checkpoint"
+        for i, entry in enumerate(self.lru):
+            key = entry.key
+            if entry.kind is EntryKind.CHECKPOINT:
+                assert key in nodes and nodes[key].ckpts.get(entry.group) is entry, "LRU names a missing checkpoint"
             else:
-                assert kind is EntryKind.BLOCK and group is None and key in nodes, "LRU names a missing block"
+                assert nodes.get(key) is entry, "LRU names a missing block"
                 pos[key] = i
         for key, node in nodes.items():
             if node.parent is not ROOT:
