@@ -18,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from serve.fleet.budgets import PriorityClass
-from serve.fleet.sim_types import FleetConfig, FleetRequest, SimResult, fresh_block_requests
+from serve.fleet.sim_types import FleetConfig, FleetRequest, FleetSimResult, fresh_block_requests
 from serve.fleet.simulation import simulate
 from serve.traces import TraceRequest
 
@@ -35,8 +35,8 @@ class Stream(NamedTuple):
 class BudgetRun(NamedTuple):
     """The two runs on identical traffic."""
 
-    without: SimResult
-    with_isolation: SimResult
+    without: FleetSimResult
+    with_isolation: FleetSimResult
     requests: list[FleetRequest]
 
 

@@ -120,7 +120,7 @@ def static_kv_share(cfg: WorkloadConfig) -> float:
     return kv_pages / (kv_pages + lay.num_groups * lay.state_pages)
 
 
-def simulate(cfg: WorkloadConfig, snapshot_step: int | None = None) -> WorkloadResult:
+def simulate_workload(cfg: WorkloadConfig, snapshot_step: int | None = None) -> WorkloadResult:
     """Run the stream on the unified pool and on the static split. Deterministic for a seed, except the
     measured latencies. Raises ValueError for a config or a pool too small for one page."""
     lay = cfg.layout

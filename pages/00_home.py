@@ -3,7 +3,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from kda_core.model import decode
+from kda_core.model import bytes_to_text
 from lab.prefix import cold_vs_warm, ttft_summary
 from pages._common import engine_call, persist, show_chart
 from pages._registry import SECTIONS, TABS
@@ -52,7 +52,7 @@ if not all(sizes.values()):
 @st.cache_data(show_spinner="Running both requests through the engine (3 repeats)…")
 def _run(first, second, max_new, block, interval):
     run = cold_vs_warm(first, second, max_new, block, interval, repeats=3)
-    return pd.DataFrame(run.rows), run.check, decode(run.warm_tokens), len(run.warm_tokens), run.layout.state_bytes
+    return pd.DataFrame(run.rows), run.check, bytes_to_text(run.warm_tokens), len(run.warm_tokens), run.layout.state_bytes
 
 
 rows, check, text, num_generated, state_bytes = engine_call(_run, first, second, max_new, block, interval)

@@ -6,7 +6,7 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from kda_core.config import PRESETS
-from lab.pool import WorkloadConfig, policy_waste, simulate
+from lab.pool import WorkloadConfig, policy_waste, simulate_workload
 from lab.pool_timing import latency_histogram
 from pages._common import engine_call, persist, show_chart
 from serve.memory.page_policy import vllm_vs_ours
@@ -37,7 +37,7 @@ step = d4.slider("Grid at step", 0, 199, key=persist("p05_step", 60, min_value=0
 def _run(pool_mib, policy, long_share, arrival, groups, seed, step):
     cfg = WorkloadConfig(pool_mib=pool_mib, policy=policy, long_share=long_share, arrival=arrival,
                          num_groups=groups, seed=seed)
-    res = simulate(cfg, snapshot_step=step)
+    res = simulate_workload(cfg, snapshot_step=step)
     return {"layout": res.layout, "num_pages": res.num_pages, "kv_static": res.kv_pages_static,
             "timeline": pd.DataFrame(res.timeline), "outcomes": pd.DataFrame(res.outcomes),
             "snapshot": res.snapshot, "latency": latency_histogram(res.latency_ns, bins_per_decade=10), "waste": res.waste}

@@ -1,7 +1,7 @@
 """Page 05's workload on real pools: deterministic, conserving, and the split pool pays for a mix shift."""
 import pytest
 
-from lab.pool import WorkloadConfig, simulate, static_kv_share
+from lab.pool import WorkloadConfig, simulate_workload, static_kv_share
 
 
 def _outcomes(res):
@@ -12,7 +12,7 @@ def _outcomes(res):
 @pytest.mark.parametrize("arrival", ["steady", "bursty"])
 def test_simulate_conserves_requests_and_pages(policy, arrival):
     cfg = WorkloadConfig(pool_mib=8, policy=policy, arrival=arrival, long_share=0.3, seed=3, num_steps=60)
-    res = simulate(cfg, snapshot_step=30)
+    res = simulate_workload(cfg, snapshot_step=30)
     o = _outcomes(res)
     for ph in (1, 2):  # both variants see the same arrivals
         assert o[("unified", ph, "admitted")] + o[("unified", ph, "rejected")] == \
@@ -21,13 +21,13 @@ def test_simulate_conserves_requests_and_pages(policy, arrival):
         assert row["mla_kv_pages"] + row["kda_state_pages"] + row["free_pages"] == res.num_pages
     assert len(res.snapshot) == res.num_pages and res.latency_ns["alloc"] and res.latency_ns["free"]
     assert res.waste["used_bytes"] > 0
-    again = simulate(cfg, snapshot_step=30)
+    again = simulate_workload(cfg, snapshot_step=30)
     assert again.timeline == res.timeline and again.outcomes == res.outcomes and again.snapshot == res.snapshot
 
 
 def test_unified_pool_absorbs_a_mix_shift():
     cfg = WorkloadConfig(pool_mib=32, long_share=0.0, seed=0)   # all short, then all long
-    o = _outcomes(simulate(cfg))
+    o = _outcomes(simulate_workload(cfg))
     assert o[("unified", 2, "rejected")] < o[("static split", 2, "rejected")]
     assert 0 < static_kv_share(cfg) < static_kv_share(WorkloadConfig(long_share=1.0)) < 1
 
@@ -43,6 +43,6 @@ def test_config_errors(kwargs, match):
 
 def test_simulate_errors():
     with pytest.raises(ValueError, match="need >= 2"):
-        simulate(WorkloadConfig(pool_mib=0.1))
+        simulate_workload(WorkloadConfig(pool_mib=0.1))
     with pytest.raises(ValueError, match="snapshot_step"):
-        simulate(WorkloadConfig(num_steps=10), snapshot_step=10)
+        simulate_workload(WorkloadConfig(num_steps=10), snapshot_step=10)
