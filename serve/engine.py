@@ -35,14 +35,7 @@ from serve.memory.pages import write_kv, write_state, zero_state
 from serve.memory.pool import PageKind, PagePool, PoolExhausted
 from serve.prefix.cache import PrefixCache
 from serve.prefix.index import block_keys
-from serve.request import (
-    Request,
-    RequestResult,
-    RequestStatus,
-    prompt_ids,
-    read_request_cache,
-    write_request_cache,
-)
+from serve.request import Request, RequestResult, RequestStatus, prompt_ids, read_request_cache, write_request_cache
 from serve.spec.verify import Speculation, draft_budget, speculative_step
 
 DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
@@ -201,27 +194,20 @@ class ServeEngine:
             self.cache.acquire(better, req.rid, replaces=old)
             req.hit = better
 
-    def pages_needed(self, req: Request) -> tuple[int, int]:
-        """``(state pages, KV pages)`` the request must allocate: a whole KDA state (all groups) and
-        one page per block of its final tokens not covered by its hit."""
-        hit_blocks = 0 if req.hit is None else len(req.hit.kv_pages)
-        return self.layout.state_pages, -(-req.final_tokens // self.layout.block_size) - hit_blocks
-
     def can_admit(self, req: Request) -> Fit:
-        """Whether the waiting request's pages fit: NOW in free + evictable pages; LATER once running
-        requests release theirs; NEVER if they exceed the pool with its pinned hit counted. Pure."""
-        need = sum(self.pages_needed(req))
+        """Whether the waiting request's pages (:meth:`Request.pages_needed`) fit: NOW in free +
+        evictable pages; LATER once running requests release theirs; NEVER if they exceed the pool
+        with its pinned hit counted. Pure."""
+        need = sum(req.pages_needed(self.layout))
         if need <= self.pool.num_free + (0 if self.cache is None else self.cache.evictable_pages()):
             return Fit.NOW
-        held = 0 if req.hit is None else len(req.hit.kv_pages) + sum(len(g) for g in req.hit.checkpoint_pages)
-        return Fit.LATER if self.running and need + held <= self.pool.num_pages else Fit.NEVER
+        return Fit.LATER if self.running and need + req.hit_pages <= self.pool.num_pages else Fit.NEVER
 
     def _shortfall(self, req: Request) -> str:
-        state, kv = self.pages_needed(req)
-        free, evictable = self.pool.num_free, 0 if self.cache is None else self.cache.evictable_pages()
-        hit_blocks = 0 if req.hit is None else len(req.hit.kv_pages)
+        (state, kv), free = req.pages_needed(self.layout), self.pool.num_free
+        evictable = 0 if self.cache is None else self.cache.evictable_pages()
         return (f"needs {state + kv} pages ({state} state + {kv} KV) but only {free} are free and {evictable} "
-                f"evictable; its {hit_blocks} hit blocks stay pinned")
+                f"evictable; its {req.hit_blocks} hit blocks stay pinned")
 
     def admit(self, req: Request) -> None:
         """Admit a request :meth:`can_admit` said fits NOW: allocate its state and KV pages (evicting
@@ -231,7 +217,7 @@ class ServeEngine:
         nothing it held leaks."""
         t0 = time.perf_counter()
         cache, lay = self.cache, self.layout
-        num_state, num_kv = self.pages_needed(req)
+        num_state, num_kv = req.pages_needed(lay)
         alloc = self.pool.alloc if cache is None else cache.alloc
         try:
             state = alloc(PageKind.KDA_STATE, num_state, req.rid)
@@ -249,9 +235,8 @@ class ServeEngine:
         req.timings_ms["queue"] = (t0 - req.submit_t) * 1e3 - req.timings_ms["lookup"]
         req.timings_ms["admit"] = _ms(t0)
         t1 = time.perf_counter()
-        hit_blocks = 0 if req.hit is None else len(req.hit.kv_pages)
         try:
-            if hit_blocks:
+            if req.hit_blocks:
                 req.restored_bytes = cache.restore(req.hit, req.rid, req.state_pages)
                 cache.release_checkpoint(req.rid)
             else:
@@ -260,8 +245,8 @@ class ServeEngine:
             self._reject(req, f"restore failed: {err}")
             raise
         req.timings_ms["restore"] = _ms(t1)
-        req.computed = hit_blocks * lay.block_size
-        req.shared_kv_bytes = hit_blocks * lay.kv_block_bytes
+        req.computed = req.hit_blocks * lay.block_size
+        req.shared_kv_bytes = req.hit_blocks * lay.kv_block_bytes
         req.status = RequestStatus.PREFILL
         self.running.append(req.rid)
 
@@ -303,8 +288,8 @@ class ServeEngine:
         end = L if self.max_prefill_chunk is None else min(L, p + self.max_prefill_chunk)
         inner = [b - p for b in marks if b < end]
         t0 = time.perf_counter()
-        out = self.model.forward(torch.tensor([req.prompt[p:end]]), read_request_cache(self.layout, self.pool, req), mode="chunk",
-                                 state_at=tuple(inner))
+        out = self.model.forward(torch.tensor([req.prompt[p:end]]), read_request_cache(self.layout, self.pool, req),
+                                 mode="chunk", state_at=tuple(inner))
         if inner:  # latents first (blocks below each boundary), then each boundary's state
             write_kv(self.layout, self.pool, req.page_table, p,
                      [out.cache.layers[i][:, p:] for i in self.model.cfg.mla_layers])
@@ -324,7 +309,8 @@ class ServeEngine:
             self._publish(req, end, end in marks)
             req.timings_ms["checkpoint"] += _ms(t1)
         if end == L:
-            self._emit(req, int(out.logits[0, -1].argmax()), out.logits[0, -1])
+            self._append(req, int(out.logits[0, -1].argmax()), out.logits[0, -1])
+            self._finish_if_done(req)
 
     def _decode_one(self, req: Request) -> None:
         """One decode step (a verify step with speculation) in three transitions, in this order:
@@ -341,8 +327,9 @@ class ServeEngine:
         landing on a boundary must publish the state after exactly that many tokens).
         """
         b_end = None if self.cache is None else self.config.final_checkpoint(len(req.prompt), req.final_tokens)
+        cache = read_request_cache(self.layout, self.pool, req)
         if self.speculation is None:
-            logits, new = self.model.decode_step(req.output[-1], read_request_cache(self.layout, self.pool, req))
+            logits, new = self.model.decode_step(req.output[-1], cache)
             write_request_cache(self.layout, self.pool, req, new, req.computed)
             emitted, rows = [int(logits[0].argmax())], [logits[0]]
         else:
@@ -350,7 +337,7 @@ class ServeEngine:
             if req.strategy is None:
                 req.proposer, req.strategy = spec.proposer(list(req.prompt)), spec.strategy()
             n = draft_budget(spec.num_draft_tokens, req.computed, req.max_new_tokens - len(req.output), b_end)
-            res = speculative_step(self.model, read_request_cache(self.layout, self.pool, req), req.tokens(), req.proposer, req.strategy, n)
+            res = speculative_step(self.model, cache, req.tokens(), req.proposer, req.strategy, n)
             write_request_cache(self.layout, self.pool, req, res.state.cache, req.computed)
             emitted, rows = list(res.emitted_tokens), list(res.logits)      # rows: a + 1 of [256]
             req.drafted_tokens += len(res.draft_tokens)
@@ -359,12 +346,6 @@ class ServeEngine:
             self._append(req, tok, row)
         if b_end is not None and req.computed == b_end:
             self._publish(req, b_end, True)
-        self._finish_if_done(req)
-
-    def _emit(self, req: Request, token: int, logits: torch.Tensor | None) -> None:
-        """Append one greedy token (its ``logits [256]`` if recorded), then finish the request if it was
-        the last one."""
-        self._append(req, token, logits)
         self._finish_if_done(req)
 
     def _append(self, req: Request, token: int, logits: torch.Tensor | None) -> None:

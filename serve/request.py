@@ -102,6 +102,21 @@ class Request:
         """Tokens the request's cache will have consumed at the end: L + max_new_tokens - 1."""
         return len(self.prompt) + self.max_new_tokens - 1
 
+    @property
+    def hit_blocks(self) -> int:
+        """Blocks restored from the cache (b / N; 0 without a hit)."""
+        return 0 if self.hit is None else len(self.hit.kv_pages)
+
+    @property
+    def hit_pages(self) -> int:
+        """Cache pages the request's hit pins: its KV blocks plus its checkpoint's state pages."""
+        return 0 if self.hit is None else self.hit_blocks + sum(len(g) for g in self.hit.checkpoint_pages)
+
+    def pages_needed(self, layout: CacheLayout) -> tuple[int, int]:
+        """``(state pages, KV pages)`` the request must allocate under ``layout``: a whole KDA state (all
+        groups) and one page per block of its final tokens not covered by its hit."""
+        return layout.state_pages, -(-self.final_tokens // layout.block_size) - self.hit_blocks
+
     def tokens(self) -> list:
         """Prompt + output ids (the last output id is not yet consumed by the cache)."""
         return self.prompt + self.output

@@ -12,7 +12,8 @@ and the trace simulator :mod:`serve.prefix.sim` share one implementation of the 
   :meth:`PrefixIndex.checkpoint_run`, deepest complete checkpoint within that run), optionally
   recording each step for page 07;
 - **LRU**: one ordered list over both kinds of entries, the index's own records
-  (:class:`BlockNode`, :class:`Checkpoint`), each typed by its ``kind`` (:class:`EntryKind`). :meth:`PrefixIndex.touch` refreshes only what a hit consumed -- the checkpoint used and
+  (:class:`BlockNode`, :class:`Checkpoint`), each typed by its ``kind`` (:class:`EntryKind`).
+  :meth:`PrefixIndex.touch` refreshes only what a hit consumed -- the checkpoint used and
   the block path up to it -- deepest first, so a parent is always more recent than its children and
   the oldest block entry is a leaf. Pinned entries (in use by a request) are never evicted. Evicting a
   checkpoint leaves its block; evicting a block also drops that node's checkpoints.

@@ -174,9 +174,9 @@ def replay_trace(requests: Sequence[TraceRequest], config: TraceReplayConfig,
         progress(1.0)
     miss_total = sum(miss.values())
     assert miss_total == total_tokens - hit_tokens, "miss causes must add up to the missed tokens"
-    return TraceReplayResult(_ratio(hit_blocks, total_blocks), _ratio(hit_tokens, total_tokens), hit_blocks, total_blocks,
-                     hit_tokens, total_tokens, miss, peak_kv, peak_st, written, ev_kv, ev_ck, time.perf_counter() - t0,
-                     tuple(request_hits))
+    return TraceReplayResult(_ratio(hit_blocks, total_blocks), _ratio(hit_tokens, total_tokens), hit_blocks,
+                             total_blocks, hit_tokens, total_tokens, miss, peak_kv, peak_st, written, ev_kv, ev_ck,
+                             time.perf_counter() - t0, tuple(request_hits))
 
 
 def _ratio(part: int, whole: int) -> float:

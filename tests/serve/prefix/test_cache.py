@@ -270,7 +270,8 @@ def test_evicting_a_checkpoint_keeps_kv_and_evicting_kv_drops_its_checkpoints():
     assert [e.kind for e in idx.evict_one()] == [EntryKind.CHECKPOINT]
     idx.touch(["a", "b"], 2, with_checkpoint=False)     # LRU order: block b, block a
     idx.add_checkpoint("b", 0, "pages-of-b", 8)         # then the checkpoint: block b is the oldest entry
-    assert [(e.kind, e.key) for e in idx.evict_one()] == [(EntryKind.CHECKPOINT, "b"), (EntryKind.BLOCK, "b")]   # block b and its checkpoint
+    # block b and its checkpoint
+    assert [(e.kind, e.key) for e in idx.evict_one()] == [(EntryKind.CHECKPOINT, "b"), (EntryKind.BLOCK, "b")]
     idx.check_integrity(4)
 
 
