@@ -18,7 +18,8 @@ from pathlib import Path
 
 from lab.pool_timing import one_thread
 from lab.prefix import cold_vs_warm, shared_prefix_prompts, ttft_summary
-from serve.prefix.sim import SimConfig, simulate
+from serve.config import ServeConfig
+from serve.prefix.sim import TraceReplayConfig, replay_trace
 from serve.traces import ideal_hit_ratio, load_mooncake
 
 OUT = Path(__file__).parent / "results" / "prefix.json"
@@ -30,8 +31,8 @@ def trace_replay(repeats: int) -> list[dict]:
     ideal = ideal_hit_ratio(trace)
     out = []
     for label, cap in (("unlimited", None), ("200 GB", 200e9)):
-        cfg = SimConfig.for_preset("kimi-linear-48b-a3b", 512, capacity_bytes=cap)
-        runs = [simulate(trace, cfg) for _ in range(repeats)]
+        cfg = TraceReplayConfig.for_preset("kimi-linear-48b-a3b", ServeConfig(512, 512), capacity_bytes=cap)
+        runs = [replay_trace(trace, cfg) for _ in range(repeats)]
         res = runs[0]
         out.append(dict(cache=label, requests=len(trace), blocks=res.total_blocks,
                         seconds_median=statistics.median(r.seconds for r in runs),

@@ -42,7 +42,7 @@ def encode(text: str) -> torch.Tensor:
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 
-def decode(tokens) -> str:
+def bytes_to_text(tokens) -> str:
     """Token ids (bytes) back to text; invalid UTF-8 shows as U+FFFD."""
     return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 

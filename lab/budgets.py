@@ -28,7 +28,7 @@ from lab.fleet import PAGE_TRACE_BLOCKS, default_service, results_frame
 from serve.azure_trace import read_azure_csv
 from serve.fleet.budgets import PriorityClass
 from serve.fleet.service_model import ServiceModel
-from serve.fleet.sim_types import FleetConfig, FleetRequest, SimResult, fresh_block_requests, percentile
+from serve.fleet.sim_types import FleetConfig, FleetRequest, FleetSimResult, fresh_block_requests, percentile
 from serve.fleet.simulation import simulate
 from serve.fleet.vtc import on_off_less_service, replay_on_off_less
 from serve.traces import TraceRequest, named_bytes
@@ -46,8 +46,8 @@ class Stream(NamedTuple):
 class BudgetRun(NamedTuple):
     """The two runs on identical traffic."""
 
-    without: SimResult
-    with_isolation: SimResult
+    without: FleetSimResult
+    with_isolation: FleetSimResult
     requests: list[FleetRequest]
 
 

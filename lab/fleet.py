@@ -20,7 +20,7 @@ from serve.fleet.ring import ConsistentHashRouter
 from serve.fleet.router import RouteQuery
 from serve.fleet.scaling import scaling_table
 from serve.fleet.service_model import ServiceModel
-from serve.fleet.sim_types import FleetConfig, ScaleAt, SimResult, percentile, requests_from_trace
+from serve.fleet.sim_types import FleetConfig, FleetSimResult, ScaleAt, percentile, requests_from_trace
 from serve.fleet.simulation import simulate
 from serve.trace_limits import LoadedTrace
 from serve.traces import TraceRequest, ideal_hit_ratio, named_bytes, read_mooncake, synthesize
@@ -154,7 +154,7 @@ def simulate_policies(trace: Sequence[TraceRequest], policies: Sequence[str], ba
     return pd.concat(frames, ignore_index=True), pd.DataFrame(summary)
 
 
-def results_frame(sim: SimResult) -> pd.DataFrame:
+def results_frame(sim: FleetSimResult) -> pd.DataFrame:
     """Per-request results with derived queue_wait_ms, ttft_ms, e2e_ms."""
     df = pd.DataFrame([r._asdict() for r in sim.results])
     df["queue_wait_ms"] = df.start_ms - df.arrival_ms
@@ -163,7 +163,7 @@ def results_frame(sim: SimResult) -> pd.DataFrame:
     return df
 
 
-def summarize(sim: SimResult, label: str) -> list[dict]:
+def summarize(sim: FleetSimResult, label: str) -> list[dict]:
     """One row per class (and "all"): hit ratio, TTFT P50/P99, queue wait P99, balance, throughput."""
     done = [r for r in sim.results if r.status == "completed"]
     per_replica: dict[str, int] = {}

@@ -127,7 +127,7 @@ def static_kv_share(cfg: WorkloadConfig) -> float:
     return kv_pages / (kv_pages + lay.state_pages)
 
 
-def simulate(cfg: WorkloadConfig, snapshot_step: int | None = None) -> WorkloadResult:
+def simulate_workload(cfg: WorkloadConfig, snapshot_step: int | None = None) -> WorkloadResult:
     """Run the stream on the unified pool and on the static split. Deterministic for a seed, except the
     measured latencies. Raises ValueError for a config or a pool too small for one page."""
     lay = cfg.layout
@@ -247,7 +247,7 @@ def page05(pool_mib: float, policy: str, long_share: float, arrival: str, num_gr
     """Page 05's one call: the demo-model stream under ``policy`` (and under the other policy for the
     waste chart), the real presets at 16-token blocks with ``min(num_groups, 20)`` groups, and vLLM's
     picks. Raises ValueError as :class:`WorkloadConfig` and :func:`simulate`."""
-    runs = {p: simulate(WorkloadConfig(pool_mib=pool_mib, policy=p, long_share=long_share, arrival=arrival,
+    runs = {p: simulate_workload(WorkloadConfig(pool_mib=pool_mib, policy=p, long_share=long_share, arrival=arrival,
                                        num_groups=num_groups, seed=seed), snapshot_step=snapshot_step)
             for p in sorted(POLICIES, key=lambda p: p != policy)}
     res = runs[policy]

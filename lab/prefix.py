@@ -19,8 +19,9 @@ import torch
 
 from kda_core.chunk import CHUNK_SIZE
 from kda_core.config import PRESETS
-from kda_core.model import HybridLM, decode
+from kda_core.model import HybridLM, bytes_to_text
 from lab.threads import one_thread
+from serve.config import ServeConfig
 from serve.engine import ServeEngine
 from serve.memory.layout import CacheLayout
 from serve.memory.pool import PagePool
@@ -48,16 +49,17 @@ def as_tokens(prompt: str | Sequence[int]) -> list[int]:
 
 def build_engine(model: HybridLM, block_size: int, interval: int, num_groups: int = 1, num_pages: int = 512,
                  policy: str = "multi_page", cache: bool = True) -> ServeEngine:
-    """An engine on a fresh pool (page size from ``policy``), with or without a prefix cache."""
-    pool = PagePool(num_pages, CacheLayout.page_bytes_for(model.cfg, block_size, num_groups, policy))
-    pc = PrefixCache(pool, block_size, interval, num_groups, cfg=model.cfg) if cache else None
-    return ServeEngine(model, pool, pc, block_size=block_size, num_groups=num_groups)
+    """An engine on a fresh pool (page size from ``policy``), with or without a prefix cache. Raises
+    ValueError for a bad :class:`ServeConfig`."""
+    config = ServeConfig(block_size, interval, num_groups, policy)
+    pool = PagePool(num_pages, config.page_bytes(model.cfg))
+    pc = PrefixCache(pool, config, cfg=model.cfg) if cache else None
+    return ServeEngine(model, pool, pc, config=config)
 
 
 def _pages_for(model: HybridLM, block_size: int, num_groups: int, tokens: int, policy: str = "multi_page") -> int:
     """Pages for two requests of ``tokens`` with a checkpoint every block (generous, never evicts)."""
-    lay = CacheLayout(model.cfg, block_size, num_groups,
-                      CacheLayout.page_bytes_for(model.cfg, block_size, num_groups, policy))
+    lay = ServeConfig(block_size, block_size, num_groups, policy).layout(model.cfg)
     blocks = -(-tokens // block_size) + 1
     return 2 * (blocks + lay.state_pages * (blocks + 2))
 
@@ -294,7 +296,7 @@ class PrefixRuns:
 def _prefix_runs(run: ColdWarm) -> PrefixRuns:
     rows = pd.DataFrame(run.rows)
     phases = rows.groupby("kind")[[f"{p}_ms" for p in TIMING_PHASES]].median().reindex(list(PHASE_RUNS))
-    text = "".join(c if c.isprintable() else "·" for c in decode(run.warm_tokens))
+    text = "".join(c if c.isprintable() else "·" for c in bytes_to_text(run.warm_tokens))
     warm = rows[rows.kind == "warm"].iloc[0].to_dict()
     return PrefixRuns(rows, phases.reset_index(), warm, run.check, ttft_summary(run.rows), text,
                       len(run.warm_tokens), run.layout.state_bytes)

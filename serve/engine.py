@@ -24,50 +24,34 @@ the same pages with no sharing: it is the reference.
 """
 from __future__ import annotations
 
-import operator
+import enum
 import time
 
 import torch
 
-from kda_core.model import HybridCache, HybridLM
-from serve.memory.layout import CacheLayout
-from serve.memory.pages import read_kv, read_state, write_kv, write_state, zero_state
+from kda_core.model import HybridLM
+from serve.config import ServeConfig
+from serve.memory.pages import write_kv, write_state, zero_state
 from serve.memory.pool import PageKind, PagePool, PoolExhausted
 from serve.prefix.cache import PrefixCache
-from serve.prefix.index import block_keys, checkpoint_boundaries
-from serve.request import Request, RequestResult, RequestStatus
+from serve.prefix.index import block_keys
+from serve.request import Request, RequestResult, RequestStatus, prompt_ids, read_request_cache, write_request_cache
 from serve.spec.verify import Speculation, draft_budget, speculative_step
 
 DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
 
 
+class Fit(enum.Enum):
+    """The answer of :meth:`ServeEngine.can_admit`: the request's pages fit NOW (free + evictable),
+    LATER (once running requests finish), or NEVER (not even in an otherwise idle pool)."""
+
+    NOW = "now"
+    LATER = "later"
+    NEVER = "never"
+
+
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
-
-
-def _prompt_ids(tokens) -> list[int]:
-    """A prompt as a list of byte ids: a 1-D integer tensor / array, ``bytes``, or a sequence of ints
-    (not bools). Raises ValueError naming ``tokens`` for anything else, an empty prompt or ids
-    outside [0, 255]."""
-    expected = "tokens must be a non-empty 1-D sequence of byte ids (ints in [0, 255])"
-    if hasattr(tokens, "tolist") and hasattr(tokens, "ndim"):          # torch tensor / numpy array
-        if tokens.ndim != 1:
-            raise ValueError(f"{expected}, got an array of shape {tuple(tokens.shape)}")
-        tokens = tokens.tolist()
-    if isinstance(tokens, (str, dict, set)) or not isinstance(tokens, (bytes, bytearray, list, tuple, range)):
-        raise ValueError(f"{expected}, got {type(tokens).__name__}")
-    if not tokens:
-        raise ValueError(f"{expected}, got an empty prompt")
-    prompt = []
-    for t in tokens:
-        try:
-            i = None if isinstance(t, bool) else operator.index(t)   # ints incl. numpy ints; not 1.0, not True
-        except TypeError:
-            i = None
-        if i is None or not 0 <= i <= 255:
-            raise ValueError(f"{expected}, got {t!r} at position {len(prompt)}")
-        prompt.append(i)
-    return prompt
 
 
 class ServeEngine:
@@ -77,22 +61,29 @@ class ServeEngine:
         model: the :class:`HybridLM` (fp32). pool: the :class:`PagePool` holding every cache.
         prefix_cache: a :class:`PrefixCache` on the same pool, or None (no sharing: the reference).
         max_prefill_chunk: optional cap on tokens per prefill forward.
-        block_size / num_groups: the page layout when there is no prefix cache (else the cache's).
+        config: the :class:`ServeConfig` (block size, checkpoint interval, groups); None means the
+            cache's, or ``ServeConfig()`` without a cache. The page layout is the cache's, or built once
+            from ``config`` on the pool's page size.
         speculation: optional :class:`serve.spec.verify.Speculation` (drafts verified each decode step).
-    Raises ValueError for a cache on another pool or model config, or bad sizes.
+    Raises ValueError for a cache on another pool, model config or serving config, or bad sizes.
     """
 
     def __init__(self, model: HybridLM, pool: PagePool, prefix_cache: PrefixCache | None = None,
-                 max_prefill_chunk: int | None = None, *, block_size: int = 16, num_groups: int = 1,
+                 max_prefill_chunk: int | None = None, *, config: ServeConfig | None = None,
                  speculation: Speculation | None = None):
         if prefix_cache is not None:
             if prefix_cache.pool is not pool:
                 raise ValueError("prefix_cache must be built on the engine's pool")
             if prefix_cache.layout.cfg != model.cfg:
                 raise ValueError("prefix_cache was built for another model config")
-            self.layout = prefix_cache.layout
+            if config is not None and config != prefix_cache.config:
+                raise ValueError(f"config {config} differs from the prefix cache's {prefix_cache.config}")
+            self.config, self.layout = prefix_cache.config, prefix_cache.layout
         else:
-            self.layout = CacheLayout(model.cfg, block_size, num_groups, pool.page_bytes)
+            self.config = ServeConfig() if config is None else config
+            if not isinstance(self.config, ServeConfig):
+                raise ValueError(f"config must be a ServeConfig or None, got {type(config).__name__}")
+            self.layout = self.config.layout(model.cfg, pool.page_bytes)
         if max_prefill_chunk is not None and (not isinstance(max_prefill_chunk, int) or max_prefill_chunk < 1):
             raise ValueError(f"max_prefill_chunk must be None or a positive int, got {max_prefill_chunk!r}")
         self.model, self.pool, self.cache = model, pool, prefix_cache
@@ -101,8 +92,6 @@ class ServeEngine:
         self.waiting: list[int] = []
         self.running: list[int] = []
         self._next_rid = 0
-        cfg = model.cfg
-        self._mla_slot = {layer: m for m, layer in enumerate(cfg.mla_layers)}
 
     # ---- public API -------------------------------------------------------------------------------
     def submit(self, tokens, max_new_tokens: int, record_logits: bool = False) -> int:
@@ -111,7 +100,7 @@ class ServeEngine:
         rows of the accepted drafts and the bonus). With a cache, the prompt is matched and its hit
         pinned now. Raises ValueError on bad input."""
         t0 = time.perf_counter()
-        prompt = _prompt_ids(tokens)
+        prompt = prompt_ids(tokens)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         rid = self._next_rid
@@ -132,9 +121,16 @@ class ServeEngine:
         admitted = False
         while self.waiting:
             req = self.requests[self.waiting[0]]
-            if not self._admit(req):
+            if self.cache is not None:
+                self._rematch(req)
+            fit = self.can_admit(req)
+            if fit is Fit.LATER:
                 break
             self.waiting.pop(0)
+            if fit is Fit.NOW:
+                self.admit(req)
+            else:
+                self._reject(req, self._shortfall(req))
             admitted = True
         for rid in self.running:
             if self.requests[rid].status is RequestStatus.PREFILL:
@@ -183,86 +179,87 @@ class ServeEngine:
         self.run_until_idle()
         return self.result(rid)
 
-    # ---- admission ---------------------------------------------------------------------------------
+    # ---- admission: ask (can_admit), then act (admit) --------------------------------------------
     def _get(self, rid: int) -> Request:
         if rid not in self.requests:
             raise ValueError(f"unknown request id {rid!r}")
         return self.requests[rid]
 
     def _rematch(self, req: Request) -> None:
-        """Swap to a longer hit if the cache gained one since submit (pin new, then unpin old)."""
+        """Swap to a longer hit if the cache gained one since submit (release the old, pin the new)."""
         better = self.cache.lookup(req.prompt)
         if better.num_tokens > req.hit.num_tokens:
             old = req.hit
-            self.cache.release(req.rid)
-            self.pool.decref(list(old.kv_pages), req.rid)
+            self._release(req)
             self.cache.acquire(better, req.rid, replaces=old)
             req.hit = better
 
-    def _admit(self, req: Request) -> bool:
-        """Allocate and restore; returns False to keep waiting. Rejects a request that cannot fit."""
+    def can_admit(self, req: Request) -> Fit:
+        """Whether the waiting request's pages (:meth:`Request.pages_needed`) fit: NOW in free +
+        evictable pages; LATER once running requests release theirs; NEVER if they exceed the pool
+        with its pinned hit counted. Pure."""
+        need = sum(req.pages_needed(self.layout))
+        if need <= self.pool.num_free + (0 if self.cache is None else self.cache.evictable_pages()):
+            return Fit.NOW
+        return Fit.LATER if self.running and need + req.hit_pages <= self.pool.num_pages else Fit.NEVER
+
+    def _shortfall(self, req: Request) -> str:
+        (state, kv), free = req.pages_needed(self.layout), self.pool.num_free
+        evictable = 0 if self.cache is None else self.cache.evictable_pages()
+        return (f"needs {state + kv} pages ({state} state + {kv} KV) but only {free} are free and {evictable} "
+                f"evictable; its {req.hit_blocks} hit blocks stay pinned")
+
+    def admit(self, req: Request) -> None:
+        """Admit a request :meth:`can_admit` said fits NOW: allocate its state and KV pages (evicting
+        unpinned cache entries), restore its hit's checkpoint into its state (copy-on-write) or zero
+        it, and move it to PREFILL. If the allocation still fails (PoolExhausted) it is REJECTED; if
+        the restore raises (e.g. CheckpointError) it is REJECTED and the error re-raised. Either way
+        nothing it held leaks."""
         t0 = time.perf_counter()
         cache, lay = self.cache, self.layout
-        if cache is not None:
-            self._rematch(req)
-        j = 0 if req.hit is None else len(req.hit.kv_pages)
-        need_kv = -(-req.final_tokens // lay.block_size) - j
-        need = lay.state_pages + need_kv
-        free = self.pool.num_free
-        evictable = 0 if cache is None else cache.evictable_pages()
-        held = 0 if req.hit is None else j + sum(len(g) for g in req.hit.checkpoint_pages)
-        if need > free + evictable:
-            if self.running and need + held <= self.pool.num_pages:
-                return False                                  # wait for running requests to finish
-            req.reason = (f"needs {need} pages ({lay.state_pages} state + {need_kv} KV) but only {free} are free "
-                          f"and {evictable} evictable; its {j} hit blocks stay pinned")
-            self._release(req)
-            req.status = RequestStatus.REJECTED
-            return True
+        num_state, num_kv = req.pages_needed(lay)
         alloc = self.pool.alloc if cache is None else cache.alloc
         try:
-            state = alloc(PageKind.KDA_STATE, lay.state_pages, req.rid)
-            try:
-                own_kv = alloc(PageKind.MLA_KV, need_kv, req.rid)
-            except PoolExhausted:
-                self.pool.decref(state, req.rid)
-                raise
+            state = alloc(PageKind.KDA_STATE, num_state, req.rid)
+            req.state_pages, start = [], 0                  # held by the request from here: _release frees them
+            for g in range(lay.num_groups):
+                req.state_pages.append(tuple(state[start: start + lay.group_pages(g)]))
+                start += lay.group_pages(g)
+            req.page_table = ([] if req.hit is None else list(req.hit.kv_pages))
+            req.page_table += alloc(PageKind.MLA_KV, num_kv, req.rid)
         except PoolExhausted as err:                        # evictable count was stale: reject cleanly
-            req.reason = f"pool exhausted at admission: {err}"
-            self._release(req)
-            req.status = RequestStatus.REJECTED
-            return True
-        split, start = [], 0
-        for g in range(lay.num_groups):
-            split.append(tuple(state[start: start + lay.group_pages(g)]))
-            start += lay.group_pages(g)
-        req.state_pages = split
-        req.page_table = ([] if req.hit is None else list(req.hit.kv_pages)) + own_kv
+            self._reject(req, f"pool exhausted at admission: {err}")
+            return
         req.keys = [] if req.hit is None else list(req.hit.keys)
         req.admit_t = time.perf_counter()
         req.timings_ms["queue"] = (t0 - req.submit_t) * 1e3 - req.timings_ms["lookup"]
         req.timings_ms["admit"] = _ms(t0)
         t1 = time.perf_counter()
         try:
-            if j:
-                req.restored_bytes = cache.restore(req.hit, req.rid, split)
+            if req.hit_blocks:
+                req.restored_bytes = cache.restore(req.hit, req.rid, req.state_pages)
                 cache.release_checkpoint(req.rid)
             else:
-                zero_state(lay, self.pool, split)
-        except Exception as err:                            # e.g. CheckpointError: nothing may leak
-            self._release(req)
-            self.waiting.remove(req.rid)
-            req.status, req.reason = RequestStatus.REJECTED, f"restore failed: {err}"
+                zero_state(lay, self.pool, req.state_pages)
+        except Exception as err:
+            self._reject(req, f"restore failed: {err}")
             raise
         req.timings_ms["restore"] = _ms(t1)
-        req.computed = j * lay.block_size
-        req.shared_kv_bytes = j * lay.kv_block_bytes
+        req.computed = req.hit_blocks * lay.block_size
+        req.shared_kv_bytes = req.hit_blocks * lay.kv_block_bytes
         req.status = RequestStatus.PREFILL
         self.running.append(req.rid)
-        return True
+
+    def _reject(self, req: Request, reason: str) -> None:
+        """REJECTED with ``reason``: out of the waiting list (if still there), everything released."""
+        if req.rid in self.waiting:
+            self.waiting.remove(req.rid)
+        self._release(req)
+        req.status, req.reason = RequestStatus.REJECTED, reason
 
     def _release(self, req: Request) -> None:
-        """Free the request's private pages and drop its page references and pins (any status)."""
+        """THE path that frees a request's pages (any status): its state pages, its page table (or, before
+        admission, the hit's KV pages it references) and its pins in the cache."""
         pool, rid = self.pool, req.rid
         if req.state_pages:
             pool.decref([p for grp in req.state_pages for p in grp], rid)
@@ -273,26 +270,10 @@ class ServeEngine:
             self.cache.release(rid)
 
     # ---- compute -----------------------------------------------------------------------------------
-    def _gather(self, req: Request) -> HybridCache:
-        """The request's cache as model tensors, read from its pages (copies)."""
-        kda = read_state(self.layout, self.pool, req.state_pages)
-        lat = read_kv(self.layout, self.pool, req.page_table, req.computed)
-        layers = tuple(kda[i] if i in kda else lat[self._mla_slot[i]] for i in range(self.model.cfg.num_layers))
-        return HybridCache(layers, req.computed)
-
-    def _scatter(self, req: Request, new: HybridCache, start: int) -> None:
-        """Write the state after ``new.num_tokens`` tokens and the latents of ``[start, new.num_tokens)``."""
-        write_state(self.layout, self.pool, req.state_pages, {i: new.layers[i] for i in self.model.cfg.kda_layers})
-        write_kv(self.layout, self.pool, req.page_table, start,
-                 [new.layers[i][:, start:] for i in self.model.cfg.mla_layers])
-        req.computed = new.num_tokens
-
     def checkpoint_boundaries(self, num_prompt_tokens: int) -> list[int]:
-        """Prefill checkpoint boundaries of a prompt (:func:`serve.prefix.index.checkpoint_boundaries`);
-        empty without a prefix cache."""
-        if self.cache is None:
-            return []
-        return checkpoint_boundaries(num_prompt_tokens, self.layout.block_size, self.cache.checkpoint_interval)
+        """Prefill checkpoint boundaries of a prompt (:meth:`ServeConfig.prefill_checkpoints`); empty
+        without a prefix cache."""
+        return [] if self.cache is None else self.config.prefill_checkpoints(num_prompt_tokens)
 
     def _prefill_chunk(self, req: Request) -> None:
         """One prefill forward over ``[p, end)`` (the whole rest of the prompt unless
@@ -307,8 +288,8 @@ class ServeEngine:
         end = L if self.max_prefill_chunk is None else min(L, p + self.max_prefill_chunk)
         inner = [b - p for b in marks if b < end]
         t0 = time.perf_counter()
-        out = self.model.forward(torch.tensor([req.prompt[p:end]]), self._gather(req), mode="chunk",
-                                 state_at=tuple(inner))
+        out = self.model.forward(torch.tensor([req.prompt[p:end]]), read_request_cache(self.layout, self.pool, req),
+                                 mode="chunk", state_at=tuple(inner))
         if inner:  # latents first (blocks below each boundary), then each boundary's state
             write_kv(self.layout, self.pool, req.page_table, p,
                      [out.cache.layers[i][:, p:] for i in self.model.cfg.mla_layers])
@@ -320,7 +301,7 @@ class ServeEngine:
             self._publish(req, p + t, True)
         req.timings_ms["checkpoint"] += _ms(t1)
         t0 = time.perf_counter()
-        self._scatter(req, out.cache, p)
+        write_request_cache(self.layout, self.pool, req, out.cache, p)
         req.prefill_tokens += end - p
         req.timings_ms["prefill"] += _ms(t0)
         if self.cache is not None:
@@ -328,7 +309,8 @@ class ServeEngine:
             self._publish(req, end, end in marks)
             req.timings_ms["checkpoint"] += _ms(t1)
         if end == L:
-            self._emit(req, int(out.logits[0, -1].argmax()), out.logits[0, -1])
+            self._append(req, int(out.logits[0, -1].argmax()), out.logits[0, -1])
+            self._finish_if_done(req)
 
     def _decode_one(self, req: Request) -> None:
         """One decode step (a verify step with speculation) in three transitions, in this order:
@@ -344,32 +326,26 @@ class ServeEngine:
         whenever a verify accepted drafts onto the boundary (the class of bug in vllm-project/vllm#53505: a commit
         landing on a boundary must publish the state after exactly that many tokens).
         """
-        N = self.layout.block_size
-        b_end = req.final_tokens // N * N if self.cache is not None else None
+        b_end = None if self.cache is None else self.config.final_checkpoint(len(req.prompt), req.final_tokens)
+        cache = read_request_cache(self.layout, self.pool, req)
         if self.speculation is None:
-            logits, new = self.model.decode_step(req.output[-1], self._gather(req))
-            self._scatter(req, new, req.computed)
+            logits, new = self.model.decode_step(req.output[-1], cache)
+            write_request_cache(self.layout, self.pool, req, new, req.computed)
             emitted, rows = [int(logits[0].argmax())], [logits[0]]
         else:
             spec = self.speculation
             if req.strategy is None:
                 req.proposer, req.strategy = spec.proposer(list(req.prompt)), spec.strategy()
             n = draft_budget(spec.num_draft_tokens, req.computed, req.max_new_tokens - len(req.output), b_end)
-            res = speculative_step(self.model, self._gather(req), req.tokens(), req.proposer, req.strategy, n)
-            self._scatter(req, res.state.cache, req.computed)
+            res = speculative_step(self.model, cache, req.tokens(), req.proposer, req.strategy, n)
+            write_request_cache(self.layout, self.pool, req, res.state.cache, req.computed)
             emitted, rows = list(res.emitted_tokens), list(res.logits)      # rows: a + 1 of [256]
             req.drafted_tokens += len(res.draft_tokens)
             req.accepted_tokens += res.num_accepted
         for tok, row in zip(emitted, rows):
             self._append(req, tok, row)
-        if b_end is not None and req.computed == b_end and b_end > len(req.prompt) // N * N:
+        if b_end is not None and req.computed == b_end:
             self._publish(req, b_end, True)
-        self._finish_if_done(req)
-
-    def _emit(self, req: Request, token: int, logits: torch.Tensor | None) -> None:
-        """Append one greedy token (its ``logits [256]`` if recorded), then finish the request if it was
-        the last one."""
-        self._append(req, token, logits)
         self._finish_if_done(req)
 
     def _append(self, req: Request, token: int, logits: torch.Tensor | None) -> None:

@@ -1,12 +1,19 @@
-"""A serving request's record (:class:`Request`) and what the engine reports about it (:class:`RequestResult`)."""
+"""A serving request: its prompt (:func:`prompt_ids`), its record (:class:`Request`), its caches read
+from and written to its pages (:func:`read_request_cache`, :func:`write_request_cache`), and what the
+engine reports about it (:class:`RequestResult`)."""
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
+from kda_core.model import HybridCache
+from serve.memory.layout import CacheLayout
+from serve.memory.pages import read_kv, read_state, write_kv, write_state
+from serve.memory.pool import PagePool
 from serve.prefix.hit import PrefixHit
 
 TIMING_PHASES = ("lookup", "queue", "admit", "restore", "prefill", "checkpoint")
@@ -95,6 +102,21 @@ class Request:
         """Tokens the request's cache will have consumed at the end: L + max_new_tokens - 1."""
         return len(self.prompt) + self.max_new_tokens - 1
 
+    @property
+    def hit_blocks(self) -> int:
+        """Blocks restored from the cache (b / N; 0 without a hit)."""
+        return 0 if self.hit is None else len(self.hit.kv_pages)
+
+    @property
+    def hit_pages(self) -> int:
+        """Cache pages the request's hit pins: its KV blocks plus its checkpoint's state pages."""
+        return 0 if self.hit is None else self.hit_blocks + sum(len(g) for g in self.hit.checkpoint_pages)
+
+    def pages_needed(self, layout: CacheLayout) -> tuple[int, int]:
+        """``(state pages, KV pages)`` the request must allocate under ``layout``: a whole KDA state (all
+        groups) and one page per block of its final tokens not covered by its hit."""
+        return layout.state_pages, -(-self.final_tokens // layout.block_size) - self.hit_blocks
+
     def tokens(self) -> list:
         """Prompt + output ids (the last output id is not yet consumed by the cache)."""
         return self.prompt + self.output
@@ -108,3 +130,46 @@ class Request:
                              0 if hit is None else hit.kv_tokens, self.restored_bytes, self.shared_kv_bytes,
                              self.checkpoints_written, dict(self.timings_ms), logits, self.reason,
                              self.drafted_tokens, self.accepted_tokens)
+
+
+def prompt_ids(tokens) -> list[int]:
+    """A prompt as a list of byte ids: a 1-D integer tensor / array, ``bytes``, or a sequence of ints
+    (not bools). Raises ValueError naming ``tokens`` for anything else, an empty prompt or ids
+    outside [0, 255]."""
+    expected = "tokens must be a non-empty 1-D sequence of byte ids (ints in [0, 255])"
+    if hasattr(tokens, "tolist") and hasattr(tokens, "ndim"):          # torch tensor / numpy array
+        if tokens.ndim != 1:
+            raise ValueError(f"{expected}, got an array of shape {tuple(tokens.shape)}")
+        tokens = tokens.tolist()
+    if isinstance(tokens, (str, dict, set)) or not isinstance(tokens, (bytes, bytearray, list, tuple, range)):
+        raise ValueError(f"{expected}, got {type(tokens).__name__}")
+    if not tokens:
+        raise ValueError(f"{expected}, got an empty prompt")
+    prompt = []
+    for t in tokens:
+        try:
+            i = None if isinstance(t, bool) else operator.index(t)   # ints incl. numpy ints; not 1.0, not True
+        except TypeError:
+            i = None
+        if i is None or not 0 <= i <= 255:
+            raise ValueError(f"{expected}, got {t!r} at position {len(prompt)}")
+        prompt.append(i)
+    return prompt
+
+
+def read_request_cache(layout: CacheLayout, pool: PagePool, req: Request) -> HybridCache:
+    """The request's cache as model tensors (copies): KDA layers from its state pages, MLA latents of
+    its first ``computed`` tokens from its page table."""
+    cfg = layout.cfg
+    kda = read_state(layout, pool, req.state_pages)
+    latents = dict(zip(cfg.mla_layers, read_kv(layout, pool, req.page_table, req.computed)))
+    return HybridCache(tuple(kda[i] if i in kda else latents[i] for i in range(cfg.num_layers)), req.computed)
+
+
+def write_request_cache(layout: CacheLayout, pool: PagePool, req: Request, new: HybridCache, start: int) -> None:
+    """Write the state after ``new.num_tokens`` tokens into the request's state pages and the latents of
+    tokens ``[start, new.num_tokens)`` into its page table; ``computed`` becomes ``new.num_tokens``."""
+    cfg = layout.cfg
+    write_state(layout, pool, req.state_pages, {i: new.layers[i] for i in cfg.kda_layers})
+    write_kv(layout, pool, req.page_table, start, [new.layers[i][:, start:] for i in cfg.mla_layers])
+    req.computed = new.num_tokens

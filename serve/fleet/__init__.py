@@ -15,8 +15,8 @@ Concept → file → main type:
 - token buckets, classes ................ budgets.py ....... ``TokenBucket``, ``PriorityClass``
 - FCFS / VTC schedulers ................. scheduler.py ..... ``FCFSScheduler``, ``VTCScheduler``
 - service-time model, calibration ....... service_model.py . ``ServiceModel``
-- simulation inputs / outputs ........... sim_types.py ..... ``FleetConfig``, ``FleetRequest``, ``SimResult``,
-  ``fresh_block_requests`` (the one bounded builder of unshared block ids)
+- simulation inputs / outputs ........... sim_types.py ..... ``FleetConfig``, ``FleetRequest``, ``FleetSimResult``,
+  ``FleetRequestResult``, ``fresh_block_requests`` (the one bounded builder of unshared block ids)
 - one replica (simpy process) ........... replica.py ....... ``Replica``
 - simpy fleet simulation ................ simulation.py .... ``simulate``
 - step-by-step reference simulation ..... sim_reference.py . ``reference_simulate``

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from serve.fleet.block_cache import BlockLRUCache
 from serve.fleet.scheduler import SCHEDULERS
-from serve.fleet.sim_types import FleetRequest, RequestResult
+from serve.fleet.sim_types import FleetRequest, FleetRequestResult
 
 if TYPE_CHECKING:
     from serve.fleet.simulation import FleetSim
@@ -42,9 +42,9 @@ class Job:
         self.abort_requested = False
         self.state = "new"  # new → gate → queued → prefill → running → done
 
-    def result(self) -> RequestResult:
+    def result(self) -> FleetRequestResult:
         r = self.req
-        return RequestResult(r.request_id, r.klass, self.replica, self.status, r.arrival_ms, self.admitted_ms,
+        return FleetRequestResult(r.request_id, r.klass, self.replica, self.status, r.arrival_ms, self.admitted_ms,
                              self.start_ms, self.first_token_ms, self.finish_ms, self.hit_tokens,
                              r.input_length, r.output_length)
 

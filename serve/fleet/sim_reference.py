@@ -14,10 +14,10 @@ from collections.abc import Sequence
 
 from serve.fleet.block_cache import BlockLRUCache
 from serve.fleet.scheduler import SCHEDULERS
-from serve.fleet.sim_types import FleetConfig, FleetRequest, RequestResult
+from serve.fleet.sim_types import FleetConfig, FleetRequest, FleetRequestResult
 
 
-def reference_replica(requests: Sequence[FleetRequest], cfg: FleetConfig, name: str) -> list[RequestResult]:
+def reference_replica(requests: Sequence[FleetRequest], cfg: FleetConfig, name: str) -> list[FleetRequestResult]:
     """Step-by-step run of one replica over ``requests`` (all routed to it)."""
     svc, bs = cfg.service, cfg.block_size
     cache = BlockLRUCache(cfg.cache_capacity_blocks) if cfg.cache_capacity_blocks != 0 else None
@@ -26,7 +26,7 @@ def reference_replica(requests: Sequence[FleetRequest], cfg: FleetConfig, name: 
     info: dict[int, dict] = {}
     running: list[list] = []  # [request, remaining tokens]
     kv_used, t, nxt = 0, 0.0, 0
-    out: list[RequestResult] = []
+    out: list[FleetRequestResult] = []
 
     class Item:  # what the scheduler needs
         def __init__(self, r: FleetRequest):
@@ -37,7 +37,7 @@ def reference_replica(requests: Sequence[FleetRequest], cfg: FleetConfig, name: 
 
     def done(r: FleetRequest, finish: float) -> None:
         d = info[r.request_id]
-        out.append(RequestResult(r.request_id, r.klass, name, "completed", r.arrival_ms, r.arrival_ms,
+        out.append(FleetRequestResult(r.request_id, r.klass, name, "completed", r.arrival_ms, r.arrival_ms,
                                  d["start"], d["first"], finish, d["hit"], r.input_length, r.output_length))
 
     while nxt < len(pending) or len(sched) or running:
@@ -96,7 +96,7 @@ def reference_replica(requests: Sequence[FleetRequest], cfg: FleetConfig, name: 
 
 
 def reference_simulate(requests: Sequence[FleetRequest], cfg: FleetConfig,
-                       assignment: dict[int, str]) -> list[RequestResult]:
+                       assignment: dict[int, str]) -> list[FleetRequestResult]:
     """Run every replica of ``assignment`` (request id → replica name) independently."""
     by_replica: dict[str, list[FleetRequest]] = {}
     for r in requests:

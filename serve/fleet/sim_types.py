@@ -74,7 +74,7 @@ class FleetConfig:
         return {c.name: c.weight for c in self.classes}
 
 
-class RequestResult(NamedTuple):
+class FleetRequestResult(NamedTuple):
     """Outcome of one request (times in ms, absolute; NaN when the stage never happened).
 
     ``status``: "completed", "aborted" or "rejected" (larger than its class bucket). ``replica`` is
@@ -116,10 +116,10 @@ class Admission(NamedTuple):
     tokens: int
 
 
-class SimResult(NamedTuple):
+class FleetSimResult(NamedTuple):
     """``results`` in request-id order; ``admissions`` (bucket log); the ``config`` that produced them."""
 
-    results: list[RequestResult]
+    results: list[FleetRequestResult]
     admissions: list[Admission]
     config: FleetConfig
 

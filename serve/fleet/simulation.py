@@ -28,7 +28,7 @@ from serve.fleet.budgets import TokenBucket
 from serve.fleet.hashing import routing_key
 from serve.fleet.replica import Job, Replica
 from serve.fleet.router import RouteQuery
-from serve.fleet.sim_types import Admission, FleetConfig, FleetRequest, SimResult
+from serve.fleet.sim_types import Admission, FleetConfig, FleetRequest, FleetSimResult
 
 
 class FleetSim:
@@ -143,7 +143,7 @@ class FleetSim:
                     self.dispatch(job)
                 replica.poke()
 
-    def run(self, progress: Callable[[float], None] | None = None) -> SimResult:
+    def run(self, progress: Callable[[float], None] | None = None) -> FleetSimResult:
         self.env.process(self.arrivals(progress))
         if self.cfg.scale_events:
             self.env.process(self.scaling())
@@ -152,7 +152,7 @@ class FleetSim:
         if progress is not None:
             progress(1.0)
         results = sorted((j.result() for j in self.jobs), key=lambda r: r.request_id)
-        return SimResult(results, self.admissions, self.cfg)
+        return FleetSimResult(results, self.admissions, self.cfg)
 
     def check_integrity(self) -> None:
         """Every request finished exactly once; no load, queue or KV left; buckets within budget."""
@@ -166,7 +166,7 @@ class FleetSim:
 
 
 def simulate(requests: Sequence[FleetRequest], cfg: FleetConfig,
-             progress: Callable[[float], None] | None = None) -> SimResult:
+             progress: Callable[[float], None] | None = None) -> FleetSimResult:
     """Run the fleet simulation; ``progress(fraction)`` is called as arrivals are processed.
 
     Raises ValueError for duplicate request ids or an invalid config; RuntimeError if the

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 
 from serve.fleet.service_model import SLORA_MAX_TOTAL_TOKENS, ServiceModel, vtc_a10g_preset
-from serve.fleet.sim_types import FleetConfig, FleetRequest, SimResult, fresh_block_requests, percentile
+from serve.fleet.sim_types import FleetConfig, FleetRequest, FleetSimResult, fresh_block_requests, percentile
 from serve.fleet.simulation import simulate
 from serve.vtc_artifact import VTCRun, load_vtc_artifact
 
@@ -48,7 +48,7 @@ class VTCComparison(NamedTuple):
     ours_throughput_rps: dict[str, float]
     light_client: str
     service: ServiceModel
-    sims: dict[str, SimResult]
+    sims: dict[str, FleetSimResult]
 
     def p99(self, scheduler: str, client: str, side: str = "ours") -> float:
         row = next(r for r in self.rows if r.scheduler == scheduler and r.client == client)

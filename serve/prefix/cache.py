@@ -30,11 +30,11 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 from kda_core.config import ModelConfig
-from serve.memory.layout import CacheLayout
+from serve.config import ServeConfig
 from serve.memory.pages import copy_state
 from serve.memory.pool import PageError, PageKind, PagePool, PoolExhausted
 from serve.prefix.hit import CacheStats, CheckpointError, CheckpointInfo, LookupStep, PrefixHit
-from serve.prefix.index import ROOT, PrefixIndex, block_keys
+from serve.prefix.index import ROOT, EntryKind, PrefixIndex, block_keys
 
 __all__ = ["CacheStats", "CheckpointError", "CheckpointInfo", "LookupStep", "PrefixCache", "PrefixHit"]
 
@@ -51,76 +51,65 @@ class PrefixCache:
     """Block + checkpoint prefix cache on a page pool.
 
     Args:
-        pool: the :class:`PagePool`; block_size: N tokens per KV block (one page each);
-        checkpoint_interval: C, a positive multiple of N (placement is the engine's job; the cache
-        keeps C for it); num_groups: G groups of KDA layers (1 = the whole model);
-        cfg: the model config (sizes); max_checkpoints: optional cap on stored checkpoints (per group).
-    Raises ValueError for bad sizes or a pool whose pages cannot hold one KV block.
+        pool: the :class:`PagePool`; config: the :class:`ServeConfig` (N tokens per KV block, one page
+        each; checkpoint interval C, whose placement is the engine's job; G groups of KDA layers);
+        cfg: the model config (sizes); max_checkpoints: optional cap on stored checkpoints (counted
+        per group).
+    The :class:`CacheLayout` is built once here (``config.layout(cfg, pool.page_bytes)``); N, C and G
+    are read from ``config`` (stored once).
+    Raises ValueError for a bad config or cap, or a pool whose pages cannot hold one KV block.
     """
 
-    def __init__(self, pool: PagePool, block_size: int, checkpoint_interval: int, num_groups: int = 1, *,
-                 cfg: ModelConfig, max_checkpoints: int | None = None):
-        self.layout = CacheLayout(cfg, block_size, num_groups, pool.page_bytes)
-        if (isinstance(checkpoint_interval, bool) or not isinstance(checkpoint_interval, int)
-                or checkpoint_interval <= 0 or checkpoint_interval % block_size):
-            raise ValueError(f"checkpoint_interval must be a positive multiple of block_size={block_size}, "
-                             f"got {checkpoint_interval!r}")
-        if max_checkpoints is not None and (not isinstance(max_checkpoints, int) or max_checkpoints < num_groups):
-            raise ValueError(f"max_checkpoints must be None or an int >= num_groups, got {max_checkpoints!r}")
-        self.pool, self.block_size, self.checkpoint_interval = pool, block_size, checkpoint_interval
-        self.num_groups, self.max_checkpoints = num_groups, max_checkpoints
+    def __init__(self, pool: PagePool, config: ServeConfig, *, cfg: ModelConfig, max_checkpoints: int | None = None):
+        if not isinstance(config, ServeConfig):
+            raise ValueError(f"config must be a ServeConfig, got {type(config).__name__}")
+        self.config = config
+        self.layout = config.layout(cfg, pool.page_bytes)
+        if max_checkpoints is not None and (isinstance(max_checkpoints, bool) or not isinstance(max_checkpoints, int)
+                                            or max_checkpoints < config.num_groups):
+            raise ValueError(f"max_checkpoints must be None or an int >= num_groups={config.num_groups}, "
+                             f"got {max_checkpoints!r}")
+        self.pool, self.max_checkpoints = pool, max_checkpoints
         self.owner = ("prefix_cache", id(self))
-        self.index = PrefixIndex(num_groups)
+        self.index = PrefixIndex(config.num_groups)
         self._holds: dict[Hashable, _Holds] = {}
         self._counts = dict(lookups=0, lookup_tokens=0, hit_tokens=0, evicted_blocks=0, evicted_checkpoints=0,
                             published_checkpoints=0, failed_checkpoints=0)
 
+    @property
+    def block_size(self) -> int:
+        """N tokens per KV block (``config.block_size``)."""
+        return self.config.block_size
+
+    @property
+    def num_groups(self) -> int:
+        """G KDA layer groups (``config.num_groups``)."""
+        return self.config.num_groups
+
     # ---- lookup -----------------------------------------------------------------------------------
     def keys(self, tokens: Sequence[int]) -> list[bytes]:
         """Chained keys of the full blocks of ``tokens`` (see :func:`serve.prefix.index.block_keys`)."""
-        return block_keys(tokens, self.block_size)
+        return block_keys(tokens, self.config.block_size)
 
     def lookup(self, tokens: Sequence[int]) -> PrefixHit:
-        """Two-phase lookup of a prompt ``[T]`` (T >= 1). Pure: refreshes and pins nothing."""
-        n_tok = len(tokens)
-        if n_tok < 1:
-            raise ValueError("tokens must hold at least one token")
-        keys = tuple(self.keys(tokens))
-        N = self.block_size
-        kv_tokens = min(self.index.kv_run(keys) * N, n_tok - 1)           # phase 1
-        j = self.index.checkpoint_run(keys, kv_tokens // N)               # phase 2
-        nodes = self.index.nodes
-        kv_pages = tuple(nodes[k].payload for k in keys[:j])
-        ck = () if j == 0 else tuple(nodes[keys[j - 1]].ckpts[g].payload for g in range(self.num_groups))
-        return PrefixHit(j * N, kv_tokens, n_tok, keys, kv_pages, ck)
+        """Two-phase lookup of a prompt ``[T]`` (T >= 1, else ValueError). Pure: refreshes and pins nothing."""
+        return self._walk(tokens)
 
     def explain(self, tokens: Sequence[int]) -> list[LookupStep]:
-        """The steps of :meth:`lookup` with the reason each phase stops (for page 07). Pure."""
-        n_tok, N, nodes = len(tokens), self.block_size, self.index.nodes
-        keys = self.keys(tokens)
-        steps, run = [], 0
-        for i, k in enumerate(keys):
-            if (i + 1) * N > n_tok - 1:
-                steps.append(LookupStep(1, i, (i + 1) * N, k in nodes, (), "stop: cap at len - 1 (one token "
-                                        "must be computed for the logits)"))
-                break
-            if k not in nodes:
-                steps.append(LookupStep(1, i, (i + 1) * N, False, (), "stop: no KV block"))
-                break
-            steps.append(LookupStep(1, i, (i + 1) * N, True, (), "KV block cached"))
-            run = i + 1
-        else:
-            if len(keys) * N < n_tok:
-                steps.append(LookupStep(1, len(keys), n_tok, False, (), "stop: partial block (below one block)"))
-        for j in range(run, 0, -1):
-            groups = tuple(sorted(nodes[keys[j - 1]].ckpts))
-            complete = len(groups) == self.num_groups
-            note = "hit: complete checkpoint" if complete else (
-                "no checkpoint here" if not groups else f"incomplete: groups {groups} of {self.num_groups}")
-            steps.append(LookupStep(2, j - 1, j * N, complete, groups, note))
-            if complete:
-                break
+        """The steps of :meth:`lookup` (the same walk) with the reason each phase stops (page 07). Pure."""
+        steps: list[LookupStep] = []
+        self._walk(tokens, steps)
         return steps
+
+    def _walk(self, tokens: Sequence[int], steps: list | None = None) -> PrefixHit:
+        if len(tokens) < 1:
+            raise ValueError("tokens must hold at least one token")
+        keys = tuple(self.keys(tokens))
+        N, nodes = self.config.block_size, self.index.nodes
+        kv_tokens, j = self.index.walk(keys, len(tokens), N, steps)
+        kv_pages = tuple(nodes[k].payload for k in keys[:j])
+        ck = () if j == 0 else tuple(nodes[keys[j - 1]].ckpts[g].payload for g in range(self.num_groups))
+        return PrefixHit(j * N, kv_tokens, len(tokens), keys, kv_pages, ck)
 
     # ---- pins and references ----------------------------------------------------------------------
     def acquire(self, hit: PrefixHit, owner: Hashable, replaces: PrefixHit | None = None) -> None:
@@ -183,9 +172,10 @@ class PrefixCache:
     # ---- allocation with eviction -----------------------------------------------------------------
     def _drop(self, evicted, count: bool = True) -> None:
         for ev in evicted:
-            self.pool.decref([ev.payload] if ev.kind == "kv" else list(ev.payload), self.owner)
+            block = ev.kind is EntryKind.BLOCK
+            self.pool.decref([ev.payload] if block else list(ev.payload), self.owner)
             if count:
-                self._counts["evicted_blocks" if ev.kind == "kv" else "evicted_checkpoints"] += 1
+                self._counts["evicted_blocks" if block else "evicted_checkpoints"] += 1
 
     def alloc(self, kind: PageKind, n: int, owner: Hashable) -> list[int]:
         """Allocate ``n`` pages for ``owner``, evicting unpinned cache entries (LRU) as needed.
@@ -262,7 +252,7 @@ class PrefixCache:
         key, index = keys[num_blocks - 1], self.index
         node = index.node(key)
         present = tuple(node.ckpts)
-        missing = [g for g in range(self.num_groups) if g not in node.ckpts]
+        missing = index.missing_groups(key)
         if not missing:
             index.touch(keys, num_blocks)
             return True

@@ -7,22 +7,28 @@ and the trace simulator :mod:`serve.prefix.sim` share one implementation of the 
   names the whole prefix and a node's parent is the previous block of the same prefix);
 - **checkpoints** hang off a node: per group ``g`` in ``range(num_groups)``, the KDA state after
   exactly ``depth * block_size`` tokens. A boundary is *complete* when every group has it;
-- **two-phase lookup**: :meth:`PrefixIndex.kv_run` (phase 1, leading blocks present) then
-  :meth:`PrefixIndex.checkpoint_run` (phase 2, deepest complete checkpoint within that run);
-- **LRU**: one ordered list over both kinds of entries (a block key, or ``(key, group)`` for a
-  checkpoint). :meth:`PrefixIndex.touch` refreshes only what a hit consumed -- the checkpoint used and
+- **two-phase lookup**: :meth:`PrefixIndex.walk`, the one implementation of the lookup rule
+  (phase 1 :meth:`PrefixIndex.kv_run`, leading blocks present, capped at L - 1 tokens; phase 2
+  :meth:`PrefixIndex.checkpoint_run`, deepest complete checkpoint within that run), optionally
+  recording each step for page 07;
+- **LRU**: one ordered list over both kinds of entries, the index's own records
+  (:class:`BlockNode`, :class:`Checkpoint`), each typed by its ``kind`` (:class:`EntryKind`).
+  :meth:`PrefixIndex.touch` refreshes only what a hit consumed -- the checkpoint used and
   the block path up to it -- deepest first, so a parent is always more recent than its children and
   the oldest block entry is a leaf. Pinned entries (in use by a request) are never evicted. Evicting a
   checkpoint leaves its block; evicting a block also drops that node's checkpoints.
 """
 from __future__ import annotations
 
+import enum
 import hashlib
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+
+from serve.prefix.hit import LookupStep
 
 ROOT = None  # parent of the first block
 
@@ -54,60 +60,83 @@ def block_keys(tokens: Sequence[int], block_size: int) -> list[bytes]:
     return keys
 
 
-def checkpoint_boundaries(num_tokens: int, block_size: int, interval: int) -> list[int]:
-    """Where a prefill of ``num_tokens`` (L) writes checkpoints, in tokens, ascending: every multiple of
-    the interval C up to L, the replay boundary floor((L - 1) / N) N (where an identical prompt's
-    lookup stops, since one token must be computed) and the end of the prompt floor(L / N) N."""
-    N, L = block_size, num_tokens
-    marks = set(range(interval, L + 1, interval)) | {(L - 1) // N * N, L // N * N}
-    return sorted(b for b in marks if b > 0)
+class EntryKind(enum.IntEnum):
+    """What an LRU entry (and an :class:`Evicted` record) names: a KV block or one group's checkpoint."""
+
+    BLOCK = 0
+    CHECKPOINT = 1
+
+
+class Walk(NamedTuple):
+    """The outcome of :meth:`PrefixIndex.walk`: ``kv_tokens`` (phase 1: cached KV tokens, capped at
+    L - 1) and ``hit_blocks`` j (phase 2: the restore boundary is j N tokens; 0 = nothing usable)."""
+
+    kv_tokens: int
+    hit_blocks: int
 
 
 class Evicted(NamedTuple):
     """One entry removed by :meth:`PrefixIndex.evict_one` or a cascade.
 
-    kind "kv" (a block; group None) or "ckpt"; key: the node's chained key; payload: what the owner
-    stored (page ids for the real cache, None in the simulator); depth: blocks in the prefix.
+    kind: :attr:`EntryKind.BLOCK` (group None) or :attr:`EntryKind.CHECKPOINT`; key: the node's
+    chained key; payload: what the owner stored (page ids for the real cache, None in the trace
+    replay); depth: blocks in the prefix.
     """
 
-    kind: str
+    kind: EntryKind
     key: Hashable
     group: int | None
     payload: Any
     depth: int
 
 
-class _Node:
+class BlockNode:
+    """A cached block (an LRU entry of kind BLOCK): chained ``key``, ``parent`` key (ROOT for the first
+    block), ``depth`` (blocks in the prefix), ``children`` cached, ``pins``, the owner's ``payload`` and
+    ``ckpts`` by group."""
+
     __slots__ = ("key", "parent", "depth", "children", "pins", "payload", "ckpts")
+    kind = EntryKind.BLOCK
+    group = None
 
     def __init__(self, key, parent, depth, payload):
         self.key, self.parent, self.depth, self.payload = key, parent, depth, payload
         self.children = 0
         self.pins = 0
-        self.ckpts: dict[int, _Ckpt] = {}
+        self.ckpts: dict[int, Checkpoint] = {}
 
 
-class _Ckpt:
-    __slots__ = ("pins", "payload", "written_at")
+class Checkpoint:
+    """One group's checkpoint at block ``key`` (an LRU entry of kind CHECKPOINT): ``pins``, the owner's
+    ``payload`` and ``written_at`` (tokens the state had consumed)."""
 
-    def __init__(self, payload, written_at):
+    __slots__ = ("key", "group", "pins", "payload", "written_at")
+    kind = EntryKind.CHECKPOINT
+
+    def __init__(self, key, group, payload, written_at):
+        self.key, self.group = key, group
         self.pins, self.payload, self.written_at = 0, payload, written_at
 
 
 class PrefixIndex:
     """Blocks and checkpoints by chained key, with a kind-aware LRU. Metadata only.
 
-    Args: num_groups: G >= 1, groups that must all hold a checkpoint for it to be complete.
-    Keys are any hashable except tuples (tuples name checkpoint entries in the LRU list).
+    Args: num_groups: G >= 1, groups that must all hold a checkpoint for it to be complete (a
+    :class:`serve.config.ServeConfig`'s ``num_groups``). Keys are any hashable (chained block keys).
     """
 
     def __init__(self, num_groups: int = 1):
         if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
             raise ValueError(f"num_groups must be an int >= 1, got {num_groups!r}")
-        self.num_groups = num_groups
-        self.nodes: dict[Hashable, _Node] = {}
-        self.lru: OrderedDict = OrderedDict()   # oldest first; entry = key or (key, group)
+        self._num_groups = num_groups
+        self.nodes: dict[Hashable, BlockNode] = {}
+        self.lru: OrderedDict[BlockNode | Checkpoint, None] = OrderedDict()   # oldest first; each has a .kind
         self.num_checkpoints = 0
+
+    @property
+    def num_groups(self) -> int:
+        """G, fixed at construction."""
+        return self._num_groups
 
     # ---- lookup (pure) ----------------------------------------------------------------------------
     def kv_run(self, keys: Sequence[Hashable], limit: int | None = None) -> int:
@@ -118,21 +147,63 @@ class PrefixIndex:
             run += 1
         return run
 
-    def checkpoint_run(self, keys: Sequence[Hashable], limit: int) -> int:
+    def checkpoint_run(self, keys: Sequence[Hashable], limit: int, steps: list | None = None,
+                       block_size: int = 0) -> int:
         """Phase 2: largest j <= ``limit`` whose node ``keys[j-1]`` has a complete checkpoint (0 if none).
-        ``keys[:limit]`` must all be cached (a phase-1 run)."""
-        nodes, g = self.nodes, self.num_groups
+        ``keys[:limit]`` must all be cached (a phase-1 run). With ``steps``, appends one phase-2
+        :class:`LookupStep` per boundary examined (boundaries in tokens need ``block_size``)."""
+        nodes, G = self.nodes, self._num_groups
         for j in range(limit, 0, -1):
-            if len(nodes[keys[j - 1]].ckpts) == g:
+            ckpts = nodes[keys[j - 1]].ckpts
+            complete = len(ckpts) == G
+            if steps is not None:
+                groups = tuple(sorted(ckpts))
+                note = "hit: complete checkpoint" if complete else (
+                    "no checkpoint here" if not groups else f"incomplete: groups {groups} of {G}")
+                steps.append(LookupStep(2, j - 1, j * block_size, complete, groups, note))
+            if complete:
                 return j
         return 0
+
+    def walk(self, keys: Sequence[Hashable], num_tokens: int, block_size: int, steps: list | None = None) -> Walk:
+        """THE two-phase lookup of a prompt of L = ``num_tokens`` tokens whose full blocks have ``keys``
+        (``L // block_size`` of them): phase 1 takes the leading cached blocks, capped so at least one
+        token is left to compute (kv_tokens <= L - 1); phase 2 takes the deepest complete checkpoint
+        within them. With ``steps``, appends a :class:`LookupStep` per block and boundary examined,
+        with the reason each phase stops (page 07). Pure: refreshes nothing. Raises ValueError for
+        L < 1."""
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        N = block_size
+        cap = (num_tokens - 1) // N                     # blocks that end at or before token L - 1
+        seen = self.kv_run(keys, cap + 1)               # block `cap` cached too: the cap, not a miss, stops
+        run = min(seen, cap)
+        kv_tokens = num_tokens - 1 if seen > cap else run * N
+        if steps is not None:
+            steps += [LookupStep(1, i, (i + 1) * N, True, (), "KV block cached") for i in range(run)]
+            if run < len(keys):
+                if run == cap:
+                    note = "stop: cap at len - 1 (one token must be computed for the logits)"
+                    steps.append(LookupStep(1, run, (run + 1) * N, seen > cap, (), note))
+                else:
+                    steps.append(LookupStep(1, run, (run + 1) * N, False, (), "stop: no KV block"))
+            elif len(keys) * N < num_tokens:
+                steps.append(LookupStep(1, len(keys), num_tokens, False, (), "stop: partial block (below one block)"))
+        return Walk(kv_tokens, self.checkpoint_run(keys, run, steps, N))
+
+    def missing_groups(self, key: Hashable) -> list[int]:
+        """Groups without a checkpoint at cached block ``key`` (what publishing there would add)."""
+        ckpts = self.nodes[key].ckpts
+        if len(ckpts) == self._num_groups:
+            return []
+        return [g for g in range(self._num_groups) if g not in ckpts]
 
     def is_complete(self, key: Hashable) -> bool:
         """True when the block ``key`` is cached and every group has a checkpoint there."""
         node = self.nodes.get(key)
-        return node is not None and len(node.ckpts) == self.num_groups
+        return node is not None and len(node.ckpts) == self._num_groups
 
-    def node(self, key: Hashable) -> _Node:
+    def node(self, key: Hashable) -> BlockNode:
         """The node of a cached block (KeyError if absent)."""
         return self.nodes[key]
 
@@ -143,10 +214,11 @@ class PrefixIndex:
         move, nodes = self.lru.move_to_end, self.nodes
         if num_blocks and with_checkpoint:
             key = keys[num_blocks - 1]
-            for g in sorted(nodes[key].ckpts):
-                move((key, g))
+            ckpts = nodes[key].ckpts
+            for g in sorted(ckpts):
+                move(ckpts[g])
         for j in range(num_blocks - 1, -1, -1):
-            move(keys[j])
+            move(nodes[keys[j]])
 
     def pin_blocks(self, keys: Sequence[Hashable], delta: int = 1) -> None:
         """Add ``delta`` (+1 pin / -1 unpin) to each cached block in ``keys``. Pinned blocks are never
@@ -171,11 +243,9 @@ class PrefixIndex:
         """Insert block ``key`` under ``parent`` (ROOT for the first block) as the most recent entry.
 
         Returns False (and changes nothing) if the block is already cached.
-        Raises ValueError if ``parent`` is not cached or ``key`` is a tuple."""
+        Raises ValueError if ``parent`` is not cached."""
         if key in self.nodes:
             return False
-        if isinstance(key, tuple):
-            raise ValueError("block keys must not be tuples")
         if parent is ROOT:
             depth = 1
         else:
@@ -184,8 +254,8 @@ class PrefixIndex:
                 raise ValueError("parent block is not cached (a block is inserted after its prefix)")
             pnode.children += 1
             depth = pnode.depth + 1
-        self.nodes[key] = _Node(key, parent, depth, payload)
-        self.lru[key] = None
+        node = self.nodes[key] = BlockNode(key, parent, depth, payload)
+        self.lru[node] = None
         return True
 
     def add_checkpoint(self, key: Hashable, group: int, payload: Any, written_at: int) -> None:
@@ -195,12 +265,12 @@ class PrefixIndex:
         node = self.nodes.get(key)
         if node is None:
             raise ValueError("checkpoint on a block that is not cached")
-        if not 0 <= group < self.num_groups:
-            raise ValueError(f"group must be in [0, {self.num_groups}), got {group}")
+        if not 0 <= group < self._num_groups:
+            raise ValueError(f"group must be in [0, {self._num_groups}), got {group}")
         if group in node.ckpts:
             raise ValueError(f"group {group} already has a checkpoint at this block")
-        node.ckpts[group] = _Ckpt(payload, written_at)
-        self.lru[(key, group)] = None
+        ck = node.ckpts[group] = Checkpoint(key, group, payload, written_at)
+        self.lru[ck] = None
         self.num_checkpoints += 1
 
     # ---- removal ----------------------------------------------------------------------------------
@@ -213,35 +283,34 @@ class PrefixIndex:
         if ck.pins:
             raise ValueError(f"checkpoint of group {group} is pinned by {ck.pins} request(s)")
         del node.ckpts[group]
-        del self.lru[(key, group)]
+        del self.lru[ck]
         self.num_checkpoints -= 1
-        return Evicted("ckpt", key, group, ck.payload, node.depth)
+        return Evicted(EntryKind.CHECKPOINT, key, group, ck.payload, node.depth)
 
-    def _remove_block(self, node: _Node) -> list[Evicted]:
+    def _remove_block(self, node: BlockNode) -> list[Evicted]:
         lru, key, depth = self.lru, node.key, node.depth
         out = []
         for g, ck in node.ckpts.items():
-            del lru[(key, g)]
-            out.append(Evicted("ckpt", key, g, ck.payload, depth))
+            del lru[ck]
+            out.append(Evicted(EntryKind.CHECKPOINT, key, g, ck.payload, depth))
         self.num_checkpoints -= len(node.ckpts)
         del self.nodes[key]
-        del lru[key]
+        del lru[node]
         if node.parent is not ROOT:
             self.nodes[node.parent].children -= 1
-        out.append(Evicted("kv", key, None, node.payload, depth))
+        out.append(Evicted(EntryKind.BLOCK, key, None, node.payload, depth))
         return out
 
     def evict_one(self, checkpoints_only: bool = False) -> list[Evicted]:
         """Evict the least recently used unpinned entry: a checkpoint, or a leaf block together with
         its checkpoints (not with ``checkpoints_only``). Returns what was removed ([] if nothing is
         evictable)."""
-        nodes = self.nodes
         for entry in self.lru:
-            if type(entry) is tuple:
-                if nodes[entry[0]].ckpts[entry[1]].pins == 0:
-                    return [self.remove_checkpoint(*entry)]
+            if entry.kind is EntryKind.CHECKPOINT:
+                if entry.pins == 0:
+                    return [self.remove_checkpoint(entry.key, entry.group)]
             elif not checkpoints_only:
-                node = nodes[entry]
+                node = entry
                 if node.pins == 0 and node.children == 0 and not any(c.pins for c in node.ckpts.values()):
                     return self._remove_block(node)
         return []
@@ -269,7 +338,7 @@ class PrefixIndex:
                 assert nodes[node.parent].depth == node.depth - 1, "depth is not parent depth + 1"
                 children[node.parent] = children.get(node.parent, 0) + 1
             assert node.pins >= 0 and all(c.pins >= 0 for c in node.ckpts.values()), "negative pin count"
-            assert all(0 <= g < self.num_groups for g in node.ckpts), "checkpoint group out of range"
+            assert all(0 <= g < self._num_groups for g in node.ckpts), "checkpoint group out of range"
             if block_size is not None:
                 for g, ck in node.ckpts.items():
                     assert ck.written_at == node.depth * block_size, (
@@ -281,11 +350,12 @@ class PrefixIndex:
         assert self.num_checkpoints == expected - len(nodes), "checkpoint counter out of date"
         pos = {}
         for i, entry in enumerate(self.lru):
-            if type(entry) is tuple:
-                assert entry[0] in nodes and entry[1] in nodes[entry[0]].ckpts, "LRU names a missing checkpoint"
+            key = entry.key
+            if entry.kind is EntryKind.CHECKPOINT:
+                assert key in nodes and nodes[key].ckpts.get(entry.group) is entry, "LRU names a missing checkpoint"
             else:
-                assert entry in nodes, "LRU names a missing block"
-                pos[entry] = i
+                assert nodes.get(key) is entry, "LRU names a missing block"
+                pos[key] = i
         for key, node in nodes.items():
             if node.parent is not ROOT:
                 assert pos[node.parent] > pos[key], "a parent is older than its child in the LRU list"

@@ -1,7 +1,9 @@
 """Block-granularity replay of a request trace through a capacity-limited dual-granularity prefix cache.
 
-The same :class:`serve.prefix.index.PrefixIndex` as the engine's :class:`serve.prefix.cache.PrefixCache`
-(two-phase lookup, checkpoint placement, kind-aware LRU), with byte budgets instead of pages: one hash
+The engine's policy, not a copy of it: the same :class:`serve.prefix.index.PrefixIndex` as
+:class:`serve.prefix.cache.PrefixCache` (the lookup walk :meth:`PrefixIndex.walk`, the kind-aware LRU),
+the same placement rule (:meth:`serve.config.ServeConfig.prefill_checkpoints`) and the same "publish the
+missing groups" step, with byte budgets instead of pages: one hash
 id = one KV block of ``block_size`` tokens (the trace's ids are chained, so they serve as block keys),
 and checkpoints cost a real preset's KDA state bytes. Requests are instantaneous (nothing stays
 pinned); after each request the cache evicts LRU entries until it fits its capacity.
@@ -27,53 +29,56 @@ from typing import NamedTuple
 import torch
 
 from kda_core.config import PRESETS, mla_kv_bytes_per_token
+from serve.config import ServeConfig
 from serve.memory.layout import group_layers, group_state_bytes
-from serve.prefix.index import ROOT, PrefixIndex, checkpoint_boundaries
+from serve.prefix.index import ROOT, EntryKind, PrefixIndex
 from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, leading_run
 
 MISS_CAUSES = ("no_kv_block", "evicted", "kv_no_checkpoint", "below_one_block")
 
 
 @dataclass(frozen=True)
-class SimConfig:
+class TraceReplayConfig:
     """A simulated cache. Frozen; validated in ``__post_init__``.
 
-    block_size: N tokens per hash id; checkpoint_interval: C tokens (a positive multiple of N);
-    kv_block_bytes: bytes of one KV block; group_state_bytes: bytes of one checkpoint per group
-    (len = G groups); capacity_bytes: cache budget (None = unlimited).
+    serving: the :class:`ServeConfig` (N tokens per hash id, checkpoint interval C, G groups; its page
+    policy is unused: sizes here are bytes, not pages); kv_block_bytes: bytes of one KV block;
+    group_state_bytes: bytes of one checkpoint per group (len = G); capacity_bytes: cache budget
+    (None = unlimited). Raises ValueError for non-positive sizes or a group count that disagrees.
     """
 
-    block_size: int
-    checkpoint_interval: int
+    serving: ServeConfig
     kv_block_bytes: int
     group_state_bytes: tuple[int, ...]
     capacity_bytes: float | None = None
 
     def __post_init__(self):
-        if self.block_size <= 0 or self.checkpoint_interval <= 0 or self.checkpoint_interval % self.block_size:
-            raise ValueError(f"checkpoint_interval must be a positive multiple of block_size={self.block_size}, "
-                             f"got {self.checkpoint_interval}")
+        if not isinstance(self.serving, ServeConfig):
+            raise ValueError(f"serving must be a ServeConfig, got {type(self.serving).__name__}")
         if self.kv_block_bytes <= 0 or not self.group_state_bytes or min(self.group_state_bytes) <= 0:
             raise ValueError("kv_block_bytes and every group_state_bytes must be positive")
+        if len(self.group_state_bytes) != self.serving.num_groups:
+            raise ValueError(f"group_state_bytes must give one size per group ({self.serving.num_groups}), "
+                             f"got {len(self.group_state_bytes)}")
         if self.capacity_bytes is not None and self.capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be None or >= 0, got {self.capacity_bytes}")
 
     @classmethod
-    def for_preset(cls, preset: str, checkpoint_interval: int, num_groups: int = 1,
-                   capacity_bytes: float | None = None, block_size: int = MOONCAKE_BLOCK_TOKENS,
+    def for_preset(cls, preset: str, serving: ServeConfig, capacity_bytes: float | None = None,
                    kv_dtype: torch.dtype = torch.bfloat16, state_dtype: torch.dtype = torch.float32,
-                   conv_dtype: torch.dtype = torch.bfloat16) -> SimConfig:
+                   conv_dtype: torch.dtype = torch.bfloat16) -> TraceReplayConfig:
         """Byte sizes of a real preset (``kda_core.config``): KV block = MLA KV bytes/token * N; a group's
-        checkpoint = its KDA layers * (recurrent + conv state bytes)."""
+        checkpoint = its KDA layers * (recurrent + conv state bytes). Raises ValueError for an unknown
+        preset or more groups than its KDA layers."""
         if preset not in PRESETS:
             raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
         cfg = PRESETS[preset]
-        groups = tuple(group_state_bytes(cfg, len(g), state_dtype, conv_dtype) for g in group_layers(cfg, num_groups))
-        return cls(block_size, checkpoint_interval, mla_kv_bytes_per_token(cfg, kv_dtype) * block_size, groups,
-                   capacity_bytes)
+        groups = tuple(group_state_bytes(cfg, len(g), state_dtype, conv_dtype)
+                       for g in group_layers(cfg, serving.num_groups))
+        return cls(serving, mla_kv_bytes_per_token(cfg, kv_dtype) * serving.block_size, groups, capacity_bytes)
 
 
-class SimResult(NamedTuple):
+class TraceReplayResult(NamedTuple):
     """Outcome of a replay. Ratios in [0, 1]; tokens and bytes are totals over the trace.
 
     miss_tokens: ``{cause: tokens}`` over :data:`MISS_CAUSES`; peak_*_bytes: the most held after any
@@ -97,19 +102,19 @@ class SimResult(NamedTuple):
     request_hit_tokens: tuple = ()
 
 
-def simulate(requests: Sequence[TraceRequest], config: SimConfig,
-             progress: Callable[[float], None] | None = None) -> SimResult:
+def replay_trace(requests: Sequence[TraceRequest], config: TraceReplayConfig,
+                 progress: Callable[[float], None] | None = None) -> TraceReplayResult:
     """Replay ``requests`` in order through one simulated cache; see the module docstring.
     ``progress(fraction)`` is called about every 1,000 requests. Ratios are 0.0 when the trace has no
     blocks or no tokens (every ``input_length`` 0). Raises ValueError on an empty trace."""
     if not requests:
         raise ValueError("requests must not be empty")
     t0 = time.perf_counter()
-    N, G = config.block_size, len(config.group_state_bytes)
+    serving = config.serving
+    N = serving.block_size
     kv_b, ck_b = config.kv_block_bytes, config.group_state_bytes
     cap = config.capacity_bytes
-    idx = PrefixIndex(G)
-    nodes = idx.nodes
+    idx = PrefixIndex(serving.num_groups)
     seen: set = set()
     miss = dict.fromkeys(MISS_CAUSES, 0)
     hit_blocks = total_blocks = hit_tokens = total_tokens = 0
@@ -118,11 +123,11 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig,
     for n, r in enumerate(requests):
         ids, L = r.hash_ids, r.input_length
         full, total = L // N, len(ids)
-        run = idx.kv_run(ids)
+        run = idx.kv_run(ids)                                 # the trace's view: no token cap
         kvb = min(run, full)
         jb = idx.checkpoint_run(ids, kvb)
-        limit = min(kvb, (L - 1) // N) if L else 0
-        jt = jb if jb <= limit else idx.checkpoint_run(ids, limit)
+        kv_tokens, jt = idx.walk(ids[:full], L, N) if L else (0, 0)   # the engine's lookup
+        limit = kv_tokens // N
         ideal_full = min(leading_run(ids, seen), full)
         hit_blocks += jb + (jb == full and run == total > full)
         total_blocks += total
@@ -142,23 +147,21 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig,
             kv_used += kv_b
         idx.touch(ids, total, with_checkpoint=False)
         seen.update(ids)
-        for b in checkpoint_boundaries(L, N, config.checkpoint_interval):
+        for b in serving.prefill_checkpoints(L):              # the engine's placement rule
             b //= N
             if b <= jt:
                 continue
-            node = nodes[ids[b - 1]]
-            if len(node.ckpts) == G:
+            missing = idx.missing_groups(ids[b - 1])
+            if not missing:
                 idx.touch(ids, b)
-                continue
-            for g in range(G):
-                if g not in node.ckpts:
-                    idx.add_checkpoint(ids[b - 1], g, None, b * N)
-                    st_used += ck_b[g]
-                    written += 1
+            for g in missing:                                 # as PrefixCache.publish_checkpoint
+                idx.add_checkpoint(ids[b - 1], g, None, b * N)
+                st_used += ck_b[g]
+                written += 1
         if cap is not None:
             while kv_used + st_used > cap:
                 for ev in idx.evict_one():
-                    if ev.kind == "kv":
+                    if ev.kind is EntryKind.BLOCK:
                         kv_used -= kv_b
                         ev_kv += 1
                     else:
@@ -171,9 +174,9 @@ def simulate(requests: Sequence[TraceRequest], config: SimConfig,
         progress(1.0)
     miss_total = sum(miss.values())
     assert miss_total == total_tokens - hit_tokens, "miss causes must add up to the missed tokens"
-    return SimResult(_ratio(hit_blocks, total_blocks), _ratio(hit_tokens, total_tokens), hit_blocks, total_blocks,
-                     hit_tokens, total_tokens, miss, peak_kv, peak_st, written, ev_kv, ev_ck, time.perf_counter() - t0,
-                     tuple(request_hits))
+    return TraceReplayResult(_ratio(hit_blocks, total_blocks), _ratio(hit_tokens, total_tokens), hit_blocks,
+                             total_blocks, hit_tokens, total_tokens, miss, peak_kv, peak_st, written, ev_kv, ev_ck,
+                             time.perf_counter() - t0, tuple(request_hits))
 
 
 def _ratio(part: int, whole: int) -> float:
@@ -188,7 +191,8 @@ def replay_row(requests: Sequence[TraceRequest], preset: str, checkpoint_interva
                capacity_bytes: float | None = None) -> dict:
     """One replay with a preset's byte sizes, flattened for a table: the config, hit ratios, peak GB,
     checkpoints written, evictions, seconds, and ``miss_<cause>`` as fractions of all tokens."""
-    res = simulate(requests, SimConfig.for_preset(preset, checkpoint_interval, num_groups, capacity_bytes))
+    serving = ServeConfig(MOONCAKE_BLOCK_TOKENS, checkpoint_interval, num_groups)
+    res = replay_trace(requests, TraceReplayConfig.for_preset(preset, serving, capacity_bytes))
     row = dict(interval_tokens=checkpoint_interval, num_groups=num_groups,
                capacity_gb=None if capacity_bytes is None else capacity_bytes / 1e9,
                block_hit_ratio=res.block_hit_ratio, token_hit_ratio=res.token_hit_ratio,

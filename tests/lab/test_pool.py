@@ -2,7 +2,7 @@
 import pytest
 
 from kda_core.config import PRESETS
-from lab.pool import WorkloadConfig, page05, simulate, static_kv_share
+from lab.pool import WorkloadConfig, page05, simulate_workload, static_kv_share
 from serve.memory.layout import CacheLayout
 
 
@@ -14,7 +14,7 @@ def _outcomes(res):
 @pytest.mark.parametrize("arrival", ["steady", "bursty"])
 def test_simulate_conserves_requests_and_pages(policy, arrival):
     cfg = WorkloadConfig(pool_mib=8, policy=policy, arrival=arrival, long_share=0.3, seed=3, num_steps=60)
-    res = simulate(cfg, snapshot_step=30)
+    res = simulate_workload(cfg, snapshot_step=30)
     o = _outcomes(res)
     for ph in (1, 2):  # both variants see the same arrivals
         assert o[("unified", ph, "admitted")] + o[("unified", ph, "rejected")] == \
@@ -23,13 +23,13 @@ def test_simulate_conserves_requests_and_pages(policy, arrival):
         assert row["mla_kv_pages"] + row["kda_state_pages"] + row["free_pages"] == res.num_pages
     assert len(res.snapshot) == res.num_pages and res.latency_ns["alloc"] and res.latency_ns["free"]
     assert res.waste["used_bytes"] > 0
-    again = simulate(cfg, snapshot_step=30)
+    again = simulate_workload(cfg, snapshot_step=30)
     assert again.timeline == res.timeline and again.outcomes == res.outcomes and again.snapshot == res.snapshot
 
 
 def test_unified_pool_absorbs_a_mix_shift():
     cfg = WorkloadConfig(pool_mib=32, long_share=0.0, seed=0)   # all short, then all long
-    o = _outcomes(simulate(cfg))
+    o = _outcomes(simulate_workload(cfg))
     assert o[("unified", 2, "rejected")] < o[("static split", 2, "rejected")]
     assert 0 < static_kv_share(cfg) < static_kv_share(WorkloadConfig(long_share=1.0)) < 1
 
@@ -45,9 +45,9 @@ def test_config_errors(kwargs, match):
 
 def test_simulate_errors():
     with pytest.raises(ValueError, match="need >= 2"):
-        simulate(WorkloadConfig(pool_mib=0.1))
+        simulate_workload(WorkloadConfig(pool_mib=0.1))
     with pytest.raises(ValueError, match="snapshot_step"):
-        simulate(WorkloadConfig(num_steps=10), snapshot_step=10)
+        simulate_workload(WorkloadConfig(num_steps=10), snapshot_step=10)
 
 
 @pytest.mark.parametrize("policy", ["unified", "multi_page"])
@@ -55,7 +55,7 @@ def test_waste_is_the_engine_layouts_padding(policy):
     cfg = WorkloadConfig(pool_mib=8, policy=policy, num_groups=2, seed=1, num_steps=40)
     lay = cfg.layout
     assert lay == CacheLayout.for_policy(PRESETS["demo"], 16, 2, policy)   # the engine's own layout (fp32)
-    res = simulate(cfg)
+    res = simulate_workload(cfg)
     kv_pages = sum(r["mla_kv_pages"] for r in res.timeline if r["variant"] == "unified")
     assert res.waste["kv_padding_bytes"] == pytest.approx(kv_pages * lay.kv_page_padding_bytes / 40)
     assert (res.waste["kv_padding_bytes"] > 0) == (policy == "unified")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from serve.config import ServeConfig
 from serve.engine import ServeEngine
-from serve.memory.layout import CacheLayout
 from serve.memory.pages import read_state
 from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
@@ -36,9 +36,10 @@ def spec_engine(speculation: Speculation, block_size: int = 16, interval: int | 
     checkpoint every ``interval`` tokens, default one block) on a poisoned pool (a never-written page
     reads as NaN)."""
     model = tiny_model()
-    pool = PagePool(num_pages, CacheLayout.page_bytes_for(model.cfg, block_size, 1), poison=True)
-    cache = PrefixCache(pool, block_size, interval or block_size, cfg=model.cfg) if prefix_cache else None
-    return ServeEngine(model, pool, cache, block_size=block_size, speculation=speculation)
+    config = ServeConfig(block_size, interval or block_size, page_policy="unified")
+    pool = PagePool(num_pages, config.page_bytes(model.cfg), poison=True)
+    cache = PrefixCache(pool, config, cfg=model.cfg) if prefix_cache else None
+    return ServeEngine(model, pool, cache, config=config, speculation=speculation)
 
 
 def kda_state_after(seq, n: int) -> dict:

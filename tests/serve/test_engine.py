@@ -266,7 +266,7 @@ def test_scenario7_refreshing_every_ancestor_would_evict_b1(monkeypatch):
     def touch_all(self, keys, num_blocks, with_checkpoint=True):
         for j in range(1, num_blocks):
             for g in sorted(self.nodes[keys[j - 1]].ckpts):
-                self.lru.move_to_end((keys[j - 1], g))
+                self.lru.move_to_end(self.nodes[keys[j - 1]].ckpts[g])
         original(self, keys, num_blocks, with_checkpoint)
 
     monkeypatch.setattr(PrefixIndex, "touch", touch_all)

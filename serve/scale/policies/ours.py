@@ -1,11 +1,11 @@
-"""Our prefix cache (this repo's engine), as a policy: a wrapper over :func:`serve.prefix.sim.simulate`.
+"""Our prefix cache (this repo's engine), as a policy: a wrapper over :func:`serve.prefix.sim.replay_trace`.
 
 The rules live in one place: :class:`serve.prefix.index.PrefixIndex` (chained block keys, per-group
-checkpoints, two-phase lookup, kind-aware LRU) driven by :func:`serve.prefix.sim.simulate` (checkpoints
-every C tokens + the replay boundary + the prompt end, :func:`serve.prefix.index.checkpoint_boundaries`;
+checkpoints, two-phase lookup, kind-aware LRU) driven by :func:`serve.prefix.sim.replay_trace` (checkpoints
+every C tokens + the replay boundary + the prompt end, :meth:`serve.config.ServeConfig.prefill_checkpoints`;
 lookup capped at L - 1; eviction to a byte capacity after each request), the same index the engine's
 :class:`serve.prefix.cache.PrefixCache` uses. This class only maps a replica budget onto a
-:class:`serve.prefix.sim.SimConfig` and the simulator's result onto a
+:class:`serve.prefix.sim.TraceReplayConfig` and the simulator's result onto a
 :class:`serve.scale.policies.base.PolicyResult`; it replays whole traces (``replay_trace``), not one
 request at a time.
 
@@ -18,15 +18,16 @@ from __future__ import annotations
 import numpy as np
 
 from kda_core.config import PRESETS
+from serve.config import ServeConfig
 from serve.memory.layout import group_layers, group_state_bytes
-from serve.prefix.sim import SimConfig, simulate
+from serve.prefix.sim import TraceReplayConfig, replay_trace
 from serve.scale.policies.base import PolicyResult, ReplicaBytes
 from serve.traces import MOONCAKE_BLOCK_TOKENS, ideal_hit_ratio
 
 
 class OursPolicy:
     """Our engine's policy: blocks of N (= the trace block), checkpoints every ``checkpoint_interval`` tokens
-    per group, ``num_groups`` groups, two-phase lookup. Raises ValueError via :class:`SimConfig` for an
+    per group, ``num_groups`` groups, two-phase lookup. Raises ValueError via :class:`ServeConfig` for an
     interval that is not a positive multiple of N, and for an unknown preset."""
 
     running_state_slots = 1
@@ -35,23 +36,26 @@ class OursPolicy:
                  tp_size: int = 1, block_size: int = MOONCAKE_BLOCK_TOKENS):
         self.replica = ReplicaBytes.for_preset(preset, tp_size)
         cfg = PRESETS[preset]
+        self.serving = ServeConfig(block_size, checkpoint_interval, num_groups)   # validates now
         self.groups = tuple(group_state_bytes(cfg, len(g)) for g in group_layers(cfg, num_groups))
-        self.block_size, self.checkpoint_interval = block_size, checkpoint_interval
         self.name = f"ours C={checkpoint_interval} G={num_groups}"
-        self.config(None)                                  # validate now, not at replay time
 
-    def config(self, capacity_bytes: float | None) -> SimConfig:
-        """The simulator's config for a cache capacity (bytes; None = unlimited)."""
-        N = self.block_size
-        return SimConfig(N, self.checkpoint_interval, self.replica.kv_bytes_per_token * N, self.groups,
-                         capacity_bytes)
+    @property
+    def block_size(self) -> int:
+        """N tokens per block (the trace block)."""
+        return self.serving.block_size
+
+    def config(self, capacity_bytes: float | None) -> TraceReplayConfig:
+        """The trace replay's config for a cache capacity (bytes; None = unlimited)."""
+        N = self.serving.block_size
+        return TraceReplayConfig(self.serving, self.replica.kv_bytes_per_token * N, self.groups, capacity_bytes)
 
     def replay_trace(self, requests, budget_bytes: float) -> PolicyResult:
-        """Replay through :func:`serve.prefix.sim.simulate` with capacity = budget - one running state."""
+        """Replay through :func:`serve.prefix.sim.replay_trace` with capacity = budget - one running state."""
         running = self.running_state_slots * self.replica.state_bytes
         if budget_bytes < running:
             raise ValueError(f"budget_bytes {budget_bytes:,.0f} is below the running state slot ({running:,} bytes)")
-        res = simulate(requests, self.config(budget_bytes - running))
+        res = replay_trace(requests, self.config(budget_bytes - running))
         ideal = ideal_hit_ratio(requests, self.block_size).hit_tokens
         peak = {"kv": res.peak_kv_bytes, "state": res.peak_state_bytes, "running": running}
         return PolicyResult(self.name, res.token_hit_ratio, res.hit_tokens, res.total_tokens, ideal,

@@ -156,7 +156,8 @@ class StateTree:
             key = parent
 
     def _oldest_leaf(self):
-        return next(iter(self.idx.lru), None)      # the index keeps its oldest block a leaf
+        entry = next(iter(self.idx.lru), None)     # the index keeps its oldest block a leaf
+        return None if entry is None else entry.key
 
     def evict_to(self, kv_cap: float, state_cap: float) -> None:
         """Evict until KV bytes <= ``kv_cap`` and state bytes <= ``state_cap`` (two pools), or until their

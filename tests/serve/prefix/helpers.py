@@ -7,8 +7,8 @@ import torch
 
 from kda_core.config import PRESETS
 from kda_core.model import HybridLM
+from serve.config import ServeConfig
 from serve.engine import ServeEngine
-from serve.memory.layout import CacheLayout
 from serve.memory.pages import zero_state
 from serve.memory.pool import PageKind, PagePool
 from serve.prefix.cache import PrefixCache
@@ -62,11 +62,10 @@ def make_engine(block_size: int = 16, interval: int = 16, num_groups: int = 1, n
                 max_prefill_chunk: int | None = None) -> ServeEngine:
     """An engine on a poisoned pool (never-written pages read as NaN) with an optional prefix cache."""
     model = tiny_model()
-    page_bytes = CacheLayout.page_bytes_for(model.cfg, block_size, num_groups, policy)
-    pool = PagePool(num_pages, page_bytes, poison=True)
-    pc = PrefixCache(pool, block_size, interval, num_groups, cfg=model.cfg,
-                     max_checkpoints=max_checkpoints) if cache else None
-    return ServeEngine(model, pool, pc, max_prefill_chunk, block_size=block_size, num_groups=num_groups)
+    config = ServeConfig(block_size, interval, num_groups, policy)
+    pool = PagePool(num_pages, config.page_bytes(model.cfg), poison=True)
+    pc = PrefixCache(pool, config, cfg=model.cfg, max_checkpoints=max_checkpoints) if cache else None
+    return ServeEngine(model, pool, pc, max_prefill_chunk, config=config)
 
 
 def run_checked(engine: ServeEngine, prompt, max_new_tokens: int = 3):
@@ -82,9 +81,9 @@ def run_checked(engine: ServeEngine, prompt, max_new_tokens: int = 3):
 def make_cache(num_pages=64, block_size=4, groups=1, interval=4, max_checkpoints=None, policy="unified"):
     """A PrefixCache on a poisoned pool of ``num_pages`` pages (never-written pages read as NaN)."""
     cfg = PRESETS["demo-tiny"]
-    pb = CacheLayout.page_bytes_for(cfg, block_size, groups, policy)
-    pool = PagePool(num_pages, pb, poison=True)
-    return PrefixCache(pool, block_size, interval, groups, cfg=cfg, max_checkpoints=max_checkpoints)
+    config = ServeConfig(block_size, interval, groups, policy)
+    pool = PagePool(num_pages, config.page_bytes(cfg), poison=True)
+    return PrefixCache(pool, config, cfg=cfg, max_checkpoints=max_checkpoints)
 
 
 def insert_prefix(cache, seq, num_blocks, boundaries, owner="w"):

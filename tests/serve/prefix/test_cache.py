@@ -7,11 +7,12 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kda_core.config import PRESETS
+from serve.config import ServeConfig
 from serve.memory.layout import CacheLayout, group_layers
 from serve.memory.pages import read_state, write_state, zero_state
 from serve.memory.pool import PageError, PageKind, PagePool, PoolExhausted
 from serve.prefix.cache import PrefixCache
-from serve.prefix.index import PrefixIndex, block_keys
+from serve.prefix.index import EntryKind, PrefixIndex, block_keys
 from serve.prefix.reference import PrefixOracle
 from tests.serve.prefix.helpers import insert_prefix, make_cache
 
@@ -176,15 +177,14 @@ class MirroredCache(PrefixCache):
 def _contents(cache):
     out = set()
     for key, node in cache.index.nodes.items():
-        out.add((KEY_TO_PREFIX[key], "kv", None))
-        out.update((KEY_TO_PREFIX[key], "ckpt", g) for g in node.ckpts)
+        out.add((KEY_TO_PREFIX[key], EntryKind.BLOCK, None))
+        out.update((KEY_TO_PREFIX[key], EntryKind.CHECKPOINT, g) for g in node.ckpts)
     return out
 
 
 def _lru_order(cache) -> list:
     """The index's LRU list, oldest first, as the oracle's ``(prefix, kind, group)`` entries."""
-    return [(KEY_TO_PREFIX[e[0]], "ckpt", e[1]) if type(e) is tuple else (KEY_TO_PREFIX[e], "kv", None)
-            for e in cache.index.lru]
+    return [(KEY_TO_PREFIX[e.key], e.kind, e.group) for e in cache.index.lru]
 
 
 def _oracle_order(oracle) -> list:
@@ -214,8 +214,9 @@ def test_prefix_cache_matches_oracle(ops, num_pages, groups, max_ck):
     the same LRU order after every operation (so a wrong refresh fails where it happens, not only when an
     eviction later exposes it). CI runs these inputs derandomized (tests/conftest.py)."""
     oracle = PrefixOracle(4, groups)
-    pool = PagePool(num_pages, CacheLayout.page_bytes_for(CFG, 4, groups, "unified"), poison=True)
-    cache = MirroredCache(oracle, pool, 4, 4, groups, cfg=CFG, max_checkpoints=max_ck)
+    config = ServeConfig(4, 4, groups, "unified")
+    pool = PagePool(num_pages, config.page_bytes(CFG), poison=True)
+    cache = MirroredCache(oracle, pool, config, cfg=CFG, max_checkpoints=max_ck)
     for op in ops:
         if op[0] == "insert":
             _, s, nb, bounds = op
@@ -233,7 +234,7 @@ def test_prefix_cache_matches_oracle(ops, num_pages, groups, max_ck):
             cache.release("r")
             cache.pool.decref(list(hit.kv_pages), "r")
         elif op[0] == "drop":
-            stored = sorted((len(p), p, g) for p, kind, g in oracle.contents() if kind == "ckpt")
+            stored = sorted((len(p), p, g) for p, kind, g in oracle.contents() if kind is EntryKind.CHECKPOINT)
             if stored:
                 _, prefix, g = stored[op[1] % len(stored)]
                 cache.drop_checkpoint(prefix, len(prefix), g)
@@ -266,10 +267,11 @@ def test_evicting_a_checkpoint_keeps_kv_and_evicting_kv_drops_its_checkpoints():
     idx.add_block("b", "a")
     idx.add_checkpoint("b", 0, "pages-of-b", 8)
     idx.touch(["a", "b"], 2, with_checkpoint=False)     # the checkpoint at b is now the oldest entry
-    assert [e.kind for e in idx.evict_one()] == ["ckpt"]
+    assert [e.kind for e in idx.evict_one()] == [EntryKind.CHECKPOINT]
     idx.touch(["a", "b"], 2, with_checkpoint=False)     # LRU order: block b, block a
     idx.add_checkpoint("b", 0, "pages-of-b", 8)         # then the checkpoint: block b is the oldest entry
-    assert [(e.kind, e.key) for e in idx.evict_one()] == [("ckpt", "b"), ("kv", "b")]   # block b and its checkpoint
+    # block b and its checkpoint
+    assert [(e.kind, e.key) for e in idx.evict_one()] == [(EntryKind.CHECKPOINT, "b"), (EntryKind.BLOCK, "b")]
     idx.check_integrity(4)
 
 

@@ -2,15 +2,16 @@
 refreshes only what it consumed (exact eviction orders)."""
 from __future__ import annotations
 
-from serve.prefix.index import PrefixIndex
+from serve.prefix.index import EntryKind, PrefixIndex
 from tests.serve.prefix.helpers import insert_prefix, make_cache
 
 N = 4   # tokens per block in every test here
+BLOCK, CKPT = EntryKind.BLOCK, EntryKind.CHECKPOINT
 
 
-def _record_evictions(cache) -> list[tuple[str, int]]:
+def _record_evictions(cache) -> list[tuple[EntryKind, int]]:
     """Wrap the cache's ``index.evict_one`` so every eviction is logged as ``(kind, boundary in tokens)``."""
-    log: list[tuple[str, int]] = []
+    log: list[tuple[EntryKind, int]] = []
     original = cache.index.evict_one
 
     def evict_one(checkpoints_only=False):
@@ -93,7 +94,7 @@ def test_hit_refreshes_its_checkpoint_not_the_ancestors():
     prompt = seq[:12] + [99] * 5                   # blocks A B C cached, D differs: phase 1 = 12, hit = 8
     assert cache.lookup(prompt).kv_tokens == 12 and _hit(cache, prompt) == 8
     assert insert_prefix(cache, [200, 201, 202, 203], 1, [1]) == [1]
-    assert log == [("ckpt", 4)]
+    assert log == [(CKPT, 4)]
     assert cache.lookup(seq + [0]).num_tokens == 16 and cache.lookup(seq[:9]).num_tokens == 8
     assert cache.lookup(seq[:5]).num_tokens == 0 and cache.lookup(seq[:5]).kv_tokens == 4
     cache.check_integrity()
@@ -107,6 +108,6 @@ def test_hit_refreshes_blocks_up_to_the_hit_not_the_whole_kv_run():
     log = _record_evictions(cache)
     assert _hit(cache, seq[:12] + [99] * 5) == 8
     cache.clear()
-    assert log == [("ckpt", 16), ("kv", 16), ("kv", 12), ("ckpt", 4), ("ckpt", 8), ("kv", 8), ("kv", 4)]
+    assert log == [(CKPT, 16), (BLOCK, 16), (BLOCK, 12), (CKPT, 4), (CKPT, 8), (BLOCK, 8), (BLOCK, 4)]
     assert cache.pool.num_free == cache.pool.num_pages
     cache.check_integrity()

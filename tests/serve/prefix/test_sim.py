@@ -4,18 +4,24 @@ from __future__ import annotations
 import pytest
 import torch
 
+from serve.config import ServeConfig
 from serve.prefix.index import block_keys
-from serve.prefix.sim import MISS_CAUSES, SimConfig, capacity_points, replay_row, simulate
+from serve.prefix.sim import MISS_CAUSES, TraceReplayConfig, capacity_points, replay_row, replay_trace
 from serve.traces import TraceRequest, ideal_hit_ratio, load_mooncake, synthesize
 from tests.serve.prefix.helpers import make_engine, tokens
 
 torch.set_num_threads(1)
 
 
+def replay_config(N: int, C: int, kv_block_bytes: int, group_bytes: tuple, capacity_bytes=None) -> TraceReplayConfig:
+    """A replay of blocks of N tokens, a checkpoint every C, one group per entry of ``group_bytes``."""
+    return TraceReplayConfig(ServeConfig(N, C, len(group_bytes)), kv_block_bytes, group_bytes, capacity_bytes)
+
+
 def test_unlimited_cache_with_a_checkpoint_every_block_is_the_ideal(traces_dir):
     trace = load_mooncake(traces_dir / "mooncake_conversation_trace.jsonl")
     ideal = ideal_hit_ratio(trace)
-    res = simulate(trace, SimConfig.for_preset("kimi-linear-48b-a3b", 512))
+    res = replay_trace(trace, TraceReplayConfig.for_preset("kimi-linear-48b-a3b", ServeConfig(512, 512)))
     assert res.hit_blocks == ideal.hit_blocks and res.total_blocks == ideal.total_blocks
     assert res.block_hit_ratio == ideal.block_hit_ratio
     assert sum(res.miss_tokens.values()) == res.total_tokens - res.hit_tokens
@@ -30,7 +36,7 @@ def _small_trace():
 
 def test_interval_trades_state_memory_for_hits():
     trace = _small_trace()
-    runs = [simulate(trace, SimConfig(16, c, 100, (1000,))) for c in (16, 64, 256)]
+    runs = [replay_trace(trace, replay_config(16, c, 100, (1000,))) for c in (16, 64, 256)]
     assert runs[0].block_hit_ratio == ideal_hit_ratio(trace, 16).block_hit_ratio
     assert [r.checkpoints_written for r in runs] == sorted((r.checkpoints_written for r in runs), reverse=True)
     assert runs[-1].block_hit_ratio < runs[0].block_hit_ratio
@@ -39,9 +45,9 @@ def test_interval_trades_state_memory_for_hits():
 
 def test_capacity_limits_and_causes():
     trace = _small_trace()
-    full = simulate(trace, SimConfig(16, 16, 100, (300, 200)))
-    none = simulate(trace, SimConfig(16, 16, 100, (300, 200), capacity_bytes=0))
-    tight = simulate(trace, SimConfig(16, 16, 100, (300, 200), capacity_bytes=20_000))
+    full = replay_trace(trace, replay_config(16, 16, 100, (300, 200)))
+    none = replay_trace(trace, replay_config(16, 16, 100, (300, 200), capacity_bytes=0))
+    tight = replay_trace(trace, replay_config(16, 16, 100, (300, 200), capacity_bytes=20_000))
     assert none.hit_tokens == 0 and none.peak_kv_bytes == 0
     assert none.miss_tokens["evicted"] > 0 and tight.evicted_blocks > 0
     assert tight.peak_kv_bytes + tight.peak_state_bytes <= 2 * 20_000
@@ -60,11 +66,11 @@ def test_each_ratio_stays_below_its_own_ideal():
     assert ideal.token_hit_ratio != ideal.block_hit_ratio
     for interval in (16, 64):
         for capacity in (None, 5_000, 20_000, 80_000):
-            res = simulate(trace, SimConfig(16, interval, 100, (300, 200), capacity_bytes=capacity))
+            res = replay_trace(trace, replay_config(16, interval, 100, (300, 200), capacity_bytes=capacity))
             assert res.block_hit_ratio <= ideal.block_hit_ratio
             assert res.token_hit_ratio <= ideal.token_hit_ratio
             assert res.hit_tokens <= ideal.hit_tokens
-    unlimited = simulate(trace, SimConfig(16, 16, 100, (300, 200)))
+    unlimited = replay_trace(trace, replay_config(16, 16, 100, (300, 200)))
     assert unlimited.token_hit_ratio > ideal.block_hit_ratio          # the crossing the review saw: unlike measures
 
 
@@ -86,7 +92,7 @@ def test_token_hits_follow_the_engine():
         if len(p) % N:
             ids.append(10**30 + i)                     # the partial last block: its own id
         trace.append(TraceRequest(i, len(p), 1, tuple(ids)))
-    res = simulate(trace, SimConfig(N, C, 1, (1,)))
+    res = replay_trace(trace, replay_config(N, C, 1, (1,)))
     assert res.hit_tokens == sum(hits) and sum(hits) > 0
 
 
@@ -94,7 +100,7 @@ def test_identical_requests_hit_below_the_last_token():
     """Two identical 32-token requests (N = 16, hash ids 7, 8): the second hits 16 tokens (the checkpoint
     at the replay boundary, phase 1 capped at 31) while the block-level measure counts both blocks."""
     req = TraceRequest(0, 32, 1, (7, 8))
-    res = simulate([req, req._replace(timestamp_ms=1000)], SimConfig(16, 16, 1, (1,)))
+    res = replay_trace([req, req._replace(timestamp_ms=1000)], replay_config(16, 16, 1, (1,)))
     assert (res.hit_tokens, res.hit_blocks) == (16, 2)
     assert res.miss_tokens["below_one_block"] == 16 and res.miss_tokens["no_kv_block"] == 32
     assert res.checkpoints_written == 2
@@ -102,13 +108,15 @@ def test_identical_requests_hit_below_the_last_token():
 
 def test_config_validation():
     with pytest.raises(ValueError, match="multiple"):
-        SimConfig(16, 24, 1, (1,))
+        replay_config(16, 24, 1, (1,))
+    with pytest.raises(ValueError, match="one size per group"):
+        TraceReplayConfig(ServeConfig(16, 16, 2), 1, (1,))
     with pytest.raises(ValueError, match="positive"):
-        SimConfig(16, 16, 0, (1,))
+        replay_config(16, 16, 0, (1,))
     with pytest.raises(ValueError, match="preset"):
-        SimConfig.for_preset("nope", 512)
+        TraceReplayConfig.for_preset("nope", ServeConfig(512, 512))
     with pytest.raises(ValueError, match="empty"):
-        simulate([], SimConfig(16, 16, 1, (1,)))
+        replay_trace([], replay_config(16, 16, 1, (1,)))
 
 
 def test_replay_row_and_capacity_points():

@@ -8,7 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from serve.prefix.sim import SimConfig, simulate
+from serve.config import ServeConfig
+from serve.prefix.sim import TraceReplayConfig, replay_trace
 from serve.scale.policies import (
     OursPolicy,
     ReplicaBytes,
@@ -146,14 +147,14 @@ def test_sglang_state_pool_evicts_to_tombstones_and_prunes_leaves():
 
 # ---- ours ---------------------------------------------------------------------------------------------
 def test_ours_wraps_prefix_sim():
-    """Ours is prefix_sim, not a copy: the same hits as simulate() at the same capacity, per request."""
+    """Ours is the trace replay, not a copy: the same hits as replay_trace() at the same capacity, per request."""
     trace = synthesize(num_requests=200, duration_s=30.0, seed=5, block_size=512, median_first_prompt_tokens=3000,
                        median_turn_tokens=800, median_output_tokens=50, max_input_tokens=20000)
     pol = OursPolicy(KIMI, checkpoint_interval=1024)
     budget = 20e9
     res = replay(trace, pol, budget)
-    direct = simulate(trace, SimConfig(512, 1024, pol.replica.kv_bytes_per_token * 512, pol.groups,
-                                       budget - pol.replica.state_bytes))
+    direct = replay_trace(trace, TraceReplayConfig(ServeConfig(512, 1024), pol.replica.kv_bytes_per_token * 512,
+                                                   pol.groups, budget - pol.replica.state_bytes))
     assert res.hit_tokens == direct.hit_tokens == int(res.request_hit_tokens.sum())
     assert res.request_hit_tokens.tolist() == list(direct.request_hit_tokens)
 
