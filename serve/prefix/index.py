@@ -287,7 +287,10 @@ class PrefixIndex:
         self.num_checkpoints -= 1
         return Evicted(EntryKind.CHECKPOINT, key, group, ck.payload, node.depth)
 
-    def _remove_block(self, node: BlockNode) -> list[Evicted]:
+    def remove_block(self, node: BlockNode) -> list[Evicted]:
+        """Drop ``node`` (a cached block) and its checkpoints, whatever their LRU place; returns what went.
+        The caller keeps the tree a tree: only a leaf (no cached children) may go."""
+        assert node.children == 0, f"block {node.key!r} still has {node.children} cached children"
         lru, key, depth = self.lru, node.key, node.depth
         out = []
         for g, ck in node.ckpts.items():
@@ -312,7 +315,7 @@ class PrefixIndex:
             elif not checkpoints_only:
                 node = entry
                 if node.pins == 0 and node.children == 0 and not any(c.pins for c in node.ckpts.values()):
-                    return self._remove_block(node)
+                    return self.remove_block(node)
         return []
 
     # ---- inspection -------------------------------------------------------------------------------

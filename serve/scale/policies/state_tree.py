@@ -136,7 +136,7 @@ class StateTree:
         for pos in sorted(self.node_states.pop(key, ())):
             del self.states[(key, pos)]
             self.states_evicted += 1
-        self.idx._remove_block(node)
+        self.idx.remove_block(node)
         del self.kv_stamp[key]
         self.kv_tokens -= node.payload
         self.kv_evicted_tokens += node.payload
@@ -149,7 +149,7 @@ class StateTree:
         while key is not ROOT and key in nodes and nodes[key].children == 0 and key not in self.node_states:
             parent = nodes[key].parent
             node = nodes[key]
-            self.idx._remove_block(node)
+            self.idx.remove_block(node)
             del self.kv_stamp[key]
             self.kv_tokens -= node.payload
             self.kv_evicted_tokens += node.payload
