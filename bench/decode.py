@@ -38,7 +38,7 @@ def run(model: HybridLM, max_draft: int, repeats: int) -> list[dict]:
     held = {(r["draft_tokens"], r["strategy"]): r["bytes"] for r in bytes_vs_draft(model, max_draft)}
     rows = []
     for n in range(1, max_draft + 1):
-        ms = {(r["accepted"], r["strategy"]): r["commit_ms"] for r in commit_times(model, n, repeats, accepted=(0, n))}
+        ms = {(r["accepted"], r["strategy"]): r["commit_ms"] for r in commit_times(model, n, repeats, accepted=(0, n))[0]}
         row = {"draft_tokens": n}
         for s in (SNAP, PROJ, RING):
             row[f"{s} bytes"] = held[(n, s)]

@@ -13,6 +13,13 @@ latency term:
   hop waits for the previous rank's scan).
 
 It assumes one free core per rank; the measured run on this machine may oversubscribe its cores.
+
+Fair baselines: every rank runs one torch thread, so the speedup is taken against one rank with one
+thread (the same threads per rank) and, separately, against one rank with every core of the host
+(:func:`all_cores_baseline`). Every time is the median of :data:`REPEATS` timed repeats after a warm-up
+(inside the ranks: :class:`serve.parallel.run.KCPConfig` ``repeats``), with the spread of the per-repeat
+totals (:class:`lab.timing.Timing`); :func:`phase_gap` sets the slowest rank's measured phases against
+what the one-rank per-token costs predict for its block, which is where measured and projected differ.
 """
 from __future__ import annotations
 
@@ -24,12 +31,17 @@ from typing import NamedTuple
 import pandas as pd
 import torch
 
+from kda_core.chunk import kda_chunk
 from kda_core.config import PRESETS, ModelConfig, dtype_bytes
+from lab.timing import Conditions, Timing, conditions, measure, summarize
 from serve.parallel.comm import PHASES
 from serve.parallel.halo import halo_bytes
+from serve.parallel.inputs import initial_state, kda_inputs
 from serve.parallel.kcp import block_bounds, check_variant, exchange_bytes
 from serve.parallel.launch import host_limits
 from serve.parallel.run import KCPConfig, KCPRun, rank_peak_bytes, run_kcp
+
+REPEATS = 5          # timed repeats of every run on the page (after a warm-up)
 
 
 class RankRow(NamedTuple):
@@ -69,7 +81,7 @@ def single_rank(cfg: KCPConfig) -> KCPRun:
     return run_kcp(dataclasses.replace(cfg, return_outputs=True, check=False))
 
 
-def compare_with(cfg: KCPConfig, reference: KCPRun) -> list[RankRow]:
+def compare_with(cfg: KCPConfig, reference: KCPRun, with_run: bool = False):
     """Run ``cfg`` and measure every rank's max |delta| against the one-rank ``reference`` run of the
     same inputs: outputs of its block, and (last rank) the final state; NaN for the states of other
     ranks (their block ends are not in the reference). No reference is recomputed inside the ranks.
@@ -91,7 +103,7 @@ def compare_with(cfg: KCPConfig, reference: KCPRun) -> list[RankRow]:
         err_s = float((r.final_state.double() - s_ref.double()).abs().max()) if r.rank == cfg.world_size - 1 \
             else float("nan")
         rows.append(row._replace(max_abs_err_o=err_o, max_abs_err_state=err_s))
-    return rows
+    return (rows, run) if with_run else rows
 
 
 class PhaseCosts(NamedTuple):
@@ -185,6 +197,61 @@ def bytes_vs_context(cfg: ModelConfig, seq_lens: list[int], world_size: int, var
     return rows
 
 
+def all_cores_baseline(seq_len: int, num_heads: int, head_k_dim: int, head_v_dim: int, with_initial_state: bool,
+                       threads: int, repeats: int = REPEATS) -> tuple[Timing, Conditions]:
+    """One rank with ``threads`` torch threads: :func:`kda_core.chunk.kda_chunk` on the seeded inputs of the
+    :class:`KCPConfig` with these sizes (what its one-rank run computes, bitwise), in this process, timed
+    by :func:`lab.timing.measure` (``repeats`` >= 5 after one warm-up); the thread count is restored after.
+
+    Raises ValueError for a bad size (:class:`KCPConfig`), threads < 1 or repeats < 5."""
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+    cfg = KCPConfig(seq_len=seq_len, world_size=1, num_heads=num_heads, head_k_dim=head_k_dim,
+                    head_v_dim=head_v_dim, with_initial_state=with_initial_state)
+    x = kda_inputs(cfg.batch, num_heads, head_k_dim, head_v_dim, 0, seq_len, cfg.seed, cfg.dtype)
+    s0 = initial_state(cfg.batch, num_heads, head_k_dim, head_v_dim, cfg.seed, cfg.dtype) \
+        if with_initial_state else None
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            (timing,), cond = measure({f"1 rank, {threads} thread(s)": lambda: kda_chunk(
+                *x, s0, chunk_size=cfg.chunk_size)}, repeats=repeats, warmup=1)
+    finally:
+        torch.set_num_threads(prev)
+    return timing, cond
+
+
+def run_timing(label: str, run: KCPRun) -> Timing:
+    """The spread of a run's wall time over its timed repeats: per repeat, the slowest rank's total (every
+    rank starts a repeat after one barrier). Raises ValueError if the ranks report no per-repeat totals."""
+    per_rank = [r.total_samples_ms for r in run.ranks]
+    if not per_rank or any(len(s) != len(per_rank[0]) or not s for s in per_rank):
+        raise ValueError("every rank must report its per-repeat totals")
+    return summarize(label, [max(col) / 1e3 for col in zip(*per_rank)])
+
+
+class PhaseGap(NamedTuple):
+    """One phase of the slowest KCP rank: ``measured_ms`` (median over repeats) against ``one_rank_ms``,
+    what the one-rank run's per-token cost gives for the rank's ``L`` tokens (0 for summary, exchange and
+    fold, which one rank never runs)."""
+
+    phase: str
+    one_rank_ms: float
+    measured_ms: float
+
+
+def phase_gap(single: list[RankRow], ranks: list[RankRow]) -> list[PhaseGap]:
+    """Where the slowest rank's time goes against the one-rank per-token costs (see :class:`PhaseGap`).
+
+    Raises ValueError if ``single`` is not a one-rank run or ``ranks`` is empty."""
+    if len(single) != 1 or not ranks:
+        raise ValueError(f"need a one-rank run and >= 1 ranks, got {len(single)} and {len(ranks)}")
+    one, slow = single[0], max(ranks, key=lambda r: r.total_ms)
+    share = (slow.end - slow.start) / (one.end - one.start)
+    return [PhaseGap(p, getattr(one, f"{p}_ms") * share, getattr(slow, f"{p}_ms")) for p in PHASES]
+
+
 VARIANTS = {"all-gather (one collective)": "allgather", "ring (W−1 serial hops)": "ring"}
 MODELS = {"Kimi-Linear-48B-A3B": "kimi-linear-48b-a3b", "Kimi K3": "kimi-k3"}  # byte comparison models
 BANDWIDTHS_GBPS = (1, 5, 10, 25, 50, 100, 200, 400)  # interconnect options of the projection (GB/s)
@@ -205,7 +272,10 @@ class KcpExperiment:
     models: the :class:`ModelConfig` of each; formula_sent / formula_received: the exchange bytes of the last
     rank from :func:`serve.parallel.kcp.exchange_bytes` for the measured H, K, V; costs: the measured
     :class:`PhaseCosts` (None with one rank); projection: :class:`Projection` columns plus ``bandwidth_gbps``
-    for every :data:`BANDWIDTHS_GBPS` (empty with one rank)."""
+    for every :data:`BANDWIDTHS_GBPS` (empty with one rank). single_timing / kcp_timing:
+    :class:`lab.timing.Timing` (s) of the one-thread baseline and of the KCP run (per repeat, its slowest
+    rank); gap: :class:`PhaseGap` columns of the slowest rank; conditions: when and under which load the
+    ranks were timed (``torch_threads`` = threads per rank)."""
 
     config: KCPConfig
     single: tuple
@@ -221,24 +291,34 @@ class KcpExperiment:
     formula_received: int
     costs: PhaseCosts | None
     projection: pd.DataFrame
+    single_timing: Timing
+    kcp_timing: Timing
+    gap: pd.DataFrame
+    conditions: Conditions
     phases: tuple = PHASES
     tolerance: float = TOLERANCE
 
 
 def kcp_experiment(seq_len: int, world_size: int, num_heads: int, head_k_dim: int, head_v_dim: int,
                    variant: str, with_initial_state: bool, start_method: str = "forkserver",
-                   timeout_s: float = RUN_TIMEOUT_S) -> KcpExperiment:
+                   timeout_s: float = RUN_TIMEOUT_S, repeats: int = REPEATS) -> KcpExperiment:
     """Run the one-rank baseline and the ``world_size``-rank run of the same seeded inputs (fresh processes,
-    one thread each), compare them, and add the byte comparison and the projection (see the module doc).
+    one thread each, ``repeats`` timed repeats after a warm-up), compare them, and add the byte comparison,
+    the projection (see the module doc; its inputs are the medians of the repeats) and the phase gap. The
+    all-cores baseline is a separate call (:func:`all_cores_baseline`): with several threads on a shared
+    host it can take seconds, so page 10 runs it on request.
 
     Raises: ValueError for a bad config or variant (:class:`KCPConfig`); RuntimeError if a rank fails or
     the run passes ``timeout_s``."""
     cfg = KCPConfig(seq_len=seq_len, world_size=world_size, num_heads=num_heads, head_k_dim=head_k_dim,
                     head_v_dim=head_v_dim, variant=variant, with_initial_state=with_initial_state,
-                    start_method=start_method, timeout_s=timeout_s)
+                    start_method=start_method, timeout_s=timeout_s, repeats=repeats)
+    cond = conditions(repeats, 1)._replace(torch_threads=cfg.threads_per_rank)
     ref = single_rank(dataclasses.replace(cfg, world_size=1, variant="allgather"))
     single = rank_rows(ref)
-    ranks = compare_with(cfg, ref)
+    ranks, kcp = compare_with(cfg, ref, with_run=True)
+    single_timing = run_timing("1 rank, 1 thread", ref)
+    kcp_timing = run_timing(f"{world_size} ranks, 1 thread each", kcp)
     worst = max(v for r in ranks for v in (r.max_abs_err_o, r.max_abs_err_state) if not math.isnan(v))
     single_ms, slowest_ms = single[0].total_ms, max(r.total_ms for r in ranks)
     w_bytes = max(world_size, 2)
@@ -254,7 +334,7 @@ def kcp_experiment(seq_len: int, world_size: int, num_heads: int, head_k_dim: in
                                 for bw in BANDWIDTHS_GBPS], ignore_index=True)
     return KcpExperiment(cfg, tuple(single), tuple(ranks), worst, single_ms, slowest_ms, single_ms / slowest_ms,
                          bytes_frame, w_bytes, {m: PRESETS[m] for m in MODELS.values()}, sent, received, costs,
-                         projection)
+                         projection, single_timing, kcp_timing, pd.DataFrame(phase_gap(single, ranks)), cond)
 
 
 SERVER_RESERVE_MIB = 500   # the app's server after a tour of every page (python -m bench.app) stays below this
@@ -282,6 +362,6 @@ def kcp_limits() -> KcpLimits:
     return KcpLimits(limits.cores, limits.memory_bytes, limits.memory_source, min(4, limits.cores), seq)
 
 
-__all__ = ["BANDWIDTHS_GBPS", "MODELS", "SERVER_RESERVE_MIB", "KcpLimits", "kcp_limits", "PHASES", "VARIANTS", "BytesRow", "KcpExperiment", "PhaseCosts",
+__all__ = ["REPEATS", "PhaseGap", "all_cores_baseline", "phase_gap", "run_timing", "BANDWIDTHS_GBPS", "MODELS", "SERVER_RESERVE_MIB", "KcpLimits", "kcp_limits", "PHASES", "VARIANTS", "BytesRow", "KcpExperiment", "PhaseCosts",
            "Projection", "RankRow", "bytes_vs_context", "compare_with", "kcp_experiment", "phase_costs", "project",
            "rank_rows", "single_rank"]

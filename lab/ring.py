@@ -15,6 +15,7 @@ from kda_core.config import PRESETS
 from kda_core.model import HybridLM, encode
 from lab.rollback import strategies_for
 from lab.threads import one_thread
+from lab.timing import MIN_REPEATS, Conditions, LinearFit, conditions, fit_linear, summarize
 from lab.verify import PROMPT_TEXT
 from serve.spec.draft import NoisyOracleProposer
 from serve.spec.raw_input_ring import RawInputRing
@@ -50,30 +51,54 @@ def bytes_vs_draft(model: HybridLM, max_draft: int) -> list[dict]:
     return rows
 
 
-def commit_times(model: HybridLM, num_draft: int, repeats: int = 3, accepted: Sequence[int] | None = None) -> list[dict]:
-    """Median commit (rebuild) ms of each strategy for each accepted length (default: every one, 0..num_draft).
+def commit_times(model: HybridLM, num_draft: int, repeats: int = MIN_REPEATS,
+                 accepted: Sequence[int] | None = None) -> tuple[list[dict], Conditions]:
+    """Commit (rebuild) time of each strategy for each accepted length (default: every one, 0..num_draft).
 
-    Each repeat records a fresh verify of ``1 + num_draft`` tokens and times only ``commit(a)``; repeats run
-    in rounds over every (accepted, strategy) pair after one discarded warm-up round.
-    Raises ValueError for repeats < 1 or an accepted length outside [0, num_draft]."""
-    if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be an int >= 1, got {repeats!r}")
-    accepted = range(num_draft + 1) if accepted is None else accepted
+    Each sample records a fresh verify of ``1 + num_draft`` tokens and times only ``commit(a)``. One
+    untimed warm-up round, then ``repeats`` rounds over every (accepted, strategy) pair, the pair order
+    rotating from round to round (:mod:`lab.timing`'s interleaving: a burst of load on the shared machine
+    hits every point alike). Rows: accepted, strategy, commit_ms (median), q1_ms, q3_ms, min_ms, max_ms,
+    samples (count); and the :class:`lab.timing.Conditions`.
+    Raises ValueError for repeats < 5 or an accepted length outside [0, num_draft]."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < MIN_REPEATS:
+        raise ValueError(f"repeats must be an int >= {MIN_REPEATS}, got {repeats!r}")
+    accepted = list(range(num_draft + 1) if accepted is None else accepted)
     if any(not 0 <= a <= num_draft for a in accepted):
-        raise ValueError(f"accepted lengths must be in [0, {num_draft}], got {list(accepted)}")
-    times: dict[tuple[int, str], list[float]] = {}
+        raise ValueError(f"accepted lengths must be in [0, {num_draft}], got {accepted}")
+    names = [strat.name for strat in strategies_for(1 + num_draft)]
+    pairs = [(a, i) for a in accepted for i in range(len(names))]
+    times: dict[tuple[int, int], list[float]] = {p: [] for p in pairs}
     with one_thread():
+        cond = conditions(repeats, 1)
         state = prefill_state(model, encode(PROMPT_TEXT))
         out = verify(model, state, [state.last_token] * num_draft)
-        for _ in range(repeats + 1):       # round-robin over (accepted, strategy): a burst of load on the
-            for a in accepted:             # shared machine hits every point alike, not one accepted length
-                for strat in strategies_for(1 + num_draft):   # fresh: a ring holds one request
-                    strat.record(model, state.cache, out)
-                    t0 = time.perf_counter_ns()
-                    strat.commit(a)
-                    times.setdefault((a, strat.name), []).append((time.perf_counter_ns() - t0) / 1e6)
-    return [{"accepted": a, "strategy": name, "commit_ms": sorted(ts[1:])[repeats // 2]}  # 1st round = warm-up
-            for (a, name), ts in times.items()]
+        for r in range(repeats + 1):                       # round 0 = warm-up, not kept
+            for j in range(len(pairs)):
+                a, i = pairs[(r + j) % len(pairs)]
+                strat = strategies_for(1 + num_draft)[i]   # fresh: a ring holds one request
+                strat.record(model, state.cache, out)
+                t0 = time.perf_counter()
+                strat.commit(a)
+                if r:
+                    times[(a, i)].append(time.perf_counter() - t0)
+    rows = []
+    for (a, i), ts in times.items():
+        t = summarize(names[i], ts)
+        rows.append({"accepted": a, "strategy": names[i], "commit_ms": t.median_s * 1e3, "q1_ms": t.q1_s * 1e3,
+                     "q3_ms": t.q3_s * 1e3, "min_ms": t.min_s * 1e3, "max_ms": t.max_s * 1e3, "samples": len(ts)})
+    return rows, cond
+
+
+def commit_fits(commit_rows: list[dict]) -> dict[str, LinearFit]:
+    """Per strategy, ``commit_ms(a) = a0 + b a`` fitted over the median commit times of
+    :func:`commit_times` (:func:`lab.timing.fit_linear`; ``a_s`` / ``b_s`` are in ms here): the fixed
+    per-commit overhead and the cost per accepted token. Raises ValueError with fewer than two accepted
+    lengths for a strategy."""
+    by: dict[str, list[tuple[int, float]]] = {}
+    for r in commit_rows:
+        by.setdefault(r["strategy"], []).append((r["accepted"], r["commit_ms"]))
+    return {name: fit_linear(*zip(*sorted(pts))) for name, pts in by.items()}
 
 
 class RingRun(NamedTuple):
@@ -160,19 +185,22 @@ def tradeoff_table(bytes_rows: list[dict], commit_rows: list[dict], num_draft: i
 class RingPage(NamedTuple):
     """Everything page 04 draws, measured now on ``model``: ``bytes_rows`` (:func:`bytes_vs_draft` up to
     16 drafts), ``commit_rows`` (:func:`commit_times` at ``num_draft``), ``tradeoff`` (:func:`tradeoff_table`),
-    ``run`` (:func:`ring_run`) and ``labels`` (:func:`head_tail_labels` of its slots)."""
+    ``run`` (:func:`ring_run`), ``labels`` (:func:`head_tail_labels` of its slots), ``fits``
+    (:func:`commit_fits`, ms) and ``conditions`` of the commit timing."""
 
     bytes_rows: list[dict]
     commit_rows: list[dict]
     tradeoff: list[dict]
     run: RingRun
     labels: list[tuple[str, int, int]]
+    fits: dict[str, LinearFit]
+    conditions: Conditions
 
 
 def ring_page(model: HybridLM, capacity: int, window: int, num_draft: int) -> RingPage:
     """Page 04's one call. Raises ValueError as :func:`ring_run` and :func:`commit_times` do."""
     bytes_rows = bytes_vs_draft(model, 16)
-    commit_rows = commit_times(model, num_draft)
+    commit_rows, cond = commit_times(model, num_draft)
     run = ring_run(model, capacity, window, num_draft)
     return RingPage(bytes_rows, commit_rows, tradeoff_table(bytes_rows, commit_rows, num_draft), run,
-                    head_tail_labels(run.slots))
+                    head_tail_labels(run.slots), commit_fits(commit_rows), cond)

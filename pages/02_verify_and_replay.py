@@ -1,13 +1,18 @@
 """02 verify_and_replay: live speculative decoding, every committed state checked against plain decoding."""
-import math
-
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
 from lab.verify import MODES, STRATEGIES, demo_model, run_verify_lab
-from pages._common import built_by_loaded_code, engine_call, persist, persist_clamped, show_chart
+from pages._common import (
+    built_by_loaded_code,
+    engine_call,
+    persist,
+    persist_clamped,
+    remeasure_button,
+    show_chart,
+)
 
 st.title("verify_and_replay")
 st.write(
@@ -18,32 +23,34 @@ st.write(
     "decoding of the same tokens: the difference must be exactly zero.")
 
 c1, c2, c3, c4, c5 = st.columns(5)
-mode = c1.selectbox("Mode", list(MODES), key=persist("p02_mode", MODES[0], options=list(MODES)), persist_state="session")
+mode = c1.selectbox("Mode", list(MODES), key=persist("p02_mode", MODES[0], options=list(MODES)), persist_state="session", bind="query-params")
 strategy = c2.selectbox("Strategy", list(STRATEGIES),
-                        key=persist("p02_strategy", STRATEGIES[1], options=list(STRATEGIES)), persist_state="session")
-num_draft = c3.slider("Draft length n", 1, 8, key=persist("p02_draft", 4, min_value=1, max_value=8), persist_state="session")
-acceptance = c4.slider("Acceptance rate per draft token", 0.0, 1.0, step=0.05,
-                       key=persist("p02_accept", 0.7, min_value=0.0, max_value=1.0), persist_state="session")
-seed = c5.slider("Seed", 0, 20, key=persist("p02_seed", 0, min_value=0, max_value=20), persist_state="session")
+                        key=persist("p02_strategy", STRATEGIES[1], options=list(STRATEGIES)), persist_state="session", bind="query-params")
+num_draft = c3.slider("Draft length n", 1, 8, key=persist("p02_draft", 4, min_value=1, max_value=8), persist_state="session", bind="query-params")
+acceptance = c4.slider("Draft correctness p (per draft token)", 0.0, 1.0, step=0.05,
+                       help="The noisy oracle drafts the right token with probability p, each draft independently. "
+                            "Counted below: accepted drafts, the prefix up to the first wrong one.",
+                       key=persist("p02_accept", 0.7, min_value=0.0, max_value=1.0), persist_state="session", bind="query-params")
+seed = c5.slider("Seed", 0, 20, key=persist("p02_seed", 0, min_value=0, max_value=20), persist_state="session", bind="query-params")
 
 
 abort_layers, abort_tokens, corrupt_at, poison = None, 1, 1, False
 if mode == "interrupted":
     e1, e2 = st.columns(2)
     layers = e1.slider("Abort the first verify after this many layers (8 = all)", 0, 8,
-                       key=persist("p02_abort_layers", 3, min_value=0, max_value=8), persist_state="session")
+                       key=persist("p02_abort_layers", 3, min_value=0, max_value=8), persist_state="session", bind="query-params")
     abort_tokens = e2.slider("…having fed this many verify tokens", 1, num_draft + 1,
-                             key=persist_clamped("p02_abort_tokens", 2, 1, num_draft + 1), persist_state="session")
+                             key=persist_clamped("p02_abort_tokens", 2, 1, num_draft + 1), persist_state="session", bind="query-params")
     abort_layers = None if layers == 8 else layers
 elif mode == "injected deviation":
     e1, e2 = st.columns(2)
     if num_draft > 1:
         corrupt_at = e1.slider("Corrupt the draft at position", 1, num_draft,
-                               key=persist_clamped("p02_corrupt_at", 2, 1, num_draft), persist_state="session")
+                               key=persist_clamped("p02_corrupt_at", 2, 1, num_draft), persist_state="session", bind="query-params")
     else:  # one draft: the only position to corrupt
         e1.caption("Corrupt the draft at position 1 (the only draft)")
     poison = e2.checkbox("Also overwrite the stored data of rejected tokens with NaN (control)",
-                         key=persist("p02_poison", True), persist_state="session")
+                         key=persist("p02_poison", True), persist_state="session", bind="query-params")
 
 
 @st.cache_resource(validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload
@@ -59,33 +66,65 @@ def _run(num_draft, acceptance, strategy, seed, mode, abort_layers, abort_tokens
 
 
 df = engine_call(_run, num_draft, acceptance, strategy, seed, mode, abort_layers, abort_tokens, corrupt_at, poison)
+remeasure_button(_run, "p02_remeasure", label="Re-run")
 exact = bool((df.max_abs_diff == 0).all() and df.tokens_match.all())
 if exact:
     st.success(f"Bitwise equal: max |state − sequential reference| = 0.0 at all {len(df)} steps; every emitted token "
                "equals plain greedy decoding.")
 else:
     st.error(f"Mismatch: max |Δ| = {df.max_abs_diff.max():.3e}; tokens match at every step: {bool(df.tokens_match.all())}")
+def _word(flag) -> str:
+    return "yes" if bool(flag) else "no"
+
+
 m1, m2, m3, m4 = st.columns(4)
 m1.metric("Tokens per verify", f"{df.num_emitted.sum() / len(df):.2f}")
-m2.metric("Accepted / drafted", f"{df.num_accepted.sum()} / {df.num_drafted.sum()}")
+m2.metric("Accepted / drafted", f"{df.num_accepted.sum()} / {df.num_drafted.sum()}",
+          help="Only the prefix up to the first wrong draft is accepted; the drafts after it are dropped unchecked, "
+               "so this ratio sits below p (the expected accepted count per step is p + p² + … + pⁿ).")
 m3.metric("Rollback bytes per verify (median)", f"{int(df.rollback_bytes.median()):,} B")
 if mode == "interrupted":
-    m4.metric("Caches untouched · retry equal", f"{bool(df.untouched.all())} · {bool(df.retry_equal.all())}")
+    m4.metric("Caches untouched · retry equal", f"{_word(df.untouched.all())} · {_word(df.retry_equal.all())}")
 elif mode == "injected deviation":
     m4.metric("Rejected tokens poisoned", f"{int(df.poisoned_tokens.sum())}")
 else:
     m4.metric("Forced commits (ring write-backs)", f"{int(df.forced_commit.sum())}")
 
-FLOOR = 1e-12
-fig = go.Figure(go.Scatter(x=df.step, y=df.max_abs_diff.clip(lower=FLOOR), mode="lines+markers",
-                           name="max |committed − sequential|"))
-fig.add_hline(y=FLOOR, line_dash="dot", line_color="gray")
-fig.add_annotation(x=0, xref="x domain", xanchor="left", y=math.log10(FLOOR), yanchor="bottom",  # log axis: log10(y)
-                   showarrow=False,
-                   text="floor 1e-12 = exactly 0 (bitwise equal)" if exact else "floor 1e-12")
-fig.update_layout(xaxis_title="speculative step", yaxis_title="max |state − reference| (log, floored at 1e-12)",
-                  yaxis_type="log", yaxis_range=[-12.5, 0], yaxis_exponentformat="power")
-show_chart(fig, df, key="p02_diff_chart")
+STATUS = {"accepted": "#2ca02c", "first wrong (rejected)": "#d62728", "dropped after the rejection": "#c7c7c7",
+          "bonus (target's token)": "#1f77b4"}
+cells = []
+for r in df.itertuples():
+    for pos in range(1, r.num_drafted + 2):          # draft positions 1..n, then the bonus slot
+        if pos <= r.num_accepted:
+            status = "accepted"
+        elif pos == r.num_accepted + 1 and pos <= r.num_drafted:
+            status = "first wrong (rejected)"
+        elif pos <= r.num_drafted:
+            status = "dropped after the rejection"
+        else:
+            continue
+        cells.append({"step": r.step, "position": pos, "status": status})
+    cells.append({"step": r.step, "position": r.num_accepted + 1, "status": "bonus (target's token)"})
+cdf = pd.DataFrame(cells)
+fig = go.Figure()
+for status, color in STATUS.items():
+    part = cdf[cdf.status == status]
+    fig.add_trace(go.Scatter(x=part.step, y=part.position, mode="markers", name=status,
+                             marker=dict(color=color, size=11, symbol="circle-open" if status.startswith("bonus")
+                                         else "square", line=dict(width=2)),
+                             hovertemplate="step %{x}, position %{y}<extra>" + status + "</extra>"))
+fig.add_trace(go.Scatter(x=df.step, y=[0] * len(df), mode="markers", name="committed state vs reference",
+                         marker=dict(symbol=["circle" if d == 0 else "x" for d in df.max_abs_diff], size=9,
+                                     color=["#2ca02c" if d == 0 else "#d62728" for d in df.max_abs_diff]),
+                         text=["bitwise equal" if d == 0 else f"max |Δ| = {d:.1e}" for d in df.max_abs_diff],
+                         hovertemplate="step %{x}: %{text}<extra></extra>"))
+fig.update_layout(xaxis_title="speculative step", yaxis_title="verify position (1..n drafts; row 0: state check)",
+                  yaxis_dtick=1, legend=dict(orientation="h", y=-0.3), height=360)
+show_chart(fig, df, key="p02_timeline_chart")
+st.caption("Each column is one verify: green drafts were accepted, the red one was the first wrong draft (rejected), "
+           "grey drafts after it were dropped unchecked, and the blue ring is where the target's own token went. "
+           "Row 0 is the check of the committed state against sequential decoding: a green dot = max |Δ| exactly "
+           "0.0 (bitwise), a red cross = a difference.")
 
 fig2 = make_subplots(rows=1, cols=3, subplot_titles=("tokens per step", "rollback bytes held", "time per step"))
 fig2.add_trace(go.Bar(x=df.step, y=df.num_drafted, name="drafted", marker_color="#c7c7c7"), row=1, col=1)

@@ -5,7 +5,15 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from lab.ring import DEMO, WIDTHS, ring_model, ring_page
-from pages._common import built_by_loaded_code, engine_call, persist, persist_clamped, show_chart
+from pages._common import (
+    built_by_loaded_code,
+    engine_call,
+    measured_stamp,
+    persist,
+    persist_clamped,
+    remeasure_button,
+    show_chart,
+)
 
 st.title("RawInputRing")
 st.write(
@@ -17,16 +25,16 @@ st.write(
     f"({DEMO.num_kda_layers} KDA + {DEMO.num_mla_layers} MLA layers) at the chosen width.")
 
 c1, c2, c3, c4 = st.columns(4)
-capacity = c2.slider("Ring capacity (slots)", 1, 32, key=persist("p04_capacity", 16, min_value=1, max_value=32), persist_state="session")
+capacity = c2.slider("Ring capacity (slots)", 1, 32, key=persist("p04_capacity", 16, min_value=1, max_value=32), persist_state="session", bind="query-params")
 if capacity > 1:
     window = c1.slider("Rollback window (verify tokens, ≤ capacity)", 1, min(16, capacity),
-                       key=persist_clamped("p04_window", 6, 1, min(16, capacity)), persist_state="session")
+                       key=persist_clamped("p04_window", 6, 1, min(16, capacity)), persist_state="session", bind="query-params")
 else:  # a one-slot ring rolls back one verify token at most
     window = 1
     c1.caption("Rollback window: 1 verify token (a 1-slot ring holds no more)")
-num_draft = c3.slider("Draft length n", 1, 16, key=persist("p04_draft", 4, min_value=1, max_value=16), persist_state="session")
+num_draft = c3.slider("Draft length n", 1, 16, key=persist("p04_draft", 4, min_value=1, max_value=16), persist_state="session", bind="query-params")
 width = c4.select_slider("Model width d (H = d / 32 heads)", list(WIDTHS),
-                         key=persist("p04_width", 128, options=list(WIDTHS)), persist_state="session")
+                         key=persist("p04_width", 128, options=list(WIDTHS)), persist_state="session", bind="query-params")
 
 
 @st.cache_resource(validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload
@@ -41,6 +49,7 @@ def _measure(width: int, capacity: int, window: int, num_draft: int):
 
 COLORS = {"snapshot": "#d62728", "raw-input ring": "#1f77b4", "projection replay": "#2ca02c"}
 page = engine_call(_measure, width, capacity, window, num_draft)
+remeasure_button(_measure, "p04_remeasure")
 bdf, cdf, tdf = pd.DataFrame(page.bytes_rows), pd.DataFrame(page.commit_rows), pd.DataFrame(page.tradeoff)
 sdf, slots, run = pd.DataFrame(page.run.steps), pd.DataFrame(page.run.slots), page.run
 left, right = st.columns(2)
@@ -54,10 +63,20 @@ with left:
     show_chart(fig, bdf, key="p04_bytes_chart")
 with right:
     st.subheader("2 · Commit (rebuild) time")
-    fig2 = px.line(cdf, x="accepted", y="commit_ms", color="strategy", markers=True, color_discrete_map=COLORS)
+    fig2 = go.Figure()
+    for name, part in cdf.groupby("strategy", sort=False):
+        fig2.add_trace(go.Scatter(x=part.accepted, y=part.commit_ms, name=name, mode="lines+markers",
+                                  line_color=COLORS.get(name), error_y=dict(
+                                      type="data", symmetric=False, array=part.q3_ms - part.commit_ms,
+                                      arrayminus=part.commit_ms - part.q1_ms)))
     fig2.update_layout(xaxis_title=f"accepted drafts (of n = {num_draft})", xaxis_dtick=1,
-                       yaxis_title="commit ms (median of 3, 1 thread)", legend=dict(orientation="h", y=-0.3))
+                       yaxis_title="commit ms (median; bars: IQR; 1 thread)", legend=dict(orientation="h", y=-0.3))
     show_chart(fig2, cdf, key="p04_commit_chart")
+    measured_stamp(page.conditions)
+    ring_fit = page.fits["raw-input ring"]
+    st.caption("Fit t(a) = a₀ + b·a over the medians (a = accepted drafts): " + "; ".join(
+        f"{name} a₀ = {f.a_s:.2f} ms, b = {f.b_s:.3f} ms/token (R² {f.r2:.2f})" if f.r2 == f.r2 else
+        f"{name} a₀ = {f.a_s:.2f} ms, b = {f.b_s:.3f} ms/token" for name, f in page.fits.items()) + ".")
 
 st.subheader("3 · When to use which (measured above)")
 NUM = st.column_config.NumberColumn
@@ -69,9 +88,12 @@ ring_row, snap_row = tdf.set_index("strategy").loc["raw-input ring"], tdf.set_in
 st.write(
     f"At n = {num_draft} the ring holds {ring_row['memory vs snapshot']:.1%} of the snapshot's bytes but its commit "
     f"takes {ring_row['commit ms (all accepted)']:.2f} ms against {snap_row['commit ms (all accepted)']:.2f} ms for a "
-    "snapshot copy. Snapshot wins when memory is free and commits must be instant; projection replay keeps the "
-    "kernel inputs and replays only the recurrence; the ring fits the most requests (or the longest windows) per "
-    "byte and pays a re-projection per accepted token — worth it when memory bandwidth, not FLOPs, limits decode.")
+    f"snapshot copy. Of the ring's commit, {ring_fit.a_s:.2f} ms is a fixed per-commit cost (eager torch calls, "
+    f"the replay's set-up) and {ring_fit.b_s:.3f} ms is the cost per accepted token (the fit above): at this "
+    f"width the per-token re-projection is {'the smaller' if ring_fit.b_s * num_draft < ring_fit.a_s else 'the larger'}"
+    f" part of a commit of all n = {num_draft} drafts. Snapshot wins when memory is free and commits must be "
+    "instant; projection replay keeps the kernel inputs and replays only the recurrence; the ring fits the most "
+    "requests (or the longest windows) per byte — worth it when memory bandwidth, not FLOPs, limits decode.")
 
 st.subheader("4 · The ring after a 40-token run")
 used = min(num_draft, window - 1)

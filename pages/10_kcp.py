@@ -3,8 +3,17 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.kcp import BANDWIDTHS_GBPS, MODELS, SERVER_RESERVE_MIB, VARIANTS, kcp_experiment, kcp_limits
-from pages._common import engine_call, persist, persist_clamped, show_chart
+from lab.kcp import (
+    BANDWIDTHS_GBPS,
+    MODELS,
+    REPEATS,
+    SERVER_RESERVE_MIB,
+    VARIANTS,
+    all_cores_baseline,
+    kcp_experiment,
+    kcp_limits,
+)
+from pages._common import engine_call, measured_stamp, persist, persist_clamped, remeasure_button, show_chart
 
 st.title("KDA context parallel (KCP)")
 st.write(
@@ -24,25 +33,32 @@ st.info(
 c1, c2, c3, c4, c5 = st.columns(5)
 seq_options = list(limits.seq_options)
 seq_len = c1.select_slider("Sequence length T (tokens)", seq_options,
-                           key=persist("p10_seq_len", min(2048, seq_options[-1]), options=seq_options),
-                           persist_state="session")
+                           key=persist("p10_seq_len", min(1024, seq_options[-1]), options=seq_options),
+                           persist_state="session", bind="query-params")
 world = c2.slider("World size (ranks)", 1, max(limits.max_world, 2),
                   key=persist_clamped("p10_world", min(2, limits.max_world), 1, limits.max_world),
-                  persist_state="session", disabled=limits.max_world < 2)
-heads = c3.slider("Heads H", 1, 4, key=persist("p10_heads", 4, min_value=1, max_value=4), persist_state="session")
-head_k = c4.select_slider("Key dim K", [32, 64, 128], key=persist("p10_head_k", 128, options=[32, 64, 128]), persist_state="session")
-head_v = c5.select_slider("Value dim V", [32, 64, 128], key=persist("p10_head_v", 128, options=[32, 64, 128]), persist_state="session")
+                  persist_state="session", disabled=limits.max_world < 2, bind="query-params")
+heads = c3.slider("Heads H", 1, 4, key=persist("p10_heads", 4, min_value=1, max_value=4), persist_state="session", bind="query-params")
+head_k = c4.select_slider("Key dim K", [32, 64, 128], key=persist("p10_head_k", 128, options=[32, 64, 128]), persist_state="session", bind="query-params")
+head_v = c5.select_slider("Value dim V", [32, 64, 128], key=persist("p10_head_v", 128, options=[32, 64, 128]), persist_state="session", bind="query-params")
 d1, d2 = st.columns(2)
-variant = VARIANTS[d1.selectbox("Exchange variant", list(VARIANTS), key=persist("p10_variant", options=list(VARIANTS)), persist_state="session")]
-prefix = d2.checkbox("Seed rank 0 with a prefix-cache state", key=persist("p10_prefix", False), persist_state="session")
+variant = VARIANTS[d1.selectbox("Exchange variant", list(VARIANTS), key=persist("p10_variant", options=list(VARIANTS)), persist_state="session", bind="query-params")]
+prefix = d2.checkbox("Seed rank 0 with a prefix-cache state", key=persist("p10_prefix", False), persist_state="session", bind="query-params")
 
 
-@st.cache_data(show_spinner="Running one rank, then the ranks, on this CPU…", max_entries=16, ttl="1h")
+@st.cache_data(show_spinner=f"Running one rank, then the ranks, {REPEATS} timed repeats each, on this CPU…",
+               max_entries=16, ttl="1h")
 def _run(seq_len, world, heads, head_k, head_v, variant, prefix):
     return kcp_experiment(seq_len, world, heads, head_k, head_v, variant, prefix, start_method="fork")
 
 
+@st.cache_data(show_spinner="Timing one rank on all cores…", max_entries=16, ttl="1h")
+def _all_cores(seq_len, heads, head_k, head_v, prefix, cores):
+    return all_cores_baseline(seq_len, heads, head_k, head_v, prefix, cores)
+
+
 run = engine_call(_run, seq_len, world, heads, head_k, head_v, variant, prefix)
+remeasure_button(_run, "p10_remeasure")
 base, runs, worst, tol = pd.DataFrame(run.single), pd.DataFrame(run.ranks), run.worst_error, run.tolerance
 tol_text = f"{tol:.0e}".replace("e-0", "e-")  # 1e-5
 
@@ -73,17 +89,51 @@ fig2.update_layout(barmode="stack", xaxis_title="rank (tokens [start, end))", ya
                    legend=dict(orientation="h", y=-0.25))
 show_chart(fig2, bars[["run", "start", "end", *[f"{p}_ms" for p in run.phases], "total_ms"]], key="p10_phase_chart")
 speedup = run.speedup
+
+
+def _spread(t) -> str:
+    return f"IQR {t.q1_s * 1e3:,.0f}–{t.q3_s * 1e3:,.0f} ms · min–max {t.min_s * 1e3:,.0f}–{t.max_s * 1e3:,.0f} ms"
+
+
+one, kcp = run.single_timing, run.kcp_timing
 m1, m2, m3 = st.columns(3)
-m1.metric("1 rank", f"{run.single_ms:,.0f} ms")
-m2.metric(f"{world} ranks (slowest rank)", f"{run.slowest_ms:,.0f} ms")
-m3.metric("Measured speedup", f"{speedup:.2f}×")
+m1.metric("1 rank, 1 thread (median)", f"{one.median_s * 1e3:,.0f} ms")
+m1.caption(_spread(one))
+m2.metric(f"{world} ranks, 1 thread each (slowest rank, median)", f"{kcp.median_s * 1e3:,.0f} ms")
+m2.caption(_spread(kcp))
+m3.metric("Measured speedup vs 1 rank, 1 thread", f"{speedup:.2f}×",
+          help="Ratio of the medians: the same torch threads per rank as each KCP rank.")
+m3.caption(f"per-repeat range {one.min_s / kcp.max_s:.2f}×–{one.max_s / kcp.min_s:.2f}× (worst / best pairing)")
+timings = [one, kcp]
+if st.button(f"Time one rank on all {limits.cores} core(s) too (the baseline that gives one rank every core)",
+             key="p10_all_cores_button"):
+    _all_cores.clear()
+    st.session_state["p10_all_cores_shown"] = True
+if st.session_state.get("p10_all_cores_shown"):
+    allc, _ = engine_call(_all_cores, seq_len, heads, head_k, head_v, prefix, limits.cores)
+    timings.append(allc)
+    st.write(f"One rank on {limits.cores} thread(s) (`kda_chunk` in the server process, {REPEATS} repeats after a "
+             f"warm-up): **{allc.median_s * 1e3:,.0f} ms** ({_spread(allc)}), so {world} ranks are "
+             f"**{allc.median_s * 1e3 / run.slowest_ms:.2f}×** as fast as one rank given every core. On a shared "
+             "host extra threads can slow one rank down (other processes hold the cores).")
+else:
+    st.caption(f"One rank on all {limits.cores} core(s) is a second baseline; it runs {limits.cores} threads in the "
+               "server for a few seconds on a shared host, so it waits for the button.")
+fig_t = go.Figure(go.Bar(x=[t.label for t in timings], y=[t.median_s * 1e3 for t in timings],
+                         error_y=dict(type="data", symmetric=False, array=[(t.q3_s - t.median_s) * 1e3 for t in timings],
+                                      arrayminus=[(t.median_s - t.q1_s) * 1e3 for t in timings]),
+                         text=[f"{t.median_s * 1e3:,.0f} ms" for t in timings], textposition="outside"))
+fig_t.update_layout(xaxis_title="run", yaxis_title="wall time, median (ms; bars: IQR)", height=320)
+show_chart(fig_t, pd.DataFrame([t._asdict() for t in timings]).drop(columns="samples_s"), key="p10_timing_chart")
+measured_stamp(run.conditions)
 st.caption("prepare = intra-chunk WY work (shared by the summary and the local run); summary = chaining "
            "M_c = diag(γ_c) − K̃_cᵀW_c and S_ext over the block's chunks; exchange = the collective incl. waiting for "
            "peers; fold = S ← M_p S + S_ext,p over predecessors; scan + output = the ordinary chunk kernel from the "
-           "true initial state. One timed run per rank after an untimed one-chunk warm-up; process start excluded.")
+           f"true initial state. Each bar is the median of {REPEATS} timed repeats per rank after an untimed one-chunk "
+           "warm-up; process start excluded.")
 
 st.subheader("3 · Bytes each rank receives vs context: KCP against MLA's KV all-gather")
-model = MODELS[st.selectbox("Model for the byte comparison", list(MODELS), key=persist("p10_model", options=list(MODELS)), persist_state="session")]
+model = MODELS[st.selectbox("Model for the byte comparison", list(MODELS), key=persist("p10_model", options=list(MODELS)), persist_state="session", bind="query-params")]
 cfg, w_bytes = run.models[model], run.bytes_world_size
 bdf = run.bytes[run.bytes.model == model].drop(columns="model")
 fig3 = go.Figure()
@@ -103,7 +153,7 @@ st.caption(
 
 st.subheader("4 · Speedup vs one rank: measured, and a projection to more ranks")
 bw = st.select_slider("Interconnect bandwidth for the projection (GB/s)", list(BANDWIDTHS_GBPS),
-                      key=persist("p10_bandwidth", 25, options=list(BANDWIDTHS_GBPS)), persist_state="session")
+                      key=persist("p10_bandwidth", 25, options=list(BANDWIDTHS_GBPS)), persist_state="session", bind="query-params")
 if world < 2:
     st.info("The projection needs the summary and fold costs of a run with at least 2 ranks: move the world size.")
 else:
@@ -116,8 +166,26 @@ else:
                               marker=dict(size=12, symbol="diamond")))
     fig4.update_layout(xaxis_title="ranks", yaxis_title="speedup vs one rank (×)", legend=dict(orientation="h", y=-0.25))
     show_chart(fig4, pdf, key="p10_speedup_chart")
+    measured_stamp(run.conditions)
+    projected = float(pdf[pdf.world_size == world].speedup.iloc[0]) if (pdf.world_size == world).any() else None
+    gap = run.gap.set_index("phase")
+    per_token = gap.loc[["prepare", "scan", "output"]]
+    contention = per_token.measured_ms.sum() / per_token.one_rank_ms.sum()
+    extra = gap.loc[["summary", "exchange", "fold"]].measured_ms
+    if projected is not None:
+        st.write(
+            f"**Measured {speedup:.2f}× vs projected {projected:.2f}× at {world} ranks.** Phase by phase on the "
+            f"slowest rank: prepare + scan + output took {per_token.measured_ms.sum():,.0f} ms where one rank's "
+            f"per-token cost predicts {per_token.one_rank_ms.sum():,.0f} ms for its block ({contention:.2f}×: "
+            f"the ranks share {run.conditions.cores} core(s) at load average {run.conditions.load_avg_1m:.1f}, and "
+            f"the projection assumes a free core per rank); summary {extra['summary']:,.0f} ms and fold "
+            f"{extra['fold']:,.1f} ms are in the projection; exchange {extra['exchange']:,.0f} ms (mostly waiting "
+            "for the other rank) is not.")
+    st.dataframe(run.gap, hide_index=True, column_config={
+        "one_rank_ms": st.column_config.NumberColumn("one rank's per-token cost × block (ms)", format="%.1f"),
+        "measured_ms": st.column_config.NumberColumn("measured on the slowest rank (ms, median)", format="%.1f")})
     st.caption(
-        f"Projection from this run's measured per-token phase costs (prepare {costs.prepare_ms_per_token * 1e3:.1f}, "
+        f"Projection from the medians of {REPEATS} repeats of this run's per-token phase costs (prepare {costs.prepare_ms_per_token * 1e3:.1f}, "
         f"summary {costs.summary_ms_per_token * 1e3:.1f}, scan {costs.scan_ms_per_token * 1e3:.1f}, output "
         f"{costs.output_ms_per_token * 1e3:.1f} µs/token; fold {costs.fold_ms_per_rank * 1e3:.0f} µs per predecessor) "
         f"and {bw} GB/s, one core per rank, no latency term. All-gather: L·(prepare+summary+scan+output) + "

@@ -126,7 +126,8 @@ class RankResult(NamedTuple):
     halo_sent_bytes / halo_received_bytes: conv halo (layer level, else 0); max_abs_err_o /
     max_abs_err_state: max |delta| of outputs / state after the block vs a single-rank run (NaN unless
     check); o: ``[B, L, H, V]`` (kernel) or y ``[B, L, D]`` (layer) and final_state ``[B, H, K, V]``
-    (None unless return_outputs); pid: the rank's process id.
+    (None unless return_outputs); pid: the rank's process id; total_samples_ms: the total of every timed
+    repeat, in run order (ms; the spread behind ``total_ms``).
     """
 
     rank: int
@@ -143,6 +144,7 @@ class RankResult(NamedTuple):
     o: torch.Tensor | None
     final_state: torch.Tensor | None
     pid: int
+    total_samples_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,8 @@ def rank_job(rank: int, world_size: int, cfg: KCPConfig) -> RankResult:
         (last.state_sent_bytes, last.state_received_bytes)
     keep = cfg.return_outputs
     return RankResult(rank, start, end, times, statistics.median(r.times.total_ms for r in runs), sent, recv,
-                      *halo, err_o, err_s, out if keep else None, state if keep else None, os.getpid())
+                      *halo, err_o, err_s, out if keep else None, state if keep else None, os.getpid(),
+                      tuple(float(r.times.total_ms) for r in runs))
 
 
 PEAK_OVER_HELD = 2   # temporaries while a piece's prepare is built roughly double the held tensors (measured

@@ -75,7 +75,7 @@ def _p02(at: AppTest) -> None:
     _one([s.value for s in at.success], r"^Bitwise equal: max \|state − sequential reference\| = 0\.0 at all \d+ steps",
          "02")
     if _widget(at, "p02_mode") == "interrupted":
-        assert _metric(at, "Caches untouched · retry equal").value == "True · True"
+        assert _metric(at, "Caches untouched · retry equal").value == "yes · yes"
 
 
 def _p04(at: AppTest) -> None:

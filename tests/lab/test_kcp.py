@@ -110,3 +110,24 @@ def test_kcp_experiment_one_call():
     assert run.ranks[-1].received_bytes == run.formula_received
     one = kcp_experiment(150, 1, 2, 16, 12, "allgather", False, timeout_s=60)
     assert one.costs is None and one.projection.empty and one.bytes_world_size == 2
+
+
+def test_kcp_experiment_repeats_spread_and_fair_baselines():
+    """Every run is >= 5 timed repeats with its spread; the one-thread baseline is the one-rank run, the
+    phase gap sets the slowest rank against the one-rank per-token costs, and the all-cores baseline times
+    the same kda_chunk with several threads."""
+    from lab.kcp import REPEATS, all_cores_baseline, kcp_experiment
+
+    run = kcp_experiment(150, 2, 2, 16, 12, "allgather", False, timeout_s=60)
+    assert REPEATS >= 5 and run.conditions.repeats == REPEATS and run.conditions.torch_threads == 1
+    for t in (run.single_timing, run.kcp_timing):
+        assert len(t.samples_s) == REPEATS and t.min_s <= t.q1_s <= t.median_s <= t.q3_s <= t.max_s
+    assert run.single_timing.median_s * 1e3 == pytest.approx(run.single_ms)
+    assert list(run.gap.phase) == list(run.phases)
+    slow = max(run.ranks, key=lambda r: r.total_ms)
+    assert run.gap.measured_ms.tolist() == pytest.approx([getattr(slow, f"{p}_ms") for p in run.phases])
+    assert run.gap.set_index("phase").loc[["summary", "exchange", "fold"]].one_rank_ms.eq(0).all()
+    timing, cond = all_cores_baseline(150, 2, 16, 12, False, 2)
+    assert len(timing.samples_s) >= 5 and cond.torch_threads == 2 and timing.median_s > 0
+    with pytest.raises(ValueError, match="threads"):
+        all_cores_baseline(150, 2, 16, 12, False, 0)

@@ -5,6 +5,7 @@ import pytest
 from lab.ring import (
     WIDTHS,
     bytes_vs_draft,
+    commit_fits,
     commit_times,
     head_tail_labels,
     ring_model,
@@ -36,7 +37,11 @@ def test_bytes_vs_draft_equal_formulas(model):
 
 
 def test_commit_times_and_tradeoff(model):
-    rows = commit_times(model, 2, repeats=1)
+    rows, cond = commit_times(model, 2)
+    assert cond.repeats >= 5 and all(r["samples"] == cond.repeats >= 5 for r in rows)
+    assert all(r["min_ms"] <= r["q1_ms"] <= r["commit_ms"] <= r["q3_ms"] <= r["max_ms"] for r in rows)
+    with pytest.raises(ValueError, match="repeats"):
+        commit_times(model, 2, repeats=3)          # 3 samples are no spread
     assert sorted((r["accepted"], r["strategy"]) for r in rows) == sorted(
         (a, s) for a in range(3) for s in ("snapshot", "projection replay", "raw-input ring"))
     assert all(r["commit_ms"] > 0 for r in rows)
@@ -102,3 +107,18 @@ def test_ring_model_widths():
     assert ring_model(WIDTHS[0]).cfg.num_heads == WIDTHS[0] // 32
     with pytest.raises(ValueError, match="width"):
         ring_model(100)
+
+
+def test_commit_fits_split_overhead_from_per_token_cost():
+    """t(a) = a0 + b a per strategy over the measured medians; a line through exact points is recovered."""
+    rows = [{"accepted": a, "strategy": "raw-input ring", "commit_ms": 5.0 + 0.5 * a} for a in range(5)]
+    rows += [{"accepted": a, "strategy": "snapshot", "commit_ms": 0.1} for a in range(5)]
+    fits = commit_fits(rows)
+    assert fits["raw-input ring"].a_s == pytest.approx(5.0) and fits["raw-input ring"].b_s == pytest.approx(0.5)
+    assert fits["snapshot"].b_s == pytest.approx(0.0, abs=1e-12)
+
+
+def test_ring_page_has_spread_and_fits(model):
+    page = ring_page(model, 8, 4, 3)
+    assert set(page.fits) == {"snapshot", "projection replay", "raw-input ring"}
+    assert page.conditions.repeats >= 5 and all(r["samples"] >= 5 for r in page.commit_rows)
