@@ -175,11 +175,11 @@ def upload_parts(upload) -> tuple[bytes | None, str]:
 
 def remeasure_button(cached_fn, key: str, label: str = "Re-measure") -> None:
     """A button that clears ``cached_fn``'s ``st.cache_data`` entries (only this page's measurement: cached
-    measurements are shared by every visitor) and reruns the page so it measures afresh."""
-    if st.button(label, key=key, help="Cached measurements are shared by all visitors; this clears this "
-                                      "page's measurement only and takes it again now."):
-        cached_fn.clear()
-        st.rerun()
+    measurements are shared by every visitor), so the run the click starts measures afresh. The clear runs
+    as the button's ``on_click`` callback, before that run's script: a click is never lost to a rerun."""
+    st.button(label, key=key, on_click=cached_fn.clear,
+              help="Cached measurements are shared by all visitors; this clears this page's measurement only "
+                   "and takes it again now.")
 
 
 def measured_stamp(conditions) -> None:

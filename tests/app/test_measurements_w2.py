@@ -2,7 +2,6 @@
 and the URL's query parameters set the page's widgets."""
 import time
 
-import pytest
 from streamlit.testing.v1 import AppTest
 
 from tests.app.page_helpers import APP, open_page
@@ -16,8 +15,6 @@ def _button(at: AppTest, key: str):
     return next(b for b in at.button if b.key == key)
 
 
-@pytest.mark.xfail(strict=True, reason="pages._common.remeasure_button: under AppTest the click reruns the page from "
-                   "the cache (0.1 s, same stamp); not diagnosed yet, reported to the lead")
 def test_remeasure_clears_only_this_pages_measurement():
     ring = open_page("pages/04_raw_input_ring.py", p04_draft=2)
     ring_stamp = _stamp(ring)
