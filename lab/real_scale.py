@@ -218,11 +218,13 @@ def _row(res: PolicyResult, ttft: _TTFT, **extra) -> dict:
 def policy_view(model: str, hw_name: str, tp: int, num_requests: int, upload: bytes | None = None,
                 upload_name: str = "uploaded file", policies: Sequence[str] = POLICIES,
                 budgets_gb: Sequence[float] | None = None, intervals: Sequence[int] = INTERVALS,
-                progress: Callable[[int, int], None] | None = None, seed: int = 0) -> PolicyView:
+                progress: Callable[[int, int], None] | None = None, seed: int = 0,
+                requests: Sequence[TraceRequest] | None = None) -> PolicyView:
     """Replay the page's trace (:func:`lab.fleet.page_trace`: synthetic, or the uploaded Mooncake JSONL)
     through each of ``policies`` at each budget (GB per replica; None = :data:`BUDGET_FRACTIONS` of
     :func:`free_bytes`), then ours and extra_buffer at each of ``intervals`` at the
-    :data:`INTERVAL_BUDGET_FRACTION` budget. ``progress(done, total)`` after each replay.
+    :data:`INTERVAL_BUDGET_FRACTION` budget. ``progress(done, total)`` after each replay. ``requests``: a
+    trace already loaded (the bench's whole Mooncake trace), used instead of ``upload`` / ``num_requests``.
 
     Raises ValueError when the weights do not fit (no budget left), for an unknown policy, a non-positive
     budget, or a bad model / hardware / TP; TraceFormatError (ValueError) for a malformed upload."""
@@ -239,8 +241,12 @@ def policy_view(model: str, hw_name: str, tp: int, num_requests: int, upload: by
     if not budgets_gb or any(not b > 0 for b in budgets_gb):
         raise ValueError(f"budgets_gb must be positive numbers, got {list(budgets_gb)!r}")
     interval_budget = (free * INTERVAL_BUDGET_FRACTION / 1e9 if free > 0 else float(np.median(budgets_gb)))
-    loaded = page_trace(upload, num_requests, seed=seed, name=upload_name)
-    requests = loaded.requests
+    note = ""
+    if requests is None:
+        loaded = page_trace(upload, num_requests, seed=seed, name=upload_name)
+        requests, note = loaded.requests, loaded.note
+    elif not requests:
+        raise ValueError("requests must not be empty")
     ttft = _TTFT(shape, hw, tp, requests)
     swept = [p for p in ("ours", "sglang extra_buffer") if p in policies]
     total, done = len(policies) * len(budgets_gb) + len(swept) * len(intervals), 0
@@ -262,4 +268,4 @@ def policy_view(model: str, hw_name: str, tp: int, num_requests: int, upload: by
                 progress(done, total)
     return PolicyView(pd.DataFrame(rows), pd.DataFrame(irows), ideal, float(ttft.cold.mean()), free / 1e9,
                       weight_bytes(shape) / 1e9, interval_budget, vllm_block_size(model, "align", tp_size=tp),
-                      len(requests), int(ttft.lengths.sum()), loaded.note)
+                      len(requests), int(ttft.lengths.sum()), note)
