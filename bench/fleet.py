@@ -1,5 +1,8 @@
 """Fleet benchmark: routing lookups per second, the whole Mooncake conversation trace through the
-simulation (8 replicas, target < 10 s), and the fidelity figures next to the published anchors.
+simulation (8 replicas, target < 10 s), the fidelity figures next to the published anchors, and the
+prefix-cache policy models at real scale (Kimi-Linear-48B-A3B on an H200 x TP8 replica): the whole
+conversation trace through each policy (target <= 5 s each) and page 15's sweep of 6 budgets x 5 policies
+(target <= 30 s on the page's default trace; also timed on the whole conversation trace).
 
 Run: ``python -m bench.fleet`` (writes ``bench/results/fleet.json``). Timings are medians of repeats;
 lookup rates are also given relative to round-robin (the cheapest router), measured in the same run.
@@ -15,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lab.real_scale import BUDGET_FRACTIONS, free_bytes, policy_view
 from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
 from serve.fleet.hashing import random_keys
 from serve.fleet.replay import replay_routing
@@ -24,6 +28,8 @@ from serve.fleet.scaling import scaling_table
 from serve.fleet.sim_types import FleetConfig, percentile, requests_from_trace
 from serve.fleet.simulation import simulate
 from serve.fleet.vtc import replay_vtc_suite
+from serve.scale.hardware import hardware
+from serve.scale.policies import all_policies, replay
 from serve.traces import ideal_hit_ratio, load_mooncake
 
 REPO = Path(__file__).resolve().parents[1]
@@ -86,6 +92,46 @@ def conversation_simulation(service) -> dict:
     return out
 
 
+SCALE_SETUP = ("kimi-linear-48b-a3b", "H200", 8)   # model, GPU, TP of the real-scale replays
+
+
+def policy_replays() -> dict:
+    """The whole conversation trace through each policy of ``all_policies`` at the budget the H200 x TP8
+    replica leaves after the weights (one replay each: wall time, hit ratio, peak GB by kind)."""
+    model, gpu, tp = SCALE_SETUP
+    trace = load_mooncake(TRACES / "mooncake_conversation_trace.jsonl")
+    budget = free_bytes(model, hardware(gpu), tp)
+    out = {"budget_gb": budget / 1e9, "requests": len(trace)}
+    for pol in all_policies(model, tp):
+        t0 = time.perf_counter()
+        res = replay(trace, pol, budget)
+        out[pol.name] = {"wall_s": time.perf_counter() - t0, "token_hit_ratio": res.token_hit_ratio,
+                         "ideal_hit_ratio": res.ideal_hit_tokens / res.total_tokens,
+                         "peak_gb": {k: v / 1e9 for k, v in res.peak_bytes.items()},
+                         "states_evicted": res.states_evicted}
+    return out
+
+
+def policy_sweep() -> dict:
+    """Page 15's sweep (6 budgets x 5 policies, plus its 2 x 5 interval replays) timed end to end: on the
+    page's default trace (synthetic, 3,000 requests) and on the whole conversation trace."""
+    model, gpu, tp = SCALE_SETUP
+    out = {"budgets": len(BUDGET_FRACTIONS)}
+    for name, kw in (("page_default_3000", {"num_requests": 3000}),
+                     ("conversation_whole", {"num_requests": 0, "requests":
+                                             load_mooncake(TRACES / "mooncake_conversation_trace.jsonl")})):
+        t0 = time.perf_counter()
+        view = policy_view(model, gpu, tp, **kw)
+        b = view.budgets
+        out[name] = {"wall_s": time.perf_counter() - t0, "replays": len(b) + len(view.intervals),
+                     "budget_sweep_replay_s": float(b.replay_s.sum()),
+                     "interval_sweep_replay_s": float(view.intervals.replay_s.sum()),
+                     "ideal_hit_ratio": view.ideal_hit_ratio,
+                     "hit_at_largest_budget": b[b.budget_gb == b.budget_gb.max()].set_index("policy")
+                     .token_hit_ratio.to_dict()}
+    return out
+
+
 def fidelity() -> dict:
     keys = random_keys(100_000, seed=0)
     moved = {r.algorithm: r.moved_fraction for r in scaling_table(8, 9, keys, **PARAMS)}
@@ -116,6 +162,8 @@ def main() -> None:
         "conversation_simulation": conversation_simulation(service),
         "conversation_service_model": service.source,
         "fidelity": fidelity(),
+        "policy_replays": policy_replays(),
+        "policy_sweep": policy_sweep(),
         "vtc_on_off_less": {
             "light_client": light,
             "light_p99_ttft_s": {"FCFS": {"measured": vtc.p99("FCFS", light, "measured"), "ours": vtc.p99("FCFS", light)},
@@ -137,6 +185,17 @@ def main() -> None:
             print(f"  {policy:13s} {r['wall_s']:5.2f} s wall  hit {r['token_hit_ratio']:.4f}  TTFT P50 {r['ttft_p50_ms']:7.0f} ms"
                   f"  P99 {r['ttft_p99_ms']:7.0f} ms  max/mean req {r['max_over_mean_requests']:.2f}")
     print("fidelity:", json.dumps(results["fidelity"], indent=1))
+    pr = results["policy_replays"]
+    print(f"prefix-cache policies, whole conversation trace ({pr['requests']:,} requests), {' x '.join(map(str, SCALE_SETUP))},"
+          f" budget {pr['budget_gb']:,.0f} GB per replica:")
+    for name, r in pr.items():
+        if isinstance(r, dict):
+            print(f"  {name:24s} {r['wall_s']:5.2f} s  hit {r['token_hit_ratio']:.4f} (ideal {r['ideal_hit_ratio']:.4f})"
+                  f"  KV {r['peak_gb']['kv']:7.1f} GB  states {r['peak_gb']['state']:7.1f} GB")
+    for name, r in results["policy_sweep"].items():
+        if isinstance(r, dict):
+            print(f"page 15 sweep, {name}: {r['wall_s']:5.1f} s for {r['replays']} replays "
+                  f"(6 x 5 budget sweep {r['budget_sweep_replay_s']:.1f} s of replay)")
     print("VTC on_off_less:", json.dumps(results["vtc_on_off_less"], indent=1))
     print(f"wrote {out.relative_to(REPO)}")
 

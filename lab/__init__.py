@@ -19,6 +19,8 @@ MLA paging              lab/mla_paging.py        page_table_demo           06   
 prefix anatomy          lab/prefix_anatomy.py    anatomy_view              07          tests/lab/test_prefix_pages.py
 prefix hit              lab/prefix.py            prefix_hit                08          tests/lab/test_prefix_pages.py
 prefix miss + replays   lab/prefix_miss.py       prefix_miss               09          tests/lab/test_prefix_miss.py
+real scale              lab/real_scale.py        roofline_view,            15          tests/lab/test_real_scale.py
+                                                 policy_view
 KCP context parallel    lab/kcp.py               kcp_experiment            10          tests/lab/test_kcp.py
 fleet hashing           lab/fleet_hashing.py     fleet_hashing             11          tests/lab/test_fleet_pages.py
 fleet scaling           lab/fleet_scaling.py     fleet_scaling             12          tests/lab/test_fleet_pages.py

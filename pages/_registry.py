@@ -35,6 +35,8 @@ TABS: list[Tab] = [
         "measured TTFT cold vs warm, prefill tokens skipped, bytes reused by kind, identical outputs"),
     Tab("Prefix cache", "pages/09_prefix_miss.py", "09 Prefix miss", ":material/trending_down:",
         "what a miss costs and leaves behind; trace replay: hit ratio vs capacity, miss causes, interval trade-off"),
+    Tab("Prefix cache", "pages/15_real_scale.py", "15 Real scale", ":material/speed:",
+        "Kimi Linear vs full MLA to 1M tokens on real GPUs; SGLang, vLLM and our prefix caches at real bytes"),
     Tab("Parallel & fleet", "pages/10_kcp.py", "10 KCP", ":material/call_split:",
         "one prompt across real torch.distributed ranks: exact vs one rank, phase times, bytes, speedup"),
     Tab("Parallel & fleet", "pages/11_fleet_hashing.py", "11 Fleet hashing", ":material/hub:",

@@ -1,0 +1,164 @@
+"""15 Real scale: Kimi Linear vs full MLA on datacenter GPUs, and the production prefix-cache policies at real bytes."""
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from lab.real_scale import (
+    BUDGET_FRACTIONS,
+    EXTRA_BUFFER_CHUNK,
+    EXTRA_POLICIES,
+    HARDWARE,
+    INTERVAL_BUDGET_FRACTION,
+    MODELS,
+    OURS_C,
+    POLICIES,
+    TP_SIZES,
+    policy_view,
+    roofline_view,
+)
+from pages._common import engine_call, persist, show_chart, upload_parts
+
+st.title("Real scale")
+st.write(
+    "The real models on real GPUs, by roofline: each layer kind costs max(FLOPs / peak, bytes / bandwidth) on a "
+    "TP group. Part 1 puts Kimi Linear beside its all-MLA counterfactual (same layers and heads, every layer MLA) "
+    "with the Kimi Linear report's published points. Part 2 replays a trace through the prefix caches of our "
+    "engine, SGLang and vLLM, each counted in the chosen model's bytes under one memory budget per replica.")
+c1, c2, c3 = st.columns(3)
+model = c1.selectbox("Model", list(MODELS), key=persist("p15_model", MODELS[0], options=list(MODELS)),
+                     persist_state="session", bind="query-params")
+hw = c2.selectbox("GPU", list(HARDWARE), key=persist("p15_gpu", "H200", options=list(HARDWARE)),
+                  persist_state="session", bind="query-params")
+tp = c3.select_slider("GPUs per replica (TP)", list(TP_SIZES), key=persist("p15_tp", 8, options=list(TP_SIZES)),
+                      persist_state="session", bind="query-params")
+
+
+@st.cache_data(show_spinner=False, max_entries=64, ttl="1h")
+def _roofline(model, hw, tp):
+    return roofline_view(model, hw, tp)
+
+
+view = engine_call(_roofline, model, hw, tp)
+st.subheader("1 · Kimi Linear vs full MLA, 4K to 1M tokens")
+m1, m2, m3, m4 = st.columns(4)
+m1.metric("Weights (GB)", f"{view.weights_gb:,.0f}")
+m2.metric(f"HBM of {tp} × {hw} (GB)", f"{view.hbm_gb:,.0f}")
+m3.metric("Left after weights (GB)", f"{view.free_gb:,.0f}")
+m4.metric("Prefill fit α · β", f"{view.fit.alpha:.2f} · {view.fit.beta:.2f}")
+colours = {"Kimi Linear": "#1b9e77", "all MLA": "#d95f02"}
+left, right = st.columns(2)
+for col, qty, title, unit, key in ((left, "prefill_s", "prefill latency (s)", "s", "p15_prefill_chart"),
+                                   (right, "tpot_ms", "TPOT, batch 1 (ms)", "ms", "p15_tpot_chart")):
+    fig = go.Figure()
+    for name, colour in colours.items():
+        c, p = view.curves[view.curves.model == name], view.published[view.published.model == name]
+        fig.add_trace(go.Scatter(x=c.context_tokens, y=c[qty], mode="lines", line_color=colour,
+                                 name=f"{name}: roofline ({model})"))
+        fig.add_trace(go.Scatter(x=p.context_tokens, y=p[qty], mode="markers", marker=dict(color=colour, symbol="x"),
+                                 name=f"{name}: published (48B-A3B)"))
+    fig.update_layout(title=title, xaxis_type="log", yaxis_type="log", xaxis_title="context (tokens, log)",
+                      yaxis_title=f"{title.split(' (')[0]} ({unit}, log)", legend=dict(orientation="h", y=-0.35))
+    with col:
+        show_chart(fig, pd.concat([view.curves.assign(source="roofline"), view.published.assign(source="published")]),
+                   key=key)
+ratio = go.Figure()
+for (q, dash), src in ((("prefill (Fig. 7a)", "solid"), "model"), (("TPOT, batch 1 (Fig. 7b)", "dot"), "model"),
+                       (("prefill (Fig. 7a)", "solid"), "published"), (("TPOT, batch 1 (Fig. 7b)", "dot"), "published")):
+    r = view.ratios[view.ratios.quantity == q]
+    ratio.add_trace(go.Scatter(x=r.context_tokens, y=r[src], name=f"{q}: {src}", mode="lines+markers" if src == "model"
+                               else "markers", line=dict(dash=dash), marker_symbol="circle" if src == "model" else "x"))
+ratio.update_layout(xaxis_type="log", xaxis_title="context (tokens, log)", yaxis_title="MLA / Kimi Linear (×)",
+                    legend=dict(orientation="h", y=-0.3))
+show_chart(ratio, view.ratios, key="p15_ratio_chart")
+st.dataframe(view.validated[view.validated.context_tokens >= 512 * 1024], hide_index=True, width="stretch",
+             column_config={"rel_error": st.column_config.NumberColumn(format="percent")})
+st.caption(
+    f"What to notice: the report (Kimi Linear, arXiv 2510.26692, Figs. 7a/7b) states no GPU, count or parallelism, so "
+    "the ratios MLA / Kimi Linear are what is compared, not the seconds; the published points are always those of "
+    "Kimi-Linear-48B-A3B. Prefill uses one named fit, solved on this GPU and TP from the two published MLA points at "
+    f"512K and 1M: attention time × α = {view.fit.alpha:.2f}, every other kind × β = {view.fit.beta:.2f} (1 = at peak); "
+    "Kimi Linear's curve is then predicted. TPOT is the pure roofline at batch 1. The table gives the ratios at the "
+    "setups the tests pin within ±25 % (prefill H100 × TP8, TPOT H100 × TP1); on other setups the TPOT ratio moves "
+    "because TP splits the weights but replicates MLA's latent KV on every rank.")
+
+st.subheader("2 · Policy comparison at real scale")
+d1, d2 = st.columns([1, 2])
+num_requests = d1.slider("Requests (cap)", 1000, 6000, step=500,
+                         key=persist("p15_requests", 3000, min_value=1000, max_value=6000), persist_state="session",
+                         bind="query-params")
+options = list(POLICIES + EXTRA_POLICIES)
+policies = d2.multiselect("Policies", options, key=persist("p15_policies", list(POLICIES), options=options),
+                          persist_state="session", bind="query-params")
+data, upload_name = upload_parts(st.file_uploader("Mooncake trace (JSONL, optional; the synthetic generator "
+                                                  "otherwise)", type=["jsonl", "json"], key="p15_upload"))
+fractions = ", ".join(f"{f:g}" for f in BUDGET_FRACTIONS)
+st.caption(f"Budgets per replica: {fractions} × the {view.free_gb:,.0f} GB the {tp} × {hw} HBM leaves after the "
+           f"weights ({view.hbm_gb:,.0f} − {view.weights_gb:,.0f} GB), for cached KV + checkpoints + the running "
+           f"request's state slots; ours at C = {OURS_C}, extra_buffer at chunked_prefill_size = {EXTRA_BUFFER_CHUNK}. "
+           f"The interval sweep runs at {INTERVAL_BUDGET_FRACTION:g} × the same.")
+if view.free_gb <= 0:
+    st.warning(f"{model}'s weights do not fit in {tp} × {hw}: choose more or larger GPUs for the policy comparison.")
+    st.stop()
+if not policies:
+    st.info("Choose at least one policy.")
+    st.stop()
+
+
+@st.cache_data(show_spinner=False, max_entries=16, ttl="1h")
+def _policies(model, hw, tp, num_requests, data, upload_name, policies):
+    bar = st.progress(0.0, text="Replaying the trace…")
+    out = policy_view(model, hw, tp, num_requests, data, upload_name, policies,
+                      progress=lambda done, total: bar.progress(done / total, text=f"Replaying… {done}/{total} runs"))
+    bar.empty()
+    return out
+
+
+if not st.session_state.get("p15_sweep_on"):
+    st.caption("Replays the trace once per policy and budget and per interval: seconds of CPU the first time, "
+               "cached afterwards (shared by every visitor).")
+    if st.button("Run the policy sweep", key="p15_sweep_button", type="primary"):
+        st.session_state["p15_sweep_on"] = True
+        st.rerun()
+    st.stop()
+pv = engine_call(_policies, model, hw, tp, num_requests, data, upload_name, tuple(policies))
+if pv.note:
+    st.info(pv.note)
+b = pv.budgets
+hit = go.Figure([go.Scatter(x=g.budget_gb, y=g.token_hit_ratio, mode="lines+markers", name=p) for p, g in b.groupby("policy", sort=False)])
+hit.add_trace(go.Scatter(x=[b.budget_gb.min(), b.budget_gb.max()], y=[pv.ideal_hit_ratio] * 2, mode="lines",
+                         line=dict(dash="dash", color="grey"), name=f"block ideal, unlimited cache: {pv.ideal_hit_ratio:.3f}"))
+hit.update_layout(xaxis_type="log", xaxis_title="memory budget per replica (GB, log)", yaxis_title="token hit ratio (fraction)",
+                  legend=dict(orientation="h", y=-0.3))
+show_chart(hit, b.assign(ideal_hit_ratio=pv.ideal_hit_ratio), key="p15_hit_chart")
+saved = go.Figure([go.Scatter(x=g.budget_gb, y=g.mean_ttft_s * 1e3, mode="lines+markers", name=p,
+                              customdata=g.prefill_saved, hovertemplate="%{y:.1f} ms, saved %{customdata:.1%}")
+                   for p, g in b.groupby("policy", sort=False)])
+saved.add_hline(y=pv.cold_ttft_s * 1e3, line_dash="dash", annotation_text=f"no cache: {pv.cold_ttft_s * 1e3:.1f} ms")
+saved.update_layout(xaxis_type="log", xaxis_title="memory budget per replica (GB, log)",
+                    yaxis_title="mean TTFT, roofline (ms)", legend=dict(orientation="h", y=-0.3))
+show_chart(saved, b[["policy", "budget_gb", "mean_ttft_s", "prefill_saved"]], key="p15_ttft_chart")
+mid = b[b.budget_gb == b.budget_gb.unique()[len(b.budget_gb.unique()) // 2]]
+kinds = go.Figure([go.Bar(x=mid.policy, y=mid[f"{k}_gb"], name=name) for k, name in
+                   (("kv", "KV pages"), ("state", "state checkpoints"), ("running", "running state slots"))])
+kinds.update_layout(barmode="stack", title=f"peak bytes held at {mid.budget_gb.iloc[0]:,.0f} GB",
+                    xaxis_title="policy", yaxis_title="bytes held (GB)", legend=dict(orientation="h", y=-0.3))
+show_chart(kinds, mid[["policy", "budget_gb", "kv_gb", "state_gb", "running_gb", "states_written", "states_evicted",
+                      "kv_evicted_tokens"]], key="p15_bytes_chart")
+if len(pv.intervals):
+    iv = go.Figure([go.Scatter(x=g.interval_tokens, y=g.token_hit_ratio, mode="lines+markers", name=p)
+                    for p, g in pv.intervals.groupby("policy", sort=False)])
+    iv.update_layout(xaxis_type="log", title=f"at {pv.interval_budget_gb:,.0f} GB per replica",
+                     xaxis_title="state interval (tokens, log): ours' C / extra_buffer's chunked_prefill_size",
+                     yaxis_title="token hit ratio (fraction)", legend=dict(orientation="h", y=-0.3))
+    show_chart(iv, pv.intervals, key="p15_interval_chart")
+st.dataframe(b, hide_index=True, width="stretch")
+st.caption(
+    f"{pv.num_requests:,} requests, {pv.total_tokens:,} prompt tokens. What to notice: every policy stays below the "
+    "block ideal (Mooncake, FAST'25: an unlimited cache hits each request's leading run of hash ids seen before). "
+    "The budget buys KV pages and checkpoints in the model's real bytes; a policy that stores more states per "
+    "request (vLLM all: one per block of "
+    f"{pv.vllm_block_tokens} tokens; ours at small C) spends the budget on state instead of KV. TTFT is the fitted "
+    "roofline of part 1 at batch 1 without queueing, plus a checkpoint restore on a hit. SGLang's "
+    "mamba_track_interval only acts in decode, which a prompt-only replay never reaches: in prefill extra_buffer "
+    "tracks one state per chunk, so its interval here is chunked_prefill_size. Sources: SGLang "
+    "mamba_radix_cache.py, vLLM single_type_kv_cache_manager.py (mamba_cache_mode), serve/scale/policies.")

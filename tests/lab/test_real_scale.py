@@ -1,0 +1,130 @@
+"""lab.real_scale: page 15's roofline view against the published points and the policy view's bytes, hits and TTFT."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lab.fleet import page_trace
+from lab.real_scale import (
+    BUDGET_FRACTIONS,
+    POLICIES,
+    fitted_prefill_s,
+    free_bytes,
+    make_policy,
+    policy_view,
+    roofline_view,
+    weight_bytes,
+)
+from serve.scale.hardware import hardware
+from serve.scale.model_shape import preset
+from serve.scale.policies import replay
+from serve.scale.published import CONTEXTS, PREFILL_FIG7A, TPOT_FIG7B
+from serve.scale.roofline import checkpoint_restore_time, prefill_time
+from serve.scale.validation import RATIO_TOLERANCE, PrefillFit, fit_prefill, prefill_ratios
+
+torch.set_num_threads(1)
+KIMI = "kimi-linear-48b-a3b"
+K = 1024
+
+
+def test_roofline_view_matches_validation_at_the_pinned_setup():
+    """At H100 x TP8 the view's prefill ratios are validation's (same fit), within +-25 % of Fig. 7a at 512K
+    and 1M; the all-MLA curve is slower from 64K on; the published frame is the report's data."""
+    view = roofline_view(KIMI, "H100", 8)
+    ours = view.ratios[view.ratios.quantity == "prefill (Fig. 7a)"].set_index("context_tokens")
+    for row in prefill_ratios():
+        assert ours.loc[row.context, "model"] == pytest.approx(row.model, rel=1e-12)
+        assert ours.loc[row.context, "published"] == row.published
+    for c in (512 * K, 1024 * K):
+        assert abs(ours.loc[c, "rel_error"]) <= RATIO_TOLERANCE
+    assert (view.validated.rel_error.abs()[view.validated.context_tokens >= 512 * K] <= RATIO_TOLERANCE).all()
+    wide = view.curves.pivot(index="context_tokens", columns="model")
+    assert (wide.loc[64 * K:, ("prefill_s", "all MLA")] > wide.loc[64 * K:, ("prefill_s", "Kimi Linear")]).all()
+    assert (wide.loc[64 * K:, ("tpot_ms", "all MLA")] > wide.loc[64 * K:, ("tpot_ms", "Kimi Linear")]).all()
+    pub = view.published.set_index(["model", "context_tokens"])
+    assert pub.loc[("all MLA", 1024 * K), "prefill_s"] == PREFILL_FIG7A.mla[CONTEXTS.index(1024 * K)]
+    assert pub.loc[("Kimi Linear", 4 * K), "tpot_ms"] == TPOT_FIG7B.kimi_linear[0]
+    assert view.fit == fit_prefill(hardware("H100"), 8)
+
+
+def test_fitted_prefill_is_the_roofline_at_unit_scales():
+    shape, hw = preset(KIMI), hardware("H200")
+    for new, cached in ((1, 0), (4096, 0), (513, 8192)):
+        assert fitted_prefill_s(shape, hw, 8, PrefillFit(1.0, 1.0), new, cached) == pytest.approx(
+            prefill_time(shape, hw, 8, new, cached).total_s, rel=1e-12)
+    attn = prefill_time(shape, hw, 8, 4096).kind("mla").time_s
+    assert fitted_prefill_s(shape, hw, 8, PrefillFit(2.0, 1.0), 4096) == pytest.approx(
+        prefill_time(shape, hw, 8, 4096).total_s + attn, rel=1e-12)
+
+
+def test_weights_and_free_bytes():
+    """Kimi-Linear-48B-A3B in bf16 is ~98 GB (49.1 B parameters); K3's ~1.56 TB does not fit 8 x H200."""
+    assert weight_bytes(preset(KIMI)) == pytest.approx(2 * preset(KIMI).total_params)
+    assert free_bytes(KIMI, hardware("H200"), 8) == pytest.approx(8 * 141e9 - 2 * preset(KIMI).total_params)
+    assert free_bytes("kimi-k3", hardware("H200"), 8) < 0 < free_bytes("kimi-k3", hardware("H200"), 16)
+
+
+@pytest.fixture(scope="module")
+def small_view():
+    calls = []
+    view = policy_view(KIMI, "H200", 8, 300, budgets_gb=[5.0, 50.0], intervals=(1024, 4096),
+                       progress=lambda done, total: calls.append((done, total)))
+    return view, calls
+
+
+def test_policy_view_bounds(small_view):
+    """Every policy: hit <= block ideal, each byte kind <= the budget, TTFT between the all-hit floor and the
+    cold mean, one progress call per replay ending at total."""
+    view, calls = small_view
+    b = view.budgets
+    assert len(b) == 2 * len(POLICIES) and len(view.intervals) == 2 * 2
+    assert calls[-1] == (len(b) + len(view.intervals),) * 2 and [d for d, _ in calls] == list(range(1, len(calls) + 1))
+    for frame in (b, view.intervals):
+        assert (frame.token_hit_ratio <= view.ideal_hit_ratio + 1e-12).all()
+        for kind in ("kv_gb", "state_gb", "running_gb"):
+            assert (frame[kind] <= frame.budget_gb).all(), kind
+        assert (frame.mean_ttft_s <= view.cold_ttft_s + 1e-12).all()
+        assert ((frame.prefill_saved >= -1e-12) & (frame.prefill_saved < 1)).all()
+    assert (b.token_hit_ratio > 0).any() and view.ideal_hit_ratio > 0
+
+
+def test_policy_view_ttft_is_the_roofline_of_each_hit(small_view):
+    """Recompute one row's mean TTFT from a fresh replay's per-request hits, straight from the roofline:
+    prefill of L - hit after hit (fitted), plus a checkpoint restore on a hit."""
+    view, _ = small_view
+    requests = page_trace(None, 300).requests
+    shape, hw = preset(KIMI), hardware("H200")
+    fit = fit_prefill(hw, 8)
+    res = replay(requests, make_policy("ours", KIMI, 8), 50e9)
+    ttft = [fitted_prefill_s(shape, hw, 8, fit, r.input_length - int(h), int(h))
+            + (checkpoint_restore_time(shape, hw, 8) if h else 0.0)
+            for r, h in zip(requests, res.request_hit_tokens)]
+    row = view.budgets[(view.budgets.policy == "ours") & (view.budgets.budget_gb == 50.0)].iloc[0]
+    assert res.hit_tokens > 0
+    assert row.mean_ttft_s == pytest.approx(sum(ttft) / len(ttft), rel=1e-12)
+    assert row.token_hit_ratio == res.token_hit_ratio
+
+
+def test_default_budgets_are_fractions_of_the_free_hbm():
+    view = policy_view(KIMI, "H200", 8, 100, policies=("vllm none",), intervals=())
+    free = free_bytes(KIMI, hardware("H200"), 8) / 1e9
+    assert view.budgets.budget_gb.tolist() == pytest.approx([free * f for f in BUDGET_FRACTIONS])
+    assert (view.budgets.token_hit_ratio == 0).all()               # vLLM none: no prefix caching
+    assert view.free_gb == pytest.approx(free)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError, match="do not fit"):
+        policy_view("kimi-k3", "H200", 8, 100)
+    with pytest.raises(ValueError, match="policies"):
+        policy_view(KIMI, "H200", 8, 100, policies=("lru",))
+    with pytest.raises(ValueError, match="budgets_gb"):
+        policy_view(KIMI, "H200", 8, 100, budgets_gb=[0.0])
+    with pytest.raises(ValueError, match="tp"):
+        roofline_view(KIMI, "H200", 3)
+    with pytest.raises(ValueError, match="model"):
+        roofline_view("gpt", "H200", 8)
+    with pytest.raises(ValueError, match="hardware"):
+        roofline_view(KIMI, "V100", 8)
+    with pytest.raises(ValueError, match="policy"):
+        make_policy("lru", KIMI, 8)
