@@ -19,21 +19,25 @@ SYSTEM = ("You are KDA-bot, a careful assistant for inference engineers. Answer 
 # fp32 logits of the warm run may differ from the cache-off run in the last bits: the warm prefill starts
 # from a restored checkpoint, so its chunked sums are split at other token positions.
 LOGIT_TOL = 1e-5
+FIRST, SECOND = SYSTEM + "User: How big is a KDA state?", SYSTEM + "User: Why must a checkpoint sit on a block boundary?"
 TOL_TEXT = f"{LOGIT_TOL:.0e}".replace("e-0", "e-")  # 1e-5
 MAX_PROMPT_BYTES = 2_000  # = tokens (byte-level model): bounds the prefills below
 c1, c2 = st.columns(2)
-first = c1.text_area("Request 1 (fills the cache)", key=persist("p00_first", SYSTEM + "User: How big is a KDA state?"),
+# Each default is given twice: to persist() (the session's fallback) and as value= (the widget's declared
+# default): with bind="query-params" Streamlit drops a URL value equal to the declared default, which
+# without value= is the minimum / first option, so a link asking for it would show the page default.
+first = c1.text_area("Request 1 (fills the cache)", value=FIRST, key=persist("p00_first", FIRST),
                      persist_state="session", bind="query-params", height=170, max_chars=MAX_PROMPT_BYTES)
 second = c2.text_area("Request 2 (cold vs warm)", height=170, max_chars=MAX_PROMPT_BYTES, bind="query-params",
-                      key=persist("p00_second", SYSTEM + "User: Why must a checkpoint sit on a block boundary?"),
+                      value=SECOND, key=persist("p00_second", SECOND),
                       persist_state="session")
 d1, d2, d3 = st.columns(3)
-max_new = d1.slider("Tokens to generate", 1, 16, key=persist("p00_new", 4, min_value=1, max_value=16),
+max_new = d1.slider("Tokens to generate", 1, 16, value=4, key=persist("p00_new", 4, min_value=1, max_value=16),
                     persist_state="session", bind="query-params")
-block = d2.select_slider("Block size N (tokens)", [8, 16, 32, 64], key=persist("p00_block", 16, options=[8, 16, 32, 64]),
+block = d2.select_slider("Block size N (tokens)", [8, 16, 32, 64], value=16, key=persist("p00_block", 16, options=[8, 16, 32, 64]),
                          persist_state="session", bind="query-params")
 interval = d3.select_slider("Checkpoint interval C (tokens)", [64, 128, 256, 512], persist_state="session",
-                            key=persist("p00_interval_c", 64, options=[64, 128, 256, 512]), bind="query-params")
+                            value=64, key=persist("p00_interval_c", 64, options=[64, 128, 256, 512]), bind="query-params")
 sizes = {name: len(prompt.encode()) for name, prompt in (("Request 1", first), ("Request 2", second))}
 st.caption(f"Each prompt is capped at {MAX_PROMPT_BYTES:,} bytes (bytes are tokens; in UTF-8 an accent takes 2 bytes, "
            "an emoji 4): the page runs one verified cold / warm pair, then times both over repeats, and the cap bounds "
@@ -49,7 +53,7 @@ if not all(sizes.values()):
 
 
 @st.cache_data(show_spinner="Running both requests through the engine…", max_entries=32, ttl="1h")
-def _verdict(first, second, max_new, block, interval):
+def _p00_verdict(first, second, max_new, block, interval):
     return home(first, second, max_new, block, interval)
 
 
@@ -58,11 +62,11 @@ REPEATS = 5
 
 @st.cache_data(show_spinner=f"Timing cold and warm runs: {REPEATS} interleaved repeats after a warm-up…",
                max_entries=32, ttl="1h")
-def _timing(first, second, max_new, block, interval):
+def _p00_timing(first, second, max_new, block, interval):
     return home_timing(first, second, max_new, block, interval, repeats=REPEATS)
 
 
-run = engine_call(_verdict, first, second, max_new, block, interval)
+run = engine_call(_p00_verdict, first, second, max_new, block, interval)
 check, warm, cold = run.check, run.warm, run.cold
 m1, m2, m3, m4 = st.columns(4)
 m1.metric("Prefill tokens computed", f"{warm['prefill_tokens']:,}", f"{warm['prefill_tokens'] - cold['prefill_tokens']:,} vs cold",
@@ -97,8 +101,8 @@ for section in SECTIONS:
 
 with timing_part:
     st.subheader(f"Where the time goes (median of {REPEATS} interleaved repeats)")
-    remeasure_button(_timing, key="p00_remeasure")
-    timed = engine_call(_timing, first, second, max_new, block, interval)
+    remeasure_button(_p00_timing, key="p00_remeasure")
+    timed = engine_call(_p00_timing, first, second, max_new, block, interval)
     summary, ttft = timed.summary, timed.ttft
     ttft_metric.metric("TTFT warm (median)", f"{summary['warm_ttft_ms']:.1f} ms",
                        f"{-summary['ttft_reduction']:.0%} vs cold {summary['cold_ttft_ms']:.1f} ms", delta_color="inverse")

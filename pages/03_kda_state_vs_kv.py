@@ -14,6 +14,9 @@ st.write(
     "per MLA layer. Below: exact byte counts for the real configs, then decode cost measured live on this CPU.")
 
 c1, c2, c3 = st.columns(3)
+# Each default is given twice: to persist() (the session's fallback) and as value= (the widget's declared
+# default): with bind="query-params" Streamlit drops a URL value equal to the declared default, which
+# without value= is the minimum / first option, so a link asking for it would show the page default.
 URL = dict(persist_state="session", bind="query-params")   # the view's parameters: kept per session and in the URL
 preset = MODELS[c1.selectbox("Model", list(MODELS), key=persist("p03_preset", options=list(MODELS)), **URL)]
 state_dt = c2.selectbox("KDA state dtype", list(STATE_DTYPES), key=persist("p03_state_dtype", options=list(STATE_DTYPES)), **URL)
@@ -21,26 +24,26 @@ kv_dt = c3.selectbox("MLA KV dtype", list(KV_DTYPES), key=persist("p03_kv_dtype"
 custom = None
 if preset == "custom":
     d1, d2, d3, d4 = st.columns(4)
-    custom = (d1.slider("Layers", 4, 128, key=persist("p03_layers", 48, min_value=4, max_value=128), **URL),
-              d2.slider("KDA layers per MLA layer", 0, 7, key=persist("p03_ratio", 3, min_value=0, max_value=7), **URL),
-              d3.slider("KDA heads", 1, 128, key=persist("p03_heads", 32, min_value=1, max_value=128), **URL),
-              d4.select_slider("Head dim", [32, 64, 128, 256], key=persist("p03_head_dim", 128, options=[32, 64, 128, 256]), **URL))
+    custom = (d1.slider("Layers", 4, 128, value=48, key=persist("p03_layers", 48, min_value=4, max_value=128), **URL),
+              d2.slider("KDA layers per MLA layer", 0, 7, value=3, key=persist("p03_ratio", 3, min_value=0, max_value=7), **URL),
+              d3.slider("KDA heads", 1, 128, value=32, key=persist("p03_heads", 32, min_value=1, max_value=128), **URL),
+              d4.select_slider("Head dim", [32, 64, 128, 256], value=128, key=persist("p03_head_dim", 128, options=[32, 64, 128, 256]), **URL))
 lo, hi = st.select_slider("Context range (tokens)", options=list(CONTEXTS), value=(1024, 2 ** 20), key="p03_context", **URL)
 part1, part2 = st.container(), st.container()
 part2.subheader("2 · Decode cost per token, measured on this CPU")
 e1, e2 = part2.columns(2)
 heads_meas = e1.slider("Heads in the measurement (scaled down from the model)", 1, 16,
-                       key=persist("p03_meas_heads", 4, min_value=1, max_value=16), **URL)
+                       value=4, key=persist("p03_meas_heads", 4, min_value=1, max_value=16), **URL)
 max_meas = e2.select_slider("Largest measured context (tokens)", options=list(MEASURED_CONTEXTS),
-                            key=persist("p03_meas_max", 16384, options=list(MEASURED_CONTEXTS)), **URL)
+                            value=16384, key=persist("p03_meas_max", 16384, options=list(MEASURED_CONTEXTS)), **URL)
 
 
 @st.cache_data(show_spinner="Measuring on this CPU…", max_entries=32, ttl="1h")
-def _run(preset, state_dt, kv_dt, context_range, heads_meas, max_meas, custom):
+def _p03_measure(preset, state_dt, kv_dt, context_range, heads_meas, max_meas, custom):
     return state_vs_kv(preset, state_dt, kv_dt, context_range, heads_meas, max_meas, custom)
 
 
-run = engine_call(_run, preset, state_dt, kv_dt, (lo, hi), heads_meas, max_meas, custom)
+run = engine_call(_p03_measure, preset, state_dt, kv_dt, (lo, hi), heads_meas, max_meas, custom)
 cfg, df, be, be_rec = run.cfg, run.bytes, run.break_even_tokens, run.recurrent_break_even_tokens
 with part1:
     st.subheader("1 · Cache bytes per sequence vs context")
@@ -71,13 +74,13 @@ with part1:
 
     with st.expander("Per-layer table"):
         n_table = st.select_slider("Context for the table (tokens)", options=list(CONTEXTS),
-                                   key=persist("p03_table_ctx", 131072, options=list(CONTEXTS)), **URL)
+                                   value=131072, key=persist("p03_table_ctx", 131072, options=list(CONTEXTS)), **URL)
         tdf = run.layers[run.layers.context_tokens == n_table].drop(columns="context_tokens")
         st.dataframe(tdf, hide_index=True, width="stretch")
         st.download_button("Download CSV", tdf.to_csv(index=False).encode(), "p03_layers.csv", "text/csv", key="p03_layers_csv")
 
 with part2:
-    remeasure_button(_run, key="p03_remeasure")
+    remeasure_button(_p03_measure, key="p03_remeasure")
     mdf, fits = run.decode, {"KDA": run.kda_fit, "MLA": run.mla_fit}
     fig2 = go.Figure()
     for name, label, color in [("KDA", "KDA: one kda_step", "#636efa"),

@@ -15,33 +15,36 @@ st.write(
 
 REPEATS = 5
 c1, c2, c3 = st.columns(3)
-shared = c1.slider("Shared prefix (tokens)", 0, 512, step=32, key=persist("p08_shared", 384, min_value=0, max_value=512),
+# Each default is given twice: to persist() (the session's fallback) and as value= (the widget's declared
+# default): with bind="query-params" Streamlit drops a URL value equal to the declared default, which
+# without value= is the minimum / first option, so a link asking for it would show the page default.
+shared = c1.slider("Shared prefix (tokens)", 0, 512, step=32, value=384, key=persist("p08_shared", 384, min_value=0, max_value=512),
                    persist_state="session", bind="query-params")
-unique = c2.slider("Unique tail (tokens)", 16, 256, step=16, key=persist("p08_unique", 64, min_value=16, max_value=256),
+unique = c2.slider("Unique tail (tokens)", 16, 256, step=16, value=64, key=persist("p08_unique", 64, min_value=16, max_value=256),
                    persist_state="session", bind="query-params")
-new_tokens = c3.slider("Tokens to generate", 1, 8, key=persist("p08_new", 4, min_value=1, max_value=8),
+new_tokens = c3.slider("Tokens to generate", 1, 8, value=4, key=persist("p08_new", 4, min_value=1, max_value=8),
                        persist_state="session", bind="query-params")
 d1, d2, d3 = st.columns(3)
-block = d1.select_slider("Block size N (tokens)", [8, 16, 32], key=persist("p08_block", 16, options=[8, 16, 32]),
+block = d1.select_slider("Block size N (tokens)", [8, 16, 32], value=16, key=persist("p08_block", 16, options=[8, 16, 32]),
                          persist_state="session", bind="query-params")
 interval = d2.select_slider("Checkpoint interval C (tokens)", [32, 64, 128, 256], persist_state="session",
-                            key=persist("p08_interval", 64, options=[32, 64, 128, 256]), bind="query-params")
-groups = d3.slider("KDA groups G", 1, 3, key=persist("p08_groups", 1, min_value=1, max_value=3),
+                            value=64, key=persist("p08_interval", 64, options=[32, 64, 128, 256]), bind="query-params")
+groups = d3.slider("KDA groups G", 1, 3, value=1, key=persist("p08_groups", 1, min_value=1, max_value=3),
                    persist_state="session", bind="query-params")
 
 
 @st.cache_data(show_spinner="Running the cold and warm requests…", max_entries=32, ttl="1h")
-def _verdict(shared, unique, new_tokens, block, interval, groups):
+def _p08_verdict(shared, unique, new_tokens, block, interval, groups):
     return prefix_hit(shared, unique, new_tokens, block, interval, groups)
 
 
 @st.cache_data(show_spinner=f"Timing cold and warm runs: {REPEATS} interleaved repeats after a warm-up…",
                max_entries=32, ttl="1h")
-def _timing(shared, unique, new_tokens, block, interval, groups):
+def _p08_timing(shared, unique, new_tokens, block, interval, groups):
     return prefix_hit_timing(shared, unique, new_tokens, block, interval, groups, repeats=REPEATS)
 
 
-run = engine_call(_verdict, shared, unique, new_tokens, block, interval, groups)
+run = engine_call(_p08_verdict, shared, unique, new_tokens, block, interval, groups)
 check, warm = run.check, pd.Series(run.warm)
 m1, m2, m3, m4 = st.columns(4)
 reduction = m1.empty()
@@ -71,8 +74,8 @@ st.caption("What to notice: the KV bytes shared grow with b (one page per block)
 
 with timing_part:
     st.subheader(f"1 · TTFT, cold vs warm (median of {REPEATS} interleaved repeats)")
-    remeasure_button(_timing, key="p08_remeasure")
-    timed = engine_call(_timing, shared, unique, new_tokens, block, interval, groups)
+    remeasure_button(_p08_timing, key="p08_remeasure")
+    timed = engine_call(_p08_timing, shared, unique, new_tokens, block, interval, groups)
     summary, ttft = timed.summary, timed.ttft
     reduction.metric("TTFT reduction (median)", f"{summary['ttft_reduction']:.0%}",
                      f"{summary['cold_ttft_ms']:.1f} → {summary['warm_ttft_ms']:.1f} ms", delta_color="off")
