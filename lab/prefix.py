@@ -185,13 +185,16 @@ def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_
     """TTFT of ``second`` cold and warm, ``repeats`` interleaved rounds after ``warmup`` (:func:`lab.timing.measure`).
 
     Case "cold": a fresh cache-off engine runs ``second`` to its first token. Case "warm": a fresh engine
-    runs ``first`` (``max_new_tokens``, so it leaves the cache the verification run leaves), then
-    ``second`` to its first token; the fill's own TTFT is the "first" kind. The samples are the engine's
+    runs ``first``, then ``second`` to its first token; the fill's own TTFT is the "first" kind. The fill
+    generates ``max_new_tokens`` (the cache the verification run leaves) when ``second`` starts with all
+    of ``first``; otherwise one token: a block or checkpoint past ``first``'s prompt covers the position
+    where ``second`` differs, so it can never be part of ``second``'s hit. The samples are the engine's
     TTFT of each request, not the wall time of a case (which includes engine set-up and the fill).
     Raises ValueError for bad sizes, prompts or repeats (< :data:`lab.timing.MIN_REPEATS`) and
     RuntimeError if the warm runs' hit differs between repeats (the engine is deterministic)."""
     a, b, model, pages = _sizes(first, second, max_new_tokens, block_size, num_groups, preset)
     runs: dict[str, list] = {"cold": [], "warm": []}
+    fill_tokens = max_new_tokens if b[:len(a)] == a else 1
 
     def done(kind: str, *rows) -> None:
         runs[kind].append(rows)
@@ -202,7 +205,7 @@ def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_
 
     def warm() -> None:
         eng = build_engine(model, block_size, interval, num_groups, pages)
-        fill = eng.generate(a, max_new_tokens)
+        fill = eng.generate(a, fill_tokens)
         done("warm", _row("first", fill), _row("warm", eng.generate(b, 1)))
 
     with one_thread():

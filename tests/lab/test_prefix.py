@@ -9,7 +9,9 @@ from lab.prefix import (
     PHASE_RUNS,
     anatomy,
     as_tokens,
+    build_engine,
     cold_vs_warm,
+    demo_model,
     miss_then_hit,
     shared_prefix_prompts,
     time_cold_warm,
@@ -101,3 +103,20 @@ def test_bad_inputs():
         cold_vs_warm("a", "b", preset="kimi-k3")
     with pytest.raises(ValueError, match="shared_tokens"):
         shared_prefix_prompts(0, 0)
+
+
+@pytest.mark.parametrize("extends", [True, False], ids=["second-extends-first", "tails-differ"])
+def test_timed_warm_hit_equals_the_verified_hit(extends):
+    """The timed fill generates one token unless the second prompt starts with the whole first one (a
+    multi-turn prompt: first, its answer, a new question: the answer's blocks are part of the hit); either
+    way the timed warm runs hit exactly where the verification run (``max_new_tokens`` fill) hits."""
+    a, b = shared_prefix_prompts(42, 20, seed=5)
+    if extends:
+        answer = build_engine(demo_model("demo-tiny"), 8, 16, cache=False).generate(a, 6).output_tokens
+        b = a + list(answer) + b[42:]
+    verified = cold_vs_warm(a, b, max_new_tokens=6, block_size=8, interval=16, preset="demo-tiny")
+    timed = time_cold_warm(a, b, max_new_tokens=6, block_size=8, interval=16, preset="demo-tiny")
+    hits = {r["hit_tokens"] for r in timed.rows if r["kind"] == "warm"}
+    assert hits == {verified.rows[2]["hit_tokens"]} and min(hits) > 0
+    if extends:
+        assert min(hits) > len(a)                   # the hit reaches into the first request's answer
