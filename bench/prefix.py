@@ -17,7 +17,7 @@ import statistics
 from pathlib import Path
 
 from lab.pool_timing import one_thread
-from lab.prefix import cold_vs_warm, shared_prefix_prompts, ttft_summary
+from lab.prefix import cold_vs_warm, shared_prefix_prompts, time_cold_warm, ttft_summary
 from serve.config import ServeConfig
 from serve.prefix.sim import TraceReplayConfig, replay_trace
 from serve.traces import ideal_hit_ratio, load_mooncake
@@ -47,10 +47,11 @@ def ttft(prompt_tokens: int, fractions, repeats: int) -> list[dict]:
     for f in fractions:
         shared = round(prompt_tokens * f)
         first, second = shared_prefix_prompts(shared, prompt_tokens - shared, seed=1)
-        run = cold_vs_warm(first, second, max_new_tokens=4, block_size=16, interval=128, repeats=repeats)
-        warm = [r for r in run.rows if r["kind"] == "warm"]
+        run = cold_vs_warm(first, second, max_new_tokens=4, block_size=16, interval=128)
+        timed = time_cold_warm(first, second, max_new_tokens=4, block_size=16, interval=128, repeats=max(5, repeats))
+        warm = [r for r in timed.rows if r["kind"] == "warm"]
         out.append(dict(shared_fraction=f, shared_tokens=shared, hit_tokens=warm[0]["hit_tokens"],
-                        warm_prefill_tokens=warm[0]["prefill_tokens"], **ttft_summary(run.rows),
+                        warm_prefill_tokens=warm[0]["prefill_tokens"], **ttft_summary(timed.rows),
                         outputs_identical=run.check.outputs_identical, max_logit_diff=run.check.max_logit_diff,
                         warm_phase_ms={k: statistics.median(r[k] for r in warm) for k in warm[0] if k.endswith("_ms")}))
     return out

@@ -1,6 +1,8 @@
-"""Measured engine runs behind the home page, pages 07-09 and ``bench.prefix``; :func:`home` (home page)
- and :func:`prefix_hit` (page 08) return everything their page draws in one call
-(page 07's: :func:`lab.prefix_anatomy.anatomy_view`).
+"""Measured engine runs behind the home page, pages 07-09 and ``bench.prefix``. The home page and page 08
+each make two calls, drawn progressively: :func:`home` / :func:`prefix_hit` (one cold and one warm run:
+the output verdict and what the hit reused, fast) and :func:`home_timing` / :func:`prefix_hit_timing`
+(engine TTFT over interleaved repeats with :func:`lab.timing.measure`, slower). Page 07's call is
+:func:`lab.prefix_anatomy.anatomy_view`.
 
 Every function builds fresh engines on the runnable demo model, runs real requests through
 :class:`serve.engine.ServeEngine` single-threaded (2 shared cores: stable timings), and returns plain
@@ -9,7 +11,6 @@ rows (lists of dicts) for the UI. TTFT is measured by the engine (submit -> firs
 from __future__ import annotations
 
 import functools
-import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -21,6 +22,7 @@ from kda_core.chunk import CHUNK_SIZE
 from kda_core.config import PRESETS
 from kda_core.model import HybridLM, bytes_to_text
 from lab.threads import one_thread
+from lab.timing import MIN_REPEATS, Conditions, measure, summarize
 from serve.config import ServeConfig
 from serve.engine import ServeEngine
 from serve.memory.layout import CacheLayout
@@ -127,10 +129,10 @@ def compare(warm: RequestResult, cold: RequestResult) -> Comparison:
 
 
 class ColdWarm(NamedTuple):
-    """rows: one dict per (repeat, kind) with TTFT, tokens, bytes and per-phase ms; cold = the prompt
-    through a cache-off engine, first = the earlier request that fills the cache, warm = the prompt
-    after it; check: warm vs cold outputs (worst repeat); warm_tokens: the warm output token ids of
-    repeat 0 (``max_new_tokens`` of them); layout: page layout."""
+    """The verification run of :func:`cold_vs_warm`: rows: one dict per run kind, in :data:`PHASE_RUNS`
+    order (cold = ``second`` through a cache-off engine, first = ``first`` filling the cache, warm =
+    ``second`` after it; TTFT, tokens, bytes, per-phase ms); check: warm vs cold outputs; warm_tokens: the
+    warm output token ids (``max_new_tokens`` of them); layout: page layout."""
 
     rows: list
     check: Comparison
@@ -138,35 +140,83 @@ class ColdWarm(NamedTuple):
     layout: CacheLayout
 
 
-def cold_vs_warm(first: str | Sequence[int], second: str | Sequence[int], max_new_tokens: int = 8,
-                 block_size: int = 16, interval: int = 64, num_groups: int = 1, repeats: int = 3,
-                 preset: str = "demo") -> ColdWarm:
-    """Measure ``second`` cold (cache-off engine) and warm (after ``first`` filled the cache), ``repeats``
-    times on fresh engines. Repeat 0 generates ``max_new_tokens`` for the cold and warm runs; later
-    repeats only measure TTFT, so they stop at the first token (its logits are still compared). ``first``
-    always generates ``max_new_tokens`` (its output blocks are part of the cache it leaves). Raises
-    ValueError for bad sizes or prompts."""
+PHASE_RUNS = ("cold", "first", "warm")  # run kinds, in the order of the rows and the phase breakdown
+
+
+def _sizes(first, second, max_new_tokens: int, block_size: int, num_groups: int, preset: str):
     a, b = as_tokens(first), as_tokens(second)
-    if repeats < 1 or max_new_tokens < 1:
-        raise ValueError("repeats and max_new_tokens must be >= 1")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     model = demo_model(preset)
-    pages = _pages_for(model, block_size, num_groups, max(len(a), len(b)) + max_new_tokens)
-    rows, checks, warm = [], [], None
+    return a, b, model, _pages_for(model, block_size, num_groups, max(len(a), len(b)) + max_new_tokens)
+
+
+def cold_vs_warm(first: str | Sequence[int], second: str | Sequence[int], max_new_tokens: int = 8,
+                 block_size: int = 16, interval: int = 64, num_groups: int = 1, preset: str = "demo") -> ColdWarm:
+    """Run ``second`` cold (cache-off engine) and warm (after ``first`` filled the cache) once each on fresh
+    engines, ``max_new_tokens`` greedy tokens with logits recorded, and compare them. Raises ValueError for
+    bad sizes or prompts."""
+    a, b, model, pages = _sizes(first, second, max_new_tokens, block_size, num_groups, preset)
     with one_thread():
-        for r in range(repeats):
-            new_tokens = max_new_tokens if r == 0 else 1
-            cold = build_engine(model, block_size, interval, num_groups, pages, cache=False).generate(
-                b, new_tokens, record_logits=True)
-            eng = build_engine(model, block_size, interval, num_groups, pages)
-            fill = eng.generate(a, max_new_tokens)
-            res = eng.generate(b, new_tokens, record_logits=True)
-            if r == 0:
-                warm = res
-            eng.check_integrity()
-            rows += [_row("cold", cold, r), _row("first", fill, r), _row("warm", res, r)]
-            checks.append(compare(res, cold))
-    worst = max(checks, key=lambda c: (not c.outputs_identical, not c.bitwise, c.max_logit_diff))
-    return ColdWarm(rows, worst, warm.output_tokens, eng.layout)
+        cold = build_engine(model, block_size, interval, num_groups, pages, cache=False).generate(
+            b, max_new_tokens, record_logits=True)
+        eng = build_engine(model, block_size, interval, num_groups, pages)
+        fill = eng.generate(a, max_new_tokens)
+        warm = eng.generate(b, max_new_tokens, record_logits=True)
+        eng.check_integrity()
+    rows = [_row("cold", cold), _row("first", fill), _row("warm", warm)]
+    return ColdWarm(rows, compare(warm, cold), warm.output_tokens, eng.layout)
+
+
+class TtftTimes(NamedTuple):
+    """Engine-measured TTFT of :func:`time_cold_warm`: rows: one dict per (timed repeat, run kind) as in
+    :class:`ColdWarm` (warm-up runs left out); timings: one :class:`lab.timing.Timing` (seconds) per kind
+    in :data:`PHASE_RUNS` over the ``repeats`` samples of the engine's TTFT (submit -> first token);
+    conditions: when and how it was measured."""
+
+    rows: list
+    timings: list
+    conditions: Conditions
+
+
+def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_new_tokens: int = 8,
+                   block_size: int = 16, interval: int = 64, num_groups: int = 1, repeats: int = MIN_REPEATS,
+                   warmup: int = 1, preset: str = "demo") -> TtftTimes:
+    """TTFT of ``second`` cold and warm, ``repeats`` interleaved rounds after ``warmup`` (:func:`lab.timing.measure`).
+
+    Case "cold": a fresh cache-off engine runs ``second`` to its first token. Case "warm": a fresh engine
+    runs ``first``, then ``second`` to its first token; the fill's own TTFT is the "first" kind. The fill
+    generates ``max_new_tokens`` (the cache the verification run leaves) when ``second`` starts with all
+    of ``first``; otherwise one token: a block or checkpoint past ``first``'s prompt covers the position
+    where ``second`` differs, so it can never be part of ``second``'s hit. The samples are the engine's
+    TTFT of each request, not the wall time of a case (which includes engine set-up and the fill).
+    Raises ValueError for bad sizes, prompts or repeats (< :data:`lab.timing.MIN_REPEATS`) and
+    RuntimeError if the warm runs' hit differs between repeats (the engine is deterministic)."""
+    a, b, model, pages = _sizes(first, second, max_new_tokens, block_size, num_groups, preset)
+    runs: dict[str, list] = {"cold": [], "warm": []}
+    fill_tokens = max_new_tokens if b[:len(a)] == a else 1
+
+    def done(kind: str, *rows) -> None:
+        runs[kind].append(rows)
+
+    def cold() -> None:
+        done("cold", _row("cold", build_engine(model, block_size, interval, num_groups, pages,
+                                               cache=False).generate(b, 1)))
+
+    def warm() -> None:
+        eng = build_engine(model, block_size, interval, num_groups, pages)
+        fill = eng.generate(a, fill_tokens)
+        done("warm", _row("first", fill), _row("warm", eng.generate(b, 1)))
+
+    with one_thread():
+        _, cond = measure({"cold": cold, "warm": warm}, repeats=repeats, warmup=warmup)
+    rows = [dict(row, repeat=r) for r, (c, (f, w)) in enumerate(zip(runs["cold"][warmup:], runs["warm"][warmup:]))
+            for row in (c[0], f, w)]
+    hits = {r["hit_tokens"] for r in rows if r["kind"] == "warm"}
+    if len(hits) != 1:
+        raise RuntimeError(f"warm runs hit different boundaries across repeats: {sorted(hits)}")
+    timings = [summarize(kind, [r["ttft_ms"] / 1e3 for r in rows if r["kind"] == kind]) for kind in PHASE_RUNS]
+    return TtftTimes(rows, timings, cond)
 
 
 def shared_prefix_prompts(shared_tokens: int, unique_tokens: int, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -182,10 +232,13 @@ def shared_prefix_prompts(shared_tokens: int, unique_tokens: int, seed: int = 0)
 
 
 def ttft_summary(rows: list) -> dict:
-    """Median TTFT (ms) of the cold and warm rows and the reduction ``1 - warm / cold``."""
-    cold = statistics.median(r["ttft_ms"] for r in rows if r["kind"] == "cold")
-    warm = statistics.median(r["ttft_ms"] for r in rows if r["kind"] == "warm")
-    return dict(cold_ttft_ms=cold, warm_ttft_ms=warm, ttft_reduction=1.0 - warm / cold)
+    """Median TTFT (ms) of the cold and warm rows, their interquartile ranges (ms) and the reduction
+    ``1 - warm / cold`` of the medians. Raises ValueError without a cold or a warm row."""
+    out = {}
+    for kind in ("cold", "warm"):
+        t = summarize(kind, [r["ttft_ms"] for r in rows if r["kind"] == kind])
+        out |= {f"{kind}_ttft_ms": t.median_s, f"{kind}_ttft_iqr_ms": t.iqr_s}
+    return out | dict(ttft_reduction=1.0 - out["warm_ttft_ms"] / out["cold_ttft_ms"])
 
 
 ANATOMY_BLOCK_COLUMNS = ("prompt", "block", "start", "end", "key", "cached")
@@ -267,53 +320,82 @@ def miss_then_hit(prompt_tokens: int, next_shared: int, block_size: int = 16, in
     return MissThenHit(_row("miss", miss), written, _row("next", warm), compare(warm, cold))
 
 
-PHASE_RUNS = ("cold", "first", "warm")  # row order of the phase breakdown
-
-
 @dataclass(frozen=True)
-class PrefixRuns:
-    """Cold vs warm, ready to draw (home page and page 08).
+class PrefixCheck:
+    """Cold vs warm output, ready to show (home page and page 08; the fast part, drawn first).
 
-    rows: one row per (repeat, run) as in :class:`ColdWarm` (ms, tokens, bytes); phases_ms: median ms per
-    timing phase (columns :data:`serve.request.TIMING_PHASES`) per run ``kind`` in :data:`PHASE_RUNS`;
-    warm: the warm row of repeat 0; check: warm vs cache-off output; summary: :func:`ttft_summary`;
-    warm_text: the warm output of repeat 0 decoded as UTF-8 (control bytes shown as ·); num_generated:
-    its tokens; state_bytes: the whole-model KDA state (bytes); phases: the timing phase names;
+    rows: the verification run's rows (:class:`ColdWarm`), one per kind in :data:`PHASE_RUNS`; warm / cold:
+    its warm and cold rows; check: warm vs cache-off output; warm_text: the warm output decoded as UTF-8
+    (control bytes shown as ·); num_generated: its tokens; state_bytes: the whole-model KDA state (bytes);
     chunk_size: the KDA chunk C (tokens)."""
 
     rows: pd.DataFrame
-    phases_ms: pd.DataFrame
     warm: dict
+    cold: dict
     check: Comparison
-    summary: dict
     warm_text: str
     num_generated: int
     state_bytes: int
-    phases: tuple = TIMING_PHASES
     chunk_size: int = CHUNK_SIZE
 
 
-def _prefix_runs(run: ColdWarm) -> PrefixRuns:
+@dataclass(frozen=True)
+class PrefixTimings:
+    """Engine TTFT of cold vs warm runs, ready to draw (home page and page 08; the measured part).
+
+    rows: one row per (repeat, kind) (:class:`TtftTimes`); ttft: one row per kind in :data:`PHASE_RUNS` with
+    ``median_ms``, ``q1_ms``, ``q3_ms``, ``min_ms``, ``max_ms`` and ``repeats``; phases_ms: median ms per
+    timing phase (columns ``<phase>_ms`` of :data:`serve.request.TIMING_PHASES`) per kind; summary:
+    :func:`ttft_summary`; conditions: :class:`lab.timing.Conditions`; phases: the phase names."""
+
+    rows: pd.DataFrame
+    ttft: pd.DataFrame
+    phases_ms: pd.DataFrame
+    summary: dict
+    conditions: Conditions
+    phases: tuple = TIMING_PHASES
+
+
+def _check(run: ColdWarm) -> PrefixCheck:
+    rows = pd.DataFrame(run.rows)
+    text = "".join(c if c.isprintable() else "·" for c in bytes_to_text(run.warm_tokens))
+    by_kind = {r["kind"]: r for r in run.rows}
+    return PrefixCheck(rows, by_kind["warm"], by_kind["cold"], run.check, text, len(run.warm_tokens),
+                       run.layout.state_bytes)
+
+
+def _timings(run: TtftTimes) -> PrefixTimings:
     rows = pd.DataFrame(run.rows)
     phases = rows.groupby("kind")[[f"{p}_ms" for p in TIMING_PHASES]].median().reindex(list(PHASE_RUNS))
-    text = "".join(c if c.isprintable() else "·" for c in bytes_to_text(run.warm_tokens))
-    warm = rows[rows.kind == "warm"].iloc[0].to_dict()
-    return PrefixRuns(rows, phases.reset_index(), warm, run.check, ttft_summary(run.rows), text,
-                      len(run.warm_tokens), run.layout.state_bytes)
+    ttft = pd.DataFrame([dict(kind=t.label, median_ms=t.median_s * 1e3, q1_ms=t.q1_s * 1e3, q3_ms=t.q3_s * 1e3,
+                              min_ms=t.min_s * 1e3, max_ms=t.max_s * 1e3, repeats=len(t.samples_s))
+                         for t in run.timings])
+    return PrefixTimings(rows, ttft, phases.reset_index(), ttft_summary(run.rows), run.conditions)
 
 
-def home(first: str, second: str, max_new_tokens: int, block_size: int, interval: int,
-         repeats: int = 3) -> PrefixRuns:
-    """The home page: text prompt ``second`` cold and warm after ``first`` (:func:`cold_vs_warm`).
+def home(first: str, second: str, max_new_tokens: int, block_size: int, interval: int) -> PrefixCheck:
+    """The home page's verdict: text prompt ``second`` cold and warm after ``first`` (:func:`cold_vs_warm`).
     Raises ValueError for an empty prompt or bad sizes."""
-    return _prefix_runs(cold_vs_warm(first, second, max_new_tokens, block_size, interval, repeats=repeats))
+    return _check(cold_vs_warm(first, second, max_new_tokens, block_size, interval))
+
+
+def home_timing(first: str, second: str, max_new_tokens: int, block_size: int, interval: int,
+                repeats: int = MIN_REPEATS) -> PrefixTimings:
+    """The home page's measured TTFT, cold vs warm (:func:`time_cold_warm`). Raises as it does."""
+    return _timings(time_cold_warm(first, second, max_new_tokens, block_size, interval, repeats=repeats))
 
 
 def prefix_hit(shared_tokens: int, unique_tokens: int, max_new_tokens: int, block_size: int, interval: int,
-               num_groups: int, repeats: int = 3, seed: int = 0) -> PrefixRuns:
-    """Page 08: two seeded random prompts sharing ``shared_tokens`` (:func:`shared_prefix_prompts`), the
-    second cold and warm. Raises ValueError for bad lengths or sizes."""
+               num_groups: int, seed: int = 0) -> PrefixCheck:
+    """Page 08's verdict: two seeded random prompts sharing ``shared_tokens`` (:func:`shared_prefix_prompts`),
+    the second cold and warm. Raises ValueError for bad lengths or sizes."""
     first, second = shared_prefix_prompts(shared_tokens, unique_tokens, seed=seed)
-    return _prefix_runs(cold_vs_warm(first, second, max_new_tokens, block_size, interval, num_groups,
-                                     repeats=repeats))
+    return _check(cold_vs_warm(first, second, max_new_tokens, block_size, interval, num_groups))
 
+
+def prefix_hit_timing(shared_tokens: int, unique_tokens: int, max_new_tokens: int, block_size: int, interval: int,
+                      num_groups: int, repeats: int = MIN_REPEATS, seed: int = 0) -> PrefixTimings:
+    """Page 08's measured TTFT, cold vs warm, of the prompts of :func:`prefix_hit`. Raises as
+    :func:`time_cold_warm` does."""
+    first, second = shared_prefix_prompts(shared_tokens, unique_tokens, seed=seed)
+    return _timings(time_cold_warm(first, second, max_new_tokens, block_size, interval, num_groups, repeats))

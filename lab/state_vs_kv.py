@@ -7,16 +7,18 @@ Per decoded token and layer: one :func:`kda_core.kda.kda_step` (constant work: H
 update) against one absorbed MLA decode over a latent cache of N tokens
 (:func:`kda_core.layer.latent_attention`, linear in N). Real head dims (K = V = 128, latent
 r + rope = 576) with the number of heads scaled down (``num_heads``) so a sweep stays under a
-second; the page says so. Each time is the minimum over ``repeats`` back-to-back runs of that one
-operation (ns clock, in microseconds): on a shared CPU, contention only ever adds time, so the
-least-disturbed run is the cost of the work (a median still let 100 ms stalls through on a loaded
-2-core machine). The two operations are timed apart, not interleaved: interleaving let the MLA pass
-over N latents evict the KDA state from the CPU cache, so the KDA time grew with N (3.4x at 16k,
-found in review) although its work does not. Runs use one torch thread.
+second; the page says so. Timing follows :func:`lab.timing.measure`: one case per context N, a
+warm-up run of each, then ``repeats`` rounds with the contexts in rotating order; each point is the
+median with its interquartile range and min / max (microseconds). KDA and MLA are measured in two
+separate sweeps, not interleaved with each other: interleaving let the MLA pass over N latents evict
+the KDA state from the CPU cache, so the KDA time grew with N (3.4x at 16k, found in review) although
+its work does not. The KDA step's inputs are the same at every N (its state is H x K x V whatever
+the context); it is timed once per N so its line shows its own run-to-run spread. Per layer,
+:func:`lab.timing.fit_linear` fits t(N) = a + b N over the medians: a is the fixed cost of one step
+(call overhead, the state update), b the cost per context token (≈ 0 for KDA). Runs use one torch thread.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,45 +30,59 @@ from kda_core import config as kc
 from kda_core.config import ModelConfig
 from kda_core.kda import kda_step
 from kda_core.layer import latent_attention
+from lab.threads import one_thread
+from lab.timing import MIN_REPEATS, Conditions, LinearFit, fit_linear, measure
 
 
 class DecodeCost(NamedTuple):
-    """One context length: measured microseconds per decoded token for one layer (min of runs)."""
+    """One context length N: microseconds per decoded token for one layer, median and interquartile range
+    (q1, q3) over the repeats, for the KDA step and the MLA decode."""
 
     context_tokens: int
     kda_step_us: float
+    kda_q1_us: float
+    kda_q3_us: float
     mla_decode_us: float
+    mla_q1_us: float
+    mla_q3_us: float
 
 
-def _min_us(fn, repeats: int) -> float:
-    """Minimum time in µs of ``fn`` over ``repeats`` back-to-back runs (after one warm-up run)."""
-    fn()  # warm-up (allocations, kernel selection, cache)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter_ns()
-        fn()
-        best = min(best, (time.perf_counter_ns() - t0) / 1e3)
-    return best
+class DecodeCosts(NamedTuple):
+    """:func:`measure_decode_cost`'s result: rows (one :class:`DecodeCost` per context, input order); kda_fit
+    / mla_fit: t(N) = a + b N over the medians (seconds; a fixed per-step cost, b per context token);
+    conditions: of the KDA sweep (the MLA sweep follows it at once with the same repeats and threads)."""
+
+    rows: list
+    kda_fit: LinearFit
+    mla_fit: LinearFit
+    conditions: Conditions
 
 
-def measure_decode_cost(cfg: ModelConfig, contexts: list[int], num_heads: int = 4, repeats: int = 7,
-                        seed: int = 0) -> list[DecodeCost]:
+MAX_MEASURED_CONTEXT = 262_144
+
+
+def measure_decode_cost(cfg: ModelConfig, contexts: list[int], num_heads: int = 4, repeats: int = MIN_REPEATS,
+                        seed: int = 0) -> DecodeCosts:
     """Measure per-token decode time of one KDA layer step vs one MLA decode at each context.
 
     Args:
         cfg: model config (head dims K, V and latent width r + rope come from it).
-        contexts: context lengths N in tokens (each >= 1, at most 262,144).
+        contexts: distinct context lengths N in tokens (each in [1, 262,144]; at least two, for the fit).
         num_heads: heads used for both layers in the measurement (scaled down from the real model).
-        repeats: timed rounds per point (the minimum is reported).
+        repeats: timed rounds per point (>= :data:`lab.timing.MIN_REPEATS`; the median is reported).
 
-    Returns: list of :class:`DecodeCost`, one per context, in input order.
+    Returns: :class:`DecodeCosts`.
 
-    Raises: ValueError on empty/out-of-range contexts or non-positive heads/repeats.
+    Raises: ValueError on out-of-range or repeated contexts, fewer than two contexts, non-positive
+    heads or repeats below :data:`lab.timing.MIN_REPEATS`.
     """
-    if not contexts or any((not isinstance(n, int)) or n < 1 or n > 262_144 for n in contexts):
-        raise ValueError(f"contexts must be ints in [1, 262144], got {contexts}")
-    if num_heads < 1 or repeats < 1:
-        raise ValueError(f"num_heads and repeats must be >= 1, got {num_heads}, {repeats}")
+    if not contexts or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 or n > MAX_MEASURED_CONTEXT
+                           for n in contexts):
+        raise ValueError(f"contexts must be ints in [1, {MAX_MEASURED_CONTEXT}], got {contexts}")
+    if len(set(contexts)) != len(contexts) or len(contexts) < 2:
+        raise ValueError(f"contexts must be at least two distinct lengths (for the a + b N fit), got {contexts}")
+    if num_heads < 1:
+        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
     gen = torch.Generator().manual_seed(seed)
     H, K, V, r = num_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.kv_lora_rank
     q = torch.nn.functional.normalize(torch.randn(1, H, K, generator=gen), dim=-1)
@@ -76,19 +92,16 @@ def measure_decode_cost(cfg: ModelConfig, contexts: list[int], num_heads: int = 
     beta = torch.rand(1, H, generator=gen)
     state = torch.randn(1, H, K, V, generator=gen)
     q_cat = torch.randn(1, H, cfg.latent_dim, generator=gen)
+    latents = torch.randn(1, max(contexts), cfg.latent_dim, generator=gen)   # [1, N_max, r + rope]; N = a prefix
     scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
-    out = []
-    prev_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for n in contexts:
-            cache = torch.randn(1, n, cfg.latent_dim, generator=gen)    # [1, N, r + rope]
-            mla_us = _min_us(lambda c=cache: latent_attention(q_cat, c, r, scale), repeats)
-            kda_us = _min_us(lambda: kda_step(q, k, v, g, beta, state), repeats)  # re-measured at every N
-            out.append(DecodeCost(n, kda_us, mla_us))
-    finally:
-        torch.set_num_threads(prev_threads)
-    return out
+    with one_thread():
+        kda, cond = measure({str(n): lambda: kda_step(q, k, v, g, beta, state) for n in contexts}, repeats=repeats)
+        mla, _ = measure({str(n): lambda c=latents[:, :n]: latent_attention(q_cat, c, r, scale) for n in contexts},
+                         repeats=repeats)
+    rows = [DecodeCost(n, kt.median_s * 1e6, kt.q1_s * 1e6, kt.q3_s * 1e6, mt.median_s * 1e6, mt.q1_s * 1e6,
+                       mt.q3_s * 1e6) for n, kt, mt in zip(contexts, kda, mla)]
+    return DecodeCosts(rows, fit_linear(contexts, [t.median_s for t in kda]),
+                       fit_linear(contexts, [t.median_s for t in mla]), cond)
 
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8 (e4m3)": torch.float8_e4m3fn}
@@ -99,7 +112,7 @@ CONTEXTS = tuple(2 ** i for i in range(6, 21))  # context options of the page (t
 MEASURED_CONTEXTS = tuple(2 ** i for i in range(10, 16))  # largest measured context options (tokens)
 CONV_DTYPE = torch.bfloat16  # conv window dtype of kda_core.config's byte formulas
 CURVE_POINTS = 60  # log-spaced contexts of the bytes chart
-MEASURE_REPEATS = 5  # timed runs per measured point (the minimum is shown)
+MEASURE_REPEATS = MIN_REPEATS  # timed rounds per measured point (the median is shown)
 
 
 @dataclass(frozen=True)
@@ -108,13 +121,17 @@ class StateVsKv:
 
     cfg: the model. bytes: :class:`kda_core.config.SequenceBytes` columns per context (bytes per sequence);
     layers: :func:`kda_core.config.layer_table` rows for every context in :data:`CONTEXTS` (column
-    ``context_tokens``); decode: :class:`DecodeCost` columns (µs). Scalars in bytes (per token / layer /
+    ``context_tokens``); decode: :class:`DecodeCost` columns (µs); kda_fit / mla_fit: t(N) = a + b N of the
+    medians (s); conditions: of the measurement (:class:`lab.timing.Conditions`). Scalars in bytes (per token / layer /
     sequence) and tokens (break-even; inf when the model has no MLA layer); ``*_dtype_bytes`` element sizes."""
 
     cfg: ModelConfig
     bytes: pd.DataFrame
     layers: pd.DataFrame
     decode: pd.DataFrame
+    kda_fit: LinearFit
+    mla_fit: LinearFit
+    conditions: Conditions
     kv_bytes_per_token: int
     all_mla_kv_bytes_per_token: int
     state_bytes_per_layer: int
@@ -155,9 +172,10 @@ def state_vs_kv(model: str, state_dtype: str, kv_dtype: str, context_range: tupl
     layers = pd.concat([pd.DataFrame(kc.layer_table(cfg, n, sd, kd)).assign(context_tokens=n) for n in CONTEXTS],
                        ignore_index=True)
     measured = [2 ** i for i in range(8, int(np.log2(measure_max_tokens)) + 1)]
-    decode = pd.DataFrame(measure_decode_cost(cfg, measured, num_heads=measure_heads, repeats=repeats),
-                          columns=DecodeCost._fields)
-    return StateVsKv(cfg, curve, layers, decode, kc.mla_kv_bytes_per_token(cfg, kd),
+    costs = measure_decode_cost(cfg, measured, num_heads=measure_heads, repeats=repeats)
+    decode = pd.DataFrame(costs.rows, columns=DecodeCost._fields)
+    return StateVsKv(cfg, curve, layers, decode, costs.kda_fit, costs.mla_fit, costs.conditions,
+                     kc.mla_kv_bytes_per_token(cfg, kd),
                      kc.all_mla_kv_bytes_per_token(cfg, kd), kc.kda_state_bytes_per_layer(cfg, sd),
                      kc.fixed_state_bytes_per_sequence(cfg, sd), kc.break_even_tokens(cfg, sd, kd),
                      kc.recurrent_break_even_tokens(cfg, sd, kd), kc.dtype_bytes(sd), kc.dtype_bytes(kd),

@@ -2,8 +2,8 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.prefix import home
-from pages._common import engine_call, persist, show_chart
+from lab.prefix import home, home_timing
+from pages._common import engine_call, measured_stamp, persist, remeasure_button, show_chart
 from pages._registry import SECTIONS, TABS
 
 st.title("KDA Serve Lab — what the second request saves")
@@ -14,28 +14,34 @@ st.write(
     "many tokens (a checkpoint, copied into the request). Below, two prompts (bytes are tokens) go through our "
     "`ServeEngine` on the demo model: the second one cold (no cache) and warm (after the first filled the cache).")
 
-SYSTEM = ("You are KDA-bot, a careful assistant for inference engineers. Answer in short, precise sentences. "
-          "Always state units (bytes, tokens, ms). Cite the source of every number. Prefer measured values "
-          "over estimates, and say so when you estimate. The cluster runs Kimi Linear with KDA and MLA layers, "
-          "paged caches, prefix caching with state checkpoints and speculative decoding. ")
+SYSTEM = ("You are KDA-bot, a careful assistant for inference engineers. Answer in short, precise sentences; "
+          "state units (bytes, tokens, ms), cite the source of every number and prefer measured values to estimates. ")
 # fp32 logits of the warm run may differ from the cache-off run in the last bits: the warm prefill starts
 # from a restored checkpoint, so its chunked sums are split at other token positions.
 LOGIT_TOL = 1e-5
+FIRST, SECOND = SYSTEM + "User: How big is a KDA state?", SYSTEM + "User: Why must a checkpoint sit on a block boundary?"
 TOL_TEXT = f"{LOGIT_TOL:.0e}".replace("e-0", "e-")  # 1e-5
-MAX_PROMPT_BYTES = 2_000  # = tokens (byte-level model): bounds the nine prefills below
+MAX_PROMPT_BYTES = 2_000  # = tokens (byte-level model): bounds the prefills below
 c1, c2 = st.columns(2)
-first = c1.text_area("Request 1 (fills the cache)", key=persist("p00_first", SYSTEM + "User: How big is a KDA state?"), persist_state="session",
-                     height=170, max_chars=MAX_PROMPT_BYTES)
-second = c2.text_area("Request 2 (cold vs warm)", height=170, max_chars=MAX_PROMPT_BYTES,
-                      key=persist("p00_second", SYSTEM + "User: Why must a checkpoint sit on a block boundary?"), persist_state="session")
+# Each default is given twice: to persist() (the session's fallback) and as value= (the widget's declared
+# default): with bind="query-params" Streamlit drops a URL value equal to the declared default, which
+# without value= is the minimum / first option, so a link asking for it would show the page default.
+first = c1.text_area("Request 1 (fills the cache)", value=FIRST, key=persist("p00_first", FIRST),
+                     persist_state="session", bind="query-params", height=170, max_chars=MAX_PROMPT_BYTES)
+second = c2.text_area("Request 2 (cold vs warm)", height=170, max_chars=MAX_PROMPT_BYTES, bind="query-params",
+                      value=SECOND, key=persist("p00_second", SECOND),
+                      persist_state="session")
 d1, d2, d3 = st.columns(3)
-max_new = d1.slider("Tokens to generate", 1, 16, key=persist("p00_new", 8, min_value=1, max_value=16), persist_state="session")
-block = d2.select_slider("Block size N (tokens)", [8, 16, 32, 64], key=persist("p00_block", 16, options=[8, 16, 32, 64]), persist_state="session")
-interval = d3.select_slider("Checkpoint interval C (tokens)", [64, 128, 256, 512], key=persist("p00_interval_c", 64, options=[64, 128, 256, 512]), persist_state="session")
+max_new = d1.slider("Tokens to generate", 1, 16, value=4, key=persist("p00_new", 4, min_value=1, max_value=16),
+                    persist_state="session", bind="query-params")
+block = d2.select_slider("Block size N (tokens)", [8, 16, 32, 64], value=16, key=persist("p00_block", 16, options=[8, 16, 32, 64]),
+                         persist_state="session", bind="query-params")
+interval = d3.select_slider("Checkpoint interval C (tokens)", [64, 128, 256, 512], persist_state="session",
+                            value=64, key=persist("p00_interval_c", 64, options=[64, 128, 256, 512]), bind="query-params")
 sizes = {name: len(prompt.encode()) for name, prompt in (("Request 1", first), ("Request 2", second))}
 st.caption(f"Each prompt is capped at {MAX_PROMPT_BYTES:,} bytes (bytes are tokens; in UTF-8 an accent takes 2 bytes, "
-           "an emoji 4): the page runs nine prefills (3 repeats of cold, request 1 and warm), and the cap bounds the "
-           f"wait. These prompts are {sizes['Request 1']:,} and {sizes['Request 2']:,} bytes.")
+           "an emoji 4): the page runs one verified cold / warm pair, then times both over repeats, and the cap bounds "
+           f"the wait. These prompts are {sizes['Request 1']:,} and {sizes['Request 2']:,} bytes.")
 too_long = [name for name, n in sizes.items() if n > MAX_PROMPT_BYTES]
 if too_long:
     st.error(f"{' and '.join(too_long)} exceed{'s' if len(too_long) == 1 else ''} {MAX_PROMPT_BYTES:,} bytes in "
@@ -46,19 +52,27 @@ if not all(sizes.values()):
     st.stop()
 
 
-@st.cache_data(show_spinner="Running both requests through the engine (3 repeats)…", max_entries=32, ttl="1h")
-def _run(first, second, max_new, block, interval):
-    return home(first, second, max_new, block, interval, repeats=3)
+@st.cache_data(show_spinner="Running both requests through the engine…", max_entries=32, ttl="1h")
+def _p00_verdict(first, second, max_new, block, interval):
+    return home(first, second, max_new, block, interval)
 
 
-run = engine_call(_run, first, second, max_new, block, interval)
-check, summary = run.check, run.summary
-warm, cold = run.warm, run.rows[run.rows.kind == "cold"].iloc[0]
+REPEATS = 5
+
+
+@st.cache_data(show_spinner=f"Timing cold and warm runs: {REPEATS} interleaved repeats after a warm-up…",
+               max_entries=32, ttl="1h")
+def _p00_timing(first, second, max_new, block, interval):
+    return home_timing(first, second, max_new, block, interval, repeats=REPEATS)
+
+
+run = engine_call(_p00_verdict, first, second, max_new, block, interval)
+check, warm, cold = run.check, run.warm, run.cold
 m1, m2, m3, m4 = st.columns(4)
-m1.metric("Prefill tokens computed", f"{warm['prefill_tokens']:,}", f"{warm['prefill_tokens'] - cold.prefill_tokens:,} vs cold",
+m1.metric("Prefill tokens computed", f"{warm['prefill_tokens']:,}", f"{warm['prefill_tokens'] - cold['prefill_tokens']:,} vs cold",
           delta_color="inverse")
-m2.metric("TTFT warm (median)", f"{summary['warm_ttft_ms']:.1f} ms", f"{-summary['ttft_reduction']:.0%} vs cold "
-          f"{summary['cold_ttft_ms']:.1f} ms", delta_color="inverse")
+ttft_metric = m2.empty()
+ttft_metric.metric("TTFT warm (median)", "measuring…", "see below", delta_color="off")
 m3.metric("Restored from checkpoint", f"{warm['restored_bytes'] / 1024:,.1f} KiB", "KDA state, copied", delta_color="off")
 m4.metric("Shared through KV pages", f"{warm['shared_kv_bytes'] / 1024:,.1f} KiB", "MLA latents, by reference",
           delta_color="off")
@@ -71,19 +85,12 @@ elif check.outputs_identical:
              f"{TOL_TEXT} tolerance.")
 else:
     st.error("Warm output differs from the cache-off run.")
-
-st.subheader("Where the time goes (median of 3 repeats)")
-med = run.phases_ms
-fig = go.Figure([go.Bar(name=p, y=["cold (no cache)", "request 1 (fills)", "warm"], x=med[f"{p}_ms"], orientation="h")
-                 for p in run.phases])
-fig.update_layout(barmode="stack", xaxis_title="time to first token, by phase (ms)", yaxis_title="run",
-                  legend=dict(orientation="h", y=-0.3))
-show_chart(fig, med, key="p00_breakdown_chart")
 st.caption(f"Hit: {warm['hit_tokens']} of {warm['prompt_tokens']} tokens (phase-1 KV run {warm['kv_hit_tokens']}). A "
            f"whole-model KDA state is {run.state_bytes:,} B whatever the prefix length; the KV shared grows with it. "
            "What to notice: warm TTFT ≈ restore + (L − b) tokens of prefill, with b the largest boundary ≤ "
            "min(KV run, L − 1) that has a complete checkpoint (as in vLLM's and SGLang's hybrid prefix caching).")
 
+timing_part = st.container()   # filled last: the tab list below shows while the repeats run
 st.subheader("Tabs")
 for section in SECTIONS:
     tabs = [tab for tab in TABS if tab.section == section]
@@ -91,3 +98,29 @@ for section in SECTIONS:
         st.write(f"**{section}**")
     for tab in tabs:
         st.page_link(tab.path, label=f"{tab.title} — {tab.blurb}", icon=tab.icon)
+
+with timing_part:
+    st.subheader(f"Where the time goes (median of {REPEATS} interleaved repeats)")
+    remeasure_button(_p00_timing, key="p00_remeasure")
+    timed = engine_call(_p00_timing, first, second, max_new, block, interval)
+    summary, ttft = timed.summary, timed.ttft
+    ttft_metric.metric("TTFT warm (median)", f"{summary['warm_ttft_ms']:.1f} ms",
+                       f"{-summary['ttft_reduction']:.0%} vs cold {summary['cold_ttft_ms']:.1f} ms", delta_color="inverse")
+    label = {"cold": "cold (no cache)", "first": "request 1 (fills)", "warm": "warm"}
+    fig = go.Figure(go.Bar(x=ttft.median_ms, y=[label[k] for k in ttft.kind], orientation="h",
+                           error_x=dict(type="data", symmetric=False, array=ttft.q3_ms - ttft.median_ms,
+                                        arrayminus=ttft.median_ms - ttft.q1_ms),
+                           text=[f"{m:.1f} ms" for m in ttft.median_ms], textposition="inside"))
+    fig.update_layout(xaxis_title="time to first token, engine-measured (ms; median, bars = IQR)", yaxis_title="run",
+                      height=260)
+    show_chart(fig, ttft, key="p00_ttft_chart")
+    measured_stamp(timed.conditions)
+    med = timed.phases_ms
+    fig2 = go.Figure([go.Bar(name=p, y=[label[k] for k in med.kind], x=med[f"{p}_ms"], orientation="h")
+                      for p in timed.phases])
+    fig2.update_layout(barmode="stack", xaxis_title="time to first token, by phase (ms, median per phase)",
+                       yaxis_title="run", legend=dict(orientation="h", y=-0.3), height=300)
+    show_chart(fig2, med, key="p00_breakdown_chart")
+    st.caption(f"Cold, request 1 and warm: fresh engines every repeat; TTFT is measured by the engine (submit → first "
+               f"token). The warm run's TTFT IQR is {summary['warm_ttft_iqr_ms']:.1f} ms, the cold run's "
+               f"{summary['cold_ttft_iqr_ms']:.1f} ms.")

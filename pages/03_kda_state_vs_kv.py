@@ -5,7 +5,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from lab.state_vs_kv import CONTEXTS, KV_DTYPES, MEASURE_REPEATS, MEASURED_CONTEXTS, MODELS, STATE_DTYPES, state_vs_kv
-from pages._common import engine_call, persist, show_chart
+from pages._common import engine_call, measured_stamp, persist, remeasure_button, show_chart
 
 st.title("KDA state vs KV cache")
 st.write(
@@ -14,32 +14,36 @@ st.write(
     "per MLA layer. Below: exact byte counts for the real configs, then decode cost measured live on this CPU.")
 
 c1, c2, c3 = st.columns(3)
-preset = MODELS[c1.selectbox("Model", list(MODELS), key=persist("p03_preset", options=list(MODELS)), persist_state="session", bind="query-params")]
-state_dt = c2.selectbox("KDA state dtype", list(STATE_DTYPES), key=persist("p03_state_dtype", options=list(STATE_DTYPES)), persist_state="session")
-kv_dt = c3.selectbox("MLA KV dtype", list(KV_DTYPES), key=persist("p03_kv_dtype", options=list(KV_DTYPES)), persist_state="session")
+# Each default is given twice: to persist() (the session's fallback) and as value= (the widget's declared
+# default): with bind="query-params" Streamlit drops a URL value equal to the declared default, which
+# without value= is the minimum / first option, so a link asking for it would show the page default.
+URL = dict(persist_state="session", bind="query-params")   # the view's parameters: kept per session and in the URL
+preset = MODELS[c1.selectbox("Model", list(MODELS), key=persist("p03_preset", options=list(MODELS)), **URL)]
+state_dt = c2.selectbox("KDA state dtype", list(STATE_DTYPES), key=persist("p03_state_dtype", options=list(STATE_DTYPES)), **URL)
+kv_dt = c3.selectbox("MLA KV dtype", list(KV_DTYPES), key=persist("p03_kv_dtype", options=list(KV_DTYPES)), **URL)
 custom = None
 if preset == "custom":
     d1, d2, d3, d4 = st.columns(4)
-    custom = (d1.slider("Layers", 4, 128, key=persist("p03_layers", 48, min_value=4, max_value=128), persist_state="session"),
-              d2.slider("KDA layers per MLA layer", 0, 7, key=persist("p03_ratio", 3, min_value=0, max_value=7), persist_state="session"),
-              d3.slider("KDA heads", 1, 128, key=persist("p03_heads", 32, min_value=1, max_value=128), persist_state="session"),
-              d4.select_slider("Head dim", [32, 64, 128, 256], key=persist("p03_head_dim", 128, options=[32, 64, 128, 256]), persist_state="session"))
-lo, hi = st.select_slider("Context range (tokens)", options=list(CONTEXTS), value=(1024, 2 ** 20), key="p03_context",
-                          persist_state="session")
+    custom = (d1.slider("Layers", 4, 128, value=48, key=persist("p03_layers", 48, min_value=4, max_value=128), **URL),
+              d2.slider("KDA layers per MLA layer", 0, 7, value=3, key=persist("p03_ratio", 3, min_value=0, max_value=7), **URL),
+              d3.slider("KDA heads", 1, 128, value=32, key=persist("p03_heads", 32, min_value=1, max_value=128), **URL),
+              d4.select_slider("Head dim", [32, 64, 128, 256], value=128, key=persist("p03_head_dim", 128, options=[32, 64, 128, 256]), **URL))
+lo, hi = st.select_slider("Context range (tokens)", options=list(CONTEXTS), value=(1024, 2 ** 20), key="p03_context", **URL)
 part1, part2 = st.container(), st.container()
 part2.subheader("2 · Decode cost per token, measured on this CPU")
 e1, e2 = part2.columns(2)
-heads_meas = e1.slider("Heads in the measurement (scaled down from the model)", 1, 16, key=persist("p03_meas_heads", 4, min_value=1, max_value=16), persist_state="session")
+heads_meas = e1.slider("Heads in the measurement (scaled down from the model)", 1, 16,
+                       value=4, key=persist("p03_meas_heads", 4, min_value=1, max_value=16), **URL)
 max_meas = e2.select_slider("Largest measured context (tokens)", options=list(MEASURED_CONTEXTS),
-                            key=persist("p03_meas_max", 16384, options=list(MEASURED_CONTEXTS)), persist_state="session")
+                            value=16384, key=persist("p03_meas_max", 16384, options=list(MEASURED_CONTEXTS)), **URL)
 
 
 @st.cache_data(show_spinner="Measuring on this CPU…", max_entries=32, ttl="1h")
-def _run(preset, state_dt, kv_dt, context_range, heads_meas, max_meas, custom):
+def _p03_measure(preset, state_dt, kv_dt, context_range, heads_meas, max_meas, custom):
     return state_vs_kv(preset, state_dt, kv_dt, context_range, heads_meas, max_meas, custom)
 
 
-run = engine_call(_run, preset, state_dt, kv_dt, (lo, hi), heads_meas, max_meas, custom)
+run = engine_call(_p03_measure, preset, state_dt, kv_dt, (lo, hi), heads_meas, max_meas, custom)
 cfg, df, be, be_rec = run.cfg, run.bytes, run.break_even_tokens, run.recurrent_break_even_tokens
 with part1:
     st.subheader("1 · Cache bytes per sequence vs context")
@@ -70,26 +74,48 @@ with part1:
 
     with st.expander("Per-layer table"):
         n_table = st.select_slider("Context for the table (tokens)", options=list(CONTEXTS),
-                                   key=persist("p03_table_ctx", 131072, options=list(CONTEXTS)), persist_state="session")
+                                   value=131072, key=persist("p03_table_ctx", 131072, options=list(CONTEXTS)), **URL)
         tdf = run.layers[run.layers.context_tokens == n_table].drop(columns="context_tokens")
         st.dataframe(tdf, hide_index=True, width="stretch")
         st.download_button("Download CSV", tdf.to_csv(index=False).encode(), "p03_layers.csv", "text/csv", key="p03_layers_csv")
 
 with part2:
-    mdf = run.decode
+    remeasure_button(_p03_measure, key="p03_remeasure")
+    mdf, fits = run.decode, {"KDA": run.kda_fit, "MLA": run.mla_fit}
     fig2 = go.Figure()
-    fig2.add_trace(go.Scatter(x=mdf.context_tokens, y=mdf.kda_step_us, name="KDA: one kda_step", mode="lines+markers"))
-    fig2.add_trace(go.Scatter(x=mdf.context_tokens, y=mdf.mla_decode_us, name="MLA: absorbed decode over N latents",
-                              mode="lines+markers"))
-    fig2.update_layout(xaxis_title="context length N (tokens, log)", yaxis_title="time per token per layer (µs, min of runs, log)",
+    for name, label, color in [("KDA", "KDA: one kda_step", "#636efa"),
+                               ("MLA", "MLA: absorbed decode over N latents", "#ef553b")]:
+        fit, col, q1, q3 = fits[name], *(f"{name.lower()}_{c}_us" for c in ("step" if name == "KDA" else "decode", "q1", "q3"))
+        fig2.add_trace(go.Scatter(
+            x=mdf.context_tokens, y=mdf[col], name=label, mode="markers", marker=dict(color=color),
+            error_y=dict(type="data", symmetric=False, array=mdf[q3] - mdf[col], arrayminus=mdf[col] - mdf[q1])))
+        fig2.add_trace(go.Scatter(x=mdf.context_tokens, y=[fit.at(n) * 1e6 for n in mdf.context_tokens], mode="lines",
+                                  line=dict(dash="dash", color=color), name=f"{name} fit a + b·N"))
+    fig2.update_layout(xaxis_title="context length N (tokens, log)",
+                       yaxis_title="time per token per layer (µs; median, bars = IQR; log)",
                        xaxis_type="log", yaxis_type="log", legend=dict(orientation="h", y=-0.25))
     show_chart(fig2, mdf, key="p03_decode_chart")
+    measured_stamp(run.conditions)
+    f1, f2, f3, f4 = st.columns(4)
+    for (c_a, c_b), name in (((f1, f2), "KDA"), ((f3, f4), "MLA")):
+        fit = fits[name]
+        c_a.metric(f"{name}: fixed cost per step a", f"{fit.a_s * 1e6:,.1f} µs", f"R² {fit.r2:.3f}", delta_color="off")
+        c_b.metric(f"{name}: cost per context token b", f"{fit.b_s * 1e9:,.2f} ns", "per token of N", delta_color="off")
     last = mdf.iloc[-1]
     st.caption(
         f"Measured now with {heads_meas} heads (real dims K = {cfg.head_k_dim}, V = {cfg.head_v_dim}, latent "
         f"{cfg.latent_dim}; the model has {cfg.num_heads} KDA heads — heads are scaled down to keep the run under a second). "
-        f"At N = {int(last.context_tokens):,}: KDA {last.kda_step_us:,.0f} µs vs MLA {last.mla_decode_us:,.0f} µs. "
-        "KDA's step touches only its H×K×V state, so its line is flat; MLA reads all N latents (N × (r + rope) values), "
-        "so its work grows linearly with N — and its time faster where the latents no longer fit in the CPU cache. "
-        f"Each point is the minimum of {MEASURE_REPEATS} back-to-back runs on one thread (perf_counter_ns): on a shared CPU, contention only "
-        "adds time, so the least-disturbed run is the cost of the work.")
+        f"At N = {int(last.context_tokens):,}: KDA {last.kda_step_us:,.0f} µs vs MLA {last.mla_decode_us:,.0f} µs (medians). "
+        "KDA's step touches only its H×K×V state, so its per-token cost b is ≈ 0 and its time is the fixed a; MLA reads "
+        "all N latents (N × (r + rope) values), so its b is the per-token cost of the cache — the line bends up where "
+        "the latents no longer fit in the CPU cache. Dashed: the least-squares fit t(N) = a + b·N over the medians. "
+        f"Each point is the median of {MEASURE_REPEATS} interleaved repeats (contexts in rotating order, one torch thread) "
+        "after a warm-up; KDA and MLA are timed in separate sweeps so the MLA pass does not evict the KDA state from "
+        "the CPU cache. A run-to-run drift of the KDA step (the machine is shared) moves a, not b. R² near 0 for KDA "
+        "means a flat line: no part of its time follows N.")
+    bent = [name for name, fit in fits.items() if fit.a_s < 0]
+    if bent:
+        st.caption(f"{' and '.join(bent)}: the fitted a is negative — the time per token is not one straight line "
+                   "over the whole range (it rises above the CPU cache size), so the line through all points "
+                   "undershoots at small N and is not drawn where it falls below zero; read b, the slope where "
+                   "most of the time is, and the points themselves.")

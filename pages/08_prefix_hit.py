@@ -3,47 +3,58 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.prefix import prefix_hit
-from pages._common import engine_call, persist, show_chart
+from lab.prefix import prefix_hit, prefix_hit_timing
+from pages._common import engine_call, measured_stamp, persist, remeasure_button, show_chart
 
 st.title("Prefix hit")
 st.write(
     "Two requests share a prefix and differ in their tails. The second one runs **cold** (a cache-off engine) and "
-    "**warm** (after the first request filled the cache) on the demo model, three times each on fresh engines; "
+    "**warm** (after the first request filled the cache) on the demo model: once to compare outputs, then timed over interleaved repeats on fresh engines; "
     "TTFT is measured by the engine from submit to first token. A hit restores the KDA state from a checkpoint and "
     "shares the MLA KV blocks, so only the tokens after the hit boundary b are prefilled.")
 
+REPEATS = 5
 c1, c2, c3 = st.columns(3)
-shared = c1.slider("Shared prefix (tokens)", 0, 512, step=32, key=persist("p08_shared", 384, min_value=0, max_value=512), persist_state="session")
-unique = c2.slider("Unique tail (tokens)", 16, 256, step=16, key=persist("p08_unique", 64, min_value=16, max_value=256), persist_state="session")
-new_tokens = c3.slider("Tokens to generate", 1, 8, key=persist("p08_new", 4, min_value=1, max_value=8), persist_state="session")
+# Each default is given twice: to persist() (the session's fallback) and as value= (the widget's declared
+# default): with bind="query-params" Streamlit drops a URL value equal to the declared default, which
+# without value= is the minimum / first option, so a link asking for it would show the page default.
+shared = c1.slider("Shared prefix (tokens)", 0, 512, step=32, value=384, key=persist("p08_shared", 384, min_value=0, max_value=512),
+                   persist_state="session", bind="query-params")
+unique = c2.slider("Unique tail (tokens)", 16, 256, step=16, value=64, key=persist("p08_unique", 64, min_value=16, max_value=256),
+                   persist_state="session", bind="query-params")
+new_tokens = c3.slider("Tokens to generate", 1, 8, value=4, key=persist("p08_new", 4, min_value=1, max_value=8),
+                       persist_state="session", bind="query-params")
 d1, d2, d3 = st.columns(3)
-block = d1.select_slider("Block size N (tokens)", [8, 16, 32], key=persist("p08_block", 16, options=[8, 16, 32]), persist_state="session")
-interval = d2.select_slider("Checkpoint interval C (tokens)", [32, 64, 128, 256], key=persist("p08_interval", 64, options=[32, 64, 128, 256]), persist_state="session")
-groups = d3.slider("KDA groups G", 1, 3, key=persist("p08_groups", 1, min_value=1, max_value=3), persist_state="session")
+block = d1.select_slider("Block size N (tokens)", [8, 16, 32], value=16, key=persist("p08_block", 16, options=[8, 16, 32]),
+                         persist_state="session", bind="query-params")
+interval = d2.select_slider("Checkpoint interval C (tokens)", [32, 64, 128, 256], persist_state="session",
+                            value=64, key=persist("p08_interval", 64, options=[32, 64, 128, 256]), bind="query-params")
+groups = d3.slider("KDA groups G", 1, 3, value=1, key=persist("p08_groups", 1, min_value=1, max_value=3),
+                   persist_state="session", bind="query-params")
 
 
-@st.cache_data(show_spinner="Measuring cold and warm runs…", max_entries=32, ttl="1h")
-def _measure(shared, unique, new_tokens, block, interval, groups):
-    return prefix_hit(shared, unique, new_tokens, block, interval, groups, repeats=3)
+@st.cache_data(show_spinner="Running the cold and warm requests…", max_entries=32, ttl="1h")
+def _p08_verdict(shared, unique, new_tokens, block, interval, groups):
+    return prefix_hit(shared, unique, new_tokens, block, interval, groups)
 
 
-run = engine_call(_measure, shared, unique, new_tokens, block, interval, groups)
-rows, check, summary, warm = run.rows, run.check, run.summary, pd.Series(run.warm)
+@st.cache_data(show_spinner=f"Timing cold and warm runs: {REPEATS} interleaved repeats after a warm-up…",
+               max_entries=32, ttl="1h")
+def _p08_timing(shared, unique, new_tokens, block, interval, groups):
+    return prefix_hit_timing(shared, unique, new_tokens, block, interval, groups, repeats=REPEATS)
+
+
+run = engine_call(_p08_verdict, shared, unique, new_tokens, block, interval, groups)
+check, warm = run.check, pd.Series(run.warm)
 m1, m2, m3, m4 = st.columns(4)
-m1.metric("TTFT reduction (median)", f"{summary['ttft_reduction']:.0%}",
-          f"{summary['cold_ttft_ms']:.1f} → {summary['warm_ttft_ms']:.1f} ms", delta_color="off")
+reduction = m1.empty()
+reduction.metric("TTFT reduction (median)", "measuring…", "see section 1", delta_color="off")
 m2.metric("Prefill tokens skipped", f"{warm.hit_tokens:,} of {warm.prompt_tokens:,}")
 m3.metric("Warm vs cache-off output", ("bitwise" if check.bitwise else "NO" if check.verdict == "different" else "within 1e-5"),
           f"max |Δ logits| {check.max_logit_diff:.1e}", delta_color="off")
 m4.metric("KV run (phase 1)", f"{warm.kv_hit_tokens:,} tokens", f"hit b = {warm.hit_tokens}", delta_color="off")
 st.caption(f"Warm output {check.verdict}: {check.reason}.")
-
-st.subheader("1 · TTFT, cold vs warm (3 repeats each)")
-label = {"cold": "cold (no cache)", "first": "request 1 (fills the cache)", "warm": "warm (after request 1)"}
-fig = go.Figure([go.Box(y=rows[rows.kind == k].ttft_ms, name=label[k], boxpoints="all") for k in label])
-fig.update_layout(yaxis_title="time to first token (ms)", xaxis_title="run", showlegend=False)
-show_chart(fig, rows, key="p08_ttft_chart")
+timing_part = st.container()   # filled last: section 2 shows while the repeats run
 
 st.subheader("2 · What the hit reused, by kind")
 reuse = pd.DataFrame([
@@ -60,3 +71,23 @@ st.caption("What to notice: the KV bytes shared grow with b (one page per block)
            "state copies, not forward calls. A boundary on the "
            f"{run.chunk_size}-token chunk grid is a chunk edge; one off the grid costs one short extra chunk per KDA layer. A larger C gives coarser hits. "
            "Measured on this CPU, single thread.")
+
+with timing_part:
+    st.subheader(f"1 · TTFT, cold vs warm (median of {REPEATS} interleaved repeats)")
+    remeasure_button(_p08_timing, key="p08_remeasure")
+    timed = engine_call(_p08_timing, shared, unique, new_tokens, block, interval, groups)
+    summary, ttft = timed.summary, timed.ttft
+    reduction.metric("TTFT reduction (median)", f"{summary['ttft_reduction']:.0%}",
+                     f"{summary['cold_ttft_ms']:.1f} → {summary['warm_ttft_ms']:.1f} ms", delta_color="off")
+    label = {"cold": "cold (no cache)", "first": "request 1 (fills the cache)", "warm": "warm (after request 1)"}
+    fig = go.Figure(go.Bar(x=[label[k] for k in ttft.kind], y=ttft.median_ms,
+                           error_y=dict(type="data", symmetric=False, array=ttft.q3_ms - ttft.median_ms,
+                                        arrayminus=ttft.median_ms - ttft.q1_ms),
+                           text=[f"{m:.1f} ms" for m in ttft.median_ms], textposition="inside"))
+    fig.update_layout(yaxis_title="time to first token, engine-measured (ms; median, bars = IQR)", xaxis_title="run")
+    show_chart(fig, ttft, key="p08_ttft_chart")
+    measured_stamp(timed.conditions)
+    st.caption("Fresh engines every repeat; in each round the cold run and the (request 1, warm) pair run in "
+               "rotating order. The samples are the engine's own TTFT (submit → first token), so engine set-up "
+               f"is not counted. Warm TTFT IQR {summary['warm_ttft_iqr_ms']:.1f} ms, cold "
+               f"{summary['cold_ttft_iqr_ms']:.1f} ms; the raw samples are in the CSV.")

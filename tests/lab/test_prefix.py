@@ -1,23 +1,58 @@
 """The measured runs behind the home page and pages 07-09 (tiny model, small prompts)."""
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
-from lab.prefix import anatomy, as_tokens, cold_vs_warm, miss_then_hit, shared_prefix_prompts, ttft_summary
+from lab.prefix import (
+    PHASE_RUNS,
+    anatomy,
+    as_tokens,
+    build_engine,
+    cold_vs_warm,
+    demo_model,
+    miss_then_hit,
+    shared_prefix_prompts,
+    time_cold_warm,
+    ttft_summary,
+)
+from lab.timing import Conditions
 
 
 def test_cold_vs_warm_rows_and_check():
     a, b = shared_prefix_prompts(64, 10, seed=3)
     assert a[:64] == b[:64] and a != b and len(a) == 74
-    run = cold_vs_warm(a, b, max_new_tokens=3, block_size=16, interval=32, repeats=2, preset="demo-tiny")
-    assert [r["kind"] for r in run.rows] == ["cold", "first", "warm"] * 2
-    warm = [r for r in run.rows if r["kind"] == "warm"]
-    assert all(r["hit_tokens"] == 64 and r["prefill_tokens"] == 10 for r in warm)
-    assert all(r["restored_bytes"] == run.layout.state_bytes for r in warm)
+    run = cold_vs_warm(a, b, max_new_tokens=3, block_size=16, interval=32, preset="demo-tiny")
+    assert [r["kind"] for r in run.rows] == list(PHASE_RUNS)
+    warm = run.rows[2]
+    assert warm["hit_tokens"] == 64 and warm["prefill_tokens"] == 10
+    assert warm["restored_bytes"] == run.layout.state_bytes
     assert run.check.outputs_identical and run.check.max_logit_diff <= 1e-5
-    assert len(run.warm_tokens) == 3                  # token ids of repeat 0, counted as tokens (not text bytes)
+    assert len(run.warm_tokens) == 3                  # token ids, counted as tokens (not text bytes)
+
+
+def test_time_cold_warm_repeats_and_conditions():
+    """At least 5 timed samples per kind (the warm-up runs left out), each the engine's own TTFT, and the
+    measurement conditions."""
+    a, b = shared_prefix_prompts(64, 10, seed=3)
+    run = time_cold_warm(a, b, max_new_tokens=2, block_size=16, interval=32, repeats=5, preset="demo-tiny")
+    assert [r["kind"] for r in run.rows] == list(PHASE_RUNS) * 5
+    assert [r["repeat"] for r in run.rows] == [r for r in range(5) for _ in PHASE_RUNS]
+    assert [t.label for t in run.timings] == list(PHASE_RUNS)
+    for t in run.timings:
+        samples_ms = [r["ttft_ms"] for r in run.rows if r["kind"] == t.label]
+        assert len(t.samples_s) == 5 and [s * 1e3 for s in t.samples_s] == pytest.approx(samples_ms)
+        assert 0 < t.min_s <= t.q1_s <= t.median_s <= t.q3_s <= t.max_s
+    assert all(r["hit_tokens"] == 64 and r["prefill_tokens"] == 10 for r in run.rows if r["kind"] == "warm")
+    assert all(r["hit_tokens"] == 0 for r in run.rows if r["kind"] != "warm")
+    assert isinstance(run.conditions, Conditions) and (run.conditions.repeats, run.conditions.warmup) == (5, 1)
+    assert run.conditions.torch_threads == 1              # measured single-threaded
     s = ttft_summary(run.rows)
-    assert s["cold_ttft_ms"] > 0 and s["ttft_reduction"] == 1 - s["warm_ttft_ms"] / s["cold_ttft_ms"]
+    assert s["cold_ttft_ms"] == statistics.median(r["ttft_ms"] for r in run.rows if r["kind"] == "cold")
+    assert s["ttft_reduction"] == 1 - s["warm_ttft_ms"] / s["cold_ttft_ms"] and s["warm_ttft_iqr_ms"] >= 0
+    with pytest.raises(ValueError, match="repeats"):
+        time_cold_warm(a, b, repeats=3, preset="demo-tiny")
 
 
 def test_anatomy_and_drop():
@@ -68,3 +103,20 @@ def test_bad_inputs():
         cold_vs_warm("a", "b", preset="kimi-k3")
     with pytest.raises(ValueError, match="shared_tokens"):
         shared_prefix_prompts(0, 0)
+
+
+@pytest.mark.parametrize("extends", [True, False], ids=["second-extends-first", "tails-differ"])
+def test_timed_warm_hit_equals_the_verified_hit(extends):
+    """The timed fill generates one token unless the second prompt starts with the whole first one (a
+    multi-turn prompt: first, its answer, a new question: the answer's blocks are part of the hit); either
+    way the timed warm runs hit exactly where the verification run (``max_new_tokens`` fill) hits."""
+    a, b = shared_prefix_prompts(42, 20, seed=5)
+    if extends:
+        answer = build_engine(demo_model("demo-tiny"), 8, 16, cache=False).generate(a, 6).output_tokens
+        b = a + list(answer) + b[42:]
+    verified = cold_vs_warm(a, b, max_new_tokens=6, block_size=8, interval=16, preset="demo-tiny")
+    timed = time_cold_warm(a, b, max_new_tokens=6, block_size=8, interval=16, preset="demo-tiny")
+    hits = {r["hit_tokens"] for r in timed.rows if r["kind"] == "warm"}
+    assert hits == {verified.rows[2]["hit_tokens"]} and min(hits) > 0
+    if extends:
+        assert min(hits) > len(a)                   # the hit reaches into the first request's answer

@@ -1,25 +1,36 @@
 """lab.prefix's page calls (home page, 07, 08): one call returns frames consistent with the engine runs."""
 import pytest
 
-from lab.prefix import PHASE_RUNS, anatomy, home, prefix_hit
+from lab.prefix import PHASE_RUNS, anatomy, home, prefix_hit, prefix_hit_timing
 from lab.prefix_anatomy import anatomy_view
 
 
 def test_prefix_hit_frames():
-    run = prefix_hit(64, 16, 2, 16, 64, 1, repeats=1)
-    assert list(run.rows.kind) == ["cold", "first", "warm"]
-    assert list(run.phases_ms.kind) == list(PHASE_RUNS)
-    assert set(run.phases_ms.columns) == {"kind", *[f"{p}_ms" for p in run.phases]}
-    assert run.warm["hit_tokens"] == 64 and run.warm["prefill_tokens"] == 80 - 64
+    run = prefix_hit(64, 16, 2, 16, 64, 1)
+    assert list(run.rows.kind) == list(PHASE_RUNS)
+    assert run.warm["hit_tokens"] == 64 and run.warm["prefill_tokens"] == 80 - 64 and run.cold["hit_tokens"] == 0
     assert run.check.bitwise and run.num_generated == 2  # b = 64 is on the 64-token chunk grid
-    assert run.summary["cold_ttft_ms"] > 0 and run.state_bytes > 0
+    assert run.state_bytes > 0
+
+
+def test_prefix_hit_timing_frames():
+    """Page 08's chart data: >= 5 engine TTFT samples per kind, median inside its IQR, and the conditions."""
+    timed = prefix_hit_timing(64, 16, 2, 16, 64, 1, repeats=5)
+    assert list(timed.ttft.kind) == list(PHASE_RUNS) and (timed.ttft.repeats == 5).all()
+    assert (timed.ttft.q1_ms <= timed.ttft.median_ms).all() and (timed.ttft.median_ms <= timed.ttft.q3_ms).all()
+    assert (timed.ttft.min_ms <= timed.ttft.q1_ms).all() and (timed.ttft.q3_ms <= timed.ttft.max_ms).all()
+    assert timed.rows.groupby("kind").size().to_dict() == dict.fromkeys(PHASE_RUNS, 5)
+    assert list(timed.phases_ms.kind) == list(PHASE_RUNS)
+    assert set(timed.phases_ms.columns) == {"kind", *[f"{p}_ms" for p in timed.phases]}
+    assert timed.summary["warm_ttft_ms"] == pytest.approx(timed.ttft.set_index("kind").median_ms["warm"])
+    assert timed.conditions.repeats == 5 and "5 interleaved repeats" in timed.conditions.stamp()
 
 
 def test_home_decodes_and_masks_control_bytes():
-    run = home("a" * 40, "a" * 40 + "b", 3, 8, 64, repeats=1)
+    run = home("a" * 40, "a" * 40 + "b", 3, 8, 64)
     assert run.num_generated == 3 and all(c.isprintable() for c in run.warm_text)
     with pytest.raises(ValueError, match="prompt must not be empty"):
-        home("a", "", 1, 8, 64, repeats=1)
+        home("a", "", 1, 8, 64)
 
 
 def test_anatomy_view_matches_anatomy():

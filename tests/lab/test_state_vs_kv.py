@@ -1,18 +1,30 @@
-"""lab.state_vs_kv: the page-03 measurement returns one positive row per context, in order."""
+"""lab.state_vs_kv: the page-03 measurement returns one row per context, in order, each the median of
+>= 5 interleaved repeats with its IQR, the a + b N fits and the measurement conditions."""
 import pytest
 
 from kda_core.config import PRESETS
-from lab.state_vs_kv import measure_decode_cost
+from lab.state_vs_kv import DecodeCost, measure_decode_cost
+from lab.timing import Conditions, fit_linear
 
 
 def test_measure_decode_cost_rows():
-    rows = measure_decode_cost(PRESETS["kimi-linear-48b-a3b"], [64, 256], num_heads=1, repeats=2)
-    assert [r.context_tokens for r in rows] == [64, 256]
-    assert all(r.kda_step_us > 0 and r.mla_decode_us > 0 for r in rows)
+    costs = measure_decode_cost(PRESETS["kimi-linear-48b-a3b"], [64, 256, 1024], num_heads=1, repeats=5)
+    rows = costs.rows
+    assert [r.context_tokens for r in rows] == [64, 256, 1024]
+    for r in rows:
+        assert 0 < r.kda_q1_us <= r.kda_step_us <= r.kda_q3_us and 0 < r.mla_q1_us <= r.mla_decode_us <= r.mla_q3_us
+    ns = [r.context_tokens for r in rows]
+    assert costs.kda_fit == fit_linear(ns, [r.kda_step_us / 1e6 for r in rows])   # the fit is over the medians
+    assert costs.mla_fit == fit_linear(ns, [r.mla_decode_us / 1e6 for r in rows])
+    assert costs.mla_fit.b_s > 0                        # an MLA decode reads every latent: it costs per token
+    assert isinstance(costs.conditions, Conditions) and costs.conditions.repeats == 5
+    assert costs.conditions.torch_threads == 1 and costs.conditions.warmup >= 1
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(contexts=[]), "contexts"), (dict(contexts=[0]), "contexts"), (dict(contexts=[8], num_heads=0), "num_heads"),
+    (dict(contexts=[]), "contexts"), (dict(contexts=[0]), "contexts"), (dict(contexts=[8, 16], num_heads=0), "num_heads"),
+    (dict(contexts=[8]), "two distinct"), (dict(contexts=[8, 8]), "two distinct"),
+    (dict(contexts=[8, 16], repeats=3), "repeats"),
 ])
 def test_measure_decode_cost_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -23,13 +35,15 @@ def test_state_vs_kv_one_call():
     from kda_core import config as kc
     from lab.state_vs_kv import CONTEXTS, state_vs_kv
 
-    run = state_vs_kv("kimi-k3", "fp32", "bf16", (1024, 4096), 1, 1024, repeats=1)
+    run = state_vs_kv("kimi-k3", "fp32", "bf16", (1024, 4096), 1, 1024, repeats=5)
     cfg = kc.PRESETS["kimi-k3"]
     assert run.cfg == cfg and run.break_even_tokens == kc.break_even_tokens(cfg)
     assert run.bytes.num_tokens.iloc[0] == 1024 and run.bytes.num_tokens.iloc[-1] == 4096
     assert sorted(run.layers.context_tokens.unique()) == list(CONTEXTS)
     assert list(run.decode.context_tokens) == [256, 512, 1024]
-    custom = state_vs_kv("custom", "bf16", "fp8 (e4m3)", (64, 64), 1, 1024, custom=(8, 3, 2, 32), repeats=1)
+    assert list(run.decode.columns) == list(DecodeCost._fields) and run.conditions.repeats == 5
+    assert run.mla_fit.b_s > 0 and run.kda_fit.a_s > 0
+    custom = state_vs_kv("custom", "bf16", "fp8 (e4m3)", (64, 64), 1, 1024, custom=(8, 3, 2, 32), repeats=5)
     assert custom.cfg.num_layers == 8 and custom.kv_dtype_bytes == 1 and len(custom.bytes) == 2
     for kwargs, match in ((dict(model="custom"), "custom"), (dict(model="x"), "model"), (dict(kv_dtype="int4"), "kv_dtype")):
         args = dict(model="kimi-k3", state_dtype="fp32", kv_dtype="bf16", context_range=(64, 128), measure_heads=1,
