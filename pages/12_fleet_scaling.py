@@ -14,20 +14,20 @@ st.write(
     "and how fast the caches refill.")
 
 c1, c2, c3, c4 = st.columns(4)
-replicas = c1.slider("Replicas before the event", 2, 32, key=persist("p12_replicas", 8, min_value=2, max_value=32), persist_state="session")
-action = c2.selectbox("Event", list(ACTIONS), key=persist("p12_action", "add", options=list(ACTIONS)), persist_state="session")
-vnodes = c3.select_slider("Ring vnodes", [10, 40, 160, 400, 1000], key=persist("p12_vnodes", 160, options=[10, 40, 160, 400, 1000]), persist_state="session")
-num_keys = c4.select_slider("Random keys", [10_000, 30_000, 100_000], key=persist("p12_keys", 100_000, options=[10_000, 30_000, 100_000]), persist_state="session")
+replicas = c1.slider("Replicas before the event", 2, 32, value=8, key=persist("p12_replicas", 8, min_value=2, max_value=32), bind="query-params", persist_state="session")
+action = c2.selectbox("Event", list(ACTIONS), index=list(ACTIONS).index("add"), key=persist("p12_action", "add", options=list(ACTIONS)), bind="query-params", persist_state="session")
+vnodes = c3.select_slider("Ring vnodes", [10, 40, 160, 400, 1000], value=160, key=persist("p12_vnodes", 160, options=[10, 40, 160, 400, 1000]), bind="query-params", persist_state="session")
+num_keys = c4.select_slider("Random keys", [10_000, 30_000, 100_000], value=100_000, key=persist("p12_keys", 100_000, options=[10_000, 30_000, 100_000]), bind="query-params", persist_state="session")
 
 part1, part2 = st.container(), st.container()
 part2.subheader("2 · Hit ratio across the scale event (trace replay)")
 d1, d2, d3, d4 = part2.columns(4)
-num_requests = d1.slider("Requests (cap)", 500, 5000, step=100, key=persist("p12_requests", 3000, min_value=500, max_value=5000), persist_state="session")
-k = d2.slider("Routing prefix depth k (blocks)", 1, 4, key=persist("p12_k", 2, min_value=1, max_value=4), persist_state="session")
-at = d3.slider("Event at (fraction of the trace)", 0.1, 0.9, step=0.05, key=persist("p12_at", 0.5, min_value=0.1, max_value=0.9), persist_state="session")
-window = d4.slider("Window (requests)", 50, 500, step=50, key=persist("p12_window", 100, min_value=50, max_value=500), persist_state="session")
+num_requests = d1.slider("Requests (cap)", 500, 5000, step=100, value=3000, key=persist("p12_requests", 3000, min_value=500, max_value=5000), bind="query-params", persist_state="session")
+k = d2.slider("Routing prefix depth k (blocks)", 1, 4, value=2, key=persist("p12_k", 2, min_value=1, max_value=4), bind="query-params", persist_state="session")
+at = d3.slider("Event at (fraction of the trace)", 0.1, 0.9, step=0.05, value=0.5, key=persist("p12_at", 0.5, min_value=0.1, max_value=0.9), bind="query-params", persist_state="session")
+window = d4.slider("Window (requests)", 50, 500, step=50, value=100, key=persist("p12_window", 100, min_value=50, max_value=500), bind="query-params", persist_state="session")
 capacity = part2.select_slider("Cache per replica (blocks of 512 tokens)", list(CAPACITIES),
-                               key=persist("p12_capacity", "unlimited", options=list(CAPACITIES)), persist_state="session")
+                               value="unlimited", key=persist("p12_capacity", "unlimited", options=list(CAPACITIES)), bind="query-params", persist_state="session")
 upload = part2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p12_upload")
 
 

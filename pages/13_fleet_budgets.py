@@ -17,15 +17,15 @@ st.write(
     "simulated replicas (discrete-event simulation).")
 
 c1, c2, c3, c4 = st.columns(4)
-vip_rate = c1.slider("VIP rate (req/s)", 0.2, 5.0, step=0.2, key=persist("p13_vip_rate", 1.0, min_value=0.2, max_value=5.0), persist_state="session")
-std_rate = c2.slider("Standard rate (req/s)", 0.5, 10.0, step=0.5, key=persist("p13_std_rate", 3.0, min_value=0.5, max_value=10.0), persist_state="session")
-vip_weight = c3.slider("VIP weight", 1, 8, key=persist("p13_vip_weight", 4, min_value=1, max_value=8), persist_state="session")
-std_budget = c4.slider("Standard budget (tokens/s)", 1000, 40000, step=1000, key=persist("p13_std_budget", 8000, min_value=1000, max_value=40000), persist_state="session")
+vip_rate = c1.slider("VIP rate (req/s)", 0.2, 5.0, step=0.2, value=1.0, key=persist("p13_vip_rate", 1.0, min_value=0.2, max_value=5.0), bind="query-params", persist_state="session")
+std_rate = c2.slider("Standard rate (req/s)", 0.5, 10.0, step=0.5, value=3.0, key=persist("p13_std_rate", 3.0, min_value=0.5, max_value=10.0), bind="query-params", persist_state="session")
+vip_weight = c3.slider("VIP weight", 1, 8, value=4, key=persist("p13_vip_weight", 4, min_value=1, max_value=8), bind="query-params", persist_state="session")
+std_budget = c4.slider("Standard budget (tokens/s)", 1000, 40000, step=1000, value=8000, key=persist("p13_std_budget", 8000, min_value=1000, max_value=40000), bind="query-params", persist_state="session")
 b1, b2, b3, b4 = st.columns(4)
-burst_class = b1.selectbox("Burst class", list(BURST_CLASSES), key=persist("p13_burst_class", "standard", options=list(BURST_CLASSES)), persist_state="session")
-burst_n = b2.slider("Burst size (requests)", 0, 3000, step=100, key=persist("p13_burst_n", 1500, min_value=0, max_value=3000), persist_state="session")
-burst_s = b3.slider("Burst duration (s)", 5, 60, step=5, key=persist("p13_burst_s", 30, min_value=5, max_value=60), persist_state="session")
-replicas = b4.slider("Replicas", 1, 8, key=persist("p13_replicas", 2, min_value=1, max_value=8), persist_state="session")
+burst_class = b1.selectbox("Burst class", list(BURST_CLASSES), index=list(BURST_CLASSES).index("standard"), key=persist("p13_burst_class", "standard", options=list(BURST_CLASSES)), bind="query-params", persist_state="session")
+burst_n = b2.slider("Burst size (requests)", 0, 3000, step=100, value=1500, key=persist("p13_burst_n", 1500, min_value=0, max_value=3000), bind="query-params", persist_state="session")
+burst_s = b3.slider("Burst duration (s)", 5, 60, step=5, value=30, key=persist("p13_burst_s", 30, min_value=5, max_value=60), bind="query-params", persist_state="session")
+replicas = b4.slider("Replicas", 1, 8, value=2, key=persist("p13_replicas", 2, min_value=1, max_value=8), bind="query-params", persist_state="session")
 azure = st.file_uploader("Burst shape from an Azure LLM trace CSV (optional; default: uniform generator)",
                          type=["csv"], key="p13_azure")
 

@@ -16,20 +16,22 @@ st.write(
     "conversation trace); upload a Mooncake JSONL file to use your own.")
 
 c1, c2, c3, c4 = st.columns(4)
-num_requests = c1.slider("Requests (cap)", 200, 5000, step=100, key=persist("p14_requests", 2000, min_value=200, max_value=5000), persist_state="session")
-replicas = c2.slider("Replicas", 1, 16, key=persist("p14_replicas", 8, min_value=1, max_value=16), persist_state="session")
-k = c3.slider("Routing prefix depth k (blocks)", 1, 4, key=persist("p14_k", 2, min_value=1, max_value=4), persist_state="session")
+num_requests = c1.slider("Requests (cap)", 200, 5000, step=100, value=2000, key=persist("p14_requests", 2000, min_value=200, max_value=5000), bind="query-params", persist_state="session")
+replicas = c2.slider("Replicas", 1, 16, value=8, key=persist("p14_replicas", 8, min_value=1, max_value=16), bind="query-params", persist_state="session")
+k = c3.slider("Routing prefix depth k (blocks)", 1, 4, value=2, key=persist("p14_k", 2, min_value=1, max_value=4), bind="query-params", persist_state="session")
 capacity = c4.select_slider("Cache per replica (blocks of 512 tokens)", list(CAPACITIES),
-                            key=persist("p14_capacity", "8000", options=list(CAPACITIES)), persist_state="session")
+                            value="8000", key=persist("p14_capacity", "8000", options=list(CAPACITIES)), bind="query-params", persist_state="session")
 d1, d2, d3, d4 = st.columns(4)
-scheduler = d1.selectbox("Replica scheduler", list(SCHEDULERS), key=persist("p14_scheduler", "vtc", options=list(SCHEDULERS)), persist_state="session")
-vip_pct = d2.slider("VIP share of requests (%)", 0, 50, step=5, key=persist("p14_vip", 10, min_value=0, max_value=50), persist_state="session")
-scale = d3.selectbox("Scale event at half time", list(SCALE_EVENTS), key=persist("p14_scale", "none", options=list(SCALE_EVENTS)), persist_state="session")
-speed = d4.slider("Replica speed-up (prefill ×; decode × 5/8 of it)", 1, 20, key=persist("p14_speed", 8, min_value=1, max_value=20), persist_state="session")
+scheduler = d1.selectbox("Replica scheduler", list(SCHEDULERS), index=list(SCHEDULERS).index("vtc"), key=persist("p14_scheduler", "vtc", options=list(SCHEDULERS)), bind="query-params", persist_state="session")
+vip_pct = d2.slider("VIP share of requests (%)", 0, 50, step=5, value=10, key=persist("p14_vip", 10, min_value=0, max_value=50), bind="query-params", persist_state="session")
+scale = d3.selectbox("Scale event at half time", list(SCALE_EVENTS), index=list(SCALE_EVENTS).index("none"), key=persist("p14_scale", "none", options=list(SCALE_EVENTS)), bind="query-params", persist_state="session")
+speed = d4.slider("Replica speed-up (prefill ×; decode × 5/8 of it)", 1, 20, value=8, key=persist("p14_speed", 8, min_value=1, max_value=20), bind="query-params", persist_state="session")
 MODELS = list(SERVICE_MODELS)
-model = st.selectbox("Replica service model (before the speed-up)", MODELS, key=persist("p14_model", MODELS[0], options=MODELS), persist_state="session")
-policies = st.multiselect("Routing policies", list(POLICIES), key=persist("p14_policies", ["ring", "round_robin",
-                                                                                          "cache_aware", "bounded_load"], options=list(POLICIES)), persist_state="session")
+model = st.selectbox("Replica service model (before the speed-up)", MODELS, index=0, key=persist("p14_model", MODELS[0], options=MODELS), bind="query-params", persist_state="session")
+DEFAULT_POLICIES = ["ring", "round_robin", "cache_aware", "bounded_load"]
+policies = st.multiselect("Routing policies", list(POLICIES), default=DEFAULT_POLICIES,
+                          key=persist("p14_policies", DEFAULT_POLICIES, options=list(POLICIES)), bind="query-params",
+                          persist_state="session")
 upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p14_upload")
 if not policies:
     st.info("Pick at least one routing policy.")
