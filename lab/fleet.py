@@ -6,6 +6,7 @@ Published anchors used by the pages live in :data:`ANCHORS` with their sources.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -114,16 +115,21 @@ def keys_moved_table(num_replicas: int, action: str, num_keys: int, vnodes: int)
 
 def hit_ratio_across_scale_event(trace: Sequence[TraceRequest], algorithms: Sequence[str], num_replicas: int,
                                  k: int, action: str, at_fraction: float, window: int,
-                                 capacity_blocks: int | None, vnodes: int) -> pd.DataFrame:
+                                 capacity_blocks: int | None, vnodes: int, routers: dict | None = None,
+                                 event: bool = True) -> pd.DataFrame:
     """Windowed token hit ratio over the trace with one scale event at ``at_fraction`` of the requests.
+    ``routers``: optional freshly built routers by algorithm name (over ``num_replicas`` replicas), used as
+    prototypes (deep-copied, never mutated) so several traces share one Maglev table build. ``event=False``:
+    the same replay without the scale event (the paired baseline).
     Columns: algorithm, request (window start index), hit_ratio."""
     at = int(len(trace) * at_fraction)
     replica = f"replica-{num_replicas}" if action == "add" else f"replica-{num_replicas - 1}"
     rows = []
     for name in algorithms:
-        event = ScaleEvent(at, action, replica)
-        replay = replay_routing(trace, make_router(name, replica_names(num_replicas), vnodes=vnodes), k,
-                                capacity_blocks=capacity_blocks, events=(event,))
+        router = copy.deepcopy(routers[name]) if routers and name in routers else \
+            make_router(name, replica_names(num_replicas), vnodes=vnodes)
+        replay = replay_routing(trace, router, k, capacity_blocks=capacity_blocks,
+                                events=(ScaleEvent(at, action, replica),) if event else ())
         for i, ratio in enumerate(windowed_hit_ratio(replay, window)):
             rows.append({"algorithm": name, "request": i * window, "hit_ratio": float(ratio)})
     return pd.DataFrame(rows)
