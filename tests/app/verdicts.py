@@ -150,7 +150,10 @@ def _p11(at: AppTest) -> None:
 
 
 def _p13(at: AppTest) -> None:
-    """The caption's claim: a class's admitted tokens never cross its budget line (burst + rate · t)."""
+    """The caption's claim: a class's admitted tokens never cross its budget line (burst + rate · t); and the
+    cost of isolation is shown: the bursting class's P50 with isolation, with its change vs without."""
+    burst = [m for m in at.metric if "(bursting) P50" in m.label]
+    assert burst and burst[0].delta and burst[0].delta.endswith("vs without"), [m.label for m in at.metric]
     if any("No bucketed class admitted" in i.value for i in at.info):
         return
     data = chart_spec(at, "p13_budget_chart")["data"]
