@@ -170,6 +170,9 @@ def _p14(at: AppTest) -> None:
     fig = chart_spec(at, "p14_hit_chart")
     ideal = next(s["y0"] for s in fig["layout"]["shapes"] if s["y0"] == s["y1"])
     assert max(plotly_values(fig["data"][0]["y"])) <= ideal + 1e-12, "a policy beat one infinite shared cache"
+    bars = chart_spec(at, "p14_balance_chart")["data"][0]   # what bounded loads bounds: it never routes above its cap
+    over = dict(zip(bars["x"], plotly_values(bars["y"])))
+    assert over.get("bounded_load", 0.0) == 0.0, f"bounded_load routed {over['bounded_load']:.1%} above its cap"
 
 
 VERDICTS = {

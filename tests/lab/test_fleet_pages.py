@@ -1,4 +1,6 @@
 """lab.fleet_hashing / fleet_scaling / fleet_simulation: pages 11, 12 and 14 in one call each."""
+import inspect
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -6,8 +8,9 @@ import pytest
 from lab.fleet import hit_ratio_across_scale_event, page_trace, where_prefix_lands
 from lab.fleet_hashing import VNODES, fleet_hashing
 from lab.fleet_scaling import TRACE_SEEDS, fleet_scaling, paired_dip
-from lab.fleet_simulation import fleet_simulation
+from lab.fleet_simulation import BOUND_C, fleet_simulation, in_flight_at_routing
 from serve.fleet import KEY_ROUTERS
+from serve.fleet.bounded_load import BoundedLoadRouter
 
 
 def test_fleet_hashing_landing_matches_where_prefix_lands():
@@ -72,3 +75,24 @@ def test_fleet_simulation_policies_and_progress():
     assert seen == sorted(seen) and seen[-1] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="policies"):
         fleet_simulation([], 300, 4, 2, "8000", "vtc", 10, "none", 8, "a10g")
+
+
+def test_bounded_load_never_routes_above_its_in_flight_cap():
+    run = fleet_simulation(["ring", "bounded_load"], 600, 4, 2, "8000", "vtc", 10, "add", 8, "a10g")
+    over = run.in_flight.set_index("policy").over_cap_share
+    assert over["bounded_load"] == 0.0 and over["ring"] > 0.0
+    assert inspect.signature(BoundedLoadRouter).parameters["c"].default == BOUND_C
+
+
+def test_in_flight_at_routing_by_hand():
+    # 2 replicas; a on r0 [0, 10), b on r0 [1, 5), c on r1 [5, 6) (b's finish at 5 counts first)
+    df = pd.DataFrame({"replica": ["r0", "r0", "r1"], "admitted_ms": [0.0, 1.0, 5.0], "finish_ms": [10.0, 5.0, 6.0]})
+    row = in_flight_at_routing(df, lambda t: 2, c=1.25).iloc[0]
+    # a: load 1, cap ceil(1.25 * 1 / 2) = 1 ok; b: load 2, cap ceil(1.25 * 2 / 2) = 2 ok; c: load 1, cap 2 ok
+    assert row.over_cap_share == 0 and row.max_over_mean == pytest.approx(2 * 2 / 2)
+    row = in_flight_at_routing(df.assign(replica="r0"), lambda t: 2, c=1.25).iloc[0]
+    # c now lands on r0 with a: load 2 > cap ceil(1.25 * 2 / 2) = 2? no; b: 2 <= 2 -> none over at c = 1.25
+    assert row.over_cap_share == 0
+    row = in_flight_at_routing(df.assign(replica="r0"), lambda t: 4, c=1.25).iloc[0]
+    # 4 replicas: b meets load 2 > ceil(1.25 * 2 / 4) = 1, c meets 2 > 1: two of three over
+    assert row.over_cap_share == pytest.approx(2 / 3)
