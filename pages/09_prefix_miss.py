@@ -4,7 +4,8 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from lab.prefix_miss import PRESETS, prefix_miss
+from lab.fleet import synthetic_trace_description
+from lab.prefix_miss import CAPACITY_FRACTIONS, PRESETS, prefix_miss
 from pages._common import engine_call, persist, show_chart, upload_parts
 
 st.title("Prefix miss")
@@ -63,7 +64,7 @@ with part1:
                          (run.hit["hit_tokens"], "its hit b =", "bottom left")):
         fig.add_vline(x=x, line_dash="dot", annotation_text=f"{name} {x}", annotation_position=pos)
     fig.update_layout(xaxis_title="boundary (tokens)", yaxis_title="KDA group", yaxis=dict(dtick=1),
-                      xaxis_range=[0, prompt_tokens + 8])
+                      xaxis_range=[0, prompt_tokens + 8], height=150 + 40 * groups, margin=dict(t=30, b=10))
     show_chart(fig, written, key="p09_written_chart")
 
 if run.capacity is None:
@@ -91,6 +92,12 @@ with part2:
     show_chart(fig2, cap.assign(ideal_block_hit_ratio=ideal.block_hit_ratio, ideal_token_hit_ratio=ideal.token_hit_ratio),
                key="p09_capacity_chart")
     trace_name = upload_name if data is not None else "synthetic generator (default)"
+    st.caption(f"Capacities: {', '.join(f'{f:g}' for f in CAPACITY_FRACTIONS)} × the bytes (KV + checkpoints) the "
+               f"unlimited cache peaked at on this trace, so the sweep runs from a cache that holds almost nothing "
+               "to one that never evicts, whatever the trace and preset.")
+    if data is None:
+        with st.expander("How the synthetic trace is generated"):
+            st.markdown(synthetic_trace_description(n) + " Seed 0.")
     st.dataframe(pd.DataFrame([
         {"figure": "Mooncake FAST'25, Table 2 “cache ratio”", "trace": f"{t} trace (kvcache-ai/Mooncake)",
          "ratio": r, "what it counts": "not defined in the paper"} for t, r in run.paper_ratios.items()] + [
