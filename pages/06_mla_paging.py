@@ -123,7 +123,8 @@ else:
     show_chart(fig4, sdf, key="p06_sharing")
     last = sdf.iloc[-1]
     st.metric(f"Saved at {n_req} requests", f"{last.saved_bytes / 2 ** 20:,.2f} MiB",
-              f"{100 * last.saved_bytes / max(last.private_bytes, 1):.0f}% of private")
+              f"{100 * last.saved_bytes / max(last.private_bytes, 1):.0f}% of private copies", delta_color="off",
+              delta_arrow="off")
 
 worst16 = gdf[gdf.block_size >= 16].gather_ratio.max()
 st.info(

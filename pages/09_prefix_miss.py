@@ -52,12 +52,12 @@ run = engine_call(_run, prompt_tokens, next_shared, block, interval, groups, pre
 written = run.written
 with part1:
     m1, m2, m3, m4 = st.columns(4)
-    m1.metric("Miss: prefill tokens", f"{run.miss['prefill_tokens']:,}", f"TTFT {run.miss['ttft_ms']:.1f} ms", delta_color="off")
+    m1.metric("Miss: prefill tokens", f"{run.miss['prefill_tokens']:,}", f"TTFT {run.miss['ttft_ms']:.1f} ms", delta_color="off", delta_arrow="off")
     m2.metric("Checkpoints (boundaries × groups)", f"{written.boundary.nunique()} × {groups}",
-              f"{run.miss['checkpoints_written']} boundaries published atomically", delta_color="off")
-    m3.metric("Next request: hit b", f"{run.hit['hit_tokens']} tokens", f"KV run {run.hit['kv_hit_tokens']}", delta_color="off")
+              f"{run.miss['checkpoints_written']} boundaries published atomically", delta_color="off", delta_arrow="off")
+    m3.metric("Next request: hit b", f"{run.hit['hit_tokens']} tokens", f"KV run {run.hit['kv_hit_tokens']}", delta_color="off", delta_arrow="off")
     m4.metric("Next output identical", "yes" if run.check.outputs_identical else "NO",
-              f"max |Δ logits| {run.check.max_logit_diff:.1e}", delta_color="off")
+              f"max |Δ logits| {run.check.max_logit_diff:.1e}", delta_color="off", delta_arrow="off")
     fig = go.Figure(go.Scatter(x=written.boundary, y=written.group, mode="markers", marker_symbol="diamond",
                                marker_size=12, name="checkpoint (written at = boundary)", text=written.written_at))
     for x, name, pos in ((run.next_shared, "next request shares", "top right"),

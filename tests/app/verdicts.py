@@ -94,6 +94,10 @@ def _p05(at: AppTest) -> None:
     assert len(static) == 2 and len(caps) == 2
     for t in static:
         assert max(plotly_values(t["y"])) <= caps[t.get("yaxis", "y")] + 1e-9, t["name"]
+    grid = chart_spec(at, "p05_grid")["data"][0]            # readable at any pool size: pages aggregate into cells
+    z = grid["z"]
+    rows = int(str(z["shape"]).split(",")[0]) if isinstance(z, dict) else len(z)   # a typed array carries its shape
+    assert 0 < rows <= 48, f"pool grid has {rows} rows"
 
 
 def _p07(at: AppTest) -> None:
