@@ -82,7 +82,9 @@ show_chart(fig, blocks, key="p07_blocks_chart")
 
 st.subheader("2 · The lookup of the last prompt, step by step")
 steps = res.steps
-st.dataframe(steps, hide_index=True, width="stretch")
+st.dataframe(steps, hide_index=True, width="stretch", column_config={
+    "phase": "Phase", "block": "Block", "boundary": st.column_config.NumberColumn("Boundary (tokens)", format="localized"),
+    "found": "Found", "groups": "Groups with a checkpoint", "note": "Note"})
 why = steps.iloc[-1].note if len(steps) else "prompt shorter than one block"
 st.write(f"**Hit b = {res.num_tokens} tokens** (phase-1 KV run {res.kv_tokens}). Why it stops there: {why}."
          + (f" Dropped group {drop[1]}'s checkpoint at {drop[0]}: that boundary is incomplete now." if drop else ""))

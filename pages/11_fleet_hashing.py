@@ -33,7 +33,7 @@ if run.note:
     st.info(run.note)
 st.subheader("1 · Requests per replica")
 fig = go.Figure(go.Bar(x=load.replica, y=load.requests, name="requests"))
-fig.add_hline(y=load.requests.mean(), line_dash="dot", annotation_text="mean")
+fig.add_hline(y=load.requests.mean(), line_dash="dot", annotation_text=f"mean {load.requests.mean():,.0f}")
 fig.update_layout(xaxis_title="replica", yaxis_title="requests routed (count)")
 show_chart(fig, load, key="p11_load_chart")
 m1, m2, m3 = st.columns(3)
@@ -76,6 +76,9 @@ if type(st.session_state.get("p11_index")) is int and st.session_state["p11_inde
     st.session_state["p11_index"] = n_trace - 1
 idx = st.number_input("Request index", 0, n_trace - 1, value=1, key=persist("p11_index", 1, min_value=0, max_value=n_trace - 1), bind="query-params", persist_state="session")
 where = run.landing[run.landing.request == idx].drop(columns="request")
-st.dataframe(where, hide_index=True, width="stretch")
+st.dataframe(where, hide_index=True, width="stretch", column_config={
+    "algorithm": "Algorithm", "replica": "Replica", "routing_key": "Routing key (hex)",
+    "prefix_blocks": st.column_config.NumberColumn("Prefix (blocks)", format="localized"),
+    "requests_sharing_prefix": st.column_config.NumberColumn("Requests sharing the prefix", format="localized")})
 st.caption(f"What to notice: the key is blake2b chained over the first {k} block ids, so every request sharing "
            "those blocks gets the same key and the same replica under every key-based algorithm.")
