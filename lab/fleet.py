@@ -6,8 +6,8 @@ Published anchors used by the pages live in :data:`ANCHORS` with their sources.
 
 from __future__ import annotations
 
-import copy
 import inspect
+import pickle
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -120,14 +120,14 @@ def hit_ratio_across_scale_event(trace: Sequence[TraceRequest], algorithms: Sequ
                                  event: bool = True) -> pd.DataFrame:
     """Windowed token hit ratio over the trace with one scale event at ``at_fraction`` of the requests.
     ``routers``: optional freshly built routers by algorithm name (over ``num_replicas`` replicas), used as
-    prototypes (deep-copied, never mutated) so several traces share one Maglev table build. ``event=False``:
+    prototypes (copied through pickle, never mutated) so several traces share one Maglev table build. ``event=False``:
     the same replay without the scale event (the paired baseline).
     Columns: algorithm, request (window start index), hit_ratio."""
     at = int(len(trace) * at_fraction)
     replica = f"replica-{num_replicas}" if action == "add" else f"replica-{num_replicas - 1}"
     rows = []
     for name in algorithms:
-        router = copy.deepcopy(routers[name]) if routers and name in routers else \
+        router = pickle.loads(pickle.dumps(routers[name])) if routers and name in routers else \
             make_router(name, replica_names(num_replicas), vnodes=vnodes)
         replay = replay_routing(trace, router, k, capacity_blocks=capacity_blocks,
                                 events=(ScaleEvent(at, action, replica),) if event else ())

@@ -12,7 +12,7 @@ from serve.fleet import KEY_ROUTERS, make_router, replica_names
 
 ACTIONS = ("add", "remove")
 CAPACITIES = ("500", "2000", "8000", "unlimited")  # cache per replica options (512-token blocks)
-TRACE_SEEDS = 4   # synthetic traces averaged: the windowed hit ratio of one trace swings as much as the dip
+TRACE_SEEDS = 3   # synthetic traces averaged: the windowed hit ratio of one trace swings as much as the dip
 SMOOTH_WINDOWS = 3   # paired_dip: the loss is averaged over this many windows before testing for recovery
 
 
