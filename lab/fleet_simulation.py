@@ -85,41 +85,46 @@ def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: i
 
     per_request, summary = simulate_policies(trace, list(policies), cfg, class_of, progress=progress)
     events = cfg.scale_events
-    change = 0 if not events else (1 if events[0].action == "add" else -1)
+    before = frozenset(f"replica-{i}" for i in range(num_replicas))
+    after = before if not events else (before | {events[0].replica} if events[0].action == "add"
+                                       else before - {events[0].replica})
 
-    def replicas_at(t_ms: float) -> int:
-        return num_replicas + (change if events and t_ms >= events[0].time_ms else 0)
+    def replicas_at(t_ms: float) -> frozenset[str]:
+        return after if events and t_ms >= events[0].time_ms else before
 
-    in_flight = pd.concat([in_flight_at_routing(g, replicas_at).assign(policy=name)
+    from_ms = events[0].time_ms if events and events[0].action == "remove" else -math.inf
+    in_flight = pd.concat([in_flight_at_routing(g, replicas_at, from_ms=from_ms).assign(policy=name)
                            for name, g in per_request.groupby("policy", sort=False)], ignore_index=True)
     return FleetSimulation(per_request, summary, in_flight, ideal_ratio(trace), len(trace), service.source, note,
                            anchors=dict(ANCHORS))
 
 
-def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float], int],
-                         c: float = BOUND_C) -> pd.DataFrame:
+def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float], frozenset[str]],
+                         c: float = BOUND_C, from_ms: float = -math.inf) -> pd.DataFrame:
     """What consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018) bounds: the
     in-flight requests (routed at ``admitted_ms``, not finished by ``finish_ms``) of the replica each request is
-    routed to, counting itself, against the cap ceil(c x fleet in-flight / replicas). ``per_request``: one
-    policy's rows (:func:`lab.fleet.results_frame` columns); ``replicas_at(t_ms)``: replicas serving at t.
-    A finish at the same instant as a routing is counted first. Requests re-routed by a scale event count at
-    their final replica.
+    routed to, counting itself, against the cap ceil(c x in-flight on the serving replicas / their number), as
+    :meth:`serve.fleet.bounded_load.BoundedLoadRouter.capacity` computes it. ``per_request``: one policy's rows
+    (:func:`lab.fleet.results_frame` columns); ``replicas_at(t_ms)``: the names of the replicas serving at t.
+    A finish at the same instant as a routing is counted first. Only routings at or after ``from_ms`` are
+    judged: when a replica is removed, pass the removal time (requests drained from it are routed again then,
+    and the frame only has their final replica, so loads before the removal are not known exactly).
 
-    Returns one row: requests, over_cap_share (fraction of requests routed to a replica above the cap),
-    p99_over_mean / max_over_mean (P99 / max over requests of the replica's in-flight ÷ fleet mean in-flight)."""
+    Returns one row: requests (judged), over_cap_share (fraction of them routed to a replica above the cap),
+    p99_over_mean / max_over_mean (P99 / max over requests of the replica's in-flight ÷ mean in-flight)."""
     rows = per_request[np.isfinite(per_request.admitted_ms) & np.isfinite(per_request.finish_ms)]
     events = sorted([(t, 0, r) for t, r in zip(rows.finish_ms, rows.replica)] +
                     [(t, 1, r) for t, r in zip(rows.admitted_ms, rows.replica)])   # finishes (0) first on ties
     load: dict[str, int] = {}
-    total, over, ratios = 0, 0, []
+    over, ratios = 0, []
     for t, is_start, replica in events:
-        step = 1 if is_start else -1
-        load[replica] = load.get(replica, 0) + step
-        total += step
-        if is_start:
-            n = replicas_at(t)
-            over += load[replica] > math.ceil(c * total / n)
-            ratios.append(load[replica] * n / total)
+        load[replica] = load.get(replica, 0) + (1 if is_start else -1)
+        if is_start and t >= from_ms:
+            serving = replicas_at(t)
+            total = sum(load.get(r, 0) for r in serving)
+            over += load[replica] > math.ceil(c * total / len(serving))
+            ratios.append(load[replica] * len(serving) / max(1, total))
+    judged = len(ratios)
     ratios = np.array(ratios or [float("nan")])
-    return pd.DataFrame([{"requests": len(rows), "over_cap_share": over / max(1, len(rows)),
+    return pd.DataFrame([{"requests": judged, "over_cap_share": over / max(1, judged),
                           "p99_over_mean": float(np.percentile(ratios, 99)), "max_over_mean": float(ratios.max())}])

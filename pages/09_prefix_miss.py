@@ -132,10 +132,13 @@ with part2:
     show_chart(trade, pd.concat([tr_free.assign(cache="unlimited"), tr_cap.assign(cache="limited")]), key="p09_interval_chart")
     st.caption(f"{n:,} requests. What to notice: a {preset} checkpoint costs far more than a KV block, so at a fixed "
                "capacity a larger C holds more blocks and can hit more, while unlimited it only loses the interior "
-               "boundaries. Causes: no KV block = never seen; evicted = seen, no longer cached; KV but no complete "
-               "checkpoint; below one block = partial tail and the len − 1 cap. Each ratio has its own ideal (an "
-               "unlimited cache hits every request's leading run of hash ids seen before): block ideal = those ids / "
-               "all ids (Mooncake, FAST'25); token ideal = their tokens (the last id's partial block counted at its "
-               "length) / all tokens. The two differ because a partial last block counts as one id but fewer tokens; "
-               "the engine's token ratio stays a little below its ideal because it never hits the partial block or "
-               "the last token.")
+               "boundaries.")
+    with st.expander("Miss causes and the two ideals"):
+        st.markdown(
+            "- **Causes**: no KV block = never seen; evicted = seen, no longer cached; KV but no complete checkpoint; "
+            "below one block = partial tail and the len − 1 cap.\n"
+            "- **Ideals**: an unlimited cache hits every request's leading run of hash ids seen before. Block ideal = "
+            "those ids / all ids (Mooncake, FAST'25); token ideal = their tokens (the last id's partial block counted "
+            "at its length) / all tokens. They differ because a partial last block counts as one id but fewer "
+            "tokens; the engine's token ratio stays a little below its ideal because it never hits the partial "
+            "block or the last token.")

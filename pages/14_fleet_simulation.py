@@ -96,7 +96,8 @@ fig3.update_layout(xaxis_title="routing policy", yaxis_tickformat=".0%",
                    yaxis_range=[0, max(0.05, float(inf.over_cap_share.max())) * 1.2])
 show_chart(fig3, inf, key="p14_balance_chart")
 st.caption(f"Bounded loads caps the requests in flight on a replica (routed, not finished) at ⌈c × fleet in-flight ÷ "
-           f"replicas⌉, c = {BOUND_C}, when it routes; this counts, per policy, how often a request landed above that cap.")
+           f"replicas⌉, c = {BOUND_C}, when it routes; this counts, per policy, how often a request landed above that cap"
+           + (" (requests routed after the removal)." if scale == "remove" else "."))
 table = summary.merge(inf[["policy", "p99_over_mean"]], on="policy")
 pct = dict(format="percent")
 st.dataframe(table.assign(ttft_p50_s=table.ttft_p50_ms / 1000, ttft_p99_s=table.ttft_p99_ms / 1000,
@@ -117,9 +118,10 @@ st.dataframe(table.assign(ttft_p50_s=table.ttft_p50_ms / 1000, ttft_p99_s=table.
                  "throughput_rps": st.column_config.NumberColumn("Throughput (req/s)", format="%.2f")})
 st.download_button("Download per-request results (CSV)", per_request.to_csv(index=False).encode(),
                    file_name="p14_requests.csv", mime="text/csv", key="p14_requests_csv")
-st.caption(f"{n_trace:,} requests (cap {num_requests:,}), {replicas} replicas: {source}. Service model: prefill "
-           "time = uncached tokens ÷ prefill rate; decode step time per batch size; rates calibrated on the VTC "
-           "artifact's A10G measurements or timed on this CPU with our engine, then sped up by the stated (assumed) "
-           "factors. What to notice: round-robin scatters "
-           "sessions and loses most hits; hashing on k = 1 sends everything to one replica (shared system prompt); "
-           "cache-aware routing trades some balance for hits.")
+st.caption(f"{n_trace:,} requests (cap {num_requests:,}), {replicas} replicas: {source}. What to notice: round-robin "
+           "scatters sessions and loses most hits; hashing on k = 1 sends everything to one replica (shared system "
+           "prompt); cache-aware routing trades some balance for hits.")
+with st.expander("Service model"):
+    st.markdown("Prefill time = uncached tokens ÷ prefill rate; decode step time per batch size. The rates are "
+                "calibrated on the VTC artifact's A10G measurements, or timed on this CPU with our engine, then sped "
+                "up by the stated (assumed) factors.")

@@ -82,17 +82,21 @@ def test_bounded_load_never_routes_above_its_in_flight_cap():
     over = run.in_flight.set_index("policy").over_cap_share
     assert over["bounded_load"] == 0.0 and over["ring"] > 0.0
     assert inspect.signature(BoundedLoadRouter).parameters["c"].default == BOUND_C
+    # a removal drains queued requests onto the others: judged from the removal on, still never above the cap
+    run = fleet_simulation(["bounded_load"], 2000, 2, 2, "8000", "vtc", 10, "remove", 1, "a10g")
+    row = run.in_flight.iloc[0]
+    assert row.over_cap_share == 0.0 and 0 < row.requests < 2000
 
 
 def test_in_flight_at_routing_by_hand():
     # 2 replicas; a on r0 [0, 10), b on r0 [1, 5), c on r1 [5, 6) (b's finish at 5 counts first)
     df = pd.DataFrame({"replica": ["r0", "r0", "r1"], "admitted_ms": [0.0, 1.0, 5.0], "finish_ms": [10.0, 5.0, 6.0]})
-    row = in_flight_at_routing(df, lambda t: 2, c=1.25).iloc[0]
+    row = in_flight_at_routing(df, lambda t: frozenset({'r0', 'r1'}), c=1.25).iloc[0]
     # a: load 1, cap ceil(1.25 * 1 / 2) = 1 ok; b: load 2, cap ceil(1.25 * 2 / 2) = 2 ok; c: load 1, cap 2 ok
     assert row.over_cap_share == 0 and row.max_over_mean == pytest.approx(2 * 2 / 2)
-    row = in_flight_at_routing(df.assign(replica="r0"), lambda t: 2, c=1.25).iloc[0]
+    row = in_flight_at_routing(df.assign(replica="r0"), lambda t: frozenset({'r0', 'r1'}), c=1.25).iloc[0]
     # c now lands on r0 with a: load 2 > cap ceil(1.25 * 2 / 2) = 2? no; b: 2 <= 2 -> none over at c = 1.25
     assert row.over_cap_share == 0
-    row = in_flight_at_routing(df.assign(replica="r0"), lambda t: 4, c=1.25).iloc[0]
+    row = in_flight_at_routing(df.assign(replica="r0"), lambda t: frozenset({'r0', 'r1', 'r2', 'r3'}), c=1.25).iloc[0]
     # 4 replicas: b meets load 2 > ceil(1.25 * 2 / 4) = 1, c meets 2 > 1: two of three over
     assert row.over_cap_share == pytest.approx(2 / 3)
