@@ -6,6 +6,8 @@ Published anchors used by the pages live in :data:`ANCHORS` with their sources.
 
 from __future__ import annotations
 
+import inspect
+import pickle
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -114,16 +116,21 @@ def keys_moved_table(num_replicas: int, action: str, num_keys: int, vnodes: int)
 
 def hit_ratio_across_scale_event(trace: Sequence[TraceRequest], algorithms: Sequence[str], num_replicas: int,
                                  k: int, action: str, at_fraction: float, window: int,
-                                 capacity_blocks: int | None, vnodes: int) -> pd.DataFrame:
+                                 capacity_blocks: int | None, vnodes: int, routers: dict | None = None,
+                                 event: bool = True) -> pd.DataFrame:
     """Windowed token hit ratio over the trace with one scale event at ``at_fraction`` of the requests.
+    ``routers``: optional freshly built routers by algorithm name (over ``num_replicas`` replicas), used as
+    prototypes (copied through pickle, never mutated) so several traces share one Maglev table build. ``event=False``:
+    the same replay without the scale event (the paired baseline).
     Columns: algorithm, request (window start index), hit_ratio."""
     at = int(len(trace) * at_fraction)
     replica = f"replica-{num_replicas}" if action == "add" else f"replica-{num_replicas - 1}"
     rows = []
     for name in algorithms:
-        event = ScaleEvent(at, action, replica)
-        replay = replay_routing(trace, make_router(name, replica_names(num_replicas), vnodes=vnodes), k,
-                                capacity_blocks=capacity_blocks, events=(event,))
+        router = pickle.loads(pickle.dumps(routers[name])) if routers and name in routers else \
+            make_router(name, replica_names(num_replicas), vnodes=vnodes)
+        replay = replay_routing(trace, router, k, capacity_blocks=capacity_blocks,
+                                events=(ScaleEvent(at, action, replica),) if event else ())
         for i, ratio in enumerate(windowed_hit_ratio(replay, window)):
             rows.append({"algorithm": name, "request": i * window, "hit_ratio": float(ratio)})
     return pd.DataFrame(rows)
@@ -230,6 +237,7 @@ def scale_dip(df: pd.DataFrame, at_request: int, windows_after: int = DIP_WINDOW
     return pd.DataFrame(rows)
 
 
+SYNTHETIC_RATE_RPS = 3.4  # page_trace's synthetic arrival rate: the Mooncake conversation trace's
 PAGE_TRACE_BLOCKS = 131_072  # blocks of an upload pages 11, 12 and 14 replay (README, "Inputs and limits")
 PREFIX_SIM_TRACE_BLOCKS = 49_152  # page 09 replays its trace 16 times through serve.prefix.sim
 
@@ -246,4 +254,19 @@ def page_trace(upload: bytes | None, num_requests: int, seed: int = 0, name: str
     (0 bytes or no requests), out-of-limit or non-UTF-8 upload."""
     if upload is not None:
         return read_mooncake(named_bytes(upload, name), max_requests=num_requests, max_total_blocks=max_total_blocks)
-    return LoadedTrace(synthesize(num_requests=num_requests, duration_s=num_requests / 3.4, seed=seed), "", 0)
+    return LoadedTrace(synthesize(num_requests=num_requests, duration_s=num_requests / SYNTHETIC_RATE_RPS, seed=seed),
+                       "", 0)
+
+
+def synthetic_trace_description(num_requests: int) -> str:
+    """How :func:`page_trace` generates its synthetic trace, in one paragraph (markdown), with
+    :func:`serve.traces.synthesize`'s own default parameters."""
+    d = {k: v.default for k, v in inspect.signature(synthesize).parameters.items()}
+    return (f"`serve.traces.synthesize` (Mooncake's schema, {d['block_size']}-token blocks): {num_requests:,} Poisson "
+            f"arrivals at {SYNTHETIC_RATE_RPS} req/s (the Mooncake conversation trace's rate). Each request opens a new "
+            f"session with probability {d['new_session_prob']}, else continues a uniformly chosen earlier one. Every "
+            f"prompt starts with {d['system_prompt_blocks']} shared system block(s); a new session's prompt is "
+            f"lognormal around {d['median_first_prompt_tokens']:,.0f} tokens; a follow-up turn is the previous prompt + "
+            f"the previous output (lognormal around {d['median_output_tokens']:,.0f} tokens) + a new message "
+            f"(lognormal around {d['median_turn_tokens']:,.0f} tokens), so it repeats the previous prompt's full "
+            "blocks. Upload a Mooncake trace to replay real traffic.")

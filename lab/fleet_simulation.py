@@ -2,9 +2,11 @@
 batching) on one trace, once per routing policy (:func:`fleet_simulation`)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 
 from lab.fleet import ANCHORS, default_service, ideal_ratio, page_trace, scale_events_for, simulate_policies
@@ -24,6 +26,7 @@ DECODE_SHARE = 5 / 8  # decode speed-up = this share of the prefill speed-up (as
 KV_CAPACITY_TOKENS = 400_000  # KV room per replica (tokens), as page 13
 VNODES = 160  # ring virtual nodes per replica (ketama's default)
 CLASSES = (PriorityClass("vip", 4.0), PriorityClass("standard", 1.0))  # VTC weights of the two classes
+BOUND_C = 1.25  # load bound factor c of serve.fleet.bounded_load.BoundedLoadRouter (its default, used here)
 
 
 @dataclass(frozen=True)
@@ -32,12 +35,14 @@ class FleetSimulation:
 
     per_request: one row per (policy, request) with queue_wait_ms, ttft_ms, e2e_ms; summary: per (policy,
     class and "all"): hit ratio, TTFT P50/P99 (ms), queue wait P99 (ms), max/mean requests per replica,
-    throughput (req/s); ideal_ratio: token hit ratio of one infinite shared cache; num_requests: trace
+    throughput (req/s); in_flight: per policy, the in-flight load each request met when routed
+    (:func:`in_flight_at_routing`); ideal_ratio: token hit ratio of one infinite shared cache; num_requests: trace
     length; service_source: what the replicas are calibrated on; note: what the budget cut from an upload;
     anchors: published figures with sources."""
 
     per_request: pd.DataFrame
     summary: pd.DataFrame
+    in_flight: pd.DataFrame
     ideal_ratio: float
     num_requests: int
     service_source: str
@@ -79,5 +84,47 @@ def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: i
         return "vip" if every and i % every == 0 else "standard"
 
     per_request, summary = simulate_policies(trace, list(policies), cfg, class_of, progress=progress)
-    return FleetSimulation(per_request, summary, ideal_ratio(trace), len(trace), service.source, note,
+    events = cfg.scale_events
+    before = frozenset(f"replica-{i}" for i in range(num_replicas))
+    after = before if not events else (before | {events[0].replica} if events[0].action == "add"
+                                       else before - {events[0].replica})
+
+    def replicas_at(t_ms: float) -> frozenset[str]:
+        return after if events and t_ms >= events[0].time_ms else before
+
+    from_ms = events[0].time_ms if events and events[0].action == "remove" else -math.inf
+    in_flight = pd.concat([in_flight_at_routing(g, replicas_at, from_ms=from_ms).assign(policy=name)
+                           for name, g in per_request.groupby("policy", sort=False)], ignore_index=True)
+    return FleetSimulation(per_request, summary, in_flight, ideal_ratio(trace), len(trace), service.source, note,
                            anchors=dict(ANCHORS))
+
+
+def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float], frozenset[str]],
+                         c: float = BOUND_C, from_ms: float = -math.inf) -> pd.DataFrame:
+    """What consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018) bounds: the
+    in-flight requests (routed at ``admitted_ms``, not finished by ``finish_ms``) of the replica each request is
+    routed to, counting itself, against the cap ceil(c x in-flight on the serving replicas / their number), as
+    :meth:`serve.fleet.bounded_load.BoundedLoadRouter.capacity` computes it. ``per_request``: one policy's rows
+    (:func:`lab.fleet.results_frame` columns); ``replicas_at(t_ms)``: the names of the replicas serving at t.
+    A finish at the same instant as a routing is counted first. Only routings at or after ``from_ms`` are
+    judged: when a replica is removed, pass the removal time (requests drained from it are routed again then,
+    and the frame only has their final replica, so loads before the removal are not known exactly).
+
+    Returns one row: requests (judged), over_cap_share (fraction of them routed to a replica above the cap),
+    p99_over_mean / max_over_mean (P99 / max over requests of the replica's in-flight ÷ mean in-flight)."""
+    rows = per_request[np.isfinite(per_request.admitted_ms) & np.isfinite(per_request.finish_ms)]
+    events = sorted([(t, 0, r) for t, r in zip(rows.finish_ms, rows.replica)] +
+                    [(t, 1, r) for t, r in zip(rows.admitted_ms, rows.replica)])   # finishes (0) first on ties
+    load: dict[str, int] = {}
+    over, ratios = 0, []
+    for t, is_start, replica in events:
+        load[replica] = load.get(replica, 0) + (1 if is_start else -1)
+        if is_start and t >= from_ms:
+            serving = replicas_at(t)
+            total = sum(load.get(r, 0) for r in serving)
+            over += load[replica] > math.ceil(c * total / len(serving))
+            ratios.append(load[replica] * len(serving) / max(1, total))
+    judged = len(ratios)
+    ratios = np.array(ratios or [float("nan")])
+    return pd.DataFrame([{"requests": judged, "over_cap_share": over / max(1, judged),
+                          "p99_over_mean": float(np.percentile(ratios, 99)), "max_over_mean": float(ratios.max())}])

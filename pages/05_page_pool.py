@@ -18,17 +18,17 @@ st.write(
 
 POLICY = {"multi-page state": "multi_page", "unified page size": "unified"}
 c1, c2, c3 = st.columns(3)
-pool_mib = c1.slider("Pool size (MiB)", 4, 128, key=persist("p05_pool_mib", 32, min_value=4, max_value=128), persist_state="session")
+pool_mib = c1.slider("Pool size (MiB)", 4, 128, value=32, key=persist("p05_pool_mib", 32, min_value=4, max_value=128), bind="query-params", persist_state="session")
 policy = POLICY[c2.selectbox("Page-size policy", list(POLICY),
-                             key=persist("p05_policy", "multi-page state", options=list(POLICY)), persist_state="session")]
+                             index=list(POLICY).index("multi-page state"), key=persist("p05_policy", "multi-page state", options=list(POLICY)), bind="query-params", persist_state="session")]
 arrival = c3.selectbox("Arrival pattern", ["steady", "bursty"],
-                       key=persist("p05_arrival", "steady", options=["steady", "bursty"]), persist_state="session")
+                       index=0, key=persist("p05_arrival", "steady", options=["steady", "bursty"]), bind="query-params", persist_state="session")
 d1, d2, d3, d4 = st.columns(4)
 long_share = d1.slider("Long requests, first half (share)", 0.0, 1.0, step=0.05,
-                       key=persist("p05_long_share", 0.1, min_value=0.0, max_value=1.0), persist_state="session")
-groups = d2.slider("KDA groups G", 1, 6, key=persist("p05_groups", 1, min_value=1, max_value=6), persist_state="session")
-seed = d3.number_input("Seed", 0, 9999, key=persist("p05_seed", 0, min_value=0, max_value=9999), persist_state="session")
-step = d4.slider("Grid at step", 0, 199, key=persist("p05_step", 60, min_value=0, max_value=199), persist_state="session")
+                       value=0.1, key=persist("p05_long_share", 0.1, min_value=0.0, max_value=1.0), bind="query-params", persist_state="session")
+groups = d2.slider("KDA groups G", 1, 6, value=1, key=persist("p05_groups", 1, min_value=1, max_value=6), bind="query-params", persist_state="session")
+seed = d3.number_input("Seed", 0, 9999, value=0, key=persist("p05_seed", 0, min_value=0, max_value=9999), bind="query-params", persist_state="session")
+step = d4.slider("Grid at step", 0, 199, value=60, key=persist("p05_step", 60, min_value=0, max_value=199), bind="query-params", persist_state="session")
 
 
 @st.cache_data(show_spinner="Running the request stream on the pool…", max_entries=16, ttl="1h")
@@ -44,23 +44,42 @@ st.caption(f"{r.num_pages:,} pages of {lay.page_bytes:,} B · MLA_KV block = {la
            f"{r.num_pages - r.kv_pages_static:,} state pages (sized for the first half's mix).")
 
 st.subheader(f"1 · The pool at step {step}, coloured by kind and owner")
-cols = 64
+cols, max_rows = 64, 48
 snap = r.snapshot
-z = np.full(-(-len(snap) // cols) * cols, np.nan)
+per = -(-len(snap) // (cols * max_rows))         # pages per cell: 1 up to 3,072 pages, then cells aggregate pages
+n_cells = -(-len(snap) // per)
+z = np.full(-(-n_cells // cols) * cols, np.nan)
 text = np.full(z.shape, "", dtype=object)
-for p, (kind, owner, ref) in enumerate(snap):
-    z[p] = 0 if owner is None else int(kind) * 5 - 4 + owner % 5     # 0 free, 1-5 MLA_KV, 6-10 KDA_STATE
-    text[p] = f"page {p}: {kind.name}" + ("" if owner is None else f", request {owner}, ref {ref}")
+for c in range(n_cells):
+    cell = snap[c * per:(c + 1) * per]
+    if per == 1:
+        kind, owner, ref = cell[0]
+        z[c] = 0 if owner is None else int(kind) * 5 - 4 + owner % 5     # 0 free, 1-5 MLA_KV, 6-10 KDA_STATE
+        text[c] = f"page {c}: {kind.name}" + ("" if owner is None else f", request {owner}, ref {ref}")
+        continue
+    used = [k for k, o, _ in cell if o is not None]
+    counts = {k: used.count(k) for k in set(used)}
+    if counts:                       # the majority kind; the shade says how full of it the cell is
+        kind = max(counts, key=lambda k: (counts[k], int(k)))
+        z[c] = int(kind) * 5 - 4 + min(4, int(5 * counts[kind] / len(cell) - 1e-9))
+    else:
+        z[c] = 0
+    text[c] = (f"pages {c * per:,}–{c * per + len(cell) - 1:,}: " +
+               ", ".join(f"{counts.get(k, 0)} {k.name}" for k in sorted({k for k, _, _ in snap}, key=int)) +
+               f", {len(cell) - len(used)} free")
 blues, oranges = ["#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c"], ["#fdae6b", "#fd8d3c", "#f16913", "#d94801", "#a63603"]
 palette = ["#e5e5e5"] + blues + oranges
 scale = [[v, c] for i, c in enumerate(palette) for v in (i / 11, (i + 1) / 11)]
 fig = go.Figure(go.Heatmap(z=z.reshape(-1, cols), text=text.reshape(-1, cols), hoverinfo="text", colorscale=scale,
                            zmin=-0.5, zmax=10.5, showscale=False, xgap=1, ygap=1))
-fig.update_layout(xaxis_title="page id mod 64", yaxis_title="page id ÷ 64 (row)", yaxis_autorange="reversed",
-                  height=min(700, 120 + 6 * len(z) // cols))
+unit = "page" if per == 1 else f"cell of {per} pages"
+fig.update_layout(xaxis_title=f"{unit} index mod 64", yaxis_title=f"{unit} index ÷ 64 (row)", yaxis_autorange="reversed",
+                  height=120 + 12 * (len(z) // cols))
 grid_df = pd.DataFrame([(p, k.name, o, rf) for p, (k, o, rf) in enumerate(snap)], columns=["page", "kind", "owner", "refcount"])
 show_chart(fig, grid_df, key="p05_grid")
-st.caption("Grey = free, blues = MLA_KV, oranges = KDA_STATE; shades tell owners apart (request id mod 5).")
+st.caption("Grey = free, blues = MLA_KV, oranges = KDA_STATE; shades tell owners apart (request id mod 5)." if per == 1 else
+           f"{len(snap):,} pages, {per} per cell. A cell takes the colour of its majority kind, darker when more of "
+           "its pages hold that kind; grey = all free. Hover for the counts; the CSV has every page.")
 
 st.subheader("2 · Utilisation by kind over time")
 tl = r.timeline
@@ -106,7 +125,14 @@ fig4.update_layout(xaxis_title="policy (demo model, this workload)", yaxis_title
                    barmode="stack", legend=dict(orientation="h", y=-0.3))
 show_chart(fig4, wdf, key="p05_waste")
 real = r.real
-st.dataframe(real, hide_index=True, width="stretch")
+st.dataframe(real.assign(state_waste_pct=real.state_waste_pct / 100, kv_page_padding_pct=real.kv_page_padding_pct / 100),
+             hide_index=True, width="stretch", column_config={
+    "model": "Model", "policy": "Policy",
+    "block_size": st.column_config.NumberColumn("Block (tokens)", format="localized"),
+    "page_bytes": st.column_config.NumberColumn("Page (B)", format="localized"),
+    "state_pages": st.column_config.NumberColumn("Pages per state", format="localized"),
+    "state_waste_pct": st.column_config.NumberColumn("State padding / tail", format="percent"),
+    "kv_page_padding_pct": st.column_config.NumberColumn("KV page padding", format="percent")})
 st.caption("Real presets at 16-token blocks, G groups (bf16 KV, fp32 state, bf16 conv), sized by the same "
            "`CacheLayout.page_bytes_for`. The block stays 16 tokens under both policies (it is the prefix-cache "
            "granularity): multi-page state wastes only the tail of a state's last page; unified page size makes a "

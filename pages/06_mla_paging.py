@@ -17,21 +17,21 @@ st.write(
 BLOCKS = [1, 2, 4, 8, 16, 32, 64]
 st.subheader("1 · A request's page table (logical block → physical page)")
 c1, c2, c3, c4 = st.columns(4)
-bs = c1.select_slider("Block size N (tokens)", BLOCKS, key=persist("p06_block_size", 16, options=BLOCKS), persist_state="session")
-tokens_a = c2.slider("Request A (tokens)", 8, 256, key=persist("p06_tokens_a", 100, min_value=8, max_value=256), persist_state="session")
-shared_pct = c3.slider("B shares A's first (%)", 0, 100, key=persist("p06_shared_pct", 50, min_value=0, max_value=100), persist_state="session")
-own_b = c4.slider("B's own tokens", 0, 128, key=persist("p06_own_b", 30, min_value=0, max_value=128), persist_state="session")
+bs = c1.select_slider("Block size N (tokens)", BLOCKS, value=16, key=persist("p06_block_size", 16, options=BLOCKS), bind="query-params", persist_state="session")
+tokens_a = c2.slider("Request A (tokens)", 8, 256, value=100, key=persist("p06_tokens_a", 100, min_value=8, max_value=256), bind="query-params", persist_state="session")
+shared_pct = c3.slider("B shares A's first (%)", 0, 100, value=50, key=persist("p06_shared_pct", 50, min_value=0, max_value=100), bind="query-params", persist_state="session")
+own_b = c4.slider("B's own tokens", 0, 128, value=30, key=persist("p06_own_b", 30, min_value=0, max_value=128), bind="query-params", persist_state="session")
 
 
 shared_tokens = tokens_a * shared_pct // 100
 st.caption("Settings of sections 3 (gather measurement) and 4 (prefix sharing):")
 e1, e2, e3, e4 = st.columns(4)
 max_ctx = e1.select_slider("Longest context measured (tokens)", [1024, 4096, 16384],
-                           key=persist("p06_max_ctx", 4096, options=[1024, 4096, 16384]), persist_state="session")
-n_req = e2.slider("Requests sharing the prefix", 1, 64, key=persist("p06_requests", 16, min_value=1, max_value=64), persist_state="session")
-prefix = e3.slider("Shared prefix (tokens)", 0, 8192, step=64, key=persist("p06_prefix", 2048, min_value=0, max_value=8192), persist_state="session")
+                           value=4096, key=persist("p06_max_ctx", 4096, options=[1024, 4096, 16384]), bind="query-params", persist_state="session")
+n_req = e2.slider("Requests sharing the prefix", 1, 64, value=16, key=persist("p06_requests", 16, min_value=1, max_value=64), bind="query-params", persist_state="session")
+prefix = e3.slider("Shared prefix (tokens)", 0, 8192, step=64, value=2048, key=persist("p06_prefix", 2048, min_value=0, max_value=8192), bind="query-params", persist_state="session")
 unique = e4.slider("Unique tail per request (tokens)", 0, 2048, step=16,
-                   key=persist("p06_unique", 128, min_value=0, max_value=2048), persist_state="session")
+                   value=128, key=persist("p06_unique", 128, min_value=0, max_value=2048), bind="query-params", persist_state="session")
 
 
 @st.cache_data(show_spinner="Building page tables and measuring gathers on this CPU…", max_entries=16, ttl="1h")
@@ -123,7 +123,8 @@ else:
     show_chart(fig4, sdf, key="p06_sharing")
     last = sdf.iloc[-1]
     st.metric(f"Saved at {n_req} requests", f"{last.saved_bytes / 2 ** 20:,.2f} MiB",
-              f"{100 * last.saved_bytes / max(last.private_bytes, 1):.0f}% of private")
+              f"{100 * last.saved_bytes / max(last.private_bytes, 1):.0f}% of private copies", delta_color="off",
+              delta_arrow="off")
 
 worst16 = gdf[gdf.block_size >= 16].gather_ratio.max()
 st.info(

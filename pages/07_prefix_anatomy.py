@@ -16,11 +16,11 @@ st.write(
 DEFAULT = ("System: you are a terse assistant for inference engineers; always give units.\n"
            "System: you are a terse assistant for inference engineers; always give units. User: size of a KV block?\n"
            "System: you are a terse assistant for inference engineers; always give units. User: size of a KDA state?")
-text = st.text_area("Prompts, one per line (the last one is looked up)", key=persist("p07_prompts", DEFAULT), persist_state="session", height=110)
+text = st.text_area("Prompts, one per line (the last one is looked up)", value=DEFAULT, key=persist("p07_prompts", DEFAULT), bind="query-params", persist_state="session", height=110)
 c1, c2, c3 = st.columns(3)
-block = c1.select_slider("Block size N (tokens)", [4, 8, 16, 32], key=persist("p07_block", 16, options=[4, 8, 16, 32]), persist_state="session")
-every = c2.select_slider("Checkpoint every C / N blocks", [1, 2, 4], key=persist("p07_every", 2, options=[1, 2, 4]), persist_state="session")
-groups = c3.slider("KDA groups G", 1, 4, key=persist("p07_groups", 2, min_value=1, max_value=4), persist_state="session")
+block = c1.select_slider("Block size N (tokens)", [4, 8, 16, 32], value=16, key=persist("p07_block", 16, options=[4, 8, 16, 32]), bind="query-params", persist_state="session")
+every = c2.select_slider("Checkpoint every C / N blocks", [1, 2, 4], value=2, key=persist("p07_every", 2, options=[1, 2, 4]), bind="query-params", persist_state="session")
+groups = c3.slider("KDA groups G", 1, 4, value=2, key=persist("p07_groups", 2, min_value=1, max_value=4), bind="query-params", persist_state="session")
 lines = text.splitlines()
 prompts = [line for line in lines if line.strip()]
 if len(prompts) < 2:
@@ -41,10 +41,10 @@ base = engine_call(_anatomy, prompts, block, block * every, groups, None)  # the
 options = base.droppable
 drop = None
 d1, d2, d3 = st.columns(3)
-if options and d1.checkbox("What if: drop one group's checkpoint", key=persist("p07_drop", False), persist_state="session"):
+if options and d1.checkbox("What if: drop one group's checkpoint", value=False, key=persist("p07_drop", False), bind="query-params", persist_state="session"):
     boundary = int(d2.selectbox("at boundary (tokens of the previous prompt)", [str(b) for b in options],
-                                key=persist("p07_drop_at", str(options[-1]), options=[str(b) for b in options]), persist_state="session"))
-    drop = (boundary, int(d3.selectbox("group", [str(g) for g in range(groups)], key=persist("p07_drop_group", "0", options=[str(g) for g in range(groups)]), persist_state="session")))
+                                index=len(options) - 1, key=persist("p07_drop_at", str(options[-1]), options=[str(b) for b in options]), bind="query-params", persist_state="session"))
+    drop = (boundary, int(d3.selectbox("group", [str(g) for g in range(groups)], index=0, key=persist("p07_drop_group", "0", options=[str(g) for g in range(groups)]), bind="query-params", persist_state="session")))
 res = engine_call(_anatomy, prompts, block, block * every, groups, drop) if drop else base
 
 st.subheader("1 · Blocks and checkpoints along the token axis")
@@ -82,7 +82,9 @@ show_chart(fig, blocks, key="p07_blocks_chart")
 
 st.subheader("2 · The lookup of the last prompt, step by step")
 steps = res.steps
-st.dataframe(steps, hide_index=True, width="stretch")
+st.dataframe(steps, hide_index=True, width="stretch", column_config={
+    "phase": "Phase", "block": "Block", "boundary": st.column_config.NumberColumn("Boundary (tokens)", format="localized"),
+    "found": "Found", "groups": "Groups with a checkpoint", "note": "Note"})
 why = steps.iloc[-1].note if len(steps) else "prompt shorter than one block"
 st.write(f"**Hit b = {res.num_tokens} tokens** (phase-1 KV run {res.kv_tokens}). Why it stops there: {why}."
          + (f" Dropped group {drop[1]}'s checkpoint at {drop[0]}: that boundary is incomplete now." if drop else ""))

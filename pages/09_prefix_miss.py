@@ -4,7 +4,8 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from lab.prefix_miss import PRESETS, prefix_miss
+from lab.fleet import synthetic_trace_description
+from lab.prefix_miss import CAPACITY_FRACTIONS, PRESETS, prefix_miss
 from pages._common import engine_call, persist, show_chart, upload_parts
 
 st.title("Prefix miss")
@@ -16,18 +17,18 @@ st.write(
 
 st.subheader("1 · A miss, what it writes, and the next request's hit")
 c1, c2, c3, c4, c5 = st.columns(5)
-prompt_tokens = c1.slider("Prompt (tokens)", 64, 512, step=32, key=persist("p09_prompt", 256, min_value=64, max_value=512), persist_state="session")
-next_shared = c2.slider("Next request shares (tokens)", 0, 512, step=16, key=persist("p09_next", 200, min_value=0, max_value=512), persist_state="session")
-block = c3.select_slider("Block size N", [8, 16, 32], key=persist("p09_block", 16, options=[8, 16, 32]), persist_state="session")
-interval = c4.select_slider("Interval C (tokens)", [32, 64, 128], key=persist("p09_interval", 64, options=[32, 64, 128]), persist_state="session")
-groups = c5.slider("KDA groups G", 1, 3, key=persist("p09_groups", 2, min_value=1, max_value=3), persist_state="session")
+prompt_tokens = c1.slider("Prompt (tokens)", 64, 512, step=32, value=256, key=persist("p09_prompt", 256, min_value=64, max_value=512), bind="query-params", persist_state="session")
+next_shared = c2.slider("Next request shares (tokens)", 0, 512, step=16, value=200, key=persist("p09_next", 200, min_value=0, max_value=512), bind="query-params", persist_state="session")
+block = c3.select_slider("Block size N", [8, 16, 32], value=16, key=persist("p09_block", 16, options=[8, 16, 32]), bind="query-params", persist_state="session")
+interval = c4.select_slider("Interval C (tokens)", [32, 64, 128], value=64, key=persist("p09_interval", 64, options=[32, 64, 128]), bind="query-params", persist_state="session")
+groups = c5.slider("KDA groups G", 1, 3, value=2, key=persist("p09_groups", 2, min_value=1, max_value=3), bind="query-params", persist_state="session")
 part1, part2 = st.container(), st.container()
 part2.subheader("2 · A trace through capacity-limited caches")
 d1, d2, d3, d4 = part2.columns(4)
-preset = d1.selectbox("Byte sizes of", list(PRESETS), key=persist("p09_preset", PRESETS[0], options=list(PRESETS)), persist_state="session")
-every = d2.select_slider("Checkpoint every C / 512 blocks", [1, 2, 4, 8], key=persist("p09_every", 1, options=[1, 2, 4, 8]), persist_state="session")
-tgroups = d3.slider("Groups G", 1, 4, key=persist("p09_tgroups", 1, min_value=1, max_value=4), persist_state="session")
-num_requests = d4.slider("Requests (cap)", 500, 3000, step=250, key=persist("p09_requests", 1500, min_value=500, max_value=3000), persist_state="session")
+preset = d1.selectbox("Byte sizes of", list(PRESETS), index=0, key=persist("p09_preset", PRESETS[0], options=list(PRESETS)), bind="query-params", persist_state="session")
+every = d2.select_slider("Checkpoint every C / 512 blocks", [1, 2, 4, 8], value=1, key=persist("p09_every", 1, options=[1, 2, 4, 8]), bind="query-params", persist_state="session")
+tgroups = d3.slider("Groups G", 1, 4, value=1, key=persist("p09_tgroups", 1, min_value=1, max_value=4), bind="query-params", persist_state="session")
+num_requests = d4.slider("Requests (cap)", 500, 3000, step=250, value=1500, key=persist("p09_requests", 1500, min_value=500, max_value=3000), bind="query-params", persist_state="session")
 data, upload_name = upload_parts(part2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p09_upload"))
 
 
@@ -51,19 +52,19 @@ run = engine_call(_run, prompt_tokens, next_shared, block, interval, groups, pre
 written = run.written
 with part1:
     m1, m2, m3, m4 = st.columns(4)
-    m1.metric("Miss: prefill tokens", f"{run.miss['prefill_tokens']:,}", f"TTFT {run.miss['ttft_ms']:.1f} ms", delta_color="off")
+    m1.metric("Miss: prefill tokens", f"{run.miss['prefill_tokens']:,}", f"TTFT {run.miss['ttft_ms']:.1f} ms", delta_color="off", delta_arrow="off")
     m2.metric("Checkpoints (boundaries × groups)", f"{written.boundary.nunique()} × {groups}",
-              f"{run.miss['checkpoints_written']} boundaries published atomically", delta_color="off")
-    m3.metric("Next request: hit b", f"{run.hit['hit_tokens']} tokens", f"KV run {run.hit['kv_hit_tokens']}", delta_color="off")
+              f"{run.miss['checkpoints_written']} boundaries published atomically", delta_color="off", delta_arrow="off")
+    m3.metric("Next request: hit b", f"{run.hit['hit_tokens']} tokens", f"KV run {run.hit['kv_hit_tokens']}", delta_color="off", delta_arrow="off")
     m4.metric("Next output identical", "yes" if run.check.outputs_identical else "NO",
-              f"max |Δ logits| {run.check.max_logit_diff:.1e}", delta_color="off")
+              f"max |Δ logits| {run.check.max_logit_diff:.1e}", delta_color="off", delta_arrow="off")
     fig = go.Figure(go.Scatter(x=written.boundary, y=written.group, mode="markers", marker_symbol="diamond",
                                marker_size=12, name="checkpoint (written at = boundary)", text=written.written_at))
     for x, name, pos in ((run.next_shared, "next request shares", "top right"),
                          (run.hit["hit_tokens"], "its hit b =", "bottom left")):
         fig.add_vline(x=x, line_dash="dot", annotation_text=f"{name} {x}", annotation_position=pos)
     fig.update_layout(xaxis_title="boundary (tokens)", yaxis_title="KDA group", yaxis=dict(dtick=1),
-                      xaxis_range=[0, prompt_tokens + 8])
+                      xaxis_range=[0, prompt_tokens + 8], height=150 + 40 * groups, margin=dict(t=30, b=10))
     show_chart(fig, written, key="p09_written_chart")
 
 if run.capacity is None:
@@ -91,6 +92,12 @@ with part2:
     show_chart(fig2, cap.assign(ideal_block_hit_ratio=ideal.block_hit_ratio, ideal_token_hit_ratio=ideal.token_hit_ratio),
                key="p09_capacity_chart")
     trace_name = upload_name if data is not None else "synthetic generator (default)"
+    st.caption(f"Capacities: {', '.join(f'{f:g}' for f in CAPACITY_FRACTIONS)} × the bytes (KV + checkpoints) the "
+               f"unlimited cache peaked at on this trace, so the sweep runs from a cache that holds almost nothing "
+               "to one that never evicts, whatever the trace and preset.")
+    if data is None:
+        with st.expander("How the synthetic trace is generated"):
+            st.markdown(synthetic_trace_description(n) + " Seed 0.")
     st.dataframe(pd.DataFrame([
         {"figure": "Mooncake FAST'25, Table 2 “cache ratio”", "trace": f"{t} trace (kvcache-ai/Mooncake)",
          "ratio": r, "what it counts": "not defined in the paper"} for t, r in run.paper_ratios.items()] + [
@@ -125,10 +132,13 @@ with part2:
     show_chart(trade, pd.concat([tr_free.assign(cache="unlimited"), tr_cap.assign(cache="limited")]), key="p09_interval_chart")
     st.caption(f"{n:,} requests. What to notice: a {preset} checkpoint costs far more than a KV block, so at a fixed "
                "capacity a larger C holds more blocks and can hit more, while unlimited it only loses the interior "
-               "boundaries. Causes: no KV block = never seen; evicted = seen, no longer cached; KV but no complete "
-               "checkpoint; below one block = partial tail and the len − 1 cap. Each ratio has its own ideal (an "
-               "unlimited cache hits every request's leading run of hash ids seen before): block ideal = those ids / "
-               "all ids (Mooncake, FAST'25); token ideal = their tokens (the last id's partial block counted at its "
-               "length) / all tokens. The two differ because a partial last block counts as one id but fewer tokens; "
-               "the engine's token ratio stays a little below its ideal because it never hits the partial block or "
-               "the last token.")
+               "boundaries.")
+    with st.expander("Miss causes and the two ideals"):
+        st.markdown(
+            "- **Causes**: no KV block = never seen; evicted = seen, no longer cached; KV but no complete checkpoint; "
+            "below one block = partial tail and the len − 1 cap.\n"
+            "- **Ideals**: an unlimited cache hits every request's leading run of hash ids seen before. Block ideal = "
+            "those ids / all ids (Mooncake, FAST'25); token ideal = their tokens (the last id's partial block counted "
+            "at its length) / all tokens. They differ because a partial last block counts as one id but fewer "
+            "tokens; the engine's token ratio stays a little below its ideal because it never hits the partial "
+            "block or the last token.")

@@ -13,12 +13,12 @@ st.write(
     "on this CPU. The default trace is synthetic (Mooncake schema); upload a Mooncake JSONL file to use your own.")
 
 c1, c2, c3, c4 = st.columns(4)
-replicas = c1.slider("Replicas", 2, 32, key=persist("p11_replicas", 8, min_value=2, max_value=32), persist_state="session")
-vnodes = c2.select_slider("Virtual nodes per replica (ring)", list(VNODES), key=persist("p11_vnodes", 160, options=list(VNODES)), persist_state="session")
-algorithm = c3.selectbox("Algorithm", list(ALGORITHMS), key=persist("p11_algorithm", "ring", options=list(ALGORITHMS)), persist_state="session")
-k = c4.slider("Routing prefix depth k (blocks)", 1, 8, key=persist("p11_k", 2, min_value=1, max_value=8), persist_state="session")
+replicas = c1.slider("Replicas", 2, 32, value=8, key=persist("p11_replicas", 8, min_value=2, max_value=32), bind="query-params", persist_state="session")
+vnodes = c2.select_slider("Virtual nodes per replica (ring)", list(VNODES), value=160, key=persist("p11_vnodes", 160, options=list(VNODES)), bind="query-params", persist_state="session")
+algorithm = c3.selectbox("Algorithm", list(ALGORITHMS), index=list(ALGORITHMS).index("ring"), key=persist("p11_algorithm", "ring", options=list(ALGORITHMS)), bind="query-params", persist_state="session")
+k = c4.slider("Routing prefix depth k (blocks)", 1, 8, value=2, key=persist("p11_k", 2, min_value=1, max_value=8), bind="query-params", persist_state="session")
 d1, d2 = st.columns([1, 2])
-num_requests = d1.slider("Requests (cap)", 200, 5000, step=100, key=persist("p11_requests", 2000, min_value=200, max_value=5000), persist_state="session")
+num_requests = d1.slider("Requests (cap)", 200, 5000, step=100, value=2000, key=persist("p11_requests", 2000, min_value=200, max_value=5000), bind="query-params", persist_state="session")
 upload = d2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p11_upload")
 
 
@@ -33,7 +33,7 @@ if run.note:
     st.info(run.note)
 st.subheader("1 · Requests per replica")
 fig = go.Figure(go.Bar(x=load.replica, y=load.requests, name="requests"))
-fig.add_hline(y=load.requests.mean(), line_dash="dot", annotation_text="mean")
+fig.add_hline(y=load.requests.mean(), line_dash="dot", annotation_text=f"mean {load.requests.mean():,.0f}")
 fig.update_layout(xaxis_title="replica", yaxis_title="requests routed (count)")
 show_chart(fig, load, key="p11_load_chart")
 m1, m2, m3 = st.columns(3)
@@ -74,8 +74,11 @@ st.caption("Pure-Python route() per key: ring = binary search over V·n points; 
 st.subheader("4 · Where one request's prefix lands")
 if type(st.session_state.get("p11_index")) is int and st.session_state["p11_index"] > n_trace - 1:  # cap shrank
     st.session_state["p11_index"] = n_trace - 1
-idx = st.number_input("Request index", 0, n_trace - 1, key=persist("p11_index", 1, min_value=0, max_value=n_trace - 1), persist_state="session")
+idx = st.number_input("Request index", 0, n_trace - 1, value=1, key=persist("p11_index", 1, min_value=0, max_value=n_trace - 1), bind="query-params", persist_state="session")
 where = run.landing[run.landing.request == idx].drop(columns="request")
-st.dataframe(where, hide_index=True, width="stretch")
+st.dataframe(where, hide_index=True, width="stretch", column_config={
+    "algorithm": "Algorithm", "replica": "Replica", "routing_key": "Routing key (hex)",
+    "prefix_blocks": st.column_config.NumberColumn("Prefix (blocks)", format="localized"),
+    "requests_sharing_prefix": st.column_config.NumberColumn("Requests sharing the prefix", format="localized")})
 st.caption(f"What to notice: the key is blake2b chained over the first {k} block ids, so every request sharing "
            "those blocks gets the same key and the same replica under every key-based algorithm.")

@@ -4,7 +4,15 @@ import math
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.fleet_simulation import CAPACITIES, POLICIES, SCALE_EVENTS, SCHEDULERS, SERVICE_MODELS, fleet_simulation
+from lab.fleet_simulation import (
+    BOUND_C,
+    CAPACITIES,
+    POLICIES,
+    SCALE_EVENTS,
+    SCHEDULERS,
+    SERVICE_MODELS,
+    fleet_simulation,
+)
 from pages._common import engine_call, persist, show_chart, upload_parts
 
 st.title("Fleet simulation")
@@ -16,20 +24,22 @@ st.write(
     "conversation trace); upload a Mooncake JSONL file to use your own.")
 
 c1, c2, c3, c4 = st.columns(4)
-num_requests = c1.slider("Requests (cap)", 200, 5000, step=100, key=persist("p14_requests", 2000, min_value=200, max_value=5000), persist_state="session")
-replicas = c2.slider("Replicas", 1, 16, key=persist("p14_replicas", 8, min_value=1, max_value=16), persist_state="session")
-k = c3.slider("Routing prefix depth k (blocks)", 1, 4, key=persist("p14_k", 2, min_value=1, max_value=4), persist_state="session")
+num_requests = c1.slider("Requests (cap)", 200, 5000, step=100, value=2000, key=persist("p14_requests", 2000, min_value=200, max_value=5000), bind="query-params", persist_state="session")
+replicas = c2.slider("Replicas", 1, 16, value=8, key=persist("p14_replicas", 8, min_value=1, max_value=16), bind="query-params", persist_state="session")
+k = c3.slider("Routing prefix depth k (blocks)", 1, 4, value=2, key=persist("p14_k", 2, min_value=1, max_value=4), bind="query-params", persist_state="session")
 capacity = c4.select_slider("Cache per replica (blocks of 512 tokens)", list(CAPACITIES),
-                            key=persist("p14_capacity", "8000", options=list(CAPACITIES)), persist_state="session")
+                            value="8000", key=persist("p14_capacity", "8000", options=list(CAPACITIES)), bind="query-params", persist_state="session")
 d1, d2, d3, d4 = st.columns(4)
-scheduler = d1.selectbox("Replica scheduler", list(SCHEDULERS), key=persist("p14_scheduler", "vtc", options=list(SCHEDULERS)), persist_state="session")
-vip_pct = d2.slider("VIP share of requests (%)", 0, 50, step=5, key=persist("p14_vip", 10, min_value=0, max_value=50), persist_state="session")
-scale = d3.selectbox("Scale event at half time", list(SCALE_EVENTS), key=persist("p14_scale", "none", options=list(SCALE_EVENTS)), persist_state="session")
-speed = d4.slider("Replica speed-up (prefill ×; decode × 5/8 of it)", 1, 20, key=persist("p14_speed", 8, min_value=1, max_value=20), persist_state="session")
+scheduler = d1.selectbox("Replica scheduler", list(SCHEDULERS), index=list(SCHEDULERS).index("vtc"), key=persist("p14_scheduler", "vtc", options=list(SCHEDULERS)), bind="query-params", persist_state="session")
+vip_pct = d2.slider("VIP share of requests (%)", 0, 50, step=5, value=10, key=persist("p14_vip", 10, min_value=0, max_value=50), bind="query-params", persist_state="session")
+scale = d3.selectbox("Scale event at half time", list(SCALE_EVENTS), index=list(SCALE_EVENTS).index("none"), key=persist("p14_scale", "none", options=list(SCALE_EVENTS)), bind="query-params", persist_state="session")
+speed = d4.slider("Replica speed-up (prefill ×; decode × 5/8 of it)", 1, 20, value=8, key=persist("p14_speed", 8, min_value=1, max_value=20), bind="query-params", persist_state="session")
 MODELS = list(SERVICE_MODELS)
-model = st.selectbox("Replica service model (before the speed-up)", MODELS, key=persist("p14_model", MODELS[0], options=MODELS), persist_state="session")
-policies = st.multiselect("Routing policies", list(POLICIES), key=persist("p14_policies", ["ring", "round_robin",
-                                                                                          "cache_aware", "bounded_load"], options=list(POLICIES)), persist_state="session")
+model = st.selectbox("Replica service model (before the speed-up)", MODELS, index=0, key=persist("p14_model", MODELS[0], options=MODELS), bind="query-params", persist_state="session")
+DEFAULT_POLICIES = ["ring", "round_robin", "cache_aware", "bounded_load"]
+policies = st.multiselect("Routing policies", list(POLICIES), default=DEFAULT_POLICIES,
+                          key=persist("p14_policies", DEFAULT_POLICIES, options=list(POLICIES)), bind="query-params",
+                          persist_state="session")
 upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p14_upload")
 if not policies:
     st.info("Pick at least one routing policy.")
@@ -77,18 +87,41 @@ fig2.update_layout(barmode="group", xaxis_title="routing policy", yaxis_title="T
                    legend=dict(orientation="h", y=-0.25))
 show_chart(fig2, summary, key="p14_ttft_chart")
 
-st.subheader("3 · Load balance")
-fig3 = go.Figure(go.Bar(x=overall.policy, y=overall.max_over_mean_requests,
-                        text=[f"{v:.2f}" for v in overall.max_over_mean_requests], textposition="outside"))
-fig3.add_hline(y=1.0, line_dash="dot")
-fig3.update_layout(xaxis_title="routing policy", yaxis_title="max / mean requests per replica (1 = perfect balance)")
-show_chart(fig3, overall, key="p14_balance_chart")
-st.dataframe(summary.style.format(precision=3, thousands=","), hide_index=True, width="stretch")
+st.subheader("3 · Load balance: in-flight requests at routing time")
+inf = run.in_flight
+fig3 = go.Figure(go.Bar(x=inf.policy, y=inf.over_cap_share, text=[f"{v:.1%}" for v in inf.over_cap_share],
+                        textposition="outside"))
+fig3.update_layout(xaxis_title="routing policy", yaxis_tickformat=".0%",
+                   yaxis_title=f"requests routed to a replica above ⌈{BOUND_C} × mean in-flight⌉",
+                   yaxis_range=[0, max(0.05, float(inf.over_cap_share.max())) * 1.2])
+show_chart(fig3, inf, key="p14_balance_chart")
+st.caption(f"Bounded loads caps the requests in flight on a replica (routed, not finished) at ⌈c × fleet in-flight ÷ "
+           f"replicas⌉, c = {BOUND_C}, when it routes; this counts, per policy, how often a request landed above that cap"
+           + (" (requests routed after the removal)." if scale == "remove" else "."))
+table = summary.merge(inf[["policy", "p99_over_mean"]], on="policy")
+pct = dict(format="percent")
+st.dataframe(table.assign(ttft_p50_s=table.ttft_p50_ms / 1000, ttft_p99_s=table.ttft_p99_ms / 1000,
+                          queue_wait_p99_s=table.queue_wait_p99_ms / 1000)
+             .drop(columns=["ttft_p50_ms", "ttft_p99_ms", "queue_wait_p99_ms"]), hide_index=True, width="stretch",
+             column_order=["policy", "class", "completed", "hit_ratio", "ttft_p50_s", "ttft_p99_s", "queue_wait_p99_s",
+                           "p99_over_mean", "max_over_mean_requests", "throughput_rps"],
+             column_config={
+                 "policy": "Policy", "class": "Class",
+                 "completed": st.column_config.NumberColumn("Completed", format="localized"),
+                 "hit_ratio": st.column_config.NumberColumn("Token hit ratio", **pct),
+                 "ttft_p50_s": st.column_config.NumberColumn("TTFT P50 (s)", format="%.3f"),
+                 "ttft_p99_s": st.column_config.NumberColumn("TTFT P99 (s)", format="%.3f"),
+                 "queue_wait_p99_s": st.column_config.NumberColumn("Queue wait P99 (s)", format="%.3f"),
+                 "p99_over_mean": st.column_config.NumberColumn("In-flight at routing, P99 ÷ mean", format="%.2f"),
+                 "max_over_mean_requests": st.column_config.NumberColumn("Requests per replica, max ÷ mean",
+                                                                         format="%.2f"),
+                 "throughput_rps": st.column_config.NumberColumn("Throughput (req/s)", format="%.2f")})
 st.download_button("Download per-request results (CSV)", per_request.to_csv(index=False).encode(),
                    file_name="p14_requests.csv", mime="text/csv", key="p14_requests_csv")
-st.caption(f"{n_trace:,} requests (cap {num_requests:,}), {replicas} replicas: {source}. Service model: prefill "
-           "time = uncached tokens ÷ prefill rate; decode step time per batch size; rates calibrated on the VTC "
-           "artifact's A10G measurements or timed on this CPU with our engine, then sped up by the stated (assumed) "
-           "factors. What to notice: round-robin scatters "
-           "sessions and loses most hits; hashing on k = 1 sends everything to one replica (shared system prompt); "
-           "cache-aware routing trades some balance for hits.")
+st.caption(f"{n_trace:,} requests (cap {num_requests:,}), {replicas} replicas: {source}. What to notice: round-robin "
+           "scatters sessions and loses most hits; hashing on k = 1 sends everything to one replica (shared system "
+           "prompt); cache-aware routing trades some balance for hits.")
+with st.expander("Service model"):
+    st.markdown("Prefill time = uncached tokens ÷ prefill rate; decode step time per batch size. The rates are "
+                "calibrated on the VTC artifact's A10G measurements, or timed on this CPU with our engine, then sped "
+                "up by the stated (assumed) factors.")

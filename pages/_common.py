@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
@@ -134,18 +135,52 @@ def persist_clamped(key: str, default: int, lo: int, hi: int) -> str:
     return key
 
 
-def _decade_ticks(axis) -> None:
-    """On a log axis without explicit ticks, label only the powers of ten (Plotly's default minor
-    labels read as a bare "2" or "5", which can mean 2,000 or 20,000)."""
-    if axis.type == "log" and axis.dtick is None and axis.tickvals is None:
-        axis.update(dtick=1, minor=dict(ticks="inside", showgrid=True))
+def _log_data_range(fig: go.Figure, axis) -> tuple[float, float] | None:
+    """(min, max) of the positive finite data plotted on ``axis`` (a layout xaxis/yaxis), or None."""
+    letter = axis.plotly_name[0]                          # "x" or "y"
+    ref = letter + axis.plotly_name[5:]                   # "xaxis2" -> "x2"
+    values = []
+    for trace in fig.data:
+        if (getattr(trace, f"{letter}axis", None) or letter) != ref:
+            continue
+        data = getattr(trace, letter, None)
+        if data is None:
+            continue
+        try:
+            arr = np.asarray(data, dtype=float).ravel()
+        except (TypeError, ValueError):
+            continue
+        values.append(arr[np.isfinite(arr) & (arr > 0)])
+    values = np.concatenate(values) if values else np.empty(0)
+    return (float(values.min()), float(values.max())) if values.size else None
+
+
+def _decade_ticks(axis, data_range: tuple[float, float] | None = None) -> None:
+    """Readable labels on a log axis without explicit ticks (Plotly's default minor labels read as a
+    bare "2" or "5", which can mean 2,000 or 20,000). Over ``data_range`` (min, max > 0) spanning
+    <= 1 decade: ticks at 1, 1.5, 2, 3, 5, 7 x 10^k; <= 3 decades: 1-2-5 x 10^k; wider (or unknown):
+    the powers of ten only. Every tick is labelled with its full value."""
+    if axis.type != "log" or axis.dtick is not None or axis.tickvals is not None:
+        return
+    if data_range is not None and data_range[0] > 0 and data_range[1] >= data_range[0]:
+        lo, hi = np.log10(data_range[0]), np.log10(data_range[1])
+        mantissas = (1, 1.5, 2, 3, 5, 7) if hi - lo <= 1 else (1, 2, 5) if hi - lo <= 3 else None
+        if mantissas is not None:
+            ticks = [m * 10.0 ** e for e in range(int(np.floor(lo)) - 1, int(np.ceil(hi)) + 1) for m in mantissas]
+            below = [t for t in ticks if t <= data_range[0]]
+            above = [t for t in ticks if t >= data_range[1]]
+            first, last = (below[-1] if below else ticks[0]), (above[0] if above else ticks[-1])
+            axis.update(tickvals=[t for t in ticks if first <= t <= last], minor=dict(ticks="inside", showgrid=True))
+            return
+    axis.update(dtick=1, minor=dict(ticks="inside", showgrid=True))
 
 
 def show_chart(fig: go.Figure, df: pd.DataFrame, key: str, filename: str | None = None) -> None:
-    """Render ``fig`` with ``key`` and a CSV download button of ``df`` (the chart's data)."""
+    """Render ``fig`` with ``key`` and a CSV download button of ``df`` (the chart's data). Log axes get
+    enough labelled ticks to read the data range (:func:`_decade_ticks`)."""
     fig.update_layout(margin=dict(l=10, r=10, t=40, b=10))
-    fig.for_each_xaxis(_decade_ticks)
-    fig.for_each_yaxis(_decade_ticks)
+    fig.for_each_xaxis(lambda ax: _decade_ticks(ax, _log_data_range(fig, ax)))
+    fig.for_each_yaxis(lambda ax: _decade_ticks(ax, _log_data_range(fig, ax)))
     st.plotly_chart(fig, key=key, width="stretch")
     st.download_button("Download CSV", df.to_csv(index=False).encode(), file_name=filename or f"{key}.csv",
                        mime="text/csv", key=f"{key}_csv")

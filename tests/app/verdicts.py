@@ -94,6 +94,10 @@ def _p05(at: AppTest) -> None:
     assert len(static) == 2 and len(caps) == 2
     for t in static:
         assert max(plotly_values(t["y"])) <= caps[t.get("yaxis", "y")] + 1e-9, t["name"]
+    grid = chart_spec(at, "p05_grid")["data"][0]            # readable at any pool size: pages aggregate into cells
+    z = grid["z"]
+    rows = int(str(z["shape"]).split(",")[0]) if isinstance(z, dict) else len(z)   # a typed array carries its shape
+    assert 0 < rows <= 48, f"pool grid has {rows} rows"
 
 
 def _p07(at: AppTest) -> None:
@@ -150,7 +154,10 @@ def _p11(at: AppTest) -> None:
 
 
 def _p13(at: AppTest) -> None:
-    """The caption's claim: a class's admitted tokens never cross its budget line (burst + rate · t)."""
+    """The caption's claim: a class's admitted tokens never cross its budget line (burst + rate · t); and the
+    cost of isolation is shown: the bursting class's P50 with isolation, with its change vs without."""
+    burst = [m for m in at.metric if "(bursting) P50" in m.label]
+    assert burst and burst[0].delta and burst[0].delta.endswith("vs without"), [m.label for m in at.metric]
     if any("No bucketed class admitted" in i.value for i in at.info):
         return
     data = chart_spec(at, "p13_budget_chart")["data"]
@@ -167,6 +174,9 @@ def _p14(at: AppTest) -> None:
     fig = chart_spec(at, "p14_hit_chart")
     ideal = next(s["y0"] for s in fig["layout"]["shapes"] if s["y0"] == s["y1"])
     assert max(plotly_values(fig["data"][0]["y"])) <= ideal + 1e-12, "a policy beat one infinite shared cache"
+    bars = chart_spec(at, "p14_balance_chart")["data"][0]   # what bounded loads bounds: it never routes above its cap
+    over = dict(zip(bars["x"], plotly_values(bars["y"])))
+    assert over.get("bounded_load", 0.0) == 0.0, f"bounded_load routed {over['bounded_load']:.1%} above its cap"
 
 
 def _p15(at: AppTest) -> None:

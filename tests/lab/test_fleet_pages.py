@@ -1,10 +1,16 @@
 """lab.fleet_hashing / fleet_scaling / fleet_simulation: pages 11, 12 and 14 in one call each."""
+import inspect
+
+import numpy as np
+import pandas as pd
 import pytest
 
-from lab.fleet import page_trace, where_prefix_lands
+from lab.fleet import hit_ratio_across_scale_event, page_trace, where_prefix_lands
 from lab.fleet_hashing import VNODES, fleet_hashing
-from lab.fleet_scaling import fleet_scaling
-from lab.fleet_simulation import fleet_simulation
+from lab.fleet_scaling import TRACE_SEEDS, fleet_scaling, paired_dip
+from lab.fleet_simulation import BOUND_C, fleet_simulation, in_flight_at_routing
+from serve.fleet import KEY_ROUTERS
+from serve.fleet.bounded_load import BoundedLoadRouter
 
 
 def test_fleet_hashing_landing_matches_where_prefix_lands():
@@ -30,6 +36,36 @@ def test_fleet_scaling_one_call():
         fleet_scaling(8, "add", 10_000, 160, 600, 2, 0.5, 100, "7")
 
 
+def test_fleet_scaling_averages_seeds_against_a_no_event_replay():
+    run = fleet_scaling(8, "add", 10_000, 160, 600, 2, 0.5, 100, "unlimited")
+    assert run.seeds == TRACE_SEEDS > 1
+    before, after = run.dip[run.dip.request < run.at_request], run.dip[run.dip.request >= run.at_request]
+    assert (before.change == 0).all() and (before.change_lo == 0).all() and (before.change_hi == 0).all()
+    assert (run.dip.lo <= run.dip.hit_ratio + 1e-12).all() and (run.dip.hit_ratio <= run.dip.hi + 1e-12).all()
+    # the mean is the mean of the seeds' own replays (seed 0 .. TRACE_SEEDS - 1)
+    curves = [hit_ratio_across_scale_event(page_trace(None, 600, seed=s).requests, KEY_ROUTERS, 8, 2, "add", 0.5, 100,
+                                           None, 160) for s in range(TRACE_SEEDS)]
+    mean = pd.concat(curves).groupby(["algorithm", "request"], sort=False).hit_ratio.mean().reset_index()
+    assert np.allclose(mean.hit_ratio, run.dip.hit_ratio, rtol=0, atol=1e-12)
+    assert (after.groupby("algorithm").change.mean()["mod_n"] < after.groupby("algorithm").change.mean().drop("mod_n")).all()
+    assert run.recovery.set_index("algorithm").hit_ratio_lost["mod_n"] > 0
+
+
+def test_paired_dip_by_hand():
+    # one algorithm, windows of 100, event at 200: loss 0.4, 0.4, 0.2, 0.1, 0.0, 0.0 over the windows after it
+    change = [0, 0, -0.4, -0.4, -0.2, -0.1, 0.0, 0.0]
+    dip = pd.DataFrame({"algorithm": "a", "request": [100 * i for i in range(8)], "hit_ratio": [0.5] * 8,
+                        "change": change})
+    row = paired_dip(dip, 200, windows_after=2).iloc[0]
+    assert row.hit_ratio_lost == pytest.approx(0.4)
+    # 3-window loss means from 200: 0.333, 0.233, 0.1 <= 0.2 at request 400 -> 200 requests after the event
+    assert row.requests_to_recover == 200 and row.hit_ratio_before == 0.5
+    flat = dip.assign(change=0.0)
+    assert paired_dip(flat, 200).iloc[0].requests_to_recover == 0
+    with pytest.raises(ValueError, match="windows_after"):
+        paired_dip(dip, 200, windows_after=0)
+
+
 def test_fleet_simulation_policies_and_progress():
     seen = []
     run = fleet_simulation(["ring", "round_robin"], 300, 4, 2, "8000", "vtc", 10, "none", 8, "a10g",
@@ -39,3 +75,28 @@ def test_fleet_simulation_policies_and_progress():
     assert seen == sorted(seen) and seen[-1] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="policies"):
         fleet_simulation([], 300, 4, 2, "8000", "vtc", 10, "none", 8, "a10g")
+
+
+def test_bounded_load_never_routes_above_its_in_flight_cap():
+    run = fleet_simulation(["ring", "bounded_load"], 600, 4, 2, "8000", "vtc", 10, "add", 8, "a10g")
+    over = run.in_flight.set_index("policy").over_cap_share
+    assert over["bounded_load"] == 0.0 and over["ring"] > 0.0
+    assert inspect.signature(BoundedLoadRouter).parameters["c"].default == BOUND_C
+    # a removal drains queued requests onto the others: judged from the removal on, still never above the cap
+    run = fleet_simulation(["bounded_load"], 2000, 2, 2, "8000", "vtc", 10, "remove", 1, "a10g")
+    row = run.in_flight.iloc[0]
+    assert row.over_cap_share == 0.0 and 0 < row.requests < 2000
+
+
+def test_in_flight_at_routing_by_hand():
+    # 2 replicas; a on r0 [0, 10), b on r0 [1, 5), c on r1 [5, 6) (b's finish at 5 counts first)
+    df = pd.DataFrame({"replica": ["r0", "r0", "r1"], "admitted_ms": [0.0, 1.0, 5.0], "finish_ms": [10.0, 5.0, 6.0]})
+    row = in_flight_at_routing(df, lambda t: frozenset({'r0', 'r1'}), c=1.25).iloc[0]
+    # a: load 1, cap ceil(1.25 * 1 / 2) = 1 ok; b: load 2, cap ceil(1.25 * 2 / 2) = 2 ok; c: load 1, cap 2 ok
+    assert row.over_cap_share == 0 and row.max_over_mean == pytest.approx(2 * 2 / 2)
+    row = in_flight_at_routing(df.assign(replica="r0"), lambda t: frozenset({'r0', 'r1'}), c=1.25).iloc[0]
+    # c now lands on r0 with a: load 2 > cap ceil(1.25 * 2 / 2) = 2? no; b: 2 <= 2 -> none over at c = 1.25
+    assert row.over_cap_share == 0
+    row = in_flight_at_routing(df.assign(replica="r0"), lambda t: frozenset({'r0', 'r1', 'r2', 'r3'}), c=1.25).iloc[0]
+    # 4 replicas: b meets load 2 > ceil(1.25 * 2 / 4) = 1, c meets 2 > 1: two of three over
+    assert row.over_cap_share == pytest.approx(2 / 3)
