@@ -19,17 +19,17 @@ st.write(
 
 c1, c2, c3 = st.columns(3)
 preset = c1.selectbox("Layer size", [*LAYER_PRESETS, "Custom"],
-                      key=persist("p01_preset", list(LAYER_PRESETS)[2], options=[*LAYER_PRESETS, "Custom"]), persist_state="session")
+                      index=list([*LAYER_PRESETS, "Custom"]).index(list(LAYER_PRESETS)[2]), key=persist("p01_preset", list(LAYER_PRESETS)[2], options=[*LAYER_PRESETS, "Custom"]), persist_state="session", bind="query-params")
 num_draft = c2.slider("Draft length n (verify = 1 + n tokens)", 1, 16,
-                      key=persist("p01_draft", 4, min_value=1, max_value=16), persist_state="session")
-dtype_name = c3.selectbox("Stored dtype s", list(DTYPES), key=persist("p01_dtype", "fp32", options=list(DTYPES)), persist_state="session")
+                      value=4, key=persist("p01_draft", 4, min_value=1, max_value=16), persist_state="session", bind="query-params")
+dtype_name = c3.selectbox("Stored dtype s", list(DTYPES), index=list(list(DTYPES)).index("fp32"), key=persist("p01_dtype", "fp32", options=list(DTYPES)), persist_state="session", bind="query-params")
 if preset == "Custom":
     d1, d2, d3, d4 = st.columns(4)
-    heads = d1.slider("Heads H", 1, 96, key=persist("p01_heads", 8, min_value=1, max_value=96), persist_state="session")
-    k_dim = d2.select_slider("Key dim K", [16, 32, 64, 128], key=persist("p01_k", 64, options=[16, 32, 64, 128]), persist_state="session")
-    v_dim = d3.select_slider("Value dim V", [16, 32, 64, 128], key=persist("p01_v", 64, options=[16, 32, 64, 128]), persist_state="session")
+    heads = d1.slider("Heads H", 1, 96, value=8, key=persist("p01_heads", 8, min_value=1, max_value=96), persist_state="session", bind="query-params")
+    k_dim = d2.select_slider("Key dim K", [16, 32, 64, 128], value=64, key=persist("p01_k", 64, options=[16, 32, 64, 128]), persist_state="session", bind="query-params")
+    v_dim = d3.select_slider("Value dim V", [16, 32, 64, 128], value=64, key=persist("p01_v", 64, options=[16, 32, 64, 128]), persist_state="session", bind="query-params")
     width = d4.select_slider("Layer input width d", [64, 256, 1024, 2304, 4096, 7168],
-                             key=persist("p01_d", 1024, options=[64, 256, 1024, 2304, 4096, 7168]), persist_state="session")
+                             value=1024, key=persist("p01_d", 1024, options=[64, 256, 1024, 2304, 4096, 7168]), persist_state="session", bind="query-params")
     shape = (heads, k_dim, v_dim, 4, width)
 else:
     shape = tuple(LAYER_PRESETS[preset])

@@ -28,7 +28,8 @@ if preset == "custom":
               d2.slider("KDA layers per MLA layer", 0, 7, value=3, key=persist("p03_ratio", 3, min_value=0, max_value=7), **URL),
               d3.slider("KDA heads", 1, 128, value=32, key=persist("p03_heads", 32, min_value=1, max_value=128), **URL),
               d4.select_slider("Head dim", [32, 64, 128, 256], value=128, key=persist("p03_head_dim", 128, options=[32, 64, 128, 256]), **URL))
-lo, hi = st.select_slider("Context range (tokens)", options=list(CONTEXTS), value=(1024, 2 ** 20), key="p03_context", **URL)
+lo, hi = st.select_slider("Context range (tokens)", options=list(CONTEXTS), value=(1024, 2 ** 20),
+                         key=persist("p03_context", (1024, 2 ** 20), options=list(CONTEXTS)), **URL)
 part1, part2 = st.container(), st.container()
 part2.subheader("2 · Decode cost per token, measured on this CPU")
 e1, e2 = part2.columns(2)

@@ -33,17 +33,17 @@ st.info(
 c1, c2, c3, c4, c5 = st.columns(5)
 seq_options = list(limits.seq_options)
 seq_len = c1.select_slider("Sequence length T (tokens)", seq_options,
-                           key=persist("p10_seq_len", min(1024, seq_options[-1]), options=seq_options),
+                           value=min(1024, seq_options[-1]), key=persist("p10_seq_len", min(1024, seq_options[-1]), options=seq_options),
                            persist_state="session", bind="query-params")
 world = c2.slider("World size (ranks)", 1, max(limits.max_world, 2),
-                  key=persist_clamped("p10_world", min(2, limits.max_world), 1, limits.max_world),
+                  value=min(2, limits.max_world), key=persist_clamped("p10_world", min(2, limits.max_world), 1, limits.max_world),
                   persist_state="session", disabled=limits.max_world < 2, bind="query-params")
-heads = c3.slider("Heads H", 1, 4, key=persist("p10_heads", 4, min_value=1, max_value=4), persist_state="session", bind="query-params")
-head_k = c4.select_slider("Key dim K", [32, 64, 128], key=persist("p10_head_k", 128, options=[32, 64, 128]), persist_state="session", bind="query-params")
-head_v = c5.select_slider("Value dim V", [32, 64, 128], key=persist("p10_head_v", 128, options=[32, 64, 128]), persist_state="session", bind="query-params")
+heads = c3.slider("Heads H", 1, 4, value=4, key=persist("p10_heads", 4, min_value=1, max_value=4), persist_state="session", bind="query-params")
+head_k = c4.select_slider("Key dim K", [32, 64, 128], value=128, key=persist("p10_head_k", 128, options=[32, 64, 128]), persist_state="session", bind="query-params")
+head_v = c5.select_slider("Value dim V", [32, 64, 128], value=128, key=persist("p10_head_v", 128, options=[32, 64, 128]), persist_state="session", bind="query-params")
 d1, d2 = st.columns(2)
 variant = VARIANTS[d1.selectbox("Exchange variant", list(VARIANTS), key=persist("p10_variant", options=list(VARIANTS)), persist_state="session", bind="query-params")]
-prefix = d2.checkbox("Seed rank 0 with a prefix-cache state", key=persist("p10_prefix", False), persist_state="session", bind="query-params")
+prefix = d2.checkbox("Seed rank 0 with a prefix-cache state", value=False, key=persist("p10_prefix", False), persist_state="session", bind="query-params")
 
 
 @st.cache_data(show_spinner=f"Running one rank, then the ranks, {REPEATS} timed repeats each, on this CPU…",
@@ -153,7 +153,7 @@ st.caption(
 
 st.subheader("4 · Speedup vs one rank: measured, and a projection to more ranks")
 bw = st.select_slider("Interconnect bandwidth for the projection (GB/s)", list(BANDWIDTHS_GBPS),
-                      key=persist("p10_bandwidth", 25, options=list(BANDWIDTHS_GBPS)), persist_state="session", bind="query-params")
+                      value=25, key=persist("p10_bandwidth", 25, options=list(BANDWIDTHS_GBPS)), persist_state="session", bind="query-params")
 if world < 2:
     st.info("The projection needs the summary and fold costs of a run with at least 2 ranks: move the world size.")
 else:

@@ -25,11 +25,11 @@ st.write(
     "with the Kimi Linear report's published points. Part 2 replays a trace through the prefix caches of our "
     "engine, SGLang and vLLM, each counted in the chosen model's bytes under one memory budget per replica.")
 c1, c2, c3 = st.columns(3)
-model = c1.selectbox("Model", list(MODELS), key=persist("p15_model", MODELS[0], options=list(MODELS)),
+model = c1.selectbox("Model", list(MODELS), index=list(list(MODELS)).index(MODELS[0]), key=persist("p15_model", MODELS[0], options=list(MODELS)),
                      persist_state="session", bind="query-params")
-hw = c2.selectbox("GPU", list(HARDWARE), key=persist("p15_gpu", "H200", options=list(HARDWARE)),
+hw = c2.selectbox("GPU", list(HARDWARE), index=list(list(HARDWARE)).index("H200"), key=persist("p15_gpu", "H200", options=list(HARDWARE)),
                   persist_state="session", bind="query-params")
-tp = c3.select_slider("GPUs per replica (TP)", list(TP_SIZES), key=persist("p15_tp", 8, options=list(TP_SIZES)),
+tp = c3.select_slider("GPUs per replica (TP)", list(TP_SIZES), value=8, key=persist("p15_tp", 8, options=list(TP_SIZES)),
                       persist_state="session", bind="query-params")
 
 
@@ -84,10 +84,10 @@ st.caption(
 st.subheader("2 · Policy comparison at real scale")
 d1, d2 = st.columns([1, 2])
 num_requests = d1.slider("Requests (cap)", 1000, 6000, step=500,
-                         key=persist("p15_requests", 3000, min_value=1000, max_value=6000), persist_state="session",
+                         value=3000, key=persist("p15_requests", 3000, min_value=1000, max_value=6000), persist_state="session",
                          bind="query-params")
 options = list(POLICIES + EXTRA_POLICIES)
-policies = d2.multiselect("Policies", options, key=persist("p15_policies", list(POLICIES), options=options),
+policies = d2.multiselect("Policies", options, default=list(POLICIES), key=persist("p15_policies", list(POLICIES), options=options),
                           persist_state="session", bind="query-params")
 data, upload_name = upload_parts(st.file_uploader("Mooncake trace (JSONL, optional; the synthetic generator "
                                                   "otherwise)", type=["jsonl", "json"], key="p15_upload"))

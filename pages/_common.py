@@ -84,7 +84,12 @@ def built_by_loaded_code(obj: object) -> bool:
 def _invalid(value, default, options, min_value, max_value) -> str | None:
     """Why ``value`` cannot be the widget's value (None if it can): the type of ``default`` (a list:
     a multiselect), membership in ``options`` (same type too: ``True`` is not the option ``1``) and
-    ``[min_value, max_value]``."""
+    ``[min_value, max_value]``; a tuple default is a range: two ends, each checked like a single value."""
+    if isinstance(default, tuple):
+        if not isinstance(value, (tuple, list)) or len(value) != 2:
+            return f"a {type(value).__name__}, not a range of two values"
+        whys = [_invalid(v, default[0], options, min_value, max_value) for v in value]
+        return next((w for w in whys if w is not None), None)
     if isinstance(default, list):
         if not isinstance(value, list):
             return f"a {type(value).__name__}, not a list"
@@ -102,6 +107,34 @@ def _invalid(value, default, options, min_value, max_value) -> str | None:
     return None
 
 
+def _url_value_problem(raw, default, options, min_value, max_value) -> str | None:
+    """Why the URL value ``raw`` (a string, or a list of strings for a multiselect or a range) cannot be
+    the widget's value, or None. Strings are read as the type of ``default`` (bool: true / false)."""
+    def cast(text):
+        if isinstance(default, bool):
+            if str(text).lower() not in ("true", "false"):
+                raise ValueError
+            return str(text).lower() == "true"
+        if isinstance(default, (int, float)) and options is None:
+            return type(default)(text)
+        if options is not None:
+            match = [o for o in options if str(o) == str(text)]
+            if not match:
+                raise ValueError
+            return match[0]
+        return text
+    try:
+        if isinstance(default, tuple):       # a range: read each end as the type of the range's ends
+            default = default[0]
+        values = [cast(v) for v in (raw if isinstance(raw, list) else [raw])]
+    except (TypeError, ValueError):
+        return "not a value this widget takes"
+    if options is None and any((min_value is not None and v < min_value) or (max_value is not None and v > max_value)
+                               for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)):
+        return f"outside [{min_value}, {max_value}]"
+    return None
+
+
 def persist(key: str, default=None, *, options=None, min_value=None, max_value=None) -> str:
     """A widget key starting at ``default``; use as ``key=persist(...), persist_state="session"``.
 
@@ -109,12 +142,23 @@ def persist(key: str, default=None, *, options=None, min_value=None, max_value=N
     ``default``, ``options`` (selectbox / select_slider / multiselect) and ``min_value`` /
     ``max_value`` (slider / number_input). A None, wrongly typed or invalid value (e.g. from a
     session written by another version of the page) falls back to ``default`` (or, when it is None,
-    to the widget's own first option) with a toast saying so.
+    to the widget's own first option) with a toast saying so. A widget bound to the URL
+    (``bind="query-params"``) whose query parameter is malformed or out of range keeps its value
+    (Streamlit drops such a parameter) and a toast says the link's value was ignored.
 
-    Returns key (pass no ``value=``/``index=`` to the widget)."""
+    A widget bound to the URL also takes ``default`` as its own ``value=`` / ``index=`` / ``default=``:
+    Streamlit drops a URL value equal to the widget's declared default, which without it would be the
+    minimum or first option (``.streamlit/config.toml`` silences the resulting duplicate-default
+    warning). Returns key."""
     route_through_navigation()
     state = st.session_state
     state.setdefault(PERSISTED_KEYS, set()).add(key)
+    if key in st.query_params:
+        raw = st.query_params.get_all(key)
+        why = _url_value_problem(raw if len(raw) > 1 or isinstance(default, list) else raw[0], default, options,
+                                 min_value, max_value)
+        if why is not None:
+            st.toast(f"The link's {key}={', '.join(raw)} is {why}; it was ignored.", icon=":material/link_off:")
     if key in state:
         why = _invalid(state[key], default, options, min_value, max_value)
         if why is not None:
