@@ -35,8 +35,6 @@ TABS: list[Tab] = [
         "measured TTFT cold vs warm, prefill tokens skipped, bytes reused by kind, identical outputs"),
     Tab("Prefix cache", "pages/09_prefix_miss.py", "09 Prefix miss", ":material/trending_down:",
         "what a miss costs and leaves behind; trace replay: hit ratio vs capacity, miss causes, interval trade-off"),
-    Tab("Prefix cache", "pages/15_real_scale.py", "15 Real scale", ":material/speed:",
-        "Kimi Linear vs full MLA to 1M tokens on real GPUs; SGLang, vLLM and our prefix caches at real bytes"),
     Tab("Parallel & fleet", "pages/10_kcp.py", "10 KCP", ":material/call_split:",
         "one prompt across real torch.distributed ranks: exact vs one rank, phase times, bytes, speedup"),
     Tab("Parallel & fleet", "pages/11_fleet_hashing.py", "11 Fleet hashing", ":material/hub:",
@@ -47,9 +45,11 @@ TABS: list[Tab] = [
         "token buckets and a VTC fair scheduler vs FCFS under a burst; vs the VTC artifact"),
     Tab("Parallel & fleet", "pages/14_fleet_simulation.py", "14 Fleet simulation", ":material/lan:",
         "router, prefix caches and schedulers on a trace: hit ratio, TTFT per class, balance per policy"),
+    Tab("At real scale", "pages/15_real_scale.py", "15 Real scale", ":material/speed:",
+        "Kimi Linear vs full MLA to 1M tokens on real GPUs; SGLang, vLLM and our prefix caches at real bytes"),
 ]
 
-SECTIONS = ["Overview", "Speculative decoding", "Memory", "Prefix cache", "Parallel & fleet"]
+SECTIONS = ["Overview", "Speculative decoding", "Memory", "Prefix cache", "Parallel & fleet", "At real scale"]
 
 if __name__ == "__main__":  # run as a legacy auto-discovered page: route through st.navigation
     from pages._common import route_through_navigation
