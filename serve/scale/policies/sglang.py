@@ -30,14 +30,14 @@ both modes, extra_buffer's extend consumes it); how ``mamba_full_memory_ratio`` 
 from __future__ import annotations
 
 from serve.scale.policies.base import ReplicaBytes
-from serve.scale.policies.state_tree import StateTree
+from serve.scale.policies.state_tree import StateTree, TreeCounters
 from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 FLA_CHUNK = 64            # mamba_cache_chunk_size
 MAMBA_FULL_MEMORY_RATIO = 0.9
 
 
-class _SGLangBase:
+class _SGLangBase(TreeCounters):
     """Shared by both strategies: page size 1 (token positions), two pools, tombstone-leaf pruning."""
 
     name = ""
@@ -59,18 +59,6 @@ class _SGLangBase:
         self.tree = StateTree(block_size, replica.kv_bytes_per_token, replica.state_bytes,
                               two_pools=True, prune_stateless_leaves=True)
         self._last: tuple = (None, 0, 0)
-
-    @property
-    def states_written(self) -> int:
-        return self.tree.states_written
-
-    @property
-    def states_evicted(self) -> int:
-        return self.tree.states_evicted
-
-    @property
-    def kv_evicted_tokens(self) -> int:
-        return self.tree.kv_evicted_tokens
 
     def _match(self, r: TraceRequest) -> tuple[int, int]:
         """(hit, matched KV tokens M): M = cached KV capped at L - 1; hit = deepest state <= M."""

@@ -202,3 +202,22 @@ class StateTree:
             assert node is not None, "state on a block that is not cached"
             start = (node.depth - 1) * N
             assert start < pos <= start + node.payload, f"state at {pos} outside its block's kept tokens"
+
+
+class TreeCounters:
+    """The counters :func:`serve.scale.policies.base.replay` reads, for a policy whose cache is a
+    :class:`StateTree` held as ``self.tree``: states written and evicted, KV tokens evicted."""
+
+    tree: StateTree
+
+    @property
+    def states_written(self) -> int:
+        return self.tree.states_written
+
+    @property
+    def states_evicted(self) -> int:
+        return self.tree.states_evicted
+
+    @property
+    def kv_evicted_tokens(self) -> int:
+        return self.tree.kv_evicted_tokens

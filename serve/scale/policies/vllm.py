@@ -36,7 +36,7 @@ import torch
 from kda_core.config import PRESETS
 from serve.memory.vllm_block import vllm_block_pick
 from serve.scale.policies.base import ReplicaBytes
-from serve.scale.policies.state_tree import StateTree
+from serve.scale.policies.state_tree import StateTree, TreeCounters
 from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 MODES = ("none", "align", "all")
@@ -58,7 +58,7 @@ def vllm_block_size(preset: str, mode: str, kernel_block_size: int = 64, tp_size
     return chunk * -(-tokens_per_state // chunk)
 
 
-class VLLMMambaPolicy:
+class VLLMMambaPolicy(TreeCounters):
     """One ``mamba_cache_mode`` of vLLM on a real preset and TP size (see the module docstring).
 
     Args: preset; mode: "none" | "align" | "all"; tp_size: TP ranks of the replica; kernel_block_size:
@@ -91,18 +91,6 @@ class VLLMMambaPolicy:
         self.tree = StateTree(trace_block_size, self.replica.kv_bytes_per_token, self.state_bytes,
                               two_pools=False, prune_stateless_leaves=False)
         self._last: tuple = (None, 0, 0)
-
-    @property
-    def states_written(self) -> int:
-        return self.tree.states_written
-
-    @property
-    def states_evicted(self) -> int:
-        return self.tree.states_evicted
-
-    @property
-    def kv_evicted_tokens(self) -> int:
-        return self.tree.kv_evicted_tokens
 
     def lookup(self, r: TraceRequest) -> tuple[int, int]:
         """(hit, KV-reusable tokens): whole vLLM blocks within min(cached KV, L - 1); the hit is the deepest
