@@ -214,7 +214,7 @@ def _decade_ticks(axis, data_range: tuple[float, float] | None = None) -> None:
             below = [t for t in ticks if t <= data_range[0]]
             above = [t for t in ticks if t >= data_range[1]]
             first, last = (below[-1] if below else ticks[0]), (above[0] if above else ticks[-1])
-            axis.update(tickvals=[t for t in ticks if first <= t <= last], minor=dict(ticks="inside", showgrid=True))
+            axis.update(tickvals=[t for t in ticks if first <= t <= last])   # labelled ticks are the grid
             return
     axis.update(dtick=1, minor=dict(ticks="inside", showgrid=True))
 
