@@ -72,10 +72,10 @@ m1, m2, m3, m4 = st.columns(4)
 m1.metric("Prefill tokens computed", f"{warm['prefill_tokens']:,}", f"{warm['prefill_tokens'] - cold['prefill_tokens']:,} vs cold",
           delta_color="inverse")
 ttft_metric = m2.empty()
-ttft_metric.metric("TTFT warm (median)", "measuring…", "see below", delta_color="off")
-m3.metric("Restored from checkpoint", f"{warm['restored_bytes'] / 1024:,.1f} KiB", "KDA state, copied", delta_color="off")
+ttft_metric.metric("TTFT warm (median)", "measuring…", "see below", delta_color="off", delta_arrow="off")
+m3.metric("Restored from checkpoint", f"{warm['restored_bytes'] / 1024:,.1f} KiB", "KDA state, copied", delta_color="off", delta_arrow="off")
 m4.metric("Shared through KV pages", f"{warm['shared_kv_bytes'] / 1024:,.1f} KiB", "MLA latents, by reference",
-          delta_color="off")
+          delta_color="off", delta_arrow="off")
 if check.outputs_identical and check.max_logit_diff <= LOGIT_TOL:
     st.success(f"Outputs identical to the cache-off run: {run.num_generated} greedy tokens, max |Δ logits| = "
                f"{check.max_logit_diff:.1e} (≤ {TOL_TEXT} required), logits {check.verdict}: {check.reason}. Warm output bytes: “{run.warm_text}” (the demo model's weights are "

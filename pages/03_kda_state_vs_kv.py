@@ -63,7 +63,7 @@ with part1:
     m2.metric("KDA state per layer", f"{run.state_bytes_per_layer:,} B")
     m3.metric("Fixed state per sequence", f"{run.fixed_state_bytes / 2 ** 20:,.1f} MiB")
     m4.metric("Break-even context (recurrent + conv)", "∞" if not math.isfinite(be) else f"{be:,.0f} tokens",
-              "∞ (recurrent only)" if not math.isfinite(be_rec) else f"{be_rec:,.0f} tokens recurrent only", delta_color="off")
+              "∞ (recurrent only)" if not math.isfinite(be_rec) else f"{be_rec:,.0f} tokens recurrent only", delta_color="off", delta_arrow="off")
     st.caption(
         f"Formulas: MLA KV/token = {cfg.num_mla_layers} MLA layers × ({cfg.kv_lora_rank} + {cfg.qk_rope_head_dim}) × "
         f"{run.kv_dtype_bytes} B; KDA state/layer = {cfg.num_heads} × {cfg.head_k_dim} × {cfg.head_v_dim} × {run.state_dtype_bytes} B; "
@@ -100,8 +100,8 @@ with part2:
     f1, f2, f3, f4 = st.columns(4)
     for (c_a, c_b), name in (((f1, f2), "KDA"), ((f3, f4), "MLA")):
         fit = fits[name]
-        c_a.metric(f"{name}: fixed cost per step a", f"{fit.a_s * 1e6:,.1f} µs", f"R² {fit.r2:.3f}", delta_color="off")
-        c_b.metric(f"{name}: cost per context token b", f"{fit.b_s * 1e9:,.2f} ns", "per token of N", delta_color="off")
+        c_a.metric(f"{name}: fixed cost per step a", f"{fit.a_s * 1e6:,.1f} µs", f"R² {fit.r2:.3f}", delta_color="off", delta_arrow="off")
+        c_b.metric(f"{name}: cost per context token b", f"{fit.b_s * 1e9:,.2f} ns", "per token of N", delta_color="off", delta_arrow="off")
     last = mdf.iloc[-1]
     st.caption(
         f"Measured now with {heads_meas} heads (real dims K = {cfg.head_k_dim}, V = {cfg.head_v_dim}, latent "

@@ -48,11 +48,11 @@ run = engine_call(_p08_verdict, shared, unique, new_tokens, block, interval, gro
 check, warm = run.check, pd.Series(run.warm)
 m1, m2, m3, m4 = st.columns(4)
 reduction = m1.empty()
-reduction.metric("TTFT reduction (median)", "measuring…", "see section 1", delta_color="off")
+reduction.metric("TTFT reduction (median)", "measuring…", "see section 1", delta_color="off", delta_arrow="off")
 m2.metric("Prefill tokens skipped", f"{warm.hit_tokens:,} of {warm.prompt_tokens:,}")
 m3.metric("Warm vs cache-off output", ("bitwise" if check.bitwise else "NO" if check.verdict == "different" else "within 1e-5"),
-          f"max |Δ logits| {check.max_logit_diff:.1e}", delta_color="off")
-m4.metric("KV run (phase 1)", f"{warm.kv_hit_tokens:,} tokens", f"hit b = {warm.hit_tokens}", delta_color="off")
+          f"max |Δ logits| {check.max_logit_diff:.1e}", delta_color="off", delta_arrow="off")
+m4.metric("KV run (phase 1)", f"{warm.kv_hit_tokens:,} tokens", f"hit b = {warm.hit_tokens}", delta_color="off", delta_arrow="off")
 st.caption(f"Warm output {check.verdict}: {check.reason}.")
 timing_part = st.container()   # filled last: section 2 shows while the repeats run
 
@@ -78,7 +78,7 @@ with timing_part:
     timed = engine_call(_p08_timing, shared, unique, new_tokens, block, interval, groups)
     summary, ttft = timed.summary, timed.ttft
     reduction.metric("TTFT reduction (median)", f"{summary['ttft_reduction']:.0%}",
-                     f"{summary['cold_ttft_ms']:.1f} → {summary['warm_ttft_ms']:.1f} ms", delta_color="off")
+                     f"{summary['cold_ttft_ms']:.1f} → {summary['warm_ttft_ms']:.1f} ms", delta_color="off", delta_arrow="off")
     label = {"cold": "cold (no cache)", "first": "request 1 (fills the cache)", "warm": "warm (after request 1)"}
     fig = go.Figure(go.Bar(x=[label[k] for k in ttft.kind], y=ttft.median_ms,
                            error_y=dict(type="data", symmetric=False, array=ttft.q3_ms - ttft.median_ms,
