@@ -22,6 +22,7 @@ Limits (README, "Inputs and limits"):
 from __future__ import annotations
 
 import io
+import json
 import reprlib
 from pathlib import Path
 from typing import IO, NamedTuple
@@ -96,6 +97,21 @@ def text_lines(text: str):
     """Iterate ``(line_no, line)`` splitting only at ``\\n``, ``\\r\\n`` or ``\\r`` — never at U+2028,
     U+0085 or form feeds, which may sit inside a JSON string (``str.splitlines`` splits there)."""
     return enumerate(io.StringIO(text, newline=None), start=1)
+
+
+def parse_json(text: str, where: str, with_line: bool = False):
+    """``json.loads(text)``; any way it fails is a :class:`TraceFormatError` naming ``where`` (and, with
+    ``with_line``, the line of a syntax error inside a multi-line document): bad JSON, nesting too deep for
+    the parser (RecursionError), an integer of more than 4,300 digits (ValueError)."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        at = f"line {err.lineno}: " if with_line else ""
+        raise TraceFormatError(f"{where}: {at}bad JSON ({err.msg})") from None
+    except RecursionError:
+        raise TraceFormatError(f"{where}: bad JSON (nested too deeply)") from None
+    except ValueError as err:
+        raise TraceFormatError(f"{where}: bad JSON ({err})") from None
 
 
 def check_line_length(line: str, name: str, line_no: int) -> None:

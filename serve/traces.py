@@ -36,6 +36,7 @@ from serve.trace_limits import (
     check_int,
     check_line_length,
     cut_note,
+    parse_json,
     read_text,
     show,
     text_lines,
@@ -67,14 +68,7 @@ def named_bytes(data: bytes, name: str) -> io.BytesIO:
 
 def _mooncake_request(line: str, where: str, block_size: int) -> TraceRequest:
     """One validated Mooncake record (see :func:`read_mooncake` for the checks)."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise TraceFormatError(f"{where}: bad JSON ({err.msg})") from None
-    except RecursionError:
-        raise TraceFormatError(f"{where}: bad JSON (nested too deeply)") from None
-    except ValueError as err:  # e.g. an integer of more than 4,300 digits
-        raise TraceFormatError(f"{where}: bad JSON ({err})") from None
+    obj = parse_json(line, where)
     if not isinstance(obj, dict):
         raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
     for field in _MOONCAKE_FIELDS:

@@ -7,7 +7,6 @@ Checks and limits are those of every trace loader (``serve/trace_limits.py``).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 from typing import IO, NamedTuple
@@ -19,6 +18,7 @@ from serve.trace_limits import (
     MAX_TRACE_REQUESTS,
     TraceFormatError,
     check_int,
+    parse_json,
     read_text,
     show,
 )
@@ -95,14 +95,7 @@ def load_vtc_artifact(path_or_file: str | Path | IO) -> VTCRun:
     responses, a ``config`` that is not an object, or an empty, too large, UTF-16 or non-UTF-8 file.
     """
     text, name = read_text(path_or_file, "a VTC artifact result file (JSON)")
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise TraceFormatError(f"{name}: line {err.lineno}: bad JSON ({err.msg})") from None
-    except RecursionError:
-        raise TraceFormatError(f"{name}: bad JSON (nested too deeply)") from None
-    except ValueError as err:  # e.g. an integer of more than 4,300 digits
-        raise TraceFormatError(f"{name}: bad JSON ({err})") from None
+    obj = parse_json(text, name, with_line=True)
     result = obj.get("result") if isinstance(obj, dict) else None
     responses = result.get("responses") if isinstance(result, dict) else None
     if not isinstance(responses, list):
