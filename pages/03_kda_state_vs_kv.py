@@ -5,7 +5,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from lab.state_vs_kv import CONTEXTS, KV_DTYPES, MEASURE_REPEATS, MEASURED_CONTEXTS, MODELS, STATE_DTYPES, state_vs_kv
-from pages._common import engine_call, measured_stamp, persist, remeasure_button, show_chart
+from pages._common import engine_call, measured_stamp, num, persist, remeasure_button, show_chart, show_table
 
 st.title("KDA state vs KV cache")
 st.write(
@@ -77,7 +77,9 @@ with part1:
         n_table = st.select_slider("Context for the table (tokens)", options=list(CONTEXTS),
                                    value=131072, key=persist("p03_table_ctx", 131072, options=list(CONTEXTS)), **URL)
         tdf = run.layers[run.layers.context_tokens == n_table].drop(columns="context_tokens")
-        st.dataframe(tdf, hide_index=True, width="stretch")
+        show_table(tdf, {"layer": num("Layer", "%d"), "kind": "Kind", "bytes_per_token": num("Per token (B)"),
+                         "fixed_bytes": num("Fixed state (B)"),
+                         "bytes_at_context": num(f"At {n_table:,} tokens (B)")})
         st.download_button("Download CSV", tdf.to_csv(index=False).encode(), "p03_layers.csv", "text/csv", key="p03_layers_csv")
 
 with part2:

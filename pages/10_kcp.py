@@ -13,7 +13,16 @@ from lab.kcp import (
     kcp_experiment,
     kcp_limits,
 )
-from pages._common import engine_call, measured_stamp, persist, persist_clamped, remeasure_button, show_chart
+from pages._common import (
+    engine_call,
+    measured_stamp,
+    num,
+    persist,
+    persist_clamped,
+    remeasure_button,
+    show_chart,
+    show_table,
+)
 
 st.title("KDA context parallel (KCP)")
 st.write(
@@ -181,9 +190,8 @@ else:
             f"the projection assumes a free core per rank); summary {extra['summary']:,.0f} ms and fold "
             f"{extra['fold']:,.1f} ms are in the projection; exchange {extra['exchange']:,.0f} ms (mostly waiting "
             "for the other rank) is not.")
-    st.dataframe(run.gap, hide_index=True, column_config={
-        "one_rank_ms": st.column_config.NumberColumn("one rank's per-token cost × block (ms)", format="%.1f"),
-        "measured_ms": st.column_config.NumberColumn("measured on the slowest rank (ms, median)", format="%.1f")})
+    show_table(run.gap, {"phase": "Phase", "one_rank_ms": num("One rank's per-token cost × block (ms)", "%,.1f"),
+                         "measured_ms": num("Measured on the slowest rank (ms, median)", "%,.1f")})
     st.caption(
         f"Projection from the medians of {REPEATS} repeats of this run's per-token phase costs (prepare {costs.prepare_ms_per_token * 1e3:.1f}, "
         f"summary {costs.summary_ms_per_token * 1e3:.1f}, scan {costs.scan_ms_per_token * 1e3:.1f}, output "

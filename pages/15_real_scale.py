@@ -16,7 +16,7 @@ from lab.real_scale import (
     policy_view,
     roofline_view,
 )
-from pages._common import engine_call, persist, show_chart, upload_parts
+from pages._common import engine_call, num, pct, persist, show_chart, show_table, upload_parts
 
 st.title("Real scale")
 st.write(
@@ -70,8 +70,10 @@ for (q, dash), src in ((("prefill (Fig. 7a)", "solid"), "model"), (("TPOT, batch
 ratio.update_layout(xaxis_type="log", xaxis_title="context (tokens, log)", yaxis_title="MLA / Kimi Linear (×)",
                     legend=dict(orientation="h", y=-0.3))
 show_chart(ratio, view.ratios, key="p15_ratio_chart")
-st.dataframe(view.validated[view.validated.context_tokens >= 512 * 1024], hide_index=True, width="stretch",
-             column_config={"rel_error": st.column_config.NumberColumn(format="percent")})
+show_table(view.validated[view.validated.context_tokens >= 512 * 1024], {
+    "context_tokens": num("Context (tokens)"), "quantity": "Quantity", "setup": "Setup",
+    "published": num("Published MLA ÷ Kimi Linear", "%.2f×"), "model": num("Roofline MLA ÷ Kimi Linear", "%.2f×"),
+    "rel_error": pct("Roofline vs published")})
 st.caption(
     f"What to notice: the report (Kimi Linear, arXiv 2510.26692, Figs. 7a/7b) states no GPU, count or parallelism, so "
     "the ratios MLA / Kimi Linear are what is compared, not the seconds; the published points are always those of "
@@ -151,7 +153,13 @@ if len(pv.intervals):
                      xaxis_title="state interval (tokens, log): ours' C / extra_buffer's chunked_prefill_size",
                      yaxis_title="token hit ratio (fraction)", legend=dict(orientation="h", y=-0.3))
     show_chart(iv, pv.intervals, key="p15_interval_chart")
-st.dataframe(b, hide_index=True, width="stretch")
+show_table(b.assign(mean_ttft_ms=b.mean_ttft_s * 1e3), {"policy": "Policy", "budget_gb": num("Budget per replica (GB)", "%,.0f"),
+               "token_hit_ratio": pct("Token hit ratio"), "mean_ttft_ms": num("Mean TTFT (ms)", "%.1f"),
+               "prefill_saved": pct("Prefill saved"), "kv_gb": num("KV held (GB)", "%,.1f"),
+               "state_gb": num("Checkpoints held (GB)", "%,.1f"), "running_gb": num("Running state slots (GB)", "%.2f"),
+               "states_written": num("Checkpoints written"), "states_evicted": num("Checkpoints evicted"),
+               "kv_evicted_tokens": num("KV tokens evicted")})
+st.download_button("Download CSV", b.to_csv(index=False).encode(), "p15_policies.csv", "text/csv", key="p15_policies_csv")
 st.caption(
     f"{pv.num_requests:,} requests, {pv.total_tokens:,} prompt tokens. What to notice: every policy stays below the "
     "block ideal (Mooncake, FAST'25: an unlimited cache hits each request's leading run of hash ids seen before). "

@@ -10,6 +10,8 @@
   kept across page switches: pass it together with ``persist_state="session"`` (Streamlit 1.67).
   Pass the widget's options or bounds too: a stored value that breaks them falls back to the default. Selectboxes: use display strings
   as options (no ``format_func``; AppTest cannot evaluate it).
+- ``show_table(df, columns)``: ``st.dataframe`` of the named columns, each with its header and number
+  format; booleans read yes / no. ``num(label, fmt)`` and ``pct(label)`` build the number columns.
 - ``upload_parts(upload)``: ``(bytes, file name)`` of an ``st.file_uploader`` value, hashable for ``st.cache_data``.
 
 - ``route_through_navigation()``: per run, send a run that Streamlit started in its legacy
@@ -228,6 +230,28 @@ def show_chart(fig: go.Figure, df: pd.DataFrame, key: str, filename: str | None 
     st.plotly_chart(fig, key=key, width="stretch")
     st.download_button("Download CSV", df.to_csv(index=False).encode(), file_name=filename or f"{key}.csv",
                        mime="text/csv", key=f"{key}_csv")
+
+
+def num(label: str, fmt: str = "localized", **kwargs):
+    """A right-aligned number column headed ``label`` (with its unit): ``fmt`` is a printf format (``"%.1f ms"``,
+    ``"%,d B"``) or a Streamlit preset (``"localized"``: thousands separators, the default)."""
+    return st.column_config.NumberColumn(label, format=fmt, **kwargs)
+
+
+def pct(label: str, **kwargs):
+    """A number column headed ``label`` showing a fraction (0.123) as a percentage (12.30%)."""
+    return st.column_config.NumberColumn(label, format="percent", **kwargs)
+
+
+def show_table(df: pd.DataFrame, columns: dict, **kwargs) -> None:
+    """``st.dataframe`` of ``df``'s columns named in ``columns``, in that order, without the index. Each value is the
+    column's header (a string) or a ``st.column_config`` column (:func:`num`, :func:`pct`); booleans
+    read "yes" / "no". Only the display changes: ``df`` and any CSV of it keep the raw, machine-readable frame."""
+    shown = df[list(columns)].copy()
+    for col in shown.columns:
+        if pd.api.types.is_bool_dtype(shown[col]):
+            shown[col] = shown[col].map({True: "yes", False: "no"})
+    st.dataframe(shown, hide_index=True, width="stretch", column_config=columns, **kwargs)
 
 
 def engine_call(fn, *args, **kwargs):
