@@ -130,23 +130,28 @@ show_table(real.assign(policy=real.policy.map(NAME), state_waste_pct=real.state_
     "model": "Model", "policy": "Policy", "block_size": num("Block (tokens)"), "page_bytes": num("Page (B)"),
     "state_pages": num("Pages per state"), "state_waste_pct": pct("State padding / tail"),
     "kv_page_padding_pct": pct("KV page padding")})
-st.caption("Real presets at 16-token blocks, G groups (bf16 KV, fp32 state, bf16 conv), sized by the same "
-           "`CacheLayout.page_bytes_for`. The block stays 16 tokens under both policies (it is the prefix-cache "
-           "granularity): multi-page state wastes only the tail of a state's last page; unified page size makes a "
-           "page as large as a whole group state, so every KV page is almost all padding unless G is large.")
+st.caption("Real presets at 16-token blocks (the prefix-cache granularity), G groups: multi-page state wastes only "
+           "the tail of a state's last page; unified page size makes every KV page almost all padding unless G is large.")
+with st.expander("How the real pages are sized"):
+    st.markdown("Bytes: bf16 KV, fp32 state, bf16 conv, sized by the engine's own `CacheLayout.page_bytes_for`. The "
+                "block stays 16 tokens under both policies; a unified page is as large as a whole group state.")
 vdf = r.vllm
 show_table(vdf, {"model": "Model", "vLLM backend": "vLLM backend", "kernel block": num("Kernel block (tokens)"),
                  "vLLM block (tokens)": num("vLLM block (tokens)"), "vLLM page, one layer (B)": num("vLLM page, one layer (B)"),
                  "vLLM state padding": pct("vLLM state padding"), "our block (tokens)": num("Our block (tokens)"),
                  "our page (B)": num("Our page (B)"), "our KV page padding": pct("Our KV page padding"),
                  "our state padding": pct("Our state padding")})
-st.caption("What vLLM itself picks (`serve.memory.vllm_block.vllm_block_pick`, G = 1 on our side). vLLM sizes pages per "
-           "layer: one attention page = block × one MLA layer's latent (r + rope) × 2 B, one KDA page = one layer's "
-           "recurrent (fp32) + conv (bf16) state. It aligns the block to the attention backend's kernel block size "
-           "(`get_supported_kernel_block_sizes`: FlashInfer MLA 32, FlashMLA 64, CUTLASS MLA 128), not to 16: "
-           "block = align · ⌈state / (align · page per token)⌉ (`Platform._align_hybrid_block_size`, "
-           "vllm/platforms/interface.py), then pads the state page to the attention page. vLLM grows the block so "
-           "the state padding is small; our unified policy keeps the block and pads the KV pages instead.")
+st.caption("What vLLM itself picks (G = 1 on our side): it grows the block so the state padding is small; our "
+           "unified policy keeps the block and pads the KV pages instead.")
+with st.expander("How vLLM sizes its block"):
+    st.markdown(
+        "- vLLM sizes pages per layer: one attention page = block × one MLA layer's latent (r + rope) × 2 B, one KDA "
+        "page = one layer's recurrent (fp32) + conv (bf16) state.\n"
+        "- It aligns the block to the attention backend's kernel block size (`get_supported_kernel_block_sizes`: "
+        "FlashInfer MLA 32, FlashMLA 64, CUTLASS MLA 128), not to 16: block = align · ⌈state / (align · page per "
+        "token)⌉ (`Platform._align_hybrid_block_size`, vllm/platforms/interface.py), then pads the state page to the "
+        "attention page.\n"
+        "- Ours: `serve.memory.vllm_block.vllm_block_pick`.")
 
 st.subheader("5 · Measured alloc / free call latency")
 h = r.latency

@@ -64,13 +64,15 @@ reuse = pd.DataFrame([
 fig2 = go.Figure(go.Bar(x=reuse.kind, y=reuse.bytes / 1024, text=[f"{b / 1024:,.1f} KiB" for b in reuse.bytes]))
 fig2.update_layout(yaxis_title="bytes reused (KiB)", xaxis_title="cache kind")
 show_chart(fig2, reuse, key="p08_bytes_chart")
-st.caption("What to notice: the KV bytes shared grow with b (one page per block), the state copied is the same "
-           "for any b. Warm TTFT ≈ TTFT_cold · (L − b) / L plus the restore and checkpoint copies: the remaining "
-           "prompt runs as one chunked forward, and every checkpoint boundary inside it is taken from that same "
-           "forward (the chunk states of `kda_chunk` are the state after exactly b tokens), so a smaller C adds "
-           "state copies, not forward calls. A boundary on the "
-           f"{run.chunk_size}-token chunk grid is a chunk edge; one off the grid costs one short extra chunk per KDA layer. A larger C gives coarser hits. "
-           "Measured on this CPU, single thread.")
+st.caption("What to notice: the KV bytes shared grow with b (one page per block); the state copied is the same for "
+           "any b. Warm TTFT ≈ TTFT_cold · (L − b) / L plus the restore and checkpoint copies.")
+with st.expander("Why warm TTFT follows (L − b) / L"):
+    st.markdown(
+        "The remaining prompt runs as one chunked forward, and every checkpoint boundary inside it is taken from that "
+        "same forward (the chunk states of `kda_chunk` are the state after exactly b tokens), so a smaller C adds "
+        f"state copies, not forward calls. A boundary on the {run.chunk_size}-token chunk grid is a chunk edge; one "
+        "off the grid costs one short extra chunk per KDA layer. A larger C gives coarser hits. Measured on this CPU, "
+        "single thread.")
 
 with timing_part:
     st.subheader(f"1 · TTFT, cold vs warm (median of {REPEATS} interleaved repeats)")

@@ -75,13 +75,18 @@ show_table(view.validated[view.validated.context_tokens >= 512 * 1024], {
     "published": num("Published MLA ÷ Kimi Linear", "%.2f×"), "model": num("Roofline MLA ÷ Kimi Linear", "%.2f×"),
     "rel_error": pct("Roofline vs published")})
 st.caption(
-    f"What to notice: the report (Kimi Linear, arXiv 2510.26692, Figs. 7a/7b) states no GPU, count or parallelism, so "
-    "the ratios MLA / Kimi Linear are what is compared, not the seconds; the published points are always those of "
-    "Kimi-Linear-48B-A3B. Prefill uses one named fit, solved on this GPU and TP from the two published MLA points at "
-    f"512K and 1M: attention time × α = {view.fit.alpha:.2f}, every other kind × β = {view.fit.beta:.2f} (1 = at peak); "
-    "Kimi Linear's curve is then predicted. TPOT is the pure roofline at batch 1. The table gives the ratios at the "
-    "setups the tests pin within ±25 % (prefill H100 × TP8, TPOT H100 × TP1); on other setups the TPOT ratio moves "
-    "because TP splits the weights but replicates MLA's latent KV on every rank.")
+    "What to notice: the report states no GPU, count or parallelism, so the ratios MLA / Kimi Linear are compared, "
+    "not the seconds. The table gives the ratios at the setups the tests pin within ±25 % (prefill H100 × TP8, "
+    "TPOT H100 × TP1).")
+with st.expander("How the roofline is fitted"):
+    st.markdown(
+        "- Source: the Kimi Linear report (arXiv 2510.26692, Figs. 7a/7b); the published points are always those of "
+        "Kimi-Linear-48B-A3B.\n"
+        "- Prefill uses one named fit, solved on this GPU and TP from the two published MLA points at 512K and 1M: "
+        f"attention time × α = {view.fit.alpha:.2f}, every other kind × β = {view.fit.beta:.2f} (1 = at peak); Kimi "
+        "Linear's curve is then predicted.\n"
+        "- TPOT is the pure roofline at batch 1. On other setups the TPOT ratio moves because TP splits the weights "
+        "but replicates MLA's latent KV on every rank.")
 
 st.subheader("2 · Policy comparison at real scale")
 d1, d2 = st.columns([1, 2])
@@ -162,11 +167,15 @@ show_table(b.assign(mean_ttft_ms=b.mean_ttft_s * 1e3), {"policy": "Policy", "bud
 st.download_button("Download CSV", b.to_csv(index=False).encode(), "p15_policies.csv", "text/csv", key="p15_policies_csv")
 st.caption(
     f"{pv.num_requests:,} requests, {pv.total_tokens:,} prompt tokens. What to notice: every policy stays below the "
-    "block ideal (Mooncake, FAST'25: an unlimited cache hits each request's leading run of hash ids seen before). "
-    "The budget buys KV pages and checkpoints in the model's real bytes; a policy that stores more states per "
-    "request (vLLM all: one per block of "
-    f"{pv.vllm_block_tokens} tokens; ours at small C) spends the budget on state instead of KV. TTFT is the fitted "
-    "roofline of part 1 at batch 1 without queueing, plus a checkpoint restore on a hit. SGLang's "
-    "mamba_track_interval only acts in decode, which a prompt-only replay never reaches: in prefill extra_buffer "
-    "tracks one state per chunk, so its interval here is chunked_prefill_size. Sources: SGLang "
-    "mamba_radix_cache.py, vLLM single_type_kv_cache_manager.py (mamba_cache_mode), serve/scale/policies.")
+    "block ideal; a policy that stores more states per request (vLLM all: one per block of "
+    f"{pv.vllm_block_tokens} tokens; ours at small C) spends the budget on state instead of KV.")
+with st.expander("What the replay models"):
+    st.markdown(
+        "- Block ideal (Mooncake, FAST'25): an unlimited cache hits each request's leading run of hash ids seen "
+        "before.\n"
+        "- The budget buys KV pages and checkpoints in the model's real bytes. TTFT is the fitted roofline of part 1 "
+        "at batch 1 without queueing, plus a checkpoint restore on a hit.\n"
+        "- SGLang's mamba_track_interval only acts in decode, which a prompt-only replay never reaches: in prefill "
+        "extra_buffer tracks one state per chunk, so its interval here is chunked_prefill_size.\n"
+        "- Sources: SGLang mamba_radix_cache.py, vLLM single_type_kv_cache_manager.py (mamba_cache_mode), "
+        "serve/scale/policies.")
