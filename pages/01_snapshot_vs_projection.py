@@ -64,20 +64,21 @@ st.caption(
 st.subheader("2 · Whole model, per draft token")
 tdf = pd.DataFrame(page.models)
 fig2 = go.Figure()
-for col, color in [("snapshot state MiB", "#d62728"), ("snapshot conv window MiB", "#ff9896"),
-                   ("projections k,v,g,beta MiB", "#2ca02c"), ("conv inputs MiB", "#98df8a"),
-                   ("raw inputs MiB", "#1f77b4")]:
-    fig2.add_trace(go.Bar(x=tdf.model, y=tdf[col], name=col, marker_color=color))
+for col, name, color in [("snapshot state MiB", "snapshot: state", "#d62728"),
+                         ("snapshot conv window MiB", "snapshot: conv window", "#ff9896"),
+                         ("projections k,v,g,beta MiB", "projections k, v, g, β", "#2ca02c"),
+                         ("conv inputs MiB", "conv inputs", "#98df8a"), ("raw inputs MiB", "raw inputs", "#1f77b4")]:
+    fig2.add_trace(go.Bar(x=tdf.model, y=tdf[col], name=name, marker_color=color))
 fig2.update_layout(barmode="group", xaxis_title="model", yaxis_title="MiB per draft token, all KDA layers (log)",
                    yaxis_type="log", yaxis_dtick=1, legend=dict(orientation="h", y=-0.25))
 show_chart(fig2, tdf, key="p01_model_chart")
 show_table(tdf, {"model": "Model", "KDA layers": num("KDA layers", "%d"),
                  "snapshot state MiB": num("Snapshot state (MiB)", "%.4g"),
-                 "snapshot conv window MiB": num("Snapshot conv window (MiB)", "%.4g"),
-                 "projections k,v,g,beta MiB": num("Projections k, v, g, β (MiB)", "%.4g"),
+                 "snapshot conv window MiB": num("Snapshot conv (MiB)", "%.4g"),
+                 "projections k,v,g,beta MiB": num("Projections (MiB)", "%.4g"),
                  "conv inputs MiB": num("Conv inputs (MiB)", "%.4g"), "raw inputs MiB": num("Raw inputs (MiB)", "%.4g"),
                  "snapshot / projections": num("Snapshot ÷ projections", "%.1f×"),
-                 "snapshot / raw inputs": num("Snapshot ÷ raw inputs", "%.1f×")})
+                 "snapshot / raw inputs": num("Snapshot ÷ raw", "%.1f×")})
 st.caption("Per draft token, all KDA layers; snapshot state in fp32, everything else in bf16.")
 k3 = tdf.set_index("model").loc["kimi-k3"]
 K3 = page.k3

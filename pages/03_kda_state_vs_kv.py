@@ -60,7 +60,8 @@ with part1:
 
     m1, m2, m3, m4 = st.columns(4)
     m1.metric("MLA KV per token (whole model)", f"{run.kv_bytes_per_token:,} B")
-    m2.metric("KDA state per layer", f"{run.state_bytes_per_layer:,} B")
+    m2.metric("KDA state per layer", f"{run.state_bytes_per_layer / 2 ** 20:,.2f} MiB",
+              help=f"{run.state_bytes_per_layer:,} B = H × K × V × dtype bytes")
     m3.metric("Fixed state per sequence", f"{run.fixed_state_bytes / 2 ** 20:,.1f} MiB")
     m4.metric("Break-even context (recurrent + conv)", "∞" if not math.isfinite(be) else f"{be:,.0f} tokens",
               "∞ (recurrent only)" if not math.isfinite(be_rec) else f"{be_rec:,.0f} tokens recurrent only", delta_color="off", delta_arrow="off")
@@ -94,7 +95,8 @@ with part2:
         fig2.add_trace(go.Scatter(
             x=mdf.context_tokens, y=mdf[col], name=label, mode="markers", marker=dict(color=color),
             error_y=dict(type="data", symmetric=False, array=mdf[q3] - mdf[col], arrayminus=mdf[col] - mdf[q1])))
-        fig2.add_trace(go.Scatter(x=mdf.context_tokens, y=[fit.at(n) * 1e6 for n in mdf.context_tokens], mode="lines",
+        fig2.add_trace(go.Scatter(x=mdf.context_tokens, y=[fit.at(n) * 1e6 if fit.at(n) > 0 else None   # log axis:
+                                                              for n in mdf.context_tokens], mode="lines",  # gap, not a drop
                                   line=dict(dash="dash", color=color), name=f"{name} fit a + b·N"))
     fig2.update_layout(xaxis_title="context length N (tokens, log)",
                        yaxis_title="time per token per layer (µs; median, bars = IQR; log)",

@@ -82,11 +82,12 @@ with right:
         f"{name} a₀ = {f.a_s:.2f} ms, b = {f.b_s:.3f} ms/token" for name, f in page.fits.items()) + ".")
 
 st.subheader("3 · When to use which (measured above)")
-show_table(tdf, {"strategy": "Strategy", "bytes per verify": num("Bytes per verify (B)"),
+MEDIAN = "median of the repeats in section 2"
+show_table(tdf, {"strategy": "Strategy", "bytes per verify": num("Bytes / verify (B)"),
                  "memory vs snapshot": pct("Memory vs snapshot"),
-                 "commit ms (all accepted)": num("Commit, all accepted (ms, median)", "%.2f"),
-                 "commit ms (none accepted)": num("Commit, none accepted (ms, median)", "%.2f"),
-                 "commit time vs snapshot": num("Commit time vs snapshot", "%.1f×")})
+                 "commit ms (all accepted)": num("Commit, all accepted (ms)", "%.2f", help=MEDIAN),
+                 "commit ms (none accepted)": num("Commit, none accepted (ms)", "%.2f", help=MEDIAN),
+                 "commit time vs snapshot": num("Commit vs snapshot", "%.1f×", help=MEDIAN)})
 ring_row, snap_row = tdf.set_index("strategy").loc["raw-input ring"], tdf.set_index("strategy").loc["snapshot"]
 st.write(
     f"At n = {num_draft} the ring holds {ring_row['memory vs snapshot']:.1%} of the snapshot's bytes but its commit "

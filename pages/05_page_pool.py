@@ -138,9 +138,10 @@ with st.expander("How the real pages are sized"):
 vdf = r.vllm
 show_table(vdf, {"model": "Model", "vLLM backend": "vLLM backend", "kernel block": num("Kernel block (tokens)"),
                  "vLLM block (tokens)": num("vLLM block (tokens)"), "vLLM page, one layer (B)": num("vLLM page, one layer (B)"),
-                 "vLLM state padding": pct("vLLM state padding"), "our block (tokens)": num("Our block (tokens)"),
-                 "our page (B)": num("Our page (B)"), "our KV page padding": pct("Our KV page padding"),
-                 "our state padding": pct("Our state padding")})
+                 "vLLM state padding": pct("vLLM state padding"),
+                 "our KV page padding": pct("Our KV page padding", help="unified page size, 16-token blocks")})
+st.download_button("Download CSV", vdf.to_csv(index=False).encode(), "p05_vllm_block.csv", "text/csv",
+                   key="p05_vllm_csv", help="Every column, ours included (block, page bytes, state padding)")
 st.caption("What vLLM itself picks (G = 1 on our side): it grows the block so the state padding is small; our "
            "unified policy keeps the block and pads the KV pages instead.")
 with st.expander("How vLLM sizes its block"):

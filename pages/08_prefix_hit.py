@@ -85,8 +85,9 @@ with timing_part:
     fig = go.Figure(go.Bar(x=[label[k] for k in ttft.kind], y=ttft.median_ms,
                            error_y=dict(type="data", symmetric=False, array=ttft.q3_ms - ttft.median_ms,
                                         arrayminus=ttft.median_ms - ttft.q1_ms),
-                           text=[f"{m:.1f} ms" for m in ttft.median_ms], textposition="inside"))
-    fig.update_layout(yaxis_title="time to first token, engine-measured (ms; median, bars = IQR)", xaxis_title="run")
+                           text=[f"{m:.1f} ms" for m in ttft.median_ms], textposition="inside",
+                           insidetextanchor="start"))   # at the base: clear of the IQR whisker
+    fig.update_layout(yaxis_title="TTFT, engine-measured (ms; median, bars = IQR)", xaxis_title="run")
     show_chart(fig, ttft, key="p08_ttft_chart")
     measured_stamp(timed.conditions)
     st.caption("Fresh engines every repeat; in each round the cold run and the (request 1, warm) pair run in "

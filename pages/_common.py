@@ -221,10 +221,29 @@ def _decade_ticks(axis, data_range: tuple[float, float] | None = None) -> None:
     axis.update(dtick=1, minor=dict(ticks="inside", showgrid=True))
 
 
+def _label_lines_on_log_axes(fig: go.Figure) -> None:
+    """Move the label of an ``add_hline`` / ``add_vline`` reference line on a log axis onto its line. Plotly 7
+    writes the label at the line's data value, but an annotation on a log axis is placed in log10 units, so the
+    label of a 1e-5 line lands at 10^(1e-5) and a break-even at 5,384 tokens far off the plot. Only an
+    annotation with a reference line (a shape) at its value on the same axis is moved."""
+    lines = {(ref, v0) for sh in fig.layout.shapes or () if sh.type == "line"
+             for ref, v0, v1 in ((sh.yref, sh.y0, sh.y1), (sh.xref, sh.x0, sh.x1)) if v0 == v1 and v0 is not None}
+    for ann in fig.layout.annotations or ():
+        for letter in ("x", "y"):
+            ref, value = getattr(ann, f"{letter}ref"), getattr(ann, letter)
+            if not ref or "domain" in ref or ref == "paper" or value is None or (ref, value) not in lines:
+                continue
+            axis = fig.layout[f"{letter}axis{ref[1:]}"]
+            if axis.type == "log" and value > 0:
+                ann.update({letter: float(np.log10(value))})
+
+
 def show_chart(fig: go.Figure, df: pd.DataFrame, key: str, filename: str | None = None) -> None:
     """Render ``fig`` with ``key`` and a CSV download button of ``df`` (the chart's data). Log axes get
-    enough labelled ticks to read the data range (:func:`_decade_ticks`)."""
+    enough labelled ticks to read the data range (:func:`_decade_ticks`), and their reference lines' labels
+    sit on the lines (:func:`_label_lines_on_log_axes`)."""
     fig.update_layout(margin=dict(l=10, r=10, t=40, b=10))
+    _label_lines_on_log_axes(fig)
     fig.for_each_xaxis(lambda ax: _decade_ticks(ax, _log_data_range(fig, ax)))
     fig.for_each_yaxis(lambda ax: _decade_ticks(ax, _log_data_range(fig, ax)))
     st.plotly_chart(fig, key=key, width="stretch")
