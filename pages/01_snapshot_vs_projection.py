@@ -53,7 +53,7 @@ fig.update_layout(xaxis_title="rollback strategy", yaxis_title="bytes held ÷ sn
 show_chart(fig, df, key="p01_layer_chart")
 show_table(df.assign(matches=df.measured_bytes == df.formula_bytes), {
     "strategy": "Strategy", "measured_bytes": num("Measured (B)", "%,d"), "formula_bytes": num("Formula (B)", "%,d"),
-    "formula": "Formula", "matches": "Measured = formula", "vs_snapshot": pct("Share of the snapshot's bytes")})
+    "formula": "Formula", "matches": "Measured = formula", "vs_snapshot": pct("Share of the snapshot's bytes", 2)})
 st.caption(
     f"Formula bytes = (1 + n) × per-token bytes with s = {page.elem_bytes} B; conv channels "
     f"2HK + HV = {shape.conv_dim}, window W − 1 = {shape.conv_kernel - 1}. Measured here: the snapshot holds "
@@ -76,10 +76,10 @@ show_table(tdf, {"model": "Model", "KDA layers": num("KDA layers", "%d"),
                  "snapshot state MiB": num("Snapshot state (MiB)", "%.4g"),
                  "snapshot conv window MiB": num("Snapshot conv (MiB)", "%.4g"),
                  "projections k,v,g,beta MiB": num("Projections (MiB)", "%.4g"),
-                 "conv inputs MiB": num("Conv inputs (MiB)", "%.4g"), "raw inputs MiB": num("Raw inputs (MiB)", "%.4g"),
-                 "snapshot / projections": num("Snapshot ÷ projections", "%.1f×"),
-                 "snapshot / raw inputs": num("Snapshot ÷ raw", "%.1f×")})
-st.caption("Per draft token, all KDA layers; snapshot state in fp32, everything else in bf16.")
+                 "conv inputs MiB": num("Conv inputs (MiB)", "%.4g"), "raw inputs MiB": num("Raw inputs (MiB)", "%.4g")})
+st.caption("Per draft token, all KDA layers; snapshot state in fp32, everything else in bf16. Snapshot ÷ projections: "
+           + ", ".join(f"{r['snapshot / projections']:.0f}× ({r.model})" for _, r in tdf.iterrows())
+           + "; snapshot ÷ raw inputs: " + ", ".join(f"{r['snapshot / raw inputs']:.0f}×" for _, r in tdf.iterrows()) + ".")
 k3 = tdf.set_index("model").loc["kimi-k3"]
 K3 = page.k3
 n, h, kd, vd = K3.num_kda_layers, K3.num_heads, K3.head_k_dim, K3.head_v_dim

@@ -128,7 +128,7 @@ real = r.real
 show_table(real.assign(policy=real.policy.map(NAME), state_waste_pct=real.state_waste_pct / 100,
                        kv_page_padding_pct=real.kv_page_padding_pct / 100), {
     "model": "Model", "policy": "Policy", "block_size": num("Block (tokens)"), "page_bytes": num("Page (B)"),
-    "state_pages": num("Pages per state"), "state_waste_pct": pct("State padding / tail"),
+    "state_pages": num("Pages per state"), "state_waste_pct": pct("State padding / tail", 2),
     "kv_page_padding_pct": pct("KV page padding")})
 st.caption("Real presets at 16-token blocks (the prefix-cache granularity), G groups: multi-page state wastes only "
            "the tail of a state's last page; unified page size makes every KV page almost all padding unless G is large.")
@@ -138,7 +138,7 @@ with st.expander("How the real pages are sized"):
 vdf = r.vllm
 show_table(vdf, {"model": "Model", "vLLM backend": "vLLM backend", "kernel block": num("Kernel block (tokens)"),
                  "vLLM block (tokens)": num("vLLM block (tokens)"), "vLLM page, one layer (B)": num("vLLM page, one layer (B)"),
-                 "vLLM state padding": pct("vLLM state padding"),
+                 "vLLM state padding": pct("vLLM state padding", 2),
                  "our KV page padding": pct("Our KV page padding", help="unified page size, 16-token blocks")})
 st.download_button("Download CSV", vdf.to_csv(index=False).encode(), "p05_vllm_block.csv", "text/csv",
                    key="p05_vllm_csv", help="Every column, ours included (block, page bytes, state padding)")

@@ -218,7 +218,7 @@ def _decade_ticks(axis, data_range: tuple[float, float] | None = None) -> None:
             first, last = (below[-1] if below else ticks[0]), (above[0] if above else ticks[-1])
             axis.update(tickvals=[t for t in ticks if first <= t <= last])   # labelled ticks are the grid
             return
-    axis.update(dtick=1, minor=dict(ticks="inside", showgrid=True))
+    axis.update(dtick=1, minor=dict(ticks="inside", showgrid=True, gridcolor="rgba(0, 0, 0, 0.035)"))  # faint: many decades
 
 
 def _label_lines_on_log_axes(fig: go.Figure) -> None:
@@ -257,19 +257,24 @@ def num(label: str, fmt: str = "localized", **kwargs):
     return st.column_config.NumberColumn(label, format=fmt, **kwargs)
 
 
-def pct(label: str, **kwargs):
-    """A number column headed ``label`` showing a fraction (0.123) as a percentage (12.30%)."""
-    return st.column_config.NumberColumn(label, format="percent", **kwargs)
+def pct(label: str, decimals: int = 1, **kwargs):
+    """A number column headed ``label`` showing a fraction (0.1234) as a percentage with ``decimals`` decimals
+    (12.3%) in :func:`show_table`, which scales it by 100 for display (Streamlit's ``"percent"`` preset drops
+    trailing zeros, so a column would mix 6.5% and 7.97%)."""
+    return st.column_config.NumberColumn(label, format=f"%.{decimals}f%%", **kwargs)
 
 
 def show_table(df: pd.DataFrame, columns: dict, **kwargs) -> None:
     """``st.dataframe`` of ``df``'s columns named in ``columns``, in that order, without the index. Each value is the
-    column's header (a string) or a ``st.column_config`` column (:func:`num`, :func:`pct`); booleans
-    read "yes" / "no". Only the display changes: ``df`` and any CSV of it keep the raw, machine-readable frame."""
+    column's header (a string) or a ``st.column_config`` column (:func:`num`, :func:`pct`: its fractions are
+    shown ×100); booleans read "yes" / "no". Only the display changes: ``df`` and any CSV of it keep the raw,
+    machine-readable frame."""
     shown = df[list(columns)].copy()
-    for col in shown.columns:
+    for col, cfg in columns.items():
         if pd.api.types.is_bool_dtype(shown[col]):
             shown[col] = shown[col].map({True: "yes", False: "no"})
+        elif isinstance(cfg, dict) and str(cfg.get("type_config", {}).get("format", "")).endswith("%%"):
+            shown[col] = shown[col] * 100
     st.dataframe(shown, hide_index=True, width="stretch", column_config=columns, **kwargs)
 
 

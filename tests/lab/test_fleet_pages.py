@@ -32,7 +32,7 @@ def test_lookup_cost_is_a_repeated_interleaved_measurement():
     cost = lookup_cost(4, 10)
     t = cost.table
     assert list(t.algorithm) == list(ROUTERS)
-    assert cost.conditions.repeats >= 5 and cost.conditions.warmup >= 1
+    assert cost.conditions.repeats >= 5 and cost.conditions.warmup >= 1 and cost.conditions.torch_threads == 1
     assert ((t.min_us <= t.q1_us) & (t.q1_us <= t.us_per_key) & (t.us_per_key <= t.q3_us)
             & (t.q3_us <= t.max_us) & (t.min_us > 0)).all(), t
     with pytest.raises(ValueError, match="repeats"):
