@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import inspect
 import pickle
-import statistics
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import pandas as pd
 
+from lab.threads import one_thread
+from lab.timing import MIN_REPEATS, Conditions, measure
 from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
 from serve.fleet.hashing import random_keys, routing_key
 from serve.fleet.replay import ScaleEvent, replay_routing, windowed_hit_ratio
@@ -70,21 +70,34 @@ def ring_balance_vs_vnodes(num_replicas: int, vnode_counts: Sequence[int]) -> pd
     return pd.DataFrame(rows)
 
 
-def measure_lookup_us(num_replicas: int, vnodes: int, num_keys: int = 2000, repeats: int = 3) -> pd.DataFrame:
-    """Median µs per scalar ``route`` call for every router on this CPU (keys random, seeded)."""
+LOOKUP_KEYS = 2000     # keys routed per timed run of one router: a run of ~1-10 ms, well above the clock's resolution
+
+
+def measure_lookup_us(num_replicas: int, vnodes: int, num_keys: int = LOOKUP_KEYS,
+                      repeats: int = MIN_REPEATS) -> tuple[pd.DataFrame, Conditions]:
+    """µs per scalar ``route`` call for every router on this CPU (keys random, seeded), timed with
+    :func:`lab.timing.measure`: one case per router routing all ``num_keys`` keys, ``repeats`` interleaved
+    rounds after a warm-up. Returns a DataFrame (algorithm, us_per_key = median, q1_us, q3_us, min_us,
+    max_us; every figure is the run's time ÷ ``num_keys``) and the :class:`~lab.timing.Conditions`.
+    Raises ValueError for ``num_keys`` < 1 or ``repeats`` < :data:`lab.timing.MIN_REPEATS`."""
+    if num_keys < 1:
+        raise ValueError(f"num_keys must be >= 1, got {num_keys}")
     keys = random_keys(num_keys, seed=3)
     queries = [RouteQuery(int(k), (int(k) % 997, int(k) % 13)) for k in keys]
-    rows = []
-    for name in ROUTERS:
-        router = make_router(name, replica_names(num_replicas), vnodes=vnodes)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
+
+    def route_all(router) -> Callable[[], None]:
+        def run() -> None:
             for q in queries:
                 router.route(q)
-            times.append(time.perf_counter() - t0)
-        rows.append({"algorithm": name, "us_per_key": statistics.median(times) / num_keys * 1e6})
-    return pd.DataFrame(rows)
+        return run
+
+    cases = {name: route_all(make_router(name, replica_names(num_replicas), vnodes=vnodes)) for name in ROUTERS}
+    with one_thread():                    # as every measured run (the stamp reports 1 torch thread)
+        timings, cond = measure(cases, repeats=repeats, warmup=1)
+    per_key_us = 1e6 / num_keys
+    return pd.DataFrame([{"algorithm": t.label, "us_per_key": t.median_s * per_key_us, "q1_us": t.q1_s * per_key_us,
+                          "q3_us": t.q3_s * per_key_us, "min_us": t.min_s * per_key_us, "max_us": t.max_s * per_key_us}
+                         for t in timings]), cond
 
 
 def where_prefix_lands(trace: Sequence[TraceRequest], index: int, num_replicas: int, k: int,

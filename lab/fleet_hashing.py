@@ -1,10 +1,12 @@
-"""Page 11 in one call: where a trace's requests land under each routing algorithm, load per replica, the
-ring's balance against virtual nodes and the lookup cost measured on this CPU (:func:`fleet_hashing`)."""
+"""Page 11: where a trace's requests land under each routing algorithm, load per replica and the ring's
+balance against virtual nodes (:func:`fleet_hashing`, one call); the lookup cost measured on this CPU
+(:func:`lookup_cost`, a separate call so a page can cache and re-measure it on its own)."""
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import pandas as pd
 
@@ -16,6 +18,7 @@ from lab.fleet import (
     ring_balance_vs_vnodes,
     routing_load,
 )
+from lab.timing import Conditions
 from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
 from serve.fleet.hashing import routing_key
 from serve.fleet.router import RouteQuery
@@ -31,7 +34,7 @@ class FleetHashing:
 
     load: requests, prompt tokens and hit tokens per replica (:func:`lab.fleet.routing_load`); hit_ratio:
     token hit ratio of the per-replica caches; ideal_ratio: of one shared infinite cache; balance: the ring's
-    exact shares per V in :data:`VNODES`; lookup: µs per route call per algorithm; landing: one row per
+    exact shares per V in :data:`VNODES`; landing: one row per
     (request, key-based algorithm): request index, algorithm, replica, routing key, prefix blocks, requests
     sharing that prefix; num_requests: trace length; note: what the budget cut from an upload; anchors: published figures with their sources."""
 
@@ -39,7 +42,6 @@ class FleetHashing:
     hit_ratio: float
     ideal_ratio: float
     balance: pd.DataFrame
-    lookup: pd.DataFrame
     landing: pd.DataFrame
     num_requests: int
     note: str
@@ -65,7 +67,7 @@ def prefix_landing(trace: Sequence[TraceRequest], num_replicas: int, k: int, vno
 def fleet_hashing(algorithm: str, num_replicas: int, k: int, vnodes: int, num_requests: int,
                   upload: bytes | None = None, upload_name: str = "uploaded file") -> FleetHashing:
     """Route the page trace (``upload`` or the synthetic one, :func:`lab.fleet.page_trace`) with
-    ``algorithm`` on its first ``k`` blocks; add the balance and lookup measurements for ``num_replicas``.
+    ``algorithm`` on its first ``k`` blocks; add the ring's balance for ``num_replicas``.
 
     Raises: ValueError for an unknown algorithm or bad sizes; TraceFormatError (ValueError) for a bad upload."""
     if algorithm not in ROUTERS:
@@ -73,5 +75,19 @@ def fleet_hashing(algorithm: str, num_replicas: int, k: int, vnodes: int, num_re
     trace, note, _ = page_trace(upload, num_requests, name=upload_name)
     load = routing_load(trace, algorithm, num_replicas, k, vnodes=vnodes)
     return FleetHashing(load, float(load.hit_tokens.sum() / max(1, load.tokens.sum())), ideal_ratio(trace),
-                        ring_balance_vs_vnodes(num_replicas, VNODES), measure_lookup_us(num_replicas, vnodes),
+                        ring_balance_vs_vnodes(num_replicas, VNODES),
                         prefix_landing(trace, num_replicas, k, vnodes), len(trace), note, anchors=dict(ANCHORS))
+
+
+class LookupCost(NamedTuple):
+    """Page 11's lookup timing: ``table`` one row per algorithm (us_per_key = median µs per ``route`` call,
+    q1_us, q3_us, min_us, max_us) and the ``conditions`` it was measured under."""
+
+    table: pd.DataFrame
+    conditions: Conditions
+
+
+def lookup_cost(num_replicas: int, vnodes: int) -> LookupCost:
+    """Time one scalar ``route`` call of every algorithm for ``num_replicas`` replicas (``vnodes`` per replica
+    on the ring) on this CPU (:func:`lab.fleet.measure_lookup_us`). Raises ValueError for bad sizes."""
+    return LookupCost(*measure_lookup_us(num_replicas, vnodes))

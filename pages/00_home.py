@@ -69,8 +69,9 @@ def _p00_timing(first, second, max_new, block, interval):
 run = engine_call(_p00_verdict, first, second, max_new, block, interval)
 check, warm, cold = run.check, run.warm, run.cold
 m1, m2, m3, m4 = st.columns(4)
-m1.metric("Prefill tokens computed", f"{warm['prefill_tokens']:,}", f"{warm['prefill_tokens'] - cold['prefill_tokens']:,} vs cold",
-          delta_color="inverse")
+saved_tokens = warm['prefill_tokens'] - cold['prefill_tokens']
+m1.metric("Prefill tokens computed", f"{warm['prefill_tokens']:,}", f"{saved_tokens:,} vs cold", delta_color="inverse",
+          delta_arrow="auto" if saved_tokens else "off")   # Streamlit points a string "0 …" up
 ttft_metric = m2.empty()
 ttft_metric.metric("TTFT warm (median)", "measuring…", "see below", delta_color="off", delta_arrow="off")
 m3.metric("Restored from checkpoint", f"{warm['restored_bytes'] / 1024:,.1f} KiB", "KDA state, copied", delta_color="off", delta_arrow="off")
@@ -105,12 +106,14 @@ with timing_part:
     timed = engine_call(_p00_timing, first, second, max_new, block, interval)
     summary, ttft = timed.summary, timed.ttft
     ttft_metric.metric("TTFT warm (median)", f"{summary['warm_ttft_ms']:.1f} ms",
-                       f"{-summary['ttft_reduction']:.0%} vs cold {summary['cold_ttft_ms']:.1f} ms", delta_color="inverse")
+                       f"{-summary['ttft_reduction']:.0%} vs cold {summary['cold_ttft_ms']:.1f} ms", delta_color="inverse",
+                       delta_arrow="auto" if round(100 * summary['ttft_reduction']) else "off")   # no arrow on "0%"
     label = {"cold": "cold (no cache)", "first": "request 1 (fills)", "warm": "warm"}
     fig = go.Figure(go.Bar(x=ttft.median_ms, y=[label[k] for k in ttft.kind], orientation="h",
                            error_x=dict(type="data", symmetric=False, array=ttft.q3_ms - ttft.median_ms,
                                         arrayminus=ttft.median_ms - ttft.q1_ms),
-                           text=[f"{m:.1f} ms" for m in ttft.median_ms], textposition="inside"))
+                           text=[f"{m:.1f} ms" for m in ttft.median_ms], textposition="inside",
+                           insidetextanchor="start"))   # at the base: clear of the IQR whisker
     fig.update_layout(xaxis_title="time to first token, engine-measured (ms; median, bars = IQR)", yaxis_title="run",
                       height=260)
     show_chart(fig, ttft, key="p00_ttft_chart")

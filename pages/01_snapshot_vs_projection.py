@@ -6,7 +6,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from lab.rollback import DTYPES, LAYER_PRESETS, rollback_page
-from pages._common import engine_call, persist, show_chart
+from pages._common import engine_call, num, pct, persist, show_chart, show_table
 
 st.title("Snapshot vs projection bytes")
 st.write(
@@ -51,12 +51,9 @@ low, high = math.log10(df.vs_snapshot.min()), math.log10(df.vs_snapshot.max())  
 fig.update_layout(xaxis_title="rollback strategy", yaxis_title="bytes held ÷ snapshot bytes (log)",
                   yaxis_type="log", yaxis_range=[math.floor(low) - 0.2, high + 0.4], yaxis_dtick=1, height=380)
 show_chart(fig, df, key="p01_layer_chart")
-table = df.assign(**{"measured = formula": df.measured_bytes == df.formula_bytes})
-NUM = st.column_config.NumberColumn
-st.dataframe(table[["strategy", "measured_bytes", "formula_bytes", "formula", "measured = formula", "vs_snapshot"]],
-             hide_index=True, width="stretch",
-             column_config={"measured_bytes": NUM(format="%,d B"), "formula_bytes": NUM(format="%,d B"),
-                            "vs_snapshot": NUM(format="%.4f")})
+show_table(df.assign(matches=df.measured_bytes == df.formula_bytes), {
+    "strategy": "Strategy", "measured_bytes": num("Measured (B)", "%,d"), "formula_bytes": num("Formula (B)", "%,d"),
+    "formula": "Formula", "matches": "Measured = formula", "vs_snapshot": pct("Share of the snapshot's bytes", 2)})
 st.caption(
     f"Formula bytes = (1 + n) × per-token bytes with s = {page.elem_bytes} B; conv channels "
     f"2HK + HV = {shape.conv_dim}, window W − 1 = {shape.conv_kernel - 1}. Measured here: the snapshot holds "
@@ -67,20 +64,22 @@ st.caption(
 st.subheader("2 · Whole model, per draft token")
 tdf = pd.DataFrame(page.models)
 fig2 = go.Figure()
-for col, color in [("snapshot state MiB", "#d62728"), ("snapshot conv window MiB", "#ff9896"),
-                   ("projections k,v,g,beta MiB", "#2ca02c"), ("conv inputs MiB", "#98df8a"),
-                   ("raw inputs MiB", "#1f77b4")]:
-    fig2.add_trace(go.Bar(x=tdf.model, y=tdf[col], name=col, marker_color=color))
+for col, name, color in [("snapshot state MiB", "snapshot: state", "#d62728"),
+                         ("snapshot conv window MiB", "snapshot: conv window", "#ff9896"),
+                         ("projections k,v,g,beta MiB", "projections k, v, g, β", "#2ca02c"),
+                         ("conv inputs MiB", "conv inputs", "#98df8a"), ("raw inputs MiB", "raw inputs", "#1f77b4")]:
+    fig2.add_trace(go.Bar(x=tdf.model, y=tdf[col], name=name, marker_color=color))
 fig2.update_layout(barmode="group", xaxis_title="model", yaxis_title="MiB per draft token, all KDA layers (log)",
                    yaxis_type="log", yaxis_dtick=1, legend=dict(orientation="h", y=-0.25))
 show_chart(fig2, tdf, key="p01_model_chart")
-SHORT = {"snapshot state MiB": "snap. state", "snapshot conv window MiB": "snap. conv", "conv inputs MiB": "conv in",
-         "projections k,v,g,beta MiB": "proj. k,v,g,β", "raw inputs MiB": "raw in"}
-st.dataframe(tdf, hide_index=True, width="stretch", column_config={
-    **{c: NUM(label, format="%.4g") for c, label in SHORT.items()}, "KDA layers": NUM("KDA", format="%d"),
-    **{c: NUM(c.replace("snapshot", "snap").replace(" / ", " ÷ ").replace("projections", "proj"), format="%.1f×")
-       for c in ("snapshot / projections", "snapshot / raw inputs")}})
-st.caption("Table in MiB per draft token, all KDA layers; snapshot state in fp32, everything else in bf16.")
+show_table(tdf, {"model": "Model", "KDA layers": num("KDA layers", "%d"),
+                 "snapshot state MiB": num("Snapshot state (MiB)", "%.4g"),
+                 "snapshot conv window MiB": num("Snapshot conv (MiB)", "%.4g"),
+                 "projections k,v,g,beta MiB": num("Projections (MiB)", "%.4g"),
+                 "conv inputs MiB": num("Conv inputs (MiB)", "%.4g"), "raw inputs MiB": num("Raw inputs (MiB)", "%.4g")})
+st.caption("Per draft token, all KDA layers; snapshot state in fp32, everything else in bf16. Snapshot ÷ projections: "
+           + ", ".join(f"{r['snapshot / projections']:.0f}× ({r.model})" for _, r in tdf.iterrows())
+           + "; snapshot ÷ raw inputs: " + ", ".join(f"{r['snapshot / raw inputs']:.0f}×" for _, r in tdf.iterrows()) + ".")
 k3 = tdf.set_index("model").loc["kimi-k3"]
 K3 = page.k3
 n, h, kd, vd = K3.num_kda_layers, K3.num_heads, K3.head_k_dim, K3.head_v_dim

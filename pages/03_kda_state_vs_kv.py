@@ -5,7 +5,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from lab.state_vs_kv import CONTEXTS, KV_DTYPES, MEASURE_REPEATS, MEASURED_CONTEXTS, MODELS, STATE_DTYPES, state_vs_kv
-from pages._common import engine_call, measured_stamp, persist, remeasure_button, show_chart
+from pages._common import engine_call, measured_stamp, num, persist, remeasure_button, show_chart, show_table
 
 st.title("KDA state vs KV cache")
 st.write(
@@ -60,24 +60,29 @@ with part1:
 
     m1, m2, m3, m4 = st.columns(4)
     m1.metric("MLA KV per token (whole model)", f"{run.kv_bytes_per_token:,} B")
-    m2.metric("KDA state per layer", f"{run.state_bytes_per_layer:,} B")
+    m2.metric("KDA state per layer", f"{run.state_bytes_per_layer / 2 ** 20:,.2f} MiB",
+              help=f"{run.state_bytes_per_layer:,} B = H × K × V × dtype bytes")
     m3.metric("Fixed state per sequence", f"{run.fixed_state_bytes / 2 ** 20:,.1f} MiB")
     m4.metric("Break-even context (recurrent + conv)", "∞" if not math.isfinite(be) else f"{be:,.0f} tokens",
               "∞ (recurrent only)" if not math.isfinite(be_rec) else f"{be_rec:,.0f} tokens recurrent only", delta_color="off", delta_arrow="off")
-    st.caption(
-        f"Formulas: MLA KV/token = {cfg.num_mla_layers} MLA layers × ({cfg.kv_lora_rank} + {cfg.qk_rope_head_dim}) × "
-        f"{run.kv_dtype_bytes} B; KDA state/layer = {cfg.num_heads} × {cfg.head_k_dim} × {cfg.head_v_dim} × {run.state_dtype_bytes} B; "
-        f"conv state/layer = (2HK + HV) × (W−1) × {run.conv_dtype_bytes} B (bf16); break-even = fixed state ÷ KV "
-        f"per token: {be:,.0f} tokens with the conv state, {be_rec:,.0f} counting the recurrent state only. The dotted line "
-        f"counts every layer at MLA width ({run.all_mla_kv_bytes_per_token:,} B/token), as public calculators did "
-        "before fixing it (LMCache PR #4278; inference-sim issue #1635, Kimi K3) — shown only as a counterfactual. "
-        f"Source: {cfg.source}.")
+    st.caption(f"Break-even = fixed state ÷ MLA KV per token: {be:,.0f} tokens with the conv state, {be_rec:,.0f} for the "
+               "recurrent state only. Dotted: every layer at MLA width, a counterfactual. Source: " + cfg.source + ".")
+    with st.expander("How the bytes are computed"):
+        st.markdown(
+            f"- MLA KV per token = {cfg.num_mla_layers} MLA layers × ({cfg.kv_lora_rank} + {cfg.qk_rope_head_dim}) × "
+            f"{run.kv_dtype_bytes} B.\n"
+            f"- KDA state per layer = {cfg.num_heads} × {cfg.head_k_dim} × {cfg.head_v_dim} × {run.state_dtype_bytes} B; "
+            f"conv state per layer = (2HK + HV) × (W−1) × {run.conv_dtype_bytes} B (bf16).\n"
+            f"- The dotted line counts every layer at MLA width ({run.all_mla_kv_bytes_per_token:,} B/token), as public "
+            "calculators did before fixing it (LMCache PR #4278; inference-sim issue #1635, Kimi K3).")
 
     with st.expander("Per-layer table"):
         n_table = st.select_slider("Context for the table (tokens)", options=list(CONTEXTS),
                                    value=131072, key=persist("p03_table_ctx", 131072, options=list(CONTEXTS)), **URL)
         tdf = run.layers[run.layers.context_tokens == n_table].drop(columns="context_tokens")
-        st.dataframe(tdf, hide_index=True, width="stretch")
+        show_table(tdf, {"layer": num("Layer", "%d"), "kind": "Kind", "bytes_per_token": num("Per token (B)"),
+                         "fixed_bytes": num("Fixed state (B)"),
+                         "bytes_at_context": num(f"At {n_table:,} tokens (B)")})
         st.download_button("Download CSV", tdf.to_csv(index=False).encode(), "p03_layers.csv", "text/csv", key="p03_layers_csv")
 
 with part2:
@@ -90,7 +95,8 @@ with part2:
         fig2.add_trace(go.Scatter(
             x=mdf.context_tokens, y=mdf[col], name=label, mode="markers", marker=dict(color=color),
             error_y=dict(type="data", symmetric=False, array=mdf[q3] - mdf[col], arrayminus=mdf[col] - mdf[q1])))
-        fig2.add_trace(go.Scatter(x=mdf.context_tokens, y=[fit.at(n) * 1e6 for n in mdf.context_tokens], mode="lines",
+        fig2.add_trace(go.Scatter(x=mdf.context_tokens, y=[fit.at(n) * 1e6 if fit.at(n) > 0 else None   # log axis:
+                                                              for n in mdf.context_tokens], mode="lines",  # gap, not a drop
                                   line=dict(dash="dash", color=color), name=f"{name} fit a + b·N"))
     fig2.update_layout(xaxis_title="context length N (tokens, log)",
                        yaxis_title="time per token per layer (µs; median, bars = IQR; log)",
@@ -104,19 +110,22 @@ with part2:
         c_b.metric(f"{name}: cost per context token b", f"{fit.b_s * 1e9:,.2f} ns", "per token of N", delta_color="off", delta_arrow="off")
     last = mdf.iloc[-1]
     st.caption(
-        f"Measured now with {heads_meas} heads (real dims K = {cfg.head_k_dim}, V = {cfg.head_v_dim}, latent "
-        f"{cfg.latent_dim}; the model has {cfg.num_heads} KDA heads — heads are scaled down to keep the run under a second). "
-        f"At N = {int(last.context_tokens):,}: KDA {last.kda_step_us:,.0f} µs vs MLA {last.mla_decode_us:,.0f} µs (medians). "
-        "KDA's step touches only its H×K×V state, so its per-token cost b is ≈ 0 and its time is the fixed a; MLA reads "
-        "all N latents (N × (r + rope) values), so its b is the per-token cost of the cache — the line bends up where "
-        "the latents no longer fit in the CPU cache. Dashed: the least-squares fit t(N) = a + b·N over the medians. "
-        f"Each point is the median of {MEASURE_REPEATS} interleaved repeats (contexts in rotating order, one torch thread) "
-        "after a warm-up; KDA and MLA are timed in separate sweeps so the MLA pass does not evict the KDA state from "
-        "the CPU cache. A run-to-run drift of the KDA step (the machine is shared) moves a, not b. R² near 0 for KDA "
-        "means a flat line: no part of its time follows N.")
+        f"Measured now with {heads_meas} heads (the model has {cfg.num_heads}; scaled down to keep the run under a "
+        f"second). At N = {int(last.context_tokens):,}: KDA {last.kda_step_us:,.0f} µs vs MLA {last.mla_decode_us:,.0f} µs "
+        "(medians). KDA's step touches only its state, so its b ≈ 0; MLA reads all N latents, so its b is the cache's "
+        "per-token cost.")
+    with st.expander("How the decode cost is measured and fitted"):
+        st.markdown(
+            f"- Real dims K = {cfg.head_k_dim}, V = {cfg.head_v_dim}, latent {cfg.latent_dim}; MLA reads N × "
+            "(r + rope) values per step, and its line bends up where the latents no longer fit in the CPU cache.\n"
+            "- Dashed: the least-squares fit t(N) = a + b·N over the medians. R² near 0 for KDA means a flat line: "
+            "no part of its time follows N.\n"
+            f"- Each point is the median of {MEASURE_REPEATS} interleaved repeats (contexts in rotating order, one "
+            "torch thread) after a warm-up; KDA and MLA are timed in separate sweeps so the MLA pass does not evict "
+            "the KDA state from the CPU cache. A run-to-run drift of the KDA step (the machine is shared) moves a, "
+            "not b.")
     bent = [name for name, fit in fits.items() if fit.a_s < 0]
     if bent:
-        st.caption(f"{' and '.join(bent)}: the fitted a is negative — the time per token is not one straight line "
-                   "over the whole range (it rises above the CPU cache size), so the line through all points "
-                   "undershoots at small N and is not drawn where it falls below zero; read b, the slope where "
-                   "most of the time is, and the points themselves.")
+        st.caption(f"{' and '.join(bent)}: the fitted a is negative — the time is not one straight line over the "
+                   "range (it rises above the CPU cache size), so the fit undershoots at small N and is not drawn "
+                   "below zero; read b and the points.")

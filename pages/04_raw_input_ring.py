@@ -9,10 +9,13 @@ from pages._common import (
     built_by_loaded_code,
     engine_call,
     measured_stamp,
+    num,
+    pct,
     persist,
     persist_clamped,
     remeasure_button,
     show_chart,
+    show_table,
 )
 
 st.title("RawInputRing")
@@ -79,11 +82,12 @@ with right:
         f"{name} a₀ = {f.a_s:.2f} ms, b = {f.b_s:.3f} ms/token" for name, f in page.fits.items()) + ".")
 
 st.subheader("3 · When to use which (measured above)")
-NUM = st.column_config.NumberColumn
-st.dataframe(tdf, hide_index=True, width="stretch", column_config={
-    "bytes per verify": NUM(format="%,d B"), "memory vs snapshot": NUM(format="percent"),
-    "commit ms (all accepted)": NUM(format="%.2f ms"), "commit ms (none accepted)": NUM(format="%.2f ms"),
-    "commit time vs snapshot": NUM(format="%.1f×")})
+MEDIAN = "median of the repeats in section 2"
+show_table(tdf, {"strategy": "Strategy", "bytes per verify": num("Bytes / verify (B)"),
+                 "memory vs snapshot": pct("Memory vs snapshot"),
+                 "commit ms (all accepted)": num("Commit, all accepted (ms)", "%.2f", help=MEDIAN),
+                 "commit ms (none accepted)": num("Commit, none accepted (ms)", "%.2f", help=MEDIAN),
+                 "commit time vs snapshot": num("Commit vs snapshot", "%.1f×", help=MEDIAN)})
 ring_row, snap_row = tdf.set_index("strategy").loc["raw-input ring"], tdf.set_index("strategy").loc["snapshot"]
 st.write(
     f"At n = {num_draft} the ring holds {ring_row['memory vs snapshot']:.1%} of the snapshot's bytes but its commit "

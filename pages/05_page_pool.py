@@ -6,7 +6,7 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from lab.pool import page05
-from pages._common import engine_call, persist, show_chart
+from pages._common import engine_call, num, pct, persist, show_chart, show_table
 
 st.title("Unified page pool")
 st.write(
@@ -125,31 +125,34 @@ fig4.update_layout(xaxis_title="policy (demo model, this workload)", yaxis_title
                    barmode="stack", legend=dict(orientation="h", y=-0.3))
 show_chart(fig4, wdf, key="p05_waste")
 real = r.real
-st.dataframe(real.assign(state_waste_pct=real.state_waste_pct / 100, kv_page_padding_pct=real.kv_page_padding_pct / 100),
-             hide_index=True, width="stretch", column_config={
-    "model": "Model", "policy": "Policy",
-    "block_size": st.column_config.NumberColumn("Block (tokens)", format="localized"),
-    "page_bytes": st.column_config.NumberColumn("Page (B)", format="localized"),
-    "state_pages": st.column_config.NumberColumn("Pages per state", format="localized"),
-    "state_waste_pct": st.column_config.NumberColumn("State padding / tail", format="percent"),
-    "kv_page_padding_pct": st.column_config.NumberColumn("KV page padding", format="percent")})
-st.caption("Real presets at 16-token blocks, G groups (bf16 KV, fp32 state, bf16 conv), sized by the same "
-           "`CacheLayout.page_bytes_for`. The block stays 16 tokens under both policies (it is the prefix-cache "
-           "granularity): multi-page state wastes only the tail of a state's last page; unified page size makes a "
-           "page as large as a whole group state, so every KV page is almost all padding unless G is large.")
+show_table(real.assign(policy=real.policy.map(NAME), state_waste_pct=real.state_waste_pct / 100,
+                       kv_page_padding_pct=real.kv_page_padding_pct / 100), {
+    "model": "Model", "policy": "Policy", "block_size": num("Block (tokens)"), "page_bytes": num("Page (B)"),
+    "state_pages": num("Pages per state"), "state_waste_pct": pct("State padding / tail", 2),
+    "kv_page_padding_pct": pct("KV page padding")})
+st.caption("Real presets at 16-token blocks (the prefix-cache granularity), G groups: multi-page state wastes only "
+           "the tail of a state's last page; unified page size makes every KV page almost all padding unless G is large.")
+with st.expander("How the real pages are sized"):
+    st.markdown("Bytes: bf16 KV, fp32 state, bf16 conv, sized by the engine's own `CacheLayout.page_bytes_for`. The "
+                "block stays 16 tokens under both policies; a unified page is as large as a whole group state.")
 vdf = r.vllm
-NUM = st.column_config.NumberColumn
-st.dataframe(vdf, hide_index=True, width="stretch", column_config={
-    "vLLM page, one layer (B)": NUM(format="%,d B"), "our page (B)": NUM(format="%,d B"),
-    "vLLM state padding": NUM(format="percent"), "our KV page padding": NUM(format="percent"),
-    "our state padding": NUM(format="percent")})
-st.caption("What vLLM itself picks (`serve.memory.vllm_block.vllm_block_pick`, G = 1 on our side). vLLM sizes pages per "
-           "layer: one attention page = block × one MLA layer's latent (r + rope) × 2 B, one KDA page = one layer's "
-           "recurrent (fp32) + conv (bf16) state. It aligns the block to the attention backend's kernel block size "
-           "(`get_supported_kernel_block_sizes`: FlashInfer MLA 32, FlashMLA 64, CUTLASS MLA 128), not to 16: "
-           "block = align · ⌈state / (align · page per token)⌉ (`Platform._align_hybrid_block_size`, "
-           "vllm/platforms/interface.py), then pads the state page to the attention page. vLLM grows the block so "
-           "the state padding is small; our unified policy keeps the block and pads the KV pages instead.")
+show_table(vdf, {"model": "Model", "vLLM backend": "vLLM backend", "kernel block": num("Kernel block (tokens)"),
+                 "vLLM block (tokens)": num("vLLM block (tokens)"), "vLLM page, one layer (B)": num("vLLM page, one layer (B)"),
+                 "vLLM state padding": pct("vLLM state padding", 2),
+                 "our KV page padding": pct("Our KV page padding", help="unified page size, 16-token blocks")})
+st.download_button("Download CSV", vdf.to_csv(index=False).encode(), "p05_vllm_block.csv", "text/csv",
+                   key="p05_vllm_csv", help="Every column, ours included (block, page bytes, state padding)")
+st.caption("What vLLM itself picks (G = 1 on our side): it grows the block so the state padding is small; our "
+           "unified policy keeps the block and pads the KV pages instead.")
+with st.expander("How vLLM sizes its block"):
+    st.markdown(
+        "- vLLM sizes pages per layer: one attention page = block × one MLA layer's latent (r + rope) × 2 B, one KDA "
+        "page = one layer's recurrent (fp32) + conv (bf16) state.\n"
+        "- It aligns the block to the attention backend's kernel block size (`get_supported_kernel_block_sizes`: "
+        "FlashInfer MLA 32, FlashMLA 64, CUTLASS MLA 128), not to 16: block = align · ⌈state / (align · page per "
+        "token)⌉ (`Platform._align_hybrid_block_size`, vllm/platforms/interface.py), then pads the state page to the "
+        "attention page.\n"
+        "- Ours: `serve.memory.vllm_block.vllm_block_pick`.")
 
 st.subheader("5 · Measured alloc / free call latency")
 h = r.latency
@@ -161,8 +164,8 @@ for (call, counts), color in zip(h.counts.items(), ["#2171b5", "#f16913"]):
     fig5.add_trace(go.Bar(x=(edges[:-1] + edges[1:]) / 2, y=counts, width=np.diff(edges), name=call, opacity=0.6,
                           marker_color=color, customdata=np.stack([edges[:-1], edges[1:]], axis=1),
                           hovertemplate="%{customdata[0]:,.0f}–%{customdata[1]:,.0f} ns: %{y} calls"))
-    for q, pct, dash in (("p50", h.p50_ns, "dot"), ("p99", h.p99_ns, "dash")):
-        v = pct[call]
+    for q, marks, dash in (("p50", h.p50_ns, "dot"), ("p99", h.p99_ns, "dash")):
+        v = marks[call]
         fig5.add_trace(go.Scatter(x=[v, v], y=[0, top], mode="lines", line=dict(color=color, dash=dash, width=2),
                                   name=f"{call} {q} = {v:,.0f} ns", hovertemplate=f"{call} {q}: {v:,.0f} ns"))
 TICKS_NS = [m * 10 ** e for e in range(0, 8) for m in (1, 2, 5)]

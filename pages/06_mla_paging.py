@@ -100,12 +100,16 @@ fig3.add_trace(go.Scatter(x=naive.index, y=naive.values, name="naive torch.cat p
 fig3.update_layout(xaxis=dict(title="context length (tokens, log)", type="log",
                               tickvals=sorted(gdf.context_tokens.unique().tolist())),
                    yaxis=dict(title="time ÷ contiguous copy (×, fastest of 5 runs)"), legend=dict(orientation="h", y=-0.3))
+fig3.add_hline(y=1, line_dash="dash", line_color="gray", annotation_text="contiguous copy = 1×",
+               annotation_position="bottom right")
 show_chart(fig3, gdf, key="p06_gather")
-st.caption(f"One MLA layer's latents [L, {KIMI.latent_dim}] fp32 (Kimi's {KIMI.kv_lora_rank} + "
-           f"{KIMI.qk_rope_head_dim}) read into a new tensor: contiguous `clone` vs the engine's `read_kv` (one "
-           "`index_select` over a scattered page table) vs `torch.cat` of per-token tensors; contenders interleaved, single-threaded, fastest "
-           "of 5 rounds each (on a shared CPU a descheduled round only adds time). The CSV also holds decode "
-           "attention over contiguous latents vs read + attention (`attention_ratio`).")
+st.caption(f"One MLA layer's latents [L, {KIMI.latent_dim}] fp32 read into a new tensor: contiguous `clone` vs the "
+           "engine's `read_kv` (one `index_select` over a scattered page table) vs `torch.cat` of per-token tensors.")
+with st.expander("How the gather is timed"):
+    st.markdown(f"Latent width {KIMI.latent_dim} = Kimi's {KIMI.kv_lora_rank} + {KIMI.qk_rope_head_dim} (rope). "
+                "Contenders interleaved, single-threaded, fastest of 5 rounds each (on a shared CPU a descheduled "
+                "round only adds time). The CSV also holds decode attention over contiguous latents vs read + "
+                "attention (`attention_ratio`).")
 
 st.subheader("4 · Bytes saved by sharing a prefix")
 if prefix + unique == 0:

@@ -3,7 +3,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from lab.prefix_anatomy import anatomy_view
-from pages._common import engine_call, persist, show_chart
+from pages._common import engine_call, num, persist, show_chart, show_table
 
 st.title("Prefix cache anatomy")
 st.write(
@@ -82,9 +82,8 @@ show_chart(fig, blocks, key="p07_blocks_chart")
 
 st.subheader("2 · The lookup of the last prompt, step by step")
 steps = res.steps
-st.dataframe(steps, hide_index=True, width="stretch", column_config={
-    "phase": "Phase", "block": "Block", "boundary": st.column_config.NumberColumn("Boundary (tokens)", format="localized"),
-    "found": "Found", "groups": "Groups with a checkpoint", "note": "Note"})
+show_table(steps, {"phase": num("Phase", "%d"), "block": num("Block", "%d"), "boundary": num("Boundary (tokens)"),
+                   "found": "Found", "groups": "Groups with a checkpoint", "note": "Note"})
 why = steps.iloc[-1].note if len(steps) else "prompt shorter than one block"
 st.write(f"**Hit b = {res.num_tokens} tokens** (phase-1 KV run {res.kv_tokens}). Why it stops there: {why}."
          + (f" Dropped group {drop[1]}'s checkpoint at {drop[0]}: that boundary is incomplete now." if drop else ""))

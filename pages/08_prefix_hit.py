@@ -64,13 +64,15 @@ reuse = pd.DataFrame([
 fig2 = go.Figure(go.Bar(x=reuse.kind, y=reuse.bytes / 1024, text=[f"{b / 1024:,.1f} KiB" for b in reuse.bytes]))
 fig2.update_layout(yaxis_title="bytes reused (KiB)", xaxis_title="cache kind")
 show_chart(fig2, reuse, key="p08_bytes_chart")
-st.caption("What to notice: the KV bytes shared grow with b (one page per block), the state copied is the same "
-           "for any b. Warm TTFT ≈ TTFT_cold · (L − b) / L plus the restore and checkpoint copies: the remaining "
-           "prompt runs as one chunked forward, and every checkpoint boundary inside it is taken from that same "
-           "forward (the chunk states of `kda_chunk` are the state after exactly b tokens), so a smaller C adds "
-           "state copies, not forward calls. A boundary on the "
-           f"{run.chunk_size}-token chunk grid is a chunk edge; one off the grid costs one short extra chunk per KDA layer. A larger C gives coarser hits. "
-           "Measured on this CPU, single thread.")
+st.caption("What to notice: the KV bytes shared grow with b (one page per block); the state copied is the same for "
+           "any b. Warm TTFT ≈ TTFT_cold · (L − b) / L plus the restore and checkpoint copies.")
+with st.expander("Why warm TTFT follows (L − b) / L"):
+    st.markdown(
+        "The remaining prompt runs as one chunked forward, and every checkpoint boundary inside it is taken from that "
+        "same forward (the chunk states of `kda_chunk` are the state after exactly b tokens), so a smaller C adds "
+        f"state copies, not forward calls. A boundary on the {run.chunk_size}-token chunk grid is a chunk edge; one "
+        "off the grid costs one short extra chunk per KDA layer. A larger C gives coarser hits. Measured on this CPU, "
+        "single thread.")
 
 with timing_part:
     st.subheader(f"1 · TTFT, cold vs warm (median of {REPEATS} interleaved repeats)")
@@ -83,8 +85,9 @@ with timing_part:
     fig = go.Figure(go.Bar(x=[label[k] for k in ttft.kind], y=ttft.median_ms,
                            error_y=dict(type="data", symmetric=False, array=ttft.q3_ms - ttft.median_ms,
                                         arrayminus=ttft.median_ms - ttft.q1_ms),
-                           text=[f"{m:.1f} ms" for m in ttft.median_ms], textposition="inside"))
-    fig.update_layout(yaxis_title="time to first token, engine-measured (ms; median, bars = IQR)", xaxis_title="run")
+                           text=[f"{m:.1f} ms" for m in ttft.median_ms], textposition="inside",
+                           insidetextanchor="start"))   # at the base: clear of the IQR whisker
+    fig.update_layout(yaxis_title="TTFT, engine-measured (ms; median, bars = IQR)", xaxis_title="run")
     show_chart(fig, ttft, key="p08_ttft_chart")
     measured_stamp(timed.conditions)
     st.caption("Fresh engines every repeat; in each round the cold run and the (request 1, warm) pair run in "

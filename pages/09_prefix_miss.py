@@ -6,7 +6,7 @@ from plotly.subplots import make_subplots
 
 from lab.fleet import synthetic_trace_description
 from lab.prefix_miss import CAPACITY_FRACTIONS, PRESETS, prefix_miss
-from pages._common import engine_call, persist, show_chart, upload_parts
+from pages._common import engine_call, pct, persist, show_chart, show_table, upload_parts
 
 st.title("Prefix miss")
 st.write(
@@ -98,7 +98,7 @@ with part2:
     if data is None:
         with st.expander("How the synthetic trace is generated"):
             st.markdown(synthetic_trace_description(n) + " Seed 0.")
-    st.dataframe(pd.DataFrame([
+    show_table(pd.DataFrame([
         {"figure": "Mooncake FAST'25, Table 2 “cache ratio”", "trace": f"{t} trace (kvcache-ai/Mooncake)",
          "ratio": r, "what it counts": "not defined in the paper"} for t, r in run.paper_ratios.items()] + [
         {"figure": "block ideal, computed now", "trace": trace_name, "ratio": ideal.block_hit_ratio,
@@ -106,7 +106,7 @@ with part2:
                            f"({ideal.hit_blocks:,} / {ideal.total_blocks:,})"},
         {"figure": "token ideal, computed now", "trace": trace_name, "ratio": ideal.token_hit_ratio,
          "what it counts": f"their tokens / all prompt tokens ({ideal.hit_tokens:,} / {ideal.total_tokens:,})"}]),
-        hide_index=True, width="stretch", column_config={"ratio": st.column_config.NumberColumn(format="percent")})
+        {"figure": "Figure", "trace": "Trace", "ratio": pct("Ratio"), "what it counts": "What it counts"})
     st.caption("The paper's cache ratio and our block ideal are different counts: upload the paper's "
                "`conversation_trace.jsonl` or `synthetic_trace.jsonl` (kvcache-ai/Mooncake, `FAST25-release/traces`) "
                "to compute the block ideal of the same file; `tests/serve/test_mooncake_ratios.py` does it for both.")

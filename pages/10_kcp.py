@@ -13,7 +13,16 @@ from lab.kcp import (
     kcp_experiment,
     kcp_limits,
 )
-from pages._common import engine_call, measured_stamp, persist, persist_clamped, remeasure_button, show_chart
+from pages._common import (
+    engine_call,
+    measured_stamp,
+    num,
+    persist,
+    persist_clamped,
+    remeasure_button,
+    show_chart,
+    show_table,
+)
 
 st.title("KDA context parallel (KCP)")
 st.write(
@@ -126,11 +135,15 @@ fig_t = go.Figure(go.Bar(x=[t.label for t in timings], y=[t.median_s * 1e3 for t
 fig_t.update_layout(xaxis_title="run", yaxis_title="wall time, median (ms; bars: IQR)", height=320)
 show_chart(fig_t, pd.DataFrame([t._asdict() for t in timings]).drop(columns="samples_s"), key="p10_timing_chart")
 measured_stamp(run.conditions)
-st.caption("prepare = intra-chunk WY work (shared by the summary and the local run); summary = chaining "
-           "M_c = diag(γ_c) − K̃_cᵀW_c and S_ext over the block's chunks; exchange = the collective incl. waiting for "
-           "peers; fold = S ← M_p S + S_ext,p over predecessors; scan + output = the ordinary chunk kernel from the "
-           f"true initial state. Each bar is the median of {REPEATS} timed repeats per rank after an untimed one-chunk "
-           "warm-up; process start excluded.")
+st.caption(f"Each bar is the median of {REPEATS} timed repeats per rank after an untimed one-chunk warm-up; process "
+           "start excluded.")
+with st.expander("What each phase does"):
+    st.markdown(
+        "- **prepare**: intra-chunk WY work (shared by the summary and the local run).\n"
+        "- **summary**: chaining M_c = diag(γ_c) − K̃_cᵀW_c and S_ext over the block's chunks.\n"
+        "- **exchange**: the collective, including waiting for peers.\n"
+        "- **fold**: S ← M_p S + S_ext,p over predecessors.\n"
+        "- **scan + output**: the ordinary chunk kernel from the true initial state.")
 
 st.subheader("3 · Bytes each rank receives vs context: KCP against MLA's KV all-gather")
 model = MODELS[st.selectbox("Model for the byte comparison", list(MODELS), key=persist("p10_model", options=list(MODELS)), persist_state="session", bind="query-params")]
@@ -143,13 +156,15 @@ fig3.update_layout(xaxis_title="prompt length T (tokens, log)", yaxis_title=f"Mi
                    xaxis_type="log", yaxis_type="log", legend=dict(orientation="h", y=-0.25))
 show_chart(fig3, bdf, key="p10_bytes_chart")
 sent, recv = run.formula_sent, run.formula_received
-st.caption(
-    f"Formulas per KDA layer: all-gather payload H·K·(K+V)·4 B per rank (received W−1 times), ring H·K·V·4 B per hop, "
-    f"plus the conv halo (2HK+HV)·(W_conv−1)·4 B; MLA all-gather: (T − own tokens)·({cfg.kv_lora_rank} + "
-    f"{cfg.qk_rope_head_dim})·2 B per MLA layer (bf16). Model: {cfg.source}. Measured in this run (H={heads}, "
-    f"K={head_k}, V={head_v}): last rank sent {int(runs.sent_bytes.iloc[-1]):,} B and received "
-    f"{int(runs.received_bytes.iloc[-1]):,} B, counted from the tensors passed to the collectives; the formula gives "
-    f"{sent:,} B / {recv:,} B, the same at any T.")
+st.caption(f"Measured in this run (H={heads}, K={head_k}, V={head_v}): the last rank sent "
+           f"{int(runs.sent_bytes.iloc[-1]):,} B and received {int(runs.received_bytes.iloc[-1]):,} B, counted from the "
+           f"tensors passed to the collectives; the formula gives {sent:,} B / {recv:,} B, the same at any T.")
+with st.expander("Byte formulas"):
+    st.markdown(
+        "- KCP, per KDA layer: all-gather payload H·K·(K+V)·4 B per rank (received W−1 times); ring H·K·V·4 B per "
+        "hop; plus the conv halo (2HK+HV)·(W_conv−1)·4 B.\n"
+        f"- MLA all-gather: (T − own tokens)·({cfg.kv_lora_rank} + {cfg.qk_rope_head_dim})·2 B per MLA layer (bf16).\n"
+        f"- Model: {cfg.source}.")
 
 st.subheader("4 · Speedup vs one rank: measured, and a projection to more ranks")
 bw = st.select_slider("Interconnect bandwidth for the projection (GB/s)", list(BANDWIDTHS_GBPS),
@@ -164,6 +179,8 @@ else:
                               mode="lines+markers", line=dict(dash="dash")))
     fig4.add_trace(go.Scatter(x=[1, world], y=[1.0, speedup], name="measured on this CPU", mode="markers",
                               marker=dict(size=12, symbol="diamond")))
+    fig4.add_trace(go.Scatter(x=pdf.world_size, y=pdf.world_size, name="ideal: speedup = ranks", mode="lines",
+                              line=dict(dash="dot", color="gray")))
     fig4.update_layout(xaxis_title="ranks", yaxis_title="speedup vs one rank (×)", legend=dict(orientation="h", y=-0.25))
     show_chart(fig4, pdf, key="p10_speedup_chart")
     measured_stamp(run.conditions)
@@ -181,14 +198,16 @@ else:
             f"the projection assumes a free core per rank); summary {extra['summary']:,.0f} ms and fold "
             f"{extra['fold']:,.1f} ms are in the projection; exchange {extra['exchange']:,.0f} ms (mostly waiting "
             "for the other rank) is not.")
-    st.dataframe(run.gap, hide_index=True, column_config={
-        "one_rank_ms": st.column_config.NumberColumn("one rank's per-token cost × block (ms)", format="%.1f"),
-        "measured_ms": st.column_config.NumberColumn("measured on the slowest rank (ms, median)", format="%.1f")})
-    st.caption(
-        f"Projection from the medians of {REPEATS} repeats of this run's per-token phase costs (prepare {costs.prepare_ms_per_token * 1e3:.1f}, "
-        f"summary {costs.summary_ms_per_token * 1e3:.1f}, scan {costs.scan_ms_per_token * 1e3:.1f}, output "
-        f"{costs.output_ms_per_token * 1e3:.1f} µs/token; fold {costs.fold_ms_per_rank * 1e3:.0f} µs per predecessor) "
-        f"and {bw} GB/s, one core per rank, no latency term. All-gather: L·(prepare+summary+scan+output) + "
-        "(N−1)·fold + (N−1)·payload/bw; ring: L·prepare + N·L·scan + (N−1)·state/bw + L·output (L = T/N). What to "
-        "notice: the summary is the price of parallel start — the ring skips it but its hops serialise the scans. "
-        "Sources: fla `fla/ops/cp/KCP.md`; SGLang PR #34059; LASP-2 (arXiv:2502.07563).")
+    show_table(run.gap, {"phase": "Phase", "one_rank_ms": num("One rank's per-token cost × block (ms)", "%,.1f"),
+                         "measured_ms": num("Measured on the slowest rank (ms, median)", "%,.1f")})
+    st.caption(f"Projection (a model, not measured): this run's per-token phase costs and {bw} GB/s, one core per rank, "
+               "no latency term. The summary is the price of parallel start — the ring skips it but its hops "
+               "serialise the scans.")
+    with st.expander("How the projection is computed"):
+        st.markdown(
+            f"- Per-token costs, medians of {REPEATS} repeats: prepare {costs.prepare_ms_per_token * 1e3:.1f}, summary "
+            f"{costs.summary_ms_per_token * 1e3:.1f}, scan {costs.scan_ms_per_token * 1e3:.1f}, output "
+            f"{costs.output_ms_per_token * 1e3:.1f} µs/token; fold {costs.fold_ms_per_rank * 1e3:.0f} µs per predecessor.\n"
+            "- All-gather: L·(prepare + summary + scan + output) + (N−1)·fold + (N−1)·payload/bw.\n"
+            "- Ring: L·prepare + N·L·scan + (N−1)·state/bw + L·output (L = T/N).\n"
+            "- Sources: fla `fla/ops/cp/KCP.md`; SGLang PR #34059; LASP-2 (arXiv:2502.07563).")

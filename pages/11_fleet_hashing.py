@@ -2,8 +2,9 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.fleet_hashing import ALGORITHMS, VNODES, fleet_hashing
-from pages._common import engine_call, persist, show_chart, upload_parts
+from lab.fleet import LOOKUP_KEYS
+from lab.fleet_hashing import ALGORITHMS, VNODES, fleet_hashing, lookup_cost
+from pages._common import engine_call, measured_stamp, persist, remeasure_button, show_chart, upload_parts
 
 st.title("Fleet hashing")
 st.write(
@@ -22,7 +23,7 @@ num_requests = d1.slider("Requests (cap)", 200, 5000, step=100, value=2000, key=
 upload = d2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p11_upload")
 
 
-@st.cache_data(show_spinner="Routing the trace and timing lookups…", max_entries=32, ttl="1h")
+@st.cache_data(show_spinner="Routing the trace…", max_entries=32, ttl="1h")
 def _run(algorithm, replicas, k, vnodes, n, upload_bytes, upload_name):
     return fleet_hashing(algorithm, replicas, k, vnodes, n, upload_bytes, upload_name)
 
@@ -64,11 +65,21 @@ st.caption(f"Exact arc shares of a ketama ring with {replicas} replicas (md5 poi
 st.subheader("3 · Lookup cost, measured on this CPU")
 
 
-cost = run.lookup
-fig3 = go.Figure(go.Bar(x=cost.algorithm, y=cost.us_per_key))
-fig3.update_layout(xaxis_title="algorithm", yaxis_title="time per lookup (µs, median of 3 × 2,000 keys)")
+@st.cache_data(show_spinner="Timing every router's lookups…", max_entries=32, ttl="1h")
+def _p11_lookup(replicas, vnodes):
+    return lookup_cost(replicas, vnodes)
+
+
+remeasure_button(_p11_lookup, key="p11_remeasure")
+lookup = engine_call(_p11_lookup, replicas, vnodes)
+cost = lookup.table
+fig3 = go.Figure(go.Bar(x=cost.algorithm, y=cost.us_per_key, name="median", error_y=dict(
+    type="data", symmetric=False, array=cost.q3_us - cost.us_per_key, arrayminus=cost.us_per_key - cost.q1_us)))
+fig3.update_layout(xaxis_title="algorithm", yaxis_title="time per lookup (µs; median, bars = IQR)")
 show_chart(fig3, cost, key="p11_cost_chart")
-st.caption("Pure-Python route() per key: ring = binary search over V·n points; rendezvous = n hashes; jump = "
+measured_stamp(lookup.conditions)
+st.caption(f"Each repeat routes {LOOKUP_KEYS:,} random keys; time per lookup = the repeat's time ÷ {LOOKUP_KEYS:,}. "
+           "Pure-Python route() per key: ring = binary search over V·n points; rendezvous = n hashes; jump = "
            "O(log n) loop; Maglev = one table read; bounded loads walks the ring past full replicas.")
 
 st.subheader("4 · Where one request's prefix lands")

@@ -16,7 +16,7 @@ from lab.real_scale import (
     policy_view,
     roofline_view,
 )
-from pages._common import engine_call, persist, show_chart, upload_parts
+from pages._common import engine_call, num, pct, persist, show_chart, show_table, upload_parts
 
 st.title("Real scale")
 st.write(
@@ -70,16 +70,23 @@ for (q, dash), src in ((("prefill (Fig. 7a)", "solid"), "model"), (("TPOT, batch
 ratio.update_layout(xaxis_type="log", xaxis_title="context (tokens, log)", yaxis_title="MLA / Kimi Linear (×)",
                     legend=dict(orientation="h", y=-0.3))
 show_chart(ratio, view.ratios, key="p15_ratio_chart")
-st.dataframe(view.validated[view.validated.context_tokens >= 512 * 1024], hide_index=True, width="stretch",
-             column_config={"rel_error": st.column_config.NumberColumn(format="percent")})
+show_table(view.validated[view.validated.context_tokens >= 512 * 1024], {
+    "context_tokens": num("Context (tokens)"), "quantity": "Quantity", "setup": "Setup",
+    "published": num("Published MLA ÷ Kimi Linear", "%.2f×"), "model": num("Roofline MLA ÷ Kimi Linear", "%.2f×"),
+    "rel_error": pct("Roofline vs published")})
 st.caption(
-    f"What to notice: the report (Kimi Linear, arXiv 2510.26692, Figs. 7a/7b) states no GPU, count or parallelism, so "
-    "the ratios MLA / Kimi Linear are what is compared, not the seconds; the published points are always those of "
-    "Kimi-Linear-48B-A3B. Prefill uses one named fit, solved on this GPU and TP from the two published MLA points at "
-    f"512K and 1M: attention time × α = {view.fit.alpha:.2f}, every other kind × β = {view.fit.beta:.2f} (1 = at peak); "
-    "Kimi Linear's curve is then predicted. TPOT is the pure roofline at batch 1. The table gives the ratios at the "
-    "setups the tests pin within ±25 % (prefill H100 × TP8, TPOT H100 × TP1); on other setups the TPOT ratio moves "
-    "because TP splits the weights but replicates MLA's latent KV on every rank.")
+    "What to notice: the report states no GPU, count or parallelism, so the ratios MLA / Kimi Linear are compared, "
+    "not the seconds. The table gives the ratios at the setups the tests pin within ±25 % (prefill H100 × TP8, "
+    "TPOT H100 × TP1).")
+with st.expander("How the roofline is fitted"):
+    st.markdown(
+        "- Source: the Kimi Linear report (arXiv 2510.26692, Figs. 7a/7b); the published points are always those of "
+        "Kimi-Linear-48B-A3B.\n"
+        "- Prefill uses one named fit, solved on this GPU and TP from the two published MLA points at 512K and 1M: "
+        f"attention time × α = {view.fit.alpha:.2f}, every other kind × β = {view.fit.beta:.2f} (1 = at peak); Kimi "
+        "Linear's curve is then predicted.\n"
+        "- TPOT is the pure roofline at batch 1. On other setups the TPOT ratio moves because TP splits the weights "
+        "but replicates MLA's latent KV on every rank.")
 
 st.subheader("2 · Policy comparison at real scale")
 d1, d2 = st.columns([1, 2])
@@ -151,14 +158,24 @@ if len(pv.intervals):
                      xaxis_title="state interval (tokens, log): ours' C / extra_buffer's chunked_prefill_size",
                      yaxis_title="token hit ratio (fraction)", legend=dict(orientation="h", y=-0.3))
     show_chart(iv, pv.intervals, key="p15_interval_chart")
-st.dataframe(b, hide_index=True, width="stretch")
+show_table(b.assign(mean_ttft_ms=b.mean_ttft_s * 1e3), {"policy": "Policy", "budget_gb": num("Budget / replica (GB)", "%,.0f"),
+               "token_hit_ratio": pct("Token hit ratio"), "mean_ttft_ms": num("Mean TTFT (ms)", "%.1f"),
+               "prefill_saved": pct("Prefill saved"), "kv_gb": num("KV held (GB)", "%,.1f"),
+               "state_gb": num("Checkpoints (GB)", "%,.1f"),
+               "kv_evicted_tokens": num("KV evicted (tokens)")})
+st.download_button("Download CSV", b.to_csv(index=False).encode(), "p15_policies.csv", "text/csv", key="p15_policies_csv",
+                   help="Every column, including running state slots, checkpoints written and evicted, and the replay's run time")
 st.caption(
     f"{pv.num_requests:,} requests, {pv.total_tokens:,} prompt tokens. What to notice: every policy stays below the "
-    "block ideal (Mooncake, FAST'25: an unlimited cache hits each request's leading run of hash ids seen before). "
-    "The budget buys KV pages and checkpoints in the model's real bytes; a policy that stores more states per "
-    "request (vLLM all: one per block of "
-    f"{pv.vllm_block_tokens} tokens; ours at small C) spends the budget on state instead of KV. TTFT is the fitted "
-    "roofline of part 1 at batch 1 without queueing, plus a checkpoint restore on a hit. SGLang's "
-    "mamba_track_interval only acts in decode, which a prompt-only replay never reaches: in prefill extra_buffer "
-    "tracks one state per chunk, so its interval here is chunked_prefill_size. Sources: SGLang "
-    "mamba_radix_cache.py, vLLM single_type_kv_cache_manager.py (mamba_cache_mode), serve/scale/policies.")
+    "block ideal; a policy that stores more states per request (vLLM all: one per block of "
+    f"{pv.vllm_block_tokens} tokens; ours at small C) spends the budget on state instead of KV.")
+with st.expander("What the replay models"):
+    st.markdown(
+        "- Block ideal (Mooncake, FAST'25): an unlimited cache hits each request's leading run of hash ids seen "
+        "before.\n"
+        "- The budget buys KV pages and checkpoints in the model's real bytes. TTFT is the fitted roofline of part 1 "
+        "at batch 1 without queueing, plus a checkpoint restore on a hit.\n"
+        "- SGLang's mamba_track_interval only acts in decode, which a prompt-only replay never reaches: in prefill "
+        "extra_buffer tracks one state per chunk, so its interval here is chunked_prefill_size.\n"
+        "- Sources: SGLang mamba_radix_cache.py, vLLM single_type_kv_cache_manager.py (mamba_cache_mode), "
+        "serve/scale/policies.")

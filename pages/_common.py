@@ -10,6 +10,8 @@
   kept across page switches: pass it together with ``persist_state="session"`` (Streamlit 1.67).
   Pass the widget's options or bounds too: a stored value that breaks them falls back to the default. Selectboxes: use display strings
   as options (no ``format_func``; AppTest cannot evaluate it).
+- ``show_table(df, columns)``: ``st.dataframe`` of the named columns, each with its header and number
+  format; booleans read yes / no. ``num(label, fmt)`` and ``pct(label)`` build the number columns.
 - ``upload_parts(upload)``: ``(bytes, file name)`` of an ``st.file_uploader`` value, hashable for ``st.cache_data``.
 
 - ``route_through_navigation()``: per run, send a run that Streamlit started in its legacy
@@ -216,18 +218,64 @@ def _decade_ticks(axis, data_range: tuple[float, float] | None = None) -> None:
             first, last = (below[-1] if below else ticks[0]), (above[0] if above else ticks[-1])
             axis.update(tickvals=[t for t in ticks if first <= t <= last])   # labelled ticks are the grid
             return
-    axis.update(dtick=1, minor=dict(ticks="inside", showgrid=True))
+    axis.update(dtick=1, minor=dict(ticks="inside", showgrid=True, gridcolor="rgba(0, 0, 0, 0.035)"))  # faint: many decades
+
+
+def _label_lines_on_log_axes(fig: go.Figure) -> None:
+    """Move the label of an ``add_hline`` / ``add_vline`` reference line on a log axis onto its line. Plotly 7
+    writes the label at the line's data value, but an annotation on a log axis is placed in log10 units, so the
+    label of a 1e-5 line lands at 10^(1e-5) and a break-even at 5,384 tokens far off the plot. Only an
+    annotation with a reference line (a shape) at its value on the same axis is moved."""
+    lines = {(ref, v0) for sh in fig.layout.shapes or () if sh.type == "line"
+             for ref, v0, v1 in ((sh.yref, sh.y0, sh.y1), (sh.xref, sh.x0, sh.x1)) if v0 == v1 and v0 is not None}
+    for ann in fig.layout.annotations or ():
+        for letter in ("x", "y"):
+            ref, value = getattr(ann, f"{letter}ref"), getattr(ann, letter)
+            if not ref or "domain" in ref or ref == "paper" or value is None or (ref, value) not in lines:
+                continue
+            axis = fig.layout[f"{letter}axis{ref[1:]}"]
+            if axis.type == "log" and value > 0:
+                ann.update({letter: float(np.log10(value))})
 
 
 def show_chart(fig: go.Figure, df: pd.DataFrame, key: str, filename: str | None = None) -> None:
     """Render ``fig`` with ``key`` and a CSV download button of ``df`` (the chart's data). Log axes get
-    enough labelled ticks to read the data range (:func:`_decade_ticks`)."""
+    enough labelled ticks to read the data range (:func:`_decade_ticks`), and their reference lines' labels
+    sit on the lines (:func:`_label_lines_on_log_axes`)."""
     fig.update_layout(margin=dict(l=10, r=10, t=40, b=10))
+    _label_lines_on_log_axes(fig)
     fig.for_each_xaxis(lambda ax: _decade_ticks(ax, _log_data_range(fig, ax)))
     fig.for_each_yaxis(lambda ax: _decade_ticks(ax, _log_data_range(fig, ax)))
     st.plotly_chart(fig, key=key, width="stretch")
     st.download_button("Download CSV", df.to_csv(index=False).encode(), file_name=filename or f"{key}.csv",
                        mime="text/csv", key=f"{key}_csv")
+
+
+def num(label: str, fmt: str = "localized", **kwargs):
+    """A right-aligned number column headed ``label`` (with its unit): ``fmt`` is a printf format (``"%.1f ms"``,
+    ``"%,d B"``) or a Streamlit preset (``"localized"``: thousands separators, the default)."""
+    return st.column_config.NumberColumn(label, format=fmt, **kwargs)
+
+
+def pct(label: str, decimals: int = 1, **kwargs):
+    """A number column headed ``label`` showing a fraction (0.1234) as a percentage with ``decimals`` decimals
+    (12.3%) in :func:`show_table`, which scales it by 100 for display (Streamlit's ``"percent"`` preset drops
+    trailing zeros, so a column would mix 6.5% and 7.97%)."""
+    return st.column_config.NumberColumn(label, format=f"%.{decimals}f%%", **kwargs)
+
+
+def show_table(df: pd.DataFrame, columns: dict, **kwargs) -> None:
+    """``st.dataframe`` of ``df``'s columns named in ``columns``, in that order, without the index. Each value is the
+    column's header (a string) or a ``st.column_config`` column (:func:`num`, :func:`pct`: its fractions are
+    shown ×100); booleans read "yes" / "no". Only the display changes: ``df`` and any CSV of it keep the raw,
+    machine-readable frame."""
+    shown = df[list(columns)].copy()
+    for col, cfg in columns.items():
+        if pd.api.types.is_bool_dtype(shown[col]):
+            shown[col] = shown[col].map({True: "yes", False: "no"})
+        elif isinstance(cfg, dict) and str(cfg.get("type_config", {}).get("format", "")).endswith("%%"):
+            shown[col] = shown[col] * 100
+    st.dataframe(shown, hide_index=True, width="stretch", column_config=columns, **kwargs)
 
 
 def engine_call(fn, *args, **kwargs):

@@ -42,3 +42,34 @@ def test_explicit_ticks_and_linear_axes_untouched() -> None:
     assert list(fig.layout.yaxis.tickvals) == [10, 300]
     fig = _shown([1, 2], [10.0, 300.0])
     assert fig.layout.yaxis.tickvals is None and fig.layout.yaxis.dtick is None
+
+
+def test_reference_line_labels_sit_on_their_lines_on_log_axes() -> None:
+    """Plotly writes an add_hline / add_vline label at the data value, but places annotations on a log axis in
+    log10 units: the 1e-5 tolerance label landed at 10^(1e-5) ≈ 1, a break-even at 5,384 tokens off the plot."""
+    fig = go.Figure(go.Scatter(x=[10, 1e5], y=[1e-9, 1e-3]))
+    fig.update_layout(xaxis_type="log", yaxis_type="log")
+    fig.add_hline(y=1e-5, annotation_text="1e-5 tolerance")
+    fig.add_vline(x=5384, annotation_text="break-even")
+    fig.add_annotation(x=2.0, y=-4.0, text="placed by hand, already in log10 units")
+    show_chart(fig, pd.DataFrame(), key="log_lines_test")
+    by_text = {a.text: a for a in fig.layout.annotations}
+    assert by_text["1e-5 tolerance"].y == pytest.approx(-5)
+    assert by_text["break-even"].x == pytest.approx(3.7311, abs=1e-4)
+    assert (by_text["placed by hand, already in log10 units"].x, by_text["placed by hand, already in log10 units"].y) \
+        == (2.0, -4.0)
+
+
+def test_pages_label_their_log_reference_lines() -> None:
+    """Page 10's tolerance line and page 03's break-even line, as the browser draws them."""
+    import math
+
+    from tests.app.page_helpers import chart_spec, open_page
+
+    tol = next(a for a in chart_spec(open_page("pages/10_kcp.py"), "p10_exact_chart")["layout"]["annotations"]
+               if "tolerance" in a["text"])
+    assert tol["y"] == pytest.approx(-5), tol
+    be = next(a for a in chart_spec(open_page("pages/03_kda_state_vs_kv.py"), "p03_bytes_chart")["layout"]["annotations"]
+              if a["text"].startswith("break-even"))
+    tokens = float(be["text"].split("≈ ")[1].split(" tokens")[0].replace(",", ""))
+    assert be["x"] == pytest.approx(math.log10(tokens), abs=1e-3), be

@@ -5,11 +5,11 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lab.fleet import hit_ratio_across_scale_event, page_trace, where_prefix_lands
-from lab.fleet_hashing import VNODES, fleet_hashing
+from lab.fleet import hit_ratio_across_scale_event, measure_lookup_us, page_trace, where_prefix_lands
+from lab.fleet_hashing import VNODES, fleet_hashing, lookup_cost
 from lab.fleet_scaling import TRACE_SEEDS, fleet_scaling, paired_dip
 from lab.fleet_simulation import BOUND_C, fleet_simulation, in_flight_at_routing
-from serve.fleet import KEY_ROUTERS
+from serve.fleet import KEY_ROUTERS, ROUTERS
 from serve.fleet.bounded_load import BoundedLoadRouter
 
 
@@ -20,10 +20,23 @@ def test_fleet_hashing_landing_matches_where_prefix_lands():
     for i in (0, 7, 299):
         one = run.landing[run.landing.request == i].drop(columns="request").reset_index(drop=True)
         assert one.equals(where_prefix_lands(trace, i, 8, 2, 160))
-    assert list(run.balance.vnodes) == list(VNODES) and set(run.lookup.algorithm) >= {"ring", "maglev"}
+    assert list(run.balance.vnodes) == list(VNODES)
     assert 0 <= run.hit_ratio <= run.ideal_ratio + 1e-12
     with pytest.raises(ValueError, match="algorithm"):
         fleet_hashing("nope", 8, 2, 160, 300)
+
+
+def test_lookup_cost_is_a_repeated_interleaved_measurement():
+    """Page 11's lookup timing goes through lab.timing.measure: every router, >= 5 repeats after a warm-up,
+    the median inside its quartiles and min / max; fewer repeats are refused."""
+    cost = lookup_cost(4, 10)
+    t = cost.table
+    assert list(t.algorithm) == list(ROUTERS)
+    assert cost.conditions.repeats >= 5 and cost.conditions.warmup >= 1 and cost.conditions.torch_threads == 1
+    assert ((t.min_us <= t.q1_us) & (t.q1_us <= t.us_per_key) & (t.us_per_key <= t.q3_us)
+            & (t.q3_us <= t.max_us) & (t.min_us > 0)).all(), t
+    with pytest.raises(ValueError, match="repeats"):
+        measure_lookup_us(4, 10, num_keys=10, repeats=3)
 
 
 def test_fleet_scaling_one_call():
