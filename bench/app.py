@@ -105,7 +105,7 @@ def _first_render_s(page, t0_epoch_s: float) -> float:
     if not idle:
         raise RuntimeError(f"the browser never saw the script idle: {timeline[-5:]}")
     drawn = [t for (t, _, n), (_, _, before) in zip(timeline[1:], timeline) if n != before]
-    return (max(idle[-1], *drawn) / 1e3) - t0_epoch_s
+    return max([idle[-1], *drawn]) / 1e3 - t0_epoch_s
 
 
 def _wait_idle(page, timeout_ms: int = 600_000) -> None:
