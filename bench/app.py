@@ -169,6 +169,7 @@ def tour(env: dict) -> tuple[dict, contextlib.ExitStack, str, int]:
         sampler = PeakSampler(pid)
         sampler.start()
         fresh = _open(page, url, "/")
+        fresh_console = list(console)
         print(f"{'Home on a fresh server':36s} first {fresh:6.2f} s", flush=True)
         for tab in [HOME] + TABS:
             n_console = len(console)
@@ -193,7 +194,8 @@ def tour(env: dict) -> tuple[dict, contextlib.ExitStack, str, int]:
     time.sleep(2.0)
     end = tree_memory(pid)
     sampler.stop()
-    return dict(pages=rows, home_first_render_fresh_s=round(fresh, 2), home_uncached_warm_s=round(uncached, 2),
+    return dict(pages=rows, home_first_render_fresh_s=round(fresh, 2), home_fresh_console_errors=fresh_console,
+                home_uncached_warm_s=round(uncached, 2),
                 home_uncached_path=HOME_UNCACHED, peak_pss_mib=round(sampler.peak_pss_mib),
                 max_processes=sampler.max_processes, end_rss_mib=round(end.rss_mib), end_pss_mib=round(end.pss_mib),
                 end_processes=end.processes, widget_changes=sum(len(r["rerun_s"]) for r in rows)), server, url, pid
