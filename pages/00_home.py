@@ -40,7 +40,7 @@ interval = d3.select_slider("Checkpoint interval C (tokens)", [64, 128, 256, 512
                             value=64, key=persist("p00_interval_c", 64, options=[64, 128, 256, 512]), bind="query-params")
 sizes = {name: len(prompt.encode()) for name, prompt in (("Request 1", first), ("Request 2", second))}
 st.caption(f"Each prompt is capped at {MAX_PROMPT_BYTES:,} bytes (bytes are tokens; in UTF-8 an accent takes 2 bytes, "
-           "an emoji 4): the page runs one verified cold / warm pair, then times both over repeats, and the cap bounds "
+           "an emoji 4): the page runs one verified cold / warm pair (and, on request, times both over repeats); the cap bounds "
            f"the wait. These prompts are {sizes['Request 1']:,} and {sizes['Request 2']:,} bytes.")
 too_long = [name for name, n in sizes.items() if n > MAX_PROMPT_BYTES]
 if too_long:
