@@ -40,7 +40,7 @@ def routing_key(hash_ids: Sequence[int], k: int) -> int:
     return _chained_key(tuple(hash_ids[:k]))
 
 
-@functools.lru_cache(maxsize=1 << 14)   # a replay routes each trace once per algorithm: the same prefixes again
+@functools.lru_cache(maxsize=1 << 13)   # a replay routes each trace once per algorithm: the same prefixes again
 def _chained_key(prefix: tuple) -> int:
     """:func:`routing_key` of the block ids ``prefix`` (already cut to ``k``); a pure function of the
     ids (an int and a numpy int of one value are one cache key and give one key). Raises as it does."""

@@ -44,7 +44,7 @@ def maglev_table(replicas: Sequence[str], table_size: int) -> list[int]:
     return list(_population(tuple(replicas), table_size))
 
 
-@functools.lru_cache(maxsize=8)   # a scale event rebuilds the tables of the same few replica sets again and again
+@functools.lru_cache(maxsize=4)   # a scale event rebuilds the tables of the same few replica sets again and again
 def _population(replicas: tuple, table_size: int) -> tuple:
     m = table_size
     offsets = [stable_hash64(f"maglev-offset:{r}") % m for r in replicas]
