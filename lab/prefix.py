@@ -13,9 +13,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
-import pandas as pd
 import torch
 
 from kda_core.chunk import CHUNK_SIZE
@@ -29,6 +28,9 @@ from serve.memory.layout import CacheLayout
 from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
 from serve.request import TIMING_PHASES, RequestResult
+
+if TYPE_CHECKING:     # pandas is imported where a frame is built: Home's first run on a fresh server skips it
+    import pandas as pd
 
 RUNNABLE = ("demo", "demo-k3gate", "demo-tiny")
 
@@ -324,12 +326,12 @@ def miss_then_hit(prompt_tokens: int, next_shared: int, block_size: int = 16, in
 class PrefixCheck:
     """Cold vs warm output, ready to show (home page and page 08; the fast part, drawn first).
 
-    rows: the verification run's rows (:class:`ColdWarm`), one per kind in :data:`PHASE_RUNS`; warm / cold:
+    rows: the verification run's rows (:class:`ColdWarm`: a list of dicts), one per kind in :data:`PHASE_RUNS`; warm / cold:
     its warm and cold rows; check: warm vs cache-off output; warm_text: the warm output decoded as UTF-8
     (control bytes shown as ·); num_generated: its tokens; state_bytes: the whole-model KDA state (bytes);
     chunk_size: the KDA chunk C (tokens)."""
 
-    rows: pd.DataFrame
+    rows: list
     warm: dict
     cold: dict
     check: Comparison
@@ -357,7 +359,7 @@ class PrefixTimings:
 
 
 def _check(run: ColdWarm) -> PrefixCheck:
-    rows = pd.DataFrame(run.rows)
+    rows = run.rows
     text = "".join(c if c.isprintable() else "·" for c in bytes_to_text(run.warm_tokens))
     by_kind = {r["kind"]: r for r in run.rows}
     return PrefixCheck(rows, by_kind["warm"], by_kind["cold"], run.check, text, len(run.warm_tokens),
@@ -365,6 +367,8 @@ def _check(run: ColdWarm) -> PrefixCheck:
 
 
 def _timings(run: TtftTimes) -> PrefixTimings:
+    import pandas as pd
+
     rows = pd.DataFrame(run.rows)
     phases = rows.groupby("kind")[[f"{p}_ms" for p in TIMING_PHASES]].median().reindex(list(PHASE_RUNS))
     ttft = pd.DataFrame([dict(kind=t.label, median_ms=t.median_s * 1e3, q1_ms=t.q1_s * 1e3, q3_ms=t.q3_s * 1e3,

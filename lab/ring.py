@@ -24,6 +24,7 @@ from serve.spec.verify import prefill_state, speculate, speculative_step, verify
 
 WIDTHS = (64, 128, 256)
 DEMO = PRESETS["demo"]                  # ring_model changes only its width and heads
+RUN_TOKENS = 24   # page 04's run: at the default 16 slots the ring wraps and forces a write-back; short enough for a fast first render
 
 
 def ring_model(width: int) -> HybridLM:
@@ -117,7 +118,7 @@ class RingRun(NamedTuple):
 
 
 def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, acceptance: float = 0.7,
-             max_new_tokens: int = 40, seed: int = 0) -> RingRun:
+             max_new_tokens: int = RUN_TOKENS, seed: int = 0) -> RingRun:
     """A generation of ``max_new_tokens`` tokens through one ring (:func:`serve.spec.verify.speculate`) with
     noisy-oracle drafts of at most ``min(requested_draft, window - 1)`` tokens; then one verify of
     ``requested_draft`` tokens to show the overflow path.

@@ -4,7 +4,7 @@ import plotly.express as px
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.ring import DEMO, WIDTHS, ring_model, ring_page
+from lab.ring import DEMO, RUN_TOKENS, WIDTHS, ring_model, ring_page
 from pages._common import (
     built_by_loaded_code,
     engine_call,
@@ -99,7 +99,7 @@ st.write(
     "instant; projection replay keeps the kernel inputs and replays only the recurrence; the ring fits the most "
     "requests (or the longest windows) per byte — worth it when memory bandwidth, not FLOPs, limits decode.")
 
-st.subheader("4 · The ring after a 40-token run")
+st.subheader(f"4 · The ring after a {RUN_TOKENS}-token run")
 used = min(num_draft, window - 1)
 capped = f" (n = {num_draft} capped at window − 1 = {window - 1})" if used < num_draft else ""
 st.write(f"{capacity} slot{'' if capacity == 1 else 's'} × {DEMO.num_kda_layers} KDA layers × d = {width} × "

@@ -27,7 +27,7 @@ shared_tokens = tokens_a * shared_pct // 100
 st.caption("Settings of sections 3 (gather measurement) and 4 (prefix sharing):")
 e1, e2, e3, e4 = st.columns(4)
 max_ctx = e1.select_slider("Longest context measured (tokens)", [1024, 4096, 16384],
-                           value=4096, key=persist("p06_max_ctx", 4096, options=[1024, 4096, 16384]), bind="query-params", persist_state="session")
+                           value=1024, key=persist("p06_max_ctx", 1024, options=[1024, 4096, 16384]), bind="query-params", persist_state="session")
 n_req = e2.slider("Requests sharing the prefix", 1, 64, value=16, key=persist("p06_requests", 16, min_value=1, max_value=64), bind="query-params", persist_state="session")
 prefix = e3.slider("Shared prefix (tokens)", 0, 8192, step=64, value=2048, key=persist("p06_prefix", 2048, min_value=0, max_value=8192), bind="query-params", persist_state="session")
 unique = e4.slider("Unique tail per request (tokens)", 0, 2048, step=16,

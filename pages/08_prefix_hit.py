@@ -18,9 +18,9 @@ c1, c2, c3 = st.columns(3)
 # Each default is given twice: to persist() (the session's fallback) and as value= (the widget's declared
 # default): with bind="query-params" Streamlit drops a URL value equal to the declared default, which
 # without value= is the minimum / first option, so a link asking for it would show the page default.
-shared = c1.slider("Shared prefix (tokens)", 0, 512, step=32, value=384, key=persist("p08_shared", 384, min_value=0, max_value=512),
+shared = c1.slider("Shared prefix (tokens)", 0, 512, step=32, value=128, key=persist("p08_shared", 128, min_value=0, max_value=512),
                    persist_state="session", bind="query-params")
-unique = c2.slider("Unique tail (tokens)", 16, 256, step=16, value=64, key=persist("p08_unique", 64, min_value=16, max_value=256),
+unique = c2.slider("Unique tail (tokens)", 16, 256, step=16, value=16, key=persist("p08_unique", 16, min_value=16, max_value=256),
                    persist_state="session", bind="query-params")
 new_tokens = c3.slider("Tokens to generate", 1, 8, value=4, key=persist("p08_new", 4, min_value=1, max_value=8),
                        persist_state="session", bind="query-params")

@@ -42,7 +42,7 @@ st.info(
 c1, c2, c3, c4, c5 = st.columns(5)
 seq_options = list(limits.seq_options)
 seq_len = c1.select_slider("Sequence length T (tokens)", seq_options,
-                           value=min(1024, seq_options[-1]), key=persist("p10_seq_len", min(1024, seq_options[-1]), options=seq_options),
+                           value=min(512, seq_options[-1]), key=persist("p10_seq_len", min(512, seq_options[-1]), options=seq_options),
                            persist_state="session", bind="query-params")
 world = c2.slider("World size (ranks)", 1, max(limits.max_world, 2),
                   value=min(2, limits.max_world), key=persist_clamped("p10_world", min(2, limits.max_world), 1, limits.max_world),

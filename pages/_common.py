@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
 from serve.errors import UserFacingErrors
 from serve.process_memory import limit_malloc_arenas, release_freed_memory
+
+if TYPE_CHECKING:      # annotations only: a page that builds no frame (Home's first run) does not import pandas
+    import pandas as pd
 
 PERSISTED_KEYS = "_persisted_widget_keys"  # every key handed out by persist(), for the tests
 _THIS_FILE = Path(__file__).resolve()

@@ -58,9 +58,12 @@ class BlockLRUCache:
         Returns the number of blocks evicted by this call. A prompt longer than the capacity keeps
         only its leading ``capacity_blocks`` blocks (the deeper ones are evicted first).
         """
+        lru = self._lru
         for b in reversed(block_ids):
-            self._lru[b] = None
-            self._lru.move_to_end(b)
+            if b in lru:
+                lru.move_to_end(b)
+            else:
+                lru[b] = None                # a new key goes last: the most recent
         return self._evict()
 
     def _evict(self) -> int:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 
@@ -36,13 +37,20 @@ def routing_key(hash_ids: Sequence[int], k: int) -> int:
     """
     if k < 1:
         raise ValueError(f"k (routing prefix depth in blocks) must be >= 1, got {k}")
+    return _chained_key(tuple(hash_ids[:k]))
+
+
+@functools.lru_cache(maxsize=1 << 13)   # a replay routes each trace once per algorithm: the same prefixes again
+def _chained_key(prefix: tuple) -> int:
+    """:func:`routing_key` of the block ids ``prefix`` (already cut to ``k``); a pure function of the
+    ids (an int and a numpy int of one value are one cache key and give one key). Raises as it does."""
     key = 0
-    for block_id in hash_ids[:k]:
+    for block_id in prefix:
         if not INT64_MIN <= int(block_id) <= INT64_MAX:
             raise ValueError(f"hash_ids: a block id of {int(block_id).bit_length()} bits is outside the signed "
                              "64-bit range")
         key = stable_hash64(key.to_bytes(8, "big") + int(block_id).to_bytes(8, "big", signed=True))
-    return key if hash_ids else stable_hash64(b"")
+    return key if prefix else stable_hash64(b"")
 
 
 def mix64(x: int) -> int:

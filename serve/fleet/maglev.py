@@ -9,6 +9,7 @@ minimal 1/(n+1) because the table is refilled.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -39,7 +40,12 @@ def next_prime(m: int) -> int:
 
 
 def maglev_table(replicas: Sequence[str], table_size: int) -> list[int]:
-    """Maglev population (the paper's Pseudocode 1): entry → replica index."""
+    """Maglev population (the paper's Pseudocode 1): entry → replica index (a new list per call)."""
+    return list(_population(tuple(replicas), table_size))
+
+
+@functools.lru_cache(maxsize=4)   # a scale event rebuilds the tables of the same few replica sets again and again
+def _population(replicas: tuple, table_size: int) -> tuple:
     m = table_size
     offsets = [stable_hash64(f"maglev-offset:{r}") % m for r in replicas]
     skips = [stable_hash64(f"maglev-skip:{r}") % (m - 1) + 1 for r in replicas]
@@ -57,7 +63,7 @@ def maglev_table(replicas: Sequence[str], table_size: int) -> list[int]:
             nexts[i] = j + 1
             filled += 1
             if filled == m:
-                return table
+                return tuple(table)
 
 
 class MaglevRouter(Router):

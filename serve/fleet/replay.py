@@ -73,8 +73,7 @@ def replay_routing(
         router.on_start(replica)
         cache = caches[replica]
         run = cache.lookup(req.hash_ids)
-        cache.touch(req.hash_ids[:run])
-        cache.insert(req.hash_ids)
+        cache.insert(req.hash_ids)     # refreshes every block, the hit run included (a touch first changes nothing)
         replicas.append(replica)
         hit_blocks[i] = run
         hit_tokens[i] = min(run * block_size, req.input_length)

@@ -1,5 +1,6 @@
-"""Heavy extras stay off the first render and still work on request: page 09's trace replay (16 cache
-configurations) runs only after its button, then stays on for the session."""
+"""Heavy extras stay off the first render and still work on request, then stay on for the session: page 09's
+trace replay (16 cache configurations) and Home's TTFT measurement (12 engine runs) run only after their
+buttons."""
 import json
 from pathlib import Path
 
@@ -31,3 +32,22 @@ def test_prefix_miss_replay_behind_button():
     VERDICTS["pages/09_prefix_miss.py"](at)                         # incl. no capacity beats the ideal
     at.run()                                                        # a rerun (any widget) keeps the replay on
     assert len(_chart_keys(at)) == 4 and not at.button
+
+
+def test_home_timing_behind_button():
+    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=TIMEOUT_S)     # Home links every tab: routed
+    at.query_params.update(p00_new="1")                             # a short run
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not _chart_keys(at), "no TTFT chart before the button"
+    assert [b.label for b in at.button] == ["Measure TTFT cold vs warm"]
+    assert next(m for m in at.metric if m.label == "TTFT warm (median)").value == "not measured"
+    VERDICTS["pages/00_home.py"](at)                                # the verification run is on the first render
+    at.button(key="p00_measure_button").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert sorted(k.rsplit("-", 1)[-1] for k in _chart_keys(at)) == ["p00_breakdown_chart", "p00_ttft_chart"]
+    assert _chart_has_data(at)
+    assert next(m for m in at.metric if m.label == "TTFT warm (median)").value.endswith(" ms")
+    assert any("interleaved repeats after 1 warm-up" in c.value for c in at.caption)   # the measured stamp
+    at.run()                                                        # a rerun keeps the measurement on
+    assert len(_chart_keys(at)) == 2 and not [b for b in at.button if b.key == "p00_measure_button"]

@@ -90,6 +90,8 @@ def test_query_params_set_the_view(page, params, want):
     at.query_params.update(params)
     if page != "pages/00_home.py":
         at.switch_page(page)
+    else:
+        at.session_state["p00_timing_on"] = True                # Home measures after its button (test_heavy_extras)
     at.run()
     assert not at.exception, [e.value for e in at.exception]
     widgets = {w.key: w.value for w in [*at.slider, *at.select_slider, *at.selectbox]}

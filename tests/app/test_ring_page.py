@@ -21,8 +21,8 @@ def test_write_backs_text_equals_chart_marks(values):
 
 def test_full_ring_gets_one_head_tail_label():
     """Regression: with the ring full, separate "head" and "tail" labels were drawn on one slot.
-    (Capacity = window = 6 leaves the ring full after the 40-token run.)"""
-    at = open_page(PAGE, p04_capacity=6, p04_window=6)
+    (Capacity = window = 5 leaves the ring full after the 24-token run, lab.ring.RUN_TOKENS.)"""
+    at = open_page(PAGE, p04_capacity=5, p04_window=5)
     labels = [a["text"] for a in chart_spec(at, "p04_slots_chart")["layout"]["annotations"]]
     assert labels == ["head = tail (ring full)"]
 

@@ -25,7 +25,8 @@ def _cold_warm(first, second, block_size, interval, preset="demo", max_new_token
 
 # (block size N, checkpoint interval C, shared tokens, unique tokens) -> hit b on the grid
 ALIGNED = [
-    (16, 64, 384, 64),      # page 08's defaults: b = 384
+    (16, 64, 128, 16),      # page 08's defaults: b = 128
+    (16, 64, 384, 64),      # b = 384
     (16, 64, 200, 40),      # b = 192, the shared prefix ends mid-block
     (64, 64, 320, 16),      # N = C = 64: every boundary is on the grid
     (16, 128, 300, 30),     # b = 256
