@@ -7,15 +7,15 @@
   each request's last block) and page-table entries, vs block size, for a set of context lengths.
 - :func:`prefix_sharing_bytes`: MLA_KV bytes held by N requests that share a prefix through reference
   counts vs the same requests with private copies, measured as pages in use in the pool.
-- :func:`gather_grid`: the engine's paged read vs a contiguous copy, measured (:func:`lab.pool_timing.gather_timing`).
-- :func:`page06`: page 06's one call, all of the above as plain data.
+- :func:`gather_grid`: the engine's paged read vs a contiguous copy, measured (:func:`lab.pool_timing.gather_timing`);
+  a call of its own, so a page can cache (and re-measure) it apart from the rest.
+- :func:`page06`: page 06's one call for everything that is not a timing, as plain data.
 Every cache is the engine's: :class:`serve.memory.layout.CacheLayout` of the demo model (2 MLA layers x
 (64 + 16) fp32 per token, multi-page policy: a page is one block), bytes moved by
 :mod:`serve.memory.pages` through :class:`serve.memory.paged_mla.PagedMLACache`.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -24,7 +24,9 @@ import pandas as pd
 import torch
 
 from kda_core.config import PRESETS
-from lab.pool_timing import gather_timing
+from lab.pool_timing import gather_timing, ratio_spread
+from lab.threads import one_thread
+from lab.timing import Conditions, conditions, summarize
 from serve.memory.layout import CacheLayout
 from serve.memory.paged_mla import PagedMLACache
 from serve.memory.pool import PageKind, PagePool
@@ -164,39 +166,69 @@ def prefix_sharing_bytes(max_requests: int, prefix_tokens: int, unique_tokens: i
 
 
 GATHER_BLOCKS = (1, 4, 16, 64, 256)
+GATHER_CONTEXTS = (256, 1024, 4096, 16384)
+GATHER_REPEATS = 7
 
 
-@functools.cache
-def gather_grid(max_ctx: int) -> pd.DataFrame:
-    """Measured :func:`lab.pool_timing.gather_timing` rows (Kimi-Linear's latent, fastest of 5 rounds) for
-    contexts 256 .. ``max_ctx`` tokens and block sizes :data:`GATHER_BLOCKS`, with the ratios. Measured once
-    per process and ``max_ctx`` (a measurement, not a function of the other page-06 inputs)."""
-    ctx = [c for c in (256, 1024, 4096, 16384) if c <= max_ctx]
+@dataclass(frozen=True)
+class GatherGrid:
+    """Page 06's measured gathers. rows: one row per (context, block size): the medians (``*_us``), the
+    ratios of medians (``gather_ratio`` paged / contiguous, ``naive_ratio`` naive cat / contiguous,
+    ``attention_ratio``) and the quartiles of the per-round ratios (``<ratio>_q1`` / ``<ratio>_q3``).
+    naive: one row per context: ``naive_ratio`` (ratio of the medians of every cell's naive-cat and
+    contiguous samples at that context: both do not depend on the block size) with its per-round quartiles
+    ``naive_ratio_q1`` / ``naive_ratio_q3`` and the ``rounds`` they come from. conditions: when and how."""
+
+    rows: pd.DataFrame
+    naive: pd.DataFrame
+    conditions: Conditions
+
+
+def gather_grid(max_ctx: int, repeats: int = GATHER_REPEATS) -> GatherGrid:
+    """Measure :func:`lab.pool_timing.gather_timing` (Kimi-Linear's latent, ``repeats`` interleaved rounds
+    after a warm-up per cell) for contexts :data:`GATHER_CONTEXTS` up to ``max_ctx`` tokens and block sizes
+    :data:`GATHER_BLOCKS`. Raises ValueError for ``max_ctx`` < 256 or ``repeats`` < 5."""
+    ctx = [c for c in GATHER_CONTEXTS if c <= max_ctx]
     if not ctx:
         raise ValueError(f"max_ctx must be >= 256, got {max_ctx}")
-    return pd.DataFrame([{**g._asdict(), "gather_ratio": g.gather_ratio, "naive_ratio": g.naive_cat_us / g.contiguous_us,
-                          "attention_ratio": g.attention_ratio}
-                         for L in ctx for b in GATHER_BLOCKS
-                         for g in [gather_timing(L, b, KIMI.latent_dim, KIMI.kv_lora_rank, repeats=5, statistic="min")]])
+    with one_thread():
+        cond = conditions(repeats, 1)
+    cells = [gather_timing(L, b, KIMI.latent_dim, KIMI.kv_lora_rank, repeats=repeats) for L in ctx for b in GATHER_BLOCKS]
+    rows = []
+    for g in cells:
+        paged, naive, attn = g.spread(), g.spread("naive_cat"), g.spread("attn_paged", "attn_contiguous")
+        rows.append({**{k: v for k, v in g._asdict().items() if k != "timings"},
+                     "gather_ratio": paged.ratio, "gather_ratio_q1": paged.q1, "gather_ratio_q3": paged.q3,
+                     "naive_ratio": naive.ratio, "naive_ratio_q1": naive.q1, "naive_ratio_q3": naive.q3,
+                     "attention_ratio": attn.ratio, "attention_ratio_q1": attn.q1, "attention_ratio_q3": attn.q3})
+    naive_rows = []
+    for L in ctx:
+        at = [g for g in cells if g.context_tokens == L]
+        pooled = [summarize(k, [x for g in at for x in g.timings[k].samples_s]) for k in ("naive_cat", "contiguous")]
+        s = ratio_spread(*pooled)
+        naive_rows.append({"context_tokens": L, "naive_ratio": s.ratio, "naive_ratio_q1": s.q1,
+                           "naive_ratio_q3": s.q3, "rounds": len(pooled[0].samples_s)})
+    return GatherGrid(pd.DataFrame(rows), pd.DataFrame(naive_rows), cond)
 
 
 @dataclass(frozen=True)
 class Page06:
-    """Everything page 06 draws, from one call of :func:`page06`: the page-table demo, fragmentation
-    rows (1,000 seeded log-uniform lengths in [16, 8192]), measured gather rows, and the sharing rows
-    (None when the prefix and the tail are both 0 tokens). ``sharing_block_size`` = max(block, 16)."""
+    """What page 06 draws apart from the measured gathers (:func:`gather_grid`), from one call of
+    :func:`page06`: the page-table demo, fragmentation rows (1,000 seeded log-uniform lengths in [16, 8192])
+    and the sharing rows (None when the prefix and the tail are both 0 tokens).
+    ``sharing_block_size`` = max(block, 16)."""
 
     demo: PageTableDemo
     fragmentation: pd.DataFrame
-    gather: pd.DataFrame
     sharing: pd.DataFrame | None
     sharing_block_size: int
 
 
-def page06(block_size: int, tokens_a: int, shared_tokens: int, tokens_b_own: int, max_ctx: int,
+def page06(block_size: int, tokens_a: int, shared_tokens: int, tokens_b_own: int,
            num_requests: int, prefix_tokens: int, unique_tokens: int) -> Page06:
-    """Page 06's one call. Raises ValueError as :func:`page_table_demo`, :func:`gather_grid` and
-    :func:`prefix_sharing_bytes` (except a 0-token prefix + tail, which gives ``sharing=None``)."""
+    """Page 06's one call (the gathers are measured by :func:`gather_grid`). Raises ValueError as
+    :func:`page_table_demo` and :func:`prefix_sharing_bytes` (except a 0-token prefix + tail, which gives
+    ``sharing=None``)."""
     lengths = np.exp(np.random.default_rng(0).uniform(np.log(16), np.log(8192), 1000)).astype(int).tolist()
     frag = pd.DataFrame(fragmentation_vs_block_size([2 ** i for i in range(0, 11)], lengths))
     share_bs = max(block_size, 16)
@@ -205,4 +237,4 @@ def page06(block_size: int, tokens_a: int, shared_tokens: int, tokens_b_own: int
         sharing = pd.DataFrame([{**r._asdict(), "saved_bytes": r.saved_bytes} for r in
                                 prefix_sharing_bytes(num_requests, prefix_tokens, unique_tokens, share_bs)])
     return Page06(page_table_demo(block_size, tokens_a, shared_tokens, tokens_b_own, seed=0), frag,
-                  gather_grid(max_ctx).copy(), sharing, share_bs)
+                  sharing, share_bs)

@@ -12,7 +12,8 @@ same bytes: a KV-only pool and a state-only pool sized for the first half's expe
 Sizes come from the engine's own :class:`serve.memory.layout.CacheLayout` (fp32, the block size kept,
 the page size from the chosen policy); ``alloc`` / ``decref`` call latencies on the unified pool are
 measured with ``time.perf_counter_ns``. :func:`page05` is page 05's one call: the run, the same run
-under the other policy for the waste comparison, the real presets' page sizes and vLLM's picks.
+under the other policy for the waste comparison, the real presets' page sizes and vLLM's picks;
+:func:`call_latency` is its measurement (repeated runs after a warm-up), cached and re-measured apart.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import pandas as pd
 
 from kda_core.config import PRESETS, REAL_PRESETS
 from lab.pool_timing import LatencyHistogram, latency_histogram
+from lab.timing import MIN_REPEATS, Conditions, conditions, summarize
 from serve.memory.layout import POLICIES, REAL_DTYPES, CacheLayout
 from serve.memory.pool import PageKind, PagePool
 from serve.memory.vllm_block import vllm_vs_ours
@@ -222,8 +224,7 @@ def policy_waste(preset: str, block_size: int, num_groups: int) -> list[dict]:
 class Page05:
     """Everything page 05 draws, from one call of :func:`page05`. ``layout``: the engine's layout of
     the run; ``timeline`` / ``outcomes``: :class:`WorkloadResult` rows as frames; ``snapshot``: the
-    unified pool's ``(kind, owner, refcount)`` per page at the grid step; ``latency``: the measured
-    alloc / free histogram; ``waste``: per policy and waste kind, % of used pool bytes (time-average);
+    unified pool's ``(kind, owner, refcount)`` per page at the grid step; ``waste``: per policy and waste kind, % of used pool bytes (time-average);
     ``real``: :func:`policy_waste` of the real presets; ``vllm``: :func:`serve.memory.vllm_block.vllm_vs_ours`."""
 
     layout: CacheLayout
@@ -232,7 +233,6 @@ class Page05:
     timeline: pd.DataFrame
     outcomes: pd.DataFrame
     snapshot: list
-    latency: LatencyHistogram
     waste: pd.DataFrame
     real: pd.DataFrame
     vllm: pd.DataFrame
@@ -246,7 +246,8 @@ def page05(pool_mib: float, policy: str, long_share: float, arrival: str, num_gr
            snapshot_step: int) -> Page05:
     """Page 05's one call: the demo-model stream under ``policy`` (and under the other policy for the
     waste chart), the real presets at 16-token blocks with ``min(num_groups, 20)`` groups, and vLLM's
-    picks. Raises ValueError as :class:`WorkloadConfig` and :func:`simulate`."""
+    picks. The call latencies are measured apart, by :func:`call_latency`. Raises ValueError as
+    :class:`WorkloadConfig` and :func:`simulate_workload`."""
     runs = {p: simulate_workload(WorkloadConfig(pool_mib=pool_mib, policy=p, long_share=long_share, arrival=arrival,
                                        num_groups=num_groups, seed=seed), snapshot_step=snapshot_step)
             for p in sorted(POLICIES, key=lambda p: p != policy)}
@@ -256,5 +257,47 @@ def page05(pool_mib: float, policy: str, long_share: float, arrival: str, num_gr
     real = pd.DataFrame([row for m in REAL_PRESETS for row in policy_waste(m, 16, min(num_groups, 20))])
     vllm = pd.DataFrame([row for m in REAL_PRESETS for row in vllm_vs_ours(PRESETS[m], 16, 1)])
     return Page05(res.layout, res.num_pages, res.kv_pages_static, pd.DataFrame(res.timeline),
-                  pd.DataFrame(res.outcomes), res.snapshot, latency_histogram(res.latency_ns, bins_per_decade=10),
-                  waste, real, vllm)
+                  pd.DataFrame(res.outcomes), res.snapshot, waste, real, vllm)
+
+
+LATENCY_REPEATS = 5
+PERCENTILES = (50, 99)
+
+
+@dataclass(frozen=True)
+class CallLatency:
+    """Page 05's measured ``alloc`` / ``decref`` call latencies on the unified pool, over ``repeats`` runs of the
+    same (seeded) stream after a warm-up run. histogram: every timed call of every run (ns, log bins);
+    percentiles: one row per (call, percentile in :data:`PERCENTILES`): the median over the runs of that run's
+    percentile (``median_ns``) and its spread over the runs (``q1_ns``, ``q3_ns``, ``min_ns``, ``max_ns``),
+    ``runs``; conditions: when and how (:class:`lab.timing.Conditions`)."""
+
+    histogram: LatencyHistogram
+    percentiles: pd.DataFrame
+    conditions: Conditions
+
+
+def call_latency(pool_mib: float, policy: str, long_share: float, arrival: str, num_groups: int, seed: int,
+                 repeats: int = LATENCY_REPEATS, warmup: int = 1) -> CallLatency:
+    """Run the stream of :func:`page05` (``policy`` only) ``warmup`` times untimed, then ``repeats`` times, each
+    ``alloc`` and ``decref`` call on the unified pool timed with ``time.perf_counter_ns`` (the two calls
+    interleave within a run, as requests arrive and leave). Raises ValueError as :class:`WorkloadConfig`, and for
+    ``repeats`` < :data:`lab.timing.MIN_REPEATS` or ``warmup`` < 0."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < MIN_REPEATS:
+        raise ValueError(f"repeats must be an int >= {MIN_REPEATS}, got {repeats!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    cfg = WorkloadConfig(pool_mib=pool_mib, policy=policy, long_share=long_share, arrival=arrival,
+                         num_groups=num_groups, seed=seed)
+    cond = conditions(repeats, warmup)
+    for _ in range(warmup):
+        simulate_workload(cfg)
+    runs = [simulate_workload(cfg).latency_ns for _ in range(repeats)]
+    pooled = {call: [t for run in runs for t in run[call]] for call in runs[0]}
+    rows = []
+    for call in pooled:
+        for q in PERCENTILES:
+            t = summarize(f"{call} p{q}", [float(np.percentile(run[call], q)) * 1e-9 for run in runs])   # s
+            rows.append({"call": call, "percentile": q, "median_ns": t.median_s * 1e9, "q1_ns": t.q1_s * 1e9,
+                         "q3_ns": t.q3_s * 1e9, "min_ns": t.min_s * 1e9, "max_ns": t.max_s * 1e9, "runs": repeats})
+    return CallLatency(latency_histogram(pooled, bins_per_decade=10), pd.DataFrame(rows), cond)

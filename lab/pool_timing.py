@@ -12,17 +12,16 @@
   absorbed decode attention (:func:`kda_core.layer.latent_attention`) over contiguous latents vs
   read-then-attend.
 
-Times are medians (``gather_timing(statistic="min")``: minima) of ``repeats`` runs of
-``time.perf_counter_ns`` (contenders interleaved round by round); ratios are relative to a baseline
-measured in the same call. Torch ops run single-threaded during a measurement (:func:`one_thread`): on a
-shared 2-core machine a two-thread copy waits for a descheduled worker (8 ms stalls) and the figure
-would measure the scheduler, not the copy.
+Every timing goes through :func:`lab.timing.measure`: a warm-up, then ``repeats`` interleaved rounds in a
+rotating order; times are medians, ratios are the ratio of two medians measured in the same call, and their
+spread is the interquartile range of the per-round ratio (both contenders ran in the same round). Torch ops
+run single-threaded during a measurement (:func:`one_thread`): on a shared 2-core machine a two-thread copy
+waits for a descheduled worker (8 ms stalls) and the figure would measure the scheduler, not the copy.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -31,6 +30,7 @@ import torch
 from kda_core.config import PRESETS
 from kda_core.layer import latent_attention
 from lab.threads import one_thread
+from lab.timing import Timing, measure
 from serve.memory.layout import CacheLayout
 from serve.memory.pages import read_kv, write_kv
 from serve.memory.pool import PageKind, PagePool
@@ -62,29 +62,22 @@ class NaiveListPool:
             self.free_list.append(p)
 
 
-STATISTICS = ("median", "min")
+class RatioSpread(NamedTuple):
+    """``num`` / ``den`` of two timings of one :func:`lab.timing.measure` call: ``ratio`` of their medians,
+    ``q1`` / ``q3`` the quartiles of the per-round ratio (sample r of each ran in round r)."""
+
+    ratio: float
+    q1: float
+    q3: float
 
 
-def _round_robin_ns(fns: list[Callable[[], object]], repeats: int, statistic: str = "median") -> list[float]:
-    """Median (or minimum) ns of each fn, timed in interleaved rounds (fn0, fn1, ... per round) so a
-    burst of load from other processes hits every contender alike. The minimum is the robust choice on
-    an overloaded machine: a descheduled run only ever adds time, and with few rounds it can take the
-    median of one contender (and a ratio to it) with it."""
-    if statistic not in STATISTICS:
-        raise ValueError(f"statistic must be one of {STATISTICS}, got {statistic!r}")
-    for fn in fns:
-        fn()  # warm-up
-    ts: list[list[int]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, out in zip(fns, ts):
-            t0 = time.perf_counter_ns()
-            fn()
-            out.append(time.perf_counter_ns() - t0)
-    return [float(min(t) if statistic == "min" else sorted(t)[len(t) // 2]) for t in ts]
-
-
-def _median_ns(fn: Callable[[], object], repeats: int) -> float:
-    return _round_robin_ns([fn], repeats)[0]
+def ratio_spread(num: Timing, den: Timing) -> RatioSpread:
+    """The :class:`RatioSpread` of ``num`` over ``den``. Raises ValueError for different sample counts."""
+    if len(num.samples_s) != len(den.samples_s):
+        raise ValueError(f"num and den must have one sample per round each, got {len(num.samples_s)} "
+                         f"and {len(den.samples_s)}")
+    q1, q3 = np.percentile(np.asarray(num.samples_s) / np.asarray(den.samples_s), [25, 75])
+    return RatioSpread(num.median_s / den.median_s, float(q1), float(q3))
 
 
 class Throughput(NamedTuple):
@@ -104,22 +97,24 @@ def alloc_free_throughput(batch_pages: int, num_pages: int = 4096, occupied: flo
                           loops: int = 200, repeats: int = 5) -> Throughput:
     """Alloc ``batch_pages`` pages then free them, ``loops`` times, on a pool ``occupied`` full.
 
-    Returns a :class:`Throughput` for :class:`PagePool` and :class:`NaiveListPool` (median of
-    ``repeats``). Raises ValueError if the batch does not fit the free part of the pool.
+    Returns a :class:`Throughput` for :class:`PagePool` and :class:`NaiveListPool` (median of ``repeats``
+    interleaved rounds after a warm-up, :func:`lab.timing.measure`). Raises ValueError if the batch does
+    not fit the free part of the pool or ``repeats`` < :data:`lab.timing.MIN_REPEATS`.
     """
     held = int(num_pages * occupied)
     if not 1 <= batch_pages <= num_pages - held:
         raise ValueError(f"batch_pages must be in [1, {num_pages - held}], got {batch_pages}")
-    rates = []
-    for pool in (PagePool(num_pages, 64), NaiveListPool(num_pages)):
+    cases = {}
+    for name, pool in (("pool", PagePool(num_pages, 64)), ("naive", NaiveListPool(num_pages))):
         pool.alloc(PageKind.KDA_STATE, held, "background")
 
         def run(pool=pool):
             for _ in range(loops):
                 pool.decref(pool.alloc(PageKind.MLA_KV, batch_pages, "r"), "r")
 
-        rates.append(loops * batch_pages / (_median_ns(run, repeats) / 1e9))
-    return Throughput(batch_pages, rates[0], rates[1])
+        cases[name] = run
+    pool_t, naive_t = measure(cases, repeats=repeats)[0]
+    return Throughput(batch_pages, loops * batch_pages / pool_t.median_s, loops * batch_pages / naive_t.median_s)
 
 
 def call_latencies_ns(batch_pages: int = 1, samples: int = 2000, num_pages: int = 4096,
@@ -184,9 +179,12 @@ def latency_histogram(samples_ns: dict[str, list[int]], bins_per_decade: int = 1
                             {k: float(p[1]) for k, p in pct.items()})
 
 
+GATHER_CASES = ("contiguous", "paged", "naive_cat", "attn_contiguous", "attn_paged")
+
+
 class GatherTiming(NamedTuple):
-    """Microseconds (median or minimum of the rounds, see :func:`gather_timing`) to materialise one MLA
-    layer's latents ``[L, D]`` of one request."""
+    """Microseconds to materialise one MLA layer's latents ``[L, D]`` of one request: the median of the
+    interleaved rounds of :func:`gather_timing` per case, and every case's :class:`lab.timing.Timing` (s)."""
 
     context_tokens: int
     block_size: int
@@ -195,16 +193,21 @@ class GatherTiming(NamedTuple):
     naive_cat_us: float       # torch.cat of L per-token [D] tensors (into a new tensor)
     attn_contiguous_us: float  # latent_attention over the contiguous latents
     attn_paged_us: float      # read_kv + latent_attention
+    timings: dict[str, Timing]  # per case in GATHER_CASES: median, quartiles, min / max and samples (s)
 
     @property
     def gather_ratio(self) -> float:
-        """paged_us / contiguous_us."""
+        """paged_us / contiguous_us (ratio of the medians)."""
         return self.paged_us / self.contiguous_us
 
     @property
     def attention_ratio(self) -> float:
-        """attn_paged_us / attn_contiguous_us."""
+        """attn_paged_us / attn_contiguous_us (ratio of the medians)."""
         return self.attn_paged_us / self.attn_contiguous_us
+
+    def spread(self, num: str = "paged", den: str = "contiguous") -> RatioSpread:
+        """``num`` / ``den`` (case names of :data:`GATHER_CASES`) with the IQR of the per-round ratio."""
+        return ratio_spread(self.timings[num], self.timings[den])
 
 
 def one_mla_layout(block_size: int, latent_dim: int = 576, kv_lora_rank: int = 512) -> CacheLayout:
@@ -217,16 +220,15 @@ def one_mla_layout(block_size: int, latent_dim: int = 576, kv_lora_rank: int = 5
 
 
 def gather_timing(context_tokens: int, block_size: int, latent_dim: int = 576, kv_lora_rank: int = 512,
-                  num_heads: int = 8, repeats: int = 7, seed: int = 0, scatter: bool = True,
-                  statistic: str = "median") -> GatherTiming:
+                  num_heads: int = 8, repeats: int = 7, seed: int = 0, scatter: bool = True) -> GatherTiming:
     """Time the engine's paged read (:func:`serve.memory.pages.read_kv`) vs a contiguous copy vs a naive
     per-token ``torch.cat`` of ``context_tokens`` latents of width ``latent_dim`` (default Kimi's 512 + 64,
     one MLA layer, :func:`one_mla_layout`) in fp32, and decode attention over them.
 
     ``scatter=True`` allocates the request's pages interleaved with another request's, so the page
-    table is not one consecutive run (the realistic case). ``statistic``: "median" or "min" of the
-    ``repeats`` interleaved rounds (see :func:`_round_robin_ns`). Raises ValueError on non-positive sizes
-    or an unknown statistic.
+    table is not one consecutive run (the realistic case). Each case runs once untimed, then ``repeats``
+    interleaved rounds (:func:`lab.timing.measure`), single-threaded. Raises ValueError on non-positive
+    sizes or ``repeats`` < :data:`lab.timing.MIN_REPEATS`.
     """
     if context_tokens <= 0 or block_size <= 0 or latent_dim <= kv_lora_rank:
         raise ValueError(f"need context_tokens > 0, block_size > 0, latent_dim > kv_lora_rank; got "
@@ -251,5 +253,6 @@ def gather_timing(context_tokens: int, block_size: int, latent_dim: int = 576, k
     fns = [lat.clone, lambda: read_kv(lay, pool, table, context_tokens), lambda: torch.cat(tokens),
            lambda: latent_attention(q, lat, kv_lora_rank, scale), attn_paged]
     with one_thread():
-        us = [t / 1e3 for t in _round_robin_ns(fns, repeats, statistic)]
-    return GatherTiming(context_tokens, block_size, *us)
+        timings, _ = measure(dict(zip(GATHER_CASES, fns)), repeats=repeats)
+    return GatherTiming(context_tokens, block_size, *(t.median_s * 1e6 for t in timings),
+                        {t.label: t for t in timings})

@@ -111,11 +111,18 @@ def measure(cases: Mapping[str, Callable[[], object]], repeats: int = MIN_REPEAT
 
 class LinearFit(NamedTuple):
     """``t(n) = a + b n`` by least squares: ``a_s`` fixed per-call overhead (s), ``b_s`` cost per unit of n
-    (s), ``r2`` coefficient of determination (1 = the line explains all variation; NaN for constant t)."""
+    (s), ``r2`` coefficient of determination (1 = the line explains all variation; NaN for constant t),
+    ``b_se_s`` the standard error of ``b_s`` (s; ``inf`` with two points: no residual to estimate it from)."""
 
     a_s: float
     b_s: float
     r2: float
+    b_se_s: float = float("inf")
+
+    @property
+    def b_measurable(self) -> bool:
+        """True when the per-unit cost is positive and larger than its standard error."""
+        return self.b_s > 0 and self.b_s > self.b_se_s
 
     def at(self, n: float) -> float:
         """The fitted time at n (s)."""
@@ -134,4 +141,6 @@ def fit_linear(ns: Sequence[float], ts: Sequence[float]) -> LinearFit:
     resid = y - (a + b * x)
     ss_tot = float(((y - y.mean()) ** 2).sum())
     r2 = float("nan") if ss_tot == 0 else 1.0 - float((resid ** 2).sum()) / ss_tot
-    return LinearFit(float(a), float(b), r2)
+    dof = len(x) - 2                                                   # residual degrees of freedom
+    b_se = float(np.sqrt(float((resid ** 2).sum()) / dof / float(((x - x.mean()) ** 2).sum()))) if dof > 0 else float("inf")
+    return LinearFit(float(a), float(b), r2, b_se)

@@ -78,8 +78,14 @@ with right:
     measured_stamp(page.conditions)
     ring_fit = page.fits["raw-input ring"]
     st.caption("Fit t(a) = a₀ + b·a over the medians (a = accepted drafts): " + "; ".join(
-        f"{name} a₀ = {f.a_s:.2f} ms, b = {f.b_s:.3f} ms/token (R² {f.r2:.2f})" if f.r2 == f.r2 else
-        f"{name} a₀ = {f.a_s:.2f} ms, b = {f.b_s:.3f} ms/token" for name, f in page.fits.items()) + ".")
+        f"{name} a₀ = {f.a_s:.2f} ms, " + (f"b = {1e3 * f.b_s:,.1f} ± {1e3 * f.b_se_s:,.1f} µs/token" if f.b_measurable
+                                            else "no measurable per-token cost")
+        + (f" (R² {f.r2:.2f})" if f.r2 == f.r2 else "") for name, f in page.fits.items()) + ".")
+    with st.expander("How b is read"):
+        st.markdown("b is the least-squares slope, ± its standard error (ms in the fit, shown in µs). When b is "
+                    "negative or not larger than its standard error (always with two points: no residual to estimate "
+                    "it), the commit time does not measurably grow with the accepted drafts, and the caption says so "
+                    "instead of printing a slope that is noise.")
 
 st.subheader("3 · When to use which (measured above)")
 MEDIAN = "median of the repeats in section 2"
@@ -93,9 +99,12 @@ st.write(
     f"At n = {num_draft} the ring holds {ring_row['memory vs snapshot']:.1%} of the snapshot's bytes but its commit "
     f"takes {ring_row['commit ms (all accepted)']:.2f} ms against {snap_row['commit ms (all accepted)']:.2f} ms for a "
     f"snapshot copy. Of the ring's commit, {ring_fit.a_s:.2f} ms is a fixed per-commit cost (eager torch calls, "
-    f"the replay's set-up) and {ring_fit.b_s:.3f} ms is the cost per accepted token (the fit above): at this "
-    f"width the per-token re-projection is {'the smaller' if ring_fit.b_s * num_draft < ring_fit.a_s else 'the larger'}"
-    f" part of a commit of all n = {num_draft} drafts. Snapshot wins when memory is free and commits must be "
+    + (f"the replay's set-up) and {1e3 * ring_fit.b_s:,.1f} µs is the cost per accepted token (the fit above): at this "
+       f"width the per-token re-projection is "
+       f"{'the smaller' if ring_fit.b_s * num_draft < ring_fit.a_s else 'the larger'} part of a commit of all "
+       f"n = {num_draft} drafts." if ring_fit.b_measurable else
+       "the replay's set-up); the fit above finds no measurable cost per accepted token at this width.")
+    + " Snapshot wins when memory is free and commits must be "
     "instant; projection replay keeps the kernel inputs and replays only the recurrence; the ring fits the most "
     "requests (or the longest windows) per byte — worth it when memory bandwidth, not FLOPs, limits decode.")
 

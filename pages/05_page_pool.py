@@ -5,8 +5,17 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from lab.pool import page05
-from pages._common import engine_call, num, pct, persist, show_chart, show_table
+from lab.pool import LATENCY_REPEATS, call_latency, page05
+from pages._common import (
+    engine_call,
+    measured_stamp,
+    num,
+    pct,
+    persist,
+    remeasure_button,
+    show_chart,
+    show_table,
+)
 
 st.title("Unified page pool")
 st.write(
@@ -34,6 +43,12 @@ step = d4.slider("Grid at step", 0, 199, value=60, key=persist("p05_step", 60, m
 @st.cache_data(show_spinner="Running the request stream on the pool…", max_entries=16, ttl="1h")
 def _run(pool_mib, policy, long_share, arrival, groups, seed, step):
     return page05(pool_mib, policy, long_share, arrival, groups, seed, step)
+
+
+@st.cache_data(show_spinner=f"Timing alloc / free calls: {LATENCY_REPEATS} runs of the stream after a warm-up…",
+               max_entries=16, ttl="1h")
+def _p05_latency(pool_mib, policy, long_share, arrival, groups, seed):
+    return call_latency(pool_mib, policy, long_share, arrival, groups, seed)
 
 
 r = engine_call(_run, float(pool_mib), policy, long_share, arrival, groups, int(seed), step)
@@ -155,7 +170,9 @@ with st.expander("How vLLM sizes its block"):
         "- Ours: `serve.memory.vllm_block.vllm_block_pick`.")
 
 st.subheader("5 · Measured alloc / free call latency")
-h = r.latency
+lat = engine_call(_p05_latency, float(pool_mib), policy, long_share, arrival, groups, int(seed))
+remeasure_button(_p05_latency, key="p05_remeasure")
+h, qs = lat.histogram, lat.percentiles
 edges = np.asarray(h.edges_ns)
 top = max(max(c) for c in h.counts.values()) * 1.05                   # height of the p50 / p99 markers
 fig5 = go.Figure()
@@ -164,18 +181,30 @@ for (call, counts), color in zip(h.counts.items(), ["#2171b5", "#f16913"]):
     fig5.add_trace(go.Bar(x=(edges[:-1] + edges[1:]) / 2, y=counts, width=np.diff(edges), name=call, opacity=0.6,
                           marker_color=color, customdata=np.stack([edges[:-1], edges[1:]], axis=1),
                           hovertemplate="%{customdata[0]:,.0f}–%{customdata[1]:,.0f} ns: %{y} calls"))
-    for q, marks, dash in (("p50", h.p50_ns, "dot"), ("p99", h.p99_ns, "dash")):
-        v = marks[call]
+    for q, dash in ((50, "dot"), (99, "dash")):
+        row = qs[(qs.call == call) & (qs.percentile == q)].iloc[0]
+        v, name = row.median_ns, f"{call} p{q}"
         fig5.add_trace(go.Scatter(x=[v, v], y=[0, top], mode="lines", line=dict(color=color, dash=dash, width=2),
-                                  name=f"{call} {q} = {v:,.0f} ns", hovertemplate=f"{call} {q}: {v:,.0f} ns"))
+                                  name=f"{name} = {v:,.0f} ns", legendgroup=name, hovertemplate=f"{name}: {v:,.0f} ns"))
+        fig5.add_trace(go.Scatter(x=[v], y=[top], mode="markers", marker=dict(color=color, size=7), showlegend=False,
+                                  name=f"{name} = {v:,.0f} ns",
+                                  legendgroup=name, error_x=dict(type="data", symmetric=False, array=[row.q3_ns - v],
+                                                                 arrayminus=[v - row.q1_ns], color=color),
+                                  hovertemplate=f"{name}: median {v:,.0f} ns, IQR {row.q1_ns:,.0f}–{row.q3_ns:,.0f} "
+                                                f"ns over {row.runs} runs<extra></extra>"))
 TICKS_NS = [m * 10 ** e for e in range(0, 8) for m in (1, 2, 5)]
 fig5.update_layout(xaxis=dict(title="latency per call (ns, log scale)", type="log", tickvals=TICKS_NS,
                               ticktext=[f"{t:,}" for t in TICKS_NS]),
-                   yaxis_title="calls per bin (10 bins per decade)", barmode="overlay", bargap=0)
+                   yaxis_title=f"calls per bin (10 bins per decade, all {LATENCY_REPEATS} runs)", barmode="overlay",
+                   bargap=0)
 ldf = pd.DataFrame([(call, lo, hi, c) for call, counts in h.counts.items()
                     for lo, hi, c in zip(edges[:-1], edges[1:], counts)], columns=["call", "lo_ns", "hi_ns", "calls"])
 show_chart(fig5, ldf, key="p05_latency")
-st.write(" · ".join(f"**{k}** p50 {h.p50_ns[k]:,.0f} ns, p99 {h.p99_ns[k]:,.0f} ns" for k in h.counts))
+measured_stamp(lat.conditions)
+st.write(" · ".join(f"**{row.call}** p{row.percentile} {row.median_ns:,.0f} ns (IQR {row.q1_ns:,.0f}–{row.q3_ns:,.0f})"
+                    for row in qs.itertuples()))
+st.caption(f"Each run replays the same seeded stream on a fresh pool; a line is the median over the {LATENCY_REPEATS} "
+           "runs of that run's percentile, the bar at its top the IQR over the runs.")
 
 st.info(
     "What to notice: the unified pool lends pages to whichever kind needs them, so when the mix flips it keeps "

@@ -3,8 +3,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.mla_paging import DEMO_LATENT, DEMO_LAYERS, KIMI, page06
-from pages._common import engine_call, persist, show_chart
+from lab.mla_paging import DEMO_LATENT, DEMO_LAYERS, GATHER_REPEATS, KIMI, gather_grid, page06
+from pages._common import engine_call, measured_stamp, persist, remeasure_button, show_chart
 
 st.title("MLA paging")
 st.write(
@@ -34,12 +34,18 @@ unique = e4.slider("Unique tail per request (tokens)", 0, 2048, step=16,
                    value=128, key=persist("p06_unique", 128, min_value=0, max_value=2048), bind="query-params", persist_state="session")
 
 
-@st.cache_data(show_spinner="Building page tables and measuring gathers on this CPU…", max_entries=16, ttl="1h")
-def _run(bs, tokens_a, shared, own_b, max_ctx, n_req, prefix, unique):
-    return page06(bs, tokens_a, shared, own_b, max_ctx, n_req, prefix, unique)
+@st.cache_data(show_spinner="Building page tables…", max_entries=16, ttl="1h")
+def _run(bs, tokens_a, shared, own_b, n_req, prefix, unique):
+    return page06(bs, tokens_a, shared, own_b, n_req, prefix, unique)
 
 
-r = engine_call(_run, bs, tokens_a, shared_tokens, own_b, max_ctx, n_req, prefix, unique)
+@st.cache_data(show_spinner=f"Timing gathers on this CPU: {GATHER_REPEATS} interleaved repeats after a warm-up…",
+               max_entries=4, ttl="1h")
+def _p06_gather(max_ctx):
+    return gather_grid(max_ctx)
+
+
+r = engine_call(_run, bs, tokens_a, shared_tokens, own_b, n_req, prefix, unique)
 d = r.demo
 ROLE_COLOR = {"A": "#2171b5", "B": "#41ab5d", "shared": "#807dba", "other": "#bdbdbd", "free": "#f0f0f0"}
 n_log = max(len(d.table_a), len(d.table_b), 1)
@@ -90,25 +96,40 @@ st.caption("1,000 requests with context lengths log-uniform in [16, 8192] tokens
            "⌈L / N⌉ · N − L per request: on average about N / 2 tokens.")
 
 st.subheader("3 · Gather overhead: paged vs contiguous, measured")
-gdf = r.gather
+grid = engine_call(_p06_gather, max_ctx)
+remeasure_button(_p06_gather, key="p06_remeasure")
+gdf, ndf = grid.rows, grid.naive
+
+
+def _bars(df, col):
+    """Error bars from a ratio of medians to the quartiles of its per-round ratio (never negative)."""
+    return dict(type="data", symmetric=False, array=(df[f"{col}_q3"] - df[col]).clip(lower=0),
+                arrayminus=(df[col] - df[f"{col}_q1"]).clip(lower=0))
+
+
 fig3 = go.Figure()
 for b, sub in gdf.groupby("block_size"):
-    fig3.add_trace(go.Scatter(x=sub.context_tokens, y=sub.gather_ratio, name=f"paged, N = {b}", mode="lines+markers"))
-naive = gdf.groupby("context_tokens").naive_ratio.median()
-fig3.add_trace(go.Scatter(x=naive.index, y=naive.values, name="naive torch.cat per token", mode="lines+markers",
-                          line=dict(dash="dot", color="gray")))
+    fig3.add_trace(go.Scatter(x=sub.context_tokens, y=sub.gather_ratio, name=f"paged, N = {b}", mode="lines+markers",
+                              error_y=_bars(sub, "gather_ratio")))
+fig3.add_trace(go.Scatter(x=ndf.context_tokens, y=ndf.naive_ratio, name="naive torch.cat per token", mode="lines+markers",
+                          line=dict(dash="dot", color="gray"), error_y=_bars(ndf, "naive_ratio")))
 fig3.update_layout(xaxis=dict(title="context length (tokens, log)", type="log",
                               tickvals=sorted(gdf.context_tokens.unique().tolist())),
-                   yaxis=dict(title="time ÷ contiguous copy (×, fastest of 5 runs)"), legend=dict(orientation="h", y=-0.3))
+                   yaxis=dict(title="time ÷ contiguous copy (×, ratio of medians; bars: IQR per round)"),
+                   legend=dict(orientation="h", y=-0.3))
 fig3.add_hline(y=1, line_dash="dash", line_color="gray", annotation_text="contiguous copy = 1×",
                annotation_position="bottom right")
 show_chart(fig3, gdf, key="p06_gather")
+measured_stamp(grid.conditions)
 st.caption(f"One MLA layer's latents [L, {KIMI.latent_dim}] fp32 read into a new tensor: contiguous `clone` vs the "
            "engine's `read_kv` (one `index_select` over a scattered page table) vs `torch.cat` of per-token tensors.")
 with st.expander("How the gather is timed"):
     st.markdown(f"Latent width {KIMI.latent_dim} = Kimi's {KIMI.kv_lora_rank} + {KIMI.qk_rope_head_dim} (rope). "
-                "Contenders interleaved, single-threaded, fastest of 5 rounds each (on a shared CPU a descheduled "
-                "round only adds time). The CSV also holds decode attention over contiguous latents vs read + "
+                f"Per cell, every contender runs once untimed, then {GATHER_REPEATS} rounds in a rotating order, "
+                "single-threaded. A point is the ratio of the two medians; its bars span the quartiles of the "
+                "per-round ratio (both contenders ran in the same round, so a slow phase of the shared CPU hits "
+                "both). The naive line pools the cells of every block size at a context (it does not depend on "
+                "N). The CSV holds the medians (µs) and decode attention over contiguous latents vs read + "
                 "attention (`attention_ratio`).")
 
 st.subheader("4 · Bytes saved by sharing a prefix")

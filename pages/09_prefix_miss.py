@@ -52,7 +52,9 @@ run = engine_call(_run, prompt_tokens, next_shared, block, interval, groups, pre
 written = run.written
 with part1:
     m1, m2, m3, m4 = st.columns(4)
-    m1.metric("Miss: prefill tokens", f"{run.miss['prefill_tokens']:,}", f"TTFT {run.miss['ttft_ms']:.1f} ms", delta_color="off", delta_arrow="off")
+    m1.metric("Miss: prefill tokens", f"{run.miss['prefill_tokens']:,}", f"one run's TTFT {run.miss['ttft_ms']:.1f} ms",
+              delta_color="off", delta_arrow="off",
+              help="The time to first token of this one run, not repeated (page 08 times TTFT over interleaved repeats).")
     m2.metric("Checkpoints (boundaries × groups)", f"{written.boundary.nunique()} × {groups}",
               f"{run.miss['checkpoints_written']} boundaries published atomically", delta_color="off", delta_arrow="off")
     m3.metric("Next request: hit b", f"{run.hit['hit_tokens']} tokens", f"KV run {run.hit['kv_hit_tokens']}", delta_color="off", delta_arrow="off")

@@ -1,7 +1,15 @@
 """Page 06's data: page tables under sharing, fragmentation vs block size, bytes saved by sharing."""
+import numpy as np
 import pytest
 
-from lab.mla_paging import GATHER_BLOCKS, fragmentation_vs_block_size, page06, page_table_demo, prefix_sharing_bytes
+from lab.mla_paging import (
+    GATHER_BLOCKS,
+    fragmentation_vs_block_size,
+    gather_grid,
+    page06,
+    page_table_demo,
+    prefix_sharing_bytes,
+)
 
 
 @pytest.mark.parametrize("bs, a, shared, own", [(16, 100, 40, 30), (4, 37, 37, 0), (8, 64, 0, 9), (1, 20, 7, 3)],
@@ -64,8 +72,27 @@ def test_page_table_demo_errors(args, match):
 
 
 def test_page06_is_one_call_of_plain_data():
-    r = page06(8, 40, 20, 5, 1024, 3, 64, 16)
+    r = page06(8, 40, 20, 5, 3, 64, 16)
     assert r.demo == page_table_demo(8, 40, 20, 5, seed=0) and r.sharing_block_size == 16
     assert list(r.sharing.num_requests) == [1, 2, 3] and list(r.fragmentation.block_size) == [2 ** i for i in range(11)]
-    assert sorted(set(r.gather.context_tokens)) == [256, 1024] and set(r.gather.block_size) == set(GATHER_BLOCKS)
-    assert page06(8, 40, 20, 5, 1024, 3, 0, 0).sharing is None       # page 06 explains this case itself
+    assert page06(8, 40, 20, 5, 3, 0, 0).sharing is None       # page 06 explains this case itself
+
+
+def test_gather_grid_medians_ratios_and_conditions():
+    """Page 06's gathers follow the measurement rule: medians of interleaved repeats after a warm-up, a ratio
+    of medians with the quartiles of the per-round ratio, one thread, and the conditions for the stamp (the
+    old grid was the minimum of 5 rounds, cached for the process lifetime, without conditions)."""
+    g = gather_grid(256, repeats=5)
+    rows = g.rows
+    assert sorted(set(rows.context_tokens)) == [256] and list(rows.block_size) == list(GATHER_BLOCKS)
+    assert np.allclose(rows.gather_ratio, rows.paged_us / rows.contiguous_us)
+    assert np.allclose(rows.naive_ratio, rows.naive_cat_us / rows.contiguous_us)
+    for col in ("gather_ratio", "naive_ratio", "attention_ratio"):
+        assert (rows[f"{col}_q1"] <= rows[f"{col}_q3"]).all() and (rows[f"{col}_q1"] > 0).all()
+    assert list(g.naive.context_tokens) == [256] and list(g.naive.rounds) == [5 * len(GATHER_BLOCKS)]
+    assert g.conditions.repeats == 5 and g.conditions.warmup == 1 and g.conditions.torch_threads == 1
+    assert gather_grid(256, repeats=5).conditions.measured_at >= g.conditions.measured_at   # measured again
+    with pytest.raises(ValueError, match="max_ctx"):
+        gather_grid(255)
+    with pytest.raises(ValueError, match="repeats"):
+        gather_grid(256, repeats=3)

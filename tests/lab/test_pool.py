@@ -2,7 +2,7 @@
 import pytest
 
 from kda_core.config import PRESETS
-from lab.pool import WorkloadConfig, page05, simulate_workload, static_kv_share
+from lab.pool import WorkloadConfig, call_latency, page05, simulate_workload, static_kv_share
 from serve.memory.layout import CacheLayout
 
 
@@ -69,4 +69,22 @@ def test_page05_is_one_call_of_plain_data():
     assert len(r.snapshot) == r.num_pages and set(r.timeline.variant) == {"unified", "static split"}
     assert sorted(set(r.waste.policy)) == ["multi_page", "unified"] and len(r.waste) == 6
     assert set(r.real.model) == {"kimi-linear-48b-a3b", "kimi-k3"} and len(r.real) == 4 and len(r.vllm) == 6
-    assert set(r.latency.counts) == {"alloc", "free"}
+
+
+def test_call_latency_repeats_runs_after_a_warmup():
+    """Page 05's latencies follow the measurement rule: ``repeats`` runs after a warm-up, each percentile the
+    median over the runs with its spread, and the conditions for the stamp (it was one run's samples)."""
+    lat = call_latency(8.0, "multi_page", 0.2, "steady", 2, 0, repeats=5)
+    one_run = simulate_workload(WorkloadConfig(pool_mib=8.0, policy="multi_page", long_share=0.2, num_groups=2))
+    calls = {k: len(v) for k, v in one_run.latency_ns.items()}
+    assert {k: sum(c) for k, c in lat.histogram.counts.items()} == {k: 5 * n for k, n in calls.items()}
+    qs = lat.percentiles
+    assert list(zip(qs.call, qs.percentile)) == [("alloc", 50), ("alloc", 99), ("free", 50), ("free", 99)]
+    assert (qs.runs == 5).all()
+    assert ((qs.min_ns <= qs.q1_ns) & (qs.q1_ns <= qs.median_ns) & (qs.median_ns <= qs.q3_ns)
+            & (qs.q3_ns <= qs.max_ns)).all()
+    assert lat.conditions.repeats == 5 and lat.conditions.warmup == 1
+    with pytest.raises(ValueError, match="repeats"):
+        call_latency(8.0, "multi_page", 0.2, "steady", 2, 0, repeats=4)
+    with pytest.raises(ValueError, match="warmup"):
+        call_latency(8.0, "multi_page", 0.2, "steady", 2, 0, warmup=-1)

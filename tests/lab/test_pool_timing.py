@@ -1,20 +1,21 @@
 """The measurement helpers behind bench.pool and pages 05/06 measure what they claim."""
-import time
 
 import numpy as np
 import pytest
 import torch
 
 from lab.pool_timing import (
+    GATHER_CASES,
     NaiveListPool,
-    _round_robin_ns,
     alloc_free_throughput,
     call_latencies_ns,
     gather_timing,
     latency_histogram,
     one_mla_layout,
     one_thread,
+    ratio_spread,
 )
+from lab.timing import summarize
 from serve.memory.pool import PageKind
 
 
@@ -35,14 +36,20 @@ def test_measurements_shapes_and_thread_restore():
     with one_thread():
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == before
-    t = alloc_free_throughput(8, num_pages=64, loops=3, repeats=1)
+    t = alloc_free_throughput(8, num_pages=64, loops=3, repeats=5)
     assert t.batch_pages == 8 and t.pool_ops_s > 0 and t.naive_ops_s > 0
     with pytest.raises(ValueError, match="batch_pages"):
         alloc_free_throughput(40, num_pages=64)
     lat = call_latencies_ns(2, samples=10, num_pages=16)
     assert len(lat["alloc"]) == len(lat["free"]) == 10 and min(lat["alloc"]) > 0
-    g = gather_timing(40, 16, latent_dim=12, kv_lora_rank=8, repeats=1)
-    assert g.context_tokens == 40 and min(g[2:]) > 0
+    g = gather_timing(40, 16, latent_dim=12, kv_lora_rank=8, repeats=5)
+    assert g.context_tokens == 40 and min(g[2:7]) > 0
+    for field, case in zip(g._fields[2:7], GATHER_CASES):                # medians of 5 rounds after a warm-up
+        assert len(g.timings[case].samples_s) == 5 and getattr(g, field) == g.timings[case].median_s * 1e6
+    with pytest.raises(ValueError, match="repeats"):
+        gather_timing(40, 16, latent_dim=12, kv_lora_rank=8, repeats=1)
+    with pytest.raises(ValueError, match="repeats"):
+        alloc_free_throughput(8, num_pages=64, loops=3, repeats=1)
     with pytest.raises(ValueError, match="latent_dim > kv_lora_rank"):
         gather_timing(40, 16, latent_dim=8, kv_lora_rank=8)
     lay = one_mla_layout(16, 12, 8)                          # the engine's layout of what is timed
@@ -96,17 +103,15 @@ def test_latency_histogram_errors(samples, bpd, match):
         latency_histogram(samples, bins_per_decade=bpd)
 
 
-def _descheduled_fn():
-    """A call that sleeps 0 s on warm-up, then 0, 20, 0, 20, 20 ms: three of five rounds "descheduled"."""
-    delays_s = iter([0.0, 0.0, 0.02, 0.0, 0.02, 0.02])
-    return lambda: time.sleep(next(delays_s))
-
-
-def test_round_robin_min_ignores_descheduled_rounds():
-    """Page 06 showed a paged gather at 0.12x a contiguous copy: on an overloaded CPU three of five
-    rounds of the copy were descheduled and took the median with them. The minimum does not move."""
-    median_ns = _round_robin_ns([_descheduled_fn()], 5, "median")[0]
-    min_ns = _round_robin_ns([_descheduled_fn()], 5, "min")[0]
-    assert median_ns >= 20e6 and min_ns < 5e6
-    with pytest.raises(ValueError, match="statistic"):
-        _round_robin_ns([lambda: None], 1, "mean")
+def test_ratio_spread_pairs_rounds():
+    """A ratio is the ratio of the medians; its spread is the IQR of the per-round ratio, so a round in
+    which the machine stalled both contenders does not widen it (page 06 once showed a paged gather at
+    0.12x a contiguous copy when three of five copy rounds were descheduled)."""
+    paged = summarize("paged", [2.0, 2.0, 40.0, 2.2, 40.0])
+    contiguous = summarize("contiguous", [1.0, 1.0, 20.0, 1.0, 20.0])      # rounds 3 and 5 stalled both
+    s = ratio_spread(paged, contiguous)
+    assert s.ratio == pytest.approx(2.2 / 1.0) and s.q1 == pytest.approx(2.0) and s.q3 == pytest.approx(2.0)
+    per_round = [p / c for p, c in zip(paged.samples_s, contiguous.samples_s)]
+    assert (s.q1, s.q3) == pytest.approx(tuple(np.percentile(per_round, [25, 75])))
+    with pytest.raises(ValueError, match="one sample per round"):
+        ratio_spread(paged, summarize("c", [1.0] * 4))

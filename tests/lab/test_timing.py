@@ -1,6 +1,7 @@
 """lab.timing: interleaved repeats, summaries, conditions and the a + b n fit."""
 import time
 
+import numpy as np
 import pytest
 
 from lab.timing import MIN_REPEATS, fit_linear, measure, summarize
@@ -45,3 +46,17 @@ def test_fit_linear_separates_overhead_from_per_token_cost():
     assert fit.at(8) == pytest.approx(9.0)
     with pytest.raises(ValueError, match="two distinct"):
         fit_linear([3, 3], [1.0, 2.0])
+
+
+def test_fit_linear_slope_standard_error():
+    """The slope's standard error (page 04 says "no measurable per-token cost" instead of printing a
+    slope such as b = -0.000 ms/token that is within it): the textbook formula, inf with two points."""
+    ns, ts = [0, 1, 2, 3, 4], [1.0, 1.2, 0.9, 1.1, 1.0]
+    f = fit_linear(ns, ts)
+    resid = np.asarray(ts) - (f.a_s + f.b_s * np.asarray(ns))
+    want = np.sqrt((resid ** 2).sum() / 3 / ((np.asarray(ns) - 2.0) ** 2).sum())
+    assert f.b_se_s == pytest.approx(want) and abs(f.b_s) < f.b_se_s and not f.b_measurable
+    assert fit_linear([0, 1], [1.0, 2.0]).b_se_s == float("inf")
+    steep = fit_linear([0, 1, 2, 3], [1.0, 2.01, 2.99, 4.0])
+    assert steep.b_measurable and steep.b_se_s < 0.01
+    assert not fit_linear([0, 1, 2, 3], [4.0, 2.99, 2.01, 1.0]).b_measurable       # negative: never measurable

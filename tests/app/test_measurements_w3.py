@@ -1,0 +1,45 @@
+"""Pages 05 and 06: each live timing is stamped, drawn with error bars, and its Re-measure button clears only
+that page's measurement (cached measurements are shared by every visitor); page 09's miss TTFT is labelled as
+the one run it is."""
+import time
+
+from streamlit.testing.v1 import AppTest
+
+from tests.app.page_helpers import chart_spec, open_page
+
+
+def _stamp(at: AppTest) -> str:
+    return next(c.value for c in at.caption if c.value.startswith("Measured ") and "interleaved repeats" in c.value)
+
+
+def _button(at: AppTest, key: str):
+    return next(b for b in at.button if b.key == key)
+
+
+def test_p05_p06_stamped_with_error_bars_and_remeasure_only_their_own():
+    pool = open_page("pages/05_page_pool.py")
+    paging = open_page("pages/06_mla_paging.py")
+    pool_stamp, paging_stamp = _stamp(pool), _stamp(paging)
+    assert "5 interleaved repeats" in pool_stamp
+    assert "7 interleaved repeats" in paging_stamp and "1 torch thread(s)" in paging_stamp
+    gather = chart_spec(paging, "p06_gather")["data"]
+    assert gather and all(t.get("error_y", {}).get("type") == "data" for t in gather)       # median + IQR bars
+    latency = [t for t in chart_spec(pool, "p05_latency")["data"] if t.get("error_x")]
+    assert sorted(t["name"].split(" = ")[0] for t in latency) == ["alloc p50", "alloc p99", "free p50", "free p99"]
+
+    time.sleep(1.1)                                                    # stamps are to the second
+    _button(paging, "p06_remeasure").click().run()
+    assert not paging.exception and _stamp(paging) != paging_stamp, "Re-measure did not measure page 06 again"
+    again = open_page("pages/05_page_pool.py")
+    assert _stamp(again) == pool_stamp, "page 06's Re-measure cleared page 05's measurement"
+    paging_stamp = _stamp(paging)
+    time.sleep(1.1)
+    _button(again, "p05_remeasure").click().run()
+    assert not again.exception and _stamp(again) != pool_stamp, "Re-measure did not measure page 05 again"
+    assert _stamp(open_page("pages/06_mla_paging.py")) == paging_stamp, "page 05's Re-measure cleared page 06's"
+
+
+def test_p09_miss_ttft_is_labelled_one_run():
+    at = open_page("pages/09_prefix_miss.py")
+    m = next(m for m in at.metric if m.label == "Miss: prefill tokens")
+    assert m.proto.delta.startswith("one run's TTFT ") and "not repeated" in m.help
