@@ -54,6 +54,7 @@ BUDGET_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)   # of the HBM lef
 INTERVALS = (512, 1024, 2048, 4096, 8192)      # ours' C and extra_buffer's chunked_prefill_size (tokens)
 INTERVAL_BUDGET_FRACTION = 1 / 8               # the budget the interval sweep runs at
 OURS_C, EXTRA_BUFFER_CHUNK = 2048, 8192        # the knobs' values in the budget sweep
+DEFAULT_INTERVAL = {"ours": OURS_C, "sglang extra_buffer": EXTRA_BUFFER_CHUNK}
 
 
 def weight_bytes(shape: ModelShape) -> float:
@@ -251,21 +252,27 @@ def policy_view(model: str, hw_name: str, tp: int, num_requests: int, upload: by
     swept = [p for p in ("ours", "sglang extra_buffer") if p in policies]
     total, done = len(policies) * len(budgets_gb) + len(swept) * len(intervals), 0
     rows, irows, ideal = [], [], 0.0
+    memo: dict[tuple, PolicyResult] = {}   # (policy, interval, budget): the interval sweep meets the budget sweep
+
+    def run(p: str, interval: int | None, budget_gb: float) -> PolicyResult:
+        nonlocal done
+        key = (p, interval or DEFAULT_INTERVAL.get(p), budget_gb)
+        if key not in memo:
+            memo[key] = replay(requests, make_policy(p, model, tp, interval), budget_gb * 1e9)
+        done += 1
+        if progress:
+            progress(done, total)
+        return memo[key]
+
     for p in policies:
         for b in budgets_gb:
-            res = replay(requests, make_policy(p, model, tp), b * 1e9)
+            res = run(p, None, b)
             ideal = res.ideal_hit_tokens / res.total_tokens
             rows.append(_row(res, ttft, policy=p, budget_gb=b))
-            done += 1
-            if progress:
-                progress(done, total)
     for p in swept:
         for c in intervals:
-            res = replay(requests, make_policy(p, model, tp, c), interval_budget * 1e9)
+            res = run(p, c, interval_budget)
             irows.append(_row(res, ttft, policy=p, interval_tokens=c, budget_gb=interval_budget))
-            done += 1
-            if progress:
-                progress(done, total)
     return PolicyView(pd.DataFrame(rows), pd.DataFrame(irows), ideal, float(ttft.cold.mean()), free / 1e9,
                       weight_bytes(shape) / 1e9, interval_budget, vllm_block_size(model, "align", tp_size=tp),
                       len(requests), int(ttft.lengths.sum()), note)

@@ -107,13 +107,15 @@ class StateTree:
     def add_state(self, ids: Sequence[int], pos: int) -> None:
         """Cache a state after ``pos`` tokens of this prompt (its KV must be kept up to ``pos``)."""
         key = ids[-(-pos // self.block_size) - 1]
-        entry = (key, pos)
-        if entry not in self.states:
-            self.node_states.setdefault(key, set()).add(pos)
-            self.states_written += 1
+        entry, states = (key, pos), self.states
         self.clock += 1
-        self.states[entry] = self.clock
-        self.states.move_to_end(entry)
+        if entry in states:
+            states[entry] = self.clock
+            states.move_to_end(entry)
+            return
+        self.node_states.setdefault(key, set()).add(pos)
+        self.states_written += 1
+        states[entry] = self.clock                  # a new key goes to the end (most recent)
 
     # ---- eviction ---------------------------------------------------------------------------------
     def bytes_by_kind(self) -> dict:
@@ -133,9 +135,10 @@ class StateTree:
 
     def _remove_leaf(self, key) -> None:
         node = self.idx.nodes[key]
-        for pos in sorted(self.node_states.pop(key, ())):
+        positions = self.node_states.pop(key, ())
+        for pos in positions:
             del self.states[(key, pos)]
-            self.states_evicted += 1
+        self.states_evicted += len(positions)
         self.idx.remove_block(node)
         del self.kv_stamp[key]
         self.kv_tokens -= node.payload
@@ -170,13 +173,14 @@ class StateTree:
                 self._remove_leaf(self._oldest_leaf())
             return
         cap = kv_cap + state_cap
-        while self.kv_tokens * kvb + len(self.states) * stb > cap:
-            leaf = self._oldest_leaf()
-            st = next(iter(self.states), None)
-            if st is not None and (leaf is None or self.states[st] < self.kv_stamp[leaf]):
+        states, lru, kv_stamp = self.states, self.idx.lru, self.kv_stamp
+        while self.kv_tokens * kvb + len(states) * stb > cap:
+            head = next(iter(lru), None)              # the index keeps its oldest block a leaf
+            st = next(iter(states), None)
+            if st is not None and (head is None or states[st] < kv_stamp[head.key]):
                 self._drop_state(st)
             else:
-                self._remove_leaf(leaf)
+                self._remove_leaf(head.key)
 
     # ---- inspection -------------------------------------------------------------------------------
     def check_integrity(self) -> None:
