@@ -42,7 +42,15 @@ from serve.scale.policies import (
 from serve.scale.published import CONTEXTS, PREFILL_FIG7A, TPOT_FIG7B
 from serve.scale.roofline import checkpoint_restore_time, prefill_time
 from serve.scale.roofline import decode_time as roofline_decode
-from serve.scale.validation import DECODE_SETUP, PREFILL_SETUP, PrefillFit, decode_ratios, fit_prefill, prefill_ratios
+from serve.scale.validation import (
+    DECODE_SETUP,
+    PREFILL_SETUP,
+    PrefillFit,
+    decode_ratios,
+    fit_prefill,
+    fitted_prefill_s,
+    prefill_ratios,
+)
 from serve.traces import TraceRequest
 
 MODELS = REAL_PRESETS
@@ -67,14 +75,6 @@ def weight_bytes(shape: ModelShape) -> float:
 def free_bytes(model: str, hw: Hardware, tp: int) -> float:
     """HBM of ``tp`` GPUs minus the model's weights (bytes per replica; <= 0 when the weights do not fit)."""
     return hw.hbm_bytes * tp - weight_bytes(preset(model))
-
-
-def fitted_prefill_s(shape: ModelShape, hw: Hardware, tp: int, fit: PrefillFit, new_tokens: int,
-                     cached_tokens: int = 0) -> float:
-    """Seconds: roofline prefill with the attention kind ("mla") x ``fit.alpha`` and the rest x ``fit.beta``."""
-    step = prefill_time(shape, hw, tp, new_tokens, cached_tokens)
-    attn = step.kind("mla").time_s if shape.num_mla_layers else 0.0
-    return fit.alpha * attn + fit.beta * (step.total_s - attn)
 
 
 def _check_setup(model: str, hw_name: str, tp: int) -> Hardware:

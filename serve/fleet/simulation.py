@@ -152,7 +152,9 @@ class FleetSim:
         if progress is not None:
             progress(1.0)
         results = sorted((j.result() for j in self.jobs), key=lambda r: r.request_id)
-        return FleetSimResult(results, self.admissions, self.cfg)
+        caches = ({n: r.policy_cache for n, r in self.replicas.items()} if self.cfg.cache_factory is not None
+                  else None)
+        return FleetSimResult(results, self.admissions, self.cfg, caches)
 
     def check_integrity(self) -> None:
         """Every request finished exactly once; no load, queue or KV left; buckets within budget."""
