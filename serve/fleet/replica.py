@@ -98,6 +98,16 @@ class Replica:
             return 0
         return min(self.cache.lookup(job.req.hash_ids) * self.fleet.cfg.block_size, job.input_length)
 
+    def prefix_tokens(self, req) -> tuple[int, int]:
+        """(hit tokens, tokens whose KV is cached) this replica holds of ``req``'s prompt now (pure): the
+        policy's lookup, or the block LRU's leading run (the two agree: a block cache has no states)."""
+        if self.policy_cache is not None:
+            return self.policy_cache.policy.lookup(req)
+        if self.cache is None:
+            return 0, 0
+        t = min(self.cache.lookup(req.hash_ids) * self.fleet.cfg.block_size, req.input_length)
+        return t, t
+
     def _admit(self) -> list[Job]:
         svc = self.service
         batch: list[Job] = []

@@ -61,6 +61,11 @@ class FleetConfig:
     cache_factory: Callable[[], PolicyReplicaCache] | None = None
 
     def __post_init__(self):
+        from serve.fleet import ROUTERS
+        from serve.fleet.prefix_score import PREFIX_SCORE_ROUTERS
+        if self.router not in ROUTERS and self.router not in PREFIX_SCORE_ROUTERS:
+            raise ValueError(f"router must be one of {sorted(ROUTERS) + sorted(PREFIX_SCORE_ROUTERS)}, "
+                             f"got {self.router!r}")
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
         if self.routing_k < 1:
