@@ -163,11 +163,14 @@ def make_policy(name: str, model: str, tp: int, interval: int | None = None):
 class PolicyView:
     """The policy view. budgets: one row per (policy, budget), intervals: one per (policy, interval) at
     ``interval_budget_gb``; columns ``policy``, ``budget_gb``, ``interval_tokens``, ``token_hit_ratio``,
-    ``mean_ttft_s``, ``prefill_saved`` (fraction of the cache-off prefill time), ``kv_gb``, ``state_gb``,
+    ``mean_ttft_s``, ``p99_ttft_s``, ``prefill_saved`` (fraction of the cache-off prefill time), ``kv_gb``, ``state_gb``,
     ``running_gb`` (peak held per kind), ``states_written``, ``states_evicted``, ``kv_evicted_tokens``,
     ``replay_s``. ideal_hit_ratio: the block ideal (unlimited cache). cold_ttft_s: mean TTFT with no
     cache. free_gb / weights_gb: per replica. vllm_block_tokens: vLLM's block for this model and TP.
-    num_requests / total_tokens: the trace; note: what a budget cut from an upload ("" if nothing)."""
+    num_requests / total_tokens: the trace; note: what a budget cut from an upload ("" if nothing).
+    choice: what to pick, one row per budget (``budget_gb``, ``policy`` with the lowest mean TTFT there,
+    its ``mean_ttft_s`` and ``token_hit_ratio``) and one per interval-swept policy (``budget_gb`` = the
+    interval budget, ``interval_tokens`` with the lowest mean TTFT, ``mean_ttft_s``, ``token_hit_ratio``)."""
 
     budgets: pd.DataFrame
     intervals: pd.DataFrame
@@ -180,6 +183,7 @@ class PolicyView:
     num_requests: int
     total_tokens: int
     note: str
+    choice: pd.DataFrame | None = None
 
 
 class _TTFT:
@@ -209,7 +213,7 @@ class _TTFT:
 def _row(res: PolicyResult, ttft: _TTFT, **extra) -> dict:
     t = ttft.per_request(res.request_hit_tokens)
     return {"policy": extra.pop("policy"), **extra, "token_hit_ratio": res.token_hit_ratio,
-            "mean_ttft_s": float(t.mean()), "prefill_saved": 1 - float(t.sum() / ttft.cold.sum()),
+            "mean_ttft_s": float(t.mean()), "p99_ttft_s": float(np.percentile(t, 99)), "prefill_saved": 1 - float(t.sum() / ttft.cold.sum()),
             "kv_gb": res.peak_bytes["kv"] / 1e9, "state_gb": res.peak_bytes["state"] / 1e9,
             "running_gb": res.peak_bytes["running"] / 1e9, "states_written": res.states_written,
             "states_evicted": res.states_evicted, "kv_evicted_tokens": res.kv_evicted_tokens,
@@ -273,6 +277,18 @@ def policy_view(model: str, hw_name: str, tp: int, num_requests: int, upload: by
         for c in intervals:
             res = run(p, c, interval_budget)
             irows.append(_row(res, ttft, policy=p, interval_tokens=c, budget_gb=interval_budget))
-    return PolicyView(pd.DataFrame(rows), pd.DataFrame(irows), ideal, float(ttft.cold.mean()), free / 1e9,
+    budgets, ivs = pd.DataFrame(rows), pd.DataFrame(irows)
+    return PolicyView(budgets, ivs, ideal, float(ttft.cold.mean()), free / 1e9,
                       weight_bytes(shape) / 1e9, interval_budget, vllm_block_size(model, "align", tp_size=tp),
-                      len(requests), int(ttft.lengths.sum()), note)
+                      len(requests), int(ttft.lengths.sum()), note, choose(budgets, ivs))
+
+
+def choose(budgets: pd.DataFrame, intervals: pd.DataFrame) -> pd.DataFrame:
+    """:class:`PolicyView`'s ``choice``: the lowest mean TTFT per budget (over policies) and per interval-swept
+    policy (over intervals); ties to the first row."""
+    cols = ["budget_gb", "policy", "interval_tokens", "mean_ttft_s", "token_hit_ratio"]
+    best = budgets.loc[budgets.groupby("budget_gb", sort=True).mean_ttft_s.idxmin()].assign(interval_tokens=np.nan)
+    parts = [best.reindex(columns=cols)]
+    if len(intervals):
+        parts.append(intervals.loc[intervals.groupby("policy", sort=False).mean_ttft_s.idxmin()].reindex(columns=cols))
+    return pd.concat(parts, ignore_index=True)
