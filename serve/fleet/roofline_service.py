@@ -51,13 +51,19 @@ class RooflineService:
         self.max_batch_requests = max_batch_requests
         self.kv_capacity_tokens = kv_capacity_tokens
         self.max_prefill_tokens_per_step = max_prefill_tokens_per_step
+        self._prefill: dict[tuple[int, int], float] = {}    # memo: (new, cached) -> ms (a pure function)
+        self._decode: dict[tuple[int, int], float] = {}     # memo: (batch, context) -> ms
         self.source = (f"{model} on {tp} x {gpu}: roofline step times (prefill fitted on the Kimi Linear "
                        f"report's Fig. 7a, alpha {self.fit.alpha:.2f}, beta {self.fit.beta:.2f})")
 
     def request_prefill_ms(self, new_tokens: int, cached_tokens: int) -> float:
         """One request's prefill: ``new_tokens`` (>= 1) after ``cached_tokens``, + a restore if it hits."""
-        t = 1e3 * fitted_prefill_s(self.shape, self.hw, self.tp, self.fit, new_tokens, cached_tokens)
-        return t + (self.restore_ms if cached_tokens else 0.0)
+        key = (new_tokens, cached_tokens)
+        t = self._prefill.get(key)
+        if t is None:
+            t = 1e3 * fitted_prefill_s(self.shape, self.hw, self.tp, self.fit, new_tokens, cached_tokens)
+            t = self._prefill[key] = t + (self.restore_ms if cached_tokens else 0.0)
+        return t
 
     def prefill_batch_ms(self, parts: Sequence[tuple[int, int]]) -> float:
         """A prefill step over ``(new_tokens, cached_tokens)`` per admitted request."""
@@ -69,4 +75,8 @@ class RooflineService:
 
     def decode_step_ms(self, batch: int, context_tokens: int = 0) -> float:
         """One decode step of ``batch`` sequences at ``context_tokens`` of context each."""
-        return 1e3 * decode_time(self.shape, self.hw, self.tp, batch, int(context_tokens)).total_s
+        key = (batch, int(context_tokens))
+        t = self._decode.get(key)
+        if t is None:
+            t = self._decode[key] = 1e3 * decode_time(self.shape, self.hw, self.tp, batch, key[1]).total_s
+        return t
