@@ -151,3 +151,20 @@ def test_fleet_of_eight_on_the_real_trace(conversation):
         assert 0 < sim.token_hit_ratio() <= ideal
         assert (hit + sum(c.lost_to_missing_state for c in caches.values())) / sum(
             r.input_length for r in sim.results) <= ideal + 1e-12
+
+
+def test_replica_reports_hit_then_kv_to_the_precise_routers():
+    """What a replica reports to a precise router: (hit tokens, KV tokens) of its policy, in that order; the
+    block-LRU replica reports its leading run twice (no states)."""
+    from serve.fleet.simulation import FleetSim
+    first = FleetRequest(0, 0.0, 3 * 512 + 1, 1, (1, 2, 3, 4))
+    second = FleetRequest(1, 1.0, 2 * 512, 1, (1, 9))
+    cfg = FleetConfig(service=RooflineService(KIMI, "H200", 8), num_replicas=1, router="precise_state",
+                      cache_factory=lambda: PolicyReplicaCache(OursPolicy(KIMI, 1024, tp_size=8), 1e15))
+    replica = FleetSim([first, second], cfg).replicas["replica-0"]
+    replica.policy_cache.finish(first, replica.policy_cache.start(first))
+    assert replica.prefix_tokens(second) == (0, 512)
+    lru = FleetSim([first, second], FleetConfig(service=RooflineService(KIMI, "H200", 8), num_replicas=1,
+                                                 router="precise_kv")).replicas["replica-0"]
+    lru.cache.insert(first.hash_ids)
+    assert lru.prefix_tokens(second) == (512, 512)
