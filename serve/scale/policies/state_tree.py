@@ -42,7 +42,7 @@ class StateTree:
         self.idx = PrefixIndex(1)
         self.states: OrderedDict = OrderedDict()     # (key, pos) -> stamp, oldest first
         self.node_states: dict = {}                  # key -> set of pos
-        self.kv_stamp: dict = {}                     # key -> stamp of its last touch
+        self.kv_stamp: dict = {}                     # key -> stamp of its last touch (one pool only)
         self.clock = 0
         self.kv_tokens = 0
         self.states_written = self.states_evicted = self.kv_evicted_tokens = 0
@@ -82,8 +82,10 @@ class StateTree:
         if nblk:
             self.idx.touch(ids, nblk, with_checkpoint=False)
             self.clock += 1
-            for j in range(nblk):
-                self.kv_stamp[ids[j]] = self.clock
+            if not self.two_pools:                   # two pools never compare a block with a state
+                stamp, clock = self.kv_stamp, self.clock
+                for j in range(nblk):
+                    stamp[ids[j]] = clock
         if state_pos:
             entry = (ids[-(-state_pos // self.block_size) - 1], state_pos)
             self.clock += 1
@@ -140,7 +142,7 @@ class StateTree:
             del self.states[(key, pos)]
         self.states_evicted += len(positions)
         self.idx.remove_block(node)
-        del self.kv_stamp[key]
+        self.kv_stamp.pop(key, None)
         self.kv_tokens -= node.payload
         self.kv_evicted_tokens += node.payload
         if self.prune and node.parent is not ROOT:
@@ -153,7 +155,7 @@ class StateTree:
             parent = nodes[key].parent
             node = nodes[key]
             self.idx.remove_block(node)
-            del self.kv_stamp[key]
+            self.kv_stamp.pop(key, None)
             self.kv_tokens -= node.payload
             self.kv_evicted_tokens += node.payload
             key = parent
@@ -189,7 +191,7 @@ class StateTree:
         position; state sets equal to the LRU list; with pruning, no stateless leaf."""
         N, nodes = self.block_size, self.idx.nodes
         self.idx.check_integrity()
-        assert set(self.kv_stamp) == set(nodes), "KV stamps out of step with the cached blocks"
+        assert set(self.kv_stamp) == (set() if self.two_pools else set(nodes)), "KV stamps out of step with the blocks"
         total = 0
         for key, node in nodes.items():
             assert 0 < node.payload <= N, f"block keeps {node.payload} tokens"
