@@ -151,11 +151,13 @@ def hit_ratio_across_scale_event(trace: Sequence[TraceRequest], algorithms: Sequ
 
 def simulate_policies(trace: Sequence[TraceRequest], policies: Sequence[str], base: FleetConfig,
                       class_of: Callable[[int], str] | None = None,
-                      progress: Callable[[float], None] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+                      progress: Callable[[float], None] | None = None,
+                      sims: list | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Run the fleet simulation once per routing policy on ``trace`` (same config otherwise).
 
     Returns (per-request results with a ``policy`` column, per-policy × class summary with hit ratio,
-    TTFT P50/P99, queue wait P99, max/mean requests per replica and throughput)."""
+    TTFT P50/P99, queue wait P99, max/mean requests per replica and throughput). ``sims``: when a list,
+    each run's :class:`FleetSimResult` is appended to it (its replica caches' counters)."""
     requests = requests_from_trace(trace)
     if class_of is not None:
         requests = [r._replace(klass=class_of(r.request_id)) for r in requests]
@@ -167,6 +169,8 @@ def simulate_policies(trace: Sequence[TraceRequest], policies: Sequence[str], ba
 
         cfg = FleetConfig(**{**base.__dict__, "router": policy})
         sim = simulate(requests, cfg, progress=sub_progress)
+        if sims is not None:
+            sims.append(sim)
         df = results_frame(sim)
         df.insert(0, "policy", policy)
         frames.append(df)

@@ -1,5 +1,13 @@
 """Page 14 in one call: the whole fleet chain (router -> replica scheduler -> prefix cache -> continuous
-batching) on one trace, once per routing policy (:func:`fleet_simulation`)."""
+batching) on one trace, once per routing policy (:func:`fleet_simulation`).
+
+Replicas (``service_model``): "roofline" (default) = a real Kimi model on ``tp`` x ``gpu`` per replica,
+step times from the roofline (:class:`serve.fleet.roofline_service.RooflineService`) and a prefix cache
+that is a production policy model at real bytes (:class:`serve.fleet.policy_cache.PolicyReplicaCache`
+over :func:`lab.real_scale.make_policy`) under ``budget_fraction`` of the HBM the weights leave; the
+running requests' KV has the rest. "a10g" = the VTC artifact's calibration (the validated setup that
+reproduces the VTC measurements), "cpu" = our engine timed on this CPU; both with a block LRU cache of
+``capacity`` blocks and the stated (assumed) speed-up."""
 from __future__ import annotations
 
 import math
@@ -10,15 +18,26 @@ import numpy as np
 import pandas as pd
 
 from lab.fleet import ANCHORS, default_service, ideal_ratio, page_trace, scale_events_for, simulate_policies
+from lab.real_scale import BUDGET_FRACTIONS, HARDWARE, MODELS, TP_SIZES, free_bytes, make_policy
+from lab.real_scale import POLICIES as CACHE_POLICIES
 from serve.fleet import ROUTERS
 from serve.fleet.budgets import PriorityClass
+from serve.fleet.policy_cache import PolicyReplicaCache
+from serve.fleet.prefix_score import PREFIX_SCORE_ROUTERS
+from serve.fleet.roofline_service import RooflineService
 from serve.fleet.service_model import cpu_engine_preset, measure_cpu_engine
 from serve.fleet.sim_types import FleetConfig
 from serve.fleet.vtc import on_off_less_service
+from serve.scale.hardware import hardware
+from serve.scale.policies import ReplicaBytes
 
-POLICIES = tuple(ROUTERS)
-SERVICE_MODELS = {"A10G · Llama-7B (VTC artifact, measured)": "a10g",
+POLICIES = tuple(ROUTERS) + tuple(PREFIX_SCORE_ROUTERS)
+SERVICE_MODELS = {"real model · roofline, policy cache at real bytes": "roofline",
+                  "A10G · Llama-7B (VTC artifact, measured)": "a10g",
                   "this CPU · our KDA demo engine (measured now)": "cpu"}
+REAL_DEFAULTS = {"model": "kimi-linear-48b-a3b", "gpu": "H200", "tp": 8, "cache_policy": "ours",
+                 "budget_fraction": 1 / 8}
+BUDGET_OPTIONS = tuple(BUDGET_FRACTIONS)
 CAPACITIES = ("0", "500", "2000", "8000", "unlimited")  # cache per replica options (512-token blocks)
 SCALE_EVENTS = ("none", "add", "remove")  # at half the trace's duration
 SCHEDULERS = ("fcfs", "vtc")
@@ -38,7 +57,12 @@ class FleetSimulation:
     throughput (req/s); in_flight: per policy, the in-flight load each request met when routed
     (:func:`in_flight_at_routing`); ideal_ratio: token hit ratio of one infinite shared cache; num_requests: trace
     length; service_source: what the replicas are calibrated on; note: what the budget cut from an upload;
-    anchors: published figures with sources."""
+    anchors: published figures with sources. With policy caches ("roofline"), kda: one row per policy:
+    ``hit_ratio``, ``ideal_ratio`` (block ideal), ``lost_to_missing_state`` (prompt tokens whose KV the
+    serving replica held but no state let it reuse, fraction of prompt tokens), ``state_gb`` / ``kv_gb``
+    (peak per replica, mean over replicas), ``ttft_p50_ms`` / ``ttft_p99_ms`` (all classes),
+    ``throughput_rps``; replica_bytes: one row per (policy, replica): ``kv_gb``, ``state_gb``,
+    ``running_gb`` peaks. None otherwise."""
 
     per_request: pd.DataFrame
     summary: pd.DataFrame
@@ -48,42 +72,58 @@ class FleetSimulation:
     service_source: str
     note: str
     anchors: dict | None = None
+    kda: pd.DataFrame | None = None
+    replica_bytes: pd.DataFrame | None = None
 
 
 def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: int, k: int, capacity: str,
                      scheduler: str, vip_percent: int, scale: str, speedup: float, service_model: str,
                      upload: bytes | None = None, upload_name: str = "uploaded file",
-                     progress: Callable[[float], None] | None = None) -> FleetSimulation:
+                     progress: Callable[[float], None] | None = None, model: str = REAL_DEFAULTS["model"],
+                     gpu: str = REAL_DEFAULTS["gpu"], tp: int = REAL_DEFAULTS["tp"],
+                     cache_policy: str = REAL_DEFAULTS["cache_policy"],
+                     budget_fraction: float = REAL_DEFAULTS["budget_fraction"]) -> FleetSimulation:
     """Simulate the page trace (``upload`` or the synthetic one) once per policy in ``policies``:
-    ``num_replicas`` replicas of ``service_model`` ("a10g": the VTC artifact's calibration; "cpu": our engine
-    timed on this CPU now) with prefill ``speedup`` x and decode ``speedup * DECODE_SHARE`` x (at least 1),
-    ``capacity`` blocks of cache each (:data:`CAPACITIES`), every ``100 / vip_percent``-th request VIP, and
-    an optional scale event at half time. ``progress(fraction)`` is called as the runs advance.
+    ``num_replicas`` replicas of ``service_model`` (module docstring; "roofline": ``model`` on ``tp`` x
+    ``gpu``, cache ``cache_policy`` at ``budget_fraction`` of the free HBM; "a10g" / "cpu": prefill
+    ``speedup`` x and decode ``speedup * DECODE_SHARE`` x (at least 1), ``capacity`` blocks of cache each
+    (:data:`CAPACITIES`)), every ``100 / vip_percent``-th request VIP, and an optional scale event at half
+    time. ``progress(fraction)`` is called as the runs advance.
 
-    Raises: ValueError for no or unknown policies, an unknown option, or a bad upload (TraceFormatError)."""
-    if not policies or any(p not in ROUTERS for p in policies):
+    Raises: ValueError for no or unknown policies, an unknown option, weights that do not fit, or a bad
+    upload (TraceFormatError)."""
+    if not policies or any(p not in POLICIES for p in policies):
         raise ValueError(f"policies must be a non-empty subset of {POLICIES}, got {list(policies)}")
     for name, value, allowed in (("capacity", capacity, CAPACITIES), ("scheduler", scheduler, SCHEDULERS),
                                  ("scale", scale, SCALE_EVENTS), ("service_model", service_model,
-                                                                  tuple(SERVICE_MODELS.values()))):
+                                                                  tuple(SERVICE_MODELS.values())),
+                                 ("model", model, MODELS), ("gpu", gpu, HARDWARE), ("tp", tp, TP_SIZES),
+                                 ("cache_policy", cache_policy, CACHE_POLICIES),
+                                 ("budget_fraction", budget_fraction, BUDGET_OPTIONS)):
         if value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     if not 0 <= vip_percent <= 100:
         raise ValueError(f"vip_percent must be in [0, 100], got {vip_percent}")
     trace, note, _ = page_trace(upload, num_requests, name=upload_name)
-    base = on_off_less_service() if service_model == "a10g" else cpu_engine_preset(measure_cpu_engine())
-    service = default_service(base, float(speedup), max(1.0, speedup * DECODE_SHARE), KV_CAPACITY_TOKENS)
+    cache_factory = None
+    if service_model == "roofline":
+        service, cache_factory = real_replica(model, gpu, tp, cache_policy, budget_fraction)
+    else:
+        base = on_off_less_service() if service_model == "a10g" else cpu_engine_preset(measure_cpu_engine())
+        service = default_service(base, float(speedup), max(1.0, speedup * DECODE_SHARE), KV_CAPACITY_TOKENS)
     cfg = FleetConfig(service=service, num_replicas=num_replicas, routing_k=k, scheduler=scheduler,
                       router_params={"vnodes": VNODES},
                       cache_capacity_blocks=None if capacity == "unlimited" else int(capacity), classes=CLASSES,
                       scale_events=scale_events_for(num_replicas, None if scale == "none" else scale,
-                                                    trace[-1].timestamp_ms / 2))
+                                                    trace[-1].timestamp_ms / 2), cache_factory=cache_factory)
     every = round(100 / vip_percent) if vip_percent else 0
 
     def class_of(i: int) -> str:
         return "vip" if every and i % every == 0 else "standard"
 
-    per_request, summary = simulate_policies(trace, list(policies), cfg, class_of, progress=progress)
+    sims: list = []
+    per_request, summary = simulate_policies(trace, list(policies), cfg, class_of, progress=progress, sims=sims)
+    kda, replica_bytes = kda_metrics(sims, list(policies), summary, trace) if cache_factory else (None, None)
     events = cfg.scale_events
     before = frozenset(f"replica-{i}" for i in range(num_replicas))
     after = before if not events else (before | {events[0].replica} if events[0].action == "add"
@@ -96,7 +136,47 @@ def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: i
     in_flight = pd.concat([in_flight_at_routing(g, replicas_at, from_ms=from_ms).assign(policy=name)
                            for name, g in per_request.groupby("policy", sort=False)], ignore_index=True)
     return FleetSimulation(per_request, summary, in_flight, ideal_ratio(trace), len(trace), service.source, note,
-                           anchors=dict(ANCHORS))
+                           anchors=dict(ANCHORS), kda=kda, replica_bytes=replica_bytes)
+
+
+def real_replica(model: str, gpu: str, tp: int, cache_policy: str, budget_fraction: float):
+    """(service, cache_factory) of one replica of ``model`` on ``tp`` x ``gpu``: roofline step times with
+    room for the running requests' KV outside the cache budget, and a fresh ``cache_policy`` under
+    ``budget_fraction`` x the HBM the weights leave. Raises ValueError when the weights do not fit."""
+    free = free_bytes(model, hardware(gpu), tp)
+    if free <= 0:
+        raise ValueError(f"{model} weights do not fit in {tp} x {gpu}: choose more GPUs (tp) or larger ones")
+    budget = free * budget_fraction
+    kv_per_token = ReplicaBytes.for_preset(model, tp).kv_bytes_per_token
+    room = max(1, int((free - budget) // kv_per_token))
+    service = RooflineService(model, gpu, tp, kv_capacity_tokens=room)
+
+    def cache_factory() -> PolicyReplicaCache:
+        return PolicyReplicaCache(make_policy(cache_policy, model, tp), budget)
+
+    return service, cache_factory
+
+
+def kda_metrics(sims: list, policies: list[str], summary: pd.DataFrame, trace) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The KDA view of policy-cache runs (:class:`FleetSimulation`'s ``kda`` and ``replica_bytes``)."""
+    ideal = ideal_ratio(trace)
+    rows, per_replica = [], []
+    overall = summary[summary["class"] == "all"].set_index("policy")
+    for name, sim in zip(policies, sims):
+        caches = sim.replica_caches
+        prompt = sum(r.input_length for r in sim.results if r.status == "completed")
+        for replica, c in caches.items():
+            per_replica.append({"policy": name, "replica": replica, "kv_gb": c.peak_bytes["kv"] / 1e9,
+                                "state_gb": c.peak_bytes["state"] / 1e9, "running_gb": c.peak_bytes["running"] / 1e9})
+        lost = sum(c.lost_to_missing_state for c in caches.values())
+        o = overall.loc[name]
+        rows.append({"policy": name, "hit_ratio": float(o.hit_ratio), "ideal_ratio": ideal,
+                     "lost_to_missing_state": lost / max(1, prompt),
+                     "kv_gb": float(np.mean([c.peak_bytes["kv"] for c in caches.values()])) / 1e9,
+                     "state_gb": float(np.mean([c.peak_bytes["state"] for c in caches.values()])) / 1e9,
+                     "ttft_p50_ms": float(o.ttft_p50_ms), "ttft_p99_ms": float(o.ttft_p99_ms),
+                     "throughput_rps": float(o.throughput_rps)})
+    return pd.DataFrame(rows), pd.DataFrame(per_replica)
 
 
 def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float], frozenset[str]],

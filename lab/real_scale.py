@@ -42,7 +42,15 @@ from serve.scale.policies import (
 from serve.scale.published import CONTEXTS, PREFILL_FIG7A, TPOT_FIG7B
 from serve.scale.roofline import checkpoint_restore_time, prefill_time
 from serve.scale.roofline import decode_time as roofline_decode
-from serve.scale.validation import DECODE_SETUP, PREFILL_SETUP, PrefillFit, decode_ratios, fit_prefill, prefill_ratios
+from serve.scale.validation import (
+    DECODE_SETUP,
+    PREFILL_SETUP,
+    PrefillFit,
+    decode_ratios,
+    fit_prefill,
+    fitted_prefill_s,
+    prefill_ratios,
+)
 from serve.traces import TraceRequest
 
 MODELS = REAL_PRESETS
@@ -54,6 +62,7 @@ BUDGET_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)   # of the HBM lef
 INTERVALS = (512, 1024, 2048, 4096, 8192)      # ours' C and extra_buffer's chunked_prefill_size (tokens)
 INTERVAL_BUDGET_FRACTION = 1 / 8               # the budget the interval sweep runs at
 OURS_C, EXTRA_BUFFER_CHUNK = 2048, 8192        # the knobs' values in the budget sweep
+DEFAULT_INTERVAL = {"ours": OURS_C, "sglang extra_buffer": EXTRA_BUFFER_CHUNK}
 
 
 def weight_bytes(shape: ModelShape) -> float:
@@ -66,14 +75,6 @@ def weight_bytes(shape: ModelShape) -> float:
 def free_bytes(model: str, hw: Hardware, tp: int) -> float:
     """HBM of ``tp`` GPUs minus the model's weights (bytes per replica; <= 0 when the weights do not fit)."""
     return hw.hbm_bytes * tp - weight_bytes(preset(model))
-
-
-def fitted_prefill_s(shape: ModelShape, hw: Hardware, tp: int, fit: PrefillFit, new_tokens: int,
-                     cached_tokens: int = 0) -> float:
-    """Seconds: roofline prefill with the attention kind ("mla") x ``fit.alpha`` and the rest x ``fit.beta``."""
-    step = prefill_time(shape, hw, tp, new_tokens, cached_tokens)
-    attn = step.kind("mla").time_s if shape.num_mla_layers else 0.0
-    return fit.alpha * attn + fit.beta * (step.total_s - attn)
 
 
 def _check_setup(model: str, hw_name: str, tp: int) -> Hardware:
@@ -162,11 +163,14 @@ def make_policy(name: str, model: str, tp: int, interval: int | None = None):
 class PolicyView:
     """The policy view. budgets: one row per (policy, budget), intervals: one per (policy, interval) at
     ``interval_budget_gb``; columns ``policy``, ``budget_gb``, ``interval_tokens``, ``token_hit_ratio``,
-    ``mean_ttft_s``, ``prefill_saved`` (fraction of the cache-off prefill time), ``kv_gb``, ``state_gb``,
+    ``mean_ttft_s``, ``p99_ttft_s``, ``prefill_saved`` (fraction of the cache-off prefill time), ``kv_gb``, ``state_gb``,
     ``running_gb`` (peak held per kind), ``states_written``, ``states_evicted``, ``kv_evicted_tokens``,
     ``replay_s``. ideal_hit_ratio: the block ideal (unlimited cache). cold_ttft_s: mean TTFT with no
     cache. free_gb / weights_gb: per replica. vllm_block_tokens: vLLM's block for this model and TP.
-    num_requests / total_tokens: the trace; note: what a budget cut from an upload ("" if nothing)."""
+    num_requests / total_tokens: the trace; note: what a budget cut from an upload ("" if nothing).
+    choice: what to pick, one row per budget (``budget_gb``, ``policy`` with the lowest mean TTFT there,
+    its ``mean_ttft_s`` and ``token_hit_ratio``) and one per interval-swept policy (``budget_gb`` = the
+    interval budget, ``interval_tokens`` with the lowest mean TTFT, ``mean_ttft_s``, ``token_hit_ratio``)."""
 
     budgets: pd.DataFrame
     intervals: pd.DataFrame
@@ -179,6 +183,7 @@ class PolicyView:
     num_requests: int
     total_tokens: int
     note: str
+    choice: pd.DataFrame | None = None
 
 
 class _TTFT:
@@ -208,7 +213,7 @@ class _TTFT:
 def _row(res: PolicyResult, ttft: _TTFT, **extra) -> dict:
     t = ttft.per_request(res.request_hit_tokens)
     return {"policy": extra.pop("policy"), **extra, "token_hit_ratio": res.token_hit_ratio,
-            "mean_ttft_s": float(t.mean()), "prefill_saved": 1 - float(t.sum() / ttft.cold.sum()),
+            "mean_ttft_s": float(t.mean()), "p99_ttft_s": float(np.percentile(t, 99)), "prefill_saved": 1 - float(t.sum() / ttft.cold.sum()),
             "kv_gb": res.peak_bytes["kv"] / 1e9, "state_gb": res.peak_bytes["state"] / 1e9,
             "running_gb": res.peak_bytes["running"] / 1e9, "states_written": res.states_written,
             "states_evicted": res.states_evicted, "kv_evicted_tokens": res.kv_evicted_tokens,
@@ -251,21 +256,39 @@ def policy_view(model: str, hw_name: str, tp: int, num_requests: int, upload: by
     swept = [p for p in ("ours", "sglang extra_buffer") if p in policies]
     total, done = len(policies) * len(budgets_gb) + len(swept) * len(intervals), 0
     rows, irows, ideal = [], [], 0.0
+    memo: dict[tuple, PolicyResult] = {}   # (policy, interval, budget): the interval sweep meets the budget sweep
+
+    def run(p: str, interval: int | None, budget_gb: float) -> PolicyResult:
+        nonlocal done
+        key = (p, interval or DEFAULT_INTERVAL.get(p), budget_gb)
+        if key not in memo:
+            memo[key] = replay(requests, make_policy(p, model, tp, interval), budget_gb * 1e9)
+        done += 1
+        if progress:
+            progress(done, total)
+        return memo[key]
+
     for p in policies:
         for b in budgets_gb:
-            res = replay(requests, make_policy(p, model, tp), b * 1e9)
+            res = run(p, None, b)
             ideal = res.ideal_hit_tokens / res.total_tokens
             rows.append(_row(res, ttft, policy=p, budget_gb=b))
-            done += 1
-            if progress:
-                progress(done, total)
     for p in swept:
         for c in intervals:
-            res = replay(requests, make_policy(p, model, tp, c), interval_budget * 1e9)
+            res = run(p, c, interval_budget)
             irows.append(_row(res, ttft, policy=p, interval_tokens=c, budget_gb=interval_budget))
-            done += 1
-            if progress:
-                progress(done, total)
-    return PolicyView(pd.DataFrame(rows), pd.DataFrame(irows), ideal, float(ttft.cold.mean()), free / 1e9,
+    budgets, ivs = pd.DataFrame(rows), pd.DataFrame(irows)
+    return PolicyView(budgets, ivs, ideal, float(ttft.cold.mean()), free / 1e9,
                       weight_bytes(shape) / 1e9, interval_budget, vllm_block_size(model, "align", tp_size=tp),
-                      len(requests), int(ttft.lengths.sum()), note)
+                      len(requests), int(ttft.lengths.sum()), note, choose(budgets, ivs))
+
+
+def choose(budgets: pd.DataFrame, intervals: pd.DataFrame) -> pd.DataFrame:
+    """:class:`PolicyView`'s ``choice``: the lowest mean TTFT per budget (over policies) and per interval-swept
+    policy (over intervals); ties to the first row."""
+    cols = ["budget_gb", "policy", "interval_tokens", "mean_ttft_s", "token_hit_ratio"]
+    best = budgets.loc[budgets.groupby("budget_gb", sort=True).mean_ttft_s.idxmin()].assign(interval_tokens=np.nan)
+    parts = [best.reindex(columns=cols)]
+    if len(intervals):
+        parts.append(intervals.loc[intervals.groupby("policy", sort=False).mean_ttft_s.idxmin()].reindex(columns=cols))
+    return pd.concat(parts, ignore_index=True)

@@ -6,11 +6,17 @@ import streamlit as st
 
 from lab.fleet_simulation import (
     BOUND_C,
+    BUDGET_OPTIONS,
+    CACHE_POLICIES,
     CAPACITIES,
+    HARDWARE,
+    MODELS,
     POLICIES,
+    REAL_DEFAULTS,
     SCALE_EVENTS,
     SCHEDULERS,
     SERVICE_MODELS,
+    TP_SIZES,
     fleet_simulation,
 )
 from pages._common import engine_call, persist, show_chart, upload_parts
@@ -18,24 +24,54 @@ from pages._common import engine_call, persist, show_chart, upload_parts
 st.title("Fleet simulation")
 st.write(
     "The whole chain on a trace: each request is routed on its first k blocks, waits in its replica's scheduler, "
-    "prefills only the tokens its replica has not cached (per-replica LRU block cache), then decodes under "
-    "continuous batching. Several routing policies run on the same trace so hit ratio, TTFT per class and load "
+    "prefills only the tokens its replica has not cached, then decodes under continuous batching. By default each "
+    "replica is Kimi-Linear on 8 × H200: step times from the roofline, and a prefix cache that is a production "
+    "policy model (ours, SGLang, vLLM) at real bytes, where a hit needs a KDA state at the boundary. The VTC-"
+    "calibrated A10G replica (block LRU cache) stays selectable: it is the setup that reproduces the VTC artifact. Several routing policies run on the same trace so hit ratio, TTFT per class and load "
     "balance can be compared side by side. Default trace: synthetic (Mooncake schema, ~3.4 req/s like the "
     "conversation trace); upload a Mooncake JSONL file to use your own.")
 
+SERVICES = list(SERVICE_MODELS)
+service_label = st.selectbox("Replica", SERVICES, index=0, key=persist("p14_model", SERVICES[0], options=SERVICES),
+                             bind="query-params", persist_state="session")
+real = SERVICE_MODELS[service_label] == "roofline"
+if real:
+    r1, r2, r3, r4, r5 = st.columns(5)
+    model_name = r1.selectbox("Model", list(MODELS), index=list(MODELS).index(REAL_DEFAULTS["model"]),
+                              key=persist("p14_real_model", REAL_DEFAULTS["model"], options=list(MODELS)),
+                              bind="query-params", persist_state="session")
+    gpu = r2.selectbox("GPU", list(HARDWARE), index=list(HARDWARE).index(REAL_DEFAULTS["gpu"]),
+                       key=persist("p14_gpu", REAL_DEFAULTS["gpu"], options=list(HARDWARE)), bind="query-params",
+                       persist_state="session")
+    tp = r3.select_slider("GPUs per replica (TP)", list(TP_SIZES), value=REAL_DEFAULTS["tp"],
+                          key=persist("p14_tp", REAL_DEFAULTS["tp"], options=list(TP_SIZES)), bind="query-params",
+                          persist_state="session")
+    cache_policy = r4.selectbox("Prefix-cache policy", list(CACHE_POLICIES),
+                                index=list(CACHE_POLICIES).index(REAL_DEFAULTS["cache_policy"]),
+                                key=persist("p14_cache_policy", REAL_DEFAULTS["cache_policy"],
+                                            options=list(CACHE_POLICIES)), bind="query-params", persist_state="session")
+    BUDGETS = [f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_OPTIONS]
+    budget = r5.select_slider("Cache budget (share of HBM left after weights)", BUDGETS, value="1/8",
+                              key=persist("p14_budget", "1/8", options=BUDGETS), bind="query-params",
+                              persist_state="session")
+    budget_fraction = BUDGET_OPTIONS[BUDGETS.index(budget)]
+else:
+    model_name, gpu, tp, cache_policy = (REAL_DEFAULTS[k] for k in ("model", "gpu", "tp", "cache_policy"))
+    budget_fraction = REAL_DEFAULTS["budget_fraction"]
 c1, c2, c3, c4 = st.columns(4)
 num_requests = c1.slider("Requests (cap)", 200, 5000, step=100, value=2000, key=persist("p14_requests", 2000, min_value=200, max_value=5000), bind="query-params", persist_state="session")
 replicas = c2.slider("Replicas", 1, 16, value=8, key=persist("p14_replicas", 8, min_value=1, max_value=16), bind="query-params", persist_state="session")
 k = c3.slider("Routing prefix depth k (blocks)", 1, 4, value=2, key=persist("p14_k", 2, min_value=1, max_value=4), bind="query-params", persist_state="session")
-capacity = c4.select_slider("Cache per replica (blocks of 512 tokens)", list(CAPACITIES),
-                            value="8000", key=persist("p14_capacity", "8000", options=list(CAPACITIES)), bind="query-params", persist_state="session")
+capacity = "8000" if real else c4.select_slider(  # a real-model replica's cache is its byte budget (above)
+    "Cache per replica (blocks of 512 tokens)", list(CAPACITIES), value="8000",
+    key=persist("p14_capacity", "8000", options=list(CAPACITIES)), bind="query-params", persist_state="session")
 d1, d2, d3, d4 = st.columns(4)
 scheduler = d1.selectbox("Replica scheduler", list(SCHEDULERS), index=list(SCHEDULERS).index("vtc"), key=persist("p14_scheduler", "vtc", options=list(SCHEDULERS)), bind="query-params", persist_state="session")
 vip_pct = d2.slider("VIP share of requests (%)", 0, 50, step=5, value=10, key=persist("p14_vip", 10, min_value=0, max_value=50), bind="query-params", persist_state="session")
 scale = d3.selectbox("Scale event at half time", list(SCALE_EVENTS), index=list(SCALE_EVENTS).index("none"), key=persist("p14_scale", "none", options=list(SCALE_EVENTS)), bind="query-params", persist_state="session")
-speed = d4.slider("Replica speed-up (prefill ×; decode × 5/8 of it)", 1, 20, value=8, key=persist("p14_speed", 8, min_value=1, max_value=20), bind="query-params", persist_state="session")
-MODELS = list(SERVICE_MODELS)
-model = st.selectbox("Replica service model (before the speed-up)", MODELS, index=0, key=persist("p14_model", MODELS[0], options=MODELS), bind="query-params", persist_state="session")
+speed = 8 if real else d4.slider(  # an assumption for the A10G / CPU replicas; a real model's times: the roofline
+    "Replica speed-up (prefill ×; decode × 5/8 of it)", 1, 20, value=8,
+    key=persist("p14_speed", 8, min_value=1, max_value=20), bind="query-params", persist_state="session")
 DEFAULT_POLICIES = ["ring", "round_robin", "cache_aware", "bounded_load"]
 policies = st.multiselect("Routing policies", list(POLICIES), default=DEFAULT_POLICIES,
                           key=persist("p14_policies", DEFAULT_POLICIES, options=list(POLICIES)), bind="query-params",
@@ -47,16 +83,19 @@ if not policies:
 
 
 @st.cache_data(show_spinner=False, max_entries=16, ttl="1h")
-def _run(policies, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, model, upload_bytes, upload_name):
+def _run(policies, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, service, real_setup, upload_bytes,
+         upload_name):
     bar = st.progress(0.0, text="Simulating…")  # made here: replayed on a cache hit
-    run = fleet_simulation(policies, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, SERVICE_MODELS[model],
-                           upload_bytes, upload_name, progress=lambda f: bar.progress(min(f, 1.0), text="Simulating…"))
+    model_name, gpu, tp, cache_policy, budget_fraction = real_setup
+    run = fleet_simulation(policies, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, SERVICE_MODELS[service],
+                           upload_bytes, upload_name, progress=lambda f: bar.progress(min(f, 1.0), text="Simulating…"),
+                           model=model_name, gpu=gpu, tp=tp, cache_policy=cache_policy, budget_fraction=budget_fraction)
     bar.empty()
     return run
 
 
-run = engine_call(_run, tuple(policies), num_requests, replicas, k, capacity, scheduler, vip_pct, scale, speed, model,
-                  *upload_parts(upload))
+run = engine_call(_run, tuple(policies), num_requests, replicas, k, capacity, scheduler, vip_pct, scale, speed,
+                  service_label, (model_name, gpu, tp, cache_policy, budget_fraction), *upload_parts(upload))
 per_request, summary, ideal, n_trace, source = run.per_request, run.summary, run.ideal_ratio, run.num_requests, \
     run.service_source
 if run.note:
@@ -121,7 +160,40 @@ st.download_button("Download per-request results (CSV)", per_request.to_csv(inde
 st.caption(f"{n_trace:,} requests (cap {num_requests:,}), {replicas} replicas: {source}. What to notice: round-robin "
            "scatters sessions and loses most hits; hashing on k = 1 sends everything to one replica (shared system "
            "prompt); cache-aware routing trades some balance for hits.")
+if run.kda is not None:
+    kda, rb = run.kda, run.replica_bytes
+    st.subheader(f"4 · What KDA changes: {cache_policy} on {model_name}, {tp} × {gpu}")
+    fig4 = go.Figure([go.Bar(x=kda.policy, y=kda.hit_ratio, name="token hit ratio"),
+                      go.Bar(x=kda.policy, y=kda.lost_to_missing_state,
+                             name="KV cached on the replica, no state to use it")])
+    fig4.add_hline(y=run.ideal_ratio, line_dash="dash", annotation_text=f"block ideal {run.ideal_ratio:.3f}")
+    fig4.update_layout(barmode="stack", xaxis_title="routing policy", yaxis_title="share of prompt tokens",
+                       yaxis_range=[0, max(run.ideal_ratio, float((kda.hit_ratio + kda.lost_to_missing_state).max()))
+                                    * 1.15], legend=dict(orientation="h", y=-0.25))
+    show_chart(fig4, kda, key="p14_kda_chart")
+    fig5 = go.Figure([go.Bar(x=rb.policy + " · " + rb.replica.str.replace("replica-", "r"), y=rb[col], name=name)
+                      for col, name in (("kv_gb", "cached KV"), ("state_gb", "cached states"),
+                                        ("running_gb", "running request's state slots"))])
+    fig5.update_layout(barmode="stack", xaxis_title="routing policy · replica", yaxis_title="peak GB per replica",
+                       legend=dict(orientation="h", y=-0.35))
+    show_chart(fig5, rb, key="p14_bytes_chart")
+    if {"precise_kv", "precise_state"} <= set(kda.policy):
+        by = kda.set_index("policy")
+        kv_only, aware = by.loc["precise_kv"], by.loc["precise_state"]
+        st.metric("Checkpoint-aware routing vs KV-only routing (hit ratio)", f"{aware.hit_ratio:.3f}",
+                  f"{aware.hit_ratio - kv_only.hit_ratio:+.3f} vs {kv_only.hit_ratio:.3f}")
+        st.caption(f"TTFT P99 {aware.ttft_p99_ms:,.0f} ms checkpoint-aware vs {kv_only.ttft_p99_ms:,.0f} ms KV-only. "
+                   "precise_kv scores each replica by the prompt tokens whose KV it holds (what a router built for "
+                   "full attention sees); precise_state by the tokens it would really skip (a state must sit at the "
+                   "boundary). Both send a request to the best replica only above 30 % of the prompt (sgl-router's "
+                   "cache threshold), else to the least loaded.")
+    else:
+        st.caption("Add the routing policies precise_kv and precise_state to compare routing that ignores where the "
+                   "replicas placed their KDA checkpoints with routing that uses it.")
 with st.expander("Service model"):
-    st.markdown("Prefill time = uncached tokens ÷ prefill rate; decode step time per batch size. The rates are "
-                "calibrated on the VTC artifact's A10G measurements, or timed on this CPU with our engine, then sped "
-                "up by the stated (assumed) factors.")
+    st.markdown("A real-model replica: prefill step = fitted roofline prefill of each request's uncached tokens "
+                "after its cached ones (+ one checkpoint restore per hit); decode step = roofline TPOT at the batch's "
+                "mean context; the cache is the chosen policy under its byte budget (KV + states + the running "
+                "request's state slots). A10G / CPU replica: prefill time = uncached tokens ÷ prefill rate; decode "
+                "step time per batch size, calibrated on the VTC artifact's A10G measurements or timed on this CPU "
+                "with our engine, then sped up by the stated (assumed) factors.")

@@ -158,6 +158,22 @@ if len(pv.intervals):
                      xaxis_title="state interval (tokens, log): ours' C / extra_buffer's chunked_prefill_size",
                      yaxis_title="token hit ratio (fraction)", legend=dict(orientation="h", y=-0.3))
     show_chart(iv, pv.intervals, key="p15_interval_chart")
+    ivt = go.Figure([go.Scatter(x=g.interval_tokens, y=g.mean_ttft_s * 1e3, mode="lines+markers", name=p,
+                                customdata=g.p99_ttft_s * 1e3, hovertemplate="mean %{y:.1f} ms, P99 %{customdata:.0f} ms")
+                     for p, g in pv.intervals.groupby("policy", sort=False)])
+    ivt.update_layout(xaxis_type="log", title=f"at {pv.interval_budget_gb:,.0f} GB per replica",
+                      xaxis_title="state interval (tokens, log): ours' C / extra_buffer's chunked_prefill_size",
+                      yaxis_title="mean TTFT, roofline (ms)", legend=dict(orientation="h", y=-0.3))
+    show_chart(ivt, pv.intervals[["policy", "interval_tokens", "mean_ttft_s", "p99_ttft_s", "token_hit_ratio"]],
+               key="p15_interval_ttft_chart")
+ch = pv.choice
+by_budget = ch[ch.interval_tokens.isna()]
+by_interval = ch[ch.interval_tokens.notna()]
+st.markdown("**What to choose on this trace.** Lowest mean TTFT per budget: " + "; ".join(
+    f"{r.budget_gb:,.0f} GB → {r.policy} ({r.mean_ttft_s * 1e3:.1f} ms, hit {r.token_hit_ratio:.3f})"
+    for r in by_budget.itertuples()) + (". Best interval at " f"{pv.interval_budget_gb:,.0f} GB: " + "; ".join(
+    f"{r.policy} → {int(r.interval_tokens):,} tokens ({r.mean_ttft_s * 1e3:.1f} ms)" for r in by_interval.itertuples())
+    if len(by_interval) else "") + ".")
 show_table(b.assign(mean_ttft_ms=b.mean_ttft_s * 1e3), {"policy": "Policy", "budget_gb": num("Budget / replica (GB)", "%,.0f"),
                "token_hit_ratio": pct("Token hit ratio"), "mean_ttft_ms": num("Mean TTFT (ms)", "%.1f"),
                "prefill_saved": pct("Prefill saved"), "kv_gb": num("KV held (GB)", "%,.1f"),

@@ -9,12 +9,15 @@ Concept → file → main type:
 - rendezvous (HRW) ...................... rendezvous.py .... ``RendezvousRouter``
 - Maglev ................................ maglev.py ........ ``MaglevRouter``
 - cache-aware (SGLang-router-like) ...... cache_aware.py ... ``CacheAwareRouter``
+- precise prefix routers (KV / KDA state) prefix_score.py .. ``PrefixScoreRouter`` (``precise_kv``, ``precise_state``)
 - per-replica prefix cache (blocks, LRU)  block_cache.py ... ``BlockLRUCache``
+- per-replica policy cache (real bytes) . policy_cache.py .. ``PolicyReplicaCache`` (over serve.scale.policies)
 - routing-only trace replay ............. replay.py ........ ``replay_routing``
 - keys moved / scale events ............. scaling.py ....... ``keys_moved``
 - token buckets, classes ................ budgets.py ....... ``TokenBucket``, ``PriorityClass``
 - FCFS / VTC schedulers ................. scheduler.py ..... ``FCFSScheduler``, ``VTCScheduler``
 - service-time model, calibration ....... service_model.py . ``ServiceModel``
+- service times from the roofline ....... roofline_service.py ``RooflineService``
 - simulation inputs / outputs ........... sim_types.py ..... ``FleetConfig``, ``FleetRequest``, ``FleetSimResult``,
   ``FleetRequestResult``, ``fresh_block_requests`` (the one bounded builder of unshared block ids)
 - one replica (simpy process) ........... replica.py ....... ``Replica``
@@ -25,7 +28,7 @@ Concept → file → main type:
 - page-sized experiments (pages 11–14) .. experiments.py ... ``routing_load``, ``simulate_policies``, ``page_trace``
 
 Tests: ``tests/serve/fleet/test_fleet_routers.py``, ``test_fleet_simulation.py``,
-``test_fleet_experiments.py``; traces: ``tests/serve/test_traces.py``, upload limits:
+``test_fleet_experiments.py``, ``test_fleet_policy_cache.py``; traces: ``tests/serve/test_traces.py``, upload limits:
 ``tests/serve/test_traces_limits.py``, ``tests/serve/test_traces_fuzz.py``; bench: ``python -m bench.fleet``.
 """
 

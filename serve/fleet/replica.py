@@ -1,5 +1,5 @@
-"""One replica of the fleet simulation: its scheduler queue, running batch, KV reservation and block
-cache, driven as a ``simpy`` process (the step model is in ``service_model.py``).
+"""One replica of the fleet simulation: its scheduler queue, running batch, KV reservation and prefix
+cache (a block LRU, or a policy model at real bytes: ``policy_cache.py``), driven as a ``simpy`` process (the step model is in ``service_model.py``).
 
 Speed: decode steps are not simulated one by one. With b running requests every step lasts
 ``decode_step_ms(b)``, so the replica sleeps until the next completion (k steps) — or until the VTC
@@ -57,7 +57,9 @@ class Replica:
         cfg = fleet.cfg
         self.service = cfg.service
         cap = cfg.cache_capacity_blocks
-        self.cache = BlockLRUCache(cap) if cap != 0 else None
+        # a policy model at real bytes (cache_factory) or the block LRU of cache_capacity_blocks
+        self.policy_cache = cfg.cache_factory() if cfg.cache_factory is not None else None
+        self.cache = BlockLRUCache(cap) if cap != 0 and self.policy_cache is None else None
         self.scheduler = SCHEDULERS[cfg.scheduler](cfg.weights)
         self.scheduler_output_price = getattr(self.scheduler, "OUTPUT_PRICE", 0.0)
         self.running: list[Job] = []
@@ -90,9 +92,21 @@ class Replica:
             self.wake.succeed()
 
     def _hit_tokens(self, job: Job) -> int:
+        if self.policy_cache is not None:
+            return self.policy_cache.hit_tokens(job.req)
         if self.cache is None:
             return 0
         return min(self.cache.lookup(job.req.hash_ids) * self.fleet.cfg.block_size, job.input_length)
+
+    def prefix_tokens(self, req) -> tuple[int, int]:
+        """(hit tokens, tokens whose KV is cached) this replica holds of ``req``'s prompt now (pure): the
+        policy's lookup, or the block LRU's leading run (the two agree: a block cache has no states)."""
+        if self.policy_cache is not None:
+            return self.policy_cache.policy.lookup(req)
+        if self.cache is None:
+            return 0, 0
+        t = min(self.cache.lookup(req.hash_ids) * self.fleet.cfg.block_size, req.input_length)
+        return t, t
 
     def _admit(self) -> list[Job]:
         svc = self.service
@@ -136,17 +150,22 @@ class Replica:
                 self.fleet.finish(job, "aborted")
             admitted = self._admit()
             if admitted:
-                uncached = 0
+                parts = []
                 for job in admitted:
                     job.state, job.start_ms = "prefill", env.now
-                    job.hit_tokens = self._hit_tokens(job)
+                    if self.policy_cache is not None:
+                        job.hit_tokens = self.policy_cache.start(job.req)
+                    else:
+                        job.hit_tokens = self._hit_tokens(job)
                     if self.cache is not None:
                         self.cache.touch(job.req.hash_ids[: job.hit_tokens // self.fleet.cfg.block_size])
-                    uncached += max(1, job.input_length - job.hit_tokens)
-                yield env.timeout(svc.prefill_ms(uncached))
+                    parts.append((max(1, job.input_length - job.hit_tokens), job.hit_tokens))
+                yield env.timeout(svc.prefill_batch_ms(parts))
                 for job in admitted:
                     if self.cache is not None:
                         self.cache.insert(job.req.hash_ids)
+                    if self.policy_cache is not None:
+                        self.policy_cache.finish(job.req, job.hit_tokens)
                     if job.abort_requested:
                         self._release(job)
                         self.fleet.finish(job, "aborted")
@@ -161,7 +180,8 @@ class Replica:
                         self.running.append(job)
                 continue
             if self.running:
-                step = svc.decode_step_ms(len(self.running))
+                context = sum(j.input_length + j.req.output_length - j.remaining for j in self.running)
+                step = svc.decode_step_ms(len(self.running), context // len(self.running))
                 k = min(j.remaining for j in self.running)
                 if len(self.scheduler):  # a fair scheduler's pick can change as counters grow
                     growth: dict[str, float] = {}
@@ -197,3 +217,5 @@ class Replica:
         assert len(self.running) <= self.service.max_batch_requests
         if self.cache is not None:
             self.cache.check_integrity()
+        if self.policy_cache is not None:
+            self.policy_cache.check_integrity()

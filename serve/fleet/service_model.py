@@ -61,8 +61,13 @@ class ServiceModel:
         """Duration of a prefill step computing ``uncached_tokens`` prompt tokens."""
         return self.prefill_overhead_ms + uncached_tokens * 1000.0 / self.prefill_tokens_per_s
 
-    def decode_step_ms(self, batch: int) -> float:
-        """Duration of one decode step with ``batch`` running requests."""
+    def prefill_batch_ms(self, parts) -> float:
+        """A prefill step over ``(new_tokens, cached_tokens)`` per admitted request: only the new tokens
+        count (the interface :class:`serve.fleet.roofline_service.RooflineService` shares)."""
+        return self.prefill_ms(sum(n for n, _ in parts))
+
+    def decode_step_ms(self, batch: int, context_tokens: int = 0) -> float:
+        """Duration of one decode step with ``batch`` running requests (the context does not matter here)."""
         return self.decode_step_base_ms + self.decode_step_per_seq_ms * batch
 
     def scaled(self, prefill_x: float, decode_x: float, kv_capacity_tokens: int | None = None,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -12,6 +12,9 @@ from serve.fleet.budgets import PriorityClass
 from serve.fleet.service_model import ServiceModel
 from serve.trace_limits import MAX_INPUT_TOKENS, MAX_TRACE_BLOCKS
 from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+
+if TYPE_CHECKING:
+    from serve.fleet.policy_cache import PolicyReplicaCache
 
 
 class FleetRequest(NamedTuple):
@@ -40,7 +43,10 @@ class FleetConfig:
     """A fleet: ``num_replicas`` named ``replica-i``, a router (``router`` name + ``router_params``)
     on the first ``routing_k`` blocks, a per-replica ``scheduler`` ("fcfs" / "vtc"), a ``service``
     model, per-replica block caches of ``cache_capacity_blocks`` (None = unlimited, 0 = no cache),
-    priority ``classes`` (weights and token buckets) and ``scale_events``."""
+    priority ``classes`` (weights and token buckets) and ``scale_events``. ``cache_factory``: when set,
+    each replica's cache is ``cache_factory()`` (a policy model at real bytes,
+    :class:`serve.fleet.policy_cache.PolicyReplicaCache`) instead of the block LRU. ``service``: a
+    :class:`ServiceModel` or :class:`serve.fleet.roofline_service.RooflineService`."""
 
     service: ServiceModel
     num_replicas: int = 8
@@ -52,8 +58,14 @@ class FleetConfig:
     cache_capacity_blocks: int | None = None
     block_size: int = MOONCAKE_BLOCK_TOKENS
     scale_events: tuple[ScaleAt, ...] = ()
+    cache_factory: Callable[[], PolicyReplicaCache] | None = None
 
     def __post_init__(self):
+        from serve.fleet import ROUTERS
+        from serve.fleet.prefix_score import PREFIX_SCORE_ROUTERS
+        if self.router not in ROUTERS and self.router not in PREFIX_SCORE_ROUTERS:
+            raise ValueError(f"router must be one of {sorted(ROUTERS) + sorted(PREFIX_SCORE_ROUTERS)}, "
+                             f"got {self.router!r}")
         if self.num_replicas < 1:
             raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
         if self.routing_k < 1:
@@ -117,11 +129,14 @@ class Admission(NamedTuple):
 
 
 class FleetSimResult(NamedTuple):
-    """``results`` in request-id order; ``admissions`` (bucket log); the ``config`` that produced them."""
+    """``results`` in request-id order; ``admissions`` (bucket log); the ``config`` that produced them;
+    ``replica_caches``: each replica's policy cache (its counters and peak bytes) when the config has a
+    ``cache_factory``, else None."""
 
     results: list[FleetRequestResult]
     admissions: list[Admission]
     config: FleetConfig
+    replica_caches: dict | None = None     # replica name -> PolicyReplicaCache (policy-model runs)
 
     def column(self, name: str, status: str | None = "completed", klass: str | None = None) -> np.ndarray:
         """Array of one field or property over the results, filtered by status and class."""

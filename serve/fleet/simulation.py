@@ -26,6 +26,7 @@ import simpy
 from serve.fleet import make_router
 from serve.fleet.budgets import TokenBucket
 from serve.fleet.hashing import routing_key
+from serve.fleet.prefix_score import PREFIX_SCORE_ROUTERS, PrefixScoreRouter
 from serve.fleet.replica import Job, Replica
 from serve.fleet.router import RouteQuery
 from serve.fleet.sim_types import Admission, FleetConfig, FleetRequest, FleetSimResult
@@ -41,8 +42,13 @@ class FleetSim:
         self.cfg = cfg
         self.env = simpy.Environment()
         names = [f"replica-{i}" for i in range(cfg.num_replicas)]
-        self.router = make_router(cfg.router, names, **cfg.router_params)
+        if cfg.router in PREFIX_SCORE_ROUTERS:
+            self.router = PrefixScoreRouter(names, PREFIX_SCORE_ROUTERS[cfg.router])
+        else:
+            self.router = make_router(cfg.router, names, **cfg.router_params)
         self.replicas = {n: Replica(self, n) for n in names}
+        if isinstance(self.router, PrefixScoreRouter):
+            self.router.scorer = lambda name, req: self.replicas[name].prefix_tokens(req)
         self.jobs = [Job(r) for r in sorted(requests, key=lambda r: (r.arrival_ms, r.request_id))]
         classes = {c.name: c for c in cfg.classes}
         self.buckets = {c.name: TokenBucket(c.rate_tokens_per_s, c.burst_tokens) for c in cfg.classes if c.has_bucket}
@@ -64,7 +70,7 @@ class FleetSim:
     def dispatch(self, job: Job) -> None:
         if math.isnan(job.admitted_ms):
             job.admitted_ms = self.env.now
-        query = RouteQuery(routing_key(job.req.hash_ids, self.cfg.routing_k), job.req.hash_ids)
+        query = RouteQuery(routing_key(job.req.hash_ids, self.cfg.routing_k), job.req.hash_ids, job.req)
         job.replica = self.router.route(query)
         self.router.on_start(job.replica)
         self.replicas[job.replica].submit(job)
@@ -152,7 +158,9 @@ class FleetSim:
         if progress is not None:
             progress(1.0)
         results = sorted((j.result() for j in self.jobs), key=lambda r: r.request_id)
-        return FleetSimResult(results, self.admissions, self.cfg)
+        caches = ({n: r.policy_cache for n, r in self.replicas.items()} if self.cfg.cache_factory is not None
+                  else None)
+        return FleetSimResult(results, self.admissions, self.cfg, caches)
 
     def check_integrity(self) -> None:
         """Every request finished exactly once; no load, queue or KV left; buckets within budget."""

@@ -102,23 +102,81 @@ class TraceReplayResult(NamedTuple):
     request_hit_tokens: tuple = ()
 
 
+class ReplayCache:
+    """The cache a replay drives, one request at a time (the fleet simulation drives it per replica).
+
+    ``walk(r)`` is the engine's lookup (pure): ``(kv_tokens, hit_blocks)``. ``admit(r, hit_blocks)``
+    applies what the engine does after the request: refresh the hit, insert the prompt's blocks, publish
+    the missing checkpoint groups at the placement rule's boundaries past the hit. ``evict_to(cap)``
+    evicts LRU entries until KV + checkpoint bytes <= cap. Byte counters ``kv_used`` / ``st_used``;
+    counters ``written``, ``ev_kv`` (blocks), ``ev_ck`` (group checkpoints)."""
+
+    def __init__(self, config: TraceReplayConfig):
+        self.config = config
+        self.idx = PrefixIndex(config.serving.num_groups)
+        self.kv_used = self.st_used = self.written = self.ev_kv = self.ev_ck = 0
+
+    def walk(self, r) -> tuple[int, int]:
+        """``(kv_tokens, hit_blocks)`` of request ``r`` (``hash_ids``, ``input_length``); pure."""
+        N, L = self.config.serving.block_size, r.input_length
+        return self.idx.walk(r.hash_ids[:L // N], L, N) if L else (0, 0)
+
+    def admit(self, r, hit_blocks: int, run: int | None = None) -> None:
+        """The request ran with a hit of ``hit_blocks`` blocks (as :meth:`walk` gave; if the cache changed
+        since, the walk of now is used when it is shorter). ``run``: the leading cached blocks, if known."""
+        idx, serving, ids, L = self.idx, self.config.serving, r.hash_ids, r.input_length
+        N, total = serving.block_size, len(ids)
+        if run is None:
+            run = idx.kv_run(ids)
+            hit_blocks = min(hit_blocks, self.walk(r)[1])
+        if hit_blocks:
+            idx.touch(ids, hit_blocks)
+        kv_b, ck_b = self.config.kv_block_bytes, self.config.group_state_bytes
+        for i in range(run, total):                           # insert the prompt's blocks
+            idx.add_block(ids[i], ROOT if i == 0 else ids[i - 1])
+            self.kv_used += kv_b
+        idx.touch(ids, total, with_checkpoint=False)
+        for b in serving.prefill_checkpoints(L):              # the engine's placement rule
+            b //= N
+            if b <= hit_blocks:
+                continue
+            missing = idx.missing_groups(ids[b - 1])
+            if not missing:
+                idx.touch(ids, b)
+            for g in missing:                                 # as PrefixCache.publish_checkpoint
+                idx.add_checkpoint(ids[b - 1], g, None, b * N)
+                self.st_used += ck_b[g]
+                self.written += 1
+
+    def evict_to(self, cap: float) -> None:
+        """Evict LRU entries until KV + checkpoint bytes <= ``cap``."""
+        kv_b, ck_b, idx = self.config.kv_block_bytes, self.config.group_state_bytes, self.idx
+        while self.kv_used + self.st_used > cap:
+            for ev in idx.evict_one():
+                if ev.kind is EntryKind.BLOCK:
+                    self.kv_used -= kv_b
+                    self.ev_kv += 1
+                else:
+                    self.st_used -= ck_b[ev.group]
+                    self.ev_ck += 1
+
+
 def replay_trace(requests: Sequence[TraceRequest], config: TraceReplayConfig,
                  progress: Callable[[float], None] | None = None) -> TraceReplayResult:
-    """Replay ``requests`` in order through one simulated cache; see the module docstring.
-    ``progress(fraction)`` is called about every 1,000 requests. Ratios are 0.0 when the trace has no
-    blocks or no tokens (every ``input_length`` 0). Raises ValueError on an empty trace."""
+    """Replay ``requests`` in order through one simulated cache (:class:`ReplayCache`); see the module
+    docstring. ``progress(fraction)`` is called about every 1,000 requests. Ratios are 0.0 when the trace
+    has no blocks or no tokens (every ``input_length`` 0). Raises ValueError on an empty trace."""
     if not requests:
         raise ValueError("requests must not be empty")
     t0 = time.perf_counter()
-    serving = config.serving
-    N = serving.block_size
-    kv_b, ck_b = config.kv_block_bytes, config.group_state_bytes
+    N = config.serving.block_size
     cap = config.capacity_bytes
-    idx = PrefixIndex(serving.num_groups)
+    cache = ReplayCache(config)
+    idx = cache.idx
     seen: set = set()
     miss = dict.fromkeys(MISS_CAUSES, 0)
     hit_blocks = total_blocks = hit_tokens = total_tokens = 0
-    kv_used = st_used = peak_kv = peak_st = written = ev_kv = ev_ck = 0
+    peak_kv = peak_st = 0
     request_hits: list[int] = []
     for n, r in enumerate(requests):
         ids, L = r.hash_ids, r.input_length
@@ -126,7 +184,7 @@ def replay_trace(requests: Sequence[TraceRequest], config: TraceReplayConfig,
         run = idx.kv_run(ids)                                 # the trace's view: no token cap
         kvb = min(run, full)
         jb = idx.checkpoint_run(ids, kvb)
-        kv_tokens, jt = idx.walk(ids[:full], L, N) if L else (0, 0)   # the engine's lookup
+        kv_tokens, jt = cache.walk(r)                         # the engine's lookup
         limit = kv_tokens // N
         ideal_full = min(leading_run(ids, seen), full)
         hit_blocks += jb + (jb == full and run == total > full)
@@ -140,34 +198,11 @@ def replay_trace(requests: Sequence[TraceRequest], config: TraceReplayConfig,
         miss["evicted"] += evicted
         miss["no_kv_block"] += new
         miss["below_one_block"] += L - jt * N - (limit - jt) * N - evicted - new
-        if jt:
-            idx.touch(ids, jt)
-        for i in range(run, total):                           # insert the prompt's blocks
-            idx.add_block(ids[i], ROOT if i == 0 else ids[i - 1])
-            kv_used += kv_b
-        idx.touch(ids, total, with_checkpoint=False)
+        cache.admit(r, jt, run)
         seen.update(ids)
-        for b in serving.prefill_checkpoints(L):              # the engine's placement rule
-            b //= N
-            if b <= jt:
-                continue
-            missing = idx.missing_groups(ids[b - 1])
-            if not missing:
-                idx.touch(ids, b)
-            for g in missing:                                 # as PrefixCache.publish_checkpoint
-                idx.add_checkpoint(ids[b - 1], g, None, b * N)
-                st_used += ck_b[g]
-                written += 1
         if cap is not None:
-            while kv_used + st_used > cap:
-                for ev in idx.evict_one():
-                    if ev.kind is EntryKind.BLOCK:
-                        kv_used -= kv_b
-                        ev_kv += 1
-                    else:
-                        st_used -= ck_b[ev.group]
-                        ev_ck += 1
-        peak_kv, peak_st = max(peak_kv, kv_used), max(peak_st, st_used)
+            cache.evict_to(cap)
+        peak_kv, peak_st = max(peak_kv, cache.kv_used), max(peak_st, cache.st_used)
         if progress is not None and n % 1000 == 0:
             progress(n / len(requests))
     if progress is not None:
@@ -175,8 +210,8 @@ def replay_trace(requests: Sequence[TraceRequest], config: TraceReplayConfig,
     miss_total = sum(miss.values())
     assert miss_total == total_tokens - hit_tokens, "miss causes must add up to the missed tokens"
     return TraceReplayResult(_ratio(hit_blocks, total_blocks), _ratio(hit_tokens, total_tokens), hit_blocks,
-                             total_blocks, hit_tokens, total_tokens, miss, peak_kv, peak_st, written, ev_kv, ev_ck,
-                             time.perf_counter() - t0, tuple(request_hits))
+                             total_blocks, hit_tokens, total_tokens, miss, peak_kv, peak_st, cache.written,
+                             cache.ev_kv, cache.ev_ck, time.perf_counter() - t0, tuple(request_hits))
 
 
 def _ratio(part: int, whole: int) -> float:

@@ -76,6 +76,15 @@ def fit_prefill(hw: Hardware | None = None, tp: int | None = None) -> PrefillFit
     return PrefillFit(alpha=(y1 * l2 - y2 * l1) / det, beta=(a1 * y2 - a2 * y1) / det)
 
 
+def fitted_prefill_s(shape: ModelShape, hw: Hardware, tp: int, fit: PrefillFit, new_tokens: int,
+                     cached_tokens: int = 0) -> float:
+    """Seconds: roofline prefill of ``new_tokens`` after ``cached_tokens`` (:func:`prefill_time`) with the
+    attention kind ("mla") x ``fit.alpha`` and every other kind x ``fit.beta``."""
+    step = prefill_time(shape, hw, tp, new_tokens, cached_tokens)
+    attn = step.kind("mla").time_s if shape.num_mla_layers else 0.0
+    return fit.alpha * attn + fit.beta * (step.total_s - attn)
+
+
 def prefill_ratios(fit: PrefillFit | None = None, hw: Hardware | None = None, tp: int | None = None,
                    contexts: tuple[int, ...] = CONTEXTS) -> list[RatioRow]:
     """Prefill MLA / Kimi Linear at each context; ``fit`` None = ``fit_prefill()``, or pass

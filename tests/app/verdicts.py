@@ -177,6 +177,14 @@ def _p14(at: AppTest) -> None:
     bars = chart_spec(at, "p14_balance_chart")["data"][0]   # what bounded loads bounds: it never routes above its cap
     over = dict(zip(bars["x"], plotly_values(bars["y"])))
     assert over.get("bounded_load", 0.0) == 0.0, f"bounded_load routed {over['bounded_load']:.1%} above its cap"
+    if not any(c.proto.id.endswith("p14_kda_chart") for c in at.get("plotly_chart")):
+        return                                          # an A10G / CPU replica: no policy cache
+    kda = chart_spec(at, "p14_kda_chart")   # hit + KV-without-state <= what one infinite shared cache holds
+    ideal = next(s["y0"] for s in kda["layout"]["shapes"] if s["y0"] == s["y1"])
+    hit, lost = (plotly_values(t["y"]) for t in kda["data"][:2])
+    assert all(0 <= h and 0 <= lo and h + lo <= ideal + 1e-12 for h, lo in zip(hit, lost)), (hit, lost, ideal)
+    stacks = [plotly_values(t["y"]) for t in chart_spec(at, "p14_bytes_chart")["data"]]
+    assert max(stacks[0]) > 0 and all(v > 0 for v in stacks[2]), "no replica cached KV, or one reserved no slot"
 
 
 def _p15(at: AppTest) -> None:

@@ -113,3 +113,30 @@ def test_in_flight_at_routing_by_hand():
     row = in_flight_at_routing(df.assign(replica="r0"), lambda t: frozenset({'r0', 'r1', 'r2', 'r3'}), c=1.25).iloc[0]
     # 4 replicas: b meets load 2 > ceil(1.25 * 2 / 4) = 1, c meets 2 > 1: two of three over
     assert row.over_cap_share == pytest.approx(2 / 3)
+
+
+def test_fleet_simulation_on_real_replicas():
+    """Kimi-Linear on 8 x H200 per replica with a policy cache: the KDA view per routing policy is consistent
+    with the summary, within the block ideal, per replica within the budget; K3 on 8 x H200 is refused."""
+    from lab.fleet_simulation import real_replica
+    from lab.real_scale import free_bytes
+    from serve.scale.hardware import hardware
+    run = fleet_simulation(["cache_aware", "precise_kv", "precise_state"], 600, 4, 2, "8000", "vtc", 10, "none", 8,
+                           "roofline", cache_policy="vllm align", budget_fraction=1 / 16)
+    kda = run.kda.set_index("policy")
+    overall = run.summary[run.summary["class"] == "all"].set_index("policy")
+    assert list(kda.index) == ["cache_aware", "precise_kv", "precise_state"]
+    assert (kda.hit_ratio == overall.hit_ratio).all()
+    assert ((kda.hit_ratio + kda.lost_to_missing_state) <= run.ideal_ratio + 1e-12).all()
+    assert (kda.lost_to_missing_state > 0).any()          # vLLM align leaves KV without states
+    budget = free_bytes("kimi-linear-48b-a3b", hardware("H200"), 8) / 16
+    per = run.replica_bytes
+    assert len(per) == 12                                  # peaks per kind (each kind's own maximum over time)
+    for kind in ("kv_gb", "state_gb"):
+        assert ((per[kind] + per.running_gb) * 1e9 <= budget * (1 + 1e-12)).all(), kind
+    assert "roofline" in run.service_source
+    assert run.kda is not None and fleet_simulation(["ring"], 300, 4, 2, "8000", "vtc", 10, "none", 8, "a10g").kda is None
+    with pytest.raises(ValueError, match="do not fit"):
+        real_replica("kimi-k3", "H200", 8, "ours", 1 / 8)
+    with pytest.raises(ValueError, match="cache_policy"):
+        fleet_simulation(["ring"], 300, 4, 2, "8000", "vtc", 10, "none", 8, "roofline", cache_policy="lru")

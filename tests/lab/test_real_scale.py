@@ -128,3 +128,30 @@ def test_bad_input():
         roofline_view(KIMI, "V100", 8)
     with pytest.raises(ValueError, match="policy"):
         make_policy("lru", KIMI, 8)
+
+
+def test_choice_picks_the_lowest_mean_ttft_per_budget_and_interval():
+    """Hand-made sweep: at 10 GB vllm all is fastest, at 20 GB ours; of ours' intervals 1024 is fastest."""
+    import pandas as pd
+
+    from lab.real_scale import choose
+    budgets = pd.DataFrame({"policy": ["ours", "vllm all", "ours", "vllm all"], "budget_gb": [10.0, 10.0, 20.0, 20.0],
+                            "mean_ttft_s": [0.5, 0.4, 0.2, 0.3], "token_hit_ratio": [0.1, 0.2, 0.4, 0.3]})
+    intervals = pd.DataFrame({"policy": ["ours"] * 3, "budget_gb": [15.0] * 3, "interval_tokens": [512, 1024, 2048],
+                              "mean_ttft_s": [0.3, 0.25, 0.28], "token_hit_ratio": [0.3, 0.35, 0.32]})
+    got = choose(budgets, intervals)
+    assert got.policy.tolist() == ["vllm all", "ours", "ours"]
+    assert got.budget_gb.tolist() == [10.0, 20.0, 15.0]
+    assert got.interval_tokens.iloc[2] == 1024 and got.interval_tokens.iloc[:2].isna().all()
+    assert got.mean_ttft_s.tolist() == [0.4, 0.2, 0.25]
+
+
+def test_policy_view_choice_is_consistent_with_its_sweep():
+    view = policy_view("kimi-linear-48b-a3b", "H200", 8, 300, policies=("ours", "vllm align"),
+                       intervals=(1024, 4096))
+    by_budget = view.choice[view.choice.interval_tokens.isna()]
+    for r in by_budget.itertuples():
+        assert r.mean_ttft_s == view.budgets[view.budgets.budget_gb == r.budget_gb].mean_ttft_s.min()
+    by_interval = view.choice[view.choice.interval_tokens.notna()]
+    assert by_interval.policy.tolist() == ["ours"]
+    assert by_interval.mean_ttft_s.iloc[0] == view.intervals[view.intervals.policy == "ours"].mean_ttft_s.min()

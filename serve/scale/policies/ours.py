@@ -6,8 +6,9 @@ every C tokens + the replay boundary + the prompt end, :meth:`serve.config.Serve
 lookup capped at L - 1; eviction to a byte capacity after each request), the same index the engine's
 :class:`serve.prefix.cache.PrefixCache` uses. This class only maps a replica budget onto a
 :class:`serve.prefix.sim.TraceReplayConfig` and the simulator's result onto a
-:class:`serve.scale.policies.base.PolicyResult`; it replays whole traces (``replay_trace``), not one
-request at a time.
+:class:`serve.scale.policies.base.PolicyResult`. :func:`serve.scale.policies.base.replay` replays whole
+traces through ``replay_trace``; the fleet simulation drives one request at a time through ``lookup`` /
+``admit`` / ``evict_to`` over the same :class:`serve.prefix.sim.ReplayCache`.
 
 Bytes: a KV block = ``replica.kv_bytes_per_token x N``; a checkpoint of group g = that group's KDA layers'
 state (:func:`serve.memory.layout.group_state_bytes`), so a complete checkpoint = one sequence's state. One
@@ -20,7 +21,7 @@ import numpy as np
 from kda_core.config import PRESETS
 from serve.config import ServeConfig
 from serve.memory.layout import group_layers, group_state_bytes
-from serve.prefix.sim import TraceReplayConfig, replay_trace
+from serve.prefix.sim import ReplayCache, TraceReplayConfig, replay_trace
 from serve.scale.policies.base import PolicyResult, ReplicaBytes
 from serve.traces import MOONCAKE_BLOCK_TOKENS, ideal_hit_ratio
 
@@ -62,3 +63,42 @@ class OursPolicy:
                             np.asarray(res.request_hit_tokens, dtype=np.int64), peak, res.checkpoints_written,
                             res.evicted_checkpoints, res.evicted_blocks * self.block_size,
                             res.miss_tokens["kv_no_checkpoint"], float(budget_bytes), res.seconds)
+
+    # ---- one request at a time (the fleet simulation) ---------------------------------------------
+    @property
+    def cache(self) -> ReplayCache:
+        """The per-request cache (created on first use; unlimited capacity, ``evict_to`` trims it)."""
+        if getattr(self, "_cache", None) is None:
+            self._cache = ReplayCache(self.config(None))
+        return self._cache
+
+    def lookup(self, r) -> tuple[int, int]:
+        """(hit tokens, KV-reusable tokens) of request ``r`` by the engine's two-phase walk; pure."""
+        kv_tokens, hit_blocks = self.cache.walk(r)
+        N = self.block_size
+        return hit_blocks * N, kv_tokens // N * N
+
+    def admit(self, r, hit_tokens: int) -> None:
+        """The request ran with ``hit_tokens`` (re-walked if the cache changed since the lookup)."""
+        self.cache.admit(r, hit_tokens // self.block_size)
+
+    def evict_to(self, cache_bytes: float) -> None:
+        self.cache.evict_to(cache_bytes)
+
+    def bytes_by_kind(self) -> dict:
+        return {"kv": self.cache.kv_used, "state": self.cache.st_used}
+
+    def check_integrity(self) -> None:
+        self.cache.idx.check_integrity(self.block_size)
+
+    @property
+    def states_written(self) -> int:
+        return self.cache.written
+
+    @property
+    def states_evicted(self) -> int:
+        return self.cache.ev_ck
+
+    @property
+    def kv_evicted_tokens(self) -> int:
+        return self.cache.ev_kv * self.block_size

@@ -42,7 +42,7 @@ class StateTree:
         self.idx = PrefixIndex(1)
         self.states: OrderedDict = OrderedDict()     # (key, pos) -> stamp, oldest first
         self.node_states: dict = {}                  # key -> set of pos
-        self.kv_stamp: dict = {}                     # key -> stamp of its last touch
+        self.kv_stamp: dict = {}                     # key -> stamp of its last touch (one pool only)
         self.clock = 0
         self.kv_tokens = 0
         self.states_written = self.states_evicted = self.kv_evicted_tokens = 0
@@ -82,8 +82,10 @@ class StateTree:
         if nblk:
             self.idx.touch(ids, nblk, with_checkpoint=False)
             self.clock += 1
-            for j in range(nblk):
-                self.kv_stamp[ids[j]] = self.clock
+            if not self.two_pools:                   # two pools never compare a block with a state
+                stamp, clock = self.kv_stamp, self.clock
+                for j in range(nblk):
+                    stamp[ids[j]] = clock
         if state_pos:
             entry = (ids[-(-state_pos // self.block_size) - 1], state_pos)
             self.clock += 1
@@ -107,13 +109,15 @@ class StateTree:
     def add_state(self, ids: Sequence[int], pos: int) -> None:
         """Cache a state after ``pos`` tokens of this prompt (its KV must be kept up to ``pos``)."""
         key = ids[-(-pos // self.block_size) - 1]
-        entry = (key, pos)
-        if entry not in self.states:
-            self.node_states.setdefault(key, set()).add(pos)
-            self.states_written += 1
+        entry, states = (key, pos), self.states
         self.clock += 1
-        self.states[entry] = self.clock
-        self.states.move_to_end(entry)
+        if entry in states:
+            states[entry] = self.clock
+            states.move_to_end(entry)
+            return
+        self.node_states.setdefault(key, set()).add(pos)
+        self.states_written += 1
+        states[entry] = self.clock                  # a new key goes to the end (most recent)
 
     # ---- eviction ---------------------------------------------------------------------------------
     def bytes_by_kind(self) -> dict:
@@ -133,11 +137,12 @@ class StateTree:
 
     def _remove_leaf(self, key) -> None:
         node = self.idx.nodes[key]
-        for pos in sorted(self.node_states.pop(key, ())):
+        positions = self.node_states.pop(key, ())
+        for pos in positions:
             del self.states[(key, pos)]
-            self.states_evicted += 1
+        self.states_evicted += len(positions)
         self.idx.remove_block(node)
-        del self.kv_stamp[key]
+        self.kv_stamp.pop(key, None)
         self.kv_tokens -= node.payload
         self.kv_evicted_tokens += node.payload
         if self.prune and node.parent is not ROOT:
@@ -150,7 +155,7 @@ class StateTree:
             parent = nodes[key].parent
             node = nodes[key]
             self.idx.remove_block(node)
-            del self.kv_stamp[key]
+            self.kv_stamp.pop(key, None)
             self.kv_tokens -= node.payload
             self.kv_evicted_tokens += node.payload
             key = parent
@@ -170,13 +175,14 @@ class StateTree:
                 self._remove_leaf(self._oldest_leaf())
             return
         cap = kv_cap + state_cap
-        while self.kv_tokens * kvb + len(self.states) * stb > cap:
-            leaf = self._oldest_leaf()
-            st = next(iter(self.states), None)
-            if st is not None and (leaf is None or self.states[st] < self.kv_stamp[leaf]):
+        states, lru, kv_stamp = self.states, self.idx.lru, self.kv_stamp
+        while self.kv_tokens * kvb + len(states) * stb > cap:
+            head = next(iter(lru), None)              # the index keeps its oldest block a leaf
+            st = next(iter(states), None)
+            if st is not None and (head is None or states[st] < kv_stamp[head.key]):
                 self._drop_state(st)
             else:
-                self._remove_leaf(leaf)
+                self._remove_leaf(head.key)
 
     # ---- inspection -------------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -185,7 +191,7 @@ class StateTree:
         position; state sets equal to the LRU list; with pruning, no stateless leaf."""
         N, nodes = self.block_size, self.idx.nodes
         self.idx.check_integrity()
-        assert set(self.kv_stamp) == set(nodes), "KV stamps out of step with the cached blocks"
+        assert set(self.kv_stamp) == (set() if self.two_pools else set(nodes)), "KV stamps out of step with the blocks"
         total = 0
         for key, node in nodes.items():
             assert 0 < node.payload <= N, f"block keeps {node.payload} tokens"

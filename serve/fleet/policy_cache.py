@@ -1,0 +1,75 @@
+"""A replica's prefix cache backed by a prefix-cache policy model at real bytes.
+
+The fleet simulation's default replica cache (:class:`serve.fleet.block_cache.BlockLRUCache`) counts
+blocks; this one holds a policy of :mod:`serve.scale.policies` (ours, SGLang ``MambaRadixCache``, vLLM
+``mamba_cache_mode``) under a byte budget per replica, so a hit needs a KDA state where the policy placed
+one. Per request, in the replica's order of events:
+
+- while the scheduler considers it: ``hit_tokens(req)`` = the policy's lookup (pure);
+- when its prefill step starts: :meth:`start` records the hit it gets and the tokens whose KV was
+  cached but no state let it reuse them (``lost_to_missing_state``);
+- when its prefill step ends: :meth:`finish` tells the policy the request ran (``admit``: it caches what
+  the engine caches, refreshing the hit as the cache is now) and evicts to the budget.
+
+The budget covers cached KV + cached states + the state slots of the running requests (``running_state_
+slots`` x one state, for each of ``max_running`` requests, reserved first; as
+:func:`serve.scale.policies.base.replay` does for one running request). Hit blocks are not pinned
+between the start and the end of a prefill step (the policy models have no pins); another request's
+insertion in the same step can evict them, which the refresh at ``finish`` then sees.
+"""
+
+from __future__ import annotations
+
+from serve.scale.policies.base import BYTE_KINDS
+
+
+class PolicyReplicaCache:
+    """One replica's cache: a fresh policy instance (``lookup`` / ``admit`` / ``evict_to`` /
+    ``bytes_by_kind``, see :class:`serve.scale.policies.base.PrefixPolicy`) under ``budget_bytes``.
+
+    Counters: ``hit_tokens_total``, ``lost_to_missing_state`` (tokens), ``requests``; ``peak_bytes``
+    ``{kind: bytes}`` over :data:`serve.scale.policies.base.BYTE_KINDS`. Raises ValueError when the budget
+    does not cover the running requests' state slots or ``max_running`` < 1. ``deep_checks``: the end-of-run
+    integrity check also walks the policy's whole structure (tests; the budget is always checked)."""
+
+    def __init__(self, policy, budget_bytes: float, max_running: int = 1, deep_checks: bool = False):
+        if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
+            raise ValueError(f"max_running must be an int >= 1, got {max_running!r}")
+        running = policy.running_state_slots * policy.replica.state_bytes * max_running
+        if not budget_bytes >= running:
+            raise ValueError(f"budget_bytes {budget_bytes:,.0f} is below the state slots of {max_running} running "
+                             f"request(s) of {policy.name} ({running:,} bytes)")
+        self.policy, self.budget_bytes = policy, float(budget_bytes)
+        self.cache_bytes = self.budget_bytes - running
+        self.peak_bytes = dict.fromkeys(BYTE_KINDS, 0)
+        self.peak_bytes["running"] = running
+        self.hit_tokens_total = self.lost_to_missing_state = self.requests = 0
+        self.deep_checks = deep_checks
+
+    def hit_tokens(self, req) -> int:
+        """Prompt tokens of ``req`` (``hash_ids``, ``input_length``) the policy would skip now; pure."""
+        return self.policy.lookup(req)[0]
+
+    def start(self, req) -> int:
+        """``req``'s prefill starts: returns its hit and records it."""
+        hit, kv_ok = self.policy.lookup(req)
+        self.hit_tokens_total += hit
+        self.lost_to_missing_state += kv_ok - hit
+        self.requests += 1
+        return hit
+
+    def finish(self, req, hit: int) -> None:
+        """``req``'s prefill ended with ``hit`` tokens: the policy caches what the engine caches, then
+        evicts to the budget."""
+        self.policy.admit(req, hit)
+        self.policy.evict_to(self.cache_bytes)
+        b = self.policy.bytes_by_kind()
+        self.peak_bytes["kv"] = max(self.peak_bytes["kv"], b["kv"])
+        self.peak_bytes["state"] = max(self.peak_bytes["state"], b["state"])
+
+    def check_integrity(self) -> None:
+        """The budget, and with ``deep_checks`` the policy's own invariants (O(cache); tests) (AssertionError)."""
+        if self.deep_checks:
+            self.policy.check_integrity()
+        b = self.policy.bytes_by_kind()
+        assert b["kv"] + b["state"] <= self.cache_bytes, "replica cache over its budget"
