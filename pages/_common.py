@@ -272,9 +272,10 @@ def show_table(df: pd.DataFrame, columns: dict, **kwargs) -> None:
     column's header (a string) or a ``st.column_config`` column (:func:`num`, :func:`pct`: its fractions are
     shown ×100); booleans read "yes" / "no". Only the display changes: ``df`` and any CSV of it keep the raw,
     machine-readable frame."""
+    from pandas.api.types import is_bool_dtype  # here, not at import: Home's first run builds no frame
     shown = df[list(columns)].copy()
     for col, cfg in columns.items():
-        if pd.api.types.is_bool_dtype(shown[col]):
+        if is_bool_dtype(shown[col]):
             shown[col] = shown[col].map({True: "yes", False: "no"})
         elif isinstance(cfg, dict) and str(cfg.get("type_config", {}).get("format", "")).endswith("%%"):
             shown[col] = shown[col] * 100
