@@ -7,7 +7,7 @@ from lab.prefix_anatomy import anatomy_view
 
 def test_prefix_hit_frames():
     run = prefix_hit(64, 16, 2, 16, 64, 1)
-    assert list(run.rows.kind) == list(PHASE_RUNS)
+    assert [r["kind"] for r in run.rows] == list(PHASE_RUNS)
     assert run.warm["hit_tokens"] == 64 and run.warm["prefill_tokens"] == 80 - 64 and run.cold["hit_tokens"] == 0
     assert run.check.bitwise and run.num_generated == 2  # b = 64 is on the 64-token chunk grid
     assert run.state_bytes > 0
