@@ -196,6 +196,11 @@ def fidelity() -> dict:
     }
 
 
+def _rows(section: dict):
+    """A results section's per-policy rows (name, dict), skipping its scalar fields (requests, budget, ...)."""
+    return ((name, r) for name, r in section.items() if isinstance(r, dict))
+
+
 def main() -> None:
     vtc = replay_vtc_suite(TRACES / "vtc_artifact", "on_off_less")
     light = vtc.light_client
@@ -225,32 +230,28 @@ def main() -> None:
         print(f"  {name:13s} {r['scalar_lookups_per_s'] / 1e3:8.0f} k/s scalar ({r['scalar_vs_round_robin']:.2f}x round-robin){vec}")
     sim = results["conversation_simulation"]
     print(f"conversation trace, 8 replicas ({service.source}); ideal hit {sim['ideal_token_hit_ratio']:.4f}:")
-    for policy, r in sim.items():
-        if isinstance(r, dict):
-            print(f"  {policy:13s} {r['wall_s']:5.2f} s wall  hit {r['token_hit_ratio']:.4f}  TTFT P50 {r['ttft_p50_ms']:7.0f} ms"
-                  f"  P99 {r['ttft_p99_ms']:7.0f} ms  max/mean req {r['max_over_mean_requests']:.2f}")
+    for policy, r in _rows(sim):
+        print(f"  {policy:13s} {r['wall_s']:5.2f} s wall  hit {r['token_hit_ratio']:.4f}  TTFT P50 {r['ttft_p50_ms']:7.0f} ms"
+              f"  P99 {r['ttft_p99_ms']:7.0f} ms  max/mean req {r['max_over_mean_requests']:.2f}")
     print("fidelity:", json.dumps(results["fidelity"], indent=1))
     pr = results["policy_replays"]
     print(f"prefix-cache policies, whole conversation trace ({pr['requests']:,} requests), {' x '.join(map(str, SCALE_SETUP))},"
           f" budget {pr['budget_gb']:,.0f} GB per replica:")
-    for name, r in pr.items():
-        if isinstance(r, dict):
-            print(f"  {name:24s} {r['wall_s']:5.2f} s  hit {r['token_hit_ratio']:.4f} (ideal {r['ideal_hit_ratio']:.4f})"
-                  f"  KV {r['peak_gb']['kv']:7.1f} GB  states {r['peak_gb']['state']:7.1f} GB")
-    for name, r in results["policy_sweep"].items():
-        if isinstance(r, dict):
-            print(f"page 15 sweep, {name}: {r['wall_s']:5.1f} s for {r['replays']} replays = {r['ratio_to_goal']:.2f} x "
-                  f"the {SWEEP_GOAL_S:.0f} s goal (load {r['load_1min']:.1f}; 6 x 5 budget sweep "
-                  f"{r['budget_sweep_replay_s']:.1f} s of replay)")
+    for name, r in _rows(pr):
+        print(f"  {name:24s} {r['wall_s']:5.2f} s  hit {r['token_hit_ratio']:.4f} (ideal {r['ideal_hit_ratio']:.4f})"
+              f"  KV {r['peak_gb']['kv']:7.1f} GB  states {r['peak_gb']['state']:7.1f} GB")
+    for name, r in _rows(results["policy_sweep"]):
+        print(f"page 15 sweep, {name}: {r['wall_s']:5.1f} s for {r['replays']} replays = {r['ratio_to_goal']:.2f} x "
+              f"the {SWEEP_GOAL_S:.0f} s goal (load {r['load_1min']:.1f}; 6 x 5 budget sweep "
+              f"{r['budget_sweep_replay_s']:.1f} s of replay)")
     pf = results["policy_fleet"]
     print(f"whole conversation trace through 8 replicas ({' x '.join(map(str, SCALE_SETUP))}, {pf['router']}, cache "
           f"{pf['budget_fraction']:g} of free HBM, roofline); block ideal {pf['ideal_token_hit_ratio']:.4f}:")
-    for name, r in pf.items():
-        if isinstance(r, dict):
-            print(f"  {name:22s} {r['wall_s']:5.2f} s = {r['ratio_to_goal']:.2f} x goal (load {r['load_1min']:.1f})  "
-                  f"hit {r['token_hit_ratio']:.4f}  KV w/o state {r['lost_to_missing_state']:.4f}  "
-                  f"KV {r['peak_kv_gb_mean']:6.1f} GB  states {r['peak_state_gb_mean']:6.1f} GB  "
-                  f"TTFT P50 {r['ttft_p50_ms']:6.0f} P99 {r['ttft_p99_ms']:6.0f} ms")
+    for name, r in _rows(pf):
+        print(f"  {name:22s} {r['wall_s']:5.2f} s = {r['ratio_to_goal']:.2f} x goal (load {r['load_1min']:.1f})  "
+              f"hit {r['token_hit_ratio']:.4f}  KV w/o state {r['lost_to_missing_state']:.4f}  "
+              f"KV {r['peak_kv_gb_mean']:6.1f} GB  states {r['peak_state_gb_mean']:6.1f} GB  "
+              f"TTFT P50 {r['ttft_p50_ms']:6.0f} P99 {r['ttft_p99_ms']:6.0f} ms")
     print("VTC on_off_less:", json.dumps(results["vtc_on_off_less"], indent=1))
     print(f"wrote {out.relative_to(REPO)}")
 

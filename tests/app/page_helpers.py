@@ -29,6 +29,21 @@ def open_page(path: str, expect_error: bool = False, **values) -> AppTest:
     return at
 
 
+# Sections shown only after a button (heavy extras): the session flag each page's button sets.
+REVEAL = {"pages/09_prefix_miss.py": "p09_replay_on", "pages/15_real_scale.py": "p15_sweep_on"}
+
+
+def open_revealed(path: str) -> AppTest:
+    """:func:`open_page`, then, for a page in :data:`REVEAL`, set the flag its button sets and rerun, so the
+    heavy extras render too; asserts that the rerun raised nothing."""
+    at = open_page(path)
+    if path in REVEAL:
+        at.session_state[REVEAL[path]] = True
+        at.run()
+        assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
 def chart_spec(at: AppTest, key: str) -> dict:
     """The Plotly figure (data + layout) of the chart rendered with ``key``."""
     return next(json.loads(c.proto.spec) for c in at.get("plotly_chart") if c.proto.id.endswith(key))

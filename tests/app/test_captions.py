@@ -1,24 +1,19 @@
 """Captions stay short: a caption is read at a glance under its chart; a derivation (formulas, sources, how it
 was timed) goes in an expander. Every caption a page shows at its defaults (and behind its heavy-extra button,
-``REVEAL``) is at most ``CAPTION_MAX`` characters."""
+``page_helpers.REVEAL``) is at most ``CAPTION_MAX`` characters."""
 import pytest
 
 from pages._registry import HOME, TABS
-from tests.app.page_helpers import open_page
-from tests.app.test_tables import REVEAL
+from tests.app.page_helpers import open_revealed
 
 CAPTION_MAX = 350   # about three lines of the wide layout
-# Pages 11-14 are being rewritten on another branch; they join this check once merged.
+# Pages 11-14 are left out: their captions are not shortened yet (420-640 characters on 12 and 13).
 PAGES = [HOME.path] + [t.path for t in TABS if not t.path.startswith(("pages/11_", "pages/12_", "pages/13_", "pages/14_"))]
 
 
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.split("/")[-1][:-3])
 def test_captions_short(path):
-    at = open_page(path)
-    if path in REVEAL:
-        at.session_state[REVEAL[path]] = True
-        at.run()
-        assert not at.exception, [e.value for e in at.exception]
+    at = open_revealed(path)
     long = [f"{len(c.value)} chars: {c.value[:80]}…" for c in at.caption if len(c.value) > CAPTION_MAX]
     assert not long, f"{path}: captions over {CAPTION_MAX} characters (move the derivation to an expander):\n" + \
         "\n".join(long)

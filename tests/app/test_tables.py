@@ -6,7 +6,7 @@ name (hidden columns and a hidden index are not shown, so not checked). A header
 snake_case identifier (``measured_bytes``); a float column must carry a number format (precision chosen,
 not Streamlit's default of up to four decimals); an integer column reaching 10,000 must be formatted with
 thousands separators (or another explicit readable format); booleans are shown as words, not checkboxes.
-Tables behind a button (``REVEAL``) are checked with the flag its click sets.
+Tables behind a button are checked with the flag its click sets (``page_helpers.open_revealed``).
 """
 import json
 import re
@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from pages._registry import HOME, TABS
-from tests.app.page_helpers import open_page
+from tests.app.page_helpers import open_revealed
 
 SNAKE = re.compile(r"[A-Za-z0-9]_[A-Za-z0-9]")   # an underscore inside a word: a code identifier
 READABLE_INT_FORMATS = ("localized", "compact", "engineering", "scientific", "bytes", "accounting", "dollar",
@@ -59,17 +59,10 @@ def table_problems(table) -> list[str]:
     return problems
 
 
-# Tables shown only after a button (a heavy extra): the session flag its button sets.
-REVEAL = {"pages/09_prefix_miss.py": "p09_replay_on", "pages/15_real_scale.py": "p15_sweep_on"}
-
 
 @pytest.mark.parametrize("path", [HOME.path] + [t.path for t in TABS], ids=lambda p: p.split("/")[-1][:-3])
 def test_tables_readable(path):
-    at = open_page(path)
-    if path in REVEAL:
-        at.session_state[REVEAL[path]] = True
-        at.run()
-        assert not at.exception, [e.value for e in at.exception]
+    at = open_revealed(path)
     tables = list(at.dataframe) + list(at.table)
     problems = [f"table {i}: {p}" for i, t in enumerate(tables) for p in table_problems(t)]
     assert not problems, f"{path}:\n" + "\n".join(problems)
