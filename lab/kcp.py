@@ -361,7 +361,3 @@ def kcp_limits() -> KcpLimits:
     seq = tuple(t for t in (512, 1024, 2048, 4096, 8192) if rank_peak_bytes(t, 4, 128, 128) <= budget) or (512,)
     return KcpLimits(limits.cores, limits.memory_bytes, limits.memory_source, min(4, limits.cores), seq)
 
-
-__all__ = ["REPEATS", "PhaseGap", "all_cores_baseline", "phase_gap", "run_timing", "BANDWIDTHS_GBPS", "MODELS", "SERVER_RESERVE_MIB", "KcpLimits", "kcp_limits", "PHASES", "VARIANTS", "BytesRow", "KcpExperiment", "PhaseCosts",
-           "Projection", "RankRow", "bytes_vs_context", "compare_with", "kcp_experiment", "phase_costs", "project",
-           "rank_rows", "single_rank"]
