@@ -17,16 +17,11 @@ import json
 import statistics
 from pathlib import Path
 
-from lab.pool_timing import alloc_free_throughput, call_latencies_ns, gather_timing
+from lab.pool_timing import alloc_free_throughput, call_latencies_ns, gather_timing, latency_histogram
 
 OUT = Path(__file__).parent / "results" / "pool.json"
 TARGET_OPS_S = 1_000_000
 TARGET_GATHER_RATIO = 1.5
-
-
-def _pct(xs: list[int], q: float) -> float:
-    xs = sorted(xs)
-    return float(xs[min(len(xs) - 1, int(q * len(xs)))])
 
 
 def main(argv=None):
@@ -48,7 +43,8 @@ def main(argv=None):
           f"{'MET' if batched >= TARGET_OPS_S else 'MISSED'}")
 
     lat = call_latencies_ns(1, samples=5000)
-    lat_row = {k: {"p50_ns": _pct(v, 0.5), "p99_ns": _pct(v, 0.99), "mean_ns": statistics.fmean(v)}
+    hist = latency_histogram(lat)
+    lat_row = {k: {"p50_ns": hist.p50_ns[k], "p99_ns": hist.p99_ns[k], "mean_ns": statistics.fmean(v)}
                for k, v in lat.items()}
     print("(b) single-page call latency: " + "; ".join(
         f"{k} p50 {r['p50_ns']:,.0f} ns, p99 {r['p99_ns']:,.0f} ns" for k, r in lat_row.items()))

@@ -118,12 +118,8 @@ def kda_step(
     Raises:
         ValueError: on shape mismatch (names the argument and the expected shape).
     """
-    _check_inputs(q, k, v, g, beta, state, has_time=False, state_name="state")
-    dt = _compute_dtype(v)
-    if scale is None:
-        scale = q.shape[-1] ** -0.5
-    o, s, _ = _step(q.to(dt), k.to(dt), v.to(dt), g.to(dt), beta.to(dt), state.to(dt), scale)
-    return o.to(v.dtype), s
+    o, s, _ = kda_step_with_correction(q, k, v, g, beta, state, scale)
+    return o, s
 
 
 def _step(q, k, v, g, beta, S, scale):

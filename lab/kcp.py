@@ -39,7 +39,8 @@ from serve.parallel.halo import halo_bytes
 from serve.parallel.inputs import initial_state, kda_inputs
 from serve.parallel.kcp import block_bounds, check_variant, exchange_bytes
 from serve.parallel.launch import host_limits
-from serve.parallel.run import KCPConfig, KCPRun, rank_peak_bytes, run_kcp
+from serve.parallel.memory import FORK_OVERHEAD_BYTES, rank_bytes
+from serve.parallel.run import KCPConfig, KCPRun, run_kcp
 
 REPEATS = 5          # timed repeats of every run on the page (after a warm-up)
 
@@ -355,13 +356,10 @@ class KcpLimits(NamedTuple):
 
 def kcp_limits() -> KcpLimits:
     """The host limits of page 10 (:func:`serve.parallel.launch.host_limits`,
-    :func:`serve.parallel.run.rank_peak_bytes`). Raises ValueError for a malformed ``KDA_LAB_MEMORY_MIB``."""
+    :func:`serve.parallel.memory.rank_bytes` of a forked rank). Raises ValueError for a malformed ``KDA_LAB_MEMORY_MIB``."""
     limits = host_limits()
     budget = limits.memory_bytes - SERVER_RESERVE_MIB * 2 ** 20      # what the ranks may add to the server
-    seq = tuple(t for t in (512, 1024, 2048, 4096, 8192) if rank_peak_bytes(t, 4, 128, 128) <= budget) or (512,)
+    seq = tuple(t for t in (512, 1024, 2048, 4096, 8192)     # one forked fp32 rank, B = 1, C = 64, whole block
+                if rank_bytes(t, 1, 1, 4, 128, 128, 4, 64, None, base_bytes=FORK_OVERHEAD_BYTES) <= budget) or (512,)
     return KcpLimits(limits.cores, limits.memory_bytes, limits.memory_source, min(4, limits.cores), seq)
 
-
-__all__ = ["REPEATS", "PhaseGap", "all_cores_baseline", "phase_gap", "run_timing", "BANDWIDTHS_GBPS", "MODELS", "SERVER_RESERVE_MIB", "KcpLimits", "kcp_limits", "PHASES", "VARIANTS", "BytesRow", "KcpExperiment", "PhaseCosts",
-           "Projection", "RankRow", "bytes_vs_context", "compare_with", "kcp_experiment", "phase_costs", "project",
-           "rank_rows", "single_rank"]

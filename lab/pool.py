@@ -25,7 +25,7 @@ import pandas as pd
 
 from kda_core.config import PRESETS, REAL_PRESETS
 from lab.pool_timing import LatencyHistogram, latency_histogram
-from lab.timing import MIN_REPEATS, Conditions, conditions, summarize
+from lab.timing import Conditions, conditions, summarize
 from serve.memory.layout import POLICIES, REAL_DTYPES, CacheLayout
 from serve.memory.pool import PageKind, PagePool
 from serve.memory.vllm_block import vllm_vs_ours
@@ -283,13 +283,9 @@ def call_latency(pool_mib: float, policy: str, long_share: float, arrival: str, 
     ``alloc`` and ``decref`` call on the unified pool timed with ``time.perf_counter_ns`` (the two calls
     interleave within a run, as requests arrive and leave). Raises ValueError as :class:`WorkloadConfig`, and for
     ``repeats`` < :data:`lab.timing.MIN_REPEATS` or ``warmup`` < 0."""
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < MIN_REPEATS:
-        raise ValueError(f"repeats must be an int >= {MIN_REPEATS}, got {repeats!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    cond = conditions(repeats, warmup)
     cfg = WorkloadConfig(pool_mib=pool_mib, policy=policy, long_share=long_share, arrival=arrival,
                          num_groups=num_groups, seed=seed)
-    cond = conditions(repeats, warmup)
     for _ in range(warmup):
         simulate_workload(cfg)
     runs = [simulate_workload(cfg).latency_ns for _ in range(repeats)]

@@ -62,7 +62,12 @@ class Conditions(NamedTuple):
 
 
 def conditions(repeats: int, warmup: int) -> Conditions:
-    """The :class:`Conditions` of a measurement starting now."""
+    """The :class:`Conditions` of a measurement starting now. Raises ValueError for ``repeats`` <
+    :data:`MIN_REPEATS` or ``warmup`` < 0 (every measurement's rule)."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < MIN_REPEATS:
+        raise ValueError(f"repeats must be an int >= {MIN_REPEATS}, got {repeats!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
     try:
         load = os.getloadavg()[0]
     except OSError:
@@ -90,10 +95,6 @@ def measure(cases: Mapping[str, Callable[[], object]], repeats: int = MIN_REPEAT
     Raises ValueError for no cases, ``repeats`` < :data:`MIN_REPEATS` or ``warmup`` < 0."""
     if not cases:
         raise ValueError("cases must name at least one callable")
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < MIN_REPEATS:
-        raise ValueError(f"repeats must be an int >= {MIN_REPEATS}, got {repeats!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
     cond = conditions(repeats, warmup)
     labels = list(cases)
     for _ in range(warmup):

@@ -28,11 +28,6 @@ STRATEGIES = tuple(STRATEGY_TYPES)  # display names
 PROMPT_TEXT = "Kimi Delta Attention keeps a fixed-size state per layer, so a rejected draft "
 
 
-def demo_model() -> HybridLM:
-    """The 8-layer demo hybrid (6 KDA + 2 MLA layers) the experiment runs on (seeded weights)."""
-    return HybridLM()
-
-
 class LabStep(NamedTuple):
     """One step. max_abs_diff: max |committed - sequential reference| over all KDA states, conv states and
     MLA latents (0.0 = bitwise equal); tokens_match: emitted tokens equal plain greedy decoding.

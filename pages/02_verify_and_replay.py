@@ -4,7 +4,8 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from lab.verify import MODES, STRATEGIES, demo_model, run_verify_lab
+from lab.prefix import demo_model
+from lab.verify import MODES, STRATEGIES, run_verify_lab
 from pages._common import (
     built_by_loaded_code,
     engine_call,

@@ -26,6 +26,7 @@ from serve.trace_limits import (
     cut_note,
     read_text,
     show,
+    whole_file,
 )
 from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
@@ -140,8 +141,4 @@ def load_azure_csv(path_or_file: str | Path | IO, block_size: int = MOONCAKE_BLO
 
     Raises TraceFormatError as :func:`read_azure_csv` does, and naming the line where the file passes
     ``MAX_TRACE_REQUESTS`` rows or ``MAX_TRACE_BLOCKS`` blocks."""
-    loaded = read_azure_csv(path_or_file, block_size, id_offset)
-    if loaded.cut_line:
-        raise TraceFormatError(f"line {loaded.cut_line:,}: the file has more than the limit of "
-                               f"{MAX_TRACE_REQUESTS:,} requests or {MAX_TRACE_BLOCKS:,} blocks ({loaded.note})")
-    return loaded.requests
+    return whole_file(read_azure_csv(path_or_file, block_size, id_offset))

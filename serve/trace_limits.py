@@ -143,3 +143,12 @@ def cut_note(name: str, kept_requests: int, kept_blocks: int, line_no: int, max_
              else f"the {max_blocks:,}-block budget (512-token blocks this page replays within a few seconds)")
     return (f"Kept the first {kept_requests:,} requests ({kept_blocks:,} blocks) of {name}: {which} stopped "
             f"the upload at line {line_no:,}; the rest was not read.")
+
+
+def whole_file(loaded: LoadedTrace) -> list:
+    """The requests of a ``read_*`` result that kept the whole file; TraceFormatError naming the line where
+    the file passes ``MAX_TRACE_REQUESTS`` requests or ``MAX_TRACE_BLOCKS`` blocks otherwise."""
+    if loaded.cut_line:
+        raise TraceFormatError(f"line {loaded.cut_line:,}: the file has more than the limit of "
+                               f"{MAX_TRACE_REQUESTS:,} requests or {MAX_TRACE_BLOCKS:,} blocks ({loaded.note})")
+    return loaded.requests

@@ -40,6 +40,7 @@ from serve.trace_limits import (
     read_text,
     show,
     text_lines,
+    whole_file,
 )
 
 MOONCAKE_BLOCK_TOKENS = 512  # tokens per hash id in the Mooncake traces (trace README)
@@ -150,11 +151,7 @@ def load_mooncake(path_or_file: str | Path | IO, block_size: int = MOONCAKE_BLOC
     Returns the requests in file order. Raises TraceFormatError as :func:`read_mooncake` does, and
     naming the line where the file passes ``MAX_TRACE_REQUESTS`` requests or ``MAX_TRACE_BLOCKS`` blocks.
     """
-    loaded = read_mooncake(path_or_file, block_size)
-    if loaded.cut_line:
-        raise TraceFormatError(f"line {loaded.cut_line:,}: the file has more than the limit of "
-                               f"{MAX_TRACE_REQUESTS:,} requests or {MAX_TRACE_BLOCKS:,} blocks ({loaded.note})")
-    return loaded.requests
+    return whole_file(read_mooncake(path_or_file, block_size))
 
 
 def dump_mooncake(requests: Iterable[TraceRequest]) -> str:

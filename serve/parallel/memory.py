@@ -30,13 +30,15 @@ import os
 MEMINFO = "/proc/meminfo"
 TORCH_BASE_BYTES = 300 * 2**20   # a rank process with torch imported (~270 MB measured)
 REFERENCE_PIECE_TOKENS = 1024    # kda_chunk's default piece_tokens (the check's reference)
+FORK_OVERHEAD_BYTES = 32 * 2**20  # what a rank forked from a process with torch loaded copies on write
 
 
 def rank_bytes(seq_len: int, world_size: int, batch: int, num_heads: int, head_k_dim: int, head_v_dim: int,
                elem_bytes: int, chunk_size: int, piece_tokens: int | None, repeats: int = 1, check: bool = False,
-               hidden_size: int | None = None) -> int:
+               hidden_size: int | None = None, base_bytes: int = TORCH_BASE_BYTES) -> int:
     """Upper estimate of the bytes the largest rank allocates (table in the module doc).
-    ``hidden_size``: D at layer level, None at kernel level."""
+    ``hidden_size``: D at layer level, None at kernel level. ``base_bytes``: the process itself
+    (:data:`TORCH_BASE_BYTES` for a fresh rank, :data:`FORK_OVERHEAD_BYTES` for one forked from the app)."""
     B, H, K, V, s, C = batch, num_heads, head_k_dim, head_v_dim, elem_bytes, chunk_size
     L = math.ceil(seq_len / world_size)                      # tokens of the largest block
     piece = L if piece_tokens is None else min(L, piece_tokens)
@@ -49,7 +51,7 @@ def rank_bytes(seq_len: int, world_size: int, batch: int, num_heads: int, head_k
     total = L * (inputs + kept + states + extra + layer) + temps
     if check:                                                # reference over [0, end), end <= T
         total += seq_len * (inputs + states + layer) + B * H * (5 * K + 6 * C) * s * REFERENCE_PIECE_TOKENS
-    return TORCH_BASE_BYTES + int(total)
+    return base_bytes + int(total)
 
 
 def available_bytes() -> int | None:

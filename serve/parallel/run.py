@@ -245,30 +245,6 @@ def rank_job(rank: int, world_size: int, cfg: KCPConfig) -> RankResult:
                       tuple(float(r.times.total_ms) for r in runs))
 
 
-PEAK_OVER_HELD = 2   # temporaries while a piece's prepare is built roughly double the held tensors (measured
-                     # peak at T = 8,192, H = 4, K = V = 128: 43 KiB/token against 25.6 KiB/token held)
-FORK_OVERHEAD_BYTES = 32 * 2 ** 20   # pages a forked rank copies on write (interpreter, gloo buffers)
-
-
-def rank_peak_bytes(num_tokens: int, num_heads: int, head_k_dim: int, head_v_dim: int, chunk_size: int = 64,
-                    batch: int = 1, elem_bytes: int = 4) -> int:
-    """Upper estimate of one rank's peak memory (bytes) for a block of ``num_tokens`` tokens.
-
-    Held per token and head, in elements: inputs q, k, g (3K), v (V), beta (1); prepare qg, w, kd (3K),
-    u (V), Aqk (C); states h (K V / C, one [K, V] state per chunk of C tokens), v_new (V); output o (V).
-    Times :data:`PEAK_OVER_HELD` for temporaries, plus :data:`FORK_OVERHEAD_BYTES`. Raises ValueError
-    on non-positive sizes."""
-    sizes = dict(num_tokens=num_tokens, num_heads=num_heads, head_k_dim=head_k_dim, head_v_dim=head_v_dim,
-                 chunk_size=chunk_size, batch=batch, elem_bytes=elem_bytes)
-    for name, val in sizes.items():
-        if not isinstance(val, int) or val <= 0:
-            raise ValueError(f"{name} must be a positive int, got {val!r}")
-    K, V, C = head_k_dim, head_v_dim, chunk_size
-    per_token_head = 3 * K + V + 1 + 3 * K + V + C + K * V / C + V + V      # elements
-    held = batch * num_tokens * num_heads * per_token_head * elem_bytes
-    return int(PEAK_OVER_HELD * held) + FORK_OVERHEAD_BYTES
-
-
 def run_kcp(cfg: KCPConfig) -> KCPRun:
     """Start ``cfg.world_size`` local ranks, run :func:`rank_job` on each, return the :class:`KCPRun`.
 

@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-from lab.kcp import compare_with, single_rank
+from lab.kcp import compare_with, kcp_limits, single_rank
 from serve.parallel.launch import host_limits, run_ranks
-from serve.parallel.run import KCPConfig, rank_peak_bytes
+from serve.parallel.memory import FORK_OVERHEAD_BYTES, TORCH_BASE_BYTES, rank_bytes
+from serve.parallel.run import KCPConfig
 
 SMALL = dict(seq_len=150, num_heads=2, head_k_dim=16, head_v_dim=12, start_method="fork", timeout_s=60)
 
@@ -45,9 +46,12 @@ def test_host_limits_env(monkeypatch):
         host_limits()
 
 
-def test_rank_peak_bytes():
-    # held elements per token and head at K = V = 128, C = 64: 3K + V + 1 + 3K + V + C + KV/C + 2V = 1,601
-    assert rank_peak_bytes(1, 1, 128, 128) == 2 * 1601 * 4 + 32 * 2 ** 20
-    assert rank_peak_bytes(8192, 4, 128, 128) > 2 * rank_peak_bytes(4096, 4, 128, 128) - 32 * 2 ** 20 - 1
-    with pytest.raises(ValueError, match="num_tokens must be a positive int"):
-        rank_peak_bytes(0, 4, 128, 128)
+def test_kcp_limits_from_the_forked_rank_estimate(monkeypatch):
+    # a forked rank carries FORK_OVERHEAD_BYTES instead of a fresh process's TORCH_BASE_BYTES
+    fresh = rank_bytes(2048, 1, 1, 4, 128, 128, 4, 64, None)
+    assert rank_bytes(2048, 1, 1, 4, 128, 128, 4, 64, None, base_bytes=FORK_OVERHEAD_BYTES) == \
+        fresh - TORCH_BASE_BYTES + FORK_OVERHEAD_BYTES
+    monkeypatch.setenv("KDA_LAB_MEMORY_MIB", "690")      # the hosted box: 190 MiB left for ranks (README)
+    assert kcp_limits().seq_options == (512, 1024, 2048)
+    monkeypatch.setenv("KDA_LAB_MEMORY_MIB", "900")
+    assert kcp_limits().seq_options == (512, 1024, 2048, 4096)
