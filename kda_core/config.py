@@ -157,6 +157,16 @@ PRESETS: dict[str, ModelConfig] = {
         qk_nope_head_dim=8, v_head_dim=8, intermediate_size=64, source="test model (this repo), K != V"),
 }
 REAL_PRESETS = ("kimi-linear-48b-a3b", "kimi-k3")
+PRESET_TITLES = {"kimi-linear-48b-a3b": "Kimi-Linear-48B-A3B", "kimi-k3": "Kimi K3", "demo": "demo hybrid",
+                 "demo-k3gate": "demo hybrid (K3 gate)", "demo-tiny": "tiny test hybrid"}
+
+
+def preset_title(name: str) -> str:
+    """How a preset is written for a reader (Moonshot's model names; "demo hybrid" for the runnable demo).
+    Raises ValueError for a name not in :data:`PRESETS`."""
+    if name not in PRESET_TITLES:
+        raise ValueError(f"name must be one of {sorted(PRESET_TITLES)}, got {name!r}")
+    return PRESET_TITLES[name]
 
 
 def mla_kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype = torch.bfloat16) -> int:

@@ -30,6 +30,7 @@ fleet building blocks   lab/fleet.py             page_trace, routing_load  11-14
 one torch thread        lab/threads.py           one_thread                (all)       (used by every measured run)
 ======================  =======================  ========================  ==========  ==================================
 
-Pages 01, 02, 04, 05 and 06 are still being reduced to one call (``tests/test_layers.py``,
-``PAGES_NOT_YET_THIN``); their main function above is the one they call today.
+A page whose view includes a live timing makes that timing a second cached call (03-style "Re-measure" clears
+only it, and the other charts are not recomputed); Home and 08 time cold vs warm TTFT only on request, and 09
+and 15 run their trace replays behind a button, for the hosted first-render budget.
 """

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
 
-from kda_core.config import PRESETS, REAL_PRESETS
+from kda_core.config import PRESETS, REAL_PRESETS, preset_title
 from lab.pool_timing import LatencyHistogram, latency_histogram
 from lab.timing import Conditions, conditions, summarize
 from serve.memory.layout import POLICIES, REAL_DTYPES, CacheLayout
@@ -256,6 +256,7 @@ def page05(pool_mib: float, policy: str, long_share: float, arrival: str, num_gr
                           for p, r in runs.items() for k, label in WASTE_KINDS.items()])
     real = pd.DataFrame([row for m in REAL_PRESETS for row in policy_waste(m, 16, min(num_groups, 20))])
     vllm = pd.DataFrame([row for m in REAL_PRESETS for row in vllm_vs_ours(PRESETS[m], 16, 1)])
+    real["model"], vllm["model"] = real.model.map(preset_title), vllm.model.map(preset_title)
     return Page05(res.layout, res.num_pages, res.kv_pages_static, pd.DataFrame(res.timeline),
                   pd.DataFrame(res.outcomes), res.snapshot, waste, real, vllm)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
+from kda_core.config import preset_title as preset_title  # re-exported: page 09's model labels
 from lab.fleet import MOONCAKE_TABLE2_CACHE_RATIO, PREFIX_SIM_TRACE_BLOCKS, page_trace
 from lab.prefix import Comparison, miss_then_hit
 from serve.prefix.sim import CAPACITY_FRACTIONS, MISS_CAUSES, capacity_points, replay_row

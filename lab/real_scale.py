@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from kda_core.config import REAL_PRESETS
+from kda_core.config import preset_title as preset_title  # re-exported: pages 14 and 15's model labels
 from lab.fleet import page_trace
 from serve.scale.hardware import PRESETS as HARDWARE_PRESETS
 from serve.scale.hardware import Hardware, hardware

@@ -14,6 +14,7 @@ from lab.real_scale import (
     POLICIES,
     TP_SIZES,
     policy_view,
+    preset_title,
     roofline_view,
 )
 from pages._common import engine_call, num, pct, persist, show_chart, show_table, upload_parts
@@ -25,7 +26,7 @@ st.write(
     "with the Kimi Linear report's published points. Part 2 replays a trace through the prefix caches of our "
     "engine, SGLang and vLLM, each counted in the chosen model's bytes under one memory budget per replica.")
 c1, c2, c3 = st.columns(3)
-model = c1.selectbox("Model", list(MODELS), index=list(list(MODELS)).index(MODELS[0]), key=persist("p15_model", MODELS[0], options=list(MODELS)),
+model = c1.selectbox("Model", list(MODELS), index=list(list(MODELS)).index(MODELS[0]), format_func=preset_title, key=persist("p15_model", MODELS[0], options=list(MODELS)),
                      persist_state="session", bind="query-params")
 hw = c2.selectbox("GPU", list(HARDWARE), index=list(list(HARDWARE)).index("H200"), key=persist("p15_gpu", "H200", options=list(HARDWARE)),
                   persist_state="session", bind="query-params")
@@ -44,7 +45,9 @@ m1, m2, m3, m4 = st.columns(4)
 m1.metric("Weights (GB)", f"{view.weights_gb:,.0f}")
 m2.metric(f"HBM of {tp} × {hw} (GB)", f"{view.hbm_gb:,.0f}")
 m3.metric("Left after weights (GB)", f"{view.free_gb:,.0f}")
-m4.metric("Prefill fit α · β", f"{view.fit.alpha:.2f} · {view.fit.beta:.2f}")
+m4.metric("Prefill time scales α · β", f"{view.fit.alpha:.2f} · {view.fit.beta:.2f}",
+          help="Roofline time × α for attention, × β for every other layer kind (1 = at peak), solved on the "
+               "two published MLA prefill points; see \"How the roofline is fitted\".")
 colours = {"Kimi Linear": "#1b9e77", "all MLA": "#d95f02"}
 left, right = st.columns(2)
 for col, qty, title, unit, key in ((left, "prefill_s", "prefill latency (s)", "s", "p15_prefill_chart"),
@@ -53,7 +56,7 @@ for col, qty, title, unit, key in ((left, "prefill_s", "prefill latency (s)", "s
     for name, colour in colours.items():
         c, p = view.curves[view.curves.model == name], view.published[view.published.model == name]
         fig.add_trace(go.Scatter(x=c.context_tokens, y=c[qty], mode="lines", line_color=colour,
-                                 name=f"{name}: roofline ({model})"))
+                                 name=f"{name}: roofline ({preset_title(model)})"))
         fig.add_trace(go.Scatter(x=p.context_tokens, y=p[qty], mode="markers", marker=dict(color=colour, symbol="x"),
                                  name=f"{name}: published (48B-A3B)"))
     fig.update_layout(title=title, xaxis_type="log", yaxis_type="log", xaxis_title="context (tokens, log)",
@@ -104,7 +107,7 @@ st.caption(f"Budgets per replica: {fractions} × the {view.free_gb:,.0f} GB the 
            f"request's state slots; ours at C = {OURS_C}, extra_buffer at chunked_prefill_size = {EXTRA_BUFFER_CHUNK}. "
            f"The interval sweep runs at {INTERVAL_BUDGET_FRACTION:g} × the same.")
 if view.free_gb <= 0:
-    st.warning(f"{model}'s weights do not fit in {tp} × {hw}: choose more or larger GPUs for the policy comparison.")
+    st.warning(f"{preset_title(model)}'s weights do not fit in {tp} × {hw}: choose more or larger GPUs for the policy comparison.")
     st.stop()
 if not policies:
     st.info("Choose at least one policy.")

@@ -49,3 +49,11 @@ def test_validation(kwargs, match):
     base.update(kwargs)
     with pytest.raises(ValueError, match=match):
         kc.ModelConfig(**base)
+
+
+def test_every_preset_has_a_title():
+    from kda_core.config import PRESET_TITLES, PRESETS, preset_title
+    assert set(PRESET_TITLES) == set(PRESETS)
+    assert preset_title("kimi-k3") == "Kimi K3"
+    with pytest.raises(ValueError, match="name must be one of"):
+        preset_title("kimi-k2")

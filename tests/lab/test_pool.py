@@ -68,7 +68,7 @@ def test_page05_is_one_call_of_plain_data():
     assert r.layout == WorkloadConfig(pool_mib=8, policy="multi_page", num_groups=2).layout
     assert len(r.snapshot) == r.num_pages and set(r.timeline.variant) == {"unified", "static split"}
     assert sorted(set(r.waste.policy)) == ["multi_page", "unified"] and len(r.waste) == 6
-    assert set(r.real.model) == {"kimi-linear-48b-a3b", "kimi-k3"} and len(r.real) == 4 and len(r.vllm) == 6
+    assert set(r.real.model) == {"Kimi-Linear-48B-A3B", "Kimi K3"} and len(r.real) == 4 and len(r.vllm) == 6
 
 
 def test_call_latency_repeats_runs_after_a_warmup():
