@@ -17,6 +17,7 @@ from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, measure
 from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
 from serve.fleet.hashing import random_keys, routing_key
+from serve.fleet.policy_cache import PolicyReplicaCache
 from serve.fleet.replay import ScaleEvent, replay_routing, windowed_hit_ratio
 from serve.fleet.ring import ConsistentHashRouter
 from serve.fleet.router import RouteQuery
@@ -47,15 +48,78 @@ ANCHORS = {
 # (hash ids in a request's leading run seen before / all hash ids), computed by tests/serve/test_mooncake_ratios.py.
 MOONCAKE_TABLE2_CACHE_RATIO = {"conversation": 0.40, "synthetic": 0.66}
 
+# What the pages show for the routers' code names (legends, axes, tables).
+DISPLAY_NAMES = {"round_robin": "round robin", "least_loaded": "least loaded", "mod_n": "mod-N",
+                 "ring": "ring (consistent hashing)", "jump": "jump hash", "rendezvous": "rendezvous hashing",
+                 "maglev": "Maglev", "bounded_load": "bounded loads", "cache_aware": "cache-aware",
+                 "precise_kv": "precise, KV only", "precise_state": "precise, state-aware"}
+
+
+def display_name(code: str) -> str:
+    """The readable name of a router's code name (:data:`DISPLAY_NAMES`); an unknown name is returned as is."""
+    return DISPLAY_NAMES.get(code, code)
+
+
+# The replica cache of the routing-only replays (pages 11, 12): label -> code.
+REPLICA_CACHES = {"policy model at real bytes": "policy", "block LRU (512-token blocks)": "block_lru"}
+
+
+def policy_cache_factory(model: str, gpu: str, tp: int, cache_policy: str,
+                         budget_fraction: float) -> Callable[[], PolicyReplicaCache]:
+    """A factory of fresh replica caches: prefix-cache policy ``cache_policy`` (:func:`lab.real_scale.make_policy`:
+    ours, SGLang, vLLM) of ``model`` on ``tp`` x ``gpu`` at real bytes, under ``budget_fraction`` of the HBM the
+    weights leave (:func:`lab.real_scale.free_bytes`, bytes per replica), one running request's state slots
+    reserved in it (:class:`serve.fleet.policy_cache.PolicyReplicaCache`). Page 14's replicas
+    (:func:`lab.fleet_simulation.real_replica`) hold the same cache.
+
+    Raises ValueError naming the argument for an unknown model, GPU, TP or policy, a ``budget_fraction`` outside
+    (0, 1], weights that do not fit, or a budget below one running request's state slots."""
+    from lab.real_scale import HARDWARE, MODELS, POLICIES, TP_SIZES, free_bytes, make_policy  # it imports this module
+    from serve.scale.hardware import hardware
+    for name, value, allowed in (("model", model, tuple(MODELS)), ("gpu", gpu, HARDWARE),
+                                 ("tp", tp, TP_SIZES), ("cache_policy", cache_policy, POLICIES)):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    if not 0 < budget_fraction <= 1:
+        raise ValueError(f"budget_fraction must be in (0, 1] (share of the HBM left after weights), got {budget_fraction}")
+    free = free_bytes(model, hardware(gpu), tp)
+    if free <= 0:
+        raise ValueError(f"{model} weights do not fit in {tp} x {gpu}: choose more GPUs (tp) or larger ones")
+    budget = free * budget_fraction
+
+    def factory() -> PolicyReplicaCache:
+        return PolicyReplicaCache(make_policy(cache_policy, model, tp), budget)
+
+    try:
+        factory()                                        # checks the budget against the running state slots
+    except ValueError as exc:
+        raise ValueError(f"budget_fraction {budget_fraction:g} of the {free / 1e9:,.0f} GB left after weights is too "
+                         f"small for {cache_policy}: {exc}") from exc
+    return factory
+
+
+def fitting_tps(model: str, gpu: str) -> tuple[int, ...]:
+    """The TP sizes (:data:`lab.real_scale.TP_SIZES`) at which ``model``'s weights fit in ``tp`` x ``gpu`` with
+    HBM to spare (a page offers only these; empty when none does). Raises ValueError for an unknown model or GPU."""
+    from lab.real_scale import HARDWARE, MODELS, TP_SIZES, free_bytes
+    from serve.scale.hardware import hardware
+    if model not in MODELS or gpu not in HARDWARE:
+        raise ValueError(f"model must be one of {tuple(MODELS)} and gpu one of {HARDWARE}, got {model!r}, {gpu!r}")
+    return tuple(tp for tp in TP_SIZES if free_bytes(model, hardware(gpu), tp) > 0)
+
 
 def routing_load(trace: Sequence[TraceRequest], algorithm: str, num_replicas: int, k: int,
-                 **params) -> pd.DataFrame:
+                 cache_factory: Callable[[], PolicyReplicaCache] | None = None, **params) -> pd.DataFrame:
     """Requests and prompt tokens per replica when ``trace`` is routed by ``algorithm`` on its first
-    ``k`` blocks (routing-only replay, unlimited caches). Columns: replica, requests, tokens, hit_tokens."""
-    replay = replay_routing(trace, make_router(algorithm, replica_names(num_replicas), **params), k)
-    df = pd.DataFrame({"replica": replay.replica, "tokens": replay.input_tokens, "hit_tokens": replay.hit_tokens})
+    ``k`` blocks (routing-only replay; unlimited block LRU caches, or ``cache_factory()`` per replica:
+    :func:`policy_cache_factory`). Columns: replica, requests, tokens, hit_tokens, lost_tokens (KV held on the
+    replica, no state to reuse it; 0 with block caches)."""
+    replay = replay_routing(trace, make_router(algorithm, replica_names(num_replicas), **params), k,
+                            cache_factory=cache_factory)
+    df = pd.DataFrame({"replica": replay.replica, "tokens": replay.input_tokens, "hit_tokens": replay.hit_tokens,
+                       "lost_tokens": replay.lost_tokens})
     out = df.groupby("replica", sort=False).agg(requests=("tokens", "size"), tokens=("tokens", "sum"),
-                                               hit_tokens=("hit_tokens", "sum"))
+                                               hit_tokens=("hit_tokens", "sum"), lost_tokens=("lost_tokens", "sum"))
     out = out.reindex(replica_names(num_replicas), fill_value=0).reset_index()
     return out
 
@@ -130,12 +194,17 @@ def keys_moved_table(num_replicas: int, action: str, num_keys: int, vnodes: int)
 def hit_ratio_across_scale_event(trace: Sequence[TraceRequest], algorithms: Sequence[str], num_replicas: int,
                                  k: int, action: str, at_fraction: float, window: int,
                                  capacity_blocks: int | None, vnodes: int, routers: dict | None = None,
-                                 event: bool = True) -> pd.DataFrame:
-    """Windowed token hit ratio over the trace with one scale event at ``at_fraction`` of the requests.
+                                 event: bool = True,
+                                 cache_factory: Callable[[], PolicyReplicaCache] | None = None) -> pd.DataFrame:
+    """Windowed token hit ratio over the trace with one scale event at ``at_fraction`` of the requests;
+    per-replica block LRU caches of ``capacity_blocks`` (None = unlimited) or, with ``cache_factory``, a fresh
+    ``cache_factory()`` per replica (:func:`policy_cache_factory`; ``capacity_blocks`` unused).
     ``routers``: optional freshly built routers by algorithm name (over ``num_replicas`` replicas), used as
     prototypes (copied through pickle, never mutated) so several traces share one Maglev table build. ``event=False``:
     the same replay without the scale event (the paired baseline).
-    Columns: algorithm, request (window start index), hit_ratio."""
+    Columns: algorithm, request (window start index), hit_ratio, lost_ratio (the window's prompt tokens
+    whose KV the replica held but no state let it reuse, as a fraction; 0 with block caches), and the window's
+    sums tokens, hit_tokens, lost_tokens (prompt tokens)."""
     at = int(len(trace) * at_fraction)
     replica = f"replica-{num_replicas}" if action == "add" else f"replica-{num_replicas - 1}"
     rows = []
@@ -143,9 +212,14 @@ def hit_ratio_across_scale_event(trace: Sequence[TraceRequest], algorithms: Sequ
         router = pickle.loads(pickle.dumps(routers[name])) if routers and name in routers else \
             make_router(name, replica_names(num_replicas), vnodes=vnodes)
         replay = replay_routing(trace, router, k, capacity_blocks=capacity_blocks,
-                                events=(ScaleEvent(at, action, replica),) if event else ())
+                                events=(ScaleEvent(at, action, replica),) if event else (), cache_factory=cache_factory)
+        starts = np.arange(0, len(trace), window)
+        hits, lost, tokens = (np.add.reduceat(a, starts) if len(trace) else a
+                              for a in (replay.hit_tokens, replay.lost_tokens, replay.input_tokens))
         for i, ratio in enumerate(windowed_hit_ratio(replay, window)):
-            rows.append({"algorithm": name, "request": i * window, "hit_ratio": float(ratio)})
+            rows.append({"algorithm": name, "request": i * window, "hit_ratio": float(ratio),
+                         "lost_ratio": float(lost[i] / max(1, tokens[i])), "tokens": int(tokens[i]),
+                         "hit_tokens": int(hits[i]), "lost_tokens": int(lost[i])})
     return pd.DataFrame(rows)
 
 

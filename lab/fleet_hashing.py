@@ -1,6 +1,7 @@
-"""Page 11: where a trace's requests land under each routing algorithm, load per replica and the ring's
-balance against virtual nodes (:func:`fleet_hashing`, one call); the lookup cost measured on this CPU
-(:func:`lookup_cost`, a separate call so a page can cache and re-measure it on its own)."""
+"""Page 11: where a trace's requests land under each routing algorithm, load per replica, the token hit ratio
+of the replicas' caches (by default Kimi-Linear's prefix-cache policy model at real bytes on 8 x H200, or block
+LRU caches) and the ring's balance against virtual nodes (:func:`fleet_hashing`, one call); the lookup cost
+measured on this CPU (:func:`lookup_cost`, a separate call so a page can cache and re-measure it on its own)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -12,12 +13,15 @@ import pandas as pd
 
 from lab.fleet import (
     ANCHORS,
+    REPLICA_CACHES,
     ideal_ratio,
     measure_lookup_us,
     page_trace,
+    policy_cache_factory,
     ring_balance_vs_vnodes,
     routing_load,
 )
+from lab.fleet_simulation import REAL_DEFAULTS
 from lab.timing import Conditions
 from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
 from serve.fleet.hashing import routing_key
@@ -32,8 +36,11 @@ VNODES = (1, 4, 10, 40, 100, 160, 400, 1000)  # virtual nodes per replica compar
 class FleetHashing:
     """Everything page 11 draws.
 
-    load: requests, prompt tokens and hit tokens per replica (:func:`lab.fleet.routing_load`); hit_ratio:
-    token hit ratio of the per-replica caches; ideal_ratio: of one shared infinite cache; balance: the ring's
+    load: requests, prompt tokens, hit tokens and lost tokens per replica (:func:`lab.fleet.routing_load`);
+    hit_ratio: token hit ratio of the per-replica caches; ideal_ratio: of one shared infinite block cache (the
+    block ideal); lost_ratio: share of prompt tokens whose KV the serving replica held but no KDA state let it
+    reuse (0 with block LRU caches); budget_gb: each replica's cache budget (GB; None with block LRU caches,
+    which are unlimited here); balance: the ring's
     exact shares per V in :data:`VNODES`; landing: one row per
     (request, key-based algorithm): request index, algorithm, replica, routing key, prefix blocks, requests
     sharing that prefix; num_requests: trace length; note: what the budget cut from an upload; anchors: published figures with their sources."""
@@ -46,6 +53,8 @@ class FleetHashing:
     num_requests: int
     note: str
     anchors: dict | None = None
+    lost_ratio: float = 0.0
+    budget_gb: float | None = None
 
 
 def prefix_landing(trace: Sequence[TraceRequest], num_replicas: int, k: int, vnodes: int) -> pd.DataFrame:
@@ -65,18 +74,32 @@ def prefix_landing(trace: Sequence[TraceRequest], num_replicas: int, k: int, vno
 
 
 def fleet_hashing(algorithm: str, num_replicas: int, k: int, vnodes: int, num_requests: int,
-                  upload: bytes | None = None, upload_name: str = "uploaded file") -> FleetHashing:
+                  upload: bytes | None = None, upload_name: str = "uploaded file", replica_cache: str = "policy",
+                  model: str = REAL_DEFAULTS["model"], gpu: str = REAL_DEFAULTS["gpu"], tp: int = REAL_DEFAULTS["tp"],
+                  cache_policy: str = REAL_DEFAULTS["cache_policy"],
+                  budget_fraction: float = REAL_DEFAULTS["budget_fraction"]) -> FleetHashing:
     """Route the page trace (``upload`` or the synthetic one, :func:`lab.fleet.page_trace`) with
-    ``algorithm`` on its first ``k`` blocks; add the ring's balance for ``num_replicas``.
+    ``algorithm`` on its first ``k`` blocks; add the ring's balance for ``num_replicas``. ``replica_cache``
+    ("policy" or "block_lru", :data:`lab.fleet.REPLICA_CACHES`): each replica's cache is ``cache_policy`` of
+    ``model`` on ``tp`` x ``gpu`` under ``budget_fraction`` of the HBM the weights leave
+    (:func:`lab.fleet.policy_cache_factory`), or an unlimited block LRU cache.
 
-    Raises: ValueError for an unknown algorithm or bad sizes; TraceFormatError (ValueError) for a bad upload."""
+    Raises: ValueError for an unknown algorithm, replica cache or real setup, weights that do not fit, a budget
+    too small for one running request's states, or bad sizes; TraceFormatError (ValueError) for a bad upload."""
     if algorithm not in ROUTERS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if replica_cache not in REPLICA_CACHES.values():
+        raise ValueError(f"replica_cache must be one of {tuple(REPLICA_CACHES.values())}, got {replica_cache!r}")
+    factory = policy_cache_factory(model, gpu, tp, cache_policy, budget_fraction) if replica_cache == "policy" \
+        else None
     trace, note, _ = page_trace(upload, num_requests, name=upload_name)
-    load = routing_load(trace, algorithm, num_replicas, k, vnodes=vnodes)
-    return FleetHashing(load, float(load.hit_tokens.sum() / max(1, load.tokens.sum())), ideal_ratio(trace),
+    load = routing_load(trace, algorithm, num_replicas, k, cache_factory=factory, vnodes=vnodes)
+    tokens = max(1, int(load.tokens.sum()))
+    return FleetHashing(load, float(load.hit_tokens.sum() / tokens), ideal_ratio(trace),
                         ring_balance_vs_vnodes(num_replicas, VNODES),
-                        prefix_landing(trace, num_replicas, k, vnodes), len(trace), note, anchors=dict(ANCHORS))
+                        prefix_landing(trace, num_replicas, k, vnodes), len(trace), note, anchors=dict(ANCHORS),
+                        lost_ratio=float(load.lost_tokens.sum() / tokens),
+                        budget_gb=factory().budget_bytes / 1e9 if factory else None)
 
 
 class LookupCost(NamedTuple):

@@ -1,18 +1,29 @@
 """Page 12 in one call: the keys each algorithm moves when a replica joins or leaves, and a trace replayed
-across that scale event with per-replica LRU block caches, averaged over several synthetic traces
-(:func:`fleet_scaling`)."""
+across that scale event with per-replica caches (by default Kimi-Linear's prefix-cache policy model at real
+bytes on 8 x H200, or LRU block caches), averaged over several synthetic traces (:func:`fleet_scaling`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import pandas as pd
 
-from lab.fleet import ANCHORS, DIP_WINDOWS, hit_ratio_across_scale_event, keys_moved_table, page_trace
+from lab.fleet import (
+    ANCHORS,
+    DIP_WINDOWS,
+    REPLICA_CACHES,
+    hit_ratio_across_scale_event,
+    ideal_ratio,
+    keys_moved_table,
+    page_trace,
+    policy_cache_factory,
+)
+from lab.fleet_simulation import REAL_DEFAULTS
 from serve.fleet import KEY_ROUTERS, make_router, replica_names
 
 ACTIONS = ("add", "remove")
 CAPACITIES = ("500", "2000", "8000", "unlimited")  # cache per replica options (512-token blocks)
-TRACE_SEEDS = 3   # synthetic traces averaged: the windowed hit ratio of one trace swings as much as the dip
+TRACE_SEEDS = 2   # synthetic traces averaged by default: one trace's dip swings by about a third between seeds
+MAX_SEEDS = 5
 SMOOTH_WINDOWS = 3   # paired_dip: the loss is averaged over this many windows before testing for recovery
 
 
@@ -24,8 +35,11 @@ class FleetScaling:
     (:func:`lab.fleet.keys_moved_table`); replicas_after: replicas after the event; dip: windowed token hit
     ratio per algorithm, mean over ``seeds`` traces (columns algorithm, request, hit_ratio, lo, hi: the
     lowest / highest trace's window, the band; change, change_lo, change_hi: the same for the hit ratio minus
-    that of the same trace replayed without the event, exactly 0 before it); recovery: :func:`paired_dip` per
-    algorithm; seeds: traces averaged (1 for an upload); at_request: index of the event; num_requests: trace length; routing_keys: distinct routing
+    that of the same trace replayed without the event, exactly 0 before it; lost_ratio: the window's prompt
+    tokens whose KV the replica held but no state let it reuse); recovery: :func:`paired_dip` per algorithm,
+    with hit_ratio_no_event and lost_no_event: the whole no-event replay's token hit ratio and lost share, mean
+    over the traces; ideal_ratio: the block ideal (one infinite shared cache), mean over the traces; budget_gb:
+    each replica's cache budget (GB; None with block LRU caches); seeds: traces averaged (1 for an upload); at_request: index of the event; num_requests: trace length; routing_keys: distinct routing
     keys in the trace (1: every algorithm sends all to one replica); note: what the budget cut from an
     upload; dip_windows: windows averaged in ``hit_ratio_lost``; anchors: published figures with sources."""
 
@@ -40,40 +54,67 @@ class FleetScaling:
     seeds: int = 1
     dip_windows: int = DIP_WINDOWS
     anchors: dict | None = None
+    ideal_ratio: float = float("nan")
+    budget_gb: float | None = None
 
 
 def fleet_scaling(num_replicas: int, action: str, num_keys: int, vnodes: int, num_requests: int, k: int,
                   at_fraction: float, window: int, capacity: str, upload: bytes | None = None,
-                  upload_name: str = "uploaded file") -> FleetScaling:
+                  upload_name: str = "uploaded file", replica_cache: str = "policy",
+                  algorithms: tuple[str, ...] = KEY_ROUTERS, seeds: int = TRACE_SEEDS,
+                  model: str = REAL_DEFAULTS["model"], gpu: str = REAL_DEFAULTS["gpu"], tp: int = REAL_DEFAULTS["tp"],
+                  cache_policy: str = REAL_DEFAULTS["cache_policy"],
+                  budget_fraction: float = REAL_DEFAULTS["budget_fraction"]) -> FleetScaling:
     """Keys moved going from ``num_replicas`` to one more ("add") or one fewer ("remove"), then the page trace
-    (``upload``, or :data:`TRACE_SEEDS` synthetic traces of seeds 0, 1, ...) routed on its first ``k`` blocks by
-    every key-based algorithm with the event after ``at_fraction`` of the requests; hit ratio per ``window``
-    requests, averaged over the traces; ``capacity`` one of :data:`CAPACITIES` (blocks per replica).
+    (``upload``, or ``seeds`` synthetic traces of seeds 0, 1, ...) routed on its first ``k`` blocks by each of
+    ``algorithms`` (key-based, :data:`serve.fleet.KEY_ROUTERS`) with the event after ``at_fraction`` of the
+    requests; hit ratio per ``window`` requests, averaged over the traces. ``replica_cache`` ("policy" or
+    "block_lru", :data:`lab.fleet.REPLICA_CACHES`): each replica's cache is ``cache_policy`` of ``model`` on
+    ``tp`` x ``gpu`` under ``budget_fraction`` of the HBM the weights leave (:func:`lab.fleet.policy_cache_factory`),
+    or an LRU cache of ``capacity`` (one of :data:`CAPACITIES`) blocks.
 
-    Raises: ValueError for an unknown action or capacity, bad sizes, or a bad upload (TraceFormatError)."""
+    Raises: ValueError for an unknown action, capacity, replica cache, algorithm or real setup, weights that do
+    not fit, a budget too small for one running request's states, ``seeds`` outside [1, :data:`MAX_SEEDS`], bad
+    sizes, or a bad upload (TraceFormatError)."""
     if action not in ACTIONS:
         raise ValueError(f"action must be one of {ACTIONS}, got {action!r}")
     if capacity not in CAPACITIES:
         raise ValueError(f"capacity must be one of {CAPACITIES}, got {capacity!r}")
+    if replica_cache not in REPLICA_CACHES.values():
+        raise ValueError(f"replica_cache must be one of {tuple(REPLICA_CACHES.values())}, got {replica_cache!r}")
+    if not algorithms or any(a not in KEY_ROUTERS for a in algorithms):
+        raise ValueError(f"algorithms must be a non-empty subset of {KEY_ROUTERS}, got {list(algorithms)}")
+    if isinstance(seeds, bool) or not isinstance(seeds, int) or not 1 <= seeds <= MAX_SEEDS:
+        raise ValueError(f"seeds must be an int in [1, {MAX_SEEDS}], got {seeds!r}")
+    factory = policy_cache_factory(model, gpu, tp, cache_policy, budget_fraction) if replica_cache == "policy" \
+        else None
     moved = keys_moved_table(num_replicas, action, num_keys, vnodes)
     cap = None if capacity == "unlimited" else int(capacity)
-    seeds = 1 if upload is not None else TRACE_SEEDS
-    routers = {name: make_router(name, replica_names(num_replicas), vnodes=vnodes) for name in KEY_ROUTERS}
-    runs, keys = [], set()
+    seeds = 1 if upload is not None else seeds
+    routers = {name: make_router(name, replica_names(num_replicas), vnodes=vnodes) for name in algorithms}
+    runs, keys, whole, ideals = [], set(), [], []
     for seed in range(seeds):
         trace, note, _ = page_trace(upload, num_requests, seed=seed, name=upload_name)
         keys |= {r.hash_ids[:k] for r in trace}
-        args = (trace, KEY_ROUTERS, num_replicas, k, action, at_fraction, window, cap, vnodes)
-        run = hit_ratio_across_scale_event(*args, routers=routers)
-        run["change"] = run.hit_ratio - hit_ratio_across_scale_event(*args, routers=routers, event=False).hit_ratio
+        ideals.append(ideal_ratio(trace))
+        args = (trace, algorithms, num_replicas, k, action, at_fraction, window, cap, vnodes)
+        run = hit_ratio_across_scale_event(*args, routers=routers, cache_factory=factory)
+        base = hit_ratio_across_scale_event(*args, routers=routers, event=False, cache_factory=factory)
+        run["change"] = run.hit_ratio - base.hit_ratio
         runs.append(run)
+        sums = base.groupby("algorithm", sort=False)[["hit_tokens", "lost_tokens", "tokens"]].sum()
+        whole.append(pd.DataFrame({"hit_ratio_no_event": sums.hit_tokens / sums.tokens.clip(lower=1),
+                                   "lost_no_event": sums.lost_tokens / sums.tokens.clip(lower=1)}))
     dip = (pd.concat(runs).groupby(["algorithm", "request"], sort=False)
            .agg(hit_ratio=("hit_ratio", "mean"), lo=("hit_ratio", "min"), hi=("hit_ratio", "max"),
-                change=("change", "mean"), change_lo=("change", "min"), change_hi=("change", "max")).reset_index())
+                change=("change", "mean"), change_lo=("change", "min"), change_hi=("change", "max"),
+                lost_ratio=("lost_ratio", "mean")).reset_index())
+    no_event = pd.concat(whole).groupby(level=0, sort=False).mean()
     at_request = int(len(trace) * at_fraction)
-    return FleetScaling(moved, num_replicas + 1 if action == "add" else num_replicas - 1, dip,
-                        paired_dip(dip, at_request), at_request, len(trace), len(keys), note, seeds=seeds,
-                        anchors=dict(ANCHORS))
+    recovery = paired_dip(dip, at_request).join(no_event, on="algorithm")
+    return FleetScaling(moved, num_replicas + 1 if action == "add" else num_replicas - 1, dip, recovery, at_request, len(trace), len(keys), note, seeds=seeds,
+                        anchors=dict(ANCHORS), ideal_ratio=float(sum(ideals) / len(ideals)),
+                        budget_gb=factory().budget_bytes / 1e9 if factory else None)
 
 
 def paired_dip(dip: pd.DataFrame, at_request: int, windows_after: int = DIP_WINDOWS) -> pd.DataFrame:

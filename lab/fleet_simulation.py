@@ -45,6 +45,11 @@ DECODE_SHARE = 5 / 8  # decode speed-up = this share of the prefill speed-up (as
 KV_CAPACITY_TOKENS = 400_000  # KV room per replica (tokens), as page 13
 VNODES = 160  # ring virtual nodes per replica (ketama's default)
 CLASSES = (PriorityClass("vip", 4.0), PriorityClass("standard", 1.0))  # VTC weights of the two classes
+# What the page shows for the code names (the frames keep the code names; routers: lab.fleet.DISPLAY_NAMES).
+CLASS_LABELS = {"vip": "VIP", "standard": "Standard", "all": "All"}
+SCHEDULER_LABELS = {"fcfs": "FCFS", "vtc": "VTC (fair share)"}
+CACHE_POLICY_LABELS = {"ours": "ours", "sglang no_buffer": "SGLang no_buffer",
+                       "sglang extra_buffer": "SGLang extra_buffer", "vllm align": "vLLM align", "vllm all": "vLLM all"}
 BOUND_C = 1.25  # load bound factor c of serve.fleet.bounded_load.BoundedLoadRouter (its default, used here)
 
 

@@ -12,15 +12,17 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from kda_core.config import PRESETS
-from kda_core.model import HybridLM, encode
+from kda_core.layer import KDAAux, KDACache
+from kda_core.model import ForwardOutput, HybridCache, HybridLM, encode
 from lab.rollback import strategies_for
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, LinearFit, conditions, fit_linear, summarize
 from lab.verify import PROMPT_TEXT
 from serve.spec.draft import NoisyOracleProposer
 from serve.spec.raw_input_ring import RawInputRing
+from serve.spec.rollback import conv_window_after
 from serve.spec.snapshot import SnapshotRollback
-from serve.spec.verify import prefill_state, speculate, speculative_step, verify
+from serve.spec.verify import DecodeState, prefill_state, speculate, speculative_step, verify
 
 WIDTHS = (64, 128, 256)
 DEMO = PRESETS["demo"]                  # ring_model changes only its width and heads
@@ -37,14 +39,49 @@ def ring_model(width: int) -> HybridLM:
     return HybridLM(cfg)
 
 
-def bytes_vs_draft(model: HybridLM, max_draft: int) -> list[dict]:
+def prompt_state(model: HybridLM) -> DecodeState:
+    """The demo prompt (:data:`lab.verify.PROMPT_TEXT`) prefilled on ``model``, greedy first token taken:
+    the state every experiment of this module starts from (one prefill, shared by :func:`ring_page`)."""
+    with one_thread():
+        return prefill_state(model, encode(PROMPT_TEXT))
+
+
+def verify_prefix(model: HybridLM, base: HybridCache, out: ForwardOutput, num_tokens: int) -> ForwardOutput:
+    """The output of a verify of only the first ``num_tokens`` tokens of ``out``, cut from ``out``.
+
+    ``out`` is :func:`serve.spec.verify.verify` from ``base`` (recurrent mode, ``output_aux=True``) over
+    T tokens. Recurrent mode is causal and token by token, and every linear / pointwise op is
+    row-invariant (:mod:`kda_core.invariant`), so the first ``num_tokens`` positions of ``out`` are
+    bitwise what a verify of those tokens alone returns (``tests/lab/test_ring.py`` checks it): logits
+    ``[1, num_tokens, 256]``, every aux tensor cut to ``[1, num_tokens, ...]``, KDA caches = the state
+    after token ``num_tokens`` and the conv window there, MLA latents cut to ``base + num_tokens`` tokens.
+    Raises ValueError unless ``1 <= num_tokens <= T`` and ``out`` has aux with per-token states."""
+    total = out.cache.num_tokens - base.num_tokens
+    if out.aux is None or any(a.states is None for a in out.aux.values()):
+        raise ValueError("out must be a recurrent-mode verify with output_aux=True")
+    if not isinstance(num_tokens, int) or not 1 <= num_tokens <= total:
+        raise ValueError(f"num_tokens must be an int in [1, {total}], got {num_tokens!r}")
+    aux = {i: KDAAux(*(t[:, :num_tokens] for t in a)) for i, a in out.aux.items()}   # each [1, num_tokens, ...]
+    layers = tuple(
+        KDACache(aux[i].states[:, -1], conv_window_after(b.conv, aux[i].raw_qkv, num_tokens))  # [1, H, K, V], [1, D, W-1]
+        if i in aux else out.cache.layers[i][:, : base.num_tokens + num_tokens]              # [1, L + num_tokens, r + rope]
+        for i, b in enumerate(base.layers))
+    return ForwardOutput(out.logits[:, :num_tokens], HybridCache(layers, base.num_tokens + num_tokens), aux)
+
+
+def bytes_vs_draft(model: HybridLM, max_draft: int, start: DecodeState | None = None) -> list[dict]:
     """For n = 1..max_draft: bytes each strategy holds after a real verify of 1 + n tokens (whole model,
-    fp32). The ring is sized to the verify (capacity = window = 1 + n), i.e. its raw inputs only."""
+    fp32). The ring is sized to the verify (capacity = window = 1 + n), i.e. its raw inputs only.
+
+    One verify of ``1 + max_draft`` tokens from ``start`` (default :func:`prompt_state`) is run; the verify
+    of ``1 + n`` tokens is its first ``1 + n`` positions (:func:`verify_prefix`, bitwise), so each
+    strategy records exactly what it would record after that shorter verify."""
     rows = []
     with one_thread():
-        state = prefill_state(model, encode(PROMPT_TEXT))
+        state = prompt_state(model) if start is None else start
+        full = verify(model, state, [state.last_token] * max_draft)
         for n in range(1, max_draft + 1):
-            out = verify(model, state, [state.last_token] * n)
+            out = verify_prefix(model, state.cache, full, 1 + n)
             for strat in strategies_for(1 + n):
                 strat.record(model, state.cache, out)
                 rows.append({"draft_tokens": n, "strategy": strat.name, "bytes": strat.nbytes()})
@@ -53,10 +90,12 @@ def bytes_vs_draft(model: HybridLM, max_draft: int) -> list[dict]:
 
 
 def commit_times(model: HybridLM, num_draft: int, repeats: int = MIN_REPEATS,
-                 accepted: Sequence[int] | None = None) -> tuple[list[dict], Conditions]:
+                 accepted: Sequence[int] | None = None,
+                 start: DecodeState | None = None) -> tuple[list[dict], Conditions]:
     """Commit (rebuild) time of each strategy for each accepted length (default: every one, 0..num_draft).
 
-    Each sample records a fresh verify of ``1 + num_draft`` tokens and times only ``commit(a)``. One
+    Each sample records a fresh verify of ``1 + num_draft`` tokens from ``start`` (default
+    :func:`prompt_state`) and times only ``commit(a)``. One
     untimed warm-up round, then ``repeats`` rounds over every (accepted, strategy) pair, the pair order
     rotating from round to round (:mod:`lab.timing`'s interleaving: a burst of load on the shared machine
     hits every point alike). Rows: accepted, strategy, commit_ms (median), q1_ms, q3_ms, min_ms, max_ms,
@@ -72,7 +111,7 @@ def commit_times(model: HybridLM, num_draft: int, repeats: int = MIN_REPEATS,
     times: dict[tuple[int, int], list[float]] = {p: [] for p in pairs}
     with one_thread():
         cond = conditions(repeats, 1)
-        state = prefill_state(model, encode(PROMPT_TEXT))
+        state = prompt_state(model) if start is None else start
         out = verify(model, state, [state.last_token] * num_draft)
         for r in range(repeats + 1):                       # round 0 = warm-up, not kept
             for j in range(len(pairs)):
@@ -117,11 +156,22 @@ class RingRun(NamedTuple):
     ring_bytes: int
 
 
+def greedy_continuation(model: HybridLM, start: DecodeState, num_tokens: int) -> list[int]:
+    """The target's greedy tokens after ``start``: ``start.last_token`` then ``num_tokens - 1`` decode
+    steps; bitwise ``model.generate(prompt, num_tokens)`` when ``start`` is the prompt's prefill."""
+    tokens, cache = [start.last_token], start.cache
+    for _ in range(num_tokens - 1):
+        logits, cache = model.decode_step(tokens[-1], cache)
+        tokens.append(int(logits[0].argmax()))
+    return tokens
+
+
 def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, acceptance: float = 0.7,
-             max_new_tokens: int = RUN_TOKENS, seed: int = 0) -> RingRun:
+             max_new_tokens: int = RUN_TOKENS, seed: int = 0, start: DecodeState | None = None) -> RingRun:
     """A generation of ``max_new_tokens`` tokens through one ring (:func:`serve.spec.verify.speculate`) with
     noisy-oracle drafts of at most ``min(requested_draft, window - 1)`` tokens; then one verify of
-    ``requested_draft`` tokens to show the overflow path.
+    ``requested_draft`` tokens to show the overflow path. ``start``: the prompt's prefilled state
+    (default :func:`prompt_state`).
 
     Raises ValueError for a bad capacity/window (from :class:`RawInputRing`) or requested_draft < 0."""
     if not isinstance(requested_draft, int) or requested_draft < 0:
@@ -129,9 +179,9 @@ def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, 
     ring = RawInputRing(capacity, window)
     prompt = encode(PROMPT_TEXT)
     with one_thread():
-        proposer = NoisyOracleProposer.from_model(model, prompt, max_new_tokens + requested_draft + 1,
-                                                  1.0 - acceptance, seed)
-        state = prefill_state(model, prompt)
+        state = prompt_state(model) if start is None else start
+        proposer = NoisyOracleProposer(prompt.tolist(), greedy_continuation(
+            model, state, max_new_tokens + requested_draft + 1), 1.0 - acceptance, seed)
         history, steps = prompt.tolist() + [state.last_token], []
         for step in speculate(model, state, history, proposer, ring, min(requested_draft, window - 1),
                               max_new_tokens - 1):
@@ -199,9 +249,11 @@ class RingPage(NamedTuple):
 
 
 def ring_page(model: HybridLM, capacity: int, window: int, num_draft: int) -> RingPage:
-    """Page 04's one call. Raises ValueError as :func:`ring_run` and :func:`commit_times` do."""
-    bytes_rows = bytes_vs_draft(model, 16)
-    commit_rows, cond = commit_times(model, num_draft)
-    run = ring_run(model, capacity, window, num_draft)
+    """Page 04's one call (one prefill of the prompt, shared by the three experiments). Raises ValueError
+    as :func:`ring_run` and :func:`commit_times` do."""
+    start = prompt_state(model)
+    bytes_rows = bytes_vs_draft(model, 16, start)
+    commit_rows, cond = commit_times(model, num_draft, start=start)
+    run = ring_run(model, capacity, window, num_draft, start=start)
     return RingPage(bytes_rows, commit_rows, tradeoff_table(bytes_rows, commit_rows, num_draft), run,
                     head_tail_labels(run.slots), commit_fits(commit_rows), cond)

@@ -2,7 +2,6 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.prefix import home, home_timing
 from pages._common import engine_call, measured_stamp, persist, remeasure_button, show_chart
 from pages._registry import SECTIONS, TABS
 
@@ -54,6 +53,7 @@ if not all(sizes.values()):
 
 @st.cache_data(show_spinner="Running both requests through the engine…", max_entries=32, ttl="1h")
 def _p00_verdict(first, second, max_new, block, interval):
+    from lab.prefix import home  # here: on a fresh server torch loads while the text and the chart above show
     return home(first, second, max_new, block, interval)
 
 
@@ -63,10 +63,24 @@ REPEATS = 5
 @st.cache_data(show_spinner=f"Timing cold and warm runs: {REPEATS} interleaved repeats after a warm-up…",
                max_entries=32, ttl="1h")
 def _p00_timing(first, second, max_new, block, interval):
+    from lab.prefix import home_timing
     return home_timing(first, second, max_new, block, interval, repeats=REPEATS)
 
 
 timing_on = bool(st.session_state.get("p00_timing_on"))   # 2 x 6 engine runs: on request, then on for the session
+first_bytes, second_bytes = first.encode(), second.encode()
+shared = next((i for i, (a, b) in enumerate(zip(first_bytes, second_bytes)) if a != b),
+              min(len(first_bytes), len(second_bytes)))              # bytes request 2 shares with request 1
+kv_blocks = shared // block * block                                   # whole blocks of that prefix (KV pages)
+tokens_part = st.empty()   # now: the prompts; after the engine run: its counters (the same rows, measured)
+preview = go.Figure([go.Bar(y=["request 1", "request 2"], x=[shared, shared], orientation="h", marker_color="#bbf7d0",
+                            name="shared prefix (same bytes in both prompts)"),
+                     go.Bar(y=["request 1", "request 2"], x=[len(first_bytes) - shared, len(second_bytes) - shared],
+                            orientation="h", marker_color="#e5e7eb", name="own tokens")])
+preview.add_vline(x=kv_blocks, line_dash="dot", annotation_text=f"{kv_blocks // block} whole blocks of N = {block}")
+preview.update_layout(barmode="stack", height=230, xaxis_title="prompt tokens (bytes), read from the prompts before the engine run",
+                      yaxis_autorange="reversed", legend=dict(orientation="h", y=-0.45), margin=dict(l=10, r=10, t=40, b=10))
+tokens_part.plotly_chart(preview, key="p00_prompts_chart", width="stretch")   # replaced below, so no CSV button
 run = engine_call(_p00_verdict, first, second, max_new, block, interval)
 check, warm, cold = run.check, run.warm, run.cold
 m1, m2, m3, m4 = st.columns(4)
@@ -88,6 +102,20 @@ elif check.outputs_identical:
              f"{TOL_TEXT} tolerance.")
 else:
     st.error("Warm output differs from the cache-off run.")
+runs = [r for r in run.rows if r["kind"] in ("cold", "first", "warm")]   # the verification run, in PHASE_RUNS order
+names = {"cold": "request 2 cold", "first": "request 1 (fills)", "warm": "request 2 warm"}
+fig_tokens = go.Figure([
+    go.Bar(y=[names[r["kind"]] for r in runs], x=[r["hit_tokens"] for r in runs], orientation="h", marker_color="#2ca02c",
+           name="reused: restored at the hit b (checkpoint + KV pages)"),
+    go.Bar(y=[names[r["kind"]] for r in runs], x=[r["prefill_tokens"] for r in runs], orientation="h",
+           marker_color="#9ca3af", name="prefilled (computed)")])
+fig_tokens.add_trace(go.Scatter(y=[names["warm"]], x=[warm["kv_hit_tokens"]], mode="markers", name="KV-page match (phase 1)",
+                                marker=dict(symbol="line-ns-open", size=26, color="#111827", line_width=2)))
+fig_tokens.update_layout(barmode="stack", height=230, xaxis_title="prompt tokens (the engine's counters of the verification run)",
+                         yaxis_autorange="reversed", legend=dict(orientation="h", y=-0.45))
+with tokens_part.container():
+    show_chart(fig_tokens, [{k: r[k] for k in ("kind", "prompt_tokens", "hit_tokens", "kv_hit_tokens", "prefill_tokens")}
+                            for r in runs], key="p00_tokens_chart")
 st.caption(f"Hit: {warm['hit_tokens']} of {warm['prompt_tokens']} tokens (phase-1 KV run {warm['kv_hit_tokens']}). A "
            f"whole-model KDA state is {run.state_bytes:,} B whatever the prefix length; the KV shared grows with it. "
            "What to notice: warm TTFT ≈ restore + (L − b) tokens of prefill, with b the largest boundary ≤ "

@@ -5,6 +5,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from kda_core.config import preset_title
 from lab.rollback import DTYPES, LAYER_PRESETS, rollback_page
 from pages._common import engine_call, num, pct, persist, show_chart, show_table
 
@@ -63,6 +64,11 @@ st.caption(
 
 st.subheader("2 · Whole model, per draft token")
 tdf = pd.DataFrame(page.models)
+k3 = tdf.set_index("model").loc["kimi-k3"]
+tdf = tdf.assign(model=tdf.model.map(preset_title))                  # shown by the models' names
+MIB_COLUMNS = ["snapshot state MiB", "snapshot conv window MiB", "projections k,v,g,beta MiB", "conv inputs MiB",
+               "raw inputs MiB"]
+lo_mib, hi_mib = float(tdf[MIB_COLUMNS].min().min()), float(tdf[MIB_COLUMNS].max().max())
 fig2 = go.Figure()
 for col, name, color in [("snapshot state MiB", "snapshot: state", "#d62728"),
                          ("snapshot conv window MiB", "snapshot: conv window", "#ff9896"),
@@ -70,17 +76,17 @@ for col, name, color in [("snapshot state MiB", "snapshot: state", "#d62728"),
                          ("conv inputs MiB", "conv inputs", "#98df8a"), ("raw inputs MiB", "raw inputs", "#1f77b4")]:
     fig2.add_trace(go.Bar(x=tdf.model, y=tdf[col], name=name, marker_color=color))
 fig2.update_layout(barmode="group", xaxis_title="model", yaxis_title="MiB per draft token, all KDA layers (log)",
-                   yaxis_type="log", yaxis_dtick=1, legend=dict(orientation="h", y=-0.25))
+                   yaxis_type="log", yaxis_dtick=1, legend=dict(orientation="h", y=-0.25),
+                   yaxis_range=[math.floor(math.log10(lo_mib)), math.log10(hi_mib) + 0.3])   # headroom above K3
 show_chart(fig2, tdf, key="p01_model_chart")
 show_table(tdf, {"model": "Model", "KDA layers": num("KDA layers", "%d"),
-                 "snapshot state MiB": num("Snapshot state (MiB)", "%.4g"),
-                 "snapshot conv window MiB": num("Snapshot conv (MiB)", "%.4g"),
-                 "projections k,v,g,beta MiB": num("Projections (MiB)", "%.4g"),
-                 "conv inputs MiB": num("Conv inputs (MiB)", "%.4g"), "raw inputs MiB": num("Raw inputs (MiB)", "%.4g")})
+                 "snapshot state MiB": num("Snapshot state (MiB)", "%,.3f"),
+                 "snapshot conv window MiB": num("Snapshot conv (MiB)", "%,.3f"),
+                 "projections k,v,g,beta MiB": num("Projections (MiB)", "%,.3f"),
+                 "conv inputs MiB": num("Conv inputs (MiB)", "%,.3f"), "raw inputs MiB": num("Raw inputs (MiB)", "%,.3f")})
 st.caption("Per draft token, all KDA layers; snapshot state in fp32, everything else in bf16. Snapshot ÷ projections: "
            + ", ".join(f"{r['snapshot / projections']:.0f}× ({r.model})" for _, r in tdf.iterrows())
            + "; snapshot ÷ raw inputs: " + ", ".join(f"{r['snapshot / raw inputs']:.0f}×" for _, r in tdf.iterrows()) + ".")
-k3 = tdf.set_index("model").loc["kimi-k3"]
 K3 = page.k3
 n, h, kd, vd = K3.num_kda_layers, K3.num_heads, K3.head_k_dim, K3.head_v_dim
 st.write(

@@ -127,7 +127,9 @@ st.caption("Each column is one verify: green drafts were accepted, the red one w
            "Row 0 is the check of the committed state against sequential decoding: a green dot = max |Δ| exactly "
            "0.0 (bitwise), a red cross = a difference.")
 
-fig2 = make_subplots(rows=1, cols=3, subplot_titles=("tokens per step", "rollback bytes held", "time per step"))
+fig2 = make_subplots(rows=1, cols=3, horizontal_spacing=0.09,
+                     subplot_titles=("tokens per step", "rollback bytes held after the verify",
+                                     "wall-clock time per step, 1 thread"))
 fig2.add_trace(go.Bar(x=df.step, y=df.num_drafted, name="drafted", marker_color="#c7c7c7"), row=1, col=1)
 fig2.add_trace(go.Bar(x=df.step, y=df.num_accepted, name="accepted", marker_color="#2ca02c"), row=1, col=1)
 fig2.add_trace(go.Scatter(x=df.step, y=df.rollback_bytes / 1024, name="bytes held", mode="lines+markers"), row=1, col=2)
@@ -136,8 +138,8 @@ fig2.add_trace(go.Scatter(x=df.step, y=df.commit_ms, name="commit ms", mode="lin
 fig2.update_layout(barmode="overlay", legend=dict(orientation="h", y=-0.3))
 fig2.update_xaxes(title_text="speculative step")
 fig2.update_yaxes(title_text="tokens", row=1, col=1)
-fig2.update_yaxes(title_text="KiB (after the verify)", row=1, col=2)
-fig2.update_yaxes(title_text="ms (wall clock, 1 thread)", row=1, col=3)
+fig2.update_yaxes(title_text="KiB", row=1, col=2)
+fig2.update_yaxes(title_text="ms", row=1, col=3)
 show_chart(fig2, df, key="p02_steps_chart")
 short = df[df.num_drafted < num_draft]
 if len(short):

@@ -1,6 +1,5 @@
 """04 RawInputRing: cache raw layer inputs instead of states; memory vs recompute, the ring, its overflow."""
 import pandas as pd
-import plotly.express as px
 import plotly.graph_objects as go
 import streamlit as st
 
@@ -58,11 +57,11 @@ sdf, slots, run = pd.DataFrame(page.run.steps), pd.DataFrame(page.run.slots), pa
 left, right = st.columns(2)
 with left:
     st.subheader("1 · Bytes held per verify")
-    fig = px.line(bdf.replace({"snapshot": "snapshot (hypothetical per-position)"}), x="draft_tokens", y="bytes",
-                  color="strategy", markers=True, log_y=True,
-                  color_discrete_map={"snapshot (hypothetical per-position)": COLORS["snapshot"], **COLORS})
+    fig = go.Figure([go.Scatter(x=part.draft_tokens, y=part.bytes, mode="lines+markers", line_color=COLORS[name],
+                                name="snapshot (hypothetical per-position)" if name == "snapshot" else name)
+                     for name, part in bdf.groupby("strategy", sort=False)])
     fig.update_layout(xaxis_title="draft length n (verify = 1 + n tokens)", yaxis_title="bytes, all KDA layers (log)",
-                      legend=dict(orientation="h", y=-0.3))
+                      yaxis_type="log", legend=dict(orientation="h", y=-0.3))
     show_chart(fig, bdf, key="p04_bytes_chart")
 with right:
     st.subheader("2 · Commit (rebuild) time")

@@ -63,10 +63,11 @@ with part1:
     fig = go.Figure(go.Scatter(x=written.boundary, y=written.group, mode="markers", marker_symbol="diamond",
                                marker_size=12, name="checkpoint (written at = boundary)", text=written.written_at))
     for x, name, pos in ((run.next_shared, "next request shares", "top right"),
-                         (run.hit["hit_tokens"], "its hit b =", "bottom left")):
-        fig.add_vline(x=x, line_dash="dot", annotation_text=f"{name} {x}", annotation_position=pos)
+                         (run.hit["hit_tokens"], "its hit b =", "top left")):   # labels above the plot: no marker hidden
+        fig.add_vline(x=x, line_dash="dot", annotation_text=f"{name} {x}", annotation_position=pos,
+                      annotation_yanchor="bottom")
     fig.update_layout(xaxis_title="boundary (tokens)", yaxis_title="KDA group", yaxis=dict(dtick=1),
-                      xaxis_range=[0, prompt_tokens + 8], height=150 + 40 * groups, margin=dict(t=30, b=10))
+                      xaxis_range=[0, prompt_tokens + 8], height=160 + 40 * groups, margin=dict(t=40, b=10))
     show_chart(fig, written, key="p09_written_chart")
 
 if run.capacity is None:

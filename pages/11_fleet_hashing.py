@@ -2,33 +2,84 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.fleet import LOOKUP_KEYS
+from kda_core.config import preset_title
+from lab.fleet import LOOKUP_KEYS, REPLICA_CACHES, display_name, fitting_tps
 from lab.fleet_hashing import ALGORITHMS, VNODES, fleet_hashing, lookup_cost
-from pages._common import engine_call, measured_stamp, persist, remeasure_button, show_chart, upload_parts
+from lab.fleet_simulation import BUDGET_OPTIONS, CACHE_POLICIES, HARDWARE, MODELS, REAL_DEFAULTS, TP_SIZES
+from pages._common import (
+    engine_call,
+    measured_stamp,
+    num,
+    persist,
+    persist_within,
+    remeasure_button,
+    show_chart,
+    show_table,
+    upload_parts,
+)
 
 st.title("Fleet hashing")
 st.write(
     "Each request is routed on the chained hash of its first **k** prompt blocks, so requests that share that "
     "prefix land on the replica that already caches it. Below: the load each algorithm puts on every replica for "
-    "a trace, how the consistent-hash ring's balance improves with virtual nodes, and the lookup cost measured "
-    "on this CPU. The default trace is synthetic (Mooncake schema); upload a Mooncake JSONL file to use your own.")
+    "a trace and the hit ratio of the replicas' caches (by default Kimi-Linear's prefix cache at real bytes on "
+    "8 × H200, where a hit needs a KDA state), how the consistent-hash ring's balance improves with virtual nodes, "
+    "and the lookup cost measured on this CPU. The default trace is synthetic (Mooncake schema); upload a "
+    "Mooncake JSONL file to use your own.")
 
+LABELS = {display_name(a): a for a in ALGORITHMS}
 c1, c2, c3, c4 = st.columns(4)
 replicas = c1.slider("Replicas", 2, 32, value=8, key=persist("p11_replicas", 8, min_value=2, max_value=32), bind="query-params", persist_state="session")
 vnodes = c2.select_slider("Virtual nodes per replica (ring)", list(VNODES), value=160, key=persist("p11_vnodes", 160, options=list(VNODES)), bind="query-params", persist_state="session")
-algorithm = c3.selectbox("Algorithm", list(ALGORITHMS), index=list(ALGORITHMS).index("ring"), key=persist("p11_algorithm", "ring", options=list(ALGORITHMS)), bind="query-params", persist_state="session")
+algorithm_label = c3.selectbox("Algorithm", list(LABELS), index=list(LABELS.values()).index("ring"),
+                               key=persist("p11_algorithm", display_name("ring"), options=list(LABELS)),
+                               bind="query-params", persist_state="session")
+algorithm = LABELS[algorithm_label]
 k = c4.slider("Routing prefix depth k (blocks)", 1, 8, value=2, key=persist("p11_k", 2, min_value=1, max_value=8), bind="query-params", persist_state="session")
+
+CACHES = list(REPLICA_CACHES)
+cache_label = st.selectbox("Replica cache", CACHES, index=0, key=persist("p11_cache", CACHES[0], options=CACHES),
+                           bind="query-params", persist_state="session")
+real = REPLICA_CACHES[cache_label] == "policy"
+model_name, gpu, tp, cache_policy, budget_fraction = (REAL_DEFAULTS[x] for x in (
+    "model", "gpu", "tp", "cache_policy", "budget_fraction"))
+if real:   # the GPUs and TP sizes offered are those the model's weights fit in
+    r1, r2, r3, r4, r5 = st.columns(5)
+    model_name = r1.selectbox("Model", list(MODELS), index=list(MODELS).index(model_name), format_func=preset_title,
+                              key=persist("p11_model", model_name, options=list(MODELS)), bind="query-params",
+                              persist_state="session")
+    gpus = [g for g in HARDWARE if fitting_tps(model_name, g)]
+    gpu_default = gpu if gpu in gpus else gpus[0]
+    gpu = r2.selectbox("GPU", gpus, index=gpus.index(gpu_default),
+                       key=persist_within("p11_gpu", gpu_default, gpus, HARDWARE),
+                       bind="query-params", persist_state="session")
+    tps = list(fitting_tps(model_name, gpu))
+    tp_default = tp if tp in tps else tps[0]
+    tp = r3.select_slider("GPUs per replica (TP)", tps, value=tp_default,
+                          key=persist_within("p11_tp", tp_default, tps, TP_SIZES),
+                          bind="query-params", persist_state="session") if len(tps) > 1 else tps[0]
+    cache_policy = r4.selectbox("Prefix-cache policy", list(CACHE_POLICIES), index=list(CACHE_POLICIES).index(cache_policy),
+                                key=persist("p11_cache_policy", cache_policy, options=list(CACHE_POLICIES)),
+                                bind="query-params", persist_state="session")
+    BUDGETS = [f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_OPTIONS]
+    budget = r5.select_slider("Cache budget (share of HBM left after weights)", BUDGETS, value="1/8",
+                              key=persist("p11_budget", "1/8", options=BUDGETS), bind="query-params",
+                              persist_state="session")
+    budget_fraction = BUDGET_OPTIONS[BUDGETS.index(budget)]
 d1, d2 = st.columns([1, 2])
 num_requests = d1.slider("Requests (cap)", 200, 5000, step=100, value=2000, key=persist("p11_requests", 2000, min_value=200, max_value=5000), bind="query-params", persist_state="session")
 upload = d2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p11_upload")
 
 
 @st.cache_data(show_spinner="Routing the trace…", max_entries=32, ttl="1h")
-def _run(algorithm, replicas, k, vnodes, n, upload_bytes, upload_name):
-    return fleet_hashing(algorithm, replicas, k, vnodes, n, upload_bytes, upload_name)
+def _run(algorithm, replicas, k, vnodes, n, upload_bytes, upload_name, replica_cache, real_setup):
+    model_name, gpu, tp, cache_policy, budget_fraction = real_setup
+    return fleet_hashing(algorithm, replicas, k, vnodes, n, upload_bytes, upload_name, replica_cache=replica_cache,
+                         model=model_name, gpu=gpu, tp=tp, cache_policy=cache_policy, budget_fraction=budget_fraction)
 
 
-run = engine_call(_run, algorithm, replicas, k, vnodes, num_requests, *upload_parts(upload))
+run = engine_call(_run, algorithm, replicas, k, vnodes, num_requests, *upload_parts(upload), REPLICA_CACHES[cache_label],
+                  (model_name, gpu, tp, cache_policy, budget_fraction))
 load, hit, ideal, n_trace, anchors = run.load, run.hit_ratio, run.ideal_ratio, run.num_requests, run.anchors
 if run.note:
     st.info(run.note)
@@ -37,15 +88,27 @@ fig = go.Figure(go.Bar(x=load.replica, y=load.requests, name="requests"))
 fig.add_hline(y=load.requests.mean(), line_dash="dot", annotation_text=f"mean {load.requests.mean():,.0f}")
 fig.update_layout(xaxis_title="replica", yaxis_title="requests routed (count)")
 show_chart(fig, load, key="p11_load_chart")
-m1, m2, m3 = st.columns(3)
+m1, m2, m3, m4 = st.columns(4)
 m1.metric("max / mean load", f"{load.requests.max() / load.requests.mean():.2f}")
-m2.metric("token hit ratio (per-replica caches)", f"{hit:.3f}")
-m3.metric("ideal (one shared cache)", f"{ideal:.3f}")
+m2.metric("token hit ratio (per-replica caches)", f"{hit:.1%}")
+m3.metric("block ideal (one shared infinite cache)", f"{ideal:.1%}")
+if real:
+    m4.metric("KV cached, no state to reuse it", f"{run.lost_ratio:.1%}",
+              help="Prompt tokens whose KV the serving replica held but that no KDA state let it skip, as a share "
+                   "of all prompt tokens (the policy cache's lost-to-missing-state counter).")
 if load.requests.max() == n_trace:
     st.warning(f"Every request went to one replica: all prompts share their first {k} block(s) (a shared system "
                "prompt), so a routing key that short has a single value. Route on more blocks.")
-st.caption(f"{n_trace:,} requests (cap {num_requests:,}). Routing-only replay: each request's blocks are cached on "
-           "its replica as soon as it is routed (no timing; page 14 adds queues and service times).")
+where_cache = (f"{cache_policy} on {model_name}, {tp} × {gpu}: {run.budget_gb:,.0f} GB per replica" if real else
+               "an unlimited block LRU cache per replica")
+st.caption(f"{n_trace:,} requests (cap {num_requests:,}); {where_cache}. Routing-only replay: each request is "
+           "cached on its replica as soon as it is routed (no timing; page 14 adds queues and service times).")
+with st.expander("Hit ratio vs the block ideal"):
+    st.markdown("The **block ideal** counts, per request, the tokens of its leading blocks seen in any earlier "
+                "request: one infinite cache shared by all replicas. A replica's cache misses what other replicas "
+                "hold (routing), what its budget evicted and, with a KDA model, what it holds as KV but cannot "
+                "reuse without a state at that boundary (the policy caches a state only at its checkpoints). "
+                "So hit ratio + KV cached without a state ≤ block ideal.")
 
 st.subheader("2 · Ring balance vs virtual nodes")
 
@@ -73,7 +136,7 @@ def _p11_lookup(replicas, vnodes):
 remeasure_button(_p11_lookup, key="p11_remeasure")
 lookup = engine_call(_p11_lookup, replicas, vnodes)
 cost = lookup.table
-fig3 = go.Figure(go.Bar(x=cost.algorithm, y=cost.us_per_key, name="median", error_y=dict(
+fig3 = go.Figure(go.Bar(x=cost.algorithm.map(display_name), y=cost.us_per_key, name="median", error_y=dict(
     type="data", symmetric=False, array=cost.q3_us - cost.us_per_key, arrayminus=cost.us_per_key - cost.q1_us)))
 fig3.update_layout(xaxis_title="algorithm", yaxis_title="time per lookup (µs; median, bars = IQR)")
 show_chart(fig3, cost, key="p11_cost_chart")
@@ -86,10 +149,8 @@ st.subheader("4 · Where one request's prefix lands")
 if type(st.session_state.get("p11_index")) is int and st.session_state["p11_index"] > n_trace - 1:  # cap shrank
     st.session_state["p11_index"] = n_trace - 1
 idx = st.number_input("Request index", 0, n_trace - 1, value=1, key=persist("p11_index", 1, min_value=0, max_value=n_trace - 1), bind="query-params", persist_state="session")
-where = run.landing[run.landing.request == idx].drop(columns="request")
-st.dataframe(where, hide_index=True, width="stretch", column_config={
-    "algorithm": "Algorithm", "replica": "Replica", "routing_key": "Routing key (hex)",
-    "prefix_blocks": st.column_config.NumberColumn("Prefix (blocks)", format="localized"),
-    "requests_sharing_prefix": st.column_config.NumberColumn("Requests sharing the prefix", format="localized")})
+where = run.landing[run.landing.request == idx].assign(algorithm=lambda d: d.algorithm.map(display_name))
+show_table(where, {"algorithm": "Algorithm", "replica": "Replica", "routing_key": "Routing key (hex)",
+                   "prefix_blocks": num("Prefix (blocks)"), "requests_sharing_prefix": num("Requests sharing the prefix")})
 st.caption(f"What to notice: the key is blake2b chained over the first {k} block ids, so every request sharing "
            "those blocks gets the same key and the same replica under every key-based algorithm.")

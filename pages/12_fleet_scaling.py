@@ -1,90 +1,148 @@
 """12 Fleet scaling: keys moved when a replica joins or leaves, and the hit-ratio dip while caches refill."""
-import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.fleet_scaling import ACTIONS, CAPACITIES, SMOOTH_WINDOWS, fleet_scaling
-from pages._common import engine_call, persist, show_chart, upload_parts
+from kda_core.config import preset_title
+from lab.fleet import REPLICA_CACHES, display_name, fitting_tps
+from lab.fleet_scaling import ACTIONS, CAPACITIES, KEY_ROUTERS, MAX_SEEDS, SMOOTH_WINDOWS, TRACE_SEEDS, fleet_scaling
+from lab.fleet_simulation import BUDGET_OPTIONS, CACHE_POLICIES, HARDWARE, MODELS, REAL_DEFAULTS, TP_SIZES
+from pages._common import engine_call, num, pct, persist, persist_within, show_chart, show_table, upload_parts
 
 st.title("Fleet scaling")
 st.write(
     "Adding or removing a replica should move as few routing keys as possible: every moved key is a prefix "
     "whose cache is now on the wrong replica. First the fraction of random keys each algorithm moves, against "
     "the ideal 1/(n+1) and naive mod-N; then a trace replayed across the scale event, showing the hit ratio dip "
-    "and how fast the caches refill.")
+    "and how fast the caches refill. By default each replica's cache is Kimi-Linear's prefix cache at real bytes "
+    "on 8 × H200, where a hit needs a KDA state.")
 
 c1, c2, c3, c4 = st.columns(4)
 replicas = c1.slider("Replicas before the event", 2, 32, value=8, key=persist("p12_replicas", 8, min_value=2, max_value=32), bind="query-params", persist_state="session")
 action = c2.selectbox("Event", list(ACTIONS), index=list(ACTIONS).index("add"), key=persist("p12_action", "add", options=list(ACTIONS)), bind="query-params", persist_state="session")
 vnodes = c3.select_slider("Ring vnodes", [10, 40, 160, 400, 1000], value=160, key=persist("p12_vnodes", 160, options=[10, 40, 160, 400, 1000]), bind="query-params", persist_state="session")
-num_keys = c4.select_slider("Random keys", [10_000, 30_000, 100_000], value=100_000, key=persist("p12_keys", 100_000, options=[10_000, 30_000, 100_000]), bind="query-params", persist_state="session")
+num_keys = c4.select_slider("Random keys", [10_000, 30_000, 100_000], value=30_000, key=persist("p12_keys", 30_000, options=[10_000, 30_000, 100_000]), bind="query-params", persist_state="session")
 
 part1, part2 = st.container(), st.container()
 part2.subheader("2 · Hit ratio across the scale event (trace replay)")
-d1, d2, d3, d4 = part2.columns(4)
-num_requests = d1.slider("Requests (cap)", 500, 5000, step=100, value=3000, key=persist("p12_requests", 3000, min_value=500, max_value=5000), bind="query-params", persist_state="session")
+d1, d2, d3, d4, d5 = part2.columns(5)
+num_requests = d1.slider("Requests (cap)", 200, 3000, step=100, value=800, key=persist("p12_requests", 800, min_value=200, max_value=3000), bind="query-params", persist_state="session")
 k = d2.slider("Routing prefix depth k (blocks)", 1, 4, value=2, key=persist("p12_k", 2, min_value=1, max_value=4), bind="query-params", persist_state="session")
 at = d3.slider("Event at (fraction of the trace)", 0.1, 0.9, step=0.05, value=0.5, key=persist("p12_at", 0.5, min_value=0.1, max_value=0.9), bind="query-params", persist_state="session")
-window = d4.slider("Window (requests)", 50, 500, step=50, value=100, key=persist("p12_window", 100, min_value=50, max_value=500), bind="query-params", persist_state="session")
-capacity = part2.select_slider("Cache per replica (blocks of 512 tokens)", list(CAPACITIES),
-                               value="unlimited", key=persist("p12_capacity", "unlimited", options=list(CAPACITIES)), bind="query-params", persist_state="session")
+window = d4.slider("Window (requests)", 50, 500, step=50, value=50, key=persist("p12_window", 50, min_value=50, max_value=500), bind="query-params", persist_state="session")
+seeds = d5.slider("Synthetic traces averaged", 1, MAX_SEEDS, value=TRACE_SEEDS, key=persist("p12_seeds", TRACE_SEEDS, min_value=1, max_value=MAX_SEEDS), bind="query-params", persist_state="session")
+LABELS = {display_name(a): a for a in KEY_ROUTERS}
+DEFAULT_ALGOS = [display_name(a) for a in ("ring", "mod_n")]
+algo_labels = part2.multiselect("Algorithms replayed (each costs a replay per trace)", list(LABELS), default=DEFAULT_ALGOS,
+                                key=persist("p12_algorithms", DEFAULT_ALGOS, options=list(LABELS)),
+                                bind="query-params", persist_state="session")
+CACHES = list(REPLICA_CACHES)
+cache_label = part2.selectbox("Replica cache", CACHES, index=0, key=persist("p12_cache", CACHES[0], options=CACHES),
+                              bind="query-params", persist_state="session")
+real = REPLICA_CACHES[cache_label] == "policy"
+model_name, gpu, tp, cache_policy, budget_fraction = (REAL_DEFAULTS[x] for x in (
+    "model", "gpu", "tp", "cache_policy", "budget_fraction"))
+capacity = "unlimited"
+if real:   # the GPUs and TP sizes offered are those the model's weights fit in
+    r1, r2, r3, r4, r5 = part2.columns(5)
+    model_name = r1.selectbox("Model", list(MODELS), index=list(MODELS).index(model_name), format_func=preset_title,
+                              key=persist("p12_model", model_name, options=list(MODELS)), bind="query-params",
+                              persist_state="session")
+    gpus = [g for g in HARDWARE if fitting_tps(model_name, g)]
+    gpu_default = gpu if gpu in gpus else gpus[0]
+    gpu = r2.selectbox("GPU", gpus, index=gpus.index(gpu_default),
+                       key=persist_within("p12_gpu", gpu_default, gpus, HARDWARE),
+                       bind="query-params", persist_state="session")
+    tps = list(fitting_tps(model_name, gpu))
+    tp_default = tp if tp in tps else tps[0]
+    tp = r3.select_slider("GPUs per replica (TP)", tps, value=tp_default,
+                          key=persist_within("p12_tp", tp_default, tps, TP_SIZES),
+                          bind="query-params", persist_state="session") if len(tps) > 1 else tps[0]
+    cache_policy = r4.selectbox("Prefix-cache policy", list(CACHE_POLICIES), index=list(CACHE_POLICIES).index(cache_policy),
+                                key=persist("p12_cache_policy", cache_policy, options=list(CACHE_POLICIES)),
+                                bind="query-params", persist_state="session")
+    BUDGETS = [f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_OPTIONS]
+    budget = r5.select_slider("Cache budget (share of HBM left after weights)", BUDGETS, value="1/8",
+                              key=persist("p12_budget", "1/8", options=BUDGETS), bind="query-params",
+                              persist_state="session")
+    budget_fraction = BUDGET_OPTIONS[BUDGETS.index(budget)]
+else:
+    capacity = part2.select_slider("Cache per replica (blocks of 512 tokens)", list(CAPACITIES), value="unlimited",
+                                   key=persist("p12_capacity", "unlimited", options=list(CAPACITIES)),
+                                   bind="query-params", persist_state="session")
 upload = part2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p12_upload")
+if not algo_labels:
+    part2.info("Pick at least one algorithm to replay.")
+    st.stop()
 
 
 @st.cache_data(show_spinner="Moving keys and replaying the trace…", max_entries=32, ttl="1h")
-def _run(replicas, action, num_keys, vnodes, n, k, at, window, capacity, upload_bytes, upload_name):
-    return fleet_scaling(replicas, action, num_keys, vnodes, n, k, at, window, capacity, upload_bytes, upload_name)
+def _run(replicas, action, num_keys, vnodes, n, k, at, window, capacity, upload_bytes, upload_name, replica_cache,
+         algorithms, seeds, real_setup):
+    model_name, gpu, tp, cache_policy, budget_fraction = real_setup
+    return fleet_scaling(replicas, action, num_keys, vnodes, n, k, at, window, capacity, upload_bytes, upload_name,
+                         replica_cache=replica_cache, algorithms=algorithms, seeds=seeds, model=model_name, gpu=gpu,
+                         tp=tp, cache_policy=cache_policy, budget_fraction=budget_fraction)
 
 
-run = engine_call(_run, replicas, action, num_keys, vnodes, num_requests, k, at, window, capacity, *upload_parts(upload))
+algorithms = tuple(a for a in KEY_ROUTERS if display_name(a) in algo_labels)
+run = engine_call(_run, replicas, action, num_keys, vnodes, num_requests, k, at, window, capacity, *upload_parts(upload),
+                  REPLICA_CACHES[cache_label], algorithms, seeds, (model_name, gpu, tp, cache_policy, budget_fraction))
 moved, n_after, anchors = run.moved, run.replicas_after, run.anchors
 with part1:
     st.subheader(f"1 · Keys moved going from {replicas} to {n_after} replicas")
-    fig = go.Figure(go.Bar(x=moved.algorithm, y=moved.moved_fraction, name="measured here"))
+    fig = go.Figure(go.Bar(x=moved.algorithm.map(display_name), y=moved.moved_fraction, name="measured here"))
     fig.add_hline(y=moved.ideal.iloc[0], line_dash="dash", annotation_text=f"ideal 1/{max(replicas, n_after)}")
     fig.add_hline(y=moved.mod_n_expected.iloc[0], line_dash="dot", annotation_text="mod-N expected n/(n+1)")
-    fig.update_layout(xaxis_title="algorithm", yaxis_title="keys that change replica", yaxis_tickformat=".0%")
+    fig.update_layout(xaxis_title="algorithm", yaxis_title="keys that change replica (% of keys)",
+                      yaxis_tickformat=".0%")
     show_chart(fig, moved, key="p12_moved_chart")
-    st.caption(f"Published: {anchors['ring_moves']}; {anchors['jump_moves']}; {anchors['mod_n_moves']}. Maglev refills "
-               "its table, so it moves a little more than the minimum. Jump hash can only drop the last bucket cheaply: "
-               "removing the last replica here is its best case.")
+    st.caption(f"{num_keys:,} random keys. Published: {anchors['ring_moves']}; {anchors['jump_moves']}; "
+               f"{anchors['mod_n_moves']}.")
+    with st.expander("Why Maglev and jump hash differ from the minimum"):
+        st.markdown("Maglev refills its lookup table, so it moves a little more than the minimum. Jump hash can only "
+                    "drop the last bucket cheaply: removing the last replica here is its best case.")
 
 with part2:
     df, dip, at_request, n_trace, n_keys = run.dip, run.recovery, run.at_request, run.num_requests, run.routing_keys
     if run.note:
         st.info(run.note)
-    st.caption(f"Mean of {run.seeds} synthetic trace(s) (seeds 0–{run.seeds - 1}); band: lowest to highest trace. "
-               "Each trace is also replayed without the event, and the chart shows the difference, so the trace's own "
-               "window-to-window swing cancels: 0 before the event by construction." if run.seeds > 1 else
-               "One uploaded trace, also replayed without the event; the chart shows the difference (0 before the event).")
     fig2 = go.Figure()
     palette = ["#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a"]
     for (name, g), color in zip(df.groupby("algorithm", sort=False), palette):
+        label = display_name(name)
         if run.seeds > 1:
             fig2.add_trace(go.Scatter(x=[*g.request, *g.request[::-1]], y=[*(100 * g.change_hi), *(100 * g.change_lo[::-1])],
                                       fill="toself", fillcolor=color, opacity=0.15, line=dict(width=0),
-                                      hoverinfo="skip", showlegend=False, legendgroup=name))
-        fig2.add_trace(go.Scatter(x=g.request, y=100 * g.change, name=name, mode="lines", line=dict(color=color),
-                                  legendgroup=name))
+                                      hoverinfo="skip", showlegend=False, legendgroup=label))
+        fig2.add_trace(go.Scatter(x=g.request, y=100 * g.change, name=label, mode="lines", line=dict(color=color),
+                                  legendgroup=label))
     fig2.add_vline(x=at_request, line_dash="dash", annotation_text=f"{action} a replica")
     fig2.add_hline(y=0, line_dash="dot", annotation_text="no event", annotation_position="bottom left")
     fig2.update_layout(xaxis_title="request index (window start)",
-                       yaxis_title=f"hit ratio change vs no event (points, per {window} requests)",
+                       yaxis_title=f"hit ratio change vs no event (percentage points, per {window} requests)",
                        legend=dict(orientation="h", y=-0.25))
     show_chart(fig2, df, key="p12_dip_chart")
+    st.caption(f"Mean of {run.seeds} synthetic traces (seeds 0–{run.seeds - 1}); band: lowest to highest trace. Each "
+               "trace is also replayed without the event and the chart shows the difference: 0 before the event."
+               if run.seeds > 1 else "One trace, also replayed without the event; the chart shows the difference "
+               "(0 before the event).")
     if n_keys == 1:
         st.warning(f"All requests share their first {k} block(s) (a shared system prompt), so there is one routing key: "
                    "every algorithm sends the whole trace to one replica and the lines coincide. Route on more blocks.")
-    st.dataframe(pd.DataFrame({
-        "Algorithm": dip.algorithm,
-        "Hit ratio before": dip.hit_ratio_before,
-        "Lowest window after": dip.lowest_after,
-        f"Hit ratio lost (first {run.dip_windows} windows)": dip.hit_ratio_lost,
-        "Requests to recover half the loss": [f"{int(v):,}" if v == v else "not within the trace"
-                                              for v in dip.requests_to_recover],
-    }), hide_index=True, width="stretch", column_config={
-        c: st.column_config.NumberColumn(format="percent") for c in
-        ["Hit ratio before", "Lowest window after", f"Hit ratio lost (first {run.dip_windows} windows)"]})
+    table = dip.assign(algorithm=dip.algorithm.map(display_name), points_lost=100 * dip.hit_ratio_lost,
+                       recover=[f"{int(v):,}" if v == v else "not within the trace" for v in dip.requests_to_recover])
+    columns = {"algorithm": "Algorithm", "hit_ratio_before": pct("Hit ratio before"),
+               "lowest_after": pct("Lowest window after"),
+               "points_lost": num(f"Hit ratio lost (points, first {run.dip_windows} windows)", "%.1f"),
+               "recover": "Requests to recover half the loss",
+               "hit_ratio_no_event": pct("Hit ratio, whole trace without the event")}
+    if real:
+        columns["lost_no_event"] = pct("KV cached, no state to reuse it (without the event)")
+    show_table(table, columns)
+    m1, m2 = st.columns(2)
+    m1.metric("block ideal (one shared infinite cache)", f"{run.ideal_ratio:.1%}")
+    m2.metric("cache per replica", f"{run.budget_gb:,.0f} GB" if real else
+              ("unlimited" if capacity == "unlimited" else f"{int(capacity):,} blocks"))
     st.caption(f"{n_trace:,} requests per trace (cap {num_requests:,}); the trace ends {n_trace - at_request:,} requests "
                "after the event. What to notice: mod-N reshuffles almost every prefix and loses most of its hit ratio; "
                "the consistent schemes lose only the moved share (~1/(n+1)) of prefixes.")
@@ -95,5 +153,9 @@ with part2:
             "traces. Pairing each trace with its own no-event replay removes the trace's swing from the measure.\n"
             "- **Requests to recover half the loss**: requests from the event to the first window from which the "
             f"loss, averaged over {SMOOTH_WINDOWS} windows, is at most half the hit ratio lost, in whole windows.\n"
-            "- Routing-only replay with per-replica LRU block caches (512-token blocks); the synthetic traces are "
-            "`serve.traces.synthesize` with seeds 0, 1, …")
+            "- Routing-only replay (no timing): each request is cached on its replica as soon as it is routed. "
+            + (f"Each replica's cache is the {cache_policy} prefix-cache policy of {model_name} on {tp} × {gpu} at real "
+               "bytes (KV + KDA states + the running request's state slots within the budget); a hit needs a state "
+               "at its boundary, so hit ratio + KV cached without a state ≤ the block ideal (one infinite shared "
+               "cache). " if real else "Each replica's cache is an LRU set of 512-token blocks. ")
+            + "The synthetic traces are `serve.traces.synthesize` with seeds 0, 1, …")

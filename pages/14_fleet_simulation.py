@@ -4,22 +4,27 @@ import math
 import plotly.graph_objects as go
 import streamlit as st
 
+from kda_core.config import preset_title
+from lab.fleet import DISPLAY_NAMES
 from lab.fleet_simulation import (
     BOUND_C,
     BUDGET_OPTIONS,
     CACHE_POLICIES,
+    CACHE_POLICY_LABELS,
     CAPACITIES,
+    CLASS_LABELS,
     HARDWARE,
     MODELS,
     POLICIES,
     REAL_DEFAULTS,
     SCALE_EVENTS,
+    SCHEDULER_LABELS,
     SCHEDULERS,
     SERVICE_MODELS,
     TP_SIZES,
     fleet_simulation,
 )
-from pages._common import engine_call, persist, show_chart, upload_parts
+from pages._common import engine_call, num, pct, persist, show_chart, show_table, upload_parts
 
 st.title("Fleet simulation")
 st.write(
@@ -37,7 +42,7 @@ service_label = st.selectbox("Replica", SERVICES, index=0, key=persist("p14_mode
 real = SERVICE_MODELS[service_label] == "roofline"
 if real:
     r1, r2, r3, r4, r5 = st.columns(5)
-    model_name = r1.selectbox("Model", list(MODELS), index=list(MODELS).index(REAL_DEFAULTS["model"]),
+    model_name = r1.selectbox("Model", list(MODELS), index=list(MODELS).index(REAL_DEFAULTS["model"]), format_func=preset_title,
                               key=persist("p14_real_model", REAL_DEFAULTS["model"], options=list(MODELS)),
                               bind="query-params", persist_state="session")
     gpu = r2.selectbox("GPU", list(HARDWARE), index=list(HARDWARE).index(REAL_DEFAULTS["gpu"]),
@@ -46,10 +51,11 @@ if real:
     tp = r3.select_slider("GPUs per replica (TP)", list(TP_SIZES), value=REAL_DEFAULTS["tp"],
                           key=persist("p14_tp", REAL_DEFAULTS["tp"], options=list(TP_SIZES)), bind="query-params",
                           persist_state="session")
-    cache_policy = r4.selectbox("Prefix-cache policy", list(CACHE_POLICIES),
-                                index=list(CACHE_POLICIES).index(REAL_DEFAULTS["cache_policy"]),
-                                key=persist("p14_cache_policy", REAL_DEFAULTS["cache_policy"],
-                                            options=list(CACHE_POLICIES)), bind="query-params", persist_state="session")
+    cache_names, cache_default = list(CACHE_POLICY_LABELS.values()), CACHE_POLICY_LABELS[REAL_DEFAULTS["cache_policy"]]
+    cache_policy = CACHE_POLICIES[cache_names.index(r4.selectbox(
+        "Prefix-cache policy", cache_names, index=cache_names.index(cache_default),
+        key=persist("p14_cache_policy", cache_default, options=cache_names), bind="query-params",
+        persist_state="session"))]
     BUDGETS = [f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_OPTIONS]
     budget = r5.select_slider("Cache budget (share of HBM left after weights)", BUDGETS, value="1/8",
                               key=persist("p14_budget", "1/8", options=BUDGETS), bind="query-params",
@@ -66,16 +72,21 @@ capacity = "8000" if real else c4.select_slider(  # a real-model replica's cache
     "Cache per replica (blocks of 512 tokens)", list(CAPACITIES), value="8000",
     key=persist("p14_capacity", "8000", options=list(CAPACITIES)), bind="query-params", persist_state="session")
 d1, d2, d3, d4 = st.columns(4)
-scheduler = d1.selectbox("Replica scheduler", list(SCHEDULERS), index=list(SCHEDULERS).index("vtc"), key=persist("p14_scheduler", "vtc", options=list(SCHEDULERS)), bind="query-params", persist_state="session")
+SCHEDULER_NAMES = [SCHEDULER_LABELS[s] for s in SCHEDULERS]
+scheduler = SCHEDULERS[SCHEDULER_NAMES.index(d1.selectbox(
+    "Replica scheduler", SCHEDULER_NAMES, index=SCHEDULERS.index("vtc"),
+    key=persist("p14_scheduler", SCHEDULER_LABELS["vtc"], options=SCHEDULER_NAMES), bind="query-params",
+    persist_state="session"))]
 vip_pct = d2.slider("VIP share of requests (%)", 0, 50, step=5, value=10, key=persist("p14_vip", 10, min_value=0, max_value=50), bind="query-params", persist_state="session")
 scale = d3.selectbox("Scale event at half time", list(SCALE_EVENTS), index=list(SCALE_EVENTS).index("none"), key=persist("p14_scale", "none", options=list(SCALE_EVENTS)), bind="query-params", persist_state="session")
 speed = 8 if real else d4.slider(  # an assumption for the A10G / CPU replicas; a real model's times: the roofline
     "Replica speed-up (prefill ×; decode × 5/8 of it)", 1, 20, value=8,
     key=persist("p14_speed", 8, min_value=1, max_value=20), bind="query-params", persist_state="session")
-DEFAULT_POLICIES = ["ring", "round_robin", "cache_aware", "bounded_load"]
-policies = st.multiselect("Routing policies", list(POLICIES), default=DEFAULT_POLICIES,
-                          key=persist("p14_policies", DEFAULT_POLICIES, options=list(POLICIES)), bind="query-params",
-                          persist_state="session")
+POLICY_NAMES = [DISPLAY_NAMES[p] for p in POLICIES]
+DEFAULT_POLICIES = [DISPLAY_NAMES[p] for p in ("ring", "round_robin", "cache_aware", "bounded_load")]
+policies = [POLICIES[POLICY_NAMES.index(name)] for name in st.multiselect(
+    "Routing policies", POLICY_NAMES, default=DEFAULT_POLICIES,
+    key=persist("p14_policies", DEFAULT_POLICIES, options=POLICY_NAMES), bind="query-params", persist_state="session")]
 upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p14_upload")
 if not policies:
     st.info("Pick at least one routing policy.")
@@ -101,13 +112,20 @@ per_request, summary, ideal, n_trace, source = run.per_request, run.summary, run
 if run.note:
     st.info(run.note)
 
+
+def _labelled(df):
+    """``df`` with display names for the policy and class code names (the CSVs keep the code names)."""
+    out = df.assign(policy=df.policy.map(DISPLAY_NAMES))
+    return out.assign(**{"class": out["class"].map(CLASS_LABELS)}) if "class" in out else out
+
+
 overall = summary[summary["class"] == "all"]
 st.subheader("1 · Prefix-cache hit ratio per policy")
-fig = go.Figure(go.Bar(x=overall.policy, y=overall.hit_ratio, name="measured here",
-                       text=[f"{v:.3f}" for v in overall.hit_ratio], textposition="outside"))
-fig.add_hline(y=ideal, line_dash="dash", annotation_text=f"ideal (one infinite shared cache) {ideal:.3f}")
-fig.update_layout(xaxis_title="routing policy", yaxis_title="token hit ratio (cached / prompt tokens)",
-                  yaxis_range=[0, max(ideal, overall.hit_ratio.max(), 0.05) * 1.15])
+fig = go.Figure(go.Bar(x=overall.policy.map(DISPLAY_NAMES), y=overall.hit_ratio, name="measured here",
+                       text=[f"{v:.1%}" for v in overall.hit_ratio], textposition="outside"))
+fig.add_hline(y=ideal, line_dash="dash", annotation_text=f"ideal (one infinite shared cache) {ideal:.1%}")
+fig.update_layout(xaxis_title="routing policy", yaxis_title="token hit ratio (cached ÷ prompt tokens)",
+                  yaxis_tickformat=".0%", yaxis_range=[0, max(ideal, overall.hit_ratio.max(), 0.05) * 1.15])
 show_chart(fig, overall, key="p14_hit_chart")
 st.caption(f"Published anchor: {run.anchors['mooncake_cache']}.")
 
@@ -116,80 +134,76 @@ per_class = summary[summary["class"] != "all"]
 fig2 = go.Figure()
 for stat in ("ttft_p50_ms", "ttft_p99_ms"):
     for klass, g in per_class.groupby("class", sort=False):
-        fig2.add_trace(go.Bar(x=g.policy, y=g[stat], name=f"{klass} {stat[5:8].upper()}", texttemplate="%{y:,.0f}",
-                              textposition="outside", textfont_size=10))
+        fig2.add_trace(go.Bar(x=g.policy.map(DISPLAY_NAMES), y=g[stat], name=f"{CLASS_LABELS[klass]} {stat[5:8].upper()}",
+                              texttemplate="%{y:,.0f}", textposition="outside", textfont_size=10))
 lo_ms = max(1.0, float(per_class[["ttft_p50_ms", "ttft_p99_ms"]].min().min()))
 hi_ms = max(lo_ms * 10, float(per_class[["ttft_p50_ms", "ttft_p99_ms"]].max().max()))
-fig2.update_layout(barmode="group", xaxis_title="routing policy", yaxis_title="TTFT (ms, log; values on the bars)",
+fig2.update_layout(barmode="group", xaxis_title="routing policy", yaxis_title="TTFT (ms, log scale)",
                    yaxis=dict(type="log", tickvals=[m * 10 ** e for e in range(8) for m in (1, 2, 5)], tickformat=",~r",
                               range=[math.floor(math.log10(lo_ms)), math.log10(hi_ms * 2)]),
                    legend=dict(orientation="h", y=-0.25))
 show_chart(fig2, summary, key="p14_ttft_chart")
+show_table(_labelled(summary), {
+    "policy": "Policy", "class": "Class", "completed": num("Completed"), "hit_ratio": pct("Token hit ratio"),
+    "ttft_p50_ms": num("TTFT P50 (ms)", "%,.0f"), "ttft_p99_ms": num("TTFT P99 (ms)", "%,.0f"),
+    "queue_wait_p99_ms": num("Queue wait P99 (ms)", "%,.0f")})
+st.download_button("Download per-request results (CSV)", per_request.to_csv(index=False).encode(),
+                   file_name="p14_requests.csv", mime="text/csv", key="p14_requests_csv")
+st.caption(f"{n_trace:,} requests (cap {num_requests:,}), {replicas} replicas (service model below). What to notice: "
+           "round robin scatters sessions and loses most hits; hashing on k = 1 sends everything to one replica "
+           "(shared system prompt); cache-aware routing trades some balance for hits.")
 
 st.subheader("3 · Load balance: in-flight requests at routing time")
 inf = run.in_flight
-fig3 = go.Figure(go.Bar(x=inf.policy, y=inf.over_cap_share, text=[f"{v:.1%}" for v in inf.over_cap_share],
-                        textposition="outside"))
-fig3.update_layout(xaxis_title="routing policy", yaxis_tickformat=".0%",
-                   yaxis_title=f"requests routed to a replica above ⌈{BOUND_C} × mean in-flight⌉",
+fig3 = go.Figure(go.Bar(x=inf.policy.map(DISPLAY_NAMES), y=inf.over_cap_share,
+                        text=[f"{v:.1%}" for v in inf.over_cap_share], textposition="outside"))
+fig3.update_layout(xaxis_title="routing policy", yaxis_tickformat=".0%", yaxis_title="routed above the load cap",
                    yaxis_range=[0, max(0.05, float(inf.over_cap_share.max())) * 1.2])
 show_chart(fig3, inf, key="p14_balance_chart")
-st.caption(f"Bounded loads caps the requests in flight on a replica (routed, not finished) at ⌈c × fleet in-flight ÷ "
-           f"replicas⌉, c = {BOUND_C}, when it routes; this counts, per policy, how often a request landed above that cap"
+balance = overall.merge(inf[["policy", "over_cap_share", "p99_over_mean"]], on="policy")
+show_table(_labelled(balance), {
+    "policy": "Policy", "over_cap_share": pct("Routed above the cap"),
+    "p99_over_mean": num("In-flight at routing, P99 ÷ mean", "%.2f"),
+    "max_over_mean_requests": num("Requests per replica, max ÷ mean", "%.2f"),
+    "throughput_rps": num("Throughput (req/s)", "%.2f")})
+st.caption(f"The load cap is bounded loads' ⌈c × fleet in-flight ÷ replicas⌉, c = {BOUND_C} (requests routed, not "
+           "finished); the bars count, per policy, how often a request landed above it"
            + (" (requests routed after the removal)." if scale == "remove" else "."))
-table = summary.merge(inf[["policy", "p99_over_mean"]], on="policy")
-pct = dict(format="percent")
-st.dataframe(table.assign(ttft_p50_s=table.ttft_p50_ms / 1000, ttft_p99_s=table.ttft_p99_ms / 1000,
-                          queue_wait_p99_s=table.queue_wait_p99_ms / 1000)
-             .drop(columns=["ttft_p50_ms", "ttft_p99_ms", "queue_wait_p99_ms"]), hide_index=True, width="stretch",
-             column_order=["policy", "class", "completed", "hit_ratio", "ttft_p50_s", "ttft_p99_s", "queue_wait_p99_s",
-                           "p99_over_mean", "max_over_mean_requests", "throughput_rps"],
-             column_config={
-                 "policy": "Policy", "class": "Class",
-                 "completed": st.column_config.NumberColumn("Completed", format="localized"),
-                 "hit_ratio": st.column_config.NumberColumn("Token hit ratio", **pct),
-                 "ttft_p50_s": st.column_config.NumberColumn("TTFT P50 (s)", format="%.3f"),
-                 "ttft_p99_s": st.column_config.NumberColumn("TTFT P99 (s)", format="%.3f"),
-                 "queue_wait_p99_s": st.column_config.NumberColumn("Queue wait P99 (s)", format="%.3f"),
-                 "p99_over_mean": st.column_config.NumberColumn("In-flight at routing, P99 ÷ mean", format="%.2f"),
-                 "max_over_mean_requests": st.column_config.NumberColumn("Requests per replica, max ÷ mean",
-                                                                         format="%.2f"),
-                 "throughput_rps": st.column_config.NumberColumn("Throughput (req/s)", format="%.2f")})
-st.download_button("Download per-request results (CSV)", per_request.to_csv(index=False).encode(),
-                   file_name="p14_requests.csv", mime="text/csv", key="p14_requests_csv")
-st.caption(f"{n_trace:,} requests (cap {num_requests:,}), {replicas} replicas: {source}. What to notice: round-robin "
-           "scatters sessions and loses most hits; hashing on k = 1 sends everything to one replica (shared system "
-           "prompt); cache-aware routing trades some balance for hits.")
 if run.kda is not None:
     kda, rb = run.kda, run.replica_bytes
-    st.subheader(f"4 · What KDA changes: {cache_policy} on {model_name}, {tp} × {gpu}")
-    fig4 = go.Figure([go.Bar(x=kda.policy, y=kda.hit_ratio, name="token hit ratio"),
-                      go.Bar(x=kda.policy, y=kda.lost_to_missing_state,
+    st.subheader(f"4 · What KDA changes: {CACHE_POLICY_LABELS[cache_policy]} cache on {model_name}, {tp} × {gpu}")
+    fig4 = go.Figure([go.Bar(x=kda.policy.map(DISPLAY_NAMES), y=kda.hit_ratio, name="token hit ratio"),
+                      go.Bar(x=kda.policy.map(DISPLAY_NAMES), y=kda.lost_to_missing_state,
                              name="KV cached on the replica, no state to use it")])
-    fig4.add_hline(y=run.ideal_ratio, line_dash="dash", annotation_text=f"block ideal {run.ideal_ratio:.3f}")
+    fig4.add_hline(y=run.ideal_ratio, line_dash="dash", annotation_text=f"block ideal {run.ideal_ratio:.1%}")
     fig4.update_layout(barmode="stack", xaxis_title="routing policy", yaxis_title="share of prompt tokens",
+                       yaxis_tickformat=".0%",
                        yaxis_range=[0, max(run.ideal_ratio, float((kda.hit_ratio + kda.lost_to_missing_state).max()))
                                     * 1.15], legend=dict(orientation="h", y=-0.25))
     show_chart(fig4, kda, key="p14_kda_chart")
-    fig5 = go.Figure([go.Bar(x=rb.policy + " · " + rb.replica.str.replace("replica-", "r"), y=rb[col], name=name)
+    bars_x = [list(rb.policy.map(DISPLAY_NAMES)), list(rb.replica.str.replace("replica-", "r"))]  # policy, then replica
+    fig5 = go.Figure([go.Bar(x=bars_x, y=rb[col], name=name)
                       for col, name in (("kv_gb", "cached KV"), ("state_gb", "cached states"),
                                         ("running_gb", "running request's state slots"))])
-    fig5.update_layout(barmode="stack", xaxis_title="routing policy · replica", yaxis_title="peak GB per replica",
-                       legend=dict(orientation="h", y=-0.35))
+    fig5.update_layout(barmode="stack", xaxis_title="routing policy and replica", yaxis_title="peak GB per replica",
+                       xaxis_tickangle=0, legend=dict(orientation="h", y=-0.3))
     show_chart(fig5, rb, key="p14_bytes_chart")
     if {"precise_kv", "precise_state"} <= set(kda.policy):
         by = kda.set_index("policy")
         kv_only, aware = by.loc["precise_kv"], by.loc["precise_state"]
-        st.metric("Checkpoint-aware routing vs KV-only routing (hit ratio)", f"{aware.hit_ratio:.3f}",
-                  f"{aware.hit_ratio - kv_only.hit_ratio:+.3f} vs {kv_only.hit_ratio:.3f}")
+        st.metric("Checkpoint-aware vs KV-only routing (token hit ratio)", f"{aware.hit_ratio:.1%}",
+                  f"{(aware.hit_ratio - kv_only.hit_ratio) * 100:+.1f} points vs {kv_only.hit_ratio:.1%}")
         st.caption(f"TTFT P99 {aware.ttft_p99_ms:,.0f} ms checkpoint-aware vs {kv_only.ttft_p99_ms:,.0f} ms KV-only. "
-                   "precise_kv scores each replica by the prompt tokens whose KV it holds (what a router built for "
-                   "full attention sees); precise_state by the tokens it would really skip (a state must sit at the "
-                   "boundary). Both send a request to the best replica only above 30 % of the prompt (sgl-router's "
-                   "cache threshold), else to the least loaded.")
+                   "The KV-only score counts the prompt tokens whose KV a replica holds (what a router built for full "
+                   "attention sees); the checkpoint-aware one the tokens it would really skip (see below).")
+        with st.expander("How the two scores route"):
+            st.markdown("A hit needs a KDA state at the restore boundary, so a replica holding the KV but no state "
+                        "there saves nothing. Both scores send a request to the best replica only above 30 % of the "
+                        "prompt (sgl-router's cache threshold), else to the least loaded.")
     else:
-        st.caption("Add the routing policies precise_kv and precise_state to compare routing that ignores where the "
-                   "replicas placed their KDA checkpoints with routing that uses it.")
+        st.caption(f"Add the routing policies {DISPLAY_NAMES['precise_kv']} and {DISPLAY_NAMES['precise_state']} to "
+                   "compare routing that ignores where the replicas placed their KDA checkpoints with routing that "
+                   "uses it.")
 with st.expander("Service model"):
     st.markdown("A real-model replica: prefill step = fitted roofline prefill of each request's uncached tokens "
                 "after its cached ones (+ one checkpoint restore per hit); decode step = roofline TPOT at the batch's "
@@ -197,3 +211,4 @@ with st.expander("Service model"):
                 "request's state slots). A10G / CPU replica: prefill time = uncached tokens ÷ prefill rate; decode "
                 "step time per batch size, calibrated on the VTC artifact's A10G measurements or timed on this CPU "
                 "with our engine, then sped up by the stated (assumed) factors.")
+    st.markdown(f"This run: {source}.")

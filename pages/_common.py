@@ -8,8 +8,8 @@
 - ``persist(key, default, options=..., min_value=..., max_value=...)``: a widget key whose value
   starts at ``default`` (set through session_state, so do NOT also pass ``value=``/``index=``) and is
   kept across page switches: pass it together with ``persist_state="session"`` (Streamlit 1.67).
-  Pass the widget's options or bounds too: a stored value that breaks them falls back to the default. Selectboxes: use display strings
-  as options (no ``format_func``; AppTest cannot evaluate it).
+  Pass the widget's options or bounds too: a stored value that breaks them falls back to the default. A selectbox with ``format_func``
+  shows (and puts in the URL) the formatted label; its options and ``default`` stay the code names.
 - ``show_table(df, columns)``: ``st.dataframe`` of the named columns, each with its header and number
   format; booleans read yes / no. ``num(label, fmt)`` and ``pct(label)`` build the number columns.
 - ``upload_parts(upload)``: ``(bytes, file name)`` of an ``st.file_uploader`` value, hashable for ``st.cache_data``.
@@ -175,6 +175,17 @@ def persist(key: str, default=None, *, options=None, min_value=None, max_value=N
     return key
 
 
+def persist_within(key: str, default, options: list, known) -> str:
+    """:func:`persist` for a widget whose ``options`` depend on another widget (the GPUs a model fits on, the TP
+    sizes that fit): a stored value among ``known`` (every value the widget can ever offer) but not among the
+    current ``options`` moves to ``default`` without a notice (the other widget changed; dependent widgets
+    constrain each other); a None, wrongly typed or unknown value is handled as :func:`persist` does. Returns key."""
+    stored = st.session_state.get(key)
+    if any(stored == k and type(stored) is type(k) for k in known) and stored not in options:
+        st.session_state[key] = default
+    return persist(key, default, options=options)
+
+
 def persist_clamped(key: str, default: int, lo: int, hi: int) -> str:
     """:func:`persist` for a slider whose upper bound ``hi`` depends on another widget: a stored value
     above ``hi`` is lowered to ``hi`` (the dependent widgets constrain each other instead of failing);
@@ -241,16 +252,30 @@ def _label_lines_on_log_axes(fig: go.Figure) -> None:
                 ann.update({letter: float(np.log10(value))})
 
 
-def show_chart(fig: go.Figure, df: pd.DataFrame, key: str, filename: str | None = None) -> None:
-    """Render ``fig`` with ``key`` and a CSV download button of ``df`` (the chart's data). Log axes get
-    enough labelled ticks to read the data range (:func:`_decade_ticks`), and their reference lines' labels
-    sit on the lines (:func:`_label_lines_on_log_axes`)."""
+def _csv_bytes(data: pd.DataFrame | list[dict]) -> bytes:
+    """CSV of a frame (no index) or of a list of row dicts (header = the first row's keys), UTF-8."""
+    if not isinstance(data, list):
+        return data.to_csv(index=False).encode()
+    import csv
+    import io
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(data[0]) if data else [], lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(data)
+    return out.getvalue().encode()
+
+
+def show_chart(fig: go.Figure, df: pd.DataFrame | list[dict], key: str, filename: str | None = None) -> None:
+    """Render ``fig`` with ``key`` and a CSV download button of ``df`` (the chart's data: a frame, or a list of
+    row dicts where a page builds no frame, e.g. Home, whose first run on a fresh server imports no pandas).
+    Log axes get enough labelled ticks to read the data range (:func:`_decade_ticks`), and their reference
+    lines' labels sit on the lines (:func:`_label_lines_on_log_axes`)."""
     fig.update_layout(margin=dict(l=10, r=10, t=40, b=10))
     _label_lines_on_log_axes(fig)
     fig.for_each_xaxis(lambda ax: _decade_ticks(ax, _log_data_range(fig, ax)))
     fig.for_each_yaxis(lambda ax: _decade_ticks(ax, _log_data_range(fig, ax)))
     st.plotly_chart(fig, key=key, width="stretch")
-    st.download_button("Download CSV", df.to_csv(index=False).encode(), file_name=filename or f"{key}.csv",
+    st.download_button("Download CSV", _csv_bytes(df), file_name=filename or f"{key}.csv",
                        mime="text/csv", key=f"{key}_csv")
 
 

@@ -1,6 +1,7 @@
 """Routing-only replay of a trace: route each request in trace order, look up and insert its blocks
-in the chosen replica's :class:`BlockLRUCache`. No timing: a request's blocks are cached as soon as it
-is routed, and "load" for load-aware routers is the number of requests routed so far (nothing
+in the chosen replica's :class:`BlockLRUCache` (or, with ``cache_factory``, the replica's prefix-cache
+policy model at real bytes, :class:`serve.fleet.policy_cache.PolicyReplicaCache`: ``start`` then
+``finish``, one request at a time). No timing: a request's blocks are cached as soon as it is routed, and "load" for load-aware routers is the number of requests routed so far (nothing
 finishes). This isolates what routing does to hit ratio; ``simulation.py`` adds time and queues.
 
 Scale events (``ScaleEvent``) apply before the request with that index: ``add`` creates a replica
@@ -9,13 +10,14 @@ with an empty cache; ``remove`` drops a replica and its cache.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
 
 from serve.fleet.block_cache import BlockLRUCache
 from serve.fleet.hashing import routing_key
+from serve.fleet.policy_cache import PolicyReplicaCache
 from serve.fleet.router import RouteQuery, Router
 from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
@@ -30,7 +32,10 @@ class ScaleEvent(NamedTuple):
 
 class RoutingReplay(NamedTuple):
     """Per-request arrays (length = requests): ``replica`` names, ``hit_blocks``, ``hit_tokens``,
-    ``input_tokens``; totals ``token_hit_ratio`` / ``block_hit_ratio``; ``requests_per_replica``."""
+    ``input_tokens``; totals ``token_hit_ratio`` / ``block_hit_ratio``; ``requests_per_replica``;
+    ``lost_tokens``: prompt tokens whose KV the replica held but no state let it reuse (policy caches'
+    ``lost_to_missing_state`` per request; all 0 for block LRU caches, where any cached block is usable);
+    ``caches``: the replicas' caches at the end (a removed replica's is gone)."""
 
     replica: list[str]
     hit_blocks: np.ndarray
@@ -39,22 +44,31 @@ class RoutingReplay(NamedTuple):
     token_hit_ratio: float
     block_hit_ratio: float
     requests_per_replica: dict[str, int]
+    lost_tokens: np.ndarray | None = None
+    caches: dict | None = None
 
 
 def replay_routing(
     trace: Sequence[TraceRequest], router: Router, k: int, capacity_blocks: int | None = None,
     block_size: int = MOONCAKE_BLOCK_TOKENS, events: Sequence[ScaleEvent] = (),
+    cache_factory: Callable[[], PolicyReplicaCache] | None = None,
 ) -> RoutingReplay:
     """Route ``trace`` with ``router`` (routing key = first ``k`` blocks), per-replica LRU caches of
-    ``capacity_blocks`` (None = unlimited). Hit tokens are capped at ``input_length``.
-    Raises ValueError for an unknown event action."""
-    caches = {r: BlockLRUCache(capacity_blocks) for r in router.replicas}
+    ``capacity_blocks`` (None = unlimited), or with ``cache_factory`` a fresh ``cache_factory()`` per
+    replica (``capacity_blocks`` unused; a request's ``hit_blocks`` is then its hit tokens // ``block_size``).
+    Hit tokens are capped at ``input_length``. Raises ValueError for an unknown event action."""
+
+    def new_cache():
+        return cache_factory() if cache_factory is not None else BlockLRUCache(capacity_blocks)
+
+    caches = {r: new_cache() for r in router.replicas}
     pending = sorted(events, key=lambda e: e.at_request)
     n = len(trace)
     replicas: list[str] = []
     hit_blocks = np.zeros(n, dtype=np.int64)
     hit_tokens = np.zeros(n, dtype=np.int64)
     input_tokens = np.zeros(n, dtype=np.int64)
+    lost_tokens = np.zeros(n, dtype=np.int64)
     total_blocks = 0
     ev = 0
     for i, req in enumerate(trace):
@@ -62,7 +76,7 @@ def replay_routing(
             e = pending[ev]
             if e.action == "add":
                 router.add_replica(e.replica)
-                caches[e.replica] = BlockLRUCache(capacity_blocks)
+                caches[e.replica] = new_cache()
             elif e.action == "remove":
                 router.remove_replica(e.replica)
                 caches.pop(e.replica)
@@ -72,11 +86,19 @@ def replay_routing(
         replica = router.route(RouteQuery(routing_key(req.hash_ids, k), req.hash_ids))
         router.on_start(replica)
         cache = caches[replica]
-        run = cache.lookup(req.hash_ids)
-        cache.insert(req.hash_ids)     # refreshes every block, the hit run included (a touch first changes nothing)
+        if cache_factory is not None:
+            lost = cache.lost_to_missing_state
+            hit = cache.start(req)
+            cache.finish(req, hit)
+            lost_tokens[i] = cache.lost_to_missing_state - lost
+            run = hit // block_size
+        else:
+            run = cache.lookup(req.hash_ids)
+            cache.insert(req.hash_ids)  # refreshes every block, the hit run included (a touch first changes nothing)
+            hit = run * block_size
         replicas.append(replica)
         hit_blocks[i] = run
-        hit_tokens[i] = min(run * block_size, req.input_length)
+        hit_tokens[i] = min(hit, req.input_length)
         input_tokens[i] = req.input_length
         total_blocks += len(req.hash_ids)
     counts: dict[str, int] = {}
@@ -85,7 +107,7 @@ def replay_routing(
     return RoutingReplay(
         replicas, hit_blocks, hit_tokens, input_tokens,
         float(hit_tokens.sum() / max(1, input_tokens.sum())),
-        float(hit_blocks.sum() / max(1, total_blocks)), counts,
+        float(hit_blocks.sum() / max(1, total_blocks)), counts, lost_tokens, caches,
     )
 
 

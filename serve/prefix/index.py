@@ -258,6 +258,37 @@ class PrefixIndex:
         self.lru[node] = None
         return True
 
+    def add_path(self, keys: Sequence[Hashable], start: int, payloads: Sequence[Any] | None = None) -> int:
+        """Insert the blocks ``keys[start:]`` (each under the one before it; ``keys[start - 1]`` cached
+        when ``start`` > 0), then refresh the whole path ``keys`` deepest first: the same index as
+        :meth:`add_block` for each (already-cached ones skipped) followed by
+        ``touch(keys, len(keys), with_checkpoint=False)``, in one pass per block instead of two calls.
+        ``payloads[i]`` is block ``keys[start + i]``'s payload (None if omitted). Returns the blocks added.
+        Raises ValueError (nothing changed) if ``keys[start - 1]`` is not cached."""
+        nodes, lru = self.nodes, self.lru
+        if start > 0 and keys[start - 1] not in nodes:
+            raise ValueError("parent block is not cached (a block is inserted after its prefix)")
+        fresh = []
+        for i in range(start, len(keys)):
+            key = keys[i]
+            if key in nodes:
+                continue
+            if i == 0:
+                parent, depth = ROOT, 1
+            else:
+                parent = keys[i - 1]
+                pnode = nodes[parent]
+                pnode.children += 1
+                depth = pnode.depth + 1
+            node = nodes[key] = BlockNode(key, parent, depth, None if payloads is None else payloads[i - start])
+            fresh.append(node)
+        for node in fresh:                  # add_block's order (oldest first), then the touch moves all
+            lru[node] = None
+        move = lru.move_to_end
+        for j in range(len(keys) - 1, -1, -1):
+            move(nodes[keys[j]])
+        return len(fresh)
+
     def add_checkpoint(self, key: Hashable, group: int, payload: Any, written_at: int) -> None:
         """Attach group ``group``'s checkpoint to block ``key`` (most recent entry).
 
@@ -287,21 +318,25 @@ class PrefixIndex:
         self.num_checkpoints -= 1
         return Evicted(EntryKind.CHECKPOINT, key, group, ck.payload, node.depth)
 
-    def remove_block(self, node: BlockNode) -> list[Evicted]:
-        """Drop ``node`` (a cached block) and its checkpoints, whatever their LRU place; returns what went.
-        The caller keeps the tree a tree: only a leaf (no cached children) may go."""
+    def remove_block(self, node: BlockNode, records: bool = True) -> list[Evicted]:
+        """Drop ``node`` (a cached block) and its checkpoints, whatever their LRU place; returns what went
+        (``[]`` with ``records=False``, for callers that only count). The caller keeps the tree a tree:
+        only a leaf (no cached children) may go."""
         assert node.children == 0, f"block {node.key!r} still has {node.children} cached children"
-        lru, key, depth = self.lru, node.key, node.depth
+        lru, key, depth, ckpts = self.lru, node.key, node.depth, node.ckpts
         out = []
-        for g, ck in node.ckpts.items():
-            del lru[ck]
-            out.append(Evicted(EntryKind.CHECKPOINT, key, g, ck.payload, depth))
-        self.num_checkpoints -= len(node.ckpts)
+        if ckpts:
+            for g, ck in ckpts.items():
+                del lru[ck]
+                if records:
+                    out.append(Evicted(EntryKind.CHECKPOINT, key, g, ck.payload, depth))
+            self.num_checkpoints -= len(ckpts)
         del self.nodes[key]
         del lru[node]
         if node.parent is not ROOT:
             self.nodes[node.parent].children -= 1
-        out.append(Evicted(EntryKind.BLOCK, key, None, node.payload, depth))
+        if records:
+            out.append(Evicted(EntryKind.BLOCK, key, None, node.payload, depth))
         return out
 
     def evict_one(self, checkpoints_only: bool = False) -> list[Evicted]:
@@ -317,6 +352,45 @@ class PrefixIndex:
                 if node.pins == 0 and node.children == 0 and not any(c.pins for c in node.ckpts.values()):
                     return self.remove_block(node)
         return []
+
+    def evict_to_bytes(self, cap: float, kv_used: float, st_used: float, block_bytes: float,
+                       group_bytes: Sequence[float]) -> tuple[float, float, int, int]:
+        """Repeat :meth:`evict_one` while ``kv_used + st_used > cap`` (bytes), charging ``block_bytes`` per
+        block and ``group_bytes[g]`` per checkpoint of group g, in the same order as the evicted records
+        (a block's checkpoints, then the block) -- without building them. Stops early if nothing is
+        evictable. Returns ``(kv_used, st_used, blocks_evicted, checkpoints_evicted)``."""
+        lru, nodes, CK = self.lru, self.nodes, EntryKind.CHECKPOINT
+        n_blocks = n_ckpts = 0
+        while kv_used + st_used > cap:
+            for entry in lru:
+                if entry.kind is CK:
+                    if entry.pins == 0:
+                        node = nodes[entry.key]
+                        del node.ckpts[entry.group]
+                        del lru[entry]
+                        self.num_checkpoints -= 1
+                        st_used -= group_bytes[entry.group]
+                        n_ckpts += 1
+                        break
+                elif entry.pins == 0 and entry.children == 0 and not (
+                        entry.ckpts and any(c.pins for c in entry.ckpts.values())):
+                    ckpts = entry.ckpts
+                    if ckpts:
+                        for g, ck in ckpts.items():
+                            del lru[ck]
+                            st_used -= group_bytes[g]
+                        n_ckpts += len(ckpts)
+                        self.num_checkpoints -= len(ckpts)
+                    del nodes[entry.key]
+                    del lru[entry]
+                    if entry.parent is not ROOT:
+                        nodes[entry.parent].children -= 1
+                    kv_used -= block_bytes
+                    n_blocks += 1
+                    break
+            else:
+                break
+        return kv_used, st_used, n_blocks, n_ckpts
 
     # ---- inspection -------------------------------------------------------------------------------
     def checkpoint_items(self):

@@ -31,7 +31,7 @@ import torch
 from kda_core.config import PRESETS, mla_kv_bytes_per_token
 from serve.config import ServeConfig
 from serve.memory.layout import group_layers, group_state_bytes
-from serve.prefix.index import ROOT, EntryKind, PrefixIndex
+from serve.prefix.index import PrefixIndex
 from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, leading_run
 
 MISS_CAUSES = ("no_kv_block", "evicted", "kv_no_checkpoint", "below_one_block")
@@ -132,10 +132,8 @@ class ReplayCache:
         if hit_blocks:
             idx.touch(ids, hit_blocks)
         kv_b, ck_b = self.config.kv_block_bytes, self.config.group_state_bytes
-        for i in range(run, total):                           # insert the prompt's blocks
-            idx.add_block(ids[i], ROOT if i == 0 else ids[i - 1])
-            self.kv_used += kv_b
-        idx.touch(ids, total, with_checkpoint=False)
+        idx.add_path(ids, run)                                # insert the prompt's blocks, refresh its path
+        self.kv_used += kv_b * max(total - run, 0)
         for b in serving.prefill_checkpoints(L):              # the engine's placement rule
             b //= N
             if b <= hit_blocks:
@@ -150,15 +148,11 @@ class ReplayCache:
 
     def evict_to(self, cap: float) -> None:
         """Evict LRU entries until KV + checkpoint bytes <= ``cap``."""
-        kv_b, ck_b, idx = self.config.kv_block_bytes, self.config.group_state_bytes, self.idx
-        while self.kv_used + self.st_used > cap:
-            for ev in idx.evict_one():
-                if ev.kind is EntryKind.BLOCK:
-                    self.kv_used -= kv_b
-                    self.ev_kv += 1
-                else:
-                    self.st_used -= ck_b[ev.group]
-                    self.ev_ck += 1
+        if self.kv_used + self.st_used > cap:
+            self.kv_used, self.st_used, blocks, ckpts = self.idx.evict_to_bytes(
+                cap, self.kv_used, self.st_used, self.config.kv_block_bytes, self.config.group_state_bytes)
+            self.ev_kv += blocks
+            self.ev_ck += ckpts
 
 
 def replay_trace(requests: Sequence[TraceRequest], config: TraceReplayConfig,

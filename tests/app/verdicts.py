@@ -9,11 +9,13 @@ Pages without a verdict (03, 06, 12) show byte formulas, timings or fractions wi
 """
 from __future__ import annotations
 
+import math
 import re
 
 from streamlit.testing.v1 import AppTest
 
 from kda_core.chunk import CHUNK_SIZE
+from lab.fleet import DISPLAY_NAMES
 from lab.prefix import shared_prefix_prompts
 from tests.app.page_helpers import chart_spec, plotly_values
 
@@ -64,6 +66,10 @@ def _home(at: AppTest) -> None:
     if want and want % CHUNK_SIZE == 0:  # a prefill checkpoint on the chunk grid: the warm run is bitwise
         assert "logits bitwise equal" in ok.string, f"home: hit b = {want} is on the grid: {ok.string!r}"
     assert (int(hit.group(1)), int(hit.group(2))) == (want, len(second)), f"home: hit {hit.group(0)!r}, expected b = {want}"
+    bars = chart_spec(at, "p00_tokens_chart")["data"]            # cold, request 1, warm: reused + prefilled
+    reused, prefilled = (plotly_values(t["x"]) for t in bars[:2])
+    assert reused == [0, 0, want], f"home: tokens chart reuses {reused}, expected b = {want} for the warm run only"
+    assert [a + b for a, b in zip(reused, prefilled)] == [len(second), len(first), len(second)], (reused, prefilled)
 
 
 def _p01(at: AppTest) -> None:
@@ -147,10 +153,39 @@ def _p10(at: AppTest) -> None:
     assert ok.group(1) == "equal within 1e-5" and float(ok.group(2)) <= 1e-5, ok.group(0)
 
 
+def _percent(text: str) -> float:
+    assert text.endswith("%"), text
+    return float(text[:-1].replace(",", "")) / 100
+
+
+SHOWN_PCT_TOL = 0.0015   # three values each rounded to 0.1 % for display: at most 3 x 0.05 percentage points
+
+
 def _p11(at: AppTest) -> None:
-    hit = float(_metric(at, "token hit ratio (per-replica caches)").value)
-    ideal = float(_metric(at, "ideal (one shared cache)").value)
+    """The replicas' caches never beat one infinite shared cache; with policy caches, neither do their hits plus
+    the KV they held without a state to reuse it."""
+    hit = _percent(_metric(at, "token hit ratio (per-replica caches)").value)
+    ideal = _percent(_metric(at, "block ideal (one shared infinite cache)").value)
     assert hit <= ideal, f"11: per-replica hit {hit} above the one-shared-cache ideal {ideal}"
+    lost = [m for m in at.metric if m.label == "KV cached, no state to reuse it"]
+    if lost:
+        assert hit + _percent(lost[0].value) <= ideal + SHOWN_PCT_TOL, f"11: hit {hit} + lost {lost[0].value} > {ideal}"
+
+
+def _p12(at: AppTest) -> None:
+    """Each trace is paired with its own no-event replay: the change is exactly 0 before the event; no
+    algorithm's no-event hit ratio (plus KV held without a state) beats the block ideal."""
+    fig = chart_spec(at, "p12_dip_chart")
+    at_request = next(s["x0"] for s in fig["layout"]["shapes"] if s["x0"] == s["x1"])
+    for t in (t for t in fig["data"] if t.get("name")):          # the lines (the bands have no name)
+        xs, ys = plotly_values(t["x"]), plotly_values(t["y"])
+        window = xs[1] - xs[0] if len(xs) > 1 else math.inf
+        before = [y for x, y in zip(xs, ys) if x + window <= at_request]   # windows that end before the event
+        assert all(y == 0 for y in before), f"12: {t['name']} changes before the event: {before[:5]}"
+    ideal = _percent(_metric(at, "block ideal (one shared infinite cache)").value)
+    table = next(d.value for d in at.dataframe if "hit_ratio_no_event" in d.value.columns)
+    shown = table.hit_ratio_no_event / 100 + (table.lost_no_event / 100 if "lost_no_event" in table else 0)
+    assert (shown <= ideal + SHOWN_PCT_TOL).all(), f"12: no-event hit ratios {list(shown)} above the ideal {ideal}"
 
 
 def _p13(at: AppTest) -> None:
@@ -158,6 +193,11 @@ def _p13(at: AppTest) -> None:
     cost of isolation is shown: the bursting class's P50 with isolation, with its change vs without."""
     burst = [m for m in at.metric if "(bursting) P50" in m.label]
     assert burst and burst[0].delta and burst[0].delta.endswith("vs without"), [m.label for m in at.metric]
+    pays = next(c.value for c in at.caption if "What to notice" in c.value)   # the caption says what the delta shows
+    assert ("class pays" in pays) == (float(burst[0].delta.split()[0].replace(",", "")) > 0), (pays, burst[0].delta)
+    for box in chart_spec(at, "p13_ttft_chart")["data"]:   # min <= P25 <= P50 <= P75 <= P99 per class
+        stats = [plotly_values(box[k]) for k in ("lowerfence", "q1", "median", "q3", "upperfence")]
+        assert all(a <= b for lo_hi in zip(*stats) for a, b in zip(lo_hi, lo_hi[1:])), (box["name"], stats)
     if any("No bucketed class admitted" in i.value for i in at.info):
         return
     data = chart_spec(at, "p13_budget_chart")["data"]
@@ -176,7 +216,9 @@ def _p14(at: AppTest) -> None:
     assert max(plotly_values(fig["data"][0]["y"])) <= ideal + 1e-12, "a policy beat one infinite shared cache"
     bars = chart_spec(at, "p14_balance_chart")["data"][0]   # what bounded loads bounds: it never routes above its cap
     over = dict(zip(bars["x"], plotly_values(bars["y"])))
-    assert over.get("bounded_load", 0.0) == 0.0, f"bounded_load routed {over['bounded_load']:.1%} above its cap"
+    bounded = DISPLAY_NAMES["bounded_load"]                   # the bars are named by display name
+    assert bounded in over, f"bounded loads runs at the page's defaults, bars {list(over)}"
+    assert over[bounded] == 0.0, f"bounded loads routed {over[bounded]:.1%} above its cap"
     if not any(c.proto.id.endswith("p14_kda_chart") for c in at.get("plotly_chart")):
         return                                          # an A10G / CPU replica: no policy cache
     kda = chart_spec(at, "p14_kda_chart")   # hit + KV-without-state <= what one infinite shared cache holds
@@ -209,6 +251,6 @@ VERDICTS = {
     "pages/00_home.py": _home, "pages/01_snapshot_vs_projection.py": _p01, "pages/02_verify_and_replay.py": _p02,
     "pages/04_raw_input_ring.py": _p04, "pages/05_page_pool.py": _p05, "pages/07_prefix_anatomy.py": _p07,
     "pages/08_prefix_hit.py": _p08, "pages/09_prefix_miss.py": _p09, "pages/10_kcp.py": _p10,
-    "pages/11_fleet_hashing.py": _p11, "pages/13_fleet_budgets.py": _p13, "pages/14_fleet_simulation.py": _p14,
+    "pages/11_fleet_hashing.py": _p11, "pages/12_fleet_scaling.py": _p12, "pages/13_fleet_budgets.py": _p13, "pages/14_fleet_simulation.py": _p14,
     "pages/15_real_scale.py": _p15,
 }

@@ -27,7 +27,8 @@ from serve.fleet.vtc import on_off_less_service
 from serve.traces import TraceFormatError, dump_mooncake, synthesize
 
 
-def _page13_default():
+def _page13_a10g_scenario():
+    """Page 13's former default scenario (fixed rates on the sped-up A10G replica): the simulator's check."""
     classes = (PriorityClass("vip", 4.0), PriorityClass("standard", 1.0, rate_tokens_per_s=8000.0, burst_tokens=40000.0),
                PriorityClass("batch", 0.5, rate_tokens_per_s=3000.0, burst_tokens=20000.0))
     steady = [Stream("vip", 1.0, 256, 64), Stream("standard", 3.0, 1024, 128), Stream("batch", 0.5, 2048, 256)]
@@ -37,9 +38,9 @@ def _page13_default():
     return run_budget_scenario(requests, classes, cfg), classes
 
 
-def test_page13_default_headline():
+def test_page13_a10g_scenario_headline():
     """Under a standard-class burst: VIP P99 TTFT < 200 ms with isolation, > 800 ms without."""
-    run, classes = _page13_default()
+    run, classes = _page13_a10g_scenario()
     vip_with = run.with_isolation.column("ttft_ms", klass="vip")
     vip_without = run.without.column("ttft_ms", klass="vip")
     assert np.percentile(vip_with, 99) < 200.0
@@ -143,17 +144,3 @@ def test_scale_dip_by_hand():
     assert dip.loc["b", "hit_ratio_lost"] == pytest.approx(0.3) and np.isnan(dip.loc["b", "requests_to_recover"])
     with pytest.raises(ValueError, match="windows_after"):
         scale_dip(df, 200, windows_after=0)
-
-
-def test_budget_page_is_the_old_page_13_scenario():
-    """The scenario assembled by budget_page (named constants) equals the numbers the page used to build inline."""
-    from lab.budgets import budget_page
-
-    run, classes = _page13_default()
-    per_request, summary, budget = budget_frames(run, classes)
-    page = budget_page(1.0, 3.0, 4, 8000, "standard", 1500, 30, 2)
-    assert page.summary.equals(summary) and page.budget.equals(budget) and page.per_request.equals(per_request)
-    assert page.num_requests == len(run.requests) and page.burst_requests == 1500 and page.note == ""
-    assert set(page.vtc.scheduler) == {"FCFS", "VTC"} and page.vtc.client.str.startswith("light").any()
-    with pytest.raises(ValueError, match="burst_class"):
-        budget_page(1.0, 3.0, 4, 8000, "gold", 1, 30, 2)

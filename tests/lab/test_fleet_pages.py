@@ -50,7 +50,7 @@ def test_fleet_scaling_one_call():
 
 
 def test_fleet_scaling_averages_seeds_against_a_no_event_replay():
-    run = fleet_scaling(8, "add", 10_000, 160, 600, 2, 0.5, 100, "unlimited")
+    run = fleet_scaling(8, "add", 10_000, 160, 600, 2, 0.5, 100, "unlimited", replica_cache="block_lru")
     assert run.seeds == TRACE_SEEDS > 1
     before, after = run.dip[run.dip.request < run.at_request], run.dip[run.dip.request >= run.at_request]
     assert (before.change == 0).all() and (before.change_lo == 0).all() and (before.change_hi == 0).all()
@@ -62,6 +62,60 @@ def test_fleet_scaling_averages_seeds_against_a_no_event_replay():
     assert np.allclose(mean.hit_ratio, run.dip.hit_ratio, rtol=0, atol=1e-12)
     assert (after.groupby("algorithm").change.mean()["mod_n"] < after.groupby("algorithm").change.mean().drop("mod_n")).all()
     assert run.recovery.set_index("algorithm").hit_ratio_lost["mod_n"] > 0
+
+
+def test_policy_cache_replays_stay_within_the_block_ideal():
+    """Pages 11 and 12 on policy caches at real bytes (vLLM align: it leaves KV without states): hit ratio plus
+    the KV held without a state never beats one infinite shared block cache, per trace and on average; the
+    no-event figures of page 12 are those of the page-11 style replay of the same trace."""
+    from lab.fleet import policy_cache_factory, routing_load
+    setup = dict(cache_policy="vllm align", budget_fraction=1 / 16)
+    run = fleet_hashing("ring", 8, 2, 160, 400, **setup)
+    assert run.budget_gb == pytest.approx(policy_cache_factory("kimi-linear-48b-a3b", "H200", 8, "vllm align",
+                                                               1 / 16)().budget_bytes / 1e9)
+    assert 0 < run.hit_ratio and 0 < run.lost_ratio and run.hit_ratio + run.lost_ratio <= run.ideal_ratio + 1e-12
+    lru = fleet_hashing("ring", 8, 2, 160, 400, replica_cache="block_lru")
+    assert run.hit_ratio < lru.hit_ratio <= lru.ideal_ratio + 1e-12 and lru.lost_ratio == 0 and lru.budget_gb is None
+    scaled = fleet_scaling(8, "add", 10_000, 160, 400, 2, 0.5, 50, "unlimited", algorithms=("ring", "mod_n"),
+                           seeds=2, **setup)
+    rec = scaled.recovery.set_index("algorithm")
+    assert list(rec.index) == ["ring", "mod_n"] and scaled.seeds == 2
+    assert ((rec.hit_ratio_no_event + rec.lost_no_event) <= scaled.ideal_ratio + 1e-12).all()
+    assert (rec.lost_no_event > 0).all() and rec.hit_ratio_lost["mod_n"] > rec.hit_ratio_lost["ring"] > 0
+    one = fleet_scaling(8, "add", 10_000, 160, 400, 2, 0.5, 50, "unlimited", algorithms=("ring",), seeds=1, **setup)
+    load = routing_load(page_trace(None, 400).requests, "ring", 8, 2, vnodes=160,
+                        cache_factory=policy_cache_factory("kimi-linear-48b-a3b", "H200", 8, **setup))
+    row = one.recovery.iloc[0]
+    assert row.hit_ratio_no_event == pytest.approx(load.hit_tokens.sum() / load.tokens.sum(), abs=1e-12)
+    assert row.lost_no_event == pytest.approx(load.lost_tokens.sum() / load.tokens.sum(), abs=1e-12)
+
+
+def test_policy_cache_setup_errors_are_clear():
+    """A budget below one running request's state slots, weights that do not fit, an unknown setup: ValueError
+    naming what to change, from both pages' calls."""
+    with pytest.raises(ValueError, match=r"budget_fraction 1e-09 .* too small for ours: budget_bytes"):
+        fleet_hashing("ring", 8, 2, 160, 200, budget_fraction=1e-9)
+    with pytest.raises(ValueError, match=r"budget_fraction 1e-09 .* too small"):
+        fleet_scaling(8, "add", 10_000, 160, 200, 2, 0.5, 50, "unlimited", budget_fraction=1e-9)
+    with pytest.raises(ValueError, match="kimi-k3 weights do not fit in 8 x H200"):
+        fleet_hashing("ring", 8, 2, 160, 200, model="kimi-k3")
+    for kwargs, what in (({"gpu": "T4"}, "gpu"), ({"tp": 3}, "tp"), ({"cache_policy": "lru"}, "cache_policy"),
+                         ({"budget_fraction": 0.0}, "budget_fraction"), ({"replica_cache": "lfu"}, "replica_cache")):
+        with pytest.raises(ValueError, match=what):
+            fleet_hashing("ring", 8, 2, 160, 200, **kwargs)
+    for kwargs, what in (({"algorithms": ("round_robin",)}, "algorithms"), ({"algorithms": ()}, "algorithms"),
+                         ({"seeds": 0}, "seeds"), ({"replica_cache": "lfu"}, "replica_cache")):
+        with pytest.raises(ValueError, match=what):
+            fleet_scaling(8, "add", 10_000, 160, 200, 2, 0.5, 50, "unlimited", **kwargs)
+
+
+def test_fitting_tps_and_display_names():
+    from lab.fleet import DISPLAY_NAMES, display_name, fitting_tps
+    from lab.real_scale import TP_SIZES
+    assert fitting_tps("kimi-linear-48b-a3b", "H200") == TP_SIZES
+    assert fitting_tps("kimi-k3", "H200") == (16,) and fitting_tps("kimi-k3", "A100") == ()
+    assert set(ROUTERS) <= set(DISPLAY_NAMES) and display_name("mod_n") == "mod-N"
+    assert all("_" not in name for name in DISPLAY_NAMES.values())
 
 
 def test_paired_dip_by_hand():

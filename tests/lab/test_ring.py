@@ -1,18 +1,24 @@
 """Page 04's experiments: measured bytes equal the formulas, commit timings cover every accepted length,
 the ring run reports write-backs and the overflow path."""
 import pytest
+import torch
 
+from kda_core.model import cache_equal, encode
 from lab.ring import (
     WIDTHS,
     bytes_vs_draft,
     commit_fits,
     commit_times,
+    greedy_continuation,
     head_tail_labels,
+    prompt_state,
     ring_model,
     ring_page,
     ring_run,
     tradeoff_table,
+    verify_prefix,
 )
+from lab.verify import PROMPT_TEXT
 from serve.spec.raw_input_ring import RawInputRing
 from serve.spec.rollback import (
     LayerShape,
@@ -20,6 +26,7 @@ from serve.spec.rollback import (
     raw_input_bytes_per_token,
     snapshot_bytes_per_token,
 )
+from serve.spec.verify import verify
 from tests.serve.spec.helpers import model, one_thread
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -122,3 +129,28 @@ def test_ring_page_has_spread_and_fits(model):
     page = ring_page(model, 8, 4, 3)
     assert set(page.fits) == {"snapshot", "projection replay", "raw-input ring"}
     assert page.conditions.repeats >= 5 and all(r["samples"] >= 5 for r in page.commit_rows)
+
+
+def test_verify_prefix_is_the_shorter_verify(model):
+    """The first 1 + n positions of one long verify are bitwise the verify of 1 + n tokens alone (logits,
+    every aux tensor, caches): bytes_vs_draft records them instead of running 16 verifies."""
+    start = prompt_state(model)
+    drafts = [7, 99, 3, 250, 42, 42, 0, 17]
+    full = verify(model, start, drafts)
+    for num_tokens in (1, 2, 5, 1 + len(drafts)):
+        cut, alone = verify_prefix(model, start.cache, full, num_tokens), verify(model, start, drafts[: num_tokens - 1])
+        assert torch.equal(cut.logits, alone.logits) and cache_equal(cut.cache, alone.cache)
+        assert cut.aux.keys() == alone.aux.keys()
+        for i in alone.aux:
+            assert all(torch.equal(a, b) for a, b in zip(cut.aux[i], alone.aux[i], strict=True))
+    with pytest.raises(ValueError, match="num_tokens"):
+        verify_prefix(model, start.cache, full, 2 + len(drafts))
+    with pytest.raises(ValueError, match="num_tokens"):
+        verify_prefix(model, start.cache, full, 0)
+
+
+def test_greedy_continuation_is_generate(model):
+    """The ring run's oracle reference from the shared prefill equals the target's own greedy generation."""
+    prompt = encode(PROMPT_TEXT)
+    reference, _ = model.generate(prompt.reshape(1, -1), 9)
+    assert greedy_continuation(model, prompt_state(model), 9) == reference[0].tolist()

@@ -130,8 +130,7 @@ class SGLangNoBuffer(_SGLangBase):
         if L:
             stops.add(L)
         tree.insert_kv(ids, L, L)
-        for pos in sorted(stops):
-            tree.add_state(ids, pos)
+        tree.add_states(ids, sorted(stops))
         self._last = (None, 0, 0)                      # the cache changed: forget the memo
 
 
@@ -170,5 +169,4 @@ class SGLangExtraBuffer(_SGLangBase):
         if not tracked:
             return
         tree.insert_kv(ids, L, max(tracked))
-        for pos in tracked:
-            tree.add_state(ids, pos)
+        tree.add_states(ids, tracked)

@@ -108,16 +108,29 @@ class StateTree:
 
     def add_state(self, ids: Sequence[int], pos: int) -> None:
         """Cache a state after ``pos`` tokens of this prompt (its KV must be kept up to ``pos``)."""
-        key = ids[-(-pos // self.block_size) - 1]
-        entry, states = (key, pos), self.states
-        self.clock += 1
-        if entry in states:
-            states[entry] = self.clock
-            states.move_to_end(entry)
-            return
-        self.node_states.setdefault(key, set()).add(pos)
-        self.states_written += 1
-        states[entry] = self.clock                  # a new key goes to the end (most recent)
+        self.add_states(ids, (pos,))
+
+    def add_states(self, ids: Sequence[int], positions: Sequence[int]) -> None:
+        """:meth:`add_state` at each of ``positions`` in order (one call per prompt)."""
+        N, states, node_states = self.block_size, self.states, self.node_states
+        clock, written = self.clock, 0
+        for pos in positions:
+            key = ids[-(-pos // N) - 1]
+            entry = (key, pos)
+            clock += 1
+            if entry in states:
+                states[entry] = clock
+                states.move_to_end(entry)
+                continue
+            held = node_states.get(key)
+            if held is None:
+                node_states[key] = {pos}
+            else:
+                held.add(pos)
+            written += 1
+            states[entry] = clock                   # a new key goes to the end (most recent)
+        self.clock = clock
+        self.states_written += written
 
     # ---- eviction ---------------------------------------------------------------------------------
     def bytes_by_kind(self) -> dict:
@@ -141,7 +154,7 @@ class StateTree:
         for pos in positions:
             del self.states[(key, pos)]
         self.states_evicted += len(positions)
-        self.idx.remove_block(node)
+        self.idx.remove_block(node, records=False)
         self.kv_stamp.pop(key, None)
         self.kv_tokens -= node.payload
         self.kv_evicted_tokens += node.payload
@@ -154,7 +167,7 @@ class StateTree:
         while key is not ROOT and key in nodes and nodes[key].children == 0 and key not in self.node_states:
             parent = nodes[key].parent
             node = nodes[key]
-            self.idx.remove_block(node)
+            self.idx.remove_block(node, records=False)
             self.kv_stamp.pop(key, None)
             self.kv_tokens -= node.payload
             self.kv_evicted_tokens += node.payload

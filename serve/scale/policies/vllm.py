@@ -138,8 +138,7 @@ class VLLMMambaPolicy(TreeCounters):
         self._last = (None, 0, 0)                          # the cache changes: forget the memo
         if last:
             tree.insert_kv(ids, L, last)
-        for pos in self.state_positions(hit_now, L):
-            tree.add_state(ids, pos)
+        tree.add_states(ids, self.state_positions(hit_now, L))
 
     def evict_to(self, cache_bytes: float) -> None:
         """One block pool: the older of the KV and state LRU heads goes first."""
