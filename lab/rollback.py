@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 from kda_core.config import PRESETS, REAL_PRESETS, ModelConfig, dtype_bytes
+from kda_core.config import preset_title as preset_title  # re-exported: page 01's model labels
 from kda_core.conv import short_conv
 from kda_core.kda import kda_gate, kda_recurrent
 from kda_core.layer import KDAAux, KDACache, l2norm

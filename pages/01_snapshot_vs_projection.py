@@ -5,8 +5,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from kda_core.config import preset_title
-from lab.rollback import DTYPES, LAYER_PRESETS, rollback_page
+from lab.rollback import DTYPES, LAYER_PRESETS, preset_title, rollback_page
 from pages._common import engine_call, num, pct, persist, show_chart, show_table
 
 st.title("Snapshot vs projection bytes")

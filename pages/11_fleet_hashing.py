@@ -2,16 +2,15 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from kda_core.config import preset_title
-from lab.fleet import LOOKUP_KEYS, REPLICA_CACHES, display_name, fitting_tps
+from lab.fleet import LOOKUP_KEYS, REPLICA_CACHES, display_name
 from lab.fleet_hashing import ALGORITHMS, VNODES, fleet_hashing, lookup_cost
-from lab.fleet_simulation import BUDGET_OPTIONS, CACHE_POLICIES, HARDWARE, MODELS, REAL_DEFAULTS, TP_SIZES
+from lab.fleet_simulation import REAL_DEFAULTS
 from pages._common import (
     engine_call,
     measured_stamp,
     num,
     persist,
-    persist_within,
+    real_replica,
     remeasure_button,
     show_chart,
     show_table,
@@ -41,31 +40,8 @@ CACHES = list(REPLICA_CACHES)
 cache_label = st.selectbox("Replica cache", CACHES, index=0, key=persist("p11_cache", CACHES[0], options=CACHES),
                            bind="query-params", persist_state="session")
 real = REPLICA_CACHES[cache_label] == "policy"
-model_name, gpu, tp, cache_policy, budget_fraction = (REAL_DEFAULTS[x] for x in (
+model_name, gpu, tp, cache_policy, budget_fraction = real_replica("p11") if real else (REAL_DEFAULTS[x] for x in (
     "model", "gpu", "tp", "cache_policy", "budget_fraction"))
-if real:   # the GPUs and TP sizes offered are those the model's weights fit in
-    r1, r2, r3, r4, r5 = st.columns(5)
-    model_name = r1.selectbox("Model", list(MODELS), index=list(MODELS).index(model_name), format_func=preset_title,
-                              key=persist("p11_model", model_name, options=list(MODELS)), bind="query-params",
-                              persist_state="session")
-    gpus = [g for g in HARDWARE if fitting_tps(model_name, g)]
-    gpu_default = gpu if gpu in gpus else gpus[0]
-    gpu = r2.selectbox("GPU", gpus, index=gpus.index(gpu_default),
-                       key=persist_within("p11_gpu", gpu_default, gpus, HARDWARE),
-                       bind="query-params", persist_state="session")
-    tps = list(fitting_tps(model_name, gpu))
-    tp_default = tp if tp in tps else tps[0]
-    tp = r3.select_slider("GPUs per replica (TP)", tps, value=tp_default,
-                          key=persist_within("p11_tp", tp_default, tps, TP_SIZES),
-                          bind="query-params", persist_state="session") if len(tps) > 1 else tps[0]
-    cache_policy = r4.selectbox("Prefix-cache policy", list(CACHE_POLICIES), index=list(CACHE_POLICIES).index(cache_policy),
-                                key=persist("p11_cache_policy", cache_policy, options=list(CACHE_POLICIES)),
-                                bind="query-params", persist_state="session")
-    BUDGETS = [f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_OPTIONS]
-    budget = r5.select_slider("Cache budget (share of HBM left after weights)", BUDGETS, value="1/8",
-                              key=persist("p11_budget", "1/8", options=BUDGETS), bind="query-params",
-                              persist_state="session")
-    budget_fraction = BUDGET_OPTIONS[BUDGETS.index(budget)]
 d1, d2 = st.columns([1, 2])
 num_requests = d1.slider("Requests (cap)", 200, 5000, step=100, value=2000, key=persist("p11_requests", 2000, min_value=200, max_value=5000), bind="query-params", persist_state="session")
 upload = d2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p11_upload")

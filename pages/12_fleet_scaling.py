@@ -2,11 +2,10 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from kda_core.config import preset_title
-from lab.fleet import REPLICA_CACHES, display_name, fitting_tps
+from lab.fleet import REPLICA_CACHES, display_name
 from lab.fleet_scaling import ACTIONS, CAPACITIES, KEY_ROUTERS, MAX_SEEDS, SMOOTH_WINDOWS, TRACE_SEEDS, fleet_scaling
-from lab.fleet_simulation import BUDGET_OPTIONS, CACHE_POLICIES, HARDWARE, MODELS, REAL_DEFAULTS, TP_SIZES
-from pages._common import engine_call, num, pct, persist, persist_within, show_chart, show_table, upload_parts
+from lab.fleet_simulation import REAL_DEFAULTS
+from pages._common import engine_call, num, pct, persist, real_replica, show_chart, show_table, upload_parts
 
 st.title("Fleet scaling")
 st.write(
@@ -43,28 +42,7 @@ model_name, gpu, tp, cache_policy, budget_fraction = (REAL_DEFAULTS[x] for x in 
     "model", "gpu", "tp", "cache_policy", "budget_fraction"))
 capacity = "unlimited"
 if real:   # the GPUs and TP sizes offered are those the model's weights fit in
-    r1, r2, r3, r4, r5 = part2.columns(5)
-    model_name = r1.selectbox("Model", list(MODELS), index=list(MODELS).index(model_name), format_func=preset_title,
-                              key=persist("p12_model", model_name, options=list(MODELS)), bind="query-params",
-                              persist_state="session")
-    gpus = [g for g in HARDWARE if fitting_tps(model_name, g)]
-    gpu_default = gpu if gpu in gpus else gpus[0]
-    gpu = r2.selectbox("GPU", gpus, index=gpus.index(gpu_default),
-                       key=persist_within("p12_gpu", gpu_default, gpus, HARDWARE),
-                       bind="query-params", persist_state="session")
-    tps = list(fitting_tps(model_name, gpu))
-    tp_default = tp if tp in tps else tps[0]
-    tp = r3.select_slider("GPUs per replica (TP)", tps, value=tp_default,
-                          key=persist_within("p12_tp", tp_default, tps, TP_SIZES),
-                          bind="query-params", persist_state="session") if len(tps) > 1 else tps[0]
-    cache_policy = r4.selectbox("Prefix-cache policy", list(CACHE_POLICIES), index=list(CACHE_POLICIES).index(cache_policy),
-                                key=persist("p12_cache_policy", cache_policy, options=list(CACHE_POLICIES)),
-                                bind="query-params", persist_state="session")
-    BUDGETS = [f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_OPTIONS]
-    budget = r5.select_slider("Cache budget (share of HBM left after weights)", BUDGETS, value="1/8",
-                              key=persist("p12_budget", "1/8", options=BUDGETS), bind="query-params",
-                              persist_state="session")
-    budget_fraction = BUDGET_OPTIONS[BUDGETS.index(budget)]
+    model_name, gpu, tp, cache_policy, budget_fraction = real_replica("p12", part2)
 else:
     capacity = part2.select_slider("Cache per replica (blocks of 512 tokens)", list(CAPACITIES), value="unlimited",
                                    key=persist("p12_capacity", "unlimited", options=list(CAPACITIES)),

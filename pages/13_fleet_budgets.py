@@ -5,7 +5,6 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from kda_core.config import preset_title
 from lab.budgets import (
     BATCH_BUDGET,
     BATCH_LOAD,
@@ -21,8 +20,8 @@ from lab.budgets import (
     vtc_frame,
 )
 from lab.fleet import ANCHORS
-from lab.fleet_simulation import HARDWARE, MODELS, REAL_DEFAULTS, TP_SIZES
-from pages._common import engine_call, num, persist, show_chart, show_table, upload_parts
+from lab.fleet_simulation import REAL_DEFAULTS
+from pages._common import engine_call, num, persist, real_replica, show_chart, show_table, upload_parts
 
 st.title("Fleet budgets")
 st.write(
@@ -45,15 +44,8 @@ replica_label = st.selectbox("Replica", REPLICAS, index=0, key=persist("p13_repl
                              bind="query-params", persist_state="session")
 service_model = REPLICA_MODELS[replica_label]
 model_name, gpu, tp = REAL_DEFAULTS["model"], REAL_DEFAULTS["gpu"], REAL_DEFAULTS["tp"]
-if service_model == "roofline":
-    r1, r2, r3 = st.columns(3)
-    model_name = r1.selectbox("Model", list(MODELS), index=list(MODELS).index(model_name), format_func=preset_title,
-                              key=persist("p13_model", model_name, options=list(MODELS)), bind="query-params",
-                              persist_state="session")
-    gpu = r2.selectbox("GPU", list(HARDWARE), index=list(HARDWARE).index(gpu),
-                       key=persist("p13_gpu", gpu, options=list(HARDWARE)), bind="query-params", persist_state="session")
-    tp = r3.select_slider("GPUs per replica (TP)", list(TP_SIZES), value=tp,
-                          key=persist("p13_tp", tp, options=list(TP_SIZES)), bind="query-params", persist_state="session")
+if service_model == "roofline":   # the GPUs and TP sizes offered are those the model's weights fit in
+    model_name, gpu, tp, _, _ = real_replica("p13", policy=False)
 c1, c2, c3, c4 = st.columns(4)
 vip_load = _slider(c1, "VIP load (% of capacity)", 1, 20, 1, "vip_load", percent=True)
 std_load = _slider(c2, "Standard load (% of capacity)", 5, 50, 5, "standard_load", percent=True)

@@ -4,27 +4,21 @@ import math
 import plotly.graph_objects as go
 import streamlit as st
 
-from kda_core.config import preset_title
 from lab.fleet import DISPLAY_NAMES
 from lab.fleet_simulation import (
     BOUND_C,
-    BUDGET_OPTIONS,
-    CACHE_POLICIES,
     CACHE_POLICY_LABELS,
     CAPACITIES,
     CLASS_LABELS,
-    HARDWARE,
-    MODELS,
     POLICIES,
     REAL_DEFAULTS,
     SCALE_EVENTS,
     SCHEDULER_LABELS,
     SCHEDULERS,
     SERVICE_MODELS,
-    TP_SIZES,
     fleet_simulation,
 )
-from pages._common import engine_call, num, pct, persist, show_chart, show_table, upload_parts
+from pages._common import engine_call, num, pct, persist, real_replica, show_chart, show_table, upload_parts
 
 st.title("Fleet simulation")
 st.write(
@@ -40,27 +34,8 @@ SERVICES = list(SERVICE_MODELS)
 service_label = st.selectbox("Replica", SERVICES, index=0, key=persist("p14_model", SERVICES[0], options=SERVICES),
                              bind="query-params", persist_state="session")
 real = SERVICE_MODELS[service_label] == "roofline"
-if real:
-    r1, r2, r3, r4, r5 = st.columns(5)
-    model_name = r1.selectbox("Model", list(MODELS), index=list(MODELS).index(REAL_DEFAULTS["model"]), format_func=preset_title,
-                              key=persist("p14_real_model", REAL_DEFAULTS["model"], options=list(MODELS)),
-                              bind="query-params", persist_state="session")
-    gpu = r2.selectbox("GPU", list(HARDWARE), index=list(HARDWARE).index(REAL_DEFAULTS["gpu"]),
-                       key=persist("p14_gpu", REAL_DEFAULTS["gpu"], options=list(HARDWARE)), bind="query-params",
-                       persist_state="session")
-    tp = r3.select_slider("GPUs per replica (TP)", list(TP_SIZES), value=REAL_DEFAULTS["tp"],
-                          key=persist("p14_tp", REAL_DEFAULTS["tp"], options=list(TP_SIZES)), bind="query-params",
-                          persist_state="session")
-    cache_names, cache_default = list(CACHE_POLICY_LABELS.values()), CACHE_POLICY_LABELS[REAL_DEFAULTS["cache_policy"]]
-    cache_policy = CACHE_POLICIES[cache_names.index(r4.selectbox(
-        "Prefix-cache policy", cache_names, index=cache_names.index(cache_default),
-        key=persist("p14_cache_policy", cache_default, options=cache_names), bind="query-params",
-        persist_state="session"))]
-    BUDGETS = [f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_OPTIONS]
-    budget = r5.select_slider("Cache budget (share of HBM left after weights)", BUDGETS, value="1/8",
-                              key=persist("p14_budget", "1/8", options=BUDGETS), bind="query-params",
-                              persist_state="session")
-    budget_fraction = BUDGET_OPTIONS[BUDGETS.index(budget)]
+if real:   # the GPUs and TP sizes offered are those the model's weights fit in
+    model_name, gpu, tp, cache_policy, budget_fraction = real_replica("p14", model_key="p14_real_model")
 else:
     model_name, gpu, tp, cache_policy = (REAL_DEFAULTS[k] for k in ("model", "gpu", "tp", "cache_policy"))
     budget_fraction = REAL_DEFAULTS["budget_fraction"]

@@ -12,6 +12,8 @@
   shows (and puts in the URL) the formatted label; its options and ``default`` stay the code names.
 - ``show_table(df, columns)``: ``st.dataframe`` of the named columns, each with its header and number
   format; booleans read yes / no. ``num(label, fmt)`` and ``pct(label)`` build the number columns.
+- ``real_replica(prefix, where)``: the model / GPU / TP (and prefix-cache policy, budget) widgets of a
+  real-scale replica, the GPU and TP constrained by the model.
 - ``upload_parts(upload)``: ``(bytes, file name)`` of an ``st.file_uploader`` value, hashable for ``st.cache_data``.
 
 - ``route_through_navigation()``: per run, send a run that Streamlit started in its legacy
@@ -184,6 +186,55 @@ def persist_within(key: str, default, options: list, known) -> str:
     if any(stored == k and type(stored) is type(k) for k in known) and stored not in options:
         st.session_state[key] = default
     return persist(key, default, options=options)
+
+
+def real_replica(prefix: str, where=None, *, policy: bool = True, model_key: str | None = None) -> tuple:
+    """The widgets of a real-scale replica in one row of ``where`` (a container; default the page): model, GPU and
+    TP, offering only the GPUs and TP sizes the model's weights fit in (:func:`lab.fleet.fitting_tps`), and with
+    ``policy`` the prefix-cache policy and the cache budget (share of the HBM the weights leave). Keys
+    ``{prefix}_model`` (or ``model_key``), ``{prefix}_gpu``, ``{prefix}_tp``, ``{prefix}_cache_policy``,
+    ``{prefix}_budget``, bound to the URL and kept across page switches. Returns (model, gpu, tp, cache_policy,
+    budget_fraction); without ``policy`` the last two are :data:`lab.fleet_simulation.REAL_DEFAULTS`'."""
+    from lab.fleet import fitting_tps
+    from lab.fleet_simulation import (
+        BUDGET_OPTIONS,
+        CACHE_POLICIES,
+        CACHE_POLICY_LABELS,
+        HARDWARE,
+        MODELS,
+        REAL_DEFAULTS,
+        TP_SIZES,
+    )
+    from lab.real_scale import preset_title
+    model, gpu, tp, cache_policy, budget_fraction = (REAL_DEFAULTS[x] for x in (
+        "model", "gpu", "tp", "cache_policy", "budget_fraction"))
+    cols = (where or st).columns(5 if policy else 3)
+    shared = dict(bind="query-params", persist_state="session")
+    models = list(MODELS)
+    model = cols[0].selectbox("Model", models, index=models.index(model), format_func=preset_title,
+                              key=persist(model_key or f"{prefix}_model", model, options=models), **shared)
+    gpus = [g for g in HARDWARE if fitting_tps(model, g)]
+    gpu = gpu if gpu in gpus else gpus[0]
+    gpu = cols[1].selectbox("GPU", gpus, index=gpus.index(gpu), key=persist_within(f"{prefix}_gpu", gpu, gpus, HARDWARE),
+                            **shared)
+    tps = list(fitting_tps(model, gpu))
+    tp = tp if tp in tps else tps[0]
+    if len(tps) > 1:
+        tp = cols[2].select_slider("GPUs per replica (TP)", tps, value=tp,
+                                   key=persist_within(f"{prefix}_tp", tp, tps, TP_SIZES), **shared)
+    else:
+        cols[2].markdown(f"GPUs per replica (TP): **{tp}** (the only size the weights fit)")
+    if policy:
+        policies = list(CACHE_POLICIES)
+        cache_policy = cols[3].selectbox("Prefix-cache policy", policies, index=policies.index(cache_policy),
+                                         format_func=lambda p: CACHE_POLICY_LABELS.get(p, p),
+                                         key=persist(f"{prefix}_cache_policy", cache_policy, options=policies), **shared)
+        budgets = [f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_OPTIONS]
+        default = budgets[BUDGET_OPTIONS.index(budget_fraction)]
+        budget = cols[4].select_slider("Cache budget (share of HBM left after weights)", budgets, value=default,
+                                       key=persist(f"{prefix}_budget", default, options=budgets), **shared)
+        budget_fraction = BUDGET_OPTIONS[budgets.index(budget)]
+    return model, gpu, tp, cache_policy, budget_fraction
 
 
 def persist_clamped(key: str, default: int, lo: int, hi: int) -> str:
