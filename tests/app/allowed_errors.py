@@ -8,10 +8,6 @@ ALLOWED_ERRORS: list[tuple[str, str, str]] = [
     ("pages/06_mla_paging.py", r"^Shared prefix \+ unique tail must be at least 1 token: move either slider above 0\.$",
      "an empty request cannot be paged; the page says which sliders to move (only with both at 0, which the "
      "one-slider-at-a-time sweep does not reach; test_pool_pages checks the text)"),
-    ("pages/14_fleet_simulation.py", r"^ValueError: kimi-k3 weights do not fit in \d+ x \w+: choose more GPUs",
-     "Kimi K3's weights exceed 8 x H200 (the default TP and GPU); the page says to pick more or larger GPUs"),
-    ("pages/13_fleet_budgets.py", r"^ValueError: kimi-k3 weights do not fit in \d+ x \w+: choose more GPUs",
-     "Kimi K3's weights exceed 8 x H200 (the default TP and GPU); the page says to pick more or larger GPUs"),
 ]
 
 
