@@ -6,6 +6,7 @@ Published anchors used by the pages live in :data:`ANCHORS` with their sources.
 
 from __future__ import annotations
 
+import gc
 import inspect
 import pickle
 from collections.abc import Callable, Sequence
@@ -226,12 +227,13 @@ def hit_ratio_across_scale_event(trace: Sequence[TraceRequest], algorithms: Sequ
 def simulate_policies(trace: Sequence[TraceRequest], policies: Sequence[str], base: FleetConfig,
                       class_of: Callable[[int], str] | None = None,
                       progress: Callable[[float], None] | None = None,
-                      sims: list | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+                      on_run: Callable[[str, FleetSimResult], None] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Run the fleet simulation once per routing policy on ``trace`` (same config otherwise).
 
     Returns (per-request results with a ``policy`` column, per-policy × class summary with hit ratio,
-    TTFT P50/P99, queue wait P99, max/mean requests per replica and throughput). ``sims``: when a list,
-    each run's :class:`FleetSimResult` is appended to it (its replica caches' counters)."""
+    TTFT P50/P99, queue wait P99, max/mean requests per replica and throughput). ``on_run(policy, sim)``: called
+    after each run with its :class:`FleetSimResult` (its replica caches' counters); keep only what you need: the
+    caches hold every cached block, and a run's are freed before the next starts."""
     requests = requests_from_trace(trace)
     if class_of is not None:
         requests = [r._replace(klass=class_of(r.request_id)) for r in requests]
@@ -243,12 +245,14 @@ def simulate_policies(trace: Sequence[TraceRequest], policies: Sequence[str], ba
 
         cfg = FleetConfig(**{**base.__dict__, "router": policy})
         sim = simulate(requests, cfg, progress=sub_progress)
-        if sims is not None:
-            sims.append(sim)
+        if on_run is not None:
+            on_run(policy, sim)
         df = results_frame(sim)
         df.insert(0, "policy", policy)
         frames.append(df)
         summary.extend(summarize(sim, policy))
+        del sim
+        gc.collect()   # a run's caches and simpy processes form cycles: freed here, before the next run fills its own
     return pd.concat(frames, ignore_index=True), pd.DataFrame(summary)
 
 

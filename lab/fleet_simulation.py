@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from lab.fleet import ANCHORS, default_service, ideal_ratio, page_trace, scale_events_for, simulate_policies
-from lab.real_scale import BUDGET_FRACTIONS, HARDWARE, MODELS, TP_SIZES, free_bytes, make_policy
+from lab.real_scale import BUDGET_FRACTIONS, HARDWARE, MODELS, TP_SIZES, free_bytes, make_policy, preset_title
 from lab.real_scale import POLICIES as CACHE_POLICIES
 from serve.fleet import ROUTERS
 from serve.fleet.budgets import PriorityClass
@@ -50,6 +50,15 @@ CLASS_LABELS = {"vip": "VIP", "standard": "Standard", "all": "All"}
 SCHEDULER_LABELS = {"fcfs": "FCFS", "vtc": "VTC (fair share)"}
 CACHE_POLICY_LABELS = {"ours": "ours", "sglang no_buffer": "SGLang no_buffer",
                        "sglang extra_buffer": "SGLang extra_buffer", "vllm align": "vLLM align", "vllm all": "vLLM all"}
+
+
+def replica_title(model: str, gpu: str, tp: int, cache_policy: str | None = None) -> str:
+    """A real-scale replica as a reader names it, e.g. "ours cache on Kimi-Linear-48B-A3B, 8 × H200" (the cache
+    part only with ``cache_policy``). Raises KeyError for an unknown model or policy."""
+    cache = f"{CACHE_POLICY_LABELS[cache_policy]} cache on " if cache_policy is not None else ""
+    return f"{cache}{preset_title(model)}, {tp} × {gpu}"
+
+
 BOUND_C = 1.25  # load bound factor c of serve.fleet.bounded_load.BoundedLoadRouter (its default, used here)
 
 
@@ -126,9 +135,11 @@ def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: i
     def class_of(i: int) -> str:
         return "vip" if every and i % every == 0 else "standard"
 
-    sims: list = []
-    per_request, summary = simulate_policies(trace, list(policies), cfg, class_of, progress=progress, sims=sims)
-    kda, replica_bytes = kda_metrics(sims, list(policies), summary, trace) if cache_factory else (None, None)
+    counters: dict[str, tuple] = {}
+    per_request, summary = simulate_policies(trace, list(policies), cfg, class_of, progress=progress,
+                                             on_run=lambda policy, sim: counters.update({policy: cache_counters(sim)})
+                                             if cache_factory else None)
+    kda, replica_bytes = kda_metrics(counters, summary, trace) if cache_factory else (None, None)
     events = cfg.scale_events
     before = frozenset(f"replica-{i}" for i in range(num_replicas))
     after = before if not events else (before | {events[0].replica} if events[0].action == "add"
@@ -162,23 +173,29 @@ def real_replica(model: str, gpu: str, tp: int, cache_policy: str, budget_fracti
     return service, cache_factory
 
 
-def kda_metrics(sims: list, policies: list[str], summary: pd.DataFrame, trace) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The KDA view of policy-cache runs (:class:`FleetSimulation`'s ``kda`` and ``replica_bytes``)."""
+def cache_counters(sim) -> tuple[int, dict[str, tuple[dict, int]]]:
+    """What :func:`kda_metrics` needs of one policy-cache run (not its caches: they hold every cached block):
+    (prompt tokens of its completed requests, {replica: (peak bytes by kind, tokens lost to a missing state)})."""
+    prompt = sum(r.input_length for r in sim.results if r.status == "completed")
+    return prompt, {replica: (dict(c.peak_bytes), c.lost_to_missing_state) for replica, c in sim.replica_caches.items()}
+
+
+def kda_metrics(counters: dict[str, tuple], summary: pd.DataFrame, trace) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The KDA view of policy-cache runs (:class:`FleetSimulation`'s ``kda`` and ``replica_bytes``) from each routing
+    policy's :func:`cache_counters`."""
     ideal = ideal_ratio(trace)
     rows, per_replica = [], []
     overall = summary[summary["class"] == "all"].set_index("policy")
-    for name, sim in zip(policies, sims):
-        caches = sim.replica_caches
-        prompt = sum(r.input_length for r in sim.results if r.status == "completed")
-        for replica, c in caches.items():
-            per_replica.append({"policy": name, "replica": replica, "kv_gb": c.peak_bytes["kv"] / 1e9,
-                                "state_gb": c.peak_bytes["state"] / 1e9, "running_gb": c.peak_bytes["running"] / 1e9})
-        lost = sum(c.lost_to_missing_state for c in caches.values())
+    for name, (prompt, caches) in counters.items():
+        for replica, (peak, _) in caches.items():
+            per_replica.append({"policy": name, "replica": replica, "kv_gb": peak["kv"] / 1e9,
+                                "state_gb": peak["state"] / 1e9, "running_gb": peak["running"] / 1e9})
+        lost = sum(lost for _, lost in caches.values())
         o = overall.loc[name]
         rows.append({"policy": name, "hit_ratio": float(o.hit_ratio), "ideal_ratio": ideal,
                      "lost_to_missing_state": lost / max(1, prompt),
-                     "kv_gb": float(np.mean([c.peak_bytes["kv"] for c in caches.values()])) / 1e9,
-                     "state_gb": float(np.mean([c.peak_bytes["state"] for c in caches.values()])) / 1e9,
+                     "kv_gb": float(np.mean([peak["kv"] for peak, _ in caches.values()])) / 1e9,
+                     "state_gb": float(np.mean([peak["state"] for peak, _ in caches.values()])) / 1e9,
                      "ttft_p50_ms": float(o.ttft_p50_ms), "ttft_p99_ms": float(o.ttft_p99_ms),
                      "throughput_rps": float(o.throughput_rps)})
     return pd.DataFrame(rows), pd.DataFrame(per_replica)

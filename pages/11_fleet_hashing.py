@@ -4,7 +4,7 @@ import streamlit as st
 
 from lab.fleet import LOOKUP_KEYS, REPLICA_CACHES, display_name
 from lab.fleet_hashing import ALGORITHMS, VNODES, fleet_hashing, lookup_cost
-from lab.fleet_simulation import REAL_DEFAULTS
+from lab.fleet_simulation import REAL_DEFAULTS, replica_title
 from pages._common import (
     engine_call,
     measured_stamp,
@@ -75,7 +75,7 @@ if real:
 if load.requests.max() == n_trace:
     st.warning(f"Every request went to one replica: all prompts share their first {k} block(s) (a shared system "
                "prompt), so a routing key that short has a single value. Route on more blocks.")
-where_cache = (f"{cache_policy} on {model_name}, {tp} × {gpu}: {run.budget_gb:,.0f} GB per replica" if real else
+where_cache = (f"{replica_title(model_name, gpu, tp, cache_policy)}: {run.budget_gb:,.0f} GB per replica" if real else
                "an unlimited block LRU cache per replica")
 st.caption(f"{n_trace:,} requests (cap {num_requests:,}); {where_cache}. Routing-only replay: each request is "
            "cached on its replica as soon as it is routed (no timing; page 14 adds queues and service times).")

@@ -4,7 +4,7 @@ import streamlit as st
 
 from lab.fleet import REPLICA_CACHES, display_name
 from lab.fleet_scaling import ACTIONS, CAPACITIES, KEY_ROUTERS, MAX_SEEDS, SMOOTH_WINDOWS, TRACE_SEEDS, fleet_scaling
-from lab.fleet_simulation import REAL_DEFAULTS
+from lab.fleet_simulation import REAL_DEFAULTS, replica_title
 from pages._common import engine_call, num, pct, persist, real_replica, show_chart, show_table, upload_parts
 
 st.title("Fleet scaling")
@@ -109,13 +109,11 @@ with part2:
                    "every algorithm sends the whole trace to one replica and the lines coincide. Route on more blocks.")
     table = dip.assign(algorithm=dip.algorithm.map(display_name), points_lost=100 * dip.hit_ratio_lost,
                        recover=[f"{int(v):,}" if v == v else "not within the trace" for v in dip.requests_to_recover])
-    columns = {"algorithm": "Algorithm", "hit_ratio_before": pct("Hit ratio before"),
-               "lowest_after": pct("Lowest window after"),
-               "points_lost": num(f"Hit ratio lost (points, first {run.dip_windows} windows)", "%.1f"),
-               "recover": "Requests to recover half the loss",
-               "hit_ratio_no_event": pct("Hit ratio, whole trace without the event")}
+    columns = {"algorithm": "Algorithm", "hit_ratio_before": pct("Hit before"), "lowest_after": pct("Lowest after"),
+               "points_lost": num(f"Points lost ({run.dip_windows} windows)", "%.1f"),
+               "recover": "Requests to recover ½", "hit_ratio_no_event": pct("Hit, no-event run")}
     if real:
-        columns["lost_no_event"] = pct("KV cached, no state to reuse it (without the event)")
+        columns["lost_no_event"] = pct("KV without state")
     show_table(table, columns)
     m1, m2 = st.columns(2)
     m1.metric("block ideal (one shared infinite cache)", f"{run.ideal_ratio:.1%}")
@@ -124,15 +122,18 @@ with part2:
     st.caption(f"{n_trace:,} requests per trace (cap {num_requests:,}); the trace ends {n_trace - at_request:,} requests "
                "after the event. What to notice: mod-N reshuffles almost every prefix and loses most of its hit ratio; "
                "the consistent schemes lose only the moved share (~1/(n+1)) of prefixes.")
-    with st.expander("How the loss and the recovery are computed"):
+    with st.expander("How the table's columns are computed"):
         st.markdown(
-            f"- **Hit ratio lost**: the mean, over the first {run.dip_windows} windows ({run.dip_windows * window:,} "
+            "- **Hit before** / **Lowest after**: token hit ratio of the windows before the event / the lowest window "
+            "after it. **Hit, no-event run**: the whole trace replayed without the event. **KV without state**: prompt "
+            "tokens whose KV the replica held but no KDA state let it reuse (no-event run).\n"
+            f"- **Points lost** (hit ratio lost): the mean, over the first {run.dip_windows} windows ({run.dip_windows * window:,} "
             "requests) from the event, of max(0, hit ratio without the event − hit ratio with it), averaged over the "
             "traces. Pairing each trace with its own no-event replay removes the trace's swing from the measure.\n"
-            "- **Requests to recover half the loss**: requests from the event to the first window from which the "
+            "- **Requests to recover ½** (half the loss): requests from the event to the first window from which the "
             f"loss, averaged over {SMOOTH_WINDOWS} windows, is at most half the hit ratio lost, in whole windows.\n"
             "- Routing-only replay (no timing): each request is cached on its replica as soon as it is routed. "
-            + (f"Each replica's cache is the {cache_policy} prefix-cache policy of {model_name} on {tp} × {gpu} at real "
+            + (f"Each replica is the {replica_title(model_name, gpu, tp, cache_policy)} (a prefix-cache policy model) at real "
                "bytes (KV + KDA states + the running request's state slots within the budget); a hit needs a state "
                "at its boundary, so hit ratio + KV cached without a state ≤ the block ideal (one infinite shared "
                "cache). " if real else "Each replica's cache is an LRU set of 512-token blocks. ")

@@ -7,7 +7,6 @@ import streamlit as st
 from lab.fleet import DISPLAY_NAMES
 from lab.fleet_simulation import (
     BOUND_C,
-    CACHE_POLICY_LABELS,
     CAPACITIES,
     CLASS_LABELS,
     POLICIES,
@@ -17,6 +16,7 @@ from lab.fleet_simulation import (
     SCHEDULERS,
     SERVICE_MODELS,
     fleet_simulation,
+    replica_title,
 )
 from pages._common import engine_call, num, pct, persist, real_replica, show_chart, show_table, upload_parts
 
@@ -40,7 +40,7 @@ else:
     model_name, gpu, tp, cache_policy = (REAL_DEFAULTS[k] for k in ("model", "gpu", "tp", "cache_policy"))
     budget_fraction = REAL_DEFAULTS["budget_fraction"]
 c1, c2, c3, c4 = st.columns(4)
-num_requests = c1.slider("Requests (cap)", 200, 5000, step=100, value=2000, key=persist("p14_requests", 2000, min_value=200, max_value=5000), bind="query-params", persist_state="session")
+num_requests = c1.slider("Requests (cap)", 200, 5000, step=100, value=1200, key=persist("p14_requests", 1200, min_value=200, max_value=5000), bind="query-params", persist_state="session")
 replicas = c2.slider("Replicas", 1, 16, value=8, key=persist("p14_replicas", 8, min_value=1, max_value=16), bind="query-params", persist_state="session")
 k = c3.slider("Routing prefix depth k (blocks)", 1, 4, value=2, key=persist("p14_k", 2, min_value=1, max_value=4), bind="query-params", persist_state="session")
 capacity = "8000" if real else c4.select_slider(  # a real-model replica's cache is its byte budget (above)
@@ -146,7 +146,7 @@ st.caption(f"The load cap is bounded loads' ⌈c × fleet in-flight ÷ replicas�
            + (" (requests routed after the removal)." if scale == "remove" else "."))
 if run.kda is not None:
     kda, rb = run.kda, run.replica_bytes
-    st.subheader(f"4 · What KDA changes: {CACHE_POLICY_LABELS[cache_policy]} cache on {model_name}, {tp} × {gpu}")
+    st.subheader(f"4 · What KDA changes: {replica_title(model_name, gpu, tp, cache_policy)}")
     fig4 = go.Figure([go.Bar(x=kda.policy.map(DISPLAY_NAMES), y=kda.hit_ratio, name="token hit ratio"),
                       go.Bar(x=kda.policy.map(DISPLAY_NAMES), y=kda.lost_to_missing_state,
                              name="KV cached on the replica, no state to use it")])

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from kda_core.config import preset_title
 from serve.scale.hardware import hardware
 from serve.scale.model_shape import preset
 from serve.scale.roofline import checkpoint_restore_time, decode_time
@@ -53,7 +54,7 @@ class RooflineService:
         self.max_prefill_tokens_per_step = max_prefill_tokens_per_step
         self._prefill: dict[tuple[int, int], float] = {}    # memo: (new, cached) -> ms (a pure function)
         self._decode: dict[tuple[int, int], float] = {}     # memo: (batch, context) -> ms
-        self.source = (f"{model} on {tp} x {gpu}: roofline step times (prefill fitted on the Kimi Linear "
+        self.source = (f"{preset_title(model)} on {tp} × {gpu}: roofline step times (prefill fitted on the Kimi Linear "
                        f"report's Fig. 7a, alpha {self.fit.alpha:.2f}, beta {self.fit.beta:.2f})")
 
     def request_prefill_ms(self, new_tokens: int, cached_tokens: int) -> float:

@@ -44,4 +44,15 @@ def test_real_replica_widgets_offer_only_what_fits():
     assert not any(s.key == "p12_tp" for s in at.select_slider)      # one TP fits (16): nothing to choose
     budget = next(m for m in at.metric if m.label == "cache per replica").value
     assert budget == f"{free_bytes('kimi-k3', hardware('H200'), 16) / 8 / 1e9:,.0f} GB"
-    assert "kimi-k3 on 16 × H200" in " ".join(md.value for e in at.expander for md in e.markdown)
+    assert "Kimi K3, 16 × H200" in " ".join(md.value for e in at.expander for md in e.markdown)
+
+
+@pytest.mark.parametrize(("path", "model_key", "gpu_key"), [("pages/13_fleet_budgets.py", "p13_model", "p13_gpu"),
+                                                            ("pages/14_fleet_simulation.py", "p14_real_model", "p14_gpu")])
+def test_every_fleet_page_offers_only_what_fits(path, model_key, gpu_key):
+    """Pages 13 and 14 share the real-replica widgets: Kimi K3 leaves the GPUs it fits (no "weights do not fit"
+    error, which open_page would fail on) and names the replica by the model's name."""
+    at = open_page(path, **{model_key: "kimi-k3"})
+    gpu = next(b for b in at.selectbox if b.key == gpu_key)
+    assert list(gpu.options) == ["H200", "B200"]
+    assert "kimi-k3" not in " ".join(c.value for c in at.caption) + " ".join(h.value for h in at.subheader)
