@@ -18,7 +18,16 @@ import numpy as np
 import pandas as pd
 
 from lab.fleet import ANCHORS, default_service, ideal_ratio, page_trace, scale_events_for, simulate_policies
-from lab.real_scale import BUDGET_FRACTIONS, HARDWARE, MODELS, TP_SIZES, free_bytes, make_policy, preset_title
+from lab.real_scale import (
+    BUDGET_FRACTIONS,
+    HARDWARE,
+    MODELS,
+    TP_SIZES,
+    free_bytes,
+    make_policy,
+    policy_title,
+    preset_title,
+)
 from lab.real_scale import POLICIES as CACHE_POLICIES
 from serve.fleet import ROUTERS
 from serve.fleet.budgets import PriorityClass
@@ -48,8 +57,7 @@ CLASSES = (PriorityClass("vip", 4.0), PriorityClass("standard", 1.0))  # VTC wei
 # What the page shows for the code names (the frames keep the code names; routers: lab.fleet.DISPLAY_NAMES).
 CLASS_LABELS = {"vip": "VIP", "standard": "Standard", "all": "All"}
 SCHEDULER_LABELS = {"fcfs": "FCFS", "vtc": "VTC (fair share)"}
-CACHE_POLICY_LABELS = {"ours": "ours", "sglang no_buffer": "SGLang no_buffer",
-                       "sglang extra_buffer": "SGLang extra_buffer", "vllm align": "vLLM align", "vllm all": "vLLM all"}
+CACHE_POLICY_LABELS = {p: policy_title(p) for p in CACHE_POLICIES}   # as each engine spells its policy
 
 
 def replica_title(model: str, gpu: str, tp: int, cache_policy: str | None = None) -> str:

@@ -59,6 +59,15 @@ HARDWARE = tuple(HARDWARE_PRESETS)
 TP_SIZES = (1, 2, 4, 8, 16)
 POLICIES = ("ours", "sglang no_buffer", "sglang extra_buffer", "vllm align", "vllm all")   # the default sweep
 EXTRA_POLICIES = ("vllm none", "vllm align +replay stop")                                  # opt-in
+POLICY_TITLES = {"ours": "ours", "sglang no_buffer": "SGLang no_buffer", "sglang extra_buffer": "SGLang extra_buffer",
+                 "vllm align": "vLLM align", "vllm all": "vLLM all", "vllm none": "vLLM none",
+                 "vllm align +replay stop": "vLLM align + replay stop"}
+
+
+def policy_title(name: str) -> str:
+    """A prefix-cache policy as its engine spells it ("SGLang no_buffer", "vLLM align"); any other text is returned
+    as is (a widget's format_func may be applied to a label again)."""
+    return POLICY_TITLES.get(name, name)
 BUDGET_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)   # of the HBM left after weights
 INTERVALS = (512, 1024, 2048, 4096, 8192)      # ours' C and extra_buffer's chunked_prefill_size (tokens)
 INTERVAL_BUDGET_FRACTION = 1 / 8               # the budget the interval sweep runs at

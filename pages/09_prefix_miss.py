@@ -25,7 +25,7 @@ groups = c5.slider("KDA groups G", 1, 3, value=2, key=persist("p09_groups", 2, m
 part1, part2 = st.container(), st.container()
 part2.subheader("2 · A trace through capacity-limited caches")
 d1, d2, d3, d4 = part2.columns(4)
-preset = d1.selectbox("Byte sizes of", list(PRESETS), index=0, format_func=preset_title, key=persist("p09_preset", PRESETS[0], options=list(PRESETS)), bind="query-params", persist_state="session")
+preset = d1.selectbox("Byte sizes of", list(PRESETS), index=0, format_func=preset_title, key=persist("p09_preset", PRESETS[0], options=list(PRESETS), format_func=preset_title), bind="query-params", persist_state="session")
 every = d2.select_slider("Checkpoint every C / 512 blocks", [1, 2, 4, 8], value=1, key=persist("p09_every", 1, options=[1, 2, 4, 8]), bind="query-params", persist_state="session")
 tgroups = d3.slider("Groups G", 1, 4, value=1, key=persist("p09_tgroups", 1, min_value=1, max_value=4), bind="query-params", persist_state="session")
 num_requests = d4.slider("Requests (cap)", 500, 3000, step=250, value=1500, key=persist("p09_requests", 1500, min_value=500, max_value=3000), bind="query-params", persist_state="session")

@@ -7,17 +7,15 @@ from lab.real_scale import (
     BUDGET_FRACTIONS,
     EXTRA_BUFFER_CHUNK,
     EXTRA_POLICIES,
-    HARDWARE,
     INTERVAL_BUDGET_FRACTION,
-    MODELS,
     OURS_C,
     POLICIES,
-    TP_SIZES,
+    policy_title,
     policy_view,
     preset_title,
     roofline_view,
 )
-from pages._common import engine_call, num, pct, persist, show_chart, show_table, upload_parts
+from pages._common import engine_call, num, pct, persist, real_replica, show_chart, show_table, upload_parts
 
 st.title("Real scale")
 st.write(
@@ -25,13 +23,7 @@ st.write(
     "TP group. Part 1 puts Kimi Linear beside its all-MLA counterfactual (same layers and heads, every layer MLA) "
     "with the Kimi Linear report's published points. Part 2 replays a trace through the prefix caches of our "
     "engine, SGLang and vLLM, each counted in the chosen model's bytes under one memory budget per replica.")
-c1, c2, c3 = st.columns(3)
-model = c1.selectbox("Model", list(MODELS), index=list(list(MODELS)).index(MODELS[0]), format_func=preset_title, key=persist("p15_model", MODELS[0], options=list(MODELS)),
-                     persist_state="session", bind="query-params")
-hw = c2.selectbox("GPU", list(HARDWARE), index=list(list(HARDWARE)).index("H200"), key=persist("p15_gpu", "H200", options=list(HARDWARE)),
-                  persist_state="session", bind="query-params")
-tp = c3.select_slider("GPUs per replica (TP)", list(TP_SIZES), value=8, key=persist("p15_tp", 8, options=list(TP_SIZES)),
-                      persist_state="session", bind="query-params")
+model, hw, tp, _, _ = real_replica("p15", policy=False)   # only the GPUs and TP sizes the weights fit in
 
 
 @st.cache_data(show_spinner=False, max_entries=64, ttl="1h")
@@ -97,18 +89,16 @@ num_requests = d1.slider("Requests (cap)", 1000, 6000, step=500,
                          value=3000, key=persist("p15_requests", 3000, min_value=1000, max_value=6000), persist_state="session",
                          bind="query-params")
 options = list(POLICIES + EXTRA_POLICIES)
-policies = d2.multiselect("Policies", options, default=list(POLICIES), key=persist("p15_policies", list(POLICIES), options=options),
+policies = d2.multiselect("Policies", options, default=list(POLICIES), format_func=policy_title,
+                          key=persist("p15_policies", list(POLICIES), options=options, format_func=policy_title),
                           persist_state="session", bind="query-params")
 data, upload_name = upload_parts(st.file_uploader("Mooncake trace (JSONL, optional; the synthetic generator "
                                                   "otherwise)", type=["jsonl", "json"], key="p15_upload"))
-fractions = ", ".join(f"{f:g}" for f in BUDGET_FRACTIONS)
+fractions = ", ".join(f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_FRACTIONS)
 st.caption(f"Budgets per replica: {fractions} × the {view.free_gb:,.0f} GB the {tp} × {hw} HBM leaves after the "
            f"weights ({view.hbm_gb:,.0f} − {view.weights_gb:,.0f} GB), for cached KV + checkpoints + the running "
            f"request's state slots; ours at C = {OURS_C}, extra_buffer at chunked_prefill_size = {EXTRA_BUFFER_CHUNK}. "
            f"The interval sweep runs at {INTERVAL_BUDGET_FRACTION:g} × the same.")
-if view.free_gb <= 0:
-    st.warning(f"{preset_title(model)}'s weights do not fit in {tp} × {hw}: choose more or larger GPUs for the policy comparison.")
-    st.stop()
 if not policies:
     st.info("Choose at least one policy.")
     st.stop()
@@ -134,13 +124,13 @@ pv = engine_call(_policies, model, hw, tp, num_requests, data, upload_name, tupl
 if pv.note:
     st.info(pv.note)
 b = pv.budgets
-hit = go.Figure([go.Scatter(x=g.budget_gb, y=g.token_hit_ratio, mode="lines+markers", name=p) for p, g in b.groupby("policy", sort=False)])
+hit = go.Figure([go.Scatter(x=g.budget_gb, y=g.token_hit_ratio, mode="lines+markers", name=policy_title(p)) for p, g in b.groupby("policy", sort=False)])
 hit.add_trace(go.Scatter(x=[b.budget_gb.min(), b.budget_gb.max()], y=[pv.ideal_hit_ratio] * 2, mode="lines",
                          line=dict(dash="dash", color="grey"), name=f"block ideal, unlimited cache: {pv.ideal_hit_ratio:.3f}"))
 hit.update_layout(xaxis_type="log", xaxis_title="memory budget per replica (GB, log)", yaxis_title="token hit ratio (fraction)",
                   legend=dict(orientation="h", y=-0.3))
 show_chart(hit, b.assign(ideal_hit_ratio=pv.ideal_hit_ratio), key="p15_hit_chart")
-saved = go.Figure([go.Scatter(x=g.budget_gb, y=g.mean_ttft_s * 1e3, mode="lines+markers", name=p,
+saved = go.Figure([go.Scatter(x=g.budget_gb, y=g.mean_ttft_s * 1e3, mode="lines+markers", name=policy_title(p),
                               customdata=g.prefill_saved, hovertemplate="%{y:.1f} ms, saved %{customdata:.1%}")
                    for p, g in b.groupby("policy", sort=False)])
 saved.add_hline(y=pv.cold_ttft_s * 1e3, line_dash="dash", annotation_text=f"no cache: {pv.cold_ttft_s * 1e3:.1f} ms")
@@ -148,20 +138,20 @@ saved.update_layout(xaxis_type="log", xaxis_title="memory budget per replica (GB
                     yaxis_title="mean TTFT, roofline (ms)", legend=dict(orientation="h", y=-0.3))
 show_chart(saved, b[["policy", "budget_gb", "mean_ttft_s", "prefill_saved"]], key="p15_ttft_chart")
 mid = b[b.budget_gb == b.budget_gb.unique()[len(b.budget_gb.unique()) // 2]]
-kinds = go.Figure([go.Bar(x=mid.policy, y=mid[f"{k}_gb"], name=name) for k, name in
+kinds = go.Figure([go.Bar(x=mid.policy.map(policy_title), y=mid[f"{k}_gb"], name=name) for k, name in
                    (("kv", "KV pages"), ("state", "state checkpoints"), ("running", "running state slots"))])
 kinds.update_layout(barmode="stack", title=f"peak bytes held at {mid.budget_gb.iloc[0]:,.0f} GB",
                     xaxis_title="policy", yaxis_title="bytes held (GB)", legend=dict(orientation="h", y=-0.3))
 show_chart(kinds, mid[["policy", "budget_gb", "kv_gb", "state_gb", "running_gb", "states_written", "states_evicted",
                       "kv_evicted_tokens"]], key="p15_bytes_chart")
 if len(pv.intervals):
-    iv = go.Figure([go.Scatter(x=g.interval_tokens, y=g.token_hit_ratio, mode="lines+markers", name=p)
+    iv = go.Figure([go.Scatter(x=g.interval_tokens, y=g.token_hit_ratio, mode="lines+markers", name=policy_title(p))
                     for p, g in pv.intervals.groupby("policy", sort=False)])
     iv.update_layout(xaxis_type="log", title=f"at {pv.interval_budget_gb:,.0f} GB per replica",
                      xaxis_title="state interval (tokens, log): ours' C / extra_buffer's chunked_prefill_size",
                      yaxis_title="token hit ratio (fraction)", legend=dict(orientation="h", y=-0.3))
     show_chart(iv, pv.intervals, key="p15_interval_chart")
-    ivt = go.Figure([go.Scatter(x=g.interval_tokens, y=g.mean_ttft_s * 1e3, mode="lines+markers", name=p,
+    ivt = go.Figure([go.Scatter(x=g.interval_tokens, y=g.mean_ttft_s * 1e3, mode="lines+markers", name=policy_title(p),
                                 customdata=g.p99_ttft_s * 1e3, hovertemplate="mean %{y:.1f} ms, P99 %{customdata:.0f} ms")
                      for p, g in pv.intervals.groupby("policy", sort=False)])
     ivt.update_layout(xaxis_type="log", title=f"at {pv.interval_budget_gb:,.0f} GB per replica",
@@ -173,11 +163,11 @@ ch = pv.choice
 by_budget = ch[ch.interval_tokens.isna()]
 by_interval = ch[ch.interval_tokens.notna()]
 st.markdown("**What to choose on this trace.** Lowest mean TTFT per budget: " + "; ".join(
-    f"{r.budget_gb:,.0f} GB → {r.policy} ({r.mean_ttft_s * 1e3:.1f} ms, hit {r.token_hit_ratio:.3f})"
+    f"{r.budget_gb:,.0f} GB → {policy_title(r.policy)} ({r.mean_ttft_s * 1e3:.1f} ms, hit {r.token_hit_ratio:.3f})"
     for r in by_budget.itertuples()) + (". Best interval at " f"{pv.interval_budget_gb:,.0f} GB: " + "; ".join(
-    f"{r.policy} → {int(r.interval_tokens):,} tokens ({r.mean_ttft_s * 1e3:.1f} ms)" for r in by_interval.itertuples())
+    f"{policy_title(r.policy)} → {int(r.interval_tokens):,} tokens ({r.mean_ttft_s * 1e3:.1f} ms)" for r in by_interval.itertuples())
     if len(by_interval) else "") + ".")
-show_table(b.assign(mean_ttft_ms=b.mean_ttft_s * 1e3), {"policy": "Policy", "budget_gb": num("Budget / replica (GB)", "%,.0f"),
+show_table(b.assign(mean_ttft_ms=b.mean_ttft_s * 1e3, policy=b.policy.map(policy_title)), {"policy": "Policy", "budget_gb": num("Budget / replica (GB)", "%,.0f"),
                "token_hit_ratio": pct("Token hit ratio"), "mean_ttft_ms": num("Mean TTFT (ms)", "%.1f"),
                "prefill_saved": pct("Prefill saved"), "kv_gb": num("KV held (GB)", "%,.1f"),
                "state_gb": num("Checkpoints (GB)", "%,.1f"),

@@ -114,9 +114,12 @@ def _invalid(value, default, options, min_value, max_value) -> str | None:
     return None
 
 
-def _url_value_problem(raw, default, options, min_value, max_value) -> str | None:
+def _url_value_problem(raw, default, options, min_value, max_value, format_func=None) -> str | None:
     """Why the URL value ``raw`` (a string, or a list of strings for a multiselect or a range) cannot be
-    the widget's value, or None. Strings are read as the type of ``default`` (bool: true / false)."""
+    the widget's value, or None. Strings are read as the type of ``default`` (bool: true / false); with a
+    ``format_func`` the URL carries the option's label (as Streamlit writes it), not the option itself."""
+    if format_func is not None and options is not None:
+        options = [format_func(o) for o in options]
     def cast(text):
         if isinstance(default, bool):
             if str(text).lower() not in ("true", "false"):
@@ -142,7 +145,7 @@ def _url_value_problem(raw, default, options, min_value, max_value) -> str | Non
     return None
 
 
-def persist(key: str, default=None, *, options=None, min_value=None, max_value=None) -> str:
+def persist(key: str, default=None, *, options=None, min_value=None, max_value=None, format_func=None) -> str:
     """A widget key starting at ``default``; use as ``key=persist(...), persist_state="session"``.
 
     The stored session value is checked on every run against the widget's constraints: the type of
@@ -151,7 +154,8 @@ def persist(key: str, default=None, *, options=None, min_value=None, max_value=N
     session written by another version of the page) falls back to ``default`` (or, when it is None,
     to the widget's own first option) with a toast saying so. A widget bound to the URL
     (``bind="query-params"``) whose query parameter is malformed or out of range keeps its value
-    (Streamlit drops such a parameter) and a toast says the link's value was ignored.
+    (Streamlit drops such a parameter) and a toast says the link's value was ignored. Pass the widget's
+    ``format_func`` too: the URL then carries the option's label, and only a label is a valid link value.
 
     A widget bound to the URL also takes ``default`` as its own ``value=`` / ``index=`` / ``default=``:
     Streamlit drops a URL value equal to the widget's declared default, which without it would be the
@@ -163,7 +167,7 @@ def persist(key: str, default=None, *, options=None, min_value=None, max_value=N
     if key in st.query_params:
         raw = st.query_params.get_all(key)
         why = _url_value_problem(raw if len(raw) > 1 or isinstance(default, list) else raw[0], default, options,
-                                 min_value, max_value)
+                                 min_value, max_value, format_func)
         if why is not None:
             st.toast(f"The link's {key}={', '.join(raw)} is {why}; it was ignored.", icon=":material/link_off:")
     if key in state:
@@ -199,20 +203,20 @@ def real_replica(prefix: str, where=None, *, policy: bool = True, model_key: str
     from lab.fleet_simulation import (
         BUDGET_OPTIONS,
         CACHE_POLICIES,
-        CACHE_POLICY_LABELS,
         HARDWARE,
         MODELS,
         REAL_DEFAULTS,
         TP_SIZES,
     )
-    from lab.real_scale import preset_title
+    from lab.real_scale import policy_title, preset_title
     model, gpu, tp, cache_policy, budget_fraction = (REAL_DEFAULTS[x] for x in (
         "model", "gpu", "tp", "cache_policy", "budget_fraction"))
     cols = (where or st).columns(5 if policy else 3)
     shared = dict(bind="query-params", persist_state="session")
     models = list(MODELS)
     model = cols[0].selectbox("Model", models, index=models.index(model), format_func=preset_title,
-                              key=persist(model_key or f"{prefix}_model", model, options=models), **shared)
+                              key=persist(model_key or f"{prefix}_model", model, options=models,
+                                          format_func=preset_title), **shared)
     gpus = [g for g in HARDWARE if fitting_tps(model, g)]
     gpu = gpu if gpu in gpus else gpus[0]
     gpu = cols[1].selectbox("GPU", gpus, index=gpus.index(gpu), key=persist_within(f"{prefix}_gpu", gpu, gpus, HARDWARE),
@@ -227,8 +231,9 @@ def real_replica(prefix: str, where=None, *, policy: bool = True, model_key: str
     if policy:
         policies = list(CACHE_POLICIES)
         cache_policy = cols[3].selectbox("Prefix-cache policy", policies, index=policies.index(cache_policy),
-                                         format_func=lambda p: CACHE_POLICY_LABELS.get(p, p),
-                                         key=persist(f"{prefix}_cache_policy", cache_policy, options=policies), **shared)
+                                         format_func=policy_title, key=persist(f"{prefix}_cache_policy", cache_policy,
+                                                                               options=policies, format_func=policy_title),
+                                         **shared)
         budgets = [f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_OPTIONS]
         default = budgets[BUDGET_OPTIONS.index(budget_fraction)]
         budget = cols[4].select_slider("Cache budget (share of HBM left after weights)", budgets, value=default,

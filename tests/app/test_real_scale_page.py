@@ -14,7 +14,7 @@ def test_sweep_shows_ttft_against_the_interval_and_a_choice():
     _check(at, f"{PAGE} sweep")
     hit = {t["name"]: plotly_values(t["y"]) for t in chart_spec(at, "p15_interval_chart")["data"]}
     ttft = {t["name"]: plotly_values(t["y"]) for t in chart_spec(at, "p15_interval_ttft_chart")["data"]}
-    assert set(ttft) == set(hit) == {"ours", "sglang extra_buffer"}
+    assert set(ttft) == set(hit) == {"ours", "SGLang extra_buffer"}
     assert all(len(v) == 5 and min(v) > 0 for v in ttft.values())
     choice = next(m.value for m in at.markdown if m.value.startswith("**What to choose"))
     best = min(ttft["ours"])
