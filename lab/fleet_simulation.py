@@ -221,12 +221,14 @@ def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float
     and the frame only has their final replica, so loads before the removal are not known exactly).
 
     Returns one row: requests (judged), over_cap_share (fraction of them routed to a replica above the cap),
-    p99_over_mean / max_over_mean (P99 / max over requests of the replica's in-flight ÷ mean in-flight)."""
+    p99_over_mean / max_over_mean (P99 / max over requests of the replica's in-flight ÷ mean in-flight; at light
+    load a request alone in the fleet gives the replica count), p99_in_flight (P99 of the chosen replica's in-flight,
+    requests), mean_in_flight (the fleet's in-flight per serving replica at routing, mean over requests)."""
     rows = per_request[np.isfinite(per_request.admitted_ms) & np.isfinite(per_request.finish_ms)]
     events = sorted([(t, 0, r) for t, r in zip(rows.finish_ms, rows.replica)] +
                     [(t, 1, r) for t, r in zip(rows.admitted_ms, rows.replica)])   # finishes (0) first on ties
     load: dict[str, int] = {}
-    over, ratios = 0, []
+    over, ratios, chosen, means = 0, [], [], []
     for t, is_start, replica in events:
         load[replica] = load.get(replica, 0) + (1 if is_start else -1)
         if is_start and t >= from_ms:
@@ -234,7 +236,11 @@ def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float
             total = sum(load.get(r, 0) for r in serving)
             over += load[replica] > math.ceil(c * total / len(serving))
             ratios.append(load[replica] * len(serving) / max(1, total))
+            chosen.append(load[replica])
+            means.append(total / len(serving))
     judged = len(ratios)
     ratios = np.array(ratios or [float("nan")])
     return pd.DataFrame([{"requests": judged, "over_cap_share": over / max(1, judged),
-                          "p99_over_mean": float(np.percentile(ratios, 99)), "max_over_mean": float(ratios.max())}])
+                          "p99_over_mean": float(np.percentile(ratios, 99)), "max_over_mean": float(ratios.max()),
+                          "p99_in_flight": float(np.percentile(chosen or [float("nan")], 99)),
+                          "mean_in_flight": float(np.mean(means or [float("nan")]))}])

@@ -120,6 +120,12 @@ fig.update_layout(boxmode="group", xaxis_title="Class", yaxis_title="TTFT (s, lo
                   legend=dict(orientation="h", y=-0.25))
 show_chart(fig, run.per_request[["isolation", "klass", "request_id", "arrival_ms", "status", "queue_wait_ms", "ttft_ms",
                                   "e2e_ms"]], key="p13_ttft_chart")
+missing = [k for k in TOKENS if k not in ORDER]
+for k in missing:   # a class with no completed request in either run has no TTFT to draw
+    seen = run.per_request[run.per_request.klass == k].groupby("status").size()
+    st.info(f"No {CLASS_LABELS[k]} request completed in the simulated time, so it has no TTFT to show: "
+            + (f"at its steady rate of {run.rates_rps[k]:.2f} req/s none arrived." if seen.empty else
+               "its requests ended " + ", ".join(f"{status} ({n:,})" for status, n in seen.items()) + "."))
 by = summary.set_index(["isolation", "class"])
 
 

@@ -135,10 +135,11 @@ fig3 = go.Figure(go.Bar(x=inf.policy.map(DISPLAY_NAMES), y=inf.over_cap_share,
 fig3.update_layout(xaxis_title="routing policy", yaxis_tickformat=".0%", yaxis_title="routed above the load cap",
                    yaxis_range=[0, max(0.05, float(inf.over_cap_share.max())) * 1.2])
 show_chart(fig3, inf, key="p14_balance_chart")
-balance = overall.merge(inf[["policy", "over_cap_share", "p99_over_mean"]], on="policy")
+balance = overall.merge(inf[["policy", "over_cap_share", "p99_in_flight", "mean_in_flight"]], on="policy")
 show_table(_labelled(balance), {
     "policy": "Policy", "over_cap_share": pct("Routed above the cap"),
-    "p99_over_mean": num("In-flight at routing, P99 ÷ mean", "%.2f"),
+    "p99_in_flight": num("Chosen replica's in-flight, P99 (requests)", "%.0f"),
+    "mean_in_flight": num("Fleet in-flight per replica, mean", "%.2f"),
     "max_over_mean_requests": num("Requests per replica, max ÷ mean", "%.2f"),
     "throughput_rps": num("Throughput (req/s)", "%.2f")})
 st.caption(f"The load cap is bounded loads' ⌈c × fleet in-flight ÷ replicas⌉, c = {BOUND_C} (requests routed, not "

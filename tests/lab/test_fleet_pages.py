@@ -161,6 +161,9 @@ def test_in_flight_at_routing_by_hand():
     row = in_flight_at_routing(df, lambda t: frozenset({'r0', 'r1'}), c=1.25).iloc[0]
     # a: load 1, cap ceil(1.25 * 1 / 2) = 1 ok; b: load 2, cap ceil(1.25 * 2 / 2) = 2 ok; c: load 1, cap 2 ok
     assert row.over_cap_share == 0 and row.max_over_mean == pytest.approx(2 * 2 / 2)
+    # the chosen replica's in-flight at a, b, c: 1, 2, 1; the fleet's per replica: 1/2, 2/2, 2/2
+    assert row.p99_in_flight == pytest.approx(np.percentile([1, 2, 1], 99))
+    assert row.mean_in_flight == pytest.approx((0.5 + 1 + 1) / 3)
     row = in_flight_at_routing(df.assign(replica="r0"), lambda t: frozenset({'r0', 'r1'}), c=1.25).iloc[0]
     # c now lands on r0 with a: load 2 > cap ceil(1.25 * 2 / 2) = 2? no; b: 2 <= 2 -> none over at c = 1.25
     assert row.over_cap_share == 0
