@@ -6,7 +6,6 @@ Published anchors used by the pages live in :data:`ANCHORS` with their sources.
 
 from __future__ import annotations
 
-import gc
 import inspect
 import pickle
 from collections.abc import Callable, Sequence
@@ -251,8 +250,7 @@ def simulate_policies(trace: Sequence[TraceRequest], policies: Sequence[str], ba
         df.insert(0, "policy", policy)
         frames.append(df)
         summary.extend(summarize(sim, policy))
-        del sim
-        gc.collect()   # a run's caches and simpy processes form cycles: freed here, before the next run fills its own
+        del sim                    # its caches go (on_run kept what it needs) before the next run fills its own
     return pd.concat(frames, ignore_index=True), pd.DataFrame(summary)
 
 

@@ -160,6 +160,10 @@ class FleetSim:
         results = sorted((j.result() for j in self.jobs), key=lambda r: r.request_id)
         caches = ({n: r.policy_cache for n, r in self.replicas.items()} if self.cfg.cache_factory is not None
                   else None)
+        for replica in self.replicas.values():
+            # the run's objects form reference cycles (simpy processes, replica <-> fleet) that only a full garbage
+            # collection frees; the caches, its largest part, leave them so they go with the result
+            replica.policy_cache = replica.cache = None
         return FleetSimResult(results, self.admissions, self.cfg, caches)
 
     def check_integrity(self) -> None:

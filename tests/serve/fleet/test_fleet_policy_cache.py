@@ -168,3 +168,23 @@ def test_replica_reports_hit_then_kv_to_the_precise_routers():
                                                  router="precise_kv")).replicas["replica-0"]
     lru.cache.insert(first.hash_ids)
     assert lru.prefix_tokens(second) == (512, 512)
+
+
+def test_a_runs_caches_go_with_its_result():
+    """A run's objects form reference cycles (suspended simpy processes, replica <-> fleet) that only a full garbage
+    collection frees; the replica caches, the run's largest part, must not wait for it: they go when the result
+    goes (with the collector off, as between two of a page's runs)."""
+    import gc
+    import weakref
+    requests = [FleetRequest(i, float(i), 3 * 512, 4, (i % 3, 7, i)) for i in range(12)]
+    cfg = FleetConfig(service=RooflineService(KIMI, "H200", 8), num_replicas=2, router="ring",
+                      cache_factory=lambda: PolicyReplicaCache(OursPolicy(KIMI, 1024, tp_size=8), 1e15))
+    gc.disable()
+    try:
+        sim = simulate(requests, cfg)
+        refs = [weakref.ref(c) for c in sim.replica_caches.values()]
+        assert all(r() is not None for r in refs) and sum(r().peak_bytes["kv"] for r in refs) > 0   # they cached
+        del sim
+        assert all(r() is None for r in refs), "a replica cache outlived its run's result"
+    finally:
+        gc.enable()
