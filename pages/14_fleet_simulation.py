@@ -97,7 +97,7 @@ def _labelled(df):
 overall = summary[summary["class"] == "all"]
 st.subheader("1 · Prefix-cache hit ratio per policy")
 fig = go.Figure(go.Bar(x=overall.policy.map(DISPLAY_NAMES), y=overall.hit_ratio, name="measured here",
-                       text=[f"{v:.1%}" for v in overall.hit_ratio], textposition="outside"))
+                       text=[f"{v:.1%}" for v in overall.hit_ratio], textposition="inside", insidetextanchor="end"))   # clear of the ideal line above
 fig.add_hline(y=ideal, line_dash="dash", annotation_text=f"ideal (one infinite shared cache) {ideal:.1%}")
 fig.update_layout(xaxis_title="routing policy", yaxis_title="token hit ratio (cached ÷ prompt tokens)",
                   yaxis_tickformat=".0%", yaxis_range=[0, max(ideal, overall.hit_ratio.max(), 0.05) * 1.15])
