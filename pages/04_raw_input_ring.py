@@ -131,7 +131,7 @@ fig4.add_trace(go.Scatter(x=wb.step, y=wb.slots_in_use, mode="markers", marker=d
                           name="forced write-back before this verify"))
 fig4.add_hline(y=capacity, line_dash="dot", annotation_text="capacity")
 fig4.update_layout(xaxis_title="speculative step", yaxis_title="ring slots in use (tokens)", yaxis_rangemode="tozero",
-                   yaxis_tickformat="d",
+                   yaxis_tickformat="d", yaxis_dtick=max(1, capacity // 4),   # whole slots: no repeated rounded ticks
                    legend=dict(orientation="h", y=-0.3))
 show_chart(fig4, sdf, key="p04_occupancy_chart")
 if run.overflow.startswith("ValueError"):

@@ -134,7 +134,7 @@ with st.expander("How the gather is timed"):
 
 st.subheader("4 · Bytes saved by sharing a prefix")
 if prefix + unique == 0:
-    st.error("Shared prefix + unique tail must be at least 1 token: move either slider above 0.")
+    st.info("Shared prefix + unique tail is 0 tokens: there is nothing to page. Move either slider above 0.")
 else:
     sdf = r.sharing
     fig4 = go.Figure()

@@ -105,10 +105,10 @@ with part2:
         {"figure": "Mooncake FAST'25, Table 2 “cache ratio”", "trace": f"{t} trace (kvcache-ai/Mooncake)",
          "ratio": r, "what it counts": "not defined in the paper"} for t, r in run.paper_ratios.items()] + [
         {"figure": "block ideal, computed now", "trace": trace_name, "ratio": ideal.block_hit_ratio,
-         "what it counts": f"hash ids in a request's leading run seen before / all ids "
-                           f"({ideal.hit_blocks:,} / {ideal.total_blocks:,})"},
+         "what it counts": f"leading-run hash ids seen before / all ({ideal.hit_blocks:,} / "
+                           f"{ideal.total_blocks:,})"},
         {"figure": "token ideal, computed now", "trace": trace_name, "ratio": ideal.token_hit_ratio,
-         "what it counts": f"their tokens / all prompt tokens ({ideal.hit_tokens:,} / {ideal.total_tokens:,})"}]),
+         "what it counts": f"their tokens / all ({ideal.hit_tokens:,} / {ideal.total_tokens:,})"}]),
         {"figure": "Figure", "trace": "Trace", "ratio": pct("Ratio"), "what it counts": "What it counts"})
     st.caption("The paper's cache ratio and our block ideal are different counts: upload the paper's "
                "`conversation_trace.jsonl` or `synthetic_trace.jsonl` (kvcache-ai/Mooncake, `FAST25-release/traces`) "
@@ -133,7 +133,7 @@ with part2:
                        range=[0, 1.1 * max(tr_free.token_hit_ratio.max(), tr_cap.token_hit_ratio.max())])
     trade.update_layout(legend=dict(orientation="h", y=-0.3))
     show_chart(trade, pd.concat([tr_free.assign(cache="unlimited"), tr_cap.assign(cache="limited")]), key="p09_interval_chart")
-    st.caption(f"{n:,} requests. What to notice: a {preset} checkpoint costs far more than a KV block, so at a fixed "
+    st.caption(f"{n:,} requests. What to notice: a {preset_title(preset)} checkpoint costs far more than a KV block, so at a fixed "
                "capacity a larger C holds more blocks and can hit more, while unlimited it only loses the interior "
                "boundaries.")
     with st.expander("Miss causes and the two ideals"):

@@ -245,10 +245,12 @@ def real_replica(prefix: str, where=None, *, policy: bool = True, model_key: str
 def persist_clamped(key: str, default: int, lo: int, hi: int) -> str:
     """:func:`persist` for a slider whose upper bound ``hi`` depends on another widget: a stored value
     above ``hi`` is lowered to ``hi`` (the dependent widgets constrain each other instead of failing);
-    an invalid value falls back to ``default`` as in :func:`persist`. Returns key."""
-    persist(key, default, min_value=lo)
-    st.session_state[key] = min(st.session_state[key], hi)
-    return key
+    an invalid value falls back to ``default`` as in :func:`persist`, and a link's value outside [lo, hi] is
+    ignored with its notice. Returns key."""
+    stored = st.session_state.get(key)
+    if type(stored) is type(default) and stored > hi:      # the other widget lowered the bound: follow it silently
+        st.session_state[key] = hi
+    return persist(key, min(default, hi), min_value=lo, max_value=hi)
 
 
 def _log_data_range(fig: go.Figure, axis) -> tuple[float, float] | None:

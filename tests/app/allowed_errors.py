@@ -5,9 +5,6 @@ import re
 
 # (page, regex matched against the st.error text, reason it is intentional)
 ALLOWED_ERRORS: list[tuple[str, str, str]] = [
-    ("pages/06_mla_paging.py", r"^Shared prefix \+ unique tail must be at least 1 token: move either slider above 0\.$",
-     "an empty request cannot be paged; the page says which sliders to move (only with both at 0, which the "
-     "one-slider-at-a-time sweep does not reach; test_pool_pages checks the text)"),
 ]
 
 

@@ -168,3 +168,17 @@ def test_query_params(tab) -> None:
         for key in params:                                  # the short notice: the link's value was ignored
             if key in got:
                 assert f"link's {key}=" in notices, f"{path}: no notice for ?{key}={params[key]}: {notices!r}"
+
+
+@pytest.mark.parametrize(("path", "params", "key"), [
+    ("pages/04_raw_input_ring.py", {"p04_window": "99"}, "p04_window"),
+    ("pages/04_raw_input_ring.py", {"p04_window": "0"}, "p04_window"),
+    ("pages/02_verify_and_replay.py", {"p02_mode": "interrupted", "p02_abort_tokens": "99"}, "p02_abort_tokens"),
+    ("pages/10_kcp.py", {"p10_world": "64"}, "p10_world"),
+])
+def test_a_dependent_sliders_link_value_out_of_its_bounds_is_reported(path, params, key):
+    """A slider whose upper bound follows another widget (persist_clamped) reports a link's value outside its
+    current bounds, naming both bounds, instead of dropping it silently (or printing "None" for the bound)."""
+    at = _open(path, params)
+    notices = [t.value for t in at.toast if f"link's {key}=" in t.value]
+    assert notices and "outside [1, " in notices[0] and "None" not in notices[0], [t.value for t in at.toast]
