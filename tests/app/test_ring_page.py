@@ -37,3 +37,11 @@ def test_window_slider_is_bounded_by_capacity():
     at.slider(key="p04_capacity").set_value(1).run()
     assert not at.exception and not at.error
     assert not [s for s in at.slider if s.key == "p04_window"]
+
+
+def test_timings_say_what_they_timed_when_the_ring_refuses_n():
+    """With one slot the ring of section 4 refuses a verify of n = 4 drafts; section 3's commit timings (rings sized
+    for n) say so instead of reading as a contradiction; at the defaults the note is absent."""
+    note = "(Timed on rings large enough for n = 4: section 4's ring of 1 slot(s) refuses such a verify.)"
+    assert any(m.value.startswith(note) for m in open_page(PAGE, p04_capacity=1).markdown)
+    assert not any("Timed on rings" in m.value for m in open_page(PAGE).markdown)
