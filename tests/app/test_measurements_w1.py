@@ -109,3 +109,12 @@ def test_query_params_set_the_view(page, params, want):
 
 def _metric_value(at: AppTest, label: str) -> str:
     return next(m.value for m in at.metric if m.label == label)
+
+
+def test_p08_no_hit_reads_no_hit_not_a_reduction():
+    """With no shared prefix the warm run prefills every token (hit b = 0): the cold/warm TTFT difference is noise,
+    so the headline says "no hit" instead of a (possibly negative) reduction; with a hit it is a percentage."""
+    from tests.app.page_helpers import open_page
+    first = {m.label: m.value for m in open_page("pages/08_prefix_hit.py", p08_shared=0).metric}
+    assert first["TTFT reduction (median)"] == "no hit" and first["Prefill tokens skipped"].startswith("0 of")
+    assert open_page("pages/08_prefix_hit.py").metric[0].value.endswith("%")
