@@ -2,7 +2,7 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from pages._common import engine_call, measured_stamp, persist, remeasure_button, show_chart
+from pages._common import engine_call, measured_stamp, remeasure_button, show_chart, url_widget
 from pages._registry import SECTIONS, TABS
 
 st.title("KDA Serve Lab — what the second request saves")
@@ -22,21 +22,12 @@ FIRST, SECOND = SYSTEM + "User: How big is a KDA state?", SYSTEM + "User: Why mu
 TOL_TEXT = f"{LOGIT_TOL:.0e}".replace("e-0", "e-")  # 1e-5
 MAX_PROMPT_BYTES = 2_000  # = tokens (byte-level model): bounds the prefills below
 c1, c2 = st.columns(2)
-# Each default is given twice: to persist() (the session's fallback) and as value= (the widget's declared
-# default): with bind="query-params" Streamlit drops a URL value equal to the declared default, which
-# without value= is the minimum / first option, so a link asking for it would show the page default.
-first = c1.text_area("Request 1 (fills the cache)", value=FIRST, key=persist("p00_first", FIRST),
-                     persist_state="session", bind="query-params", height=170, max_chars=MAX_PROMPT_BYTES)
-second = c2.text_area("Request 2 (cold vs warm)", height=170, max_chars=MAX_PROMPT_BYTES, bind="query-params",
-                      value=SECOND, key=persist("p00_second", SECOND),
-                      persist_state="session")
+first = url_widget(c1.text_area, "Request 1 (fills the cache)", "p00_first", FIRST, height=170, max_chars=MAX_PROMPT_BYTES)
+second = url_widget(c2.text_area, "Request 2 (cold vs warm)", "p00_second", SECOND, height=170, max_chars=MAX_PROMPT_BYTES)
 d1, d2, d3 = st.columns(3)
-max_new = d1.slider("Tokens to generate", 1, 16, value=4, key=persist("p00_new", 4, min_value=1, max_value=16),
-                    persist_state="session", bind="query-params")
-block = d2.select_slider("Block size N (tokens)", [8, 16, 32, 64], value=16, key=persist("p00_block", 16, options=[8, 16, 32, 64]),
-                         persist_state="session", bind="query-params")
-interval = d3.select_slider("Checkpoint interval C (tokens)", [64, 128, 256, 512], persist_state="session",
-                            value=64, key=persist("p00_interval_c", 64, options=[64, 128, 256, 512]), bind="query-params")
+max_new = url_widget(d1.slider, "Tokens to generate", "p00_new", 4, 1, 16)
+block = url_widget(d2.select_slider, "Block size N (tokens)", "p00_block", 16, [8, 16, 32, 64])
+interval = url_widget(d3.select_slider, "Checkpoint interval C (tokens)", "p00_interval_c", 64, [64, 128, 256, 512])
 sizes = {name: len(prompt.encode()) for name, prompt in (("Request 1", first), ("Request 2", second))}
 st.caption(f"Each prompt is capped at {MAX_PROMPT_BYTES:,} bytes (bytes are tokens; in UTF-8 an accent takes 2 bytes, "
            "an emoji 4): the page runs one verified cold / warm pair (and, on request, times both over repeats); the cap bounds "

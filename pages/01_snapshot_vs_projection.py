@@ -6,7 +6,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from lab.rollback import DTYPES, LAYER_PRESETS, preset_title, rollback_page
-from pages._common import engine_call, num, pct, persist, show_chart, show_table
+from pages._common import engine_call, num, pct, show_chart, show_table, url_widget
 
 st.title("Snapshot vs projection bytes")
 st.write(
@@ -18,18 +18,15 @@ st.write(
     "with `nbytes()` from the buffers each strategy filled after a real one-layer verify run now on this CPU.")
 
 c1, c2, c3 = st.columns(3)
-preset = c1.selectbox("Layer size", [*LAYER_PRESETS, "Custom"],
-                      index=list([*LAYER_PRESETS, "Custom"]).index(list(LAYER_PRESETS)[2]), key=persist("p01_preset", list(LAYER_PRESETS)[2], options=[*LAYER_PRESETS, "Custom"]), persist_state="session", bind="query-params")
-num_draft = c2.slider("Draft length n (verify = 1 + n tokens)", 1, 16,
-                      value=4, key=persist("p01_draft", 4, min_value=1, max_value=16), persist_state="session", bind="query-params")
-dtype_name = c3.selectbox("Stored dtype s", list(DTYPES), index=list(list(DTYPES)).index("fp32"), key=persist("p01_dtype", "fp32", options=list(DTYPES)), persist_state="session", bind="query-params")
+preset = url_widget(c1.selectbox, "Layer size", "p01_preset", list(LAYER_PRESETS)[2], [*LAYER_PRESETS, "Custom"])
+num_draft = url_widget(c2.slider, "Draft length n (verify = 1 + n tokens)", "p01_draft", 4, 1, 16)
+dtype_name = url_widget(c3.selectbox, "Stored dtype s", "p01_dtype", "fp32", list(DTYPES))
 if preset == "Custom":
     d1, d2, d3, d4 = st.columns(4)
-    heads = d1.slider("Heads H", 1, 96, value=8, key=persist("p01_heads", 8, min_value=1, max_value=96), persist_state="session", bind="query-params")
-    k_dim = d2.select_slider("Key dim K", [16, 32, 64, 128], value=64, key=persist("p01_k", 64, options=[16, 32, 64, 128]), persist_state="session", bind="query-params")
-    v_dim = d3.select_slider("Value dim V", [16, 32, 64, 128], value=64, key=persist("p01_v", 64, options=[16, 32, 64, 128]), persist_state="session", bind="query-params")
-    width = d4.select_slider("Layer input width d", [64, 256, 1024, 2304, 4096, 7168],
-                             value=1024, key=persist("p01_d", 1024, options=[64, 256, 1024, 2304, 4096, 7168]), persist_state="session", bind="query-params")
+    heads = url_widget(d1.slider, "Heads H", "p01_heads", 8, 1, 96)
+    k_dim = url_widget(d2.select_slider, "Key dim K", "p01_k", 64, [16, 32, 64, 128])
+    v_dim = url_widget(d3.select_slider, "Value dim V", "p01_v", 64, [16, 32, 64, 128])
+    width = url_widget(d4.select_slider, "Layer input width d", "p01_d", 1024, [64, 256, 1024, 2304, 4096, 7168])
     shape = (heads, k_dim, v_dim, 4, width)
 else:
     shape = tuple(LAYER_PRESETS[preset])

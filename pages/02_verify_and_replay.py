@@ -9,10 +9,9 @@ from lab.verify import MODES, STRATEGIES, run_verify_lab
 from pages._common import (
     built_by_loaded_code,
     engine_call,
-    persist,
-    persist_clamped,
     remeasure_button,
     show_chart,
+    url_widget,
 )
 
 st.title("verify_and_replay")
@@ -24,34 +23,30 @@ st.write(
     "decoding of the same tokens: the difference must be exactly zero.")
 
 c1, c2, c3, c4, c5 = st.columns(5)
-mode = c1.selectbox("Mode", list(MODES), index=list(list(MODES)).index(MODES[0]), key=persist("p02_mode", MODES[0], options=list(MODES)), persist_state="session", bind="query-params")
-strategy = c2.selectbox("Strategy", list(STRATEGIES),
-                        index=list(list(STRATEGIES)).index(STRATEGIES[1]), key=persist("p02_strategy", STRATEGIES[1], options=list(STRATEGIES)), persist_state="session", bind="query-params")
-num_draft = c3.slider("Draft length n", 1, 8, value=4, key=persist("p02_draft", 4, min_value=1, max_value=8), persist_state="session", bind="query-params")
-acceptance = c4.slider("Draft correctness p (per draft token)", 0.0, 1.0, step=0.05,
-                       help="The noisy oracle drafts the right token with probability p, each draft independently. "
-                            "Counted below: accepted drafts, the prefix up to the first wrong one.",
-                       value=0.7, key=persist("p02_accept", 0.7, min_value=0.0, max_value=1.0), persist_state="session", bind="query-params")
-seed = c5.slider("Seed", 0, 20, value=0, key=persist("p02_seed", 0, min_value=0, max_value=20), persist_state="session", bind="query-params")
+mode = url_widget(c1.selectbox, "Mode", "p02_mode", MODES[0], list(MODES))
+strategy = url_widget(c2.selectbox, "Strategy", "p02_strategy", STRATEGIES[1], list(STRATEGIES))
+num_draft = url_widget(c3.slider, "Draft length n", "p02_draft", 4, 1, 8)
+acceptance = url_widget(c4.slider, "Draft correctness p (per draft token)", "p02_accept", 0.7, 0.0, 1.0, step=0.05,
+                        help="The noisy oracle drafts the right token with probability p, each draft independently. "
+                             "Counted below: accepted drafts, the prefix up to the first wrong one.")
+seed = url_widget(c5.slider, "Seed", "p02_seed", 0, 0, 20)
 
 
 abort_layers, abort_tokens, corrupt_at, poison = None, 1, 1, False
 if mode == "interrupted":
     e1, e2 = st.columns(2)
-    layers = e1.slider("Abort the first verify after this many layers (8 = all)", 0, 8,
-                       value=3, key=persist("p02_abort_layers", 3, min_value=0, max_value=8), persist_state="session", bind="query-params")
-    abort_tokens = e2.slider("…having fed this many verify tokens", 1, num_draft + 1,
-                             value=min(2, num_draft + 1), key=persist_clamped("p02_abort_tokens", 2, 1, num_draft + 1), persist_state="session", bind="query-params")
+    layers = url_widget(e1.slider, "Abort the first verify after this many layers (8 = all)", "p02_abort_layers", 3, 0, 8)
+    abort_tokens = url_widget(e2.slider, "…having fed this many verify tokens", "p02_abort_tokens", 2, 1, num_draft + 1,
+                              clamp=True)
     abort_layers = None if layers == 8 else layers
 elif mode == "injected deviation":
     e1, e2 = st.columns(2)
     if num_draft > 1:
-        corrupt_at = e1.slider("Corrupt the draft at position", 1, num_draft,
-                               value=min(2, num_draft), key=persist_clamped("p02_corrupt_at", 2, 1, num_draft), persist_state="session", bind="query-params")
+        corrupt_at = url_widget(e1.slider, "Corrupt the draft at position", "p02_corrupt_at", 2, 1, num_draft, clamp=True)
     else:  # one draft: the only position to corrupt
         e1.caption("Corrupt the draft at position 1 (the only draft)")
-    poison = e2.checkbox("Also overwrite the stored data of rejected tokens with NaN (control)",
-                         value=True, key=persist("p02_poison", True), persist_state="session", bind="query-params")
+    poison = url_widget(e2.checkbox, "Also overwrite the stored data of rejected tokens with NaN (control)", "p02_poison",
+                        True)
 
 
 @st.cache_resource(validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload

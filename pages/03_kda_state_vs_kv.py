@@ -5,7 +5,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from lab.state_vs_kv import CONTEXTS, KV_DTYPES, MEASURE_REPEATS, MEASURED_CONTEXTS, MODELS, STATE_DTYPES, state_vs_kv
-from pages._common import engine_call, measured_stamp, num, persist, remeasure_button, show_chart, show_table
+from pages._common import engine_call, measured_stamp, num, remeasure_button, show_chart, show_table, url_widget
 
 st.title("KDA state vs KV cache")
 st.write(
@@ -14,29 +14,23 @@ st.write(
     "per MLA layer. Below: exact byte counts for the real configs, then decode cost measured live on this CPU.")
 
 c1, c2, c3 = st.columns(3)
-# Each default is given twice: to persist() (the session's fallback) and as value= (the widget's declared
-# default): with bind="query-params" Streamlit drops a URL value equal to the declared default, which
-# without value= is the minimum / first option, so a link asking for it would show the page default.
-URL = dict(persist_state="session", bind="query-params")   # the view's parameters: kept per session and in the URL
-preset = MODELS[c1.selectbox("Model", list(MODELS), key=persist("p03_preset", options=list(MODELS)), **URL)]
-state_dt = c2.selectbox("KDA state dtype", list(STATE_DTYPES), key=persist("p03_state_dtype", options=list(STATE_DTYPES)), **URL)
-kv_dt = c3.selectbox("MLA KV dtype", list(KV_DTYPES), key=persist("p03_kv_dtype", options=list(KV_DTYPES)), **URL)
+preset = MODELS[url_widget(c1.selectbox, "Model", "p03_preset", next(iter(MODELS)), list(MODELS))]
+state_dt = url_widget(c2.selectbox, "KDA state dtype", "p03_state_dtype", next(iter(STATE_DTYPES)), list(STATE_DTYPES))
+kv_dt = url_widget(c3.selectbox, "MLA KV dtype", "p03_kv_dtype", next(iter(KV_DTYPES)), list(KV_DTYPES))
 custom = None
 if preset == "custom":
     d1, d2, d3, d4 = st.columns(4)
-    custom = (d1.slider("Layers", 4, 128, value=48, key=persist("p03_layers", 48, min_value=4, max_value=128), **URL),
-              d2.slider("KDA layers per MLA layer", 0, 7, value=3, key=persist("p03_ratio", 3, min_value=0, max_value=7), **URL),
-              d3.slider("KDA heads", 1, 128, value=32, key=persist("p03_heads", 32, min_value=1, max_value=128), **URL),
-              d4.select_slider("Head dim", [32, 64, 128, 256], value=128, key=persist("p03_head_dim", 128, options=[32, 64, 128, 256]), **URL))
-lo, hi = st.select_slider("Context range (tokens)", options=list(CONTEXTS), value=(1024, 2 ** 20),
-                         key=persist("p03_context", (1024, 2 ** 20), options=list(CONTEXTS)), **URL)
+    custom = (url_widget(d1.slider, "Layers", "p03_layers", 48, 4, 128),
+              url_widget(d2.slider, "KDA layers per MLA layer", "p03_ratio", 3, 0, 7),
+              url_widget(d3.slider, "KDA heads", "p03_heads", 32, 1, 128),
+              url_widget(d4.select_slider, "Head dim", "p03_head_dim", 128, [32, 64, 128, 256]))
+lo, hi = url_widget(st.select_slider, "Context range (tokens)", "p03_context", (1024, 2 ** 20), list(CONTEXTS))
 part1, part2 = st.container(), st.container()
 part2.subheader("2 · Decode cost per token, measured on this CPU")
 e1, e2 = part2.columns(2)
-heads_meas = e1.slider("Heads in the measurement (scaled down from the model)", 1, 16,
-                       value=4, key=persist("p03_meas_heads", 4, min_value=1, max_value=16), **URL)
-max_meas = e2.select_slider("Largest measured context (tokens)", options=list(MEASURED_CONTEXTS),
-                            value=16384, key=persist("p03_meas_max", 16384, options=list(MEASURED_CONTEXTS)), **URL)
+heads_meas = url_widget(e1.slider, "Heads in the measurement (scaled down from the model)", "p03_meas_heads", 4, 1, 16)
+max_meas = url_widget(e2.select_slider, "Largest measured context (tokens)", "p03_meas_max", 16384,
+                      list(MEASURED_CONTEXTS))
 
 
 @st.cache_data(show_spinner="Measuring on this CPU…", max_entries=32, ttl="1h")
@@ -77,8 +71,7 @@ with part1:
             "calculators did before fixing it (LMCache PR #4278; inference-sim issue #1635, Kimi K3).")
 
     with st.expander("Per-layer table"):
-        n_table = st.select_slider("Context for the table (tokens)", options=list(CONTEXTS),
-                                   value=131072, key=persist("p03_table_ctx", 131072, options=list(CONTEXTS)), **URL)
+        n_table = url_widget(st.select_slider, "Context for the table (tokens)", "p03_table_ctx", 131072, list(CONTEXTS))
         tdf = run.layers[run.layers.context_tokens == n_table].drop(columns="context_tokens")
         show_table(tdf, {"layer": num("Layer", "%d"), "kind": "Kind", "bytes_per_token": num("Per token (B)"),
                          "fixed_bytes": num("Fixed state (B)"),

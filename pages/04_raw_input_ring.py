@@ -10,11 +10,10 @@ from pages._common import (
     measured_stamp,
     num,
     pct,
-    persist,
-    persist_clamped,
     remeasure_button,
     show_chart,
     show_table,
+    url_widget,
 )
 
 st.title("RawInputRing")
@@ -27,16 +26,15 @@ st.write(
     f"({DEMO.num_kda_layers} KDA + {DEMO.num_mla_layers} MLA layers) at the chosen width.")
 
 c1, c2, c3, c4 = st.columns(4)
-capacity = c2.slider("Ring capacity (slots)", 1, 32, value=16, key=persist("p04_capacity", 16, min_value=1, max_value=32), persist_state="session", bind="query-params")
+capacity = url_widget(c2.slider, "Ring capacity (slots)", "p04_capacity", 16, 1, 32)
 if capacity > 1:
-    window = c1.slider("Rollback window (verify tokens, ≤ capacity)", 1, min(16, capacity),
-                       value=min(6, capacity), key=persist_clamped("p04_window", 6, 1, min(16, capacity)), persist_state="session", bind="query-params")
+    window = url_widget(c1.slider, "Rollback window (verify tokens, ≤ capacity)", "p04_window", 6, 1, min(16, capacity),
+                        clamp=True)
 else:  # a one-slot ring rolls back one verify token at most
     window = 1
     c1.caption("Rollback window: 1 verify token (a 1-slot ring holds no more)")
-num_draft = c3.slider("Draft length n", 1, 16, value=4, key=persist("p04_draft", 4, min_value=1, max_value=16), persist_state="session", bind="query-params")
-width = c4.select_slider("Model width d (H = d / 32 heads)", list(WIDTHS),
-                         value=128, key=persist("p04_width", 128, options=list(WIDTHS)), persist_state="session", bind="query-params")
+num_draft = url_widget(c3.slider, "Draft length n", "p04_draft", 4, 1, 16)
+width = url_widget(c4.select_slider, "Model width d (H = d / 32 heads)", "p04_width", 128, list(WIDTHS))
 
 
 @st.cache_resource(validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload

@@ -11,10 +11,10 @@ from pages._common import (
     measured_stamp,
     num,
     pct,
-    persist,
     remeasure_button,
     show_chart,
     show_table,
+    url_widget,
 )
 
 st.title("Unified page pool")
@@ -27,17 +27,14 @@ st.write(
 
 POLICY = {"multi-page state": "multi_page", "unified page size": "unified"}
 c1, c2, c3 = st.columns(3)
-pool_mib = c1.slider("Pool size (MiB)", 4, 128, value=32, key=persist("p05_pool_mib", 32, min_value=4, max_value=128), bind="query-params", persist_state="session")
-policy = POLICY[c2.selectbox("Page-size policy", list(POLICY),
-                             index=list(POLICY).index("multi-page state"), key=persist("p05_policy", "multi-page state", options=list(POLICY)), bind="query-params", persist_state="session")]
-arrival = c3.selectbox("Arrival pattern", ["steady", "bursty"],
-                       index=0, key=persist("p05_arrival", "steady", options=["steady", "bursty"]), bind="query-params", persist_state="session")
+pool_mib = url_widget(c1.slider, "Pool size (MiB)", "p05_pool_mib", 32, 4, 128)
+policy = POLICY[url_widget(c2.selectbox, "Page-size policy", "p05_policy", "multi-page state", list(POLICY))]
+arrival = url_widget(c3.selectbox, "Arrival pattern", "p05_arrival", "steady", ["steady", "bursty"])
 d1, d2, d3, d4 = st.columns(4)
-long_share = d1.slider("Long requests, first half (share)", 0.0, 1.0, step=0.05,
-                       value=0.1, key=persist("p05_long_share", 0.1, min_value=0.0, max_value=1.0), bind="query-params", persist_state="session")
-groups = d2.slider("KDA groups G", 1, 6, value=1, key=persist("p05_groups", 1, min_value=1, max_value=6), bind="query-params", persist_state="session")
-seed = d3.number_input("Seed", 0, 9999, value=0, key=persist("p05_seed", 0, min_value=0, max_value=9999), bind="query-params", persist_state="session")
-step = d4.slider("Grid at step", 0, 199, value=60, key=persist("p05_step", 60, min_value=0, max_value=199), bind="query-params", persist_state="session")
+long_share = url_widget(d1.slider, "Long requests, first half (share)", "p05_long_share", 0.1, 0.0, 1.0, step=0.05)
+groups = url_widget(d2.slider, "KDA groups G", "p05_groups", 1, 1, 6)
+seed = url_widget(d3.number_input, "Seed", "p05_seed", 0, 0, 9999)
+step = url_widget(d4.slider, "Grid at step", "p05_step", 60, 0, 199)
 
 
 @st.cache_data(show_spinner="Running the request stream on the pool…", max_entries=16, ttl="1h")

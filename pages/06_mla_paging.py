@@ -4,7 +4,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from lab.mla_paging import DEMO_LATENT, DEMO_LAYERS, GATHER_REPEATS, KIMI, gather_grid, page06
-from pages._common import engine_call, measured_stamp, persist, remeasure_button, show_chart
+from pages._common import engine_call, measured_stamp, remeasure_button, show_chart, url_widget
 
 st.title("MLA paging")
 st.write(
@@ -17,22 +17,19 @@ st.write(
 BLOCKS = [1, 2, 4, 8, 16, 32, 64]
 st.subheader("1 · A request's page table (logical block → physical page)")
 c1, c2, c3, c4 = st.columns(4)
-bs = c1.select_slider("Block size N (tokens)", BLOCKS, value=16, key=persist("p06_block_size", 16, options=BLOCKS), bind="query-params", persist_state="session")
-tokens_a = c2.slider("Request A (tokens)", 8, 256, value=100, key=persist("p06_tokens_a", 100, min_value=8, max_value=256), bind="query-params", persist_state="session")
-shared_pct = c3.slider("B shares A's first (%)", 0, 100, value=50, key=persist("p06_shared_pct", 50, min_value=0, max_value=100), bind="query-params", persist_state="session")
-own_b = c4.slider("B's own tokens", 0, 128, value=30, key=persist("p06_own_b", 30, min_value=0, max_value=128), bind="query-params", persist_state="session")
+bs = url_widget(c1.select_slider, "Block size N (tokens)", "p06_block_size", 16, BLOCKS)
+tokens_a = url_widget(c2.slider, "Request A (tokens)", "p06_tokens_a", 100, 8, 256)
+shared_pct = url_widget(c3.slider, "B shares A's first (%)", "p06_shared_pct", 50, 0, 100)
+own_b = url_widget(c4.slider, "B's own tokens", "p06_own_b", 30, 0, 128)
 
 
 shared_tokens = tokens_a * shared_pct // 100
 st.caption("Settings of sections 3 (gather measurement) and 4 (prefix sharing):")
 e1, e2, e3, e4 = st.columns(4)
-max_ctx = e1.select_slider("Longest context measured (tokens)", [1024, 4096, 16384],
-                           value=1024, key=persist("p06_max_ctx", 1024, options=[1024, 4096, 16384]), bind="query-params", persist_state="session")
-n_req = e2.slider("Requests sharing the prefix", 1, 64, value=16, key=persist("p06_requests", 16, min_value=1, max_value=64), bind="query-params", persist_state="session")
-prefix = e3.slider("Shared prefix (tokens)", 0, 8192, step=64, value=2048, key=persist("p06_prefix", 2048, min_value=0, max_value=8192), bind="query-params", persist_state="session")
-unique = e4.slider("Unique tail per request (tokens)", 0, 2048, step=16,
-                   value=128, key=persist("p06_unique", 128, min_value=0, max_value=2048), bind="query-params", persist_state="session")
-
+max_ctx = url_widget(e1.select_slider, "Longest context measured (tokens)", "p06_max_ctx", 1024, [1024, 4096, 16384])
+n_req = url_widget(e2.slider, "Requests sharing the prefix", "p06_requests", 16, 1, 64)
+prefix = url_widget(e3.slider, "Shared prefix (tokens)", "p06_prefix", 2048, 0, 8192, step=64)
+unique = url_widget(e4.slider, "Unique tail per request (tokens)", "p06_unique", 128, 0, 2048, step=16)
 
 @st.cache_data(show_spinner="Building page tables…", max_entries=16, ttl="1h")
 def _run(bs, tokens_a, shared, own_b, n_req, prefix, unique):

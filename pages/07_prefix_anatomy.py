@@ -3,7 +3,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from lab.prefix_anatomy import anatomy_view
-from pages._common import engine_call, num, persist, show_chart, show_table
+from pages._common import engine_call, num, show_chart, show_table, url_widget
 
 st.title("Prefix cache anatomy")
 st.write(
@@ -16,11 +16,11 @@ st.write(
 DEFAULT = ("System: you are a terse assistant for inference engineers; always give units.\n"
            "System: you are a terse assistant for inference engineers; always give units. User: size of a KV block?\n"
            "System: you are a terse assistant for inference engineers; always give units. User: size of a KDA state?")
-text = st.text_area("Prompts, one per line (the last one is looked up)", value=DEFAULT, key=persist("p07_prompts", DEFAULT), bind="query-params", persist_state="session", height=110)
+text = url_widget(st.text_area, "Prompts, one per line (the last one is looked up)", "p07_prompts", DEFAULT, height=110)
 c1, c2, c3 = st.columns(3)
-block = c1.select_slider("Block size N (tokens)", [4, 8, 16, 32], value=16, key=persist("p07_block", 16, options=[4, 8, 16, 32]), bind="query-params", persist_state="session")
-every = c2.select_slider("Checkpoint every C / N blocks", [1, 2, 4], value=2, key=persist("p07_every", 2, options=[1, 2, 4]), bind="query-params", persist_state="session")
-groups = c3.slider("KDA groups G", 1, 4, value=2, key=persist("p07_groups", 2, min_value=1, max_value=4), bind="query-params", persist_state="session")
+block = url_widget(c1.select_slider, "Block size N (tokens)", "p07_block", 16, [4, 8, 16, 32])
+every = url_widget(c2.select_slider, "Checkpoint every C / N blocks", "p07_every", 2, [1, 2, 4])
+groups = url_widget(c3.slider, "KDA groups G", "p07_groups", 2, 1, 4)
 lines = text.splitlines()
 prompts = [line for line in lines if line.strip()]
 if len(prompts) < 2:
@@ -41,10 +41,11 @@ base = engine_call(_anatomy, prompts, block, block * every, groups, None)  # the
 options = base.droppable
 drop = None
 d1, d2, d3 = st.columns(3)
-if options and d1.checkbox("What if: drop one group's checkpoint", value=False, key=persist("p07_drop", False), bind="query-params", persist_state="session"):
-    boundary = int(d2.selectbox("at boundary (tokens of the previous prompt)", [str(b) for b in options],
-                                index=len(options) - 1, key=persist("p07_drop_at", str(options[-1]), options=[str(b) for b in options]), bind="query-params", persist_state="session"))
-    drop = (boundary, int(d3.selectbox("group", [str(g) for g in range(groups)], index=0, key=persist("p07_drop_group", "0", options=[str(g) for g in range(groups)]), bind="query-params", persist_state="session")))
+if options and url_widget(d1.checkbox, "What if: drop one group's checkpoint", "p07_drop", False):
+    boundaries = [str(b) for b in options]
+    boundary = int(url_widget(d2.selectbox, "at boundary (tokens of the previous prompt)", "p07_drop_at", boundaries[-1],
+                              boundaries))
+    drop = (boundary, int(url_widget(d3.selectbox, "group", "p07_drop_group", "0", [str(g) for g in range(groups)])))
 res = engine_call(_anatomy, prompts, block, block * every, groups, drop) if drop else base
 
 st.subheader("1 · Blocks and checkpoints along the token axis")

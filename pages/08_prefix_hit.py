@@ -4,7 +4,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from lab.prefix import prefix_hit, prefix_hit_timing
-from pages._common import engine_call, measured_stamp, persist, remeasure_button, show_chart
+from pages._common import engine_call, measured_stamp, remeasure_button, show_chart, url_widget
 
 st.title("Prefix hit")
 st.write(
@@ -15,22 +15,13 @@ st.write(
 
 REPEATS = 5
 c1, c2, c3 = st.columns(3)
-# Each default is given twice: to persist() (the session's fallback) and as value= (the widget's declared
-# default): with bind="query-params" Streamlit drops a URL value equal to the declared default, which
-# without value= is the minimum / first option, so a link asking for it would show the page default.
-shared = c1.slider("Shared prefix (tokens)", 0, 512, step=32, value=128, key=persist("p08_shared", 128, min_value=0, max_value=512),
-                   persist_state="session", bind="query-params")
-unique = c2.slider("Unique tail (tokens)", 16, 256, step=16, value=16, key=persist("p08_unique", 16, min_value=16, max_value=256),
-                   persist_state="session", bind="query-params")
-new_tokens = c3.slider("Tokens to generate", 1, 8, value=4, key=persist("p08_new", 4, min_value=1, max_value=8),
-                       persist_state="session", bind="query-params")
+shared = url_widget(c1.slider, "Shared prefix (tokens)", "p08_shared", 128, 0, 512, step=32)
+unique = url_widget(c2.slider, "Unique tail (tokens)", "p08_unique", 16, 16, 256, step=16)
+new_tokens = url_widget(c3.slider, "Tokens to generate", "p08_new", 4, 1, 8)
 d1, d2, d3 = st.columns(3)
-block = d1.select_slider("Block size N (tokens)", [8, 16, 32], value=16, key=persist("p08_block", 16, options=[8, 16, 32]),
-                         persist_state="session", bind="query-params")
-interval = d2.select_slider("Checkpoint interval C (tokens)", [32, 64, 128, 256], persist_state="session",
-                            value=64, key=persist("p08_interval", 64, options=[32, 64, 128, 256]), bind="query-params")
-groups = d3.slider("KDA groups G", 1, 3, value=1, key=persist("p08_groups", 1, min_value=1, max_value=3),
-                   persist_state="session", bind="query-params")
+block = url_widget(d1.select_slider, "Block size N (tokens)", "p08_block", 16, [8, 16, 32])
+interval = url_widget(d2.select_slider, "Checkpoint interval C (tokens)", "p08_interval", 64, [32, 64, 128, 256])
+groups = url_widget(d3.slider, "KDA groups G", "p08_groups", 1, 1, 3)
 
 
 @st.cache_data(show_spinner="Running the cold and warm requests…", max_entries=32, ttl="1h")

@@ -6,7 +6,7 @@ from plotly.subplots import make_subplots
 
 from lab.fleet import synthetic_trace_description
 from lab.prefix_miss import CAPACITY_FRACTIONS, PRESETS, prefix_miss, preset_title
-from pages._common import engine_call, pct, persist, show_chart, show_table, upload_parts
+from pages._common import engine_call, pct, show_chart, show_table, upload_parts, url_widget
 
 st.title("Prefix miss")
 st.write(
@@ -17,18 +17,18 @@ st.write(
 
 st.subheader("1 · A miss, what it writes, and the next request's hit")
 c1, c2, c3, c4, c5 = st.columns(5)
-prompt_tokens = c1.slider("Prompt (tokens)", 64, 512, step=32, value=256, key=persist("p09_prompt", 256, min_value=64, max_value=512), bind="query-params", persist_state="session")
-next_shared = c2.slider("Next request shares (tokens)", 0, 512, step=16, value=200, key=persist("p09_next", 200, min_value=0, max_value=512), bind="query-params", persist_state="session")
-block = c3.select_slider("Block size N", [8, 16, 32], value=16, key=persist("p09_block", 16, options=[8, 16, 32]), bind="query-params", persist_state="session")
-interval = c4.select_slider("Interval C (tokens)", [32, 64, 128], value=64, key=persist("p09_interval", 64, options=[32, 64, 128]), bind="query-params", persist_state="session")
-groups = c5.slider("KDA groups G", 1, 3, value=2, key=persist("p09_groups", 2, min_value=1, max_value=3), bind="query-params", persist_state="session")
+prompt_tokens = url_widget(c1.slider, "Prompt (tokens)", "p09_prompt", 256, 64, 512, step=32)
+next_shared = url_widget(c2.slider, "Next request shares (tokens)", "p09_next", 200, 0, 512, step=16)
+block = url_widget(c3.select_slider, "Block size N", "p09_block", 16, [8, 16, 32])
+interval = url_widget(c4.select_slider, "Interval C (tokens)", "p09_interval", 64, [32, 64, 128])
+groups = url_widget(c5.slider, "KDA groups G", "p09_groups", 2, 1, 3)
 part1, part2 = st.container(), st.container()
 part2.subheader("2 · A trace through capacity-limited caches")
 d1, d2, d3, d4 = part2.columns(4)
-preset = d1.selectbox("Byte sizes of", list(PRESETS), index=0, format_func=preset_title, key=persist("p09_preset", PRESETS[0], options=list(PRESETS), format_func=preset_title), bind="query-params", persist_state="session")
-every = d2.select_slider("Checkpoint every C / 512 blocks", [1, 2, 4, 8], value=1, key=persist("p09_every", 1, options=[1, 2, 4, 8]), bind="query-params", persist_state="session")
-tgroups = d3.slider("Groups G", 1, 4, value=1, key=persist("p09_tgroups", 1, min_value=1, max_value=4), bind="query-params", persist_state="session")
-num_requests = d4.slider("Requests (cap)", 500, 3000, step=250, value=1500, key=persist("p09_requests", 1500, min_value=500, max_value=3000), bind="query-params", persist_state="session")
+preset = url_widget(d1.selectbox, "Byte sizes of", "p09_preset", PRESETS[0], list(PRESETS), format_func=preset_title)
+every = url_widget(d2.select_slider, "Checkpoint every C / 512 blocks", "p09_every", 1, [1, 2, 4, 8])
+tgroups = url_widget(d3.slider, "Groups G", "p09_tgroups", 1, 1, 4)
+num_requests = url_widget(d4.slider, "Requests (cap)", "p09_requests", 1500, 500, 3000, step=250)
 data, upload_name = upload_parts(part2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p09_upload"))
 
 

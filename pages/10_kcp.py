@@ -17,11 +17,10 @@ from pages._common import (
     engine_call,
     measured_stamp,
     num,
-    persist,
-    persist_clamped,
     remeasure_button,
     show_chart,
     show_table,
+    url_widget,
 )
 
 st.title("KDA context parallel (KCP)")
@@ -41,19 +40,15 @@ st.info(
 
 c1, c2, c3, c4, c5 = st.columns(5)
 seq_options = list(limits.seq_options)
-seq_len = c1.select_slider("Sequence length T (tokens)", seq_options,
-                           value=min(512, seq_options[-1]), key=persist("p10_seq_len", min(512, seq_options[-1]), options=seq_options),
-                           persist_state="session", bind="query-params")
-world = c2.slider("World size (ranks)", 1, max(limits.max_world, 2),
-                  value=min(2, limits.max_world), key=persist_clamped("p10_world", min(2, limits.max_world), 1, limits.max_world),
-                  persist_state="session", disabled=limits.max_world < 2, bind="query-params")
-heads = c3.slider("Heads H", 1, 4, value=4, key=persist("p10_heads", 4, min_value=1, max_value=4), persist_state="session", bind="query-params")
-head_k = c4.select_slider("Key dim K", [32, 64, 128], value=128, key=persist("p10_head_k", 128, options=[32, 64, 128]), persist_state="session", bind="query-params")
-head_v = c5.select_slider("Value dim V", [32, 64, 128], value=128, key=persist("p10_head_v", 128, options=[32, 64, 128]), persist_state="session", bind="query-params")
+seq_len = url_widget(c1.select_slider, "Sequence length T (tokens)", "p10_seq_len", min(512, seq_options[-1]), seq_options)
+world = url_widget(c2.slider, "World size (ranks)", "p10_world", min(2, limits.max_world), 1, max(limits.max_world, 2),
+                   clamp=limits.max_world, disabled=limits.max_world < 2)
+heads = url_widget(c3.slider, "Heads H", "p10_heads", 4, 1, 4)
+head_k = url_widget(c4.select_slider, "Key dim K", "p10_head_k", 128, [32, 64, 128])
+head_v = url_widget(c5.select_slider, "Value dim V", "p10_head_v", 128, [32, 64, 128])
 d1, d2 = st.columns(2)
-variant = VARIANTS[d1.selectbox("Exchange variant", list(VARIANTS), key=persist("p10_variant", options=list(VARIANTS)), persist_state="session", bind="query-params")]
-prefix = d2.checkbox("Seed rank 0 with a prefix-cache state", value=False, key=persist("p10_prefix", False), persist_state="session", bind="query-params")
-
+variant = VARIANTS[url_widget(d1.selectbox, "Exchange variant", "p10_variant", next(iter(VARIANTS)), list(VARIANTS))]
+prefix = url_widget(d2.checkbox, "Seed rank 0 with a prefix-cache state", "p10_prefix", False)
 
 @st.cache_data(show_spinner=f"Running one rank, then the ranks, {REPEATS} timed repeats each, on this CPU…",
                max_entries=16, ttl="1h")
@@ -146,7 +141,7 @@ with st.expander("What each phase does"):
         "- **scan + output**: the ordinary chunk kernel from the true initial state.")
 
 st.subheader("3 · Bytes each rank receives vs context: KCP against MLA's KV all-gather")
-model = MODELS[st.selectbox("Model for the byte comparison", list(MODELS), key=persist("p10_model", options=list(MODELS)), persist_state="session", bind="query-params")]
+model = MODELS[url_widget(st.selectbox, "Model for the byte comparison", "p10_model", next(iter(MODELS)), list(MODELS))]
 cfg, w_bytes = run.models[model], run.bytes_world_size
 bdf = run.bytes[run.bytes.model == model].drop(columns="model")
 fig3 = go.Figure()
@@ -167,8 +162,8 @@ with st.expander("Byte formulas"):
         f"- Model: {cfg.source}.")
 
 st.subheader("4 · Speedup vs one rank: measured, and a projection to more ranks")
-bw = st.select_slider("Interconnect bandwidth for the projection (GB/s)", list(BANDWIDTHS_GBPS),
-                      value=25, key=persist("p10_bandwidth", 25, options=list(BANDWIDTHS_GBPS)), persist_state="session", bind="query-params")
+bw = url_widget(st.select_slider, "Interconnect bandwidth for the projection (GB/s)", "p10_bandwidth", 25,
+                list(BANDWIDTHS_GBPS))
 if world < 2:
     st.info("The projection needs the summary and fold costs of a run with at least 2 ranks: move the world size.")
 else:

@@ -9,12 +9,12 @@ from pages._common import (
     engine_call,
     measured_stamp,
     num,
-    persist,
     real_replica,
     remeasure_button,
     show_chart,
     show_table,
     upload_parts,
+    url_widget,
 )
 
 st.title("Fleet hashing")
@@ -28,22 +28,18 @@ st.write(
 
 LABELS = {display_name(a): a for a in ALGORITHMS}
 c1, c2, c3, c4 = st.columns(4)
-replicas = c1.slider("Replicas", 2, 32, value=8, key=persist("p11_replicas", 8, min_value=2, max_value=32), bind="query-params", persist_state="session")
-vnodes = c2.select_slider("Virtual nodes per replica (ring)", list(VNODES), value=160, key=persist("p11_vnodes", 160, options=list(VNODES)), bind="query-params", persist_state="session")
-algorithm_label = c3.selectbox("Algorithm", list(LABELS), index=list(LABELS.values()).index("ring"),
-                               key=persist("p11_algorithm", display_name("ring"), options=list(LABELS)),
-                               bind="query-params", persist_state="session")
-algorithm = LABELS[algorithm_label]
-k = c4.slider("Routing prefix depth k (blocks)", 1, 8, value=2, key=persist("p11_k", 2, min_value=1, max_value=8), bind="query-params", persist_state="session")
+replicas = url_widget(c1.slider, "Replicas", "p11_replicas", 8, 2, 32)
+vnodes = url_widget(c2.select_slider, "Virtual nodes per replica (ring)", "p11_vnodes", 160, list(VNODES))
+algorithm = LABELS[url_widget(c3.selectbox, "Algorithm", "p11_algorithm", display_name("ring"), list(LABELS))]
+k = url_widget(c4.slider, "Routing prefix depth k (blocks)", "p11_k", 2, 1, 8)
 
 CACHES = list(REPLICA_CACHES)
-cache_label = st.selectbox("Replica cache", CACHES, index=0, key=persist("p11_cache", CACHES[0], options=CACHES),
-                           bind="query-params", persist_state="session")
+cache_label = url_widget(st.selectbox, "Replica cache", "p11_cache", CACHES[0], CACHES)
 real = REPLICA_CACHES[cache_label] == "policy"
 model_name, gpu, tp, cache_policy, budget_fraction = real_replica("p11") if real else (REAL_DEFAULTS[x] for x in (
     "model", "gpu", "tp", "cache_policy", "budget_fraction"))
 d1, d2 = st.columns([1, 2])
-num_requests = d1.slider("Requests (cap)", 200, 5000, step=100, value=2000, key=persist("p11_requests", 2000, min_value=200, max_value=5000), bind="query-params", persist_state="session")
+num_requests = url_widget(d1.slider, "Requests (cap)", "p11_requests", 2000, 200, 5000, step=100)
 upload = d2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p11_upload")
 
 
@@ -122,9 +118,7 @@ st.caption(f"Each repeat routes {LOOKUP_KEYS:,} random keys; time per lookup = t
            "O(log n) loop; Maglev = one table read; bounded loads walks the ring past full replicas.")
 
 st.subheader("4 · Where one request's prefix lands")
-if type(st.session_state.get("p11_index")) is int and st.session_state["p11_index"] > n_trace - 1:  # cap shrank
-    st.session_state["p11_index"] = n_trace - 1
-idx = st.number_input("Request index", 0, n_trace - 1, value=1, key=persist("p11_index", 1, min_value=0, max_value=n_trace - 1), bind="query-params", persist_state="session")
+idx = url_widget(st.number_input, "Request index", "p11_index", 1, 0, n_trace - 1, clamp=True)  # the cap may shrink
 where = run.landing[run.landing.request == idx].assign(algorithm=lambda d: d.algorithm.map(display_name))
 show_table(where, {"algorithm": "Algorithm", "replica": "Replica", "routing_key": "Routing key (hex)",
                    "prefix_blocks": num("Prefix (blocks)"), "requests_sharing_prefix": num("Requests sharing the prefix")})

@@ -5,7 +5,7 @@ import streamlit as st
 from lab.fleet import REPLICA_CACHES, display_name
 from lab.fleet_scaling import ACTIONS, CAPACITIES, KEY_ROUTERS, MAX_SEEDS, SMOOTH_WINDOWS, TRACE_SEEDS, fleet_scaling
 from lab.fleet_simulation import REAL_DEFAULTS, replica_title
-from pages._common import engine_call, num, pct, persist, real_replica, show_chart, show_table, upload_parts
+from pages._common import engine_call, num, pct, real_replica, show_chart, show_table, upload_parts, url_widget
 
 st.title("Fleet scaling")
 st.write(
@@ -16,27 +16,24 @@ st.write(
     "on 8 × H200, where a hit needs a KDA state.")
 
 c1, c2, c3, c4 = st.columns(4)
-replicas = c1.slider("Replicas before the event", 2, 32, value=8, key=persist("p12_replicas", 8, min_value=2, max_value=32), bind="query-params", persist_state="session")
-action = c2.selectbox("Event", list(ACTIONS), index=list(ACTIONS).index("add"), key=persist("p12_action", "add", options=list(ACTIONS)), bind="query-params", persist_state="session")
-vnodes = c3.select_slider("Ring vnodes", [10, 40, 160, 400, 1000], value=160, key=persist("p12_vnodes", 160, options=[10, 40, 160, 400, 1000]), bind="query-params", persist_state="session")
-num_keys = c4.select_slider("Random keys", [10_000, 30_000, 100_000], value=30_000, key=persist("p12_keys", 30_000, options=[10_000, 30_000, 100_000]), bind="query-params", persist_state="session")
+replicas = url_widget(c1.slider, "Replicas before the event", "p12_replicas", 8, 2, 32)
+action = url_widget(c2.selectbox, "Event", "p12_action", "add", list(ACTIONS))
+vnodes = url_widget(c3.select_slider, "Ring vnodes", "p12_vnodes", 160, [10, 40, 160, 400, 1000])
+num_keys = url_widget(c4.select_slider, "Random keys", "p12_keys", 30_000, [10_000, 30_000, 100_000])
 
 part1, part2 = st.container(), st.container()
 part2.subheader("2 · Hit ratio across the scale event (trace replay)")
 d1, d2, d3, d4, d5 = part2.columns(5)
-num_requests = d1.slider("Requests (cap)", 200, 3000, step=100, value=800, key=persist("p12_requests", 800, min_value=200, max_value=3000), bind="query-params", persist_state="session")
-k = d2.slider("Routing prefix depth k (blocks)", 1, 4, value=2, key=persist("p12_k", 2, min_value=1, max_value=4), bind="query-params", persist_state="session")
-at = d3.slider("Event at (fraction of the trace)", 0.1, 0.9, step=0.05, value=0.5, key=persist("p12_at", 0.5, min_value=0.1, max_value=0.9), bind="query-params", persist_state="session")
-window = d4.slider("Window (requests)", 50, 500, step=50, value=50, key=persist("p12_window", 50, min_value=50, max_value=500), bind="query-params", persist_state="session")
-seeds = d5.slider("Synthetic traces averaged", 1, MAX_SEEDS, value=TRACE_SEEDS, key=persist("p12_seeds", TRACE_SEEDS, min_value=1, max_value=MAX_SEEDS), bind="query-params", persist_state="session")
+num_requests = url_widget(d1.slider, "Requests (cap)", "p12_requests", 800, 200, 3000, step=100)
+k = url_widget(d2.slider, "Routing prefix depth k (blocks)", "p12_k", 2, 1, 4)
+at = url_widget(d3.slider, "Event at (fraction of the trace)", "p12_at", 0.5, 0.1, 0.9, step=0.05)
+window = url_widget(d4.slider, "Window (requests)", "p12_window", 50, 50, 500, step=50)
+seeds = url_widget(d5.slider, "Synthetic traces averaged", "p12_seeds", TRACE_SEEDS, 1, MAX_SEEDS)
 LABELS = {display_name(a): a for a in KEY_ROUTERS}
-DEFAULT_ALGOS = [display_name(a) for a in ("ring", "mod_n")]
-algo_labels = part2.multiselect("Algorithms replayed (each costs a replay per trace)", list(LABELS), default=DEFAULT_ALGOS,
-                                key=persist("p12_algorithms", DEFAULT_ALGOS, options=list(LABELS)),
-                                bind="query-params", persist_state="session")
+algo_labels = url_widget(part2.multiselect, "Algorithms replayed (each costs a replay per trace)", "p12_algorithms",
+                         [display_name(a) for a in ("ring", "mod_n")], list(LABELS))
 CACHES = list(REPLICA_CACHES)
-cache_label = part2.selectbox("Replica cache", CACHES, index=0, key=persist("p12_cache", CACHES[0], options=CACHES),
-                              bind="query-params", persist_state="session")
+cache_label = url_widget(part2.selectbox, "Replica cache", "p12_cache", CACHES[0], CACHES)
 real = REPLICA_CACHES[cache_label] == "policy"
 model_name, gpu, tp, cache_policy, budget_fraction = (REAL_DEFAULTS[x] for x in (
     "model", "gpu", "tp", "cache_policy", "budget_fraction"))
@@ -44,9 +41,8 @@ capacity = "unlimited"
 if real:   # the GPUs and TP sizes offered are those the model's weights fit in
     model_name, gpu, tp, cache_policy, budget_fraction = real_replica("p12", part2)
 else:
-    capacity = part2.select_slider("Cache per replica (blocks of 512 tokens)", list(CAPACITIES), value="unlimited",
-                                   key=persist("p12_capacity", "unlimited", options=list(CAPACITIES)),
-                                   bind="query-params", persist_state="session")
+    capacity = url_widget(part2.select_slider, "Cache per replica (blocks of 512 tokens)", "p12_capacity", "unlimited",
+                          list(CAPACITIES))
 upload = part2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p12_upload")
 if not algo_labels:
     part2.info("Pick at least one algorithm to replay.")

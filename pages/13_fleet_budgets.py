@@ -21,7 +21,7 @@ from lab.budgets import (
 )
 from lab.fleet import ANCHORS
 from lab.fleet_simulation import REAL_DEFAULTS
-from pages._common import engine_call, num, persist, real_replica, show_chart, show_table, upload_parts
+from pages._common import engine_call, num, real_replica, show_chart, show_table, upload_parts, url_widget
 
 st.title("Fleet budgets")
 st.write(
@@ -35,13 +35,11 @@ st.write(
 
 def _slider(col, label, lo, hi, step, key, percent=False):
     d = round(100 * DEFAULTS[key]) if percent else DEFAULTS[key]   # loads and budgets: shown in % of capacity
-    return col.slider(label, lo, hi, step=step, value=d, key=persist(f"p13_{key}", d, min_value=lo, max_value=hi),
-                      bind="query-params", persist_state="session")
+    return url_widget(col.slider, label, f"p13_{key}", d, lo, hi, step=step)
 
 
 REPLICAS = list(REPLICA_MODELS)
-replica_label = st.selectbox("Replica", REPLICAS, index=0, key=persist("p13_replica", REPLICAS[0], options=REPLICAS),
-                             bind="query-params", persist_state="session")
+replica_label = url_widget(st.selectbox, "Replica", "p13_replica", REPLICAS[0], REPLICAS)
 service_model = REPLICA_MODELS[replica_label]
 model_name, gpu, tp = REAL_DEFAULTS["model"], REAL_DEFAULTS["gpu"], REAL_DEFAULTS["tp"]
 if service_model == "roofline":   # the GPUs and TP sizes offered are those the model's weights fit in
@@ -53,9 +51,7 @@ vip_weight = _slider(c3, "VIP weight", 1, 8, 1, "vip_weight")
 std_budget = _slider(c4, "Standard budget (% of capacity)", 10, 100, 5, "standard_budget", percent=True)
 b1, b2, b3, b4 = st.columns(4)
 BURST_LABELS = [CLASS_LABELS[k] for k in BURST_CLASSES]
-burst_label = b1.selectbox("Burst class", BURST_LABELS, index=0,
-                           key=persist("p13_burst_class", BURST_LABELS[0], options=BURST_LABELS),
-                           bind="query-params", persist_state="session")
+burst_label = url_widget(b1.selectbox, "Burst class", "p13_burst_class", BURST_LABELS[0], BURST_LABELS)
 burst_class = BURST_CLASSES[BURST_LABELS.index(burst_label)]
 burst_load = _slider(b2, "Burst load (% of capacity)", 0, 400, 25, "burst_load", percent=True)
 burst_s = _slider(b3, "Burst duration (s)", 5, 30, 5, "burst_duration_s")

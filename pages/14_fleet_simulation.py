@@ -18,7 +18,7 @@ from lab.fleet_simulation import (
     fleet_simulation,
     replica_title,
 )
-from pages._common import engine_call, num, pct, persist, real_replica, show_chart, show_table, upload_parts
+from pages._common import engine_call, num, pct, real_replica, show_chart, show_table, upload_parts, url_widget
 
 st.title("Fleet simulation")
 st.write(
@@ -31,8 +31,7 @@ st.write(
     "conversation trace); upload a Mooncake JSONL file to use your own.")
 
 SERVICES = list(SERVICE_MODELS)
-service_label = st.selectbox("Replica", SERVICES, index=0, key=persist("p14_model", SERVICES[0], options=SERVICES),
-                             bind="query-params", persist_state="session")
+service_label = url_widget(st.selectbox, "Replica", "p14_model", SERVICES[0], SERVICES)
 real = SERVICE_MODELS[service_label] == "roofline"
 if real:   # the GPUs and TP sizes offered are those the model's weights fit in
     model_name, gpu, tp, cache_policy, budget_fraction = real_replica("p14", model_key="p14_real_model")
@@ -40,28 +39,23 @@ else:
     model_name, gpu, tp, cache_policy = (REAL_DEFAULTS[k] for k in ("model", "gpu", "tp", "cache_policy"))
     budget_fraction = REAL_DEFAULTS["budget_fraction"]
 c1, c2, c3, c4 = st.columns(4)
-num_requests = c1.slider("Requests (cap)", 200, 5000, step=100, value=1200, key=persist("p14_requests", 1200, min_value=200, max_value=5000), bind="query-params", persist_state="session")
-replicas = c2.slider("Replicas", 1, 16, value=8, key=persist("p14_replicas", 8, min_value=1, max_value=16), bind="query-params", persist_state="session")
-k = c3.slider("Routing prefix depth k (blocks)", 1, 4, value=2, key=persist("p14_k", 2, min_value=1, max_value=4), bind="query-params", persist_state="session")
-capacity = "8000" if real else c4.select_slider(  # a real-model replica's cache is its byte budget (above)
-    "Cache per replica (blocks of 512 tokens)", list(CAPACITIES), value="8000",
-    key=persist("p14_capacity", "8000", options=list(CAPACITIES)), bind="query-params", persist_state="session")
+num_requests = url_widget(c1.slider, "Requests (cap)", "p14_requests", 1200, 200, 5000, step=100)
+replicas = url_widget(c2.slider, "Replicas", "p14_replicas", 8, 1, 16)
+k = url_widget(c3.slider, "Routing prefix depth k (blocks)", "p14_k", 2, 1, 4)
+capacity = "8000" if real else url_widget(  # a real-model replica's cache is its byte budget (above)
+    c4.select_slider, "Cache per replica (blocks of 512 tokens)", "p14_capacity", "8000", list(CAPACITIES))
 d1, d2, d3, d4 = st.columns(4)
 SCHEDULER_NAMES = [SCHEDULER_LABELS[s] for s in SCHEDULERS]
-scheduler = SCHEDULERS[SCHEDULER_NAMES.index(d1.selectbox(
-    "Replica scheduler", SCHEDULER_NAMES, index=SCHEDULERS.index("vtc"),
-    key=persist("p14_scheduler", SCHEDULER_LABELS["vtc"], options=SCHEDULER_NAMES), bind="query-params",
-    persist_state="session"))]
-vip_pct = d2.slider("VIP share of requests (%)", 0, 50, step=5, value=10, key=persist("p14_vip", 10, min_value=0, max_value=50), bind="query-params", persist_state="session")
-scale = d3.selectbox("Scale event at half time", list(SCALE_EVENTS), index=list(SCALE_EVENTS).index("none"), key=persist("p14_scale", "none", options=list(SCALE_EVENTS)), bind="query-params", persist_state="session")
-speed = 8 if real else d4.slider(  # an assumption for the A10G / CPU replicas; a real model's times: the roofline
-    "Replica speed-up (prefill ×; decode × 5/8 of it)", 1, 20, value=8,
-    key=persist("p14_speed", 8, min_value=1, max_value=20), bind="query-params", persist_state="session")
+scheduler = SCHEDULERS[SCHEDULER_NAMES.index(url_widget(d1.selectbox, "Replica scheduler", "p14_scheduler",
+                                                        SCHEDULER_LABELS["vtc"], SCHEDULER_NAMES))]
+vip_pct = url_widget(d2.slider, "VIP share of requests (%)", "p14_vip", 10, 0, 50, step=5)
+scale = url_widget(d3.selectbox, "Scale event at half time", "p14_scale", "none", list(SCALE_EVENTS))
+speed = 8 if real else url_widget(  # an assumption for the A10G / CPU replicas; a real model's times: the roofline
+    d4.slider, "Replica speed-up (prefill ×; decode × 5/8 of it)", "p14_speed", 8, 1, 20)
 POLICY_NAMES = [DISPLAY_NAMES[p] for p in POLICIES]
-DEFAULT_POLICIES = [DISPLAY_NAMES[p] for p in ("ring", "round_robin", "cache_aware", "bounded_load")]
-policies = [POLICIES[POLICY_NAMES.index(name)] for name in st.multiselect(
-    "Routing policies", POLICY_NAMES, default=DEFAULT_POLICIES,
-    key=persist("p14_policies", DEFAULT_POLICIES, options=POLICY_NAMES), bind="query-params", persist_state="session")]
+policies = [POLICIES[POLICY_NAMES.index(name)] for name in url_widget(
+    st.multiselect, "Routing policies", "p14_policies",
+    [DISPLAY_NAMES[p] for p in ("ring", "round_robin", "cache_aware", "bounded_load")], POLICY_NAMES)]
 upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p14_upload")
 if not policies:
     st.info("Pick at least one routing policy.")

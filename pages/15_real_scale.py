@@ -15,7 +15,7 @@ from lab.real_scale import (
     preset_title,
     roofline_view,
 )
-from pages._common import engine_call, num, pct, persist, real_replica, show_chart, show_table, upload_parts
+from pages._common import engine_call, num, pct, real_replica, show_chart, show_table, upload_parts, url_widget
 
 st.title("Real scale")
 st.write(
@@ -85,13 +85,9 @@ with st.expander("How the roofline is fitted"):
 
 st.subheader("2 · Policy comparison at real scale")
 d1, d2 = st.columns([1, 2])
-num_requests = d1.slider("Requests (cap)", 1000, 6000, step=500,
-                         value=3000, key=persist("p15_requests", 3000, min_value=1000, max_value=6000), persist_state="session",
-                         bind="query-params")
-options = list(POLICIES + EXTRA_POLICIES)
-policies = d2.multiselect("Policies", options, default=list(POLICIES), format_func=policy_title,
-                          key=persist("p15_policies", list(POLICIES), options=options, format_func=policy_title),
-                          persist_state="session", bind="query-params")
+num_requests = url_widget(d1.slider, "Requests (cap)", "p15_requests", 3000, 1000, 6000, step=500)
+policies = url_widget(d2.multiselect, "Policies", "p15_policies", list(POLICIES), list(POLICIES + EXTRA_POLICIES),
+                      format_func=policy_title)
 data, upload_name = upload_parts(st.file_uploader("Mooncake trace (JSONL, optional; the synthetic generator "
                                                   "otherwise)", type=["jsonl", "json"], key="p15_upload"))
 fractions = ", ".join(f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_FRACTIONS)

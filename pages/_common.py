@@ -5,11 +5,12 @@
   ``st.error`` with the message and stop the page (never a stack trace in the UI).
 - ``built_by_loaded_code(obj)``: the ``validate=`` of ``st.cache_resource`` for cached models: False
   once a source reload replaced the object's class, so Streamlit rebuilds it.
-- ``persist(key, default, options=..., min_value=..., max_value=...)``: a widget key whose value
-  starts at ``default`` (set through session_state, so do NOT also pass ``value=``/``index=``) and is
-  kept across page switches: pass it together with ``persist_state="session"`` (Streamlit 1.67).
-  Pass the widget's options or bounds too: a stored value that breaks them falls back to the default. A selectbox with ``format_func``
-  shows (and puts in the URL) the formatted label; its options and ``default`` stay the code names.
+- ``url_widget(make, label, key, default, *args, **kwargs)``: an input widget bound to the URL and kept
+  across page switches (Streamlit 1.67 ``bind="query-params"``, ``persist_state="session"``), its default,
+  options and bounds stated once; built on ``persist(key, default, options=..., min_value=..., max_value=...)``,
+  which checks a stored or linked value against them and falls back to the default with a notice. A widget
+  with ``format_func`` shows (and puts in the URL) the formatted label; its options and ``default`` stay the
+  code names.
 - ``show_table(df, columns)``: ``st.dataframe`` of the named columns, each with its header and number
   format; booleans read yes / no. ``num(label, fmt)`` and ``pct(label)`` build the number columns.
 - ``real_replica(prefix, where)``: the model / GPU / TP (and prefix-cache policy, budget) widgets of a
@@ -192,6 +193,34 @@ def persist_within(key: str, default, options: list, known) -> str:
     return persist(key, default, options=options)
 
 
+OPTION_WIDGETS = ("selectbox", "radio", "select_slider", "multiselect")
+
+
+def url_widget(make, label: str, key: str, default, *args, known=None, clamp: bool | int = False, **kwargs):
+    """Call the input widget ``make`` (``st.slider``, ``cols[1].selectbox``, ...) bound to the URL and kept across
+    page switches, starting at ``default``; returns its value. The default, options and bounds are stated once, for
+    the widget and for :func:`persist` alike: ``args`` are the widget's own positional arguments after the label
+    (min and max of a slider / number_input, the options of a selectbox / radio / select_slider / multiselect).
+    ``clamp``: the value's upper bound depends on another widget (:func:`persist_clamped`): True for the slider's max,
+    or that bound; ``known``: the options do (every value they can ever hold, :func:`persist_within`). Other
+    ``kwargs`` go to the widget."""
+    kind = make.__name__
+    if kind in ("slider", "number_input"):
+        lo, hi = args[0], (args[1] if clamp is True or clamp is False else clamp)
+        key = persist_clamped(key, default, lo, hi) if clamp is not False else persist(key, default, min_value=lo,
+                                                                                       max_value=hi)
+        start = {"value": min(default, hi)}
+    elif kind in OPTION_WIDGETS:
+        options = list(args[0])
+        key = (persist_within(key, default, options, known) if known is not None else
+               persist(key, default, options=options, format_func=kwargs.get("format_func")))
+        start = ({"index": options.index(default)} if kind in ("selectbox", "radio") else
+                 {"default" if kind == "multiselect" else "value": default})
+    else:                                           # checkbox, toggle, text_input, text_area
+        key, start = persist(key, default), {"value": default}
+    return make(label, *args, key=key, bind="query-params", persist_state="session", **start, **kwargs)
+
+
 def real_replica(prefix: str, where=None, *, policy: bool = True, model_key: str | None = None) -> tuple:
     """The widgets of a real-scale replica in one row of ``where`` (a container; default the page): model, GPU and
     TP, offering only the GPUs and TP sizes the model's weights fit in (:func:`lab.fleet.fitting_tps`), and with
@@ -212,32 +241,22 @@ def real_replica(prefix: str, where=None, *, policy: bool = True, model_key: str
     model, gpu, tp, cache_policy, budget_fraction = (REAL_DEFAULTS[x] for x in (
         "model", "gpu", "tp", "cache_policy", "budget_fraction"))
     cols = (where or st).columns(5 if policy else 3)
-    shared = dict(bind="query-params", persist_state="session")
-    models = list(MODELS)
-    model = cols[0].selectbox("Model", models, index=models.index(model), format_func=preset_title,
-                              key=persist(model_key or f"{prefix}_model", model, options=models,
-                                          format_func=preset_title), **shared)
+    model = url_widget(cols[0].selectbox, "Model", model_key or f"{prefix}_model", model, list(MODELS),
+                       format_func=preset_title)
     gpus = [g for g in HARDWARE if fitting_tps(model, g)]
-    gpu = gpu if gpu in gpus else gpus[0]
-    gpu = cols[1].selectbox("GPU", gpus, index=gpus.index(gpu), key=persist_within(f"{prefix}_gpu", gpu, gpus, HARDWARE),
-                            **shared)
+    gpu = url_widget(cols[1].selectbox, "GPU", f"{prefix}_gpu", gpu if gpu in gpus else gpus[0], gpus, known=HARDWARE)
     tps = list(fitting_tps(model, gpu))
     tp = tp if tp in tps else tps[0]
     if len(tps) > 1:
-        tp = cols[2].select_slider("GPUs per replica (TP)", tps, value=tp,
-                                   key=persist_within(f"{prefix}_tp", tp, tps, TP_SIZES), **shared)
+        tp = url_widget(cols[2].select_slider, "GPUs per replica (TP)", f"{prefix}_tp", tp, tps, known=TP_SIZES)
     else:
         cols[2].markdown(f"GPUs per replica (TP): **{tp}** (the only size the weights fit)")
     if policy:
-        policies = list(CACHE_POLICIES)
-        cache_policy = cols[3].selectbox("Prefix-cache policy", policies, index=policies.index(cache_policy),
-                                         format_func=policy_title, key=persist(f"{prefix}_cache_policy", cache_policy,
-                                                                               options=policies, format_func=policy_title),
-                                         **shared)
+        cache_policy = url_widget(cols[3].selectbox, "Prefix-cache policy", f"{prefix}_cache_policy", cache_policy,
+                                  list(CACHE_POLICIES), format_func=policy_title)
         budgets = [f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_OPTIONS]
-        default = budgets[BUDGET_OPTIONS.index(budget_fraction)]
-        budget = cols[4].select_slider("Cache budget (share of HBM left after weights)", budgets, value=default,
-                                       key=persist(f"{prefix}_budget", default, options=budgets), **shared)
+        budget = url_widget(cols[4].select_slider, "Cache budget (share of HBM left after weights)", f"{prefix}_budget",
+                            budgets[BUDGET_OPTIONS.index(budget_fraction)], budgets)
         budget_fraction = BUDGET_OPTIONS[budgets.index(budget)]
     return model, gpu, tp, cache_policy, budget_fraction
 
