@@ -30,13 +30,7 @@ if preset == "Custom":
     shape = (heads, k_dim, v_dim, 4, width)
 else:
     shape = tuple(LAYER_PRESETS[preset])
-
-
-@st.cache_data(show_spinner="Running a one-layer verify…", max_entries=32, ttl="1h")
-def _measure(shape: tuple, num_draft: int, dtype_name: str):
-    return rollback_page(shape, num_draft, dtype_name)
-
-
+_measure = st.cache_data(rollback_page, show_spinner="Running a one-layer verify…", max_entries=32, ttl="1h")
 page = engine_call(_measure, shape, num_draft, dtype_name)
 shape = page.shape
 df = pd.DataFrame(page.layer, columns=page.layer[0]._fields)

@@ -47,11 +47,7 @@ elif mode == "injected deviation":
         e1.caption("Corrupt the draft at position 1 (the only draft)")
     poison = url_widget(e2.checkbox, "Also overwrite the stored data of rejected tokens with NaN (control)", "p02_poison",
                         True)
-
-
-@st.cache_resource(validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload
-def _model():
-    return demo_model()
+_model = st.cache_resource(demo_model, validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload
 
 
 @st.cache_data(show_spinner="Generating with speculation…", max_entries=16, ttl="1h")
@@ -69,6 +65,8 @@ if exact:
                "equals plain greedy decoding.")
 else:
     st.error(f"Mismatch: max |Δ| = {df.max_abs_diff.max():.3e}; tokens match at every step: {bool(df.tokens_match.all())}")
+
+
 def _word(flag) -> str:
     return "yes" if bool(flag) else "no"
 

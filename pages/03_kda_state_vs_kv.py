@@ -31,13 +31,7 @@ e1, e2 = part2.columns(2)
 heads_meas = url_widget(e1.slider, "Heads in the measurement (scaled down from the model)", "p03_meas_heads", 4, 1, 16)
 max_meas = url_widget(e2.select_slider, "Largest measured context (tokens)", "p03_meas_max", 16384,
                       list(MEASURED_CONTEXTS))
-
-
-@st.cache_data(show_spinner="Measuring on this CPU…", max_entries=32, ttl="1h")
-def _p03_measure(preset, state_dt, kv_dt, context_range, heads_meas, max_meas, custom):
-    return state_vs_kv(preset, state_dt, kv_dt, context_range, heads_meas, max_meas, custom)
-
-
+_p03_measure = st.cache_data(state_vs_kv, show_spinner="Measuring on this CPU…", max_entries=32, ttl="1h")
 run = engine_call(_p03_measure, preset, state_dt, kv_dt, (lo, hi), heads_meas, max_meas, custom)
 cfg, df, be, be_rec = run.cfg, run.bytes, run.break_even_tokens, run.recurrent_break_even_tokens
 with part1:

@@ -35,11 +35,7 @@ else:  # a one-slot ring rolls back one verify token at most
     c1.caption("Rollback window: 1 verify token (a 1-slot ring holds no more)")
 num_draft = url_widget(c3.slider, "Draft length n", "p04_draft", 4, 1, 16)
 width = url_widget(c4.select_slider, "Model width d (H = d / 32 heads)", "p04_width", 128, list(WIDTHS))
-
-
-@st.cache_resource(validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload
-def _model(width: int):
-    return ring_model(width)
+_model = st.cache_resource(ring_model, validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload
 
 
 @st.cache_data(show_spinner="Measuring bytes, commit times and the ring…", max_entries=16, ttl="1h")

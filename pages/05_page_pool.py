@@ -35,19 +35,10 @@ long_share = url_widget(d1.slider, "Long requests, first half (share)", "p05_lon
 groups = url_widget(d2.slider, "KDA groups G", "p05_groups", 1, 1, 6)
 seed = url_widget(d3.number_input, "Seed", "p05_seed", 0, 0, 9999)
 step = url_widget(d4.slider, "Grid at step", "p05_step", 60, 0, 199)
-
-
-@st.cache_data(show_spinner="Running the request stream on the pool…", max_entries=16, ttl="1h")
-def _run(pool_mib, policy, long_share, arrival, groups, seed, step):
-    return page05(pool_mib, policy, long_share, arrival, groups, seed, step)
-
-
-@st.cache_data(show_spinner=f"Timing alloc / free calls: {LATENCY_REPEATS} runs of the stream after a warm-up…",
-               max_entries=16, ttl="1h")
-def _p05_latency(pool_mib, policy, long_share, arrival, groups, seed):
-    return call_latency(pool_mib, policy, long_share, arrival, groups, seed)
-
-
+_run = st.cache_data(page05, show_spinner="Running the request stream on the pool…", max_entries=16, ttl="1h")
+_p05_latency = st.cache_data(call_latency,
+                             show_spinner=f"Timing alloc / free calls: {LATENCY_REPEATS} runs of the stream after a warm-up…",
+                             max_entries=16, ttl="1h")
 r = engine_call(_run, float(pool_mib), policy, long_share, arrival, groups, int(seed), step)
 lay = r.layout
 st.caption(f"{r.num_pages:,} pages of {lay.page_bytes:,} B · MLA_KV block = {lay.block_size} tokens "

@@ -31,17 +31,10 @@ n_req = url_widget(e2.slider, "Requests sharing the prefix", "p06_requests", 16,
 prefix = url_widget(e3.slider, "Shared prefix (tokens)", "p06_prefix", 2048, 0, 8192, step=64)
 unique = url_widget(e4.slider, "Unique tail per request (tokens)", "p06_unique", 128, 0, 2048, step=16)
 
-@st.cache_data(show_spinner="Building page tables…", max_entries=16, ttl="1h")
-def _run(bs, tokens_a, shared, own_b, n_req, prefix, unique):
-    return page06(bs, tokens_a, shared, own_b, n_req, prefix, unique)
-
-
-@st.cache_data(show_spinner=f"Timing gathers on this CPU: {GATHER_REPEATS} interleaved repeats after a warm-up…",
-               max_entries=4, ttl="1h")
-def _p06_gather(max_ctx):
-    return gather_grid(max_ctx)
-
-
+_run = st.cache_data(page06, show_spinner="Building page tables…", max_entries=16, ttl="1h")
+_p06_gather = st.cache_data(gather_grid,
+                            show_spinner=f"Timing gathers on this CPU: {GATHER_REPEATS} interleaved repeats after a warm-up…",
+                            max_entries=4, ttl="1h")
 r = engine_call(_run, bs, tokens_a, shared_tokens, own_b, n_req, prefix, unique)
 d = r.demo
 ROLE_COLOR = {"A": "#2171b5", "B": "#41ab5d", "shared": "#807dba", "other": "#bdbdbd", "free": "#f0f0f0"}

@@ -30,13 +30,7 @@ if len(prompts) < 2:
     st.stop()
 if len(prompts) < len(lines):
     st.caption(f"{len(lines) - len(prompts)} blank line(s) ignored: {len(prompts)} prompts.")
-
-
-@st.cache_data(show_spinner="Filling the cache…", max_entries=32, ttl="1h")
-def _anatomy(prompts, block, interval, groups, drop):
-    return anatomy_view(prompts, block, interval, groups, drop)
-
-
+_anatomy = st.cache_data(anatomy_view, show_spinner="Filling the cache…", max_entries=32, ttl="1h")
 base = engine_call(_anatomy, prompts, block, block * every, groups, None)  # the what-if below reruns it with a drop
 options = base.droppable
 drop = None

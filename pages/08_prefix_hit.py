@@ -22,11 +22,7 @@ d1, d2, d3 = st.columns(3)
 block = url_widget(d1.select_slider, "Block size N (tokens)", "p08_block", 16, [8, 16, 32])
 interval = url_widget(d2.select_slider, "Checkpoint interval C (tokens)", "p08_interval", 64, [32, 64, 128, 256])
 groups = url_widget(d3.slider, "KDA groups G", "p08_groups", 1, 1, 3)
-
-
-@st.cache_data(show_spinner="Running the cold and warm requests…", max_entries=32, ttl="1h")
-def _p08_verdict(shared, unique, new_tokens, block, interval, groups):
-    return prefix_hit(shared, unique, new_tokens, block, interval, groups)
+_p08_verdict = st.cache_data(prefix_hit, show_spinner="Running the cold and warm requests…", max_entries=32, ttl="1h")
 
 
 @st.cache_data(show_spinner=f"Timing cold and warm runs: {REPEATS} interleaved repeats after a warm-up…",

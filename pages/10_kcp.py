@@ -54,13 +54,7 @@ prefix = url_widget(d2.checkbox, "Seed rank 0 with a prefix-cache state", "p10_p
                max_entries=16, ttl="1h")
 def _run(seq_len, world, heads, head_k, head_v, variant, prefix):
     return kcp_experiment(seq_len, world, heads, head_k, head_v, variant, prefix, start_method="fork")
-
-
-@st.cache_data(show_spinner="Timing one rank on all cores…", max_entries=16, ttl="1h")
-def _all_cores(seq_len, heads, head_k, head_v, prefix, cores):
-    return all_cores_baseline(seq_len, heads, head_k, head_v, prefix, cores)
-
-
+_all_cores = st.cache_data(all_cores_baseline, show_spinner="Timing one rank on all cores…", max_entries=16, ttl="1h")
 run = engine_call(_run, seq_len, world, heads, head_k, head_v, variant, prefix)
 remeasure_button(_run, "p10_remeasure")
 base, runs, worst, tol = pd.DataFrame(run.single), pd.DataFrame(run.ranks), run.worst_error, run.tolerance

@@ -98,13 +98,7 @@ st.caption(f"Exact arc shares of a ketama ring with {replicas} replicas (md5 poi
            f"Published: {anchors['ring_spread']}. {anchors['maglev_balance']}.")
 
 st.subheader("3 · Lookup cost, measured on this CPU")
-
-
-@st.cache_data(show_spinner="Timing every router's lookups…", max_entries=32, ttl="1h")
-def _p11_lookup(replicas, vnodes):
-    return lookup_cost(replicas, vnodes)
-
-
+_p11_lookup = st.cache_data(lookup_cost, show_spinner="Timing every router's lookups…", max_entries=32, ttl="1h")
 remeasure_button(_p11_lookup, key="p11_remeasure")
 lookup = engine_call(_p11_lookup, replicas, vnodes)
 cost = lookup.table

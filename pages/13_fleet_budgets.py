@@ -67,9 +67,7 @@ def _run(vip_load, std_load, vip_weight, std_budget, burst_class, burst_load, bu
                        burst_s, replicas, azure_bytes, azure_name, service_model, model_name, gpu, tp)
 
 
-@st.cache_data(show_spinner="Replaying the VTC artifact's suite…", max_entries=1, ttl="1h")
-def _vtc():
-    return vtc_frame()
+_vtc = st.cache_data(vtc_frame, show_spinner="Replaying the VTC artifact's suite…", max_entries=1, ttl="1h")
 
 
 def _decimals(v: float) -> int:

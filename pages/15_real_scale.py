@@ -24,13 +24,7 @@ st.write(
     "with the Kimi Linear report's published points. Part 2 replays a trace through the prefix caches of our "
     "engine, SGLang and vLLM, each counted in the chosen model's bytes under one memory budget per replica.")
 model, hw, tp, _, _ = real_replica("p15", policy=False)   # only the GPUs and TP sizes the weights fit in
-
-
-@st.cache_data(show_spinner=False, max_entries=64, ttl="1h")
-def _roofline(model, hw, tp):
-    return roofline_view(model, hw, tp)
-
-
+_roofline = st.cache_data(roofline_view, show_spinner=False, max_entries=64, ttl="1h")
 view = engine_call(_roofline, model, hw, tp)
 st.subheader("1 · Kimi Linear vs full MLA, 4K to 1M tokens")
 m1, m2, m3, m4 = st.columns(4)

@@ -3,7 +3,8 @@ gives an app about 1 GB), so a cache that grows with the number of distinct widg
 until the app is killed.
 
 Static check over every page (``pages/*.py``) and every module the pages call (``serve/``,
-``kda_core/``): each ``st.cache_data`` / ``st.cache_resource`` decorator passes ``max_entries``
+``kda_core/``): each ``st.cache_data`` / ``st.cache_resource``, as a decorator or called on a function
+(``run = st.cache_data(lab_function, ...)``), passes ``max_entries``
 (a positive int), each ``st.cache_data`` (measurements and simulations) also a ``ttl``; no
 ``functools.cache`` and no ``functools.lru_cache(maxsize=None)``.
 """
@@ -29,20 +30,30 @@ def _keywords(node: ast.expr) -> dict:
     return {kw.arg: kw.value for kw in node.keywords} if isinstance(node, ast.Call) else {}
 
 
-def unbounded_caches(source: str, filename: str) -> list[str]:
-    """One line per cache decorator in ``source`` that is not bounded as the module doc requires."""
+def _streamlit_cache_problems(call: ast.expr, where: str) -> list[str]:
+    name, kws = _name(call), _keywords(call)
     problems = []
-    for fn in ast.walk(ast.parse(source, filename)):
-        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+    n = kws.get("max_entries")
+    if not (isinstance(n, ast.Constant) and isinstance(n.value, int) and n.value > 0):
+        problems.append(f"{where}: {name} without a positive int max_entries")
+    if name.endswith("cache_data") and "ttl" not in kws:
+        problems.append(f"{where}: {name} without ttl")
+    return problems
+
+
+def unbounded_caches(source: str, filename: str) -> list[str]:
+    """One line per cache in ``source`` (decorator, or a call on a function) that is not bounded as the module doc
+    requires."""
+    problems = []
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Call) and node.args and _name(node.func).endswith(("cache_data", "cache_resource")):
+            problems += _streamlit_cache_problems(node, f"{filename}:{node.lineno} {ast.unparse(node.args[0])}")
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             continue
-        for dec in fn.decorator_list:
-            name, kws, where = _name(dec), _keywords(dec), f"{filename}:{dec.lineno} {fn.name}"
+        for dec in node.decorator_list:
+            name, kws, where = _name(dec), _keywords(dec), f"{filename}:{dec.lineno} {node.name}"
             if name.endswith(("cache_data", "cache_resource")):
-                n = kws.get("max_entries")
-                if not (isinstance(n, ast.Constant) and isinstance(n.value, int) and n.value > 0):
-                    problems.append(f"{where}: {name} without a positive int max_entries")
-                if name.endswith("cache_data") and "ttl" not in kws:
-                    problems.append(f"{where}: {name} without ttl")
+                problems += _streamlit_cache_problems(dec, where)
             elif name in ("functools.cache", "cache"):
                 problems.append(f"{where}: {name} is unbounded (use lru_cache with a maxsize)")
             elif name.endswith("lru_cache"):
@@ -68,6 +79,9 @@ def test_every_cache_is_bounded():
     pytest.param("@st.cache_data(max_entries=8, ttl='1h')\ndef f(): pass", False, id="cache_data-bounded"),
     pytest.param("@st.cache_resource(max_entries=2)\ndef f(): pass", False, id="cache_resource-bounded"),
     pytest.param("@functools.lru_cache(maxsize=3)\ndef f(): pass", False, id="lru_cache-3"),
+    pytest.param("run = st.cache_data(lab_fn, show_spinner=False, max_entries=8)", True, id="call-no-ttl"),
+    pytest.param("run = st.cache_resource(lab_fn)", True, id="call-no-max_entries"),
+    pytest.param("run = st.cache_data(lab_fn, max_entries=8, ttl='1h')", False, id="call-bounded"),
 ])
 def test_unbounded_caches_detects(source, bad):
     assert bool(unbounded_caches(source, "x.py")) is bad

@@ -58,7 +58,7 @@ def test_remeasure_clears_only_this_pages_measurement():
     assert not at.exception, [e.value for e in at.exception]
     _set(at, p08_interval=32)                                    # a second setting: two entries each on page 08
     before = _entries()
-    assert before["_p03_measure"] == 1 and before["_p08_verdict"] == 2 and before["_p08_timing"] == 2, before
+    assert before["state_vs_kv"] == 1 and before["prefix_hit"] == 2 and before["_p08_timing"] == 2, before
     medians = plotly_values(chart_spec(at, "p08_ttft_chart")["data"][0]["y"])
     assert len(_stamps(at)) == 1
 
@@ -66,12 +66,12 @@ def test_remeasure_clears_only_this_pages_measurement():
     assert not at.exception, [e.value for e in at.exception]
     after = _entries()
     assert after["_p08_timing"] == 1, after                       # cleared, then measured again for this setting
-    assert after["_p08_verdict"] == 2 and after["_p03_measure"] == 1, after    # the other caches keep their entries
+    assert after["prefix_hit"] == 2 and after["state_vs_kv"] == 1, after    # the other caches keep their entries
     assert plotly_values(chart_spec(at, "p08_ttft_chart")["data"][0]["y"]) != medians   # a new measurement
 
     p03.run()                                                     # page 03 shows its cached measurement
     assert _stamps(p03) == stamp03 and chart_spec(p03, "p03_decode_chart")["data"] == data03
-    assert _entries()["_p03_measure"] == 1
+    assert _entries()["state_vs_kv"] == 1
     st.cache_data.clear()
 
 
