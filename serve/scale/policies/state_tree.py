@@ -106,12 +106,9 @@ class StateTree:
                 node.payload = tokens
         self.touch(ids, upto)
 
-    def add_state(self, ids: Sequence[int], pos: int) -> None:
-        """Cache a state after ``pos`` tokens of this prompt (its KV must be kept up to ``pos``)."""
-        self.add_states(ids, (pos,))
-
     def add_states(self, ids: Sequence[int], positions: Sequence[int]) -> None:
-        """:meth:`add_state` at each of ``positions`` in order (one call per prompt)."""
+        """Cache a state after each of ``positions`` tokens of this prompt, in order (one call per prompt;
+        its KV must be kept up to each position)."""
         N, states, node_states = self.block_size, self.states, self.node_states
         clock, written = self.clock, 0
         for pos in positions:
