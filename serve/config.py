@@ -50,11 +50,6 @@ class ServeConfig:
         if self.page_policy not in POLICIES:
             raise ValueError(f"page_policy must be one of {POLICIES}, got {self.page_policy!r}")
 
-    @property
-    def blocks_per_checkpoint(self) -> int:
-        """C / N: blocks between two interval checkpoints."""
-        return self.checkpoint_interval // self.block_size
-
     def page_bytes(self, model_cfg: ModelConfig) -> int:
         """Pool page size (bytes) for ``model_cfg`` under :attr:`page_policy`. Raises ValueError if
         :attr:`num_groups` exceeds the model's KDA layers."""

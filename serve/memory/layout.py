@@ -169,10 +169,3 @@ class CacheLayout:
     def state_waste_bytes(self) -> int:
         """Allocated but unused bytes of a whole-model state: state_pages * page_bytes - state_bytes."""
         return self.state_pages * self.page_bytes - self.state_bytes
-
-    def sequence_pages(self, num_tokens: int) -> int:
-        """Pages one sequence holds at ``num_tokens`` of context: ceil(T / N) KV blocks + the state pages.
-        Raises ValueError for a negative ``num_tokens``."""
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        return -(-num_tokens // self.block_size) + self.state_pages

@@ -198,11 +198,6 @@ class PrefixIndex:
             return []
         return [g for g in range(self._num_groups) if g not in ckpts]
 
-    def is_complete(self, key: Hashable) -> bool:
-        """True when the block ``key`` is cached and every group has a checkpoint there."""
-        node = self.nodes.get(key)
-        return node is not None and len(node.ckpts) == self._num_groups
-
     def node(self, key: Hashable) -> BlockNode:
         """The node of a cached block (KeyError if absent)."""
         return self.nodes[key]

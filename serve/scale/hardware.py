@@ -49,11 +49,6 @@ class Hardware:
                 raise ValueError(f"{field_name} must be a positive number, got {val!r}")
 
     @property
-    def ridge_flop_per_byte(self) -> float:
-        """Arithmetic intensity (FLOP/byte) above which a kernel is compute-bound: peak / bandwidth."""
-        return self.peak_bf16_flops / self.hbm_bytes_per_s
-
-    @property
     def nvlink_unidirectional_bytes_per_s(self) -> float:
         """Bytes/s one way per GPU (half the datasheet's bidirectional figure)."""
         return self.nvlink_bytes_per_s / 2
