@@ -20,6 +20,7 @@ import torch
 from kda_core.chunk import kda_chunk
 from kda_core.config import PRESETS
 from kda_core.layer import KDACache, KDALayer
+from serve.errors import check_positive_int
 from serve.parallel.comm import Comm, PhaseTimes
 from serve.parallel.halo import kcp_layer_prefill
 from serve.parallel.inputs import DTYPES, initial_state, kda_inputs, layer_inputs
@@ -73,9 +74,7 @@ class KCPConfig:
     def __post_init__(self):
         for name in ("seq_len", "world_size", "batch", "num_heads", "head_k_dim", "head_v_dim", "hidden_size",
                      "chunk_size", "repeats", "threads_per_rank"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+            check_positive_int(name, getattr(self, name))
         block_bounds(self.seq_len, self.world_size)          # T >= world_size
         check_variant(self.variant)
         check_backend(self.backend)

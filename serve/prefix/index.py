@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from serve.errors import check_positive_int
 from serve.prefix.hit import LookupStep
 
 ROOT = None  # parent of the first block
@@ -44,8 +45,7 @@ def block_keys(tokens: Sequence[int], block_size: int) -> list[bytes]:
     Returns: ``T // N`` keys of 32 bytes.
     Raises: ValueError for a non-positive block size or tokens that are not a 1-D integer sequence.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    check_positive_int("block_size", block_size)
     arr = np.asarray(tokens.tolist() if hasattr(tokens, "tolist") else tokens)
     if arr.size == 0:
         return []

@@ -34,6 +34,7 @@ import math
 import torch
 
 from kda_core.config import PRESETS
+from serve.errors import check_positive_int
 from serve.memory.vllm_block import vllm_block_pick
 from serve.scale.policies.base import ReplicaBytes
 from serve.scale.policies.state_tree import StateTree, TreeCounters
@@ -73,14 +74,11 @@ class VLLMMambaPolicy(TreeCounters):
                  trace_block_size: int = MOONCAKE_BLOCK_TOKENS):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
-                or max_num_batched_tokens <= 0:
-            raise ValueError(f"max_num_batched_tokens must be a positive int, got {max_num_batched_tokens!r}")
+        check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         self.replica = ReplicaBytes.for_preset(preset, tp_size)
         cfg = PRESETS[preset]
         B = block_size if block_size is not None else vllm_block_size(preset, mode, kernel_block_size, tp_size)
-        if isinstance(B, bool) or not isinstance(B, int) or B <= 0:
-            raise ValueError(f"block_size must be a positive int, got {B!r}")
+        check_positive_int("block_size", B)
         self.mode, self.vllm_block, self.replay_stop = mode, B, replay_stop
         self.max_num_batched_tokens = max_num_batched_tokens
         self.name = f"vllm {mode}" + (" +replay stop" if replay_stop else "")
