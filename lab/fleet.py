@@ -306,30 +306,6 @@ def default_service(base: ServiceModel, prefill_x: float, decode_x: float, kv_ca
         ServiceModel(**{**svc.__dict__, "max_prefill_tokens_per_step": max_prefill_tokens_per_step})
 
 
-DIP_WINDOWS = 5  # scale_dip: windows after the event over which the hit-ratio loss is averaged
-
-
-def scale_dip(df: pd.DataFrame, at_request: int, windows_after: int = DIP_WINDOWS) -> pd.DataFrame:
-    """Per algorithm: mean windowed hit ratio before the event, the lowest window after it, the hit
-    ratio lost (mean of max(0, before − window) over the first ``windows_after`` windows after the
-    event), and how many requests it took to get back within 90 % of the before level (NaN if it never
-    did within the trace)."""
-    if windows_after < 1:
-        raise ValueError(f"windows_after must be >= 1 window, got {windows_after}")
-    rows = []
-    for name, g in df.groupby("algorithm", sort=False):
-        before = g[g.request < at_request].hit_ratio
-        after = g[g.request >= at_request]
-        level = float(before.mean()) if len(before) else float("nan")
-        recovered = after[after.hit_ratio >= 0.9 * level]
-        rows.append({"algorithm": name, "hit_ratio_before": level,
-                     "lowest_after": float(after.hit_ratio.min()) if len(after) else float("nan"),
-                     "hit_ratio_lost": float((level - after.hit_ratio.head(windows_after)).clip(lower=0).mean()) if len(after)
-                     else float("nan"),
-                     "requests_to_recover": float(recovered.request.iloc[0] - at_request) if len(recovered) else float("nan")})
-    return pd.DataFrame(rows)
-
-
 SYNTHETIC_RATE_RPS = 3.4  # page_trace's synthetic arrival rate: the Mooncake conversation trace's
 PAGE_TRACE_BLOCKS = 131_072  # blocks of an upload pages 11, 12 and 14 replay (README, "Inputs and limits")
 PREFIX_SIM_TRACE_BLOCKS = 49_152  # page 09 replays its trace 16 times through serve.prefix.sim

@@ -9,7 +9,6 @@ import pandas as pd
 
 from lab.fleet import (
     ANCHORS,
-    DIP_WINDOWS,
     REPLICA_CACHES,
     hit_ratio_across_scale_event,
     ideal_ratio,
@@ -24,6 +23,7 @@ ACTIONS = ("add", "remove")
 CAPACITIES = ("500", "2000", "8000", "unlimited")  # cache per replica options (512-token blocks)
 TRACE_SEEDS = 2   # synthetic traces averaged by default: one trace's dip swings by about a third between seeds
 MAX_SEEDS = 5
+DIP_WINDOWS = 5      # paired_dip: windows from the event over which the hit-ratio loss is averaged
 SMOOTH_WINDOWS = 3   # paired_dip: the loss is averaged over this many windows before testing for recovery
 
 
