@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -266,10 +267,7 @@ def results_frame(sim: FleetSimResult) -> pd.DataFrame:
 def summarize(sim: FleetSimResult, label: str) -> list[dict]:
     """One row per class (and "all"): hit ratio, TTFT P50/P99, queue wait P99, balance, throughput."""
     done = [r for r in sim.results if r.status == "completed"]
-    per_replica: dict[str, int] = {}
-    for r in done:
-        per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
-    counts = np.array(list(per_replica.values()) or [0])
+    counts = np.array(list(Counter(r.replica for r in done).values()) or [0])
     balance = float(counts.max() / counts.mean()) if counts.mean() > 0 else float("nan")
     rows = []
     for klass in [None] + sorted({r.klass for r in sim.results}):
