@@ -16,8 +16,8 @@ import pandas as pd
 
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, measure
-from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
-from serve.fleet.hashing import random_keys, routing_key
+from serve.fleet import ROUTERS, make_router, replica_names
+from serve.fleet.hashing import random_keys
 from serve.fleet.policy_cache import PolicyReplicaCache
 from serve.fleet.replay import ScaleEvent, replay_routing, windowed_hit_ratio
 from serve.fleet.ring import ConsistentHashRouter
@@ -163,25 +163,6 @@ def measure_lookup_us(num_replicas: int, vnodes: int, num_keys: int = LOOKUP_KEY
     return pd.DataFrame([{"algorithm": t.label, "us_per_key": t.median_s * per_key_us, "q1_us": t.q1_s * per_key_us,
                           "q3_us": t.q3_s * per_key_us, "min_us": t.min_s * per_key_us, "max_us": t.max_s * per_key_us}
                          for t in timings]), cond
-
-
-def where_prefix_lands(trace: Sequence[TraceRequest], index: int, num_replicas: int, k: int,
-                       vnodes: int) -> pd.DataFrame:
-    """For request ``index``: its routing key, the replica each key-based algorithm picks, and how many
-    trace requests share its first ``k`` blocks (they land on the same replica). Raises ValueError for
-    an index out of range."""
-    if not 0 <= index < len(trace):
-        raise ValueError(f"request index must be in [0, {len(trace) - 1}], got {index}")
-    req = trace[index]
-    key = routing_key(req.hash_ids, k)
-    prefix = req.hash_ids[:k]
-    sharing = sum(1 for r in trace if r.hash_ids[:k] == prefix)
-    rows = []
-    for name in KEY_ROUTERS:
-        router = make_router(name, replica_names(num_replicas), vnodes=vnodes)
-        rows.append({"algorithm": name, "replica": router.route(RouteQuery(key, req.hash_ids)),
-                     "routing_key": f"{key:016x}", "prefix_blocks": len(prefix), "requests_sharing_prefix": sharing})
-    return pd.DataFrame(rows)
 
 
 def keys_moved_table(num_replicas: int, action: str, num_keys: int, vnodes: int) -> pd.DataFrame:

@@ -60,7 +60,8 @@ class FleetHashing:
 def prefix_landing(trace: Sequence[TraceRequest], num_replicas: int, k: int, vnodes: int) -> pd.DataFrame:
     """For every request: its routing key (blake2b chained over its first ``k`` block ids), the replica each
     key-based algorithm picks, and how many trace requests share those blocks (they land on the same
-    replica). Rows as :func:`lab.fleet.where_prefix_lands` plus ``request``, request-major."""
+    replica). Columns request, algorithm, replica, routing_key (16 hex digits), prefix_blocks,
+    requests_sharing_prefix; request-major."""
     sharing = Counter(r.hash_ids[:k] for r in trace)
     routers = {name: make_router(name, replica_names(num_replicas), vnodes=vnodes) for name in KEY_ROUTERS}
     rows = []

@@ -16,7 +16,6 @@ from lab.fleet import (
     ring_balance_vs_vnodes,
     routing_load,
     simulate_policies,
-    where_prefix_lands,
 )
 from serve.fleet.budgets import PriorityClass
 from serve.fleet.service_model import EngineRates, cpu_engine_preset, measure_cpu_engine
@@ -60,17 +59,12 @@ def test_budget_traffic_is_seeded_and_sorted():
         budget_traffic(steady, 0.0, "b", 1, 1.0, 1.0, 1, 1)
 
 
-def test_routing_load_and_where_prefix_lands():
+def test_routing_load():
     trace = synthesize(num_requests=800, duration_s=200, seed=4)
     one = routing_load(trace, "ring", 8, 1, vnodes=160)
     assert one.requests.max() == len(trace) and len(one) == 8  # k = 1: shared system block → one replica
     two = routing_load(trace, "ring", 8, 2, vnodes=160)
     assert two.requests.max() < len(trace) / 3 and two.requests.sum() == len(trace)
-    where = where_prefix_lands(trace, 5, 8, 2, 160)
-    assert set(where.algorithm) == {"mod_n", "ring", "jump", "rendezvous", "maglev"}
-    assert (where.requests_sharing_prefix >= 1).all()
-    with pytest.raises(ValueError, match="request index"):
-        where_prefix_lands(trace, 800, 8, 2, 160)
 
 
 def test_ring_balance_and_keys_moved_tables():
