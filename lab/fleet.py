@@ -16,6 +16,7 @@ import pandas as pd
 
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, measure
+from serve.errors import check_choice
 from serve.fleet import ROUTERS, make_router, replica_names
 from serve.fleet.hashing import random_keys
 from serve.fleet.policy_cache import PolicyReplicaCache
@@ -79,8 +80,7 @@ def policy_cache_factory(model: str, gpu: str, tp: int, cache_policy: str,
     from serve.scale.hardware import hardware
     for name, value, allowed in (("model", model, tuple(MODELS)), ("gpu", gpu, HARDWARE),
                                  ("tp", tp, TP_SIZES), ("cache_policy", cache_policy, POLICIES)):
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        check_choice(name, value, allowed)
     if not 0 < budget_fraction <= 1:
         raise ValueError(f"budget_fraction must be in (0, 1] (share of the HBM left after weights), got {budget_fraction}")
     free = free_bytes(model, hardware(gpu), tp)

@@ -17,6 +17,7 @@ from lab.fleet import (
     policy_cache_factory,
 )
 from lab.fleet_simulation import REAL_DEFAULTS
+from serve.errors import check_choice
 from serve.fleet import KEY_ROUTERS, make_router, replica_names
 
 ACTIONS = ("add", "remove")
@@ -76,12 +77,9 @@ def fleet_scaling(num_replicas: int, action: str, num_keys: int, vnodes: int, nu
     Raises: ValueError for an unknown action, capacity, replica cache, algorithm or real setup, weights that do
     not fit, a budget too small for one running request's states, ``seeds`` outside [1, :data:`MAX_SEEDS`], bad
     sizes, or a bad upload (TraceFormatError)."""
-    if action not in ACTIONS:
-        raise ValueError(f"action must be one of {ACTIONS}, got {action!r}")
-    if capacity not in CAPACITIES:
-        raise ValueError(f"capacity must be one of {CAPACITIES}, got {capacity!r}")
-    if replica_cache not in REPLICA_CACHES.values():
-        raise ValueError(f"replica_cache must be one of {tuple(REPLICA_CACHES.values())}, got {replica_cache!r}")
+    check_choice("action", action, ACTIONS)
+    check_choice("capacity", capacity, CAPACITIES)
+    check_choice("replica_cache", replica_cache, tuple(REPLICA_CACHES.values()))
     if not algorithms or any(a not in KEY_ROUTERS for a in algorithms):
         raise ValueError(f"algorithms must be a non-empty subset of {KEY_ROUTERS}, got {list(algorithms)}")
     if isinstance(seeds, bool) or not isinstance(seeds, int) or not 1 <= seeds <= MAX_SEEDS:

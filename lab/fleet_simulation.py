@@ -36,6 +36,7 @@ from lab.real_scale import (
     preset_title,
 )
 from lab.real_scale import POLICIES as CACHE_POLICIES
+from serve.errors import check_choice
 from serve.fleet import ROUTERS
 from serve.fleet.budgets import PriorityClass
 from serve.fleet.prefix_score import PREFIX_SCORE_ROUTERS
@@ -128,8 +129,7 @@ def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: i
                                  ("model", model, MODELS), ("gpu", gpu, HARDWARE), ("tp", tp, TP_SIZES),
                                  ("cache_policy", cache_policy, CACHE_POLICIES),
                                  ("budget_fraction", budget_fraction, BUDGET_OPTIONS)):
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        check_choice(name, value, allowed)
     if not 0 <= vip_percent <= 100:
         raise ValueError(f"vip_percent must be in [0, 100], got {vip_percent}")
     trace, note, _ = page_trace(upload, num_requests, name=upload_name)

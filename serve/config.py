@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kda_core.config import ModelConfig
-from serve.errors import check_positive_int
+from serve.errors import check_choice, check_positive_int
 from serve.memory.layout import POLICIES, CacheLayout
 
 
@@ -43,8 +43,7 @@ class ServeConfig:
         if self.checkpoint_interval % self.block_size:
             raise ValueError(f"checkpoint_interval must be a positive multiple of block_size={self.block_size}, "
                              f"got {self.checkpoint_interval}")
-        if self.page_policy not in POLICIES:
-            raise ValueError(f"page_policy must be one of {POLICIES}, got {self.page_policy!r}")
+        check_choice("page_policy", self.page_policy, POLICIES)
 
     def page_bytes(self, model_cfg: ModelConfig) -> int:
         """Pool page size (bytes) for ``model_cfg`` under :attr:`page_policy`. Raises ValueError if

@@ -35,7 +35,7 @@ from kda_core.config import (
     kda_state_bytes_per_layer,
     mla_kv_bytes_per_token,
 )
-from serve.errors import check_positive_int
+from serve.errors import check_choice, check_positive_int
 
 FP32_BYTES = 4
 PAGE_ALIGN_BYTES = 64
@@ -105,8 +105,7 @@ class CacheLayout:
         """Page size under ``policy`` (see the module docstring): "unified" = max(KV block, largest
         group state), "multi_page" = one KV block; rounded up to 64 bytes. Raises ValueError for an
         unknown policy, a non-positive ``block_size`` or bad ``num_groups``."""
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        check_choice("policy", policy, POLICIES)
         check_positive_int("block_size", block_size)
         need = block_size * mla_kv_bytes_per_token(cfg, kv_dtype)
         if policy == "unified":

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from serve.errors import check_choice
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -71,6 +73,5 @@ PRESETS: dict[str, Hardware] = {
 
 def hardware(name: str) -> Hardware:
     """The preset ``name`` (a key of ``PRESETS``). Raises ValueError naming the known presets."""
-    if name not in PRESETS:
-        raise ValueError(f"hardware must be one of {sorted(PRESETS)}, got {name!r}")
+    check_choice("hardware", name, sorted(PRESETS))
     return PRESETS[name]

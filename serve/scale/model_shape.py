@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from kda_core.config import PRESETS as CONFIG_PRESETS
 from kda_core.config import REAL_PRESETS, ModelConfig
-from serve.errors import check_positive_int
+from serve.errors import check_choice, check_positive_int
 
 MXFP4_BYTES_PER_WEIGHT = (4 + 8 / 32) / 8  # 4-bit values + one 8-bit scale per group of 32
 
@@ -234,6 +234,5 @@ def from_model_config(cfg: ModelConfig) -> ModelShape:
 
 def preset(name: str) -> ModelShape:
     """``from_model_config(kda_core.config.PRESETS[name])`` for a real preset name."""
-    if name not in REAL_PRESETS:
-        raise ValueError(f"name must be one of {list(REAL_PRESETS)}, got {name!r}")
+    check_choice("name", name, list(REAL_PRESETS))
     return from_model_config(CONFIG_PRESETS[name])

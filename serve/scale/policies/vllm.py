@@ -34,7 +34,7 @@ import math
 import torch
 
 from kda_core.config import PRESETS
-from serve.errors import check_positive_int
+from serve.errors import check_choice, check_positive_int
 from serve.memory.vllm_block import vllm_block_pick
 from serve.scale.policies.base import ReplicaBytes
 from serve.scale.policies.state_tree import StateTree, TreeCounters
@@ -47,8 +47,7 @@ MAMBA_CHUNK = 64
 def vllm_block_size(preset: str, mode: str, kernel_block_size: int = 64, tp_size: int = 1,
                     mamba_chunk_size: int = MAMBA_CHUNK) -> int:
     """vLLM's attention (and mamba) block size in tokens for ``preset`` under ``mode`` (module docstring)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    check_choice("mode", mode, MODES)
     cfg = PRESETS[preset]
     pick = vllm_block_pick(cfg, kernel_block_size, tp_size=tp_size)
     if mode != "all":
@@ -72,8 +71,7 @@ class VLLMMambaPolicy(TreeCounters):
     def __init__(self, preset: str, mode: str, tp_size: int = 1, kernel_block_size: int = 64,
                  max_num_batched_tokens: int = 8192, replay_stop: bool = False, block_size: int | None = None,
                  trace_block_size: int = MOONCAKE_BLOCK_TOKENS):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        check_choice("mode", mode, MODES)
         check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         self.replica = ReplicaBytes.for_preset(preset, tp_size)
         cfg = PRESETS[preset]
