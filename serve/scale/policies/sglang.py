@@ -90,12 +90,6 @@ class _SGLangBase(TreeCounters):
         self._last = (None, 0, 0)
         self.tree.evict_to(cache_bytes - state_cap, state_cap)
 
-    def bytes_by_kind(self) -> dict:
-        return self.tree.bytes_by_kind()
-
-    def check_integrity(self) -> None:
-        self.tree.check_integrity()
-
 
 class SGLangNoBuffer(_SGLangBase):
     """SGLang ``--mamba-scheduler-strategy no_buffer`` (``MambaRadixCache`` v1, page size 1).

@@ -221,9 +221,16 @@ class StateTree:
 
 class TreeCounters:
     """The counters :func:`serve.scale.policies.base.replay` reads, for a policy whose cache is a
-    :class:`StateTree` held as ``self.tree``: states written and evicted, KV tokens evicted."""
+    :class:`StateTree` held as ``self.tree``: states written and evicted, KV tokens evicted; and the tree's
+    bytes by kind and integrity check."""
 
     tree: StateTree
+
+    def bytes_by_kind(self) -> dict:
+        return self.tree.bytes_by_kind()
+
+    def check_integrity(self) -> None:
+        self.tree.check_integrity()
 
     @property
     def states_written(self) -> int:

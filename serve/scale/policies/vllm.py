@@ -141,9 +141,6 @@ class VLLMMambaPolicy(TreeCounters):
         self._last = (None, 0, 0)
         self.tree.evict_to(cache_bytes, 0.0)
 
-    def bytes_by_kind(self) -> dict:
-        return self.tree.bytes_by_kind()
-
     def check_integrity(self) -> None:
         self.tree.check_integrity()
         B = self.vllm_block
