@@ -11,11 +11,6 @@ import torch
 import torch.nn.functional as F
 
 
-def conv_state_zeros(batch: int, dim: int, kernel_size: int = 4, dtype=torch.float32) -> torch.Tensor:
-    """A zero conv state ``[B, D, W-1]`` (no earlier tokens)."""
-    return torch.zeros(batch, dim, kernel_size - 1, dtype=dtype)
-
-
 def short_conv(
     x: torch.Tensor,
     weight: torch.Tensor,

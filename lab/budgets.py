@@ -30,6 +30,7 @@ import pandas as pd
 from lab.fleet import PAGE_TRACE_BLOCKS, default_service, results_frame
 from lab.fleet_simulation import HARDWARE, MODELS, REAL_DEFAULTS, SERVICE_MODELS, TP_SIZES, real_replica
 from serve.azure_trace import read_azure_csv
+from serve.errors import check_choice
 from serve.fleet.budgets import PriorityClass
 from serve.fleet.service_model import saturated_throughput_rps
 from serve.fleet.sim_types import FleetConfig, FleetRequest, FleetSimResult, fresh_block_requests, percentile
@@ -200,8 +201,7 @@ def budget_service(service_model: str = "roofline", model: str = REAL_DEFAULTS["
     Raises ValueError for an unknown option or weights that do not fit."""
     for name, value, allowed in (("service_model", service_model, tuple(REPLICA_MODELS.values())),
                                  ("model", model, MODELS), ("gpu", gpu, HARDWARE), ("tp", tp, TP_SIZES)):
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+        check_choice(name, value, tuple(allowed))
     if service_model == "a10g":
         return default_service(on_off_less_service(), PREFILL_SPEEDUP, DECODE_SPEEDUP, KV_CAPACITY_TOKENS), None
     return real_replica(model, gpu, tp, REAL_DEFAULTS["cache_policy"], REAL_DEFAULTS["budget_fraction"])
@@ -262,8 +262,7 @@ def budget_page(vip_load: float, standard_load: float, vip_weight: float, standa
 
     Raises: ValueError for an unknown burst class or option, negative loads, non-positive budget, duration
     or replicas, weights that do not fit, or a bad Azure file (TraceFormatError naming the file and line)."""
-    if burst_class not in BURST_CLASSES:
-        raise ValueError(f"burst_class must be one of {BURST_CLASSES}, got {burst_class!r}")
+    check_choice("burst_class", burst_class, BURST_CLASSES)
     for name, value in (("vip_load", vip_load), ("standard_load", standard_load), ("burst_load", burst_load)):
         if not value >= 0:
             raise ValueError(f"{name} must be >= 0 (a fraction of the fleet's capacity), got {value}")

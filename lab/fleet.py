@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -15,8 +16,9 @@ import pandas as pd
 
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, measure
-from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
-from serve.fleet.hashing import random_keys, routing_key
+from serve.errors import check_choice
+from serve.fleet import ROUTERS, make_router, replica_names
+from serve.fleet.hashing import random_keys
 from serve.fleet.policy_cache import PolicyReplicaCache
 from serve.fleet.replay import ScaleEvent, replay_routing, windowed_hit_ratio
 from serve.fleet.ring import ConsistentHashRouter
@@ -78,8 +80,7 @@ def policy_cache_factory(model: str, gpu: str, tp: int, cache_policy: str,
     from serve.scale.hardware import hardware
     for name, value, allowed in (("model", model, tuple(MODELS)), ("gpu", gpu, HARDWARE),
                                  ("tp", tp, TP_SIZES), ("cache_policy", cache_policy, POLICIES)):
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        check_choice(name, value, allowed)
     if not 0 < budget_fraction <= 1:
         raise ValueError(f"budget_fraction must be in (0, 1] (share of the HBM left after weights), got {budget_fraction}")
     free = free_bytes(model, hardware(gpu), tp)
@@ -162,25 +163,6 @@ def measure_lookup_us(num_replicas: int, vnodes: int, num_keys: int = LOOKUP_KEY
     return pd.DataFrame([{"algorithm": t.label, "us_per_key": t.median_s * per_key_us, "q1_us": t.q1_s * per_key_us,
                           "q3_us": t.q3_s * per_key_us, "min_us": t.min_s * per_key_us, "max_us": t.max_s * per_key_us}
                          for t in timings]), cond
-
-
-def where_prefix_lands(trace: Sequence[TraceRequest], index: int, num_replicas: int, k: int,
-                       vnodes: int) -> pd.DataFrame:
-    """For request ``index``: its routing key, the replica each key-based algorithm picks, and how many
-    trace requests share its first ``k`` blocks (they land on the same replica). Raises ValueError for
-    an index out of range."""
-    if not 0 <= index < len(trace):
-        raise ValueError(f"request index must be in [0, {len(trace) - 1}], got {index}")
-    req = trace[index]
-    key = routing_key(req.hash_ids, k)
-    prefix = req.hash_ids[:k]
-    sharing = sum(1 for r in trace if r.hash_ids[:k] == prefix)
-    rows = []
-    for name in KEY_ROUTERS:
-        router = make_router(name, replica_names(num_replicas), vnodes=vnodes)
-        rows.append({"algorithm": name, "replica": router.route(RouteQuery(key, req.hash_ids)),
-                     "routing_key": f"{key:016x}", "prefix_blocks": len(prefix), "requests_sharing_prefix": sharing})
-    return pd.DataFrame(rows)
 
 
 def keys_moved_table(num_replicas: int, action: str, num_keys: int, vnodes: int) -> pd.DataFrame:
@@ -266,10 +248,7 @@ def results_frame(sim: FleetSimResult) -> pd.DataFrame:
 def summarize(sim: FleetSimResult, label: str) -> list[dict]:
     """One row per class (and "all"): hit ratio, TTFT P50/P99, queue wait P99, balance, throughput."""
     done = [r for r in sim.results if r.status == "completed"]
-    per_replica: dict[str, int] = {}
-    for r in done:
-        per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
-    counts = np.array(list(per_replica.values()) or [0])
+    counts = np.array(list(Counter(r.replica for r in done).values()) or [0])
     balance = float(counts.max() / counts.mean()) if counts.mean() > 0 else float("nan")
     rows = []
     for klass in [None] + sorted({r.klass for r in sim.results}):
@@ -304,30 +283,6 @@ def default_service(base: ServiceModel, prefill_x: float, decode_x: float, kv_ca
     svc = base.scaled(prefill_x, decode_x, kv_capacity_tokens=kv_capacity_tokens, max_batch_requests=256)
     return svc if max_prefill_tokens_per_step is None else \
         ServiceModel(**{**svc.__dict__, "max_prefill_tokens_per_step": max_prefill_tokens_per_step})
-
-
-DIP_WINDOWS = 5  # scale_dip: windows after the event over which the hit-ratio loss is averaged
-
-
-def scale_dip(df: pd.DataFrame, at_request: int, windows_after: int = DIP_WINDOWS) -> pd.DataFrame:
-    """Per algorithm: mean windowed hit ratio before the event, the lowest window after it, the hit
-    ratio lost (mean of max(0, before − window) over the first ``windows_after`` windows after the
-    event), and how many requests it took to get back within 90 % of the before level (NaN if it never
-    did within the trace)."""
-    if windows_after < 1:
-        raise ValueError(f"windows_after must be >= 1 window, got {windows_after}")
-    rows = []
-    for name, g in df.groupby("algorithm", sort=False):
-        before = g[g.request < at_request].hit_ratio
-        after = g[g.request >= at_request]
-        level = float(before.mean()) if len(before) else float("nan")
-        recovered = after[after.hit_ratio >= 0.9 * level]
-        rows.append({"algorithm": name, "hit_ratio_before": level,
-                     "lowest_after": float(after.hit_ratio.min()) if len(after) else float("nan"),
-                     "hit_ratio_lost": float((level - after.hit_ratio.head(windows_after)).clip(lower=0).mean()) if len(after)
-                     else float("nan"),
-                     "requests_to_recover": float(recovered.request.iloc[0] - at_request) if len(recovered) else float("nan")})
-    return pd.DataFrame(rows)
 
 
 SYNTHETIC_RATE_RPS = 3.4  # page_trace's synthetic arrival rate: the Mooncake conversation trace's

@@ -23,6 +23,7 @@ from lab.fleet import (
 )
 from lab.fleet_simulation import REAL_DEFAULTS
 from lab.timing import Conditions
+from serve.errors import check_choice
 from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
 from serve.fleet.hashing import routing_key
 from serve.fleet.router import RouteQuery
@@ -60,7 +61,8 @@ class FleetHashing:
 def prefix_landing(trace: Sequence[TraceRequest], num_replicas: int, k: int, vnodes: int) -> pd.DataFrame:
     """For every request: its routing key (blake2b chained over its first ``k`` block ids), the replica each
     key-based algorithm picks, and how many trace requests share those blocks (they land on the same
-    replica). Rows as :func:`lab.fleet.where_prefix_lands` plus ``request``, request-major."""
+    replica). Columns request, algorithm, replica, routing_key (16 hex digits), prefix_blocks,
+    requests_sharing_prefix; request-major."""
     sharing = Counter(r.hash_ids[:k] for r in trace)
     routers = {name: make_router(name, replica_names(num_replicas), vnodes=vnodes) for name in KEY_ROUTERS}
     rows = []
@@ -88,8 +90,7 @@ def fleet_hashing(algorithm: str, num_replicas: int, k: int, vnodes: int, num_re
     too small for one running request's states, or bad sizes; TraceFormatError (ValueError) for a bad upload."""
     if algorithm not in ROUTERS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    if replica_cache not in REPLICA_CACHES.values():
-        raise ValueError(f"replica_cache must be one of {tuple(REPLICA_CACHES.values())}, got {replica_cache!r}")
+    check_choice("replica_cache", replica_cache, tuple(REPLICA_CACHES.values()))
     factory = policy_cache_factory(model, gpu, tp, cache_policy, budget_fraction) if replica_cache == "policy" \
         else None
     trace, note, _ = page_trace(upload, num_requests, name=upload_name)

@@ -9,7 +9,6 @@ import pandas as pd
 
 from lab.fleet import (
     ANCHORS,
-    DIP_WINDOWS,
     REPLICA_CACHES,
     hit_ratio_across_scale_event,
     ideal_ratio,
@@ -18,12 +17,14 @@ from lab.fleet import (
     policy_cache_factory,
 )
 from lab.fleet_simulation import REAL_DEFAULTS
+from serve.errors import check_choice
 from serve.fleet import KEY_ROUTERS, make_router, replica_names
 
 ACTIONS = ("add", "remove")
 CAPACITIES = ("500", "2000", "8000", "unlimited")  # cache per replica options (512-token blocks)
 TRACE_SEEDS = 2   # synthetic traces averaged by default: one trace's dip swings by about a third between seeds
 MAX_SEEDS = 5
+DIP_WINDOWS = 5      # paired_dip: windows from the event over which the hit-ratio loss is averaged
 SMOOTH_WINDOWS = 3   # paired_dip: the loss is averaged over this many windows before testing for recovery
 
 
@@ -76,12 +77,9 @@ def fleet_scaling(num_replicas: int, action: str, num_keys: int, vnodes: int, nu
     Raises: ValueError for an unknown action, capacity, replica cache, algorithm or real setup, weights that do
     not fit, a budget too small for one running request's states, ``seeds`` outside [1, :data:`MAX_SEEDS`], bad
     sizes, or a bad upload (TraceFormatError)."""
-    if action not in ACTIONS:
-        raise ValueError(f"action must be one of {ACTIONS}, got {action!r}")
-    if capacity not in CAPACITIES:
-        raise ValueError(f"capacity must be one of {CAPACITIES}, got {capacity!r}")
-    if replica_cache not in REPLICA_CACHES.values():
-        raise ValueError(f"replica_cache must be one of {tuple(REPLICA_CACHES.values())}, got {replica_cache!r}")
+    check_choice("action", action, ACTIONS)
+    check_choice("capacity", capacity, CAPACITIES)
+    check_choice("replica_cache", replica_cache, tuple(REPLICA_CACHES.values()))
     if not algorithms or any(a not in KEY_ROUTERS for a in algorithms):
         raise ValueError(f"algorithms must be a non-empty subset of {KEY_ROUTERS}, got {list(algorithms)}")
     if isinstance(seeds, bool) or not isinstance(seeds, int) or not 1 <= seeds <= MAX_SEEDS:

@@ -17,21 +17,28 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from lab.fleet import ANCHORS, default_service, ideal_ratio, page_trace, scale_events_for, simulate_policies
+from lab.fleet import (
+    ANCHORS,
+    default_service,
+    ideal_ratio,
+    page_trace,
+    policy_cache_factory,
+    scale_events_for,
+    simulate_policies,
+)
 from lab.real_scale import (
     BUDGET_FRACTIONS,
     HARDWARE,
     MODELS,
     TP_SIZES,
     free_bytes,
-    make_policy,
     policy_title,
     preset_title,
 )
 from lab.real_scale import POLICIES as CACHE_POLICIES
+from serve.errors import check_choice
 from serve.fleet import ROUTERS
 from serve.fleet.budgets import PriorityClass
-from serve.fleet.policy_cache import PolicyReplicaCache
 from serve.fleet.prefix_score import PREFIX_SCORE_ROUTERS
 from serve.fleet.roofline_service import RooflineService
 from serve.fleet.service_model import cpu_engine_preset, measure_cpu_engine
@@ -122,8 +129,7 @@ def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: i
                                  ("model", model, MODELS), ("gpu", gpu, HARDWARE), ("tp", tp, TP_SIZES),
                                  ("cache_policy", cache_policy, CACHE_POLICIES),
                                  ("budget_fraction", budget_fraction, BUDGET_OPTIONS)):
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        check_choice(name, value, allowed)
     if not 0 <= vip_percent <= 100:
         raise ValueError(f"vip_percent must be in [0, 100], got {vip_percent}")
     trace, note, _ = page_trace(upload, num_requests, name=upload_name)
@@ -166,19 +172,12 @@ def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: i
 def real_replica(model: str, gpu: str, tp: int, cache_policy: str, budget_fraction: float):
     """(service, cache_factory) of one replica of ``model`` on ``tp`` x ``gpu``: roofline step times with
     room for the running requests' KV outside the cache budget, and a fresh ``cache_policy`` under
-    ``budget_fraction`` x the HBM the weights leave. Raises ValueError when the weights do not fit."""
+    ``budget_fraction`` x the HBM the weights leave (:func:`lab.fleet.policy_cache_factory`). Raises ValueError
+    as that does (the weights do not fit, an unknown setting, a budget below the running state slots)."""
+    cache_factory = policy_cache_factory(model, gpu, tp, cache_policy, budget_fraction)
     free = free_bytes(model, hardware(gpu), tp)
-    if free <= 0:
-        raise ValueError(f"{model} weights do not fit in {tp} x {gpu}: choose more GPUs (tp) or larger ones")
-    budget = free * budget_fraction
-    kv_per_token = ReplicaBytes.for_preset(model, tp).kv_bytes_per_token
-    room = max(1, int((free - budget) // kv_per_token))
-    service = RooflineService(model, gpu, tp, kv_capacity_tokens=room)
-
-    def cache_factory() -> PolicyReplicaCache:
-        return PolicyReplicaCache(make_policy(cache_policy, model, tp), budget)
-
-    return service, cache_factory
+    room = max(1, int((free - free * budget_fraction) // ReplicaBytes.for_preset(model, tp).kv_bytes_per_token))
+    return RooflineService(model, gpu, tp, kv_capacity_tokens=room), cache_factory
 
 
 def cache_counters(sim) -> tuple[int, dict[str, tuple[dict, int]]]:

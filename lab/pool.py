@@ -26,6 +26,7 @@ import pandas as pd
 from kda_core.config import PRESETS, REAL_PRESETS, preset_title
 from lab.pool_timing import LatencyHistogram, latency_histogram
 from lab.timing import Conditions, conditions, summarize
+from serve.errors import check_choice
 from serve.memory.layout import POLICIES, REAL_DTYPES, CacheLayout
 from serve.memory.pool import PageKind, PagePool
 from serve.memory.vllm_block import vllm_vs_ours
@@ -60,14 +61,11 @@ class WorkloadConfig:
     def __post_init__(self):
         if not 0 < self.pool_mib <= 1024:
             raise ValueError(f"pool_mib must be in (0, 1024], got {self.pool_mib}")
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        check_choice("policy", self.policy, POLICIES)
         if not 0.0 <= self.long_share <= 1.0:
             raise ValueError(f"long_share must be in [0, 1], got {self.long_share}")
-        if self.arrival not in ARRIVALS:
-            raise ValueError(f"arrival must be one of {ARRIVALS}, got {self.arrival!r}")
-        if self.preset not in PRESETS:
-            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
+        check_choice("arrival", self.arrival, ARRIVALS)
+        check_choice("preset", self.preset, sorted(PRESETS))
         for name in ("num_steps", "decode_tokens_per_step", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -17,6 +17,7 @@ import pandas as pd
 from kda_core.config import preset_title as preset_title  # re-exported: page 09's model labels
 from lab.fleet import MOONCAKE_TABLE2_CACHE_RATIO, PREFIX_SIM_TRACE_BLOCKS, page_trace
 from lab.prefix import Comparison, miss_then_hit
+from serve.errors import check_choice
 from serve.prefix.sim import CAPACITY_FRACTIONS, MISS_CAUSES, capacity_points, replay_row
 from serve.traces import MOONCAKE_BLOCK_TOKENS, IdealHitRatio, ideal_hit_ratio
 
@@ -65,8 +66,7 @@ def prefix_miss(prompt_tokens: int, next_shared: int, block_size: int, interval:
     is called after each replay. ``replay`` False: part 1 only (16 trace replays take seconds of CPU).
 
     Raises: ValueError for bad sizes, an unknown preset, or a malformed upload (TraceFormatError)."""
-    if preset not in PRESETS:
-        raise ValueError(f"preset must be one of {PRESETS}, got {preset!r}")
+    check_choice("preset", preset, PRESETS)
     shared = min(next_shared, prompt_tokens)
     run = miss_then_hit(prompt_tokens, shared, block_size, interval, num_groups)
     if not replay:

@@ -27,6 +27,7 @@ import pandas as pd
 from kda_core.config import REAL_PRESETS
 from kda_core.config import preset_title as preset_title  # re-exported: pages 14 and 15's model labels
 from lab.fleet import page_trace
+from serve.errors import check_choice
 from serve.scale.hardware import PRESETS as HARDWARE_PRESETS
 from serve.scale.hardware import Hardware, hardware
 from serve.scale.model_shape import ModelShape, preset
@@ -88,10 +89,8 @@ def free_bytes(model: str, hw: Hardware, tp: int) -> float:
 
 
 def _check_setup(model: str, hw_name: str, tp: int) -> Hardware:
-    if model not in MODELS:
-        raise ValueError(f"model must be one of {MODELS}, got {model!r}")
-    if tp not in TP_SIZES:
-        raise ValueError(f"tp must be one of {TP_SIZES}, got {tp!r}")
+    check_choice("model", model, MODELS)
+    check_choice("tp", tp, TP_SIZES)
     return hardware(hw_name)
 
 

@@ -18,6 +18,7 @@ from lab.rollback import strategies_for
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, LinearFit, conditions, fit_linear, summarize
 from lab.verify import PROMPT_TEXT
+from serve.errors import check_choice
 from serve.spec.draft import NoisyOracleProposer
 from serve.spec.raw_input_ring import RawInputRing
 from serve.spec.rollback import conv_window_after
@@ -33,8 +34,7 @@ def ring_model(width: int) -> HybridLM:
     """The demo hybrid at hidden size ``width`` with ``width / 32`` KDA heads of K = V = 32.
 
     Raises ValueError unless width is one of ``WIDTHS``."""
-    if width not in WIDTHS:
-        raise ValueError(f"width must be one of {WIDTHS}, got {width!r}")
+    check_choice("width", width, WIDTHS)
     cfg = dataclasses.replace(PRESETS["demo"], name=f"demo-d{width}", hidden_size=width, num_heads=width // 32)
     return HybridLM(cfg)
 

@@ -18,6 +18,7 @@ from kda_core.conv import short_conv
 from kda_core.kda import kda_gate, kda_recurrent
 from kda_core.layer import KDAAux, KDACache, l2norm
 from kda_core.model import ForwardOutput, HybridCache
+from serve.errors import check_choice
 from serve.spec.projection import ProjectionReplay
 from serve.spec.raw_input_ring import RawInputRing
 from serve.spec.rollback import (
@@ -159,8 +160,7 @@ class RollbackPage(NamedTuple):
 def rollback_page(shape: tuple[int, ...], num_draft: int, dtype_name: str) -> RollbackPage:
     """Page 01's one call. ``shape``: ``(H, K, V, W, d)`` as :class:`LayerShape`; ``dtype_name`` a key of
     ``DTYPES``. Raises ValueError for an unknown dtype name or ``num_draft < 0``."""
-    if dtype_name not in DTYPES:
-        raise ValueError(f"dtype_name must be one of {tuple(DTYPES)}, got {dtype_name!r}")
+    check_choice("dtype_name", dtype_name, tuple(DTYPES))
     layer_shape = LayerShape(*shape)
     return RollbackPage(layer_shape, dtype_bytes(DTYPES[dtype_name]),
                         measure_layer_bytes(layer_shape, num_draft, DTYPES[dtype_name]), model_rollback_table(),

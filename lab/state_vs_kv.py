@@ -32,6 +32,7 @@ from kda_core.kda import kda_step
 from kda_core.layer import latent_attention
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, LinearFit, fit_linear, measure
+from serve.errors import check_choice
 
 
 class DecodeCost(NamedTuple):
@@ -161,8 +162,7 @@ def state_vs_kv(model: str, state_dtype: str, kv_dtype: str, context_range: tupl
     else:
         raise ValueError(f"model must be one of {sorted(MODELS.values())}, got {model!r}")
     for name, value, allowed in (("state_dtype", state_dtype, STATE_DTYPES), ("kv_dtype", kv_dtype, KV_DTYPES)):
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        check_choice(name, value, allowed)
     lo, hi = context_range
     if not 1 <= lo <= hi:
         raise ValueError(f"context_range must be (lo, hi) with 1 <= lo <= hi, got {context_range}")

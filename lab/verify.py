@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 from kda_core.model import HybridLM, cache_equal, encode
 from lab.threads import one_thread
+from serve.errors import check_choice
 from serve.spec.draft import DraftProposer, NoisyOracleProposer
 from serve.spec.reference import cache_max_abs_diff, clone_cache, sequential_decode
 from serve.spec.rollback import RollbackStrategy
@@ -82,8 +83,7 @@ def run_verify_lab(model: HybridLM, num_draft: int, acceptance: float, strategy_
     Raises:
         ValueError: an unknown mode/strategy or an out-of-range argument.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    check_choice("mode", mode, MODES)
     if not isinstance(num_draft, int) or num_draft < 1:
         raise ValueError(f"num_draft must be an int >= 1, got {num_draft!r}")
     if not 1 <= abort_tokens <= num_draft + 1:

@@ -13,12 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kda_core.config import ModelConfig
+from serve.errors import check_choice, check_positive_int
 from serve.memory.layout import POLICIES, CacheLayout
-
-
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -41,19 +37,13 @@ class ServeConfig:
     page_policy: str = "multi_page"
 
     def __post_init__(self):
-        _positive_int("block_size", self.block_size)
-        _positive_int("num_groups", self.num_groups)
-        _positive_int("checkpoint_interval", self.checkpoint_interval)
+        check_positive_int("block_size", self.block_size)
+        check_positive_int("num_groups", self.num_groups)
+        check_positive_int("checkpoint_interval", self.checkpoint_interval)
         if self.checkpoint_interval % self.block_size:
             raise ValueError(f"checkpoint_interval must be a positive multiple of block_size={self.block_size}, "
                              f"got {self.checkpoint_interval}")
-        if self.page_policy not in POLICIES:
-            raise ValueError(f"page_policy must be one of {POLICIES}, got {self.page_policy!r}")
-
-    @property
-    def blocks_per_checkpoint(self) -> int:
-        """C / N: blocks between two interval checkpoints."""
-        return self.checkpoint_interval // self.block_size
+        check_choice("page_policy", self.page_policy, POLICIES)
 
     def page_bytes(self, model_cfg: ModelConfig) -> int:
         """Pool page size (bytes) for ``model_cfg`` under :attr:`page_policy`. Raises ValueError if

@@ -231,7 +231,6 @@ class ServeEngine:
             self._reject(req, f"pool exhausted at admission: {err}")
             return
         req.keys = [] if req.hit is None else list(req.hit.keys)
-        req.admit_t = time.perf_counter()
         req.timings_ms["queue"] = (t0 - req.submit_t) * 1e3 - req.timings_ms["lookup"]
         req.timings_ms["admit"] = _ms(t0)
         t1 = time.perf_counter()

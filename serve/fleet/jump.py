@@ -58,15 +58,8 @@ class JumpHashRouter(Router):
     def assign(self, keys: np.ndarray) -> np.ndarray:
         return jump_bucket_np(keys, len(self._replicas))
 
-    def remove_replica(self, replica: str) -> None:
-        if replica not in self._replicas:
-            raise ValueError(f"replica '{replica}' not present (have {self._replicas})")
-        if len(self._replicas) == 1:
-            raise ValueError("cannot remove the last replica")
+    def _take_out(self, replica: str) -> None:
         i = self._replicas.index(replica)
         last = self._replicas.pop()
         if last != replica:
             self._replicas[i] = last
-        if self._load.get(replica, 0) == 0:
-            self._load.pop(replica, None)
-        self._rebuild()

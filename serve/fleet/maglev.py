@@ -78,7 +78,6 @@ class MaglevRouter(Router):
         self._rebuild()
 
     def _rebuild(self) -> None:
-        super()._rebuild()
         n = len(self._replicas)
         m = self._fixed_size if self._fixed_size is not None else next_prime(max(65537, 100 * n))
         if not is_prime(m):

@@ -22,7 +22,6 @@ class RendezvousRouter(Router):
         self._rebuild()
 
     def _rebuild(self) -> None:
-        super()._rebuild()
         self._seeds = [stable_hash64(f"hrw:{r}") for r in self._replicas]
         self._seeds_np = np.array(self._seeds, dtype=np.uint64)
 

@@ -10,6 +10,7 @@ with an empty cache; ``remove`` drops a replica and its cache.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -101,13 +102,10 @@ def replay_routing(
         hit_tokens[i] = min(hit, req.input_length)
         input_tokens[i] = req.input_length
         total_blocks += len(req.hash_ids)
-    counts: dict[str, int] = {}
-    for r in replicas:
-        counts[r] = counts.get(r, 0) + 1
     return RoutingReplay(
         replicas, hit_blocks, hit_tokens, input_tokens,
         float(hit_tokens.sum() / max(1, input_tokens.sum())),
-        float(hit_blocks.sum() / max(1, total_blocks)), counts, lost_tokens, caches,
+        float(hit_blocks.sum() / max(1, total_blocks)), dict(Counter(replicas)), lost_tokens, caches,
     )
 
 

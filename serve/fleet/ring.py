@@ -42,7 +42,6 @@ class ConsistentHashRouter(Router):
         self._rebuild()
 
     def _rebuild(self) -> None:
-        super()._rebuild()
         owner: dict[int, str] = {}
         for replica in self._replicas:
             for p in ketama_points(replica, self.vnodes):
@@ -52,11 +51,6 @@ class ConsistentHashRouter(Router):
         index = {r: i for i, r in enumerate(self._replicas)}
         self._points_np = np.array(self._points, dtype=np.uint64)
         self._owner_idx_np = np.array([index[o] for o in self._owners], dtype=np.int64)
-
-    def lookup_position(self, position32: int) -> str:
-        """Replica owning 32-bit ring position ``position32``."""
-        i = bisect_right(self._points, position32)
-        return self._owners[i if i < len(self._points) else 0]
 
     def ring_index(self, key: int) -> int:
         """Index into the sorted points of the first point serving ``key``."""

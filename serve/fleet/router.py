@@ -45,8 +45,6 @@ class Router(ABC):
             raise ValueError(f"replica names must be unique, got {list(replicas)}")
         self._replicas: list[str] = [str(r) for r in replicas]
         self._load: dict[str, int] = {r: 0 for r in self._replicas}
-        self._index: dict[str, int] = {}
-        Router._rebuild(self)
 
     @property
     def replicas(self) -> list[str]:
@@ -87,14 +85,17 @@ class Router(ABC):
             raise ValueError(f"replica '{replica}' not present (have {self._replicas})")
         if len(self._replicas) == 1:
             raise ValueError("cannot remove the last replica")
-        self._replicas.remove(replica)
+        self._take_out(replica)
         if self._load.get(replica, 0) == 0:
             self._load.pop(replica, None)
         self._rebuild()
 
-    def _rebuild(self) -> None:
-        """Recompute derived structures after a membership change (hash routers extend this)."""
-        self._index = {r: i for i, r in enumerate(self._replicas)}
+    def _take_out(self, replica: str) -> None:
+        """Drop ``replica`` from the router order (jump hash moves the last one into its slot instead)."""
+        self._replicas.remove(replica)
+
+    def _rebuild(self) -> None:  # noqa: B027 -- a hook, empty for the routers that keep no derived structure
+        """Recompute derived structures after a membership change (hash routers override this)."""
 
     def assign(self, keys: np.ndarray) -> np.ndarray:
         """Replica index (into ``replicas``) for each ``uint64`` key; default loops over ``route``."""

@@ -4,7 +4,6 @@
   replica, measured on the same router object before and after the membership change.
 - :func:`scaling_table` — that fraction for every key-based algorithm, with the ideal 1/(n+1)
   (only the new replica's share moves) and mod-N's expected n/(n+1).
-- :func:`load_shares` — per-replica share of keys (max/mean is the balance figure).
 """
 
 from __future__ import annotations
@@ -34,12 +33,6 @@ def keys_moved(router: Router, keys: np.ndarray, add: str | None = None, remove:
         router.remove_replica(remove)
     after = _names(router, keys)
     return float(np.mean(before != after))
-
-
-def load_shares(router: Router, keys: np.ndarray) -> np.ndarray:
-    """Share of ``keys`` per replica, in router order (sums to 1)."""
-    counts = np.bincount(router.assign(keys), minlength=len(router.replicas))
-    return counts / counts.sum()
 
 
 class ScalingRow(NamedTuple):

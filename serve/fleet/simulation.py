@@ -50,13 +50,11 @@ class FleetSim:
         if isinstance(self.router, PrefixScoreRouter):
             self.router.scorer = lambda name, req: self.replicas[name].prefix_tokens(req)
         self.jobs = [Job(r) for r in sorted(requests, key=lambda r: (r.arrival_ms, r.request_id))]
-        classes = {c.name: c for c in cfg.classes}
         self.buckets = {c.name: TokenBucket(c.rate_tokens_per_s, c.burst_tokens) for c in cfg.classes if c.has_bucket}
         self.gate_queues: dict[str, deque[Job]] = {k: deque() for k in self.buckets}
         self.gate_busy: dict[str, bool] = dict.fromkeys(self.buckets, False)
         self.admissions: list[Admission] = []
         self.finished = 0
-        self._classes = classes
 
     # --- request life cycle -------------------------------------------------------------
     def finish(self, job: Job, status: str) -> None:

@@ -10,6 +10,7 @@ and once with our VTC scheduler, and report per-client TTFT percentiles for both
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
@@ -60,9 +61,7 @@ def compare(requests: list[FleetRequest], service: ServiceModel,
             measured_throughput_rps: dict[str, float]) -> VTCComparison:
     """Simulate ``requests`` on one replica with FCFS and with VTC; put our per-client TTFT P50/P99
     beside ``measured[scheduler][client] = (p50_s, p99_s)``."""
-    counts: dict[str, int] = {}
-    for r in requests:
-        counts[r.klass] = counts.get(r.klass, 0) + 1
+    counts = Counter(r.klass for r in requests)
     light = min(counts, key=counts.get)
     rows, ours_tp, sims = [], {}, {}
     for sched in ("FCFS", "VTC"):

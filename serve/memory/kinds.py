@@ -59,12 +59,6 @@ class PoolStats(NamedTuple):
     external_fragmentation: float
 
 
-def check_positive_int(name: str, val) -> int:
-    if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-        raise ValueError(f"{name} must be a positive int, got {val!r}")
-    return val
-
-
 def check_used_kind(kind) -> PageKind:
     if kind is PageKind.MLA_KV or kind is PageKind.KDA_STATE:
         return kind

@@ -35,6 +35,7 @@ from kda_core.config import (
     kda_state_bytes_per_layer,
     mla_kv_bytes_per_token,
 )
+from serve.errors import check_choice, check_positive_int
 
 FP32_BYTES = 4
 PAGE_ALIGN_BYTES = 64
@@ -88,8 +89,7 @@ class CacheLayout:
     conv_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        check_positive_int("block_size", self.block_size)
         group_layers(self.cfg, self.num_groups)
         if isinstance(self.page_bytes, bool) or not isinstance(self.page_bytes, int) or self.page_bytes <= 0 \
                 or self.page_bytes % FP32_BYTES:
@@ -105,10 +105,8 @@ class CacheLayout:
         """Page size under ``policy`` (see the module docstring): "unified" = max(KV block, largest
         group state), "multi_page" = one KV block; rounded up to 64 bytes. Raises ValueError for an
         unknown policy, a non-positive ``block_size`` or bad ``num_groups``."""
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        check_choice("policy", policy, POLICIES)
+        check_positive_int("block_size", block_size)
         need = block_size * mla_kv_bytes_per_token(cfg, kv_dtype)
         if policy == "unified":
             need = max(need, max(group_state_bytes(cfg, len(g), state_dtype, conv_dtype)
@@ -169,10 +167,3 @@ class CacheLayout:
     def state_waste_bytes(self) -> int:
         """Allocated but unused bytes of a whole-model state: state_pages * page_bytes - state_bytes."""
         return self.state_pages * self.page_bytes - self.state_bytes
-
-    def sequence_pages(self, num_tokens: int) -> int:
-        """Pages one sequence holds at ``num_tokens`` of context: ceil(T / N) KV blocks + the state pages.
-        Raises ValueError for a negative ``num_tokens``."""
-        if num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        return -(-num_tokens // self.block_size) + self.state_pages

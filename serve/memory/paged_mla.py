@@ -48,14 +48,6 @@ class PagedMLACache:
         """Blocks that ``num_tokens`` tokens occupy: ceil(num_tokens / N)."""
         return -(-num_tokens // self.layout.block_size)
 
-    def unused_bytes(self) -> int:
-        """Allocated but unused bytes: unwritten slots of the last block + every page's padding
-        (:attr:`CacheLayout.kv_page_padding_bytes`)."""
-        lay = self.layout
-        slot_bytes = lay.kv_block_bytes // lay.block_size
-        return (self.num_blocks * lay.block_size - self.num_tokens) * slot_bytes + \
-            self.num_blocks * lay.kv_page_padding_bytes
-
     def append(self, latents: torch.Tensor) -> None:
         """Append T tokens of latents ``[M, T, r + rope]`` (converted to fp32).
 

@@ -25,6 +25,7 @@ from operator import itemgetter
 
 import torch
 
+from serve.errors import check_positive_int
 from serve.memory.kinds import (
     POISON_BYTE,
     USED_KINDS,
@@ -32,7 +33,6 @@ from serve.memory.kinds import (
     PageKind,
     PoolExhausted,
     PoolStats,
-    check_positive_int,
     check_used_kind,
 )
 

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_core.kda import kda_gate
+from serve.errors import check_choice
 
 TILE_TOKENS = 256
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -62,8 +63,7 @@ def kda_inputs(batch: int, num_heads: int, head_k_dim: int, head_v_dim: int, sta
                       ("head_v_dim", head_v_dim)):
         if not isinstance(val, int) or val <= 0:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {list(DTYPES)}, got {dtype!r}")
+    check_choice("dtype", dtype, list(DTYPES))
     _check_range(start, end)
     B, H, K, V = batch, num_heads, head_k_dim, head_v_dim
     A_log, dt_bias = _gate_params(H, K, seed)

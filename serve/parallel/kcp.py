@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 
 from kda_core.chunk import kda_chunk_outputs, kda_chunk_prepare, kda_chunk_states
+from serve.errors import check_choice
 from serve.parallel.comm import Comm, PhaseClock, PhaseTimes
 from serve.parallel.summary import BlockSummary, apply_summary, compose, fold_state, summary_from_prep
 
@@ -48,8 +49,7 @@ class KCPOutput(NamedTuple):
 
 
 def check_variant(variant: str) -> None:
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    check_choice("variant", variant, VARIANTS)
 
 
 def piece_bounds(num_tokens: int, piece_tokens: int | None, chunk_size: int) -> list[tuple[int, int]]:

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from serve.errors import check_choice
 from serve.process_memory import release_freed_memory
 
 BACKENDS = ("gloo", "nccl")
@@ -122,8 +123,7 @@ def free_port() -> int:
 
 def check_backend(backend: str) -> None:
     """Raise ValueError unless ``backend`` is usable here (nccl needs CUDA)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_choice("backend", backend, BACKENDS)
     if backend == "nccl" and not torch.cuda.is_available():
         raise ValueError("backend 'nccl' needs CUDA, which this machine does not have; use 'gloo'")
 
@@ -252,8 +252,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
         raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    check_choice("start_method", start_method, START_METHODS)
     if not isinstance(threads_per_rank, int) or threads_per_rank < 1:
         raise ValueError(f"threads_per_rank must be an int >= 1, got {threads_per_rank!r}")
     check_backend(backend)

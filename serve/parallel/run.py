@@ -20,6 +20,7 @@ import torch
 from kda_core.chunk import kda_chunk
 from kda_core.config import PRESETS
 from kda_core.layer import KDACache, KDALayer
+from serve.errors import check_choice, check_positive_int
 from serve.parallel.comm import Comm, PhaseTimes
 from serve.parallel.halo import kcp_layer_prefill
 from serve.parallel.inputs import DTYPES, initial_state, kda_inputs, layer_inputs
@@ -73,23 +74,18 @@ class KCPConfig:
     def __post_init__(self):
         for name in ("seq_len", "world_size", "batch", "num_heads", "head_k_dim", "head_v_dim", "hidden_size",
                      "chunk_size", "repeats", "threads_per_rank"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+            check_positive_int(name, getattr(self, name))
         block_bounds(self.seq_len, self.world_size)          # T >= world_size
         check_variant(self.variant)
         check_backend(self.backend)
-        if self.level not in LEVELS:
-            raise ValueError(f"level must be one of {LEVELS}, got {self.level!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}")
+        check_choice("level", self.level, LEVELS)
+        check_choice("dtype", self.dtype, list(DTYPES))
         if self.level == "layer" and self.dtype != "float32":
             raise ValueError(f"dtype must be 'float32' at level 'layer' (KDALayer is fp32), got {self.dtype!r}")
         if self.chunk_size & (self.chunk_size - 1):
             raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
         piece_bounds(self.seq_len, self.piece_tokens, self.chunk_size)
-        if self.start_method not in START_METHODS:
-            raise ValueError(f"start_method must be one of {START_METHODS}, got {self.start_method!r}")
+        check_choice("start_method", self.start_method, START_METHODS)
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
         check_rank_memory(self.rank_bytes, self.world_size, self.seq_len)   # before any rank starts

@@ -27,7 +27,9 @@ allocated and written first, then all are published; on allocation failure nothi
 """
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Hashable, Sequence
+from itertools import islice
 
 from kda_core.config import ModelConfig
 from serve.config import ServeConfig
@@ -271,10 +273,8 @@ class PrefixCache:
             return False
         finally:
             index.pin_checkpoint(key, present, -1)
-        split, start = [], 0
-        for n in sizes:
-            split.append(tuple(pages[start: start + n]))
-            start += n
+        it = iter(pages)
+        split = [tuple(islice(it, n)) for n in sizes]   # the groups' pages, in order
         copy_state(self.pool, [state_pages_by_group[g] for g in missing], split)
         for g, grp in zip(missing, split):          # publish last, all groups together
             index.add_checkpoint(key, g, grp, written_at)
@@ -332,14 +332,8 @@ class PrefixCache:
                     assert pool.holders(p).get(self.owner) == 1, f"page {p}: cache does not hold one reference"
                     assert p not in seen, f"page {p} belongs to two cache entries"
                     seen.add(p)
-        pins: dict = {}
-        ck_pins: dict = {}
-        for holds in self._holds.values():
-            for k in holds.blocks:
-                pins[k] = pins.get(k, 0) + 1
-            if holds.ckpt is not None:
-                for g in holds.ckpt[1]:
-                    ck_pins[(holds.ckpt[0], g)] = ck_pins.get((holds.ckpt[0], g), 0) + 1
+        pins = Counter(k for holds in self._holds.values() for k in holds.blocks)
+        ck_pins = Counter((h.ckpt[0], g) for h in self._holds.values() if h.ckpt is not None for g in h.ckpt[1])
         for key, node in idx.nodes.items():
             assert node.pins == pins.get(key, 0), "block pins differ from the owners' holds"
             for g, c in node.ckpts.items():

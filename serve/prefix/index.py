@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from serve.errors import check_positive_int
 from serve.prefix.hit import LookupStep
 
 ROOT = None  # parent of the first block
@@ -44,8 +45,7 @@ def block_keys(tokens: Sequence[int], block_size: int) -> list[bytes]:
     Returns: ``T // N`` keys of 32 bytes.
     Raises: ValueError for a non-positive block size or tokens that are not a 1-D integer sequence.
     """
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+    check_positive_int("block_size", block_size)
     arr = np.asarray(tokens.tolist() if hasattr(tokens, "tolist") else tokens)
     if arr.size == 0:
         return []
@@ -197,11 +197,6 @@ class PrefixIndex:
         if len(ckpts) == self._num_groups:
             return []
         return [g for g in range(self._num_groups) if g not in ckpts]
-
-    def is_complete(self, key: Hashable) -> bool:
-        """True when the block ``key`` is cached and every group has a checkpoint there."""
-        node = self.nodes.get(key)
-        return node is not None and len(node.ckpts) == self._num_groups
 
     def node(self, key: Hashable) -> BlockNode:
         """The node of a cached block (KeyError if absent)."""

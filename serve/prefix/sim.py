@@ -30,6 +30,7 @@ import torch
 
 from kda_core.config import PRESETS, mla_kv_bytes_per_token
 from serve.config import ServeConfig
+from serve.errors import check_choice
 from serve.memory.layout import group_layers, group_state_bytes
 from serve.prefix.index import PrefixIndex
 from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, leading_run
@@ -70,8 +71,7 @@ class TraceReplayConfig:
         """Byte sizes of a real preset (``kda_core.config``): KV block = MLA KV bytes/token * N; a group's
         checkpoint = its KDA layers * (recurrent + conv state bytes). Raises ValueError for an unknown
         preset or more groups than its KDA layers."""
-        if preset not in PRESETS:
-            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+        check_choice("preset", preset, sorted(PRESETS))
         cfg = PRESETS[preset]
         groups = tuple(group_state_bytes(cfg, len(g), state_dtype, conv_dtype)
                        for g in group_layers(cfg, serving.num_groups))

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from serve.errors import check_choice
+
 
 @dataclass(frozen=True)
 class Hardware:
@@ -49,11 +51,6 @@ class Hardware:
                 raise ValueError(f"{field_name} must be a positive number, got {val!r}")
 
     @property
-    def ridge_flop_per_byte(self) -> float:
-        """Arithmetic intensity (FLOP/byte) above which a kernel is compute-bound: peak / bandwidth."""
-        return self.peak_bf16_flops / self.hbm_bytes_per_s
-
-    @property
     def nvlink_unidirectional_bytes_per_s(self) -> float:
         """Bytes/s one way per GPU (half the datasheet's bidirectional figure)."""
         return self.nvlink_bytes_per_s / 2
@@ -76,6 +73,5 @@ PRESETS: dict[str, Hardware] = {
 
 def hardware(name: str) -> Hardware:
     """The preset ``name`` (a key of ``PRESETS``). Raises ValueError naming the known presets."""
-    if name not in PRESETS:
-        raise ValueError(f"hardware must be one of {sorted(PRESETS)}, got {name!r}")
+    check_choice("hardware", name, sorted(PRESETS))
     return PRESETS[name]

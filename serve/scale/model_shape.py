@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 from kda_core.config import PRESETS as CONFIG_PRESETS
 from kda_core.config import REAL_PRESETS, ModelConfig
+from serve.errors import check_choice, check_positive_int
 
 MXFP4_BYTES_PER_WEIGHT = (4 + 8 / 32) / 8  # 4-bit values + one 8-bit scale per group of 32
 
@@ -84,9 +85,7 @@ class ModelShape:
                      "mla_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                      "dense_intermediate_size", "num_experts", "experts_per_token", "moe_intermediate_size",
                      "routed_expert_hidden_size", "kv_bytes", "state_bytes", "conv_bytes"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+            check_positive_int(name, getattr(self, name))
         for name in ("q_lora_rank", "first_dense_layers", "num_shared_experts"):
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val < 0:
@@ -235,6 +234,5 @@ def from_model_config(cfg: ModelConfig) -> ModelShape:
 
 def preset(name: str) -> ModelShape:
     """``from_model_config(kda_core.config.PRESETS[name])`` for a real preset name."""
-    if name not in REAL_PRESETS:
-        raise ValueError(f"name must be one of {list(REAL_PRESETS)}, got {name!r}")
+    check_choice("name", name, list(REAL_PRESETS))
     return from_model_config(CONFIG_PRESETS[name])

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from serve.errors import check_choice
+
 K = 1024
 CONTEXTS = tuple(4 * K * 2 ** i for i in range(9))  # 4K .. 1M
 SOURCE = "Kimi Linear tech report, arXiv 2510.26692 (github.com/MoonshotAI/Kimi-Linear tech_report.pdf)"
@@ -42,8 +44,7 @@ class PublishedCurve(NamedTuple):
 
     def ratio(self, context: int) -> float:
         """MLA / Kimi Linear at a plotted context (from the plotted values, not the labels)."""
-        if context not in CONTEXTS:
-            raise ValueError(f"context must be one of {CONTEXTS}, got {context!r}")
+        check_choice("context", context, CONTEXTS)
         i = CONTEXTS.index(context)
         return self.mla[i] / self.kimi_linear[i]
 

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from kda_core.model import ForwardOutput, HybridCache, HybridLM
+from serve.errors import check_choice
 from serve.spec.draft import DraftProposer
 from serve.spec.projection import ProjectionReplay
 from serve.spec.raw_input_ring import RawInputRing
@@ -288,8 +289,7 @@ def make_strategy(name: str, window: int, capacity: int | None = None,
     Raises:
         ValueError: an unknown name, ``window`` not an int >= 1, or (ring) ``capacity < window``.
     """
-    if name not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {tuple(STRATEGIES)}, got {name!r}")
+    check_choice("strategy", name, tuple(STRATEGIES))
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an int >= 1 (verify tokens), got {window!r}")
     if name == RawInputRing.name:

@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lab.fleet import hit_ratio_across_scale_event, measure_lookup_us, page_trace, where_prefix_lands
+from lab.fleet import hit_ratio_across_scale_event, measure_lookup_us, page_trace
 from lab.fleet_hashing import VNODES, fleet_hashing, lookup_cost
 from lab.fleet_scaling import TRACE_SEEDS, fleet_scaling, paired_dip
 from lab.fleet_simulation import BOUND_C, fleet_simulation, in_flight_at_routing
@@ -13,13 +13,16 @@ from serve.fleet import KEY_ROUTERS, ROUTERS
 from serve.fleet.bounded_load import BoundedLoadRouter
 
 
-def test_fleet_hashing_landing_matches_where_prefix_lands():
+def test_fleet_hashing_landing():
     run = fleet_hashing("ring", 8, 2, 160, 300)
     trace = page_trace(None, 300).requests
     assert run.num_requests == len(trace) == 300 and run.load.requests.sum() == 300
-    for i in (0, 7, 299):
-        one = run.landing[run.landing.request == i].drop(columns="request").reset_index(drop=True)
-        assert one.equals(where_prefix_lands(trace, i, 8, 2, 160))
+    landing = run.landing.assign(prefix=run.landing.request.map(lambda i: trace[i].hash_ids[:2]))
+    assert list(landing.request) == [i for i in range(300) for _ in KEY_ROUTERS]
+    assert list(landing.algorithm[:len(KEY_ROUTERS)]) == list(KEY_ROUTERS) and (landing.prefix_blocks == 2).all()
+    by_prefix = landing.groupby(["algorithm", "prefix"])
+    assert (by_prefix.replica.nunique() == 1).all()           # a shared prefix lands on one replica
+    assert (by_prefix.requests_sharing_prefix.first() == by_prefix.size()).all()
     assert list(run.balance.vnodes) == list(VNODES)
     assert 0 <= run.hit_ratio <= run.ideal_ratio + 1e-12
     with pytest.raises(ValueError, match="algorithm"):

@@ -31,7 +31,6 @@ def test_frozen_and_derived():
     cfg = ServeConfig(16, 64, 2, "unified")
     with pytest.raises(AttributeError):
         cfg.block_size = 32
-    assert cfg.blocks_per_checkpoint == 4
     lay = cfg.layout(CFG)
     assert (lay.block_size, lay.num_groups, lay.page_bytes) == (16, 2, cfg.page_bytes(CFG))
     with pytest.raises(ValueError, match="num_groups"):

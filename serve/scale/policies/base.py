@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from kda_core.config import PRESETS, fixed_state_bytes_per_sequence, mla_kv_bytes_per_token
+from serve.errors import check_choice, check_positive_int
 from serve.traces import TraceRequest, leading_run
 
 BYTE_KINDS = ("kv", "state", "running")
@@ -47,9 +48,7 @@ class ReplicaBytes:
 
     def __post_init__(self):
         for name in ("kv_bytes_per_token", "state_bytes", "tp_size"):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+            check_positive_int(name, getattr(self, name))
 
     @classmethod
     def for_preset(cls, preset: str, tp_size: int = 1, kv_dtype: torch.dtype = torch.bfloat16,
@@ -58,8 +57,7 @@ class ReplicaBytes:
         by all heads, so plain TP replicates it on every rank (KV bytes x tp_size); KDA heads are split, so
         the state summed over ranks is one sequence's state. Raises ValueError for an unknown preset or a
         tp_size that does not divide the KDA heads."""
-        if preset not in PRESETS:
-            raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
+        check_choice("preset", preset, sorted(PRESETS))
         cfg = PRESETS[preset]
         if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size <= 0 or cfg.num_heads % tp_size:
             raise ValueError(f"tp_size must be a positive divisor of num_heads={cfg.num_heads}, got {tp_size!r}")

@@ -29,6 +29,7 @@ both modes, extra_buffer's extend consumes it); how ``mamba_full_memory_ratio`` 
 """
 from __future__ import annotations
 
+from serve.errors import check_positive_int
 from serve.scale.policies.base import ReplicaBytes
 from serve.scale.policies.state_tree import StateTree, TreeCounters
 from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
@@ -46,9 +47,8 @@ class _SGLangBase(TreeCounters):
     def __init__(self, replica: ReplicaBytes, block_size: int = MOONCAKE_BLOCK_TOKENS,
                  chunked_prefill_size: int = 8192, chunk: int = FLA_CHUNK,
                  mamba_full_memory_ratio: float = MAMBA_FULL_MEMORY_RATIO):
-        for name, val in (("chunked_prefill_size", chunked_prefill_size), ("chunk", chunk)):
-            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        check_positive_int("chunked_prefill_size", chunked_prefill_size)
+        check_positive_int("chunk", chunk)
         if chunked_prefill_size % chunk:
             raise ValueError(f"chunked_prefill_size must be a multiple of chunk={chunk}, got {chunked_prefill_size}")
         if not mamba_full_memory_ratio > 0:
@@ -89,12 +89,6 @@ class _SGLangBase(TreeCounters):
         state_cap = max(total * self.state_share - running, 0.0)
         self._last = (None, 0, 0)
         self.tree.evict_to(cache_bytes - state_cap, state_cap)
-
-    def bytes_by_kind(self) -> dict:
-        return self.tree.bytes_by_kind()
-
-    def check_integrity(self) -> None:
-        self.tree.check_integrity()
 
 
 class SGLangNoBuffer(_SGLangBase):

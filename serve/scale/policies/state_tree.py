@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from serve.errors import check_positive_int
 from serve.prefix.index import ROOT, PrefixIndex
 
 
@@ -33,11 +34,9 @@ class StateTree:
 
     def __init__(self, block_size: int, kv_bytes_per_token: int, state_bytes: int, two_pools: bool,
                  prune_stateless_leaves: bool):
-        for name, val in (("block_size", block_size), ("kv_bytes_per_token", kv_bytes_per_token),
-                          ("state_bytes", state_bytes)):
-            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-                raise ValueError(f"{name} must be a positive int, got {val!r}")
-        self.block_size, self.kv_bytes_per_token, self.state_bytes = block_size, kv_bytes_per_token, state_bytes
+        self.block_size = check_positive_int("block_size", block_size)
+        self.kv_bytes_per_token = check_positive_int("kv_bytes_per_token", kv_bytes_per_token)
+        self.state_bytes = check_positive_int("state_bytes", state_bytes)
         self.two_pools, self.prune = two_pools, prune_stateless_leaves
         self.idx = PrefixIndex(1)
         self.states: OrderedDict = OrderedDict()     # (key, pos) -> stamp, oldest first
@@ -106,12 +105,9 @@ class StateTree:
                 node.payload = tokens
         self.touch(ids, upto)
 
-    def add_state(self, ids: Sequence[int], pos: int) -> None:
-        """Cache a state after ``pos`` tokens of this prompt (its KV must be kept up to ``pos``)."""
-        self.add_states(ids, (pos,))
-
     def add_states(self, ids: Sequence[int], positions: Sequence[int]) -> None:
-        """:meth:`add_state` at each of ``positions`` in order (one call per prompt)."""
+        """Cache a state after each of ``positions`` tokens of this prompt, in order (one call per prompt;
+        its KV must be kept up to each position)."""
         N, states, node_states = self.block_size, self.states, self.node_states
         clock, written = self.clock, 0
         for pos in positions:
@@ -225,9 +221,16 @@ class StateTree:
 
 class TreeCounters:
     """The counters :func:`serve.scale.policies.base.replay` reads, for a policy whose cache is a
-    :class:`StateTree` held as ``self.tree``: states written and evicted, KV tokens evicted."""
+    :class:`StateTree` held as ``self.tree``: states written and evicted, KV tokens evicted; and the tree's
+    bytes by kind and integrity check."""
 
     tree: StateTree
+
+    def bytes_by_kind(self) -> dict:
+        return self.tree.bytes_by_kind()
+
+    def check_integrity(self) -> None:
+        self.tree.check_integrity()
 
     @property
     def states_written(self) -> int:

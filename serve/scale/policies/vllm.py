@@ -34,6 +34,7 @@ import math
 import torch
 
 from kda_core.config import PRESETS
+from serve.errors import check_choice, check_positive_int
 from serve.memory.vllm_block import vllm_block_pick
 from serve.scale.policies.base import ReplicaBytes
 from serve.scale.policies.state_tree import StateTree, TreeCounters
@@ -46,8 +47,7 @@ MAMBA_CHUNK = 64
 def vllm_block_size(preset: str, mode: str, kernel_block_size: int = 64, tp_size: int = 1,
                     mamba_chunk_size: int = MAMBA_CHUNK) -> int:
     """vLLM's attention (and mamba) block size in tokens for ``preset`` under ``mode`` (module docstring)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    check_choice("mode", mode, MODES)
     cfg = PRESETS[preset]
     pick = vllm_block_pick(cfg, kernel_block_size, tp_size=tp_size)
     if mode != "all":
@@ -71,16 +71,12 @@ class VLLMMambaPolicy(TreeCounters):
     def __init__(self, preset: str, mode: str, tp_size: int = 1, kernel_block_size: int = 64,
                  max_num_batched_tokens: int = 8192, replay_stop: bool = False, block_size: int | None = None,
                  trace_block_size: int = MOONCAKE_BLOCK_TOKENS):
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if isinstance(max_num_batched_tokens, bool) or not isinstance(max_num_batched_tokens, int) \
-                or max_num_batched_tokens <= 0:
-            raise ValueError(f"max_num_batched_tokens must be a positive int, got {max_num_batched_tokens!r}")
+        check_choice("mode", mode, MODES)
+        check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
         self.replica = ReplicaBytes.for_preset(preset, tp_size)
         cfg = PRESETS[preset]
         B = block_size if block_size is not None else vllm_block_size(preset, mode, kernel_block_size, tp_size)
-        if isinstance(B, bool) or not isinstance(B, int) or B <= 0:
-            raise ValueError(f"block_size must be a positive int, got {B!r}")
+        check_positive_int("block_size", B)
         self.mode, self.vllm_block, self.replay_stop = mode, B, replay_stop
         self.max_num_batched_tokens = max_num_batched_tokens
         self.name = f"vllm {mode}" + (" +replay stop" if replay_stop else "")
@@ -144,9 +140,6 @@ class VLLMMambaPolicy(TreeCounters):
         """One block pool: the older of the KV and state LRU heads goes first."""
         self._last = (None, 0, 0)
         self.tree.evict_to(cache_bytes, 0.0)
-
-    def bytes_by_kind(self) -> dict:
-        return self.tree.bytes_by_kind()
 
     def check_integrity(self) -> None:
         self.tree.check_integrity()

@@ -35,7 +35,6 @@ def test_policies(name, G, bs, dtypes):
         assert lay.block_size == bs and lay.kv_block_bytes == kv and lay.page_bytes % 64 == 0
         assert lay.kv_page_padding_bytes == lay.page_bytes - kv >= 0
         assert lay.state_waste_bytes == lay.state_pages * lay.page_bytes - sum(states) >= 0
-        assert lay.sequence_pages(100) == -(-100 // bs) + lay.state_pages
     # unified: a group state is one page, the smallest 64-byte multiple holding a block and every state
     assert uni.state_pages == G and uni.page_bytes - 64 < max(kv, *states) <= uni.page_bytes
     # multi-page: the page is one block; a state spans ceil(state / page) pages
@@ -55,7 +54,5 @@ def test_errors():
         CacheLayout(cfg, 16, 1, 1024)
     with pytest.raises(ValueError, match="multiple of 4"):
         CacheLayout(cfg, 1, 1, 1022)
-    with pytest.raises(ValueError, match="num_tokens must be >= 0"):
-        CacheLayout.for_policy(cfg, 16).sequence_pages(-1)
     fp32 = CacheLayout.page_bytes_for(cfg, 16, 1, "multi_page")
     assert fp32 == 2 * CacheLayout.page_bytes_for(cfg, 16, 1, "multi_page", kv_dtype=torch.bfloat16)

@@ -42,8 +42,6 @@ def test_gather_equals_contiguous(bs, L):
         pos += n
     assert cache.num_blocks == -(-L // bs)
     assert all(torch.equal(g[0], lat[m]) for m, g in enumerate(cache.gather()))
-    slot = 2 * CFG2.latent_dim * 4
-    assert cache.unused_bytes() == (cache.num_blocks * bs - L) * slot + cache.num_blocks * lay.kv_page_padding_bytes
     assert lay.kv_page_padding_bytes >= 64
 
 
