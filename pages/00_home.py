@@ -2,7 +2,7 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from pages._common import engine_call, measured_stamp, remeasure_button, show_chart, url_widget
+from pages._common import engine_call, measured_stamp, remeasure_button, run_on_request, show_chart, url_widget
 from pages._registry import SECTIONS, TABS
 
 st.title("KDA Serve Lab — what the second request saves")
@@ -123,13 +123,9 @@ for section in SECTIONS:
 
 with timing_part:
     st.subheader(f"Where the time goes (median of {REPEATS} interleaved repeats)")
-    if not timing_on:
-        st.caption(f"Times request 2 cold and warm, {REPEATS} interleaved repeats after a warm-up on fresh engines "
-                   "(12 engine runs, about a second of CPU), then keeps the result for every visitor with these "
-                   "settings.")
-        st.button("Measure TTFT cold vs warm", key="p00_measure_button", type="primary",
-                  on_click=st.session_state.update, kwargs=dict(p00_timing_on=True))
-        st.stop()
+    run_on_request("p00_timing_on", "p00_measure_button", "Measure TTFT cold vs warm",
+                   f"Times request 2 cold and warm, {REPEATS} interleaved repeats after a warm-up on fresh engines "
+                   "(12 engine runs, about a second of CPU), then keeps the result for every visitor with these settings.")
     remeasure_button(_p00_timing, key="p00_remeasure")
     timed = engine_call(_p00_timing, first, second, max_new, block, interval)
     summary, ttft = timed.summary, timed.ttft

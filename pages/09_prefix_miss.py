@@ -6,7 +6,7 @@ from plotly.subplots import make_subplots
 
 from lab.fleet import synthetic_trace_description
 from lab.prefix_miss import CAPACITY_FRACTIONS, PRESETS, prefix_miss, preset_title
-from pages._common import engine_call, pct, show_chart, show_table, upload_parts, url_widget
+from pages._common import engine_call, pct, run_on_request, show_chart, show_table, upload_parts, url_widget
 
 st.title("Prefix miss")
 st.write(
@@ -71,12 +71,9 @@ with part1:
     show_chart(fig, written, key="p09_written_chart")
 
 if run.capacity is None:
-    part2.caption("Replays the trace through 16 cache configurations: several seconds of CPU the first time, "
-                  "cached afterwards (shared by every visitor).")
-    if part2.button("Replay the trace", key="p09_replay_button", type="primary"):
-        st.session_state["p09_replay_on"] = True
-        st.rerun()
-    st.stop()
+    run_on_request("p09_replay_on", "p09_replay_button", "Replay the trace", "Replays the trace through 16 cache "
+                   "configurations: several seconds of CPU the first time, cached afterwards (shared by every visitor).",
+                   part2)
 with part2:
     if run.note:
         part2.info(run.note)

@@ -15,7 +15,17 @@ from lab.real_scale import (
     preset_title,
     roofline_view,
 )
-from pages._common import engine_call, num, pct, real_replica, show_chart, show_table, upload_parts, url_widget
+from pages._common import (
+    engine_call,
+    num,
+    pct,
+    real_replica,
+    run_on_request,
+    show_chart,
+    show_table,
+    upload_parts,
+    url_widget,
+)
 
 st.title("Real scale")
 st.write(
@@ -103,13 +113,8 @@ def _policies(model, hw, tp, num_requests, data, upload_name, policies):
     return out
 
 
-if not st.session_state.get("p15_sweep_on"):
-    st.caption("Replays the trace once per policy and budget and per interval: seconds of CPU the first time, "
-               "cached afterwards (shared by every visitor).")
-    if st.button("Run the policy sweep", key="p15_sweep_button", type="primary"):
-        st.session_state["p15_sweep_on"] = True
-        st.rerun()
-    st.stop()
+run_on_request("p15_sweep_on", "p15_sweep_button", "Run the policy sweep", "Replays the trace once per policy and "
+               "budget and per interval: seconds of CPU the first time, cached afterwards (shared by every visitor).")
 pv = engine_call(_policies, model, hw, tp, num_requests, data, upload_name, tuple(policies))
 if pv.note:
     st.info(pv.note)

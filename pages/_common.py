@@ -415,6 +415,17 @@ def remeasure_button(cached_fn, key: str, label: str = "Re-measure") -> None:
                    "and takes it again now.")
 
 
+def run_on_request(flag: str, button_key: str, label: str, caption: str, where=None) -> None:
+    """Heavy work behind a button: unless ``flag`` is on in this session, show ``caption`` and a primary button
+    ``label`` in ``where`` (a container; default the page) and stop the page there. A click turns ``flag`` on for
+    the session in the button's callback, before the run it starts: the click is never lost to a rerun."""
+    if st.session_state.get(flag):
+        return
+    (where or st).caption(caption)
+    (where or st).button(label, key=button_key, type="primary", on_click=st.session_state.update, kwargs={flag: True})
+    st.stop()
+
+
 def measured_stamp(conditions) -> None:
     """The stamp under a measured chart: when, repeats, torch threads, cores, load average
     (:meth:`lab.timing.Conditions.stamp`)."""
