@@ -20,7 +20,7 @@ from serve.errors import check_choice
 from serve.fleet import ROUTERS, make_router, replica_names
 from serve.fleet.hashing import random_keys
 from serve.fleet.policy_cache import PolicyReplicaCache
-from serve.fleet.replay import ScaleEvent, replay_routing, windowed_hit_ratio
+from serve.fleet.replay import ScaleEvent, replay_routing
 from serve.fleet.ring import ConsistentHashRouter
 from serve.fleet.router import RouteQuery
 from serve.fleet.scaling import scaling_table
@@ -187,22 +187,22 @@ def hit_ratio_across_scale_event(trace: Sequence[TraceRequest], algorithms: Sequ
     Columns: algorithm, request (window start index), hit_ratio, lost_ratio (the window's prompt tokens
     whose KV the replica held but no state let it reuse, as a fraction; 0 with block caches), and the window's
     sums tokens, hit_tokens, lost_tokens (prompt tokens)."""
+    if window < 1:
+        raise ValueError(f"window must be >= 1 request, got {window}")
     at = int(len(trace) * at_fraction)
     replica = f"replica-{num_replicas}" if action == "add" else f"replica-{num_replicas - 1}"
-    rows = []
+    frames = []
     for name in algorithms:
         router = pickle.loads(pickle.dumps(routers[name])) if routers and name in routers else \
             make_router(name, replica_names(num_replicas), vnodes=vnodes)
         replay = replay_routing(trace, router, k, capacity_blocks=capacity_blocks,
                                 events=(ScaleEvent(at, action, replica),) if event else (), cache_factory=cache_factory)
-        starts = np.arange(0, len(trace), window)
-        hits, lost, tokens = (np.add.reduceat(a, starts) if len(trace) else a
-                              for a in (replay.hit_tokens, replay.lost_tokens, replay.input_tokens))
-        for i, ratio in enumerate(windowed_hit_ratio(replay, window)):
-            rows.append({"algorithm": name, "request": i * window, "hit_ratio": float(ratio),
-                         "lost_ratio": float(lost[i] / max(1, tokens[i])), "tokens": int(tokens[i]),
-                         "hit_tokens": int(hits[i]), "lost_tokens": int(lost[i])})
-    return pd.DataFrame(rows)
+        w = pd.DataFrame({"tokens": replay.input_tokens, "hit_tokens": replay.hit_tokens,
+                          "lost_tokens": replay.lost_tokens}).groupby(np.arange(len(trace)) // window).sum()
+        w = w.assign(algorithm=name, request=w.index * window, hit_ratio=w.hit_tokens / w.tokens.clip(lower=1),
+                     lost_ratio=w.lost_tokens / w.tokens.clip(lower=1))
+        frames.append(w[["algorithm", "request", "hit_ratio", "lost_ratio", "tokens", "hit_tokens", "lost_tokens"]])
+    return pd.concat(frames, ignore_index=True)
 
 
 def simulate_policies(trace: Sequence[TraceRequest], policies: Sequence[str], base: FleetConfig,

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
+from serve.traces import leading_run
+
 
 class BlockLRUCache:
     """LRU set of block ids with capacity in blocks.
@@ -39,12 +41,7 @@ class BlockLRUCache:
 
     def lookup(self, block_ids: Sequence[int]) -> int:
         """Number of leading ``block_ids`` cached (no recency change)."""
-        run = 0
-        for b in block_ids:
-            if b not in self._lru:
-                break
-            run += 1
-        return run
+        return leading_run(block_ids, self._lru)
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """Refresh recency of the given (cached) blocks, deepest first."""

@@ -5,7 +5,7 @@ blocks; this one holds a policy of :mod:`serve.scale.policies` (ours, SGLang ``M
 ``mamba_cache_mode``) under a byte budget per replica, so a hit needs a KDA state where the policy placed
 one. Per request, in the replica's order of events:
 
-- while the scheduler considers it: ``hit_tokens(req)`` = the policy's lookup (pure);
+- while the scheduler considers it: the policy's ``lookup(req)`` (pure; the replica's ``prefix_tokens``);
 - when its prefill step starts: :meth:`start` records the hit it gets and the tokens whose KV was
   cached but no state let it reuse them (``lost_to_missing_state``);
 - when its prefill step ends: :meth:`finish` tells the policy the request ran (``admit``: it caches what
@@ -45,10 +45,6 @@ class PolicyReplicaCache:
         self.peak_bytes["running"] = running
         self.hit_tokens_total = self.lost_to_missing_state = self.requests = 0
         self.deep_checks = deep_checks
-
-    def hit_tokens(self, req) -> int:
-        """Prompt tokens of ``req`` (``hash_ids``, ``input_length``) the policy would skip now; pure."""
-        return self.policy.lookup(req)[0]
 
     def start(self, req) -> int:
         """``req``'s prefill starts: returns its hit and records it."""

@@ -108,12 +108,3 @@ def replay_routing(
         float(hit_blocks.sum() / max(1, total_blocks)), dict(Counter(replicas)), lost_tokens, caches,
     )
 
-
-def windowed_hit_ratio(replay: RoutingReplay, window: int) -> np.ndarray:
-    """Token hit ratio over consecutive windows of ``window`` requests (last partial window kept)."""
-    if window < 1:
-        raise ValueError(f"window must be >= 1 request, got {window}")
-    starts = np.arange(0, len(replay.hit_tokens), window)
-    hits = np.add.reduceat(replay.hit_tokens, starts)
-    tokens = np.add.reduceat(replay.input_tokens, starts)
-    return hits / np.maximum(tokens, 1)

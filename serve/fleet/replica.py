@@ -91,13 +91,6 @@ class Replica:
         if not self.wake.triggered:
             self.wake.succeed()
 
-    def _hit_tokens(self, job: Job) -> int:
-        if self.policy_cache is not None:
-            return self.policy_cache.hit_tokens(job.req)
-        if self.cache is None:
-            return 0
-        return min(self.cache.lookup(job.req.hash_ids) * self.fleet.cfg.block_size, job.input_length)
-
     def prefix_tokens(self, req) -> tuple[int, int]:
         """(hit tokens, tokens whose KV is cached) this replica holds of ``req``'s prompt now (pure): the
         policy's lookup, or the block LRU's leading run (the two agree: a block cache has no states)."""
@@ -121,7 +114,7 @@ class Replica:
             alone = not self.running and not batch  # an oversized request still runs alone
             if svc.kv_capacity_tokens is not None and self.kv_used + need > svc.kv_capacity_tokens and not alone:
                 return False
-            uncached = max(1, job.input_length - self._hit_tokens(job))
+            uncached = max(1, job.input_length - self.prefix_tokens(job.req)[0])
             if svc.max_prefill_tokens_per_step is not None and batch and \
                     batch_tokens + uncached > svc.max_prefill_tokens_per_step:
                 return False
@@ -153,10 +146,8 @@ class Replica:
                 parts = []
                 for job in admitted:
                     job.state, job.start_ms = "prefill", env.now
-                    if self.policy_cache is not None:
-                        job.hit_tokens = self.policy_cache.start(job.req)
-                    else:
-                        job.hit_tokens = self._hit_tokens(job)
+                    job.hit_tokens = (self.policy_cache.start(job.req) if self.policy_cache is not None
+                                      else self.prefix_tokens(job.req)[0])
                     if self.cache is not None:
                         self.cache.touch(job.req.hash_ids[: job.hit_tokens // self.fleet.cfg.block_size])
                     parts.append((max(1, job.input_length - job.hit_tokens), job.hit_tokens))

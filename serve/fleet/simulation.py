@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import simpy
 
-from serve.fleet import make_router
+from serve.fleet import make_router, replica_names
 from serve.fleet.budgets import TokenBucket
 from serve.fleet.hashing import routing_key
 from serve.fleet.prefix_score import PREFIX_SCORE_ROUTERS, PrefixScoreRouter
@@ -41,14 +41,13 @@ class FleetSim:
             raise ValueError("request_id values must be unique")
         self.cfg = cfg
         self.env = simpy.Environment()
-        names = [f"replica-{i}" for i in range(cfg.num_replicas)]
+        names = replica_names(cfg.num_replicas)
         if cfg.router in PREFIX_SCORE_ROUTERS:
             self.router = PrefixScoreRouter(names, PREFIX_SCORE_ROUTERS[cfg.router])
+            self.router.scorer = lambda name, req: self.replicas[name].prefix_tokens(req)
         else:
             self.router = make_router(cfg.router, names, **cfg.router_params)
         self.replicas = {n: Replica(self, n) for n in names}
-        if isinstance(self.router, PrefixScoreRouter):
-            self.router.scorer = lambda name, req: self.replicas[name].prefix_tokens(req)
         self.jobs = [Job(r) for r in sorted(requests, key=lambda r: (r.arrival_ms, r.request_id))]
         self.buckets = {c.name: TokenBucket(c.rate_tokens_per_s, c.burst_tokens) for c in cfg.classes if c.has_bucket}
         self.gate_queues: dict[str, deque[Job]] = {k: deque() for k in self.buckets}

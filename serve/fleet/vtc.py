@@ -16,10 +16,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from serve.fleet.service_model import SLORA_MAX_TOTAL_TOKENS, ServiceModel, vtc_a10g_preset
+from serve.fleet.service_model import ServiceModel, vtc_a10g_preset
 from serve.fleet.sim_types import FleetConfig, FleetRequest, FleetSimResult, fresh_block_requests, percentile
 from serve.fleet.simulation import simulate
-from serve.vtc_artifact import VTCRun, load_vtc_artifact
+from serve.vtc_artifact import VTCRecord, VTCRun, load_vtc_artifact
 
 
 def requests_from_vtc(run: VTCRun, block_size: int = 512) -> list[FleetRequest]:
@@ -128,14 +128,10 @@ def on_off_less_requests(block_size: int = 512) -> list[FleetRequest]:
 
 
 def on_off_less_service() -> ServiceModel:
-    """``vtc_a10g_preset`` of the FCFS on_off_less run, from the recorded constants."""
-    prefill_s = ON_OFF_LESS_FCFS_MIN_TTFT_S
-    batch = SLORA_MAX_TOTAL_TOKENS // 512
-    step_s = batch * (1.0 / ON_OFF_LESS_THROUGHPUT_RPS["FCFS"] - prefill_s) / 255
-    return ServiceModel(prefill_tokens_per_s=256 / prefill_s, decode_step_base_ms=step_s * 1000.0,
-                        max_batch_requests=batch, kv_capacity_tokens=SLORA_MAX_TOTAL_TOKENS,
-                        source=(f"VTC artifact (S-LoRA, Llama-7B, A10G), calibrated to "
-                                f"{ON_OFF_LESS_THROUGHPUT_RPS['FCFS']:.3f} req/s"))
+    """``vtc_a10g_preset`` of the FCFS on_off_less run, from the recorded constants: one record carries all the
+    calibration reads of the run's records (the suite's 256 / 256 lengths and its smallest TTFT)."""
+    record = VTCRecord(LIGHT, 256, 256, 0.0, ON_OFF_LESS_FCFS_MIN_TTFT_S, 0.0)
+    return vtc_a10g_preset(VTCRun({}, ON_OFF_LESS_THROUGHPUT_RPS["FCFS"], math.nan, [record]))
 
 
 def replay_on_off_less() -> VTCComparison:

@@ -93,12 +93,8 @@ def prefill_ratios(fit: PrefillFit | None = None, hw: Hardware | None = None, tp
     tp = tp or PREFILL_SETUP[1]
     fit = fit or fit_prefill(hw, tp)
     kl, mla = _shapes()
-
-    def scaled(shape: ModelShape, c: int) -> float:
-        attn, rest = _split_prefill(shape, hw, tp, c)
-        return fit.alpha * attn + fit.beta * rest
-
-    return [RatioRow(PREFILL_FIG7A.figure, c, PREFILL_FIG7A.ratio(c), scaled(mla, c) / scaled(kl, c)) for c in contexts]
+    return [RatioRow(PREFILL_FIG7A.figure, c, PREFILL_FIG7A.ratio(c),
+                     fitted_prefill_s(mla, hw, tp, fit, c) / fitted_prefill_s(kl, hw, tp, fit, c)) for c in contexts]
 
 
 def decode_ratios(curve: PublishedCurve = TPOT_FIG7B, hw: Hardware | None = None, tp: int | None = None,

@@ -141,12 +141,12 @@ def replay(requests: Sequence[TraceRequest], policy, budget_bytes: float, check_
         raise ValueError("requests must not be empty")
     if budget_bytes is None or budget_bytes < 0:
         raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes!r}")
-    if hasattr(policy, "replay_trace"):
-        return policy.replay_trace(requests, budget_bytes)
     running = reserved_running_bytes(policy, policy.replica)
     if budget_bytes < running:
         raise ValueError(f"budget_bytes {budget_bytes:,.0f} is below the {policy.running_state_slots} running "
                          f"state slot(s) of {policy.name} ({running:,} bytes)")
+    if hasattr(policy, "replay_trace"):
+        return policy.replay_trace(requests, budget_bytes)
     cache_budget = budget_bytes - running
     t0 = time.perf_counter()
     hits = np.zeros(len(requests), dtype=np.int64)

@@ -52,10 +52,9 @@ class OursPolicy:
         return TraceReplayConfig(self.serving, self.replica.kv_bytes_per_token * N, self.groups, capacity_bytes)
 
     def replay_trace(self, requests, budget_bytes: float) -> PolicyResult:
-        """Replay through :func:`serve.prefix.sim.replay_trace` with capacity = budget - one running state."""
+        """Replay through :func:`serve.prefix.sim.replay_trace` with capacity = budget - one running state
+        (:func:`serve.scale.policies.base.replay`, the caller, has checked that the budget covers it)."""
         running = self.running_state_slots * self.replica.state_bytes
-        if budget_bytes < running:
-            raise ValueError(f"budget_bytes {budget_bytes:,.0f} is below the running state slot ({running:,} bytes)")
         res = replay_trace(requests, self.config(budget_bytes - running))
         ideal = ideal_hit_ratio(requests, self.block_size).hit_tokens
         peak = {"kv": res.peak_kv_bytes, "state": res.peak_state_bytes, "running": running}
