@@ -24,11 +24,11 @@ Concept → file → main type:
 - simpy fleet simulation ................ simulation.py .... ``simulate``
 - step-by-step reference simulation ..... sim_reference.py . ``reference_simulate``
 - VTC artifact replay ................... vtc.py ........... ``replay_vtc_suite``, ``replay_on_off_less``
-- budget scenario (page 13) ............. scenarios.py ..... ``budget_traffic``, ``run_budget_scenario``
-- page-sized experiments (pages 11–14) .. experiments.py ... ``routing_load``, ``simulate_policies``, ``page_trace``
 
-Tests: ``tests/serve/fleet/test_fleet_routers.py``, ``test_fleet_simulation.py``,
-``test_fleet_experiments.py``, ``test_fleet_policy_cache.py``; traces: ``tests/serve/test_traces.py``, upload limits:
+The pages' experiments on this layer (budget scenario, routing load, policy runs) live in ``lab/budgets.py`` and
+``lab/fleet.py``. Tests: ``tests/serve/fleet/test_fleet_routers.py``, ``test_fleet_simulation.py``,
+``test_fleet_policy_cache.py``, ``test_replay_policy_cache.py``, ``test_replay_refresh.py``; lab:
+``tests/lab/test_fleet.py``, ``test_budgets.py``; traces: ``tests/serve/test_traces.py``, upload limits:
 ``tests/serve/test_traces_limits.py``, ``tests/serve/test_traces_fuzz.py``; bench: ``python -m bench.fleet``.
 """
 
