@@ -38,10 +38,9 @@ def _check_inputs(q, k, v, g, beta, state, *, has_time: bool, state_name: str):
     nd = 4 if has_time else 3
     if q.dim() != nd:
         raise ValueError(f"q must have shape {lead}, got {tuple(q.shape)}")
-    if k.shape != q.shape:
-        raise ValueError(f"k must have shape {lead} = {tuple(q.shape)} (same as q), got {tuple(k.shape)}")
-    if g.shape != q.shape:
-        raise ValueError(f"g must have shape {lead} = {tuple(q.shape)} (same as q), got {tuple(g.shape)}")
+    for name, t in (("k", k), ("g", g)):
+        if t.shape != q.shape:
+            raise ValueError(f"{name} must have shape {lead} = {tuple(q.shape)} (same as q), got {tuple(t.shape)}")
     if v.dim() != nd or v.shape[:-1] != q.shape[:-1]:
         exp = tuple(q.shape[:-1]) + ("V",)
         raise ValueError(f"v must have shape {lead[:-2]}V] = {exp}, got {tuple(v.shape)}")

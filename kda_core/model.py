@@ -175,12 +175,6 @@ class HybridLM(nn.Module):
 
 def cache_equal(a: HybridCache, b: HybridCache) -> bool:
     """Bitwise equality of two caches (every KDA recurrent/conv state and MLA latent)."""
-    if a.num_tokens != b.num_tokens or len(a.layers) != len(b.layers):
-        return False
-    for x, y in zip(a.layers, b.layers):
-        if isinstance(x, KDACache):
-            if not (torch.equal(x.recurrent, y.recurrent) and torch.equal(x.conv, y.conv)):
-                return False
-        elif not torch.equal(x, y):
-            return False
-    return True
+    return a.num_tokens == b.num_tokens and len(a.layers) == len(b.layers) and all(
+        torch.equal(x.recurrent, y.recurrent) and torch.equal(x.conv, y.conv) if isinstance(x, KDACache)
+        else torch.equal(x, y) for x, y in zip(a.layers, b.layers))

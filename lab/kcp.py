@@ -32,7 +32,7 @@ import pandas as pd
 import torch
 
 from kda_core.chunk import kda_chunk
-from kda_core.config import PRESETS, ModelConfig, dtype_bytes
+from kda_core.config import PRESETS, ModelConfig, mla_kv_bytes_per_token
 from lab.timing import Conditions, Timing, conditions, measure, summarize
 from serve.parallel.comm import PHASES
 from serve.parallel.halo import halo_bytes
@@ -187,15 +187,12 @@ class BytesRow(NamedTuple):
 def bytes_vs_context(cfg: ModelConfig, seq_lens: list[int], world_size: int, variant: str,
                      kv_dtype: torch.dtype = torch.bfloat16) -> list[BytesRow]:
     """KCP's received bytes per rank (flat in T) against an MLA latent-KV all-gather (grows with T)."""
-    rows = []
     H, K, V = cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
     kcp = max(exchange_bytes(1, H, K, V, world_size, variant, r)[1] for r in range(world_size))
     kcp += halo_bytes(1, cfg.conv_dim, cfg.conv_kernel, world_size)[1]
-    for T in seq_lens:
-        others = T - min(e - s for s, e in block_bounds(T, world_size))        # tokens held by other ranks
-        rows.append(BytesRow(T, cfg.num_kda_layers * kcp,
-                             cfg.num_mla_layers * others * cfg.latent_dim * dtype_bytes(kv_dtype)))
-    return rows
+    kv = mla_kv_bytes_per_token(cfg, kv_dtype)                     # whole model, per token
+    return [BytesRow(T, cfg.num_kda_layers * kcp, (T - min(e - s for s, e in block_bounds(T, world_size))) * kv)
+            for T in seq_lens]                                     # T - smallest block: tokens of the other ranks
 
 
 def all_cores_baseline(seq_len: int, num_heads: int, head_k_dim: int, head_v_dim: int, with_initial_state: bool,

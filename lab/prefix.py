@@ -69,12 +69,10 @@ def _pages_for(model: HybridLM, block_size: int, num_groups: int, tokens: int, p
 
 
 def _row(kind: str, res: RequestResult, repeat: int = 0) -> dict:
-    row = dict(kind=kind, repeat=repeat, ttft_ms=res.ttft_ms, prompt_tokens=res.prompt_tokens,
-               prefill_tokens=res.prefill_tokens, hit_tokens=res.hit_tokens, kv_hit_tokens=res.kv_hit_tokens,
-               restored_bytes=res.restored_bytes, shared_kv_bytes=res.shared_kv_bytes,
-               checkpoints_written=res.checkpoints_written)
-    row.update({f"{p}_ms": res.timings_ms[p] for p in TIMING_PHASES})
-    return row
+    return dict(kind=kind, repeat=repeat, ttft_ms=res.ttft_ms, prompt_tokens=res.prompt_tokens,
+                prefill_tokens=res.prefill_tokens, hit_tokens=res.hit_tokens, kv_hit_tokens=res.kv_hit_tokens,
+                restored_bytes=res.restored_bytes, shared_kv_bytes=res.shared_kv_bytes,
+                checkpoints_written=res.checkpoints_written, **{f"{p}_ms": res.timings_ms[p] for p in TIMING_PHASES})
 
 
 WARM_TOLERANCE = 1e-5
@@ -195,25 +193,22 @@ def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_
     Raises ValueError for bad sizes, prompts or repeats (< :data:`lab.timing.MIN_REPEATS`) and
     RuntimeError if the warm runs' hit differs between repeats (the engine is deterministic)."""
     a, b, model, pages = _sizes(first, second, max_new_tokens, block_size, num_groups, preset)
-    runs: dict[str, list] = {"cold": [], "warm": []}
+    runs: dict[str, list] = {"cold": [], "warm": []}     # cold: a row per run; warm: (first, warm) rows per run
     fill_tokens = max_new_tokens if b[:len(a)] == a else 1
 
-    def done(kind: str, *rows) -> None:
-        runs[kind].append(rows)
-
     def cold() -> None:
-        done("cold", _row("cold", build_engine(model, block_size, interval, num_groups, pages,
-                                               cache=False).generate(b, 1)))
+        runs["cold"].append(_row("cold", build_engine(model, block_size, interval, num_groups, pages,
+                                                      cache=False).generate(b, 1)))
 
     def warm() -> None:
         eng = build_engine(model, block_size, interval, num_groups, pages)
         fill = eng.generate(a, fill_tokens)
-        done("warm", _row("first", fill), _row("warm", eng.generate(b, 1)))
+        runs["warm"].append((_row("first", fill), _row("warm", eng.generate(b, 1))))
 
     with one_thread():
         _, cond = measure({"cold": cold, "warm": warm}, repeats=repeats, warmup=warmup)
     rows = [dict(row, repeat=r) for r, (c, (f, w)) in enumerate(zip(runs["cold"][warmup:], runs["warm"][warmup:]))
-            for row in (c[0], f, w)]
+            for row in (c, f, w)]
     hits = {r["hit_tokens"] for r in rows if r["kind"] == "warm"}
     if len(hits) != 1:
         raise RuntimeError(f"warm runs hit different boundaries across repeats: {sorted(hits)}")
@@ -359,10 +354,9 @@ class PrefixTimings:
 
 
 def _check(run: ColdWarm) -> PrefixCheck:
-    rows = run.rows
     text = "".join(c if c.isprintable() else "·" for c in bytes_to_text(run.warm_tokens))
     by_kind = {r["kind"]: r for r in run.rows}
-    return PrefixCheck(rows, by_kind["warm"], by_kind["cold"], run.check, text, len(run.warm_tokens),
+    return PrefixCheck(run.rows, by_kind["warm"], by_kind["cold"], run.check, text, len(run.warm_tokens),
                        run.layout.state_bytes)
 
 

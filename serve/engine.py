@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import time
+from itertools import islice
 
 import torch
 
@@ -221,10 +222,8 @@ class ServeEngine:
         alloc = self.pool.alloc if cache is None else cache.alloc
         try:
             state = alloc(PageKind.KDA_STATE, num_state, req.rid)
-            req.state_pages, start = [], 0                  # held by the request from here: _release frees them
-            for g in range(lay.num_groups):
-                req.state_pages.append(tuple(state[start: start + lay.group_pages(g)]))
-                start += lay.group_pages(g)
+            it = iter(state)                                # state_pages: held by the request from here (_release)
+            req.state_pages = [tuple(islice(it, lay.group_pages(g))) for g in range(lay.num_groups)]
             req.page_table = ([] if req.hit is None else list(req.hit.kv_pages))
             req.page_table += alloc(PageKind.MLA_KV, num_kv, req.rid)
         except PoolExhausted as err:                        # evictable count was stale: reject cleanly

@@ -26,6 +26,7 @@ size pages for the real presets but cannot be read or written.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 
@@ -54,12 +55,8 @@ def group_layers(cfg: ModelConfig, num_groups: int) -> tuple[tuple[int, ...], ..
     if isinstance(num_groups, bool) or not isinstance(num_groups, int) or not 1 <= num_groups <= len(layers):
         raise ValueError(f"num_groups must be an int in [1, {len(layers)}] (KDA layers), got {num_groups!r}")
     base, extra = divmod(len(layers), num_groups)
-    out, start = [], 0
-    for g in range(num_groups):
-        size = base + (g < extra)
-        out.append(tuple(layers[start: start + size]))
-        start += size
-    return tuple(out)
+    it = iter(layers)
+    return tuple(tuple(islice(it, base + (g < extra))) for g in range(num_groups))
 
 
 def group_state_bytes(cfg: ModelConfig, num_layers: int, state_dtype: torch.dtype = torch.float32,

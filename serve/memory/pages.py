@@ -39,13 +39,10 @@ def read_state(layout: CacheLayout, pool: PagePool, pages_by_group) -> dict[int,
     n_rec, n_conv = kda_state_elems_per_layer(cfg)
     out = {}
     for layers, pages in zip(layout.groups, pages_by_group):
-        flat = _flat_pages(pool, pages)
-        off = 0
-        for i in layers:
-            rec = flat[off: off + n_rec].view(rec_shape)                 # [1, H, K, V]
-            conv = flat[off + n_rec: off + n_rec + n_conv].view(conv_shape)  # [1, 2HK + HV, W-1]
-            out[i] = KDACache(rec, conv)
-            off += n_rec + n_conv
+        flat = _flat_pages(pool, pages)[: len(layers) * (n_rec + n_conv)]     # the group's layers, in order
+        parts = iter(flat.split([n_rec, n_conv] * len(layers)))             # recurrent, conv, recurrent, ...
+        out |= {i: KDACache(rec.view(rec_shape), conv.view(conv_shape))     # [1, H, K, V], [1, 2HK + HV, W-1]
+                for i, rec, conv in zip(layers, parts, parts)}
     return out
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Hashable, Iterable
+from itertools import groupby
 from operator import itemgetter
 
 import torch
@@ -341,14 +342,9 @@ class PagePool:
     # ---- statistics and integrity -----------------------------------------------------------------
     def stats(self) -> PoolStats:
         """A :class:`PoolStats` snapshot. Pure (mutates nothing)."""
-        free_sorted = sorted(self._free)
-        runs, longest, cur, prev = 0, 0, 0, -2
-        for p in free_sorted:
-            cur = cur + 1 if p == prev + 1 else 1
-            runs += cur == 1
-            longest = max(longest, cur)
-            prev = p
-        nfree = len(free_sorted)
+        # runs of consecutive free ids: within a run, id - rank in the sorted list is constant
+        run_lengths = [len(list(g)) for _, g in groupby(p - i for i, p in enumerate(sorted(self._free)))]
+        runs, longest, nfree = len(run_lengths), max(run_lengths, default=0), len(self._free)
         by_kind = {PageKind.FREE: nfree, **self._count}
         return PoolStats(self.num_pages, self.page_bytes, nfree, by_kind,
                          (self.num_pages - nfree) / self.num_pages,

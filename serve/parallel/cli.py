@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from serve.parallel.comm import PHASES
+from serve.parallel.inputs import DTYPES
+from serve.parallel.kcp import VARIANTS
 from serve.parallel.launch import BACKENDS, init_from_env
 from serve.parallel.run import LEVELS, KCPConfig, RankResult, rank_job, run_kcp
 
@@ -27,10 +29,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-k-dim", type=int, default=128)
     p.add_argument("--head-v-dim", type=int, default=128)
-    p.add_argument("--variant", choices=("allgather", "ring"), default="allgather")
+    p.add_argument("--variant", choices=VARIANTS, default="allgather")
     p.add_argument("--level", choices=LEVELS, default="kernel")
     p.add_argument("--initial-state", action="store_true", help="seed rank 0 with a prefix-cache state")
-    p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
     p.add_argument("--piece-tokens", type=int, default=None,
                    help="process each rank's block in pieces of this many tokens (a multiple of 64)")
     p.add_argument("--repeats", type=int, default=1)

@@ -21,6 +21,8 @@ number of machines). The in-app runner is :func:`serve.parallel.run.run_kcp`.
 """
 from __future__ import annotations
 
+from functools import reduce
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -103,9 +105,7 @@ def kcp_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     send = None
     if W > 1 and variant == "allgather":
         with clock("summary"):
-            summ = summary_from_prep(preps[0])
-            for prep in preps[1:]:
-                summ = compose(summ, summary_from_prep(prep))
+            summ = reduce(compose, map(summary_from_prep, preps))     # the pieces' summaries, in order
             if initial_state is not None:          # rank 0 sends the state after its block, seeded
                 summ = BlockSummary(summ.M, apply_summary(summ, initial_state))
         with clock("exchange"):
@@ -158,9 +158,5 @@ def block_bounds(seq_len: int, world_size: int) -> list[tuple[int, int]]:
     if not isinstance(seq_len, int) or seq_len < world_size:
         raise ValueError(f"seq_len must be an int >= world_size = {world_size} (every rank needs a token), got {seq_len!r}")
     base, extra = divmod(seq_len, world_size)
-    bounds, start = [], 0
-    for r in range(world_size):
-        end = start + base + (r < extra)
-        bounds.append((start, end))
-        start = end
-    return bounds
+    ends = list(accumulate(base + (r < extra) for r in range(world_size)))
+    return list(zip([0, *ends[:-1]], ends))

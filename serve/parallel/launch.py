@@ -52,20 +52,20 @@ FORKSERVER_PRELOAD = ["torch", "torch.distributed", "serve.parallel.run"]
 _LOCAL_RUNS = threading.Lock()   # one local multi-process run at a time in this process
 
 
-class RankFailure(RuntimeError):
-    """A rank raised or died. ``pids``: the run's rank processes (all stopped and joined)."""
+class _RunError(Exception):
+    """A failed run's error, with ``pids``: the run's rank processes (all stopped and joined)."""
 
     def __init__(self, message: str, pids: list[int]):
         super().__init__(message)
         self.pids = pids
 
 
-class RankTimeout(TimeoutError):
-    """The run passed its deadline. ``pids``: the run's rank processes (all stopped and joined)."""
+class RankFailure(_RunError, RuntimeError):
+    """A rank raised or died (a RuntimeError with the run's ``pids``)."""
 
-    def __init__(self, message: str, pids: list[int]):
-        super().__init__(message)
-        self.pids = pids
+
+class RankTimeout(_RunError, TimeoutError):
+    """The run passed its deadline (a TimeoutError with the run's ``pids``)."""
 
 
 class RanksOutput(NamedTuple):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Hashable, Sequence
 from typing import Any, NamedTuple
 
@@ -400,7 +400,7 @@ class PrefixIndex:
         every node more recent than its children; with ``block_size``, every checkpoint written at
         ``depth * block_size`` tokens."""
         nodes = self.nodes
-        children: dict = {}
+        children = Counter(node.parent for node in nodes.values() if node.parent is not ROOT)
         for key, node in nodes.items():
             assert node.key == key, "node stored under another key"
             if node.parent is ROOT:
@@ -408,7 +408,6 @@ class PrefixIndex:
             else:
                 assert node.parent in nodes, "orphan block: its parent is not cached"
                 assert nodes[node.parent].depth == node.depth - 1, "depth is not parent depth + 1"
-                children[node.parent] = children.get(node.parent, 0) + 1
             assert node.pins >= 0 and all(c.pins >= 0 for c in node.ckpts.values()), "negative pin count"
             assert all(0 <= g < self._num_groups for g in node.ckpts), "checkpoint group out of range"
             if block_size is not None:
@@ -416,7 +415,7 @@ class PrefixIndex:
                     assert ck.written_at == node.depth * block_size, (
                         f"checkpoint of group {g} at boundary {node.depth * block_size} written at {ck.written_at}")
         for key, node in nodes.items():
-            assert node.children == children.get(key, 0), "child count out of date"
+            assert node.children == children[key], "child count out of date"
         expected = len(nodes) + sum(len(n.ckpts) for n in nodes.values())
         assert len(self.lru) == expected, f"LRU holds {len(self.lru)} entries, index {expected}"
         assert self.num_checkpoints == expected - len(nodes), "checkpoint counter out of date"

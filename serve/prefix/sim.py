@@ -169,7 +169,7 @@ def replay_trace(requests: Sequence[TraceRequest], config: TraceReplayConfig,
     idx = cache.idx
     seen: set = set()
     miss = dict.fromkeys(MISS_CAUSES, 0)
-    hit_blocks = total_blocks = hit_tokens = total_tokens = 0
+    hit_blocks = total_blocks = total_tokens = 0
     peak_kv = peak_st = 0
     request_hits: list[int] = []
     for n, r in enumerate(requests):
@@ -183,8 +183,7 @@ def replay_trace(requests: Sequence[TraceRequest], config: TraceReplayConfig,
         ideal_full = min(leading_run(ids, seen), full)
         hit_blocks += jb + (jb == full and run == total > full)
         total_blocks += total
-        hit_tokens += jt * N
-        request_hits.append(jt * N)
+        request_hits.append(jt * N)                           # the token-level hit
         total_tokens += L
         evicted = max(0, ideal_full - kvb) * N
         new = (full - max(ideal_full, kvb)) * N
@@ -201,7 +200,7 @@ def replay_trace(requests: Sequence[TraceRequest], config: TraceReplayConfig,
             progress(n / len(requests))
     if progress is not None:
         progress(1.0)
-    miss_total = sum(miss.values())
+    hit_tokens, miss_total = sum(request_hits), sum(miss.values())
     assert miss_total == total_tokens - hit_tokens, "miss causes must add up to the missed tokens"
     return TraceReplayResult(_ratio(hit_blocks, total_blocks), _ratio(hit_tokens, total_tokens), hit_blocks,
                              total_blocks, hit_tokens, total_tokens, miss, peak_kv, peak_st, cache.written,
@@ -222,14 +221,13 @@ def replay_row(requests: Sequence[TraceRequest], preset: str, checkpoint_interva
     checkpoints written, evictions, seconds, and ``miss_<cause>`` as fractions of all tokens."""
     serving = ServeConfig(MOONCAKE_BLOCK_TOKENS, checkpoint_interval, num_groups)
     res = replay_trace(requests, TraceReplayConfig.for_preset(preset, serving, capacity_bytes))
-    row = dict(interval_tokens=checkpoint_interval, num_groups=num_groups,
-               capacity_gb=None if capacity_bytes is None else capacity_bytes / 1e9,
-               block_hit_ratio=res.block_hit_ratio, token_hit_ratio=res.token_hit_ratio,
-               peak_kv_gb=res.peak_kv_bytes / 1e9, peak_state_gb=res.peak_state_bytes / 1e9,
-               checkpoints_written=res.checkpoints_written, evicted_blocks=res.evicted_blocks,
-               evicted_checkpoints=res.evicted_checkpoints, seconds=res.seconds)
-    row.update({f"miss_{c}": _ratio(res.miss_tokens[c], res.total_tokens) for c in MISS_CAUSES})
-    return row
+    return dict(interval_tokens=checkpoint_interval, num_groups=num_groups,
+                capacity_gb=None if capacity_bytes is None else capacity_bytes / 1e9,
+                block_hit_ratio=res.block_hit_ratio, token_hit_ratio=res.token_hit_ratio,
+                peak_kv_gb=res.peak_kv_bytes / 1e9, peak_state_gb=res.peak_state_bytes / 1e9,
+                checkpoints_written=res.checkpoints_written, evicted_blocks=res.evicted_blocks,
+                evicted_checkpoints=res.evicted_checkpoints, seconds=res.seconds,
+                **{f"miss_{c}": _ratio(res.miss_tokens[c], res.total_tokens) for c in MISS_CAUSES})
 
 
 def capacity_points(unlimited: dict, fractions: Sequence[float] = CAPACITY_FRACTIONS) -> list[float]:

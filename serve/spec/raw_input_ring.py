@@ -138,8 +138,7 @@ class RawInputRing(RollbackStrategy):
 
     def _finish(self, num_committed: int) -> None:
         self.commit_end += num_committed                   # accepted slots join the committed history
-        self._release()
-        self._reset_record()
+        super()._finish(num_committed)
 
     def _release(self) -> None:
         for c in range(self.commit_end, self.tail):        # rejected (or discarded) pending slots

@@ -214,18 +214,14 @@ class RollbackStrategy(ABC):
         return HybridCache(tuple(layers), base.num_tokens + m)
 
     def _finish(self, num_committed: int) -> None:
-        """After a commit of ``num_committed`` verify tokens: release the per-verify buffers."""
+        """After a commit of ``num_committed`` verify tokens (0: a discard): release the per-verify buffers."""
         self._release()
-        self._reset_record()
-
-    def _reset_record(self) -> None:
         self._model = self._base = self._verified = None
         self._num_tokens = self._valid_tokens = 0
 
     def discard(self) -> None:
         """Abort the recorded verify: committed caches stay as they were; buffers are released."""
-        self._release()
-        self._reset_record()
+        self._finish(0)
 
     def nbytes(self) -> int:
         """Bytes of every rollback buffer held now (numel x element size)."""

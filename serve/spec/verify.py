@@ -272,8 +272,7 @@ def speculative_generate(model: HybridLM, prompt: torch.Tensor, max_new_tokens: 
 
 # ---- the one strategy factory, and the engine's speculation settings ----
 
-STRATEGIES: dict[str, type[RollbackStrategy]] = {
-    SnapshotRollback.name: SnapshotRollback, ProjectionReplay.name: ProjectionReplay, RawInputRing.name: RawInputRing}
+STRATEGIES: dict[str, type[RollbackStrategy]] = {s.name: s for s in (SnapshotRollback, ProjectionReplay, RawInputRing)}
 
 
 def make_strategy(name: str, window: int, capacity: int | None = None,
