@@ -34,6 +34,7 @@ import torch
 from kda_core.chunk import kda_chunk
 from kda_core.config import PRESETS, ModelConfig, mla_kv_bytes_per_token
 from lab.timing import Conditions, Timing, conditions, measure, summarize
+from serve.errors import check_int
 from serve.parallel.comm import PHASES
 from serve.parallel.halo import halo_bytes
 from serve.parallel.inputs import initial_state, kda_inputs
@@ -202,8 +203,7 @@ def all_cores_baseline(seq_len: int, num_heads: int, head_k_dim: int, head_v_dim
     by :func:`lab.timing.measure` (``repeats`` >= 5 after one warm-up); the thread count is restored after.
 
     Raises ValueError for a bad size (:class:`KCPConfig`), threads < 1 or repeats < 5."""
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+    check_int("threads", threads)
     cfg = KCPConfig(seq_len=seq_len, world_size=1, num_heads=num_heads, head_k_dim=head_k_dim,
                     head_v_dim=head_v_dim, with_initial_state=with_initial_state)
     x = kda_inputs(cfg.batch, num_heads, head_k_dim, head_v_dim, 0, seq_len, cfg.seed, cfg.dtype)

@@ -24,6 +24,7 @@ from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, measure, summarize
 from serve.config import ServeConfig
 from serve.engine import ServeEngine
+from serve.errors import check_int
 from serve.memory.layout import CacheLayout
 from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
@@ -145,8 +146,7 @@ PHASE_RUNS = ("cold", "first", "warm")  # run kinds, in the order of the rows an
 
 def _sizes(first, second, max_new_tokens: int, block_size: int, num_groups: int, preset: str):
     a, b = as_tokens(first), as_tokens(second)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens)
     model = demo_model(preset)
     return a, b, model, _pages_for(model, block_size, num_groups, max(len(a), len(b)) + max_new_tokens)
 

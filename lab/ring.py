@@ -18,7 +18,7 @@ from lab.rollback import strategies_for
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, LinearFit, conditions, fit_linear, summarize
 from lab.verify import PROMPT_TEXT
-from serve.errors import check_choice
+from serve.errors import check_choice, check_int
 from serve.spec.draft import NoisyOracleProposer
 from serve.spec.raw_input_ring import RawInputRing
 from serve.spec.rollback import conv_window_after
@@ -174,8 +174,7 @@ def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, 
     (default :func:`prompt_state`).
 
     Raises ValueError for a bad capacity/window (from :class:`RawInputRing`) or requested_draft < 0."""
-    if not isinstance(requested_draft, int) or requested_draft < 0:
-        raise ValueError(f"requested_draft must be an int >= 0, got {requested_draft!r}")
+    check_int("requested_draft", requested_draft, 0)
     ring = RawInputRing(capacity, window)
     prompt = encode(PROMPT_TEXT)
     with one_thread():

@@ -18,7 +18,7 @@ from kda_core.conv import short_conv
 from kda_core.kda import kda_gate, kda_recurrent
 from kda_core.layer import KDAAux, KDACache, l2norm
 from kda_core.model import ForwardOutput, HybridCache
-from serve.errors import check_choice
+from serve.errors import check_choice, check_int
 from serve.spec.projection import ProjectionReplay
 from serve.spec.raw_input_ring import RawInputRing
 from serve.spec.rollback import (
@@ -62,8 +62,7 @@ def layer_verify(shape: LayerShape, num_draft: int, seed: int = 0) -> tuple[Laye
 
     Returns (target, base cache, verify output with ``aux[0]`` a :class:`KDAAux`). Raises ValueError
     for ``num_draft < 0``."""
-    if not isinstance(num_draft, int) or num_draft < 0:
-        raise ValueError(f"num_draft must be an int >= 0, got {num_draft!r}")
+    check_int("num_draft", num_draft, 0)
     gen = torch.Generator().manual_seed(seed)
     H, K, V, W, d = shape
     T, D = 1 + num_draft, shape.conv_dim

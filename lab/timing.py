@@ -21,6 +21,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from serve.errors import check_int
+
 MIN_REPEATS = 5
 
 
@@ -66,8 +68,7 @@ def conditions(repeats: int, warmup: int) -> Conditions:
     :data:`MIN_REPEATS` or ``warmup`` < 0 (every measurement's rule)."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < MIN_REPEATS:
         raise ValueError(f"repeats must be an int >= {MIN_REPEATS}, got {repeats!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be an int >= 0, got {warmup!r}")
+    check_int("warmup", warmup, 0)
     try:
         load = os.getloadavg()[0]
     except OSError:

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 from kda_core.model import HybridLM, cache_equal, encode
 from lab.threads import one_thread
-from serve.errors import check_choice
+from serve.errors import check_choice, check_int
 from serve.spec.draft import DraftProposer, NoisyOracleProposer
 from serve.spec.reference import cache_max_abs_diff, clone_cache, sequential_decode
 from serve.spec.rollback import RollbackStrategy
@@ -84,8 +84,7 @@ def run_verify_lab(model: HybridLM, num_draft: int, acceptance: float, strategy_
         ValueError: an unknown mode/strategy or an out-of-range argument.
     """
     check_choice("mode", mode, MODES)
-    if not isinstance(num_draft, int) or num_draft < 1:
-        raise ValueError(f"num_draft must be an int >= 1, got {num_draft!r}")
+    check_int("num_draft", num_draft)
     if not 1 <= abort_tokens <= num_draft + 1:
         raise ValueError(f"abort_tokens must be in [1, {num_draft + 1}], got {abort_tokens}")
     if not 1 <= corrupt_position <= num_draft:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kda_core.config import ModelConfig
-from serve.errors import check_choice, check_positive_int
+from serve.errors import check_choice, check_int
 from serve.memory.layout import POLICIES, CacheLayout
 
 
@@ -37,9 +37,9 @@ class ServeConfig:
     page_policy: str = "multi_page"
 
     def __post_init__(self):
-        check_positive_int("block_size", self.block_size)
-        check_positive_int("num_groups", self.num_groups)
-        check_positive_int("checkpoint_interval", self.checkpoint_interval)
+        check_int("block_size", self.block_size)
+        check_int("num_groups", self.num_groups)
+        check_int("checkpoint_interval", self.checkpoint_interval)
         if self.checkpoint_interval % self.block_size:
             raise ValueError(f"checkpoint_interval must be a positive multiple of block_size={self.block_size}, "
                              f"got {self.checkpoint_interval}")

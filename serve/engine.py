@@ -32,6 +32,7 @@ import torch
 
 from kda_core.model import HybridLM
 from serve.config import ServeConfig
+from serve.errors import check_int
 from serve.memory.pages import write_kv, write_state, zero_state
 from serve.memory.pool import PageKind, PagePool, PoolExhausted
 from serve.prefix.cache import PrefixCache
@@ -102,8 +103,7 @@ class ServeEngine:
         pinned now. Raises ValueError on bad input."""
         t0 = time.perf_counter()
         prompt = prompt_ids(tokens)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        check_int("max_new_tokens", max_new_tokens)
         rid = self._next_rid
         self._next_rid += 1
         req = Request(rid, prompt, max_new_tokens, record_logits, t0)

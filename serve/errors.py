@@ -1,13 +1,14 @@
 """Error types the UI shows to the user as ``st.error`` instead of a stack trace, and the argument checks
-(a positive int, one of a set of choices) the serve and lab layers share."""
+(an int with a lower bound, one of a set of choices) the serve and lab layers share."""
 
 UserFacingErrors = (ValueError, RuntimeError, KeyError, TimeoutError)
 
 
-def check_positive_int(name: str, val) -> int:
-    """``val`` if it is an int > 0 (a bool is not); else ValueError naming ``name``."""
-    if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
-        raise ValueError(f"{name} must be a positive int, got {val!r}")
+def check_int(name: str, val, minimum: int = 1) -> int:
+    """``val`` if it is an int >= ``minimum`` (a bool is not an int here); else ValueError "``name`` must be an
+    int >= ``minimum``, got ``val``"."""
+    if isinstance(val, bool) or not isinstance(val, int) or val < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {val!r}")
     return val
 
 

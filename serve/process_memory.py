@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 
+from serve.errors import check_int
+
 M_ARENA_MAX = -8   # glibc malloc.h
 
 
@@ -24,8 +26,7 @@ def limit_malloc_arenas(num_arenas: int = 2) -> bool:
     """Cap glibc's malloc arenas for threads started from now on; True if applied.
 
     Raises ValueError if ``num_arenas`` is not a positive int."""
-    if not isinstance(num_arenas, int) or num_arenas < 1:
-        raise ValueError(f"num_arenas must be a positive int, got {num_arenas!r}")
+    check_int("num_arenas", num_arenas)
     libc = _libc()
     return bool(libc is not None and hasattr(libc, "mallopt") and libc.mallopt(M_ARENA_MAX, num_arenas))
 

@@ -20,6 +20,7 @@ insertion in the same step can evict them, which the refresh at ``finish`` then 
 
 from __future__ import annotations
 
+from serve.errors import check_int
 from serve.scale.policies.base import BYTE_KINDS
 
 
@@ -33,8 +34,7 @@ class PolicyReplicaCache:
     integrity check also walks the policy's whole structure (tests; the budget is always checked)."""
 
     def __init__(self, policy, budget_bytes: float, max_running: int = 1, deep_checks: bool = False):
-        if isinstance(max_running, bool) or not isinstance(max_running, int) or max_running < 1:
-            raise ValueError(f"max_running must be an int >= 1, got {max_running!r}")
+        check_int("max_running", max_running)
         running = policy.running_state_slots * policy.replica.state_bytes * max_running
         if not budget_bytes >= running:
             raise ValueError(f"budget_bytes {budget_bytes:,.0f} is below the state slots of {max_running} running "

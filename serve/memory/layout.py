@@ -36,7 +36,7 @@ from kda_core.config import (
     kda_state_bytes_per_layer,
     mla_kv_bytes_per_token,
 )
-from serve.errors import check_choice, check_positive_int
+from serve.errors import check_choice, check_int
 
 FP32_BYTES = 4
 PAGE_ALIGN_BYTES = 64
@@ -86,7 +86,7 @@ class CacheLayout:
     conv_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
-        check_positive_int("block_size", self.block_size)
+        check_int("block_size", self.block_size)
         group_layers(self.cfg, self.num_groups)
         if isinstance(self.page_bytes, bool) or not isinstance(self.page_bytes, int) or self.page_bytes <= 0 \
                 or self.page_bytes % FP32_BYTES:
@@ -103,7 +103,7 @@ class CacheLayout:
         group state), "multi_page" = one KV block; rounded up to 64 bytes. Raises ValueError for an
         unknown policy, a non-positive ``block_size`` or bad ``num_groups``."""
         check_choice("policy", policy, POLICIES)
-        check_positive_int("block_size", block_size)
+        check_int("block_size", block_size)
         need = block_size * mla_kv_bytes_per_token(cfg, kv_dtype)
         if policy == "unified":
             need = max(need, max(group_state_bytes(cfg, len(g), state_dtype, conv_dtype)

@@ -26,7 +26,7 @@ from operator import itemgetter
 
 import torch
 
-from serve.errors import check_positive_int
+from serve.errors import check_int
 from serve.memory.kinds import (
     POISON_BYTE,
     USED_KINDS,
@@ -50,8 +50,8 @@ class PagePool:
     """
 
     def __init__(self, num_pages: int, page_bytes: int, poison: bool = False):
-        self.num_pages = check_positive_int("num_pages", num_pages)
-        self.page_bytes = check_positive_int("page_bytes", page_bytes)
+        self.num_pages = check_int("num_pages", num_pages)
+        self.page_bytes = check_int("page_bytes", page_bytes)
         self.poison = bool(poison)
         self.arena = torch.empty((num_pages, page_bytes), dtype=torch.uint8)  # [num_pages, page_bytes]
         if self.poison:
@@ -89,8 +89,7 @@ class PagePool:
         :class:`PoolExhausted` (``n`` > free pages); on any error nothing changes.
         """
         kind = check_used_kind(kind)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be an int >= 0, got {n!r}")
+        check_int("n", n, 0)
         if owner is None:
             raise ValueError("owner must not be None (None marks a free page)")
         free = self._free
@@ -314,8 +313,7 @@ class PagePool:
         shape = tuple(shape)
         if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in shape):
             raise ValueError(f"shape must be a tuple of ints >= 0, got {shape!r}")
-        if isinstance(offset_bytes, bool) or not isinstance(offset_bytes, int) or offset_bytes < 0:
-            raise ValueError(f"offset_bytes must be an int >= 0, got {offset_bytes!r}")
+        check_int("offset_bytes", offset_bytes, 0)
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = math.prod(shape) * itemsize
         if offset_bytes + nbytes > self.page_bytes:

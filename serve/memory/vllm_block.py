@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 
 from kda_core.config import ModelConfig, conv_state_bytes_per_layer, dtype_bytes, kda_state_bytes_per_layer
-from serve.errors import check_positive_int
+from serve.errors import check_int
 from serve.memory.layout import REAL_DTYPES, CacheLayout
 
 # Kernel block sizes (tokens) of vLLM's MLA attention backends: min of get_supported_kernel_block_sizes().
@@ -51,8 +51,8 @@ def vllm_block_pick(cfg: ModelConfig, kernel_block_size: int, block_size: int = 
     with ``state`` one KDA layer's state per TP rank and ``attn_1_token`` one MLA layer's latent bytes
     per token (the MLA latent is not split by TP). Raises ValueError for non-positive sizes, a ``tp_size``
     that does not divide the heads, or a model without MLA or KDA layers."""
-    check_positive_int("kernel_block_size", kernel_block_size)
-    check_positive_int("block_size", block_size)
+    check_int("kernel_block_size", kernel_block_size)
+    check_int("block_size", block_size)
     if not cfg.num_mla_layers or not cfg.num_kda_layers:
         raise ValueError(f"config {cfg.name!r} needs both MLA and KDA layers for a hybrid page size")
     attn_1_token = cfg.latent_dim * dtype_bytes(kv_dtype)        # (r + rope) * s_kv, one MLA layer

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_core.kda import kda_gate
-from serve.errors import check_choice
+from serve.errors import check_choice, check_int
 
 TILE_TOKENS = 256
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -61,8 +61,7 @@ def kda_inputs(batch: int, num_heads: int, head_k_dim: int, head_v_dim: int, sta
     """
     for name, val in (("batch", batch), ("num_heads", num_heads), ("head_k_dim", head_k_dim),
                       ("head_v_dim", head_v_dim)):
-        if not isinstance(val, int) or val <= 0:
-            raise ValueError(f"{name} must be a positive int, got {val!r}")
+        check_int(name, val)
     check_choice("dtype", dtype, list(DTYPES))
     _check_range(start, end)
     B, H, K, V = batch, num_heads, head_k_dim, head_v_dim
@@ -88,8 +87,7 @@ def initial_state(batch: int, num_heads: int, head_k_dim: int, head_v_dim: int, 
 def layer_inputs(batch: int, hidden_size: int, start: int, end: int, seed: int = 0) -> torch.Tensor:
     """Tokens ``[start, end)`` of a seeded layer input ``x [B, T, D]`` (fp32, unit-variance)."""
     _check_range(start, end)
-    if not isinstance(hidden_size, int) or hidden_size <= 0:
-        raise ValueError(f"hidden_size must be a positive int, got {hidden_size!r}")
+    check_int("hidden_size", hidden_size)
 
     def make(gen, n):
         return (torch.randn(batch, n, hidden_size, generator=gen),)

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import torch
 
 from kda_core.chunk import kda_chunk_outputs, kda_chunk_prepare, kda_chunk_states
-from serve.errors import check_choice
+from serve.errors import check_choice, check_int
 from serve.parallel.comm import Comm, PhaseClock, PhaseTimes
 from serve.parallel.summary import BlockSummary, apply_summary, compose, fold_state, summary_from_prep
 
@@ -153,8 +153,7 @@ def exchange_bytes(batch: int, num_heads: int, head_k_dim: int, head_v_dim: int,
 def block_bounds(seq_len: int, world_size: int) -> list[tuple[int, int]]:
     """Half-open token range ``[start, end)`` of each rank: contiguous, sizes differ by at most 1
     (the first ``T mod W`` ranks get one more token). Raises ValueError if ``T < W``."""
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    check_int("world_size", world_size)
     if not isinstance(seq_len, int) or seq_len < world_size:
         raise ValueError(f"seq_len must be an int >= world_size = {world_size} (every rank needs a token), got {seq_len!r}")
     base, extra = divmod(seq_len, world_size)

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from serve.errors import check_choice
+from serve.errors import check_choice, check_int
 from serve.process_memory import release_freed_memory
 
 BACKENDS = ("gloo", "nccl")
@@ -248,13 +248,11 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
         names the rank and carries its traceback). RankTimeout (a TimeoutError): the run did not
         finish within ``timeout_s``.
     """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    check_int("world_size", world_size)
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
     check_choice("start_method", start_method, START_METHODS)
-    if not isinstance(threads_per_rank, int) or threads_per_rank < 1:
-        raise ValueError(f"threads_per_rank must be an int >= 1, got {threads_per_rank!r}")
+    check_int("threads_per_rank", threads_per_rank)
     check_backend(backend)
     if start_method == "fork" and threads_per_rank != 1:
         raise ValueError(f"start_method 'fork' needs threads_per_rank = 1 (a forked OpenMP pool can hang), "

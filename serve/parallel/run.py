@@ -20,7 +20,7 @@ import torch
 from kda_core.chunk import kda_chunk
 from kda_core.config import PRESETS
 from kda_core.layer import KDACache, KDALayer
-from serve.errors import check_choice, check_positive_int
+from serve.errors import check_choice, check_int
 from serve.parallel.comm import Comm, PhaseTimes
 from serve.parallel.halo import kcp_layer_prefill
 from serve.parallel.inputs import DTYPES, initial_state, kda_inputs, layer_inputs
@@ -74,7 +74,7 @@ class KCPConfig:
     def __post_init__(self):
         for name in ("seq_len", "world_size", "batch", "num_heads", "head_k_dim", "head_v_dim", "hidden_size",
                      "chunk_size", "repeats", "threads_per_rank"):
-            check_positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         block_bounds(self.seq_len, self.world_size)          # T >= world_size
         check_variant(self.variant)
         check_backend(self.backend)

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from serve.errors import check_positive_int
+from serve.errors import check_int
 from serve.prefix.hit import LookupStep
 
 ROOT = None  # parent of the first block
@@ -45,7 +45,7 @@ def block_keys(tokens: Sequence[int], block_size: int) -> list[bytes]:
     Returns: ``T // N`` keys of 32 bytes.
     Raises: ValueError for a non-positive block size or tokens that are not a 1-D integer sequence.
     """
-    check_positive_int("block_size", block_size)
+    check_int("block_size", block_size)
     arr = np.asarray(tokens.tolist() if hasattr(tokens, "tolist") else tokens)
     if arr.size == 0:
         return []
@@ -126,8 +126,7 @@ class PrefixIndex:
     """
 
     def __init__(self, num_groups: int = 1):
-        if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
-            raise ValueError(f"num_groups must be an int >= 1, got {num_groups!r}")
+        check_int("num_groups", num_groups)
         self._num_groups = num_groups
         self.nodes: dict[Hashable, BlockNode] = {}
         self.lru: OrderedDict[BlockNode | Checkpoint, None] = OrderedDict()   # oldest first; each has a .kind

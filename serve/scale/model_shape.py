@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from kda_core.config import PRESETS as CONFIG_PRESETS
 from kda_core.config import REAL_PRESETS, ModelConfig
-from serve.errors import check_choice, check_positive_int
+from serve.errors import check_choice, check_int
 
 MXFP4_BYTES_PER_WEIGHT = (4 + 8 / 32) / 8  # 4-bit values + one 8-bit scale per group of 32
 
@@ -85,7 +85,7 @@ class ModelShape:
                      "mla_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                      "dense_intermediate_size", "num_experts", "experts_per_token", "moe_intermediate_size",
                      "routed_expert_hidden_size", "kv_bytes", "state_bytes", "conv_bytes"):
-            check_positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         for name in ("q_lora_rank", "first_dense_layers", "num_shared_experts"):
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val < 0:

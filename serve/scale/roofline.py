@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from serve.errors import check_int
 from serve.scale.hardware import Hardware
 from serve.scale.model_shape import ModelShape
 
@@ -133,12 +134,9 @@ def prefill_time(shape: ModelShape, hw: Hardware, tp: int, new_tokens: int, cach
     """Roofline time of prefilling ``new_tokens`` after ``cached_tokens`` (a prefix hit: cached MLA
     KV, restored KDA state) for each of ``batch`` equal sequences. Seconds; ValueError names a bad arg."""
     _check(shape, hw, tp, overhead_s)
-    if not isinstance(new_tokens, int) or new_tokens < 1:
-        raise ValueError(f"new_tokens must be an int >= 1, got {new_tokens!r}")
-    if not isinstance(cached_tokens, int) or cached_tokens < 0:
-        raise ValueError(f"cached_tokens must be an int >= 0, got {cached_tokens!r}")
-    if not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    check_int("new_tokens", new_tokens)
+    check_int("cached_tokens", cached_tokens, 0)
+    check_int("batch", batch)
     n, b, tokens = new_tokens, cached_tokens, batch * new_tokens
     wb, kinds = shape.weight_bytes, []
     if shape.num_kda_layers:
@@ -168,8 +166,7 @@ def decode_time(shape: ModelShape, hw: Hardware, tp: int, batch: int, contexts: 
     """Roofline time of one decode step (TPOT) for ``batch`` sequences at ``contexts`` tokens of
     context each (one int for all, or one per sequence). Seconds; ValueError names a bad arg."""
     _check(shape, hw, tp, overhead_s)
-    if not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    check_int("batch", batch)
     ctx = [contexts] * batch if isinstance(contexts, int) else list(contexts)
     if len(ctx) != batch or any(not isinstance(c, int) or c < 0 for c in ctx):
         raise ValueError(f"contexts must be an int >= 0 or {batch} ints >= 0, got {contexts!r}")
@@ -194,6 +191,5 @@ def checkpoint_restore_time(shape: ModelShape, hw: Hardware, tp: int, batch: int
     """Seconds to copy ``batch`` sequences' KDA checkpoints (all KDA layers, recurrent + conv state)
     into their working slots on a prefix hit: bytes read + bytes written over HBM bandwidth, per GPU."""
     _check(shape, hw, tp, 0.0)
-    if not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch must be an int >= 1, got {batch!r}")
+    check_int("batch", batch)
     return 2 * shape.num_kda_layers * shape.kda_state_bytes_layer * batch / tp / hw.hbm_bytes_per_s

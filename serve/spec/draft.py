@@ -21,11 +21,11 @@ from collections.abc import Sequence
 import torch
 
 from kda_core.model import HybridLM
+from serve.errors import check_int
 
 
 def _check_request(history: Sequence[int], num_tokens: int) -> None:
-    if not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    check_int("num_tokens", num_tokens, 0)
     if len(history) == 0:
         raise ValueError("history must hold at least one token (the prompt)")
 
@@ -57,8 +57,7 @@ class NgramProposer(DraftProposer):
     name = "n-gram (prompt lookup)"
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        if not isinstance(min_ngram, int) or min_ngram < 1:
-            raise ValueError(f"min_ngram must be an int >= 1, got {min_ngram!r}")
+        check_int("min_ngram", min_ngram)
         if not isinstance(max_ngram, int) or max_ngram < min_ngram:
             raise ValueError(f"max_ngram must be an int >= min_ngram = {min_ngram}, got {max_ngram!r}")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 
 from kda_core.model import ForwardOutput, HybridCache, HybridLM
-from serve.errors import check_choice
+from serve.errors import check_choice, check_int
 from serve.spec.draft import DraftProposer
 from serve.spec.projection import ProjectionReplay
 from serve.spec.raw_input_ring import RawInputRing
@@ -193,10 +193,8 @@ def speculate(model: HybridLM, state: DecodeState, history: Sequence[int], propo
         ValueError: ``num_draft_tokens`` or ``num_tokens`` not an int >= 0, or ``history[-1]`` is not
         ``state.last_token``.
     """
-    if not isinstance(num_draft_tokens, int) or num_draft_tokens < 0:
-        raise ValueError(f"num_draft_tokens must be an int >= 0, got {num_draft_tokens!r}")
-    if not isinstance(num_tokens, int) or num_tokens < 0:
-        raise ValueError(f"num_tokens must be an int >= 0, got {num_tokens!r}")
+    check_int("num_draft_tokens", num_draft_tokens, 0)
+    check_int("num_tokens", num_tokens, 0)
     history = [int(t) for t in history]
     if not history or history[-1] != int(state.last_token):
         raise ValueError("history must end with state.last_token (emitted, not yet fed to the model)")
@@ -258,8 +256,7 @@ def speculative_generate(model: HybridLM, prompt: torch.Tensor, max_new_tokens: 
     Prefill, then :func:`speculate` for the other ``max_new_tokens - 1`` tokens. Raises ValueError for
     ``max_new_tokens < 1`` or ``num_draft_tokens < 0``.
     """
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    check_int("max_new_tokens", max_new_tokens)
     state = prefill_state(model, prompt)
     history = torch.as_tensor(prompt).reshape(-1).tolist() + [state.last_token]
     out, steps = [state.last_token], []

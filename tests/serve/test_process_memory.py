@@ -26,5 +26,5 @@ def test_release_freed_memory_returns_heap():
 def test_limit_malloc_arenas():
     if platform.libc_ver()[0] == "glibc":
         assert limit_malloc_arenas(2) is True
-    with pytest.raises(ValueError, match="num_arenas must be a positive int"):
+    with pytest.raises(ValueError, match="num_arenas must be an int >= 1"):
         limit_malloc_arenas(0)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from kda_core.config import PRESETS, fixed_state_bytes_per_sequence, mla_kv_bytes_per_token
-from serve.errors import check_choice, check_positive_int
+from serve.errors import check_choice, check_int
 from serve.traces import TraceRequest, leading_run
 
 BYTE_KINDS = ("kv", "state", "running")
@@ -48,7 +48,7 @@ class ReplicaBytes:
 
     def __post_init__(self):
         for name in ("kv_bytes_per_token", "state_bytes", "tp_size"):
-            check_positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
 
     @classmethod
     def for_preset(cls, preset: str, tp_size: int = 1, kv_dtype: torch.dtype = torch.bfloat16,

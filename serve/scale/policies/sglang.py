@@ -29,7 +29,7 @@ both modes, extra_buffer's extend consumes it); how ``mamba_full_memory_ratio`` 
 """
 from __future__ import annotations
 
-from serve.errors import check_positive_int
+from serve.errors import check_int
 from serve.scale.policies.base import ReplicaBytes
 from serve.scale.policies.state_tree import StateTree, TreeCounters
 from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
@@ -47,8 +47,8 @@ class _SGLangBase(TreeCounters):
     def __init__(self, replica: ReplicaBytes, block_size: int = MOONCAKE_BLOCK_TOKENS,
                  chunked_prefill_size: int = 8192, chunk: int = FLA_CHUNK,
                  mamba_full_memory_ratio: float = MAMBA_FULL_MEMORY_RATIO):
-        check_positive_int("chunked_prefill_size", chunked_prefill_size)
-        check_positive_int("chunk", chunk)
+        check_int("chunked_prefill_size", chunked_prefill_size)
+        check_int("chunk", chunk)
         if chunked_prefill_size % chunk:
             raise ValueError(f"chunked_prefill_size must be a multiple of chunk={chunk}, got {chunked_prefill_size}")
         if not mamba_full_memory_ratio > 0:

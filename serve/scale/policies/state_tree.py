@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from serve.errors import check_positive_int
+from serve.errors import check_int
 from serve.prefix.index import ROOT, PrefixIndex
 
 
@@ -34,9 +34,9 @@ class StateTree:
 
     def __init__(self, block_size: int, kv_bytes_per_token: int, state_bytes: int, two_pools: bool,
                  prune_stateless_leaves: bool):
-        self.block_size = check_positive_int("block_size", block_size)
-        self.kv_bytes_per_token = check_positive_int("kv_bytes_per_token", kv_bytes_per_token)
-        self.state_bytes = check_positive_int("state_bytes", state_bytes)
+        self.block_size = check_int("block_size", block_size)
+        self.kv_bytes_per_token = check_int("kv_bytes_per_token", kv_bytes_per_token)
+        self.state_bytes = check_int("state_bytes", state_bytes)
         self.two_pools, self.prune = two_pools, prune_stateless_leaves
         self.idx = PrefixIndex(1)
         self.states: OrderedDict = OrderedDict()     # (key, pos) -> stamp, oldest first

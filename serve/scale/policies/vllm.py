@@ -34,7 +34,7 @@ import math
 import torch
 
 from kda_core.config import PRESETS
-from serve.errors import check_choice, check_positive_int
+from serve.errors import check_choice, check_int
 from serve.memory.vllm_block import vllm_block_pick
 from serve.scale.policies.base import ReplicaBytes
 from serve.scale.policies.state_tree import StateTree, TreeCounters
@@ -72,11 +72,11 @@ class VLLMMambaPolicy(TreeCounters):
                  max_num_batched_tokens: int = 8192, replay_stop: bool = False, block_size: int | None = None,
                  trace_block_size: int = MOONCAKE_BLOCK_TOKENS):
         check_choice("mode", mode, MODES)
-        check_positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        check_int("max_num_batched_tokens", max_num_batched_tokens)
         self.replica = ReplicaBytes.for_preset(preset, tp_size)
         cfg = PRESETS[preset]
         B = block_size if block_size is not None else vllm_block_size(preset, mode, kernel_block_size, tp_size)
-        check_positive_int("block_size", B)
+        check_int("block_size", B)
         self.mode, self.vllm_block, self.replay_stop = mode, B, replay_stop
         self.max_num_batched_tokens = max_num_batched_tokens
         self.name = f"vllm {mode}" + (" +replay stop" if replay_stop else "")

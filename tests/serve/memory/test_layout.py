@@ -46,7 +46,7 @@ def test_errors():
     cfg = PRESETS["demo"]
     with pytest.raises(ValueError, match="policy must be one of"):
         CacheLayout.page_bytes_for(cfg, 16, 1, "buddy")
-    with pytest.raises(ValueError, match="block_size must be a positive int"):
+    with pytest.raises(ValueError, match="block_size must be an int >= 1"):
         CacheLayout.page_bytes_for(cfg, 0)
     with pytest.raises(ValueError, match=r"num_groups must be an int in \[1, 6\]"):
         group_layers(cfg, 7)

@@ -130,7 +130,7 @@ def test_view_errors(kwargs, err, match):
 
 @pytest.mark.parametrize("args", [(0, 8), (8, 0), (-1, 8), (2.0, 8), (True, 8)], ids=str)
 def test_bad_sizes(args):
-    with pytest.raises(ValueError, match="must be a positive int"):
+    with pytest.raises(ValueError, match="must be an int >= 1"):
         PagePool(*args)
 
 

@@ -96,7 +96,7 @@ def test_bad_arguments_inside_ranks_are_reported():
     (dict(seq_len=64, level="layer", dtype="float64"), "dtype must be 'float32' at level 'layer'"),
     (dict(seq_len=64, backend="nccl"), "nccl' needs CUDA"),
     (dict(seq_len=64, start_method="thread"), "start_method must be one of"),
-    (dict(seq_len=64, num_heads=0), "num_heads must be a positive int"),
+    (dict(seq_len=64, num_heads=0), "num_heads must be an int >= 1"),
     (dict(seq_len=64, chunk_size=48), "chunk_size must be a power of two"),
     (dict(seq_len=64, timeout_s=0), "timeout_s must be > 0"),
 ], ids=lambda v: v if isinstance(v, str) else None)
