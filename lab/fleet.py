@@ -16,7 +16,7 @@ import pandas as pd
 
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, measure
-from serve.errors import check_choice
+from serve.errors import check_choice, check_int
 from serve.fleet import ROUTERS, make_router, replica_names
 from serve.fleet.hashing import random_keys
 from serve.fleet.policy_cache import PolicyReplicaCache
@@ -145,8 +145,7 @@ def measure_lookup_us(num_replicas: int, vnodes: int, num_keys: int = LOOKUP_KEY
     rounds after a warm-up. Returns a DataFrame (algorithm, us_per_key = median, q1_us, q3_us, min_us,
     max_us; every figure is the run's time ÷ ``num_keys``) and the :class:`~lab.timing.Conditions`.
     Raises ValueError for ``num_keys`` < 1 or ``repeats`` < :data:`lab.timing.MIN_REPEATS`."""
-    if num_keys < 1:
-        raise ValueError(f"num_keys must be >= 1, got {num_keys}")
+    check_int("num_keys", num_keys)
     keys = random_keys(num_keys, seed=3)
     queries = [RouteQuery(int(k), (int(k) % 997, int(k) % 13)) for k in keys]
 

@@ -34,7 +34,7 @@ import torch
 from kda_core.chunk import kda_chunk
 from kda_core.config import PRESETS, ModelConfig, mla_kv_bytes_per_token
 from lab.timing import Conditions, Timing, conditions, measure, summarize
-from serve.errors import check_int
+from serve.errors import check_int, check_positive
 from serve.parallel.comm import PHASES
 from serve.parallel.halo import halo_bytes
 from serve.parallel.inputs import initial_state, kda_inputs
@@ -154,8 +154,7 @@ def project(costs: PhaseCosts, single_ms: float, seq_len: int, world_sizes: list
         ValueError: bad variant, bandwidth <= 0, or N larger than T.
     """
     check_variant(variant)
-    if not bandwidth_gbps > 0:
-        raise ValueError(f"bandwidth_gbps must be > 0, got {bandwidth_gbps!r}")
+    check_positive("bandwidth_gbps", bandwidth_gbps)
     out = []
     for n in world_sizes:
         block_bounds(seq_len, n)

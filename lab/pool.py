@@ -26,7 +26,7 @@ import pandas as pd
 from kda_core.config import PRESETS, REAL_PRESETS, preset_title
 from lab.pool_timing import LatencyHistogram, latency_histogram
 from lab.timing import Conditions, conditions, summarize
-from serve.errors import check_choice
+from serve.errors import check_choice, check_fraction, check_positive
 from serve.memory.layout import POLICIES, REAL_DTYPES, CacheLayout
 from serve.memory.pool import PageKind, PagePool
 from serve.memory.vllm_block import vllm_vs_ours
@@ -62,15 +62,13 @@ class WorkloadConfig:
         if not 0 < self.pool_mib <= 1024:
             raise ValueError(f"pool_mib must be in (0, 1024], got {self.pool_mib}")
         check_choice("policy", self.policy, POLICIES)
-        if not 0.0 <= self.long_share <= 1.0:
-            raise ValueError(f"long_share must be in [0, 1], got {self.long_share}")
+        check_fraction("long_share", self.long_share)
         check_choice("arrival", self.arrival, ARRIVALS)
         check_choice("preset", self.preset, sorted(PRESETS))
         for name in ("num_steps", "decode_tokens_per_step", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.arrival_rate <= 0:
-            raise ValueError(f"arrival_rate must be > 0, got {self.arrival_rate}")
+        check_positive("arrival_rate", self.arrival_rate)
         for name in ("short_tokens", "long_tokens", "output_tokens"):
             lo, hi = getattr(self, name)
             if not 0 < lo <= hi:

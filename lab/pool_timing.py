@@ -31,6 +31,7 @@ from kda_core.config import PRESETS
 from kda_core.layer import latent_attention
 from lab.threads import one_thread
 from lab.timing import Timing, measure
+from serve.errors import check_int
 from serve.memory.layout import CacheLayout
 from serve.memory.pages import read_kv, write_kv
 from serve.memory.pool import PageKind, PagePool
@@ -158,8 +159,7 @@ def latency_histogram(samples_ns: dict[str, list[int]], bins_per_decade: int = 1
     Samples of 0 ns (a clock tick coarser than the call) fall in the first bin, whose lower edge is
     then at most 0.5 ns. Raises ValueError on no samples, an empty or negative sample list, or
     ``bins_per_decade`` < 1."""
-    if bins_per_decade < 1:
-        raise ValueError(f"bins_per_decade must be >= 1, got {bins_per_decade}")
+    check_int("bins_per_decade", bins_per_decade)
     if not samples_ns or any(len(v) == 0 for v in samples_ns.values()):
         raise ValueError(f"samples_ns needs at least one sample per call, got sizes "
                          f"{ {k: len(v) for k, v in samples_ns.items()} }")

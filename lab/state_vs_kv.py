@@ -32,7 +32,7 @@ from kda_core.kda import kda_step
 from kda_core.layer import latent_attention
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, LinearFit, fit_linear, measure
-from serve.errors import check_choice
+from serve.errors import check_choice, check_int
 
 
 class DecodeCost(NamedTuple):
@@ -82,8 +82,7 @@ def measure_decode_cost(cfg: ModelConfig, contexts: list[int], num_heads: int = 
         raise ValueError(f"contexts must be ints in [1, {MAX_MEASURED_CONTEXT}], got {contexts}")
     if len(set(contexts)) != len(contexts) or len(contexts) < 2:
         raise ValueError(f"contexts must be at least two distinct lengths (for the a + b N fit), got {contexts}")
-    if num_heads < 1:
-        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    check_int("num_heads", num_heads)
     gen = torch.Generator().manual_seed(seed)
     H, K, V, r = num_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.kv_lora_rank
     q = torch.nn.functional.normalize(torch.randn(1, H, K, generator=gen), dim=-1)

@@ -21,7 +21,7 @@ from serve.trace_limits import (
     MAX_TRACE_REQUESTS,
     LoadedTrace,
     TraceFormatError,
-    check_int,
+    check_field_int,
     check_line_length,
     cut_note,
     read_text,
@@ -37,7 +37,7 @@ _DIGITS = re.compile(r"\s*[0-9]{1,18}\s*")  # an unsigned integer with at most 1
 def _count(cell: str, where: str, field: str, high: int, limit: str) -> int:
     if not _DIGITS.fullmatch(cell):
         raise TraceFormatError(f"{where}: field '{field}' must be a non-negative integer, got {show(cell)}")
-    return check_int(int(cell), where, field, 0, high, limit)
+    return check_field_int(int(cell), where, field, 0, high, limit)
 
 
 def _timestamp(cell: str, where: str) -> datetime:

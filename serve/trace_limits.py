@@ -122,7 +122,7 @@ def check_line_length(line: str, name: str, line_no: int) -> None:
                                "needs about 45,000)")
 
 
-def check_int(value, where: str, field: str, low: int, high: int, limit: str = "") -> int:
+def check_field_int(value, where: str, field: str, low: int, high: int, limit: str = "") -> int:
     """``value`` if it is an integer (not a bool) in ``[low, high]``; else TraceFormatError
     ``"{where}: field '{field}' ..."`` naming the range and ``limit`` (what the bound is)."""
     if not isinstance(value, int) or isinstance(value, bool):

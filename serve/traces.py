@@ -23,6 +23,7 @@ from typing import IO, NamedTuple
 
 import numpy as np
 
+from serve.errors import check_fraction, check_int, check_positive
 from serve.trace_limits import (
     INT64_MAX,
     INT64_MIN,
@@ -33,7 +34,7 @@ from serve.trace_limits import (
     MAX_TRACE_REQUESTS,
     LoadedTrace,
     TraceFormatError,
-    check_int,
+    check_field_int,
     check_line_length,
     cut_note,
     parse_json,
@@ -75,9 +76,9 @@ def _mooncake_request(line: str, where: str, block_size: int) -> TraceRequest:
     for field in _MOONCAKE_FIELDS:
         if field not in obj:
             raise TraceFormatError(f"{where}: missing field '{field}'")
-    ts = check_int(obj["timestamp"], where, "timestamp", 0, MAX_TIMESTAMP_MS, "ms; 30 days")
-    length = check_int(obj["input_length"], where, "input_length", 0, MAX_INPUT_TOKENS, "tokens per prompt")
-    output = check_int(obj["output_length"], where, "output_length", 0, MAX_OUTPUT_TOKENS, "tokens per output")
+    ts = check_field_int(obj["timestamp"], where, "timestamp", 0, MAX_TIMESTAMP_MS, "ms; 30 days")
+    length = check_field_int(obj["input_length"], where, "input_length", 0, MAX_INPUT_TOKENS, "tokens per prompt")
+    output = check_field_int(obj["output_length"], where, "output_length", 0, MAX_OUTPUT_TOKENS, "tokens per output")
     hash_ids = obj["hash_ids"]
     if not isinstance(hash_ids, list):
         raise TraceFormatError(f"{where}: field 'hash_ids' must be a list of integers, got {show(hash_ids)}")
@@ -191,12 +192,9 @@ def synthesize(
     Raises:
         ValueError for non-positive counts or durations, or a probability outside [0, 1].
     """
-    if num_requests <= 0:
-        raise ValueError(f"num_requests must be > 0, got {num_requests}")
-    if duration_s <= 0:
-        raise ValueError(f"duration_s must be > 0, got {duration_s}")
-    if not 0.0 <= new_session_prob <= 1.0:
-        raise ValueError(f"new_session_prob must be in [0, 1], got {new_session_prob}")
+    check_int("num_requests", num_requests)
+    check_positive("duration_s", duration_s)
+    check_fraction("new_session_prob", new_session_prob)
     if block_size <= 0 or system_prompt_blocks < 0:
         raise ValueError("block_size must be > 0 and system_prompt_blocks >= 0")
     rng = np.random.default_rng(seed)

@@ -17,7 +17,7 @@ from serve.trace_limits import (
     MAX_TIMESTAMP_MS,
     MAX_TRACE_REQUESTS,
     TraceFormatError,
-    check_int,
+    check_field_int,
     parse_json,
     read_text,
     show,
@@ -71,8 +71,8 @@ def _record(r, where: str) -> VTCRecord:
     if not isinstance(r["adapter_dir"], str):
         raise TraceFormatError(f"{where}: field 'adapter_dir' must be a string, got {show(r['adapter_dir'])}")
     return VTCRecord(r["adapter_dir"],
-                     check_int(r["prompt_len"], where, "prompt_len", 0, MAX_INPUT_TOKENS, "tokens per prompt"),
-                     check_int(r["output_len"], where, "output_len", 0, MAX_OUTPUT_TOKENS, "tokens per output"),
+                     check_field_int(r["prompt_len"], where, "prompt_len", 0, MAX_INPUT_TOKENS, "tokens per prompt"),
+                     check_field_int(r["output_len"], where, "output_len", 0, MAX_OUTPUT_TOKENS, "tokens per output"),
                      _seconds(r["req_time"], where, "req_time", False),
                      _seconds(r["first_token_latency"], where, "first_token_latency", True),
                      _seconds(r["request_latency"], where, "request_latency", True))

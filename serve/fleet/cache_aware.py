@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from serve.errors import check_fraction
 from serve.fleet.block_cache import BlockLRUCache
 from serve.fleet.router import RouteQuery, Router
 
@@ -29,8 +30,7 @@ class CacheAwareRouter(Router):
     def __init__(self, replicas: Sequence[str], cache_threshold: float = 0.3,
                  balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5,
                  tree_capacity_blocks: int | None = None):
-        if not 0.0 <= cache_threshold <= 1.0:
-            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        check_fraction("cache_threshold", cache_threshold)
         if balance_abs_threshold < 0 or balance_rel_threshold < 1.0:
             raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
         self.cache_threshold = cache_threshold

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from serve.errors import check_int
 from serve.fleet.hashing import MASK64
 from serve.fleet.router import RouteQuery, Router
 
@@ -20,8 +21,7 @@ _LCG = 2862933555777941757  # multiplier from the paper's reference code
 
 def jump_bucket(key: int, num_buckets: int) -> int:
     """Reference (scalar) jump hash of a 64-bit ``key`` into ``num_buckets`` buckets."""
-    if num_buckets < 1:
-        raise ValueError(f"num_buckets must be >= 1, got {num_buckets}")
+    check_int("num_buckets", num_buckets)
     b, j = -1, 0
     key &= MASK64
     while j < num_buckets:

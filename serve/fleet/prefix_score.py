@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from serve.errors import check_fraction
 from serve.fleet.router import RouteQuery, Router
 
 PREFIX_SCORE_ROUTERS = {"precise_kv": False, "precise_state": True}   # name -> checkpoint-aware
@@ -34,8 +35,7 @@ class PrefixScoreRouter(Router):
 
     def __init__(self, replicas: Sequence[str], use_state: bool = True, cache_threshold: float = 0.3,
                  balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5):
-        if not 0.0 <= cache_threshold <= 1.0:
-            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        check_fraction("cache_threshold", cache_threshold)
         if balance_abs_threshold < 0 or balance_rel_threshold < 1.0:
             raise ValueError("balance_abs_threshold must be >= 0 and balance_rel_threshold >= 1")
         self.cache_threshold = cache_threshold

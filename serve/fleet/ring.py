@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from serve.errors import check_int
 from serve.fleet.hashing import ketama_hash
 from serve.fleet.router import RouteQuery, Router
 
@@ -35,8 +36,7 @@ class ConsistentHashRouter(Router):
     name = "ring"
 
     def __init__(self, replicas: Sequence[str], vnodes: int = 160):
-        if vnodes < 1:
-            raise ValueError(f"vnodes must be >= 1, got {vnodes}")
+        check_int("vnodes", vnodes)
         self.vnodes = vnodes
         super().__init__(replicas)
         self._rebuild()

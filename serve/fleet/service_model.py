@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
+from serve.errors import check_int, check_positive
 from serve.vtc_artifact import VTCRun
 
 
@@ -46,12 +47,10 @@ class ServiceModel:
     source: str = ""
 
     def __post_init__(self):
-        if not self.prefill_tokens_per_s > 0:
-            raise ValueError(f"prefill_tokens_per_s must be > 0, got {self.prefill_tokens_per_s}")
+        check_positive("prefill_tokens_per_s", self.prefill_tokens_per_s)
         if not self.decode_step_base_ms > 0 or self.decode_step_per_seq_ms < 0 or self.prefill_overhead_ms < 0:
             raise ValueError("decode_step_base_ms must be > 0; per-seq and overhead times must be >= 0")
-        if self.max_batch_requests < 1:
-            raise ValueError(f"max_batch_requests must be >= 1, got {self.max_batch_requests}")
+        check_int("max_batch_requests", self.max_batch_requests)
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be >= 1 or None, got {self.kv_capacity_tokens}")
         if self.max_prefill_tokens_per_step is not None and self.max_prefill_tokens_per_step < 1:

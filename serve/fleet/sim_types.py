@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from serve.errors import check_int, check_positive
 from serve.fleet.budgets import PriorityClass
 from serve.fleet.service_model import ServiceModel
 from serve.trace_limits import MAX_INPUT_TOKENS, MAX_TRACE_BLOCKS
@@ -66,8 +67,7 @@ class FleetConfig:
         if self.router not in ROUTERS and self.router not in PREFIX_SCORE_ROUTERS:
             raise ValueError(f"router must be one of {sorted(ROUTERS) + sorted(PREFIX_SCORE_ROUTERS)}, "
                              f"got {self.router!r}")
-        if self.num_replicas < 1:
-            raise ValueError(f"num_replicas must be >= 1, got {self.num_replicas}")
+        check_int("num_replicas", self.num_replicas)
         if self.routing_k < 1:
             raise ValueError(f"routing_k must be >= 1 block, got {self.routing_k}")
         if self.scheduler not in ("fcfs", "vtc"):
@@ -166,8 +166,7 @@ def requests_from_trace(trace: Sequence[TraceRequest], klass: str = "standard", 
                         max_requests: int | None = None, id_offset: int = 0) -> list[FleetRequest]:
     """Turn trace requests into fleet requests of one class; ``time_scale`` stretches (>1) or
     compresses (<1) arrival times; ``max_requests`` keeps the first ones."""
-    if time_scale <= 0:
-        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    check_positive("time_scale", time_scale)
     picked = trace[:max_requests] if max_requests is not None else trace
     return [FleetRequest(id_offset + i, r.timestamp_ms * time_scale, r.input_length, r.output_length,
                          r.hash_ids, klass) for i, r in enumerate(picked)]

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from serve.errors import check_choice, check_int
+from serve.errors import check_choice, check_int, check_positive
 from serve.process_memory import release_freed_memory
 
 BACKENDS = ("gloo", "nccl")
@@ -249,8 +249,7 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
         finish within ``timeout_s``.
     """
     check_int("world_size", world_size)
-    if not timeout_s > 0:
-        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    check_positive("timeout_s", timeout_s)
     check_choice("start_method", start_method, START_METHODS)
     check_int("threads_per_rank", threads_per_rank)
     check_backend(backend)

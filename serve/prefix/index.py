@@ -171,8 +171,7 @@ class PrefixIndex:
         within them. With ``steps``, appends a :class:`LookupStep` per block and boundary examined,
         with the reason each phase stops (page 07). Pure: refreshes nothing. Raises ValueError for
         L < 1."""
-        if num_tokens < 1:
-            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        check_int("num_tokens", num_tokens)
         N = block_size
         cap = (num_tokens - 1) // N                     # blocks that end at or before token L - 1
         seen = self.kv_run(keys, cap + 1)               # block `cap` cached too: the cap, not a miss, stops

@@ -1,11 +1,13 @@
 """The shared argument checks of ``serve.errors``: one rule and one message for every int and choice argument."""
 import pytest
 
-from serve.errors import check_choice, check_int
+from serve.errors import check_choice, check_fraction, check_int, check_positive
+from serve.fleet.jump import jump_bucket
 from serve.scale.hardware import hardware
 from serve.scale.model_shape import preset
 from serve.scale.roofline import checkpoint_restore_time, decode_time, prefill_time
 from serve.spec.draft import NgramProposer
+from serve.traces import synthesize
 
 
 @pytest.mark.parametrize("val, minimum, ok", [(1, 1, True), (0, 0, True), (5, 3, True), (0, 1, False), (-1, 0, False),
@@ -36,3 +38,35 @@ def test_a_bool_is_not_a_count():
                  lambda: NgramProposer(min_ngram=True)):
         with pytest.raises(ValueError, match="must be an int >= 1, got True"):
             call()
+
+
+@pytest.mark.parametrize("val, ok", [(0.5, True), (3, True), (0, False), (-1.0, False), (float("nan"), False),
+                                     (True, False), (None, False), ("1", False)])
+def test_check_positive(val, ok):
+    if ok:
+        assert check_positive("x", val) == val
+    else:
+        with pytest.raises(ValueError, match=r"^x must be > 0, got "):
+            check_positive("x", val)
+
+
+@pytest.mark.parametrize("val, ok", [(0, True), (1, True), (0.25, True), (1.5, False), (-0.1, False),
+                                     (float("nan"), False), (False, False), (None, False)])
+def test_check_fraction(val, ok):
+    if ok:
+        assert check_fraction("p", val) == val
+    else:
+        with pytest.raises(ValueError, match=r"^p must be in \[0, 1\], got "):
+            check_fraction("p", val)
+
+
+def test_a_missing_number_is_a_value_error():
+    """Regression: checks written ``if x <= 0`` / ``if x < 1`` raised TypeError (``'<=' not supported``) for None,
+    which the pages do not show as a user-facing error, and a NaN duration passed ``x <= 0`` until numpy raised
+    OverflowError inside the generator."""
+    with pytest.raises(ValueError, match="num_requests must be an int >= 1, got None"):
+        synthesize(num_requests=None)
+    with pytest.raises(ValueError, match="duration_s must be > 0, got nan"):
+        synthesize(num_requests=10, duration_s=float("nan"))
+    with pytest.raises(ValueError, match="num_buckets must be an int >= 1, got None"):
+        jump_bucket(1, None)

@@ -29,7 +29,7 @@ both modes, extra_buffer's extend consumes it); how ``mamba_full_memory_ratio`` 
 """
 from __future__ import annotations
 
-from serve.errors import check_int
+from serve.errors import check_int, check_positive
 from serve.scale.policies.base import ReplicaBytes
 from serve.scale.policies.state_tree import StateTree, TreeCounters
 from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
@@ -51,8 +51,7 @@ class _SGLangBase(TreeCounters):
         check_int("chunk", chunk)
         if chunked_prefill_size % chunk:
             raise ValueError(f"chunked_prefill_size must be a multiple of chunk={chunk}, got {chunked_prefill_size}")
-        if not mamba_full_memory_ratio > 0:
-            raise ValueError(f"mamba_full_memory_ratio must be > 0, got {mamba_full_memory_ratio!r}")
+        check_positive("mamba_full_memory_ratio", mamba_full_memory_ratio)
         self.replica, self.block_size = replica, block_size
         self.chunked_prefill_size, self.chunk = chunked_prefill_size, chunk
         self.state_share = mamba_full_memory_ratio / (1 + mamba_full_memory_ratio)
