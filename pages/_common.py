@@ -38,6 +38,7 @@ if TYPE_CHECKING:      # annotations only: a page that builds no frame (Home's f
     import pandas as pd
 
 PERSISTED_KEYS = "_persisted_widget_keys"  # every key handed out by persist(), for the tests
+CHECKED_LINKS = "_checked_link_values"     # (key, URL values) already checked in this session
 _THIS_FILE = Path(__file__).resolve()
 limit_malloc_arenas(2)   # every script run is a new thread of the shared server: few arenas, reused
 
@@ -155,7 +156,9 @@ def persist(key: str, default=None, *, options=None, min_value=None, max_value=N
     session written by another version of the page) falls back to ``default`` (or, when it is None,
     to the widget's own first option) with a toast saying so. A widget bound to the URL
     (``bind="query-params"``) whose query parameter is malformed or out of range keeps its value
-    (Streamlit drops such a parameter) and a toast says the link's value was ignored. Pass the widget's
+    (Streamlit drops such a parameter) and a toast says the link's value was ignored; a value given twice for a
+    one-value widget is reported too. A link's value is checked once per session: when another widget later
+    lowers this one's bound, the old link value is not reported after the fact. Pass the widget's
     ``format_func`` too: the URL then carries the option's label, and only a label is a valid link value.
 
     A widget bound to the URL also takes ``default`` as its own ``value=`` / ``index=`` / ``default=``:
@@ -165,10 +168,14 @@ def persist(key: str, default=None, *, options=None, min_value=None, max_value=N
     route_through_navigation()
     state = st.session_state
     state.setdefault(PERSISTED_KEYS, set()).add(key)
-    if key in st.query_params:
-        raw = st.query_params.get_all(key)
-        why = _url_value_problem(raw if len(raw) > 1 or isinstance(default, list) else raw[0], default, options,
-                                 min_value, max_value, format_func)
+    raw = st.query_params.get_all(key) if key in st.query_params else []
+    checked = state.setdefault(CHECKED_LINKS, set())
+    if raw and (key, tuple(raw)) not in checked:   # once per value: a bound lowered later by another widget
+        checked.add((key, tuple(raw)))             # makes no old link value "bad" after the fact
+        many = len(raw) > 1 and not isinstance(default, (list, tuple))
+        why = f"given {len(raw)} times" if many else _url_value_problem(
+            raw if len(raw) > 1 or isinstance(default, list) else raw[0], default, options, min_value, max_value,
+            format_func)
         if why is not None:
             st.toast(f"The link's {key}={', '.join(raw)} is {why}; it was ignored.", icon=":material/link_off:")
     if key in state:

@@ -191,3 +191,26 @@ def test_every_url_widget_states_its_default_once(tab) -> None:
     itself states them twice, and the two copies can drift apart."""
     source = Path(tab.path).read_text()
     assert "bind=" not in source and "persist(" not in source and "persist_clamped(" not in source, tab.path
+
+
+@pytest.mark.parametrize(("path", "params", "bound", "lowered", "key"), [
+    ("pages/11_fleet_hashing.py", {"p11_requests": "3000", "p11_index": "2500"}, "p11_requests", 500, "p11_index"),
+    ("pages/04_raw_input_ring.py", {"p04_capacity": "32", "p04_window": "16"}, "p04_capacity", 5, "p04_window"),
+])
+def test_a_link_value_is_not_reported_after_another_widget_lowers_its_bound(path, params, bound, lowered, key):
+    """A valid link value stays valid: when the user then lowers the widget it depends on, the dependent follows
+    silently (the URL still carries the old value; it was applied, and is not "ignored" after the fact)."""
+    at = _open(path, params)
+    assert not [t.value for t in at.toast], [t.value for t in at.toast]
+    next(w for w in [*at.slider, *at.select_slider] if w.key == bound).set_value(lowered)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    follower = next(w for w in [*at.slider, *at.number_input] if w.key == key)
+    assert follower.value == follower.max <= lowered
+    assert not [t.value for t in at.toast if "ignored" in t.value], [t.value for t in at.toast]
+
+
+def test_a_value_given_twice_for_a_one_value_widget_is_reported():
+    """Streamlit drops ``?p05_pool_mib=48&p05_pool_mib=64`` and shows the default: the page says why."""
+    at = _open("pages/05_page_pool.py", {"p05_pool_mib": ["48", "64"]})
+    assert any("p05_pool_mib=48, 64 is given 2 times" in t.value for t in at.toast), [t.value for t in at.toast]
