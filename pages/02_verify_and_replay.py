@@ -41,10 +41,9 @@ if mode == "interrupted":
     abort_layers = None if layers == 8 else layers
 elif mode == "injected deviation":
     e1, e2 = st.columns(2)
-    if num_draft > 1:
-        corrupt_at = url_widget(e1.slider, "Corrupt the draft at position", "p02_corrupt_at", 2, 1, num_draft, clamp=True)
-    else:  # one draft: the only position to corrupt
-        e1.caption("Corrupt the draft at position 1 (the only draft)")
+    corrupt_at = url_widget(e1.slider, "Corrupt the draft at position", "p02_corrupt_at", 2, 1, max(2, num_draft),
+                            clamp=num_draft, disabled=num_draft < 2,
+                            help="With one draft, position 1 is the only one to corrupt.")
     poison = url_widget(e2.checkbox, "Also overwrite the stored data of rejected tokens with NaN (control)", "p02_poison",
                         True)
 _model = st.cache_resource(demo_model, validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload

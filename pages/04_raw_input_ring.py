@@ -27,12 +27,10 @@ st.write(
 
 c1, c2, c3, c4 = st.columns(4)
 capacity = url_widget(c2.slider, "Ring capacity (slots)", "p04_capacity", 16, 1, 32)
-if capacity > 1:
-    window = url_widget(c1.slider, "Rollback window (verify tokens, ≤ capacity)", "p04_window", 6, 1, min(16, capacity),
-                        clamp=True)
-else:  # a one-slot ring rolls back one verify token at most
-    window = 1
-    c1.caption("Rollback window: 1 verify token (a 1-slot ring holds no more)")
+window = url_widget(c1.slider, "Rollback window (verify tokens, ≤ capacity)", "p04_window", 6, 1,
+                    max(2, min(16, capacity)), clamp=min(16, capacity), disabled=capacity < 2,
+                    help="A 1-slot ring rolls back one verify token at most (the slider stays, disabled, so the "
+                         "window it had comes back clamped when the ring grows again).")
 num_draft = url_widget(c3.slider, "Draft length n", "p04_draft", 4, 1, 16)
 width = url_widget(c4.select_slider, "Model width d (H = d / 32 heads)", "p04_width", 128, list(WIDTHS))
 _model = st.cache_resource(ring_model, validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload

@@ -39,6 +39,7 @@ if TYPE_CHECKING:      # annotations only: a page that builds no frame (Home's f
 
 PERSISTED_KEYS = "_persisted_widget_keys"  # every key handed out by persist(), for the tests
 CHECKED_LINKS = "_checked_link_values"     # (key, URL values) already checked in this session
+LAST_SHOWN = "__last_shown"                # suffix: a dependent slider's value when it was last on the page
 _THIS_FILE = Path(__file__).resolve()
 limit_malloc_arenas(2)   # every script run is a new thread of the shared server: few arenas, reused
 
@@ -225,7 +226,10 @@ def url_widget(make, label: str, key: str, default, *args, known=None, clamp: bo
                  {"default" if kind == "multiselect" else "value": default})
     else:                                           # checkbox, toggle, text_input, text_area
         key, start = persist(key, default), {"value": default}
-    return make(label, *args, key=key, bind="query-params", persist_state="session", **start, **kwargs)
+    value = make(label, *args, key=key, bind="query-params", persist_state="session", **start, **kwargs)
+    if clamp is not False:
+        st.session_state[key + LAST_SHOWN] = value
+    return value
 
 
 def real_replica(prefix: str, where=None, *, policy: bool = True, model_key: str | None = None) -> tuple:
@@ -273,9 +277,9 @@ def persist_clamped(key: str, default: int, lo: int, hi: int) -> str:
     above ``hi`` is lowered to ``hi`` (the dependent widgets constrain each other instead of failing);
     an invalid value falls back to ``default`` as in :func:`persist`, and a link's value outside [lo, hi] is
     ignored with its notice. Returns key."""
-    stored = st.session_state.get(key)
-    if type(stored) is type(default) and stored > hi:      # the other widget lowered the bound: follow it silently
-        st.session_state[key] = hi
+    stored = st.session_state.get(key, st.session_state.get(key + LAST_SHOWN))   # hidden last run: Streamlit
+    if type(stored) is type(default) and stored > hi:      # restores that value; the other widget lowered the bound:
+        st.session_state[key] = hi                         # follow it silently
     return persist(key, min(default, hi), min_value=lo, max_value=hi)
 
 

@@ -214,3 +214,4 @@ def test_a_value_given_twice_for_a_one_value_widget_is_reported():
     """Streamlit drops ``?p05_pool_mib=48&p05_pool_mib=64`` and shows the default: the page says why."""
     at = _open("pages/05_page_pool.py", {"p05_pool_mib": ["48", "64"]})
     assert any("p05_pool_mib=48, 64 is given 2 times" in t.value for t in at.toast), [t.value for t in at.toast]
+
