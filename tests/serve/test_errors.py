@@ -40,24 +40,22 @@ def test_a_bool_is_not_a_count():
             call()
 
 
-@pytest.mark.parametrize("val, ok", [(0.5, True), (3, True), (0, False), (-1.0, False), (float("nan"), False),
-                                     (True, False), (None, False), ("1", False)])
-def test_check_positive(val, ok):
-    if ok:
-        assert check_positive("x", val) == val
-    else:
-        with pytest.raises(ValueError, match=r"^x must be > 0, got "):
-            check_positive("x", val)
+POSITIVE = (check_positive, r"^x must be > 0, got ")
+FRACTION = (check_fraction, r"^x must be in \[0, 1\], got ")
 
 
-@pytest.mark.parametrize("val, ok", [(0, True), (1, True), (0.25, True), (1.5, False), (-0.1, False),
-                                     (float("nan"), False), (False, False), (None, False)])
-def test_check_fraction(val, ok):
+@pytest.mark.parametrize("check, message, val, ok", [
+    *[(*POSITIVE, val, ok) for val, ok in [(0.5, True), (3, True), (0, False), (-1.0, False), (float("nan"), False),
+                                           (True, False), (None, False), ("1", False)]],
+    *[(*FRACTION, val, ok) for val, ok in [(0, True), (1, True), (0.25, True), (1.5, False), (-0.1, False),
+                                           (float("nan"), False), (False, False), (None, False)]],
+])
+def test_check_positive_and_fraction(check, message, val, ok):
     if ok:
-        assert check_fraction("p", val) == val
+        assert check("x", val) == val
     else:
-        with pytest.raises(ValueError, match=r"^p must be in \[0, 1\], got "):
-            check_fraction("p", val)
+        with pytest.raises(ValueError, match=message):
+            check("x", val)
 
 
 def test_a_missing_number_is_a_value_error():
