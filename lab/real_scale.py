@@ -18,8 +18,10 @@ ranks). Default budgets are fractions of what the replica's HBM leaves after the
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from numbers import Real
 
 import numpy as np
 import pandas as pd
@@ -27,7 +29,7 @@ import pandas as pd
 from kda_core.config import REAL_PRESETS
 from kda_core.config import preset_title as preset_title  # re-exported: pages 14 and 15's model labels
 from lab.fleet import page_trace
-from serve.errors import check_choice
+from serve.errors import check_choice, check_int
 from serve.scale.hardware import PRESETS as HARDWARE_PRESETS
 from serve.scale.hardware import Hardware, hardware
 from serve.scale.model_shape import ModelShape, preset
@@ -58,11 +60,15 @@ from serve.traces import TraceRequest
 MODELS = REAL_PRESETS
 HARDWARE = tuple(HARDWARE_PRESETS)
 TP_SIZES = (1, 2, 4, 8, 16)
-POLICIES = ("ours", "sglang no_buffer", "sglang extra_buffer", "vllm align", "vllm all")   # the default sweep
+POLICIES = ("ours", "sglang no_buffer", "sglang extra_buffer", "vllm align", "vllm all")   # the engines' modes
+# The default sweep: what the engines serve Kimi models with. vLLM's "all" is not among them: vLLM's
+# KimiLinearForCausalLM does not declare SupportsMambaPrefixCaching, so vLLM serves Kimi in "align"
+# (serve.scale.policies.vllm); "all" stays an opt-in counterfactual.
+DEFAULT_POLICIES = ("ours", "sglang no_buffer", "sglang extra_buffer", "vllm align")
 EXTRA_POLICIES = ("vllm none", "vllm align +replay stop")                                  # opt-in
 POLICY_TITLES = {"ours": "ours", "sglang no_buffer": "SGLang no_buffer", "sglang extra_buffer": "SGLang extra_buffer",
-                 "vllm align": "vLLM align", "vllm all": "vLLM all", "vllm none": "vLLM none",
-                 "vllm align +replay stop": "vLLM align + replay stop"}
+                 "vllm align": "vLLM align", "vllm all": "vLLM all (counterfactual: not served for Kimi)",
+                 "vllm none": "vLLM none", "vllm align +replay stop": "vLLM align + replay stop"}
 
 
 def policy_title(name: str) -> str:
@@ -152,15 +158,16 @@ def roofline_view(model: str, hw_name: str, tp: int, contexts: Sequence[int] = C
 
 def make_policy(name: str, model: str, tp: int, interval: int | None = None):
     """A fresh policy ``name`` (:data:`POLICIES` + :data:`EXTRA_POLICIES`) for ``model`` on ``tp`` ranks;
-    ``interval`` sets ours' C or extra_buffer's ``chunked_prefill_size`` (tokens; None = the default)."""
+    ``interval`` sets ours' C or extra_buffer's ``chunked_prefill_size`` (tokens; None = the default; 0 is
+    an error, not the default)."""
     if name == "ours":
-        return OursPolicy(model, interval or OURS_C, tp_size=tp)
+        return OursPolicy(model, OURS_C if interval is None else interval, tp_size=tp)
     if name.startswith("sglang"):
         replica = ReplicaBytes.for_preset(model, tp)
         if name == "sglang no_buffer":
             return SGLangNoBuffer(replica)
         if name == "sglang extra_buffer":
-            return SGLangExtraBuffer(replica, chunked_prefill_size=interval or EXTRA_BUFFER_CHUNK)
+            return SGLangExtraBuffer(replica, chunked_prefill_size=EXTRA_BUFFER_CHUNK if interval is None else interval)
     if name in ("vllm none", "vllm align", "vllm all"):
         return VLLMMambaPolicy(model, name.split()[1], tp)
     if name == "vllm align +replay stop":
@@ -173,8 +180,9 @@ class PolicyView:
     """The policy view. budgets: one row per (policy, budget), intervals: one per (policy, interval) at
     ``interval_budget_gb``; columns ``policy``, ``budget_gb``, ``interval_tokens``, ``token_hit_ratio``,
     ``mean_ttft_s``, ``p99_ttft_s``, ``prefill_saved`` (fraction of the cache-off prefill time), ``kv_gb``, ``state_gb``,
-    ``running_gb`` (peak held per kind), ``states_written``, ``states_evicted``, ``kv_evicted_tokens``,
-    ``replay_s``. ideal_hit_ratio: the block ideal (unlimited cache). cold_ttft_s: mean TTFT with no
+    ``running_gb`` (held by kind at the moment the total held peaked: they add up to at most ``budget_gb``),
+    ``peak_kv_gb``, ``peak_state_gb`` (each kind's own peak, reached at different times), ``states_written``,
+    ``states_evicted``, ``kv_evicted_tokens``, ``replay_s``. ideal_hit_ratio: the block ideal (unlimited cache). cold_ttft_s: mean TTFT with no
     cache. free_gb / weights_gb: per replica. vllm_block_tokens: vLLM's block for this model and TP.
     num_requests / total_tokens: the trace; note: what a budget cut from an upload ("" if nothing).
     choice: what to pick, one row per budget (``budget_gb``, ``policy`` with the lowest mean TTFT there,
@@ -206,6 +214,8 @@ class _TTFT:
         self.cold = np.array([self.prefill(int(L), 0) for L in self.lengths])
 
     def prefill(self, new: int, cached: int) -> float:
+        if new == 0:
+            return 0.0                      # an empty prompt (Mooncake allows input_length 0): nothing to prefill
         key = (new, cached)
         if key not in self.memo:
             self.memo[key] = fitted_prefill_s(self.shape, self.hw, self.tp, self.fit, new, cached)
@@ -223,14 +233,15 @@ def _row(res: PolicyResult, ttft: _TTFT, **extra) -> dict:
     t = ttft.per_request(res.request_hit_tokens)
     return {"policy": extra.pop("policy"), **extra, "token_hit_ratio": res.token_hit_ratio,
             "mean_ttft_s": float(t.mean()), "p99_ttft_s": float(np.percentile(t, 99)), "prefill_saved": 1 - float(t.sum() / ttft.cold.sum()),
-            "kv_gb": res.peak_bytes["kv"] / 1e9, "state_gb": res.peak_bytes["state"] / 1e9,
-            "running_gb": res.peak_bytes["running"] / 1e9, "states_written": res.states_written,
+            "kv_gb": res.held_at_peak["kv"] / 1e9, "state_gb": res.held_at_peak["state"] / 1e9,
+            "running_gb": res.held_at_peak["running"] / 1e9, "peak_kv_gb": res.peak_bytes["kv"] / 1e9,
+            "peak_state_gb": res.peak_bytes["state"] / 1e9, "states_written": res.states_written,
             "states_evicted": res.states_evicted, "kv_evicted_tokens": res.kv_evicted_tokens,
             "replay_s": res.seconds}
 
 
 def policy_view(model: str, hw_name: str, tp: int, num_requests: int, upload: bytes | None = None,
-                upload_name: str = "uploaded file", policies: Sequence[str] = POLICIES,
+                upload_name: str = "uploaded file", policies: Sequence[str] = DEFAULT_POLICIES,
                 budgets_gb: Sequence[float] | None = None, intervals: Sequence[int] = INTERVALS,
                 progress: Callable[[int, int], None] | None = None, seed: int = 0,
                 requests: Sequence[TraceRequest] | None = None) -> PolicyView:
@@ -240,20 +251,26 @@ def policy_view(model: str, hw_name: str, tp: int, num_requests: int, upload: by
     :data:`INTERVAL_BUDGET_FRACTION` budget. ``progress(done, total)`` after each replay. ``requests``: a
     trace already loaded (the bench's whole Mooncake trace), used instead of ``upload`` / ``num_requests``.
 
-    Raises ValueError when the weights do not fit (no budget left), for an unknown policy, a non-positive
-    budget, or a bad model / hardware / TP; TraceFormatError (ValueError) for a malformed upload."""
+    Raises ValueError when the weights do not fit (no budget left), for no policy or an unknown one, a
+    non-positive budget, an interval that is not an int >= 1, or a bad model / hardware / TP;
+    TraceFormatError (ValueError) for a malformed upload."""
     hw = _check_setup(model, hw_name, tp)
+    if isinstance(policies, str) or not len(policies):
+        raise ValueError(f"policies must name at least one of {POLICIES + EXTRA_POLICIES}, got {policies!r}")
     for p in policies:
         if p not in POLICIES + EXTRA_POLICIES:
             raise ValueError(f"policies must be drawn from {POLICIES + EXTRA_POLICIES}, got {p!r}")
+    for c in intervals:
+        check_int("intervals", c)
     shape, free = preset(model), free_bytes(model, hw, tp)
     if budgets_gb is None:
         if free <= 0:
             raise ValueError(f"{model} weights ({weight_bytes(shape) / 1e9:,.0f} GB) do not fit in {tp} x {hw_name} "
                              f"({hw.hbm_bytes * tp / 1e9:,.0f} GB): choose more GPUs (tp) or larger ones")
         budgets_gb = [free * f / 1e9 for f in BUDGET_FRACTIONS]
-    if not budgets_gb or any(not b > 0 for b in budgets_gb):
-        raise ValueError(f"budgets_gb must be positive numbers, got {list(budgets_gb)!r}")
+    if isinstance(budgets_gb, str) or not len(budgets_gb) or any(
+            isinstance(b, bool) or not isinstance(b, Real) or not 0 < b < math.inf for b in budgets_gb):
+        raise ValueError(f"budgets_gb must be finite positive numbers, got {list(budgets_gb)!r}")
     interval_budget = (free * INTERVAL_BUDGET_FRACTION / 1e9 if free > 0 else float(np.median(budgets_gb)))
     note = ""
     if requests is None:
@@ -269,7 +286,7 @@ def policy_view(model: str, hw_name: str, tp: int, num_requests: int, upload: by
 
     def run(p: str, interval: int | None, budget_gb: float) -> PolicyResult:
         nonlocal done
-        key = (p, interval or DEFAULT_INTERVAL.get(p), budget_gb)
+        key = (p, DEFAULT_INTERVAL.get(p) if interval is None else interval, budget_gb)
         if key not in memo:
             memo[key] = replay(requests, make_policy(p, model, tp, interval), budget_gb * 1e9)
         done += 1

@@ -35,7 +35,7 @@ class PolicyReplicaCache:
 
     def __init__(self, policy, budget_bytes: float, max_running: int = 1, deep_checks: bool = False):
         check_int("max_running", max_running)
-        running = policy.running_state_slots * policy.replica.state_bytes * max_running
+        running = policy.running_state_slots * policy.state_bytes * max_running   # the engine's slots
         if not budget_bytes >= running:
             raise ValueError(f"budget_bytes {budget_bytes:,.0f} is below the state slots of {max_running} running "
                              f"request(s) of {policy.name} ({running:,} bytes)")

@@ -21,9 +21,11 @@ Only prompt blocks are inserted (a trace does not say which blocks outputs would
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from numbers import Real
 from typing import NamedTuple
 
 import torch
@@ -45,7 +47,8 @@ class TraceReplayConfig:
     serving: the :class:`ServeConfig` (N tokens per hash id, checkpoint interval C, G groups; its page
     policy is unused: sizes here are bytes, not pages); kv_block_bytes: bytes of one KV block;
     group_state_bytes: bytes of one checkpoint per group (len = G); capacity_bytes: cache budget
-    (None = unlimited). Raises ValueError for non-positive sizes or a group count that disagrees.
+    (None = unlimited). Raises ValueError for non-positive sizes, a group count that disagrees, or a
+    capacity that is not None or a finite number >= 0 (a string, NaN, inf).
     """
 
     serving: ServeConfig
@@ -61,8 +64,10 @@ class TraceReplayConfig:
         if len(self.group_state_bytes) != self.serving.num_groups:
             raise ValueError(f"group_state_bytes must give one size per group ({self.serving.num_groups}), "
                              f"got {len(self.group_state_bytes)}")
-        if self.capacity_bytes is not None and self.capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be None or >= 0, got {self.capacity_bytes}")
+        cap = self.capacity_bytes
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, Real) or not math.isfinite(cap)
+                                or cap < 0):
+            raise ValueError(f"capacity_bytes must be None (unlimited) or a finite number >= 0, got {cap!r}")
 
     @classmethod
     def for_preset(cls, preset: str, serving: ServeConfig, capacity_bytes: float | None = None,
@@ -82,8 +87,10 @@ class TraceReplayResult(NamedTuple):
     """Outcome of a replay. Ratios in [0, 1]; tokens and bytes are totals over the trace.
 
     miss_tokens: ``{cause: tokens}`` over :data:`MISS_CAUSES`; peak_*_bytes: the most held after any
-    request; checkpoints_written: group checkpoints stored; evicted_*: entries evicted; seconds: wall time;
-    request_hit_tokens: the token-level hit of each request, in trace order.
+    request, per kind (reached at different times); checkpoints_written: group checkpoints stored; evicted_*:
+    entries evicted; seconds: wall time; request_hit_tokens: the token-level hit of each request, in trace
+    order; at_peak_kv_bytes / at_peak_state_bytes: held after the request where KV + checkpoints was largest
+    (their sum is the peak total, <= the capacity).
     """
 
     block_hit_ratio: float
@@ -100,6 +107,8 @@ class TraceReplayResult(NamedTuple):
     evicted_checkpoints: int
     seconds: float
     request_hit_tokens: tuple = ()
+    at_peak_kv_bytes: int = 0
+    at_peak_state_bytes: int = 0
 
 
 class ReplayCache:
@@ -170,7 +179,7 @@ def replay_trace(requests: Sequence[TraceRequest], config: TraceReplayConfig,
     seen: set = set()
     miss = dict.fromkeys(MISS_CAUSES, 0)
     hit_blocks = total_blocks = total_tokens = 0
-    peak_kv = peak_st = 0
+    peak_kv = peak_st = at_kv = at_st = 0
     request_hits: list[int] = []
     for n, r in enumerate(requests):
         ids, L = r.hash_ids, r.input_length
@@ -196,6 +205,8 @@ def replay_trace(requests: Sequence[TraceRequest], config: TraceReplayConfig,
         if cap is not None:
             cache.evict_to(cap)
         peak_kv, peak_st = max(peak_kv, cache.kv_used), max(peak_st, cache.st_used)
+        if cache.kv_used + cache.st_used > at_kv + at_st:
+            at_kv, at_st = cache.kv_used, cache.st_used
         if progress is not None and n % 1000 == 0:
             progress(n / len(requests))
     if progress is not None:
@@ -204,7 +215,7 @@ def replay_trace(requests: Sequence[TraceRequest], config: TraceReplayConfig,
     assert miss_total == total_tokens - hit_tokens, "miss causes must add up to the missed tokens"
     return TraceReplayResult(_ratio(hit_blocks, total_blocks), _ratio(hit_tokens, total_tokens), hit_blocks,
                              total_blocks, hit_tokens, total_tokens, miss, peak_kv, peak_st, cache.written,
-                             cache.ev_kv, cache.ev_ck, time.perf_counter() - t0, tuple(request_hits))
+                             cache.ev_kv, cache.ev_ck, time.perf_counter() - t0, tuple(request_hits), at_kv, at_st)
 
 
 def _ratio(part: int, whole: int) -> float:
@@ -218,7 +229,8 @@ CAPACITY_FRACTIONS = (0.01, 0.03, 0.1, 0.3, 1.0)
 def replay_row(requests: Sequence[TraceRequest], preset: str, checkpoint_interval: int, num_groups: int = 1,
                capacity_bytes: float | None = None) -> dict:
     """One replay with a preset's byte sizes, flattened for a table: the config, hit ratios, peak GB,
-    checkpoints written, evictions, seconds, and ``miss_<cause>`` as fractions of all tokens."""
+    checkpoints written, evictions, seconds, and ``miss_<cause>`` as fractions of all tokens. Raises
+    ValueError (:class:`TraceReplayConfig`) for a capacity that is not None or a finite number >= 0."""
     serving = ServeConfig(MOONCAKE_BLOCK_TOKENS, checkpoint_interval, num_groups)
     res = replay_trace(requests, TraceReplayConfig.for_preset(preset, serving, capacity_bytes))
     return dict(interval_tokens=checkpoint_interval, num_groups=num_groups,

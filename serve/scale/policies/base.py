@@ -17,9 +17,11 @@ engine saves at the end of a request (prompt + output) is placed at the end of t
 """
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Real
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -72,10 +74,14 @@ class PolicyResult(NamedTuple):
     name: policy name. token_hit_ratio = hit_tokens / total_tokens. ideal_hit_tokens: the block ideal
     (unlimited cache, ``min(leading run x N, L)`` per request, :func:`serve.traces.ideal_hit_ratio`).
     request_hit_tokens: ``[R]`` int64, each request's hit (feed a roofline to get prefill time saved).
-    peak_bytes: ``{kind: bytes}`` over :data:`BYTE_KINDS`, the most held after any request (per kind). states_written / states_evicted: state checkpoints (one sequence's state
-    each, or one group's for ours) stored / evicted; kv_evicted_tokens: cached KV tokens evicted.
+    peak_bytes: ``{kind: bytes}`` over :data:`BYTE_KINDS`, the most held after any request, per kind (the
+    kinds peak at different times: their sum can pass the budget). held_at_peak: ``{kind: bytes}`` held after
+    the request where KV + states held was largest (the first such request): its sum never passes the budget.
+    states_written / states_evicted: state checkpoints (one sequence's state each, or one group's for ours)
+    stored / evicted; kv_evicted_tokens: cached KV tokens evicted.
     lost_to_missing_state: tokens whose KV the engine could reuse (cached, within its hit granularity and
     caps) but no state at or beyond let it. budget_bytes: the budget. seconds: wall time of the replay.
+    token_hit_ratio is 0.0 for a trace whose prompts are all empty.
     """
 
     name: str
@@ -91,6 +97,7 @@ class PolicyResult(NamedTuple):
     lost_to_missing_state: int
     budget_bytes: float
     seconds: float
+    held_at_peak: dict
 
 
 @runtime_checkable
@@ -102,12 +109,15 @@ class PrefixPolicy(Protocol):
     ``admit(request, hit_tokens)``: the request ran; cache what the engine caches after it.
     ``evict_to(cache_bytes)``: evict until cached KV + states <= cache_bytes; returns nothing.
     ``bytes_by_kind() -> {"kv": int, "state": int}``; ``check_integrity()``: AssertionError if broken.
-    ``running_state_slots``: states one running request holds; ``states_written``, ``states_evicted``,
+    ``running_state_slots``: states one running request holds, each ``state_bytes`` (the engine's slot,
+    padding included); ``block_size``: tokens per trace hash id; ``states_written``, ``states_evicted``,
     ``kv_evicted_tokens``: counters.
     """
 
     name: str
     running_state_slots: int
+    state_bytes: int
+    block_size: int
     states_written: int
     states_evicted: int
     kv_evicted_tokens: int
@@ -123,25 +133,45 @@ class PrefixPolicy(Protocol):
     def check_integrity(self) -> None: ...
 
 
-def reserved_running_bytes(policy, replica: ReplicaBytes) -> int:
-    """Bytes the running request's state slots take from the budget."""
-    return policy.running_state_slots * replica.state_bytes
+def reserved_running_bytes(policy) -> int:
+    """Bytes the running request's state slots take from the budget (``running_state_slots`` x the policy's
+    ``state_bytes``)."""
+    return policy.running_state_slots * policy.state_bytes
+
+
+def check_budget(name: str, val) -> float:
+    """``val`` as a float if it is a finite real number >= 0 (not a bool, not NaN); else ValueError naming
+    ``name``."""
+    if isinstance(val, bool) or not isinstance(val, Real) or not math.isfinite(val) or val < 0:
+        raise ValueError(f"{name} must be a finite number of bytes >= 0, got {val!r}")
+    return float(val)
+
+
+def check_trace_blocks(requests: Sequence[TraceRequest], block_size: int) -> None:
+    """ValueError unless every request names its prompt by ``ceil(input_length / block_size)`` hash ids (the
+    trace's block is the policy's ``block_size``)."""
+    for i, r in enumerate(requests):
+        if len(r.hash_ids) != -(-r.input_length // block_size):
+            raise ValueError(f"block_size {block_size} is not this trace's block: request {i} has "
+                             f"{r.input_length} tokens and {len(r.hash_ids)} hash ids (expected "
+                             f"{-(-r.input_length // block_size)})")
 
 
 def replay(requests: Sequence[TraceRequest], policy, budget_bytes: float, check_every: int = 0) -> PolicyResult:
     """Replay ``requests`` in order through ``policy`` under ``budget_bytes`` per replica (see the module
     docstring). A policy with a ``replay_trace(requests, budget_bytes)`` method (ours, whose rules live in
-    :func:`serve.prefix.sim.simulate`) replays itself. ``check_every`` > 0 runs ``check_integrity`` and the
+    :func:`serve.prefix.sim.replay_trace`) replays itself. ``check_every`` > 0 runs ``check_integrity`` and the
     budget check every that many requests (tests); 0 never.
 
-    Raises ValueError for an empty trace, a negative budget, or one smaller than the running request's
-    state slots (nothing could run).
+    Raises ValueError for an empty trace, a budget that is not a finite number >= 0 (a string, NaN, inf), one
+    smaller than the running request's state slots (nothing could run), or a trace whose block is not the
+    policy's ``block_size``.
     """
     if not requests:
         raise ValueError("requests must not be empty")
-    if budget_bytes is None or budget_bytes < 0:
-        raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes!r}")
-    running = reserved_running_bytes(policy, policy.replica)
+    budget_bytes = check_budget("budget_bytes", budget_bytes)
+    check_trace_blocks(requests, policy.block_size)
+    running = reserved_running_bytes(policy)
     if budget_bytes < running:
         raise ValueError(f"budget_bytes {budget_bytes:,.0f} is below the {policy.running_state_slots} running "
                          f"state slot(s) of {policy.name} ({running:,} bytes)")
@@ -153,6 +183,7 @@ def replay(requests: Sequence[TraceRequest], policy, budget_bytes: float, check_
     seen: set = set()
     ideal = lost = total = 0
     peak = dict.fromkeys(BYTE_KINDS, 0)
+    at_peak = dict.fromkeys(BYTE_KINDS, 0)
     n_blk = policy.block_size
     for n, r in enumerate(requests):
         hit, kv_ok = policy.lookup(r)
@@ -165,11 +196,13 @@ def replay(requests: Sequence[TraceRequest], policy, budget_bytes: float, check_
         policy.evict_to(cache_budget)
         b = policy.bytes_by_kind()
         peak["kv"], peak["state"] = max(peak["kv"], b["kv"]), max(peak["state"], b["state"])
+        if b["kv"] + b["state"] > at_peak["kv"] + at_peak["state"]:
+            at_peak["kv"], at_peak["state"] = b["kv"], b["state"]
         if check_every and n % check_every == 0:
             policy.check_integrity()
             assert b["kv"] + b["state"] <= cache_budget, "cache over its budget after eviction"
-    peak["running"] = running
+    peak["running"] = at_peak["running"] = running
     hit_total = int(hits.sum())
-    return PolicyResult(policy.name, hit_total / total, hit_total, total, ideal, hits, peak,
+    return PolicyResult(policy.name, hit_total / total if total else 0.0, hit_total, total, ideal, hits, peak,
                         policy.states_written, policy.states_evicted, policy.kv_evicted_tokens, lost,
-                        float(budget_bytes), time.perf_counter() - t0)
+                        budget_bytes, time.perf_counter() - t0, at_peak)

@@ -46,6 +46,11 @@ class OursPolicy:
         """N tokens per block (the trace block)."""
         return self.serving.block_size
 
+    @property
+    def state_bytes(self) -> int:
+        """One sequence's working state (all groups), the running request's slot."""
+        return self.replica.state_bytes
+
     def config(self, capacity_bytes: float | None) -> TraceReplayConfig:
         """The trace replay's config for a cache capacity (bytes; None = unlimited)."""
         N = self.serving.block_size
@@ -54,14 +59,15 @@ class OursPolicy:
     def replay_trace(self, requests, budget_bytes: float) -> PolicyResult:
         """Replay through :func:`serve.prefix.sim.replay_trace` with capacity = budget - one running state
         (:func:`serve.scale.policies.base.replay`, the caller, has checked that the budget covers it)."""
-        running = self.running_state_slots * self.replica.state_bytes
+        running = self.running_state_slots * self.state_bytes
         res = replay_trace(requests, self.config(budget_bytes - running))
         ideal = ideal_hit_ratio(requests, self.block_size).hit_tokens
         peak = {"kv": res.peak_kv_bytes, "state": res.peak_state_bytes, "running": running}
+        at_peak = {"kv": res.at_peak_kv_bytes, "state": res.at_peak_state_bytes, "running": running}
         return PolicyResult(self.name, res.token_hit_ratio, res.hit_tokens, res.total_tokens, ideal,
                             np.asarray(res.request_hit_tokens, dtype=np.int64), peak, res.checkpoints_written,
                             res.evicted_checkpoints, res.evicted_blocks * self.block_size,
-                            res.miss_tokens["kv_no_checkpoint"], float(budget_bytes), res.seconds)
+                            res.miss_tokens["kv_no_checkpoint"], float(budget_bytes), res.seconds, at_peak)
 
     # ---- one request at a time (the fleet simulation) ---------------------------------------------
     @property

@@ -22,12 +22,18 @@ Sources (sgl-project/sglang):
   ``mamba_track_interval=256``, ``mamba_full_memory_ratio=0.9``; ``mamba_cache_chunk_size`` = 64 (the
   FLA chunk). The lookup cap of ``len(prompt) - 1`` tokens is ``Req._compute_max_prefix_len``.
 
-Not confirmed in the code read (stated, not invented): that no_buffer's scheduler ends a prefill chunk
-at the branching point so the state there is cached (``branch_split``; the match computes the point in
-both modes, extra_buffer's extend consumes it); how ``mamba_full_memory_ratio`` splits the memory
+Branching-point caching is an ``extra_buffer`` feature: SGLang PR #14792 ("support branching point
+caching ... enable with --mamba-scheduler-strategy extra_buffer"); in ``no_buffer`` the match still computes
+``mamba_branching_seqlen`` but only extra_buffer's extend (``_mamba_radix_cache_v2_req_prepare_for_extend``)
+consumes it. So :class:`SGLangNoBuffer` caches no state at the branching point; ``branch_split=True`` is a
+**what-if** (no_buffer as if its scheduler ended a chunk there), off by default and named so.
+
+Not confirmed in the code read (stated, not invented): how ``mamba_full_memory_ratio`` splits the memory
 (modelled as state pool : KV pool = ratio : 1).
 """
 from __future__ import annotations
+
+import math
 
 from serve.errors import check_int, check_positive
 from serve.scale.policies.base import ReplicaBytes
@@ -52,7 +58,11 @@ class _SGLangBase(TreeCounters):
         if chunked_prefill_size % chunk:
             raise ValueError(f"chunked_prefill_size must be a multiple of chunk={chunk}, got {chunked_prefill_size}")
         check_positive("mamba_full_memory_ratio", mamba_full_memory_ratio)
+        if not math.isfinite(mamba_full_memory_ratio):
+            raise ValueError(f"mamba_full_memory_ratio must be a finite number > 0, got {mamba_full_memory_ratio!r}")
+        check_int("block_size", block_size)
         self.replica, self.block_size = replica, block_size
+        self.state_bytes = replica.state_bytes              # one state slot (SGLang's mamba pool is unpadded)
         self.chunked_prefill_size, self.chunk = chunked_prefill_size, chunk
         self.state_share = mamba_full_memory_ratio / (1 + mamba_full_memory_ratio)
         self.tree = StateTree(block_size, replica.kv_bytes_per_token, replica.state_bytes,
@@ -83,7 +93,7 @@ class _SGLangBase(TreeCounters):
     def evict_to(self, cache_bytes: float) -> None:
         """Two pools: the state pool holds ``ratio / (1 + ratio)`` of the budget minus the running request's
         slots (taken out by :func:`replay`), the KV pool the rest."""
-        running = self.running_state_slots * self.replica.state_bytes
+        running = self.running_state_slots * self.state_bytes
         total = cache_bytes + running
         state_cap = max(total * self.state_share - running, 0.0)
         self._last = (None, 0, 0)
@@ -95,17 +105,20 @@ class SGLangNoBuffer(_SGLangBase):
 
     After a request: KV of the whole prompt; a state at each prefill chunk end (``chunked_prefill_size``
     tokens from the hit, ``cache_unfinished_req`` copies the working state into a new slot) and at the
-    request end (``cache_finished_req`` donates the working slot); with ``branch_split`` a chunk also
-    ends at the branching point, which caches a state there for the next request. One working slot per
-    running request. See the module docstring for the sources and what is not confirmed.
+    request end (``cache_finished_req`` donates the working slot). No state at the branching point (that is
+    extra_buffer's feature, module docstring). ``branch_split=True`` is a what-if, not SGLang: a chunk also
+    ends at the branching point, which caches a state there for the next request (name "sglang no_buffer
+    +branch split (what-if)"). One working slot per running request.
     """
 
-    name = "sglang no_buffer"
     running_state_slots = 1
 
-    def __init__(self, replica: ReplicaBytes, branch_split: bool = True, **kw):
+    def __init__(self, replica: ReplicaBytes, branch_split: bool = False, **kw):
         super().__init__(replica, **kw)
+        if not isinstance(branch_split, bool):
+            raise ValueError(f"branch_split must be True or False, got {branch_split!r}")
         self.branch_split = branch_split
+        self.name = "sglang no_buffer" + (" +branch split (what-if)" if branch_split else "")
 
     def admit(self, r: TraceRequest, hit: int) -> None:
         """Cache the prompt's KV and the states described in the class docstring."""

@@ -97,19 +97,26 @@ def _branch_trace():
     return a, b, c
 
 
-def test_sglang_no_buffer_floors_the_branch_to_the_chunk():
-    """MambaRadixCache._match_post_processor: b matches 96 tokens of KV but no state (a's is at its end,
-    200): hit 0 and the branching point floor(96 / 64) * 64 = 64 gets a state; c then hits 64, not 96."""
+def test_sglang_no_buffer_caches_no_state_at_the_branching_point():
+    """SGLang caches a state at the branching point only in extra_buffer (PR #14792: "support branching
+    point caching ... enable with --mamba-scheduler-strategy extra_buffer"). no_buffer by default: b matches
+    96 tokens of KV but no state (a's is at its end, 200), and nothing is cached at 64 for c: [0, 0, 0]. The
+    what-if ``branch_split=True`` (named so) floors the branching point to floor(96 / 64) * 64 = 64 and
+    caches it, so c hits 64; extra_buffer does the same (test below)."""
     a, b, c = _branch_trace()
-    assert hits(sglang(SGLangNoBuffer), [a, b, c]) == [0, 0, 64]
-    assert hits(sglang(SGLangNoBuffer, branch_split=False), [a, b, c]) == [0, 0, 0]
+    assert hits(sglang(SGLangNoBuffer), [a, b, c]) == [0, 0, 0]
+    what_if = sglang(SGLangNoBuffer, branch_split=True)
+    assert hits(what_if, [a, b, c]) == [0, 0, 64]
+    assert "what-if" in what_if.name and sglang(SGLangNoBuffer).name == "sglang no_buffer"
 
 
 def test_sglang_no_buffer_same_prompt_twice():
     """The request-end state is at L and the lookup stops at L - 1 (Req._compute_max_prefix_len), so the
-    same prompt misses once, caches the branching point floor(199 / 64) * 64 = 192, then hits it."""
+    same prompt never hits in no_buffer (no branching-point state); the what-if caches floor(199 / 64) * 64
+    = 192 on the second pass and hits it on the third."""
     a = req(range(13), 200)
-    assert hits(sglang(SGLangNoBuffer), [a, a, a]) == [0, 0, 192]
+    assert hits(sglang(SGLangNoBuffer), [a, a, a]) == [0, 0, 0]
+    assert hits(sglang(SGLangNoBuffer, branch_split=True), [a, a, a]) == [0, 0, 192]
 
 
 def test_sglang_extra_buffer_hits_only_at_track_boundaries():
