@@ -229,10 +229,16 @@ class _TTFT:
         return out
 
 
+def _saved(ttft_s: np.ndarray, cold_s: np.ndarray) -> float:
+    """Fraction of the cache-off prefill time saved; 0.0 when there was none (every prompt empty)."""
+    cold = float(cold_s.sum())
+    return 1 - float(ttft_s.sum()) / cold if cold else 0.0
+
+
 def _row(res: PolicyResult, ttft: _TTFT, **extra) -> dict:
     t = ttft.per_request(res.request_hit_tokens)
     return {"policy": extra.pop("policy"), **extra, "token_hit_ratio": res.token_hit_ratio,
-            "mean_ttft_s": float(t.mean()), "p99_ttft_s": float(np.percentile(t, 99)), "prefill_saved": 1 - float(t.sum() / ttft.cold.sum()),
+            "mean_ttft_s": float(t.mean()), "p99_ttft_s": float(np.percentile(t, 99)), "prefill_saved": _saved(t, ttft.cold),
             "kv_gb": res.held_at_peak["kv"] / 1e9, "state_gb": res.held_at_peak["state"] / 1e9,
             "running_gb": res.held_at_peak["running"] / 1e9, "peak_kv_gb": res.peak_bytes["kv"] / 1e9,
             "peak_state_gb": res.peak_bytes["state"] / 1e9, "states_written": res.states_written,
@@ -297,7 +303,7 @@ def policy_view(model: str, hw_name: str, tp: int, num_requests: int, upload: by
     for p in policies:
         for b in budgets_gb:
             res = run(p, None, b)
-            ideal = res.ideal_hit_tokens / res.total_tokens
+            ideal = res.ideal_hit_tokens / res.total_tokens if res.total_tokens else 0.0
             rows.append(_row(res, ttft, policy=p, budget_gb=b))
     for p in swept:
         for c in intervals:

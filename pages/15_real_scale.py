@@ -5,6 +5,7 @@ import streamlit as st
 
 from lab.real_scale import (
     BUDGET_FRACTIONS,
+    DEFAULT_POLICIES,
     EXTRA_BUFFER_CHUNK,
     EXTRA_POLICIES,
     INTERVAL_BUDGET_FRACTION,
@@ -90,15 +91,17 @@ with st.expander("How the roofline is fitted"):
 st.subheader("2 · Policy comparison at real scale")
 d1, d2 = st.columns([1, 2])
 num_requests = url_widget(d1.slider, "Requests (cap)", "p15_requests", 3000, 1000, 6000, step=500)
-policies = url_widget(d2.multiselect, "Policies", "p15_policies", list(POLICIES), list(POLICIES + EXTRA_POLICIES),
-                      format_func=policy_title)
+policies = url_widget(d2.multiselect, "Policies", "p15_policies", list(DEFAULT_POLICIES),
+                      list(POLICIES + EXTRA_POLICIES), format_func=policy_title)
 data, upload_name = upload_parts(st.file_uploader("Mooncake trace (JSONL, optional; the synthetic generator "
                                                   "otherwise)", type=["jsonl", "json"], key="p15_upload"))
 fractions = ", ".join(f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_FRACTIONS)
 st.caption(f"Budgets per replica: {fractions} × the {view.free_gb:,.0f} GB the {tp} × {hw} HBM leaves after the "
            f"weights ({view.hbm_gb:,.0f} − {view.weights_gb:,.0f} GB), for cached KV + checkpoints + the running "
            f"request's state slots; ours at C = {OURS_C}, extra_buffer at chunked_prefill_size = {EXTRA_BUFFER_CHUNK}. "
-           f"The interval sweep runs at {INTERVAL_BUDGET_FRACTION:g} × the same.")
+           f"The interval sweep runs at {INTERVAL_BUDGET_FRACTION:g} × the same. vLLM all is not in the default "
+           "sweep: vLLM's Kimi-Linear model class does not declare SupportsMambaPrefixCaching, so vLLM serves Kimi "
+           "models in align; pick it to see the counterfactual of one state per block.")
 if not policies:
     st.info("Choose at least one policy.")
     st.stop()
@@ -135,10 +138,11 @@ show_chart(saved, b[["policy", "budget_gb", "mean_ttft_s", "prefill_saved"]], ke
 mid = b[b.budget_gb == b.budget_gb.unique()[len(b.budget_gb.unique()) // 2]]
 kinds = go.Figure([go.Bar(x=mid.policy.map(policy_title), y=mid[f"{k}_gb"], name=name) for k, name in
                    (("kv", "KV pages"), ("state", "state checkpoints"), ("running", "running state slots"))])
-kinds.update_layout(barmode="stack", title=f"peak bytes held at {mid.budget_gb.iloc[0]:,.0f} GB",
+kinds.add_hline(y=mid.budget_gb.iloc[0], line_dash="dash", annotation_text=f"budget: {mid.budget_gb.iloc[0]:,.0f} GB")
+kinds.update_layout(barmode="stack", title=f"bytes held when the total peaked, {mid.budget_gb.iloc[0]:,.0f} GB budget",
                     xaxis_title="policy", yaxis_title="bytes held (GB)", legend=dict(orientation="h", y=-0.3))
-show_chart(kinds, mid[["policy", "budget_gb", "kv_gb", "state_gb", "running_gb", "states_written", "states_evicted",
-                      "kv_evicted_tokens"]], key="p15_bytes_chart")
+show_chart(kinds, mid[["policy", "budget_gb", "kv_gb", "state_gb", "running_gb", "peak_kv_gb", "peak_state_gb",
+                      "states_written", "states_evicted", "kv_evicted_tokens"]], key="p15_bytes_chart")
 if len(pv.intervals):
     iv = go.Figure([go.Scatter(x=g.interval_tokens, y=g.token_hit_ratio, mode="lines+markers", name=policy_title(p))
                     for p, g in pv.intervals.groupby("policy", sort=False)])
@@ -171,8 +175,9 @@ st.download_button("Download CSV", b.to_csv(index=False).encode(), "p15_policies
                    help="Every column, including running state slots, checkpoints written and evicted, and the replay's run time")
 st.caption(
     f"{pv.num_requests:,} requests, {pv.total_tokens:,} prompt tokens. What to notice: every policy stays below the "
-    "block ideal; a policy that stores more states per request (vLLM all: one per block of "
-    f"{pv.vllm_block_tokens} tokens; ours at small C) spends the budget on state instead of KV.")
+    "block ideal; a policy that stores more states per request (ours at small C; the vLLM all counterfactual: one "
+    f"per block of {pv.vllm_block_tokens} tokens) spends the budget on state instead of KV. The bars split the bytes "
+    "held at the moment the total peaked, so they stay under the budget line (each kind's own peak is in the CSV).")
 with st.expander("What the replay models"):
     st.markdown(
         "- Block ideal (Mooncake, FAST'25): an unlimited cache hits each request's leading run of hash ids seen "
@@ -180,6 +185,12 @@ with st.expander("What the replay models"):
         "- The budget buys KV pages and checkpoints in the model's real bytes. TTFT is the fitted roofline of part 1 "
         "at batch 1 without queueing, plus a checkpoint restore on a hit.\n"
         "- SGLang's mamba_track_interval only acts in decode, which a prompt-only replay never reaches: in prefill "
-        "extra_buffer tracks one state per chunk, so its interval here is chunked_prefill_size.\n"
+        "extra_buffer tracks one state per chunk, so its interval here is chunked_prefill_size. Only extra_buffer "
+        "caches a state at the branching point (SGLang PR #14792); no_buffer caches at chunk ends and the request "
+        "end.\n"
+        "- vLLM align caches the state at each chunk's last full block and, when the attention cache holds a longer "
+        "prefix than any cached state, ends the first chunk where that shared prefix ends (vLLM PR #37898), so the "
+        "next request sharing it hits there. A vLLM state costs one page per layer of its KV-cache groups, padding "
+        "included (Kimi-Linear: 21 pages for 20 KDA layers; K3: 72 for 69).\n"
         "- Sources: SGLang mamba_radix_cache.py, vLLM single_type_kv_cache_manager.py (mamba_cache_mode), "
         "serve/scale/policies.")

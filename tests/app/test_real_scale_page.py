@@ -1,5 +1,6 @@
 """Page 15 behind its button: the policy sweep draws hit ratio and TTFT against the budget and the state
-interval, and names what to choose (the policy with the lowest mean TTFT per budget, the best interval)."""
+interval, names what to choose (the policy with the lowest mean TTFT per budget, the best interval), and
+stacks the bytes held at the peak under the budget line."""
 from tests.app.test_pages import _check, _fresh
 from tests.app.verdicts import chart_spec, plotly_values
 
@@ -19,3 +20,11 @@ def test_sweep_shows_ttft_against_the_interval_and_a_choice():
     choice = next(m.value for m in at.markdown if m.value.startswith("**What to choose"))
     best = min(ttft["ours"])
     assert "ours → " in choice and f"({best:.1f} ms)" in choice, choice
+    # the bytes bar: one stack per policy of the default sweep (vLLM all is an opt-in counterfactual), never
+    # above the budget line (the old bars stacked per-kind peaks reached at different times and passed it)
+    spec = chart_spec(at, "p15_bytes_chart")
+    bars = [t for t in spec["data"] if t["type"] == "bar"]
+    stacks = [sum(v) for v in zip(*(plotly_values(t["y"]) for t in bars))]
+    budget = next(s["y0"] for s in spec["layout"]["shapes"])
+    assert len(stacks) == 4 and not any("vLLM all" in x for x in bars[0]["x"]), bars[0]["x"]
+    assert max(stacks) <= budget * (1 + 1e-12) and min(stacks) > 0, (stacks, budget)

@@ -7,10 +7,12 @@ import torch
 from lab.fleet import page_trace
 from lab.real_scale import (
     BUDGET_FRACTIONS,
+    DEFAULT_POLICIES,
     POLICIES,
     fitted_prefill_s,
     free_bytes,
     make_policy,
+    policy_title,
     policy_view,
     roofline_view,
     weight_bytes,
@@ -77,7 +79,7 @@ def test_policy_view_bounds(small_view):
     cold mean, one progress call per replay ending at total."""
     view, calls = small_view
     b = view.budgets
-    assert len(b) == 2 * len(POLICIES) and len(view.intervals) == 2 * 2
+    assert len(b) == 2 * len(DEFAULT_POLICIES) and len(view.intervals) == 2 * 2
     assert calls[-1] == (len(b) + len(view.intervals),) * 2 and [d for d, _ in calls] == list(range(1, len(calls) + 1))
     for frame in (b, view.intervals):
         assert (frame.token_hit_ratio <= view.ideal_hit_ratio + 1e-12).all()
@@ -86,6 +88,34 @@ def test_policy_view_bounds(small_view):
         assert (frame.mean_ttft_s <= view.cold_ttft_s + 1e-12).all()
         assert ((frame.prefill_saved >= -1e-12) & (frame.prefill_saved < 1)).all()
     assert (b.token_hit_ratio > 0).any() and view.ideal_hit_ratio > 0
+
+
+def test_bytes_by_kind_at_the_peak_stay_within_the_budget():
+    """The page stacks kv_gb + state_gb + running_gb in one bar under the budget line: they are the bytes held
+    when the total peaked, so the bar never passes the budget (each kind's own peak, reached at different
+    times, did: ours 52.8 GB of 50 on this trace). Each kind's own peak is kept beside it."""
+    view = policy_view(KIMI, "H200", 8, 300, policies=POLICIES, budgets_gb=[1.0, 5.0, 50.0], intervals=(1024,))
+    for frame in (view.budgets, view.intervals):
+        held = frame.kv_gb + frame.state_gb + frame.running_gb
+        assert (held <= frame.budget_gb * (1 + 1e-12)).all(), frame[["policy", "budget_gb", "kv_gb", "state_gb"]]
+        assert (frame.peak_kv_gb >= frame.kv_gb).all() and (frame.peak_state_gb >= frame.state_gb).all()
+    assert ((view.budgets.peak_kv_gb + view.budgets.peak_state_gb + view.budgets.running_gb)
+            > view.budgets.budget_gb).any()                   # the per-kind peaks would have passed it
+
+
+def test_vllm_all_is_an_opt_in_counterfactual():
+    """vLLM serves Kimi models in align (KimiLinearForCausalLM does not declare SupportsMambaPrefixCaching):
+    "vllm all" is out of the default sweep and titled as a counterfactual."""
+    assert "vllm all" in POLICIES and "vllm all" not in DEFAULT_POLICIES
+    assert "counterfactual" in policy_title("vllm all")
+    assert make_policy("vllm all", KIMI, 8).counterfactual and not make_policy("vllm align", KIMI, 8).counterfactual
+
+
+def test_policy_view_takes_empty_prompts():
+    """A Mooncake upload may hold input_length 0 (no hash ids): it costs no prefill and hits nothing."""
+    line = b'{"timestamp":0,"input_length":0,"output_length":10,"hash_ids":[]}\n'
+    view = policy_view(KIMI, "H200", 8, 100, upload=line * 3, budgets_gb=[5.0], intervals=(1024,))
+    assert (view.budgets.token_hit_ratio == 0).all() and view.cold_ttft_s == 0 and view.total_tokens == 0
 
 
 def test_policy_view_ttft_is_the_roofline_of_each_hit(small_view):
@@ -120,6 +150,15 @@ def test_bad_input():
         policy_view(KIMI, "H200", 8, 100, policies=("lru",))
     with pytest.raises(ValueError, match="budgets_gb"):
         policy_view(KIMI, "H200", 8, 100, budgets_gb=[0.0])
+    for bad in (["5"], [float("nan")], [float("inf")], [True]):
+        with pytest.raises(ValueError, match="budgets_gb"):
+            policy_view(KIMI, "H200", 8, 100, budgets_gb=bad)
+    for bad in ((), [], "ours"):                      # was a KeyError (no rows), or one policy per letter
+        with pytest.raises(ValueError, match="policies"):
+            policy_view(KIMI, "H200", 8, 100, policies=bad, budgets_gb=[5.0])
+    for bad in ([0], [-512], [1024.0], [True]):       # [0] replayed 2,048 under a row labelled 0
+        with pytest.raises(ValueError, match="intervals"):
+            policy_view(KIMI, "H200", 8, 100, budgets_gb=[5.0], intervals=bad)
     with pytest.raises(ValueError, match="tp"):
         roofline_view(KIMI, "H200", 3)
     with pytest.raises(ValueError, match="model"):
