@@ -1,6 +1,8 @@
 """Page 15 behind its button: the policy sweep draws hit ratio and TTFT against the budget and the state
 interval, names what to choose (the policy with the lowest mean TTFT per budget, the best interval), and
 stacks the bytes held at the peak under the budget line."""
+from lab.real_scale import BUDGET_FRACTIONS, free_bytes
+from serve.scale.hardware import hardware
 from tests.app.test_pages import _check, _fresh
 from tests.app.verdicts import chart_spec, plotly_values
 
@@ -25,6 +27,7 @@ def test_sweep_shows_ttft_against_the_interval_and_a_choice():
     spec = chart_spec(at, "p15_bytes_chart")
     bars = [t for t in spec["data"] if t["type"] == "bar"]
     stacks = [sum(v) for v in zip(*(plotly_values(t["y"]) for t in bars))]
-    budget = next(s["y0"] for s in spec["layout"]["shapes"])
+    budget = free_bytes("kimi-linear-48b-a3b", hardware("H200"), 8) * BUDGET_FRACTIONS[3] / 1e9   # the middle one
     assert len(stacks) == 4 and not any("vLLM all" in x for x in bars[0]["x"]), bars[0]["x"]
     assert max(stacks) <= budget * (1 + 1e-12) and min(stacks) > 0, (stacks, budget)
+    assert [sh["y0"] for sh in spec["layout"]["shapes"]] == [budget]                    # the budget line
