@@ -192,5 +192,10 @@ with st.expander("What the replay models"):
         "prefix than any cached state, ends the first chunk where that shared prefix ends (vLLM PR #37898), so the "
         "next request sharing it hits there. A vLLM state costs one page per layer of its KV-cache groups, padding "
         "included (Kimi-Linear: 21 pages for 20 KDA layers; K3: 72 for 69).\n"
+        "- Outputs are not modelled (a trace does not say which later prompt holds them), so a state an engine saves "
+        "at a request's end or while decoding sits at the prompt's end here. In a chat the next turn repeats the "
+        "previous prompt and output, and SGLang no_buffer (request-end state) and vLLM align (decode-time blocks, "
+        "vLLM PR #30877) would hit it; here the next turn's 512-token block match seldom reaches the prompt's end, so "
+        "their lines are lower bounds on chat traffic, no_buffer's most.\n"
         "- Sources: SGLang mamba_radix_cache.py, vLLM single_type_kv_cache_manager.py (mamba_cache_mode), "
         "serve/scale/policies.")

@@ -108,7 +108,10 @@ class SGLangNoBuffer(_SGLangBase):
     request end (``cache_finished_req`` donates the working slot). No state at the branching point (that is
     extra_buffer's feature, module docstring). ``branch_split=True`` is a what-if, not SGLang: a chunk also
     ends at the branching point, which caches a state there for the next request (name "sglang no_buffer
-    +branch split (what-if)"). One working slot per running request.
+    +branch split (what-if)"). One working slot per running request. On a chat trace the request-end state is
+    what the next turn hits in SGLang (its prompt repeats this prompt + output); a prompt-only replay puts that
+    state at this prompt's end, which the next turn's block-level match seldom reaches, so the replay's
+    no_buffer hits are a lower bound there (:mod:`serve.scale.policies.base`: outputs are not modelled).
     """
 
     running_state_slots = 1
