@@ -99,9 +99,7 @@ fractions = ", ".join(f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_FRAC
 st.caption(f"Budgets per replica: {fractions} × the {view.free_gb:,.0f} GB the {tp} × {hw} HBM leaves after the "
            f"weights ({view.hbm_gb:,.0f} − {view.weights_gb:,.0f} GB), for cached KV + checkpoints + the running "
            f"request's state slots; ours at C = {OURS_C}, extra_buffer at chunked_prefill_size = {EXTRA_BUFFER_CHUNK}. "
-           f"The interval sweep runs at {INTERVAL_BUDGET_FRACTION:g} × the same. vLLM all is not in the default "
-           "sweep: vLLM's Kimi-Linear model class does not declare SupportsMambaPrefixCaching, so vLLM serves Kimi "
-           "models in align; pick it to see the counterfactual of one state per block.")
+           f"The interval sweep runs at {INTERVAL_BUDGET_FRACTION:g} × the same.")
 if not policies:
     st.info("Choose at least one policy.")
     st.stop()
@@ -175,13 +173,16 @@ st.download_button("Download CSV", b.to_csv(index=False).encode(), "p15_policies
                    help="Every column, including running state slots, checkpoints written and evicted, and the replay's run time")
 st.caption(
     f"{pv.num_requests:,} requests, {pv.total_tokens:,} prompt tokens. What to notice: every policy stays below the "
-    "block ideal; a policy that stores more states per request (ours at small C; the vLLM all counterfactual: one "
-    f"per block of {pv.vllm_block_tokens} tokens) spends the budget on state instead of KV. The bars split the bytes "
-    "held at the moment the total peaked, so they stay under the budget line (each kind's own peak is in the CSV).")
+    "block ideal; more states per request (ours at small C) spend the budget on state instead of KV. The bars "
+    "split the bytes held when the total peaked, so they stay under the budget line.")
 with st.expander("What the replay models"):
     st.markdown(
         "- Block ideal (Mooncake, FAST'25): an unlimited cache hits each request's leading run of hash ids seen "
         "before.\n"
+        "- vLLM all is not in the default sweep: vLLM's Kimi-Linear model class does not declare "
+        "SupportsMambaPrefixCaching, so vLLM serves Kimi models in align. Pick it to see the counterfactual of one "
+        f"state per block of {pv.vllm_block_tokens} tokens.\n"
+        "- Each kind's own peak (reached at different times, so their sum can pass the budget) is in the CSV.\n"
         "- The budget buys KV pages and checkpoints in the model's real bytes. TTFT is the fitted roofline of part 1 "
         "at batch 1 without queueing, plus a checkpoint restore on a hit.\n"
         "- SGLang's mamba_track_interval only acts in decode, which a prompt-only replay never reaches: in prefill "
