@@ -36,3 +36,12 @@ def test_p10_speedup_against_the_fastest_one_rank_baseline(monkeypatch):
     speedup = next(m for m in at.metric if m.label.startswith("Measured speedup"))
     assert speedup.value == f"{float(said.group(2)):.2f}×"
     assert float(said.group(2)) < 4                              # 2 ranks on <= 2 shared cores: never 6.65x
+
+
+def test_p09_headlines_no_unrepeated_ttft():
+    """Page 09 headlined "one run's TTFT", a single sample (55 ms and 701 ms for the same settings in one session)."""
+    at = open_page("pages/09_prefix_miss.py")
+    shown = [f"{m.label} {m.value} {m.proto.delta}" for m in at.metric]
+    assert shown and not any("TTFT" in s or " ms" in s for s in shown), shown
+    miss = next(m for m in at.metric if m.label == "Miss: prefill tokens")
+    assert miss.value == "256" and "whole prompt" in miss.proto.delta
