@@ -28,7 +28,7 @@ from typing import NamedTuple
 from lab.timing import LinearFit, Timing, fit_linear
 from serve.errors import check_int
 
-FIT_FRACTIONS = (0.125, 0.25, 0.5)   # cache-off prefill lengths of the fit, as fractions of the prompt L
+FIT_FRACTIONS = (0.125, 0.375, 0.75)   # cache-off prefill lengths of the fit, as fractions of the prompt L
 
 
 def fit_lengths(prompt_tokens: int) -> tuple[int, ...]:

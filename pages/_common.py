@@ -367,6 +367,41 @@ def show_chart(fig: go.Figure, df: pd.DataFrame | list[dict], key: str, filename
                        mime="text/csv", key=f"{key}_csv")
 
 
+def show_forward_fit(fit, key: str) -> None:
+    """Home's and page 08's chart of :class:`lab.forward_cost.ForwardFit`: TTFT against prefill tokens, the
+    measured points fitted (median, IQR bars), the fitted line ``a + b·n``, the held-out cold run, and the warm
+    run measured beside its two predictions; then one caption with the fixed cost and the errors."""
+    rows = fit.points()
+    top = max(r["prefill_tokens"] for r in rows)
+    style = {"fitted (measured)": ("circle", "#1f77b4"), "held out: cold (measured)": ("square", "#d62728"),
+             "warm (measured)": ("circle", "#2ca02c"), "warm (predicted)": ("diamond-open", "#2ca02c"),
+             "warm, per-token only (predicted)": ("x-open", "#6b7280")}
+    fig = go.Figure(go.Scatter(x=[0, top], y=[fit.fixed_ms, fit.fixed_ms + fit.per_token_ms * top], mode="lines",
+                               line=dict(dash="dash", color="#1f77b4"),
+                               name=f"fitted: {fit.fixed_ms:.1f} ms + {fit.per_token_ms:.3f} ms/token × n"))
+    for role, (symbol, colour) in style.items():
+        pts = [r for r in rows if r["role"] == role]
+        bars = dict(type="data", symmetric=False, array=[r["q3_ms"] - r["ttft_ms"] for r in pts],
+                    arrayminus=[r["ttft_ms"] - r["q1_ms"] for r in pts]) if role.startswith("fitted") else None
+        fig.add_trace(go.Scatter(x=[r["prefill_tokens"] for r in pts], y=[r["ttft_ms"] for r in pts], mode="markers",
+                                 name=role, error_y=bars, marker=dict(symbol=symbol, size=11, color=colour)))
+    fig.update_layout(xaxis_title="prefill tokens computed n (tokens)", yaxis_title="TTFT (ms; median, bars = IQR)",
+                      xaxis_range=[0, top * 1.05], yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.3),
+                      height=360)
+    show_chart(fig, rows, key=key)
+    st.caption(
+        f"**Fixed cost per forward a = {fit.fixed_ms:.1f} ms** (fitted) + b = {fit.per_token_ms:.3f} ms per prefill "
+        f"token (fitted; R² {fit.r2:.2f} over the medians at n = {', '.join(map(str, fit.fit_tokens))}). Held out "
+        f"(not in the fit): the cold run of all {fit.prompt_tokens} tokens measured {fit.held_out_measured_ms:.1f} ms, "
+        f"the fit predicts {fit.held_out_predicted_ms:.1f} ms ({fit.held_out_error:+.0%}). Warm run, "
+        f"{fit.warm_prefill_tokens} tokens prefilled: measured {fit.warm_measured_ms:.1f} ms; predicted a + b·(L − hit) "
+        f"+ restore and checkpoint copies ({fit.warm_copies_ms:.2f} ms, measured) = {fit.warm_predicted_ms:.1f} ms "
+        f"({fit.warm_error:+.0%}); the per-token-only formula cold·(L − hit)/L + copies, without the fixed cost, "
+        f"predicts {fit.proportional_ms:.1f} ms ({fit.proportional_error:+.0%}). The fixed cost is "
+        f"{fit.fixed_share:.0%} of the measured warm TTFT, which is why skipping most prefill tokens cuts TTFT by "
+        "less. Cache-off runs of the first n tokens of the same prompt, in the same interleaved rounds.")
+
+
 def num(label: str, fmt: str = "localized", **kwargs):
     """A right-aligned number column headed ``label`` (with its unit): ``fmt`` is a printf format (``"%.1f ms"``,
     ``"%,d B"``) or a Streamlit preset (``"localized"``: thousands separators, the default)."""
