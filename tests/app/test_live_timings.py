@@ -4,10 +4,11 @@ show the fitted fixed + per-token cost of a forward next to predicted and measur
 import re
 
 import streamlit as st
+from streamlit.testing.v1 import AppTest
 
 import lab.kcp
 from lab.timing import summarize
-from tests.app.page_helpers import open_page
+from tests.app.page_helpers import APP, open_page
 
 
 def test_p10_speedup_against_the_fastest_one_rank_baseline(monkeypatch):
@@ -45,3 +46,47 @@ def test_p09_headlines_no_unrepeated_ttft():
     assert shown and not any("TTFT" in s or " ms" in s for s in shown), shown
     miss = next(m for m in at.metric if m.label == "Miss: prefill tokens")
     assert miss.value == "256" and "whole prompt" in miss.proto.delta
+
+
+def test_home_headline_is_measured_at_first_render():
+    """Home's headline metric read "not measured" until a button was pressed: at first render every metric now
+    shows the engine's counters of the verified run (tokens skipped), and TTFT comes with the button."""
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    values = [m.value for m in at.metric]
+    assert values and not any(v in ("not measured", "measuring…") for v in values), values
+    head = at.metric[0]
+    assert head.label == "Prefill tokens skipped (warm)" and re.fullmatch(r"[\d,]+ of [\d,]+", head.value)
+    hit, prompt = (int(x.replace(",", "")) for x in head.value.split(" of "))
+    assert 0 < hit < prompt and head.proto.delta.startswith(f"{hit / prompt:.0%} of the prompt")
+
+
+def _fit_caption(at) -> str:
+    return next(c.value for c in at.caption if c.value.startswith("**Fixed cost per forward a = "))
+
+
+def test_home_warm_ttft_formula_has_the_fixed_cost():
+    """Home said "warm TTFT ≈ restore + (L − b) tokens of prefill", leaving out the fixed cost of a forward;
+    measured, it shows a fitted fixed + per-token cost, checked on the held-out cold run, next to the warm TTFT."""
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params.update(p00_new="1")
+    at.run()
+    text = " ".join(c.value for c in at.caption)
+    assert "restore + (L − b) tokens of prefill" not in text and "fixed cost of one forward" in text
+    at.button(key="p00_measure_button").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    fit = _fit_caption(at)
+    assert "(fitted)" in fit and "Held out (not in the fit)" in fit and "measured" in fit and "predicted" in fit
+    labels = {m.label: m.value for m in at.metric}
+    assert labels["Fixed cost per forward a (fitted)"].endswith(" ms")
+    assert labels["TTFT warm (predicted)"].endswith(" ms") and labels["TTFT warm (median, measured)"].endswith(" ms")
+
+
+def test_p08_shows_the_fitted_forward_cost():
+    at = open_page("pages/08_prefix_hit.py")
+    fit = _fit_caption(at)
+    assert "Held out (not in the fit): the cold run of all 144 tokens" in fit and "16 tokens prefilled" in fit
+    assert any(c.proto.id.endswith("p08_fit_chart") for c in at.get("plotly_chart"))
+    text = " ".join(c.value for c in at.caption)
+    assert "TTFT_cold · (L − b) / L plus" not in text
