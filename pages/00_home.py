@@ -115,12 +115,12 @@ fig_tokens.update_layout(barmode="stack", height=230, xaxis_title="prompt tokens
 with tokens_part.container():
     show_chart(fig_tokens, [{k: r[k] for k in ("kind", "prompt_tokens", "hit_tokens", "kv_hit_tokens", "prefill_tokens")}
                             for r in runs], key="p00_tokens_chart")
-st.caption(f"Hit: {warm['hit_tokens']} of {warm['prompt_tokens']} tokens (phase-1 KV run {warm['kv_hit_tokens']}). A "
-           f"whole-model KDA state is {run.state_bytes:,} B whatever the prefix length; the KV shared grows with it. "
-           "What to notice: warm TTFT ≈ a + b·(L − hit) + restore, with a the fixed cost of one forward and b the cost "
-           "per prefilled token (both fitted when you measure below: skipping 75 % of the tokens does not cut TTFT "
-           "by 75 %), and the hit the largest boundary ≤ min(KV run, L − 1) that has a complete checkpoint (as in "
-           "vLLM's and SGLang's hybrid prefix caching).")
+st.caption(f"Hit: {warm['hit_tokens']} of {warm['prompt_tokens']} tokens (phase-1 KV run {warm['kv_hit_tokens']}): the "
+           "largest boundary ≤ min(KV run, L − 1) with a complete checkpoint (as in vLLM's and SGLang's hybrid prefix "
+           f"caching). A whole-model KDA state is {run.state_bytes:,} B whatever the prefix length; the KV shared grows "
+           "with it.")
+st.caption("What to notice: warm TTFT ≈ a + b·(L − hit) + restore, with a the fixed cost of one forward and b the cost "
+           "per prefilled token (both fitted when you measure below), so skipping most tokens cuts TTFT by less.")
 
 timing_part = st.container()   # filled last: the tab list below shows while the repeats run
 st.subheader("Tabs")

@@ -389,17 +389,23 @@ def show_forward_fit(fit, key: str) -> None:
                       xaxis_range=[0, top * 1.05], yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.3),
                       height=360)
     show_chart(fig, rows, key=key)
-    st.caption(
-        f"**Fixed cost per forward a = {fit.fixed_ms:.1f} ms** (fitted) + b = {fit.per_token_ms:.3f} ms per prefill "
-        f"token (fitted; R² {fit.r2:.2f} over the medians at n = {', '.join(map(str, fit.fit_tokens))}). Held out "
-        f"(not in the fit): the cold run of all {fit.prompt_tokens} tokens measured {fit.held_out_measured_ms:.1f} ms, "
-        f"the fit predicts {fit.held_out_predicted_ms:.1f} ms ({fit.held_out_error:+.0%}). Warm run, "
-        f"{fit.warm_prefill_tokens} tokens prefilled: measured {fit.warm_measured_ms:.1f} ms; predicted a + b·(L − hit) "
-        f"+ restore and checkpoint copies ({fit.warm_copies_ms:.2f} ms, measured) = {fit.warm_predicted_ms:.1f} ms "
-        f"({fit.warm_error:+.0%}); the per-token-only formula cold·(L − hit)/L + copies, without the fixed cost, "
-        f"predicts {fit.proportional_ms:.1f} ms ({fit.proportional_error:+.0%}). The fixed cost is "
-        f"{fit.fixed_share:.0%} of the measured warm TTFT, which is why skipping most prefill tokens cuts TTFT by "
-        "less. Cache-off runs of the first n tokens of the same prompt, in the same interleaved rounds.")
+    st.caption(f"**Fixed cost per forward a = {fit.fixed_ms:.1f} ms** (fitted) + b = {fit.per_token_ms:.3f} ms per "
+               f"prefill token (fitted at n = {', '.join(map(str, fit.fit_tokens))}; R² {fit.r2:.2f}). Held out, not in "
+               f"the fit: the cold run, {fit.prompt_tokens} tokens, measured {fit.held_out_measured_ms:.1f} ms, fit "
+               f"{fit.held_out_predicted_ms:.1f} ms ({fit.held_out_error:+.0%}).")
+    st.caption(f"Warm, {fit.warm_prefill_tokens} tokens prefilled: measured {fit.warm_measured_ms:.1f} ms; predicted "
+               f"a + b·(L − hit) + copies = {fit.warm_predicted_ms:.1f} ms ({fit.warm_error:+.0%}); without a, "
+               f"cold·(L − hit)/L + copies = {fit.proportional_ms:.1f} ms ({fit.proportional_error:+.0%}). The fixed "
+               f"cost is {fit.fixed_share:.0%} of the measured warm TTFT.")
+    with st.expander("How the forward cost is fitted"):
+        st.markdown(
+            "- **Measured**: cache-off TTFT of the first n tokens of the same prompt at each fitted n, the cold run "
+            "(all L tokens) and the warm run, in the same interleaved rounds on fresh engines.\n"
+            "- **Fitted**: a + b·n by least squares over the medians at the fitted n (never L).\n"
+            "- **Held out**: the cold run is not in the fit; the fit's error there is how far to trust it.\n"
+            f"- **Predicted**: warm = a + b·(L − hit) + the warm run's restore and checkpoint copies "
+            f"({fit.warm_copies_ms:.2f} ms, measured). Without the fixed cost a, skipping most prefill tokens would "
+            "cut TTFT in proportion; it does not.")
 
 
 def num(label: str, fmt: str = "localized", **kwargs):

@@ -77,7 +77,8 @@ def test_home_warm_ttft_formula_has_the_fixed_cost():
     at.button(key="p00_measure_button").click().run()
     assert not at.exception, [e.value for e in at.exception]
     fit = _fit_caption(at)
-    assert "(fitted)" in fit and "Held out (not in the fit)" in fit and "measured" in fit and "predicted" in fit
+    assert "(fitted)" in fit and "Held out, not in the fit: the cold run" in fit and "measured" in fit
+    assert any(c.value.startswith("Warm, ") and "predicted a + b·(L − hit)" in c.value for c in at.caption)
     labels = {m.label: m.value for m in at.metric}
     assert labels["Fixed cost per forward a (fitted)"].endswith(" ms")
     assert labels["TTFT warm (predicted)"].endswith(" ms") and labels["TTFT warm (median, measured)"].endswith(" ms")
@@ -86,7 +87,8 @@ def test_home_warm_ttft_formula_has_the_fixed_cost():
 def test_p08_shows_the_fitted_forward_cost():
     at = open_page("pages/08_prefix_hit.py")
     fit = _fit_caption(at)
-    assert "Held out (not in the fit): the cold run of all 144 tokens" in fit and "16 tokens prefilled" in fit
+    assert "Held out, not in the fit: the cold run, 144 tokens" in fit
+    assert any(c.value.startswith("Warm, 16 tokens prefilled: measured ") for c in at.caption)
     assert any(c.proto.id.endswith("p08_fit_chart") for c in at.get("plotly_chart"))
     text = " ".join(c.value for c in at.caption)
     assert "TTFT_cold · (L − b) / L plus" not in text
