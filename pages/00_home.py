@@ -134,8 +134,8 @@ for section in SECTIONS:
 with timing_part:
     st.subheader(f"Where the time goes (median of {REPEATS} interleaved repeats)")
     run_on_request("p00_timing_on", "p00_measure_button", "Measure TTFT cold vs warm",
-                   f"Times request 2 cold and warm, and three shorter cache-off prefills for the fixed + per-token cost "
-                   f"fit, {REPEATS} interleaved repeats after a warm-up on fresh engines (36 engine runs, a second or "
+                   f"Times request 2 cold and warm, and two shorter cache-off prefills for the fixed + per-token cost "
+                   f"fit, {REPEATS} interleaved repeats after a warm-up on fresh engines (30 engine runs, a second or "
                    "two of CPU), then keeps the result for every visitor with these settings.")
     remeasure_button(_p00_timing, key="p00_remeasure")
     timed = engine_call(_p00_timing, first, second, max_new, block, interval)

@@ -389,8 +389,9 @@ def show_forward_fit(fit, key: str) -> None:
                       xaxis_range=[0, top * 1.05], yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.3),
                       height=360)
     show_chart(fig, rows, key=key)
+    r2 = f"; R² {fit.r2:.2f}" if len(fit.fit_tokens) > 2 else ""       # a line through two points has R² = 1
     st.caption(f"**Fixed cost per forward a = {fit.fixed_ms:.1f} ms** (fitted) + b = {fit.per_token_ms:.3f} ms per "
-               f"prefill token (fitted at n = {', '.join(map(str, fit.fit_tokens))}; R² {fit.r2:.2f}). Held out, not in "
+               f"prefill token (fitted at n = {', '.join(map(str, fit.fit_tokens))}{r2}). Held out, not in "
                f"the fit: the cold run, {fit.prompt_tokens} tokens, measured {fit.held_out_measured_ms:.1f} ms, fit "
                f"{fit.held_out_predicted_ms:.1f} ms ({fit.held_out_error:+.0%}).")
     st.caption(f"Warm, {fit.warm_prefill_tokens} tokens prefilled: measured {fit.warm_measured_ms:.1f} ms; predicted "
