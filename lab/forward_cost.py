@@ -94,20 +94,21 @@ class ForwardFit(NamedTuple):
         return self.fixed_ms / self.warm_measured_ms
 
     def points(self) -> list[dict]:
-        """Rows for a chart / CSV: one per point, ``role`` in "fitted (measured)", "held out: cold (measured)",
-        "warm (measured)", "warm (predicted)", "warm, per-token only (predicted)"; ``prefill_tokens``;
-        ``ttft_ms``; ``q1_ms`` / ``q3_ms`` (NaN for predictions); ``fit_ms``: the fitted line at that n."""
+        """Rows for a chart / CSV, one per point: ``role`` ("measured, used in the fit", "measured, held out:
+        cold run", "measured: warm run", "predicted: warm, a + b·n + copies", "predicted: warm, without a"),
+        ``prefill_tokens``, ``ttft_ms``, ``q1_ms`` / ``q3_ms`` (the fitted points' IQR; NaN otherwise) and
+        ``fit_ms``: the fitted line at that n."""
         nan = float("nan")
         line = LinearFit(self.fixed_ms, self.per_token_ms, self.r2)
-        rows = [dict(role="fitted (measured)", prefill_tokens=n, ttft_ms=m, q1_ms=q1, q3_ms=q3)
+        rows = [dict(role="measured, used in the fit", prefill_tokens=n, ttft_ms=m, q1_ms=q1, q3_ms=q3)
                 for n, m, q1, q3 in zip(self.fit_tokens, self.fit_median_ms, self.fit_q1_ms, self.fit_q3_ms)]
-        rows += [dict(role="held out: cold (measured)", prefill_tokens=self.prompt_tokens,
+        rows += [dict(role="measured, held out: cold run", prefill_tokens=self.prompt_tokens,
                       ttft_ms=self.held_out_measured_ms, q1_ms=nan, q3_ms=nan),
-                 dict(role="warm (measured)", prefill_tokens=self.warm_prefill_tokens, ttft_ms=self.warm_measured_ms,
+                 dict(role="measured: warm run", prefill_tokens=self.warm_prefill_tokens, ttft_ms=self.warm_measured_ms,
                       q1_ms=nan, q3_ms=nan),
-                 dict(role="warm (predicted)", prefill_tokens=self.warm_prefill_tokens, ttft_ms=self.warm_predicted_ms,
-                      q1_ms=nan, q3_ms=nan),
-                 dict(role="warm, per-token only (predicted)", prefill_tokens=self.warm_prefill_tokens,
+                 dict(role="predicted: warm, a + b·n + copies", prefill_tokens=self.warm_prefill_tokens,
+                      ttft_ms=self.warm_predicted_ms, q1_ms=nan, q3_ms=nan),
+                 dict(role="predicted: warm, without a", prefill_tokens=self.warm_prefill_tokens,
                       ttft_ms=self.proportional_ms, q1_ms=nan, q3_ms=nan)]
         return [r | dict(fit_ms=line.at(r["prefill_tokens"])) for r in rows]
 

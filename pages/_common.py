@@ -373,16 +373,16 @@ def show_forward_fit(fit, key: str) -> None:
     run measured beside its two predictions; then one caption with the fixed cost and the errors."""
     rows = fit.points()
     top = max(r["prefill_tokens"] for r in rows)
-    style = {"fitted (measured)": ("circle", "#1f77b4"), "held out: cold (measured)": ("square", "#d62728"),
-             "warm (measured)": ("circle", "#2ca02c"), "warm (predicted)": ("diamond-open", "#2ca02c"),
-             "warm, per-token only (predicted)": ("x-open", "#6b7280")}
+    style = {"measured, used in the fit": ("circle", "#1f77b4"), "measured, held out: cold run": ("square", "#d62728"),
+             "measured: warm run": ("circle", "#2ca02c"), "predicted: warm, a + b·n + copies": ("diamond-open", "#2ca02c"),
+             "predicted: warm, without a": ("x-open", "#6b7280")}
     fig = go.Figure(go.Scatter(x=[0, top], y=[fit.fixed_ms, fit.fixed_ms + fit.per_token_ms * top], mode="lines",
                                line=dict(dash="dash", color="#1f77b4"),
                                name=f"fitted: {fit.fixed_ms:.1f} ms + {fit.per_token_ms:.3f} ms/token × n"))
     for role, (symbol, colour) in style.items():
         pts = [r for r in rows if r["role"] == role]
         bars = dict(type="data", symmetric=False, array=[r["q3_ms"] - r["ttft_ms"] for r in pts],
-                    arrayminus=[r["ttft_ms"] - r["q1_ms"] for r in pts]) if role.startswith("fitted") else None
+                    arrayminus=[r["ttft_ms"] - r["q1_ms"] for r in pts]) if role.endswith("in the fit") else None
         fig.add_trace(go.Scatter(x=[r["prefill_tokens"] for r in pts], y=[r["ttft_ms"] for r in pts], mode="markers",
                                  name=role, error_y=bars, marker=dict(symbol=symbol, size=11, color=colour)))
     fig.update_layout(xaxis_title="prefill tokens computed n (tokens)", yaxis_title="TTFT (ms; median, bars = IQR)",

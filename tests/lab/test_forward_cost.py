@@ -47,8 +47,8 @@ def test_warm_prediction_keeps_the_fixed_cost():
     assert fit.proportional_ms == pytest.approx(_line(L) * 64 / 256 + copies) and fit.proportional_error < -0.5
     assert fit.fixed_share == pytest.approx(20 / fit.warm_measured_ms)
     roles = [r["role"] for r in fit.points()]
-    assert roles.count("fitted (measured)") == 3 and "held out: cold (measured)" in roles
-    assert "warm (predicted)" in roles and "warm (measured)" in roles
+    assert roles.count("measured, used in the fit") == 3 and "measured, held out: cold run" in roles
+    assert "predicted: warm, a + b·n + copies" in roles and "measured: warm run" in roles
 
 
 def test_forward_fit_rejects_bad_input():
