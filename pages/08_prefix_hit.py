@@ -52,9 +52,9 @@ fig2 = go.Figure(go.Bar(x=reuse.kind, y=reuse.bytes / 1024, text=[f"{b / 1024:,.
 fig2.update_layout(yaxis_title="bytes reused (KiB)", xaxis_title="cache kind")
 show_chart(fig2, reuse, key="p08_bytes_chart")
 st.caption("What to notice: the KV bytes shared grow with b (one page per block); the state copied is the same for "
-           "any b. Warm TTFT ≈ a + b·(L − hit) + the restore and checkpoint copies: a fixed cost a per forward plus "
-           "b per prefilled token, fitted in section 1 — not TTFT_cold · (L − hit) / L, which leaves a out.")
-with st.expander("Why warm TTFT is a fixed cost plus (L − hit) tokens"):
+           "any b. Warm TTFT ≈ a fixed cost per forward + a cost per token × (L − b) + the restore and checkpoint "
+           "copies (both costs fitted in section 1), not TTFT_cold · (L − b) / L, which leaves the fixed cost out.")
+with st.expander("Why warm TTFT is a fixed cost plus (L − b) tokens"):
     st.markdown(
         "The remaining prompt runs as one chunked forward, and every checkpoint boundary inside it is taken from that "
         "same forward (the chunk states of `kda_chunk` are the state after exactly b tokens), so a smaller C adds "
