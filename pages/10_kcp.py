@@ -140,7 +140,8 @@ fig_t.update_layout(xaxis_title="run", yaxis_title="wall time, median (ms; bars:
 show_chart(fig_t, pd.DataFrame([t._asdict() for t in timings]).drop(columns="samples_s"), key="p10_timing_chart")
 measured_stamp(run.conditions)
 st.caption(f"Each bar is the median of {REPEATS} timed repeats per rank after an untimed one-chunk warm-up; process "
-           "start excluded.")
+           "start excluded. The one-rank process and the KCP ranks run one after the other, not interleaved (the "
+           "in-process baselines are interleaved with each other): on a loaded host, read the spreads.")
 with st.expander("What each phase does"):
     st.markdown(
         "- **prepare**: intra-chunk WY work (shared by the summary and the local run).\n"
