@@ -18,6 +18,7 @@ pool timing             lab/pool_timing.py       latency_histogram         05, 0
 MLA paging              lab/mla_paging.py        page_table_demo           06          tests/lab/test_mla_paging.py
 prefix anatomy          lab/prefix_anatomy.py    anatomy_view              07          tests/lab/test_prefix_pages.py
 prefix hit              lab/prefix.py            prefix_hit                08          tests/lab/test_prefix_pages.py
+forward cost fit        lab/forward_cost.py      forward_fit               00, 08      tests/lab/test_forward_cost.py
 prefix miss + replays   lab/prefix_miss.py       prefix_miss               09          tests/lab/test_prefix_miss.py
 real scale              lab/real_scale.py        roofline_view,            15          tests/lab/test_real_scale.py
                                                  policy_view

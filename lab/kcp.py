@@ -15,8 +15,10 @@ latency term:
 It assumes one free core per rank; the measured run on this machine may oversubscribe its cores.
 
 Fair baselines: every rank runs one torch thread, so the speedup is taken against one rank with one
-thread (the same threads per rank) and, separately, against one rank with every core of the host
-(:func:`all_cores_baseline`). Every time is the median of :data:`REPEATS` timed repeats after a warm-up
+thread (the same threads per rank) and, on request, against one rank at one thread and at every core of
+the host timed interleaved (:func:`one_rank_baselines`). The speedup shown is against the FASTEST
+one-rank configuration measured (:func:`speedup_vs_best`): a one-rank run with more threads than free
+cores is oversubscribed, and dividing by it would inflate the ratio. Every time is the median of :data:`REPEATS` timed repeats after a warm-up
 (inside the ranks: :class:`serve.parallel.run.KCPConfig` ``repeats``), with the spread of the per-repeat
 totals (:class:`lab.timing.Timing`); :func:`phase_gap` sets the slowest rank's measured phases against
 what the one-rank per-token costs predict for its block, which is where measured and projected differ.
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -195,28 +198,74 @@ def bytes_vs_context(cfg: ModelConfig, seq_lens: list[int], world_size: int, var
             for T in seq_lens]                                     # T - smallest block: tokens of the other ranks
 
 
-def all_cores_baseline(seq_len: int, num_heads: int, head_k_dim: int, head_v_dim: int, with_initial_state: bool,
-                       threads: int, repeats: int = REPEATS) -> tuple[Timing, Conditions]:
-    """One rank with ``threads`` torch threads: :func:`kda_core.chunk.kda_chunk` on the seeded inputs of the
-    :class:`KCPConfig` with these sizes (what its one-rank run computes, bitwise), in this process, timed
-    by :func:`lab.timing.measure` (``repeats`` >= 5 after one warm-up); the thread count is restored after.
+def one_rank_baselines(seq_len: int, num_heads: int, head_k_dim: int, head_v_dim: int, with_initial_state: bool,
+                       thread_counts: Sequence[int], repeats: int = REPEATS) -> tuple[list[Timing], Conditions]:
+    """One rank at each of ``thread_counts`` torch threads: :func:`kda_core.chunk.kda_chunk` on the seeded
+    inputs of the :class:`KCPConfig` with these sizes (what its one-rank run computes, bitwise), in this
+    process, timed by :func:`lab.timing.measure`: every thread count once per round, in rotating order
+    (interleaved), ``repeats`` >= 5 rounds after one warm-up. The thread count is restored after.
+    Returns one :class:`Timing` (s) per distinct thread count, labelled ``"1 rank in this process, <n>
+    thread(s)"``, and the :class:`Conditions` (``torch_threads``: the largest count).
 
-    Raises ValueError for a bad size (:class:`KCPConfig`), threads < 1 or repeats < 5."""
-    check_int("threads", threads)
+    Raises ValueError for a bad size (:class:`KCPConfig`), no thread counts, a count < 1 or repeats < 5."""
+    if not thread_counts:
+        raise ValueError("thread_counts must name at least one thread count")
+    for n in thread_counts:
+        check_int("threads", n)
     cfg = KCPConfig(seq_len=seq_len, world_size=1, num_heads=num_heads, head_k_dim=head_k_dim,
                     head_v_dim=head_v_dim, with_initial_state=with_initial_state)
     x = kda_inputs(cfg.batch, num_heads, head_k_dim, head_v_dim, 0, seq_len, cfg.seed, cfg.dtype)
     s0 = initial_state(cfg.batch, num_heads, head_k_dim, head_v_dim, cfg.seed, cfg.dtype) \
         if with_initial_state else None
+
+    def case(threads: int):
+        def run() -> None:
+            torch.set_num_threads(threads)
+            kda_chunk(*x, s0, chunk_size=cfg.chunk_size)
+        return run
+
     prev = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
         with torch.no_grad():
-            (timing,), cond = measure({f"1 rank, {threads} thread(s)": lambda: kda_chunk(
-                *x, s0, chunk_size=cfg.chunk_size)}, repeats=repeats, warmup=1)
+            cases = {f"1 rank in this process, {n} thread(s)": case(n) for n in dict.fromkeys(thread_counts)}
+            timings, cond = measure(cases, repeats=repeats, warmup=1)
     finally:
         torch.set_num_threads(prev)
-    return timing, cond
+    return timings, cond._replace(torch_threads=max(thread_counts))
+
+
+class Speedup(NamedTuple):
+    """A parallel run against the fastest one-rank baseline measured (ratios of times, ×).
+
+    baseline: the :class:`Timing` of the fastest baseline (smallest median); speedup: its median / the
+    parallel run's median; iqr_low / iqr_high: baseline q1 / parallel q3 and baseline q3 / parallel q1
+    (the spread of the ratio from the two interquartile ranges); worst / best: min / max pairing of the
+    samples (baseline min / parallel max, baseline max / parallel min); baselines: how many were compared."""
+
+    baseline: Timing
+    speedup: float
+    iqr_low: float
+    iqr_high: float
+    worst: float
+    best: float
+    baselines: int
+
+
+def speedup_vs_best(baselines: Sequence[Timing], parallel: Timing) -> Speedup:
+    """The speedup of ``parallel`` against the FASTEST of ``baselines`` (one-rank runs of the same inputs
+    measured in the same session), never against a slower one: a one-rank baseline given more threads
+    than free cores is oversubscribed and slow, and dividing by it inflates the ratio.
+
+    Raises ValueError for no baselines or a non-positive time."""
+    if not baselines:
+        raise ValueError("baselines must hold at least one one-rank timing")
+    for t in (*baselines, parallel):
+        if not t.min_s > 0:
+            raise ValueError(f"{t.label}: times must be > 0 s, got min {t.min_s!r}")
+    best = min(baselines, key=lambda t: t.median_s)
+    p = parallel
+    return Speedup(best, best.median_s / p.median_s, best.q1_s / p.q3_s, best.q3_s / p.q1_s, best.min_s / p.max_s,
+                   best.max_s / p.min_s, len(baselines))
 
 
 def run_timing(label: str, run: KCPRun) -> Timing:
@@ -302,7 +351,7 @@ def kcp_experiment(seq_len: int, world_size: int, num_heads: int, head_k_dim: in
     """Run the one-rank baseline and the ``world_size``-rank run of the same seeded inputs (fresh processes,
     one thread each, ``repeats`` timed repeats after a warm-up), compare them, and add the byte comparison,
     the projection (see the module doc; its inputs are the medians of the repeats) and the phase gap. The
-    all-cores baseline is a separate call (:func:`all_cores_baseline`): with several threads on a shared
+    multi-thread baselines are a separate call (:func:`one_rank_baselines`): with several threads on a shared
     host it can take seconds, so page 10 runs it on request.
 
     Raises: ValueError for a bad config or variant (:class:`KCPConfig`); RuntimeError if a rank fails or

@@ -20,6 +20,7 @@ import torch
 from kda_core.chunk import CHUNK_SIZE
 from kda_core.config import PRESETS
 from kda_core.model import HybridLM, bytes_to_text
+from lab.forward_cost import ForwardFit, fit_lengths, forward_fit
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, measure, summarize
 from serve.config import ServeConfig
@@ -172,16 +173,18 @@ class TtftTimes(NamedTuple):
     """Engine-measured TTFT of :func:`time_cold_warm`: rows: one dict per (timed repeat, run kind) as in
     :class:`ColdWarm` (warm-up runs left out); timings: one :class:`lab.timing.Timing` (seconds) per kind
     in :data:`PHASE_RUNS` over the ``repeats`` samples of the engine's TTFT (submit -> first token);
-    conditions: when and how it was measured."""
+    conditions: when and how it was measured; prefill: ``(n, Timing)`` per length of
+    :func:`lab.forward_cost.fit_lengths` (cache-off TTFT of the first n tokens of ``second``, same rounds)."""
 
     rows: list
     timings: list
     conditions: Conditions
+    prefill: tuple = ()
 
 
 def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_new_tokens: int = 8,
                    block_size: int = 16, interval: int = 64, num_groups: int = 1, repeats: int = MIN_REPEATS,
-                   warmup: int = 1, preset: str = "demo") -> TtftTimes:
+                   warmup: int = 1, preset: str = "demo", fit: bool = True) -> TtftTimes:
     """TTFT of ``second`` cold and warm, ``repeats`` interleaved rounds after ``warmup`` (:func:`lab.timing.measure`).
 
     Case "cold": a fresh cache-off engine runs ``second`` to its first token. Case "warm": a fresh engine
@@ -190,11 +193,25 @@ def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_
     of ``first``; otherwise one token: a block or checkpoint past ``first``'s prompt covers the position
     where ``second`` differs, so it can never be part of ``second``'s hit. The samples are the engine's
     TTFT of each request, not the wall time of a case (which includes engine set-up and the fill).
+    Cases "prefill <n>" (``fit=True``), for each n of :func:`lab.forward_cost.fit_lengths` (never len(second)):
+    a fresh cache-off engine runs the first n tokens of ``second`` (repeated if n is longer) to its first
+    token; the fixed + per-token cost of a forward is fitted to them (:func:`lab.forward_cost.forward_fit`).
     Raises ValueError for bad sizes, prompts or repeats (< :data:`lab.timing.MIN_REPEATS`) and
     RuntimeError if the warm runs' hit differs between repeats (the engine is deterministic)."""
     a, b, model, pages = _sizes(first, second, max_new_tokens, block_size, num_groups, preset)
     runs: dict[str, list] = {"cold": [], "warm": []}     # cold: a row per run; warm: (first, warm) rows per run
     fill_tokens = max_new_tokens if b[:len(a)] == a else 1
+    fit_ns = fit_lengths(len(b)) if fit else ()
+    fit_pages = max([pages] + [_pages_for(model, block_size, num_groups, n + 1) for n in fit_ns])
+    ttft_ms: dict[int, list[float]] = {n: [] for n in fit_ns}
+
+    def prefill(n: int):
+        prompt = (b * -(-n // len(b)))[:n]                  # the first n tokens of `second` (repeated past its end)
+
+        def run() -> None:
+            eng = build_engine(model, block_size, interval, num_groups, fit_pages, cache=False)
+            ttft_ms[n].append(eng.generate(prompt, 1).ttft_ms)
+        return run
 
     def cold() -> None:
         runs["cold"].append(_row("cold", build_engine(model, block_size, interval, num_groups, pages,
@@ -206,14 +223,16 @@ def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_
         runs["warm"].append((_row("first", fill), _row("warm", eng.generate(b, 1))))
 
     with one_thread():
-        _, cond = measure({"cold": cold, "warm": warm}, repeats=repeats, warmup=warmup)
+        _, cond = measure({"cold": cold, "warm": warm} | {f"prefill {n}": prefill(n) for n in fit_ns},
+                          repeats=repeats, warmup=warmup)
     rows = [dict(row, repeat=r) for r, (c, (f, w)) in enumerate(zip(runs["cold"][warmup:], runs["warm"][warmup:]))
             for row in (c, f, w)]
     hits = {r["hit_tokens"] for r in rows if r["kind"] == "warm"}
     if len(hits) != 1:
         raise RuntimeError(f"warm runs hit different boundaries across repeats: {sorted(hits)}")
     timings = [summarize(kind, [r["ttft_ms"] / 1e3 for r in rows if r["kind"] == kind]) for kind in PHASE_RUNS]
-    return TtftTimes(rows, timings, cond)
+    prefill_timings = [(n, summarize(f"prefill {n}", [t / 1e3 for t in ttft_ms[n][warmup:]])) for n in fit_ns]
+    return TtftTimes(rows, timings, cond, prefill_timings)
 
 
 def shared_prefix_prompts(shared_tokens: int, unique_tokens: int, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -343,13 +362,16 @@ class PrefixTimings:
     rows: one row per (repeat, kind) (:class:`TtftTimes`); ttft: one row per kind in :data:`PHASE_RUNS` with
     ``median_ms``, ``q1_ms``, ``q3_ms``, ``min_ms``, ``max_ms`` and ``repeats``; phases_ms: median ms per
     timing phase (columns ``<phase>_ms`` of :data:`serve.request.TIMING_PHASES`) per kind; summary:
-    :func:`ttft_summary`; conditions: :class:`lab.timing.Conditions`; phases: the phase names."""
+    :func:`ttft_summary`; conditions: :class:`lab.timing.Conditions`; fit: the fixed + per-token cost of a
+    forward fitted to cache-off runs in the same rounds, validated on the cold run (held out) and predicting
+    the warm run (:class:`lab.forward_cost.ForwardFit`); phases: the phase names."""
 
     rows: pd.DataFrame
     ttft: pd.DataFrame
     phases_ms: pd.DataFrame
     summary: dict
     conditions: Conditions
+    fit: ForwardFit
     phases: tuple = TIMING_PHASES
 
 
@@ -368,7 +390,11 @@ def _timings(run: TtftTimes) -> PrefixTimings:
     ttft = pd.DataFrame([dict(kind=t.label, median_ms=t.median_s * 1e3, q1_ms=t.q1_s * 1e3, q3_ms=t.q3_s * 1e3,
                               min_ms=t.min_s * 1e3, max_ms=t.max_s * 1e3, repeats=len(t.samples_s))
                          for t in run.timings])
-    return PrefixTimings(rows, ttft, phases.reset_index(), ttft_summary(run.rows), run.conditions)
+    by_kind = {t.label: t for t in run.timings}
+    warm = rows[rows.kind == "warm"]
+    fit = forward_fit(run.prefill, by_kind["cold"], by_kind["warm"], int(warm.prompt_tokens.iloc[0]),
+                      int(warm.hit_tokens.iloc[0]), float(warm.restore_ms.median() + warm.checkpoint_ms.median()))
+    return PrefixTimings(rows, ttft, phases.reset_index(), ttft_summary(run.rows), run.conditions, fit)
 
 
 def home(first: str, second: str, max_new_tokens: int, block_size: int, interval: int) -> PrefixCheck:

@@ -2,7 +2,15 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from pages._common import engine_call, measured_stamp, remeasure_button, run_on_request, show_chart, url_widget
+from pages._common import (
+    engine_call,
+    measured_stamp,
+    remeasure_button,
+    run_on_request,
+    show_chart,
+    show_forward_fit,
+    url_widget,
+)
 from pages._registry import SECTIONS, TABS
 
 st.title("KDA Serve Lab — what the second request saves")
@@ -58,7 +66,6 @@ def _p00_timing(first, second, max_new, block, interval):
     return home_timing(first, second, max_new, block, interval, repeats=REPEATS)
 
 
-timing_on = bool(st.session_state.get("p00_timing_on"))   # 2 x 6 engine runs: on request, then on for the session
 first_bytes, second_bytes = first.encode(), second.encode()
 shared = next((i for i, (a, b) in enumerate(zip(first_bytes, second_bytes)) if a != b),
               min(len(first_bytes), len(second_bytes)))              # bytes request 2 shares with request 1
@@ -74,13 +81,14 @@ preview.update_layout(barmode="stack", height=230, xaxis_title="prompt tokens (b
 tokens_part.plotly_chart(preview, key="p00_prompts_chart", width="stretch")   # replaced below, so no CSV button
 run = engine_call(_p00_verdict, first, second, max_new, block, interval)
 check, warm, cold = run.check, run.warm, run.cold
-m1, m2, m3, m4 = st.columns(4)
+m1, m2, m3, m4 = st.columns(4)   # the engine's counters of the verified run: shown at first render, no timing needed
 saved_tokens = warm['prefill_tokens'] - cold['prefill_tokens']
-m1.metric("Prefill tokens computed", f"{warm['prefill_tokens']:,}", f"{saved_tokens:,} vs cold", delta_color="inverse",
+m1.metric("Prefill tokens skipped (warm)", f"{warm['hit_tokens']:,} of {warm['prompt_tokens']:,}",
+          f"{warm['hit_tokens'] / warm['prompt_tokens']:.0%} of the prompt, output verified", delta_color="off",
+          delta_arrow="off", help="Counted by the engine in the verification run below; TTFT is timed on request "
+                                  "(section 'Where the time goes').")
+m2.metric("Prefill tokens computed", f"{warm['prefill_tokens']:,}", f"{saved_tokens:,} vs cold", delta_color="inverse",
           delta_arrow="auto" if saved_tokens else "off")   # Streamlit points a string "0 …" up
-ttft_metric = m2.empty()
-ttft_metric.metric("TTFT warm (median)", "measuring…" if timing_on else "not measured", "see below", delta_color="off",
-                   delta_arrow="off")
 m3.metric("Restored from checkpoint", f"{warm['restored_bytes'] / 1024:,.1f} KiB", "KDA state, copied", delta_color="off", delta_arrow="off")
 m4.metric("Shared through KV pages", f"{warm['shared_kv_bytes'] / 1024:,.1f} KiB", "MLA latents, by reference",
           delta_color="off", delta_arrow="off")
@@ -107,10 +115,12 @@ fig_tokens.update_layout(barmode="stack", height=230, xaxis_title="prompt tokens
 with tokens_part.container():
     show_chart(fig_tokens, [{k: r[k] for k in ("kind", "prompt_tokens", "hit_tokens", "kv_hit_tokens", "prefill_tokens")}
                             for r in runs], key="p00_tokens_chart")
-st.caption(f"Hit: {warm['hit_tokens']} of {warm['prompt_tokens']} tokens (phase-1 KV run {warm['kv_hit_tokens']}). A "
-           f"whole-model KDA state is {run.state_bytes:,} B whatever the prefix length; the KV shared grows with it. "
-           "What to notice: warm TTFT ≈ restore + (L − b) tokens of prefill, with b the largest boundary ≤ "
-           "min(KV run, L − 1) that has a complete checkpoint (as in vLLM's and SGLang's hybrid prefix caching).")
+st.caption(f"Hit: {warm['hit_tokens']} of {warm['prompt_tokens']} tokens (phase-1 KV run {warm['kv_hit_tokens']}): the "
+           "largest boundary ≤ min(KV run, L − 1) with a complete checkpoint (as in vLLM's and SGLang's hybrid prefix "
+           f"caching). A whole-model KDA state is {run.state_bytes:,} B whatever the prefix length; the KV shared grows "
+           "with it.")
+st.caption("What to notice: warm TTFT ≈ a + b·(L − hit) + restore, with a the fixed cost of one forward and b the cost "
+           "per prefilled token (both fitted when you measure below), so skipping most tokens cuts TTFT by less.")
 
 timing_part = st.container()   # filled last: the tab list below shows while the repeats run
 st.subheader("Tabs")
@@ -124,14 +134,20 @@ for section in SECTIONS:
 with timing_part:
     st.subheader(f"Where the time goes (median of {REPEATS} interleaved repeats)")
     run_on_request("p00_timing_on", "p00_measure_button", "Measure TTFT cold vs warm",
-                   f"Times request 2 cold and warm, {REPEATS} interleaved repeats after a warm-up on fresh engines "
-                   "(12 engine runs, about a second of CPU), then keeps the result for every visitor with these settings.")
+                   f"Times request 2 cold and warm, and two shorter cache-off prefills for the fixed + per-token cost "
+                   f"fit, {REPEATS} interleaved repeats after a warm-up on fresh engines (30 engine runs, a second or "
+                   "two of CPU), then keeps the result for every visitor with these settings.")
     remeasure_button(_p00_timing, key="p00_remeasure")
     timed = engine_call(_p00_timing, first, second, max_new, block, interval)
-    summary, ttft = timed.summary, timed.ttft
-    ttft_metric.metric("TTFT warm (median)", f"{summary['warm_ttft_ms']:.1f} ms",
-                       f"{-summary['ttft_reduction']:.0%} vs cold {summary['cold_ttft_ms']:.1f} ms", delta_color="inverse",
-                       delta_arrow="auto" if round(100 * summary['ttft_reduction']) else "off")   # no arrow on "0%"
+    summary, ttft, fit = timed.summary, timed.ttft, timed.fit
+    t1, t2, t3 = st.columns(3)
+    t1.metric("TTFT warm (median, measured)", f"{summary['warm_ttft_ms']:.1f} ms",
+              f"{-summary['ttft_reduction']:.0%} vs cold {summary['cold_ttft_ms']:.1f} ms", delta_color="inverse",
+              delta_arrow="auto" if round(100 * summary['ttft_reduction']) else "off")   # no arrow on "0%"
+    t2.metric("Fixed cost per forward a (fitted)", f"{fit.fixed_ms:.1f} ms", f"+ {fit.per_token_ms:.3f} ms per token",
+              delta_color="off", delta_arrow="off")
+    t3.metric("TTFT warm (predicted)", f"{fit.warm_predicted_ms:.1f} ms", f"{fit.warm_error:+.0%} vs measured",
+              delta_color="off", delta_arrow="off")
     label = {"cold": "cold (no cache)", "first": "request 1 (fills)", "warm": "warm"}
     fig = go.Figure(go.Bar(x=ttft.median_ms, y=[label[k] for k in ttft.kind], orientation="h",
                            error_x=dict(type="data", symmetric=False, array=ttft.q3_ms - ttft.median_ms,
@@ -151,3 +167,4 @@ with timing_part:
     st.caption(f"Cold, request 1 and warm: fresh engines every repeat; TTFT is measured by the engine (submit → first "
                f"token). The warm run's TTFT IQR is {summary['warm_ttft_iqr_ms']:.1f} ms, the cold run's "
                f"{summary['cold_ttft_iqr_ms']:.1f} ms.")
+    show_forward_fit(fit, key="p00_fit_chart")

@@ -4,7 +4,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from lab.prefix import prefix_hit, prefix_hit_timing
-from pages._common import engine_call, measured_stamp, remeasure_button, show_chart, url_widget
+from pages._common import engine_call, measured_stamp, remeasure_button, show_chart, show_forward_fit, url_widget
 
 st.title("Prefix hit")
 st.write(
@@ -52,8 +52,9 @@ fig2 = go.Figure(go.Bar(x=reuse.kind, y=reuse.bytes / 1024, text=[f"{b / 1024:,.
 fig2.update_layout(yaxis_title="bytes reused (KiB)", xaxis_title="cache kind")
 show_chart(fig2, reuse, key="p08_bytes_chart")
 st.caption("What to notice: the KV bytes shared grow with b (one page per block); the state copied is the same for "
-           "any b. Warm TTFT ≈ TTFT_cold · (L − b) / L plus the restore and checkpoint copies.")
-with st.expander("Why warm TTFT follows (L − b) / L"):
+           "any b. Warm TTFT ≈ a fixed cost per forward + a cost per token × (L − b) + the restore and checkpoint "
+           "copies (both costs fitted in section 1), not TTFT_cold · (L − b) / L, which leaves the fixed cost out.")
+with st.expander("Why warm TTFT is a fixed cost plus (L − b) tokens"):
     st.markdown(
         "The remaining prompt runs as one chunked forward, and every checkpoint boundary inside it is taken from that "
         "same forward (the chunk states of `kda_chunk` are the state after exactly b tokens), so a smaller C adds "
@@ -82,3 +83,6 @@ with timing_part:
                "rotating order. The samples are the engine's own TTFT (submit → first token), so engine set-up "
                f"is not counted. Warm TTFT IQR {summary['warm_ttft_iqr_ms']:.1f} ms, cold "
                f"{summary['cold_ttft_iqr_ms']:.1f} ms; the raw samples are in the CSV.")
+    st.write("**Fixed vs per-token cost of a forward**: fitted to cache-off runs of shorter prompts, checked on the "
+             "cold run (not in the fit), then used to predict the warm run.")
+    show_forward_fit(timed.fit, key="p08_fit_chart")

@@ -367,6 +367,48 @@ def show_chart(fig: go.Figure, df: pd.DataFrame | list[dict], key: str, filename
                        mime="text/csv", key=f"{key}_csv")
 
 
+def show_forward_fit(fit, key: str) -> None:
+    """Home's and page 08's chart of :class:`lab.forward_cost.ForwardFit`: TTFT against prefill tokens, the
+    measured points fitted (median, IQR bars), the fitted line ``a + b·n``, the held-out cold run, and the warm
+    run measured beside its two predictions; then one caption with the fixed cost and the errors."""
+    rows = fit.points()
+    top = max(r["prefill_tokens"] for r in rows)
+    style = {"measured, used in the fit": ("circle", "#1f77b4"), "measured, held out: cold run": ("square", "#d62728"),
+             "measured: warm run": ("circle", "#2ca02c"), "predicted: warm, a + b·n + copies": ("diamond-open", "#2ca02c"),
+             "predicted: warm, without a": ("x-open", "#6b7280")}
+    fig = go.Figure(go.Scatter(x=[0, top], y=[fit.fixed_ms, fit.fixed_ms + fit.per_token_ms * top], mode="lines",
+                               line=dict(dash="dash", color="#1f77b4"),
+                               name=f"fitted: {fit.fixed_ms:.1f} ms + {fit.per_token_ms:.3f} ms/token × n"))
+    for role, (symbol, colour) in style.items():
+        pts = [r for r in rows if r["role"] == role]
+        bars = dict(type="data", symmetric=False, array=[r["q3_ms"] - r["ttft_ms"] for r in pts],
+                    arrayminus=[r["ttft_ms"] - r["q1_ms"] for r in pts]) if role.endswith("in the fit") else None
+        fig.add_trace(go.Scatter(x=[r["prefill_tokens"] for r in pts], y=[r["ttft_ms"] for r in pts], mode="markers",
+                                 name=role, error_y=bars, marker=dict(symbol=symbol, size=11, color=colour)))
+    fig.update_layout(xaxis_title="prefill tokens computed n (tokens)", yaxis_title="TTFT (ms; median, bars = IQR)",
+                      xaxis_range=[0, top * 1.05], yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.3),
+                      height=360)
+    show_chart(fig, rows, key=key)
+    r2 = f"; R² {fit.r2:.2f}" if len(fit.fit_tokens) > 2 else ""       # a line through two points has R² = 1
+    st.caption(f"**Fixed cost per forward a = {fit.fixed_ms:.1f} ms** (fitted) + b = {fit.per_token_ms:.3f} ms per "
+               f"prefill token (fitted at n = {', '.join(map(str, fit.fit_tokens))}{r2}). Held out, not in "
+               f"the fit: the cold run, {fit.prompt_tokens} tokens, measured {fit.held_out_measured_ms:.1f} ms, fit "
+               f"{fit.held_out_predicted_ms:.1f} ms ({fit.held_out_error:+.0%}).")
+    st.caption(f"Warm, {fit.warm_prefill_tokens} tokens prefilled: measured {fit.warm_measured_ms:.1f} ms; predicted "
+               f"a + b·(L − hit) + copies = {fit.warm_predicted_ms:.1f} ms ({fit.warm_error:+.0%}); without a, "
+               f"cold·(L − hit)/L + copies = {fit.proportional_ms:.1f} ms ({fit.proportional_error:+.0%}). The fixed "
+               f"cost is {fit.fixed_share:.0%} of the measured warm TTFT.")
+    with st.expander("How the forward cost is fitted"):
+        st.markdown(
+            "- **Measured**: cache-off TTFT of the first n tokens of the same prompt at each fitted n, the cold run "
+            "(all L tokens) and the warm run, in the same interleaved rounds on fresh engines.\n"
+            "- **Fitted**: a + b·n by least squares over the medians at the fitted n (never L).\n"
+            "- **Held out**: the cold run is not in the fit; the fit's error there is how far to trust it.\n"
+            f"- **Predicted**: warm = a + b·(L − hit) + the warm run's restore and checkpoint copies "
+            f"({fit.warm_copies_ms:.2f} ms, measured). Without the fixed cost a, skipping most prefill tokens would "
+            "cut TTFT in proportion; it does not.")
+
+
 def num(label: str, fmt: str = "localized", **kwargs):
     """A right-aligned number column headed ``label`` (with its unit): ``fmt`` is a printf format (``"%.1f ms"``,
     ``"%,d B"``) or a Streamlit preset (``"localized"``: thousands separators, the default)."""

@@ -41,14 +41,14 @@ def test_home_timing_behind_button():
     assert not at.exception, [e.value for e in at.exception]
     assert {k.rsplit("-", 1)[-1] for k in _chart_keys(at)} == {"p00_tokens_chart"}, "no TTFT chart before the button"
     assert [b.label for b in at.button] == ["Measure TTFT cold vs warm"]
-    assert next(m for m in at.metric if m.label == "TTFT warm (median)").value == "not measured"
+    assert not [m.label for m in at.metric if m.label.startswith("TTFT")], "no TTFT metric before the button"
     VERDICTS["pages/00_home.py"](at)                                # the verification run is on the first render
     at.button(key="p00_measure_button").click().run()
     assert not at.exception, [e.value for e in at.exception]
-    assert sorted(k.rsplit("-", 1)[-1] for k in _chart_keys(at)) == ["p00_breakdown_chart", "p00_tokens_chart",
-                                                                     "p00_ttft_chart"]
+    assert sorted(k.rsplit("-", 1)[-1] for k in _chart_keys(at)) == ["p00_breakdown_chart", "p00_fit_chart",
+                                                                     "p00_tokens_chart", "p00_ttft_chart"]
     assert _chart_has_data(at)
-    assert next(m for m in at.metric if m.label == "TTFT warm (median)").value.endswith(" ms")
+    assert next(m for m in at.metric if m.label == "TTFT warm (median, measured)").value.endswith(" ms")
     assert any("interleaved repeats after 1 warm-up" in c.value for c in at.caption)   # the measured stamp
     at.run()                                                        # a rerun keeps the measurement on
-    assert len(_chart_keys(at)) == 3 and not [b for b in at.button if b.key == "p00_measure_button"]
+    assert len(_chart_keys(at)) == 4 and not [b for b in at.button if b.key == "p00_measure_button"]

@@ -114,9 +114,9 @@ def test_kcp_experiment_one_call():
 
 def test_kcp_experiment_repeats_spread_and_fair_baselines():
     """Every run is >= 5 timed repeats with its spread; the one-thread baseline is the one-rank run, the
-    phase gap sets the slowest rank against the one-rank per-token costs, and the all-cores baseline times
+    phase gap sets the slowest rank against the one-rank per-token costs, and the in-process baselines time
     the same kda_chunk with several threads."""
-    from lab.kcp import REPEATS, all_cores_baseline, kcp_experiment
+    from lab.kcp import REPEATS, kcp_experiment, one_rank_baselines
 
     run = kcp_experiment(150, 2, 2, 16, 12, "allgather", False, timeout_s=60)
     assert REPEATS >= 5 and run.conditions.repeats == REPEATS and run.conditions.torch_threads == 1
@@ -127,7 +127,37 @@ def test_kcp_experiment_repeats_spread_and_fair_baselines():
     slow = max(run.ranks, key=lambda r: r.total_ms)
     assert run.gap.measured_ms.tolist() == pytest.approx([getattr(slow, f"{p}_ms") for p in run.phases])
     assert run.gap.set_index("phase").loc[["summary", "exchange", "fold"]].one_rank_ms.eq(0).all()
-    timing, cond = all_cores_baseline(150, 2, 16, 12, False, 2)
-    assert len(timing.samples_s) >= 5 and cond.torch_threads == 2 and timing.median_s > 0
+    timings, cond = one_rank_baselines(150, 2, 16, 12, False, (1, 2))
+    assert [t.label for t in timings] == ["1 rank in this process, 1 thread(s)", "1 rank in this process, 2 thread(s)"]
+    assert all(len(t.samples_s) >= 5 and t.median_s > 0 for t in timings) and cond.torch_threads == 2
     with pytest.raises(ValueError, match="threads"):
-        all_cores_baseline(150, 2, 16, 12, False, 0)
+        one_rank_baselines(150, 2, 16, 12, False, (0,))
+    with pytest.raises(ValueError, match="thread_counts"):
+        one_rank_baselines(150, 2, 16, 12, False, ())
+
+
+def _timing(label, *ms):
+    from lab.timing import summarize
+
+    return summarize(label, [m / 1e3 for m in ms])
+
+
+def test_speedup_is_against_the_best_one_rank_baseline():
+    """Page 10 printed "2 ranks are 6.65x as fast as one rank given every core": the 2-thread one-rank baseline
+    was oversubscribed (5,557 ms against 881 ms for one thread) and the ratio was taken against it. The speedup
+    must be against the fastest one-rank configuration measured, with its spread."""
+    from lab.kcp import speedup_vs_best
+
+    one = _timing("1 rank, 1 thread", 870, 875, 881, 890, 900)
+    many = _timing("1 rank in this process, 2 thread(s)", 5400, 5500, 5557, 5600, 5700)
+    kcp = _timing("2 ranks, 1 thread each", 820, 830, 835, 840, 850)
+    sp = speedup_vs_best([many, one], kcp)
+    assert sp.baseline is one and sp.baselines == 2
+    assert sp.speedup == pytest.approx(881 / 835) and sp.speedup < 1.1        # not 5557 / 835 = 6.65
+    assert sp.iqr_low == pytest.approx(875 / 840) and sp.iqr_high == pytest.approx(890 / 830)
+    assert sp.worst == pytest.approx(870 / 850) and sp.best == pytest.approx(900 / 820)
+    assert speedup_vs_best([one, many], kcp) == sp                           # order does not matter
+    fast_many = _timing("1 rank in this process, 2 thread(s)", 500, 510, 520, 530, 540)
+    assert speedup_vs_best([one, fast_many], kcp).baseline is fast_many       # more threads win when they are faster
+    with pytest.raises(ValueError, match="baselines"):
+        speedup_vs_best([], kcp)
