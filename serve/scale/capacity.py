@@ -77,6 +77,7 @@ def max_batch(shape: ModelShape, hw: Hardware, tp: int, context: int,
               memory_fraction: float = MEMORY_FRACTION) -> int:
     """Largest number of sequences at ``context`` tokens whose cache fits next to the weights (0 if none).
     Raises ValueError naming a bad tp, context or memory_fraction."""
+    check_int("context", context, 0)
     if context > MAX_TOKENS:
         raise ValueError(f"context must be <= {MAX_TOKENS} tokens, got {context!r}")
     free = free_cache_bytes(shape, hw, tp, memory_fraction)

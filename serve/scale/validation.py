@@ -95,14 +95,14 @@ def _split_prefill(shape: ModelShape, hw: Hardware, tp: int, context: int) -> tu
 
 
 def fit_prefill(hw: Hardware | None = None, tp: int | None = None,
-                published: PublishedCurve = PREFILL_FIG7A) -> PrefillFit:
+                published: PublishedCurve | None = None) -> PrefillFit:
     """alpha, beta by least squares on relative error, minimising sum_i (alpha a_i + beta l_i) / y_i - 1)^2
     over ``published``'s Kimi Linear points only (a_i, l_i: the roofline's attention and other seconds at
     context i on ``hw`` x ``tp``; y_i the published seconds). The MLA points are never read. A negative
-    scale (not physical) is clamped to 0 and the other refitted alone."""
+    scale (not physical) is clamped to 0 and the other refitted alone. ``published`` None = Fig. 7a."""
     hw, tp = _setup(hw, tp, PREFILL_SETUP)
     kl, _ = _shapes()
-    y = np.array(getattr(published, FIT_CURVE), dtype=float)
+    y = np.array(getattr(published or PREFILL_FIG7A, FIT_CURVE), dtype=float)
     a = np.array([_split_prefill(kl, hw, tp, c) for c in CONTEXTS]) / y[:, None]  # [points, 2], relative
     coef, *_ = np.linalg.lstsq(a, np.ones(len(y)), rcond=None)
     if (coef < 0).any():
