@@ -105,7 +105,7 @@ class RooflineView:
     curves: one row per (model, context) of the chosen model and its all-MLA counterfactual:
     ``context_tokens``, ``model``, ``prefill_roofline_s`` (physical roofline), ``prefill_s`` (fitted),
     ``tpot_ms`` (batch 1, physical roofline). published: the report's points of Kimi-Linear-48B-A3B
-    (``context_tokens``, ``model``, ``prefill_s``, ``tpot_ms``). ratios: the chosen model's MLA / Kimi Linear per
+    (``context_tokens``, ``model``, ``prefill_s`` Fig. 7a, ``tpot_ms`` Fig. 7b, ``time_per_token_ms`` Fig. 1b). ratios: the chosen model's MLA / Kimi Linear per
     context and quantity against the report's (``published``, ``model``, ``rel_error`` = model / published - 1).
     prefill_points: every Fig. 7a point of Kimi-Linear-48B-A3B against the fitted roofline, ``role`` "fitted on"
     (Kimi Linear's) or "held out" (all MLA's). validated: Kimi-Linear-48B-A3B's ratios at this setup, one row per
@@ -211,7 +211,8 @@ def roofline_view(model: str, hw_name: str, tp: int, contexts: Sequence[int] = C
             for name, s in shapes.items() for c in contexts]
     curves = pd.DataFrame(rows)
     published = pd.DataFrame([{"context_tokens": c, "model": name, "prefill_s": getattr(PREFILL_FIG7A, attr)[i],
-                               "tpot_ms": getattr(TPOT_FIG7B, attr)[i]}
+                               "tpot_ms": getattr(TPOT_FIG7B, attr)[i],
+                               "time_per_token_ms": getattr(TPOT_FIG1B, attr)[i]}
                               for name, attr in (("Kimi Linear", "kimi_linear"), ("all MLA", "mla"))
                               for i, c in enumerate(CONTEXTS)])
     ratios = pd.DataFrame(_ratio_rows(curves.pivot(index="context_tokens", columns="model"), contexts),
