@@ -8,7 +8,7 @@ are 0-based):
   [4, 8, ..., 24, 27] (MLA at 0-based 3, 7, 11, 15, 19, 23, 26), 32 KDA heads x ``head_dim`` 128,
   ``short_conv_kernel_size`` 4; MLA ``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64; softplus gate.
 - Kimi K3: ``moonshotai/Kimi-K3`` ``config.json`` (``text_config``) at revision
-  ``c5d1dd4c428bd1ce8b88c5044f3b6ccde9e3b721``: 93 layers, ``full_attn_layers`` [4, 8, ..., 92, 93]
+  ``f831ab66814297da540d832a5235f8e904f29d06``: 93 layers, ``full_attn_layers`` [4, 8, ..., 92, 93]
   (24 MLA at 0-based 3, 7, ..., 91 and 92; 69 KDA), 96 KDA heads x 128, ``short_conv_kernel_size`` 4,
   ``gate_lower_bound`` -5.0; ``kv_lora_rank`` 512, ``qk_rope_head_dim`` 64, ``hidden_size`` 7168.
 
@@ -142,7 +142,7 @@ PRESETS: dict[str, ModelConfig] = {
         name="kimi-k3", num_layers=93, mla_layers=kimi_pattern(93), hidden_size=7168,
         num_heads=96, head_k_dim=128, head_v_dim=128, kv_lora_rank=512, qk_rope_head_dim=64,
         gate="lower_bound", lower_bound=-5.0, source="moonshotai/Kimi-K3 config.json, text_config "
-               "(revision c5d1dd4c428bd1ce8b88c5044f3b6ccde9e3b721)"),
+               "(revision f831ab66814297da540d832a5235f8e904f29d06)"),
     "demo": ModelConfig(
         name="demo", num_layers=8, mla_layers=kimi_pattern(8), hidden_size=128, num_heads=4,
         head_k_dim=32, head_v_dim=32, kv_lora_rank=64, qk_rope_head_dim=16, num_mla_heads=4,

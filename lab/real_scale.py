@@ -4,10 +4,13 @@ that model's real bytes (:func:`policy_view`).
 
 Roofline (:mod:`serve.scale.roofline`): the chosen model and its all-MLA counterfactual
 (:meth:`serve.scale.model_shape.ModelShape.all_mla`) at the report's contexts, 4K to 1M tokens, batch 1.
-Prefill uses the named fit :func:`serve.scale.validation.fit_prefill` solved on the chosen hardware and
-TP (attention-kind time x alpha, every other kind x beta, from Fig. 7a's two MLA points at 512K and 1M);
-TPOT is the pure roofline. The report states no hardware, so the ratios MLA / Kimi Linear are what is
-compared, not the absolute times.
+Three kinds of number, kept apart: the physical roofline (no constant), the fitted prefill
+(:func:`serve.scale.validation.fit_prefill` on the chosen hardware and TP: attention-kind time x alpha,
+every other kind x beta, fitted on Fig. 7a's Kimi Linear points only, the MLA points held out) and the
+published points. TPOT is the physical roofline. Every error is reported at the setup the caller chose.
+The fit comes from Kimi-Linear-48B-A3B's points; for Kimi K3 the same alpha, beta are reused, unchecked
+(no K3 point is published), and the view says so (``fit_note``). The largest-batch decode
+(:mod:`serve.scale.capacity`) sets the report's Fig. 1b / "up to 6x decoding throughput" beside the roofline.
 
 Policies (:mod:`serve.scale.policies`): each policy replays the trace under a memory budget per replica
 (KV pages + state checkpoints + the running request's state slots, in the model's real bytes on ``tp``
@@ -30,6 +33,9 @@ from kda_core.config import REAL_PRESETS
 from kda_core.config import preset_title as preset_title  # re-exported: pages 14 and 15's model labels
 from lab.fleet import page_trace
 from serve.errors import check_choice, check_int
+from serve.scale.capacity import MEMORY_FRACTION as MEMORY_FRACTION  # re-exported: page 15's caption
+from serve.scale.capacity import largest_batch_decode
+from serve.scale.capacity import weight_bytes as weight_bytes  # re-exported: the policy view and lab.fleet use it
 from serve.scale.hardware import PRESETS as HARDWARE_PRESETS
 from serve.scale.hardware import Hardware, hardware
 from serve.scale.model_shape import ModelShape, preset
@@ -43,16 +49,16 @@ from serve.scale.policies import (
     replay,
     vllm_block_size,
 )
-from serve.scale.published import CONTEXTS, PREFILL_FIG7A, TPOT_FIG7B
-from serve.scale.roofline import checkpoint_restore_time, prefill_time
+from serve.scale.published import CONTEXTS, PREFILL_FIG7A, TPOT_FIG1B, TPOT_FIG7B
+from serve.scale.roofline import MAX_TOKENS, checkpoint_restore_time, prefill_time
 from serve.scale.roofline import decode_time as roofline_decode
 from serve.scale.validation import (
-    DECODE_SETUP,
-    PREFILL_SETUP,
+    FIT_MODEL,
     PrefillFit,
     decode_ratios,
     fit_prefill,
     fitted_prefill_s,
+    prefill_points,
     prefill_ratios,
 )
 from serve.traces import TraceRequest
@@ -82,13 +88,6 @@ OURS_C, EXTRA_BUFFER_CHUNK = 2048, 8192        # the knobs' values in the budget
 DEFAULT_INTERVAL = {"ours": OURS_C, "sglang extra_buffer": EXTRA_BUFFER_CHUNK}
 
 
-def weight_bytes(shape: ModelShape) -> float:
-    """Weight bytes of the whole model: routed experts at ``routed_expert_weight_bytes`` per parameter
-    (K3: MXFP4), everything else at ``weight_bytes`` (bf16)."""
-    routed = shape.num_moe_layers * shape.num_experts * shape.expert_params
-    return routed * shape.routed_expert_weight_bytes + (shape.total_params - routed) * shape.weight_bytes
-
-
 def free_bytes(model: str, hw: Hardware, tp: int) -> float:
     """HBM of ``tp`` GPUs minus the model's weights (bytes per replica; <= 0 when the weights do not fit)."""
     return hw.hbm_bytes * tp - weight_bytes(preset(model))
@@ -100,59 +99,139 @@ def _check_setup(model: str, hw_name: str, tp: int) -> Hardware:
     return hardware(hw_name)
 
 
+REPORT_THROUGHPUT_CLAIM = 6.0  # the report's abstract: "up to 6x decoding throughput" at 1M
+PREFILL_Q, TPOT_Q, BATCH_Q = ("prefill (Fig. 7a)", "TPOT, batch 1 (Fig. 7b)",
+                              "time per token, largest batch (Fig. 1b)")
+
+
 @dataclass(frozen=True)
 class RooflineView:
-    """The roofline view. curves: one row per (model, context): ``context_tokens``, ``model``,
-    ``prefill_s`` (fitted), ``prefill_roofline_s`` (pure), ``tpot_ms`` (batch 1, pure). published: the
-    report's points (``context_tokens``, ``model``, ``prefill_s``, ``tpot_ms``). ratios: MLA / Kimi Linear
-    per context and quantity (``published``, ``model``, ``rel_error`` = model / published - 1) on this
-    setup; validated: the same for Kimi-Linear-48B-A3B at the setups the tests pin (``setup`` column:
-    :data:`serve.scale.validation.PREFILL_SETUP`, :data:`~serve.scale.validation.DECODE_SETUP`). fit: the
-    prefill fit on this hardware and TP. weights_gb / hbm_gb / free_gb: per replica (1e9 bytes)."""
+    """The roofline view; every frame is computed on the chosen hardware and TP (``setup``, e.g. "H200 x TP8").
 
+    curves: one row per (model, context) of the chosen model and its all-MLA counterfactual:
+    ``context_tokens``, ``model``, ``prefill_roofline_s`` (physical roofline), ``prefill_s`` (fitted),
+    ``tpot_ms`` (batch 1, physical roofline). published: the report's points of Kimi-Linear-48B-A3B
+    (``context_tokens``, ``model``, ``prefill_s`` Fig. 7a, ``tpot_ms`` Fig. 7b, ``time_per_token_ms`` Fig. 1b). ratios: the chosen model's MLA / Kimi Linear per
+    context and quantity against the report's (``published``, ``model``, ``rel_error`` = model / published - 1).
+    prefill_points: every Fig. 7a point of Kimi-Linear-48B-A3B against the fitted roofline, ``role`` "fitted on"
+    (Kimi Linear's) or "held out" (all MLA's). validated: Kimi-Linear-48B-A3B's ratios at this setup, one row per
+    (quantity, context), ``role`` "held out" (prefill: the MLA numerator is not fitted) or "predicted" (TPOT: no
+    constant). errors: max |rel_error| per group (``group``, ``max_abs_error``, ``points``). batch: the chosen
+    model and its all-MLA counterfactual at the largest batch each fits after the weights
+    (:mod:`serve.scale.capacity`): ``context_tokens``, ``model``, ``batch``, ``tpot_ms``, ``time_per_token_ms``,
+    ``throughput_tok_s``. fit: the prefill fit on this setup. fit_note: where the fit comes from (says so when
+    the chosen model is not the one the points were measured on). weights_gb / hbm_gb / free_gb: per replica
+    (1e9 bytes)."""
+
+    setup: str
     curves: pd.DataFrame
     published: pd.DataFrame
     ratios: pd.DataFrame
+    prefill_points: pd.DataFrame
     validated: pd.DataFrame
+    errors: pd.DataFrame
+    batch: pd.DataFrame
     fit: PrefillFit
+    fit_note: str
     weights_gb: float
     hbm_gb: float
     free_gb: float
 
 
+def _check_contexts(contexts) -> tuple[int, ...]:
+    if isinstance(contexts, (str, bytes)) or not isinstance(contexts, Sequence) or not contexts:
+        raise ValueError(f"contexts must be a non-empty list of token counts, got {contexts!r}")
+    for c in contexts:
+        if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= MAX_TOKENS:
+            raise ValueError(f"contexts must hold ints in [1, {MAX_TOKENS}], got {c!r} in {list(contexts)!r}")
+    return tuple(sorted(set(contexts)))
+
+
+def _ratio_rows(wide: pd.DataFrame, contexts: Sequence[int]) -> list[dict]:
+    rows = []
+    for quantity, col, curve in ((PREFILL_Q, "prefill_s", PREFILL_FIG7A), (TPOT_Q, "tpot_ms", TPOT_FIG7B)):
+        for c in contexts:
+            if c in CONTEXTS:
+                m = wide.loc[c, (col, "all MLA")] / wide.loc[c, (col, "Kimi Linear")]
+                rows.append({"context_tokens": c, "quantity": quantity, "published": curve.ratio(c), "model": m,
+                             "rel_error": m / curve.ratio(c) - 1})
+    return rows
+
+
+def _batch_rows(shapes: dict[str, ModelShape], hw: Hardware, tp: int, contexts: Sequence[int]) -> pd.DataFrame:
+    rows = []
+    for name, s in shapes.items():
+        for c in contexts:
+            d = largest_batch_decode(s, hw, tp, c)
+            rows.append({"context_tokens": c, "model": name, "batch": d.batch, "tpot_ms": 1e3 * d.tpot_s,
+                         "time_per_token_ms": 1e3 * d.time_per_token_s, "throughput_tok_s": d.throughput_tok_s})
+    return pd.DataFrame(rows)
+
+
+def _validated(hw: Hardware, tp: int, setup: str, fit_kl: PrefillFit) -> pd.DataFrame:
+    """Kimi-Linear-48B-A3B (the published model) at this setup: prefill and TPOT ratios, and Fig. 1b's."""
+    rows = [{"context_tokens": r.context, "quantity": PREFILL_Q, "role": "held out", "published": r.published,
+             "model": r.model, "rel_error": r.rel_error} for r in prefill_ratios(fit_kl, hw, tp)]
+    rows += [{"context_tokens": r.context, "quantity": TPOT_Q, "role": "predicted", "published": r.published,
+              "model": r.model, "rel_error": r.rel_error} for r in decode_ratios(hw=hw, tp=tp)]
+    kl = preset(FIT_MODEL)
+    wide = _batch_rows({"Kimi Linear": kl, "all MLA": kl.all_mla()}, hw, tp, CONTEXTS).pivot(
+        index="context_tokens", columns="model", values="time_per_token_ms")
+    for c in CONTEXTS:
+        m = wide.loc[c, "all MLA"] / wide.loc[c, "Kimi Linear"]   # NaN where all MLA fits no sequence
+        rows.append({"context_tokens": c, "quantity": BATCH_Q, "role": "predicted", "published": TPOT_FIG1B.ratio(c),
+                     "model": m, "rel_error": m / TPOT_FIG1B.ratio(c) - 1})
+    return pd.DataFrame(rows).assign(setup=setup)
+
+
+def _errors(points: pd.DataFrame, validated: pd.DataFrame) -> pd.DataFrame:
+    groups = [("prefill points the fit saw (Kimi Linear)", points[points.role == "fitted on"].rel_error),
+              ("prefill points held out (all MLA)", points[points.role == "held out"].rel_error)]
+    groups += [(f"{q} ratio", validated[validated.quantity == q].rel_error.dropna()) for q in (PREFILL_Q, TPOT_Q,
+                                                                                               BATCH_Q)]
+    return pd.DataFrame([{"group": g, "max_abs_error": float(e.abs().max()) if len(e) else float("nan"),
+                          "points": len(e)} for g, e in groups])
+
+
 def roofline_view(model: str, hw_name: str, tp: int, contexts: Sequence[int] = CONTEXTS) -> RooflineView:
     """Prefill latency and TPOT of ``model`` and its all-MLA counterfactual on ``tp`` x ``hw_name``
-    (module docstring). Raises ValueError naming a bad model, hardware or TP."""
+    (module docstring), and Kimi-Linear-48B-A3B's errors against the report at that same setup.
+
+    Raises ValueError naming a bad model, hardware, TP or ``contexts`` (a non-empty list of ints in
+    [1, MAX_TOKENS]), and when the weights do not fit in ``tp`` x ``hw_name`` (a roofline of a model that cannot
+    be loaded means nothing)."""
     hw = _check_setup(model, hw_name, tp)
+    contexts = _check_contexts(contexts)
     kl = preset(model)
+    w = weight_bytes(kl)
+    if w >= hw.hbm_bytes * tp:
+        raise ValueError(f"{model} weights ({w / 1e9:,.0f} GB) do not fit in {tp} x {hw_name} "
+                         f"({hw.hbm_bytes * tp / 1e9:,.0f} GB): choose more GPUs (tp) or larger ones")
+    setup = f"{hw_name} x TP{tp}"
     shapes = {"Kimi Linear": kl, "all MLA": kl.all_mla()}
     fit = fit_prefill(hw, tp)
     rows = [{"context_tokens": c, "model": name,
-             "prefill_s": fitted_prefill_s(s, hw, tp, fit, c),
              "prefill_roofline_s": prefill_time(s, hw, tp, c).total_s,
+             "prefill_s": fitted_prefill_s(s, hw, tp, fit, c),
              "tpot_ms": 1e3 * roofline_decode(s, hw, tp, 1, c).total_s}
             for name, s in shapes.items() for c in contexts]
     curves = pd.DataFrame(rows)
     published = pd.DataFrame([{"context_tokens": c, "model": name, "prefill_s": getattr(PREFILL_FIG7A, attr)[i],
-                               "tpot_ms": getattr(TPOT_FIG7B, attr)[i]}
+                               "tpot_ms": getattr(TPOT_FIG7B, attr)[i],
+                               "time_per_token_ms": getattr(TPOT_FIG1B, attr)[i]}
                               for name, attr in (("Kimi Linear", "kimi_linear"), ("all MLA", "mla"))
                               for i, c in enumerate(CONTEXTS)])
-    wide = curves.pivot(index="context_tokens", columns="model")
-    ratios = []
-    for quantity, col, curve in (("prefill (Fig. 7a)", "prefill_s", PREFILL_FIG7A),
-                                 ("TPOT, batch 1 (Fig. 7b)", "tpot_ms", TPOT_FIG7B)):
-        for c in contexts:
-            if c in CONTEXTS:
-                m = wide.loc[c, (col, "all MLA")] / wide.loc[c, (col, "Kimi Linear")]
-                ratios.append({"context_tokens": c, "quantity": quantity, "published": curve.ratio(c), "model": m,
-                               "rel_error": m / curve.ratio(c) - 1})
-    validated = pd.DataFrame(
-        [{"context_tokens": r.context, "quantity": q, "setup": f"{setup[0]} x TP{setup[1]}", "published": r.published,
-          "model": r.model, "rel_error": r.rel_error}
-         for q, setup, rows in (("prefill (Fig. 7a)", PREFILL_SETUP, prefill_ratios()),
-                                ("TPOT, batch 1 (Fig. 7b)", DECODE_SETUP, decode_ratios())) for r in rows])
-    w = weight_bytes(kl)
-    return RooflineView(curves, published, pd.DataFrame(ratios), validated, fit, w / 1e9, hw.hbm_bytes * tp / 1e9,
+    ratios = pd.DataFrame(_ratio_rows(curves.pivot(index="context_tokens", columns="model"), contexts),
+                          columns=["context_tokens", "quantity", "published", "model", "rel_error"])
+    points = pd.DataFrame([r._asdict() | {"rel_error": r.rel_error} for r in prefill_points(fit, hw, tp)])
+    validated = _validated(hw, tp, setup, fit)
+    fit_note = (f"α, β fitted on the nine published Kimi Linear prefill points (Fig. 7a) on {setup}; the nine "
+                "all-MLA points are held out.")
+    if model != FIT_MODEL:
+        fit_note += (f" {preset_title(model)} has no published points: its fitted curve reuses the α, β fitted to "
+                     f"{preset_title(FIT_MODEL)}'s points, unchecked; read its physical roofline as the model.")
+    return RooflineView(setup, curves, published, ratios, points, validated, _errors(points, validated),
+                        _batch_rows(shapes, hw, tp, contexts), fit, fit_note, w / 1e9, hw.hbm_bytes * tp / 1e9,
                         (hw.hbm_bytes * tp - w) / 1e9)
 
 

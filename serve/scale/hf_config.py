@@ -90,9 +90,10 @@ def from_hf_config(config: Mapping, name: str = "uploaded") -> ModelShape:
         vals["lin_" + key] = _int(lin, key, lin_prefix)
     full = lin.get("full_attn_layers")
     n = vals["num_hidden_layers"]
-    if not isinstance(full, list) or any(not isinstance(i, int) or not 1 <= i <= n for i in full):
-        raise ValueError(f"field {lin_prefix + 'full_attn_layers'!r} must be a list of 1-based layer numbers in "
-                         f"[1, {n}], got {full!r}")
+    if (not isinstance(full, list) or len(set(map(repr, full))) != len(full)
+            or any(isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= n for i in full)):
+        raise ValueError(f"field {lin_prefix + 'full_attn_layers'!r} must be a list of distinct 1-based layer numbers "
+                         f"(ints, not true/false) in [1, {n}], got {full!r}")
     if text.get("moe_layer_freq", 1) != 1:
         raise ValueError(f"field {prefix + 'moe_layer_freq'!r}: only 1 (MoE in every layer) is supported, "
                          f"got {text['moe_layer_freq']!r}")

@@ -13,14 +13,16 @@ formats) come from the same public Hugging Face configs, listed in ``SOURCED_FIG
   q_lora_rank 1536, qk_nope_head_dim 128, v_head_dim 128, mla_use_output_gate true,
   first_k_dense_replace 1, intermediate_size 33792, num_experts 896, num_experts_per_token 16,
   num_shared_experts 2, moe_intermediate_size 3072, routed_expert_hidden_size 3584 (latent MoE),
-  ``linear_attn_config.use_full_rank_gate`` true; ``quantization_config`` mxfp4-pack-quantized,
+  ``linear_attn_config.use_full_rank_gate`` true (the KDA output gate: the checkpoint has one ``g_proj``
+  per KDA layer where Kimi-Linear has ``g_a_proj`` / ``g_b_proj``, and keeps the low-rank decay gate
+  ``f_a_proj`` / ``f_b_proj``; the revision's ``modeling_kimi_linear.py``); ``quantization_config`` mxfp4-pack-quantized,
   group_size 32, uint8 scales, shared experts ignored -> routed experts at 4 + 8/32 bits per weight.
 
 Parameter counts (per layer; D hidden, H heads; weights only, norms and biases ignored):
 
 - KDA (fla ``KimiDeltaAttention``): q, k, v projections 3 D H K; output H V D; beta D H;
-  decay gate D K' + K' H K with K' = K (low rank) or D H K (full rank, K3); output gate D V + V H V;
-  short conv (2 H K + H V) W.
+  decay gate (f_a, f_b, low rank) D K + K H K; output gate (g_a, g_b) D V + V H V, or full rank (g_proj,
+  K3's ``use_full_rank_gate``) D H V; short conv (2 H K + H V) W.
 - MLA (DeepSeek-V2 layout): q D H (nope + rope) or D q_r + q_r H (nope + rope); kv_a D (r + rope);
   kv_b r H (nope + v); o H v D; K3's output gate D H v.
 - FFN: dense SwiGLU 3 D I; MoE router D E, experts E 3 D_e I_moe, shared n_s 3 D I_moe, and for a
@@ -46,7 +48,8 @@ class ModelShape:
     Layers are 0-based; ``mla_layers`` lists the MLA ones, the rest are KDA. Widths in elements;
     ``*_bytes`` are bytes per element (weights may be fractional, e.g. MXFP4 0.53125).
     ``q_lora_rank`` 0 means a direct q projection. ``routed_expert_hidden_size`` equals
-    ``hidden_size`` for an ordinary MoE.
+    ``hidden_size`` for an ordinary MoE. ``full_rank_gate``: the KDA output gate is one full-rank D x H V
+    projection (``use_full_rank_gate``, Kimi K3) instead of the low-rank pair; the decay gate is low rank.
     """
 
     name: str
@@ -122,10 +125,21 @@ class ModelShape:
 
     # parameters per layer (elements)
     @property
+    def kda_decay_gate_params(self) -> int:
+        """Decay gate f_a (D -> K) then f_b (K -> H K): low rank in both Kimi-Linear and K3."""
+        d, k = self.hidden_size, self.kda_head_dim
+        return d * k + k * self.kda_heads * k
+
+    @property
+    def kda_output_gate_params(self) -> int:
+        """Output gate: g_proj (D -> H V) when ``full_rank_gate``, else g_a (D -> V) then g_b (V -> H V)."""
+        d, v = self.hidden_size, self.kda_head_dim
+        return d * self.kda_heads * v if self.full_rank_gate else d * v + v * self.kda_heads * v
+
+    @property
     def kda_layer_params(self) -> int:
         d, hk, hv = self.hidden_size, self.kda_heads * self.kda_head_dim, self.kda_heads * self.kda_head_dim
-        gate = d * hk if self.full_rank_gate else d * self.kda_head_dim + self.kda_head_dim * hk
-        return (3 * d * hk + hv * d + d * self.kda_heads + gate + d * self.kda_head_dim + self.kda_head_dim * hv
+        return (3 * d * hk + hv * d + d * self.kda_heads + self.kda_decay_gate_params + self.kda_output_gate_params
                 + (2 * hk + hv) * self.conv_kernel)
 
     @property

@@ -18,16 +18,26 @@ FLOP counts (2 FLOP per multiply-add):
   arXiv 2510.26692, Sec. 6.3, Eq. 13). KDA decode, recurrent: 7 K V per head per token (decay K V,
   k^T S 2 K V, rank-1 update 2 K V, q^T S 2 K V; fla ``fused_recurrent_kda``).
 
+TP all-reduces: two ring all-reduces of the bf16 hidden states per layer over the link
+:meth:`serve.scale.hardware.Hardware.allreduce_bytes_per_s` gives: NVLink inside one 8-GPU node, the
+inter-node NIC (InfiniBand, e.g. 400 Gb/s NDR = 50 GB/s per GPU) for a TP group beyond one node.
+
 Bytes: weights read once per step; MLA latent KV read (b or c tokens) and written (new tokens),
 expanded prefill keys/values written and read once; KDA state read and written once per sequence
 (recurrent fp32 + conv window bf16) and q, k, g, v, o activations once; lm head on each decoded token
 and on the last token of each prefilled sequence. Not modelled: norms, rotary, sampling, FlashAttention
 re-reads of K/V tiles, kernel launch gaps (put them in ``overhead_s``).
+
+Inputs: token counts and batch sizes are ints (not bools) up to ``MAX_TOKENS`` / ``MAX_BATCH``; larger
+ones would overflow the float FLOP counts. ``overhead_s`` is a finite real >= 0. Every bad input raises
+ValueError naming it.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from numbers import Real
 
 from serve.errors import check_int
 from serve.scale.hardware import Hardware
@@ -36,6 +46,8 @@ from serve.scale.model_shape import ModelShape
 KDA_CHUNK = 64  # C in Eq. 13; fla's chunk_kda block size
 ACT_BYTES = 2  # bf16 activations
 KINDS = ("kda", "mla", "moe", "dense_mlp", "embed_head")
+MAX_TOKENS = 2 ** 40  # tokens per sequence (new, cached or context): ~1e12, far past any model's window
+MAX_BATCH = 2 ** 40   # sequences per step
 
 
 @dataclass(frozen=True)
@@ -83,11 +95,26 @@ def _check(shape: ModelShape, hw: Hardware, tp: int, overhead_s: float) -> None:
         raise ValueError(f"shape must be a ModelShape, got {type(shape).__name__}")
     if not isinstance(hw, Hardware):
         raise ValueError(f"hw must be a Hardware, got {type(hw).__name__}")
-    if not isinstance(tp, int) or tp < 1 or shape.kda_heads % tp or shape.mla_heads % tp:
+    if (isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or shape.kda_heads % tp
+            or shape.mla_heads % tp):
         raise ValueError(f"tp must be a positive divisor of the KDA heads ({shape.kda_heads}) and MLA heads "
                          f"({shape.mla_heads}), got {tp!r}")
-    if not overhead_s >= 0:
-        raise ValueError(f"overhead_s must be >= 0, got {overhead_s!r}")
+    if isinstance(overhead_s, bool) or not isinstance(overhead_s, Real) or not 0 <= overhead_s < math.inf:
+        raise ValueError(f"overhead_s must be a finite number of seconds >= 0, got {overhead_s!r}")
+
+
+def _tokens(name: str, val, minimum: int) -> int:
+    check_int(name, val, minimum)
+    if val > MAX_TOKENS:
+        raise ValueError(f"{name} must be <= {MAX_TOKENS} tokens, got {val!r}")
+    return int(val)
+
+
+def _batch(val) -> int:
+    check_int("batch", val)
+    if val > MAX_BATCH:
+        raise ValueError(f"batch must be <= {MAX_BATCH} sequences, got {val!r}")
+    return int(val)
 
 
 def _kind(name: str, flops: float, nbytes: float, hw: Hardware) -> KindCost:
@@ -118,11 +145,12 @@ def _ffn_kinds(shape: ModelShape, hw: Hardware, tp: int, tokens: int, head_token
 
 
 def _comm_s(shape: ModelShape, hw: Hardware, tp: int, tokens: int) -> float:
-    """Two ring all-reduces of the bf16 hidden states per layer: 2 (tp - 1) / tp of the bytes each way."""
+    """Two ring all-reduces of the bf16 hidden states per layer: 2 (tp - 1) / tp of the bytes each way, over
+    NVLink within a node and the inter-node NIC beyond (:meth:`Hardware.allreduce_bytes_per_s`)."""
     if tp == 1:
         return 0.0
     nbytes = 2 * shape.num_layers * tokens * shape.hidden_size * ACT_BYTES
-    return 2 * (tp - 1) / tp * nbytes / hw.nvlink_unidirectional_bytes_per_s
+    return 2 * (tp - 1) / tp * nbytes / hw.allreduce_bytes_per_s(tp)
 
 
 def _kda_act_bytes(shape: ModelShape, tokens: int) -> float:
@@ -132,12 +160,15 @@ def _kda_act_bytes(shape: ModelShape, tokens: int) -> float:
 def prefill_time(shape: ModelShape, hw: Hardware, tp: int, new_tokens: int, cached_tokens: int = 0,
                  batch: int = 1, overhead_s: float = 0.0) -> StepCost:
     """Roofline time of prefilling ``new_tokens`` after ``cached_tokens`` (a prefix hit: cached MLA
-    KV, restored KDA state) for each of ``batch`` equal sequences. Seconds; ValueError names a bad arg."""
+    KV, restored KDA state) for each of ``batch`` equal sequences. Seconds; ValueError names a bad arg
+    (module docstring: ints up to ``MAX_TOKENS`` / ``MAX_BATCH``, finite ``overhead_s`` >= 0).
+
+    The MLA latent KV (cached and new) is read in full by every TP rank: it is replicated, not split."""
     _check(shape, hw, tp, overhead_s)
-    check_int("new_tokens", new_tokens)
-    check_int("cached_tokens", cached_tokens, 0)
-    check_int("batch", batch)
-    n, b, tokens = new_tokens, cached_tokens, batch * new_tokens
+    n = _tokens("new_tokens", new_tokens, 1)
+    b = _tokens("cached_tokens", cached_tokens, 0)
+    batch = _batch(batch)
+    tokens = batch * n
     wb, kinds = shape.weight_bytes, []
     if shape.num_kda_layers:
         h, dk = shape.kda_heads, shape.kda_head_dim
@@ -161,15 +192,35 @@ def prefill_time(shape: ModelShape, hw: Hardware, tp: int, new_tokens: int, cach
     return StepCost(tuple(kinds), _comm_s(shape, hw, tp, tokens), overhead_s)
 
 
+def _context_sum(contexts, batch: int) -> int:
+    """Total context tokens of the batch: ``contexts`` is one int for every sequence, or ``batch`` ints."""
+    bad = ValueError(f"contexts must be an int in [0, {MAX_TOKENS}] or {batch} such ints, got {contexts!r}")
+    if isinstance(contexts, (str, bytes)):
+        raise bad
+    if not isinstance(contexts, Sequence):
+        try:
+            return batch * _tokens("contexts", contexts, 0)
+        except ValueError:
+            raise bad from None
+    if len(contexts) != batch:
+        raise bad
+    total = 0
+    for c in contexts:
+        try:
+            total += _tokens("contexts", c, 0)
+        except ValueError:
+            raise bad from None
+    return total
+
+
 def decode_time(shape: ModelShape, hw: Hardware, tp: int, batch: int, contexts: int | Sequence[int],
                 overhead_s: float = 0.0) -> StepCost:
     """Roofline time of one decode step (TPOT) for ``batch`` sequences at ``contexts`` tokens of
-    context each (one int for all, or one per sequence). Seconds; ValueError names a bad arg."""
+    context each (one int for all, or one per sequence). Seconds; ValueError names a bad arg (module
+    docstring). One int context is not expanded per sequence: a large ``batch`` (10**9) costs no memory."""
     _check(shape, hw, tp, overhead_s)
-    check_int("batch", batch)
-    ctx = [contexts] * batch if isinstance(contexts, int) else list(contexts)
-    if len(ctx) != batch or any(not isinstance(c, int) or c < 0 for c in ctx):
-        raise ValueError(f"contexts must be an int >= 0 or {batch} ints >= 0, got {contexts!r}")
+    batch = _batch(batch)
+    context_sum = _context_sum(contexts, batch)
     wb, kinds = shape.weight_bytes, []
     if shape.num_kda_layers:
         h, dk = shape.kda_heads, shape.kda_head_dim
@@ -179,7 +230,7 @@ def decode_time(shape: ModelShape, hw: Hardware, tp: int, batch: int, contexts: 
         kinds.append(_kind("kda", flops / tp, nbytes / tp, hw))
     if shape.num_mla_layers:
         h, r, rope = shape.mla_heads, shape.kv_lora_rank, shape.qk_rope_head_dim
-        keys = sum(ctx) + batch
+        keys = context_sum + batch
         flops = shape.num_mla_layers * (2 * shape.mla_layer_params * batch + keys * 2 * h * (2 * r + rope))
         kv = shape.num_mla_layers * keys * shape.mla_kv_bytes_per_token_layer  # replicated on every rank
         kinds.append(_kind("mla", flops / tp, shape.num_mla_layers * shape.mla_layer_params * wb / tp + kv, hw))
@@ -191,5 +242,5 @@ def checkpoint_restore_time(shape: ModelShape, hw: Hardware, tp: int, batch: int
     """Seconds to copy ``batch`` sequences' KDA checkpoints (all KDA layers, recurrent + conv state)
     into their working slots on a prefix hit: bytes read + bytes written over HBM bandwidth, per GPU."""
     _check(shape, hw, tp, 0.0)
-    check_int("batch", batch)
+    batch = _batch(batch)
     return 2 * shape.num_kda_layers * shape.kda_state_bytes_layer * batch / tp / hw.hbm_bytes_per_s

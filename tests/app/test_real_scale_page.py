@@ -31,3 +31,26 @@ def test_sweep_shows_ttft_against_the_interval_and_a_choice():
     assert len(stacks) == 4 and not any("vLLM all" in x for x in bars[0]["x"]), bars[0]["x"]
     assert max(stacks) <= budget * (1 + 1e-12) and min(stacks) > 0, (stacks, budget)
     assert [sh["y0"] for sh in spec["layout"]["shapes"]] == [budget]                    # the budget line
+
+
+def test_roofline_at_defaults_keeps_fitted_predicted_published_apart():
+    """At the defaults (H200 x TP8) the charts label physical roofline / fitted / published, the validation table
+    is that setup's (the verdict), the held-out error is a headline, and the largest-batch text sets the roofline
+    beside the report's 6.3x and 6x."""
+    at = _fresh(PAGE)
+    _check(at, PAGE)
+    table = next(d.value for d in at.dataframe if "setup" in d.value.columns)
+    assert set(table.setup) == {"H200 x TP8"}
+    held = table[(table.role == "held out") & (table.context_tokens >= 512 * 1024)]
+    assert len(held) == 2 and (held.rel_error.abs() <= 25).all(), table    # percent (pages._common.pct)
+    assert any(m.label.startswith("Held-out prefill error") for m in at.metric)
+    batch = next(m.value for m in at.markdown if "largest batch its memory holds" in m.value)
+    assert "6.25×" in batch and "up to **6×**" in batch and "kernel efficiency" in batch, batch
+
+
+def test_k3_says_its_fit_comes_from_kimi_linear():
+    at = _fresh(PAGE)
+    at.selectbox(key="p15_model").set_value("kimi-k3").run()
+    _check(at, f"{PAGE} k3")
+    note = " ".join(i.value for i in at.info)
+    assert "Kimi-Linear-48B-A3B" in note and "unchecked" in note, note

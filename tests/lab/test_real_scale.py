@@ -17,12 +17,13 @@ from lab.real_scale import (
     roofline_view,
     weight_bytes,
 )
+from serve.scale.capacity import largest_batch_decode
 from serve.scale.hardware import hardware
 from serve.scale.model_shape import preset
 from serve.scale.policies import replay
 from serve.scale.published import CONTEXTS, PREFILL_FIG7A, TPOT_FIG7B
 from serve.scale.roofline import checkpoint_restore_time, prefill_time
-from serve.scale.validation import RATIO_TOLERANCE, PrefillFit, fit_prefill, prefill_ratios
+from serve.scale.validation import RATIO_TOLERANCE, PrefillFit, decode_ratios, fit_prefill, prefill_ratios
 
 torch.set_num_threads(1)
 KIMI = "kimi-linear-48b-a3b"
@@ -31,7 +32,7 @@ K = 1024
 
 def test_roofline_view_matches_validation_at_the_pinned_setup():
     """At H100 x TP8 the view's prefill ratios are validation's (same fit), within +-25 % of Fig. 7a at 512K
-    and 1M; the all-MLA curve is slower from 64K on; the published frame is the report's data."""
+    and 1M with the MLA points held out; the all-MLA curve is slower from 64K on; the published frame is the report's data."""
     view = roofline_view(KIMI, "H100", 8)
     ours = view.ratios[view.ratios.quantity == "prefill (Fig. 7a)"].set_index("context_tokens")
     for row in prefill_ratios():
@@ -39,7 +40,8 @@ def test_roofline_view_matches_validation_at_the_pinned_setup():
         assert ours.loc[row.context, "published"] == row.published
     for c in (512 * K, 1024 * K):
         assert abs(ours.loc[c, "rel_error"]) <= RATIO_TOLERANCE
-    assert (view.validated.rel_error.abs()[view.validated.context_tokens >= 512 * K] <= RATIO_TOLERANCE).all()
+    held = view.validated[(view.validated.quantity == "prefill (Fig. 7a)") & (view.validated.context_tokens >= 512 * K)]
+    assert (held.role == "held out").all() and (held.rel_error.abs() <= RATIO_TOLERANCE).all()
     wide = view.curves.pivot(index="context_tokens", columns="model")
     assert (wide.loc[64 * K:, ("prefill_s", "all MLA")] > wide.loc[64 * K:, ("prefill_s", "Kimi Linear")]).all()
     assert (wide.loc[64 * K:, ("tpot_ms", "all MLA")] > wide.loc[64 * K:, ("tpot_ms", "Kimi Linear")]).all()
@@ -47,6 +49,56 @@ def test_roofline_view_matches_validation_at_the_pinned_setup():
     assert pub.loc[("all MLA", 1024 * K), "prefill_s"] == PREFILL_FIG7A.mla[CONTEXTS.index(1024 * K)]
     assert pub.loc[("Kimi Linear", 4 * K), "tpot_ms"] == TPOT_FIG7B.kimi_linear[0]
     assert view.fit == fit_prefill(hardware("H100"), 8)
+
+
+def test_validation_is_at_the_setup_the_user_chose():
+    """At H200 x TP8 (the page's default) every validated row is that setup's, TPOT included: its error there is
+    +60 % or more from 64K on and the view reports it (the old view switched TPOT to H100 x TP1 silently)."""
+    view = roofline_view(KIMI, "H200", 8)
+    assert set(view.validated.setup) == {"H200 x TP8"} and view.setup == "H200 x TP8"
+    tpot = view.validated[view.validated.quantity == "TPOT, batch 1 (Fig. 7b)"].set_index("context_tokens")
+    for row in decode_ratios(hw=hardware("H200"), tp=8):
+        assert tpot.loc[row.context, "model"] == pytest.approx(row.model, rel=1e-12)
+        assert (tpot.loc[row.context, "role"] == "predicted") and (row.context < 64 * K or row.rel_error > 0.6)
+    errors = view.errors.set_index("group").max_abs_error
+    assert errors["TPOT, batch 1 (Fig. 7b) ratio"] == pytest.approx(max(abs(r.rel_error) for r in
+                                                                        decode_ratios(hw=hardware("H200"), tp=8)))
+    points = view.prefill_points
+    assert errors["prefill points held out (all MLA)"] == pytest.approx(
+        points[points.role == "held out"].rel_error.abs().max())
+    assert set(points[points.role == "held out"].curve) == {"all MLA"}
+
+
+def test_largest_batch_beside_fig1b():
+    """The view's batch frame is serve.scale.capacity's; the Fig. 1b rows compare MLA / Kimi Linear time per token
+    at the largest batches with the report's 6.3x at 1M, and come out near 27 / 7 instead."""
+    view = roofline_view(KIMI, "H200", 8)
+    row = view.batch.set_index(["model", "context_tokens"]).loc[("Kimi Linear", 1024 * K)]
+    d = largest_batch_decode(preset(KIMI), hardware("H200"), 8, 1024 * K)
+    assert row.batch == d.batch and row.tpot_ms == pytest.approx(1e3 * d.tpot_s)
+    fig1b = view.validated[view.validated.quantity == "time per token, largest batch (Fig. 1b)"]
+    at_1m = fig1b.set_index("context_tokens").loc[1024 * K]
+    assert at_1m.published == pytest.approx(6.25, abs=0.01) and 3.0 < at_1m.model < 27 / 7 * 1.05
+
+
+def test_k3_view_says_its_fit_is_borrowed():
+    """K3 has no published points: the view says its fitted curve reuses Kimi-Linear-48B-A3B's alpha, beta."""
+    note = roofline_view("kimi-k3", "H200", 16).fit_note
+    assert "Kimi-Linear-48B-A3B" in note and "Kimi K3" in note and "unchecked" in note
+    assert "Kimi K3" not in roofline_view(KIMI, "H200", 8).fit_note
+
+
+@pytest.mark.parametrize("args, kwargs, match", [
+    ((KIMI, "H200", 8), {"contexts": []}, "contexts"),
+    ((KIMI, "H200", 8), {"contexts": [True]}, "contexts"),
+    ((KIMI, "H200", 8), {"contexts": [4096.0]}, "contexts"),
+    ((KIMI, "H200", 8), {"contexts": 4096}, "contexts"),
+    (("kimi-k3", "H100", 1), {}, "do not fit"),
+    ((KIMI, "H200", True), {}, "tp"),
+], ids=["empty", "true", "float", "int", "k3-h100x1", "tp-true"])
+def test_roofline_view_bad_input(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        roofline_view(*args, **kwargs)
 
 
 def test_fitted_prefill_is_the_roofline_at_unit_scales():

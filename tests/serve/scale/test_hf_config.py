@@ -85,3 +85,11 @@ def test_bad_field_is_named(patch, path):
 def test_not_a_dict():
     with pytest.raises(ValueError, match="config"):
         from_hf_config([1, 2])
+
+
+@pytest.mark.parametrize("layers", [[True, 4], [4, 4], [4.0]], ids=["true", "duplicate", "float"])
+def test_full_attn_layers_are_distinct_ints(layers):
+    """JSON ``true`` is a bool, not layer 1 (the old reader took it as layer 1); a repeated layer is named too."""
+    lin = {**KIMI_LINEAR["linear_attn_config"], "full_attn_layers": layers}
+    with pytest.raises(ValueError, match=r"linear_attn_config\.full_attn_layers"):
+        from_hf_config({**KIMI_LINEAR, "linear_attn_config": lin})

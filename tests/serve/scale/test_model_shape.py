@@ -47,3 +47,9 @@ def test_hardware_presets_are_datasheet_figures():
     assert set(PRESETS) == {"A100", "H100", "H200", "B200"}
     with pytest.raises(ValueError, match="hardware"):
         hardware("V100")
+
+
+def test_one_k3_config_revision_everywhere():
+    """kda_core's geometry and serve.scale's sourced figures cite the same Kimi K3 config.json revision."""
+    revision = "f831ab66814297da540d832a5235f8e904f29d06"
+    assert revision in CONFIG_PRESETS["kimi-k3"].source and revision in preset("kimi-k3").source

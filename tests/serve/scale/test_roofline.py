@@ -18,7 +18,7 @@ HW = Hardware("unit", peak_bf16_flops=1e3, hbm_bytes_per_s=1e2, hbm_bytes=1e9, n
 
 
 def test_toy_params_by_hand():
-    # KDA: q,k,v 3*8*8=192, o 8*8=64, beta 8*2=16, full-rank gate 8*8=64, out gate 8*4+4*8=64, conv (16+8)*4=96
+    # KDA: q,k,v 3*8*8=192, o 8*8=64, beta 8*2=16, full-rank output gate 8*8=64, decay gate 8*4+4*8=64, conv (16+8)*4=96
     assert TOY.kda_layer_params == 192 + 64 + 16 + 64 + 64 + 96
     # MLA: q 8*2*4=64, kv_a 8*(4+2)=48, kv_b 4*2*(2+2)=32, o 2*2*8=32
     assert TOY.mla_layer_params == 64 + 48 + 32 + 32
@@ -118,3 +118,81 @@ def test_overhead_is_added_once():
 def test_bad_args_name_the_argument(call, arg):
     with pytest.raises(ValueError, match=arg):
         call()
+
+
+def test_prefill_reads_the_whole_latent_kv_on_every_tp_rank():
+    """MLA's latent KV (cached + new tokens) is replicated under TP, in prefill as in decode: every split term of
+    the MLA bytes shrinks by tp, the latent does not. Splitting it makes a warm TTFT after a long hit ~5 % low."""
+    kl, hw = preset("kimi-linear-48b-a3b"), PRESETS["H200"]
+    n, b = 1024, 500_000
+    kv = kl.num_mla_layers * (b + n) * kl.mla_kv_bytes_per_token_layer
+    one = prefill_time(kl, hw, 1, n, cached_tokens=b).kind("mla").bytes
+    for tp in (2, 8):
+        assert prefill_time(kl, hw, tp, n, cached_tokens=b).kind("mla").bytes == pytest.approx((one - kv) / tp + kv)
+
+
+def test_tp_beyond_one_node_all_reduces_over_infiniband():
+    """TP16 spans two 8-GPU HGX nodes: its all-reduces run at the NIC's 50 GB/s (400 Gb/s NDR per GPU), not NVLink."""
+    kl, hw = preset("kimi-k3"), PRESETS["H200"]
+    nbytes = 2 * kl.num_layers * 1 * kl.hidden_size * 2   # two all-reduces per layer, one token, bf16
+    assert decode_time(kl, hw, 16, 1, 4096).comm_s == pytest.approx(2 * 15 / 16 * nbytes / 50e9)
+    assert decode_time(kl, hw, 8, 1, 4096).comm_s == pytest.approx(2 * 7 / 8 * nbytes / 450e9)
+    assert hw.allreduce_bytes_per_s(16) == 50e9 and PRESETS["A100"].allreduce_bytes_per_s(16) == 25e9
+
+
+def test_b200_bandwidth_is_the_current_hgx_table():
+    assert PRESETS["B200"].hbm_bytes_per_s == 7.7e12 and "7.7 TB/s" in PRESETS["B200"].source
+
+
+def test_a_billion_sequence_batch_builds_no_list():
+    """One int context is not expanded per sequence: 10**7 sequences allocate nothing per sequence (the old code
+    built a 10**7-element list, and 10**9 ran out of memory), and 10**9 gives the 10**7 answer scaled."""
+    import tracemalloc
+    kl, hw = preset("kimi-linear-48b-a3b"), PRESETS["H200"]
+    tracemalloc.start()
+    decode_time(kl, hw, 8, 10 ** 7, 4096)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 1_000_000, peak
+    weights = kl.num_mla_layers * kl.mla_layer_params * kl.weight_bytes / 8
+    big, small = (decode_time(kl, hw, 8, n, 4096).kind("mla").bytes - weights for n in (10 ** 9, 10 ** 7))
+    assert big == pytest.approx(100 * small)
+
+
+@pytest.mark.parametrize("call, arg", [
+    (lambda: prefill_time(TOY, HW, 1, 10 ** 200), "new_tokens"),
+    (lambda: prefill_time(TOY, HW, 1, 4, cached_tokens=10 ** 200), "cached_tokens"),
+    (lambda: decode_time(TOY, HW, 1, 1, 10 ** 200), "contexts"),
+    (lambda: decode_time(TOY, HW, 1, 10 ** 200, 4), "batch"),
+    (lambda: decode_time(TOY, HW, 1, 1, 4096.0), "contexts"),
+    (lambda: decode_time(TOY, HW, 1, 2, [1, 2.5]), "contexts"),
+    (lambda: decode_time(TOY, HW, 1, 1, "4096"), "contexts"),
+    (lambda: decode_time(TOY, HW, 1, 1, True), "contexts"),
+    (lambda: decode_time(TOY, HW, 1, 1, [True]), "contexts"),
+    (lambda: prefill_time(TOY, HW, 1, True), "new_tokens"),
+    (lambda: prefill_time(TOY, HW, 1, 4096.0), "new_tokens"),
+    (lambda: decode_time(TOY, HW, True, 1, 10), "tp"),
+    (lambda: checkpoint_restore_time(TOY, HW, True), "tp"),
+    (lambda: decode_time(TOY, HW, 1, 1, 10, overhead_s="0.001"), "overhead_s"),
+    (lambda: decode_time(TOY, HW, 1, 1, 10, overhead_s=float("inf")), "overhead_s"),
+    (lambda: decode_time(TOY, HW, 1, 1, 10, overhead_s=float("nan")), "overhead_s"),
+    (lambda: prefill_time(TOY, HW, 1, 4, overhead_s=True), "overhead_s"),
+    (lambda: dataclasses.replace(HW, internode_bytes_per_s=float("inf")), "internode_bytes_per_s"),
+    (lambda: dataclasses.replace(HW, gpus_per_node=0), "gpus_per_node"),
+], ids=["new-huge", "cached-huge", "ctx-huge", "batch-huge", "ctx-float", "ctx-list-float", "ctx-str", "ctx-true",
+        "ctx-list-true", "new-true", "new-float", "tp-true", "restore-tp-true", "overhead-str", "overhead-inf",
+        "overhead-nan", "overhead-true", "hw-inf", "hw-node"])
+def test_bad_input_names_the_argument(call, arg):
+    with pytest.raises(ValueError, match=arg):
+        call()
+
+
+def test_k3_full_rank_gate_is_the_output_gate():
+    """Kimi K3's ``use_full_rank_gate`` replaces the KDA output gate's g_a / g_b pair by one g_proj (D x H V); the
+    decay gate f_a / f_b stays low rank (the checkpoint's tensor names, revision f831ab6)."""
+    k3, kl = preset("kimi-k3"), preset("kimi-linear-48b-a3b")
+    d, h, k = k3.hidden_size, k3.kda_heads, k3.kda_head_dim
+    assert k3.kda_output_gate_params == d * h * k
+    assert k3.kda_decay_gate_params == d * k + k * h * k
+    assert kl.kda_output_gate_params == kl.hidden_size * 128 + 128 * kl.kda_heads * 128
+    assert "f831ab66814297da540d832a5235f8e904f29d06" in k3.source
