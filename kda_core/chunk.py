@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kda_core.kda import _check_inputs, _compute_dtype, check_gates, check_scale
+from kda_core.kda import NonFiniteError, _check_inputs, _compute_dtype, check_gates, check_scale
 
 CHUNK_SIZE = 64  # C of the chunked kernel (fla's chunk_kda uses BT = 64); the prefill grid of the layers
 
@@ -32,14 +32,14 @@ class ChunkOutput(NamedTuple):
 
 
 def _check_finite(tensors: dict) -> None:
-    """Raise ValueError naming the first tensor of ``tensors`` holding NaN or +-inf.
+    """Raise :class:`kda_core.kda.NonFiniteError` (a ValueError) naming the first tensor of ``tensors`` holding NaN or +-inf.
 
     One ``sum`` per tensor (a non-finite element always makes the sum non-finite; ~0.4 % of a
     T = 4096 ``kda_chunk`` here); the exact element check runs only when a sum is not finite.
     """
     for name, t in tensors.items():
         if t is not None and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
-            raise ValueError(f"{name} must be finite, got {int((~torch.isfinite(t)).sum())} NaN/inf element(s); "
+            raise NonFiniteError(f"{name} must be finite, got {int((~torch.isfinite(t)).sum())} NaN/inf element(s); "
                              "the chunk form would spread them to earlier tokens of their chunk")
 
 def _decay(diff: torch.Tensor, same: torch.Tensor | None) -> torch.Tensor:

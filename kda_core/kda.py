@@ -65,6 +65,11 @@ def _check_inputs(q, k, v, g, beta, state, *, has_time: bool, state_name: str):
             got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
             raise ValueError(f"{state_name} must have shape [B, H, K, V] = {(B, H, K, V)}, got {got}")
 
+class NonFiniteError(ValueError):
+    """An input holds NaN (or inf where the maths needs finite values): a ValueError a caller can tell
+    from a wrong shape, e.g. the engine aborts the one request whose state or cache went non-finite."""
+
+
 def check_scale(scale) -> None:
     """Raise ValueError unless ``scale`` is None (``K ** -0.5``) or a finite real number > 0 (not a bool)."""
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real)
@@ -73,7 +78,8 @@ def check_scale(scale) -> None:
 
 
 def check_gates(g: torch.Tensor, beta: torch.Tensor) -> bool:
-    """Raise ValueError unless ``g`` lies in ``[-inf, 0]`` and ``beta`` in [0, 1] (NaN in either fails).
+    """Raise ValueError unless ``g`` lies in ``[-inf, 0]`` and ``beta`` in [0, 1]; where the cause is NaN (or
+    +inf in g, +-inf in beta) it is a :class:`NonFiniteError`.
 
     One ``aminmax`` pass per tensor (a min/max reduction reads each element once; NaN propagates
     into it), the element counts only on the error path. Returns True if ``g`` holds ``-inf`` (full
@@ -83,19 +89,22 @@ def check_gates(g: torch.Tensor, beta: torch.Tensor) -> bool:
     if g.numel():
         g_min, g_max = (m.item() for m in torch.aminmax(g))     # Python floats: no more tensor ops
         if not g_max <= 0:
-            raise ValueError(
-                f"g must be a log decay in [-inf, 0] (-inf = full forgetting), got {int((g > 0).sum())} element(s) "
-                f"> 0 (max {float(g.nan_to_num(-math.inf).max()):g}) and {int(g.isnan().sum())} NaN: a g > 0 grows "
-                "the state by exp(g) per token until it overflows")
+            pos = int((g > 0).sum())
+            raise (ValueError if math.isfinite(g_max) else NonFiniteError)(   # NaN or +inf: non-finite
+                f"g must be a log decay in [-inf, 0] (-inf = full forgetting), got {pos} element(s) > 0 "
+                f"(max {float(g.nan_to_num(-math.inf, math.inf, -math.inf).max()):g}) and {int(g.isnan().sum())} NaN"
+                + (": a g > 0 grows the state by exp(g) per token until it overflows" if pos else ""))
         may_forget = g_min == -math.inf
     if beta.numel():
         b_min, b_max = (m.item() for m in torch.aminmax(beta))
         if not 0 <= b_min <= b_max <= 1:
             bad = (beta < 0) | (beta > 1)
-            raise ValueError(
-                f"beta must be in [0, 1] (a sigmoid's output), got {int(bad.sum())} element(s) outside it and "
-                f"{int(beta.isnan().sum())} NaN (range {float(beta.nan_to_num().min()):g} .. "
-                f"{float(beta.nan_to_num().max()):g}): a beta > 1 overshoots the delta rule and the state diverges")
+            out = int(bad.sum())
+            raise (ValueError if math.isfinite(b_min) and math.isfinite(b_max) else NonFiniteError)(
+                f"beta must be in [0, 1] (a sigmoid's output), got {out} element(s) outside it and "
+                f"{int(beta.isnan().sum())} NaN (range {float(beta.nan_to_num(0.0, math.inf, -math.inf).min()):g} .. "
+                f"{float(beta.nan_to_num(0.0, math.inf, -math.inf).max()):g})"
+                + (": outside [0, 1] the delta rule overshoots and the state diverges" if out else ""))
     return may_forget
 
 

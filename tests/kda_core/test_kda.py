@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_core.chunk import kda_chunk
-from kda_core.kda import kda_gate, kda_recurrent, kda_step, kda_step_with_correction
+from kda_core.kda import NonFiniteError, kda_gate, kda_recurrent, kda_step, kda_step_with_correction
 
 B, H, K, V = 2, 3, 16, 12  # K != V so a transposed state cannot pass
 
@@ -194,7 +194,7 @@ def test_chunk_rejects_non_finite_inputs(name, value):
     args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=s0)
     args[name] = args[name].clone()
     args[name].view(-1)[5 * H if name == "beta" else 7] = value
-    with pytest.raises(ValueError, match=f"^{name} must be"):   # g / beta: "must be ... in [..]" (their domain)
+    with pytest.raises(NonFiniteError, match=f"^{name} must be"):   # g / beta: "must be ... in [..]" (their domain)
         kda_chunk(**args)
 
 
@@ -219,8 +219,9 @@ def test_gates_outside_their_domain_are_rejected_by_every_form(name, value, matc
     args = dict(g=g.clone(), beta=beta.clone())
     args[name].view(-1)[0] = value                              # token 0, so kda_step sees it too
     for run in _three_forms(q, k, v, args["g"], args["beta"], s0):
-        with pytest.raises(ValueError, match=match):
+        with pytest.raises(ValueError, match=match) as err:
             run()
+        assert isinstance(err.value, NonFiniteError) == math.isnan(value)   # the engine aborts on NaN only
 
 
 def test_gates_on_their_domain_edges_are_accepted():
