@@ -70,6 +70,9 @@ def test_oversubscribe_runs_anyway():
                  "environment variable RANK must be an int in [0, 1], got '2'", id="rank-beyond-world"),
     pytest.param(dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="70000"),
                  "environment variable MASTER_PORT must be an int in [1, 65535], got '70000'", id="bad-port"),
+    pytest.param(dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", LOCAL_WORLD_SIZE="x"),
+                 "environment variable LOCAL_WORLD_SIZE must be an int in [1, 1] (the world size), got 'x'",
+                 id="local-world-size-x"),
 ])
 def test_torchrun_environment_errors_are_one_line(env, match):
     rc, out, err, secs = run_cli(["--timeout-s", "5"], env=env)
