@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             world = env.world_size
         else:
             world = a.world_size
-            if not a.oversubscribe and isinstance(world, int) and isinstance(a.threads_per_rank, int) \
-                    and world >= 1 and a.threads_per_rank >= 1:
+            if not a.oversubscribe and world >= 1 and a.threads_per_rank >= 1:   # else KCPConfig names them
                 check_local_cores(world, a.threads_per_rank, host_limits().cores)
         cfg = KCPConfig(seq_len=a.seq_len, world_size=world, batch=a.batch, num_heads=a.heads,
                         head_k_dim=a.head_k_dim, head_v_dim=a.head_v_dim, variant=a.variant, level=a.level,
@@ -120,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         except RankTimeout as err:
             return _fail(f"{err} (raise --timeout-s)", 1, err, a.traceback)
         except RankFailure as err:
-            return _fail(err, 1, err, a.traceback)
+            hint = "" if a.traceback else " (--traceback prints the rank's traceback)"
+            return _fail(f"{str(err).splitlines()[0]}{hint}", 1, err, a.traceback)
         print(format_results(cfg, list(run.ranks)))
         return 0
     torch.set_num_threads(cfg.threads_per_rank)

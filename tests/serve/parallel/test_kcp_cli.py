@@ -94,3 +94,22 @@ def test_a_one_rank_torchrun_job_runs():
     env = dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     rc, out, err, _ = run_cli(["--timeout-s", "60", "--check"], env=env)
     assert rc == 0 and "wall (slowest rank)" in out, err
+
+
+def test_a_failed_rank_is_one_line_naming_it(monkeypatch, capsys):
+    """In process (no rank starts): a RankFailure's first line, with where to find the rank's traceback."""
+    import serve.parallel.cli as cli
+    from serve.parallel.launch import RankFailure
+
+    def failing(cfg):
+        raise RankFailure("rank 1 of 2 failed: OverflowError: boom\nTraceback (most recent call last):\n  ...", [1, 2])
+
+    monkeypatch.setattr(cli, "run_kcp", failing)
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    assert cli.main(["--seq-len", "64", "--world-size", "1"]) == 1
+    out = capsys.readouterr()
+    assert out.out == ""
+    assert_one_line_error(out.err, "rank 1 of 2 failed: OverflowError: boom (--traceback prints the rank's traceback)")
+    assert cli.main(["--seq-len", "64", "--world-size", "1", "--traceback"]) == 1
+    assert "Traceback" in capsys.readouterr().err
