@@ -287,21 +287,24 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
 
     Args:
         fn: a module-level function of an importable module (not ``__main__``); its return value
-        must be picklable (a rank whose result is not fails the run with the pickling error).
-        world_size: number of ranks (>= 1); not capped by the cores here (tests oversubscribe on purpose;
-        the command line refuses more ranks than cores unless --oversubscribe, page 10 offers at most
-        min(4, cores)). timeout_s: deadline for the whole run (the collective
-        timeout inside the ranks is a little longer, so the parent always decides). backend: "gloo" (or "nccl" with CUDA).
-        start_method: "spawn", "forkserver" or "fork" (needs threads_per_rank = 1). threads_per_rank: torch intra-op threads per rank.
+            must be picklable (a rank whose result is not fails the run with the pickling error).
+        world_size: number of ranks (>= 1); not capped by the cores here (tests oversubscribe on
+            purpose; the command line refuses more ranks than cores unless --oversubscribe, and page 10
+            offers at most min(4, cores)).
+        timeout_s: deadline for the whole run, in (0, :data:`MAX_TIMEOUT_S`] s (the collective timeout
+            inside the ranks is a little longer, so the parent always decides).
+        backend: "gloo" (or "nccl" with CUDA).
+        start_method: "spawn", "forkserver" or "fork" (needs threads_per_rank = 1).
+        threads_per_rank: torch intra-op threads per rank.
 
     Returns:
         :class:`RanksOutput` with each rank's result (numpy arrays turned back into tensors).
 
     Raises:
-        ValueError: bad arguments (``timeout_s`` outside (0, :data:`MAX_TIMEOUT_S`], ``fn`` or ``args``
-        that spawn / forkserver cannot pickle, e.g. a lambda). RankFailure (a RuntimeError): a rank raised or died (the message
-        names the rank and carries its traceback). RankTimeout (a TimeoutError): the run did not
-        finish within ``timeout_s``.
+        ValueError: bad arguments (a ``timeout_s`` out of range; ``fn`` or ``args`` that spawn /
+            forkserver cannot pickle, e.g. a lambda). RankFailure (a RuntimeError): a rank raised or
+            died (the message names the rank and carries its traceback). RankTimeout (a TimeoutError):
+            the run did not finish within ``timeout_s``.
     """
     check_int("world_size", world_size)
     check_timeout("timeout_s", timeout_s)
