@@ -65,6 +65,7 @@ def _check_inputs(q, k, v, g, beta, state, *, has_time: bool, state_name: str):
             got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
             raise ValueError(f"{state_name} must have shape [B, H, K, V] = {(B, H, K, V)}, got {got}")
 
+
 class NonFiniteError(ValueError):
     """An input holds NaN (or inf where the maths needs finite values): a ValueError a caller can tell
     from a wrong shape, e.g. the engine aborts the one request whose state or cache went non-finite."""
