@@ -15,7 +15,10 @@ Request flow (one request at a time per forward; batch 1 keeps each output exact
              final last full block, that block and its checkpoint are
              published; then the request finishes if it is complete     FINISHED
   abort / reject -> every page and pin the request held is released; a publish
-             that raises aborts its request (with the error as its reason).
+             that raises aborts its request (with the error as its reason), and
+             so do non-finite logits or a non-finite state / cache page met in a
+             forward (NaN would emit token 0 as if it were a prediction: nothing
+             of that forward is written, published or emitted).
 
 Checkpoint placement (C = interval, N = block size, L = prompt length): every multiple of C reached
 during prefill, the replay boundary floor((L - 1) / N) N, the end of the prompt floor(L / N) N, and at
@@ -30,6 +33,7 @@ from itertools import islice
 
 import torch
 
+from kda_core.kda import NonFiniteError
 from kda_core.model import HybridLM
 from serve.config import ServeConfig
 from serve.errors import check_int
@@ -286,8 +290,14 @@ class ServeEngine:
         end = L if self.max_prefill_chunk is None else min(L, p + self.max_prefill_chunk)
         inner = [b - p for b in marks if b < end]
         t0 = time.perf_counter()
-        out = self.model.forward(torch.tensor([req.prompt[p:end]]), read_request_cache(self.layout, self.pool, req),
-                                 mode="chunk", state_at=tuple(inner))
+        try:
+            out = self.model.forward(torch.tensor([req.prompt[p:end]]), read_request_cache(self.layout, self.pool, req),
+                                     mode="chunk", state_at=tuple(inner))
+        except NonFiniteError as err:              # a NaN / inf state or KV page reached the chunk kernel
+            self._abort_non_finite(req, f"prefill of tokens [{p}, {end})", str(err))
+            return
+        if self._abort_non_finite(req, f"prefill of tokens [{p}, {end})", logits=out.logits[0, -1]):
+            return
         if inner:  # latents first (blocks below each boundary), then each boundary's state
             write_kv(self.layout, self.pool, req.page_table, p,
                      [out.cache.layers[i][:, p:] for i in self.model.cfg.mla_layers])
@@ -326,8 +336,15 @@ class ServeEngine:
         """
         b_end = None if self.cache is None else self.config.final_checkpoint(len(req.prompt), req.final_tokens)
         cache = read_request_cache(self.layout, self.pool, req)
+        where = f"decode of output token {len(req.output)}"
         if self.speculation is None:
-            logits, new = self.model.decode_step(req.output[-1], cache)
+            try:
+                logits, new = self.model.decode_step(req.output[-1], cache)
+            except NonFiniteError as err:          # NaN gates from a NaN state in an earlier layer
+                self._abort_non_finite(req, where, str(err))
+                return
+            if self._abort_non_finite(req, where, logits=logits):
+                return
             write_request_cache(self.layout, self.pool, req, new, req.computed)
             emitted, rows = [int(logits[0].argmax())], [logits[0]]
         else:
@@ -335,7 +352,13 @@ class ServeEngine:
             if req.strategy is None:
                 req.proposer, req.strategy = spec.proposer(list(req.prompt)), spec.strategy()
             n = draft_budget(spec.num_draft_tokens, req.computed, req.max_new_tokens - len(req.output), b_end)
-            res = speculative_step(self.model, cache, req.tokens(), req.proposer, req.strategy, n)
+            try:
+                res = speculative_step(self.model, cache, req.tokens(), req.proposer, req.strategy, n)
+            except NonFiniteError as err:
+                self._abort_non_finite(req, where, str(err))
+                return
+            if self._abort_non_finite(req, where, logits=res.logits):
+                return
             write_request_cache(self.layout, self.pool, req, res.state.cache, req.computed)
             emitted, rows = list(res.emitted_tokens), list(res.logits)      # rows: a + 1 of [256]
             req.drafted_tokens += len(res.draft_tokens)
@@ -345,6 +368,21 @@ class ServeEngine:
         if b_end is not None and req.computed == b_end:
             self._publish(req, b_end, True)
         self._finish_if_done(req)
+
+    def _abort_non_finite(self, req: Request, where: str, error: str | None = None,
+                          logits: torch.Tensor | None = None) -> bool:
+        """Abort ``req`` (ABORTED, pages and pins released through :meth:`abort`, the cause in its
+        ``reason``) if ``error`` is given or ``logits`` hold NaN / inf; returns whether it did. Called
+        before anything of the forward is written, published or emitted: NaN logits would otherwise
+        emit token 0 (argmax of all-NaN), and the request would go on from a poisoned state."""
+        if error is None:
+            if logits is None or bool(torch.isfinite(logits).all()):
+                return False
+            error = (f"the logits hold {int((~torch.isfinite(logits)).sum())} NaN/inf value(s) of {logits.numel()} "
+                     "(a non-finite state or cache page); no token was emitted")
+        if self.abort(req.rid):
+            req.reason = f"{where}: {error}"
+        return True
 
     def _append(self, req: Request, token: int, logits: torch.Tensor | None) -> None:
         """Commit one emitted token (and its ``logits [256]`` fp32 if recorded); the first sets TTFT and
