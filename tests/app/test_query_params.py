@@ -13,6 +13,7 @@ params set before its first run, as a deep link does:
 A page with no bound widget fails, unless it is listed in ``PENDING`` (pages whose binding is being
 added on another branch; the lead empties the set after merging).
 """
+import functools
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,89 @@ def test_a_value_given_twice_for_a_one_value_widget_is_reported():
     at = _open("pages/05_page_pool.py", {"p05_pool_mib": ["48", "64"]})
     assert any("p05_pool_mib=48, 64 is given 2 times" in t.value for t in at.toast), [t.value for t in at.toast]
 
+
+
+WIDGETS_BY_KEY = ("slider", "select_slider", "number_input", "multiselect", "text_area", "selectbox")
+
+
+def _value(at: AppTest, key: str):
+    """The value of the widget with ``key`` (a multiselect's as its labels)."""
+    for kind in WIDGETS_BY_KEY:
+        for w in at.get(kind):
+            if w.key == key:
+                return _normal(kind, _shown(kind, w))
+    raise AssertionError(f"no widget {key!r}")
+
+
+@functools.cache
+def _fresh_value(path: str, key: str):
+    return _value(_open(path), key)
+
+
+def _ignored_and_default(path: str, params: dict, key: str, why: str) -> None:
+    """The link's value of ``key`` is reported as ignored, saying ``why``, and the widget shows its default."""
+    at = _open(path, params)
+    notices = [t.value for t in at.toast if f"link's {key}=" in t.value]
+    assert len(notices) == 1 and notices[0].endswith("it was ignored.") and why in notices[0], \
+        [t.value for t in at.toast]
+    assert len(notices[0]) < 200, notices[0]             # a 25,000-digit value is cut in the notice
+    assert _value(at, key) == _fresh_value(path, key), f"{path} {params}: the widget took the ignored value"
+
+
+HUGE = "9" * 25_000
+BAD_NUMBERS = [("inf", "not an integer"), ("1e309", "not an integer"), (HUGE, "outside [0, ")]
+
+
+@pytest.mark.parametrize(("path", "key"), [("pages/05_page_pool.py", "p05_seed"),
+                                           ("pages/11_fleet_hashing.py", "p11_index")])
+@pytest.mark.parametrize(("value", "why"), BAD_NUMBERS, ids=["inf", "1e309", "25000-digits"])
+def test_a_number_streamlit_cannot_read_is_ignored_before_the_widget_sees_it(path, key, value, why):
+    """Regression: ``?p05_seed=inf`` (or 1e309, or 25,000 digits) reached Streamlit's ``number_input``
+    deserializer, ``int(val)``: OverflowError, a stack trace, while the page's own notice said "ignored"."""
+    _ignored_and_default(path, {key: value}, key, why)
+
+
+@pytest.mark.parametrize(("path", "params", "key", "why"), [
+    ("pages/00_home.py", {"p00_new": "1.5"}, "p00_new", "not an integer"),
+    ("pages/00_home.py", {"p00_first": ["a", "second"]}, "p00_first", "given 2 times"),
+    ("pages/12_fleet_scaling.py", {"p12_algorithms": ""}, "p12_algorithms", "an empty selection"),
+    ("pages/14_fleet_simulation.py", {"p14_policies": ""}, "p14_policies", "an empty selection"),
+    ("pages/15_real_scale.py", {"p15_policies": ""}, "p15_policies", "an empty selection"),
+], ids=["float-for-int", "repeated", "empty-12", "empty-14", "empty-15"])
+def test_a_link_value_reported_as_ignored_is_not_applied(path, params, key, why):
+    """Regression: Streamlit applied these (``1.5`` became 1, the last of a repeated value won, an empty
+    multiselect value cleared the selection) while the page's notice said the value was ignored."""
+    _ignored_and_default(path, params, key, why)
+
+
+@pytest.mark.parametrize(("path", "params", "key", "why"), [
+    ("pages/02_verify_and_replay.py", {"p02_accept": "nan"}, "p02_accept", "not a finite number"),
+    ("pages/05_page_pool.py", {"p05_long_share": "nan"}, "p05_long_share", "not a finite number"),
+    ("pages/12_fleet_scaling.py", {"p12_at": "nan"}, "p12_at", "not a finite number"),
+    ("pages/03_kda_state_vs_kv.py", {"p03_context": "64"}, "p03_context", "1 value, not a range of two"),
+    ("pages/03_kda_state_vs_kv.py", {"p03_context": ["1024", "4096", "65536"]}, "p03_context",
+     "3 values, not a range of two"),
+    ("pages/00_home.py", {"p00_first": "x" * 2_001}, "p00_first", "2,001 characters, over the 2,000-character limit"),
+], ids=["nan-02", "nan-05", "nan-12", "range-one-end", "range-three-ends", "text-over-limit"])
+def test_a_link_value_streamlit_drops_is_reported(path, params, key, why):
+    """Regression: Streamlit dropped (or, for a text over ``max_chars``, cut) these values with no notice."""
+    _ignored_and_default(path, params, key, why)
+
+
+@pytest.mark.parametrize(("path", "key", "value"), [
+    ("pages/04_raw_input_ring.py", "p04_window", 99),
+    ("pages/10_kcp.py", "p10_world", 64),
+    ("pages/11_fleet_hashing.py", "p11_index", 10**9),
+])
+def test_a_stored_value_above_a_dependent_bound_is_reported(path, key, value):
+    """Regression: a stored session value above a dependent slider's bound (one the widget never showed: a session
+    written by another version of the page, or by code) was lowered to the bound silently, where every other
+    widget reports a stored value it cannot take and shows its default."""
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S)
+    at.switch_page(path)
+    at.session_state[key] = value
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    notices = [t.value for t in at.toast if t.value.startswith(f"{key}: the stored value {value!r}")]
+    assert notices and "outside [" in notices[0], [t.value for t in at.toast]
+    assert _value(at, key) == _fresh_value(path, key)
