@@ -279,7 +279,12 @@ def test_a_link_value_reported_as_ignored_is_not_applied(path, params, key, why)
     ("pages/03_kda_state_vs_kv.py", {"p03_context": ["1024", "4096", "65536"]}, "p03_context",
      "3 values, not a range of two"),
     ("pages/00_home.py", {"p00_first": "x" * 2_001}, "p00_first", "2,001 characters, over the 2,000-character limit"),
-], ids=["nan-02", "nan-05", "nan-12", "range-one-end", "range-three-ends", "text-over-limit"])
+    ("pages/07_prefix_anatomy.py", {"p07_prompts": "a" * 30_000 + "\n" + "b" * 30_000}, "p07_prompts",
+     "60,001 characters, over the 4,000-character limit"),
+    ("pages/07_prefix_anatomy.py", {"p07_prompts": "\n".join(str(i) for i in range(2_000))}, "p07_prompts",
+     "8,889 characters, over the 4,000-character limit"),
+], ids=["nan-02", "nan-05", "nan-12", "range-one-end", "range-three-ends", "text-over-limit", "07-two-long-prompts",
+        "07-2000-prompts"])
 def test_a_link_value_streamlit_drops_is_reported(path, params, key, why):
     """Regression: Streamlit dropped (or, for a text over ``max_chars``, cut) these values with no notice."""
     _ignored_and_default(path, params, key, why)
@@ -302,3 +307,22 @@ def test_a_stored_value_above_a_dependent_bound_is_reported(path, key, value):
     notices = [t.value for t in at.toast if t.value.startswith(f"{key}: the stored value {value!r}")]
     assert notices and "outside [" in notices[0], [t.value for t in at.toast]
     assert _value(at, key) == _fresh_value(path, key)
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("\n".join(str(i) for i in range(500)), "ValueError: prompts: 500 prompts, over the limit of 16; keep at most 16 lines"),
+    ("é" * 1_500 + "\n" + "è" * 1_500, "ValueError: prompts: 6,000 bytes in all (UTF-8; bytes are tokens), over the "
+                                       "limit of 4,000; shorten them"),
+], ids=["500-prompts", "multi-byte"])
+def test_page_07_prompts_within_the_box_but_over_the_bounds_are_an_error(text, why):
+    """Regression: page 07 ran any text through the engine (2,000 short prompts asked torch for 3.9 GB). A text
+    that fits the box (4,000 characters) but holds too many prompts, or too many UTF-8 bytes, is an error naming
+    the prompts, before any engine is built; the caption states both bounds."""
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S)
+    at.switch_page("pages/07_prefix_anatomy.py")
+    at.query_params["p07_prompts"] = text
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert [e.value for e in at.error] == [why]
+    assert at.text_area(key="p07_prompts").value == text            # taken, as the link asked, and explained
+    assert any("At most 16 prompts and 4,000 bytes in all" in c.value for c in at.caption)
