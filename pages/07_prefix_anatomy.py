@@ -2,7 +2,14 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.prefix_anatomy import MAX_PROMPTS, MAX_TEXT_BYTES, MAX_TEXT_CHARS, anatomy_view
+from lab.prefix_anatomy import (
+    MAX_INTERVALS,
+    MAX_PROMPTS,
+    MAX_TEXT_BYTES,
+    MAX_TEXT_CHARS,
+    anatomy_view,
+    prompt_intervals,
+)
 from pages._common import engine_call, num, show_chart, show_table, url_widget
 
 st.title("Prefix cache anatomy")
@@ -24,9 +31,11 @@ every = url_widget(c2.select_slider, "Checkpoint every C / N blocks", "p07_every
 groups = url_widget(c3.slider, "KDA groups G", "p07_groups", 2, 1, 4)
 lines = text.splitlines()
 prompts = [line for line in lines if line.strip()]
-st.caption(f"At most {MAX_PROMPTS} prompts and {MAX_TEXT_BYTES:,} bytes in all (bytes are tokens; in UTF-8 an accent "
-           f"takes 2 bytes, an emoji 4): each earlier prompt is a prefill into the cache, and the caps bound the wait "
-           f"and the memory. These prompts are {sum(len(p.encode()) for p in prompts):,} bytes.")
+st.caption(f"At most {MAX_PROMPTS} prompts, {MAX_TEXT_BYTES:,} bytes and {MAX_INTERVALS} checkpoint intervals in all "
+           "(bytes are tokens; in UTF-8 an accent takes 2 bytes, an emoji 4; intervals: the sum of ⌈tokens / C⌉): the "
+           "engine prefills each earlier prompt up to every checkpoint boundary, and the caps bound the wait and the "
+           f"memory. These prompts are {sum(len(p.encode()) for p in prompts):,} bytes and "
+           f"{prompt_intervals(prompts, block * every)} intervals at C = {block * every}.")
 if len(prompts) < 2:
     st.info(f"Type at least two prompts, one per line: the earlier ones fill the cache and the last one is looked "
             f"up. Blank lines are ignored; there {'is' if len(prompts) == 1 else 'are'} {len(prompts)} non-blank "

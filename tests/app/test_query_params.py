@@ -317,7 +317,7 @@ def test_a_stored_value_above_a_dependent_bound_is_reported(path, key, value):
 def test_page_07_prompts_within_the_box_but_over_the_bounds_are_an_error(text, why):
     """Regression: page 07 ran any text through the engine (2,000 short prompts asked torch for 3.9 GB). A text
     that fits the box (4,000 characters) but holds too many prompts, or too many UTF-8 bytes, is an error naming
-    the prompts, before any engine is built; the caption states both bounds."""
+    the prompts, before any engine is built; the caption states the bounds."""
     at = AppTest.from_file(APP, default_timeout=TIMEOUT_S)
     at.switch_page("pages/07_prefix_anatomy.py")
     at.query_params["p07_prompts"] = text
@@ -325,4 +325,4 @@ def test_page_07_prompts_within_the_box_but_over_the_bounds_are_an_error(text, w
     assert not at.exception, [e.value for e in at.exception]
     assert [e.value for e in at.error] == [why]
     assert at.text_area(key="p07_prompts").value == text            # taken, as the link asked, and explained
-    assert any("At most 16 prompts and 4,000 bytes in all" in c.value for c in at.caption)
+    assert any("At most 16 prompts, 4,000 bytes and 128 checkpoint intervals in all" in c.value for c in at.caption)
