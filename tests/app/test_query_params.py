@@ -6,8 +6,9 @@ carries ``query_param_key`` when it is bound), then the page is opened three mor
 params set before its first run, as a deep link does:
 
 - a valid non-default value per bound widget: every widget takes it;
-- ``garbage`` per bound widget (text widgets excepted: any text is valid): every widget keeps its
-  default, no exception, no ``st.error`` (except those allow-listed in tests/app/allowed_errors.py);
+- a malformed value per bound widget (``1.5`` for an integer, ``nan`` for a float, ``garbage`` otherwise; text
+  widgets excepted: any text is valid): every widget keeps its default and says the link's value was ignored, no
+  exception, no ``st.error`` (except those allow-listed in tests/app/allowed_errors.py);
 - an out-of-range number per numeric widget and an unknown option per choice widget: same.
 
 A page with no bound widget fails, unless it is listed in ``PENDING`` (pages whose binding is being
@@ -87,6 +88,14 @@ def _valid_other(kind: str, w) -> tuple[object, object]:
     return w.value + "\nshared view", w.value + "\nshared view"        # text
 
 
+def _garbage(kind: str, w) -> str:
+    """A malformed query param value: ``1.5`` for an integer widget (Streamlit took it as 1 while the notice said
+    "ignored"), ``nan`` for a float one (Streamlit dropped it with no notice), else text no widget reads."""
+    if kind in NUMERIC and not isinstance(w.value, (tuple, list)):
+        return "nan" if isinstance(w.value, float) else "1.5"
+    return "garbage"
+
+
 def _out_of_range(kind: str, w) -> object | None:
     """A well-formed but invalid query param value (None for text and boolean widgets)."""
     if kind in NUMERIC:
@@ -151,7 +160,7 @@ def test_query_params(tab) -> None:
         kind, w = got[key]
         assert took(key, kind, w), f"{path}: ?{key}={valid[key][0]} gave {w.value!r}"
 
-    garbage = {key: "garbage" for key, (kind, _) in bound.items() if kind not in TEXT}
+    garbage = {key: _garbage(kind, w) for key, (kind, w) in bound.items() if kind not in TEXT}
     bad = {key: v for key, (kind, w) in bound.items() if (v := _out_of_range(kind, w)) is not None}
     for params in (garbage, bad):
         if not params:
