@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from lab.prefix import ANATOMY_BLOCK_COLUMNS, anatomy
+from serve.errors import check_int
 
 MAX_PROMPTS = 16            # prompts in one view: each earlier one is a prefill into the cache (pages grow with them)
 MAX_TEXT_BYTES = 4_000      # all prompts together, UTF-8 bytes = tokens (byte-level model)
@@ -17,7 +18,9 @@ MAX_INTERVALS = 128         # checkpoint intervals in all, sum of ceil(tokens / 
 
 
 def prompt_intervals(prompts: Sequence[str | Sequence[int]], interval: int) -> int:
-    """Checkpoint intervals of ``prompts`` at ``interval`` C tokens: the sum over the prompts of ceil(tokens / C)."""
+    """Checkpoint intervals of ``prompts`` at ``interval`` C tokens: the sum over the prompts of ceil(tokens / C).
+    Raises ValueError unless ``interval`` is an int >= 1."""
+    check_int("interval", interval)
     return sum(-(-_tokens(p) // interval) for p in prompts)
 
 

@@ -61,6 +61,8 @@ def test_anatomy_view_bounds_the_prompts():
                                          rf"of {MAX_INTERVALS}"):
         anatomy_view(["x" * 601, "y"], block_size=4, interval=4)
     assert prompt_intervals(["x" * 601, "y"], 4) == 152 and prompt_intervals([[1] * 64, "ab"], 32) == 3
+    with pytest.raises(ValueError, match="interval must be an int >= 1, got 0"):
+        anatomy_view(["a", "b"], interval=0)
     rest = [f"{i:03d}" + "x" * 97 for i in range(MAX_PROMPTS - 1)]                     # 100 bytes each
     at_limit = anatomy_view(["x" * (MAX_TEXT_BYTES - 100 * len(rest))] + rest, interval=64)   # at both limits
     assert len(at_limit.prompt_tokens) == MAX_PROMPTS and sum(at_limit.prompt_tokens) == MAX_TEXT_BYTES
