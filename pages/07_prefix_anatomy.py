@@ -2,7 +2,14 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.prefix_anatomy import anatomy_view
+from lab.prefix_anatomy import (
+    MAX_INTERVALS,
+    MAX_PROMPTS,
+    MAX_TEXT_BYTES,
+    MAX_TEXT_CHARS,
+    anatomy_view,
+    prompt_intervals,
+)
 from pages._common import engine_call, num, show_chart, show_table, url_widget
 
 st.title("Prefix cache anatomy")
@@ -16,13 +23,19 @@ st.write(
 DEFAULT = ("System: you are a terse assistant for inference engineers; always give units.\n"
            "System: you are a terse assistant for inference engineers; always give units. User: size of a KV block?\n"
            "System: you are a terse assistant for inference engineers; always give units. User: size of a KDA state?")
-text = url_widget(st.text_area, "Prompts, one per line (the last one is looked up)", "p07_prompts", DEFAULT, height=110)
+text = url_widget(st.text_area, "Prompts, one per line (the last one is looked up)", "p07_prompts", DEFAULT, height=110,
+                  max_chars=MAX_TEXT_CHARS)
 c1, c2, c3 = st.columns(3)
 block = url_widget(c1.select_slider, "Block size N (tokens)", "p07_block", 16, [4, 8, 16, 32])
 every = url_widget(c2.select_slider, "Checkpoint every C / N blocks", "p07_every", 2, [1, 2, 4])
 groups = url_widget(c3.slider, "KDA groups G", "p07_groups", 2, 1, 4)
 lines = text.splitlines()
 prompts = [line for line in lines if line.strip()]
+st.caption(f"At most {MAX_PROMPTS} prompts, {MAX_TEXT_BYTES:,} bytes and {MAX_INTERVALS} checkpoint intervals in all "
+           "(bytes are tokens; in UTF-8 an accent takes 2 bytes, an emoji 4; intervals: the sum of ⌈tokens / C⌉): the "
+           "engine prefills each earlier prompt up to every checkpoint boundary, and the caps bound the wait and the "
+           f"memory. These prompts are {sum(len(p.encode()) for p in prompts):,} bytes and "
+           f"{prompt_intervals(prompts, block * every)} intervals at C = {block * every}.")
 if len(prompts) < 2:
     st.info(f"Type at least two prompts, one per line: the earlier ones fill the cache and the last one is looked "
             f"up. Blank lines are ignored; there {'is' if len(prompts) == 1 else 'are'} {len(prompts)} non-blank "

@@ -117,9 +117,14 @@ def _invalid(value, default, options, min_value, max_value) -> str | None:
     return None
 
 
-def _url_value_problem(raw, default, options, min_value, max_value, format_func=None) -> str | None:
+LINK_SHOWN_CHARS = 60   # a link value longer than this is cut in its notice (a 25,000-digit number, a long prompt)
+
+
+def _url_value_problem(raw, default, options, min_value, max_value, format_func=None, max_chars=None) -> str | None:
     """Why the URL value ``raw`` (a string, or a list of strings for a multiselect or a range) cannot be
-    the widget's value, or None. Strings are read as the type of ``default`` (bool: true / false); with a
+    the widget's value, or None. Strings are read as the type of ``default`` (bool: true / false; a number must
+    be finite: ``nan`` and ``inf`` are not values of a slider); a range (tuple ``default``) needs exactly two
+    values; a text longer than ``max_chars`` is not taken (Streamlit would cut it silently). With a
     ``format_func`` the URL carries the option's label (as Streamlit writes it), not the option itself."""
     if format_func is not None and options is not None:
         options = [format_func(o) for o in options]
@@ -129,26 +134,66 @@ def _url_value_problem(raw, default, options, min_value, max_value, format_func=
                 raise ValueError
             return str(text).lower() == "true"
         if isinstance(default, (int, float)) and options is None:
-            return type(default)(text)
+            try:
+                value = type(default)(text)
+            except ValueError:
+                if str(text).strip().lstrip("+-").isdigit():    # over Python's 4,300-digit int() limit
+                    raise ValueError(f"outside [{min_value}, {max_value}]") from None
+                raise ValueError("not an integer" if isinstance(default, int) else "not a number") from None
+            if value != value or value in (float("inf"), float("-inf")):
+                raise ValueError("not a finite number")
+            return value
         if options is not None:
             match = [o for o in options if str(o) == str(text)]
             if not match:
                 raise ValueError
             return match[0]
         return text
+    if isinstance(default, tuple):           # a range: two ends, each read as the type of the range's ends
+        values = raw if isinstance(raw, list) else [raw]
+        if len(values) != 2:
+            return f"{len(values)} value{'' if len(values) == 1 else 's'}, not a range of two (give it twice)"
+        default = default[0]
+    if max_chars is not None and isinstance(raw, str) and len(raw) > max_chars:
+        return f"{len(raw):,} characters, over the {max_chars:,}-character limit"
+    if isinstance(default, list) and raw in ([], [""], ""):
+        return "an empty selection"
     try:
-        if isinstance(default, tuple):       # a range: read each end as the type of the range's ends
-            default = default[0]
         values = [cast(v) for v in (raw if isinstance(raw, list) else [raw])]
-    except (TypeError, ValueError):
-        return "not a value this widget takes"
+    except (TypeError, ValueError, OverflowError) as exc:
+        return str(exc) if str(exc).startswith(("not ", "outside ")) else "not a value this widget takes"
     if options is None and any((min_value is not None and v < min_value) or (max_value is not None and v > max_value)
                                for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)):
         return f"outside [{min_value}, {max_value}]"
     return None
 
 
-def persist(key: str, default=None, *, options=None, min_value=None, max_value=None, format_func=None) -> str:
+def _drop_link_value(key: str) -> None:
+    """Remove ``key`` from this session's URL before a widget reads it, so the widget keeps its default.
+
+    Streamlit 1.67 seeds a bound widget from the URL values of the page load (``_initial_query_params``) and
+    from the current ones; it parses them itself and applies what it can (``?p00_new=1.5`` becomes 1, the last
+    of a repeated value wins, an empty multiselect value clears the selection) or raises from its deserializer
+    (``int(float('inf'))`` in ``number_input``: a stack trace). A value :func:`persist` reports as ignored is
+    therefore removed from both before the widget is built (the browser's address bar loses it too)."""
+    from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_run_ctx
+
+    ctx = get_script_run_ctx()
+    if ctx is None:                      # bare mode: no URL
+        return
+    with ctx.session_state.query_params() as qp:
+        qp.remove_param(key)
+        qp._initial_query_params.pop(key, None)   # Streamlit has no public call for the page load's values
+
+
+def _shown_link_value(raw: list[str]) -> str:
+    """A link's values as a notice shows them: joined by commas, cut to :data:`LINK_SHOWN_CHARS` characters."""
+    text = ", ".join(raw)
+    return text if len(text) <= LINK_SHOWN_CHARS else f"{text[:LINK_SHOWN_CHARS]}… ({len(text):,} characters)"
+
+
+def persist(key: str, default=None, *, options=None, min_value=None, max_value=None, format_func=None,
+            max_chars=None) -> str:
     """A widget key starting at ``default``; use as ``key=persist(...), persist_state="session"``.
 
     The stored session value is checked on every run against the widget's constraints: the type of
@@ -156,10 +201,12 @@ def persist(key: str, default=None, *, options=None, min_value=None, max_value=N
     ``max_value`` (slider / number_input). A None, wrongly typed or invalid value (e.g. from a
     session written by another version of the page) falls back to ``default`` (or, when it is None,
     to the widget's own first option) with a toast saying so. A widget bound to the URL
-    (``bind="query-params"``) whose query parameter is malformed or out of range keeps its value
-    (Streamlit drops such a parameter) and a toast says the link's value was ignored; a value given twice for a
-    one-value widget is reported too. A link's value is checked once per session: when another widget later
-    lowers this one's bound, the old link value is not reported after the fact. Pass the widget's
+    (``bind="query-params"``) whose query parameter is malformed (``nan``, ``inf``, ``1.5`` for an integer, one
+    end of a range, an empty multiselect), out of range, longer than ``max_chars`` (a text widget's limit) or given
+    twice for a one-value widget keeps its value, and a toast says the link's value was ignored: the value is
+    removed from the URL before the widget is built (:func:`_drop_link_value`), so Streamlit never parses it. A
+    link's value is checked once per session: when another widget later lowers this one's bound, the old link
+    value is not reported after the fact. Pass the widget's
     ``format_func`` too: the URL then carries the option's label, and only a label is a valid link value.
 
     A widget bound to the URL also takes ``default`` as its own ``value=`` / ``index=`` / ``default=``:
@@ -175,10 +222,11 @@ def persist(key: str, default=None, *, options=None, min_value=None, max_value=N
         checked.add((key, tuple(raw)))             # makes no old link value "bad" after the fact
         many = len(raw) > 1 and not isinstance(default, (list, tuple))
         why = f"given {len(raw)} times" if many else _url_value_problem(
-            raw if len(raw) > 1 or isinstance(default, list) else raw[0], default, options, min_value, max_value,
-            format_func)
+            raw if len(raw) > 1 or isinstance(default, (list, tuple)) else raw[0], default, options, min_value,
+            max_value, format_func, max_chars)
         if why is not None:
-            st.toast(f"The link's {key}={', '.join(raw)} is {why}; it was ignored.", icon=":material/link_off:")
+            _drop_link_value(key)                  # the widget must not take what the notice says was ignored
+            st.toast(f"The link's {key}={_shown_link_value(raw)} is {why}; it was ignored.", icon=":material/link_off:")
     if key in state:
         why = _invalid(state[key], default, options, min_value, max_value)
         if why is not None:
@@ -225,7 +273,7 @@ def url_widget(make, label: str, key: str, default, *args, known=None, clamp: bo
         start = ({"index": options.index(default)} if kind in ("selectbox", "radio") else
                  {"default" if kind == "multiselect" else "value": default})
     else:                                           # checkbox, toggle, text_input, text_area
-        key, start = persist(key, default), {"value": default}
+        key, start = persist(key, default, max_chars=kwargs.get("max_chars")), {"value": default}
     value = make(label, *args, key=key, bind="query-params", persist_state="session", **start, **kwargs)
     if clamp is not False:
         st.session_state[key + LAST_SHOWN] = value
@@ -273,14 +321,17 @@ def real_replica(prefix: str, where=None, *, policy: bool = True, model_key: str
 
 
 def persist_clamped(key: str, default: int, lo: int, hi: int) -> str:
-    """:func:`persist` for a slider whose upper bound ``hi`` depends on another widget: a stored value
-    above ``hi`` is lowered to ``hi`` (the dependent widgets constrain each other instead of failing);
-    an invalid value falls back to ``default`` as in :func:`persist`, and a link's value outside [lo, hi] is
-    ignored with its notice. Returns key."""
-    stored = st.session_state.get(key, st.session_state.get(key + LAST_SHOWN))   # hidden last run: Streamlit
-    if type(stored) is type(default) and stored > hi:      # restores that value; the other widget lowered the bound:
-        st.session_state[key] = hi                         # follow it silently
-    return persist(key, min(default, hi), min_value=lo, max_value=hi)
+    """:func:`persist` for a slider whose upper bound ``hi`` depends on another widget: the value the widget showed
+    last run, now above ``hi``, is lowered to ``hi`` silently (the other widget lowered the bound: dependent
+    widgets constrain each other instead of failing); any other stored value outside [lo, hi] (one the widget
+    never showed: a session written by another version of the page, or by code) falls back to ``default`` with
+    :func:`persist`'s notice, and a link's value outside [lo, hi] is ignored with its notice. Returns key."""
+    state = st.session_state
+    shown = state.get(key + LAST_SHOWN)
+    stored = state.get(key, shown)           # hidden last run: Streamlit restores the value it showed then
+    if type(stored) is type(default) and type(shown) is type(default) and stored == shown > hi:
+        state[key] = hi                      # the value the widget showed; the other widget lowered the bound: follow
+    return persist(key, min(default, hi), min_value=lo, max_value=hi)   # any other value above hi: noticed
 
 
 def _log_data_range(fig: go.Figure, axis) -> tuple[float, float] | None:

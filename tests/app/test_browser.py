@@ -201,6 +201,37 @@ def test_a_dependent_slider_hidden_then_shown_under_a_lower_bound_follows_it(ser
     assert value is not None and int(value) <= int(top) == 3, (value, top)
 
 
+@pytest.mark.parametrize(("link", "key", "default", "why"), [
+    ("page_pool?p05_seed=inf", "p05_seed", "0", "not an integer"),
+    ("fleet_hashing?p11_index=" + "9" * 25_000, "p11_index", "1", "outside [0, "),
+    ("page_pool?p05_long_share=nan", "p05_long_share", "0.1", "not a finite number"),
+], ids=["inf", "25000-digits", "nan"])
+def test_a_bad_number_in_a_link_is_ignored_in_the_browser(server, link, key, default, why):
+    """Regression: ``/page_pool?p05_seed=inf`` (and a 25,000-digit ``p11_index``) showed a stack trace from
+    Streamlit's ``number_input`` deserializer while the page's toast said the value was ignored; ``nan`` was dropped
+    with no notice. Now the toast names the value and why, the widget shows its default, and the address bar no
+    longer carries the value."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{server}/{link}", wait_until="domcontentloaded")
+        _settle(page)
+        exc = page.locator("[data-testid='stException']")
+        problem = exc.first.inner_text()[:300] if exc.count() else None
+        toasts = [t.inner_text() for t in page.locator("[data-testid='stToast']").all()]
+        thumb = page.locator(f".st-key-{key} [role='slider']")
+        value = (thumb.first.get_attribute("aria-valuenow") if thumb.count() else
+                 page.locator(f".st-key-{key} input").first.input_value())
+        url = page.url
+        browser.close()
+    assert problem is None, problem
+    assert any(f"link's {key}=" in t and why in t and "it was ignored" in t for t in toasts), toasts
+    assert float(value) == float(default), value
+    assert f"{key}=" not in url, url[:200]
+
+
 def test_concurrent_deep_links_on_fresh_server():
     """Three different deep links opened at the same moment on a freshly started server (a hosted app
     waking from sleep): every session gets st.navigation's sectioned list and its page, none the

@@ -33,6 +33,7 @@ def _run_with_upload(monkeypatch, page: str, data: bytes, name: str) -> AppTest:
     at.run()
     at.switch_page(page)
     at.session_state["p09_replay_on"] = True          # page 09 reads the trace only for its replay (a button)
+    at.session_state["p15_sweep_on"] = True           # page 15 too (its policy sweep)
     at.run()
     assert not at.exception, [e.value for e in at.exception]
     return at
@@ -82,3 +83,15 @@ def test_upload_parts_keeps_empty_uploads():
     assert upload_parts(None) == (None, "")
     assert upload_parts(_Upload(b"", "empty.jsonl")) == (b"", "empty.jsonl")
     assert upload_parts(_Upload(b"x", "")) == (b"x", "uploaded file")
+
+
+@pytest.mark.parametrize("page", [*TRACE_PAGES, "pages/15_real_scale.py"])
+def test_a_zero_length_request_is_taken_as_the_readme_says(monkeypatch, page):
+    """Regression: page 15 showed ``ValueError: new_tokens must be an int >= 1, got 0`` for a trace holding a
+    request with ``input_length`` 0 (the README accepts it; pages 09, 11, 12 and 14 take the same file): such a
+    request still prefills one token (its first decode input), as the fleet simulator charges it."""
+    lines = [_line(i, 2) for i in range(3)] + [json.dumps({"timestamp": 3, "input_length": 0, "output_length": 10,
+                                                           "hash_ids": []})] + [_line(i, 2) for i in range(4, 8)]
+    at = _run_with_upload(monkeypatch, page, ("\n".join(lines) + "\n").encode(), "zero.jsonl")
+    assert not [e.value for e in at.error], [e.value for e in at.error]
+    assert at.get("plotly_chart")
