@@ -271,7 +271,8 @@ def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float
     routed to, counting itself, against the cap ceil(c x in-flight on the serving replicas / their number), as
     :meth:`serve.fleet.bounded_load.BoundedLoadRouter.capacity` computes it. ``per_request``: one policy's rows
     (:func:`lab.fleet.results_frame` columns); ``replicas_at(t_ms)``: the names of the replicas serving at t.
-    A finish at the same instant as a routing is counted first. Only routings at or after ``from_ms`` are
+    Routings at the same instant are taken in request order (``request_id``, else the rows' order), as the simulator
+    routes them; a finish at the same instant as a routing is counted first. Only routings at or after ``from_ms`` are
     judged: when a replica is removed, pass the removal time (requests drained from it are routed again then,
     and the frame only has their final replica, so loads before the removal are not known exactly).
 
@@ -280,11 +281,12 @@ def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float
     load a request alone in the fleet gives the replica count), p99_in_flight (P99 of the chosen replica's in-flight,
     requests), mean_in_flight (the fleet's in-flight per serving replica at routing, mean over requests)."""
     rows = per_request[np.isfinite(per_request.admitted_ms) & np.isfinite(per_request.finish_ms)]
-    events = sorted([(t, 0, r) for t, r in zip(rows.finish_ms, rows.replica)] +
-                    [(t, 1, r) for t, r in zip(rows.admitted_ms, rows.replica)])   # finishes (0) first on ties
+    order = rows.request_id if "request_id" in rows else range(len(rows))   # same-instant routings: request order
+    events = sorted([(t, 0, 0, r) for t, r in zip(rows.finish_ms, rows.replica)] +
+                    [(t, 1, i, r) for t, i, r in zip(rows.admitted_ms, order, rows.replica)])   # finishes (0) first
     load: dict[str, int] = {}
     over, ratios, chosen, means = 0, [], [], []
-    for t, is_start, replica in events:
+    for t, is_start, _, replica in events:
         load[replica] = load.get(replica, 0) + (1 if is_start else -1)
         if is_start and t >= from_ms:
             serving = replicas_at(t)

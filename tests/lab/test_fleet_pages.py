@@ -175,6 +175,27 @@ def test_in_flight_at_routing_by_hand():
     assert row.over_cap_share == pytest.approx(2 / 3)
 
 
+def test_in_flight_at_routing_takes_simultaneous_routings_in_request_order():
+    """Two requests arriving at the same millisecond are routed in request order (the simulator sorts by arrival,
+    then request id), not in the order of their replicas' names: at load, same-ms arrivals are common, and judging
+    request 1 (on "r0") before request 0 (on "r1") put bounded loads above its own cap (0.5 % of 200 requests)."""
+    # 2 replicas; request 0 -> r1 and request 1 -> r0, both at 5 ms; r0 already holds one request from 0 ms
+    df = pd.DataFrame({"request_id": [2, 0, 1], "replica": ["r0", "r1", "r0"], "admitted_ms": [0.0, 5.0, 5.0],
+                       "finish_ms": [100.0, 100.0, 100.0]})
+    row = in_flight_at_routing(df, lambda t: frozenset({"r0", "r1"}), c=1.25).iloc[0]
+    # in request order: 0 -> r1 (loads 1, 1; cap ceil(1.25 * 2 / 2) = 2); 1 -> r0 (2, 1; cap ceil(1.25 * 3 / 2) = 2)
+    assert row.over_cap_share == 0
+    # judged by replica name, 1 -> r0 would come first on 3 replicas: load 2 > cap ceil(1.25 * 2 / 3) = 1
+    row = in_flight_at_routing(df, lambda t: frozenset({"r0", "r1", "r2"}), c=1.25).iloc[0]
+    # request order: 0 -> r1: cap ceil(1.25 * 2 / 3) = 1, load 1 ok; 1 -> r0: cap ceil(1.25 * 3 / 3) = 2, load 2 ok
+    assert row.over_cap_share == 0
+
+
+def test_bounded_load_stays_under_its_cap_under_load():
+    run = fleet_simulation(["bounded_load"], 200, 8, 2, "8000", "vtc", 10, "none", 8, "roofline", arrival_rps=50)
+    assert run.in_flight.over_cap_share.iloc[0] == 0.0 and run.in_flight.mean_in_flight.iloc[0] > 1
+
+
 def test_fleet_simulation_on_real_replicas():
     """Kimi-Linear on 8 x H200 per replica with a policy cache: the KDA view per routing policy is consistent
     with the summary, within the block ideal, per replica within the budget; K3 on 8 x H200 is refused."""
