@@ -60,7 +60,7 @@ rate_label = url_widget(st.select_slider, "Offered load (requests / s across the
                         str(DEFAULT_ARRIVAL_RPS), RATE_OPTIONS)
 arrival_rps = None if rate_label == TRACE_RATE else float(rate_label)
 c1, c2, c3, c4 = st.columns(4)
-num_requests = url_widget(c1.slider, "Requests (cap)", "p14_requests", 800, 200, 5000, step=100)
+num_requests = url_widget(c1.slider, "Requests (cap)", "p14_requests", 600, 200, 5000, step=100)
 replicas = url_widget(c2.slider, "Replicas", "p14_replicas", 8, 1, 16)
 k = url_widget(c3.slider, "Routing prefix depth k (blocks)", "p14_k", 2, 1, 4)
 capacity = "8000" if real else url_widget(  # a real-model replica's cache is its byte budget (above)
