@@ -115,14 +115,14 @@ with part2:
         f"Measured now with {heads_meas} heads (the model has {cfg.num_heads}; scaled down to keep the run under a "
         f"second). At N = {int(last.context_tokens):,}: KDA {last.kda_step_us:,.0f} µs vs MLA {last.mla_decode_us:,.0f} µs "
         "(medians). KDA's step touches only its state, so its b ≈ 0; MLA reads all N latents, so its b is the cache's "
-        "per-token cost. The metrics are measured medians; a, b and R² are fitted to them (the table says what each "
-        "line means).")
+        "per-token cost.")
     with st.expander("How the decode cost is measured and fitted"):
         st.markdown(
             f"- Real dims K = {cfg.head_k_dim}, V = {cfg.head_v_dim}, latent {cfg.latent_dim}; MLA reads N × "
             "(r + rope) values per step, and its line bends up where the latents no longer fit in the CPU cache.\n"
             "- Dashed: the least-squares fit t(N) = a + b·N over the medians. R² near 0 for KDA means a flat line: "
-            "no part of its time follows N.\n"
+            "no part of its time follows N. The metrics above are measured medians; a, b and R² are fitted to them, "
+            "and the table says what each line means.\n"
             f"- Each point is the median of {MEASURE_REPEATS} interleaved repeats (contexts in rotating order, one "
             "torch thread) after a warm-up; KDA and MLA are timed in separate sweeps so the MLA pass does not evict "
             "the KDA state from the CPU cache. A run-to-run drift of the KDA step (the machine is shared) moves a, "
