@@ -7,7 +7,8 @@ that is a production policy model at real bytes (:class:`serve.fleet.policy_cach
 over :func:`lab.real_scale.make_policy`) under ``budget_fraction`` of the HBM the weights leave; the
 running requests' KV has the rest. "a10g" = the VTC artifact's calibration (the validated setup that
 reproduces the VTC measurements), "cpu" = our engine timed on this CPU; both with a block LRU cache of
-``capacity`` blocks and the stated (assumed) speed-up."""
+``capacity`` blocks and the stated (assumed) speed-up. The offered load is an arrival rate (``arrival_rps``):
+the trace re-timed (:func:`retime`); :func:`load_sweep` runs one setup at several rates (TTFT against load)."""
 from __future__ import annotations
 
 import math

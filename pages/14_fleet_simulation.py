@@ -72,7 +72,7 @@ scheduler = SCHEDULERS[SCHEDULER_NAMES.index(url_widget(d1.selectbox, "Replica s
 vip_pct = url_widget(d2.slider, "VIP share of requests (%)", "p14_vip", 10, 0, 50, step=5)
 scale = url_widget(d3.selectbox, "Scale event at half time", "p14_scale", "none", list(SCALE_EVENTS))
 speed = 8 if real else url_widget(  # an assumption for the A10G / CPU replicas; a real model's times: the roofline
-    d4.slider, "Replica speed-up (prefill ×; decode × 5/8 of it)", "p14_speed", 8, 1, 20)
+    d4.slider, "Replica speed-up, assumed (prefill ×; decode × 5/8 of it)", "p14_speed", 8, 1, 20)
 POLICY_NAMES = [DISPLAY_NAMES[p] for p in POLICIES]
 policies = [POLICIES[POLICY_NAMES.index(name)] for name in url_widget(
     st.multiselect, "Routing policies", "p14_policies",
