@@ -4,7 +4,16 @@ import math
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.state_vs_kv import CONTEXTS, KV_DTYPES, MEASURE_REPEATS, MEASURED_CONTEXTS, MODELS, STATE_DTYPES, state_vs_kv
+from lab.state_vs_kv import (
+    CONTEXTS,
+    KV_DTYPES,
+    MEASURE_REPEATS,
+    MEASURED_CONTEXTS,
+    MODELS,
+    STATE_DTYPES,
+    fit_table,
+    state_vs_kv,
+)
 from pages._common import engine_call, measured_stamp, num, remeasure_button, show_chart, show_table, url_widget
 
 st.title("KDA state vs KV cache")
@@ -90,12 +99,18 @@ with part2:
                        xaxis_type="log", yaxis_type="log", legend=dict(orientation="h", y=-0.25))
     show_chart(fig2, mdf, key="p03_decode_chart")
     measured_stamp(run.conditions)
+    first, last = mdf.iloc[0], mdf.iloc[-1]
+    n0, n1 = int(first.context_tokens), int(last.context_tokens)
     f1, f2, f3, f4 = st.columns(4)
-    for (c_a, c_b), name in (((f1, f2), "KDA"), ((f3, f4), "MLA")):
-        fit = fits[name]
-        c_a.metric(f"{name}: fixed cost per step a", f"{fit.a_s * 1e6:,.1f} µs", f"R² {fit.r2:.3f}", delta_color="off", delta_arrow="off")
-        c_b.metric(f"{name}: cost per context token b", f"{fit.b_s * 1e9:,.2f} ns", "per token of N", delta_color="off", delta_arrow="off")
-    last = mdf.iloc[-1]
+    for (c_a, c_b), name, col in (((f1, f2), "KDA step", "kda_step_us"), ((f3, f4), "MLA decode", "mla_decode_us")):
+        c_a.metric(f"{name} at N = {n0:,} (measured)", f"{first[col]:,.1f} µs", "median", delta_color="off",
+                   delta_arrow="off")
+        c_b.metric(f"{name} at N = {n1:,} (measured)", f"{last[col]:,.1f} µs", f"{last[col] / first[col]:,.1f}× N = {n0:,}",
+                   delta_color="off", delta_arrow="off")
+    show_table(fit_table(fits), {"kind": "Fitted line", "a_us": num("a (µs)", "%,.2f"),
+                                 "b_ns": num("b (ns per context token)", "%,.3f"),
+                                 "b_se_ns": num("± b (standard error, ns)", "%,.3f"), "r2": num("R²", "%.3f"),
+                                 "reading": "What it means"})
     st.caption(
         f"Measured now with {heads_meas} heads (the model has {cfg.num_heads}; scaled down to keep the run under a "
         f"second). At N = {int(last.context_tokens):,}: KDA {last.kda_step_us:,.0f} µs vs MLA {last.mla_decode_us:,.0f} µs "
@@ -106,13 +121,11 @@ with part2:
             f"- Real dims K = {cfg.head_k_dim}, V = {cfg.head_v_dim}, latent {cfg.latent_dim}; MLA reads N × "
             "(r + rope) values per step, and its line bends up where the latents no longer fit in the CPU cache.\n"
             "- Dashed: the least-squares fit t(N) = a + b·N over the medians. R² near 0 for KDA means a flat line: "
-            "no part of its time follows N.\n"
+            "no part of its time follows N. The metrics above are measured medians; a, b and R² are fitted to them, "
+            "and the table says what each line means.\n"
             f"- Each point is the median of {MEASURE_REPEATS} interleaved repeats (contexts in rotating order, one "
             "torch thread) after a warm-up; KDA and MLA are timed in separate sweeps so the MLA pass does not evict "
             "the KDA state from the CPU cache. A run-to-run drift of the KDA step (the machine is shared) moves a, "
             "not b.")
-    bent = [name for name, fit in fits.items() if fit.a_s < 0]
-    if bent:
-        st.caption(f"{' and '.join(bent)}: the fitted a is negative — the time is not one straight line over the "
-                   "range (it rises above the CPU cache size), so the fit undershoots at small N and is not drawn "
-                   "below zero; read b and the points.")
+    if any(fit.a_s < 0 for fit in fits.values()):
+        st.caption("A fitted line is not drawn below zero (log axis): where a < 0 the dashed line stops at small N.")

@@ -31,7 +31,8 @@ window = url_widget(c1.slider, "Rollback window (verify tokens, ≤ capacity)", 
                     max(2, min(16, capacity)), clamp=min(16, capacity), disabled=capacity < 2,
                     help="A 1-slot ring rolls back one verify token at most (the slider stays, disabled, so the "
                          "window it had comes back clamped when the ring grows again).")
-num_draft = url_widget(c3.slider, "Draft length n", "p04_draft", 4, 1, 16)
+num_draft = url_widget(c3.slider, "Draft length n", "p04_draft", 4, 1, 15,   # a verify of 1 + n fits a window <= 16
+                       help="A verify is 1 + n tokens and the rollback window holds at most 16, so n <= 15.")
 width = url_widget(c4.select_slider, "Model width d (H = d / 32 heads)", "p04_width", 128, list(WIDTHS))
 _model = st.cache_resource(ring_model, validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload
 
@@ -112,11 +113,13 @@ st.write(f"{capacity} slot{'' if capacity == 1 else 's'} × {DEMO.num_kda_layers
          "the red crosses below "
          "(ring full: the committed state becomes the new checkpoint and the history slots are freed).")
 fig3 = go.Figure(go.Bar(x=slots.slot, y=[1] * len(slots), marker_color=slots.status.map(
-    {"free": "#e0e0e0", "committed": "#1f77b4", "pending": "#ff7f0e"}), text=slots.position.where(slots.position >= 0, ""),
-    textposition="inside", hovertext=slots.status, name="slots"))
+    {"free": "#e0e0e0", "committed": "#1f77b4", "pending": "#ff7f0e"}), text=slots.counter.where(slots.counter >= 0, ""),
+    textposition="inside", name="slots", customdata=slots[["status", "position"]],
+    hovertemplate="slot %{x}: %{customdata[0]}, ring counter %{text}, token position %{customdata[1]}<extra></extra>"))
 for text, at_slot, rise_px in page.labels:
     fig3.add_annotation(x=at_slot, y=1.02, text=text, showarrow=True, arrowhead=2, ay=-rise_px)
-fig3.update_layout(xaxis_title="slot index (colour: blue committed, grey free; text: token position)",
+fig3.update_layout(xaxis_title="slot index = ring counter mod capacity (colour: blue committed, grey free; text: the "
+                               "ring counter; hover: the token's position in the sequence)",
                    yaxis_title="ring slots", yaxis_range=[0, 1.8], yaxis_showticklabels=False, height=280,
                    xaxis_dtick=1 if capacity <= 32 else None)
 show_chart(fig3, slots, key="p04_slots_chart")

@@ -50,7 +50,8 @@ drop = None
 d1, d2, d3 = st.columns(3)
 if options and url_widget(d1.checkbox, "What if: drop one group's checkpoint", "p07_drop", False):
     boundaries = [str(b) for b in options]
-    boundary = int(url_widget(d2.selectbox, "at boundary (tokens of the previous prompt)", "p07_drop_at", boundaries[-1],
+    hit_at = max((b for b in options if b <= base.num_tokens), default=options[-1])   # the one the lookup stops at
+    boundary = int(url_widget(d2.selectbox, "at boundary (tokens of the previous prompt)", "p07_drop_at", str(hit_at),
                               boundaries))
     drop = (boundary, int(url_widget(d3.selectbox, "group", "p07_drop_group", "0", [str(g) for g in range(groups)])))
 res = engine_call(_anatomy, prompts, block, block * every, groups, drop) if drop else base

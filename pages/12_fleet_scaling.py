@@ -65,8 +65,11 @@ moved, n_after, anchors = run.moved, run.replicas_after, run.anchors
 with part1:
     st.subheader(f"1 · Keys moved going from {replicas} to {n_after} replicas")
     fig = go.Figure(go.Bar(x=moved.algorithm.map(display_name), y=moved.moved_fraction, name="measured here"))
-    fig.add_hline(y=moved.ideal.iloc[0], line_dash="dash", annotation_text=f"ideal 1/{max(replicas, n_after)}")
-    fig.add_hline(y=moved.mod_n_expected.iloc[0], line_dash="dot", annotation_text="mod-N expected n/(n+1)")
+    big = max(replicas, n_after)   # ideal 1/big and mod-N 1 - 1/big meet at big = 2: labels on opposite ends
+    fig.add_hline(y=moved.ideal.iloc[0], line_dash="dash", annotation_text=f"ideal 1/{big}",
+                  annotation_position="top left")
+    fig.add_hline(y=moved.mod_n_expected.iloc[0], line_dash="dot", annotation_text=f"mod-N expected 1 − 1/{big}",
+                  annotation_position="top right")
     fig.update_layout(xaxis_title="algorithm", yaxis_title="keys that change replica (% of keys)",
                       yaxis_tickformat=".0%")
     show_chart(fig, moved, key="p12_moved_chart")
@@ -90,8 +93,11 @@ with part2:
                                       hoverinfo="skip", showlegend=False, legendgroup=label))
         fig2.add_trace(go.Scatter(x=g.request, y=100 * g.change, name=label, mode="lines", line=dict(color=color),
                                   legendgroup=label))
-    fig2.add_vline(x=at_request, line_dash="dash", annotation_text=f"{action} a replica")
-    fig2.add_hline(y=0, line_dash="dot", annotation_text="no event", annotation_position="bottom left")
+    # the event's label at the bottom, "no event" above the zero line: after a dip 0 is the top of the axis, where
+    # both labels used to sit
+    fig2.add_vline(x=at_request, line_dash="dash", annotation_text=f"{action} a replica",
+                   annotation_position="bottom right")
+    fig2.add_hline(y=0, line_dash="dot", annotation_text="no event", annotation_position="top left")
     fig2.update_layout(xaxis_title="request index (window start)",
                        yaxis_title=f"hit ratio change vs no event (percentage points, per {window} requests)",
                        legend=dict(orientation="h", y=-0.25))

@@ -11,7 +11,10 @@ from lab.budgets import (
     BUCKET_DEPTH_S,
     BURST_CLASSES,
     CLASS_LABELS,
+    DECODE_SPEEDUP,
     DEFAULTS,
+    LOAD_BASES,
+    PREFILL_SPEEDUP,
     REPLICA_MODELS,
     TOKENS,
     WITH,
@@ -30,7 +33,8 @@ st.write(
     "isolation* each class passes a token bucket at admission (cost = prompt + output tokens) and every replica "
     "runs the virtual-token-counter fair scheduler (VTC, OSDI'24) with the class weights. Same traffic, same "
     "simulated replicas (discrete-event simulation); by default each replica is Kimi-Linear on 8 × H200 with "
-    "roofline step times, and every rate is a share of the fleet's capacity on the chosen replica.")
+    "roofline step times. Every rate is a share of a capacity: by default a reference fleet's (the model on 8 × "
+    "H200), so another GPU or TP gets the same requests/s and its roofline service times set the seconds.")
 
 
 def _slider(col, label, lo, hi, step, key, percent=False):
@@ -42,8 +46,17 @@ REPLICAS = list(REPLICA_MODELS)
 replica_label = url_widget(st.selectbox, "Replica", "p13_replica", REPLICAS[0], REPLICAS)
 service_model = REPLICA_MODELS[replica_label]
 model_name, gpu, tp = REAL_DEFAULTS["model"], REAL_DEFAULTS["gpu"], REAL_DEFAULTS["tp"]
+BASES = list(LOAD_BASES)
+load_basis = "own"   # the A10G replica has no hardware choice: its loads are shares of its own capacity
 if service_model == "roofline":   # the GPUs and TP sizes offered are those the model's weights fit in
     model_name, gpu, tp, _, _ = real_replica("p13", policy=False)
+    load_basis = url_widget(st.radio, "Loads are shares of", "p13_load_basis", BASES[0], BASES,
+                            format_func=LOAD_BASES.get, horizontal=True)
+else:
+    st.caption(f"This replica's speed is **assumed**, not derived: the VTC artifact's A10G calibration (Llama-7B, "
+               f"measured) sped up by prefill × {PREFILL_SPEEDUP:g} and decode × {DECODE_SPEEDUP:g}. The roofline "
+               "cannot set it (it has neither Llama-7B's shape nor an A10G preset), so no GPU is offered and the loads "
+               "are shares of this replica's own capacity.")
 c1, c2, c3, c4 = st.columns(4)
 vip_load = _slider(c1, "VIP load (% of capacity)", 1, 20, 1, "vip_load", percent=True)
 std_load = _slider(c2, "Standard load (% of capacity)", 5, 50, 5, "standard_load", percent=True)
@@ -62,9 +75,9 @@ azure = st.file_uploader("Burst shape from an Azure LLM trace CSV (optional; def
 
 @st.cache_data(show_spinner="Simulating both runs…", max_entries=32, ttl="1h")
 def _run(vip_load, std_load, vip_weight, std_budget, burst_class, burst_load, burst_s, replicas, azure_bytes,
-         azure_name, service_model, model_name, gpu, tp):
+         azure_name, service_model, model_name, gpu, tp, load_basis):
     return budget_page(vip_load / 100, std_load / 100, vip_weight, std_budget / 100, burst_class, burst_load / 100,
-                       burst_s, replicas, azure_bytes, azure_name, service_model, model_name, gpu, tp)
+                       burst_s, replicas, azure_bytes, azure_name, service_model, model_name, gpu, tp, load_basis)
 
 
 _vtc = st.cache_data(vtc_frame, show_spinner="Replaying the VTC artifact's suite…", max_entries=1, ttl="1h")
@@ -80,27 +93,38 @@ def secs(v: float) -> str:
 
 
 run = engine_call(_run, vip_load, std_load, vip_weight, std_budget, burst_class, burst_load, burst_s, replicas,
-                  *upload_parts(azure), service_model, model_name, gpu, tp)
+                  *upload_parts(azure), service_model, model_name, gpu, tp, load_basis)
 summary, budget, source, cap = run.summary, run.budget, run.service_source, run.capacity_rps
+basis = run.basis_capacity_rps
 if run.note:
     st.info(run.note)
-st.caption(f"Fleet: {replicas} × {source}. Capacity at {burst_label} lengths: {cap[burst_class]:,.1f} req/s; the burst "
-           f"offers {burst_load}% of it for {burst_s} s ({run.burst_requests:,} {burst_label} requests).")
+offered = run.burst_requests / burst_s
+of_what = ("of the reference fleet's capacity, "
+           f"{basis[burst_class]:,.1f} req/s" if basis != cap else "of it")
+st.caption(f"Fleet: {replicas} × {source}. Its capacity at {burst_label} lengths: {cap[burst_class]:,.1f} req/s; the "
+           f"burst offers {burst_load}% {of_what} for {burst_s} s ({run.burst_requests:,} {burst_label} requests, "
+           f"{offered:,.1f} req/s = {offered / cap[burst_class]:.0%} of this fleet's capacity).")
 with st.expander("How the rates are derived from the fleet's capacity"):
     rows = pd.DataFrame([{"class": CLASS_LABELS[k], "prompt": TOKENS[k][0], "output": TOKENS[k][1],
-                          "capacity_rps": cap[k], "rate_rps": run.rates_rps[k],
+                          "capacity_rps": cap[k], "basis_rps": basis[k], "rate_rps": run.rates_rps[k],
                           "budget": run.budget_tokens_per_s.get(k, math.nan)} for k in TOKENS])
     show_table(rows, {"class": "Class", "prompt": num("Prompt (tokens)", "%,d"), "output": num("Output (tokens)", "%,d"),
-                      "capacity_rps": num("Fleet capacity (req/s)", "%.1f"), "rate_rps": num("Steady rate (req/s)", "%.2f"),
+                      "capacity_rps": num("This fleet's capacity (req/s)", "%.1f"),
+                      "basis_rps": num("Capacity the loads are shares of (req/s)", "%.1f"),
+                      "rate_rps": num("Steady rate (req/s)", "%.2f"),
                       "budget": num("Bucket refill (tokens/s)", "%,.0f")})
     st.markdown(
         f"A class's capacity is the fleet's saturated throughput at its lengths (±25 % jitter per request): replicas "
         "× requests/s of one always-full replica, one prefill per request plus its share of full-batch decode steps. "
-        "Rates are the lab's load factors times that: VIP and "
+        "Rates are the lab's load factors times the capacity the loads are shares of (above: the reference fleet, "
+        "the model on 8 × H200, or this fleet itself): VIP and "
         f"Standard from the sliders, Batch {BATCH_LOAD:.0%}. Buckets refill at the Standard budget (slider) and Batch "
         f"{BATCH_BUDGET:.0%} of the capacity in tokens/s, and hold {BUCKET_DEPTH_S:.0f} s of refill. Prompts share no "
-        "prefix, so the replicas run without a prefix cache. The A10G replica is the VTC artifact's calibration "
-        "sped up by assumed factors (prefill × 8, decode × 5), with room for 400,000 tokens of KV.")
+        "prefix, so the replicas run without a prefix cache. With the loads shares of the fleet's own capacity, the backlog "
+        "a burst leaves is its load × its length in seconds of the fleet's work on any hardware, so the seconds hardly "
+        "move with the GPU; with the reference fleet the same requests/s meet the chosen GPU's roofline service times. "
+        f"The A10G replica is the VTC artifact's calibration sped up by **assumed** factors (prefill × "
+        f"{PREFILL_SPEEDUP:g}, decode × {DECODE_SPEEDUP:g}), with room for 400,000 tokens of KV.")
 
 st.subheader("1 · TTFT per class, with and without isolation")
 ORDER = [k for k in TOKENS if k in set(summary["class"])]

@@ -6,19 +6,33 @@ import streamlit as st
 
 from lab.fleet import DISPLAY_NAMES
 from lab.fleet_simulation import (
+    ARRIVAL_RATES,
     BOUND_C,
     CAPACITIES,
     CLASS_LABELS,
+    DEFAULT_ARRIVAL_RPS,
     POLICIES,
     REAL_DEFAULTS,
     SCALE_EVENTS,
     SCHEDULER_LABELS,
     SCHEDULERS,
     SERVICE_MODELS,
+    SWEEP_RATES,
     fleet_simulation,
+    load_sweep,
     replica_title,
 )
-from pages._common import engine_call, num, pct, real_replica, show_chart, show_table, upload_parts, url_widget
+from pages._common import (
+    engine_call,
+    num,
+    pct,
+    real_replica,
+    run_on_request,
+    show_chart,
+    show_table,
+    upload_parts,
+    url_widget,
+)
 
 st.title("Fleet simulation")
 st.write(
@@ -27,8 +41,10 @@ st.write(
     "replica is Kimi-Linear on 8 × H200: step times from the roofline, and a prefix cache that is a production "
     "policy model (ours, SGLang, vLLM) at real bytes, where a hit needs a KDA state at the boundary. The VTC-"
     "calibrated A10G replica (block LRU cache) stays selectable: it is the setup that reproduces the VTC artifact. Several routing policies run on the same trace so hit ratio, TTFT per class and load "
-    "balance can be compared side by side. Default trace: synthetic (Mooncake schema, ~3.4 req/s like the "
-    "conversation trace); upload a Mooncake JSONL file to use your own.")
+    "balance can be compared side by side. Default trace: synthetic (Mooncake schema, arrivals like the "
+    "conversation trace), re-timed to the offered load; upload a Mooncake JSONL file to use your own. At the "
+    "conversation trace's own ~3.4 req/s the fleet is nearly idle and the policies differ only by cache hits; the "
+    "default load is where queues form and routing decides TTFT.")
 
 SERVICES = list(SERVICE_MODELS)
 service_label = url_widget(st.selectbox, "Replica", "p14_model", SERVICES[0], SERVICES)
@@ -38,8 +54,13 @@ if real:   # the GPUs and TP sizes offered are those the model's weights fit in
 else:
     model_name, gpu, tp, cache_policy = (REAL_DEFAULTS[k] for k in ("model", "gpu", "tp", "cache_policy"))
     budget_fraction = REAL_DEFAULTS["budget_fraction"]
+TRACE_RATE = "trace's own"
+RATE_OPTIONS = [TRACE_RATE] + [str(r) for r in ARRIVAL_RATES]
+rate_label = url_widget(st.select_slider, "Offered load (requests / s across the fleet)", "p14_rate",
+                        str(DEFAULT_ARRIVAL_RPS), RATE_OPTIONS)
+arrival_rps = None if rate_label == TRACE_RATE else float(rate_label)
 c1, c2, c3, c4 = st.columns(4)
-num_requests = url_widget(c1.slider, "Requests (cap)", "p14_requests", 1200, 200, 5000, step=100)
+num_requests = url_widget(c1.slider, "Requests (cap)", "p14_requests", 600, 200, 5000, step=100)
 replicas = url_widget(c2.slider, "Replicas", "p14_replicas", 8, 1, 16)
 k = url_widget(c3.slider, "Routing prefix depth k (blocks)", "p14_k", 2, 1, 4)
 capacity = "8000" if real else url_widget(  # a real-model replica's cache is its byte budget (above)
@@ -51,7 +72,7 @@ scheduler = SCHEDULERS[SCHEDULER_NAMES.index(url_widget(d1.selectbox, "Replica s
 vip_pct = url_widget(d2.slider, "VIP share of requests (%)", "p14_vip", 10, 0, 50, step=5)
 scale = url_widget(d3.selectbox, "Scale event at half time", "p14_scale", "none", list(SCALE_EVENTS))
 speed = 8 if real else url_widget(  # an assumption for the A10G / CPU replicas; a real model's times: the roofline
-    d4.slider, "Replica speed-up (prefill ×; decode × 5/8 of it)", "p14_speed", 8, 1, 20)
+    d4.slider, "Replica speed-up, assumed (prefill ×; decode × 5/8 of it)", "p14_speed", 8, 1, 20)
 POLICY_NAMES = [DISPLAY_NAMES[p] for p in POLICIES]
 policies = [POLICIES[POLICY_NAMES.index(name)] for name in url_widget(
     st.multiselect, "Routing policies", "p14_policies",
@@ -64,18 +85,33 @@ if not policies:
 
 @st.cache_data(show_spinner=False, max_entries=16, ttl="1h")
 def _run(policies, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, service, real_setup, upload_bytes,
-         upload_name):
+         upload_name, arrival_rps):
     bar = st.progress(0.0, text="Simulating…")  # made here: replayed on a cache hit
     model_name, gpu, tp, cache_policy, budget_fraction = real_setup
     run = fleet_simulation(policies, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, SERVICE_MODELS[service],
                            upload_bytes, upload_name, progress=lambda f: bar.progress(min(f, 1.0), text="Simulating…"),
-                           model=model_name, gpu=gpu, tp=tp, cache_policy=cache_policy, budget_fraction=budget_fraction)
+                           model=model_name, gpu=gpu, tp=tp, cache_policy=cache_policy, budget_fraction=budget_fraction,
+                           arrival_rps=arrival_rps)
     bar.empty()
     return run
 
 
-run = engine_call(_run, tuple(policies), num_requests, replicas, k, capacity, scheduler, vip_pct, scale, speed,
-                  service_label, (model_name, gpu, tp, cache_policy, budget_fraction), *upload_parts(upload))
+@st.cache_data(show_spinner=False, max_entries=4, ttl="1h")
+def _sweep(policies, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, service, real_setup, upload_bytes,
+           upload_name):
+    bar = st.progress(0.0, text="Sweeping the load…")
+    model_name, gpu, tp, cache_policy, budget_fraction = real_setup
+    frame = load_sweep(policies, SWEEP_RATES, n, replicas, k, capacity, scheduler, vip_pct, scale, speed,
+                       SERVICE_MODELS[service], upload_bytes, upload_name, model=model_name, gpu=gpu, tp=tp,
+                       cache_policy=cache_policy, budget_fraction=budget_fraction,
+                       progress=lambda f: bar.progress(min(f, 1.0), text="Sweeping the load…"))
+    bar.empty()
+    return frame
+
+
+setup = (tuple(policies), num_requests, replicas, k, capacity, scheduler, vip_pct, scale, speed, service_label,
+         (model_name, gpu, tp, cache_policy, budget_fraction), *upload_parts(upload))
+run = engine_call(_run, *setup, arrival_rps)
 per_request, summary, ideal, n_trace, source = run.per_request, run.summary, run.ideal_ratio, run.num_requests, \
     run.service_source
 if run.note:
@@ -118,7 +154,9 @@ show_table(_labelled(summary), {
     "queue_wait_p99_ms": num("Queue wait P99 (ms)", "%,.0f")})
 st.download_button("Download per-request results (CSV)", per_request.to_csv(index=False).encode(),
                    file_name="p14_requests.csv", mime="text/csv", key="p14_requests_csv")
-st.caption(f"{n_trace:,} requests (cap {num_requests:,}), {replicas} replicas (service model below). What to notice: "
+load_text = "at the trace's own arrival times" if arrival_rps is None else f"offered at {arrival_rps:g} req/s"
+st.caption(f"{n_trace:,} requests (cap {num_requests:,}) {load_text}, {replicas} replicas (service model below); "
+           f"mean in-flight per replica at routing {run.in_flight.mean_in_flight.mean():.1f}. What to notice: "
            "round robin scatters sessions and loses most hits; hashing on k = 1 sends everything to one replica "
            "(shared system prompt); cache-aware routing trades some balance for hits.")
 
@@ -182,3 +220,26 @@ with st.expander("Service model"):
                 "step time per batch size, calibrated on the VTC artifact's A10G measurements or timed on this CPU "
                 "with our engine, then sped up by the stated (assumed) factors.")
     st.markdown(f"This run: {source}.")
+
+st.subheader("5 · TTFT against offered load")
+run_on_request("p14_sweep_on", "p14_sweep_button", "Sweep the load",
+               f"Runs the settings above at {', '.join(map(str, SWEEP_RATES))} req/s ({len(SWEEP_RATES)} fleet "
+               "simulations, seconds of CPU the first time, cached afterwards) and draws TTFT P50 / P99 per routing "
+               "policy against the load.")
+sweep = engine_call(_sweep, *setup)
+fig_load = go.Figure()
+for policy, g in sweep.groupby("policy", sort=False):
+    for stat, dash in (("ttft_p50_ms", "solid"), ("ttft_p99_ms", "dash")):
+        fig_load.add_trace(go.Scatter(x=g.rate_rps, y=g[stat], mode="lines+markers", line_dash=dash,
+                                      name=f"{DISPLAY_NAMES[policy]} {stat[5:8].upper()}"))
+fig_load.update_layout(xaxis_title="offered load (requests / s across the fleet)", yaxis_title="TTFT (ms, log scale)",
+                       yaxis_type="log", legend=dict(orientation="h", y=-0.25))
+show_chart(fig_load, sweep, key="p14_load_chart")
+show_table(_labelled(sweep), {
+    "policy": "Policy", "rate_rps": num("Offered (req/s)", "%.0f"), "ttft_p50_ms": num("TTFT P50 (ms)", "%,.0f"),
+    "ttft_p99_ms": num("TTFT P99 (ms)", "%,.0f"), "hit_ratio": pct("Token hit ratio"),
+    "throughput_rps": num("Completed (req/s)", "%.1f"),
+    "mean_in_flight": num("Fleet in-flight per replica, mean", "%.2f")})
+st.caption("Each rate re-times the same trace (same prompts and sessions, gaps scaled), so the hit ratios move only "
+           "through routing under load; where completed falls below offered the fleet is saturated and queues grow "
+           "for the whole run.")

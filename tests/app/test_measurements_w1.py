@@ -98,9 +98,8 @@ def test_query_params_set_the_view(page, params, want):
     assert {k: widgets[k] for k in want} == want, widgets
     assert len(_stamps(at)) == 1                                # the measured chart is stamped
     if page == "pages/03_kda_state_vs_kv.py":
-        assert [m.label for m in at.metric if m.label.endswith(("fixed cost per step a", "cost per context token b"))] \
-            == ["KDA: fixed cost per step a", "KDA: cost per context token b", "MLA: fixed cost per step a",
-                "MLA: cost per context token b"]
+        assert [m.label for m in at.metric if m.label.endswith("(measured)")] == [   # medians, not the fit's a, b
+            f"{kind} at N = {n:,} (measured)" for kind in ("KDA step", "MLA decode") for n in (256, 1024)]
     if page == "pages/08_prefix_hit.py":
         assert _metric_value(at, "Prefill tokens skipped") == "96 of 112"          # b = 96: 6 blocks of 16
     if page == "pages/00_home.py":
