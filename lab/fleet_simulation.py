@@ -97,9 +97,11 @@ class FleetSimulation:
     anchors: published figures with sources. With policy caches ("roofline"), kda: one row per policy:
     ``hit_ratio``, ``ideal_ratio`` (block ideal), ``lost_to_missing_state`` (prompt tokens whose KV the
     serving replica held but no state let it reuse, fraction of prompt tokens), ``state_gb`` / ``kv_gb``
-    (peak per replica, mean over replicas), ``ttft_p50_ms`` / ``ttft_p99_ms`` (all classes),
+    (held at the replica's peak, mean over replicas), ``ttft_p50_ms`` / ``ttft_p99_ms`` (all classes),
     ``throughput_rps``; replica_bytes: one row per (policy, replica): ``kv_gb``, ``state_gb``,
-    ``running_gb`` peaks. None otherwise."""
+    ``running_gb`` held when the replica's cached KV + states peaked (they add up to at most ``budget_gb``,
+    the replica's cache budget; :attr:`serve.fleet.policy_cache.PolicyReplicaCache.held_at_peak`). None
+    otherwise."""
 
     per_request: pd.DataFrame
     summary: pd.DataFrame
@@ -237,11 +239,13 @@ def real_replica(model: str, gpu: str, tp: int, cache_policy: str, budget_fracti
     return RooflineService(model, gpu, tp, kv_capacity_tokens=room), cache_factory
 
 
-def cache_counters(sim) -> tuple[int, dict[str, tuple[dict, int]]]:
+def cache_counters(sim) -> tuple[int, dict[str, tuple[dict, int, float]]]:
     """What :func:`kda_metrics` needs of one policy-cache run (not its caches: they hold every cached block):
-    (prompt tokens of its completed requests, {replica: (peak bytes by kind, tokens lost to a missing state)})."""
+    (prompt tokens of its completed requests, {replica: (bytes by kind held when its cached KV + states peaked,
+    tokens lost to a missing state, its budget in bytes)})."""
     prompt = sum(r.input_length for r in sim.results if r.status == "completed")
-    return prompt, {replica: (dict(c.peak_bytes), c.lost_to_missing_state) for replica, c in sim.replica_caches.items()}
+    return prompt, {replica: (dict(c.held_at_peak), c.lost_to_missing_state, c.budget_bytes)
+                    for replica, c in sim.replica_caches.items()}
 
 
 def kda_metrics(counters: dict[str, tuple], summary: pd.DataFrame, trace) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -251,15 +255,16 @@ def kda_metrics(counters: dict[str, tuple], summary: pd.DataFrame, trace) -> tup
     rows, per_replica = [], []
     overall = summary[summary["class"] == "all"].set_index("policy")
     for name, (prompt, caches) in counters.items():
-        for replica, (peak, _) in caches.items():
-            per_replica.append({"policy": name, "replica": replica, "kv_gb": peak["kv"] / 1e9,
-                                "state_gb": peak["state"] / 1e9, "running_gb": peak["running"] / 1e9})
-        lost = sum(lost for _, lost in caches.values())
+        for replica, (held, _, budget) in caches.items():
+            per_replica.append({"policy": name, "replica": replica, "kv_gb": held["kv"] / 1e9,
+                                "state_gb": held["state"] / 1e9, "running_gb": held["running"] / 1e9,
+                                "budget_gb": budget / 1e9})
+        lost = sum(lost for _, lost, _ in caches.values())
         o = overall.loc[name]
         rows.append({"policy": name, "hit_ratio": float(o.hit_ratio), "ideal_ratio": ideal,
                      "lost_to_missing_state": lost / max(1, prompt),
-                     "kv_gb": float(np.mean([peak["kv"] for peak, _ in caches.values()])) / 1e9,
-                     "state_gb": float(np.mean([peak["state"] for peak, _ in caches.values()])) / 1e9,
+                     "kv_gb": float(np.mean([held["kv"] for held, _, _ in caches.values()])) / 1e9,
+                     "state_gb": float(np.mean([held["state"] for held, _, _ in caches.values()])) / 1e9,
                      "ttft_p50_ms": float(o.ttft_p50_ms), "ttft_p99_ms": float(o.ttft_p99_ms),
                      "throughput_rps": float(o.throughput_rps)})
     return pd.DataFrame(rows), pd.DataFrame(per_replica)

@@ -212,9 +212,12 @@ def test_fleet_simulation_on_real_replicas():
     assert (kda.lost_to_missing_state > 0).any()          # vLLM align leaves KV without states
     budget = free_bytes("kimi-linear-48b-a3b", hardware("H200"), 8) / 16
     per = run.replica_bytes
-    assert len(per) == 12                                  # peaks per kind (each kind's own maximum over time)
-    for kind in ("kv_gb", "state_gb"):
-        assert ((per[kind] + per.running_gb) * 1e9 <= budget * (1 + 1e-12)).all(), kind
+    assert len(per) == 12 and (per.budget_gb * 1e9).tolist() == pytest.approx([budget] * 12, rel=1e-12)
+    # bytes by kind held when the replica's KV + states peaked: their stack stays under the budget (here each
+    # kind's own peak, reached at different times, stacked above it on 6 of the 12 replicas)
+    held = (per.kv_gb + per.state_gb + per.running_gb) * 1e9
+    assert (held <= budget * (1 + 1e-12)).all(), (held / budget).tolist()
+    assert (per.kv_gb > 0).all() and (per.state_gb > 0).all() and (per.running_gb > 0).all()
     assert "roofline" in run.service_source
     assert run.kda is not None and fleet_simulation(["ring"], 300, 4, 2, "8000", "vtc", 10, "none", 8, "a10g").kda is None
     with pytest.raises(ValueError, match="do not fit"):
