@@ -225,8 +225,12 @@ def _p14(at: AppTest) -> None:
     ideal = next(s["y0"] for s in kda["layout"]["shapes"] if s["y0"] == s["y1"])
     hit, lost = (plotly_values(t["y"]) for t in kda["data"][:2])
     assert all(0 <= h and 0 <= lo and h + lo <= ideal + 1e-12 for h, lo in zip(hit, lost)), (hit, lost, ideal)
-    stacks = [plotly_values(t["y"]) for t in chart_spec(at, "p14_bytes_chart")["data"]]
+    held = chart_spec(at, "p14_bytes_chart")
+    stacks = [plotly_values(t["y"]) for t in held["data"]]
     assert max(stacks[0]) > 0 and all(v > 0 for v in stacks[2]), "no replica cached KV, or one reserved no slot"
+    budget = [s["y0"] for s in held["layout"].get("shapes", []) if s["y0"] == s["y1"]]
+    totals = [sum(v) for v in zip(*stacks)]     # bytes held when each replica's cache peaked: within its budget
+    assert len(budget) == 1 and max(totals) <= budget[0] * (1 + 1e-12), (max(totals), budget)
 
 
 def _p15(at: AppTest) -> None:
