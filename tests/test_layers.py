@@ -1,15 +1,15 @@
 """The layers, pinned by parsing every ``import`` with :mod:`ast` (no module is imported here).
 
     kda_core/  maths: imports nothing of ours
-    serve/     infra: no lab, no pages, no Streamlit
-    lab/       experiments for the pages: no pages, no Streamlit
-    pages/     thin Streamlit pages: ours only through lab.* and pages._common (+ Streamlit, Plotly, pandas,
-               numpy, stdlib)
+    serve/       infra: no lab, no app_pages, no Streamlit
+    lab/         experiments for the pages: no app_pages, no Streamlit
+    app_pages/   thin Streamlit pages: ours only through lab.* and the pages' own helper modules (+ Streamlit,
+                 Plotly, pandas, numpy, stdlib)
 
 and nothing imports a private name (``_x``) from another package. A package is the top-level directory
-plus its first subpackage: ``serve.memory``, ``serve.prefix``, ``kda_core``, ``lab``, ``pages``; so
+plus its first subpackage: ``serve.memory``, ``serve.prefix``, ``kda_core``, ``lab``, ``app_pages``; so
 ``kda_core/chunk.py`` may import ``kda_core.kda._check_inputs``, ``serve/engine.py`` may not import
-``serve.memory.pool._x``. ``pages/_common.py`` and ``pages/_registry.py`` start with ``_`` only to hide them
+``serve.memory.pool._x``. ``app_pages/_common.py`` and ``app_pages/registry.py`` start with ``_`` only to hide them
 from Streamlit's page discovery; they are the pages' shared helpers, not private names.
 """
 from __future__ import annotations
@@ -22,13 +22,13 @@ from typing import NamedTuple
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = ("kda_core", "serve", "lab", "pages", "bench", "app", "tests")
+OURS = ("kda_core", "serve", "lab", "app_pages", "bench", "app", "tests")
 # Third-party libraries a page may use directly (drawing and tables; no maths, no engine).
 PAGE_LIBRARIES = {"streamlit", "plotly", "pandas", "numpy"}
-# What pages may import of ours: the lab layer and the pages' own helpers. pages._common shows the engine's
+# What pages may import of ours: the lab layer and the pages' own helpers. app_pages._common shows the engine's
 # user-facing errors, so it alone also catches serve.errors' exception types, and it hands the server
 # process's freed memory back to the OS after each call (serve.process_memory).
-PAGE_OURS = ("lab", "pages._common", "pages._registry")
+PAGE_OURS = ("lab", "app_pages._common", "app_pages.registry")
 COMMON_EXTRA = ("serve.errors", "serve.process_memory")
 
 
@@ -92,12 +92,12 @@ def layer_violations(path: Path, source: str) -> list[str]:
         ours = root in OURS
         if top == "kda_core" and ours and root != "kda_core":
             errors.append(f"{where} (kda_core imports nothing of ours)")
-        if top == "serve" and root in ("lab", "pages", "streamlit"):
-            errors.append(f"{where} (serve imports no lab, pages or Streamlit)")
-        if top == "lab" and root in ("pages", "streamlit"):
-            errors.append(f"{where} (lab imports no pages or Streamlit)")
-        if top == "pages":
-            allowed = PAGE_OURS + (COMMON_EXTRA if me == "pages._common" else ())
+        if top == "serve" and root in ("lab", "app_pages", "streamlit"):
+            errors.append(f"{where} (serve imports no lab, app_pages or Streamlit)")
+        if top == "lab" and root in ("app_pages", "streamlit"):
+            errors.append(f"{where} (lab imports no app_pages or Streamlit)")
+        if top == "app_pages":
+            allowed = PAGE_OURS + (COMMON_EXTRA if me == "app_pages._common" else ())
             if ours and not any(imp.module == a or imp.module.startswith(a + ".") for a in allowed):
                 errors.append(f"{where} (pages import ours only through {', '.join(PAGE_OURS)})")
             if not ours and root not in PAGE_LIBRARIES and root not in sys.stdlib_module_names:
@@ -112,7 +112,7 @@ def _files() -> list[Path]:
     return sorted(p for p in REPO.rglob("*.py") if not skip & set(p.relative_to(REPO).parts))
 
 
-@pytest.mark.parametrize("top", ["kda_core", "serve", "lab", "pages", "bench", "app", "tests"])
+@pytest.mark.parametrize("top", ["kda_core", "serve", "lab", "app_pages", "bench", "app", "tests"])
 def test_layers(top):
     errors = []
     for path in _files():
@@ -125,12 +125,12 @@ BAD = {  # a deliberately bad import per rule, in a file of that layer: each mus
     "kda_core/kda.py": "from serve.engine import ServeEngine",
     "serve/engine.py": "import lab.prefix",
     "serve/memory/pool.py": "import streamlit as st",
-    "lab/fleet.py": "from pages._common import persist",
+    "lab/fleet.py": "from app_pages._common import persist",
     "lab/kcp.py": "import streamlit",
-    "pages/08_prefix_hit.py": "from serve.engine import ServeEngine",
-    "pages/11_fleet_hashing.py": "from kda_core.chunk import CHUNK_SIZE",
-    "pages/12_fleet_scaling.py": "import torch",
-    "pages/13_fleet_budgets.py": "from pages._registry import TABS\nfrom pages.x import y",
+    "app_pages/08_prefix_hit.py": "from serve.engine import ServeEngine",
+    "app_pages/11_fleet_hashing.py": "from kda_core.chunk import CHUNK_SIZE",
+    "app_pages/12_fleet_scaling.py": "import torch",
+    "app_pages/13_fleet_budgets.py": "from app_pages.registry import TABS\nfrom serve.x import y",
     "serve/engine.py ": "from serve.memory.pool import _poison",
     "lab/prefix.py": "def f():\n    from serve.prefix.cache import _walk",
     "bench/prefix.py": "from kda_core.kda import _check_inputs",

@@ -16,15 +16,10 @@
 - ``real_replica(prefix, where)``: the model / GPU / TP (and prefix-cache policy, budget) widgets of a
   real-scale replica, the GPU and TP constrained by the model.
 - ``upload_parts(upload)``: ``(bytes, file name)`` of an ``st.file_uploader`` value, hashable for ``st.cache_data``.
-
-- ``route_through_navigation()``: per run, send a run that Streamlit started in its legacy
-  ``pages/`` mode back through ``app.py``'s ``st.navigation`` (``persist`` and ``engine_call`` call
-  it, so every page does; importing this module has no side effect).
 """
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -40,44 +35,7 @@ if TYPE_CHECKING:      # annotations only: a page that builds no frame (Home's f
 PERSISTED_KEYS = "_persisted_widget_keys"  # every key handed out by persist(), for the tests
 CHECKED_LINKS = "_checked_link_values"     # (key, URL values) already checked in this session
 LAST_SHOWN = "__last_shown"                # suffix: a dependent slider's value when it was last on the page
-_THIS_FILE = Path(__file__).resolve()
 limit_malloc_arenas(2)   # every script run is a new thread of the shared server: few arenas, reused
-
-
-def _legacy_run() -> bool:
-    """True when Streamlit's legacy ``pages/`` navigation started this run (checked per run).
-
-    Streamlit 1.67 decides at the start of each run: while the class flag
-    ``PagesManager.uses_pages_directory`` is set (a fresh server with a ``pages/`` folder, until any
-    session calls ``st.navigation``), it runs ``_mpa_v1`` instead of ``app.py``, which registers
-    every ``pages/*.py`` file as a page (this module included) and runs the deep-linked file
-    directly. The flag is global, so another session clearing it says nothing about this run; the
-    pages registered in this run do: ``app.py``'s navigation never lists this module.
-    """
-    from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_run_ctx
-
-    ctx = get_script_run_ctx()
-    if ctx is None:                      # bare mode (python -c, tests without a runner)
-        return False
-    return any(info.get("script_path") and Path(info["script_path"]).resolve() == _THIS_FILE
-               for info in ctx.pages_manager.get_pages().values())
-
-
-def route_through_navigation() -> None:
-    """Rerun a legacy-mode run through ``app.py`` (``st.navigation``); a no-op in a routed run.
-
-    Called on every run by every page (through ``persist`` and ``engine_call``) and by the
-    ``__main__`` blocks of ``_common.py`` and ``_registry.py`` (legacy mode lists them as pages too),
-    never at import time: an ``st.rerun()`` raised while
-    a module is being imported leaves a half-initialised module to sessions importing it at the same
-    moment. Clears the class flag first so the rerun executes ``app.py``; the rerun keeps the page
-    hash (the URL path), so a deep link lands on its page with the sectioned navigation.
-    """
-    from streamlit.runtime.pages_manager import PagesManager
-
-    if _legacy_run():
-        PagesManager.uses_pages_directory = False
-        st.rerun()
 
 
 def built_by_loaded_code(obj: object) -> bool:
@@ -213,7 +171,6 @@ def persist(key: str, default=None, *, options=None, min_value=None, max_value=N
     Streamlit drops a URL value equal to the widget's declared default, which without it would be the
     minimum or first option (``.streamlit/config.toml`` silences the resulting duplicate-default
     warning). Returns key."""
-    route_through_navigation()
     state = st.session_state
     state.setdefault(PERSISTED_KEYS, set()).add(key)
     raw = st.query_params.get_all(key) if key in st.query_params else []
@@ -490,7 +447,6 @@ def show_table(df: pd.DataFrame, columns: dict, **kwargs) -> None:
 
 def engine_call(fn, *args, **kwargs):
     """Call ``fn``; show the error text with ``st.error`` and stop the page on bad input."""
-    route_through_navigation()
     try:
         return fn(*args, **kwargs)
     except UserFacingErrors as exc:
@@ -534,6 +490,3 @@ def measured_stamp(conditions) -> None:
     """The stamp under a measured chart: when, repeats, torch threads, cores, load average
     (:meth:`lab.timing.Conditions.stamp`)."""
     st.caption(conditions.stamp())
-
-if __name__ == "__main__":  # deep link to /common on a fresh server: Streamlit ran this file as a page
-    route_through_navigation()

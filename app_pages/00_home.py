@@ -2,7 +2,7 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from pages._common import (
+from app_pages._common import (
     engine_call,
     measured_stamp,
     remeasure_button,
@@ -11,7 +11,7 @@ from pages._common import (
     show_forward_fit,
     url_widget,
 )
-from pages._registry import SECTIONS, TABS
+from app_pages.registry import SECTIONS, TABS
 
 st.title("KDA Serve Lab — what the second request saves")
 st.write(

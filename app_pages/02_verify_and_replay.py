@@ -4,15 +4,15 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from lab.prefix import demo_model
-from lab.verify import MODES, STRATEGIES, run_verify_lab
-from pages._common import (
+from app_pages._common import (
     built_by_loaded_code,
     engine_call,
     remeasure_button,
     show_chart,
     url_widget,
 )
+from lab.prefix import demo_model
+from lab.verify import MODES, STRATEGIES, run_verify_lab
 
 st.title("verify_and_replay")
 st.write(

@@ -3,8 +3,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.ring import DEMO, RUN_TOKENS, WIDTHS, ring_model, ring_page
-from pages._common import (
+from app_pages._common import (
     built_by_loaded_code,
     engine_call,
     measured_stamp,
@@ -15,6 +14,7 @@ from pages._common import (
     show_table,
     url_widget,
 )
+from lab.ring import DEMO, RUN_TOKENS, WIDTHS, ring_model, ring_page
 
 st.title("RawInputRing")
 st.write(

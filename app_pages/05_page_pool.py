@@ -5,8 +5,7 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from lab.pool import LATENCY_REPEATS, call_latency, page05
-from pages._common import (
+from app_pages._common import (
     engine_call,
     measured_stamp,
     num,
@@ -16,6 +15,7 @@ from pages._common import (
     show_table,
     url_widget,
 )
+from lab.pool import LATENCY_REPEATS, call_latency, page05
 
 st.title("Unified page pool")
 st.write(

@@ -3,6 +3,17 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages._common import (
+    engine_call,
+    num,
+    pct,
+    real_replica,
+    run_on_request,
+    show_chart,
+    show_table,
+    upload_parts,
+    url_widget,
+)
 from lab.real_scale import (
     BUDGET_FRACTIONS,
     DEFAULT_POLICIES,
@@ -17,17 +28,6 @@ from lab.real_scale import (
     policy_view,
     preset_title,
     roofline_view,
-)
-from pages._common import (
-    engine_call,
-    num,
-    pct,
-    real_replica,
-    run_on_request,
-    show_chart,
-    show_table,
-    upload_parts,
-    url_widget,
 )
 
 st.title("Real scale")

@@ -4,6 +4,17 @@ import math
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages._common import (
+    engine_call,
+    num,
+    pct,
+    real_replica,
+    run_on_request,
+    show_chart,
+    show_table,
+    upload_parts,
+    url_widget,
+)
 from lab.fleet import DISPLAY_NAMES
 from lab.fleet_simulation import (
     ARRIVAL_RATES,
@@ -21,17 +32,6 @@ from lab.fleet_simulation import (
     fleet_simulation,
     load_sweep,
     replica_title,
-)
-from pages._common import (
-    engine_call,
-    num,
-    pct,
-    real_replica,
-    run_on_request,
-    show_chart,
-    show_table,
-    upload_parts,
-    url_widget,
 )
 
 st.title("Fleet simulation")

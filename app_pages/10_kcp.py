@@ -3,6 +3,15 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages._common import (
+    engine_call,
+    measured_stamp,
+    num,
+    remeasure_button,
+    show_chart,
+    show_table,
+    url_widget,
+)
 from lab.kcp import (
     BANDWIDTHS_GBPS,
     MODELS,
@@ -13,15 +22,6 @@ from lab.kcp import (
     kcp_limits,
     one_rank_baselines,
     speedup_vs_best,
-)
-from pages._common import (
-    engine_call,
-    measured_stamp,
-    num,
-    remeasure_button,
-    show_chart,
-    show_table,
-    url_widget,
 )
 
 st.title("KDA context parallel (KCP)")

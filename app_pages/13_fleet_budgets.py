@@ -5,6 +5,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages._common import engine_call, num, real_replica, show_chart, show_table, upload_parts, url_widget
 from lab.budgets import (
     BATCH_BUDGET,
     BATCH_LOAD,
@@ -24,7 +25,6 @@ from lab.budgets import (
 )
 from lab.fleet import ANCHORS
 from lab.fleet_simulation import REAL_DEFAULTS
-from pages._common import engine_call, num, real_replica, show_chart, show_table, upload_parts, url_widget
 
 st.title("Fleet budgets")
 st.write(

@@ -2,6 +2,7 @@
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages._common import engine_call, num, show_chart, show_table, url_widget
 from lab.prefix_anatomy import (
     MAX_INTERVALS,
     MAX_PROMPTS,
@@ -10,7 +11,6 @@ from lab.prefix_anatomy import (
     anatomy_view,
     prompt_intervals,
 )
-from pages._common import engine_call, num, show_chart, show_table, url_widget
 
 st.title("Prefix cache anatomy")
 st.write(

@@ -2,10 +2,7 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from lab.fleet import LOOKUP_KEYS, REPLICA_CACHES, display_name
-from lab.fleet_hashing import ALGORITHMS, VNODES, fleet_hashing, lookup_cost
-from lab.fleet_simulation import REAL_DEFAULTS, replica_title
-from pages._common import (
+from app_pages._common import (
     engine_call,
     measured_stamp,
     num,
@@ -16,6 +13,9 @@ from pages._common import (
     upload_parts,
     url_widget,
 )
+from lab.fleet import LOOKUP_KEYS, REPLICA_CACHES, display_name
+from lab.fleet_hashing import ALGORITHMS, VNODES, fleet_hashing, lookup_cost
+from lab.fleet_simulation import REAL_DEFAULTS, replica_title
 
 st.title("Fleet hashing")
 st.write(

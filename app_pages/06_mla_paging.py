@@ -3,8 +3,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages._common import engine_call, measured_stamp, remeasure_button, show_chart, url_widget
 from lab.mla_paging import DEMO_LATENT, DEMO_LAYERS, GATHER_REPEATS, KIMI, gather_grid, page06
-from pages._common import engine_call, measured_stamp, remeasure_button, show_chart, url_widget
 
 st.title("MLA paging")
 st.write(
