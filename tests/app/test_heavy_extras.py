@@ -21,7 +21,7 @@ def _chart_has_data(at: AppTest) -> bool:
 
 
 def test_prefix_miss_replay_behind_button():
-    at = AppTest.from_file(str(REPO / "pages" / "09_prefix_miss.py"), default_timeout=TIMEOUT_S).run()
+    at = AppTest.from_file(str(REPO / "app_pages" / "09_prefix_miss.py"), default_timeout=TIMEOUT_S).run()
     assert not at.exception, [e.value for e in at.exception]
     before = _chart_keys(at)
     assert len(before) == 1, f"only section 1's chart before the button, got {len(before)}"

@@ -1,9 +1,9 @@
-"""app_pages._common.show_chart labels enough ticks on a log axis to read values between the powers of ten."""
+"""app_pages.charts.show_chart labels enough ticks on a log axis to read values between the powers of ten."""
 import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
-from app_pages._common import show_chart
+from app_pages.charts import show_chart
 
 
 def _shown(x, y, **layout) -> go.Figure:

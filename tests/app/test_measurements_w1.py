@@ -46,13 +46,13 @@ def test_remeasure_clears_only_this_pages_measurement():
     The pages run as files here: in AppTest, a button click on a page reached by ``switch_page`` from
     app.py does not reach the script (sliders do), so the click is made on the page itself."""
     st.cache_data.clear()
-    p03 = AppTest.from_file(str(REPO / "pages" / "03_kda_state_vs_kv.py"), default_timeout=300)
+    p03 = AppTest.from_file(str(REPO / "app_pages" / "03_kda_state_vs_kv.py"), default_timeout=300)
     p03.query_params.update(p03_meas_heads="1", p03_meas_max="1024")
     p03.run()
     assert not p03.exception, [e.value for e in p03.exception]
     stamp03, data03 = _stamps(p03), chart_spec(p03, "p03_decode_chart")["data"]
     assert len(stamp03) == 1, [c.value for c in p03.caption]
-    at = AppTest.from_file(str(REPO / "pages" / "08_prefix_hit.py"), default_timeout=300)
+    at = AppTest.from_file(str(REPO / "app_pages" / "08_prefix_hit.py"), default_timeout=300)
     at.query_params.update(p08_shared="64", p08_unique="16", p08_new="1")   # small runs
     at.run()
     assert not at.exception, [e.value for e in at.exception]

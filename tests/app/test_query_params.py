@@ -196,7 +196,7 @@ def test_a_dependent_sliders_link_value_out_of_its_bounds_is_reported(path, para
 
 @pytest.mark.parametrize("tab", PAGES, ids=[Path(t.path).stem for t in PAGES])
 def test_every_url_widget_states_its_default_once(tab) -> None:
-    """A page binds its widgets to the URL only through ``app_pages._common.url_widget``, which gives the default,
+    """A page binds its widgets to the URL only through ``app_pages.links.url_widget``, which gives the default,
     options and bounds to the widget and to the value check alike: a page that writes ``bind=`` or ``persist(``
     itself states them twice, and the two copies can drift apart."""
     source = Path(tab.path).read_text()

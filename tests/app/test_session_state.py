@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from app_pages._common import PERSISTED_KEYS
+from app_pages.links import PERSISTED_KEYS
 from app_pages.registry import HOME, TABS
 
 APP = str(Path(__file__).resolve().parents[2] / "app.py")

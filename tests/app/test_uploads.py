@@ -78,7 +78,7 @@ def test_page_13_caption_gives_the_real_burst_size(monkeypatch):
 
 def test_upload_parts_keeps_empty_uploads():
     """An empty upload is ``b""`` (the loaders report it), never None (which means: no upload)."""
-    from app_pages._common import upload_parts
+    from app_pages.caching import upload_parts
 
     assert upload_parts(None) == (None, "")
     assert upload_parts(_Upload(b"", "empty.jsonl")) == (b"", "empty.jsonl")

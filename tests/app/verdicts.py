@@ -244,7 +244,7 @@ def _p15(at: AppTest) -> None:
     table = next(d.value for d in at.dataframe if "setup" in d.value.columns)
     assert len(table) and table.setup.nunique() == 1, table
     assert {"held out", "predicted"} <= set(table.role), table
-    error = table.model / table.published - 1                         # shown in percent (app_pages._common.pct)
+    error = table.model / table.published - 1                         # shown in percent (app_pages.charts.pct)
     assert ((table.rel_error / 100 - error).abs() < 1e-9).all(), table
     if not any(c.proto.id.endswith("p15_hit_chart") for c in at.get("plotly_chart")):
         return                                          # the policy sweep runs behind its button
