@@ -16,8 +16,9 @@ def test_sidebar_lists_pages_in_number_order() -> None:
 
 
 # Every tab's URL path as the deep links already handed out use it (README, bookmarks, the browser test):
-# app.py gives each st.Page this url_path explicitly, so renaming or moving a page file keeps its links.
-DEEP_LINKS = ["home", "snapshot_vs_projection", "verify_and_replay", "kda_state_vs_kv", "raw_input_ring", "page_pool",
+# app.py gives each st.Page this url_path explicitly, so renaming or moving a page file keeps its links. Home is
+# the default page, served at "/" (its url_path only reserves the name).
+DEEP_LINKS = ["snapshot_vs_projection", "verify_and_replay", "kda_state_vs_kv", "raw_input_ring", "page_pool",
               "mla_paging", "prefix_anatomy", "prefix_hit", "prefix_miss", "kcp", "fleet_hashing", "fleet_scaling",
               "fleet_budgets", "fleet_simulation", "real_scale"]
 
@@ -25,7 +26,7 @@ DEEP_LINKS = ["home", "snapshot_vs_projection", "verify_and_replay", "kda_state_
 def test_every_existing_deep_link_keeps_its_url_path() -> None:
     paths = [HOME.url_path] + [tab.url_path for tab in TABS]
     assert len(set(paths)) == len(paths), f"duplicate URL paths {paths}"
-    assert set(DEEP_LINKS) <= set(paths), f"lost deep links {sorted(set(DEEP_LINKS) - set(paths))}"
+    assert set(DEEP_LINKS) <= {tab.url_path for tab in TABS}, f"lost deep links {sorted(set(DEEP_LINKS) - set(paths))}"
     assert all((REPO / tab.path).is_file() and Path(tab.path).parts[0] == "app_pages" for tab in [HOME] + TABS)
 
 
