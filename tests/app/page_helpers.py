@@ -30,8 +30,8 @@ def open_page(path: str, expect_error: bool = False, **values) -> AppTest:
 
 
 # Sections shown only after a button (heavy extras): the session flag each page's button sets.
-REVEAL = {"pages/09_prefix_miss.py": "p09_replay_on", "pages/14_fleet_simulation.py": "p14_sweep_on",
-          "pages/15_real_scale.py": "p15_sweep_on"}
+REVEAL = {"app_pages/09_prefix_miss.py": "p09_replay_on", "app_pages/14_fleet_simulation.py": "p14_sweep_on",
+          "app_pages/15_real_scale.py": "p15_sweep_on"}
 
 
 def open_revealed(path: str) -> AppTest:

@@ -11,7 +11,7 @@ def _hit(at) -> int:
 
 
 def test_default_drop_moves_the_hit():
-    at = open_page("pages/07_prefix_anatomy.py")
+    at = open_page("app_pages/07_prefix_anatomy.py")
     before = _hit(at)
     at.checkbox(key="p07_drop").check().run()
     assert not at.exception, [e.value for e in at.exception]

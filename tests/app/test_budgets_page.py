@@ -6,7 +6,7 @@ from tests.app.page_helpers import open_page
 
 
 def test_a_class_without_requests_is_explained():
-    at = open_page("pages/13_fleet_budgets.py", p13_model="kimi-k3", p13_vip_load=5, p13_standard_load=5,
+    at = open_page("app_pages/13_fleet_budgets.py", p13_model="kimi-k3", p13_vip_load=5, p13_standard_load=5,
                    p13_vip_weight=8, p13_num_replicas=1, p13_burst_load=400, p13_burst_duration_s=30,
                    p13_standard_budget=10, p13_load_basis="own")
     notes = [i.value for i in at.info]

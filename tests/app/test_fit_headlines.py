@@ -5,7 +5,7 @@ from pathlib import Path
 
 from streamlit.testing.v1 import AppTest
 
-PAGE = str(Path(__file__).resolve().parents[2] / "pages" / "03_kda_state_vs_kv.py")
+PAGE = str(Path(__file__).resolve().parents[2] / "app_pages" / "03_kda_state_vs_kv.py")
 
 
 def test_decode_metrics_are_measured_and_the_fit_is_read():

@@ -6,7 +6,7 @@ from serve.scale.hardware import hardware
 from tests.app.page_helpers import chart_spec, plotly_values
 from tests.app.test_pages import _check, _fresh
 
-PAGE = "pages/14_fleet_simulation.py"
+PAGE = "app_pages/14_fleet_simulation.py"
 
 
 def test_bytes_held_at_the_peak_stay_under_the_budget_line():

@@ -7,7 +7,7 @@ from streamlit.testing.v1 import AppTest
 from lab.fleet import DISPLAY_NAMES
 from tests.app.page_helpers import chart_spec, plotly_values
 
-PAGE = str(Path(__file__).resolve().parents[2] / "pages" / "14_fleet_simulation.py")
+PAGE = str(Path(__file__).resolve().parents[2] / "app_pages" / "14_fleet_simulation.py")
 IN_FLIGHT = "mean_in_flight"   # the balance table's column (its header: "Fleet in-flight per replica, mean")
 
 

@@ -13,7 +13,7 @@ def _phase2(at, pool: str) -> dict[str, int]:
 
 
 def test_default_flip_shows_the_unified_pool_admitting_what_the_static_split_rejects():
-    at = open_page("pages/05_page_pool.py")
+    at = open_page("app_pages/05_page_pool.py")
     unified, static = _phase2(at, "unified"), _phase2(at, "static split")
     assert unified["admitted"] + unified["rejected"] == static["admitted"] + static["rejected"]   # same arrivals
     assert unified["admitted"] >= 1.4 * static["admitted"], (unified, static)

@@ -1,7 +1,7 @@
 """Shareable views: every page binds the widgets that define its view to the URL
 (``bind="query-params"``, Streamlit 1.67), so a pasted link reproduces the view.
 
-For every tab in pages/_registry.py the bound widgets are found by introspection (a widget proto
+For every tab in app_pages/registry.py the bound widgets are found by introspection (a widget proto
 carries ``query_param_key`` when it is bound), then the page is opened three more times with query
 params set before its first run, as a deep link does:
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from pages._registry import HOME, TABS
+from app_pages.registry import HOME, TABS
 from tests.app.allowed_errors import allowed
 
 APP = str(Path(__file__).resolve().parents[2] / "app.py")
@@ -181,10 +181,10 @@ def test_query_params(tab) -> None:
 
 
 @pytest.mark.parametrize(("path", "params", "key"), [
-    ("pages/04_raw_input_ring.py", {"p04_window": "99"}, "p04_window"),
-    ("pages/04_raw_input_ring.py", {"p04_window": "0"}, "p04_window"),
-    ("pages/02_verify_and_replay.py", {"p02_mode": "interrupted", "p02_abort_tokens": "99"}, "p02_abort_tokens"),
-    ("pages/10_kcp.py", {"p10_world": "64"}, "p10_world"),
+    ("app_pages/04_raw_input_ring.py", {"p04_window": "99"}, "p04_window"),
+    ("app_pages/04_raw_input_ring.py", {"p04_window": "0"}, "p04_window"),
+    ("app_pages/02_verify_and_replay.py", {"p02_mode": "interrupted", "p02_abort_tokens": "99"}, "p02_abort_tokens"),
+    ("app_pages/10_kcp.py", {"p10_world": "64"}, "p10_world"),
 ])
 def test_a_dependent_sliders_link_value_out_of_its_bounds_is_reported(path, params, key):
     """A slider whose upper bound follows another widget (persist_clamped) reports a link's value outside its
@@ -196,7 +196,7 @@ def test_a_dependent_sliders_link_value_out_of_its_bounds_is_reported(path, para
 
 @pytest.mark.parametrize("tab", PAGES, ids=[Path(t.path).stem for t in PAGES])
 def test_every_url_widget_states_its_default_once(tab) -> None:
-    """A page binds its widgets to the URL only through ``pages._common.url_widget``, which gives the default,
+    """A page binds its widgets to the URL only through ``app_pages.links.url_widget``, which gives the default,
     options and bounds to the widget and to the value check alike: a page that writes ``bind=`` or ``persist(``
     itself states them twice, and the two copies can drift apart."""
     source = Path(tab.path).read_text()
@@ -204,8 +204,8 @@ def test_every_url_widget_states_its_default_once(tab) -> None:
 
 
 @pytest.mark.parametrize(("path", "params", "bound", "lowered", "key"), [
-    ("pages/11_fleet_hashing.py", {"p11_requests": "3000", "p11_index": "2500"}, "p11_requests", 500, "p11_index"),
-    ("pages/04_raw_input_ring.py", {"p04_capacity": "32", "p04_window": "16"}, "p04_capacity", 5, "p04_window"),
+    ("app_pages/11_fleet_hashing.py", {"p11_requests": "3000", "p11_index": "2500"}, "p11_requests", 500, "p11_index"),
+    ("app_pages/04_raw_input_ring.py", {"p04_capacity": "32", "p04_window": "16"}, "p04_capacity", 5, "p04_window"),
 ])
 def test_a_link_value_is_not_reported_after_another_widget_lowers_its_bound(path, params, bound, lowered, key):
     """A valid link value stays valid: when the user then lowers the widget it depends on, the dependent follows
@@ -222,7 +222,7 @@ def test_a_link_value_is_not_reported_after_another_widget_lowers_its_bound(path
 
 def test_a_value_given_twice_for_a_one_value_widget_is_reported():
     """Streamlit drops ``?p05_pool_mib=48&p05_pool_mib=64`` and shows the default: the page says why."""
-    at = _open("pages/05_page_pool.py", {"p05_pool_mib": ["48", "64"]})
+    at = _open("app_pages/05_page_pool.py", {"p05_pool_mib": ["48", "64"]})
     assert any("p05_pool_mib=48, 64 is given 2 times" in t.value for t in at.toast), [t.value for t in at.toast]
 
 
@@ -258,8 +258,8 @@ HUGE = "9" * 25_000
 BAD_NUMBERS = [("inf", "not an integer"), ("1e309", "not an integer"), (HUGE, "outside [0, ")]
 
 
-@pytest.mark.parametrize(("path", "key"), [("pages/05_page_pool.py", "p05_seed"),
-                                           ("pages/11_fleet_hashing.py", "p11_index")])
+@pytest.mark.parametrize(("path", "key"), [("app_pages/05_page_pool.py", "p05_seed"),
+                                           ("app_pages/11_fleet_hashing.py", "p11_index")])
 @pytest.mark.parametrize(("value", "why"), BAD_NUMBERS, ids=["inf", "1e309", "25000-digits"])
 def test_a_number_streamlit_cannot_read_is_ignored_before_the_widget_sees_it(path, key, value, why):
     """Regression: ``?p05_seed=inf`` (or 1e309, or 25,000 digits) reached Streamlit's ``number_input``
@@ -268,11 +268,11 @@ def test_a_number_streamlit_cannot_read_is_ignored_before_the_widget_sees_it(pat
 
 
 @pytest.mark.parametrize(("path", "params", "key", "why"), [
-    ("pages/00_home.py", {"p00_new": "1.5"}, "p00_new", "not an integer"),
-    ("pages/00_home.py", {"p00_first": ["a", "second"]}, "p00_first", "given 2 times"),
-    ("pages/12_fleet_scaling.py", {"p12_algorithms": ""}, "p12_algorithms", "an empty selection"),
-    ("pages/14_fleet_simulation.py", {"p14_policies": ""}, "p14_policies", "an empty selection"),
-    ("pages/15_real_scale.py", {"p15_policies": ""}, "p15_policies", "an empty selection"),
+    ("app_pages/00_home.py", {"p00_new": "1.5"}, "p00_new", "not an integer"),
+    ("app_pages/00_home.py", {"p00_first": ["a", "second"]}, "p00_first", "given 2 times"),
+    ("app_pages/12_fleet_scaling.py", {"p12_algorithms": ""}, "p12_algorithms", "an empty selection"),
+    ("app_pages/14_fleet_simulation.py", {"p14_policies": ""}, "p14_policies", "an empty selection"),
+    ("app_pages/15_real_scale.py", {"p15_policies": ""}, "p15_policies", "an empty selection"),
 ], ids=["float-for-int", "repeated", "empty-12", "empty-14", "empty-15"])
 def test_a_link_value_reported_as_ignored_is_not_applied(path, params, key, why):
     """Regression: Streamlit applied these (``1.5`` became 1, the last of a repeated value won, an empty
@@ -281,16 +281,16 @@ def test_a_link_value_reported_as_ignored_is_not_applied(path, params, key, why)
 
 
 @pytest.mark.parametrize(("path", "params", "key", "why"), [
-    ("pages/02_verify_and_replay.py", {"p02_accept": "nan"}, "p02_accept", "not a finite number"),
-    ("pages/05_page_pool.py", {"p05_long_share": "nan"}, "p05_long_share", "not a finite number"),
-    ("pages/12_fleet_scaling.py", {"p12_at": "nan"}, "p12_at", "not a finite number"),
-    ("pages/03_kda_state_vs_kv.py", {"p03_context": "64"}, "p03_context", "1 value, not a range of two"),
-    ("pages/03_kda_state_vs_kv.py", {"p03_context": ["1024", "4096", "65536"]}, "p03_context",
+    ("app_pages/02_verify_and_replay.py", {"p02_accept": "nan"}, "p02_accept", "not a finite number"),
+    ("app_pages/05_page_pool.py", {"p05_long_share": "nan"}, "p05_long_share", "not a finite number"),
+    ("app_pages/12_fleet_scaling.py", {"p12_at": "nan"}, "p12_at", "not a finite number"),
+    ("app_pages/03_kda_state_vs_kv.py", {"p03_context": "64"}, "p03_context", "1 value, not a range of two"),
+    ("app_pages/03_kda_state_vs_kv.py", {"p03_context": ["1024", "4096", "65536"]}, "p03_context",
      "3 values, not a range of two"),
-    ("pages/00_home.py", {"p00_first": "x" * 2_001}, "p00_first", "2,001 characters, over the 2,000-character limit"),
-    ("pages/07_prefix_anatomy.py", {"p07_prompts": "a" * 30_000 + "\n" + "b" * 30_000}, "p07_prompts",
+    ("app_pages/00_home.py", {"p00_first": "x" * 2_001}, "p00_first", "2,001 characters, over the 2,000-character limit"),
+    ("app_pages/07_prefix_anatomy.py", {"p07_prompts": "a" * 30_000 + "\n" + "b" * 30_000}, "p07_prompts",
      "60,001 characters, over the 4,000-character limit"),
-    ("pages/07_prefix_anatomy.py", {"p07_prompts": "\n".join(str(i) for i in range(2_000))}, "p07_prompts",
+    ("app_pages/07_prefix_anatomy.py", {"p07_prompts": "\n".join(str(i) for i in range(2_000))}, "p07_prompts",
      "8,889 characters, over the 4,000-character limit"),
 ], ids=["nan-02", "nan-05", "nan-12", "range-one-end", "range-three-ends", "text-over-limit", "07-two-long-prompts",
         "07-2000-prompts"])
@@ -300,9 +300,9 @@ def test_a_link_value_streamlit_drops_is_reported(path, params, key, why):
 
 
 @pytest.mark.parametrize(("path", "key", "value"), [
-    ("pages/04_raw_input_ring.py", "p04_window", 99),
-    ("pages/10_kcp.py", "p10_world", 64),
-    ("pages/11_fleet_hashing.py", "p11_index", 10**9),
+    ("app_pages/04_raw_input_ring.py", "p04_window", 99),
+    ("app_pages/10_kcp.py", "p10_world", 64),
+    ("app_pages/11_fleet_hashing.py", "p11_index", 10**9),
 ])
 def test_a_stored_value_above_a_dependent_bound_is_reported(path, key, value):
     """Regression: a stored session value above a dependent slider's bound (one the widget never showed: a session
@@ -328,7 +328,7 @@ def test_page_07_prompts_within_the_box_but_over_the_bounds_are_an_error(text, w
     that fits the box (4,000 characters) but holds too many prompts, or too many UTF-8 bytes, is an error naming
     the prompts, before any engine is built; the caption states the bounds."""
     at = AppTest.from_file(APP, default_timeout=TIMEOUT_S)
-    at.switch_page("pages/07_prefix_anatomy.py")
+    at.switch_page("app_pages/07_prefix_anatomy.py")
     at.query_params["p07_prompts"] = text
     at.run()
     assert not at.exception, [e.value for e in at.exception]

@@ -8,7 +8,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _open(page: str, params: dict) -> AppTest:
-    at = AppTest.from_file(str(REPO / "pages" / page), default_timeout=300)
+    at = AppTest.from_file(str(REPO / "app_pages" / page), default_timeout=300)
     for key, value in params.items():
         at.query_params[key] = value
     at.run()

@@ -5,7 +5,7 @@ import pytest
 
 from tests.app.page_helpers import chart_spec, open_page, plotly_values
 
-PAGE = "pages/04_raw_input_ring.py"
+PAGE = "app_pages/04_raw_input_ring.py"
 
 
 @pytest.mark.parametrize("values", [{}, {"p04_capacity": 6, "p04_window": 4}], ids=["defaults", "cap6-win4"])
@@ -31,7 +31,7 @@ def test_window_slider_is_bounded_by_capacity():
     """Dependent widgets constrain each other: a capacity below the window lowers the window instead of
     failing, and a 1-slot ring shows a window of 1 on a disabled slider (kept on the page: a slider that left the
     page came back above its new max and failed, see test_browser)."""
-    at = open_page("pages/04_raw_input_ring.py")
+    at = open_page("app_pages/04_raw_input_ring.py")
     at.slider(key="p04_capacity").set_value(4).run()
     assert not at.exception and not at.error
     assert at.slider(key="p04_window").value == 4 and at.slider(key="p04_window").max == 4

@@ -9,7 +9,7 @@ def _spots(fig) -> list[tuple]:
 
 
 def test_reference_line_labels_never_share_a_spot():
-    at = open_page("pages/12_fleet_scaling.py", p12_replicas=2, p12_action="remove")
+    at = open_page("app_pages/12_fleet_scaling.py", p12_replicas=2, p12_action="remove")
     moved = chart_spec(at, "p12_moved_chart")
     ys = sorted(float(a["y"]) for a in moved["layout"]["annotations"])
     assert ys[0] == ys[-1] == 0.5                      # the two lines coincide here

@@ -3,6 +3,10 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.charts import num, show_chart, show_table
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.measurement import measured_stamp, remeasure_button
 from lab.kcp import (
     BANDWIDTHS_GBPS,
     MODELS,
@@ -13,15 +17,6 @@ from lab.kcp import (
     kcp_limits,
     one_rank_baselines,
     speedup_vs_best,
-)
-from pages._common import (
-    engine_call,
-    measured_stamp,
-    num,
-    remeasure_button,
-    show_chart,
-    show_table,
-    url_widget,
 )
 
 st.title("KDA context parallel (KCP)")

@@ -4,15 +4,13 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
+from app_pages.caching import built_by_loaded_code
+from app_pages.charts import show_chart
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.measurement import remeasure_button
 from lab.prefix import demo_model
 from lab.verify import MODES, STRATEGIES, run_verify_lab
-from pages._common import (
-    built_by_loaded_code,
-    engine_call,
-    remeasure_button,
-    show_chart,
-    url_widget,
-)
 
 st.title("verify_and_replay")
 st.write(

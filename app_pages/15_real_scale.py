@@ -3,6 +3,12 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.caching import upload_parts
+from app_pages.charts import num, pct, show_chart, show_table
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.measurement import run_on_request
+from app_pages.replica import real_replica
 from lab.real_scale import (
     BUDGET_FRACTIONS,
     DEFAULT_POLICIES,
@@ -17,17 +23,6 @@ from lab.real_scale import (
     policy_view,
     preset_title,
     roofline_view,
-)
-from pages._common import (
-    engine_call,
-    num,
-    pct,
-    real_replica,
-    run_on_request,
-    show_chart,
-    show_table,
-    upload_parts,
-    url_widget,
 )
 
 st.title("Real scale")

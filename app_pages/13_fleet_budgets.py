@@ -5,6 +5,11 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.caching import upload_parts
+from app_pages.charts import num, show_chart, show_table
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.replica import real_replica
 from lab.budgets import (
     BATCH_BUDGET,
     BATCH_LOAD,
@@ -24,7 +29,6 @@ from lab.budgets import (
 )
 from lab.fleet import ANCHORS
 from lab.fleet_simulation import REAL_DEFAULTS
-from pages._common import engine_call, num, real_replica, show_chart, show_table, upload_parts, url_widget
 
 st.title("Fleet budgets")
 st.write(

@@ -2,6 +2,9 @@
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.charts import num, show_chart, show_table
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
 from lab.prefix_anatomy import (
     MAX_INTERVALS,
     MAX_PROMPTS,
@@ -10,7 +13,6 @@ from lab.prefix_anatomy import (
     anatomy_view,
     prompt_intervals,
 )
-from pages._common import engine_call, num, show_chart, show_table, url_widget
 
 st.title("Prefix cache anatomy")
 st.write(

@@ -5,8 +5,10 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.charts import num, pct, show_chart, show_table
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
 from lab.rollback import DTYPES, LAYER_PRESETS, preset_title, rollback_page
-from pages._common import engine_call, num, pct, show_chart, show_table, url_widget
 
 st.title("Snapshot vs projection bytes")
 st.write(

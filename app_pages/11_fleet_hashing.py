@@ -2,20 +2,15 @@
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.caching import upload_parts
+from app_pages.charts import num, show_chart, show_table
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.measurement import measured_stamp, remeasure_button
+from app_pages.replica import real_replica
 from lab.fleet import LOOKUP_KEYS, REPLICA_CACHES, display_name
 from lab.fleet_hashing import ALGORITHMS, VNODES, fleet_hashing, lookup_cost
 from lab.fleet_simulation import REAL_DEFAULTS, replica_title
-from pages._common import (
-    engine_call,
-    measured_stamp,
-    num,
-    real_replica,
-    remeasure_button,
-    show_chart,
-    show_table,
-    upload_parts,
-    url_widget,
-)
 
 st.title("Fleet hashing")
 st.write(

@@ -3,8 +3,11 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.charts import show_chart
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.measurement import measured_stamp, remeasure_button
 from lab.mla_paging import DEMO_LATENT, DEMO_LAYERS, GATHER_REPEATS, KIMI, gather_grid, page06
-from pages._common import engine_call, measured_stamp, remeasure_button, show_chart, url_widget
 
 st.title("MLA paging")
 st.write(

@@ -2,10 +2,14 @@
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.caching import upload_parts
+from app_pages.charts import num, pct, show_chart, show_table
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.replica import real_replica
 from lab.fleet import REPLICA_CACHES, display_name
 from lab.fleet_scaling import ACTIONS, CAPACITIES, KEY_ROUTERS, MAX_SEEDS, SMOOTH_WINDOWS, TRACE_SEEDS, fleet_scaling
 from lab.fleet_simulation import REAL_DEFAULTS, replica_title
-from pages._common import engine_call, num, pct, real_replica, show_chart, show_table, upload_parts, url_widget
 
 st.title("Fleet scaling")
 st.write(

@@ -4,6 +4,10 @@ import math
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.charts import num, show_chart, show_table
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.measurement import measured_stamp, remeasure_button
 from lab.state_vs_kv import (
     CONTEXTS,
     KV_DTYPES,
@@ -14,7 +18,6 @@ from lab.state_vs_kv import (
     fit_table,
     state_vs_kv,
 )
-from pages._common import engine_call, measured_stamp, num, remeasure_button, show_chart, show_table, url_widget
 
 st.title("KDA state vs KV cache")
 st.write(

@@ -3,8 +3,11 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.charts import show_chart, show_forward_fit
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.measurement import measured_stamp, remeasure_button
 from lab.prefix import prefix_hit, prefix_hit_timing
-from pages._common import engine_call, measured_stamp, remeasure_button, show_chart, show_forward_fit, url_widget
 
 st.title("Prefix hit")
 st.write(

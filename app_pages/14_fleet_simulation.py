@@ -4,6 +4,12 @@ import math
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.caching import upload_parts
+from app_pages.charts import num, pct, show_chart, show_table
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.measurement import run_on_request
+from app_pages.replica import real_replica
 from lab.fleet import DISPLAY_NAMES
 from lab.fleet_simulation import (
     ARRIVAL_RATES,
@@ -21,17 +27,6 @@ from lab.fleet_simulation import (
     fleet_simulation,
     load_sweep,
     replica_title,
-)
-from pages._common import (
-    engine_call,
-    num,
-    pct,
-    real_replica,
-    run_on_request,
-    show_chart,
-    show_table,
-    upload_parts,
-    url_widget,
 )
 
 st.title("Fleet simulation")

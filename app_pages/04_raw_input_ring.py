@@ -3,18 +3,12 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.caching import built_by_loaded_code
+from app_pages.charts import num, pct, show_chart, show_table
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.measurement import measured_stamp, remeasure_button
 from lab.ring import DEMO, RUN_TOKENS, WIDTHS, ring_model, ring_page
-from pages._common import (
-    built_by_loaded_code,
-    engine_call,
-    measured_stamp,
-    num,
-    pct,
-    remeasure_button,
-    show_chart,
-    show_table,
-    url_widget,
-)
 
 st.title("RawInputRing")
 st.write(

@@ -5,17 +5,11 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
+from app_pages.charts import num, pct, show_chart, show_table
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.measurement import measured_stamp, remeasure_button
 from lab.pool import LATENCY_REPEATS, call_latency, page05
-from pages._common import (
-    engine_call,
-    measured_stamp,
-    num,
-    pct,
-    remeasure_button,
-    show_chart,
-    show_table,
-    url_widget,
-)
 
 st.title("Unified page pool")
 st.write(

@@ -2,16 +2,11 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from pages._common import (
-    engine_call,
-    measured_stamp,
-    remeasure_button,
-    run_on_request,
-    show_chart,
-    show_forward_fit,
-    url_widget,
-)
-from pages._registry import SECTIONS, TABS
+from app_pages.charts import show_chart, show_forward_fit
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.measurement import measured_stamp, remeasure_button, run_on_request
+from app_pages.registry import SECTIONS, TABS
 
 st.title("KDA Serve Lab — what the second request saves")
 st.write(

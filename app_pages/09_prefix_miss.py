@@ -4,9 +4,13 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
+from app_pages.caching import upload_parts
+from app_pages.charts import pct, show_chart, show_table
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.measurement import run_on_request
 from lab.fleet import synthetic_trace_description
 from lab.prefix_miss import CAPACITY_FRACTIONS, PRESETS, prefix_miss, preset_title
-from pages._common import engine_call, pct, run_on_request, show_chart, show_table, upload_parts, url_widget
 
 st.title("Prefix miss")
 st.write(
