@@ -72,8 +72,8 @@ def test_page_13_caption_gives_the_real_burst_size(monkeypatch):
     asked = re.fullmatch(r"The burst has 2 Standard requests, not the ([\d,]+) asked for: the Azure trace gave only "
                          r"2\.", info)
     assert asked and int(asked.group(1).replace(",", "")) > 2, info
-    assert any("(2 Standard requests)" in c.value for c in at.caption)
-    assert not any(f"({asked.group(1)} Standard requests)" in c.value for c in at.caption)
+    assert any(re.search(r"\(2 Standard requests[,)]", c.value) for c in at.caption)   # the caption may go on
+    assert not any(re.search(rf"\({asked.group(1)} Standard requests[,)]", c.value) for c in at.caption)
 
 
 def test_upload_parts_keeps_empty_uploads():
