@@ -81,6 +81,11 @@ class ServerMetrics:
         self.miss_tokens = c("sglang:mamba_cache_miss_tokens",
                              "Prompt tokens cached as KV but recomputed for want of a checkpoint.")
 
+        for counter in (self.queries, self.hits, self.prompt_tokens, self.generation_tokens, self.aborted,
+                        self.rejected, self.miss_requests, self.miss_tokens):
+            counter.labels(model_name)                    # every series present from the start, at 0
+        self.success.labels(model_name, "length")
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
