@@ -8,6 +8,7 @@ Concept → file → main type:
 - Prometheus metrics (vLLM / SGLang names) ....... metrics.py ... ``ServerMetrics``
 - routes, SSE, disconnects ....................... app.py ....... ``create_app``
 - command line ................................... __main__.py .. ``main``
+- serve an app from a background thread ........... background.py  ``serve_in_thread``
 
 Tests: ``tests/serve/http/test_server_openai.py`` (the ``openai`` client: completion, chat, streaming, errors),
 ``tests/serve/http/test_server_load.py`` (64+ concurrent streams, random cancels, outputs vs batch-1 runs,

@@ -4,13 +4,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-import socket
-import threading
-import time
-
-import uvicorn
 
 from serve.http.app import create_app
+from serve.http.background import serve_in_thread
 from serve.http.model import EngineSpec, build_engine, load_model
 
 MODEL = "kda-demo"
@@ -20,22 +16,8 @@ MODEL = "kda-demo"
 def running_server(spec: EngineSpec, max_queue: int = 64, model=None):
     """Yield ``(base_url, app)`` of a server on 127.0.0.1 serving ``spec``; stopped on exit."""
     app = create_app(build_engine(spec, model), MODEL, spec.max_model_len, spec.max_num_seqs, max_queue)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
+    with serve_in_thread(app) as url:
+        yield url, app
 
 
 def metric(text: str, name: str, **labels) -> float:
