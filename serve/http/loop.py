@@ -7,7 +7,8 @@ server's event loop, fed with ``call_soon_threadsafe``). The thread's loop, whil
     drain commands -> hand queued requests to the engine while it holds < max_num_seqs
     -> engine.step() -> push each request's new tokens; a finished / aborted / rejected one gets its end
 
-and sleeps on an event when idle. Admission control is here, not in the engine: at most
+and sleeps on an event when idle. If ``step()`` raises :data:`MAX_STEP_FAILURES` times in a row the loop stops:
+every request ends (the handlers answer 503) and :attr:`EngineLoop.alive` turns False. Admission control is here, not in the engine: at most
 ``max_num_seqs + max_queue`` requests are outstanding; one more raises :class:`QueueFull` at once (the
 handler answers 429 with Retry-After), so a client never waits on a queue it cannot join. Uses only the
 engine's public API (``submit``, ``step``, ``abort``, ``result``, ``running``, ``waiting``,
@@ -30,6 +31,11 @@ from serve.http.metrics import ServerMetrics
 from serve.request import RequestResult, RequestStatus
 
 log = logging.getLogger("serve.http")
+
+MAX_STEP_FAILURES = 3
+"""Consecutive ``engine.step()`` errors after which the loop declares the engine dead (every request ends,
+/health answers 503): one error is a request the engine aborted (a failed publish); a step that keeps
+raising would otherwise spin forever with its clients waiting."""
 
 
 class QueueFull(RuntimeError):
@@ -124,6 +130,7 @@ class EngineLoop:
 
     # ---- engine thread --------------------------------------------------------------------------------
     def _run(self) -> None:
+        failures = 0
         try:
             with torch.inference_mode():
                 while not self._stop:
@@ -134,8 +141,13 @@ class EngineLoop:
                         t0 = time.perf_counter()
                         try:
                             eng.step()
+                            failures = 0
                         except Exception as err:          # a failed publish aborts its request, others go on
+                            failures += 1
                             log.warning("engine step raised %s: %s", type(err).__name__, err)
+                            if failures >= MAX_STEP_FAILURES:
+                                raise RuntimeError(f"engine.step() raised {failures} times in a row; last: "
+                                                   f"{type(err).__name__}: {err}") from err
                         self.metrics.step_seconds.observe(time.perf_counter() - t0)
                         self._emit()
                         self._gauges()
@@ -223,7 +235,10 @@ class EngineLoop:
                 except Exception:                          # noqa: BLE001 - best effort on the way out
                     pass
             if not s.done:
-                self._end(s, None if s.rid is None else self.engine.result(s.rid))
+                res = None if s.rid is None else self.engine.result(s.rid)
+                if res is not None and self.error is not None:
+                    res = res._replace(reason=f"engine loop stopped: {self.error}")
+                self._end(s, res)
         self._pending.clear()
         while True:                                        # fail calls queued after the end
             try:
