@@ -12,7 +12,7 @@ kvcache-ai/Mooncake FAST'25): its first ``--requests`` requests in order, scaled
 block becomes 16 bytes (one KV block of the server, N = 16) drawn from a generator seeded by the block's hash id,
 so requests that share hash ids share a byte prefix exactly as the trace's share a cached prefix; the output is
 output_length / 32 tokens, clipped to [1, 32]. Arrivals are Poisson at each ``--rates`` value (req/s, seeded),
-as ``vllm bench serve --request-rate`` draws them. Without ``--url`` a server is started in this process on
+as ``vllm bench serve --request-rate`` draws them. Without ``--url`` a ``python -m serve.http`` process is started on
 127.0.0.1 (fresh per rate, so every rate starts from an empty prefix cache).
 Writes ``bench/results/serve_http.json``; all figures are measured, on this machine, in this run.
 """
@@ -22,8 +22,12 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -104,15 +108,30 @@ async def run_rate(url: str, model: str, workload, rate: float, seed: int) -> di
 
 @contextlib.contextmanager
 def local_server(max_model_len: int, max_num_seqs: int):
-    """A fresh in-process server on 127.0.0.1."""
-    from serve.http.app import create_app
-    from serve.http.background import serve_in_thread
-    from serve.http.model import EngineSpec, build_engine
-
-    spec = EngineSpec(max_model_len=max_model_len, max_num_seqs=max_num_seqs)
-    app = create_app(build_engine(spec), "kda-demo", max_model_len, max_num_seqs, max_queue=1024)
-    with serve_in_thread(app) as url:
+    """A fresh ``python -m serve.http`` process on 127.0.0.1 (its own interpreter: the client's Python work
+    does not share the server's GIL), stopped on exit. Raises RuntimeError if it does not come up in 60 s."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "serve.http", "--port", str(port), "--max-model-len", str(max_model_len),
+           "--max-num-seqs", str(max_num_seqs), "--max-queue", "1024"]
+    proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=dict(os.environ, OMP_NUM_THREADS="1"))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start: {' '.join(cmd)}")
+            time.sleep(0.1)
         yield url
+    finally:
+        proc.terminate()
+        proc.wait(30)
 
 
 def main(argv=None) -> list[dict]:
@@ -138,7 +157,7 @@ def main(argv=None) -> list[dict]:
               f"{r['ttft_p99_ms']:.0f} ms, TPOT p50 {r['tpot_p50_ms']:.1f} ms, ITL p99 {r['itl_p99_ms']:.0f} ms, "
               f"failed {r['failed']}", flush=True)
     meta = dict(workload="Mooncake conversation trace, first requests, 1/32 scale (bench/serve_http.py)",
-                requests_per_rate=args.requests, server=args.url or "in-process, fresh per rate",
+                requests_per_rate=args.requests, server=args.url or "python -m serve.http subprocess on 127.0.0.1, fresh per rate",
                 measured=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
