@@ -60,21 +60,24 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
                "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     ttft, last, itl, tokens = None, t0, [], 0
-    async with client.stream("POST", "/v1/completions", json=payload) as r:
-        if r.status_code != 200:
-            return {"ok": False, "status": r.status_code}
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            obj, now = json.loads(line[6:]), time.perf_counter()
-            if obj.get("usage"):
-                tokens = obj["usage"]["completion_tokens"]
-            if obj["choices"] and obj["choices"][0]["text"]:
-                if ttft is None:
-                    ttft = now - t0
-                else:
-                    itl.append(now - last)
-                last = now
+    try:
+        async with client.stream("POST", "/v1/completions", json=payload) as r:
+            if r.status_code != 200:
+                return {"ok": False, "status": r.status_code}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj, now = json.loads(line[6:]), time.perf_counter()
+                if obj.get("usage"):
+                    tokens = obj["usage"]["completion_tokens"]
+                if obj["choices"] and obj["choices"][0]["text"]:
+                    if ttft is None:
+                        ttft = now - t0
+                    else:
+                        itl.append(now - last)
+                    last = now
+    except httpx.TransportError as err:                  # counted as a failed request, as vllm bench serve does
+        return {"ok": False, "status": f"{type(err).__name__}: {err}"}
     latency = time.perf_counter() - t0
     ttft = latency if ttft is None else ttft
     return {"ok": True, "ttft": ttft, "latency": latency, "itl": itl, "output_tokens": tokens,
@@ -85,7 +88,7 @@ async def run_rate(url: str, model: str, workload, rate: float, seed: int) -> di
     """Send the workload with Poisson arrivals at ``rate`` req/s; the per-rate row of the table."""
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / rate, len(workload))
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=1000)) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=1000, keepalive_expiry=2.0)) as client:
         tasks, t_start = [], time.perf_counter()
         for (prompt, max_tokens), gap in zip(workload, gaps):
             await asyncio.sleep(gap)
@@ -98,6 +101,7 @@ async def run_rate(url: str, model: str, workload, rate: float, seed: int) -> di
     itl = [g for r in ok for g in r["itl"]]
     out_tokens = sum(r["output_tokens"] for r in ok)
     return dict(rate_rps=rate, requests=len(res), failed=len(res) - len(ok), duration_s=wall,
+                errors=sorted({str(r["status"]) for r in res if not r["ok"]}),
                 request_throughput_rps=len(ok) / wall, output_throughput_tps=out_tokens / wall,
                 input_tokens=sum(r["input_tokens"] for r in ok), output_tokens=out_tokens,
                 ttft_mean_ms=statistics.fmean(ttft) * 1e3, ttft_p50_ms=ms(ttft, 50), ttft_p99_ms=ms(ttft, 99),

@@ -215,7 +215,8 @@ class EngineLoop:
         s.done = True
         if s.rid is not None:
             self._active.pop(s.rid, None)
-            self.engine.requests.pop(s.rid, None)          # the engine keeps every record; a server must not
+            # the engine keeps every request's record for result(); a long-running server drops it at the end
+            getattr(self.engine, "requests", {}).pop(s.rid, None)
         self.metrics.finished(s, res)
         if res is None:
             res = RequestResult(-1, RequestStatus.ABORTED, len(s.prompt), (), None, 0, 0, 0, 0, 0, 0, {}, None,
