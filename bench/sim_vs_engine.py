@@ -1,8 +1,8 @@
 """The fleet simulator's error against the real engine behind the HTTP server: ``python -m bench.sim_vs_engine``.
 
-1. Calibrate (Vidur-style operator profiling, here through the engine's public API on this machine): prefill
-   steps of one prompt at 32 / 128 / 256 / 512 tokens and decode steps at batch 1 / 4 / 16, each the median of
-   5 timed repeats after a warm-up; fitted to :class:`serve.fleet.service_model.ServiceModel`
+1. Calibrate (Vidur-style operator profiling, here through the engine's public API on this machine), right
+   before each rate's replay (the shared CPU's speed drifts): prefill steps of one prompt at 32 / 128 / 256 /
+   512 tokens and decode steps at batch 1 / 4 / 16, each the median of 5 timed repeats after a warm-up; fitted to :class:`serve.fleet.service_model.ServiceModel`
    (prefill_ms = overhead + tokens / rate; decode_step_ms = base + per_seq * batch) by least squares.
 2. Measure: the Mooncake-conversation-shaped replay of :mod:`bench.serve_http` through a fresh in-process
    server per rate (Poisson arrivals, seeded).
@@ -100,13 +100,19 @@ def main(argv=None) -> dict:
     p.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    svc, points = calibrate(load_model("demo"))
-    print(f"fitted: prefill {svc.prefill_tokens_per_s:.0f} tok/s + {svc.prefill_overhead_ms:.1f} ms; decode step "
-          f"{svc.decode_step_base_ms:.2f} + {svc.decode_step_per_seq_ms:.2f} ms x batch (from {points})", flush=True)
+    model, fits = load_model("demo"), {}
     workload = mooncake_workload(args.requests, 1024)
     hash_ids = [r.hash_ids for r in load_mooncake(TRACE)[: args.requests]]
     rows = []
     for rate in args.rates:
+        svc, points = calibrate(model)            # right before its replay: the shared CPU's speed drifts
+        fits[str(rate)] = {"points": {k: {str(a): b for a, b in v.items()} for k, v in points.items()},
+                           "prefill_tokens_per_s": svc.prefill_tokens_per_s,
+                           "prefill_overhead_ms": svc.prefill_overhead_ms,
+                           "decode_step_base_ms": svc.decode_step_base_ms,
+                           "decode_step_per_seq_ms": svc.decode_step_per_seq_ms}
+        print(f"fitted: prefill {svc.prefill_tokens_per_s:.0f} tok/s + {svc.prefill_overhead_ms:.1f} ms; decode "
+              f"step {svc.decode_step_base_ms:.2f} + {svc.decode_step_per_seq_ms:.2f} ms x batch", flush=True)
         with local_server(1024, 64) as url:
             asyncio.run(run_rate(url, "kda-demo", workload[:2], rate, args.seed))          # warm-up
             measured = asyncio.run(run_rate(url, "kda-demo", workload, rate, args.seed))
@@ -119,11 +125,7 @@ def main(argv=None) -> dict:
     mape = {m: statistics.fmean(r["error_pct"] for r in rows if r["metric"] == m) for m in METRICS}
     print("MAPE over rates: " + ", ".join(f"{m} {v:.1f} %" for m, v in mape.items()))
     out = {"meta": {"measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "requests": args.requests,
-                    "calibration_points": {k: {str(a): b for a, b in v.items()} for k, v in points.items()},
-                    "service_model": {"prefill_tokens_per_s": svc.prefill_tokens_per_s,
-                                      "prefill_overhead_ms": svc.prefill_overhead_ms,
-                                      "decode_step_base_ms": svc.decode_step_base_ms,
-                                      "decode_step_per_seq_ms": svc.decode_step_per_seq_ms}},
+                    "fitted_service_model_per_rate": fits},
            "rows": rows, "mape_pct": mape}
     OUT.write_text(json.dumps(out, indent=1) + "\n")
     return out

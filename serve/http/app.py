@@ -122,8 +122,15 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
         except LoopStopped as err:
             return error_response(RequestError(str(err), None, 503, "service_unavailable"), RETRY_AFTER_S)
         rid = new_id("chatcmpl" if chat else "cmpl")
+        watcher = asyncio.ensure_future(_watch_disconnect(request))
         try:
-            first = await _next_or_disconnect(stream, request)
+            return await _respond(body, stream, watcher, prompt, rid, chat)
+        finally:
+            watcher.cancel()
+
+    async def _respond(body, stream: Stream, watcher, prompt: list, rid: str, chat: bool):
+        try:
+            first = await _next_or_disconnect(stream, watcher)
         except _Disconnected:
             loop.abort(stream)
             return Response(status_code=499)               # nobody reads it: nginx's "client closed request"
@@ -139,7 +146,7 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
         ids = [] if isinstance(first, RequestResult) else list(first)
         try:
             while not isinstance(first, RequestResult):
-                first = await _next_or_disconnect(stream, request)
+                first = await _next_or_disconnect(stream, watcher)
                 if not isinstance(first, RequestResult):
                     ids += first
         except _Disconnected:
@@ -192,16 +199,22 @@ class _Disconnected(Exception):
     """The client closed the connection before its response started."""
 
 
-async def _next_or_disconnect(stream: Stream, request: Request):
-    """The stream's next event, polling for a client disconnect while it waits (raises _Disconnected)."""
+async def _watch_disconnect(request: Request) -> None:
+    """Return once the client has closed the connection (polled every DISCONNECT_POLL_S)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def _next_or_disconnect(stream: Stream, watcher: asyncio.Future):
+    """The stream's next event, or _Disconnected once ``watcher`` (:func:`_watch_disconnect`) has fired. The
+    watcher runs beside the whole wait: polling only between events would never poll while tokens arrive
+    faster than the poll period."""
     get = asyncio.ensure_future(stream.events.get())
     try:
-        while True:
-            done, _ = await asyncio.wait({get}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return get.result()
-            if await request.is_disconnected():
-                raise _Disconnected()
+        done, _ = await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            return get.result()
+        raise _Disconnected()
     finally:
         if not get.done():
             get.cancel()

@@ -32,6 +32,7 @@ from serve.request import RequestResult, RequestStatus
 
 log = logging.getLogger("serve.http")
 
+GAUGE_PERIOD_S = 0.05
 MAX_STEP_FAILURES = 3
 """Consecutive ``engine.step()`` errors after which the loop declares the engine dead (every request ends,
 /health answers 503): one error is a request the engine aborted (a failed publish); a step that keeps
@@ -81,6 +82,7 @@ class EngineLoop:
         self._pending: list[Stream] = []           # engine thread only: queued in front of the engine
         self._active: dict[int, Stream] = {}       # engine thread only: rid -> stream
         self._stop = False
+        self._gauges_t = 0.0
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
@@ -152,7 +154,7 @@ class EngineLoop:
                         self._emit()
                         self._gauges()
                     elif not self._pending:
-                        self._gauges()
+                        self._gauges(force=True)
                         self._wake.wait(0.5)
                         self._wake.clear()
         except BaseException as err:                      # the loop is dead: fail everyone, /health says so
@@ -225,8 +227,13 @@ class EngineLoop:
         with self._lock:
             self._outstanding -= 1
 
-    def _gauges(self) -> None:
-        self.metrics.engine_state(self.engine, len(self._pending), self.max_num_seqs)
+    def _gauges(self, force: bool = False) -> None:
+        """Refresh the state gauges: when idle (``force``), else at most every GAUGE_PERIOD_S (the prefix
+        cache's stats walk its index)."""
+        now = time.perf_counter()
+        if force or now - self._gauges_t >= GAUGE_PERIOD_S:
+            self._gauges_t = now
+            self.metrics.engine_state(self.engine, len(self._pending), self.max_num_seqs)
 
     def _shutdown(self) -> None:
         for s in list(self._pending) + list(self._active.values()):
