@@ -157,6 +157,8 @@ def check_request(req: CompletionRequest | ChatRequest, served_model: str, max_m
         if val not in ok:
             raise RequestError(f"{name} = {val!r} is not supported: this server decodes greedily, one choice, "
                                f"no logprobs (allowed: {', '.join(map(repr, ok))})", name)
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("stream_options is only allowed when stream is true", "stream_options")
     if req.stop not in (None, "", []):
         raise RequestError("stop sequences are not supported (the demo model runs to max_tokens)", "stop")
     if req.logit_bias:

@@ -105,6 +105,7 @@ def test_text_decoder_splits_like_one_decode(data, cuts):
     (dict(prompt="x", n=2), "n"),
     (dict(prompt=[256]), "prompt"),                                           # not a byte
     (dict(prompt=""), "prompt"),
+    (dict(prompt="x", stream_options={"include_usage": True}), "stream_options"),   # without stream
 ])
 def test_bad_input_is_400_naming_the_field(client, kwargs, param):
     with pytest.raises(openai.BadRequestError) as err:
