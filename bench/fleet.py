@@ -35,7 +35,7 @@ from serve.fleet.simulation import simulate
 from serve.fleet.vtc import replay_vtc_suite
 from serve.scale.hardware import hardware
 from serve.scale.policies import all_policies, replay
-from serve.traces import ideal_hit_ratio, load_mooncake
+from serve.traces.mooncake import ideal_hit_ratio, load_mooncake
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO.parent / "shared" / "traces"

@@ -20,7 +20,7 @@ from lab.pool_timing import one_thread
 from lab.prefix import cold_vs_warm, shared_prefix_prompts, time_cold_warm, ttft_summary
 from serve.config import ServeConfig
 from serve.prefix.sim import TraceReplayConfig, replay_trace
-from serve.traces import ideal_hit_ratio, load_mooncake
+from serve.traces.mooncake import ideal_hit_ratio, load_mooncake
 
 OUT = Path(__file__).parent / "results" / "prefix.json"
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

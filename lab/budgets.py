@@ -30,14 +30,14 @@ import pandas as pd
 
 from lab.fleet import PAGE_TRACE_BLOCKS, default_service, fitting_tps, results_frame
 from lab.fleet_simulation import HARDWARE, MODELS, REAL_DEFAULTS, SERVICE_MODELS, TP_SIZES, real_replica
-from serve.azure_trace import read_azure_csv
 from serve.errors import check_choice
 from serve.fleet.budgets import PriorityClass
 from serve.fleet.service_model import saturated_throughput_rps
 from serve.fleet.sim_types import FleetConfig, FleetRequest, FleetSimResult, fresh_block_requests, percentile
 from serve.fleet.simulation import simulate
 from serve.fleet.vtc import on_off_less_service, replay_on_off_less
-from serve.traces import TraceRequest, named_bytes
+from serve.traces.azure import read_azure_csv
+from serve.traces.mooncake import TraceRequest, named_bytes
 
 
 class Stream(NamedTuple):

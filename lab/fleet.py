@@ -27,8 +27,8 @@ from serve.fleet.scaling import scaling_table
 from serve.fleet.service_model import ServiceModel
 from serve.fleet.sim_types import FleetConfig, FleetSimResult, ScaleAt, percentile, requests_from_trace
 from serve.fleet.simulation import simulate
-from serve.trace_limits import LoadedTrace
-from serve.traces import TraceRequest, ideal_hit_ratio, named_bytes, read_mooncake, synthesize
+from serve.traces.limits import LoadedTrace
+from serve.traces.mooncake import TraceRequest, ideal_hit_ratio, named_bytes, read_mooncake, synthesize
 
 ANCHORS = {
     "maglev_balance": ("Maglev (Eisenbud et al., NSDI'16): M > 100·N keeps every backend's share of the "
@@ -46,8 +46,8 @@ ANCHORS = {
 
 # Mooncake (Qin et al., FAST'25), Table 2: the "cache ratio" of the two released traces
 # (kvcache-ai/Mooncake FAST25-release/traces/{conversation,synthetic}_trace.jsonl). The paper gives no
-# formula for it; the block ideal of serve.traces.ideal_hit_ratio on the same files is a different count
-# (hash ids in a request's leading run seen before / all hash ids), computed by tests/serve/test_mooncake_ratios.py.
+# formula for it; the block ideal of serve.traces.mooncake.ideal_hit_ratio on the same files is a different count
+# (hash ids in a request's leading run seen before / all hash ids), computed by tests/serve/traces/test_mooncake_ratios.py.
 MOONCAKE_TABLE2_CACHE_RATIO = {"conversation": 0.40, "synthetic": 0.66}
 
 # What the pages show for the routers' code names (legends, axes, tables).
@@ -307,9 +307,9 @@ def page_trace(upload: bytes | None, num_requests: int, seed: int = 0, name: str
 
 def synthetic_trace_description(num_requests: int) -> str:
     """How :func:`page_trace` generates its synthetic trace, in one paragraph (markdown), with
-    :func:`serve.traces.synthesize`'s own default parameters."""
+    :func:`serve.traces.mooncake.synthesize`'s own default parameters."""
     d = {k: v.default for k, v in inspect.signature(synthesize).parameters.items()}
-    return (f"`serve.traces.synthesize` (Mooncake's schema, {d['block_size']}-token blocks): {num_requests:,} Poisson "
+    return (f"`serve.traces.mooncake.synthesize` (Mooncake's schema, {d['block_size']}-token blocks): {num_requests:,} Poisson "
             f"arrivals at {SYNTHETIC_RATE_RPS} req/s (the Mooncake conversation trace's rate). Each request opens a new "
             f"session with probability {d['new_session_prob']}, else continues a uniformly chosen earlier one. Every "
             f"prompt starts with {d['system_prompt_blocks']} shared system block(s); a new session's prompt is "

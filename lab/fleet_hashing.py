@@ -27,7 +27,7 @@ from serve.errors import check_choice
 from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
 from serve.fleet.hashing import routing_key
 from serve.fleet.router import RouteQuery
-from serve.traces import TraceRequest
+from serve.traces.mooncake import TraceRequest
 
 ALGORITHMS = tuple(ROUTERS)
 VNODES = (1, 4, 10, 40, 100, 160, 400, 1000)  # virtual nodes per replica compared in the balance chart

@@ -47,7 +47,7 @@ from serve.fleet.sim_types import FleetConfig
 from serve.fleet.vtc import on_off_less_service
 from serve.scale.hardware import hardware
 from serve.scale.policies import ReplicaBytes
-from serve.traces import TraceRequest
+from serve.traces.mooncake import TraceRequest
 
 POLICIES = tuple(ROUTERS) + tuple(PREFIX_SCORE_ROUTERS)
 SERVICE_MODELS = {"real model · roofline, policy cache at real bytes": "roofline",

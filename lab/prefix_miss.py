@@ -5,7 +5,7 @@ byte sizes.
 The trace replays (``1 + len(CAPACITY_FRACTIONS) + 2 * len(INTERVALS)`` = 16 runs, each distinct one run
 once): the unlimited cache at the chosen interval; caches at :data:`serve.prefix.sim.CAPACITY_FRACTIONS` of
 what that run peaked at; every interval in :data:`INTERVALS` unlimited, and at the middle capacity. One hash id
-= one 512-token KV block (Mooncake's block size, :data:`serve.traces.MOONCAKE_BLOCK_TOKENS`).
+= one 512-token KV block (Mooncake's block size, :data:`serve.traces.mooncake.MOONCAKE_BLOCK_TOKENS`).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from lab.fleet import MOONCAKE_TABLE2_CACHE_RATIO, PREFIX_SIM_TRACE_BLOCKS, page
 from lab.prefix import Comparison, miss_then_hit
 from serve.errors import check_choice
 from serve.prefix.sim import CAPACITY_FRACTIONS, MISS_CAUSES, capacity_points, replay_row
-from serve.traces import MOONCAKE_BLOCK_TOKENS, IdealHitRatio, ideal_hit_ratio
+from serve.traces.mooncake import MOONCAKE_BLOCK_TOKENS, IdealHitRatio, ideal_hit_ratio
 
 INTERVALS = tuple(MOONCAKE_BLOCK_TOKENS * k for k in (1, 2, 4, 8, 16))  # checkpoint intervals C compared (tokens)
 TRADE_CAPACITY = 2  # index into the capacity points of the interval trade-off's limited cache (0.1 of the peak)

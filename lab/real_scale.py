@@ -61,7 +61,7 @@ from serve.scale.validation import (
     prefill_points,
     prefill_ratios,
 )
-from serve.traces import TraceRequest
+from serve.traces.mooncake import TraceRequest
 
 MODELS = REAL_PRESETS
 HARDWARE = tuple(HARDWARE_PRESETS)

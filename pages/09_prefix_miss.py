@@ -110,7 +110,7 @@ with part2:
         {"figure": "Figure", "trace": "Trace", "ratio": pct("Ratio"), "what it counts": "What it counts"})
     st.caption("The paper's cache ratio and our block ideal are different counts: upload the paper's "
                "`conversation_trace.jsonl` or `synthetic_trace.jsonl` (kvcache-ai/Mooncake, `FAST25-release/traces`) "
-               "to compute the block ideal of the same file; `tests/serve/test_mooncake_ratios.py` does it for both.")
+               "to compute the block ideal of the same file; `tests/serve/traces/test_mooncake_ratios.py` does it for both.")
     causes = go.Figure([go.Bar(x=[f"{c:,.0f} GB" for c in cap.capacity_gb], y=cap[f"miss_{k}"], name=k.replace("_", " "))
                         for k in run.miss_causes])
     causes.update_layout(barmode="stack", xaxis_title="cache capacity", yaxis_title="missed tokens (fraction of all tokens)",

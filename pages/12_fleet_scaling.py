@@ -139,4 +139,4 @@ with part2:
                "bytes (KV + KDA states + the running request's state slots within the budget); a hit needs a state "
                "at its boundary, so hit ratio + KV cached without a state ≤ the block ideal (one infinite shared "
                "cache). " if real else "Each replica's cache is an LRU set of 512-token blocks. ")
-            + "The synthetic traces are `serve.traces.synthesize` with seeds 0, 1, …")
+            + "The synthetic traces are `serve.traces.mooncake.synthesize` with seeds 0, 1, …")

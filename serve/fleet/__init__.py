@@ -28,8 +28,8 @@ Concept → file → main type:
 The pages' experiments on this layer (budget scenario, routing load, policy runs) live in ``lab/budgets.py`` and
 ``lab/fleet.py``. Tests: ``tests/serve/fleet/test_fleet_routers.py``, ``test_fleet_simulation.py``,
 ``test_fleet_policy_cache.py``, ``test_replay_policy_cache.py``, ``test_replay_refresh.py``; lab:
-``tests/lab/test_fleet.py``, ``test_budgets.py``; traces: ``tests/serve/test_traces.py``, upload limits:
-``tests/serve/test_traces_limits.py``, ``tests/serve/test_traces_fuzz.py``; bench: ``python -m bench.fleet``.
+``tests/lab/test_fleet.py``, ``test_budgets.py``; traces: ``tests/serve/traces/test_traces.py``, upload limits:
+``tests/serve/traces/test_traces_limits.py``, ``tests/serve/traces/test_traces_fuzz.py``; bench: ``python -m bench.fleet``.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from serve.traces import leading_run
+from serve.traces.mooncake import leading_run
 
 
 class BlockLRUCache:

@@ -20,7 +20,7 @@ from serve.fleet.block_cache import BlockLRUCache
 from serve.fleet.hashing import routing_key
 from serve.fleet.policy_cache import PolicyReplicaCache
 from serve.fleet.router import RouteQuery, Router
-from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from serve.traces.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 
 class ScaleEvent(NamedTuple):

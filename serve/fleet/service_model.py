@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from serve.errors import check_int, check_positive
-from serve.vtc_artifact import VTCRun
+from serve.traces.vtc_artifact import VTCRun
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import numpy as np
 from serve.errors import check_int, check_positive
 from serve.fleet.budgets import PriorityClass
 from serve.fleet.service_model import ServiceModel
-from serve.trace_limits import MAX_INPUT_TOKENS, MAX_TRACE_BLOCKS
-from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from serve.traces.limits import MAX_INPUT_TOKENS, MAX_TRACE_BLOCKS
+from serve.traces.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 if TYPE_CHECKING:
     from serve.fleet.policy_cache import PolicyReplicaCache

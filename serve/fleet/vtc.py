@@ -19,7 +19,7 @@ import numpy as np
 from serve.fleet.service_model import ServiceModel, vtc_a10g_preset
 from serve.fleet.sim_types import FleetConfig, FleetRequest, FleetSimResult, fresh_block_requests, percentile
 from serve.fleet.simulation import simulate
-from serve.vtc_artifact import VTCRecord, VTCRun, load_vtc_artifact
+from serve.traces.vtc_artifact import VTCRecord, VTCRun, load_vtc_artifact
 
 
 def requests_from_vtc(run: VTCRun, block_size: int = 512) -> list[FleetRequest]:

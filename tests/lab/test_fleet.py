@@ -21,7 +21,7 @@ from serve.fleet.budgets import PriorityClass
 from serve.fleet.service_model import EngineRates, cpu_engine_preset, measure_cpu_engine
 from serve.fleet.sim_types import FleetConfig
 from serve.fleet.vtc import on_off_less_service
-from serve.traces import TraceFormatError, dump_mooncake, synthesize
+from serve.traces.mooncake import TraceFormatError, dump_mooncake, synthesize
 
 
 def _page13_a10g_scenario():

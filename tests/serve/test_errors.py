@@ -7,7 +7,7 @@ from serve.scale.hardware import hardware
 from serve.scale.model_shape import preset
 from serve.scale.roofline import checkpoint_restore_time, decode_time, prefill_time
 from serve.spec.draft import NgramProposer
-from serve.traces import synthesize
+from serve.traces.mooncake import synthesize
 
 
 @pytest.mark.parametrize("val, minimum, ok", [(1, 1, True), (0, 0, True), (5, 3, True), (0, 1, False), (-1, 0, False),

@@ -29,7 +29,7 @@ import torch
 
 from kda_core.config import PRESETS, fixed_state_bytes_per_sequence, mla_kv_bytes_per_token
 from serve.errors import check_choice, check_int
-from serve.traces import TraceRequest, leading_run
+from serve.traces.mooncake import TraceRequest, leading_run
 
 BYTE_KINDS = ("kv", "state", "running")
 
@@ -72,7 +72,7 @@ class PolicyResult(NamedTuple):
     """Outcome of :func:`replay`. Tokens are totals over the trace; bytes per replica.
 
     name: policy name. token_hit_ratio = hit_tokens / total_tokens. ideal_hit_tokens: the block ideal
-    (unlimited cache, ``min(leading run x N, L)`` per request, :func:`serve.traces.ideal_hit_ratio`).
+    (unlimited cache, ``min(leading run x N, L)`` per request, :func:`serve.traces.mooncake.ideal_hit_ratio`).
     request_hit_tokens: ``[R]`` int64, each request's hit (feed a roofline to get prefill time saved).
     peak_bytes: ``{kind: bytes}`` over :data:`BYTE_KINDS`, the most held after any request, per kind (the
     kinds peak at different times: their sum can pass the budget). held_at_peak: ``{kind: bytes}`` held after

@@ -23,7 +23,7 @@ from serve.config import ServeConfig
 from serve.memory.layout import group_layers, group_state_bytes
 from serve.prefix.sim import ReplayCache, TraceReplayConfig, replay_trace
 from serve.scale.policies.base import PolicyResult, ReplicaBytes
-from serve.traces import MOONCAKE_BLOCK_TOKENS, ideal_hit_ratio
+from serve.traces.mooncake import MOONCAKE_BLOCK_TOKENS, ideal_hit_ratio
 
 
 class OursPolicy:

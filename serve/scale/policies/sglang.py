@@ -38,7 +38,7 @@ import math
 from serve.errors import check_int, check_positive
 from serve.scale.policies.base import ReplicaBytes
 from serve.scale.policies.state_tree import StateTree, TreeCounters
-from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from serve.traces.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 FLA_CHUNK = 64            # mamba_cache_chunk_size
 MAMBA_FULL_MEMORY_RATIO = 0.9

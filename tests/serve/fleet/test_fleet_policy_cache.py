@@ -19,7 +19,7 @@ from serve.scale.model_shape import preset
 from serve.scale.policies import OursPolicy, all_policies, replay
 from serve.scale.roofline import checkpoint_restore_time, decode_time, prefill_time
 from serve.scale.validation import fit_prefill
-from serve.traces import load_mooncake
+from serve.traces.mooncake import load_mooncake
 
 torch.set_num_threads(1)
 KIMI = "kimi-linear-48b-a3b"
@@ -136,7 +136,7 @@ def test_precise_routers_by_hand():
 def test_fleet_of_eight_on_the_real_trace(conversation):
     """8 replicas, KV-only vs checkpoint-aware precise routing on 2,000 conversation requests: budgets hold,
     every hit is within what the serving replica cached, and no run beats the block ideal."""
-    from serve.traces import ideal_hit_ratio
+    from serve.traces.mooncake import ideal_hit_ratio
     requests = requests_from_trace(conversation[:2000])
     ideal = ideal_hit_ratio(conversation[:2000]).token_hit_ratio
     for router in ("precise_kv", "precise_state", "cache_aware"):

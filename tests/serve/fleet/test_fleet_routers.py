@@ -21,7 +21,7 @@ from serve.fleet.replay import replay_routing
 from serve.fleet.ring import ConsistentHashRouter
 from serve.fleet.router import RouteQuery
 from serve.fleet.scaling import keys_moved, scaling_table
-from serve.traces import ideal_hit_ratio, load_mooncake
+from serve.traces.mooncake import ideal_hit_ratio, load_mooncake
 
 KEYS = random_keys(100_000, seed=0)
 PARAMS = {"vnodes": 160, "table_size": 65537}

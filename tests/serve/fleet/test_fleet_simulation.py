@@ -19,8 +19,8 @@ from serve.fleet.sim_reference import reference_simulate
 from serve.fleet.sim_types import FleetConfig, FleetRequest, ScaleAt, requests_from_trace
 from serve.fleet.simulation import simulate
 from serve.fleet.vtc import replay_vtc_suite
-from serve.traces import synthesize
-from serve.vtc_artifact import load_vtc_artifact
+from serve.traces.mooncake import synthesize
+from serve.traces.vtc_artifact import load_vtc_artifact
 
 SERVICE = ServiceModel(prefill_tokens_per_s=2000, decode_step_base_ms=30, decode_step_per_seq_ms=1.0,
                        max_batch_requests=4, kv_capacity_tokens=3000, max_prefill_tokens_per_step=1500)

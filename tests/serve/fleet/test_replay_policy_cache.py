@@ -10,7 +10,7 @@ from serve.fleet.policy_cache import PolicyReplicaCache
 from serve.fleet.replay import ScaleEvent, replay_routing
 from serve.fleet.router import RouteQuery
 from serve.scale.policies import OursPolicy, ReplicaBytes, SGLangNoBuffer
-from serve.traces import synthesize
+from serve.traces.mooncake import synthesize
 
 KIMI = "kimi-linear-48b-a3b"
 BUDGET = 4e9   # bytes per replica: small enough that the replicas evict within the trace

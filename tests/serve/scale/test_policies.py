@@ -20,7 +20,7 @@ from serve.scale.policies import (
     replay,
     vllm_block_size,
 )
-from serve.traces import TraceRequest, leading_run, load_mooncake, synthesize
+from serve.traces.mooncake import TraceRequest, leading_run, load_mooncake, synthesize
 
 torch.set_num_threads(1)
 KIMI = "kimi-linear-48b-a3b"

@@ -19,7 +19,7 @@ import torch
 
 from lab.real_scale import make_policy
 from serve.scale.policies import ReplicaBytes, SGLangNoBuffer, replay
-from serve.traces import load_mooncake
+from serve.traces.mooncake import load_mooncake
 
 torch.set_num_threads(1)
 

@@ -7,9 +7,9 @@ two prompts share a cached prefix exactly for their leading run of equal ids.
 Sources (files under ``../shared/traces/``, see its README):
 - Mooncake (kvcache-ai/Mooncake, FAST'25): ``{"timestamp", "input_length", "output_length", "hash_ids"}``
   per line, timestamp in ms since the trace start.
-- Azure LLM inference trace 2023 (Splitwise, ISCA'24): ``serve/azure_trace.py``.
-- VTC artifact (Sheng et al., OSDI'24): ``serve/vtc_artifact.py``.
-Limits every loader applies: ``serve/trace_limits.py``.
+- Azure LLM inference trace 2023 (Splitwise, ISCA'24): ``serve/traces/azure.py``.
+- VTC artifact (Sheng et al., OSDI'24): ``serve/traces/vtc_artifact.py``.
+Limits every loader applies: ``serve/traces/limits.py``.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import IO, NamedTuple
 import numpy as np
 
 from serve.errors import check_fraction, check_int, check_positive
-from serve.trace_limits import (
+from serve.traces.limits import (
     INT64_MAX,
     INT64_MIN,
     MAX_INPUT_TOKENS,

@@ -6,7 +6,7 @@ a request's leading run already seen / all hash ids. The values below are recomp
 import pytest
 
 from lab.fleet import MOONCAKE_TABLE2_CACHE_RATIO
-from serve.traces import ideal_hit_ratio, load_mooncake
+from serve.traces.mooncake import ideal_hit_ratio, load_mooncake
 
 
 @pytest.mark.parametrize("name, hit, total, block_ratio, paper", [

@@ -12,12 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lab.fleet import routing_load, simulate_policies
-from serve.azure_trace import read_azure_csv
 from serve.fleet.sim_types import FleetConfig
 from serve.fleet.simulation import simulate
 from serve.fleet.vtc import on_off_less_service, requests_from_vtc
 from serve.prefix.sim import replay_row
-from serve.trace_limits import (
+from serve.traces.azure import read_azure_csv
+from serve.traces.limits import (
     INT64_MAX,
     INT64_MIN,
     MAX_INPUT_TOKENS,
@@ -25,8 +25,8 @@ from serve.trace_limits import (
     MAX_TIMESTAMP_MS,
     TraceFormatError,
 )
-from serve.traces import named_bytes, read_mooncake
-from serve.vtc_artifact import load_vtc_artifact
+from serve.traces.mooncake import named_bytes, read_mooncake
+from serve.traces.vtc_artifact import load_vtc_artifact
 
 FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                         HealthCheck.data_too_large])

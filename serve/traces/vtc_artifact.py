@@ -2,7 +2,7 @@
 measured per-request latencies of S-LoRA (Llama-7B, one A10G) under FCFS and VTC scheduling.
 
 Each file is one JSON object ``{"config": {...}, "result": {"responses": [...], "throughput", "total_time", ...}}``.
-Checks and limits are those of every trace loader (``serve/trace_limits.py``).
+Checks and limits are those of every trace loader (``serve/traces/limits.py``).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 from typing import IO, NamedTuple
 
-from serve.trace_limits import (
+from serve.traces.limits import (
     MAX_INPUT_TOKENS,
     MAX_OUTPUT_TOKENS,
     MAX_TIMESTAMP_MS,

@@ -1,4 +1,4 @@
-"""Tests for serve.traces: Mooncake loader errors, the synthetic generator, ideal hit ratios, loaders."""
+"""Tests for serve.traces.mooncake: Mooncake loader errors, the synthetic generator, ideal hit ratios, loaders."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from serve.azure_trace import load_azure_csv
-from serve.traces import (
+from serve.traces.azure import load_azure_csv
+from serve.traces.mooncake import (
     TraceFormatError,
     TraceRequest,
     dump_mooncake,
@@ -19,7 +19,7 @@ from serve.traces import (
     named_bytes,
     synthesize,
 )
-from serve.vtc_artifact import load_vtc_artifact
+from serve.traces.vtc_artifact import load_vtc_artifact
 
 
 def _line(**overrides) -> str:

@@ -1,7 +1,7 @@
 """The Azure LLM inference trace 2023 (Splitwise, ISCA'24; Azure/AzurePublicDataset): CSV
 ``TIMESTAMP,ContextTokens,GeneratedTokens``, one request per row, no prefix information.
 
-Checks and limits are those of every trace loader (``serve/trace_limits.py``).
+Checks and limits are those of every trace loader (``serve/traces/limits.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import IO
 
-from serve.trace_limits import (
+from serve.traces.limits import (
     MAX_INPUT_TOKENS,
     MAX_OUTPUT_TOKENS,
     MAX_TIMESTAMP_MS,
@@ -28,7 +28,7 @@ from serve.trace_limits import (
     show,
     whole_file,
 )
-from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from serve.traces.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 _DIGITS = re.compile(r"\s*[0-9]{1,18}\s*")  # an unsigned integer with at most 18 digits (fits int64)

@@ -1,4 +1,4 @@
-"""Limits on uploaded traces and the checks every trace loader shares (``traces.py``, ``vtc_artifact.py``).
+"""Limits on uploaded traces and the checks every trace loader shares (``mooncake.py``, ``azure.py``, ``vtc_artifact.py``).
 
 One rule for every loader: a record outside a limit is an error naming the file, the line (or
 response index), the field and the limit; a file with more requests or blocks than the caller's

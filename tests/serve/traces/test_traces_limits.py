@@ -10,17 +10,17 @@ import tracemalloc
 import pytest
 
 from lab.fleet import PAGE_TRACE_BLOCKS, page_trace
-from serve.azure_trace import load_azure_csv, read_azure_csv
 from serve.prefix.sim import replay_row
-from serve.trace_limits import (
+from serve.traces.azure import load_azure_csv, read_azure_csv
+from serve.traces.limits import (
     MAX_INPUT_TOKENS,
     MAX_LINE_CHARS,
     MAX_OUTPUT_TOKENS,
     MAX_TRACE_BLOCKS,
     TraceFormatError,
 )
-from serve.traces import TraceRequest, dump_mooncake, load_mooncake, named_bytes, read_mooncake
-from serve.vtc_artifact import load_vtc_artifact
+from serve.traces.mooncake import TraceRequest, dump_mooncake, load_mooncake, named_bytes, read_mooncake
+from serve.traces.vtc_artifact import load_vtc_artifact
 
 HEADER = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
 
@@ -59,7 +59,7 @@ def test_fleet_fresh_block_ids_are_bounded():
     """Regression: scenarios.py and vtc.py built ``tuple(range(n))`` for any prompt length they got."""
     from lab.budgets import Stream, budget_traffic
     from serve.fleet.vtc import requests_from_vtc
-    from serve.vtc_artifact import VTCRecord, VTCRun
+    from serve.traces.vtc_artifact import VTCRecord, VTCRun
 
     huge = [TraceRequest(0, 10**11, 10, ())]
     err, peak = _peak_bytes(budget_traffic, [Stream("a", 1.0, 100, 10)], 10.0, "b", 1, 1.0, 1.0, 1, 1, azure=huge)
