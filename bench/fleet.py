@@ -24,15 +24,15 @@ import numpy as np
 
 from lab.fleet_simulation import real_replica
 from lab.real_scale import BUDGET_FRACTIONS, POLICIES, free_bytes, policy_view
-from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
-from serve.fleet.hashing import random_keys
-from serve.fleet.replay import replay_routing
-from serve.fleet.ring import ConsistentHashRouter
-from serve.fleet.router import RouteQuery
-from serve.fleet.scaling import scaling_table
-from serve.fleet.sim_types import FleetConfig, percentile, requests_from_trace
-from serve.fleet.simulation import simulate
-from serve.fleet.vtc import replay_vtc_suite
+from serve.fleet.routing.hashing import random_keys
+from serve.fleet.routing.registry import KEY_ROUTERS, ROUTERS, make_router, options_for, replica_names
+from serve.fleet.routing.replay import replay_routing
+from serve.fleet.routing.ring import ConsistentHashRouter
+from serve.fleet.routing.router import RouteQuery
+from serve.fleet.scaling.keys_moved import scaling_table
+from serve.fleet.sim.simulation import simulate
+from serve.fleet.sim.types import FleetConfig, percentile, requests_from_trace
+from serve.fleet.sim.vtc import replay_vtc_suite
 from serve.scale.hardware import hardware
 from serve.scale.policies import all_policies, replay
 from serve.traces.mooncake import ideal_hit_ratio, load_mooncake
@@ -57,7 +57,7 @@ def lookup_rates(num_keys: int = 20_000, vector_keys: int = 1_000_000) -> dict:
     queries = [RouteQuery(int(k), (int(k) % 1000, int(k) % 7)) for k in keys]
     out = {}
     for name in ROUTERS:
-        router = make_router(name, replica_names(8), **PARAMS)
+        router = make_router(name, replica_names(8), **options_for(name, PARAMS))
 
         def run(router=router):
             for q in queries:
@@ -66,7 +66,7 @@ def lookup_rates(num_keys: int = 20_000, vector_keys: int = 1_000_000) -> dict:
         out[name] = {"scalar_lookups_per_s": num_keys / _median_time(run)}
     vkeys = random_keys(vector_keys, seed=2)
     for name in KEY_ROUTERS:
-        router = make_router(name, replica_names(8), **PARAMS)
+        router = make_router(name, replica_names(8), **options_for(name, PARAMS))
         out[name]["vector_keys_per_s"] = vector_keys / _median_time(lambda router=router: router.assign(vkeys), 3)
     base = out["round_robin"]["scalar_lookups_per_s"]
     for name in out:
@@ -84,7 +84,7 @@ def conversation_simulation(service) -> dict:
 
         def run(policy=policy, holder=holder):
             holder["sim"] = simulate(requests, FleetConfig(service=service, num_replicas=8, router=policy,
-                                                           router_params=PARAMS))
+                                                           router_params=options_for(policy, PARAMS)))
 
         wall = _median_time(run, 3)
         sim = holder["sim"]
@@ -119,7 +119,7 @@ def policy_fleet(router: str = "cache_aware") -> dict:
         service, factory = real_replica(model, gpu, tp, name, FLEET_BUDGET_FRACTION)
         load = _load()
         t0 = time.perf_counter()
-        sim = simulate(requests, FleetConfig(service=service, num_replicas=8, router=router, router_params=PARAMS,
+        sim = simulate(requests, FleetConfig(service=service, num_replicas=8, router=router, router_params=options_for(router, PARAMS),
                                              cache_factory=factory))
         wall = time.perf_counter() - t0
         caches = sim.replica_caches.values()

@@ -16,7 +16,7 @@ class's request lengths (:func:`fleet_capacity_rps`): by default of a reference 
 seconds; or of the chosen fleet itself, the same overload on any hardware. Replicas: a real model on real GPUs with
 roofline step times and a policy cache at real bytes (:func:`lab.fleet_simulation.real_replica`; the
 default, Kimi-Linear-48B-A3B on 8 x H200), or the VTC artifact's A10G calibration
-(:func:`serve.fleet.vtc.on_off_less_service`) sped up by assumed factors that the page states.
+(:func:`serve.fleet.sim.vtc.on_off_less_service`) sped up by assumed factors that the page states.
 """
 
 from __future__ import annotations
@@ -31,11 +31,11 @@ import pandas as pd
 from lab.fleet import PAGE_TRACE_BLOCKS, default_service, fitting_tps, results_frame
 from lab.fleet_simulation import HARDWARE, MODELS, REAL_DEFAULTS, SERVICE_MODELS, TP_SIZES, real_replica
 from serve.errors import check_choice
-from serve.fleet.budgets import PriorityClass
-from serve.fleet.service_model import saturated_throughput_rps
-from serve.fleet.sim_types import FleetConfig, FleetRequest, FleetSimResult, fresh_block_requests, percentile
-from serve.fleet.simulation import simulate
-from serve.fleet.vtc import on_off_less_service, replay_on_off_less
+from serve.fleet.scaling.budgets import PriorityClass
+from serve.fleet.sim.service_model import saturated_throughput_rps
+from serve.fleet.sim.simulation import simulate
+from serve.fleet.sim.types import FleetConfig, FleetRequest, FleetSimResult, fresh_block_requests, percentile
+from serve.fleet.sim.vtc import on_off_less_service, replay_on_off_less
 from serve.traces.azure import read_azure_csv
 from serve.traces.mooncake import TraceRequest, named_bytes
 
@@ -74,7 +74,7 @@ def budget_traffic(steady: Sequence[Stream], duration_s: float, burst_class: str
     ``burst_requests`` requests — fewer when the trace is shorter, which ``note`` then says (naming the class
     ``burst_label``, by default ``burst_class``).
     Raises ValueError for non-positive durations or negative counts, or prompts over the limits of
-    :func:`serve.fleet.sim_types.fresh_block_requests`."""
+    :func:`serve.fleet.sim.types.fresh_block_requests`."""
     if duration_s <= 0 or burst_duration_s <= 0 or burst_requests < 0:
         raise ValueError("durations must be > 0 and burst_requests >= 0")
     rng = np.random.default_rng(seed)
@@ -229,7 +229,7 @@ def budget_service(service_model: str = "roofline", model: str = REAL_DEFAULTS["
 
 def fleet_capacity_rps(service, num_replicas: int) -> dict[str, float]:
     """Requests/s the fleet serves when saturated, per class at that class's :data:`TOKENS`: ``num_replicas``
-    x :func:`serve.fleet.service_model.saturated_throughput_rps` (a full batch, one prefill per request; on
+    x :func:`serve.fleet.sim.service_model.saturated_throughput_rps` (a full batch, one prefill per request; on
     the roofline that is prefill-bound, decode adds under 10 % at these lengths)."""
     return {k: num_replicas * saturated_throughput_rps(service, *TOKENS[k]) for k in TOKENS}
 
@@ -261,7 +261,7 @@ class BudgetPage:
 
 
 def vtc_frame() -> tuple[pd.DataFrame, dict, dict]:
-    """The VTC artifact's on_off_less suite against our simulator (:func:`serve.fleet.vtc.replay_on_off_less`,
+    """The VTC artifact's on_off_less suite against our simulator (:func:`serve.fleet.sim.vtc.replay_on_off_less`,
     the A10G calibration): one row per (scheduler, client) with P50/P99 TTFT measured and ours (s) and a
     readable ``client``; then the measured and our throughput (req/s) per scheduler."""
     cmp = replay_on_off_less()

@@ -17,16 +17,16 @@ import pandas as pd
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, measure
 from serve.errors import check_choice, check_int
-from serve.fleet import ROUTERS, make_router, replica_names
-from serve.fleet.hashing import random_keys
-from serve.fleet.policy_cache import PolicyReplicaCache
-from serve.fleet.replay import ScaleEvent, replay_routing
-from serve.fleet.ring import ConsistentHashRouter
-from serve.fleet.router import RouteQuery
-from serve.fleet.scaling import scaling_table
-from serve.fleet.service_model import ServiceModel
-from serve.fleet.sim_types import FleetConfig, FleetSimResult, ScaleAt, percentile, requests_from_trace
-from serve.fleet.simulation import simulate
+from serve.fleet.routing.hashing import random_keys
+from serve.fleet.routing.policy_cache import PolicyReplicaCache
+from serve.fleet.routing.registry import ROUTERS, make_router, options_for, replica_names
+from serve.fleet.routing.replay import ScaleEvent, replay_routing
+from serve.fleet.routing.ring import ConsistentHashRouter
+from serve.fleet.routing.router import RouteQuery
+from serve.fleet.scaling.keys_moved import scaling_table
+from serve.fleet.sim.service_model import ServiceModel
+from serve.fleet.sim.simulation import simulate
+from serve.fleet.sim.types import FleetConfig, FleetSimResult, ScaleAt, percentile, requests_from_trace
 from serve.traces.limits import LoadedTrace
 from serve.traces.mooncake import TraceRequest, ideal_hit_ratio, named_bytes, read_mooncake, synthesize
 
@@ -71,7 +71,7 @@ def policy_cache_factory(model: str, gpu: str, tp: int, cache_policy: str,
     """A factory of fresh replica caches: prefix-cache policy ``cache_policy`` (:func:`lab.real_scale.make_policy`:
     ours, SGLang, vLLM) of ``model`` on ``tp`` x ``gpu`` at real bytes, under ``budget_fraction`` of the HBM the
     weights leave (:func:`lab.real_scale.free_bytes`, bytes per replica), one running request's state slots
-    reserved in it (:class:`serve.fleet.policy_cache.PolicyReplicaCache`). Page 14's replicas
+    reserved in it (:class:`serve.fleet.routing.policy_cache.PolicyReplicaCache`). Page 14's replicas
     (:func:`lab.fleet_simulation.real_replica`) hold the same cache.
 
     Raises ValueError naming the argument for an unknown model, GPU, TP or policy, a ``budget_fraction`` outside
@@ -155,7 +155,7 @@ def measure_lookup_us(num_replicas: int, vnodes: int, num_keys: int = LOOKUP_KEY
                 router.route(q)
         return run
 
-    cases = {name: route_all(make_router(name, replica_names(num_replicas), vnodes=vnodes)) for name in ROUTERS}
+    cases = {name: route_all(make_router(name, replica_names(num_replicas), **options_for(name, {"vnodes": vnodes}))) for name in ROUTERS}
     with one_thread():                    # as every measured run (the stamp reports 1 torch thread)
         timings, cond = measure(cases, repeats=repeats, warmup=1)
     per_key_us = 1e6 / num_keys
@@ -193,7 +193,7 @@ def hit_ratio_across_scale_event(trace: Sequence[TraceRequest], algorithms: Sequ
     frames = []
     for name in algorithms:
         router = pickle.loads(pickle.dumps(routers[name])) if routers and name in routers else \
-            make_router(name, replica_names(num_replicas), vnodes=vnodes)
+            make_router(name, replica_names(num_replicas), **options_for(name, {"vnodes": vnodes}))
         replay = replay_routing(trace, router, k, capacity_blocks=capacity_blocks,
                                 events=(ScaleEvent(at, action, replica),) if event else (), cache_factory=cache_factory)
         w = pd.DataFrame({"tokens": replay.input_tokens, "hit_tokens": replay.hit_tokens,
@@ -223,7 +223,7 @@ def simulate_policies(trace: Sequence[TraceRequest], policies: Sequence[str], ba
             if progress is not None:
                 progress((i + f) / len(policies))
 
-        cfg = FleetConfig(**{**base.__dict__, "router": policy})
+        cfg = FleetConfig(**{**base.__dict__, "router": policy, "router_params": options_for(policy, base.router_params)})
         sim = simulate(requests, cfg, progress=sub_progress)
         if on_run is not None:
             on_run(policy, sim)

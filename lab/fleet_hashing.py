@@ -24,9 +24,9 @@ from lab.fleet import (
 from lab.fleet_simulation import REAL_DEFAULTS
 from lab.timing import Conditions
 from serve.errors import check_choice
-from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
-from serve.fleet.hashing import routing_key
-from serve.fleet.router import RouteQuery
+from serve.fleet.routing.hashing import routing_key
+from serve.fleet.routing.registry import KEY_ROUTERS, ROUTERS, make_router, options_for, replica_names
+from serve.fleet.routing.router import RouteQuery
 from serve.traces.mooncake import TraceRequest
 
 ALGORITHMS = tuple(ROUTERS)
@@ -64,7 +64,7 @@ def prefix_landing(trace: Sequence[TraceRequest], num_replicas: int, k: int, vno
     replica). Columns request, algorithm, replica, routing_key (16 hex digits), prefix_blocks,
     requests_sharing_prefix; request-major."""
     sharing = Counter(r.hash_ids[:k] for r in trace)
-    routers = {name: make_router(name, replica_names(num_replicas), vnodes=vnodes) for name in KEY_ROUTERS}
+    routers = {name: make_router(name, replica_names(num_replicas), **options_for(name, {"vnodes": vnodes})) for name in KEY_ROUTERS}
     rows = []
     for i, req in enumerate(trace):
         key = routing_key(req.hash_ids, k)

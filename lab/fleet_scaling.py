@@ -18,7 +18,7 @@ from lab.fleet import (
 )
 from lab.fleet_simulation import REAL_DEFAULTS
 from serve.errors import check_choice
-from serve.fleet import KEY_ROUTERS, make_router, replica_names
+from serve.fleet.routing.registry import KEY_ROUTERS, make_router, options_for, replica_names
 
 ACTIONS = ("add", "remove")
 CAPACITIES = ("500", "2000", "8000", "unlimited")  # cache per replica options (512-token blocks)
@@ -89,7 +89,7 @@ def fleet_scaling(num_replicas: int, action: str, num_keys: int, vnodes: int, nu
     moved = keys_moved_table(num_replicas, action, num_keys, vnodes)
     cap = None if capacity == "unlimited" else int(capacity)
     seeds = 1 if upload is not None else seeds
-    routers = {name: make_router(name, replica_names(num_replicas), vnodes=vnodes) for name in algorithms}
+    routers = {name: make_router(name, replica_names(num_replicas), **options_for(name, {"vnodes": vnodes})) for name in algorithms}
     runs, keys, whole, ideals = [], set(), [], []
     for seed in range(seeds):
         trace, note, _ = page_trace(upload, num_requests, seed=seed, name=upload_name)

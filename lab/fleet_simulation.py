@@ -2,8 +2,8 @@
 batching) on one trace, once per routing policy (:func:`fleet_simulation`).
 
 Replicas (``service_model``): "roofline" (default) = a real Kimi model on ``tp`` x ``gpu`` per replica,
-step times from the roofline (:class:`serve.fleet.roofline_service.RooflineService`) and a prefix cache
-that is a production policy model at real bytes (:class:`serve.fleet.policy_cache.PolicyReplicaCache`
+step times from the roofline (:class:`serve.fleet.sim.roofline_service.RooflineService`) and a prefix cache
+that is a production policy model at real bytes (:class:`serve.fleet.routing.policy_cache.PolicyReplicaCache`
 over :func:`lab.real_scale.make_policy`) under ``budget_fraction`` of the HBM the weights leave; the
 running requests' KV has the rest. "a10g" = the VTC artifact's calibration (the validated setup that
 reproduces the VTC measurements), "cpu" = our engine timed on this CPU; both with a block LRU cache of
@@ -38,13 +38,13 @@ from lab.real_scale import (
 )
 from lab.real_scale import POLICIES as CACHE_POLICIES
 from serve.errors import check_choice, check_positive
-from serve.fleet import ROUTERS
-from serve.fleet.budgets import PriorityClass
-from serve.fleet.prefix_score import PREFIX_SCORE_ROUTERS
-from serve.fleet.roofline_service import RooflineService
-from serve.fleet.service_model import cpu_engine_preset, measure_cpu_engine
-from serve.fleet.sim_types import FleetConfig
-from serve.fleet.vtc import on_off_less_service
+from serve.fleet.routing.prefix_score import PREFIX_SCORE_ROUTERS
+from serve.fleet.routing.registry import ROUTERS
+from serve.fleet.scaling.budgets import PriorityClass
+from serve.fleet.sim.roofline_service import RooflineService
+from serve.fleet.sim.service_model import cpu_engine_preset, measure_cpu_engine
+from serve.fleet.sim.types import FleetConfig
+from serve.fleet.sim.vtc import on_off_less_service
 from serve.scale.hardware import hardware
 from serve.scale.policies import ReplicaBytes
 from serve.traces.mooncake import TraceRequest
@@ -82,7 +82,7 @@ def replica_title(model: str, gpu: str, tp: int, cache_policy: str | None = None
     return f"{cache}{preset_title(model)}, {tp} × {gpu}"
 
 
-BOUND_C = 1.25  # load bound factor c of serve.fleet.bounded_load.BoundedLoadRouter (its default, used here)
+BOUND_C = 1.25  # load bound factor c of serve.fleet.routing.bounded_load.BoundedLoadRouter (its default, used here)
 
 
 @dataclass(frozen=True)
@@ -270,7 +270,7 @@ def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float
     """What consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018) bounds: the
     in-flight requests (routed at ``admitted_ms``, not finished by ``finish_ms``) of the replica each request is
     routed to, counting itself, against the cap ceil(c x in-flight on the serving replicas / their number), as
-    :meth:`serve.fleet.bounded_load.BoundedLoadRouter.capacity` computes it. ``per_request``: one policy's rows
+    :meth:`serve.fleet.routing.bounded_load.BoundedLoadRouter.capacity` computes it. ``per_request``: one policy's rows
     (:func:`lab.fleet.results_frame` columns); ``replicas_at(t_ms)``: the names of the replicas serving at t.
     Routings at the same instant are taken in request order (``request_id``, else the rows' order), as the simulator
     routes them; a finish at the same instant as a routing is counted first. Only routings at or after ``from_ms`` are

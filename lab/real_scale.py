@@ -286,7 +286,7 @@ class _TTFT:
     """Per-request fitted roofline TTFT for a trace, memoised on (new, cached) tokens. A request with no token
     left to prefill (``input_length`` 0, which the Mooncake format allows) still runs one prefill step for its
     first decode input, as the fleet simulator's replicas charge it (``max(1, input_length - hit)``,
-    :mod:`serve.fleet.replica`)."""
+    :mod:`serve.fleet.sim.replica`)."""
 
     def __init__(self, shape: ModelShape, hw: Hardware, tp: int, requests: Sequence[TraceRequest]):
         self.shape, self.hw, self.tp, self.fit = shape, hw, tp, fit_prefill(hw, tp)

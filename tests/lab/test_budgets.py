@@ -18,7 +18,7 @@ from lab.budgets import (
     fleet_capacity_rps,
     vtc_frame,
 )
-from serve.fleet.roofline_service import RooflineService
+from serve.fleet.sim.roofline_service import RooflineService
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from lab.fleet import hit_ratio_across_scale_event, measure_lookup_us, page_trac
 from lab.fleet_hashing import VNODES, fleet_hashing, lookup_cost
 from lab.fleet_scaling import TRACE_SEEDS, fleet_scaling, paired_dip
 from lab.fleet_simulation import BOUND_C, fleet_simulation, in_flight_at_routing
-from serve.fleet import KEY_ROUTERS, ROUTERS
-from serve.fleet.bounded_load import BoundedLoadRouter
+from serve.fleet.routing.bounded_load import BoundedLoadRouter
+from serve.fleet.routing.registry import KEY_ROUTERS, ROUTERS
 
 
 def test_fleet_hashing_landing():

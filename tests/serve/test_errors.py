@@ -2,7 +2,7 @@
 import pytest
 
 from serve.errors import check_choice, check_fraction, check_int, check_positive
-from serve.fleet.jump import jump_bucket
+from serve.fleet.routing.jump import jump_bucket
 from serve.scale.hardware import hardware
 from serve.scale.model_shape import preset
 from serve.scale.roofline import checkpoint_restore_time, decode_time, prefill_time

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from serve.fleet import make_router, replica_names
-from serve.fleet.hashing import routing_key
-from serve.fleet.policy_cache import PolicyReplicaCache
-from serve.fleet.replay import ScaleEvent, replay_routing
-from serve.fleet.router import RouteQuery
+from serve.fleet.routing.hashing import routing_key
+from serve.fleet.routing.policy_cache import PolicyReplicaCache
+from serve.fleet.routing.registry import make_router, replica_names
+from serve.fleet.routing.replay import ScaleEvent, replay_routing
+from serve.fleet.routing.router import RouteQuery
 from serve.scale.policies import OursPolicy, ReplicaBytes, SGLangNoBuffer
 from serve.traces.mooncake import synthesize
 

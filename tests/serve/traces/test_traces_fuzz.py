@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lab.fleet import routing_load, simulate_policies
-from serve.fleet.sim_types import FleetConfig
-from serve.fleet.simulation import simulate
-from serve.fleet.vtc import on_off_less_service, requests_from_vtc
+from serve.fleet.sim.simulation import simulate
+from serve.fleet.sim.types import FleetConfig
+from serve.fleet.sim.vtc import on_off_less_service, requests_from_vtc
 from serve.prefix.sim import replay_row
 from serve.traces.azure import read_azure_csv
 from serve.traces.limits import (

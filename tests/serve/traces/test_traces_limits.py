@@ -58,7 +58,7 @@ def test_azure_77_byte_file_with_huge_context_is_rejected_without_allocating():
 def test_fleet_fresh_block_ids_are_bounded():
     """Regression: scenarios.py and vtc.py built ``tuple(range(n))`` for any prompt length they got."""
     from lab.budgets import Stream, budget_traffic
-    from serve.fleet.vtc import requests_from_vtc
+    from serve.fleet.sim.vtc import requests_from_vtc
     from serve.traces.vtc_artifact import VTCRecord, VTCRun
 
     huge = [TraceRequest(0, 10**11, 10, ())]
@@ -114,7 +114,7 @@ def test_whole_file_load_names_the_line_past_the_block_limit():
 @pytest.mark.parametrize("hash_id", [1 << 63, -(1 << 63) - 1, 10**30], ids=["2^63", "-2^63-1", "1e30"])
 def test_hash_id_outside_int64_is_rejected_at_load(hash_id):
     """Regression: such ids loaded, then ``routing_key`` raised OverflowError on pages 11, 12 and 14."""
-    from serve.fleet.hashing import routing_key
+    from serve.fleet.routing.hashing import routing_key
 
     with pytest.raises(TraceFormatError, match=r"^<file>: line 1: field 'hash_ids' holds .* outside the 64-bit"):
         load_mooncake(io.StringIO(_line(hash_ids=[0, hash_id])))

@@ -16,7 +16,8 @@ Both share ``cache_aware``'s rule with exact scores: if the load is imbalanced (
 the replica with the highest score when it exceeds ``cache_threshold`` of the prompt (sgl-router's 0.3:
 a short shared prefix such as a system prompt does not pull every request to one replica), ties to the
 least loaded; else the least loaded (then router order).
-The simulation sets ``scorer(replica, request) -> (hit_tokens, kv_tokens)`` once its replicas exist.
+``scorer(replica, request) -> (hit_tokens, kv_tokens)`` is given at construction (the simulation passes its
+replicas' :meth:`prefix_tokens`).
 """
 
 from __future__ import annotations
@@ -24,16 +25,18 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from serve.errors import check_fraction
-from serve.fleet.router import RouteQuery, Router
+from serve.fleet.routing.router import RouteQuery, Router
 
 PREFIX_SCORE_ROUTERS = {"precise_kv": False, "precise_state": True}   # name -> checkpoint-aware
 
 
 class PrefixScoreRouter(Router):
     """Route on each replica's reported prefix (module docstring). ``use_state``: score the hit (True) or
-    the cached KV (False). Raises ValueError for bad thresholds; RuntimeError if routed without a scorer."""
+    the cached KV (False); ``scorer(replica, request) -> (hit_tokens, kv_tokens)``. Raises ValueError for bad
+    thresholds."""
 
-    def __init__(self, replicas: Sequence[str], use_state: bool = True, cache_threshold: float = 0.3,
+    def __init__(self, replicas: Sequence[str], scorer: Callable[[str, object], tuple[int, int]],
+                 use_state: bool = True, cache_threshold: float = 0.3,
                  balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5):
         check_fraction("cache_threshold", cache_threshold)
         if balance_abs_threshold < 0 or balance_rel_threshold < 1.0:
@@ -43,11 +46,9 @@ class PrefixScoreRouter(Router):
         self.use_state = bool(use_state)
         self.name = "precise_state" if self.use_state else "precise_kv"
         self.balance_abs_threshold, self.balance_rel_threshold = balance_abs_threshold, balance_rel_threshold
-        self.scorer: Callable[[str, object], tuple[int, int]] | None = None
+        self.scorer = scorer
 
     def route(self, query: RouteQuery) -> str:
-        if self.scorer is None:
-            raise RuntimeError("PrefixScoreRouter needs a scorer (set by the fleet simulation)")
         replicas, load = self._replicas, self._load
         loads = [load.get(r, 0) for r in replicas]
         hi, lo = max(loads), min(loads)

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from serve.fleet.hashing import stable_hash64
-from serve.fleet.router import RouteQuery, Router
+from serve.fleet.routing.hashing import stable_hash64
+from serve.fleet.routing.router import RouteQuery, Router
 
 
 def is_prime(m: int) -> bool:

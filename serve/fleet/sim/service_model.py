@@ -62,7 +62,7 @@ class ServiceModel:
 
     def prefill_batch_ms(self, parts) -> float:
         """A prefill step over ``(new_tokens, cached_tokens)`` per admitted request: only the new tokens
-        count (the interface :class:`serve.fleet.roofline_service.RooflineService` shares)."""
+        count (the interface :class:`serve.fleet.sim.roofline_service.RooflineService` shares)."""
         return self.prefill_ms(sum(n for n, _ in parts))
 
     def decode_step_ms(self, batch: int, context_tokens: int = 0) -> float:

@@ -16,9 +16,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from serve.fleet.service_model import ServiceModel, vtc_a10g_preset
-from serve.fleet.sim_types import FleetConfig, FleetRequest, FleetSimResult, fresh_block_requests, percentile
-from serve.fleet.simulation import simulate
+from serve.fleet.sim.service_model import ServiceModel, vtc_a10g_preset
+from serve.fleet.sim.simulation import simulate
+from serve.fleet.sim.types import FleetConfig, FleetRequest, FleetSimResult, fresh_block_requests, percentile
 from serve.traces.vtc_artifact import VTCRecord, VTCRun, load_vtc_artifact
 
 

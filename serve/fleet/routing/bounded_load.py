@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from serve.fleet.ring import ConsistentHashRouter
-from serve.fleet.router import RouteQuery
+from serve.fleet.routing.ring import ConsistentHashRouter
+from serve.fleet.routing.router import RouteQuery
 
 
 class BoundedLoadRouter(ConsistentHashRouter):

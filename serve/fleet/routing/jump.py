@@ -13,8 +13,8 @@ from __future__ import annotations
 import numpy as np
 
 from serve.errors import check_int
-from serve.fleet.hashing import MASK64
-from serve.fleet.router import RouteQuery, Router
+from serve.fleet.routing.hashing import MASK64
+from serve.fleet.routing.router import RouteQuery, Router
 
 _LCG = 2862933555777941757  # multiplier from the paper's reference code
 

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from serve.errors import check_int
-from serve.fleet.hashing import ketama_hash
-from serve.fleet.router import RouteQuery, Router
+from serve.fleet.routing.hashing import ketama_hash
+from serve.fleet.routing.router import RouteQuery, Router
 
 
 def ketama_points(replica: str, vnodes: int) -> list[int]:

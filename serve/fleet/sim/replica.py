@@ -5,20 +5,19 @@ Speed: decode steps are not simulated one by one. With b running requests every 
 ``decode_step_ms(b)``, so the replica sleeps until the next completion (k steps) — or until the VTC
 scheduler's pick would change as counters grow — unless woken by an arrival, in which case it
 resumes at the next step boundary ⌈elapsed / step⌉: the same schedule as the step-by-step reference
-(``sim_reference.py``; the tests compare them). New arrivals reach the scheduler at step boundaries.
+(``reference.py``; the tests compare them). New arrivals reach the scheduler at step boundaries.
 """
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-from serve.fleet.block_cache import BlockLRUCache
-from serve.fleet.scheduler import SCHEDULERS
-from serve.fleet.sim_types import FleetRequest, FleetRequestResult
+import simpy
 
-if TYPE_CHECKING:
-    from serve.fleet.simulation import FleetSim
+from serve.fleet.routing.block_cache import BlockLRUCache
+from serve.fleet.scaling.scheduler import SCHEDULERS
+from serve.fleet.sim.types import FleetConfig, FleetRequest, FleetRequestResult
 
 NAN = float("nan")
 
@@ -50,11 +49,11 @@ class Job:
 
 
 class Replica:
-    """One replica process: scheduler queue, running batch, KV reservation, block cache."""
+    """One replica process in ``env``: scheduler queue, running batch, KV reservation, block cache, as ``cfg``
+    says; ``finish(job, status)`` is called once per request that ends here (the fleet's bookkeeping)."""
 
-    def __init__(self, fleet: FleetSim, name: str):
-        self.fleet, self.name, self.env = fleet, name, fleet.env
-        cfg = fleet.cfg
+    def __init__(self, env: simpy.Environment, cfg: FleetConfig, name: str, finish: Callable[[Job, str], None]):
+        self.env, self.cfg, self.name, self.finish = env, cfg, name, finish
         self.service = cfg.service
         cap = cfg.cache_capacity_blocks
         # a policy model at real bytes (cache_factory) or the block LRU of cache_capacity_blocks
@@ -98,7 +97,7 @@ class Replica:
             return self.policy_cache.policy.lookup(req)
         if self.cache is None:
             return 0, 0
-        t = min(self.cache.lookup(req.hash_ids) * self.fleet.cfg.block_size, req.input_length)
+        t = min(self.cache.lookup(req.hash_ids) * self.cfg.block_size, req.input_length)
         return t, t
 
     def _admit(self) -> list[Job]:
@@ -140,7 +139,7 @@ class Replica:
             for job in [j for j in self.running if j.abort_requested]:
                 self.running.remove(job)
                 self._release(job)
-                self.fleet.finish(job, "aborted")
+                self.finish(job, "aborted")
             admitted = self._admit()
             if admitted:
                 parts = []
@@ -149,7 +148,7 @@ class Replica:
                     job.hit_tokens = (self.policy_cache.start(job.req) if self.policy_cache is not None
                                       else self.prefix_tokens(job.req)[0])
                     if self.cache is not None:
-                        self.cache.touch(job.req.hash_ids[: job.hit_tokens // self.fleet.cfg.block_size])
+                        self.cache.touch(job.req.hash_ids[: job.hit_tokens // self.cfg.block_size])
                     parts.append((max(1, job.input_length - job.hit_tokens), job.hit_tokens))
                 yield env.timeout(svc.prefill_batch_ms(parts))
                 for job in admitted:
@@ -159,13 +158,13 @@ class Replica:
                         self.policy_cache.finish(job.req, job.hit_tokens)
                     if job.abort_requested:
                         self._release(job)
-                        self.fleet.finish(job, "aborted")
+                        self.finish(job, "aborted")
                         continue
                     job.first_token_ms = env.now
                     job.remaining = job.req.output_length - 1
                     if job.remaining <= 0:
                         self._release(job)
-                        self.fleet.finish(job, "completed")
+                        self.finish(job, "completed")
                     else:
                         job.state = "running"
                         self.running.append(job)
@@ -179,7 +178,7 @@ class Replica:
                     for job in self.running:
                         growth[job.klass] = growth.get(job.klass, 0.0) + self.scheduler_output_price
                     flip = self.scheduler.steps_until_pick_changes(
-                        {c: g / self.fleet.cfg.weights.get(c, 1.0) for c, g in growth.items()})
+                        {c: g / self.cfg.weights.get(c, 1.0) for c, g in growth.items()})
                     k = min(k, flip) if flip is not None else k
                 start, end = env.now, env.now + k * step
                 yield env.timeout(k * step) | self.wake
@@ -196,7 +195,7 @@ class Replica:
                     for job in [j for j in self.running if j.remaining == 0]:
                         self.running.remove(job)
                         self._release(job)
-                        self.fleet.finish(job, "completed")
+                        self.finish(job, "completed")
                 continue
             if not self.accepting and len(self.scheduler) == 0 and not self.inbox:
                 return

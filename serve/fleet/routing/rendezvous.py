@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from serve.fleet.hashing import mix64, mix64_np, stable_hash64
-from serve.fleet.router import RouteQuery, Router
+from serve.fleet.routing.hashing import mix64, mix64_np, stable_hash64
+from serve.fleet.routing.router import RouteQuery, Router
 
 
 class RendezvousRouter(Router):

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from serve.fleet.block_cache import BlockLRUCache
-from serve.fleet.scheduler import SCHEDULERS
-from serve.fleet.sim_types import FleetConfig, FleetRequest, FleetRequestResult
+from serve.fleet.routing.block_cache import BlockLRUCache
+from serve.fleet.scaling.scheduler import SCHEDULERS
+from serve.fleet.sim.types import FleetConfig, FleetRequest, FleetRequestResult
 
 
 def reference_replica(requests: Sequence[FleetRequest], cfg: FleetConfig, name: str) -> list[FleetRequestResult]:

@@ -1,6 +1,6 @@
 """A replica's prefix cache backed by a prefix-cache policy model at real bytes.
 
-The fleet simulation's default replica cache (:class:`serve.fleet.block_cache.BlockLRUCache`) counts
+The fleet simulation's default replica cache (:class:`serve.fleet.routing.block_cache.BlockLRUCache`) counts
 blocks; this one holds a policy of :mod:`serve.scale.policies` (ours, SGLang ``MambaRadixCache``, vLLM
 ``mamba_cache_mode``) under a byte budget per replica, so a hit needs a KDA state where the policy placed
 one. Per request, in the replica's order of events:

@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from serve.fleet import KEY_ROUTERS, make_router, replica_names
-from serve.fleet.router import Router
+from serve.fleet.routing.registry import KEY_ROUTERS, make_router, options_for, replica_names
+from serve.fleet.routing.router import Router
 
 
 def _names(router: Router, keys: np.ndarray) -> np.ndarray:
@@ -58,7 +58,7 @@ def scaling_table(n_before: int, n_after: int, keys: np.ndarray, algorithms: Seq
     mod_n = 1.0 - 1.0 / big  # a key stays iff key mod n == key mod (n+1): probability 1/(n+1)
     rows = []
     for name in algorithms:
-        router = make_router(name, replica_names(n_before), **params)
+        router = make_router(name, replica_names(n_before), **options_for(name, params))
         if n_after > n_before:
             moved = keys_moved(router, keys, add=f"replica-{n_before}")
         else:

@@ -1,6 +1,6 @@
 """Service-time model of one replica from the roofline of a real model on real GPUs.
 
-The same step structure as :class:`serve.fleet.service_model.ServiceModel` (continuous batching,
+The same step structure as :class:`serve.fleet.sim.service_model.ServiceModel` (continuous batching,
 prefill-prioritised), with step times from :mod:`serve.scale.roofline` instead of a calibration:
 
 - **prefill step** over the admitted requests: the sum over them of the fitted roofline prefill of each
@@ -12,11 +12,11 @@ prefill-prioritised), with step times from :mod:`serve.scale.roofline` instead o
 - **decode step** with b running requests: the pure roofline TPOT
   (:func:`serve.scale.roofline.decode_time`) at the batch's mean context (prompt + tokens generated so
   far), taken when the step run starts: a replica skips ahead over decode steps at a fixed batch
-  (:mod:`serve.fleet.replica`), so the context growth during one run of steps (at most until the next
+  (:mod:`serve.fleet.sim.replica`), so the context growth during one run of steps (at most until the next
   completion or arrival) is not charged.
 
 Admission: at most ``max_batch_requests`` running; ``kv_capacity_tokens`` of room for the running
-requests' KV (the prefix cache's budget is separate, :class:`serve.fleet.policy_cache.PolicyReplicaCache`);
+requests' KV (the prefix cache's budget is separate, :class:`serve.fleet.routing.policy_cache.PolicyReplicaCache`);
 ``max_prefill_tokens_per_step`` uncached tokens per prefill step (at least one request).
 """
 

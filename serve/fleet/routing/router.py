@@ -21,7 +21,7 @@ import numpy as np
 class RouteQuery(NamedTuple):
     """What a router sees of a request: ``key`` (64-bit routing key, see ``hashing.routing_key``)
     and ``block_ids`` (the prompt's chained block ids, used by the cache-aware router); ``request``: the
-    request (``serve.fleet.prefix_score`` asks each replica what it would serve of it)."""
+    request (``serve.fleet.routing.prefix_score`` asks each replica what it would serve of it)."""
 
     key: int
     block_ids: tuple[int, ...] = ()

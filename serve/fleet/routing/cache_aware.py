@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from serve.errors import check_fraction
-from serve.fleet.block_cache import BlockLRUCache
-from serve.fleet.router import RouteQuery, Router
+from serve.fleet.routing.block_cache import BlockLRUCache
+from serve.fleet.routing.router import RouteQuery, Router
 
 
 class CacheAwareRouter(Router):

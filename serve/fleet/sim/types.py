@@ -1,4 +1,4 @@
-"""Inputs and outputs of the fleet simulation (``simulation.py``) and its reference (``sim_reference.py``)."""
+"""Inputs and outputs of the fleet simulation (``simulation.py``) and its reference (``reference.py``)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,15 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from serve.errors import check_int, check_positive
-from serve.fleet.budgets import PriorityClass
-from serve.fleet.service_model import ServiceModel
+from serve.fleet.routing.prefix_score import PREFIX_SCORE_ROUTERS
+from serve.fleet.routing.registry import ROUTER_OPTIONS, ROUTERS
+from serve.fleet.scaling.budgets import PriorityClass
+from serve.fleet.sim.service_model import ServiceModel
 from serve.traces.limits import MAX_INPUT_TOKENS, MAX_TRACE_BLOCKS
 from serve.traces.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 if TYPE_CHECKING:
-    from serve.fleet.policy_cache import PolicyReplicaCache
+    from serve.fleet.routing.policy_cache import PolicyReplicaCache
 
 
 class FleetRequest(NamedTuple):
@@ -46,8 +48,8 @@ class FleetConfig:
     model, per-replica block caches of ``cache_capacity_blocks`` (None = unlimited, 0 = no cache),
     priority ``classes`` (weights and token buckets) and ``scale_events``. ``cache_factory``: when set,
     each replica's cache is ``cache_factory()`` (a policy model at real bytes,
-    :class:`serve.fleet.policy_cache.PolicyReplicaCache`) instead of the block LRU. ``service``: a
-    :class:`ServiceModel` or :class:`serve.fleet.roofline_service.RooflineService`."""
+    :class:`serve.fleet.routing.policy_cache.PolicyReplicaCache`) instead of the block LRU. ``service``: a
+    :class:`ServiceModel` or :class:`serve.fleet.sim.roofline_service.RooflineService`."""
 
     service: ServiceModel
     num_replicas: int = 8
@@ -62,11 +64,13 @@ class FleetConfig:
     cache_factory: Callable[[], PolicyReplicaCache] | None = None
 
     def __post_init__(self):
-        from serve.fleet import ROUTERS
-        from serve.fleet.prefix_score import PREFIX_SCORE_ROUTERS
         if self.router not in ROUTERS and self.router not in PREFIX_SCORE_ROUTERS:
             raise ValueError(f"router must be one of {sorted(ROUTERS) + sorted(PREFIX_SCORE_ROUTERS)}, "
                              f"got {self.router!r}")
+        unknown = sorted(set(self.router_params) - set(ROUTER_OPTIONS.get(self.router, ())))
+        if unknown:
+            raise ValueError(f"router_params: router '{self.router}' takes {list(ROUTER_OPTIONS.get(self.router, ()))}, "
+                             f"got {unknown}")
         check_int("num_replicas", self.num_replicas)
         if self.routing_k < 1:
             raise ValueError(f"routing_k must be >= 1 block, got {self.routing_k}")

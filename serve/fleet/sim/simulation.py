@@ -7,7 +7,7 @@ bucket) → ``router.route`` (routing key = first ``routing_k`` blocks) → the 
 ``service_model.py``.
 
 Replicas (``replica.py``) skip ahead over decode steps; the result equals the step-by-step
-reference (``sim_reference.py``).
+reference (``reference.py``).
 
 Scale events: "add" starts an empty replica; "remove" takes a replica out of the router, re-routes
 its queued (not yet started) requests and lets its running ones finish. Aborts (``abort_ms``) remove
@@ -23,13 +23,13 @@ from collections.abc import Callable, Sequence
 
 import simpy
 
-from serve.fleet import make_router, replica_names
-from serve.fleet.budgets import TokenBucket
-from serve.fleet.hashing import routing_key
-from serve.fleet.prefix_score import PREFIX_SCORE_ROUTERS, PrefixScoreRouter
-from serve.fleet.replica import Job, Replica
-from serve.fleet.router import RouteQuery
-from serve.fleet.sim_types import Admission, FleetConfig, FleetRequest, FleetSimResult
+from serve.fleet.routing.hashing import routing_key
+from serve.fleet.routing.prefix_score import PREFIX_SCORE_ROUTERS, PrefixScoreRouter
+from serve.fleet.routing.registry import make_router, replica_names
+from serve.fleet.routing.router import RouteQuery
+from serve.fleet.scaling.budgets import TokenBucket
+from serve.fleet.sim.replica import Job, Replica
+from serve.fleet.sim.types import Admission, FleetConfig, FleetRequest, FleetSimResult
 
 
 class FleetSim:
@@ -43,11 +43,11 @@ class FleetSim:
         self.env = simpy.Environment()
         names = replica_names(cfg.num_replicas)
         if cfg.router in PREFIX_SCORE_ROUTERS:
-            self.router = PrefixScoreRouter(names, PREFIX_SCORE_ROUTERS[cfg.router])
-            self.router.scorer = lambda name, req: self.replicas[name].prefix_tokens(req)
+            self.router = PrefixScoreRouter(names, lambda name, req: self.replicas[name].prefix_tokens(req),
+                                            PREFIX_SCORE_ROUTERS[cfg.router])
         else:
             self.router = make_router(cfg.router, names, **cfg.router_params)
-        self.replicas = {n: Replica(self, n) for n in names}
+        self.replicas = {n: Replica(self.env, cfg, n, self.finish) for n in names}
         self.jobs = [Job(r) for r in sorted(requests, key=lambda r: (r.arrival_ms, r.request_id))]
         self.buckets = {c.name: TokenBucket(c.rate_tokens_per_s, c.burst_tokens) for c in cfg.classes if c.has_bucket}
         self.gate_queues: dict[str, deque[Job]] = {k: deque() for k in self.buckets}
@@ -136,7 +136,7 @@ class FleetSim:
                 if event.replica in self.replicas:
                     raise ValueError(f"replica name '{event.replica}' already used in this run")
                 self.router.add_replica(event.replica)
-                self.replicas[event.replica] = Replica(self, event.replica)
+                self.replicas[event.replica] = Replica(self.env, self.cfg, event.replica, self.finish)
             else:
                 self.router.remove_replica(event.replica)
                 replica = self.replicas[event.replica]

@@ -1,6 +1,6 @@
 """Routing-only replay of a trace: route each request in trace order, look up and insert its blocks
 in the chosen replica's :class:`BlockLRUCache` (or, with ``cache_factory``, the replica's prefix-cache
-policy model at real bytes, :class:`serve.fleet.policy_cache.PolicyReplicaCache`: ``start`` then
+policy model at real bytes, :class:`serve.fleet.routing.policy_cache.PolicyReplicaCache`: ``start`` then
 ``finish``, one request at a time). No timing: a request's blocks are cached as soon as it is routed, and "load" for load-aware routers is the number of requests routed so far (nothing
 finishes). This isolates what routing does to hit ratio; ``simulation.py`` adds time and queues.
 
@@ -16,10 +16,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from serve.fleet.block_cache import BlockLRUCache
-from serve.fleet.hashing import routing_key
-from serve.fleet.policy_cache import PolicyReplicaCache
-from serve.fleet.router import RouteQuery, Router
+from serve.fleet.routing.block_cache import BlockLRUCache
+from serve.fleet.routing.hashing import routing_key
+from serve.fleet.routing.policy_cache import PolicyReplicaCache
+from serve.fleet.routing.router import RouteQuery, Router
 from serve.traces.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 
