@@ -22,8 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.fleet_simulation import real_replica
-from lab.real_scale import BUDGET_FRACTIONS, POLICIES, free_bytes, policy_view
+from lab.real_scale import BUDGET_FRACTIONS, RealReplica, free_bytes, policy_view
 from serve.fleet.routing.hashing import random_keys
 from serve.fleet.routing.registry import KEY_ROUTERS, ROUTERS, make_router, options_for, replica_names
 from serve.fleet.routing.replay import replay_routing
@@ -34,7 +33,7 @@ from serve.fleet.sim.simulation import simulate
 from serve.fleet.sim.types import FleetConfig, percentile, requests_from_trace
 from serve.fleet.sim.vtc import replay_vtc_suite
 from serve.scale.hardware import hardware
-from serve.scale.policies import all_policies, replay
+from serve.scale.policies import CACHE_POLICIES, all_policies, replay
 from serve.traces.mooncake import ideal_hit_ratio, load_mooncake
 
 REPO = Path(__file__).resolve().parents[1]
@@ -115,8 +114,9 @@ def policy_fleet(router: str = "cache_aware") -> dict:
     requests = requests_from_trace(trace)
     out = {"router": router, "budget_fraction": FLEET_BUDGET_FRACTION, "goal_s": FLEET_GOAL_S,
            "ideal_token_hit_ratio": ideal_hit_ratio(trace).token_hit_ratio}
-    for name in POLICIES:
-        service, factory = real_replica(model, gpu, tp, name, FLEET_BUDGET_FRACTION)
+    for name in CACHE_POLICIES:
+        replica = RealReplica(model, gpu, tp, name, FLEET_BUDGET_FRACTION)
+        service, factory = replica.service(), replica.cache
         load = _load()
         t0 = time.perf_counter()
         sim = simulate(requests, FleetConfig(service=service, num_replicas=8, router=router, router_params=options_for(router, PARAMS),
@@ -163,7 +163,7 @@ def policy_sweep() -> dict:
                      ("conversation_whole", {"num_requests": 0, "requests": whole})):
         load = _load()
         t0 = time.perf_counter()
-        view = policy_view(model, gpu, tp, **kw)
+        view = policy_view(RealReplica(model, gpu, tp), **kw)
         b = view.budgets
         wall = time.perf_counter() - t0
         out[name] = {"wall_s": wall, "ratio_to_goal": wall / SWEEP_GOAL_S, "load_1min": load,

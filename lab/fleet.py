@@ -16,7 +16,8 @@ import pandas as pd
 
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, measure
-from serve.errors import check_choice, check_int
+from serve.errors import check_int
+from serve.fleet.real_replica import fitting_tps as fitting_tps  # re-exported: the pages' replica widgets
 from serve.fleet.routing.hashing import random_keys
 from serve.fleet.routing.policy_cache import PolicyReplicaCache
 from serve.fleet.routing.registry import ROUTERS, make_router, options_for, replica_names
@@ -66,56 +67,13 @@ def display_name(code: str) -> str:
 REPLICA_CACHES = {"policy model at real bytes": "policy", "block LRU (512-token blocks)": "block_lru"}
 
 
-def policy_cache_factory(model: str, gpu: str, tp: int, cache_policy: str,
-                         budget_fraction: float) -> Callable[[], PolicyReplicaCache]:
-    """A factory of fresh replica caches: prefix-cache policy ``cache_policy`` (:func:`lab.real_scale.make_policy`:
-    ours, SGLang, vLLM) of ``model`` on ``tp`` x ``gpu`` at real bytes, under ``budget_fraction`` of the HBM the
-    weights leave (:func:`lab.real_scale.free_bytes`, bytes per replica), one running request's state slots
-    reserved in it (:class:`serve.fleet.routing.policy_cache.PolicyReplicaCache`). Page 14's replicas
-    (:func:`lab.fleet_simulation.real_replica`) hold the same cache.
-
-    Raises ValueError naming the argument for an unknown model, GPU, TP or policy, a ``budget_fraction`` outside
-    (0, 1], weights that do not fit, or a budget below one running request's state slots."""
-    from lab.real_scale import HARDWARE, MODELS, POLICIES, TP_SIZES, free_bytes, make_policy  # it imports this module
-    from serve.scale.hardware import hardware
-    for name, value, allowed in (("model", model, tuple(MODELS)), ("gpu", gpu, HARDWARE),
-                                 ("tp", tp, TP_SIZES), ("cache_policy", cache_policy, POLICIES)):
-        check_choice(name, value, allowed)
-    if not 0 < budget_fraction <= 1:
-        raise ValueError(f"budget_fraction must be in (0, 1] (share of the HBM left after weights), got {budget_fraction}")
-    free = free_bytes(model, hardware(gpu), tp)
-    if free <= 0:
-        raise ValueError(f"{model} weights do not fit in {tp} x {gpu}: choose more GPUs (tp) or larger ones")
-    budget = free * budget_fraction
-
-    def factory() -> PolicyReplicaCache:
-        return PolicyReplicaCache(make_policy(cache_policy, model, tp), budget)
-
-    try:
-        factory()                                        # checks the budget against the running state slots
-    except ValueError as exc:
-        raise ValueError(f"budget_fraction {budget_fraction:g} of the {free / 1e9:,.0f} GB left after weights is too "
-                         f"small for {cache_policy}: {exc}") from exc
-    return factory
-
-
-def fitting_tps(model: str, gpu: str) -> tuple[int, ...]:
-    """The TP sizes (:data:`lab.real_scale.TP_SIZES`) at which ``model``'s weights fit in ``tp`` x ``gpu`` with
-    HBM to spare (a page offers only these; empty when none does). Raises ValueError for an unknown model or GPU."""
-    from lab.real_scale import HARDWARE, MODELS, TP_SIZES, free_bytes
-    from serve.scale.hardware import hardware
-    if model not in MODELS or gpu not in HARDWARE:
-        raise ValueError(f"model must be one of {tuple(MODELS)} and gpu one of {HARDWARE}, got {model!r}, {gpu!r}")
-    return tuple(tp for tp in TP_SIZES if free_bytes(model, hardware(gpu), tp) > 0)
-
-
 def routing_load(trace: Sequence[TraceRequest], algorithm: str, num_replicas: int, k: int,
                  cache_factory: Callable[[], PolicyReplicaCache] | None = None, **params) -> pd.DataFrame:
     """Requests and prompt tokens per replica when ``trace`` is routed by ``algorithm`` on its first
     ``k`` blocks (routing-only replay; unlimited block LRU caches, or ``cache_factory()`` per replica:
-    :func:`policy_cache_factory`). Columns: replica, requests, tokens, hit_tokens, lost_tokens (KV held on the
+    :meth:`serve.fleet.real_replica.RealReplica.cache`). Columns: replica, requests, tokens, hit_tokens, lost_tokens (KV held on the
     replica, no state to reuse it; 0 with block caches)."""
-    replay = replay_routing(trace, make_router(algorithm, replica_names(num_replicas), **params), k,
+    replay = replay_routing(trace, make_router(algorithm, replica_names(num_replicas), **options_for(algorithm, params)), k,
                             cache_factory=cache_factory)
     df = pd.DataFrame({"replica": replay.replica, "tokens": replay.input_tokens, "hit_tokens": replay.hit_tokens,
                        "lost_tokens": replay.lost_tokens})
@@ -179,7 +137,7 @@ def hit_ratio_across_scale_event(trace: Sequence[TraceRequest], algorithms: Sequ
                                  cache_factory: Callable[[], PolicyReplicaCache] | None = None) -> pd.DataFrame:
     """Windowed token hit ratio over the trace with one scale event at ``at_fraction`` of the requests;
     per-replica block LRU caches of ``capacity_blocks`` (None = unlimited) or, with ``cache_factory``, a fresh
-    ``cache_factory()`` per replica (:func:`policy_cache_factory`; ``capacity_blocks`` unused).
+    ``cache_factory()`` per replica (:meth:`serve.fleet.real_replica.RealReplica.cache`; ``capacity_blocks`` unused).
     ``routers``: optional freshly built routers by algorithm name (over ``num_replicas`` replicas), used as
     prototypes (copied through pickle, never mutated) so several traces share one Maglev table build. ``event=False``:
     the same replay without the scale event (the paired baseline).

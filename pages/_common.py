@@ -295,6 +295,7 @@ def real_replica(prefix: str, where=None, *, policy: bool = True, model_key: str
         MODELS,
         REAL_DEFAULTS,
         TP_SIZES,
+        RealReplica,
     )
     from lab.real_scale import policy_title, preset_title
     model, gpu, tp, cache_policy, budget_fraction = (REAL_DEFAULTS[x] for x in (
@@ -317,7 +318,7 @@ def real_replica(prefix: str, where=None, *, policy: bool = True, model_key: str
         budget = url_widget(cols[4].select_slider, "Cache budget (share of HBM left after weights)", f"{prefix}_budget",
                             budgets[BUDGET_OPTIONS.index(budget_fraction)], budgets)
         budget_fraction = BUDGET_OPTIONS[budgets.index(budget)]
-    return model, gpu, tp, cache_policy, budget_fraction
+    return RealReplica(model, gpu, tp, cache_policy, budget_fraction)
 
 
 def persist_clamped(key: str, default: int, lo: int, hi: int) -> str:

@@ -10,6 +10,7 @@ from serve.fleet.routing.bounded_load import BoundedLoadRouter
 from serve.fleet.routing.cache_aware import CacheAwareRouter
 from serve.fleet.routing.jump import JumpHashRouter
 from serve.fleet.routing.maglev import MaglevRouter
+from serve.fleet.routing.prefix_score import PREFIX_SCORE_ROUTERS
 from serve.fleet.routing.rendezvous import RendezvousRouter
 from serve.fleet.routing.ring import ConsistentHashRouter
 from serve.fleet.routing.router import LeastLoadedRouter, ModNRouter, RoundRobinRouter, Router
@@ -51,11 +52,12 @@ def make_router(name: str, replicas: Sequence[str], **options) -> Router:
 
 def options_for(name: str, shared: Mapping[str, object]) -> dict[str, object]:
     """The options of ``shared`` that router ``name`` takes, for one option set configuring several routers
-    (e.g. ``vnodes`` for the ring and bounded loads). Raises ValueError for an option no router takes."""
-    if name not in ROUTERS:
-        raise ValueError(f"unknown router '{name}', expected one of {sorted(ROUTERS)}")
+    (e.g. ``vnodes`` for the ring and bounded loads; none for the precise prefix routers, which the simulation
+    builds with their scorer). Raises ValueError for an unknown router or an option no router takes."""
+    if name not in ROUTERS and name not in PREFIX_SCORE_ROUTERS:
+        raise ValueError(f"unknown router '{name}', expected one of {sorted(ROUTERS) + sorted(PREFIX_SCORE_ROUTERS)}")
     known = {o for opts in ROUTER_OPTIONS.values() for o in opts}
     unknown = sorted(set(shared) - known)
     if unknown:
         raise ValueError(f"no router takes the options {unknown}; options: {sorted(known)}")
-    return {k: v for k, v in shared.items() if k in ROUTER_OPTIONS[name]}
+    return {k: v for k, v in shared.items() if k in ROUTER_OPTIONS.get(name, ())}
