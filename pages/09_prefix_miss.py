@@ -5,7 +5,7 @@ import streamlit as st
 from plotly.subplots import make_subplots
 
 from lab.fleet import synthetic_trace_description
-from lab.prefix_miss import CAPACITY_FRACTIONS, PRESETS, prefix_miss, preset_title
+from lab.prefix_miss import CAPACITY_FRACTIONS, MODELS, prefix_miss, preset_title
 from pages._common import engine_call, pct, run_on_request, show_chart, show_table, upload_parts, url_widget
 
 st.title("Prefix miss")
@@ -25,7 +25,7 @@ groups = url_widget(c5.slider, "KDA groups G", "p09_groups", 2, 1, 3)
 part1, part2 = st.container(), st.container()
 part2.subheader("2 · A trace through capacity-limited caches")
 d1, d2, d3, d4 = part2.columns(4)
-preset = url_widget(d1.selectbox, "Byte sizes of", "p09_preset", PRESETS[0], list(PRESETS), format_func=preset_title)
+preset = url_widget(d1.selectbox, "Byte sizes of", "p09_preset", MODELS[0], list(MODELS), format_func=preset_title)
 every = url_widget(d2.select_slider, "Checkpoint every C / 512 blocks", "p09_every", 1, [1, 2, 4, 8])
 tgroups = url_widget(d3.slider, "Groups G", "p09_tgroups", 1, 1, 4)
 num_requests = url_widget(d4.slider, "Requests (cap)", "p09_requests", 1500, 500, 3000, step=250)
