@@ -21,7 +21,7 @@ insertion in the same step can evict them, which the refresh at ``finish`` then 
 from __future__ import annotations
 
 from serve.errors import check_int
-from serve.scale.policies.base import BYTE_KINDS
+from serve.scale.policies.base import BYTE_KINDS, cache_bytes, running_bytes
 
 
 class PolicyReplicaCache:
@@ -35,12 +35,9 @@ class PolicyReplicaCache:
 
     def __init__(self, policy, budget_bytes: float, max_running: int = 1, deep_checks: bool = False):
         check_int("max_running", max_running)
-        running = policy.running_state_slots * policy.state_bytes * max_running   # the engine's slots
-        if not budget_bytes >= running:
-            raise ValueError(f"budget_bytes {budget_bytes:,.0f} is below the state slots of {max_running} running "
-                             f"request(s) of {policy.name} ({running:,} bytes)")
+        self.cache_bytes = cache_bytes(policy, float(budget_bytes), max_running)   # the engine's slots first
+        running = running_bytes(policy, max_running)
         self.policy, self.budget_bytes = policy, float(budget_bytes)
-        self.cache_bytes = self.budget_bytes - running
         self.peak_bytes = dict.fromkeys(BYTE_KINDS, 0)
         self.peak_bytes["running"] = running
         self.hit_tokens_total = self.lost_to_missing_state = self.requests = 0
