@@ -166,8 +166,9 @@ def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: i
     from_ms = events[0].time_ms if events and events[0].action == "remove" else -math.inf
     in_flight = pd.concat([in_flight_at_routing(g, replicas_at, from_ms=from_ms).assign(policy=name)
                            for name, g in per_request.groupby("policy", sort=False)], ignore_index=True)
-    return FleetSimulation(per_request, summary, in_flight, ideal_ratio(trace), len(trace), service.source, note,
-                           anchors=dict(ANCHORS), kda=kda, replica_bytes=replica_bytes)
+    return FleetSimulation(per_request=per_request, summary=summary, in_flight=in_flight,
+                           ideal_ratio=ideal_ratio(trace), num_requests=len(trace), service_source=service.source,
+                           note=note, anchors=dict(ANCHORS), kda=kda, replica_bytes=replica_bytes)
 
 
 def retime(trace: Sequence[TraceRequest], rate_rps: float) -> list[TraceRequest]:

@@ -211,9 +211,10 @@ def roofline_view(replica: RealReplica, contexts: Sequence[int] = CONTEXTS) -> R
     if model != FIT_MODEL:
         fit_note += (f" {preset_title(model)} has no published points: its fitted curve reuses the α, β fitted to "
                      f"{preset_title(FIT_MODEL)}'s points, unchecked; read its physical roofline as the model.")
-    return RooflineView(setup, curves, published, ratios, points, validated, _errors(points, validated),
-                        _batch_rows(shapes, hw, tp, contexts), fit, fit_note, w / 1e9, hw.hbm_bytes * tp / 1e9,
-                        (hw.hbm_bytes * tp - w) / 1e9)
+    return RooflineView(setup=setup, curves=curves, published=published, ratios=ratios, prefill_points=points,
+                        validated=validated, errors=_errors(points, validated),
+                        batch=_batch_rows(shapes, hw, tp, contexts), fit=fit, fit_note=fit_note, weights_gb=w / 1e9,
+                        hbm_gb=hw.hbm_bytes * tp / 1e9, free_gb=(hw.hbm_bytes * tp - w) / 1e9)
 
 
 @dataclass(frozen=True)
@@ -350,9 +351,10 @@ def policy_view(replica: RealReplica, num_requests: int, upload: bytes | None = 
             res = run(p, c, interval_budget)
             irows.append(_row(res, ttft, policy=p, interval_tokens=c, budget_gb=interval_budget))
     budgets, ivs = pd.DataFrame(rows), pd.DataFrame(irows)
-    return PolicyView(budgets, ivs, ideal, float(ttft.cold.mean()), free / 1e9,
-                      weight_bytes(shape) / 1e9, interval_budget, vllm_block_size(model, "align", tp_size=tp),
-                      len(requests), int(ttft.lengths.sum()), note, choose(budgets, ivs))
+    return PolicyView(budgets=budgets, intervals=ivs, ideal_hit_ratio=ideal, cold_ttft_s=float(ttft.cold.mean()),
+                      free_gb=free / 1e9, weights_gb=weight_bytes(shape) / 1e9, interval_budget_gb=interval_budget,
+                      vllm_block_tokens=vllm_block_size(model, "align", tp_size=tp), num_requests=len(requests),
+                      total_tokens=int(ttft.lengths.sum()), note=note, choice=choose(budgets, ivs))
 
 
 def choose(budgets: pd.DataFrame, intervals: pd.DataFrame) -> pd.DataFrame:

@@ -37,8 +37,10 @@ def reference_replica(requests: Sequence[FleetRequest], cfg: FleetConfig, name: 
 
     def done(r: FleetRequest, finish: float) -> None:
         d = info[r.request_id]
-        out.append(FleetRequestResult(r.request_id, r.klass, name, "completed", r.arrival_ms, r.arrival_ms,
-                                 d["start"], d["first"], finish, d["hit"], r.input_length, r.output_length))
+        out.append(FleetRequestResult(
+            request_id=r.request_id, klass=r.klass, replica=name, status="completed", arrival_ms=r.arrival_ms,
+            admitted_ms=r.arrival_ms, start_ms=d["start"], first_token_ms=d["first"], finish_ms=finish,
+            hit_tokens=d["hit"], input_length=r.input_length, output_length=r.output_length))
 
     while nxt < len(pending) or len(sched) or running:
         while nxt < len(pending) and pending[nxt].arrival_ms <= t:

@@ -43,9 +43,11 @@ class Job:
 
     def result(self) -> FleetRequestResult:
         r = self.req
-        return FleetRequestResult(r.request_id, r.klass, self.replica, self.status, r.arrival_ms, self.admitted_ms,
-                             self.start_ms, self.first_token_ms, self.finish_ms, self.hit_tokens,
-                             r.input_length, r.output_length)
+        return FleetRequestResult(
+            request_id=r.request_id, klass=r.klass, replica=self.replica, status=self.status, arrival_ms=r.arrival_ms,
+            admitted_ms=self.admitted_ms, start_ms=self.start_ms, first_token_ms=self.first_token_ms,
+            finish_ms=self.finish_ms, hit_tokens=self.hit_tokens, input_length=r.input_length,
+            output_length=r.output_length)
 
 
 class Replica:

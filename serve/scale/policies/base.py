@@ -223,6 +223,9 @@ def step_replay(requests: Sequence[TraceRequest], policy: PrefixPolicy, budget_b
             assert b["kv"] + b["state"] <= cache_budget, "cache over its budget after eviction"
     peak["running"] = at_peak["running"] = running
     hit_total = int(hits.sum())
-    return PolicyResult(policy.name, hit_total / total if total else 0.0, hit_total, total, ideal, hits, peak,
-                        policy.states_written, policy.states_evicted, policy.kv_evicted_tokens, lost,
-                        budget_bytes, time.perf_counter() - t0, at_peak)
+    return PolicyResult(
+        name=policy.name, token_hit_ratio=hit_total / total if total else 0.0, hit_tokens=hit_total,
+        total_tokens=total, ideal_hit_tokens=ideal, request_hit_tokens=hits, peak_bytes=peak,
+        states_written=policy.states_written, states_evicted=policy.states_evicted,
+        kv_evicted_tokens=policy.kv_evicted_tokens, lost_to_missing_state=lost, budget_bytes=budget_bytes,
+        seconds=time.perf_counter() - t0, held_at_peak=at_peak)

@@ -64,10 +64,14 @@ class OursPolicy:
         ideal = ideal_hit_ratio(requests, self.block_size).hit_tokens
         peak = {"kv": res.peak_kv_bytes, "state": res.peak_state_bytes, "running": running}
         at_peak = {"kv": res.at_peak_kv_bytes, "state": res.at_peak_state_bytes, "running": running}
-        return PolicyResult(self.name, res.token_hit_ratio, res.hit_tokens, res.total_tokens, ideal,
-                            np.asarray(res.request_hit_tokens, dtype=np.int64), peak, res.checkpoints_written,
-                            res.evicted_checkpoints, res.evicted_blocks * self.block_size,
-                            res.miss_tokens["kv_no_checkpoint"], float(budget_bytes), res.seconds, at_peak)
+        return PolicyResult(
+            name=self.name, token_hit_ratio=res.token_hit_ratio, hit_tokens=res.hit_tokens,
+            total_tokens=res.total_tokens, ideal_hit_tokens=ideal,
+            request_hit_tokens=np.asarray(res.request_hit_tokens, dtype=np.int64), peak_bytes=peak,
+            states_written=res.checkpoints_written, states_evicted=res.evicted_checkpoints,
+            kv_evicted_tokens=res.evicted_blocks * self.block_size,
+            lost_to_missing_state=res.miss_tokens["kv_no_checkpoint"], budget_bytes=float(budget_bytes),
+            seconds=res.seconds, held_at_peak=at_peak)
 
     # ---- one request at a time (the fleet simulation) ---------------------------------------------
     @property
