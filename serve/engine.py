@@ -42,7 +42,7 @@ from serve.memory.pool import PageKind, PagePool, PoolExhausted
 from serve.prefix.cache import PrefixCache
 from serve.prefix.index import block_keys
 from serve.request import Request, RequestResult, RequestStatus, prompt_ids, read_request_cache, write_request_cache
-from serve.spec.verify import Speculation, draft_budget, speculative_step
+from serve.spec_decode.verify import Speculation, draft_budget, speculative_step
 
 DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
 

@@ -6,7 +6,7 @@ from serve.fleet.routing.jump import jump_bucket
 from serve.scale.hardware import hardware
 from serve.scale.model_shape import preset
 from serve.scale.roofline import checkpoint_restore_time, decode_time, prefill_time
-from serve.spec.draft import NgramProposer
+from serve.spec_decode.draft import NgramProposer
 from serve.traces.mooncake import synthesize
 
 

@@ -6,25 +6,25 @@ lifecycle (``record -> commit | discard``, ``nbytes()`` checked against the form
 
 Concept → file → main type → test:
 - draft proposers (prompt lookup, noisy oracle) ... draft.py ........... ``NgramProposer``, ``NoisyOracleProposer``
-  ... ``tests/serve/spec/test_draft.py``
+  ... ``tests/serve/spec_decode/test_draft.py``
 - rollback lifecycle, byte formulas, layer sizes .. rollback.py ........ ``RollbackStrategy``, ``LayerShape``,
-  ``*_bytes_per_token`` ... ``tests/serve/spec/test_rollback.py``
+  ``*_bytes_per_token`` ... ``tests/serve/spec_decode/test_rollback.py``
 - snapshot (state + conv window per verify token) . snapshot.py ........ ``SnapshotRollback``
-  ... ``tests/serve/spec/test_verify.py``, ``test_rollback.py``
+  ... ``tests/serve/spec_decode/test_verify.py``, ``test_rollback.py``
 - projection replay (k, v, g, beta + conv inputs) . projection.py ...... ``ProjectionReplay``
-  ... ``tests/serve/spec/test_verify.py``, ``test_rollback.py``
+  ... ``tests/serve/spec_decode/test_verify.py``, ``test_rollback.py``
 - raw-input ring (layer inputs, checkpoint) ....... raw_input_ring.py .. ``RawInputRing``
-  ... ``tests/serve/spec/test_raw_input_ring.py``
+  ... ``tests/serve/spec_decode/test_raw_input_ring.py``
 - verify / accept / commit ........................ verify.py .......... ``verify``, ``greedy_accept``,
-  ``verify_and_replay``, ``VerifyResult``, ``DecodeState`` ... ``tests/serve/spec/test_verify.py``
+  ``verify_and_replay``, ``VerifyResult``, ``DecodeState`` ... ``tests/serve/spec_decode/test_verify.py``
 - the one loop (propose -> verify_and_replay -> extend), its draft budget, one step
   ................................................. verify.py .......... ``speculate``, ``draft_budget``,
-  ``speculative_step``, ``speculative_generate`` ... ``tests/serve/spec/test_verify.py``,
+  ``speculative_step``, ``speculative_generate`` ... ``tests/serve/spec_decode/test_verify.py``,
   ``tests/serve/test_engine_spec.py``
 - the one strategy factory, engine settings ....... verify.py .......... ``make_strategy``, ``STRATEGIES``,
-  ``Speculation`` ... ``tests/serve/spec/test_verify.py``, ``tests/serve/test_engine_spec_property.py``
+  ``Speculation`` ... ``tests/serve/spec_decode/test_verify.py``, ``tests/serve/test_engine_spec_property.py``
 - references: sequential decode, closed-form state  reference.py ....... ``sequential_decode``,
-  ``closed_form_states`` ... ``tests/serve/spec/test_verify.py``
+  ``closed_form_states`` ... ``tests/serve/spec_decode/test_verify.py``
 
 Experiments on top (pages 01, 02, 04): ``lab/rollback.py`` (``rollback_page``), ``lab/verify.py``
 (``run_verify_lab``), ``lab/ring.py`` (``ring_page``); tests ``tests/lab/test_rollback.py``,

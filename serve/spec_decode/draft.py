@@ -1,7 +1,7 @@
 """Draft proposers for speculative decoding: prompt lookup (n-gram) and a seeded noisy oracle.
 
 A proposer sees the token history (prompt + every emitted token, in order) and proposes up to
-``num_tokens`` draft tokens that the target model then verifies (``serve.spec.verify``).
+``num_tokens`` draft tokens that the target model then verifies (``serve.spec_decode.verify``).
 
 - :class:`NgramProposer` — prompt-lookup decoding (Saxena 2023, "Prompt Lookup Decoding"; vLLM's
   ``NgramProposer`` with ``prompt_lookup_min/max``, SGLang's n-gram speculator): find the earliest

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from kda_core.layer import KDAAux, KDACache, KDALayer
-from serve.spec.rollback import LayerShape, RollbackStrategy, owned, snapshot_bytes_per_token
+from serve.spec_decode.rollback import LayerShape, RollbackStrategy, owned, snapshot_bytes_per_token
 
 
 class SnapshotRollback(RollbackStrategy):

@@ -23,11 +23,11 @@ import torch
 
 from kda_core.model import ForwardOutput, HybridCache, HybridLM
 from serve.errors import check_choice, check_int
-from serve.spec.draft import DraftProposer
-from serve.spec.projection import ProjectionReplay
-from serve.spec.raw_input_ring import RawInputRing
-from serve.spec.rollback import RollbackStrategy
-from serve.spec.snapshot import SnapshotRollback
+from serve.spec_decode.draft import DraftProposer
+from serve.spec_decode.projection import ProjectionReplay
+from serve.spec_decode.raw_input_ring import RawInputRing
+from serve.spec_decode.rollback import RollbackStrategy
+from serve.spec_decode.snapshot import SnapshotRollback
 
 
 class DecodeState(NamedTuple):

@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from kda_core.model import cache_equal
-from serve.spec.draft import NoisyOracleProposer
-from serve.spec.raw_input_ring import RawInputRing
-from serve.spec.verify import speculative_generate, verify, verify_and_replay
-from tests.serve.spec.helpers import PROMPT, greedy_continuation, model, one_thread, start, tiny_model
+from serve.spec_decode.draft import NoisyOracleProposer
+from serve.spec_decode.raw_input_ring import RawInputRing
+from serve.spec_decode.verify import speculative_generate, verify, verify_and_replay
+from tests.serve.spec_decode.helpers import PROMPT, greedy_continuation, model, one_thread, start, tiny_model
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 __all__ = ["model", "start"]  # shared fixtures

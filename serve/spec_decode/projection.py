@@ -4,10 +4,10 @@ Per KDA layer and verify token the strategy keeps the tensors the kernel consume
 and the raw conv inputs; the commit replays ``kda_step`` (through :func:`kda_core.kda.kda_recurrent`,
 the same per-token step as the verify) from the committed state over the accepted tokens and rolls
 the conv window forward. Memory ``H(2K + V + 1) s + (2HK + HV) s`` per verify token per KDA layer
-(:func:`serve.spec.rollback.projection_bytes_per_token`); commit cost one recurrence per accepted token.
+(:func:`serve.spec_decode.rollback.projection_bytes_per_token`); commit cost one recurrence per accepted token.
 
 ReplaySSM (Dao AI Lab, 2026) does the same in kind: post-projection per-step records (for a gated
-delta net k, the delta term and g) in a ring plus a state checkpoint; :mod:`serve.spec.raw_input_ring`
+delta net k, the delta term and g) in a ring plus a state checkpoint; :mod:`serve.spec_decode.raw_input_ring`
 instead caches the raw layer inputs and re-projects.
 """
 from __future__ import annotations
@@ -16,7 +16,13 @@ import torch
 
 from kda_core.kda import kda_recurrent
 from kda_core.layer import KDAAux, KDACache, KDALayer
-from serve.spec.rollback import LayerShape, RollbackStrategy, conv_window_after, owned, projection_bytes_per_token
+from serve.spec_decode.rollback import (
+    LayerShape,
+    RollbackStrategy,
+    conv_window_after,
+    owned,
+    projection_bytes_per_token,
+)
 
 
 class ProjectionReplay(RollbackStrategy):

@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from kda_core.config import PRESETS
 from kda_core.kda import NonFiniteError
 from kda_core.model import HybridLM, cache_equal
-from serve.spec.draft import NgramProposer, NoisyOracleProposer
-from serve.spec.projection import ProjectionReplay
-from serve.spec.reference import cache_max_abs_diff, clone_cache, closed_form_states, corrections
-from serve.spec.verify import (
+from serve.spec_decode.draft import NgramProposer, NoisyOracleProposer
+from serve.spec_decode.projection import ProjectionReplay
+from serve.spec_decode.reference import cache_max_abs_diff, clone_cache, closed_form_states, corrections
+from serve.spec_decode.verify import (
     STRATEGIES,
     DecodeState,
     Speculation,
@@ -22,8 +22,8 @@ from serve.spec.verify import (
     verify,
     verify_and_replay,
 )
-from serve.spec.verify import make_strategy as spec_make_strategy
-from tests.serve.spec.helpers import (
+from serve.spec_decode.verify import make_strategy as spec_make_strategy
+from tests.serve.spec_decode.helpers import (
     PROMPT,
     STRATEGY_IDS,
     greedy_continuation,

@@ -6,9 +6,9 @@ strategy records something during the verify forward and turns it into the commi
 
 | strategy | file | records per verify token and KDA layer | commit |
 |---|---|---|---|
-| :class:`serve.spec.snapshot.SnapshotRollback` | ``serve/spec/snapshot.py`` | state + conv window | select |
-| :class:`serve.spec.projection.ProjectionReplay` | ``serve/spec/projection.py`` | k, v, g, beta + raw conv inputs | replay ``kda_step`` |
-| :class:`serve.spec.raw_input_ring.RawInputRing` | ``serve/spec/raw_input_ring.py`` | layer input x (ring buffer) | re-project + replay |
+| :class:`serve.spec_decode.snapshot.SnapshotRollback` | ``serve/spec_decode/snapshot.py`` | state + conv window | select |
+| :class:`serve.spec_decode.projection.ProjectionReplay` | ``serve/spec_decode/projection.py`` | k, v, g, beta + raw conv inputs | replay ``kda_step`` |
+| :class:`serve.spec_decode.raw_input_ring.RawInputRing` | ``serve/spec_decode/raw_input_ring.py`` | layer input x (ring buffer) | re-project + replay |
 
 Token ranges of one verify (half-open, positions in the sequence; L = committed tokens before it):
 

@@ -5,15 +5,15 @@ import torch
 from kda_core.config import PRESETS
 from kda_core.conv import short_conv
 from lab.rollback import LAYER_PRESETS, measure_layer_bytes, model_rollback_row, model_rollback_table
-from serve.spec.rollback import (
+from serve.spec_decode.rollback import (
     LayerShape,
     conv_window_after,
     projection_bytes_per_token,
     raw_input_bytes_per_token,
     snapshot_bytes_per_token,
 )
-from serve.spec.verify import verify_and_replay
-from tests.serve.spec.helpers import STRATEGY_IDS, make_strategy, one_thread, prefilled, tiny_model
+from serve.spec_decode.verify import verify_and_replay
+from tests.serve.spec_decode.helpers import STRATEGY_IDS, make_strategy, one_thread, prefilled, tiny_model
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 TINY = LayerShape.from_config(PRESETS["demo-tiny"])          # H=2, K=16, V=12, W=4, d=32

@@ -6,8 +6,8 @@ import torch
 
 from kda_core.config import PRESETS
 from kda_core.model import HybridCache, HybridLM
-from serve.spec import verify as spec_verify
-from serve.spec.verify import DecodeState, prefill_state
+from serve.spec_decode import verify as spec_verify
+from serve.spec_decode.verify import DecodeState, prefill_state
 
 PROMPT = torch.tensor([72, 101, 108, 108, 111, 32, 75, 68, 65, 32, 115, 101, 114, 118, 101, 32, 108, 97, 98, 33])
 STRATEGY_NAMES = {"snapshot": "snapshot", "projection": "projection replay", "ring": "raw-input ring"}  # id -> name
@@ -35,7 +35,7 @@ def start(model) -> DecodeState:
 
 
 def make_strategy(kind: str, store_dtype: torch.dtype = torch.float32):
-    """A fresh strategy from :func:`serve.spec.verify.make_strategy`; the ring gets a window of 8 verify
+    """A fresh strategy from :func:`serve.spec_decode.verify.make_strategy`; the ring gets a window of 8 verify
     tokens and room for 24 (several steps)."""
     return spec_verify.make_strategy(STRATEGY_NAMES[kind], 8, 24, store_dtype)
 

@@ -1,7 +1,7 @@
 """Draft proposers: prompt lookup on known histories; the noisy oracle's rate and reproducibility."""
 import pytest
 
-from serve.spec.draft import NgramProposer, NoisyOracleProposer
+from serve.spec_decode.draft import NgramProposer, NoisyOracleProposer
 
 
 def test_ngram_proposes_what_followed_the_suffix():

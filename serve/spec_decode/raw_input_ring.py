@@ -9,7 +9,7 @@ Relation to ReplaySSM (Dao AI Lab, 2026, "ReplaySSM: Cache SSM Inputs, Not State
 *post-projection* per-step records — for a gated delta net k, the delta term and g; for Mamba2 x, dt and
 B (vLLM: ``MambaStateShapeCalculator.append_replayssm_ring`` in
 ``vllm/model_executor/layers/mamba/mamba_utils.py``) — in a ring plus an fp32 state checkpoint, and
-replays only the recurrence. That is closer to :class:`serve.spec.projection.ProjectionReplay` (k, v, g, beta)
+replays only the recurrence. That is closer to :class:`serve.spec_decode.projection.ProjectionReplay` (k, v, g, beta)
 than to this ring, which stores the layer input *before* the projections and re-projects at commit.
 
 Ring layout (absolute counters; slot = counter mod capacity):
@@ -32,7 +32,7 @@ import torch
 from kda_core.kda import kda_recurrent
 from kda_core.layer import KDAAux, KDACache, KDALayer
 from kda_core.model import HybridCache, HybridLM
-from serve.spec.rollback import LayerShape, RollbackStrategy, raw_input_bytes_per_token
+from serve.spec_decode.rollback import LayerShape, RollbackStrategy, raw_input_bytes_per_token
 
 
 def replay_inputs(layer: KDALayer, cache: KDACache, x: torch.Tensor) -> KDACache:
