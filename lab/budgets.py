@@ -32,7 +32,7 @@ import pandas as pd
 from lab.fleet import PAGE_TRACE_BLOCKS, default_service, fitting_tps, results_frame
 from lab.fleet_simulation import SERVICE_MODELS
 from serve.errors import check_choice
-from serve.fleet.real_replica import DEFAULT_REPLICA, RealReplica
+from serve.fleet.real_replica import RealReplica
 from serve.fleet.scaling.budgets import PriorityClass
 from serve.fleet.sim.service_model import saturated_throughput_rps
 from serve.fleet.sim.simulation import simulate
@@ -214,7 +214,7 @@ def budget_classes(vip_weight: float, standard_rate_tokens_per_s: float, batch_r
                           burst_tokens=depth(batch_rate_tokens_per_s, "batch")))
 
 
-def budget_service(service_model: str = "roofline", replica: RealReplica = DEFAULT_REPLICA):
+def budget_service(service_model: str = "roofline", replica: RealReplica = RealReplica()):
     """(service, cache_factory) of one replica: "roofline" = ``replica``'s roofline step times and prefix cache
     (:class:`serve.fleet.real_replica.RealReplica`; the cache budget also bounds the running requests' KV room);
     "a10g" = the VTC artifact's calibration sped up by :data:`PREFILL_SPEEDUP` / :data:`DECODE_SPEEDUP` (no
@@ -271,7 +271,7 @@ def vtc_frame() -> tuple[pd.DataFrame, dict, dict]:
 def budget_page(vip_load: float, standard_load: float, vip_weight: float, standard_budget: float,
                 burst_class: str, burst_load: float, burst_duration_s: float, num_replicas: int,
                 azure: bytes | None = None, azure_name: str = "uploaded file", service_model: str = "roofline",
-                replica: RealReplica = DEFAULT_REPLICA, load_basis: str = "reference") -> BudgetPage:
+                replica: RealReplica = RealReplica(), load_basis: str = "reference") -> BudgetPage:
     """Page 13's scenario on ``num_replicas`` replicas of :func:`budget_service`: steady VIP / standard / batch
     traffic at ``vip_load`` / ``standard_load`` / :data:`BATCH_LOAD` of the fleet's capacity at each class's
     lengths, and from :data:`BURST_START_S` a burst of ``burst_class`` offering ``burst_load`` x the fleet's

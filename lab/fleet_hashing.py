@@ -22,7 +22,7 @@ from lab.fleet import (
 )
 from lab.timing import Conditions
 from serve.errors import check_choice
-from serve.fleet.real_replica import DEFAULT_REPLICA, RealReplica
+from serve.fleet.real_replica import RealReplica
 from serve.fleet.routing.hashing import routing_key
 from serve.fleet.routing.registry import KEY_ROUTERS, ROUTERS, make_router, options_for, replica_names
 from serve.fleet.routing.router import RouteQuery
@@ -76,7 +76,7 @@ def prefix_landing(trace: Sequence[TraceRequest], num_replicas: int, k: int, vno
 
 def fleet_hashing(algorithm: str, num_replicas: int, k: int, vnodes: int, num_requests: int,
                   upload: bytes | None = None, upload_name: str = "uploaded file", replica_cache: str = "policy",
-                  replica: RealReplica = DEFAULT_REPLICA) -> FleetHashing:
+                  replica: RealReplica = RealReplica()) -> FleetHashing:
     """Route the page trace (``upload`` or the synthetic one, :func:`lab.fleet.page_trace`) with
     ``algorithm`` on its first ``k`` blocks; add the ring's balance for ``num_replicas``. ``replica_cache``
     ("policy" or "block_lru", :data:`lab.fleet.REPLICA_CACHES`): each replica's cache is ``replica``'s

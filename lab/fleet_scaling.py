@@ -16,7 +16,7 @@ from lab.fleet import (
     page_trace,
 )
 from serve.errors import check_choice
-from serve.fleet.real_replica import DEFAULT_REPLICA, RealReplica
+from serve.fleet.real_replica import RealReplica
 from serve.fleet.routing.registry import KEY_ROUTERS, make_router, options_for, replica_names
 
 ACTIONS = ("add", "remove")
@@ -62,7 +62,7 @@ def fleet_scaling(num_replicas: int, action: str, num_keys: int, vnodes: int, nu
                   at_fraction: float, window: int, capacity: str, upload: bytes | None = None,
                   upload_name: str = "uploaded file", replica_cache: str = "policy",
                   algorithms: tuple[str, ...] = KEY_ROUTERS, seeds: int = TRACE_SEEDS,
-                  replica: RealReplica = DEFAULT_REPLICA) -> FleetScaling:
+                  replica: RealReplica = RealReplica()) -> FleetScaling:
     """Keys moved going from ``num_replicas`` to one more ("add") or one fewer ("remove"), then the page trace
     (``upload``, or ``seeds`` synthetic traces of seeds 0, 1, ...) routed on its first ``k`` blocks by each of
     ``algorithms`` (key-based, :data:`serve.fleet.KEY_ROUTERS`) with the event after ``at_fraction`` of the

@@ -27,13 +27,9 @@ from lab.fleet import (
     scale_events_for,
     simulate_policies,
 )
-from lab.real_scale import BUDGET_FRACTIONS, policy_title, preset_title
-from lab.real_scale import HARDWARE as HARDWARE  # re-exported with the rest of the replica widgets' choices
-from lab.real_scale import MODELS as MODELS
-from lab.real_scale import TP_SIZES as TP_SIZES
+from lab.real_scale import BUDGET_FRACTIONS, HARDWARE, MODELS, TP_SIZES, policy_title, preset_title  # noqa: F401  (re-exported: the replica widgets' choices)
 from serve.errors import check_choice, check_positive
-from serve.fleet.real_replica import DEFAULT_REPLICA
-from serve.fleet.real_replica import RealReplica as RealReplica  # re-exported: the pages build it
+from serve.fleet.real_replica import RealReplica  # re-exported too: the pages build it
 from serve.fleet.routing.prefix_score import PREFIX_SCORE_ROUTERS
 from serve.fleet.routing.registry import ROUTERS
 from serve.fleet.scaling.budgets import PriorityClass
@@ -47,7 +43,7 @@ ROUTING_POLICIES = tuple(ROUTERS) + tuple(PREFIX_SCORE_ROUTERS)
 SERVICE_MODELS = {"real model · roofline, policy cache at real bytes": "roofline",
                   "A10G · Llama-7B (VTC artifact, measured)": "a10g",
                   "this CPU · our KDA demo engine (measured now)": "cpu"}
-REAL_DEFAULTS = dataclasses.asdict(DEFAULT_REPLICA)   # the replica widgets' defaults, by field
+REAL_DEFAULTS = dataclasses.asdict(RealReplica())   # the replica widgets' defaults, by field
 BUDGET_OPTIONS = tuple(BUDGET_FRACTIONS)
 CAPACITIES = ("0", "500", "2000", "8000", "unlimited")  # cache per replica options (512-token blocks)
 SCALE_EVENTS = ("none", "add", "remove")  # at half the trace's duration
@@ -109,7 +105,7 @@ class FleetSimulation:
 def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: int, k: int, capacity: str,
                      scheduler: str, vip_percent: int, scale: str, speedup: float, service_model: str,
                      upload: bytes | None = None, upload_name: str = "uploaded file",
-                     progress: Callable[[float], None] | None = None, replica: RealReplica = DEFAULT_REPLICA,
+                     progress: Callable[[float], None] | None = None, replica: RealReplica = RealReplica(),
                      arrival_rps: float | None = None) -> FleetSimulation:
     """Simulate the page trace (``upload`` or the synthetic one) once per policy in ``policies``:
     ``num_replicas`` replicas of ``service_model`` (module docstring; "roofline": ``replica``, its step times

@@ -37,11 +37,6 @@ if TYPE_CHECKING:     # pandas is imported where a frame is built: Home's first 
 RUNNABLE = ("demo", "demo-k3gate", "demo-tiny")
 
 
-DEFAULT_CONFIG = ServeConfig()                              # one group: the home page's and page 08's runs
-ANATOMY_CONFIG = ServeConfig(16, 32, 2)                     # two groups, C = 2N: page 07's lookup walk
-MISS_CONFIG = ServeConfig(16, 64, 2)                        # two groups: page 09's miss then hit
-
-
 @functools.lru_cache(maxsize=len(RUNNABLE))   # bounded: one model per runnable preset
 def demo_model(preset: str = "demo") -> HybridLM:
     """The runnable model of a demo preset (weights from its seed; built once per process)."""
@@ -156,7 +151,7 @@ def _sizes(first, second, max_new_tokens: int, config: ServeConfig, preset: str)
 
 
 def cold_vs_warm(first: str | Sequence[int], second: str | Sequence[int], max_new_tokens: int = 8,
-                 config: ServeConfig = DEFAULT_CONFIG, preset: str = "demo") -> ColdWarm:
+                 config: ServeConfig = ServeConfig(), preset: str = "demo") -> ColdWarm:
     """Run ``second`` cold (cache-off engine) and warm (after ``first`` filled the cache) once each on fresh
     engines, ``max_new_tokens`` greedy tokens with logits recorded, and compare them. Raises ValueError for
     bad sizes or prompts."""
@@ -186,7 +181,7 @@ class TtftTimes(NamedTuple):
 
 
 def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_new_tokens: int = 8,
-                   config: ServeConfig = DEFAULT_CONFIG, repeats: int = MIN_REPEATS,
+                   config: ServeConfig = ServeConfig(), repeats: int = MIN_REPEATS,
                    warmup: int = 1, preset: str = "demo", fit: bool = True) -> TtftTimes:
     """TTFT of ``second`` cold and warm, ``repeats`` interleaved rounds after ``warmup`` (:func:`lab.timing.measure`).
 
@@ -280,7 +275,7 @@ class Anatomy(NamedTuple):
     prompt_tokens: list
 
 
-def anatomy(prompts: Sequence[str | Sequence[int]], config: ServeConfig = ANATOMY_CONFIG,
+def anatomy(prompts: Sequence[str | Sequence[int]], config: ServeConfig = ServeConfig(16, 32, 2),  # page 07's
             drop: tuple[int, int] | None = None, preset: str = "demo") -> Anatomy:
     """Run every prompt but the last through a cached engine (one output token each), optionally drop
     group ``drop[1]``'s checkpoint at boundary ``drop[0]`` of the previous prompt, then explain the last
@@ -319,8 +314,8 @@ class MissThenHit(NamedTuple):
     check: Comparison
 
 
-def miss_then_hit(prompt_tokens: int, next_shared: int, config: ServeConfig = MISS_CONFIG, max_new_tokens: int = 4,
-                  seed: int = 0, preset: str = "demo") -> MissThenHit:
+def miss_then_hit(prompt_tokens: int, next_shared: int, config: ServeConfig = ServeConfig(16, 64, 2),  # page 09's
+                  max_new_tokens: int = 4, seed: int = 0, preset: str = "demo") -> MissThenHit:
     """A cold request of ``prompt_tokens`` random bytes, then one sharing its first ``next_shared``
     tokens (+ 16 new). Raises ValueError if ``next_shared`` exceeds the prompt."""
     if not 0 <= next_shared <= prompt_tokens:

@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from kda_core.config import REAL_PRESETS
-from kda_core.config import preset_title as preset_title  # re-exported: page 09's model labels
+from kda_core.config import REAL_PRESETS, preset_title  # noqa: F401  (preset_title re-exported: page 09's labels)
 from lab.fleet import MOONCAKE_TABLE2_CACHE_RATIO, PREFIX_SIM_TRACE_BLOCKS, page_trace
 from lab.prefix import Comparison, miss_then_hit
 from serve.config import ServeConfig

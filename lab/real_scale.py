@@ -33,9 +33,7 @@ from kda_core.config import REAL_PRESETS
 from kda_core.config import preset_title as preset_title  # re-exported: pages 14 and 15's model labels
 from lab.fleet import page_trace
 from serve.errors import check_int
-from serve.fleet.real_replica import TP_SIZES as TP_SIZES  # re-exported: the pages' TP choices
-from serve.fleet.real_replica import RealReplica as RealReplica  # re-exported: the pages build it
-from serve.fleet.real_replica import free_bytes as free_bytes  # re-exported: page 15's budgets
+from serve.fleet.real_replica import TP_SIZES, RealReplica, free_bytes  # noqa: F401  (re-exported for the pages)
 from serve.scale.capacity import MEMORY_FRACTION as MEMORY_FRACTION  # re-exported: page 15's caption
 from serve.scale.capacity import largest_batch_decode
 from serve.scale.capacity import weight_bytes as weight_bytes  # re-exported: the policy view and lab.fleet use it

@@ -90,5 +90,3 @@ class RealReplica:
         room = (self.free_bytes - self.budget_bytes) // ReplicaBytes.for_preset(self.model, self.tp).kv_bytes_per_token
         return RooflineService(self.model, self.gpu, self.tp, kv_capacity_tokens=max(1, int(room)))
 
-
-DEFAULT_REPLICA = RealReplica()   # the pages' default: Kimi-Linear on 8 x H200, ours, 1/8 of the free HBM

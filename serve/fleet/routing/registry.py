@@ -27,9 +27,20 @@ ROUTERS: dict[str, type[Router]] = {
     "cache_aware": CacheAwareRouter,
 }
 KEY_ROUTERS = ("mod_n", "ring", "jump", "rendezvous", "maglev")  # static: a key always maps the same way
-# each router's options: its constructor's parameters after the replica list
-ROUTER_OPTIONS: dict[str, tuple[str, ...]] = {
-    name: tuple(inspect.signature(cls.__init__).parameters)[2:] for name, cls in ROUTERS.items()}
+# each router's options: its constructor's parameters after the replica list (the precise prefix routers: none,
+# the simulation builds them with their scorer)
+ROUTER_OPTIONS: dict[str, tuple[str, ...]] = {name: tuple(inspect.signature(cls.__init__).parameters)[2:]
+                                              for name, cls in ROUTERS.items()} | dict.fromkeys(PREFIX_SCORE_ROUTERS, ())
+
+
+def check_options(name: str, options: Mapping[str, object], what: str = "options") -> None:
+    """ValueError for an unknown router ``name`` (:data:`ROUTER_OPTIONS`) or an option it does not take, naming
+    ``what`` (the caller's argument)."""
+    if name not in ROUTER_OPTIONS:
+        raise ValueError(f"unknown router '{name}', expected one of {sorted(ROUTER_OPTIONS)}")
+    unknown = sorted(set(options) - set(ROUTER_OPTIONS[name]))
+    if unknown:
+        raise ValueError(f"{what}: router '{name}' takes {list(ROUTER_OPTIONS[name])}, got {unknown}")
 
 
 def replica_names(n: int) -> list[str]:
@@ -42,11 +53,9 @@ def replica_names(n: int) -> list[str]:
 def make_router(name: str, replicas: Sequence[str], **options) -> Router:
     """Build router ``name`` (a key of ``ROUTERS``) over ``replicas`` with ``options`` (its
     :data:`ROUTER_OPTIONS`). Raises ValueError for an unknown name or an option the router does not take."""
-    if name not in ROUTERS:
+    if name not in ROUTERS:   # the precise prefix routers are built with their scorer (PrefixScoreRouter)
         raise ValueError(f"unknown router '{name}', expected one of {sorted(ROUTERS)}")
-    unknown = sorted(set(options) - set(ROUTER_OPTIONS[name]))
-    if unknown:
-        raise ValueError(f"router '{name}' takes the options {list(ROUTER_OPTIONS[name])}, got {unknown}")
+    check_options(name, options)
     return ROUTERS[name](list(replicas), **options)
 
 
@@ -54,10 +63,8 @@ def options_for(name: str, shared: Mapping[str, object]) -> dict[str, object]:
     """The options of ``shared`` that router ``name`` takes, for one option set configuring several routers
     (e.g. ``vnodes`` for the ring and bounded loads; none for the precise prefix routers, which the simulation
     builds with their scorer). Raises ValueError for an unknown router or an option no router takes."""
-    if name not in ROUTERS and name not in PREFIX_SCORE_ROUTERS:
-        raise ValueError(f"unknown router '{name}', expected one of {sorted(ROUTERS) + sorted(PREFIX_SCORE_ROUTERS)}")
+    check_options(name, {})
     known = {o for opts in ROUTER_OPTIONS.values() for o in opts}
-    unknown = sorted(set(shared) - known)
-    if unknown:
-        raise ValueError(f"no router takes the options {unknown}; options: {sorted(known)}")
-    return {k: v for k, v in shared.items() if k in ROUTER_OPTIONS.get(name, ())}
+    if set(shared) - known:
+        raise ValueError(f"no router takes the options {sorted(set(shared) - known)}; options: {sorted(known)}")
+    return {k: v for k, v in shared.items() if k in ROUTER_OPTIONS[name]}

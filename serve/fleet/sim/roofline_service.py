@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kda_core.config import preset_title
+from serve.errors import check_int
 from serve.scale.hardware import hardware
 from serve.scale.model_shape import preset
 from serve.scale.roofline import checkpoint_restore_time, decode_time
@@ -38,13 +39,12 @@ class RooflineService:
 
     def __init__(self, model: str, gpu: str, tp: int, max_batch_requests: int = 256,
                  kv_capacity_tokens: int | None = None, max_prefill_tokens_per_step: int | None = 16384):
-        for name, val in (("tp", tp), ("max_batch_requests", max_batch_requests)):
-            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {val!r}")
+        check_int("tp", tp)
+        check_int("max_batch_requests", max_batch_requests)
         for name, val in (("kv_capacity_tokens", kv_capacity_tokens),
                           ("max_prefill_tokens_per_step", max_prefill_tokens_per_step)):
-            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
-                raise ValueError(f"{name} must be an int >= 1 or None, got {val!r}")
+            if val is not None:
+                check_int(name, val)
         self.model, self.gpu, self.tp = model, gpu, tp
         self.shape, self.hw = preset(model), hardware(gpu)
         self.fit = fit_prefill(self.hw, tp)

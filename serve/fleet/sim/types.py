@@ -9,8 +9,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import numpy as np
 
 from serve.errors import check_int, check_positive
-from serve.fleet.routing.prefix_score import PREFIX_SCORE_ROUTERS
-from serve.fleet.routing.registry import ROUTER_OPTIONS, ROUTERS
+from serve.fleet.routing.registry import check_options
 from serve.fleet.scaling.budgets import PriorityClass
 from serve.fleet.sim.service_model import ServiceModel
 from serve.traces.limits import MAX_INPUT_TOKENS, MAX_TRACE_BLOCKS
@@ -64,13 +63,7 @@ class FleetConfig:
     cache_factory: Callable[[], PolicyReplicaCache] | None = None
 
     def __post_init__(self):
-        if self.router not in ROUTERS and self.router not in PREFIX_SCORE_ROUTERS:
-            raise ValueError(f"router must be one of {sorted(ROUTERS) + sorted(PREFIX_SCORE_ROUTERS)}, "
-                             f"got {self.router!r}")
-        unknown = sorted(set(self.router_params) - set(ROUTER_OPTIONS.get(self.router, ())))
-        if unknown:
-            raise ValueError(f"router_params: router '{self.router}' takes {list(ROUTER_OPTIONS.get(self.router, ()))}, "
-                             f"got {unknown}")
+        check_options(self.router, self.router_params, "router_params")
         check_int("num_replicas", self.num_replicas)
         if self.routing_k < 1:
             raise ValueError(f"routing_k must be >= 1 block, got {self.routing_k}")

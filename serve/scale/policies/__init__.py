@@ -31,12 +31,11 @@ __all__ = ["BYTE_KINDS", "CACHE_POLICIES", "EXTRA_CACHE_POLICIES", "MODES", "mak
            "vllm_group_pages"]
 
 
-def all_policies(preset: str, tp_size: int = 1, checkpoint_interval: int = 2048) -> list:
-    """One fresh instance of every policy for ``preset`` on ``tp_size`` ranks, default knobs."""
-    replica = ReplicaBytes.for_preset(preset, tp_size)
-    return [OursPolicy(preset, checkpoint_interval, tp_size=tp_size), SGLangNoBuffer(replica),
-            SGLangExtraBuffer(replica)] + [VLLMMambaPolicy(preset, m, tp_size) for m in MODES] + [
-            VLLMMambaPolicy(preset, "align", tp_size, replay_stop=True)]
+def all_policies(preset: str, tp_size: int = 1, checkpoint_interval: int = OURS_C) -> list:
+    """One fresh instance of every policy (:data:`CACHE_POLICIES` + :data:`EXTRA_CACHE_POLICIES`) for ``preset``
+    on ``tp_size`` ranks, default knobs but ours' ``checkpoint_interval``."""
+    return [make_policy(name, preset, tp_size, checkpoint_interval if name == "ours" else None)
+            for name in CACHE_POLICIES + EXTRA_CACHE_POLICIES]
 
 
 def make_policy(name: str, model: str, tp: int, interval: int | None = None) -> PrefixPolicy:

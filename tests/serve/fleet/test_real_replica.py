@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from serve.fleet.real_replica import DEFAULT_REPLICA, TP_SIZES, RealReplica, fitting_tps, free_bytes
+from serve.fleet.real_replica import TP_SIZES, RealReplica, fitting_tps, free_bytes
 from serve.scale.hardware import hardware
 from serve.scale.policies import ReplicaBytes
 
@@ -22,7 +22,7 @@ def test_the_replica_builds_its_cache_and_service():
     service = r.service()
     assert service.kv_capacity_tokens == int((free - free / 16) // kv) and (service.model, service.gpu, service.tp) == (
         "kimi-linear-48b-a3b", "H200", 8)
-    assert DEFAULT_REPLICA == RealReplica() and dataclasses.replace(r, tp=4).tp == 4
+    assert RealReplica() == RealReplica() and dataclasses.replace(r, tp=4).tp == 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.tp = 4  # type: ignore[misc]
 
@@ -37,7 +37,7 @@ def test_a_bad_replica_is_refused_when_built(kwargs, match):
     with pytest.raises(ValueError, match=match):
         RealReplica(**kwargs)
     with pytest.raises(ValueError, match=match):      # replace() validates too
-        dataclasses.replace(DEFAULT_REPLICA, **kwargs)
+        dataclasses.replace(RealReplica(), **kwargs)
 
 
 def test_fitting_tps():
