@@ -137,4 +137,4 @@ st.write(
     "after a write-back has folded it into the checkpoint — never silently. A draft longer than the window is "
     "refused with a ValueError. Bytes: snapshot H·K·V·s + (2HK+HV)(W−1)·s, projections H·(2K+V+1)·s + (2HK+HV)·s, "
     "raw inputs d·s per token per KDA layer. Sources: ReplaySSM (Dao AI Lab, 2026) for replaying from cached "
-    "per-step records and a checkpoint; the ring itself is `serve/spec/raw_input_ring.py`.")
+    "per-step records and a checkpoint; the ring itself is `serve/spec_decode/raw_input_ring.py`.")

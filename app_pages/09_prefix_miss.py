@@ -10,7 +10,7 @@ from app_pages.errors import engine_call
 from app_pages.links import url_widget
 from app_pages.measurement import run_on_request
 from lab.fleet import synthetic_trace_description
-from lab.prefix_miss import CAPACITY_FRACTIONS, PRESETS, prefix_miss, preset_title
+from lab.prefix_miss import CAPACITY_FRACTIONS, MODELS, prefix_miss, preset_title
 
 st.title("Prefix miss")
 st.write(
@@ -29,7 +29,7 @@ groups = url_widget(c5.slider, "KDA groups G", "p09_groups", 2, 1, 3)
 part1, part2 = st.container(), st.container()
 part2.subheader("2 · A trace through capacity-limited caches")
 d1, d2, d3, d4 = part2.columns(4)
-preset = url_widget(d1.selectbox, "Byte sizes of", "p09_preset", PRESETS[0], list(PRESETS), format_func=preset_title)
+preset = url_widget(d1.selectbox, "Byte sizes of", "p09_preset", MODELS[0], list(MODELS), format_func=preset_title)
 every = url_widget(d2.select_slider, "Checkpoint every C / 512 blocks", "p09_every", 1, [1, 2, 4, 8])
 tgroups = url_widget(d3.slider, "Groups G", "p09_tgroups", 1, 1, 4)
 num_requests = url_widget(d4.slider, "Requests (cap)", "p09_requests", 1500, 500, 3000, step=250)
@@ -114,7 +114,7 @@ with part2:
         {"figure": "Figure", "trace": "Trace", "ratio": pct("Ratio"), "what it counts": "What it counts"})
     st.caption("The paper's cache ratio and our block ideal are different counts: upload the paper's "
                "`conversation_trace.jsonl` or `synthetic_trace.jsonl` (kvcache-ai/Mooncake, `FAST25-release/traces`) "
-               "to compute the block ideal of the same file; `tests/serve/test_mooncake_ratios.py` does it for both.")
+               "to compute the block ideal of the same file; `tests/serve/traces/test_mooncake_ratios.py` does it for both.")
     causes = go.Figure([go.Bar(x=[f"{c:,.0f} GB" for c in cap.capacity_gb], y=cap[f"miss_{k}"], name=k.replace("_", " "))
                         for k in run.miss_causes])
     causes.update_layout(barmode="stack", xaxis_title="cache capacity", yaxis_title="missed tokens (fraction of all tokens)",

@@ -10,7 +10,7 @@ from app_pages.measurement import measured_stamp, remeasure_button
 from app_pages.replica import real_replica
 from lab.fleet import LOOKUP_KEYS, REPLICA_CACHES, display_name
 from lab.fleet_hashing import ALGORITHMS, VNODES, fleet_hashing, lookup_cost
-from lab.fleet_simulation import REAL_DEFAULTS, replica_title
+from lab.fleet_simulation import RealReplica, replica_title
 
 st.title("Fleet hashing")
 st.write(
@@ -31,22 +31,20 @@ k = url_widget(c4.slider, "Routing prefix depth k (blocks)", "p11_k", 2, 1, 8)
 CACHES = list(REPLICA_CACHES)
 cache_label = url_widget(st.selectbox, "Replica cache", "p11_cache", CACHES[0], CACHES)
 real = REPLICA_CACHES[cache_label] == "policy"
-model_name, gpu, tp, cache_policy, budget_fraction = real_replica("p11") if real else (REAL_DEFAULTS[x] for x in (
-    "model", "gpu", "tp", "cache_policy", "budget_fraction"))
+replica = real_replica("p11") if real else RealReplica()
 d1, d2 = st.columns([1, 2])
 num_requests = url_widget(d1.slider, "Requests (cap)", "p11_requests", 2000, 200, 5000, step=100)
 upload = d2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p11_upload")
 
 
 @st.cache_data(show_spinner="Routing the trace…", max_entries=32, ttl="1h")
-def _run(algorithm, replicas, k, vnodes, n, upload_bytes, upload_name, replica_cache, real_setup):
-    model_name, gpu, tp, cache_policy, budget_fraction = real_setup
+def _run(algorithm, replicas, k, vnodes, n, upload_bytes, upload_name, replica_cache, replica):
     return fleet_hashing(algorithm, replicas, k, vnodes, n, upload_bytes, upload_name, replica_cache=replica_cache,
-                         model=model_name, gpu=gpu, tp=tp, cache_policy=cache_policy, budget_fraction=budget_fraction)
+                         replica=replica)
 
 
 run = engine_call(_run, algorithm, replicas, k, vnodes, num_requests, *upload_parts(upload), REPLICA_CACHES[cache_label],
-                  (model_name, gpu, tp, cache_policy, budget_fraction))
+                  replica)
 load, hit, ideal, n_trace, anchors = run.load, run.hit_ratio, run.ideal_ratio, run.num_requests, run.anchors
 if run.note:
     st.info(run.note)
@@ -66,7 +64,7 @@ if real:
 if load.requests.max() == n_trace:
     st.warning(f"Every request went to one replica: all prompts share their first {k} block(s) (a shared system "
                "prompt), so a routing key that short has a single value. Route on more blocks.")
-where_cache = (f"{replica_title(model_name, gpu, tp, cache_policy)}: {run.budget_gb:,.0f} GB per replica" if real else
+where_cache = (f"{replica_title(replica)}: {run.budget_gb:,.0f} GB per replica" if real else
                "an unlimited block LRU cache per replica")
 st.caption(f"{n_trace:,} requests (cap {num_requests:,}); {where_cache}. Routing-only replay: each request is "
            "cached on its replica as soon as it is routed (no timing; page 14 adds queues and service times).")

@@ -9,7 +9,7 @@ from app_pages.links import url_widget
 from app_pages.replica import real_replica
 from lab.fleet import REPLICA_CACHES, display_name
 from lab.fleet_scaling import ACTIONS, CAPACITIES, KEY_ROUTERS, MAX_SEEDS, SMOOTH_WINDOWS, TRACE_SEEDS, fleet_scaling
-from lab.fleet_simulation import REAL_DEFAULTS, replica_title
+from lab.fleet_simulation import RealReplica, replica_title
 
 st.title("Fleet scaling")
 st.write(
@@ -39,11 +39,10 @@ algo_labels = url_widget(part2.multiselect, "Algorithms replayed (each costs a r
 CACHES = list(REPLICA_CACHES)
 cache_label = url_widget(part2.selectbox, "Replica cache", "p12_cache", CACHES[0], CACHES)
 real = REPLICA_CACHES[cache_label] == "policy"
-model_name, gpu, tp, cache_policy, budget_fraction = (REAL_DEFAULTS[x] for x in (
-    "model", "gpu", "tp", "cache_policy", "budget_fraction"))
+replica = RealReplica()
 capacity = "unlimited"
 if real:   # the GPUs and TP sizes offered are those the model's weights fit in
-    model_name, gpu, tp, cache_policy, budget_fraction = real_replica("p12", part2)
+    replica = real_replica("p12", part2)
 else:
     capacity = url_widget(part2.select_slider, "Cache per replica (blocks of 512 tokens)", "p12_capacity", "unlimited",
                           list(CAPACITIES))
@@ -55,16 +54,14 @@ if not algo_labels:
 
 @st.cache_data(show_spinner="Moving keys and replaying the trace…", max_entries=32, ttl="1h")
 def _run(replicas, action, num_keys, vnodes, n, k, at, window, capacity, upload_bytes, upload_name, replica_cache,
-         algorithms, seeds, real_setup):
-    model_name, gpu, tp, cache_policy, budget_fraction = real_setup
+         algorithms, seeds, replica):
     return fleet_scaling(replicas, action, num_keys, vnodes, n, k, at, window, capacity, upload_bytes, upload_name,
-                         replica_cache=replica_cache, algorithms=algorithms, seeds=seeds, model=model_name, gpu=gpu,
-                         tp=tp, cache_policy=cache_policy, budget_fraction=budget_fraction)
+                         replica_cache=replica_cache, algorithms=algorithms, seeds=seeds, replica=replica)
 
 
 algorithms = tuple(a for a in KEY_ROUTERS if display_name(a) in algo_labels)
 run = engine_call(_run, replicas, action, num_keys, vnodes, num_requests, k, at, window, capacity, *upload_parts(upload),
-                  REPLICA_CACHES[cache_label], algorithms, seeds, (model_name, gpu, tp, cache_policy, budget_fraction))
+                  REPLICA_CACHES[cache_label], algorithms, seeds, replica)
 moved, n_after, anchors = run.moved, run.replicas_after, run.anchors
 with part1:
     st.subheader(f"1 · Keys moved going from {replicas} to {n_after} replicas")
@@ -139,8 +136,8 @@ with part2:
             "- **Requests to recover ½** (half the loss): requests from the event to the first window from which the "
             f"loss, averaged over {SMOOTH_WINDOWS} windows, is at most half the hit ratio lost, in whole windows.\n"
             "- Routing-only replay (no timing): each request is cached on its replica as soon as it is routed. "
-            + (f"Each replica is the {replica_title(model_name, gpu, tp, cache_policy)} (a prefix-cache policy model) at real "
+            + (f"Each replica is the {replica_title(replica)} (a prefix-cache policy model) at real "
                "bytes (KV + KDA states + the running request's state slots within the budget); a hit needs a state "
                "at its boundary, so hit ratio + KV cached without a state ≤ the block ideal (one infinite shared "
                "cache). " if real else "Each replica's cache is an LRU set of 512-token blocks. ")
-            + "The synthetic traces are `serve.traces.synthesize` with seeds 0, 1, …")
+            + "The synthetic traces are `serve.traces.mooncake.synthesize` with seeds 0, 1, …")

@@ -28,7 +28,7 @@ from lab.budgets import (
     vtc_frame,
 )
 from lab.fleet import ANCHORS
-from lab.fleet_simulation import REAL_DEFAULTS
+from lab.fleet_simulation import RealReplica
 
 st.title("Fleet budgets")
 st.write(
@@ -49,11 +49,11 @@ def _slider(col, label, lo, hi, step, key, percent=False):
 REPLICAS = list(REPLICA_MODELS)
 replica_label = url_widget(st.selectbox, "Replica", "p13_replica", REPLICAS[0], REPLICAS)
 service_model = REPLICA_MODELS[replica_label]
-model_name, gpu, tp = REAL_DEFAULTS["model"], REAL_DEFAULTS["gpu"], REAL_DEFAULTS["tp"]
+replica = RealReplica()
 BASES = list(LOAD_BASES)
 load_basis = "own"   # the A10G replica has no hardware choice: its loads are shares of its own capacity
 if service_model == "roofline":   # the GPUs and TP sizes offered are those the model's weights fit in
-    model_name, gpu, tp, _, _ = real_replica("p13", policy=False)
+    replica = real_replica("p13", policy=False)
     load_basis = url_widget(st.radio, "Loads are shares of", "p13_load_basis", BASES[0], BASES,
                             format_func=LOAD_BASES.get, horizontal=True)
 else:
@@ -79,9 +79,9 @@ azure = st.file_uploader("Burst shape from an Azure LLM trace CSV (optional; def
 
 @st.cache_data(show_spinner="Simulating both runs…", max_entries=32, ttl="1h")
 def _run(vip_load, std_load, vip_weight, std_budget, burst_class, burst_load, burst_s, replicas, azure_bytes,
-         azure_name, service_model, model_name, gpu, tp, load_basis):
+         azure_name, service_model, replica, load_basis):
     return budget_page(vip_load / 100, std_load / 100, vip_weight, std_budget / 100, burst_class, burst_load / 100,
-                       burst_s, replicas, azure_bytes, azure_name, service_model, model_name, gpu, tp, load_basis)
+                       burst_s, replicas, azure_bytes, azure_name, service_model, replica, load_basis)
 
 
 _vtc = st.cache_data(vtc_frame, show_spinner="Replaying the VTC artifact's suite…", max_entries=1, ttl="1h")
@@ -97,7 +97,7 @@ def secs(v: float) -> str:
 
 
 run = engine_call(_run, vip_load, std_load, vip_weight, std_budget, burst_class, burst_load, burst_s, replicas,
-                  *upload_parts(azure), service_model, model_name, gpu, tp, load_basis)
+                  *upload_parts(azure), service_model, replica, load_basis)
 summary, budget, source, cap = run.summary, run.budget, run.service_source, run.capacity_rps
 basis = run.basis_capacity_rps
 if run.note:

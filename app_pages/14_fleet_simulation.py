@@ -17,13 +17,13 @@ from lab.fleet_simulation import (
     CAPACITIES,
     CLASS_LABELS,
     DEFAULT_ARRIVAL_RPS,
-    POLICIES,
-    REAL_DEFAULTS,
+    ROUTING_POLICIES,
     SCALE_EVENTS,
     SCHEDULER_LABELS,
     SCHEDULERS,
     SERVICE_MODELS,
     SWEEP_RATES,
+    RealReplica,
     fleet_simulation,
     load_sweep,
     replica_title,
@@ -45,10 +45,9 @@ SERVICES = list(SERVICE_MODELS)
 service_label = url_widget(st.selectbox, "Replica", "p14_model", SERVICES[0], SERVICES)
 real = SERVICE_MODELS[service_label] == "roofline"
 if real:   # the GPUs and TP sizes offered are those the model's weights fit in
-    model_name, gpu, tp, cache_policy, budget_fraction = real_replica("p14", model_key="p14_real_model")
+    replica = real_replica("p14", model_key="p14_real_model")
 else:
-    model_name, gpu, tp, cache_policy = (REAL_DEFAULTS[k] for k in ("model", "gpu", "tp", "cache_policy"))
-    budget_fraction = REAL_DEFAULTS["budget_fraction"]
+    replica = RealReplica()
 TRACE_RATE = "trace's own"
 RATE_OPTIONS = [TRACE_RATE] + [str(r) for r in ARRIVAL_RATES]
 rate_label = url_widget(st.select_slider, "Offered load (requests / s across the fleet)", "p14_rate",
@@ -68,8 +67,8 @@ vip_pct = url_widget(d2.slider, "VIP share of requests (%)", "p14_vip", 10, 0, 5
 scale = url_widget(d3.selectbox, "Scale event at half time", "p14_scale", "none", list(SCALE_EVENTS))
 speed = 8 if real else url_widget(  # an assumption for the A10G / CPU replicas; a real model's times: the roofline
     d4.slider, "Replica speed-up, assumed (prefill ×; decode × 5/8 of it)", "p14_speed", 8, 1, 20)
-POLICY_NAMES = [DISPLAY_NAMES[p] for p in POLICIES]
-policies = [POLICIES[POLICY_NAMES.index(name)] for name in url_widget(
+POLICY_NAMES = [DISPLAY_NAMES[p] for p in ROUTING_POLICIES]
+policies = [ROUTING_POLICIES[POLICY_NAMES.index(name)] for name in url_widget(
     st.multiselect, "Routing policies", "p14_policies",
     [DISPLAY_NAMES[p] for p in ("ring", "round_robin", "cache_aware", "bounded_load")], POLICY_NAMES)]
 upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p14_upload")
@@ -79,33 +78,29 @@ if not policies:
 
 
 @st.cache_data(show_spinner=False, max_entries=16, ttl="1h")
-def _run(policies, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, service, real_setup, upload_bytes,
+def _run(policies, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, service, replica, upload_bytes,
          upload_name, arrival_rps):
     bar = st.progress(0.0, text="Simulating…")  # made here: replayed on a cache hit
-    model_name, gpu, tp, cache_policy, budget_fraction = real_setup
     run = fleet_simulation(policies, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, SERVICE_MODELS[service],
                            upload_bytes, upload_name, progress=lambda f: bar.progress(min(f, 1.0), text="Simulating…"),
-                           model=model_name, gpu=gpu, tp=tp, cache_policy=cache_policy, budget_fraction=budget_fraction,
-                           arrival_rps=arrival_rps)
+                           replica=replica, arrival_rps=arrival_rps)
     bar.empty()
     return run
 
 
 @st.cache_data(show_spinner=False, max_entries=4, ttl="1h")
-def _sweep(policies, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, service, real_setup, upload_bytes,
+def _sweep(policies, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, service, replica, upload_bytes,
            upload_name):
     bar = st.progress(0.0, text="Sweeping the load…")
-    model_name, gpu, tp, cache_policy, budget_fraction = real_setup
     frame = load_sweep(policies, SWEEP_RATES, n, replicas, k, capacity, scheduler, vip_pct, scale, speed,
-                       SERVICE_MODELS[service], upload_bytes, upload_name, model=model_name, gpu=gpu, tp=tp,
-                       cache_policy=cache_policy, budget_fraction=budget_fraction,
+                       SERVICE_MODELS[service], upload_bytes, upload_name, replica=replica,
                        progress=lambda f: bar.progress(min(f, 1.0), text="Sweeping the load…"))
     bar.empty()
     return frame
 
 
 setup = (tuple(policies), num_requests, replicas, k, capacity, scheduler, vip_pct, scale, speed, service_label,
-         (model_name, gpu, tp, cache_policy, budget_fraction), *upload_parts(upload))
+         replica, *upload_parts(upload))
 run = engine_call(_run, *setup, arrival_rps)
 per_request, summary, ideal, n_trace, source = run.per_request, run.summary, run.ideal_ratio, run.num_requests, \
     run.service_source
@@ -174,7 +169,7 @@ st.caption(f"The load cap is bounded loads' ⌈c × fleet in-flight ÷ replicas�
            + (" (requests routed after the removal)." if scale == "remove" else "."))
 if run.kda is not None:
     kda, rb = run.kda, run.replica_bytes
-    st.subheader(f"4 · What KDA changes: {replica_title(model_name, gpu, tp, cache_policy)}")
+    st.subheader(f"4 · What KDA changes: {replica_title(replica)}")
     fig4 = go.Figure([go.Bar(x=kda.policy.map(DISPLAY_NAMES), y=kda.hit_ratio, name="token hit ratio"),
                       go.Bar(x=kda.policy.map(DISPLAY_NAMES), y=kda.lost_to_missing_state,
                              name="KV cached on the replica, no state to use it")])

@@ -11,13 +11,13 @@ from app_pages.measurement import run_on_request
 from app_pages.replica import real_replica
 from lab.real_scale import (
     BUDGET_FRACTIONS,
+    CACHE_POLICIES,
     DEFAULT_POLICIES,
     EXTRA_BUFFER_CHUNK,
-    EXTRA_POLICIES,
+    EXTRA_CACHE_POLICIES,
     INTERVAL_BUDGET_FRACTION,
     MEMORY_FRACTION,
     OURS_C,
-    POLICIES,
     REPORT_THROUGHPUT_CLAIM,
     policy_title,
     policy_view,
@@ -31,9 +31,10 @@ st.write(
     "TP group. Part 1 puts Kimi Linear beside its all-MLA counterfactual (same layers and heads, every layer MLA) "
     "with the Kimi Linear report's published points. Part 2 replays a trace through the prefix caches of our "
     "engine, SGLang and vLLM, each counted in the chosen model's bytes under one memory budget per replica.")
-model, hw, tp, _, _ = real_replica("p15", policy=False)   # only the GPUs and TP sizes the weights fit in
+replica = real_replica("p15", policy=False)   # only the GPUs and TP sizes the weights fit in
+model, hw, tp = replica.model, replica.gpu, replica.tp
 _roofline = st.cache_data(roofline_view, show_spinner=False, max_entries=64, ttl="1h")
-view = engine_call(_roofline, model, hw, tp)
+view = engine_call(_roofline, replica)
 st.subheader("1 · Kimi Linear vs full MLA, 4K to 1M tokens")
 st.write(
     "Three kinds of number, kept apart: the **physical roofline** (no constant), the **fitted** prefill (two time "
@@ -143,7 +144,7 @@ st.subheader("2 · Policy comparison at real scale")
 d1, d2 = st.columns([1, 2])
 num_requests = url_widget(d1.slider, "Requests (cap)", "p15_requests", 3000, 1000, 6000, step=500)
 policies = url_widget(d2.multiselect, "Policies", "p15_policies", list(DEFAULT_POLICIES),
-                      list(POLICIES + EXTRA_POLICIES), format_func=policy_title)
+                      list(CACHE_POLICIES + EXTRA_CACHE_POLICIES), format_func=policy_title)
 data, upload_name = upload_parts(st.file_uploader("Mooncake trace (JSONL, optional; the synthetic generator "
                                                   "otherwise)", type=["jsonl", "json"], key="p15_upload"))
 fractions = ", ".join(f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_FRACTIONS)
@@ -157,9 +158,9 @@ if not policies:
 
 
 @st.cache_data(show_spinner=False, max_entries=16, ttl="1h")
-def _policies(model, hw, tp, num_requests, data, upload_name, policies):
+def _policies(replica, num_requests, data, upload_name, policies):
     bar = st.progress(0.0, text="Replaying the trace…")
-    out = policy_view(model, hw, tp, num_requests, data, upload_name, policies,
+    out = policy_view(replica, num_requests, data, upload_name, policies,
                       progress=lambda done, total: bar.progress(done / total, text=f"Replaying… {done}/{total} runs"))
     bar.empty()
     return out
@@ -167,7 +168,7 @@ def _policies(model, hw, tp, num_requests, data, upload_name, policies):
 
 run_on_request("p15_sweep_on", "p15_sweep_button", "Run the policy sweep", "Replays the trace once per policy and "
                "budget and per interval: seconds of CPU the first time, cached afterwards (shared by every visitor).")
-pv = engine_call(_policies, model, hw, tp, num_requests, data, upload_name, tuple(policies))
+pv = engine_call(_policies, replica, num_requests, data, upload_name, tuple(policies))
 if pv.note:
     st.info(pv.note)
 b = pv.budgets

@@ -7,13 +7,14 @@ import streamlit as st
 from app_pages.links import url_widget
 
 
-def real_replica(prefix: str, where=None, *, policy: bool = True, model_key: str | None = None) -> tuple:
+def real_replica(prefix: str, where=None, *, policy: bool = True, model_key: str | None = None):
     """The widgets of a real-scale replica in one row of ``where`` (a container; default the page): model, GPU and
     TP, offering only the GPUs and TP sizes the model's weights fit in (:func:`lab.fleet.fitting_tps`), and with
     ``policy`` the prefix-cache policy and the cache budget (share of the HBM the weights leave). Keys
     ``{prefix}_model`` (or ``model_key``), ``{prefix}_gpu``, ``{prefix}_tp``, ``{prefix}_cache_policy``,
-    ``{prefix}_budget``, bound to the URL and kept across page switches. Returns (model, gpu, tp, cache_policy,
-    budget_fraction); without ``policy`` the last two are :data:`lab.fleet_simulation.REAL_DEFAULTS`'."""
+    ``{prefix}_budget``, bound to the URL and kept across page switches. Returns the
+    :class:`~lab.fleet_simulation.RealReplica` (model, gpu, tp, cache_policy, budget_fraction); without ``policy`` the
+    last two are :data:`lab.fleet_simulation.REAL_DEFAULTS`'."""
     from lab.fleet import fitting_tps
     from lab.fleet_simulation import (
         BUDGET_OPTIONS,
@@ -22,6 +23,7 @@ def real_replica(prefix: str, where=None, *, policy: bool = True, model_key: str
         MODELS,
         REAL_DEFAULTS,
         TP_SIZES,
+        RealReplica,
     )
     from lab.real_scale import policy_title, preset_title
     model, gpu, tp, cache_policy, budget_fraction = (REAL_DEFAULTS[x] for x in (
@@ -44,4 +46,4 @@ def real_replica(prefix: str, where=None, *, policy: bool = True, model_key: str
         budget = url_widget(cols[4].select_slider, "Cache budget (share of HBM left after weights)", f"{prefix}_budget",
                             budgets[BUDGET_OPTIONS.index(budget_fraction)], budgets)
         budget_fraction = BUDGET_OPTIONS[budgets.index(budget)]
-    return model, gpu, tp, cache_policy, budget_fraction
+    return RealReplica(model, gpu, tp, cache_policy, budget_fraction)

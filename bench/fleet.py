@@ -22,20 +22,19 @@ from pathlib import Path
 
 import numpy as np
 
-from lab.fleet_simulation import real_replica
-from lab.real_scale import BUDGET_FRACTIONS, POLICIES, free_bytes, policy_view
-from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
-from serve.fleet.hashing import random_keys
-from serve.fleet.replay import replay_routing
-from serve.fleet.ring import ConsistentHashRouter
-from serve.fleet.router import RouteQuery
-from serve.fleet.scaling import scaling_table
-from serve.fleet.sim_types import FleetConfig, percentile, requests_from_trace
-from serve.fleet.simulation import simulate
-from serve.fleet.vtc import replay_vtc_suite
+from lab.real_scale import BUDGET_FRACTIONS, RealReplica, free_bytes, policy_view
+from serve.fleet.routing.hashing import random_keys
+from serve.fleet.routing.registry import KEY_ROUTERS, ROUTERS, make_router, options_for, replica_names
+from serve.fleet.routing.replay import replay_routing
+from serve.fleet.routing.ring import ConsistentHashRouter
+from serve.fleet.routing.router import RouteQuery
+from serve.fleet.scaling.keys_moved import scaling_table
+from serve.fleet.sim.simulation import simulate
+from serve.fleet.sim.types import FleetConfig, percentile, requests_from_trace
+from serve.fleet.sim.vtc import replay_vtc_suite
 from serve.scale.hardware import hardware
-from serve.scale.policies import all_policies, replay
-from serve.traces import ideal_hit_ratio, load_mooncake
+from serve.scale.policies import CACHE_POLICIES, all_policies, replay
+from serve.traces.mooncake import ideal_hit_ratio, load_mooncake
 
 REPO = Path(__file__).resolve().parents[1]
 TRACES = REPO.parent / "shared" / "traces"
@@ -57,7 +56,7 @@ def lookup_rates(num_keys: int = 20_000, vector_keys: int = 1_000_000) -> dict:
     queries = [RouteQuery(int(k), (int(k) % 1000, int(k) % 7)) for k in keys]
     out = {}
     for name in ROUTERS:
-        router = make_router(name, replica_names(8), **PARAMS)
+        router = make_router(name, replica_names(8), **options_for(name, PARAMS))
 
         def run(router=router):
             for q in queries:
@@ -66,7 +65,7 @@ def lookup_rates(num_keys: int = 20_000, vector_keys: int = 1_000_000) -> dict:
         out[name] = {"scalar_lookups_per_s": num_keys / _median_time(run)}
     vkeys = random_keys(vector_keys, seed=2)
     for name in KEY_ROUTERS:
-        router = make_router(name, replica_names(8), **PARAMS)
+        router = make_router(name, replica_names(8), **options_for(name, PARAMS))
         out[name]["vector_keys_per_s"] = vector_keys / _median_time(lambda router=router: router.assign(vkeys), 3)
     base = out["round_robin"]["scalar_lookups_per_s"]
     for name in out:
@@ -84,7 +83,7 @@ def conversation_simulation(service) -> dict:
 
         def run(policy=policy, holder=holder):
             holder["sim"] = simulate(requests, FleetConfig(service=service, num_replicas=8, router=policy,
-                                                           router_params=PARAMS))
+                                                           router_params=options_for(policy, PARAMS)))
 
         wall = _median_time(run, 3)
         sim = holder["sim"]
@@ -115,11 +114,12 @@ def policy_fleet(router: str = "cache_aware") -> dict:
     requests = requests_from_trace(trace)
     out = {"router": router, "budget_fraction": FLEET_BUDGET_FRACTION, "goal_s": FLEET_GOAL_S,
            "ideal_token_hit_ratio": ideal_hit_ratio(trace).token_hit_ratio}
-    for name in POLICIES:
-        service, factory = real_replica(model, gpu, tp, name, FLEET_BUDGET_FRACTION)
+    for name in CACHE_POLICIES:
+        replica = RealReplica(model, gpu, tp, name, FLEET_BUDGET_FRACTION)
+        service, factory = replica.service(), replica.cache
         load = _load()
         t0 = time.perf_counter()
-        sim = simulate(requests, FleetConfig(service=service, num_replicas=8, router=router, router_params=PARAMS,
+        sim = simulate(requests, FleetConfig(service=service, num_replicas=8, router=router, router_params=options_for(router, PARAMS),
                                              cache_factory=factory))
         wall = time.perf_counter() - t0
         caches = sim.replica_caches.values()
@@ -163,7 +163,7 @@ def policy_sweep() -> dict:
                      ("conversation_whole", {"num_requests": 0, "requests": whole})):
         load = _load()
         t0 = time.perf_counter()
-        view = policy_view(model, gpu, tp, **kw)
+        view = policy_view(RealReplica(model, gpu, tp), **kw)
         b = view.budgets
         wall = time.perf_counter() - t0
         out[name] = {"wall_s": wall, "ratio_to_goal": wall / SWEEP_GOAL_S, "load_1min": load,

@@ -20,7 +20,7 @@ from lab.pool_timing import one_thread
 from lab.prefix import cold_vs_warm, shared_prefix_prompts, time_cold_warm, ttft_summary
 from serve.config import ServeConfig
 from serve.prefix.sim import TraceReplayConfig, replay_trace
-from serve.traces import ideal_hit_ratio, load_mooncake
+from serve.traces.mooncake import ideal_hit_ratio, load_mooncake
 
 OUT = Path(__file__).parent / "results" / "prefix.json"
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -47,8 +47,8 @@ def ttft(prompt_tokens: int, fractions, repeats: int) -> list[dict]:
     for f in fractions:
         shared = round(prompt_tokens * f)
         first, second = shared_prefix_prompts(shared, prompt_tokens - shared, seed=1)
-        run = cold_vs_warm(first, second, max_new_tokens=4, block_size=16, interval=128)
-        timed = time_cold_warm(first, second, max_new_tokens=4, block_size=16, interval=128, repeats=max(5, repeats),
+        run = cold_vs_warm(first, second, max_new_tokens=4, config=ServeConfig(16, 128))
+        timed = time_cold_warm(first, second, max_new_tokens=4, config=ServeConfig(16, 128), repeats=max(5, repeats),
                                fit=False)
         warm = [r for r in timed.rows if r["kind"] == "warm"]
         out.append(dict(shared_fraction=f, shared_tokens=shared, hit_tokens=warm[0]["hit_tokens"],

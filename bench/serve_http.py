@@ -34,7 +34,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from serve.traces import load_mooncake
+from serve.traces.mooncake import load_mooncake
 
 OUT = Path(__file__).parent / "results" / "serve_http.json"
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"

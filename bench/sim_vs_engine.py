@@ -2,7 +2,7 @@
 
 1. Calibrate (Vidur-style operator profiling, here through the engine's public API on this machine), right
    before each rate's replay (the shared CPU's speed drifts): prefill steps of one prompt at 32 / 128 / 256 /
-   512 tokens and decode steps at batch 1 / 4 / 16, each the median of 5 timed repeats after a warm-up; fitted to :class:`serve.fleet.service_model.ServiceModel`
+   512 tokens and decode steps at batch 1 / 4 / 16, each the median of 5 timed repeats after a warm-up; fitted to :class:`serve.fleet.sim.service_model.ServiceModel`
    (prefill_ms = overhead + tokens / rate; decode_step_ms = base + per_seq * batch) by least squares.
 2. Measure: the Mooncake-conversation-shaped replay of :mod:`bench.serve_http` through a fresh in-process
    server per rate (Poisson arrivals, seeded).
@@ -27,12 +27,12 @@ from pathlib import Path
 import numpy as np
 
 from bench.serve_http import BLOCK_BYTES, TRACE, local_server, mooncake_workload, run_rate
-from serve.fleet.service_model import ServiceModel
-from serve.fleet.sim_types import FleetConfig, FleetRequest, percentile
-from serve.fleet.simulation import simulate
+from serve.fleet.sim.service_model import ServiceModel
+from serve.fleet.sim.simulation import simulate
+from serve.fleet.sim.types import FleetConfig, FleetRequest, percentile
 from serve.http.model import EngineSpec, build_engine, load_model
 from serve.request import RequestStatus
-from serve.traces import load_mooncake
+from serve.traces.mooncake import load_mooncake
 
 OUT = Path(__file__).parent / "results" / "sim_vs_engine.json"
 REPEATS = 5

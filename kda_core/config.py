@@ -184,7 +184,7 @@ def kda_state_elems_per_layer(shape) -> tuple[int, int]:
     recurrent state and the conv window. The one place this formula lives; every byte count of a KDA
     state multiplies it by element sizes. ``shape``: a :class:`ModelConfig`, or any object with
     ``num_heads``, ``head_k_dim``, ``head_v_dim``, ``conv_dim`` and ``conv_kernel`` (e.g.
-    ``serve.spec.rollback.LayerShape``)."""
+    ``serve.spec_decode.rollback.LayerShape``)."""
     return shape.num_heads * shape.head_k_dim * shape.head_v_dim, shape.conv_dim * (shape.conv_kernel - 1)
 
 

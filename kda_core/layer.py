@@ -74,6 +74,17 @@ class KDACache(NamedTuple):
     conv: torch.Tensor
 
 
+class KDAOutput(NamedTuple):
+    """What :meth:`KDALayer.forward` returns: y ``[B, T, D]``, the new cache, and what the flags asked for:
+    ``aux`` (:class:`KDAAux`, with ``output_aux``) and ``states_at`` (``{t: KDACache}``, with ``state_at``);
+    None when not asked."""
+
+    y: torch.Tensor
+    cache: KDACache
+    aux: KDAAux | None = None
+    states_at: dict | None = None
+
+
 class KDAAux(NamedTuple):
     """What a KDA layer consumed, per token (for the speculative-decoding rollback strategies).
 
@@ -161,16 +172,16 @@ class KDALayer(nn.Module):
         return linear(y.reshape(B, T, -1), self.o_proj)                  # [B, T, D]
 
     def forward(self, x: torch.Tensor, cache: KDACache | None = None, mode: str = "chunk",
-                output_aux: bool = False, state_at: tuple[int, ...] = ()):
-        """Run T tokens from ``cache`` (None = empty). Returns (y ``[B, T, D]``, new cache[, KDAAux]).
+                output_aux: bool = False, state_at: tuple[int, ...] = ()) -> KDAOutput:
+        """Run T tokens from ``cache`` (None = empty). Returns a :class:`KDAOutput` (y ``[B, T, D]``, new cache,
+        and ``aux`` / ``states_at`` when asked).
 
         Chunk mode always runs :func:`kda_chunk` on the grid of ``CHUNK_SIZE`` (C = 64) tokens from
         the first token of the call, whatever ``state_at`` asks, so a prefill split at a multiple of C
         computes every token bitwise as one unsplit prefill does.
 
         ``state_at`` (chunk mode, not with ``output_aux``): offsets t, 0 < t < T, at which to also
-        return the cache after exactly t tokens of this call; the return is then
-        (y, new cache, ``{t: KDACache}``). A t on the grid (t % C == 0) takes the chunk state
+        return the cache after exactly t tokens of this call (``states_at``, ``{t: KDACache}``). A t on the grid (t % C == 0) takes the chunk state
         ``h[:, t // C]`` of :func:`kda_chunk`; any other t runs the t % C tokens after the grid point
         below it as one more short chunk from that state. The conv part is the raw inputs of the W-1
         tokens before t. One forward then yields every prefix-cache checkpoint of a prefill.
@@ -208,13 +219,8 @@ class KDALayer(nn.Module):
             o, state, states = kda_recurrent(q, k, v, g, beta, cache.recurrent, output_states=True)
         else:
             o, state = kda_recurrent(q, k, v, g, beta, cache.recurrent)
-        y = self.output(o, out_gate)
-        new_cache = KDACache(state, conv)
-        if output_aux:
-            return y, new_cache, KDAAux(x, raw, q, k, v, g, beta, states)
-        if state_at:
-            return y, new_cache, states_at
-        return y, new_cache
+        aux = KDAAux(x, raw, q, k, v, g, beta, states) if output_aux else None
+        return KDAOutput(self.output(o, out_gate), KDACache(state, conv), aux, states_at if state_at else None)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:

@@ -132,11 +132,10 @@ class HybridLM(nn.Module):
             if isinstance(m, KDALayer):
                 out = m(h, cache.layers[i], mode=mode, output_aux=output_aux, state_at=state_at)
                 if output_aux:
-                    aux[i] = out[2]
-                elif state_at:
-                    for t, c in out[2].items():
-                        states_at[t][i] = c
-                y, new_layers[i] = out[0], out[1]
+                    aux[i] = out.aux
+                for t, c in (out.states_at or {}).items():
+                    states_at[t][i] = c
+                y, new_layers[i] = out.y, out.cache
             else:
                 y, new_layers[i] = m(h, cache.layers[i], mode=mode)
             x = x + y

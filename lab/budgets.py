@@ -16,11 +16,12 @@ class's request lengths (:func:`fleet_capacity_rps`): by default of a reference 
 seconds; or of the chosen fleet itself, the same overload on any hardware. Replicas: a real model on real GPUs with
 roofline step times and a policy cache at real bytes (:func:`lab.fleet_simulation.real_replica`; the
 default, Kimi-Linear-48B-A3B on 8 x H200), or the VTC artifact's A10G calibration
-(:func:`serve.fleet.vtc.on_off_less_service`) sped up by assumed factors that the page states.
+(:func:`serve.fleet.sim.vtc.on_off_less_service`) sped up by assumed factors that the page states.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -29,15 +30,16 @@ import numpy as np
 import pandas as pd
 
 from lab.fleet import PAGE_TRACE_BLOCKS, default_service, fitting_tps, results_frame
-from lab.fleet_simulation import HARDWARE, MODELS, REAL_DEFAULTS, SERVICE_MODELS, TP_SIZES, real_replica
-from serve.azure_trace import read_azure_csv
+from lab.fleet_simulation import SERVICE_MODELS
 from serve.errors import check_choice
-from serve.fleet.budgets import PriorityClass
-from serve.fleet.service_model import saturated_throughput_rps
-from serve.fleet.sim_types import FleetConfig, FleetRequest, FleetSimResult, fresh_block_requests, percentile
-from serve.fleet.simulation import simulate
-from serve.fleet.vtc import on_off_less_service, replay_on_off_less
-from serve.traces import TraceRequest, named_bytes
+from serve.fleet.real_replica import RealReplica
+from serve.fleet.scaling.budgets import PriorityClass
+from serve.fleet.sim.service_model import saturated_throughput_rps
+from serve.fleet.sim.simulation import simulate
+from serve.fleet.sim.types import FleetConfig, FleetRequest, FleetSimResult, fresh_block_requests, percentile
+from serve.fleet.sim.vtc import on_off_less_service, replay_on_off_less
+from serve.traces.azure import read_azure_csv
+from serve.traces.mooncake import TraceRequest, named_bytes
 
 
 class Stream(NamedTuple):
@@ -74,7 +76,7 @@ def budget_traffic(steady: Sequence[Stream], duration_s: float, burst_class: str
     ``burst_requests`` requests — fewer when the trace is shorter, which ``note`` then says (naming the class
     ``burst_label``, by default ``burst_class``).
     Raises ValueError for non-positive durations or negative counts, or prompts over the limits of
-    :func:`serve.fleet.sim_types.fresh_block_requests`."""
+    :func:`serve.fleet.sim.types.fresh_block_requests`."""
     if duration_s <= 0 or burst_duration_s <= 0 or burst_requests < 0:
         raise ValueError("durations must be > 0 and burst_requests >= 0")
     rng = np.random.default_rng(seed)
@@ -212,24 +214,20 @@ def budget_classes(vip_weight: float, standard_rate_tokens_per_s: float, batch_r
                           burst_tokens=depth(batch_rate_tokens_per_s, "batch")))
 
 
-def budget_service(service_model: str = "roofline", model: str = REAL_DEFAULTS["model"],
-                   gpu: str = REAL_DEFAULTS["gpu"], tp: int = REAL_DEFAULTS["tp"]):
-    """(service, cache_factory) of one replica: "roofline" = :func:`lab.fleet_simulation.real_replica` of
-    ``model`` on ``tp`` x ``gpu`` with page 14's default cache policy and budget (the budget also bounds the
-    running requests' KV room); "a10g" = the VTC artifact's
-    calibration sped up by :data:`PREFILL_SPEEDUP` / :data:`DECODE_SPEEDUP` (no prefix cache: none is shared).
-    Raises ValueError for an unknown option or weights that do not fit."""
-    for name, value, allowed in (("service_model", service_model, tuple(REPLICA_MODELS.values())),
-                                 ("model", model, MODELS), ("gpu", gpu, HARDWARE), ("tp", tp, TP_SIZES)):
-        check_choice(name, value, tuple(allowed))
+def budget_service(service_model: str = "roofline", replica: RealReplica = RealReplica()):
+    """(service, cache_factory) of one replica: "roofline" = ``replica``'s roofline step times and prefix cache
+    (:class:`serve.fleet.real_replica.RealReplica`; the cache budget also bounds the running requests' KV room);
+    "a10g" = the VTC artifact's calibration sped up by :data:`PREFILL_SPEEDUP` / :data:`DECODE_SPEEDUP` (no
+    prefix cache: none is shared). Raises ValueError for an unknown option."""
+    check_choice("service_model", service_model, tuple(REPLICA_MODELS.values()))
     if service_model == "a10g":
         return default_service(on_off_less_service(), PREFILL_SPEEDUP, DECODE_SPEEDUP, KV_CAPACITY_TOKENS), None
-    return real_replica(model, gpu, tp, REAL_DEFAULTS["cache_policy"], REAL_DEFAULTS["budget_fraction"])
+    return replica.service(), replica.cache
 
 
 def fleet_capacity_rps(service, num_replicas: int) -> dict[str, float]:
     """Requests/s the fleet serves when saturated, per class at that class's :data:`TOKENS`: ``num_replicas``
-    x :func:`serve.fleet.service_model.saturated_throughput_rps` (a full batch, one prefill per request; on
+    x :func:`serve.fleet.sim.service_model.saturated_throughput_rps` (a full batch, one prefill per request; on
     the roofline that is prefill-bound, decode adds under 10 % at these lengths)."""
     return {k: num_replicas * saturated_throughput_rps(service, *TOKENS[k]) for k in TOKENS}
 
@@ -261,7 +259,7 @@ class BudgetPage:
 
 
 def vtc_frame() -> tuple[pd.DataFrame, dict, dict]:
-    """The VTC artifact's on_off_less suite against our simulator (:func:`serve.fleet.vtc.replay_on_off_less`,
+    """The VTC artifact's on_off_less suite against our simulator (:func:`serve.fleet.sim.vtc.replay_on_off_less`,
     the A10G calibration): one row per (scheduler, client) with P50/P99 TTFT measured and ours (s) and a
     readable ``client``; then the measured and our throughput (req/s) per scheduler."""
     cmp = replay_on_off_less()
@@ -273,8 +271,7 @@ def vtc_frame() -> tuple[pd.DataFrame, dict, dict]:
 def budget_page(vip_load: float, standard_load: float, vip_weight: float, standard_budget: float,
                 burst_class: str, burst_load: float, burst_duration_s: float, num_replicas: int,
                 azure: bytes | None = None, azure_name: str = "uploaded file", service_model: str = "roofline",
-                model: str = REAL_DEFAULTS["model"], gpu: str = REAL_DEFAULTS["gpu"],
-                tp: int = REAL_DEFAULTS["tp"], load_basis: str = "reference") -> BudgetPage:
+                replica: RealReplica = RealReplica(), load_basis: str = "reference") -> BudgetPage:
     """Page 13's scenario on ``num_replicas`` replicas of :func:`budget_service`: steady VIP / standard / batch
     traffic at ``vip_load`` / ``standard_load`` / :data:`BATCH_LOAD` of the fleet's capacity at each class's
     lengths, and from :data:`BURST_START_S` a burst of ``burst_class`` offering ``burst_load`` x the fleet's
@@ -282,10 +279,10 @@ def budget_page(vip_load: float, standard_load: float, vip_weight: float, standa
     pattern and lengths); run without isolation and with it (standard bucket refilled at ``standard_budget``
     x the fleet's token throughput at standard lengths, batch at :data:`BATCH_BUDGET`). Every "capacity" here is
     that of the fleet ``load_basis`` names (:data:`LOAD_BASES`): with "reference" (default) the offered requests/s
-    are the same for every ``gpu`` / ``tp`` / ``model``, and the chosen replica's service times decide the queues.
+    are the same for every ``replica`` (GPU, TP, model), and the chosen replica's service times decide the queues.
 
     Raises: ValueError for an unknown burst class or option, negative loads, non-positive budget, duration
-    or replicas, weights that do not fit, or a bad Azure file (TraceFormatError naming the file and line)."""
+    or replicas, or a bad Azure file (TraceFormatError naming the file and line)."""
     check_choice("burst_class", burst_class, BURST_CLASSES)
     for name, value in (("vip_load", vip_load), ("standard_load", standard_load), ("burst_load", burst_load)):
         if not value >= 0:
@@ -294,10 +291,11 @@ def budget_page(vip_load: float, standard_load: float, vip_weight: float, standa
         raise ValueError(f"standard_budget and burst_duration_s must be > 0 and num_replicas >= 1, got "
                          f"{standard_budget}, {burst_duration_s}, {num_replicas}")
     check_choice("load_basis", load_basis, tuple(LOAD_BASES))
-    service, _ = budget_service(service_model, model, gpu, tp)  # no prompt shares a prefix: no prefix cache
+    service, _ = budget_service(service_model, replica)  # no prompt shares a prefix: no prefix cache
     own = fleet_capacity_rps(service, num_replicas)
     capacity = own if load_basis == "own" or service_model == "a10g" else fleet_capacity_rps(
-        budget_service(service_model, model, REFERENCE_GPU, reference_tp(model))[0], num_replicas)
+        budget_service(service_model, dataclasses.replace(replica, gpu=REFERENCE_GPU, tp=reference_tp(replica.model)))[0],
+        num_replicas)
     rates = {"vip": vip_load * capacity["vip"], "standard": standard_load * capacity["standard"],
              "batch": BATCH_LOAD * capacity["batch"]}
     budget_rates = {"standard": standard_budget * capacity["standard"] * sum(TOKENS["standard"]),

@@ -16,19 +16,20 @@ import pandas as pd
 
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, measure
-from serve.errors import check_choice, check_int
-from serve.fleet import ROUTERS, make_router, replica_names
-from serve.fleet.hashing import random_keys
-from serve.fleet.policy_cache import PolicyReplicaCache
-from serve.fleet.replay import ScaleEvent, replay_routing
-from serve.fleet.ring import ConsistentHashRouter
-from serve.fleet.router import RouteQuery
-from serve.fleet.scaling import scaling_table
-from serve.fleet.service_model import ServiceModel
-from serve.fleet.sim_types import FleetConfig, FleetSimResult, ScaleAt, percentile, requests_from_trace
-from serve.fleet.simulation import simulate
-from serve.trace_limits import LoadedTrace
-from serve.traces import TraceRequest, ideal_hit_ratio, named_bytes, read_mooncake, synthesize
+from serve.errors import check_int
+from serve.fleet.real_replica import fitting_tps as fitting_tps  # re-exported: the pages' replica widgets
+from serve.fleet.routing.hashing import random_keys
+from serve.fleet.routing.policy_cache import PolicyReplicaCache
+from serve.fleet.routing.registry import ROUTERS, make_router, options_for, replica_names
+from serve.fleet.routing.replay import ScaleEvent, replay_routing
+from serve.fleet.routing.ring import ConsistentHashRouter
+from serve.fleet.routing.router import RouteQuery
+from serve.fleet.scaling.keys_moved import scaling_table
+from serve.fleet.sim.service_model import ServiceModel
+from serve.fleet.sim.simulation import simulate
+from serve.fleet.sim.types import FleetConfig, FleetSimResult, ScaleAt, percentile, requests_from_trace
+from serve.traces.limits import LoadedTrace
+from serve.traces.mooncake import TraceRequest, ideal_hit_ratio, named_bytes, read_mooncake, synthesize
 
 ANCHORS = {
     "maglev_balance": ("Maglev (Eisenbud et al., NSDI'16): M > 100·N keeps every backend's share of the "
@@ -46,8 +47,8 @@ ANCHORS = {
 
 # Mooncake (Qin et al., FAST'25), Table 2: the "cache ratio" of the two released traces
 # (kvcache-ai/Mooncake FAST25-release/traces/{conversation,synthetic}_trace.jsonl). The paper gives no
-# formula for it; the block ideal of serve.traces.ideal_hit_ratio on the same files is a different count
-# (hash ids in a request's leading run seen before / all hash ids), computed by tests/serve/test_mooncake_ratios.py.
+# formula for it; the block ideal of serve.traces.mooncake.ideal_hit_ratio on the same files is a different count
+# (hash ids in a request's leading run seen before / all hash ids), computed by tests/serve/traces/test_mooncake_ratios.py.
 MOONCAKE_TABLE2_CACHE_RATIO = {"conversation": 0.40, "synthetic": 0.66}
 
 # What the pages show for the routers' code names (legends, axes, tables).
@@ -66,56 +67,13 @@ def display_name(code: str) -> str:
 REPLICA_CACHES = {"policy model at real bytes": "policy", "block LRU (512-token blocks)": "block_lru"}
 
 
-def policy_cache_factory(model: str, gpu: str, tp: int, cache_policy: str,
-                         budget_fraction: float) -> Callable[[], PolicyReplicaCache]:
-    """A factory of fresh replica caches: prefix-cache policy ``cache_policy`` (:func:`lab.real_scale.make_policy`:
-    ours, SGLang, vLLM) of ``model`` on ``tp`` x ``gpu`` at real bytes, under ``budget_fraction`` of the HBM the
-    weights leave (:func:`lab.real_scale.free_bytes`, bytes per replica), one running request's state slots
-    reserved in it (:class:`serve.fleet.policy_cache.PolicyReplicaCache`). Page 14's replicas
-    (:func:`lab.fleet_simulation.real_replica`) hold the same cache.
-
-    Raises ValueError naming the argument for an unknown model, GPU, TP or policy, a ``budget_fraction`` outside
-    (0, 1], weights that do not fit, or a budget below one running request's state slots."""
-    from lab.real_scale import HARDWARE, MODELS, POLICIES, TP_SIZES, free_bytes, make_policy  # it imports this module
-    from serve.scale.hardware import hardware
-    for name, value, allowed in (("model", model, tuple(MODELS)), ("gpu", gpu, HARDWARE),
-                                 ("tp", tp, TP_SIZES), ("cache_policy", cache_policy, POLICIES)):
-        check_choice(name, value, allowed)
-    if not 0 < budget_fraction <= 1:
-        raise ValueError(f"budget_fraction must be in (0, 1] (share of the HBM left after weights), got {budget_fraction}")
-    free = free_bytes(model, hardware(gpu), tp)
-    if free <= 0:
-        raise ValueError(f"{model} weights do not fit in {tp} x {gpu}: choose more GPUs (tp) or larger ones")
-    budget = free * budget_fraction
-
-    def factory() -> PolicyReplicaCache:
-        return PolicyReplicaCache(make_policy(cache_policy, model, tp), budget)
-
-    try:
-        factory()                                        # checks the budget against the running state slots
-    except ValueError as exc:
-        raise ValueError(f"budget_fraction {budget_fraction:g} of the {free / 1e9:,.0f} GB left after weights is too "
-                         f"small for {cache_policy}: {exc}") from exc
-    return factory
-
-
-def fitting_tps(model: str, gpu: str) -> tuple[int, ...]:
-    """The TP sizes (:data:`lab.real_scale.TP_SIZES`) at which ``model``'s weights fit in ``tp`` x ``gpu`` with
-    HBM to spare (a page offers only these; empty when none does). Raises ValueError for an unknown model or GPU."""
-    from lab.real_scale import HARDWARE, MODELS, TP_SIZES, free_bytes
-    from serve.scale.hardware import hardware
-    if model not in MODELS or gpu not in HARDWARE:
-        raise ValueError(f"model must be one of {tuple(MODELS)} and gpu one of {HARDWARE}, got {model!r}, {gpu!r}")
-    return tuple(tp for tp in TP_SIZES if free_bytes(model, hardware(gpu), tp) > 0)
-
-
 def routing_load(trace: Sequence[TraceRequest], algorithm: str, num_replicas: int, k: int,
                  cache_factory: Callable[[], PolicyReplicaCache] | None = None, **params) -> pd.DataFrame:
     """Requests and prompt tokens per replica when ``trace`` is routed by ``algorithm`` on its first
     ``k`` blocks (routing-only replay; unlimited block LRU caches, or ``cache_factory()`` per replica:
-    :func:`policy_cache_factory`). Columns: replica, requests, tokens, hit_tokens, lost_tokens (KV held on the
+    :meth:`serve.fleet.real_replica.RealReplica.cache`). Columns: replica, requests, tokens, hit_tokens, lost_tokens (KV held on the
     replica, no state to reuse it; 0 with block caches)."""
-    replay = replay_routing(trace, make_router(algorithm, replica_names(num_replicas), **params), k,
+    replay = replay_routing(trace, make_router(algorithm, replica_names(num_replicas), **options_for(algorithm, params)), k,
                             cache_factory=cache_factory)
     df = pd.DataFrame({"replica": replay.replica, "tokens": replay.input_tokens, "hit_tokens": replay.hit_tokens,
                        "lost_tokens": replay.lost_tokens})
@@ -155,7 +113,7 @@ def measure_lookup_us(num_replicas: int, vnodes: int, num_keys: int = LOOKUP_KEY
                 router.route(q)
         return run
 
-    cases = {name: route_all(make_router(name, replica_names(num_replicas), vnodes=vnodes)) for name in ROUTERS}
+    cases = {name: route_all(make_router(name, replica_names(num_replicas), **options_for(name, {"vnodes": vnodes}))) for name in ROUTERS}
     with one_thread():                    # as every measured run (the stamp reports 1 torch thread)
         timings, cond = measure(cases, repeats=repeats, warmup=1)
     per_key_us = 1e6 / num_keys
@@ -179,7 +137,7 @@ def hit_ratio_across_scale_event(trace: Sequence[TraceRequest], algorithms: Sequ
                                  cache_factory: Callable[[], PolicyReplicaCache] | None = None) -> pd.DataFrame:
     """Windowed token hit ratio over the trace with one scale event at ``at_fraction`` of the requests;
     per-replica block LRU caches of ``capacity_blocks`` (None = unlimited) or, with ``cache_factory``, a fresh
-    ``cache_factory()`` per replica (:func:`policy_cache_factory`; ``capacity_blocks`` unused).
+    ``cache_factory()`` per replica (:meth:`serve.fleet.real_replica.RealReplica.cache`; ``capacity_blocks`` unused).
     ``routers``: optional freshly built routers by algorithm name (over ``num_replicas`` replicas), used as
     prototypes (copied through pickle, never mutated) so several traces share one Maglev table build. ``event=False``:
     the same replay without the scale event (the paired baseline).
@@ -193,7 +151,7 @@ def hit_ratio_across_scale_event(trace: Sequence[TraceRequest], algorithms: Sequ
     frames = []
     for name in algorithms:
         router = pickle.loads(pickle.dumps(routers[name])) if routers and name in routers else \
-            make_router(name, replica_names(num_replicas), vnodes=vnodes)
+            make_router(name, replica_names(num_replicas), **options_for(name, {"vnodes": vnodes}))
         replay = replay_routing(trace, router, k, capacity_blocks=capacity_blocks,
                                 events=(ScaleEvent(at, action, replica),) if event else (), cache_factory=cache_factory)
         w = pd.DataFrame({"tokens": replay.input_tokens, "hit_tokens": replay.hit_tokens,
@@ -223,7 +181,7 @@ def simulate_policies(trace: Sequence[TraceRequest], policies: Sequence[str], ba
             if progress is not None:
                 progress((i + f) / len(policies))
 
-        cfg = FleetConfig(**{**base.__dict__, "router": policy})
+        cfg = FleetConfig(**{**base.__dict__, "router": policy, "router_params": options_for(policy, base.router_params)})
         sim = simulate(requests, cfg, progress=sub_progress)
         if on_run is not None:
             on_run(policy, sim)
@@ -307,9 +265,9 @@ def page_trace(upload: bytes | None, num_requests: int, seed: int = 0, name: str
 
 def synthetic_trace_description(num_requests: int) -> str:
     """How :func:`page_trace` generates its synthetic trace, in one paragraph (markdown), with
-    :func:`serve.traces.synthesize`'s own default parameters."""
+    :func:`serve.traces.mooncake.synthesize`'s own default parameters."""
     d = {k: v.default for k, v in inspect.signature(synthesize).parameters.items()}
-    return (f"`serve.traces.synthesize` (Mooncake's schema, {d['block_size']}-token blocks): {num_requests:,} Poisson "
+    return (f"`serve.traces.mooncake.synthesize` (Mooncake's schema, {d['block_size']}-token blocks): {num_requests:,} Poisson "
             f"arrivals at {SYNTHETIC_RATE_RPS} req/s (the Mooncake conversation trace's rate). Each request opens a new "
             f"session with probability {d['new_session_prob']}, else continues a uniformly chosen earlier one. Every "
             f"prompt starts with {d['system_prompt_blocks']} shared system block(s); a new session's prompt is "

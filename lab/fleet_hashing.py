@@ -17,17 +17,16 @@ from lab.fleet import (
     ideal_ratio,
     measure_lookup_us,
     page_trace,
-    policy_cache_factory,
     ring_balance_vs_vnodes,
     routing_load,
 )
-from lab.fleet_simulation import REAL_DEFAULTS
 from lab.timing import Conditions
 from serve.errors import check_choice
-from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
-from serve.fleet.hashing import routing_key
-from serve.fleet.router import RouteQuery
-from serve.traces import TraceRequest
+from serve.fleet.real_replica import RealReplica
+from serve.fleet.routing.hashing import routing_key
+from serve.fleet.routing.registry import KEY_ROUTERS, ROUTERS, make_router, options_for, replica_names
+from serve.fleet.routing.router import RouteQuery
+from serve.traces.mooncake import TraceRequest
 
 ALGORITHMS = tuple(ROUTERS)
 VNODES = (1, 4, 10, 40, 100, 160, 400, 1000)  # virtual nodes per replica compared in the balance chart
@@ -64,7 +63,7 @@ def prefix_landing(trace: Sequence[TraceRequest], num_replicas: int, k: int, vno
     replica). Columns request, algorithm, replica, routing_key (16 hex digits), prefix_blocks,
     requests_sharing_prefix; request-major."""
     sharing = Counter(r.hash_ids[:k] for r in trace)
-    routers = {name: make_router(name, replica_names(num_replicas), vnodes=vnodes) for name in KEY_ROUTERS}
+    routers = {name: make_router(name, replica_names(num_replicas), **options_for(name, {"vnodes": vnodes})) for name in KEY_ROUTERS}
     rows = []
     for i, req in enumerate(trace):
         key = routing_key(req.hash_ids, k)
@@ -77,22 +76,18 @@ def prefix_landing(trace: Sequence[TraceRequest], num_replicas: int, k: int, vno
 
 def fleet_hashing(algorithm: str, num_replicas: int, k: int, vnodes: int, num_requests: int,
                   upload: bytes | None = None, upload_name: str = "uploaded file", replica_cache: str = "policy",
-                  model: str = REAL_DEFAULTS["model"], gpu: str = REAL_DEFAULTS["gpu"], tp: int = REAL_DEFAULTS["tp"],
-                  cache_policy: str = REAL_DEFAULTS["cache_policy"],
-                  budget_fraction: float = REAL_DEFAULTS["budget_fraction"]) -> FleetHashing:
+                  replica: RealReplica = RealReplica()) -> FleetHashing:
     """Route the page trace (``upload`` or the synthetic one, :func:`lab.fleet.page_trace`) with
     ``algorithm`` on its first ``k`` blocks; add the ring's balance for ``num_replicas``. ``replica_cache``
-    ("policy" or "block_lru", :data:`lab.fleet.REPLICA_CACHES`): each replica's cache is ``cache_policy`` of
-    ``model`` on ``tp`` x ``gpu`` under ``budget_fraction`` of the HBM the weights leave
-    (:func:`lab.fleet.policy_cache_factory`), or an unlimited block LRU cache.
+    ("policy" or "block_lru", :data:`lab.fleet.REPLICA_CACHES`): each replica's cache is ``replica``'s
+    prefix-cache policy at real bytes (:meth:`serve.fleet.real_replica.RealReplica.cache`), or an unlimited block
+    LRU cache.
 
-    Raises: ValueError for an unknown algorithm, replica cache or real setup, weights that do not fit, a budget
-    too small for one running request's states, or bad sizes; TraceFormatError (ValueError) for a bad upload."""
+    Raises: ValueError for an unknown algorithm or replica cache, or bad sizes; TraceFormatError (ValueError) for a bad upload."""
     if algorithm not in ROUTERS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     check_choice("replica_cache", replica_cache, tuple(REPLICA_CACHES.values()))
-    factory = policy_cache_factory(model, gpu, tp, cache_policy, budget_fraction) if replica_cache == "policy" \
-        else None
+    factory = replica.cache if replica_cache == "policy" else None
     trace, note, _ = page_trace(upload, num_requests, name=upload_name)
     load = routing_load(trace, algorithm, num_replicas, k, cache_factory=factory, vnodes=vnodes)
     tokens = max(1, int(load.tokens.sum()))
@@ -100,7 +95,7 @@ def fleet_hashing(algorithm: str, num_replicas: int, k: int, vnodes: int, num_re
                         ring_balance_vs_vnodes(num_replicas, VNODES),
                         prefix_landing(trace, num_replicas, k, vnodes), len(trace), note, anchors=dict(ANCHORS),
                         lost_ratio=float(load.lost_tokens.sum() / tokens),
-                        budget_gb=factory().budget_bytes / 1e9 if factory else None)
+                        budget_gb=replica.budget_bytes / 1e9 if factory else None)
 
 
 class LookupCost(NamedTuple):

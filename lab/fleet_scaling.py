@@ -14,11 +14,10 @@ from lab.fleet import (
     ideal_ratio,
     keys_moved_table,
     page_trace,
-    policy_cache_factory,
 )
-from lab.fleet_simulation import REAL_DEFAULTS
 from serve.errors import check_choice
-from serve.fleet import KEY_ROUTERS, make_router, replica_names
+from serve.fleet.real_replica import RealReplica
+from serve.fleet.routing.registry import KEY_ROUTERS, make_router, options_for, replica_names
 
 ACTIONS = ("add", "remove")
 CAPACITIES = ("500", "2000", "8000", "unlimited")  # cache per replica options (512-token blocks)
@@ -63,19 +62,15 @@ def fleet_scaling(num_replicas: int, action: str, num_keys: int, vnodes: int, nu
                   at_fraction: float, window: int, capacity: str, upload: bytes | None = None,
                   upload_name: str = "uploaded file", replica_cache: str = "policy",
                   algorithms: tuple[str, ...] = KEY_ROUTERS, seeds: int = TRACE_SEEDS,
-                  model: str = REAL_DEFAULTS["model"], gpu: str = REAL_DEFAULTS["gpu"], tp: int = REAL_DEFAULTS["tp"],
-                  cache_policy: str = REAL_DEFAULTS["cache_policy"],
-                  budget_fraction: float = REAL_DEFAULTS["budget_fraction"]) -> FleetScaling:
+                  replica: RealReplica = RealReplica()) -> FleetScaling:
     """Keys moved going from ``num_replicas`` to one more ("add") or one fewer ("remove"), then the page trace
     (``upload``, or ``seeds`` synthetic traces of seeds 0, 1, ...) routed on its first ``k`` blocks by each of
     ``algorithms`` (key-based, :data:`serve.fleet.KEY_ROUTERS`) with the event after ``at_fraction`` of the
     requests; hit ratio per ``window`` requests, averaged over the traces. ``replica_cache`` ("policy" or
-    "block_lru", :data:`lab.fleet.REPLICA_CACHES`): each replica's cache is ``cache_policy`` of ``model`` on
-    ``tp`` x ``gpu`` under ``budget_fraction`` of the HBM the weights leave (:func:`lab.fleet.policy_cache_factory`),
-    or an LRU cache of ``capacity`` (one of :data:`CAPACITIES`) blocks.
+    "block_lru", :data:`lab.fleet.REPLICA_CACHES`): each replica's cache is ``replica``'s prefix-cache policy at
+    real bytes (:meth:`serve.fleet.real_replica.RealReplica.cache`), or an LRU cache of ``capacity`` (one of :data:`CAPACITIES`) blocks.
 
-    Raises: ValueError for an unknown action, capacity, replica cache, algorithm or real setup, weights that do
-    not fit, a budget too small for one running request's states, ``seeds`` outside [1, :data:`MAX_SEEDS`], bad
+    Raises: ValueError for an unknown action, capacity, replica cache or algorithm, ``seeds`` outside [1, :data:`MAX_SEEDS`], bad
     sizes, or a bad upload (TraceFormatError)."""
     check_choice("action", action, ACTIONS)
     check_choice("capacity", capacity, CAPACITIES)
@@ -84,12 +79,11 @@ def fleet_scaling(num_replicas: int, action: str, num_keys: int, vnodes: int, nu
         raise ValueError(f"algorithms must be a non-empty subset of {KEY_ROUTERS}, got {list(algorithms)}")
     if isinstance(seeds, bool) or not isinstance(seeds, int) or not 1 <= seeds <= MAX_SEEDS:
         raise ValueError(f"seeds must be an int in [1, {MAX_SEEDS}], got {seeds!r}")
-    factory = policy_cache_factory(model, gpu, tp, cache_policy, budget_fraction) if replica_cache == "policy" \
-        else None
+    factory = replica.cache if replica_cache == "policy" else None
     moved = keys_moved_table(num_replicas, action, num_keys, vnodes)
     cap = None if capacity == "unlimited" else int(capacity)
     seeds = 1 if upload is not None else seeds
-    routers = {name: make_router(name, replica_names(num_replicas), vnodes=vnodes) for name in algorithms}
+    routers = {name: make_router(name, replica_names(num_replicas), **options_for(name, {"vnodes": vnodes})) for name in algorithms}
     runs, keys, whole, ideals = [], set(), [], []
     for seed in range(seeds):
         trace, note, _ = page_trace(upload, num_requests, seed=seed, name=upload_name)
@@ -112,7 +106,7 @@ def fleet_scaling(num_replicas: int, action: str, num_keys: int, vnodes: int, nu
     recovery = paired_dip(dip, at_request).join(no_event, on="algorithm")
     return FleetScaling(moved, num_replicas + 1 if action == "add" else num_replicas - 1, dip, recovery, at_request, len(trace), len(keys), note, seeds=seeds,
                         anchors=dict(ANCHORS), ideal_ratio=float(sum(ideals) / len(ideals)),
-                        budget_gb=factory().budget_bytes / 1e9 if factory else None)
+                        budget_gb=replica.budget_bytes / 1e9 if factory else None)
 
 
 def paired_dip(dip: pd.DataFrame, at_request: int, windows_after: int = DIP_WINDOWS) -> pd.DataFrame:

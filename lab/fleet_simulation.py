@@ -2,8 +2,8 @@
 batching) on one trace, once per routing policy (:func:`fleet_simulation`).
 
 Replicas (``service_model``): "roofline" (default) = a real Kimi model on ``tp`` x ``gpu`` per replica,
-step times from the roofline (:class:`serve.fleet.roofline_service.RooflineService`) and a prefix cache
-that is a production policy model at real bytes (:class:`serve.fleet.policy_cache.PolicyReplicaCache`
+step times from the roofline (:class:`serve.fleet.sim.roofline_service.RooflineService`) and a prefix cache
+that is a production policy model at real bytes (:class:`serve.fleet.routing.policy_cache.PolicyReplicaCache`
 over :func:`lab.real_scale.make_policy`) under ``budget_fraction`` of the HBM the weights leave; the
 running requests' KV has the rest. "a10g" = the VTC artifact's calibration (the validated setup that
 reproduces the VTC measurements), "cpu" = our engine timed on this CPU; both with a block LRU cache of
@@ -11,6 +11,7 @@ reproduces the VTC measurements), "cpu" = our engine timed on this CPU; both wit
 the trace re-timed (:func:`retime`); :func:`load_sweep` runs one setup at several rates (TTFT against load)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,38 +24,26 @@ from lab.fleet import (
     default_service,
     ideal_ratio,
     page_trace,
-    policy_cache_factory,
     scale_events_for,
     simulate_policies,
 )
-from lab.real_scale import (
-    BUDGET_FRACTIONS,
-    HARDWARE,
-    MODELS,
-    TP_SIZES,
-    free_bytes,
-    policy_title,
-    preset_title,
-)
-from lab.real_scale import POLICIES as CACHE_POLICIES
+from lab.real_scale import BUDGET_FRACTIONS, HARDWARE, MODELS, TP_SIZES, policy_title, preset_title  # noqa: F401  (re-exported: the replica widgets' choices)
 from serve.errors import check_choice, check_positive
-from serve.fleet import ROUTERS
-from serve.fleet.budgets import PriorityClass
-from serve.fleet.prefix_score import PREFIX_SCORE_ROUTERS
-from serve.fleet.roofline_service import RooflineService
-from serve.fleet.service_model import cpu_engine_preset, measure_cpu_engine
-from serve.fleet.sim_types import FleetConfig
-from serve.fleet.vtc import on_off_less_service
-from serve.scale.hardware import hardware
-from serve.scale.policies import ReplicaBytes
-from serve.traces import TraceRequest
+from serve.fleet.real_replica import RealReplica  # re-exported too: the pages build it
+from serve.fleet.routing.prefix_score import PREFIX_SCORE_ROUTERS
+from serve.fleet.routing.registry import ROUTERS
+from serve.fleet.scaling.budgets import PriorityClass
+from serve.fleet.sim.service_model import cpu_engine_preset, measure_cpu_engine
+from serve.fleet.sim.types import FleetConfig
+from serve.fleet.sim.vtc import on_off_less_service
+from serve.scale.policies import CACHE_POLICIES
+from serve.traces.mooncake import TraceRequest
 
-POLICIES = tuple(ROUTERS) + tuple(PREFIX_SCORE_ROUTERS)
+ROUTING_POLICIES = tuple(ROUTERS) + tuple(PREFIX_SCORE_ROUTERS)
 SERVICE_MODELS = {"real model · roofline, policy cache at real bytes": "roofline",
                   "A10G · Llama-7B (VTC artifact, measured)": "a10g",
                   "this CPU · our KDA demo engine (measured now)": "cpu"}
-REAL_DEFAULTS = {"model": "kimi-linear-48b-a3b", "gpu": "H200", "tp": 8, "cache_policy": "ours",
-                 "budget_fraction": 1 / 8}
+REAL_DEFAULTS = dataclasses.asdict(RealReplica())   # the replica widgets' defaults, by field
 BUDGET_OPTIONS = tuple(BUDGET_FRACTIONS)
 CAPACITIES = ("0", "500", "2000", "8000", "unlimited")  # cache per replica options (512-token blocks)
 SCALE_EVENTS = ("none", "add", "remove")  # at half the trace's duration
@@ -75,14 +64,14 @@ SCHEDULER_LABELS = {"fcfs": "FCFS", "vtc": "VTC (fair share)"}
 CACHE_POLICY_LABELS = {p: policy_title(p) for p in CACHE_POLICIES}   # as each engine spells its policy
 
 
-def replica_title(model: str, gpu: str, tp: int, cache_policy: str | None = None) -> str:
+def replica_title(replica: RealReplica, cache: bool = True) -> str:
     """A real-scale replica as a reader names it, e.g. "ours cache on Kimi-Linear-48B-A3B, 8 × H200" (the cache
-    part only with ``cache_policy``). Raises KeyError for an unknown model or policy."""
-    cache = f"{CACHE_POLICY_LABELS[cache_policy]} cache on " if cache_policy is not None else ""
-    return f"{cache}{preset_title(model)}, {tp} × {gpu}"
+    part only with ``cache``)."""
+    named = f"{CACHE_POLICY_LABELS[replica.cache_policy]} cache on " if cache else ""
+    return f"{named}{preset_title(replica.model)}, {replica.tp} × {replica.gpu}"
 
 
-BOUND_C = 1.25  # load bound factor c of serve.fleet.bounded_load.BoundedLoadRouter (its default, used here)
+BOUND_C = 1.25  # load bound factor c of serve.fleet.routing.bounded_load.BoundedLoadRouter (its default, used here)
 
 
 @dataclass(frozen=True)
@@ -100,7 +89,7 @@ class FleetSimulation:
     (held at the replica's peak, mean over replicas), ``ttft_p50_ms`` / ``ttft_p99_ms`` (all classes),
     ``throughput_rps``; replica_bytes: one row per (policy, replica): ``kv_gb``, ``state_gb``,
     ``running_gb`` held when the replica's cached KV + states peaked (they add up to at most ``budget_gb``,
-    the replica's cache budget; :attr:`serve.fleet.policy_cache.PolicyReplicaCache.held_at_peak`). None
+    the replica's cache budget; :attr:`serve.fleet.routing.policy_cache.PolicyReplicaCache.held_at_peak`). None
     otherwise."""
 
     per_request: pd.DataFrame
@@ -118,29 +107,23 @@ class FleetSimulation:
 def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: int, k: int, capacity: str,
                      scheduler: str, vip_percent: int, scale: str, speedup: float, service_model: str,
                      upload: bytes | None = None, upload_name: str = "uploaded file",
-                     progress: Callable[[float], None] | None = None, model: str = REAL_DEFAULTS["model"],
-                     gpu: str = REAL_DEFAULTS["gpu"], tp: int = REAL_DEFAULTS["tp"],
-                     cache_policy: str = REAL_DEFAULTS["cache_policy"],
-                     budget_fraction: float = REAL_DEFAULTS["budget_fraction"],
+                     progress: Callable[[float], None] | None = None, replica: RealReplica = RealReplica(),
                      arrival_rps: float | None = None) -> FleetSimulation:
     """Simulate the page trace (``upload`` or the synthetic one) once per policy in ``policies``:
-    ``num_replicas`` replicas of ``service_model`` (module docstring; "roofline": ``model`` on ``tp`` x
-    ``gpu``, cache ``cache_policy`` at ``budget_fraction`` of the free HBM; "a10g" / "cpu": prefill
+    ``num_replicas`` replicas of ``service_model`` (module docstring; "roofline": ``replica``, its step times
+    and its prefix cache, :class:`serve.fleet.real_replica.RealReplica`; "a10g" / "cpu": prefill
     ``speedup`` x and decode ``speedup * DECODE_SHARE`` x (at least 1), ``capacity`` blocks of cache each
     (:data:`CAPACITIES`)), every ``100 / vip_percent``-th request VIP, and an optional scale event at half
     time. ``arrival_rps`` (requests / s, fleet-wide): the offered load, the trace re-timed to that mean rate
     (:func:`retime`); None keeps the trace's own timestamps. ``progress(fraction)`` is called as the runs advance.
 
-    Raises: ValueError for no or unknown policies, an unknown option, a non-positive ``arrival_rps``, weights that
-    do not fit, or a bad upload (TraceFormatError)."""
-    if not policies or any(p not in POLICIES for p in policies):
-        raise ValueError(f"policies must be a non-empty subset of {POLICIES}, got {list(policies)}")
+    Raises: ValueError for no or unknown policies, an unknown option, a non-positive ``arrival_rps``, or a bad
+    upload (TraceFormatError)."""
+    if not policies or any(p not in ROUTING_POLICIES for p in policies):
+        raise ValueError(f"policies must be a non-empty subset of {ROUTING_POLICIES}, got {list(policies)}")
     for name, value, allowed in (("capacity", capacity, CAPACITIES), ("scheduler", scheduler, SCHEDULERS),
                                  ("scale", scale, SCALE_EVENTS), ("service_model", service_model,
-                                                                  tuple(SERVICE_MODELS.values())),
-                                 ("model", model, MODELS), ("gpu", gpu, HARDWARE), ("tp", tp, TP_SIZES),
-                                 ("cache_policy", cache_policy, CACHE_POLICIES),
-                                 ("budget_fraction", budget_fraction, BUDGET_OPTIONS)):
+                                                                  tuple(SERVICE_MODELS.values()))):
         check_choice(name, value, allowed)
     if not 0 <= vip_percent <= 100:
         raise ValueError(f"vip_percent must be in [0, 100], got {vip_percent}")
@@ -151,7 +134,7 @@ def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: i
         trace = retime(trace, arrival_rps)
     cache_factory = None
     if service_model == "roofline":
-        service, cache_factory = real_replica(model, gpu, tp, cache_policy, budget_fraction)
+        service, cache_factory = replica.service(), replica.cache
     else:
         base = on_off_less_service() if service_model == "a10g" else cpu_engine_preset(measure_cpu_engine())
         service = default_service(base, float(speedup), max(1.0, speedup * DECODE_SHARE), KV_CAPACITY_TOKENS)
@@ -181,8 +164,9 @@ def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: i
     from_ms = events[0].time_ms if events and events[0].action == "remove" else -math.inf
     in_flight = pd.concat([in_flight_at_routing(g, replicas_at, from_ms=from_ms).assign(policy=name)
                            for name, g in per_request.groupby("policy", sort=False)], ignore_index=True)
-    return FleetSimulation(per_request, summary, in_flight, ideal_ratio(trace), len(trace), service.source, note,
-                           anchors=dict(ANCHORS), kda=kda, replica_bytes=replica_bytes)
+    return FleetSimulation(per_request=per_request, summary=summary, in_flight=in_flight,
+                           ideal_ratio=ideal_ratio(trace), num_requests=len(trace), service_source=service.source,
+                           note=note, anchors=dict(ANCHORS), kda=kda, replica_bytes=replica_bytes)
 
 
 def retime(trace: Sequence[TraceRequest], rate_rps: float) -> list[TraceRequest]:
@@ -228,17 +212,6 @@ def load_sweep(policies: Sequence[str], rates_rps: Sequence[float], *args,
     return pd.DataFrame(rows)
 
 
-def real_replica(model: str, gpu: str, tp: int, cache_policy: str, budget_fraction: float):
-    """(service, cache_factory) of one replica of ``model`` on ``tp`` x ``gpu``: roofline step times with
-    room for the running requests' KV outside the cache budget, and a fresh ``cache_policy`` under
-    ``budget_fraction`` x the HBM the weights leave (:func:`lab.fleet.policy_cache_factory`). Raises ValueError
-    as that does (the weights do not fit, an unknown setting, a budget below the running state slots)."""
-    cache_factory = policy_cache_factory(model, gpu, tp, cache_policy, budget_fraction)
-    free = free_bytes(model, hardware(gpu), tp)
-    room = max(1, int((free - free * budget_fraction) // ReplicaBytes.for_preset(model, tp).kv_bytes_per_token))
-    return RooflineService(model, gpu, tp, kv_capacity_tokens=room), cache_factory
-
-
 def cache_counters(sim) -> tuple[int, dict[str, tuple[dict, int, float]]]:
     """What :func:`kda_metrics` needs of one policy-cache run (not its caches: they hold every cached block):
     (prompt tokens of its completed requests, {replica: (bytes by kind held when its cached KV + states peaked,
@@ -275,7 +248,7 @@ def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float
     """What consistent hashing with bounded loads (Mirrokni, Thorup, Zadimoghaddam, SODA 2018) bounds: the
     in-flight requests (routed at ``admitted_ms``, not finished by ``finish_ms``) of the replica each request is
     routed to, counting itself, against the cap ceil(c x in-flight on the serving replicas / their number), as
-    :meth:`serve.fleet.bounded_load.BoundedLoadRouter.capacity` computes it. ``per_request``: one policy's rows
+    :meth:`serve.fleet.routing.bounded_load.BoundedLoadRouter.capacity` computes it. ``per_request``: one policy's rows
     (:func:`lab.fleet.results_frame` columns); ``replicas_at(t_ms)``: the names of the replicas serving at t.
     Routings at the same instant are taken in request order (``request_id``, else the rows' order), as the simulator
     routes them; a finish at the same instant as a routing is counted first. Only routings at or after ``from_ms`` are

@@ -27,7 +27,7 @@ from kda_core.config import PRESETS, REAL_PRESETS, preset_title
 from lab.pool_timing import LatencyHistogram, latency_histogram
 from lab.timing import Conditions, conditions, summarize
 from serve.errors import check_choice, check_fraction, check_positive
-from serve.memory.layout import POLICIES, REAL_DTYPES, CacheLayout
+from serve.memory.layout import PAGE_POLICIES, REAL_DTYPES, CacheLayout
 from serve.memory.pool import PageKind, PagePool
 from serve.memory.vllm_block import vllm_vs_ours
 
@@ -44,7 +44,7 @@ class WorkloadConfig:
     """
 
     pool_mib: float = 32.0
-    policy: str = "unified"
+    policy: str = "unified"   # page 05 opens on vLLM's unified page (ServeConfig serves multi_page): the waste shown first
     long_share: float = 0.2
     arrival: str = "steady"
     seed: int = 0
@@ -61,7 +61,7 @@ class WorkloadConfig:
     def __post_init__(self):
         if not 0 < self.pool_mib <= 1024:
             raise ValueError(f"pool_mib must be in (0, 1024], got {self.pool_mib}")
-        check_choice("policy", self.policy, POLICIES)
+        check_choice("policy", self.policy, PAGE_POLICIES)
         check_fraction("long_share", self.long_share)
         check_choice("arrival", self.arrival, ARRIVALS)
         check_choice("preset", self.preset, sorted(PRESETS))
@@ -207,7 +207,7 @@ def policy_waste(preset: str, block_size: int, num_groups: int) -> list[dict]:
     """Both policies for a real preset in its real dtypes (:data:`serve.memory.layout.REAL_DTYPES`):
     page bytes, state pages, and the unused share of a state's pages and of every KV page."""
     rows = []
-    for policy in POLICIES:
+    for policy in PAGE_POLICIES:
         lay = CacheLayout.for_policy(PRESETS[preset], block_size, num_groups, policy, **REAL_DTYPES)
         rows.append({"model": preset, "policy": policy, "block_size": lay.block_size, "page_bytes": lay.page_bytes,
                      "state_pages": lay.state_pages, "state_waste_pct": 100 * lay.state_waste_bytes / (
@@ -246,7 +246,7 @@ def page05(pool_mib: float, policy: str, long_share: float, arrival: str, num_gr
     :class:`WorkloadConfig` and :func:`simulate_workload`."""
     runs = {p: simulate_workload(WorkloadConfig(pool_mib=pool_mib, policy=p, long_share=long_share, arrival=arrival,
                                        num_groups=num_groups, seed=seed), snapshot_step=snapshot_step)
-            for p in sorted(POLICIES, key=lambda p: p != policy)}
+            for p in sorted(PAGE_POLICIES, key=lambda p: p != policy)}
     res = runs[policy]
     waste = pd.DataFrame([{"policy": p, "waste": label, "pct_of_used": 100 * r.waste[k] / max(r.waste["used_bytes"], 1.0)}
                           for p, r in runs.items() for k, label in WASTE_KINDS.items()])

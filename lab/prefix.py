@@ -53,20 +53,18 @@ def as_tokens(prompt: str | Sequence[int]) -> list[int]:
     return ids
 
 
-def build_engine(model: HybridLM, block_size: int, interval: int, num_groups: int = 1, num_pages: int = 512,
-                 policy: str = "multi_page", cache: bool = True) -> ServeEngine:
-    """An engine on a fresh pool (page size from ``policy``), with or without a prefix cache. Raises
-    ValueError for a bad :class:`ServeConfig`."""
-    config = ServeConfig(block_size, interval, num_groups, policy)
+def build_engine(model: HybridLM, config: ServeConfig, num_pages: int = 512, cache: bool = True) -> ServeEngine:
+    """An engine of ``config`` on a fresh pool of ``num_pages`` pages, with or without a prefix cache."""
     pool = PagePool(num_pages, config.page_bytes(model.cfg))
     pc = PrefixCache(pool, config, cfg=model.cfg) if cache else None
     return ServeEngine(model, pool, pc, config=config)
 
 
-def _pages_for(model: HybridLM, block_size: int, num_groups: int, tokens: int, policy: str = "multi_page") -> int:
-    """Pages for two requests of ``tokens`` with a checkpoint every block (generous, never evicts)."""
-    lay = ServeConfig(block_size, block_size, num_groups, policy).layout(model.cfg)
-    blocks = -(-tokens // block_size) + 1
+def _pages_for(model: HybridLM, config: ServeConfig, tokens: int) -> int:
+    """Pages for two requests of ``tokens`` under ``config``, counted as if a checkpoint were written at every
+    block (at least as many as any interval writes: generous, never evicts)."""
+    lay = config.layout(model.cfg)
+    blocks = -(-tokens // config.block_size) + 1
     return 2 * (blocks + lay.state_pages * (blocks + 2))
 
 
@@ -145,23 +143,23 @@ class ColdWarm(NamedTuple):
 PHASE_RUNS = ("cold", "first", "warm")  # run kinds, in the order of the rows and the phase breakdown
 
 
-def _sizes(first, second, max_new_tokens: int, block_size: int, num_groups: int, preset: str):
+def _sizes(first, second, max_new_tokens: int, config: ServeConfig, preset: str):
     a, b = as_tokens(first), as_tokens(second)
     check_int("max_new_tokens", max_new_tokens)
     model = demo_model(preset)
-    return a, b, model, _pages_for(model, block_size, num_groups, max(len(a), len(b)) + max_new_tokens)
+    return a, b, model, _pages_for(model, config, max(len(a), len(b)) + max_new_tokens)
 
 
 def cold_vs_warm(first: str | Sequence[int], second: str | Sequence[int], max_new_tokens: int = 8,
-                 block_size: int = 16, interval: int = 64, num_groups: int = 1, preset: str = "demo") -> ColdWarm:
+                 config: ServeConfig = ServeConfig(), preset: str = "demo") -> ColdWarm:
     """Run ``second`` cold (cache-off engine) and warm (after ``first`` filled the cache) once each on fresh
     engines, ``max_new_tokens`` greedy tokens with logits recorded, and compare them. Raises ValueError for
     bad sizes or prompts."""
-    a, b, model, pages = _sizes(first, second, max_new_tokens, block_size, num_groups, preset)
+    a, b, model, pages = _sizes(first, second, max_new_tokens, config, preset)
     with one_thread():
-        cold = build_engine(model, block_size, interval, num_groups, pages, cache=False).generate(
+        cold = build_engine(model, config, pages, cache=False).generate(
             b, max_new_tokens, record_logits=True)
-        eng = build_engine(model, block_size, interval, num_groups, pages)
+        eng = build_engine(model, config, pages)
         fill = eng.generate(a, max_new_tokens)
         warm = eng.generate(b, max_new_tokens, record_logits=True)
         eng.check_integrity()
@@ -183,7 +181,7 @@ class TtftTimes(NamedTuple):
 
 
 def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_new_tokens: int = 8,
-                   block_size: int = 16, interval: int = 64, num_groups: int = 1, repeats: int = MIN_REPEATS,
+                   config: ServeConfig = ServeConfig(), repeats: int = MIN_REPEATS,
                    warmup: int = 1, preset: str = "demo", fit: bool = True) -> TtftTimes:
     """TTFT of ``second`` cold and warm, ``repeats`` interleaved rounds after ``warmup`` (:func:`lab.timing.measure`).
 
@@ -198,27 +196,27 @@ def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_
     token; the fixed + per-token cost of a forward is fitted to them (:func:`lab.forward_cost.forward_fit`).
     Raises ValueError for bad sizes, prompts or repeats (< :data:`lab.timing.MIN_REPEATS`) and
     RuntimeError if the warm runs' hit differs between repeats (the engine is deterministic)."""
-    a, b, model, pages = _sizes(first, second, max_new_tokens, block_size, num_groups, preset)
+    a, b, model, pages = _sizes(first, second, max_new_tokens, config, preset)
     runs: dict[str, list] = {"cold": [], "warm": []}     # cold: a row per run; warm: (first, warm) rows per run
     fill_tokens = max_new_tokens if b[:len(a)] == a else 1
     fit_ns = fit_lengths(len(b)) if fit else ()
-    fit_pages = max([pages] + [_pages_for(model, block_size, num_groups, n + 1) for n in fit_ns])
+    fit_pages = max([pages] + [_pages_for(model, config, n + 1) for n in fit_ns])
     ttft_ms: dict[int, list[float]] = {n: [] for n in fit_ns}
 
     def prefill(n: int):
         prompt = (b * -(-n // len(b)))[:n]                  # the first n tokens of `second` (repeated past its end)
 
         def run() -> None:
-            eng = build_engine(model, block_size, interval, num_groups, fit_pages, cache=False)
+            eng = build_engine(model, config, fit_pages, cache=False)
             ttft_ms[n].append(eng.generate(prompt, 1).ttft_ms)
         return run
 
     def cold() -> None:
-        runs["cold"].append(_row("cold", build_engine(model, block_size, interval, num_groups, pages,
+        runs["cold"].append(_row("cold", build_engine(model, config, pages,
                                                       cache=False).generate(b, 1)))
 
     def warm() -> None:
-        eng = build_engine(model, block_size, interval, num_groups, pages)
+        eng = build_engine(model, config, pages)
         fill = eng.generate(a, fill_tokens)
         runs["warm"].append((_row("first", fill), _row("warm", eng.generate(b, 1))))
 
@@ -277,8 +275,8 @@ class Anatomy(NamedTuple):
     prompt_tokens: list
 
 
-def anatomy(prompts: Sequence[str | Sequence[int]], block_size: int = 16, interval: int = 32,
-            num_groups: int = 2, drop: tuple[int, int] | None = None, preset: str = "demo") -> Anatomy:
+def anatomy(prompts: Sequence[str | Sequence[int]], config: ServeConfig = ServeConfig(16, 32, 2),  # page 07's
+            drop: tuple[int, int] | None = None, preset: str = "demo") -> Anatomy:
     """Run every prompt but the last through a cached engine (one output token each), optionally drop
     group ``drop[1]``'s checkpoint at boundary ``drop[0]`` of the previous prompt, then explain the last
     prompt's lookup. Raises ValueError with fewer than two prompts or a drop that names no checkpoint."""
@@ -286,15 +284,15 @@ def anatomy(prompts: Sequence[str | Sequence[int]], block_size: int = 16, interv
     if len(ids) < 2:
         raise ValueError("give at least two prompts (the last one is looked up)")
     model = demo_model(preset)
-    pages = sum(_pages_for(model, block_size, num_groups, len(p) + 1) for p in ids)
-    eng = build_engine(model, block_size, interval, num_groups, pages)
+    pages = sum(_pages_for(model, config, len(p) + 1) for p in ids)
+    eng = build_engine(model, config, pages)
     with one_thread():
         for p in ids[:-1]:
             eng.generate(p, 1)
     cache = eng.cache
     if drop is not None:
         cache.drop_checkpoint(ids[-2], drop[0], drop[1])
-    N, nodes = block_size, cache.index.nodes
+    N, nodes = config.block_size, cache.index.nodes
     blocks = []
     for i, p in enumerate(ids):
         for j, key in enumerate(cache.keys(p)):
@@ -316,8 +314,8 @@ class MissThenHit(NamedTuple):
     check: Comparison
 
 
-def miss_then_hit(prompt_tokens: int, next_shared: int, block_size: int = 16, interval: int = 64,
-                  num_groups: int = 2, max_new_tokens: int = 4, seed: int = 0, preset: str = "demo") -> MissThenHit:
+def miss_then_hit(prompt_tokens: int, next_shared: int, config: ServeConfig = ServeConfig(16, 64, 2),  # page 09's
+                  max_new_tokens: int = 4, seed: int = 0, preset: str = "demo") -> MissThenHit:
     """A cold request of ``prompt_tokens`` random bytes, then one sharing its first ``next_shared``
     tokens (+ 16 new). Raises ValueError if ``next_shared`` exceeds the prompt."""
     if not 0 <= next_shared <= prompt_tokens:
@@ -325,13 +323,13 @@ def miss_then_hit(prompt_tokens: int, next_shared: int, block_size: int = 16, in
     first, _ = shared_prefix_prompts(prompt_tokens, 0, seed)
     second = first[:next_shared] + shared_prefix_prompts(16, 0, seed + 1)[0]
     model = demo_model(preset)
-    pages = _pages_for(model, block_size, num_groups, prompt_tokens + 16 + max_new_tokens)
+    pages = _pages_for(model, config, prompt_tokens + 16 + max_new_tokens)
     with one_thread():
-        eng = build_engine(model, block_size, interval, num_groups, pages)
+        eng = build_engine(model, config, pages)
         miss = eng.generate(first, max_new_tokens)
         written = [c._asdict() for c in eng.cache.checkpoints()]
         warm = eng.generate(second, max_new_tokens, record_logits=True)
-        cold = build_engine(model, block_size, interval, num_groups, pages, cache=False).generate(
+        cold = build_engine(model, config, pages, cache=False).generate(
             second, max_new_tokens, record_logits=True)
     return MissThenHit(_row("miss", miss), written, _row("next", warm), compare(warm, cold))
 
@@ -400,13 +398,13 @@ def _timings(run: TtftTimes) -> PrefixTimings:
 def home(first: str, second: str, max_new_tokens: int, block_size: int, interval: int) -> PrefixCheck:
     """The home page's verdict: text prompt ``second`` cold and warm after ``first`` (:func:`cold_vs_warm`).
     Raises ValueError for an empty prompt or bad sizes."""
-    return _check(cold_vs_warm(first, second, max_new_tokens, block_size, interval))
+    return _check(cold_vs_warm(first, second, max_new_tokens, ServeConfig(block_size, interval)))
 
 
 def home_timing(first: str, second: str, max_new_tokens: int, block_size: int, interval: int,
                 repeats: int = MIN_REPEATS) -> PrefixTimings:
     """The home page's measured TTFT, cold vs warm (:func:`time_cold_warm`). Raises as it does."""
-    return _timings(time_cold_warm(first, second, max_new_tokens, block_size, interval, repeats=repeats))
+    return _timings(time_cold_warm(first, second, max_new_tokens, ServeConfig(block_size, interval), repeats=repeats))
 
 
 def prefix_hit(shared_tokens: int, unique_tokens: int, max_new_tokens: int, block_size: int, interval: int,
@@ -414,7 +412,7 @@ def prefix_hit(shared_tokens: int, unique_tokens: int, max_new_tokens: int, bloc
     """Page 08's verdict: two seeded random prompts sharing ``shared_tokens`` (:func:`shared_prefix_prompts`),
     the second cold and warm. Raises ValueError for bad lengths or sizes."""
     first, second = shared_prefix_prompts(shared_tokens, unique_tokens, seed=seed)
-    return _check(cold_vs_warm(first, second, max_new_tokens, block_size, interval, num_groups))
+    return _check(cold_vs_warm(first, second, max_new_tokens, ServeConfig(block_size, interval, num_groups)))
 
 
 def prefix_hit_timing(shared_tokens: int, unique_tokens: int, max_new_tokens: int, block_size: int, interval: int,
@@ -422,4 +420,4 @@ def prefix_hit_timing(shared_tokens: int, unique_tokens: int, max_new_tokens: in
     """Page 08's measured TTFT, cold vs warm, of the prompts of :func:`prefix_hit`. Raises as
     :func:`time_cold_warm` does."""
     first, second = shared_prefix_prompts(shared_tokens, unique_tokens, seed=seed)
-    return _timings(time_cold_warm(first, second, max_new_tokens, block_size, interval, num_groups, repeats))
+    return _timings(time_cold_warm(first, second, max_new_tokens, ServeConfig(block_size, interval, num_groups), repeats))

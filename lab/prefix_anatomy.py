@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import pandas as pd
 
 from lab.prefix import ANATOMY_BLOCK_COLUMNS, anatomy
+from serve.config import ServeConfig
 from serve.errors import check_int
 
 MAX_PROMPTS = 16            # prompts in one view: each earlier one is a prefill into the cache (pages grow with them)
@@ -70,7 +71,7 @@ def anatomy_view(prompts: Sequence[str | Sequence[int]], block_size: int = 16, i
     """:func:`anatomy` as frames for page 07. Raises ValueError as :func:`anatomy` does, and over the page's
     bounds (:func:`check_prompts`)."""
     check_prompts(prompts, interval)
-    res = anatomy(prompts, block_size, interval, num_groups, drop, preset)
+    res = anatomy(prompts, ServeConfig(block_size, interval, num_groups), drop, preset)
     blocks = pd.DataFrame(res.blocks, columns=ANATOMY_BLOCK_COLUMNS)
     tails = pd.DataFrame([dict(prompt=i, start=n // block_size * block_size, tokens=n % block_size)
                           for i, n in enumerate(res.prompt_tokens) if n % block_size],

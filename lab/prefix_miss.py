@@ -5,7 +5,7 @@ byte sizes.
 The trace replays (``1 + len(CAPACITY_FRACTIONS) + 2 * len(INTERVALS)`` = 16 runs, each distinct one run
 once): the unlimited cache at the chosen interval; caches at :data:`serve.prefix.sim.CAPACITY_FRACTIONS` of
 what that run peaked at; every interval in :data:`INTERVALS` unlimited, and at the middle capacity. One hash id
-= one 512-token KV block (Mooncake's block size, :data:`serve.traces.MOONCAKE_BLOCK_TOKENS`).
+= one 512-token KV block (Mooncake's block size, :data:`serve.traces.mooncake.MOONCAKE_BLOCK_TOKENS`).
 """
 from __future__ import annotations
 
@@ -14,16 +14,17 @@ from dataclasses import dataclass
 
 import pandas as pd
 
-from kda_core.config import preset_title as preset_title  # re-exported: page 09's model labels
+from kda_core.config import REAL_PRESETS, preset_title  # noqa: F401  (preset_title re-exported: page 09's labels)
 from lab.fleet import MOONCAKE_TABLE2_CACHE_RATIO, PREFIX_SIM_TRACE_BLOCKS, page_trace
 from lab.prefix import Comparison, miss_then_hit
+from serve.config import ServeConfig
 from serve.errors import check_choice
 from serve.prefix.sim import CAPACITY_FRACTIONS, MISS_CAUSES, capacity_points, replay_row
-from serve.traces import MOONCAKE_BLOCK_TOKENS, IdealHitRatio, ideal_hit_ratio
+from serve.traces.mooncake import MOONCAKE_BLOCK_TOKENS, IdealHitRatio, ideal_hit_ratio
 
 INTERVALS = tuple(MOONCAKE_BLOCK_TOKENS * k for k in (1, 2, 4, 8, 16))  # checkpoint intervals C compared (tokens)
 TRADE_CAPACITY = 2  # index into the capacity points of the interval trade-off's limited cache (0.1 of the peak)
-PRESETS = ("kimi-linear-48b-a3b", "kimi-k3")  # real presets whose byte sizes the replays use
+MODELS = REAL_PRESETS  # the real models whose byte sizes the replays use
 
 
 @dataclass(frozen=True)
@@ -66,9 +67,9 @@ def prefix_miss(prompt_tokens: int, next_shared: int, block_size: int, interval:
     is called after each replay. ``replay`` False: part 1 only (16 trace replays take seconds of CPU).
 
     Raises: ValueError for bad sizes, an unknown preset, or a malformed upload (TraceFormatError)."""
-    check_choice("preset", preset, PRESETS)
+    check_choice("preset", preset, MODELS)
     shared = min(next_shared, prompt_tokens)
-    run = miss_then_hit(prompt_tokens, shared, block_size, interval, num_groups)
+    run = miss_then_hit(prompt_tokens, shared, ServeConfig(block_size, interval, num_groups))
     if not replay:
         return PrefixMiss(run.miss, pd.DataFrame(run.written), run.hit, run.check, shared, None, None, None, None,
                           None, None, paper_ratios=dict(MOONCAKE_TABLE2_CACHE_RATIO))

@@ -32,20 +32,20 @@ import pandas as pd
 from kda_core.config import REAL_PRESETS
 from kda_core.config import preset_title as preset_title  # re-exported: pages 14 and 15's model labels
 from lab.fleet import page_trace
-from serve.errors import check_choice, check_int
+from serve.errors import check_int
+from serve.fleet.real_replica import TP_SIZES, RealReplica, free_bytes  # noqa: F401  (re-exported for the pages)
 from serve.scale.capacity import MEMORY_FRACTION as MEMORY_FRACTION  # re-exported: page 15's caption
 from serve.scale.capacity import largest_batch_decode
 from serve.scale.capacity import weight_bytes as weight_bytes  # re-exported: the policy view and lab.fleet use it
-from serve.scale.hardware import PRESETS as HARDWARE_PRESETS
-from serve.scale.hardware import Hardware, hardware
+from serve.scale.hardware import GPUS, Hardware, hardware
 from serve.scale.model_shape import ModelShape, preset
 from serve.scale.policies import (
-    OursPolicy,
+    CACHE_POLICIES,
+    EXTRA_BUFFER_CHUNK,
+    EXTRA_CACHE_POLICIES,
+    OURS_C,
     PolicyResult,
-    ReplicaBytes,
-    SGLangExtraBuffer,
-    SGLangNoBuffer,
-    VLLMMambaPolicy,
+    make_policy,
     replay,
     vllm_block_size,
 )
@@ -61,17 +61,12 @@ from serve.scale.validation import (
     prefill_points,
     prefill_ratios,
 )
-from serve.traces import TraceRequest
+from serve.traces.mooncake import TraceRequest
 
 MODELS = REAL_PRESETS
-HARDWARE = tuple(HARDWARE_PRESETS)
-TP_SIZES = (1, 2, 4, 8, 16)
-POLICIES = ("ours", "sglang no_buffer", "sglang extra_buffer", "vllm align", "vllm all")   # the engines' modes
-# The default sweep: what the engines serve Kimi models with. vLLM's "all" is not among them: vLLM's
-# KimiLinearForCausalLM does not declare SupportsMambaPrefixCaching, so vLLM serves Kimi in "align"
-# (serve.scale.policies.vllm); "all" stays an opt-in counterfactual.
+HARDWARE = tuple(GPUS)
+# The default sweep: what the engines serve Kimi models with ("vllm all" stays an opt-in counterfactual).
 DEFAULT_POLICIES = ("ours", "sglang no_buffer", "sglang extra_buffer", "vllm align")
-EXTRA_POLICIES = ("vllm none", "vllm align +replay stop")                                  # opt-in
 POLICY_TITLES = {"ours": "ours", "sglang no_buffer": "SGLang no_buffer", "sglang extra_buffer": "SGLang extra_buffer",
                  "vllm align": "vLLM align", "vllm all": "vLLM all (counterfactual: not served for Kimi)",
                  "vllm none": "vLLM none", "vllm align +replay stop": "vLLM align + replay stop"}
@@ -84,19 +79,7 @@ def policy_title(name: str) -> str:
 BUDGET_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)   # of the HBM left after weights
 INTERVALS = (512, 1024, 2048, 4096, 8192)      # ours' C and extra_buffer's chunked_prefill_size (tokens)
 INTERVAL_BUDGET_FRACTION = 1 / 8               # the budget the interval sweep runs at
-OURS_C, EXTRA_BUFFER_CHUNK = 2048, 8192        # the knobs' values in the budget sweep
 DEFAULT_INTERVAL = {"ours": OURS_C, "sglang extra_buffer": EXTRA_BUFFER_CHUNK}
-
-
-def free_bytes(model: str, hw: Hardware, tp: int) -> float:
-    """HBM of ``tp`` GPUs minus the model's weights (bytes per replica; <= 0 when the weights do not fit)."""
-    return hw.hbm_bytes * tp - weight_bytes(preset(model))
-
-
-def _check_setup(model: str, hw_name: str, tp: int) -> Hardware:
-    check_choice("model", model, MODELS)
-    check_choice("tp", tp, TP_SIZES)
-    return hardware(hw_name)
 
 
 REPORT_THROUGHPUT_CLAIM = 6.0  # the report's abstract: "up to 6x decoding throughput" at 1M
@@ -193,20 +176,16 @@ def _errors(points: pd.DataFrame, validated: pd.DataFrame) -> pd.DataFrame:
                           "points": len(e)} for g, e in groups])
 
 
-def roofline_view(model: str, hw_name: str, tp: int, contexts: Sequence[int] = CONTEXTS) -> RooflineView:
-    """Prefill latency and TPOT of ``model`` and its all-MLA counterfactual on ``tp`` x ``hw_name``
-    (module docstring), and Kimi-Linear-48B-A3B's errors against the report at that same setup.
+def roofline_view(replica: RealReplica, contexts: Sequence[int] = CONTEXTS) -> RooflineView:
+    """Prefill latency and TPOT of ``replica``'s model and its all-MLA counterfactual on its ``tp`` x ``gpu``
+    (module docstring), and Kimi-Linear-48B-A3B's errors against the report at that same setup (a replica's
+    weights fit by construction: a roofline of a model that cannot be loaded means nothing).
 
-    Raises ValueError naming a bad model, hardware, TP or ``contexts`` (a non-empty list of ints in
-    [1, MAX_TOKENS]), and when the weights do not fit in ``tp`` x ``hw_name`` (a roofline of a model that cannot
-    be loaded means nothing)."""
-    hw = _check_setup(model, hw_name, tp)
+    Raises ValueError naming bad ``contexts`` (a non-empty list of ints in [1, MAX_TOKENS])."""
+    model, hw_name, tp, hw = replica.model, replica.gpu, replica.tp, hardware(replica.gpu)
     contexts = _check_contexts(contexts)
     kl = preset(model)
     w = weight_bytes(kl)
-    if w >= hw.hbm_bytes * tp:
-        raise ValueError(f"{model} weights ({w / 1e9:,.0f} GB) do not fit in {tp} x {hw_name} "
-                         f"({hw.hbm_bytes * tp / 1e9:,.0f} GB): choose more GPUs (tp) or larger ones")
     setup = f"{hw_name} x TP{tp}"
     shapes = {"Kimi Linear": kl, "all MLA": kl.all_mla()}
     fit = fit_prefill(hw, tp)
@@ -230,28 +209,10 @@ def roofline_view(model: str, hw_name: str, tp: int, contexts: Sequence[int] = C
     if model != FIT_MODEL:
         fit_note += (f" {preset_title(model)} has no published points: its fitted curve reuses the α, β fitted to "
                      f"{preset_title(FIT_MODEL)}'s points, unchecked; read its physical roofline as the model.")
-    return RooflineView(setup, curves, published, ratios, points, validated, _errors(points, validated),
-                        _batch_rows(shapes, hw, tp, contexts), fit, fit_note, w / 1e9, hw.hbm_bytes * tp / 1e9,
-                        (hw.hbm_bytes * tp - w) / 1e9)
-
-
-def make_policy(name: str, model: str, tp: int, interval: int | None = None):
-    """A fresh policy ``name`` (:data:`POLICIES` + :data:`EXTRA_POLICIES`) for ``model`` on ``tp`` ranks;
-    ``interval`` sets ours' C or extra_buffer's ``chunked_prefill_size`` (tokens; None = the default; 0 is
-    an error, not the default)."""
-    if name == "ours":
-        return OursPolicy(model, OURS_C if interval is None else interval, tp_size=tp)
-    if name.startswith("sglang"):
-        replica = ReplicaBytes.for_preset(model, tp)
-        if name == "sglang no_buffer":
-            return SGLangNoBuffer(replica)
-        if name == "sglang extra_buffer":
-            return SGLangExtraBuffer(replica, chunked_prefill_size=EXTRA_BUFFER_CHUNK if interval is None else interval)
-    if name in ("vllm none", "vllm align", "vllm all"):
-        return VLLMMambaPolicy(model, name.split()[1], tp)
-    if name == "vllm align +replay stop":
-        return VLLMMambaPolicy(model, "align", tp, replay_stop=True)
-    raise ValueError(f"policy must be one of {POLICIES + EXTRA_POLICIES}, got {name!r}")
+    return RooflineView(setup=setup, curves=curves, published=published, ratios=ratios, prefill_points=points,
+                        validated=validated, errors=_errors(points, validated),
+                        batch=_batch_rows(shapes, hw, tp, contexts), fit=fit, fit_note=fit_note, weights_gb=w / 1e9,
+                        hbm_gb=hw.hbm_bytes * tp / 1e9, free_gb=(hw.hbm_bytes * tp - w) / 1e9)
 
 
 @dataclass(frozen=True)
@@ -286,7 +247,7 @@ class _TTFT:
     """Per-request fitted roofline TTFT for a trace, memoised on (new, cached) tokens. A request with no token
     left to prefill (``input_length`` 0, which the Mooncake format allows) still runs one prefill step for its
     first decode input, as the fleet simulator's replicas charge it (``max(1, input_length - hit)``,
-    :mod:`serve.fleet.replica`)."""
+    :mod:`serve.fleet.sim.replica`)."""
 
     def __init__(self, shape: ModelShape, hw: Hardware, tp: int, requests: Sequence[TraceRequest]):
         self.shape, self.hw, self.tp, self.fit = shape, hw, tp, fit_prefill(hw, tp)
@@ -326,7 +287,7 @@ def _row(res: PolicyResult, ttft: _TTFT, **extra) -> dict:
             "replay_s": res.seconds}
 
 
-def policy_view(model: str, hw_name: str, tp: int, num_requests: int, upload: bytes | None = None,
+def policy_view(replica: RealReplica, num_requests: int, upload: bytes | None = None,
                 upload_name: str = "uploaded file", policies: Sequence[str] = DEFAULT_POLICIES,
                 budgets_gb: Sequence[float] | None = None, intervals: Sequence[int] = INTERVALS,
                 progress: Callable[[int, int], None] | None = None, seed: int = 0,
@@ -337,27 +298,25 @@ def policy_view(model: str, hw_name: str, tp: int, num_requests: int, upload: by
     :data:`INTERVAL_BUDGET_FRACTION` budget. ``progress(done, total)`` after each replay. ``requests``: a
     trace already loaded (the bench's whole Mooncake trace), used instead of ``upload`` / ``num_requests``.
 
-    Raises ValueError when the weights do not fit (no budget left), for no policy or an unknown one, a
-    non-positive budget, an interval that is not an int >= 1, or a bad model / hardware / TP;
-    TraceFormatError (ValueError) for a malformed upload."""
-    hw = _check_setup(model, hw_name, tp)
+    ``replica``: the model on its ``tp`` x ``gpu`` (its own policy and budget are what this view sweeps).
+
+    Raises ValueError for no policy or an unknown one, a non-positive budget, an interval that is not an
+    int >= 1; TraceFormatError (ValueError) for a malformed upload."""
+    model, tp, hw = replica.model, replica.tp, hardware(replica.gpu)
     if isinstance(policies, str) or not len(policies):
-        raise ValueError(f"policies must name at least one of {POLICIES + EXTRA_POLICIES}, got {policies!r}")
+        raise ValueError(f"policies must name at least one of {CACHE_POLICIES + EXTRA_CACHE_POLICIES}, got {policies!r}")
     for p in policies:
-        if p not in POLICIES + EXTRA_POLICIES:
-            raise ValueError(f"policies must be drawn from {POLICIES + EXTRA_POLICIES}, got {p!r}")
+        if p not in CACHE_POLICIES + EXTRA_CACHE_POLICIES:
+            raise ValueError(f"policies must be drawn from {CACHE_POLICIES + EXTRA_CACHE_POLICIES}, got {p!r}")
     for c in intervals:
         check_int("intervals", c)
-    shape, free = preset(model), free_bytes(model, hw, tp)
+    shape, free = preset(model), replica.free_bytes
     if budgets_gb is None:
-        if free <= 0:
-            raise ValueError(f"{model} weights ({weight_bytes(shape) / 1e9:,.0f} GB) do not fit in {tp} x {hw_name} "
-                             f"({hw.hbm_bytes * tp / 1e9:,.0f} GB): choose more GPUs (tp) or larger ones")
         budgets_gb = [free * f / 1e9 for f in BUDGET_FRACTIONS]
     if isinstance(budgets_gb, str) or not len(budgets_gb) or any(
             isinstance(b, bool) or not isinstance(b, Real) or not 0 < b < math.inf for b in budgets_gb):
         raise ValueError(f"budgets_gb must be finite positive numbers, got {list(budgets_gb)!r}")
-    interval_budget = (free * INTERVAL_BUDGET_FRACTION / 1e9 if free > 0 else float(np.median(budgets_gb)))
+    interval_budget = free * INTERVAL_BUDGET_FRACTION / 1e9
     note = ""
     if requests is None:
         loaded = page_trace(upload, num_requests, seed=seed, name=upload_name)
@@ -390,9 +349,10 @@ def policy_view(model: str, hw_name: str, tp: int, num_requests: int, upload: by
             res = run(p, c, interval_budget)
             irows.append(_row(res, ttft, policy=p, interval_tokens=c, budget_gb=interval_budget))
     budgets, ivs = pd.DataFrame(rows), pd.DataFrame(irows)
-    return PolicyView(budgets, ivs, ideal, float(ttft.cold.mean()), free / 1e9,
-                      weight_bytes(shape) / 1e9, interval_budget, vllm_block_size(model, "align", tp_size=tp),
-                      len(requests), int(ttft.lengths.sum()), note, choose(budgets, ivs))
+    return PolicyView(budgets=budgets, intervals=ivs, ideal_hit_ratio=ideal, cold_ttft_s=float(ttft.cold.mean()),
+                      free_gb=free / 1e9, weights_gb=weight_bytes(shape) / 1e9, interval_budget_gb=interval_budget,
+                      vllm_block_tokens=vllm_block_size(model, "align", tp_size=tp), num_requests=len(requests),
+                      total_tokens=int(ttft.lengths.sum()), note=note, choice=choose(budgets, ivs))
 
 
 def choose(budgets: pd.DataFrame, intervals: pd.DataFrame) -> pd.DataFrame:

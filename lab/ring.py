@@ -19,11 +19,11 @@ from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, LinearFit, conditions, fit_linear, summarize
 from lab.verify import PROMPT_TEXT
 from serve.errors import check_choice, check_int
-from serve.spec.draft import NoisyOracleProposer
-from serve.spec.raw_input_ring import RawInputRing
-from serve.spec.rollback import conv_window_after
-from serve.spec.snapshot import SnapshotRollback
-from serve.spec.verify import DecodeState, prefill_state, speculate, speculative_step, verify
+from serve.spec_decode.draft import NoisyOracleProposer
+from serve.spec_decode.raw_input_ring import RawInputRing
+from serve.spec_decode.rollback import conv_window_after
+from serve.spec_decode.snapshot import SnapshotRollback
+from serve.spec_decode.verify import DecodeState, prefill_state, speculate, speculative_step, verify
 
 WIDTHS = (64, 128, 256)
 DEMO = PRESETS["demo"]                  # ring_model changes only its width and heads
@@ -49,7 +49,7 @@ def prompt_state(model: HybridLM) -> DecodeState:
 def verify_prefix(model: HybridLM, base: HybridCache, out: ForwardOutput, num_tokens: int) -> ForwardOutput:
     """The output of a verify of only the first ``num_tokens`` tokens of ``out``, cut from ``out``.
 
-    ``out`` is :func:`serve.spec.verify.verify` from ``base`` (recurrent mode, ``output_aux=True``) over
+    ``out`` is :func:`serve.spec_decode.verify.verify` from ``base`` (recurrent mode, ``output_aux=True``) over
     T tokens. Recurrent mode is causal and token by token, and every linear / pointwise op is
     row-invariant (:mod:`kda_core.invariant`), so the first ``num_tokens`` positions of ``out`` are
     bitwise what a verify of those tokens alone returns (``tests/lab/test_ring.py`` checks it): logits
@@ -168,7 +168,7 @@ def greedy_continuation(model: HybridLM, start: DecodeState, num_tokens: int) ->
 
 def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, acceptance: float = 0.7,
              max_new_tokens: int = RUN_TOKENS, seed: int = 0, start: DecodeState | None = None) -> RingRun:
-    """A generation of ``max_new_tokens`` tokens through one ring (:func:`serve.spec.verify.speculate`) with
+    """A generation of ``max_new_tokens`` tokens through one ring (:func:`serve.spec_decode.verify.speculate`) with
     noisy-oracle drafts of at most ``min(requested_draft, window - 1)`` tokens; then one verify of
     ``requested_draft`` tokens to show the overflow path. ``start``: the prompt's prefilled state
     (default :func:`prompt_state`).

@@ -19,17 +19,17 @@ from kda_core.kda import kda_gate, kda_recurrent
 from kda_core.layer import KDAAux, KDACache, l2norm
 from kda_core.model import ForwardOutput, HybridCache
 from serve.errors import check_choice, check_int
-from serve.spec.projection import ProjectionReplay
-from serve.spec.raw_input_ring import RawInputRing
-from serve.spec.rollback import (
+from serve.spec_decode.projection import ProjectionReplay
+from serve.spec_decode.raw_input_ring import RawInputRing
+from serve.spec_decode.rollback import (
     LayerShape,
     RollbackStrategy,
     projection_bytes_per_token,
     raw_input_bytes_per_token,
     snapshot_bytes_per_token,
 )
-from serve.spec.snapshot import SnapshotRollback
-from serve.spec.verify import STRATEGIES, make_strategy
+from serve.spec_decode.snapshot import SnapshotRollback
+from serve.spec_decode.verify import STRATEGIES, make_strategy
 
 MIB = 2 ** 20
 LAYER_PRESETS: dict[str, LayerShape] = {

@@ -18,11 +18,11 @@ from typing import NamedTuple
 from kda_core.model import HybridLM, cache_equal, encode
 from lab.threads import one_thread
 from serve.errors import check_choice, check_int
-from serve.spec.draft import DraftProposer, NoisyOracleProposer
-from serve.spec.reference import cache_max_abs_diff, clone_cache, sequential_decode
-from serve.spec.rollback import RollbackStrategy
-from serve.spec.verify import STRATEGIES as STRATEGY_TYPES
-from serve.spec.verify import DecodeState, make_strategy, prefill_state, speculate, verify, verify_and_replay
+from serve.spec_decode.draft import DraftProposer, NoisyOracleProposer
+from serve.spec_decode.reference import cache_max_abs_diff, clone_cache, sequential_decode
+from serve.spec_decode.rollback import RollbackStrategy
+from serve.spec_decode.verify import STRATEGIES as STRATEGY_TYPES
+from serve.spec_decode.verify import DecodeState, make_strategy, prefill_state, speculate, verify, verify_and_replay
 
 MODES = ("normal", "interrupted", "injected deviation")
 STRATEGIES = tuple(STRATEGY_TYPES)  # display names
@@ -96,7 +96,7 @@ def run_verify_lab(model: HybridLM, num_draft: int, acceptance: float, strategy_
 
 def _run(model, num_draft, acceptance, strategy_name, seed, mode, max_new_tokens, abort_layers, abort_tokens,
          corrupt_position, poison_rejected) -> list[LabStep]:
-    """:func:`serve.spec.verify.speculate` with this experiment's instrumentation: a corrupting proposer,
+    """:func:`serve.spec_decode.verify.speculate` with this experiment's instrumentation: a corrupting proposer,
     an aborted verify plus a clean run before each verify (``before_verify``), NaN in the rejected tokens'
     data (``before_commit``), and after each step the checks against sequential decoding."""
     prompt = encode(PROMPT_TEXT)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kda_core.config import ModelConfig
 from serve.errors import check_choice, check_int
-from serve.memory.layout import POLICIES, CacheLayout
+from serve.memory.layout import PAGE_POLICIES, CacheLayout
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,12 @@ class ServeConfig:
     Raises ValueError naming the first bad field.
     """
 
-    block_size: int = 16
-    checkpoint_interval: int = 64
-    num_groups: int = 1
-    page_policy: str = "multi_page"
+    block_size: int = 16          # vLLM's default KV block (tokens); a demo prompt of a few hundred bytes spans blocks
+    checkpoint_interval: int = 64  # = kda_core.chunk.CHUNK_SIZE: prefill splits on the chunk grid, so a warm run is
+    # bitwise equal to the cold one (a checkpoint off the grid would change the chunking of what follows it)
+    num_groups: int = 1           # one state per checkpoint: the fewest pages; more groups trade pages for finer reuse
+    page_policy: str = "multi_page"  # pages of one KV block: no padding of KV pages up to a state (vLLM's unified
+    # page pads every KV block to the largest group state; see serve.memory.layout)
 
     def __post_init__(self):
         check_int("block_size", self.block_size)
@@ -43,7 +45,7 @@ class ServeConfig:
         if self.checkpoint_interval % self.block_size:
             raise ValueError(f"checkpoint_interval must be a positive multiple of block_size={self.block_size}, "
                              f"got {self.checkpoint_interval}")
-        check_choice("page_policy", self.page_policy, POLICIES)
+        check_choice("page_policy", self.page_policy, PAGE_POLICIES)
 
     def page_bytes(self, model_cfg: ModelConfig) -> int:
         """Pool page size (bytes) for ``model_cfg`` under :attr:`page_policy`. Raises ValueError if

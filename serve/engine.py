@@ -42,7 +42,7 @@ from serve.memory.pool import PageKind, PagePool, PoolExhausted
 from serve.prefix.cache import PrefixCache
 from serve.prefix.index import block_keys
 from serve.request import Request, RequestResult, RequestStatus, prompt_ids, read_request_cache, write_request_cache
-from serve.spec.verify import Speculation, draft_budget, speculative_step
+from serve.spec_decode.verify import Speculation, draft_budget, speculative_step
 
 DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
 
@@ -70,7 +70,7 @@ class ServeEngine:
         config: the :class:`ServeConfig` (block size, checkpoint interval, groups); None means the
             cache's, or ``ServeConfig()`` without a cache. The page layout is the cache's, or built once
             from ``config`` on the pool's page size.
-        speculation: optional :class:`serve.spec.verify.Speculation` (drafts verified each decode step).
+        speculation: optional :class:`serve.spec_decode.verify.Speculation` (drafts verified each decode step).
     Raises ValueError for a cache on another pool, model config or serving config, or bad sizes.
     """
 

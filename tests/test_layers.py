@@ -11,6 +11,8 @@ plus its first subpackage: ``serve.memory``, ``serve.prefix``, ``kda_core``, ``l
 ``kda_core/chunk.py`` may import ``kda_core.kda._check_inputs``, ``serve/engine.py`` may not import
 ``serve.memory.pool._x``. The pages' helper modules are the files of ``app_pages/`` whose name does not start
 with the tab number (``links.py``, ``charts.py``, ``errors.py``, ``registry.py``, ...; see ``app_pages/__init__.py``).
+No import cycle among the app's modules, function-level imports included (:func:`test_no_import_cycle`); every
+package's docstring table names its modules; the fleet's sub-packages import one way (routing <- scaling <- sim).
 """
 from __future__ import annotations
 
@@ -164,3 +166,129 @@ def test_private_names_within_a_package_are_allowed():
     assert layer_violations(REPO / "serve" / "memory" / "layout.py", "from serve.memory.pool import _x\n") == []
     assert package_of("tests.serve.memory.test_pool") == "serve.memory"
     assert layer_violations(REPO / "tests" / "lab" / "test_pool.py", "from lab.pool import _x\n") == []
+
+
+# --- import cycles ----------------------------------------------------------------------------------------
+CYCLE_LAYERS = ("kda_core", "serve", "lab", "pages", "app_pages", "app")   # the app's code (not tests, bench)
+
+
+def _module_file(module: str) -> Path | None:
+    """The file of our module ``module`` (``a.b`` -> ``a/b.py`` or ``a/b/__init__.py``), None if not ours."""
+    base = REPO.joinpath(*module.split("."))
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def import_graph(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the modules of ``sources`` (module -> source) it imports, at any depth (function-level
+    imports count: they run when the function does). ``from a import b`` is an edge to ``a.b`` when that is a
+    module, else to ``a``; a package's ``__init__`` is its own node (importing ``a.b`` runs ``a/__init__.py``,
+    but an ``__init__`` holding only a docstring closes no cycle)."""
+    graph: dict[str, set[str]] = {m: set() for m in sources}
+    for me, source in sources.items():
+        for imp in imports_of(source):
+            target = f"{imp.module}.{imp.name}" if imp.name and f"{imp.module}.{imp.name}" in sources else imp.module
+            if target in sources and target != me:
+                graph[me].add(target)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted: every import cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            scc = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                scc.append(w)
+                if w == v:
+                    break
+            if len(scc) > 1:
+                cycles.append(sorted(scc))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def _sources() -> dict[str, str]:
+    return {module_of(p): p.read_text() for p in _files() if module_of(p).split(".")[0] in CYCLE_LAYERS}
+
+
+def test_no_import_cycle():
+    """No two modules of the app import each other, directly or through others, at module or function level (a
+    deferred import inside a function hides a cycle instead of removing it)."""
+    assert import_cycles(import_graph(_sources())) == []
+
+
+@pytest.mark.parametrize("path, extra, cycle", [
+    ("serve/fleet/sim/replica.py", "def f():\n    from serve.fleet.sim.simulation import FleetSim\n",
+     ["serve.fleet.sim.replica", "serve.fleet.sim.simulation"]),
+    ("lab/fleet.py", "def f():\n    from lab.real_scale import make_policy\n", ["lab.fleet", "lab.real_scale"]),
+    ("serve/traces/limits.py", "from serve.traces import mooncake\n", ["serve.traces.limits", "serve.traces.mooncake"]),
+], ids=["replica-simulation", "fleet-real_scale", "traces-limits"])
+def test_a_cycle_is_caught(path, extra, cycle):
+    """Proof the cycle test can fail: the two cycles this tree had (replica <-> simulation, lab.fleet <->
+    lab.real_scale through a deferred import), put back, and one through ``from package import module``."""
+    sources = _sources()
+    module = module_of(REPO / path)
+    sources[module] += "\n" + extra
+    assert cycle in import_cycles(import_graph(sources))
+
+
+# --- the packages and their direction ---------------------------------------------------------------------
+PACKAGES = sorted(str(p.parent.relative_to(REPO)) for p in (REPO / "serve").rglob("__init__.py")
+                  if p.parent != REPO / "serve" and p.parent != REPO / "serve" / "fleet")   # fleet: sub-package table
+FLEET_ORDER = ("serve.fleet.routing", "serve.fleet.scaling", "serve.fleet.sim")   # each imports only those before it
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_module_is_in_its_package_table(package):
+    """Each package's docstring is its map: it names every module file of the package."""
+    init = REPO / package / "__init__.py"
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    missing = [p.name for p in sorted((REPO / package).glob("*.py")) if p.name not in ("__init__.py", "__main__.py") and p.name not in doc]
+    assert not missing, f"{package}/__init__.py's table does not name {missing}"
+
+
+def test_the_old_flat_modules_are_gone():
+    for old in ("serve/traces.py", "serve/azure_trace.py", "serve/trace_limits.py", "serve/vtc_artifact.py",
+                "serve/spec", "serve/fleet/simulation.py", "serve/fleet/router.py"):
+        assert not (REPO / old).exists(), old
+
+
+def test_fleet_sub_packages_import_one_way():
+    """routing <- scaling <- sim: routing imports neither of the others, scaling not sim; the fleet's root holds
+    only the real-scale replica beside the sub-packages."""
+    errors = []
+    for path in sorted((REPO / "serve" / "fleet").rglob("*.py")):
+        me = module_of(path)
+        mine = next((i for i, p in enumerate(FLEET_ORDER) if me == p or me.startswith(p + ".")), None)
+        if mine is None:
+            continue
+        for imp in imports_of(path.read_text()):
+            theirs = next((i for i, p in enumerate(FLEET_ORDER) if imp.module == p or imp.module.startswith(p + ".")),
+                          None)
+            if theirs is not None and theirs > mine:
+                errors.append(f"{path.relative_to(REPO)}:{imp.line}: {me} imports {imp.module}")
+    assert not errors, "\n".join(errors)
+    assert sorted(p.name for p in (REPO / "serve" / "fleet").glob("*.py")) == ["__init__.py", "real_replica.py"]

@@ -8,7 +8,7 @@ and the page-size policy that sizes the pool's pages for it.
   the conv window ``[2HK + HV, W-1]``; it spans ``ceil(group_state_bytes / page_bytes)``
   ``PageKind.KDA_STATE`` pages (page i holds elements ``[i E, (i+1) E)``, E = page_bytes / element size).
 
-Page-size policies (:data:`POLICIES`, :meth:`CacheLayout.page_bytes_for`); the block size N is the
+Page-size policies (:data:`PAGE_POLICIES`, :meth:`CacheLayout.page_bytes_for`); the block size N is the
 caller's and is never changed (it is the prefix-cache granularity):
 
 1. ``"unified"``: one page holds a whole group state, so a state is one page; every KV page is then
@@ -40,7 +40,7 @@ from serve.errors import check_choice, check_int
 
 FP32_BYTES = 4
 PAGE_ALIGN_BYTES = 64
-POLICIES = ("unified", "multi_page")
+PAGE_POLICIES = ("unified", "multi_page")
 REAL_DTYPES = {"kv_dtype": torch.bfloat16, "state_dtype": torch.float32, "conv_dtype": torch.bfloat16}
 """The real models' stored dtypes (bf16 latents and conv windows, fp32 recurrent state), for sizing pages."""
 
@@ -96,13 +96,14 @@ class CacheLayout:
                              f"({self.kv_block_bytes} bytes); use CacheLayout.page_bytes_for")
 
     @staticmethod
-    def page_bytes_for(cfg: ModelConfig, block_size: int, num_groups: int = 1, policy: str = "unified",
+    def page_bytes_for(cfg: ModelConfig, block_size: int, num_groups: int, policy: str,
                        kv_dtype: torch.dtype = torch.float32, state_dtype: torch.dtype = torch.float32,
                        conv_dtype: torch.dtype = torch.float32) -> int:
         """Page size under ``policy`` (see the module docstring): "unified" = max(KV block, largest
-        group state), "multi_page" = one KV block; rounded up to 64 bytes. Raises ValueError for an
+        group state), "multi_page" = one KV block; rounded up to 64 bytes. No default: the serving default is
+        :class:`serve.config.ServeConfig`'s ``page_policy``, and a layout of the other one must say so. Raises ValueError for an
         unknown policy, a non-positive ``block_size`` or bad ``num_groups``."""
-        check_choice("policy", policy, POLICIES)
+        check_choice("policy", policy, PAGE_POLICIES)
         check_int("block_size", block_size)
         need = block_size * mla_kv_bytes_per_token(cfg, kv_dtype)
         if policy == "unified":
@@ -111,7 +112,7 @@ class CacheLayout:
         return -(-need // PAGE_ALIGN_BYTES) * PAGE_ALIGN_BYTES
 
     @classmethod
-    def for_policy(cls, cfg: ModelConfig, block_size: int, num_groups: int = 1, policy: str = "unified",
+    def for_policy(cls, cfg: ModelConfig, block_size: int, num_groups: int, policy: str,
                    **dtypes: torch.dtype) -> CacheLayout:
         """The layout whose page size :meth:`page_bytes_for` picks for ``policy``."""
         return cls(cfg, block_size, num_groups, cls.page_bytes_for(cfg, block_size, num_groups, policy, **dtypes),

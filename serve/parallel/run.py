@@ -227,8 +227,8 @@ def rank_job(rank: int, world_size: int, cfg: KCPConfig) -> RankResult:
                 ref_o, ref_s = ref.o, ref.final_state
             else:
                 xr = layer_inputs(cfg.batch, cfg.hidden_size, 0, end, cfg.seed)
-                ref_o, ref_cache = layer(xr, initial_layer_cache(cfg, layer) if cfg.with_initial_state else None)
-                ref_s = ref_cache.recurrent
+                ref = layer(xr, initial_layer_cache(cfg, layer) if cfg.with_initial_state else None)
+                ref_o, ref_s = ref.y, ref.cache.recurrent
         err_o, err_s = _max_err(out, ref_o[:, start:end]), _max_err(state, ref_s)
     times = PhaseTimes(*(statistics.median(col) for col in zip(*(r.times for r in runs))))
     halo = (0, 0) if layer is None else (last.halo_sent_bytes, last.halo_received_bytes)

@@ -9,7 +9,7 @@ and checkpoints cost a real preset's KDA state bytes. Requests are instantaneous
 pinned); after each request the cache evicts LRU entries until it fits its capacity.
 
 Two measures per request (L = input_length, ids = hash_ids, full = L // N full blocks):
-- **block level** (the trace's view, comparable with :func:`serve.traces.ideal_hit_ratio`): hit blocks
+- **block level** (the trace's view, comparable with :func:`serve.traces.mooncake.ideal_hit_ratio`): hit blocks
   = the phase-2 hit over the cached full blocks (no token cap), plus the trailing partial id when it is
   cached and the hit reaches it;
 - **token level** (the engine's rules): phase 1 capped at L - 1 tokens, phase 2 at full-block
@@ -35,7 +35,7 @@ from serve.config import ServeConfig
 from serve.errors import check_choice
 from serve.memory.layout import group_layers, group_state_bytes
 from serve.prefix.index import PrefixIndex
-from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, leading_run
+from serve.traces.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest, leading_run
 
 MISS_CAUSES = ("no_kv_block", "evicted", "kv_no_checkpoint", "below_one_block")
 

@@ -4,7 +4,7 @@ counterfactuals) on datacenter GPUs, checked against the Kimi Linear tech report
 Pure arithmetic (no torch tensors, no Streamlit). Units: seconds, bytes, FLOP.
 
 Concept -> file -> main type -> test:
-- GPU presets (A100, H100, H200, B200), ... hardware.py .... ``Hardware``, ``PRESETS`` ...... test_model_shape.py
+- GPU presets (A100, H100, H200, B200), ... hardware.py .... ``Hardware``, ``GPUS`` ........... test_model_shape.py
   NVLink in a node, InfiniBand beyond
 - model sizes per layer kind, presets ...... model_shape.py . ``ModelShape``, ``preset`` ..... test_model_shape.py
 - Hugging Face config.json -> ModelShape .... hf_config.py ... ``from_hf_config`` ............ test_hf_config.py

@@ -81,7 +81,7 @@ class Hardware:
 
 TFLOPS, TBPS, GB = 1e12, 1e12, 1e9
 
-PRESETS: dict[str, Hardware] = {
+GPUS: dict[str, Hardware] = {
     "A100": Hardware("A100", 312 * TFLOPS, 2.039 * TBPS, 80 * GB, 600 * GB,
                      source="NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOPS bf16 dense, 2,039 GB/s, 80 GB, NVLink 600 GB/s; "
                             "DGX A100: 200 Gb/s HDR InfiniBand per GPU between nodes",
@@ -99,6 +99,6 @@ PRESETS: dict[str, Hardware] = {
 
 
 def hardware(name: str) -> Hardware:
-    """The preset ``name`` (a key of ``PRESETS``). Raises ValueError naming the known presets."""
-    check_choice("hardware", name, sorted(PRESETS))
-    return PRESETS[name]
+    """The preset ``name`` (a key of ``GPUS``). Raises ValueError naming the known presets."""
+    check_choice("hardware", name, sorted(GPUS))
+    return GPUS[name]

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from serve.fleet import ROUTERS
+from serve.fleet.routing.registry import ROUTERS
 from tests.app.page_helpers import open_page, plotly_values
 
 CODE_NAMES = set(ROUTERS)

@@ -51,9 +51,9 @@ def test_mla_layer_split_on_grid_is_bitwise(split):
 def test_kda_layer_split_on_grid_is_bitwise(split):
     layer = KDALayer(TINY, torch.Generator().manual_seed(0))
     x = _x(200, TINY.hidden_size)
-    y, c = layer(x, None, mode="chunk")
-    y1, c1 = layer(x[:, :split], None, mode="chunk")
-    y2, c2 = layer(x[:, split:], c1, mode="chunk")
+    y, c, *_ = layer(x, None, mode="chunk")
+    y1, c1, *_ = layer(x[:, :split], None, mode="chunk")
+    y2, c2, *_ = layer(x[:, split:], c1, mode="chunk")
     assert torch.equal(torch.cat([y1, y2], 1), y)
     assert torch.equal(c2.recurrent, c.recurrent) and torch.equal(c2.conv, c.conv)
 

@@ -22,9 +22,9 @@ def _x(T, seed=0):
 @pytest.mark.parametrize("split", [1, 3, 63, 64, 65])
 def test_split_invariance_recurrent_bitwise(kda_layer, split):
     x = _x(130)
-    y, c = kda_layer(x, None, mode="recurrent")
-    y1, c1 = kda_layer(x[:, :split], None, mode="recurrent")
-    y2, c2 = kda_layer(x[:, split:], c1, mode="recurrent")
+    y, c, *_ = kda_layer(x, None, mode="recurrent")
+    y1, c1, *_ = kda_layer(x[:, :split], None, mode="recurrent")
+    y2, c2, *_ = kda_layer(x[:, split:], c1, mode="recurrent")
     assert torch.equal(torch.cat([y1, y2], 1), y)
     assert torch.equal(c2.recurrent, c.recurrent) and torch.equal(c2.conv, c.conv)
 
@@ -32,23 +32,23 @@ def test_split_invariance_recurrent_bitwise(kda_layer, split):
 @pytest.mark.parametrize("split", [1, 3, 63, 64, 65])
 def test_split_invariance_chunk(kda_layer, split):
     x = _x(130)
-    y, c = kda_layer(x, None, mode="chunk")
-    y1, c1 = kda_layer(x[:, :split], None, mode="chunk")
-    y2, c2 = kda_layer(x[:, split:], c1, mode="chunk")
+    y, c, *_ = kda_layer(x, None, mode="chunk")
+    y1, c1, *_ = kda_layer(x[:, :split], None, mode="chunk")
+    y2, c2, *_ = kda_layer(x[:, split:], c1, mode="chunk")
     assert (torch.cat([y1, y2], 1) - y).abs().max() <= 1e-5
     assert (c2.recurrent - c.recurrent).abs().max() <= 1e-5 and torch.equal(c2.conv, c.conv)
 
 
 def test_padding_token_is_noop_but_zero_token_is_not(kda_layer):
     from kda_core.kda import kda_recurrent
-    _, c = kda_layer(_x(20), None, mode="recurrent")
+    _, c, *_ = kda_layer(_x(20), None, mode="recurrent")
     H, K, V = CFG.num_heads, CFG.head_k_dim, CFG.head_v_dim
     z = torch.zeros(1, 1, H, K)
     # a padding token as kda_chunk pads: g = 0, beta = 0, k = 0
     _, s_pad = kda_recurrent(z, z, torch.zeros(1, 1, H, V), z, torch.zeros(1, 1, H), c.recurrent)
     assert torch.equal(s_pad, c.recurrent)
     # a plain zero *input* token still decays the state and shifts the conv window
-    _, c_zero = kda_layer(torch.zeros(1, 1, CFG.hidden_size), c, mode="recurrent")
+    _, c_zero, *_ = kda_layer(torch.zeros(1, 1, CFG.hidden_size), c, mode="recurrent")
     assert not torch.equal(c_zero.recurrent, c.recurrent)
 
 
@@ -154,3 +154,17 @@ def test_layers_need_a_token(kda_layer, shape, mode):
     for layer in (kda_layer, mla):
         with pytest.raises(ValueError, match=r"x must hold at least one sequence and one token"):
             layer(x, mode=mode)
+
+
+def test_forward_returns_one_type_whatever_the_flags(kda_layer):
+    """y and the cache by name with or without ``output_aux`` / ``state_at``; what was not asked for is None
+    (the return was a 2- or a 3-tuple whose third item meant aux or states by flag)."""
+    from kda_core.layer import KDAAux, KDAOutput
+    x = _x(100)
+    plain = kda_layer(x, None, mode="chunk")
+    aux = kda_layer(x, None, mode="recurrent", output_aux=True)
+    at = kda_layer(x, None, mode="chunk", state_at=(64, 70))
+    assert all(isinstance(o, KDAOutput) for o in (plain, aux, at))
+    assert plain.aux is None and plain.states_at is None and at.aux is None and aux.states_at is None
+    assert isinstance(aux.aux, KDAAux) and set(at.states_at) == {64, 70}
+    assert torch.equal(plain.y, at.y) and torch.equal(plain.cache.recurrent, at.cache.recurrent)

@@ -17,11 +17,11 @@ from lab.fleet import (
     routing_load,
     simulate_policies,
 )
-from serve.fleet.budgets import PriorityClass
-from serve.fleet.service_model import EngineRates, cpu_engine_preset, measure_cpu_engine
-from serve.fleet.sim_types import FleetConfig
-from serve.fleet.vtc import on_off_less_service
-from serve.traces import TraceFormatError, dump_mooncake, synthesize
+from serve.fleet.scaling.budgets import PriorityClass
+from serve.fleet.sim.service_model import EngineRates, cpu_engine_preset, measure_cpu_engine
+from serve.fleet.sim.types import FleetConfig
+from serve.fleet.sim.vtc import on_off_less_service
+from serve.traces.mooncake import TraceFormatError, dump_mooncake, synthesize
 
 
 def _page13_a10g_scenario():

@@ -7,6 +7,7 @@ import pytest
 from lab.forward_cost import FIT_FRACTIONS, fit_lengths, forward_fit
 from lab.prefix import prefix_hit_timing, time_cold_warm
 from lab.timing import summarize
+from serve.config import ServeConfig
 
 
 def _t(label, *ms):
@@ -68,7 +69,7 @@ def test_engine_runs_give_the_fit_points_interleaved():
     """time_cold_warm times the fit's cache-off prefills in the same interleaved rounds as cold and warm (>= 5 each
     after a warm-up), at fit_lengths(L), never L; the page-level call fits them and validates on the cold run."""
     first, second = [7] * 96 + [1] * 16, [7] * 96 + [2] * 16
-    run = time_cold_warm(first, second, max_new_tokens=1, block_size=16, interval=32, repeats=5)
+    run = time_cold_warm(first, second, max_new_tokens=1, config=ServeConfig(16, 32), repeats=5)
     assert [n for n, _ in run.prefill] == list(fit_lengths(len(second))) == [14, 70]
     assert all(len(t.samples_s) == 5 and t.min_s > 0 for _, t in run.prefill)
     timed = prefix_hit_timing(96, 16, 1, 16, 32, 1, repeats=5)

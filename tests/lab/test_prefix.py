@@ -18,12 +18,13 @@ from lab.prefix import (
     ttft_summary,
 )
 from lab.timing import Conditions
+from serve.config import ServeConfig
 
 
 def test_cold_vs_warm_rows_and_check():
     a, b = shared_prefix_prompts(64, 10, seed=3)
     assert a[:64] == b[:64] and a != b and len(a) == 74
-    run = cold_vs_warm(a, b, max_new_tokens=3, block_size=16, interval=32, preset="demo-tiny")
+    run = cold_vs_warm(a, b, max_new_tokens=3, config=ServeConfig(16, 32), preset="demo-tiny")
     assert [r["kind"] for r in run.rows] == list(PHASE_RUNS)
     warm = run.rows[2]
     assert warm["hit_tokens"] == 64 and warm["prefill_tokens"] == 10
@@ -36,7 +37,7 @@ def test_time_cold_warm_repeats_and_conditions():
     """At least 5 timed samples per kind (the warm-up runs left out), each the engine's own TTFT, and the
     measurement conditions."""
     a, b = shared_prefix_prompts(64, 10, seed=3)
-    run = time_cold_warm(a, b, max_new_tokens=2, block_size=16, interval=32, repeats=5, preset="demo-tiny")
+    run = time_cold_warm(a, b, max_new_tokens=2, config=ServeConfig(16, 32), repeats=5, preset="demo-tiny")
     assert [r["kind"] for r in run.rows] == list(PHASE_RUNS) * 5
     assert [r["repeat"] for r in run.rows] == [r for r in range(5) for _ in PHASE_RUNS]
     assert [t.label for t in run.timings] == list(PHASE_RUNS)
@@ -57,10 +58,10 @@ def test_time_cold_warm_repeats_and_conditions():
 
 def test_anatomy_and_drop():
     prompts = ["x" * 40 + "second question", "x" * 40 + "first question", "x" * 40 + "first question, again"]
-    base = anatomy(prompts, block_size=8, interval=16, num_groups=2, preset="demo-tiny")
+    base = anatomy(prompts, config=ServeConfig(8, 16, 2), preset="demo-tiny")
     assert base.num_tokens == 48 and base.kv_tokens == 48
     assert base.steps[-1]["phase"] == 2 and base.steps[-1]["found"]
-    dropped = anatomy(prompts, 8, 16, 2, drop=(48, 1), preset="demo-tiny")
+    dropped = anatomy(prompts, ServeConfig(8, 16, 2), drop=(48, 1), preset="demo-tiny")
     assert dropped.num_tokens == 32 and dropped.kv_tokens == 48          # falls back to the next complete one
     key48 = next(b["key"] for b in base.blocks if b["prompt"] == 1 and b["end"] == 48)
     gone = {(c["boundary"], c["group"], c["key"]) for c in base.checkpoints} - {
@@ -75,18 +76,18 @@ def test_anatomy_of_prompts_shorter_than_one_block():
     """Review: "a", "b" (and "hello world", "hello there") have no full block; the page crashed on the
     empty block list."""
     for prompts in (["a", "b"], ["hello world", "hello there"]):
-        res = anatomy(prompts, block_size=16, interval=32, num_groups=2, preset="demo-tiny")
+        res = anatomy(prompts, config=ServeConfig(16, 32, 2), preset="demo-tiny")
         assert res.blocks == [] and res.checkpoints == []
         assert res.prompt_tokens == [len(p) for p in prompts]
         assert res.num_tokens == res.kv_tokens == 0
         assert [s["note"] for s in res.steps] == ["stop: partial block (below one block)"]
-    res = anatomy(["x" * 20, "x" * 20 + "y"], block_size=16, interval=16, num_groups=1, preset="demo-tiny")
+    res = anatomy(["x" * 20, "x" * 20 + "y"], config=ServeConfig(16, 16, 1), preset="demo-tiny")
     assert [(b["prompt"], b["end"], b["cached"]) for b in res.blocks] == [(0, 16, True), (1, 16, True)]
     assert res.prompt_tokens == [20, 21] and res.num_tokens == 16
 
 
 def test_miss_then_hit():
-    run = miss_then_hit(96, 70, block_size=16, interval=32, num_groups=2, max_new_tokens=2, preset="demo-tiny")
+    run = miss_then_hit(96, 70, config=ServeConfig(16, 32, 2), max_new_tokens=2, preset="demo-tiny")
     assert run.miss["prefill_tokens"] == 96 and run.miss["hit_tokens"] == 0
     assert {w["boundary"] for w in run.written} >= {32, 64, 96}
     assert all(w["written_at"] == w["boundary"] for w in run.written)
@@ -112,10 +113,10 @@ def test_timed_warm_hit_equals_the_verified_hit(extends):
     way the timed warm runs hit exactly where the verification run (``max_new_tokens`` fill) hits."""
     a, b = shared_prefix_prompts(42, 20, seed=5)
     if extends:
-        answer = build_engine(demo_model("demo-tiny"), 8, 16, cache=False).generate(a, 6).output_tokens
+        answer = build_engine(demo_model("demo-tiny"), ServeConfig(8, 16), cache=False).generate(a, 6).output_tokens
         b = a + list(answer) + b[42:]
-    verified = cold_vs_warm(a, b, max_new_tokens=6, block_size=8, interval=16, preset="demo-tiny")
-    timed = time_cold_warm(a, b, max_new_tokens=6, block_size=8, interval=16, preset="demo-tiny")
+    verified = cold_vs_warm(a, b, max_new_tokens=6, config=ServeConfig(8, 16), preset="demo-tiny")
+    timed = time_cold_warm(a, b, max_new_tokens=6, config=ServeConfig(8, 16), preset="demo-tiny")
     hits = {r["hit_tokens"] for r in timed.rows if r["kind"] == "warm"}
     assert hits == {verified.rows[2]["hit_tokens"]} and min(hits) > 0
     if extends:

@@ -3,6 +3,7 @@ import pytest
 
 from lab.prefix import PHASE_RUNS, anatomy, home, prefix_hit, prefix_hit_timing
 from lab.prefix_anatomy import anatomy_view
+from serve.config import ServeConfig
 
 
 def test_prefix_hit_frames():
@@ -35,7 +36,7 @@ def test_home_decodes_and_masks_control_bytes():
 
 def test_anatomy_view_matches_anatomy():
     prompts = ["x" * 40, "x" * 40 + "y" * 7]
-    raw, view = anatomy(prompts, 8, 16, 2), anatomy_view(prompts, 8, 16, 2)
+    raw, view = anatomy(prompts, ServeConfig(8, 16, 2)), anatomy_view(prompts, 8, 16, 2)
     assert view.blocks.to_dict("records") == raw.blocks
     assert list(view.tails.itertuples(index=False, name=None)) == [(1, 40, 7)]  # prompt 0 is 5 full blocks
     prev = {b["end"]: b["key"] for b in raw.blocks if b["prompt"] == 0}

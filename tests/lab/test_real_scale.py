@@ -8,10 +8,9 @@ from lab.fleet import page_trace
 from lab.real_scale import (
     BUDGET_FRACTIONS,
     DEFAULT_POLICIES,
-    POLICIES,
+    RealReplica,
     fitted_prefill_s,
     free_bytes,
-    make_policy,
     policy_title,
     policy_view,
     roofline_view,
@@ -20,7 +19,7 @@ from lab.real_scale import (
 from serve.scale.capacity import largest_batch_decode
 from serve.scale.hardware import hardware
 from serve.scale.model_shape import preset
-from serve.scale.policies import replay
+from serve.scale.policies import CACHE_POLICIES, make_policy, replay
 from serve.scale.published import CONTEXTS, PREFILL_FIG7A, TPOT_FIG7B
 from serve.scale.roofline import checkpoint_restore_time, prefill_time
 from serve.scale.validation import RATIO_TOLERANCE, PrefillFit, decode_ratios, fit_prefill, prefill_ratios
@@ -33,7 +32,7 @@ K = 1024
 def test_roofline_view_matches_validation_at_the_pinned_setup():
     """At H100 x TP8 the view's prefill ratios are validation's (same fit), within +-25 % of Fig. 7a at 512K
     and 1M with the MLA points held out; the all-MLA curve is slower from 64K on; the published frame is the report's data."""
-    view = roofline_view(KIMI, "H100", 8)
+    view = roofline_view(RealReplica(KIMI, "H100", 8))
     ours = view.ratios[view.ratios.quantity == "prefill (Fig. 7a)"].set_index("context_tokens")
     for row in prefill_ratios():
         assert ours.loc[row.context, "model"] == pytest.approx(row.model, rel=1e-12)
@@ -54,7 +53,7 @@ def test_roofline_view_matches_validation_at_the_pinned_setup():
 def test_validation_is_at_the_setup_the_user_chose():
     """At H200 x TP8 (the page's default) every validated row is that setup's, TPOT included: its error there is
     +60 % or more from 64K on and the view reports it (the old view switched TPOT to H100 x TP1 silently)."""
-    view = roofline_view(KIMI, "H200", 8)
+    view = roofline_view(RealReplica(KIMI, "H200", 8))
     assert set(view.validated.setup) == {"H200 x TP8"} and view.setup == "H200 x TP8"
     tpot = view.validated[view.validated.quantity == "TPOT, batch 1 (Fig. 7b)"].set_index("context_tokens")
     for row in decode_ratios(hw=hardware("H200"), tp=8):
@@ -72,7 +71,7 @@ def test_validation_is_at_the_setup_the_user_chose():
 def test_largest_batch_beside_fig1b():
     """The view's batch frame is serve.scale.capacity's; the Fig. 1b rows compare MLA / Kimi Linear time per token
     at the largest batches with the report's 6.3x at 1M, and come out near 27 / 7 instead."""
-    view = roofline_view(KIMI, "H200", 8)
+    view = roofline_view(RealReplica(KIMI, "H200", 8))
     row = view.batch.set_index(["model", "context_tokens"]).loc[("Kimi Linear", 1024 * K)]
     d = largest_batch_decode(preset(KIMI), hardware("H200"), 8, 1024 * K)
     assert row.batch == d.batch and row.tpot_ms == pytest.approx(1e3 * d.tpot_s)
@@ -83,9 +82,9 @@ def test_largest_batch_beside_fig1b():
 
 def test_k3_view_says_its_fit_is_borrowed():
     """K3 has no published points: the view says its fitted curve reuses Kimi-Linear-48B-A3B's alpha, beta."""
-    note = roofline_view("kimi-k3", "H200", 16).fit_note
+    note = roofline_view(RealReplica("kimi-k3", "H200", 16)).fit_note
     assert "Kimi-Linear-48B-A3B" in note and "Kimi K3" in note and "unchecked" in note
-    assert "Kimi K3" not in roofline_view(KIMI, "H200", 8).fit_note
+    assert "Kimi K3" not in roofline_view(RealReplica(KIMI, "H200", 8)).fit_note
 
 
 @pytest.mark.parametrize("args, kwargs, match", [
@@ -97,8 +96,9 @@ def test_k3_view_says_its_fit_is_borrowed():
     ((KIMI, "H200", True), {}, "tp"),
 ], ids=["empty", "true", "float", "int", "k3-h100x1", "tp-true"])
 def test_roofline_view_bad_input(args, kwargs, match):
+    """A bad contexts list is the view's error; a replica that cannot exist is refused when it is built."""
     with pytest.raises(ValueError, match=match):
-        roofline_view(*args, **kwargs)
+        roofline_view(RealReplica(*args), **kwargs)
 
 
 def test_fitted_prefill_is_the_roofline_at_unit_scales():
@@ -121,7 +121,7 @@ def test_weights_and_free_bytes():
 @pytest.fixture(scope="module")
 def small_view():
     calls = []
-    view = policy_view(KIMI, "H200", 8, 300, budgets_gb=[5.0, 50.0], intervals=(1024, 4096),
+    view = policy_view(RealReplica(KIMI, "H200", 8), 300, budgets_gb=[5.0, 50.0], intervals=(1024, 4096),
                        progress=lambda done, total: calls.append((done, total)))
     return view, calls
 
@@ -146,7 +146,7 @@ def test_bytes_by_kind_at_the_peak_stay_within_the_budget():
     """The page stacks kv_gb + state_gb + running_gb in one bar under the budget line: they are the bytes held
     when the total peaked, so the bar never passes the budget (each kind's own peak, reached at different
     times, did: ours 52.8 GB of 50 on this trace). Each kind's own peak is kept beside it."""
-    view = policy_view(KIMI, "H200", 8, 300, policies=POLICIES, budgets_gb=[1.0, 5.0, 50.0], intervals=(1024,))
+    view = policy_view(RealReplica(KIMI, "H200", 8), 300, policies=CACHE_POLICIES, budgets_gb=[1.0, 5.0, 50.0], intervals=(1024,))
     for frame in (view.budgets, view.intervals):
         held = frame.kv_gb + frame.state_gb + frame.running_gb
         assert (held <= frame.budget_gb * (1 + 1e-12)).all(), frame[["policy", "budget_gb", "kv_gb", "state_gb"]]
@@ -158,7 +158,7 @@ def test_bytes_by_kind_at_the_peak_stay_within_the_budget():
 def test_vllm_all_is_an_opt_in_counterfactual():
     """vLLM serves Kimi models in align (KimiLinearForCausalLM does not declare SupportsMambaPrefixCaching):
     "vllm all" is out of the default sweep and titled as a counterfactual."""
-    assert "vllm all" in POLICIES and "vllm all" not in DEFAULT_POLICIES
+    assert "vllm all" in CACHE_POLICIES and "vllm all" not in DEFAULT_POLICIES
     assert "counterfactual" in policy_title("vllm all")
     assert make_policy("vllm all", KIMI, 8).counterfactual and not make_policy("vllm align", KIMI, 8).counterfactual
 
@@ -167,7 +167,7 @@ def test_policy_view_takes_empty_prompts():
     """A Mooncake upload may hold input_length 0 (no hash ids): it hits nothing and its first output token
     still costs one prefill step (as the fleet simulator's replicas charge it)."""
     line = b'{"timestamp":0,"input_length":0,"output_length":10,"hash_ids":[]}\n'
-    view = policy_view(KIMI, "H200", 8, 100, upload=line * 3, budgets_gb=[5.0], intervals=(1024,))
+    view = policy_view(RealReplica(KIMI, "H200", 8), 100, upload=line * 3, budgets_gb=[5.0], intervals=(1024,))
     one_token = fitted_prefill_s(preset(KIMI), hardware("H200"), 8, fit_prefill(hardware("H200"), 8), 1, 0)
     assert (view.budgets.token_hit_ratio == 0).all() and view.total_tokens == 0
     assert view.cold_ttft_s == pytest.approx(one_token, rel=1e-12) and one_token > 0
@@ -191,7 +191,7 @@ def test_policy_view_ttft_is_the_roofline_of_each_hit(small_view):
 
 
 def test_default_budgets_are_fractions_of_the_free_hbm():
-    view = policy_view(KIMI, "H200", 8, 100, policies=("vllm none",), intervals=())
+    view = policy_view(RealReplica(KIMI, "H200", 8), 100, policies=("vllm none",), intervals=())
     free = free_bytes(KIMI, hardware("H200"), 8) / 1e9
     assert view.budgets.budget_gb.tolist() == pytest.approx([free * f for f in BUDGET_FRACTIONS])
     assert (view.budgets.token_hit_ratio == 0).all()               # vLLM none: no prefix caching
@@ -200,26 +200,26 @@ def test_default_budgets_are_fractions_of_the_free_hbm():
 
 def test_bad_input():
     with pytest.raises(ValueError, match="do not fit"):
-        policy_view("kimi-k3", "H200", 8, 100)
+        policy_view(RealReplica("kimi-k3", "H200", 8), 100)
     with pytest.raises(ValueError, match="policies"):
-        policy_view(KIMI, "H200", 8, 100, policies=("lru",))
+        policy_view(RealReplica(KIMI, "H200", 8), 100, policies=("lru",))
     with pytest.raises(ValueError, match="budgets_gb"):
-        policy_view(KIMI, "H200", 8, 100, budgets_gb=[0.0])
+        policy_view(RealReplica(KIMI, "H200", 8), 100, budgets_gb=[0.0])
     for bad in (["5"], [float("nan")], [float("inf")], [True]):
         with pytest.raises(ValueError, match="budgets_gb"):
-            policy_view(KIMI, "H200", 8, 100, budgets_gb=bad)
+            policy_view(RealReplica(KIMI, "H200", 8), 100, budgets_gb=bad)
     for bad in ((), [], "ours"):                      # was a KeyError (no rows), or one policy per letter
         with pytest.raises(ValueError, match="policies"):
-            policy_view(KIMI, "H200", 8, 100, policies=bad, budgets_gb=[5.0])
+            policy_view(RealReplica(KIMI, "H200", 8), 100, policies=bad, budgets_gb=[5.0])
     for bad in ([0], [-512], [1024.0], [True]):       # [0] replayed 2,048 under a row labelled 0
         with pytest.raises(ValueError, match="intervals"):
-            policy_view(KIMI, "H200", 8, 100, budgets_gb=[5.0], intervals=bad)
+            policy_view(RealReplica(KIMI, "H200", 8), 100, budgets_gb=[5.0], intervals=bad)
     with pytest.raises(ValueError, match="tp"):
-        roofline_view(KIMI, "H200", 3)
+        roofline_view(RealReplica(KIMI, "H200", 3))
     with pytest.raises(ValueError, match="model"):
-        roofline_view("gpt", "H200", 8)
-    with pytest.raises(ValueError, match="hardware"):
-        roofline_view(KIMI, "V100", 8)
+        roofline_view(RealReplica("gpt", "H200", 8))
+    with pytest.raises(ValueError, match="gpu"):
+        roofline_view(RealReplica(KIMI, "V100", 8))
     with pytest.raises(ValueError, match="policy"):
         make_policy("lru", KIMI, 8)
 
@@ -241,7 +241,7 @@ def test_choice_picks_the_lowest_mean_ttft_per_budget_and_interval():
 
 
 def test_policy_view_choice_is_consistent_with_its_sweep():
-    view = policy_view("kimi-linear-48b-a3b", "H200", 8, 300, policies=("ours", "vllm align"),
+    view = policy_view(RealReplica("kimi-linear-48b-a3b", "H200", 8), 300, policies=("ours", "vllm align"),
                        intervals=(1024, 4096))
     by_budget = view.choice[view.choice.interval_tokens.isna()]
     for r in by_budget.itertuples():

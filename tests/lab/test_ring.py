@@ -19,15 +19,15 @@ from lab.ring import (
     verify_prefix,
 )
 from lab.verify import PROMPT_TEXT
-from serve.spec.raw_input_ring import RawInputRing
-from serve.spec.rollback import (
+from serve.spec_decode.raw_input_ring import RawInputRing
+from serve.spec_decode.rollback import (
     LayerShape,
     projection_bytes_per_token,
     raw_input_bytes_per_token,
     snapshot_bytes_per_token,
 )
-from serve.spec.verify import verify
-from tests.serve.spec.helpers import model, one_thread
+from serve.spec_decode.verify import verify
+from tests.serve.spec_decode.helpers import model, one_thread
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 __all__ = ["model"]  # shared fixture

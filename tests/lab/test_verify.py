@@ -2,7 +2,7 @@
 import pytest
 
 from lab.verify import MODES, STRATEGIES, run_verify_lab
-from tests.serve.spec.helpers import model, one_thread
+from tests.serve.spec_decode.helpers import model, one_thread
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 __all__ = ["model"]  # shared fixture

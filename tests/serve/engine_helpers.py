@@ -12,10 +12,10 @@ from serve.memory.pages import read_state
 from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
 from serve.prefix.index import block_keys
-from serve.spec.draft import NoisyOracleProposer
-from serve.spec.verify import Speculation
+from serve.spec_decode.draft import NoisyOracleProposer
+from serve.spec_decode.verify import Speculation
 from tests.serve.prefix.helpers import tiny_model
-from tests.serve.spec.helpers import STRATEGY_NAMES as STRATEGIES  # test id -> strategy name
+from tests.serve.spec_decode.helpers import STRATEGY_NAMES as STRATEGIES  # test id -> strategy name
 
 # A checkpoint comes from chunked prefill states, verify + rollback commits and decode steps; the
 # reference is one chunked prefill of the same tokens. fp32 paths differ by ~1e-6 here, while the

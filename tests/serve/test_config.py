@@ -10,7 +10,7 @@ from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
 from serve.prefix.index import PrefixIndex
 from serve.prefix.sim import TraceReplayConfig, replay_trace
-from serve.traces import TraceRequest
+from serve.traces.mooncake import TraceRequest
 from tests.serve.prefix.helpers import insert_prefix, make_cache, make_engine, tiny_model, tokens
 
 CFG = PRESETS["demo-tiny"]

@@ -11,7 +11,7 @@ import serve.engine as engine_module
 from serve.memory.pages import read_state
 from serve.prefix.cache import PrefixCache
 from serve.request import RequestStatus
-from serve.spec.verify import draft_budget
+from serve.spec_decode.verify import draft_budget
 from tests.serve.engine_helpers import (
     STRATEGIES,
     check_checkpoints,

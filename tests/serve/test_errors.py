@@ -2,12 +2,12 @@
 import pytest
 
 from serve.errors import check_choice, check_fraction, check_int, check_positive
-from serve.fleet.jump import jump_bucket
+from serve.fleet.routing.jump import jump_bucket
 from serve.scale.hardware import hardware
 from serve.scale.model_shape import preset
 from serve.scale.roofline import checkpoint_restore_time, decode_time, prefill_time
-from serve.spec.draft import NgramProposer
-from serve.traces import synthesize
+from serve.spec_decode.draft import NgramProposer
+from serve.traces.mooncake import synthesize
 
 
 @pytest.mark.parametrize("val, minimum, ok", [(1, 1, True), (0, 0, True), (5, 3, True), (0, 1, False), (-1, 0, False),

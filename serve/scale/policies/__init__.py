@@ -20,14 +20,37 @@ from serve.scale.policies.sglang import SGLangExtraBuffer, SGLangNoBuffer
 from serve.scale.policies.state_tree import StateTree
 from serve.scale.policies.vllm import MODES, VLLMMambaPolicy, vllm_block_size, vllm_group_pages
 
-__all__ = ["BYTE_KINDS", "MODES", "OursPolicy", "PolicyResult", "PrefixPolicy", "ReplicaBytes", "SGLangExtraBuffer",
+# The policies by the name their engine gives them. vLLM's "all" is a counterfactual for Kimi: its
+# KimiLinearForCausalLM does not declare SupportsMambaPrefixCaching, so vLLM serves Kimi in "align" (vllm.py).
+CACHE_POLICIES = ("ours", "sglang no_buffer", "sglang extra_buffer", "vllm align", "vllm all")
+EXTRA_CACHE_POLICIES = ("vllm none", "vllm align +replay stop")                         # opt-in variants
+OURS_C, EXTRA_BUFFER_CHUNK = 2048, 8192   # ours' checkpoint interval C, SGLang's default chunked_prefill_size (tokens)
+
+__all__ = ["BYTE_KINDS", "CACHE_POLICIES", "EXTRA_CACHE_POLICIES", "MODES", "make_policy", "OursPolicy", "PolicyResult", "PrefixPolicy", "ReplicaBytes", "SGLangExtraBuffer",
            "SGLangNoBuffer", "StateTree", "VLLMMambaPolicy", "all_policies", "replay", "vllm_block_size",
            "vllm_group_pages"]
 
 
-def all_policies(preset: str, tp_size: int = 1, checkpoint_interval: int = 2048) -> list:
-    """One fresh instance of every policy for ``preset`` on ``tp_size`` ranks, default knobs."""
-    replica = ReplicaBytes.for_preset(preset, tp_size)
-    return [OursPolicy(preset, checkpoint_interval, tp_size=tp_size), SGLangNoBuffer(replica),
-            SGLangExtraBuffer(replica)] + [VLLMMambaPolicy(preset, m, tp_size) for m in MODES] + [
-            VLLMMambaPolicy(preset, "align", tp_size, replay_stop=True)]
+def all_policies(preset: str, tp_size: int = 1, checkpoint_interval: int = OURS_C) -> list:
+    """One fresh instance of every policy (:data:`CACHE_POLICIES` + :data:`EXTRA_CACHE_POLICIES`) for ``preset``
+    on ``tp_size`` ranks, default knobs but ours' ``checkpoint_interval``."""
+    return [make_policy(name, preset, tp_size, checkpoint_interval if name == "ours" else None)
+            for name in CACHE_POLICIES + EXTRA_CACHE_POLICIES]
+
+
+def make_policy(name: str, model: str, tp: int, interval: int | None = None) -> PrefixPolicy:
+    """A fresh policy ``name`` (:data:`CACHE_POLICIES` + :data:`EXTRA_CACHE_POLICIES`) for ``model`` on ``tp``
+    ranks; ``interval`` sets ours' C or extra_buffer's ``chunked_prefill_size`` (tokens; None = :data:`OURS_C` /
+    :data:`EXTRA_BUFFER_CHUNK`; 0 is an error, not the default). Raises ValueError for an unknown name."""
+    if name == "ours":
+        return OursPolicy(model, OURS_C if interval is None else interval, tp_size=tp)
+    if name == "sglang no_buffer":
+        return SGLangNoBuffer(ReplicaBytes.for_preset(model, tp))
+    if name == "sglang extra_buffer":
+        return SGLangExtraBuffer(ReplicaBytes.for_preset(model, tp),
+                                 chunked_prefill_size=EXTRA_BUFFER_CHUNK if interval is None else interval)
+    if name in ("vllm none", "vllm align", "vllm all"):
+        return VLLMMambaPolicy(model, name.split()[1], tp)
+    if name == "vllm align +replay stop":
+        return VLLMMambaPolicy(model, "align", tp, replay_stop=True)
+    raise ValueError(f"policy must be one of {CACHE_POLICIES + EXTRA_CACHE_POLICIES}, got {name!r}")

@@ -29,7 +29,7 @@ import torch
 
 from kda_core.config import PRESETS, fixed_state_bytes_per_sequence, mla_kv_bytes_per_token
 from serve.errors import check_choice, check_int
-from serve.traces import TraceRequest, leading_run
+from serve.traces.mooncake import TraceRequest, leading_run
 
 BYTE_KINDS = ("kv", "state", "running")
 
@@ -72,7 +72,7 @@ class PolicyResult(NamedTuple):
     """Outcome of :func:`replay`. Tokens are totals over the trace; bytes per replica.
 
     name: policy name. token_hit_ratio = hit_tokens / total_tokens. ideal_hit_tokens: the block ideal
-    (unlimited cache, ``min(leading run x N, L)`` per request, :func:`serve.traces.ideal_hit_ratio`).
+    (unlimited cache, ``min(leading run x N, L)`` per request, :func:`serve.traces.mooncake.ideal_hit_ratio`).
     request_hit_tokens: ``[R]`` int64, each request's hit (feed a roofline to get prefill time saved).
     peak_bytes: ``{kind: bytes}`` over :data:`BYTE_KINDS`, the most held after any request, per kind (the
     kinds peak at different times: their sum can pass the budget). held_at_peak: ``{kind: bytes}`` held after
@@ -111,7 +111,9 @@ class PrefixPolicy(Protocol):
     ``bytes_by_kind() -> {"kv": int, "state": int}``; ``check_integrity()``: AssertionError if broken.
     ``running_state_slots``: states one running request holds, each ``state_bytes`` (the engine's slot,
     padding included); ``block_size``: tokens per trace hash id; ``states_written``, ``states_evicted``,
-    ``kv_evicted_tokens``: counters.
+    ``kv_evicted_tokens``: counters. ``replay_trace(requests, budget_bytes, check_every) -> PolicyResult``: the whole trace
+    (called by :func:`replay` once it has checked the inputs): :func:`step_replay` (one request at a time through
+    the methods above), or the policy's own replay (ours: :func:`serve.prefix.sim.replay_trace`).
     """
 
     name: str
@@ -132,11 +134,25 @@ class PrefixPolicy(Protocol):
 
     def check_integrity(self) -> None: ...
 
+    def replay_trace(self, requests: Sequence[TraceRequest], budget_bytes: float,
+                     check_every: int = 0) -> PolicyResult: ...
 
-def reserved_running_bytes(policy) -> int:
-    """Bytes the running request's state slots take from the budget (``running_state_slots`` x the policy's
-    ``state_bytes``)."""
-    return policy.running_state_slots * policy.state_bytes
+
+def running_bytes(policy, max_running: int = 1) -> int:
+    """Bytes the state slots of ``max_running`` running requests take from a budget (``running_state_slots`` x the
+    policy's ``state_bytes`` each)."""
+    return policy.running_state_slots * policy.state_bytes * max_running
+
+
+def cache_bytes(policy, budget_bytes: float, max_running: int = 1) -> float:
+    """What a budget of ``budget_bytes`` leaves for cached KV and states once ``max_running`` running requests'
+    state slots are reserved (:func:`running_bytes`; the engine allocates them first). Raises ValueError when the
+    budget does not cover them (nothing could run)."""
+    running = running_bytes(policy, max_running)
+    if not budget_bytes >= running:
+        raise ValueError(f"budget_bytes {budget_bytes:,.0f} is below the state slots of {max_running} running "
+                         f"request(s) of {policy.name} ({running:,} bytes)")
+    return budget_bytes - running
 
 
 def check_budget(name: str, val) -> float:
@@ -157,11 +173,11 @@ def check_trace_blocks(requests: Sequence[TraceRequest], block_size: int) -> Non
                              f"{-(-r.input_length // block_size)})")
 
 
-def replay(requests: Sequence[TraceRequest], policy, budget_bytes: float, check_every: int = 0) -> PolicyResult:
+def replay(requests: Sequence[TraceRequest], policy: PrefixPolicy, budget_bytes: float,
+           check_every: int = 0) -> PolicyResult:
     """Replay ``requests`` in order through ``policy`` under ``budget_bytes`` per replica (see the module
-    docstring). A policy with a ``replay_trace(requests, budget_bytes)`` method (ours, whose rules live in
-    :func:`serve.prefix.sim.replay_trace`) replays itself. ``check_every`` > 0 runs ``check_integrity`` and the
-    budget check every that many requests (tests); 0 never.
+    docstring), by the policy's own ``replay_trace``; ``check_every`` > 0: integrity checks every that many
+    requests (tests; :func:`step_replay`).
 
     Raises ValueError for an empty trace, a budget that is not a finite number >= 0 (a string, NaN, inf), one
     smaller than the running request's state slots (nothing could run), or a trace whose block is not the
@@ -171,13 +187,17 @@ def replay(requests: Sequence[TraceRequest], policy, budget_bytes: float, check_
         raise ValueError("requests must not be empty")
     budget_bytes = check_budget("budget_bytes", budget_bytes)
     check_trace_blocks(requests, policy.block_size)
-    running = reserved_running_bytes(policy)
-    if budget_bytes < running:
-        raise ValueError(f"budget_bytes {budget_bytes:,.0f} is below the {policy.running_state_slots} running "
-                         f"state slot(s) of {policy.name} ({running:,} bytes)")
-    if hasattr(policy, "replay_trace"):
-        return policy.replay_trace(requests, budget_bytes)
-    cache_budget = budget_bytes - running
+    cache_bytes(policy, budget_bytes)
+    return policy.replay_trace(requests, budget_bytes, check_every)
+
+
+def step_replay(requests: Sequence[TraceRequest], policy: PrefixPolicy, budget_bytes: float,
+                check_every: int = 0) -> PolicyResult:
+    """The replay of a policy that models one request at a time: ``lookup``, ``admit``, ``evict_to`` the budget
+    left after the running request's slots, per request in order. ``check_every`` > 0 runs ``check_integrity``
+    and the budget check every that many requests (tests); 0 never. Raises ValueError as :func:`cache_bytes`."""
+    cache_budget = cache_bytes(policy, budget_bytes)
+    running = running_bytes(policy)
     t0 = time.perf_counter()
     hits = np.zeros(len(requests), dtype=np.int64)
     seen: set = set()
@@ -203,6 +223,9 @@ def replay(requests: Sequence[TraceRequest], policy, budget_bytes: float, check_
             assert b["kv"] + b["state"] <= cache_budget, "cache over its budget after eviction"
     peak["running"] = at_peak["running"] = running
     hit_total = int(hits.sum())
-    return PolicyResult(policy.name, hit_total / total if total else 0.0, hit_total, total, ideal, hits, peak,
-                        policy.states_written, policy.states_evicted, policy.kv_evicted_tokens, lost,
-                        budget_bytes, time.perf_counter() - t0, at_peak)
+    return PolicyResult(
+        name=policy.name, token_hit_ratio=hit_total / total if total else 0.0, hit_tokens=hit_total,
+        total_tokens=total, ideal_hit_tokens=ideal, request_hit_tokens=hits, peak_bytes=peak,
+        states_written=policy.states_written, states_evicted=policy.states_evicted,
+        kv_evicted_tokens=policy.kv_evicted_tokens, lost_to_missing_state=lost, budget_bytes=budget_bytes,
+        seconds=time.perf_counter() - t0, held_at_peak=at_peak)

@@ -22,8 +22,8 @@ from kda_core.config import PRESETS
 from serve.config import ServeConfig
 from serve.memory.layout import group_layers, group_state_bytes
 from serve.prefix.sim import ReplayCache, TraceReplayConfig, replay_trace
-from serve.scale.policies.base import PolicyResult, ReplicaBytes
-from serve.traces import MOONCAKE_BLOCK_TOKENS, ideal_hit_ratio
+from serve.scale.policies.base import PolicyResult, ReplicaBytes, cache_bytes, running_bytes
+from serve.traces.mooncake import MOONCAKE_BLOCK_TOKENS, ideal_hit_ratio
 
 
 class OursPolicy:
@@ -56,18 +56,22 @@ class OursPolicy:
         N = self.serving.block_size
         return TraceReplayConfig(self.serving, self.replica.kv_bytes_per_token * N, self.groups, capacity_bytes)
 
-    def replay_trace(self, requests, budget_bytes: float) -> PolicyResult:
-        """Replay through :func:`serve.prefix.sim.replay_trace` with capacity = budget - one running state
-        (:func:`serve.scale.policies.base.replay`, the caller, has checked that the budget covers it)."""
-        running = self.running_state_slots * self.state_bytes
-        res = replay_trace(requests, self.config(budget_bytes - running))
+    def replay_trace(self, requests, budget_bytes: float, check_every: int = 0) -> PolicyResult:
+        """Replay through :func:`serve.prefix.sim.replay_trace` (which checks its own invariants: ``check_every``
+        is not used) with capacity = budget - one running state (:func:`serve.scale.policies.base.cache_bytes`)."""
+        running = running_bytes(self)
+        res = replay_trace(requests, self.config(cache_bytes(self, budget_bytes)))
         ideal = ideal_hit_ratio(requests, self.block_size).hit_tokens
         peak = {"kv": res.peak_kv_bytes, "state": res.peak_state_bytes, "running": running}
         at_peak = {"kv": res.at_peak_kv_bytes, "state": res.at_peak_state_bytes, "running": running}
-        return PolicyResult(self.name, res.token_hit_ratio, res.hit_tokens, res.total_tokens, ideal,
-                            np.asarray(res.request_hit_tokens, dtype=np.int64), peak, res.checkpoints_written,
-                            res.evicted_checkpoints, res.evicted_blocks * self.block_size,
-                            res.miss_tokens["kv_no_checkpoint"], float(budget_bytes), res.seconds, at_peak)
+        return PolicyResult(
+            name=self.name, token_hit_ratio=res.token_hit_ratio, hit_tokens=res.hit_tokens,
+            total_tokens=res.total_tokens, ideal_hit_tokens=ideal,
+            request_hit_tokens=np.asarray(res.request_hit_tokens, dtype=np.int64), peak_bytes=peak,
+            states_written=res.checkpoints_written, states_evicted=res.evicted_checkpoints,
+            kv_evicted_tokens=res.evicted_blocks * self.block_size,
+            lost_to_missing_state=res.miss_tokens["kv_no_checkpoint"], budget_bytes=float(budget_bytes),
+            seconds=res.seconds, held_at_peak=at_peak)
 
     # ---- one request at a time (the fleet simulation) ---------------------------------------------
     @property

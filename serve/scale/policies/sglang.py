@@ -36,9 +36,9 @@ from __future__ import annotations
 import math
 
 from serve.errors import check_int, check_positive
-from serve.scale.policies.base import ReplicaBytes
+from serve.scale.policies.base import ReplicaBytes, running_bytes
 from serve.scale.policies.state_tree import StateTree, TreeCounters
-from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from serve.traces.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 FLA_CHUNK = 64            # mamba_cache_chunk_size
 MAMBA_FULL_MEMORY_RATIO = 0.9
@@ -93,7 +93,7 @@ class _SGLangBase(TreeCounters):
     def evict_to(self, cache_bytes: float) -> None:
         """Two pools: the state pool holds ``ratio / (1 + ratio)`` of the budget minus the running request's
         slots (taken out by :func:`replay`), the KV pool the rest."""
-        running = self.running_state_slots * self.state_bytes
+        running = running_bytes(self)
         total = cache_bytes + running
         state_cap = max(total * self.state_share - running, 0.0)
         self._last = (None, 0, 0)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from serve.errors import check_int
 from serve.prefix.index import ROOT, PrefixIndex
+from serve.scale.policies.base import step_replay
 
 
 class StateTree:
@@ -221,10 +222,13 @@ class StateTree:
 
 class TreeCounters:
     """The counters :func:`serve.scale.policies.base.replay` reads, for a policy whose cache is a
-    :class:`StateTree` held as ``self.tree``: states written and evicted, KV tokens evicted; and the tree's
-    bytes by kind and integrity check."""
+    :class:`StateTree` held as ``self.tree``: states written and evicted, KV tokens evicted; the tree's
+    bytes by kind and integrity check; and its replay, one request at a time (:func:`step_replay`)."""
 
     tree: StateTree
+
+    def replay_trace(self, requests, budget_bytes: float, check_every: int = 0):
+        return step_replay(requests, self, budget_bytes, check_every)
 
     def bytes_by_kind(self) -> dict:
         return self.tree.bytes_by_kind()

@@ -56,7 +56,7 @@ from serve.errors import check_choice, check_int
 from serve.memory.vllm_block import vllm_block_pick
 from serve.scale.policies.base import ReplicaBytes
 from serve.scale.policies.state_tree import StateTree, TreeCounters
-from serve.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from serve.traces.mooncake import MOONCAKE_BLOCK_TOKENS, TraceRequest
 
 MODES = ("none", "align", "all")
 MAMBA_CHUNK = 64

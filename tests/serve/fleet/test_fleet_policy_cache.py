@@ -7,19 +7,19 @@ import numpy as np
 import pytest
 import torch
 
-from serve.fleet.policy_cache import PolicyReplicaCache
-from serve.fleet.prefix_score import PrefixScoreRouter
-from serve.fleet.roofline_service import RooflineService
-from serve.fleet.router import RouteQuery
-from serve.fleet.service_model import ServiceModel
-from serve.fleet.sim_types import FleetConfig, FleetRequest, requests_from_trace
-from serve.fleet.simulation import simulate
+from serve.fleet.routing.policy_cache import PolicyReplicaCache
+from serve.fleet.routing.prefix_score import PrefixScoreRouter
+from serve.fleet.routing.router import RouteQuery
+from serve.fleet.sim.roofline_service import RooflineService
+from serve.fleet.sim.service_model import ServiceModel
+from serve.fleet.sim.simulation import simulate
+from serve.fleet.sim.types import FleetConfig, FleetRequest, requests_from_trace
 from serve.scale.hardware import hardware
 from serve.scale.model_shape import preset
 from serve.scale.policies import OursPolicy, all_policies, replay
 from serve.scale.roofline import checkpoint_restore_time, decode_time, prefill_time
 from serve.scale.validation import fit_prefill
-from serve.traces import load_mooncake
+from serve.traces.mooncake import load_mooncake
 
 torch.set_num_threads(1)
 KIMI = "kimi-linear-48b-a3b"
@@ -147,22 +147,20 @@ def test_precise_routers_by_hand():
     req = FleetRequest(0, 0.0, 4000, 1, ())
     picks = {}
     for use_state in (False, True):
-        router = PrefixScoreRouter(["a", "b", "c"], use_state)
-        router.scorer = lambda name, r: reported[name]
+        router = PrefixScoreRouter(["a", "b", "c"], lambda name, r: reported[name], use_state)
         picks[use_state] = router.route(RouteQuery(0, (), req))
         router.on_start("a")
         short = req._replace(input_length=20000)            # 2,000 / 20,000 < 30 %
         assert router.route(RouteQuery(0, (), short)) == "b"  # least loaded: a has one in flight, b first of b, c
     assert picks == {False: "a", True: "b"}
-    router = PrefixScoreRouter(["a", "b", "c"], True)
-    with pytest.raises(RuntimeError, match="scorer"):
-        router.route(RouteQuery(0, (), req))
+    with pytest.raises(TypeError, match="scorer"):  # the scorer is a constructor argument, never set later
+        PrefixScoreRouter(["a", "b", "c"])  # type: ignore[call-arg]
 
 
 def test_fleet_of_eight_on_the_real_trace(conversation):
     """8 replicas, KV-only vs checkpoint-aware precise routing on 2,000 conversation requests: budgets hold,
     every hit is within what the serving replica cached, and no run beats the block ideal."""
-    from serve.traces import ideal_hit_ratio
+    from serve.traces.mooncake import ideal_hit_ratio
     requests = requests_from_trace(conversation[:2000])
     ideal = ideal_hit_ratio(conversation[:2000]).token_hit_ratio
     for router in ("precise_kv", "precise_state", "cache_aware"):
@@ -182,7 +180,7 @@ def test_fleet_of_eight_on_the_real_trace(conversation):
 def test_replica_reports_hit_then_kv_to_the_precise_routers():
     """What a replica reports to a precise router: (hit tokens, KV tokens) of its policy, in that order; the
     block-LRU replica reports its leading run twice (no states)."""
-    from serve.fleet.simulation import FleetSim
+    from serve.fleet.sim.simulation import FleetSim
     first = FleetRequest(0, 0.0, 3 * 512 + 1, 1, (1, 2, 3, 4))
     second = FleetRequest(1, 1.0, 2 * 512, 1, (1, 9))
     cfg = FleetConfig(service=RooflineService(KIMI, "H200", 8), num_replicas=1, router="precise_state",

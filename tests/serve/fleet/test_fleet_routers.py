@@ -11,17 +11,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from uhashring import HashRing
 
-from serve.fleet import KEY_ROUTERS, ROUTERS, make_router, replica_names
-from serve.fleet.bounded_load import BoundedLoadRouter
-from serve.fleet.cache_aware import CacheAwareRouter
-from serve.fleet.hashing import ketama_hash, mix64, mix64_np, random_keys, routing_key, stable_hash64
-from serve.fleet.jump import jump_bucket, jump_bucket_np
-from serve.fleet.maglev import MaglevRouter, is_prime, next_prime
-from serve.fleet.replay import replay_routing
-from serve.fleet.ring import ConsistentHashRouter
-from serve.fleet.router import RouteQuery
-from serve.fleet.scaling import keys_moved, scaling_table
-from serve.traces import ideal_hit_ratio, load_mooncake
+from serve.fleet.routing.bounded_load import BoundedLoadRouter
+from serve.fleet.routing.cache_aware import CacheAwareRouter
+from serve.fleet.routing.hashing import ketama_hash, mix64, mix64_np, random_keys, routing_key, stable_hash64
+from serve.fleet.routing.jump import jump_bucket, jump_bucket_np
+from serve.fleet.routing.maglev import MaglevRouter, is_prime, next_prime
+from serve.fleet.routing.registry import KEY_ROUTERS, ROUTERS, make_router, options_for, replica_names
+from serve.fleet.routing.replay import replay_routing
+from serve.fleet.routing.ring import ConsistentHashRouter
+from serve.fleet.routing.router import RouteQuery
+from serve.fleet.scaling.keys_moved import keys_moved, scaling_table
+from serve.fleet.sim.types import FleetConfig
+from serve.fleet.sim.vtc import on_off_less_service
+from serve.traces.mooncake import ideal_hit_ratio, load_mooncake
 
 KEYS = random_keys(100_000, seed=0)
 PARAMS = {"vnodes": 160, "table_size": 65537}
@@ -53,7 +55,7 @@ def test_routing_key_is_deterministic_across_calls():
 @pytest.mark.parametrize("name", KEY_ROUTERS)
 @pytest.mark.parametrize("n", [1, 3, 8])
 def test_assign_matches_scalar_route(name, n):
-    router = make_router(name, replica_names(n), **PARAMS)
+    router = make_router(name, replica_names(n), **options_for(name, PARAMS))
     keys = KEYS[:3000]
     scalar = [router.replicas.index(router.route(RouteQuery(int(k)))) for k in keys]
     assert router.assign(keys).tolist() == scalar
@@ -83,7 +85,7 @@ def test_keys_moved_8_to_9_fixed_values():
 
 def test_removing_a_replica_moves_only_its_keys_for_ring_and_rendezvous():
     for name in ("ring", "rendezvous"):
-        router = make_router(name, replica_names(8), vnodes=160)
+        router = make_router(name, replica_names(8), **options_for(name, {"vnodes": 160}))
         before = np.asarray(router.replicas, dtype=object)[router.assign(KEYS)]
         keys_moved(router, KEYS, remove="replica-3")
         after = np.asarray(router.replicas, dtype=object)[router.assign(KEYS)]
@@ -161,7 +163,7 @@ def test_ring_agrees_with_uhashring_ketama():
     key where ``uhashring.get_node`` sends the string it was derived from."""
     names = replica_names(8)
     theirs = HashRing(nodes=names, hash_fn="ketama")
-    ours = make_router("ring", names, **PARAMS)
+    ours = make_router("ring", names, vnodes=PARAMS["vnodes"])
     assert ours._points == theirs.runtime._keys
     strings = [f"key-{i}" for i in range(50_000)]
     keys = _ketama_keys(strings, seed=3)
@@ -247,3 +249,19 @@ def test_router_membership_errors():
     with pytest.raises(ValueError, match="unique"):
         make_router("jump", ["a", "a"])
     assert set(ROUTERS) >= set(KEY_ROUTERS)
+
+
+def test_a_misspelt_router_option_is_an_error():
+    """An option the router does not take is a ValueError naming it (it was dropped silently before: a
+    misspelt ``vnode=`` built a ring of the default 160 vnodes); one option set for several routers goes
+    through ``options_for``, which rejects an option no router takes."""
+    with pytest.raises(ValueError, match="vnode"):
+        make_router("ring", replica_names(2), vnode=40)
+    with pytest.raises(ValueError, match="vnodes"):
+        make_router("jump", replica_names(2), vnodes=40)
+    assert make_router("ring", replica_names(2), vnodes=40).vnodes == 40
+    assert options_for("jump", PARAMS) == {} and options_for("maglev", PARAMS) == {"table_size": 65537}
+    with pytest.raises(ValueError, match="vnode"):
+        options_for("ring", {"vnode": 40})
+    with pytest.raises(ValueError, match="router_params"):
+        FleetConfig(service=on_off_less_service(), router="jump", router_params={"vnodes": 40})

@@ -11,16 +11,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve.fleet.block_cache import BlockLRUCache, ReferenceBlockCache
-from serve.fleet.budgets import PriorityClass, TokenBucket
-from serve.fleet.scheduler import FCFSScheduler, VTCScheduler
-from serve.fleet.service_model import ServiceModel, saturated_throughput_rps, vtc_a10g_preset
-from serve.fleet.sim_reference import reference_simulate
-from serve.fleet.sim_types import FleetConfig, FleetRequest, ScaleAt, requests_from_trace
-from serve.fleet.simulation import simulate
-from serve.fleet.vtc import replay_vtc_suite
-from serve.traces import synthesize
-from serve.vtc_artifact import load_vtc_artifact
+from serve.fleet.routing.block_cache import BlockLRUCache, ReferenceBlockCache
+from serve.fleet.scaling.budgets import PriorityClass, TokenBucket
+from serve.fleet.scaling.scheduler import FCFSScheduler, VTCScheduler
+from serve.fleet.sim.reference import reference_simulate
+from serve.fleet.sim.service_model import ServiceModel, saturated_throughput_rps, vtc_a10g_preset
+from serve.fleet.sim.simulation import simulate
+from serve.fleet.sim.types import FleetConfig, FleetRequest, ScaleAt, requests_from_trace
+from serve.fleet.sim.vtc import replay_vtc_suite
+from serve.traces.mooncake import synthesize
+from serve.traces.vtc_artifact import load_vtc_artifact
 
 SERVICE = ServiceModel(prefill_tokens_per_s=2000, decode_step_base_ms=30, decode_step_per_seq_ms=1.0,
                        max_batch_requests=4, kv_capacity_tokens=3000, max_prefill_tokens_per_step=1500)
@@ -266,7 +266,7 @@ def test_config_validation():
 def test_on_off_less_rebuilt_without_files_equals_artifact(traces_dir):
     """The app ships no trace: its VTC panel rebuilds the suite's arrivals and uses recorded
     constants. Both must equal what the artifact files give."""
-    from serve.fleet.vtc import on_off_less_requests, on_off_less_service, replay_on_off_less, requests_from_vtc
+    from serve.fleet.sim.vtc import on_off_less_requests, on_off_less_service, replay_on_off_less, requests_from_vtc
 
     run = load_vtc_artifact(traces_dir / "vtc_artifact" / "FCFS_on_off_less.jsonl")
     from_files = requests_from_vtc(run)

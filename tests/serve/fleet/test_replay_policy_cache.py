@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from serve.fleet import make_router, replica_names
-from serve.fleet.hashing import routing_key
-from serve.fleet.policy_cache import PolicyReplicaCache
-from serve.fleet.replay import ScaleEvent, replay_routing
-from serve.fleet.router import RouteQuery
+from serve.fleet.routing.hashing import routing_key
+from serve.fleet.routing.policy_cache import PolicyReplicaCache
+from serve.fleet.routing.registry import make_router, replica_names
+from serve.fleet.routing.replay import ScaleEvent, replay_routing
+from serve.fleet.routing.router import RouteQuery
 from serve.scale.policies import OursPolicy, ReplicaBytes, SGLangNoBuffer
-from serve.traces import synthesize
+from serve.traces.mooncake import synthesize
 
 KIMI = "kimi-linear-48b-a3b"
 BUDGET = 4e9   # bytes per replica: small enough that the replicas evict within the trace

@@ -3,7 +3,7 @@ leaves the same cache (order and evictions), for any capacity and request sequen
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve.fleet.block_cache import BlockLRUCache
+from serve.fleet.routing.block_cache import BlockLRUCache
 
 requests = st.lists(st.lists(st.integers(0, 12), max_size=6), max_size=40)
 

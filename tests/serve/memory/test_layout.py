@@ -47,7 +47,7 @@ def test_errors():
     with pytest.raises(ValueError, match="policy must be one of"):
         CacheLayout.page_bytes_for(cfg, 16, 1, "buddy")
     with pytest.raises(ValueError, match="block_size must be an int >= 1"):
-        CacheLayout.page_bytes_for(cfg, 0)
+        CacheLayout.page_bytes_for(cfg, 0, 1, "multi_page")
     with pytest.raises(ValueError, match=r"num_groups must be an int in \[1, 6\]"):
         group_layers(cfg, 7)
     with pytest.raises(ValueError, match="cannot hold one KV block"):

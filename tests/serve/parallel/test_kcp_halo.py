@@ -21,7 +21,8 @@ def _reference(cfg):
     layer = cfg.layer()
     x = layer_inputs(cfg.batch, cfg.hidden_size, 0, cfg.seq_len, cfg.seed)
     with torch.no_grad():
-        return layer(x, initial_layer_cache(cfg, layer) if cfg.with_initial_state else None)
+        out = layer(x, initial_layer_cache(cfg, layer) if cfg.with_initial_state else None)
+    return out.y, out.cache
 
 
 @pytest.mark.parametrize("seq_len", [150, 7], ids=lambda t: f"T{t}")       # T = 7: blocks shorter than W - 1

@@ -8,7 +8,7 @@ from serve.config import ServeConfig
 from serve.prefix.index import EntryKind
 from serve.prefix.reference import PrefixOracle
 from serve.prefix.sim import ReplayCache, TraceReplayConfig
-from serve.traces import synthesize
+from serve.traces.mooncake import synthesize
 
 
 def _oracle_step(oracle: PrefixOracle, r, serving: ServeConfig) -> int:

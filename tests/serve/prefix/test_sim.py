@@ -7,7 +7,7 @@ import torch
 from serve.config import ServeConfig
 from serve.prefix.index import block_keys
 from serve.prefix.sim import MISS_CAUSES, TraceReplayConfig, capacity_points, replay_row, replay_trace
-from serve.traces import TraceRequest, ideal_hit_ratio, load_mooncake, synthesize
+from serve.traces.mooncake import TraceRequest, ideal_hit_ratio, load_mooncake, synthesize
 from tests.serve.prefix.helpers import make_engine, tokens
 
 torch.set_num_threads(1)

@@ -3,7 +3,7 @@ import pytest
 
 from kda_core.config import PRESETS as CONFIG_PRESETS
 from kda_core.config import mla_kv_bytes_per_token
-from serve.scale.hardware import PRESETS, hardware
+from serve.scale.hardware import GPUS, hardware
 from serve.scale.model_shape import from_model_config, preset
 
 
@@ -44,7 +44,7 @@ def test_demo_config_has_no_sourced_figures():
 def test_hardware_presets_are_datasheet_figures():
     assert hardware("H100").peak_bf16_flops == 989e12 and hardware("H100").hbm_bytes_per_s == 3.35e12
     assert hardware("H200").hbm_bytes == 141e9 and hardware("B200").nvlink_bytes_per_s == 1.8e12
-    assert set(PRESETS) == {"A100", "H100", "H200", "B200"}
+    assert set(GPUS) == {"A100", "H100", "H200", "B200"}
     with pytest.raises(ValueError, match="hardware"):
         hardware("V100")
 

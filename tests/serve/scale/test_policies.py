@@ -20,7 +20,7 @@ from serve.scale.policies import (
     replay,
     vllm_block_size,
 )
-from serve.traces import TraceRequest, leading_run, load_mooncake, synthesize
+from serve.traces.mooncake import TraceRequest, leading_run, load_mooncake, synthesize
 
 torch.set_num_threads(1)
 KIMI = "kimi-linear-48b-a3b"
@@ -222,3 +222,19 @@ def test_mooncake_conversation_all_policies(traces_dir):
         if pol.name != "vllm none":
             assert res.token_hit_ratio > 0.03, (pol.name, res.token_hit_ratio)
     print({k: round(v, 2) for k, v in timings.items()})
+
+
+def test_every_policy_declares_its_replay():
+    """One way in: ``replay`` calls the policy's own ``replay_trace`` (a protocol member), it no longer asks
+    ``hasattr``; the tree policies replay one request at a time, ours through serve.prefix.sim; both meet the same
+    budget check (``cache_bytes``) first."""
+    from serve.scale.policies import EXTRA_CACHE_POLICIES, PrefixPolicy, make_policy
+    from serve.scale.policies.base import cache_bytes, running_bytes
+    policies = all_policies(KIMI, tp_size=8)
+    assert [p.name for p in policies][:3] == ["ours C=2048 G=1", "sglang no_buffer", "sglang extra_buffer"]
+    assert all(isinstance(p, PrefixPolicy) and callable(p.replay_trace) for p in policies)
+    assert len(policies) == 5 + len(EXTRA_CACHE_POLICIES)
+    pol = make_policy("vllm align", KIMI, 8)
+    assert cache_bytes(pol, 1e12) == 1e12 - running_bytes(pol) and running_bytes(pol, 3) == 3 * running_bytes(pol)
+    with pytest.raises(ValueError, match="state slots of 1 running request"):
+        cache_bytes(pol, running_bytes(pol) - 1)

@@ -17,7 +17,7 @@ from serve.scale.policies import (
     VLLMMambaPolicy,
     replay,
 )
-from serve.traces import TraceRequest
+from serve.traces.mooncake import TraceRequest
 
 torch.set_num_threads(1)
 KIMI = "kimi-linear-48b-a3b"

@@ -17,9 +17,8 @@ import hashlib
 import pytest
 import torch
 
-from lab.real_scale import make_policy
-from serve.scale.policies import ReplicaBytes, SGLangNoBuffer, replay
-from serve.traces import load_mooncake
+from serve.scale.policies import ReplicaBytes, SGLangNoBuffer, make_policy, replay
+from serve.traces.mooncake import load_mooncake
 
 torch.set_num_threads(1)
 

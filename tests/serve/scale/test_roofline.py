@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from serve.scale.hardware import PRESETS, Hardware
+from serve.scale.hardware import GPUS, Hardware
 from serve.scale.model_shape import ModelShape, preset
 from serve.scale.roofline import KDA_CHUNK, checkpoint_restore_time, decode_time, prefill_time
 
@@ -53,7 +53,7 @@ def test_prefill_toy_by_hand():
 
 def test_mla_decode_grows_with_context_kda_flat():
     kl = preset("kimi-linear-48b-a3b")
-    hw = PRESETS["H100"]
+    hw = GPUS["H100"]
     steps = [decode_time(kl, hw, 1, 8, c) for c in (4096, 65536, 1 << 20)]
     mla = [s.kind("mla").time_s for s in steps]
     kda = [s.kind("kda").time_s for s in steps]
@@ -64,13 +64,13 @@ def test_mla_decode_grows_with_context_kda_flat():
 
 def test_all_mla_decode_costs_more_at_long_context():
     kl = preset("kimi-linear-48b-a3b")
-    hw = PRESETS["H200"]
+    hw = GPUS["H200"]
     assert decode_time(kl.all_mla(), hw, 1, 1, 1 << 20).total_s > 2 * decode_time(kl, hw, 1, 1, 1 << 20).total_s
 
 
 def test_prefill_hit_is_cheaper_than_cold():
     kl = preset("kimi-k3")
-    hw = PRESETS["B200"]
+    hw = GPUS["B200"]
     cold = prefill_time(kl, hw, 8, new_tokens=32768)
     warm = prefill_time(kl, hw, 8, new_tokens=1024, cached_tokens=31744)
     assert warm.total_s < cold.total_s / 4
@@ -78,7 +78,7 @@ def test_prefill_hit_is_cheaper_than_cold():
 
 def test_tp_splits_weights_but_replicates_latent_kv():
     kl = preset("kimi-linear-48b-a3b")
-    hw = PRESETS["H100"]
+    hw = GPUS["H100"]
     one, eight = decode_time(kl, hw, 1, 1, 1 << 20), decode_time(kl, hw, 8, 1, 1 << 20)
     kv = kl.num_mla_layers * ((1 << 20) + 1) * kl.mla_kv_bytes_per_token_layer
     weights = kl.num_mla_layers * kl.mla_layer_params * kl.weight_bytes
@@ -90,7 +90,7 @@ def test_tp_splits_weights_but_replicates_latent_kv():
 
 def test_checkpoint_restore_is_state_bytes_over_bandwidth():
     kl = preset("kimi-linear-48b-a3b")
-    hw = PRESETS["H100"]
+    hw = GPUS["H100"]
     state = kl.num_kda_layers * kl.kda_state_bytes_layer
     assert checkpoint_restore_time(kl, hw, 1) == pytest.approx(2 * state / 3.35e12)
     assert checkpoint_restore_time(kl, hw, 4, batch=2) == pytest.approx(2 * state * 2 / 4 / 3.35e12)
@@ -98,8 +98,8 @@ def test_checkpoint_restore_is_state_bytes_over_bandwidth():
 
 def test_overhead_is_added_once():
     kl = preset("kimi-linear-48b-a3b")
-    base = decode_time(kl, PRESETS["A100"], 1, 4, 1000)
-    with_oh = decode_time(kl, PRESETS["A100"], 1, 4, 1000, overhead_s=0.003)
+    base = decode_time(kl, GPUS["A100"], 1, 4, 1000)
+    with_oh = decode_time(kl, GPUS["A100"], 1, 4, 1000, overhead_s=0.003)
     assert with_oh.total_s == pytest.approx(base.total_s + 0.003)
 
 
@@ -123,7 +123,7 @@ def test_bad_args_name_the_argument(call, arg):
 def test_prefill_reads_the_whole_latent_kv_on_every_tp_rank():
     """MLA's latent KV (cached + new tokens) is replicated under TP, in prefill as in decode: every split term of
     the MLA bytes shrinks by tp, the latent does not. Splitting it makes a warm TTFT after a long hit ~5 % low."""
-    kl, hw = preset("kimi-linear-48b-a3b"), PRESETS["H200"]
+    kl, hw = preset("kimi-linear-48b-a3b"), GPUS["H200"]
     n, b = 1024, 500_000
     kv = kl.num_mla_layers * (b + n) * kl.mla_kv_bytes_per_token_layer
     one = prefill_time(kl, hw, 1, n, cached_tokens=b).kind("mla").bytes
@@ -133,22 +133,22 @@ def test_prefill_reads_the_whole_latent_kv_on_every_tp_rank():
 
 def test_tp_beyond_one_node_all_reduces_over_infiniband():
     """TP16 spans two 8-GPU HGX nodes: its all-reduces run at the NIC's 50 GB/s (400 Gb/s NDR per GPU), not NVLink."""
-    kl, hw = preset("kimi-k3"), PRESETS["H200"]
+    kl, hw = preset("kimi-k3"), GPUS["H200"]
     nbytes = 2 * kl.num_layers * 1 * kl.hidden_size * 2   # two all-reduces per layer, one token, bf16
     assert decode_time(kl, hw, 16, 1, 4096).comm_s == pytest.approx(2 * 15 / 16 * nbytes / 50e9)
     assert decode_time(kl, hw, 8, 1, 4096).comm_s == pytest.approx(2 * 7 / 8 * nbytes / 450e9)
-    assert hw.allreduce_bytes_per_s(16) == 50e9 and PRESETS["A100"].allreduce_bytes_per_s(16) == 25e9
+    assert hw.allreduce_bytes_per_s(16) == 50e9 and GPUS["A100"].allreduce_bytes_per_s(16) == 25e9
 
 
 def test_b200_bandwidth_is_the_current_hgx_table():
-    assert PRESETS["B200"].hbm_bytes_per_s == 7.7e12 and "7.7 TB/s" in PRESETS["B200"].source
+    assert GPUS["B200"].hbm_bytes_per_s == 7.7e12 and "7.7 TB/s" in GPUS["B200"].source
 
 
 def test_a_billion_sequence_batch_builds_no_list():
     """One int context is not expanded per sequence: 10**7 sequences allocate nothing per sequence (the old code
     built a 10**7-element list, and 10**9 ran out of memory), and 10**9 gives the 10**7 answer scaled."""
     import tracemalloc
-    kl, hw = preset("kimi-linear-48b-a3b"), PRESETS["H200"]
+    kl, hw = preset("kimi-linear-48b-a3b"), GPUS["H200"]
     tracemalloc.start()
     decode_time(kl, hw, 8, 10 ** 7, 4096)
     peak = tracemalloc.get_traced_memory()[1]

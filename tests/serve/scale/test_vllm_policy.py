@@ -7,7 +7,7 @@ import torch
 
 from kda_core.config import PRESETS
 from serve.scale.policies import VLLMMambaPolicy, replay, vllm_block_size, vllm_group_pages
-from serve.traces import TraceRequest
+from serve.traces.mooncake import TraceRequest
 
 torch.set_num_threads(1)
 KIMI = "kimi-linear-48b-a3b"
@@ -119,8 +119,8 @@ def test_all_is_a_counterfactual_for_kimi():
 def test_align_on_the_mooncake_conversation_trace(traces_dir):
     """The first 800 requests of the Mooncake conversation trace, Kimi-Linear on 8 ranks at 2 GB per replica:
     with the shared-prefix cut vLLM align hits about what SGLang extra_buffer does (it hit 0 tokens without)."""
-    from lab.real_scale import make_policy
-    from serve.traces import load_mooncake
+    from serve.scale.policies import make_policy
+    from serve.traces.mooncake import load_mooncake
     trace = load_mooncake(traces_dir / "mooncake_conversation_trace.jsonl")[:800]
     got = {p: replay(trace, make_policy(p, KIMI, 8), 2e9).hit_tokens for p in ("vllm align", "sglang extra_buffer")}
     assert got["vllm align"] >= 0.8 * got["sglang extra_buffer"] > 0, got
