@@ -7,6 +7,7 @@ The per-request cache is an immutable :class:`HybridCache`; every call returns a
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -45,6 +46,16 @@ def encode(text: str) -> torch.Tensor:
 def bytes_to_text(tokens) -> str:
     """Token ids (bytes) back to text; invalid UTF-8 shows as U+FFFD."""
     return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+def _no_grad_unless_training(fn):
+    """Run ``fn`` without autograd unless the module is in training mode (``model.train()``) and grad is
+    enabled: serving calls stay graph-free, the training script backpropagates through the same forward."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with torch.set_grad_enabled(self.training and torch.is_grad_enabled()):
+            return fn(self, *args, **kwargs)
+    return wrapper
 
 
 class HybridLM(nn.Module):
@@ -98,7 +109,7 @@ class HybridLM(nn.Module):
         a, b = linear(x, self.mlp_up[i]).chunk(2, dim=-1)                 # [B, T, F] each
         return linear(pointwise(torch.nn.functional.silu, a) * b, self.mlp_down[i])  # [B, T, D]
 
-    @torch.no_grad()
+    @_no_grad_unless_training
     def forward(self, tokens: torch.Tensor, cache: HybridCache | None = None, mode: str = "chunk",
                 output_aux: bool = False, num_layers: int | None = None,
                 state_at: tuple[int, ...] = ()) -> ForwardOutput:
