@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from kda_core import pretrained
 from kda_core.config import PRESETS, ModelConfig
 from kda_core.invariant import linear, pointwise
 from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _check_mode, rmsnorm
@@ -84,6 +85,22 @@ class HybridLM(nn.Module):
         self.norm_f = nn.Parameter(torch.ones(d), requires_grad=False)
         self.lm_head = nn.Parameter(torch.randn(256, d, generator=gen) * d ** -0.5, requires_grad=False)
         self.eval()
+
+    @classmethod
+    def from_pretrained(cls, path) -> HybridLM:
+        """Load trained weights from a model folder (``model.safetensors`` + ``config.json``, see
+        :mod:`kda_core.pretrained`) into fp32. Raises ValueError when the folder, a file or a config key is
+        missing, or a tensor name or shape differs from the model the config describes."""
+        cfg, state = pretrained.load(path)
+        model = cls(cfg)
+        pretrained.check_state(model.state_dict(), state)
+        model.load_state_dict(state)
+        return model
+
+    def save_pretrained(self, path, dtype: torch.dtype = torch.float16) -> dict:
+        """Write the weights (cast to ``dtype``, fp16 or bf16) and ``config.json`` to folder ``path``; returns
+        the config dict (see :func:`kda_core.pretrained.save`)."""
+        return pretrained.save(self, path, dtype)
 
     @property
     def kda_layers(self) -> tuple[int, ...]:

@@ -3,6 +3,7 @@
     kda_core/  maths: imports nothing of ours
     serve/     infra: no lab, no pages, no Streamlit
     lab/       experiments for the pages: no pages, no Streamlit
+    train/     corpus, training and export of the demo model: ours only kda_core (no serve, lab, pages, Streamlit)
     pages/     thin Streamlit pages: ours only through lab.* and pages._common (+ Streamlit, Plotly, pandas,
                numpy, stdlib)
 
@@ -22,7 +23,7 @@ from typing import NamedTuple
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = ("kda_core", "serve", "lab", "pages", "bench", "app", "tests")
+OURS = ("kda_core", "serve", "lab", "pages", "bench", "app", "tests", "train")
 # Third-party libraries a page may use directly (drawing and tables; no maths, no engine).
 PAGE_LIBRARIES = {"streamlit", "plotly", "pandas", "numpy"}
 # What pages may import of ours: the lab layer and the pages' own helpers. pages._common shows the engine's
@@ -96,6 +97,8 @@ def layer_violations(path: Path, source: str) -> list[str]:
             errors.append(f"{where} (serve imports no lab, pages or Streamlit)")
         if top == "lab" and root in ("pages", "streamlit"):
             errors.append(f"{where} (lab imports no pages or Streamlit)")
+        if top == "train" and (root == "streamlit" or ours and root not in ("kda_core", "train")):
+            errors.append(f"{where} (train imports of ours only kda_core, and no Streamlit)")
         if top == "pages":
             allowed = PAGE_OURS + (COMMON_EXTRA if me == "pages._common" else ())
             if ours and not any(imp.module == a or imp.module.startswith(a + ".") for a in allowed):
@@ -112,7 +115,7 @@ def _files() -> list[Path]:
     return sorted(p for p in REPO.rglob("*.py") if not skip & set(p.relative_to(REPO).parts))
 
 
-@pytest.mark.parametrize("top", ["kda_core", "serve", "lab", "pages", "bench", "app", "tests"])
+@pytest.mark.parametrize("top", ["kda_core", "serve", "lab", "pages", "bench", "app", "tests", "train"])
 def test_layers(top):
     errors = []
     for path in _files():
@@ -135,6 +138,8 @@ BAD = {  # a deliberately bad import per rule, in a file of that layer: each mus
     "lab/prefix.py": "def f():\n    from serve.prefix.cache import _walk",
     "bench/prefix.py": "from kda_core.kda import _check_inputs",
     "tests/serve/memory/test_pool.py": "from serve.prefix.cache import _x",
+    "train/loop.py": "from serve.engine import ServeEngine",
+    "train/export.py": "import lab.prefix",
 }
 
 

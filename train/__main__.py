@@ -28,7 +28,8 @@ def parse_args(argv=None):
             p.add_argument(flag, choices=("cpu", "cuda"), default=defaults.device)
         else:
             p.add_argument(flag, type=type(getattr(defaults, f.name)), default=getattr(defaults, f.name))
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (CPU)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads (CPU; 1 on a shared machine, where 2 threads spin-wait)")
     p.add_argument("--no-manifest-check", action="store_true",
                    help="train on this Python's stdlib even if it differs from train/corpus_manifest.json")
     return p.parse_args(argv)

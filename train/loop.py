@@ -36,17 +36,17 @@ EVAL_FIELDS = ("step", "tokens", "code_nats_per_byte", "prose_nats_per_byte", "c
 class TrainArgs:
     """Hyper-parameters of a run (all validated in ``__post_init__``; sizes in bytes = tokens)."""
 
-    batch_size: int = 8
+    batch_size: int = 4
     seq_len: int = 512
-    max_steps: int = 3000
+    max_steps: int = 2000
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 200
+    warmup_steps: int = 100
     weight_decay: float = 0.1
     grad_clip: float = 1.0
     seed: int = 0
     log_every: int = 10
-    eval_every: int = 250
+    eval_every: int = 200
     eval_windows: int = 16
     checkpoint_every_s: float = 300.0
     device: str = "cpu"
