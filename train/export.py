@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import platform
 import shutil
 from pathlib import Path
@@ -92,8 +93,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.splitlines()[0])
     p.add_argument("--run", required=True, help="run directory of python -m train")
     p.add_argument("--out", default="weights/kda-demo", help="model folder to write (default weights/kda-demo)")
-    p.add_argument("--where", default=f"CPU ({platform.processor() or platform.machine()}), torch "
-                   f"{torch.__version__}, {torch.get_num_threads()} threads",
+    p.add_argument("--where", default=f"CPU ({platform.machine()}, {os.cpu_count()} cores shared with other jobs), "
+                   f"torch {torch.__version__}",
                    help="where the run trained (recorded in the manifest)")
     p.add_argument("--threads", type=int, default=2)
     ns = p.parse_args(argv)

@@ -38,7 +38,7 @@ class TrainArgs:
 
     batch_size: int = 4
     seq_len: int = 512
-    max_steps: int = 2000
+    max_steps: int = 4800
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
