@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import platform
-import shutil
 from pathlib import Path
 
 import torch
@@ -62,8 +61,9 @@ def export(run_dir, out_dir, where: str) -> dict:
     model.load_state_dict(ckpt["model"])
     out = Path(out_dir)
     model.save_pretrained(out, torch.float16)
-    for name in ("loss.csv", "eval.csv"):
-        shutil.copyfile(Path(run_dir) / name, out / name)
+    for name in ("loss.csv", "eval.csv"):                                 # the run may be ahead of its checkpoint
+        lines = (Path(run_dir) / name).read_text().splitlines(keepends=True)
+        (out / name).write_text("".join(lines[:1] + [ln for ln in lines[1:] if int(ln.split(",")[0]) <= ckpt["step"]]))
     shipped = HybridLM.from_pretrained(out)                               # the fp16 weights, as loaded
     docs = documents()
     check_against_manifest(docs, load_manifest())

@@ -116,7 +116,7 @@ class _Progress:
 
     def update(self, step: int, text: str) -> None:
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.update(step - self.bar.n)                # called every log_every steps
             self.bar.set_postfix_str(text, refresh=False)
         else:
             print(f"step {step}/{self.total} {text}", flush=True)
