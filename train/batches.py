@@ -42,8 +42,9 @@ class BatchSampler:
     def next(self) -> Batch:
         """The next batch (advances the generator)."""
         T = self.seq_len
-        starts = torch.randint(0, self.data.numel() - T, (self.batch_size,), generator=self.gen)  # [B]
-        idx = starts[:, None] + torch.arange(T + 1)                          # [B, T + 1]
+        cpu = self.data.device                                               # explicit: the default may be cuda
+        starts = torch.randint(0, self.data.numel() - T, (self.batch_size,), generator=self.gen, device=cpu)  # [B]
+        idx = starts[:, None] + torch.arange(T + 1, device=cpu)              # [B, T + 1]
         win = self.data[idx].long()                                          # [B, T + 1]
         return Batch(win[:, :-1], win[:, 1:])
 
@@ -63,6 +64,6 @@ def eval_windows(data: torch.Tensor, num_windows: int, seq_len: int) -> Batch:
         raise ValueError(f"data must hold >= seq_len + 1 = {T + 1} bytes and num_windows >= 1, "
                          f"got {data.numel()} bytes, {num_windows} windows")
     last = data.numel() - (T + 1)
-    starts = torch.linspace(0, last, num_windows).round().long()            # [W]
-    win = data[starts[:, None] + torch.arange(T + 1)].long()                # [W, T + 1]
+    starts = torch.linspace(0, last, num_windows, device=data.device).round().long()  # [W]
+    win = data[starts[:, None] + torch.arange(T + 1, device=data.device)].long()      # [W, T + 1]
     return Batch(win[:, :-1], win[:, 1:])

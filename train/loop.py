@@ -182,14 +182,18 @@ def train(cfg: ModelConfig, data: Split, args: TrainArgs, out_dir, quiet: bool =
             "prose_top1": f"{q['prose'].top1:.5f}", "elapsed_s": f"{elapsed0 + time.time() - t_start:.1f}"})
         return q
 
+    # kda_core creates its helper tensors (chunk identity, RoPE positions, masks, empty caches) on the default
+    # device; the model and data above were built on the CPU (seeded CPU generators), so switch it only now.
+    prev_device = torch.get_default_device()
+    torch.set_default_device(device)
     t_start = time.time()
     last_ckpt = time.time()
     progress = None if quiet else _Progress(step, args.max_steps)
     model.train()
-    if step == 0:
-        run_eval()
     win_loss, win_n, win_t = 0.0, 0, time.time()
     try:
+        if step == 0:
+            run_eval()
         end = args.max_steps if stop_at_step is None else min(args.max_steps, stop_at_step)
         while step < end and stop["signal"] is None:
             lr = lr_at(step, args)
@@ -228,6 +232,7 @@ def train(cfg: ModelConfig, data: Split, args: TrainArgs, out_dir, quiet: bool =
         if stop["signal"] is not None and not quiet:
             print(f"stopped by signal {stop['signal']} at step {step}; checkpoint saved", file=sys.stderr, flush=True)
     finally:
+        torch.set_default_device(prev_device)
         for s, h in old_handlers.items():
             signal.signal(s, h)
         if progress is not None:
