@@ -13,6 +13,7 @@ import dataclasses
 
 import torch
 
+from kda_core.model import HybridLM
 from train.corpus import check_against_manifest, documents, join, load_manifest
 from train.loop import TrainArgs, train
 from train.model_config import model_config
@@ -44,7 +45,7 @@ def main(argv=None) -> None:
         check_against_manifest(docs, load_manifest())
     data = join(docs)
     cfg = model_config()
-    n_params = sum(p.numel() for p in __import__("kda_core.model", fromlist=["HybridLM"]).HybridLM(cfg).parameters())
+    n_params = sum(p.numel() for p in HybridLM(cfg).parameters())
     print(f"model {cfg.name}: {n_params:,} parameters; train {len(data.train):,} bytes, held-out code "
           f"{len(data.heldout_code):,} / prose {len(data.heldout_prose):,} bytes; {args}", flush=True)
     train(cfg, data, args, ns.out)
