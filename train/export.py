@@ -5,7 +5,8 @@ curve (``loss.csv``, ``eval.csv`` copied from the run) and ``manifest.json``: sh
 file, the training summary (step, bytes trained, hours, where), the held-out quality table (nats per byte
 and greedy top-1 on code and prose beside xz's nats per byte on the same bytes) and the CI record: a held-out
 code and a prose sample with the loss and the last-position logits that the shipped (fp16) weights give.
-The tests compare against this record, so they hold for whichever export is committed.
+The tests compare against this record, so they hold for whichever export is committed. ``greedy``: what the
+weights write after the first half of each sample (informational).
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ MANIFEST_NAME = "manifest.json"
 SAMPLE_BYTES = 512          # bytes of each CI sample (from the start of a held-out document)
 LOGIT_POSITIONS = 4         # last positions of a sample whose logits are recorded
 QUALITY_WINDOWS = 32        # held-out windows of 512 bytes per kind in the quality table
+GREEDY_BYTES = 160         # bytes of each greedy continuation recorded in the manifest
 SHIPPED_FILES = ("model.safetensors", "config.json", "loss.csv", "eval.csv")
 
 
@@ -42,6 +44,13 @@ def sample_record(model: HybridLM, text: bytes) -> dict:
     logits = model(x[:, :-1]).logits                                       # [1, T - 1, 256]
     return {"text": text.decode("utf-8"), "loss_nats": loss_of(logits, x[:, 1:]).item(),
             "logits_last": logits[0, -LOGIT_POSITIONS:].tolist()}
+
+
+def greedy_sample(model: HybridLM, prompt: bytes, num_bytes: int = GREEDY_BYTES) -> dict:
+    """Greedy continuation of ``prompt`` (informational: shows what the shipped weights write; not checked
+    by the tests, as an argmax tie may break differently on another machine)."""
+    new, _ = model.generate(torch.tensor(list(prompt), dtype=torch.long)[None], num_bytes)   # [1, num_bytes]
+    return {"prompt": prompt.decode("utf-8"), "continuation": bytes(new[0].tolist()).decode("utf-8", "replace")}
 
 
 def ci_sample(docs, kind: str) -> bytes:
@@ -84,6 +93,8 @@ def export(run_dir, out_dir, where: str) -> dict:
                    "python_version": load_manifest()["python_version"], "license": "PSF-2.0"},
         "quality": quality,
         "ci_samples": {kind: sample_record(shipped, ci_sample(docs, kind)) for kind in KINDS},
+        "greedy": {kind: greedy_sample(shipped, ci_sample(docs, kind)[:SAMPLE_BYTES // 2].decode(
+            "utf-8", errors="ignore").encode("utf-8")) for kind in KINDS},
     }
     (out / MANIFEST_NAME).write_text(json.dumps(manifest, indent=1) + "\n")
     return manifest
