@@ -200,13 +200,16 @@ def kda_chunk_states(prep: ChunkPrep, initial_state: torch.Tensor | None = None)
     _check_finite(dict(initial_state=initial_state))
     w, u, kd, decay_last = prep.w, prep.u, prep.kd, prep.decay_last
     S = w.new_zeros(B, H, K, V, dtype=dt) if initial_state is None else initial_state.to(dt).clone()
-    h = w.new_empty(B, NT, H, K, V, dtype=dt)
-    v_new = torch.empty_like(u)                              # [B, H, NT, C, V]
+    # Per-chunk results are collected and stacked, never written into a preallocated tensor: the state
+    # update reads v_new of chunk j, and an in-place write of chunk j + 1 would invalidate what autograd
+    # saved for it (training backpropagates through this scan).
+    hs, vs = [], []
     for j in range(NT):                                      # sequential only over chunks
-        h[:, j] = S
-        v_new[:, :, j] = u[:, :, j] - w[:, :, j] @ S          # [B, H, C, V]
-        S = S * decay_last[:, :, j] + kd[:, :, j] @ v_new[:, :, j]  # [B, H, K, V]
-    return ChunkStates(h, v_new, S)
+        hs.append(S)
+        vn = u[:, :, j] - w[:, :, j] @ S                     # [B, H, C, V]
+        vs.append(vn)
+        S = S * decay_last[:, :, j] + kd[:, :, j] @ vn       # [B, H, K, V]
+    return ChunkStates(torch.stack(hs, 1), torch.stack(vs, 2), S)  # [B, NT, H, K, V], [B, H, NT, C, V]
 
 
 def kda_chunk_outputs(prep: ChunkPrep, states: ChunkStates) -> torch.Tensor:

@@ -61,5 +61,7 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
         rows = F.pad(rows, (0, n_pad - n))                   # [R, n_pad]
     rows = rows.contiguous()
     step = max(1, MAX_BLOCK // n_pad)
-    out = torch.cat([fn(rows[i: i + step]) for i in range(0, rows.shape[0], step)]) if rows.shape[0] else fn(rows)
+    # split, not a loop of slices: the same blocks, but autograd's backward is one cat, where each slice's
+    # backward would write a zero tensor of the whole input (quadratic in the number of blocks when training)
+    out = torch.cat([fn(r) for r in rows.split(step)]) if rows.shape[0] else fn(rows)
     return out[:, :n].reshape(x.shape)

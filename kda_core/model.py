@@ -7,11 +7,13 @@ The per-request cache is an immutable :class:`HybridCache`; every call returns a
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from kda_core import pretrained
 from kda_core.config import PRESETS, ModelConfig
 from kda_core.invariant import linear, pointwise
 from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _check_mode, _check_state_at, rmsnorm
@@ -47,6 +49,16 @@ def bytes_to_text(tokens) -> str:
     return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
 
 
+def _no_grad_unless_training(fn):
+    """Run ``fn`` without autograd unless the module is in training mode (``model.train()``) and grad is
+    enabled: serving calls stay graph-free, the training script backpropagates through the same forward."""
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with torch.set_grad_enabled(self.training and torch.is_grad_enabled()):
+            return fn(self, *args, **kwargs)
+    return wrapper
+
+
 class HybridLM(nn.Module):
     """Byte-level hybrid LM. ``HybridLM()`` uses ``PRESETS["demo"]`` (8 layers, d = 128).
 
@@ -74,6 +86,22 @@ class HybridLM(nn.Module):
         self.lm_head = nn.Parameter(torch.randn(256, d, generator=gen) * d ** -0.5, requires_grad=False)
         self.eval()
 
+    @classmethod
+    def from_pretrained(cls, path) -> HybridLM:
+        """Load trained weights from a model folder (``model.safetensors`` + ``config.json``, see
+        :mod:`kda_core.pretrained`) into fp32. Raises ValueError when the folder, a file or a config key is
+        missing, or a tensor name or shape differs from the model the config describes."""
+        cfg, state = pretrained.load(path)
+        model = cls(cfg)
+        pretrained.check_state(model.state_dict(), state)
+        model.load_state_dict(state)
+        return model
+
+    def save_pretrained(self, path, dtype: torch.dtype = torch.float16) -> dict:
+        """Write the weights (cast to ``dtype``, fp16 or bf16) and ``config.json`` to folder ``path``; returns
+        the config dict (see :func:`kda_core.pretrained.save`)."""
+        return pretrained.save(self, path, dtype)
+
     @property
     def kda_layers(self) -> tuple[int, ...]:
         return self.cfg.kda_layers
@@ -98,7 +126,7 @@ class HybridLM(nn.Module):
         a, b = linear(x, self.mlp_up[i]).chunk(2, dim=-1)                 # [B, T, F] each
         return linear(pointwise(torch.nn.functional.silu, a) * b, self.mlp_down[i])  # [B, T, D]
 
-    @torch.no_grad()
+    @_no_grad_unless_training
     def forward(self, tokens: torch.Tensor, cache: HybridCache | None = None, mode: str = "chunk",
                 output_aux: bool = False, num_layers: int | None = None,
                 state_at: tuple[int, ...] = ()) -> ForwardOutput:

@@ -3,6 +3,8 @@
     kda_core/  maths: imports nothing of ours
     serve/       infra: no lab, no app_pages, no Streamlit
     lab/         experiments for the pages: no app_pages, no Streamlit
+    train/       corpus, training and export of the demo model: ours only kda_core (no serve, lab, app_pages,
+                 Streamlit)
     app_pages/   thin Streamlit pages: ours only through lab.* and the pages' own helper modules (+ Streamlit,
                  Plotly, pandas, numpy, stdlib)
 
@@ -24,7 +26,7 @@ from typing import NamedTuple
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = ("kda_core", "serve", "lab", "app_pages", "bench", "app", "tests")
+OURS = ("kda_core", "serve", "lab", "app_pages", "bench", "app", "tests", "train")
 # Third-party libraries a page may use directly (drawing and tables; no maths, no engine).
 PAGE_LIBRARIES = {"streamlit", "plotly", "pandas", "numpy"}
 # What pages may import of ours: the lab layer and the pages' own helper modules. app_pages.errors shows the
@@ -104,6 +106,8 @@ def layer_violations(path: Path, source: str) -> list[str]:
             errors.append(f"{where} (serve imports no lab, app_pages or Streamlit)")
         if top == "lab" and root in ("app_pages", "streamlit"):
             errors.append(f"{where} (lab imports no app_pages or Streamlit)")
+        if top == "train" and (root == "streamlit" or ours and root not in ("kda_core", "train")):
+            errors.append(f"{where} (train imports of ours only kda_core, and no Streamlit)")
         if top == "app_pages":
             extra = ERRORS_EXTRA if me == "app_pages.errors" else ()
             allowed = (root == "lab" or is_page_helper(imp.module)
@@ -122,7 +126,7 @@ def _files() -> list[Path]:
     return sorted(p for p in REPO.rglob("*.py") if not skip & set(p.relative_to(REPO).parts))
 
 
-@pytest.mark.parametrize("top", ["kda_core", "serve", "lab", "app_pages", "bench", "app", "tests"])
+@pytest.mark.parametrize("top", ["kda_core", "serve", "lab", "app_pages", "bench", "app", "tests", "train"])
 def test_layers(top):
     errors = []
     for path in _files():
@@ -147,6 +151,8 @@ BAD = {  # a deliberately bad import per rule, in a file of that layer: each mus
     "lab/prefix.py": "def f():\n    from serve.prefix.cache import _walk",
     "bench/prefix.py": "from kda_core.kda import _check_inputs",
     "tests/serve/memory/test_pool.py": "from serve.prefix.cache import _x",
+    "train/loop.py": "from serve.engine import ServeEngine",
+    "train/export.py": "import lab.prefix",
 }
 
 

@@ -1,0 +1,70 @@
+"""The shipped demo weights (weights/kda-demo): files as the export recorded them (sha256), within the size
+budget, loadable by HybridLM.from_pretrained, and reproducing the export's held-out losses and logits.
+
+Every expected value is read from ``weights/kda-demo/manifest.json``, which ``python -m train.export`` writes
+with the weights, so these tests hold for whichever export is committed."""
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from kda_core.model import HybridLM
+from train.export import LOGIT_POSITIONS, SHIPPED_FILES
+from train.model_config import model_config
+
+WEIGHTS = Path(__file__).resolve().parents[2] / "weights" / "kda-demo"
+MAX_WEIGHT_BYTES = 20 * 2 ** 20
+LOSS_TOL_NATS = 0.05          # the held-out sample's loss may move this much across machines
+LOGIT_TOL = 1e-3              # fp32 maths of fp16 weights; BLAS kernels may differ in the last bits
+
+
+@pytest.fixture(scope="module")
+def manifest():
+    return json.loads((WEIGHTS / "manifest.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def model():
+    return HybridLM.from_pretrained(WEIGHTS)
+
+
+@pytest.mark.parametrize("name", SHIPPED_FILES)
+def test_shipped_file_matches_manifest_sha256(manifest, name):
+    data = (WEIGHTS / name).read_bytes()
+    assert hashlib.sha256(data).hexdigest() == manifest["files"][name]["sha256"], name
+    assert len(data) == manifest["files"][name]["num_bytes"]
+
+
+def test_weights_are_fp16_within_budget(manifest):
+    path = WEIGHTS / "model.safetensors"
+    assert path.stat().st_size <= MAX_WEIGHT_BYTES
+    with safe_open(str(path), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.float16}
+    assert manifest["weights_dtype"] == "float16"
+
+
+def test_shipped_model_has_the_trained_shape(model, manifest):
+    assert model.cfg == model_config()
+    assert sum(p.numel() for p in model.parameters()) == manifest["num_parameters"]
+
+
+@pytest.mark.parametrize("kind", ["code", "prose"])
+def test_heldout_sample_loss_and_logits_match_the_export(model, manifest, kind):
+    rec = manifest["ci_samples"][kind]
+    x = torch.tensor(list(rec["text"].encode("utf-8")), dtype=torch.long)[None]   # [1, T]
+    logits = model(x[:, :-1]).logits                                               # [1, T - 1, 256]
+    loss = torch.nn.functional.cross_entropy(logits[0], x[0, 1:]).item()
+    assert abs(loss - rec["loss_nats"]) <= LOSS_TOL_NATS, (loss, rec["loss_nats"])
+    torch.testing.assert_close(logits[0, -LOGIT_POSITIONS:], torch.tensor(rec["logits_last"]),
+                               atol=LOGIT_TOL, rtol=0)
+
+
+def test_loss_curve_ships_with_the_weights(manifest):
+    lines = (WEIGHTS / "loss.csv").read_text().splitlines()
+    assert lines[0].startswith("step,tokens,loss")
+    evals = (WEIGHTS / "eval.csv").read_text().splitlines()
+    assert evals[0].startswith("step,tokens,code_nats_per_byte") and len(evals) >= 2
+    assert int(lines[-1].split(",")[0]) <= manifest["training"]["step"]
