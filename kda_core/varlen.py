@@ -53,24 +53,54 @@ def gather_slots(pool: torch.Tensor, slot_idx: torch.Tensor) -> torch.Tensor:
     """Rows of ``pool [S, ...]`` named by ``slot_idx [B]``; a pad row (``-1``) gets NaN, never slot 0.
 
     Returns a new tensor ``[B, ...]``. Raises ValueError for out-of-range or duplicate live slots."""
-    _check_slots(slot_idx, pool.shape[0])
-    out = pool.new_full((slot_idx.shape[0],) + tuple(pool.shape[1:]), float("nan"))
-    live = (slot_idx != PAD_SLOT).nonzero().flatten()                    # [B_live]
-    if live.numel():
-        out[live] = pool.index_select(0, slot_idx[live])
-    return out
+    r = _rows(slot_idx, pool.shape[0])
+    return _gather(pool, r._replace(identity=False))
 
 
 def scatter_slots(pool: torch.Tensor, slot_idx: torch.Tensor, values: torch.Tensor) -> None:
     """Write ``values [B, ...]`` into ``pool [S, ...]`` at ``slot_idx [B]`` in place; pad rows are
     skipped (never written). Raises ValueError for bad slots or shapes."""
-    _check_slots(slot_idx, pool.shape[0])
+    r = _rows(slot_idx, pool.shape[0])
     if values.shape[0] != slot_idx.shape[0] or values.shape[1:] != pool.shape[1:]:
         raise ValueError(f"values must have shape [B, *pool.shape[1:]] = {(slot_idx.shape[0],) + tuple(pool.shape[1:])}"
                          f", got {tuple(values.shape)}")
-    live = (slot_idx != PAD_SLOT).nonzero().flatten()
-    if live.numel():
-        pool.index_copy_(0, slot_idx[live], values[live].to(pool.dtype))
+    _scatter(pool, r, values)
+
+
+class _Rows(NamedTuple):
+    """Precomputed gather / scatter indices of a set of rows (checked once per forward): ``rows`` the
+    live rows' positions, ``slots`` their slots, ``n`` all rows, ``identity`` when every row is live and
+    row j is slot j of a pool of exactly n slots (the engine's dense per-step pool: no copy needed)."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    n: int
+    identity: bool
+
+
+def _rows(slot_idx: torch.Tensor, num_slots: int) -> _Rows:
+    _check_slots(slot_idx, num_slots)
+    live = (slot_idx != PAD_SLOT).nonzero().flatten()                    # [B_live]
+    slots = slot_idx[live]
+    n = slot_idx.shape[0]
+    identity = live.numel() == n == num_slots and bool((slots == torch.arange(n)).all())
+    return _Rows(live, slots, n, identity)
+
+
+def _gather(pool: torch.Tensor, r: _Rows) -> torch.Tensor:
+    if r.identity:
+        return pool
+    out = pool.new_full((r.n,) + tuple(pool.shape[1:]), float("nan"))   # pad rows: NaN, never slot 0
+    if r.rows.numel():
+        out[r.rows] = pool.index_select(0, r.slots)
+    return out
+
+
+def _scatter(pool: torch.Tensor, r: _Rows, values: torch.Tensor) -> None:
+    if r.identity:
+        pool.copy_(values)
+    elif r.rows.numel():
+        pool.index_copy_(0, r.slots, values[r.rows].to(pool.dtype))
 
 
 def _initial(pool: torch.Tensor, slot: int, has_initial: bool) -> torch.Tensor:
@@ -100,10 +130,14 @@ def kda_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                          f"{tuple(q.shape)}, {tuple(state_pool.shape)}")
     if slot_idx.shape[0] != q.shape[0]:
         raise ValueError(f"slot_idx must have B = {q.shape[0]} entries, got {slot_idx.shape[0]}")
-    S = gather_slots(state_pool, slot_idx)                               # [B, H, K, V]
+    return _decode(q, k, v, g, beta, state_pool, _rows(slot_idx, state_pool.shape[0]), scale)
+
+
+def _decode(q, k, v, g, beta, state_pool, r: _Rows, scale=None):
+    S = _gather(state_pool, r)                                           # [B, H, K, V]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     o, S, _ = _step(*(x.float().contiguous() for x in (q, k, v, g, beta)), S, scale)
-    scatter_slots(state_pool, slot_idx, S)
+    _scatter(state_pool, r, S)
     return o
 
 
@@ -289,11 +323,14 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     x = model.embed[tokens].unsqueeze(0).clone()                          # [1, T_total, D]
     x[0, pad_tok] = float("nan")
     states_at = {i: {t: {} for t in meta.state_at[i]} for i in range(n) if meta.state_at[i]}
+    some = next(iter(pools.kda.values()), None)
+    dec_rows = _rows(meta.slot_idx[: meta.num_decode], 0 if some is None else some[0].shape[0])
+    _check_slots(meta.slot_idx, 0 if some is None else some[0].shape[0])
     mla_index = {layer: j for j, layer in enumerate(cfg.mla_layers)}
     for li in range(cfg.num_layers):
         m, h = model.mixers[li], rmsnorm(x, model.norm1[li])
         if isinstance(m, KDALayer):
-            y = _kda_layer(m, h, meta, qsl, slots, pools.kda[li], states_at, li)
+            y = _kda_layer(m, h, meta, qsl, slots, pools.kda[li], states_at, li, dec_rows)
         else:
             y = _mla_layer(m, h, meta, qsl, slots, pos, pools.kv_cache, mla_index[li], kv_pages, kv_offs, kv_live)
         x = x + y
@@ -303,17 +340,16 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     return BatchOutput(logits, states_at)
 
 
-def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool, states_at, li):
+def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool, states_at, li, dec_rows: _Rows):
     rec_pool, conv_pool = pool
     raw, g, beta, out_gate = m.project(h)                                 # [1, T_total, *]
     nd = meta.num_decode
     o_parts = []
     if nd:
-        sidx = meta.slot_idx[:nd]
-        conv0 = gather_slots(conv_pool, sidx)                             # [nd, D_conv, W-1]
+        conv0 = _gather(conv_pool, dec_rows)                              # [nd, D_conv, W-1]
         q, k, v, conv = m.activate(raw[0, :nd].unsqueeze(1), conv0)       # [nd, 1, H, K] ...
-        o = kda_decode_slots(q[:, 0], k[:, 0], v[:, 0], g[0, :nd], beta[0, :nd], rec_pool, sidx)  # [nd, H, V]
-        scatter_slots(conv_pool, sidx, conv)
+        o = _decode(q[:, 0], k[:, 0], v[:, 0], g[0, :nd], beta[0, :nd], rec_pool, dec_rows)  # [nd, H, V]
+        _scatter(conv_pool, dec_rows, conv)
         o_parts.append(o.unsqueeze(0))                                    # [1, nd, H, V]
     C, W1 = CHUNK_SIZE, m.cfg.conv_kernel - 1
     for i in range(nd, len(slots)):

@@ -1,0 +1,109 @@
+"""Benchmark of continuous batching: ``python -m bench.batch``.
+
+Decode throughput of ``ServeEngine`` on the demo model (8 layers: 6 KDA + 2 MLA, d = 128) at batch
+B = 1, 2, 4, ..., 64 (B requests with 32-token prompts, all decoding; one step = one token per request),
+and the batch-1 path against the previous one-request-per-forward engine (``batched=False``), all in
+one run: after a warm-up, every repeat times ``--steps`` decode steps of every configuration in turn
+(interleaved, so machine load hits all alike). Reported: median tokens/s with min-max over repeats,
+ms per step, speedup against batch 1 of the same run, and a least-squares fit
+``ms/step = fixed + per_row * B`` (fitted, on the measured B <= 64) separating the per-step fixed cost
+from the per-row cost. One torch thread. Writes ``bench/results/batch.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kda_core.model import HybridLM
+from serve.config import ServeConfig
+from serve.engine import ServeEngine
+from serve.memory.pool import PagePool
+from serve.request import RequestStatus
+
+OUT = Path(__file__).parent / "results" / "batch.json"
+BATCHES = (1, 2, 4, 8, 16, 32, 64)
+PROMPT_TOKENS = 32
+
+
+def decoding_engine(model: HybridLM, batch: int, max_new_tokens: int, batched: bool = True) -> ServeEngine:
+    """An engine (no prefix cache, 16-token blocks) with ``batch`` requests already all decoding."""
+    config = ServeConfig(16, 16, page_policy="unified")
+    pages_per_req = 1 + -(-(PROMPT_TOKENS + max_new_tokens) // 16) + 1
+    pool = PagePool(batch * pages_per_req + 8, config.page_bytes(model.cfg))
+    eng = ServeEngine(model, pool, None, config=config, batched=batched)
+    for i in range(batch):
+        eng.submit([(i * 7 + j) % 256 for j in range(PROMPT_TOKENS)], max_new_tokens)
+    while any(eng.requests[r].status is not RequestStatus.DECODE for r in eng.running) or eng.waiting:
+        eng.step()
+    return eng
+
+
+def time_steps(eng: ServeEngine, steps: int) -> float:
+    """Wall seconds of ``steps`` decode steps."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    return time.perf_counter() - t0
+
+
+def run(batches=BATCHES, steps: int = 5, repeats: int = 5, warmup: int = 2) -> dict:
+    torch.set_num_threads(1)
+    model = HybridLM()
+    budget = warmup + steps * repeats + 2
+    configs = [("new", b) for b in batches] + [("old", 1)]
+    engines = {c: decoding_engine(model, c[1], budget, batched=c[0] == "new") for c in configs}
+    for eng in engines.values():
+        time_steps(eng, warmup)
+    secs = {c: [] for c in configs}
+    for _ in range(repeats):                                   # interleaved: every config once per repeat
+        for c in configs:
+            secs[c].append(time_steps(engines[c], steps))
+    rows = []
+    base = statistics.median(steps * 1 / s for s in secs[("new", 1)])
+    for c in configs:
+        tps = [steps * c[1] / s for s in secs[c]]
+        rows.append({"engine": "batched" if c[0] == "new" else "previous (batch 1 per forward)", "batch": c[1],
+                     "tokens_per_s": statistics.median(tps), "tokens_per_s_min": min(tps),
+                     "tokens_per_s_max": max(tps), "ms_per_step": statistics.median(secs[c]) / steps * 1e3,
+                     "speedup_vs_batch1": statistics.median(tps) / base})
+    ratios = [n / o for n, o in zip(secs[("new", 1)], secs[("old", 1)])]   # paired per repeat
+    xs = [r["batch"] for r in rows if r["engine"] == "batched"]
+    ys = [r["ms_per_step"] for r in rows if r["engine"] == "batched"]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    per_row = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return {"rows": rows,
+            "batch1_new_over_old_time": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+            "fit_ms_per_step": {"fixed_ms": my - per_row * mx, "per_row_ms": per_row, "kind": "fitted"},
+            "conditions": {"model": "demo", "prompt_tokens": PROMPT_TOKENS, "steps_per_repeat": steps,
+                           "repeats": repeats, "warmup_steps": warmup, "torch_threads": 1,
+                           "context_tokens": [PROMPT_TOKENS + warmup, PROMPT_TOKENS + budget],
+                           "machine": platform.processor() or platform.machine(), "torch": torch.__version__}}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args(argv)
+    res = run(steps=args.steps, repeats=args.repeats)
+    print(f"{'engine':<32}{'B':>4}{'tok/s':>10}{'(min-max)':>18}{'ms/step':>10}{'x batch 1':>11}")
+    for r in res["rows"]:
+        print(f"{r['engine']:<32}{r['batch']:>4}{r['tokens_per_s']:>10.0f}"
+              f"{r['tokens_per_s_min']:>9.0f}-{r['tokens_per_s_max']:<8.0f}{r['ms_per_step']:>10.2f}"
+              f"{r['speedup_vs_batch1']:>11.2f}")
+    q, f = res["batch1_new_over_old_time"], res["fit_ms_per_step"]
+    print(f"batch-1 step time, batched / previous engine (paired per repeat): median {q['median']:.3f} "
+          f"(min {q['min']:.3f}, max {q['max']:.3f})")
+    print(f"fitted ms/step = {f['fixed_ms']:.2f} fixed + {f['per_row_ms']:.3f} per row")
+    OUT.parent.mkdir(exist_ok=True)
+    OUT.write_text(json.dumps(res, indent=2))
+
+
+if __name__ == "__main__":
+    main()
