@@ -86,10 +86,65 @@ def run(batches=BATCHES, steps: int = 5, repeats: int = 5, warmup: int = 2) -> d
                            "machine": platform.processor() or platform.machine(), "torch": torch.__version__}}
 
 
+def trace_prompts(trace, block_size: int = 16) -> list[list[int]]:
+    """Byte prompts for trace requests: block i of a prompt is 16 seeded bytes of its ``hash_ids[i]``
+    (requests that share blocks share those bytes), cut to ``input_length``."""
+    out = []
+    for r in trace:
+        toks = []
+        for h in r.hash_ids:
+            toks += torch.randint(0, 256, (block_size,), generator=torch.Generator().manual_seed(int(h))).tolist()
+        out.append(toks[: r.input_length] or [0])
+    return out
+
+
+def run_trace(model: HybridLM, trace, prompts, max_num_seqs: int, num_state_slots: int,
+              time_scale: float = 1.0) -> dict:
+    """Replay ``trace`` in wall-clock time (arrival ms x ``time_scale``) through a batched engine;
+    returns requests/s, TTFT and TPOT P50 / P99 (ms, measured) and the peak running requests."""
+    config = ServeConfig(16, 16, page_policy="unified")
+    pool = PagePool(4096, config.page_bytes(model.cfg))
+    eng = ServeEngine(model, pool, None, config=config, max_num_seqs=max_num_seqs, num_state_slots=num_state_slots)
+    pending = sorted(zip((r.timestamp_ms * time_scale for r in trace), prompts, (r.output_length for r in trace)),
+                     key=lambda x: x[0])
+    t0, rids, peak = time.perf_counter(), [], 0
+    while pending or eng.waiting or eng.running:
+        now_ms = (time.perf_counter() - t0) * 1e3
+        while pending and pending[0][0] <= now_ms:
+            _, p, n = pending.pop(0)
+            rids.append(eng.submit(p, n))
+        if not eng.step() and pending:
+            time.sleep(min(0.002, max(0.0, (pending[0][0] - now_ms) / 1e3)))
+        peak = max(peak, len(eng.running))
+    wall = time.perf_counter() - t0
+    reqs = [eng.requests[r] for r in rids]
+    ttft = sorted((q.first_token_t - q.submit_t) * 1e3 for q in reqs)
+    tpot = sorted((q.finish_t - q.first_token_t) * 1e3 / (len(q.output) - 1) for q in reqs if len(q.output) > 1)
+    pct = lambda xs, p: xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")  # noqa: E731
+    return {"max_num_seqs": max_num_seqs, "num_state_slots": num_state_slots, "requests": len(reqs),
+            "requests_per_s": len(reqs) / wall, "ttft_ms_p50": pct(ttft, 0.5), "ttft_ms_p99": pct(ttft, 0.99),
+            "tpot_ms_p50": pct(tpot, 0.5), "tpot_ms_p99": pct(tpot, 0.99), "peak_running": peak}
+
+
+def trace_sweep(num_requests: int = 32, seqs=(1, 4, 16), slots=(4, 16)) -> list[dict]:
+    """The synthetic conversation-like trace (``serve.traces.synthesize``), scaled to the demo model's
+    context (prompts ~64 tokens, outputs ~16), arriving within ~1 s, through the engine for every
+    (max_num_seqs, num_state_slots)."""
+    from serve.traces import synthesize
+    torch.set_num_threads(1)
+    model = HybridLM()
+    trace = synthesize(num_requests, duration_s=1.0, seed=0, block_size=16, median_first_prompt_tokens=64,
+                       median_turn_tokens=24, median_output_tokens=16, max_input_tokens=256)
+    trace = [t._replace(output_length=max(2, min(t.output_length, 48))) for t in trace]
+    prompts = trace_prompts(trace)
+    return [run_trace(model, trace, prompts, s, k) for s in seqs for k in slots]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--trace", action="store_true", help="also replay the synthetic trace (TTFT / TPOT sweep)")
     args = ap.parse_args(argv)
     res = run(steps=args.steps, repeats=args.repeats)
     print(f"{'engine':<32}{'B':>4}{'tok/s':>10}{'(min-max)':>18}{'ms/step':>10}{'x batch 1':>11}")
@@ -101,6 +156,14 @@ def main(argv=None):
     print(f"batch-1 step time, batched / previous engine (paired per repeat): median {q['median']:.3f} "
           f"(min {q['min']:.3f}, max {q['max']:.3f})")
     print(f"fitted ms/step = {f['fixed_ms']:.2f} fixed + {f['per_row_ms']:.3f} per row")
+    if args.trace:
+        res["trace"] = trace_sweep()
+        print(f"{'max_num_seqs':>12}{'slots':>6}{'req/s':>8}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
+              f"{'peak run':>9}")
+        for r in res["trace"]:
+            print(f"{r['max_num_seqs']:>12}{r['num_state_slots']:>6}{r['requests_per_s']:>8.1f}"
+                  f"{r['ttft_ms_p50']:>10.0f}{r['ttft_ms_p99']:>8.0f}{r['tpot_ms_p50']:>10.1f}"
+                  f"{r['tpot_ms_p99']:>8.1f}{r['peak_running']:>9}")
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(json.dumps(res, indent=2))
 

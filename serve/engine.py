@@ -501,7 +501,7 @@ class ServeEngine:
         if len(req.output) == req.max_new_tokens:
             self.running.remove(req.rid)
             self._release(req)
-            req.status = RequestStatus.FINISHED
+            req.status, req.finish_t = RequestStatus.FINISHED, time.perf_counter()
 
     def _publish(self, req: Request, upto: int, checkpoint: bool) -> None:
         """Publish the request's full blocks below ``upto`` tokens and, if asked, its checkpoint there
