@@ -13,6 +13,7 @@ from serve.engine import ServeEngine
 from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
 from serve.request import RequestStatus
+from tests.serve.engine_helpers import STRATEGIES, oracle_speculation
 from tests.serve.prefix.helpers import tiny_model, tokens
 
 NEAR = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129]   # around block (16) and chunk (64) multiples
@@ -144,3 +145,27 @@ def test_scheduler_rejects_bad_caps():
     for kw in ({"max_num_seqs": 0}, {"max_num_batched_tokens": -1}, {"num_state_slots": 1.5}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             engine(False, **kw)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_speculation_through_the_batched_engine_equals_alone(strategy):
+    """With speculation the decode rows verify one request at a time and the prefill rows run batched;
+    every request (several in flight, arriving at different steps) is bitwise its run alone, with every
+    rollback strategy."""
+    prompts = [tokens(120 + i, 20 + 23 * i) for i in range(3)]
+    refs = {tuple(p): alone(p, 12, cache=False).output_tokens for p in prompts}
+
+    def spec_eng():
+        model = tiny_model()
+        config = ServeConfig(16, 16, page_policy="unified")
+        pool = PagePool(96, config.page_bytes(model.cfg), poison=True)
+        return ServeEngine(model, pool, None, config=config, max_num_seqs=4,
+                           speculation=oracle_speculation(refs, strategy, 0.3, 3))
+
+    eng = spec_eng()
+    rids = drive(eng, [(i, p, 12) for i, p in enumerate(prompts)])
+    for rid, p in rids.items():
+        res, ref = eng.result(rid), spec_eng().generate(p, 12, record_logits=True)
+        assert res.output_tokens == ref.output_tokens == refs[tuple(p)]
+        assert torch.equal(res.logits, ref.logits)
+        assert res.drafted_tokens > 0
