@@ -47,9 +47,12 @@ TABS: list[Tab] = [
         "router, prefix caches and schedulers on a trace: hit ratio, TTFT per class, balance per policy"),
     Tab("At real scale", "pages/15_real_scale.py", "15 Real scale", ":material/speed:",
         "Kimi Linear vs full MLA to 1M tokens on real GPUs; SGLang, vLLM and our prefix caches at real bytes"),
+    Tab("Engine", "pages/16_continuous_batching.py", "16 Continuous batching", ":material/view_agenda:",
+        "a trace through the batched engine: batch composition, state slots, TTFT / TPOT, bitwise vs alone"),
 ]
 
-SECTIONS = ["Overview", "Speculative decoding", "Memory", "Prefix cache", "Parallel & fleet", "At real scale"]
+SECTIONS = ["Overview", "Speculative decoding", "Memory", "Prefix cache", "Parallel & fleet", "At real scale",
+            "Engine"]
 
 if __name__ == "__main__":  # run as a legacy auto-discovered page: route through st.navigation
     from pages._common import route_through_navigation
