@@ -126,18 +126,38 @@ def run_trace(model: HybridLM, trace, prompts, max_num_seqs: int, num_state_slot
             "tpot_ms_p50": pct(tpot, 0.5), "tpot_ms_p99": pct(tpot, 0.99), "peak_running": peak}
 
 
+MOONCAKE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+def mooncake_scaled(num_requests: int = 32, span_s: float = 2.0) -> list:
+    """The first ``num_requests`` of the Mooncake conversation trace scaled to the demo model's context:
+    one 512-token hash block becomes 16 tokens (lengths / 32; outputs kept in [2, 48]) and the arrivals
+    are squeezed into ``span_s`` seconds keeping their shape."""
+    from serve.traces import load_mooncake
+    trace = load_mooncake(MOONCAKE)[:num_requests]
+    t0 = trace[0].timestamp_ms
+    span = max(1, trace[-1].timestamp_ms - t0)
+    return [t._replace(timestamp_ms=int((t.timestamp_ms - t0) * span_s * 1e3 / span),
+                       input_length=max(1, t.input_length // 32),
+                       output_length=max(2, min(48, t.output_length // 32))) for t in trace]
+
+
 def trace_sweep(num_requests: int = 32, seqs=(1, 4, 16), slots=(4, 16)) -> list[dict]:
-    """The synthetic conversation-like trace (``serve.traces.synthesize``), scaled to the demo model's
-    context (prompts ~64 tokens, outputs ~16), arriving within ~1 s, through the engine for every
-    (max_num_seqs, num_state_slots)."""
+    """Two traces through the engine for every (max_num_seqs, num_state_slots): the synthetic
+    conversation-like trace (``serve.traces.synthesize``) scaled to the demo model's context (prompts
+    ~64 tokens, outputs ~16, arrivals within ~1 s), and the first requests of the Mooncake conversation
+    trace scaled by :func:`mooncake_scaled`."""
     from serve.traces import synthesize
     torch.set_num_threads(1)
     model = HybridLM()
-    trace = synthesize(num_requests, duration_s=1.0, seed=0, block_size=16, median_first_prompt_tokens=64,
+    synth = synthesize(num_requests, duration_s=1.0, seed=0, block_size=16, median_first_prompt_tokens=64,
                        median_turn_tokens=24, median_output_tokens=16, max_input_tokens=256)
-    trace = [t._replace(output_length=max(2, min(t.output_length, 48))) for t in trace]
-    prompts = trace_prompts(trace)
-    return [run_trace(model, trace, prompts, s, k) for s in seqs for k in slots]
+    synth = [t._replace(output_length=max(2, min(t.output_length, 48))) for t in synth]
+    out = []
+    for name, trace in (("synthetic", synth), ("mooncake conversation", mooncake_scaled(num_requests))):
+        prompts = trace_prompts(trace)
+        out += [{"trace": name, **run_trace(model, trace, prompts, s, k)} for s in seqs for k in slots]
+    return out
 
 
 def main(argv=None):
@@ -158,10 +178,10 @@ def main(argv=None):
     print(f"fitted ms/step = {f['fixed_ms']:.2f} fixed + {f['per_row_ms']:.3f} per row")
     if args.trace:
         res["trace"] = trace_sweep()
-        print(f"{'max_num_seqs':>12}{'slots':>6}{'req/s':>8}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
+        print(f"{'trace':<22}{'max_num_seqs':>12}{'slots':>6}{'req/s':>8}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
               f"{'peak run':>9}")
         for r in res["trace"]:
-            print(f"{r['max_num_seqs']:>12}{r['num_state_slots']:>6}{r['requests_per_s']:>8.1f}"
+            print(f"{r['trace']:<22}{r['max_num_seqs']:>12}{r['num_state_slots']:>6}{r['requests_per_s']:>8.1f}"
                   f"{r['ttft_ms_p50']:>10.0f}{r['ttft_ms_p99']:>8.0f}{r['tpot_ms_p50']:>10.1f}"
                   f"{r['tpot_ms_p99']:>8.1f}{r['peak_running']:>9}")
     OUT.parent.mkdir(exist_ok=True)

@@ -541,6 +541,8 @@ class ServeEngine:
             self.cache.check_integrity()
         else:
             pool.check_integrity()
+        cap = self.sched_config.max_running
+        assert cap is None or len(self.running) <= cap, f"{len(self.running)} running > {cap} (state slots / max_num_seqs)"
         owned = set()
         for rid in self.running:
             req = self.requests[rid]
