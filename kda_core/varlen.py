@@ -323,16 +323,19 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     x = model.embed[tokens].unsqueeze(0).clone()                          # [1, T_total, D]
     x[0, pad_tok] = float("nan")
     states_at = {i: {t: {} for t in meta.state_at[i]} for i in range(n) if meta.state_at[i]}
-    some = next(iter(pools.kda.values()), None)
-    dec_rows = _rows(meta.slot_idx[: meta.num_decode], 0 if some is None else some[0].shape[0])
-    _check_slots(meta.slot_idx, 0 if some is None else some[0].shape[0])
+    some = next(iter(pools.kda.values()), None)                           # no KDA layer: slots index nothing
+    num_slots = n if some is None else some[0].shape[0]
+    dec_rows = _rows(meta.slot_idx[: meta.num_decode], num_slots)
+    _check_slots(meta.slot_idx, num_slots)
     mla_index = {layer: j for j, layer in enumerate(cfg.mla_layers)}
+    old_blocks = _gather_blocks(pools.kv_cache, meta, slots) if cfg.mla_layers else None
     for li in range(cfg.num_layers):
         m, h = model.mixers[li], rmsnorm(x, model.norm1[li])
         if isinstance(m, KDALayer):
             y = _kda_layer(m, h, meta, qsl, slots, pools.kda[li], states_at, li, dec_rows)
         else:
-            y = _mla_layer(m, h, meta, qsl, slots, pos, pools.kv_cache, mla_index[li], kv_pages, kv_offs, kv_live)
+            y = _mla_layer(m, h, meta, qsl, slots, pos, pools.kv_cache, mla_index[li], kv_pages, kv_offs, kv_live,
+                           old_blocks)
         x = x + y
         x = x + model.mlp(li, rmsnorm(x, model.norm2[li]))
     last = torch.tensor([qsl[i + 1] - 1 for i in range(n)], dtype=torch.long)
@@ -377,7 +380,21 @@ def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool, states_at, li,
     return m.output(torch.cat(o_parts, dim=1), out_gate)                 # [1, T_total, D]
 
 
-def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx, kv_pages, kv_offs, kv_live):
+def _gather_blocks(kv_cache: torch.Tensor, meta: BatchMeta, slots) -> list:
+    """Every live row's cached latent blocks ``[nb_i, M, NB, R]`` (all MLA layers), in one gather over the
+    concatenated block tables, taken before this step writes any latent; None for pad rows."""
+    NB = kv_cache.shape[2]
+    nbs = [0 if s == PAD_SLOT else -(-meta.context_lens[i] // NB) for i, s in enumerate(slots)]
+    idx = [p for i, nb in enumerate(nbs) for p in meta.block_tables[i][:nb]]
+    if not idx:
+        return [None if s == PAD_SLOT else kv_cache.new_zeros((0,) + tuple(kv_cache.shape[1:])) for s in slots]
+    blocks = kv_cache.index_select(0, torch.tensor(idx, dtype=torch.long))   # [sum nb, M, NB, R]
+    out = list(blocks.split(nbs))
+    return [None if s == PAD_SLOT else out[i] for i, s in enumerate(slots)]
+
+
+def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx, kv_pages, kv_offs, kv_live,
+               old_blocks):
     cfg = m.cfg
     r, nope, Hm = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.num_mla_heads
     lat_new = _mla_latents(m, h, pos)                                     # [1, T_total, R]
@@ -386,8 +403,11 @@ def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx
     for i in range(len(slots)):
         a, b = qsl[i], qsl[i + 1]
         L = meta.context_lens[i]
-        old = (read_latents(kv_cache, m_idx, meta.block_tables[i], L) if slots[i] != PAD_SLOT
-               else lat_new.new_full((1, L, lat_new.shape[-1]), float("nan")))
+        if slots[i] == PAD_SLOT:
+            old = lat_new.new_full((1, L, lat_new.shape[-1]), float("nan"))
+        else:
+            blk = old_blocks[i]                                           # [nb, M, NB, R]
+            old = blk[:, m_idx].reshape(1, -1, blk.shape[-1])[:, :L]     # [1, L, R]
         fulls.append(torch.cat([old, lat_new[:, a:b]], dim=1))            # [1, L + T_i, R]
     lens = [f.shape[1] for f in fulls]
     kv_all = linear(torch.cat(fulls, dim=1)[..., :r], m.kv_b)             # [1, sum, Hm (nope + vd)]: row-invariant

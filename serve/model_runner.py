@@ -101,7 +101,11 @@ class ModelRunner:
         per = self._n_rec + self._n_conv
         for g, layers in enumerate(self.layout.groups):
             idx = torch.tensor([list(sp[g]) for sp in state_pages], dtype=torch.long).reshape(-1)  # [S * P_g]
-            flat = arena.index_select(0, idx).reshape(S, -1)              # [S, P_g * E]
+            used = len(layers) * per
+            if idx.numel() == S:                                          # one page per state: read the used part
+                flat = arena[:, :used].index_select(0, idx)               # [S, used]
+            else:
+                flat = arena.index_select(0, idx).reshape(S, -1)          # [S, P_g * E]
             for j, layer in enumerate(layers):
                 rec = flat[:, j * per: j * per + self._n_rec].reshape(S, *self._rec_shape)
                 conv = flat[:, j * per + self._n_rec: (j + 1) * per].reshape(S, *self._conv_shape)
@@ -113,17 +117,21 @@ class ModelRunner:
         if not keep:
             return
         arena = self._flat_arena()
-        per = self._n_rec + self._n_conv
         E = arena.shape[1]
         for g, layers in enumerate(self.layout.groups):
             idx = torch.tensor([list(state_pages[j][g]) for j in keep], dtype=torch.long).reshape(-1)
-            flat = arena.index_select(0, idx).reshape(len(keep), -1)       # [S', P_g * E] (keeps the tail)
             sel = torch.tensor(keep, dtype=torch.long)
-            for j, layer in enumerate(layers):
+            parts = []
+            for layer in layers:
                 rec, conv = dense[layer]
-                flat[:, j * per: j * per + self._n_rec] = rec[sel].reshape(len(keep), -1)
-                flat[:, j * per + self._n_rec: (j + 1) * per] = conv[sel].reshape(len(keep), -1)
-            arena.index_copy_(0, idx, flat.reshape(-1, E))
+                parts += [rec[sel].reshape(len(keep), -1), conv[sel].reshape(len(keep), -1)]
+            data = torch.cat(parts, dim=1)                                # [S', used]: recurrent, conv, ...
+            if idx.numel() == len(keep):                                  # one page per state: write the used part
+                arena[:, : data.shape[1]].index_copy_(0, idx, data)
+            else:                                                         # pages of a state: keep the last's tail
+                flat = arena.index_select(0, idx).reshape(len(keep), -1)  # [S', P_g * E]
+                flat[:, : data.shape[1]] = data
+                arena.index_copy_(0, idx, flat.reshape(-1, E))
 
     # ---- one step ---------------------------------------------------------------------------------
     def build(self, decode_rows: list, prefill_rows: list) -> StepBatch:
