@@ -30,8 +30,8 @@ import torch
 
 from kda_core.chunk import CHUNK_SIZE, kda_chunk
 from kda_core.invariant import linear
-from kda_core.kda import _step
-from kda_core.layer import KDACache, KDALayer, MLALayer, _block_causal_attention, rmsnorm, rope
+from kda_core.kda import _step, kda_recurrent
+from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _block_causal_attention, rmsnorm, rope
 
 PAD_SLOT = -1
 
@@ -194,6 +194,9 @@ class BatchMeta(NamedTuple):
     tokens its cache already holds (its first new token's position). block_tables: per row, the pages of
     its MLA latents (block j holds positions ``[j NB, (j + 1) NB)``). state_at: per row, offsets t in
     ``(0, T_row)`` after which every KDA layer's state is also returned (prefix-cache checkpoints).
+    num_verify: rows ``[num_decode, num_decode + num_verify)`` are verify rows of speculative decoding
+    (``1 + n`` tokens each, the exact token-by-token maths, with the per-token aux the rollback
+    strategies record); the rest are prefill rows.
     """
 
     query_start_loc: torch.Tensor
@@ -203,14 +206,27 @@ class BatchMeta(NamedTuple):
     context_lens: tuple
     block_tables: tuple
     state_at: tuple
+    num_verify: int = 0
+
+
+class VerifyRow(NamedTuple):
+    """What a verify row (speculative decoding) returns, as ``model.forward(mode="recurrent",
+    output_aux=True)`` of that row alone would: logits ``[1, T, 256]``, the cache after its T tokens
+    (``layers[i]``: a :class:`KDACache` or the MLA latents ``[1, L + T, R]``), aux ``{layer: KDAAux}``."""
+
+    logits: torch.Tensor
+    layers: dict
+    aux: dict
 
 
 class BatchOutput(NamedTuple):
     """logits ``[N, 256]`` fp32: each row's logits at its last new token (pad rows: garbage);
-    states_at: ``{row: {t: {layer: KDACache [1, ...]}}}`` for the rows that asked."""
+    states_at: ``{row: {t: {layer: KDACache [1, ...]}}}`` for the rows that asked; verify:
+    ``{row: VerifyRow}`` for the verify rows."""
 
     logits: torch.Tensor
     states_at: dict
+    verify: dict = {}
 
 
 class SlotPools(NamedTuple):
@@ -223,7 +239,7 @@ class SlotPools(NamedTuple):
 
 
 def make_meta(row_lens, num_decode: int, slot_idx, has_initial_state, context_lens, block_tables,
-              state_at=None) -> BatchMeta:
+              state_at=None, num_verify: int = 0) -> BatchMeta:
     """Build a :class:`BatchMeta` from per-row Python lists (``row_lens``: new tokens per row).
     Raises ValueError if a decode row does not have exactly one token or the lists disagree in length."""
     n = len(row_lens)
@@ -237,7 +253,7 @@ def make_meta(row_lens, num_decode: int, slot_idx, has_initial_state, context_le
     qsl[1:] = torch.tensor(list(row_lens), dtype=torch.long).cumsum(0)
     return BatchMeta(qsl, num_decode, torch.tensor(list(slot_idx), dtype=torch.long),
                      torch.tensor(list(has_initial_state), dtype=torch.bool), tuple(context_lens),
-                     tuple(tuple(t) for t in block_tables), tuple(state_at or ((),) * n))
+                     tuple(tuple(t) for t in block_tables), tuple(state_at or ((),) * n), num_verify)
 
 
 def _mla_latents(m: MLALayer, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -323,6 +339,7 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     x = model.embed[tokens].unsqueeze(0).clone()                          # [1, T_total, D]
     x[0, pad_tok] = float("nan")
     states_at = {i: {t: {} for t in meta.state_at[i]} for i in range(n) if meta.state_at[i]}
+    verify = {i: VerifyRow(None, {}, {}) for i in range(meta.num_decode, meta.num_decode + meta.num_verify)}
     some = next(iter(pools.kda.values()), None)                           # no KDA layer: slots index nothing
     num_slots = n if some is None else some[0].shape[0]
     dec_rows = _rows(meta.slot_idx[: meta.num_decode], num_slots)
@@ -332,18 +349,21 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     for li in range(cfg.num_layers):
         m, h = model.mixers[li], rmsnorm(x, model.norm1[li])
         if isinstance(m, KDALayer):
-            y = _kda_layer(m, h, meta, qsl, slots, pools.kda[li], states_at, li, dec_rows)
+            y = _kda_layer(m, h, meta, qsl, slots, pools.kda[li], states_at, li, dec_rows, verify)
         else:
             y = _mla_layer(m, h, meta, qsl, slots, pos, pools.kv_cache, mla_index[li], kv_pages, kv_offs, kv_live,
-                           old_blocks)
+                           old_blocks, verify, li)
         x = x + y
         x = x + model.mlp(li, rmsnorm(x, model.norm2[li]))
     last = torch.tensor([qsl[i + 1] - 1 for i in range(n)], dtype=torch.long)
     logits = linear(rmsnorm(x[0, last], model.norm_f), model.lm_head)      # [N, 256]
-    return BatchOutput(logits, states_at)
+    for i in verify:
+        rows = x[:, qsl[i]: qsl[i + 1]]                                    # [1, T, D]
+        verify[i] = verify[i]._replace(logits=linear(rmsnorm(rows, model.norm_f), model.lm_head))  # [1, T, 256]
+    return BatchOutput(logits, states_at, verify)
 
 
-def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool, states_at, li, dec_rows: _Rows):
+def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool, states_at, li, dec_rows: _Rows, verify):
     rec_pool, conv_pool = pool
     raw, g, beta, out_gate = m.project(h)                                 # [1, T_total, *]
     nd = meta.num_decode
@@ -364,6 +384,14 @@ def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool, states_at, li,
         has = bool(meta.has_initial_state[i])
         rec0, conv0 = _initial(rec_pool, slot, has), _initial(conv_pool, slot, has)
         q, k, v, conv = m.activate(raw[:, a:b], conv0)
+        if i in verify:                                                   # as KDALayer.forward(mode="recurrent", aux)
+            o, state, sts = kda_recurrent(q, k, v, g[:, a:b], beta[:, a:b], rec0, output_states=True)
+            verify[i].layers[li] = KDACache(state, conv)
+            verify[i].aux[li] = KDAAux(h[:, a:b], raw[:, a:b], q, k, v, g[:, a:b], beta[:, a:b], sts)
+            rec_pool[slot] = state[0]
+            conv_pool[slot] = conv[0]
+            o_parts.append(o)
+            continue
         o, state, hs = kda_chunk(q, k, v, g[:, a:b], beta[:, a:b], rec0, chunk_size=C)
         for t in meta.state_at[i]:                                        # as KDALayer.forward(state_at=...)
             s0 = t // C * C
@@ -394,7 +422,7 @@ def _gather_blocks(kv_cache: torch.Tensor, meta: BatchMeta, slots) -> list:
 
 
 def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx, kv_pages, kv_offs, kv_live,
-               old_blocks):
+               old_blocks, verify, li):
     cfg = m.cfg
     r, nope, Hm = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.num_mla_heads
     lat_new = _mla_latents(m, h, pos)                                     # [1, T_total, R]
@@ -421,12 +449,17 @@ def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx
         k = torch.cat([kv[..., :nope], k_rope], dim=-1).transpose(1, 2).contiguous()  # [1, Hm, L+T, dq]
         v = kv[..., nope:].transpose(1, 2).contiguous()                   # [1, Hm, L+T, vd]
         q = qall[:, a:b].transpose(1, 2)                                  # [1, Hm, T, dq]
-        if i >= meta.num_decode:
+        if i >= meta.num_decode + meta.num_verify:
             o = _block_causal_attention(q, k, v, L, m.scale)             # [1, Hm, T, vd]
         else:                                                             # as MLALayer.forward(mode="recurrent")
-            kt, vt = k[:, :, : L + 1].contiguous(), v[:, :, : L + 1].contiguous()
-            s = (q[:, :, 0:1] @ kt.transpose(-1, -2)) * m.scale           # [1, Hm, 1, L+1]
-            o = torch.softmax(s, dim=-1) @ vt                             # [1, Hm, 1, vd]
+            rows = []
+            for t in range(T):
+                kt, vt = k[:, :, : L + t + 1].contiguous(), v[:, :, : L + t + 1].contiguous()
+                s = (q[:, :, t: t + 1] @ kt.transpose(-1, -2)) * m.scale  # [1, Hm, 1, L+t+1]
+                rows.append(torch.softmax(s, dim=-1) @ vt)                # [1, Hm, 1, vd]
+            o = rows[0] if T == 1 else torch.cat(rows, dim=2)             # [1, Hm, T, vd]
+            if i in verify:
+                verify[i].layers[li] = full
         o_rows.append(o.transpose(1, 2).reshape(1, T, -1))                # [1, T, Hm vd]
     _write_latents(kv_cache, m_idx, kv_pages, kv_offs, lat_new[0, kv_live])
     return linear(torch.cat(o_rows, dim=1), m.o_proj)                     # [1, T_total, D]

@@ -7,7 +7,7 @@ ModelRunner`: one packed forward over every row, each row's KDA state read and w
 postprocess (append tokens, publish blocks and checkpoints, free finished requests). Every request's
 tokens and logits are bitwise those of the same request run alone (``kda_core.varlen``: batch
 invariance), so batching changes throughput, never an output. With speculation, the decode rows
-verify one request at a time (batch 1) and the prefill rows run batched.
+verify their own drafts in the same forward (one verify row each).
 
 Request flow:
 
@@ -39,7 +39,7 @@ from itertools import islice
 
 import torch
 
-from kda_core.model import HybridLM
+from kda_core.model import ForwardOutput, HybridCache, HybridLM
 from serve.config import ServeConfig
 from serve.errors import check_int
 from serve.memory.pages import write_kv, write_state, zero_state
@@ -49,7 +49,7 @@ from serve.prefix.cache import PrefixCache
 from serve.prefix.index import block_keys
 from serve.request import Request, RequestResult, RequestStatus, prompt_ids, read_request_cache, write_request_cache
 from serve.scheduler import Scheduler, SchedulerConfig
-from serve.spec.verify import Speculation, draft_budget, speculative_step
+from serve.spec.verify import Speculation, draft_budget, greedy_accept, speculative_step
 
 DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
 
@@ -149,23 +149,29 @@ class ServeEngine:
         if sched.empty:
             return sched.admitted
         errors = []
-        decode = sched.decode
-        if self.speculation is not None:               # speculative verify: batch 1 per decoding request
-            for req in decode:
-                try:
-                    self._decode_one(req)
-                except Exception as err:               # noqa: BLE001 - re-raised after the other rows
-                    errors.append(err)
-            decode = []
-        if decode or sched.prefill:
-            self._run_batch(decode, sched.prefill, errors)
+        decode, verify = sched.decode, []
+        if self.speculation is not None:               # every decoding row verifies its own drafts
+            verify, decode = [self._drafts(req) for req in decode], []
+        self._run_batch(decode, sched.prefill, errors, verify)
         if errors:
             raise errors[0]
         return True
 
-    def _run_batch(self, decode: list, prefill: list, errors: list) -> None:
+    def _drafts(self, req: Request) -> Row:
+        """A verify row: the last token and up to ``draft_budget`` drafts of the request's proposer."""
+        spec = self.speculation
+        if req.strategy is None:
+            req.proposer, req.strategy = spec.proposer(list(req.prompt)), spec.strategy()
+        b_end = None if self.cache is None else self.config.final_checkpoint(len(req.prompt), req.final_tokens)
+        n = draft_budget(spec.num_draft_tokens, req.computed, req.max_new_tokens - len(req.output), b_end)
+        drafts = [int(t) for t in req.proposer.propose(req.tokens(), n)[:n]]
+        return Row(req, [req.output[-1], *drafts], req.computed, False, verify=True)
+
+    def _run_batch(self, decode: list, prefill: list, errors: list, verify: list = ()) -> None:
         """Build the rows, run one forward, then postprocess (checkpoints inside prefill chunks, commit
-        the states, then per row: publish, append the token, finish)."""
+        the states, then per row: publish, append the token, finish; a verify row commits through its
+        rollback strategy: vLLM's per-row ``num_accepted_tokens``)."""
+        bases = {row.req.rid: read_request_cache(self.layout, self.pool, row.req) for row in verify}
         rows = [Row(req, [req.output[-1]], req.computed, True) for req in decode]
         prefill_rows = []
         for req, n in prefill:
@@ -173,11 +179,11 @@ class ServeEngine:
             inner = tuple(b - p for b in self.checkpoint_boundaries(len(req.prompt)) if p < b < p + n)
             prefill_rows.append(Row(req, req.prompt[p: p + n], p, False, inner))
         t0 = time.perf_counter()
-        batch = self.runner.run(self.runner.build(rows, prefill_rows))
+        batch = self.runner.run(self.runner.build(rows, prefill_rows, verify))
         self.last_batch = batch
         fwd_ms = _ms(t0)
         for i, row in enumerate(batch.rows):             # 1. checkpoints inside each prefill chunk
-            if row.req is None or row.decode:
+            if row.req is None or row.decode or row.verify:
                 continue
             req = row.req
             req.timings_ms["prefill"] += fwd_ms
@@ -191,13 +197,16 @@ class ServeEngine:
                     errors.append(err)
                     break
             req.timings_ms["checkpoint"] += _ms(t1)
-        self.runner.commit(batch, lambda r: r.status in (RequestStatus.PREFILL, RequestStatus.DECODE))  # 2.
+        self.runner.commit(batch, lambda r: r.status in (RequestStatus.PREFILL, RequestStatus.DECODE)
+                           and r.rid not in bases)       # 2. (a verify row's state: its strategy's commit)
         for i, row in enumerate(batch.rows):             # 3. publish, append, finish
             req = row.req
             if req is None or req.status not in (RequestStatus.PREFILL, RequestStatus.DECODE):
                 continue
             try:
-                if row.decode:
+                if row.verify:
+                    self._postprocess_verify(req, row, batch.verify[i], bases[req.rid])
+                elif row.decode:
                     self._postprocess_decode(req, batch.logits[i])
                 else:
                     self._postprocess_prefill(req, row, batch.logits[i])
@@ -215,6 +224,25 @@ class ServeEngine:
         if end == L:
             self._append(req, int(logits.argmax()), logits)
             self._finish_if_done(req)
+
+    def _postprocess_verify(self, req: Request, row: Row, out, base) -> None:
+        """Accept greedily, commit the state after the accepted drafts + 1 through the request's strategy
+        (as :func:`serve.spec.verify.verify_and_replay`), write it, then append, publish, finish."""
+        b_end = None if self.cache is None else self.config.final_checkpoint(len(req.prompt), req.final_tokens)
+        drafts = tuple(row.tokens[1:])
+        layers = tuple(out.layers[i] for i in range(self.model.cfg.num_layers))
+        verified = ForwardOutput(out.logits, HybridCache(layers, base.num_tokens + len(row.tokens)), out.aux)
+        req.strategy.record(self.model, base, verified)
+        target = tuple(int(t) for t in out.logits[0].argmax(-1))          # [1 + n] greedy tokens
+        a = greedy_accept(drafts, target)
+        write_request_cache(self.layout, self.pool, req, req.strategy.commit(a), req.computed)
+        req.drafted_tokens += len(drafts)
+        req.accepted_tokens += a
+        for tok, logits in zip(target[: a + 1], out.logits[0, : a + 1]):
+            self._append(req, tok, logits)
+        if b_end is not None and req.computed == b_end:
+            self._publish(req, b_end, True)
+        self._finish_if_done(req)
 
     def _postprocess_decode(self, req: Request, logits: torch.Tensor) -> None:
         b_end = None if self.cache is None else self.config.final_checkpoint(len(req.prompt), req.final_tokens)

@@ -45,6 +45,7 @@ class Row:
     start: int
     decode: bool
     state_at: tuple = ()
+    verify: bool = False
 
 
 @dataclass
@@ -58,6 +59,7 @@ class StepBatch:
     logits: torch.Tensor | None = None
     states_at: dict = field(default_factory=dict)
     dense: dict = field(default_factory=dict)
+    verify: dict = field(default_factory=dict)
     live_pages: list = field(default_factory=list)
 
     @property
@@ -134,12 +136,13 @@ class ModelRunner:
                 arena.index_copy_(0, idx, flat.reshape(-1, E))
 
     # ---- one step ---------------------------------------------------------------------------------
-    def build(self, decode_rows: list, prefill_rows: list) -> StepBatch:
-        """The batch as data: decode rows (padded to a bucket), then prefill rows; live row j gets slot j."""
+    def build(self, decode_rows: list, prefill_rows: list, verify_rows: list = ()) -> StepBatch:
+        """The batch as data: decode rows (padded to a bucket), then verify rows (speculative decoding,
+        ``1 + n`` tokens each), then prefill rows; live row j gets slot j."""
         rows = list(decode_rows)
         if self.pad_decode and rows:
             rows += [Row(None, [0], 0, True) for _ in range(decode_bucket(len(rows)) - len(rows))]
-        rows += list(prefill_rows)
+        rows += list(verify_rows) + list(prefill_rows)
         slots, slot = [], 0
         for r in rows:
             if r.req is None:
@@ -151,7 +154,7 @@ class ModelRunner:
         meta = make_meta([len(r.tokens) for r in rows], nd, slots,
                          [r.req is not None and (r.start > 0 or r.decode) for r in rows],
                          [r.start for r in rows], [r.req.page_table if r.req is not None else [] for r in rows],
-                         [r.state_at for r in rows])
+                         [r.state_at for r in rows], num_verify=len(verify_rows))
         return StepBatch(rows, meta)
 
     def run(self, batch: StepBatch) -> StepBatch:
@@ -164,7 +167,7 @@ class ModelRunner:
         kv = self.pool.typed_arena(torch.float32, lay.kv_block_shape)     # [P, M, NB, R]
         toks = torch.tensor([t for r in batch.rows for t in r.tokens], dtype=torch.long)
         out = forward_batch(self.model, toks, batch.meta, SlotPools(batch.dense, kv))
-        batch.logits, batch.states_at = out.logits, out.states_at
+        batch.logits, batch.states_at, batch.verify = out.logits, out.states_at, out.verify
         return batch
 
     def commit(self, batch: StepBatch, keep) -> None:

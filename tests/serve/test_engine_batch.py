@@ -149,23 +149,25 @@ def test_scheduler_rejects_bad_caps():
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_speculation_through_the_batched_engine_equals_alone(strategy):
-    """With speculation the decode rows verify one request at a time and the prefill rows run batched;
-    every request (several in flight, arriving at different steps) is bitwise its run alone, with every
-    rollback strategy."""
+    """With speculation every decoding row verifies its own drafts in the same forward (verify rows next
+    to prefill rows) and commits through its own rollback strategy; every request (several in flight,
+    arriving at different steps) is bitwise the previous engine's batch-1 verify, with every strategy."""
     prompts = [tokens(120 + i, 20 + 23 * i) for i in range(3)]
     refs = {tuple(p): alone(p, 12, cache=False).output_tokens for p in prompts}
 
-    def spec_eng():
+    def spec_eng(batched=True):
         model = tiny_model()
         config = ServeConfig(16, 16, page_policy="unified")
         pool = PagePool(96, config.page_bytes(model.cfg), poison=True)
-        return ServeEngine(model, pool, None, config=config, max_num_seqs=4,
+        return ServeEngine(model, pool, None, config=config, max_num_seqs=4, batched=batched,
                            speculation=oracle_speculation(refs, strategy, 0.3, 3))
 
     eng = spec_eng()
     rids = drive(eng, [(i, p, 12) for i, p in enumerate(prompts)])
+    assert drive.max_live_rows >= 2, "the verify rows never shared a forward"
+    drive.max_live_rows = 0
     for rid, p in rids.items():
-        res, ref = eng.result(rid), spec_eng().generate(p, 12, record_logits=True)
+        res, ref = eng.result(rid), spec_eng(batched=False).generate(p, 12, record_logits=True)
         assert res.output_tokens == ref.output_tokens == refs[tuple(p)]
-        assert torch.equal(res.logits, ref.logits)
-        assert res.drafted_tokens > 0
+        assert torch.equal(res.logits, ref.logits), "batched verify differs from the batch-1 verify"
+        assert res.drafted_tokens == ref.drafted_tokens > 0 and res.accepted_tokens == ref.accepted_tokens
