@@ -18,7 +18,7 @@ seqs = url_widget(c1.slider, "max_num_seqs", "p16_seqs", DEFAULTS["max_num_seqs"
 budget = url_widget(c2.select_slider, "Token budget per step (tokens)", "p16_budget",
                     DEFAULTS["max_num_batched_tokens"], [64, 128, 256, 512])
 slots = url_widget(c3.slider, "State slots", "p16_slots", DEFAULTS["num_state_slots"], 1, 16)
-spec = url_widget(c4.toggle, "Speculation (n-gram drafts, batch-1 verify)", "p16_spec", DEFAULTS["speculation"])
+spec = url_widget(c4.toggle, "Speculation (n-gram drafts, verified in the batch)", "p16_spec", DEFAULTS["speculation"])
 
 
 @st.cache_data(show_spinner="Replaying the trace, then every request alone…", max_entries=32, ttl="1h")
