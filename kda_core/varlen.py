@@ -345,14 +345,14 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     dec_rows = _rows(meta.slot_idx[: meta.num_decode], num_slots)
     _check_slots(meta.slot_idx, num_slots)
     mla_index = {layer: j for j, layer in enumerate(cfg.mla_layers)}
-    old_blocks = _gather_blocks(pools.kv_cache, meta, slots) if cfg.mla_layers else None
+    packed = _pack_latents(meta, qsl, slots, pools.kv_cache.shape[2]) if cfg.mla_layers else None
     for li in range(cfg.num_layers):
         m, h = model.mixers[li], rmsnorm(x, model.norm1[li])
         if isinstance(m, KDALayer):
             y = _kda_layer(m, h, meta, qsl, slots, pools.kda[li], states_at, li, dec_rows, verify)
         else:
             y = _mla_layer(m, h, meta, qsl, slots, pos, pools.kv_cache, mla_index[li], kv_pages, kv_offs, kv_live,
-                           old_blocks, verify, li)
+                           packed, verify, li)
         x = x + y
         x = x + model.mlp(li, rmsnorm(x, model.norm2[li]))
     last = torch.tensor([qsl[i + 1] - 1 for i in range(n)], dtype=torch.long)
@@ -408,46 +408,63 @@ def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool, states_at, li,
     return m.output(torch.cat(o_parts, dim=1), out_gate)                 # [1, T_total, D]
 
 
-def _gather_blocks(kv_cache: torch.Tensor, meta: BatchMeta, slots) -> list:
-    """Every live row's cached latent blocks ``[nb_i, M, NB, R]`` (all MLA layers), in one gather over the
-    concatenated block tables, taken before this step writes any latent; None for pad rows."""
-    NB = kv_cache.shape[2]
-    nbs = [0 if s == PAD_SLOT else -(-meta.context_lens[i] // NB) for i, s in enumerate(slots)]
-    idx = [p for i, nb in enumerate(nbs) for p in meta.block_tables[i][:nb]]
-    if not idx:
-        return [None if s == PAD_SLOT else kv_cache.new_zeros((0,) + tuple(kv_cache.shape[1:])) for s in slots]
-    blocks = kv_cache.index_select(0, torch.tensor(idx, dtype=torch.long))   # [sum nb, M, NB, R]
-    out = list(blocks.split(nbs))
-    return [None if s == PAD_SLOT else out[i] for i, s in enumerate(slots)]
+class _Packed(NamedTuple):
+    """Where every row's MLA latents ``[0, L_i + T_i)`` sit in one packed ``[sum_i (L_i + T_i), R]`` tensor:
+    row i at ``[start[i], start[i] + L_i + T_i)``; cached positions gathered from (old_page, old_off) to
+    old_dst (live rows only: a pad row's cached part stays NaN), new tokens from packed token new_src to new_dst."""
+
+    start: list
+    total: int
+    old_page: torch.Tensor
+    old_off: torch.Tensor
+    old_dst: torch.Tensor
+    new_src: torch.Tensor
+    new_dst: torch.Tensor
+
+
+def _pack_latents(meta: BatchMeta, qsl, slots, NB: int) -> _Packed:
+    """Index tensors of :class:`_Packed`, built once per forward from the block tables (vectorised per block)."""
+    starts, pages, dsts, counts, total = [], [], [], [], 0
+    for i, slot in enumerate(slots):
+        L, T = meta.context_lens[i], qsl[i + 1] - qsl[i]
+        starts.append(total)
+        if slot != PAD_SLOT:
+            for j in range(-(-L // NB)):
+                pages.append(meta.block_tables[i][j])
+                dsts.append(total + j * NB)
+                counts.append(min(NB, L - j * NB))
+        total += L + T
+    c = torch.tensor(counts, dtype=torch.long)
+    within = torch.arange(int(c.sum())) - torch.repeat_interleave(c.cumsum(0) - c, c)     # offset in its block
+    old_page = torch.repeat_interleave(torch.tensor(pages, dtype=torch.long), c)
+    old_dst = torch.repeat_interleave(torch.tensor(dsts, dtype=torch.long), c) + within
+    lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(slots))], dtype=torch.long)
+    shift = torch.tensor([starts[i] + meta.context_lens[i] - qsl[i] for i in range(len(slots))], dtype=torch.long)
+    new_src = torch.arange(qsl[-1])
+    return _Packed(starts, total, old_page, within, old_dst, new_src, new_src + torch.repeat_interleave(shift, lens))
 
 
 def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx, kv_pages, kv_offs, kv_live,
-               old_blocks, verify, li):
+               packed: _Packed, verify, li):
     cfg = m.cfg
     r, nope, Hm = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.num_mla_heads
     lat_new = _mla_latents(m, h, pos)                                     # [1, T_total, R]
     qall = _mla_queries(m, h, pos)                                        # [1, T_total, Hm, dq]
-    fulls, o_rows = [], []
+    full = lat_new.new_full((packed.total, lat_new.shape[-1]), float("nan"))  # [sum, R]
+    if packed.old_dst.numel():
+        full[packed.old_dst] = kv_cache[packed.old_page, m_idx, packed.old_off]
+    full[packed.new_dst] = lat_new[0, packed.new_src]
+    kv_all = linear(full[None, :, :r], m.kv_b).view(1, packed.total, Hm, -1)   # [1, sum, Hm, nope+vd]: row-invariant
+    k_rope = full[None, :, None, r:].expand(1, packed.total, Hm, -1)       # [1, sum, Hm, rope]
+    k_all = torch.cat([kv_all[..., :nope], k_rope], dim=-1)               # [1, sum, Hm, dq]
+    v_all = kv_all[..., nope:]                                            # [1, sum, Hm, vd]
+    o_rows = []
     for i in range(len(slots)):
         a, b = qsl[i], qsl[i + 1]
-        L = meta.context_lens[i]
-        if slots[i] == PAD_SLOT:
-            old = lat_new.new_full((1, L, lat_new.shape[-1]), float("nan"))
-        else:
-            blk = old_blocks[i]                                           # [nb, M, NB, R]
-            old = blk[:, m_idx].reshape(1, -1, blk.shape[-1])[:, :L]     # [1, L, R]
-        fulls.append(torch.cat([old, lat_new[:, a:b]], dim=1))            # [1, L + T_i, R]
-    lens = [f.shape[1] for f in fulls]
-    kv_all = linear(torch.cat(fulls, dim=1)[..., :r], m.kv_b)             # [1, sum, Hm (nope + vd)]: row-invariant
-    start = 0
-    for i, full in enumerate(fulls):
-        a, b = qsl[i], qsl[i + 1]
-        L, T, Lt = meta.context_lens[i], b - a, lens[i]
-        kv = kv_all[:, start: start + Lt].view(1, Lt, Hm, -1)             # [1, L+T, Hm, nope+vd]
-        start += Lt
-        k_rope = full[..., r:].unsqueeze(2).expand(1, Lt, Hm, -1)         # [1, L+T, Hm, rope]
-        k = torch.cat([kv[..., :nope], k_rope], dim=-1).transpose(1, 2).contiguous()  # [1, Hm, L+T, dq]
-        v = kv[..., nope:].transpose(1, 2).contiguous()                   # [1, Hm, L+T, vd]
+        L, T = meta.context_lens[i], b - a
+        s0, s1 = packed.start[i], packed.start[i] + L + T
+        k = k_all[:, s0:s1].transpose(1, 2).contiguous()                  # [1, Hm, L+T, dq]
+        v = v_all[:, s0:s1].transpose(1, 2).contiguous()                  # [1, Hm, L+T, vd]
         q = qall[:, a:b].transpose(1, 2)                                  # [1, Hm, T, dq]
         if i >= meta.num_decode + meta.num_verify:
             o = _block_causal_attention(q, k, v, L, m.scale)             # [1, Hm, T, vd]
@@ -459,7 +476,7 @@ def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx
                 rows.append(torch.softmax(s, dim=-1) @ vt)                # [1, Hm, 1, vd]
             o = rows[0] if T == 1 else torch.cat(rows, dim=2)             # [1, Hm, T, vd]
             if i in verify:
-                verify[i].layers[li] = full
+                verify[i].layers[li] = full[s0:s1].unsqueeze(0).clone()  # [1, L+T, R]
         o_rows.append(o.transpose(1, 2).reshape(1, T, -1))                # [1, T, Hm vd]
     _write_latents(kv_cache, m_idx, kv_pages, kv_offs, lat_new[0, kv_live])
     return linear(torch.cat(o_rows, dim=1), m.o_proj)                     # [1, T_total, D]
