@@ -39,6 +39,7 @@ import threading
 import time
 from pathlib import Path
 
+from app_pages.registry import HOME, SECTIONS, TABS
 from bench.app_server import (
     CHROMIUM,
     FLAGS,
@@ -48,7 +49,6 @@ from bench.app_server import (
     streamlit_server,
     tree_memory,
 )
-from pages._registry import HOME, SECTIONS, TABS
 
 RESULTS = Path(__file__).resolve().parent / "results" / "app.json"
 GOALS = {"end_pss_mib": 500, "peak_pss_mib": 690, "home_first_render_s": 4.0, "page_first_render_s": 2.0}
@@ -74,11 +74,6 @@ class PeakSampler(threading.Thread):
     def stop(self):
         self._stop_event.set()
         self.join()
-
-
-def _url_path(path: str) -> str:
-    stem = Path(path).stem
-    return stem.split("_", 1)[1] if stem[:2].isdigit() else stem
 
 
 # Installed before every document loads: stamps each change of the script state and of the number of
@@ -173,7 +168,7 @@ def tour(env: dict) -> tuple[dict, contextlib.ExitStack, str, int]:
         print(f"{'Home on a fresh server':36s} first {fresh:6.2f} s", flush=True)
         for tab in [HOME] + TABS:
             n_console = len(console)
-            first = _open(page, url, "/" if tab is HOME else "/" + _url_path(tab.path))
+            first = _open(page, url, "/" if tab is HOME else "/" + tab.url_path)
             reruns = _change_widgets(page)
             mem = tree_memory(pid)
             rows.append(dict(page=tab.title, first_render_s=round(first, 2),

@@ -148,7 +148,7 @@ def open_deep_links_together(url: str, paths: list[str], timeout_ms: int = 240_0
 
 def sectioned_navigation_problems(views: list[SessionView], sections: list[str], tab_titles: list[str]) -> list[str]:
     """What is wrong with each session's view: not ``st.navigation``'s sectioned list (every section
-    and tab title, no ``app``/``_common``/``_registry`` entries), a traceback, or no title."""
+    and tab title, no ``app``/``common``/``registry`` entries), a traceback, or no title."""
     problems = []
     for v in views:
         missing = [s for s in sections + tab_titles if s not in v.nav]

@@ -2,9 +2,10 @@
 checkpoints and KCP (prepare / states / outputs split), and full forgetting (g = -inf) handled as in
 :func:`kda_core.kda.kda_recurrent`.
 
-Shapes as in :mod:`kda_core.kda`; NT = number of chunks. The chunk form rejects NaN / inf in q, k, v,
-beta and the initial state, and NaN / +inf in g, with a ValueError naming the tensor (a chunk mixes
-its tokens, so a NaN would also corrupt the tokens before it).
+Shapes as in :mod:`kda_core.kda`; NT = number of chunks. The chunk form rejects NaN / inf in q, k, v
+and the initial state, and g or beta outside the gates' domain (:func:`kda_core.kda.check_gates`: g in
+[-inf, 0], beta in [0, 1]), with a ValueError naming the tensor (a chunk mixes its tokens, so a NaN
+would also corrupt the tokens before it).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kda_core.kda import _check_inputs, _compute_dtype
+from kda_core.kda import NonFiniteError, _check_inputs, _compute_dtype, check_gates, check_scale
 
 CHUNK_SIZE = 64  # C of the chunked kernel (fla's chunk_kda uses BT = 64); the prefill grid of the layers
 
@@ -30,23 +31,16 @@ class ChunkOutput(NamedTuple):
     h: torch.Tensor
 
 
-def _check_finite(tensors: dict, g: torch.Tensor | None = None) -> bool:
-    """Raise ValueError naming the first tensor of ``tensors`` holding NaN or +-inf, or ``g`` holding
-    NaN or +inf (``g = -inf`` is full forgetting, legal). Returns True if ``g`` may hold -inf.
+def _check_finite(tensors: dict) -> None:
+    """Raise :class:`kda_core.kda.NonFiniteError` (a ValueError) naming the first tensor of ``tensors`` holding NaN or +-inf.
 
     One ``sum`` per tensor (a non-finite element always makes the sum non-finite; ~0.4 % of a
     T = 4096 ``kda_chunk`` here); the exact element check runs only when a sum is not finite.
     """
     for name, t in tensors.items():
         if t is not None and not torch.isfinite(t.sum()) and not torch.isfinite(t).all():
-            raise ValueError(f"{name} must be finite, got {int((~torch.isfinite(t)).sum())} NaN/inf element(s); "
+            raise NonFiniteError(f"{name} must be finite, got {int((~torch.isfinite(t)).sum())} NaN/inf element(s); "
                              "the chunk form would spread them to earlier tokens of their chunk")
-    if g is None or torch.isfinite(g.sum()):
-        return False
-    if torch.isnan(g).any() or torch.isposinf(g).any():
-        raise ValueError("g must be finite or -inf (log decay; -inf = full forgetting), got "
-                         f"{int(torch.isnan(g).sum())} NaN and {int(torch.isposinf(g).sum())} +inf element(s)")
-    return True
 
 def _decay(diff: torch.Tensor, same: torch.Tensor | None) -> torch.Tensor:
     """``exp(diff)``, zeroed where ``same`` is False (a full-forgetting step, g = -inf, lies between the
@@ -124,7 +118,7 @@ class ChunkStates(NamedTuple):
 
 
 def _check_chunk_size(chunk_size) -> None:
-    if not (isinstance(chunk_size, int) and chunk_size > 0 and chunk_size & (chunk_size - 1) == 0):
+    if not (isinstance(chunk_size, int) and not isinstance(chunk_size, bool) and chunk_size > 0 and chunk_size & (chunk_size - 1) == 0):
         raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size!r}")
 
 
@@ -143,7 +137,9 @@ def kda_chunk_prepare(
     """
     _check_inputs(q, k, v, g, beta, None, has_time=True, state_name="initial_state")
     _check_chunk_size(chunk_size)
-    may_forget = _check_finite(dict(q=q, k=k, v=v, beta=beta), g)
+    check_scale(scale)
+    _check_finite(dict(q=q, k=k, v=v))
+    may_forget = check_gates(g, beta)                # g in [-inf, 0], beta in [0, 1], no NaN
     dt = _compute_dtype(v)
     B, T, H, K = q.shape
     C = chunk_size
@@ -257,16 +253,19 @@ def kda_chunk(
         h ``[B, NT, H, K, V]`` with ``h[:, j]`` the state before chunk j).
 
     Raises:
-        ValueError: on shape mismatch, a chunk_size that is not a positive power of two, a
-            piece_tokens that is not a positive multiple of chunk_size, or non-finite inputs (NaN /
-            inf anywhere except ``g = -inf``, which is full forgetting and gives the recurrent result).
+        ValueError: on shape mismatch, a zero B, H, K or V (T = 0 gives no outputs and the initial state),
+            a chunk_size that is not a positive power of two (a bool is not), a piece_tokens that is
+            not a positive multiple of chunk_size, a scale that is not None or a finite number > 0,
+            non-finite q, k, v or initial_state, or g / beta outside the gates' domain
+            (:func:`kda_core.kda.check_gates`: g in [-inf, 0], ``-inf`` being full forgetting with
+            the recurrent result; beta in [0, 1]).
 
     It is :func:`kda_chunk_prepare` (intra-chunk, parallel), :func:`kda_chunk_states` (the sequential
     scan) and :func:`kda_chunk_outputs`; context parallel (``serve.parallel.kcp``) runs them apart.
     """
     _check_inputs(q, k, v, g, beta, initial_state, has_time=True, state_name="initial_state")
     _check_chunk_size(chunk_size)
-    if not (isinstance(piece_tokens, int) and piece_tokens >= chunk_size and piece_tokens % chunk_size == 0):
+    if not (isinstance(piece_tokens, int) and not isinstance(piece_tokens, bool) and piece_tokens >= chunk_size and piece_tokens % chunk_size == 0):
         raise ValueError(f"piece_tokens must be a positive multiple of chunk_size={chunk_size}, got {piece_tokens!r}")
     T = q.shape[1]
     if T <= piece_tokens:

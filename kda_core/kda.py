@@ -12,10 +12,20 @@ The reference ladder: :func:`kda_step` -> :func:`kda_recurrent` -> :func:`kda_co
 (the chunked form, checked against this loop and against fla's naive forms).
 
 Inputs: ``g = -inf`` is full forgetting (``exp(-inf) = 0`` zeroes that state row) and every form
-handles it. ``kda_step`` / ``kda_recurrent`` (the per-token decode path) do not check for NaN, and a
-NaN there reaches only the tokens after it; the chunk form rejects non-finite inputs.
+handles it. Every form checks the gates' domain (:func:`check_gates`): ``g`` in ``[-inf, 0]`` (a decay
+``exp(g)`` in [0, 1]) and ``beta`` in [0, 1] (a sigmoid's range), NaN rejected; outside it the
+recurrence is not a decay and grows the state until it overflows (``g = +10`` or ``beta = 1e6`` gave
+silent NaN, and a different NaN count in the chunk form than in the loop). fla's layers can double
+beta into [0, 2] (``allow_neg_eigval``, negative eigenvalues); this project's layers do not, so
+[0, 1] it is. Keys are expected L2-normalised (the layers do it); that is not checked.
+``kda_step`` / ``kda_recurrent`` (the per-token decode path) do not check q, k, v or the state for
+NaN, and a NaN there reaches only the tokens after it (the engine aborts a request whose logits are
+not finite); the chunk form rejects non-finite inputs.
 """
 from __future__ import annotations
+
+import math
+from numbers import Real
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +57,57 @@ def _check_inputs(q, k, v, g, beta, state, *, has_time: bool, state_name: str):
     if beta.shape != q.shape[:-1]:
         raise ValueError(f"beta must have shape {tuple(q.shape[:-1])} (q without K), got {tuple(beta.shape)}")
     B, H, K, V = q.shape[0], q.shape[-2], q.shape[-1], v.shape[-1]
+    if 0 in (B, H, K, V):
+        raise ValueError(f"B, H, K and V must be >= 1, got B={B}, H={H}, K={K}, V={V} "
+                         f"(q {tuple(q.shape)}, v {tuple(v.shape)})")
     if state is not None:
         if not isinstance(state, torch.Tensor) or state.shape != (B, H, K, V):
             got = tuple(state.shape) if isinstance(state, torch.Tensor) else type(state).__name__
             raise ValueError(f"{state_name} must have shape [B, H, K, V] = {(B, H, K, V)}, got {got}")
+
+
+class NonFiniteError(ValueError):
+    """An input holds NaN (or inf where the maths needs finite values): a ValueError a caller can tell
+    from a wrong shape, e.g. the engine aborts the one request whose state or cache went non-finite."""
+
+
+def check_scale(scale) -> None:
+    """Raise ValueError unless ``scale`` is None (``K ** -0.5``) or a finite real number > 0 (not a bool)."""
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, Real)
+                              or not 0 < scale < math.inf):
+        raise ValueError(f"scale must be None (K ** -0.5) or a finite number > 0, got {scale!r}")
+
+
+def check_gates(g: torch.Tensor, beta: torch.Tensor) -> bool:
+    """Raise ValueError unless ``g`` lies in ``[-inf, 0]`` and ``beta`` in [0, 1]; where the cause is NaN (or
+    +inf in g, +-inf in beta) it is a :class:`NonFiniteError`.
+
+    One ``aminmax`` pass per tensor (a min/max reduction reads each element once; NaN propagates
+    into it), the element counts only on the error path. Returns True if ``g`` holds ``-inf`` (full
+    forgetting, which the chunk form handles apart).
+    """
+    may_forget = False
+    if g.numel():
+        g_min, g_max = (m.item() for m in torch.aminmax(g))     # Python floats: no more tensor ops
+        if not g_max <= 0:
+            pos = int((g > 0).sum())
+            raise (ValueError if math.isfinite(g_max) else NonFiniteError)(   # NaN or +inf: non-finite
+                f"g must be a log decay in [-inf, 0] (-inf = full forgetting), got {pos} element(s) > 0 "
+                f"(max {float(g.nan_to_num(-math.inf, math.inf, -math.inf).max()):g}) and {int(g.isnan().sum())} NaN"
+                + (": a g > 0 grows the state by exp(g) per token until it overflows" if pos else ""))
+        may_forget = g_min == -math.inf
+    if beta.numel():
+        b_min, b_max = (m.item() for m in torch.aminmax(beta))
+        if not 0 <= b_min <= b_max <= 1:
+            bad = (beta < 0) | (beta > 1)
+            out = int(bad.sum())
+            raise (ValueError if math.isfinite(b_min) and math.isfinite(b_max) else NonFiniteError)(
+                f"beta must be in [0, 1] (a sigmoid's output), got {out} element(s) outside it and "
+                f"{int(beta.isnan().sum())} NaN (range {float(beta.nan_to_num(0.0, math.inf, -math.inf).min()):g} .. "
+                f"{float(beta.nan_to_num(0.0, math.inf, -math.inf).max()):g})"
+                + (": outside [0, 1] the delta rule overshoots and the state diverges" if out else ""))
+    return may_forget
+
 
 def kda_gate(
     f: torch.Tensor,
@@ -115,7 +172,8 @@ def kda_step(
         (o ``[B, H, V]`` in v's dtype, new_state ``[B, H, K, V]`` fp32/fp64).
 
     Raises:
-        ValueError: on shape mismatch (names the argument and the expected shape).
+        ValueError: on shape mismatch (names the argument and the expected shape), a zero B, H, K or V,
+        a g or beta outside its domain (:func:`check_gates`) or a bad scale (:func:`check_scale`).
     """
     o, s, _ = kda_step_with_correction(q, k, v, g, beta, state, scale)
     return o, s
@@ -136,6 +194,8 @@ def kda_step_with_correction(q, k, v, g, beta, state, scale=None):
     """Like :func:`kda_step` but also returns ``u`` ``[B, H, V]``, the per-token delta correction
     ``beta (v - S'^T k)`` (used by the closed-form check of the speculative-decoding rollback strategies)."""
     _check_inputs(q, k, v, g, beta, state, has_time=False, state_name="state")
+    check_scale(scale)
+    check_gates(g, beta)
     dt = _compute_dtype(v)
     if scale is None:
         scale = q.shape[-1] ** -0.5
@@ -165,9 +225,12 @@ def kda_recurrent(
         states ``[B, T, H, K, V]`` where ``states[:, t]`` is the state after token t.
 
     Raises:
-        ValueError: on shape mismatch.
+        ValueError: on shape mismatch, a zero B, H, K or V (T = 0 returns no outputs and the initial
+        state), a g or beta outside its domain (:func:`check_gates`) or a bad scale (:func:`check_scale`).
     """
     _check_inputs(q, k, v, g, beta, initial_state, has_time=True, state_name="initial_state")
+    check_scale(scale)
+    check_gates(g, beta)
     dt, out_dtype = _compute_dtype(v), v.dtype
     B, T, H, K = q.shape
     V = v.shape[-1]

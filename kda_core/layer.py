@@ -10,6 +10,7 @@ Caches are immutable values: every call returns a new cache and never mutates it
 """
 from __future__ import annotations
 
+from numbers import Integral
 from typing import NamedTuple
 
 import torch
@@ -38,6 +39,16 @@ def _check_x(x: torch.Tensor, d: int) -> None:
         raise ValueError(f"x must have shape [B, T, D] with D = {d}, got {got}")
     if x.dtype != torch.float32:
         raise ValueError(f"x must be float32, got {x.dtype}")
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"x must hold at least one sequence and one token (B, T >= 1), got {tuple(x.shape)}")
+
+
+def _check_state_at(state_at) -> None:
+    """Raise ValueError unless ``state_at`` is a tuple or list of ints (a float offset failed as an
+    IndexError deep in the chunk states, a bare int as a TypeError, and True passed as offset 1)."""
+    if not isinstance(state_at, (tuple, list)) or any(isinstance(t, bool) or not isinstance(t, Integral)
+                                                      for t in state_at):
+        raise ValueError(f"state_at must be a tuple of int offsets, got {state_at!r}")
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -163,13 +174,15 @@ class KDALayer(nn.Module):
         ``h[:, t // C]`` of :func:`kda_chunk`; any other t runs the t % C tokens after the grid point
         below it as one more short chunk from that state. The conv part is the raw inputs of the W-1
         tokens before t. One forward then yields every prefix-cache checkpoint of a prefill.
-        Raises ValueError for offsets outside (0, T), in recurrent mode or with output_aux.
+        Raises ValueError for x not ``[B, T, D]`` fp32 with B, T >= 1, ``state_at`` not a tuple or list
+        of ints, offsets outside (0, T), or ``state_at`` in recurrent mode or with output_aux.
         """
         _check_mode(mode)
         _check_x(x, self.cfg.hidden_size)
         if cache is None:
             cache = self.empty_cache(x.shape[0])
         T = x.shape[1]
+        _check_state_at(state_at)
         if state_at and (mode != "chunk" or output_aux or any(not 0 < t < T for t in state_at)):
             raise ValueError(f"state_at must hold offsets in (0, {T}) and needs mode='chunk' without output_aux, "
                              f"got {state_at} (mode={mode!r}, output_aux={output_aux})")

@@ -14,7 +14,7 @@ from torch import nn
 
 from kda_core.config import PRESETS, ModelConfig
 from kda_core.invariant import linear, pointwise
-from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _check_mode, rmsnorm
+from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _check_mode, _check_state_at, rmsnorm
 
 
 class HybridCache(NamedTuple):
@@ -111,6 +111,7 @@ class HybridLM(nn.Module):
         cache after exactly t tokens is also returned (``states_at``; see ``KDALayer.forward``).
         """
         _check_mode(mode)
+        _check_state_at(state_at)
         tokens = self._check_tokens(tokens)
         B, T = tokens.shape
         if T == 0:

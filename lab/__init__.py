@@ -1,4 +1,4 @@
-"""The experiment layer: one module per page topic, imported only by ``pages/`` and ``bench/``.
+"""The experiment layer: one module per page topic, imported only by ``app_pages/`` and ``bench/``.
 
 Each page makes ONE (cached) call into its module, which runs the real ``kda_core`` / ``serve`` code and
 returns plain data (pandas frames, frozen dataclasses, NamedTuples) for all of the page's charts. A lab

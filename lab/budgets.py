@@ -11,8 +11,9 @@ and the VTC scheduler with the classes' weights on every replica.
 
 :func:`budget_page` assembles page 13's scenario from its widgets in one call. Its rates are not fixed
 numbers: each is a load factor (this lab's choice, named below) times the fleet's capacity at that
-class's request lengths, measured on the chosen replica model (:func:`fleet_capacity_rps`), so the same
-scenario overloads an 8 x H200 fleet and an A10G one alike. Replicas: a real model on real GPUs with
+class's request lengths (:func:`fleet_capacity_rps`): by default of a reference fleet (the model on 8 x H200,
+:data:`LOAD_BASES`), so every hardware choice gets the same requests/s and its roofline service times set the
+seconds; or of the chosen fleet itself, the same overload on any hardware. Replicas: a real model on real GPUs with
 roofline step times and a policy cache at real bytes (:func:`lab.fleet_simulation.real_replica`; the
 default, Kimi-Linear-48B-A3B on 8 x H200), or the VTC artifact's A10G calibration
 (:func:`serve.fleet.vtc.on_off_less_service`) sped up by assumed factors that the page states.
@@ -27,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 import pandas as pd
 
-from lab.fleet import PAGE_TRACE_BLOCKS, default_service, results_frame
+from lab.fleet import PAGE_TRACE_BLOCKS, default_service, fitting_tps, results_frame
 from lab.fleet_simulation import HARDWARE, MODELS, REAL_DEFAULTS, SERVICE_MODELS, TP_SIZES, real_replica
 from serve.azure_trace import read_azure_csv
 from serve.errors import check_choice
@@ -171,8 +172,27 @@ DEFAULTS = {"vip_load": 0.05, "standard_load": 0.25, "vip_weight": 4, "standard_
             "burst_class": "standard", "burst_load": 2.0, "burst_duration_s": 10, "num_replicas": 2}
 REPLICA_MODELS = {label: key for label, key in SERVICE_MODELS.items() if key in ("roofline", "a10g")}
 # The A10G option: the VTC artifact's FCFS calibration sped up by ASSUMED factors (prefill x8, decode x5) with
-# KV room for 400,000 tokens (a larger GPU), as page 14's A10G replica; the page says so.
+# KV room for 400,000 tokens (a larger GPU), as page 14's A10G replica; the page says so. They cannot come from the
+# roofline: the calibration is Llama-7B measured on an A10G, and serve.scale has neither that model's shape nor an
+# A10G datasheet preset, so there is no hardware choice for this replica.
 PREFILL_SPEEDUP, DECODE_SPEEDUP, KV_CAPACITY_TOKENS = 8.0, 5.0, 400_000
+# What a load (a slider's %) is a share of. "reference": the capacity of a fixed reference fleet of the same replica
+# count (the real-model replica: the chosen model on :data:`REFERENCE_GPU`, :func:`reference_tp`; the A10G replica:
+# itself), so every hardware choice
+# gets the same requests/s and its roofline service times set the seconds. "own": the chosen fleet's own capacity,
+# the same overload on any hardware; the backlog is then load x burst length and the seconds hardly move.
+LOAD_BASES = {"reference": "a reference fleet (the model on 8 × H200): the same requests/s on any hardware",
+              "own": "the chosen fleet's own capacity: the same overload on any hardware"}
+REFERENCE_GPU = "H200"
+
+
+def reference_tp(model: str) -> int:
+    """TP of the reference replica of ``model`` on :data:`REFERENCE_GPU`: 8 where the weights fit in 8 GPUs, else the
+    fewest they fit in (Kimi K3: 16). Raises ValueError for an unknown model or one that fits no TP size."""
+    tps = fitting_tps(model, REFERENCE_GPU)
+    if not tps:
+        raise ValueError(f"model {model!r} fits on no TP size of {REFERENCE_GPU}: no reference fleet")
+    return 8 if 8 in tps else min(tps)
 WITHOUT, WITH = "Without isolation", "With isolation"  # the two runs, as the page labels them
 
 
@@ -222,7 +242,8 @@ class BudgetPage:
     are; capacity_rps: :func:`fleet_capacity_rps`; rates_rps: each class's steady rate (req/s);
     budget_tokens_per_s: each bucket's refill (tokens/s); num_requests: all requests; burst_requests: burst
     requests actually in them; note: what an Azure file's budget cut or why the burst is smaller ("" if
-    nothing); duration_s / burst_start_s: the scenario's times."""
+    nothing); basis_capacity_rps: the capacity the loads are shares of (:data:`LOAD_BASES`; req/s per class; equal
+    to capacity_rps with "own" and on the A10G replica); duration_s / burst_start_s: the scenario's times."""
 
     per_request: pd.DataFrame
     summary: pd.DataFrame
@@ -234,6 +255,7 @@ class BudgetPage:
     num_requests: int
     burst_requests: int
     note: str
+    basis_capacity_rps: dict | None = None
     duration_s: float = DURATION_S
     burst_start_s: float = BURST_START_S
 
@@ -252,13 +274,15 @@ def budget_page(vip_load: float, standard_load: float, vip_weight: float, standa
                 burst_class: str, burst_load: float, burst_duration_s: float, num_replicas: int,
                 azure: bytes | None = None, azure_name: str = "uploaded file", service_model: str = "roofline",
                 model: str = REAL_DEFAULTS["model"], gpu: str = REAL_DEFAULTS["gpu"],
-                tp: int = REAL_DEFAULTS["tp"]) -> BudgetPage:
+                tp: int = REAL_DEFAULTS["tp"], load_basis: str = "reference") -> BudgetPage:
     """Page 13's scenario on ``num_replicas`` replicas of :func:`budget_service`: steady VIP / standard / batch
     traffic at ``vip_load`` / ``standard_load`` / :data:`BATCH_LOAD` of the fleet's capacity at each class's
     lengths, and from :data:`BURST_START_S` a burst of ``burst_class`` offering ``burst_load`` x the fleet's
     capacity for ``burst_duration_s`` (at most :data:`MAX_BURST_REQUESTS`; uniform, or shaped by an Azure LLM trace CSV ``azure``: its arrival
     pattern and lengths); run without isolation and with it (standard bucket refilled at ``standard_budget``
-    x the fleet's token throughput at standard lengths, batch at :data:`BATCH_BUDGET`).
+    x the fleet's token throughput at standard lengths, batch at :data:`BATCH_BUDGET`). Every "capacity" here is
+    that of the fleet ``load_basis`` names (:data:`LOAD_BASES`): with "reference" (default) the offered requests/s
+    are the same for every ``gpu`` / ``tp`` / ``model``, and the chosen replica's service times decide the queues.
 
     Raises: ValueError for an unknown burst class or option, negative loads, non-positive budget, duration
     or replicas, weights that do not fit, or a bad Azure file (TraceFormatError naming the file and line)."""
@@ -269,8 +293,11 @@ def budget_page(vip_load: float, standard_load: float, vip_weight: float, standa
     if not standard_budget > 0 or not burst_duration_s > 0 or not num_replicas >= 1:
         raise ValueError(f"standard_budget and burst_duration_s must be > 0 and num_replicas >= 1, got "
                          f"{standard_budget}, {burst_duration_s}, {num_replicas}")
+    check_choice("load_basis", load_basis, tuple(LOAD_BASES))
     service, _ = budget_service(service_model, model, gpu, tp)  # no prompt shares a prefix: no prefix cache
-    capacity = fleet_capacity_rps(service, num_replicas)
+    own = fleet_capacity_rps(service, num_replicas)
+    capacity = own if load_basis == "own" or service_model == "a10g" else fleet_capacity_rps(
+        budget_service(service_model, model, REFERENCE_GPU, reference_tp(model))[0], num_replicas)
     rates = {"vip": vip_load * capacity["vip"], "standard": standard_load * capacity["standard"],
              "batch": BATCH_LOAD * capacity["batch"]}
     budget_rates = {"standard": standard_budget * capacity["standard"] * sum(TOKENS["standard"]),
@@ -290,5 +317,6 @@ def budget_page(vip_load: float, standard_load: float, vip_weight: float, standa
     run = run_budget_scenario(traffic.requests, classes, FleetConfig(
         service=service, num_replicas=num_replicas, router=ROUTER, cache_capacity_blocks=0))
     notes = (capped, cut if asked else "", traffic.note)  # with no burst the file is only checked: nothing "cut"
-    return BudgetPage(*budget_frames(run, classes), service.source, capacity, rates, budget_rates,
-                      len(traffic.requests), traffic.burst_requests, " ".join(filter(None, notes)))
+    return BudgetPage(*budget_frames(run, classes), service.source, own, rates, budget_rates,
+                      len(traffic.requests), traffic.burst_requests, " ".join(filter(None, notes)),
+                      basis_capacity_rps=capacity)

@@ -7,7 +7,8 @@ that is a production policy model at real bytes (:class:`serve.fleet.policy_cach
 over :func:`lab.real_scale.make_policy`) under ``budget_fraction`` of the HBM the weights leave; the
 running requests' KV has the rest. "a10g" = the VTC artifact's calibration (the validated setup that
 reproduces the VTC measurements), "cpu" = our engine timed on this CPU; both with a block LRU cache of
-``capacity`` blocks and the stated (assumed) speed-up."""
+``capacity`` blocks and the stated (assumed) speed-up. The offered load is an arrival rate (``arrival_rps``):
+the trace re-timed (:func:`retime`); :func:`load_sweep` runs one setup at several rates (TTFT against load)."""
 from __future__ import annotations
 
 import math
@@ -36,7 +37,7 @@ from lab.real_scale import (
     preset_title,
 )
 from lab.real_scale import POLICIES as CACHE_POLICIES
-from serve.errors import check_choice
+from serve.errors import check_choice, check_positive
 from serve.fleet import ROUTERS
 from serve.fleet.budgets import PriorityClass
 from serve.fleet.prefix_score import PREFIX_SCORE_ROUTERS
@@ -46,6 +47,7 @@ from serve.fleet.sim_types import FleetConfig
 from serve.fleet.vtc import on_off_less_service
 from serve.scale.hardware import hardware
 from serve.scale.policies import ReplicaBytes
+from serve.traces import TraceRequest
 
 POLICIES = tuple(ROUTERS) + tuple(PREFIX_SCORE_ROUTERS)
 SERVICE_MODELS = {"real model · roofline, policy cache at real bytes": "roofline",
@@ -57,6 +59,12 @@ BUDGET_OPTIONS = tuple(BUDGET_FRACTIONS)
 CAPACITIES = ("0", "500", "2000", "8000", "unlimited")  # cache per replica options (512-token blocks)
 SCALE_EVENTS = ("none", "add", "remove")  # at half the trace's duration
 SCHEDULERS = ("fcfs", "vtc")
+# Offered load: the trace re-timed to this many requests per second across the fleet (its own timestamps: None).
+# At the synthetic trace's own 3.4 req/s, 8 real-model replicas hold ~0.2 requests each and every routing policy
+# gives the same TTFT up to its cache hits; from ~40 req/s queues form and balance starts to matter.
+ARRIVAL_RATES = (5, 10, 20, 30, 40, 50, 60, 80, 100, 150, 200)   # requests / s, fleet-wide
+DEFAULT_ARRIVAL_RPS = 50   # where the policies' TTFTs part (8 Kimi-Linear replicas on 8 x H200 serve ~55-70 req/s)
+SWEEP_RATES = (10, 20, 40, 60, 80, 120)   # the load sweep's arrival rates (requests / s)
 DECODE_SHARE = 5 / 8  # decode speed-up = this share of the prefill speed-up (as page 13's assumed 8x / 5x)
 KV_CAPACITY_TOKENS = 400_000  # KV room per replica (tokens), as page 13
 VNODES = 160  # ring virtual nodes per replica (ketama's default)
@@ -89,9 +97,11 @@ class FleetSimulation:
     anchors: published figures with sources. With policy caches ("roofline"), kda: one row per policy:
     ``hit_ratio``, ``ideal_ratio`` (block ideal), ``lost_to_missing_state`` (prompt tokens whose KV the
     serving replica held but no state let it reuse, fraction of prompt tokens), ``state_gb`` / ``kv_gb``
-    (peak per replica, mean over replicas), ``ttft_p50_ms`` / ``ttft_p99_ms`` (all classes),
+    (held at the replica's peak, mean over replicas), ``ttft_p50_ms`` / ``ttft_p99_ms`` (all classes),
     ``throughput_rps``; replica_bytes: one row per (policy, replica): ``kv_gb``, ``state_gb``,
-    ``running_gb`` peaks. None otherwise."""
+    ``running_gb`` held when the replica's cached KV + states peaked (they add up to at most ``budget_gb``,
+    the replica's cache budget; :attr:`serve.fleet.policy_cache.PolicyReplicaCache.held_at_peak`). None
+    otherwise."""
 
     per_request: pd.DataFrame
     summary: pd.DataFrame
@@ -111,16 +121,18 @@ def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: i
                      progress: Callable[[float], None] | None = None, model: str = REAL_DEFAULTS["model"],
                      gpu: str = REAL_DEFAULTS["gpu"], tp: int = REAL_DEFAULTS["tp"],
                      cache_policy: str = REAL_DEFAULTS["cache_policy"],
-                     budget_fraction: float = REAL_DEFAULTS["budget_fraction"]) -> FleetSimulation:
+                     budget_fraction: float = REAL_DEFAULTS["budget_fraction"],
+                     arrival_rps: float | None = None) -> FleetSimulation:
     """Simulate the page trace (``upload`` or the synthetic one) once per policy in ``policies``:
     ``num_replicas`` replicas of ``service_model`` (module docstring; "roofline": ``model`` on ``tp`` x
     ``gpu``, cache ``cache_policy`` at ``budget_fraction`` of the free HBM; "a10g" / "cpu": prefill
     ``speedup`` x and decode ``speedup * DECODE_SHARE`` x (at least 1), ``capacity`` blocks of cache each
     (:data:`CAPACITIES`)), every ``100 / vip_percent``-th request VIP, and an optional scale event at half
-    time. ``progress(fraction)`` is called as the runs advance.
+    time. ``arrival_rps`` (requests / s, fleet-wide): the offered load, the trace re-timed to that mean rate
+    (:func:`retime`); None keeps the trace's own timestamps. ``progress(fraction)`` is called as the runs advance.
 
-    Raises: ValueError for no or unknown policies, an unknown option, weights that do not fit, or a bad
-    upload (TraceFormatError)."""
+    Raises: ValueError for no or unknown policies, an unknown option, a non-positive ``arrival_rps``, weights that
+    do not fit, or a bad upload (TraceFormatError)."""
     if not policies or any(p not in POLICIES for p in policies):
         raise ValueError(f"policies must be a non-empty subset of {POLICIES}, got {list(policies)}")
     for name, value, allowed in (("capacity", capacity, CAPACITIES), ("scheduler", scheduler, SCHEDULERS),
@@ -132,7 +144,11 @@ def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: i
         check_choice(name, value, allowed)
     if not 0 <= vip_percent <= 100:
         raise ValueError(f"vip_percent must be in [0, 100], got {vip_percent}")
+    if arrival_rps is not None:
+        check_positive("arrival_rps", arrival_rps)
     trace, note, _ = page_trace(upload, num_requests, name=upload_name)
+    if arrival_rps is not None:
+        trace = retime(trace, arrival_rps)
     cache_factory = None
     if service_model == "roofline":
         service, cache_factory = real_replica(model, gpu, tp, cache_policy, budget_fraction)
@@ -169,6 +185,49 @@ def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: i
                            anchors=dict(ANCHORS), kda=kda, replica_bytes=replica_bytes)
 
 
+def retime(trace: Sequence[TraceRequest], rate_rps: float) -> list[TraceRequest]:
+    """``trace`` (sorted by ``timestamp_ms``) with its arrivals scaled in time so that its mean rate, (requests - 1)
+    over the span from first to last arrival, is ``rate_rps`` requests / s: the gaps keep their relative sizes
+    (bursts stay bursts) and the first arrival moves to 0 ms. Prompts, outputs and block ids are unchanged, so the
+    cache hits a routing policy can reach are the same at every load. A trace of one request, or one whose arrivals
+    all share one instant, comes back at 0 ms.
+
+    Raises ValueError for a non-positive ``rate_rps``."""
+    if not math.isfinite(check_positive("rate_rps", rate_rps)):
+        raise ValueError(f"rate_rps must be finite, got {rate_rps!r}")
+    if not trace:
+        return []
+    t0, span = trace[0].timestamp_ms, trace[-1].timestamp_ms - trace[0].timestamp_ms
+    factor = (len(trace) - 1) / rate_rps * 1000 / span if span > 0 else 0.0
+    return [r._replace(timestamp_ms=round((r.timestamp_ms - t0) * factor)) for r in trace]
+
+
+def load_sweep(policies: Sequence[str], rates_rps: Sequence[float], *args,
+               progress: Callable[[float], None] | None = None, **kwargs) -> pd.DataFrame:
+    """TTFT against offered load: :func:`fleet_simulation` (``policies``, then ``args`` / ``kwargs`` as it takes
+    them) once per arrival rate in ``rates_rps`` (requests / s, fleet-wide), the same trace re-timed each time.
+
+    Returns one row per (policy, rate): ``rate_rps``, ``ttft_p50_ms`` / ``ttft_p99_ms`` (all classes, ms),
+    ``hit_ratio``, ``throughput_rps`` (completed requests / s) and ``mean_in_flight`` (the fleet's in-flight requests
+    per replica at routing time, mean over requests: the load the replicas really held). Raises ValueError as
+    :func:`fleet_simulation` does, and for no or non-positive rates."""
+    if not rates_rps:
+        raise ValueError("rates_rps must name at least one arrival rate")
+    rows = []
+    for i, rate in enumerate(rates_rps):
+        sub = None if progress is None else (lambda f, i=i: progress((i + f) / len(rates_rps)))
+        run = fleet_simulation(policies, *args, progress=sub, arrival_rps=rate, **kwargs)
+        overall = run.summary[run.summary["class"] == "all"].set_index("policy")
+        load = run.in_flight.set_index("policy")
+        for policy in policies:
+            o = overall.loc[policy]
+            rows.append({"policy": policy, "rate_rps": float(rate), "ttft_p50_ms": float(o.ttft_p50_ms),
+                         "ttft_p99_ms": float(o.ttft_p99_ms), "hit_ratio": float(o.hit_ratio),
+                         "throughput_rps": float(o.throughput_rps),
+                         "mean_in_flight": float(load.loc[policy, "mean_in_flight"])})
+    return pd.DataFrame(rows)
+
+
 def real_replica(model: str, gpu: str, tp: int, cache_policy: str, budget_fraction: float):
     """(service, cache_factory) of one replica of ``model`` on ``tp`` x ``gpu``: roofline step times with
     room for the running requests' KV outside the cache budget, and a fresh ``cache_policy`` under
@@ -180,11 +239,13 @@ def real_replica(model: str, gpu: str, tp: int, cache_policy: str, budget_fracti
     return RooflineService(model, gpu, tp, kv_capacity_tokens=room), cache_factory
 
 
-def cache_counters(sim) -> tuple[int, dict[str, tuple[dict, int]]]:
+def cache_counters(sim) -> tuple[int, dict[str, tuple[dict, int, float]]]:
     """What :func:`kda_metrics` needs of one policy-cache run (not its caches: they hold every cached block):
-    (prompt tokens of its completed requests, {replica: (peak bytes by kind, tokens lost to a missing state)})."""
+    (prompt tokens of its completed requests, {replica: (bytes by kind held when its cached KV + states peaked,
+    tokens lost to a missing state, its budget in bytes)})."""
     prompt = sum(r.input_length for r in sim.results if r.status == "completed")
-    return prompt, {replica: (dict(c.peak_bytes), c.lost_to_missing_state) for replica, c in sim.replica_caches.items()}
+    return prompt, {replica: (dict(c.held_at_peak), c.lost_to_missing_state, c.budget_bytes)
+                    for replica, c in sim.replica_caches.items()}
 
 
 def kda_metrics(counters: dict[str, tuple], summary: pd.DataFrame, trace) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -194,15 +255,16 @@ def kda_metrics(counters: dict[str, tuple], summary: pd.DataFrame, trace) -> tup
     rows, per_replica = [], []
     overall = summary[summary["class"] == "all"].set_index("policy")
     for name, (prompt, caches) in counters.items():
-        for replica, (peak, _) in caches.items():
-            per_replica.append({"policy": name, "replica": replica, "kv_gb": peak["kv"] / 1e9,
-                                "state_gb": peak["state"] / 1e9, "running_gb": peak["running"] / 1e9})
-        lost = sum(lost for _, lost in caches.values())
+        for replica, (held, _, budget) in caches.items():
+            per_replica.append({"policy": name, "replica": replica, "kv_gb": held["kv"] / 1e9,
+                                "state_gb": held["state"] / 1e9, "running_gb": held["running"] / 1e9,
+                                "budget_gb": budget / 1e9})
+        lost = sum(lost for _, lost, _ in caches.values())
         o = overall.loc[name]
         rows.append({"policy": name, "hit_ratio": float(o.hit_ratio), "ideal_ratio": ideal,
                      "lost_to_missing_state": lost / max(1, prompt),
-                     "kv_gb": float(np.mean([peak["kv"] for peak, _ in caches.values()])) / 1e9,
-                     "state_gb": float(np.mean([peak["state"] for peak, _ in caches.values()])) / 1e9,
+                     "kv_gb": float(np.mean([held["kv"] for held, _, _ in caches.values()])) / 1e9,
+                     "state_gb": float(np.mean([held["state"] for held, _, _ in caches.values()])) / 1e9,
                      "ttft_p50_ms": float(o.ttft_p50_ms), "ttft_p99_ms": float(o.ttft_p99_ms),
                      "throughput_rps": float(o.throughput_rps)})
     return pd.DataFrame(rows), pd.DataFrame(per_replica)
@@ -215,7 +277,8 @@ def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float
     routed to, counting itself, against the cap ceil(c x in-flight on the serving replicas / their number), as
     :meth:`serve.fleet.bounded_load.BoundedLoadRouter.capacity` computes it. ``per_request``: one policy's rows
     (:func:`lab.fleet.results_frame` columns); ``replicas_at(t_ms)``: the names of the replicas serving at t.
-    A finish at the same instant as a routing is counted first. Only routings at or after ``from_ms`` are
+    Routings at the same instant are taken in request order (``request_id``, else the rows' order), as the simulator
+    routes them; a finish at the same instant as a routing is counted first. Only routings at or after ``from_ms`` are
     judged: when a replica is removed, pass the removal time (requests drained from it are routed again then,
     and the frame only has their final replica, so loads before the removal are not known exactly).
 
@@ -224,11 +287,12 @@ def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float
     load a request alone in the fleet gives the replica count), p99_in_flight (P99 of the chosen replica's in-flight,
     requests), mean_in_flight (the fleet's in-flight per serving replica at routing, mean over requests)."""
     rows = per_request[np.isfinite(per_request.admitted_ms) & np.isfinite(per_request.finish_ms)]
-    events = sorted([(t, 0, r) for t, r in zip(rows.finish_ms, rows.replica)] +
-                    [(t, 1, r) for t, r in zip(rows.admitted_ms, rows.replica)])   # finishes (0) first on ties
+    order = rows.request_id if "request_id" in rows else range(len(rows))   # same-instant routings: request order
+    events = sorted([(t, 0, 0, r) for t, r in zip(rows.finish_ms, rows.replica)] +
+                    [(t, 1, i, r) for t, i, r in zip(rows.admitted_ms, order, rows.replica)])   # finishes (0) first
     load: dict[str, int] = {}
     over, ratios, chosen, means = 0, [], [], []
-    for t, is_start, replica in events:
+    for t, is_start, _, replica in events:
         load[replica] = load.get(replica, 0) + (1 if is_start else -1)
         if is_start and t >= from_ms:
             serving = replicas_at(t)

@@ -283,18 +283,19 @@ class PolicyView:
 
 
 class _TTFT:
-    """Per-request fitted roofline TTFT for a trace, memoised on (new, cached) tokens."""
+    """Per-request fitted roofline TTFT for a trace, memoised on (new, cached) tokens. A request with no token
+    left to prefill (``input_length`` 0, which the Mooncake format allows) still runs one prefill step for its
+    first decode input, as the fleet simulator's replicas charge it (``max(1, input_length - hit)``,
+    :mod:`serve.fleet.replica`)."""
 
     def __init__(self, shape: ModelShape, hw: Hardware, tp: int, requests: Sequence[TraceRequest]):
         self.shape, self.hw, self.tp, self.fit = shape, hw, tp, fit_prefill(hw, tp)
         self.restore_s = checkpoint_restore_time(shape, hw, tp)
         self.lengths = np.array([r.input_length for r in requests], dtype=np.int64)
         self.memo: dict[tuple[int, int], float] = {}
-        self.cold = np.array([self.prefill(int(L), 0) for L in self.lengths])
+        self.cold = np.array([self.prefill(max(1, int(L)), 0) for L in self.lengths])
 
     def prefill(self, new: int, cached: int) -> float:
-        if new == 0:
-            return 0.0                      # an empty prompt (Mooncake allows input_length 0): nothing to prefill
         key = (new, cached)
         if key not in self.memo:
             self.memo[key] = fitted_prefill_s(self.shape, self.hw, self.tp, self.fit, new, cached)
@@ -304,7 +305,7 @@ class _TTFT:
         out = self.cold.copy()
         for i in np.flatnonzero(hits):
             h = int(hits[i])
-            out[i] = self.prefill(int(self.lengths[i]) - h, h) + self.restore_s
+            out[i] = self.prefill(max(1, int(self.lengths[i]) - h), h) + self.restore_s
         return out
 
 
@@ -382,7 +383,7 @@ def policy_view(model: str, hw_name: str, tp: int, num_requests: int, upload: by
     for p in policies:
         for b in budgets_gb:
             res = run(p, None, b)
-            ideal = res.ideal_hit_tokens / res.total_tokens if res.total_tokens else 0.0
+            ideal = res.ideal_hit_tokens / res.total_tokens if res.total_tokens else 0.0   # only empty prompts
             rows.append(_row(res, ttft, policy=p, budget_gb=b))
     for p in swept:
         for c in intervals:

@@ -60,6 +60,30 @@ class DecodeCosts(NamedTuple):
 
 
 MAX_MEASURED_CONTEXT = 262_144
+GOOD_FIT_R2 = 0.9   # below this the line explains too little of the medians' spread to be read as a + b·N
+
+
+def fit_reading(fit: LinearFit) -> str:
+    """What a fitted line t(N) = a + b·N over decode medians means, in one sentence: a flat time (b not above its
+    standard error: R² near 0 is then expected, nothing follows N), a bent one (a < 0: the time rises faster above
+    the CPU cache than below, so a is not a fixed cost and the line undershoots at small N), a poor fit (R² below
+    :data:`GOOD_FIT_R2`: read the points), or a good one (a fixed cost per step plus b per context token)."""
+    if not fit.b_measurable:
+        return ("flat: no measurable cost per context token (b ≤ its standard error), so R² near 0 is expected; "
+                "the time is the fixed cost")
+    if fit.a_s < 0:
+        return ("not one straight line: a < 0 is no fixed cost, the time rises faster at large N (the latents leave "
+                "the CPU cache); read b as the large-N slope and the points at small N")
+    if not fit.r2 >= GOOD_FIT_R2:
+        return f"a poor line (R² {fit.r2:.2f} < {GOOD_FIT_R2}): the points, not a and b, are the result"
+    return "a good line: a fixed cost a per step plus b per token of context"
+
+
+def fit_table(fits: dict[str, LinearFit]) -> pd.DataFrame:
+    """One row per named fit (``fits``: name -> t(N) = a + b·N in seconds): ``kind``, ``a_us`` (µs), ``b_ns`` and
+    ``b_se_ns`` (ns per context token, and its standard error), ``r2`` and ``reading`` (:func:`fit_reading`)."""
+    return pd.DataFrame([{"kind": name, "a_us": f.a_s * 1e6, "b_ns": f.b_s * 1e9, "b_se_ns": f.b_se_s * 1e9,
+                          "r2": f.r2, "reading": fit_reading(f)} for name, f in fits.items()])
 
 
 def measure_decode_cost(cfg: ModelConfig, contexts: list[int], num_heads: int = 4, repeats: int = MIN_REPEATS,

@@ -24,7 +24,10 @@ Request flow:
              final last full block, that block and its checkpoint are
              published; then the request finishes if it is complete     FINISHED
   abort / reject -> every page and pin the request held is released; a publish
-             that raises aborts its request (with the error as its reason).
+             that raises aborts its request (with the error as its reason), and
+             so do non-finite logits or a non-finite state / cache page met in a
+             forward (NaN would emit token 0 as if it were a prediction: nothing
+             of that forward is written, published or emitted).
 
 Checkpoint placement (C = interval, N = block size, L = prompt length): every multiple of C reached
 during prefill, the replay boundary floor((L - 1) / N) N, the end of the prompt floor(L / N) N, and at
@@ -39,6 +42,7 @@ from itertools import islice
 
 import torch
 
+from kda_core.kda import NonFiniteError
 from kda_core.model import ForwardOutput, HybridCache, HybridLM
 from serve.config import ServeConfig
 from serve.errors import check_int
@@ -179,11 +183,17 @@ class ServeEngine:
             inner = tuple(b - p for b in self.checkpoint_boundaries(len(req.prompt)) if p < b < p + n)
             prefill_rows.append(Row(req, req.prompt[p: p + n], p, False, inner))
         t0 = time.perf_counter()
-        batch = self.runner.run(self.runner.build(rows, prefill_rows, verify))
+        batch = self._run_isolating_non_finite(rows, prefill_rows, list(verify))
+        if batch is None:
+            return
         self.last_batch = batch
         fwd_ms = _ms(t0)
+        for i, row in enumerate(batch.rows):             # 0. non-finite logits abort their row only
+            if row.req is not None:
+                logits = batch.verify[i].logits if row.verify else batch.logits[i]
+                self._abort_non_finite(row.req, self._where(row), logits=logits)
         for i, row in enumerate(batch.rows):             # 1. checkpoints inside each prefill chunk
-            if row.req is None or row.decode or row.verify:
+            if row.req is None or row.decode or row.verify or row.req.status is RequestStatus.ABORTED:
                 continue
             req = row.req
             req.timings_ms["prefill"] += fwd_ms
@@ -212,6 +222,33 @@ class ServeEngine:
                     self._postprocess_prefill(req, row, batch.logits[i])
             except Exception as err:                     # noqa: BLE001 - re-raised after the other rows
                 errors.append(err)
+
+    @staticmethod
+    def _where(row: Row) -> str:
+        if row.decode or row.verify:
+            return f"decode of output token {len(row.req.output)}"
+        return f"prefill of tokens [{row.start}, {row.start + len(row.tokens)})"
+
+    def _run_isolating_non_finite(self, decode: list, prefill: list, verify: list):
+        """Run the batch. If a row's state or cache page is non-finite (NonFiniteError from the chunk
+        kernel), find it by running each row alone, abort it (nothing of it written, published or
+        emitted) and run the others together. Returns the run StepBatch, or None if no row is left."""
+        try:
+            return self.runner.run(self.runner.build(decode, prefill, verify))
+        except NonFiniteError:
+            pass
+        keep = {"decode": [], "prefill": [], "verify": []}
+        for kind, rows in (("decode", decode), ("prefill", prefill), ("verify", verify)):
+            for row in rows:
+                one = {"decode": [], "prefill": [], "verify": [], kind: [row]}
+                try:
+                    self.runner.run(self.runner.build(one["decode"], one["prefill"], one["verify"]))
+                    keep[kind].append(row)
+                except NonFiniteError as err:
+                    self._abort_non_finite(row.req, self._where(row), str(err))
+        if not any(keep.values()):
+            return None
+        return self.runner.run(self.runner.build(keep["decode"], keep["prefill"], keep["verify"]))
 
     def _postprocess_prefill(self, req: Request, row: Row, logits: torch.Tensor) -> None:
         end, L = row.start + len(row.tokens), len(req.prompt)
@@ -454,8 +491,14 @@ class ServeEngine:
         end = L if self.max_prefill_chunk is None else min(L, p + self.max_prefill_chunk)
         inner = [b - p for b in marks if b < end]
         t0 = time.perf_counter()
-        out = self.model.forward(torch.tensor([req.prompt[p:end]]), read_request_cache(self.layout, self.pool, req),
-                                 mode="chunk", state_at=tuple(inner))
+        try:
+            out = self.model.forward(torch.tensor([req.prompt[p:end]]), read_request_cache(self.layout, self.pool, req),
+                                     mode="chunk", state_at=tuple(inner))
+        except NonFiniteError as err:              # a NaN / inf state or KV page reached the chunk kernel
+            self._abort_non_finite(req, f"prefill of tokens [{p}, {end})", str(err))
+            return
+        if self._abort_non_finite(req, f"prefill of tokens [{p}, {end})", logits=out.logits[0, -1]):
+            return
         if inner:  # latents first (blocks below each boundary), then each boundary's state
             write_kv(self.layout, self.pool, req.page_table, p,
                      [out.cache.layers[i][:, p:] for i in self.model.cfg.mla_layers])
@@ -494,8 +537,15 @@ class ServeEngine:
         """
         b_end = None if self.cache is None else self.config.final_checkpoint(len(req.prompt), req.final_tokens)
         cache = read_request_cache(self.layout, self.pool, req)
+        where = f"decode of output token {len(req.output)}"
         if self.speculation is None:
-            logits, new = self.model.decode_step(req.output[-1], cache)
+            try:
+                logits, new = self.model.decode_step(req.output[-1], cache)
+            except NonFiniteError as err:          # NaN gates from a NaN state in an earlier layer
+                self._abort_non_finite(req, where, str(err))
+                return
+            if self._abort_non_finite(req, where, logits=logits):
+                return
             write_request_cache(self.layout, self.pool, req, new, req.computed)
             emitted, rows = [int(logits[0].argmax())], [logits[0]]
         else:
@@ -503,7 +553,13 @@ class ServeEngine:
             if req.strategy is None:
                 req.proposer, req.strategy = spec.proposer(list(req.prompt)), spec.strategy()
             n = draft_budget(spec.num_draft_tokens, req.computed, req.max_new_tokens - len(req.output), b_end)
-            res = speculative_step(self.model, cache, req.tokens(), req.proposer, req.strategy, n)
+            try:
+                res = speculative_step(self.model, cache, req.tokens(), req.proposer, req.strategy, n)
+            except NonFiniteError as err:
+                self._abort_non_finite(req, where, str(err))
+                return
+            if self._abort_non_finite(req, where, logits=res.logits):
+                return
             write_request_cache(self.layout, self.pool, req, res.state.cache, req.computed)
             emitted, rows = list(res.emitted_tokens), list(res.logits)      # rows: a + 1 of [256]
             req.drafted_tokens += len(res.draft_tokens)
@@ -513,6 +569,21 @@ class ServeEngine:
         if b_end is not None and req.computed == b_end:
             self._publish(req, b_end, True)
         self._finish_if_done(req)
+
+    def _abort_non_finite(self, req: Request, where: str, error: str | None = None,
+                          logits: torch.Tensor | None = None) -> bool:
+        """Abort ``req`` (ABORTED, pages and pins released through :meth:`abort`, the cause in its
+        ``reason``) if ``error`` is given or ``logits`` hold NaN / inf; returns whether it did. Called
+        before anything of the forward is written, published or emitted: NaN logits would otherwise
+        emit token 0 (argmax of all-NaN), and the request would go on from a poisoned state."""
+        if error is None:
+            if logits is None or bool(torch.isfinite(logits).all()):
+                return False
+            error = (f"the logits hold {int((~torch.isfinite(logits)).sum())} NaN/inf value(s) of {logits.numel()} "
+                     "(a non-finite state or cache page); no token was emitted")
+        if self.abort(req.rid):
+            req.reason = f"{where}: {error}"
+        return True
 
     def _append(self, req: Request, token: int, logits: torch.Tensor | None) -> None:
         """Commit one emitted token (and its ``logits [256]`` fp32 if recorded); the first sets TTFT and

@@ -38,8 +38,8 @@ class RequestResult(NamedTuple):
     kv_hit_tokens: phase-1 KV tokens; restored_bytes: checkpoint bytes copied into the request's state;
     shared_kv_bytes: KV bytes reused by reference (hit blocks * block bytes); checkpoints_written:
     checkpoints this request published; timings_ms: per phase in :data:`TIMING_PHASES`; logits:
-    ``[len(output_tokens), 256]`` fp32 when recorded, else None; reason: why a request was rejected;
-    drafted_tokens / accepted_tokens: speculative drafts proposed / accepted (0 without speculation).
+    ``[len(output_tokens), 256]`` fp32 when recorded, else None; reason: why a request was rejected or
+    aborted by the engine (empty otherwise); drafted_tokens / accepted_tokens: speculative drafts proposed / accepted (0 without speculation).
     """
 
     rid: int

@@ -1,16 +1,16 @@
 """The layers, pinned by parsing every ``import`` with :mod:`ast` (no module is imported here).
 
     kda_core/  maths: imports nothing of ours
-    serve/     infra: no lab, no pages, no Streamlit
-    lab/       experiments for the pages: no pages, no Streamlit
-    pages/     thin Streamlit pages: ours only through lab.* and pages._common (+ Streamlit, Plotly, pandas,
-               numpy, stdlib)
+    serve/       infra: no lab, no app_pages, no Streamlit
+    lab/         experiments for the pages: no app_pages, no Streamlit
+    app_pages/   thin Streamlit pages: ours only through lab.* and the pages' own helper modules (+ Streamlit,
+                 Plotly, pandas, numpy, stdlib)
 
 and nothing imports a private name (``_x``) from another package. A package is the top-level directory
-plus its first subpackage: ``serve.memory``, ``serve.prefix``, ``kda_core``, ``lab``, ``pages``; so
+plus its first subpackage: ``serve.memory``, ``serve.prefix``, ``kda_core``, ``lab``, ``app_pages``; so
 ``kda_core/chunk.py`` may import ``kda_core.kda._check_inputs``, ``serve/engine.py`` may not import
-``serve.memory.pool._x``. ``pages/_common.py`` and ``pages/_registry.py`` start with ``_`` only to hide them
-from Streamlit's page discovery; they are the pages' shared helpers, not private names.
+``serve.memory.pool._x``. The pages' helper modules are the files of ``app_pages/`` whose name does not start
+with the tab number (``links.py``, ``charts.py``, ``errors.py``, ``registry.py``, ...; see ``app_pages/__init__.py``).
 """
 from __future__ import annotations
 
@@ -22,14 +22,14 @@ from typing import NamedTuple
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = ("kda_core", "serve", "lab", "pages", "bench", "app", "tests")
+OURS = ("kda_core", "serve", "lab", "app_pages", "bench", "app", "tests")
 # Third-party libraries a page may use directly (drawing and tables; no maths, no engine).
 PAGE_LIBRARIES = {"streamlit", "plotly", "pandas", "numpy"}
-# What pages may import of ours: the lab layer and the pages' own helpers. pages._common shows the engine's
-# user-facing errors, so it alone also catches serve.errors' exception types, and it hands the server
+# What pages may import of ours: the lab layer and the pages' own helper modules. app_pages.errors shows the
+# engine's user-facing errors, so it alone also catches serve.errors' exception types, and it hands the server
 # process's freed memory back to the OS after each call (serve.process_memory).
-PAGE_OURS = ("lab", "pages._common", "pages._registry")
-COMMON_EXTRA = ("serve.errors", "serve.process_memory")
+PAGE_OURS = ("lab", "app_pages")
+ERRORS_EXTRA = ("serve.errors", "serve.process_memory")
 
 
 class Import(NamedTuple):
@@ -75,10 +75,16 @@ def _private(part: str) -> bool:
 
 
 def private_names(imp: Import) -> list[str]:
-    """The private parts of an import: modules or names starting with one ``_`` (pages' ``_common`` and
-    ``_registry`` excepted, see the module doc)."""
+    """The private parts of an import: modules or names starting with one ``_``."""
     parts = imp.module.split(".") + ([imp.name] if imp.name else [])
-    return [p for p in parts if _private(p) and p not in ("_common", "_registry")]
+    return [p for p in parts if _private(p)]
+
+
+def is_page_helper(module: str) -> bool:
+    """True for a helper module of the pages (``app_pages.links``), False for a page (``app_pages.05_page_pool``,
+    not importable: its name starts with the tab number) or anything else."""
+    parts = module.split(".")
+    return len(parts) == 2 and parts[0] == "app_pages" and not parts[1][:1].isdigit()
 
 
 def layer_violations(path: Path, source: str) -> list[str]:
@@ -92,14 +98,16 @@ def layer_violations(path: Path, source: str) -> list[str]:
         ours = root in OURS
         if top == "kda_core" and ours and root != "kda_core":
             errors.append(f"{where} (kda_core imports nothing of ours)")
-        if top == "serve" and root in ("lab", "pages", "streamlit"):
-            errors.append(f"{where} (serve imports no lab, pages or Streamlit)")
-        if top == "lab" and root in ("pages", "streamlit"):
-            errors.append(f"{where} (lab imports no pages or Streamlit)")
-        if top == "pages":
-            allowed = PAGE_OURS + (COMMON_EXTRA if me == "pages._common" else ())
-            if ours and not any(imp.module == a or imp.module.startswith(a + ".") for a in allowed):
-                errors.append(f"{where} (pages import ours only through {', '.join(PAGE_OURS)})")
+        if top == "serve" and root in ("lab", "app_pages", "streamlit"):
+            errors.append(f"{where} (serve imports no lab, app_pages or Streamlit)")
+        if top == "lab" and root in ("app_pages", "streamlit"):
+            errors.append(f"{where} (lab imports no app_pages or Streamlit)")
+        if top == "app_pages":
+            extra = ERRORS_EXTRA if me == "app_pages.errors" else ()
+            allowed = (root == "lab" or is_page_helper(imp.module)
+                       or any(imp.module == a or imp.module.startswith(a + ".") for a in extra))
+            if ours and not allowed:
+                errors.append(f"{where} (pages import ours only through lab.* and the pages' helper modules)")
             if not ours and root not in PAGE_LIBRARIES and root not in sys.stdlib_module_names:
                 errors.append(f"{where} (pages draw with {sorted(PAGE_LIBRARIES)} and the stdlib only)")
         if ours and package_of(imp.module) != package_of(me):
@@ -112,7 +120,7 @@ def _files() -> list[Path]:
     return sorted(p for p in REPO.rglob("*.py") if not skip & set(p.relative_to(REPO).parts))
 
 
-@pytest.mark.parametrize("top", ["kda_core", "serve", "lab", "pages", "bench", "app", "tests"])
+@pytest.mark.parametrize("top", ["kda_core", "serve", "lab", "app_pages", "bench", "app", "tests"])
 def test_layers(top):
     errors = []
     for path in _files():
@@ -125,12 +133,14 @@ BAD = {  # a deliberately bad import per rule, in a file of that layer: each mus
     "kda_core/kda.py": "from serve.engine import ServeEngine",
     "serve/engine.py": "import lab.prefix",
     "serve/memory/pool.py": "import streamlit as st",
-    "lab/fleet.py": "from pages._common import persist",
+    "lab/fleet.py": "from app_pages.links import persist",
     "lab/kcp.py": "import streamlit",
-    "pages/08_prefix_hit.py": "from serve.engine import ServeEngine",
-    "pages/11_fleet_hashing.py": "from kda_core.chunk import CHUNK_SIZE",
-    "pages/12_fleet_scaling.py": "import torch",
-    "pages/13_fleet_budgets.py": "from pages._registry import TABS\nfrom pages.x import y",
+    "app_pages/08_prefix_hit.py": "from serve.engine import ServeEngine",
+    "app_pages/11_fleet_hashing.py": "from kda_core.chunk import CHUNK_SIZE",
+    "app_pages/12_fleet_scaling.py": "import torch",
+    "app_pages/13_fleet_budgets.py": "from app_pages.registry import TABS\nfrom serve.x import y",
+    "app_pages/charts.py": "from serve.errors import UserFacingErrors",          # only app_pages.errors shows them
+    "app_pages/links.py": "from app_pages.charts import show_chart\nimport app_pages.x.y",
     "serve/engine.py ": "from serve.memory.pool import _poison",
     "lab/prefix.py": "def f():\n    from serve.prefix.cache import _walk",
     "bench/prefix.py": "from kda_core.kda import _check_inputs",

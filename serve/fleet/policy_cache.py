@@ -21,7 +21,7 @@ insertion in the same step can evict them, which the refresh at ``finish`` then 
 from __future__ import annotations
 
 from serve.errors import check_int
-from serve.scale.policies.base import BYTE_KINDS
+from serve.scale.policies.base import BYTE_KINDS, check_budget
 
 
 class PolicyReplicaCache:
@@ -29,12 +29,17 @@ class PolicyReplicaCache:
     ``bytes_by_kind``, see :class:`serve.scale.policies.base.PrefixPolicy`) under ``budget_bytes``.
 
     Counters: ``hit_tokens_total``, ``lost_to_missing_state`` (tokens), ``requests``; ``peak_bytes``
-    ``{kind: bytes}`` over :data:`serve.scale.policies.base.BYTE_KINDS`. Raises ValueError when the budget
-    does not cover the running requests' state slots or ``max_running`` < 1. ``deep_checks``: the end-of-run
-    integrity check also walks the policy's whole structure (tests; the budget is always checked)."""
+    ``{kind: bytes}`` over :data:`serve.scale.policies.base.BYTE_KINDS`, each kind's own peak (reached at
+    different times: their sum can pass the budget); ``held_at_peak`` ``{kind: bytes}`` held after the
+    prefill step where cached KV + states peaked (the first such step, as
+    :class:`serve.scale.policies.base.PolicyResult`'s): its sum never passes ``budget_bytes``. Raises
+    ValueError when the budget is not a finite number of bytes >= 0 (a string, NaN, inf) or does not cover
+    the running requests' state slots, or ``max_running`` < 1. ``deep_checks``: the end-of-run integrity
+    check also walks the policy's whole structure (tests; the budget is always checked)."""
 
     def __init__(self, policy, budget_bytes: float, max_running: int = 1, deep_checks: bool = False):
         check_int("max_running", max_running)
+        budget_bytes = check_budget("budget_bytes", budget_bytes)
         running = policy.running_state_slots * policy.state_bytes * max_running   # the engine's slots
         if not budget_bytes >= running:
             raise ValueError(f"budget_bytes {budget_bytes:,.0f} is below the state slots of {max_running} running "
@@ -43,6 +48,7 @@ class PolicyReplicaCache:
         self.cache_bytes = self.budget_bytes - running
         self.peak_bytes = dict.fromkeys(BYTE_KINDS, 0)
         self.peak_bytes["running"] = running
+        self.held_at_peak = dict(self.peak_bytes)
         self.hit_tokens_total = self.lost_to_missing_state = self.requests = 0
         self.deep_checks = deep_checks
 
@@ -62,6 +68,8 @@ class PolicyReplicaCache:
         b = self.policy.bytes_by_kind()
         self.peak_bytes["kv"] = max(self.peak_bytes["kv"], b["kv"])
         self.peak_bytes["state"] = max(self.peak_bytes["state"], b["state"])
+        if b["kv"] + b["state"] > self.held_at_peak["kv"] + self.held_at_peak["state"]:
+            self.held_at_peak["kv"], self.held_at_peak["state"] = b["kv"], b["state"]
 
     def check_integrity(self) -> None:
         """The budget, and with ``deep_checks`` the policy's own invariants (O(cache); tests) (AssertionError)."""

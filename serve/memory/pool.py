@@ -38,6 +38,19 @@ from serve.memory.kinds import (
 )
 
 
+def _check_owner(owner) -> None:
+    """Raise ValueError unless ``owner`` can own pages: not None (None marks a free page) and hashable
+    (it keys a shared page's holders; a list owner used to be stored, then fail as a raw TypeError at
+    the first share)."""
+    if owner is None:
+        raise ValueError("owner must not be None (None marks a free page)")
+    try:
+        hash(owner)
+    except TypeError:
+        raise ValueError(f"owner must be hashable (a request id, a name), got {type(owner).__name__} "
+                         f"{owner!r}") from None
+
+
 class PagePool:
     """A pool of ``num_pages`` pages of ``page_bytes`` bytes each, backed by ``arena [num_pages, page_bytes]``
     (``torch.uint8``).
@@ -85,13 +98,12 @@ class PagePool:
 
         Mutates: the free list, kind / ref count / owner / holders of the returned pages (and their
         bytes when ``poison``). Returns the page ids (``n == 0`` returns ``[]``).
-        Raises ValueError (unknown kind, ``n`` not an int >= 0, owner None) and
+        Raises ValueError (unknown kind, ``n`` not an int >= 0, owner None or unhashable) and
         :class:`PoolExhausted` (``n`` > free pages); on any error nothing changes.
         """
         kind = check_used_kind(kind)
         check_int("n", n, 0)
-        if owner is None:
-            raise ValueError("owner must not be None (None marks a free page)")
+        _check_owner(owner)
         free = self._free
         if n > len(free):
             raise PoolExhausted(kind, n, len(free))
@@ -142,10 +154,9 @@ class PagePool:
         """Add one reference held by ``owner`` to each page (a page may repeat: one reference per entry).
 
         Mutates: ref counts and holders. Raises ValueError (an id that is not an int in range, e.g. a
-        bool, or owner None) / PageError (free page); on error nothing changes.
+        bool, or owner None or unhashable) / PageError (free page); on error nothing changes.
         """
-        if owner is None:
-            raise ValueError("owner must not be None (None marks a free page)")
+        _check_owner(owner)
         pages = self._check_used(pages, "incref")
         refs, holders, owners = self._ref, self._holders, self._owner
         for p in pages:
@@ -198,6 +209,7 @@ class PagePool:
 
     def _decref_general(self, pages: list[int], owner: Hashable) -> list[int]:
         """:meth:`decref` for shared pages, repeated ids and every error case."""
+        _check_owner(owner)
         pages = self._check_used(pages, "decref")
         holders, owners = self._holders, self._owner
         for p in pages:
@@ -257,6 +269,7 @@ class PagePool:
         page and returns the new id. Raises PageError if ``owner`` holds no reference to ``page``,
         PoolExhausted if no page is free (nothing changes then).
         """
+        _check_owner(owner)
         self._check_used([page], "copy_on_write")
         if self._held(page, owner) == 0:
             raise PageError(f"copy_on_write: {owner!r} holds no reference to page {page}")

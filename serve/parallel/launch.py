@@ -48,6 +48,8 @@ FAILURE_SETTLE_S = 0.5 # after a first failure, how long the other ranks get to 
 KILL_GRACE_S = 2.0     # after terminate(), wait this long before kill()
 RANK_TIMEOUT_SLACK_S = 10.0  # collectives inside ranks time out later than the parent's deadline,
                              # so the parent (which stops every rank) always decides first
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week: longer deadlines (inf included) overflow torch's collective timeout
+                                 # (a datetime.timedelta turned into milliseconds in the ranks)
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "serve.parallel.run"]
 _LOCAL_RUNS = threading.Lock()   # one local multi-process run at a time in this process
 
@@ -114,6 +116,15 @@ def host_limits() -> HostLimits:
     return HostLimits(cores, total_kib * 1024 or 2 ** 40, "MemTotal")
 
 
+def check_timeout(name: str, val) -> float:
+    """``val`` if it is a number of seconds in (0, :data:`MAX_TIMEOUT_S`]; else ValueError naming ``name``
+    (``inf`` and NaN included: a rank's collective timeout is a ``datetime.timedelta`` and overflows)."""
+    check_positive(name, val)
+    if not val <= MAX_TIMEOUT_S:
+        raise ValueError(f"{name} must be at most {MAX_TIMEOUT_S:g} s (a week), got {val!r}")
+    return val
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -155,14 +166,55 @@ def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> tuple[int,
     """Join the process group described by torchrun's env vars. Returns (rank, world_size).
 
     Raises:
-        ValueError: if the env vars are missing or the backend is unusable.
+        ValueError: if the env vars are missing or malformed (:func:`torchrun_env`), the backend is
+        unusable or the timeout is out of range.
+        torch.distributed.DistError (a RuntimeError): the group did not form within ``timeout_s``
+        (a peer never came, or the master is unreachable).
     """
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
-    if missing:
-        raise ValueError(f"not under torchrun: environment variables {missing} are not set")
+    torchrun_env()
     check_backend(backend)
+    check_timeout("timeout_s", timeout_s)
     dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+class TorchrunEnv(NamedTuple):
+    """The rendezvous torchrun describes: rank in [0, world_size), master address and port."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+def torchrun_env(environ=None) -> TorchrunEnv:
+    """Read and check torchrun's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
+    (``environ`` defaults to ``os.environ``) before any socket opens.
+
+    Raises ValueError naming the variable: missing, not an int, ``RANK`` outside [0, ``WORLD_SIZE``),
+    a port outside [1, 65535] or an empty address (torch would fail later with a traceback, or wait
+    for its timeout)."""
+    env = os.environ if environ is None else environ
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in env]
+    if missing:
+        raise ValueError(f"not under torchrun: environment variables {missing} are not set")
+
+    def as_int(var: str, lo: int, hi: int) -> int:
+        raw = env[var]
+        try:
+            val = int(raw.strip())
+        except ValueError:
+            val = None
+        if val is None or not lo <= val <= hi:
+            raise ValueError(f"environment variable {var} must be an int in [{lo}, {hi}], got {raw!r}")
+        return val
+
+    world = as_int("WORLD_SIZE", 1, 2 ** 31 - 1)
+    rank = as_int("RANK", 0, world - 1)
+    port = as_int("MASTER_PORT", 1, 65535)
+    if not env["MASTER_ADDR"].strip():
+        raise ValueError("environment variable MASTER_ADDR must name the rank-0 host, got ''")
+    return TorchrunEnv(rank, world, env["MASTER_ADDR"], port)
 
 
 def _rank_main(rank, fn, world_size, port, backend, timeout_s, threads, args, results):
@@ -235,32 +287,57 @@ def run_ranks(fn, world_size: int, args: tuple = (), *, timeout_s: float = 120.0
 
     Args:
         fn: a module-level function of an importable module (not ``__main__``); its return value
-        must be picklable (a rank whose result is not fails the run with the pickling error).
-        world_size: number of ranks (>= 1). timeout_s: deadline for the whole run (the collective
-        timeout inside the ranks is a little longer, so the parent always decides). backend: "gloo" (or "nccl" with CUDA).
-        start_method: "spawn", "forkserver" or "fork" (needs threads_per_rank = 1). threads_per_rank: torch intra-op threads per rank.
+            must be picklable (a rank whose result is not fails the run with the pickling error).
+        world_size: number of ranks (>= 1); not capped by the cores here (tests oversubscribe on
+            purpose; the command line refuses more ranks than cores unless --oversubscribe, and page 10
+            offers at most min(4, cores)).
+        timeout_s: deadline for the whole run, in (0, :data:`MAX_TIMEOUT_S`] s (the collective timeout
+            inside the ranks is a little longer, so the parent always decides).
+        backend: "gloo" (or "nccl" with CUDA).
+        start_method: "spawn", "forkserver" or "fork" (needs threads_per_rank = 1).
+        threads_per_rank: torch intra-op threads per rank.
 
     Returns:
         :class:`RanksOutput` with each rank's result (numpy arrays turned back into tensors).
 
     Raises:
-        ValueError: bad arguments. RankFailure (a RuntimeError): a rank raised or died (the message
-        names the rank and carries its traceback). RankTimeout (a TimeoutError): the run did not
-        finish within ``timeout_s``.
+        ValueError: bad arguments (a ``timeout_s`` out of range; ``fn`` or ``args`` that spawn /
+            forkserver cannot pickle, e.g. a lambda). RankFailure (a RuntimeError): a rank raised or
+            died (the message names the rank and carries its traceback). RankTimeout (a TimeoutError):
+            the run did not finish within ``timeout_s``.
     """
     check_int("world_size", world_size)
-    check_positive("timeout_s", timeout_s)
+    check_timeout("timeout_s", timeout_s)
     check_choice("start_method", start_method, START_METHODS)
     check_int("threads_per_rank", threads_per_rank)
     check_backend(backend)
     if start_method == "fork" and threads_per_rank != 1:
         raise ValueError(f"start_method 'fork' needs threads_per_rank = 1 (a forked OpenMP pool can hang), "
                          f"got {threads_per_rank}")
+    if start_method != "fork":       # spawn / forkserver pickle fn and args to each rank
+        _check_picklable(fn, args, start_method)
     with _LOCAL_RUNS:
         try:
             return _run_ranks(fn, world_size, args, timeout_s, backend, start_method, threads_per_rank)
         finally:
             release_freed_memory()
+
+
+def _check_picklable(fn, args: tuple, start_method: str) -> None:
+    """Raise ValueError naming ``fn`` or ``args`` if it cannot be pickled (a lambda, a local function, a
+    lock), which ``start_method`` needs to send it to the ranks; without the check the parent raised
+    the pickler's own error from deep inside ``multiprocessing``."""
+    if not callable(fn):
+        raise ValueError(f"fn must be a function, got {type(fn).__name__}")
+    for what, obj in (("fn", fn), ("args", args)):
+        try:
+            pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:
+            hint = (" (a module-level function of an importable module, not a lambda or a nested function)"
+                    if what == "fn" else "")
+            raise ValueError(f"{what} must be picklable for start_method {start_method!r}{hint}; "
+                             f"{getattr(fn, '__qualname__', fn) if what == 'fn' else 'args'}: "
+                             f"{type(exc).__name__}: {exc}") from None
 
 
 def _run_ranks(fn, world_size, args, timeout_s, backend, start_method, threads_per_rank) -> RanksOutput:

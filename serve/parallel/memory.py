@@ -67,8 +67,19 @@ def available_bytes() -> int | None:
 
 
 def local_ranks(world_size: int) -> int:
-    """Ranks on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else all of them (local launch)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    """Ranks on this machine: torchrun's ``LOCAL_WORLD_SIZE``, else all of them (local launch).
+    Raises ValueError naming the variable if it is not an int in [1, ``world_size``]."""
+    raw = os.environ.get("LOCAL_WORLD_SIZE")
+    if raw is None:
+        return world_size
+    try:
+        n = int(raw.strip())
+    except ValueError:
+        n = 0
+    if not 1 <= n <= world_size:
+        raise ValueError(f"environment variable LOCAL_WORLD_SIZE must be an int in [1, {world_size}] "
+                         f"(the world size), got {raw!r}")
+    return n
 
 
 def check_rank_memory(need_per_rank: int, world_size: int, seq_len: int, available: int | None = None) -> None:

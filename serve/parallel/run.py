@@ -20,12 +20,12 @@ import torch
 from kda_core.chunk import kda_chunk
 from kda_core.config import PRESETS
 from kda_core.layer import KDACache, KDALayer
-from serve.errors import check_choice, check_int, check_positive
+from serve.errors import check_choice, check_int
 from serve.parallel.comm import Comm, PhaseTimes
 from serve.parallel.halo import kcp_layer_prefill
 from serve.parallel.inputs import DTYPES, initial_state, kda_inputs, layer_inputs
 from serve.parallel.kcp import block_bounds, check_variant, kcp_kda, piece_bounds
-from serve.parallel.launch import START_METHODS, check_backend, run_ranks
+from serve.parallel.launch import START_METHODS, check_backend, check_timeout, run_ranks
 from serve.parallel.memory import check_rank_memory, rank_bytes
 
 LEVELS = ("kernel", "layer")
@@ -86,7 +86,7 @@ class KCPConfig:
             raise ValueError(f"chunk_size must be a power of two, got {self.chunk_size}")
         piece_bounds(self.seq_len, self.piece_tokens, self.chunk_size)
         check_choice("start_method", self.start_method, START_METHODS)
-        check_positive("timeout_s", self.timeout_s)
+        check_timeout("timeout_s", self.timeout_s)
         check_rank_memory(self.rank_bytes, self.world_size, self.seq_len)   # before any rank starts
 
     @property

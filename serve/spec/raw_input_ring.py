@@ -176,12 +176,14 @@ class RawInputRing(RollbackStrategy):
         return out
 
     def slot_table(self) -> list[dict]:
-        """One row per slot: slot, status (free / committed / pending), token position, head/tail marks."""
+        """One row per slot: slot, status (free / committed / pending), counter (the ring's absolute token counter
+        whose slot it is, slot = counter mod capacity; -1 when free), token position (in the sequence; -1 when free),
+        head/tail marks."""
         rows = []
         for s in range(self.capacity):
             c = next((c for c in range(self.head, self.tail) if self.slot(c) == s), None)
             status = "free" if c is None else ("committed" if c < self.commit_end else "pending")
-            rows.append({"slot": s, "status": status, "position": self._positions[s],
+            rows.append({"slot": s, "status": status, "counter": -1 if c is None else c, "position": self._positions[s],
                          "head": s == self.slot(self.head) and self.tail > self.head,
                          "tail": s == self.slot(self.tail)})
         return rows

@@ -13,7 +13,7 @@ APP = str(Path(__file__).resolve().parents[2] / "app.py")
 
 def open_page(path: str, expect_error: bool = False, **values) -> AppTest:
     """Run the app, switch to ``path``, then set each widget ``key=value`` (slider, select_slider,
-    number_input or selectbox) and rerun; asserts that no run raised and that the page shows no st.error
+    number_input, selectbox or radio) and rerun; asserts that no run raised and that the page shows no st.error
     except those allow-listed in tests/app/allowed_errors.py (``expect_error``: the test provokes an
     error on purpose and checks it itself)."""
     at = AppTest.from_file(APP, default_timeout=120)
@@ -21,7 +21,7 @@ def open_page(path: str, expect_error: bool = False, **values) -> AppTest:
     at.switch_page(path)
     at.run()
     for key, value in values.items():
-        next(w for w in [*at.slider, *at.select_slider, *at.number_input, *at.selectbox] if w.key == key).set_value(value)
+        next(w for w in [*at.slider, *at.select_slider, *at.number_input, *at.selectbox, *at.radio] if w.key == key).set_value(value)
         at.run()
     assert not at.exception, [e.value for e in at.exception]
     unexpected = [e.value for e in at.error if allowed(path, e.value) is None]
@@ -30,7 +30,8 @@ def open_page(path: str, expect_error: bool = False, **values) -> AppTest:
 
 
 # Sections shown only after a button (heavy extras): the session flag each page's button sets.
-REVEAL = {"pages/09_prefix_miss.py": "p09_replay_on", "pages/15_real_scale.py": "p15_sweep_on"}
+REVEAL = {"app_pages/09_prefix_miss.py": "p09_replay_on", "app_pages/14_fleet_simulation.py": "p14_sweep_on",
+          "app_pages/15_real_scale.py": "p15_sweep_on"}
 
 
 def open_revealed(path: str) -> AppTest:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from pages._registry import HOME, SECTIONS, TABS
+from app_pages.registry import HOME, SECTIONS, TABS
 from tests.app.allowed_errors import allowed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,7 +29,13 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 ERROR_ALERT = "[data-testid='stAlertContentError']"  # st.error in Streamlit 1.67 (ErrorElement: stAlertContent{Kind})
 # Pages whose verdict is an st.success: the alert must be there with this text (tests/app/verdicts.py
 # checks the rest of each verdict in the AppTest sweep).
-SUCCESS = {HOME.path: "Outputs identical to the cache-off run", "pages/02_verify_and_replay.py": "Bitwise equal"}
+SUCCESS = {HOME.path: "Outputs identical to the cache-off run", "app_pages/02_verify_and_replay.py": "Bitwise equal"}
+# Every toast's text as it is shown, kept after it closes: a toast lasts 4 s, and a page that computes longer after
+# its links are checked (page 05 on a loaded machine) is still running when the toast has gone.
+TOAST_RECORDER = """window.__toasts = [];
+new MutationObserver(() => document.querySelectorAll("[data-testid='stToast']").forEach(t => {
+    if (t.innerText && !window.__toasts.includes(t.innerText)) window.__toasts.push(t.innerText);
+})).observe(document, {childList: true, subtree: true, characterData: true});"""
 IGNORED = re.compile(r"(fonts|\.woff2?|_stcore/health|_stcore/host-config|favicon)", re.I)
 
 pytestmark = pytest.mark.browser
@@ -83,12 +89,6 @@ def server():
         proc.kill()
 
 
-def _url_path(path: str) -> str:
-    """Streamlit's URL path for a page file: the file stem without the leading number."""
-    stem = Path(path).stem
-    return re.sub(r"^\d+_", "", stem)
-
-
 def _error_alerts(page, path: str) -> list[str]:
     """The st.error alerts on the page that are not allow-listed for ``path`` (an stException is
     reported on its own, not again here)."""
@@ -130,9 +130,9 @@ def test_every_page_in_browser(server):
         page.on("console", on_console)
         page.on("pageerror", lambda exc: errors.append(f"{page.url}: page error: {exc}"))
         # A deep link as the very first request of a fresh server must still get st.navigation's
-        # sidebar (sections, registered tabs only), not Streamlit's legacy pages/ auto-discovery.
+        # sidebar (sections, registered tabs only), not an auto-discovered list of files.
         first = TABS[-1]
-        page.goto(server + "/" + _url_path(first.path), wait_until="domcontentloaded")
+        page.goto(server + "/" + first.url_path, wait_until="domcontentloaded")
         page.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']", timeout=180_000)
         page.wait_for_timeout(1000)
         page.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']", timeout=180_000)
@@ -142,7 +142,7 @@ def test_every_page_in_browser(server):
         for unwanted in ("common", "registry"):
             assert unwanted not in nav.lower(), f"deep link first: sidebar lists {unwanted!r}: {nav!r}"
         for tab in [HOME] + TABS:
-            url = server + ("/" if tab is HOME else "/" + _url_path(tab.path))
+            url = server + ("/" if tab is HOME else "/" + tab.url_path)
             page.goto(url, wait_until="domcontentloaded")
             page.wait_for_selector("[data-testid='stApp'][data-test-script-state='notRunning']", timeout=180_000)
             page.wait_for_timeout(500)
@@ -201,15 +201,47 @@ def test_a_dependent_slider_hidden_then_shown_under_a_lower_bound_follows_it(ser
     assert value is not None and int(value) <= int(top) == 3, (value, top)
 
 
+@pytest.mark.parametrize(("link", "key", "default", "why"), [
+    ("page_pool?p05_seed=inf", "p05_seed", "0", "not an integer"),
+    ("fleet_hashing?p11_index=" + "9" * 25_000, "p11_index", "1", "outside [0, "),
+    ("page_pool?p05_long_share=nan", "p05_long_share", "0.8", "not a finite number"),
+], ids=["inf", "25000-digits", "nan"])
+def test_a_bad_number_in_a_link_is_ignored_in_the_browser(server, link, key, default, why):
+    """Regression: ``/page_pool?p05_seed=inf`` (and a 25,000-digit ``p11_index``) showed a stack trace from
+    Streamlit's ``number_input`` deserializer while the page's toast said the value was ignored; ``nan`` was dropped
+    with no notice. Now the toast names the value and why, the widget shows its default, and the address bar no
+    longer carries the value."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.add_init_script(TOAST_RECORDER)
+        page.goto(f"{server}/{link}", wait_until="domcontentloaded")
+        _settle(page)
+        exc = page.locator("[data-testid='stException']")
+        problem = exc.first.inner_text()[:300] if exc.count() else None
+        toasts = page.evaluate("() => window.__toasts")
+        thumb = page.locator(f".st-key-{key} [role='slider']")
+        value = (thumb.first.get_attribute("aria-valuenow") if thumb.count() else
+                 page.locator(f".st-key-{key} input").first.input_value())
+        url = page.url
+        browser.close()
+    assert problem is None, problem
+    assert any(f"link's {key}=" in t and why in t and "it was ignored" in t for t in toasts), toasts
+    assert float(value) == float(default), value
+    assert f"{key}=" not in url, url[:200]
+
+
 def test_concurrent_deep_links_on_fresh_server():
     """Three different deep links opened at the same moment on a freshly started server (a hosted app
     waking from sleep): every session gets st.navigation's sectioned list and its page, none the
-    legacy pages/ sidebar (``app``, ``common``, ``registry``) or an ImportError traceback."""
+    auto-discovered list of files (``app``, ``common``, ``registry``) or an ImportError traceback."""
     _require_browser()
     from bench.app_server import open_deep_links_together, sectioned_navigation_problems, streamlit_server
 
     paths = ["/fleet_hashing", "/prefix_anatomy", "/page_pool"]       # three light pages, three sections
-    assert set(paths) <= {"/" + _url_path(t.path) for t in TABS}
+    assert set(paths) <= {"/" + t.url_path for t in TABS}
     with streamlit_server() as (url, _pid):
         views = open_deep_links_together(url, paths)
     problems = sectioned_navigation_problems(views, SECTIONS, [HOME.title] + [t.title for t in TABS])

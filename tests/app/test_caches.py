@@ -2,7 +2,7 @@
 gives an app about 1 GB), so a cache that grows with the number of distinct widget settings grows
 until the app is killed.
 
-Static check over every page (``pages/*.py``) and every module the pages call (``serve/``,
+Static check over every page (``app_pages/*.py``) and every module the pages call (``serve/``,
 ``kda_core/``): each ``st.cache_data`` / ``st.cache_resource``, as a decorator or called on a function
 (``run = st.cache_data(lab_function, ...)``), passes ``max_entries``
 (a positive int), each ``st.cache_data`` (measurements and simulations) also a ``ttl``; no
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-FILES = sorted([*REPO.glob("pages/*.py"), *REPO.glob("serve/**/*.py"), *REPO.glob("kda_core/**/*.py"), REPO / "app.py"])
+FILES = sorted([*REPO.glob("app_pages/*.py"), *REPO.glob("serve/**/*.py"), *REPO.glob("kda_core/**/*.py"), REPO / "app.py"])
 
 
 def _name(node: ast.expr) -> str:

@@ -3,7 +3,7 @@ was timed) goes in an expander. Every caption a page shows at its defaults (and 
 ``page_helpers.REVEAL``) is at most ``CAPTION_MAX`` characters."""
 import pytest
 
-from pages._registry import HOME, TABS
+from app_pages.registry import HOME, TABS
 from tests.app.page_helpers import open_revealed
 
 CAPTION_MAX = 350   # about three lines of the wide layout

@@ -27,7 +27,7 @@ def _shown_names(at) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("path", ["pages/11_fleet_hashing.py", "pages/12_fleet_scaling.py"])
+@pytest.mark.parametrize("path", ["app_pages/11_fleet_hashing.py", "app_pages/12_fleet_scaling.py"])
 def test_no_code_names_on_fleet_pages(path):
     at = open_page(path)
     leaked = _shown_names(at) & CODE_NAMES
@@ -38,7 +38,7 @@ def test_real_replica_widgets_offer_only_what_fits():
     """Kimi K3 fits only 16 x H200 or 16 x B200: picking it leaves those GPUs, TP 16, and no error."""
     from lab.real_scale import free_bytes
     from serve.scale.hardware import hardware
-    at = open_page("pages/12_fleet_scaling.py", p12_model="kimi-k3")
+    at = open_page("app_pages/12_fleet_scaling.py", p12_model="kimi-k3")
     gpu = next(b for b in at.selectbox if b.key == "p12_gpu")
     assert list(gpu.options) == ["H200", "B200"] and gpu.value == "H200"
     assert not any(s.key == "p12_tp" for s in at.select_slider)      # one TP fits (16): nothing to choose
@@ -47,8 +47,8 @@ def test_real_replica_widgets_offer_only_what_fits():
     assert "Kimi K3, 16 × H200" in " ".join(md.value for e in at.expander for md in e.markdown)
 
 
-@pytest.mark.parametrize(("path", "model_key", "gpu_key"), [("pages/13_fleet_budgets.py", "p13_model", "p13_gpu"),
-                                                            ("pages/14_fleet_simulation.py", "p14_real_model", "p14_gpu")])
+@pytest.mark.parametrize(("path", "model_key", "gpu_key"), [("app_pages/13_fleet_budgets.py", "p13_model", "p13_gpu"),
+                                                            ("app_pages/14_fleet_simulation.py", "p14_real_model", "p14_gpu")])
 def test_every_fleet_page_offers_only_what_fits(path, model_key, gpu_key):
     """Pages 13 and 14 share the real-replica widgets: Kimi K3 leaves the GPUs it fits (no "weights do not fit"
     error, which open_page would fail on) and names the replica by the model's name."""

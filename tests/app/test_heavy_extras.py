@@ -21,7 +21,7 @@ def _chart_has_data(at: AppTest) -> bool:
 
 
 def test_prefix_miss_replay_behind_button():
-    at = AppTest.from_file(str(REPO / "pages" / "09_prefix_miss.py"), default_timeout=TIMEOUT_S).run()
+    at = AppTest.from_file(str(REPO / "app_pages" / "09_prefix_miss.py"), default_timeout=TIMEOUT_S).run()
     assert not at.exception, [e.value for e in at.exception]
     before = _chart_keys(at)
     assert len(before) == 1, f"only section 1's chart before the button, got {len(before)}"
@@ -29,7 +29,7 @@ def test_prefix_miss_replay_behind_button():
     at.button(key="p09_replay_button").click().run()
     assert not at.exception, [e.value for e in at.exception]
     assert len(_chart_keys(at)) == 4 and _chart_has_data(at)        # + capacity, causes, interval charts
-    VERDICTS["pages/09_prefix_miss.py"](at)                         # incl. no capacity beats the ideal
+    VERDICTS["app_pages/09_prefix_miss.py"](at)                         # incl. no capacity beats the ideal
     at.run()                                                        # a rerun (any widget) keeps the replay on
     assert len(_chart_keys(at)) == 4 and not at.button
 
@@ -42,7 +42,7 @@ def test_home_timing_behind_button():
     assert {k.rsplit("-", 1)[-1] for k in _chart_keys(at)} == {"p00_tokens_chart"}, "no TTFT chart before the button"
     assert [b.label for b in at.button] == ["Measure TTFT cold vs warm"]
     assert not [m.label for m in at.metric if m.label.startswith("TTFT")], "no TTFT metric before the button"
-    VERDICTS["pages/00_home.py"](at)                                # the verification run is on the first render
+    VERDICTS["app_pages/00_home.py"](at)                                # the verification run is on the first render
     at.button(key="p00_measure_button").click().run()
     assert not at.exception, [e.value for e in at.exception]
     assert sorted(k.rsplit("-", 1)[-1] for k in _chart_keys(at)) == ["p00_breakdown_chart", "p00_fit_chart",

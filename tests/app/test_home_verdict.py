@@ -18,7 +18,7 @@ def test_home_verdict_checks_tolerance(monkeypatch, diff, ok):
     monkeypatch.setattr(prefix_runs, "cold_vs_warm", with_diff)
     st.cache_data.clear()
     try:
-        at = open_page("pages/00_home.py", expect_error=not ok, p00_new=1)
+        at = open_page("app_pages/00_home.py", expect_error=not ok, p00_new=1)
     finally:
         st.cache_data.clear()
     success = [s.value for s in at.success]

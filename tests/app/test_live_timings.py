@@ -24,7 +24,7 @@ def test_p10_speedup_against_the_fastest_one_rank_baseline(monkeypatch):
     monkeypatch.setattr(lab.kcp, "one_rank_baselines", oversubscribed)
     st.cache_data.clear()
     try:
-        at = open_page("pages/10_kcp.py", p10_seq_len=512)
+        at = open_page("app_pages/10_kcp.py", p10_seq_len=512)
         next(b for b in at.button if b.key == "p10_all_cores_button").click().run()
     finally:
         st.cache_data.clear()
@@ -41,7 +41,7 @@ def test_p10_speedup_against_the_fastest_one_rank_baseline(monkeypatch):
 
 def test_p09_headlines_no_unrepeated_ttft():
     """Page 09 headlined "one run's TTFT", a single sample (55 ms and 701 ms for the same settings in one session)."""
-    at = open_page("pages/09_prefix_miss.py")
+    at = open_page("app_pages/09_prefix_miss.py")
     shown = [f"{m.label} {m.value} {m.proto.delta}" for m in at.metric]
     assert shown and not any("TTFT" in s or " ms" in s for s in shown), shown
     miss = next(m for m in at.metric if m.label == "Miss: prefill tokens")
@@ -85,7 +85,7 @@ def test_home_warm_ttft_formula_has_the_fixed_cost():
 
 
 def test_p08_shows_the_fitted_forward_cost():
-    at = open_page("pages/08_prefix_hit.py")
+    at = open_page("app_pages/08_prefix_hit.py")
     fit = _fit_caption(at)
     assert "Held out, not in the fit: the cold run, 144 tokens" in fit
     assert any(c.value.startswith("Warm, 16 tokens prefilled: measured ") for c in at.caption)

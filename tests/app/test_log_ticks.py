@@ -1,9 +1,9 @@
-"""pages._common.show_chart labels enough ticks on a log axis to read values between the powers of ten."""
+"""app_pages.charts.show_chart labels enough ticks on a log axis to read values between the powers of ten."""
 import pandas as pd
 import plotly.graph_objects as go
 import pytest
 
-from pages._common import show_chart
+from app_pages.charts import show_chart
 
 
 def _shown(x, y, **layout) -> go.Figure:
@@ -66,10 +66,10 @@ def test_pages_label_their_log_reference_lines() -> None:
 
     from tests.app.page_helpers import chart_spec, open_page
 
-    tol = next(a for a in chart_spec(open_page("pages/10_kcp.py"), "p10_exact_chart")["layout"]["annotations"]
+    tol = next(a for a in chart_spec(open_page("app_pages/10_kcp.py"), "p10_exact_chart")["layout"]["annotations"]
                if "tolerance" in a["text"])
     assert tol["y"] == pytest.approx(-5), tol
-    be = next(a for a in chart_spec(open_page("pages/03_kda_state_vs_kv.py"), "p03_bytes_chart")["layout"]["annotations"]
+    be = next(a for a in chart_spec(open_page("app_pages/03_kda_state_vs_kv.py"), "p03_bytes_chart")["layout"]["annotations"]
               if a["text"].startswith("break-even"))
     tokens = float(be["text"].split("≈ ")[1].split(" tokens")[0].replace(",", ""))
     assert be["x"] == pytest.approx(math.log10(tokens), abs=1e-3), be

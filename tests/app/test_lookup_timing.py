@@ -10,7 +10,7 @@ def _stamp(at) -> str:
 
 
 def test_lookup_cost_is_stamped_and_remeasurable():
-    at = open_page("pages/11_fleet_hashing.py")
+    at = open_page("app_pages/11_fleet_hashing.py")
     stamp = _stamp(at)
     assert "median of 5 interleaved repeats after 1 warm-up" in stamp, stamp
     bars = chart_spec(at, "p11_cost_chart")["data"][0]

@@ -16,16 +16,16 @@ def _button(at: AppTest, key: str):
 
 
 def test_remeasure_clears_only_this_pages_measurement():
-    ring = open_page("pages/04_raw_input_ring.py", p04_draft=2)
+    ring = open_page("app_pages/04_raw_input_ring.py", p04_draft=2)
     ring_stamp = _stamp(ring)
-    kcp = open_page("pages/10_kcp.py", p10_seq_len=512)
+    kcp = open_page("app_pages/10_kcp.py", p10_seq_len=512)
     kcp_stamp = _stamp(kcp)
     assert "5 interleaved repeats" in kcp_stamp and "1 torch thread(s)" in kcp_stamp
     time.sleep(1.1)                                       # stamps are to the second
     _button(kcp, "p10_remeasure").click().run()
     assert not kcp.exception
     assert _stamp(kcp) != kcp_stamp, "Re-measure did not measure page 10 again"
-    again = open_page("pages/04_raw_input_ring.py", p04_draft=2)
+    again = open_page("app_pages/04_raw_input_ring.py", p04_draft=2)
     assert _stamp(again) == ring_stamp, "page 10's Re-measure cleared page 04's measurement"
     time.sleep(1.1)
     _button(again, "p04_remeasure").click().run()
@@ -36,7 +36,7 @@ def test_query_params_set_the_widgets():
     at = AppTest.from_file(APP, default_timeout=120)
     at.query_params["p04_draft"] = "3"
     at.run()
-    at.switch_page("pages/04_raw_input_ring.py")
+    at.switch_page("app_pages/04_raw_input_ring.py")
     at.run()
     assert not at.exception, [e.value for e in at.exception]
     assert at.slider(key="p04_draft").value == 3

@@ -17,8 +17,8 @@ def _button(at: AppTest, key: str):
 
 
 def test_p05_p06_stamped_with_error_bars_and_remeasure_only_their_own():
-    pool = open_page("pages/05_page_pool.py")
-    paging = open_page("pages/06_mla_paging.py")
+    pool = open_page("app_pages/05_page_pool.py")
+    paging = open_page("app_pages/06_mla_paging.py")
     pool_stamp, paging_stamp = _stamp(pool), _stamp(paging)
     assert "5 interleaved repeats" in pool_stamp
     assert "7 interleaved repeats" in paging_stamp and "1 torch thread(s)" in paging_stamp
@@ -30,18 +30,18 @@ def test_p05_p06_stamped_with_error_bars_and_remeasure_only_their_own():
     time.sleep(1.1)                                                    # stamps are to the second
     _button(paging, "p06_remeasure").click().run()
     assert not paging.exception and _stamp(paging) != paging_stamp, "Re-measure did not measure page 06 again"
-    again = open_page("pages/05_page_pool.py")
+    again = open_page("app_pages/05_page_pool.py")
     assert _stamp(again) == pool_stamp, "page 06's Re-measure cleared page 05's measurement"
     paging_stamp = _stamp(paging)
     time.sleep(1.1)
     _button(again, "p05_remeasure").click().run()
     assert not again.exception and _stamp(again) != pool_stamp, "Re-measure did not measure page 05 again"
-    assert _stamp(open_page("pages/06_mla_paging.py")) == paging_stamp, "page 05's Re-measure cleared page 06's"
+    assert _stamp(open_page("app_pages/06_mla_paging.py")) == paging_stamp, "page 05's Re-measure cleared page 06's"
 
 
 def test_p09_miss_metric_points_to_repeated_ttft():
     """Page 09 runs the miss once: its metric shows no single-sample time and says where TTFT is repeated
     (it headlined "one run's TTFT" before; tests/app/test_live_timings.py pins that it no longer does)."""
-    at = open_page("pages/09_prefix_miss.py")
+    at = open_page("app_pages/09_prefix_miss.py")
     m = next(m for m in at.metric if m.label == "Miss: prefill tokens")
     assert " ms" not in m.proto.delta and "interleaved repeats" in m.help

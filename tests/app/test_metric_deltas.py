@@ -10,7 +10,7 @@ import re
 import pytest
 from streamlit.proto.Metric_pb2 import Metric
 
-from pages._registry import HOME, TABS
+from app_pages.registry import HOME, TABS
 from tests.app.page_helpers import open_page
 
 NONE, UP, DOWN = Metric.MetricDirection.NONE, Metric.MetricDirection.UP, Metric.MetricDirection.DOWN

@@ -1,10 +1,10 @@
-"""pages._common.built_by_loaded_code: the cache validator of the pages' models."""
+"""app_pages.caching.built_by_loaded_code: the cache validator of the pages' models."""
 import sys
 import types
 
+from app_pages.caching import built_by_loaded_code
 from kda_core.config import PRESETS
 from kda_core.model import HybridLM
-from pages._common import built_by_loaded_code
 
 
 def test_built_by_loaded_code(monkeypatch):

@@ -1,4 +1,4 @@
-"""AppTest for every tab in pages/_registry.py: run it, move every slider / select_slider /
+"""AppTest for every tab in app_pages/registry.py: run it, move every slider / select_slider /
 number_input to its minimum and maximum, try every selectbox option, and check after every run that
 no exception is raised, no ``st.error`` is shown unless allow-listed with its reason, the page's own
 verdict holds (tests/app/verdicts.py) and every Plotly chart has data."""
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from pages._common import PERSISTED_KEYS
-from pages._registry import HOME, TABS
+from app_pages.links import PERSISTED_KEYS
+from app_pages.registry import HOME, TABS
 from tests.app.allowed_errors import allowed
 from tests.app.verdicts import VERDICTS
 

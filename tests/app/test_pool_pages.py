@@ -10,7 +10,7 @@ from tests.app.page_helpers import chart_spec, open_page, plotly_values
 def test_p05_latency_chart_draws_every_call_and_marks_p50_p99(values):
     """Regression: linear histogram bins on a log axis started at 0 ns, so most calls (all of them at
     the maximum settings) were not drawn while the text still printed p50 / p99."""
-    at = open_page("pages/05_page_pool.py", **values)
+    at = open_page("app_pages/05_page_pool.py", **values)
     fig = chart_spec(at, "p05_latency")
     assert fig["layout"]["xaxis"]["type"] == "log"
     bars = [t for t in fig["data"] if t["type"] == "bar"]
@@ -31,7 +31,7 @@ def test_p05_latency_chart_draws_every_call_and_marks_p50_p99(values):
 
 def test_p05_utilisation_uses_one_denominator():
     """Regression: static-split lines were % of their own sub-pool under a "% of the pool" axis."""
-    at = open_page("pages/05_page_pool.py")
+    at = open_page("app_pages/05_page_pool.py")
     fig = chart_spec(at, "p05_util")
     caption = next(c.value for c in at.caption if "static split:" in c.value)
     n = int(caption.split(" pages of ")[0].replace(",", ""))
@@ -46,7 +46,7 @@ def test_p05_utilisation_uses_one_denominator():
 def test_p06_zero_prefix_and_tail_is_explained_in_slider_terms():
     """Regression: prefix = tail = 0 showed the engine's "max_requests > 0 ... got 1, 16, 0, 0"; both sliders at
     their minimum are a state the sliders reach, so the page explains it (an info, not an error box)."""
-    at = open_page("pages/06_mla_paging.py", p06_max_ctx=1024, p06_prefix=0, p06_unique=0)
+    at = open_page("app_pages/06_mla_paging.py", p06_max_ctx=1024, p06_prefix=0, p06_unique=0)
     assert not at.error
     assert "Shared prefix + unique tail is 0 tokens: there is nothing to page. Move either slider above 0." in \
         [i.value for i in at.info]
@@ -55,7 +55,7 @@ def test_p06_zero_prefix_and_tail_is_explained_in_slider_terms():
 
 def test_p06_log_axes_have_readable_ticks():
     """Regression: the log right axis of the fragmentation chart labelled ticks "2, 6, 2, 9, 4, 1, 5, 2"."""
-    at = open_page("pages/06_mla_paging.py", p06_max_ctx=1024)
+    at = open_page("app_pages/06_mla_paging.py", p06_max_ctx=1024)
     layout = chart_spec(at, "p06_frag")["layout"]
     assert layout["yaxis2"]["ticktext"][:6] == ["1", "2", "5", "10", "20", "50"]
     assert plotly_values(layout["xaxis"]["tickvals"]) == [2 ** i for i in range(11)]

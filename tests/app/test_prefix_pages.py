@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from pages._registry import HOME
+from app_pages.registry import HOME
 
 APP = str(Path(__file__).resolve().parents[2] / "app.py")
-ANATOMY = "pages/07_prefix_anatomy.py"
+ANATOMY = "app_pages/07_prefix_anatomy.py"
 
 
 def _page(path: str) -> AppTest:

@@ -1,24 +1,26 @@
 """Shareable views: every page binds the widgets that define its view to the URL
 (``bind="query-params"``, Streamlit 1.67), so a pasted link reproduces the view.
 
-For every tab in pages/_registry.py the bound widgets are found by introspection (a widget proto
+For every tab in app_pages/registry.py the bound widgets are found by introspection (a widget proto
 carries ``query_param_key`` when it is bound), then the page is opened three more times with query
 params set before its first run, as a deep link does:
 
 - a valid non-default value per bound widget: every widget takes it;
-- ``garbage`` per bound widget (text widgets excepted: any text is valid): every widget keeps its
-  default, no exception, no ``st.error`` (except those allow-listed in tests/app/allowed_errors.py);
+- a malformed value per bound widget (``1.5`` for an integer, ``nan`` for a float, ``garbage`` otherwise; text
+  widgets excepted: any text is valid): every widget keeps its default and says the link's value was ignored, no
+  exception, no ``st.error`` (except those allow-listed in tests/app/allowed_errors.py);
 - an out-of-range number per numeric widget and an unknown option per choice widget: same.
 
 A page with no bound widget fails, unless it is listed in ``PENDING`` (pages whose binding is being
 added on another branch; the lead empties the set after merging).
 """
+import functools
 from pathlib import Path
 
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from pages._registry import HOME, TABS
+from app_pages.registry import HOME, TABS
 from tests.app.allowed_errors import allowed
 
 APP = str(Path(__file__).resolve().parents[2] / "app.py")
@@ -86,6 +88,14 @@ def _valid_other(kind: str, w) -> tuple[object, object]:
     return w.value + "\nshared view", w.value + "\nshared view"        # text
 
 
+def _garbage(kind: str, w) -> str:
+    """A malformed query param value: ``1.5`` for an integer widget (Streamlit took it as 1 while the notice said
+    "ignored"), ``nan`` for a float one (Streamlit dropped it with no notice), else text no widget reads."""
+    if kind in NUMERIC and not isinstance(w.value, (tuple, list)):
+        return "nan" if isinstance(w.value, float) else "1.5"
+    return "garbage"
+
+
 def _out_of_range(kind: str, w) -> object | None:
     """A well-formed but invalid query param value (None for text and boolean widgets)."""
     if kind in NUMERIC:
@@ -150,7 +160,7 @@ def test_query_params(tab) -> None:
         kind, w = got[key]
         assert took(key, kind, w), f"{path}: ?{key}={valid[key][0]} gave {w.value!r}"
 
-    garbage = {key: "garbage" for key, (kind, _) in bound.items() if kind not in TEXT}
+    garbage = {key: _garbage(kind, w) for key, (kind, w) in bound.items() if kind not in TEXT}
     bad = {key: v for key, (kind, w) in bound.items() if (v := _out_of_range(kind, w)) is not None}
     for params in (garbage, bad):
         if not params:
@@ -171,10 +181,10 @@ def test_query_params(tab) -> None:
 
 
 @pytest.mark.parametrize(("path", "params", "key"), [
-    ("pages/04_raw_input_ring.py", {"p04_window": "99"}, "p04_window"),
-    ("pages/04_raw_input_ring.py", {"p04_window": "0"}, "p04_window"),
-    ("pages/02_verify_and_replay.py", {"p02_mode": "interrupted", "p02_abort_tokens": "99"}, "p02_abort_tokens"),
-    ("pages/10_kcp.py", {"p10_world": "64"}, "p10_world"),
+    ("app_pages/04_raw_input_ring.py", {"p04_window": "99"}, "p04_window"),
+    ("app_pages/04_raw_input_ring.py", {"p04_window": "0"}, "p04_window"),
+    ("app_pages/02_verify_and_replay.py", {"p02_mode": "interrupted", "p02_abort_tokens": "99"}, "p02_abort_tokens"),
+    ("app_pages/10_kcp.py", {"p10_world": "64"}, "p10_world"),
 ])
 def test_a_dependent_sliders_link_value_out_of_its_bounds_is_reported(path, params, key):
     """A slider whose upper bound follows another widget (persist_clamped) reports a link's value outside its
@@ -186,7 +196,7 @@ def test_a_dependent_sliders_link_value_out_of_its_bounds_is_reported(path, para
 
 @pytest.mark.parametrize("tab", PAGES, ids=[Path(t.path).stem for t in PAGES])
 def test_every_url_widget_states_its_default_once(tab) -> None:
-    """A page binds its widgets to the URL only through ``pages._common.url_widget``, which gives the default,
+    """A page binds its widgets to the URL only through ``app_pages.links.url_widget``, which gives the default,
     options and bounds to the widget and to the value check alike: a page that writes ``bind=`` or ``persist(``
     itself states them twice, and the two copies can drift apart."""
     source = Path(tab.path).read_text()
@@ -194,8 +204,8 @@ def test_every_url_widget_states_its_default_once(tab) -> None:
 
 
 @pytest.mark.parametrize(("path", "params", "bound", "lowered", "key"), [
-    ("pages/11_fleet_hashing.py", {"p11_requests": "3000", "p11_index": "2500"}, "p11_requests", 500, "p11_index"),
-    ("pages/04_raw_input_ring.py", {"p04_capacity": "32", "p04_window": "16"}, "p04_capacity", 5, "p04_window"),
+    ("app_pages/11_fleet_hashing.py", {"p11_requests": "3000", "p11_index": "2500"}, "p11_requests", 500, "p11_index"),
+    ("app_pages/04_raw_input_ring.py", {"p04_capacity": "32", "p04_window": "16"}, "p04_capacity", 5, "p04_window"),
 ])
 def test_a_link_value_is_not_reported_after_another_widget_lowers_its_bound(path, params, bound, lowered, key):
     """A valid link value stays valid: when the user then lowers the widget it depends on, the dependent follows
@@ -212,6 +222,116 @@ def test_a_link_value_is_not_reported_after_another_widget_lowers_its_bound(path
 
 def test_a_value_given_twice_for_a_one_value_widget_is_reported():
     """Streamlit drops ``?p05_pool_mib=48&p05_pool_mib=64`` and shows the default: the page says why."""
-    at = _open("pages/05_page_pool.py", {"p05_pool_mib": ["48", "64"]})
+    at = _open("app_pages/05_page_pool.py", {"p05_pool_mib": ["48", "64"]})
     assert any("p05_pool_mib=48, 64 is given 2 times" in t.value for t in at.toast), [t.value for t in at.toast]
 
+
+
+WIDGETS_BY_KEY = ("slider", "select_slider", "number_input", "multiselect", "text_area", "selectbox")
+
+
+def _value(at: AppTest, key: str):
+    """The value of the widget with ``key`` (a multiselect's as its labels)."""
+    for kind in WIDGETS_BY_KEY:
+        for w in at.get(kind):
+            if w.key == key:
+                return _normal(kind, _shown(kind, w))
+    raise AssertionError(f"no widget {key!r}")
+
+
+@functools.cache
+def _fresh_value(path: str, key: str):
+    return _value(_open(path), key)
+
+
+def _ignored_and_default(path: str, params: dict, key: str, why: str) -> None:
+    """The link's value of ``key`` is reported as ignored, saying ``why``, and the widget shows its default."""
+    at = _open(path, params)
+    notices = [t.value for t in at.toast if f"link's {key}=" in t.value]
+    assert len(notices) == 1 and notices[0].endswith("it was ignored.") and why in notices[0], \
+        [t.value for t in at.toast]
+    assert len(notices[0]) < 200, notices[0]             # a 25,000-digit value is cut in the notice
+    assert _value(at, key) == _fresh_value(path, key), f"{path} {params}: the widget took the ignored value"
+
+
+HUGE = "9" * 25_000
+BAD_NUMBERS = [("inf", "not an integer"), ("1e309", "not an integer"), (HUGE, "outside [0, ")]
+
+
+@pytest.mark.parametrize(("path", "key"), [("app_pages/05_page_pool.py", "p05_seed"),
+                                           ("app_pages/11_fleet_hashing.py", "p11_index")])
+@pytest.mark.parametrize(("value", "why"), BAD_NUMBERS, ids=["inf", "1e309", "25000-digits"])
+def test_a_number_streamlit_cannot_read_is_ignored_before_the_widget_sees_it(path, key, value, why):
+    """Regression: ``?p05_seed=inf`` (or 1e309, or 25,000 digits) reached Streamlit's ``number_input``
+    deserializer, ``int(val)``: OverflowError, a stack trace, while the page's own notice said "ignored"."""
+    _ignored_and_default(path, {key: value}, key, why)
+
+
+@pytest.mark.parametrize(("path", "params", "key", "why"), [
+    ("app_pages/00_home.py", {"p00_new": "1.5"}, "p00_new", "not an integer"),
+    ("app_pages/00_home.py", {"p00_first": ["a", "second"]}, "p00_first", "given 2 times"),
+    ("app_pages/12_fleet_scaling.py", {"p12_algorithms": ""}, "p12_algorithms", "an empty selection"),
+    ("app_pages/14_fleet_simulation.py", {"p14_policies": ""}, "p14_policies", "an empty selection"),
+    ("app_pages/15_real_scale.py", {"p15_policies": ""}, "p15_policies", "an empty selection"),
+], ids=["float-for-int", "repeated", "empty-12", "empty-14", "empty-15"])
+def test_a_link_value_reported_as_ignored_is_not_applied(path, params, key, why):
+    """Regression: Streamlit applied these (``1.5`` became 1, the last of a repeated value won, an empty
+    multiselect value cleared the selection) while the page's notice said the value was ignored."""
+    _ignored_and_default(path, params, key, why)
+
+
+@pytest.mark.parametrize(("path", "params", "key", "why"), [
+    ("app_pages/02_verify_and_replay.py", {"p02_accept": "nan"}, "p02_accept", "not a finite number"),
+    ("app_pages/05_page_pool.py", {"p05_long_share": "nan"}, "p05_long_share", "not a finite number"),
+    ("app_pages/12_fleet_scaling.py", {"p12_at": "nan"}, "p12_at", "not a finite number"),
+    ("app_pages/03_kda_state_vs_kv.py", {"p03_context": "64"}, "p03_context", "1 value, not a range of two"),
+    ("app_pages/03_kda_state_vs_kv.py", {"p03_context": ["1024", "4096", "65536"]}, "p03_context",
+     "3 values, not a range of two"),
+    ("app_pages/00_home.py", {"p00_first": "x" * 2_001}, "p00_first", "2,001 characters, over the 2,000-character limit"),
+    ("app_pages/07_prefix_anatomy.py", {"p07_prompts": "a" * 30_000 + "\n" + "b" * 30_000}, "p07_prompts",
+     "60,001 characters, over the 4,000-character limit"),
+    ("app_pages/07_prefix_anatomy.py", {"p07_prompts": "\n".join(str(i) for i in range(2_000))}, "p07_prompts",
+     "8,889 characters, over the 4,000-character limit"),
+], ids=["nan-02", "nan-05", "nan-12", "range-one-end", "range-three-ends", "text-over-limit", "07-two-long-prompts",
+        "07-2000-prompts"])
+def test_a_link_value_streamlit_drops_is_reported(path, params, key, why):
+    """Regression: Streamlit dropped (or, for a text over ``max_chars``, cut) these values with no notice."""
+    _ignored_and_default(path, params, key, why)
+
+
+@pytest.mark.parametrize(("path", "key", "value"), [
+    ("app_pages/04_raw_input_ring.py", "p04_window", 99),
+    ("app_pages/10_kcp.py", "p10_world", 64),
+    ("app_pages/11_fleet_hashing.py", "p11_index", 10**9),
+])
+def test_a_stored_value_above_a_dependent_bound_is_reported(path, key, value):
+    """Regression: a stored session value above a dependent slider's bound (one the widget never showed: a session
+    written by another version of the page, or by code) was lowered to the bound silently, where every other
+    widget reports a stored value it cannot take and shows its default."""
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S)
+    at.switch_page(path)
+    at.session_state[key] = value
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    notices = [t.value for t in at.toast if t.value.startswith(f"{key}: the stored value {value!r}")]
+    assert notices and "outside [" in notices[0], [t.value for t in at.toast]
+    assert _value(at, key) == _fresh_value(path, key)
+
+
+@pytest.mark.parametrize(("text", "why"), [
+    ("\n".join(str(i) for i in range(500)), "ValueError: prompts: 500 prompts, over the limit of 16; keep at most 16 lines"),
+    ("é" * 1_500 + "\n" + "è" * 1_500, "ValueError: prompts: 6,000 bytes in all (UTF-8; bytes are tokens), over the "
+                                       "limit of 4,000; shorten them"),
+], ids=["500-prompts", "multi-byte"])
+def test_page_07_prompts_within_the_box_but_over_the_bounds_are_an_error(text, why):
+    """Regression: page 07 ran any text through the engine (2,000 short prompts asked torch for 3.9 GB). A text
+    that fits the box (4,000 characters) but holds too many prompts, or too many UTF-8 bytes, is an error naming
+    the prompts, before any engine is built; the caption states the bounds."""
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S)
+    at.switch_page("app_pages/07_prefix_anatomy.py")
+    at.query_params["p07_prompts"] = text
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert [e.value for e in at.error] == [why]
+    assert at.text_area(key="p07_prompts").value == text            # taken, as the link asked, and explained
+    assert any("At most 16 prompts, 4,000 bytes and 128 checkpoint intervals in all" in c.value for c in at.caption)

@@ -6,7 +6,7 @@ from serve.scale.hardware import hardware
 from tests.app.test_pages import _check, _fresh
 from tests.app.verdicts import chart_spec, plotly_values
 
-PAGE = "pages/15_real_scale.py"
+PAGE = "app_pages/15_real_scale.py"
 
 
 def test_sweep_shows_ttft_against_the_interval_and_a_choice():
@@ -42,7 +42,7 @@ def test_roofline_at_defaults_keeps_fitted_predicted_published_apart():
     table = next(d.value for d in at.dataframe if "setup" in d.value.columns)
     assert set(table.setup) == {"H200 x TP8"}
     held = table[(table.role == "held out") & (table.context_tokens >= 512 * 1024)]
-    assert len(held) == 2 and (held.rel_error.abs() <= 25).all(), table    # percent (pages._common.pct)
+    assert len(held) == 2 and (held.rel_error.abs() <= 25).all(), table    # percent (app_pages.charts.pct)
     assert any(m.label.startswith("Held-out prefill error") for m in at.metric)
     batch = next(m.value for m in at.markdown if "largest batch its memory holds" in m.value)
     assert "6.25×" in batch and "up to **6×**" in batch and "kernel efficiency" in batch, batch

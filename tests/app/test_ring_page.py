@@ -5,7 +5,7 @@ import pytest
 
 from tests.app.page_helpers import chart_spec, open_page, plotly_values
 
-PAGE = "pages/04_raw_input_ring.py"
+PAGE = "app_pages/04_raw_input_ring.py"
 
 
 @pytest.mark.parametrize("values", [{}, {"p04_capacity": 6, "p04_window": 4}], ids=["defaults", "cap6-win4"])
@@ -31,7 +31,7 @@ def test_window_slider_is_bounded_by_capacity():
     """Dependent widgets constrain each other: a capacity below the window lowers the window instead of
     failing, and a 1-slot ring shows a window of 1 on a disabled slider (kept on the page: a slider that left the
     page came back above its new max and failed, see test_browser)."""
-    at = open_page("pages/04_raw_input_ring.py")
+    at = open_page("app_pages/04_raw_input_ring.py")
     at.slider(key="p04_capacity").set_value(4).run()
     assert not at.exception and not at.error
     assert at.slider(key="p04_window").value == 4 and at.slider(key="p04_window").max == 4
@@ -47,3 +47,21 @@ def test_timings_say_what_they_timed_when_the_ring_refuses_n():
     note = "(Timed on rings large enough for n = 4: section 4's ring of 1 slot(s) refuses such a verify.)"
     assert any(m.value.startswith(note) for m in open_page(PAGE, p04_capacity=1).markdown)
     assert not any("Timed on rings" in m.value for m in open_page(PAGE).markdown)
+
+
+def test_slot_labels_follow_counter_mod_capacity():
+    """The text says "slot index = token counter mod capacity": every used slot's label is a counter whose residue
+    is that slot (the labels were the tokens' positions in the sequence, prompt included: 45 on slot 3 of 16)."""
+    at = open_page(PAGE)
+    capacity = next(s.value for s in at.slider if s.key == "p04_capacity")
+    bars = chart_spec(at, "p04_slots_chart")["data"][0]
+    labelled = [(slot, int(t)) for slot, t in zip(plotly_values(bars["x"]), bars["text"]) if str(t) != ""]
+    assert labelled and all(counter % capacity == slot for slot, counter in labelled), labelled
+
+
+def test_draft_length_offers_only_usable_lengths():
+    """A verify of 1 + n tokens must fit the rollback window (at most 16), so the draft slider stops at 15."""
+    at = open_page(PAGE)
+    draft = next(s for s in at.slider if s.key == "p04_draft")
+    window = next(s for s in at.slider if s.key == "p04_window")
+    assert draft.max == window.max - 1 == 15

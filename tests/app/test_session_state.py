@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from pages._common import PERSISTED_KEYS
-from pages._registry import HOME, TABS
+from app_pages.links import PERSISTED_KEYS
+from app_pages.registry import HOME, TABS
 
 APP = str(Path(__file__).resolve().parents[2] / "app.py")
 WIDGETS = ("slider", "select_slider", "selectbox", "multiselect", "number_input", "text_area", "checkbox")

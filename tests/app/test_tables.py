@@ -1,6 +1,6 @@
 """Every table a page shows at its defaults reads like a table for people, not a pandas dump.
 
-For each ``st.dataframe`` / ``st.table`` on every page (Home and every tab in pages/_registry.py), the
+For each ``st.dataframe`` / ``st.table`` on every page (Home and every tab in app_pages/registry.py), the
 headers the user sees are checked: the ``column_config`` label when there is one, otherwise the column
 name (hidden columns and a hidden index are not shown, so not checked). A header must not be a
 snake_case identifier (``measured_bytes``); a float column must carry a number format (precision chosen,
@@ -14,7 +14,7 @@ import re
 import pandas as pd
 import pytest
 
-from pages._registry import HOME, TABS
+from app_pages.registry import HOME, TABS
 from tests.app.page_helpers import open_revealed
 
 SNAKE = re.compile(r"[A-Za-z0-9]_[A-Za-z0-9]")   # an underscore inside a word: a code identifier

@@ -225,8 +225,12 @@ def _p14(at: AppTest) -> None:
     ideal = next(s["y0"] for s in kda["layout"]["shapes"] if s["y0"] == s["y1"])
     hit, lost = (plotly_values(t["y"]) for t in kda["data"][:2])
     assert all(0 <= h and 0 <= lo and h + lo <= ideal + 1e-12 for h, lo in zip(hit, lost)), (hit, lost, ideal)
-    stacks = [plotly_values(t["y"]) for t in chart_spec(at, "p14_bytes_chart")["data"]]
+    held = chart_spec(at, "p14_bytes_chart")
+    stacks = [plotly_values(t["y"]) for t in held["data"]]
     assert max(stacks[0]) > 0 and all(v > 0 for v in stacks[2]), "no replica cached KV, or one reserved no slot"
+    budget = [s["y0"] for s in held["layout"].get("shapes", []) if s["y0"] == s["y1"]]
+    totals = [sum(v) for v in zip(*stacks)]     # bytes held when each replica's cache peaked: within its budget
+    assert len(budget) == 1 and max(totals) <= budget[0] * (1 + 1e-12), (max(totals), budget)
 
 
 def _p15(at: AppTest) -> None:
@@ -244,7 +248,7 @@ def _p15(at: AppTest) -> None:
     table = next(d.value for d in at.dataframe if "setup" in d.value.columns)
     assert len(table) and table.setup.nunique() == 1, table
     assert {"held out", "predicted"} <= set(table.role), table
-    error = table.model / table.published - 1                         # shown in percent (pages._common.pct)
+    error = table.model / table.published - 1                         # shown in percent (app_pages.charts.pct)
     assert ((table.rel_error / 100 - error).abs() < 1e-9).all(), table
     if not any(c.proto.id.endswith("p15_hit_chart") for c in at.get("plotly_chart")):
         return                                          # the policy sweep runs behind its button
@@ -256,9 +260,9 @@ def _p15(at: AppTest) -> None:
 
 
 VERDICTS = {
-    "pages/00_home.py": _home, "pages/01_snapshot_vs_projection.py": _p01, "pages/02_verify_and_replay.py": _p02,
-    "pages/04_raw_input_ring.py": _p04, "pages/05_page_pool.py": _p05, "pages/07_prefix_anatomy.py": _p07,
-    "pages/08_prefix_hit.py": _p08, "pages/09_prefix_miss.py": _p09, "pages/10_kcp.py": _p10,
-    "pages/11_fleet_hashing.py": _p11, "pages/12_fleet_scaling.py": _p12, "pages/13_fleet_budgets.py": _p13, "pages/14_fleet_simulation.py": _p14,
-    "pages/15_real_scale.py": _p15,
+    "app_pages/00_home.py": _home, "app_pages/01_snapshot_vs_projection.py": _p01, "app_pages/02_verify_and_replay.py": _p02,
+    "app_pages/04_raw_input_ring.py": _p04, "app_pages/05_page_pool.py": _p05, "app_pages/07_prefix_anatomy.py": _p07,
+    "app_pages/08_prefix_hit.py": _p08, "app_pages/09_prefix_miss.py": _p09, "app_pages/10_kcp.py": _p10,
+    "app_pages/11_fleet_hashing.py": _p11, "app_pages/12_fleet_scaling.py": _p12, "app_pages/13_fleet_budgets.py": _p13, "app_pages/14_fleet_simulation.py": _p14,
+    "app_pages/15_real_scale.py": _p15,
 }

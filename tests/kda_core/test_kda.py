@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_core.chunk import kda_chunk
-from kda_core.kda import kda_gate, kda_recurrent, kda_step, kda_step_with_correction
+from kda_core.kda import NonFiniteError, kda_gate, kda_recurrent, kda_step, kda_step_with_correction
 
 B, H, K, V = 2, 3, 16, 12  # K != V so a transposed state cannot pass
 
@@ -194,5 +194,84 @@ def test_chunk_rejects_non_finite_inputs(name, value):
     args = dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=s0)
     args[name] = args[name].clone()
     args[name].view(-1)[5 * H if name == "beta" else 7] = value
-    with pytest.raises(ValueError, match=f"^{name} must be finite"):
+    with pytest.raises(NonFiniteError, match=f"^{name} must be"):   # g / beta: "must be ... in [..]" (their domain)
         kda_chunk(**args)
+
+
+def _three_forms(q, k, v, g, beta, s0, **kw):
+    """kda_chunk, kda_recurrent and kda_step (token 0) on the same inputs: callables for pytest.raises."""
+    return [lambda: kda_chunk(q, k, v, g, beta, s0, **kw), lambda: kda_recurrent(q, k, v, g, beta, s0, **kw),
+            lambda: kda_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s0, **kw)]
+
+
+@pytest.mark.parametrize("name, value, match", [
+    pytest.param("g", 10.0, r"g must be a log decay in \[-inf, 0\].*1 element\(s\) > 0 \(max 10\)", id="g+10"),
+    pytest.param("g", 1e-3, r"g must be a log decay in \[-inf, 0\]", id="g-slightly-positive"),
+    pytest.param("g", math.nan, r"g must be a log decay .* and 1 NaN", id="g-nan"),
+    pytest.param("beta", 1e6, r"beta must be in \[0, 1\].*1 element\(s\) outside", id="beta-1e6"),
+    pytest.param("beta", -0.5, r"beta must be in \[0, 1\]", id="beta-negative"),
+    pytest.param("beta", math.nan, r"beta must be in \[0, 1\].* and 1 NaN", id="beta-nan"),
+])
+def test_gates_outside_their_domain_are_rejected_by_every_form(name, value, match):
+    """g = +10 or beta = 1e6 gave silent NaN (and a different NaN count in the chunk form than in the
+    loop): the recurrence is no longer a decay there. Every form now refuses the same inputs."""
+    q, k, v, g, beta, s0 = _inputs(200, torch.float32, "mild")
+    args = dict(g=g.clone(), beta=beta.clone())
+    args[name].view(-1)[0] = value                              # token 0, so kda_step sees it too
+    for run in _three_forms(q, k, v, args["g"], args["beta"], s0):
+        with pytest.raises(ValueError, match=match) as err:
+            run()
+        assert isinstance(err.value, NonFiniteError) == math.isnan(value)   # the engine aborts on NaN only
+
+
+def test_gates_on_their_domain_edges_are_accepted():
+    """g = 0 (no decay), g = -inf (full forgetting), beta = 0 and beta = 1 are in the domain: the forms agree."""
+    q, k, v, g, beta, s0 = _inputs(70, torch.float64, "mild")
+    g, beta = g.clone(), beta.clone()
+    g[:, 3], g[:, 9], beta[:, 4], beta[:, 5] = 0.0, -math.inf, 0.0, 1.0
+    o_c, s_c, _ = kda_chunk(q, k, v, g, beta, s0, chunk_size=16)
+    o_r, s_r = kda_recurrent(q, k, v, g, beta, s0)
+    assert (o_c - o_r).abs().max() <= 1e-10 and (s_c - s_r).abs().max() <= 1e-10
+
+
+@pytest.mark.parametrize("dim", ["B", "H", "K", "V"])
+def test_a_zero_size_is_rejected(dim):
+    """B = 0 / H = 0 raised a reshape RuntimeError, K = 0 a ZeroDivisionError (the default scale)."""
+    sizes = dict(B=2, T=5, H=3, K=4, V=3)
+    sizes[dim] = 0
+    Bz, T, Hz, Kz, Vz = sizes.values()
+    q = k = g = torch.zeros(Bz, T, Hz, Kz)
+    v, beta, s0 = torch.zeros(Bz, T, Hz, Vz), torch.zeros(Bz, T, Hz), torch.zeros(Bz, Hz, Kz, Vz)
+    for run in _three_forms(q, k, v, g, beta, s0):
+        with pytest.raises(ValueError, match=f"B, H, K and V must be >= 1, got .*{dim}=0"):
+            run()
+
+
+def test_no_tokens_give_no_outputs_and_the_initial_state():
+    *xs, s0 = _inputs(5, torch.float64, "mild")
+    q, k, v, g, beta = (t[:, :0] for t in xs)                      # T = 0
+    for o, s, *_ in (kda_chunk(q, k, v, g, beta, s0), kda_recurrent(q, k, v, g, beta, s0)):
+        assert o.shape == (B, 0, H, V) and torch.equal(s, s0)
+
+
+@pytest.mark.parametrize("kw, match", [
+    pytest.param(dict(scale="x"), "scale must be None", id="scale-str"),
+    pytest.param(dict(scale=math.nan), "scale must be None", id="scale-nan"),
+    pytest.param(dict(scale=math.inf), "scale must be None", id="scale-inf"),
+    pytest.param(dict(scale=True), "scale must be None", id="scale-bool"),
+    pytest.param(dict(scale=0.0), "scale must be None", id="scale-0"),
+])
+def test_bad_scale_is_rejected_by_every_form(kw, match):
+    """scale='x' raised a TypeError from torch; NaN / inf gave silent NaN outputs."""
+    q, k, v, g, beta, s0 = _inputs(5, torch.float32, "mild")
+    for run in _three_forms(q, k, v, g, beta, s0, **kw):
+        with pytest.raises(ValueError, match=match):
+            run()
+
+
+@pytest.mark.parametrize("kw", [dict(chunk_size=True), dict(piece_tokens=True)], ids=["chunk-True", "piece-True"])
+def test_a_bool_is_not_a_chunk_size(kw):
+    """chunk_size=True passed the power-of-two check (True & 0 == 0) and failed in torch.eye."""
+    q, k, v, g, beta, s0 = _inputs(5, torch.float32, "mild")
+    with pytest.raises(ValueError, match="chunk_size must be|piece_tokens must be"):
+        kda_chunk(q, k, v, g, beta, s0, **kw)

@@ -133,3 +133,24 @@ def test_state_at_validation(model):
         model.forward(torch.arange(10), mode="chunk", state_at=(10,))
     with pytest.raises(ValueError, match="state_at"):
         model.forward(torch.arange(10), mode="recurrent", state_at=(4,))
+
+
+@pytest.mark.parametrize("state_at", [(70.0,), (True,), 5, "5", (None,)], ids=repr)
+def test_state_at_must_hold_int_offsets(kda_layer, model, state_at):
+    """A float offset raised IndexError inside the chunk states, True was taken as offset 1, and a bare
+    int raised TypeError: now one ValueError naming state_at, from the layer and from the model."""
+    with pytest.raises(ValueError, match="state_at must be a tuple of int offsets"):
+        kda_layer(_x(100), state_at=state_at)
+    with pytest.raises(ValueError, match="state_at must be a tuple of int offsets"):
+        model.forward(torch.arange(100), mode="chunk", state_at=state_at)
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (0, 3)], ids=["T0", "B0"])
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_layers_need_a_token(kda_layer, shape, mode):
+    """T = 0 or B = 0 raised a reshape RuntimeError in both layers."""
+    x = torch.zeros(*shape, CFG.hidden_size)
+    mla = MLALayer(CFG, torch.Generator().manual_seed(0))
+    for layer in (kda_layer, mla):
+        with pytest.raises(ValueError, match=r"x must hold at least one sequence and one token"):
+            layer(x, mode=mode)

@@ -67,10 +67,11 @@ def test_default_burst_overloads_the_h200_fleet(h200):
 
 
 def test_rates_follow_the_replica_capacity():
-    """Rates are load factors x the fleet's capacity on the chosen replica, not fixed numbers: the same
+    """With loads as shares of the fleet's own capacity (and always on the A10G replica, which has no hardware
+    choice), rates are load factors x the fleet's capacity on the chosen replica, not fixed numbers: the same
     sliders on the A10G replica give lower rates and a smaller burst, in proportion to capacity."""
     kw = {**DEFAULTS, "num_replicas": 1}
-    h200, a10g = budget_page(**kw), budget_page(**kw, service_model="a10g")
+    h200, a10g = budget_page(**kw, load_basis="own"), budget_page(**kw, service_model="a10g")
     assert a10g.capacity_rps["standard"] < h200.capacity_rps["standard"] / 3
     for page in (h200, a10g):
         assert page.rates_rps["standard"] == pytest.approx(DEFAULTS["standard_load"] * page.capacity_rps["standard"])
@@ -80,6 +81,29 @@ def test_rates_follow_the_replica_capacity():
             DEFAULTS["standard_budget"] * page.capacity_rps["standard"] * sum(TOKENS["standard"]))
     service, _ = budget_service()
     assert fleet_capacity_rps(service, 3)["vip"] == pytest.approx(3 * fleet_capacity_rps(service, 1)["vip"])
+
+
+def test_the_chosen_hardware_sets_the_seconds():
+    """By default the loads are shares of a reference fleet (the model on 8 x H200), so a slower choice gets the same
+    requests/s and queues longer: on 8 x A100 (a third of H200's FLOP/s and under half its bandwidth) or on 2 x H200
+    the bursting class waits longer than on 8 x H200. As shares of each fleet's own capacity the seconds hardly
+    move (the backlog is load x burst length) and A100 even comes out ahead."""
+    def p50(page):
+        return _p(page, WITHOUT, "standard", "ttft_p50_ms")
+
+    h200, a100, h200_tp2 = (budget_page(**DEFAULTS, gpu=gpu, tp=tp) for gpu, tp in (("H200", 8), ("A100", 8),
+                                                                                     ("H200", 2)))
+    for page in (a100, h200_tp2):
+        assert page.rates_rps == h200.rates_rps and page.burst_requests == h200.burst_requests
+        assert page.basis_capacity_rps == h200.capacity_rps != page.capacity_rps
+        assert page.capacity_rps["standard"] < h200.capacity_rps["standard"]
+        assert p50(page) > 1.2 * p50(h200), (p50(page), p50(h200))
+    own = budget_page(**DEFAULTS, gpu="A100", tp=8, load_basis="own")
+    assert own.basis_capacity_rps == own.capacity_rps and own.rates_rps["standard"] < h200.rates_rps["standard"]
+    assert p50(own) < p50(h200) < p50(a100)
+    assert budget_page(**DEFAULTS, load_basis="own").rates_rps == h200.rates_rps   # the reference is 8 x H200
+    with pytest.raises(ValueError, match="load_basis"):
+        budget_page(**DEFAULTS, load_basis="fleet")
 
 
 def test_a10g_option_keeps_the_page_headline():

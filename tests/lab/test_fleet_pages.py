@@ -175,6 +175,27 @@ def test_in_flight_at_routing_by_hand():
     assert row.over_cap_share == pytest.approx(2 / 3)
 
 
+def test_in_flight_at_routing_takes_simultaneous_routings_in_request_order():
+    """Two requests arriving at the same millisecond are routed in request order (the simulator sorts by arrival,
+    then request id), not in the order of their replicas' names: at load, same-ms arrivals are common, and judging
+    request 1 (on "r0") before request 0 (on "r1") put bounded loads above its own cap (0.5 % of 200 requests)."""
+    # 2 replicas; request 0 -> r1 and request 1 -> r0, both at 5 ms; r0 already holds one request from 0 ms
+    df = pd.DataFrame({"request_id": [2, 0, 1], "replica": ["r0", "r1", "r0"], "admitted_ms": [0.0, 5.0, 5.0],
+                       "finish_ms": [100.0, 100.0, 100.0]})
+    row = in_flight_at_routing(df, lambda t: frozenset({"r0", "r1"}), c=1.25).iloc[0]
+    # in request order: 0 -> r1 (loads 1, 1; cap ceil(1.25 * 2 / 2) = 2); 1 -> r0 (2, 1; cap ceil(1.25 * 3 / 2) = 2)
+    assert row.over_cap_share == 0
+    # judged by replica name, 1 -> r0 would come first on 3 replicas: load 2 > cap ceil(1.25 * 2 / 3) = 1
+    row = in_flight_at_routing(df, lambda t: frozenset({"r0", "r1", "r2"}), c=1.25).iloc[0]
+    # request order: 0 -> r1: cap ceil(1.25 * 2 / 3) = 1, load 1 ok; 1 -> r0: cap ceil(1.25 * 3 / 3) = 2, load 2 ok
+    assert row.over_cap_share == 0
+
+
+def test_bounded_load_stays_under_its_cap_under_load():
+    run = fleet_simulation(["bounded_load"], 200, 8, 2, "8000", "vtc", 10, "none", 8, "roofline", arrival_rps=50)
+    assert run.in_flight.over_cap_share.iloc[0] == 0.0 and run.in_flight.mean_in_flight.iloc[0] > 1
+
+
 def test_fleet_simulation_on_real_replicas():
     """Kimi-Linear on 8 x H200 per replica with a policy cache: the KDA view per routing policy is consistent
     with the summary, within the block ideal, per replica within the budget; K3 on 8 x H200 is refused."""
@@ -191,12 +212,55 @@ def test_fleet_simulation_on_real_replicas():
     assert (kda.lost_to_missing_state > 0).any()          # vLLM align leaves KV without states
     budget = free_bytes("kimi-linear-48b-a3b", hardware("H200"), 8) / 16
     per = run.replica_bytes
-    assert len(per) == 12                                  # peaks per kind (each kind's own maximum over time)
-    for kind in ("kv_gb", "state_gb"):
-        assert ((per[kind] + per.running_gb) * 1e9 <= budget * (1 + 1e-12)).all(), kind
+    assert len(per) == 12 and (per.budget_gb * 1e9).tolist() == pytest.approx([budget] * 12, rel=1e-12)
+    # bytes by kind held when the replica's KV + states peaked: their stack stays under the budget (here each
+    # kind's own peak, reached at different times, stacked above it on 6 of the 12 replicas)
+    held = (per.kv_gb + per.state_gb + per.running_gb) * 1e9
+    assert (held <= budget * (1 + 1e-12)).all(), (held / budget).tolist()
+    assert (per.kv_gb > 0).all() and (per.state_gb > 0).all() and (per.running_gb > 0).all()
     assert "roofline" in run.service_source
     assert run.kda is not None and fleet_simulation(["ring"], 300, 4, 2, "8000", "vtc", 10, "none", 8, "a10g").kda is None
     with pytest.raises(ValueError, match="do not fit"):
         real_replica("kimi-k3", "H200", 8, "ours", 1 / 8)
     with pytest.raises(ValueError, match="cache_policy"):
         fleet_simulation(["ring"], 300, 4, 2, "8000", "vtc", 10, "none", 8, "roofline", cache_policy="lru")
+
+
+def test_retime_sets_the_mean_rate_and_keeps_the_requests():
+    from lab.fleet_simulation import retime
+    trace = page_trace(None, 200)[0]
+    fast = retime(trace, 50.0)
+    assert [(r.input_length, r.output_length, r.hash_ids) for r in fast] == \
+        [(r.input_length, r.output_length, r.hash_ids) for r in trace]
+    assert fast[0].timestamp_ms == 0 and all(a.timestamp_ms <= b.timestamp_ms for a, b in zip(fast, fast[1:]))
+    assert (len(fast) - 1) / (fast[-1].timestamp_ms / 1000) == pytest.approx(50.0, rel=1e-3)
+    gaps = np.diff([r.timestamp_ms for r in trace]), np.diff([r.timestamp_ms for r in fast])
+    assert np.corrcoef(*gaps)[0, 1] > 0.999                     # the gaps scaled, not redrawn: bursts stay bursts
+    assert retime(trace[:1], 5.0)[0].timestamp_ms == 0 and retime([], 5.0) == []
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="rate_rps"):
+            retime(trace, bad)
+    with pytest.raises(ValueError, match="arrival_rps"):
+        fleet_simulation(["ring"], 300, 4, 2, "8000", "vtc", 10, "none", 8, "a10g", arrival_rps=0)
+
+
+def test_offered_load_is_where_routing_decides_ttft():
+    """At the trace's own 3.4 req/s eight real-model replicas hold ~0.2 requests each, so the policies differ only by
+    their hits; at the page's default load queues form: more in flight, and round robin (which scatters sessions
+    and loses their hits) has a P50 TTFT well above cache-aware routing's."""
+    from lab.fleet_simulation import DEFAULT_ARRIVAL_RPS, load_sweep
+    args = (["round_robin", "cache_aware"], 800, 8, 2, "8000", "vtc", 10, "none", 8, "roofline")
+    idle, busy = (fleet_simulation(*args, arrival_rps=rate) for rate in (None, DEFAULT_ARRIVAL_RPS))
+    assert idle.in_flight.mean_in_flight.max() < 0.5 < 1.0 < busy.in_flight.mean_in_flight.min()
+    p50 = busy.summary[busy.summary["class"] == "all"].set_index("policy").ttft_p50_ms
+    assert p50["round_robin"] > 1.3 * p50["cache_aware"]
+    seen = []
+    sweep = load_sweep(args[0], (10, 80), *args[1:], progress=seen.append)
+    assert list(sweep.columns[:2]) == ["policy", "rate_rps"] and len(sweep) == 4
+    assert (sweep.ttft_p99_ms >= sweep.ttft_p50_ms).all() and seen[-1] == pytest.approx(1.0)
+    by = sweep.set_index(["policy", "rate_rps"])
+    for policy in args[0]:      # the same trace re-timed: more load, more wait, the same reachable hits
+        assert by.loc[(policy, 80.0)].ttft_p99_ms > by.loc[(policy, 10.0)].ttft_p99_ms
+        assert by.loc[(policy, 80.0)].mean_in_flight > by.loc[(policy, 10.0)].mean_in_flight
+    with pytest.raises(ValueError, match="rates_rps"):
+        load_sweep(args[0], (), *args[1:])

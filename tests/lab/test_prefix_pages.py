@@ -43,3 +43,28 @@ def test_anatomy_view_matches_anatomy():
     assert (view.checkpoints.y > view.checkpoints.prompt).all()
     dropped = anatomy_view(prompts, 8, 16, 2, drop=(view.droppable[-1], 1))
     assert dropped.num_tokens < view.num_tokens or view.droppable[-1] > view.num_tokens
+
+
+def test_anatomy_view_bounds_the_prompts():
+    """Page 07's text box was unbounded: two prompts of 30,000 characters took 99 s and 2.46 GB, and 2,000 short
+    prompts asked torch for 3.9 GB of pages. The bounds are checked before any engine is built."""
+    from lab.prefix_anatomy import MAX_INTERVALS, MAX_PROMPTS, MAX_TEXT_BYTES, prompt_intervals
+
+    with pytest.raises(ValueError, match=rf"prompts: 2,000 prompts, over the limit of {MAX_PROMPTS}"):
+        anatomy_view([str(i) for i in range(2_000)])
+    with pytest.raises(ValueError, match=r"prompts: 60,000 bytes in all .* over the limit of 4,000"):
+        anatomy_view(["a" * 30_000, "b" * 30_000])
+    with pytest.raises(ValueError, match=r"prompts: 4,002 bytes in all"):       # UTF-8 bytes, not characters
+        anatomy_view(["é" * 1_000, "é" * 1_001])
+    # the wait grows with the checkpoint intervals (C = 4: 2,000 tokens took 16 s): 601 tokens at C = 4 are 151
+    with pytest.raises(ValueError, match=rf"prompts: 152 checkpoint intervals of C = 4 tokens in all, over the limit "
+                                         rf"of {MAX_INTERVALS}"):
+        anatomy_view(["x" * 601, "y"], block_size=4, interval=4)
+    assert prompt_intervals(["x" * 601, "y"], 4) == 152 and prompt_intervals([[1] * 64, "ab"], 32) == 3
+    with pytest.raises(ValueError, match="interval must be an int >= 1, got 0"):
+        anatomy_view(["a", "b"], interval=0)
+    rest = [f"{i:03d}" + "x" * 97 for i in range(MAX_PROMPTS - 1)]                     # 100 bytes each
+    at_limit = anatomy_view(["x" * (MAX_TEXT_BYTES - 100 * len(rest))] + rest, interval=64)   # at both limits
+    assert len(at_limit.prompt_tokens) == MAX_PROMPTS and sum(at_limit.prompt_tokens) == MAX_TEXT_BYTES
+    longest = ["x" * (4 * (MAX_INTERVALS - 1)), "y"]                                    # exactly MAX_INTERVALS at C = 4
+    assert prompt_intervals(longest, 4) == MAX_INTERVALS and anatomy_view(longest, 4, 4).num_tokens == 0

@@ -164,10 +164,13 @@ def test_vllm_all_is_an_opt_in_counterfactual():
 
 
 def test_policy_view_takes_empty_prompts():
-    """A Mooncake upload may hold input_length 0 (no hash ids): it costs no prefill and hits nothing."""
+    """A Mooncake upload may hold input_length 0 (no hash ids): it hits nothing and its first output token
+    still costs one prefill step (as the fleet simulator's replicas charge it)."""
     line = b'{"timestamp":0,"input_length":0,"output_length":10,"hash_ids":[]}\n'
     view = policy_view(KIMI, "H200", 8, 100, upload=line * 3, budgets_gb=[5.0], intervals=(1024,))
-    assert (view.budgets.token_hit_ratio == 0).all() and view.cold_ttft_s == 0 and view.total_tokens == 0
+    one_token = fitted_prefill_s(preset(KIMI), hardware("H200"), 8, fit_prefill(hardware("H200"), 8), 1, 0)
+    assert (view.budgets.token_hit_ratio == 0).all() and view.total_tokens == 0
+    assert view.cold_ttft_s == pytest.approx(one_token, rel=1e-12) and one_token > 0
 
 
 def test_policy_view_ttft_is_the_roofline_of_each_hit(small_view):

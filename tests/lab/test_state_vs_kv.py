@@ -50,3 +50,19 @@ def test_state_vs_kv_one_call():
                     measure_max_tokens=1024) | kwargs
         with pytest.raises(ValueError, match=match):
             state_vs_kv(**args)
+
+
+def test_fit_reading_says_what_a_line_means():
+    """Page 03 shows the fit a + b·N beside its reading, not as a headline: a flat KDA step (R² near 0), a bent MLA
+    line (a < 0), a poor line and a good one each read differently."""
+    from lab.state_vs_kv import fit_reading, fit_table
+    from lab.timing import LinearFit, fit_linear
+    ns = [256, 512, 1024, 2048, 4096]
+    flat = fit_linear(ns, [5.0, 5.2, 4.9, 5.1, 5.0])
+    bent = fit_linear(ns, [1.0, 1.0, 1.1, 2.0, 9.0])            # rises past a cache size: a < 0
+    good = fit_linear(ns, [2 + 0.01 * n for n in ns])
+    assert fit_reading(flat).startswith("flat") and bent.a_s < 0 and fit_reading(bent).startswith("not one straight")
+    assert fit_reading(good).startswith("a good line")
+    assert fit_reading(LinearFit(1.0, 0.01, 0.5, 0.001)).startswith("a poor line (R² 0.50")
+    table = fit_table({"KDA": flat, "MLA": good})
+    assert list(table.kind) == ["KDA", "MLA"] and table.loc[1, "b_ns"] == pytest.approx(0.01 * 1e9)

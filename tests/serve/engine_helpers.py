@@ -7,6 +7,7 @@ import torch
 
 from serve.config import ServeConfig
 from serve.engine import ServeEngine
+from serve.memory.kinds import POISON_BYTE
 from serve.memory.pages import read_state
 from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
@@ -79,3 +80,16 @@ def check_checkpoints(engine: ServeEngine, sequences, checked: set) -> int:
         checked.add(entry)
         done += 1
     return done
+
+
+def poison_state(engine: ServeEngine, rid: int) -> None:
+    """Fill a running request's state pages (recurrent + conv) with 0xFF bytes: NaN in fp32."""
+    pages = [p for grp in engine.requests[rid].state_pages for p in grp]
+    engine.pool.arena.index_fill_(0, torch.tensor(pages), POISON_BYTE)
+
+
+def step_until(engine: ServeEngine, rid: int, status) -> None:
+    """Step (checking integrity after each step) until request ``rid`` reaches ``status``."""
+    while engine.requests[rid].status is not status:
+        assert engine.step()
+        engine.check_integrity()

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from serve.memory.kinds import POISON_BYTE
 from serve.memory.pages import read_state, write_state
 from serve.prefix.cache import CheckpointError, PrefixCache
 from serve.prefix.index import PrefixIndex
 from serve.request import RequestStatus
+from tests.serve.engine_helpers import poison_state, step_until
 from tests.serve.prefix.helpers import (
     LOGITS_ATOL,
     assert_equal_to_reference,
@@ -346,3 +348,62 @@ def test_waiting_request_rematches_at_admission():
     assert eng.result(b).hit_tokens == 48 and stats.lookups == 2 and stats.hit_tokens == 48
     for rid, p in ((a, r1), (b, r2)):
         assert_equal_to_reference(eng.result(rid), p)
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["cache", "no-cache"])
+def test_a_nan_state_in_decode_aborts_that_request_with_a_reason(cache):
+    """A NaN state gave all-NaN logits and the engine emitted token 0 (argmax of NaN) until done, as a
+    FINISHED request. Now that request is ABORTED with the cause, before anything is written or
+    published; its neighbour finishes exactly as the cache-off run, and nothing leaks."""
+    eng = make_engine(cache=cache)
+    bad_prompt, good_prompt = tokens(40, 37), tokens(41, 37)
+    bad = eng.submit(bad_prompt, 5)
+    good = eng.submit(good_prompt, 5, record_logits=True)
+    step_until(eng, bad, RequestStatus.DECODE)
+    poison_state(eng, bad)
+    while eng.step():
+        eng.check_integrity()
+    res = eng.result(bad)
+    assert res.status is RequestStatus.ABORTED and len(res.output_tokens) == 1, res   # only the prefill's token
+    assert res.reason.startswith("decode of output token 1: ") and "NaN" in res.reason, res.reason
+    assert_equal_to_reference(eng.result(good), good_prompt)
+    assert not eng.running and not eng.waiting
+    if cache:
+        eng.cache.clear()
+    assert eng.pool.num_free == eng.pool.num_pages
+
+
+def test_a_nan_state_in_prefill_aborts_that_request_with_a_reason():
+    """Mid-prefill, the chunk kernel's NonFiniteError escaped step() and left the request in PREFILL, so
+    every later step raised it again and no other request could run."""
+    eng = make_engine(max_prefill_chunk=16)
+    bad = eng.submit(tokens(42, 50), 3)
+    step_until(eng, bad, RequestStatus.PREFILL)
+    poison_state(eng, bad)
+    good_prompt = tokens(43, 20)
+    good = eng.submit(good_prompt, 3, record_logits=True)
+    while eng.step():
+        eng.check_integrity()
+    res = eng.result(bad)
+    assert res.status is RequestStatus.ABORTED and res.output_tokens == ()
+    assert res.reason.startswith("prefill of tokens [16, 32): ") and "must be finite" in res.reason, res.reason
+    assert_equal_to_reference(eng.result(good), good_prompt)
+    eng.cache.clear()
+    assert eng.pool.num_free == eng.pool.num_pages
+
+
+def test_nan_logits_abort_the_request_before_a_token_is_emitted():
+    """A NaN KV page reaches only the last (MLA) layer here, so no kernel sees it: the logits are NaN and
+    the engine emitted token 0. It now checks the logits and aborts (the cache-off engine: its KV
+    pages are its own, shared with no cache)."""
+    eng = make_engine(cache=False)
+    rid = eng.submit(tokens(44, 37), 4)
+    step_until(eng, rid, RequestStatus.DECODE)
+    eng.pool.arena.index_fill_(0, torch.tensor(eng.requests[rid].page_table[:1]), POISON_BYTE)
+    while eng.step():
+        eng.check_integrity()
+    res = eng.result(rid)
+    assert res.status is RequestStatus.ABORTED and len(res.output_tokens) == 1
+    assert res.reason == ("decode of output token 1: the logits hold 256 NaN/inf value(s) of 256 (a non-finite "
+                          "state or cache page); no token was emitted"), res.reason
+    assert eng.pool.num_free == eng.pool.num_pages

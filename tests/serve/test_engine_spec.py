@@ -12,7 +12,14 @@ from serve.memory.pages import read_state
 from serve.prefix.cache import PrefixCache
 from serve.request import RequestStatus
 from serve.spec.verify import draft_budget
-from tests.serve.engine_helpers import STRATEGIES, check_checkpoints, oracle_speculation, spec_engine
+from tests.serve.engine_helpers import (
+    STRATEGIES,
+    check_checkpoints,
+    oracle_speculation,
+    poison_state,
+    spec_engine,
+    step_until,
+)
 from tests.serve.prefix.helpers import assert_equal_to_reference, make_engine, reference, tiny_model, tokens
 
 torch.set_num_threads(1)
@@ -177,4 +184,22 @@ def test_failed_publish_aborts_the_request_and_strands_nothing(monkeypatch, prom
     check_checkpoints(eng, [other + list(refs[tuple(other)]), prompt + list(refs[tuple(prompt)])], set())
     eng.cache.clear()
     eng.check_integrity()
+    assert eng.pool.num_free == eng.pool.num_pages
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES)[:1])
+def test_a_nan_state_aborts_a_speculating_request(strategy):
+    """With speculation the verify forward met the NaN state; the request is ABORTED with the cause
+    and emits nothing from that step (it emitted token 0 before)."""
+    prompt = tokens(72, 40)
+    eng = _engine(strategy, prompt, 12)
+    rid = eng.submit(prompt, 12)
+    step_until(eng, rid, RequestStatus.DECODE)
+    poison_state(eng, rid)
+    while eng.step():
+        eng.check_integrity()
+    res = eng.result(rid)
+    assert res.status is RequestStatus.ABORTED and len(res.output_tokens) == 1
+    assert res.reason.startswith("decode of output token 1: ") and "NaN" in res.reason, res.reason
+    eng.cache.clear()
     assert eng.pool.num_free == eng.pool.num_pages

@@ -82,6 +82,8 @@ def test_one_replica_one_request_at_a_time_equals_the_replay(conversation, index
     assert got.tolist() == ref.request_hit_tokens.tolist()
     cache = sim.replica_caches["replica-0"]
     assert cache.peak_bytes == ref.peak_bytes
+    assert cache.held_at_peak == ref.held_at_peak          # bytes by kind when KV + states peaked: within budget
+    assert sum(cache.held_at_peak.values()) <= budget
     if ref.hit_tokens:
         assert ref.kv_evicted_tokens > 0, "the budget should force evictions"
     ttft = np.array([r.ttft_ms for r in sim.results])
@@ -111,6 +113,30 @@ def test_policy_cache_rejects_a_budget_below_the_running_slots():
         PolicyReplicaCache(pol, pol.replica.state_bytes - 1)
     with pytest.raises(ValueError, match="max_running"):
         PolicyReplicaCache(pol, 1e12, max_running=0)
+    for bad in ("40e9", None, float("nan"), float("inf"), True):      # a string was a raw TypeError
+        with pytest.raises(ValueError, match="budget_bytes"):
+            PolicyReplicaCache(pol, bad)
+
+
+def test_bytes_held_at_the_peak_stay_within_the_budget():
+    """vLLM align on one replica, 1,000 conversation requests under a budget that forces evictions: KV and
+    states peak at different requests, so the per-kind peaks stacked pass the budget while the bytes held at
+    the peak total (what page 14 stacks) do not, and they are the bytes held after that request."""
+    from serve.scale.policies import VLLMMambaPolicy
+    requests = spaced(load_mooncake(TRACE), 1000)
+    budget = 20e9
+    cache = PolicyReplicaCache(VLLMMambaPolicy(KIMI, "align", 8), budget)
+    totals = []
+    for r in requests:
+        cache.finish(r, cache.start(r))
+        b = cache.policy.bytes_by_kind()
+        totals.append((b["kv"] + b["state"], b["kv"], b["state"]))
+    peak_total = max(t for t, _, _ in totals)
+    first = next(t for t in totals if t[0] == peak_total)
+    assert (cache.held_at_peak["kv"], cache.held_at_peak["state"]) == first[1:]
+    assert cache.held_at_peak["running"] == cache.peak_bytes["running"] > 0
+    assert sum(cache.held_at_peak.values()) <= budget
+    assert sum(cache.peak_bytes.values()) > budget, "the kinds should peak at different times here"
 
 
 def test_precise_routers_by_hand():

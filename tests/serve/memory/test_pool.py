@@ -146,6 +146,16 @@ def test_usage_errors_change_nothing():
         pool.alloc(MLA, -1, "r1")
     with pytest.raises(ValueError, match="owner"):
         pool.alloc(MLA, 1, None)
+    for bad in ([1], {}, {"r": 1}):              # was stored, then a raw TypeError at the first share
+        with pytest.raises(ValueError, match=f"owner must be hashable .*, got {type(bad).__name__}"):
+            pool.alloc(MLA, 1, bad)
+        with pytest.raises(ValueError, match="owner must be hashable"):
+            pool.incref(pages, bad)
+        with pytest.raises(ValueError, match="owner must be hashable"):
+            pool.decref(pages, bad)
+        with pytest.raises(ValueError, match="owner must be hashable"):
+            pool.copy_on_write(pages[0], bad)
+        pool.check_integrity()
     with pytest.raises(PageError, match="holds no reference"):
         pool.decref(pages, "r2")                 # freeing a page you do not own
     with pytest.raises(PageError, match="double free"):

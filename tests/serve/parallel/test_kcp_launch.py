@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from serve.parallel.cli import main as cli_main
 from serve.parallel.kcp import kcp_kda
-from serve.parallel.launch import RankFailure, RankTimeout, free_port, init_from_env, run_ranks
+from serve.parallel.launch import RankFailure, RankTimeout, free_port, init_from_env, run_ranks, torchrun_env
 from serve.parallel.memory import check_rank_memory, rank_bytes
 from serve.parallel.run import KCPConfig, rank_job, run_kcp
 
@@ -99,6 +99,7 @@ def test_bad_arguments_inside_ranks_are_reported():
     (dict(seq_len=64, num_heads=0), "num_heads must be an int >= 1"),
     (dict(seq_len=64, chunk_size=48), "chunk_size must be a power of two"),
     (dict(seq_len=64, timeout_s=0), "timeout_s must be > 0"),
+    (dict(seq_len=64, timeout_s=float("inf")), "timeout_s must be at most 604800 s"),
 ], ids=lambda v: v if isinstance(v, str) else None)
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -115,6 +116,39 @@ def test_bad_launch_arguments(monkeypatch):
     with pytest.raises(ValueError, match="not under torchrun"):
         init_from_env()
     assert 0 < free_port() < 65536
+
+
+def test_run_ranks_rejects_what_it_cannot_send_or_wait_for():
+    """A lambda used to fail deep in multiprocessing's pickler (AttributeError: Can't pickle local
+    object), and timeout_s=inf passed the check and raised OverflowError in every rank."""
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=r"fn must be picklable for start_method 'spawn' \(a module-level "
+                                         r"function.*<lambda>"):
+        run_ranks(lambda rank, world_size: rank, 2)
+    with pytest.raises(ValueError, match=r"args must be picklable for start_method 'forkserver'.*lock"):
+        run_ranks(_echo, 2, (threading.Lock(),), start_method="forkserver")
+    for bad in (float("inf"), float("nan"), 10.0 ** 9):
+        with pytest.raises(ValueError, match="timeout_s must be"):
+            run_ranks(_echo, 2, (1.0,), timeout_s=bad)
+    assert time.monotonic() - t0 < 2                       # refused before any rank starts
+
+
+@pytest.mark.parametrize("env, match", [
+    (dict(RANK="0", WORLD_SIZE="abc", MASTER_ADDR="h", MASTER_PORT="1"), "WORLD_SIZE must be an int in"),
+    (dict(RANK="3", WORLD_SIZE="2", MASTER_ADDR="h", MASTER_PORT="1"), r"RANK must be an int in \[0, 1\]"),
+    (dict(RANK="-1", WORLD_SIZE="2", MASTER_ADDR="h", MASTER_PORT="1"), r"RANK must be an int in \[0, 1\]"),
+    (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR="h", MASTER_PORT="0"), "MASTER_PORT must be an int in"),
+    (dict(RANK="0", WORLD_SIZE="2", MASTER_ADDR=" ", MASTER_PORT="1"), "MASTER_ADDR must name the rank-0 host"),
+    (dict(RANK="0", WORLD_SIZE="2"), r"\['MASTER_ADDR', 'MASTER_PORT'\] are not set"),
+], ids=["world-abc", "rank-beyond", "rank-negative", "port-0", "addr-blank", "no-master"])
+def test_torchrun_env_names_the_bad_variable(env, match):
+    with pytest.raises(ValueError, match=match):
+        torchrun_env(env)
+
+
+def test_torchrun_env_reads_a_good_environment():
+    assert torchrun_env(dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")) == \
+        (1, 2, "10.0.0.1", 29500)
 
 
 def _unpicklable_result(rank, world_size):

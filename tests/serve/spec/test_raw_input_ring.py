@@ -53,6 +53,8 @@ def test_ring_wraps_and_writes_back_when_full(model, start):
     assert wrapped, "the committed history never wrapped around the ring"
     statuses = [r["status"] for r in ring.slot_table()]
     assert statuses.count("committed") == ring.commit_end - ring.head and "pending" not in statuses
+    for row in ring.slot_table():   # after wrapping: the counter, not the token position, gives the slot
+        assert row["counter"] == -1 if row["status"] == "free" else row["counter"] % ring.capacity == row["slot"]
 
 
 def test_ring_slot_table_marks_pending_then_frees_rejected(model, start):
@@ -65,6 +67,7 @@ def test_ring_slot_table_marks_pending_then_frees_rejected(model, start):
     table = ring.slot_table()
     assert [r["status"] for r in table] == ["pending"] * 5 + ["free"]
     assert [r["position"] for r in table][:5] == list(range(start.cache.num_tokens, start.cache.num_tokens + 5))
+    assert [r["counter"] for r in table] == [0, 1, 2, 3, 4, -1]         # slot = counter mod capacity
     cache = ring.commit(1)
     ring.check_integrity()
     assert [r["status"] for r in ring.slot_table()] == ["committed"] * 2 + ["free"] * 4

@@ -1,0 +1,165 @@
+"""Home: what the second request saves — two prompts through the full serving engine, cold vs warm."""
+import plotly.graph_objects as go
+import streamlit as st
+
+from app_pages.charts import show_chart, show_forward_fit
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.measurement import measured_stamp, remeasure_button, run_on_request
+from app_pages.registry import SECTIONS, TABS
+
+st.title("KDA Serve Lab — what the second request saves")
+st.write(
+    "How **Kimi Delta Attention** changes LLM serving, measured live on a real torch engine on this CPU. A hybrid "
+    "KDA/MLA model can reuse a cached prefix only at a block boundary where *every* layer's data exists: the MLA "
+    "latents of each token (KV pages, shared by reference) **and** the KDA recurrent + conv state after exactly that "
+    "many tokens (a checkpoint, copied into the request). Below, two prompts (bytes are tokens) go through our "
+    "`ServeEngine` on the demo model: the second one cold (no cache) and warm (after the first filled the cache).")
+
+SYSTEM = ("You are KDA-bot, a careful assistant for inference engineers. Answer in short, precise sentences; "
+          "state units (bytes, tokens, ms), cite the source of every number and prefer measured values to estimates. ")
+# fp32 logits of the warm run may differ from the cache-off run in the last bits: the warm prefill starts
+# from a restored checkpoint, so its chunked sums are split at other token positions.
+LOGIT_TOL = 1e-5
+FIRST, SECOND = SYSTEM + "User: How big is a KDA state?", SYSTEM + "User: Why must a checkpoint sit on a block boundary?"
+TOL_TEXT = f"{LOGIT_TOL:.0e}".replace("e-0", "e-")  # 1e-5
+MAX_PROMPT_BYTES = 2_000  # = tokens (byte-level model): bounds the prefills below
+c1, c2 = st.columns(2)
+first = url_widget(c1.text_area, "Request 1 (fills the cache)", "p00_first", FIRST, height=170, max_chars=MAX_PROMPT_BYTES)
+second = url_widget(c2.text_area, "Request 2 (cold vs warm)", "p00_second", SECOND, height=170, max_chars=MAX_PROMPT_BYTES)
+d1, d2, d3 = st.columns(3)
+max_new = url_widget(d1.slider, "Tokens to generate", "p00_new", 4, 1, 16)
+block = url_widget(d2.select_slider, "Block size N (tokens)", "p00_block", 16, [8, 16, 32, 64])
+interval = url_widget(d3.select_slider, "Checkpoint interval C (tokens)", "p00_interval_c", 64, [64, 128, 256, 512])
+sizes = {name: len(prompt.encode()) for name, prompt in (("Request 1", first), ("Request 2", second))}
+st.caption(f"Each prompt is capped at {MAX_PROMPT_BYTES:,} bytes (bytes are tokens; in UTF-8 an accent takes 2 bytes, "
+           "an emoji 4): the page runs one verified cold / warm pair (and, on request, times both over repeats); the cap bounds "
+           f"the wait. These prompts are {sizes['Request 1']:,} and {sizes['Request 2']:,} bytes.")
+too_long = [name for name, n in sizes.items() if n > MAX_PROMPT_BYTES]
+if too_long:
+    st.error(f"{' and '.join(too_long)} exceed{'s' if len(too_long) == 1 else ''} {MAX_PROMPT_BYTES:,} bytes in "
+             f"UTF-8; shorten {'it' if len(too_long) == 1 else 'them'}.")
+    st.stop()
+if not all(sizes.values()):
+    st.info("Type both prompts (each at least one character).")
+    st.stop()
+
+
+@st.cache_data(show_spinner="Running both requests through the engine…", max_entries=32, ttl="1h")
+def _p00_verdict(first, second, max_new, block, interval):
+    from lab.prefix import home  # here: on a fresh server torch loads while the text and the chart above show
+    return home(first, second, max_new, block, interval)
+
+
+REPEATS = 5
+
+
+@st.cache_data(show_spinner=f"Timing cold and warm runs: {REPEATS} interleaved repeats after a warm-up…",
+               max_entries=32, ttl="1h")
+def _p00_timing(first, second, max_new, block, interval):
+    from lab.prefix import home_timing
+    return home_timing(first, second, max_new, block, interval, repeats=REPEATS)
+
+
+first_bytes, second_bytes = first.encode(), second.encode()
+shared = next((i for i, (a, b) in enumerate(zip(first_bytes, second_bytes)) if a != b),
+              min(len(first_bytes), len(second_bytes)))              # bytes request 2 shares with request 1
+kv_blocks = shared // block * block                                   # whole blocks of that prefix (KV pages)
+tokens_part = st.empty()   # now: the prompts; after the engine run: its counters (the same rows, measured)
+preview = go.Figure([go.Bar(y=["request 1", "request 2"], x=[shared, shared], orientation="h", marker_color="#bbf7d0",
+                            name="shared prefix (same bytes in both prompts)"),
+                     go.Bar(y=["request 1", "request 2"], x=[len(first_bytes) - shared, len(second_bytes) - shared],
+                            orientation="h", marker_color="#e5e7eb", name="own tokens")])
+preview.add_vline(x=kv_blocks, line_dash="dot", annotation_text=f"{kv_blocks // block} whole blocks of N = {block}")
+preview.update_layout(barmode="stack", height=230, xaxis_title="prompt tokens (bytes), read from the prompts before the engine run",
+                      yaxis_autorange="reversed", legend=dict(orientation="h", y=-0.45), margin=dict(l=10, r=10, t=40, b=10))
+tokens_part.plotly_chart(preview, key="p00_prompts_chart", width="stretch")   # replaced below, so no CSV button
+run = engine_call(_p00_verdict, first, second, max_new, block, interval)
+check, warm, cold = run.check, run.warm, run.cold
+m1, m2, m3, m4 = st.columns(4)   # the engine's counters of the verified run: shown at first render, no timing needed
+saved_tokens = warm['prefill_tokens'] - cold['prefill_tokens']
+m1.metric("Prefill tokens skipped (warm)", f"{warm['hit_tokens']:,} of {warm['prompt_tokens']:,}",
+          f"{warm['hit_tokens'] / warm['prompt_tokens']:.0%} of the prompt, output verified", delta_color="off",
+          delta_arrow="off", help="Counted by the engine in the verification run below; TTFT is timed on request "
+                                  "(section 'Where the time goes').")
+m2.metric("Prefill tokens computed", f"{warm['prefill_tokens']:,}", f"{saved_tokens:,} vs cold", delta_color="inverse",
+          delta_arrow="auto" if saved_tokens else "off")   # Streamlit points a string "0 …" up
+m3.metric("Restored from checkpoint", f"{warm['restored_bytes'] / 1024:,.1f} KiB", "KDA state, copied", delta_color="off", delta_arrow="off")
+m4.metric("Shared through KV pages", f"{warm['shared_kv_bytes'] / 1024:,.1f} KiB", "MLA latents, by reference",
+          delta_color="off", delta_arrow="off")
+if check.outputs_identical and check.max_logit_diff <= LOGIT_TOL:
+    st.success(f"Outputs identical to the cache-off run: {run.num_generated} greedy tokens, max |Δ logits| = "
+               f"{check.max_logit_diff:.1e} (≤ {TOL_TEXT} required), logits {check.verdict}: {check.reason}. Warm output bytes: “{run.warm_text}” (the demo model's weights are "
+               "random, so its bytes are not meant to read as text; control bytes shown as ·)")
+elif check.outputs_identical:
+    st.error(f"Warm tokens equal the cache-off run's, but max |Δ logits| = {check.max_logit_diff:.1e} exceeds the "
+             f"{TOL_TEXT} tolerance.")
+else:
+    st.error("Warm output differs from the cache-off run.")
+runs = [r for r in run.rows if r["kind"] in ("cold", "first", "warm")]   # the verification run, in PHASE_RUNS order
+names = {"cold": "request 2 cold", "first": "request 1 (fills)", "warm": "request 2 warm"}
+fig_tokens = go.Figure([
+    go.Bar(y=[names[r["kind"]] for r in runs], x=[r["hit_tokens"] for r in runs], orientation="h", marker_color="#2ca02c",
+           name="reused: restored at the hit b (checkpoint + KV pages)"),
+    go.Bar(y=[names[r["kind"]] for r in runs], x=[r["prefill_tokens"] for r in runs], orientation="h",
+           marker_color="#9ca3af", name="prefilled (computed)")])
+fig_tokens.add_trace(go.Scatter(y=[names["warm"]], x=[warm["kv_hit_tokens"]], mode="markers", name="KV-page match (phase 1)",
+                                marker=dict(symbol="line-ns-open", size=26, color="#111827", line_width=2)))
+fig_tokens.update_layout(barmode="stack", height=230, xaxis_title="prompt tokens (the engine's counters of the verification run)",
+                         yaxis_autorange="reversed", legend=dict(orientation="h", y=-0.45))
+with tokens_part.container():
+    show_chart(fig_tokens, [{k: r[k] for k in ("kind", "prompt_tokens", "hit_tokens", "kv_hit_tokens", "prefill_tokens")}
+                            for r in runs], key="p00_tokens_chart")
+st.caption(f"Hit: {warm['hit_tokens']} of {warm['prompt_tokens']} tokens (phase-1 KV run {warm['kv_hit_tokens']}): the "
+           "largest boundary ≤ min(KV run, L − 1) with a complete checkpoint (as in vLLM's and SGLang's hybrid prefix "
+           f"caching). A whole-model KDA state is {run.state_bytes:,} B whatever the prefix length; the KV shared grows "
+           "with it.")
+st.caption("What to notice: warm TTFT ≈ a + b·(L − hit) + restore, with a the fixed cost of one forward and b the cost "
+           "per prefilled token (both fitted when you measure below), so skipping most tokens cuts TTFT by less.")
+
+timing_part = st.container()   # filled last: the tab list below shows while the repeats run
+st.subheader("Tabs")
+for section in SECTIONS:
+    tabs = [tab for tab in TABS if tab.section == section]
+    if tabs:
+        st.write(f"**{section}**")
+    for tab in tabs:
+        st.page_link(tab.path, label=f"{tab.title} — {tab.blurb}", icon=tab.icon)
+
+with timing_part:
+    st.subheader(f"Where the time goes (median of {REPEATS} interleaved repeats)")
+    run_on_request("p00_timing_on", "p00_measure_button", "Measure TTFT cold vs warm",
+                   f"Times request 2 cold and warm, and two shorter cache-off prefills for the fixed + per-token cost "
+                   f"fit, {REPEATS} interleaved repeats after a warm-up on fresh engines (30 engine runs, a second or "
+                   "two of CPU), then keeps the result for every visitor with these settings.")
+    remeasure_button(_p00_timing, key="p00_remeasure")
+    timed = engine_call(_p00_timing, first, second, max_new, block, interval)
+    summary, ttft, fit = timed.summary, timed.ttft, timed.fit
+    t1, t2, t3 = st.columns(3)
+    t1.metric("TTFT warm (median, measured)", f"{summary['warm_ttft_ms']:.1f} ms",
+              f"{-summary['ttft_reduction']:.0%} vs cold {summary['cold_ttft_ms']:.1f} ms", delta_color="inverse",
+              delta_arrow="auto" if round(100 * summary['ttft_reduction']) else "off")   # no arrow on "0%"
+    t2.metric("Fixed cost per forward a (fitted)", f"{fit.fixed_ms:.1f} ms", f"+ {fit.per_token_ms:.3f} ms per token",
+              delta_color="off", delta_arrow="off")
+    t3.metric("TTFT warm (predicted)", f"{fit.warm_predicted_ms:.1f} ms", f"{fit.warm_error:+.0%} vs measured",
+              delta_color="off", delta_arrow="off")
+    label = {"cold": "cold (no cache)", "first": "request 1 (fills)", "warm": "warm"}
+    fig = go.Figure(go.Bar(x=ttft.median_ms, y=[label[k] for k in ttft.kind], orientation="h",
+                           error_x=dict(type="data", symmetric=False, array=ttft.q3_ms - ttft.median_ms,
+                                        arrayminus=ttft.median_ms - ttft.q1_ms),
+                           text=[f"{m:.1f} ms" for m in ttft.median_ms], textposition="inside",
+                           insidetextanchor="start"))   # at the base: clear of the IQR whisker
+    fig.update_layout(xaxis_title="time to first token, engine-measured (ms; median, bars = IQR)", yaxis_title="run",
+                      height=260)
+    show_chart(fig, ttft, key="p00_ttft_chart")
+    measured_stamp(timed.conditions)
+    med = timed.phases_ms
+    fig2 = go.Figure([go.Bar(name=p, y=[label[k] for k in med.kind], x=med[f"{p}_ms"], orientation="h")
+                      for p in timed.phases])
+    fig2.update_layout(barmode="stack", xaxis_title="time to first token, by phase (ms, median per phase)",
+                       yaxis_title="run", legend=dict(orientation="h", y=-0.3), height=300)
+    show_chart(fig2, med, key="p00_breakdown_chart")
+    st.caption(f"Cold, request 1 and warm: fresh engines every repeat; TTFT is measured by the engine (submit → first "
+               f"token). The warm run's TTFT IQR is {summary['warm_ttft_iqr_ms']:.1f} ms, the cold run's "
+               f"{summary['cold_ttft_iqr_ms']:.1f} ms.")
+    show_forward_fit(fit, key="p00_fit_chart")

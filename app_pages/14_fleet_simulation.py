@@ -1,0 +1,245 @@
+"""14 Fleet simulation: router → replicas with prefix caches and schedulers, policies side by side."""
+import math
+
+import plotly.graph_objects as go
+import streamlit as st
+
+from app_pages.caching import upload_parts
+from app_pages.charts import num, pct, show_chart, show_table
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.measurement import run_on_request
+from app_pages.replica import real_replica
+from lab.fleet import DISPLAY_NAMES
+from lab.fleet_simulation import (
+    ARRIVAL_RATES,
+    BOUND_C,
+    CAPACITIES,
+    CLASS_LABELS,
+    DEFAULT_ARRIVAL_RPS,
+    POLICIES,
+    REAL_DEFAULTS,
+    SCALE_EVENTS,
+    SCHEDULER_LABELS,
+    SCHEDULERS,
+    SERVICE_MODELS,
+    SWEEP_RATES,
+    fleet_simulation,
+    load_sweep,
+    replica_title,
+)
+
+st.title("Fleet simulation")
+st.write(
+    "The whole chain on a trace: each request is routed on its first k blocks, waits in its replica's scheduler, "
+    "prefills only the tokens its replica has not cached, then decodes under continuous batching. By default each "
+    "replica is Kimi-Linear on 8 × H200: step times from the roofline, and a prefix cache that is a production "
+    "policy model (ours, SGLang, vLLM) at real bytes, where a hit needs a KDA state at the boundary. The VTC-"
+    "calibrated A10G replica (block LRU cache) stays selectable: it is the setup that reproduces the VTC artifact. Several routing policies run on the same trace so hit ratio, TTFT per class and load "
+    "balance can be compared side by side. Default trace: synthetic (Mooncake schema, arrivals like the "
+    "conversation trace), re-timed to the offered load; upload a Mooncake JSONL file to use your own. At the "
+    "conversation trace's own ~3.4 req/s the fleet is nearly idle and the policies differ only by cache hits; the "
+    "default load is where queues form and routing decides TTFT.")
+
+SERVICES = list(SERVICE_MODELS)
+service_label = url_widget(st.selectbox, "Replica", "p14_model", SERVICES[0], SERVICES)
+real = SERVICE_MODELS[service_label] == "roofline"
+if real:   # the GPUs and TP sizes offered are those the model's weights fit in
+    model_name, gpu, tp, cache_policy, budget_fraction = real_replica("p14", model_key="p14_real_model")
+else:
+    model_name, gpu, tp, cache_policy = (REAL_DEFAULTS[k] for k in ("model", "gpu", "tp", "cache_policy"))
+    budget_fraction = REAL_DEFAULTS["budget_fraction"]
+TRACE_RATE = "trace's own"
+RATE_OPTIONS = [TRACE_RATE] + [str(r) for r in ARRIVAL_RATES]
+rate_label = url_widget(st.select_slider, "Offered load (requests / s across the fleet)", "p14_rate",
+                        str(DEFAULT_ARRIVAL_RPS), RATE_OPTIONS)
+arrival_rps = None if rate_label == TRACE_RATE else float(rate_label)
+c1, c2, c3, c4 = st.columns(4)
+num_requests = url_widget(c1.slider, "Requests (cap)", "p14_requests", 600, 200, 5000, step=100)
+replicas = url_widget(c2.slider, "Replicas", "p14_replicas", 8, 1, 16)
+k = url_widget(c3.slider, "Routing prefix depth k (blocks)", "p14_k", 2, 1, 4)
+capacity = "8000" if real else url_widget(  # a real-model replica's cache is its byte budget (above)
+    c4.select_slider, "Cache per replica (blocks of 512 tokens)", "p14_capacity", "8000", list(CAPACITIES))
+d1, d2, d3, d4 = st.columns(4)
+SCHEDULER_NAMES = [SCHEDULER_LABELS[s] for s in SCHEDULERS]
+scheduler = SCHEDULERS[SCHEDULER_NAMES.index(url_widget(d1.selectbox, "Replica scheduler", "p14_scheduler",
+                                                        SCHEDULER_LABELS["vtc"], SCHEDULER_NAMES))]
+vip_pct = url_widget(d2.slider, "VIP share of requests (%)", "p14_vip", 10, 0, 50, step=5)
+scale = url_widget(d3.selectbox, "Scale event at half time", "p14_scale", "none", list(SCALE_EVENTS))
+speed = 8 if real else url_widget(  # an assumption for the A10G / CPU replicas; a real model's times: the roofline
+    d4.slider, "Replica speed-up, assumed (prefill ×; decode × 5/8 of it)", "p14_speed", 8, 1, 20)
+POLICY_NAMES = [DISPLAY_NAMES[p] for p in POLICIES]
+policies = [POLICIES[POLICY_NAMES.index(name)] for name in url_widget(
+    st.multiselect, "Routing policies", "p14_policies",
+    [DISPLAY_NAMES[p] for p in ("ring", "round_robin", "cache_aware", "bounded_load")], POLICY_NAMES)]
+upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p14_upload")
+if not policies:
+    st.info("Pick at least one routing policy.")
+    st.stop()
+
+
+@st.cache_data(show_spinner=False, max_entries=16, ttl="1h")
+def _run(policies, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, service, real_setup, upload_bytes,
+         upload_name, arrival_rps):
+    bar = st.progress(0.0, text="Simulating…")  # made here: replayed on a cache hit
+    model_name, gpu, tp, cache_policy, budget_fraction = real_setup
+    run = fleet_simulation(policies, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, SERVICE_MODELS[service],
+                           upload_bytes, upload_name, progress=lambda f: bar.progress(min(f, 1.0), text="Simulating…"),
+                           model=model_name, gpu=gpu, tp=tp, cache_policy=cache_policy, budget_fraction=budget_fraction,
+                           arrival_rps=arrival_rps)
+    bar.empty()
+    return run
+
+
+@st.cache_data(show_spinner=False, max_entries=4, ttl="1h")
+def _sweep(policies, n, replicas, k, capacity, scheduler, vip_pct, scale, speed, service, real_setup, upload_bytes,
+           upload_name):
+    bar = st.progress(0.0, text="Sweeping the load…")
+    model_name, gpu, tp, cache_policy, budget_fraction = real_setup
+    frame = load_sweep(policies, SWEEP_RATES, n, replicas, k, capacity, scheduler, vip_pct, scale, speed,
+                       SERVICE_MODELS[service], upload_bytes, upload_name, model=model_name, gpu=gpu, tp=tp,
+                       cache_policy=cache_policy, budget_fraction=budget_fraction,
+                       progress=lambda f: bar.progress(min(f, 1.0), text="Sweeping the load…"))
+    bar.empty()
+    return frame
+
+
+setup = (tuple(policies), num_requests, replicas, k, capacity, scheduler, vip_pct, scale, speed, service_label,
+         (model_name, gpu, tp, cache_policy, budget_fraction), *upload_parts(upload))
+run = engine_call(_run, *setup, arrival_rps)
+per_request, summary, ideal, n_trace, source = run.per_request, run.summary, run.ideal_ratio, run.num_requests, \
+    run.service_source
+if run.note:
+    st.info(run.note)
+
+
+def _labelled(df):
+    """``df`` with display names for the policy and class code names (the CSVs keep the code names)."""
+    out = df.assign(policy=df.policy.map(DISPLAY_NAMES))
+    return out.assign(**{"class": out["class"].map(CLASS_LABELS)}) if "class" in out else out
+
+
+overall = summary[summary["class"] == "all"]
+st.subheader("1 · Prefix-cache hit ratio per policy")
+fig = go.Figure(go.Bar(x=overall.policy.map(DISPLAY_NAMES), y=overall.hit_ratio, name="measured here",
+                       text=[f"{v:.1%}" for v in overall.hit_ratio], textposition="inside", insidetextanchor="end"))   # clear of the ideal line above
+fig.add_hline(y=ideal, line_dash="dash", annotation_text=f"ideal (one infinite shared cache) {ideal:.1%}")
+fig.update_layout(xaxis_title="routing policy", yaxis_title="token hit ratio (cached ÷ prompt tokens)",
+                  yaxis_tickformat=".0%", yaxis_range=[0, max(ideal, overall.hit_ratio.max(), 0.05) * 1.15])
+show_chart(fig, overall, key="p14_hit_chart")
+st.caption(f"Published anchor: {run.anchors['mooncake_cache']}.")
+
+st.subheader("2 · TTFT per class (P50 and P99)")
+per_class = summary[summary["class"] != "all"]
+fig2 = go.Figure()
+for stat in ("ttft_p50_ms", "ttft_p99_ms"):
+    for klass, g in per_class.groupby("class", sort=False):
+        fig2.add_trace(go.Bar(x=g.policy.map(DISPLAY_NAMES), y=g[stat], name=f"{CLASS_LABELS[klass]} {stat[5:8].upper()}",
+                              texttemplate="%{y:,.0f}", textposition="outside", textfont_size=10))
+lo_ms = max(1.0, float(per_class[["ttft_p50_ms", "ttft_p99_ms"]].min().min()))
+hi_ms = max(lo_ms * 10, float(per_class[["ttft_p50_ms", "ttft_p99_ms"]].max().max()))
+fig2.update_layout(barmode="group", xaxis_title="routing policy", yaxis_title="TTFT (ms, log scale)",
+                   yaxis=dict(type="log", tickvals=[m * 10 ** e for e in range(8) for m in (1, 2, 5)], tickformat=",~r",
+                              range=[math.floor(math.log10(lo_ms)), math.log10(hi_ms * 2)]),
+                   legend=dict(orientation="h", y=-0.25))
+show_chart(fig2, summary, key="p14_ttft_chart")
+show_table(_labelled(summary), {
+    "policy": "Policy", "class": "Class", "completed": num("Completed"), "hit_ratio": pct("Token hit ratio"),
+    "ttft_p50_ms": num("TTFT P50 (ms)", "%,.0f"), "ttft_p99_ms": num("TTFT P99 (ms)", "%,.0f"),
+    "queue_wait_p99_ms": num("Queue wait P99 (ms)", "%,.0f")})
+st.download_button("Download per-request results (CSV)", per_request.to_csv(index=False).encode(),
+                   file_name="p14_requests.csv", mime="text/csv", key="p14_requests_csv")
+load_text = "at the trace's own arrival times" if arrival_rps is None else f"offered at {arrival_rps:g} req/s"
+st.caption(f"{n_trace:,} requests (cap {num_requests:,}) {load_text}, {replicas} replicas (service model below); "
+           f"mean in-flight per replica at routing {run.in_flight.mean_in_flight.mean():.1f}. What to notice: "
+           "round robin scatters sessions and loses most hits; hashing on k = 1 sends everything to one replica "
+           "(shared system prompt); cache-aware routing trades some balance for hits.")
+
+st.subheader("3 · Load balance: in-flight requests at routing time")
+inf = run.in_flight
+fig3 = go.Figure(go.Bar(x=inf.policy.map(DISPLAY_NAMES), y=inf.over_cap_share,
+                        text=[f"{v:.1%}" for v in inf.over_cap_share], textposition="outside"))
+fig3.update_layout(xaxis_title="routing policy", yaxis_tickformat=".0%", yaxis_title="routed above the load cap",
+                   yaxis_range=[0, max(0.05, float(inf.over_cap_share.max())) * 1.2])
+show_chart(fig3, inf, key="p14_balance_chart")
+balance = overall.merge(inf[["policy", "over_cap_share", "p99_in_flight", "mean_in_flight"]], on="policy")
+show_table(_labelled(balance), {
+    "policy": "Policy", "over_cap_share": pct("Routed above the cap"),
+    "p99_in_flight": num("Chosen replica's in-flight, P99 (requests)", "%.0f"),
+    "mean_in_flight": num("Fleet in-flight per replica, mean", "%.2f"),
+    "max_over_mean_requests": num("Requests per replica, max ÷ mean", "%.2f"),
+    "throughput_rps": num("Throughput (req/s)", "%.2f")})
+st.caption(f"The load cap is bounded loads' ⌈c × fleet in-flight ÷ replicas⌉, c = {BOUND_C} (requests routed, not "
+           "finished); the bars count, per policy, how often a request landed above it"
+           + (" (requests routed after the removal)." if scale == "remove" else "."))
+if run.kda is not None:
+    kda, rb = run.kda, run.replica_bytes
+    st.subheader(f"4 · What KDA changes: {replica_title(model_name, gpu, tp, cache_policy)}")
+    fig4 = go.Figure([go.Bar(x=kda.policy.map(DISPLAY_NAMES), y=kda.hit_ratio, name="token hit ratio"),
+                      go.Bar(x=kda.policy.map(DISPLAY_NAMES), y=kda.lost_to_missing_state,
+                             name="KV cached on the replica, no state to use it")])
+    fig4.add_hline(y=run.ideal_ratio, line_dash="dash", annotation_text=f"block ideal {run.ideal_ratio:.1%}")
+    fig4.update_layout(barmode="stack", xaxis_title="routing policy", yaxis_title="share of prompt tokens",
+                       yaxis_tickformat=".0%",
+                       yaxis_range=[0, max(run.ideal_ratio, float((kda.hit_ratio + kda.lost_to_missing_state).max()))
+                                    * 1.15], legend=dict(orientation="h", y=-0.25))
+    show_chart(fig4, kda, key="p14_kda_chart")
+    bars_x = [list(rb.policy.map(DISPLAY_NAMES)), list(rb.replica.str.replace("replica-", "r"))]  # policy, then replica
+    fig5 = go.Figure([go.Bar(x=bars_x, y=rb[col], name=name)
+                      for col, name in (("kv_gb", "cached KV"), ("state_gb", "cached states"),
+                                        ("running_gb", "running request's state slots"))])
+    budget_gb = float(rb.budget_gb.iloc[0])   # one cache budget per replica, the same on every replica
+    fig5.add_hline(y=budget_gb, line_dash="dash", annotation_text=f"budget per replica: {budget_gb:,.1f} GB")
+    fig5.update_layout(barmode="stack", xaxis_title="routing policy and replica",
+                       yaxis_title="GB held when the replica's cache peaked", xaxis_tickangle=0,
+                       yaxis_range=[0, budget_gb * 1.15], legend=dict(orientation="h", y=-0.3))
+    show_chart(fig5, rb, key="p14_bytes_chart")
+    st.caption("Each bar splits the bytes a replica held when its cached KV + states peaked, so it stays under the "
+               "budget line (each kind's own peak comes at a different time: stacked, they could pass it).")
+    if {"precise_kv", "precise_state"} <= set(kda.policy):
+        by = kda.set_index("policy")
+        kv_only, aware = by.loc["precise_kv"], by.loc["precise_state"]
+        st.metric("Checkpoint-aware vs KV-only routing (token hit ratio)", f"{aware.hit_ratio:.1%}",
+                  f"{(aware.hit_ratio - kv_only.hit_ratio) * 100:+.1f} points vs {kv_only.hit_ratio:.1%}")
+        st.caption(f"TTFT P99 {aware.ttft_p99_ms:,.0f} ms checkpoint-aware vs {kv_only.ttft_p99_ms:,.0f} ms KV-only. "
+                   "The KV-only score counts the prompt tokens whose KV a replica holds (what a router built for full "
+                   "attention sees); the checkpoint-aware one the tokens it would really skip (see below).")
+        with st.expander("How the two scores route"):
+            st.markdown("A hit needs a KDA state at the restore boundary, so a replica holding the KV but no state "
+                        "there saves nothing. Both scores send a request to the best replica only above 30 % of the "
+                        "prompt (sgl-router's cache threshold), else to the least loaded.")
+    else:
+        st.caption(f"Add the routing policies {DISPLAY_NAMES['precise_kv']} and {DISPLAY_NAMES['precise_state']} to "
+                   "compare routing that ignores where the replicas placed their KDA checkpoints with routing that "
+                   "uses it.")
+with st.expander("Service model"):
+    st.markdown("A real-model replica: prefill step = fitted roofline prefill of each request's uncached tokens "
+                "after its cached ones (+ one checkpoint restore per hit); decode step = roofline TPOT at the batch's "
+                "mean context; the cache is the chosen policy under its byte budget (KV + states + the running "
+                "request's state slots). A10G / CPU replica: prefill time = uncached tokens ÷ prefill rate; decode "
+                "step time per batch size, calibrated on the VTC artifact's A10G measurements or timed on this CPU "
+                "with our engine, then sped up by the stated (assumed) factors.")
+    st.markdown(f"This run: {source}.")
+
+st.subheader("5 · TTFT against offered load")
+run_on_request("p14_sweep_on", "p14_sweep_button", "Sweep the load",
+               f"Runs the settings above at {', '.join(map(str, SWEEP_RATES))} req/s ({len(SWEEP_RATES)} fleet "
+               "simulations, seconds of CPU the first time, cached afterwards) and draws TTFT P50 / P99 per routing "
+               "policy against the load.")
+sweep = engine_call(_sweep, *setup)
+fig_load = go.Figure()
+for policy, g in sweep.groupby("policy", sort=False):
+    for stat, dash in (("ttft_p50_ms", "solid"), ("ttft_p99_ms", "dash")):
+        fig_load.add_trace(go.Scatter(x=g.rate_rps, y=g[stat], mode="lines+markers", line_dash=dash,
+                                      name=f"{DISPLAY_NAMES[policy]} {stat[5:8].upper()}"))
+fig_load.update_layout(xaxis_title="offered load (requests / s across the fleet)", yaxis_title="TTFT (ms, log scale)",
+                       yaxis_type="log", legend=dict(orientation="h", y=-0.25))
+show_chart(fig_load, sweep, key="p14_load_chart")
+show_table(_labelled(sweep), {
+    "policy": "Policy", "rate_rps": num("Offered (req/s)", "%.0f"), "ttft_p50_ms": num("TTFT P50 (ms)", "%,.0f"),
+    "ttft_p99_ms": num("TTFT P99 (ms)", "%,.0f"), "hit_ratio": pct("Token hit ratio"),
+    "throughput_rps": num("Completed (req/s)", "%.1f"),
+    "mean_in_flight": num("Fleet in-flight per replica, mean", "%.2f")})
+st.caption("Each rate re-times the same trace (same prompts and sessions, gaps scaled), so the hit ratios move only "
+           "through routing under load; where completed falls below offered the fleet is saturated and queues grow "
+           "for the whole run.")

@@ -1,0 +1,253 @@
+"""15 Real scale: Kimi Linear vs full MLA on datacenter GPUs, and the production prefix-cache policies at real bytes."""
+import pandas as pd
+import plotly.graph_objects as go
+import streamlit as st
+
+from app_pages.caching import upload_parts
+from app_pages.charts import num, pct, show_chart, show_table
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.measurement import run_on_request
+from app_pages.replica import real_replica
+from lab.real_scale import (
+    BUDGET_FRACTIONS,
+    DEFAULT_POLICIES,
+    EXTRA_BUFFER_CHUNK,
+    EXTRA_POLICIES,
+    INTERVAL_BUDGET_FRACTION,
+    MEMORY_FRACTION,
+    OURS_C,
+    POLICIES,
+    REPORT_THROUGHPUT_CLAIM,
+    policy_title,
+    policy_view,
+    preset_title,
+    roofline_view,
+)
+
+st.title("Real scale")
+st.write(
+    "The real models on real GPUs, by roofline: each layer kind costs max(FLOPs / peak, bytes / bandwidth) on a "
+    "TP group. Part 1 puts Kimi Linear beside its all-MLA counterfactual (same layers and heads, every layer MLA) "
+    "with the Kimi Linear report's published points. Part 2 replays a trace through the prefix caches of our "
+    "engine, SGLang and vLLM, each counted in the chosen model's bytes under one memory budget per replica.")
+model, hw, tp, _, _ = real_replica("p15", policy=False)   # only the GPUs and TP sizes the weights fit in
+_roofline = st.cache_data(roofline_view, show_spinner=False, max_entries=64, ttl="1h")
+view = engine_call(_roofline, model, hw, tp)
+st.subheader("1 · Kimi Linear vs full MLA, 4K to 1M tokens")
+st.write(
+    "Three kinds of number, kept apart: the **physical roofline** (no constant), the **fitted** prefill (two time "
+    "scales fitted on the report's Kimi Linear points only; the all-MLA points are held out and predicted) and the "
+    f"**published** points of Kimi-Linear-48B-A3B. Every error below is on the setup you chose, {view.setup}.")
+m1, m2, m3, m4, m5 = st.columns(5)
+m1.metric("Weights (GB)", f"{view.weights_gb:,.0f}")
+m2.metric(f"HBM of {tp} × {hw} (GB)", f"{view.hbm_gb:,.0f}")
+m3.metric("Left after weights (GB)", f"{view.free_gb:,.0f}")
+m4.metric("Fitted prefill scales α · β", f"{view.fit.alpha:.2f} · {view.fit.beta:.2f}",
+          help="Roofline time × α for attention, × β for every other layer kind (1 = at peak), least squares on "
+               "the nine published Kimi Linear prefill points; see \"How the roofline is fitted\".")
+errors = view.errors.set_index("group").max_abs_error
+m5.metric("Held-out prefill error (all-MLA points)", f"±{errors['prefill points held out (all MLA)']:.0%}",
+          help="Largest |model / published − 1| over the nine all-MLA Fig. 7a points the fit never saw.")
+if model == "kimi-linear-48b-a3b":
+    st.caption(view.fit_note)
+else:
+    st.info(view.fit_note)
+colours = {"Kimi Linear": "#1b9e77", "all MLA": "#d95f02"}
+left, right = st.columns(2)
+for col, lines, title, unit, key in (
+        (left, (("prefill_roofline_s", "physical roofline", "dot"), ("prefill_s", "fitted", "solid")),
+         "prefill latency (s)", "s", "p15_prefill_chart"),
+        (right, (("tpot_ms", "physical roofline", "dot"),), "TPOT, batch 1 (ms)", "ms", "p15_tpot_chart")):
+    qty = lines[-1][0] if unit == "ms" else "prefill_s"
+    fig = go.Figure()
+    for name, colour in colours.items():
+        c, p = view.curves[view.curves.model == name], view.published[view.published.model == name]
+        for column, label, dash in lines:
+            held = " (held out)" if label == "fitted" and name == "all MLA" else ""
+            fig.add_trace(go.Scatter(x=c.context_tokens, y=c[column], mode="lines", line=dict(color=colour, dash=dash),
+                                     name=f"{name}: {label}{held} ({preset_title(model)})"))
+        fig.add_trace(go.Scatter(x=p.context_tokens, y=p[qty], mode="markers", marker=dict(color=colour, symbol="x"),
+                                 name=f"{name}: published (48B-A3B)"))
+    fig.update_layout(title=title, xaxis_type="log", yaxis_type="log", xaxis_title="context (tokens, log)",
+                      yaxis_title=f"{title.split(' (')[0]} ({unit}, log)", legend=dict(orientation="h", y=-0.35))
+    with col:
+        show_chart(fig, pd.concat([view.curves.assign(source="roofline"), view.published.assign(source="published")]),
+                   key=key)
+ratio = go.Figure()
+model_label = {"prefill (Fig. 7a)": "fitted (MLA held out)", "TPOT, batch 1 (Fig. 7b)": "physical roofline"}
+for (q, dash), src in ((("prefill (Fig. 7a)", "solid"), "model"), (("TPOT, batch 1 (Fig. 7b)", "dot"), "model"),
+                       (("prefill (Fig. 7a)", "solid"), "published"), (("TPOT, batch 1 (Fig. 7b)", "dot"), "published")):
+    r = view.ratios[view.ratios.quantity == q]
+    ratio.add_trace(go.Scatter(x=r.context_tokens, y=r[src], name=f"{q}: {model_label[q] if src == 'model' else src}",
+                               mode="lines+markers" if src == "model" else "markers", line=dict(dash=dash),
+                               marker_symbol="circle" if src == "model" else "x"))
+ratio.update_layout(xaxis_type="log", xaxis_title="context (tokens, log)", yaxis_title="MLA / Kimi Linear (×)",
+                    legend=dict(orientation="h", y=-0.3))
+show_chart(ratio, view.ratios, key="p15_ratio_chart")
+st.markdown(f"**Kimi-Linear-48B-A3B against the report on {view.setup}** (the setup you chose): prefill ratio "
+            f"(MLA held out) off by up to {errors['prefill (Fig. 7a) ratio']:.0%}, TPOT ratio (physical roofline, "
+            f"nothing fitted) off by up to {errors['TPOT, batch 1 (Fig. 7b) ratio']:.0%}.")
+long = view.validated[(view.validated.context_tokens >= 256 * 1024)
+                      & (view.validated.quantity != "time per token, largest batch (Fig. 1b)")]
+show_table(long, {
+    "context_tokens": num("Context (tokens)"), "quantity": "Quantity", "setup": "Setup", "role": "Role",
+    "published": num("Published MLA ÷ Kimi Linear", "%.2f×"), "model": num("Model MLA ÷ Kimi Linear", "%.2f×"),
+    "rel_error": pct("Model vs published")})
+st.caption(
+    "What to notice: the report states no GPU, count or parallelism, so the ratios MLA / Kimi Linear are compared, "
+    "not the seconds. TP splits the weights but every rank reads MLA's whole latent KV, so the TPOT ratio grows "
+    "with TP: the report's batch-1 points sit closest to a single GPU.")
+with st.expander("How the roofline is fitted, and what is held out"):
+    st.markdown(
+        "- Source: the Kimi Linear report (arXiv 2510.26692, Figs. 1b, 7a, 7b); the published points are always "
+        "those of Kimi-Linear-48B-A3B.\n"
+        f"- Prefill: α = {view.fit.alpha:.2f} (attention) and β = {view.fit.beta:.2f} (every other kind), least "
+        "squares on relative error over the nine Kimi Linear points of Fig. 7a on this GPU and TP. The nine all-MLA "
+        "points are held out: the fitted all-MLA curve predicts them.\n"
+        "- TPOT is the physical roofline at batch 1: nothing is fitted.\n"
+        "- TP above 8 spans two 8-GPU nodes: its all-reduces run over InfiniBand (400 Gb/s NDR = 50 GB/s per GPU; "
+        "200 Gb/s HDR on A100), not NVLink.")
+    show_table(view.prefill_points, {
+        "curve": "Curve", "context": num("Context (tokens)"), "role": "Role",
+        "published": num("Published (s)", "%.3f"), "model": num("Fitted (s)", "%.3f"),
+        "rel_error": pct("Fitted vs published")})
+
+st.subheader("Largest batch each model fits: the report's 6.3× and 6×")
+bt = view.batch
+per_token = go.Figure()
+for name, colour in colours.items():
+    g = bt[bt.model == name]
+    per_token.add_trace(go.Scatter(x=g.context_tokens, y=g.time_per_token_ms, mode="lines+markers",
+                                   line=dict(color=colour, dash="dot"), customdata=g.batch,
+                                   hovertemplate="%{y:.3f} ms per token at batch %{customdata}",
+                                   name=f"{name}: physical roofline, largest batch ({preset_title(model)})"))
+    p = view.published[view.published.model == name]
+    per_token.add_trace(go.Scatter(x=p.context_tokens, y=p.time_per_token_ms, mode="markers", marker=dict(color=colour, symbol="x"),
+                                   name=f"{name}: published Fig. 1b (48B-A3B, batches unstated)"))
+per_token.update_layout(xaxis_type="log", yaxis_type="log", xaxis_title="context (tokens, log)",
+                        yaxis_title="time per output token = TPOT ÷ batch (ms, log)",
+                        legend=dict(orientation="h", y=-0.3))
+show_chart(per_token, bt, key="p15_batch_chart")
+fig1b = view.validated[view.validated.quantity == "time per token, largest batch (Fig. 1b)"].iloc[-1]
+st.markdown(
+    f"At {fig1b.context_tokens / 2 ** 20:g}M tokens on {view.setup}, each model at the largest batch its memory holds after the weights "
+    f"({MEMORY_FRACTION:.0%} of HBM, vLLM's default), Kimi-Linear-48B-A3B's roofline throughput is "
+    f"**{fig1b.model:.2f}×** the all-MLA model's, against the report's **{fig1b.published:.2f}×** (Fig. 1b) and "
+    f"\"up to **{REPORT_THROUGHPUT_CLAIM:.0f}×** decoding throughput\". What the roofline reproduces: the bytes "
+    "argument, a ratio near MLA's KV bytes per token over Kimi Linear's (27 / 7 ≈ 3.9×) once the KV dominates. What "
+    "it cannot: the rest is kernel efficiency at long context (MLA's attention kernels below peak bandwidth at 1M), "
+    "which a roofline runs at peak by construction.")
+
+st.subheader("2 · Policy comparison at real scale")
+d1, d2 = st.columns([1, 2])
+num_requests = url_widget(d1.slider, "Requests (cap)", "p15_requests", 3000, 1000, 6000, step=500)
+policies = url_widget(d2.multiselect, "Policies", "p15_policies", list(DEFAULT_POLICIES),
+                      list(POLICIES + EXTRA_POLICIES), format_func=policy_title)
+data, upload_name = upload_parts(st.file_uploader("Mooncake trace (JSONL, optional; the synthetic generator "
+                                                  "otherwise)", type=["jsonl", "json"], key="p15_upload"))
+fractions = ", ".join(f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_FRACTIONS)
+st.caption(f"Budgets per replica: {fractions} × the {view.free_gb:,.0f} GB the {tp} × {hw} HBM leaves after the "
+           f"weights ({view.hbm_gb:,.0f} − {view.weights_gb:,.0f} GB), for cached KV + checkpoints + the running "
+           f"request's state slots; ours at C = {OURS_C}, extra_buffer at chunked_prefill_size = {EXTRA_BUFFER_CHUNK}. "
+           f"The interval sweep runs at {INTERVAL_BUDGET_FRACTION:g} × the same.")
+if not policies:
+    st.info("Choose at least one policy.")
+    st.stop()
+
+
+@st.cache_data(show_spinner=False, max_entries=16, ttl="1h")
+def _policies(model, hw, tp, num_requests, data, upload_name, policies):
+    bar = st.progress(0.0, text="Replaying the trace…")
+    out = policy_view(model, hw, tp, num_requests, data, upload_name, policies,
+                      progress=lambda done, total: bar.progress(done / total, text=f"Replaying… {done}/{total} runs"))
+    bar.empty()
+    return out
+
+
+run_on_request("p15_sweep_on", "p15_sweep_button", "Run the policy sweep", "Replays the trace once per policy and "
+               "budget and per interval: seconds of CPU the first time, cached afterwards (shared by every visitor).")
+pv = engine_call(_policies, model, hw, tp, num_requests, data, upload_name, tuple(policies))
+if pv.note:
+    st.info(pv.note)
+b = pv.budgets
+hit = go.Figure([go.Scatter(x=g.budget_gb, y=g.token_hit_ratio, mode="lines+markers", name=policy_title(p)) for p, g in b.groupby("policy", sort=False)])
+hit.add_trace(go.Scatter(x=[b.budget_gb.min(), b.budget_gb.max()], y=[pv.ideal_hit_ratio] * 2, mode="lines",
+                         line=dict(dash="dash", color="grey"), name=f"block ideal, unlimited cache: {pv.ideal_hit_ratio:.3f}"))
+hit.update_layout(xaxis_type="log", xaxis_title="memory budget per replica (GB, log)", yaxis_title="token hit ratio (fraction)",
+                  legend=dict(orientation="h", y=-0.3))
+show_chart(hit, b.assign(ideal_hit_ratio=pv.ideal_hit_ratio), key="p15_hit_chart")
+saved = go.Figure([go.Scatter(x=g.budget_gb, y=g.mean_ttft_s * 1e3, mode="lines+markers", name=policy_title(p),
+                              customdata=g.prefill_saved, hovertemplate="%{y:.1f} ms, saved %{customdata:.1%}")
+                   for p, g in b.groupby("policy", sort=False)])
+saved.add_hline(y=pv.cold_ttft_s * 1e3, line_dash="dash", annotation_text=f"no cache: {pv.cold_ttft_s * 1e3:.1f} ms")
+saved.update_layout(xaxis_type="log", xaxis_title="memory budget per replica (GB, log)",
+                    yaxis_title="mean TTFT, roofline (ms)", legend=dict(orientation="h", y=-0.3))
+show_chart(saved, b[["policy", "budget_gb", "mean_ttft_s", "prefill_saved"]], key="p15_ttft_chart")
+mid = b[b.budget_gb == b.budget_gb.unique()[len(b.budget_gb.unique()) // 2]]
+kinds = go.Figure([go.Bar(x=mid.policy.map(policy_title), y=mid[f"{k}_gb"], name=name) for k, name in
+                   (("kv", "KV pages"), ("state", "state checkpoints"), ("running", "running state slots"))])
+kinds.add_hline(y=mid.budget_gb.iloc[0], line_dash="dash", annotation_text=f"budget: {mid.budget_gb.iloc[0]:,.0f} GB")
+kinds.update_layout(barmode="stack", title=f"bytes held when the total peaked, {mid.budget_gb.iloc[0]:,.0f} GB budget",
+                    xaxis_title="policy", yaxis_title="bytes held (GB)", legend=dict(orientation="h", y=-0.3))
+show_chart(kinds, mid[["policy", "budget_gb", "kv_gb", "state_gb", "running_gb", "peak_kv_gb", "peak_state_gb",
+                      "states_written", "states_evicted", "kv_evicted_tokens"]], key="p15_bytes_chart")
+if len(pv.intervals):
+    iv = go.Figure([go.Scatter(x=g.interval_tokens, y=g.token_hit_ratio, mode="lines+markers", name=policy_title(p))
+                    for p, g in pv.intervals.groupby("policy", sort=False)])
+    iv.update_layout(xaxis_type="log", title=f"at {pv.interval_budget_gb:,.0f} GB per replica",
+                     xaxis_title="state interval (tokens, log): ours' C / extra_buffer's chunked_prefill_size",
+                     yaxis_title="token hit ratio (fraction)", legend=dict(orientation="h", y=-0.3))
+    show_chart(iv, pv.intervals, key="p15_interval_chart")
+    ivt = go.Figure([go.Scatter(x=g.interval_tokens, y=g.mean_ttft_s * 1e3, mode="lines+markers", name=policy_title(p),
+                                customdata=g.p99_ttft_s * 1e3, hovertemplate="mean %{y:.1f} ms, P99 %{customdata:.0f} ms")
+                     for p, g in pv.intervals.groupby("policy", sort=False)])
+    ivt.update_layout(xaxis_type="log", title=f"at {pv.interval_budget_gb:,.0f} GB per replica",
+                      xaxis_title="state interval (tokens, log): ours' C / extra_buffer's chunked_prefill_size",
+                      yaxis_title="mean TTFT, roofline (ms)", legend=dict(orientation="h", y=-0.3))
+    show_chart(ivt, pv.intervals[["policy", "interval_tokens", "mean_ttft_s", "p99_ttft_s", "token_hit_ratio"]],
+               key="p15_interval_ttft_chart")
+ch = pv.choice
+by_budget = ch[ch.interval_tokens.isna()]
+by_interval = ch[ch.interval_tokens.notna()]
+st.markdown("**What to choose on this trace.** Lowest mean TTFT per budget: " + "; ".join(
+    f"{r.budget_gb:,.0f} GB → {policy_title(r.policy)} ({r.mean_ttft_s * 1e3:.1f} ms, hit {r.token_hit_ratio:.3f})"
+    for r in by_budget.itertuples()) + (". Best interval at " f"{pv.interval_budget_gb:,.0f} GB: " + "; ".join(
+    f"{policy_title(r.policy)} → {int(r.interval_tokens):,} tokens ({r.mean_ttft_s * 1e3:.1f} ms)" for r in by_interval.itertuples())
+    if len(by_interval) else "") + ".")
+show_table(b.assign(mean_ttft_ms=b.mean_ttft_s * 1e3, policy=b.policy.map(policy_title)), {"policy": "Policy", "budget_gb": num("Budget / replica (GB)", "%,.0f"),
+               "token_hit_ratio": pct("Token hit ratio"), "mean_ttft_ms": num("Mean TTFT (ms)", "%.1f"),
+               "prefill_saved": pct("Prefill saved"), "kv_gb": num("KV held (GB)", "%,.1f"),
+               "state_gb": num("Checkpoints (GB)", "%,.1f"),
+               "kv_evicted_tokens": num("KV evicted (tokens)")})
+st.download_button("Download CSV", b.to_csv(index=False).encode(), "p15_policies.csv", "text/csv", key="p15_policies_csv",
+                   help="Every column, including running state slots, checkpoints written and evicted, and the replay's run time")
+st.caption(
+    f"{pv.num_requests:,} requests, {pv.total_tokens:,} prompt tokens. What to notice: every policy stays below the "
+    "block ideal; more states per request (ours at small C) spend the budget on state instead of KV. The bars "
+    "split the bytes held when the total peaked, so they stay under the budget line.")
+with st.expander("What the replay models"):
+    st.markdown(
+        "- Block ideal (Mooncake, FAST'25): an unlimited cache hits each request's leading run of hash ids seen "
+        "before.\n"
+        "- vLLM all is not in the default sweep: vLLM's Kimi-Linear model class does not declare "
+        "SupportsMambaPrefixCaching, so vLLM serves Kimi models in align. Pick it to see the counterfactual of one "
+        f"state per block of {pv.vllm_block_tokens} tokens.\n"
+        "- Each kind's own peak (reached at different times, so their sum can pass the budget) is in the CSV.\n"
+        "- The budget buys KV pages and checkpoints in the model's real bytes. TTFT is the fitted roofline of part 1 "
+        "at batch 1 without queueing, plus a checkpoint restore on a hit.\n"
+        "- SGLang's mamba_track_interval only acts in decode, which a prompt-only replay never reaches: in prefill "
+        "extra_buffer tracks one state per chunk, so its interval here is chunked_prefill_size. Only extra_buffer "
+        "caches a state at the branching point (SGLang PR #14792); no_buffer caches at chunk ends and the request "
+        "end.\n"
+        "- vLLM align caches the state at each chunk's last full block and, when the attention cache holds a longer "
+        "prefix than any cached state, ends the first chunk where that shared prefix ends (vLLM PR #37898), so the "
+        "next request sharing it hits there. A vLLM state costs one page per layer of its KV-cache groups, padding "
+        "included (Kimi-Linear: 21 pages for 20 KDA layers; K3: 72 for 69).\n"
+        "- Outputs are not modelled (a trace does not say which later prompt holds them), so a state an engine saves "
+        "at a request's end or while decoding sits at the prompt's end here. In a chat the next turn repeats the "
+        "previous prompt and output, and SGLang no_buffer (request-end state) and vLLM align (decode-time blocks, "
+        "vLLM PR #30877) would hit it; here the next turn's 512-token block match seldom reaches the prompt's end, so "
+        "their lines are lower bounds on chat traffic, no_buffer's most.\n"
+        "- Sources: SGLang mamba_radix_cache.py, vLLM single_type_kv_cache_manager.py (mamba_cache_mode), "
+        "serve/scale/policies.")

@@ -1,0 +1,172 @@
+"""Charts, their CSV downloads, and tables.
+
+- ``show_chart(fig, df, key)``: a Plotly chart with a stable key plus a CSV download of its data; log axes get
+  labelled ticks between the powers of ten and their reference lines' labels on the lines.
+- ``show_forward_fit(fit, key)``: Home's and page 08's fitted forward cost, measured vs fitted vs predicted.
+- ``show_table(df, columns)``: ``st.dataframe`` of the named columns, each with its header and number
+  format; booleans read yes / no. ``num(label, fmt)`` and ``pct(label)`` build the number columns.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import plotly.graph_objects as go
+import streamlit as st
+
+if TYPE_CHECKING:      # annotations only: a page that builds no frame (Home's first run) does not import pandas
+    import pandas as pd
+
+
+def _log_data_range(fig: go.Figure, axis) -> tuple[float, float] | None:
+    """(min, max) of the positive finite data plotted on ``axis`` (a layout xaxis/yaxis), or None."""
+    letter = axis.plotly_name[0]                          # "x" or "y"
+    ref = letter + axis.plotly_name[5:]                   # "xaxis2" -> "x2"
+    values = []
+    for trace in fig.data:
+        if (getattr(trace, f"{letter}axis", None) or letter) != ref:
+            continue
+        data = getattr(trace, letter, None)
+        if data is None:
+            continue
+        try:
+            arr = np.asarray(data, dtype=float).ravel()
+        except (TypeError, ValueError):
+            continue
+        values.append(arr[np.isfinite(arr) & (arr > 0)])
+    values = np.concatenate(values) if values else np.empty(0)
+    return (float(values.min()), float(values.max())) if values.size else None
+
+
+def _decade_ticks(axis, data_range: tuple[float, float] | None = None) -> None:
+    """Readable labels on a log axis without explicit ticks (Plotly's default minor labels read as a
+    bare "2" or "5", which can mean 2,000 or 20,000). Over ``data_range`` (min, max > 0) spanning
+    <= 1 decade: ticks at 1, 1.5, 2, 3, 5, 7 x 10^k; <= 3 decades: 1-2-5 x 10^k; wider (or unknown):
+    the powers of ten only. Every tick is labelled with its full value."""
+    if axis.type != "log" or axis.dtick is not None or axis.tickvals is not None:
+        return
+    if data_range is not None and data_range[0] > 0 and data_range[1] >= data_range[0]:
+        lo, hi = np.log10(data_range[0]), np.log10(data_range[1])
+        mantissas = (1, 1.5, 2, 3, 5, 7) if hi - lo <= 1 else (1, 2, 5) if hi - lo <= 3 else None
+        if mantissas is not None:
+            ticks = [m * 10.0 ** e for e in range(int(np.floor(lo)) - 1, int(np.ceil(hi)) + 1) for m in mantissas]
+            below = [t for t in ticks if t <= data_range[0]]
+            above = [t for t in ticks if t >= data_range[1]]
+            first, last = (below[-1] if below else ticks[0]), (above[0] if above else ticks[-1])
+            axis.update(tickvals=[t for t in ticks if first <= t <= last])   # labelled ticks are the grid
+            return
+    axis.update(dtick=1, minor=dict(ticks="inside", showgrid=True, gridcolor="rgba(0, 0, 0, 0.035)"))  # faint: many decades
+
+
+def _label_lines_on_log_axes(fig: go.Figure) -> None:
+    """Move the label of an ``add_hline`` / ``add_vline`` reference line on a log axis onto its line. Plotly 7
+    writes the label at the line's data value, but an annotation on a log axis is placed in log10 units, so the
+    label of a 1e-5 line lands at 10^(1e-5) and a break-even at 5,384 tokens far off the plot. Only an
+    annotation with a reference line (a shape) at its value on the same axis is moved."""
+    lines = {(ref, v0) for sh in fig.layout.shapes or () if sh.type == "line"
+             for ref, v0, v1 in ((sh.yref, sh.y0, sh.y1), (sh.xref, sh.x0, sh.x1)) if v0 == v1 and v0 is not None}
+    for ann in fig.layout.annotations or ():
+        for letter in ("x", "y"):
+            ref, value = getattr(ann, f"{letter}ref"), getattr(ann, letter)
+            if not ref or "domain" in ref or ref == "paper" or value is None or (ref, value) not in lines:
+                continue
+            axis = fig.layout[f"{letter}axis{ref[1:]}"]
+            if axis.type == "log" and value > 0:
+                ann.update({letter: float(np.log10(value))})
+
+
+def _csv_bytes(data: pd.DataFrame | list[dict]) -> bytes:
+    """CSV of a frame (no index) or of a list of row dicts (header = the first row's keys), UTF-8."""
+    if not isinstance(data, list):
+        return data.to_csv(index=False).encode()
+    import csv
+    import io
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(data[0]) if data else [], lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(data)
+    return out.getvalue().encode()
+
+
+def show_chart(fig: go.Figure, df: pd.DataFrame | list[dict], key: str, filename: str | None = None) -> None:
+    """Render ``fig`` with ``key`` and a CSV download button of ``df`` (the chart's data: a frame, or a list of
+    row dicts where a page builds no frame, e.g. Home, whose first run on a fresh server imports no pandas).
+    Log axes get enough labelled ticks to read the data range (:func:`_decade_ticks`), and their reference
+    lines' labels sit on the lines (:func:`_label_lines_on_log_axes`)."""
+    fig.update_layout(margin=dict(l=10, r=10, t=40, b=10))
+    _label_lines_on_log_axes(fig)
+    fig.for_each_xaxis(lambda ax: _decade_ticks(ax, _log_data_range(fig, ax)))
+    fig.for_each_yaxis(lambda ax: _decade_ticks(ax, _log_data_range(fig, ax)))
+    st.plotly_chart(fig, key=key, width="stretch")
+    st.download_button("Download CSV", _csv_bytes(df), file_name=filename or f"{key}.csv",
+                       mime="text/csv", key=f"{key}_csv")
+
+
+def show_forward_fit(fit, key: str) -> None:
+    """Home's and page 08's chart of :class:`lab.forward_cost.ForwardFit`: TTFT against prefill tokens, the
+    measured points fitted (median, IQR bars), the fitted line ``a + b·n``, the held-out cold run, and the warm
+    run measured beside its two predictions; then one caption with the fixed cost and the errors."""
+    rows = fit.points()
+    top = max(r["prefill_tokens"] for r in rows)
+    style = {"measured, used in the fit": ("circle", "#1f77b4"), "measured, held out: cold run": ("square", "#d62728"),
+             "measured: warm run": ("circle", "#2ca02c"), "predicted: warm, a + b·n + copies": ("diamond-open", "#2ca02c"),
+             "predicted: warm, without a": ("x-open", "#6b7280")}
+    fig = go.Figure(go.Scatter(x=[0, top], y=[fit.fixed_ms, fit.fixed_ms + fit.per_token_ms * top], mode="lines",
+                               line=dict(dash="dash", color="#1f77b4"),
+                               name=f"fitted: {fit.fixed_ms:.1f} ms + {fit.per_token_ms:.3f} ms/token × n"))
+    for role, (symbol, colour) in style.items():
+        pts = [r for r in rows if r["role"] == role]
+        bars = dict(type="data", symmetric=False, array=[r["q3_ms"] - r["ttft_ms"] for r in pts],
+                    arrayminus=[r["ttft_ms"] - r["q1_ms"] for r in pts]) if role.endswith("in the fit") else None
+        fig.add_trace(go.Scatter(x=[r["prefill_tokens"] for r in pts], y=[r["ttft_ms"] for r in pts], mode="markers",
+                                 name=role, error_y=bars, marker=dict(symbol=symbol, size=11, color=colour)))
+    fig.update_layout(xaxis_title="prefill tokens computed n (tokens)", yaxis_title="TTFT (ms; median, bars = IQR)",
+                      xaxis_range=[0, top * 1.05], yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.3),
+                      height=360)
+    show_chart(fig, rows, key=key)
+    r2 = f"; R² {fit.r2:.2f}" if len(fit.fit_tokens) > 2 else ""       # a line through two points has R² = 1
+    st.caption(f"**Fixed cost per forward a = {fit.fixed_ms:.1f} ms** (fitted) + b = {fit.per_token_ms:.3f} ms per "
+               f"prefill token (fitted at n = {', '.join(map(str, fit.fit_tokens))}{r2}). Held out, not in "
+               f"the fit: the cold run, {fit.prompt_tokens} tokens, measured {fit.held_out_measured_ms:.1f} ms, fit "
+               f"{fit.held_out_predicted_ms:.1f} ms ({fit.held_out_error:+.0%}).")
+    st.caption(f"Warm, {fit.warm_prefill_tokens} tokens prefilled: measured {fit.warm_measured_ms:.1f} ms; predicted "
+               f"a + b·(L − hit) + copies = {fit.warm_predicted_ms:.1f} ms ({fit.warm_error:+.0%}); without a, "
+               f"cold·(L − hit)/L + copies = {fit.proportional_ms:.1f} ms ({fit.proportional_error:+.0%}). The fixed "
+               f"cost is {fit.fixed_share:.0%} of the measured warm TTFT.")
+    with st.expander("How the forward cost is fitted"):
+        st.markdown(
+            "- **Measured**: cache-off TTFT of the first n tokens of the same prompt at each fitted n, the cold run "
+            "(all L tokens) and the warm run, in the same interleaved rounds on fresh engines.\n"
+            "- **Fitted**: a + b·n by least squares over the medians at the fitted n (never L).\n"
+            "- **Held out**: the cold run is not in the fit; the fit's error there is how far to trust it.\n"
+            f"- **Predicted**: warm = a + b·(L − hit) + the warm run's restore and checkpoint copies "
+            f"({fit.warm_copies_ms:.2f} ms, measured). Without the fixed cost a, skipping most prefill tokens would "
+            "cut TTFT in proportion; it does not.")
+
+
+def num(label: str, fmt: str = "localized", **kwargs):
+    """A right-aligned number column headed ``label`` (with its unit): ``fmt`` is a printf format (``"%.1f ms"``,
+    ``"%,d B"``) or a Streamlit preset (``"localized"``: thousands separators, the default)."""
+    return st.column_config.NumberColumn(label, format=fmt, **kwargs)
+
+
+def pct(label: str, decimals: int = 1, **kwargs):
+    """A number column headed ``label`` showing a fraction (0.1234) as a percentage with ``decimals`` decimals
+    (12.3%) in :func:`show_table`, which scales it by 100 for display (Streamlit's ``"percent"`` preset drops
+    trailing zeros, so a column would mix 6.5% and 7.97%)."""
+    return st.column_config.NumberColumn(label, format=f"%.{decimals}f%%", **kwargs)
+
+
+def show_table(df: pd.DataFrame, columns: dict, **kwargs) -> None:
+    """``st.dataframe`` of ``df``'s columns named in ``columns``, in that order, without the index. Each value is the
+    column's header (a string) or a ``st.column_config`` column (:func:`num`, :func:`pct`: its fractions are
+    shown ×100); booleans read "yes" / "no". Only the display changes: ``df`` and any CSV of it keep the raw,
+    machine-readable frame."""
+    from pandas.api.types import is_bool_dtype  # here, not at import: Home's first run builds no frame
+    shown = df[list(columns)].copy()
+    for col, cfg in columns.items():
+        if is_bool_dtype(shown[col]):
+            shown[col] = shown[col].map({True: "yes", False: "no"})
+        elif isinstance(cfg, dict) and str(cfg.get("type_config", {}).get("format", "")).endswith("%%"):
+            shown[col] = shown[col] * 100
+    st.dataframe(shown, hide_index=True, width="stretch", column_config=columns, **kwargs)

@@ -1,0 +1,135 @@
+"""The fleet simulator's error against the real engine behind the HTTP server: ``python -m bench.sim_vs_engine``.
+
+1. Calibrate (Vidur-style operator profiling, here through the engine's public API on this machine), right
+   before each rate's replay (the shared CPU's speed drifts): prefill steps of one prompt at 32 / 128 / 256 /
+   512 tokens and decode steps at batch 1 / 4 / 16, each the median of 5 timed repeats after a warm-up; fitted to :class:`serve.fleet.service_model.ServiceModel`
+   (prefill_ms = overhead + tokens / rate; decode_step_ms = base + per_seq * batch) by least squares.
+2. Measure: the Mooncake-conversation-shaped replay of :mod:`bench.serve_http` through a fresh in-process
+   server per rate (Poisson arrivals, seeded).
+3. Predict: the same requests (same arrival times, lengths and 16-byte hash blocks) through
+   :func:`serve.fleet.simulation.simulate` with one replica and the calibrated model.
+Reports per rate and metric the measured value, the prediction and the error, and the MAPE over rates per
+metric (TTFT P50 / P99, TPOT mean, request throughput). Fitted, predicted and measured are kept apart. What the
+simulator leaves out, where the error is large: HTTP and client time (in measured TTFT), the engine running one
+prefill per step while the simulator batches admitted prompts into one prefill step, prefix hits only at
+checkpoint boundaries (the simulator's block cache hits any block), and the shared CPU's noise.
+Writes ``bench/results/sim_vs_engine.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.serve_http import BLOCK_BYTES, TRACE, local_server, mooncake_workload, run_rate
+from serve.fleet.service_model import ServiceModel
+from serve.fleet.sim_types import FleetConfig, FleetRequest, percentile
+from serve.fleet.simulation import simulate
+from serve.http.model import EngineSpec, build_engine, load_model
+from serve.request import RequestStatus
+from serve.traces import load_mooncake
+
+OUT = Path(__file__).parent / "results" / "sim_vs_engine.json"
+REPEATS = 5
+
+
+def _median_ms(fn) -> float:
+    fn()                                                   # warm-up
+    times = []
+    for _ in range(REPEATS):
+        times.append(fn())
+    return statistics.median(times)
+
+
+def calibrate(model, prefill_lengths=(32, 128, 256, 512), batches=(1, 4, 16)) -> tuple[ServiceModel, dict]:
+    """Fit a ServiceModel to engine steps timed on this machine; returns it and the measured points."""
+    rng = np.random.default_rng(0)
+
+    def prefill(n):
+        engine = build_engine(EngineSpec(prefix_cache=False, max_num_seqs=1), model)
+        engine.submit(rng.integers(0, 256, n).tolist(), 1)
+        t0 = time.perf_counter()
+        engine.step()
+        return (time.perf_counter() - t0) * 1e3
+
+    def decode(b):
+        engine = build_engine(EngineSpec(prefix_cache=False, max_num_seqs=b), model)
+        rids = [engine.submit(rng.integers(0, 256, 32).tolist(), 8) for _ in range(b)]
+        while any(engine.result(r).status is not RequestStatus.DECODE for r in rids):
+            engine.step()
+        t0 = time.perf_counter()
+        engine.step()
+        return (time.perf_counter() - t0) * 1e3
+
+    pre = {n: _median_ms(lambda n=n: prefill(n)) for n in prefill_lengths}
+    dec = {b: _median_ms(lambda b=b: decode(b)) for b in batches}
+    slope_p, icpt_p = np.polyfit(list(pre), list(pre.values()), 1)      # ms per token, ms
+    slope_d, icpt_d = np.polyfit(list(dec), list(dec.values()), 1)      # ms per sequence, ms
+    svc = ServiceModel(prefill_tokens_per_s=1000.0 / max(slope_p, 1e-6), prefill_overhead_ms=max(icpt_p, 0.0),
+                       decode_step_base_ms=max(icpt_d, 1e-3), decode_step_per_seq_ms=max(slope_d, 0.0),
+                       max_batch_requests=64, source="fitted to engine steps measured on this machine")
+    return svc, {"prefill_ms": pre, "decode_step_ms": dec}
+
+
+def predict(svc: ServiceModel, workload, hash_ids, rate: float, seed: int) -> dict:
+    """The simulator's figures for the replay :func:`bench.serve_http.run_rate` sends at ``rate``."""
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(workload))
+    arrivals = np.cumsum(gaps) * 1e3
+    reqs = [FleetRequest(i, float(t), len(p), n, tuple(h[: -(-len(p) // BLOCK_BYTES)]))
+            for i, ((p, n), h, t) in enumerate(zip(workload, hash_ids, arrivals))]
+    res = simulate(reqs, FleetConfig(svc, num_replicas=1, router="round_robin", block_size=BLOCK_BYTES))
+    done = [r for r in res.results if r.status == "completed"]
+    ttft = np.array([r.ttft_ms for r in done])
+    tpot = [(r.finish_ms - r.first_token_ms) / (r.output_length - 1) for r in done if r.output_length > 1]
+    return dict(ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
+                tpot_mean_ms=float(np.mean(tpot)), request_throughput_rps=len(done) / (max(r.finish_ms for r in done)
+                                                                                        / 1e3))
+
+
+METRICS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_mean_ms", "request_throughput_rps")
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m bench.sim_vs_engine", description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=48)
+    p.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0])
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    model, fits = load_model("demo"), {}
+    workload = mooncake_workload(args.requests, 1024)
+    hash_ids = [r.hash_ids for r in load_mooncake(TRACE)[: args.requests]]
+    rows = []
+    for rate in args.rates:
+        svc, points = calibrate(model)            # right before its replay: the shared CPU's speed drifts
+        fits[str(rate)] = {"points": {k: {str(a): b for a, b in v.items()} for k, v in points.items()},
+                           "prefill_tokens_per_s": svc.prefill_tokens_per_s,
+                           "prefill_overhead_ms": svc.prefill_overhead_ms,
+                           "decode_step_base_ms": svc.decode_step_base_ms,
+                           "decode_step_per_seq_ms": svc.decode_step_per_seq_ms}
+        print(f"fitted: prefill {svc.prefill_tokens_per_s:.0f} tok/s + {svc.prefill_overhead_ms:.1f} ms; decode "
+              f"step {svc.decode_step_base_ms:.2f} + {svc.decode_step_per_seq_ms:.2f} ms x batch", flush=True)
+        with local_server(1024, 64) as url:
+            asyncio.run(run_rate(url, "kda-demo", workload[:2], rate, args.seed))          # warm-up
+            measured = asyncio.run(run_rate(url, "kda-demo", workload, rate, args.seed))
+        predicted = predict(svc, workload, hash_ids, rate, args.seed)
+        for m in METRICS:
+            err = abs(predicted[m] - measured[m]) / measured[m] * 100
+            rows.append(dict(rate_rps=rate, metric=m, measured=measured[m], predicted=predicted[m], error_pct=err))
+            print(f"rate {rate:4.1f}  {m:24s} measured {measured[m]:9.2f}  predicted {predicted[m]:9.2f}  "
+                  f"error {err:6.1f} %", flush=True)
+    mape = {m: statistics.fmean(r["error_pct"] for r in rows if r["metric"] == m) for m in METRICS}
+    print("MAPE over rates: " + ", ".join(f"{m} {v:.1f} %" for m, v in mape.items()))
+    out = {"meta": {"measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "requests": args.requests,
+                    "fitted_service_model_per_rate": fits},
+           "rows": rows, "mape_pct": mape}
+    OUT.write_text(json.dumps(out, indent=1) + "\n")
+    return out
+
+
+if __name__ == "__main__":
+    main()

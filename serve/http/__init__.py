@@ -1,0 +1,16 @@
+"""OpenAI-compatible HTTP server over the engine, with Prometheus metrics (``python -m serve.http``).
+
+Concept → file → main type:
+- model and engine construction (the one place) .. model.py ..... ``load_model``, ``EngineSpec``, ``build_engine``
+- request / response schema, checks, UTF-8 ...... protocol.py .. ``CompletionRequest``, ``ChatRequest``,
+  ``RequestError``, ``TextDecoder``
+- the engine's thread (join / leave, admission) .. loop.py ...... ``EngineLoop``, ``Stream``, ``QueueFull``
+- Prometheus metrics (vLLM / SGLang names) ....... metrics.py ... ``ServerMetrics``
+- routes, SSE, disconnects ....................... app.py ....... ``create_app``
+- command line ................................... __main__.py .. ``main``
+- serve an app from a background thread ........... background.py  ``serve_in_thread``
+
+Tests: ``tests/serve/http/test_server_openai.py`` (the ``openai`` client: completion, chat, streaming, errors),
+``tests/serve/http/test_server_load.py`` (64+ concurrent streams, random cancels, outputs vs batch-1 runs,
+slots and pages back to baseline).
+"""

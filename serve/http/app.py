@@ -1,0 +1,224 @@
+"""The FastAPI app: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not), ``/v1/models``,
+``/health``, ``/metrics``, over one :class:`serve.http.loop.EngineLoop`.
+
+Errors are OpenAI-style bodies (:class:`serve.http.protocol.RequestError`): 400 for a body that is not JSON
+or not UTF-8, an unknown field, a wrong type or a value out of range; 404 for another model; 429 with
+``Retry-After`` when ``max_num_seqs + max_queue`` requests are outstanding; 503 with ``Retry-After`` when the
+engine rejects a request it can never fit or the engine loop is down. A streaming response starts only after
+the request's first token (so an error before it still gets its status code); a client that disconnects,
+before or during its stream, has its request aborted on the engine thread, which frees its slot and pages.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serve.engine import ServeEngine
+from serve.http.loop import EngineLoop, LoopStopped, QueueFull, Stream
+from serve.http.metrics import ServerMetrics
+from serve.http.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    RequestError,
+    TextDecoder,
+    chat_body,
+    check_request,
+    completion_body,
+    decode_all,
+    new_id,
+    usage,
+)
+from serve.request import RequestResult, RequestStatus
+
+RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.2
+
+
+def error_response(err: RequestError, retry_after: int | None = None) -> JSONResponse:
+    headers = None if retry_after is None else {"Retry-After": str(retry_after)}
+    return JSONResponse(err.body(), status_code=err.status, headers=headers)
+
+
+def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num_seqs: int,
+               max_queue: int) -> FastAPI:
+    """The server app over ``engine`` (whose thread starts and stops with the app). ``max_model_len``:
+    prompt + output tokens per request; ``max_num_seqs``: requests inside the engine at once; ``max_queue``:
+    requests queued in front of it before a 429. ``app.state.loop`` is the :class:`EngineLoop`."""
+    metrics = ServerMetrics(model_name, engine.layout.block_size)
+    loop = EngineLoop(engine, metrics, max_num_seqs, max_queue)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        loop.start()
+        yield
+        loop.stop()
+
+    app = FastAPI(title="KDA Serve Lab OpenAI-compatible server", lifespan=lifespan)
+    app.state.loop, app.state.metrics, app.state.created = loop, metrics, int(time.time())
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        kind = first.get("type", "")
+        if kind in ("json_invalid", "model_attributes_type") or first.get("loc", ("",))[0] != "body":
+            where, msg = None, f"the body is not a JSON object: {first.get('msg', 'invalid JSON')}"
+        elif kind == "extra_forbidden":
+            msg = f"unknown field {where!r}"
+        elif kind == "missing":
+            msg = f"missing required field {where!r}"
+        else:
+            msg = f"{where}: {first.get('msg', 'invalid value')} (got {first.get('input')!r})"
+        return error_response(RequestError(msg, where))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):       # e.g. a body that is not UTF-8
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return error_response(RequestError(f"{exc.detail} (is the body UTF-8 JSON?)" if exc.status_code == 400
+                                           else str(exc.detail), None, exc.status_code, kind))
+
+    @app.get("/health")
+    async def health():
+        if loop.alive:
+            return Response(status_code=200)
+        return error_response(RequestError("the engine loop is down", None, 503, "service_unavailable"),
+                              RETRY_AFTER_S)
+
+    @app.get("/metrics")
+    async def prom():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": app.state.created,
+                                            "owned_by": "kda-serve-lab", "root": model_name,
+                                            "max_model_len": max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _serve(body, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest, request: Request):
+        return await _serve(body, request, chat=True)
+
+    async def _serve(body, request: Request, chat: bool):
+        try:
+            prompt, max_tokens = check_request(body, model_name, max_model_len)
+            stream = loop.submit(prompt, max_tokens)
+        except RequestError as err:
+            return error_response(err)
+        except QueueFull as err:
+            return error_response(RequestError(f"server busy: {err}; retry later", None, 429, "rate_limit_exceeded"),
+                                  RETRY_AFTER_S)
+        except LoopStopped as err:
+            return error_response(RequestError(str(err), None, 503, "service_unavailable"), RETRY_AFTER_S)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        watcher = asyncio.ensure_future(_watch_disconnect(request))
+        try:
+            return await _respond(body, stream, watcher, prompt, rid, chat)
+        finally:
+            watcher.cancel()
+
+    async def _respond(body, stream: Stream, watcher, prompt: list, rid: str, chat: bool):
+        try:
+            first = await _next_or_disconnect(stream, watcher)
+        except _Disconnected:
+            loop.abort(stream)
+            return Response(status_code=499)               # nobody reads it: nginx's "client closed request"
+        except asyncio.CancelledError:
+            loop.abort(stream)
+            raise
+        if isinstance(first, RequestResult) and first.status is not RequestStatus.FINISHED:
+            return error_response(RequestError(f"request not served: {first.reason or first.status.value}", None,
+                                               503, "service_unavailable"), RETRY_AFTER_S)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(_sse(stream, first, rid, chat, include_usage), media_type="text/event-stream")
+        ids = [] if isinstance(first, RequestResult) else list(first)
+        try:
+            while not isinstance(first, RequestResult):
+                first = await _next_or_disconnect(stream, watcher)
+                if not isinstance(first, RequestResult):
+                    ids += first
+        except _Disconnected:
+            loop.abort(stream)
+            return Response(status_code=499)
+        except asyncio.CancelledError:
+            loop.abort(stream)
+            raise
+        if first.status is not RequestStatus.FINISHED:
+            return error_response(RequestError(f"request ended early: {first.reason or first.status.value}", None,
+                                               503, "service_unavailable"), RETRY_AFTER_S)
+        use = usage(len(prompt), len(ids), first.hit_tokens)
+        text = decode_all(ids)
+        return chat_body(rid, model_name, text, "length", use, False) if chat else \
+            completion_body(rid, model_name, text, "length", use)
+
+    async def _sse(stream: Stream, first, rid: str, chat: bool, include_usage: bool):
+        """The SSE body: one chunk per engine push, the last with ``finish_reason``, usage if asked, [DONE]."""
+        dec, n, item, started = TextDecoder(), 0, first, False
+        try:
+            if chat:
+                yield _event(chat_body(rid, model_name, "", None, None, True, first=True))
+                started = True
+            while True:
+                if isinstance(item, RequestResult):
+                    break
+                n += len(item)
+                text = dec.feed(item)
+                if text:
+                    yield _event(chat_body(rid, model_name, text, None, None, True) if chat else
+                                 completion_body(rid, model_name, text, None, None))
+                item = await stream.events.get()
+            tail, finish = dec.feed([], final=True), "length" if item.status is RequestStatus.FINISHED else "abort"
+            yield _event(chat_body(rid, model_name, tail, finish, None, True, first=not started) if chat else
+                         completion_body(rid, model_name, tail, finish, None))
+            if include_usage:
+                use = usage(len(stream.prompt), n, item.hit_tokens)
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                yield _event({"id": rid, "object": obj, "created": int(time.time()), "model": model_name,
+                              "choices": [], "usage": use})
+            yield "data: [DONE]\n\n"
+        finally:
+            if not stream.done:                       # client gone mid-stream (cancelled or closed)
+                loop.abort(stream)
+
+    return app
+
+
+class _Disconnected(Exception):
+    """The client closed the connection before its response started."""
+
+
+async def _watch_disconnect(request: Request) -> None:
+    """Return once the client has closed the connection (polled every DISCONNECT_POLL_S)."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+async def _next_or_disconnect(stream: Stream, watcher: asyncio.Future):
+    """The stream's next event, or _Disconnected once ``watcher`` (:func:`_watch_disconnect`) has fired. The
+    watcher runs beside the whole wait: polling only between events would never poll while tokens arrive
+    faster than the poll period."""
+    get = asyncio.ensure_future(stream.events.get())
+    try:
+        done, _ = await asyncio.wait({get, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if get in done:
+            return get.result()
+        raise _Disconnected()
+    finally:
+        if not get.done():
+            get.cancel()
+
+
+def _event(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,0 +1,268 @@
+"""``EngineLoop``: one background thread that owns the engine; HTTP handlers join and leave its batch.
+
+Every engine call happens on this thread (the engine is not thread-safe). Handlers talk to it through a
+command queue (submit, abort, call) and read a per-request :class:`Stream` (an ``asyncio.Queue`` on the
+server's event loop, fed with ``call_soon_threadsafe``). The thread's loop, while any request exists:
+
+    drain commands -> hand queued requests to the engine while it holds < max_num_seqs
+    -> engine.step() -> push each request's new tokens; a finished / aborted / rejected one gets its end
+
+and sleeps on an event when idle. If ``step()`` raises :data:`MAX_STEP_FAILURES` times in a row the loop stops:
+every request ends (the handlers answer 503) and :attr:`EngineLoop.alive` turns False. Admission control is here, not in the engine: at most
+``max_num_seqs + max_queue`` requests are outstanding; one more raises :class:`QueueFull` at once (the
+handler answers 429 with Retry-After), so a client never waits on a queue it cannot join. Uses only the
+engine's public API (``submit``, ``step``, ``abort``, ``result``, ``running``, ``waiting``,
+``check_integrity``), so a continuous-batching engine with the same API runs here unchanged.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from serve.engine import DONE, ServeEngine
+from serve.errors import check_int
+from serve.http.metrics import ServerMetrics
+from serve.request import RequestResult, RequestStatus
+
+log = logging.getLogger("serve.http")
+
+GAUGE_PERIOD_S = 0.05
+MAX_STEP_FAILURES = 3
+"""Consecutive ``engine.step()`` errors after which the loop declares the engine dead (every request ends,
+/health answers 503): one error is a request the engine aborted (a failed publish); a step that keeps
+raising would otherwise spin forever with its clients waiting."""
+
+
+class QueueFull(RuntimeError):
+    """Raised by :meth:`EngineLoop.submit` when ``max_num_seqs + max_queue`` requests are outstanding."""
+
+
+class LoopStopped(RuntimeError):
+    """Raised by :meth:`EngineLoop.submit` / :meth:`EngineLoop.call` once the loop is stopped or dead."""
+
+
+@dataclass
+class Stream:
+    """One request as the handler sees it. ``events`` yields lists of new token ids, then one
+    :class:`RequestResult` (the end: FINISHED, ABORTED or REJECTED). Times are ``perf_counter`` seconds."""
+
+    prompt: list
+    max_tokens: int
+    events: asyncio.Queue
+    aio_loop: asyncio.AbstractEventLoop
+    arrival_t: float = field(default_factory=time.perf_counter)
+    rid: int | None = None
+    sent: int = 0
+    first_t: float | None = None
+    last_t: float | None = None
+    done: bool = False
+
+    def push(self, item) -> None:
+        self.aio_loop.call_soon_threadsafe(self.events.put_nowait, item)
+
+
+class EngineLoop:
+    """The engine's thread. ``max_num_seqs``: requests inside the engine at once (state slots);
+    ``max_queue``: requests queued in front of it. Raises ValueError for bad sizes."""
+
+    def __init__(self, engine: ServeEngine, metrics: ServerMetrics, max_num_seqs: int, max_queue: int):
+        self.engine, self.metrics = engine, metrics
+        self.max_num_seqs = check_int("max_num_seqs", max_num_seqs)
+        self.max_queue = check_int("max_queue", max_queue, 0)
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._outstanding = 0                      # submitted, not yet ended (guarded by _lock)
+        self._pending: list[Stream] = []           # engine thread only: queued in front of the engine
+        self._active: dict[int, Stream] = {}       # engine thread only: rid -> stream
+        self._stop = False
+        self._gauges_t = 0.0
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # ---- handler side (event loop thread) -----------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything outstanding and join the thread."""
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop and self.error is None
+
+    def submit(self, prompt: list, max_tokens: int) -> Stream:
+        """Queue a prompt (byte ids) for ``max_tokens`` greedy tokens; returns its :class:`Stream`. Raises
+        QueueFull when the server holds ``max_num_seqs + max_queue`` requests, LoopStopped when stopped."""
+        if not self.alive:
+            raise LoopStopped("the engine loop is not running")
+        with self._lock:
+            if self._outstanding >= self.max_num_seqs + self.max_queue:
+                raise QueueFull(f"{self._outstanding} requests outstanding (max_num_seqs {self.max_num_seqs} "
+                                f"+ max_queue {self.max_queue})")
+            self._outstanding += 1
+        stream = Stream(prompt, max_tokens, asyncio.Queue(), asyncio.get_running_loop())
+        self._send(("submit", stream))
+        return stream
+
+    def abort(self, stream: Stream) -> None:
+        """Abort a request (client gone): its pages and slot are freed on the engine thread. Idempotent."""
+        self._send(("abort", stream))
+
+    async def call(self, fn):
+        """Run ``fn(engine)`` on the engine thread between steps and return its result (or raise its error)."""
+        if not self.alive:
+            raise LoopStopped("the engine loop is not running")
+        fut = asyncio.get_running_loop().create_future()
+        self._send(("call", fn, fut))
+        return await fut
+
+    def _send(self, cmd) -> None:
+        self._cmds.put(cmd)
+        self._wake.set()
+
+    # ---- engine thread --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        failures = 0
+        try:
+            with torch.inference_mode():
+                while not self._stop:
+                    self._drain()
+                    self._feed()
+                    eng = self.engine
+                    if eng.running or eng.waiting:
+                        t0 = time.perf_counter()
+                        try:
+                            eng.step()
+                            failures = 0
+                        except Exception as err:          # a failed publish aborts its request, others go on
+                            failures += 1
+                            log.warning("engine step raised %s: %s", type(err).__name__, err)
+                            if failures >= MAX_STEP_FAILURES:
+                                raise RuntimeError(f"engine.step() raised {failures} times in a row; last: "
+                                                   f"{type(err).__name__}: {err}") from err
+                        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+                        self._emit()
+                        self._gauges()
+                    elif not self._pending:
+                        self._gauges(force=True)
+                        self._wake.wait(0.5)
+                        self._wake.clear()
+        except BaseException as err:                      # the loop is dead: fail everyone, /health says so
+            self.error = err
+            log.exception("engine loop died")
+        finally:
+            self._shutdown()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "submit":
+                self._pending.append(cmd[1])
+            elif cmd[0] == "abort":
+                self._abort(cmd[1])
+            else:
+                _, fn, fut = cmd
+                try:
+                    out = fn(self.engine)
+                except BaseException as err:   # noqa: BLE001 - handed to the awaiting handler
+                    fut.get_loop().call_soon_threadsafe(_set, fut, None, err)
+                else:
+                    fut.get_loop().call_soon_threadsafe(_set, fut, out, None)
+
+    def _feed(self) -> None:
+        eng = self.engine
+        while self._pending and len(eng.running) + len(eng.waiting) < self.max_num_seqs:
+            s = self._pending.pop(0)
+            s.rid = eng.submit(s.prompt, s.max_tokens)
+            self._active[s.rid] = s
+
+    def _abort(self, s: Stream) -> None:
+        if s.done:
+            return
+        if s.rid is None:                                  # still in front of the engine
+            if s in self._pending:
+                self._pending.remove(s)
+            self._end(s, None)
+            return
+        self.engine.abort(s.rid)
+        self._end(s, self.engine.result(s.rid))
+
+    def _emit(self) -> None:
+        now = time.perf_counter()
+        for s in list(self._active.values()):
+            res = self.engine.result(s.rid)
+            new = res.output_tokens[s.sent:]
+            if new:
+                self.metrics.tokens(s, len(new), now)
+                s.sent += len(new)
+                s.push(list(new))
+            if res.status in DONE:
+                self._end(s, res)
+
+    def _end(self, s: Stream, res: RequestResult | None) -> None:
+        """The one exit of a request: metrics, its end event, its engine record dropped, a slot freed."""
+        s.done = True
+        if s.rid is not None:
+            self._active.pop(s.rid, None)
+            # the engine keeps every request's record for result(); a long-running server drops it at the end
+            getattr(self.engine, "requests", {}).pop(s.rid, None)
+        self.metrics.finished(s, res)
+        if res is None:
+            res = RequestResult(-1, RequestStatus.ABORTED, len(s.prompt), (), None, 0, 0, 0, 0, 0, 0, {}, None,
+                                "aborted while queued")
+        s.push(res)
+        with self._lock:
+            self._outstanding -= 1
+
+    def _gauges(self, force: bool = False) -> None:
+        """Refresh the state gauges: when idle (``force``), else at most every GAUGE_PERIOD_S (the prefix
+        cache's stats walk its index)."""
+        now = time.perf_counter()
+        if force or now - self._gauges_t >= GAUGE_PERIOD_S:
+            self._gauges_t = now
+            self.metrics.engine_state(self.engine, len(self._pending), self.max_num_seqs)
+
+    def _shutdown(self) -> None:
+        for s in list(self._pending) + list(self._active.values()):
+            if s.rid is not None and not s.done:
+                try:
+                    self.engine.abort(s.rid)
+                except Exception:                          # noqa: BLE001 - best effort on the way out
+                    pass
+            if not s.done:
+                res = None if s.rid is None else self.engine.result(s.rid)
+                if res is not None and self.error is not None:
+                    res = res._replace(reason=f"engine loop stopped: {self.error}")
+                self._end(s, res)
+        self._pending.clear()
+        while True:                                        # fail calls queued after the end
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "call":
+                cmd[2].get_loop().call_soon_threadsafe(_set, cmd[2], None, LoopStopped("engine loop stopped"))
+            elif cmd[0] == "submit" and not cmd[1].done:
+                self._end(cmd[1], None)
+
+
+def _set(fut: asyncio.Future, value, err) -> None:
+    if fut.done():
+        return
+    if err is None:
+        fut.set_result(value)
+    else:
+        fut.set_exception(err)

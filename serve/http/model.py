@@ -1,0 +1,73 @@
+"""The one place the server builds its model and engine (:func:`load_model`, :func:`build_engine`).
+
+The served model is the runnable ``demo`` preset of :mod:`kda_core.config` with its seeded weights, the model
+the lab's Home page runs (``lab.prefix.demo_model``); when trained weights ship, :func:`load_model` is the one
+function to switch. The engine is :class:`serve.engine.ServeEngine` built through its public constructor only,
+so a batching engine with the same API is served unchanged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kda_core.config import PRESETS
+from kda_core.model import HybridLM
+from serve.config import ServeConfig
+from serve.engine import ServeEngine
+from serve.errors import check_choice, check_int
+from serve.memory.pool import PagePool
+from serve.prefix.cache import PrefixCache
+
+SERVABLE = ("demo", "demo-k3gate", "demo-tiny")
+
+
+def load_model(preset: str = "demo") -> HybridLM:
+    """The served :class:`HybridLM` (fp32, eval mode) of a runnable demo preset. Raises ValueError naming
+    ``preset`` for anything else."""
+    check_choice("preset", preset, SERVABLE)
+    return HybridLM(PRESETS[preset]).eval()
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How the server's engine is sized. Frozen; validated in ``__post_init__``.
+
+    preset: the model (:data:`SERVABLE`); max_model_len: prompt + output tokens (bytes) one request may
+    reach; max_num_seqs: requests the engine holds at once (each one private KDA state: a "state slot");
+    num_pages: pool pages (None: every slot at ``max_model_len`` plus as many again for the prefix cache);
+    block_size / checkpoint_interval: the :class:`ServeConfig`; prefix_cache: share prefixes or not.
+    Raises ValueError naming the first bad field.
+    """
+
+    preset: str = "demo"
+    max_model_len: int = 1024
+    max_num_seqs: int = 64
+    num_pages: int | None = None
+    block_size: int = 16
+    checkpoint_interval: int = 64
+    prefix_cache: bool = True
+
+    def __post_init__(self):
+        check_choice("preset", self.preset, SERVABLE)
+        check_int("max_model_len", self.max_model_len, 2)
+        check_int("max_num_seqs", self.max_num_seqs)
+        if self.num_pages is not None:
+            check_int("num_pages", self.num_pages)
+        ServeConfig(self.block_size, self.checkpoint_interval)          # validates both
+
+    @property
+    def config(self) -> ServeConfig:
+        return ServeConfig(self.block_size, self.checkpoint_interval)
+
+
+def build_engine(spec: EngineSpec, model: HybridLM | None = None) -> ServeEngine:
+    """A fresh engine for ``spec`` on a fresh pool: ``num_pages`` or, by default, 2 * max_num_seqs *
+    (state pages + KV pages of ``max_model_len`` tokens), so every slot fits at full length with the same
+    again left for cached prefixes. Raises ValueError for a bad spec."""
+    model = load_model(spec.preset) if model is None else model
+    config = spec.config
+    layout = config.layout(model.cfg)
+    per_request = layout.state_pages + -(-spec.max_model_len // spec.block_size)     # state + KV pages
+    num_pages = spec.num_pages or 2 * spec.max_num_seqs * per_request
+    pool = PagePool(num_pages, config.page_bytes(model.cfg))
+    cache = PrefixCache(pool, config, cfg=model.cfg) if spec.prefix_cache else None
+    return ServeEngine(model, pool, cache, config=config)

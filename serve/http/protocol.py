@@ -1,0 +1,235 @@
+"""The OpenAI request and response schema the server speaks, and its checks (400s name the field).
+
+Requests are pydantic models with ``extra="forbid"`` and ``strict=True``: an unknown field or a wrong type (a
+string for ``max_tokens``, a bool for an int) is a 400, never a silent coercion. Fields the OpenAI API has but a
+greedy, byte-level engine cannot honour are accepted only at their neutral value (``n`` 1, ``temperature`` 0 or
+omitted, ``top_p`` 1, penalties 0, no ``stop``, no ``logprobs``, no ``echo``), else a 400 that says why. A few
+vLLM extensions that load generators send (``ignore_eos``, ``min_tokens``, ``top_k``, ``repetition_penalty``
+1) are accepted: the demo model has no end-of-sequence token, so every request runs to ``max_tokens`` and
+finishes with ``finish_reason`` "length".
+
+Bytes are tokens: a text prompt is its UTF-8 bytes (a lone surrogate, which JSON can carry, is a 400), a
+token-id prompt is ints in [0, 255]; output bytes are decoded incrementally (:class:`TextDecoder`) with invalid
+sequences replaced by U+FFFD, so streamed deltas concatenate to the non-streamed text. A chat is rendered to
+one prompt by :func:`chat_prompt`.
+"""
+from __future__ import annotations
+
+import codecs
+import time
+import uuid
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RequestError(ValueError):
+    """An OpenAI-style error: ``status`` (400, 404, 429, 503), ``message``, ``param`` (the field) and ``type``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type = message, param, status, type
+
+    def body(self) -> dict:
+        """``{"error": {"message", "type", "param", "code"}}`` as the OpenAI API returns it."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(_Strict):
+    """Fields shared by both endpoints."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    user: str | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extensions sent by load generators (vllm bench serve, guidellm)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    top_k: int | None = None
+    repetition_penalty: float | None = None
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``. ``prompt``: text or byte ids (a one-element list of either is unwrapped)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ChatRequest(_Sampling):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+DEFAULT_MAX_TOKENS = 16                       # OpenAI's default for /v1/completions
+
+
+def text_ids(text: str, param: str) -> list[int]:
+    """UTF-8 bytes of ``text`` as ids. Raises RequestError naming ``param`` for text that is not valid
+    UTF-8 (a lone surrogate)."""
+    try:
+        return list(text.encode("utf-8"))
+    except UnicodeEncodeError as err:
+        raise RequestError(f"{param} is not valid UTF-8 ({err.reason} at character {err.start})", param) from None
+
+
+def chat_prompt(messages: list[ChatMessage]) -> str:
+    """The byte model's chat template: ``<|role|>content\\n`` per message, then ``<|assistant|>``."""
+    parts = []
+    for msg in messages:
+        content = msg.content if isinstance(msg.content, str) else "".join(p.text for p in msg.content)
+        parts.append(f"<|{msg.role}|>{content}\n")
+    return "".join(parts) + "<|assistant|>"
+
+
+def prompt_of(req: CompletionRequest | ChatRequest) -> list[int]:
+    """The request's prompt as byte ids. Raises RequestError for an empty or batched prompt, ids outside
+    [0, 255] or text that is not valid UTF-8."""
+    if isinstance(req, ChatRequest):
+        return text_ids(chat_prompt(req.messages), "messages")
+    p = req.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        if len(p) != 1:
+            raise RequestError(f"prompt: one prompt per request (n = 1), got a batch of {len(p)}", "prompt")
+        p = p[0]
+    ids = text_ids(p, "prompt") if isinstance(p, str) else list(p)
+    if not ids:
+        raise RequestError("prompt must not be empty", "prompt")
+    bad = [t for t in ids if not 0 <= t <= 255]
+    if bad:
+        raise RequestError(f"prompt token ids must be bytes in [0, 255], got {bad[0]}", "prompt")
+    return ids
+
+
+def check_request(req: CompletionRequest | ChatRequest, served_model: str, max_model_len: int) -> tuple[list, int]:
+    """``(prompt ids, max_tokens)`` of a valid request. Raises RequestError (404 for another model, else
+    400 naming the field) for what this server cannot do or a length over ``max_model_len``."""
+    if req.model != served_model:
+        raise RequestError(f"The model `{req.model}` does not exist; this server serves `{served_model}`.",
+                           "model", 404, "NotFoundError")
+    neutral = {"n": (req.n, (1,)), "temperature": (req.temperature, (None, 0.0)), "top_p": (req.top_p, (None, 1.0)),
+               "presence_penalty": (req.presence_penalty, (None, 0.0)),
+               "frequency_penalty": (req.frequency_penalty, (None, 0.0)),
+               "repetition_penalty": (req.repetition_penalty, (None, 1.0))}
+    if isinstance(req, CompletionRequest):
+        neutral |= {"echo": (req.echo, (False,)), "logprobs": (req.logprobs, (None, 0)),
+                    "best_of": (req.best_of, (None, 1)), "suffix": (req.suffix, (None, ""))}
+    else:
+        neutral |= {"logprobs": (req.logprobs, (False,)), "top_logprobs": (req.top_logprobs, (None, 0))}
+    for name, (val, ok) in neutral.items():
+        if val not in ok:
+            raise RequestError(f"{name} = {val!r} is not supported: this server decodes greedily, one choice, "
+                               f"no logprobs (allowed: {', '.join(map(repr, ok))})", name)
+    if req.stream_options is not None and not req.stream:
+        raise RequestError("stream_options is only allowed when stream is true", "stream_options")
+    if req.stop not in (None, "", []):
+        raise RequestError("stop sequences are not supported (the demo model runs to max_tokens)", "stop")
+    if req.logit_bias:
+        raise RequestError("logit_bias is not supported", "logit_bias")
+    prompt = prompt_of(req)
+    if len(prompt) >= max_model_len:
+        raise RequestError(f"prompt is {len(prompt)} tokens (bytes); this model's maximum context length is "
+                           f"{max_model_len} tokens, and at least one must be generated", "prompt")
+    name, max_tokens = "max_tokens", req.max_tokens
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        if max_tokens is not None:
+            raise RequestError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
+        name, max_tokens = "max_completion_tokens", req.max_completion_tokens
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS if isinstance(req, CompletionRequest) else max_model_len - len(prompt)
+    room = max_model_len - len(prompt)
+    if not 1 <= max_tokens <= room:
+        raise RequestError(f"{name} must be in [1, {room}] (max_model_len {max_model_len} - prompt {len(prompt)} "
+                           f"tokens), got {max_tokens}", name)
+    if not 0 <= req.min_tokens <= max_tokens:
+        raise RequestError(f"min_tokens must be in [0, max_tokens = {max_tokens}], got {req.min_tokens}", "min_tokens")
+    return prompt, max_tokens
+
+
+class TextDecoder:
+    """Incremental UTF-8 decoding of output bytes: a character split across tokens waits for its last
+    byte; an invalid sequence becomes U+FFFD (``errors="replace"``), the same text one ``bytes.decode`` of
+    the whole output gives."""
+
+    def __init__(self):
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, ids: list[int], final: bool = False) -> str:
+        return self._dec.decode(bytes(ids), final=final)
+
+
+def decode_all(ids) -> str:
+    """The text of a whole output (invalid UTF-8 replaced by U+FFFD)."""
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def completion_body(rid: str, model: str, text: str, finish: str | None, use: dict | None) -> dict:
+    """A ``text_completion`` object (or stream chunk: ``finish`` None until the last)."""
+    body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+    if use is not None:
+        body["usage"] = use
+    return body
+
+
+def chat_body(rid: str, model: str, text: str, finish: str | None, use: dict | None, chunk: bool,
+              first: bool = False) -> dict:
+    """A ``chat.completion`` object, or a ``chat.completion.chunk`` (its first delta carries the role)."""
+    if chunk:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+    body = {"id": rid, "object": "chat.completion.chunk" if chunk else "chat.completion", "created": int(time.time()),
+            "model": model, "choices": [choice]}
+    if use is not None:
+        body["usage"] = use
+    return body

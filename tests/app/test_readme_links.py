@@ -1,0 +1,31 @@
+"""The README's "Links to a view" examples open the view they describe: numbers, an option's label, a range given
+as a repeated key, and a checkbox's true."""
+from pathlib import Path
+
+from streamlit.testing.v1 import AppTest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _open(page: str, params: dict) -> AppTest:
+    at = AppTest.from_file(str(REPO / "app_pages" / page), default_timeout=300)
+    for key, value in params.items():
+        at.query_params[key] = value
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.toast, [t.value for t in at.toast]          # no link value reported as ignored
+    return at
+
+
+def test_readme_link_examples():
+    readme = (REPO / "README.md").read_text()
+    assert "/kda_state_vs_kv?p03_meas_heads=2&p03_meas_max=2048" in readme
+    assert "?p03_preset=Kimi%20K3" in readme and "?p03_context=4096&p03_context=65536" in readme
+    assert "/prefix_anatomy?p07_drop=true" in readme
+    at = _open("03_kda_state_vs_kv.py", {"p03_meas_heads": "2", "p03_meas_max": "2048", "p03_preset": "Kimi K3",
+                                         "p03_context": ["4096", "65536"]})
+    widgets = {w.key: w.value for w in [*at.slider, *at.select_slider, *at.selectbox]}
+    assert widgets["p03_meas_heads"] == 2 and widgets["p03_meas_max"] == 2048 and widgets["p03_preset"] == "Kimi K3"
+    assert tuple(widgets["p03_context"]) == (4096, 65536)
+    at = _open("07_prefix_anatomy.py", {"p07_drop": "true"})
+    assert at.checkbox(key="p07_drop").value is True

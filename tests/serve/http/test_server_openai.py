@@ -1,0 +1,212 @@
+"""The server against the ``openai`` Python client (and raw httpx where the client cannot send the input):
+completion, chat, streaming, every error path, 429 with Retry-After, a mid-stream disconnect, /metrics and the
+``python -m serve.http`` command. Outputs are checked against a batch-1 run of the same prompt."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from serve.http.model import EngineSpec
+from serve.http.protocol import ChatMessage, TextDecoder, chat_prompt, decode_all
+from tests.serve.http.server_helpers import MODEL, metric, on_engine, reference_texts, running_server
+
+MAX_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(EngineSpec(max_model_len=MAX_LEN, max_num_seqs=4), max_queue=8) as (url, app):
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_health_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server[0] + "/health").status_code == 200
+    text = httpx.get(server[0] + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "kda:state_slots_free",
+                 "kda:checkpoints_held"):
+        metric(text, name, model_name=MODEL)
+    for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+                 "vllm:request_time_per_output_token_seconds", "vllm:e2e_request_latency_seconds"):
+        assert f"# TYPE {name} histogram" in text
+    for name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "sglang:mamba_cache_miss_requests",
+                 "sglang:mamba_cache_miss_tokens"):
+        assert f"# TYPE {name}_total counter" in text
+
+
+def test_completion_equals_batch1_run(client):
+    prompt = "The KDA state is a matrix per head; "
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12)
+    ref = reference_texts([list(prompt.encode())], [12])[0]
+    assert out.choices[0].text == decode_all(ref)
+    assert out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(prompt.encode()), 12)
+
+
+def test_token_id_prompt_and_repeat_hits_the_cache(client):
+    ids = list(range(40, 40 + 100))                       # 100 bytes: blocks and a checkpoint at 64 published
+    first = client.completions.create(model=MODEL, prompt=ids, max_tokens=4)
+    again = client.completions.create(model=MODEL, prompt=ids, max_tokens=4)
+    assert first.choices[0].text == again.choices[0].text == decode_all(reference_texts([ids], [4])[0])
+    assert again.usage.prompt_tokens_details.cached_tokens >= 64
+
+
+def test_chat_and_streams_match_non_streamed(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a KDA gate ✓"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10)
+    rendered = chat_prompt([ChatMessage(**m) for m in messages])
+    assert chat.choices[0].message.content == decode_all(reference_texts([list(rendered.encode())], [10])[0])
+    assert chat.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+    text = client.completions.create(model=MODEL, prompt="abc", max_tokens=20).choices[0].text
+    streamed = list(client.completions.create(model=MODEL, prompt="abc", max_tokens=20, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == text
+    assert streamed[-1].choices[0].finish_reason == "length"
+
+
+@given(st.binary(max_size=40), st.lists(st.integers(1, 5), max_size=20))
+def test_text_decoder_splits_like_one_decode(data, cuts):
+    """Any bytes (invalid UTF-8 included), fed in any pieces, decode to what one decode gives."""
+    dec, out, i = TextDecoder(), [], 0
+    for c in cuts:
+        out.append(dec.feed(list(data[i:i + c])))
+        i += c
+    out.append(dec.feed(list(data[i:]), final=True))
+    assert "".join(out) == decode_all(data)
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(prompt="x", extra_body={"frobnicate": 1}), "frobnicate"),           # unknown field
+    (dict(prompt="x", max_tokens="3"), "max_tokens"),                         # wrong type
+    (dict(prompt="x", extra_body={"stream": "yes"}), "stream"),
+    (dict(prompt="x" * MAX_LEN, max_tokens=1), "prompt"),                      # over the limit
+    (dict(prompt="x", max_tokens=0), "max_tokens"),                           # out of range
+    (dict(prompt="x" * 200, max_tokens=MAX_LEN - 199), "max_tokens"),
+    (dict(prompt="x", temperature=0.8), "temperature"),                       # greedy engine
+    (dict(prompt="x", n=2), "n"),
+    (dict(prompt=[256]), "prompt"),                                           # not a byte
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="x", stream_options={"include_usage": True}), "stream_options"),   # without stream
+])
+def test_bad_input_is_400_naming_the_field(client, kwargs, param):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, **kwargs)
+    assert err.value.status_code == 400
+    assert err.value.body["param"] == param and err.value.body["type"] == "invalid_request_error"
+    assert err.value.body["message"]
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+
+
+@pytest.mark.parametrize("raw, param", [
+    (b'{"model": "kda-demo", "prompt": "\\ud800", "max_tokens": 1}', "prompt"),     # lone surrogate
+    (b'{"model": "kda-demo", "prompt": "\xff\xfe", "max_tokens": 1}', None),         # body not UTF-8
+    (b'{"model": "kda-demo", "prompt": ', None),                                      # not JSON
+    (b'["kda-demo"]', None),
+])
+def test_bad_utf8_and_bad_json_are_400(server, raw, param):
+    r = httpx.post(server[0] + "/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_full_queue_is_429_with_retry_after_and_disconnect_frees_the_slot():
+    with running_server(EngineSpec(max_model_len=MAX_LEN, max_num_seqs=1), max_queue=0) as (url, app):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        baseline = on_engine(app, lambda e: e.pool.num_free)
+        holding, release = threading.Event(), threading.Event()
+
+        def hold():
+            stream = client.completions.create(model=MODEL, prompt="hold the slot", max_tokens=200, stream=True)
+            next(iter(stream))
+            holding.set()
+            release.wait(30)
+            stream.close()                                 # disconnect mid-stream
+
+        th = threading.Thread(target=hold)
+        th.start()
+        assert holding.wait(30)
+        t0 = time.perf_counter()
+        with pytest.raises(openai.RateLimitError) as err:
+            client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+        assert time.perf_counter() - t0 < 2.0                   # answered at once, no hang
+        assert err.value.response.headers["retry-after"] == "1"
+        assert err.value.body["type"] == "rate_limit_exceeded"
+        release.set()
+        th.join(30)
+        for _ in range(100):                                    # the abort runs on the engine thread
+            text = httpx.get(url + "/metrics").text
+            if metric(text, "kda:requests_aborted_total", model_name=MODEL) == 1:
+                break
+            time.sleep(0.05)
+        assert metric(text, "kda:requests_aborted_total", model_name=MODEL) == 1
+        assert metric(text, "kda:state_slots_used", model_name=MODEL) == 0
+        assert metric(text, "kda:request_pages", model_name=MODEL) == 0
+        on_engine(app, lambda e: e.check_integrity())
+        on_engine(app, lambda e: e.cache.clear())
+        assert on_engine(app, lambda e: e.pool.num_free) == baseline
+        assert client.completions.create(model=MODEL, prompt="x", max_tokens=2).choices[0].finish_reason == "length"
+
+
+def test_command_line_server_binds_localhost():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "serve.http", "--port", str(port), "--max-model-len", "128",
+                             "--max-num-seqs", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        out = client.completions.create(model="kda-demo", prompt="hi", max_tokens=3)
+        assert out.usage.completion_tokens == 3
+    finally:
+        proc.terminate()
+        proc.wait(20)
+
+
+def test_prefix_cache_and_missing_checkpoint_counters():
+    """A repeat whose deepest checkpoint was dropped hits only the one below it: the KV blocks between are
+    counted as SGLang's mamba_cache_miss (requests 1, tokens 96 - 64 = 32)."""
+    with running_server(EngineSpec(max_model_len=MAX_LEN, max_num_seqs=2), max_queue=2) as (url, app):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        ids = list(range(100, 200))                          # L = 100: checkpoints at 64 and 96
+        client.completions.create(model=MODEL, prompt=ids, max_tokens=2)
+        on_engine(app, lambda e: [e.cache.drop_checkpoint(ids, 96, g) for g in range(e.config.num_groups)])
+        again = client.completions.create(model=MODEL, prompt=ids, max_tokens=2)
+        assert again.usage.prompt_tokens_details.cached_tokens == 64
+        text = httpx.get(url + "/metrics").text
+        assert metric(text, "vllm:prefix_cache_queries_total", model_name=MODEL) == 200
+        assert metric(text, "vllm:prefix_cache_hits_total", model_name=MODEL) == 64
+        assert metric(text, "sglang:mamba_cache_miss_requests_total", model_name=MODEL) == 1
+        assert metric(text, "sglang:mamba_cache_miss_tokens_total", model_name=MODEL) == 32
+        assert metric(text, "kda:checkpoints_held", model_name=MODEL) >= 1
