@@ -188,8 +188,9 @@ class ServeEngine:
             return
         self.last_batch = batch
         fwd_ms = _ms(t0)
+        finite = torch.isfinite(batch.logits).all(dim=-1).tolist()      # [N]: one check for every row
         for i, row in enumerate(batch.rows):             # 0. non-finite logits abort their row only
-            if row.req is not None:
+            if row.req is not None and (row.verify or not finite[i]):
                 logits = batch.verify[i].logits if row.verify else batch.logits[i]
                 self._abort_non_finite(row.req, self._where(row), logits=logits)
         for i, row in enumerate(batch.rows):             # 1. checkpoints inside each prefill chunk
