@@ -57,7 +57,7 @@ def tokens_of(seed, n):
 row_spec = st.tuples(st.integers(0, 140), st.integers(1, 70), st.booleans())   # (context, new tokens, decode?)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(rows=st.lists(row_spec, min_size=1, max_size=6), num_pad=st.integers(0, 3), seed=st.integers(0, 99))
 def test_batched_equals_alone_bitwise(model, rows, num_pad, seed):
     """Every live row's logits, KDA state and new latents are bitwise those of the row run alone

@@ -63,7 +63,7 @@ drive.max_live_rows = 0
 request = st.tuples(st.integers(0, 6), st.sampled_from(NEAR) | st.integers(1, 140), st.integers(1, 6))
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(reqs=st.lists(request, min_size=1, max_size=6), max_num_seqs=st.integers(1, 16),
        budget=st.sampled_from([None, 64, 128, 40, 200]), cache=st.booleans(), shared=st.booleans())
 @example(reqs=[(0, 20, 3), (3, 30, 3), (3, 70, 4), (4, 1, 2)], max_num_seqs=4, budget=None, cache=True, shared=True)
