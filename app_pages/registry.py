@@ -55,6 +55,10 @@ TABS: list[Tab] = [
         "router, prefix caches and schedulers on a trace: hit ratio, TTFT per class, balance per policy"),
     Tab("At real scale", "app_pages/15_real_scale.py", "real_scale", "15 Real scale", ":material/speed:",
         "Kimi Linear vs full MLA to 1M tokens on real GPUs; SGLang, vLLM and our prefix caches at real bytes"),
+    Tab("Engine", "app_pages/16_continuous_batching.py", "continuous_batching", "16 Continuous batching",
+        ":material/view_agenda:",
+        "a trace through the batched engine: batch composition, state slots, TTFT / TPOT, bitwise vs alone"),
 ]
 
-SECTIONS = ["Overview", "Speculative decoding", "Memory", "Prefix cache", "Parallel & fleet", "At real scale"]
+SECTIONS = ["Overview", "Speculative decoding", "Memory", "Prefix cache", "Parallel & fleet", "At real scale",
+            "Engine"]

@@ -1,6 +1,15 @@
-"""``ServeEngine``: requests through a :class:`HybridLM` with every cache in a :class:`PagePool`.
+"""``ServeEngine``: requests through a :class:`HybridLM` with every cache in a :class:`PagePool`,
+continuously batched.
 
-Request flow (one request at a time per forward; batch 1 keeps each output exact):
+``step()`` reads like nano-vllm's ``LLMEngine.step``: schedule (:class:`serve.scheduler.Scheduler`:
+admission, decode rows first, prefill chunks in the token budget) -> run (:class:`serve.model_runner.
+ModelRunner`: one packed forward over every row, each row's KDA state read and written by slot) ->
+postprocess (append tokens, publish blocks and checkpoints, free finished requests). Every request's
+tokens and logits are bitwise those of the same request run alone (``kda_core.varlen``: batch
+invariance), so batching changes throughput, never an output. With speculation, the decode rows
+verify their own drafts in the same forward (one verify row each).
+
+Request flow:
 
   submit  -> lookup + pin the hit (pins before anything is allocated)     WAITING
   admit   -> allocate private KDA_STATE pages + own KV pages (evicting
@@ -34,15 +43,17 @@ from itertools import islice
 import torch
 
 from kda_core.kda import NonFiniteError
-from kda_core.model import HybridLM
+from kda_core.model import ForwardOutput, HybridCache, HybridLM
 from serve.config import ServeConfig
 from serve.errors import check_int
 from serve.memory.pages import write_kv, write_state, zero_state
 from serve.memory.pool import PageKind, PagePool, PoolExhausted
+from serve.model_runner import ModelRunner, Row
 from serve.prefix.cache import PrefixCache
 from serve.prefix.index import block_keys
 from serve.request import Request, RequestResult, RequestStatus, prompt_ids, read_request_cache, write_request_cache
-from serve.spec_decode.verify import Speculation, draft_budget, speculative_step
+from serve.scheduler import Scheduler, SchedulerConfig
+from serve.spec_decode.verify import Speculation, draft_budget, greedy_accept, speculative_step
 
 DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
 
@@ -71,12 +82,18 @@ class ServeEngine:
             cache's, or ``ServeConfig()`` without a cache. The page layout is the cache's, or built once
             from ``config`` on the pool's page size.
         speculation: optional :class:`serve.spec_decode.verify.Speculation` (drafts verified each decode step).
+        max_num_seqs / max_num_batched_tokens / num_state_slots: the scheduler's caps
+            (:class:`serve.scheduler.SchedulerConfig`; None = no cap).
+        batched: False runs the previous one-request-per-forward path (the baseline ``bench.batch``
+            measures against); pad_decode: pad decode rows to the bucket sizes (slot -1 rows).
     Raises ValueError for a cache on another pool, model config or serving config, or bad sizes.
     """
 
     def __init__(self, model: HybridLM, pool: PagePool, prefix_cache: PrefixCache | None = None,
                  max_prefill_chunk: int | None = None, *, config: ServeConfig | None = None,
-                 speculation: Speculation | None = None):
+                 speculation: Speculation | None = None, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None, num_state_slots: int | None = None,
+                 batched: bool = True, pad_decode: bool = True):
         if prefix_cache is not None:
             if prefix_cache.pool is not pool:
                 raise ValueError("prefix_cache must be built on the engine's pool")
@@ -98,6 +115,11 @@ class ServeEngine:
         self.waiting: list[int] = []
         self.running: list[int] = []
         self._next_rid = 0
+        self.sched_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, num_state_slots, max_prefill_chunk)
+        self.scheduler = Scheduler(self.sched_config, self, self.requests, self.waiting, self.running)
+        self.runner = ModelRunner(model, pool, self.layout, pad_decode=pad_decode)
+        self.batched = bool(batched)
+        self.last_batch = None          # the last step's StepBatch (rows, metadata): for pages and tests
 
     # ---- public API -------------------------------------------------------------------------------
     def submit(self, tokens, max_new_tokens: int, record_logits: bool = False) -> int:
@@ -120,9 +142,156 @@ class ServeEngine:
         return rid
 
     def step(self) -> bool:
-        """Admit what fits (FCFS; a request that can never fit is REJECTED with its reason), then run
-        one prefill chunk of the oldest prefilling request, or else one decode token for every decoding
-        request. Returns False when there was nothing to do (admitting or rejecting counts as work)."""
+        """schedule -> run -> postprocess. Admit what fits (FCFS; a request that can never fit is REJECTED
+        with its reason), then run one forward over every decoding request (one token each, decode rows
+        first) and the prefill chunks that fit the token budget. Returns False when there was nothing to
+        do (admitting or rejecting counts as work). With ``batched=False`` the previous path runs: one
+        prefill chunk of the oldest prefilling request, or else each decoding request alone."""
+        if not self.batched:
+            return self._step_unbatched()
+        sched = self.scheduler.schedule(Fit.NOW, Fit.NEVER)
+        if sched.empty:
+            return sched.admitted
+        errors = []
+        decode, verify = sched.decode, []
+        if self.speculation is not None:               # every decoding row verifies its own drafts
+            verify, decode = [self._drafts(req) for req in decode], []
+        self._run_batch(decode, sched.prefill, errors, verify)
+        if errors:
+            raise errors[0]
+        return True
+
+    def _drafts(self, req: Request) -> Row:
+        """A verify row: the last token and up to ``draft_budget`` drafts of the request's proposer."""
+        spec = self.speculation
+        if req.strategy is None:
+            req.proposer, req.strategy = spec.proposer(list(req.prompt)), spec.strategy()
+        b_end = None if self.cache is None else self.config.final_checkpoint(len(req.prompt), req.final_tokens)
+        n = draft_budget(spec.num_draft_tokens, req.computed, req.max_new_tokens - len(req.output), b_end)
+        drafts = [int(t) for t in req.proposer.propose(req.tokens(), n)[:n]]
+        return Row(req, [req.output[-1], *drafts], req.computed, False, verify=True)
+
+    def _run_batch(self, decode: list, prefill: list, errors: list, verify: list = ()) -> None:
+        """Build the rows, run one forward, then postprocess (checkpoints inside prefill chunks, commit
+        the states, then per row: publish, append the token, finish; a verify row commits through its
+        rollback strategy: vLLM's per-row ``num_accepted_tokens``)."""
+        bases = {row.req.rid: read_request_cache(self.layout, self.pool, row.req) for row in verify}
+        rows = [Row(req, [req.output[-1]], req.computed, True) for req in decode]
+        prefill_rows = []
+        for req, n in prefill:
+            p = req.computed
+            inner = tuple(b - p for b in self.checkpoint_boundaries(len(req.prompt)) if p < b < p + n)
+            prefill_rows.append(Row(req, req.prompt[p: p + n], p, False, inner))
+        t0 = time.perf_counter()
+        batch = self._run_isolating_non_finite(rows, prefill_rows, list(verify))
+        if batch is None:
+            return
+        self.last_batch = batch
+        fwd_ms = _ms(t0)
+        finite = torch.isfinite(batch.logits).all(dim=-1).tolist()      # [N]: one check for every row
+        for i, row in enumerate(batch.rows):             # 0. non-finite logits abort their row only
+            if row.req is not None and (row.verify or not finite[i]):
+                logits = batch.verify[i].logits if row.verify else batch.logits[i]
+                self._abort_non_finite(row.req, self._where(row), logits=logits)
+        for i, row in enumerate(batch.rows):             # 1. checkpoints inside each prefill chunk
+            if row.req is None or row.decode or row.verify or row.req.status is RequestStatus.ABORTED:
+                continue
+            req = row.req
+            req.timings_ms["prefill"] += fwd_ms
+            t1 = time.perf_counter()
+            for t in row.state_at:
+                write_state(self.layout, self.pool, req.state_pages, batch.states_at[i][t])
+                req.computed = row.start + t
+                try:
+                    self._publish(req, row.start + t, True)
+                except Exception as err:                 # noqa: BLE001 - the request is aborted; re-raised later
+                    errors.append(err)
+                    break
+            req.timings_ms["checkpoint"] += _ms(t1)
+        self.runner.commit(batch, lambda r: r.status in (RequestStatus.PREFILL, RequestStatus.DECODE)
+                           and r.rid not in bases)       # 2. (a verify row's state: its strategy's commit)
+        for i, row in enumerate(batch.rows):             # 3. publish, append, finish
+            req = row.req
+            if req is None or req.status not in (RequestStatus.PREFILL, RequestStatus.DECODE):
+                continue
+            try:
+                if row.verify:
+                    self._postprocess_verify(req, row, batch.verify[i], bases[req.rid])
+                elif row.decode:
+                    self._postprocess_decode(req, batch.logits[i])
+                else:
+                    self._postprocess_prefill(req, row, batch.logits[i])
+            except Exception as err:                     # noqa: BLE001 - re-raised after the other rows
+                errors.append(err)
+
+    @staticmethod
+    def _where(row: Row) -> str:
+        if row.decode or row.verify:
+            return f"decode of output token {len(row.req.output)}"
+        return f"prefill of tokens [{row.start}, {row.start + len(row.tokens)})"
+
+    def _run_isolating_non_finite(self, decode: list, prefill: list, verify: list):
+        """Run the batch. If a row's state or cache page is non-finite (NonFiniteError from the chunk
+        kernel), find it by running each row alone, abort it (nothing of it written, published or
+        emitted) and run the others together. Returns the run StepBatch, or None if no row is left."""
+        try:
+            return self.runner.run(self.runner.build(decode, prefill, verify))
+        except NonFiniteError:
+            pass
+        keep = {"decode": [], "prefill": [], "verify": []}
+        for kind, rows in (("decode", decode), ("prefill", prefill), ("verify", verify)):
+            for row in rows:
+                one = {"decode": [], "prefill": [], "verify": [], kind: [row]}
+                try:
+                    self.runner.run(self.runner.build(one["decode"], one["prefill"], one["verify"]))
+                    keep[kind].append(row)
+                except NonFiniteError as err:
+                    self._abort_non_finite(row.req, self._where(row), str(err))
+        if not any(keep.values()):
+            return None
+        return self.runner.run(self.runner.build(keep["decode"], keep["prefill"], keep["verify"]))
+
+    def _postprocess_prefill(self, req: Request, row: Row, logits: torch.Tensor) -> None:
+        end, L = row.start + len(row.tokens), len(req.prompt)
+        req.computed = end
+        req.prefill_tokens += len(row.tokens)
+        if self.cache is not None:
+            t1 = time.perf_counter()
+            self._publish(req, end, end in self.checkpoint_boundaries(L))
+            req.timings_ms["checkpoint"] += _ms(t1)
+        if end == L:
+            self._append(req, int(logits.argmax()), logits)
+            self._finish_if_done(req)
+
+    def _postprocess_verify(self, req: Request, row: Row, out, base) -> None:
+        """Accept greedily, commit the state after the accepted drafts + 1 through the request's strategy
+        (as :func:`serve.spec_decode.verify.verify_and_replay`), write it, then append, publish, finish."""
+        b_end = None if self.cache is None else self.config.final_checkpoint(len(req.prompt), req.final_tokens)
+        drafts = tuple(row.tokens[1:])
+        layers = tuple(out.layers[i] for i in range(self.model.cfg.num_layers))
+        verified = ForwardOutput(out.logits, HybridCache(layers, base.num_tokens + len(row.tokens)), out.aux)
+        req.strategy.record(self.model, base, verified)
+        target = tuple(int(t) for t in out.logits[0].argmax(-1))          # [1 + n] greedy tokens
+        a = greedy_accept(drafts, target)
+        write_request_cache(self.layout, self.pool, req, req.strategy.commit(a), req.computed)
+        req.drafted_tokens += len(drafts)
+        req.accepted_tokens += a
+        for tok, logits in zip(target[: a + 1], out.logits[0, : a + 1]):
+            self._append(req, tok, logits)
+        if b_end is not None and req.computed == b_end:
+            self._publish(req, b_end, True)
+        self._finish_if_done(req)
+
+    def _postprocess_decode(self, req: Request, logits: torch.Tensor) -> None:
+        b_end = None if self.cache is None else self.config.final_checkpoint(len(req.prompt), req.final_tokens)
+        req.computed += 1
+        self._append(req, int(logits.argmax()), logits)
+        if b_end is not None and req.computed == b_end:
+            self._publish(req, b_end, True)
+        self._finish_if_done(req)
+
+    def _step_unbatched(self) -> bool:
+        """The previous engine's step (batch 1 per forward), kept as the measured baseline."""
         admitted = False
         while self.waiting:
             req = self.requests[self.waiting[0]]
@@ -190,6 +359,35 @@ class ServeEngine:
             raise ValueError(f"unknown request id {rid!r}")
         return self.requests[rid]
 
+    def rematch(self, req: Request) -> None:
+        """Scheduler hook: re-match a waiting request against the cache (no-op without a cache)."""
+        if self.cache is not None:
+            self._rematch(req)
+
+    def reject(self, req: Request) -> None:
+        """Scheduler hook: reject a request that can never fit, with its shortfall as the reason."""
+        self._reject(req, self._shortfall(req))
+
+    def preempt(self, req: Request) -> None:
+        """Preempt by recompute: release every page and pin the request holds, drop its progress and
+        match it again (status WAITING; the caller puts it back at the head of the queue). Its output,
+        recomputed, is bitwise the uninterrupted one (greedy, batch-invariant)."""
+        self._release(req)
+        req.status, req.computed, req.output, req.logits = RequestStatus.WAITING, 0, [], []
+        req.first_token_t, req.keys, req.prefill_tokens = None, [], 0
+        req.restored_bytes = req.shared_kv_bytes = 0
+        req.proposer = req.strategy = None
+        req.hit = None
+        if self.cache is not None:
+            req.hit = self.cache.lookup(req.prompt)
+            self.cache.acquire(req.hit, req.rid)
+
+    def preempt_newest(self) -> int | None:
+        """Preempt the newest running request by recompute (nano-vllm's ``Scheduler.preempt``): its slot
+        and pages are freed and it goes back to the head of the waiting queue. Returns its id, or None."""
+        req = self.scheduler.preempt_newest()
+        return None if req is None else req.rid
+
     def _rematch(self, req: Request) -> None:
         """Swap to a longer hit if the cache gained one since submit (release the old, pin the new)."""
         better = self.cache.lookup(req.prompt)
@@ -200,10 +398,14 @@ class ServeEngine:
             req.hit = better
 
     def can_admit(self, req: Request) -> Fit:
-        """Whether the waiting request's pages (:meth:`Request.pages_needed`) fit: NOW in free +
+        """Whether the waiting request's pages (:meth:`Request.pages_needed`: a state slot and its KV
+        pages) fit: LATER while ``max_num_seqs`` / ``num_state_slots`` requests run; NOW in free +
         evictable pages; LATER once running requests release theirs; NEVER if they exceed the pool
         with its pinned hit counted. Pure."""
         need = sum(req.pages_needed(self.layout))
+        cap = self.sched_config.max_running
+        if cap is not None and len(self.running) >= cap:       # every state slot (or seq) is taken
+            return Fit.LATER
         if need <= self.pool.num_free + (0 if self.cache is None else self.cache.evictable_pages()):
             return Fit.NOW
         return Fit.LATER if self.running and need + req.hit_pages <= self.pool.num_pages else Fit.NEVER
@@ -399,7 +601,7 @@ class ServeEngine:
         if len(req.output) == req.max_new_tokens:
             self.running.remove(req.rid)
             self._release(req)
-            req.status = RequestStatus.FINISHED
+            req.status, req.finish_t = RequestStatus.FINISHED, time.perf_counter()
 
     def _publish(self, req: Request, upto: int, checkpoint: bool) -> None:
         """Publish the request's full blocks below ``upto`` tokens and, if asked, its checkpoint there
@@ -439,6 +641,8 @@ class ServeEngine:
             self.cache.check_integrity()
         else:
             pool.check_integrity()
+        cap = self.sched_config.max_running
+        assert cap is None or len(self.running) <= cap, f"{len(self.running)} running > {cap} (state slots / max_num_seqs)"
         owned = set()
         for rid in self.running:
             req = self.requests[rid]

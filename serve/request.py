@@ -85,6 +85,7 @@ class Request:
     output: list = field(default_factory=list)
     logits: list = field(default_factory=list)
     first_token_t: float | None = None
+    finish_t: float | None = None
     timings_ms: dict = field(default_factory=lambda: dict.fromkeys(TIMING_PHASES, 0.0))
     prefill_tokens: int = 0
     restored_bytes: int = 0

@@ -95,14 +95,14 @@ def test_record_logits_with_speculation_equals_plain_engine(strategy):
 
 def _spy_commits(monkeypatch) -> list:
     """Record ``(tokens consumed after the commit, drafts accepted)`` for every verify step."""
-    commits, real = [], engine_module.speculative_step
+    commits, real = [], engine_module.ServeEngine._postprocess_verify
 
-    def spy(model, cache, history, proposer, strategy, num_drafts):
-        res = real(model, cache, history, proposer, strategy, num_drafts)
-        commits.append((cache.num_tokens + 1 + res.num_accepted, res.num_accepted))
-        return res
+    def spy(self, req, *args):          # the batched engine commits each verify row here
+        before = req.accepted_tokens
+        real(self, req, *args)
+        commits.append((req.computed, req.accepted_tokens - before))
 
-    monkeypatch.setattr(engine_module, "speculative_step", spy)
+    monkeypatch.setattr(engine_module.ServeEngine, "_postprocess_verify", spy)
     return commits
 
 

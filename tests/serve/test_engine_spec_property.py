@@ -83,17 +83,17 @@ def _drive(eng, seqs, checked) -> None:
 
 
 def _count_landings(eng, events: list) -> None:
-    """Wrap the engine's decode step to note verify steps that accept drafts onto the end boundary."""
-    decode_one = eng._decode_one
+    """Wrap the engine's verify commit to note verify steps that accept drafts onto the end boundary."""
+    commit_verify = eng._postprocess_verify
 
-    def spy(req):
+    def spy(req, *args):
         before = req.accepted_tokens
-        decode_one(req)
+        commit_verify(req, *args)
         b_end = req.final_tokens // eng.layout.block_size * eng.layout.block_size
         if req.computed == b_end and req.accepted_tokens > before:
             events.append(req.rid)
 
-    eng._decode_one = spy
+    eng._postprocess_verify = spy
 
 
 @settings(settings.get_profile("engine_spec"))

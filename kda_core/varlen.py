@@ -1,0 +1,482 @@
+"""Batched KDA over a state-slot pool: varlen chunked prefill, a slot-indexed decode step, and one
+packed forward of :class:`kda_core.model.HybridLM` for a continuous-batching engine.
+
+The batch is described as data first, as vLLM's metadata builders do
+(``vllm/v1/attention/backends/gdn_attn.py``, ``mamba_attn.py``): decode rows first (one token each),
+then prefill rows; ``query_start_loc`` (fla's ``cu_seqlens``) ``[N + 1]`` splits the packed tokens
+into the N rows; ``slot_idx [N]`` names each row's state slot in the pools; ``has_initial_state [N]``
+says whether the slot holds a state to continue (else the row starts from zeros).
+
+Rules every function here keeps:
+- No chunk crosses a sequence: each prefill row runs :func:`kda_core.chunk.kda_chunk` on its own
+  64-token grid from its own first token (fla's varlen ``chunk_kda`` does the same with
+  ``cu_seqlens``), so the prefix-cache bitwise-warm rule holds per row.
+- A pad row carries slot index ``-1`` and is skipped: its state is never read from a slot (it reads
+  NaN, the way a ``torch.empty`` pad row reads garbage on a GPU engine) and never written. ``-1`` is
+  never clamped to 0 (tokenspeed#700 clamped it and overwrote slot 0's live state).
+- Batch invariance: every row's result is bitwise what the same row computes alone. Projections go
+  through the row-invariant :mod:`kda_core.invariant` ops; every reduction of a row (conv window, the
+  KDA step's ``S^T k``, MLA scores / softmax / ``P V``) runs over that row's data alone, in a fixed
+  order, with the same shapes a batch-1 forward uses (vLLM's batch-invariant mode, same idea).
+
+Shapes: N rows; T_total packed tokens; S slots; D model width; H, K, V as in :mod:`kda_core.kda`;
+P pages, M MLA layers, NB tokens per KV block, R = kv_lora_rank + rope width (MLA latent).
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from kda_core.chunk import CHUNK_SIZE, kda_chunk
+from kda_core.invariant import linear
+from kda_core.kda import _step, kda_recurrent
+from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _block_causal_attention, rmsnorm, rope
+
+PAD_SLOT = -1
+
+
+# ---- slot gather / scatter ------------------------------------------------------------------------
+def _check_slots(slot_idx: torch.Tensor, num_slots: int, name: str = "slot_idx") -> None:
+    if not isinstance(slot_idx, torch.Tensor) or slot_idx.dim() != 1 or slot_idx.dtype != torch.long:
+        raise ValueError(f"{name} must be a 1-D int64 tensor, got "
+                         f"{getattr(slot_idx, 'dtype', type(slot_idx).__name__)}")
+    live = slot_idx[slot_idx != PAD_SLOT]
+    if live.numel() and (live.min() < 0 or live.max() >= num_slots):
+        raise ValueError(f"{name} must hold slots in [0, {num_slots}) or {PAD_SLOT} (pad), got {slot_idx.tolist()}")
+    if live.unique().numel() != live.numel():
+        raise ValueError(f"{name} holds a live slot twice (TRT-LLM#13151: duplicate state indices): "
+                         f"{slot_idx.tolist()}")
+
+
+def gather_slots(pool: torch.Tensor, slot_idx: torch.Tensor) -> torch.Tensor:
+    """Rows of ``pool [S, ...]`` named by ``slot_idx [B]``; a pad row (``-1``) gets NaN, never slot 0.
+
+    Returns a new tensor ``[B, ...]``. Raises ValueError for out-of-range or duplicate live slots."""
+    r = _rows(slot_idx, pool.shape[0])
+    return _gather(pool, r._replace(identity=False))
+
+
+def scatter_slots(pool: torch.Tensor, slot_idx: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values [B, ...]`` into ``pool [S, ...]`` at ``slot_idx [B]`` in place; pad rows are
+    skipped (never written). Raises ValueError for bad slots or shapes."""
+    r = _rows(slot_idx, pool.shape[0])
+    if values.shape[0] != slot_idx.shape[0] or values.shape[1:] != pool.shape[1:]:
+        raise ValueError(f"values must have shape [B, *pool.shape[1:]] = {(slot_idx.shape[0],) + tuple(pool.shape[1:])}"
+                         f", got {tuple(values.shape)}")
+    _scatter(pool, r, values)
+
+
+class _Rows(NamedTuple):
+    """Precomputed gather / scatter indices of a set of rows (checked once per forward): ``rows`` the
+    live rows' positions, ``slots`` their slots, ``n`` all rows, ``identity`` when every row is live and
+    row j is slot j of a pool of exactly n slots (the engine's dense per-step pool: no copy needed)."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    n: int
+    identity: bool
+
+
+def _rows(slot_idx: torch.Tensor, num_slots: int) -> _Rows:
+    _check_slots(slot_idx, num_slots)
+    live = (slot_idx != PAD_SLOT).nonzero().flatten()                    # [B_live]
+    slots = slot_idx[live]
+    n = slot_idx.shape[0]
+    identity = live.numel() == n == num_slots and bool((slots == torch.arange(n)).all())
+    return _Rows(live, slots, n, identity)
+
+
+def _gather(pool: torch.Tensor, r: _Rows) -> torch.Tensor:
+    if r.identity:
+        return pool
+    out = pool.new_full((r.n,) + tuple(pool.shape[1:]), float("nan"))   # pad rows: NaN, never slot 0
+    if r.rows.numel():
+        out[r.rows] = pool.index_select(0, r.slots)
+    return out
+
+
+def _scatter(pool: torch.Tensor, r: _Rows, values: torch.Tensor) -> None:
+    if r.identity:
+        pool.copy_(values)
+    elif r.rows.numel():
+        pool.index_copy_(0, r.slots, values[r.rows].to(pool.dtype))
+
+
+def _initial(pool: torch.Tensor, slot: int, has_initial: bool) -> torch.Tensor:
+    """One row's initial state ``[1, ...]``: the slot's, or zeros for a row that starts a sequence."""
+    return pool[slot: slot + 1].clone() if has_initial else pool.new_zeros((1,) + tuple(pool.shape[1:]))
+
+
+# ---- the two KDA kernels by slot ------------------------------------------------------------------
+def kda_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state_pool: torch.Tensor, slot_idx: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """One KDA token for each of B rows, reading and writing each row's state in ``state_pool`` BY SLOT.
+
+    Args:
+        q, k ``[B, H, K]``; v ``[B, H, V]``; g ``[B, H, K]`` (log decay); beta ``[B, H]``;
+        state_pool ``[S, H, K, V]`` fp32, mutated in place at the live rows' slots;
+        slot_idx ``[B]`` int64, ``-1`` = pad row (reads NaN, writes nothing); scale defaults to ``K ** -0.5``.
+
+    Returns:
+        o ``[B, H, V]`` fp32 (pad rows: garbage, to be dropped). Each live row is bitwise
+        :func:`kda_core.kda.kda_step` of that row alone.
+
+    Raises:
+        ValueError: bad slots (out of range, duplicated) or shapes.
+    """
+    if q.dim() != 3 or state_pool.dim() != 4 or state_pool.shape[1:3] != q.shape[1:]:
+        raise ValueError(f"q must be [B, H, K] and state_pool [S, H, K, V] with the same H, K; got "
+                         f"{tuple(q.shape)}, {tuple(state_pool.shape)}")
+    if slot_idx.shape[0] != q.shape[0]:
+        raise ValueError(f"slot_idx must have B = {q.shape[0]} entries, got {slot_idx.shape[0]}")
+    return _decode(q, k, v, g, beta, state_pool, _rows(slot_idx, state_pool.shape[0]), scale)
+
+
+def _decode(q, k, v, g, beta, state_pool, r: _Rows, scale=None):
+    S = _gather(state_pool, r)                                           # [B, H, K, V]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o, S, _ = _step(*(x.float().contiguous() for x in (q, k, v, g, beta)), S, scale)
+    _scatter(state_pool, r, S)
+    return o
+
+
+def kda_varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       query_start_loc: torch.Tensor, state_pool: torch.Tensor, slot_idx: torch.Tensor,
+                       has_initial_state: torch.Tensor, chunk_size: int = CHUNK_SIZE) -> torch.Tensor:
+    """Chunked KDA over N packed sequences; no chunk crosses a sequence.
+
+    Args:
+        q, k ``[1, T_total, H, K]``; v ``[1, T_total, H, V]``; g ``[1, T_total, H, K]``; beta
+        ``[1, T_total, H]``; query_start_loc ``[N + 1]`` int64 (cu_seqlens, 0 first, T_total last);
+        state_pool ``[S, H, K, V]`` fp32, mutated at the live rows' slots (final state of each row);
+        slot_idx ``[N]`` (``-1`` = pad: skipped entirely, its output rows are zeros);
+        has_initial_state ``[N]`` bool: continue from the slot's state, else from zeros.
+
+    Returns:
+        o ``[1, T_total, H, V]``; row i's tokens are bitwise :func:`kda_chunk` of that row alone.
+
+    Raises:
+        ValueError: bad cu_seqlens, slots or shapes (and :func:`kda_chunk`'s errors for a live row).
+    """
+    _check_cu(query_start_loc, q.shape[1], slot_idx.shape[0])
+    _check_slots(slot_idx, state_pool.shape[0])
+    o = v.new_zeros(v.shape, dtype=torch.float32)
+    bounds = query_start_loc.tolist()
+    for i, slot in enumerate(slot_idx.tolist()):
+        a, b = bounds[i], bounds[i + 1]
+        if slot == PAD_SLOT or a == b:
+            continue
+        s0 = _initial(state_pool, slot, bool(has_initial_state[i]))
+        res = kda_chunk(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], s0, chunk_size=chunk_size)
+        o[:, a:b] = res.o
+        state_pool[slot] = res.final_state[0]
+    return o
+
+
+def _check_cu(cu: torch.Tensor, total: int, n: int) -> None:
+    if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.shape[0] != n + 1:
+        raise ValueError(f"query_start_loc must be a 1-D tensor of N + 1 = {n + 1} offsets, got "
+                         f"{getattr(cu, 'shape', type(cu).__name__)}")
+    c = cu.tolist()
+    if c[0] != 0 or c[-1] != total or any(b < a for a, b in zip(c, c[1:])):
+        raise ValueError(f"query_start_loc must rise from 0 to T_total = {total}, got {c}")
+
+
+# ---- the packed model forward ---------------------------------------------------------------------
+class BatchMeta(NamedTuple):
+    """One step's batch as plain data (decode rows first, then prefill rows).
+
+    query_start_loc ``[N + 1]`` int64: row i owns packed tokens ``[qsl[i], qsl[i+1])``; a decode row has
+    one token. num_decode: rows ``[0, num_decode)`` are decode rows (pad rows included; they run the
+    exact token-by-token maths), the rest prefill rows (chunk maths). slot_idx ``[N]`` int64: state slot
+    of each row in the KDA pools, ``-1`` = pad row. has_initial_state ``[N]`` bool. context_lens: per row,
+    tokens its cache already holds (its first new token's position). block_tables: per row, the pages of
+    its MLA latents (block j holds positions ``[j NB, (j + 1) NB)``). state_at: per row, offsets t in
+    ``(0, T_row)`` after which every KDA layer's state is also returned (prefix-cache checkpoints).
+    num_verify: rows ``[num_decode, num_decode + num_verify)`` are verify rows of speculative decoding
+    (``1 + n`` tokens each, the exact token-by-token maths, with the per-token aux the rollback
+    strategies record); the rest are prefill rows.
+    """
+
+    query_start_loc: torch.Tensor
+    num_decode: int
+    slot_idx: torch.Tensor
+    has_initial_state: torch.Tensor
+    context_lens: tuple
+    block_tables: tuple
+    state_at: tuple
+    num_verify: int = 0
+
+
+class VerifyRow(NamedTuple):
+    """What a verify row (speculative decoding) returns, as ``model.forward(mode="recurrent",
+    output_aux=True)`` of that row alone would: logits ``[1, T, 256]``, the cache after its T tokens
+    (``layers[i]``: a :class:`KDACache` or the MLA latents ``[1, L + T, R]``), aux ``{layer: KDAAux}``."""
+
+    logits: torch.Tensor
+    layers: dict
+    aux: dict
+
+
+class BatchOutput(NamedTuple):
+    """logits ``[N, 256]`` fp32: each row's logits at its last new token (pad rows: garbage);
+    states_at: ``{row: {t: {layer: KDACache [1, ...]}}}`` for the rows that asked; verify:
+    ``{row: VerifyRow}`` for the verify rows."""
+
+    logits: torch.Tensor
+    states_at: dict
+    verify: dict = {}
+
+
+class SlotPools(NamedTuple):
+    """Where a batch's caches live. kda: ``{layer: (recurrent [S, H, K, V], conv [S, 2HK + HV, W-1])}``,
+    mutated at live slots; kv_cache: ``[P, M, NB, R]`` paged MLA latents (the pool's arena viewed typed),
+    mutated at the new tokens' positions of live rows."""
+
+    kda: dict
+    kv_cache: torch.Tensor
+
+
+def make_meta(row_lens, num_decode: int, slot_idx, has_initial_state, context_lens, block_tables,
+              state_at=None, num_verify: int = 0) -> BatchMeta:
+    """Build a :class:`BatchMeta` from per-row Python lists (``row_lens``: new tokens per row).
+    Raises ValueError if a decode row does not have exactly one token or the lists disagree in length."""
+    n = len(row_lens)
+    for name, x in (("slot_idx", slot_idx), ("has_initial_state", has_initial_state),
+                    ("context_lens", context_lens), ("block_tables", block_tables)):
+        if len(x) != n:
+            raise ValueError(f"{name} must have one entry per row ({n}), got {len(x)}")
+    if not 0 <= num_decode <= n or any(t != 1 for t in row_lens[:num_decode]) or any(t < 1 for t in row_lens):
+        raise ValueError(f"rows [0, num_decode={num_decode}) must have 1 token and every row >= 1, got {list(row_lens)}")
+    qsl = torch.zeros(n + 1, dtype=torch.long)
+    qsl[1:] = torch.tensor(list(row_lens), dtype=torch.long).cumsum(0)
+    return BatchMeta(qsl, num_decode, torch.tensor(list(slot_idx), dtype=torch.long),
+                     torch.tensor(list(has_initial_state), dtype=torch.bool), tuple(context_lens),
+                     tuple(tuple(t) for t in block_tables), tuple(state_at or ((),) * n), num_verify)
+
+
+def _mla_latents(m: MLALayer, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``MLALayer.latents`` with per-token positions ``pos [T_total]``: h ``[1, T_total, D]``."""
+    r = m.cfg.kv_lora_rank
+    ckv = linear(h, m.kv_a)                                             # [1, T_total, r + rope]
+    return torch.cat([rmsnorm(ckv[..., :r], m.kv_norm), rope(ckv[..., r:], pos)], dim=-1)
+
+
+def _mla_queries(m: MLALayer, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``MLALayer._queries`` with per-token positions: ``[1, T_total, Hm, nope + rope]``."""
+    cfg = m.cfg
+    q = linear(h, m.q_proj).view(1, h.shape[1], cfg.num_mla_heads, -1)   # [1, T_total, Hm, nope+rope]
+    return torch.cat([q[..., : cfg.qk_nope_head_dim], rope(q[..., cfg.qk_nope_head_dim:], pos)], dim=-1)
+
+
+def read_latents(kv_cache: torch.Tensor, m_idx: int, block_table, num_tokens: int) -> torch.Tensor:
+    """The first ``num_tokens`` latents ``[1, num_tokens, R]`` of MLA layer ``m_idx`` through a block table."""
+    _, _, NB, R = kv_cache.shape
+    nb = -(-num_tokens // NB)
+    if nb == 0:
+        return kv_cache.new_zeros(1, 0, R)
+    blocks = kv_cache.index_select(0, torch.as_tensor(list(block_table[:nb]), dtype=torch.long))  # [nb, M, NB, R]
+    return blocks[:, m_idx].reshape(1, nb * NB, R)[:, :num_tokens]      # [1, num_tokens, R]
+
+
+def _write_latents(kv_cache: torch.Tensor, m_idx: int, pages: torch.Tensor, offs: torch.Tensor,
+                   lat: torch.Tensor) -> None:
+    """Write latents ``[T_live, R]`` at (page, offset) pairs (the slot mapping) of MLA layer ``m_idx``."""
+    if pages.numel():
+        kv_cache.select(1, m_idx).index_put_((pages, offs), lat)
+
+
+def _slot_mapping(meta: BatchMeta, block_size: int):
+    """Per live new token: its page and offset (vLLM's ``slot_mapping``), and which packed tokens are live."""
+    pages, offs, live = [], [], []
+    qsl = meta.query_start_loc.tolist()
+    for i, slot in enumerate(meta.slot_idx.tolist()):
+        if slot == PAD_SLOT:
+            continue
+        for j in range(qsl[i + 1] - qsl[i]):
+            p = meta.context_lens[i] + j
+            pages.append(meta.block_tables[i][p // block_size])
+            offs.append(p % block_size)
+            live.append(qsl[i] + j)
+    as_t = lambda x: torch.tensor(x, dtype=torch.long)  # noqa: E731
+    return as_t(pages), as_t(offs), as_t(live)
+
+
+@torch.no_grad()
+def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools) -> BatchOutput:
+    """One forward of ``model`` (:class:`HybridLM`) over a mixed batch of decode and prefill rows.
+
+    Args:
+        model: the HybridLM. tokens ``[T_total]`` int64 packed new tokens (pad rows: any id; their
+            hidden states are NaN from the embedding on, as a ``torch.empty`` pad row on a GPU).
+        meta: the :class:`BatchMeta`. pools: the :class:`SlotPools`, mutated at live rows only.
+
+    Returns:
+        :class:`BatchOutput`. Each live row's logits, states and latents are bitwise those of
+        ``model.forward`` on that row alone (``mode="recurrent"`` for decode rows, ``"chunk"`` for prefill
+        rows, from the same cache): the engine's batch-1 path.
+
+    Raises:
+        ValueError: malformed metadata (see :func:`make_meta`), bad slots, tokens not in [0, 255].
+    """
+    cfg = model.cfg
+    n = meta.slot_idx.shape[0]
+    total = tokens.shape[0]
+    _check_cu(meta.query_start_loc, total, n)
+    if tokens.numel() and (tokens.min() < 0 or tokens.max() > 255):
+        raise ValueError("tokens must be byte ids in [0, 255]")
+    qsl = meta.query_start_loc.tolist()
+    slots = meta.slot_idx.tolist()
+    pad_tok = torch.zeros(total, dtype=torch.bool)
+    pos = torch.empty(total, dtype=torch.long)
+    for i in range(n):
+        pos[qsl[i]: qsl[i + 1]] = torch.arange(meta.context_lens[i], meta.context_lens[i] + qsl[i + 1] - qsl[i])
+        if slots[i] == PAD_SLOT:
+            pad_tok[qsl[i]: qsl[i + 1]] = True
+    NB = pools.kv_cache.shape[2]
+    kv_pages, kv_offs, kv_live = _slot_mapping(meta, NB)
+    x = model.embed[tokens].unsqueeze(0).clone()                          # [1, T_total, D]
+    x[0, pad_tok] = float("nan")
+    states_at = {i: {t: {} for t in meta.state_at[i]} for i in range(n) if meta.state_at[i]}
+    verify = {i: VerifyRow(None, {}, {}) for i in range(meta.num_decode, meta.num_decode + meta.num_verify)}
+    some = next(iter(pools.kda.values()), None)                           # no KDA layer: slots index nothing
+    num_slots = n if some is None else some[0].shape[0]
+    dec_rows = _rows(meta.slot_idx[: meta.num_decode], num_slots)
+    _check_slots(meta.slot_idx, num_slots)
+    mla_index = {layer: j for j, layer in enumerate(cfg.mla_layers)}
+    packed = _pack_latents(meta, qsl, slots, pools.kv_cache.shape[2]) if cfg.mla_layers else None
+    for li in range(cfg.num_layers):
+        m, h = model.mixers[li], rmsnorm(x, model.norm1[li])
+        if isinstance(m, KDALayer):
+            y = _kda_layer(m, h, meta, qsl, slots, pools.kda[li], states_at, li, dec_rows, verify)
+        else:
+            y = _mla_layer(m, h, meta, qsl, slots, pos, pools.kv_cache, mla_index[li], kv_pages, kv_offs, kv_live,
+                           packed, verify, li)
+        x = x + y
+        x = x + model.mlp(li, rmsnorm(x, model.norm2[li]))
+    last = torch.tensor([qsl[i + 1] - 1 for i in range(n)], dtype=torch.long)
+    logits = linear(rmsnorm(x[0, last], model.norm_f), model.lm_head)      # [N, 256]
+    for i in verify:
+        rows = x[:, qsl[i]: qsl[i + 1]]                                    # [1, T, D]
+        verify[i] = verify[i]._replace(logits=linear(rmsnorm(rows, model.norm_f), model.lm_head))  # [1, T, 256]
+    return BatchOutput(logits, states_at, verify)
+
+
+def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool, states_at, li, dec_rows: _Rows, verify):
+    rec_pool, conv_pool = pool
+    raw, g, beta, out_gate = m.project(h)                                 # [1, T_total, *]
+    nd = meta.num_decode
+    o_parts = []
+    if nd:
+        conv0 = _gather(conv_pool, dec_rows)                              # [nd, D_conv, W-1]
+        q, k, v, conv = m.activate(raw[0, :nd].unsqueeze(1), conv0)       # [nd, 1, H, K] ...
+        o = _decode(q[:, 0], k[:, 0], v[:, 0], g[0, :nd], beta[0, :nd], rec_pool, dec_rows)  # [nd, H, V]
+        _scatter(conv_pool, dec_rows, conv)
+        o_parts.append(o.unsqueeze(0))                                    # [1, nd, H, V]
+    C, W1 = CHUNK_SIZE, m.cfg.conv_kernel - 1
+    for i in range(nd, len(slots)):
+        a, b = qsl[i], qsl[i + 1]
+        slot = slots[i]
+        if slot == PAD_SLOT:
+            o_parts.append(g.new_zeros(1, b - a, m.cfg.num_heads, m.cfg.head_v_dim))
+            continue
+        has = bool(meta.has_initial_state[i])
+        rec0, conv0 = _initial(rec_pool, slot, has), _initial(conv_pool, slot, has)
+        q, k, v, conv = m.activate(raw[:, a:b], conv0)
+        if i in verify:                                                   # as KDALayer.forward(mode="recurrent", aux)
+            o, state, sts = kda_recurrent(q, k, v, g[:, a:b], beta[:, a:b], rec0, output_states=True)
+            verify[i].layers[li] = KDACache(state, conv)
+            verify[i].aux[li] = KDAAux(h[:, a:b], raw[:, a:b], q, k, v, g[:, a:b], beta[:, a:b], sts)
+            rec_pool[slot] = state[0]
+            conv_pool[slot] = conv[0]
+            o_parts.append(o)
+            continue
+        o, state, hs = kda_chunk(q, k, v, g[:, a:b], beta[:, a:b], rec0, chunk_size=C)
+        for t in meta.state_at[i]:                                        # as KDALayer.forward(state_at=...)
+            s0 = t // C * C
+            rec = hs[:, t // C].clone()
+            if t > s0:
+                part = slice(s0, t)
+                rec = kda_chunk(q[:, part], k[:, part], v[:, part], g[:, a:b][:, part], beta[:, a:b][:, part], rec,
+                                chunk_size=C).final_state
+            full = torch.cat([conv0, raw[:, a:b].transpose(1, 2)], dim=-1)  # [1, D_conv, W-1+T]
+            states_at[i][t][li] = KDACache(rec, full[..., t: t + W1].clone())
+        rec_pool[slot] = state[0]
+        conv_pool[slot] = conv[0]
+        o_parts.append(o)
+    return m.output(torch.cat(o_parts, dim=1), out_gate)                 # [1, T_total, D]
+
+
+class _Packed(NamedTuple):
+    """Where every row's MLA latents ``[0, L_i + T_i)`` sit in one packed ``[sum_i (L_i + T_i), R]`` tensor:
+    row i at ``[start[i], start[i] + L_i + T_i)``; cached positions gathered from (old_page, old_off) to
+    old_dst (live rows only: a pad row's cached part stays NaN), new tokens from packed token new_src to new_dst."""
+
+    start: list
+    total: int
+    old_page: torch.Tensor
+    old_off: torch.Tensor
+    old_dst: torch.Tensor
+    new_src: torch.Tensor
+    new_dst: torch.Tensor
+
+
+def _pack_latents(meta: BatchMeta, qsl, slots, NB: int) -> _Packed:
+    """Index tensors of :class:`_Packed`, built once per forward from the block tables (vectorised per block)."""
+    starts, pages, dsts, counts, total = [], [], [], [], 0
+    for i, slot in enumerate(slots):
+        L, T = meta.context_lens[i], qsl[i + 1] - qsl[i]
+        starts.append(total)
+        if slot != PAD_SLOT:
+            for j in range(-(-L // NB)):
+                pages.append(meta.block_tables[i][j])
+                dsts.append(total + j * NB)
+                counts.append(min(NB, L - j * NB))
+        total += L + T
+    c = torch.tensor(counts, dtype=torch.long)
+    within = torch.arange(int(c.sum())) - torch.repeat_interleave(c.cumsum(0) - c, c)     # offset in its block
+    old_page = torch.repeat_interleave(torch.tensor(pages, dtype=torch.long), c)
+    old_dst = torch.repeat_interleave(torch.tensor(dsts, dtype=torch.long), c) + within
+    lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(slots))], dtype=torch.long)
+    shift = torch.tensor([starts[i] + meta.context_lens[i] - qsl[i] for i in range(len(slots))], dtype=torch.long)
+    new_src = torch.arange(qsl[-1])
+    return _Packed(starts, total, old_page, within, old_dst, new_src, new_src + torch.repeat_interleave(shift, lens))
+
+
+def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx, kv_pages, kv_offs, kv_live,
+               packed: _Packed, verify, li):
+    cfg = m.cfg
+    r, nope, Hm = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.num_mla_heads
+    lat_new = _mla_latents(m, h, pos)                                     # [1, T_total, R]
+    qall = _mla_queries(m, h, pos)                                        # [1, T_total, Hm, dq]
+    full = lat_new.new_full((packed.total, lat_new.shape[-1]), float("nan"))  # [sum, R]
+    if packed.old_dst.numel():
+        full[packed.old_dst] = kv_cache[packed.old_page, m_idx, packed.old_off]
+    full[packed.new_dst] = lat_new[0, packed.new_src]
+    kv_all = linear(full[None, :, :r], m.kv_b).view(1, packed.total, Hm, -1)   # [1, sum, Hm, nope+vd]: row-invariant
+    k_rope = full[None, :, None, r:].expand(1, packed.total, Hm, -1)       # [1, sum, Hm, rope]
+    k_all = torch.cat([kv_all[..., :nope], k_rope], dim=-1)               # [1, sum, Hm, dq]
+    v_all = kv_all[..., nope:]                                            # [1, sum, Hm, vd]
+    o_rows = []
+    for i in range(len(slots)):
+        a, b = qsl[i], qsl[i + 1]
+        L, T = meta.context_lens[i], b - a
+        s0, s1 = packed.start[i], packed.start[i] + L + T
+        k = k_all[:, s0:s1].transpose(1, 2).contiguous()                  # [1, Hm, L+T, dq]
+        v = v_all[:, s0:s1].transpose(1, 2).contiguous()                  # [1, Hm, L+T, vd]
+        q = qall[:, a:b].transpose(1, 2)                                  # [1, Hm, T, dq]
+        if i >= meta.num_decode + meta.num_verify:
+            o = _block_causal_attention(q, k, v, L, m.scale)             # [1, Hm, T, vd]
+        else:                                                             # as MLALayer.forward(mode="recurrent")
+            rows = []
+            for t in range(T):
+                kt, vt = k[:, :, : L + t + 1].contiguous(), v[:, :, : L + t + 1].contiguous()
+                s = (q[:, :, t: t + 1] @ kt.transpose(-1, -2)) * m.scale  # [1, Hm, 1, L+t+1]
+                rows.append(torch.softmax(s, dim=-1) @ vt)                # [1, Hm, 1, vd]
+            o = rows[0] if T == 1 else torch.cat(rows, dim=2)             # [1, Hm, T, vd]
+            if i in verify:
+                verify[i].layers[li] = full[s0:s1].unsqueeze(0).clone()  # [1, L+T, R]
+        o_rows.append(o.transpose(1, 2).reshape(1, T, -1))                # [1, T, Hm vd]
+    _write_latents(kv_cache, m_idx, kv_pages, kv_offs, lat_new[0, kv_live])
+    return linear(torch.cat(o_rows, dim=1), m.o_proj)                     # [1, T_total, D]

@@ -1,0 +1,156 @@
+"""Continuous batching, live: a small trace through the real batched :class:`serve.engine.ServeEngine`
+(plain data out for the page; no Streamlit).
+
+:func:`batching_run` replays requests arriving at engine steps, records every step's batch composition
+(decode rows, pad rows of the decode bucket, prefill tokens), the state slots held against their
+ceiling, each request's measured TTFT and TPOT, and then reruns every request alone on a fresh engine
+with the same settings: the verdict is whether every request's tokens AND logits are bitwise its
+batch-1 run. :func:`decode_throughput` measures decode tokens/s against the batch size (interleaved
+repeats, one run; the same method as ``bench/batch.py``).
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from typing import NamedTuple
+
+import pandas as pd
+import torch
+
+from lab.prefix import demo_model
+from lab.timing import Conditions, conditions
+from serve.config import ServeConfig
+from serve.engine import ServeEngine
+from serve.errors import check_int
+from serve.memory.pool import PagePool
+from serve.request import RequestStatus
+from serve.spec_decode.draft import NgramProposer
+from serve.spec_decode.verify import Speculation
+
+DEFAULTS = {"max_num_seqs": 8, "max_num_batched_tokens": 128, "num_state_slots": 6, "num_requests": 10,
+            "speculation": False}
+BLOCK = 16
+
+
+class BatchingRun(NamedTuple):
+    """steps: one row per engine step (step, decode rows, pad rows, prefill tokens, running = state slots
+    held, waiting, step_ms). requests: one row per request (rid, arrival step, prompt tokens, output
+    tokens, TTFT ms, TPOT ms, bitwise equal to alone). slot_ceiling: the state slots (the cap on running
+    requests). all_bitwise: every request's tokens and logits equal its run alone. conditions: when / how."""
+
+    steps: pd.DataFrame
+    requests: pd.DataFrame
+    slot_ceiling: int
+    all_bitwise: bool
+    stamp: str
+
+
+def _prompts(num_requests: int, seed: int) -> list[tuple[int, list[int], int]]:
+    """(arrival step, prompt, max_new_tokens): prompts 8-90 tokens, outputs 4-16, one arrival every 0-2 steps."""
+    g = torch.Generator().manual_seed(seed)
+    out, step = [], 0
+    for _ in range(num_requests):
+        n = int(torch.randint(8, 91, (1,), generator=g))
+        new = int(torch.randint(4, 17, (1,), generator=g))
+        out.append((step, torch.randint(0, 256, (n,), generator=g).tolist(), new))
+        step += int(torch.randint(0, 3, (1,), generator=g))
+    return out
+
+
+def _engine(max_num_seqs, max_num_batched_tokens, num_state_slots, speculation: bool) -> ServeEngine:
+    model = demo_model("demo")
+    config = ServeConfig(BLOCK, BLOCK, page_policy="unified")
+    pool = PagePool(1024, config.page_bytes(model.cfg))
+    spec = Speculation.named(lambda p: NgramProposer(), "snapshot", 3) if speculation else None
+    return ServeEngine(model, pool, None, config=config, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens, num_state_slots=num_state_slots,
+                       speculation=spec)
+
+
+def batching_run(max_num_seqs: int = DEFAULTS["max_num_seqs"],
+                 max_num_batched_tokens: int = DEFAULTS["max_num_batched_tokens"],
+                 num_state_slots: int = DEFAULTS["num_state_slots"], num_requests: int = DEFAULTS["num_requests"],
+                 speculation: bool = False, seed: int = 0) -> BatchingRun:
+    """Replay ``num_requests`` seeded requests through the batched engine on the demo model, then each
+    alone. Raises ValueError for a non-positive int setting (names it)."""
+    for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                    ("num_state_slots", num_state_slots), ("num_requests", num_requests)):
+        check_int(name, v)
+    torch.set_num_threads(1)
+    plan = _prompts(num_requests, seed)
+    eng = _engine(max_num_seqs, max_num_batched_tokens, num_state_slots, speculation)
+    pending, rids, steps, arrival = list(plan), [], [], {}
+    k = 0
+    while pending or eng.waiting or eng.running:
+        while pending and pending[0][0] <= k:
+            at, prompt, new = pending.pop(0)
+            rid = eng.submit(prompt, new, record_logits=True)
+            rids.append(rid)
+            arrival[rid] = at
+        t0 = time.perf_counter()
+        before = eng.last_batch
+        eng.step()
+        ms = (time.perf_counter() - t0) * 1e3
+        b = eng.last_batch if eng.last_batch is not before else None
+        steps.append({"step": k, "decode rows": 0 if b is None else b.num_decode,
+                      "pad rows": 0 if b is None else b.num_pad,
+                      "prefill tokens": 0 if b is None else b.num_prefill_tokens,
+                      "running (state slots held)": len(eng.running), "waiting": len(eng.waiting), "step_ms": ms})
+        k += 1
+    rows, all_ok = [], True
+    for rid in rids:
+        req = eng.requests[rid]
+        res = eng.result(rid)
+        ref = _engine(max_num_seqs, max_num_batched_tokens, num_state_slots, speculation).generate(
+            req.prompt, req.max_new_tokens, record_logits=True)
+        ok = (res.status is RequestStatus.FINISHED and res.output_tokens == ref.output_tokens
+              and torch.equal(res.logits, ref.logits))
+        all_ok &= ok
+        tpot = ((req.finish_t - req.first_token_t) * 1e3 / (len(req.output) - 1)) if len(req.output) > 1 else None
+        rows.append({"rid": rid, "arrival step": arrival[rid], "prompt tokens": len(req.prompt),
+                     "output tokens": len(req.output), "TTFT ms": res.ttft_ms, "TPOT ms": tpot,
+                     "bitwise equal to alone": ok})
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    stamp = (f"One replay, measured {time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC on the demo model · "
+             f"{torch.get_num_threads()} torch thread · load average {load:.2f}; TTFT / TPOT are wall-clock "
+             "(perf_counter), so they include the other rows of each step.")
+    return BatchingRun(pd.DataFrame(steps), pd.DataFrame(rows), num_state_slots, all_ok, stamp)
+
+
+class Throughput(NamedTuple):
+    """table: batch, tokens_per_s (median), min, max, ms_per_step, speedup (vs batch 1, same run);
+    conditions: the measurement's :class:`lab.timing.Conditions`."""
+
+    table: pd.DataFrame
+    conditions: Conditions
+
+
+def decode_throughput(batches=(1, 2, 4, 8, 16, 32), steps: int = 4, repeats: int = 5, progress=None) -> Throughput:
+    """Measured decode tokens/s of the batched engine at each batch size (B requests all decoding, one token
+    each per step): median and min / max over ``repeats`` interleaved repeats after a warm-up step.
+    ``progress(fraction)`` is called as it goes. Columns: batch, tokens_per_s, min, max, ms_per_step,
+    speedup (vs batch 1, same run)."""
+    from bench.batch import decoding_engine, time_steps
+    torch.set_num_threads(1)
+    cond = conditions(repeats, 1)
+    model = demo_model("demo")
+    engines = {b: decoding_engine(model, b, steps * repeats + 3) for b in batches}
+    for e in engines.values():
+        time_steps(e, 1)
+    secs = {b: [] for b in batches}
+    total, done = repeats * len(batches), 0
+    for _ in range(repeats):
+        for b in batches:
+            secs[b].append(time_steps(engines[b], steps))
+            done += 1
+            if progress is not None:
+                progress(done / total)
+    rows = []
+    for b in batches:
+        tps = [steps * b / s for s in secs[b]]
+        rows.append({"batch": b, "tokens_per_s": statistics.median(tps), "min": min(tps), "max": max(tps),
+                     "ms_per_step": statistics.median(secs[b]) / steps * 1e3})
+    df = pd.DataFrame(rows)
+    df["speedup"] = df["tokens_per_s"] / df["tokens_per_s"].iloc[0]
+    return Throughput(df, cond)

@@ -1,0 +1,176 @@
+"""``ModelRunner``: builds one step's batch as data and runs one forward (nano-vllm's
+``nanovllm/engine/model_runner.py`` seam; the batch description follows vLLM's
+``vllm/v1/attention/backends/gdn_attn.py`` metadata builder: decode rows first, ``query_start_loc``,
+per-row state indices, ``has_initial_state``, block tables and the slot mapping).
+
+A row's state slot is the request's KDA_STATE pages in the unified :class:`PagePool`. Per step the
+runner gathers the live rows' state pages (one ``index_select`` per group) into dense per-layer
+tensors ``[S, ...]`` (slot j = live row j), runs :func:`kda_core.varlen.forward_batch`, which reads and
+writes them by slot index, and :meth:`StepBatch.commit` scatters them back (one ``index_copy_`` per
+group). MLA latents are read and written in place through the pool's arena by block table.
+
+Decode rows are padded to a bucket size in :data:`DECODE_BUCKETS` (what CUDA-graph capture forces on
+GPU engines); a pad row has slot ``-1``, NaN hidden states, and is never read from or written to a slot.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+import torch
+
+from kda_core.config import kda_state_elems_per_layer
+from kda_core.model import HybridLM
+from kda_core.varlen import PAD_SLOT, BatchMeta, SlotPools, forward_batch, make_meta
+from serve.memory.layout import FP32_BYTES, CacheLayout
+from serve.memory.pool import PagePool
+
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def decode_bucket(n: int) -> int:
+    """The smallest bucket in :data:`DECODE_BUCKETS` holding ``n`` decode rows (n itself above 64)."""
+    i = bisect_left(DECODE_BUCKETS, n)
+    return DECODE_BUCKETS[i] if i < len(DECODE_BUCKETS) else n
+
+
+@dataclass
+class Row:
+    """One row of a step: ``req`` (None for a pad row), its new ``tokens``, the position of the first
+    (``start`` = tokens already in its cache) and, for a prefill row, the checkpoint offsets ``state_at``
+    (relative to ``start``)."""
+
+    req: object
+    tokens: list
+    start: int
+    decode: bool
+    state_at: tuple = ()
+    verify: bool = False
+
+
+@dataclass
+class StepBatch:
+    """A built and run batch: rows (decode first), the metadata, the logits ``[N, 256]`` and the
+    states at checkpoints ``{row: {t: {layer: KDACache}}}``; ``dense`` holds the live rows' states until
+    :meth:`commit` writes them to their pages."""
+
+    rows: list
+    meta: BatchMeta
+    logits: torch.Tensor | None = None
+    states_at: dict = field(default_factory=dict)
+    dense: dict = field(default_factory=dict)
+    verify: dict = field(default_factory=dict)
+    live_pages: list = field(default_factory=list)
+
+    @property
+    def num_pad(self) -> int:
+        return sum(r.req is None for r in self.rows)
+
+    @property
+    def num_decode(self) -> int:
+        return sum(r.decode and r.req is not None for r in self.rows)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(len(r.tokens) for r in self.rows if not r.decode)
+
+
+class ModelRunner:
+    """Runs a :class:`HybridLM` on batches whose caches live in ``pool`` under ``layout``.
+
+    Args: model; pool: the unified PagePool; layout: the fp32 :class:`CacheLayout`; pad_decode: pad the
+    decode rows to :func:`decode_bucket` (default True). Raises ValueError for a layout not all fp32.
+    """
+
+    def __init__(self, model: HybridLM, pool: PagePool, layout: CacheLayout, pad_decode: bool = True):
+        if not layout.is_fp32:
+            raise ValueError("layout must store fp32 (the engine's dtype)")
+        self.model, self.pool, self.layout, self.pad_decode = model, pool, layout, pad_decode
+        cfg = model.cfg
+        self._n_rec, self._n_conv = kda_state_elems_per_layer(cfg)
+        self._rec_shape = (cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim)
+        self._conv_shape = (cfg.conv_dim, cfg.conv_kernel - 1)
+
+    # ---- state slots: gather / scatter the rows' state pages --------------------------------------
+    def _flat_arena(self) -> torch.Tensor:
+        return self.pool.typed_arena(torch.float32, (self.pool.page_bytes // FP32_BYTES,))  # [P, E]
+
+    def gather_states(self, state_pages: list) -> dict:
+        """Dense states of ``len(state_pages)`` requests: ``{layer: (recurrent [S, H, K, V], conv
+        [S, 2HK + HV, W-1])}``, slot j = ``state_pages[j]`` (a request's pages by group)."""
+        arena, S = self._flat_arena(), len(state_pages)
+        out = {}
+        per = self._n_rec + self._n_conv
+        for g, layers in enumerate(self.layout.groups):
+            idx = torch.tensor([list(sp[g]) for sp in state_pages], dtype=torch.long).reshape(-1)  # [S * P_g]
+            used = len(layers) * per
+            if idx.numel() == S:                                          # one page per state: read the used part
+                flat = arena[:, :used].index_select(0, idx)               # [S, used]
+            else:
+                flat = arena.index_select(0, idx).reshape(S, -1)          # [S, P_g * E]
+            for j, layer in enumerate(layers):
+                rec = flat[:, j * per: j * per + self._n_rec].reshape(S, *self._rec_shape)
+                conv = flat[:, j * per + self._n_rec: (j + 1) * per].reshape(S, *self._conv_shape)
+                out[layer] = (rec.contiguous(), conv.contiguous())
+        return out
+
+    def scatter_states(self, state_pages: list, dense: dict, keep: list) -> None:
+        """Write the dense states of the slots ``keep`` back into their requests' pages (in place)."""
+        if not keep:
+            return
+        arena = self._flat_arena()
+        E = arena.shape[1]
+        for g, layers in enumerate(self.layout.groups):
+            idx = torch.tensor([list(state_pages[j][g]) for j in keep], dtype=torch.long).reshape(-1)
+            sel = torch.tensor(keep, dtype=torch.long)
+            parts = []
+            for layer in layers:
+                rec, conv = dense[layer]
+                parts += [rec[sel].reshape(len(keep), -1), conv[sel].reshape(len(keep), -1)]
+            data = torch.cat(parts, dim=1)                                # [S', used]: recurrent, conv, ...
+            if idx.numel() == len(keep):                                  # one page per state: write the used part
+                arena[:, : data.shape[1]].index_copy_(0, idx, data)
+            else:                                                         # pages of a state: keep the last's tail
+                flat = arena.index_select(0, idx).reshape(len(keep), -1)  # [S', P_g * E]
+                flat[:, : data.shape[1]] = data
+                arena.index_copy_(0, idx, flat.reshape(-1, E))
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def build(self, decode_rows: list, prefill_rows: list, verify_rows: list = ()) -> StepBatch:
+        """The batch as data: decode rows (padded to a bucket), then verify rows (speculative decoding,
+        ``1 + n`` tokens each), then prefill rows; live row j gets slot j."""
+        rows = list(decode_rows)
+        if self.pad_decode and rows:
+            rows += [Row(None, [0], 0, True) for _ in range(decode_bucket(len(rows)) - len(rows))]
+        rows += list(verify_rows) + list(prefill_rows)
+        slots, slot = [], 0
+        for r in rows:
+            if r.req is None:
+                slots.append(PAD_SLOT)
+            else:
+                slots.append(slot)
+                slot += 1
+        nd = sum(r.decode for r in rows)
+        meta = make_meta([len(r.tokens) for r in rows], nd, slots,
+                         [r.req is not None and (r.start > 0 or r.decode) for r in rows],
+                         [r.start for r in rows], [r.req.page_table if r.req is not None else [] for r in rows],
+                         [r.state_at for r in rows], num_verify=len(verify_rows))
+        return StepBatch(rows, meta)
+
+    def run(self, batch: StepBatch) -> StepBatch:
+        """One forward over ``batch``: KV latents written in place; KDA states held dense until commit."""
+        lay = self.layout
+        live = [r.req for r in batch.rows if r.req is not None]
+        batch.live_pages = [req.state_pages for req in live]
+        batch.dense = self.gather_states(batch.live_pages) if live else {
+            i: (torch.zeros(0, *self._rec_shape), torch.zeros(0, *self._conv_shape)) for i in self.model.cfg.kda_layers}
+        kv = self.pool.typed_arena(torch.float32, lay.kv_block_shape)     # [P, M, NB, R]
+        toks = torch.tensor([t for r in batch.rows for t in r.tokens], dtype=torch.long)
+        out = forward_batch(self.model, toks, batch.meta, SlotPools(batch.dense, kv))
+        batch.logits, batch.states_at, batch.verify = out.logits, out.states_at, out.verify
+        return batch
+
+    def commit(self, batch: StepBatch, keep) -> None:
+        """Scatter the states of the live rows whose request ``keep(req)`` says is still running."""
+        live = [r.req for r in batch.rows if r.req is not None]
+        self.scatter_states(batch.live_pages, batch.dense, [j for j, req in enumerate(live) if keep(req)])

@@ -1,0 +1,173 @@
+"""Continuous batching through ``ServeEngine``: every request's tokens and logits in any batch are
+bitwise those of the same request run alone; slots and pages are conserved after aborts, rejections and
+preemptions; never more running requests than state slots."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import event, example, given, settings
+from hypothesis import strategies as st
+
+from serve.config import ServeConfig
+from serve.engine import ServeEngine
+from serve.memory.pool import PagePool
+from serve.prefix.cache import PrefixCache
+from serve.request import RequestStatus
+from tests.serve.engine_helpers import STRATEGIES, oracle_speculation
+from tests.serve.prefix.helpers import tiny_model, tokens
+
+NEAR = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129]   # around block (16) and chunk (64) multiples
+
+
+def engine(cache: bool, block: int = 64, num_pages: int = 160, **kw) -> ServeEngine:
+    """An engine on a poisoned pool (never-written pages read NaN); the cache's blocks and checkpoint
+    interval are 64 tokens, so a hit lies on the 64-token grid and a warm prefill is bitwise cold."""
+    model = tiny_model()
+    config = ServeConfig(block, block, page_policy="unified")
+    pool = PagePool(num_pages, config.page_bytes(model.cfg), poison=True)
+    pc = PrefixCache(pool, config, cfg=model.cfg) if cache else None
+    return ServeEngine(model, pool, pc, config=config, **kw)
+
+
+def alone(prompt, new, cache: bool, **kw):
+    """The request run alone (a fresh engine, same settings, nothing else submitted)."""
+    return engine(cache, **kw).generate(prompt, new, record_logits=True)
+
+
+def drive(eng: ServeEngine, arrivals, aborts=None, preempt_at=()):
+    """Submit ``(step, prompt, new)`` arrivals at their steps and step to idle, checking integrity and the
+    slot cap after every step. Returns {rid: prompt}."""
+    aborts = aborts or {}
+    pending, rids, steps = sorted(arrivals, key=lambda a: a[0]), {}, 0
+    cap = eng.sched_config.max_running
+    while pending or eng.waiting or eng.running:
+        while pending and pending[0][0] <= steps:
+            _, prompt, new = pending.pop(0)
+            rids[eng.submit(prompt, new, record_logits=True)] = prompt
+        for rid, at in list(aborts.items()):
+            if at == steps and rid in rids:
+                eng.abort(rid)
+        if steps in preempt_at:
+            eng.preempt_newest()
+        eng.step()
+        if eng.last_batch is not None:
+            drive.max_live_rows = max(drive.max_live_rows, len(eng.last_batch.rows) - eng.last_batch.num_pad)
+        eng.check_integrity()
+        assert cap is None or len(eng.running) <= cap, f"{len(eng.running)} running > {cap} slots"
+        steps += 1
+        assert steps < 5000
+    return rids
+
+
+drive.max_live_rows = 0
+request = st.tuples(st.integers(0, 6), st.sampled_from(NEAR) | st.integers(1, 140), st.integers(1, 6))
+
+
+@settings(max_examples=25, deadline=None)
+@given(reqs=st.lists(request, min_size=1, max_size=6), max_num_seqs=st.integers(1, 16),
+       budget=st.sampled_from([None, 64, 128, 40, 200]), cache=st.booleans(), shared=st.booleans())
+@example(reqs=[(0, 20, 3), (3, 30, 3), (3, 70, 4), (4, 1, 2)], max_num_seqs=4, budget=None, cache=True, shared=True)
+@example(reqs=[(0, 129, 3), (2, 64, 5), (2, 65, 4)], max_num_seqs=3, budget=64, cache=True, shared=True)
+@example(reqs=[(0, 17, 6), (0, 63, 6), (1, 140, 2), (1, 2, 6), (2, 33, 6)], max_num_seqs=16, budget=40,
+         cache=False, shared=False)
+def test_batched_equals_alone_bitwise(reqs, max_num_seqs, budget, cache, shared):
+    """Tokens AND logits of every request in the batch are bitwise its run alone (same settings).
+    With the cache on, prompts may share a 64-token-aligned prefix, so some requests start warm."""
+    if cache and budget is not None and budget % 64:
+        budget = 128                   # off-grid chunks make a warm prefill differ by rounding (documented)
+    base = tokens(999, 128)
+    arrivals = [(t, (base[:64] if shared else []) + tokens(10 + i, n), new)
+                for i, (t, n, new) in enumerate(reqs)]
+    kw = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    eng = engine(cache, **kw)
+    rids = drive(eng, arrivals)
+    for rid, prompt in rids.items():
+        res = eng.result(rid)
+        assert res.status is RequestStatus.FINISHED
+        ref = alone(prompt, len(res.output_tokens) or 1, cache=False, **kw)
+        assert res.output_tokens == ref.output_tokens, f"request {rid}: tokens differ from alone"
+        assert torch.equal(res.logits, ref.logits), f"request {rid}: logits differ from alone (hit {res.hit_tokens})"
+        event(f"hit {res.hit_tokens > 0}")
+    event(f"rows in a batch up to {drive.max_live_rows}")
+    drive.max_live_rows = 0
+    if cache:
+        eng.cache.clear()
+    assert eng.pool.num_free == eng.pool.num_pages, "pages leaked"
+
+
+def test_decode_batch_holds_pad_rows_and_matches_the_old_engine():
+    """Three decoding requests run as one bucket of 4 rows (one pad row, slot -1); each equals the
+    previous one-request-per-forward engine (``batched=False``) bitwise."""
+    prompts = [tokens(40 + i, 20 + 7 * i) for i in range(3)]
+    eng = engine(False)
+    rids = [eng.submit(p, 5, record_logits=True) for p in prompts]
+    eng.step()                                           # admit all three, prefill all three
+    eng.step()                                           # one decode step for all three
+    b = eng.last_batch
+    assert (b.num_decode, b.num_pad, len(b.rows)) == (3, 1, 4)
+    assert b.meta.slot_idx.tolist() == [0, 1, 2, -1]
+    eng.run_until_idle()
+    for rid, p in zip(rids, prompts):
+        old = engine(False, batched=False).generate(p, 5, record_logits=True)
+        res = eng.result(rid)
+        assert res.output_tokens == old.output_tokens and torch.equal(res.logits, old.logits)
+
+
+@pytest.mark.parametrize("cache", [False, True])
+def test_preempted_request_equals_its_uninterrupted_output(cache):
+    """Preemption by recompute (newest running request: slot and pages freed, back at the head of the
+    queue) gives bitwise the uninterrupted output; pages return to the baseline."""
+    prompts = [tokens(60 + i, 30 + 20 * i) for i in range(3)]
+    eng = engine(cache)
+    rids = drive(eng, [(0, p, 6) for p in prompts], preempt_at=(2, 4))
+    for rid, p in rids.items():
+        res, ref = eng.result(rid), alone(p, 6, cache=False)
+        assert res.output_tokens == ref.output_tokens and torch.equal(res.logits, ref.logits)
+    if cache:
+        eng.cache.clear()
+    assert eng.pool.num_free == eng.pool.num_pages
+
+
+def test_state_slots_cap_running_requests_and_pages_are_conserved():
+    """With 2 state slots never more than 2 requests run; aborts (waiting, mid-prefill, mid-decode) and
+    a rejection give every page back."""
+    eng = engine(False, num_pages=40, num_state_slots=2, max_num_batched_tokens=64)
+    arrivals = [(0, tokens(70 + i, 50), 8) for i in range(5)] + [(1, tokens(90, 4000), 2)]   # last never fits
+    rids = drive(eng, arrivals, aborts={0: 1, 3: 0, 1: 4})
+    statuses = {rid: eng.result(rid).status for rid in rids}
+    assert statuses[5] is RequestStatus.REJECTED
+    assert [statuses[r] for r in (0, 1, 3)] == [RequestStatus.ABORTED] * 3
+    assert statuses[2] is statuses[4] is RequestStatus.FINISHED
+    assert eng.pool.num_free == eng.pool.num_pages
+
+
+def test_scheduler_rejects_bad_caps():
+    for kw in ({"max_num_seqs": 0}, {"max_num_batched_tokens": -1}, {"num_state_slots": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            engine(False, **kw)
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_speculation_through_the_batched_engine_equals_alone(strategy):
+    """With speculation every decoding row verifies its own drafts in the same forward (verify rows next
+    to prefill rows) and commits through its own rollback strategy; every request (several in flight,
+    arriving at different steps) is bitwise the previous engine's batch-1 verify, with every strategy."""
+    prompts = [tokens(120 + i, 20 + 23 * i) for i in range(3)]
+    refs = {tuple(p): alone(p, 12, cache=False).output_tokens for p in prompts}
+
+    def spec_eng(batched=True):
+        model = tiny_model()
+        config = ServeConfig(16, 16, page_policy="unified")
+        pool = PagePool(96, config.page_bytes(model.cfg), poison=True)
+        return ServeEngine(model, pool, None, config=config, max_num_seqs=4, batched=batched,
+                           speculation=oracle_speculation(refs, strategy, 0.3, 3))
+
+    eng = spec_eng()
+    rids = drive(eng, [(i, p, 12) for i, p in enumerate(prompts)])
+    assert drive.max_live_rows >= 2, "the verify rows never shared a forward"
+    drive.max_live_rows = 0
+    for rid, p in rids.items():
+        res, ref = eng.result(rid), spec_eng(batched=False).generate(p, 12, record_logits=True)
+        assert res.output_tokens == ref.output_tokens == refs[tuple(p)]
+        assert torch.equal(res.logits, ref.logits), "batched verify differs from the batch-1 verify"
+        assert res.drafted_tokens == ref.drafted_tokens > 0 and res.accepted_tokens == ref.accepted_tokens
