@@ -36,7 +36,7 @@ def _measure(width: int, capacity: int, window: int, num_draft: int):
     return ring_page(_model(width), capacity, window, num_draft)
 
 
-COLORS = {"snapshot": "#d62728", "raw-input ring": "#1f77b4", "projection replay": "#2ca02c"}
+COLORS = {"snapshot": "#d62728", "raw-input ring": "#1f77b4", "projection replay": "#2ca02c", "ReplaySSM": "#9467bd"}
 page = engine_call(_measure, width, capacity, window, num_draft)
 remeasure_button(_measure, "p04_remeasure")
 bdf, cdf, tdf = pd.DataFrame(page.bytes_rows), pd.DataFrame(page.commit_rows), pd.DataFrame(page.tradeoff)
