@@ -110,6 +110,7 @@ class ReplaySSM(RollbackStrategy):
         self._ring_model: HybridLM | None = None
         self._checkpoint: dict[int, KDACache] = {}          # KDA caches before token `head`
         self._checkpoint_position = 0
+        self._committed: dict[int, KDACache] = {}           # KDA caches the last commit returned
 
     @classmethod
     def bytes_per_token(cls, shape: LayerShape, elem_bytes: int) -> int:
@@ -199,6 +200,11 @@ class ReplaySSM(RollbackStrategy):
         return KDACache(replay_records(c.recurrent, rec["k"], rec["u"], rec["g"]),
                         conv_window_after(c.conv, rec["raw_qkv"], len(idx)))
 
+    def commit(self, num_accepted: int) -> HybridCache:
+        cache = super().commit(num_accepted)
+        self._committed = {i: cache.layers[i] for i in self._ring_model.kda_layers}
+        return cache
+
     def _finish(self, num_committed: int) -> None:
         self.commit_end += num_committed                    # the rollback: a cursor move
         self.tail = self.commit_end
@@ -227,7 +233,8 @@ class ReplaySSM(RollbackStrategy):
         self._valid_tokens = from_token
 
     def check_integrity(self) -> None:
-        """Counters ordered, pending within the window, held bytes equal the formula."""
+        """Counters ordered, pending within the window, held bytes equal the formula, and the caches the last
+        commit returned equal the checkpoint plus a replay of the committed records, bitwise."""
         super().check_integrity()
         assert 0 <= self.head <= self.commit_end <= self.tail, "ReplaySSM counters out of order"
         assert self.tail - self.head <= self.ring_size, "ReplaySSM holds more records than slots"
@@ -236,3 +243,7 @@ class ReplaySSM(RollbackStrategy):
         if self.recording:
             g = self._ring["g"][self._slots(self.commit_end, self.commit_end + self._valid_tokens)]
             assert bool((g <= 0).all()), "log decay g must be <= 0"
+        if self._committed:
+            for i, c in self.read_state(self.commit_end).items():
+                assert torch.equal(c.recurrent, self._committed[i].recurrent) and \
+                    torch.equal(c.conv, self._committed[i].conv), f"layer {i}: committed state differs from its replay"
