@@ -15,7 +15,8 @@ st.write(
     "A rejected draft token has already been folded into a KDA state, so speculative decoding must be able to "
     "rebuild the state at the last accepted token. **Snapshot** keeps the full state (and conv window) after every "
     "verify token; **projection replay** keeps only what the kernel consumed (k, v, g, β and the raw conv inputs) "
-    "and replays — as ReplaySSM does with its post-projection per-step records plus a checkpoint; the **raw-input "
+    "and replays; **ReplaySSM** keeps one checkpoint plus a ring of per-step records (k, u = β(v − S'ᵀk), g and the raw "
+    "conv inputs), so a step writes a record instead of the state and a rollback is a cursor move; the **raw-input "
     "ring** keeps one hidden vector per token and re-projects. Bytes below are read "
     "with `nbytes()` from the buffers each strategy filled after a real one-layer verify run now on this CPU.")
 
@@ -38,7 +39,7 @@ shape = page.shape
 df = pd.DataFrame(page.layer, columns=page.layer[0]._fields)
 st.subheader(f"1 · One KDA layer (H={shape.num_heads}, K={shape.head_k_dim}, V={shape.head_v_dim}, "
              f"d={shape.hidden_size}), {1 + num_draft} verify tokens, {dtype_name}")
-fig = go.Figure(go.Bar(x=df.strategy, y=df.vs_snapshot, marker_color=["#d62728", "#2ca02c", "#1f77b4"],
+fig = go.Figure(go.Bar(x=df.strategy, y=df.vs_snapshot, marker_color=["#d62728", "#2ca02c", "#1f77b4", "#9467bd"],
                        text=[f"{b:,} B" for b in df.measured_bytes], textposition="outside"))
 low, high = math.log10(df.vs_snapshot.min()), math.log10(df.vs_snapshot.max())   # decades spanned by the bars
 fig.update_layout(xaxis_title="rollback strategy", yaxis_title="bytes held ÷ snapshot bytes (log)",
@@ -51,21 +52,23 @@ st.caption(
     f"Formula bytes = (1 + n) × per-token bytes with s = {page.elem_bytes} B; conv channels "
     f"2HK + HV = {shape.conv_dim}, window W − 1 = {shape.conv_kernel - 1}. Measured here: the snapshot holds "
     f"{df.measured_bytes[0] / df.measured_bytes[1]:,.1f}× the projections' bytes and "
-    f"{df.measured_bytes[0] / df.measured_bytes[2]:,.1f}× the raw inputs'. The snapshot's state term H·K·V grows "
-    "with K·V, the projections with H·(2K + V), raw inputs only with d.")
+    f"{df.measured_bytes[0] / df.measured_bytes[2]:,.1f}× the raw inputs' and "
+    f"{df.measured_bytes[0] / df.measured_bytes[3]:,.1f}× ReplaySSM's records. The snapshot's state term H·K·V grows "
+    "with K·V, the projections and ReplaySSM's records with H·(2K + V), raw inputs only with d.")
 
 st.subheader("2 · Whole model, per draft token")
 tdf = pd.DataFrame(page.models)
 k3 = tdf.set_index("model").loc["kimi-k3"]
 tdf = tdf.assign(model=tdf.model.map(preset_title))                  # shown by the models' names
 MIB_COLUMNS = ["snapshot state MiB", "snapshot conv window MiB", "projections k,v,g,beta MiB", "conv inputs MiB",
-               "raw inputs MiB"]
+               "raw inputs MiB", "ReplaySSM k,u,g MiB"]
 lo_mib, hi_mib = float(tdf[MIB_COLUMNS].min().min()), float(tdf[MIB_COLUMNS].max().max())
 fig2 = go.Figure()
 for col, name, color in [("snapshot state MiB", "snapshot: state", "#d62728"),
                          ("snapshot conv window MiB", "snapshot: conv window", "#ff9896"),
                          ("projections k,v,g,beta MiB", "projections k, v, g, β", "#2ca02c"),
-                         ("conv inputs MiB", "conv inputs", "#98df8a"), ("raw inputs MiB", "raw inputs", "#1f77b4")]:
+                         ("conv inputs MiB", "conv inputs", "#98df8a"), ("raw inputs MiB", "raw inputs", "#1f77b4"),
+                         ("ReplaySSM k,u,g MiB", "ReplaySSM k, u, g", "#9467bd")]:
     fig2.add_trace(go.Bar(x=tdf.model, y=tdf[col], name=name, marker_color=color))
 fig2.update_layout(barmode="group", xaxis_title="model", yaxis_title="MiB per draft token, all KDA layers (log)",
                    yaxis_type="log", yaxis_dtick=1, legend=dict(orientation="h", y=-0.25),
@@ -75,7 +78,8 @@ show_table(tdf, {"model": "Model", "KDA layers": num("KDA layers", "%d"),
                  "snapshot state MiB": num("Snapshot state (MiB)", "%,.3f"),
                  "snapshot conv window MiB": num("Snapshot conv (MiB)", "%,.3f"),
                  "projections k,v,g,beta MiB": num("Projections (MiB)", "%,.3f"),
-                 "conv inputs MiB": num("Conv inputs (MiB)", "%,.3f"), "raw inputs MiB": num("Raw inputs (MiB)", "%,.3f")})
+                 "conv inputs MiB": num("Conv inputs (MiB)", "%,.3f"), "raw inputs MiB": num("Raw inputs (MiB)", "%,.3f"),
+                 "ReplaySSM k,u,g MiB": num("ReplaySSM k, u, g (MiB)", "%,.3f")})
 st.caption("Per draft token, all KDA layers; snapshot state in fp32, everything else in bf16. Snapshot ÷ projections: "
            + ", ".join(f"{r['snapshot / projections']:.0f}× ({r.model})" for _, r in tdf.iterrows())
            + "; snapshot ÷ raw inputs: " + ", ".join(f"{r['snapshot / raw inputs']:.0f}×" for _, r in tdf.iterrows()) + ".")
@@ -86,7 +90,8 @@ st.write(
     f"**{k3['snapshot state MiB']:,.0f} MiB** of fp32 state per draft token ({n} × {h}·{kd}·{vd}·4 B), projections "
     f"**{k3['projections k,v,g,beta MiB']:.1f} MiB** ({n} × {h}·(2·{kd}+{vd}+1)·2 B, bf16) plus "
     f"{k3['conv inputs MiB']:.1f} MiB of raw conv inputs, and raw layer inputs **{k3['raw inputs MiB']:.2f} MiB** "
-    f"({n} × {K3.hidden_size}·2 B). Sources: SGLang's intermediate SSM state cache and vLLM's per-draft state slots "
-    "(snapshot); ReplaySSM (Dao AI Lab, 2026), which caches post-projection per-step records (for a gated delta net "
-    "k, the delta term and g; for Mamba2 x, dt and B, vLLM's `append_replayssm_ring`) plus a checkpoint — closer to "
-    f"projection replay than to the raw-input ring; model sizes from {K3.source}.")
+    f"({n} × {K3.hidden_size}·2 B); ReplaySSM's k, u, g **{k3['ReplaySSM k,u,g MiB']:.1f} MiB** ({n} × {h}·(2·{kd}+{vd})·2 B) "
+    "plus the same conv inputs. Sources: SGLang's intermediate SSM state cache and vLLM's per-draft state slots "
+    "(snapshot); ReplaySSM (vLLM RFC #46187, PRs #47572 / #47576; SGLang's KDA ring with a per-K gate; "
+    "TensorRT-LLM #18294 for Kimi K3), which caches post-projection per-step records (k, u, g) plus one checkpoint; "
+    f"the raw-input ring caches layer inputs before the projections; model sizes from {K3.source}.")

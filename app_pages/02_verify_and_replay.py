@@ -79,7 +79,7 @@ if mode == "interrupted":
 elif mode == "injected deviation":
     m4.metric("Rejected tokens poisoned", f"{int(df.poisoned_tokens.sum())}")
 else:
-    m4.metric("Forced commits (ring write-backs)", f"{int(df.forced_commit.sum())}")
+    m4.metric("Forced commits (ring write-backs / ReplaySSM materialisations)", f"{int(df.forced_commit.sum())}")
 
 STATUS = {"accepted": "#2ca02c", "first wrong (rejected)": "#d62728", "dropped after the rejection": "#c7c7c7",
           "bonus (target's token)": "#1f77b4"}
@@ -144,4 +144,6 @@ st.write(
     "tokens' stored data never reaches the state — the commit reads only tokens `[0, 1 + accepted)`. Greedy rule: "
     "accept the longest prefix with draft_j = argmax p(· | prefix), then emit the target's token (Leviathan et al. "
     "2023). Exactness holds because the verify runs the same per-token `kda_step` as decode and every projection is "
-    "row-invariant (`kda_core/invariant.py`).")
+    "row-invariant (`kda_core/invariant.py`). ReplaySSM (vLLM RFC #46187; SGLang's KDA ring) holds a ring of "
+    "4·(1 + n) records (k, u = β(v − S'ᵀk), g, conv inputs) plus one checkpoint: a rejected draft is a cursor move, "
+    "the state is replayed from the checkpoint, and its forced commits are the materialisations of a full ring.")

@@ -14,9 +14,9 @@ st.title("RawInputRing")
 st.write(
     "Instead of a state per draft token, the ring keeps each token's **layer input** (one d-wide vector per KDA "
     "layer) in a fixed number of slots and rebuilds the state when committing: re-project the accepted tokens and "
-    "replay the recurrence. It is the smallest buffer and the most recompute. ReplaySSM (\"cache SSM inputs, not "
-    "state\") stores post-projection per-step records (k, the delta term, g) plus a checkpoint, so it sits closer to "
-    "projection replay than to this ring. All numbers are measured now on the demo hybrid "
+    "replay the recurrence. It is the smallest buffer and the most recompute. It is not ReplaySSM: ReplaySSM "
+    "(pages 01 and 02) stores post-projection per-step records (k, u = β(v − S'ᵀk), g) plus a checkpoint and replays "
+    "only the recurrence, never the projections. All numbers are measured now on the demo hybrid "
     f"({DEMO.num_kda_layers} KDA + {DEMO.num_mla_layers} MLA layers) at the chosen width.")
 
 c1, c2, c3, c4 = st.columns(4)
@@ -36,7 +36,7 @@ def _measure(width: int, capacity: int, window: int, num_draft: int):
     return ring_page(_model(width), capacity, window, num_draft)
 
 
-COLORS = {"snapshot": "#d62728", "raw-input ring": "#1f77b4", "projection replay": "#2ca02c"}
+COLORS = {"snapshot": "#d62728", "raw-input ring": "#1f77b4", "projection replay": "#2ca02c", "ReplaySSM": "#9467bd"}
 page = engine_call(_measure, width, capacity, window, num_draft)
 remeasure_button(_measure, "p04_remeasure")
 bdf, cdf, tdf = pd.DataFrame(page.bytes_rows), pd.DataFrame(page.commit_rows), pd.DataFrame(page.tradeoff)
@@ -136,5 +136,5 @@ st.write(
     "kept since the last write-back; tail: the next slot to write); a slot is reused only "
     "after a write-back has folded it into the checkpoint — never silently. A draft longer than the window is "
     "refused with a ValueError. Bytes: snapshot H·K·V·s + (2HK+HV)(W−1)·s, projections H·(2K+V+1)·s + (2HK+HV)·s, "
-    "raw inputs d·s per token per KDA layer. Sources: ReplaySSM (Dao AI Lab, 2026) for replaying from cached "
-    "per-step records and a checkpoint; the ring itself is `serve/spec_decode/raw_input_ring.py`.")
+    "raw inputs d·s per token per KDA layer. The checkpoint-plus-ring layout follows ReplaySSM (vLLM RFC #46187), "
+    "but the ring here caches layer inputs, not ReplaySSM's post-projection records; the ring itself is `serve/spec_decode/raw_input_ring.py`.")

@@ -23,7 +23,7 @@ from lab.ring import bytes_vs_draft, commit_times
 from lab.verify import STRATEGIES
 
 OUT = Path(__file__).parent / "results" / "decode.json"
-SNAP, PROJ, RING = STRATEGIES              # display names, in the order of serve.spec_decode.verify.STRATEGIES
+SNAP, PROJ, RING = STRATEGIES[:3]            # display names, in the order of serve.spec_decode.verify.STRATEGIES
 
 
 def k3_layer() -> HybridLM:

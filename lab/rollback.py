@@ -21,6 +21,7 @@ from kda_core.model import ForwardOutput, HybridCache
 from serve.errors import check_choice, check_int
 from serve.spec_decode.projection import ProjectionReplay
 from serve.spec_decode.raw_input_ring import RawInputRing
+from serve.spec_decode.replay_ssm import ReplaySSM
 from serve.spec_decode.rollback import (
     LayerShape,
     RollbackStrategy,
@@ -42,6 +43,7 @@ FORMULAS = {
     SnapshotRollback.name: "H·K·V·s + (2HK+HV)(W−1)·s",
     ProjectionReplay.name: "H·(2K+V+1)·s + (2HK+HV)·s",
     RawInputRing.name: "d·s",
+    ReplaySSM.name: "H·(2K+V)·s + (2HK+HV)·s",
 }
 
 
@@ -83,8 +85,8 @@ def layer_verify(shape: LayerShape, num_draft: int, seed: int = 0) -> tuple[Laye
 
 
 def strategies_for(num_tokens: int, store_dtype: torch.dtype = torch.float32) -> list[RollbackStrategy]:
-    """One of each strategy (snapshot first); the ring sized to exactly the verify (capacity = window = T)."""
-    return [make_strategy(name, num_tokens, store_dtype=store_dtype) for name in STRATEGIES]
+    """One of each strategy (snapshot first); both rings sized to exactly the verify (capacity = window = T)."""
+    return [make_strategy(name, num_tokens, num_tokens, store_dtype) for name in STRATEGIES]
 
 
 class LayerBytes(NamedTuple):
@@ -129,9 +131,11 @@ def model_rollback_row(cfg: ModelConfig, state_dtype: torch.dtype = torch.float3
     proj = L * H * (2 * K + V + 1) * s_act
     conv_in = L * (projection_bytes_per_token(shape, s_act) - H * (2 * K + V + 1) * s_act)
     raw = L * raw_input_bytes_per_token(shape, s_act)
+    replay = L * H * (2 * K + V) * s_act                    # ReplaySSM k, u, g (its conv inputs as projection replay's)
     return {"model": cfg.name, "KDA layers": L, "snapshot state MiB": snap_state / MIB,
             "snapshot conv window MiB": snap_conv / MIB, "projections k,v,g,beta MiB": proj / MIB,
             "conv inputs MiB": conv_in / MIB, "raw inputs MiB": raw / MIB,
+            "ReplaySSM k,u,g MiB": replay / MIB,
             "snapshot / projections": snap_state / proj, "snapshot / raw inputs": snap_state / raw}
 
 

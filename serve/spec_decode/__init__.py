@@ -1,7 +1,7 @@
 """Speculative decoding on the hybrid KDA/MLA model: draft, verify, accept, commit with a rollback strategy.
 
 A KV cache drops rejected draft tokens by truncation; a KDA state has already folded them in, so the
-commit must rebuild the state at exactly the last accepted token. Three strategies do that, behind one
+commit must rebuild the state at exactly the last accepted token. Four strategies do that, behind one
 lifecycle (``record -> commit | discard``, ``nbytes()`` checked against the formula by ``check_integrity``).
 
 Concept → file → main type → test:
@@ -15,6 +15,8 @@ Concept → file → main type → test:
   ... ``tests/serve/spec_decode/test_verify.py``, ``test_rollback.py``
 - raw-input ring (layer inputs, checkpoint) ....... raw_input_ring.py .. ``RawInputRing``
   ... ``tests/serve/spec_decode/test_raw_input_ring.py``
+- ReplaySSM (checkpoint + ring of k, u, g records) replay_ssm.py ...... ``ReplaySSM``, ``replay_records``
+  ... ``tests/serve/spec_decode/test_replay_ssm.py``
 - verify / accept / commit ........................ verify.py .......... ``verify``, ``greedy_accept``,
   ``verify_and_replay``, ``VerifyResult``, ``DecodeState`` ... ``tests/serve/spec_decode/test_verify.py``
 - the one loop (propose -> verify_and_replay -> extend), its draft budget, one step

@@ -6,9 +6,9 @@ the same per-token step as the verify) from the committed state over the accepte
 the conv window forward. Memory ``H(2K + V + 1) s + (2HK + HV) s`` per verify token per KDA layer
 (:func:`serve.spec_decode.rollback.projection_bytes_per_token`); commit cost one recurrence per accepted token.
 
-ReplaySSM (Dao AI Lab, 2026) does the same in kind: post-projection per-step records (for a gated
-delta net k, the delta term and g) in a ring plus a state checkpoint; :mod:`serve.spec_decode.raw_input_ring`
-instead caches the raw layer inputs and re-projects.
+:mod:`serve.spec_decode.replay_ssm` (ReplaySSM) stores u = beta (v - S'^T k) instead of v and beta,
+keeps its records in a ring across steps and a checkpoint, and replays only at materialisation;
+:mod:`serve.spec_decode.raw_input_ring` caches the raw layer inputs and re-projects.
 """
 from __future__ import annotations
 

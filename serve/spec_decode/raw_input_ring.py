@@ -5,12 +5,10 @@ x ``[d]`` per token per KDA layer, the layer input after its pre-norm — in a f
 state on demand by re-projecting x and replaying the recurrence from a written-back checkpoint. The
 ring trades memory (``d s`` per token, versus ``H K V s`` for a snapshot) for recompute at commit.
 
-Relation to ReplaySSM (Dao AI Lab, 2026, "ReplaySSM: Cache SSM Inputs, Not State"): ReplaySSM caches
-*post-projection* per-step records — for a gated delta net k, the delta term and g; for Mamba2 x, dt and
-B (vLLM: ``MambaStateShapeCalculator.append_replayssm_ring`` in
-``vllm/model_executor/layers/mamba/mamba_utils.py``) — in a ring plus an fp32 state checkpoint, and
-replays only the recurrence. That is closer to :class:`serve.spec_decode.projection.ProjectionReplay` (k, v, g, beta)
-than to this ring, which stores the layer input *before* the projections and re-projects at commit.
+This is not ReplaySSM. ReplaySSM (vLLM RFC #46187; :mod:`serve.spec_decode.replay_ssm`) caches
+*post-projection* per-step records — for KDA k, u = beta (v - S'^T k) and the per-channel gate g — and
+replays only the recurrence; this ring stores the layer input *before* the projections and re-projects
+at commit. Both keep a checkpoint plus a ring.
 
 Ring layout (absolute counters; slot = counter mod capacity):
 
@@ -163,7 +161,7 @@ class RawInputRing(RollbackStrategy):
 
     def rebuild(self) -> dict[int, KDACache]:
         """KDA caches at ``commit_end`` rebuilt from the checkpoint by replaying the committed slots
-        (what a ReplaySSM kernel does on the fly). ``{}`` before the first commit."""
+        (re-project, then replay). ``{}`` before the first commit."""
         if self._ring_model is None:
             return {}
         if self.commit_end == self.head:
@@ -190,7 +188,7 @@ class RawInputRing(RollbackStrategy):
 
     def check_integrity(self) -> None:
         """Counters ordered; slot positions consistent; pending within the window; and the committed
-        caches equal a bitwise rebuild from the checkpoint (the ReplaySSM invariant)."""
+        caches equal a bitwise rebuild from the checkpoint and the ring."""
         super().check_integrity()
         assert 0 <= self.head <= self.commit_end <= self.tail, "ring counters out of order"
         assert self.tail - self.head <= self.capacity, "ring holds more tokens than slots"

@@ -9,6 +9,7 @@ strategy records something during the verify forward and turns it into the commi
 | :class:`serve.spec_decode.snapshot.SnapshotRollback` | ``serve/spec_decode/snapshot.py`` | state + conv window | select |
 | :class:`serve.spec_decode.projection.ProjectionReplay` | ``serve/spec_decode/projection.py`` | k, v, g, beta + raw conv inputs | replay ``kda_step`` |
 | :class:`serve.spec_decode.raw_input_ring.RawInputRing` | ``serve/spec_decode/raw_input_ring.py`` | layer input x (ring buffer) | re-project + replay |
+| :class:`serve.spec_decode.replay_ssm.ReplaySSM` | ``serve/spec_decode/replay_ssm.py`` | k, u, g + raw conv inputs (ring + checkpoint) | cursor move; replay from the checkpoint |
 
 Token ranges of one verify (half-open, positions in the sequence; L = committed tokens before it):
 

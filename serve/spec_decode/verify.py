@@ -26,6 +26,7 @@ from serve.errors import check_choice, check_int
 from serve.spec_decode.draft import DraftProposer
 from serve.spec_decode.projection import ProjectionReplay
 from serve.spec_decode.raw_input_ring import RawInputRing
+from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE, ReplaySSM
 from serve.spec_decode.rollback import RollbackStrategy
 from serve.spec_decode.snapshot import SnapshotRollback
 
@@ -269,7 +270,8 @@ def speculative_generate(model: HybridLM, prompt: torch.Tensor, max_new_tokens: 
 
 # ---- the one strategy factory, and the engine's speculation settings ----
 
-STRATEGIES: dict[str, type[RollbackStrategy]] = {s.name: s for s in (SnapshotRollback, ProjectionReplay, RawInputRing)}
+STRATEGIES: dict[str, type[RollbackStrategy]] = {s.name: s for s in (SnapshotRollback, ProjectionReplay, RawInputRing,
+                                                                              ReplaySSM)}
 
 
 def make_strategy(name: str, window: int, capacity: int | None = None,
@@ -277,19 +279,22 @@ def make_strategy(name: str, window: int, capacity: int | None = None,
     """A fresh rollback strategy by display name (a key of ``STRATEGIES``).
 
     Args:
-        name: ``"snapshot"``, ``"projection replay"`` or ``"raw-input ring"``.
-        window: the longest verify (1 + n drafts, tokens) it must roll back; the ring's rollback window.
-        capacity: ring slots (default ``window``: room for exactly one verify); only the ring uses it.
+        name: ``"snapshot"``, ``"projection replay"``, ``"raw-input ring"`` or ``"ReplaySSM"``.
+        window: the longest verify (1 + n drafts, tokens) it must roll back; the rings' rollback window.
+        capacity: ring slots; raw-input ring: default ``window`` (room for exactly one verify); ReplaySSM:
+            records per layer, default ``max(16, window)`` (SGLang's default ring length).
         store_dtype: dtype of the stored buffers (fp32 keeps the commit bitwise exact).
 
     Raises:
-        ValueError: an unknown name, ``window`` not an int >= 1, or (ring) ``capacity < window``.
+        ValueError: an unknown name, ``window`` not an int >= 1, or (rings) ``capacity < window``.
     """
     check_choice("strategy", name, tuple(STRATEGIES))
     if not isinstance(window, int) or window < 1:
         raise ValueError(f"window must be an int >= 1 (verify tokens), got {window!r}")
     if name == RawInputRing.name:
         return RawInputRing(window if capacity is None else capacity, window, store_dtype)
+    if name == ReplaySSM.name:
+        return ReplaySSM(max(DEFAULT_RING_SIZE, window) if capacity is None else capacity, window, store_dtype)
     return STRATEGIES[name](store_dtype)
 
 

@@ -20,6 +20,7 @@ from lab.ring import (
 )
 from lab.verify import PROMPT_TEXT
 from serve.spec_decode.raw_input_ring import RawInputRing
+from serve.spec_decode.replay_ssm import replay_ssm_bytes_per_token
 from serve.spec_decode.rollback import (
     LayerShape,
     projection_bytes_per_token,
@@ -37,8 +38,8 @@ def test_bytes_vs_draft_equal_formulas(model):
     rows = bytes_vs_draft(model, 3)
     shape, L = LayerShape.from_config(model.cfg), model.cfg.num_kda_layers
     per_token = {"snapshot": snapshot_bytes_per_token(shape, 4), "projection replay": projection_bytes_per_token(shape, 4),
-                 "raw-input ring": raw_input_bytes_per_token(shape, 4)}
-    assert len(rows) == 9
+                 "raw-input ring": raw_input_bytes_per_token(shape, 4), "ReplaySSM": replay_ssm_bytes_per_token(shape, 4)}
+    assert len(rows) == 12
     for r in rows:
         assert r["bytes"] == (1 + r["draft_tokens"]) * L * per_token[r["strategy"]] > 0
 
@@ -50,7 +51,7 @@ def test_commit_times_and_tradeoff(model):
     with pytest.raises(ValueError, match="repeats"):
         commit_times(model, 2, repeats=3)          # 3 samples are no spread
     assert sorted((r["accepted"], r["strategy"]) for r in rows) == sorted(
-        (a, s) for a in range(3) for s in ("snapshot", "projection replay", "raw-input ring"))
+        (a, s) for a in range(3) for s in ("snapshot", "projection replay", "raw-input ring", "ReplaySSM"))
     assert all(r["commit_ms"] > 0 for r in rows)
     table = tradeoff_table(bytes_vs_draft(model, 2), rows, 2)
     snap = next(t for t in table if t["strategy"] == "snapshot")
@@ -94,8 +95,8 @@ def test_ring_page_is_the_parts(model):
     page = ring_page(model, capacity=6, window=4, num_draft=2)
     assert page.bytes_rows == bytes_vs_draft(model, 16)
     assert {(r["accepted"], r["strategy"]) for r in page.commit_rows} == {
-        (a, s) for a in range(3) for s in ("snapshot", "projection replay", "raw-input ring")}
-    assert [t["strategy"] for t in page.tradeoff] == ["snapshot", "projection replay", "raw-input ring"]
+        (a, s) for a in range(3) for s in ("snapshot", "projection replay", "raw-input ring", "ReplaySSM")}
+    assert [t["strategy"] for t in page.tradeoff] == ["snapshot", "projection replay", "raw-input ring", "ReplaySSM"]
     assert page.run == ring_run(model, 6, 4, 2)
     assert page.labels == head_tail_labels(page.run.slots)
 
@@ -127,7 +128,7 @@ def test_commit_fits_split_overhead_from_per_token_cost():
 
 def test_ring_page_has_spread_and_fits(model):
     page = ring_page(model, 8, 4, 3)
-    assert set(page.fits) == {"snapshot", "projection replay", "raw-input ring"}
+    assert set(page.fits) == {"snapshot", "projection replay", "raw-input ring", "ReplaySSM"}
     assert page.conditions.repeats >= 5 and all(r["samples"] >= 5 for r in page.commit_rows)
 
 

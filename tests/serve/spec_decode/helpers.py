@@ -10,7 +10,8 @@ from serve.spec_decode import verify as spec_verify
 from serve.spec_decode.verify import DecodeState, prefill_state
 
 PROMPT = torch.tensor([72, 101, 108, 108, 111, 32, 75, 68, 65, 32, 115, 101, 114, 118, 101, 32, 108, 97, 98, 33])
-STRATEGY_NAMES = {"snapshot": "snapshot", "projection": "projection replay", "ring": "raw-input ring"}  # id -> name
+STRATEGY_NAMES = {"snapshot": "snapshot", "projection": "projection replay", "ring": "raw-input ring",
+                  "replayssm": "ReplaySSM"}  # id -> name
 STRATEGY_IDS = list(STRATEGY_NAMES)
 
 
