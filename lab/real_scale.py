@@ -250,7 +250,9 @@ class _TTFT:
     :mod:`serve.fleet.sim.replica`)."""
 
     def __init__(self, shape: ModelShape, hw: Hardware, tp: int, requests: Sequence[TraceRequest]):
-        self.shape, self.hw, self.tp, self.fit = shape, hw, tp, fit_prefill(hw, tp)
+        # factors fitted once at the report's assumed setup and carried to ``hw`` (as the fleet's RooflineService):
+        # a fit on the chosen GPU would force every GPU to the report's seconds
+        self.shape, self.hw, self.tp, self.fit = shape, hw, tp, fit_prefill()
         self.restore_s = checkpoint_restore_time(shape, hw, tp)
         self.lengths = np.array([r.input_length for r in requests], dtype=np.int64)
         self.memo: dict[tuple[int, int], float] = {}

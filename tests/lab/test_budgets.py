@@ -88,7 +88,7 @@ def test_the_chosen_hardware_sets_the_seconds():
     """By default the loads are shares of a reference fleet (the model on 8 x H200), so a slower choice gets the same
     requests/s and queues longer: on 8 x A100 (a third of H200's FLOP/s and under half its bandwidth) or on 2 x H200
     the bursting class waits longer than on 8 x H200. As shares of each fleet's own capacity the seconds hardly
-    move (the backlog is load x burst length) and A100 even comes out ahead."""
+    move (the backlog is load x burst length): within 20 % of H200's, well under A100's at the reference rates."""
     def p50(page):
         return _p(page, WITHOUT, "standard", "ttft_p50_ms")
 
@@ -101,7 +101,7 @@ def test_the_chosen_hardware_sets_the_seconds():
         assert p50(page) > 1.2 * p50(h200), (p50(page), p50(h200))
     own = budget_page(**DEFAULTS, replica=RealReplica(gpu="A100", tp=8), load_basis="own")
     assert own.basis_capacity_rps == own.capacity_rps and own.rates_rps["standard"] < h200.rates_rps["standard"]
-    assert p50(own) < p50(h200) < p50(a100)
+    assert abs(p50(own) / p50(h200) - 1) < 0.2 and p50(own) < p50(a100), (p50(own), p50(h200), p50(a100))
     assert budget_page(**DEFAULTS, load_basis="own").rates_rps == h200.rates_rps   # the reference is 8 x H200
     with pytest.raises(ValueError, match="load_basis"):
         budget_page(**DEFAULTS, load_basis="fleet")

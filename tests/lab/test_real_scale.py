@@ -168,7 +168,7 @@ def test_policy_view_takes_empty_prompts():
     still costs one prefill step (as the fleet simulator's replicas charge it)."""
     line = b'{"timestamp":0,"input_length":0,"output_length":10,"hash_ids":[]}\n'
     view = policy_view(RealReplica(KIMI, "H200", 8), 100, upload=line * 3, budgets_gb=[5.0], intervals=(1024,))
-    one_token = fitted_prefill_s(preset(KIMI), hardware("H200"), 8, fit_prefill(hardware("H200"), 8), 1, 0)
+    one_token = fitted_prefill_s(preset(KIMI), hardware("H200"), 8, fit_prefill(), 1, 0)
     assert (view.budgets.token_hit_ratio == 0).all() and view.total_tokens == 0
     assert view.cold_ttft_s == pytest.approx(one_token, rel=1e-12) and one_token > 0
 
@@ -179,7 +179,7 @@ def test_policy_view_ttft_is_the_roofline_of_each_hit(small_view):
     view, _ = small_view
     requests = page_trace(None, 300).requests
     shape, hw = preset(KIMI), hardware("H200")
-    fit = fit_prefill(hw, 8)
+    fit = fit_prefill()          # the report's setup's factors, carried to H200 (as the policy view does)
     res = replay(requests, make_policy("ours", KIMI, 8), 50e9)
     ttft = [fitted_prefill_s(shape, hw, 8, fit, r.input_length - int(h), int(h))
             + (checkpoint_restore_time(shape, hw, 8) if h else 0.0)

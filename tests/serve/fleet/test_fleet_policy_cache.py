@@ -42,7 +42,7 @@ def test_roofline_step_times_by_hand():
     restore when it hits; a decode step = the roofline TPOT at the given context. Computed here from the
     roofline pieces, not through the service's own helper."""
     svc = RooflineService(KIMI, "H200", 8)
-    shape, hw, fit = preset(KIMI), hardware("H200"), fit_prefill(hardware("H200"), 8)
+    shape, hw, fit = preset(KIMI), hardware("H200"), fit_prefill()   # the report setup's factors
 
     def by_hand(new, cached):
         step = prefill_time(shape, hw, 8, new, cached)
