@@ -20,11 +20,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import platform
 import statistics
 import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from bench.serve_http import BLOCK_BYTES, TRACE, local_server, mooncake_workload, run_rate
 from serve.fleet.sim.service_model import ServiceModel
@@ -38,42 +41,52 @@ OUT = Path(__file__).parent / "results" / "sim_vs_engine.json"
 REPEATS = 5
 
 
-def _median_ms(fn) -> float:
-    fn()                                                   # warm-up
-    times = []
-    for _ in range(REPEATS):
-        times.append(fn())
-    return statistics.median(times)
+def calibrate(model, prefill_lengths=(32, 128, 256, 512), batches=(1, 4, 16),
+              held_out=((128, 4), (256, 16))) -> tuple[ServiceModel, dict]:
+    """Fit the simulator's step model to steps of the BATCHED engine timed on this machine.
 
-
-def calibrate(model, prefill_lengths=(32, 128, 256, 512), batches=(1, 4, 16)) -> tuple[ServiceModel, dict]:
-    """Fit a ServiceModel to engine steps timed on this machine; returns it and the measured points."""
+    Points: a prefill step of one prompt of each of ``prefill_lengths`` tokens (no decode rows) and a decode
+    step of ``batches`` running requests (no prefill rows); each the median of :data:`REPEATS` timings after
+    one warm-up round, the points interleaved (round r times every point once). Fitted by least squares to
+    ``step_ms = fixed + prefill_tokens / rate * 1000 + per_seq * decode_rows`` (one fixed cost per step), the
+    engine's mixed step. The ``held_out`` (prefill tokens, decode rows) steps are mixed steps measured the same
+    way and NOT fitted: their prediction error validates the additive step model.
+    Returns the :class:`ServiceModel` (``mixed_steps=True``) and the measured points with their spread."""
     rng = np.random.default_rng(0)
 
-    def prefill(n):
-        engine = build_engine(EngineSpec(prefix_cache=False, max_num_seqs=1), model)
-        engine.submit(rng.integers(0, 256, n).tolist(), 1)
-        t0 = time.perf_counter()
-        engine.step()
-        return (time.perf_counter() - t0) * 1e3
-
-    def decode(b):
-        engine = build_engine(EngineSpec(prefix_cache=False, max_num_seqs=b), model)
+    def step(n: int, b: int) -> float:
+        """ms of the one engine step that runs ``b`` decode rows and one ``n``-token prefill row."""
+        engine = build_engine(EngineSpec(prefix_cache=False, max_num_seqs=max(b + 1, 2)), model)
         rids = [engine.submit(rng.integers(0, 256, 32).tolist(), 8) for _ in range(b)]
         while any(engine.result(r).status is not RequestStatus.DECODE for r in rids):
             engine.step()
+        if n:
+            engine.submit(rng.integers(0, 256, n).tolist(), 2)
         t0 = time.perf_counter()
         engine.step()
         return (time.perf_counter() - t0) * 1e3
 
-    pre = {n: _median_ms(lambda n=n: prefill(n)) for n in prefill_lengths}
-    dec = {b: _median_ms(lambda b=b: decode(b)) for b in batches}
-    slope_p, icpt_p = np.polyfit(list(pre), list(pre.values()), 1)      # ms per token, ms
-    slope_d, icpt_d = np.polyfit(list(dec), list(dec.values()), 1)      # ms per sequence, ms
-    svc = ServiceModel(prefill_tokens_per_s=1000.0 / max(slope_p, 1e-6), prefill_overhead_ms=max(icpt_p, 0.0),
-                       decode_step_base_ms=max(icpt_d, 1e-3), decode_step_per_seq_ms=max(slope_d, 0.0),
-                       max_batch_requests=64, source="fitted to engine steps measured on this machine")
-    return svc, {"prefill_ms": pre, "decode_step_ms": dec}
+    fitted = [(n, 0) for n in prefill_lengths] + [(0, b) for b in batches]
+    points = fitted + list(held_out)
+    times: dict[tuple, list] = {pt: [] for pt in points}
+    for r in range(REPEATS + 1):                           # round 0 is the warm-up
+        for pt in points:
+            t = step(*pt)
+            if r:
+                times[pt].append(t)
+    med = {pt: statistics.median(v) for pt, v in times.items()}
+    a = np.array([[1.0, n, b] for n, b in fitted])
+    (fixed, per_tok, per_seq), *_ = np.linalg.lstsq(a, np.array([med[pt] for pt in fitted]), rcond=None)
+    fixed, per_tok, per_seq = max(fixed, 1e-3), max(per_tok, 1e-6), max(per_seq, 0.0)
+    svc = ServiceModel(prefill_tokens_per_s=1000.0 / per_tok, prefill_overhead_ms=fixed,
+                       decode_step_base_ms=fixed, decode_step_per_seq_ms=per_seq, max_batch_requests=64,
+                       mixed_steps=True, source="fitted to batched-engine steps measured on this machine")
+    rows = [dict(prefill_tokens=n, decode_rows=b, role="fitted" if (n, b) in fitted else "held out",
+                 measured_median_ms=med[(n, b)], measured_min_ms=min(times[(n, b)]),
+                 measured_max_ms=max(times[(n, b)]),
+                 predicted_ms=fixed + n * per_tok + b * per_seq)
+            for n, b in points]
+    return svc, {"steps": rows, "repeats": REPEATS}
 
 
 def predict(svc: ServiceModel, workload, hash_ids, rate: float, seed: int) -> dict:
@@ -100,19 +113,23 @@ def main(argv=None) -> dict:
     p.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0])
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    torch.set_num_threads(1)                                    # as the server (OMP_NUM_THREADS=1)
+    load_before = os.getloadavg()
     model, fits = load_model("demo"), {}
     workload = mooncake_workload(args.requests, 1024)
     hash_ids = [r.hash_ids for r in load_mooncake(TRACE)[: args.requests]]
     rows = []
     for rate in args.rates:
         svc, points = calibrate(model)            # right before its replay: the shared CPU's speed drifts
-        fits[str(rate)] = {"points": {k: {str(a): b for a, b in v.items()} for k, v in points.items()},
-                           "prefill_tokens_per_s": svc.prefill_tokens_per_s,
+        fits[str(rate)] = {**points, "prefill_tokens_per_s": svc.prefill_tokens_per_s,
                            "prefill_overhead_ms": svc.prefill_overhead_ms,
                            "decode_step_base_ms": svc.decode_step_base_ms,
                            "decode_step_per_seq_ms": svc.decode_step_per_seq_ms}
-        print(f"fitted: prefill {svc.prefill_tokens_per_s:.0f} tok/s + {svc.prefill_overhead_ms:.1f} ms; decode "
-              f"step {svc.decode_step_base_ms:.2f} + {svc.decode_step_per_seq_ms:.2f} ms x batch", flush=True)
+        print(f"fitted: step {svc.prefill_overhead_ms:.1f} ms + prefill {svc.prefill_tokens_per_s:.0f} tok/s + "
+              f"{svc.decode_step_per_seq_ms:.2f} ms x decode rows", flush=True)
+        for row in points["steps"]:
+            print(f"  {row['role']:8s} prefill {row['prefill_tokens']:4d} + decode {row['decode_rows']:3d}: measured "
+                  f"{row['measured_median_ms']:7.1f} ms  predicted {row['predicted_ms']:7.1f} ms", flush=True)
         with local_server(1024, 64) as url:
             asyncio.run(run_rate(url, "kda-demo", workload[:2], rate, args.seed))          # warm-up
             measured = asyncio.run(run_rate(url, "kda-demo", workload, rate, args.seed))
@@ -125,6 +142,10 @@ def main(argv=None) -> dict:
     mape = {m: statistics.fmean(r["error_pct"] for r in rows if r["metric"] == m) for m in METRICS}
     print("MAPE over rates: " + ", ".join(f"{m} {v:.1f} %" for m, v in mape.items()))
     out = {"meta": {"measured": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "requests": args.requests,
+                    "rates_rps": args.rates, "seed": args.seed, "calibration_repeats": REPEATS,
+                    "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, torch threads 1",
+                    "load_average_1min": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
+                    "server": "python -m serve.http, batched engine, max_num_seqs 64, prefix cache on",
                     "fitted_service_model_per_rate": fits},
            "rows": rows, "mape_pct": mape}
     OUT.write_text(json.dumps(out, indent=1) + "\n")

@@ -70,4 +70,4 @@ def build_engine(spec: EngineSpec, model: HybridLM | None = None) -> ServeEngine
     num_pages = spec.num_pages or 2 * spec.max_num_seqs * per_request
     pool = PagePool(num_pages, config.page_bytes(model.cfg))
     cache = PrefixCache(pool, config, cfg=model.cfg) if spec.prefix_cache else None
-    return ServeEngine(model, pool, cache, config=config)
+    return ServeEngine(model, pool, cache, config=config, max_num_seqs=spec.max_num_seqs, batched=True)

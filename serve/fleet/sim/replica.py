@@ -152,7 +152,18 @@ class Replica:
                     if self.cache is not None:
                         self.cache.touch(job.req.hash_ids[: job.hit_tokens // self.cfg.block_size])
                     parts.append((max(1, job.input_length - job.hit_tokens), job.hit_tokens))
-                yield env.timeout(svc.prefill_batch_ms(parts))
+                decoding = list(self.running) if getattr(svc, "mixed_steps", False) else []   # rows sharing the step
+                yield env.timeout(svc.mixed_step_ms(parts, len(decoding)) if decoding
+                                  else svc.prefill_batch_ms(parts))
+                for job in decoding:
+                    if job not in self.running:
+                        continue
+                    job.remaining -= 1
+                    self.scheduler.on_decode(job.klass, 1)
+                    if job.remaining == 0:
+                        self.running.remove(job)
+                        self._release(job)
+                        self.finish(job, "completed")
                 for job in admitted:
                     if self.cache is not None:
                         self.cache.insert(job.req.hash_ids)

@@ -8,6 +8,14 @@ running requests: ``decode_step_ms(b) = decode_step_base_ms + decode_step_per_se
 A request's first token comes at the end of its prefill step; the remaining ``output_length − 1``
 come from decode steps.
 
+``mixed_steps=True`` models a batched engine that runs decode rows and prefill chunks in the same step
+(vLLM v1 / SGLang chunked prefill; our :class:`serve.engine.ServeEngine`): a step with admitted prompts also
+advances every running request by one token and lasts
+``prefill_overhead_ms + uncached_tokens / prefill_tokens_per_s · 1000 + decode_step_per_seq_ms · b``
+(one fixed cost per step, each prefill token and each decode row on top: :meth:`ServiceModel.mixed_step_ms`);
+without admissions the step is a decode step as above. Fit ``prefill_overhead_ms == decode_step_base_ms``
+(the per-step fixed cost) for such an engine.
+
 Admission limits: at most ``max_batch_requests`` running; each running request reserves
 ``input_length + output_length`` KV tokens out of ``kv_capacity_tokens`` (S-LoRA reserves the full
 future length the same way); one prefill step admits at most ``max_prefill_tokens_per_step`` uncached
@@ -45,6 +53,7 @@ class ServiceModel:
     kv_capacity_tokens: int | None = None
     max_prefill_tokens_per_step: int | None = None
     source: str = ""
+    mixed_steps: bool = False
 
     def __post_init__(self):
         check_positive("prefill_tokens_per_s", self.prefill_tokens_per_s)
@@ -64,6 +73,11 @@ class ServiceModel:
         """A prefill step over ``(new_tokens, cached_tokens)`` per admitted request: only the new tokens
         count (the interface :class:`serve.fleet.sim.roofline_service.RooflineService` shares)."""
         return self.prefill_ms(sum(n for n, _ in parts))
+
+    def mixed_step_ms(self, parts, decode_batch: int) -> float:
+        """A step of a batched engine (``mixed_steps``): the prefill step over ``parts`` (see
+        :meth:`prefill_batch_ms`) plus one decode row for each of ``decode_batch`` running requests."""
+        return self.prefill_batch_ms(parts) + self.decode_step_per_seq_ms * decode_batch
 
     def decode_step_ms(self, batch: int, context_tokens: int = 0) -> float:
         """Duration of one decode step with ``batch`` running requests (the context does not matter here)."""
