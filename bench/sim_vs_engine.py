@@ -41,23 +41,25 @@ OUT = Path(__file__).parent / "results" / "sim_vs_engine.json"
 REPEATS = 5
 
 
-def calibrate(model, prefill_lengths=(32, 128, 256, 512), batches=(1, 4, 16),
-              held_out=((128, 4), (256, 16))) -> tuple[ServiceModel, dict]:
+def calibrate(model, prefill_lengths=(32, 128, 256, 512), batches=(1, 4, 16), contexts=(32, 512),
+              held_out=((128, 4, 256), (256, 16, 128))) -> tuple[ServiceModel, dict]:
     """Fit the simulator's step model to steps of the BATCHED engine timed on this machine.
 
     Points: a prefill step of one prompt of each of ``prefill_lengths`` tokens (no decode rows) and a decode
-    step of ``batches`` running requests (no prefill rows); each the median of :data:`REPEATS` timings after
-    one warm-up round, the points interleaved (round r times every point once). Fitted by least squares to
-    ``step_ms = fixed + prefill_tokens / rate * 1000 + per_seq * decode_rows`` (one fixed cost per step), the
-    engine's mixed step. The ``held_out`` (prefill tokens, decode rows) steps are mixed steps measured the same
-    way and NOT fitted: their prediction error validates the additive step model.
+    step of ``batches`` running requests of each of ``contexts`` tokens (no prefill rows); each the median of
+    :data:`REPEATS` timings after one warm-up round, the points interleaved (round r times every point once),
+    on the server's engine (prefix cache on, max_num_seqs 64). Fitted by least squares to
+    ``step_ms = fixed + prefill_tokens / rate * 1000 + rows * (per_seq + per_context_token * context)`` (one
+    fixed cost per step; the attention layers' decode reads each row's KV), the engine's mixed step. The
+    ``held_out`` (prefill tokens, decode rows, context) steps are mixed steps measured the same way and NOT
+    fitted: their prediction error validates the additive step model.
     Returns the :class:`ServiceModel` (``mixed_steps=True``) and the measured points with their spread."""
     rng = np.random.default_rng(0)
 
-    def step(n: int, b: int) -> float:
-        """ms of the one engine step that runs ``b`` decode rows and one ``n``-token prefill row."""
-        engine = build_engine(EngineSpec(prefix_cache=False, max_num_seqs=max(b + 1, 2)), model)
-        rids = [engine.submit(rng.integers(0, 256, 32).tolist(), 8) for _ in range(b)]
+    def step(n: int, b: int, ctx: int) -> float:
+        """ms of the one engine step that runs ``b`` decode rows of ``ctx`` tokens and one ``n``-token prefill row."""
+        engine = build_engine(EngineSpec(max_num_seqs=64), model)
+        rids = [engine.submit(rng.integers(0, 256, ctx).tolist(), 8) for _ in range(b)]
         while any(engine.result(r).status is not RequestStatus.DECODE for r in rids):
             engine.step()
         if n:
@@ -66,7 +68,7 @@ def calibrate(model, prefill_lengths=(32, 128, 256, 512), batches=(1, 4, 16),
         engine.step()
         return (time.perf_counter() - t0) * 1e3
 
-    fitted = [(n, 0) for n in prefill_lengths] + [(0, b) for b in batches]
+    fitted = [(n, 0, 0) for n in prefill_lengths] + [(0, b, c) for c in contexts for b in batches]
     points = fitted + list(held_out)
     times: dict[tuple, list] = {pt: [] for pt in points}
     for r in range(REPEATS + 1):                           # round 0 is the warm-up
@@ -75,27 +77,38 @@ def calibrate(model, prefill_lengths=(32, 128, 256, 512), batches=(1, 4, 16),
             if r:
                 times[pt].append(t)
     med = {pt: statistics.median(v) for pt, v in times.items()}
-    a = np.array([[1.0, n, b] for n, b in fitted])
-    (fixed, per_tok, per_seq), *_ = np.linalg.lstsq(a, np.array([med[pt] for pt in fitted]), rcond=None)
-    fixed, per_tok, per_seq = max(fixed, 1e-3), max(per_tok, 1e-6), max(per_seq, 0.0)
+    a = np.array([[1.0, n, b, b * c] for n, b, c in fitted])
+    (fixed, per_tok, per_seq, per_ctx), *_ = np.linalg.lstsq(a, np.array([med[pt] for pt in fitted]), rcond=None)
+    fixed, per_tok, per_seq, per_ctx = max(fixed, 1e-3), max(per_tok, 1e-6), max(per_seq, 0.0), max(per_ctx, 0.0)
     svc = ServiceModel(prefill_tokens_per_s=1000.0 / per_tok, prefill_overhead_ms=fixed,
                        decode_step_base_ms=fixed, decode_step_per_seq_ms=per_seq, max_batch_requests=64,
+                       decode_per_context_token_ms=per_ctx,
                        mixed_steps=True, source="fitted to batched-engine steps measured on this machine")
-    rows = [dict(prefill_tokens=n, decode_rows=b, role="fitted" if (n, b) in fitted else "held out",
-                 measured_median_ms=med[(n, b)], measured_min_ms=min(times[(n, b)]),
-                 measured_max_ms=max(times[(n, b)]),
-                 predicted_ms=fixed + n * per_tok + b * per_seq)
-            for n, b in points]
+    rows = [dict(prefill_tokens=n, decode_rows=b, decode_context=c, role="fitted" if (n, b, c) in fitted
+                 else "held out", measured_median_ms=med[(n, b, c)], measured_min_ms=min(times[(n, b, c)]),
+                 measured_max_ms=max(times[(n, b, c)]), predicted_ms=fixed + n * per_tok + b * (per_seq + per_ctx * c))
+            for n, b, c in points]
     return svc, {"steps": rows, "repeats": REPEATS}
+
+
+CHECKPOINT_INTERVAL = EngineSpec().checkpoint_interval     # the server's KDA checkpoint grid (tokens)
+
+
+def _checkpoint_hashes(block_hashes, chunks: int, per: int) -> tuple[int, ...]:
+    """One id per whole checkpoint interval of the prompt, naming its prefix: the engine resumes a prompt only
+    from a KDA checkpoint (every ``CHECKPOINT_INTERVAL`` tokens, at least one token left to compute), so the
+    simulator's block cache gets blocks of that size instead of the trace's 16-byte hash blocks."""
+    return tuple(hash(tuple(block_hashes[: per * (i + 1)])) for i in range(chunks))
 
 
 def predict(svc: ServiceModel, workload, hash_ids, rate: float, seed: int) -> dict:
     """The simulator's figures for the replay :func:`bench.serve_http.run_rate` sends at ``rate``."""
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(workload))
     arrivals = np.cumsum(gaps) * 1e3
-    reqs = [FleetRequest(i, float(t), len(p), n, tuple(h[: -(-len(p) // BLOCK_BYTES)]))
+    per = CHECKPOINT_INTERVAL // BLOCK_BYTES
+    reqs = [FleetRequest(i, float(t), len(p), n, _checkpoint_hashes(h, (len(p) - 1) // CHECKPOINT_INTERVAL, per))
             for i, ((p, n), h, t) in enumerate(zip(workload, hash_ids, arrivals))]
-    res = simulate(reqs, FleetConfig(svc, num_replicas=1, router="round_robin", block_size=BLOCK_BYTES))
+    res = simulate(reqs, FleetConfig(svc, num_replicas=1, router="round_robin", block_size=CHECKPOINT_INTERVAL))
     done = [r for r in res.results if r.status == "completed"]
     ttft = np.array([r.ttft_ms for r in done])
     tpot = [(r.finish_ms - r.first_token_ms) / (r.output_length - 1) for r in done if r.output_length > 1]
@@ -124,11 +137,14 @@ def main(argv=None) -> dict:
         fits[str(rate)] = {**points, "prefill_tokens_per_s": svc.prefill_tokens_per_s,
                            "prefill_overhead_ms": svc.prefill_overhead_ms,
                            "decode_step_base_ms": svc.decode_step_base_ms,
-                           "decode_step_per_seq_ms": svc.decode_step_per_seq_ms}
+                           "decode_step_per_seq_ms": svc.decode_step_per_seq_ms,
+                           "decode_per_context_token_ms": svc.decode_per_context_token_ms}
         print(f"fitted: step {svc.prefill_overhead_ms:.1f} ms + prefill {svc.prefill_tokens_per_s:.0f} tok/s + "
-              f"{svc.decode_step_per_seq_ms:.2f} ms x decode rows", flush=True)
+              f"{svc.decode_step_per_seq_ms:.2f} ms x decode rows + {svc.decode_per_context_token_ms * 1e3:.2f} us x "
+              f"decode rows x context", flush=True)
         for row in points["steps"]:
-            print(f"  {row['role']:8s} prefill {row['prefill_tokens']:4d} + decode {row['decode_rows']:3d}: measured "
+            print(f"  {row['role']:8s} prefill {row['prefill_tokens']:4d} + decode {row['decode_rows']:3d} x "
+                  f"{row['decode_context']:3d}: measured "
                   f"{row['measured_median_ms']:7.1f} ms  predicted {row['predicted_ms']:7.1f} ms", flush=True)
         with local_server(1024, 64) as url:
             asyncio.run(run_rate(url, "kda-demo", workload[:2], rate, args.seed))          # warm-up

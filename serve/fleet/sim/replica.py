@@ -153,8 +153,11 @@ class Replica:
                         self.cache.touch(job.req.hash_ids[: job.hit_tokens // self.cfg.block_size])
                     parts.append((max(1, job.input_length - job.hit_tokens), job.hit_tokens))
                 decoding = list(self.running) if getattr(svc, "mixed_steps", False) else []   # rows sharing the step
-                yield env.timeout(svc.mixed_step_ms(parts, len(decoding)) if decoding
-                                  else svc.prefill_batch_ms(parts))
+                if decoding:
+                    ctx = sum(j.input_length + j.req.output_length - j.remaining for j in decoding) // len(decoding)
+                    yield env.timeout(svc.mixed_step_ms(parts, len(decoding), ctx))
+                else:
+                    yield env.timeout(svc.prefill_batch_ms(parts))
                 for job in decoding:
                     if job not in self.running:
                         continue

@@ -54,11 +54,14 @@ class ServiceModel:
     max_prefill_tokens_per_step: int | None = None
     source: str = ""
     mixed_steps: bool = False
+    decode_per_context_token_ms: float = 0.0
 
     def __post_init__(self):
         check_positive("prefill_tokens_per_s", self.prefill_tokens_per_s)
-        if not self.decode_step_base_ms > 0 or self.decode_step_per_seq_ms < 0 or self.prefill_overhead_ms < 0:
-            raise ValueError("decode_step_base_ms must be > 0; per-seq and overhead times must be >= 0")
+        if not self.decode_step_base_ms > 0 or self.decode_step_per_seq_ms < 0 or self.prefill_overhead_ms < 0 \
+                or self.decode_per_context_token_ms < 0:
+            raise ValueError("decode_step_base_ms must be > 0; per-seq, per-context-token and overhead times must "
+                             "be >= 0")
         check_int("max_batch_requests", self.max_batch_requests)
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be >= 1 or None, got {self.kv_capacity_tokens}")
@@ -74,14 +77,19 @@ class ServiceModel:
         count (the interface :class:`serve.fleet.sim.roofline_service.RooflineService` shares)."""
         return self.prefill_ms(sum(n for n, _ in parts))
 
-    def mixed_step_ms(self, parts, decode_batch: int) -> float:
+    def mixed_step_ms(self, parts, decode_batch: int, context_tokens: int = 0) -> float:
         """A step of a batched engine (``mixed_steps``): the prefill step over ``parts`` (see
-        :meth:`prefill_batch_ms`) plus one decode row for each of ``decode_batch`` running requests."""
-        return self.prefill_batch_ms(parts) + self.decode_step_per_seq_ms * decode_batch
+        :meth:`prefill_batch_ms`) plus one decode row for each of ``decode_batch`` running requests of mean
+        context ``context_tokens``."""
+        return self.prefill_batch_ms(parts) + self.decode_step_ms(decode_batch, context_tokens) - \
+            self.decode_step_base_ms
 
     def decode_step_ms(self, batch: int, context_tokens: int = 0) -> float:
-        """Duration of one decode step with ``batch`` running requests (the context does not matter here)."""
-        return self.decode_step_base_ms + self.decode_step_per_seq_ms * batch
+        """Duration of one decode step with ``batch`` running requests of mean context ``context_tokens``:
+        ``decode_step_base_ms + batch · (decode_step_per_seq_ms + decode_per_context_token_ms · context)`` (the
+        attention layers read each row's KV; zero per-context cost by default)."""
+        return self.decode_step_base_ms + batch * (self.decode_step_per_seq_ms
+                                                   + self.decode_per_context_token_ms * context_tokens)
 
     def scaled(self, prefill_x: float, decode_x: float, kv_capacity_tokens: int | None = None,
                max_batch_requests: int | None = None) -> ServiceModel:
