@@ -50,7 +50,8 @@ def calibrate(model, prefill_lengths=(32, 128, 256, 512), batches=(1, 4, 16), co
     :data:`REPEATS` timings after one warm-up round, the points interleaved (round r times every point once),
     on the server's engine (prefix cache on, max_num_seqs 64). Fitted by least squares to
     ``step_ms = fixed + prefill_tokens / rate * 1000 + rows * (per_seq + per_context_token * context)`` (one
-    fixed cost per step; the attention layers' decode reads each row's KV), the engine's mixed step. The
+    fixed cost per step, larger when the step has a prefill row; the attention layers' decode reads each row's
+    KV), the engine's mixed step. The
     ``held_out`` (prefill tokens, decode rows, context) steps are mixed steps measured the same way and NOT
     fitted: their prediction error validates the additive step model.
     Returns the :class:`ServiceModel` (``mixed_steps=True``) and the measured points with their spread."""
@@ -77,16 +78,18 @@ def calibrate(model, prefill_lengths=(32, 128, 256, 512), batches=(1, 4, 16), co
             if r:
                 times[pt].append(t)
     med = {pt: statistics.median(v) for pt, v in times.items()}
-    a = np.array([[1.0, n, b, b * c] for n, b, c in fitted])
-    (fixed, per_tok, per_seq, per_ctx), *_ = np.linalg.lstsq(a, np.array([med[pt] for pt in fitted]), rcond=None)
-    fixed, per_tok, per_seq, per_ctx = max(fixed, 1e-3), max(per_tok, 1e-6), max(per_seq, 0.0), max(per_ctx, 0.0)
-    svc = ServiceModel(prefill_tokens_per_s=1000.0 / per_tok, prefill_overhead_ms=fixed,
+    a = np.array([[n > 0, n == 0, n, b, b * c] for n, b, c in fitted], dtype=float)
+    (fixed_p, fixed, per_tok, per_seq, per_ctx), *_ = np.linalg.lstsq(a, np.array([med[pt] for pt in fitted]),
+                                                                      rcond=None)
+    fixed_p, fixed = max(fixed_p, 0.0), max(fixed, 1e-3)
+    per_tok, per_seq, per_ctx = max(per_tok, 1e-6), max(per_seq, 0.0), max(per_ctx, 0.0)
+    svc = ServiceModel(prefill_tokens_per_s=1000.0 / per_tok, prefill_overhead_ms=fixed_p,
                        decode_step_base_ms=fixed, decode_step_per_seq_ms=per_seq, max_batch_requests=64,
                        decode_per_context_token_ms=per_ctx,
                        mixed_steps=True, source="fitted to batched-engine steps measured on this machine")
     rows = [dict(prefill_tokens=n, decode_rows=b, decode_context=c, role="fitted" if (n, b, c) in fitted
                  else "held out", measured_median_ms=med[(n, b, c)], measured_min_ms=min(times[(n, b, c)]),
-                 measured_max_ms=max(times[(n, b, c)]), predicted_ms=fixed + n * per_tok + b * (per_seq + per_ctx * c))
+                 measured_max_ms=max(times[(n, b, c)]), predicted_ms=(fixed_p + n * per_tok if n else fixed) + b * (per_seq + per_ctx * c))
             for n, b, c in points]
     return svc, {"steps": rows, "repeats": REPEATS}
 
@@ -139,7 +142,7 @@ def main(argv=None) -> dict:
                            "decode_step_base_ms": svc.decode_step_base_ms,
                            "decode_step_per_seq_ms": svc.decode_step_per_seq_ms,
                            "decode_per_context_token_ms": svc.decode_per_context_token_ms}
-        print(f"fitted: step {svc.prefill_overhead_ms:.1f} ms + prefill {svc.prefill_tokens_per_s:.0f} tok/s + "
+        print(f"fitted: step {svc.decode_step_base_ms:.1f} ms ({svc.prefill_overhead_ms:.1f} ms with prefill rows) + prefill {svc.prefill_tokens_per_s:.0f} tok/s + "
               f"{svc.decode_step_per_seq_ms:.2f} ms x decode rows + {svc.decode_per_context_token_ms * 1e3:.2f} us x "
               f"decode rows x context", flush=True)
         for row in points["steps"]:

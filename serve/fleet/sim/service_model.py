@@ -13,8 +13,8 @@ come from decode steps.
 advances every running request by one token and lasts
 ``prefill_overhead_ms + uncached_tokens / prefill_tokens_per_s · 1000 + decode_step_per_seq_ms · b``
 (one fixed cost per step, each prefill token and each decode row on top: :meth:`ServiceModel.mixed_step_ms`);
-without admissions the step is a decode step as above. Fit ``prefill_overhead_ms == decode_step_base_ms``
-(the per-step fixed cost) for such an engine.
+without admissions the step is a decode step as above. For such an engine ``prefill_overhead_ms`` is the fixed
+cost of a step that has prefill rows and ``decode_step_base_ms`` that of a decode-only step.
 
 Admission limits: at most ``max_batch_requests`` running; each running request reserves
 ``input_length + output_length`` KV tokens out of ``kv_capacity_tokens`` (S-LoRA reserves the full
