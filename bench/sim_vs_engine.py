@@ -34,6 +34,7 @@ from serve.fleet.sim.service_model import ServiceModel
 from serve.fleet.sim.simulation import simulate
 from serve.fleet.sim.types import FleetConfig, FleetRequest, percentile
 from serve.http.model import EngineSpec, build_engine, load_model
+from serve.model_runner import DECODE_BUCKETS
 from serve.request import RequestStatus
 from serve.traces.mooncake import load_mooncake
 
@@ -85,7 +86,7 @@ def calibrate(model, prefill_lengths=(32, 128, 256, 512), batches=(1, 4, 16), co
     per_tok, per_seq, per_ctx = max(per_tok, 1e-6), max(per_seq, 0.0), max(per_ctx, 0.0)
     svc = ServiceModel(prefill_tokens_per_s=1000.0 / per_tok, prefill_overhead_ms=fixed_p,
                        decode_step_base_ms=fixed, decode_step_per_seq_ms=per_seq, max_batch_requests=64,
-                       decode_per_context_token_ms=per_ctx,
+                       decode_per_context_token_ms=per_ctx, decode_buckets=DECODE_BUCKETS,
                        mixed_steps=True, source="fitted to batched-engine steps measured on this machine")
     rows = [dict(prefill_tokens=n, decode_rows=b, decode_context=c, role="fitted" if (n, b, c) in fitted
                  else "held out", measured_median_ms=med[(n, b, c)], measured_min_ms=min(times[(n, b, c)]),

@@ -55,6 +55,7 @@ class ServiceModel:
     source: str = ""
     mixed_steps: bool = False
     decode_per_context_token_ms: float = 0.0
+    decode_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self):
         check_positive("prefill_tokens_per_s", self.prefill_tokens_per_s)
@@ -65,6 +66,9 @@ class ServiceModel:
         check_int("max_batch_requests", self.max_batch_requests)
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be >= 1 or None, got {self.kv_capacity_tokens}")
+        if self.decode_buckets is not None and (not self.decode_buckets or any(
+                not isinstance(b, int) or b < 1 for b in self.decode_buckets)):
+            raise ValueError(f"decode_buckets must be None or positive ints, got {self.decode_buckets!r}")
         if self.max_prefill_tokens_per_step is not None and self.max_prefill_tokens_per_step < 1:
             raise ValueError("max_prefill_tokens_per_step must be >= 1 or None")
 
@@ -86,10 +90,18 @@ class ServiceModel:
 
     def decode_step_ms(self, batch: int, context_tokens: int = 0) -> float:
         """Duration of one decode step with ``batch`` running requests of mean context ``context_tokens``:
-        ``decode_step_base_ms + batch · (decode_step_per_seq_ms + decode_per_context_token_ms · context)`` (the
-        attention layers read each row's KV; zero per-context cost by default)."""
-        return self.decode_step_base_ms + batch * (self.decode_step_per_seq_ms
-                                                   + self.decode_per_context_token_ms * context_tokens)
+        ``decode_step_base_ms + decode_step_per_seq_ms · padded_batch(batch) + decode_per_context_token_ms ·
+        batch · context`` (pad rows cost a row but read no KV; zero per-context cost by default)."""
+        return (self.decode_step_base_ms + self.decode_step_per_seq_ms * self.padded_batch(batch)
+                + self.decode_per_context_token_ms * batch * context_tokens)
+
+    def padded_batch(self, batch: int) -> int:
+        """The decode rows a step really computes: ``batch`` rounded up to the smallest of ``decode_buckets``
+        that holds it (CUDA-graph buckets, vLLM's ``cudagraph_capture_sizes``; our ModelRunner pads the same
+        way), ``batch`` itself above the largest bucket or without buckets."""
+        if self.decode_buckets is None or batch <= 0:
+            return batch
+        return min((b for b in self.decode_buckets if b >= batch), default=batch)
 
     def scaled(self, prefill_x: float, decode_x: float, kv_capacity_tokens: int | None = None,
                max_batch_requests: int | None = None) -> ServiceModel:

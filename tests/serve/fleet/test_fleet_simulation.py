@@ -314,3 +314,15 @@ def test_decode_cost_grows_with_context():
     assert r.finish_ms - r.first_token_ms == pytest.approx(2 * (11 + 0.1 * 101), rel=0.02)
     with pytest.raises(ValueError, match="per-context-token"):
         _mixed_service(True, per_ctx=-1.0)
+
+
+def test_decode_rows_padded_to_buckets():
+    """A batched engine pads its decode rows to a bucket (vLLM's cudagraph_capture_sizes; our ModelRunner's
+    DECODE_BUCKETS): 3 rows cost 4, 5 cost 8, above the largest bucket the rows themselves; pad rows read no KV."""
+    svc = ServiceModel(prefill_tokens_per_s=1000, decode_step_base_ms=10, decode_step_per_seq_ms=1.0,
+                       decode_per_context_token_ms=0.01, decode_buckets=(1, 2, 4, 8))
+    assert [svc.padded_batch(b) for b in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, 9]
+    assert svc.decode_step_ms(3, 100) == pytest.approx(10 + 4 * 1.0 + 3 * 0.01 * 100)
+    assert _mixed_service(True).decode_step_ms(3) == pytest.approx(13.0)                   # no buckets: rows
+    with pytest.raises(ValueError, match="decode_buckets"):
+        ServiceModel(prefill_tokens_per_s=1000, decode_step_base_ms=10, decode_buckets=(0, 4))
