@@ -1,18 +1,22 @@
 """The fleet simulator's error against the real engine behind the HTTP server: ``python -m bench.sim_vs_engine``.
 
 1. Calibrate (Vidur-style operator profiling, here through the engine's public API on this machine), right
-   before each rate's replay (the shared CPU's speed drifts): prefill steps of one prompt at 32 / 128 / 256 /
-   512 tokens and decode steps at batch 1 / 4 / 16, each the median of 5 timed repeats after a warm-up; fitted to :class:`serve.fleet.sim.service_model.ServiceModel`
-   (prefill_ms = overhead + tokens / rate; decode_step_ms = base + per_seq * batch) by least squares.
-2. Measure: the Mooncake-conversation-shaped replay of :mod:`bench.serve_http` through a fresh in-process
-   server per rate (Poisson arrivals, seeded).
-3. Predict: the same requests (same arrival times, lengths and 16-byte hash blocks) through
-   :func:`serve.fleet.simulation.simulate` with one replica and the calibrated model.
+   before each rate's replay (the shared CPU's speed drifts): steps of the BATCHED engine, built as the server
+   builds it: prefill of one prompt at 32 / 128 / 256 / 512 tokens, decode at batch 1 / 4 / 16 with 32- and
+   512-token contexts, each the median of 5 interleaved repeats after a warm-up round; fitted by least squares
+   to :class:`serve.fleet.sim.service_model.ServiceModel` with ``mixed_steps`` (step = fixed cost, larger with
+   prefill rows, + prefill tokens / rate + padded decode rows * per_seq + rows * context * per_context_token).
+   Two mixed steps (prefill + decode rows) are measured and NOT fitted: the step model's held-out check.
+2. Measure: the Mooncake-conversation-shaped replay of :mod:`bench.serve_http` through a fresh
+   ``python -m serve.http`` per rate (Poisson arrivals, seeded; streaming client in another process).
+3. Predict: the same requests (same arrival times, lengths and prefix hashes, grouped by the engine's
+   64-token checkpoint interval since the engine resumes only from a checkpoint) through
+   :func:`serve.fleet.sim.simulation.simulate` with one replica and the calibrated model.
 Reports per rate and metric the measured value, the prediction and the error, and the MAPE over rates per
 metric (TTFT P50 / P99, TPOT mean, request throughput). Fitted, predicted and measured are kept apart. What the
-simulator leaves out, where the error is large: HTTP and client time (in measured TTFT), the engine running one
-prefill per step while the simulator batches admitted prompts into one prefill step, prefix hits only at
-checkpoint boundaries (the simulator's block cache hits any block), and the shared CPU's noise.
+simulator still leaves out: HTTP, SSE and client time (in every measured TTFT and TPOT), the server's engine
+thread sharing the GIL with the HTTP event loop, checkpoint restores and publishes on prefix hits, the extra
+cost of a mixed step beyond the sum of its parts (see the held-out steps), and the shared CPU's noise.
 Writes ``bench/results/sim_vs_engine.json``.
 """
 from __future__ import annotations
