@@ -28,12 +28,14 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
+import httpx
 import numpy as np
 import torch
 
-from bench.serve_http import BLOCK_BYTES, TRACE, local_server, mooncake_workload, run_rate
+from bench.serve_http import BLOCK_BYTES, TRACE, local_server, mooncake_workload, one_request, run_rate
 from serve.fleet.sim.service_model import ServiceModel
 from serve.fleet.sim.simulation import simulate
 from serve.fleet.sim.types import FleetConfig, FleetRequest, percentile
@@ -109,16 +111,40 @@ def _checkpoint_hashes(block_hashes, chunks: int, per: int) -> tuple[int, ...]:
     return tuple(hash(tuple(block_hashes[: per * (i + 1)])) for i in range(chunks))
 
 
-def predict(svc: ServiceModel, workload, hash_ids, rate: float, seed: int) -> dict:
-    """The simulator's figures for the replay :func:`bench.serve_http.run_rate` sends at ``rate``."""
+async def serving_overhead(url: str, svc: ServiceModel, batch: int = 16, prompt_tokens: int = 32) -> dict:
+    """The server's own costs beyond the engine steps, timed through HTTP (not on the replayed trace):
+    ``ingress_ms`` = median TTFT of one streaming request of ``prompt_tokens`` at an idle server minus the
+    fitted prefill step of that prompt (parse, hand-off to the engine thread, first SSE event);
+    ``per_row_ms`` = (median inter-token gap of ``batch`` concurrent streams minus the fitted decode step of
+    ``batch`` rows) / ``batch`` (each row's SSE event, sharing the GIL with the engine thread). Medians of
+    :data:`REPEATS` interleaved rounds after a warm-up round; never negative."""
+    rng = np.random.default_rng(1)
+    prompt = lambda: [int(x) for x in rng.integers(32, 127, prompt_tokens)]          # noqa: E731  (no prefix hits)
+    ttfts, gaps = [], []
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        for r in range(REPEATS + 1):
+            one = await one_request(client, "kda-demo", prompt(), 2)
+            many = await asyncio.gather(*[one_request(client, "kda-demo", prompt(), 16) for _ in range(batch)])
+            if r:
+                ttfts.append(one["ttft"] * 1e3)
+                gaps.append(statistics.median(g for m in many for g in m["itl"][2:]) * 1e3)
+    ttft, gap = statistics.median(ttfts), statistics.median(gaps)
+    step = svc.decode_step_ms(batch, prompt_tokens + 8)
+    return dict(ingress_ms=max(0.0, ttft - svc.prefill_ms(prompt_tokens)), per_row_ms=max(0.0, (gap - step) / batch),
+                idle_ttft_ms=ttft, batch_gap_ms=gap, batch=batch)
+
+
+def predict(svc: ServiceModel, workload, hash_ids, rate: float, seed: int, ingress_ms: float = 0.0) -> dict:
+    """The simulator's figures for the replay :func:`bench.serve_http.run_rate` sends at ``rate``; each request
+    reaches the engine ``ingress_ms`` after it was sent (its TTFT counts from the send)."""
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(workload))
-    arrivals = np.cumsum(gaps) * 1e3
+    arrivals = np.cumsum(gaps) * 1e3 + ingress_ms
     per = CHECKPOINT_INTERVAL // BLOCK_BYTES
     reqs = [FleetRequest(i, float(t), len(p), n, _checkpoint_hashes(h, (len(p) - 1) // CHECKPOINT_INTERVAL, per))
             for i, ((p, n), h, t) in enumerate(zip(workload, hash_ids, arrivals))]
     res = simulate(reqs, FleetConfig(svc, num_replicas=1, router="round_robin", block_size=CHECKPOINT_INTERVAL))
     done = [r for r in res.results if r.status == "completed"]
-    ttft = np.array([r.ttft_ms for r in done])
+    ttft = np.array([r.ttft_ms + ingress_ms for r in done])
     tpot = [(r.finish_ms - r.first_token_ms) / (r.output_length - 1) for r in done if r.output_length > 1]
     return dict(ttft_p50_ms=percentile(ttft, 50), ttft_p99_ms=percentile(ttft, 99),
                 tpot_mean_ms=float(np.mean(tpot)), request_throughput_rps=len(done) / (max(r.finish_ms for r in done)
@@ -156,8 +182,14 @@ def main(argv=None) -> dict:
                   f"{row['measured_median_ms']:7.1f} ms  predicted {row['predicted_ms']:7.1f} ms", flush=True)
         with local_server(1024, 64) as url:
             asyncio.run(run_rate(url, "kda-demo", workload[:2], rate, args.seed))          # warm-up
+            overhead = asyncio.run(serving_overhead(url, svc))
             measured = asyncio.run(run_rate(url, "kda-demo", workload, rate, args.seed))
-        predicted = predict(svc, workload, hash_ids, rate, args.seed)
+        fits[str(rate)]["server_overhead"] = overhead
+        print(f"server: ingress {overhead['ingress_ms']:.1f} ms, {overhead['per_row_ms']:.2f} ms per streaming row "
+              "per step", flush=True)
+        served = replace(svc, decode_step_per_seq_ms=svc.decode_step_per_seq_ms + overhead["per_row_ms"],
+                         source=svc.source + " + the server's measured per-row streaming cost")
+        predicted = predict(served, workload, hash_ids, rate, args.seed, overhead["ingress_ms"])
         for m in METRICS:
             err = abs(predicted[m] - measured[m]) / measured[m] * 100
             rows.append(dict(rate_rps=rate, metric=m, measured=measured[m], predicted=predicted[m], error_pct=err))
