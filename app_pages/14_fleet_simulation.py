@@ -259,7 +259,10 @@ show_chart(fig_mape, mape, key="p14_sim_engine_chart")
 show_table(record["rows"].drop(columns="metric"), {
     "rate_rps": num("Offered (req/s)", "%.1f"), "label": "Metric", "measured": num("Measured (real engine)", "%,.2f"),
     "predicted": num("Predicted (simulator)", "%,.2f"), "error_pct": num("Error (%)", "%.1f")})
-st.caption("MAPE per metric = mean over rates of |predicted − measured| / measured. What the simulator leaves out "
-           "where the error is large: HTTP, tokenizer and client time (in every measured TTFT), prefix hits only at "
-           "checkpoint boundaries in the engine (the simulator's block cache hits any 16-token block), the per-row "
-           "cost of a prefill row beyond its tokens, and the shared CPU's speed drifting during a replay.")
+st.caption("MAPE per metric = mean over rates of |predicted − measured| / measured. The simulator models the "
+           "batched engine's steps (a fixed cost per step, prefill tokens, decode rows padded to the engine's buckets "
+           "and their context, prefill and decode rows sharing a step), prefix hits on the 64-token checkpoint grid "
+           "and the server's own costs measured through HTTP on separate requests (ingress, per streaming row). It "
+           "leaves out: how the HTTP event loop and the engine thread contend for the GIL and the two cores as the "
+           "number of streams grows, checkpoint restores and publishes on hits, and the shared CPU's speed "
+           "drifting during a replay (other jobs run on the same cores).")
