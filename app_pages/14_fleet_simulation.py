@@ -217,30 +217,7 @@ with st.expander("Service model"):
                 "with our engine, then sped up by the stated (assumed) factors.")
     st.markdown(f"This run: {source}.")
 
-st.subheader("5 · TTFT against offered load")
-run_on_request("p14_sweep_on", "p14_sweep_button", "Sweep the load",
-               f"Runs the settings above at {', '.join(map(str, SWEEP_RATES))} req/s ({len(SWEEP_RATES)} fleet "
-               "simulations, seconds of CPU the first time, cached afterwards) and draws TTFT P50 / P99 per routing "
-               "policy against the load.")
-sweep = engine_call(_sweep, *setup)
-fig_load = go.Figure()
-for policy, g in sweep.groupby("policy", sort=False):
-    for stat, dash in (("ttft_p50_ms", "solid"), ("ttft_p99_ms", "dash")):
-        fig_load.add_trace(go.Scatter(x=g.rate_rps, y=g[stat], mode="lines+markers", line_dash=dash,
-                                      name=f"{DISPLAY_NAMES[policy]} {stat[5:8].upper()}"))
-fig_load.update_layout(xaxis_title="offered load (requests / s across the fleet)", yaxis_title="TTFT (ms, log scale)",
-                       yaxis_type="log", legend=dict(orientation="h", y=-0.25))
-show_chart(fig_load, sweep, key="p14_load_chart")
-show_table(_labelled(sweep), {
-    "policy": "Policy", "rate_rps": num("Offered (req/s)", "%.0f"), "ttft_p50_ms": num("TTFT P50 (ms)", "%,.0f"),
-    "ttft_p99_ms": num("TTFT P99 (ms)", "%,.0f"), "hit_ratio": pct("Token hit ratio"),
-    "throughput_rps": num("Completed (req/s)", "%.1f"),
-    "mean_in_flight": num("Fleet in-flight per replica, mean", "%.2f")})
-st.caption("Each rate re-times the same trace (same prompts and sessions, gaps scaled), so the hit ratios move only "
-           "through routing under load; where completed falls below offered the fleet is saturated and queues grow "
-           "for the whole run.")
-
-st.subheader("6 · Predicted vs measured on the real engine")
+st.subheader("5 · Predicted vs measured on the real engine")
 record = engine_call(sim_vs_engine_record)
 meta = record["meta"]
 load = meta.get("load_average_1min", {})
@@ -266,3 +243,26 @@ st.caption("MAPE per metric = mean over rates of |predicted − measured| / meas
            "leaves out: how the HTTP event loop and the engine thread contend for the GIL and the two cores as the "
            "number of streams grows, checkpoint restores and publishes on hits, and the shared CPU's speed "
            "drifting during a replay (other jobs run on the same cores).")
+
+st.subheader("6 · TTFT against offered load")
+run_on_request("p14_sweep_on", "p14_sweep_button", "Sweep the load",
+               f"Runs the settings above at {', '.join(map(str, SWEEP_RATES))} req/s ({len(SWEEP_RATES)} fleet "
+               "simulations, seconds of CPU the first time, cached afterwards) and draws TTFT P50 / P99 per routing "
+               "policy against the load.")
+sweep = engine_call(_sweep, *setup)
+fig_load = go.Figure()
+for policy, g in sweep.groupby("policy", sort=False):
+    for stat, dash in (("ttft_p50_ms", "solid"), ("ttft_p99_ms", "dash")):
+        fig_load.add_trace(go.Scatter(x=g.rate_rps, y=g[stat], mode="lines+markers", line_dash=dash,
+                                      name=f"{DISPLAY_NAMES[policy]} {stat[5:8].upper()}"))
+fig_load.update_layout(xaxis_title="offered load (requests / s across the fleet)", yaxis_title="TTFT (ms, log scale)",
+                       yaxis_type="log", legend=dict(orientation="h", y=-0.25))
+show_chart(fig_load, sweep, key="p14_load_chart")
+show_table(_labelled(sweep), {
+    "policy": "Policy", "rate_rps": num("Offered (req/s)", "%.0f"), "ttft_p50_ms": num("TTFT P50 (ms)", "%,.0f"),
+    "ttft_p99_ms": num("TTFT P99 (ms)", "%,.0f"), "hit_ratio": pct("Token hit ratio"),
+    "throughput_rps": num("Completed (req/s)", "%.1f"),
+    "mean_in_flight": num("Fleet in-flight per replica, mean", "%.2f")})
+st.caption("Each rate re-times the same trace (same prompts and sessions, gaps scaled), so the hit ratios move only "
+           "through routing under load; where completed falls below offered the fleet is saturated and queues grow "
+           "for the whole run.")

@@ -16,7 +16,7 @@ def test_predicted_vs_measured_section_shows_the_recorded_run():
     raw = json.loads(SIM_VS_ENGINE_JSON.read_text())
     at = AppTest.from_file(PAGE, default_timeout=300).run()
     assert not at.exception, [e.value for e in at.exception]
-    assert any(h.value == "6 · Predicted vs measured on the real engine" for h in at.subheader)
+    assert any(h.value == "5 · Predicted vs measured on the real engine" for h in at.subheader)
     assert any("Recorded bench run" in c.value and raw["meta"]["measured"] in c.value for c in at.caption)
     table = next(d.value for d in at.dataframe if "predicted" in d.value.columns and "rate_rps" in d.value.columns)
     assert len(table) == len(raw["rows"])
