@@ -13,10 +13,12 @@
    64-token checkpoint interval since the engine resumes only from a checkpoint) through
    :func:`serve.fleet.sim.simulation.simulate` with one replica and the calibrated model.
 Reports per rate and metric the measured value, the prediction and the error, and the MAPE over rates per
-metric (TTFT P50 / P99, TPOT mean, request throughput). Fitted, predicted and measured are kept apart. What the
-simulator still leaves out: HTTP, SSE and client time (in every measured TTFT and TPOT), the server's engine
-thread sharing the GIL with the HTTP event loop, checkpoint restores and publishes on prefix hits, the extra
-cost of a mixed step beyond the sum of its parts (see the held-out steps), and the shared CPU's noise.
+metric (TTFT P50 / P99, TPOT mean, request throughput). Fitted, predicted and measured are kept apart. The
+server's own costs (ingress, per streaming row per step) are measured through HTTP on separate requests before
+each replay and added to the prediction. What the simulator still leaves out: how the HTTP event loop and the
+engine thread contend for the GIL and the cores as streams multiply, checkpoint restores and publishes on
+prefix hits, and the shared CPU's speed drifting during a replay. TPOT mean is fragile on this trace: outputs
+are short (mean 11 tokens), so one mixed step with a long prefill dominates a 2-token request's TPOT.
 Writes ``bench/results/sim_vs_engine.json``.
 """
 from __future__ import annotations
