@@ -12,9 +12,11 @@ the trace re-timed (:func:`retime`); :func:`load_sweep` runs one setup at severa
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -280,3 +282,40 @@ def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float
                           "p99_over_mean": float(np.percentile(ratios, 99)), "max_over_mean": float(ratios.max()),
                           "p99_in_flight": float(np.percentile(chosen or [float("nan")], 99)),
                           "mean_in_flight": float(np.mean(means or [float("nan")]))}])
+
+
+SIM_VS_ENGINE_JSON = Path(__file__).resolve().parents[1] / "bench" / "results" / "sim_vs_engine.json"
+SIM_METRICS = {"ttft_p50_ms": "TTFT P50 (ms)", "ttft_p99_ms": "TTFT P99 (ms)", "tpot_mean_ms": "TPOT mean (ms)",
+               "request_throughput_rps": "Throughput (req/s)"}
+
+
+def sim_vs_engine_record(path: Path | str = SIM_VS_ENGINE_JSON) -> dict:
+    """The recorded ``python -m bench.sim_vs_engine`` run: the fleet simulator (one replica, its service model
+    fitted to steps of the batched engine) against the same trace replayed through the real HTTP server.
+
+    Returns ``{"meta": dict, "rows": DataFrame[rate_rps, metric, label, measured, predicted, error_pct],
+    "mape": DataFrame[metric, label, mape_pct, rates], "steps": DataFrame}`` (steps: the calibration points,
+    fitted and held out, of the first rate). ``error_pct = |predicted - measured| / measured * 100`` and the
+    MAPE per metric is their mean over rates, both RECOMPUTED here from the recorded measured / predicted
+    values (the JSON's own summary is not trusted). Raises ValueError naming ``path`` when it is missing or
+    lacks the per-rate rows, or a metric outside :data:`SIM_METRICS`."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+        raw = data["rows"]
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"sim_vs_engine record {path}: unreadable or without per-rate rows ({err})") from None
+    rows = pd.DataFrame(raw, columns=["rate_rps", "metric", "measured", "predicted"])
+    unknown = set(rows.metric) - set(SIM_METRICS)
+    if unknown or rows.empty or not (rows.measured > 0).all():
+        raise ValueError(f"sim_vs_engine record {path}: unknown metrics {sorted(unknown)} or non-positive measured")
+    rows["label"] = rows.metric.map(SIM_METRICS)
+    rows["error_pct"] = (rows.predicted - rows.measured).abs() / rows.measured * 100.0
+    mape = (rows.groupby("metric", sort=False).agg(mape_pct=("error_pct", "mean"), rates=("rate_rps", "count"))
+            .reset_index())
+    mape.insert(1, "label", mape.metric.map(SIM_METRICS))
+    fits = data.get("meta", {}).get("fitted_service_model_per_rate", {})
+    first = next(iter(fits.values()), {})
+    steps = pd.DataFrame(first.get("steps", []))
+    return {"meta": data.get("meta", {}), "rows": rows[["rate_rps", "metric", "label", "measured", "predicted",
+                                                       "error_pct"]], "mape": mape, "steps": steps}

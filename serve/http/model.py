@@ -62,7 +62,9 @@ class EngineSpec:
 def build_engine(spec: EngineSpec, model: HybridLM | None = None) -> ServeEngine:
     """A fresh engine for ``spec`` on a fresh pool: ``num_pages`` or, by default, 2 * max_num_seqs *
     (state pages + KV pages of ``max_model_len`` tokens), so every slot fits at full length with the same
-    again left for cached prefixes. Raises ValueError for a bad spec."""
+    again left for cached prefixes. The engine is the batched one, its scheduler capped at ``max_num_seqs``
+    running requests: every step runs their decode rows and the admitted prompts' prefill rows together.
+    Raises ValueError for a bad spec."""
     model = load_model(spec.preset) if model is None else model
     config = spec.config
     layout = config.layout(model.cfg)
@@ -70,4 +72,4 @@ def build_engine(spec: EngineSpec, model: HybridLM | None = None) -> ServeEngine
     num_pages = spec.num_pages or 2 * spec.max_num_seqs * per_request
     pool = PagePool(num_pages, config.page_bytes(model.cfg))
     cache = PrefixCache(pool, config, cfg=model.cfg) if spec.prefix_cache else None
-    return ServeEngine(model, pool, cache, config=config)
+    return ServeEngine(model, pool, cache, config=config, max_num_seqs=spec.max_num_seqs, batched=True)

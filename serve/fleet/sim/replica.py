@@ -152,7 +152,21 @@ class Replica:
                     if self.cache is not None:
                         self.cache.touch(job.req.hash_ids[: job.hit_tokens // self.cfg.block_size])
                     parts.append((max(1, job.input_length - job.hit_tokens), job.hit_tokens))
-                yield env.timeout(svc.prefill_batch_ms(parts))
+                decoding = list(self.running) if getattr(svc, "mixed_steps", False) else []   # rows sharing the step
+                if decoding:
+                    ctx = sum(j.input_length + j.req.output_length - j.remaining for j in decoding) // len(decoding)
+                    yield env.timeout(svc.mixed_step_ms(parts, len(decoding), ctx))
+                else:
+                    yield env.timeout(svc.prefill_batch_ms(parts))
+                for job in decoding:
+                    if job not in self.running:
+                        continue
+                    job.remaining -= 1
+                    self.scheduler.on_decode(job.klass, 1)
+                    if job.remaining == 0:
+                        self.running.remove(job)
+                        self._release(job)
+                        self.finish(job, "completed")
                 for job in admitted:
                     if self.cache is not None:
                         self.cache.insert(job.req.hash_ids)

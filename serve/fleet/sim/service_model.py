@@ -8,6 +8,14 @@ running requests: ``decode_step_ms(b) = decode_step_base_ms + decode_step_per_se
 A request's first token comes at the end of its prefill step; the remaining ``output_length − 1``
 come from decode steps.
 
+``mixed_steps=True`` models a batched engine that runs decode rows and prefill chunks in the same step
+(vLLM v1 / SGLang chunked prefill; our :class:`serve.engine.ServeEngine`): a step with admitted prompts also
+advances every running request by one token and lasts
+``prefill_overhead_ms + uncached_tokens / prefill_tokens_per_s · 1000 + decode_step_per_seq_ms · b``
+(one fixed cost per step, each prefill token and each decode row on top: :meth:`ServiceModel.mixed_step_ms`);
+without admissions the step is a decode step as above. For such an engine ``prefill_overhead_ms`` is the fixed
+cost of a step that has prefill rows and ``decode_step_base_ms`` that of a decode-only step.
+
 Admission limits: at most ``max_batch_requests`` running; each running request reserves
 ``input_length + output_length`` KV tokens out of ``kv_capacity_tokens`` (S-LoRA reserves the full
 future length the same way); one prefill step admits at most ``max_prefill_tokens_per_step`` uncached
@@ -45,14 +53,22 @@ class ServiceModel:
     kv_capacity_tokens: int | None = None
     max_prefill_tokens_per_step: int | None = None
     source: str = ""
+    mixed_steps: bool = False
+    decode_per_context_token_ms: float = 0.0
+    decode_buckets: tuple[int, ...] | None = None
 
     def __post_init__(self):
         check_positive("prefill_tokens_per_s", self.prefill_tokens_per_s)
-        if not self.decode_step_base_ms > 0 or self.decode_step_per_seq_ms < 0 or self.prefill_overhead_ms < 0:
-            raise ValueError("decode_step_base_ms must be > 0; per-seq and overhead times must be >= 0")
+        if not self.decode_step_base_ms > 0 or self.decode_step_per_seq_ms < 0 or self.prefill_overhead_ms < 0 \
+                or self.decode_per_context_token_ms < 0:
+            raise ValueError("decode_step_base_ms must be > 0; per-seq, per-context-token and overhead times must "
+                             "be >= 0")
         check_int("max_batch_requests", self.max_batch_requests)
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be >= 1 or None, got {self.kv_capacity_tokens}")
+        if self.decode_buckets is not None and (not self.decode_buckets or any(
+                not isinstance(b, int) or b < 1 for b in self.decode_buckets)):
+            raise ValueError(f"decode_buckets must be None or positive ints, got {self.decode_buckets!r}")
         if self.max_prefill_tokens_per_step is not None and self.max_prefill_tokens_per_step < 1:
             raise ValueError("max_prefill_tokens_per_step must be >= 1 or None")
 
@@ -65,9 +81,27 @@ class ServiceModel:
         count (the interface :class:`serve.fleet.sim.roofline_service.RooflineService` shares)."""
         return self.prefill_ms(sum(n for n, _ in parts))
 
+    def mixed_step_ms(self, parts, decode_batch: int, context_tokens: int = 0) -> float:
+        """A step of a batched engine (``mixed_steps``): the prefill step over ``parts`` (see
+        :meth:`prefill_batch_ms`) plus one decode row for each of ``decode_batch`` running requests of mean
+        context ``context_tokens``."""
+        return self.prefill_batch_ms(parts) + self.decode_step_ms(decode_batch, context_tokens) - \
+            self.decode_step_base_ms
+
     def decode_step_ms(self, batch: int, context_tokens: int = 0) -> float:
-        """Duration of one decode step with ``batch`` running requests (the context does not matter here)."""
-        return self.decode_step_base_ms + self.decode_step_per_seq_ms * batch
+        """Duration of one decode step with ``batch`` running requests of mean context ``context_tokens``:
+        ``decode_step_base_ms + decode_step_per_seq_ms · padded_batch(batch) + decode_per_context_token_ms ·
+        batch · context`` (pad rows cost a row but read no KV; zero per-context cost by default)."""
+        return (self.decode_step_base_ms + self.decode_step_per_seq_ms * self.padded_batch(batch)
+                + self.decode_per_context_token_ms * batch * context_tokens)
+
+    def padded_batch(self, batch: int) -> int:
+        """The decode rows a step really computes: ``batch`` rounded up to the smallest of ``decode_buckets``
+        that holds it (CUDA-graph buckets, vLLM's ``cudagraph_capture_sizes``; our ModelRunner pads the same
+        way), ``batch`` itself above the largest bucket or without buckets."""
+        if self.decode_buckets is None or batch <= 0:
+            return batch
+        return min((b for b in self.decode_buckets if b >= batch), default=batch)
 
     def scaled(self, prefill_x: float, decode_x: float, kv_capacity_tokens: int | None = None,
                max_batch_requests: int | None = None) -> ServiceModel:

@@ -281,3 +281,48 @@ def test_on_off_less_rebuilt_without_files_equals_artifact(traces_dir):
     for a, b in zip(offline.rows, online.rows, strict=True):
         assert a.measured_p50_s == b.measured_p50_s and a.measured_p99_s == b.measured_p99_s
         assert a.ours_p99_s == pytest.approx(b.ours_p99_s, rel=1e-9)
+
+
+def _mixed_service(mixed: bool, per_ctx: float = 0.0) -> ServiceModel:
+    return ServiceModel(prefill_tokens_per_s=1000, decode_step_base_ms=10, decode_step_per_seq_ms=1.0,
+                        prefill_overhead_ms=10, mixed_steps=mixed, decode_per_context_token_ms=per_ctx)
+
+
+def test_mixed_steps_decode_rows_share_the_prefill_step_by_hand():
+    """A batched engine (vLLM v1, our ServeEngine) decodes the running rows in the step that prefills a new
+    prompt: A (10 tokens in, 3 out) at 0, B (20 in, 2 out) at 5 ms. Prefill A: 10 + 10 = 20 ms. Mixed step at
+    20: B's 20 tokens + 10 fixed + A's decode row 1 = 31 -> B's first token at 51, A has 1 left. Decode step of
+    2 rows: 12 -> both finish at 63. Prefill-prioritised (mixed_steps off): B's prefill 20..50, decode 50..62
+    (B done), A alone 62..73."""
+    reqs = [FleetRequest(0, 0.0, 10, 3, (1,)), FleetRequest(1, 5.0, 20, 2, (2,))]
+    for mixed, a_finish, b_first, b_finish in ((True, 63.0, 51.0, 63.0), (False, 73.0, 50.0, 62.0)):
+        res = {r.request_id: r for r in simulate(reqs, FleetConfig(_mixed_service(mixed), 1)).results}
+        assert res[0].first_token_ms == pytest.approx(20.0)
+        assert res[0].finish_ms == pytest.approx(a_finish), mixed
+        assert res[1].first_token_ms == pytest.approx(b_first), mixed
+        assert res[1].finish_ms == pytest.approx(b_finish), mixed
+
+
+def test_decode_cost_grows_with_context():
+    """decode_step_ms = base + rows * (per_seq + per_context_token * context); one request of 100 tokens in, 3 out
+    (contexts 101, 102 during its two decode steps): 10 + 100 prefill, then 2 steps of ~ 10 + 1 + 0.1 * ctx."""
+    svc = _mixed_service(True, per_ctx=0.1)
+    assert svc.decode_step_ms(4, 50) == pytest.approx(10 + 4 * (1 + 5))
+    assert svc.mixed_step_ms([(20, 0)], 4, 50) == pytest.approx(10 + 20 + 4 * (1 + 5))
+    (r,) = simulate([FleetRequest(0, 0.0, 100, 3, (1,))], FleetConfig(svc, 1)).results
+    assert r.first_token_ms == pytest.approx(110.0)
+    assert r.finish_ms - r.first_token_ms == pytest.approx(2 * (11 + 0.1 * 101), rel=0.02)
+    with pytest.raises(ValueError, match="per-context-token"):
+        _mixed_service(True, per_ctx=-1.0)
+
+
+def test_decode_rows_padded_to_buckets():
+    """A batched engine pads its decode rows to a bucket (vLLM's cudagraph_capture_sizes; our ModelRunner's
+    DECODE_BUCKETS): 3 rows cost 4, 5 cost 8, above the largest bucket the rows themselves; pad rows read no KV."""
+    svc = ServiceModel(prefill_tokens_per_s=1000, decode_step_base_ms=10, decode_step_per_seq_ms=1.0,
+                       decode_per_context_token_ms=0.01, decode_buckets=(1, 2, 4, 8))
+    assert [svc.padded_batch(b) for b in (1, 3, 5, 8, 9)] == [1, 4, 8, 8, 9]
+    assert svc.decode_step_ms(3, 100) == pytest.approx(10 + 4 * 1.0 + 3 * 0.01 * 100)
+    assert _mixed_service(True).decode_step_ms(3) == pytest.approx(13.0)                   # no buckets: rows
+    with pytest.raises(ValueError, match="decode_buckets"):
+        ServiceModel(prefill_tokens_per_s=1000, decode_step_base_ms=10, decode_buckets=(0, 4))

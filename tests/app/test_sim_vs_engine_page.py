@@ -1,0 +1,32 @@
+"""Page 14's "predicted vs measured on the real engine": the section renders the recorded bench run, labelled as
+such (date, conditions), and its table and MAPE chart show exactly the JSON's numbers."""
+import json
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+from lab.fleet_simulation import SIM_VS_ENGINE_JSON
+from tests.app.page_helpers import chart_spec, plotly_values
+
+PAGE = str(Path(__file__).resolve().parents[2] / "app_pages" / "14_fleet_simulation.py")
+
+
+def test_predicted_vs_measured_section_shows_the_recorded_run():
+    raw = json.loads(SIM_VS_ENGINE_JSON.read_text())
+    at = AppTest.from_file(PAGE, default_timeout=300).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any(h.value == "5 · Predicted vs measured on the real engine" for h in at.subheader)
+    assert any("Recorded bench run" in c.value and raw["meta"]["measured"] in c.value for c in at.caption)
+    table = next(d.value for d in at.dataframe if "predicted" in d.value.columns and "rate_rps" in d.value.columns)
+    assert len(table) == len(raw["rows"])
+    for shown, rec in zip(table.itertuples(), raw["rows"]):
+        assert (shown.rate_rps, shown.measured, shown.predicted) == (rec["rate_rps"], rec["measured"],
+                                                                     rec["predicted"])
+        assert shown.error_pct == pytest.approx(abs(rec["predicted"] - rec["measured"]) / rec["measured"] * 100)
+    (bar,) = chart_spec(at, "p14_sim_engine_chart")["data"]
+    expected = {}
+    for rec in raw["rows"]:
+        expected.setdefault(rec["metric"], []).append(abs(rec["predicted"] - rec["measured"]) / rec["measured"] * 100)
+    assert plotly_values(bar["y"]) == pytest.approx([sum(v) / len(v) for v in expected.values()])
+    assert plotly_values(bar["y"]) == pytest.approx(list(raw["mape_pct"].values()))

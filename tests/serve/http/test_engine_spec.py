@@ -1,0 +1,15 @@
+"""The server's engine is the batched one, sized by its spec: ``max_num_seqs`` reaches the engine's scheduler."""
+from serve.http.model import EngineSpec, build_engine, load_model
+
+
+def test_server_engine_is_batched_with_the_specs_max_num_seqs():
+    model = load_model("demo-tiny")
+    engine = build_engine(EngineSpec("demo-tiny", max_model_len=64, max_num_seqs=6), model)
+    assert engine.batched and engine.sched_config.max_num_seqs == 6
+    rids = [engine.submit([1 + i, 2, 3], 4) for i in range(8)]
+    engine.step()
+    assert len(engine.running) == 6 and len(engine.waiting) == 2       # the engine itself caps the running batch
+    for _ in range(20):
+        engine.step()
+    assert all(engine.result(r).status.name == "FINISHED" for r in rids)
+    engine.check_integrity()
