@@ -52,3 +52,22 @@ def test_p10_superlinear_point_is_explained(monkeypatch):
     warning = next(w.value for w in at.warning if w.value.startswith("Above the ideal 2×"))
     measured = next(t for t in chart_spec(at, "p10_speedup_chart")["data"] if t["name"].startswith("measured"))
     assert "above ideal" in measured["text"][1] and measured["hovertext"][1] == warning
+
+
+def test_p16_composition_axes_readable():
+    """Chart 1's right axis read "-8.2" tokens under the legend, and the speculation toggle's label was cut off."""
+    at = open_page("app_pages/16_continuous_batching.py")
+    toggle = next(t for t in at.toggle if t.key == "p16_spec")
+    assert len(toggle.label) <= LABEL_CHARS and toggle.help, toggle.label
+    layout = chart_spec(at, "p16_composition")["layout"]
+    assert layout["legend"]["orientation"] == "h" and layout["legend"]["y"] < 0     # below the plot, off the ticks
+    for axis in ("yaxis", "yaxis2"):
+        ax = layout[axis]
+        assert ax["rangemode"] == "tozero", axis                                   # no negative counts
+        assert ax["tick0"] == 0 and isinstance(ax["dtick"], int) and ax["dtick"] >= 1, axis   # integer ticks
+
+
+def test_int_tick_step():
+    from app_pages.charts import int_tick_step
+    assert [int_tick_step(n) for n in (0, 8, 9, 16, 17, 40, 41, 128, 1000)] == [1, 1, 2, 2, 5, 5, 10, 20, 200]
+    assert all(n / int_tick_step(n) <= 8 for n in range(0, 5000, 7))
