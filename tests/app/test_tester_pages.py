@@ -71,3 +71,10 @@ def test_int_tick_step():
     from app_pages.charts import int_tick_step
     assert [int_tick_step(n) for n in (0, 8, 9, 16, 17, 40, 41, 128, 1000)] == [1, 1, 2, 2, 5, 5, 10, 20, 200]
     assert all(n / int_tick_step(n) <= 8 for n in range(0, 5000, 7))
+
+
+def test_p08_no_shared_prefix_says_no_hit():
+    """?p08_shared=0 still said "bitwise equal: the hit b = 0 is a multiple of the 64-token KDA chunk"."""
+    at = open_page("app_pages/08_prefix_hit.py", p08_shared=0)
+    said = next(c.value for c in at.caption if c.value.startswith("Warm output "))
+    assert "there is no hit (b = 0)" in said and "multiple" not in said, said
