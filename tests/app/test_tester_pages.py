@@ -8,7 +8,7 @@ import streamlit as st
 
 import lab.kcp
 from lab.timing import summarize
-from tests.app.page_helpers import chart_spec, open_page
+from tests.app.page_helpers import chart_spec, open_page, plotly_values
 
 LABEL_CHARS = 32       # what a metric label / toggle shows un-truncated in a quarter to a third of 1400 px
 
@@ -78,3 +78,15 @@ def test_p08_no_shared_prefix_says_no_hit():
     at = open_page("app_pages/08_prefix_hit.py", p08_shared=0)
     said = next(c.value for c in at.caption if c.value.startswith("Warm output "))
     assert "there is no hit (b = 0)" in said and "multiple" not in said, said
+
+
+def test_p03_one_point_context_range():
+    """The range 1024-1024 drew four flat lines with no x tick: now one bar per cache kind at that context, and a
+    note naming the widget."""
+    at = open_page("app_pages/03_kda_state_vs_kv.py", p03_context=(1024, 1024))
+    assert any(i.value.startswith("Context range (tokens) has both ends at 1,024 tokens") for i in at.info)
+    fig = chart_spec(at, "p03_bytes_chart")
+    assert [t["type"] for t in fig["data"]] == ["bar"], fig["data"]
+    bars = fig["data"][0]
+    assert len(bars["x"]) == 4 and all(v > 0 for v in plotly_values(bars["y"]))
+    assert "1,024 tokens" in fig["layout"]["xaxis"]["title"]["text"]
