@@ -50,7 +50,7 @@ prefix = url_widget(d2.checkbox, "Seed rank 0 with a prefix-cache state", "p10_p
                max_entries=16, ttl="1h")
 def _run(seq_len, world, heads, head_k, head_v, variant, prefix):
     return kcp_experiment(seq_len, world, heads, head_k, head_v, variant, prefix, start_method="fork")
-_baselines = st.cache_data(one_rank_baselines, show_spinner="Timing one rank at 1 thread and on all cores, interleaved…",
+_baselines = st.cache_data(one_rank_baselines, show_spinner="Timing one rank in this process, interleaved repeats…",
                            max_entries=16, ttl="1h")
 run = engine_call(_run, seq_len, world, heads, head_k, head_v, variant, prefix)
 remeasure_button(_run, "p10_remeasure")
