@@ -48,14 +48,24 @@ run = engine_call(_p03_measure, preset, state_dt, kv_dt, (lo, hi), heads_meas, m
 cfg, df, be, be_rec = run.cfg, run.bytes, run.break_even_tokens, run.recurrent_break_even_tokens
 with part1:
     st.subheader("1 · Cache bytes per sequence vs context")
+    series = [("mla_kv_bytes", "MLA latent KV (grows)", None), ("kda_state_bytes", "KDA fixed state (flat)", None),
+              ("total_bytes", "Total (hybrid)", None), ("all_mla_bytes", "Counterfactual: all layers at MLA width", "dot")]
     fig = go.Figure()
-    for col, name, dash in [("mla_kv_bytes", "MLA latent KV (grows)", None), ("kda_state_bytes", "KDA fixed state (flat)", None),
-                            ("total_bytes", "Total (hybrid)", None), ("all_mla_bytes", "Counterfactual: all layers at MLA width", "dot")]:
-        fig.add_trace(go.Scatter(x=df.num_tokens, y=df[col] / 2 ** 20, name=name, mode="lines", line=dict(dash=dash)))
-    if math.isfinite(be) and lo <= be <= hi:
-        fig.add_vline(x=be, line_dash="dash", line_color="gray", annotation_text=f"break-even ≈ {be:,.0f} tokens")
-    fig.update_layout(xaxis_title="context length (tokens, log)", yaxis_title="bytes per sequence (MiB, log)",
-                      xaxis_type="log", yaxis_type="log", legend=dict(orientation="h", y=-0.25))
+    if lo == hi:   # one context: lines over a single x would be flat and tickless, so one bar per kind instead
+        st.info(f"Context range (tokens) has both ends at {lo:,} tokens: the bytes at that one context are below; "
+                "move one end to see how they grow with context.")
+        fig.add_trace(go.Bar(x=[name for _, name, _ in series], y=[float(df[col].iloc[0]) / 2 ** 20 for col, _, _ in series],
+                             text=[f"{float(df[col].iloc[0]) / 2 ** 20:,.1f} MiB" for col, _, _ in series],
+                             textposition="outside"))
+        fig.update_layout(xaxis_title=f"cache kind, at a context of {lo:,} tokens", yaxis_title="bytes per sequence (MiB, log)",
+                          yaxis_type="log")
+    else:
+        for col, name, dash in series:
+            fig.add_trace(go.Scatter(x=df.num_tokens, y=df[col] / 2 ** 20, name=name, mode="lines", line=dict(dash=dash)))
+        if math.isfinite(be) and lo <= be <= hi:
+            fig.add_vline(x=be, line_dash="dash", line_color="gray", annotation_text=f"break-even ≈ {be:,.0f} tokens")
+        fig.update_layout(xaxis_title="context length (tokens, log)", yaxis_title="bytes per sequence (MiB, log)",
+                          xaxis_type="log", yaxis_type="log", legend=dict(orientation="h", y=-0.25))
     show_chart(fig, df, key="p03_bytes_chart")
 
     m1, m2, m3, m4 = st.columns(4)

@@ -2,7 +2,7 @@
 import plotly.graph_objects as go
 import streamlit as st
 
-from app_pages.charts import show_chart
+from app_pages.charts import int_tick_step, show_chart
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
 from app_pages.measurement import measured_stamp, run_on_request
@@ -21,7 +21,8 @@ seqs = url_widget(c1.slider, "max_num_seqs", "p16_seqs", DEFAULTS["max_num_seqs"
 budget = url_widget(c2.select_slider, "Token budget per step (tokens)", "p16_budget",
                     DEFAULTS["max_num_batched_tokens"], [64, 128, 256, 512])
 slots = url_widget(c3.slider, "State slots", "p16_slots", DEFAULTS["num_state_slots"], 1, 16)
-spec = url_widget(c4.toggle, "Speculation (n-gram drafts, verified in the batch)", "p16_spec", DEFAULTS["speculation"])
+spec = url_widget(c4.toggle, "Speculation", "p16_spec", DEFAULTS["speculation"],
+                  help="n-gram drafts (prompt lookup), verified in the batch alongside decode and prefill rows.")
 
 
 @st.cache_data(show_spinner="Replaying the trace, then every request alone…", max_entries=32, ttl="1h")
@@ -46,8 +47,11 @@ fig = go.Figure([go.Bar(x=steps["step"], y=steps["decode rows"], name="decode ro
                  go.Bar(x=steps["step"], y=steps["pad rows"], name="pad rows (slot −1)")])
 fig.add_trace(go.Scatter(x=steps["step"], y=steps["prefill tokens"], name="prefill tokens", yaxis="y2",
                          mode="lines+markers"))
-fig.update_layout(barmode="stack", xaxis_title="engine step", yaxis_title="decode rows (rows)",
-                  yaxis2=dict(title="prefill tokens (tokens)", overlaying="y", side="right"))
+rows_max = int((steps["decode rows"] + steps["pad rows"]).max())
+fig.update_layout(barmode="stack", xaxis_title="engine step", legend=dict(orientation="h", y=-0.25),
+                  yaxis=dict(title="decode rows (rows)", rangemode="tozero", tick0=0, dtick=int_tick_step(rows_max)),
+                  yaxis2=dict(title="prefill tokens (tokens)", overlaying="y", side="right", rangemode="tozero",
+                              tick0=0, dtick=int_tick_step(int(steps["prefill tokens"].max())), showgrid=False))
 show_chart(fig, steps, key="p16_composition")
 
 st.subheader("2 · State slots held against the ceiling")

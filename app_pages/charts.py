@@ -144,6 +144,15 @@ def show_forward_fit(fit, key: str) -> None:
             "cut TTFT in proportion; it does not.")
 
 
+def int_tick_step(max_value: int, max_ticks: int = 8) -> int:
+    """The smallest 1-2-5 step (1, 2, 5, 10, 20, ...) that puts at most ``max_ticks`` integer ticks on an axis from 0
+    to ``max_value`` (a count: rows, tokens, requests), so no tick reads a fraction or a negative count."""
+    step = 1
+    while max(int(max_value), 0) / step > max_ticks:
+        step = step * 5 // 2 if str(step)[0] == "2" else step * 2
+    return step
+
+
 def num(label: str, fmt: str = "localized", **kwargs):
     """A right-aligned number column headed ``label`` (with its unit): ``fmt`` is a printf format (``"%.1f ms"``,
     ``"%,d B"``) or a Streamlit preset (``"localized"``: thousands separators, the default)."""

@@ -112,6 +112,10 @@ class Comparison(NamedTuple):
     def reason(self) -> str:
         """Why, in one sentence: where the hit boundary b sits on the KDA chunk grid."""
         b, C = self.hit_tokens, CHUNK_SIZE
+        if b == 0:
+            why = ("there is no hit (b = 0): the warm run restored nothing and prefilled the whole prompt, the same "
+                   "forward as the cache-off run")
+            return why if self.bitwise else why + ", yet its output differs"
         if self.on_grid:
             why = (f"the hit b = {b} is a multiple of the {C}-token KDA chunk, so the warm prefill from b ran on "
                    "the cache-off run's chunk grid")

@@ -34,7 +34,7 @@ def test_p10_speedup_against_the_fastest_one_rank_baseline(monkeypatch):
                      text)
     assert said, text
     assert "thread(s)" not in said.group(1) or said.group(1).endswith(" 1 thread(s)")
-    speedup = next(m for m in at.metric if m.label.startswith("Measured speedup"))
+    speedup = next(m for m in at.metric if m.label.startswith("Speedup vs best"))
     assert speedup.value == f"{float(said.group(2)):.2f}×"
     assert float(said.group(2)) < 4                              # 2 ranks on <= 2 shared cores: never 6.65x
 

@@ -97,5 +97,13 @@ def test_verdict_and_reason():
     assert compare_row(bitwise=False, hit=400, diff=2e-5).verdict == "different"
 
 
+def test_reason_with_no_hit():
+    """With no shared prefix (page 08 at b = 0) the reason said "the hit b = 0 is a multiple of the 64-token KDA
+    chunk": with no hit there is nothing to explain beyond warm == cold running the same forward."""
+    none = compare_row(bitwise=True, hit=0)
+    assert none.reason.startswith("there is no hit (b = 0)") and "multiple" not in none.reason
+    assert compare_row(bitwise=False, hit=0, diff=1.0).reason.endswith("yet its output differs")
+
+
 def compare_row(bitwise, hit, diff=0.0):
     return Comparison(True, diff, bitwise, hit, hit % CHUNK_SIZE == 0)
