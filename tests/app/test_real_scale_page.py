@@ -54,3 +54,38 @@ def test_k3_says_its_fit_comes_from_kimi_linear():
     _check(at, f"{PAGE} k3")
     note = " ".join(i.value for i in at.info)
     assert "Kimi-Linear-48B-A3B" in note and "unchecked" in note, note
+
+
+def _markdown(at) -> str:
+    return "\n".join(m.value for m in at.markdown)
+
+
+def test_a100_tp2_says_all_mla_cannot_hold_1m_and_never_prints_nan():
+    """On A100 x TP2 the all-MLA model holds no 1M-token sequence: the page says so and compares throughput at
+    512K, the largest context both hold (it printed "nan×" at 1M); the fitted alpha < 1 is flagged."""
+    at = _fresh(PAGE)
+    at.selectbox(key="p15_gpu").set_value("A100").run()
+    at.select_slider(key="p15_tp").set_value(2).run()
+    _check(at, f"{PAGE} A100 TP2")
+    text = _markdown(at)
+    assert "nan" not in text.lower(), text
+    batch = next(m.value for m in at.markdown if "largest batch its memory holds" in m.value)
+    assert "the all-MLA model cannot hold one 1M-token sequence" in batch, batch
+    assert "At 512K tokens, the largest context both fit, on A100 x TP2" in batch, batch
+    warning = " ".join(w.value for w in at.warning)
+    assert "α (attention) = 0.07 < 1" in warning and "faster than the physical roofline" in warning, warning
+
+
+def test_error_text_table_and_headline_agree():
+    """The text's ratio errors are the table's largest |error| per quantity over the same nine contexts, and its
+    held-out seconds error is the headline metric's (they quoted three unrelated numbers)."""
+    at = _fresh(PAGE)
+    _check(at, PAGE)
+    table = next(d.value for d in at.dataframe if "setup" in d.value.columns)
+    assert sorted(set(table.context_tokens)) == [4096 * 2 ** i for i in range(9)], table
+    text = next(m.value for m in at.markdown if m.value.startswith("**Kimi-Linear-48B-A3B against the report"))
+    for q, before in (("prefill (Fig. 7a)", "up to "), ("TPOT, batch 1 (Fig. 7b)", "by up to ")):
+        worst = table[table.quantity == q].rel_error.abs().max()      # percent (app_pages.charts.pct)
+        assert f"{before}{worst:.0f}% for {q.split(' ')[0].split(',')[0]}" in text, (q, worst, text)
+    metric = next(m for m in at.metric if m.label.startswith("Held-out prefill error"))
+    assert "seconds" in metric.label and f"held-out all-MLA points by up to {metric.value.lstrip('±')}" in text, text
