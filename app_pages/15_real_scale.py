@@ -19,6 +19,7 @@ from lab.real_scale import (
     MEMORY_FRACTION,
     OURS_C,
     REPORT_THROUGHPUT_CLAIM,
+    TIE_TOLERANCE,
     policy_title,
     policy_view,
     preset_title,
@@ -213,14 +214,16 @@ show_chart(kinds, mid[["policy", "budget_gb", "kv_gb", "state_gb", "running_gb",
 if len(pv.intervals):
     iv = go.Figure([go.Scatter(x=g.interval_tokens, y=g.token_hit_ratio, mode="lines+markers", name=policy_title(p))
                     for p, g in pv.intervals.groupby("policy", sort=False)])
-    iv.update_layout(xaxis_type="log", title=f"at {pv.interval_budget_gb:,.0f} GB per replica",
+    iv.update_layout(xaxis_type="log", title=f"token hit ratio against the state interval, at "
+                     f"{pv.interval_budget_gb:,.0f} GB per replica",
                      xaxis_title="state interval (tokens, log): ours' C / extra_buffer's chunked_prefill_size",
                      yaxis_title="token hit ratio (fraction)", legend=dict(orientation="h", y=-0.3))
     show_chart(iv, pv.intervals, key="p15_interval_chart")
     ivt = go.Figure([go.Scatter(x=g.interval_tokens, y=g.mean_ttft_s * 1e3, mode="lines+markers", name=policy_title(p),
                                 customdata=g.p99_ttft_s * 1e3, hovertemplate="mean %{y:.1f} ms, P99 %{customdata:.0f} ms")
                      for p, g in pv.intervals.groupby("policy", sort=False)])
-    ivt.update_layout(xaxis_type="log", title=f"at {pv.interval_budget_gb:,.0f} GB per replica",
+    ivt.update_layout(xaxis_type="log", title=f"mean TTFT against the state interval, at "
+                      f"{pv.interval_budget_gb:,.0f} GB per replica",
                       xaxis_title="state interval (tokens, log): ours' C / extra_buffer's chunked_prefill_size",
                       yaxis_title="mean TTFT, roofline (ms)", legend=dict(orientation="h", y=-0.3))
     show_chart(ivt, pv.intervals[["policy", "interval_tokens", "mean_ttft_s", "p99_ttft_s", "token_hit_ratio"]],
@@ -228,10 +231,21 @@ if len(pv.intervals):
 ch = pv.choice
 by_budget = ch[ch.interval_tokens.isna()]
 by_interval = ch[ch.interval_tokens.notna()]
-st.markdown("**What to choose on this trace.** Lowest mean TTFT per budget: " + "; ".join(
-    f"{r.budget_gb:,.0f} GB → {policy_title(r.policy)} ({r.mean_ttft_s * 1e3:.1f} ms, hit {r.token_hit_ratio:.3f})"
-    for r in by_budget.itertuples()) + (". Best interval at " f"{pv.interval_budget_gb:,.0f} GB: " + "; ".join(
-    f"{policy_title(r.policy)} → {int(r.interval_tokens):,} tokens ({r.mean_ttft_s * 1e3:.1f} ms)" for r in by_interval.itertuples())
+
+
+def _pick(r) -> str:
+    best = f"{policy_title(r.policy)} ({r.mean_ttft_s * 1e3:.1f} ms, hit {r.token_hit_ratio:.3f})"
+    if not r.tied:
+        return f"{r.budget_gb:,.0f} GB → {best}"
+    others = ", ".join(f"{policy_title(p)} ({t * 1e3:.1f} ms)" for p, t in r.tied)
+    return f"{r.budget_gb:,.0f} GB → tie within {TIE_TOLERANCE:.0%}: {best}, {others}"
+
+
+st.markdown("**What to choose on this trace.** Lowest mean TTFT per budget (within "
+            f"{TIE_TOLERANCE:.0%} is a tie: below the roofline's precision): " + "; ".join(
+    _pick(r) for r in by_budget.itertuples()) + (". Best interval at " f"{pv.interval_budget_gb:,.0f} GB: " + "; ".join(
+    f"{policy_title(r.policy)} → {int(r.interval_tokens):,} tokens ({r.mean_ttft_s * 1e3:.1f} ms"
+    + (": the largest swept; the curve still falls)" if r.still_falls else ")") for r in by_interval.itertuples())
     if len(by_interval) else "") + ".")
 show_table(b.assign(mean_ttft_ms=b.mean_ttft_s * 1e3, policy=b.policy.map(policy_title)), {"policy": "Policy", "budget_gb": num("Budget / replica (GB)", "%,.0f"),
                "token_hit_ratio": pct("Token hit ratio"), "mean_ttft_ms": num("Mean TTFT (ms)", "%.1f"),

@@ -402,12 +402,29 @@ def policy_view(replica: RealReplica, num_requests: int, upload: bytes | None = 
                       total_tokens=int(ttft.lengths.sum()), note=note, choice=choose(budgets, ivs))
 
 
+TIE_TOLERANCE = 0.01   # choose(): policies whose mean TTFT is within 1 % of the best are a tie, not a loss
+
+
 def choose(budgets: pd.DataFrame, intervals: pd.DataFrame) -> pd.DataFrame:
     """:class:`PolicyView`'s ``choice``: the lowest mean TTFT per budget (over policies) and per interval-swept
-    policy (over intervals); ties to the first row."""
-    cols = ["budget_gb", "policy", "interval_tokens", "mean_ttft_s", "token_hit_ratio"]
+    policy (over intervals); ties to the first row. ``tied`` (budget rows): the other policies whose mean TTFT is
+    within :data:`TIE_TOLERANCE` (relative) of the best, as ``(policy, mean_ttft_s)`` fastest first, () if none:
+    a difference below the roofline's rounding is no winner. ``still_falls`` (interval rows): the best interval is
+    the largest swept and the mean TTFT still falls there (a larger interval may be better still)."""
+    cols = ["budget_gb", "policy", "interval_tokens", "mean_ttft_s", "token_hit_ratio", "tied", "still_falls"]
     best = budgets.loc[budgets.groupby("budget_gb", sort=True).mean_ttft_s.idxmin()].assign(interval_tokens=np.nan)
+    best["tied"] = [tuple((r.policy, r.mean_ttft_s) for r in budgets[
+        (budgets.budget_gb == b.budget_gb) & (budgets.index != i)
+        & (budgets.mean_ttft_s <= b.mean_ttft_s * (1 + TIE_TOLERANCE))].sort_values("mean_ttft_s").itertuples())
+        for i, b in best.iterrows()]
+    best["still_falls"] = False
     parts = [best.reindex(columns=cols)]
     if len(intervals):
-        parts.append(intervals.loc[intervals.groupby("policy", sort=False).mean_ttft_s.idxmin()].reindex(columns=cols))
+        iv = intervals.loc[intervals.groupby("policy", sort=False).mean_ttft_s.idxmin()].copy()
+        falls = []
+        for b in iv.itertuples():
+            g = intervals[intervals.policy == b.policy].sort_values("interval_tokens")
+            falls.append(bool(len(g) > 1 and b.interval_tokens == g.interval_tokens.iloc[-1]
+                              and g.mean_ttft_s.iloc[-1] < g.mean_ttft_s.iloc[-2]))
+        parts.append(iv.assign(tied=[()] * len(iv), still_falls=falls).reindex(columns=cols))
     return pd.concat(parts, ignore_index=True)

@@ -276,3 +276,24 @@ def test_policy_view_choice_is_consistent_with_its_sweep():
     by_interval = view.choice[view.choice.interval_tokens.notna()]
     assert by_interval.policy.tolist() == ["ours"]
     assert by_interval.mean_ttft_s.iloc[0] == view.intervals[view.intervals.policy == "ours"].mean_ttft_s.min()
+
+
+def test_choice_calls_a_tie_within_one_percent_and_flags_a_still_falling_interval():
+    """108.1 ms against 108.2 ms is no winner: the other policy within 1 % is listed as tied (fastest first), one
+    5 % slower is not. An interval that is best because it is the largest swept, with the curve still falling, is
+    flagged; one with a minimum inside the sweep is not."""
+    import pandas as pd
+
+    from lab.real_scale import choose
+    budgets = pd.DataFrame({"policy": ["ours", "vllm align", "sglang no_buffer"], "budget_gb": [129.0] * 3,
+                            "mean_ttft_s": [0.1082, 0.1081, 0.1135], "token_hit_ratio": [0.2, 0.19, 0.1]})
+    intervals = pd.DataFrame({"policy": ["ours"] * 3 + ["sglang extra_buffer"] * 3, "budget_gb": [129.0] * 6,
+                              "interval_tokens": [2048, 4096, 8192] * 2,
+                              "mean_ttft_s": [0.102, 0.101, 0.100, 0.107, 0.106, 0.108],
+                              "token_hit_ratio": [0.2] * 6})
+    got = choose(budgets, intervals)
+    assert got.policy.iloc[0] == "vllm align" and got.tied.iloc[0] == (("ours", 0.1082),)
+    assert got.still_falls.tolist() == [False, True, False]
+    assert got.interval_tokens.iloc[1:].tolist() == [8192, 4096]
+    apart = choose(budgets.assign(mean_ttft_s=[0.2, 0.1, 0.3]), intervals.iloc[:0])
+    assert apart.tied.iloc[0] == () and len(apart) == 1
