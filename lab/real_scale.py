@@ -88,6 +88,21 @@ PREFILL_Q, TPOT_Q, BATCH_Q = ("prefill (Fig. 7a)", "TPOT, batch 1 (Fig. 7b)",
 
 
 @dataclass(frozen=True)
+class ThroughputCompare:
+    """Kimi-Linear-48B-A3B's roofline throughput over its all-MLA counterfactual's, each at the largest batch its
+    memory holds, beside the report's Fig. 1b ratio. ``context_tokens``: the largest report context at which both
+    models hold at least one sequence (None when there is none), where ``model`` (roofline ratio) and ``published``
+    are taken (both NaN when None). ``largest_context``: the report's largest context (1M tokens). ``unfit``: the
+    models ("Kimi Linear", "all MLA") that cannot hold one sequence of ``largest_context`` tokens on this setup."""
+
+    context_tokens: int | None
+    model: float
+    published: float
+    largest_context: int
+    unfit: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class RooflineView:
     """The roofline view; every frame is computed on the chosen hardware and TP (``setup``, e.g. "H200 x TP8").
 
@@ -102,7 +117,10 @@ class RooflineView:
     constant). errors: max |rel_error| per group (``group``, ``max_abs_error``, ``points``). batch: the chosen
     model and its all-MLA counterfactual at the largest batch each fits after the weights
     (:mod:`serve.scale.capacity`): ``context_tokens``, ``model``, ``batch``, ``tpot_ms``, ``time_per_token_ms``,
-    ``throughput_tok_s``. fit: the prefill fit on this setup. fit_note: where the fit comes from (says so when
+    ``throughput_tok_s``. throughput: :class:`ThroughputCompare` (never a NaN ratio at a context where a model
+    holds no sequence). fit: the prefill fit on this setup. fit_caveat: "" when alpha and beta are both >= 1, else
+    what a scale below 1 means (the fitted curve is faster than the physical roofline, a lower bound on time).
+    fit_note: where the fit comes from (says so when
     the chosen model is not the one the points were measured on). weights_gb / hbm_gb / free_gb: per replica
     (1e9 bytes)."""
 
@@ -119,6 +137,8 @@ class RooflineView:
     weights_gb: float
     hbm_gb: float
     free_gb: float
+    throughput: ThroughputCompare | None = None
+    fit_caveat: str = ""
 
 
 def _check_contexts(contexts) -> tuple[int, ...]:
@@ -167,6 +187,32 @@ def _validated(hw: Hardware, tp: int, setup: str, fit_kl: PrefillFit) -> pd.Data
     return pd.DataFrame(rows).assign(setup=setup)
 
 
+def _throughput(hw: Hardware, tp: int) -> ThroughputCompare:
+    """Fig. 1b's comparison at the largest report context where both models hold one sequence."""
+    kl = preset(FIT_MODEL)
+    last = max(CONTEXTS)
+    unfit = tuple(name for name, s in (("Kimi Linear", kl), ("all MLA", kl.all_mla()))
+                  if largest_batch_decode(s, hw, tp, last).batch == 0)
+    for c in sorted(CONTEXTS, reverse=True):
+        if all(largest_batch_decode(s, hw, tp, c).batch > 0 for s in (kl, kl.all_mla())):
+            a, m = (largest_batch_decode(s, hw, tp, c).time_per_token_s for s in (kl, kl.all_mla()))
+            return ThroughputCompare(c, m / a, TPOT_FIG1B.ratio(c), last, unfit)
+    return ThroughputCompare(None, math.nan, math.nan, last, unfit)
+
+
+def _fit_caveat(fit: PrefillFit, setup: str) -> str:
+    """What a fitted scale below 1 means: the curve runs faster than the physical roofline (a lower bound)."""
+    low = [f"{name} = {v:.2f}" for name, v in (("α (attention)", fit.alpha), ("β (every other kind)", fit.beta))
+           if v < 1]
+    if not low:
+        return ""
+    return (f"Fitted {' and '.join(low)} < 1 on {setup}: the fitted prefill is faster than the physical roofline, "
+            "which runs every layer at peak FLOPs or bandwidth and so is a lower bound on time. The published "
+            "points are faster than this roofline's assumptions (the report's GPU count, parallelism and kernels "
+            "are not stated), and the fit absorbs what the roofline leaves out; read the fitted curve as a fit to "
+            "the report's points, not as a physically attainable time.")
+
+
 def _errors(points: pd.DataFrame, validated: pd.DataFrame) -> pd.DataFrame:
     groups = [("prefill points the fit saw (Kimi Linear)", points[points.role == "fitted on"].rel_error),
               ("prefill points held out (all MLA)", points[points.role == "held out"].rel_error)]
@@ -212,7 +258,8 @@ def roofline_view(replica: RealReplica, contexts: Sequence[int] = CONTEXTS) -> R
     return RooflineView(setup=setup, curves=curves, published=published, ratios=ratios, prefill_points=points,
                         validated=validated, errors=_errors(points, validated),
                         batch=_batch_rows(shapes, hw, tp, contexts), fit=fit, fit_note=fit_note, weights_gb=w / 1e9,
-                        hbm_gb=hw.hbm_bytes * tp / 1e9, free_gb=(hw.hbm_bytes * tp - w) / 1e9)
+                        hbm_gb=hw.hbm_bytes * tp / 1e9, free_gb=(hw.hbm_bytes * tp - w) / 1e9,
+                        throughput=_throughput(hw, tp), fit_caveat=_fit_caveat(fit, setup))
 
 
 @dataclass(frozen=True)
@@ -357,12 +404,29 @@ def policy_view(replica: RealReplica, num_requests: int, upload: bytes | None = 
                       total_tokens=int(ttft.lengths.sum()), note=note, choice=choose(budgets, ivs))
 
 
+TIE_TOLERANCE = 0.01   # choose(): policies whose mean TTFT is within 1 % of the best are a tie, not a loss
+
+
 def choose(budgets: pd.DataFrame, intervals: pd.DataFrame) -> pd.DataFrame:
     """:class:`PolicyView`'s ``choice``: the lowest mean TTFT per budget (over policies) and per interval-swept
-    policy (over intervals); ties to the first row."""
-    cols = ["budget_gb", "policy", "interval_tokens", "mean_ttft_s", "token_hit_ratio"]
+    policy (over intervals); ties to the first row. ``tied`` (budget rows): the other policies whose mean TTFT is
+    within :data:`TIE_TOLERANCE` (relative) of the best, as ``(policy, mean_ttft_s)`` fastest first, () if none:
+    a difference below the roofline's rounding is no winner. ``still_falls`` (interval rows): the best interval is
+    the largest swept and the mean TTFT still falls there (a larger interval may be better still)."""
+    cols = ["budget_gb", "policy", "interval_tokens", "mean_ttft_s", "token_hit_ratio", "tied", "still_falls"]
     best = budgets.loc[budgets.groupby("budget_gb", sort=True).mean_ttft_s.idxmin()].assign(interval_tokens=np.nan)
+    best["tied"] = [tuple((r.policy, r.mean_ttft_s) for r in budgets[
+        (budgets.budget_gb == b.budget_gb) & (budgets.index != i)
+        & (budgets.mean_ttft_s <= b.mean_ttft_s * (1 + TIE_TOLERANCE))].sort_values("mean_ttft_s").itertuples())
+        for i, b in best.iterrows()]
+    best["still_falls"] = False
     parts = [best.reindex(columns=cols)]
     if len(intervals):
-        parts.append(intervals.loc[intervals.groupby("policy", sort=False).mean_ttft_s.idxmin()].reindex(columns=cols))
+        iv = intervals.loc[intervals.groupby("policy", sort=False).mean_ttft_s.idxmin()].copy()
+        falls = []
+        for b in iv.itertuples():
+            g = intervals[intervals.policy == b.policy].sort_values("interval_tokens")
+            falls.append(bool(len(g) > 1 and b.interval_tokens == g.interval_tokens.iloc[-1]
+                              and g.mean_ttft_s.iloc[-1] < g.mean_ttft_s.iloc[-2]))
+        parts.append(iv.assign(tied=[()] * len(iv), still_falls=falls).reindex(columns=cols))
     return pd.concat(parts, ignore_index=True)

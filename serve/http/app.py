@@ -117,6 +117,7 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
         except RequestError as err:
             return error_response(err)
         except QueueFull as err:
+            metrics.queue_full()
             return error_response(RequestError(f"server busy: {err}; retry later", None, 429, "rate_limit_exceeded"),
                                   RETRY_AFTER_S)
         except LoopStopped as err:

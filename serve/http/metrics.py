@@ -31,6 +31,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REJECT_REASONS = ("never_fits", "queue_full")   # kda:requests_rejected_total{reason=...}
 E2E_BUCKETS = (0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -61,7 +62,9 @@ class ServerMetrics:
         self.generation_tokens = c("vllm:generation_tokens", "Generated tokens.")
         self.success = c("vllm:request_success", "Requests finished, by reason.", ["finished_reason"])
         self.aborted = c("kda:requests_aborted", "Requests aborted (client gone, non-finite values, failed publish).")
-        self.rejected = c("kda:requests_rejected", "Requests the engine rejected (can never fit the pool).")
+        self.rejected = c("kda:requests_rejected", "Requests refused, by reason: never_fits (the engine can never "
+                          "fit it in the pool), queue_full (answered 429: max_num_seqs + max_queue outstanding).",
+                          ["reason"])
         self.ttft = h("vllm:time_to_first_token_seconds", "Time to first token (server arrival to first push).",
                       TTFT_BUCKETS)
         self.itl = h("vllm:inter_token_latency_seconds", "Gap between consecutive token pushes of a request.",
@@ -82,8 +85,10 @@ class ServerMetrics:
                              "Prompt tokens cached as KV but recomputed for want of a checkpoint.")
 
         for counter in (self.queries, self.hits, self.prompt_tokens, self.generation_tokens, self.aborted,
-                        self.rejected, self.miss_requests, self.miss_tokens):
+                        self.miss_requests, self.miss_tokens):
             counter.labels(model_name)                    # every series present from the start, at 0
+        for reason in REJECT_REASONS:
+            self.rejected.labels(model_name, reason)
         self.success.labels(model_name, "length")
 
     def render(self) -> bytes:
@@ -102,13 +107,17 @@ class ServerMetrics:
         stream.last_t = now
         self.generation_tokens.labels(m).inc(n)
 
+    def queue_full(self) -> None:
+        """A request refused at the door with 429 (any thread: prometheus_client counters are thread-safe)."""
+        self.rejected.labels(self.model_name, "queue_full").inc()
+
     def finished(self, stream, res: RequestResult | None) -> None:
         """A request's end (``res`` None: aborted before it reached the engine)."""
         m = self.model_name
         if res is None or res.status is RequestStatus.ABORTED:
             self.aborted.labels(m).inc()
         elif res.status is RequestStatus.REJECTED:
-            self.rejected.labels(m).inc()
+            self.rejected.labels(m, "never_fits").inc()
         else:
             self.success.labels(m, "length").inc()
             self.e2e.observe(stream.last_t - stream.arrival_t)

@@ -80,6 +80,33 @@ def test_largest_batch_beside_fig1b():
     assert at_1m.published == pytest.approx(6.25, abs=0.01) and 3.0 < at_1m.model < 27 / 7 * 1.05
 
 
+@pytest.mark.parametrize("gpu, tp", [("A100", 2), ("H100", 2), ("H200", 1)])
+def test_throughput_compares_where_both_fit_when_mla_cannot_hold_1m(gpu, tp):
+    """Where the all-MLA model cannot hold one 1M-token sequence, the Fig. 1b comparison says so (``unfit``) and is
+    taken at the largest report context both hold, with a finite ratio: never a NaN ratio at 1M."""
+    tc = roofline_view(RealReplica(KIMI, gpu, tp)).throughput
+    kl, hw = preset(KIMI), hardware(gpu)
+    assert largest_batch_decode(kl.all_mla(), hw, tp, 1024 * K).batch == 0
+    assert tc.unfit == ("all MLA",) and tc.largest_context == 1024 * K
+    assert tc.context_tokens == 512 * K and largest_batch_decode(kl.all_mla(), hw, tp, 512 * K).batch > 0
+    a, m = (largest_batch_decode(s, hw, tp, 512 * K).time_per_token_s for s in (kl, kl.all_mla()))
+    assert tc.model == pytest.approx(m / a) and 1 < tc.model < 27 / 7 * 1.05
+    full = roofline_view(RealReplica(KIMI, "H200", 8)).throughput
+    assert full.unfit == () and full.context_tokens == 1024 * K and full.published == pytest.approx(6.25, abs=0.01)
+
+
+@pytest.mark.parametrize("gpu, tp, alpha", [("A100", 2, "0.07"), ("H200", 8, "0.93")])
+def test_fit_below_the_physical_roofline_is_flagged(gpu, tp, alpha):
+    """A fitted scale below 1 makes the fitted prefill faster than the physical roofline (a lower bound on time):
+    the view says so, naming the scale; a fit with both scales >= 1 has no caveat."""
+    view = roofline_view(RealReplica(KIMI, gpu, tp))
+    assert view.fit.alpha < 1 and f"α (attention) = {alpha} < 1" in view.fit_caveat
+    assert "faster than the physical roofline" in view.fit_caveat and "lower bound" in view.fit_caveat
+    from lab.real_scale import _fit_caveat
+    assert _fit_caveat(PrefillFit(1.0, 2.0), "x") == ""
+    assert "β (every other kind) = 0.50" in _fit_caveat(PrefillFit(1.5, 0.5), "x")
+
+
 def test_k3_view_says_its_fit_is_borrowed():
     """K3 has no published points: the view says its fitted curve reuses Kimi-Linear-48B-A3B's alpha, beta."""
     note = roofline_view(RealReplica("kimi-k3", "H200", 16)).fit_note
@@ -249,3 +276,24 @@ def test_policy_view_choice_is_consistent_with_its_sweep():
     by_interval = view.choice[view.choice.interval_tokens.notna()]
     assert by_interval.policy.tolist() == ["ours"]
     assert by_interval.mean_ttft_s.iloc[0] == view.intervals[view.intervals.policy == "ours"].mean_ttft_s.min()
+
+
+def test_choice_calls_a_tie_within_one_percent_and_flags_a_still_falling_interval():
+    """108.1 ms against 108.2 ms is no winner: the other policy within 1 % is listed as tied (fastest first), one
+    5 % slower is not. An interval that is best because it is the largest swept, with the curve still falling, is
+    flagged; one with a minimum inside the sweep is not."""
+    import pandas as pd
+
+    from lab.real_scale import choose
+    budgets = pd.DataFrame({"policy": ["ours", "vllm align", "sglang no_buffer"], "budget_gb": [129.0] * 3,
+                            "mean_ttft_s": [0.1082, 0.1081, 0.1135], "token_hit_ratio": [0.2, 0.19, 0.1]})
+    intervals = pd.DataFrame({"policy": ["ours"] * 3 + ["sglang extra_buffer"] * 3, "budget_gb": [129.0] * 6,
+                              "interval_tokens": [2048, 4096, 8192] * 2,
+                              "mean_ttft_s": [0.102, 0.101, 0.100, 0.107, 0.106, 0.108],
+                              "token_hit_ratio": [0.2] * 6})
+    got = choose(budgets, intervals)
+    assert got.policy.iloc[0] == "vllm align" and got.tied.iloc[0] == (("ours", 0.1082),)
+    assert got.still_falls.tolist() == [False, True, False]
+    assert got.interval_tokens.iloc[1:].tolist() == [8192, 4096]
+    apart = choose(budgets.assign(mean_ttft_s=[0.2, 0.1, 0.3]), intervals.iloc[:0])
+    assert apart.tied.iloc[0] == () and len(apart) == 1

@@ -154,6 +154,9 @@ def test_full_queue_is_429_with_retry_after_and_disconnect_frees_the_slot():
         assert time.perf_counter() - t0 < 2.0                   # answered at once, no hang
         assert err.value.response.headers["retry-after"] == "1"
         assert err.value.body["type"] == "rate_limit_exceeded"
+        text = httpx.get(url + "/metrics").text                 # the 429 is counted, apart from "never fits"
+        assert metric(text, "kda:requests_rejected_total", model_name=MODEL, reason="queue_full") == 1
+        assert metric(text, "kda:requests_rejected_total", model_name=MODEL, reason="never_fits") == 0
         release.set()
         th.join(30)
         for _ in range(100):                                    # the abort runs on the engine thread
