@@ -53,8 +53,8 @@ st.caption(
     f"2HK + HV = {shape.conv_dim}, window W − 1 = {shape.conv_kernel - 1}. Measured here: the snapshot holds "
     f"{df.measured_bytes[0] / df.measured_bytes[1]:,.1f}× the projections' bytes and "
     f"{df.measured_bytes[0] / df.measured_bytes[2]:,.1f}× the raw inputs' and "
-    f"{df.measured_bytes[0] / df.measured_bytes[3]:,.1f}× ReplaySSM's records. The snapshot's state term H·K·V grows "
-    "with K·V, the projections and ReplaySSM's records with H·(2K + V), raw inputs only with d.")
+    f"{df.measured_bytes[0] / df.measured_bytes[3]:,.1f}× ReplaySSM's records. State H·K·V grows with K·V; "
+    "projections and records with H·(2K + V); raw inputs with d.")
 
 st.subheader("2 · Whole model, per draft token")
 tdf = pd.DataFrame(page.models)

@@ -222,11 +222,13 @@ record = engine_call(sim_vs_engine_record)
 meta = record["meta"]
 load = meta.get("load_average_1min", {})
 st.caption(f"Recorded bench run (`python -m bench.sim_vs_engine`, {meta.get('measured', '?')}), not computed on "
-           f"this render: {meta.get('requests', '?')} Mooncake-conversation-shaped requests per rate replayed "
-           f"through the real server ({meta.get('server', 'python -m serve.http')}) on {meta.get('machine', '?')}, "
-           f"load average {load.get('before', '?')} → {load.get('after', '?')}; the simulator's one replica uses a "
-           f"service model fitted to batched-engine steps timed right before each rate (median of "
-           f"{meta.get('calibration_repeats', '?')} interleaved repeats after a warm-up).")
+           f"this render: {meta.get('requests', '?')} Mooncake-shaped requests per rate through the real server; "
+           "conditions below.")
+with st.expander("Conditions of the recorded run"):
+    st.markdown(f"Server: {meta.get('server', 'python -m serve.http')}; machine: {meta.get('machine', '?')}; load "
+                f"average {load.get('before', '?')} → {load.get('after', '?')}. The simulator's one replica uses a "
+                "service model fitted to batched-engine steps timed right before each rate (median of "
+                f"{meta.get('calibration_repeats', '?')} interleaved repeats after a warm-up).")
 mape = record["mape"]
 fig_mape = go.Figure(go.Bar(x=mape.label, y=mape.mape_pct, text=[f"{v:.1f} %" for v in mape.mape_pct],
                             marker_color=["#2ca02c" if v <= 10 else "#d62728" for v in mape.mape_pct]))
@@ -236,13 +238,15 @@ show_chart(fig_mape, mape, key="p14_sim_engine_chart")
 show_table(record["rows"].drop(columns="metric"), {
     "rate_rps": num("Offered (req/s)", "%.1f"), "label": "Metric", "measured": num("Measured (real engine)", "%,.2f"),
     "predicted": num("Predicted (simulator)", "%,.2f"), "error_pct": num("Error (%)", "%.1f")})
-st.caption("MAPE per metric = mean over rates of |predicted − measured| / measured. The simulator models the "
-           "batched engine's steps (a fixed cost per step, prefill tokens, decode rows padded to the engine's buckets "
-           "and their context, prefill and decode rows sharing a step), prefix hits on the 64-token checkpoint grid "
-           "and the server's own costs measured through HTTP on separate requests (ingress, per streaming row). It "
-           "leaves out: how the HTTP event loop and the engine thread contend for the GIL and the two cores as the "
-           "number of streams grows, checkpoint restores and publishes on hits, and the shared CPU's speed "
-           "drifting during a replay (other jobs run on the same cores).")
+st.caption("MAPE per metric = mean over rates of |predicted − measured| / measured. What the simulator models and "
+           "leaves out is in the expander.")
+with st.expander("What the simulator models and leaves out"):
+    st.markdown("It models the batched engine's steps (a fixed cost per step, prefill tokens, decode rows padded to "
+                "the engine's buckets and their context, prefill and decode rows sharing a step), prefix hits on the "
+                "64-token checkpoint grid and the server's own costs measured through HTTP on separate requests "
+                "(ingress, per streaming row). It leaves out: how the HTTP event loop and the engine thread contend "
+                "for the GIL and the two cores as the number of streams grows, checkpoint restores and publishes on "
+                "hits, and the shared CPU's speed drifting during a replay (other jobs run on the same cores).")
 
 st.subheader("6 · TTFT against offered load")
 run_on_request("p14_sweep_on", "p14_sweep_button", "Sweep the load",
