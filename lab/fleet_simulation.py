@@ -55,7 +55,7 @@ SCHEDULERS = ("fcfs", "vtc")
 # gives the same TTFT up to its cache hits; from ~40 req/s queues form and balance starts to matter.
 ARRIVAL_RATES = (5, 10, 20, 30, 40, 50, 60, 80, 100, 150, 200)   # requests / s, fleet-wide
 DEFAULT_ARRIVAL_RPS = 50   # where the policies' TTFTs part (8 Kimi-Linear replicas on 8 x H200 serve ~55-70 req/s)
-SWEEP_RATES = (10, 20, 40, 60, 80, 120)   # the load sweep's arrival rates (requests / s)
+SWEEP_RATES = (10, 20, 40, 50, 60, 100)   # the load sweep's arrival rates (requests / s): slider values, the default among them
 DECODE_SHARE = 5 / 8  # decode speed-up = this share of the prefill speed-up (as page 13's assumed 8x / 5x)
 KV_CAPACITY_TOKENS = 400_000  # KV room per replica (tokens), as page 13
 VNODES = 160  # ring virtual nodes per replica (ketama's default)

@@ -253,3 +253,11 @@ def test_offered_load_is_where_routing_decides_ttft():
         assert by.loc[(policy, 80.0)].mean_in_flight > by.loc[(policy, 10.0)].mean_in_flight
     with pytest.raises(ValueError, match="rates_rps"):
         load_sweep(args[0], (), *args[1:])
+
+
+def test_the_load_sweep_runs_at_values_the_rate_slider_offers():
+    """Page 14's sweep points are loads a link or the slider can ask for (``?p14_rate=120`` was refused while the
+    sweep drew 120), and the default load is one of them."""
+    from lab.fleet_simulation import ARRIVAL_RATES, DEFAULT_ARRIVAL_RPS, SWEEP_RATES
+
+    assert set(SWEEP_RATES) <= set(ARRIVAL_RATES) and DEFAULT_ARRIVAL_RPS in SWEEP_RATES
