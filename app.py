@@ -1,8 +1,8 @@
-"""KDA Serve Lab: the entry point only routes (st.navigation); each tab is one file in app_pages/.
+"""KDA Serve Lab: the entry point only routes (st.navigation); each tab is one file in the ``app_pages`` folder.
 
-The tab list lives in app_pages/registry.py (app_pages/00_home.py, app_pages/03_kda_state_vs_kv.py, ...),
-each with its URL path stated (``/kda_state_vs_kv``). The folder is not named ``pages/``: a folder of that name
-next to the entry file switches Streamlit to its legacy auto-discovered navigation.
+The tab list lives in ``app_pages.registry`` (``HOME``, ``TABS``: one file per tab, such as ``00_home.py`` and
+``03_kda_state_vs_kv.py``), each with its URL path stated (``/kda_state_vs_kv``). The folder is not named ``pages``:
+a folder of that name next to the entry file switches Streamlit to its legacy auto-discovered navigation.
 """
 import streamlit as st
 
