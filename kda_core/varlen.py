@@ -130,15 +130,18 @@ def kda_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                          f"{tuple(q.shape)}, {tuple(state_pool.shape)}")
     if slot_idx.shape[0] != q.shape[0]:
         raise ValueError(f"slot_idx must have B = {q.shape[0]} entries, got {slot_idx.shape[0]}")
-    return _decode(q, k, v, g, beta, state_pool, _rows(slot_idx, state_pool.shape[0]), scale)
+    return _decode(q, k, v, g, beta, state_pool, _rows(slot_idx, state_pool.shape[0]), scale)[0]
 
 
 def _decode(q, k, v, g, beta, state_pool, r: _Rows, scale=None):
+    """One step by slot; returns ``(o [B, H, V], record)`` with record = ``(k [B, H, K], u [B, H, V],
+    g [B, H, K])`` fp32, the exact operands of the step's rank-1 write and decay (a ReplaySSM record)."""
     S = _gather(state_pool, r)                                           # [B, H, K, V]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    o, S, _ = _step(*(x.float().contiguous() for x in (q, k, v, g, beta)), S, scale)
+    q, k, v, g, beta = (x.float().contiguous() for x in (q, k, v, g, beta))
+    o, S, u = _step(q, k, v, g, beta, S, scale)
     _scatter(state_pool, r, S)
-    return o
+    return o, (k, u, g)
 
 
 def kda_varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -222,11 +225,14 @@ class VerifyRow(NamedTuple):
 class BatchOutput(NamedTuple):
     """logits ``[N, 256]`` fp32: each row's logits at its last new token (pad rows: garbage);
     states_at: ``{row: {t: {layer: KDACache [1, ...]}}}`` for the rows that asked; verify:
-    ``{row: VerifyRow}`` for the verify rows."""
+    ``{row: VerifyRow}`` for the verify rows; decode_records (when asked): ``{layer: (k [nd, H, K],
+    u [nd, H, V], g [nd, H, K])}`` fp32 of the decode rows (pad rows included, last), the ReplaySSM record
+    of each row's step (``u = beta (v - S'^T k)``, vllm#47576), bitwise the operands of its state update."""
 
     logits: torch.Tensor
     states_at: dict
     verify: dict = {}
+    decode_records: dict | None = None
 
 
 class SlotPools(NamedTuple):
@@ -304,13 +310,16 @@ def _slot_mapping(meta: BatchMeta, block_size: int):
 
 
 @torch.no_grad()
-def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools) -> BatchOutput:
+def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools,
+                  decode_records: bool = False) -> BatchOutput:
     """One forward of ``model`` (:class:`HybridLM`) over a mixed batch of decode and prefill rows.
 
     Args:
         model: the HybridLM. tokens ``[T_total]`` int64 packed new tokens (pad rows: any id; their
             hidden states are NaN from the embedding on, as a ``torch.empty`` pad row on a GPU).
         meta: the :class:`BatchMeta`. pools: the :class:`SlotPools`, mutated at live rows only.
+        decode_records: also return each decode row's ReplaySSM record per KDA layer
+            (:attr:`BatchOutput.decode_records`).
 
     Returns:
         :class:`BatchOutput`. Each live row's logits, states and latents are bitwise those of
@@ -346,10 +355,11 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     _check_slots(meta.slot_idx, num_slots)
     mla_index = {layer: j for j, layer in enumerate(cfg.mla_layers)}
     packed = _pack_latents(meta, qsl, slots, pools.kv_cache.shape[2]) if cfg.mla_layers else None
+    records = {} if decode_records else None
     for li in range(cfg.num_layers):
         m, h = model.mixers[li], rmsnorm(x, model.norm1[li])
         if isinstance(m, KDALayer):
-            y = _kda_layer(m, h, meta, qsl, slots, pools.kda[li], states_at, li, dec_rows, verify)
+            y = _kda_layer(m, h, meta, qsl, slots, pools.kda[li], states_at, li, dec_rows, verify, records)
         else:
             y = _mla_layer(m, h, meta, qsl, slots, pos, pools.kv_cache, mla_index[li], kv_pages, kv_offs, kv_live,
                            packed, verify, li)
@@ -360,10 +370,11 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     for i in verify:
         rows = x[:, qsl[i]: qsl[i + 1]]                                    # [1, T, D]
         verify[i] = verify[i]._replace(logits=linear(rmsnorm(rows, model.norm_f), model.lm_head))  # [1, T, 256]
-    return BatchOutput(logits, states_at, verify)
+    return BatchOutput(logits, states_at, verify, records)
 
 
-def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool, states_at, li, dec_rows: _Rows, verify):
+def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool, states_at, li, dec_rows: _Rows, verify,
+               records: dict | None = None):
     rec_pool, conv_pool = pool
     raw, g, beta, out_gate = m.project(h)                                 # [1, T_total, *]
     nd = meta.num_decode
@@ -371,7 +382,9 @@ def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool, states_at, li,
     if nd:
         conv0 = _gather(conv_pool, dec_rows)                              # [nd, D_conv, W-1]
         q, k, v, conv = m.activate(raw[0, :nd].unsqueeze(1), conv0)       # [nd, 1, H, K] ...
-        o = _decode(q[:, 0], k[:, 0], v[:, 0], g[0, :nd], beta[0, :nd], rec_pool, dec_rows)  # [nd, H, V]
+        o, rec = _decode(q[:, 0], k[:, 0], v[:, 0], g[0, :nd], beta[0, :nd], rec_pool, dec_rows)  # [nd, H, V]
+        if records is not None:
+            records[li] = rec
         _scatter(conv_pool, dec_rows, conv)
         o_parts.append(o.unsqueeze(0))                                    # [1, nd, H, V]
     C, W1 = CHUNK_SIZE, m.cfg.conv_kernel - 1

@@ -45,7 +45,7 @@ import torch
 from kda_core.kda import NonFiniteError
 from kda_core.model import ForwardOutput, HybridCache, HybridLM
 from serve.config import ServeConfig
-from serve.errors import check_int
+from serve.errors import check_choice, check_int
 from serve.memory.pages import write_kv, write_state, zero_state
 from serve.memory.pool import PageKind, PagePool, PoolExhausted
 from serve.model_runner import ModelRunner, Row
@@ -53,9 +53,12 @@ from serve.prefix.cache import PrefixCache
 from serve.prefix.index import block_keys
 from serve.request import Request, RequestResult, RequestStatus, prompt_ids, read_request_cache, write_request_cache
 from serve.scheduler import Scheduler, SchedulerConfig
+from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
+from serve.spec_decode.replay_state_write import ReplayStateWrite
 from serve.spec_decode.verify import Speculation, draft_budget, greedy_accept, speculative_step
 
 DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
+STATE_WRITES = ("slot", "replay_ssm")
 
 
 class Fit(enum.Enum):
@@ -86,14 +89,22 @@ class ServeEngine:
             (:class:`serve.scheduler.SchedulerConfig`; None = no cap).
         batched: False runs the previous one-request-per-forward path (the baseline ``bench.batch``
             measures against); pad_decode: pad decode rows to the bucket sizes (slot -1 rows).
-    Raises ValueError for a cache on another pool, model config or serving config, or bad sizes.
+        state_write: how a plain decode step writes a request's KDA state: "slot" (the whole state back
+            to its pages every step) or "replay_ssm" (a ``(k, u, g)`` record per step into the request's
+            ring, the state materialised every ``ring_size`` steps or at a checkpoint publish; vllm#47572,
+            :mod:`serve.spec_decode.replay_state_write`). Tokens and logits are bitwise the same.
+        ring_size: decode steps per state write under "replay_ssm" (an int >= 1; SGLang's default 16).
+    Raises ValueError for a cache on another pool, model config or serving config, or bad sizes; for
+    ``state_write="replay_ssm"`` with speculation (every decode row is then a verify row: use the
+    ``ReplaySSM`` rollback strategy) or with ``batched=False``.
     """
 
     def __init__(self, model: HybridLM, pool: PagePool, prefix_cache: PrefixCache | None = None,
                  max_prefill_chunk: int | None = None, *, config: ServeConfig | None = None,
                  speculation: Speculation | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, num_state_slots: int | None = None,
-                 batched: bool = True, pad_decode: bool = True):
+                 batched: bool = True, pad_decode: bool = True, state_write: str = "slot",
+                 ring_size: int = DEFAULT_RING_SIZE):
         if prefix_cache is not None:
             if prefix_cache.pool is not pool:
                 raise ValueError("prefix_cache must be built on the engine's pool")
@@ -117,7 +128,15 @@ class ServeEngine:
         self._next_rid = 0
         self.sched_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, num_state_slots, max_prefill_chunk)
         self.scheduler = Scheduler(self.sched_config, self, self.requests, self.waiting, self.running)
-        self.runner = ModelRunner(model, pool, self.layout, pad_decode=pad_decode)
+        check_choice("state_write", state_write, STATE_WRITES)
+        check_int("ring_size", ring_size)
+        if state_write == "replay_ssm" and (speculation is not None or not batched):
+            raise ValueError("state_write='replay_ssm' is the plain-decode state write of the batched engine: it "
+                             "needs batched=True and no speculation (with speculation, pick the 'ReplaySSM' "
+                             "rollback strategy)")
+        self.state_write = state_write
+        self.replay = ReplayStateWrite(model.cfg, ring_size) if state_write == "replay_ssm" else None
+        self.runner = ModelRunner(model, pool, self.layout, pad_decode=pad_decode, replay=self.replay)
         self.batched = bool(batched)
         self.last_batch = None          # the last step's StepBatch (rows, metadata): for pages and tests
 
@@ -208,8 +227,10 @@ class ServeEngine:
                     errors.append(err)
                     break
             req.timings_ms["checkpoint"] += _ms(t1)
+        publish = {row.req.rid for row in batch.rows if row.decode and row.req is not None
+                   and row.req.computed + 1 == self._final_boundary(row.req)}   # these must materialise
         self.runner.commit(batch, lambda r: r.status in (RequestStatus.PREFILL, RequestStatus.DECODE)
-                           and r.rid not in bases)       # 2. (a verify row's state: its strategy's commit)
+                           and r.rid not in bases, publish)  # 2. (a verify row's state: its strategy's commit)
         for i, row in enumerate(batch.rows):             # 3. publish, append, finish
             req = row.req
             if req is None or req.status not in (RequestStatus.PREFILL, RequestStatus.DECODE):
@@ -282,8 +303,12 @@ class ServeEngine:
             self._publish(req, b_end, True)
         self._finish_if_done(req)
 
+    def _final_boundary(self, req: Request) -> int | None:
+        """b_end: where the request publishes its final checkpoint (None without a cache or if none)."""
+        return None if self.cache is None else self.config.final_checkpoint(len(req.prompt), req.final_tokens)
+
     def _postprocess_decode(self, req: Request, logits: torch.Tensor) -> None:
-        b_end = None if self.cache is None else self.config.final_checkpoint(len(req.prompt), req.final_tokens)
+        b_end = self._final_boundary(req)
         req.computed += 1
         self._append(req, int(logits.argmax()), logits)
         if b_end is not None and req.computed == b_end:
@@ -470,6 +495,8 @@ class ServeEngine:
         pages = req.page_table if req.page_table else ([] if req.hit is None else list(req.hit.kv_pages))
         pool.decref(pages, rid)
         req.state_pages, req.page_table = [], []
+        if self.replay is not None:                         # the ring goes with the state (nothing to materialise)
+            self.replay.release(rid)
         if self.cache is not None:
             self.cache.release(rid)
 
@@ -641,6 +668,8 @@ class ServeEngine:
             self.cache.check_integrity()
         else:
             pool.check_integrity()
+        if self.replay is not None:
+            self.replay.check_integrity(self.running)
         cap = self.sched_config.max_running
         assert cap is None or len(self.running) <= cap, f"{len(self.running)} running > {cap} (state slots / max_num_seqs)"
         owned = set()

@@ -11,6 +11,12 @@ group). MLA latents are read and written in place through the pool's arena by bl
 
 Decode rows are padded to a bucket size in :data:`DECODE_BUCKETS` (what CUDA-graph capture forces on
 GPU engines); a pad row has slot ``-1``, NaN hidden states, and is never read from or written to a slot.
+
+State write of a plain decode row: the slot write (the whole state back to its pages every step), or, with
+a :class:`serve.spec_decode.replay_state_write.ReplayStateWrite`, ReplaySSM (vllm#47572): the pages hold a
+checkpoint the row's records are replayed onto before the forward, the step appends a record and writes
+only the conv window, and the whole state only when it materialises. ``decode_bytes`` counts what the
+decode rows wrote (state, conv window, records).
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ from kda_core.model import HybridLM
 from kda_core.varlen import PAD_SLOT, BatchMeta, SlotPools, forward_batch, make_meta
 from serve.memory.layout import FP32_BYTES, CacheLayout
 from serve.memory.pool import PagePool
+from serve.spec_decode.replay_state_write import ReplayStateWrite
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -61,6 +68,7 @@ class StepBatch:
     dense: dict = field(default_factory=dict)
     verify: dict = field(default_factory=dict)
     live_pages: list = field(default_factory=list)
+    decode_records: dict | None = None
 
     @property
     def num_pad(self) -> int:
@@ -79,17 +87,22 @@ class ModelRunner:
     """Runs a :class:`HybridLM` on batches whose caches live in ``pool`` under ``layout``.
 
     Args: model; pool: the unified PagePool; layout: the fp32 :class:`CacheLayout`; pad_decode: pad the
-    decode rows to :func:`decode_bucket` (default True). Raises ValueError for a layout not all fp32.
+    decode rows to :func:`decode_bucket` (default True); replay: the decode rows' ReplaySSM rings (None:
+    the slot write). Raises ValueError for a layout not all fp32.
     """
 
-    def __init__(self, model: HybridLM, pool: PagePool, layout: CacheLayout, pad_decode: bool = True):
+    def __init__(self, model: HybridLM, pool: PagePool, layout: CacheLayout, pad_decode: bool = True,
+                 replay: ReplayStateWrite | None = None):
         if not layout.is_fp32:
             raise ValueError("layout must store fp32 (the engine's dtype)")
         self.model, self.pool, self.layout, self.pad_decode = model, pool, layout, pad_decode
+        self.replay = replay
         cfg = model.cfg
         self._n_rec, self._n_conv = kda_state_elems_per_layer(cfg)
         self._rec_shape = (cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim)
         self._conv_shape = (cfg.conv_dim, cfg.conv_kernel - 1)
+        self._n_record = cfg.num_heads * (2 * cfg.head_k_dim + cfg.head_v_dim)   # k, u, g elements
+        self.decode_bytes = dict.fromkeys(("state", "conv", "records"), 0)     # written by decode rows, fp32
 
     # ---- state slots: gather / scatter the rows' state pages --------------------------------------
     def _flat_arena(self) -> torch.Tensor:
@@ -135,6 +148,21 @@ class ModelRunner:
                 flat[:, : data.shape[1]] = data
                 arena.index_copy_(0, idx, flat.reshape(-1, E))
 
+    def scatter_conv(self, state_pages: list, dense: dict, keep: list) -> None:
+        """Write only the conv windows of the slots ``keep`` into their requests' pages (in place): the
+        ReplaySSM decode write, which leaves the checkpoint in the pages untouched."""
+        if not keep:
+            return
+        arena = self._flat_arena()
+        E, flat = arena.shape[1], arena.view(-1)                          # flat [P * E]
+        per, sel = self._n_rec + self._n_conv, torch.tensor(keep, dtype=torch.long)
+        for g, layers in enumerate(self.layout.groups):
+            pages = torch.tensor([list(state_pages[j][g]) for j in keep], dtype=torch.long)   # [S', P_g]
+            for j, layer in enumerate(layers):
+                q = torch.arange(j * per + self._n_rec, (j + 1) * per)   # [W_conv]: positions in the group state
+                pos = pages[:, q // E] * E + q % E                        # [S', W_conv]: positions in the arena
+                flat.index_copy_(0, pos.reshape(-1), dense[layer][1].index_select(0, sel).reshape(-1))
+
     # ---- one step ---------------------------------------------------------------------------------
     def build(self, decode_rows: list, prefill_rows: list, verify_rows: list = ()) -> StepBatch:
         """The batch as data: decode rows (padded to a bucket), then verify rows (speculative decoding,
@@ -164,13 +192,41 @@ class ModelRunner:
         batch.live_pages = [req.state_pages for req in live]
         batch.dense = self.gather_states(batch.live_pages) if live else {
             i: (torch.zeros(0, *self._rec_shape), torch.zeros(0, *self._conv_shape)) for i in self.model.cfg.kda_layers}
+        if self.replay is not None and batch.num_decode:                  # checkpoint + records -> state
+            rids = [r.req.rid for r in batch.rows[: batch.num_decode]]    # live decode rows: slots 0..nd-1
+            self.replay.read(rids, {i: rec for i, (rec, _) in batch.dense.items()})
         kv = self.pool.typed_arena(torch.float32, lay.kv_block_shape)     # [P, M, NB, R]
         toks = torch.tensor([t for r in batch.rows for t in r.tokens], dtype=torch.long)
-        out = forward_batch(self.model, toks, batch.meta, SlotPools(batch.dense, kv))
+        out = forward_batch(self.model, toks, batch.meta, SlotPools(batch.dense, kv),
+                            decode_records=self.replay is not None)
         batch.logits, batch.states_at, batch.verify = out.logits, out.states_at, out.verify
+        batch.decode_records = out.decode_records
         return batch
 
-    def commit(self, batch: StepBatch, keep) -> None:
-        """Scatter the states of the live rows whose request ``keep(req)`` says is still running."""
+    def commit(self, batch: StepBatch, keep, publish=frozenset()) -> None:
+        """Scatter the states of the live rows whose request ``keep(req)`` says is still running. With
+        ReplaySSM a kept decode row writes its whole state only if it materialises (its ring is full, or
+        its request id is in ``publish``: a checkpoint is published at this step), else its conv window,
+        and appends its record."""
         live = [r.req for r in batch.rows if r.req is not None]
-        self.scatter_states(batch.live_pages, batch.dense, [j for j, req in enumerate(live) if keep(req)])
+        kept = [j for j, req in enumerate(live) if keep(req)]
+        nd = batch.num_decode                                              # live decode rows: slots 0..nd-1
+        dec = [j for j in kept if j < nd]
+        if self.replay is None:
+            self.scatter_states(batch.live_pages, batch.dense, kept)
+            self.decode_bytes["state"] += len(dec) * len(batch.dense) * self._n_rec * 4
+            self.decode_bytes["conv"] += len(dec) * len(batch.dense) * self._n_conv * 4
+            return
+        rids = [live[j].rid for j in dec]
+        mat = [self.replay.must_materialise(rid) or rid in publish for rid in rids]
+        full = [j for j in kept if j >= nd] + [j for j, m in zip(dec, mat) if m]
+        self.scatter_states(batch.live_pages, batch.dense, sorted(full))
+        self.scatter_conv(batch.live_pages, batch.dense, [j for j, m in zip(dec, mat) if not m])
+        if dec:
+            sel = torch.tensor(dec, dtype=torch.long)
+            recs = {i: tuple(t.index_select(0, sel) for t in r) for i, r in batch.decode_records.items()}
+            self.replay.commit(rids, recs, mat, [rid in publish for rid in rids])
+        L = len(batch.dense)
+        self.decode_bytes["state"] += sum(mat) * L * self._n_rec * 4
+        self.decode_bytes["conv"] += len(dec) * L * self._n_conv * 4
+        self.decode_bytes["records"] += (len(dec) - sum(mat)) * L * self._n_record * 4
