@@ -33,12 +33,13 @@ BATCHES = (1, 2, 4, 8, 16, 32, 64)
 PROMPT_TOKENS = 32
 
 
-def decoding_engine(model: HybridLM, batch: int, max_new_tokens: int, batched: bool = True) -> ServeEngine:
-    """An engine (no prefix cache, 16-token blocks) with ``batch`` requests already all decoding."""
+def decoding_engine(model: HybridLM, batch: int, max_new_tokens: int, batched: bool = True, **engine_kw) -> ServeEngine:
+    """An engine (no prefix cache, 16-token blocks) with ``batch`` requests already all decoding; ``engine_kw``
+    go to :class:`ServeEngine` (e.g. ``state_write``, ``ring_size``)."""
     config = ServeConfig(16, 16, page_policy="unified")
     pages_per_req = 1 + -(-(PROMPT_TOKENS + max_new_tokens) // 16) + 1
     pool = PagePool(batch * pages_per_req + 8, config.page_bytes(model.cfg))
-    eng = ServeEngine(model, pool, None, config=config, batched=batched)
+    eng = ServeEngine(model, pool, None, config=config, batched=batched, **engine_kw)
     for i in range(batch):
         eng.submit([(i * 7 + j) % 256 for j in range(PROMPT_TOKENS)], max_new_tokens)
     while any(eng.requests[r].status is not RequestStatus.DECODE for r in eng.running) or eng.waiting:

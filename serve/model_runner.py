@@ -158,10 +158,16 @@ class ModelRunner:
         per, sel = self._n_rec + self._n_conv, torch.tensor(keep, dtype=torch.long)
         for g, layers in enumerate(self.layout.groups):
             pages = torch.tensor([list(state_pages[j][g]) for j in keep], dtype=torch.long)   # [S', P_g]
-            for j, layer in enumerate(layers):
-                q = torch.arange(j * per + self._n_rec, (j + 1) * per)   # [W_conv]: positions in the group state
-                pos = pages[:, q // E] * E + q % E                        # [S', W_conv]: positions in the arena
-                flat.index_copy_(0, pos.reshape(-1), dense[layer][1].index_select(0, sel).reshape(-1))
+            if pages.shape[1] == 1:                                       # one page per state: contiguous windows
+                for j, layer in enumerate(layers):
+                    a = j * per + self._n_rec                             # window of layer j: [a, a + W_conv)
+                    arena[:, a: a + self._n_conv].index_copy_(0, pages[:, 0], dense[layer][1].index_select(0, sel)
+                                                              .reshape(len(keep), -1))
+                continue
+            q = torch.cat([torch.arange(j * per + self._n_rec, (j + 1) * per) for j in range(len(layers))])
+            pos = pages[:, q // E] * E + q % E                            # [S', n_layers W_conv]: arena positions
+            data = torch.cat([dense[layer][1].index_select(0, sel).reshape(len(keep), -1) for layer in layers], 1)
+            flat.index_copy_(0, pos.reshape(-1), data.reshape(-1))        # conv windows only, one copy per group
 
     # ---- one step ---------------------------------------------------------------------------------
     def build(self, decode_rows: list, prefill_rows: list, verify_rows: list = ()) -> StepBatch:

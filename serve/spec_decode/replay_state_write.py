@@ -138,8 +138,8 @@ class ReplayStateWrite:
             S = states[layer].index_select(0, order)                               # [n_live, H, K, V]
             for t, n in enumerate(rows_at):
                 k, u, g = (self._ring[f][j, t].index_select(0, rings[:n]) for f in FIELDS)  # [n, H, K] / [n, H, V]
-                S[:n] = S[:n] * g.exp().unsqueeze(-1)                                # decay        [n, H, K, V]
-                S[:n] = S[:n] + k.unsqueeze(-1) * u.unsqueeze(-2)                    # rank-1 write [n, H, K, V]
+                S[:n].mul_(g.exp().unsqueeze(-1))                                    # decay        [n, H, K, V]
+                S[:n].add_(k.unsqueeze(-1) * u.unsqueeze(-2))                        # rank-1 write [n, H, K, V]
             states[layer].index_copy_(0, order, S)
 
     def commit(self, rids: list[int], records: dict, materialise: list[bool], publish: list[bool]) -> None:
