@@ -8,7 +8,9 @@ import streamlit as st
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
+from app_pages.measurement import measured_stamp, run_on_request
 from lab.rollback import DTYPES, LAYER_PRESETS, preset_title, rollback_page
+from lab.state_write import predicted_bytes, state_write_sweep
 
 st.title("Snapshot vs projection bytes")
 st.write(
@@ -95,3 +97,47 @@ st.write(
     "(snapshot); ReplaySSM (vLLM RFC #46187, PRs #47572 / #47576; SGLang's KDA ring with a per-K gate; "
     "TensorRT-LLM #18294 for Kimi K3), which caches post-projection per-step records (k, u, g) plus one checkpoint; "
     f"the raw-input ring caches layer inputs before the projections; model sizes from {K3.source}.")
+
+st.subheader("3 · In the batched engine: ReplaySSM as the decode-time state write")
+st.write(
+    "The same records can replace the state write of **plain** decode (vLLM #47572 / #48792): with "
+    "`ServeEngine(state_write=\"replay_ssm\", ring_size=R)` a decode step appends one k, u, g record per KDA layer "
+    "and writes only the conv window; the state pages keep a checkpoint, the step's state is the checkpoint with "
+    "its records replayed, and the whole state is written once every R steps (or when a prefix-cache checkpoint is "
+    "published). Tokens and logits are bitwise those of the slot write (`tests/serve/test_engine_replay_ssm.py`).")
+ring = url_widget(st.select_slider, "Ring size R (decode steps per state write)", "p01_ring", 16, [4, 8, 16, 32, 64])
+pb = pd.DataFrame(engine_call(predicted_bytes))
+fig3 = go.Figure([go.Scatter(x=d.ring_size[d.ring_size > 0], y=d.vs_slot[d.ring_size > 0], mode="lines+markers",
+                             name=preset_title(m)) for m, d in pb.groupby("model", sort=False)])
+fig3.add_vline(x=ring, line_dash="dot", annotation_text=f"R = {ring}")
+fig3.update_layout(xaxis_title="ring size R (decode steps per state write, log)", xaxis_type="log",
+                   yaxis_title="bytes written per decode step ÷ slot write", yaxis_range=[0, 1.05], height=340)
+show_chart(fig3, pb, key="p01_state_write_bytes")
+st.caption("Predicted per request and decode step, all KDA layers, fp32: slot write = state H·K·V + conv window "
+           "(2HK + HV)(W − 1) every step; ReplaySSM = conv window + record H(2K + V) on R − 1 steps + state on one.")
+run_on_request("p01_sweep", "p01_sweep_button", f"Measure the batched engine at R = {ring} (batch 1, 4, 16)",
+               "About 10–30 s: B requests all decoding, slot write and ReplaySSM engines interleaved, 8 windows after "
+               "a warm-up window, covering whole flush periods; bytes counted by the engine.")
+bar = st.progress(0.0, text="Measuring…")
+sweep = engine_call(state_write_sweep, (1, 4, 16), (ring,), max(4, ring // 8), 8,
+                    progress=lambda f: bar.progress(f, text=f"Measuring… {f:.0%}"))
+bar.empty()
+sw = pd.DataFrame(sweep.rows)
+fig4 = go.Figure([go.Bar(x=d.batch.astype(str), y=d.step_ms, name=name,
+                         error_y=dict(type="data", symmetric=False, array=d.step_q3_ms - d.step_ms,
+                                      arrayminus=d.step_ms - d.step_q1_ms))
+                  for name, d in sw.groupby("state_write", sort=False)])
+fig4.update_layout(barmode="group", xaxis_title="decode batch (requests)",
+                   yaxis_title="decode step time (ms; bars = q1–q3)", height=340)
+show_chart(fig4, sw, key="p01_state_write_steps")
+measured_stamp(sweep.conditions)
+rs = sw[sw.ring_size > 0]
+st.write(
+    f"**What to notice.** Counted bytes per decode step fall to {rs.total_B.iloc[0] / sw.total_B.iloc[0]:.0%} of the "
+    f"slot write's, yet ReplaySSM's step takes {', '.join(f'{x:.2f}×' for x in 1 / rs.speedup_vs_slot)} the slot "
+    f"write's time at batch {', '.join(str(b) for b in rs.batch)} on this CPU. vLLM #47572 reports 0.99× at batch 1 "
+    "and 1.31–1.67× faster at batch 512 on GPU, where decode is bound by HBM traffic and a fused kernel replays the "
+    "records in registers, writing nothing but the record. Here eager torch replays each record as two passes over "
+    "a state-sized tensor in memory (decay, rank-1 write), about R/2 records per step on average, while the state "
+    "write it saves is one cache-resident copy: the trade only pays where the state write is the bottleneck "
+    "(`python -m bench.replay_ssm_batch` sweeps batch 1…64 and ring 4…64).")

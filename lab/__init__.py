@@ -10,6 +10,7 @@ concept (page topic)    file                     main function             page 
 ======================  =======================  ========================  ==========  ==================================
 cold vs warm prefix     lab/prefix.py            home                      00 home     tests/lab/test_prefix_pages.py
 rollback bytes          lab/rollback.py          measure_layer_bytes       01          tests/serve/spec_decode/test_rollback.py
+ReplaySSM state write   lab/state_write.py       state_write_sweep         01          tests/lab/test_state_write.py
 verify and replay       lab/verify.py            run_verify_lab            02          tests/lab/test_verify.py
 state vs KV cache       lab/state_vs_kv.py       state_vs_kv               03          tests/lab/test_state_vs_kv.py
 raw-input ring          lab/ring.py              ring_run                  04          tests/lab/test_ring.py
