@@ -29,6 +29,11 @@ Request flow:
              forward (NaN would emit token 0 as if it were a prediction: nothing
              of that forward is written, published or emitted).
 
+State write of a decode step (``state_write``): "slot" writes the request's whole KDA state back to its pages
+every step; "replay_ssm" (vllm#47572) appends a ``(k, u, g)`` record per KDA layer to the request's ring and
+writes the state every ``ring_size`` steps or when a checkpoint is published at that step
+(:mod:`serve.spec_decode.replay_state_write`); the ring is released with the request's pages.
+
 Checkpoint placement (C = interval, N = block size, L = prompt length): every multiple of C reached
 during prefill, the replay boundary floor((L - 1) / N) N, the end of the prompt floor(L / N) N, and at
 the request's end the last full block of prompt + output. Without a prefix cache the engine runs
@@ -660,9 +665,10 @@ class ServeEngine:
     # ---- integrity ---------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Assert engine invariants (AssertionError): the cache's and pool's own; every running request
-        holds its state pages and page table with one reference each, enough pages for its tokens; and
-        every used page belongs to the cache or a live request (no leak, so an idle engine holds only
-        cache pages)."""
+        holds its state pages and page table with one reference each, enough pages for its tokens; every
+        used page belongs to the cache or a live request (no leak, so an idle engine holds only cache pages);
+        with ``state_write="replay_ssm"``, every ring belongs to a running request and holds fewer than
+        ``ring_size`` finite records (:meth:`ReplayStateWrite.check_integrity`)."""
         pool, lay = self.pool, self.layout
         if self.cache is not None:
             self.cache.check_integrity()
