@@ -4,6 +4,8 @@ preemptions mid-ring, prefix-cache hits and checkpoint publishes; the engine's i
 holds after every step; a decode step writes the bytes the formula predicts."""
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -18,11 +20,11 @@ from tests.serve.prefix.helpers import tiny_model, tokens
 
 
 def engine(state_write: str, ring_size: int = 16, cache: bool = False, block: int = 16, num_pages: int = 96,
-           page_policy: str = "unified", **kw) -> ServeEngine:
+           page_policy: str = "unified", num_groups: int = 1, **kw) -> ServeEngine:
     """An engine on a poisoned pool (never-written pages read NaN), optionally with a prefix cache; "unified"
     pages hold a whole state each, "multi_page" pages one KV block (a state then spans several pages)."""
     model = tiny_model()
-    config = ServeConfig(block, block, page_policy=page_policy)
+    config = ServeConfig(block, block, num_groups=num_groups, page_policy=page_policy)
     pool = PagePool(num_pages, config.page_bytes(model.cfg), poison=True)
     pc = PrefixCache(pool, config, cfg=model.cfg) if cache else None
     return ServeEngine(model, pool, pc, config=config, state_write=state_write, ring_size=ring_size, **kw)
@@ -66,18 +68,28 @@ ARRIVALS = [(0, tokens(1, 23), 30), (0, tokens(2, 40), 21), (3, tokens(3, 9), 26
             (11, tokens(5, 33), 25)]
 
 
+@functools.cache
+def slot_reference(policy: str, groups: int) -> dict:
+    """The slot-write engine's results on :data:`ARRIVALS` with the same abort and preemption (run once per
+    layout and shared by the ring sizes)."""
+    return drive(engine("slot", page_policy=policy, num_groups=groups, num_pages=400), ARRIVALS, abort_at=14,
+                 preempt_at=19)
+
+
 @pytest.mark.parametrize("ring_size, policy", [pytest.param(1, "unified", id="R1"), pytest.param(3, "unified", id="R3"),
                                                pytest.param(8, "unified", id="R8"),
-                                               pytest.param(5, "multi_page", id="R5-state-over-pages"),
+                                               pytest.param(5, "multi_page", id="R5-2-groups-over-pages"),
                                                pytest.param(64, "unified", id="R64-never-full")])
 def test_replay_ssm_bitwise_with_abort_and_preemption_mid_ring(ring_size, policy):
-    want = drive(engine("slot", page_policy=policy, num_pages=400), ARRIVALS, abort_at=14, preempt_at=19)
-    eng = engine("replay_ssm", ring_size, page_policy=policy, num_pages=400)
+    groups = 2 if policy == "multi_page" else 1
+    want = slot_reference(policy, groups)
+    eng = engine("replay_ssm", ring_size, page_policy=policy, num_groups=groups, num_pages=400)
     got = drive(eng, ARRIVALS, abort_at=14, preempt_at=19)
     assert_bitwise(got, want)
     assert sum(r.status is RequestStatus.ABORTED for r in got.values()) == 1
     if policy == "multi_page":
-        assert eng.layout.state_pages > 1, "the state should span several pages"
+        assert eng.layout.num_groups == 2 and all(eng.layout.group_pages(g) > 1 for g in range(2)), \
+            "each group's state should span several pages"
     if ring_size > 2:                                   # cut mid-ring: records were pending, then dropped
         assert drive.cut["abort"] > 0 and drive.cut["preempt"] > 0, drive.cut
     if 1 < ring_size < 30:                              # the ring wrapped (materialised) many times
