@@ -134,9 +134,10 @@ measured_stamp(sweep.conditions)
 rs = sw[sw.ring_size > 0]
 st.write(
     f"**What to notice.** Counted bytes per decode step fall to {rs.total_B.iloc[0] / sw.total_B.iloc[0]:.0%} of the "
-    f"slot write's, yet ReplaySSM's step takes {', '.join(f'{x:.2f}×' for x in 1 / rs.speedup_vs_slot)} the slot "
-    f"write's time at batch {', '.join(str(b) for b in rs.batch)} on this CPU. vLLM #47572 reports 0.99× at batch 1 "
-    "and 1.31–1.67× faster at batch 512 on GPU, where decode is bound by HBM traffic and a fused kernel replays the "
+    f"slot write's, yet ReplaySSM decodes at {', '.join(f'{x:.2f}×' for x in rs.speedup_vs_slot)} the slot "
+    f"write's speed (slot step time ÷ ReplaySSM step time) at batch {', '.join(str(b) for b in rs.batch)} on this "
+    "CPU. vLLM #47572 reports 0.99× at batch 1 and 1.31–1.67× at batch 512 on GPU, where decode is bound by HBM "
+    "traffic and a fused kernel replays the "
     "records in registers, writing nothing but the record. Here eager torch replays each record as two passes over "
     "a state-sized tensor in memory (decay, rank-1 write), about R/2 records per step on average, while the state "
     "write it saves is one cache-resident copy: the trade only pays where the state write is the bottleneck "
