@@ -19,7 +19,7 @@ Concept → file → main type → test:
   ... ``tests/serve/spec_decode/test_replay_ssm.py``
 - ReplaySSM as the engine's decode-time state write (rings of the running requests, replay, materialise)
   ................................................. replay_state_write.py ``ReplayStateWrite``, ``decode_write_bytes``
-  ... ``tests/serve/test_engine_replay_ssm.py``
+  ... ``tests/serve/spec_decode/test_replay_state_write.py``, ``tests/serve/test_engine_replay_ssm.py``
 - verify / accept / commit ........................ verify.py .......... ``verify``, ``greedy_accept``,
   ``verify_and_replay``, ``VerifyResult``, ``DecodeState`` ... ``tests/serve/spec_decode/test_verify.py``
 - the one loop (propose -> verify_and_replay -> extend), its draft budget, one step
