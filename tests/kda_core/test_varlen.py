@@ -225,3 +225,28 @@ def test_states_at_match_the_layer(model):
         for layer in model.cfg.kda_layers:
             a, b = out.states_at[0][t][layer], ref.states_at[t][layer]
             assert isinstance(a, KDACache) and torch.equal(a.recurrent, b.recurrent) and torch.equal(a.conv, b.conv)
+
+
+def test_decode_records_replay_to_the_written_state(model):
+    """``forward_batch(decode_records=True)``: each decode row's ``(k, u, g)`` per KDA layer, replayed onto the
+    state the row started from (decay, then rank-1 write: ``_step``'s op order), gives bitwise the state the
+    step wrote to its slot (pad rows skipped); without the flag no records come back."""
+    cfg = model.cfg
+    pools = empty_pools(model, 3)
+    tables = [list(range(8 * s, 8 * s + 8)) for s in range(3)]
+    for s in range(3):
+        _, cache = model.prefill(tokens_of(s, 10 + 7 * s).unsqueeze(0))
+        load(model, pools, cache, s, tables[s])
+    before = {i: pools.kda[i][0].clone() for i in cfg.kda_layers}
+    meta = make_meta([1, 1, 1, 1], 4, [2, 0, PAD_SLOT, 1], [True, True, False, True], [24, 10, 0, 17],
+                     [tables[2], tables[0], [], tables[1]])
+    toks = torch.tensor([5, 6, 7, 8])
+    out = forward_batch(model, toks, meta, pools, decode_records=True)
+    assert set(out.decode_records) == set(cfg.kda_layers)
+    for i in cfg.kda_layers:
+        k, u, g = out.decode_records[i]                                   # [4, H, K], [4, H, V], [4, H, K]
+        for row, slot in ((0, 2), (1, 0), (3, 1)):
+            S = before[i][slot: slot + 1] * g[row: row + 1].exp().unsqueeze(-1)
+            S = S + k[row: row + 1].unsqueeze(-1) * u[row: row + 1].unsqueeze(-2)
+            assert torch.equal(S[0], pools.kda[i][0][slot]), f"layer {i} row {row}: replay != written state"
+    assert forward_batch(model, toks, meta, empty_pools(model, 3, 0.0)).decode_records is None
