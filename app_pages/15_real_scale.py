@@ -39,48 +39,72 @@ view = engine_call(_roofline, replica)
 st.subheader("1 · Kimi Linear vs full MLA, 4K to 1M tokens")
 st.write(
     "Three kinds of number, kept apart: the **physical roofline** (no constant), the **fitted** prefill (two time "
-    "scales fitted on the report's Kimi Linear points only; the all-MLA points are held out and predicted) and the "
-    f"**published** points of Kimi-Linear-48B-A3B. Every error below is on the setup you chose, {view.setup}.")
+    f"scales fitted once, on {view.fit_setup}, on the report's Kimi Linear points only; the all-MLA points are held "
+    "out and predicted) and the **published** points of Kimi-Linear-48B-A3B. The same fit gives the service times "
+    f"of pages 13–15. The fit is checked at {view.fit_setup}; the ratio errors are on the setup you chose, "
+    f"{view.setup}.")
 m1, m2, m3, m4, m5 = st.columns(5)
 m1.metric("Weights (GB)", f"{view.weights_gb:,.0f}")
 m2.metric(f"HBM of {tp} × {hw} (GB)", f"{view.hbm_gb:,.0f}")
 m3.metric("Left after weights (GB)", f"{view.free_gb:,.0f}")
-m4.metric("Fitted prefill scales α · β", f"{view.fit.alpha:.2f} · {view.fit.beta:.2f}",
+m4.metric(f"Prefill scales α · β (fitted on {view.fit_setup})", f"{view.fit.alpha:.2f} · {view.fit.beta:.2f}",
           help="Roofline time × α for attention, × β for every other layer kind (1 = at peak), least squares on "
-               "the nine published Kimi Linear prefill points; see \"How the roofline is fitted\".")
+               f"the nine published Kimi Linear prefill points on {view.fit_setup}, and carried unchanged to every "
+               "other GPU and TP; see \"How the roofline is fitted\".")
 errors = view.errors.set_index("group").max_abs_error
-m5.metric("Held-out prefill error, all-MLA seconds", f"±{errors['prefill points held out (all MLA)']:.0%}",
+m5.metric(f"Held-out prefill error, all-MLA seconds ({view.fit_setup})",
+          f"±{errors['prefill points held out (all MLA)']:.0%}",
           help="Largest |fitted / published − 1| of the prefill seconds at the nine all-MLA Fig. 7a points (4K to "
-               "1M) the fit never saw. Seconds, not the MLA ÷ Kimi Linear ratios of the table below.")
-if model == "kimi-linear-48b-a3b":
-    st.caption(view.fit_note)
-else:
+               f"1M) the fit never saw, on {view.fit_setup} where it was fitted. Seconds, not the MLA ÷ Kimi Linear "
+               "ratios of the table below.")
+if view.predicted_only:
     st.info(view.fit_note)
+else:
+    st.caption(view.fit_note)
 if view.fit_caveat:
     st.warning(view.fit_caveat)
 colours = {"Kimi Linear": "#1b9e77", "all MLA": "#d95f02"}
 left, right = st.columns(2)
-for col, lines, title, unit, key in (
-        (left, (("prefill_roofline_s", "physical roofline", "dot"), ("prefill_s", "fitted", "solid")),
-         "prefill latency (s)", "s", "p15_prefill_chart"),
-        (right, (("tpot_ms", "physical roofline", "dot"),), "TPOT, batch 1 (ms)", "ms", "p15_tpot_chart")):
-    qty = lines[-1][0] if unit == "ms" else "prefill_s"
-    fig = go.Figure()
-    for name, colour in colours.items():
-        c, p = view.curves[view.curves.model == name], view.published[view.published.model == name]
-        for column, label, dash in lines:
-            held = " (held out)" if label == "fitted" and name == "all MLA" else ""
-            fig.add_trace(go.Scatter(x=c.context_tokens, y=c[column], mode="lines", line=dict(color=colour, dash=dash),
-                                     name=f"{name}: {label}{held} ({preset_title(model)})"))
-        fig.add_trace(go.Scatter(x=p.context_tokens, y=p[qty], mode="markers", marker=dict(color=colour, symbol="x"),
-                                 name=f"{name}: published (48B-A3B)"))
-    fig.update_layout(title=title, xaxis_type="log", yaxis_type="log", xaxis_title="context (tokens, log)",
-                      yaxis_title=f"{title.split(' (')[0]} ({unit}, log)", legend=dict(orientation="h", y=-0.35))
-    with col:
-        show_chart(fig, pd.concat([view.curves.assign(source="roofline"), view.published.assign(source="published")]),
-                   key=key)
+prefill = go.Figure()
+for name, colour in colours.items():
+    pts, c = view.prefill_points[view.prefill_points.curve == name], view.curves[view.curves.model == name]
+    seen = (pts.role == "fitted on").all()
+    prefill.add_trace(go.Scatter(
+        x=pts.context, y=pts.model, mode="lines", line=dict(color=colour),
+        name=f"{name}: fitted on these points ({view.fit_setup})" if seen
+        else f"{name}: fit's prediction, points held out ({view.fit_setup})"))
+    prefill.add_trace(go.Scatter(x=pts.context, y=pts.published, mode="markers", marker=dict(color=colour, symbol="x"),
+                                 name=f"{name}: published (48B-A3B{', the fit saw these' if seen else ', held out'})"))
+    prefill.add_trace(go.Scatter(x=c.context_tokens, y=c.prefill_roofline_s, mode="lines",
+                                 line=dict(color=colour, dash="dot"),
+                                 name=f"{name}: physical roofline ({preset_title(model)}, {view.setup})"))
+    if view.predicted_only:
+        prefill.add_trace(go.Scatter(x=c.context_tokens, y=c.prefill_s, mode="lines", line=dict(color=colour, dash="dash"),
+                                     name=f"{name}: predicted, α · β of {view.fit_setup}, no refit "
+                                          f"({preset_title(model)}, {view.setup})"))
+prefill.update_layout(title="prefill latency (s)", xaxis_type="log", yaxis_type="log",
+                      xaxis_title="context (tokens, log)", yaxis_title="prefill latency (s, log)",
+                      legend=dict(orientation="h", y=-0.35))
+tpot = go.Figure()
+for name, colour in colours.items():
+    c, p = view.curves[view.curves.model == name], view.published[view.published.model == name]
+    tpot.add_trace(go.Scatter(x=c.context_tokens, y=c.tpot_ms, mode="lines", line=dict(color=colour, dash="dot"),
+                              name=f"{name}: physical roofline ({preset_title(model)}, {view.setup})"))
+    tpot.add_trace(go.Scatter(x=p.context_tokens, y=p.tpot_ms, mode="markers", marker=dict(color=colour, symbol="x"),
+                              name=f"{name}: published (48B-A3B)"))
+tpot.update_layout(title="TPOT, batch 1 (ms)", xaxis_type="log", yaxis_type="log", xaxis_title="context (tokens, log)",
+                   yaxis_title="TPOT, batch 1 (ms, log)", legend=dict(orientation="h", y=-0.35))
+with left:
+    checked = view.prefill_points.rename(columns={"curve": "model", "context": "context_tokens", "model": "prefill_s",
+                                                  "published": "published_prefill_s"})
+    show_chart(prefill, pd.concat([view.curves.drop(columns="tpot_ms").assign(
+        setup=view.setup, role="predicted" if view.predicted_only else "fitted"), checked]), key="p15_prefill_chart")
+with right:
+    show_chart(tpot, pd.concat([view.curves.assign(source="roofline"), view.published.assign(source="published")]),
+               key="p15_tpot_chart")
 ratio = go.Figure()
-model_label = {"prefill (Fig. 7a)": "fitted (MLA held out)", "TPOT, batch 1 (Fig. 7b)": "physical roofline"}
+model_label = {"prefill (Fig. 7a)": f"predicted, α · β of {view.fit_setup}" if view.setup != view.fit_setup
+               else "fitted (MLA held out)", "TPOT, batch 1 (Fig. 7b)": "physical roofline"}
 for (q, dash), src in ((("prefill (Fig. 7a)", "solid"), "model"), (("TPOT, batch 1 (Fig. 7b)", "dot"), "model"),
                        (("prefill (Fig. 7a)", "solid"), "published"), (("TPOT, batch 1 (Fig. 7b)", "dot"), "published")):
     r = view.ratios[view.ratios.quantity == q]
@@ -90,13 +114,16 @@ for (q, dash), src in ((("prefill (Fig. 7a)", "solid"), "model"), (("TPOT, batch
 ratio.update_layout(xaxis_type="log", xaxis_title="context (tokens, log)", yaxis_title="MLA / Kimi Linear (×)",
                     legend=dict(orientation="h", y=-0.3))
 show_chart(ratio, view.ratios, key="p15_ratio_chart")
+prefill_kind = ("fitted Kimi Linear over held-out MLA" if view.setup == view.fit_setup else
+                f"both predicted with the α, β of {view.fit_setup}, no refit")
 st.markdown(
     f"**Kimi-Linear-48B-A3B against the report on {view.setup}** (the setup you chose), at the nine contexts 4K to "
     f"1M. The ratio MLA ÷ Kimi Linear (the table) is off by up to {errors['prefill (Fig. 7a) ratio']:.0%} for "
-    f"prefill (fitted Kimi Linear over held-out MLA) and by up to {errors['TPOT, batch 1 (Fig. 7b) ratio']:.0%} for "
-    "TPOT (physical roofline, nothing fitted). The prefill seconds themselves: the nine Kimi Linear points the fit "
-    f"saw are off by up to {errors['prefill points the fit saw (Kimi Linear)']:.0%}, the nine held-out all-MLA "
-    f"points by up to {errors['prefill points held out (all MLA)']:.0%} (the headline above).")
+    f"prefill ({prefill_kind}) and by up to {errors['TPOT, batch 1 (Fig. 7b) ratio']:.0%} for "
+    f"TPOT (physical roofline, nothing fitted). The prefill seconds themselves, on {view.fit_setup} where the fit "
+    f"was made: the nine Kimi Linear points the fit saw are off by up to "
+    f"{errors['prefill points the fit saw (Kimi Linear)']:.0%}, the nine held-out all-MLA points by up to "
+    f"{errors['prefill points held out (all MLA)']:.0%} (the headline above).")
 show_table(view.validated[view.validated.quantity != "time per token, largest batch (Fig. 1b)"], {
     "context_tokens": num("Context (tokens)"), "quantity": "Quantity", "setup": "Setup", "role": "Role",
     "published": num("Published MLA ÷ Kimi Linear", "%.2f×"), "model": num("Model MLA ÷ Kimi Linear", "%.2f×"),
@@ -110,14 +137,16 @@ with st.expander("How the roofline is fitted, and what is held out"):
         "- Source: the Kimi Linear report (arXiv 2510.26692, Figs. 1b, 7a, 7b); the published points are always "
         "those of Kimi-Linear-48B-A3B.\n"
         f"- Prefill: α = {view.fit.alpha:.2f} (attention) and β = {view.fit.beta:.2f} (every other kind), least "
-        "squares on relative error over the nine Kimi Linear points of Fig. 7a on this GPU and TP. The nine all-MLA "
-        "points are held out: the fitted all-MLA curve predicts them.\n"
+        f"squares on relative error over the nine Kimi Linear points of Fig. 7a, once, on {view.fit_setup} (the "
+        "report states no setup; this one is assumed). The nine all-MLA points are held out: the fitted all-MLA "
+        "curve predicts them. Every other GPU and TP carries the same α, β (a prediction, never a refit), as the "
+        "service times of pages 13–15 do: a refit per GPU would force every GPU to the report's seconds.\n"
         "- TPOT is the physical roofline at batch 1: nothing is fitted.\n"
         "- TP above 8 spans two 8-GPU nodes: its all-reduces run over InfiniBand (400 Gb/s NDR = 50 GB/s per GPU; "
         "200 Gb/s HDR on A100), not NVLink.")
     show_table(view.prefill_points, {
         "curve": "Curve", "context": num("Context (tokens)"), "role": "Role",
-        "published": num("Published (s)", "%.3f"), "model": num("Fitted (s)", "%.3f"),
+        "published": num("Published (s)", "%.3f"), "model": num(f"Fitted, {view.fit_setup} (s)", "%.3f"),
         "rel_error": pct("Fitted vs published")})
 
 st.subheader("Largest batch each model fits: the report's 6.3× and 6×")

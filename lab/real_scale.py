@@ -4,12 +4,16 @@ that model's real bytes (:func:`policy_view`).
 
 Roofline (:mod:`serve.scale.roofline`): the chosen model and its all-MLA counterfactual
 (:meth:`serve.scale.model_shape.ModelShape.all_mla`) at the report's contexts, 4K to 1M tokens, batch 1.
-Three kinds of number, kept apart: the physical roofline (no constant), the fitted prefill
-(:func:`serve.scale.validation.fit_prefill` on the chosen hardware and TP: attention-kind time x alpha,
-every other kind x beta, fitted on Fig. 7a's Kimi Linear points only, the MLA points held out) and the
-published points. TPOT is the physical roofline. Every error is reported at the setup the caller chose.
-The fit comes from Kimi-Linear-48B-A3B's points; for Kimi K3 the same alpha, beta are reused, unchecked
-(no K3 point is published), and the view says so (``fit_note``). The largest-batch decode
+Three kinds of number, kept apart: the physical roofline (no constant), the fitted prefill and the
+published points. The prefill fit has one meaning, the one every service time uses
+(:func:`serve.scale.validation.fit_prefill`: attention-kind time x alpha, every other kind x beta, fitted
+once at the report's assumed setup :data:`~serve.scale.validation.FIT_SETUP`, H100 x TP8, on Fig. 7a's
+Kimi Linear points only, the MLA points held out). The view checks that fit at its own setup against the
+published seconds (``prefill_points``: fitted-on vs held-out); on any other setup the fitted curves are
+predictions with the same alpha, beta, nothing refitted (``predicted_only``). TPOT is the physical
+roofline. The ratio errors are at the setup the caller chose. The fit comes from Kimi-Linear-48B-A3B's
+points; for Kimi K3 the same alpha, beta are reused, unchecked (no K3 point is published), and the view
+says so (``fit_note``). The largest-batch decode
 (:mod:`serve.scale.capacity`) sets the report's Fig. 1b / "up to 6x decoding throughput" beside the roofline.
 
 Policies (:mod:`serve.scale.policies`): each policy replays the trace under a memory budget per replica
@@ -54,9 +58,11 @@ from serve.scale.roofline import MAX_TOKENS, checkpoint_restore_time, prefill_ti
 from serve.scale.roofline import decode_time as roofline_decode
 from serve.scale.validation import (
     FIT_MODEL,
+    FIT_SETUP,
     PrefillFit,
     decode_ratios,
     fit_prefill,
+    fit_setup_title,
     fitted_prefill_s,
     prefill_points,
     prefill_ratios,
@@ -104,24 +110,29 @@ class ThroughputCompare:
 
 @dataclass(frozen=True)
 class RooflineView:
-    """The roofline view; every frame is computed on the chosen hardware and TP (``setup``, e.g. "H200 x TP8").
+    """The roofline view. Every frame but ``prefill_points`` is computed on the chosen hardware and TP (``setup``,
+    e.g. "H200 x TP8"); ``prefill_points`` is at ``fit_setup`` ("H100 x TP8"), the one setup the fit was made on.
 
     curves: one row per (model, context) of the chosen model and its all-MLA counterfactual:
-    ``context_tokens``, ``model``, ``prefill_roofline_s`` (physical roofline), ``prefill_s`` (fitted),
-    ``tpot_ms`` (batch 1, physical roofline). published: the report's points of Kimi-Linear-48B-A3B
+    ``context_tokens``, ``model``, ``prefill_roofline_s`` (physical roofline), ``prefill_s`` (the fit's alpha, beta
+    on this setup: a prediction, not refitted, unless ``setup`` is ``fit_setup``), ``tpot_ms`` (batch 1, physical
+    roofline). predicted_only: True when ``curves``' fitted prefill is a prediction only (another setup than
+    ``fit_setup``, or another model than the published one), with no published point of its own to check. published: the report's points of Kimi-Linear-48B-A3B
     (``context_tokens``, ``model``, ``prefill_s`` Fig. 7a, ``tpot_ms`` Fig. 7b, ``time_per_token_ms`` Fig. 1b). ratios: the chosen model's MLA / Kimi Linear per
     context and quantity against the report's (``published``, ``model``, ``rel_error`` = model / published - 1).
-    prefill_points: every Fig. 7a point of Kimi-Linear-48B-A3B against the fitted roofline, ``role`` "fitted on"
-    (Kimi Linear's) or "held out" (all MLA's). validated: Kimi-Linear-48B-A3B's ratios at this setup, one row per
-    (quantity, context), ``role`` "held out" (prefill: the MLA numerator is not fitted) or "predicted" (TPOT: no
-    constant). errors: max |rel_error| per group (``group``, ``max_abs_error``, ``points``). batch: the chosen
+    prefill_points: every Fig. 7a point of Kimi-Linear-48B-A3B against the fitted roofline at ``fit_setup``
+    (``curve``, ``context``, ``published``, ``model``, ``role`` "fitted on" (Kimi Linear's) or "held out" (all
+    MLA's), ``rel_error``, ``setup``). validated: Kimi-Linear-48B-A3B's ratios at ``setup``, one row per
+    (quantity, context), ``role`` "held out" (prefill at ``fit_setup``: the MLA numerator is not fitted) or
+    "predicted" (prefill on any other setup; TPOT and Fig. 1b: no constant). errors: max |rel_error| per group (``group``, ``max_abs_error``, ``points``). batch: the chosen
     model and its all-MLA counterfactual at the largest batch each fits after the weights
     (:mod:`serve.scale.capacity`): ``context_tokens``, ``model``, ``batch``, ``tpot_ms``, ``time_per_token_ms``,
     ``throughput_tok_s``. throughput: :class:`ThroughputCompare` (never a NaN ratio at a context where a model
-    holds no sequence). fit: the prefill fit on this setup. fit_caveat: "" when alpha and beta are both >= 1, else
-    what a scale below 1 means (the fitted curve is faster than the physical roofline, a lower bound on time).
-    fit_note: where the fit comes from (says so when
-    the chosen model is not the one the points were measured on). weights_gb / hbm_gb / free_gb: per replica
+    holds no sequence). fit: the one prefill fit (:func:`serve.scale.validation.fit_prefill`, at ``fit_setup``
+    whatever ``setup`` is). fit_caveat: "" when alpha and beta are both >= 1, else what a scale below 1 means (the
+    fitted curve is faster than the physical roofline, a lower bound on time). fit_note: where the fit comes from
+    and whether ``curves`` are predictions only (says so when the chosen model is not the one the points were
+    measured on). weights_gb / hbm_gb / free_gb: per replica
     (1e9 bytes)."""
 
     setup: str
@@ -133,6 +144,8 @@ class RooflineView:
     errors: pd.DataFrame
     batch: pd.DataFrame
     fit: PrefillFit
+    fit_setup: str
+    predicted_only: bool
     fit_note: str
     weights_gb: float
     hbm_gb: float
@@ -171,10 +184,12 @@ def _batch_rows(shapes: dict[str, ModelShape], hw: Hardware, tp: int, contexts: 
     return pd.DataFrame(rows)
 
 
-def _validated(hw: Hardware, tp: int, setup: str, fit_kl: PrefillFit) -> pd.DataFrame:
-    """Kimi-Linear-48B-A3B (the published model) at this setup: prefill and TPOT ratios, and Fig. 1b's."""
-    rows = [{"context_tokens": r.context, "quantity": PREFILL_Q, "role": "held out", "published": r.published,
-             "model": r.model, "rel_error": r.rel_error} for r in prefill_ratios(fit_kl, hw, tp)]
+def _validated(hw: Hardware, tp: int, setup: str, fit: PrefillFit, at_fit_setup: bool) -> pd.DataFrame:
+    """Kimi-Linear-48B-A3B (the published model) at this setup: prefill and TPOT ratios, and Fig. 1b's. The prefill
+    ratio's MLA numerator is held out where the fit was made, a prediction (the fit carried) anywhere else."""
+    role = "held out" if at_fit_setup else "predicted"
+    rows = [{"context_tokens": r.context, "quantity": PREFILL_Q, "role": role, "published": r.published,
+             "model": r.model, "rel_error": r.rel_error} for r in prefill_ratios(fit, hw, tp)]
     rows += [{"context_tokens": r.context, "quantity": TPOT_Q, "role": "predicted", "published": r.published,
               "model": r.model, "rel_error": r.rel_error} for r in decode_ratios(hw=hw, tp=tp)]
     kl = preset(FIT_MODEL)
@@ -224,8 +239,9 @@ def _errors(points: pd.DataFrame, validated: pd.DataFrame) -> pd.DataFrame:
 
 def roofline_view(replica: RealReplica, contexts: Sequence[int] = CONTEXTS) -> RooflineView:
     """Prefill latency and TPOT of ``replica``'s model and its all-MLA counterfactual on its ``tp`` x ``gpu``
-    (module docstring), and Kimi-Linear-48B-A3B's errors against the report at that same setup (a replica's
-    weights fit by construction: a roofline of a model that cannot be loaded means nothing).
+    (module docstring), Kimi-Linear-48B-A3B's ratio errors against the report at that same setup, and the one
+    prefill fit against the report's seconds at the setup it was made on (a replica's weights fit by
+    construction: a roofline of a model that cannot be loaded means nothing).
 
     Raises ValueError naming bad ``contexts`` (a non-empty list of ints in [1, MAX_TOKENS])."""
     model, hw_name, tp, hw = replica.model, replica.gpu, replica.tp, hardware(replica.gpu)
@@ -234,7 +250,8 @@ def roofline_view(replica: RealReplica, contexts: Sequence[int] = CONTEXTS) -> R
     w = weight_bytes(kl)
     setup = f"{hw_name} x TP{tp}"
     shapes = {"Kimi Linear": kl, "all MLA": kl.all_mla()}
-    fit = fit_prefill(hw, tp)
+    fit, fit_setup = fit_prefill(), fit_setup_title()     # one fit, at the report's setup, whatever the replica
+    at_fit_setup = (hw_name, tp) == FIT_SETUP
     rows = [{"context_tokens": c, "model": name,
              "prefill_roofline_s": prefill_time(s, hw, tp, c).total_s,
              "prefill_s": fitted_prefill_s(s, hw, tp, fit, c),
@@ -248,18 +265,22 @@ def roofline_view(replica: RealReplica, contexts: Sequence[int] = CONTEXTS) -> R
                               for i, c in enumerate(CONTEXTS)])
     ratios = pd.DataFrame(_ratio_rows(curves.pivot(index="context_tokens", columns="model"), contexts),
                           columns=["context_tokens", "quantity", "published", "model", "rel_error"])
-    points = pd.DataFrame([r._asdict() | {"rel_error": r.rel_error} for r in prefill_points(fit, hw, tp)])
-    validated = _validated(hw, tp, setup, fit)
-    fit_note = (f"α, β fitted on the nine published Kimi Linear prefill points (Fig. 7a) on {setup}; the nine "
-                "all-MLA points are held out.")
+    points = pd.DataFrame([r._asdict() | {"rel_error": r.rel_error, "setup": fit_setup} for r in prefill_points(fit)])
+    validated = _validated(hw, tp, setup, fit, at_fit_setup)
+    fit_note = (f"α, β fitted once, on {fit_setup} (the setup assumed for the report, which states none), on the "
+                "nine published Kimi Linear prefill points (Fig. 7a); the nine all-MLA points are held out.")
+    if not at_fit_setup:
+        fit_note += (f" On {setup} the fitted curves are predictions: the same α, β carried to this GPU and TP, "
+                     "nothing refitted, and no published point measured there to check them against.")
     if model != FIT_MODEL:
         fit_note += (f" {preset_title(model)} has no published points: its fitted curve reuses the α, β fitted to "
                      f"{preset_title(FIT_MODEL)}'s points, unchecked; read its physical roofline as the model.")
     return RooflineView(setup=setup, curves=curves, published=published, ratios=ratios, prefill_points=points,
                         validated=validated, errors=_errors(points, validated),
-                        batch=_batch_rows(shapes, hw, tp, contexts), fit=fit, fit_note=fit_note, weights_gb=w / 1e9,
+                        batch=_batch_rows(shapes, hw, tp, contexts), fit=fit, fit_setup=fit_setup,
+                        predicted_only=not at_fit_setup or model != FIT_MODEL, fit_note=fit_note, weights_gb=w / 1e9,
                         hbm_gb=hw.hbm_bytes * tp / 1e9, free_gb=(hw.hbm_bytes * tp - w) / 1e9,
-                        throughput=_throughput(hw, tp), fit_caveat=_fit_caveat(fit, setup))
+                        throughput=_throughput(hw, tp), fit_caveat=_fit_caveat(fit, fit_setup))
 
 
 @dataclass(frozen=True)

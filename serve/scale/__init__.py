@@ -12,7 +12,9 @@ Concept -> file -> main type -> test:
   ``checkpoint_restore_time``, ``StepCost`` ............................................... test_roofline.py
 - the report's published points ............ published.py ... ``PublishedCurve``, ``CURVES`` . test_validation.py
 - model vs report: the prefill fit (Kimi .. validation.py .. ``fit_prefill``, ``prefill_points``,
-  Linear's points; MLA's held out), ratios ``prefill_ratios``, ``decode_ratios`` .............. test_validation.py
+  Linear's points, once at ``FIT_SETUP``,   ``prefill_ratios``, ``decode_ratios`` ............ test_validation.py
+  carried to other setups; MLA's held out;
+  ratios MLA / Kimi Linear)
 - largest batch after the weights, TPOT / . capacity.py .... ``max_batch``, ``largest_batch_decode``,
   throughput at it (the report's Fig. 1b) ``weight_bytes`` .................................. test_capacity.py
 - production prefix-cache policies ......... policies/ ...... ``PrefixPolicy``, ``replay`` ... test_policies.py

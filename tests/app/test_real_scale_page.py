@@ -48,17 +48,53 @@ def test_sweep_shows_ttft_against_the_interval_and_a_choice():
     assert [sh["y0"] for sh in spec["layout"]["shapes"]] == [budget]                    # the budget line
 
 
+def _fit_metrics(at) -> tuple[str, str]:
+    scales = next(m for m in at.metric if m.label.startswith("Prefill scales"))
+    held = next(m for m in at.metric if m.label.startswith("Held-out prefill error"))
+    return f"{scales.label}: {scales.value}", f"{held.label}: {held.value}"
+
+
 def test_roofline_at_defaults_keeps_fitted_predicted_published_apart():
-    """At the defaults (H200 x TP8) the charts label physical roofline / fitted / published, the validation table
-    is that setup's (the verdict), the held-out error is a headline, and the largest-batch text sets the roofline
-    beside the report's 6.3x and 6x."""
+    """At the defaults (H200 x TP8) the charts label physical roofline / fitted / published, the ratio table is
+    that setup's (the verdict) with every prefill ratio a prediction of the one fit, made on H100 x TP8 (the old
+    page refitted alpha on H200: 0.93); the held-out error is a headline, and the largest-batch text sets the
+    roofline beside the report's 6.3x and 6x."""
     at = _fresh(PAGE)
     _check(at, PAGE)
-    table = next(d.value for d in at.dataframe if "setup" in d.value.columns)
+    table = next(d.value for d in at.dataframe if "setup" in d.value.columns and "quantity" in d.value.columns)
     assert set(table.setup) == {"H200 x TP8"}
-    held = table[(table.role == "held out") & (table.context_tokens >= 512 * 1024)]
-    assert len(held) == 2 and (held.rel_error.abs() <= 25).all(), table    # percent (app_pages.charts.pct)
-    assert any(m.label.startswith("Held-out prefill error") for m in at.metric)
+    prefill = table[table.quantity == "prefill (Fig. 7a)"]
+    assert (prefill.role == "predicted").all() and (prefill[prefill.context_tokens >= 512 * 1024].rel_error.abs()
+                                                     <= 25).all(), table    # percent (app_pages.charts.pct)
+    assert _fit_metrics(at) == ("Prefill scales α · β (fitted on H100 x TP8): 0.94 · 6.71",
+                                "Held-out prefill error, all-MLA seconds (H100 x TP8): ±30%")
+    names = [t["name"] for t in chart_spec(at, "p15_prefill_chart")["data"]]
+    assert "Kimi Linear: fitted on these points (H100 x TP8)" in names, names
+    assert "all MLA: fit's prediction, points held out (H100 x TP8)" in names, names
+    assert "all MLA: published (48B-A3B, held out)" in names, names
+    assert ("Kimi Linear: predicted, α · β of H100 x TP8, no refit (Kimi-Linear-48B-A3B, H200 x TP8)" in names), names
+    note = " ".join(i.value for i in at.info)
+    assert "On H200 x TP8 the fitted curves are predictions" in note and "nothing refitted" in note, note
+
+
+def test_one_fit_on_every_setup_and_no_prediction_curve_where_it_was_fitted():
+    """On A100 x TP2 the scales and the held-out error are the defaults' (the old page refitted alpha to 0.07 there);
+    on H100 x TP8, where the fit was made, the prefill ratios are held out and no separate prediction is drawn."""
+    at = _fresh(PAGE)
+    _check(at, PAGE)
+    defaults = _fit_metrics(at)
+    at.selectbox(key="p15_gpu").set_value("A100").run()
+    at.select_slider(key="p15_tp").set_value(2).run()
+    _check(at, f"{PAGE} A100 TP2")
+    assert _fit_metrics(at) == defaults
+    at.selectbox(key="p15_gpu").set_value("H100").run()
+    at.select_slider(key="p15_tp").set_value(8).run()
+    _check(at, f"{PAGE} H100 TP8")
+    assert _fit_metrics(at) == defaults
+    table = next(d.value for d in at.dataframe if "setup" in d.value.columns and "quantity" in d.value.columns)
+    assert (table[table.quantity == "prefill (Fig. 7a)"].role == "held out").all(), table
+    names = [t["name"] for t in chart_spec(at, "p15_prefill_chart")["data"]]
+    assert not any("no refit" in n for n in names), names
     batch = next(m.value for m in at.markdown if "largest batch its memory holds" in m.value)
     assert "6.25×" in batch and "up to **6×**" in batch and "kernel efficiency" in batch, batch
 
@@ -77,7 +113,7 @@ def _markdown(at) -> str:
 
 def test_a100_tp2_says_all_mla_cannot_hold_1m_and_never_prints_nan():
     """On A100 x TP2 the all-MLA model holds no 1M-token sequence: the page says so and compares throughput at
-    512K, the largest context both hold (it printed "nan×" at 1M); the fitted alpha < 1 is flagged."""
+    512K, the largest context both hold (it printed "nan×" at 1M); the one fit's alpha < 1 (H100 x TP8) is flagged."""
     at = _fresh(PAGE)
     at.selectbox(key="p15_gpu").set_value("A100").run()
     at.select_slider(key="p15_tp").set_value(2).run()
@@ -88,7 +124,7 @@ def test_a100_tp2_says_all_mla_cannot_hold_1m_and_never_prints_nan():
     assert "the all-MLA model cannot hold one 1M-token sequence" in batch, batch
     assert "At 512K tokens, the largest context both fit, on A100 x TP2" in batch, batch
     warning = " ".join(w.value for w in at.warning)
-    assert "α (attention) = 0.07 < 1" in warning and "faster than the physical roofline" in warning, warning
+    assert "α (attention) = 0.94 < 1 on H100 x TP8" in warning and "faster than the physical roofline" in warning, warning
 
 
 def test_error_text_table_and_headline_agree():
@@ -96,7 +132,7 @@ def test_error_text_table_and_headline_agree():
     held-out seconds error is the headline metric's (they quoted three unrelated numbers)."""
     at = _fresh(PAGE)
     _check(at, PAGE)
-    table = next(d.value for d in at.dataframe if "setup" in d.value.columns)
+    table = next(d.value for d in at.dataframe if "setup" in d.value.columns and "quantity" in d.value.columns)
     assert sorted(set(table.context_tokens)) == [4096 * 2 ** i for i in range(9)], table
     text = next(m.value for m in at.markdown if m.value.startswith("**Kimi-Linear-48B-A3B against the report"))
     for q, before in (("prefill (Fig. 7a)", "up to "), ("TPOT, batch 1 (Fig. 7b)", "by up to ")):

@@ -234,20 +234,24 @@ def _p14(at: AppTest) -> None:
 
 
 def _p15(at: AppTest) -> None:
-    """Fitted, physical and published ratios labelled apart; the validation table is the chosen setup's (one setup),
-    its rows held out or predicted, its error the model's against the published; no policy above the ideal."""
+    """Fitted, physical and published ratios labelled apart; the ratio table is the chosen setup's (one setup), its
+    rows held out (prefill, on the setup the one fit was made on) or predicted, its error the model's against the
+    published; no policy above the ideal."""
     ratio = chart_spec(at, "p15_ratio_chart")["data"]
     names = {t["name"] for t in ratio}
-    assert {"prefill (Fig. 7a): fitted (MLA held out)", "prefill (Fig. 7a): published",
-            "TPOT, batch 1 (Fig. 7b): physical roofline", "TPOT, batch 1 (Fig. 7b): published"} <= names, names
+    assert {"prefill (Fig. 7a): published", "TPOT, batch 1 (Fig. 7b): physical roofline",
+            "TPOT, batch 1 (Fig. 7b): published"} <= names, names
+    assert len({"prefill (Fig. 7a): fitted (MLA held out)", "prefill (Fig. 7a): predicted, α · β of H100 x TP8"}
+               & names) == 1, names
     assert all(plotly_values(t["y"]) and min(plotly_values(t["y"])) > 0 for t in ratio)
     for key in ("p15_prefill_chart", "p15_tpot_chart", "p15_batch_chart"):
         labels = " | ".join(t["name"] for t in chart_spec(at, key)["data"])
         assert "physical roofline" in labels and "published" in labels, (key, labels)
     assert "fitted" in " | ".join(t["name"] for t in chart_spec(at, "p15_prefill_chart")["data"])
-    table = next(d.value for d in at.dataframe if "setup" in d.value.columns)
+    table = next(d.value for d in at.dataframe if "setup" in d.value.columns and "quantity" in d.value.columns)
     assert len(table) and table.setup.nunique() == 1, table
-    assert {"held out", "predicted"} <= set(table.role), table
+    assert "predicted" in set(table.role) and set(table.role) <= {"held out", "predicted"}, table
+    assert (table.role == "held out").any() == (table.setup.iloc[0] == "H100 x TP8"), table
     error = table.model / table.published - 1                         # shown in percent (app_pages.charts.pct)
     assert ((table.rel_error / 100 - error).abs() < 1e-9).all(), table
     if not any(c.proto.id.endswith("p15_hit_chart") for c in at.get("plotly_chart")):

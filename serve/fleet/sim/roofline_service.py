@@ -47,7 +47,7 @@ class RooflineService:
                 check_int(name, val)
         self.model, self.gpu, self.tp = model, gpu, tp
         self.shape, self.hw = preset(model), hardware(gpu)
-        # the factors fitted once on the report's points at its assumed setup (validation.PREFILL_SETUP) and carried
+        # the factors fitted once on the report's points at its assumed setup (validation.FIT_SETUP) and carried
         # to this hardware: fitting them on the chosen GPU would force every GPU to the report's seconds
         self.fit = fit_prefill()
         self.restore_ms = 1e3 * checkpoint_restore_time(self.shape, self.hw, tp)

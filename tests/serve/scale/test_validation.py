@@ -97,6 +97,17 @@ def test_prefill_fit_minimises_relative_error_on_its_points():
         assert sse(PrefillFit(fit.alpha + da, fit.beta + db)) > best
 
 
+def test_prefill_ratios_carry_the_one_fit_to_the_setup_asked_for():
+    """On H200 x TP8 the prefill ratio is the report setup's fit (H100 x TP8) carried there, not a refit on H200
+    (alpha 0.933 there against 0.938): one meaning of alpha, beta, the one the fleet's service times use."""
+    from serve.scale.model_shape import preset
+    from serve.scale.validation import FIT_MODEL, fitted_prefill_s
+    fit, hw, kl = fit_prefill(), hardware("H200"), preset(FIT_MODEL)
+    for row in prefill_ratios(hw=hw, tp=8):
+        carried = fitted_prefill_s(kl.all_mla(), hw, 8, fit, row.context) / fitted_prefill_s(kl, hw, 8, fit, row.context)
+        assert row.model == pytest.approx(carried, rel=1e-12), row
+
+
 def test_decode_ratios_follow_the_setup_asked_for():
     """At H200 x TP8 the TPOT ratio is far from Fig. 7b (TP splits weights, not MLA's latent KV): +60 % or more
     from 64K on; the error belongs to that setup, not to the H100 x TP1 default."""
