@@ -94,10 +94,10 @@ with part2:
                                       hoverinfo="skip", showlegend=False, legendgroup=label))
         fig2.add_trace(go.Scatter(x=g.request, y=100 * g.change, name=label, mode="lines", line=dict(color=color),
                                   legendgroup=label))
-    # the event's label at the bottom, "no event" above the zero line: after a dip 0 is the top of the axis, where
-    # both labels used to sit
+    # the event's label inside the top of the plot, beside its line on the side with room (at the bottom it sat on
+    # the x axis); "no event" above the zero line, which after a dip is the top of the axis
     fig2.add_vline(x=at_request, line_dash="dash", annotation_text=f"{action} a replica",
-                   annotation_position="bottom right")
+                   annotation_position="top right" if at_request < 0.7 * n_trace else "top left")
     fig2.add_hline(y=0, line_dash="dot", annotation_text="no event", annotation_position="top left")
     fig2.update_layout(xaxis_title="request index (window start)",
                        yaxis_title=f"hit ratio change vs no event (percentage points, per {window} requests)",

@@ -16,6 +16,20 @@ def test_reference_line_labels_never_share_a_spot():
     for key in ("p12_moved_chart", "p12_dip_chart"):
         spots = _spots(chart_spec(at, key))
         assert len(set(spots)) == len(spots), (key, spots)
-    dip = chart_spec(at, "p12_dip_chart")["layout"]["annotations"]
-    event = next(a for a in dip if a.get("yref") == "y domain")
-    assert event["y"] == 0 and event["yanchor"] == "bottom"   # at the bottom: clear of "no event" at y = 0 (the top)
+    _check_event_label(chart_spec(at, "p12_dip_chart"), "left")
+
+
+def _check_event_label(fig, side: str) -> None:
+    """The event's label hangs from the top of the plot area (y = 1 of the y domain, anchored at its top), on
+    ``side`` of its line: not on the x axis, where "bottom right" put it, and below the top edge while "no event"
+    sits above the zero line, which after a dip is that edge."""
+    event = next(a for a in fig["layout"]["annotations"] if a.get("yref") == "y domain")
+    none = next(a for a in fig["layout"]["annotations"] if a["text"] == "no event")
+    assert (event["y"], event["yanchor"], event["xanchor"]) == (1, "top", side), event
+    assert (none["y"], none.get("yanchor"), none.get("yref")) == (0, "bottom", "y"), none
+
+
+def test_event_label_stays_inside_the_plot_late_in_the_trace():
+    """An event at 90 % of the trace labels its line on the left, so the label does not run off the right edge."""
+    at = open_page("app_pages/12_fleet_scaling.py", p12_at=0.9)
+    _check_event_label(chart_spec(at, "p12_dip_chart"), "right")
