@@ -40,9 +40,9 @@ from lab.timing import Conditions, Timing, conditions, measure, summarize
 from serve.errors import check_int, check_positive
 from serve.parallel.comm import PHASES
 from serve.parallel.halo import halo_bytes
+from serve.parallel.host import host_limits
 from serve.parallel.inputs import initial_state, kda_inputs
 from serve.parallel.kcp import block_bounds, check_variant, exchange_bytes
-from serve.parallel.launch import host_limits
 from serve.parallel.memory import FORK_OVERHEAD_BYTES, rank_bytes
 from serve.parallel.run import KCPConfig, KCPRun, run_kcp
 
@@ -400,7 +400,7 @@ class KcpLimits(NamedTuple):
 
 
 def kcp_limits() -> KcpLimits:
-    """The host limits of page 10 (:func:`serve.parallel.launch.host_limits`,
+    """The host limits of page 10 (:func:`serve.parallel.host.host_limits`,
     :func:`serve.parallel.memory.rank_bytes` of a forked rank). Raises ValueError for a malformed ``KDA_LAB_MEMORY_MIB``."""
     limits = host_limits()
     budget = limits.memory_bytes - SERVER_RESERVE_MIB * 2 ** 20      # what the ranks may add to the server

@@ -25,10 +25,12 @@ import torch
 import torch.distributed as dist
 
 from serve.parallel.comm import PHASES
+from serve.parallel.host import host_limits
 from serve.parallel.inputs import DTYPES
 from serve.parallel.kcp import VARIANTS
-from serve.parallel.launch import BACKENDS, RankFailure, RankTimeout, host_limits, init_from_env, torchrun_env
+from serve.parallel.launch import BACKENDS, RankFailure, RankTimeout
 from serve.parallel.run import LEVELS, KCPConfig, RankResult, rank_job, run_kcp
+from serve.parallel.torchrun import init_from_env, torchrun_env
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

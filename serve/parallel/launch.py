@@ -1,4 +1,4 @@
-"""Start real ``torch.distributed`` ranks on this machine, or join a ``torchrun`` job.
+"""Start real ``torch.distributed`` ranks on this machine (the local launcher).
 
 :func:`run_ranks` starts ``world_size`` processes with ``torch.multiprocessing`` (start method
 ``spawn`` by default; ``forkserver`` forks each rank from a server that has already imported torch,
@@ -15,14 +15,14 @@ nothing depends on shared memory outliving the rank). If any rank raises, exits 
 its deadline, the remaining ranks are terminated (then killed) and joined, and a ``RuntimeError``
 (``TimeoutError``) names the rank and its error. No rank process outlives the call.
 
-:func:`init_from_env` is the ``torchrun`` path: it reads the standard ``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``, ``MASTER_PORT`` variables, so the same rank code runs across machines unchanged.
+The ``torchrun`` path (ranks started by torchrun, on one machine or several) is
+:mod:`serve.parallel.torchrun`; it shares :data:`BACKENDS` and the checks :func:`check_backend` and
+:func:`check_timeout` with this launcher.
 """
 from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import pickle
 import queue
 import socket
@@ -77,45 +77,6 @@ class RanksOutput(NamedTuple):
     pids: list[int]
 
 
-class HostLimits(NamedTuple):
-    """What this host gives the app: cores (affinity, capped by a cgroup CPU quota) and memory in
-    bytes (``KDA_LAB_MEMORY_MIB`` if set, else the cgroup limit, else MemTotal); ``memory_source``
-    says which."""
-
-    cores: int
-    memory_bytes: int
-    memory_source: str
-
-
-def host_limits() -> HostLimits:
-    """Read :class:`HostLimits` from the OS (Linux ``/proc`` and cgroup v2/v1 files when present).
-
-    Raises ValueError if ``KDA_LAB_MEMORY_MIB`` is set but not a positive number."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    with contextlib.suppress(OSError, ValueError):
-        quota, period = open("/sys/fs/cgroup/cpu.max").read().split()[:2]
-        if quota != "max":
-            cores = max(1, min(cores, -(-int(quota) // int(period))))
-    env = os.environ.get("KDA_LAB_MEMORY_MIB")
-    if env is not None:
-        try:
-            mib = float(env)
-        except ValueError:
-            mib = -1.0
-        if not mib > 0:
-            raise ValueError(f"KDA_LAB_MEMORY_MIB must be a positive number of MiB, got {env!r}")
-        return HostLimits(cores, int(mib * 2 ** 20), "KDA_LAB_MEMORY_MIB")
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        with contextlib.suppress(OSError, ValueError):
-            limit = int(open(path).read().strip())
-            if limit < 2 ** 50:                      # v1 reports "no limit" as a huge number
-                return HostLimits(cores, limit, "cgroup limit")
-    total_kib = 0
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        total_kib = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
-    return HostLimits(cores, total_kib * 1024 or 2 ** 40, "MemTotal")
-
-
 def check_timeout(name: str, val) -> float:
     """``val`` if it is a number of seconds in (0, :data:`MAX_TIMEOUT_S`]; else ValueError naming ``name``
     (``inf`` and NaN included: a rank's collective timeout is a ``datetime.timedelta`` and overflows)."""
@@ -160,61 +121,6 @@ def to_host(value: Any) -> Any:
 def from_host(value: Any) -> Any:
     """Inverse of :func:`to_host`: numpy arrays -> tensors."""
     return _map_leaves(value, np.ndarray, torch.from_numpy)
-
-
-def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> tuple[int, int]:
-    """Join the process group described by torchrun's env vars. Returns (rank, world_size).
-
-    Raises:
-        ValueError: if the env vars are missing or malformed (:func:`torchrun_env`), the backend is
-        unusable or the timeout is out of range.
-        torch.distributed.DistError (a RuntimeError): the group did not form within ``timeout_s``
-        (a peer never came, or the master is unreachable).
-    """
-    torchrun_env()
-    check_backend(backend)
-    check_timeout("timeout_s", timeout_s)
-    dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
-    return dist.get_rank(), dist.get_world_size()
-
-
-class TorchrunEnv(NamedTuple):
-    """The rendezvous torchrun describes: rank in [0, world_size), master address and port."""
-
-    rank: int
-    world_size: int
-    master_addr: str
-    master_port: int
-
-
-def torchrun_env(environ=None) -> TorchrunEnv:
-    """Read and check torchrun's ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``
-    (``environ`` defaults to ``os.environ``) before any socket opens.
-
-    Raises ValueError naming the variable: missing, not an int, ``RANK`` outside [0, ``WORLD_SIZE``),
-    a port outside [1, 65535] or an empty address (torch would fail later with a traceback, or wait
-    for its timeout)."""
-    env = os.environ if environ is None else environ
-    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in env]
-    if missing:
-        raise ValueError(f"not under torchrun: environment variables {missing} are not set")
-
-    def as_int(var: str, lo: int, hi: int) -> int:
-        raw = env[var]
-        try:
-            val = int(raw.strip())
-        except ValueError:
-            val = None
-        if val is None or not lo <= val <= hi:
-            raise ValueError(f"environment variable {var} must be an int in [{lo}, {hi}], got {raw!r}")
-        return val
-
-    world = as_int("WORLD_SIZE", 1, 2 ** 31 - 1)
-    rank = as_int("RANK", 0, world - 1)
-    port = as_int("MASTER_PORT", 1, 65535)
-    if not env["MASTER_ADDR"].strip():
-        raise ValueError("environment variable MASTER_ADDR must name the rank-0 host, got ''")
-    return TorchrunEnv(rank, world, env["MASTER_ADDR"], port)
 
 
 def _rank_main(rank, fn, world_size, port, backend, timeout_s, threads, args, results):

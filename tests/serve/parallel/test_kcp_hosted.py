@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from lab.kcp import compare_with, kcp_limits, single_rank
-from serve.parallel.launch import host_limits, run_ranks
+from serve.parallel.host import host_limits
+from serve.parallel.launch import run_ranks
 from serve.parallel.memory import FORK_OVERHEAD_BYTES, TORCH_BASE_BYTES, rank_bytes
 from serve.parallel.run import KCPConfig
 

@@ -1,4 +1,4 @@
-"""serve.parallel.launch: spawned ranks, clear errors, timeouts, and no process left behind."""
+"""serve.parallel.launch and serve.parallel.torchrun: spawned ranks, clear errors, timeouts, no process left behind, and torchrun's environment checked."""
 import os
 import threading
 import time
@@ -9,9 +9,10 @@ import torch.distributed as dist
 
 from serve.parallel.cli import main as cli_main
 from serve.parallel.kcp import kcp_kda
-from serve.parallel.launch import RankFailure, RankTimeout, free_port, init_from_env, run_ranks, torchrun_env
+from serve.parallel.launch import RankFailure, RankTimeout, free_port, run_ranks
 from serve.parallel.memory import check_rank_memory, rank_bytes
 from serve.parallel.run import KCPConfig, rank_job, run_kcp
+from serve.parallel.torchrun import init_from_env, torchrun_env
 
 
 def _echo(rank, world_size, scale):
