@@ -10,7 +10,6 @@ rows (lists of dicts) for the UI. TTFT is measured by the engine (submit -> firs
 """
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -18,7 +17,6 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from kda_core.chunk import CHUNK_SIZE
-from kda_core.config import PRESETS
 from kda_core.model import HybridLM, bytes_to_text
 from lab.forward_cost import ForwardFit, fit_lengths, forward_fit
 from lab.threads import one_thread
@@ -30,20 +28,10 @@ from serve.memory.layout import CacheLayout
 from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
 from serve.request import TIMING_PHASES, RequestResult
+from serve.runnable import RUNNABLE, demo_model  # noqa: F401  (the lab's model: trained weights for "demo")
 
 if TYPE_CHECKING:     # pandas is imported where a frame is built: Home's first run on a fresh server skips it
     import pandas as pd
-
-RUNNABLE = ("demo", "demo-k3gate", "demo-tiny")
-
-
-@functools.lru_cache(maxsize=len(RUNNABLE))   # bounded: one model per runnable preset
-def demo_model(preset: str = "demo") -> HybridLM:
-    """The runnable model of a demo preset (weights from its seed; built once per process)."""
-    if preset not in RUNNABLE:
-        raise ValueError(f"preset must be one of {RUNNABLE} (runnable on the CPU), got {preset!r}")
-    return HybridLM(PRESETS[preset])
-
 
 def as_tokens(prompt: str | Sequence[int]) -> list[int]:
     """UTF-8 bytes of a text prompt (byte-level model), or the ids as given. Raises ValueError if empty."""
