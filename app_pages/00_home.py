@@ -20,9 +20,9 @@ SYSTEM = ("You are KDA-bot, a careful assistant for inference engineers. Answer 
           "state units (bytes, tokens, ms), cite the source of every number and prefer measured values to estimates. ")
 # fp32 logits of the warm run may differ from the cache-off run in the last bits: the warm prefill starts
 # from a restored checkpoint, so its chunked sums are split at other token positions.
-LOGIT_TOL = 1e-5
+LOGIT_TOL = 5e-5   # = lab.prefix.WARM_TOLERANCE (read here without importing torch; tests pin them equal)
 FIRST, SECOND = SYSTEM + "User: How big is a KDA state?", SYSTEM + "User: Why must a checkpoint sit on a block boundary?"
-TOL_TEXT = f"{LOGIT_TOL:.0e}".replace("e-0", "e-")  # 1e-5
+TOL_TEXT = f"{LOGIT_TOL:.0e}".replace("e-0", "e-")  # 5e-5
 MAX_PROMPT_BYTES = 2_000  # = tokens (byte-level model): bounds the prefills below
 c1, c2 = st.columns(2)
 first = url_widget(c1.text_area, "Request 1 (fills the cache)", "p00_first", FIRST, height=170, max_chars=MAX_PROMPT_BYTES)

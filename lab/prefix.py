@@ -63,11 +63,13 @@ def _row(kind: str, res: RequestResult, repeat: int = 0) -> dict:
                 checkpoints_written=res.checkpoints_written, **{f"{p}_ms": res.timings_ms[p] for p in TIMING_PHASES})
 
 
-WARM_TOLERANCE = 1e-5
+WARM_TOLERANCE = 5e-5
 """Max |Δ logits| allowed between a warm run and the cache-off run when they are not bitwise equal: a hit
 boundary b off the 64-token chunk grid (``kda_core.chunk.CHUNK_SIZE``) starts the warm prefill's KDA chunks and
 MLA row blocks at b instead of on the cold run's grid, so in-chunk sums are taken in another order (fp32
-rounding; measured up to 5e-6 on the demo model)."""
+rounding). The error scales with the logits: about 7e-7 of the largest |logit| on the trained demo model
+(measured up to 1.2e-5 with logits up to 17, b = 416 at C = 32 and b = 400, five prompts each), 1e-6 on
+its random init (3.7e-6, logits up to 3.6); 5e-5 leaves a factor 4 over the trained model's worst case."""
 
 
 class Comparison(NamedTuple):

@@ -1,13 +1,17 @@
-"""Home's verdict checks the logit tolerance it prints: max |Δ logits| above it is an error, not a success."""
+"""Home's verdict checks the logit tolerance it prints (the lab's WARM_TOLERANCE): max |Δ logits| above it is an
+error, not a success."""
 import pytest
 import streamlit as st
 
 import lab.prefix as prefix_runs
+from lab.prefix import WARM_TOLERANCE
 from tests.app.page_helpers import open_page
 
+TOL_TEXT = f"{WARM_TOLERANCE:.0e}".replace("e-0", "e-")    # 5e-5
 
-@pytest.mark.parametrize("diff, ok", [pytest.param(5e-6, True, id="within-1e-5"),
-                                      pytest.param(2e-5, False, id="above-1e-5")])
+
+@pytest.mark.parametrize("diff, ok", [pytest.param(WARM_TOLERANCE / 2, True, id="within"),
+                                      pytest.param(WARM_TOLERANCE * 2, False, id="above")])
 def test_home_verdict_checks_tolerance(monkeypatch, diff, ok):
     real = prefix_runs.cold_vs_warm
 
@@ -24,9 +28,9 @@ def test_home_verdict_checks_tolerance(monkeypatch, diff, ok):
     success = [s.value for s in at.success]
     errors = [e.value for e in at.error]
     if ok:
-        assert any(s.startswith("Outputs identical to the cache-off run") and "≤ 1e-5 required" in s
+        assert any(s.startswith("Outputs identical to the cache-off run") and f"≤ {TOL_TEXT} required" in s
                    for s in success), success
         assert not errors
     else:
         assert not success
-        assert any("exceeds the 1e-5 tolerance" in e for e in errors), errors
+        assert any(f"exceeds the {TOL_TEXT} tolerance" in e for e in errors), errors
