@@ -334,7 +334,7 @@ class PrefixCheck:
 
     rows: the verification run's rows (:class:`ColdWarm`: a list of dicts), one per kind in :data:`PHASE_RUNS`; warm / cold:
     its warm and cold rows; check: warm vs cache-off output; warm_text: the warm output decoded as UTF-8
-    (control bytes shown as ·); num_generated: its tokens; state_bytes: the whole-model KDA state (bytes);
+    (control bytes other than newline shown as ·); num_generated: its tokens; state_bytes: the whole-model KDA state (bytes);
     chunk_size: the KDA chunk C (tokens)."""
 
     rows: list
@@ -368,7 +368,7 @@ class PrefixTimings:
 
 
 def _check(run: ColdWarm) -> PrefixCheck:
-    text = "".join(c if c.isprintable() else "·" for c in bytes_to_text(run.warm_tokens))
+    text = "".join(c if c.isprintable() or c == "\n" else "·" for c in bytes_to_text(run.warm_tokens))
     by_kind = {r["kind"]: r for r in run.rows}
     return PrefixCheck(run.rows, by_kind["warm"], by_kind["cold"], run.check, text, len(run.warm_tokens),
                        run.layout.state_bytes)

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kda_core.config import PRESETS
-from kda_core.model import HybridLM
 from serve.errors import check_choice
+
+if TYPE_CHECKING:    # torch loads on the first model: Home reads this table (lab.trained) before it
+    from kda_core.model import HybridLM
 
 RUNNABLE = ("demo", "demo-k3gate", "demo-tiny")
 WEIGHTS_ROOT = Path(__file__).resolve().parents[1] / "weights"
@@ -41,6 +43,9 @@ def demo_model(preset: str = "demo") -> HybridLM:
 
     Raises ValueError naming ``preset`` unless it is one of :data:`RUNNABLE`, or (from ``from_pretrained``)
     when the shipped folder is missing a file or its tensors do not match its config."""
+    from kda_core.config import PRESETS
+    from kda_core.model import HybridLM
+
     if is_trained(preset):
         return HybridLM.from_pretrained(TRAINED_WEIGHTS[preset]).eval()
     return HybridLM(PRESETS[preset]).eval()
