@@ -30,7 +30,7 @@ c1, c2 = st.columns(2)
 first = url_widget(c1.text_area, "Request 1 (fills the cache)", "p00_first", FIRST, height=170, max_chars=MAX_PROMPT_BYTES)
 second = url_widget(c2.text_area, "Request 2 (cold vs warm)", "p00_second", SECOND, height=170, max_chars=MAX_PROMPT_BYTES)
 d1, d2, d3 = st.columns(3)
-# 24 of the 48 bytes the prompt rule judged: each generated token costs ~0.1 s over the three engine runs
+# 24 of the 48 bytes the prompt rule judged; three engine runs (cold, fill, warm) decode every token
 max_new = url_widget(d1.slider, "Tokens to generate", "p00_new", 24, 1, 64)
 block = url_widget(d2.select_slider, "Block size N (tokens)", "p00_block", 16, [8, 16, 32, 64])
 interval = url_widget(d3.select_slider, "Checkpoint interval C (tokens)", "p00_interval_c", 64, [64, 128, 256, 512])
