@@ -4,7 +4,7 @@
 |---|---|---|
 | ``demo`` | trained, shipped in ``weights/kda-demo`` (fp16 ``safetensors``, computed in fp32) | 2.28 M |
 | ``demo-k3gate`` | seeded random init (no trained weights ship for the K3 lower-bound gate) | 1.49 M |
-| ``demo-tiny`` | seeded random init (test-sized: 4 layers, d = 32) | small |
+| ``demo-tiny`` | seeded random init (test-sized: 4 layers, d = 32) | 0.06 M |
 
 The trained ``demo`` model has the ``demo`` preset's every cache and state shape (KDA state ``[H, K, V]``,
 conv window, MLA latent width), so byte counts of the preset hold for it; only its MLP is wider (512 vs 256,
