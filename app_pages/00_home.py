@@ -7,6 +7,7 @@ from app_pages.errors import engine_call
 from app_pages.links import url_widget
 from app_pages.measurement import measured_stamp, remeasure_button, run_on_request
 from app_pages.registry import SECTIONS, TABS
+from lab.trained import home_prompts, model_card
 
 st.title("KDA Serve Lab — what the second request saves")
 st.write(
@@ -14,21 +15,23 @@ st.write(
     "KDA/MLA model can reuse a cached prefix only at a block boundary where *every* layer's data exists: the MLA "
     "latents of each token (KV pages, shared by reference) **and** the KDA recurrent + conv state after exactly that "
     "many tokens (a checkpoint, copied into the request). Below, two prompts (bytes are tokens) go through our "
-    "`ServeEngine` on the demo model: the second one cold (no cache) and warm (after the first filled the cache).")
+    "`ServeEngine` on the demo model: the second one cold (no cache) and warm (after the first filled the cache). "
+    "As an editor's completion requests do, both send one Python file up to a function body, the second one "
+    "further down; the file is held out from the model's training.")
 
-SYSTEM = ("You are KDA-bot, a careful assistant for inference engineers. Answer in short, precise sentences; "
-          "state units (bytes, tokens, ms), cite the source of every number and prefer measured values to estimates. ")
+PROMPTS, CARD = home_prompts(), model_card()   # read from files, no torch
 # fp32 logits of the warm run may differ from the cache-off run in the last bits: the warm prefill starts
 # from a restored checkpoint, so its chunked sums are split at other token positions.
-LOGIT_TOL = 1e-5
-FIRST, SECOND = SYSTEM + "User: How big is a KDA state?", SYSTEM + "User: Why must a checkpoint sit on a block boundary?"
-TOL_TEXT = f"{LOGIT_TOL:.0e}".replace("e-0", "e-")  # 1e-5
+LOGIT_TOL = 5e-5   # = lab.prefix.WARM_TOLERANCE (read here without importing torch; tests pin them equal)
+FIRST, SECOND = PROMPTS.first, PROMPTS.second
+TOL_TEXT = f"{LOGIT_TOL:.0e}".replace("e-0", "e-")  # 5e-5
 MAX_PROMPT_BYTES = 2_000  # = tokens (byte-level model): bounds the prefills below
 c1, c2 = st.columns(2)
 first = url_widget(c1.text_area, "Request 1 (fills the cache)", "p00_first", FIRST, height=170, max_chars=MAX_PROMPT_BYTES)
 second = url_widget(c2.text_area, "Request 2 (cold vs warm)", "p00_second", SECOND, height=170, max_chars=MAX_PROMPT_BYTES)
 d1, d2, d3 = st.columns(3)
-max_new = url_widget(d1.slider, "Tokens to generate", "p00_new", 4, 1, 16)
+# 24 of the 48 bytes the prompt rule judged; three engine runs (cold, fill, warm) decode every token
+max_new = url_widget(d1.slider, "Tokens to generate", "p00_new", 24, 1, 64)
 block = url_widget(d2.select_slider, "Block size N (tokens)", "p00_block", 16, [8, 16, 32, 64])
 interval = url_widget(d3.select_slider, "Checkpoint interval C (tokens)", "p00_interval_c", 64, [64, 128, 256, 512])
 sizes = {name: len(prompt.encode()) for name, prompt in (("Request 1", first), ("Request 2", second))}
@@ -89,13 +92,28 @@ m4.metric("Shared through KV pages", f"{warm['shared_kv_bytes'] / 1024:,.1f} KiB
           delta_color="off", delta_arrow="off")
 if check.outputs_identical and check.max_logit_diff <= LOGIT_TOL:
     st.success(f"Outputs identical to the cache-off run: {run.num_generated} greedy tokens, max |Δ logits| = "
-               f"{check.max_logit_diff:.1e} (≤ {TOL_TEXT} required), logits {check.verdict}: {check.reason}. Warm output bytes: “{run.warm_text}” (the demo model's weights are "
-               "random, so its bytes are not meant to read as text; control bytes shown as ·)")
+               f"{check.max_logit_diff:.1e} (≤ {TOL_TEXT} required), logits {check.verdict}: {check.reason}.")
 elif check.outputs_identical:
     st.error(f"Warm tokens equal the cache-off run's, but max |Δ logits| = {check.max_logit_diff:.1e} exceeds the "
              f"{TOL_TEXT} tolerance.")
 else:
     st.error("Warm output differs from the cache-off run.")
+tail = "\n".join(second.split("\n")[-3:])          # the prompt's last lines, for context
+o1, o2 = st.columns(2)
+o1.markdown(f"**Request 2's warm output**: {run.num_generated} greedy bytes of {CARD.name} after the prompt's last "
+            "lines (control bytes as ·)")
+o1.code(tail + run.warm_text, language="python")
+if (first, second) == (FIRST, SECOND):
+    o2.markdown(f"**What `{PROMPTS.path}` really holds there** (held out from training; first {max_new} bytes)")
+    o2.code(tail + PROMPTS.file_continuation.encode()[:max_new].decode(errors="ignore"), language="python")
+st.caption(f"The model: **{CARD.name}**, {CARD.num_parameters / 1e6:.2f} M parameters, one token per byte, trained "
+           f"{CARD.hours:.1f} h on a CPU over {CARD.bytes_trained / 1e6:.1f} M bytes of the Python standard library. "
+           f"On held-out code it needs {CARD.code_nats_per_byte:.3f} nats per byte, xz {CARD.code_xz:.3f} (lower is "
+           f"better; prose {CARD.prose_nats_per_byte:.3f} vs xz {CARD.prose_xz:.3f}): it writes Python-like code, not "
+           f"correct code. The default prompts are cut from `{PROMPTS.path}` by a fixed rule (`train/prompts.py`): "
+           f"the first held-out function body whose {PROMPTS.continuation_bytes}-byte greedy continuation reads as "
+           f"code; the {PROMPTS.cuts_rejected} cuts before it gave a docstring, blanks, a loop or a template that is "
+           "also in the training files.")
 runs = [r for r in run.rows if r["kind"] in ("cold", "first", "warm")]   # the verification run, in PHASE_RUNS order
 names = {"cold": "request 2 cold", "first": "request 1 (fills)", "warm": "request 2 warm"}
 fig_tokens = go.Figure([

@@ -8,7 +8,7 @@ from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
 from app_pages.measurement import measured_stamp, remeasure_button
-from lab.ring import DEMO, RUN_TOKENS, WIDTHS, ring_model, ring_page
+from lab.ring import DEMO, RUN_TOKENS, WIDTHS, is_trained_width, ring_model, ring_page
 
 st.title("RawInputRing")
 st.write(
@@ -29,6 +29,9 @@ num_draft = url_widget(c3.slider, "Draft length n", "p04_draft", 4, 1, 15,   # a
                        help="A verify is 1 + n tokens and the rollback window holds at most 16, so n <= 15.")
 width = url_widget(c4.select_slider, "Model width d (H = d / 32 heads)", "p04_width", 128, list(WIDTHS))
 _model = st.cache_resource(ring_model, validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload
+st.caption(f"At d = {DEMO.hidden_size} the model is the trained demo model; no trained weights ship at d = "
+           f"{' or '.join(str(w) for w in WIDTHS if not is_trained_width(w))}, so those widths run a seeded random "
+           "init (bytes and times depend on the shapes, not on the weights).")
 
 
 @st.cache_data(show_spinner="Measuring bytes, commit times and the ring…", max_entries=16, ttl="1h")

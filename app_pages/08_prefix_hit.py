@@ -7,7 +7,7 @@ from app_pages.charts import show_chart, show_forward_fit
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
 from app_pages.measurement import measured_stamp, remeasure_button
-from lab.prefix import prefix_hit, prefix_hit_timing
+from lab.prefix import WARM_TOLERANCE, prefix_hit, prefix_hit_timing
 
 st.title("Prefix hit")
 st.write(
@@ -40,7 +40,7 @@ m1, m2, m3, m4 = st.columns(4)
 reduction = m1.empty()
 reduction.metric("TTFT reduction (median)", "measuring…", "see section 1", delta_color="off", delta_arrow="off")
 m2.metric("Prefill tokens skipped", f"{warm.hit_tokens:,} of {warm.prompt_tokens:,}")
-m3.metric("Warm vs cache-off output", ("bitwise" if check.bitwise else "NO" if check.verdict == "different" else "within 1e-5"),
+m3.metric("Warm vs cache-off output", ("bitwise" if check.bitwise else "NO" if check.verdict == "different" else f"within {WARM_TOLERANCE:.0e}".replace("e-0", "e-")),
           f"max |Δ logits| {check.max_logit_diff:.1e}", delta_color="off", delta_arrow="off")
 m4.metric("KV run (phase 1)", f"{warm.kv_hit_tokens:,} tokens", f"hit b = {warm.hit_tokens}", delta_color="off", delta_arrow="off")
 st.caption(f"Warm output {check.verdict}: {check.reason}.")

@@ -9,6 +9,7 @@ Progress is reported through a callback argument, never through module-global st
 concept (page topic)    file                     main function             page        test
 ======================  =======================  ========================  ==========  ==================================
 cold vs warm prefix     lab/prefix.py            home                      00 home     tests/lab/test_prefix_pages.py
+trained model, prompts  lab/trained.py           model_card, home_prompts  00 home     tests/lab/test_trained.py
 rollback bytes          lab/rollback.py          measure_layer_bytes       01          tests/serve/spec_decode/test_rollback.py
 ReplaySSM state write   lab/state_write.py       state_write_sweep         01          tests/lab/test_state_write.py
 verify and replay       lab/verify.py            run_verify_lab            02          tests/lab/test_verify.py

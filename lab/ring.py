@@ -2,7 +2,8 @@
 length for each strategy, a ring run (slots, head/tail, wrap-around, write-backs) and its overflow.
 
 All runs use a demo-shaped hybrid (8 layers: 6 KDA + 2 MLA, head dims 32) whose width d (and so
-H = d / 32 heads) is a parameter, single-threaded (see :func:`lab.threads.one_thread`).
+H = d / 32 heads) is a parameter, single-threaded (see :func:`lab.threads.one_thread`). At the demo width
+(128) it is the trained demo model; the other widths have no trained weights and run a seeded random init.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, LinearFit, conditions, fit_linear, summarize
 from lab.verify import PROMPT_TEXT
 from serve.errors import check_choice, check_int
+from serve.runnable import demo_model
 from serve.spec_decode.draft import NoisyOracleProposer
 from serve.spec_decode.raw_input_ring import RawInputRing
 from serve.spec_decode.rollback import conv_window_after
@@ -31,12 +33,22 @@ RUN_TOKENS = 24   # page 04's run: at the default 16 slots the ring wraps and fo
 
 
 def ring_model(width: int) -> HybridLM:
-    """The demo hybrid at hidden size ``width`` with ``width / 32`` KDA heads of K = V = 32.
+    """The demo hybrid at hidden size ``width`` with ``width / 32`` KDA heads of K = V = 32: the trained demo
+    model (:func:`serve.runnable.demo_model`, shared, not to be modified) at the demo width, a seeded random
+    init at the others (:func:`is_trained_width`).
 
     Raises ValueError unless width is one of ``WIDTHS``."""
-    check_choice("width", width, WIDTHS)
+    if is_trained_width(width):
+        return demo_model("demo")
     cfg = dataclasses.replace(PRESETS["demo"], name=f"demo-d{width}", hidden_size=width, num_heads=width // 32)
     return HybridLM(cfg)
+
+
+def is_trained_width(width: int) -> bool:
+    """True at the demo preset's width (trained weights ship for it), False at the other ``WIDTHS``. Raises
+    ValueError unless width is one of ``WIDTHS``."""
+    check_choice("width", width, WIDTHS)
+    return width == DEMO.hidden_size
 
 
 def prompt_state(model: HybridLM) -> DecodeState:

@@ -13,6 +13,8 @@ checkpoint + resume    ``checkpoint.py``       ``save``, ``load``               
 CLI                    ``__main__.py``         ``python -m train --out DIR``       (the shipped run)
 export + CI record     ``export.py``           ``python -m train.export``          ``tests/train/test_export.py``,
                                                                                    ``tests/train/test_weights.py``
+Home's held-out        ``prompts.py``          ``python -m train.prompts``,        ``tests/train/test_prompts.py``
+prompts                                        ``reads_as_code``, ``load_prompts``
 =====================  ======================  ==================================  ==================================
 
 The weights format itself (``model.safetensors`` + ``config.json``, ``HybridLM.from_pretrained``) lives in

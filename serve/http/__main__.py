@@ -13,7 +13,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m serve.http", description=__doc__)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--preset", default="demo", help="runnable model preset (demo, demo-k3gate, demo-tiny)")
+    p.add_argument("--preset", default="demo", help="runnable model preset: demo (the trained weights of weights/kda-demo), demo-k3gate or demo-tiny (seeded init)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default kda-<preset>)")
     p.add_argument("--max-model-len", type=int, default=1024, help="prompt + output tokens (bytes) per request")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in the engine at once (state slots)")

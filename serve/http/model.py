@@ -1,30 +1,31 @@
 """The one place the server builds its model and engine (:func:`load_model`, :func:`build_engine`).
 
-The served model is the runnable ``demo`` preset of :mod:`kda_core.config` with its seeded weights, the model
-the lab's Home page runs (``lab.prefix.demo_model``); when trained weights ship, :func:`load_model` is the one
-function to switch. The engine is :class:`serve.engine.ServeEngine` built through its public constructor only,
-so a batching engine with the same API is served unchanged.
+The served model is a runnable preset loaded by :func:`serve.runnable.demo_model`, the model the lab's pages run:
+by default ``demo``, the trained weights shipped in ``weights/kda-demo``, served under the model id ``kda-demo``
+(``python -m serve.http`` names a preset's model ``kda-<preset>``). The engine is :class:`serve.engine.ServeEngine`
+built through its public constructor only, so a batching engine with the same API is served unchanged.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kda_core.config import PRESETS
 from kda_core.model import HybridLM
 from serve.config import ServeConfig
 from serve.engine import ServeEngine
 from serve.errors import check_choice, check_int
 from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
+from serve.runnable import RUNNABLE, demo_model
 
-SERVABLE = ("demo", "demo-k3gate", "demo-tiny")
+SERVABLE = RUNNABLE
 
 
 def load_model(preset: str = "demo") -> HybridLM:
-    """The served :class:`HybridLM` (fp32, eval mode) of a runnable demo preset. Raises ValueError naming
-    ``preset`` for anything else."""
+    """The served :class:`HybridLM` (fp32, eval mode) of a runnable demo preset: ``demo`` runs the shipped
+    trained weights (:func:`serve.runnable.demo_model`, loaded once per process and shared, never modified).
+    Raises ValueError naming ``preset`` for anything else."""
     check_choice("preset", preset, SERVABLE)
-    return HybridLM(PRESETS[preset]).eval()
+    return demo_model(preset)
 
 
 @dataclass(frozen=True)

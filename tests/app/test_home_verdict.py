@@ -1,13 +1,18 @@
-"""Home's verdict checks the logit tolerance it prints: max |Δ logits| above it is an error, not a success."""
+"""Home's verdict checks the logit tolerance it prints (the lab's WARM_TOLERANCE): max |Δ logits| above it is an
+error, not a success. At its defaults Home shows the trained model's code continuation of a held-out file."""
 import pytest
 import streamlit as st
 
 import lab.prefix as prefix_runs
+from lab.prefix import WARM_TOLERANCE
+from lab.trained import home_prompts, model_card
 from tests.app.page_helpers import open_page
 
+TOL_TEXT = f"{WARM_TOLERANCE:.0e}".replace("e-0", "e-")    # 5e-5
 
-@pytest.mark.parametrize("diff, ok", [pytest.param(5e-6, True, id="within-1e-5"),
-                                      pytest.param(2e-5, False, id="above-1e-5")])
+
+@pytest.mark.parametrize("diff, ok", [pytest.param(WARM_TOLERANCE / 2, True, id="within"),
+                                      pytest.param(WARM_TOLERANCE * 2, False, id="above")])
 def test_home_verdict_checks_tolerance(monkeypatch, diff, ok):
     real = prefix_runs.cold_vs_warm
 
@@ -24,9 +29,22 @@ def test_home_verdict_checks_tolerance(monkeypatch, diff, ok):
     success = [s.value for s in at.success]
     errors = [e.value for e in at.error]
     if ok:
-        assert any(s.startswith("Outputs identical to the cache-off run") and "≤ 1e-5 required" in s
+        assert any(s.startswith("Outputs identical to the cache-off run") and f"≤ {TOL_TEXT} required" in s
                    for s in success), success
         assert not errors
     else:
         assert not success
-        assert any("exceeds the 1e-5 tolerance" in e for e in errors), errors
+        assert any(f"exceeds the {TOL_TEXT} tolerance" in e for e in errors), errors
+
+
+def test_home_shows_the_trained_models_code_continuation():
+    """Warm output = the continuation the prompt rule judged (train/prompts.py), beside the file's own bytes,
+    with the model's size and held-out nats/byte next to xz's; nothing says the weights are random."""
+    at = open_page("app_pages/00_home.py")
+    prompts, card = home_prompts(), model_card()
+    n = next(s.value for s in at.slider if s.key == "p00_new")
+    model_code, file_code = (c.value for c in at.code[:2])
+    assert n >= 16 and model_code.endswith(prompts.continuation[:n]) and file_code.endswith(prompts.file_continuation[:n])
+    text = " ".join(c.value for c in at.caption)
+    assert f"{card.num_parameters / 1e6:.2f} M parameters" in text and f"xz {card.code_xz:.3f}" in text
+    assert "random" not in " ".join(s.value for s in at.success) + text

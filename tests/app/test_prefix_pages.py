@@ -62,7 +62,8 @@ def home_page() -> AppTest:
 
 
 def test_home_counts_generated_tokens_not_bytes(home_page):
-    """The demo model's random bytes decode to U+FFFD (3 UTF-8 bytes each): 8 tokens read as 14 bytes."""
+    """The success message counts generated tokens (bytes of the byte-level model), whatever the output's text:
+    a token that is not valid UTF-8 on its own shows as U+FFFD, 3 bytes."""
     at = home_page
     for n in (8, 3):
         at.slider(key="p00_new").set_value(n)

@@ -3,6 +3,8 @@
 This is what makes a warm prefix-cache run bitwise equal to the cache-off run (``serve.engine``): the KDA
 chunks and the MLA row blocks of both runs sit on the same grid, and every other op is row-invariant.
 """
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from kda_core.layer import KDALayer, MLALayer, _block_causal_attention
 from kda_core.model import HybridLM, cache_equal
 
 TINY = PRESETS["demo-tiny"]
+TRAINED = Path(__file__).resolve().parents[2] / "weights" / "kda-demo"   # the demo model's shipped weights
 
 
 def _tokens(T, seed=0):
@@ -22,9 +25,12 @@ def _x(T, d, seed=0):
     return torch.randn(1, T, d, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(scope="module", params=["demo-tiny", "demo"])
+@pytest.fixture(scope="module", params=["demo-tiny", "demo-random", "demo-trained"])
 def model(request):
-    return HybridLM(PRESETS[request.param])
+    """Seeded inits and the trained demo model (trained gates: realistic decays, larger logits)."""
+    if request.param == "demo-trained":
+        return HybridLM.from_pretrained(TRAINED)
+    return HybridLM(PRESETS[request.param.removesuffix("-random")])
 
 
 @pytest.mark.parametrize("split", [64, 128, 192, 256])

@@ -1,5 +1,7 @@
 """Batched KDA over a state-slot pool (``kda_core.varlen``): batched == alone bitwise, pad rows never
 touch a live slot, prefill(T) == prefill(T - k) + k decodes, chunked prefill carries the state."""
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -27,7 +29,8 @@ NUM_PAGES = 96
 
 @pytest.fixture(scope="module")
 def model():
-    return HybridLM()
+    """The demo model with its shipped trained weights (the model the pages and the server run)."""
+    return HybridLM.from_pretrained(Path(__file__).resolve().parents[2] / "weights" / "kda-demo")
 
 
 def empty_pools(model, num_slots, fill=float("nan")):

@@ -11,6 +11,7 @@ from lab.ring import (
     commit_times,
     greedy_continuation,
     head_tail_labels,
+    is_trained_width,
     prompt_state,
     ring_model,
     ring_page,
@@ -19,6 +20,7 @@ from lab.ring import (
     verify_prefix,
 )
 from lab.verify import PROMPT_TEXT
+from serve.runnable import demo_model
 from serve.spec_decode.raw_input_ring import RawInputRing
 from serve.spec_decode.replay_ssm import replay_ssm_bytes_per_token
 from serve.spec_decode.rollback import (
@@ -155,3 +157,11 @@ def test_greedy_continuation_is_generate(model):
     prompt = encode(PROMPT_TEXT)
     reference, _ = model.generate(prompt.reshape(1, -1), 9)
     assert greedy_continuation(model, prompt_state(model), 9) == reference[0].tolist()
+
+
+def test_ring_model_is_the_trained_demo_model_at_the_demo_width():
+    """d = 128 runs the shipped trained weights (the model every other page runs); d = 64 / 256 have none."""
+    assert ring_model(128) is demo_model("demo") and is_trained_width(128)
+    assert ring_model(64).cfg.name == "demo-d64" and not is_trained_width(64) and not is_trained_width(256)
+    with pytest.raises(ValueError, match="width must be one of"):
+        is_trained_width(96)

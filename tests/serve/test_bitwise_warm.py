@@ -51,17 +51,18 @@ def test_warm_from_the_end_of_an_earlier_prompt_on_grid_is_bitwise():
     checkpoint (the final state of its prefill), on the grid."""
     first, _ = shared_prefix_prompts(320, 0, seed=5)
     second = first + shared_prefix_prompts(0, 24, seed=6)[0]
-    cold, warm = _cold_warm(first, second, 16, 64, preset="demo-tiny")
+    cold, warm = _cold_warm(first, second, 16, 64)
     assert warm.hit_tokens == 320
     assert warm.output_tokens == cold.output_tokens and torch.equal(warm.logits, cold.logits)
 
 
+@pytest.mark.parametrize("seed", [7, 8])
 @pytest.mark.parametrize("block_size,interval,shared,follow_up", [(16, 32, 416, False), (16, 64, 400, True)], ids=str)
-def test_warm_off_grid_is_within_tolerance(block_size, interval, shared, follow_up):
+def test_warm_off_grid_is_within_tolerance(block_size, interval, shared, follow_up, seed):
     """Off the grid (b = 416, an interval checkpoint at C = 32; b = 400, the end-of-prompt checkpoint of a
     400-token request 1 that request 2 extends) the warm chunks start at b: same tokens, logits within
     WARM_TOLERANCE, and the comparison says why."""
-    first, second = shared_prefix_prompts(shared, 48, seed=7)
+    first, second = shared_prefix_prompts(shared, 48, seed=seed)   # seed 8 at C = 32: 1.2e-5 on the trained model
     if follow_up:
         first = first[:shared]
     cold, warm = _cold_warm(first, second, block_size, interval)
@@ -75,7 +76,7 @@ def test_warm_off_grid_is_within_tolerance(block_size, interval, shared, follow_
 def test_checkpoint_written_during_decode_is_on_grid_but_not_a_prefill_state():
     """Request 2 extends request 1's prompt and 64 of its output tokens: the hit b = 384 is on the grid but
     its checkpoint was written during decode (token-by-token state), so it is within tolerance, and said so."""
-    model = demo_model("demo-tiny")
+    model = demo_model("demo")
     first, _ = shared_prefix_prompts(320, 0, seed=5)
     with one_thread():
         eng = build_engine(model, ServeConfig(64, 64))
@@ -85,7 +86,7 @@ def test_checkpoint_written_during_decode_is_on_grid_but_not_a_prefill_state():
         cold = build_engine(model, ServeConfig(64, 64), cache=False).generate(second, 4, record_logits=True)
     check = compare(warm, cold)
     assert check.hit_tokens == 384 and check.on_grid and check.outputs_identical
-    assert check.max_logit_diff <= WARM_TOLERANCE and not check.bitwise   # 1.6e-6 here
+    assert check.max_logit_diff <= WARM_TOLERANCE and not check.bitwise   # 6.7e-6 here (trained)
     assert "not taken by a prefill" in check.reason and check.verdict.startswith("within tolerance")
 
 
@@ -94,7 +95,7 @@ def test_verdict_and_reason():
     assert on.verdict == "bitwise equal" and "b = 320 is a multiple of the 64-token KDA chunk" in on.reason
     off = compare_row(bitwise=False, hit=400, diff=3.2e-6)
     assert off.verdict == "within tolerance (max |Δ| = 3.2e-06)" and "b = 400 is not a multiple" in off.reason
-    assert compare_row(bitwise=False, hit=400, diff=2e-5).verdict == "different"
+    assert compare_row(bitwise=False, hit=400, diff=2 * WARM_TOLERANCE).verdict == "different"
 
 
 def test_reason_with_no_hit():

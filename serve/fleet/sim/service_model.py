@@ -166,15 +166,15 @@ class EngineRates(NamedTuple):
 
 def measure_cpu_engine(prompt_tokens: int = 256, batch_sizes: tuple[int, ...] = (1, 4), repeats: int = 3,
                        preset: str = "demo") -> EngineRates:
-    """Time our own ``kda_core`` HybridLM on this CPU: prefill of one prompt, decode steps at several
+    """Time our own ``kda_core`` HybridLM (the runnable model of ``preset``, :func:`serve.runnable.demo_model`:
+    the trained weights for ``demo``) on this CPU: prefill of one prompt, decode steps at several
     batch sizes (medians). Heavy: call it from a cached function or a bench, not in a page body."""
     import torch
 
-    from kda_core.config import PRESETS
-    from kda_core.model import HybridLM
+    from serve.runnable import demo_model
 
     torch.manual_seed(0)
-    model = HybridLM(PRESETS[preset]).eval()
+    model = demo_model(preset)
     prompt = torch.randint(0, 256, (1, prompt_tokens))
     times = []
     with torch.no_grad():

@@ -1,0 +1,51 @@
+"""The runnable demo models: which weights each runnable preset runs, loaded once per process.
+
+| preset | weights | parameters |
+|---|---|---|
+| ``demo`` | trained, shipped in ``weights/kda-demo`` (fp16 ``safetensors``, computed in fp32) | 2.28 M |
+| ``demo-k3gate`` | seeded random init (no trained weights ship for the K3 lower-bound gate) | 1.49 M |
+| ``demo-tiny`` | seeded random init (test-sized: 4 layers, d = 32) | 0.06 M |
+
+The trained ``demo`` model has the ``demo`` preset's every cache and state shape (KDA state ``[H, K, V]``,
+conv window, MLA latent width), so byte counts of the preset hold for it; only its MLP is wider (512 vs 256,
+``train.model_config``). The lab (``lab.prefix.demo_model`` is this function), the HTTP server
+(:mod:`serve.http.model`) and the fleet simulator's measured service model all load through :func:`demo_model`.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from serve.errors import check_choice
+
+if TYPE_CHECKING:    # torch loads on the first model: Home reads this table (lab.trained) before it
+    from kda_core.model import HybridLM
+
+RUNNABLE = ("demo", "demo-k3gate", "demo-tiny")
+WEIGHTS_ROOT = Path(__file__).resolve().parents[1] / "weights"
+TRAINED_WEIGHTS = {"demo": WEIGHTS_ROOT / "kda-demo"}
+"""Model folder (``config.json`` + ``model.safetensors``) of each runnable preset that ships trained weights."""
+
+
+def is_trained(preset: str) -> bool:
+    """True when ``preset`` runs shipped trained weights, False when it runs its seeded random init.
+    Raises ValueError naming ``preset`` unless it is one of :data:`RUNNABLE`."""
+    check_choice("preset", preset, RUNNABLE)
+    return preset in TRAINED_WEIGHTS
+
+
+@functools.lru_cache(maxsize=len(RUNNABLE))   # bounded: one model per runnable preset, built once per process
+def demo_model(preset: str = "demo") -> HybridLM:
+    """The runnable model of a demo preset, fp32, eval mode, no autograd: ``demo`` loads the shipped trained
+    weights (``HybridLM.from_pretrained``; fp16 on disk, fp32 in memory), the others their seeded random
+    init (see the table above). The same object is returned on every call: do not modify it.
+
+    Raises ValueError naming ``preset`` unless it is one of :data:`RUNNABLE`, or (from ``from_pretrained``)
+    when the shipped folder is missing a file or its tensors do not match its config."""
+    from kda_core.config import PRESETS
+    from kda_core.model import HybridLM
+
+    if is_trained(preset):
+        return HybridLM.from_pretrained(TRAINED_WEIGHTS[preset]).eval()
+    return HybridLM(PRESETS[preset]).eval()
