@@ -1,0 +1,124 @@
+"""In-chunk products with pairwise decay: the part of :func:`kda_core.chunk.kda_chunk` that needs
+``exp(G_i - G_j)`` for every token pair (i, j) of a chunk.
+
+``Akk[i, j] = sum_d k_i[d] k_j[d] exp(G_i[d] - G_j[d])`` (i > j) and ``Aqk[i, j]`` the same with q_i
+(i >= j), G the in-chunk cumulative log decay (non-increasing in i). Factoring ``exp(G_i - G_j)`` as
+``exp(G_i) * exp(-G_j)`` turns each into one matmul, but ``exp(-G_j)`` overflows fp32 once a chunk
+decays by more than ~88 nats (trained gates reach 150-270 nats in 64 tokens, measured on the shipped
+weights). Two exact forms avoid that, chosen per chunk:
+
+- :func:`sub_chunk_products` (fast): the factoring above about the first token f of each sub-chunk
+  of ``SUB_CHUNK`` tokens, ``exp(G_i - G_j) = exp(G_i - G_fI) exp(G_fI - G_fJ) exp(G_fJ - G_j)``
+  (i in sub-chunk I, j in J <= I): the first two factors are <= 1, the last <= exp(range of J),
+  bounded by ``MAX_SUB_CHUNK_DECAY``. This is fla's ``chunk_kda`` intra-chunk scheme (fla-org/
+  flash-linear-attention, ``fla/ops/kda/chunk_intra.py``: sub-chunks of 16 with the sub-chunk's
+  first-token gate as reference) with the reference also used inside the diagonal sub-chunk blocks.
+- :func:`halving_products` (always safe, also with ``g = -inf``): recursive halving, every exponent
+  <= 0; 5-6x slower here (``python -m bench.kda``).
+
+:func:`intra_chunk_products` runs the fast form on every chunk and the safe form on the chunks (per
+batch row and head) whose sub-chunk decay range exceeds the bound or that hold a ``-inf`` gate, so a
+chunk's result depends only on its own inputs (the prefill-grid bitwise facts rely on that).
+"""
+from __future__ import annotations
+
+import torch
+
+SUB_CHUNK = 16               # tokens per sub-chunk (fla chunk_kda's BC = 16)
+MAX_SUB_CHUNK_DECAY = 60.0   # nats: largest factor exp(60) ~ 1.1e26, fp32 max ~ 3.4e38 (exp(88.7))
+
+
+def masked_exp(diff: torch.Tensor, same: torch.Tensor | None) -> torch.Tensor:
+    """``exp(diff)``, zeroed where ``same`` is False (a full-forgetting step, g = -inf, lies between the
+    two tokens: the true exponent is -inf). ``same`` None: no such step anywhere."""
+    return diff.exp() if same is None else diff.exp().masked_fill_(~same, 0.0)
+
+
+def halving_products(G, k, q, seg=None):
+    """Strictly lower-triangular ``(Akk, Aqk)`` by recursive halving; every exponent used is ``<= 0``.
+
+    G, k, q: ``[..., C, K]``, C a power of two. For a right half R and its left sibling L with boundary
+    token r (first of R), ``exp(G_i - G_j) = exp(G_i - G_r) * exp(G_r - G_j)`` for i in R, j in L, both
+    factors pairwise decays between ordered tokens (each <= 1): the boundary-reference trick of fla's
+    ``chunk_intra`` sub-chunk kernel, applied at every level. ``seg`` (optional, ``[..., C, K]`` int):
+    full-forgetting steps (g = -inf) so far in the chunk, G then summing only the finite steps; a factor
+    is zero where the segments of its two tokens differ, so ``exp(-inf - -inf)`` never forms.
+
+    Returns: (Akk, Aqk), each ``[..., C, C]`` with zeros on and above the diagonal.
+    """
+    *lead, C, K = G.shape
+    A = G.new_zeros(2, *lead, C, C)                          # [2, ..., C, C]: Akk, Aqk
+    kq = torch.stack((k, q))                                 # [2, ..., C, K], stacked once
+    m = C // 2
+    while m >= 1:
+        nb = C // (2 * m)
+        Gv = G.reshape(*lead, nb, 2, m, K)                    # [..., nb, 2, m, K]
+        kqv = kq.reshape(2, *lead, nb, 2, m, K)               # [2, ..., nb, 2, m, K]
+        Gr = Gv[..., 1, :1, :]                               # boundary r   [..., nb, 1, K]
+        same_r = same_l = None
+        if seg is not None:
+            sv = seg.reshape(*lead, nb, 2, m, K)                # [..., nb, 2, m, K]
+            same_r = sv[..., 1, :, :] == sv[..., 1, :1, :]       # [..., nb, m, K]
+            same_l = sv[..., 1, :1, :] == sv[..., 0, :, :]       # [..., nb, m, K]
+        e_row = masked_exp(Gv[..., 1, :, :] - Gr, same_r)    # i in R       [..., nb, m, K]
+        col = kqv[0, ..., 0, :, :] * masked_exp(Gr - Gv[..., 0, :, :], same_l)  # j in L [..., nb, m, K]
+        rows = kqv[..., 1, :, :] * e_row                     # [2, ..., nb, m, K]
+        blk = rows @ col.transpose(-1, -2)                   # [2, ..., nb, m, m]
+        Av = A.view(2, *lead, nb, 2, m, nb, 2, m).diagonal(dim1=-6, dim2=-3)  # [2, ..., 2, m, 2, m, nb]
+        Av[..., 1, :, 0, :, :] = blk.movedim(-3, -1)
+        m //= 2
+    return A[0], A[1]
+
+
+def sub_chunk_products(G, k, q):
+    """``(Akk, Aqk, ok)`` by sub-chunk references (see the module docstring); exact where ``ok``.
+
+    G, k, q: ``[..., C, K]`` (C a power of two; sub-chunks of ``min(SUB_CHUNK, C)`` tokens).
+    Returns Akk ``[..., C, C]`` strictly lower, Aqk ``[..., C, C]`` lower incl. the diagonal
+    (``q_i . k_i``), and ok ``[...]`` bool: False where some sub-chunk decays by more than
+    ``MAX_SUB_CHUNK_DECAY`` nats in some key dim. There the exponents were clamped and the products are
+    wrong but finite (values and gradients), so a caller can overwrite them.
+    """
+    *lead, C, K = G.shape
+    s = min(SUB_CHUNK, C)
+    nS = C // s
+    Gs = G.reshape(*lead, nS, s, K)                                  # [..., nS, s, K]
+    Gf = Gs[..., :1, :]                                              # first token of each sub-chunk
+    ok = ((Gf.squeeze(-2) - Gs[..., -1, :]) <= MAX_SUB_CHUNK_DECAY).flatten(-2).all(-1)  # [...]
+    D = (Gs - Gf).clamp_min(-MAX_SUB_CHUNK_DECAY)                    # G_i - G_fI, [..., nS, s, K]
+    ks = k.reshape(*lead, nS, s, K)                                  # [..., nS, s, K]
+    kq = torch.stack((ks, q.reshape(*lead, nS, s, K)), -3)           # [..., nS, 2, s, K]
+    rows = (kq * D.exp().unsqueeze(-3)).reshape(*lead, nS, 2 * s, K)  # x_i exp(G_i - G_fI) [..., nS, 2s, K]
+    kap = ks * D.neg().exp()                                         # k_j exp(G_fJ - G_j)  [..., nS, s, K]
+    gf = Gf.squeeze(-2)                                              # [..., nS, K]
+    c = (gf.unsqueeze(-2) - gf.unsqueeze(-3)).clamp_max(0.0).exp()  # exp(G_fI - G_fJ) [..., I, J, K]
+    A = G.new_empty(*lead, nS, 2, s, C)                              # row block I: [k rows; q rows]
+    for i in range(nS):                                              # columns of sub-chunks J <= I
+        cols = (kap[..., :i + 1, :, :] * c[..., i, :i + 1, None, :]).reshape(*lead, (i + 1) * s, K)
+        A[..., i, :, :, :(i + 1) * s] = (rows[..., i, :, :] @ cols.transpose(-1, -2)).reshape(
+            *lead, 2, s, (i + 1) * s)                                # [..., 2, s, (I+1)s]
+    row = torch.arange(C, device=G.device).view(nS, s, 1)            # token of each row  [nS, s, 1]
+    col = torch.arange(C, device=G.device)                           # [C]
+    Akk = torch.where(row > col, A[..., 0, :, :], 0.0).reshape(*lead, C, C)   # [..., C, C]
+    Aqk = torch.where(row >= col, A[..., 1, :, :], 0.0).reshape(*lead, C, C)  # [..., C, C]
+    return Akk, Aqk, ok
+
+
+def intra_chunk_products(G, k, q, seg=None):
+    """``(Akk, Aqk)`` of every chunk: :func:`sub_chunk_products`, with :func:`halving_products` on the
+    chunks it cannot take (``ok`` False, or a ``-inf`` gate: ``seg`` not None and non-zero there).
+
+    G, k, q: ``[..., C, K]``; seg: ``[..., C, K]`` int or None (see :func:`halving_products`).
+    Returns Akk ``[..., C, C]`` strictly lower and Aqk ``[..., C, C]`` lower incl. the diagonal.
+    """
+    Akk, Aqk, ok = sub_chunk_products(G, k, q)
+    if seg is not None:
+        ok = ok & (seg[..., -1, :] == 0).all(-1)                     # seg counts -inf steps up to each token
+    bad = (~ok).flatten().nonzero().squeeze(-1)                      # chunks for the safe form
+    if bad.numel():
+        flat = [None if t is None else t.flatten(0, -3)[bad] for t in (G, k, q, seg)]  # [n_bad, C, K]
+        kk, qk = halving_products(*flat)
+        qk = qk + torch.diag_embed((flat[1] * flat[2]).sum(-1))      # diagonal: exp(0) = 1
+        Akk = Akk.flatten(0, -3).index_copy(0, bad, kk).view(Akk.shape)
+        Aqk = Aqk.flatten(0, -3).index_copy(0, bad, qk).view(Aqk.shape)
+    return Akk, Aqk
