@@ -70,55 +70,70 @@ def halving_products(G, k, q, seg=None):
     return A[0], A[1]
 
 
-def sub_chunk_products(G, k, q):
+def sub_chunks(C: int) -> tuple[int, int]:
+    """(number of sub-chunks nS, tokens per sub-chunk s) of a chunk of C tokens (s = min(SUB_CHUNK, C))."""
+    s = min(SUB_CHUNK, C)
+    return C // s, s
+
+
+def stack_kq(k: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """k and q ``[..., C, K]`` (any strides) in one tensor ``[..., nS, 2, s, K]``: sub-chunk I's key rows
+    then its query rows, so that row block I of both products is one matmul. One copy, which also
+    makes the chunk layout contiguous; ``kq[..., 0, :, :]`` / ``kq[..., 1, :, :]`` give k / q back
+    as ``[..., nS, s, K]`` views."""
+    nS, s = sub_chunks(k.shape[-2])
+    return torch.stack((k.unflatten(-2, (nS, s)), q.unflatten(-2, (nS, s))), -3)
+
+
+def sub_chunk_products(G, kq):
     """``(Akk, Aqk, ok)`` by sub-chunk references (see the module docstring); exact where ``ok``.
 
-    G, k, q: ``[..., C, K]`` (C a power of two; sub-chunks of ``min(SUB_CHUNK, C)`` tokens).
+    G ``[..., C, K]`` (C a power of two); kq ``[..., nS, 2, s, K]`` from :func:`stack_kq`.
     Returns Akk ``[..., C, C]`` strictly lower, Aqk ``[..., C, C]`` lower incl. the diagonal
     (``q_i . k_i``), and ok ``[...]`` bool: False where some sub-chunk decays by more than
     ``MAX_SUB_CHUNK_DECAY`` nats in some key dim. There the exponents were clamped and the products are
     wrong but finite (values and gradients), so a caller can overwrite them.
     """
     *lead, C, K = G.shape
-    s = min(SUB_CHUNK, C)
-    nS = C // s
+    nS, s = sub_chunks(C)
     Gs = G.reshape(*lead, nS, s, K)                                  # [..., nS, s, K]
     Gf = Gs[..., :1, :]                                              # first token of each sub-chunk
     ok = ((Gf.squeeze(-2) - Gs[..., -1, :]) <= MAX_SUB_CHUNK_DECAY).flatten(-2).all(-1)  # [...]
-    D = (Gs - Gf).clamp_min(-MAX_SUB_CHUNK_DECAY)                    # G_i - G_fI, [..., nS, s, K]
-    ks = k.reshape(*lead, nS, s, K)                                  # [..., nS, s, K]
-    kq = torch.stack((ks, q.reshape(*lead, nS, s, K)), -3)           # [..., nS, 2, s, K]
+    D = Gs - Gf                                                      # G_i - G_fI <= 0, [..., nS, s, K]
+    if not bool(ok.all()):                                           # no-op on the chunks that are ok
+        D = D.clamp_min(-MAX_SUB_CHUNK_DECAY)
     rows = (kq * D.exp().unsqueeze(-3)).reshape(*lead, nS, 2 * s, K)  # x_i exp(G_i - G_fI) [..., nS, 2s, K]
-    kap = ks * D.neg().exp()                                         # k_j exp(G_fJ - G_j)  [..., nS, s, K]
+    kap = kq[..., 0, :, :] * D.neg().exp()                           # k_j exp(G_fJ - G_j)  [..., nS, s, K]
     gf = Gf.squeeze(-2)                                              # [..., nS, K]
     c = (gf.unsqueeze(-2) - gf.unsqueeze(-3)).clamp_max(0.0).exp()  # exp(G_fI - G_fJ) [..., I, J, K]
-    A = G.new_empty(*lead, nS, 2, s, C)                              # row block I: [k rows; q rows]
-    for i in range(nS):                                              # columns of sub-chunks J <= I
+    A = G.new_zeros(*lead, 2, C, C)                                  # [..., (Akk, Aqk), C, C]
+    for i in range(nS):                                              # row block I: columns of sub-chunks J <= I
         cols = (kap[..., :i + 1, :, :] * c[..., i, :i + 1, None, :]).reshape(*lead, (i + 1) * s, K)
-        A[..., i, :, :, :(i + 1) * s] = (rows[..., i, :, :] @ cols.transpose(-1, -2)).reshape(
-            *lead, 2, s, (i + 1) * s)                                # [..., 2, s, (I+1)s]
-    row = torch.arange(C, device=G.device).view(nS, s, 1)            # token of each row  [nS, s, 1]
-    col = torch.arange(C, device=G.device)                           # [C]
-    Akk = torch.where(row > col, A[..., 0, :, :], 0.0).reshape(*lead, C, C)   # [..., C, C]
-    Aqk = torch.where(row >= col, A[..., 1, :, :], 0.0).reshape(*lead, C, C)  # [..., C, C]
-    return Akk, Aqk, ok
+        A[..., i * s:(i + 1) * s, :(i + 1) * s] = (rows[..., i, :, :] @ cols.transpose(-1, -2)).unflatten(
+            -2, (2, s))                                              # [..., 2, s, (I+1)s]
+    lower = torch.ones(C, C, dtype=G.dtype, device=G.device).tril()  # [C, C] incl. the diagonal
+    A.mul_(torch.stack((lower.tril(-1), lower)))                     # Akk strictly lower, Aqk lower
+    return A[..., 0, :, :], A[..., 1, :, :], ok
 
 
-def intra_chunk_products(G, k, q, seg=None):
+def intra_chunk_products(G, kq, seg=None):
     """``(Akk, Aqk)`` of every chunk: :func:`sub_chunk_products`, with :func:`halving_products` on the
     chunks it cannot take (``ok`` False, or a ``-inf`` gate: ``seg`` not None and non-zero there).
 
-    G, k, q: ``[..., C, K]``; seg: ``[..., C, K]`` int or None (see :func:`halving_products`).
-    Returns Akk ``[..., C, C]`` strictly lower and Aqk ``[..., C, C]`` lower incl. the diagonal.
+    G ``[..., C, K]``; kq ``[..., nS, 2, s, K]`` (:func:`stack_kq`); seg ``[..., C, K]`` int or None
+    (see :func:`halving_products`). Returns Akk ``[..., C, C]`` strictly lower and Aqk ``[..., C, C]``
+    lower incl. the diagonal.
     """
-    Akk, Aqk, ok = sub_chunk_products(G, k, q)
+    Akk, Aqk, ok = sub_chunk_products(G, kq)
     if seg is not None:
         ok = ok & (seg[..., -1, :] == 0).all(-1)                     # seg counts -inf steps up to each token
     bad = (~ok).flatten().nonzero().squeeze(-1)                      # chunks for the safe form
     if bad.numel():
-        flat = [None if t is None else t.flatten(0, -3)[bad] for t in (G, k, q, seg)]  # [n_bad, C, K]
-        kk, qk = halving_products(*flat)
-        qk = qk + torch.diag_embed((flat[1] * flat[2]).sum(-1))      # diagonal: exp(0) = 1
+        C, K = G.shape[-2:]
+        kq_bad = kq.flatten(0, -5)[bad]                              # [n_bad, nS, 2, s, K]
+        k, q = (kq_bad[:, :, i].reshape(-1, C, K) for i in (0, 1))   # [n_bad, C, K]
+        kk, qk = halving_products(G.flatten(0, -3)[bad], k, q, None if seg is None else seg.flatten(0, -3)[bad])
+        qk = qk + torch.diag_embed((k * q).sum(-1))                  # diagonal: exp(0) = 1
         Akk = Akk.flatten(0, -3).index_copy(0, bad, kk).view(Akk.shape)
         Aqk = Aqk.flatten(0, -3).index_copy(0, bad, qk).view(Aqk.shape)
     return Akk, Aqk
