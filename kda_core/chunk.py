@@ -83,7 +83,8 @@ def piece_tokens_for(B: int, H: int, K: int, V: int, chunk_size: int = CHUNK_SIZ
 
     Here (glibc malloc, 2 MiB L2 per core) a temporary over ~1 MiB is mmap-ed afresh and page-faulted
     on every use: an out-of-place op on 2 MiB ran 3x slower than in place, on 512 KiB 1.3x
-    (T = 4,096, H = 4, K = V = 128: 256-token pieces beat 1,024 by ~15 %, ``python -m bench.kda``).
+    (T = 4,096, H = 4, K = V = 128, one thread: 256-token pieces took 72 ms of CPU time, 1,024-token
+    pieces 83 ms).
     """
     per_token = B * H * max(K, V) * 4                      # bytes of one token's row in a [.., K] tensor
     return max(MIN_PIECE_CHUNKS, PIECE_BYTES // (per_token * chunk_size)) * chunk_size
@@ -134,7 +135,7 @@ def kda_chunk_prepare(
         return x.unflatten(-2, (nS, s))
 
     kq = stack_kq(chunks(prep(k)), chunks(prep(q)))   # [B, H, NT, nS, 2, s, K]; q unscaled (see outputs)
-    kc, qc = kq[..., 0, :, :], kq[..., 1, :, :]       # [B, H, NT, nS, s, K] views
+    kc, qc = kq.unbind(-3)                            # [B, H, NT, nS, s, K] views (one backward op)
     vc = chunks(prep(v)).contiguous()                 # [B, H, NT, C, V]
     G = chunks(prep(g))                               # [B, H, NT, C, K] (per-token g here; a view)
     seg = None
@@ -181,17 +182,18 @@ def kda_chunk_states(prep: ChunkPrep, initial_state: torch.Tensor | None = None)
     V = prep.u.shape[-1]
     S = _initial_state(initial_state, B, H, K, V, prep.w.dtype)           # [B*H, K, V]
     # 3-D views [B*H, ...] of chunk j for baddbmm (B, H are adjacent: no copy)
-    w, u, kd = (t.flatten(0, 1) for t in (prep.w, prep.u, prep.kd))   # [B*H, NT, ...]
-    decay_last = prep.decay_last.flatten(0, 1)                          # [B*H, NT, K, 1]
+    # per-chunk views [B*H, ...]; unbind, not indexing: its backward is one stack, not a zero-filled
+    # full-size gradient per chunk
+    w, u, kd, decay_last = (t.flatten(0, 1).unbind(1) for t in (prep.w, prep.u, prep.kd, prep.decay_last))
     # Per-chunk results are collected and stacked, never written into a preallocated tensor: the state
     # update reads v_new of chunk j, and an in-place write of chunk j + 1 would invalidate what autograd
     # saved for it (training backpropagates through this scan).
     hs, vs = [], []
     for j in range(NT):                                      # sequential only over chunks
         hs.append(S)
-        vn = torch.baddbmm(u[:, j], w[:, j], S, alpha=-1.0)  # u - w S       [B*H, C, V]
+        vn = torch.baddbmm(u[j], w[j], S, alpha=-1.0)        # u - w S       [B*H, C, V]
         vs.append(vn)
-        S = torch.baddbmm(S * decay_last[:, j], kd[:, j], vn)  # [B*H, K, V]
+        S = torch.baddbmm(S * decay_last[j], kd[j], vn)      # [B*H, K, V]
     h = torch.stack(hs, 1).view(B, H, NT, K, V).transpose(1, 2)     # [B, NT, H, K, V] (a view)
     return ChunkStates(h, torch.stack(vs, 1).view(B, H, NT, C, V), S.view(B, H, K, V))
 
@@ -218,13 +220,13 @@ def _scan_with_outputs(prep: ChunkPrep, S: torch.Tensor, o_out: torch.Tensor, h_
     """
     B, H, NT, C, K = prep.w.shape
     V = prep.u.shape[-1]
-    w, u, kd, qg, Aqk = (t.flatten(0, 1) for t in (prep.w, prep.u, prep.kd, prep.qg, prep.Aqk))  # [B*H, NT, ...]
-    decay_last = prep.decay_last.flatten(0, 1)                          # [B*H, NT, K, 1]
+    w, u, kd, qg, Aqk, decay_last = (t.flatten(0, 1).unbind(1) for t in (
+        prep.w, prep.u, prep.kd, prep.qg, prep.Aqk, prep.decay_last))  # per chunk [B*H, ...]
     for j in range(NT):
         h_out[:, j] = S.view(B, H, K, V)
-        vn = torch.baddbmm(u[:, j], w[:, j], S, alpha=-1.0)             # u - w S            [B*H, C, V]
-        o = torch.baddbmm(Aqk[:, j] @ vn, qg[:, j], S, beta=prep.scale, alpha=prep.scale)  # [B*H, C, V]
-        S = torch.baddbmm(S * decay_last[:, j], kd[:, j], vn)           # [B*H, K, V]
+        vn = torch.baddbmm(u[j], w[j], S, alpha=-1.0)                   # u - w S            [B*H, C, V]
+        o = torch.baddbmm(Aqk[j] @ vn, qg[j], S, beta=prep.scale, alpha=prep.scale)  # [B*H, C, V]
+        S = torch.baddbmm(S * decay_last[j], kd[j], vn)                 # [B*H, K, V]
         n = min(C, prep.num_tokens - j * C)                              # real (unpadded) tokens of chunk j
         if n > 0:
             o_out[:, j * C: j * C + n] = o.view(B, H, C, V)[:, :, :n].transpose(1, 2)  # [B, n, H, V]
@@ -248,7 +250,10 @@ def kda_chunk(
     ``A = (I + L)^{-1} diag(beta)``, ``w = A (exp(G) * k)``, ``u = A v``; across chunks
     ``v' = u - w S``, ``o = (q exp(G)) S + Aqk v'``, ``S <- diag(exp(G_C)) S + (k exp(G_C - G))^T v'``
     (fla ``naive_chunk_kda``; Kimi Linear paper, section on the chunkwise algorithm). In-chunk decays
-    are always pairwise ``exp(G_i - G_j)`` with ``i >= j`` (see :func:`_pairwise_decay_products`).
+    never overflow: :mod:`kda_core.intra_chunk` factors ``exp(G_i - G_j)`` about references inside the
+    chunk, within a bound per 16-token sub-chunk, else by recursive halving (per chunk).
+    Without autograd the scan writes each chunk's outputs and state straight into the results; with
+    autograd (training) it stacks them; both are bitwise equal.
     Any T works: the tail is padded with exact no-op tokens (g = 0, beta = 0, k = 0).
 
     Args:
@@ -307,10 +312,10 @@ def _kda_chunk_autograd(q, k, v, g, beta, initial_state, scale, chunk_size, piec
         states = kda_chunk_states(prep, initial_state)
         return ChunkOutput(kda_chunk_outputs(prep, states), states.final_state, states.h)
     outs, hs, state = [], [], initial_state
-    for s in range(0, T, piece_tokens):
-        part = slice(s, s + piece_tokens)
-        o, state, h = _kda_chunk_autograd(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], state,
-                                          scale, chunk_size, piece_tokens)
+    # split, not slicing per piece: the backward of one split is one concatenation, that of each slice a
+    # zero-filled full-length gradient added up (quadratic in the number of pieces)
+    for piece in zip(*(t.split(piece_tokens, dim=1) for t in (q, k, v, g, beta))):
+        o, state, h = _kda_chunk_autograd(*piece, state, scale, chunk_size, piece_tokens)
         outs.append(o)
         hs.append(h)
     return ChunkOutput(torch.cat(outs, 1), state, torch.cat(hs, 1))
