@@ -15,7 +15,8 @@ arXiv:2510.26692); backward = 2x forward (each matmul's backward is two matmuls 
 algorithm, not of what this implementation executes (it runs ~1.3x the paper's forward count).
 
 Part 2, tokens/s of ``kda_chunk``, ``kda_recurrent`` and fla's ``naive_chunk_kda`` (when fla-core is
-installed) at T in {1024, 4096, 16384} (default threads; medians). Writes ``bench/results/kda.json``.
+installed) at T in {1024, 4096, 16384} (``--table-threads``, default 1; medians of 3, the loops 1).
+Writes ``bench/results/kda.json``.
 """
 from __future__ import annotations
 
@@ -175,6 +176,7 @@ def main(argv=None):
     ap.add_argument("--ratio-T", type=int, default=4096)
     ap.add_argument("--max-recurrent-T", type=int, default=16384)
     ap.add_argument("--no-table", action="store_true", help="only the roofline ratio (part 1)")
+    ap.add_argument("--table-threads", type=int, default=1)
     args = ap.parse_args(argv)
     if args.repeats < 5:
         ap.error("--repeats must be >= 5")
@@ -189,8 +191,9 @@ def main(argv=None):
         _print_roofline(r)
     rows = []
     if not args.no_table:
-        torch.set_num_threads(default_threads)
+        torch.set_num_threads(args.table_threads)
         rows = table(args.seq_lens, 3, args.max_recurrent_T, _fla_naive())
+        print(f"tokens/s at {args.table_threads} thread(s):")
         print(f"{'T':>7} {'chunk tok/s':>13} {'recurrent':>11} {'fla naive':>11} {'chunk/naive':>11} {'chunk/rec':>9} {'GFLOP/s':>8}")
         for r in rows:
             rec, nv = r.get("kda_recurrent_tok_s"), r.get("fla_naive_chunk_tok_s")
@@ -198,6 +201,7 @@ def main(argv=None):
                   f"{(r['kda_chunk_tok_s'] / nv) if nv else float('nan'):>11.2f} "
                   f"{(r['kda_chunk_tok_s'] / rec) if rec else float('nan'):>9.2f} {r['kda_chunk_gflops']:>8.1f}")
     OUT.parent.mkdir(parents=True, exist_ok=True)
+    cond["table_threads"] = args.table_threads
     OUT.write_text(json.dumps({"conditions": cond, "roofline": ratios, "rows": rows}, indent=2))
     print(f"wrote {OUT}")
 
