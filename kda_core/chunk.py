@@ -147,7 +147,7 @@ def kda_chunk_prepare(
     bc = prep(beta).reshape(B, NT, C, H).permute(0, 3, 1, 2).unsqueeze(-1)  # [B, H, NT, C, 1]
 
     Akk, Aqk = intra_chunk_products(G, kq, seg)              # [B, H, NT, C, C] strictly lower / lower
-    eye = torch.eye(C, dtype=dt)
+    eye = torch.eye(C, dtype=dt, device=v.device)
     Lmat = torch.addcmul(eye, Akk, bc)                       # I + diag(beta) Akk, unit lower   [B, H, NT, C, C]
     Tinv = torch.linalg.solve_triangular(Lmat, eye.expand_as(Lmat), upper=False, unitriangular=True)
     A = Tinv * bc.transpose(-1, -2)                          # (I + L)^{-1} diag(beta)   [B, H, NT, C, C]
@@ -161,10 +161,10 @@ def kda_chunk_prepare(
     return ChunkPrep((qc * eG).flatten(-3, -2), Aqk, w, u, kd, decay_last, T, v.dtype, float(scale))
 
 
-def _initial_state(initial_state, B, H, K, V, dt) -> torch.Tensor:
+def _initial_state(initial_state, B, H, K, V, dt, device) -> torch.Tensor:
     """The scan's starting state ``[B*H, K, V]`` (a copy; zeros for None); ValueError on a wrong shape or NaN / inf."""
     if initial_state is None:
-        return torch.zeros(B * H, K, V, dtype=dt)
+        return torch.zeros(B * H, K, V, dtype=dt, device=device)
     if not isinstance(initial_state, torch.Tensor) or initial_state.shape != (B, H, K, V):
         got = tuple(initial_state.shape) if isinstance(initial_state, torch.Tensor) else type(initial_state).__name__
         raise ValueError(f"initial_state must have shape [B, H, K, V] = {(B, H, K, V)}, got {got}")
@@ -180,7 +180,7 @@ def kda_chunk_states(prep: ChunkPrep, initial_state: torch.Tensor | None = None)
     """
     B, H, NT, C, K = prep.w.shape
     V = prep.u.shape[-1]
-    S = _initial_state(initial_state, B, H, K, V, prep.w.dtype)           # [B*H, K, V]
+    S = _initial_state(initial_state, B, H, K, V, prep.w.dtype, prep.w.device)  # [B*H, K, V]
     # 3-D views [B*H, ...] of chunk j for baddbmm (B, H are adjacent: no copy)
     # per-chunk views [B*H, ...]; unbind, not indexing: its backward is one stack, not a zero-filled
     # full-size gradient per chunk
@@ -293,9 +293,9 @@ def kda_chunk(
     B, _, H, K = q.shape
     V, C = v.shape[-1], chunk_size
     dt = _compute_dtype(v)
-    o = torch.empty(B, T, H, V, dtype=v.dtype)                               # [B, T, H, V]
-    h = torch.empty(B, max(1, -(-T // C)), H, K, V, dtype=dt)                # [B, NT, H, K, V]
-    S = _initial_state(initial_state, B, H, K, V, dt)                       # [B*H, K, V]
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)              # [B, T, H, V]
+    h = torch.empty(B, max(1, -(-T // C)), H, K, V, dtype=dt, device=v.device)  # [B, NT, H, K, V]
+    S = _initial_state(initial_state, B, H, K, V, dt, v.device)             # [B*H, K, V]
     for s in range(0, max(T, 1), piece_tokens):
         part = slice(s, s + piece_tokens)
         prep = kda_chunk_prepare(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], scale, chunk_size)
