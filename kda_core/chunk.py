@@ -108,11 +108,21 @@ def kda_chunk_prepare(
 
     Args/Raises: as :func:`kda_chunk` (without ``initial_state``). Returns: :class:`ChunkPrep`.
     """
-    _check_inputs(q, k, v, g, beta, None, has_time=True, state_name="initial_state")
+    return _prepare(q, k, v, g, beta, scale, chunk_size, _validate(q, k, v, g, beta, None, scale, chunk_size))
+
+
+def _validate(q, k, v, g, beta, initial_state, scale, chunk_size) -> bool:
+    """Every input check of :func:`kda_chunk` but the initial state's values; returns whether g holds -inf."""
+    _check_inputs(q, k, v, g, beta, initial_state, has_time=True, state_name="initial_state")
     _check_chunk_size(chunk_size)
     check_scale(scale)
     _check_finite(dict(q=q, k=k, v=v))
-    may_forget = check_gates(g, beta)                # g in [-inf, 0], beta in [0, 1], no NaN
+    return check_gates(g, beta)                      # g in [-inf, 0], beta in [0, 1], no NaN
+
+
+def _prepare(q, k, v, g, beta, scale, chunk_size, may_forget: bool) -> ChunkPrep:
+    """:func:`kda_chunk_prepare` on validated inputs. ``may_forget``: g may hold -inf (the -inf handling
+    is a no-op on chunks without it, bitwise, so a whole call's flag serves each of its pieces)."""
     dt = _compute_dtype(v)
     B, T, H, K = q.shape
     C = chunk_size
@@ -281,15 +291,14 @@ def kda_chunk(
     It is :func:`kda_chunk_prepare` (intra-chunk, parallel), :func:`kda_chunk_states` (the sequential
     scan) and :func:`kda_chunk_outputs`; context parallel (``serve.parallel.kcp``) runs them apart.
     """
-    _check_inputs(q, k, v, g, beta, initial_state, has_time=True, state_name="initial_state")
-    _check_chunk_size(chunk_size)
+    may_forget = _validate(q, k, v, g, beta, initial_state, scale, chunk_size)
     if piece_tokens is None:
         piece_tokens = piece_tokens_for(q.shape[0], q.shape[2], q.shape[3], v.shape[-1], chunk_size)
     if not (isinstance(piece_tokens, int) and not isinstance(piece_tokens, bool) and piece_tokens >= chunk_size and piece_tokens % chunk_size == 0):
         raise ValueError(f"piece_tokens must be a positive multiple of chunk_size={chunk_size}, got {piece_tokens!r}")
     T = q.shape[1]
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, g, beta, initial_state)):
-        return _kda_chunk_autograd(q, k, v, g, beta, initial_state, scale, chunk_size, piece_tokens)
+        return _kda_chunk_autograd(q, k, v, g, beta, initial_state, scale, chunk_size, piece_tokens, may_forget)
     B, _, H, K = q.shape
     V, C = v.shape[-1], chunk_size
     dt = _compute_dtype(v)
@@ -298,24 +307,24 @@ def kda_chunk(
     S = _initial_state(initial_state, B, H, K, V, dt, v.device)             # [B*H, K, V]
     for s in range(0, max(T, 1), piece_tokens):
         part = slice(s, s + piece_tokens)
-        prep = kda_chunk_prepare(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], scale, chunk_size)
+        prep = _prepare(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], scale, chunk_size, may_forget)
         S = _scan_with_outputs(prep, S, o[:, part], h[:, s // C: s // C + prep.w.shape[2]])
     return ChunkOutput(o, S.view(B, H, K, V), h)
 
 
-def _kda_chunk_autograd(q, k, v, g, beta, initial_state, scale, chunk_size, piece_tokens) -> ChunkOutput:
+def _kda_chunk_autograd(q, k, v, g, beta, initial_state, scale, chunk_size, piece_tokens, may_forget) -> ChunkOutput:
     """:func:`kda_chunk` when autograd records (training): the two-pass form, each result a new tensor
     (stacked and concatenated, never written in place into a tensor autograd saved)."""
     T = q.shape[1]
     if T <= piece_tokens:
-        prep = kda_chunk_prepare(q, k, v, g, beta, scale, chunk_size)
+        prep = _prepare(q, k, v, g, beta, scale, chunk_size, may_forget)
         states = kda_chunk_states(prep, initial_state)
         return ChunkOutput(kda_chunk_outputs(prep, states), states.final_state, states.h)
     outs, hs, state = [], [], initial_state
     # split, not slicing per piece: the backward of one split is one concatenation, that of each slice a
     # zero-filled full-length gradient added up (quadratic in the number of pieces)
     for piece in zip(*(t.split(piece_tokens, dim=1) for t in (q, k, v, g, beta))):
-        o, state, h = _kda_chunk_autograd(*piece, state, scale, chunk_size, piece_tokens)
+        o, state, h = _kda_chunk_autograd(*piece, state, scale, chunk_size, piece_tokens, may_forget)
         outs.append(o)
         hs.append(h)
     return ChunkOutput(torch.cat(outs, 1), state, torch.cat(hs, 1))

@@ -110,3 +110,17 @@ def test_piece_tokens_for():
     assert piece_tokens_for(1, 4, 128, 128) == 256      # 2 KiB per token: 512 KiB pieces
     assert piece_tokens_for(1, 4, 32, 32) == 1024       # the demo model's KDA heads
     assert piece_tokens_for(64, 4, 128, 128) == 256     # never under 4 chunks
+
+
+def test_a_chunk_without_forgetting_is_bitwise_the_same_beside_one_with_it():
+    """g = -inf in the second chunk only: the first chunk's outputs and states are bitwise those of a
+    call on the first chunk alone (the -inf handling is a no-op elsewhere; the call-wide flag is safe)."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, V = 1, 128, 2, 6
+    q, k = (F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1) for _ in range(2))
+    v, beta = torch.randn(B, T, H, V, generator=gen), torch.rand(B, T, H, generator=gen)
+    g = -torch.rand(B, T, H, K, generator=gen) * 0.1
+    g[:, 100, 0, :3] = -math.inf
+    both = kda_chunk(q, k, v, g, beta, piece_tokens=64)
+    first = kda_chunk(q[:, :64], k[:, :64], v[:, :64], g[:, :64], beta[:, :64])
+    assert torch.equal(both.o[:, :64], first.o) and torch.equal(both.h[:, 1], first.final_state)
