@@ -226,20 +226,21 @@ def _scan_with_outputs(prep: ChunkPrep, S: torch.Tensor, o_out: torch.Tensor, h_
     Writes chunk j's outputs into ``o_out`` ``[B, T_piece, H, V]`` and its starting state into
     ``h_out`` ``[B, NT, H, K, V]`` (views of the caller's result tensors: no stacking or concatenation)
     and returns the final state ``[B*H, K, V]``. Every product is the same per-matrix op as in the
-    two-pass form, so the results are bitwise equal (``tests/kda_core/test_chunk_grad.py``).
+    two-pass form, so the results are bitwise equal (``tests/kda_core/test_intra_chunk.py``).
     """
     B, H, NT, C, K = prep.w.shape
     V = prep.u.shape[-1]
     w, u, kd, qg, Aqk, decay_last = (t.flatten(0, 1).unbind(1) for t in (
         prep.w, prep.u, prep.kd, prep.qg, prep.Aqk, prep.decay_last))  # per chunk [B*H, ...]
+    h_rows, o_rows = h_out.unbind(1), o_out.split(C, 1)                 # NT x [B, H, K, V]; [B, <= C, H, V]
     for j in range(NT):
-        h_out[:, j] = S.view(B, H, K, V)
+        h_rows[j].copy_(S.view(B, H, K, V))
         vn = torch.baddbmm(u[j], w[j], S, alpha=-1.0)                   # u - w S            [B*H, C, V]
         o = torch.baddbmm(Aqk[j] @ vn, qg[j], S, beta=prep.scale, alpha=prep.scale)  # [B*H, C, V]
         S = torch.baddbmm(S * decay_last[j], kd[j], vn)                 # [B*H, K, V]
-        n = min(C, prep.num_tokens - j * C)                              # real (unpadded) tokens of chunk j
-        if n > 0:
-            o_out[:, j * C: j * C + n] = o.view(B, H, C, V)[:, :, :n].transpose(1, 2)  # [B, n, H, V]
+        if j < len(o_rows) and (n := o_rows[j].shape[1]):                # real (unpadded) tokens of chunk j
+            o = o.view(B, H, C, V)
+            o_rows[j].copy_((o if n == C else o[:, :, :n]).transpose(1, 2))  # [B, n, H, V]
     return S
 
 
