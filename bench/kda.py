@@ -1,9 +1,21 @@
 """Benchmark of the KDA kernels: ``python -m bench.kda``.
 
-tokens/s of ``kda_chunk``, ``kda_recurrent`` and fla's ``naive_chunk_kda`` (when fla-core is
-installed) at T in {1024, 4096, 16384}, B = 1, H = 4, K = V = 128, fp32, in one process; this CPU's
-fp32 matmul GFLOP/s as the roofline reference; each kernel's achieved GFLOP/s using the paper's FLOP
-count per head ``6 T d^2 + 3 T C d + T C^2`` (Kimi Linear, arXiv:2510.26692). Medians of repeats.
+Part 1, the roofline ratio (what the kernel is judged by): at T = 4,096, B = 1, H = 4, K = V = 128, fp32,
+for torch threads 1 and this machine's default (``os.cpu_count()``), each of ``--repeats`` rounds runs,
+interleaved after a warm-up: this CPU's fp32 matmul (1,024 x 1,024 @ 1,024 x 1,024, the roofline
+reference), ``kda_chunk`` forward without autograd (what serving runs), forward with autograd (what
+training runs) and its backward. Each round's ratio is the kernel's GFLOP/s over that round's matmul
+GFLOP/s; the median and the range over rounds are printed, with the load average before and after.
+Wall-clock times; with 1 thread the thread's CPU time too (what preemption by other processes on a
+shared machine does not inflate).
+
+FLOP counts: forward = the paper's count per head ``6 T d^2 + 3 T C d + T C^2`` (Kimi Linear,
+arXiv:2510.26692); backward = 2x forward (each matmul's backward is two matmuls of its size: the
+"2N forward, 4N backward" split of Kaplan et al., arXiv:2001.08361). Both are counts of the
+algorithm, not of what this implementation executes (it runs ~1.3x the paper's forward count).
+
+Part 2, tokens/s of ``kda_chunk``, ``kda_recurrent`` and fla's ``naive_chunk_kda`` (when fla-core is
+installed) at T in {1024, 4096, 16384} (``--table-threads``, default 1; medians of 3, the loops 1).
 Writes ``bench/results/kda.json``.
 """
 from __future__ import annotations
@@ -11,6 +23,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -18,10 +32,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kda_core.chunk import kda_chunk
+from kda_core.chunk import CHUNK_SIZE, kda_chunk
 from kda_core.kda import kda_recurrent
 
 OUT = Path(__file__).parent / "results" / "kda.json"
+B, H, K, V = 1, 4, 128, 128
+MATMUL_N = 1024
 
 
 def _median_s(fn, repeats):
@@ -45,54 +61,148 @@ def _fla_naive():
     return mod
 
 
-def matmul_gflops(n=1024, repeats=5):
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return 2 * n ** 3 / _median_s(lambda: a @ b, repeats) / 1e9
-
-
-def paper_flops(T, d, C=64, H=4):
+def paper_flops(T, d, C=CHUNK_SIZE, H=H):
+    """Forward FLOPs of chunked KDA over H heads (Kimi Linear, arXiv:2510.26692): ``6 T d^2 + 3 T C d + T C^2`` per head."""
     return H * (6 * T * d * d + 3 * T * C * d + T * C * C)
+
+
+def inputs(T, seed=0):
+    """q, k (L2-normalised), v, g (mild decay in [-0.1, 0]), beta: ``[B, T, H, *]`` fp32, seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = -torch.rand(B, T, H, K, generator=gen) * 0.1
+    beta = torch.rand(B, T, H, generator=gen)
+    return q, k, v, g, beta
+
+
+def _timed(fn):
+    """(wall seconds, this thread's CPU seconds) of one call."""
+    w0, c0 = time.perf_counter(), time.thread_time()
+    fn()
+    return time.perf_counter() - w0, time.thread_time() - c0
+
+
+def _spread(xs):
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
+
+
+def roofline(threads: int, T: int, repeats: int) -> dict:
+    """Matmul, forward, forward with autograd and backward, interleaved in ``repeats`` rounds (one warm-up
+    round first) at ``threads`` torch threads. Returns per-measure spreads of ms, GFLOP/s and ratio."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
+    xs = inputs(T)
+    leaves = [x.clone().requires_grad_(True) for x in xs]
+    w_o = torch.randn(B, T, H, V, generator=torch.Generator().manual_seed(1))
+    graph = {}
+
+    def fwd_graph():
+        graph["loss"] = (kda_chunk(*leaves).o * w_o).sum()
+
+    def bwd():
+        graph.pop("loss").backward()
+        for t in leaves:
+            t.grad = None
+
+    steps = {"matmul": lambda: a @ b, "fwd": lambda: kda_chunk(*xs), "fwd_autograd": fwd_graph, "bwd": bwd}
+    flops = {"matmul": 2 * MATMUL_N ** 3, "fwd": paper_flops(T, K), "fwd_autograd": paper_flops(T, K),
+             "bwd": 2 * paper_flops(T, K)}
+    load_before = os.getloadavg()
+    for fn in steps.values():                                   # warm-up round
+        fn()
+    wall = {n: [] for n in steps}
+    cpu = {n: [] for n in steps}
+    for _ in range(repeats):
+        for n, fn in steps.items():
+            w, c = _timed(fn)
+            wall[n].append(w)
+            cpu[n].append(c)
+    res = {"threads": threads, "T": T, "repeats": repeats, "load_before": load_before, "load_after": os.getloadavg()}
+    for n in steps:
+        gf = [flops[n] / t / 1e9 for t in wall[n]]
+        res[n] = {"flops": flops[n], "ms": _spread([t * 1e3 for t in wall[n]]), "gflops": _spread(gf)}
+        if threads == 1:
+            res[n]["cpu_ms"] = _spread([t * 1e3 for t in cpu[n]])
+        if n != "matmul":
+            res[n]["ratio"] = _spread([f / m for f, m in zip(gf, res["matmul"]["gflops_rounds"])])
+        else:
+            res[n]["gflops_rounds"] = gf
+    if threads == 1:                                            # CPU-time ratio: immune to preemption
+        for n in ("fwd", "fwd_autograd", "bwd"):
+            res[n]["ratio_cpu"] = _spread([(flops[n] / c) / (flops["matmul"] / m)
+                                           for c, m in zip(cpu[n], cpu["matmul"])])
+    return res
+
+
+def table(seq_lens, repeats, max_recurrent_T, naive):
+    rows = []
+    for T in seq_lens:
+        q, k, v, g, beta = xs = inputs(T)
+        res = {"T": T}
+        t_chunk = _median_s(lambda xs=xs: kda_chunk(*xs), repeats)
+        res["kda_chunk_tok_s"] = T / t_chunk
+        if T <= max_recurrent_T:
+            res["kda_recurrent_tok_s"] = T / _median_s(lambda xs=xs: kda_recurrent(*xs), 1)
+        if naive is not None:
+            res["fla_naive_chunk_tok_s"] = T / _median_s(lambda xs=xs: naive.naive_chunk_kda(*xs), 1)
+            o_ref = naive.naive_chunk_kda(q, k, v, g, beta)[0]
+            res["max_abs_diff_vs_fla"] = float((kda_chunk(q, k, v, g, beta).o - o_ref).abs().max())
+        res["kda_chunk_gflops"] = paper_flops(T, K) / t_chunk / 1e9
+        rows.append(res)
+    return rows
+
+
+def _print_roofline(r):
+    print(f"threads {r['threads']}, T {r['T']:,}, {r['repeats']} interleaved rounds, load average "
+          f"{r['load_before'][0]:.1f} -> {r['load_after'][0]:.1f}")
+    m = r["matmul"]["gflops"]
+    print(f"  fp32 matmul {MATMUL_N}^2: {m['median']:.1f} GFLOP/s (range {m['min']:.1f}-{m['max']:.1f})")
+    for n, label in (("fwd", "forward (no autograd)"), ("fwd_autograd", "forward with autograd"), ("bwd", "backward")):
+        x = r[n]
+        line = (f"  {label:<22} {x['ms']['median']:7.1f} ms (range {x['ms']['min']:.1f}-{x['ms']['max']:.1f})  "
+                f"{x['gflops']['median']:6.1f} GFLOP/s  ratio {100 * x['ratio']['median']:5.1f} % "
+                f"(range {100 * x['ratio']['min']:.1f}-{100 * x['ratio']['max']:.1f} %)")
+        if "ratio_cpu" in x:
+            line += f"  by CPU time {100 * x['ratio_cpu']['median']:.1f} %"
+        print(line)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds for the roofline ratio (>= 5)")
+    ap.add_argument("--ratio-T", type=int, default=4096)
     ap.add_argument("--max-recurrent-T", type=int, default=16384)
+    ap.add_argument("--no-table", action="store_true", help="only the roofline ratio (part 1)")
+    ap.add_argument("--table-threads", type=int, default=1)
     args = ap.parse_args(argv)
-    naive = _fla_naive()
-    B, H, K, V = 1, 4, 128, 128
-    peak = matmul_gflops()
+    if args.repeats < 5:
+        ap.error("--repeats must be >= 5")
+    default_threads = os.cpu_count() or 1
+    cond = {"torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
+            "cpu_count": default_threads, "B": B, "H": H, "K": K, "V": V, "C": CHUNK_SIZE, "dtype": "float32",
+            "flops_forward": "Kimi Linear (arXiv:2510.26692): 6 T d^2 + 3 T C d + T C^2 per head",
+            "flops_backward": "2x forward (Kaplan et al., arXiv:2001.08361: 2N forward + 4N backward)"}
+    ratios = [roofline(t, args.ratio_T, args.repeats) for t in sorted({1, default_threads})]
+    for r in ratios:
+        r["matmul"].pop("gflops_rounds")
+        _print_roofline(r)
     rows = []
-    for T in args.seq_lens:
-        gen = torch.Generator().manual_seed(0)
-        q = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-        k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-        v = torch.randn(B, T, H, V, generator=gen)
-        g = -torch.rand(B, T, H, K, generator=gen) * 0.1
-        beta = torch.rand(B, T, H, generator=gen)
-        res, xs = {"T": T}, (q, k, v, g, beta)
-        t_chunk = _median_s(lambda xs=xs: kda_chunk(*xs), args.repeats)
-        res["kda_chunk_tok_s"] = T / t_chunk
-        if T <= args.max_recurrent_T:
-            t_rec = _median_s(lambda xs=xs: kda_recurrent(*xs), 1)
-            res["kda_recurrent_tok_s"] = T / t_rec
-        if naive is not None:
-            t_naive = _median_s(lambda xs=xs: naive.naive_chunk_kda(*xs), 1)
-            res["fla_naive_chunk_tok_s"] = T / t_naive
-            o_ref = naive.naive_chunk_kda(q, k, v, g, beta)[0]
-            res["max_abs_diff_vs_fla"] = float((kda_chunk(q, k, v, g, beta).o - o_ref).abs().max())
-        res["kda_chunk_gflops"] = paper_flops(T, K) / t_chunk / 1e9
-        rows.append(res)
-    print(f"fp32 matmul roofline on this CPU: {peak:,.1f} GFLOP/s")
-    print(f"{'T':>7} {'chunk tok/s':>13} {'recurrent':>11} {'fla naive':>11} {'chunk/naive':>11} {'chunk/rec':>9} {'GFLOP/s':>8}")
-    for r in rows:
-        rec, nv = r.get("kda_recurrent_tok_s"), r.get("fla_naive_chunk_tok_s")
-        print(f"{r['T']:>7} {r['kda_chunk_tok_s']:>13,.0f} {rec or 0:>11,.0f} {nv or 0:>11,.0f} "
-              f"{(r['kda_chunk_tok_s'] / nv) if nv else float('nan'):>11.2f} "
-              f"{(r['kda_chunk_tok_s'] / rec) if rec else float('nan'):>9.2f} {r['kda_chunk_gflops']:>8.1f}")
+    if not args.no_table:
+        torch.set_num_threads(args.table_threads)
+        rows = table(args.seq_lens, 3, args.max_recurrent_T, _fla_naive())
+        print(f"tokens/s at {args.table_threads} thread(s):")
+        print(f"{'T':>7} {'chunk tok/s':>13} {'recurrent':>11} {'fla naive':>11} {'chunk/naive':>11} {'chunk/rec':>9} {'GFLOP/s':>8}")
+        for r in rows:
+            rec, nv = r.get("kda_recurrent_tok_s"), r.get("fla_naive_chunk_tok_s")
+            print(f"{r['T']:>7} {r['kda_chunk_tok_s']:>13,.0f} {rec or 0:>11,.0f} {nv or 0:>11,.0f} "
+                  f"{(r['kda_chunk_tok_s'] / nv) if nv else float('nan'):>11.2f} "
+                  f"{(r['kda_chunk_tok_s'] / rec) if rec else float('nan'):>9.2f} {r['kda_chunk_gflops']:>8.1f}")
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"matmul_gflops": peak, "B": B, "H": H, "K": K, "V": V, "rows": rows}, indent=2))
+    cond["table_threads"] = args.table_threads
+    OUT.write_text(json.dumps({"conditions": cond, "roofline": ratios, "rows": rows}, indent=2))
     print(f"wrote {OUT}")
 
 
