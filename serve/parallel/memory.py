@@ -19,7 +19,7 @@ Per token of the block, with B batch, H heads, K / V head dims, C chunk size, s 
   | layer level: x and projections         | B 5 D 4                          |
 
 plus, with ``check``, the single-rank reference over up to T tokens (inputs, outputs and chunk states
-of T tokens; its kernel runs in 1,024-token pieces). Measured peak RSS of a rank here (fp32, H = 4,
+of T tokens; its kernel runs in ``kda_core.chunk.piece_tokens_for`` pieces, 256 tokens at H = 4, K = V = 128). Measured peak RSS of a rank here (fp32, H = 4,
 K = V = 128): ~40 KB per token plus ~270 MB for torch itself, about 0.7x this estimate's 58 KB.
 """
 from __future__ import annotations
@@ -27,9 +27,10 @@ from __future__ import annotations
 import math
 import os
 
+from kda_core.chunk import piece_tokens_for
+
 MEMINFO = "/proc/meminfo"
 TORCH_BASE_BYTES = 300 * 2**20   # a rank process with torch imported (~270 MB measured)
-REFERENCE_PIECE_TOKENS = 1024    # kda_chunk's default piece_tokens (the check's reference)
 FORK_OVERHEAD_BYTES = 32 * 2**20  # what a rank forked from a process with torch loaded copies on write
 
 
@@ -50,7 +51,7 @@ def rank_bytes(seq_len: int, world_size: int, batch: int, num_heads: int, head_k
     layer = 0 if hidden_size is None else B * 5 * hidden_size * 4
     total = L * (inputs + kept + states + extra + layer) + temps
     if check:                                                # reference over [0, end), end <= T
-        total += seq_len * (inputs + states + layer) + B * H * (5 * K + 6 * C) * s * REFERENCE_PIECE_TOKENS
+        total += seq_len * (inputs + states + layer) + B * H * (5 * K + 6 * C) * s * min(seq_len, piece_tokens_for(B, H, K, V, C))
     return base_bytes + int(total)
 
 

@@ -56,3 +56,16 @@ def test_kcp_limits_from_the_forked_rank_estimate(monkeypatch):
     assert kcp_limits().seq_options == (512, 1024, 2048)
     monkeypatch.setenv("KDA_LAB_MEMORY_MIB", "900")
     assert kcp_limits().seq_options == (512, 1024, 2048, 4096)
+
+
+def test_check_reference_counts_the_kernels_own_piece_length():
+    # The single-rank check runs kda_chunk at its default piece length, which depends on the shape
+    # (piece_tokens_for: 2,048 tokens at K = V = 16): the estimate must count that piece, not a fixed 1,024.
+    from kda_core.chunk import piece_tokens_for
+    T, B, H, K, V, s, C = 8192, 1, 4, 16, 16, 4, 64
+    piece = piece_tokens_for(B, H, K, V, C)
+    assert piece > 1024
+    without = rank_bytes(T, 2, B, H, K, V, s, C, 256)
+    with_check = rank_bytes(T, 2, B, H, K, V, s, C, 256, check=True)
+    reference_only = T * (B * H * (3 * K + V + 1) * (8 + s) + B * H * (K * V / C + 2 * V) * s)
+    assert abs((with_check - without) - (reference_only + B * H * (5 * K + 6 * C) * s * piece)) <= 1
