@@ -1,0 +1,74 @@
+"""What a KDA state loses in each storage format on the trained model: ``python -m bench.state_precision``.
+
+Runs :func:`lab.state_precision.precision_run` on a whole held-out file (default ``opcode.py``, 10,447 bytes:
+the longest held-out code file whose token-by-token decode of every format fits about half an hour on one
+shared core; the MLA decode re-reads every latent, so a run grows as T^2), then ``--continue`` free-running
+tokens. Prints and writes ``bench/results/state_precision.json``: the per-format summary, the drift curves at
+log-spaced positions, the low-decay probe (:func:`lab.state_precision.low_decay_probe`) and the capacity
+table at Kimi-Linear-48B-A3B / Kimi K3 bytes on an H200 (:func:`lab.state_precision.capacity_table`).
+
+Accuracy figures, not timings: they do not depend on the load; the wall time and load average are recorded.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from lab.state_precision import capacity_table, low_decay_probe, precision_run
+
+OUT = Path(__file__).parent / "results" / "state_precision.json"
+CONTEXTS = (0, 4096, 32768, 131072)
+DECAYS = (1e-2, 1e-4, 1e-6)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--document", default="opcode.py")
+    ap.add_argument("--tokens", type=int, default=None, help="teacher-forced tokens (default: the whole file)")
+    ap.add_argument("--continue", dest="cont", type=int, default=256)
+    ap.add_argument("--draft-len", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    from lab.state_precision import heldout_documents
+    n = args.tokens or len(heldout_documents()[args.document])
+    load0, t0 = os.getloadavg()[0], time.time()
+
+    def progress(f):
+        print(f"{f:6.1%}  {time.time() - t0:7.0f} s", flush=True)
+
+    run = precision_run(args.document, n, args.cont, draft_len=args.draft_len, seed=args.seed, progress=progress)
+    wall = time.time() - t0
+    pd.set_option("display.width", 250)
+    pd.set_option("display.max_columns", 30)
+    print(run.summary.to_string(index=False))
+    print("fp32 row bitwise equal to plain batch-1 decode:", run.fp32_bitwise)
+    positions = sorted(set(np.unique(np.geomspace(1, n, 120).astype(int)).tolist()) | {n})
+    curves = run.curves[run.curves.position.isin(positions)]
+    probe = [dict(decay=d, **low_decay_probe(4096, decay=d).drop(columns="position").max().to_dict()) for d in DECAYS]
+    print(pd.DataFrame(probe).to_string(index=False))
+    cap = pd.concat([capacity_table(c) for c in CONTEXTS])
+    print(cap.to_string(index=False))
+    result = dict(
+        document=run.document, num_tokens=n, continue_tokens=args.cont, draft_len=args.draft_len, seed=args.seed,
+        fp32_bitwise=run.fp32_bitwise, summary=run.summary.to_dict(orient="records"),
+        curves=curves.to_dict(orient="records"), continuations=run.continuations, low_decay=probe,
+        capacity=cap.to_dict(orient="records"),
+        conditions=dict(wall_s=round(wall, 1), torch_threads=1, load_avg_1m_start=load0,
+                        load_avg_1m_end=os.getloadavg()[0], python=sys.version.split()[0], torch=torch.__version__,
+                        machine=platform.machine()))
+    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
