@@ -1,9 +1,9 @@
 """What a KDA state loses in each storage format on the trained model: ``python -m bench.state_precision``.
 
-Runs :func:`lab.state_precision.precision_run` on a whole held-out file (default ``opcode.py``, 10,447 bytes:
+Runs :func:`lab.state_precision.precision_run` on a whole held-out file (default ``chunk.py``, 5,500 bytes:
 the longest held-out code file whose token-by-token decode of every format fits about half an hour on one
-shared core; the MLA decode re-reads every latent, so a run grows as T^2), then ``--continue`` free-running
-tokens. Prints and writes ``bench/results/state_precision.json``: the per-format summary, the drift curves at
+shared core; the MLA decode re-reads every latent, so a run grows as T^2: ``opcode.py``, 10,447 bytes, was
+on course for 105 minutes), then ``--continue`` free-running tokens. Prints and writes ``bench/results/state_precision.json``: the per-format summary, the drift curves at
 log-spaced positions, the low-decay probe (:func:`lab.state_precision.low_decay_probe`) and the capacity
 table at Kimi-Linear-48B-A3B / Kimi K3 bytes on an H200 (:func:`lab.state_precision.capacity_table`).
 
@@ -32,9 +32,9 @@ DECAYS = (1e-2, 1e-4, 1e-6)
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--document", default="opcode.py")
+    ap.add_argument("--document", default="chunk.py")
     ap.add_argument("--tokens", type=int, default=None, help="teacher-forced tokens (default: the whole file)")
-    ap.add_argument("--continue", dest="cont", type=int, default=256)
+    ap.add_argument("--continue", dest="cont", type=int, default=128)
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)

@@ -1,0 +1,93 @@
+"""lab.state_precision: fp32 storage is bitwise today's decode (tokens and logits), the other formats drift
+measurably, acceptance counting, capacity at the real models' bytes, bad input."""
+import math
+
+import pytest
+import torch
+
+from kda_core.model import cache_equal
+from lab.state_precision import (
+    _store_all,
+    accepted_per_verify,
+    capacity_table,
+    heldout_documents,
+    low_decay_probe,
+    precision_run,
+    slot_bytes,
+    trained_model,
+)
+from serve.scale.model_shape import preset
+
+DOC = "secrets.py"             # a short held-out code file
+N, G = 12, 4                   # teacher-forced tokens, free-running tokens
+
+
+@pytest.fixture(scope="module")
+def run():
+    return precision_run(DOC, N, G, formats=("fp32", "bf16", "int8", "int8_ef"), draft_len=2)
+
+
+def test_fp32_storage_is_bitwise_todays_decode(run):
+    """Tokens and logits of the fp32-stored row equal a plain decode_step loop (no storage) bitwise."""
+    model = trained_model()
+    tokens = torch.tensor(list(heldout_documents()[DOC][:N]))
+    cache = model.empty_cache(1)
+    for t in tokens:
+        logits, cache = model.decode_step(t.reshape(1), cache)
+    out = []
+    for _ in range(G):
+        tok = logits.argmax(-1)
+        out.append(int(tok))
+        logits, cache = model.decode_step(tok, cache)
+    assert run.fp32_bitwise
+    assert run.continuations["fp32"] == bytes(out).decode("utf-8", errors="replace")
+    fp32 = run.curves[run.curves.format == "fp32"]
+    assert (fp32.state_rel_err == 0).all() and (fp32.logit_max_abs == 0).all() and fp32.agree.all()
+    # and the store itself: an fp32 round trip leaves every cache bit as it was
+    before = model.decode_step(tokens[:1], model.empty_cache(1))[1]
+    after = _store_all(before, model.kda_layers, ("fp32",), [None], [None])
+    assert cache_equal(before, after)
+
+
+def test_other_formats_drift(run):
+    s = run.summary.set_index("format")
+    assert s.loc["bf16", "final_state_rel_err"] > 0 and s.loc["int8", "max_logit_drift"] > 0
+    assert s.loc["fp32", "first_divergence"] == G and s.loc["fp32", "accepted_per_verify"] == 2
+    assert s.loc["bf16", "capacity_vs_fp32"] == 2
+    assert list(run.curves.position.unique()) == list(range(1, N + 1))
+    assert math.isnan(run.curves.top1.iloc[-1])       # the last position has no next byte in the run
+
+
+def test_accepted_per_verify():
+    assert accepted_per_verify([True] * 6, 4) == 4
+    assert accepted_per_verify([True, False, True, True], 2) == (1 + 0 + 2) / 3
+    assert math.isnan(accepted_per_verify([True], 2))
+
+
+def test_capacity_table_at_real_bytes():
+    cap = capacity_table(4096)
+    for model in ("kimi-linear-48b-a3b", "kimi-k3"):
+        shape, c = preset(model), cap[cap.model == model].set_index("format")
+        tp = int(c.tp.iloc[0])
+        assert slot_bytes(model, "fp32", tp) == shape.num_kda_layers * shape.kda_state_bytes_layer / tp
+        assert c.loc["fp8_e4m3", "max_requests"] > c.loc["bf16", "max_requests"] > c.loc["fp32", "max_requests"] > 0
+    assert cap.loc[(cap.model == "kimi-linear-48b-a3b") & (cap.format == "fp32"), "tp"].item() == 1
+
+
+def test_low_decay_probe_state_stays_near_the_values():
+    """The delta rule replaces what a key already holds: with beta = 1 and near-zero decay |S| stays within a
+    small multiple of max |v| instead of growing with T."""
+    df = low_decay_probe(256, decay=1e-6)
+    assert len(df) == 256 and (df.max_abs_state <= 4 * df.max_abs_value).all()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(document="nope.py"), "document"),
+    (dict(formats=("int8", "fp32")), "fp32"),
+    (dict(formats=("fp32", "fp7")), "fp7"),
+    (dict(document=DOC, num_tokens=10 ** 6), "num_tokens"),
+    (dict(continue_tokens=2, draft_len=4), "draft_len"),
+])
+def test_bad_input(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        precision_run(**{"num_tokens": 4, "continue_tokens": 2, "draft_len": 1, **kwargs})
