@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import math
 from pathlib import Path
 from typing import NamedTuple
@@ -52,6 +53,7 @@ FP16_MAX = 65504.0               # largest finite fp16
 DRAFT_LENS = (1, 2, 4, 8)
 MAX_TOKENS = 16384               # teacher-forced tokens a run may ask for (MLA decode is O(T) per token)
 REAL_MODELS = ("kimi-linear-48b-a3b", "kimi-k3")
+GPU_NAMES = tuple(GPUS)
 GB = 1e9
 
 
@@ -72,6 +74,44 @@ def heldout_documents() -> dict[str, bytes]:
         raise ValueError(f"this Python's standard library differs from the corpus manifest's held-out "
                          f"documents: {bad[:3]}")
     return dict(sorted(got.items(), key=lambda kv: -len(kv[1])))
+
+
+def documents_at_least(num_bytes: int) -> list[str]:
+    """Held-out documents of at least ``num_bytes`` bytes, longest first (a page's choices for its longest run)."""
+    check_int("num_bytes", num_bytes, 0)
+    return [p for p, d in heldout_documents().items() if len(d) >= num_bytes]
+
+
+PAGE_DOCUMENTS = ("chunk.py", "sched.py", "opcode.py", "traceback.py", "importlib/_bootstrap_external.py",
+                  "pydoc_data/topics.py::function")     # held-out code and one prose file, each >= 5,000 bytes
+PAGE_TOKENS = (32, 64, 128, 256, 512, 1024, 2048)       # the page's live run (the bench runs a whole file)
+PAGE_CONTINUE = (16, 32, 64, 128)
+CONTEXTS = (0, 4096, 32768, 131072, 1048576)            # capacity: tokens of MLA latent KV beside each slot
+DECAYS = (1e-2, 1e-4, 1e-6)                             # low-decay probe: 1 - exp(g) per token
+
+
+BENCH_RESULT = Path(__file__).resolve().parents[1] / "bench" / "results" / "state_precision.json"
+
+
+class BenchRun(NamedTuple):
+    """The long run ``python -m bench.state_precision`` measured and shipped: ``summary`` and ``curves`` as in
+    :class:`PrecisionRun` (curves at log-spaced positions), ``meta`` (document, num_tokens, continue_tokens,
+    draft_len, fp32_bitwise, conditions), ``low_decay`` (the probe's maxima per decay)."""
+
+    summary: pd.DataFrame
+    curves: pd.DataFrame
+    meta: dict
+    low_decay: pd.DataFrame
+
+
+def bench_run(path: Path = BENCH_RESULT) -> BenchRun | None:
+    """The shipped bench result at ``path``, or None when there is none."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    d = json.loads(path.read_text())
+    meta = {k: d[k] for k in ("document", "num_tokens", "continue_tokens", "draft_len", "fp32_bitwise", "conditions")}
+    return BenchRun(pd.DataFrame(d["summary"]), pd.DataFrame(d["curves"]), meta, pd.DataFrame(d["low_decay"]))
 
 
 def default_document() -> str:
