@@ -16,6 +16,7 @@ from lab.state_precision import (
     PAGE_CONTINUE,
     PAGE_DOCUMENTS,
     PAGE_TOKENS,
+    VALUE_SCALES,
     bench_run,
     capacity_table,
     low_decay_probe,
@@ -86,8 +87,10 @@ else:
     show_table(shipped.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS)
 
 st.subheader("3 · Can the state outgrow fp16? (constructed low-decay input)")
-decay = url_widget(st.select_slider, "Decay per token, 1 − exp(g)", "p17_decay", 1e-4, list(DECAYS))
-probe = engine_call(st.cache_data(low_decay_probe, show_spinner=False, max_entries=8), 1024, decay)
+e1, e2 = st.columns(2)
+decay = url_widget(e1.select_slider, "Decay per token, 1 − exp(g)", "p17_decay", 1e-4, list(DECAYS))
+vscale = url_widget(e2.select_slider, "Value scale σ of v ~ N(0, σ²)", "p17_vscale", 1.0, list(VALUE_SCALES))
+probe = engine_call(st.cache_data(low_decay_probe, show_spinner=False, max_entries=16), 1024, decay, vscale)
 fig = go.Figure()
 for column, name in (("max_abs_state", "max |S|"), ("max_abs_readout", "max |o| (readout)"),
                      ("max_abs_value", "max |v| so far")):
@@ -96,9 +99,10 @@ fig.add_hline(y=FP16_MAX, line_dash="dash", annotation_text="fp16 max 65,504")
 fig.update_layout(xaxis_title="tokens (log)", yaxis_title="magnitude (state units, log)", xaxis_type="log",
                   yaxis_type="log", legend=dict(orientation="h", y=-0.3))
 show_chart(fig, probe, key="p17_probe_chart")
-st.caption(f"β = 1, random unit keys, v ~ N(0, 1), H = 4, K = V = 32: max |S| ends at "
-           f"{probe.max_abs_state.iloc[-1]:.2f} for max |v| {probe.max_abs_value.iloc[-1]:.2f}. The delta rule "
-           "overwrites what a key holds, so |S| tracks |v|, not the token count.")
+over = int((probe.max_abs_state > FP16_MAX).sum())
+st.caption(f"β = 1, random unit keys, H = 4, K = V = 32: max |S| ends at {probe.max_abs_state.iloc[-1]:,.2f} for max "
+           f"|v| {probe.max_abs_value.iloc[-1]:,.2f}; {over} of {len(probe):,} states exceed fp16's range. The delta "
+           "rule overwrites what a key holds, so |S| tracks |v|, not the token count.")
 
 st.subheader("4 · Your run")
 d1, d2, d3, d4 = st.columns(4)

@@ -88,6 +88,7 @@ PAGE_TOKENS = (32, 64, 128, 256, 512, 1024, 2048)       # the page's live run (t
 PAGE_CONTINUE = (16, 32, 64, 128)
 CONTEXTS = (0, 4096, 32768, 131072, 1048576)            # capacity: tokens of MLA latent KV beside each slot
 DECAYS = (1e-2, 1e-4, 1e-6)                             # low-decay probe: 1 - exp(g) per token
+VALUE_SCALES = (1.0, 100.0, 10000.0, 30000.0)           # low-decay probe: sigma of v ~ N(0, sigma^2)
 
 
 BENCH_RESULT = Path(__file__).resolve().parents[1] / "bench" / "results" / "state_precision.json"
