@@ -19,6 +19,7 @@ from lab.state_precision import (
     VALUE_SCALES,
     bench_run,
     capacity_table,
+    field_claims,
     low_decay_probe,
     precision_run,
 )
@@ -37,6 +38,9 @@ SUMMARY_COLUMNS = {
     "accept_per_token": num("Draft acceptance per token", "%.3f"),
     "accepted_per_verify": num("Accepted drafts per verify", "%.2f"), "max_abs_state": num("Max |S|", "%.2f"),
     "first_nonfinite": num("First non-finite token (0 = none)", "%d")}
+
+
+CLAIM_COLUMNS = {"source": "Source", "claim": "Reported", "ours": "Measured here", "verdict": "Verdict"}
 
 
 def drift_charts(curves, key: str) -> None:
@@ -85,6 +89,9 @@ else:
              f"{'yes' if m['fp32_bitwise'] else 'NO'}.")
     drift_charts(shipped.curves, "p17_bench")
     show_table(shipped.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS)
+    st.markdown("**What the field reports, on our model** (verdicts by top-1 on the file: a drop over 5 points is a "
+                "collapse, within 1 point a match)")
+    show_table(field_claims(shipped.summary, cap), CLAIM_COLUMNS)
 
 st.subheader("3 · Can the state outgrow fp16? (constructed low-decay input)")
 e1, e2 = st.columns(2)

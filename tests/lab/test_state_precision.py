@@ -10,6 +10,7 @@ from lab.state_precision import (
     _store_all,
     accepted_per_verify,
     capacity_table,
+    field_claims,
     heldout_documents,
     low_decay_probe,
     precision_run,
@@ -24,7 +25,7 @@ N, G = 12, 4                   # teacher-forced tokens, free-running tokens
 
 @pytest.fixture(scope="module")
 def run():
-    return precision_run(DOC, N, G, formats=("fp32", "bf16", "int8", "int8_ef"), draft_len=2)
+    return precision_run(DOC, N, G, draft_len=2)
 
 
 def test_fp32_storage_is_bitwise_todays_decode(run):
@@ -91,3 +92,18 @@ def test_low_decay_probe_state_stays_near_the_values():
 def test_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         precision_run(**{"num_tokens": 4, "continue_tokens": 2, "draft_len": 1, **kwargs})
+
+
+def test_field_claims(run):
+    cap = capacity_table(4096)
+    claims = field_claims(run.summary, cap)
+    assert list(claims.source) == ["vllm#55196", "vllm#52962", "vllm#54146"]
+    assert claims.verdict.iloc[2] == "ruled out on our model"             # the trained model's |S| is O(1)
+    # the rule itself, on a made-up summary: int8 falls 10 points, error feedback and fp8 + SR stay level
+    fake = run.summary.copy()
+    fake["top1"] = fake.format.map({"int8_head": 0.4, "int8": 0.4}).fillna(0.5)
+    assert list(field_claims(fake, cap).verdict[:2]) == ["reproduced", "reproduced"]
+    fake["top1"] = fake.format.map({"int8_ef": 0.4, "fp8_e4m3_sr": 0.3}).fillna(0.5)
+    assert list(field_claims(fake, cap).verdict[:2]) == ["collapse not reproduced", "not reproduced"]
+    with pytest.raises(ValueError, match="int8_ef"):
+        field_claims(run.summary[run.summary.format != "int8_ef"], cap)
