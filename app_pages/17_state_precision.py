@@ -87,6 +87,8 @@ else:
              f"tokens, teacher-forced), then {m['continue_tokens']} free-running tokens; drafts of "
              f"{m['draft_len']} are fp32's greedy tokens. fp32 row bitwise equal to plain decode: "
              f"{'yes' if m['fp32_bitwise'] else 'NO'}.")
+    if not m["weights_match"]:
+        st.warning("These figures were measured on other weights than weights/kda-demo holds now: rerun the bench.")
     drift_charts(shipped.curves, "p17_bench")
     show_table(shipped.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS)
     st.markdown("**What the field reports, on our model** (verdicts by top-1 on the file: a drop over 5 points is a "

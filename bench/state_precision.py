@@ -12,6 +12,7 @@ Accuracy figures, not timings: they do not depend on the load; the wall time and
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -58,7 +59,9 @@ def main() -> None:
     print(pd.DataFrame(probe).to_string(index=False))
     cap = pd.concat([capacity_table(c) for c in CONTEXTS])
     print(cap.to_string(index=False))
+    weights = Path(__file__).resolve().parents[1] / "weights" / "kda-demo" / "model.safetensors"
     result = dict(
+        weights_sha256=hashlib.sha256(weights.read_bytes()).hexdigest(),
         document=run.document, num_tokens=n, continue_tokens=args.cont, draft_len=args.draft_len, seed=args.seed,
         fp32_bitwise=run.fp32_bitwise, summary=run.summary.to_dict(orient="records"),
         curves=curves.to_dict(orient="records"), continuations=run.continuations, low_decay=probe,

@@ -97,7 +97,8 @@ BENCH_RESULT = Path(__file__).resolve().parents[1] / "bench" / "results" / "stat
 class BenchRun(NamedTuple):
     """The long run ``python -m bench.state_precision`` measured and shipped: ``summary`` and ``curves`` as in
     :class:`PrecisionRun` (curves at log-spaced positions), ``meta`` (document, num_tokens, continue_tokens,
-    draft_len, fp32_bitwise, conditions), ``low_decay`` (the probe's maxima per decay)."""
+    draft_len, fp32_bitwise, conditions, and ``weights_match``: the run's weights are those in ``weights/kda-demo``
+    now), ``low_decay`` (the probe's maxima per decay)."""
 
     summary: pd.DataFrame
     curves: pd.DataFrame
@@ -112,6 +113,8 @@ def bench_run(path: Path = BENCH_RESULT) -> BenchRun | None:
         return None
     d = json.loads(path.read_text())
     meta = {k: d[k] for k in ("document", "num_tokens", "continue_tokens", "draft_len", "fp32_bitwise", "conditions")}
+    shipped = hashlib.sha256((MODEL_PATH / "model.safetensors").read_bytes()).hexdigest()
+    meta["weights_match"] = d.get("weights_sha256") == shipped        # measured on the weights shipped now
     return BenchRun(pd.DataFrame(d["summary"]), pd.DataFrame(d["curves"]), meta, pd.DataFrame(d["low_decay"]))
 
 

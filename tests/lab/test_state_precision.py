@@ -107,3 +107,20 @@ def test_field_claims(run):
     assert list(field_claims(fake, cap).verdict[:2]) == ["collapse not reproduced", "not reproduced"]
     with pytest.raises(ValueError, match="int8_ef"):
         field_claims(run.summary[run.summary.format != "int8_ef"], cap)
+
+
+def test_bench_run_reads_the_shipped_file_and_checks_its_weights(tmp_path, run):
+    import hashlib
+    import json
+
+    from lab.state_precision import MODEL_PATH, bench_run
+    assert bench_run(tmp_path / "none.json") is None
+    sha = hashlib.sha256((MODEL_PATH / "model.safetensors").read_bytes()).hexdigest()
+    d = dict(document=DOC, num_tokens=N, continue_tokens=G, draft_len=2, fp32_bitwise=True, conditions={},
+             summary=run.summary.to_dict(orient="records"), curves=run.curves.to_dict(orient="records"),
+             low_decay=[], weights_sha256=sha)
+    (tmp_path / "r.json").write_text(json.dumps(d))
+    got = bench_run(tmp_path / "r.json")
+    assert got.meta["weights_match"] and len(got.summary) == len(run.summary)
+    (tmp_path / "r.json").write_text(json.dumps({**d, "weights_sha256": "0" * 64}))
+    assert not bench_run(tmp_path / "r.json").meta["weights_match"]
