@@ -7,20 +7,14 @@ from app_pages.charts import num, show_chart, show_table
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
 from app_pages.measurement import run_on_request
+from lab.state_capacity import CONTEXTS, DECAYS, FP16_MAX, GPU_NAMES, VALUE_SCALES, capacity_table, low_decay_probe
 from lab.state_precision import (
-    CONTEXTS,
-    DECAYS,
     DRAFT_LENS,
-    FP16_MAX,
-    GPU_NAMES,
     PAGE_CONTINUE,
     PAGE_DOCUMENTS,
     PAGE_TOKENS,
-    VALUE_SCALES,
     bench_run,
-    capacity_table,
     field_claims,
-    low_decay_probe,
     precision_run,
 )
 

@@ -4,8 +4,8 @@ Runs :func:`lab.state_precision.precision_run` on a whole held-out file (default
 the longest held-out code file whose token-by-token decode of every format fits about half an hour on one
 shared core; the MLA decode re-reads every latent, so a run grows as T^2: ``opcode.py``, 10,447 bytes, was
 on course for 105 minutes), then ``--continue`` free-running tokens. Prints and writes ``bench/results/state_precision.json``: the per-format summary, the drift curves at
-log-spaced positions, the low-decay probe (:func:`lab.state_precision.low_decay_probe`) and the capacity
-table at Kimi-Linear-48B-A3B / Kimi K3 bytes on an H200 (:func:`lab.state_precision.capacity_table`).
+log-spaced positions, the low-decay probe (:func:`lab.state_capacity.low_decay_probe`) and the capacity
+table at Kimi-Linear-48B-A3B / Kimi K3 bytes on an H200 (:func:`lab.state_capacity.capacity_table`).
 
 Accuracy figures, not timings: they do not depend on the load; the wall time and load average are recorded.
 """
@@ -24,7 +24,8 @@ import numpy as np
 import pandas as pd
 import torch
 
-from lab.state_precision import capacity_table, low_decay_probe, precision_run
+from lab.state_capacity import capacity_table, low_decay_probe
+from lab.state_precision import precision_run
 
 OUT = Path(__file__).parent / "results" / "state_precision.json"
 CONTEXTS = (0, 4096, 32768, 131072)

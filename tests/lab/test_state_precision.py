@@ -6,18 +6,15 @@ import pytest
 import torch
 
 from kda_core.model import cache_equal
+from lab.state_capacity import capacity_table
 from lab.state_precision import (
     _store_all,
     accepted_per_verify,
-    capacity_table,
     field_claims,
     heldout_documents,
-    low_decay_probe,
     precision_run,
-    slot_bytes,
     trained_model,
 )
-from serve.scale.model_shape import preset
 
 DOC = "secrets.py"             # a short held-out code file
 N, G = 12, 4                   # teacher-forced tokens, free-running tokens
@@ -63,23 +60,6 @@ def test_accepted_per_verify():
     assert accepted_per_verify([True] * 6, 4) == 4
     assert accepted_per_verify([True, False, True, True], 2) == (1 + 0 + 2) / 3
     assert math.isnan(accepted_per_verify([True], 2))
-
-
-def test_capacity_table_at_real_bytes():
-    cap = capacity_table(4096)
-    for model in ("kimi-linear-48b-a3b", "kimi-k3"):
-        shape, c = preset(model), cap[cap.model == model].set_index("format")
-        tp = int(c.tp.iloc[0])
-        assert slot_bytes(model, "fp32", tp) == shape.num_kda_layers * shape.kda_state_bytes_layer / tp
-        assert c.loc["fp8_e4m3", "max_requests"] > c.loc["bf16", "max_requests"] > c.loc["fp32", "max_requests"] > 0
-    assert cap.loc[(cap.model == "kimi-linear-48b-a3b") & (cap.format == "fp32"), "tp"].item() == 1
-
-
-def test_low_decay_probe_state_stays_near_the_values():
-    """The delta rule replaces what a key already holds: with beta = 1 and near-zero decay |S| stays within a
-    small multiple of max |v| instead of growing with T."""
-    df = low_decay_probe(256, decay=1e-6)
-    assert len(df) == 256 and (df.max_abs_state <= 4 * df.max_abs_value).all()
 
 
 @pytest.mark.parametrize("kwargs, match", [
