@@ -51,6 +51,17 @@ def drift_charts(curves, key: str) -> None:
             show_chart(fig, curves, key=f"{key}_{column}")
 
 
+def agreement_chart(summary, key: str) -> None:
+    """Greedy agreement, top-1 on the file and draft acceptance per format, as grouped bars."""
+    fig = go.Figure()
+    for column, name in (("agreement", "greedy agreement with fp32 (teacher-forced)"), ("top1", "top-1 on the file"),
+                         ("accept_per_token", "draft acceptance per token (fp32's tokens as drafts)")):
+        fig.add_trace(go.Bar(x=summary.label, y=summary[column], name=name))
+    fig.update_layout(barmode="group", yaxis_title="fraction of positions (0–1)", xaxis_title="state format",
+                      yaxis_range=[0, 1.05], legend=dict(orientation="h", y=-0.35))
+    show_chart(fig, summary, key=key)
+
+
 st.subheader("1 · Requests per GPU at real bytes")
 c1, c2 = st.columns(2)
 gpu = url_widget(c1.selectbox, "GPU", "p17_gpu", "H200", list(GPU_NAMES))
@@ -84,6 +95,7 @@ else:
     if not m["weights_match"]:
         st.warning("These figures were measured on other weights than weights/kda-demo holds now: rerun the bench.")
     drift_charts(shipped.curves, "p17_bench")
+    agreement_chart(shipped.summary, "p17_bench_agreement")
     show_table(shipped.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS)
     st.markdown("**What the field reports, on our model** (verdicts by top-1 on the file: a drop over 5 points is a "
                 "collapse, within 1 point a match)")
@@ -123,6 +135,7 @@ if run.fp32_bitwise:
 else:
     st.error("fp32 storage differs from plain decode: a bug in the storage path.")
 drift_charts(run.curves, "p17_run")
+agreement_chart(run.summary, "p17_run_agreement")
 show_table(run.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS)
 with st.expander("Free-running text per format"):
     st.code("\n".join(f"{f:12s} {t!r}" for f, t in run.continuations.items()), language=None)
