@@ -92,6 +92,9 @@ else:
              f"tokens, teacher-forced), then {m['continue_tokens']} free-running tokens; drafts of "
              f"{m['draft_len']} are fp32's greedy tokens. fp32 row bitwise equal to plain decode: "
              f"{'yes' if m['fp32_bitwise'] else 'NO'}.")
+    cond = m["conditions"]
+    st.caption(f"Accuracy figures (not timings): {cond['wall_s']:,.0f} s wall, {cond['torch_threads']} torch thread, "
+               f"load average {cond['load_avg_1m_start']:.1f} → {cond['load_avg_1m_end']:.1f}, torch {cond['torch']}.")
     if not m["weights_match"]:
         st.warning("These figures were measured on other weights than weights/kda-demo holds now: rerun the bench.")
     drift_charts(shipped.curves, "p17_bench")
