@@ -56,6 +56,12 @@ def test_other_formats_drift(run):
     assert math.isnan(run.curves.top1.iloc[-1])       # the last position has no next byte in the run
 
 
+def test_page_choices_are_held_out_and_long_enough():
+    """Every file page 17 offers holds the longest run its slider offers (no error at any setting)."""
+    from lab.state_precision import PAGE_DOCUMENTS, PAGE_TOKENS, documents_at_least
+    assert set(PAGE_DOCUMENTS) <= set(documents_at_least(max(PAGE_TOKENS)))
+
+
 def test_accepted_per_verify():
     assert accepted_per_verify([True] * 6, 4) == 4
     assert accepted_per_verify([True, False, True, True], 2) == (1 + 0 + 2) / 3
