@@ -24,7 +24,7 @@ real scale              lab/real_scale.py        roofline_view,            15   
                                                  policy_view
 state precision         lab/state_precision.py   precision_run,            17          tests/lab/test_state_precision.py
                                                  field_claims
-state capacity, range   lab/state_capacity.py    capacity_table,           17          tests/lab/test_state_capacity.py 
+state capacity, range   lab/state_capacity.py    capacity_table,           17          tests/lab/test_state_capacity.py
                                                  low_decay_probe
 KCP context parallel    lab/kcp.py               kcp_experiment            10          tests/lab/test_kcp.py
 fleet hashing           lab/fleet_hashing.py     fleet_hashing             11          tests/lab/test_fleet_pages.py
