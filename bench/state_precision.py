@@ -40,7 +40,12 @@ def main() -> None:
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--sr-seeds", type=int, default=0,
+                    help="instead: fp32, fp8 e4m3 and fp8 e4m3 + stochastic rounding over this many seeds "
+                         "(--tokens, default 1024), written to bench/results/state_precision_sr.json")
     args = ap.parse_args()
+    if args.sr_seeds:
+        return sr_seeds(args)
     from lab.state_precision import heldout_documents
     n = args.tokens or len(heldout_documents()[args.document])
     load0, t0 = os.getloadavg()[0], time.time()
@@ -72,6 +77,29 @@ def main() -> None:
                         machine=platform.machine()))
     args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
     print("wrote", args.out)
+
+
+def sr_seeds(args) -> None:
+    """Stochastic rounding's spread over seeds: one run per seed (the round-to-nearest row is the same every
+    time), the drift at the end and the agreement, printed as median [min, max]."""
+    n, rows = args.tokens or 1024, []
+    t0, load0 = time.time(), os.getloadavg()[0]
+    for seed in range(args.sr_seeds):
+        run = precision_run(args.document, n, args.cont, formats=("fp32", "fp8_e4m3", "fp8_e4m3_sr"),
+                            draft_len=args.draft_len, seed=seed)
+        rows += [dict(seed=seed, **r) for r in run.summary.to_dict(orient="records")]
+        print(f"seed {seed} done, {time.time() - t0:.0f} s", flush=True)
+    df = pd.DataFrame(rows)
+    spread = df.groupby("format")[["final_state_rel_err", "agreement", "top1", "first_divergence"]].agg(
+        ["median", "min", "max"])
+    print(spread.to_string())
+    out = args.out if args.out != OUT else OUT.with_name("state_precision_sr.json")
+    out.write_text(json.dumps(dict(document=args.document, num_tokens=n, continue_tokens=args.cont,
+                                   seeds=args.sr_seeds, runs=rows,
+                                   conditions=dict(wall_s=round(time.time() - t0, 1), torch_threads=1,
+                                                   load_avg_1m_start=load0, load_avg_1m_end=os.getloadavg()[0])),
+                              indent=1, default=str) + "\n")
+    print("wrote", out)
 
 
 if __name__ == "__main__":
