@@ -32,6 +32,13 @@ CONTEXTS = (0, 4096, 32768, 131072)
 DECAYS = (1e-2, 1e-4, 1e-6)
 
 
+def dump(result: dict) -> str:
+    """``result`` as indented JSON with each curve column on one line (768 values per column)."""
+    text = json.dumps({k: v for k, v in result.items() if k != "curves"}, indent=1, default=str)
+    columns = ",\n".join(f"  {json.dumps(c)}: {json.dumps(v)}" for c, v in result["curves"].items())
+    return text[:-2] + ',\n "curves": {\n' + columns + "\n }\n}\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--document", default="chunk.py")
@@ -70,12 +77,12 @@ def main() -> None:
         weights_sha256=hashlib.sha256(weights.read_bytes()).hexdigest(),
         document=run.document, num_tokens=n, continue_tokens=args.cont, draft_len=args.draft_len, seed=args.seed,
         fp32_bitwise=run.fp32_bitwise, summary=run.summary.to_dict(orient="records"),
-        curves=curves.to_dict(orient="records"), continuations=run.continuations, low_decay=probe,
+        curves={c: [float(f"{v:.4g}") if isinstance(v, float) else v for v in curves[c].tolist()] for c in curves}, continuations=run.continuations, low_decay=probe,
         capacity=cap.to_dict(orient="records"),
         conditions=dict(wall_s=round(wall, 1), torch_threads=1, load_avg_1m_start=load0,
                         load_avg_1m_end=os.getloadavg()[0], python=sys.version.split()[0], torch=torch.__version__,
                         machine=platform.machine()))
-    args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    args.out.write_text(dump(result))
     print("wrote", args.out)
 
 
