@@ -34,6 +34,8 @@ TABS: list[Tab] = [
         "one pool of MLA_KV and KDA_STATE pages under a shifting request mix; page-size policies; alloc latency"),
     Tab("Memory", "app_pages/06_mla_paging.py", "mla_paging", "06 MLA paging", ":material/account_tree:",
         "page tables, fragmentation vs block size, measured paged gather vs contiguous, prefix sharing by refcount"),
+    Tab("Memory", "app_pages/17_state_precision.py", "state_precision", "17 State precision", ":material/tune:",
+        "KDA state stored in fp32 / bf16 / fp16 / fp8 / int8: drift and agreement on the trained model, requests per GPU"),
     Tab("Prefix cache", "app_pages/07_prefix_anatomy.py", "prefix_anatomy",
         "07 Prefix cache anatomy", ":material/account_tree:",
         "blocks, chained keys, per-group checkpoints; the two-phase lookup step by step"),

@@ -24,6 +24,10 @@ forward cost fit        lab/forward_cost.py      forward_fit               00, 0
 prefix miss + replays   lab/prefix_miss.py       prefix_miss               09          tests/lab/test_prefix_miss.py
 real scale              lab/real_scale.py        roofline_view,            15          tests/lab/test_real_scale.py
                                                  policy_view
+state precision         lab/state_precision.py   precision_run,            17          tests/lab/test_state_precision.py
+                                                 field_claims
+state capacity, range   lab/state_capacity.py    capacity_table,           17          tests/lab/test_state_capacity.py
+                                                 low_decay_probe
 KCP context parallel    lab/kcp.py               kcp_experiment            10          tests/lab/test_kcp.py
 fleet hashing           lab/fleet_hashing.py     fleet_hashing             11          tests/lab/test_fleet_pages.py
 fleet scaling           lab/fleet_scaling.py     fleet_scaling             12          tests/lab/test_fleet_pages.py

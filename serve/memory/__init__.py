@@ -13,6 +13,10 @@ Concept → file → main type → test:
   ``copy_state``, ``read_kv``, ``write_kv`` → ``test_pages.py`` (decode from the pool is bitwise equal)
 - a request's page table with prefix sharing and copy-on-write (page 06), on layout.py + pages.py
   ......................................... paged_mla.py ... ``PagedMLACache`` → ``test_paged_mla.py``, ``test_pool_stateful.py``
+- a KDA state slot's storage format (fp32, bf16, fp16, fp8 e4m3 +- stochastic rounding, int8 per head / per head row,
+  int8 + error feedback): store to bytes, load to fp32, bytes per slot (page 17)
+  ......................................... state_precision.py .. ``store``, ``load``, ``round_trip``, ``FORMATS``,
+  ``StoredState`` → ``test_state_precision.py``
 - what vLLM's hybrid allocator picks, beside our policy (page 05, fleet capacity policies)
   ......................................... vllm_block.py .. ``vllm_block_pick``, ``vllm_vs_ours`` → ``test_vllm_block_pick.py``
 

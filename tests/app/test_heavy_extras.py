@@ -52,3 +52,19 @@ def test_home_timing_behind_button():
     assert any("interleaved repeats after 1 warm-up" in c.value for c in at.caption)   # the measured stamp
     at.run()                                                        # a rerun keeps the measurement on
     assert len(_chart_keys(at)) == 4 and not [b for b in at.button if b.key == "p00_measure_button"]
+
+
+def test_state_precision_run_behind_button():
+    """Page 17's live decode (one batch row per storage format) runs only after its button; the capacity, shipped
+    run and probe charts are on the first render."""
+    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=TIMEOUT_S)
+    at.run()
+    at.switch_page("app_pages/17_state_precision.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    keys = {k.rsplit("-", 1)[-1] for k in _chart_keys(at)}
+    assert "p17_capacity_chart" in keys and "p17_probe_chart" in keys and not any("p17_run" in k for k in keys)
+    assert [b.label for b in at.button] == ["Decode with every format"]
+    at.button(key="p17_run_button").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert {"p17_run_state_rel_err", "p17_run_logit_max_abs"} <= {k.rsplit("-", 1)[-1] for k in _chart_keys(at)}
+    VERDICTS["app_pages/17_state_precision.py"](at)                    # fp32 storage bitwise a plain decode

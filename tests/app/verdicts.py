@@ -263,10 +263,24 @@ def _p15(at: AppTest) -> None:
             assert max(plotly_values(t["y"])) <= plotly_values(ideal["y"])[0] + 1e-12, t["name"]
 
 
+def _p17(at: AppTest) -> None:
+    """Every format admits at least fp32's requests (fewer bytes per slot, same free memory); with the live run
+    revealed, fp32 storage is bitwise a plain decode over the chosen number of tokens and its drift is zero."""
+    for trace in chart_spec(at, "p17_capacity_chart")["data"]:
+        y = plotly_values(trace["y"])
+        assert y and all(v >= y[0] for v in y), (trace["name"], y)
+    if not any(c.proto.id.endswith("p17_run_state_rel_err") for c in at.get("plotly_chart")):
+        return                                          # the live run is behind its button
+    ok = _one([s.value for s in at.success], r"^fp32 storage is bitwise today's decode: logits of (\d+) tokens", "p17")
+    assert int(ok.group(1)) == _widget(at, "p17_tokens")
+    names = {t["name"] for t in chart_spec(at, "p17_run_state_rel_err")["data"]}
+    assert "fp32" not in names and {"bf16", "int8 + error feedback"} <= names, names
+
+
 VERDICTS = {
     "app_pages/00_home.py": _home, "app_pages/01_snapshot_vs_projection.py": _p01, "app_pages/02_verify_and_replay.py": _p02,
     "app_pages/04_raw_input_ring.py": _p04, "app_pages/05_page_pool.py": _p05, "app_pages/07_prefix_anatomy.py": _p07,
     "app_pages/08_prefix_hit.py": _p08, "app_pages/09_prefix_miss.py": _p09, "app_pages/10_kcp.py": _p10,
     "app_pages/11_fleet_hashing.py": _p11, "app_pages/12_fleet_scaling.py": _p12, "app_pages/13_fleet_budgets.py": _p13, "app_pages/14_fleet_simulation.py": _p14,
-    "app_pages/15_real_scale.py": _p15,
+    "app_pages/15_real_scale.py": _p15, "app_pages/17_state_precision.py": _p17,
 }

@@ -1,0 +1,161 @@
+"""17 State precision: what a KDA state loses in each storage format on the trained model, and the requests
+per GPU each format buys at the real models' bytes."""
+import plotly.graph_objects as go
+import streamlit as st
+
+from app_pages.charts import num, show_chart, show_table
+from app_pages.errors import engine_call
+from app_pages.links import url_widget
+from app_pages.measurement import run_on_request
+from lab.state_capacity import CONTEXTS, DECAYS, FP16_MAX, GPU_NAMES, VALUE_SCALES, capacity_table, low_decay_probe
+from lab.state_precision import (
+    DRAFT_LENS,
+    PAGE_CONTINUE,
+    PAGE_DOCUMENTS,
+    PAGE_TOKENS,
+    bench_run,
+    field_claims,
+    precision_run,
+)
+
+st.title("State precision")
+st.write(
+    "A KDA layer keeps one fixed state per request; storing it in fewer bytes admits more requests. The recurrence "
+    "still computes in fp32: only the **stored** slot changes (vLLM's `--mamba-ssm-cache-dtype`). After every token "
+    "the trained model's states are stored in each format and read back; what drifts, and what it buys, is below.")
+
+SUMMARY_COLUMNS = {
+    "label": "Format", "bytes_per_layer": num("Bytes per slot per layer", "%,d"),
+    "capacity_vs_fp32": num("Slots vs fp32 (×)", "%.2f"), "agreement": num("Greedy agreement with fp32", "%.4f"),
+    "top1": num("Top-1 on the file", "%.4f"), "final_state_rel_err": num("State drift at the end", "%.2e"),
+    "max_logit_drift": num("Max |Δ logit|", "%.3f"), "first_divergence": num("Free-run tokens equal to fp32", "%d"),
+    "accept_per_token": num("Draft acceptance per token", "%.3f"),
+    "accepted_per_verify": num("Accepted drafts per verify", "%.2f"), "max_abs_state": num("Max |S|", "%.2f"),
+    "first_nonfinite": num("First non-finite token (0 = none)", "%d")}
+
+
+CLAIM_COLUMNS = {"source": "Source", "claim": "Reported", "ours": "Measured here", "verdict": "Verdict"}
+
+
+def drift_charts(curves, key: str) -> None:
+    """State and logit drift vs tokens, one line per format (fp32 is the reference: zero, off the log axis)."""
+    left, right = st.columns(2)
+    for col, column, title in ((left, "state_rel_err", "state drift ‖S − S_fp32‖ / ‖S_fp32‖ (ratio, log)"),
+                               (right, "logit_max_abs", "logit drift max |Δz| (logits, log)")):
+        fig = go.Figure()
+        for label, c in curves[curves.format != "fp32"].groupby("label", sort=False):
+            fig.add_trace(go.Scatter(x=c.position, y=c[column].where(c[column] > 0), name=label, mode="lines"))
+        fig.update_layout(xaxis_title="tokens decoded (log)", yaxis_title=title, xaxis_type="log", yaxis_type="log",
+                          legend=dict(orientation="h", y=-0.3))
+        with col:
+            show_chart(fig, curves, key=f"{key}_{column}")
+
+
+def agreement_chart(summary, key: str) -> None:
+    """Greedy agreement, top-1 on the file and draft acceptance per format, as grouped bars."""
+    fig = go.Figure()
+    for column, name in (("agreement", "greedy agreement with fp32 (teacher-forced)"), ("top1", "top-1 on the file"),
+                         ("accept_per_token", "draft acceptance per token (fp32's tokens as drafts)")):
+        fig.add_trace(go.Bar(x=summary.label, y=summary[column], name=name))
+    fig.update_layout(barmode="group", yaxis_title="fraction of positions (0–1)", xaxis_title="state format",
+                      yaxis_range=[0, 1.05], legend=dict(orientation="h", y=-0.35))
+    show_chart(fig, summary, key=key)
+
+
+st.subheader("1 · Requests per GPU at real bytes")
+c1, c2 = st.columns(2)
+gpu = url_widget(c1.selectbox, "GPU", "p17_gpu", "H200", list(GPU_NAMES))
+context = url_widget(c2.select_slider, "Context beside each slot (tokens of MLA latent KV)", "p17_context", 4096,
+                     list(CONTEXTS))
+cap = engine_call(st.cache_data(capacity_table, show_spinner=False, max_entries=32), context, gpu)
+fig = go.Figure()
+for model, c in cap.groupby("model", sort=False):
+    fig.add_trace(go.Bar(x=c.label, y=c.max_requests, name=f"{model} (TP {int(c.tp.iloc[0])})",
+                         text=[f"{v:.2f}×" for v in c.vs_fp32], textposition="outside"))
+fig.update_layout(barmode="group", yaxis_title="max concurrent requests (sequences)", xaxis_title="state format",
+                  legend=dict(orientation="h", y=-0.35))
+show_chart(fig, cap, key="p17_capacity_chart")
+show_table(cap[["model", "label", "tp", "slot_bytes", "slots_per_gb", "max_requests", "vs_fp32"]],
+           {"model": "Model", "label": "Format", "tp": num("TP", "%d"), "slot_bytes": num("Slot bytes per GPU", "%,.0f"),
+            "slots_per_gb": num("Slots per GB", "%,.1f"), "max_requests": num("Max requests", "%,d"),
+            "vs_fp32": num("× fp32", "%.2f")})
+st.caption("Slot = every KDA layer's state in the format (row scales and residual included) + its bf16 conv "
+           "state, split over TP by heads. Requests = (0.9 × HBM − weights / TP) ÷ (MLA KV at the context + slot).")
+
+st.subheader("2 · Drift on the trained model (shipped long run)")
+shipped = bench_run()
+if shipped is None:
+    st.info("No shipped run: `python -m bench.state_precision` writes bench/results/state_precision.json.")
+else:
+    m = shipped.meta
+    st.write(f"`python -m bench.state_precision`: the whole held-out **{m['document']}** ({m['num_tokens']:,} "
+             f"tokens, teacher-forced), then {m['continue_tokens']} free-running tokens; drafts of "
+             f"{m['draft_len']} are fp32's greedy tokens. fp32 row bitwise equal to plain decode: "
+             f"{'yes' if m['fp32_bitwise'] else 'NO'}.")
+    cond = m["conditions"]
+    st.caption(f"Accuracy figures (not timings): {cond['wall_s']:,.0f} s wall, {cond['torch_threads']} torch thread, "
+               f"load average {cond['load_avg_1m_start']:.1f} → {cond['load_avg_1m_end']:.1f}, torch {cond['torch']}.")
+    if not m["weights_match"]:
+        st.warning("These figures were measured on other weights than weights/kda-demo holds now: rerun the bench.")
+    drift_charts(shipped.curves, "p17_bench")
+    agreement_chart(shipped.summary, "p17_bench_agreement")
+    show_table(shipped.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS)
+    st.markdown("**What the field reports, on our model** (verdicts by top-1 on the file: a drop over 5 points is a "
+                "collapse, within 1 point a match)")
+    show_table(field_claims(shipped.summary, cap), CLAIM_COLUMNS)
+
+st.subheader("3 · Can the state outgrow fp16? (constructed low-decay input)")
+e1, e2 = st.columns(2)
+decay = url_widget(e1.select_slider, "Decay per token, 1 − exp(g)", "p17_decay", 1e-4, list(DECAYS))
+vscale = url_widget(e2.select_slider, "Value scale σ of v ~ N(0, σ²)", "p17_vscale", 1.0, list(VALUE_SCALES))
+probe = engine_call(st.cache_data(low_decay_probe, show_spinner=False, max_entries=16), 1024, decay, vscale)
+fig = go.Figure()
+for column, name in (("max_abs_state", "max |S|"), ("max_abs_readout", "max |o| (readout)"),
+                     ("max_abs_value", "max |v| so far")):
+    fig.add_trace(go.Scatter(x=probe.position, y=probe[column], name=name, mode="lines"))
+fig.add_hline(y=FP16_MAX, line_dash="dash", annotation_text="fp16 max 65,504")
+fig.update_layout(xaxis_title="tokens (log)", yaxis_title="magnitude (state units, log)", xaxis_type="log",
+                  yaxis_type="log", legend=dict(orientation="h", y=-0.3))
+show_chart(fig, probe, key="p17_probe_chart")
+over = int((probe.max_abs_state > FP16_MAX).sum())
+st.caption(f"β = 1, random unit keys, H = 4, K = V = 32: max |S| ends at {probe.max_abs_state.iloc[-1]:,.2f} for max "
+           f"|v| {probe.max_abs_value.iloc[-1]:,.2f}; {over} of {len(probe):,} states exceed fp16's range. The delta "
+           "rule overwrites what a key holds, so |S| tracks |v|, not the token count.")
+
+st.subheader("4 · Your run")
+d1, d2, d3, d4 = st.columns(4)
+doc = url_widget(d1.selectbox, "Held-out file", "p17_doc", PAGE_DOCUMENTS[0], list(PAGE_DOCUMENTS))
+tokens = url_widget(d2.select_slider, "Teacher-forced tokens", "p17_tokens", 64, list(PAGE_TOKENS))
+cont = url_widget(d3.select_slider, "Free-running tokens", "p17_continue", 16, list(PAGE_CONTINUE))
+draft = url_widget(d4.select_slider, "Drafts per verify", "p17_draft", 4, list(DRAFT_LENS))
+run_on_request("p17_run_on", "p17_run_button", "Decode with every format",
+               "Decodes the file token by token once per format on this CPU (a few seconds at the defaults; longer runs grow as tokens squared).")
+run = engine_call(st.cache_data(precision_run, show_spinner="Decoding with every format…", max_entries=8, ttl="1h"),
+                  doc, tokens, cont, draft_len=draft)
+if run.fp32_bitwise:
+    st.success(f"fp32 storage is bitwise today's decode: logits of {run.num_tokens} tokens equal a plain batch-1 "
+               "decode_step loop.")
+else:
+    st.error("fp32 storage differs from plain decode: a bug in the storage path.")
+drift_charts(run.curves, "p17_run")
+agreement_chart(run.summary, "p17_run_agreement")
+show_table(run.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS)
+with st.expander("Free-running text per format"):
+    st.code("\n".join(f"{f:12s} {t!r}" for f, t in run.continuations.items()), language=None)
+
+with st.expander("Formats, formulas and sources"):
+    st.markdown(
+        "- Drift = ‖S_x − S_fp32‖_F / ‖S_fp32‖_F over all 6 KDA layers after each token; logit drift = max |z_x − z_fp32|.\n"
+        "- fp8 e4m3 and int8 keep one fp32 scale per head row (h, k) = amax over V / 448 (fp8) or / 127 (int8), "
+        "as vllm#52962 stores one per (head, head_dim): KDA decays each key row at its own rate, so one scale per head "
+        "(int8 head scale) rounds the small rows away. Stochastic rounding picks the upper or lower e4m3 neighbour "
+        "with probability by distance (seeded; unbiased).\n"
+        "- Error feedback (vllm#55196): the residual of one store, kept as int4 with its own row scale, is added to "
+        "the next store's state. vllm#55196 reports uniform int8 state collapsing GSM8K 81 % → 41 % and error "
+        "feedback recovering 81 %; vllm#52962 reports fp8 e4m3 + stochastic rounding within one answer of fp32 at "
+        "2.109× the admitted cache tokens.\n"
+        "- fp16 overflows above 65,504: vllm#54146 found the GDN readout of an fp32 state overflowing fp16 on long "
+        "low-decay context. fp32 became the default state dtype after vllm#22928 (the `mamba_ssm_cache_dtype` "
+        "option) and vllm#34489 (Qwen3-Next / Qwen3.5 must run with an fp32 SSM state).\n"
+        "- Acceptance: fp32's greedy tokens are the drafts; a draft is accepted while the format's argmax equals it; "
+        "accepted per verify is the measured run of matches from every start, capped at the draft length.")
