@@ -26,7 +26,7 @@ c1, c2, c3, c4, c5 = st.columns(5)
 mode = url_widget(c1.selectbox, "Mode", "p02_mode", MODES[0], list(MODES))
 strategy = url_widget(c2.selectbox, "Strategy", "p02_strategy", STRATEGIES[1], list(STRATEGIES))
 num_draft = url_widget(c3.slider, "Draft length n", "p02_draft", 4, 1, 8)
-drafter, acceptance = drafter_selector(c4, "p02")
+drafter, acceptance = drafter_selector(c4, "p02", oracle_keys=("p02_seed",))
 kind = url_widget(c5.selectbox, "Prompt (held-out file)", "p02_prompt", KINDS[0], list(KINDS),
                   help="The first of the held-out code or prose prompts (train/corpus_manifest.json's held-out split).")
 seed = 0

@@ -25,10 +25,12 @@ target = st.cache_resource(target_model, validate=built_by_loaded_code, max_entr
 draft = st.cache_resource(draft_model, validate=built_by_loaded_code, max_entries=1)
 
 
-def drafter_selector(col, prefix: str) -> tuple[str, float]:
+def drafter_selector(col, prefix: str, oracle_keys: tuple[str, ...] = ()) -> tuple[str, float]:
     """The drafter selectbox (URL key ``{prefix}_drafter``) in ``col``, and for the noisy oracle only its
-    correctness slider (``{prefix}_accept``; a link that sets it picks the oracle). Returns (drafter, p)."""
-    default = "noisy oracle" if f"{prefix}_accept" in st.query_params else DRAFTERS[0]
+    correctness slider (``{prefix}_accept``). A link that sets ``{prefix}_accept`` or one of ``oracle_keys`` (the
+    oracle's other widgets: links made when the oracle was the only drafter) picks the oracle. Returns (drafter, p)."""
+    linked = any(k in st.query_params for k in (f"{prefix}_accept", *oracle_keys))
+    default = "noisy oracle" if linked else DRAFTERS[0]
     drafter = url_widget(col.selectbox, "Drafter", f"{prefix}_drafter", default, list(DRAFTERS),
                          help="n-gram: prompt lookup (copy what followed the last n bytes earlier in the text). "
                               "draft model: the trained 2-layer model (1 KDA + 1 MLA) drafts greedily. noisy oracle: "

@@ -21,11 +21,12 @@ def test_pages_default_to_prompt_lookup_without_the_oracle_slider(path, prefix):
 
 def test_an_old_oracle_link_still_sets_the_oracle():
     at = AppTest.from_file(APP, default_timeout=120)
-    at.query_params["p02_accept"] = "0.4"
+    at.query_params.update(p02_accept="0.4", p02_seed="3")
     at.run()
     at.switch_page(P02).run()
     assert not at.exception, [e.value for e in at.exception]
     assert at.selectbox(key="p02_drafter").value == "noisy oracle" and at.slider(key="p02_accept").value == 0.4
+    assert at.slider(key="p02_seed").value == 3
 
 
 def test_acceptance_section_behind_its_button():
