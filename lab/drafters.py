@@ -161,7 +161,8 @@ def measure_drafters(target: HybridLM, draft: HybridLM | None, drafters: Sequenc
     """Generate ``new_tokens`` bytes after each held-out prompt with each drafter; count acceptance.
 
     Every speculative output is compared with the target's plain greedy output (``HybridLM.generate``);
-    ``summary.matches_plain`` says whether all were equal (they must be). One torch thread.
+    ``summary.matches_plain`` says whether all were equal (they must be). The noisy oracle of prompt i draws
+    from seed ``seed + i``. One torch thread.
 
     Raises:
         ValueError: an unknown drafter or kind, ``new_tokens`` < 2, ``num_draft`` < 1, bad prompt counts,
@@ -181,7 +182,7 @@ def measure_drafters(target: HybridLM, draft: HybridLM | None, drafters: Sequenc
             for drafter in drafters:
                 match, fed, part = True, 0, []
                 for i, (prompt, ref) in enumerate(zip(prompts, refs)):
-                    prop = make_proposer(drafter, draft, prompt, ref, corrupt_prob, seed)
+                    prop = make_proposer(drafter, draft, prompt, ref, corrupt_prob, seed + i)   # own draws per prompt
                     res = speculative_generate(target, torch.tensor(prompt), new_tokens, prop,
                                                make_strategy("snapshot", num_draft + 1), num_draft)
                     match &= res.tokens == ref
