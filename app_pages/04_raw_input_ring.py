@@ -3,7 +3,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from app_pages.acceptance import acceptance_section, draft, drafter_selector, target
+from app_pages.acceptance import acceptance_section, draft, drafter_selector
 from app_pages.caching import built_by_loaded_code
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
@@ -18,9 +18,7 @@ st.write(
     "replay the recurrence. It is the smallest buffer and the most recompute. It is not ReplaySSM: ReplaySSM "
     "(pages 01 and 02) stores post-projection per-step records (k, u = β(v − S'ᵀk), g) plus a checkpoint and replays "
     "only the recurrence, never the projections. All numbers are measured now on the demo hybrid "
-    f"({DEMO.num_kda_layers} KDA + {DEMO.num_mla_layers} MLA layers) at the chosen width: at d = 128 the trained "
-    "weights (`weights/kda-demo`), at other widths weights drawn from the seed (there a real drafter's bytes are "
-    "accepted only by chance).")
+    f"({DEMO.num_kda_layers} KDA + {DEMO.num_mla_layers} MLA layers) at the chosen width.")
 
 c1, c2, c3, c4 = st.columns(4)
 capacity = url_widget(c2.slider, "Ring capacity (slots)", "p04_capacity", 16, 1, 32)
@@ -30,17 +28,15 @@ window = url_widget(c1.slider, "Rollback window (verify tokens, ≤ capacity)", 
                          "window it had comes back clamped when the ring grows again).")
 num_draft = url_widget(c3.slider, "Draft length n", "p04_draft", 4, 1, 15,   # a verify of 1 + n fits a window <= 16
                        help="A verify is 1 + n tokens and the rollback window holds at most 16, so n <= 15.")
-width = url_widget(c4.select_slider, "Model width d (H = d / 32 heads)", "p04_width", 128, list(WIDTHS))
-d1, _ = st.columns(2)
+d1, _ = st.columns(2)                                                  # a row below the four above
 drafter, acceptance = drafter_selector(d1, "p04")
+width = url_widget(c4.select_slider, "Model width d (H = d / 32 heads)", "p04_width", 128, list(WIDTHS))
 _model = st.cache_resource(ring_model, validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload
-TRAINED_WIDTH = 128         # the trained weights' d (weights/kda-demo)
 
 
 @st.cache_data(show_spinner="Measuring bytes, commit times and the ring…", max_entries=16, ttl="1h")
 def _measure(width: int, capacity: int, window: int, num_draft: int, drafter: str, acceptance: float):
-    model = target() if width == TRAINED_WIDTH else _model(width)
-    return ring_page(model, capacity, window, num_draft, drafter, acceptance,
+    return ring_page(_model(width), capacity, window, num_draft, drafter, acceptance,
                      draft() if drafter == "draft model" else None)
 
 

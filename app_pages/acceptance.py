@@ -15,7 +15,6 @@ from app_pages.caching import built_by_loaded_code
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
-from app_pages.measurement import run_on_request
 from lab.drafters import DRAFTERS, draft_model, measure_drafters, target_model
 
 KIND_COLORS = {"code": "#1f77b4", "prose": "#ff7f0e"}
@@ -50,14 +49,19 @@ def _measure(drafter: str, p: float, num_draft: int):
 
 
 def acceptance_section(prefix: str, drafter: str, p: float, num_draft: int, title: str) -> None:
-    """Section ``title``: behind a button (session flag ``{prefix}_acceptance_on``), acceptance per draft
-    position of ``drafter`` at ``num_draft`` drafts on held-out code vs prose, and the summary table. Stops the
-    page until the button is clicked, so it must be the page's last section."""
+    """Section ``title``: behind a button (session flag ``{prefix}_acceptance_on``, set in the button's callback
+    so the click is never lost to a rerun), acceptance per draft position of ``drafter`` at ``num_draft`` drafts
+    on held-out code vs prose, and the summary table. Until the click it shows the button and returns: the
+    rest of the page still renders (unlike ``run_on_request``, which stops the page)."""
     st.subheader(title)
     label = f"{drafter} (controlled, p = {p:.2f})" if drafter == "noisy oracle" else drafter
-    run_on_request(f"{prefix}_acceptance_on", f"{prefix}_acceptance_button", "Measure acceptance per position",
-                   f"Generates 32 bytes after two held-out code and two held-out prose prompts with the trained "
+    flag = f"{prefix}_acceptance_on"
+    if not st.session_state.get(flag):
+        st.caption(f"Generates 32 bytes after two held-out code and two held-out prose prompts with the trained "
                    f"target and the {label} drafter at n = {num_draft} (a few seconds on this CPU).")
+        st.button("Measure acceptance per position", key=f"{prefix}_acceptance_button", type="primary",
+                  on_click=st.session_state.update, kwargs={flag: True})
+        return
     positions, summary, cond = engine_call(_measure, drafter, p, num_draft)
     fig = go.Figure([go.Bar(x=part.position, y=100 * part.rate, name=kind, marker_color=KIND_COLORS[kind],
                             text=[f"{r:.0%}" for r in part.rate], textposition="outside",
