@@ -5,6 +5,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.acceptance import acceptance_section, drafter_selector
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
@@ -98,7 +99,15 @@ st.write(
     "TensorRT-LLM #18294 for Kimi K3), which caches post-projection per-step records (k, u, g) plus one checkpoint; "
     f"the raw-input ring caches layer inputs before the projections; model sizes from {K3.source}.")
 
-st.subheader("3 · In the batched engine: ReplaySSM as the decode-time state write")
+st.subheader("3 · How many of the n drafts a verify keeps")
+st.write("Every strategy above records all 1 + n verify tokens, but only the accepted prefix is committed: the "
+         "bytes spent on rejected drafts are the price of speculation. How long that prefix is depends on the drafter "
+         "and the text, measured here with the trained target at the draft length n above.")
+a1, _ = st.columns(2)
+drafter, acceptance = drafter_selector(a1, "p01")
+acceptance_section("p01", drafter, acceptance, num_draft, "Acceptance per draft position: held-out code vs prose")
+
+st.subheader("4 · In the batched engine: ReplaySSM as the decode-time state write")
 st.write(
     "The same records can replace the state write of **plain** decode (vLLM #47572 / #48792): with "
     "`ServeEngine(state_write=\"replay_ssm\", ring_size=R)` a decode step appends one k, u, g record per KDA layer "

@@ -4,19 +4,21 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from app_pages.caching import built_by_loaded_code
+from app_pages.acceptance import acceptance_section, draft, drafter_selector, target
 from app_pages.charts import show_chart
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
 from app_pages.measurement import remeasure_button
-from lab.prefix import demo_model
+from lab.drafters import KINDS, acceptance_by_position, heldout_prompts
 from lab.verify import MODES, STRATEGIES, run_verify_lab
 
 st.title("verify_and_replay")
 st.write(
-    "A 32-token greedy generation of the 8-layer demo hybrid (6 KDA + 2 MLA layers) with speculative decoding, run "
-    "live: a noisy oracle drafts tokens (right with the chosen probability), the target verifies them in one pass "
-    "without touching the committed caches, and the chosen strategy commits the state at the accepted length. After "
+    "A 32-byte greedy generation of the trained 8-layer hybrid (6 KDA + 2 MLA layers, `weights/kda-demo`) after a "
+    "held-out stdlib prompt, with speculative decoding run live: the chosen drafter proposes n bytes (prompt lookup, "
+    "the trained 2-layer draft model, or the noisy oracle as a controlled experiment), the target verifies them in "
+    "one pass without touching the committed caches, and the chosen strategy commits the state at the accepted "
+    "length. After "
     "every step the committed KDA states, conv states and MLA latents are compared with plain one-token-at-a-time "
     "decoding of the same tokens: the difference must be exactly zero.")
 
@@ -24,10 +26,12 @@ c1, c2, c3, c4, c5 = st.columns(5)
 mode = url_widget(c1.selectbox, "Mode", "p02_mode", MODES[0], list(MODES))
 strategy = url_widget(c2.selectbox, "Strategy", "p02_strategy", STRATEGIES[1], list(STRATEGIES))
 num_draft = url_widget(c3.slider, "Draft length n", "p02_draft", 4, 1, 8)
-acceptance = url_widget(c4.slider, "Draft correctness p (per draft token)", "p02_accept", 0.7, 0.0, 1.0, step=0.05,
-                        help="The noisy oracle drafts the right token with probability p, each draft independently. "
-                             "Counted below: accepted drafts, the prefix up to the first wrong one.")
-seed = url_widget(c5.slider, "Seed", "p02_seed", 0, 0, 20)
+drafter, acceptance = drafter_selector(c4, "p02", oracle_keys=("p02_seed",))
+kind = url_widget(c5.selectbox, "Prompt (held-out file)", "p02_prompt", KINDS[0], list(KINDS),
+                  help="The first of the held-out code or prose prompts (train/corpus_manifest.json's held-out split).")
+seed = 0
+if drafter == "noisy oracle":
+    seed = url_widget(c5.slider, "Seed", "p02_seed", 0, 0, 20)
 
 
 abort_layers, abort_tokens, corrupt_at, poison = None, 1, 1, False
@@ -44,17 +48,20 @@ elif mode == "injected deviation":
                             help="With one draft, position 1 is the only one to corrupt.")
     poison = url_widget(e2.checkbox, "Also overwrite the stored data of rejected tokens with NaN (control)", "p02_poison",
                         True)
-_model = st.cache_resource(demo_model, validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload
 
 
 @st.cache_data(show_spinner="Generating with speculation…", max_entries=16, ttl="1h")
-def _run(num_draft, acceptance, strategy, seed, mode, abort_layers, abort_tokens, corrupt_at, poison) -> pd.DataFrame:
-    rows = run_verify_lab(_model(), num_draft, acceptance, strategy, seed, mode, abort_layers=abort_layers,
-                          abort_tokens=abort_tokens, corrupt_position=corrupt_at, poison_rejected=poison)
+def _run(num_draft, acceptance, strategy, seed, mode, abort_layers, abort_tokens, corrupt_at, poison, drafter,
+         kind) -> pd.DataFrame:
+    rows = run_verify_lab(target(), num_draft, acceptance, strategy, seed, mode, abort_layers=abort_layers,
+                          abort_tokens=abort_tokens, corrupt_position=corrupt_at, poison_rejected=poison,
+                          drafter=drafter, draft=draft() if drafter == "draft model" else None,
+                          prompt=heldout_prompts(kind, 1, 192)[0])
     return pd.DataFrame(rows, columns=rows[0]._fields)
 
 
-df = engine_call(_run, num_draft, acceptance, strategy, seed, mode, abort_layers, abort_tokens, corrupt_at, poison)
+df = engine_call(_run, num_draft, acceptance, strategy, seed, mode, abort_layers, abort_tokens, corrupt_at, poison,
+                 drafter, kind)
 remeasure_button(_run, "p02_remeasure", label="Re-run")
 exact = bool((df.max_abs_diff == 0).all() and df.tokens_match.all())
 if exact:
@@ -71,8 +78,8 @@ def _word(flag) -> str:
 m1, m2, m3, m4 = st.columns(4)
 m1.metric("Tokens per verify", f"{df.num_emitted.sum() / len(df):.2f}")
 m2.metric("Accepted / drafted", f"{df.num_accepted.sum()} / {df.num_drafted.sum()}",
-          help="Only the prefix up to the first wrong draft is accepted; the drafts after it are dropped unchecked, "
-               "so this ratio sits below p (the expected accepted count per step is p + p² + … + pⁿ).")
+          help="Only the prefix up to the first wrong draft is accepted; the drafts after it are dropped unchecked "
+               "(for the noisy oracle the ratio sits below p: the expected accepted count per step is p + p² + … + pⁿ).")
 m3.metric("Rollback bytes per verify (median)", f"{int(df.rollback_bytes.median()):,} B")
 if mode == "interrupted":
     m4.metric("Caches untouched · retry equal", f"{_word(df.untouched.all())} · {_word(df.retry_equal.all())}")
@@ -131,11 +138,28 @@ fig2.update_yaxes(title_text="tokens", row=1, col=1)
 fig2.update_yaxes(title_text="KiB", row=1, col=2)
 fig2.update_yaxes(title_text="ms", row=1, col=3)
 show_chart(fig2, df, key="p02_steps_chart")
-short = df[df.num_drafted < num_draft]
+short = df[df.budget < num_draft]
 if len(short):
-    st.caption(f"Step{'s' if len(short) > 1 else ''} {', '.join(map(str, short.step))} drafted fewer than "
-               f"n = {num_draft} tokens: the 32-token budget had fewer than n + 1 tokens left (0 drafts = a plain "
-               "one-token decode), so the strategy held less.")
+    st.caption(f"Step{'s' if len(short) > 1 else ''} {', '.join(map(str, short.step))} could draft fewer than "
+               f"n = {num_draft} tokens: the 32-byte budget had fewer than n + 1 bytes left (0 drafts = a plain "
+               "one-byte decode), so the strategy held less.")
+missed = df[df.num_drafted < df.budget]
+if len(missed):
+    st.caption(f"{len(missed)} step{'s' if len(missed) > 1 else ''} drafted fewer bytes than allowed: prompt lookup "
+               "found no earlier match of the last bytes, or a match too close to the end to copy n bytes.")
+
+live = acceptance_by_position(df.assign(drafter=drafter, kind=kind), num_draft)
+fig3 = go.Figure(go.Bar(x=live.position, y=100 * live.rate, marker_color="#2ca02c", customdata=live.accepted,
+                        text=[f"{r:.0%}" for r in live.rate], textposition="outside",
+                        hovertemplate="position %{x}: %{customdata} of " + str(int(live.drafts.iloc[0]))
+                                      + " drafts accepted<extra></extra>"))
+fig3.update_layout(xaxis_title="draft position i", xaxis_dtick=1, yaxis_range=[0, 115], height=300,
+                   yaxis_title="P(draft i accepted), % of steps")
+show_chart(fig3, live, key="p02_position_chart")
+st.caption(f"This run's acceptance per draft position ({drafter}, held-out {kind} prompt): accepted_i ÷ the "
+           f"{int(live.drafts.iloc[0])} verify steps that drafted with the full budget of n = {num_draft} "
+           "(unconditional, vLLM's per-position rate, vllm#48892; a position past a short draft counts as not "
+           "accepted). Section below: code vs prose over more prompts.")
 
 st.write(
     "**What to notice.** The difference stays at exactly 0 in every mode: the verify pass is pure (the "
@@ -147,3 +171,5 @@ st.write(
     "row-invariant (`kda_core/invariant.py`). ReplaySSM (vLLM RFC #46187; SGLang's KDA ring) holds a ring of "
     "4·(1 + n) records (k, u = β(v − S'ᵀk), g, conv inputs) plus one checkpoint: a rejected draft is a cursor move, "
     "the state is replayed from the checkpoint, and its forced commits are the materialisations of a full ring.")
+
+acceptance_section("p02", drafter, acceptance, num_draft, "Acceptance per draft position: held-out code vs prose")

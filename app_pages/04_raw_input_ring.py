@@ -3,6 +3,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from app_pages.acceptance import acceptance_section, draft, drafter_selector
 from app_pages.caching import built_by_loaded_code
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
@@ -27,6 +28,8 @@ window = url_widget(c1.slider, "Rollback window (verify tokens, ≤ capacity)", 
                          "window it had comes back clamped when the ring grows again).")
 num_draft = url_widget(c3.slider, "Draft length n", "p04_draft", 4, 1, 15,   # a verify of 1 + n fits a window <= 16
                        help="A verify is 1 + n tokens and the rollback window holds at most 16, so n <= 15.")
+d1, _ = st.columns(2)                                                  # a row below the four above
+drafter, acceptance = drafter_selector(d1, "p04")
 width = url_widget(c4.select_slider, "Model width d (H = d / 32 heads)", "p04_width", 128, list(WIDTHS))
 _model = st.cache_resource(ring_model, validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload
 st.caption(f"At d = {DEMO.hidden_size} the model is the trained demo model; no trained weights ship at d = "
@@ -35,12 +38,13 @@ st.caption(f"At d = {DEMO.hidden_size} the model is the trained demo model; no t
 
 
 @st.cache_data(show_spinner="Measuring bytes, commit times and the ring…", max_entries=16, ttl="1h")
-def _measure(width: int, capacity: int, window: int, num_draft: int):
-    return ring_page(_model(width), capacity, window, num_draft)
+def _measure(width: int, capacity: int, window: int, num_draft: int, drafter: str, acceptance: float):
+    return ring_page(_model(width), capacity, window, num_draft, drafter, acceptance,
+                     draft() if drafter == "draft model" else None)
 
 
 COLORS = {"snapshot": "#d62728", "raw-input ring": "#1f77b4", "projection replay": "#2ca02c", "ReplaySSM": "#9467bd"}
-page = engine_call(_measure, width, capacity, window, num_draft)
+page = engine_call(_measure, width, capacity, window, num_draft, drafter, acceptance)
 remeasure_button(_measure, "p04_remeasure")
 bdf, cdf, tdf = pd.DataFrame(page.bytes_rows), pd.DataFrame(page.commit_rows), pd.DataFrame(page.tradeoff)
 sdf, slots, run = pd.DataFrame(page.run.steps), pd.DataFrame(page.run.slots), page.run
@@ -103,9 +107,11 @@ st.write(
 st.subheader(f"4 · The ring after a {RUN_TOKENS}-token run")
 used = min(num_draft, window - 1)
 capped = f" (n = {num_draft} capped at window − 1 = {window - 1})" if used < num_draft else ""
+accepted = sum(r["accepted"] for r in run.steps)
 st.write(f"{capacity} slot{'' if capacity == 1 else 's'} × {DEMO.num_kda_layers} KDA layers × d = {width} × "
          f"{run.ring_bytes // (capacity * DEMO.num_kda_layers * width)} B = **{run.ring_bytes:,} B**; "
-         f"drafts of up to {used} tokens{capped}; "
+         f"drafts of up to {used} tokens{capped} from the {drafter} drafter "
+         f"({accepted} accepted over {len(run.steps)} verifies); "
          f"**{run.num_write_backs} forced write-back{'' if run.num_write_backs == 1 else 's'}** during the run, "
          "the red crosses below "
          "(ring full: the committed state becomes the new checkpoint and the history slots are freed).")
@@ -141,3 +147,5 @@ st.write(
     "refused with a ValueError. Bytes: snapshot H·K·V·s + (2HK+HV)(W−1)·s, projections H·(2K+V+1)·s + (2HK+HV)·s, "
     "raw inputs d·s per token per KDA layer. The checkpoint-plus-ring layout follows ReplaySSM (vLLM RFC #46187), "
     "but the ring here caches layer inputs, not ReplaySSM's post-projection records; the ring itself is `serve/spec_decode/raw_input_ring.py`.")
+
+acceptance_section("p04", drafter, acceptance, num_draft, "5 · Acceptance per draft position: held-out code vs prose")

@@ -16,6 +16,8 @@ measured stamp, re-measure, heavy on click  measurement.py  ``measured_stamp``, 
                                                             ``remeasure_button``,                 test_heavy_extras.py
                                                             ``run_on_request``
 real-scale replica widgets (pages 11-15)    replica.py      ``real_replica``                      test_fleet_labels.py
+drafter selector, acceptance per position   acceptance.py   ``drafter_selector``,                 test_drafter_pages.py
+(pages 01, 02, 04)                                          ``acceptance_section``
 cached models and uploads                   caching.py      ``built_by_loaded_code``,             test_model_cache.py,
                                                             ``upload_parts``                      test_uploads.py
 ==========================================  ==============  ====================================  ==============================

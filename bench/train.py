@@ -4,7 +4,7 @@ One AdamW training step (forward, backward, update; the loop of ``python -m trai
 batch, interleaved over ``--rounds`` rounds after one warm-up step each, on ``--threads`` torch threads.
 Prints per candidate the median bytes (tokens) per second with the min and max over rounds, and CPU seconds
 per 1,000 bytes (process time, so a loaded machine shows in wall time but less in CPU time), with the load
-average before and after. Writes ``bench/results/train.json``. This sizes the trained model: ``train/model_config.py``.
+average before and after. Writes ``bench/results/train.json``. This sizes the trained models (target and draft): ``train/model_config.py``.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kda_core.config import PRESETS
+from kda_core.config import PRESETS, kimi_pattern
 from kda_core.model import HybridLM
 from train.evaluate import loss_of
 from train.loop import TrainArgs, make_optimizer
@@ -31,6 +31,11 @@ CANDIDATES = {
     "kda-demo f512 (2.28 M) B8xT256": ({"intermediate_size": 512}, 8, 256),
     "d192 H6 f512 (3.82 M) B4xT512": ({"hidden_size": 192, "num_heads": 6, "num_mla_heads": 6,
                                        "kv_lora_rank": 96, "intermediate_size": 512}, 4, 512),
+    "kda-draft 1 KDA + 1 MLA f512 (0.61 M) B4xT512": ({"num_layers": 2, "mla_layers": kimi_pattern(2),
+                                                       "intermediate_size": 512}, 4, 512),
+    "draft 2 KDA f512 (0.63 M) B4xT512": ({"num_layers": 2, "mla_layers": (), "intermediate_size": 512}, 4, 512),
+    "draft 1 KDA + 1 MLA f512 (0.61 M) B8xT512": ({"num_layers": 2, "mla_layers": kimi_pattern(2),
+                                                   "intermediate_size": 512}, 8, 512),
 }
 
 

@@ -15,6 +15,7 @@ ReplaySSM state write   lab/state_write.py       state_write_sweep         01   
 verify and replay       lab/verify.py            run_verify_lab            02          tests/lab/test_verify.py
 state vs KV cache       lab/state_vs_kv.py       state_vs_kv               03          tests/lab/test_state_vs_kv.py
 raw-input ring          lab/ring.py              ring_run                  04          tests/lab/test_ring.py
+drafter acceptance      lab/drafters.py          measure_drafters          01, 02, 04  tests/lab/test_drafters.py
 page pool workload      lab/pool.py              simulate                  05          tests/lab/test_pool.py
 pool timing             lab/pool_timing.py       latency_histogram         05, 06      tests/lab/test_pool_timing.py
 MLA paging              lab/mla_paging.py        page_table_demo           06          tests/lab/test_mla_paging.py

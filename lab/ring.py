@@ -15,13 +15,13 @@ from typing import NamedTuple
 from kda_core.config import PRESETS
 from kda_core.layer import KDAAux, KDACache
 from kda_core.model import ForwardOutput, HybridCache, HybridLM, encode
+from lab.drafters import make_proposer
 from lab.rollback import strategies_for
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, LinearFit, conditions, fit_linear, summarize
 from lab.verify import PROMPT_TEXT
 from serve.errors import check_choice, check_int
 from serve.runnable import demo_model
-from serve.spec_decode.draft import NoisyOracleProposer
 from serve.spec_decode.raw_input_ring import RawInputRing
 from serve.spec_decode.rollback import conv_window_after
 from serve.spec_decode.snapshot import SnapshotRollback
@@ -179,20 +179,23 @@ def greedy_continuation(model: HybridLM, start: DecodeState, num_tokens: int) ->
 
 
 def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, acceptance: float = 0.7,
-             max_new_tokens: int = RUN_TOKENS, seed: int = 0, start: DecodeState | None = None) -> RingRun:
+             max_new_tokens: int = RUN_TOKENS, seed: int = 0, start: DecodeState | None = None,
+             drafter: str = "noisy oracle", draft: HybridLM | None = None) -> RingRun:
     """A generation of ``max_new_tokens`` tokens through one ring (:func:`serve.spec_decode.verify.speculate`) with
-    noisy-oracle drafts of at most ``min(requested_draft, window - 1)`` tokens; then one verify of
-    ``requested_draft`` tokens to show the overflow path. ``start``: the prompt's prefilled state
-    (default :func:`prompt_state`).
+    drafts of at most ``min(requested_draft, window - 1)`` tokens from ``drafter`` (one of
+    :data:`lab.drafters.DRAFTERS`; the noisy oracle is right with probability ``acceptance``; ``draft``: the
+    draft model); then one verify of ``requested_draft`` tokens to show the overflow path. ``start``: the
+    prompt's prefilled state (default :func:`prompt_state`).
 
-    Raises ValueError for a bad capacity/window (from :class:`RawInputRing`) or requested_draft < 0."""
+    Raises ValueError for a bad capacity/window (from :class:`RawInputRing`), requested_draft < 0, an unknown
+    drafter or no draft model for ``"draft model"``."""
     check_int("requested_draft", requested_draft, 0)
     ring = RawInputRing(capacity, window)
     prompt = encode(PROMPT_TEXT)
     with one_thread():
         state = prompt_state(model) if start is None else start
-        proposer = NoisyOracleProposer(prompt.tolist(), greedy_continuation(
-            model, state, max_new_tokens + requested_draft + 1), 1.0 - acceptance, seed)
+        reference = greedy_continuation(model, state, max_new_tokens + requested_draft + 1)
+        proposer = make_proposer(drafter, draft, prompt.tolist(), reference, 1.0 - acceptance, seed)
         history, steps = prompt.tolist() + [state.last_token], []
         for step in speculate(model, state, history, proposer, ring, min(requested_draft, window - 1),
                               max_new_tokens - 1):
@@ -259,12 +262,14 @@ class RingPage(NamedTuple):
     conditions: Conditions
 
 
-def ring_page(model: HybridLM, capacity: int, window: int, num_draft: int) -> RingPage:
-    """Page 04's one call (one prefill of the prompt, shared by the three experiments). Raises ValueError
-    as :func:`ring_run` and :func:`commit_times` do."""
+def ring_page(model: HybridLM, capacity: int, window: int, num_draft: int, drafter: str = "noisy oracle",
+              acceptance: float = 0.7, draft: HybridLM | None = None) -> RingPage:
+    """Page 04's one call (one prefill of the prompt, shared by the three experiments); ``drafter``,
+    ``acceptance`` and ``draft`` go to :func:`ring_run`. Raises ValueError as :func:`ring_run` and
+    :func:`commit_times` do."""
     start = prompt_state(model)
     bytes_rows = bytes_vs_draft(model, 16, start)
     commit_rows, cond = commit_times(model, num_draft, start=start)
-    run = ring_run(model, capacity, window, num_draft, start=start)
+    run = ring_run(model, capacity, window, num_draft, acceptance, start=start, drafter=drafter, draft=draft)
     return RingPage(bytes_rows, commit_rows, tradeoff_table(bytes_rows, commit_rows, num_draft), run,
                     head_tail_labels(run.slots), commit_fits(commit_rows), cond)

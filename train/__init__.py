@@ -1,4 +1,5 @@
-"""Training the demo model: corpus, loop, checkpoints, export (CPU or CUDA; CI never trains).
+"""Training the demo model (kda-demo) and its draft model (kda-draft): corpus, loop, checkpoints, export (CPU or
+CUDA; CI never trains).
 
 =====================  ======================  ==================================  ==================================
 concept                file                    type / entry point                  test
@@ -7,7 +8,7 @@ corpus + manifest      ``corpus.py``           ``documents``, ``Document``,     
                                                ``build_manifest``, ``split_of``
 batches, eval windows  ``batches.py``          ``BatchSampler``, ``eval_windows``  ``tests/train/test_loop.py``
 held-out quality       ``evaluate.py``         ``evaluate`` -> ``Quality``         ``tests/train/test_loop.py``
-trained model's shape  ``model_config.py``     ``model_config()``                  ``tests/train/test_weights.py``
+trained models. shapes ``model_config.py``     ``model_config(name)``              ``tests/train/test_weights.py``
 training loop          ``loop.py``             ``train``, ``TrainArgs``, ``lr_at`` ``tests/train/test_loop.py``
 checkpoint + resume    ``checkpoint.py``       ``save``, ``load``                  ``tests/train/test_loop.py``
 CLI                    ``__main__.py``         ``python -m train --out DIR``       (the shipped run)

@@ -5,7 +5,8 @@ commit must rebuild the state at exactly the last accepted token. Four strategie
 lifecycle (``record -> commit | discard``, ``nbytes()`` checked against the formula by ``check_integrity``).
 
 Concept → file → main type → test:
-- draft proposers (prompt lookup, noisy oracle) ... draft.py ........... ``NgramProposer``, ``NoisyOracleProposer``
+- draft proposers (prompt lookup, draft model, noisy oracle) draft.py ... ``NgramProposer``, ``DraftModelProposer``,
+  ``NoisyOracleProposer``
   ... ``tests/serve/spec_decode/test_draft.py``
 - rollback lifecycle, byte formulas, layer sizes .. rollback.py ........ ``RollbackStrategy``, ``LayerShape``,
   ``*_bytes_per_token`` ... ``tests/serve/spec_decode/test_rollback.py``

@@ -1,4 +1,4 @@
-"""Draft proposers for speculative decoding: prompt lookup (n-gram) and a seeded noisy oracle.
+"""Draft proposers for speculative decoding: prompt lookup (n-gram), a draft model, a seeded noisy oracle.
 
 A proposer sees the token history (prompt + every emitted token, in order) and proposes up to
 ``num_tokens`` draft tokens that the target model then verifies (``serve.spec_decode.verify``).
@@ -11,7 +11,11 @@ A proposer sees the token history (prompt + every emitted token, in order) and p
   replaced by a different token with probability ``corrupt_prob`` (seeded), so a page can set the
   acceptance rate with a slider: a draft token is accepted with probability ``1 - corrupt_prob``
   given that all earlier drafts of the step were accepted.
+- :class:`DraftModelProposer` — a small model of the same byte vocabulary drafts its own greedy
+  continuation (Leviathan et al. 2023; vLLM's ``draft_model`` speculative method). It keeps its own
+  cache and rolls it back after a partial accept by keeping a snapshot after every draft token.
 """
+
 from __future__ import annotations
 
 import random
@@ -20,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kda_core.model import HybridLM
+from kda_core.model import HybridCache, HybridLM
 from serve.errors import check_int
 
 
@@ -118,3 +122,77 @@ class NoisyOracleProposer(DraftProposer):
                 tok = (tok + 1 + self._rng.randrange(255)) % 256        # any byte but the right one
             out.append(tok)
         return out
+
+
+class DraftModelProposer(DraftProposer):
+    """A draft model's greedy continuation of the history, with the draft model's own cache.
+
+    State: ``tokens`` (the history the committed draft cache has consumed) and that cache. ``propose``
+    first brings the cache up to the new history, then drafts ``num_tokens`` greedily, keeping the cache
+    after each draft token: ``snapshots[j]`` has consumed ``tokens + drafts[:j]`` (j = 0..n - 1; the last
+    draft is never fed). Rollback after a partial accept: the next history is ``tokens + drafts[:a] +
+    [bonus, ...]``; the proposer resumes from ``snapshots[min(a, n - 1)]`` (the cache after exactly the
+    accepted drafts, never one that holds a rejected token) and feeds the remaining committed tokens in
+    recurrent mode. The snapshots are immutable :class:`HybridCache` values (every model call returns a new
+    one), so keeping them costs no copy, and the other snapshots are dropped.
+
+    Exactness contract (tested bitwise): the committed cache always equals a chunk-mode prefill of the first
+    history the proposer saw, followed by one ``decode_step`` per later committed token; the drafts equal the
+    draft model's greedy tokens from that cache. A history that does not extend the committed one (another
+    request, an edited prompt) starts over with a prefill. ``num_fed`` counts draft-model tokens run (the
+    drafting cost, for benchmarks).
+
+    Raises:
+        TypeError: ``model`` is not a :class:`HybridLM`.
+    """
+
+    name = "draft model"
+
+    def __init__(self, model: HybridLM):
+        if not isinstance(model, HybridLM):
+            raise TypeError(f"model must be a HybridLM, got {type(model).__name__}")
+        self.model = model
+        self.tokens: list[int] = []
+        self.cache: HybridCache | None = None
+        self._drafts: list[int] = []
+        self._snapshots: list[tuple[HybridCache, torch.Tensor]] = []   # (cache, logits [256]) per draft
+        self._logits: torch.Tensor | None = None          # [256] logits after ``tokens`` (drafts d_1)
+        self.num_fed = 0
+
+    def _advance(self, hist: list[int]) -> None:
+        """Bring the committed cache from ``self.tokens`` to ``hist`` (an extension, or a fresh start)."""
+        n_old = len(self.tokens)
+        if self.cache is not None and hist == self.tokens:
+            return                                        # same history again: cache and logits are current
+        if self.cache is None or len(hist) < n_old or hist[:n_old] != self.tokens:
+            logits, self.cache = self.model.prefill(torch.tensor([hist], dtype=torch.long))   # [1, T, 256]
+            self.tokens, self._logits, self.num_fed = list(hist), logits[0, -1], self.num_fed + len(hist)
+            self._drafts, self._snapshots = [], []
+            return
+        new = hist[n_old:]
+        # rollback: the longest accepted draft prefix with a snapshot (snapshot j has consumed drafts[:j])
+        a = 0
+        while a < min(len(new), len(self._snapshots) - 1) and new[a] == self._drafts[a]:
+            a += 1
+        cache, logits = self._snapshots[a] if self._snapshots else (self.cache, self._logits)
+        for tok in new[a:]:                               # the bonus token and anything after it
+            step_logits, cache = self.model.decode_step(tok, cache)           # [1, 256]
+            logits = step_logits[0]
+        self.num_fed += len(new) - a
+        self.cache, self._logits, self.tokens = cache, logits, list(hist)
+        self._drafts, self._snapshots = [], []
+
+    def propose(self, history: Sequence[int], num_tokens: int) -> list[int]:
+        _check_request(history, num_tokens)
+        self._advance([int(t) for t in history])
+        cache, logits = self.cache, self._logits
+        drafts, snapshots = [], [(cache, logits)]
+        for j in range(num_tokens):
+            drafts.append(int(logits.argmax()))
+            if j + 1 < num_tokens:                        # the last draft is not fed: nothing drafts after it
+                step_logits, cache = self.model.decode_step(drafts[-1], cache)  # [1, 256]
+                logits = step_logits[0]
+                snapshots.append((cache, logits))
+                self.num_fed += 1
+        self._drafts, self._snapshots = drafts, snapshots
+        return drafts

@@ -82,6 +82,8 @@ def _p02(at: AppTest) -> None:
          "02")
     if _widget(at, "p02_mode") == "interrupted":
         assert _metric(at, "Caches untouched · retry equal").value == "yes · yes"
+    rates = plotly_values(chart_spec(at, "p02_position_chart")["data"][0]["y"])   # unconditional: falls with i
+    assert len(rates) == _widget(at, "p02_draft") and all(a >= b for a, b in zip(rates, rates[1:])), rates
 
 
 def _p04(at: AppTest) -> None:
@@ -90,6 +92,7 @@ def _p04(at: AppTest) -> None:
     assert len(plotly_values(crosses.get("x", []))) == int(sizes.group(1)), f"04: text {sizes.group(0)!r} vs chart"
     steps = chart_spec(at, "p04_occupancy_chart")["data"][0]
     assert max(plotly_values(steps["y"])) <= _widget(at, "p04_capacity"), "04: more slots in use than the capacity"
+    _one([m.value for m in at.markdown], f"from the {_widget(at, 'p04_drafter')} drafter \\(\\d+ accepted", "04")
 
 
 def _p05(at: AppTest) -> None:

@@ -2,7 +2,7 @@
 import pytest
 
 from lab.verify import MODES, STRATEGIES, run_verify_lab
-from tests.serve.spec_decode.helpers import model, one_thread
+from tests.serve.spec_decode.helpers import model, one_thread, perturbed_copy
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
 __all__ = ["model"]  # shared fixture
@@ -42,3 +42,18 @@ def test_run_verify_lab_validation(model):
         run_verify_lab(model, 2, 0.5, STRATEGIES[0], 0, mode="interrupted", abort_tokens=4)
     with pytest.raises(ValueError, match="corrupt_position"):
         run_verify_lab(model, 2, 0.5, STRATEGIES[0], 0, corrupt_position=3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("drafter", ["n-gram", "draft model"])
+def test_run_verify_lab_with_real_drafters_is_exact(model, mode, drafter):
+    draft = perturbed_copy(model, 0.3) if drafter == "draft model" else None
+    steps = run_verify_lab(model, 4, 0.0, STRATEGIES[1], seed=0, mode=mode, max_new_tokens=24, abort_layers=2,
+                           abort_tokens=3, corrupt_position=2, poison_rejected=True, drafter=drafter, draft=draft,
+                           prompt=list(b"def f(x):\n    return x\n\ndef f(x):\n"))
+    assert sum(s.num_emitted for s in steps) + 1 == 24
+    assert all(s.max_abs_diff == 0.0 and s.tokens_match for s in steps)
+    assert [s.budget for s in steps] == [min(4, 23 - sum(t.num_emitted for t in steps[:i]) - 1)
+                                        for i in range(len(steps))]
+    if mode == "normal" and drafter == "draft model":
+        assert sum(s.num_accepted for s in steps) > 0, "acceptance 0.0 is the oracle's: real drafters ignore it"

@@ -11,7 +11,8 @@ import serve.engine as engine_module
 from serve.memory.pages import read_state
 from serve.prefix.cache import PrefixCache
 from serve.request import RequestStatus
-from serve.spec_decode.verify import draft_budget
+from serve.spec_decode.draft import DraftModelProposer
+from serve.spec_decode.verify import Speculation, draft_budget
 from tests.serve.engine_helpers import (
     STRATEGIES,
     check_checkpoints,
@@ -21,6 +22,7 @@ from tests.serve.engine_helpers import (
     step_until,
 )
 from tests.serve.prefix.helpers import assert_equal_to_reference, make_engine, reference, tiny_model, tokens
+from tests.serve.spec_decode.helpers import perturbed_copy
 
 torch.set_num_threads(1)
 
@@ -91,6 +93,18 @@ def test_record_logits_with_speculation_equals_plain_engine(strategy):
     assert 0 < res.accepted_tokens < res.drafted_tokens            # accepted and rejected drafts
     assert res.output_tokens == plain.output_tokens == ref_tokens
     assert res.logits.shape == (max_new, 256) and torch.equal(res.logits, plain.logits)
+
+
+def test_draft_model_speculation_equals_plain_engine():
+    """The engine with a draft model (its own cache per request, rolled back after partial accepts) emits the
+    plain engine's tokens and logits bitwise; the draft is the target with noise, so drafts are partly right."""
+    draft = perturbed_copy(tiny_model(), 0.3)
+    speculation = Speculation.named(lambda p: DraftModelProposer(draft), STRATEGIES["projection"], 4)
+    prompt, max_new = tokens(73, 37), 20
+    res = spec_engine(speculation, prefix_cache=False).generate(prompt, max_new, record_logits=True)
+    plain = make_engine(cache=False).generate(prompt, max_new, record_logits=True)
+    assert 0 < res.accepted_tokens < res.drafted_tokens
+    assert res.output_tokens == plain.output_tokens and torch.equal(res.logits, plain.logits)
 
 
 def _spy_commits(monkeypatch) -> list:

@@ -45,6 +45,16 @@ def tiny_model() -> HybridLM:
     return HybridLM(PRESETS["demo-tiny"])
 
 
+def perturbed_copy(model: HybridLM, scale: float, seed: int = 0) -> HybridLM:
+    """A copy of ``model`` with seeded Gaussian noise of relative size ``scale`` on every weight: a draft model
+    that agrees with the target on most but not all greedy tokens (partial accepts)."""
+    gen = torch.Generator().manual_seed(seed)
+    copy = HybridLM(model.cfg)
+    copy.load_state_dict({k: v + scale * v.std() * torch.randn(v.shape, generator=gen) if v.numel() > 1 else v
+                          for k, v in model.state_dict().items()})
+    return copy
+
+
 def greedy_continuation(model: HybridLM, state: DecodeState, num_tokens: int) -> tuple[list[int], list[HybridCache]]:
     """Plain greedy decoding from ``state``: the next ``num_tokens`` tokens and the cache after feeding
     ``last_token`` and then each of them (caches[j] has consumed last_token + tokens[:j])."""
