@@ -35,6 +35,7 @@ import torch
 from kda_core.model import HybridLM
 from lab.threads import one_thread
 from serve.errors import check_choice, check_int
+from serve.runnable import demo_model
 from serve.spec_decode.draft import DraftModelProposer, DraftProposer, NgramProposer, NoisyOracleProposer
 from serve.spec_decode.verify import draft_budget, make_strategy, speculative_generate
 from train.corpus import KINDS, documents
@@ -47,8 +48,9 @@ STEP_COLUMNS = ["drafter", "kind", "prompt", "step", "budget", "num_drafted", "n
 
 
 def target_model() -> HybridLM:
-    """The trained target (``weights/kda-demo``, fp16 weights loaded as fp32)."""
-    return HybridLM.from_pretrained(TARGET_DIR)
+    """The trained target (``weights/kda-demo``, fp16 weights loaded as fp32): the process's one copy, the
+    ``demo`` preset's runnable model (:func:`serve.runnable.demo_model`)."""
+    return demo_model("demo")
 
 
 def draft_model() -> HybridLM:
