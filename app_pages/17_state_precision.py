@@ -67,7 +67,7 @@ c1, c2 = st.columns(2)
 gpu = url_widget(c1.selectbox, "GPU", "p17_gpu", "H200", list(GPU_NAMES))
 context = url_widget(c2.select_slider, "Context beside each slot (tokens of MLA latent KV)", "p17_context", 4096,
                      list(CONTEXTS))
-cap = engine_call(st.cache_data(capacity_table, show_spinner=False, max_entries=32), context, gpu)
+cap = engine_call(st.cache_data(capacity_table, show_spinner=False, max_entries=32, ttl="1h"), context, gpu)
 fig = go.Figure()
 for model, c in cap.groupby("model", sort=False):
     fig.add_trace(go.Bar(x=c.label, y=c.max_requests, name=f"{model} (TP {int(c.tp.iloc[0])})",
@@ -108,7 +108,7 @@ st.subheader("3 · Can the state outgrow fp16? (constructed low-decay input)")
 e1, e2 = st.columns(2)
 decay = url_widget(e1.select_slider, "Decay per token, 1 − exp(g)", "p17_decay", 1e-4, list(DECAYS))
 vscale = url_widget(e2.select_slider, "Value scale σ of v ~ N(0, σ²)", "p17_vscale", 1.0, list(VALUE_SCALES))
-probe = engine_call(st.cache_data(low_decay_probe, show_spinner=False, max_entries=16), 1024, decay, vscale)
+probe = engine_call(st.cache_data(low_decay_probe, show_spinner=False, max_entries=16, ttl="1h"), 1024, decay, vscale)
 fig = go.Figure()
 for column, name in (("max_abs_state", "max |S|"), ("max_abs_readout", "max |o| (readout)"),
                      ("max_abs_value", "max |v| so far")):
