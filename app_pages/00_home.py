@@ -108,12 +108,13 @@ if (first, second) == (FIRST, SECOND):
     o2.code(tail + PROMPTS.file_continuation.encode()[:max_new].decode(errors="ignore"), language="python")
 st.caption(f"The model: **{CARD.name}**, {CARD.num_parameters / 1e6:.2f} M parameters, one token per byte, trained "
            f"{CARD.hours:.1f} h on a CPU over {CARD.bytes_trained / 1e6:.1f} M bytes of the Python standard library. "
-           f"On held-out code it needs {CARD.code_nats_per_byte:.3f} nats per byte, xz {CARD.code_xz:.3f} (lower is "
-           f"better; prose {CARD.prose_nats_per_byte:.3f} vs xz {CARD.prose_xz:.3f}): it writes Python-like code, not "
-           f"correct code. The default prompts are cut from `{PROMPTS.path}` by a fixed rule (`train/prompts.py`): "
-           f"the first held-out function body whose {PROMPTS.continuation_bytes}-byte greedy continuation reads as "
-           f"code; the {PROMPTS.cuts_rejected} cuts before it gave a docstring, blanks, a loop or a template that is "
-           "also in the training files.")
+           f"Held-out code: {CARD.code_nats_per_byte:.3f} nats per byte, xz {CARD.code_xz:.3f} (prose "
+           f"{CARD.prose_nats_per_byte:.3f} vs xz {CARD.prose_xz:.3f}): Python-like code, not correct code.")
+with st.expander("How the default prompts are chosen"):
+    st.markdown(f"They are cut from `{PROMPTS.path}` (held out from training) by a fixed rule (`train/prompts.py`): "
+                f"the first held-out function body whose {PROMPTS.continuation_bytes}-byte greedy continuation reads "
+                f"as code; the {PROMPTS.cuts_rejected} cuts before it gave a docstring, blanks, a loop or a template "
+                "that is also in the training files. Lower nats per byte is better.")
 runs = [r for r in run.rows if r["kind"] in ("cold", "first", "warm")]   # the verification run, in PHASE_RUNS order
 names = {"cold": "request 2 cold", "first": "request 1 (fills)", "warm": "request 2 warm"}
 fig_tokens = go.Figure([
