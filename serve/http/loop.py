@@ -28,6 +28,7 @@ import torch
 from serve.engine import DONE, ServeEngine
 from serve.errors import check_int
 from serve.http.metrics import ServerMetrics
+from serve.http.step_trace import StepTrace
 from serve.request import RequestResult, RequestStatus
 
 log = logging.getLogger("serve.http")
@@ -58,6 +59,7 @@ class Stream:
     aio_loop: asyncio.AbstractEventLoop
     arrival_t: float = field(default_factory=time.perf_counter)
     rid: int | None = None
+    feed_t: float | None = None
     sent: int = 0
     first_t: float | None = None
     last_t: float | None = None
@@ -69,10 +71,12 @@ class Stream:
 
 class EngineLoop:
     """The engine's thread. ``max_num_seqs``: requests inside the engine at once (state slots);
-    ``max_queue``: requests queued in front of it. Raises ValueError for bad sizes."""
+    ``max_queue``: requests queued in front of it; ``trace``: an optional :class:`StepTrace` that logs every
+    step and request (closed when the loop ends). Raises ValueError for bad sizes."""
 
-    def __init__(self, engine: ServeEngine, metrics: ServerMetrics, max_num_seqs: int, max_queue: int):
-        self.engine, self.metrics = engine, metrics
+    def __init__(self, engine: ServeEngine, metrics: ServerMetrics, max_num_seqs: int, max_queue: int,
+                 trace: StepTrace | None = None):
+        self.engine, self.metrics, self.trace = engine, metrics, trace
         self.max_num_seqs = check_int("max_num_seqs", max_num_seqs)
         self.max_queue = check_int("max_queue", max_queue, 0)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -136,10 +140,12 @@ class EngineLoop:
         try:
             with torch.inference_mode():
                 while not self._stop:
+                    loop_t = time.perf_counter()
                     self._drain()
                     self._feed()
                     eng = self.engine
                     if eng.running or eng.waiting:
+                        prev, cpu0 = eng.last_batch, time.thread_time()
                         t0 = time.perf_counter()
                         try:
                             eng.step()
@@ -150,8 +156,13 @@ class EngineLoop:
                             if failures >= MAX_STEP_FAILURES:
                                 raise RuntimeError(f"engine.step() raised {failures} times in a row; last: "
                                                    f"{type(err).__name__}: {err}") from err
-                        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+                        t1, cpu_s = time.perf_counter(), time.thread_time() - cpu0
+                        self.metrics.step_seconds.observe(t1 - t0)
                         self._emit()
+                        if self.trace is not None:
+                            batch = eng.last_batch if eng.last_batch is not prev else None
+                            self.trace.step(loop_t, t0, t1, time.perf_counter(), cpu_s, batch, len(eng.running),
+                                            len(eng.waiting), len(self._pending))
                         self._gauges()
                     elif not self._pending:
                         self._gauges(force=True)
@@ -162,6 +173,8 @@ class EngineLoop:
             log.exception("engine loop died")
         finally:
             self._shutdown()
+            if self.trace is not None:
+                self.trace.close()
 
     def _drain(self) -> None:
         while True:
@@ -187,6 +200,7 @@ class EngineLoop:
         while self._pending and len(eng.running) + len(eng.waiting) < self.max_num_seqs:
             s = self._pending.pop(0)
             s.rid = eng.submit(s.prompt, s.max_tokens)
+            s.feed_t = time.perf_counter()
             self._active[s.rid] = s
 
     def _abort(self, s: Stream) -> None:
@@ -220,6 +234,8 @@ class EngineLoop:
             # the engine keeps every request's record for result(); a long-running server drops it at the end
             getattr(self.engine, "requests", {}).pop(s.rid, None)
         self.metrics.finished(s, res)
+        if self.trace is not None:
+            self.trace.request(s, res, time.perf_counter())
         if res is None:
             res = RequestResult(-1, RequestStatus.ABORTED, len(s.prompt), (), None, 0, 0, 0, 0, 0, 0, {}, None,
                                 "aborted while queued")
