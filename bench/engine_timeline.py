@@ -58,6 +58,7 @@ def step_table(svc: ServiceModel, steps: list[dict]) -> list[dict]:
                         decode_rows=s["decode_rows"], prefill_tokens=sum(n for n, _ in s["prefill"]),
                         pairs=sum(attention_pairs(n, c) for n, c in s["prefill"]), output_rows=output_rows(s),
                         measured_ms=(s["t1"] - s["t0"]) * 1e3, cpu_ms=s["cpu_s"] * 1e3,
+                        others_cpu_ms=s.get("others_cpu_s", 0.0) * 1e3,
                         predicted_ms=predicted_step_ms(svc, s),
                         after_ms=(nxt["t0"] - s["t1"]) * 1e3 if busy else None))
     return out

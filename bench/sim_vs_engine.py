@@ -163,7 +163,8 @@ def one_rate(model, workload, hash_ids, rate: float, seed: int, tmp: Path) -> di
                 measured_cpu_ms=summary([r["cpu_ms"] for r in g]),
                 predicted_cpu_ms=summary([k * r["predicted_ms"] for r in g]),
                 cpu_abs_error_pct=summary([abs(k * r["predicted_ms"] / r["cpu_ms"] - 1) * 100 for r in g]),
-                wall_per_cpu=wall_per_cpu(g), after_ms=summary([r["after_ms"] for r in g if r["after_ms"] is not None]))
+                wall_per_cpu=wall_per_cpu(g), after_ms=summary([r["after_ms"] for r in g if r["after_ms"] is not None]),
+                event_loop_cpu_share=sum(r["others_cpu_ms"] for r in g) / sum(r["measured_ms"] for r in g))
     ing, eg = server["ingress_ms"], server["egress_ms"]
     variants = {                                   # the same replay predicted with each piece added in turn
         "engine alone (wall-time steps), 64-token grid cache, ingress": predict(wall_svc, workload, hash_ids, rate,
@@ -213,7 +214,7 @@ def main(argv=None) -> dict:
             print(f"rate {rate}: load {res['load_before']:.2f} -> {res['load_after']:.2f}; " + ", ".join(
                 f"{f} {getattr(svc, f):.4g}" for f in FIT_FIELDS), flush=True)
             for row in res["points"]["steps"]:
-                print(f"  {row['role']:8s} prefill {row['prefill_tokens']:4d} after {row['cached_tokens']:3d} + "
+                print(f"  {row['role']:8s} prefill {row['prompts']} x {row['prefill_tokens']:4d} after {row['cached_tokens']:3d} + "
                       f"decode {row['decode_rows']:3d} x {row['decode_context']:3d}: measured "
                       f"{row['measured_median_ms']:7.1f} ms  predicted {row['predicted_ms']:7.1f} ms (wall); measured "
                       f"{row['cpu_median_ms']:7.1f} ms  predicted {row['cpu_predicted_ms']:7.1f} ms (CPU)", flush=True)
@@ -222,7 +223,7 @@ def main(argv=None) -> dict:
                 print(f"  replay {kind:7s} steps {c['steps']:4d}: CPU measured p50 {c['measured_cpu_ms']['p50']:6.1f} "
                       f"ms, predicted p50 {c['predicted_cpu_ms']['p50']:6.1f} ms, |error| p50 "
                       f"{c['cpu_abs_error_pct']['p50']:5.1f} %; wall p50 {c['measured_wall_ms']['p50']:6.1f} ms, "
-                      f"wall/CPU {c['wall_per_cpu']:.2f}")
+                      f"wall/CPU {c['wall_per_cpu']:.2f}, event-loop CPU / wall {c['event_loop_cpu_share']:.2f}")
             print(f"  replay wall/CPU {res['replay_wall_per_cpu']:.2f} (calibration traffic "
                   f"{server['wall_per_cpu']:.2f})")
             print("  replay parts p50 / p99 (ms): " + ", ".join(f"{k} {v['p50']:.1f} / {v['p99']:.1f}"
@@ -249,7 +250,8 @@ def main(argv=None) -> dict:
     return out
 
 
-FIT_FIELDS = ("prefill_tokens_per_s", "prefill_overhead_ms", "prefill_per_token_pair_ms", "decode_step_base_ms",
+FIT_FIELDS = ("prefill_tokens_per_s", "prefill_overhead_ms", "prefill_per_row_ms", "prefill_per_token_pair_ms",
+              "decode_step_base_ms",
               "decode_step_per_seq_ms", "decode_per_context_token_ms")
 
 

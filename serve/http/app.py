@@ -114,8 +114,8 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
 
     async def _serve(body, request: Request, chat: bool):
         try:
-            prompt, max_tokens = check_request(body, model_name, max_model_len)
-            stream = loop.submit(prompt, max_tokens)
+            prompt, max_tokens, sampling = check_request(body, model_name, max_model_len)
+            stream = loop.submit(prompt, max_tokens, sampling)
         except RequestError as err:
             return error_response(err)
         except QueueFull as err:

@@ -30,6 +30,7 @@ from serve.errors import check_int
 from serve.http.metrics import ServerMetrics
 from serve.http.step_trace import StepTrace
 from serve.request import RequestResult, RequestStatus
+from serve.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger("serve.http")
 
@@ -57,6 +58,7 @@ class Stream:
     max_tokens: int
     events: asyncio.Queue
     aio_loop: asyncio.AbstractEventLoop
+    sampling: SamplingParams = GREEDY
     arrival_t: float = field(default_factory=time.perf_counter)
     rid: int | None = None
     feed_t: float | None = None
@@ -104,8 +106,9 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop and self.error is None
 
-    def submit(self, prompt: list, max_tokens: int) -> Stream:
-        """Queue a prompt (byte ids) for ``max_tokens`` greedy tokens; returns its :class:`Stream`. Raises
+    def submit(self, prompt: list, max_tokens: int, sampling: SamplingParams = GREEDY) -> Stream:
+        """Queue a prompt (byte ids) for ``max_tokens`` tokens drawn with ``sampling`` (default greedy); returns
+        its :class:`Stream`. Raises
         QueueFull when the server holds ``max_num_seqs + max_queue`` requests, LoopStopped when stopped."""
         if not self.alive:
             raise LoopStopped("the engine loop is not running")
@@ -114,7 +117,7 @@ class EngineLoop:
                 raise QueueFull(f"{self._outstanding} requests outstanding (max_num_seqs {self.max_num_seqs} "
                                 f"+ max_queue {self.max_queue})")
             self._outstanding += 1
-        stream = Stream(prompt, max_tokens, asyncio.Queue(), asyncio.get_running_loop())
+        stream = Stream(prompt, max_tokens, asyncio.Queue(), asyncio.get_running_loop(), sampling)
         self._send(("submit", stream))
         return stream
 
@@ -145,7 +148,7 @@ class EngineLoop:
                     self._feed()
                     eng = self.engine
                     if eng.running or eng.waiting:
-                        prev, cpu0 = eng.last_batch, time.thread_time()
+                        prev, cpu0, proc0 = eng.last_batch, time.thread_time(), time.process_time()
                         t0 = time.perf_counter()
                         try:
                             eng.step()
@@ -157,12 +160,13 @@ class EngineLoop:
                                 raise RuntimeError(f"engine.step() raised {failures} times in a row; last: "
                                                    f"{type(err).__name__}: {err}") from err
                         t1, cpu_s = time.perf_counter(), time.thread_time() - cpu0
+                        others_cpu_s = time.process_time() - proc0 - cpu_s     # the event loop's threads
                         self.metrics.step_seconds.observe(t1 - t0)
                         self._emit()
                         if self.trace is not None:
                             batch = eng.last_batch if eng.last_batch is not prev else None
-                            self.trace.step(loop_t, t0, t1, time.perf_counter(), cpu_s, batch, len(eng.running),
-                                            len(eng.waiting), len(self._pending))
+                            self.trace.step(loop_t, t0, t1, time.perf_counter(), cpu_s, others_cpu_s, batch,
+                                            len(eng.running), len(eng.waiting), len(self._pending))
                         self._gauges()
                     elif not self._pending:
                         self._gauges(force=True)
@@ -199,7 +203,7 @@ class EngineLoop:
         eng = self.engine
         while self._pending and len(eng.running) + len(eng.waiting) < self.max_num_seqs:
             s = self._pending.pop(0)
-            s.rid = eng.submit(s.prompt, s.max_tokens)
+            s.rid = eng.submit(s.prompt, s.max_tokens, sampling=s.sampling)
             s.feed_t = time.perf_counter()
             self._active[s.rid] = s
 

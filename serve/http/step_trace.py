@@ -12,7 +12,9 @@ Records (one JSON object a line, ``"kind"`` first):
 
 - ``step``: ``loop_t`` (the loop iteration began: commands drained, queued requests fed), ``t0`` / ``t1``
   (``engine.step()`` began / returned), ``cpu_s`` (CPU time the engine thread itself used in the step,
-  ``time.thread_time()``: wall - cpu is time it waited for a core or for the GIL), ``emit_t`` (every new token handed to its stream), ``decode_rows``
+  ``time.thread_time()``: wall - cpu is time it waited for a core or for the GIL), ``others_cpu_s`` (CPU time
+  the process's other threads used meanwhile: the HTTP event loop, which holds the GIL while it runs Python),
+  ``emit_t`` (every new token handed to its stream), ``decode_rows``
   (running requests decoding one token), ``pad_rows`` (slot -1 rows up to the decode bucket),
   ``decode_context`` (sum over decode rows of the tokens in their cache), ``prefill`` (``[tokens, start]``
   per prefill row), ``running`` / ``waiting`` (the engine's lists after the step), ``queued`` (requests in front of the
@@ -35,8 +37,8 @@ class StepTrace:
         self.path = Path(path)
         self._f = open(self.path, "w", buffering=1, encoding="utf-8")     # noqa: SIM115 - closed by close()
 
-    def step(self, loop_t: float, t0: float, t1: float, emit_t: float, cpu_s: float, batch, running: int,
-             waiting: int, queued: int) -> None:
+    def step(self, loop_t: float, t0: float, t1: float, emit_t: float, cpu_s: float, others_cpu_s: float, batch,
+             running: int, waiting: int, queued: int) -> None:
         """One ``engine.step()``; ``batch`` is the :class:`serve.model_runner.StepBatch` it ran (None: no forward)."""
         decode = pads = context = 0
         prefill = []
@@ -48,7 +50,7 @@ class StepTrace:
                 context += row.start
             else:
                 prefill.append([len(row.tokens), row.start])
-        self._write({"kind": "step", "loop_t": loop_t, "t0": t0, "t1": t1, "emit_t": emit_t, "cpu_s": cpu_s,
+        self._write({"kind": "step", "loop_t": loop_t, "t0": t0, "t1": t1, "emit_t": emit_t, "cpu_s": cpu_s, "others_cpu_s": others_cpu_s,
                      "decode_rows": decode,
                      "pad_rows": pads, "decode_context": context, "prefill": prefill, "running": running, "waiting": waiting,
                      "queued": queued})

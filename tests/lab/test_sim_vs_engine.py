@@ -47,7 +47,8 @@ def test_bad_record_names_the_path(tmp_path, content):
 
 
 def _step(t0, ms, decode=0, prefill=(), ctx=0):
-    return dict(loop_t=t0 - 1e-4, t0=t0, t1=t0 + ms / 1e3, emit_t=t0 + ms / 1e3, cpu_s=ms / 1e3, decode_rows=decode,
+    return dict(loop_t=t0 - 1e-4, t0=t0, t1=t0 + ms / 1e3, emit_t=t0 + ms / 1e3, cpu_s=ms / 1e3, others_cpu_s=0.0,
+                decode_rows=decode,
                 pad_rows=0, decode_context=ctx, prefill=[list(p) for p in prefill], running=1, waiting=0, queued=0)
 
 

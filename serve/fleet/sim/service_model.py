@@ -16,8 +16,9 @@ advances every running request by one token and lasts
 without admissions the step is a decode step as above. For such an engine ``prefill_overhead_ms`` is the fixed
 cost of a step that has prefill rows and ``decode_step_base_ms`` that of a decode-only step.
 
-Two optional terms (0 by default) fitted to a real engine (``bench/sim_vs_engine.py``):
-``prefill_per_token_pair_ms`` · pairs, the prefill attention's quadratic part (the MLA layers score each new
+Three optional terms (0 by default) fitted to a real engine (``bench/sim_vs_engine.py``):
+``prefill_per_row_ms`` per prompt in the step (each prefill row's own work: restoring its checkpoint, its
+row of the packed forward, publishing its blocks and checkpoints); ``prefill_per_token_pair_ms`` · pairs, the prefill attention's quadratic part (the MLA layers score each new
 token against every cached and earlier new token: ``pairs = new · cached + new · (new + 1) / 2`` per prompt,
 the FLOP count of causal attention, FlashAttention paper §3 / Vidur's attention-prefill operator); and
 ``per_output_row_ms`` · rows for every row that emits a token (decode rows and prompts whose prefill ends):
@@ -66,12 +67,13 @@ class ServiceModel:
     decode_buckets: tuple[int, ...] | None = None
     prefill_per_token_pair_ms: float = 0.0
     per_output_row_ms: float = 0.0
+    prefill_per_row_ms: float = 0.0
 
     def __post_init__(self):
         check_positive("prefill_tokens_per_s", self.prefill_tokens_per_s)
         if not self.decode_step_base_ms > 0 or min(self.decode_step_per_seq_ms, self.prefill_overhead_ms,
                                                    self.decode_per_context_token_ms, self.prefill_per_token_pair_ms,
-                                                   self.per_output_row_ms) < 0:
+                                                   self.per_output_row_ms, self.prefill_per_row_ms) < 0:
             raise ValueError("decode_step_base_ms must be > 0; per-seq, per-context-token, per-pair, per-row and "
                              "overhead times must be >= 0")
         check_int("max_batch_requests", self.max_batch_requests)
@@ -89,10 +91,10 @@ class ServiceModel:
 
     def prefill_batch_ms(self, parts) -> float:
         """A prefill step over ``(new_tokens, cached_tokens)`` per admitted request: the new tokens, their
-        attention pairs (:func:`attention_pairs`) and, with ``per_output_row_ms``, one output row per prompt (the
+        attention pairs (:func:`attention_pairs`), ``prefill_per_row_ms`` and ``per_output_row_ms`` per prompt (the
         interface :class:`serve.fleet.sim.roofline_service.RooflineService` shares)."""
         parts = list(parts)
-        return (self.prefill_ms(sum(n for n, _ in parts)) + self.per_output_row_ms * len(parts)
+        return (self.prefill_ms(sum(n for n, _ in parts)) + (self.prefill_per_row_ms + self.per_output_row_ms) * len(parts)
                 + self.prefill_per_token_pair_ms * sum(attention_pairs(n, c) for n, c in parts))
 
     def mixed_step_ms(self, parts, decode_batch: int, context_tokens: int = 0) -> float:
@@ -132,6 +134,7 @@ class ServiceModel:
             decode_per_context_token_ms=self.decode_per_context_token_ms / decode_x,
             prefill_overhead_ms=self.prefill_overhead_ms / prefill_x,
             prefill_per_token_pair_ms=self.prefill_per_token_pair_ms / prefill_x,
+            prefill_per_row_ms=self.prefill_per_row_ms / prefill_x,
             kv_capacity_tokens=kv_capacity_tokens if kv_capacity_tokens is not None else self.kv_capacity_tokens,
             max_batch_requests=max_batch_requests or self.max_batch_requests,
             source=f"{self.source} × (prefill {prefill_x:g}, decode {decode_x:g}) — assumed speed-up",
