@@ -1,25 +1,24 @@
 """The fleet simulator's error against the real engine behind the HTTP server: ``python -m bench.sim_vs_engine``.
 
-1. Calibrate (Vidur-style operator profiling, here through the engine's public API on this machine), right
-   before each rate's replay (the shared CPU's speed drifts): steps of the BATCHED engine, built as the server
-   builds it: prefill of one prompt at 32 / 128 / 256 / 512 tokens, decode at batch 1 / 4 / 16 with 32- and
-   512-token contexts, each the median of 5 interleaved repeats after a warm-up round; fitted by least squares
-   to :class:`serve.fleet.sim.service_model.ServiceModel` with ``mixed_steps`` (step = fixed cost, larger with
-   prefill rows, + prefill tokens / rate + padded decode rows * per_seq + rows * context * per_context_token).
-   Two mixed steps (prefill + decode rows) are measured and NOT fitted: the step model's held-out check.
-2. Measure: the Mooncake-conversation-shaped replay of :mod:`bench.serve_http` through a fresh
-   ``python -m serve.http`` per rate (Poisson arrivals, seeded; streaming client in another process).
-3. Predict: the same requests (same arrival times, lengths and prefix hashes, grouped by the engine's
-   64-token checkpoint interval since the engine resumes only from a checkpoint) through
-   :func:`serve.fleet.sim.simulation.simulate` with one replica and the calibrated model.
-Reports per rate and metric the measured value, the prediction and the error, and the MAPE over rates per
-metric (TTFT P50 / P99, TPOT mean, request throughput). Fitted, predicted and measured are kept apart. The
-server's own costs (ingress, per streaming row per step) are measured through HTTP on separate requests before
-each replay and added to the prediction. What the simulator still leaves out: how the HTTP event loop and the
-engine thread contend for the GIL and the cores as streams multiply, checkpoint restores and publishes on
-prefix hits, and the shared CPU's speed drifting during a replay. TPOT mean is fragile on this trace: outputs
-are short (mean 11 tokens), so one mixed step with a long prefill dominates a 2-token request's TPOT.
-Writes ``bench/results/sim_vs_engine.json``.
+1. Calibrate the engine (Vidur-style operator profiling through its public API, :mod:`bench.engine_calibration`),
+   once: single steps of the BATCHED engine as the server builds it (prefill of 1, 4 and 8 prompts, after a hit,
+   decode at 1 / 4 / 16 rows and 32 / 512 tokens of context; mixed steps and more held out, NOT fitted), timed
+   as wall and engine-thread CPU time; the step model is fitted to the CPU time, which the other jobs on the
+   shared cores hardly move.
+2. Per rate, a fresh ``python -m serve.http --step-trace``: first its calibration traffic (separate requests of
+   random bytes), on which the server's own terms are fitted (:func:`bench.engine_timeline.fit_server_terms`:
+   the engine's CPU in the server against alone, wall / CPU time of its steps, the engine thread's work after
+   each step, ingress and egress), then the Mooncake-conversation-shaped replay of :mod:`bench.serve_http`
+   (Poisson arrivals, seeded; streaming client in this process, the server in its own).
+3. Predict: the same requests (same sends, lengths and prefix hashes) through
+   :func:`serve.fleet.sim.simulation.simulate` with one replica: the CPU step model with the server's terms,
+   and the engine's own prefix-cache policy (checkpoints every 64 tokens + the replay boundary + the prompt's
+   end, :class:`serve.scale.policies.OursPolicy`).
+Reports per rate and metric the measured value, the prediction and the error, the MAPE over rates, and where the
+error comes from: the replay predicted with each piece added in turn (``variants``; the last, a diagnostic, uses
+the wall / CPU share measured DURING the replay), every replay step against the step model for the same
+composition, and the measured TTFT split (ingress / wait for the step in flight / engine / egress). Fitted,
+predicted and measured are kept apart. Writes ``bench/results/sim_vs_engine.json``.
 """
 from __future__ import annotations
 
@@ -132,11 +131,12 @@ def errors(predicted: dict, measured: dict) -> dict:
     return {m: abs(predicted[m] - measured[m]) / measured[m] * 100 for m in METRICS}
 
 
-def one_rate(model, workload, hash_ids, rate: float, seed: int, tmp: Path) -> dict:
-    """Calibrate the engine alone, then through one fresh server: its calibration traffic, then the replay
-    (both logged by ``--step-trace``); fit the server's terms on the calibration traffic; predict the replay."""
+def one_rate(svc: ServiceModel, wall_svc: ServiceModel, workload, hash_ids, rate: float, seed: int,
+             tmp: Path) -> dict:
+    """One fresh server: its calibration traffic, then the replay (both logged by ``--step-trace``); fit the
+    server's terms on the calibration traffic (right before the replay: the other jobs' load drifts); predict
+    the replay from ``svc`` (the engine-thread CPU-time step model) with them, and the variants."""
     load = os.getloadavg()[0]
-    svc, wall_svc, points = calibrate(model)       # right before its replay: the shared CPU's speed drifts
     trace, cal, rec = tmp / f"steps_{rate}.jsonl", [], []
     with local_server(1024, 64, trace) as url:
         asyncio.run(server_traffic(url, [], rounds=1))       # warm-up; random bytes: the replay starts cold
@@ -173,7 +173,7 @@ def one_rate(model, workload, hash_ids, rate: float, seed: int, tmp: Path) -> di
         PREDICTION: predict(served_model(svc, server, server["wall_per_cpu"]), workload, hash_ids, rate, seed, ing,
                             eg),
         DIAGNOSTIC: predict(served_model(svc, server, replay_share), workload, hash_ids, rate, seed, ing, eg)}
-    return dict(rate=rate, svc=svc, points=points, server=server, measured=measured, predicted=variants[PREDICTION],
+    return dict(rate=rate, server=server, measured=measured, predicted=variants[PREDICTION],
                 variants={k: {**v, "error_pct": errors(v, measured)} for k, v in variants.items()},
                 step_check=step_check, replay_wall_per_cpu=replay_share, load_before=load,
                 load_after=os.getloadavg()[0], parts={k: summary(v) for k, v in parts.items()},
@@ -198,26 +198,31 @@ def main(argv=None) -> dict:
     model, fits, rows = load_model("demo"), {}, []
     workload = mooncake_workload(args.requests, 1024)
     hash_ids = [r.hash_ids for r in load_mooncake(TRACE)[: args.requests]]
+    cal_load = os.getloadavg()[0]
+    svc, wall_svc, points = calibrate(model)       # once: the CPU-time fit hardly moves with the other jobs' load
+    calibration = {**points, "load_average_1min": [round(cal_load, 2), round(os.getloadavg()[0], 2)],
+                   "cpu_model": {f: getattr(svc, f) for f in FIT_FIELDS},
+                   "wall_model": {f: getattr(wall_svc, f) for f in FIT_FIELDS}}
+    print("step model (engine-thread CPU time): " + ", ".join(f"{f} {getattr(svc, f):.4g}" for f in FIT_FIELDS))
+    for row in points["steps"]:
+        print(f"  {row['role']:8s} prefill {row['prompts']} x {row['prefill_tokens']:4d} after {row['cached_tokens']:3d}"
+              f" + decode {row['decode_rows']:3d} x {row['decode_context']:3d}: measured "
+              f"{row['measured_median_ms']:7.1f} ms  predicted {row['predicted_ms']:7.1f} ms (wall); measured "
+              f"{row['cpu_median_ms']:7.1f} ms  predicted {row['cpu_predicted_ms']:7.1f} ms (CPU)", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         trace_dir = args.trace_dir or Path(tmp)
         trace_dir.mkdir(parents=True, exist_ok=True)
         for rate in args.rates:
-            res = one_rate(model, workload, hash_ids, rate, args.seed, trace_dir)
-            svc, server = res["svc"], res["server"]
-            fits[str(rate)] = {**res["points"], **{f: getattr(svc, f) for f in FIT_FIELDS}, "server_terms": server,
+            res = one_rate(svc, wall_svc, workload, hash_ids, rate, args.seed, trace_dir)
+            server = res["server"]
+            fits[str(rate)] = {"server_terms": server,
                                "load_average_1min": [round(res["load_before"], 2), round(res["load_after"], 2)],
                                "replay_step_check": res["step_check"], "replay_request_parts_ms": res["parts"],
                                "replay_wall_per_cpu": res["replay_wall_per_cpu"],
                                "hit_tokens": {"measured": res["measured_hit_tokens"],
                                               "predicted": res["predicted"]["hit_tokens"]},
                                "variants": res["variants"]}
-            print(f"rate {rate}: load {res['load_before']:.2f} -> {res['load_after']:.2f}; " + ", ".join(
-                f"{f} {getattr(svc, f):.4g}" for f in FIT_FIELDS), flush=True)
-            for row in res["points"]["steps"]:
-                print(f"  {row['role']:8s} prefill {row['prompts']} x {row['prefill_tokens']:4d} after {row['cached_tokens']:3d} + "
-                      f"decode {row['decode_rows']:3d} x {row['decode_context']:3d}: measured "
-                      f"{row['measured_median_ms']:7.1f} ms  predicted {row['predicted_ms']:7.1f} ms (wall); measured "
-                      f"{row['cpu_median_ms']:7.1f} ms  predicted {row['cpu_predicted_ms']:7.1f} ms (CPU)", flush=True)
+            print(f"rate {rate}: load {res['load_before']:.2f} -> {res['load_after']:.2f}", flush=True)
             print("  server (fitted on its calibration traffic): " + ", ".join(f"{k} {v:.3g}" for k, v in server.items()))
             for kind, c in res["step_check"].items():
                 print(f"  replay {kind:7s} steps {c['steps']:4d}: CPU measured p50 {c['measured_cpu_ms']['p50']:6.1f} "
@@ -244,7 +249,7 @@ def main(argv=None) -> dict:
                     "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, torch threads 1",
                     "load_average_1min": {"before": round(load_before[0], 2), "after": round(os.getloadavg()[0], 2)},
                     "server": "python -m serve.http, batched engine, max_num_seqs 64, prefix cache on",
-                    "fitted_service_model_per_rate": fits},
+                    "calibration": calibration, "fitted_service_model_per_rate": fits},
            "rows": rows, "mape_pct": mape}
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     return out

@@ -295,7 +295,7 @@ def sim_vs_engine_record(path: Path | str = SIM_VS_ENGINE_JSON) -> dict:
 
     Returns ``{"meta": dict, "rows": DataFrame[rate_rps, metric, label, measured, predicted, error_pct],
     "mape": DataFrame[metric, label, mape_pct, rates], "steps": DataFrame}`` (steps: the calibration points,
-    fitted and held out, of the first rate) and the error's sources (:func:`_error_sources`: ``variants``,
+    fitted and held out: the run's calibration, or in older runs the first rate's) and the error's sources (:func:`_error_sources`: ``variants``,
     ``variant_mape``, ``parts``, ``step_check``, ``server``). ``error_pct = |predicted - measured| / measured * 100`` and the
     MAPE per metric is their mean over rates, both RECOMPUTED here from the recorded measured / predicted
     values (the JSON's own summary is not trusted). Raises ValueError naming ``path`` when it is missing or
@@ -316,7 +316,7 @@ def sim_vs_engine_record(path: Path | str = SIM_VS_ENGINE_JSON) -> dict:
             .reset_index())
     mape.insert(1, "label", mape.metric.map(SIM_METRICS))
     fits = data.get("meta", {}).get("fitted_service_model_per_rate", {})
-    first = next(iter(fits.values()), {})
+    first = data.get("meta", {}).get("calibration") or next(iter(fits.values()), {})
     steps = pd.DataFrame(first.get("steps", []))
     return {"meta": data.get("meta", {}), "rows": rows[["rate_rps", "metric", "label", "measured", "predicted",
                                                        "error_pct"]], "mape": mape, "steps": steps,

@@ -106,3 +106,32 @@ def test_request_parts_sum_to_the_clients_ttft_and_match_by_send_order():
     assert parts["ttft"] == pytest.approx([100.0, 199.0]) and parts["hit_tokens"] == [16.0, 0.0]
     with pytest.raises(ValueError, match="no server record"):
         match_requests(client, server[:1])
+
+
+def test_error_sources_are_recomputed_per_variant(tmp_path):
+    """Each variant's error is recomputed against the measured row of its rate and metric (the recorded
+    error_pct is not trusted), averaged over rates into the variant's MAPE; TTFT parts and step checks come out
+    one row per rate."""
+    summ = lambda p50: {"p50": p50, "mean": p50, "p99": 2 * p50, "n": 3}          # noqa: E731
+    fit = lambda ttft, tpot: {                                                        # noqa: E731
+        "variants": {"A": {"ttft_p50_ms": ttft, "tpot_mean_ms": tpot, "error_pct": {"ttft_p50_ms": 999}},
+                     "B": {"ttft_p50_ms": 100.0, "tpot_mean_ms": 10.0}},
+        "replay_request_parts_ms": {"ingress": summ(1.0), "feed_wait": summ(2.0), "engine": summ(90.0),
+                                    "egress": summ(7.0)},
+        "replay_step_check": {"decode": {"steps": 5, "measured_cpu_ms": summ(10.0), "predicted_cpu_ms": summ(11.0),
+                                         "cpu_abs_error_pct": summ(10.0), "measured_wall_ms": summ(20.0),
+                                         "wall_per_cpu": 2.0}},
+        "server_terms": {"cpu_slowdown": 1.0, "wall_per_cpu": 2.0}, "load_average_1min": [1.0, 1.5]}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({
+        "meta": {"fitted_service_model_per_rate": {"1.0": fit(110.0, 12.0), "2.0": fit(300.0, 20.0)}},
+        "rows": _rows([(1.0, "ttft_p50_ms", 100.0, 110.0), (2.0, "ttft_p50_ms", 200.0, 300.0),
+                       (1.0, "tpot_mean_ms", 10.0, 12.0), (2.0, "tpot_mean_ms", 20.0, 20.0)])}))
+    rec = sim_vs_engine_record(path)
+    vm = rec["variant_mape"].set_index("variant")
+    assert vm.loc["A", SIM_METRICS["ttft_p50_ms"]] == pytest.approx((10 + 50) / 2)
+    assert vm.loc["A", SIM_METRICS["tpot_mean_ms"]] == pytest.approx((20 + 0) / 2)
+    assert vm.loc["B", SIM_METRICS["ttft_p50_ms"]] == pytest.approx((0 + 50) / 2)
+    assert list(vm.columns) == [SIM_METRICS["ttft_p50_ms"], SIM_METRICS["tpot_mean_ms"]]
+    assert len(rec["parts"]) == 8 and rec["parts"].p50_ms.sum() == pytest.approx(2 * 100.0)
+    assert rec["step_check"].wall_per_cpu.tolist() == [2.0, 2.0] and rec["server"].load_after.tolist() == [1.5, 1.5]

@@ -17,7 +17,7 @@ from serve.http.step_trace import StepTrace, read_step_trace
 from tests.serve.http.server_helpers import MODEL
 
 PROMPTS = ["a" * 70 + "first", "b" * 40, "c" * 9, "a" * 70 + "second"]      # the last restores the first's prefix
-MAX_TOKENS = [5, 3, 1, 4]
+MAX_TOKENS = [8, 7, 9, 4]                         # the first three decode together: 3 rows, one pad row
 
 
 def test_trace_accounts_for_every_token_and_orders_every_request(tmp_path):
@@ -46,6 +46,7 @@ def test_trace_accounts_for_every_token_and_orders_every_request(tmp_path):
     assert sum(n for n, _ in prefill_rows) == sum(r["prompt_tokens"] - r["hit_tokens"] for r in reqs)
     assert sorted(start for _, start in prefill_rows) == sorted(r["hit_tokens"] for r in reqs)
     assert sum(s["decode_rows"] for s in steps) == sum(n - 1 for n in MAX_TOKENS)
+    assert any(s["decode_rows"] == 3 and s["pad_rows"] == 1 for s in steps)
     for s in steps:
         assert s["loop_t"] <= s["t0"] <= s["t1"] <= s["emit_t"] and 0 < s["cpu_s"] <= s["t1"] - s["t0"] + 1e-3 and s["others_cpu_s"] >= -1e-3
         assert s["decode_rows"] + s["pad_rows"] in (0, 1, 2, 4)                        # padded to a bucket
