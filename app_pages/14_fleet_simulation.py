@@ -255,6 +255,15 @@ if not record["variant_mape"].empty:
     show_chart(fig_parts, parts, key="p14_sim_engine_parts")
     st.caption("Measured TTFT split from the server's step trace and the client's clock (P50 of each part, so the "
                "stack is close to, not equal to, the TTFT P50).")
+    cal = record["steps"]
+    if "cpu_median_ms" in cal.columns:
+        show_table(cal, {
+            "role": "Point", "prompts": num("Prompts", "%d"), "prefill_tokens": num("New tokens each", "%d"),
+            "cached_tokens": num("Cached tokens", "%d"), "decode_rows": num("Decode rows", "%d"),
+            "decode_context": num("Context (tokens)", "%d"), "cpu_median_ms": num("CPU measured (ms)", "%.1f"),
+            "cpu_predicted_ms": num("CPU predicted (ms)", "%.1f"), "measured_median_ms": num("Wall measured (ms)", "%.1f")})
+        st.caption("The step model's calibration: single engine steps timed alone (median of the repeats), the "
+                   "\"fitted\" points fitted, the \"held out\" ones only predicted.")
     show_table(record["step_check"], {
         "rate_rps": num("Offered (req/s)", "%.1f"), "kind": "Step", "steps": num("Steps", "%d"),
         "cpu_measured_p50_ms": num("CPU measured P50 (ms)", "%.1f"),

@@ -13,33 +13,37 @@ import numpy as np
 import torch
 
 from bench.engine_timeline import predicted_step_ms
+from kda_core.chunk import CHUNK_SIZE
 from serve.fleet.sim.service_model import ServiceModel, attention_pairs
 from serve.http.model import EngineSpec, build_engine
 from serve.model_runner import DECODE_BUCKETS
 from serve.request import RequestStatus
 
 REPEATS = 5
-PREFILL = ((32, 0, 1), (128, 0, 1), (256, 0, 1), (512, 0, 1), (1000, 0, 1), (256, 512, 1), (32, 0, 8), (128, 0, 4))
-HELD_OUT = ((768, 0, 0, 0, 1), (128, 256, 0, 0, 1), (64, 0, 0, 0, 4), (128, 0, 4, 256, 1), (256, 0, 16, 128, 1),
-            (64, 0, 8, 256, 3))
+PREFILL = ((32, 0, 1), (128, 0, 1), (256, 0, 1), (512, 0, 1), (1000, 0, 1), (256, 512, 1), (32, 0, 8), (128, 0, 4),
+           (512, 16, 1))
+HELD_OUT = ((768, 0, 0, 0, 1), (128, 256, 0, 0, 1), (256, 48, 0, 0, 1), (64, 0, 0, 0, 4), (128, 0, 4, 256, 1),
+            (256, 0, 16, 128, 1), (64, 0, 8, 256, 3))
 
 
 def fit_step_model(points: dict[tuple, float], source: str) -> ServiceModel:
     """Least squares of ``step_ms = fixed (larger with prefill rows) + prompts * per_row + new tokens / rate +
-    attention pairs * per_pair + decode rows * per_seq + decode rows * context * per_context`` over ``points``
+    attention pairs * per_pair + new tokens cached off the 64-token grid * per_off_grid + decode rows * per_seq +
+    decode rows * context * per_context`` over ``points``
     ``{(new tokens per prompt, cached tokens, decode rows, context, prompts): ms}``, each coefficient clipped at 0
     (:class:`ServiceModel` with ``mixed_steps``, the engine's decode buckets). Raises ValueError with fewer than
-    7 points (7 coefficients)."""
-    if len(points) < 7:
-        raise ValueError(f"fit_step_model needs >= 7 points, got {len(points)}")
-    a = np.array([[n > 0, n == 0, k * n, k * attention_pairs(n, c) if n else 0, k if n else 0, b, b * x]
-                  for n, c, b, x, k in points], dtype=float)
+    8 points (8 coefficients)."""
+    if len(points) < 8:
+        raise ValueError(f"fit_step_model needs >= 8 points, got {len(points)}")
+    a = np.array([[n > 0, n == 0, k * n, k * attention_pairs(n, c) if n else 0, k if n else 0,
+                   k * n * (c % CHUNK_SIZE != 0), b, b * x] for n, c, b, x, k in points], dtype=float)
     coef, *_ = np.linalg.lstsq(a, np.array(list(points.values())), rcond=None)
-    fixed_p, fixed, per_tok, per_pair, per_row, per_seq, per_ctx = (max(float(v), 0.0) for v in coef)
+    fixed_p, fixed, per_tok, per_pair, per_row, off_grid, per_seq, per_ctx = (max(float(v), 0.0) for v in coef)
     return ServiceModel(prefill_tokens_per_s=1000.0 / max(per_tok, 1e-6), prefill_overhead_ms=fixed_p,
                         decode_step_base_ms=max(fixed, 1e-3), decode_step_per_seq_ms=per_seq, max_batch_requests=64,
                         decode_per_context_token_ms=per_ctx, decode_buckets=DECODE_BUCKETS,
-                        prefill_per_token_pair_ms=per_pair, prefill_per_row_ms=per_row, mixed_steps=True,
+                        prefill_per_token_pair_ms=per_pair, prefill_per_row_ms=per_row,
+                        prefill_off_grid_per_token_ms=off_grid, prefill_grid_tokens=CHUNK_SIZE, mixed_steps=True,
                         source=source)
 
 

@@ -256,6 +256,7 @@ def main(argv=None) -> dict:
 
 
 FIT_FIELDS = ("prefill_tokens_per_s", "prefill_overhead_ms", "prefill_per_row_ms", "prefill_per_token_pair_ms",
+              "prefill_off_grid_per_token_ms",
               "decode_step_base_ms",
               "decode_step_per_seq_ms", "decode_per_context_token_ms")
 

@@ -16,7 +16,10 @@ advances every running request by one token and lasts
 without admissions the step is a decode step as above. For such an engine ``prefill_overhead_ms`` is the fixed
 cost of a step that has prefill rows and ``decode_step_base_ms`` that of a decode-only step.
 
-Three optional terms (0 by default) fitted to a real engine (``bench/sim_vs_engine.py``):
+Four optional terms (0 by default) fitted to a real engine (``bench/sim_vs_engine.py``):
+``prefill_off_grid_per_token_ms`` per new token of a prompt whose cached part ends off the
+``prefill_grid_tokens`` grid (our engine's KDA chunk kernel runs such a prompt off its 64-token chunk grid:
+measured 40-50 % more time per token after a 16- or 48-token hit than after none or 64);
 ``prefill_per_row_ms`` per prompt in the step (each prefill row's own work: restoring its checkpoint, its
 row of the packed forward, publishing its blocks and checkpoints); ``prefill_per_token_pair_ms`` · pairs, the prefill attention's quadratic part (the MLA layers score each new
 token against every cached and earlier new token: ``pairs = new · cached + new · (new + 1) / 2`` per prompt,
@@ -68,15 +71,19 @@ class ServiceModel:
     prefill_per_token_pair_ms: float = 0.0
     per_output_row_ms: float = 0.0
     prefill_per_row_ms: float = 0.0
+    prefill_off_grid_per_token_ms: float = 0.0
+    prefill_grid_tokens: int = 64
 
     def __post_init__(self):
         check_positive("prefill_tokens_per_s", self.prefill_tokens_per_s)
         if not self.decode_step_base_ms > 0 or min(self.decode_step_per_seq_ms, self.prefill_overhead_ms,
                                                    self.decode_per_context_token_ms, self.prefill_per_token_pair_ms,
-                                                   self.per_output_row_ms, self.prefill_per_row_ms) < 0:
+                                                   self.per_output_row_ms, self.prefill_per_row_ms,
+                                                   self.prefill_off_grid_per_token_ms) < 0:
             raise ValueError("decode_step_base_ms must be > 0; per-seq, per-context-token, per-pair, per-row and "
                              "overhead times must be >= 0")
         check_int("max_batch_requests", self.max_batch_requests)
+        check_int("prefill_grid_tokens", self.prefill_grid_tokens)
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be >= 1 or None, got {self.kv_capacity_tokens}")
         if self.decode_buckets is not None and (not self.decode_buckets or any(
@@ -91,11 +98,14 @@ class ServiceModel:
 
     def prefill_batch_ms(self, parts) -> float:
         """A prefill step over ``(new_tokens, cached_tokens)`` per admitted request: the new tokens, their
-        attention pairs (:func:`attention_pairs`), ``prefill_per_row_ms`` and ``per_output_row_ms`` per prompt (the
+        attention pairs (:func:`attention_pairs`), the new tokens of prompts cached off the grid,
+        ``prefill_per_row_ms`` and ``per_output_row_ms`` per prompt (the
         interface :class:`serve.fleet.sim.roofline_service.RooflineService` shares)."""
         parts = list(parts)
+        off_grid = sum(n for n, c in parts if c % self.prefill_grid_tokens)
         return (self.prefill_ms(sum(n for n, _ in parts)) + (self.prefill_per_row_ms + self.per_output_row_ms) * len(parts)
-                + self.prefill_per_token_pair_ms * sum(attention_pairs(n, c) for n, c in parts))
+                + self.prefill_per_token_pair_ms * sum(attention_pairs(n, c) for n, c in parts)
+                + self.prefill_off_grid_per_token_ms * off_grid)
 
     def mixed_step_ms(self, parts, decode_batch: int, context_tokens: int = 0) -> float:
         """A step of a batched engine (``mixed_steps``): the prefill step over ``parts`` (see
@@ -135,6 +145,7 @@ class ServiceModel:
             prefill_overhead_ms=self.prefill_overhead_ms / prefill_x,
             prefill_per_token_pair_ms=self.prefill_per_token_pair_ms / prefill_x,
             prefill_per_row_ms=self.prefill_per_row_ms / prefill_x,
+            prefill_off_grid_per_token_ms=self.prefill_off_grid_per_token_ms / prefill_x,
             kv_capacity_tokens=kv_capacity_tokens if kv_capacity_tokens is not None else self.kv_capacity_tokens,
             max_batch_requests=max_batch_requests or self.max_batch_requests,
             source=f"{self.source} × (prefill {prefill_x:g}, decode {decode_x:g}) — assumed speed-up",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -341,6 +342,10 @@ def test_attention_pairs_and_per_output_row_terms_by_hand():
     assert svc.mixed_step_ms([(4, 10)], 3, 50) == pytest.approx(10 + 4 + 0.5 + 2 + 4 * 1.0 + 3 * (5 + 2))
     fast = svc.scaled(2, 4)
     assert (fast.prefill_per_token_pair_ms, fast.decode_per_context_token_ms) == pytest.approx((0.005, 0.025))
+    off = replace(svc, prefill_off_grid_per_token_ms=0.5, prefill_grid_tokens=8, prefill_per_row_ms=3.0)
+    assert off.prefill_batch_ms([(4, 10), (2, 16)]) == pytest.approx(svc.prefill_batch_ms([(4, 10), (2, 16)])
+                                                                     + 0.5 * 4 + 2 * 3.0)   # 10 is off the 8-grid
+    assert off.scaled(2, 1).prefill_off_grid_per_token_ms == pytest.approx(0.25)
     for field in ("prefill_per_token_pair_ms", "per_output_row_ms"):
         with pytest.raises(ValueError, match="per-pair, per-row"):
             ServiceModel(prefill_tokens_per_s=1000, decode_step_base_ms=10, **{field: -1.0})
