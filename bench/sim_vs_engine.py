@@ -77,12 +77,12 @@ async def server_traffic(url: str, records: list, batch: int = 16, prompt_tokens
     """Calibration traffic for the server's own terms (separate from the replayed trace): ``rounds``
     rounds of one streaming request at an idle server, then ``batch`` concurrent streams of 16 tokens, then 4
     concurrent 256-token prompts; prompts of random printable bytes (no prefix hits). Every request's client
-    record goes to ``records``."""
+    record goes to ``records``, the lone requests' marked ``alone``."""
     rng = np.random.default_rng(1)
     prompt = lambda n: [int(x) for x in rng.integers(32, 127, n)]          # noqa: E731
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
         for _ in range(rounds):
-            records.append(await one_request(client, "kda-demo", prompt(prompt_tokens), 2))
+            records.append({**await one_request(client, "kda-demo", prompt(prompt_tokens), 2), "alone": True})
             records += await asyncio.gather(*[one_request(client, "kda-demo", prompt(prompt_tokens), 16)
                                               for _ in range(batch)])
             records += await asyncio.gather(*[one_request(client, "kda-demo", prompt(256), 4) for _ in range(4)])
@@ -133,23 +133,30 @@ def errors(predicted: dict, measured: dict) -> dict:
 
 def one_rate(svc: ServiceModel, wall_svc: ServiceModel, workload, hash_ids, rate: float, seed: int,
              tmp: Path) -> dict:
-    """One fresh server: its calibration traffic, then the replay (both logged by ``--step-trace``); fit the
-    server's terms on the calibration traffic (right before the replay: the other jobs' load drifts); predict
-    the replay from ``svc`` (the engine-thread CPU-time step model) with them, and the variants."""
+    """One fresh server: calibration traffic, the replay, calibration traffic again (all logged by
+    ``--step-trace``); fit the server's terms on the calibration traffic around the replay (the other jobs'
+    load drifts: before and after brackets it); predict the replay from ``svc`` (the engine-thread CPU-time
+    step model) with them, and the variants."""
     load = os.getloadavg()[0]
     trace, cal, rec = tmp / f"steps_{rate}.jsonl", [], []
+    half = -(-REPEATS // 2)
     with local_server(1024, 64, trace) as url:
         asyncio.run(server_traffic(url, [], rounds=1))       # warm-up; random bytes: the replay starts cold
         t_cal = time.perf_counter()
-        asyncio.run(server_traffic(url, cal))
+        asyncio.run(server_traffic(url, cal, rounds=half))
         t_replay = time.perf_counter()
         measured = asyncio.run(run_rate(url, "kda-demo", workload, rate, seed, rec))
+        t_after = time.perf_counter()
+        asyncio.run(server_traffic(url, cal, rounds=half))
     steps, reqs = read_step_trace(trace)
-    cal_steps, cal_reqs = in_window(steps, reqs, t_cal, t_replay)
+    before, after = in_window(steps, reqs, t_cal, t_replay), in_window(steps, reqs, t_after)
+    cal_steps, cal_reqs = before[0] + after[0], before[1] + after[1]
     server = fit_server_terms(step_table(svc, cal_steps))
-    cal_parts = request_parts(match_requests(cal, cal_reqs))
-    server.update(ingress_ms=statistics.median(cal_parts["ingress"]), egress_ms=statistics.median(cal_parts["egress"]))
-    rep_steps, rep_reqs = in_window(steps, reqs, t_replay)
+    alone = request_parts([(c, r) for c, r in match_requests(cal, cal_reqs) if c.get("alone")])
+    # the lone requests' HTTP path: a burst of 16 queues each request behind the others' parsing, which the
+    # replay's Poisson arrivals rarely see
+    server.update(ingress_ms=statistics.median(alone["ingress"]), egress_ms=statistics.median(alone["egress"]))
+    rep_steps, rep_reqs = in_window(steps, reqs, t_replay, t_after)
     parts = request_parts(match_requests(rec, rep_reqs))
     table = step_table(svc, rep_steps)
     replay_share = wall_per_cpu(table)
@@ -163,7 +170,8 @@ def one_rate(svc: ServiceModel, wall_svc: ServiceModel, workload, hash_ids, rate
                 measured_cpu_ms=summary([r["cpu_ms"] for r in g]),
                 predicted_cpu_ms=summary([k * r["predicted_ms"] for r in g]),
                 cpu_abs_error_pct=summary([abs(k * r["predicted_ms"] / r["cpu_ms"] - 1) * 100 for r in g]),
-                wall_per_cpu=wall_per_cpu(g), after_ms=summary([r["after_ms"] for r in g if r["after_ms"] is not None]),
+                wall_per_cpu=wall_per_cpu(g), step_wall_per_cpu=summary([r["measured_ms"] / r["cpu_ms"] for r in g]),
+                after_ms=summary([r["after_ms"] for r in g if r["after_ms"] is not None]),
                 event_loop_cpu_share=sum(r["others_cpu_ms"] for r in g) / sum(r["measured_ms"] for r in g))
     ing, eg = server["ingress_ms"], server["egress_ms"]
     variants = {                                   # the same replay predicted with each piece added in turn
@@ -228,7 +236,8 @@ def main(argv=None) -> dict:
                 print(f"  replay {kind:7s} steps {c['steps']:4d}: CPU measured p50 {c['measured_cpu_ms']['p50']:6.1f} "
                       f"ms, predicted p50 {c['predicted_cpu_ms']['p50']:6.1f} ms, |error| p50 "
                       f"{c['cpu_abs_error_pct']['p50']:5.1f} %; wall p50 {c['measured_wall_ms']['p50']:6.1f} ms, "
-                      f"wall/CPU {c['wall_per_cpu']:.2f}, event-loop CPU / wall {c['event_loop_cpu_share']:.2f}")
+                      f"wall/CPU {c['wall_per_cpu']:.2f} (per step P50 {c['step_wall_per_cpu']['p50']:.2f}, P99 "
+                      f"{c['step_wall_per_cpu']['p99']:.2f}), event-loop CPU / wall {c['event_loop_cpu_share']:.2f}")
             print(f"  replay wall/CPU {res['replay_wall_per_cpu']:.2f} (calibration traffic "
                   f"{server['wall_per_cpu']:.2f})")
             print("  replay parts p50 / p99 (ms): " + ", ".join(f"{k} {v['p50']:.1f} / {v['p99']:.1f}"

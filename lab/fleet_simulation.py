@@ -351,7 +351,9 @@ def _error_sources(fits: dict, rows: pd.DataFrame) -> dict:
             checks.append(dict(rate_rps=rate, kind=kind, steps=c["steps"], cpu_measured_p50_ms=c["measured_cpu_ms"]["p50"],
                                cpu_predicted_p50_ms=c["predicted_cpu_ms"]["p50"],
                                cpu_abs_error_p50_pct=c["cpu_abs_error_pct"]["p50"],
-                               wall_measured_p50_ms=c["measured_wall_ms"]["p50"], wall_per_cpu=c["wall_per_cpu"]))
+                               wall_measured_p50_ms=c["measured_wall_ms"]["p50"], wall_per_cpu=c["wall_per_cpu"],
+                               step_wall_per_cpu_p99=c.get("step_wall_per_cpu", {}).get("p99", float("nan")),
+                               event_loop_cpu_share=c.get("event_loop_cpu_share", float("nan"))))
         if "server_terms" in fit:
             load = fit.get("load_average_1min", [float("nan")] * 2)
             server.append(dict(rate_rps=rate, **fit["server_terms"], replay_wall_per_cpu=fit.get("replay_wall_per_cpu"),
