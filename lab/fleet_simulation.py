@@ -286,7 +286,7 @@ def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float
 
 SIM_VS_ENGINE_JSON = Path(__file__).resolve().parents[1] / "bench" / "results" / "sim_vs_engine.json"
 SIM_METRICS = {"ttft_p50_ms": "TTFT P50 (ms)", "ttft_p99_ms": "TTFT P99 (ms)", "tpot_mean_ms": "TPOT mean (ms)",
-               "request_throughput_rps": "Throughput (req/s)"}
+               "tpot_p50_ms": "TPOT P50 (ms)", "request_throughput_rps": "Throughput (req/s)"}
 
 
 def sim_vs_engine_record(path: Path | str = SIM_VS_ENGINE_JSON) -> dict:
@@ -339,7 +339,7 @@ def _error_sources(fits: dict, rows: pd.DataFrame) -> dict:
         rate = float(rate_key)
         for name, pred in fit.get("variants", {}).items():
             for m, label in SIM_METRICS.items():
-                if (rate, m) in measured.index:
+                if (rate, m) in measured.index and m in pred:
                     meas = measured[(rate, m)]
                     variants.append(dict(rate_rps=rate, variant=name, metric=m, label=label, measured=meas,
                                          predicted=pred[m], error_pct=abs(pred[m] - meas) / meas * 100.0))
