@@ -227,10 +227,10 @@ st.caption(f"Recorded bench run (`python -m bench.sim_vs_engine`, {meta.get('mea
 with st.expander("Conditions of the recorded run"):
     st.markdown(f"Server: {meta.get('server', 'python -m serve.http')}; machine: {meta.get('machine', '?')}; load "
                 f"average {load.get('before', '?')} → {load.get('after', '?')} (other jobs share the cores: the "
-                "per-rate load and the engine thread's wall / CPU time are in the last table). Per rate, in one run: "
-                "engine steps timed alone (median of "
-                f"{meta.get('calibration_repeats', '?')} interleaved repeats after a warm-up), then a fresh server's "
-                "calibration traffic (separate requests), then the replay.")
+                "per-rate load and the engine thread's wall / CPU time are in the last table). In one run: engine "
+                f"steps timed alone (median of {meta.get('calibration_repeats', '?')} interleaved repeats after a "
+                "warm-up), then per rate a fresh server: calibration traffic (separate requests), the replay, "
+                "calibration traffic again.")
 mape = record["mape"]
 fig_mape = go.Figure(go.Bar(x=mape.label, y=mape.mape_pct, text=[f"{v:.1f} %" for v in mape.mape_pct],
                             marker_color=["#2ca02c" if v <= 10 else "#d62728" for v in mape.mape_pct]))
