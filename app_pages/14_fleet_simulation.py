@@ -226,9 +226,11 @@ st.caption(f"Recorded bench run (`python -m bench.sim_vs_engine`, {meta.get('mea
            "conditions below.")
 with st.expander("Conditions of the recorded run"):
     st.markdown(f"Server: {meta.get('server', 'python -m serve.http')}; machine: {meta.get('machine', '?')}; load "
-                f"average {load.get('before', '?')} → {load.get('after', '?')}. The simulator's one replica uses a "
-                "service model fitted to batched-engine steps timed right before each rate (median of "
-                f"{meta.get('calibration_repeats', '?')} interleaved repeats after a warm-up).")
+                f"average {load.get('before', '?')} → {load.get('after', '?')} (other jobs share the cores: the "
+                "per-rate load and the engine thread's wall / CPU time are in the last table). In one run: engine "
+                f"steps timed alone (median of {meta.get('calibration_repeats', '?')} interleaved repeats after a "
+                "warm-up), then per rate a fresh server: calibration traffic (separate requests), the replay, "
+                "calibration traffic again.")
 mape = record["mape"]
 fig_mape = go.Figure(go.Bar(x=mape.label, y=mape.mape_pct, text=[f"{v:.1f} %" for v in mape.mape_pct],
                             marker_color=["#2ca02c" if v <= 10 else "#d62728" for v in mape.mape_pct]))
@@ -238,15 +240,58 @@ show_chart(fig_mape, mape, key="p14_sim_engine_chart")
 show_table(record["rows"].drop(columns="metric"), {
     "rate_rps": num("Offered (req/s)", "%.1f"), "label": "Metric", "measured": num("Measured (real engine)", "%,.2f"),
     "predicted": num("Predicted (simulator)", "%,.2f"), "error_pct": num("Error (%)", "%.1f")})
-st.caption("MAPE per metric = mean over rates of |predicted − measured| / measured. What the simulator models and "
-           "leaves out is in the expander.")
+st.caption("MAPE per metric = mean over rates of |predicted − measured| / measured, recomputed here from the "
+           "recorded values.")
+if not record["variant_mape"].empty:
+    st.markdown("**Where the error comes from.** The same replay predicted with each modelled piece added in turn "
+                "(MAPE over rates, %); the last row is a diagnostic, not a prediction.")
+    vm = record["variant_mape"]
+    show_table(vm, {"variant": "Simulator", **{c: num(c, "%.1f") for c in vm.columns if c != "variant"}})
+    parts = record["parts"]
+    fig_parts = go.Figure([go.Bar(name=part, x=g.rate_rps.astype(str), y=g.p50_ms)
+                           for part, g in parts.groupby("part", sort=False)])
+    fig_parts.update_layout(barmode="stack", xaxis_title="offered load (req/s)", yaxis_title="TTFT P50 part (ms)",
+                            height=320)
+    show_chart(fig_parts, parts, key="p14_sim_engine_parts")
+    st.caption("Measured TTFT split from the server's step trace and the client's clock (P50 of each part, so the "
+               "stack is close to, not equal to, the TTFT P50).")
+    cal = record["steps"]
+    if "cpu_median_ms" in cal.columns:
+        show_table(cal, {
+            "role": "Point", "prompts": num("Prompts", "%d"), "prefill_tokens": num("New tokens each", "%d"),
+            "cached_tokens": num("Cached tokens", "%d"), "decode_rows": num("Decode rows", "%d"),
+            "decode_context": num("Context (tokens)", "%d"), "cpu_median_ms": num("CPU measured (ms)", "%.1f"),
+            "cpu_predicted_ms": num("CPU predicted (ms)", "%.1f"), "measured_median_ms": num("Wall measured (ms)", "%.1f")})
+        st.caption("The step model's calibration: single engine steps timed alone (median of the repeats), the "
+                   "\"fitted\" points fitted, the \"held out\" ones only predicted.")
+    show_table(record["step_check"], {
+        "rate_rps": num("Offered (req/s)", "%.1f"), "kind": "Step", "steps": num("Steps", "%d"),
+        "cpu_measured_p50_ms": num("CPU measured P50 (ms)", "%.1f"),
+        "cpu_predicted_p50_ms": num("CPU predicted P50 (ms)", "%.1f"),
+        "cpu_abs_error_p50_pct": num("|error| P50 (%)", "%.1f"), "wall_measured_p50_ms": num("Wall P50 (ms)", "%.1f"),
+        "wall_per_cpu": num("Wall / CPU", "%.2f"), "step_wall_per_cpu_p99": num("Wall / CPU, P99 step", "%.2f"),
+        "event_loop_cpu_share": pct("Event loop CPU / wall")})
+    st.caption("Every replay step against the step model for the same composition (engine-thread CPU time, model "
+               "fitted to steps timed alone). Wall / CPU above 1 is time the engine thread waited for a core (other "
+               "processes) or the GIL (the HTTP event loop: its CPU share of the steps' wall time is the last "
+               "column); the P99 step shows how unevenly the other jobs left the cores during the replay.")
+    show_table(record["server"], {
+        "rate_rps": num("Offered (req/s)", "%.1f"), "cpu_slowdown": num("CPU in server / alone (fitted)", "%.2f"),
+        "wall_per_cpu": num("Wall / CPU, calibration (fitted)", "%.2f"),
+        "replay_wall_per_cpu": num("Wall / CPU, replay (measured)", "%.2f"),
+        "after_fixed_ms": num("After-step work (ms, fitted)", "%.1f"),
+        "per_output_row_ms": num("Per output row (ms, fitted)", "%.2f"), "ingress_ms": num("Ingress (ms)", "%.1f"),
+        "egress_ms": num("Egress (ms)", "%.1f"), "load_before": num("Load before", "%.2f"),
+        "load_after": num("Load after", "%.2f")})
 with st.expander("What the simulator models and leaves out"):
-    st.markdown("It models the batched engine's steps (a fixed cost per step, prefill tokens, decode rows padded to "
-                "the engine's buckets and their context, prefill and decode rows sharing a step), prefix hits on the "
-                "64-token checkpoint grid and the server's own costs measured through HTTP on separate requests "
-                "(ingress, per streaming row). It leaves out: how the HTTP event loop and the engine thread contend "
-                "for the GIL and the two cores as the number of streams grows, checkpoint restores and publishes on "
-                "hits, and the shared CPU's speed drifting during a replay (other jobs run on the same cores).")
+    st.markdown("It models the batched engine's steps (fixed cost per step, per prompt, per prefill token, the MLA "
+                "attention pairs, decode rows padded to the engine's buckets and their context; prefill and decode "
+                "rows sharing a step) fitted to steps timed alone; prefix hits where the engine places checkpoints "
+                "(every 64 tokens, the replay boundary and the prompt's end: the engine's own policy); and the "
+                "server's own terms fitted on separate calibration traffic through HTTP: the engine's CPU inside the "
+                "server, its wall / CPU share, the work after each step, ingress and egress. It leaves out how the "
+                "share of the two cores left by other jobs changes between the calibration and the replay (the "
+                "last table gives both), and per-request variation of the HTTP path (its P50 is used).")
 
 st.subheader("6 · TTFT against offered load")
 run_on_request("p14_sweep_on", "p14_sweep_button", "Sweep the load",

@@ -55,11 +55,13 @@ def mooncake_workload(num_requests: int, max_model_len: int, path: Path = TRACE)
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streamed request as ``vllm bench serve`` sends it; returns its timings (s) and token counts."""
+    """One streamed request as ``vllm bench serve`` sends it; returns its timings (s) and token counts, with
+    ``send_t`` and ``chunk_t`` (each streamed text chunk received) as ``time.perf_counter()`` seconds (one
+    clock for every process on Linux: comparable with the server's ``--step-trace``)."""
     payload = {"model": model, "prompt": prompt, "temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True,
                "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    ttft, last, itl, tokens = None, t0, [], 0
+    ttft, last, itl, tokens, chunk_t = None, t0, [], 0, []
     try:
         async with client.stream("POST", "/v1/completions", json=payload) as r:
             if r.status_code != 200:
@@ -71,6 +73,7 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
                 if obj.get("usage"):
                     tokens = obj["usage"]["completion_tokens"]
                 if obj["choices"] and obj["choices"][0]["text"]:
+                    chunk_t.append(now)
                     if ttft is None:
                         ttft = now - t0
                     else:
@@ -80,12 +83,14 @@ async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], 
         return {"ok": False, "status": f"{type(err).__name__}: {err}"}
     latency = time.perf_counter() - t0
     ttft = latency if ttft is None else ttft
-    return {"ok": True, "ttft": ttft, "latency": latency, "itl": itl, "output_tokens": tokens,
+    return {"ok": True, "send_t": t0, "chunk_t": chunk_t, "ttft": ttft, "latency": latency, "itl": itl,
+            "output_tokens": tokens,
             "input_tokens": len(prompt), "tpot": (latency - ttft) / (tokens - 1) if tokens > 1 else None}
 
 
-async def run_rate(url: str, model: str, workload, rate: float, seed: int) -> dict:
-    """Send the workload with Poisson arrivals at ``rate`` req/s; the per-rate row of the table."""
+async def run_rate(url: str, model: str, workload, rate: float, seed: int, records: list | None = None) -> dict:
+    """Send the workload with Poisson arrivals at ``rate`` req/s; the per-rate row of the table. ``records``:
+    a list that gets every request's own result (:func:`one_request`), in workload order."""
     rng = np.random.default_rng(seed)
     gaps = rng.exponential(1.0 / rate, len(workload))
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=1000, keepalive_expiry=2.0)) as client:
@@ -95,6 +100,8 @@ async def run_rate(url: str, model: str, workload, rate: float, seed: int) -> di
             tasks.append(asyncio.create_task(one_request(client, model, prompt, max_tokens)))
         res = await asyncio.gather(*tasks)
         wall = time.perf_counter() - t_start
+    if records is not None:
+        records.extend(res)
     ok = [r for r in res if r["ok"]]
     ms = lambda xs, q: float(np.percentile(xs, q) * 1e3) if xs else float("nan")   # noqa: E731
     ttft, tpot = [r["ttft"] for r in ok], [r["tpot"] for r in ok if r["tpot"] is not None]
@@ -111,14 +118,17 @@ async def run_rate(url: str, model: str, workload, rate: float, seed: int) -> di
 
 
 @contextlib.contextmanager
-def local_server(max_model_len: int, max_num_seqs: int):
+def local_server(max_model_len: int, max_num_seqs: int, step_trace: Path | None = None):
     """A fresh ``python -m serve.http`` process on 127.0.0.1 (its own interpreter: the client's Python work
-    does not share the server's GIL), stopped on exit. Raises RuntimeError if it does not come up in 60 s."""
+    does not share the server's GIL), stopped on exit; ``step_trace``: its ``--step-trace`` file. Raises
+    RuntimeError if it does not come up in 60 s."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "serve.http", "--port", str(port), "--max-model-len", str(max_model_len),
            "--max-num-seqs", str(max_num_seqs), "--max-queue", "1024"]
+    if step_trace is not None:
+        cmd += ["--step-trace", str(step_trace)]
     proc = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parents[1], env=dict(os.environ, OMP_NUM_THREADS="1"))
     url = f"http://127.0.0.1:{port}"
     try:

@@ -286,7 +286,7 @@ def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float
 
 SIM_VS_ENGINE_JSON = Path(__file__).resolve().parents[1] / "bench" / "results" / "sim_vs_engine.json"
 SIM_METRICS = {"ttft_p50_ms": "TTFT P50 (ms)", "ttft_p99_ms": "TTFT P99 (ms)", "tpot_mean_ms": "TPOT mean (ms)",
-               "request_throughput_rps": "Throughput (req/s)"}
+               "tpot_p50_ms": "TPOT P50 (ms)", "request_throughput_rps": "Throughput (req/s)"}
 
 
 def sim_vs_engine_record(path: Path | str = SIM_VS_ENGINE_JSON) -> dict:
@@ -295,7 +295,8 @@ def sim_vs_engine_record(path: Path | str = SIM_VS_ENGINE_JSON) -> dict:
 
     Returns ``{"meta": dict, "rows": DataFrame[rate_rps, metric, label, measured, predicted, error_pct],
     "mape": DataFrame[metric, label, mape_pct, rates], "steps": DataFrame}`` (steps: the calibration points,
-    fitted and held out, of the first rate). ``error_pct = |predicted - measured| / measured * 100`` and the
+    fitted and held out: the run's calibration, or in older runs the first rate's) and the error's sources (:func:`_error_sources`: ``variants``,
+    ``variant_mape``, ``parts``, ``step_check``, ``server``). ``error_pct = |predicted - measured| / measured * 100`` and the
     MAPE per metric is their mean over rates, both RECOMPUTED here from the recorded measured / predicted
     values (the JSON's own summary is not trusted). Raises ValueError naming ``path`` when it is missing or
     lacks the per-rate rows, or a metric outside :data:`SIM_METRICS`."""
@@ -315,7 +316,51 @@ def sim_vs_engine_record(path: Path | str = SIM_VS_ENGINE_JSON) -> dict:
             .reset_index())
     mape.insert(1, "label", mape.metric.map(SIM_METRICS))
     fits = data.get("meta", {}).get("fitted_service_model_per_rate", {})
-    first = next(iter(fits.values()), {})
+    first = data.get("meta", {}).get("calibration") or next(iter(fits.values()), {})
     steps = pd.DataFrame(first.get("steps", []))
     return {"meta": data.get("meta", {}), "rows": rows[["rate_rps", "metric", "label", "measured", "predicted",
-                                                       "error_pct"]], "mape": mape, "steps": steps}
+                                                       "error_pct"]], "mape": mape, "steps": steps,
+            **_error_sources(fits, rows)}
+
+
+PARTS = {"ingress": "ingress (send → server)", "feed_wait": "wait for the step in flight", "engine":
+         "engine (queue + prefill step)", "egress": "egress (first token → client)"}
+
+
+def _error_sources(fits: dict, rows: pd.DataFrame) -> dict:
+    """Where the simulator's error comes from, per rate of a recorded run (empty frames for a run without them):
+    ``variants`` (the same replay predicted with each modelled piece added in turn; error and MAPE recomputed
+    against the measured rows), ``parts`` (measured TTFT split: ingress, feed wait, engine, egress; p50 / p99
+    ms), ``step_check`` (replay steps: engine-thread CPU ms predicted for the same composition vs measured, and
+    wall / CPU) and ``server`` (the server's terms fitted on its calibration traffic, the load average)."""
+    measured = rows.set_index(["rate_rps", "metric"]).measured
+    variants, parts, checks, server = [], [], [], []
+    for rate_key, fit in fits.items():
+        rate = float(rate_key)
+        for name, pred in fit.get("variants", {}).items():
+            for m, label in SIM_METRICS.items():
+                if (rate, m) in measured.index and m in pred:
+                    meas = measured[(rate, m)]
+                    variants.append(dict(rate_rps=rate, variant=name, metric=m, label=label, measured=meas,
+                                         predicted=pred[m], error_pct=abs(pred[m] - meas) / meas * 100.0))
+        for part, label in PARTS.items():
+            v = fit.get("replay_request_parts_ms", {}).get(part)
+            if v:
+                parts.append(dict(rate_rps=rate, part=label, p50_ms=v["p50"], p99_ms=v["p99"]))
+        for kind, c in fit.get("replay_step_check", {}).items():
+            checks.append(dict(rate_rps=rate, kind=kind, steps=c["steps"], cpu_measured_p50_ms=c["measured_cpu_ms"]["p50"],
+                               cpu_predicted_p50_ms=c["predicted_cpu_ms"]["p50"],
+                               cpu_abs_error_p50_pct=c["cpu_abs_error_pct"]["p50"],
+                               wall_measured_p50_ms=c["measured_wall_ms"]["p50"], wall_per_cpu=c["wall_per_cpu"],
+                               step_wall_per_cpu_p99=c.get("step_wall_per_cpu", {}).get("p99", float("nan")),
+                               event_loop_cpu_share=c.get("event_loop_cpu_share", float("nan"))))
+        if "server_terms" in fit:
+            load = fit.get("load_average_1min", [float("nan")] * 2)
+            server.append(dict(rate_rps=rate, **fit["server_terms"], replay_wall_per_cpu=fit.get("replay_wall_per_cpu"),
+                               load_before=load[0], load_after=load[1]))
+    variants = pd.DataFrame(variants, columns=["rate_rps", "variant", "metric", "label", "measured", "predicted",
+                                               "error_pct"])
+    variant_mape = (variants.groupby(["variant", "label"], sort=False).error_pct.mean().unstack("label")
+                    .reindex(columns=[v for v in SIM_METRICS.values() if v in set(variants.label)]).reset_index())
+    return {"variants": variants, "variant_mape": variant_mape, "parts": pd.DataFrame(parts),
+            "step_check": pd.DataFrame(checks), "server": pd.DataFrame(server)}

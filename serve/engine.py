@@ -57,6 +57,7 @@ from serve.model_runner import ModelRunner, Row
 from serve.prefix.cache import PrefixCache
 from serve.prefix.index import block_keys
 from serve.request import Request, RequestResult, RequestStatus, prompt_ids, read_request_cache, write_request_cache
+from serve.sampling import GREEDY, SamplingParams, sample_token
 from serve.scheduler import Scheduler, SchedulerConfig
 from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
 from serve.spec_decode.replay_state_write import ReplayStateWrite
@@ -146,17 +147,27 @@ class ServeEngine:
         self.last_batch = None          # the last step's StepBatch (rows, metadata): for pages and tests
 
     # ---- public API -------------------------------------------------------------------------------
-    def submit(self, tokens, max_new_tokens: int, record_logits: bool = False) -> int:
-        """Queue a prompt ``[T]`` of byte ids for ``max_new_tokens`` greedy tokens; returns its id.
-        ``record_logits`` keeps each emitted token's logits ``[256]`` fp32 (with speculation: the verify
-        rows of the accepted drafts and the bonus). With a cache, the prompt is matched and its hit
-        pinned now. Raises ValueError on bad input."""
+    def submit(self, tokens, max_new_tokens: int, record_logits: bool = False,
+               sampling: SamplingParams | None = None) -> int:
+        """Queue a prompt ``[T]`` of byte ids for ``max_new_tokens`` tokens; returns its id. ``sampling``:
+        a :class:`serve.sampling.SamplingParams` (None: greedy); the request draws from its own generator, so
+        a seeded request's tokens equal its batch-1 run's. ``record_logits`` keeps each emitted token's
+        logits ``[256]`` fp32 (with speculation: the verify rows of the accepted drafts and the bonus). With a
+        cache, the prompt is matched and its hit pinned now. Raises ValueError on bad input, or for sampling
+        with speculation (its verify step accepts drafts greedily); TypeError for ``sampling`` of another type."""
         t0 = time.perf_counter()
         prompt = prompt_ids(tokens)
         check_int("max_new_tokens", max_new_tokens)
+        sampling = GREEDY if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be a SamplingParams or None, got {type(sampling).__name__}")
+        if self.speculation is not None and not sampling.greedy:
+            raise ValueError("sampling (temperature > 0) is not supported with speculation: drafts are accepted "
+                             "greedily")
         rid = self._next_rid
         self._next_rid += 1
-        req = Request(rid, prompt, max_new_tokens, record_logits, t0)
+        req = Request(rid, prompt, max_new_tokens, record_logits, t0, sampling=sampling.seeded())
+        req.generator = req.sampling.generator()
         if self.cache is not None:
             req.hit = self.cache.lookup(prompt)
             self.cache.acquire(req.hit, rid)
@@ -286,7 +297,7 @@ class ServeEngine:
             self._publish(req, end, end in self.checkpoint_boundaries(L))
             req.timings_ms["checkpoint"] += _ms(t1)
         if end == L:
-            self._append(req, int(logits.argmax()), logits)
+            self._append(req, sample_token(logits, req.sampling, req.generator), logits)
             self._finish_if_done(req)
 
     def _postprocess_verify(self, req: Request, row: Row, out, base) -> None:
@@ -315,7 +326,7 @@ class ServeEngine:
     def _postprocess_decode(self, req: Request, logits: torch.Tensor) -> None:
         b_end = self._final_boundary(req)
         req.computed += 1
-        self._append(req, int(logits.argmax()), logits)
+        self._append(req, sample_token(logits, req.sampling, req.generator), logits)
         if b_end is not None and req.computed == b_end:
             self._publish(req, b_end, True)
         self._finish_if_done(req)
@@ -376,10 +387,11 @@ class ServeEngine:
         """The :class:`RequestResult` of a request (any status). Raises ValueError for an unknown id."""
         return self._get(rid).result()
 
-    def generate(self, tokens, max_new_tokens: int, record_logits: bool = False) -> RequestResult:
+    def generate(self, tokens, max_new_tokens: int, record_logits: bool = False,
+                 sampling: SamplingParams | None = None) -> RequestResult:
         """Submit one request and run until idle; returns its result (status REJECTED with ``reason``
         when it can never fit the pool). Raises ValueError on bad input (see :meth:`submit`)."""
-        rid = self.submit(tokens, max_new_tokens, record_logits)
+        rid = self.submit(tokens, max_new_tokens, record_logits, sampling)
         self.run_until_idle()
         return self.result(rid)
 
@@ -401,8 +413,10 @@ class ServeEngine:
     def preempt(self, req: Request) -> None:
         """Preempt by recompute: release every page and pin the request holds, drop its progress and
         match it again (status WAITING; the caller puts it back at the head of the queue). Its output,
-        recomputed, is bitwise the uninterrupted one (greedy, batch-invariant)."""
+        recomputed, is bitwise the uninterrupted one (batch-invariant; a sampling request's generator restarts
+        at its seed)."""
         self._release(req)
+        req.generator = req.sampling.generator()
         req.status, req.computed, req.output, req.logits = RequestStatus.WAITING, 0, [], []
         req.first_token_t, req.keys, req.prefill_tokens = None, [], 0
         req.restored_bytes = req.shared_kv_bytes = 0
@@ -551,7 +565,7 @@ class ServeEngine:
             self._publish(req, end, end in marks)
             req.timings_ms["checkpoint"] += _ms(t1)
         if end == L:
-            self._append(req, int(out.logits[0, -1].argmax()), out.logits[0, -1])
+            self._append(req, sample_token(out.logits[0, -1], req.sampling, req.generator), out.logits[0, -1])
             self._finish_if_done(req)
 
     def _decode_one(self, req: Request) -> None:
@@ -580,7 +594,7 @@ class ServeEngine:
             if self._abort_non_finite(req, where, logits=logits):
                 return
             write_request_cache(self.layout, self.pool, req, new, req.computed)
-            emitted, rows = [int(logits[0].argmax())], [logits[0]]
+            emitted, rows = [sample_token(logits[0], req.sampling, req.generator)], [logits[0]]
         else:
             spec = self.speculation
             if req.strategy is None:

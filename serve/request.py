@@ -15,6 +15,7 @@ from serve.memory.layout import CacheLayout
 from serve.memory.pages import read_kv, read_state, write_kv, write_state
 from serve.memory.pool import PagePool
 from serve.prefix.hit import PrefixHit
+from serve.sampling import GREEDY, SamplingParams
 
 TIMING_PHASES = ("lookup", "queue", "admit", "restore", "prefill", "checkpoint")
 
@@ -96,6 +97,8 @@ class Request:
     proposer: object = None
     strategy: object = None
     reason: str = ""
+    sampling: SamplingParams = GREEDY        # seeded (SamplingParams.seeded) when not greedy
+    generator: torch.Generator | None = None   # the request's own, at its seed's start on submit / preempt
 
     @property
     def final_tokens(self) -> int:

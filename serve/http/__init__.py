@@ -9,6 +9,7 @@ Concept → file → main type:
 - routes, SSE, disconnects ....................... app.py ....... ``create_app``
 - command line ................................... __main__.py .. ``main``
 - serve an app from a background thread ........... background.py  ``serve_in_thread``
+- per-step and per-request timeline log ........... step_trace.py  ``StepTrace``, ``read_step_trace``
 
 Tests: ``tests/serve/http/test_server_openai.py`` (the ``openai`` client: completion, chat, streaming, errors),
 ``tests/serve/http/test_server_load.py`` (64+ concurrent streams, random cancels, outputs vs batch-1 runs,

@@ -7,6 +7,7 @@ import uvicorn
 
 from serve.http.app import create_app
 from serve.http.model import EngineSpec, build_engine
+from serve.http.step_trace import StepTrace
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -23,6 +24,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint-interval", type=int, default=64)
     p.add_argument("--no-prefix-cache", action="store_true", help="serve without prefix sharing")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--step-trace", default=None, metavar="PATH",
+                   help="write every engine step and request timeline to PATH (JSON lines, serve/http/step_trace.py)")
     return p.parse_args(argv)
 
 
@@ -31,7 +34,7 @@ def main(argv=None) -> None:
     spec = EngineSpec(args.preset, args.max_model_len, args.max_num_seqs, args.num_pages, args.block_size,
                       args.checkpoint_interval, not args.no_prefix_cache)
     app = create_app(build_engine(spec), args.served_model_name or f"kda-{args.preset}", spec.max_model_len,
-                     spec.max_num_seqs, args.max_queue)
+                     spec.max_num_seqs, args.max_queue, StepTrace(args.step_trace) if args.step_trace else None)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

@@ -36,6 +36,7 @@ from serve.http.protocol import (
     new_id,
     usage,
 )
+from serve.http.step_trace import StepTrace
 from serve.request import RequestResult, RequestStatus
 
 RETRY_AFTER_S = 1
@@ -48,12 +49,13 @@ def error_response(err: RequestError, retry_after: int | None = None) -> JSONRes
 
 
 def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num_seqs: int,
-               max_queue: int) -> FastAPI:
+               max_queue: int, trace: StepTrace | None = None) -> FastAPI:
     """The server app over ``engine`` (whose thread starts and stops with the app). ``max_model_len``:
     prompt + output tokens per request; ``max_num_seqs``: requests inside the engine at once; ``max_queue``:
-    requests queued in front of it before a 429. ``app.state.loop`` is the :class:`EngineLoop`."""
+    requests queued in front of it before a 429; ``trace``: an optional :class:`StepTrace` of every step and
+    request. ``app.state.loop`` is the :class:`EngineLoop`."""
     metrics = ServerMetrics(model_name, engine.layout.block_size)
-    loop = EngineLoop(engine, metrics, max_num_seqs, max_queue)
+    loop = EngineLoop(engine, metrics, max_num_seqs, max_queue, trace)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -112,8 +114,8 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
 
     async def _serve(body, request: Request, chat: bool):
         try:
-            prompt, max_tokens = check_request(body, model_name, max_model_len)
-            stream = loop.submit(prompt, max_tokens)
+            prompt, max_tokens, sampling = check_request(body, model_name, max_model_len)
+            stream = loop.submit(prompt, max_tokens, sampling)
         except RequestError as err:
             return error_response(err)
         except QueueFull as err:

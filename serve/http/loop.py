@@ -28,7 +28,9 @@ import torch
 from serve.engine import DONE, ServeEngine
 from serve.errors import check_int
 from serve.http.metrics import ServerMetrics
+from serve.http.step_trace import StepTrace
 from serve.request import RequestResult, RequestStatus
+from serve.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger("serve.http")
 
@@ -56,8 +58,10 @@ class Stream:
     max_tokens: int
     events: asyncio.Queue
     aio_loop: asyncio.AbstractEventLoop
+    sampling: SamplingParams = GREEDY
     arrival_t: float = field(default_factory=time.perf_counter)
     rid: int | None = None
+    feed_t: float | None = None
     sent: int = 0
     first_t: float | None = None
     last_t: float | None = None
@@ -69,10 +73,12 @@ class Stream:
 
 class EngineLoop:
     """The engine's thread. ``max_num_seqs``: requests inside the engine at once (state slots);
-    ``max_queue``: requests queued in front of it. Raises ValueError for bad sizes."""
+    ``max_queue``: requests queued in front of it; ``trace``: an optional :class:`StepTrace` that logs every
+    step and request (closed when the loop ends). Raises ValueError for bad sizes."""
 
-    def __init__(self, engine: ServeEngine, metrics: ServerMetrics, max_num_seqs: int, max_queue: int):
-        self.engine, self.metrics = engine, metrics
+    def __init__(self, engine: ServeEngine, metrics: ServerMetrics, max_num_seqs: int, max_queue: int,
+                 trace: StepTrace | None = None):
+        self.engine, self.metrics, self.trace = engine, metrics, trace
         self.max_num_seqs = check_int("max_num_seqs", max_num_seqs)
         self.max_queue = check_int("max_queue", max_queue, 0)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -100,8 +106,9 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop and self.error is None
 
-    def submit(self, prompt: list, max_tokens: int) -> Stream:
-        """Queue a prompt (byte ids) for ``max_tokens`` greedy tokens; returns its :class:`Stream`. Raises
+    def submit(self, prompt: list, max_tokens: int, sampling: SamplingParams = GREEDY) -> Stream:
+        """Queue a prompt (byte ids) for ``max_tokens`` tokens drawn with ``sampling`` (default greedy); returns
+        its :class:`Stream`. Raises
         QueueFull when the server holds ``max_num_seqs + max_queue`` requests, LoopStopped when stopped."""
         if not self.alive:
             raise LoopStopped("the engine loop is not running")
@@ -110,7 +117,7 @@ class EngineLoop:
                 raise QueueFull(f"{self._outstanding} requests outstanding (max_num_seqs {self.max_num_seqs} "
                                 f"+ max_queue {self.max_queue})")
             self._outstanding += 1
-        stream = Stream(prompt, max_tokens, asyncio.Queue(), asyncio.get_running_loop())
+        stream = Stream(prompt, max_tokens, asyncio.Queue(), asyncio.get_running_loop(), sampling)
         self._send(("submit", stream))
         return stream
 
@@ -136,10 +143,12 @@ class EngineLoop:
         try:
             with torch.inference_mode():
                 while not self._stop:
+                    loop_t = time.perf_counter()
                     self._drain()
                     self._feed()
                     eng = self.engine
                     if eng.running or eng.waiting:
+                        prev, cpu0, proc0 = eng.last_batch, time.thread_time(), time.process_time()
                         t0 = time.perf_counter()
                         try:
                             eng.step()
@@ -150,8 +159,14 @@ class EngineLoop:
                             if failures >= MAX_STEP_FAILURES:
                                 raise RuntimeError(f"engine.step() raised {failures} times in a row; last: "
                                                    f"{type(err).__name__}: {err}") from err
-                        self.metrics.step_seconds.observe(time.perf_counter() - t0)
+                        t1, cpu_s = time.perf_counter(), time.thread_time() - cpu0
+                        others_cpu_s = time.process_time() - proc0 - cpu_s     # the event loop's threads
+                        self.metrics.step_seconds.observe(t1 - t0)
                         self._emit()
+                        if self.trace is not None:
+                            batch = eng.last_batch if eng.last_batch is not prev else None
+                            self.trace.step(loop_t, t0, t1, time.perf_counter(), cpu_s, others_cpu_s, batch,
+                                            len(eng.running), len(eng.waiting), len(self._pending))
                         self._gauges()
                     elif not self._pending:
                         self._gauges(force=True)
@@ -162,6 +177,8 @@ class EngineLoop:
             log.exception("engine loop died")
         finally:
             self._shutdown()
+            if self.trace is not None:
+                self.trace.close()
 
     def _drain(self) -> None:
         while True:
@@ -186,7 +203,8 @@ class EngineLoop:
         eng = self.engine
         while self._pending and len(eng.running) + len(eng.waiting) < self.max_num_seqs:
             s = self._pending.pop(0)
-            s.rid = eng.submit(s.prompt, s.max_tokens)
+            s.rid = eng.submit(s.prompt, s.max_tokens, sampling=s.sampling)
+            s.feed_t = time.perf_counter()
             self._active[s.rid] = s
 
     def _abort(self, s: Stream) -> None:
@@ -220,6 +238,8 @@ class EngineLoop:
             # the engine keeps every request's record for result(); a long-running server drops it at the end
             getattr(self.engine, "requests", {}).pop(s.rid, None)
         self.metrics.finished(s, res)
+        if self.trace is not None:
+            self.trace.request(s, res, time.perf_counter())
         if res is None:
             res = RequestResult(-1, RequestStatus.ABORTED, len(s.prompt), (), None, 0, 0, 0, 0, 0, 0, {}, None,
                                 "aborted while queued")

@@ -1,9 +1,11 @@
 """The OpenAI request and response schema the server speaks, and its checks (400s name the field).
 
 Requests are pydantic models with ``extra="forbid"`` and ``strict=True``: an unknown field or a wrong type (a
-string for ``max_tokens``, a bool for an int) is a 400, never a silent coercion. Fields the OpenAI API has but a
-greedy, byte-level engine cannot honour are accepted only at their neutral value (``n`` 1, ``temperature`` 0 or
-omitted, ``top_p`` 1, penalties 0, no ``stop``, no ``logprobs``, no ``echo``), else a 400 that says why. A few
+string for ``max_tokens``, a bool for an int) is a 400, never a silent coercion. ``temperature`` (0 to 2),
+``top_p`` (0 to 1] and ``seed`` are honoured per request (:class:`serve.sampling.SamplingParams`: a seeded request's
+output is reproducible and equal to its batch-1 run). Fields a byte-level engine cannot honour are accepted only
+at their neutral value (``n`` 1, penalties 0, no ``stop``, no ``logprobs``, no ``echo``), else a 400 that says why;
+``tools`` / ``tool_choice`` / ``functions`` get a 400 saying tool calls are not supported (not "unknown field"). A few
 vLLM extensions that load generators send (``ignore_eos``, ``min_tokens``, ``top_k``, ``repetition_penalty``
 1) are accepted: the demo model has no end-of-sequence token, so every request runs to ``max_tokens`` and
 finishes with ``finish_reason`` "length".
@@ -18,9 +20,11 @@ from __future__ import annotations
 import codecs
 import time
 import uuid
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from serve.sampling import SamplingParams
 
 
 class RequestError(ValueError):
@@ -50,8 +54,8 @@ class _Sampling(_Strict):
 
     model: str
     max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: float | int | None = None
+    top_p: float | int | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -94,6 +98,12 @@ class ChatRequest(_Sampling):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    # tool calling: parsed so that the answer can say it is not supported (clients send them by default)
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
 
@@ -138,14 +148,43 @@ def prompt_of(req: CompletionRequest | ChatRequest) -> list[int]:
     return ids
 
 
-def check_request(req: CompletionRequest | ChatRequest, served_model: str, max_model_len: int) -> tuple[list, int]:
-    """``(prompt ids, max_tokens)`` of a valid request. Raises RequestError (404 for another model, else
-    400 naming the field) for what this server cannot do or a length over ``max_model_len``."""
+class Checked(NamedTuple):
+    """A valid request: ``prompt`` byte ids, ``max_tokens``, ``sampling`` (:class:`SamplingParams`)."""
+
+    prompt: list
+    max_tokens: int
+    sampling: SamplingParams
+
+
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
+
+
+def sampling_of(req: CompletionRequest | ChatRequest) -> SamplingParams:
+    """The request's :class:`SamplingParams` (temperature / top_p None: 0 (greedy) / 1, the engine's defaults).
+    Raises RequestError naming the field for a value out of range."""
+    values = {"temperature": 0.0 if req.temperature is None else float(req.temperature),
+              "top_p": 1.0 if req.top_p is None else float(req.top_p), "seed": req.seed}
+    try:
+        return SamplingParams(**values)
+    except (TypeError, ValueError) as err:
+        param = next((k for k in values if str(err).startswith(k)), None)
+        raise RequestError(str(err), param) from None
+
+
+def check_request(req: CompletionRequest | ChatRequest, served_model: str, max_model_len: int) -> Checked:
+    """The :class:`Checked` prompt, ``max_tokens`` and sampling of a valid request. Raises RequestError (404 for
+    another model, else 400 naming the field) for what this server cannot do or a length over ``max_model_len``."""
     if req.model != served_model:
         raise RequestError(f"The model `{req.model}` does not exist; this server serves `{served_model}`.",
                            "model", 404, "NotFoundError")
-    neutral = {"n": (req.n, (1,)), "temperature": (req.temperature, (None, 0.0)), "top_p": (req.top_p, (None, 1.0)),
-               "presence_penalty": (req.presence_penalty, (None, 0.0)),
+    if isinstance(req, ChatRequest):
+        for name in TOOL_FIELDS:
+            if getattr(req, name) not in (None, [], "none"):
+                raise RequestError(f"tool calls are not supported by this server ({name} was given): the demo model "
+                                   "is a byte-level language model without a tool-call format; send the request "
+                                   f"without {name}", name)
+    sampling = sampling_of(req)
+    neutral = {"n": (req.n, (1,)), "presence_penalty": (req.presence_penalty, (None, 0.0)),
                "frequency_penalty": (req.frequency_penalty, (None, 0.0)),
                "repetition_penalty": (req.repetition_penalty, (None, 1.0))}
     if isinstance(req, CompletionRequest):
@@ -155,8 +194,8 @@ def check_request(req: CompletionRequest | ChatRequest, served_model: str, max_m
         neutral |= {"logprobs": (req.logprobs, (False,)), "top_logprobs": (req.top_logprobs, (None, 0))}
     for name, (val, ok) in neutral.items():
         if val not in ok:
-            raise RequestError(f"{name} = {val!r} is not supported: this server decodes greedily, one choice, "
-                               f"no logprobs (allowed: {', '.join(map(repr, ok))})", name)
+            raise RequestError(f"{name} = {val!r} is not supported: this server returns one choice without "
+                               f"logprobs or penalties (allowed: {', '.join(map(repr, ok))})", name)
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options is only allowed when stream is true", "stream_options")
     if req.stop not in (None, "", []):
@@ -180,7 +219,7 @@ def check_request(req: CompletionRequest | ChatRequest, served_model: str, max_m
                            f"tokens), got {max_tokens}", name)
     if not 0 <= req.min_tokens <= max_tokens:
         raise RequestError(f"min_tokens must be in [0, max_tokens = {max_tokens}], got {req.min_tokens}", "min_tokens")
-    return prompt, max_tokens
+    return Checked(prompt, max_tokens, sampling)
 
 
 class TextDecoder:

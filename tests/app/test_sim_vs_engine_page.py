@@ -30,3 +30,14 @@ def test_predicted_vs_measured_section_shows_the_recorded_run():
         expected.setdefault(rec["metric"], []).append(abs(rec["predicted"] - rec["measured"]) / rec["measured"] * 100)
     assert plotly_values(bar["y"]) == pytest.approx([sum(v) / len(v) for v in expected.values()])
     assert plotly_values(bar["y"]) == pytest.approx(list(raw["mape_pct"].values()))
+    fits = raw["meta"]["fitted_service_model_per_rate"]
+    variants = next(d.value for d in at.dataframe if "variant" in d.value.columns)
+    names = list(next(iter(fits.values()))["variants"])
+    assert variants.variant.tolist() == names                   # one row per modelled piece, in the bench's order
+    last = names[-2]                                             # the prediction (the last one is a diagnostic)
+    err = [abs(fits[str(r["rate_rps"])]["variants"][last][r["metric"]] - r["measured"]) / r["measured"] * 100
+           for r in raw["rows"] if r["metric"] == "ttft_p50_ms"]
+    assert variants.set_index("variant").loc[last, "TTFT P50 (ms)"] == pytest.approx(sum(err) / len(err))
+    steps = next(d.value for d in at.dataframe if "wall_per_cpu" in d.value.columns and "kind" in d.value.columns)
+    assert set(steps.kind) <= {"decode", "prefill", "mixed"} and (steps.wall_per_cpu > 0).all()
+    assert chart_spec(at, "p14_sim_engine_parts")["data"]

@@ -16,6 +16,18 @@ advances every running request by one token and lasts
 without admissions the step is a decode step as above. For such an engine ``prefill_overhead_ms`` is the fixed
 cost of a step that has prefill rows and ``decode_step_base_ms`` that of a decode-only step.
 
+Four optional terms (0 by default) fitted to a real engine (``bench/sim_vs_engine.py``):
+``prefill_off_grid_per_token_ms`` per new token of a prompt whose cached part ends off the
+``prefill_grid_tokens`` grid (our engine's KDA chunk kernel runs such a prompt off its 64-token chunk grid:
+measured 40-50 % more time per token after a 16- or 48-token hit than after none or 64);
+``prefill_per_row_ms`` per prompt in the step (each prefill row's own work: restoring its checkpoint, its
+row of the packed forward, publishing its blocks and checkpoints); ``prefill_per_token_pair_ms`` · pairs, the prefill attention's quadratic part (the MLA layers score each new
+token against every cached and earlier new token: ``pairs = new · cached + new · (new + 1) / 2`` per prompt,
+the FLOP count of causal attention, FlashAttention paper §3 / Vidur's attention-prefill operator); and
+``per_output_row_ms`` · rows for every row that emits a token (decode rows and prompts whose prefill ends):
+the server's own per-token work after each step (detokenise, hand the token to its stream, the event loop's
+share of the CPU and the GIL).
+
 Admission limits: at most ``max_batch_requests`` running; each running request reserves
 ``input_length + output_length`` KV tokens out of ``kv_capacity_tokens`` (S-LoRA reserves the full
 future length the same way); one prefill step admits at most ``max_prefill_tokens_per_step`` uncached
@@ -56,14 +68,22 @@ class ServiceModel:
     mixed_steps: bool = False
     decode_per_context_token_ms: float = 0.0
     decode_buckets: tuple[int, ...] | None = None
+    prefill_per_token_pair_ms: float = 0.0
+    per_output_row_ms: float = 0.0
+    prefill_per_row_ms: float = 0.0
+    prefill_off_grid_per_token_ms: float = 0.0
+    prefill_grid_tokens: int = 64
 
     def __post_init__(self):
         check_positive("prefill_tokens_per_s", self.prefill_tokens_per_s)
-        if not self.decode_step_base_ms > 0 or self.decode_step_per_seq_ms < 0 or self.prefill_overhead_ms < 0 \
-                or self.decode_per_context_token_ms < 0:
-            raise ValueError("decode_step_base_ms must be > 0; per-seq, per-context-token and overhead times must "
-                             "be >= 0")
+        if not self.decode_step_base_ms > 0 or min(self.decode_step_per_seq_ms, self.prefill_overhead_ms,
+                                                   self.decode_per_context_token_ms, self.prefill_per_token_pair_ms,
+                                                   self.per_output_row_ms, self.prefill_per_row_ms,
+                                                   self.prefill_off_grid_per_token_ms) < 0:
+            raise ValueError("decode_step_base_ms must be > 0; per-seq, per-context-token, per-pair, per-row and "
+                             "overhead times must be >= 0")
         check_int("max_batch_requests", self.max_batch_requests)
+        check_int("prefill_grid_tokens", self.prefill_grid_tokens)
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be >= 1 or None, got {self.kv_capacity_tokens}")
         if self.decode_buckets is not None and (not self.decode_buckets or any(
@@ -77,9 +97,15 @@ class ServiceModel:
         return self.prefill_overhead_ms + uncached_tokens * 1000.0 / self.prefill_tokens_per_s
 
     def prefill_batch_ms(self, parts) -> float:
-        """A prefill step over ``(new_tokens, cached_tokens)`` per admitted request: only the new tokens
-        count (the interface :class:`serve.fleet.sim.roofline_service.RooflineService` shares)."""
-        return self.prefill_ms(sum(n for n, _ in parts))
+        """A prefill step over ``(new_tokens, cached_tokens)`` per admitted request: the new tokens, their
+        attention pairs (:func:`attention_pairs`), the new tokens of prompts cached off the grid,
+        ``prefill_per_row_ms`` and ``per_output_row_ms`` per prompt (the
+        interface :class:`serve.fleet.sim.roofline_service.RooflineService` shares)."""
+        parts = list(parts)
+        off_grid = sum(n for n, c in parts if c % self.prefill_grid_tokens)
+        return (self.prefill_ms(sum(n for n, _ in parts)) + (self.prefill_per_row_ms + self.per_output_row_ms) * len(parts)
+                + self.prefill_per_token_pair_ms * sum(attention_pairs(n, c) for n, c in parts)
+                + self.prefill_off_grid_per_token_ms * off_grid)
 
     def mixed_step_ms(self, parts, decode_batch: int, context_tokens: int = 0) -> float:
         """A step of a batched engine (``mixed_steps``): the prefill step over ``parts`` (see
@@ -91,9 +117,10 @@ class ServiceModel:
     def decode_step_ms(self, batch: int, context_tokens: int = 0) -> float:
         """Duration of one decode step with ``batch`` running requests of mean context ``context_tokens``:
         ``decode_step_base_ms + decode_step_per_seq_ms · padded_batch(batch) + decode_per_context_token_ms ·
-        batch · context`` (pad rows cost a row but read no KV; zero per-context cost by default)."""
+        batch · context + per_output_row_ms · batch`` (pad rows cost a row but read no KV and emit nothing;
+        zero per-context and per-row cost by default)."""
         return (self.decode_step_base_ms + self.decode_step_per_seq_ms * self.padded_batch(batch)
-                + self.decode_per_context_token_ms * batch * context_tokens)
+                + (self.decode_per_context_token_ms * context_tokens + self.per_output_row_ms) * batch)
 
     def padded_batch(self, batch: int) -> int:
         """The decode rows a step really computes: ``batch`` rounded up to the smallest of ``decode_buckets``
@@ -114,11 +141,21 @@ class ServiceModel:
             prefill_tokens_per_s=self.prefill_tokens_per_s * prefill_x,
             decode_step_base_ms=self.decode_step_base_ms / decode_x,
             decode_step_per_seq_ms=self.decode_step_per_seq_ms / decode_x,
+            decode_per_context_token_ms=self.decode_per_context_token_ms / decode_x,
             prefill_overhead_ms=self.prefill_overhead_ms / prefill_x,
+            prefill_per_token_pair_ms=self.prefill_per_token_pair_ms / prefill_x,
+            prefill_per_row_ms=self.prefill_per_row_ms / prefill_x,
+            prefill_off_grid_per_token_ms=self.prefill_off_grid_per_token_ms / prefill_x,
             kv_capacity_tokens=kv_capacity_tokens if kv_capacity_tokens is not None else self.kv_capacity_tokens,
             max_batch_requests=max_batch_requests or self.max_batch_requests,
             source=f"{self.source} × (prefill {prefill_x:g}, decode {decode_x:g}) — assumed speed-up",
         )
+
+
+def attention_pairs(new_tokens: int, cached_tokens: int) -> float:
+    """Query-key pairs a causal attention prefill scores for ``new_tokens`` after ``cached_tokens``:
+    ``new · cached + new · (new + 1) / 2`` (each new token sees the cache and the new tokens up to itself)."""
+    return new_tokens * cached_tokens + new_tokens * (new_tokens + 1) / 2
 
 
 SLORA_MAX_TOTAL_TOKENS = 10_000  # VTC-artifact fair_bench/launch_server.py: --num-token default

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from serve.fleet.routing.block_cache import BlockLRUCache, ReferenceBlockCache
 from serve.fleet.scaling.budgets import PriorityClass, TokenBucket
 from serve.fleet.scaling.scheduler import FCFSScheduler, VTCScheduler
 from serve.fleet.sim.reference import reference_simulate
-from serve.fleet.sim.service_model import ServiceModel, saturated_throughput_rps, vtc_a10g_preset
+from serve.fleet.sim.service_model import ServiceModel, attention_pairs, saturated_throughput_rps, vtc_a10g_preset
 from serve.fleet.sim.simulation import simulate
 from serve.fleet.sim.types import FleetConfig, FleetRequest, ScaleAt, requests_from_trace
 from serve.fleet.sim.vtc import replay_vtc_suite
@@ -326,3 +327,25 @@ def test_decode_rows_padded_to_buckets():
     assert _mixed_service(True).decode_step_ms(3) == pytest.approx(13.0)                   # no buckets: rows
     with pytest.raises(ValueError, match="decode_buckets"):
         ServiceModel(prefill_tokens_per_s=1000, decode_step_base_ms=10, decode_buckets=(0, 4))
+
+
+def test_attention_pairs_and_per_output_row_terms_by_hand():
+    """Prefill attention pairs = new * cached + new * (new + 1) / 2 (causal): 4 new tokens after 10 cached score
+    40 + 10 pairs. ``per_output_row_ms`` costs every row that emits a token: each prompt whose prefill ends and
+    each decode row (not the pad rows); ``scaled`` speeds up every term, the per-context and per-pair ones too."""
+    assert attention_pairs(4, 10) == 50 and attention_pairs(1, 0) == 1
+    svc = ServiceModel(prefill_tokens_per_s=1000, decode_step_base_ms=10, decode_step_per_seq_ms=1.0,
+                       prefill_overhead_ms=10, mixed_steps=True, decode_per_context_token_ms=0.1,
+                       prefill_per_token_pair_ms=0.01, per_output_row_ms=2.0, decode_buckets=(4,))
+    assert svc.prefill_batch_ms([(4, 10), (2, 0)]) == pytest.approx(10 + 6 + 0.01 * (50 + 3) + 2 * 2)
+    assert svc.decode_step_ms(3, 50) == pytest.approx(10 + 4 * 1.0 + 3 * (0.1 * 50 + 2.0))
+    assert svc.mixed_step_ms([(4, 10)], 3, 50) == pytest.approx(10 + 4 + 0.5 + 2 + 4 * 1.0 + 3 * (5 + 2))
+    fast = svc.scaled(2, 4)
+    assert (fast.prefill_per_token_pair_ms, fast.decode_per_context_token_ms) == pytest.approx((0.005, 0.025))
+    off = replace(svc, prefill_off_grid_per_token_ms=0.5, prefill_grid_tokens=8, prefill_per_row_ms=3.0)
+    assert off.prefill_batch_ms([(4, 10), (2, 16)]) == pytest.approx(svc.prefill_batch_ms([(4, 10), (2, 16)])
+                                                                     + 0.5 * 4 + 2 * 3.0)   # 10 is off the 8-grid
+    assert off.scaled(2, 1).prefill_off_grid_per_token_ms == pytest.approx(0.25)
+    for field in ("prefill_per_token_pair_ms", "per_output_row_ms"):
+        with pytest.raises(ValueError, match="per-pair, per-row"):
+            ServiceModel(prefill_tokens_per_s=1000, decode_step_base_ms=10, **{field: -1.0})

@@ -41,7 +41,9 @@ def on_engine(app, fn, timeout: float = 30.0):
         loop.close()
 
 
-def reference_texts(prompts, max_tokens, preset: str = "demo") -> list[bytes]:
-    """Each prompt's output bytes from a batch-1 run on a fresh cache-off engine (the reference)."""
+def reference_texts(prompts, max_tokens, preset: str = "demo", sampling=None) -> list[bytes]:
+    """Each prompt's output bytes from a batch-1 run on a fresh cache-off engine (the reference); ``sampling``:
+    one :class:`serve.sampling.SamplingParams` per prompt (None: greedy)."""
     engine = build_engine(EngineSpec(preset, prefix_cache=False, max_num_seqs=1), load_model(preset))
-    return [bytes(engine.generate(p, n).output_tokens) for p, n in zip(prompts, max_tokens)]
+    sampling = sampling or [None] * len(prompts)
+    return [bytes(engine.generate(p, n, sampling=sp).output_tokens) for p, n, sp in zip(prompts, max_tokens, sampling)]

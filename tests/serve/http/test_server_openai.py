@@ -101,7 +101,9 @@ def test_text_decoder_splits_like_one_decode(data, cuts):
     (dict(prompt="x" * MAX_LEN, max_tokens=1), "prompt"),                      # over the limit
     (dict(prompt="x", max_tokens=0), "max_tokens"),                           # out of range
     (dict(prompt="x" * 200, max_tokens=MAX_LEN - 199), "max_tokens"),
-    (dict(prompt="x", temperature=0.8), "temperature"),                       # greedy engine
+    (dict(prompt="x", temperature=2.5), "temperature"),                       # OpenAI's range is [0, 2]
+    (dict(prompt="x", top_p=0), "top_p"),
+    (dict(prompt="x", extra_body={"seed": -1}), "seed"),
     (dict(prompt="x", n=2), "n"),
     (dict(prompt=[256]), "prompt"),                                           # not a byte
     (dict(prompt=""), "prompt"),
@@ -213,3 +215,42 @@ def test_prefix_cache_and_missing_checkpoint_counters():
         assert metric(text, "sglang:mamba_cache_miss_requests_total", model_name=MODEL) == 1
         assert metric(text, "sglang:mamba_cache_miss_tokens_total", model_name=MODEL) == 32
         assert metric(text, "kda:checkpoints_held", model_name=MODEL) >= 1
+
+
+def test_seeded_sampling_is_reproducible_and_equals_its_batch1_run(client):
+    """temperature / top_p / seed are honoured per request: the same seed gives the same text, also while other
+    sampled requests share the batch, and it is the batch-1 run's text with those params (each request draws
+    from its own generator; rows are batch-invariant); temperature 0 and a top_p nucleus of one token are greedy."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serve.sampling import SamplingParams
+
+    prompts = ["Sampling: ", "Another prompt, longer than the first one. ", "x"]
+    seeds, n = [7, 8, 9], 12
+
+    def run(i):
+        return client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=n, temperature=1.3, top_p=0.95,
+                                         seed=seeds[i]).choices[0].text
+
+    with ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(run, range(3)))
+    alone = [run(i) for i in range(3)]
+    refs = reference_texts([list(p.encode()) for p in prompts], [n] * 3,
+                           sampling=[SamplingParams(1.3, 0.95, s) for s in seeds])
+    assert together == alone == [decode_all(r) for r in refs]
+    greedy = decode_all(reference_texts([list(prompts[0].encode())], [n])[0])
+    assert greedy not in together                                        # it did sample
+    for kwargs in (dict(temperature=0), dict(temperature=1.0, top_p=1e-9, seed=1)):
+        assert client.completions.create(model=MODEL, prompt=prompts[0], max_tokens=n, **kwargs).choices[0].text \
+            == greedy
+
+
+def test_tools_are_a_clear_400_not_an_unknown_field(client):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       tools=tools)
+    assert err.value.body["param"] == "tools" and "tool calls are not supported" in err.value.body["message"]
+    out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                         tool_choice="none")
+    assert out.usage.completion_tokens == 2

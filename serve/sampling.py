@@ -1,0 +1,85 @@
+"""Per-request sampling: ``SamplingParams`` (temperature, top-p, seed) and :func:`sample_token`.
+
+The engine picks each request's next token from that row's logits ``[256]`` (fp32) after the forward: greedy
+(argmax) at temperature 0, else a draw from ``softmax(logits / temperature)`` restricted to the top-p nucleus
+(Holtzman et al. 2019, "The Curious Case of Neural Text Degeneration", arXiv:1904.09751; vLLM's
+``vllm/v1/sample/ops/topk_topp_sampler.py`` keeps the smallest set of most likely tokens whose probability
+reaches ``top_p``). Each request owns a ``torch.Generator`` seeded with its ``seed`` (a fresh random seed when
+None) and draws one number per token in order, and a row's logits do not depend on its neighbours (batch
+invariance), so a seeded request emits the same tokens in any batch as alone.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, replace
+
+import torch
+
+MAX_TEMPERATURE = 2.0                       # the OpenAI API's range for temperature: [0, 2]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """``temperature`` in [0, 2] (0: greedy), ``top_p`` in (0, 1], ``seed``: an int in [0, 2**63) or None
+    (a random one). Raises ValueError naming the field for a value out of range, TypeError for a wrong type."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"{name} must be a number, got {type(v).__name__}")
+            if not math.isfinite(v):
+                raise ValueError(f"{name} must be finite, got {v}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE}], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def seeded(self) -> SamplingParams:
+        """These params with a seed: a fresh random one when ``seed`` is None and not greedy (so a request
+        preempted and recomputed draws the same tokens again)."""
+        if self.greedy or self.seed is not None:
+            return self
+        return replace(self, seed=random.SystemRandom().randrange(2**63))
+
+    def generator(self) -> torch.Generator | None:
+        """A CPU generator at ``seed``'s start (None when greedy: nothing is drawn). Call on :meth:`seeded`
+        params; raises ValueError when sampling without a seed."""
+        if self.greedy:
+            return None
+        if self.seed is None:
+            raise ValueError("generator() needs a seed: call seeded() first")
+        return torch.Generator().manual_seed(self.seed)
+
+
+GREEDY = SamplingParams()
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
+    """The next token from one row's ``logits`` ``[V]`` (fp32): argmax when greedy, else one draw with
+    ``generator`` from the temperature-scaled softmax cut to the top-p nucleus (the most likely token always
+    stays in). Raises ValueError for logits that are not one finite row."""
+    if logits.dim() != 1:
+        raise ValueError(f"logits must be one row [V], got shape {tuple(logits.shape)}")
+    if params.greedy:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / params.temperature, dim=-1)                       # [V]
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)                                         # [V], [V]
+        outside = sorted_p.cumsum(-1) - sorted_p >= params.top_p       # the mass before a token already reaches p
+        sorted_p = sorted_p.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)                          # [V]
+    return int(torch.multinomial(probs, 1, generator=generator))
