@@ -13,5 +13,5 @@ def test_state_write_section_first_render():
     charts = {c.proto.id.rsplit("-", 1)[-1] for c in at.get("plotly_chart")}
     assert any(c.endswith("p01_state_write_bytes") for c in charts), charts
     assert not any(c.endswith("p01_state_write_steps") for c in charts), "the sweep ran before its button"
-    assert [b.key for b in at.button] == ["p01_sweep_button"]
+    assert "p01_sweep_button" in [b.key for b in at.button]   # the acceptance section above has its own button
     assert at.select_slider(key="p01_ring").value == 16
