@@ -90,8 +90,8 @@ show_table(tdf, {"strategy": "Strategy", "bytes per verify": num("Bytes / verify
 ring_row, snap_row = tdf.set_index("strategy").loc["raw-input ring"], tdf.set_index("strategy").loc["snapshot"]
 refused = run.overflow.startswith("ValueError")   # sections 2 and 3 time rings sized for n; section 4's may not fit it
 st.write(
-    (f"(Timed on rings large enough for n = {num_draft}: section 4's ring of {capacity} slot(s) refuses such a "
-     "verify.) " if refused else "")
+    (f"(Measured on rings sized for n = {num_draft}, {num_draft + 1} slots: section 4's ring of {capacity} slot(s) "
+     "refuses such a verify.) " if refused else "")
     + f"At n = {num_draft} the ring holds {ring_row['memory vs snapshot']:.1%} of the snapshot's bytes but its commit "
     f"takes {ring_row['commit ms (all accepted)']:.2f} ms against {snap_row['commit ms (all accepted)']:.2f} ms for a "
     f"snapshot copy. Of the ring's commit, {ring_fit.a_s:.2f} ms is a fixed per-commit cost (eager torch calls, "
