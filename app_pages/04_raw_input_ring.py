@@ -3,7 +3,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from app_pages.acceptance import acceptance_section, draft, drafter_selector
+from app_pages.acceptance import acceptance_section, draft, drafter_selector, label
 from app_pages.caching import built_by_loaded_code
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
@@ -110,7 +110,7 @@ capped = f" (n = {num_draft} capped at window − 1 = {window - 1})" if used < n
 accepted = sum(r["accepted"] for r in run.steps)
 st.write(f"{capacity} slot{'' if capacity == 1 else 's'} × {DEMO.num_kda_layers} KDA layers × d = {width} × "
          f"{run.ring_bytes // (capacity * DEMO.num_kda_layers * width)} B = **{run.ring_bytes:,} B**; "
-         f"drafts of up to {used} tokens{capped} from the {drafter} drafter "
+         f"drafts of up to {used} tokens{capped} from the {label(drafter, acceptance)} drafter "
          f"({accepted} accepted over {len(run.steps)} verifies); "
          f"**{run.num_write_backs} forced write-back{'' if run.num_write_backs == 1 else 's'}** during the run, "
          "the red crosses below "
