@@ -65,7 +65,7 @@ def _measure(drafter: str, p: float, num_draft: int, size: RunSize):
 SIZES = {"bench": BENCH_SIZE, "quick": QUICK_SIZE}
 SIZE_LABELS = {"bench": f"the bench's: {BENCH_SIZE.num_prompts} prompts per kind × {BENCH_SIZE.new_tokens} bytes",
                "quick": f"quick: {QUICK_SIZE.num_prompts} prompts per kind × {QUICK_SIZE.new_tokens} bytes"}
-SIZE_HELP = ("The bench's prompts and bytes (`python -m bench.drafters`, the README's table) take about 30–60 s on "
+SIZE_HELP = ("The bench's prompts and bytes (`python -m bench.drafters`, the README's table) take about 20–60 s on "
              "this CPU; the quick run about 10 s, but with so few bytes the target's loops decide the ranking: too "
              "small to rank drafters.")
 
