@@ -136,7 +136,7 @@ fig4 = go.Figure([go.Bar(x=d.batch.astype(str), y=d.step_ms, name=name,
                          error_y=dict(type="data", symmetric=False, array=d.step_q3_ms - d.step_ms,
                                       arrayminus=d.step_ms - d.step_q1_ms))
                   for name, d in sw.groupby("state_write", sort=False)])
-fig4.update_layout(barmode="group", xaxis_title="decode batch (requests)",
+fig4.update_layout(barmode="group", xaxis_title="decode batch (requests)", xaxis_type="category",   # bars at 1, 4, 16 only
                    yaxis_title="decode step time (ms; bars = q1–q3)", height=340)
 show_chart(fig4, sw, key="p01_state_write_steps")
 measured_stamp(sweep.conditions)

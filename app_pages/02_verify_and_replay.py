@@ -4,7 +4,7 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from app_pages.acceptance import acceptance_section, draft, drafter_selector, target
+from app_pages.acceptance import acceptance_section, draft, drafter_selector, label, target
 from app_pages.charts import show_chart
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
@@ -15,7 +15,7 @@ from lab.verify import MODES, STRATEGIES, run_verify_lab
 st.title("verify_and_replay")
 st.write(
     "A 32-byte greedy generation of the trained 8-layer hybrid (6 KDA + 2 MLA layers, `weights/kda-demo`) after a "
-    "held-out stdlib prompt, with speculative decoding run live: the chosen drafter proposes n bytes (prompt lookup, "
+    "held-out stdlib prompt, with speculative decoding run live: the chosen drafter proposes n bytes (prompt lookup (n-gram), "
     "the trained 2-layer draft model, or the noisy oracle as a controlled experiment), the target verifies them in "
     "one pass without touching the committed caches, and the chosen strategy commits the state at the accepted "
     "length. After "
@@ -154,9 +154,9 @@ fig3 = go.Figure(go.Bar(x=live.position, y=100 * live.rate, marker_color="#2ca02
                         hovertemplate="position %{x}: %{customdata} of " + str(int(live.drafts.iloc[0]))
                                       + " drafts accepted<extra></extra>"))
 fig3.update_layout(xaxis_title="draft position i", xaxis_dtick=1, yaxis_range=[0, 115], height=300,
-                   yaxis_title="P(draft i accepted), % of steps")
+                   yaxis_title="P(draft i accepted) (%)")
 show_chart(fig3, live, key="p02_position_chart")
-st.caption(f"This run's acceptance per draft position ({drafter}, held-out {kind} prompt): accepted_i ÷ the "
+st.caption(f"This run's acceptance per draft position ({label(drafter, acceptance)}, held-out {kind} prompt): accepted_i ÷ the "
            f"{int(live.drafts.iloc[0])} verify steps that drafted with the full budget of n = {num_draft} "
            "(unconditional, vLLM's per-position rate, vllm#48892; a position past a short draft counts as not "
            "accepted). Section below: code vs prose over more prompts.")

@@ -3,7 +3,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from app_pages.acceptance import acceptance_section, draft, drafter_selector
+from app_pages.acceptance import acceptance_section, draft, drafter_selector, label
 from app_pages.caching import built_by_loaded_code
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
@@ -90,8 +90,8 @@ show_table(tdf, {"strategy": "Strategy", "bytes per verify": num("Bytes / verify
 ring_row, snap_row = tdf.set_index("strategy").loc["raw-input ring"], tdf.set_index("strategy").loc["snapshot"]
 refused = run.overflow.startswith("ValueError")   # sections 2 and 3 time rings sized for n; section 4's may not fit it
 st.write(
-    (f"(Timed on rings large enough for n = {num_draft}: section 4's ring of {capacity} slot(s) refuses such a "
-     "verify.) " if refused else "")
+    (f"(Measured on rings sized for n = {num_draft}, {num_draft + 1} slots: section 4's ring of {capacity} slot(s) "
+     "refuses such a verify.) " if refused else "")
     + f"At n = {num_draft} the ring holds {ring_row['memory vs snapshot']:.1%} of the snapshot's bytes but its commit "
     f"takes {ring_row['commit ms (all accepted)']:.2f} ms against {snap_row['commit ms (all accepted)']:.2f} ms for a "
     f"snapshot copy. Of the ring's commit, {ring_fit.a_s:.2f} ms is a fixed per-commit cost (eager torch calls, "
@@ -110,7 +110,7 @@ capped = f" (n = {num_draft} capped at window − 1 = {window - 1})" if used < n
 accepted = sum(r["accepted"] for r in run.steps)
 st.write(f"{capacity} slot{'' if capacity == 1 else 's'} × {DEMO.num_kda_layers} KDA layers × d = {width} × "
          f"{run.ring_bytes // (capacity * DEMO.num_kda_layers * width)} B = **{run.ring_bytes:,} B**; "
-         f"drafts of up to {used} tokens{capped} from the {drafter} drafter "
+         f"drafts of up to {used} tokens{capped} from the {label(drafter, acceptance)} drafter "
          f"({accepted} accepted over {len(run.steps)} verifies); "
          f"**{run.num_write_backs} forced write-back{'' if run.num_write_backs == 1 else 's'}** during the run, "
          "the red crosses below "

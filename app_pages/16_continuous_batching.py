@@ -22,7 +22,7 @@ budget = url_widget(c2.select_slider, "Token budget per step (tokens)", "p16_bud
                     DEFAULTS["max_num_batched_tokens"], [64, 128, 256, 512])
 slots = url_widget(c3.slider, "State slots", "p16_slots", DEFAULTS["num_state_slots"], 1, 16)
 spec = url_widget(c4.toggle, "Speculation", "p16_spec", DEFAULTS["speculation"],
-                  help="n-gram drafts (prompt lookup), verified in the batch alongside decode and prefill rows.")
+                  help="prompt lookup (n-gram) drafts, verified in the batch alongside decode and prefill rows.")
 
 
 @st.cache_data(show_spinner="Replaying the trace, then every request alone…", max_entries=32, ttl="1h")

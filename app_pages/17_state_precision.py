@@ -34,6 +34,7 @@ SUMMARY_COLUMNS = {
     "first_nonfinite": num("First non-finite token (0 = none)", "%d")}
 
 
+LEGEND_ON_TOP = dict(orientation="h", yanchor="bottom", y=1.02, x=0)   # below, it covered the rotated format names
 CLAIM_COLUMNS = {"source": "Source", "claim": "Reported", "ours": "Measured here", "verdict": "Verdict"}
 
 
@@ -46,7 +47,7 @@ def drift_charts(curves, key: str) -> None:
         for label, c in curves[curves.format != "fp32"].groupby("label", sort=False):
             fig.add_trace(go.Scatter(x=c.position, y=c[column].where(c[column] > 0), name=label, mode="lines"))
         fig.update_layout(xaxis_title="tokens decoded (log)", yaxis_title=title, xaxis_type="log", yaxis_type="log",
-                          legend=dict(orientation="h", y=-0.3))
+                          yaxis_tickformat="~e", legend=dict(orientation="h", y=-0.3))   # 5e-4, not "500µ"
         with col:
             show_chart(fig, curves, key=f"{key}_{column}")
 
@@ -58,7 +59,7 @@ def agreement_chart(summary, key: str) -> None:
                          ("accept_per_token", "draft acceptance per token (fp32's tokens as drafts)")):
         fig.add_trace(go.Bar(x=summary.label, y=summary[column], name=name))
     fig.update_layout(barmode="group", yaxis_title="fraction of positions (0–1)", xaxis_title="state format",
-                      yaxis_range=[0, 1.05], legend=dict(orientation="h", y=-0.35))
+                      yaxis_range=[0, 1.05], legend=LEGEND_ON_TOP)
     show_chart(fig, summary, key=key)
 
 
@@ -73,7 +74,7 @@ for model, c in cap.groupby("model", sort=False):
     fig.add_trace(go.Bar(x=c.label, y=c.max_requests, name=f"{model} (TP {int(c.tp.iloc[0])})",
                          text=[f"{v:.2f}×" for v in c.vs_fp32], textposition="outside"))
 fig.update_layout(barmode="group", yaxis_title="max concurrent requests (sequences)", xaxis_title="state format",
-                  legend=dict(orientation="h", y=-0.35))
+                  legend=LEGEND_ON_TOP)
 show_chart(fig, cap, key="p17_capacity_chart")
 show_table(cap[["model", "label", "tp", "slot_bytes", "slots_per_gb", "max_requests", "vs_fp32"]],
            {"model": "Model", "label": "Format", "tp": num("TP", "%d"), "slot_bytes": num("Slot bytes per GPU", "%,.0f"),

@@ -1,10 +1,12 @@
 """Measured draft acceptance on pages 01, 02 and 04: the drafter selector and the per-position chart.
 
-``drafter_selector`` puts the drafter (n-gram prompt lookup by default, the trained draft model, or the noisy
+``drafter_selector`` puts the drafter (prompt lookup (n-gram) by default, the trained draft model, or the noisy
 oracle as a labelled controlled experiment whose correctness slider shows only when it is chosen) in a column;
 ``acceptance_section`` measures acceptance per draft position on held-out code and prose prompts against the
-trained target, behind a button (a few seconds of CPU: kept off the first render), and draws it. The
-measurement is :func:`lab.drafters.measure_drafters`, cached (bounded) and shared by the three pages.
+trained target, behind a button (seconds to a minute of CPU: kept off the first render), and draws it, with the
+page's run conditions beside the bench's (``python -m bench.drafters``, the README's table). The measurement is
+:func:`lab.drafters.measure_drafters`, cached (bounded) and shared by the three pages; it defaults to the bench's
+prompts and bytes (:data:`lab.drafters.BENCH_SIZE`), with a quick option too small to rank drafters.
 """
 from __future__ import annotations
 
@@ -15,7 +17,17 @@ from app_pages.caching import built_by_loaded_code
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
-from lab.drafters import DRAFTERS, draft_model, measure_drafters, target_model
+from lab.drafters import (
+    BENCH_SIZE,
+    DRAFTER_LABELS,
+    DRAFTERS,
+    QUICK_SIZE,
+    RunSize,
+    bench_drafters,
+    draft_model,
+    measure_drafters,
+    target_model,
+)
 
 KIND_COLORS = {"code": "#1f77b4", "prose": "#ff7f0e"}
 ORACLE_HELP = ("Controlled experiment, not a real drafter: the target's own greedy token, replaced by a wrong one "
@@ -31,7 +43,8 @@ def drafter_selector(col, prefix: str, oracle_keys: tuple[str, ...] = ()) -> tup
     linked = any(k in st.query_params for k in (f"{prefix}_accept", *oracle_keys))
     default = "noisy oracle" if linked else DRAFTERS[0]
     drafter = url_widget(col.selectbox, "Drafter", f"{prefix}_drafter", default, list(DRAFTERS),
-                         help="n-gram: prompt lookup (copy what followed the last n bytes earlier in the text). "
+                         format_func=DRAFTER_LABELS.__getitem__,
+                         help="prompt lookup (n-gram): copy what followed the last n bytes earlier in the text. "
                               "draft model: the trained 2-layer model (1 KDA + 1 MLA) drafts greedily. noisy oracle: "
                               + ORACLE_HELP)
     p = 0.7
@@ -42,10 +55,48 @@ def drafter_selector(col, prefix: str, oracle_keys: tuple[str, ...] = ()) -> tup
 
 
 @st.cache_data(show_spinner="Speculative decoding of held-out code and prose…", max_entries=8, ttl="1h")
-def _measure(drafter: str, p: float, num_draft: int):
-    run = measure_drafters(target(), draft(), (drafter,), num_prompts=2, prompt_bytes=192, new_tokens=32,
-                           num_draft=num_draft, corrupt_prob=1.0 - p)
+def _measure(drafter: str, p: float, num_draft: int, size: RunSize):
+    run = measure_drafters(target(), draft(), (drafter,), num_prompts=size.num_prompts,
+                           prompt_bytes=size.prompt_bytes, new_tokens=size.new_tokens, num_draft=num_draft,
+                           corrupt_prob=1.0 - p)
     return run.positions, run.summary, run.conditions
+
+
+SIZES = {"bench": BENCH_SIZE, "quick": QUICK_SIZE}
+SIZE_LABELS = {"bench": f"the bench's: {BENCH_SIZE.num_prompts} prompts per kind × {BENCH_SIZE.new_tokens} bytes",
+               "quick": f"quick: {QUICK_SIZE.num_prompts} prompts per kind × {QUICK_SIZE.new_tokens} bytes"}
+SIZE_HELP = ("The bench's prompts and bytes (`python -m bench.drafters`, the README's table) take about 20–60 s on "
+             "this CPU; the quick run about 10 s, but with so few bytes the target's loops decide the ranking: too "
+             "small to rank drafters.")
+
+
+def label(drafter: str, p: float) -> str:
+    """The drafter's display name (:data:`lab.drafters.DRAFTER_LABELS`), the oracle's p included."""
+    return f"{drafter} (controlled, p = {p:.2f})" if drafter == "noisy oracle" else DRAFTER_LABELS[drafter]
+
+
+def conditions_caption(drafter: str, num_draft: int, cond: dict, summary) -> str:
+    """This run's conditions beside the bench's (the README's table), and the bench's accepted drafts per verify
+    for ``drafter``, so the page and the README can be read side by side."""
+    own = (f"This page's run: {cond['prompts_per_kind']} prompts per kind of ≤ {cond['prompt_bytes_max']} bytes, "
+           f"{cond['new_bytes_per_prompt']} bytes generated after each, n = {num_draft}")
+    rep = summary.set_index("kind").repetition_rate
+    loops = (f"The target repeats itself here ({', '.join(f'{rep[k]:.0%} of {k}' for k in rep.index)} output "
+             f"{cond['repetition_ngram_bytes']}-grams seen before) and prompt lookup copies those loops: the fewer the "
+             "bytes, the more a loop weighs, so a short run can rank prompt lookup above the draft model.")
+    shipped = bench_drafters()
+    if shipped is None:
+        return f"{own}. {loops} No shipped bench result: `python -m bench.drafters` writes one."
+    b, acc = shipped.conditions, shipped.summary.set_index(["drafter", "kind"]).mean_accepted
+    kinds = [k for k in rep.index if (drafter, k) in acc.index]
+    there = ", ".join(f"{k} {acc[(drafter, k)]:.2f}" for k in kinds)
+    rival = {"n-gram": "draft model", "draft model": "n-gram"}.get(drafter)
+    versus = (f" vs {DRAFTER_LABELS[rival]}'s " + ", ".join(f"{k} {acc[(rival, k)]:.2f}" for k in kinds)
+              if rival else "")
+    return (f"{own}; the bench's (`bench/results/drafters.json`, the README's table): {b['prompts_per_kind']} prompts "
+            f"per kind of ≤ {b['prompt_bytes_max']} bytes, {b['new_bytes_per_prompt']} bytes each, n = "
+            f"{b['num_draft']}, where {label(drafter, 1.0 - b['noisy_oracle_corrupt_prob'])} accepted {there} "
+            f"drafts per verify{versus}. {loops}")
 
 
 def acceptance_section(prefix: str, drafter: str, p: float, num_draft: int, title: str) -> None:
@@ -54,15 +105,17 @@ def acceptance_section(prefix: str, drafter: str, p: float, num_draft: int, titl
     on held-out code vs prose, and the summary table. Until the click it shows the button and returns: the
     rest of the page still renders (unlike ``run_on_request``, which stops the page)."""
     st.subheader(title)
-    label = f"{drafter} (controlled, p = {p:.2f})" if drafter == "noisy oracle" else drafter
     flag = f"{prefix}_acceptance_on"
+    size = url_widget(st.radio, "Run size", f"{prefix}_acceptance_size", "bench", list(SIZES),
+                      format_func=SIZE_LABELS.__getitem__, horizontal=True, help=SIZE_HELP)
     if not st.session_state.get(flag):
-        st.caption(f"Generates 32 bytes after two held-out code and two held-out prose prompts with the trained "
-                   f"target and the {label} drafter at n = {num_draft} (a few seconds on this CPU).")
+        st.caption(f"Generates {SIZES[size].new_tokens} bytes after {SIZES[size].num_prompts} held-out code and "
+                   f"{SIZES[size].num_prompts} held-out prose prompts with the trained target and the "
+                   f"{label(drafter, p)} drafter at n = {num_draft}.")
         st.button("Measure acceptance per position", key=f"{prefix}_acceptance_button", type="primary",
                   on_click=st.session_state.update, kwargs={flag: True})
         return
-    positions, summary, cond = engine_call(_measure, drafter, p, num_draft)
+    positions, summary, cond = engine_call(_measure, drafter, p, num_draft, SIZES[size])
     fig = go.Figure([go.Bar(x=part.position, y=100 * part.rate, name=kind, marker_color=KIND_COLORS[kind],
                             text=[f"{r:.0%}" for r in part.rate], textposition="outside",
                             customdata=100 * part.conditional_rate,
@@ -70,7 +123,7 @@ def acceptance_section(prefix: str, drafter: str, p: float, num_draft: int, titl
                                           "position − 1 accepted<extra>" + kind + "</extra>")
                      for kind, part in positions.groupby("kind", sort=False)])
     fig.update_layout(barmode="group", xaxis_title="draft position i", xaxis_dtick=1, yaxis_range=[0, 115],
-                      yaxis_title="P(draft token i accepted), % of verify steps with drafts",
+                      yaxis_title="P(draft i accepted) (%)",   # of verify steps with drafts: the caption
                       legend=dict(orientation="h", y=-0.3), height=340)
     show_chart(fig, positions, key=f"{prefix}_acceptance_chart")
     show_table(summary, {"kind": "Held-out prompts", "verify_steps": num("Verify steps", "%d"),
@@ -81,10 +134,7 @@ def acceptance_section(prefix: str, drafter: str, p: float, num_draft: int, titl
                          "matches_plain": "Output = plain greedy"})
     st.caption(f"Unconditional rate: accepted_i ÷ verify steps that carried a draft (vLLM's per-position "
                f"acceptance, vllm#48892), so it can only fall with i; hover shows P(i accepted | i − 1 accepted). "
-               f"Greedy verification by the trained target ({cond['target']}); {cond['prompts_per_kind']} prompts "
-               f"per kind of ≤ {cond['prompt_bytes_max']} bytes from held-out stdlib files, "
-               f"{cond['new_bytes_per_prompt']} bytes each; 1 torch thread, load average "
-               f"{cond['load_average_1min']:.2f}. Repetition: share of the target's output "
-               f"{cond['repetition_ngram_bytes']}-byte n-grams already seen in prompt + output — a looping target "
-               "inflates prompt-lookup acceptance. ik_llama.cpp#2369 reports 92 % (code) vs 47 % (stories) for a "
-               "draft model on a large LLM; the full table is `python -m bench.drafters`.")
+               f"Greedy verification by the trained target ({cond['target']}) on held-out stdlib files; 1 torch "
+               f"thread, load average {cond['load_average_1min']:.2f}. ik_llama.cpp#2369 reports 92 % (code) vs "
+               "47 % (stories) for a draft model on a large LLM.")
+    st.caption(conditions_caption(drafter, num_draft, cond, summary))

@@ -15,19 +15,18 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 
-from lab.drafters import DRAFTERS, draft_model, measure_drafters, target_model
+from lab.drafters import BENCH_RESULT, BENCH_SIZE, DRAFTERS, draft_model, measure_drafters, target_model
 from lab.threads import one_thread
 
-OUT = Path(__file__).parent / "results" / "drafters.json"
+OUT = BENCH_RESULT
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.drafters", description=__doc__.splitlines()[0])
-    p.add_argument("--prompts", type=int, default=6, help="held-out prompts per kind")
-    p.add_argument("--prompt-bytes", type=int, default=256)
-    p.add_argument("--new-bytes", type=int, default=96, help="bytes generated per prompt")
+    p.add_argument("--prompts", type=int, default=BENCH_SIZE.num_prompts, help="held-out prompts per kind")
+    p.add_argument("--prompt-bytes", type=int, default=BENCH_SIZE.prompt_bytes)
+    p.add_argument("--new-bytes", type=int, default=BENCH_SIZE.new_tokens, help="bytes generated per prompt")
     p.add_argument("--num-draft", type=int, default=6, help="draft tokens per verify step (positions)")
     ns = p.parse_args(argv)
     t0 = time.time()

@@ -4,7 +4,7 @@ Each held-out prompt (``train/corpus_manifest.json``'s held-out split, whole fil
 generated with greedy speculative decoding (:func:`serve.spec_decode.verify.speculative_generate`, snapshot
 rollback) by the trained target ``weights/kda-demo`` with one drafter:
 
-- ``n-gram``: prompt lookup (:class:`serve.spec_decode.draft.NgramProposer`, n = 3 down to 1);
+- ``n-gram``: prompt lookup (shown as "prompt lookup (n-gram)", :data:`DRAFTER_LABELS`) (:class:`serve.spec_decode.draft.NgramProposer`, n = 3 down to 1);
 - ``draft model``: the trained 2-layer draft ``weights/kda-draft`` (:class:`DraftModelProposer`);
 - ``noisy oracle``: the controlled experiment (the target's own tokens, each corrupted with probability p).
 
@@ -24,6 +24,7 @@ prompt + output: a model stuck in a loop drives it to 1 and inflates prompt-look
 from __future__ import annotations
 
 import functools
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,10 +42,43 @@ from serve.spec_decode.verify import draft_budget, make_strategy, speculative_ge
 from train.corpus import KINDS, documents
 
 DRAFTERS = ("n-gram", "draft model", "noisy oracle")
+DRAFTER_LABELS = {"n-gram": "prompt lookup (n-gram)", "draft model": "draft model", "noisy oracle": "noisy oracle"}
 WEIGHTS = Path(__file__).resolve().parents[1] / "weights"
 TARGET_DIR, DRAFT_DIR = WEIGHTS / "kda-demo", WEIGHTS / "kda-draft"
 REPEAT_NGRAM = 8            # bytes per n-gram of the repetition rate
 STEP_COLUMNS = ["drafter", "kind", "prompt", "step", "budget", "num_drafted", "num_accepted", "num_emitted"]
+BENCH_RESULT = Path(__file__).resolve().parents[1] / "bench" / "results" / "drafters.json"
+
+
+class RunSize(NamedTuple):
+    """How much one acceptance measurement generates: ``num_prompts`` held-out prompts per kind of at most
+    ``prompt_bytes`` bytes, ``new_tokens`` bytes generated after each."""
+
+    num_prompts: int
+    prompt_bytes: int
+    new_tokens: int
+
+
+BENCH_SIZE = RunSize(6, 256, 96)   # python -m bench.drafters (README table); pages 01, 02, 04 default to it
+QUICK_SIZE = RunSize(2, 192, 32)   # the pages' quick option: too few bytes to rank drafters (the target loops)
+
+
+class BenchDrafters(NamedTuple):
+    """The shipped ``python -m bench.drafters`` result: ``summary`` and ``positions`` frames as
+    :class:`DrafterRun` has them, and its ``conditions`` dict."""
+
+    summary: pd.DataFrame
+    positions: pd.DataFrame
+    conditions: dict
+
+
+def bench_drafters(path: Path = BENCH_RESULT) -> BenchDrafters | None:
+    """The shipped bench result at ``path`` (``bench/results/drafters.json``), or None when there is none."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    d = json.loads(path.read_text())
+    return BenchDrafters(pd.DataFrame(d["summary"]), pd.DataFrame(d["positions"]), d["conditions"])
 
 
 def target_model() -> HybridLM:

@@ -25,7 +25,7 @@ from serve.runnable import demo_model
 from serve.spec_decode.raw_input_ring import RawInputRing
 from serve.spec_decode.rollback import conv_window_after
 from serve.spec_decode.snapshot import SnapshotRollback
-from serve.spec_decode.verify import DecodeState, prefill_state, speculate, speculative_step, verify
+from serve.spec_decode.verify import DecodeState, prefill_state, speculate, verify, verify_and_replay
 
 WIDTHS = (64, 128, 256)
 DEMO = PRESETS["demo"]                  # ring_model changes only its width and heads
@@ -184,7 +184,8 @@ def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, 
     """A generation of ``max_new_tokens`` tokens through one ring (:func:`serve.spec_decode.verify.speculate`) with
     drafts of at most ``min(requested_draft, window - 1)`` tokens from ``drafter`` (one of
     :data:`lab.drafters.DRAFTERS`; the noisy oracle is right with probability ``acceptance``; ``draft``: the
-    draft model); then one verify of ``requested_draft`` tokens to show the overflow path. ``start``: the
+    draft model); then one verify of exactly ``requested_draft`` drafts (the target's next greedy tokens, whatever
+    the drafter would propose) to show the overflow path. ``start``: the
     prompt's prefilled state (default :func:`prompt_state`).
 
     Raises ValueError for a bad capacity/window (from :class:`RawInputRing`), requested_draft < 0, an unknown
@@ -206,8 +207,12 @@ def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, 
             state = step.result.state
         ring.check_integrity()                             # committed state == rebuild from the checkpoint
         slots, num_write_backs, num_free = ring.slot_table(), ring.num_write_backs, ring.num_free
+        # The probe verifies exactly requested_draft drafts, the target's own next tokens: a drafter may propose
+        # fewer (prompt lookup without a match proposes none), which would let a too-long n look as if it fit.
+        emitted = len(history) - len(prompt)                # reference[:emitted] is what the run emitted
+        probe_drafts = reference[emitted: emitted + requested_draft]
         try:
-            probe = speculative_step(model, state.cache, history, proposer, ring, requested_draft)
+            probe = verify_and_replay(model, DecodeState(state.cache, history[-1]), probe_drafts, ring)
             overflow = f"fits: {requested_draft + 1} verify tokens <= window {window}"
             if probe.forced_commit:
                 overflow += (f", after a forced write-back (only {num_free} of {capacity} slots were free); "

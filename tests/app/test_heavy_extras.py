@@ -6,6 +6,7 @@ from pathlib import Path
 
 from streamlit.testing.v1 import AppTest
 
+from tests.app.page_helpers import chart_spec, open_page
 from tests.app.verdicts import VERDICTS
 
 TIMEOUT_S = 300
@@ -68,3 +69,16 @@ def test_state_precision_run_behind_button():
     assert not at.exception, [e.value for e in at.exception]
     assert {"p17_run_state_rel_err", "p17_run_logit_max_abs"} <= {k.rsplit("-", 1)[-1] for k in _chart_keys(at)}
     VERDICTS["app_pages/17_state_precision.py"](at)                    # fp32 storage bitwise a plain decode
+
+
+def test_state_precision_charts_keep_their_labels():
+    """Regression: page 17's legends sat under the rotated format names, on the x title "state format", and cut
+    "… stochastic rounding"; the drift axis read ratios as "500µ". Legends of the format bar charts now sit above
+    the plot, and both drift axes print exponents (5e-4)."""
+    at = open_page("app_pages/17_state_precision.py")
+    assert not at.exception, [e.value for e in at.exception]
+    for key in ("p17_capacity_chart", "p17_bench_agreement"):
+        legend = chart_spec(at, key)["layout"]["legend"]
+        assert legend["yanchor"] == "bottom" and legend["y"] > 1, (key, legend)
+    for key in ("p17_bench_state_rel_err", "p17_bench_logit_max_abs"):
+        assert chart_spec(at, key)["layout"]["yaxis"]["tickformat"] == "~e", key

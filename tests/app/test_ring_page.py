@@ -41,12 +41,16 @@ def test_window_slider_is_bounded_by_capacity():
     assert window.value == 1 and window.disabled
 
 
-def test_timings_say_what_they_timed_when_the_ring_refuses_n():
-    """With one slot the ring of section 4 refuses a verify of n = 4 drafts; section 3's commit timings (rings sized
-    for n) say so instead of reading as a contradiction; at the defaults the note is absent."""
-    note = "(Timed on rings large enough for n = 4: section 4's ring of 1 slot(s) refuses such a verify.)"
-    assert any(m.value.startswith(note) for m in open_page(PAGE, p04_capacity=1).markdown)
-    assert not any("Timed on rings" in m.value for m in open_page(PAGE).markdown)
+@pytest.mark.parametrize("width", [64, 128])
+def test_timings_say_what_they_timed_when_the_ring_refuses_n(width):
+    """With one slot the ring of section 4 refuses a verify of n = 4 drafts at every width (at d = 64 the n-gram
+    drafter proposed fewer tokens and the overflow check said "fits"); section 3's bytes and commit timings (rings
+    sized for n) say so instead of reading as a contradiction; at the defaults the note is absent."""
+    note = "(Measured on rings sized for n = 4, 5 slots: section 4's ring of 1 slot(s) refuses such a verify.)"
+    at = open_page(PAGE, p04_capacity=1, p04_width=width)
+    assert any(m.value.startswith(note) for m in at.markdown)
+    assert any(w.value.startswith("Overflow — a verify of n = 4 drafts is refused") for w in at.warning)
+    assert not any("Measured on rings" in m.value for m in open_page(PAGE).markdown)
 
 
 def test_slot_labels_follow_counter_mod_capacity():

@@ -15,6 +15,7 @@ import re
 from streamlit.testing.v1 import AppTest
 
 from kda_core.chunk import CHUNK_SIZE
+from lab.drafters import DRAFTER_LABELS
 from lab.fleet import DISPLAY_NAMES
 from lab.prefix import WARM_TOLERANCE, shared_prefix_prompts
 from tests.app.page_helpers import chart_spec, plotly_values
@@ -92,7 +93,8 @@ def _p04(at: AppTest) -> None:
     assert len(plotly_values(crosses.get("x", []))) == int(sizes.group(1)), f"04: text {sizes.group(0)!r} vs chart"
     steps = chart_spec(at, "p04_occupancy_chart")["data"][0]
     assert max(plotly_values(steps["y"])) <= _widget(at, "p04_capacity"), "04: more slots in use than the capacity"
-    _one([m.value for m in at.markdown], f"from the {_widget(at, 'p04_drafter')} drafter \\(\\d+ accepted", "04")
+    name = re.escape(DRAFTER_LABELS[_widget(at, "p04_drafter")])                 # one name: "prompt lookup (n-gram)"
+    _one([m.value for m in at.markdown], f"from the {name}( \\(controlled, p = [\\d.]+\\))? drafter \\(\\d+ accepted", "04")
 
 
 def _p05(at: AppTest) -> None:

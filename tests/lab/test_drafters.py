@@ -1,14 +1,19 @@
 """lab.drafters: per-position acceptance accounting (unconditional and conditional) on a hand-made case, the
 repetition rate, held-out prompts, and a small end-to-end measurement whose outputs equal plain decoding."""
 import math
+import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
 
 from lab.drafters import (
+    BENCH_SIZE,
+    DRAFTER_LABELS,
     STEP_COLUMNS,
     acceptance_by_position,
+    bench_drafters,
     heldout_prompts,
     measure_drafters,
     repetition_rate,
@@ -90,3 +95,32 @@ def test_measure_drafters_partial_draft_rates_fall_with_position(target):
         measure_drafters(target, None, ("medusa",))
     with pytest.raises(ValueError, match="draft must be"):
         measure_drafters(target, None, ("draft model",), ("code",), num_prompts=1, prompt_bytes=64, new_tokens=4)
+
+
+def test_readme_drafter_table_and_claim_are_the_shipped_bench():
+    """Regression (the README said "the draft model beats prompt lookup on both kinds" beside a table it did not
+    check): every row of the README's drafter table, and the per-kind comparison in the sentence after it, equal
+    ``bench/results/drafters.json`` (rounded as printed)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    shipped = bench_drafters()
+    pos, summ = shipped.positions.set_index(["drafter", "kind"]), shipped.summary.set_index(["drafter", "kind"])
+    rows = re.findall(r"^\| ([^|]+) \| (code|prose) \| ([^|]+) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| (\d+)% \|$", readme, re.M)
+    assert len(rows) == 6, rows
+    names = {v: k for k, v in DRAFTER_LABELS.items()}
+    for name, kind, rates, drafts, mean_acc, per_verify, rep in rows:
+        key = (names[name], kind)
+        assert [f"{r:.0%}" for r in pos.loc[key].rate] == rates.split(" → "), key
+        assert int(drafts) == pos.loc[key].drafts.iloc[0], key
+        s = summ.loc[key]
+        assert (mean_acc, per_verify, int(rep)) == (f"{s.mean_accepted:.2f}", f"{s.bytes_per_verify:.2f}",
+                                                     round(100 * s.repetition_rate)), key
+    claim = re.search(r"accepts more drafts per verify\s+than prompt lookup on both kinds \(code ([\d.]+) vs ([\d.]+), "
+                      r"prose ([\d.]+) vs ([\d.]+)\)", readme)
+    acc = summ.mean_accepted
+    for i, kind in enumerate(("code", "prose")):
+        d, ng = acc[("draft model", kind)], acc[("n-gram", kind)]
+        assert d > ng and claim.group(1 + 2 * i, 2 + 2 * i) == (f"{d:.2f}", f"{ng:.2f}"), kind
+    c = shipped.conditions
+    assert (c["prompts_per_kind"], c["prompt_bytes_max"], c["new_bytes_per_prompt"]) == tuple(BENCH_SIZE)
+    assert (f"{c['prompts_per_kind']} held-out prompts per kind (≤ {c['prompt_bytes_max']} bytes" in readme
+            and f"{c['new_bytes_per_prompt']} bytes generated after each, n = {c['num_draft']} drafts" in readme)

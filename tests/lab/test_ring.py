@@ -84,6 +84,17 @@ def test_ring_run_write_backs_exclude_the_overflow_probe(model):
     assert run.num_write_backs == sum(s["forced_write_back"] for s in run.steps) == 1
 
 
+@pytest.mark.parametrize("drafter", ["n-gram", "noisy oracle"])
+def test_ring_run_overflow_probe_verifies_n_drafts_whatever_the_drafter(model, drafter):
+    """Regression (page 04 at d = 64, 1 slot, n = 4: "a verify of n = 4 drafts fits: 5 verify tokens <= window 1"):
+    the probe drafted with the page's drafter, and prompt lookup proposed fewer than n tokens, so a too-long n
+    looked as if it fit. The probe verifies exactly n drafts with every drafter."""
+    refused = ring_run(model, capacity=1, window=1, requested_draft=4, max_new_tokens=12, drafter=drafter)
+    assert refused.overflow.startswith("ValueError") and "rollback window of 1" in refused.overflow
+    fits = ring_run(model, capacity=8, window=5, requested_draft=4, max_new_tokens=12, drafter=drafter)
+    assert fits.overflow.startswith("fits: 5 verify tokens <= window 5")
+
+
 def test_ring_run_emits_exactly_the_run_length(model):
     """The run goes through the one speculative loop and its draft budget: it never over-emits (the
     prefill token plus accepted + 1 per step is exactly max_new_tokens)."""
