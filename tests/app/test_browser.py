@@ -233,6 +233,44 @@ def test_a_bad_number_in_a_link_is_ignored_in_the_browser(server, link, key, def
     assert f"{key}=" not in url, url[:200]
 
 
+def test_back_and_forward_step_through_the_views(server):
+    """A moved widget goes into the address bar (``app_pages.links.url_widget`` writes ``st.query_params``); the
+    browser's back and forward give the previous and next values back, and a page switch there and back keeps the
+    value, its key off the other page's URL."""
+    from playwright.sync_api import sync_playwright
+
+    def groups(page) -> str:
+        return page.locator(".st-key-p05_groups input[type='range']").first.evaluate("e => e.value")
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{server}/page_pool", wait_until="domcontentloaded")
+        _settle(page)
+        for _ in range(2):
+            page.locator(".st-key-p05_groups input[type='range']").first.focus()
+            page.keyboard.press("ArrowRight")
+            _settle(page)
+        seen = [(page.url, groups(page))]
+        page.go_back()
+        _settle(page)
+        seen.append((page.url, groups(page)))
+        page.go_forward()
+        _settle(page)
+        seen.append((page.url, groups(page)))
+        page.locator("[data-testid='stSidebarNav'] a", has_text=TABS[10].title).click()
+        _settle(page)
+        seen.append((page.url, None))
+        page.locator("[data-testid='stSidebarNav'] a", has_text=TABS[4].title).click()
+        _settle(page)
+        seen.append((page.url, groups(page)))
+        browser.close()
+    tails = [(url.removeprefix(server), value) for url, value in seen]
+    assert tails == [("/page_pool?p05_groups=3", "3"), ("/page_pool?p05_groups=2", "2"),
+                     ("/page_pool?p05_groups=3", "3"), ("/fleet_hashing", None),
+                     ("/page_pool?p05_groups=3", "3")], tails
+
+
 def test_concurrent_deep_links_on_fresh_server():
     """Three different deep links opened at the same moment on a freshly started server (a hosted app
     waking from sleep): every session gets st.navigation's sectioned list and its page, none the
