@@ -165,7 +165,8 @@ def _take_link(key: str, default, options, min_value, max_value, format_func, ma
     or wrote for it (a page load, a pasted link, the browser's back / forward): a value the widget can take becomes
     its value; one it cannot is removed from the URL with a notice and the widget keeps its value. A key gone from
     the URL that this session had put there (back to a view at the default) sets the widget back to ``default``.
-    Unchanged values are left alone: the widget's own value (the user's last move) wins."""
+    Unchanged values are left alone, and so is every value in a rerun the user started by moving a widget
+    (:func:`_widget_moved`): the widget's own value wins."""
     state = st.session_state
     raw = st.query_params.get_all(key) if key in st.query_params else []
     last = state.setdefault(LINKED, {}).get(key, ())
@@ -183,6 +184,16 @@ def _take_link(key: str, default, options, min_value, max_value, format_func, ma
         _set_link(key, [])                     # the widget must not take what the notice says was ignored
         st.toast(f"The link's {key}={_shown_link_value(raw, str(exc))} is {exc}; it was ignored.",
                  icon=":material/link_off:")
+
+
+def _widget_moved() -> None:
+    """``on_change`` of every url_widget: the user moved a widget, and this rerun carries the address bar's URL,
+    which may lag behind what the last run wrote (a second move before that run's URL update reached the
+    browser). Every key's URL values are taken as read, so no widget is seeded from them this run (the user's
+    move wins, as it does with Streamlit's own binding); the values drawn go back to the URL after."""
+    linked = st.session_state.setdefault(LINKED, {})
+    for key in linked:
+        linked[key] = tuple(st.query_params.get_all(key))
 
 
 def persist(key: str, default=None, *, options=None, min_value=None, max_value=None, format_func=None,
@@ -254,7 +265,7 @@ def url_widget(make, label: str, key: str, default, *args, known=None, clamp: bo
     (min and max of a slider / number_input, the options of a selectbox / radio / select_slider / multiselect).
     ``clamp``: the value's upper bound depends on another widget (:func:`persist_clamped`): True for the slider's max,
     or that bound; ``known``: the options do (every value they can ever hold, :func:`persist_within`). Other
-    ``kwargs`` go to the widget."""
+    ``kwargs`` go to the widget (not ``on_change``: url_widget sets it, :func:`_widget_moved`)."""
     kind = make.__name__
     format_func = kwargs.get("format_func")
     if kind in ("slider", "number_input"):
@@ -270,7 +281,7 @@ def url_widget(make, label: str, key: str, default, *args, known=None, clamp: bo
                  {"default" if kind == "multiselect" else "value": default})
     else:                                           # checkbox, toggle, text_input, text_area
         key, start = persist(key, default, max_chars=kwargs.get("max_chars")), {"value": default}
-    value = make(label, *args, key=key, persist_state="session", **start, **kwargs)
+    value = make(label, *args, key=key, persist_state="session", on_change=_widget_moved, **start, **kwargs)
     if clamp is not False:
         st.session_state[key + LAST_SHOWN] = value
     start_value = options[start["index"]] if "index" in start else next(iter(start.values()))
