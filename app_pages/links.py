@@ -10,18 +10,15 @@
   names.
 - ``persist_within`` / ``persist_clamped``: :func:`persist` for a widget whose options or upper bound depend on
   another widget (dependent widgets constrain each other instead of failing).
-- ``keep_page_links(prefix)``: called by ``app.py`` once the page is known; drops other pages' keys from the URL
-  (the address bar keeps the query string on a page switch).
+- ``keep_page_links(prefix)``: called by ``app.py`` once the page is known; drops the keys of other pages' widgets
+  from the URL (the address bar keeps the query string on a page switch).
 """
 from __future__ import annotations
-
-import re
 
 import streamlit as st
 
 PERSISTED_KEYS = "_persisted_widget_keys"  # every key handed out by persist(), for the tests
 LINKED = "_linked_url_values"              # {key: the URL values this session last read or wrote for it}
-PAGE_KEY = re.compile(r"p\d\d_\w+")       # a url_widget key: pNN_name, NN the page's number
 LAST_SHOWN = "__last_shown"                # suffix: a dependent slider's value when it was last on the page
 
 
@@ -230,15 +227,17 @@ def persist(key: str, default=None, *, options=None, min_value=None, max_value=N
 
 
 def keep_page_links(prefix: str) -> None:
-    """Remove from the URL every url_widget key (``pNN_name``) that does not start with ``prefix`` (``"p05_"``):
-    the browser keeps the query string when the user switches pages, and another page's values would otherwise
-    ride along in this page's links. Their widgets keep their values in the session (``persist_state``); this
-    session forgets it wrote them, so their absence is not read as "back to the default" on return."""
-    other = [k for k in st.query_params if PAGE_KEY.fullmatch(k) and not k.startswith(prefix)]
+    """Remove from the URL the keys of other pages' widgets this session has drawn (a url_widget key not starting
+    with ``prefix``, ``"p05_"``): the browser keeps the query string when the user switches pages, and they would
+    ride along in this page's links (Streamlit's own binding drops them too). A key whose widget this session never
+    drew stays: ``/?p04_draft=3``, then a switch to page 04, still opens it at 3. The widgets keep their values in
+    the session (``persist_state``); this session forgets it wrote them, so their absence is not read as "back to
+    the default" on return."""
+    linked = st.session_state.get(LINKED, {})
+    other = [k for k in st.query_params if k in linked and not k.startswith(prefix)]
     if other:
         kept = {k: st.query_params.get_all(k) for k in st.query_params if k not in other}
         st.query_params.from_dict(kept)       # one URL update for all
-    linked = st.session_state.get(LINKED, {})
     for k in [k for k in linked if not k.startswith(prefix)]:
         linked[k] = ()
 
