@@ -7,6 +7,7 @@ fonts and ``_stcore/health``/``host-config``), and saves a screenshot of each pa
 screenshot is the home page's) and a full-length one (``<page>_full.png``, to review every table and chart).
 Skips when Chromium is missing, unless ``REQUIRE_BROWSER=1``.
 """
+import contextlib
 import os
 import re
 import shutil
@@ -218,7 +219,8 @@ def test_a_bad_number_in_a_link_is_ignored_in_the_browser(server, link, key, def
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.add_init_script(TOAST_RECORDER)
         page.goto(f"{server}/{link}", wait_until="domcontentloaded")
-        _settle(page)
+        page.wait_for_selector(f".st-key-{key}", timeout=180_000)   # the run reached the widget (toast before it):
+        _settle(page)                                                # idle before the first run is not "settled"
         exc = page.locator("[data-testid='stException']")
         problem = exc.first.inner_text()[:300] if exc.count() else None
         toasts = page.evaluate("() => window.__toasts")
@@ -242,28 +244,35 @@ def test_back_and_forward_step_through_the_views(server):
     def groups(page) -> str:
         return page.locator(".st-key-p05_groups input[type='range']").first.evaluate("e => e.value")
 
+    def step(page, url: str, value: str | None) -> tuple[str, str | None]:
+        """Wait (on a loaded machine a rerun can start late) for the address bar and the slider, then read both."""
+        with contextlib.suppress(PlaywrightTimeout):
+            page.wait_for_url(server + url, timeout=60_000)
+            _settle(page)
+            if value is not None:
+                page.wait_for_function("([sel, v]) => document.querySelector(sel)?.value === v",
+                                       arg=[".st-key-p05_groups input[type='range']", value], timeout=60_000)
+        return page.url, (groups(page) if value is not None else None)
+
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.goto(f"{server}/page_pool", wait_until="domcontentloaded")
+        page.wait_for_selector(".st-key-p05_groups input[type='range']", timeout=180_000)
         _settle(page)
-        for _ in range(2):
+        for g in ("2", "3"):
             page.locator(".st-key-p05_groups input[type='range']").first.focus()
             page.keyboard.press("ArrowRight")
-            _settle(page)
-        seen = [(page.url, groups(page))]
+            seen = [step(page, f"/page_pool?p05_groups={g}", g)]
         page.go_back()
-        _settle(page)
-        seen.append((page.url, groups(page)))
+        seen.append(step(page, "/page_pool?p05_groups=2", "2"))
         page.go_forward()
-        _settle(page)
-        seen.append((page.url, groups(page)))
+        seen.append(step(page, "/page_pool?p05_groups=3", "3"))
         page.locator("[data-testid='stSidebarNav'] a", has_text=TABS[10].title).click()
-        _settle(page)
-        seen.append((page.url, None))
+        seen.append(step(page, "/fleet_hashing", None))
         page.locator("[data-testid='stSidebarNav'] a", has_text=TABS[4].title).click()
-        _settle(page)
-        seen.append((page.url, groups(page)))
+        seen.append(step(page, "/page_pool?p05_groups=3", "3"))
         browser.close()
     tails = [(url.removeprefix(server), value) for url, value in seen]
     assert tails == [("/page_pool?p05_groups=3", "3"), ("/page_pool?p05_groups=2", "2"),
