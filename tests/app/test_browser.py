@@ -230,7 +230,7 @@ def test_a_bad_number_in_a_link_is_ignored_in_the_browser(server, link, key, def
         url = page.url
         browser.close()
     assert problem is None, problem
-    assert any(f"link's {key}=" in t and why in t and "it was ignored" in t for t in toasts), toasts
+    assert any(f"link's {key}=" in t and why in t and "it was ignored" in t for t in toasts), (toasts, value, url[-80:])
     assert float(value) == float(default), value
     assert f"{key}=" not in url, url[:200]
 
