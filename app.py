@@ -6,13 +6,18 @@ a folder of that name next to the entry file switches Streamlit to its legacy au
 """
 import streamlit as st
 
+from app_pages.links import keep_page_links
 from app_pages.registry import HOME, SECTIONS, TABS
 
 st.set_page_config(page_title="KDA Serve Lab", page_icon="assets/icon.png", layout="wide")
 
 nav = {section: [] for section in SECTIONS}
-nav[HOME.section].append(st.Page(HOME.path, title=HOME.title, icon=HOME.icon, url_path=HOME.url_path, default=True))
-for tab in TABS:
-    nav[tab.section].append(st.Page(tab.path, title=tab.title, icon=tab.icon, url_path=tab.url_path))
+tab_of = []   # (st.Page, Tab)
+for tab in [HOME, *TABS]:
+    page = st.Page(tab.path, title=tab.title, icon=tab.icon, url_path=tab.url_path, default=tab is HOME)
+    nav[tab.section].append(page)
+    tab_of.append((page, tab))
 
-st.navigation({section: pages for section, pages in nav.items() if pages}, expanded=True).run()
+page = st.navigation({section: pages for section, pages in nav.items() if pages}, expanded=True)
+keep_page_links(next(tab for p, tab in tab_of if p is page).link_prefix)   # other tabs' keys leave the URL
+page.run()

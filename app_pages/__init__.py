@@ -8,8 +8,9 @@ auto-discovered navigation. Pages import ours only through ``lab.*`` and these h
 concept                                     file            main function                         test (tests/app/)
 ==========================================  ==============  ====================================  ==============================
 the tabs, their sections and URL paths      registry.py     ``HOME``, ``TABS``, ``SECTIONS``      test_registry_order.py
-URL-bound widgets, link and state checks    links.py        ``url_widget``, ``persist``           test_query_params.py,
-                                                                                                  test_session_state.py
+URL-bound widgets, link and state checks    links.py        ``url_widget``, ``persist``,          test_query_params.py,
+                                                            ``keep_page_links``                   test_session_state.py,
+                                                                                                  test_links.py
 charts + CSV download, tables               charts.py       ``show_chart``, ``show_table``        test_log_ticks.py, test_tables.py
 a lab call: bad input as st.error           errors.py       ``engine_call``                       test_pages.py
 measured stamp, re-measure, heavy on click  measurement.py  ``measured_stamp``,                   test_measurements_w2.py,

@@ -1,20 +1,24 @@
 """URL-bound input widgets and the checking of their stored and linked values.
 
-- ``url_widget(make, label, key, default, *args, **kwargs)``: an input widget bound to the URL and kept
-  across page switches (Streamlit 1.67 ``bind="query-params"``, ``persist_state="session"``), its default,
-  options and bounds stated once; built on ``persist(key, default, options=..., min_value=..., max_value=...)``,
-  which checks a stored or linked value against them and falls back to the default with a notice. A widget
-  with ``format_func`` shows (and puts in the URL) the formatted label; its options and ``default`` stay the
-  code names.
+- ``url_widget(make, label, key, default, *args, **kwargs)``: an input widget kept in the URL (``?key=value``, a
+  multiselect or a range as the key repeated) and across page switches (``persist_state="session"``), its default,
+  options and bounds stated once. Synced by hand through the public ``st.query_params`` and ``st.session_state``:
+  :func:`persist` reads the key's URL value when it changed (a page load, a pasted link, the browser's back /
+  forward), checks it against the widget's type, options and bounds and seeds the widget with it, or ignores it
+  with a notice; after the widget is drawn its value goes back to the URL (removed when it is the default). A
+  widget with ``format_func`` carries the formatted label in the URL; its options and ``default`` stay the code
+  names.
 - ``persist_within`` / ``persist_clamped``: :func:`persist` for a widget whose options or upper bound depend on
   another widget (dependent widgets constrain each other instead of failing).
+- ``keep_page_links(prefix)``: called by ``app.py`` once the page is known; drops the keys of other pages' widgets
+  from the URL (the address bar keeps the query string on a page switch).
 """
 from __future__ import annotations
 
 import streamlit as st
 
 PERSISTED_KEYS = "_persisted_widget_keys"  # every key handed out by persist(), for the tests
-CHECKED_LINKS = "_checked_link_values"     # (key, URL values) already checked in this session
+LINKED = "_linked_url_values"              # {key: the URL values this session last read or wrote for it}
 LAST_SHOWN = "__last_shown"                # suffix: a dependent slider's value when it was last on the page
 
 
@@ -45,114 +49,172 @@ def _invalid(value, default, options, min_value, max_value) -> str | None:
 
 
 LINK_SHOWN_CHARS = 60   # a link value longer than this is cut in its notice (a 25,000-digit number, a long prompt)
+OPTIONS_SHOWN = 12      # a notice names at most this many of the values a widget takes
 
 
-def _url_value_problem(raw, default, options, min_value, max_value, format_func=None, max_chars=None) -> str | None:
-    """Why the URL value ``raw`` (a string, or a list of strings for a multiselect or a range) cannot be
-    the widget's value, or None. Strings are read as the type of ``default`` (bool: true / false; a number must
-    be finite: ``nan`` and ``inf`` are not values of a slider); a range (tuple ``default``) needs exactly two
-    values; a text longer than ``max_chars`` is not taken (Streamlit would cut it silently). With a
-    ``format_func`` the URL carries the option's label (as Streamlit writes it), not the option itself."""
-    if format_func is not None and options is not None:
-        options = [format_func(o) for o in options]
-    def cast(text):
-        if isinstance(default, bool):
-            if str(text).lower() not in ("true", "false"):
-                raise ValueError
-            return str(text).lower() == "true"
-        if isinstance(default, (int, float)) and options is None:
-            try:
-                value = type(default)(text)
-            except ValueError:
-                if str(text).strip().lstrip("+-").isdigit():    # over Python's 4,300-digit int() limit
-                    raise ValueError(f"outside [{min_value}, {max_value}]") from None
-                raise ValueError("not an integer" if isinstance(default, int) else "not a number") from None
-            if value != value or value in (float("inf"), float("-inf")):
-                raise ValueError("not a finite number")
-            return value
-        if options is not None:
-            match = [o for o in options if str(o) == str(text)]
-            if not match:
-                raise ValueError
-            return match[0]
-        return text
+class _Unreadable(ValueError):
+    """A URL value the widget cannot take; the message says why ("not an integer", "outside [0, 9]")."""
+
+
+def _labels(options, format_func) -> list[str]:
+    """The options as the URL carries them: the ``format_func`` label, else ``str``."""
+    return [str(format_func(o)) if format_func is not None else str(o) for o in options]
+
+
+def _takes(labels: list[str]) -> str:
+    """The values a widget takes, as a notice lists them (cut after :data:`OPTIONS_SHOWN`)."""
+    more = f", … ({len(labels)} in all)" if len(labels) > OPTIONS_SHOWN else ""
+    return ", ".join(labels[:OPTIONS_SHOWN]) + more
+
+
+def _read_one(text: str, default, options, min_value, max_value, format_func):
+    """One URL string read as the type of ``default`` (bool: true / false; a number must be finite: ``nan`` and
+    ``inf`` are not values of a slider) or as the option whose label it is. Raises :class:`_Unreadable`."""
+    if options is not None:
+        labels = _labels(options, format_func)
+        if text not in labels:
+            raise _Unreadable(f"not one of the values this widget takes now ({_takes(labels)})")
+        return options[labels.index(text)]
+    if isinstance(default, bool):
+        if text.lower() not in ("true", "false"):
+            raise _Unreadable("not true or false")
+        return text.lower() == "true"
+    if isinstance(default, (int, float)):
+        try:
+            value = type(default)(text)
+        except ValueError:
+            if text.strip().lstrip("+-").isdigit():    # over Python's 4,300-digit int() limit
+                raise _Unreadable(f"outside [{min_value}, {max_value}]") from None
+            raise _Unreadable("not an integer" if isinstance(default, int) else "not a number") from None
+        except OverflowError:
+            raise _Unreadable("not an integer") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise _Unreadable("not a finite number")
+        if (min_value is not None and value < min_value) or (max_value is not None and value > max_value):
+            raise _Unreadable(f"outside [{min_value}, {max_value}]")
+        return value
+    return text
+
+
+def _read_link(raw: list[str], default, options, min_value, max_value, format_func=None, max_chars=None):
+    """The widget value the URL values ``raw`` (the key's values, in order) ask for. Raises :class:`_Unreadable`
+    saying why the widget cannot take it: a one-value widget given the key more than once, a range (tuple
+    ``default``) not given exactly two values, an empty multiselect, a text longer than ``max_chars`` (Streamlit
+    would cut it silently), or a value :func:`_read_one` cannot read. With a ``format_func`` the URL carries the
+    option's label (as the widget shows it), not the option itself."""
+    def one(text, like):
+        return _read_one(text, like, options, min_value, max_value, format_func)
     if isinstance(default, tuple):           # a range: two ends, each read as the type of the range's ends
-        values = raw if isinstance(raw, list) else [raw]
-        if len(values) != 2:
-            return f"{len(values)} value{'' if len(values) == 1 else 's'}, not a range of two (give it twice)"
-        default = default[0]
-    if max_chars is not None and isinstance(raw, str) and len(raw) > max_chars:
-        return f"{len(raw):,} characters, over the {max_chars:,}-character limit"
-    if isinstance(default, list) and raw in ([], [""], ""):
-        return "an empty selection"
-    try:
-        values = [cast(v) for v in (raw if isinstance(raw, list) else [raw])]
-    except (TypeError, ValueError, OverflowError) as exc:
-        return str(exc) if str(exc).startswith(("not ", "outside ")) else "not a value this widget takes"
-    if options is None and any((min_value is not None and v < min_value) or (max_value is not None and v > max_value)
-                               for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)):
-        return f"outside [{min_value}, {max_value}]"
-    return None
+        if len(raw) != 2:
+            raise _Unreadable(f"{len(raw)} value{'' if len(raw) == 1 else 's'}, not a range of two (give it twice)")
+        return tuple(one(t, default[0]) for t in raw)
+    if isinstance(default, list):            # a multiselect
+        if raw in ([], [""]):
+            raise _Unreadable("an empty selection")
+        return [one(t, None) for t in raw]
+    if len(raw) > 1:
+        raise _Unreadable(f"given {len(raw)} times")
+    if max_chars is not None and len(raw[0]) > max_chars:
+        raise _Unreadable(f"{len(raw[0]):,} characters, over the {max_chars:,}-character limit")
+    return one(raw[0], default)
 
 
-def _drop_link_value(key: str) -> None:
-    """Remove ``key`` from this session's URL before a widget reads it, so the widget keeps its default.
+def _url_form(value, format_func=None) -> list[str]:
+    """A widget value as the URL carries it: the key's values, in order (a multiselect or a range repeats the key;
+    an empty multiselect is one empty value, ``?key=``). Booleans are ``true`` / ``false``, a whole float has no
+    ``.0`` (as Streamlit writes numbers), an option with ``format_func`` is its label."""
+    def one(v) -> str:
+        if format_func is not None:
+            return str(format_func(v))
+        if isinstance(v, bool):
+            return str(v).lower()
+        if isinstance(v, float) and v == v and abs(v) != float("inf") and v == int(v):
+            return str(int(v))
+        return str(v)
+    if isinstance(value, (list, tuple)):
+        return [one(v) for v in value] or [""]
+    return [one(value)]
 
-    Streamlit 1.67 seeds a bound widget from the URL values of the page load (``_initial_query_params``) and
-    from the current ones; it parses them itself and applies what it can (``?p00_new=1.5`` becomes 1, the last
-    of a repeated value wins, an empty multiselect value clears the selection) or raises from its deserializer
-    (``int(float('inf'))`` in ``number_input``: a stack trace). A value :func:`persist` reports as ignored is
-    therefore removed from both before the widget is built (the browser's address bar loses it too)."""
-    from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_run_ctx
 
-    ctx = get_script_run_ctx()
-    if ctx is None:                      # bare mode: no URL
-        return
-    with ctx.session_state.query_params() as qp:
-        qp.remove_param(key)
-        qp._initial_query_params.pop(key, None)   # Streamlit has no public call for the page load's values
-
-
-def _shown_link_value(raw: list[str]) -> str:
-    """A link's values as a notice shows them: joined by commas, cut to :data:`LINK_SHOWN_CHARS` characters."""
+def _shown_link_value(raw: list[str], why: str) -> str:
+    """A link's values as a notice shows them: joined by commas, cut to :data:`LINK_SHOWN_CHARS` characters (and
+    the length said, unless ``why`` says it already)."""
     text = ", ".join(raw)
-    return text if len(text) <= LINK_SHOWN_CHARS else f"{text[:LINK_SHOWN_CHARS]}… ({len(text):,} characters)"
+    if len(text) <= LINK_SHOWN_CHARS:
+        return text
+    return f"{text[:LINK_SHOWN_CHARS]}…" + ("" if " characters" in why else f" ({len(text):,} characters)")
+
+
+def _set_link(key: str, values: list[str]) -> None:
+    """Put ``key=values`` in the URL (none: remove the key) unless it is there already, and remember what the URL
+    now carries for it (:data:`LINKED`)."""
+    current = st.query_params.get_all(key) if key in st.query_params else []
+    if current != values:
+        if values:
+            st.query_params[key] = values
+        else:
+            del st.query_params[key]
+    st.session_state.setdefault(LINKED, {})[key] = tuple(values)
+
+
+def _take_link(key: str, default, options, min_value, max_value, format_func, max_chars) -> None:
+    """Seed ``st.session_state[key]`` from the key's URL values when they differ from those this session last read
+    or wrote for it (a page load, a pasted link, the browser's back / forward): a value the widget can take becomes
+    its value; one it cannot is removed from the URL with a notice and the widget keeps its value. A key gone from
+    the URL that this session had put there (back to a view at the default) sets the widget back to ``default``.
+    Unchanged values are left alone, and so is every value in a rerun the user started by moving a widget
+    (:func:`_widget_moved`): the widget's own value wins."""
+    state = st.session_state
+    raw = st.query_params.get_all(key) if key in st.query_params else []
+    last = state.setdefault(LINKED, {}).get(key, ())
+    if tuple(raw) == last:
+        return
+    if not raw:
+        state[LINKED][key] = ()
+        if default is not None:
+            state[key] = default
+        return
+    try:
+        state[key] = _read_link(raw, default, options, min_value, max_value, format_func, max_chars)
+        state[LINKED][key] = tuple(raw)
+    except _Unreadable as exc:
+        _set_link(key, [])                     # the widget must not take what the notice says was ignored
+        st.toast(f"The link's {key}={_shown_link_value(raw, str(exc))} is {exc}; it was ignored.",
+                 icon=":material/link_off:")
+
+
+def _widget_moved() -> None:
+    """``on_change`` of every url_widget: the user moved a widget, and this rerun carries the address bar's URL,
+    which may lag behind what the last run wrote (a second move before that run's URL update reached the
+    browser). Every key's URL values are taken as read, so no widget is seeded from them this run (the user's
+    move wins, as it does with Streamlit's own binding); the values drawn go back to the URL after."""
+    linked = st.session_state.setdefault(LINKED, {})
+    for key in linked:
+        linked[key] = tuple(st.query_params.get_all(key))
 
 
 def persist(key: str, default=None, *, options=None, min_value=None, max_value=None, format_func=None,
             max_chars=None) -> str:
-    """A widget key starting at ``default``; use as ``key=persist(...), persist_state="session"``.
+    """A widget key starting at ``default``, its value taken from the URL when the link changed; use as
+    ``key=persist(...), persist_state="session"`` and write the drawn value back with :func:`_set_link`.
 
-    The stored session value is checked on every run against the widget's constraints: the type of
-    ``default``, ``options`` (selectbox / select_slider / multiselect) and ``min_value`` /
-    ``max_value`` (slider / number_input). A None, wrongly typed or invalid value (e.g. from a
-    session written by another version of the page) falls back to ``default`` (or, when it is None,
-    to the widget's own first option) with a toast saying so. A widget bound to the URL
-    (``bind="query-params"``) whose query parameter is malformed (``nan``, ``inf``, ``1.5`` for an integer, one
-    end of a range, an empty multiselect), out of range, longer than ``max_chars`` (a text widget's limit) or given
-    twice for a one-value widget keeps its value, and a toast says the link's value was ignored: the value is
-    removed from the URL before the widget is built (:func:`_drop_link_value`), so Streamlit never parses it. A
-    link's value is checked once per session: when another widget later lowers this one's bound, the old link
-    value is not reported after the fact. Pass the widget's
-    ``format_func`` too: the URL then carries the option's label, and only a label is a valid link value.
+    The key's URL values are checked when they change (:func:`_take_link`): a malformed value (``nan``, ``inf``,
+    ``1.5`` for an integer, one end of a range, an empty multiselect), one out of range or not among the current
+    ``options``, longer than ``max_chars`` (a text widget's limit) or given twice for a one-value widget is removed
+    from the URL, the widget keeps its value and a toast says the link's value was ignored and why. A valid link
+    value, once applied, is not checked again: when another widget later lowers this one's bound, the old link
+    value is not reported after the fact. Pass the widget's ``format_func`` too: the URL then carries the option's
+    label, and only a label is a valid link value.
 
-    A widget bound to the URL also takes ``default`` as its own ``value=`` / ``index=`` / ``default=``:
-    Streamlit drops a URL value equal to the widget's declared default, which without it would be the
-    minimum or first option (``.streamlit/config.toml`` silences the resulting duplicate-default
-    warning). Returns key."""
+    The stored session value is then checked on every run against the widget's constraints: the type of
+    ``default``, ``options`` (selectbox / select_slider / multiselect) and ``min_value`` / ``max_value`` (slider /
+    number_input). A None, wrongly typed or invalid value (e.g. from a session written by another version of the
+    page) falls back to ``default`` (or, when it is None, to the widget's own first option) with a toast saying
+    so. The widget also takes ``default`` as its own ``value=`` / ``index=`` / ``default=`` (``.streamlit/
+    config.toml`` silences Streamlit's warning that session state sets it too: the two agree). Returns key."""
     state = st.session_state
     state.setdefault(PERSISTED_KEYS, set()).add(key)
-    raw = st.query_params.get_all(key) if key in st.query_params else []
-    checked = state.setdefault(CHECKED_LINKS, set())
-    if raw and (key, tuple(raw)) not in checked:   # once per value: a bound lowered later by another widget
-        checked.add((key, tuple(raw)))             # makes no old link value "bad" after the fact
-        many = len(raw) > 1 and not isinstance(default, (list, tuple))
-        why = f"given {len(raw)} times" if many else _url_value_problem(
-            raw if len(raw) > 1 or isinstance(default, (list, tuple)) else raw[0], default, options, min_value,
-            max_value, format_func, max_chars)
-        if why is not None:
-            _drop_link_value(key)                  # the widget must not take what the notice says was ignored
-            st.toast(f"The link's {key}={_shown_link_value(raw)} is {why}; it was ignored.", icon=":material/link_off:")
+    _take_link(key, default, options, min_value, max_value, format_func, max_chars)
     if key in state:
         why = _invalid(state[key], default, options, min_value, max_value)
         if why is not None:
@@ -162,6 +224,22 @@ def persist(key: str, default=None, *, options=None, min_value=None, max_value=N
     if key not in state and default is not None:
         state[key] = default
     return key
+
+
+def keep_page_links(prefix: str) -> None:
+    """Remove from the URL the keys of other pages' widgets this session has drawn (a url_widget key not starting
+    with ``prefix``, ``"p05_"``): the browser keeps the query string when the user switches pages, and they would
+    ride along in this page's links (Streamlit's own binding drops them too). A key whose widget this session never
+    drew stays: ``/?p04_draft=3``, then a switch to page 04, still opens it at 3. The widgets keep their values in
+    the session (``persist_state``); this session forgets it wrote them, so their absence is not read as "back to
+    the default" on return."""
+    linked = st.session_state.get(LINKED, {})
+    other = [k for k in st.query_params if k in linked and not k.startswith(prefix)]
+    if other:
+        kept = {k: st.query_params.get_all(k) for k in st.query_params if k not in other}
+        st.query_params.from_dict(kept)       # one URL update for all
+    for k in [k for k in linked if not k.startswith(prefix)]:
+        linked[k] = ()
 
 
 def persist_within(key: str, default, options: list, known) -> str:
@@ -179,14 +257,16 @@ OPTION_WIDGETS = ("selectbox", "radio", "select_slider", "multiselect")
 
 
 def url_widget(make, label: str, key: str, default, *args, known=None, clamp: bool | int = False, **kwargs):
-    """Call the input widget ``make`` (``st.slider``, ``cols[1].selectbox``, ...) bound to the URL and kept across
-    page switches, starting at ``default``; returns its value. The default, options and bounds are stated once, for
-    the widget and for :func:`persist` alike: ``args`` are the widget's own positional arguments after the label
+    """Call the input widget ``make`` (``st.slider``, ``cols[1].selectbox``, ...) kept in the URL and across page
+    switches, starting at ``default``; returns its value and puts it in the URL (no key at the default, as a
+    pasted link needs none). The default, options and bounds are stated once, for the widget and for
+    :func:`persist` alike: ``args`` are the widget's own positional arguments after the label
     (min and max of a slider / number_input, the options of a selectbox / radio / select_slider / multiselect).
     ``clamp``: the value's upper bound depends on another widget (:func:`persist_clamped`): True for the slider's max,
     or that bound; ``known``: the options do (every value they can ever hold, :func:`persist_within`). Other
-    ``kwargs`` go to the widget."""
+    ``kwargs`` go to the widget (not ``on_change``: url_widget sets it, :func:`_widget_moved`)."""
     kind = make.__name__
+    format_func = kwargs.get("format_func")
     if kind in ("slider", "number_input"):
         lo, hi = args[0], (args[1] if clamp is True or clamp is False else clamp)
         key = persist_clamped(key, default, lo, hi) if clamp is not False else persist(key, default, min_value=lo,
@@ -195,14 +275,17 @@ def url_widget(make, label: str, key: str, default, *args, known=None, clamp: bo
     elif kind in OPTION_WIDGETS:
         options = list(args[0])
         key = (persist_within(key, default, options, known) if known is not None else
-               persist(key, default, options=options, format_func=kwargs.get("format_func")))
+               persist(key, default, options=options, format_func=format_func))
         start = ({"index": options.index(default)} if kind in ("selectbox", "radio") else
                  {"default" if kind == "multiselect" else "value": default})
     else:                                           # checkbox, toggle, text_input, text_area
         key, start = persist(key, default, max_chars=kwargs.get("max_chars")), {"value": default}
-    value = make(label, *args, key=key, bind="query-params", persist_state="session", **start, **kwargs)
+    value = make(label, *args, key=key, persist_state="session", on_change=_widget_moved, **start, **kwargs)
     if clamp is not False:
         st.session_state[key + LAST_SHOWN] = value
+    start_value = options[start["index"]] if "index" in start else next(iter(start.values()))
+    form = _url_form(value, format_func)
+    _set_link(key, [] if form == _url_form(start_value, format_func) else form)   # the default: no key in the URL
     return value
 
 

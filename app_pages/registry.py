@@ -15,6 +15,11 @@ class Tab(NamedTuple):
     icon: str
     blurb: str
 
+    @property
+    def link_prefix(self) -> str:
+        """The prefix of the tab's URL keys: ``p05_`` for ``05_page_pool.py`` (``app_pages.links.url_widget``)."""
+        return f"p{self.path.rsplit('/', 1)[-1][:2]}_"
+
 
 HOME = Tab("Overview", "app_pages/00_home.py", "home", "Home", ":material/home:", "what the second request saves")
 

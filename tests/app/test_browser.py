@@ -7,6 +7,7 @@ fonts and ``_stcore/health``/``host-config``), and saves a screenshot of each pa
 screenshot is the home page's) and a full-length one (``<page>_full.png``, to review every table and chart).
 Skips when Chromium is missing, unless ``REQUIRE_BROWSER=1``.
 """
+import contextlib
 import os
 import re
 import shutil
@@ -218,7 +219,8 @@ def test_a_bad_number_in_a_link_is_ignored_in_the_browser(server, link, key, def
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         page.add_init_script(TOAST_RECORDER)
         page.goto(f"{server}/{link}", wait_until="domcontentloaded")
-        _settle(page)
+        page.wait_for_selector(f".st-key-{key}", timeout=180_000)   # the run reached the widget (toast before it):
+        _settle(page)                                                # idle before the first run is not "settled"
         exc = page.locator("[data-testid='stException']")
         problem = exc.first.inner_text()[:300] if exc.count() else None
         toasts = page.evaluate("() => window.__toasts")
@@ -228,9 +230,54 @@ def test_a_bad_number_in_a_link_is_ignored_in_the_browser(server, link, key, def
         url = page.url
         browser.close()
     assert problem is None, problem
-    assert any(f"link's {key}=" in t and why in t and "it was ignored" in t for t in toasts), toasts
+    assert any(f"link's {key}=" in t and why in t and "it was ignored" in t for t in toasts), (toasts, value, url[-80:])
     assert float(value) == float(default), value
     assert f"{key}=" not in url, url[:200]
+
+
+def test_back_and_forward_step_through_the_views(server):
+    """A moved widget goes into the address bar (``app_pages.links.url_widget`` writes ``st.query_params``); the
+    browser's back and forward give the previous and next values back, and a page switch there and back keeps the
+    value, its key off the other page's URL."""
+    from playwright.sync_api import sync_playwright
+
+    def groups(page) -> str:
+        return page.locator(".st-key-p05_groups input[type='range']").first.evaluate("e => e.value")
+
+    def step(page, url: str, value: str | None) -> tuple[str, str | None]:
+        """Wait (on a loaded machine a rerun can start late) for the address bar and the slider, then read both."""
+        with contextlib.suppress(PlaywrightTimeout):
+            page.wait_for_url(server + url, timeout=60_000)
+            _settle(page)
+            if value is not None:
+                page.wait_for_function("([sel, v]) => document.querySelector(sel)?.value === v",
+                                       arg=[".st-key-p05_groups input[type='range']", value], timeout=60_000)
+        return page.url, (groups(page) if value is not None else None)
+
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS, headless=True)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.goto(f"{server}/page_pool", wait_until="domcontentloaded")
+        page.wait_for_selector(".st-key-p05_groups input[type='range']", timeout=180_000)
+        _settle(page)
+        for g in ("2", "3"):
+            page.locator(".st-key-p05_groups input[type='range']").first.focus()
+            page.keyboard.press("ArrowRight")
+            seen = [step(page, f"/page_pool?p05_groups={g}", g)]
+        page.go_back()
+        seen.append(step(page, "/page_pool?p05_groups=2", "2"))
+        page.go_forward()
+        seen.append(step(page, "/page_pool?p05_groups=3", "3"))
+        page.locator("[data-testid='stSidebarNav'] a", has_text=TABS[10].title).click()
+        seen.append(step(page, "/fleet_hashing", None))
+        page.locator("[data-testid='stSidebarNav'] a", has_text=TABS[4].title).click()
+        seen.append(step(page, "/page_pool?p05_groups=3", "3"))
+        browser.close()
+    tails = [(url.removeprefix(server), value) for url, value in seen]
+    assert tails == [("/page_pool?p05_groups=3", "3"), ("/page_pool?p05_groups=2", "2"),
+                     ("/page_pool?p05_groups=3", "3"), ("/fleet_hashing", None),
+                     ("/page_pool?p05_groups=3", "3")], tails
 
 
 def test_concurrent_deep_links_on_fresh_server():

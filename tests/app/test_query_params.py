@@ -1,8 +1,8 @@
-"""Shareable views: every page binds the widgets that define its view to the URL
-(``bind="query-params"``, Streamlit 1.67), so a pasted link reproduces the view.
+"""Shareable views: every page keeps the widgets that define its view in the URL (``app_pages.links.url_widget``:
+``?key=value``, synced through the public ``st.query_params``), so a pasted link reproduces the view.
 
-For every tab in app_pages/registry.py the bound widgets are found by introspection (a widget proto
-carries ``query_param_key`` when it is bound), then the page is opened three more times with query
+For every tab in app_pages/registry.py the URL widgets are found by their keys (every key ``url_widget`` hands
+out is listed in ``st.session_state[PERSISTED_KEYS]``), then the page is opened three more times with query
 params set before its first run, as a deep link does:
 
 - a valid non-default value per bound widget: every widget takes it;
@@ -11,7 +11,7 @@ params set before its first run, as a deep link does:
   exception, no ``st.error`` (except those allow-listed in tests/app/allowed_errors.py);
 - an out-of-range number per numeric widget and an unknown option per choice widget: same.
 
-A page with no bound widget fails, unless it is listed in ``PENDING`` (pages whose binding is being
+A page with no URL widget fails, unless it is listed in ``PENDING`` (pages whose binding is being
 added on another branch; the lead empties the set after merging).
 """
 import functools
@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from app_pages.links import PERSISTED_KEYS
 from app_pages.registry import HOME, TABS
 from tests.app.allowed_errors import allowed
 
@@ -34,14 +35,9 @@ NUMERIC = {"slider", "number_input"}
 
 
 def _bound(at: AppTest) -> dict[str, tuple[str, object]]:
-    """``{query param key: (widget type, widget)}`` of every widget bound to the URL."""
-    out = {}
-    for kind in WIDGET_TYPES:
-        for w in at.get(kind):
-            qp = getattr(w.proto, "query_param_key", "")
-            if qp:
-                out[qp] = (kind, w)
-    return out
+    """``{query param key: (widget type, widget)}`` of every widget kept in the URL (its key is the param)."""
+    keys = at.session_state[PERSISTED_KEYS] if PERSISTED_KEYS in at.session_state else set()
+    return {w.key: (kind, w) for kind in WIDGET_TYPES for w in at.get(kind) if w.key in keys}
 
 
 def _open(path: str, params: dict | None = None) -> AppTest:
@@ -59,10 +55,9 @@ def _open(path: str, params: dict | None = None) -> AppTest:
 
 def _valid_other(kind: str, w) -> tuple[object, object]:
     """(query param value, expected widget value) for a valid value other than the current (default)
-    one: the lowest / first one where possible. Streamlit drops a URL value equal to the widget's
-    OWN default (``value=``/``index=``, else the minimum / first option) and keeps the session value
-    instead, so a widget whose page default is set only through session state cannot be shared at
-    its minimum or first option; this choice catches that."""
+    one: the lowest / first one where possible (with Streamlit's own URL binding, a value equal to the widget's
+    declared default, the minimum / first option unless the page passed ``value=`` / ``index=``, was dropped
+    from a link; this choice catches such a loss)."""
     if isinstance(w.value, (tuple, list)) and kind in ("slider", "select_slider"):   # a range: repeated params
         opts = [str(o) for o in w.options] if kind == "select_slider" else [str(w.min), str(w.min + (w.step or 1))]
         lo, hi = opts[0], opts[1]
@@ -137,7 +132,7 @@ def test_query_params(tab) -> None:
     if not bound:
         if pending:
             pytest.skip(f"{path}: binding pending on another branch")
-        pytest.fail(f"{path}: no widget is bound to the URL (bind='query-params')")
+        pytest.fail(f"{path}: no widget is kept in the URL (app_pages.links.url_widget)")
     defaults = {key: _normal(kind, _shown(kind, w)) for key, (kind, w) in bound.items()}
 
     valid = {key: _valid_other(kind, w) for key, (kind, w) in bound.items()}

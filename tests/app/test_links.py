@@ -1,0 +1,140 @@
+"""app_pages/links.py: widgets kept in the URL through public Streamlit API only.
+
+- No file of the app (``app.py``, ``app_pages/``, ``lab/``) imports Streamlit's internals (``streamlit.runtime``,
+  any ``streamlit.*`` module but the public ``streamlit.components.v1``) or reads a private attribute (``._name``)
+  of ``st`` / ``streamlit`` or of an object reached from it (``st.query_params._initial_query_params``).
+- ``url_widget`` writes a widget's value to the URL after it is drawn (no key at the default), reads it back when
+  the link changes (the browser's back / forward), and ``app.py`` keeps only the open page's keys in the URL while
+  the widgets keep their values across page switches.
+- A link's notice names the values a widget takes and states a long value's length once.
+"""
+import ast
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+REPO = Path(__file__).resolve().parents[2]
+APP = str(REPO / "app.py")
+PUBLIC_MODULES = {"streamlit", "streamlit.components.v1"}
+
+
+def private_streamlit_uses(source: str) -> list[str]:
+    """``line: what`` for each import of a non-public Streamlit module and each private attribute (``._name``,
+    not a dunder) read from ``st`` / ``streamlit`` or from an attribute, call or subscript chain starting there."""
+    tree = ast.parse(source)
+    names = {"streamlit"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "streamlit":
+                    names.add(a.asname or a.name)
+                    if a.name not in PUBLIC_MODULES:
+                        found.append(f"{node.lineno}: import {a.name}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "streamlit":
+            if node.module not in PUBLIC_MODULES:
+                found.append(f"{node.lineno}: from {node.module} import ...")
+            found += [f"{node.lineno}: from {node.module} import {a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            root = node.value
+            while isinstance(root, (ast.Attribute, ast.Call, ast.Subscript)):
+                root = root.func if isinstance(root, ast.Call) else root.value
+            if isinstance(root, ast.Name) and root.id in names | {"st"}:
+                found.append(f"{node.lineno}: .{node.attr}")
+    return found
+
+
+def _app_files() -> list[Path]:
+    return [REPO / "app.py", *sorted((REPO / "app_pages").glob("*.py")), *sorted((REPO / "lab").rglob("*.py"))]
+
+
+def test_no_private_streamlit_api():
+    uses = {str(p.relative_to(REPO)): u for p in _app_files() if (u := private_streamlit_uses(p.read_text()))}
+    assert not uses, uses
+
+
+@pytest.mark.parametrize("source", [
+    "from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_run_ctx",
+    "import streamlit.runtime.state",
+    "import streamlit as st\nst.query_params._initial_query_params.pop('k', None)",
+    "import streamlit as st\nst.session_state._state",
+    "import streamlit as x\nx.context._ctx().y",
+], ids=["runtime-from", "runtime-import", "query-params", "session-state", "aliased-call"])
+def test_private_streamlit_uses_are_found(source):
+    """The scan itself: each private use, as the old links.py made them, is reported."""
+    assert private_streamlit_uses(source)
+
+
+def test_public_streamlit_uses_pass():
+    assert not private_streamlit_uses("import streamlit as st\nimport streamlit.components.v1 as c\n"
+                                      "st.query_params.get_all('k')\nst.session_state.__class__\nx._y")
+
+
+def _run(at: AppTest) -> AppTest:
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def test_url_widget_keeps_the_url_in_step():
+    """Page 05: a link's value is taken; a moved widget goes into the URL and leaves it at its default; a URL that
+    changes under the session (back / forward) sets the widget, but not in a rerun started by moving a widget (the
+    address bar may lag behind); another page's URL carries none of page 05's keys,
+    and on return the widgets and the URL have the values again."""
+    at = AppTest.from_file(APP, default_timeout=180)
+    at.switch_page("app_pages/05_page_pool.py")
+    at.query_params["p05_seed"] = "3"
+    _run(at)
+    assert at.number_input(key="p05_seed").value == 3 and at.query_params == {"p05_seed": "3"}
+    at.slider(key="p05_groups").set_value(3)
+    _run(at)
+    assert at.query_params == {"p05_seed": "3", "p05_groups": "3"}
+    at.slider(key="p05_groups").set_value(1)                   # the default: the key leaves the URL
+    _run(at)
+    assert at.query_params == {"p05_seed": "3"}
+    at.query_params["p05_groups"] = "2"                         # forward to a view with G = 2
+    _run(at)
+    assert at.slider(key="p05_groups").value == 2
+    del at.query_params["p05_groups"]                           # back to the view at the default
+    _run(at)
+    assert at.slider(key="p05_groups").value == 1
+    at.slider(key="p05_groups").set_value(3)
+    _run(at)
+    at.query_params.clear()                                    # a second move before the URL update arrived:
+    at.slider(key="p05_groups").set_value(4)                   # the rerun carries a stale URL; the move wins
+    _run(at)
+    assert at.slider(key="p05_groups").value == 4 and at.number_input(key="p05_seed").value == 3
+    assert at.query_params == {"p05_seed": "3", "p05_groups": "4"}
+    at.switch_page("app_pages/00_home.py")
+    _run(at)
+    assert not [k for k in at.query_params if k.startswith("p05_")], at.query_params
+    at.switch_page("app_pages/05_page_pool.py")
+    _run(at)
+    assert at.slider(key="p05_groups").value == 4 and at.number_input(key="p05_seed").value == 3
+    assert at.query_params == {"p05_seed": "3", "p05_groups": "4"}
+    assert not at.toast, [t.value for t in at.toast]
+
+
+def _notices(path: str, params: dict, key: str) -> list[str]:
+    at = AppTest.from_file(APP, default_timeout=180)
+    at.switch_page(path)
+    for k, v in params.items():
+        at.query_params[k] = v
+    _run(at)
+    return [t.value for t in at.toast if f"link's {key}=" in t.value]
+
+
+def test_an_option_not_offered_names_the_values_taken():
+    """Regression: ``?p15_tp=1`` with the A100 said only "not a value this widget takes"."""
+    notices = _notices("app_pages/15_real_scale.py", {"p15_gpu": "A100", "p15_tp": "1"}, "p15_tp")
+    assert len(notices) == 1 and "takes now (2, 4, 8, 16)" in notices[0], notices
+
+
+def test_a_long_value_states_its_length_once():
+    """Regression: the notice for a text over its limit gave the length twice ("… (2,001 characters) is 2,001
+    characters, over the 2,000-character limit")."""
+    notices = _notices("app_pages/00_home.py", {"p00_first": "x" * 2_001}, "p00_first")
+    assert len(notices) == 1 and notices[0].count("2,001") == 1, notices
