@@ -287,19 +287,34 @@ def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float
 SIM_VS_ENGINE_JSON = Path(__file__).resolve().parents[1] / "bench" / "results" / "sim_vs_engine.json"
 SIM_METRICS = {"ttft_p50_ms": "TTFT P50 (ms)", "ttft_p99_ms": "TTFT P99 (ms)", "tpot_mean_ms": "TPOT mean (ms)",
                "tpot_p50_ms": "TPOT P50 (ms)", "request_throughput_rps": "Throughput (req/s)"}
+SIM_GOAL_PCT = 10.0                    # the simulator's accuracy goal: MAPE over rates <= 10 % per metric
+UNINFORMATIVE = "uninformative below saturation: completed ≈ offered"
+
+
+def saturated(completed_rps, offered_rps, num_requests: int):
+    """Whether a replay of ``num_requests`` Poisson arrivals at ``offered_rps`` completed clearly below the offered
+    rate (the server fell behind). Below saturation the completed rate only echoes the arrivals: the N-th arrival
+    of a Poisson process at rate λ is Gamma(N, λ), so N / (its time) spreads by about 1 / √N around λ, and a
+    rate within 2 / √N of λ (29 % for N = 48) says nothing about the server. Works elementwise on arrays."""
+    return completed_rps < offered_rps * (1.0 - 2.0 / math.sqrt(num_requests))
 
 
 def sim_vs_engine_record(path: Path | str = SIM_VS_ENGINE_JSON) -> dict:
     """The recorded ``python -m bench.sim_vs_engine`` run: the fleet simulator (one replica, its service model
     fitted to steps of the batched engine) against the same trace replayed through the real HTTP server.
 
-    Returns ``{"meta": dict, "rows": DataFrame[rate_rps, metric, label, measured, predicted, error_pct],
-    "mape": DataFrame[metric, label, mape_pct, rates], "steps": DataFrame}`` (steps: the calibration points,
+    Returns ``{"meta": dict, "rows": DataFrame[rate_rps, metric, label, measured, predicted, error_pct,
+    informative], "mape": DataFrame[metric, label, mape_pct, rates, informative_rates, judged_mape_pct, verdict],
+    "steps": DataFrame}`` (steps: the calibration points,
     fitted and held out: the run's calibration, or in older runs the first rate's) and the error's sources (:func:`_error_sources`: ``variants``,
     ``variant_mape``, ``parts``, ``step_check``, ``server``). ``error_pct = |predicted - measured| / measured * 100`` and the
     MAPE per metric is their mean over rates, both RECOMPUTED here from the recorded measured / predicted
-    values (the JSON's own summary is not trusted). Raises ValueError naming ``path`` when it is missing or
-    lacks the per-rate rows, or a metric outside :data:`SIM_METRICS`."""
+    values (the JSON's own summary is not trusted). A throughput row is ``informative`` only where the measured or
+    predicted completed rate is :func:`saturated` (below saturation both equal the offered rate, whatever the
+    simulator's service model); latency rows always are. ``judged_mape_pct`` is the MAPE over informative rates
+    and ``verdict`` "meets the goal" / "misses the goal" (:data:`SIM_GOAL_PCT`) or :data:`UNINFORMATIVE` where no
+    rate is. Raises ValueError naming ``path`` when it is missing or lacks the per-rate rows, has a metric outside
+    :data:`SIM_METRICS`, or throughput rows without ``meta.requests``."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -312,14 +327,27 @@ def sim_vs_engine_record(path: Path | str = SIM_VS_ENGINE_JSON) -> dict:
         raise ValueError(f"sim_vs_engine record {path}: unknown metrics {sorted(unknown)} or non-positive measured")
     rows["label"] = rows.metric.map(SIM_METRICS)
     rows["error_pct"] = (rows.predicted - rows.measured).abs() / rows.measured * 100.0
-    mape = (rows.groupby("metric", sort=False).agg(mape_pct=("error_pct", "mean"), rates=("rate_rps", "count"))
-            .reset_index())
+    thr = rows.metric == "request_throughput_rps"
+    rows["informative"] = True
+    if thr.any():
+        n = data.get("meta", {}).get("requests")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"sim_vs_engine record {path}: throughput rows need meta.requests (a positive int), "
+                             f"got {n!r}")
+        t = rows[thr]
+        rows.loc[thr, "informative"] = saturated(t.measured, t.rate_rps, n) | saturated(t.predicted, t.rate_rps, n)
+    rows["judged_error_pct"] = rows.error_pct.where(rows.informative)
+    mape = (rows.groupby("metric", sort=False).agg(mape_pct=("error_pct", "mean"), rates=("rate_rps", "count"),
+                                                   informative_rates=("informative", "sum"),
+                                                   judged_mape_pct=("judged_error_pct", "mean")).reset_index())
     mape.insert(1, "label", mape.metric.map(SIM_METRICS))
+    mape["verdict"] = [UNINFORMATIVE if k == 0 else "meets the goal" if v <= SIM_GOAL_PCT else "misses the goal"
+                       for k, v in zip(mape.informative_rates, mape.judged_mape_pct)]
     fits = data.get("meta", {}).get("fitted_service_model_per_rate", {})
     first = data.get("meta", {}).get("calibration") or next(iter(fits.values()), {})
     steps = pd.DataFrame(first.get("steps", []))
     return {"meta": data.get("meta", {}), "rows": rows[["rate_rps", "metric", "label", "measured", "predicted",
-                                                       "error_pct"]], "mape": mape, "steps": steps,
+                                                       "error_pct", "informative"]], "mape": mape, "steps": steps,
             **_error_sources(fits, rows)}
 
 

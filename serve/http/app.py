@@ -1,10 +1,11 @@
 """The FastAPI app: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not), ``/v1/models``,
 ``/health``, ``/metrics``, over one :class:`serve.http.loop.EngineLoop`.
 
-Errors are OpenAI-style bodies (:class:`serve.http.protocol.RequestError`): 400 for a body that is not JSON
-or not UTF-8, an unknown field, a wrong type or a value out of range; 404 for another model; 429 with
-``Retry-After`` when ``max_num_seqs + max_queue`` requests are outstanding; 503 with ``Retry-After`` when the
-engine rejects a request it can never fit or the engine loop is down. A streaming response starts only after
+Errors are OpenAI-style bodies (:class:`serve.http.protocol.RequestError`, ``param`` the field's path as the
+client wrote it, e.g. ``messages[0].content``): 400 for a body that is not JSON or not UTF-8, an unknown field, a
+wrong type or a value out of range; 404 for another model; 429 with ``Retry-After`` when ``max_num_seqs +
+max_queue`` requests are outstanding; 503 with ``Retry-After`` when the engine rejects a request it can never fit
+or the engine loop is down. A streaming response starts only after
 the request's first token (so an error before it still gets its status code); a client that disconnects,
 before or during its stream, has its request aborted on the engine thread, which frees its slot and pages.
 """
@@ -31,6 +32,7 @@ from serve.http.protocol import (
     TextDecoder,
     chat_body,
     check_request,
+    client_path,
     completion_body,
     decode_all,
     new_id,
@@ -68,8 +70,10 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        model = ChatRequest if request.url.path.endswith("/chat/completions") else CompletionRequest
+        errors = [(e, client_path(model, e.get("loc", ())[1:])) for e in exc.errors()]
+        # a union field gets one error per member tried: report the member that got furthest into the value
+        first, where = max(errors, key=lambda ew: len(ew[0].get("loc", ())), default=({}, None))
         kind = first.get("type", "")
         if kind in ("json_invalid", "model_attributes_type") or first.get("loc", ("",))[0] != "body":
             where, msg = None, f"the body is not a JSON object: {first.get('msg', 'invalid JSON')}"
@@ -78,7 +82,8 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
         elif kind == "missing":
             msg = f"missing required field {where!r}"
         else:
-            msg = f"{where}: {first.get('msg', 'invalid value')} (got {first.get('input')!r})"
+            tried = dict.fromkeys(e.get("msg", "invalid value") for e, path in errors if path == where)
+            msg = f"{where}: {', or '.join(tried)} (got {first.get('input')!r})"
         return error_response(RequestError(msg, where))
 
     @app.exception_handler(StarletteHTTPException)

@@ -2,7 +2,10 @@
 
 Names follow vLLM's where one exists (``vllm/v1/metrics/loggers.py``, ``PrometheusStatLogger``; the same
 ``model_name`` label and histogram buckets): ``vllm:num_requests_running`` / ``_waiting`` (gauges),
-``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (prompt
+``vllm:kv_cache_usage_perc`` (pages held by requests / pool pages: pages held only by the prefix cache are
+evictable and count as free, as in vLLM's ``BlockPool.get_usage`` in ``vllm/v1/core/block_pool.py``, ``1 -
+num_free_blocks / num_gpu_blocks``, where a cached block whose ref_cnt drops to 0 goes back to the free queue; so
+an idle server reports 0 whatever its cache holds), ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total`` (prompt
 tokens looked up / restored from the cache), ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``,
 ``vllm:request_success_total{finished_reason}``, and the histograms ``vllm:time_to_first_token_seconds``
 (arrival at the server -> first token pushed), ``vllm:inter_token_latency_seconds`` (gap between a request's
@@ -55,7 +58,8 @@ class ServerMetrics:
 
         self.running = g("vllm:num_requests_running", "Requests in the engine's running batch.")
         self.waiting = g("vllm:num_requests_waiting", "Requests waiting (server queue + engine waiting list).")
-        self.kv_usage = g("vllm:kv_cache_usage_perc", "Fraction of pool pages in use (0 to 1).")
+        self.kv_usage = g("vllm:kv_cache_usage_perc", "Fraction of pool pages held by requests (0 to 1); pages held "
+                          "only by the prefix cache are evictable and count as free, as in vLLM.")
         self.queries = c("vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens queried.")
         self.hits = c("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens restored (b).")
         self.prompt_tokens = c("vllm:prompt_tokens", "Prompt tokens of requests the engine admitted.")
@@ -141,7 +145,8 @@ class ServerMetrics:
         self.slots_used.labels(m).set(len(engine.running))
         self.slots_free.labels(m).set(max_num_seqs - len(engine.running))
         used = pool.num_pages - pool.num_free
-        self.kv_usage.labels(m).set(used / pool.num_pages)
+        evictable = 0 if engine.cache is None else engine.cache.evictable_pages()    # the prefix cache's own
+        self.kv_usage.labels(m).set((used - evictable) / pool.num_pages)
         self.pool_pages.labels(m, "free").set(pool.num_free)
         self.pool_pages.labels(m, "kda_state").set(pool.num_used(PageKind.KDA_STATE))
         self.pool_pages.labels(m, "mla_kv").set(pool.num_used(PageKind.MLA_KV))

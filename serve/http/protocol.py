@@ -1,14 +1,16 @@
 """The OpenAI request and response schema the server speaks, and its checks (400s name the field).
 
 Requests are pydantic models with ``extra="forbid"`` and ``strict=True``: an unknown field or a wrong type (a
-string for ``max_tokens``, a bool for an int) is a 400, never a silent coercion. ``temperature`` (0 to 2),
-``top_p`` (0 to 1] and ``seed`` are honoured per request (:class:`serve.sampling.SamplingParams`: a seeded request's
-output is reproducible and equal to its batch-1 run). Fields a byte-level engine cannot honour are accepted only
-at their neutral value (``n`` 1, penalties 0, no ``stop``, no ``logprobs``, no ``echo``), else a 400 that says why;
-``tools`` / ``tool_choice`` / ``functions`` get a 400 saying tool calls are not supported (not "unknown field"). A few
-vLLM extensions that load generators send (``ignore_eos``, ``min_tokens``, ``top_k``, ``repetition_penalty``
-1) are accepted: the demo model has no end-of-sequence token, so every request runs to ``max_tokens`` and
-finishes with ``finish_reason`` "length".
+string for ``max_tokens``, a bool for an int) is a 400, never a silent coercion; its ``param`` is the field's
+path as the client wrote it (``messages[0].content``, :func:`client_path`). ``temperature`` (0 to 2), ``top_p`` (0
+to 1], ``seed`` (a 64-bit signed int) and vLLM's ``top_k`` (0 or -1: off, else >= 1) are honoured per request
+(:class:`serve.sampling.SamplingParams`: a seeded request's output is reproducible and equal to its batch-1 run);
+``top_p`` / ``top_k`` are accepted at temperature 0, where they cannot change the argmax (as vLLM does). Fields a
+byte-level engine cannot honour are accepted only at their neutral value (``n`` 1, penalties 0, no ``stop``, no
+``logprobs``, no ``echo``), else a 400 that says why; ``tools`` / ``tool_choice`` / ``functions`` get a 400 saying
+tool calls are not supported (not "unknown field"). A few vLLM extensions that load generators send
+(``ignore_eos``, ``min_tokens``, ``repetition_penalty`` 1) are accepted: the demo model has no end-of-sequence
+token, so every request runs to ``max_tokens`` and finishes with ``finish_reason`` "length".
 
 Bytes are tokens: a text prompt is its UTF-8 bytes (a lone surrogate, which JSON can carry, is a 400), a
 token-id prompt is ints in [0, 255]; output bytes are decoded incrementally (:class:`TextDecoder`) with invalid
@@ -20,7 +22,9 @@ from __future__ import annotations
 import codecs
 import time
 import uuid
-from typing import Literal, NamedTuple
+from collections.abc import Sequence
+from types import UnionType
+from typing import Literal, NamedTuple, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -111,6 +115,36 @@ class ChatRequest(_Sampling):
 DEFAULT_MAX_TOKENS = 16                       # OpenAI's default for /v1/completions
 
 
+def client_path(model: type[BaseModel], loc: Sequence[str | int]) -> str | None:
+    """A pydantic error location inside ``model`` as the client wrote the field: ``messages[0].content`` for
+    ``("messages", 0, "content", "str")``. Pydantic adds the name of the union member it tried (``str``,
+    ``list[TextPart]``, ``float``) to the location; those are dropped by following ``model``'s annotations,
+    so a name is kept only where the schema has a field (or where the client sent an unknown one)."""
+    parts, tp = [], model
+    for item in loc:
+        members = [a for a in get_args(tp) if a is not type(None)] if get_origin(tp) in (Union, UnionType) else []
+        if len(members) > 1:                       # pydantic's tag naming the member it tried: skip it
+            tp = next((m for m in members if _tag(m) == item), None)
+            continue
+        tp = members[0] if members else tp
+        if isinstance(item, int):
+            parts.append(f"[{item}]")
+            args = get_args(tp)
+            tp = args[-1] if args else None
+        else:
+            parts.append(f".{item}" if parts else str(item))
+            field = tp.model_fields.get(item) if isinstance(tp, type) and issubclass(tp, BaseModel) else None
+            tp = None if field is None else field.annotation
+    return "".join(parts) or None
+
+
+def _tag(tp) -> str:
+    """Pydantic's name of a union member in an error location: ``str``, ``list[TextPart]``."""
+    args = get_args(tp)
+    name = getattr(get_origin(tp) or tp, "__name__", str(tp))
+    return f"{name}[{','.join(map(_tag, args))}]" if args else name
+
+
 def text_ids(text: str, param: str) -> list[int]:
     """UTF-8 bytes of ``text`` as ids. Raises RequestError naming ``param`` for text that is not valid
     UTF-8 (a lone surrogate)."""
@@ -160,10 +194,11 @@ TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "func
 
 
 def sampling_of(req: CompletionRequest | ChatRequest) -> SamplingParams:
-    """The request's :class:`SamplingParams` (temperature / top_p None: 0 (greedy) / 1, the engine's defaults).
-    Raises RequestError naming the field for a value out of range."""
+    """The request's :class:`SamplingParams` (temperature / top_p / top_k None: 0 (greedy) / 1 / 0 (off), the
+    engine's defaults). Raises RequestError naming the field for a value out of range."""
     values = {"temperature": 0.0 if req.temperature is None else float(req.temperature),
-              "top_p": 1.0 if req.top_p is None else float(req.top_p), "seed": req.seed}
+              "top_p": 1.0 if req.top_p is None else float(req.top_p), "seed": req.seed,
+              "top_k": 0 if req.top_k is None else req.top_k}
     try:
         return SamplingParams(**values)
     except (TypeError, ValueError) as err:

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from lab.fleet_simulation import SIM_METRICS, SIM_VS_ENGINE_JSON, sim_vs_engine_record
+from lab.fleet_simulation import SIM_METRICS, SIM_VS_ENGINE_JSON, UNINFORMATIVE, sim_vs_engine_record
 
 
 def _rows(values):
@@ -24,6 +24,29 @@ def test_mape_is_recomputed_from_the_per_rate_values(tmp_path):
     assert mape.mape_pct["ttft_p50_ms"] == pytest.approx(17.5)                            # not the recorded 0
     assert mape.mape_pct["tpot_mean_ms"] == pytest.approx(2.5)
     assert mape.rates.tolist() == [2, 2] and mape.label["tpot_mean_ms"] == SIM_METRICS["tpot_mean_ms"]
+
+
+def test_throughput_counts_only_where_saturated(tmp_path):
+    """48 requests: a completed rate within 2 / √48 (29 %) of the offered one echoes the arrivals and is not
+    judged; at 4 req/s the engine completed 2.0 (saturated): judged there only, and the verdict follows it."""
+    path = tmp_path / "run.json"
+    thr = "request_throughput_rps"
+    rows = _rows([(1.0, thr, 0.95, 0.96), (4.0, thr, 2.0, 3.0), (1.0, "ttft_p50_ms", 100.0, 105.0),
+                  (4.0, "ttft_p50_ms", 900.0, 950.0)])
+    path.write_text(json.dumps({"meta": {"requests": 48}, "rows": rows}))
+    rec = sim_vs_engine_record(path)
+    assert rec["rows"].informative.tolist() == [False, True, True, True]
+    mape = rec["mape"].set_index("metric")
+    assert mape.judged_mape_pct[thr] == pytest.approx(50.0) and mape.informative_rates[thr] == 1
+    assert mape.verdict[thr] == "misses the goal" and mape.verdict["ttft_p50_ms"] == "meets the goal"
+    rows[1].update(measured=3.9, predicted=3.8)                       # neither fell behind: nothing to judge
+    path.write_text(json.dumps({"meta": {"requests": 48}, "rows": rows}))
+    mape = sim_vs_engine_record(path)["mape"].set_index("metric")
+    assert mape.verdict[thr] == UNINFORMATIVE and math.isnan(mape.judged_mape_pct[thr])
+    assert mape.mape_pct[thr] == pytest.approx((1 / 0.95 + 10 / 3.9) / 2)    # the all-rate MAPE is still shown
+    path.write_text(json.dumps({"meta": {}, "rows": rows}))
+    with pytest.raises(ValueError, match="run.json.*meta.requests"):
+        sim_vs_engine_record(path)
 
 
 def test_the_recorded_run_is_consistent_with_its_rows():

@@ -25,14 +25,28 @@ def test_top_p_keeps_the_smallest_nucleus_and_seeds_reproduce():
     assert unseeded.seed is not None and SamplingParams().seeded().seed is None
 
 
+
+def test_top_k_keeps_the_k_most_likely_then_top_p_renormalised():
+    """vLLM's order (apply_top_k_top_p): top-k, then the nucleus of the renormalised remainder; 0 and -1 are off."""
+    logits = torch.log(torch.tensor([0.1, 0.4, 0.3, 0.2]))                 # sorted: 1 (0.4), 2 (0.3), 3 (0.2), 0
+    draws = lambda **kw: {sample_token(logits, SamplingParams(1.0, seed=0, **kw),                     # noqa: E731
+                                       torch.Generator().manual_seed(s)) for s in range(300)}
+    assert draws(top_k=2) == {1, 2} and draws(top_k=1) == {1}
+    assert draws(top_k=0) == draws(top_k=-1) == draws(top_k=9) == {0, 1, 2, 3}
+    assert draws(top_k=3, top_p=0.6) == {1, 2}       # 0.4 / 0.9 < 0.6 needs token 2; top-p alone would need it too
+    assert draws(top_k=2, top_p=0.5) == {1}          # renormalised 0.4 / 0.7 = 0.57 >= 0.5: token 1 alone
+
+
 @pytest.mark.parametrize("kwargs, match", [(dict(temperature=-0.1), "temperature"), (dict(temperature=math.nan),
                          "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
-                         (dict(seed=-1), "seed")])
+                         (dict(seed=2**63), "seed"), (dict(seed=-2**63 - 1), "seed"), (dict(top_k=-2), "top_k")])
 def test_bad_sampling_params_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
     with pytest.raises(TypeError, match="seed"):
         SamplingParams(0.5, seed=1.0)
+    with pytest.raises(TypeError, match="top_k"):
+        SamplingParams(0.5, top_k=2.0)
 
 
 def test_sampled_requests_in_a_batch_equal_their_batch1_runs_and_survive_preemption():

@@ -103,7 +103,11 @@ def test_text_decoder_splits_like_one_decode(data, cuts):
     (dict(prompt="x" * 200, max_tokens=MAX_LEN - 199), "max_tokens"),
     (dict(prompt="x", temperature=2.5), "temperature"),                       # OpenAI's range is [0, 2]
     (dict(prompt="x", top_p=0), "top_p"),
-    (dict(prompt="x", extra_body={"seed": -1}), "seed"),
+    (dict(prompt="x", extra_body={"seed": 2**70}), "seed"),                     # a 64-bit signed int, as vLLM
+    (dict(prompt="x", extra_body={"seed": 2**63}), "seed"),
+    (dict(prompt="x", extra_body={"seed": -2**63 - 1}), "seed"),
+    (dict(prompt="x", extra_body={"top_k": -7}), "top_k"),                    # vLLM: 0 or -1 off, else >= 1
+    (dict(prompt="x", temperature="hot"), "temperature"),                     # not "temperature.float"
     (dict(prompt="x", n=2), "n"),
     (dict(prompt=[256]), "prompt"),                                           # not a byte
     (dict(prompt=""), "prompt"),
@@ -254,3 +258,72 @@ def test_tools_are_a_clear_400_not_an_unknown_field(client):
     out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                          tool_choice="none")
     assert out.usage.completion_tokens == 2
+
+
+def test_greedy_accepts_top_p_and_top_k_and_top_k_one_is_greedy(client):
+    """top_p / top_k cannot change an argmax, so temperature 0 accepts them (vLLM does; clients send top_p by
+    default); top_k is honoured, not ignored: top_k 1 at temperature 1.3 keeps only the most likely token; a seed
+    anywhere in the 64-bit signed range is accepted."""
+    prompt, n = "Sampling: ", 12
+    greedy = decode_all(reference_texts([list(prompt.encode())], [n])[0])
+    for extra in ({"top_p": 0.95}, {"top_p": 0.95, "top_k": -1}, {"top_k": 0}, {"top_k": 5, "seed": -2**63}):
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0, extra_body=extra)
+        assert out.choices[0].text == greedy, extra
+    sampled = dict(model=MODEL, prompt=prompt, max_tokens=n, temperature=1.3, top_p=0.95, seed=7)
+    assert client.completions.create(**sampled).choices[0].text != greedy
+    assert client.completions.create(**sampled, extra_body={"top_k": 1}).choices[0].text == greedy
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+     "messages[0].content[0].text"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x", "colour": 1}]}, "messages[0].colour"),
+    ("completions", {"prompt": [[1, "a"]]}, "prompt[0][1]"),
+])
+def test_bad_field_param_is_the_path_the_client_wrote(server, path, body, param):
+    """pydantic's union member names (``str``, ``list[TextPart]``) stay out of ``param``; the message lists what
+    each member wanted."""
+    r = httpx.post(f"{server[0]}/v1/{path}", json={"model": MODEL, "max_tokens": 1, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert param in r.json()["error"]["message"] and ".str" not in r.json()["error"]["message"]
+
+
+def test_help_shows_every_default(capsys):
+    from serve.http.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    text = text[text.index("options:"):]                                 # past the usage line
+    for flag, default in (("--max-num-seqs", 64), ("--max-queue", 256), ("--max-model-len", 1024), ("--port", 8000),
+                          ("--block-size", 16), ("--checkpoint-interval", 64)):
+        after = text[text.index(f"{flag} {flag[2:].upper().replace('-', '_')}"):]
+        assert f"(default: {default})" in after[:after.index(" --", 5)], flag
+
+
+def test_idle_kv_cache_usage_counts_cached_pages_as_free():
+    """As vLLM's BlockPool.get_usage (vllm/v1/core/block_pool.py): pages held only by the prefix cache are
+    evictable, so an idle server whose cache holds pages reports 0; a running request's pages count."""
+    with running_server(EngineSpec(max_model_len=MAX_LEN, max_num_seqs=1), max_queue=0) as (url, app):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
+        stream = client.completions.create(model=MODEL, prompt=list(range(30, 130)), max_tokens=150, stream=True)
+        next(iter(stream))
+        busy = _poll_metric(url, "vllm:kv_cache_usage_perc", lambda v: v > 0)
+        stream.close()
+        idle = _poll_metric(url, "vllm:kv_cache_usage_perc", lambda v: v == 0)
+        text = httpx.get(url + "/metrics").text
+        assert busy > 0 and idle == 0
+        assert metric(text, "kda:prefix_cache_pages", model_name=MODEL) > 0          # the cache still holds pages
+        assert metric(text, "kda:pool_pages", model_name=MODEL, kind="free") < on_engine(app, lambda e: e.pool.num_pages)
+
+
+def _poll_metric(url: str, name: str, ok, timeout_s: float = 10.0) -> float:
+    """The series' value once ``ok(value)`` (or the last value read after ``timeout_s``)."""
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        value = metric(httpx.get(url + "/metrics").text, name, model_name=MODEL)
+        if ok(value) or time.perf_counter() > deadline:
+            return value
+        time.sleep(0.05)
