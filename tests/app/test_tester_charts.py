@@ -1,5 +1,6 @@
-"""Chart defects a fresh tester found on pages 03, 10 and 16: "10k" ticks on a MiB axis (read as 10 kMiB), a bar
-label on its error bar, and the batch-32 throughput point clipped at the top edge."""
+"""Chart and label defects a fresh tester found on pages 03, 10, 16 and 09: "10k" ticks on a MiB axis (read as
+10 kMiB), a bar label on its error bar, the batch-32 throughput point clipped at the top edge, and a slider labelled
+"Checkpoint every C / 512 blocks"."""
 import math
 
 import pandas as pd
@@ -45,3 +46,9 @@ def test_p16_throughput_range_holds_every_point_and_bar(monkeypatch):
     lo, hi = fig["layout"]["yaxis"]["range"]
     assert 10 ** lo < table["min"].min() and 10 ** hi > table["max"].max() * 1.1, (10 ** lo, 10 ** hi)
     assert hi - math.log10(table["max"].max()) >= 0.05, "the top bar touches the edge"
+
+
+def test_p09_checkpoint_slider_label_reads_plainly():
+    """"Checkpoint every C / 512 blocks" read as a division: a plain label, the unit (512-token blocks) in its help."""
+    every = next(w for w in open_page("app_pages/09_prefix_miss.py").select_slider if w.key == "p09_every")
+    assert "/" not in every.label and len(every.label) <= 32 and "512-token blocks" in every.help, every.label
