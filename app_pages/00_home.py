@@ -55,6 +55,9 @@ def _p00_verdict(first, second, max_new, block, interval):
 
 
 REPEATS = 5
+PAIRED_RULE = ("The change vs cold is stated only when the paired differences cold − warm of the rounds (each round runs "
+               "both, so a slow moment of the machine hits both) have their first and third quartiles on the same "
+               "side of zero; otherwise it is not resolved at this load.")
 
 
 @st.cache_data(show_spinner=f"Timing cold and warm runs: {REPEATS} interleaved repeats after a warm-up…",
@@ -159,7 +162,8 @@ with timing_part:
     resolved = summary["verdict"] != "not resolved"   # paired cold − warm quartiles clear of zero (lab.prefix)
     t1.metric("TTFT warm (median, measured)", f"{summary['warm_ttft_ms']:.1f} ms", ttft_headline(summary),
               delta_color="inverse" if resolved else "off",
-              delta_arrow="auto" if resolved and round(100 * summary['ttft_reduction']) else "off")   # none on "0%"
+              delta_arrow="auto" if resolved and round(100 * summary['ttft_reduction']) else "off",   # none on "0%"
+              help=PAIRED_RULE)
     t2.metric("Fixed cost per forward a (fitted)", f"{fit.fixed_ms:.1f} ms", f"+ {fit.per_token_ms:.3f} ms per token",
               delta_color="off", delta_arrow="off")
     t3.metric("TTFT warm (predicted)", f"{fit.warm_predicted_ms:.1f} ms",
