@@ -66,6 +66,7 @@ with part1:
             fig.add_vline(x=be, line_dash="dash", line_color="gray", annotation_text=f"break-even ≈ {be:,.0f} tokens")
         fig.update_layout(xaxis_title="context length (tokens, log)", yaxis_title="bytes per sequence (MiB, log)",
                           xaxis_type="log", yaxis_type="log", legend=dict(orientation="h", y=-0.25))
+    fig.update_yaxes(tickformat=",", ticksuffix=" MiB")   # "10,000 MiB", not Plotly's SI "10k" on a MiB axis
     show_chart(fig, df, key="p03_bytes_chart")
 
     m1, m2, m3, m4 = st.columns(4)

@@ -7,7 +7,7 @@ from app_pages.charts import show_chart, show_forward_fit
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
 from app_pages.measurement import measured_stamp, remeasure_button
-from lab.prefix import WARM_TOLERANCE, prefix_hit, prefix_hit_timing
+from lab.prefix import WARM_TOLERANCE, paired_spread, prefix_hit, prefix_hit_timing
 
 st.title("Prefix hit")
 st.write(
@@ -70,9 +70,16 @@ with timing_part:
     remeasure_button(_p08_timing, key="p08_remeasure")
     timed = engine_call(_p08_timing, shared, unique, new_tokens, block, interval, groups)
     summary, ttft = timed.summary, timed.ttft
-    reduction.metric("TTFT reduction (median)", f"{summary['ttft_reduction']:.0%}" if warm.hit_tokens else
-                     "no hit",   # with b = 0 the warm run prefills everything: the difference is noise
-                     f"{summary['cold_ttft_ms']:.1f} → {summary['warm_ttft_ms']:.1f} ms", delta_color="off", delta_arrow="off")
+    resolved = summary["verdict"] != "not resolved"   # paired cold − warm quartiles clear of zero (lab.prefix)
+    reduction.metric("TTFT reduction (median)", "no hit" if not warm.hit_tokens else   # b = 0: nothing skipped
+                     f"{summary['ttft_reduction']:.0%}" if resolved else "not resolved",
+                     paired_spread(summary), delta_color="off", delta_arrow="off",
+                     help="Stated only when the paired differences cold − warm of the rounds (each round runs both, so "
+                          "a slow moment of the machine hits both) have their first and third quartiles on the same "
+                          "side of zero; otherwise not resolved at this load.")
+    if warm.hit_tokens and not resolved:
+        st.warning(f"Not resolved at this load: in the {REPEATS} interleaved rounds, {paired_spread(summary)} "
+                   "straddles zero, so the medians' difference is within the noise; re-measure on a quieter machine.")
     label = {"cold": "cold (no cache)", "first": "request 1 (fills the cache)", "warm": "warm (after request 1)"}
     fig = go.Figure(go.Bar(x=[label[k] for k in ttft.kind], y=ttft.median_ms,
                            error_y=dict(type="data", symmetric=False, array=ttft.q3_ms - ttft.median_ms,
@@ -84,8 +91,9 @@ with timing_part:
     measured_stamp(timed.conditions)
     st.caption("Fresh engines every repeat; in each round the cold run and the (request 1, warm) pair run in "
                "rotating order. The samples are the engine's own TTFT (submit → first token), so engine set-up "
-               f"is not counted. Warm TTFT IQR {summary['warm_ttft_iqr_ms']:.1f} ms, cold "
-               f"{summary['cold_ttft_iqr_ms']:.1f} ms; the raw samples are in the CSV.")
+               f"is not counted. Median TTFT cold {summary['cold_ttft_ms']:.1f} → warm {summary['warm_ttft_ms']:.1f} ms; "
+               f"IQR cold {summary['cold_ttft_iqr_ms']:.1f} ms, warm {summary['warm_ttft_iqr_ms']:.1f} ms; the raw samples "
+               "are in the CSV.")
     st.write("**Fixed vs per-token cost of a forward**: fitted to cache-off runs of shorter prompts, checked on the "
              "cold run (not in the fit), then used to predict the warm run.")
     show_forward_fit(timed.fit, key="p08_fit_chart")

@@ -30,7 +30,9 @@ part1, part2 = st.container(), st.container()
 part2.subheader("2 · A trace through capacity-limited caches")
 d1, d2, d3, d4 = part2.columns(4)
 preset = url_widget(d1.selectbox, "Byte sizes of", "p09_preset", MODELS[0], list(MODELS), format_func=preset_title)
-every = url_widget(d2.select_slider, "Checkpoint every C / 512 blocks", "p09_every", 1, [1, 2, 4, 8])
+every = url_widget(d2.select_slider, "Checkpoint interval (blocks)", "p09_every", 1, [1, 2, 4, 8],
+                   help="A checkpoint every this many of the trace's 512-token blocks: 1 = at every block boundary "
+                        "(C = 512 tokens), 8 = every 4,096 tokens.")
 tgroups = url_widget(d3.slider, "Groups G", "p09_tgroups", 1, 1, 4)
 num_requests = url_widget(d4.slider, "Requests (cap)", "p09_requests", 1500, 500, 3000, step=250)
 data, upload_name = upload_parts(part2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p09_upload"))

@@ -144,7 +144,8 @@ if len(timings) <= 3:
 fig_t = go.Figure(go.Bar(x=[t.label for t in timings], y=[t.median_s * 1e3 for t in timings],
                          error_y=dict(type="data", symmetric=False, array=[(t.q3_s - t.median_s) * 1e3 for t in timings],
                                       arrayminus=[(t.median_s - t.q1_s) * 1e3 for t in timings]),
-                         text=[f"{t.median_s * 1e3:,.0f} ms" for t in timings], textposition="outside"))
+                         text=[f"{t.median_s * 1e3:,.0f} ms" for t in timings], textposition="inside",
+                         insidetextanchor="start"))   # at the base: clear of the IQR whisker at the top
 fig_t.update_layout(xaxis_title="run", yaxis_title="wall time, median (ms; bars: IQR)", height=320)
 show_chart(fig_t, pd.DataFrame([t._asdict() for t in timings]).drop(columns="samples_s"), key="p10_timing_chart")
 measured_stamp(run.conditions)

@@ -240,13 +240,48 @@ def shared_prefix_prompts(shared_tokens: int, unique_tokens: int, seed: int = 0)
 
 
 def ttft_summary(rows: list) -> dict:
-    """Median TTFT (ms) of the cold and warm rows, their interquartile ranges (ms) and the reduction
-    ``1 - warm / cold`` of the medians. Raises ValueError without a cold or a warm row."""
+    """Cold vs warm TTFT of :func:`time_cold_warm`'s rows (dicts with ``kind``, ``repeat``, ``ttft_ms``).
+
+    Keys: ``cold_ttft_ms`` / ``warm_ttft_ms`` (medians, ms), ``cold_ttft_iqr_ms`` / ``warm_ttft_iqr_ms``
+    (interquartile ranges, ms), ``ttft_reduction`` = ``1 - warm / cold`` of the medians (a fraction),
+    ``saved_ms`` / ``saved_q1_ms`` / ``saved_q3_ms``: median and quartiles (ms) of the paired differences
+    ``cold - warm`` of each repeat (both ran in the same interleaved round, so a slow phase of the machine
+    hits both and cancels), and ``verdict``: "warm faster" when the paired differences' first quartile is
+    > 0, "warm slower" when their third quartile is < 0, else "not resolved" (the spread covers zero: the
+    medians' difference is noise at this load). Quartiles as :func:`lab.timing.summarize` (numpy's linear
+    percentiles). Raises ValueError without a cold or a warm row, or when the cold and warm rows do not
+    pair up one to one by ``repeat``."""
     out = {}
+    by_repeat: dict[str, dict] = {}
     for kind in ("cold", "warm"):
-        t = summarize(kind, [r["ttft_ms"] for r in rows if r["kind"] == kind])
+        kind_rows = [r for r in rows if r["kind"] == kind]
+        t = summarize(kind, [r["ttft_ms"] for r in kind_rows])
         out |= {f"{kind}_ttft_ms": t.median_s, f"{kind}_ttft_iqr_ms": t.iqr_s}
-    return out | dict(ttft_reduction=1.0 - out["warm_ttft_ms"] / out["cold_ttft_ms"])
+        by_repeat[kind] = {r["repeat"]: r["ttft_ms"] for r in kind_rows}
+        if len(by_repeat[kind]) != len(kind_rows):
+            raise ValueError(f"rows: two {kind} rows share a repeat index")
+    if by_repeat["cold"].keys() != by_repeat["warm"].keys():
+        raise ValueError(f"rows: cold repeats {sorted(by_repeat['cold'])} and warm repeats "
+                         f"{sorted(by_repeat['warm'])} do not pair up")
+    saved = summarize("cold - warm", [by_repeat["cold"][r] - by_repeat["warm"][r] for r in sorted(by_repeat["cold"])])
+    verdict = "warm faster" if saved.q1_s > 0 else "warm slower" if saved.q3_s < 0 else "not resolved"
+    return out | dict(ttft_reduction=1.0 - out["warm_ttft_ms"] / out["cold_ttft_ms"], saved_ms=saved.median_s,
+                      saved_q1_ms=saved.q1_s, saved_q3_ms=saved.q3_s, verdict=verdict)
+
+
+def paired_spread(summary: dict) -> str:
+    """``"cold − warm 12.7 ms (paired IQR −8.1 to 30.0 ms)"`` from a :func:`ttft_summary` dict."""
+    return (f"cold − warm {summary['saved_ms']:.1f} ms (paired IQR {summary['saved_q1_ms']:.1f} to "
+            f"{summary['saved_q3_ms']:.1f} ms)").replace("-", "−")
+
+
+def ttft_headline(summary: dict) -> str:
+    """The warm-vs-cold TTFT headline of a :func:`ttft_summary` dict: the median change vs cold only when the
+    paired differences resolve it (``"-21% vs cold 122.5 ms; cold − warm …"``), else ``"not resolved at this
+    load: cold − warm … (paired IQR … to … ms)"``."""
+    if summary["verdict"] == "not resolved":
+        return f"not resolved at this load: {paired_spread(summary)}"
+    return f"{-summary['ttft_reduction']:+.0%} vs cold {summary['cold_ttft_ms']:.1f} ms; {paired_spread(summary)}"
 
 
 ANATOMY_BLOCK_COLUMNS = ("prompt", "block", "start", "end", "key", "cached")

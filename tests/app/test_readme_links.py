@@ -29,3 +29,16 @@ def test_readme_link_examples():
     assert tuple(widgets["p03_context"]) == (4096, 65536)
     at = _open("07_prefix_anatomy.py", {"p07_drop": "true"})
     assert at.checkbox(key="p07_drop").value is True
+
+
+def test_readme_counts_match_the_app():
+    """The README said "Home and 15 tabs" (the registry has 17) and "Home's TTFT repeats (12 engine runs)" while Home
+    says 30: its counts are read from the registry and from Home's own text."""
+    import re
+
+    from app_pages.registry import TABS
+    readme = " ".join((REPO / "README.md").read_text().split())          # lines joined: a count may wrap
+    assert f"Home and {len(TABS)} tabs run" in readme
+    home = (REPO / "app_pages" / "00_home.py").read_text()
+    runs = re.search(r"\((\d+) engine runs,", home).group(1)
+    assert f"Home's TTFT repeats ({runs} engine runs" in readme

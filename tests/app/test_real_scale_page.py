@@ -50,8 +50,8 @@ def test_sweep_shows_ttft_against_the_interval_and_a_choice():
 
 def _fit_metrics(at) -> tuple[str, str]:
     scales = next(m for m in at.metric if m.label.startswith("Prefill scales"))
-    held = next(m for m in at.metric if m.label.startswith("Held-out prefill error"))
-    return f"{scales.label}: {scales.value}", f"{held.label}: {held.value}"
+    held = next(m for m in at.metric if m.label == "Prefill error, held out")
+    return f"{scales.label}: {scales.value}", f"{held.label}: {held.value} ({held.proto.delta})"
 
 
 def test_roofline_at_defaults_keeps_fitted_predicted_published_apart():
@@ -67,7 +67,7 @@ def test_roofline_at_defaults_keeps_fitted_predicted_published_apart():
     assert (prefill.role == "predicted").all() and (prefill[prefill.context_tokens >= 512 * 1024].rel_error.abs()
                                                      <= 25).all(), table    # percent (app_pages.charts.pct)
     assert _fit_metrics(at) == ("Prefill scales α · β (fitted on H100 x TP8): 0.94 · 6.71",
-                                "Held-out prefill error, all-MLA seconds (H100 x TP8): ±30%")
+                                "Prefill error, held out: ±30% (fitted points: ±41%)")
     names = [t["name"] for t in chart_spec(at, "p15_prefill_chart")["data"]]
     assert "Kimi Linear: fitted on these points (H100 x TP8)" in names, names
     assert "all MLA: fit's prediction, points held out (H100 x TP8)" in names, names
@@ -138,5 +138,8 @@ def test_error_text_table_and_headline_agree():
     for q, before in (("prefill (Fig. 7a)", "up to "), ("TPOT, batch 1 (Fig. 7b)", "by up to ")):
         worst = table[table.quantity == q].rel_error.abs().max()      # percent (app_pages.charts.pct)
         assert f"{before}{worst:.0f}% for {q.split(' ')[0].split(',')[0]}" in text, (q, worst, text)
-    metric = next(m for m in at.metric if m.label.startswith("Held-out prefill error"))
-    assert "seconds" in metric.label and f"held-out all-MLA points by up to {metric.value.lstrip('±')}" in text, text
+    metric = next(m for m in at.metric if m.label == "Prefill error, held out")
+    assert "seconds" in metric.proto.help and "H100 x TP8" in metric.proto.help, metric.proto.help
+    assert f"held-out all-MLA points by up to {metric.value.lstrip('±')}" in text, text
+    fitted = metric.proto.delta.removeprefix("fitted points: ±")         # both errors in the headline, as in the text
+    assert f"the fit saw are off by up to {fitted}," in text, (metric.proto.delta, text)

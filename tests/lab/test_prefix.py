@@ -15,6 +15,7 @@ from lab.prefix import (
     miss_then_hit,
     shared_prefix_prompts,
     time_cold_warm,
+    ttft_headline,
     ttft_summary,
 )
 from lab.timing import Conditions
@@ -54,6 +55,35 @@ def test_time_cold_warm_repeats_and_conditions():
     assert s["ttft_reduction"] == 1 - s["warm_ttft_ms"] / s["cold_ttft_ms"] and s["warm_ttft_iqr_ms"] >= 0
     with pytest.raises(ValueError, match="repeats"):
         time_cold_warm(a, b, repeats=3, preset="demo-tiny")
+
+
+def _rows(cold_ms, warm_ms):
+    return [dict(kind=kind, repeat=r, ttft_ms=t) for r, (c, w) in enumerate(zip(cold_ms, warm_ms))
+            for kind, t in (("cold", c), ("warm", w))]
+
+
+@pytest.mark.parametrize("cold_ms, warm_ms, verdict", [
+    # the tester's case: medians 110 vs 105 ms (-5 %), but the paired differences [-5, 35, -35, 20, -5] straddle 0
+    pytest.param([100, 130, 90, 120, 110], [105, 95, 125, 100, 115], "not resolved", id="overlapping"),
+    pytest.param([120, 125, 118, 130, 122], [80, 85, 79, 90, 82], "warm faster", id="separated"),
+    # the IQRs overlap (a slow phase hits both runs of a round), yet every paired difference is +10 ms
+    pytest.param([100, 200, 150, 300, 120], [90, 190, 140, 290, 110], "warm faster", id="paired-resolves"),
+    pytest.param([80, 85, 79, 90, 82], [120, 125, 118, 130, 122], "warm slower", id="slower"),
+])
+def test_ttft_summary_verdict(cold_ms, warm_ms, verdict):
+    """The headline claims a change vs cold only when the per-repeat cold - warm differences resolve it."""
+    s = ttft_summary(_rows(cold_ms, warm_ms))
+    diffs = sorted(c - w for c, w in zip(cold_ms, warm_ms))
+    assert (s["saved_ms"], s["saved_q1_ms"], s["saved_q3_ms"]) == (diffs[2], diffs[1], diffs[3])   # 5 samples
+    assert s["verdict"] == verdict
+    headline = ttft_headline(s)
+    if verdict == "not resolved":
+        assert headline.startswith("not resolved at this load: cold − warm") and "%" not in headline, headline
+        assert f"paired IQR −{-diffs[1]:.1f} to {diffs[3]:.1f} ms" in headline, headline
+    else:
+        assert headline.startswith(f"{-s['ttft_reduction']:+.0%} vs cold {s['cold_ttft_ms']:.1f} ms"), headline
+    with pytest.raises(ValueError, match="pair up"):
+        ttft_summary(_rows(cold_ms, warm_ms)[:-1])
 
 
 def test_anatomy_and_drop():
