@@ -283,9 +283,9 @@ if not record["variant_mape"].empty:
         "wall_per_cpu": num("Wall / CPU", "%.2f"), "step_wall_per_cpu_p99": num("Wall / CPU, P99 step", "%.2f"),
         "event_loop_cpu_share": pct("Event loop CPU / wall")})
     st.caption("Every replay step against the step model for the same composition (engine-thread CPU time, model "
-               "fitted to steps timed alone). Wall / CPU above 1 is time the engine thread waited for a core (other "
-               "processes) or the GIL (the HTTP event loop: its CPU share of the steps' wall time is the last "
-               "column); the P99 step shows how unevenly the other jobs left the cores during the replay.")
+               "fitted to steps timed alone). Wall / CPU above 1: the engine thread waited for a core or the GIL "
+               "(the event loop's share is the last column); the P99 step shows how unevenly other jobs left the "
+               "cores.")
     show_table(record["server"], {
         "rate_rps": num("Offered (req/s)", "%.1f"), "cpu_slowdown": num("CPU in server / alone (fitted)", "%.2f"),
         "wall_per_cpu": num("Wall / CPU, calibration (fitted)", "%.2f"),
