@@ -34,7 +34,7 @@ OUT = Path(__file__).parent / "results" / "guidellm.json"
 CHECK_TEXTS = ("hello world", "h\u00e9llo w\u00f6rld \u2713", "a  b\n\tc")   # 1-, 2- and 3-byte UTF-8 characters
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def byte_symbols() -> dict[int, str]:
     """GPT-2's byte -> printable character table (openai/gpt-2 ``src/encoder.py``), the alphabet of the
     ``tokenizers`` ByteLevel pre-tokenizer."""
     bs = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
@@ -53,7 +53,7 @@ def make_byte_tokenizer(out_dir: str) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    b2u = _bytes_to_unicode()
+    b2u = byte_symbols()
     assert set(b2u.values()) == set(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={b2u[b]: b for b in range(256)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
