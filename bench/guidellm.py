@@ -8,7 +8,7 @@ where ``pip install guidellm`` was run (0.8.1 here). This script, run by the rep
    decoder: id = byte value, 1 token per UTF-8 byte, as the server counts) and checks that ASCII and multi-byte
    prompts of N bytes encode to exactly their N bytes, so guidellm's token counts are the server's. No download:
    the machine is offline and guidellm accepts a local tokenizer directory;
-2. per rate, starts a fresh ``python -m serve.http`` on 127.0.0.1 (:func:`bench.serve_http.local_server`), sends
+2. per rate and repeat (rates interleaved), starts a fresh ``python -m serve.http`` on 127.0.0.1 (:func:`bench.serve_http.local_server`), sends
    one warm-up completion (not counted), then runs ``guidellm run`` with the openai_http backend on
    ``/v1/completions`` (streamed), a Poisson profile at that rate, ``--requests`` requests and synthetic text
    prompts of ``--prompt-tokens`` tokens asking for ``--output-tokens`` tokens, writing guidellm's JSON report;
@@ -130,6 +130,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--max-model-len", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=5, help="runs per rate, rates interleaved (1, 2, 1, 2, ...)")
     p.add_argument("--tokenizer-dir", default=None, help="where to build the byte tokenizer (default: a temp dir)")
     p.add_argument("--raw-dir", type=Path, default=Path(tempfile.gettempdir()) / "guidellm_reports")
     args = p.parse_args(argv)
@@ -144,17 +145,17 @@ def main(argv=None) -> list[dict]:
     version = subprocess.run([str(guidellm_bin), "--version"], capture_output=True, text=True).stdout.strip()
     args.raw_dir.mkdir(parents=True, exist_ok=True)
     rows = []
-    for rate in args.rates:
+    for repeat, rate in ((r, rate) for r in range(args.repeats) for rate in args.rates):
         load_before = os.getloadavg()
         with local_server(args.max_model_len, args.max_num_seqs) as url:
             httpx.post(url + "/v1/completions", timeout=60,                              # warm-up, not counted
                        json={"model": args.model, "prompt": "x" * args.prompt_tokens, "max_tokens": 2})
             report = run_rate(guidellm_bin, url, args.model, tok_dir, rate, args.requests, args.prompt_tokens,
-                              args.output_tokens, args.seed, args.raw_dir / f"guidellm_rate{rate:g}.json")
-        row = {"rate_rps": rate, **summarize(report), "load_avg_1_5_15_before": [round(x, 2) for x in load_before],
+                              args.output_tokens, args.seed, args.raw_dir / f"guidellm_rate{rate:g}_{repeat}.json")
+        row = {"rate_rps": rate, "repeat": repeat, **summarize(report), "load_avg_1_5_15_before": [round(x, 2) for x in load_before],
                "load_avg_1_5_15_after": [round(x, 2) for x in os.getloadavg()]}
         rows.append(row)
-        print(f"rate {rate:g} req/s: {row['request_throughput_rps']:.2f} req/s, {row['output_throughput_tps']:.1f} "
+        print(f"repeat {repeat} rate {rate:g} req/s: {row['request_throughput_rps']:.2f} req/s, {row['output_throughput_tps']:.1f} "
               f"tok/s out, TTFT p50 {row['ttft_ms']['median']:.0f} / p99 {row['ttft_ms']['p99']:.0f} ms, "
               f"ITL p50 {row['itl_ms']['median']:.1f} ms, errors {row['requests_errored']}", flush=True)
     import torch
@@ -162,7 +163,7 @@ def main(argv=None) -> list[dict]:
     meta = dict(tool=version, backend="openai_http, /v1/completions, streamed", profile="poisson",
                 data=f"synthetic_text prompt_tokens={args.prompt_tokens} output_tokens={args.output_tokens}",
                 tokenizer="byte-level (1 token per UTF-8 byte, 256 ids), built by bench/guidellm.py",
-                requests_per_rate=args.requests, seed=args.seed,
+                requests_per_rate=args.requests, repeats=args.repeats, seed=args.seed,
                 server=f"python -m serve.http on 127.0.0.1, fresh per rate, max-num-seqs {args.max_num_seqs}, "
                        "one warm-up request not counted",
                 cpus=os.cpu_count(), omp_num_threads=1, python=platform.python_version(), torch=torch.__version__,
