@@ -4,8 +4,9 @@ A trace-replay client of our own in the request format of ``vllm bench serve`` (
 backend: ``POST /v1/completions`` with ``prompt``, ``max_tokens``, ``temperature`` 0, ``ignore_eos``,
 ``stream`` and ``stream_options.include_usage``), reporting its metrics: TTFT (send -> first streamed
 text), TPOT per request ((latency - TTFT) / (output tokens - 1)), ITL (gaps between chunks), end-to-end
-latency, request and output-token throughput. guidellm and aiperf pull large dependency trees we do not ship;
-the README says how to point them (or ``vllm bench serve``) at the server instead.
+latency, request and output-token throughput. guidellm and aiperf pull large dependency trees we do not ship:
+``bench.guidellm`` runs guidellm from a venv of its own, and the README says how to point aiperf or
+``vllm bench serve`` at the server.
 
 Workload, shaped like the Mooncake conversation trace (``../shared/traces/mooncake_conversation_trace.jsonl``,
 kvcache-ai/Mooncake FAST'25): its first ``--requests`` requests in order, scaled by 1/32: each 512-token hash
