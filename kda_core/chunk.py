@@ -14,9 +14,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kda_core.intra_chunk import intra_chunk_products, stack_kq, sub_chunks
-from kda_core.intra_chunk import masked_exp as _decay
 from kda_core.kda import NonFiniteError, _check_inputs, _compute_dtype, check_gates, check_scale
+from kda_core.wy import wy_units
 
 CHUNK_SIZE = 64  # C of the chunked kernel (fla's chunk_kda uses BT = 64); the prefill grid of the layers
 PIECE_BYTES = 512 * 1024   # a piece's [B, H, piece, K] temporaries stay below this (see piece_tokens_for)
@@ -121,8 +120,13 @@ def _validate(q, k, v, g, beta, initial_state, scale, chunk_size) -> bool:
 
 
 def _prepare(q, k, v, g, beta, scale, chunk_size, may_forget: bool) -> ChunkPrep:
-    """:func:`kda_chunk_prepare` on validated inputs. ``may_forget``: g may hold -inf (the -inf handling
-    is a no-op on chunks without it, bitwise, so a whole call's flag serves each of its pieces)."""
+    """:func:`kda_chunk_prepare` on validated inputs. ``may_forget``: g may hold -inf (a unit without it
+    gets the same result either way, so a whole call's flag serves each of its pieces).
+
+    The units (chunk, batch row, head) are laid out chunk-major, ``[NT, B, H, ...]``: chunk j of every
+    row and head is one contiguous block for the sequential scan; the fields are views in the
+    documented ``[B, H, NT, ...]`` order.
+    """
     dt = _compute_dtype(v)
     B, T, H, K = q.shape
     C = chunk_size
@@ -131,44 +135,25 @@ def _prepare(q, k, v, g, beta, scale, chunk_size, may_forget: bool) -> ChunkPrep
     NT = max(1, -(-T // C))
     pad = NT * C - T
 
-    def prep(x):  # pad the T dim (dim 1) with zeros: exact no-op tokens
+    def units(x):  # [B, T, H, D] -> [NT, B, H, C, D], a view; the T dim padded with exact no-op tokens
         x = x.to(dt)
-        return F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
+        if pad:
+            x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
+        return x.view(B, NT, C, H, -1).permute(1, 0, 3, 2, 4)
 
-    # [B, T, H, D] -> [B, H, NT, C, D]
-    def chunks(x):
-        return x.reshape(B, NT, C, H, -1).permute(0, 3, 1, 2, 4)  # [B, H, NT, C, D]
+    wy = wy_units(units(g), units(k), units(q), units(v), units(beta.unsqueeze(-1)), may_forget)
 
-    nS, s = sub_chunks(C)
+    def fields(x):  # [NT*B*H, a, b] -> [B, H, NT, a, b] (a view)
+        return x.view(NT, B, H, *x.shape[1:]).permute(1, 2, 0, 3, 4)
 
-    def sub(x):  # [B, H, NT, C, D] -> [B, H, NT, nS, s, D], a view
-        return x.unflatten(-2, (nS, s))
+    return ChunkPrep(fields(wy.qg), fields(wy.Aqk), fields(wy.w), fields(wy.u), fields(wy.kd).transpose(-1, -2),
+                     fields(wy.decay_last.unsqueeze(-1)), T, v.dtype, float(scale))
 
-    kq = stack_kq(chunks(prep(k)), chunks(prep(q)))   # [B, H, NT, nS, 2, s, K]; q unscaled (see outputs)
-    kc, qc = kq.unbind(-3)                            # [B, H, NT, nS, s, K] views (one backward op)
-    vc = chunks(prep(v)).contiguous()                 # [B, H, NT, C, V]
-    G = chunks(prep(g))                               # [B, H, NT, C, K] (per-token g here; a view)
-    seg = None
-    if may_forget:  # g = -inf (full forgetting): cumulate the finite steps, count the -inf ones
-        forget = torch.isneginf(G)                    # [B, H, NT, C, K]
-        seg = forget.to(torch.int32).cumsum(-2)       # [B, H, NT, C, K] -inf steps in [0, i]
-        G = G.masked_fill(forget, 0.0)
-    G = G.cumsum(-2)                                  # [B, H, NT, C, K], contiguous
-    bc = prep(beta).reshape(B, NT, C, H).permute(0, 3, 1, 2).unsqueeze(-1)  # [B, H, NT, C, 1]
 
-    Akk, Aqk = intra_chunk_products(G, kq, seg)              # [B, H, NT, C, C] strictly lower / lower
-    eye = torch.eye(C, dtype=dt, device=v.device)
-    Lmat = torch.addcmul(eye, Akk, bc)                       # I + diag(beta) Akk, unit lower   [B, H, NT, C, C]
-    Tinv = torch.linalg.solve_triangular(Lmat, eye.expand_as(Lmat), upper=False, unitriangular=True)
-    A = Tinv * bc.transpose(-1, -2)                          # (I + L)^{-1} diag(beta)   [B, H, NT, C, C]
-    eG = sub(_decay(G, None if seg is None else seg == 0))   # [B, H, NT, nS, s, K]
-    w = A @ (kc * eG).flatten(-3, -2)                        # [B, H, NT, C, K]
-    u = A @ vc                                               # [B, H, NT, C, V]
-    Glast = G[..., -1:, :]                                   # [B, H, NT, 1, K]
-    seg_last = None if seg is None else seg[..., -1:, :]     # [B, H, NT, 1, K]
-    kd = (kc * sub(_decay(Glast - G, None if seg is None else seg == seg_last))).flatten(-3, -2).transpose(-1, -2)  # [B, H, NT, K, C]
-    decay_last = _decay(Glast, None if seg is None else seg_last == 0).squeeze(-2).unsqueeze(-1)  # [B, H, NT, K, 1]
-    return ChunkPrep((qc * eG).flatten(-3, -2), Aqk, w, u, kd, decay_last, T, v.dtype, float(scale))
+def _chunk_major(x: torch.Tensor) -> torch.Tensor:
+    """A ``[B, H, NT, a, b]`` field as ``[NT, B*H, a, b]`` (a view for :func:`_prepare`'s fields)."""
+    B, H, NT = x.shape[:3]
+    return x.permute(2, 0, 1, 3, 4).reshape(NT, B * H, *x.shape[3:])
 
 
 def _initial_state(initial_state, B, H, K, V, dt, device) -> torch.Tensor:
@@ -182,66 +167,72 @@ def _initial_state(initial_state, B, H, K, V, dt, device) -> torch.Tensor:
     return initial_state.to(dt).reshape(B * H, K, V).clone()
 
 
+def _scan_into(prep: ChunkPrep, h: torch.Tensor) -> torch.Tensor:
+    """The scan without autograd, in place: h ``[NT + 1, B*H, K, V]`` holds the starting state in
+    ``h[0]`` and receives the state before each later chunk and the final one in ``h[NT]``.
+    Returns v_new ``[NT, B*H, C, V]``."""
+    w, u, kd, decay_last = (_chunk_major(t) for t in (prep.w, prep.u, prep.kd, prep.decay_last))  # [NT, B*H, ...]
+    v_new = u.new_empty(u.shape)
+    for j in range(u.shape[0]):                              # sequential only over chunks
+        torch.baddbmm(u[j], w[j], h[j], alpha=-1.0, out=v_new[j])   # u - w S   [B*H, C, V]
+        torch.mul(h[j], decay_last[j], out=h[j + 1])
+        h[j + 1].baddbmm_(kd[j], v_new[j])                  # diag(exp(G_C)) S + K~^T v_new
+    return v_new
+
+
 def kda_chunk_states(prep: ChunkPrep, initial_state: torch.Tensor | None = None) -> ChunkStates:
     """The sequential part of :func:`kda_chunk`: scan the chunk states from ``initial_state``.
 
     ``v_new = u - w S``; ``S <- diag(exp(G_C)) S + K~^T v_new`` per chunk. initial_state
     ``[B, H, K, V]`` or None (zeros). Raises ValueError on a state of the wrong shape or with NaN / inf.
+    Without autograd every chunk's state and v_new are written in place into one tensor each; with
+    autograd (training) they are stacked (an in-place write would invalidate what autograd saved); both
+    run the same products and are bitwise equal.
     """
     B, H, NT, C, K = prep.w.shape
     V = prep.u.shape[-1]
     S = _initial_state(initial_state, B, H, K, V, prep.w.dtype, prep.w.device)  # [B*H, K, V]
-    # 3-D views [B*H, ...] of chunk j for baddbmm (B, H are adjacent: no copy)
-    # per-chunk views [B*H, ...]; unbind, not indexing: its backward is one stack, not a zero-filled
-    # full-size gradient per chunk
-    w, u, kd, decay_last = (t.flatten(0, 1).unbind(1) for t in (prep.w, prep.u, prep.kd, prep.decay_last))
-    # Per-chunk results are collected and stacked, never written into a preallocated tensor: the state
-    # update reads v_new of chunk j, and an in-place write of chunk j + 1 would invalidate what autograd
-    # saved for it (training backpropagates through this scan).
-    hs, vs = [], []
-    for j in range(NT):                                      # sequential only over chunks
-        hs.append(S)
-        vn = torch.baddbmm(u[j], w[j], S, alpha=-1.0)        # u - w S       [B*H, C, V]
-        vs.append(vn)
-        S = torch.baddbmm(S * decay_last[j], kd[j], vn)      # [B*H, K, V]
-    h = torch.stack(hs, 1).view(B, H, NT, K, V).transpose(1, 2)     # [B, NT, H, K, V] (a view)
-    return ChunkStates(h, torch.stack(vs, 1).view(B, H, NT, C, V), S.view(B, H, K, V))
+    tensors = (S, prep.w, prep.u, prep.kd, prep.decay_last)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        w, u, kd, decay_last = (_chunk_major(t) for t in tensors[1:])
+        hs, vs = [], []
+        for j in range(NT):
+            hs.append(S)
+            vn = torch.baddbmm(u[j], w[j], S, alpha=-1.0)
+            vs.append(vn)
+            S = torch.baddbmm(S * decay_last[j], kd[j], vn)
+        h, v_new, final = torch.stack(hs), torch.stack(vs), S
+    else:
+        h = S.new_empty(NT + 1, B * H, K, V)
+        h[0] = S
+        v_new = _scan_into(prep, h)
+        final, h = h[NT].clone(), h[:NT]
+    return ChunkStates(h.view(NT, B, H, K, V).transpose(0, 1), v_new.view(NT, B, H, C, V).permute(1, 2, 0, 3, 4),
+                       final.view(B, H, K, V))
+
+
+def _output_units(prep: ChunkPrep, h: torch.Tensor, v_new: torch.Tensor) -> torch.Tensor:
+    """``scale ((q exp(G)) h + Aqk v_new)`` of every unit, ``[NT*B*H, C, V]``, from h ``[NT, B, H, K, V]``
+    and v_new ``[NT, B*H, C, V]`` (chunk-major; views)."""
+    B, H, NT, C, K = prep.qg.shape
+    n = NT * B * H
+    qg, Aqk = (_chunk_major(t).reshape(n, *t.shape[3:]) for t in (prep.qg, prep.Aqk))
+    av = torch.bmm(Aqk, v_new.reshape(n, C, -1))
+    return torch.baddbmm(av, qg, h.reshape(n, K, -1), beta=prep.scale, alpha=prep.scale)
+
+
+def _token_major(o: torch.Tensor, B: int, H: int, num_tokens: int) -> torch.Tensor:
+    """``[NT*B*H, C, V]`` unit outputs as a ``[B, num_tokens, H, V]`` view (padding dropped)."""
+    n, C, V = o.shape
+    return o.view(-1, B, H, C, V).permute(1, 0, 3, 2, 4).flatten(1, 2)[:, :num_tokens]
 
 
 def kda_chunk_outputs(prep: ChunkPrep, states: ChunkStates) -> torch.Tensor:
     """Outputs of :func:`kda_chunk` from the scanned states: ``o = scale ((q exp(G)) h + Aqk v_new)``,
     all chunks at once. Returns o ``[B, T, H, V]`` in v's dtype."""
-    B, H, NT, C, K = prep.qg.shape
-    V = prep.u.shape[-1]
-    hs = states.h.transpose(1, 2).reshape(B * H * NT, K, V)            # [B*H*NT, K, V]
-    av = prep.Aqk.reshape(-1, C, C) @ states.v_new.reshape(-1, C, V)   # [B*H*NT, C, V]
-    o = torch.baddbmm(av, prep.qg.reshape(-1, C, K), hs, beta=prep.scale, alpha=prep.scale)  # [B*H*NT, C, V]
-    o = o.view(B, H, NT * C, V).transpose(1, 2)[:, :prep.num_tokens]   # [B, T, H, V]
-    return o.to(prep.out_dtype).contiguous()
-
-
-def _scan_with_outputs(prep: ChunkPrep, S: torch.Tensor, o_out: torch.Tensor, h_out: torch.Tensor) -> torch.Tensor:
-    """:func:`kda_chunk_states` and :func:`kda_chunk_outputs` in one pass, for calls without autograd.
-
-    Writes chunk j's outputs into ``o_out`` ``[B, T_piece, H, V]`` and its starting state into
-    ``h_out`` ``[B, NT, H, K, V]`` (views of the caller's result tensors: no stacking or concatenation)
-    and returns the final state ``[B*H, K, V]``. Every product is the same per-matrix op as in the
-    two-pass form, so the results are bitwise equal (``tests/kda_core/test_intra_chunk.py``).
-    """
-    B, H, NT, C, K = prep.w.shape
-    V = prep.u.shape[-1]
-    w, u, kd, qg, Aqk, decay_last = (t.flatten(0, 1).unbind(1) for t in (
-        prep.w, prep.u, prep.kd, prep.qg, prep.Aqk, prep.decay_last))  # per chunk [B*H, ...]
-    h_rows, o_rows = h_out.unbind(1), o_out.split(C, 1)                 # NT x [B, H, K, V]; [B, <= C, H, V]
-    for j in range(NT):
-        h_rows[j].copy_(S.view(B, H, K, V))
-        vn = torch.baddbmm(u[j], w[j], S, alpha=-1.0)                   # u - w S            [B*H, C, V]
-        o = torch.baddbmm(Aqk[j] @ vn, qg[j], S, beta=prep.scale, alpha=prep.scale)  # [B*H, C, V]
-        S = torch.baddbmm(S * decay_last[j], kd[j], vn)                 # [B*H, K, V]
-        if j < len(o_rows) and (n := o_rows[j].shape[1]):                # real (unpadded) tokens of chunk j
-            o = o.view(B, H, C, V)
-            o_rows[j].copy_((o if n == C else o[:, :, :n]).transpose(1, 2))  # [B, n, H, V]
-    return S
+    B, H = prep.qg.shape[:2]
+    o = _output_units(prep, states.h.transpose(0, 1), _chunk_major(states.v_new))
+    return _token_major(o, B, H, prep.num_tokens).to(prep.out_dtype).contiguous()
 
 
 def kda_chunk(
@@ -303,14 +294,17 @@ def kda_chunk(
     B, _, H, K = q.shape
     V, C = v.shape[-1], chunk_size
     dt = _compute_dtype(v)
-    o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)              # [B, T, H, V]
-    h = torch.empty(B, max(1, -(-T // C)), H, K, V, dtype=dt, device=v.device)  # [B, NT, H, K, V]
-    S = _initial_state(initial_state, B, H, K, V, dt, v.device)             # [B*H, K, V]
+    NT = max(1, -(-T // C))
+    o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)             # [B, T, H, V]
+    h = torch.empty(NT + 1, B, H, K, V, dtype=dt, device=v.device)          # chunk-major; h[NT] = final state
+    h[0] = _initial_state(initial_state, B, H, K, V, dt, v.device).view(B, H, K, V)
     for s in range(0, max(T, 1), piece_tokens):
         part = slice(s, s + piece_tokens)
         prep = _prepare(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], scale, chunk_size, may_forget)
-        S = _scan_with_outputs(prep, S, o[:, part], h[:, s // C: s // C + prep.w.shape[2]])
-    return ChunkOutput(o, S.view(B, H, K, V), h)
+        j, nt = s // C, prep.w.shape[2]
+        v_new = _scan_into(prep, h[j: j + nt + 1].view(nt + 1, B * H, K, V))
+        o[:, part] = _token_major(_output_units(prep, h[j: j + nt], v_new), B, H, prep.num_tokens)
+    return ChunkOutput(o, h[NT].clone(), h[:NT].transpose(0, 1))
 
 
 def _kda_chunk_autograd(q, k, v, g, beta, initial_state, scale, chunk_size, piece_tokens, may_forget) -> ChunkOutput:
