@@ -53,7 +53,7 @@ class ChunkPrep(NamedTuple):
     form; kd ``[B, H, NT, K, C]`` keys decayed to the chunk end, transposed (``K~_c^T``); decay_last
     ``[B, H, NT, K, 1]`` = ``exp(G_C)``, the whole-chunk decay; num_tokens: T before padding;
     out_dtype: v's dtype; scale: the query scale, applied to the outputs.
-    Tensors are fp32 (fp64 for fp64 input).
+    Tensors are fp32 (fp64 for fp64 input), views in this order of chunk-major (``[NT, B, H, ...]``) tensors.
     """
 
     qg: torch.Tensor
@@ -82,8 +82,8 @@ def piece_tokens_for(B: int, H: int, K: int, V: int, chunk_size: int = CHUNK_SIZ
 
     Here (glibc malloc, 2 MiB L2 per core) a temporary over ~1 MiB is mmap-ed afresh and page-faulted
     on every use: an out-of-place op on 2 MiB ran 3x slower than in place, on 512 KiB 1.3x
-    (T = 4,096, H = 4, K = V = 128, one thread: 256-token pieces took 72 ms of CPU time, 1,024-token
-    pieces 83 ms).
+    (T = 4,096, H = 4, K = V = 128, one thread, interleaved medians of 9: 256-token pieces took 62 ms of
+    CPU time, 512-token 66 ms, 1,024-token 68 ms, one 4,096-token piece ~90 ms).
     """
     per_token = B * H * max(K, V) * 4                      # bytes of one token's row in a [.., K] tensor
     return max(MIN_PIECE_CHUNKS, PIECE_BYTES // (per_token * chunk_size)) * chunk_size
@@ -171,12 +171,13 @@ def _scan_into(prep: ChunkPrep, h: torch.Tensor) -> torch.Tensor:
     """The scan without autograd, in place: h ``[NT + 1, B*H, K, V]`` holds the starting state in
     ``h[0]`` and receives the state before each later chunk and the final one in ``h[NT]``.
     Returns v_new ``[NT, B*H, C, V]``."""
-    w, u, kd, decay_last = (_chunk_major(t) for t in (prep.w, prep.u, prep.kd, prep.decay_last))  # [NT, B*H, ...]
-    v_new = u.new_empty(u.shape)
-    for j in range(u.shape[0]):                              # sequential only over chunks
-        torch.baddbmm(u[j], w[j], h[j], alpha=-1.0, out=v_new[j])   # u - w S   [B*H, C, V]
-        torch.mul(h[j], decay_last[j], out=h[j + 1])
-        h[j + 1].baddbmm_(kd[j], v_new[j])                  # diag(exp(G_C)) S + K~^T v_new
+    w, u, kd, decay_last = (_chunk_major(t).unbind(0) for t in (prep.w, prep.u, prep.kd, prep.decay_last))
+    v_new = prep.u.new_empty(len(u), *u[0].shape)            # [NT, B*H, C, V]
+    hs, vs = h.unbind(0), v_new.unbind(0)                    # per-chunk views, made once
+    for j in range(len(u)):                                  # sequential only over chunks
+        torch.baddbmm(u[j], w[j], hs[j], alpha=-1.0, out=vs[j])     # u - w S   [B*H, C, V]
+        torch.mul(hs[j], decay_last[j], out=hs[j + 1])
+        hs[j + 1].baddbmm_(kd[j], vs[j])                    # diag(exp(G_C)) S + K~^T v_new
     return v_new
 
 
@@ -252,10 +253,12 @@ def kda_chunk(
     ``A = (I + L)^{-1} diag(beta)``, ``w = A (exp(G) * k)``, ``u = A v``; across chunks
     ``v' = u - w S``, ``o = (q exp(G)) S + Aqk v'``, ``S <- diag(exp(G_C)) S + (k exp(G_C - G))^T v'``
     (fla ``naive_chunk_kda``; Kimi Linear paper, section on the chunkwise algorithm). In-chunk decays
-    never overflow: :mod:`kda_core.intra_chunk` factors ``exp(G_i - G_j)`` about references inside the
-    chunk, within a bound per 16-token sub-chunk, else by recursive halving (per chunk).
-    Without autograd the scan writes each chunk's outputs and state straight into the results; with
-    autograd (training) it stacks them; both are bitwise equal.
+    never overflow: :mod:`kda_core.wy` factors ``exp(G_i - G_j)`` about the chunk's start when the chunk
+    decays by at most 60 nats in every key dim, else about references inside the chunk
+    (:mod:`kda_core.intra_chunk`), unit by unit (chunk, batch row, head).
+    Units are laid out chunk-major; without autograd the scan writes each chunk's state straight into
+    the result ``h`` and the outputs go to ``o`` piece by piece; with autograd (training) the scan
+    stacks them; both are bitwise equal.
     Any T works: the tail is padded with exact no-op tokens (g = 0, beta = 0, k = 0).
 
     Args:
@@ -270,7 +273,8 @@ def kda_chunk(
 
     Returns:
         :class:`ChunkOutput` (o ``[B, T, H, V]``, final_state ``[B, H, K, V]``,
-        h ``[B, NT, H, K, V]`` with ``h[:, j]`` the state before chunk j).
+        h ``[B, NT, H, K, V]`` with ``h[:, j]`` the state before chunk j: a view of a chunk-major
+        ``[NT, B, H, K, V]`` tensor).
 
     Raises:
         ValueError: on shape mismatch, a zero B, H, K or V (T = 0 gives no outputs and the initial state),
