@@ -14,6 +14,9 @@ arXiv:2510.26692); backward = 2x forward (each matmul's backward is two matmuls 
 "2N forward, 4N backward" split of Kaplan et al., arXiv:2001.08361). Both are counts of the
 algorithm, not of what this implementation executes (it runs ~1.3x the paper's forward count).
 
+Then where the time goes at one thread (:func:`phases`): prepare / scan / outputs by thread CPU time, the
+matmul FLOPs each executes and the floor those FLOPs set at the matmul rate.
+
 Part 2, tokens/s of ``kda_chunk``, ``kda_recurrent`` and fla's ``naive_chunk_kda`` (when fla-core is
 installed) at T in {1024, 4096, 16384} (``--table-threads``, default 1; medians of 3, the loops 1).
 Writes ``bench/results/kda.json``.
@@ -32,7 +35,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kda_core.chunk import CHUNK_SIZE, kda_chunk
+from kda_core.chunk import (
+    CHUNK_SIZE,
+    kda_chunk,
+    kda_chunk_outputs,
+    kda_chunk_prepare,
+    kda_chunk_states,
+    piece_tokens_for,
+)
 from kda_core.kda import kda_recurrent
 
 OUT = Path(__file__).parent / "results" / "kda.json"
@@ -136,6 +146,69 @@ def roofline(threads: int, T: int, repeats: int) -> dict:
     return res
 
 
+def executed_flops(T, C=CHUNK_SIZE, d=K):
+    """FLOPs this implementation's matmuls execute per phase over H heads (units of C tokens, d = K = V):
+    prepare = cumsum as a matmul ``2 C^2 d`` + ``[k; q] exp(G)`` times ``(k exp(-G))^T`` ``4 C^2 d`` + the UT
+    inverse ``~2 C^3 / 3`` + ``w, u`` ``4 C^2 d``; scan = ``w S`` and ``K~^T v_new`` ``4 C d^2``; outputs =
+    ``Aqk v_new`` ``2 C^2 d`` + ``(q exp(G)) h`` ``2 C d^2``. Elementwise work is not counted."""
+    units = H * -(-T // C)
+    return {"prepare": units * (10 * C * C * d + 2 * C ** 3 // 3), "scan": units * 4 * C * d * d,
+            "outputs": units * (2 * C * C * d + 2 * C * d * d)}
+
+
+def phases(T: int, repeats: int, matmul_gflops: float) -> dict:
+    """Where the forward's time goes at one thread: the split API (prepare / scan / outputs) run piece by
+    piece as ``kda_chunk`` runs them, ``repeats`` rounds after a warm-up; per phase the median thread CPU
+    ms, the executed matmul GFLOP (:func:`executed_flops`) and the rate they ran at, against the matmul
+    rate of the same run. ``floor_ms``: the executed matmul FLOPs at that rate (no elementwise work,
+    no overhead): what an unfused implementation of this algorithm cannot go below."""
+    torch.set_num_threads(1)
+    xs = inputs(T)
+    piece = piece_tokens_for(B, H, K, V)
+
+    def run(acc):
+        S = None
+        for s in range(0, T, piece):
+            part = [x[:, s:s + piece] for x in xs]
+            c0 = time.thread_time()
+            prep = kda_chunk_prepare(*part)
+            c1 = time.thread_time()
+            st = kda_chunk_states(prep, S)
+            c2 = time.thread_time()
+            kda_chunk_outputs(prep, st)
+            c3 = time.thread_time()
+            S = st.final_state
+            for name, dt in (("prepare", c1 - c0), ("scan", c2 - c1), ("outputs", c3 - c2)):
+                acc[name] += dt
+
+    run(dict.fromkeys(("prepare", "scan", "outputs"), 0.0))
+    rounds = []
+    for _ in range(repeats):
+        acc = dict.fromkeys(("prepare", "scan", "outputs"), 0.0)
+        run(acc)
+        rounds.append(acc)
+    fl = executed_flops(T)
+    out = {"T": T, "piece_tokens": piece, "matmul_gflops": matmul_gflops,
+           "paper_flops": paper_flops(T, K), "executed_flops": sum(fl.values()),
+           "floor_ms": sum(fl.values()) / matmul_gflops / 1e6}
+    for name in fl:
+        ms = statistics.median(r[name] for r in rounds) * 1e3
+        out[name] = {"cpu_ms": ms, "executed_gflop": fl[name] / 1e9, "gflops": fl[name] / ms / 1e6}
+    return out
+
+
+def _print_phases(p):
+    total = sum(p[n]["cpu_ms"] for n in ("prepare", "scan", "outputs"))
+    print(f"where the time goes (1 thread, split API in {p['piece_tokens']}-token pieces, thread CPU time; "
+          f"matmuls executed {p['executed_flops'] / 1e9:.2f} GFLOP vs the paper's {p['paper_flops'] / 1e9:.2f}):")
+    for n in ("prepare", "scan", "outputs"):
+        x = p[n]
+        print(f"  {n:<8} {x['cpu_ms']:6.1f} ms ({100 * x['cpu_ms'] / total:4.1f} %)  {x['executed_gflop']:5.2f} GFLOP "
+              f"at {x['gflops']:6.1f} GFLOP/s")
+    print(f"  floor: the executed matmul FLOPs at the matmul rate ({p['matmul_gflops']:.0f} GFLOP/s), nothing else: "
+          f"{p['floor_ms']:.1f} ms = ratio {100 * p['paper_flops'] / 1e9 / p['matmul_gflops'] / (p['floor_ms'] / 1e3):.0f} %")
+
+
 def table(seq_lens, repeats, max_recurrent_T, naive):
     rows = []
     for T in seq_lens:
@@ -189,6 +262,8 @@ def main(argv=None):
     for r in ratios:
         r["matmul"].pop("gflops_rounds")
         _print_roofline(r)
+    split = phases(args.ratio_T, args.repeats, ratios[0]["matmul"]["gflops"]["median"])
+    _print_phases(split)
     rows = []
     if not args.no_table:
         torch.set_num_threads(args.table_threads)
@@ -202,7 +277,7 @@ def main(argv=None):
                   f"{(r['kda_chunk_tok_s'] / rec) if rec else float('nan'):>9.2f} {r['kda_chunk_gflops']:>8.1f}")
     OUT.parent.mkdir(parents=True, exist_ok=True)
     cond["table_threads"] = args.table_threads
-    OUT.write_text(json.dumps({"conditions": cond, "roofline": ratios, "rows": rows}, indent=2))
+    OUT.write_text(json.dumps({"conditions": cond, "roofline": ratios, "phases": split, "rows": rows}, indent=2))
     print(f"wrote {OUT}")
 
 
