@@ -14,7 +14,19 @@ block becomes 16 bytes (one KV block of the server, N = 16) drawn from a generat
 so requests that share hash ids share a byte prefix exactly as the trace's share a cached prefix; the output is
 output_length / 32 tokens, clipped to [1, 32]. Arrivals are Poisson at each ``--rates`` value (req/s, seeded),
 as ``vllm bench serve --request-rate`` draws them. Without ``--url`` a ``python -m serve.http`` process is started on
-127.0.0.1 (fresh per rate, so every rate starts from an empty prefix cache).
+127.0.0.1 (fresh per rate, so every rate starts from an empty prefix cache; with ``--url`` the server's cache
+carries over from rate to rate).
+
+Warm-up (:func:`warmup_workload`, not counted): two streamed requests sent one after the other, of printable
+bytes the trace's blocks never start with, so the replay still meets an empty prefix cache (the replay's own first
+requests as warm-up made them, and every later request sharing a checkpoint interval with them, cache hits). Between
+them they run every kind of step the replay runs: a prefill with no hit, a prefill after a prefix-cache hit (the
+second shares two checkpoint intervals with the first), decode steps, and a request that ends at its prefill
+(``max_tokens`` 1). Two suffice: the engine runs eager fp32 torch on the CPU, with no per-shape compile or graph
+capture (what vLLM warms for each batch size), and a decode bucket or prefix hit it has not run before costs
+about what a repeat does (measured in 5 fresh processes of the server's engine, 5 interleaved repeats, 1 thread,
+load ~4: the first decode step at each bucket 1 to 32 and the first hit prefill within the repeats' p10-p90, median
+first / repeat 0.98 to 1.16); what the first request pays once is the process's and the HTTP stack's first calls.
 Writes ``bench/results/serve_http.json``; all figures are measured, on this machine, in this run.
 """
 from __future__ import annotations
@@ -40,6 +52,7 @@ from serve.traces.mooncake import load_mooncake
 OUT = Path(__file__).parent / "results" / "serve_http.json"
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 SCALE, BLOCK_BYTES, MAX_OUTPUT = 32, 16, 32             # 512 tokens / 32 = 16 bytes per hash block
+CHECKPOINT_TOKENS = 64                                   # python -m serve.http's --checkpoint-interval default
 
 
 def mooncake_workload(num_requests: int, max_model_len: int, path: Path = TRACE) -> list[tuple[list[int], int]]:
@@ -53,6 +66,31 @@ def mooncake_workload(num_requests: int, max_model_len: int, path: Path = TRACE)
         max_tokens = min(MAX_OUTPUT, max(1, req.output_length // SCALE))
         out.append((prompt[: max_model_len - max_tokens], max_tokens))
     return out
+
+
+def warmup_workload(workload, seed: int = 0) -> list[tuple[list[int], int]]:
+    """The two warm-up requests ``(prompt bytes, max_tokens)`` (module docstring): a prompt of three checkpoint
+    intervals of printable bytes (32..126) with 8 output tokens, then its first two intervals plus one new
+    interval with 1. Raises ValueError if a warm-up prompt starts with the first block of a ``workload`` prompt
+    (the replay could then hit what the warm-up cached; for the seeded bytes it never does)."""
+    rng = random.Random(seed)
+    interval = lambda: [rng.randrange(32, 127) for _ in range(CHECKPOINT_TOKENS)]   # noqa: E731
+    first = interval() + interval() + interval()
+    warmup = [(first, 8), (first[:2 * CHECKPOINT_TOKENS] + interval(), 1)]
+    starts = {tuple(prompt[:BLOCK_BYTES]) for prompt, _ in workload}
+    if any(tuple(prompt[:BLOCK_BYTES]) in starts for prompt, _ in warmup):
+        raise ValueError(f"a warm-up prompt (seed {seed}) starts like a workload prompt; pick another seed")
+    return warmup
+
+
+async def warm_up(url: str, model: str, warmup) -> None:
+    """Send the ``warmup`` requests one after the other (the second's prefix hit needs the first's checkpoints
+    published); not counted. Raises RuntimeError if one fails."""
+    async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        for prompt, max_tokens in warmup:
+            res = await one_request(client, model, prompt, max_tokens)
+            if not res["ok"]:
+                raise RuntimeError(f"warm-up request failed: {res['status']}")
 
 
 async def one_request(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> dict:
@@ -151,7 +189,8 @@ def local_server(max_model_len: int, max_num_seqs: int, step_trace: Path | None 
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m bench.serve_http", description=__doc__.split("\n\n")[0])
-    p.add_argument("--url", default=None, help="a running server (default: start one here per rate)")
+    p.add_argument("--url", default=None, help="a running server, its prefix cache kept from rate to rate "
+                   "(default: start one here per rate)")
     p.add_argument("--model", default="kda-demo")
     p.add_argument("--requests", type=int, default=48, help="requests per rate (the trace's first N)")
     p.add_argument("--rates", type=float, nargs="+", default=[1.0, 2.0, 4.0, 8.0], help="req/s (Poisson)")
@@ -164,7 +203,7 @@ def main(argv=None) -> list[dict]:
     for rate in args.rates:
         with (contextlib.nullcontext(args.url) if args.url else local_server(args.max_model_len,
                                                                             args.max_num_seqs)) as url:
-            asyncio.run(run_rate(url, args.model, workload[:2], rate, args.seed))      # warm-up, not counted
+            asyncio.run(warm_up(url, args.model, warmup_workload(workload, args.seed)))    # not counted
             rows.append(asyncio.run(run_rate(url, args.model, workload, rate, args.seed)))
         r = rows[-1]
         print(f"rate {rate:5.1f} req/s: {r['request_throughput_rps']:.2f} req/s done, "
@@ -173,6 +212,7 @@ def main(argv=None) -> list[dict]:
               f"failed {r['failed']}", flush=True)
     meta = dict(workload="Mooncake conversation trace, first requests, 1/32 scale (bench/serve_http.py)",
                 requests_per_rate=args.requests, server=args.url or "python -m serve.http subprocess on 127.0.0.1, fresh per rate",
+                warmup="2 requests of other bytes, one after the other: miss + 8 decode, hit + prefill only (not counted)",
                 measured=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")

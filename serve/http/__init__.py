@@ -13,5 +13,6 @@ Concept → file → main type:
 
 Tests: ``tests/serve/http/test_server_openai.py`` (the ``openai`` client: completion, chat, streaming, errors),
 ``tests/serve/http/test_server_load.py`` (64+ concurrent streams, random cancels, outputs vs batch-1 runs,
-slots and pages back to baseline).
+slots and pages back to baseline), ``tests/serve/http/test_cli_state_write.py`` (``--state-write`` /
+``--ring-size``: reach the engine, argparse errors, ReplaySSM serves the slot write's bytes).
 """

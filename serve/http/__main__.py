@@ -1,13 +1,30 @@
-"""``python -m serve.http``: the OpenAI-compatible server on 127.0.0.1:8000 by default (see serve/http/__init__.py)."""
+"""``python -m serve.http``: the OpenAI-compatible server on 127.0.0.1:8000 by default (see serve/http/__init__.py).
+
+A bad option, options that contradict each other (``--ring-size`` without ``--state-write replay_ssm``) or values
+the engine spec refuses end the command with argparse's usage line and message (exit status 2) before the model
+is loaded."""
 from __future__ import annotations
 
 import argparse
 
 import uvicorn
 
+from serve.engine import STATE_WRITES
 from serve.http.app import create_app
 from serve.http.model import EngineSpec, build_engine
 from serve.http.step_trace import StepTrace
+from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
+
+
+def _ring_size(text: str) -> int:
+    """``--ring-size``: an int >= 1 (argparse reports the ArgumentTypeError as the option's error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-interval", type=int, default=64,
                    help="tokens between KDA state checkpoints of the prefix cache (default: %(default)s)")
     p.add_argument("--no-prefix-cache", action="store_true", help="serve without prefix sharing (default: cache on)")
+    p.add_argument("--state-write", choices=STATE_WRITES, default="slot",
+                   help="how a decode step writes a request's KDA state: slot (the whole state every step) or "
+                   "replay_ssm (a (k, u, g) record per step, the state every ring-size steps; vllm#47572); the "
+                   "tokens are the same (default: %(default)s)")
+    p.add_argument("--ring-size", type=_ring_size, default=None,
+                   help=f"decode steps per state write, for the replay_ssm state write only; SGLang's default "
+                   f"(default: {DEFAULT_RING_SIZE})")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (default: %(default)s)")
     p.add_argument("--step-trace", default=None, metavar="PATH",
                    help="write every engine step and request timeline to PATH (JSON lines, serve/http/step_trace.py) "
@@ -38,13 +62,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+    """The options of ``argv`` (None: ``sys.argv[1:]``), checked together: exits with argparse's message
+    (status 2) for ``--ring-size`` without ``--state-write replay_ssm``, or for values :class:`EngineSpec`
+    refuses (``--max-model-len 1``, a block size that does not divide the checkpoint interval)."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.ring_size is not None and args.state_write != "replay_ssm":
+        p.error(f"--ring-size applies to --state-write replay_ssm only (got --state-write {args.state_write})")
+    try:
+        engine_spec(args)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def engine_spec(args: argparse.Namespace) -> EngineSpec:
+    """The :class:`EngineSpec` the options ask for (raises its ValueError for a bad value)."""
+    return EngineSpec(args.preset, args.max_model_len, args.max_num_seqs, args.num_pages, args.block_size,
+                      args.checkpoint_interval, not args.no_prefix_cache, args.state_write, args.ring_size)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    spec = EngineSpec(args.preset, args.max_model_len, args.max_num_seqs, args.num_pages, args.block_size,
-                      args.checkpoint_interval, not args.no_prefix_cache)
+    spec = engine_spec(args)
     app = create_app(build_engine(spec), args.served_model_name or f"kda-{args.preset}", spec.max_model_len,
                      spec.max_num_seqs, args.max_queue, StepTrace(args.step_trace) if args.step_trace else None)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -55,7 +55,8 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
     """The server app over ``engine`` (whose thread starts and stops with the app). ``max_model_len``:
     prompt + output tokens per request; ``max_num_seqs``: requests inside the engine at once; ``max_queue``:
     requests queued in front of it before a 429; ``trace``: an optional :class:`StepTrace` of every step and
-    request. ``app.state.loop`` is the :class:`EngineLoop`."""
+    request. ``app.state.loop`` is the :class:`EngineLoop`. ``/v1/models`` reports, besides vLLM's
+    ``max_model_len``, the engine's decode-time ``state_write`` and its ``ring_size`` (null under "slot")."""
     metrics = ServerMetrics(model_name, engine.layout.block_size)
     loop = EngineLoop(engine, metrics, max_num_seqs, max_queue, trace)
 
@@ -103,11 +104,14 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
     async def prom():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    ring_size = engine.replay.ring_size if engine.replay is not None else None     # as the engine runs it
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": app.state.created,
                                             "owned_by": "kda-serve-lab", "root": model_name,
-                                            "max_model_len": max_model_len}]}
+                                            "max_model_len": max_model_len, "state_write": engine.state_write,
+                                            "ring_size": ring_size}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

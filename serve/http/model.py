@@ -11,11 +11,12 @@ from dataclasses import dataclass
 
 from kda_core.model import HybridLM
 from serve.config import ServeConfig
-from serve.engine import ServeEngine
+from serve.engine import STATE_WRITES, ServeEngine
 from serve.errors import check_choice, check_int
 from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
 from serve.runnable import RUNNABLE, demo_model
+from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
 
 SERVABLE = RUNNABLE
 
@@ -35,8 +36,13 @@ class EngineSpec:
     preset: the model (:data:`SERVABLE`); max_model_len: prompt + output tokens (bytes) one request may
     reach; max_num_seqs: requests the engine holds at once (each one private KDA state: a "state slot");
     num_pages: pool pages (None: every slot at ``max_model_len`` plus as many again for the prefix cache);
-    block_size / checkpoint_interval: the :class:`ServeConfig`; prefix_cache: share prefixes or not.
-    Raises ValueError naming the first bad field.
+    block_size / checkpoint_interval: the :class:`ServeConfig`; prefix_cache: share prefixes or not;
+    state_write: how a plain decode step writes a request's KDA state (:data:`serve.engine.STATE_WRITES`: "slot",
+    the whole state every step, or "replay_ssm", a record per step and the state every ``ring_size`` steps;
+    vllm#47572); ring_size: decode steps per state write under "replay_ssm" (an int >= 1; None: SGLang's
+    default :data:`DEFAULT_RING_SIZE`), None under "slot".
+    Raises ValueError naming the first bad field (a ``ring_size`` with ``state_write="slot"`` too: it would be
+    ignored).
     """
 
     preset: str = "demo"
@@ -46,6 +52,8 @@ class EngineSpec:
     block_size: int = 16
     checkpoint_interval: int = 64
     prefix_cache: bool = True
+    state_write: str = "slot"
+    ring_size: int | None = None
 
     def __post_init__(self):
         check_choice("preset", self.preset, SERVABLE)
@@ -54,6 +62,17 @@ class EngineSpec:
         if self.num_pages is not None:
             check_int("num_pages", self.num_pages)
         ServeConfig(self.block_size, self.checkpoint_interval)          # validates both
+        check_choice("state_write", self.state_write, STATE_WRITES)
+        if self.ring_size is not None:
+            if self.state_write != "replay_ssm":
+                raise ValueError(f"ring_size is the replay_ssm state write's ring, got ring_size={self.ring_size!r} "
+                                 f"with state_write={self.state_write!r}")
+            check_int("ring_size", self.ring_size)
+
+    @property
+    def engine_ring_size(self) -> int:
+        """The ring size the engine gets (:data:`DEFAULT_RING_SIZE` when unset; unused under "slot")."""
+        return DEFAULT_RING_SIZE if self.ring_size is None else self.ring_size
 
     @property
     def config(self) -> ServeConfig:
@@ -64,8 +83,8 @@ def build_engine(spec: EngineSpec, model: HybridLM | None = None) -> ServeEngine
     """A fresh engine for ``spec`` on a fresh pool: ``num_pages`` or, by default, 2 * max_num_seqs *
     (state pages + KV pages of ``max_model_len`` tokens), so every slot fits at full length with the same
     again left for cached prefixes. The engine is the batched one, its scheduler capped at ``max_num_seqs``
-    running requests: every step runs their decode rows and the admitted prompts' prefill rows together.
-    Raises ValueError for a bad spec."""
+    running requests: every step runs their decode rows and the admitted prompts' prefill rows together; its
+    decode steps write the KDA state as ``spec.state_write`` says. Raises ValueError for a bad spec."""
     model = load_model(spec.preset) if model is None else model
     config = spec.config
     layout = config.layout(model.cfg)
@@ -73,4 +92,5 @@ def build_engine(spec: EngineSpec, model: HybridLM | None = None) -> ServeEngine
     num_pages = spec.num_pages or 2 * spec.max_num_seqs * per_request
     pool = PagePool(num_pages, config.page_bytes(model.cfg))
     cache = PrefixCache(pool, config, cfg=model.cfg) if spec.prefix_cache else None
-    return ServeEngine(model, pool, cache, config=config, max_num_seqs=spec.max_num_seqs, batched=True)
+    return ServeEngine(model, pool, cache, config=config, max_num_seqs=spec.max_num_seqs, batched=True,
+                       state_write=spec.state_write, ring_size=spec.engine_ring_size)

@@ -212,6 +212,7 @@ def test_a_bad_number_in_a_link_is_ignored_in_the_browser(server, link, key, def
     Streamlit's ``number_input`` deserializer while the page's toast said the value was ignored; ``nan`` was dropped
     with no notice. Now the toast names the value and why, the widget shows its default, and the address bar no
     longer carries the value."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
@@ -221,6 +222,12 @@ def test_a_bad_number_in_a_link_is_ignored_in_the_browser(server, link, key, def
         page.goto(f"{server}/{link}", wait_until="domcontentloaded")
         page.wait_for_selector(f".st-key-{key}", timeout=180_000)   # the run reached the widget (toast before it):
         _settle(page)                                                # idle before the first run is not "settled"
+        # The run being over is not the toast being drawn: the browser draws it only once Streamlit's lazily loaded
+        # Toast chunk has come from the server, which on a loaded machine can be seconds after the run ended (a
+        # 3 s late chunk made the idle wait alone miss the toast in 2 of 3 loads). Wait for the toast itself.
+        with contextlib.suppress(PlaywrightTimeout):
+            page.wait_for_function("key => window.__toasts.some(t => t.includes(`link's ${key}=`))", arg=key,
+                                   timeout=60_000)
         exc = page.locator("[data-testid='stException']")
         problem = exc.first.inner_text()[:300] if exc.count() else None
         toasts = page.evaluate("() => window.__toasts")

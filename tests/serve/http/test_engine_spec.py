@@ -1,4 +1,7 @@
-"""The server's engine is the batched one, sized by its spec: ``max_num_seqs`` reaches the engine's scheduler."""
+"""The server's engine is the batched one, sized by its spec: ``max_num_seqs`` reaches the engine's scheduler; a
+``ring_size`` without the replay_ssm state write, or a bad state write, is refused."""
+import pytest
+
 from serve.http.model import EngineSpec, build_engine, load_model
 
 
@@ -13,3 +16,12 @@ def test_server_engine_is_batched_with_the_specs_max_num_seqs():
         engine.step()
     assert all(engine.result(r).status.name == "FINISHED" for r in rids)
     engine.check_integrity()
+
+
+def test_engine_spec_refuses_a_ring_size_for_the_slot_write():
+    with pytest.raises(ValueError, match="ring_size is the replay_ssm state write's ring"):
+        EngineSpec(ring_size=4)
+    with pytest.raises(ValueError, match="ring_size must be an int >= 1, got 0"):
+        EngineSpec(state_write="replay_ssm", ring_size=0)
+    with pytest.raises(ValueError, match="state_write must be one of"):
+        EngineSpec(state_write="replay")

@@ -180,6 +180,8 @@ def test_full_queue_is_429_with_retry_after_and_disconnect_frees_the_slot():
 
 
 def test_command_line_server_binds_localhost():
+    """``python -m serve.http`` serves on 127.0.0.1; its ``--state-write`` / ``--ring-size`` reach the engine, as
+    ``/v1/models`` reports."""
     import socket
 
     with socket.socket() as s:
@@ -187,7 +189,8 @@ def test_command_line_server_binds_localhost():
         port = s.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "serve.http", "--port", str(port), "--max-model-len", "128",
-                             "--max-num-seqs", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                             "--max-num-seqs", "2", "--state-write", "replay_ssm", "--ring-size", "2"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         for _ in range(300):
             try:
@@ -198,6 +201,8 @@ def test_command_line_server_binds_localhost():
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
         out = client.completions.create(model="kda-demo", prompt="hi", max_tokens=3)
         assert out.usage.completion_tokens == 3
+        card = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]
+        assert (card["state_write"], card["ring_size"]) == ("replay_ssm", 2)
     finally:
         proc.terminate()
         proc.wait(20)
@@ -298,7 +303,7 @@ def test_help_shows_every_default(capsys):
     text = " ".join(capsys.readouterr().out.split())
     text = text[text.index("options:"):]                                 # past the usage line
     for flag, default in (("--max-num-seqs", 64), ("--max-queue", 256), ("--max-model-len", 1024), ("--port", 8000),
-                          ("--block-size", 16), ("--checkpoint-interval", 64)):
+                          ("--block-size", 16), ("--checkpoint-interval", 64), ("--ring-size", 16)):
         after = text[text.index(f"{flag} {flag[2:].upper().replace('-', '_')}"):]
         assert f"(default: {default})" in after[:after.index(" --", 5)], flag
 
