@@ -12,9 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kda_core.config import ModelConfig
 from serve.errors import check_choice, check_int
-from serve.memory.layout import PAGE_POLICIES, CacheLayout
+from serve.memory.layout import ENGINE_STATE_DTYPES, PAGE_POLICIES, CacheLayout
+
+STATE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""Command-line names of :data:`serve.memory.layout.ENGINE_STATE_DTYPES` (``python -m serve.http --state-dtype``)."""
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,12 @@ class ServeConfig:
         page_policy: "unified" (one page size that holds a whole group state, vLLM's unified page) or
             "multi_page" (pages sized to one KV block; a state spans several), see
             :meth:`serve.memory.layout.CacheLayout.page_bytes_for`.
+        state_dtype: the stored dtype of every KDA recurrent state (request slots and prefix-cache checkpoints):
+            torch.float32 (default, bitwise exact), torch.bfloat16 or torch.float16 (half the recurrent bytes;
+            rounded to nearest on every write, upcast on read; compute stays fp32). vLLM's
+            ``mamba_ssm_cache_dtype`` (``vllm/config/cache.py``); vLLM itself pins the KDA recurrent state to
+            fp32 (``MambaStateDtypeCalculator.kda_state_dtype`` in ``vllm/model_executor/layers/mamba/mamba_utils.py``).
+            Conv windows and MLA latents stay fp32.
     Raises ValueError naming the first bad field.
     """
 
@@ -37,6 +48,7 @@ class ServeConfig:
     num_groups: int = 1           # one state per checkpoint: the fewest pages; more groups trade pages for finer reuse
     page_policy: str = "multi_page"  # pages of one KV block: no padding of KV pages up to a state (vLLM's unified
     # page pads every KV block to the largest group state; see serve.memory.layout)
+    state_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
         check_int("block_size", self.block_size)
@@ -46,17 +58,20 @@ class ServeConfig:
             raise ValueError(f"checkpoint_interval must be a positive multiple of block_size={self.block_size}, "
                              f"got {self.checkpoint_interval}")
         check_choice("page_policy", self.page_policy, PAGE_POLICIES)
+        check_choice("state_dtype", self.state_dtype, ENGINE_STATE_DTYPES)
 
     def page_bytes(self, model_cfg: ModelConfig) -> int:
         """Pool page size (bytes) for ``model_cfg`` under :attr:`page_policy`. Raises ValueError if
         :attr:`num_groups` exceeds the model's KDA layers."""
-        return CacheLayout.page_bytes_for(model_cfg, self.block_size, self.num_groups, self.page_policy)
+        return CacheLayout.page_bytes_for(model_cfg, self.block_size, self.num_groups, self.page_policy,
+                                          state_dtype=self.state_dtype)
 
     def layout(self, model_cfg: ModelConfig, page_bytes: int | None = None) -> CacheLayout:
         """The :class:`CacheLayout` of ``model_cfg`` on pages of ``page_bytes`` (default: :meth:`page_bytes`).
         Raises ValueError for bad groups or a page that cannot hold one KV block."""
         return CacheLayout(model_cfg, self.block_size, self.num_groups,
-                           self.page_bytes(model_cfg) if page_bytes is None else page_bytes)
+                           self.page_bytes(model_cfg) if page_bytes is None else page_bytes,
+                           state_dtype=self.state_dtype)
 
     def prefill_checkpoints(self, num_prompt_tokens: int) -> list[int]:
         """Where a prefill of L = ``num_prompt_tokens`` writes checkpoints, in tokens, ascending: every

@@ -34,6 +34,15 @@ every step; "replay_ssm" (vllm#47572) appends a ``(k, u, g)`` record per KDA lay
 writes the state every ``ring_size`` steps or when a checkpoint is published at that step
 (:mod:`serve.spec_decode.replay_state_write`); the ring is released with the request's pages.
 
+16-bit states (``state_dtype`` bf16 / fp16): a request's state is rounded wherever it is written, so its output
+depends on where that happens. Bitwise facts that still hold with the same state dtype and settings: a request
+in any batch == its batch-1 run (its prefill chunks do not depend on its neighbours: the scheduler never cuts a
+chunk to fit the token budget, :class:`serve.scheduler.SchedulerConfig` ``exact_state``); a preempted request ==
+its uninterrupted run; the batched engine == ``batched=False``; a cache-on cold run == the cache-off run.
+Facts that hold only in fp32: a warm run from a hit at b == the cold run (the restored checkpoint is rounded at
+b; it equals the cache-off run whose prefill is split at b); a chunked prefill == the unchunked one;
+``replay_ssm`` == ``slot`` (ReplaySSM rounds at materialisation only, every ``ring_size`` steps, so fewer times).
+
 Checkpoint placement (C = interval, N = block size, L = prompt length): every multiple of C reached
 during prefill, the replay boundary floor((L - 1) / N) N, the end of the prompt floor(L / N) N, and at
 the request's end the last full block of prompt + output. Without a prefix cache the engine runs
@@ -41,6 +50,7 @@ the same pages with no sharing: it is the reference.
 """
 from __future__ import annotations
 
+import dataclasses
 import enum
 import time
 from itertools import islice
@@ -51,6 +61,7 @@ from kda_core.kda import NonFiniteError
 from kda_core.model import ForwardOutput, HybridCache, HybridLM
 from serve.config import ServeConfig
 from serve.errors import check_choice, check_int
+from serve.memory.layout import ENGINE_STATE_DTYPES
 from serve.memory.pages import write_kv, write_state, zero_state
 from serve.memory.pool import PageKind, PagePool, PoolExhausted
 from serve.model_runner import ModelRunner, Row
@@ -100,7 +111,14 @@ class ServeEngine:
             ring, the state materialised every ``ring_size`` steps or at a checkpoint publish; vllm#47572,
             :mod:`serve.spec_decode.replay_state_write`). Tokens and logits are bitwise the same.
         ring_size: decode steps per state write under "replay_ssm" (an int >= 1; SGLang's default 16).
-    Raises ValueError for a cache on another pool, model config or serving config, or bad sizes; for
+        state_dtype: the stored dtype of the KDA recurrent states (request slots and checkpoints): None keeps
+            the config's (``ServeConfig.state_dtype``, fp32 by default), else torch.float32, torch.bfloat16 or
+            torch.float16 replaces it (with a prefix cache it must equal the cache's). Compute stays fp32: a
+            state is upcast when gathered and rounded to nearest on every write (prefill end and chunk ends,
+            decode, verify commit, ReplaySSM materialisation, prefill checkpoints), so a 16-bit state holds
+            about twice the slots of fp32 (conv windows and latents stay fp32). See "16-bit states" below.
+    Raises ValueError for a cache on another pool, model config or serving config, or bad sizes; for a
+    ``state_dtype`` not in :data:`serve.memory.layout.ENGINE_STATE_DTYPES` or unlike the cache's; for
     ``state_write="replay_ssm"`` with speculation (every decode row is then a verify row: use the
     ``ReplaySSM`` rollback strategy) or with ``batched=False``.
     """
@@ -110,7 +128,9 @@ class ServeEngine:
                  speculation: Speculation | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, num_state_slots: int | None = None,
                  batched: bool = True, pad_decode: bool = True, state_write: str = "slot",
-                 ring_size: int = DEFAULT_RING_SIZE):
+                 ring_size: int = DEFAULT_RING_SIZE, state_dtype: torch.dtype | None = None):
+        if state_dtype is not None:
+            check_choice("state_dtype", state_dtype, ENGINE_STATE_DTYPES)
         if prefix_cache is not None:
             if prefix_cache.pool is not pool:
                 raise ValueError("prefix_cache must be built on the engine's pool")
@@ -118,11 +138,16 @@ class ServeEngine:
                 raise ValueError("prefix_cache was built for another model config")
             if config is not None and config != prefix_cache.config:
                 raise ValueError(f"config {config} differs from the prefix cache's {prefix_cache.config}")
+            if state_dtype is not None and state_dtype != prefix_cache.config.state_dtype:
+                raise ValueError(f"state_dtype {state_dtype} differs from the prefix cache's "
+                                 f"{prefix_cache.config.state_dtype} (build it on ServeConfig(state_dtype=...))")
             self.config, self.layout = prefix_cache.config, prefix_cache.layout
         else:
             self.config = ServeConfig() if config is None else config
             if not isinstance(self.config, ServeConfig):
                 raise ValueError(f"config must be a ServeConfig or None, got {type(config).__name__}")
+            if state_dtype is not None:
+                self.config = dataclasses.replace(self.config, state_dtype=state_dtype)
             self.layout = self.config.layout(model.cfg, pool.page_bytes)
         if max_prefill_chunk is not None and (not isinstance(max_prefill_chunk, int) or max_prefill_chunk < 1):
             raise ValueError(f"max_prefill_chunk must be None or a positive int, got {max_prefill_chunk!r}")
@@ -132,7 +157,8 @@ class ServeEngine:
         self.waiting: list[int] = []
         self.running: list[int] = []
         self._next_rid = 0
-        self.sched_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, num_state_slots, max_prefill_chunk)
+        self.sched_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, num_state_slots, max_prefill_chunk,
+                                            exact_state=self.config.state_dtype == torch.float32)
         self.scheduler = Scheduler(self.sched_config, self, self.requests, self.waiting, self.running)
         check_choice("state_write", state_write, STATE_WRITES)
         check_int("ring_size", ring_size)

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kda_core.config import kda_state_elems_per_layer
 from kda_core.model import HybridLM
 from kda_core.varlen import PAD_SLOT, BatchMeta, SlotPools, forward_batch, make_meta
 from serve.memory.layout import FP32_BYTES, CacheLayout
+from serve.memory.pages import stored_words
 from serve.memory.pool import PagePool
 from serve.spec_decode.replay_state_write import ReplayStateWrite
 
@@ -86,49 +86,52 @@ class StepBatch:
 class ModelRunner:
     """Runs a :class:`HybridLM` on batches whose caches live in ``pool`` under ``layout``.
 
-    Args: model; pool: the unified PagePool; layout: the fp32 :class:`CacheLayout`; pad_decode: pad the
-    decode rows to :func:`decode_bucket` (default True); replay: the decode rows' ReplaySSM rings (None:
-    the slot write). Raises ValueError for a layout not all fp32.
+    Args: model; pool: the unified PagePool; layout: the :class:`CacheLayout` (fp32 latents and conv windows,
+    the recurrent state in ``layout.state_dtype``: fp32, bf16 or fp16); pad_decode: pad the decode rows to
+    :func:`decode_bucket` (default True); replay: the decode rows' ReplaySSM rings (None: the slot write).
+    Compute is fp32: a 16-bit state is upcast exactly when gathered and rounded to nearest when scattered.
+    Raises ValueError for a layout the engine cannot store (:meth:`CacheLayout.check_engine_dtypes`).
     """
 
     def __init__(self, model: HybridLM, pool: PagePool, layout: CacheLayout, pad_decode: bool = True,
                  replay: ReplayStateWrite | None = None):
-        if not layout.is_fp32:
-            raise ValueError("layout must store fp32 (the engine's dtype)")
+        layout.check_engine_dtypes()
         self.model, self.pool, self.layout, self.pad_decode = model, pool, layout, pad_decode
         self.replay = replay
         cfg = model.cfg
-        self._n_rec, self._n_conv = kda_state_elems_per_layer(cfg)
+        self._w_rec, self._w_conv = layout.state_words()                    # fp32 words per layer
         self._rec_shape = (cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim)
         self._conv_shape = (cfg.conv_dim, cfg.conv_kernel - 1)
         self._n_record = cfg.num_heads * (2 * cfg.head_k_dim + cfg.head_v_dim)   # k, u, g elements
-        self.decode_bytes = dict.fromkeys(("state", "conv", "records"), 0)     # written by decode rows, fp32
+        self.decode_bytes = dict.fromkeys(("state", "conv", "records"), 0)     # written by decode rows (stored bytes)
 
     # ---- state slots: gather / scatter the rows' state pages --------------------------------------
     def _flat_arena(self) -> torch.Tensor:
-        return self.pool.typed_arena(torch.float32, (self.pool.page_bytes // FP32_BYTES,))  # [P, E]
+        return self.pool.typed_arena(torch.float32, (self.pool.page_bytes // FP32_BYTES,))  # [P, E] words
 
     def gather_states(self, state_pages: list) -> dict:
-        """Dense states of ``len(state_pages)`` requests: ``{layer: (recurrent [S, H, K, V], conv
-        [S, 2HK + HV, W-1])}``, slot j = ``state_pages[j]`` (a request's pages by group)."""
+        """Dense fp32 states of ``len(state_pages)`` requests: ``{layer: (recurrent [S, H, K, V], conv
+        [S, 2HK + HV, W-1])}``, slot j = ``state_pages[j]`` (a request's pages by group); a 16-bit recurrent
+        state is upcast exactly."""
         arena, S = self._flat_arena(), len(state_pages)
         out = {}
-        per = self._n_rec + self._n_conv
+        per, dt = self._w_rec + self._w_conv, self.layout.state_dtype
         for g, layers in enumerate(self.layout.groups):
             idx = torch.tensor([list(sp[g]) for sp in state_pages], dtype=torch.long).reshape(-1)  # [S * P_g]
             used = len(layers) * per
             if idx.numel() == S:                                          # one page per state: read the used part
-                flat = arena[:, :used].index_select(0, idx)               # [S, used]
+                flat = arena[:, :used].index_select(0, idx)               # [S, used] words
             else:
-                flat = arena.index_select(0, idx).reshape(S, -1)          # [S, P_g * E]
+                flat = arena.index_select(0, idx).reshape(S, -1)          # [S, P_g * E] words
             for j, layer in enumerate(layers):
-                rec = flat[:, j * per: j * per + self._n_rec].reshape(S, *self._rec_shape)
-                conv = flat[:, j * per + self._n_rec: (j + 1) * per].reshape(S, *self._conv_shape)
-                out[layer] = (rec.contiguous(), conv.contiguous())
+                rec = flat[:, j * per: j * per + self._w_rec].contiguous().view(dt).to(torch.float32)  # [S, HKV]
+                conv = flat[:, j * per + self._w_rec: (j + 1) * per].reshape(S, *self._conv_shape)
+                out[layer] = (rec.reshape(S, *self._rec_shape), conv.contiguous())
         return out
 
     def scatter_states(self, state_pages: list, dense: dict, keep: list) -> None:
-        """Write the dense states of the slots ``keep`` back into their requests' pages (in place)."""
+        """Write the dense states of the slots ``keep`` back into their requests' pages (in place); the
+        recurrent state rounded to nearest into ``layout.state_dtype``."""
         if not keep:
             return
         arena = self._flat_arena()
@@ -139,8 +142,9 @@ class ModelRunner:
             parts = []
             for layer in layers:
                 rec, conv = dense[layer]
-                parts += [rec[sel].reshape(len(keep), -1), conv[sel].reshape(len(keep), -1)]
-            data = torch.cat(parts, dim=1)                                # [S', used]: recurrent, conv, ...
+                parts += [stored_words(rec[sel], self.layout.state_dtype).reshape(len(keep), -1),
+                          conv[sel].reshape(len(keep), -1)]
+            data = torch.cat(parts, dim=1)                                # [S', used] words: recurrent, conv, ...
             if idx.numel() == len(keep):                                  # one page per state: write the used part
                 arena[:, : data.shape[1]].index_copy_(0, idx, data)
             else:                                                         # pages of a state: keep the last's tail
@@ -155,17 +159,17 @@ class ModelRunner:
             return
         arena = self._flat_arena()
         E, flat = arena.shape[1], arena.view(-1)                          # flat [P * E]
-        per, sel = self._n_rec + self._n_conv, torch.tensor(keep, dtype=torch.long)
+        per, sel = self._w_rec + self._w_conv, torch.tensor(keep, dtype=torch.long)
         for g, layers in enumerate(self.layout.groups):
             pages = torch.tensor([list(state_pages[j][g]) for j in keep], dtype=torch.long)   # [S', P_g]
             if pages.shape[1] == 1:                                       # one page per state: contiguous windows
                 for j, layer in enumerate(layers):
-                    a = j * per + self._n_rec                             # window of layer j: [a, a + W_conv)
-                    arena[:, a: a + self._n_conv].index_copy_(0, pages[:, 0], dense[layer][1].index_select(0, sel)
+                    a = j * per + self._w_rec                             # window of layer j: words [a, a + w_conv)
+                    arena[:, a: a + self._w_conv].index_copy_(0, pages[:, 0], dense[layer][1].index_select(0, sel)
                                                               .reshape(len(keep), -1))
                 continue
-            q = torch.cat([torch.arange(j * per + self._n_rec, (j + 1) * per) for j in range(len(layers))])
-            pos = pages[:, q // E] * E + q % E                            # [S', n_layers W_conv]: arena positions
+            q = torch.cat([torch.arange(j * per + self._w_rec, (j + 1) * per) for j in range(len(layers))])
+            pos = pages[:, q // E] * E + q % E                            # [S', n_layers w_conv]: arena positions
             data = torch.cat([dense[layer][1].index_select(0, sel).reshape(len(keep), -1) for layer in layers], 1)
             flat.index_copy_(0, pos.reshape(-1), data.reshape(-1))        # conv windows only, one copy per group
 
@@ -218,10 +222,11 @@ class ModelRunner:
         kept = [j for j, req in enumerate(live) if keep(req)]
         nd = batch.num_decode                                              # live decode rows: slots 0..nd-1
         dec = [j for j in kept if j < nd]
+        rec_bytes, conv_bytes = self._w_rec * FP32_BYTES, self._w_conv * FP32_BYTES   # per layer, as stored
         if self.replay is None:
             self.scatter_states(batch.live_pages, batch.dense, kept)
-            self.decode_bytes["state"] += len(dec) * len(batch.dense) * self._n_rec * 4
-            self.decode_bytes["conv"] += len(dec) * len(batch.dense) * self._n_conv * 4
+            self.decode_bytes["state"] += len(dec) * len(batch.dense) * rec_bytes
+            self.decode_bytes["conv"] += len(dec) * len(batch.dense) * conv_bytes
             return
         rids = [live[j].rid for j in dec]
         mat = [self.replay.must_materialise(rid) or rid in publish for rid in rids]
@@ -233,6 +238,6 @@ class ModelRunner:
             recs = {i: tuple(t.index_select(0, sel) for t in r) for i, r in batch.decode_records.items()}
             self.replay.commit(rids, recs, mat, [rid in publish for rid in rids])
         L = len(batch.dense)
-        self.decode_bytes["state"] += sum(mat) * L * self._n_rec * 4
-        self.decode_bytes["conv"] += len(dec) * L * self._n_conv * 4
+        self.decode_bytes["state"] += sum(mat) * L * rec_bytes
+        self.decode_bytes["conv"] += len(dec) * L * conv_bytes
         self.decode_bytes["records"] += (len(dec) - sum(mat)) * L * self._n_record * 4

@@ -13,7 +13,8 @@ Each step:
    ``min(rest of the prompt, max_prefill_chunk, max_num_batched_tokens)``: it does not depend on the
    neighbours, so a request computes the same chunks in any batch (batch invariance). When that chunk
    does not fit the budget left, it is cut at a multiple of the 64-token grid (bitwise the uncut chunk)
-   if the chunk sizes are on the grid, else the row waits for a later step.
+   if the chunk sizes are on the grid and the state is fp32, else the row waits for a later step (a 16-bit
+   state is rounded at each chunk end, so a cut would make the output depend on the neighbours).
 
 Preemption by recompute (nano-vllm's ``preempt``): :meth:`preempt` frees the newest running request's
 slot and pages and puts it back at the head of the waiting queue with its progress dropped; its output,
@@ -33,13 +34,16 @@ from serve.errors import check_int
 class SchedulerConfig:
     """max_num_seqs: most running requests (None: no cap but the state slots); max_num_batched_tokens:
     tokens per step, decode and prefill together (None: no cap); num_state_slots: KDA state slots
-    (None: as many as the pool's pages allow); max_prefill_chunk: tokens per prefill chunk (None: no cap).
+    (None: as many as the pool's pages allow); max_prefill_chunk: tokens per prefill chunk (None: no cap);
+    exact_state: the state round-trips its pages bitwise (fp32), so a chunk cut on the grid is bitwise the
+    uncut chunk; False (a 16-bit state, rounded at every chunk end) never cuts a chunk to fit the budget.
     Raises ValueError for a non-positive or non-int value."""
 
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     num_state_slots: int | None = None
     max_prefill_chunk: int | None = None
+    exact_state: bool = True
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_state_slots", "max_prefill_chunk"):
@@ -59,8 +63,9 @@ class SchedulerConfig:
 
     @property
     def on_grid(self) -> bool:
-        """Whether every chunk cap is a multiple of the 64-token grid (so a cut on the grid is exact)."""
-        return all(c is None or c % CHUNK_SIZE == 0 for c in (self.max_prefill_chunk, self.max_num_batched_tokens))
+        """Whether a chunk cut on the 64-token grid is bitwise the uncut chunk: every chunk cap is a multiple
+        of the grid and the state round-trips its pages exactly (``exact_state``)."""
+        return self.exact_state and all(c is None or c % CHUNK_SIZE == 0 for c in (self.max_prefill_chunk, self.max_num_batched_tokens))
 
 
 @dataclass

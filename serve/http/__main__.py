@@ -9,6 +9,7 @@ import argparse
 
 import uvicorn
 
+from serve.config import STATE_DTYPES
 from serve.engine import STATE_WRITES
 from serve.http.app import create_app
 from serve.http.model import EngineSpec, build_engine
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ring-size", type=_ring_size, default=None,
                    help=f"decode steps per state write, for the replay_ssm state write only; SGLang's default "
                    f"(default: {DEFAULT_RING_SIZE})")
+    p.add_argument("--state-dtype", default="fp32", choices=list(STATE_DTYPES),
+                   help="stored dtype of the KDA recurrent states (slots and checkpoints; compute stays fp32), as "
+                   "vLLM's --mamba-ssm-cache-dtype (default: %(default)s)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (default: %(default)s)")
     p.add_argument("--step-trace", default=None, metavar="PATH",
                    help="write every engine step and request timeline to PATH (JSON lines, serve/http/step_trace.py) "
@@ -79,7 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def engine_spec(args: argparse.Namespace) -> EngineSpec:
     """The :class:`EngineSpec` the options ask for (raises its ValueError for a bad value)."""
     return EngineSpec(args.preset, args.max_model_len, args.max_num_seqs, args.num_pages, args.block_size,
-                      args.checkpoint_interval, not args.no_prefix_cache, args.state_write, args.ring_size)
+                      args.checkpoint_interval, not args.no_prefix_cache, args.state_write, args.ring_size,
+                      args.state_dtype)
 
 
 def main(argv=None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kda_core.model import HybridLM
-from serve.config import ServeConfig
+from serve.config import STATE_DTYPES, ServeConfig
 from serve.engine import STATE_WRITES, ServeEngine
 from serve.errors import check_choice, check_int
 from serve.memory.pool import PagePool
@@ -40,7 +40,9 @@ class EngineSpec:
     state_write: how a plain decode step writes a request's KDA state (:data:`serve.engine.STATE_WRITES`: "slot",
     the whole state every step, or "replay_ssm", a record per step and the state every ``ring_size`` steps;
     vllm#47572); ring_size: decode steps per state write under "replay_ssm" (an int >= 1; None: SGLang's
-    default :data:`DEFAULT_RING_SIZE`), None under "slot".
+    default :data:`DEFAULT_RING_SIZE`), None under "slot"; state_dtype: the stored dtype of the KDA recurrent
+    states by name, a key of :data:`serve.config.STATE_DTYPES` ("fp32", "bf16", "fp16"; ``ServeConfig.state_dtype``,
+    vLLM's ``--mamba-ssm-cache-dtype``).
     Raises ValueError naming the first bad field (a ``ring_size`` with ``state_write="slot"`` too: it would be
     ignored).
     """
@@ -54,6 +56,7 @@ class EngineSpec:
     prefix_cache: bool = True
     state_write: str = "slot"
     ring_size: int | None = None
+    state_dtype: str = "fp32"
 
     def __post_init__(self):
         check_choice("preset", self.preset, SERVABLE)
@@ -63,6 +66,7 @@ class EngineSpec:
             check_int("num_pages", self.num_pages)
         ServeConfig(self.block_size, self.checkpoint_interval)          # validates both
         check_choice("state_write", self.state_write, STATE_WRITES)
+        check_choice("state_dtype", self.state_dtype, tuple(STATE_DTYPES))
         if self.ring_size is not None:
             if self.state_write != "replay_ssm":
                 raise ValueError(f"ring_size is the replay_ssm state write's ring, got ring_size={self.ring_size!r} "
@@ -76,7 +80,7 @@ class EngineSpec:
 
     @property
     def config(self) -> ServeConfig:
-        return ServeConfig(self.block_size, self.checkpoint_interval)
+        return ServeConfig(self.block_size, self.checkpoint_interval, state_dtype=STATE_DTYPES[self.state_dtype])
 
 
 def build_engine(spec: EngineSpec, model: HybridLM | None = None) -> ServeEngine:

@@ -43,6 +43,8 @@ PAGE_ALIGN_BYTES = 64
 PAGE_POLICIES = ("unified", "multi_page")
 REAL_DTYPES = {"kv_dtype": torch.bfloat16, "state_dtype": torch.float32, "conv_dtype": torch.bfloat16}
 """The real models' stored dtypes (bf16 latents and conv windows, fp32 recurrent state), for sizing pages."""
+ENGINE_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Recurrent-state dtypes the engine stores (compute stays fp32: upcast on read, round to nearest on write)."""
 
 
 def group_layers(cfg: ModelConfig, num_groups: int) -> tuple[tuple[int, ...], ...]:
@@ -73,7 +75,8 @@ class CacheLayout:
     Args: cfg: the model config; block_size: N tokens per KV block; num_groups: G KDA layer groups;
         page_bytes: the pool's page size (a multiple of 4 that fits one KV block); kv_dtype /
         state_dtype / conv_dtype: stored dtypes of the latents, recurrent states and conv windows
-        (fp32, the engine's, unless only sizing pages for a real model).
+        (fp32 by default; the engine also stores bf16 / fp16 recurrent states, other dtypes only size pages
+        for a real model).
     Raises ValueError for a non-positive block size, bad groups, or a page that cannot hold a block.
     """
 
@@ -120,8 +123,29 @@ class CacheLayout:
 
     @property
     def is_fp32(self) -> bool:
-        """True when every stored dtype is fp32 (the layout :mod:`serve.memory.pages` reads and writes)."""
+        """True when every stored dtype is fp32 (every write then read is bitwise exact)."""
         return self.kv_dtype == self.state_dtype == self.conv_dtype == torch.float32
+
+    def check_engine_dtypes(self) -> None:
+        """Raise ValueError unless the engine can read and write this layout (:mod:`serve.memory.pages`,
+        :class:`serve.model_runner.ModelRunner`): fp32 latents and conv windows, a recurrent state in
+        :data:`ENGINE_STATE_DTYPES` whose bytes per layer (H K V s_state) are a multiple of 4, so every conv
+        window starts on an fp32 word."""
+        if self.kv_dtype != torch.float32 or self.conv_dtype != torch.float32:
+            raise ValueError(f"layout must store fp32 latents and conv windows (the engine's dtype), got kv "
+                             f"{self.kv_dtype}, conv {self.conv_dtype}")
+        if self.state_dtype not in ENGINE_STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {ENGINE_STATE_DTYPES}, got {self.state_dtype!r}")
+        if kda_state_bytes_per_layer(self.cfg, self.state_dtype) % FP32_BYTES:
+            raise ValueError(f"state_dtype {self.state_dtype} needs H K V even (the conv window after each "
+                             f"recurrent state must start on a 4-byte word), got H K V = "
+                             f"{self.cfg.num_heads * self.cfg.head_k_dim * self.cfg.head_v_dim}")
+
+    def state_words(self) -> tuple[int, int]:
+        """``(w_rec, w_conv)``: 4-byte words of one layer's recurrent state and conv window in a group state
+        (H K V s_state / 4 and (2HK + HV)(W-1)); call :meth:`check_engine_dtypes` first."""
+        return (kda_state_bytes_per_layer(self.cfg, self.state_dtype) // FP32_BYTES,
+                conv_state_bytes_per_layer(self.cfg, self.conv_dtype) // FP32_BYTES)
 
     @property
     def groups(self) -> tuple[tuple[int, ...], ...]:

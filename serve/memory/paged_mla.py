@@ -24,7 +24,7 @@ from serve.memory.pool import PageKind, PagePool, PoolExhausted
 class PagedMLACache:
     """Per-request paged latent cache.
 
-    Args: layout: the :class:`CacheLayout` (fp32, ``page_bytes`` equal to the pool's); pool: the
+    Args: layout: the :class:`CacheLayout` (fp32 latents, ``page_bytes`` equal to the pool's); pool: the
     :class:`PagePool`; owner: who holds this request's page references (not None).
     Raises ValueError for a None owner or a layout that does not match the pool. Nothing is
     allocated until :meth:`append`.
@@ -33,7 +33,7 @@ class PagedMLACache:
     def __init__(self, layout: CacheLayout, pool: PagePool, owner: Hashable):
         if owner is None:
             raise ValueError("owner must not be None")
-        if not layout.is_fp32 or layout.page_bytes != pool.page_bytes:
+        if layout.kv_dtype != torch.float32 or layout.page_bytes != pool.page_bytes:
             raise ValueError(f"layout must be fp32 with the pool's page_bytes {pool.page_bytes}, got "
                              f"{layout.kv_dtype} and {layout.page_bytes}")
         self.layout, self.pool, self.owner = layout, pool, owner

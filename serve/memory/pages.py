@@ -1,25 +1,25 @@
 """Reading and writing one request's hybrid cache in pool pages, as laid out by
 :class:`serve.memory.layout.CacheLayout`: the KDA state per group and the MLA latents per block.
 
-All data is fp32, so a write then a read is bitwise exact. Functions here move bytes only; who owns
-which page is the caller's business (the engine, :class:`serve.prefix.cache.PrefixCache` and
-:class:`serve.memory.paged_mla.PagedMLACache`). Every function raises ValueError for a layout that is
-not all fp32 or whose ``page_bytes`` differs from the pool's.
+Latents and conv windows are fp32, and so is the recurrent state by default: a write then a read is then
+bitwise exact. Under a bf16 / fp16 ``layout.state_dtype`` the recurrent state is rounded to nearest (``.to``)
+when written and upcast exactly when read, so a write then a read equals ``x.to(state_dtype).float()``.
+Functions here move bytes only; who owns which page is the caller's business (the engine,
+:class:`serve.prefix.cache.PrefixCache` and :class:`serve.memory.paged_mla.PagedMLACache`). Every function
+raises ValueError for a layout the engine cannot store (:meth:`CacheLayout.check_engine_dtypes`) or whose
+``page_bytes`` differs from the pool's.
 """
 from __future__ import annotations
 
 import torch
 
-from kda_core.config import kda_state_elems_per_layer
 from kda_core.layer import KDACache
 from serve.memory.layout import FP32_BYTES, CacheLayout
 from serve.memory.pool import PagePool
 
 
 def _check(layout: CacheLayout, pool: PagePool) -> None:
-    if not layout.is_fp32:
-        raise ValueError(f"layout must store fp32 (the engine's dtype), got kv {layout.kv_dtype}, "
-                         f"state {layout.state_dtype}, conv {layout.conv_dtype}")
+    layout.check_engine_dtypes()
     if layout.page_bytes != pool.page_bytes:
         raise ValueError(f"layout.page_bytes {layout.page_bytes} differs from the pool's {pool.page_bytes}")
 
@@ -29,29 +29,38 @@ def _flat_pages(pool: PagePool, pages) -> torch.Tensor:
     return arena[torch.as_tensor(list(pages), dtype=torch.long)].reshape(-1)  # [len(pages) * E]
 
 
+def stored_words(recurrent: torch.Tensor, state_dtype: torch.dtype) -> torch.Tensor:
+    """The recurrent state(s) ``[..., H, K, V]`` fp32 as stored: rounded to nearest into ``state_dtype``, as fp32
+    words ``[prod(...) * H K V s_state / 4]`` (one flat copy; H K V even for a 16-bit dtype)."""
+    return recurrent.reshape(-1).to(state_dtype).view(torch.float32)
+
+
 def read_state(layout: CacheLayout, pool: PagePool, pages_by_group) -> dict[int, KDACache]:
     """Read every group's state pages into ``{layer: KDACache}`` (recurrent ``[1, H, K, V]``, conv
-    ``[1, 2HK + HV, W-1]``, fp32 copies)."""
+    ``[1, 2HK + HV, W-1]``, fp32 copies; a 16-bit recurrent state upcast exactly)."""
     _check(layout, pool)
     cfg = layout.cfg
     rec_shape = (1, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim)
     conv_shape = (1, cfg.conv_dim, cfg.conv_kernel - 1)
-    n_rec, n_conv = kda_state_elems_per_layer(cfg)
+    w_rec, w_conv = layout.state_words()
     out = {}
     for layers, pages in zip(layout.groups, pages_by_group):
-        flat = _flat_pages(pool, pages)[: len(layers) * (n_rec + n_conv)]     # the group's layers, in order
-        parts = iter(flat.split([n_rec, n_conv] * len(layers)))             # recurrent, conv, recurrent, ...
-        out |= {i: KDACache(rec.view(rec_shape), conv.view(conv_shape))     # [1, H, K, V], [1, 2HK + HV, W-1]
+        flat = _flat_pages(pool, pages)[: len(layers) * (w_rec + w_conv)]   # the group's layers, in order (words)
+        parts = iter(flat.split([w_rec, w_conv] * len(layers)))             # recurrent, conv, recurrent, ...
+        out |= {i: KDACache(rec.view(layout.state_dtype).to(torch.float32).view(rec_shape),  # [1, H, K, V]
+                            conv.view(conv_shape))                          # [1, 2HK + HV, W-1]
                 for i, rec, conv in zip(layers, parts, parts)}
     return out
 
 
 def write_state(layout: CacheLayout, pool: PagePool, pages_by_group, caches: dict[int, KDACache]) -> None:
-    """Write ``{layer: KDACache}`` (batch 1) into every group's state pages, in place."""
+    """Write ``{layer: KDACache}`` (batch 1, fp32) into every group's state pages, in place; the recurrent state
+    rounded to nearest into ``layout.state_dtype``."""
     _check(layout, pool)
     per_page = pool.page_bytes // FP32_BYTES
     for layers, pages in zip(layout.groups, pages_by_group):
-        flat = torch.cat([t.reshape(-1) for i in layers for t in (caches[i].recurrent, caches[i].conv)])
+        flat = torch.cat([t for i in layers for t in (stored_words(caches[i].recurrent, layout.state_dtype),
+                                                      caches[i].conv.reshape(-1))])   # [group words]
         for j, p in enumerate(pages):
             chunk = flat[j * per_page: (j + 1) * per_page]
             pool.view(p, torch.float32, (chunk.numel(),)).copy_(chunk)
