@@ -1,6 +1,6 @@
 """Continuous batching through ``ServeEngine``: every request's tokens and logits in any batch are
-bitwise those of the same request run alone; slots and pages are conserved after aborts, rejections and
-preemptions; never more running requests than state slots."""
+bitwise those of the same request run alone (with fp32 and with bf16 stored states); slots and pages are
+conserved after aborts, rejections and preemptions; never more running requests than state slots."""
 from __future__ import annotations
 
 import pytest
@@ -19,11 +19,12 @@ from tests.serve.prefix.helpers import tiny_model, tokens
 NEAR = [1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129]   # around block (16) and chunk (64) multiples
 
 
-def engine(cache: bool, block: int = 64, num_pages: int = 160, **kw) -> ServeEngine:
-    """An engine on a poisoned pool (never-written pages read NaN); the cache's blocks and checkpoint
-    interval are 64 tokens, so a hit lies on the 64-token grid and a warm prefill is bitwise cold."""
+def engine(cache: bool, block: int = 64, num_pages: int = 160, state_dtype=torch.float32, **kw) -> ServeEngine:
+    """An engine on a poisoned pool (never-written pages read NaN) storing states in ``state_dtype``; the
+    cache's blocks and checkpoint interval are 64 tokens, so a hit lies on the 64-token grid and (fp32) a
+    warm prefill is bitwise cold."""
     model = tiny_model()
-    config = ServeConfig(block, block, page_policy="unified")
+    config = ServeConfig(block, block, page_policy="unified", state_dtype=state_dtype)
     pool = PagePool(num_pages, config.page_bytes(model.cfg), poison=True)
     pc = PrefixCache(pool, config, cfg=model.cfg) if cache else None
     return ServeEngine(model, pool, pc, config=config, **kw)
@@ -32,6 +33,17 @@ def engine(cache: bool, block: int = 64, num_pages: int = 160, **kw) -> ServeEng
 def alone(prompt, new, cache: bool, **kw):
     """The request run alone (a fresh engine, same settings, nothing else submitted)."""
     return engine(cache, **kw).generate(prompt, new, record_logits=True)
+
+
+def alone_warm(prompt, new, hit: int, **kw):
+    """The request run alone from a hit at ``hit`` tokens: a fresh cache-on engine first serves
+    ``prompt[:hit] + [0]`` (publishing the checkpoint at ``hit``), then the request. With a 16-bit state a warm
+    run restores a rounded state, so its batch-1 twin must start from the same checkpoint."""
+    eng = engine(True, **kw)
+    eng.generate(list(prompt[:hit]) + [0], 1)
+    res = eng.generate(prompt, new, record_logits=True)
+    assert res.hit_tokens == hit
+    return res
 
 
 def drive(eng: ServeEngine, arrivals, aborts=None, preempt_at=()):
@@ -65,26 +77,37 @@ request = st.tuples(st.integers(0, 6), st.sampled_from(NEAR) | st.integers(1, 14
 
 @settings(max_examples=25, deadline=None)
 @given(reqs=st.lists(request, min_size=1, max_size=6), max_num_seqs=st.integers(1, 16),
-       budget=st.sampled_from([None, 64, 128, 40, 200]), cache=st.booleans(), shared=st.booleans())
-@example(reqs=[(0, 20, 3), (3, 30, 3), (3, 70, 4), (4, 1, 2)], max_num_seqs=4, budget=None, cache=True, shared=True)
-@example(reqs=[(0, 129, 3), (2, 64, 5), (2, 65, 4)], max_num_seqs=3, budget=64, cache=True, shared=True)
+       budget=st.sampled_from([None, 64, 128, 40, 200]), cache=st.booleans(), shared=st.booleans(),
+       state_dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+@example(reqs=[(0, 20, 3), (3, 30, 3), (3, 70, 4), (4, 1, 2)], max_num_seqs=4, budget=None, cache=True, shared=True,
+         state_dtype=torch.float32)
+@example(reqs=[(0, 129, 3), (2, 64, 5), (2, 65, 4)], max_num_seqs=3, budget=64, cache=True, shared=True,
+         state_dtype=torch.float32)
 @example(reqs=[(0, 17, 6), (0, 63, 6), (1, 140, 2), (1, 2, 6), (2, 33, 6)], max_num_seqs=16, budget=40,
-         cache=False, shared=False)
-def test_batched_equals_alone_bitwise(reqs, max_num_seqs, budget, cache, shared):
-    """Tokens AND logits of every request in the batch are bitwise its run alone (same settings).
-    With the cache on, prompts may share a 64-token-aligned prefix, so some requests start warm."""
+         cache=False, shared=False, state_dtype=torch.float32)
+@example(reqs=[(0, 129, 3), (1, 20, 5), (1, 140, 4), (2, 65, 4)], max_num_seqs=3, budget=128, cache=True, shared=True,
+         state_dtype=torch.bfloat16)
+@example(reqs=[(0, 17, 6), (0, 63, 6), (1, 140, 2), (1, 2, 6), (2, 33, 6)], max_num_seqs=16, budget=64,
+         cache=False, shared=False, state_dtype=torch.bfloat16)
+def test_batched_equals_alone_bitwise(reqs, max_num_seqs, budget, cache, shared, state_dtype):
+    """Tokens AND logits of every request in the batch are bitwise its run alone (same settings, same
+    stored state dtype). With the cache on, prompts may share a 64-token-aligned prefix, so some requests
+    start warm: in fp32 a warm run is bitwise the cold one; in bf16 its twin starts from the same hit."""
     if cache and budget is not None and budget % 64:
         budget = 128                   # off-grid chunks make a warm prefill differ by rounding (documented)
     base = tokens(999, 128)
     arrivals = [(t, (base[:64] if shared else []) + tokens(10 + i, n), new)
                 for i, (t, n, new) in enumerate(reqs)]
-    kw = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    kw = dict(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, state_dtype=state_dtype)
     eng = engine(cache, **kw)
     rids = drive(eng, arrivals)
     for rid, prompt in rids.items():
         res = eng.result(rid)
         assert res.status is RequestStatus.FINISHED
-        ref = alone(prompt, len(res.output_tokens) or 1, cache=False, **kw)
+        if res.hit_tokens and state_dtype != torch.float32:
+            ref = alone_warm(prompt, len(res.output_tokens), res.hit_tokens, **kw)
+        else:
+            ref = alone(prompt, len(res.output_tokens) or 1, cache=False, **kw)
         assert res.output_tokens == ref.output_tokens, f"request {rid}: tokens differ from alone"
         assert torch.equal(res.logits, ref.logits), f"request {rid}: logits differ from alone (hit {res.hit_tokens})"
         event(f"hit {res.hit_tokens > 0}")
@@ -147,17 +170,19 @@ def test_scheduler_rejects_bad_caps():
             engine(False, **kw)
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_speculation_through_the_batched_engine_equals_alone(strategy):
+def test_speculation_through_the_batched_engine_equals_alone(strategy, state_dtype):
     """With speculation every decoding row verifies its own drafts in the same forward (verify rows next
     to prefill rows) and commits through its own rollback strategy; every request (several in flight,
-    arriving at different steps) is bitwise the previous engine's batch-1 verify, with every strategy."""
+    arriving at different steps) is bitwise the previous engine's batch-1 verify, with every strategy and
+    both stored state dtypes (a 16-bit state is rounded where the verify commit writes it)."""
     prompts = [tokens(120 + i, 20 + 23 * i) for i in range(3)]
-    refs = {tuple(p): alone(p, 12, cache=False).output_tokens for p in prompts}
+    refs = {tuple(p): alone(p, 12, cache=False, state_dtype=state_dtype).output_tokens for p in prompts}
 
     def spec_eng(batched=True):
         model = tiny_model()
-        config = ServeConfig(16, 16, page_policy="unified")
+        config = ServeConfig(16, 16, page_policy="unified", state_dtype=state_dtype)
         pool = PagePool(96, config.page_bytes(model.cfg), poison=True)
         return ServeEngine(model, pool, None, config=config, max_num_seqs=4, batched=batched,
                            speculation=oracle_speculation(refs, strategy, 0.3, 3))
@@ -168,6 +193,8 @@ def test_speculation_through_the_batched_engine_equals_alone(strategy):
     drive.max_live_rows = 0
     for rid, p in rids.items():
         res, ref = eng.result(rid), spec_eng(batched=False).generate(p, 12, record_logits=True)
-        assert res.output_tokens == ref.output_tokens == refs[tuple(p)]
+        assert res.output_tokens == ref.output_tokens
+        if state_dtype == torch.float32:   # lossless: a 16-bit state is rounded after each verify, not each token
+            assert res.output_tokens == refs[tuple(p)]
         assert torch.equal(res.logits, ref.logits), "batched verify differs from the batch-1 verify"
         assert res.drafted_tokens == ref.drafted_tokens > 0 and res.accepted_tokens == ref.accepted_tokens
