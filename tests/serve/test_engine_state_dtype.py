@@ -67,7 +67,13 @@ def test_engine_equals_the_model_with_its_state_rounded_at_every_write(state_dty
     """Tokens and logits bitwise the oracle: fp32 (the default) is the model straight, unchanged; bf16 / fp16
     round the state after the prefill and after every decode step, exactly as the oracle does."""
     prompts = [tokens(1, 40), tokens(2, 75)]
-    eng = engine(state_dtype, batched=batched) if state_dtype != torch.float32 else engine(None, batched=batched)
+    if state_dtype == torch.float32:
+        eng = engine(None, batched=batched)                            # every default
+    else:                                                              # the engine's keyword on a default config
+        model, config = tiny_model(), ServeConfig(16, 16, page_policy="unified")
+        pool = PagePool(64, config.page_bytes(model.cfg), poison=True)
+        eng = ServeEngine(model, pool, None, config=config, batched=batched, state_dtype=state_dtype)
+        assert eng.config.state_dtype == eng.layout.state_dtype == state_dtype
     rids = [eng.submit(p, 8, record_logits=True) for p in prompts]
     eng.run_until_idle()
     for rid, p in zip(rids, prompts):
