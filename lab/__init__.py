@@ -29,6 +29,8 @@ state precision         lab/state_precision.py   precision_run,            17   
                                                  field_claims
 state capacity, range   lab/state_capacity.py    capacity_table,           17          tests/lab/test_state_capacity.py
                                                  low_decay_probe
+16-bit engine states    lab/state_dtype.py       engine_agreement,         17          tests/lab/test_state_dtype.py
+                                                 slot_table
 KCP context parallel    lab/kcp.py               kcp_experiment            10          tests/lab/test_kcp.py
 fleet hashing           lab/fleet_hashing.py     fleet_hashing             11          tests/lab/test_fleet_pages.py
 fleet scaling           lab/fleet_scaling.py     fleet_scaling             12          tests/lab/test_fleet_pages.py
