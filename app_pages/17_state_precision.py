@@ -1,5 +1,5 @@
-"""17 State precision: what a KDA state loses in each storage format on the trained model, and the requests
-per GPU each format buys at the real models' bytes."""
+"""17 State precision: what a KDA state loses in each storage format on the trained model, the requests
+per GPU each format buys at the real models' bytes, and the serving engine itself with bf16 / fp16 states."""
 import plotly.graph_objects as go
 import streamlit as st
 
@@ -8,6 +8,7 @@ from app_pages.errors import engine_call
 from app_pages.links import url_widget
 from app_pages.measurement import run_on_request
 from lab.state_capacity import CONTEXTS, DECAYS, FP16_MAX, GPU_NAMES, VALUE_SCALES, capacity_table, low_decay_probe
+from lab.state_dtype import shipped_run
 from lab.state_precision import (
     DRAFT_LENS,
     PAGE_CONTINUE,
@@ -123,7 +124,46 @@ st.caption(f"β = 1, random unit keys, H = 4, K = V = 32: max |S| ends at {probe
            f"|v| {probe.max_abs_value.iloc[-1]:,.2f}; {over} of {len(probe):,} states exceed fp16's range. The delta "
            "rule overwrites what a key holds, so |S| tracks |v|, not the token count.")
 
-st.subheader("4 · Your run")
+st.subheader("4 · In the engine: bf16 / fp16 stored states")
+engine_run = shipped_run()
+if engine_run is None:
+    st.info("No shipped run: `python -m bench.state_dtype` writes bench/results/state_dtype.json.")
+else:
+    m = engine_run.meta
+    st.write(f"`python -m bench.state_dtype`: the serving engine itself (`ServeEngine(state_dtype=...)`, "
+             f"`python -m serve.http --state-dtype bf16`) served {m['num_prompts']} held-out prompts (Home's rule, "
+             f"step 1) for {m['max_new_tokens']} greedy tokens with each stored state dtype. Compute stays fp32: a "
+             "state is upcast when gathered into the batch and rounded to nearest when written back (prefill end, "
+             "every decode step, verify commit, checkpoints); conv windows and latents stay fp32.")
+    fig = go.Figure()
+    for dtype, c in engine_run.summary.groupby("state_dtype", sort=False):
+        fig.add_trace(go.Scatter(x=c.length, y=c.agreement, name=dtype, mode="lines+markers"))
+    fig.update_layout(xaxis_title="generated tokens (log)", xaxis_type="log", yaxis_range=[0, 1.05],
+                      yaxis_title="prompts whose tokens all equal the fp32 engine's (fraction)", legend=LEGEND_ON_TOP)
+    show_chart(fig, engine_run.summary, key="p17_engine_agreement")
+    show_table(engine_run.summary, {
+        "state_dtype": "Stored state", "length": num("Generated tokens", "%d"),
+        "agreement": num("Prompts equal to fp32 (fraction)", "%.3f"),
+        "median_first_divergence": num("Median tokens before first divergence", "%.0f"),
+        "min_first_divergence": num("Fewest tokens before a divergence", "%d"),
+        "median_max_logit_diff": num("Median max |Δ logit| (logits)", "%.4f")})
+    show_table(engine_run.slots, {
+        "model": "Model (our engine's layout)", "state_dtype": "Stored state", "state_bytes": num("State bytes", "%,d"),
+        "state_pages": num("State pages", "%d"), "requests": num("Requests at 1,024 tokens", "%,d"),
+        "requests_vs_fp32": num("× fp32", "%.2f"), "state_slots": num("State slots", "%,d"),
+        "state_slots_vs_fp32": num("Slots × fp32", "%.2f")})
+    cond, t = m["conditions"], engine_run.timing
+    st.caption(f"Same pool for every dtype (`python -m serve.http`'s fp32 sizing). Slots grow by the stored bytes: ×2 "
+               "for the recurrent state, less overall while the fp32 conv windows stay (22 % of the demo's fp32 "
+               "state, 7 % of Kimi-Linear's). Serving cost of the conversions, measured in the same run: bf16 "
+               f"{t.vs_fp32['bf16']:.2f}× and fp16 {t.vs_fp32['fp16']:.2f}× fp32's wall time (median of "
+               f"{int(t.repeats['fp32'])} interleaved repeats, {m['timing']['num_prompts']} prompts × "
+               f"{m['timing']['max_new_tokens']} tokens, {cond['torch_threads']} torch thread, load average "
+               f"{cond['load_avg_1m_before_timing']:.1f} → {cond['load_avg_1m_end']:.1f}). vLLM keeps KDA's recurrent "
+               "state fp32 whatever `--mamba-cache-dtype` says (`MambaStateDtypeCalculator.kda_state_dtype`, "
+               "vllm/model_executor/layers/mamba/mamba_utils.py); `--mamba-ssm-cache-dtype` picks it for Mamba2 and GDN.")
+
+st.subheader("5 · Your run")
 d1, d2, d3, d4 = st.columns(4)
 doc = url_widget(d1.selectbox, "Held-out file", "p17_doc", PAGE_DOCUMENTS[0], list(PAGE_DOCUMENTS))
 tokens = url_widget(d2.select_slider, "Teacher-forced tokens", "p17_tokens", 64, list(PAGE_TOKENS))

@@ -142,12 +142,14 @@ def slot_table(max_model_len: int = 1024, max_num_seqs: int = 64) -> pd.DataFram
 
 
 class ShippedRun(NamedTuple):
-    """``bench/results/state_dtype.json``: ``summary``, ``per_prompt`` and ``slots`` as above, ``meta`` (sizes,
-    conditions, weights sha256, timing)."""
+    """``bench/results/state_dtype.json``: ``summary``, ``per_prompt`` and ``slots`` as above; ``timing`` (one row
+    per dtype: median_s, min_s, max_s, repeats, vs_fp32: serving wall time and its ratio to fp32's, measured in
+    the same run); ``meta`` (sizes, conditions, weights sha256, the timing run's size)."""
 
     summary: pd.DataFrame
     per_prompt: pd.DataFrame
     slots: pd.DataFrame
+    timing: pd.DataFrame
     meta: dict
 
 
@@ -158,4 +160,5 @@ def shipped_run(path: Path = BENCH_RESULT) -> ShippedRun | None:
         return None
     d = json.loads(path.read_text())
     meta = {k: v for k, v in d.items() if k not in ("summary", "per_prompt", "slots")}
-    return ShippedRun(pd.DataFrame(d["summary"]), pd.DataFrame(d["per_prompt"]), pd.DataFrame(d["slots"]), meta)
+    timing = pd.DataFrame(d["timing"]["rows"]).set_index("state_dtype")
+    return ShippedRun(pd.DataFrame(d["summary"]), pd.DataFrame(d["per_prompt"]), pd.DataFrame(d["slots"]), timing, meta)

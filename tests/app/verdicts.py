@@ -269,11 +269,15 @@ def _p15(at: AppTest) -> None:
 
 
 def _p17(at: AppTest) -> None:
-    """Every format admits at least fp32's requests (fewer bytes per slot, same free memory); with the live run
+    """Every format admits at least fp32's requests (fewer bytes per slot, same free memory); the shipped engine
+    run draws one agreement line per 16-bit dtype, fractions in [0, 1]; with the live run
     revealed, fp32 storage is bitwise a plain decode over the chosen number of tokens and its drift is zero."""
     for trace in chart_spec(at, "p17_capacity_chart")["data"]:
         y = plotly_values(trace["y"])
         assert y and all(v >= y[0] for v in y), (trace["name"], y)
+    engine = chart_spec(at, "p17_engine_agreement")["data"]            # the shipped engine run: a line per dtype
+    assert {t["name"] for t in engine} == {"bf16", "fp16"}
+    assert all(0 <= v <= 1 for t in engine for v in plotly_values(t["y"]))
     if not any(c.proto.id.endswith("p17_run_state_rel_err") for c in at.get("plotly_chart")):
         return                                          # the live run is behind its button
     ok = _one([s.value for s in at.success], r"^fp32 storage is bitwise today's decode: logits of (\d+) tokens", "p17")
