@@ -38,7 +38,8 @@ writes the state every ``ring_size`` steps or when a checkpoint is published at 
 depends on where that happens. Bitwise facts that still hold with the same state dtype and settings: a request
 in any batch == its batch-1 run (its prefill chunks do not depend on its neighbours: the scheduler never cuts a
 chunk to fit the token budget, :class:`serve.scheduler.SchedulerConfig` ``exact_state``); a preempted request ==
-its uninterrupted run; the batched engine == ``batched=False``; a cache-on cold run == the cache-off run.
+its uninterrupted run (when its recompute restarts cold); the batched engine == ``batched=False``; a cache-on
+cold run == the cache-off run.
 Facts that hold only in fp32: a warm run from a hit at b == the cold run (the restored checkpoint is rounded at
 b; it equals the cache-off run whose prefill is split at b); a chunked prefill == the unchunked one;
 ``replay_ssm`` == ``slot`` (ReplaySSM rounds at materialisation only, every ``ring_size`` steps, so fewer times).

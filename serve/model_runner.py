@@ -7,7 +7,8 @@ A row's state slot is the request's KDA_STATE pages in the unified :class:`PageP
 runner gathers the live rows' state pages (one ``index_select`` per group) into dense per-layer
 tensors ``[S, ...]`` (slot j = live row j), runs :func:`kda_core.varlen.forward_batch`, which reads and
 writes them by slot index, and :meth:`StepBatch.commit` scatters them back (one ``index_copy_`` per
-group). MLA latents are read and written in place through the pool's arena by block table.
+group). MLA latents are read and written in place through the pool's arena by block table. A state stored in
+bf16 / fp16 (``layout.state_dtype``) is upcast exactly on gather and rounded to nearest on scatter; compute is fp32.
 
 Decode rows are padded to a bucket size in :data:`DECODE_BUCKETS` (what CUDA-graph capture forces on
 GPU engines); a pad row has slot ``-1``, NaN hidden states, and is never read from or written to a slot.

@@ -5,12 +5,16 @@ Concept → file → main type → test:
   → ``tests/serve/memory/test_pool.py``
 - the page pool (uint8 arena, ref counts, holders, copy-on-write, typed views, poison, integrity)
   ......................................... pool.py ........ ``PagePool`` → ``test_pool.py``, ``test_pool_stateful.py``
-- THE cache layout + page-size policy (KV blocks, KDA groups, "unified" / "multi_page", waste)
-  ......................................... layout.py ...... ``CacheLayout``, ``group_layers``, ``group_state_bytes``
+- THE cache layout + page-size policy (KV blocks, KDA groups, "unified" / "multi_page", waste; the stored dtypes
+  the engine reads and writes: fp32 latents and conv windows, an fp32 / bf16 / fp16 recurrent state)
+  ......................................... layout.py ...... ``CacheLayout``, ``group_layers``, ``group_state_bytes``,
+  ``ENGINE_STATE_DTYPES``
   → ``test_layout.py``
-- reading / writing a request's state and KV over page lists (the engine's and the prefix cache's path)
-  ......................................... pages.py ....... ``read_state``, ``write_state``, ``zero_state``,
-  ``copy_state``, ``read_kv``, ``write_kv`` → ``test_pages.py`` (decode from the pool is bitwise equal)
+- reading / writing a request's state and KV over page lists (the engine's and the prefix cache's path; a 16-bit
+  state rounded to nearest on write, upcast on read)
+  ......................................... pages.py ....... ``read_state``, ``write_state``, ``stored_words``,
+  ``zero_state``, ``copy_state``, ``read_kv``, ``write_kv`` → ``test_pages.py`` (decode from the pool is bitwise
+  equal), ``tests/serve/test_engine_state_dtype.py`` (16-bit round trip)
 - a request's page table with prefix sharing and copy-on-write (page 06), on layout.py + pages.py
   ......................................... paged_mla.py ... ``PagedMLACache`` → ``test_paged_mla.py``, ``test_pool_stateful.py``
 - a KDA state slot's storage format (fp32, bf16, fp16, fp8 e4m3 +- stochastic rounding, int8 per head / per head row,

@@ -136,15 +136,21 @@ def test_decode_batch_holds_pad_rows_and_matches_the_old_engine():
         assert res.output_tokens == old.output_tokens and torch.equal(res.logits, old.logits)
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("cache", [False, True])
-def test_preempted_request_equals_its_uninterrupted_output(cache):
+def test_preempted_request_equals_its_uninterrupted_output(cache, state_dtype):
     """Preemption by recompute (newest running request: slot and pages freed, back at the head of the
-    queue) gives bitwise the uninterrupted output; pages return to the baseline."""
+    queue) gives bitwise the uninterrupted output; pages return to the baseline. With the cache a recompute
+    may restart from the request's own checkpoint: with a 16-bit state its twin then starts from that hit."""
     prompts = [tokens(60 + i, 30 + 20 * i) for i in range(3)]
-    eng = engine(cache)
+    eng = engine(cache, state_dtype=state_dtype)
     rids = drive(eng, [(0, p, 6) for p in prompts], preempt_at=(2, 4))
     for rid, p in rids.items():
-        res, ref = eng.result(rid), alone(p, 6, cache=False)
+        res = eng.result(rid)
+        if res.hit_tokens and state_dtype != torch.float32:
+            ref = alone_warm(p, 6, res.hit_tokens, state_dtype=state_dtype)
+        else:
+            ref = alone(p, 6, cache=False, state_dtype=state_dtype)
         assert res.output_tokens == ref.output_tokens and torch.equal(res.logits, ref.logits)
     if cache:
         eng.cache.clear()
