@@ -153,15 +153,20 @@ else:
         "requests_vs_fp32": num("× fp32", "%.2f"), "state_slots": num("State slots", "%,d"),
         "state_slots_vs_fp32": num("Slots × fp32", "%.2f")})
     cond, t = m["conditions"], engine_run.timing
-    st.caption(f"Same pool for every dtype (`python -m serve.http`'s fp32 sizing). Slots grow by the stored bytes: ×2 "
-               "for the recurrent state, less overall while the fp32 conv windows stay (22 % of the demo's fp32 "
-               "state, 7 % of Kimi-Linear's). Serving cost of the conversions, measured in the same run: bf16 "
-               f"{t.vs_fp32['bf16']:.2f}× and fp16 {t.vs_fp32['fp16']:.2f}× fp32's wall time (median of "
-               f"{int(t.repeats['fp32'])} interleaved repeats, {m['timing']['num_prompts']} prompts × "
+    st.caption(f"Serving wall time vs fp32, same run: bf16 {t.vs_fp32['bf16']:.2f}×, fp16 {t.vs_fp32['fp16']:.2f}× "
+               f"(median of {int(t.repeats['fp32'])} interleaved repeats, {m['timing']['num_prompts']} prompts × "
                f"{m['timing']['max_new_tokens']} tokens, {cond['torch_threads']} torch thread, load average "
-               f"{cond['load_avg_1m_before_timing']:.1f} → {cond['load_avg_1m_end']:.1f}). vLLM keeps KDA's recurrent "
-               "state fp32 whatever `--mamba-cache-dtype` says (`MambaStateDtypeCalculator.kda_state_dtype`, "
-               "vllm/model_executor/layers/mamba/mamba_utils.py); `--mamba-ssm-cache-dtype` picks it for Mamba2 and GDN.")
+               f"{cond['load_avg_1m_before_timing']:.1f} → {cond['load_avg_1m_end']:.1f}).")
+    with st.expander("Slots, and what vLLM stores"):
+        st.markdown(
+            "- Same pool for every dtype (`python -m serve.http`'s fp32 sizing). Slots grow by the stored bytes: ×2 "
+            "for the recurrent state, less overall while the fp32 conv windows stay (22 % of the demo's fp32 state, "
+            "7 % of Kimi-Linear's) and, per request, the fp32 MLA latents of its context.\n"
+            "- vLLM keeps KDA's recurrent state fp32 whatever `--mamba-cache-dtype` says "
+            "(`MambaStateDtypeCalculator.kda_state_dtype`, vllm/model_executor/layers/mamba/mamba_utils.py); "
+            "`--mamba-ssm-cache-dtype` picks the SSM state dtype for Mamba2 and GDN (vllm/config/cache.py).\n"
+            "- Bitwise with a 16-bit state: a request in any batch equals its batch-1 run. Only in fp32: a warm "
+            "run equals the cold one (the restored checkpoint is rounded), chunked prefill equals unchunked.")
 
 st.subheader("5 · Your run")
 d1, d2, d3, d4 = st.columns(4)
