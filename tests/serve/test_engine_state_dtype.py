@@ -238,3 +238,23 @@ def test_bad_state_dtype_raises_value_error_naming_it():
                       head_v_dim=3, kv_lora_rank=8, qk_rope_head_dim=4)
     with pytest.raises(ValueError, match="state_dtype torch.bfloat16 needs H K V even"):
         CacheLayout(odd, 16, 1, 4096, state_dtype=torch.bfloat16).check_engine_dtypes()
+
+
+def test_fp16_overflow_aborts_the_request_with_its_reason():
+    """A state beyond fp16's 65,504 is stored as inf; the next forward that reads it aborts that request (reason
+    names the non-finite state), never emitting a token from it, and its neighbour finishes untouched."""
+    eng = engine(torch.float16)
+    bad, good = eng.submit(tokens(30, 40), 6), eng.submit(tokens(31, 40), 6, record_logits=True)
+    eng.step()                                                          # both prefilled, both decoding
+    req = eng.requests[bad]
+    caches = read_state(eng.layout, eng.pool, req.state_pages)
+    write_state(eng.layout, eng.pool, req.state_pages,
+                {i: KDACache(c.recurrent + 1e5, c.conv) for i, c in caches.items()})
+    assert read_state(eng.layout, eng.pool, req.state_pages)[eng.model.cfg.kda_layers[0]].recurrent.isinf().all()
+    eng.run_until_idle()
+    res = eng.result(bad)
+    assert res.status is RequestStatus.ABORTED and "non-finite" in res.reason.lower() and len(res.output_tokens) == 1
+    ok = eng.result(good)
+    want_tokens, want_logits = oracle(tokens(31, 40), 6, torch.float16)
+    assert ok.output_tokens == want_tokens and torch.equal(ok.logits, want_logits)
+    eng.check_integrity()
