@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from serve.config import STATE_DTYPES
 from serve.engine import ServeEngine
 from serve.http.loop import EngineLoop, LoopStopped, QueueFull, Stream
 from serve.http.metrics import ServerMetrics
@@ -56,7 +57,8 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
     prompt + output tokens per request; ``max_num_seqs``: requests inside the engine at once; ``max_queue``:
     requests queued in front of it before a 429; ``trace``: an optional :class:`StepTrace` of every step and
     request. ``app.state.loop`` is the :class:`EngineLoop`. ``/v1/models`` reports, besides vLLM's
-    ``max_model_len``, the engine's decode-time ``state_write`` and its ``ring_size`` (null under "slot")."""
+    ``max_model_len``, the engine's decode-time ``state_write``, its ``ring_size`` (null under "slot") and the
+    stored dtype of its KDA recurrent states, ``state_dtype`` ("fp32", "bf16" or "fp16")."""
     metrics = ServerMetrics(model_name, engine.layout.block_size)
     loop = EngineLoop(engine, metrics, max_num_seqs, max_queue, trace)
 
@@ -105,13 +107,14 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     ring_size = engine.replay.ring_size if engine.replay is not None else None     # as the engine runs it
+    state_dtype = next(k for k, v in STATE_DTYPES.items() if v == engine.config.state_dtype)
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": app.state.created,
                                             "owned_by": "kda-serve-lab", "root": model_name,
                                             "max_model_len": max_model_len, "state_write": engine.state_write,
-                                            "ring_size": ring_size}]}
+                                            "ring_size": ring_size, "state_dtype": state_dtype}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

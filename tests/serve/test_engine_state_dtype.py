@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 from kda_core.config import PRESETS, ModelConfig
 from kda_core.layer import KDACache
@@ -14,6 +15,7 @@ from kda_core.model import HybridCache
 from serve.config import ServeConfig
 from serve.engine import ServeEngine
 from serve.http.__main__ import engine_spec, parse_args
+from serve.http.app import create_app
 from serve.http.model import EngineSpec, build_engine
 from serve.memory.layout import CacheLayout
 from serve.memory.pages import read_state, write_state
@@ -208,14 +210,16 @@ def test_bf16_nearly_doubles_the_state_slots():
 
 
 def test_http_flag_reaches_the_engine(capsys):
-    """``python -m serve.http --state-dtype bf16`` builds an engine whose layout stores bf16 states; the
-    default is fp32; an unknown name is an argparse error naming the flag."""
+    """``python -m serve.http --state-dtype bf16`` builds an engine whose layout stores bf16 states (and
+    ``/v1/models`` says so); the default is fp32; an unknown name is an argparse error naming the flag."""
     model = tiny_model()
     for argv, want in (([], torch.float32), (["--state-dtype", "bf16"], torch.bfloat16),
                        (["--state-dtype", "fp16"], torch.float16)):
         spec = engine_spec(parse_args(["--preset", "demo-tiny", "--max-model-len", "64", *argv]))
         eng = build_engine(spec, model)
         assert eng.config.state_dtype == eng.layout.state_dtype == eng.cache.layout.state_dtype == want
+    with TestClient(create_app(eng, "kda-demo-tiny", 64, 4, 4)) as client:
+        assert client.get("/v1/models").json()["data"][0]["state_dtype"] == "fp16"
     with pytest.raises(SystemExit):
         parse_args(["--state-dtype", "fp8"])
     assert "--state-dtype" in capsys.readouterr().err
