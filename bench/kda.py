@@ -199,8 +199,10 @@ def phases(T: int, repeats: int, matmul_gflops: float) -> dict:
 
 def _print_phases(p):
     total = sum(p[n]["cpu_ms"] for n in ("prepare", "scan", "outputs"))
-    print(f"where the time goes (1 thread, split API in {p['piece_tokens']}-token pieces, thread CPU time; "
-          f"matmuls executed {p['executed_flops'] / 1e9:.2f} GFLOP vs the paper's {p['paper_flops'] / 1e9:.2f}):")
+    print(f"where the time goes (1 thread, thread CPU time): kda_chunk's three phases run apart, piece by piece "
+          f"({p['piece_tokens']} tokens) as kda_chunk runs them: kda_chunk_prepare (in-chunk WY / UT work), "
+          f"kda_chunk_states (the sequential scan over chunks), kda_chunk_outputs. Its matmuls execute "
+          f"{p['executed_flops'] / 1e9:.2f} GFLOP, the paper counts {p['paper_flops'] / 1e9:.2f}:")
     for n in ("prepare", "scan", "outputs"):
         x = p[n]
         print(f"  {n:<8} {x['cpu_ms']:6.1f} ms ({100 * x['cpu_ms'] / total:4.1f} %)  {x['executed_gflop']:5.2f} GFLOP "
@@ -227,6 +229,20 @@ def table(seq_lens, repeats, max_recurrent_T, naive):
     return rows
 
 
+NOISY = 1.5   # a measure whose slowest round took over 1.5x its fastest is flagged as noisy
+
+
+def _print_legend(T):
+    print(f"kda_chunk forward at B {B}, T {T:,}, H {H}, K = V = {K}, chunk C {CHUNK_SIZE}, fp32 (CPU).")
+    for line in (
+            "ratio = the kernel's GFLOP/s over this CPU's fp32 matmul GFLOP/s in the same round, the kernel's FLOPs",
+            "  being the paper's count, not what this implementation executes: forward 6 T d^2 + 3 T C d + T C^2 per",
+            "  head (Kimi Linear, arXiv:2510.26692), backward 2x forward (Kaplan et al., arXiv:2001.08361).",
+            "  'by CPU time': the same ratio from this thread's CPU time, which preemption by other processes does",
+            "  not inflate. Medians over interleaved rounds after a warm-up; ranges are min-max over the rounds."):
+        print(line)
+
+
 def _print_roofline(r):
     print(f"threads {r['threads']}, T {r['T']:,}, {r['repeats']} interleaved rounds, load average "
           f"{r['load_before'][0]:.1f} -> {r['load_after'][0]:.1f}")
@@ -239,17 +255,22 @@ def _print_roofline(r):
                 f"(range {100 * x['ratio']['min']:.1f}-{100 * x['ratio']['max']:.1f} %)")
         if "ratio_cpu" in x:
             line += f"  by CPU time {100 * x['ratio_cpu']['median']:.1f} %"
+        if x["ms"]["max"] > NOISY * x["ms"]["min"]:
+            line += "  [noisy: rounds differ > 1.5x, other processes ran]"
         print(line)
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384])
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[1024, 4096, 16384],
+                    help="sequence lengths T of the tokens/s table (default: %(default)s)")
     ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds for the roofline ratio (>= 5)")
-    ap.add_argument("--ratio-T", type=int, default=4096)
-    ap.add_argument("--max-recurrent-T", type=int, default=16384)
+    ap.add_argument("--ratio-T", type=int, default=4096, help="T of the roofline ratio (default: %(default)s)")
+    ap.add_argument("--max-recurrent-T", type=int, default=16384,
+                    help="longest T at which the table also times kda_recurrent, the token loop (default: %(default)s)")
     ap.add_argument("--no-table", action="store_true", help="only the roofline ratio (part 1)")
-    ap.add_argument("--table-threads", type=int, default=1)
+    ap.add_argument("--table-threads", type=int, default=1, help="torch threads of the table (default: %(default)s)")
+    ap.add_argument("--out", type=Path, default=OUT, help="results JSON (default: bench/results/kda.json, tracked)")
     args = ap.parse_args(argv)
     if args.repeats < 5:
         ap.error("--repeats must be >= 5")
@@ -258,6 +279,7 @@ def main(argv=None):
             "cpu_count": default_threads, "B": B, "H": H, "K": K, "V": V, "C": CHUNK_SIZE, "dtype": "float32",
             "flops_forward": "Kimi Linear (arXiv:2510.26692): 6 T d^2 + 3 T C d + T C^2 per head",
             "flops_backward": "2x forward (Kaplan et al., arXiv:2001.08361: 2N forward + 4N backward)"}
+    _print_legend(args.ratio_T)
     ratios = [roofline(t, args.ratio_T, args.repeats) for t in sorted({1, default_threads})]
     for r in ratios:
         r["matmul"].pop("gflops_rounds")
@@ -275,10 +297,10 @@ def main(argv=None):
             print(f"{r['T']:>7} {r['kda_chunk_tok_s']:>13,.0f} {rec or 0:>11,.0f} {nv or 0:>11,.0f} "
                   f"{(r['kda_chunk_tok_s'] / nv) if nv else float('nan'):>11.2f} "
                   f"{(r['kda_chunk_tok_s'] / rec) if rec else float('nan'):>9.2f} {r['kda_chunk_gflops']:>8.1f}")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     cond["table_threads"] = args.table_threads
-    OUT.write_text(json.dumps({"conditions": cond, "roofline": ratios, "phases": split, "rows": rows}, indent=2))
-    print(f"wrote {OUT}")
+    args.out.write_text(json.dumps({"conditions": cond, "roofline": ratios, "phases": split, "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

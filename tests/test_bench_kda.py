@@ -1,0 +1,25 @@
+"""bench.kda: the executed-FLOP count per phase, the phase timing and the results file (small T, fast)."""
+import json
+
+import bench.kda as bk
+
+
+def test_executed_flops_count_each_phase():
+    C, d = bk.CHUNK_SIZE, bk.K
+    fl = bk.executed_flops(2 * C)                   # 2 chunks x H heads
+    units = 2 * bk.H
+    assert fl["scan"] == units * 4 * C * d * d       # w S and K~^T v_new per chunk
+    assert fl["outputs"] == units * (2 * C * C * d + 2 * C * d * d)
+    assert fl["prepare"] == units * (10 * C * C * d + 2 * C ** 3 // 3)
+    assert sum(fl.values()) > bk.paper_flops(2 * C, d)   # the implementation executes more than the paper counts
+
+
+def test_main_writes_the_phases_and_a_legend(tmp_path, capsys):
+    out = tmp_path / "kda.json"
+    bk.main(["--no-table", "--repeats", "5", "--ratio-T", "128", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert "ratio = the kernel's GFLOP/s" in text and "where the time goes" in text
+    res = json.loads(out.read_text())
+    ph = res["phases"]
+    assert ph["T"] == 128 and all(ph[n]["cpu_ms"] > 0 for n in ("prepare", "scan", "outputs"))
+    assert ph["floor_ms"] > 0 and res["roofline"][0]["threads"] == 1
