@@ -23,6 +23,7 @@ from lab.verify import PROMPT_TEXT
 from serve.errors import check_choice, check_int
 from serve.runnable import demo_model
 from serve.spec_decode.raw_input_ring import RawInputRing
+from serve.spec_decode.reference import greedy_decode
 from serve.spec_decode.rollback import conv_window_after
 from serve.spec_decode.snapshot import SnapshotRollback
 from serve.spec_decode.verify import DecodeState, prefill_state, speculate, verify, verify_and_replay
@@ -170,12 +171,9 @@ class RingRun(NamedTuple):
 
 def greedy_continuation(model: HybridLM, start: DecodeState, num_tokens: int) -> list[int]:
     """The target's greedy tokens after ``start``: ``start.last_token`` then ``num_tokens - 1`` decode
-    steps; bitwise ``model.generate(prompt, num_tokens)`` when ``start`` is the prompt's prefill."""
-    tokens, cache = [start.last_token], start.cache
-    for _ in range(num_tokens - 1):
-        logits, cache = model.decode_step(tokens[-1], cache)
-        tokens.append(int(logits[0].argmax()))
-    return tokens
+    steps (:func:`serve.spec_decode.reference.greedy_decode`); bitwise ``model.generate(prompt, num_tokens)``
+    when ``start`` is the prompt's prefill."""
+    return greedy_decode(model, start.cache, start.last_token, num_tokens).tokens
 
 
 def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, acceptance: float = 0.7,
@@ -195,7 +193,9 @@ def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, 
     prompt = encode(PROMPT_TEXT)
     with one_thread():
         state = prompt_state(model) if start is None else start
-        reference = greedy_continuation(model, state, max_new_tokens + requested_draft + 1)
+        # only the noisy oracle reads the target's greedy output ahead of the run (its drafts are those tokens)
+        reference = (greedy_continuation(model, state, max_new_tokens + requested_draft + 1)
+                     if drafter == "noisy oracle" else [])
         proposer = make_proposer(drafter, draft, prompt.tolist(), reference, 1.0 - acceptance, seed)
         history, steps = prompt.tolist() + [state.last_token], []
         for step in speculate(model, state, history, proposer, ring, min(requested_draft, window - 1),
@@ -209,8 +209,8 @@ def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, 
         slots, num_write_backs, num_free = ring.slot_table(), ring.num_write_backs, ring.num_free
         # The probe verifies exactly requested_draft drafts, the target's own next tokens: a drafter may propose
         # fewer (prompt lookup without a match proposes none), which would let a too-long n look as if it fit.
-        emitted = len(history) - len(prompt)                # reference[:emitted] is what the run emitted
-        probe_drafts = reference[emitted: emitted + requested_draft]
+        # They are greedy tokens after the run's last emitted token, from its committed state (= plain decoding's).
+        probe_drafts = greedy_continuation(model, DecodeState(state.cache, history[-1]), requested_draft + 1)[1:]
         try:
             probe = verify_and_replay(model, DecodeState(state.cache, history[-1]), probe_drafts, ring)
             overflow = f"fits: {requested_draft + 1} verify tokens <= window {window}"
