@@ -51,6 +51,7 @@ per = -(-len(snap) // (cols * max_rows))         # pages per cell: 1 up to 3,072
 n_cells = -(-len(snap) // per)
 z = np.full(-(-n_cells // cols) * cols, np.nan)
 text = np.full(z.shape, "", dtype=object)
+kinds_held = sorted({k for k, _, _ in snap}, key=int)   # once: per cell it made the loop quadratic in the pages
 for c in range(n_cells):
     cell = snap[c * per:(c + 1) * per]
     if per == 1:
@@ -66,7 +67,7 @@ for c in range(n_cells):
     else:
         z[c] = 0
     text[c] = (f"pages {c * per:,}–{c * per + len(cell) - 1:,}: " +
-               ", ".join(f"{counts.get(k, 0)} {k.name}" for k in sorted({k for k, _, _ in snap}, key=int)) +
+               ", ".join(f"{counts.get(k, 0)} {k.name}" for k in kinds_held) +
                f", {len(cell) - len(used)} free")
 blues, oranges = ["#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c"], ["#fdae6b", "#fd8d3c", "#f16913", "#d94801", "#a63603"]
 palette = ["#e5e5e5"] + blues + oranges
