@@ -34,6 +34,6 @@ Concept → file → main type → test:
   ``closed_form_states`` ... ``tests/serve/spec_decode/test_verify.py``, ``test_reference.py``
 
 Experiments on top (pages 01, 02, 04): ``lab/rollback.py`` (``rollback_page``), ``lab/verify.py``
-(``run_verify_lab``), ``lab/ring.py`` (``ring_page``); tests ``tests/lab/test_rollback.py``,
+(``run_verify_lab``), ``lab/ring.py`` (``ring_view``, ``commit_timing``); tests ``tests/lab/test_rollback.py``,
 ``test_verify.py``, ``test_ring.py``; bench: ``python -m bench.decode``.
 """

@@ -30,7 +30,7 @@ def open_page(path: str, expect_error: bool = False, **values) -> AppTest:
 
 
 # Sections shown only after a button (heavy extras): the session flag each page's button sets.
-REVEAL = {"app_pages/08_prefix_hit.py": "p08_timing_on", "app_pages/09_prefix_miss.py": "p09_replay_on",
+REVEAL = {"app_pages/04_raw_input_ring.py": "p04_timing_on", "app_pages/08_prefix_hit.py": "p08_timing_on", "app_pages/09_prefix_miss.py": "p09_replay_on",
           "app_pages/14_fleet_simulation.py": "p14_sweep_on",
           "app_pages/15_real_scale.py": "p15_sweep_on", "app_pages/17_state_precision.py": "p17_run_on"}
 

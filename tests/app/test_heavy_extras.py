@@ -1,6 +1,6 @@
 """Heavy extras stay off the first render and still work on request, then stay on for the session: page 09's
-trace replay (16 cache configurations), Home's and page 08's TTFT measurements (30 engine runs each) run only after
-their buttons."""
+trace replay (16 cache configurations), Home's and page 08's TTFT measurements (30 engine runs each) and page 04's
+commit times run only after their buttons."""
 import json
 from pathlib import Path
 
@@ -74,6 +74,26 @@ def test_prefix_hit_timing_behind_button():
     assert _chart_has_data(at) and at.metric[0].value != "on request"
     at.run()                                                        # a rerun keeps the measurement on
     assert len(_chart_keys(at)) == 3 and not [b for b in at.button if b.key == "p08_measure_button"]
+
+
+def test_ring_commit_timing_behind_button():
+    """Page 04's bytes and ring run are on the first render; its commit times (and the trade-off table built on them)
+    after the button. The timing depends on width and n only: a new capacity keeps it, without measuring again."""
+    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=TIMEOUT_S)
+    at.query_params.update(p04_draft="2")                           # a short timing
+    at.run()
+    at.switch_page("app_pages/04_raw_input_ring.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    keys = {k.rsplit("-", 1)[-1] for k in _chart_keys(at)}
+    assert {"p04_bytes_chart", "p04_slots_chart", "p04_occupancy_chart"} <= keys and "p04_commit_chart" not in keys
+    assert "Measure commit times" in [b.label for b in at.button] and not at.get("arrow_data_frame")
+    VERDICTS["app_pages/04_raw_input_ring.py"](at)                      # the ring run is on the first render
+    at.button(key="p04_measure_button").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "p04_commit_chart" in {k.rsplit("-", 1)[-1] for k in _chart_keys(at)} and _chart_has_data(at)
+    stamp = next(c.value for c in at.caption if c.value.startswith("Measured "))
+    at.slider(key="p04_capacity").set_value(8).run()                # the same width and n: the same measurement
+    assert not at.exception and next(c.value for c in at.caption if c.value.startswith("Measured ")) == stamp
 
 
 def test_state_precision_run_behind_button():
