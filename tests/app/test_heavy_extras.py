@@ -1,6 +1,6 @@
 """Heavy extras stay off the first render and still work on request, then stay on for the session: page 09's
-trace replay (16 cache configurations), Home's and page 08's TTFT measurements (30 engine runs each) and page 04's
-commit times run only after their buttons."""
+trace replay (16 cache configurations), Home's and page 08's TTFT measurements (30 engine runs each), page 04's
+commit times and page 05's alloc / free latencies run only after their buttons."""
 import json
 from pathlib import Path
 
@@ -94,6 +94,23 @@ def test_ring_commit_timing_behind_button():
     stamp = next(c.value for c in at.caption if c.value.startswith("Measured "))
     at.slider(key="p04_capacity").set_value(8).run()                # the same width and n: the same measurement
     assert not at.exception and next(c.value for c in at.caption if c.value.startswith("Measured ")) == stamp
+
+
+def test_pool_latency_behind_button():
+    """Page 05's pool run (grid, utilisation, outcomes, waste) is on the first render, its timed alloc / free calls
+    after the button; the note after the section shows either way."""
+    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=TIMEOUT_S)
+    at.run()
+    at.switch_page("app_pages/05_page_pool.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    keys = {k.rsplit("-", 1)[-1] for k in _chart_keys(at)}
+    assert "p05_grid" in keys and "p05_latency" not in keys
+    assert "Measure alloc / free latency" in [b.label for b in at.button]
+    assert any(i.value.startswith("What to notice") for i in at.info)
+    VERDICTS["app_pages/05_page_pool.py"](at)
+    at.button(key="p05_measure_button").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "p05_latency" in {k.rsplit("-", 1)[-1] for k in _chart_keys(at)} and _chart_has_data(at)
 
 
 def test_state_precision_run_behind_button():
