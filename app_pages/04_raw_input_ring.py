@@ -8,8 +8,9 @@ from app_pages.caching import built_by_loaded_code
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
-from app_pages.measurement import measured_stamp, remeasure_button
-from lab.ring import DEMO, RUN_TOKENS, WIDTHS, is_trained_width, ring_model, ring_page
+from app_pages.measurement import measured_stamp, remeasure_button, requested
+from lab.ring import DEMO, RUN_TOKENS, WIDTHS, commit_timing, is_trained_width, ring_model, ring_view
+from lab.timing import MIN_REPEATS
 
 st.title("RawInputRing")
 st.write(
@@ -18,7 +19,8 @@ st.write(
     "replay the recurrence. It is the smallest buffer and the most recompute. It is not ReplaySSM: ReplaySSM "
     "(pages 01 and 02) stores post-projection per-step records (k, u = β(v − S'ᵀk), g) plus a checkpoint and replays "
     "only the recurrence, never the projections. All numbers are measured now on the demo hybrid "
-    f"({DEMO.num_kda_layers} KDA + {DEMO.num_mla_layers} MLA layers) at the chosen width.")
+    f"({DEMO.num_kda_layers} KDA + {DEMO.num_mla_layers} MLA layers) at the chosen width; the commit times on "
+    "request.")
 
 c1, c2, c3, c4 = st.columns(4)
 capacity = url_widget(c2.slider, "Ring capacity (slots)", "p04_capacity", 16, 1, 32)
@@ -37,16 +39,21 @@ st.caption(f"At d = {DEMO.hidden_size} the model is the trained demo model; no t
            "init (bytes and times depend on the shapes, not on the weights).")
 
 
-@st.cache_data(show_spinner="Measuring bytes, commit times and the ring…", max_entries=16, ttl="1h")
-def _measure(width: int, capacity: int, window: int, num_draft: int, drafter: str, acceptance: float):
-    return ring_page(_model(width), capacity, window, num_draft, drafter, acceptance,
+@st.cache_data(show_spinner="Measuring bytes and running the ring…", max_entries=16, ttl="1h")
+def _view(width: int, capacity: int, window: int, num_draft: int, drafter: str, acceptance: float):
+    return ring_view(_model(width), capacity, window, num_draft, drafter, acceptance,
                      draft() if drafter == "draft model" else None)
 
 
+@st.cache_data(show_spinner=f"Timing commits: {MIN_REPEATS} interleaved repeats after a warm-up…", max_entries=16,
+               ttl="1h")
+def _p04_timing(width: int, num_draft: int):   # the ring's capacity, window and drafter do not enter a commit time
+    return commit_timing(_model(width), num_draft)
+
+
 COLORS = {"snapshot": "#d62728", "raw-input ring": "#1f77b4", "projection replay": "#2ca02c", "ReplaySSM": "#9467bd"}
-page = engine_call(_measure, width, capacity, window, num_draft, drafter, acceptance)
-remeasure_button(_measure, "p04_remeasure")
-bdf, cdf, tdf = pd.DataFrame(page.bytes_rows), pd.DataFrame(page.commit_rows), pd.DataFrame(page.tradeoff)
+page = engine_call(_view, width, capacity, window, num_draft, drafter, acceptance)
+bdf = pd.DataFrame(page.bytes_rows)
 sdf, slots, run = pd.DataFrame(page.run.steps), pd.DataFrame(page.run.slots), page.run
 left, right = st.columns(2)
 with left:
@@ -59,50 +66,63 @@ with left:
     show_chart(fig, bdf, key="p04_bytes_chart")
 with right:
     st.subheader("2 · Commit (rebuild) time")
-    fig2 = go.Figure()
-    for name, part in cdf.groupby("strategy", sort=False):
-        fig2.add_trace(go.Scatter(x=part.accepted, y=part.commit_ms, name=name, mode="lines+markers",
-                                  line_color=COLORS.get(name), error_y=dict(
-                                      type="data", symmetric=False, array=part.q3_ms - part.commit_ms,
-                                      arrayminus=part.commit_ms - part.q1_ms)))
-    fig2.update_layout(xaxis_title=f"accepted drafts (of n = {num_draft})", xaxis_dtick=1,
-                       yaxis_title="commit ms (median; bars: IQR; 1 thread)", legend=dict(orientation="h", y=-0.3))
-    show_chart(fig2, cdf, key="p04_commit_chart")
-    measured_stamp(page.conditions)
-    ring_fit = page.fits["raw-input ring"]
-    st.caption("Fit t(a) = a₀ + b·a over the medians (a = accepted drafts): " + "; ".join(
-        f"{name} a₀ = {f.a_s:.2f} ms, " + (f"b = {1e3 * f.b_s:,.1f} ± {1e3 * f.b_se_s:,.1f} µs/token" if f.b_measurable
-                                            else "no measurable per-token cost")
-        + (f" (R² {f.r2:.2f})" if f.r2 == f.r2 else "") for name, f in page.fits.items()) + ".")
-    with st.expander("How b is read"):
-        st.markdown("b is the least-squares slope, ± its standard error (ms in the fit, shown in µs). When b is "
-                    "negative or not larger than its standard error (always with two points: no residual to estimate "
-                    "it), the commit time does not measurably grow with the accepted drafts, and the caption says so "
-                    "instead of printing a slope that is noise.")
+    timing = None
+    if requested("p04_timing_on", "p04_measure_button", "Measure commit times",
+                 f"Times every strategy's commit for each accepted length 0 … n = {num_draft}: {MIN_REPEATS} "
+                 f"interleaved rounds after a warm-up round, each sample on a fresh verify ({4 * (num_draft + 1)} "
+                 "samples a round, a fraction of a second of CPU), then keeps them for every visitor at this width "
+                 "and n."):
+        timing = engine_call(_p04_timing, width, num_draft)
+        remeasure_button(_p04_timing, "p04_remeasure")
+        cdf = pd.DataFrame(timing.commit_rows)
+        fig2 = go.Figure()
+        for name, part in cdf.groupby("strategy", sort=False):
+            fig2.add_trace(go.Scatter(x=part.accepted, y=part.commit_ms, name=name, mode="lines+markers",
+                                      line_color=COLORS.get(name), error_y=dict(
+                                          type="data", symmetric=False, array=part.q3_ms - part.commit_ms,
+                                          arrayminus=part.commit_ms - part.q1_ms)))
+        fig2.update_layout(xaxis_title=f"accepted drafts (of n = {num_draft})", xaxis_dtick=1,
+                           yaxis_title="commit ms (median; bars: IQR; 1 thread)", legend=dict(orientation="h", y=-0.3))
+        show_chart(fig2, cdf, key="p04_commit_chart")
+        measured_stamp(timing.conditions)
+        st.caption("Fit t(a) = a₀ + b·a over the medians (a = accepted drafts): " + "; ".join(
+            f"{name} a₀ = {f.a_s:.2f} ms, " + (f"b = {1e3 * f.b_s:,.1f} ± {1e3 * f.b_se_s:,.1f} µs/token"
+                                                if f.b_measurable else "no measurable per-token cost")
+            + (f" (R² {f.r2:.2f})" if f.r2 == f.r2 else "") for name, f in timing.fits.items()) + ".")
+        with st.expander("How b is read"):
+            st.markdown("b is the least-squares slope, ± its standard error (ms in the fit, shown in µs). When b is "
+                        "negative or not larger than its standard error (always with two points: no residual to "
+                        "estimate it), the commit time does not measurably grow with the accepted drafts, and the "
+                        "caption says so instead of printing a slope that is noise.")
 
 st.subheader("3 · When to use which (measured above)")
-MEDIAN = "median of the repeats in section 2"
-show_table(tdf, {"strategy": "Strategy", "bytes per verify": num("Bytes / verify (B)"),
-                 "memory vs snapshot": pct("Memory vs snapshot"),
-                 "commit ms (all accepted)": num("Commit, all accepted (ms)", "%.2f", help=MEDIAN),
-                 "commit ms (none accepted)": num("Commit, none accepted (ms)", "%.2f", help=MEDIAN),
-                 "commit time vs snapshot": num("Commit vs snapshot", "%.1f×", help=MEDIAN)})
-ring_row, snap_row = tdf.set_index("strategy").loc["raw-input ring"], tdf.set_index("strategy").loc["snapshot"]
 refused = run.overflow.startswith("ValueError")   # sections 2 and 3 time rings sized for n; section 4's may not fit it
-st.write(
-    (f"(Measured on rings sized for n = {num_draft}, {num_draft + 1} slots: section 4's ring of {capacity} slot(s) "
-     "refuses such a verify.) " if refused else "")
-    + f"At n = {num_draft} the ring holds {ring_row['memory vs snapshot']:.1%} of the snapshot's bytes but its commit "
-    f"takes {ring_row['commit ms (all accepted)']:.2f} ms against {snap_row['commit ms (all accepted)']:.2f} ms for a "
-    f"snapshot copy. Of the ring's commit, {ring_fit.a_s:.2f} ms is a fixed per-commit cost (eager torch calls, "
-    + (f"the replay's set-up) and {1e3 * ring_fit.b_s:,.1f} µs is the cost per accepted token (the fit above): at this "
-       f"width the per-token re-projection is "
-       f"{'the smaller' if ring_fit.b_s * num_draft < ring_fit.a_s else 'the larger'} part of a commit of all "
-       f"n = {num_draft} drafts." if ring_fit.b_measurable else
-       "the replay's set-up); the fit above finds no measurable cost per accepted token at this width.")
-    + " Snapshot wins when memory is free and commits must be "
-    "instant; projection replay keeps the kernel inputs and replays only the recurrence; the ring fits the most "
-    "requests (or the longest windows) per byte — worth it when memory bandwidth, not FLOPs, limits decode.")
+if timing is None:
+    st.caption("Bytes against commit time per strategy, once section 2 has measured the commit times.")
+else:
+    MEDIAN = "median of the repeats in section 2"
+    tdf, ring_fit = pd.DataFrame(timing.tradeoff), timing.fits["raw-input ring"]
+    show_table(tdf, {"strategy": "Strategy", "bytes per verify": num("Bytes / verify (B)"),
+                     "memory vs snapshot": pct("Memory vs snapshot"),
+                     "commit ms (all accepted)": num("Commit, all accepted (ms)", "%.2f", help=MEDIAN),
+                     "commit ms (none accepted)": num("Commit, none accepted (ms)", "%.2f", help=MEDIAN),
+                     "commit time vs snapshot": num("Commit vs snapshot", "%.1f×", help=MEDIAN)})
+    ring_row, snap_row = tdf.set_index("strategy").loc["raw-input ring"], tdf.set_index("strategy").loc["snapshot"]
+    st.write(
+        (f"(Measured on rings sized for n = {num_draft}, {num_draft + 1} slots: section 4's ring of {capacity} "
+         "slot(s) refuses such a verify.) " if refused else "")
+        + f"At n = {num_draft} the ring holds {ring_row['memory vs snapshot']:.1%} of the snapshot's bytes but its "
+        f"commit takes {ring_row['commit ms (all accepted)']:.2f} ms against {snap_row['commit ms (all accepted)']:.2f} "
+        f"ms for a snapshot copy. Of the ring's commit, {ring_fit.a_s:.2f} ms is a fixed per-commit cost (eager torch "
+        "calls, "
+        + (f"the replay's set-up) and {1e3 * ring_fit.b_s:,.1f} µs is the cost per accepted token (the fit above): at "
+           f"this width the per-token re-projection is "
+           f"{'the smaller' if ring_fit.b_s * num_draft < ring_fit.a_s else 'the larger'} part of a commit of all "
+           f"n = {num_draft} drafts." if ring_fit.b_measurable else
+           "the replay's set-up); the fit above finds no measurable cost per accepted token at this width.")
+        + " Snapshot wins when memory is free and commits must be "
+        "instant; projection replay keeps the kernel inputs and replays only the recurrence; the ring fits the most "
+        "requests (or the longest windows) per byte — worth it when memory bandwidth, not FLOPs, limits decode.")
 
 st.subheader(f"4 · The ring after a {RUN_TOKENS}-token run")
 used = min(num_draft, window - 1)

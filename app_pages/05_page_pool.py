@@ -8,7 +8,7 @@ from plotly.subplots import make_subplots
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
-from app_pages.measurement import measured_stamp, remeasure_button
+from app_pages.measurement import measured_stamp, remeasure_button, requested
 from lab.pool import LATENCY_REPEATS, call_latency, page05
 
 st.title("Unified page pool")
@@ -51,6 +51,7 @@ per = -(-len(snap) // (cols * max_rows))         # pages per cell: 1 up to 3,072
 n_cells = -(-len(snap) // per)
 z = np.full(-(-n_cells // cols) * cols, np.nan)
 text = np.full(z.shape, "", dtype=object)
+kinds_held = sorted({k for k, _, _ in snap}, key=int)   # once: per cell it made the loop quadratic in the pages
 for c in range(n_cells):
     cell = snap[c * per:(c + 1) * per]
     if per == 1:
@@ -66,7 +67,7 @@ for c in range(n_cells):
     else:
         z[c] = 0
     text[c] = (f"pages {c * per:,}–{c * per + len(cell) - 1:,}: " +
-               ", ".join(f"{counts.get(k, 0)} {k.name}" for k in sorted({k for k, _, _ in snap}, key=int)) +
+               ", ".join(f"{counts.get(k, 0)} {k.name}" for k in kinds_held) +
                f", {len(cell) - len(used)} free")
 blues, oranges = ["#9ecae1", "#6baed6", "#4292c6", "#2171b5", "#08519c"], ["#fdae6b", "#fd8d3c", "#f16913", "#d94801", "#a63603"]
 palette = ["#e5e5e5"] + blues + oranges
@@ -156,41 +157,45 @@ with st.expander("How vLLM sizes its block"):
         "- Ours: `serve.memory.vllm_block.vllm_block_pick`.")
 
 st.subheader("5 · Measured alloc / free call latency")
-lat = engine_call(_p05_latency, float(pool_mib), policy, long_share, arrival, groups, int(seed))
-remeasure_button(_p05_latency, key="p05_remeasure")
-h, qs = lat.histogram, lat.percentiles
-edges = np.asarray(h.edges_ns)
-top = max(max(c) for c in h.counts.values()) * 1.05                   # height of the p50 / p99 markers
-fig5 = go.Figure()
-for (call, counts), color in zip(h.counts.items(), ["#2171b5", "#f16913"]):
-    # bars spanning [edges[i], edges[i+1]): centre and width in ns, so they sit exactly on the log axis
-    fig5.add_trace(go.Bar(x=(edges[:-1] + edges[1:]) / 2, y=counts, width=np.diff(edges), name=call, opacity=0.6,
-                          marker_color=color, customdata=np.stack([edges[:-1], edges[1:]], axis=1),
-                          hovertemplate="%{customdata[0]:,.0f}–%{customdata[1]:,.0f} ns: %{y} calls"))
-    for q, dash in ((50, "dot"), (99, "dash")):
-        row = qs[(qs.call == call) & (qs.percentile == q)].iloc[0]
-        v, name = row.median_ns, f"{call} p{q}"
-        fig5.add_trace(go.Scatter(x=[v, v], y=[0, top], mode="lines", line=dict(color=color, dash=dash, width=2),
-                                  name=f"{name} = {v:,.0f} ns", legendgroup=name, hovertemplate=f"{name}: {v:,.0f} ns"))
-        fig5.add_trace(go.Scatter(x=[v], y=[top], mode="markers", marker=dict(color=color, size=7), showlegend=False,
-                                  name=f"{name} = {v:,.0f} ns",
-                                  legendgroup=name, error_x=dict(type="data", symmetric=False, array=[row.q3_ns - v],
-                                                                 arrayminus=[v - row.q1_ns], color=color),
-                                  hovertemplate=f"{name}: median {v:,.0f} ns, IQR {row.q1_ns:,.0f}–{row.q3_ns:,.0f} "
-                                                f"ns over {row.runs} runs<extra></extra>"))
-TICKS_NS = [m * 10 ** e for e in range(0, 8) for m in (1, 2, 5)]
-fig5.update_layout(xaxis=dict(title="latency per call (ns, log scale)", type="log", tickvals=TICKS_NS,
-                              ticktext=[f"{t:,}" for t in TICKS_NS]),
-                   yaxis_title=f"calls per bin (10 bins per decade, all {LATENCY_REPEATS} runs)", barmode="overlay",
-                   bargap=0)
-ldf = pd.DataFrame([(call, lo, hi, c) for call, counts in h.counts.items()
-                    for lo, hi, c in zip(edges[:-1], edges[1:], counts)], columns=["call", "lo_ns", "hi_ns", "calls"])
-show_chart(fig5, ldf, key="p05_latency")
-measured_stamp(lat.conditions)
-st.write(" · ".join(f"**{row.call}** p{row.percentile} {row.median_ns:,.0f} ns (IQR {row.q1_ns:,.0f}–{row.q3_ns:,.0f})"
-                    for row in qs.itertuples()))
-st.caption(f"Each run replays the same seeded stream on a fresh pool; a line is the median over the {LATENCY_REPEATS} "
-           "runs of that run's percentile, the bar at its top the IQR over the runs.")
+if requested("p05_latency_on", "p05_measure_button", "Measure alloc / free latency",
+             f"Replays the stream on a fresh unified pool {LATENCY_REPEATS} times after a warm-up run, each alloc and "
+             "decref call timed with perf_counter_ns (a fraction of a second of CPU), then keeps the result for every "
+             "visitor with these settings."):
+    lat = engine_call(_p05_latency, float(pool_mib), policy, long_share, arrival, groups, int(seed))
+    remeasure_button(_p05_latency, key="p05_remeasure")
+    h, qs = lat.histogram, lat.percentiles
+    edges = np.asarray(h.edges_ns)
+    top = max(max(c) for c in h.counts.values()) * 1.05                   # height of the p50 / p99 markers
+    fig5 = go.Figure()
+    for (call, counts), color in zip(h.counts.items(), ["#2171b5", "#f16913"]):
+        # bars spanning [edges[i], edges[i+1]): centre and width in ns, so they sit exactly on the log axis
+        fig5.add_trace(go.Bar(x=(edges[:-1] + edges[1:]) / 2, y=counts, width=np.diff(edges), name=call, opacity=0.6,
+                              marker_color=color, customdata=np.stack([edges[:-1], edges[1:]], axis=1),
+                              hovertemplate="%{customdata[0]:,.0f}–%{customdata[1]:,.0f} ns: %{y} calls"))
+        for q, dash in ((50, "dot"), (99, "dash")):
+            row = qs[(qs.call == call) & (qs.percentile == q)].iloc[0]
+            v, name = row.median_ns, f"{call} p{q}"
+            fig5.add_trace(go.Scatter(x=[v, v], y=[0, top], mode="lines", line=dict(color=color, dash=dash, width=2),
+                                      name=f"{name} = {v:,.0f} ns", legendgroup=name, hovertemplate=f"{name}: {v:,.0f} ns"))
+            fig5.add_trace(go.Scatter(x=[v], y=[top], mode="markers", marker=dict(color=color, size=7), showlegend=False,
+                                      name=f"{name} = {v:,.0f} ns",
+                                      legendgroup=name, error_x=dict(type="data", symmetric=False, array=[row.q3_ns - v],
+                                                                     arrayminus=[v - row.q1_ns], color=color),
+                                      hovertemplate=f"{name}: median {v:,.0f} ns, IQR {row.q1_ns:,.0f}–{row.q3_ns:,.0f} "
+                                                    f"ns over {row.runs} runs<extra></extra>"))
+    TICKS_NS = [m * 10 ** e for e in range(0, 8) for m in (1, 2, 5)]
+    fig5.update_layout(xaxis=dict(title="latency per call (ns, log scale)", type="log", tickvals=TICKS_NS,
+                                  ticktext=[f"{t:,}" for t in TICKS_NS]),
+                       yaxis_title=f"calls per bin (10 bins per decade, all {LATENCY_REPEATS} runs)", barmode="overlay",
+                       bargap=0)
+    ldf = pd.DataFrame([(call, lo, hi, c) for call, counts in h.counts.items()
+                        for lo, hi, c in zip(edges[:-1], edges[1:], counts)], columns=["call", "lo_ns", "hi_ns", "calls"])
+    show_chart(fig5, ldf, key="p05_latency")
+    measured_stamp(lat.conditions)
+    st.write(" · ".join(f"**{row.call}** p{row.percentile} {row.median_ns:,.0f} ns (IQR {row.q1_ns:,.0f}–{row.q3_ns:,.0f})"
+                        for row in qs.itertuples()))
+    st.caption(f"Each run replays the same seeded stream on a fresh pool; a line is the median over the {LATENCY_REPEATS} "
+               "runs of that run's percentile, the bar at its top the IQR over the runs.")
 
 st.info(
     "What to notice: the unified pool lends pages to whichever kind needs them, so when the mix flips it keeps "

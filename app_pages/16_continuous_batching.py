@@ -8,7 +8,7 @@ from app_pages.charts import int_tick_step, show_chart
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
 from app_pages.measurement import measured_stamp, run_on_request
-from lab.batching import DEFAULTS, batching_run, decode_throughput
+from lab.batching import DEFAULTS, OUTPUT_TOKENS, PROMPT_TOKENS, batching_run, decode_throughput
 
 st.title("Continuous batching")
 st.write(
@@ -16,7 +16,12 @@ st.write(
     "first (one token each, padded to a bucket of 1, 2, 4 … 64 rows; a pad row has state slot −1 and is never read "
     "or written), then prefill chunks in what is left of the token budget. Each running request holds one KDA "
     "state slot (pages of the unified pool), so the slots cap the running requests. Afterwards every request is "
-    "rerun alone on a fresh engine: batching must change the speed, never a token or a logit.")
+    "rerun alone on a fresh engine (one sequence, one slot, the same token budget and speculation): batching must "
+    "change the speed, never a token or a logit.")
+st.caption(f"The trace: {DEFAULTS['num_requests']} seeded requests, prompts of {PROMPT_TOKENS[0]}–{PROMPT_TOKENS[1]} "
+           f"tokens, {OUTPUT_TOKENS[0]}–{OUTPUT_TOKENS[1]} output tokens each, one arrival every 0–2 engine steps. It "
+           "is kept small because every request runs twice on this CPU, batched and alone; a request's run alone "
+           "depends only on the budget and speculation, so it is reused when the other settings change.")
 
 c1, c2, c3, c4 = st.columns(4)
 seqs = url_widget(c1.slider, "max_num_seqs", "p16_seqs", DEFAULTS["max_num_seqs"], 1, 16)

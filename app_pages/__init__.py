@@ -15,7 +15,7 @@ charts + CSV download, tables               charts.py       ``show_chart``, ``sh
 a lab call: bad input as st.error           errors.py       ``engine_call``                       test_pages.py
 measured stamp, re-measure, heavy on click  measurement.py  ``measured_stamp``,                   test_measurements_w2.py,
                                                             ``remeasure_button``,                 test_heavy_extras.py
-                                                            ``run_on_request``
+                                                            ``requested``, ``run_on_request``
 real-scale replica widgets (pages 11-15)    replica.py      ``real_replica``                      test_fleet_labels.py
 drafter selector, acceptance per position   acceptance.py   ``drafter_selector``,                 test_drafter_pages.py
 (pages 01, 02, 04)                                          ``acceptance_section``

@@ -6,9 +6,10 @@ from __future__ import annotations
 import streamlit as st
 
 from serve.errors import UserFacingErrors
-from serve.process_memory import limit_malloc_arenas, release_freed_memory
+from serve.process_memory import fix_mmap_threshold, limit_malloc_arenas, release_freed_memory
 
 limit_malloc_arenas(2)   # every script run is a new thread of the shared server: few arenas, reused
+fix_mmap_threshold()     # large tensors mmapped and unmapped, never left in the heap (serve.process_memory)
 
 
 def engine_call(fn, *args, **kwargs):

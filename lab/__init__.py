@@ -14,7 +14,7 @@ rollback bytes          lab/rollback.py          measure_layer_bytes       01   
 ReplaySSM state write   lab/state_write.py       state_write_sweep         01          tests/lab/test_state_write.py
 verify and replay       lab/verify.py            run_verify_lab            02          tests/lab/test_verify.py
 state vs KV cache       lab/state_vs_kv.py       state_vs_kv               03          tests/lab/test_state_vs_kv.py
-raw-input ring          lab/ring.py              ring_run                  04          tests/lab/test_ring.py
+raw-input ring          lab/ring.py              ring_view, commit_timing  04          tests/lab/test_ring.py
 drafter acceptance      lab/drafters.py          measure_drafters          01, 02, 04  tests/lab/test_drafters.py
 page pool workload      lab/pool.py              simulate                  05          tests/lab/test_pool.py
 pool timing             lab/pool_timing.py       latency_histogram         05, 06      tests/lab/test_pool_timing.py
@@ -41,6 +41,7 @@ one torch thread        lab/threads.py           one_thread                (all)
 ======================  =======================  ========================  ==========  ==================================
 
 A page whose view includes a live timing makes that timing a second cached call (03-style "Re-measure" clears
-only it, and the other charts are not recomputed); Home and 08 time cold vs warm TTFT only on request, and 09
-and 15 run their trace replays behind a button, for the hosted first-render budget.
+only it, and the other charts are not recomputed); Home and 08 time cold vs warm TTFT, 04 its commits and 05 its
+alloc / free calls only on request, and 09 and 15 run their trace replays behind a button, for the hosted
+first-render budget.
 """

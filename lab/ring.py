@@ -23,6 +23,7 @@ from lab.verify import PROMPT_TEXT
 from serve.errors import check_choice, check_int
 from serve.runnable import demo_model
 from serve.spec_decode.raw_input_ring import RawInputRing
+from serve.spec_decode.reference import greedy_decode
 from serve.spec_decode.rollback import conv_window_after
 from serve.spec_decode.snapshot import SnapshotRollback
 from serve.spec_decode.verify import DecodeState, prefill_state, speculate, verify, verify_and_replay
@@ -53,7 +54,7 @@ def is_trained_width(width: int) -> bool:
 
 def prompt_state(model: HybridLM) -> DecodeState:
     """The demo prompt (:data:`lab.verify.PROMPT_TEXT`) prefilled on ``model``, greedy first token taken:
-    the state every experiment of this module starts from (one prefill, shared by :func:`ring_page`)."""
+    the state every experiment of this module starts from (one prefill, shared by :func:`ring_view`)."""
     with one_thread():
         return prefill_state(model, encode(PROMPT_TEXT))
 
@@ -170,12 +171,9 @@ class RingRun(NamedTuple):
 
 def greedy_continuation(model: HybridLM, start: DecodeState, num_tokens: int) -> list[int]:
     """The target's greedy tokens after ``start``: ``start.last_token`` then ``num_tokens - 1`` decode
-    steps; bitwise ``model.generate(prompt, num_tokens)`` when ``start`` is the prompt's prefill."""
-    tokens, cache = [start.last_token], start.cache
-    for _ in range(num_tokens - 1):
-        logits, cache = model.decode_step(tokens[-1], cache)
-        tokens.append(int(logits[0].argmax()))
-    return tokens
+    steps (:func:`serve.spec_decode.reference.greedy_decode`); bitwise ``model.generate(prompt, num_tokens)``
+    when ``start`` is the prompt's prefill."""
+    return greedy_decode(model, start.cache, start.last_token, num_tokens).tokens
 
 
 def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, acceptance: float = 0.7,
@@ -195,7 +193,9 @@ def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, 
     prompt = encode(PROMPT_TEXT)
     with one_thread():
         state = prompt_state(model) if start is None else start
-        reference = greedy_continuation(model, state, max_new_tokens + requested_draft + 1)
+        # only the noisy oracle reads the target's greedy output ahead of the run (its drafts are those tokens)
+        reference = (greedy_continuation(model, state, max_new_tokens + requested_draft + 1)
+                     if drafter == "noisy oracle" else [])
         proposer = make_proposer(drafter, draft, prompt.tolist(), reference, 1.0 - acceptance, seed)
         history, steps = prompt.tolist() + [state.last_token], []
         for step in speculate(model, state, history, proposer, ring, min(requested_draft, window - 1),
@@ -209,8 +209,8 @@ def ring_run(model: HybridLM, capacity: int, window: int, requested_draft: int, 
         slots, num_write_backs, num_free = ring.slot_table(), ring.num_write_backs, ring.num_free
         # The probe verifies exactly requested_draft drafts, the target's own next tokens: a drafter may propose
         # fewer (prompt lookup without a match proposes none), which would let a too-long n look as if it fit.
-        emitted = len(history) - len(prompt)                # reference[:emitted] is what the run emitted
-        probe_drafts = reference[emitted: emitted + requested_draft]
+        # They are greedy tokens after the run's last emitted token, from its committed state (= plain decoding's).
+        probe_drafts = greedy_continuation(model, DecodeState(state.cache, history[-1]), requested_draft + 1)[1:]
         try:
             probe = verify_and_replay(model, DecodeState(state.cache, history[-1]), probe_drafts, ring)
             overflow = f"fits: {requested_draft + 1} verify tokens <= window {window}"
@@ -252,29 +252,44 @@ def tradeoff_table(bytes_rows: list[dict], commit_rows: list[dict], num_draft: i
              "commit time vs snapshot": full[s] / full[snap]} for s in held]
 
 
-class RingPage(NamedTuple):
-    """Everything page 04 draws, measured now on ``model``: ``bytes_rows`` (:func:`bytes_vs_draft` up to
-    16 drafts), ``commit_rows`` (:func:`commit_times` at ``num_draft``), ``tradeoff`` (:func:`tradeoff_table`),
-    ``run`` (:func:`ring_run`), ``labels`` (:func:`head_tail_labels` of its slots), ``fits``
-    (:func:`commit_fits`, ms) and ``conditions`` of the commit timing."""
+MAX_BYTES_DRAFT = 16   # section 1 of page 04 measures bytes for n = 1 .. 16 drafts
+
+
+class RingView(NamedTuple):
+    """What page 04 draws at every render, measured now on ``model``: ``bytes_rows`` (:func:`bytes_vs_draft` up to
+    :data:`MAX_BYTES_DRAFT` drafts), ``run`` (:func:`ring_run`) and ``labels`` (:func:`head_tail_labels` of its
+    slots). No timing: :func:`commit_timing` is the page's second, on-request call."""
 
     bytes_rows: list[dict]
-    commit_rows: list[dict]
-    tradeoff: list[dict]
     run: RingRun
     labels: list[tuple[str, int, int]]
+
+
+def ring_view(model: HybridLM, capacity: int, window: int, num_draft: int, drafter: str = "noisy oracle",
+              acceptance: float = 0.7, draft: HybridLM | None = None) -> RingView:
+    """Page 04's view (one prefill of the prompt, shared by both experiments); ``drafter``, ``acceptance`` and
+    ``draft`` go to :func:`ring_run`. Raises ValueError as :func:`ring_run` does."""
+    start = prompt_state(model)
+    run = ring_run(model, capacity, window, num_draft, acceptance, start=start, drafter=drafter, draft=draft)
+    return RingView(bytes_vs_draft(model, MAX_BYTES_DRAFT, start), run, head_tail_labels(run.slots))
+
+
+class CommitTiming(NamedTuple):
+    """Page 04's measured commit times at ``num_draft`` drafts: ``commit_rows`` (:func:`commit_times`), ``fits``
+    (:func:`commit_fits`, ms), ``tradeoff`` (:func:`tradeoff_table` against the bytes of a verify of
+    ``1 + num_draft`` tokens) and the ``conditions`` of the timing."""
+
+    commit_rows: list[dict]
     fits: dict[str, LinearFit]
+    tradeoff: list[dict]
     conditions: Conditions
 
 
-def ring_page(model: HybridLM, capacity: int, window: int, num_draft: int, drafter: str = "noisy oracle",
-              acceptance: float = 0.7, draft: HybridLM | None = None) -> RingPage:
-    """Page 04's one call (one prefill of the prompt, shared by the three experiments); ``drafter``,
-    ``acceptance`` and ``draft`` go to :func:`ring_run`. Raises ValueError as :func:`ring_run` and
-    :func:`commit_times` do."""
+def commit_timing(model: HybridLM, num_draft: int, repeats: int = MIN_REPEATS) -> CommitTiming:
+    """Every strategy's commit time for every accepted length at ``num_draft`` drafts (:func:`commit_times`: a
+    warm-up round, then ``repeats`` interleaved rounds), its fit, and the memory vs recompute table. It depends on
+    the model and n only, not on the ring's capacity, window or drafter. Raises ValueError as :func:`commit_times`."""
     start = prompt_state(model)
-    bytes_rows = bytes_vs_draft(model, 16, start)
-    commit_rows, cond = commit_times(model, num_draft, start=start)
-    run = ring_run(model, capacity, window, num_draft, acceptance, start=start, drafter=drafter, draft=draft)
-    return RingPage(bytes_rows, commit_rows, tradeoff_table(bytes_rows, commit_rows, num_draft), run,
-                    head_tail_labels(run.slots), commit_fits(commit_rows), cond)
+    commit_rows, cond = commit_times(model, num_draft, repeats, start=start)
+    tradeoff = tradeoff_table(bytes_vs_draft(model, num_draft, start), commit_rows, num_draft)
+    return CommitTiming(commit_rows, commit_fits(commit_rows), tradeoff, cond)

@@ -25,7 +25,7 @@ from lab.drafters import make_proposer
 from lab.threads import one_thread
 from serve.errors import check_choice, check_int
 from serve.spec_decode.draft import DraftProposer
-from serve.spec_decode.reference import cache_max_abs_diff, clone_cache, sequential_decode
+from serve.spec_decode.reference import cache_max_abs_diff, clone_cache, greedy_decode, sequential_decode
 from serve.spec_decode.rollback import RollbackStrategy
 from serve.spec_decode.verify import STRATEGIES as STRATEGY_TYPES
 from serve.spec_decode.verify import (
@@ -122,9 +122,13 @@ def _run(model, num_draft, acceptance, strategy_name, seed, mode, max_new_tokens
     an aborted verify plus a clean run before each verify (``before_verify``), NaN in the rejected tokens'
     data (``before_commit``), and after each step the checks against sequential decoding."""
     prompt = encode(PROMPT_TEXT) if prompt_ids is None else torch.tensor([int(t) for t in prompt_ids])
-    reference = model.generate(prompt.reshape(1, -1), max_new_tokens)[0][0].tolist()   # plain greedy output
     if not 0.0 <= float(acceptance) <= 1.0:
         raise ValueError(f"acceptance must be in [0, 1], got {acceptance!r}")
+    state = prefill_state(model, prompt)
+    # Plain greedy decoding, once: its tokens are the reference output (model.generate's, bitwise) and its caches
+    # are sequential decoding of those tokens, the ground truth for every step that committed exactly them.
+    plain = greedy_decode(model, state.cache, state.last_token, max_new_tokens)
+    reference = plain.tokens
     proposer = make_proposer(drafter, draft, prompt.tolist(), reference, 1.0 - float(acceptance), seed)
     window = num_draft + 1
     strategy = make_strategy(strategy_name, window, capacity=4 * window)    # ring: room for four verifies
@@ -145,9 +149,8 @@ def _run(model, num_draft, acceptance, strategy_name, seed, mode, max_new_tokens
         if seen["poisoned"]:
             strat.poison(first_rejected)
 
-    state = prefill_state(model, prompt)
     history = prompt.tolist() + [state.last_token]
-    ref_cache, steps = state.cache, []
+    ref_cache, steps, fed, on_reference = state.cache, [], 0, True   # fed: tokens committed after the prompt
     for step in speculate(model, state, history, proposer, strategy, num_draft, max_new_tokens - 1,
                           before_verify=interrupt if mode == "interrupted" else None,
                           before_commit=poison if injected and poison_rejected else None):
@@ -157,7 +160,11 @@ def _run(model, num_draft, acceptance, strategy_name, seed, mode, max_new_tokens
         if mode == "interrupted":
             untouched, clean = seen["untouched"], seen["clean"]
             retry_equal = res.emitted_tokens == clean.emitted_tokens and cache_equal(res.state.cache, clean.state.cache)
-        ref_cache = sequential_decode(model, ref_cache, (before.last_token, *res.accepted_tokens))[-1]
+        committed = [before.last_token, *res.accepted_tokens]            # fed by this step's commit
+        on_reference = on_reference and committed == reference[fed: fed + len(committed)]
+        fed += len(committed)
+        ref_cache = (plain.caches[fed - 1] if on_reference and fed <= len(plain.caches)   # the same tokens, decoded once
+                     else sequential_decode(model, ref_cache, committed)[-1])
         emitted_at = len(history) - len(prompt)
         match = list(res.emitted_tokens) == reference[emitted_at: emitted_at + len(res.emitted_tokens)]
         corrupted = corrupt_position if injected and corrupt_position <= len(res.draft_tokens) else None

@@ -29,10 +29,11 @@ Concept → file → main type → test:
   ``tests/serve/test_engine_spec.py``
 - the one strategy factory, engine settings ....... verify.py .......... ``make_strategy``, ``STRATEGIES``,
   ``Speculation`` ... ``tests/serve/spec_decode/test_verify.py``, ``tests/serve/test_engine_spec_property.py``
-- references: sequential decode, closed-form state  reference.py ....... ``sequential_decode``,
-  ``closed_form_states`` ... ``tests/serve/spec_decode/test_verify.py``
+- references: sequential decode, greedy decode, closed-form state
+  ................................................. reference.py ....... ``sequential_decode``, ``greedy_decode``,
+  ``closed_form_states`` ... ``tests/serve/spec_decode/test_verify.py``, ``test_reference.py``
 
 Experiments on top (pages 01, 02, 04): ``lab/rollback.py`` (``rollback_page``), ``lab/verify.py``
-(``run_verify_lab``), ``lab/ring.py`` (``ring_page``); tests ``tests/lab/test_rollback.py``,
+(``run_verify_lab``), ``lab/ring.py`` (``ring_view``, ``commit_timing``); tests ``tests/lab/test_rollback.py``,
 ``test_verify.py``, ``test_ring.py``; bench: ``python -m bench.decode``.
 """

@@ -2,6 +2,8 @@
 
 - :func:`sequential_decode`: plain greedy decoding, one ``HybridLM.decode_step`` per token — the
   ground truth every committed cache must equal bitwise.
+- :func:`greedy_decode`: the target's own greedy tokens from a state, one ``decode_step`` per token, with
+  the cache after each fed token: the reference tokens and the reference caches of one run, computed once.
 - :func:`closed_form_states`: the KDA state as a closed-form sum instead of a recurrence,
   ``S_h = diag(exp(G_h)) S_0 + sum_{j <= h} diag(exp(G_h - G_j)) k_j u_j^T`` with ``G_h = sum_{i <= h} g_i``
   and ``u_j = beta_j (v_j - S'_j^T k_j)`` the per-token delta correction (Kimi Linear, arXiv:2510.26692,
@@ -10,6 +12,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -25,6 +28,29 @@ def sequential_decode(model: HybridLM, cache: HybridCache, tokens: Sequence[int]
         _, cache = model.decode_step(torch.tensor([int(t)]), cache)
         out.append(cache)
     return out
+
+
+class GreedyRun(NamedTuple):
+    """tokens: ``num_tokens`` greedy token ids, ``tokens[0]`` the given first token; caches: ``num_tokens - 1``
+    caches, ``caches[i]`` = the start cache after feeding ``tokens[0 .. i]`` (the last token is not fed)."""
+
+    tokens: list[int]
+    caches: list[HybridCache]
+
+
+def greedy_decode(model: HybridLM, cache: HybridCache, first_token: int, num_tokens: int) -> GreedyRun:
+    """Plain greedy decoding from ``cache`` (batch 1) whose next token is ``first_token``: feed each token with
+    one ``decode_step`` and take the argmax as the next. From a prompt's prefill and its greedy first token,
+    ``tokens`` is ``model.generate(prompt, num_tokens)`` and ``caches`` are :func:`sequential_decode` of those
+    tokens, bitwise (the same calls). Raises ValueError for ``num_tokens < 1``."""
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+        raise ValueError(f"num_tokens must be an int >= 1, got {num_tokens!r}")
+    tokens, caches = [int(first_token)], []
+    for _ in range(num_tokens - 1):
+        logits, cache = model.decode_step(torch.tensor([tokens[-1]]), cache)   # logits [1, 256]
+        caches.append(cache)
+        tokens.append(int(logits[0].argmax()))
+    return GreedyRun(tokens, caches)
 
 
 def clone_cache(cache: HybridCache) -> HybridCache:

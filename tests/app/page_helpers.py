@@ -30,14 +30,16 @@ def open_page(path: str, expect_error: bool = False, **values) -> AppTest:
 
 
 # Sections shown only after a button (heavy extras): the session flag each page's button sets.
-REVEAL = {"app_pages/09_prefix_miss.py": "p09_replay_on", "app_pages/14_fleet_simulation.py": "p14_sweep_on",
+REVEAL = {"app_pages/04_raw_input_ring.py": "p04_timing_on", "app_pages/05_page_pool.py": "p05_latency_on",
+          "app_pages/08_prefix_hit.py": "p08_timing_on", "app_pages/09_prefix_miss.py": "p09_replay_on",
+          "app_pages/14_fleet_simulation.py": "p14_sweep_on",
           "app_pages/15_real_scale.py": "p15_sweep_on", "app_pages/17_state_precision.py": "p17_run_on"}
 
 
-def open_revealed(path: str) -> AppTest:
-    """:func:`open_page`, then, for a page in :data:`REVEAL`, set the flag its button sets and rerun, so the
-    heavy extras render too; asserts that the rerun raised nothing."""
-    at = open_page(path)
+def open_revealed(path: str, **values) -> AppTest:
+    """:func:`open_page` (with ``values``), then, for a page in :data:`REVEAL`, set the flag its button sets and
+    rerun, so the heavy extras render too; asserts that the rerun raised nothing."""
+    at = open_page(path, **values)
     if path in REVEAL:
         at.session_state[REVEAL[path]] = True
         at.run()

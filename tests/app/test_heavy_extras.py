@@ -1,6 +1,6 @@
 """Heavy extras stay off the first render and still work on request, then stay on for the session: page 09's
-trace replay (16 cache configurations) and Home's TTFT measurement (12 engine runs) run only after their
-buttons."""
+trace replay (16 cache configurations), Home's and page 08's TTFT measurements (30 engine runs each), page 04's
+commit times and page 05's alloc / free latencies run only after their buttons."""
 import json
 from pathlib import Path
 
@@ -53,6 +53,64 @@ def test_home_timing_behind_button():
     assert any("interleaved repeats after 1 warm-up" in c.value for c in at.caption)   # the measured stamp
     at.run()                                                        # a rerun keeps the measurement on
     assert len(_chart_keys(at)) == 4 and not [b for b in at.button if b.key == "p00_measure_button"]
+
+
+def test_prefix_hit_timing_behind_button():
+    """Page 08's verification run (counters, warm vs cache-off output) is on the first render; its TTFT repeats and
+    the forward-cost fit run after the button, and the headline says so until then."""
+    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=TIMEOUT_S)
+    at.query_params.update(p08_shared="64", p08_new="1")            # a short run
+    at.run()
+    at.switch_page("app_pages/08_prefix_hit.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert {k.rsplit("-", 1)[-1] for k in _chart_keys(at)} == {"p08_bytes_chart"}, "no TTFT chart before the button"
+    assert [b.label for b in at.button] == ["Measure TTFT cold vs warm"]
+    assert at.metric[0].value == "on request"
+    VERDICTS["app_pages/08_prefix_hit.py"](at)                          # the verification run is on the first render
+    at.button(key="p08_measure_button").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert sorted(k.rsplit("-", 1)[-1] for k in _chart_keys(at)) == ["p08_bytes_chart", "p08_fit_chart",
+                                                                     "p08_ttft_chart"]
+    assert _chart_has_data(at) and at.metric[0].value != "on request"
+    at.run()                                                        # a rerun keeps the measurement on
+    assert len(_chart_keys(at)) == 3 and not [b for b in at.button if b.key == "p08_measure_button"]
+
+
+def test_ring_commit_timing_behind_button():
+    """Page 04's bytes and ring run are on the first render; its commit times (and the trade-off table built on them)
+    after the button. The timing depends on width and n only: a new capacity keeps it, without measuring again."""
+    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=TIMEOUT_S)
+    at.query_params.update(p04_draft="2")                           # a short timing
+    at.run()
+    at.switch_page("app_pages/04_raw_input_ring.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    keys = {k.rsplit("-", 1)[-1] for k in _chart_keys(at)}
+    assert {"p04_bytes_chart", "p04_slots_chart", "p04_occupancy_chart"} <= keys and "p04_commit_chart" not in keys
+    assert "Measure commit times" in [b.label for b in at.button] and not at.get("arrow_data_frame")
+    VERDICTS["app_pages/04_raw_input_ring.py"](at)                      # the ring run is on the first render
+    at.button(key="p04_measure_button").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "p04_commit_chart" in {k.rsplit("-", 1)[-1] for k in _chart_keys(at)} and _chart_has_data(at)
+    stamp = next(c.value for c in at.caption if c.value.startswith("Measured "))
+    at.slider(key="p04_capacity").set_value(8).run()                # the same width and n: the same measurement
+    assert not at.exception and next(c.value for c in at.caption if c.value.startswith("Measured ")) == stamp
+
+
+def test_pool_latency_behind_button():
+    """Page 05's pool run (grid, utilisation, outcomes, waste) is on the first render, its timed alloc / free calls
+    after the button; the note after the section shows either way."""
+    at = AppTest.from_file(str(REPO / "app.py"), default_timeout=TIMEOUT_S)
+    at.run()
+    at.switch_page("app_pages/05_page_pool.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    keys = {k.rsplit("-", 1)[-1] for k in _chart_keys(at)}
+    assert "p05_grid" in keys and "p05_latency" not in keys
+    assert "Measure alloc / free latency" in [b.label for b in at.button]
+    assert any(i.value.startswith("What to notice") for i in at.info)
+    VERDICTS["app_pages/05_page_pool.py"](at)
+    at.button(key="p05_measure_button").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "p05_latency" in {k.rsplit("-", 1)[-1] for k in _chart_keys(at)} and _chart_has_data(at)
 
 
 def test_state_precision_run_behind_button():

@@ -8,7 +8,7 @@ from streamlit.testing.v1 import AppTest
 
 import lab.kcp
 from lab.timing import summarize
-from tests.app.page_helpers import APP, open_page
+from tests.app.page_helpers import APP, open_page, open_revealed
 
 
 def test_p10_speedup_against_the_fastest_one_rank_baseline(monkeypatch):
@@ -85,7 +85,7 @@ def test_home_warm_ttft_formula_has_the_fixed_cost():
 
 
 def test_p08_shows_the_fitted_forward_cost():
-    at = open_page("app_pages/08_prefix_hit.py")
+    at = open_revealed("app_pages/08_prefix_hit.py")
     fit = _fit_caption(at)
     assert "Held out, not in the fit: the cold run, 144 tokens" in fit
     assert any(c.value.startswith("Warm, 16 tokens prefilled: measured ") for c in at.caption)

@@ -54,6 +54,7 @@ def test_remeasure_clears_only_this_pages_measurement():
     assert len(stamp03) == 1, [c.value for c in p03.caption]
     at = AppTest.from_file(str(REPO / "app_pages" / "08_prefix_hit.py"), default_timeout=300)
     at.query_params.update(p08_shared="64", p08_unique="16", p08_new="1")   # small runs
+    at.session_state["p08_timing_on"] = True                    # page 08 measures after its button (test_heavy_extras)
     at.run()
     assert not at.exception, [e.value for e in at.exception]
     _set(at, p08_interval=32)                                    # a second setting: two entries each on page 08
@@ -90,6 +91,8 @@ def test_query_params_set_the_view(page, params, want):
     at.query_params.update(params)
     if page != "app_pages/00_home.py":
         at.switch_page(page)
+        if page == "app_pages/08_prefix_hit.py":
+            at.session_state["p08_timing_on"] = True            # page 08 measures after its button (test_heavy_extras)
     else:
         at.session_state["p00_timing_on"] = True                # Home measures after its button (test_heavy_extras)
     at.run()
@@ -117,6 +120,9 @@ def test_p08_no_hit_reads_no_hit_not_a_reduction():
     first = {m.label: m.value for m in open_page("app_pages/08_prefix_hit.py", p08_shared=0).metric}
     assert first["TTFT reduction (median)"] == "no hit" and first["Prefill tokens skipped"].startswith("0 of")
     at = open_page("app_pages/08_prefix_hit.py")      # with a hit: a percentage, or "not resolved" and a warning
+    assert at.metric[0].value == "on request"          # ... once measured (its button)
+    at.session_state["p08_timing_on"] = True
+    at.run()
     headline = at.metric[0]
     assert headline.value.endswith("%") or (headline.value == "not resolved" and any(
         w.value.startswith("Not resolved at this load") for w in at.warning)), headline.value

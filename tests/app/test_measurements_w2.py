@@ -15,8 +15,17 @@ def _button(at: AppTest, key: str):
     return next(b for b in at.button if b.key == key)
 
 
+def _timed_ring() -> AppTest:
+    """Page 04 at n = 2 with its commit times measured (the flag its button sets)."""
+    at = open_page("app_pages/04_raw_input_ring.py", p04_draft=2)
+    at.session_state["p04_timing_on"] = True
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
 def test_remeasure_clears_only_this_pages_measurement():
-    ring = open_page("app_pages/04_raw_input_ring.py", p04_draft=2)
+    ring = _timed_ring()
     ring_stamp = _stamp(ring)
     kcp = open_page("app_pages/10_kcp.py", p10_seq_len=512)
     kcp_stamp = _stamp(kcp)
@@ -25,7 +34,7 @@ def test_remeasure_clears_only_this_pages_measurement():
     _button(kcp, "p10_remeasure").click().run()
     assert not kcp.exception
     assert _stamp(kcp) != kcp_stamp, "Re-measure did not measure page 10 again"
-    again = open_page("app_pages/04_raw_input_ring.py", p04_draft=2)
+    again = _timed_ring()
     assert _stamp(again) == ring_stamp, "page 10's Re-measure cleared page 04's measurement"
     time.sleep(1.1)
     _button(again, "p04_remeasure").click().run()

@@ -5,7 +5,7 @@ import time
 
 from streamlit.testing.v1 import AppTest
 
-from tests.app.page_helpers import chart_spec, open_page
+from tests.app.page_helpers import chart_spec, open_page, open_revealed
 
 
 def _stamp(at: AppTest) -> str:
@@ -17,7 +17,7 @@ def _button(at: AppTest, key: str):
 
 
 def test_p05_p06_stamped_with_error_bars_and_remeasure_only_their_own():
-    pool = open_page("app_pages/05_page_pool.py")
+    pool = open_revealed("app_pages/05_page_pool.py")
     paging = open_page("app_pages/06_mla_paging.py")
     pool_stamp, paging_stamp = _stamp(pool), _stamp(paging)
     assert "5 interleaved repeats" in pool_stamp
@@ -30,7 +30,7 @@ def test_p05_p06_stamped_with_error_bars_and_remeasure_only_their_own():
     time.sleep(1.1)                                                    # stamps are to the second
     _button(paging, "p06_remeasure").click().run()
     assert not paging.exception and _stamp(paging) != paging_stamp, "Re-measure did not measure page 06 again"
-    again = open_page("app_pages/05_page_pool.py")
+    again = open_revealed("app_pages/05_page_pool.py")
     assert _stamp(again) == pool_stamp, "page 06's Re-measure cleared page 05's measurement"
     paging_stamp = _stamp(paging)
     time.sleep(1.1)

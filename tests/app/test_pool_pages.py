@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from tests.app.page_helpers import chart_spec, open_page, plotly_values
+from tests.app.page_helpers import chart_spec, open_page, open_revealed, plotly_values
 
 
 @pytest.mark.parametrize("values", [{}, {"p05_pool_mib": 128, "p05_groups": 6, "p05_long_share": 1.0}],
@@ -10,7 +10,7 @@ from tests.app.page_helpers import chart_spec, open_page, plotly_values
 def test_p05_latency_chart_draws_every_call_and_marks_p50_p99(values):
     """Regression: linear histogram bins on a log axis started at 0 ns, so most calls (all of them at
     the maximum settings) were not drawn while the text still printed p50 / p99."""
-    at = open_page("app_pages/05_page_pool.py", **values)
+    at = open_revealed("app_pages/05_page_pool.py", **values)
     fig = chart_spec(at, "p05_latency")
     assert fig["layout"]["xaxis"]["type"] == "log"
     bars = [t for t in fig["data"] if t["type"] == "bar"]

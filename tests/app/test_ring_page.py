@@ -48,6 +48,8 @@ def test_timings_say_what_they_timed_when_the_ring_refuses_n(width):
     sized for n) say so instead of reading as a contradiction; at the defaults the note is absent."""
     note = "(Measured on rings sized for n = 4, 5 slots: section 4's ring of 1 slot(s) refuses such a verify.)"
     at = open_page(PAGE, p04_capacity=1, p04_width=width)
+    at.session_state["p04_timing_on"] = True          # section 3 reads the commit times (its button)
+    at.run()
     assert any(m.value.startswith(note) for m in at.markdown)
     assert any(w.value.startswith("Overflow — a verify of n = 4 drafts is refused") for w in at.warning)
     assert not any("Measured on rings" in m.value for m in open_page(PAGE).markdown)

@@ -1,7 +1,8 @@
 """lab.batching: the live continuous-batching replay behind page 16."""
 import pytest
+import torch
 
-from lab.batching import batching_run, decode_throughput
+from lab.batching import alone_run, batching_run, decode_throughput, demo_engine
 
 
 def test_replay_is_bitwise_and_respects_the_slot_ceiling():
@@ -25,3 +26,15 @@ def test_decode_throughput_table():
     tp = decode_throughput(batches=(1, 4), steps=1, repeats=5)
     assert list(tp.table["batch"]) == [1, 4] and (tp.table["tokens_per_s"] > 0).all()
     assert tp.table["speedup"].iloc[0] == 1.0
+
+
+def test_alone_run_ignores_the_batch_limits():
+    """A lone request is one row holding one slot: its tokens and logits are bitwise the same whatever max_num_seqs
+    and the state slots, with and without speculation (why alone_run keeps one result for all of them)."""
+    prompt = [(7 * i) % 256 for i in range(70)]                   # longer than the budget: two prefill chunks
+    for spec in (False, True):
+        tokens, logits = alone_run.__wrapped__(tuple(prompt), 9, 64, spec)
+        assert len(tokens) == 9 and logits.shape == (9, 256)
+        for seqs, slots in ((8, 6), (16, 2)):
+            res = demo_engine(seqs, 64, slots, spec).generate(prompt, 9, record_logits=True)
+            assert res.output_tokens == tokens and torch.equal(res.logits, logits), (spec, seqs, slots)

@@ -9,13 +9,14 @@ from lab.ring import (
     bytes_vs_draft,
     commit_fits,
     commit_times,
+    commit_timing,
     greedy_continuation,
     head_tail_labels,
     is_trained_width,
     prompt_state,
     ring_model,
-    ring_page,
     ring_run,
+    ring_view,
     tradeoff_table,
     verify_prefix,
 )
@@ -103,15 +104,19 @@ def test_ring_run_emits_exactly_the_run_length(model):
         assert 1 + sum(s["accepted"] + 1 for s in run.steps) == max_new
 
 
-def test_ring_page_is_the_parts(model):
-    """Page 04's one call returns what the separate experiments return for the same arguments."""
-    page = ring_page(model, capacity=6, window=4, num_draft=2)
-    assert page.bytes_rows == bytes_vs_draft(model, 16)
-    assert {(r["accepted"], r["strategy"]) for r in page.commit_rows} == {
+def test_ring_view_and_commit_timing_are_the_parts(model):
+    """Page 04's two calls return what the separate experiments return for the same arguments: the view (bytes, the
+    ring run) and, on request, the commit timing at n, whose trade-off table reads the bytes of a verify of 1 + n."""
+    view = ring_view(model, capacity=6, window=4, num_draft=2)
+    assert view.bytes_rows == bytes_vs_draft(model, 16)
+    assert view.run == ring_run(model, 6, 4, 2)
+    assert view.labels == head_tail_labels(view.run.slots)
+    timing = commit_timing(model, 2)
+    assert {(r["accepted"], r["strategy"]) for r in timing.commit_rows} == {
         (a, s) for a in range(3) for s in ("snapshot", "projection replay", "raw-input ring", "ReplaySSM")}
-    assert [t["strategy"] for t in page.tradeoff] == ["snapshot", "projection replay", "raw-input ring", "ReplaySSM"]
-    assert page.run == ring_run(model, 6, 4, 2)
-    assert page.labels == head_tail_labels(page.run.slots)
+    at_n = {r["strategy"]: r["bytes"] for r in view.bytes_rows if r["draft_tokens"] == 2}
+    assert {t["strategy"]: t["bytes per verify"] for t in timing.tradeoff} == at_n
+    assert [t["strategy"] for t in timing.tradeoff] == ["snapshot", "projection replay", "raw-input ring", "ReplaySSM"]
 
 
 def test_head_tail_labels():
@@ -139,10 +144,12 @@ def test_commit_fits_split_overhead_from_per_token_cost():
     assert fits["snapshot"].b_s == pytest.approx(0.0, abs=1e-12)
 
 
-def test_ring_page_has_spread_and_fits(model):
-    page = ring_page(model, 8, 4, 3)
-    assert set(page.fits) == {"snapshot", "projection replay", "raw-input ring", "ReplaySSM"}
-    assert page.conditions.repeats >= 5 and all(r["samples"] >= 5 for r in page.commit_rows)
+def test_commit_timing_has_spread_and_fits(model):
+    timing = commit_timing(model, 3)
+    assert set(timing.fits) == {"snapshot", "projection replay", "raw-input ring", "ReplaySSM"}
+    assert timing.conditions.repeats >= 5 and all(r["samples"] >= 5 for r in timing.commit_rows)
+    with pytest.raises(ValueError, match="repeats"):
+        commit_timing(model, 3, repeats=4)
 
 
 def test_verify_prefix_is_the_shorter_verify(model):

@@ -1,7 +1,13 @@
 """Page 02's experiment: every mode stays bitwise exact, and its checks report what they claim."""
 import pytest
 
-from lab.verify import MODES, STRATEGIES, run_verify_lab
+import lab.verify as lab_verify
+from kda_core.layer import KDACache
+from kda_core.model import HybridCache, encode
+from lab.verify import MODES, PROMPT_TEXT, STRATEGIES, run_verify_lab
+from serve.spec_decode.reference import cache_max_abs_diff, sequential_decode
+from serve.spec_decode.snapshot import SnapshotRollback
+from serve.spec_decode.verify import prefill_state
 from tests.serve.spec_decode.helpers import model, one_thread, perturbed_copy
 
 pytestmark = pytest.mark.usefixtures(one_thread.__name__)
@@ -57,3 +63,37 @@ def test_run_verify_lab_with_real_drafters_is_exact(model, mode, drafter):
                                         for i in range(len(steps))]
     if mode == "normal" and drafter == "draft model":
         assert sum(s.num_accepted for s in steps) > 0, "acceptance 0.0 is the oracle's: real drafters ignore it"
+
+
+def test_run_verify_lab_diff_is_against_sequential_decoding_of_the_same_tokens(model, monkeypatch):
+    """The check takes its reference caches from the one plain greedy run while the commits follow it, and decodes
+    the committed tokens itself once they leave it: a state corrupted by the second commit shows, at every step, its
+    difference from sequential decoding of the tokens that run really committed."""
+    seen, commits = [], []
+    real_speculate, real_commit = lab_verify.speculate, SnapshotRollback.commit
+
+    def recording(*args, **kwargs):
+        for step in real_speculate(*args, **kwargs):
+            seen.append(step)
+            yield step
+
+    def corrupting_commit(self, num_accepted):
+        cache = real_commit(self, num_accepted)
+        commits.append(num_accepted)
+        if len(commits) != 2:
+            return cache
+        layers, i = list(cache.layers), model.kda_layers[0]
+        layers[i] = KDACache(layers[i].recurrent + 5.0, layers[i].conv)
+        return HybridCache(tuple(layers), cache.num_tokens)
+
+    monkeypatch.setattr(lab_verify, "speculate", recording)
+    monkeypatch.setattr(SnapshotRollback, "commit", corrupting_commit)
+    steps = run_verify_lab(model, 3, 0.7, SnapshotRollback.name, seed=0, max_new_tokens=20, drafter="n-gram")
+    start = prefill_state(model, encode(PROMPT_TEXT))
+    emitted = [start.last_token] + [t for step in seen for t in step.result.emitted_tokens]
+    plain = sequential_decode(model, start.cache, emitted[:-1])          # plain[j]: after the first j + 1 tokens
+    fed = [sum(len(s.result.emitted_tokens) for s in seen[: k + 1]) for k in range(len(seen))]
+    want = [cache_max_abs_diff(step.result.state.cache, plain[n - 1]) for step, n in zip(seen, fed)]
+    assert [s.max_abs_diff for s in steps] == want
+    assert steps[0].max_abs_diff == 0.0 and all(s.max_abs_diff > 0 for s in steps[1:])
+    assert not all(s.tokens_match for s in steps), "the corruption must also change tokens (the decode-it-now path)"
