@@ -75,7 +75,7 @@ def cumulative_decay(g: torch.Tensor) -> torch.Tensor:
 def wy_fast(G, k, q, v, b, grad: bool) -> WY:
     """:class:`WY` of units decaying by at most ``MAX_CHUNK_DECAY`` nats (see the module docstring).
 
-    G ``[n, C, K]`` (:func:`cumulative_decay`); k, q ``[*U, C, K]``, v ``[*U, C, V]``, b ``[*U, C, 1]``
+    G ``[n, C, K]`` (:func:`cumulative_decay`; overwritten without autograd); k, q ``[*U, C, K]``, v ``[*U, C, V]``, b ``[*U, C, 1]``
     in any layout (prod(U) = n); grad: autograd records (new tensors instead of in-place writes; the
     values are bitwise the same).
     """
@@ -83,7 +83,8 @@ def wy_fast(G, k, q, v, b, grad: bool) -> WY:
     U = k.shape[:-2]
     eG = G.exp()                                                       # exp(G) <= 1   [n, C, K]
     eGu = eG.view(*U, C, K)
-    eGn = torch.exp(G.neg()).view(*U, C, K)  # exp(-G) <= e^60 (not 1 / exp(G): its gradient needs exp(G)^2, 0 in fp32)
+    # exp(-G) <= e^60 (not 1 / exp(G): its gradient needs exp(G)^2, 0 in fp32); in G's place without autograd
+    eGn = (torch.exp(G.neg()) if grad else G.neg_().exp_()).view(*U, C, K)
     if grad:                                                           # new tensors (autograd)
         kq = torch.stack((k * eGu, q * eGu), -3).reshape(n, 2, C, K)
         cols = (k * eGn).reshape(n, C, K)
@@ -155,6 +156,8 @@ def wy_units(g, k, q, v, b, may_forget: bool) -> WY:
         fast = (gn.sum(-2) >= -MAX_CHUNK_DECAY).all(-1)
     else:
         G = cumulative_decay(gn)
+        if bool(G[:, -1].min() >= -MAX_CHUNK_DECAY):  # every unit within the bound (one reduction)
+            return wy_fast(G, k, q, v, b, grad)
         fast = (G[:, -1] >= -MAX_CHUNK_DECAY).all(-1)  # [n]
     if bool(fast.all()):
         return wy_fast(cumulative_decay(gn) if G is None else G, k, q, v, b, grad)
