@@ -50,14 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-cache", action="store_true", help="serve without prefix sharing (default: cache on)")
     p.add_argument("--state-write", choices=STATE_WRITES, default="slot",
                    help="how a decode step writes a request's KDA state: slot (the whole state every step) or "
-                   "replay_ssm (a (k, u, g) record per step, the state every ring-size steps; vllm#47572); the "
-                   "tokens are the same (default: %(default)s)")
+                   "replay_ssm (a (k, u, g) record per step, the state every ring-size steps; vllm#47572); with fp32 "
+                   "states the tokens are the same, with 16-bit states they may differ (fewer roundings) "
+                   "(default: %(default)s)")
     p.add_argument("--ring-size", type=_ring_size, default=None,
                    help=f"decode steps per state write, for the replay_ssm state write only; SGLang's default "
                    f"(default: {DEFAULT_RING_SIZE})")
     p.add_argument("--state-dtype", default="fp32", choices=list(STATE_DTYPES),
                    help="stored dtype of the KDA recurrent states (slots and checkpoints; compute stays fp32), as "
-                   "vLLM's --mamba-ssm-cache-dtype (default: %(default)s)")
+                   "vLLM's --mamba-ssm-cache-dtype. bf16 / fp16 round the state on every write, so greedy output may "
+                   "differ from fp32's, and a prefix-cache hit may differ from the same request run cold (warm == "
+                   "cold holds only in fp32; README, page 17) (default: %(default)s)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (default: %(default)s)")
     p.add_argument("--step-trace", default=None, metavar="PATH",
                    help="write every engine step and request timeline to PATH (JSON lines, serve/http/step_trace.py) "

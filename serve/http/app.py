@@ -58,7 +58,10 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
     requests queued in front of it before a 429; ``trace``: an optional :class:`StepTrace` of every step and
     request. ``app.state.loop`` is the :class:`EngineLoop`. ``/v1/models`` reports, besides vLLM's
     ``max_model_len``, the engine's decode-time ``state_write``, its ``ring_size`` (null under "slot") and the
-    stored dtype of its KDA recurrent states, ``state_dtype`` ("fp32", "bf16" or "fp16")."""
+    stored dtype of its KDA recurrent states, ``state_dtype`` ("fp32", "bf16" or "fp16"), and
+    ``prefix_hit_exact``: whether a prefix-cache hit serves bitwise the tokens of the same request run cold (true
+    with fp32 states only: a 16-bit checkpoint is rounded where the cold run's state is not; null without a
+    prefix cache)."""
     metrics = ServerMetrics(model_name, engine.layout.block_size)
     loop = EngineLoop(engine, metrics, max_num_seqs, max_queue, trace)
 
@@ -108,13 +111,15 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
 
     ring_size = engine.replay.ring_size if engine.replay is not None else None     # as the engine runs it
     state_dtype = next(k for k, v in STATE_DTYPES.items() if v == engine.config.state_dtype)
+    hit_exact = None if engine.cache is None else state_dtype == "fp32"
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": app.state.created,
                                             "owned_by": "kda-serve-lab", "root": model_name,
                                             "max_model_len": max_model_len, "state_write": engine.state_write,
-                                            "ring_size": ring_size, "state_dtype": state_dtype}]}
+                                            "ring_size": ring_size, "state_dtype": state_dtype,
+                                            "prefix_hit_exact": hit_exact}]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
