@@ -39,11 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=1024,
                    help="prompt + output tokens (bytes) per request (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=64,
-                   help="requests in the engine at once (state slots) (default: %(default)s)")
+                   help="requests in the engine at once (state slots in use; this caps them whatever the pool "
+                   "could hold: kda:state_slots_capacity in /metrics) (default: %(default)s)")
     p.add_argument("--max-queue", type=int, default=256,
                    help="requests queued in front of the engine before 429 (default: %(default)s)")
     p.add_argument("--num-pages", type=int, default=None,
-                   help="pool pages (default: 2 x slots at max-model-len)")
+                   help="pool pages of one KV block each (default: 2 x max-num-seqs x (fp32 state pages + KV pages of "
+                   "max-model-len tokens), the same pool bytes for every --state-dtype)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     p.add_argument("--checkpoint-interval", type=int, default=64,
                    help="tokens between KDA state checkpoints of the prefix cache (default: %(default)s)")

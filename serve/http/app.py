@@ -26,6 +26,7 @@ from serve.config import STATE_DTYPES
 from serve.engine import ServeEngine
 from serve.http.loop import EngineLoop, LoopStopped, QueueFull, Stream
 from serve.http.metrics import ServerMetrics
+from serve.http.model import pool_capacity
 from serve.http.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -63,6 +64,7 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
     with fp32 states only: a 16-bit checkpoint is rounded where the cold run's state is not; null without a
     prefix cache)."""
     metrics = ServerMetrics(model_name, engine.layout.block_size)
+    metrics.pool_capacity(pool_capacity(engine, max_model_len))
     loop = EngineLoop(engine, metrics, max_num_seqs, max_queue, trace)
 
     @contextlib.asynccontextmanager
