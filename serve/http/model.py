@@ -7,6 +7,7 @@ built through its public constructor only, so a batching engine with the same AP
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -84,6 +85,30 @@ class EngineSpec:
     def config(self) -> ServeConfig:
         return ServeConfig(self.block_size, self.checkpoint_interval, state_dtype=STATE_DTYPES[self.state_dtype])
 
+    def check_pool(self, model_cfg: ModelConfig, memory_bytes: int | None = None) -> None:
+        """Refuse a pool that cannot serve, before anything is allocated (ValueError naming the option):
+        one request of ``max_model_len`` tokens (its state pages in the stored dtype + its KV pages) must fit in
+        :meth:`pool_pages`, as vLLM refuses a KV cache that cannot hold one max-length sequence
+        (``check_enough_kv_cache_memory`` in ``vllm/v1/core/kv_cache_utils.py``; the message gives the largest
+        ``max_model_len`` the pool holds, as vLLM's does); and the pool's bytes must fit in ``memory_bytes``
+        (default: this machine's physical memory, ``os.sysconf``), the sane maximum a CPU server can allocate."""
+        config = self.config
+        layout, page_bytes = config.layout(model_cfg), config.page_bytes(model_cfg)
+        num_pages = self.pool_pages(model_cfg)
+        need = layout.state_pages + -(-self.max_model_len // self.block_size)          # state + KV pages
+        if num_pages < need:
+            fits = (num_pages - layout.state_pages) * self.block_size
+            raise ValueError(f"num_pages={num_pages} cannot hold one request of max_model_len={self.max_model_len} "
+                             f"tokens ({layout.state_pages} state pages + {need - layout.state_pages} KV pages = "
+                             f"{need} pages); raise num_pages to {need} or lower max_model_len"
+                             + (f" to {fits}" if fits >= 2 else ""))
+        memory_bytes = _machine_memory_bytes() if memory_bytes is None else memory_bytes
+        if num_pages * page_bytes > memory_bytes:
+            raise ValueError(f"the pool of {num_pages:,} pages x {page_bytes:,} bytes = "
+                             f"{num_pages * page_bytes / 2**30:,.1f} GiB exceeds this machine's memory "
+                             f"({memory_bytes / 2**30:,.1f} GiB); lower max_model_len={self.max_model_len} or "
+                             f"max_num_seqs={self.max_num_seqs}, or set num_pages")
+
     def pool_pages(self, model_cfg: ModelConfig) -> int:
         """Pool pages for ``model_cfg``: ``num_pages`` or, by default, the fp32 sizing for every state dtype,
         2 * max_num_seqs * (fp32 state pages + KV pages of ``max_model_len`` tokens), so every slot fits at full
@@ -97,11 +122,18 @@ class EngineSpec:
         return 2 * self.max_num_seqs * (fp32_state_pages + kv_pages)
 
 
+def _machine_memory_bytes() -> int:
+    """Physical memory of this machine, bytes (page size x physical pages)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def build_engine(spec: EngineSpec, model: HybridLM | None = None) -> ServeEngine:
     """A fresh engine for ``spec`` on a fresh pool of :meth:`EngineSpec.pool_pages` pages. The engine is the batched one, its scheduler capped at ``max_num_seqs``
     running requests: every step runs their decode rows and the admitted prompts' prefill rows together; its
-    decode steps write the KDA state as ``spec.state_write`` says. Raises ValueError for a bad spec."""
+    decode steps write the KDA state as ``spec.state_write`` says. Raises ValueError for a bad spec or a pool
+    that cannot serve it (:meth:`EngineSpec.check_pool`)."""
     model = load_model(spec.preset) if model is None else model
+    spec.check_pool(model.cfg)
     config = spec.config
     pool = PagePool(spec.pool_pages(model.cfg), config.page_bytes(model.cfg))
     cache = PrefixCache(pool, config, cfg=model.cfg) if spec.prefix_cache else None

@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 
 from serve.http.__main__ import build_parser, engine_spec, parse_args
 from serve.http.app import create_app
-from serve.http.model import build_engine, load_model
+from serve.http.model import EngineSpec, build_engine, load_model
 
 
 def _help(option: str) -> str:
@@ -27,3 +27,36 @@ def test_models_reports_whether_a_prefix_hit_is_exact(argv, exact):
     spec = engine_spec(parse_args(["--preset", "demo-tiny", "--max-model-len", "64", "--max-num-seqs", "2", *argv]))
     with TestClient(create_app(build_engine(spec, load_model("demo-tiny")), "kda-demo-tiny", 64, 2, 2)) as client:
         assert client.get("/v1/models").json()["data"][0]["prefix_hit_exact"] is exact
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--port", "99999"], "argument --port: must be an int in [1, 65535], got 99999"),
+    (["--port", "-1"], "argument --port: must be an int in [1, 65535], got -1"),
+    (["--max-queue", "-1"], "argument --max-queue: must be an int >= 0, got -1"),
+    (["--max-model-len", "99999999"], "exceeds this machine's memory"),
+    (["--step-trace", "/nonexistent/dir/x.jsonl"], "argument --step-trace: folder '/nonexistent/dir' does not exist"),
+    (["--num-pages", "1"], "num_pages=1 cannot hold one request of max_model_len=1024 tokens (13 state pages + 64 KV "
+                           "pages = 77 pages); raise num_pages to 77 or lower max_model_len"),
+    (["--num-pages", "76"], "raise num_pages to 77 or lower max_model_len to 1008"),
+], ids=["port-high", "port-negative", "queue-negative", "model-len-huge", "trace-folder", "pages-1", "pages-76"])
+def test_bad_values_exit_2_with_the_argparse_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith("usage: python -m serve.http") and message in err, err
+
+
+def test_pool_check_holds_one_max_length_request_and_fits_in_memory():
+    """The boundary: a pool of exactly one max-length request serves; the memory bound names the bytes."""
+    model = load_model("demo-tiny")
+    spec = EngineSpec("demo-tiny", max_model_len=64, max_num_seqs=2)
+    need = spec.config.layout(model.cfg).state_pages + 64 // spec.block_size
+    engine = build_engine(EngineSpec("demo-tiny", max_model_len=64, max_num_seqs=2, num_pages=need), model)
+    assert engine.generate(list(range(1, 40)), 24).output_tokens                   # 63 tokens in the one request
+    with pytest.raises(ValueError, match=f"num_pages={need - 1} cannot hold one request"):
+        build_engine(EngineSpec("demo-tiny", max_model_len=64, max_num_seqs=2, num_pages=need - 1), model)
+    page_bytes = spec.config.page_bytes(model.cfg)
+    spec.check_pool(model.cfg, memory_bytes=spec.pool_pages(model.cfg) * page_bytes)   # exactly fits
+    with pytest.raises(ValueError, match="exceeds this machine's memory"):
+        spec.check_pool(model.cfg, memory_bytes=spec.pool_pages(model.cfg) * page_bytes - 1)
