@@ -14,9 +14,9 @@ import uvicorn
 
 from kda_core.config import PRESETS
 from serve.config import STATE_DTYPES
-from serve.engine import STATE_WRITES
+from serve.engine import STATE_WRITES, ServeEngine
 from serve.http.app import create_app
-from serve.http.model import EngineSpec, build_engine
+from serve.http.model import EngineSpec, build_engine, pool_capacity
 from serve.http.step_trace import StepTrace
 from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
 
@@ -115,11 +115,29 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
                       args.state_dtype)
 
 
+def startup_line(args: argparse.Namespace, engine: ServeEngine, model_name: str) -> str:
+    """The one line the server prints as it starts (as uvicorn's "Uvicorn running on ..." and vLLM's startup log):
+    model, address, state dtype and write, and the pool (pages, bytes, state slots and max-length requests it
+    holds, the cap ``--max-num-seqs``); with 16-bit states, that a prefix-cache hit may change greedy output."""
+    cap = pool_capacity(engine, args.max_model_len)
+    write = args.state_write + (f" (ring {engine.replay.ring_size})" if engine.replay is not None else "")
+    line = (f"python -m serve.http: serving {model_name} on http://{args.host}:{args.port}/v1 | state dtype "
+            f"{args.state_dtype}, state write {write} | pool {cap.num_pages:,} pages = {cap.pool_bytes / 2**20:,.1f} "
+            f"MiB: {cap.state_slots:,} state slots, {cap.requests:,} requests of {args.max_model_len:,} tokens; at "
+            f"most {args.max_num_seqs} running (--max-num-seqs) | prefix cache {'off' if engine.cache is None else 'on'}")
+    if args.state_dtype != "fp32" and engine.cache is not None:
+        line += (f" ({args.state_dtype} states: a prefix-cache hit may change greedy output; warm == cold holds "
+                 "only in fp32)")
+    return line
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     spec = engine_spec(args)
-    app = create_app(build_engine(spec), args.served_model_name or f"kda-{args.preset}", spec.max_model_len,
-                     spec.max_num_seqs, args.max_queue, StepTrace(args.step_trace) if args.step_trace else None)
+    engine, model_name = build_engine(spec), args.served_model_name or f"kda-{args.preset}"
+    app = create_app(engine, model_name, spec.max_model_len, spec.max_num_seqs, args.max_queue,
+                     StepTrace(args.step_trace) if args.step_trace else None)
+    print(startup_line(args, engine, model_name), flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

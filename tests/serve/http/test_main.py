@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from serve.http.__main__ import build_parser, engine_spec, parse_args
+from serve.http.__main__ import build_parser, engine_spec, parse_args, startup_line
 from serve.http.app import create_app
 from serve.http.model import EngineSpec, build_engine, load_model
 
@@ -60,3 +60,17 @@ def test_pool_check_holds_one_max_length_request_and_fits_in_memory():
     spec.check_pool(model.cfg, memory_bytes=spec.pool_pages(model.cfg) * page_bytes)   # exactly fits
     with pytest.raises(ValueError, match="exceeds this machine's memory"):
         spec.check_pool(model.cfg, memory_bytes=spec.pool_pages(model.cfg) * page_bytes - 1)
+
+
+@pytest.mark.parametrize(("argv", "warned"), [([], False), (["--state-dtype", "bf16"], True),
+                                              (["--state-dtype", "bf16", "--no-prefix-cache"], False)],
+                         ids=["fp32", "bf16", "bf16-no-cache"])
+def test_startup_line_names_model_address_states_and_pool(argv, warned):
+    args = parse_args(["--preset", "demo-tiny", "--max-model-len", "64", "--max-num-seqs", "2", "--port", "8123",
+                       *argv])
+    engine = build_engine(engine_spec(args), load_model("demo-tiny"))
+    line = startup_line(args, engine, "kda-demo-tiny")
+    assert line.startswith("python -m serve.http: serving kda-demo-tiny on http://127.0.0.1:8123/v1 | state dtype "
+                           f"{args.state_dtype}, state write slot | pool {engine.pool.num_pages:,} pages = ")
+    assert f"{engine.pool.num_pages // engine.layout.state_pages:,} state slots" in line
+    assert ("a prefix-cache hit may change greedy output" in line) is warned
