@@ -8,6 +8,7 @@ from fastapi.testclient import TestClient
 from serve.http.__main__ import build_parser, engine_spec, parse_args, startup_line
 from serve.http.app import create_app
 from serve.http.model import EngineSpec, build_engine, load_model
+from tests.serve.http.server_helpers import assert_exits_2
 
 
 def _help(option: str) -> str:
@@ -40,11 +41,7 @@ def test_models_reports_whether_a_prefix_hit_is_exact(argv, exact):
     (["--num-pages", "76"], "raise num_pages to 77 or lower max_model_len to 1008"),
 ], ids=["port-high", "port-negative", "queue-negative", "model-len-huge", "trace-folder", "pages-1", "pages-76"])
 def test_bad_values_exit_2_with_the_argparse_message(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        parse_args(argv)
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2
-    assert err.startswith("usage: python -m serve.http") and message in err, err
+    assert_exits_2(argv, message, capsys)
 
 
 def test_pool_check_holds_one_max_length_request_and_fits_in_memory():
