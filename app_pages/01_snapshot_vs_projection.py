@@ -113,7 +113,8 @@ st.write(
     "`ServeEngine(state_write=\"replay_ssm\", ring_size=R)` a decode step appends one k, u, g record per KDA layer "
     "and writes only the conv window; the state pages keep a checkpoint, the step's state is the checkpoint with "
     "its records replayed, and the whole state is written once every R steps (or when a prefix-cache checkpoint is "
-    "published). Tokens and logits are bitwise those of the slot write (`tests/serve/test_engine_replay_ssm.py`).")
+    "published). With fp32 states, the engine's default, tokens and logits are bitwise those of the slot write "
+    "(`tests/serve/test_engine_replay_ssm.py`); with bf16 / fp16 states they may differ (fewer roundings).")
 ring = url_widget(st.select_slider, "Ring size R (decode steps per state write)", "p01_ring", 16, [4, 8, 16, 32, 64])
 pb = pd.DataFrame(engine_call(predicted_bytes))
 fig3 = go.Figure([go.Scatter(x=d.ring_size[d.ring_size > 0], y=d.vs_slot[d.ring_size > 0], mode="lines+markers",

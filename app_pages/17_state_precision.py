@@ -159,7 +159,8 @@ else:
                f"{cond['load_avg_1m_before_timing']:.1f} → {cond['load_avg_1m_end']:.1f}).")
     with st.expander("Slots, and what vLLM stores"):
         st.markdown(
-            "- Same pool for every dtype (`python -m serve.http`'s fp32 sizing). Slots grow by the stored bytes: ×2 "
+            "- Same pool for every dtype (`python -m serve.http`'s fp32 sizing; its /metrics reports "
+            "`kda:state_slots_capacity`, while `--max-num-seqs` caps the slots in use). Slots grow by the stored bytes: ×2 "
             "for the recurrent state, less overall while the fp32 conv windows stay (22 % of the demo's fp32 state, "
             "7 % of Kimi-Linear's) and, per request, the fp32 MLA latents of its context.\n"
             "- vLLM keeps KDA's recurrent state fp32 whatever `--mamba-cache-dtype` says "

@@ -23,6 +23,7 @@ from lab.threads import one_thread
 from serve.config import STATE_DTYPES, ServeConfig
 from serve.engine import ServeEngine
 from serve.errors import check_choice, check_int
+from serve.http.model import EngineSpec
 from serve.memory.pool import PagePool
 from serve.request import RequestStatus
 from serve.runnable import demo_model
@@ -129,7 +130,7 @@ def slot_table(max_model_len: int = 1024, max_num_seqs: int = 64) -> pd.DataFram
         cfg = PRESETS[name]
         layouts = {d: ServeConfig(state_dtype=dt).layout(cfg) for d, dt in STATE_DTYPES.items()}
         kv_pages = -(-max_model_len // layouts["fp32"].block_size)
-        num_pages = 2 * max_num_seqs * (layouts["fp32"].state_pages + kv_pages)
+        num_pages = EngineSpec(max_model_len=max_model_len, max_num_seqs=max_num_seqs).pool_pages(cfg)
         for d, lay in layouts.items():
             rows.append(dict(model=name, state_dtype=d, state_bytes=lay.state_bytes, state_pages=lay.state_pages,
                              num_pages=num_pages, requests=num_pages // (lay.state_pages + kv_pages),

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP server over the engine, with Prometheus metrics (``python -m serve.http``).
 
 Concept → file → main type:
-- model and engine construction (the one place) .. model.py ..... ``load_model``, ``EngineSpec``, ``build_engine``
+- model and engine construction (the one place) .. model.py ..... ``load_model``, ``EngineSpec``, ``build_engine``,
+  ``PoolCapacity``
 - request / response schema, checks, UTF-8 ...... protocol.py .. ``CompletionRequest``, ``ChatRequest``,
   ``RequestError``, ``TextDecoder``
 - the engine's thread (join / leave, admission) .. loop.py ...... ``EngineLoop``, ``Stream``, ``QueueFull``
@@ -14,5 +15,7 @@ Concept → file → main type:
 Tests: ``tests/serve/http/test_server_openai.py`` (the ``openai`` client: completion, chat, streaming, errors),
 ``tests/serve/http/test_server_load.py`` (64+ concurrent streams, random cancels, outputs vs batch-1 runs,
 slots and pages back to baseline), ``tests/serve/http/test_cli_state_write.py`` (``--state-write`` /
-``--ring-size``: reach the engine, argparse errors, ReplaySSM serves the slot write's bytes).
+``--ring-size``: reach the engine, argparse errors, ReplaySSM serves the slot write's bytes),
+``tests/serve/http/test_main.py`` (the command line: help, bad values exit 2, the startup line),
+``tests/serve/http/test_engine_spec.py`` (the engine and default pool a spec builds).
 """

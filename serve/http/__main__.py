@@ -1,65 +1,91 @@
 """``python -m serve.http``: the OpenAI-compatible server on 127.0.0.1:8000 by default (see serve/http/__init__.py).
 
-A bad option, options that contradict each other (``--ring-size`` without ``--state-write replay_ssm``) or values
-the engine spec refuses end the command with argparse's usage line and message (exit status 2) before the model
-is loaded."""
+A bad option (a port outside [1, 65535], a negative queue, a trace file whose folder does not exist), options that
+contradict each other (``--ring-size`` without ``--state-write replay_ssm``), values the engine spec refuses, or a
+pool that cannot serve one request of ``--max-model-len`` or does not fit in this machine's memory
+(:meth:`serve.http.model.EngineSpec.check_pool`) end the command with argparse's usage line and message (exit
+status 2) before the model is loaded."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import uvicorn
 
+from kda_core.config import PRESETS
 from serve.config import STATE_DTYPES
-from serve.engine import STATE_WRITES
+from serve.engine import STATE_WRITES, ServeEngine
 from serve.http.app import create_app
-from serve.http.model import EngineSpec, build_engine
+from serve.http.model import EngineSpec, build_engine, pool_capacity
 from serve.http.step_trace import StepTrace
 from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
 
+MAX_PORT = 65535     # TCP ports are 16-bit
 
-def _ring_size(text: str) -> int:
-    """``--ring-size``: an int >= 1 (argparse reports the ArgumentTypeError as the option's error)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
-    return value
+
+def _int_in(minimum: int, maximum: int | None = None):
+    """An argparse ``type``: an int in [minimum, maximum] (argparse reports the ArgumentTypeError as the
+    option's error, exit status 2)."""
+    want = f"an int >= {minimum}" if maximum is None else f"an int in [{minimum}, {maximum}]"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {want}, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(f"must be {want}, got {value}")
+        return value
+    return parse
+
+
+def _new_file(text: str) -> str:
+    """``--step-trace``: a file path whose folder exists (the file is created or truncated at startup)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} is a directory, not a file")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"folder {str(path.parent)!r} does not exist")
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line; every option's help ends with its default."""
     p = argparse.ArgumentParser(prog="python -m serve.http", description=__doc__)
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: %(default)s, this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    p.add_argument("--port", type=_int_in(1, MAX_PORT), default=8000, help="TCP port (default: %(default)s)")
     p.add_argument("--preset", default="demo", help="runnable model preset: demo (the trained weights of "
                    "weights/kda-demo), demo-k3gate or demo-tiny (seeded init) (default: %(default)s)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: kda-<preset>)")
     p.add_argument("--max-model-len", type=int, default=1024,
                    help="prompt + output tokens (bytes) per request (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=64,
-                   help="requests in the engine at once (state slots) (default: %(default)s)")
-    p.add_argument("--max-queue", type=int, default=256,
+                   help="requests in the engine at once (state slots in use; this caps them whatever the pool "
+                   "could hold: kda:state_slots_capacity in /metrics) (default: %(default)s)")
+    p.add_argument("--max-queue", type=_int_in(0), default=256,
                    help="requests queued in front of the engine before 429 (default: %(default)s)")
     p.add_argument("--num-pages", type=int, default=None,
-                   help="pool pages (default: 2 x slots at max-model-len)")
+                   help="pool pages of one KV block each (default: 2 x max-num-seqs x (fp32 state pages + KV pages of "
+                   "max-model-len tokens), the same pool bytes for every --state-dtype)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
     p.add_argument("--checkpoint-interval", type=int, default=64,
                    help="tokens between KDA state checkpoints of the prefix cache (default: %(default)s)")
     p.add_argument("--no-prefix-cache", action="store_true", help="serve without prefix sharing (default: cache on)")
     p.add_argument("--state-write", choices=STATE_WRITES, default="slot",
                    help="how a decode step writes a request's KDA state: slot (the whole state every step) or "
-                   "replay_ssm (a (k, u, g) record per step, the state every ring-size steps; vllm#47572); the "
-                   "tokens are the same (default: %(default)s)")
-    p.add_argument("--ring-size", type=_ring_size, default=None,
+                   "replay_ssm (a (k, u, g) record per step, the state every ring-size steps; vllm#47572); with fp32 "
+                   "states the tokens are the same, with 16-bit states they may differ (fewer roundings) "
+                   "(default: %(default)s)")
+    p.add_argument("--ring-size", type=_int_in(1), default=None,
                    help=f"decode steps per state write, for the replay_ssm state write only; SGLang's default "
                    f"(default: {DEFAULT_RING_SIZE})")
     p.add_argument("--state-dtype", default="fp32", choices=list(STATE_DTYPES),
                    help="stored dtype of the KDA recurrent states (slots and checkpoints; compute stays fp32), as "
-                   "vLLM's --mamba-ssm-cache-dtype (default: %(default)s)")
+                   "vLLM's --mamba-ssm-cache-dtype. bf16 / fp16 round the state on every write, so greedy output may "
+                   "differ from fp32's, and a prefix-cache hit may differ from the same request run cold (warm == "
+                   "cold holds only in fp32; README, page 17) (default: %(default)s)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (default: %(default)s)")
-    p.add_argument("--step-trace", default=None, metavar="PATH",
+    p.add_argument("--step-trace", type=_new_file, default=None, metavar="PATH",
                    help="write every engine step and request timeline to PATH (JSON lines, serve/http/step_trace.py) "
                    "(default: off)")
     return p
@@ -67,14 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The options of ``argv`` (None: ``sys.argv[1:]``), checked together: exits with argparse's message
-    (status 2) for ``--ring-size`` without ``--state-write replay_ssm``, or for values :class:`EngineSpec`
-    refuses (``--max-model-len 1``, a block size that does not divide the checkpoint interval)."""
+    (status 2) for ``--ring-size`` without ``--state-write replay_ssm``, for values :class:`EngineSpec`
+    refuses (``--max-model-len 1``, a block size that does not divide the checkpoint interval), and for a pool
+    that cannot serve (:meth:`EngineSpec.check_pool`: ``--num-pages`` below one request of ``--max-model-len``,
+    or a pool larger than this machine's memory)."""
     p = build_parser()
     args = p.parse_args(argv)
     if args.ring_size is not None and args.state_write != "replay_ssm":
         p.error(f"--ring-size applies to --state-write replay_ssm only (got --state-write {args.state_write})")
     try:
-        engine_spec(args)
+        engine_spec(args).check_pool(PRESETS[args.preset])   # a runnable preset's cache shapes are its model's
     except ValueError as exc:
         p.error(str(exc))
     return args
@@ -87,11 +115,29 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
                       args.state_dtype)
 
 
+def startup_line(args: argparse.Namespace, engine: ServeEngine, model_name: str) -> str:
+    """The one line the server prints as it starts (as uvicorn's "Uvicorn running on ..." and vLLM's startup log):
+    model, address, state dtype and write, and the pool (pages, bytes, state slots and max-length requests it
+    holds, the cap ``--max-num-seqs``); with 16-bit states, that a prefix-cache hit may change greedy output."""
+    cap = pool_capacity(engine, args.max_model_len)
+    write = args.state_write + (f" (ring {engine.replay.ring_size})" if engine.replay is not None else "")
+    line = (f"python -m serve.http: serving {model_name} on http://{args.host}:{args.port}/v1 | state dtype "
+            f"{args.state_dtype}, state write {write} | pool {cap.num_pages:,} pages = {cap.pool_bytes / 2**20:,.1f} "
+            f"MiB: {cap.state_slots:,} state slots, {cap.requests:,} requests of {args.max_model_len:,} tokens; at "
+            f"most {args.max_num_seqs} running (--max-num-seqs) | prefix cache {'off' if engine.cache is None else 'on'}")
+    if args.state_dtype != "fp32" and engine.cache is not None:
+        line += (f" ({args.state_dtype} states: a prefix-cache hit may change greedy output; warm == cold holds "
+                 "only in fp32)")
+    return line
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     spec = engine_spec(args)
-    app = create_app(build_engine(spec), args.served_model_name or f"kda-{args.preset}", spec.max_model_len,
-                     spec.max_num_seqs, args.max_queue, StepTrace(args.step_trace) if args.step_trace else None)
+    engine, model_name = build_engine(spec), args.served_model_name or f"kda-{args.preset}"
+    app = create_app(engine, model_name, spec.max_model_len, spec.max_num_seqs, args.max_queue,
+                     StepTrace(args.step_trace) if args.step_trace else None)
+    print(startup_line(args, engine, model_name), flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

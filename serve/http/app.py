@@ -3,7 +3,8 @@
 
 Errors are OpenAI-style bodies (:class:`serve.http.protocol.RequestError`, ``param`` the field's path as the
 client wrote it, e.g. ``messages[0].content``): 400 for a body that is not JSON or not UTF-8, an unknown field, a
-wrong type or a value out of range; 404 for another model; 429 with ``Retry-After`` when ``max_num_seqs +
+wrong type or a value out of range; 404 for another model; 415 for a body sent with a Content-Type other than
+application/json (:func:`require_json`); 429 with ``Retry-After`` when ``max_num_seqs +
 max_queue`` requests are outstanding; 503 with ``Retry-After`` when the engine rejects a request it can never fit
 or the engine loop is down. A streaming response starts only after
 the request's first token (so an error before it still gets its status code); a client that disconnects,
@@ -16,7 +17,7 @@ import contextlib
 import json
 import time
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -26,6 +27,7 @@ from serve.config import STATE_DTYPES
 from serve.engine import ServeEngine
 from serve.http.loop import EngineLoop, LoopStopped, QueueFull, Stream
 from serve.http.metrics import ServerMetrics
+from serve.http.model import pool_capacity
 from serve.http.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -46,6 +48,18 @@ RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.2
 
 
+async def require_json(request: Request) -> None:
+    """A request body must be sent as ``Content-Type: application/json`` (parameters such as ``charset`` allowed):
+    another or no Content-Type is a 415 naming it, as vLLM's ``validate_json_request``
+    (``vllm/entrypoints/openai/api_server.py``) refuses it, rather than a "not a JSON object" 400 about a body
+    that may well be valid JSON (FastAPI does not parse a body of another content type)."""
+    content_type = request.headers.get("content-type")
+    if content_type is None or content_type.split(";", 1)[0].strip().lower() != "application/json":
+        got = "missing" if content_type is None else f"{content_type!r}"
+        raise StarletteHTTPException(415, f"Unsupported Media Type: Content-Type is {got}; only "
+                                          "'application/json' is allowed")
+
+
 def error_response(err: RequestError, retry_after: int | None = None) -> JSONResponse:
     headers = None if retry_after is None else {"Retry-After": str(retry_after)}
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
@@ -58,8 +72,12 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
     requests queued in front of it before a 429; ``trace``: an optional :class:`StepTrace` of every step and
     request. ``app.state.loop`` is the :class:`EngineLoop`. ``/v1/models`` reports, besides vLLM's
     ``max_model_len``, the engine's decode-time ``state_write``, its ``ring_size`` (null under "slot") and the
-    stored dtype of its KDA recurrent states, ``state_dtype`` ("fp32", "bf16" or "fp16")."""
+    stored dtype of its KDA recurrent states, ``state_dtype`` ("fp32", "bf16" or "fp16"), and
+    ``prefix_hit_exact``: whether a prefix-cache hit serves bitwise the tokens of the same request run cold (true
+    with fp32 states only: a 16-bit checkpoint is rounded where the cold run's state is not; null without a
+    prefix cache)."""
     metrics = ServerMetrics(model_name, engine.layout.block_size)
+    metrics.pool_capacity(pool_capacity(engine, max_model_len))
     loop = EngineLoop(engine, metrics, max_num_seqs, max_queue, trace)
 
     @contextlib.asynccontextmanager
@@ -108,19 +126,21 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
 
     ring_size = engine.replay.ring_size if engine.replay is not None else None     # as the engine runs it
     state_dtype = next(k for k, v in STATE_DTYPES.items() if v == engine.config.state_dtype)
+    hit_exact = None if engine.cache is None else state_dtype == "fp32"
 
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": app.state.created,
                                             "owned_by": "kda-serve-lab", "root": model_name,
                                             "max_model_len": max_model_len, "state_write": engine.state_write,
-                                            "ring_size": ring_size, "state_dtype": state_dtype}]}
+                                            "ring_size": ring_size, "state_dtype": state_dtype,
+                                            "prefix_hit_exact": hit_exact}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=[Depends(require_json)])
     async def completions(body: CompletionRequest, request: Request):
         return await _serve(body, request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=[Depends(require_json)])
     async def chat(body: ChatRequest, request: Request):
         return await _serve(body, request, chat=True)
 

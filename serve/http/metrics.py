@@ -13,7 +13,9 @@ consecutive token pushes), ``vllm:request_time_per_output_token_seconds`` (TPOT:
 request) and ``vllm:e2e_request_latency_seconds``.
 
 KDA-specific (``kda:``): ``kda:state_slots_used`` / ``kda:state_slots_free`` (requests holding a private KDA
-state, out of ``max_num_seqs``), ``kda:pool_pages{kind}`` (free / kda_state / mla_kv pages),
+state, out of ``max_num_seqs``), ``kda:state_slots_capacity`` (state slots the pool could hold, states alone:
+pool pages // state pages per request; it grows with a 16-bit ``--state-dtype``, while ``max_num_seqs`` caps the
+slots in use), ``kda:requests_capacity`` (requests of ``max_model_len`` tokens the pool holds, state + KV pages), ``kda:pool_pages{kind}`` (free / kda_state / mla_kv pages),
 ``kda:prefix_cache_pages`` (pages the prefix cache holds), ``kda:request_pages`` (used pages held by requests
 only: 0 when idle), ``kda:checkpoints_held`` (stored state checkpoints, counted per group), and the hits lost
 to a missing checkpoint, named as SGLang names them (sgl-project/sglang PR #38018):
@@ -79,6 +81,10 @@ class ServerMetrics:
         self.step_seconds = h("kda:engine_step_seconds", "Wall time of one engine.step().", ITL_BUCKETS)
         self.slots_used = g("kda:state_slots_used", "Requests holding a private KDA state.")
         self.slots_free = g("kda:state_slots_free", "State slots left (max_num_seqs - used).")
+        self.slots_capacity = g("kda:state_slots_capacity", "State slots the pool could hold (pool pages // state "
+                                "pages per request); max_num_seqs caps the slots in use.")
+        self.requests_capacity = g("kda:requests_capacity", "Requests of max_model_len tokens the pool holds "
+                                   "(pool pages // (state + KV pages per request)).")
         self.pool_pages = g("kda:pool_pages", "Pool pages by kind.", ["kind"])
         self.cache_pages = g("kda:prefix_cache_pages", "Pages the prefix cache holds (KV blocks + checkpoints).")
         self.request_pages = g("kda:request_pages", "Used pages not held by the prefix cache (requests' own).")
@@ -98,6 +104,11 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+    def pool_capacity(self, capacity) -> None:
+        """Set the pool's fixed capacity gauges from a :class:`serve.http.model.PoolCapacity`."""
+        self.slots_capacity.labels(self.model_name).set(capacity.state_slots)
+        self.requests_capacity.labels(self.model_name).set(capacity.requests)
 
     # ---- engine thread ----------------------------------------------------------------------------------
     def tokens(self, stream, n: int, now: float) -> None:

@@ -7,8 +7,11 @@ built through its public constructor only, so a batching engine with the same AP
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from kda_core.config import ModelConfig
 from kda_core.model import HybridLM
 from serve.config import STATE_DTYPES, ServeConfig
 from serve.engine import STATE_WRITES, ServeEngine
@@ -35,7 +38,7 @@ class EngineSpec:
 
     preset: the model (:data:`SERVABLE`); max_model_len: prompt + output tokens (bytes) one request may
     reach; max_num_seqs: requests the engine holds at once (each one private KDA state: a "state slot");
-    num_pages: pool pages (None: every slot at ``max_model_len`` plus as many again for the prefix cache);
+    num_pages: pool pages (None: :meth:`pool_pages`' fp32 sizing, the same bytes for every state dtype);
     block_size / checkpoint_interval: the :class:`ServeConfig`; prefix_cache: share prefixes or not;
     state_write: how a plain decode step writes a request's KDA state (:data:`serve.engine.STATE_WRITES`: "slot",
     the whole state every step, or "replay_ssm", a record per step and the state every ``ring_size`` steps;
@@ -82,19 +85,78 @@ class EngineSpec:
     def config(self) -> ServeConfig:
         return ServeConfig(self.block_size, self.checkpoint_interval, state_dtype=STATE_DTYPES[self.state_dtype])
 
+    def check_pool(self, model_cfg: ModelConfig, memory_bytes: int | None = None) -> None:
+        """Refuse a pool that cannot serve, before anything is allocated (ValueError naming the option):
+        one request of ``max_model_len`` tokens (its state pages in the stored dtype + its KV pages) must fit in
+        :meth:`pool_pages`, as vLLM refuses a KV cache that cannot hold one max-length sequence
+        (``check_enough_kv_cache_memory`` in ``vllm/v1/core/kv_cache_utils.py``; the message gives the largest
+        ``max_model_len`` the pool holds, as vLLM's does); and the pool's bytes must fit in ``memory_bytes``
+        (default: this machine's physical memory, ``os.sysconf``), the sane maximum a CPU server can allocate."""
+        config = self.config
+        layout, page_bytes = config.layout(model_cfg), config.page_bytes(model_cfg)
+        num_pages = self.pool_pages(model_cfg)
+        need = layout.state_pages + -(-self.max_model_len // self.block_size)          # state + KV pages
+        if num_pages < need:
+            fits = (num_pages - layout.state_pages) * self.block_size
+            raise ValueError(f"num_pages={num_pages} cannot hold one request of max_model_len={self.max_model_len} "
+                             f"tokens ({layout.state_pages} state pages + {need - layout.state_pages} KV pages = "
+                             f"{need} pages); raise num_pages to {need} or lower max_model_len"
+                             + (f" to {fits}" if fits >= 2 else ""))
+        memory_bytes = _machine_memory_bytes() if memory_bytes is None else memory_bytes
+        if num_pages * page_bytes > memory_bytes:
+            raise ValueError(f"the pool of {num_pages:,} pages x {page_bytes:,} bytes = "
+                             f"{num_pages * page_bytes / 2**30:,.1f} GiB exceeds this machine's memory "
+                             f"({memory_bytes / 2**30:,.1f} GiB); lower max_model_len={self.max_model_len} or "
+                             f"max_num_seqs={self.max_num_seqs}, or set num_pages")
+
+    def pool_pages(self, model_cfg: ModelConfig) -> int:
+        """Pool pages for ``model_cfg``: ``num_pages`` or, by default, the fp32 sizing for every state dtype,
+        2 * max_num_seqs * (fp32 state pages + KV pages of ``max_model_len`` tokens), so every slot fits at full
+        length with the same again left for cached prefixes. The pages (one KV block each) have the same bytes
+        for every dtype, so a 16-bit state gets the fp32 pool's bytes and holds more state slots in it (1.63x
+        for the demo model, by the stored bytes), as vLLM sizes its KV cache by memory, not by slot count."""
+        if self.num_pages is not None:
+            return self.num_pages
+        fp32_state_pages = ServeConfig(self.block_size, self.checkpoint_interval).layout(model_cfg).state_pages
+        kv_pages = -(-self.max_model_len // self.block_size)                       # KV blocks of one request
+        return 2 * self.max_num_seqs * (fp32_state_pages + kv_pages)
+
+
+def _machine_memory_bytes() -> int:
+    """Physical memory of this machine, bytes (page size x physical pages)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
 
 def build_engine(spec: EngineSpec, model: HybridLM | None = None) -> ServeEngine:
-    """A fresh engine for ``spec`` on a fresh pool: ``num_pages`` or, by default, 2 * max_num_seqs *
-    (state pages + KV pages of ``max_model_len`` tokens), so every slot fits at full length with the same
-    again left for cached prefixes. The engine is the batched one, its scheduler capped at ``max_num_seqs``
+    """A fresh engine for ``spec`` on a fresh pool of :meth:`EngineSpec.pool_pages` pages. The engine is the batched one, its scheduler capped at ``max_num_seqs``
     running requests: every step runs their decode rows and the admitted prompts' prefill rows together; its
-    decode steps write the KDA state as ``spec.state_write`` says. Raises ValueError for a bad spec."""
+    decode steps write the KDA state as ``spec.state_write`` says. Raises ValueError for a bad spec or a pool
+    that cannot serve it (:meth:`EngineSpec.check_pool`)."""
     model = load_model(spec.preset) if model is None else model
+    spec.check_pool(model.cfg)
     config = spec.config
-    layout = config.layout(model.cfg)
-    per_request = layout.state_pages + -(-spec.max_model_len // spec.block_size)     # state + KV pages
-    num_pages = spec.num_pages or 2 * spec.max_num_seqs * per_request
-    pool = PagePool(num_pages, config.page_bytes(model.cfg))
+    pool = PagePool(spec.pool_pages(model.cfg), config.page_bytes(model.cfg))
     cache = PrefixCache(pool, config, cfg=model.cfg) if spec.prefix_cache else None
     return ServeEngine(model, pool, cache, config=config, max_num_seqs=spec.max_num_seqs, batched=True,
                        state_write=spec.state_write, ring_size=spec.engine_ring_size)
+
+
+class PoolCapacity(NamedTuple):
+    """What an engine's pool holds. num_pages: pool pages; pool_bytes: num_pages x page bytes; state_pages:
+    pages of one request's KDA state (all layers, in the stored dtype); state_slots: states the pool could hold
+    alone (num_pages // state_pages); requests: requests of ``max_model_len`` tokens it holds, state + KV pages
+    each. The engine runs at most ``max_num_seqs`` requests whatever these say."""
+
+    num_pages: int
+    pool_bytes: int
+    state_pages: int
+    state_slots: int
+    requests: int
+
+
+def pool_capacity(engine: ServeEngine, max_model_len: int) -> PoolCapacity:
+    """The :class:`PoolCapacity` of ``engine``'s pool for requests of ``max_model_len`` tokens."""
+    pool, layout = engine.pool, engine.layout
+    kv_pages = -(-max_model_len // layout.block_size)                               # KV blocks of one request
+    return PoolCapacity(pool.num_pages, pool.num_pages * pool.page_bytes, layout.state_pages,
+                        pool.num_pages // layout.state_pages, pool.num_pages // (layout.state_pages + kv_pages))

@@ -206,6 +206,17 @@ def sampling_of(req: CompletionRequest | ChatRequest) -> SamplingParams:
         raise RequestError(str(err), param) from None
 
 
+NOT_HONOURED = {
+    "n": "returns one choice per request", "best_of": "returns one choice per request",
+    "presence_penalty": "applies no penalties", "frequency_penalty": "applies no penalties",
+    "repetition_penalty": "applies no penalties", "echo": "does not echo the prompt back in the completion",
+    "logprobs": "returns no logprobs", "top_logprobs": "returns no logprobs",
+    "suffix": "does not insert text before a suffix",
+}
+"""Why each field is accepted only at its neutral value (the 400's message: ``echo = True is not supported: this
+server does not echo the prompt back ...``)."""
+
+
 def check_request(req: CompletionRequest | ChatRequest, served_model: str, max_model_len: int) -> Checked:
     """The :class:`Checked` prompt, ``max_tokens`` and sampling of a valid request. Raises RequestError (404 for
     another model, else 400 naming the field) for what this server cannot do or a length over ``max_model_len``."""
@@ -229,8 +240,8 @@ def check_request(req: CompletionRequest | ChatRequest, served_model: str, max_m
         neutral |= {"logprobs": (req.logprobs, (False,)), "top_logprobs": (req.top_logprobs, (None, 0))}
     for name, (val, ok) in neutral.items():
         if val not in ok:
-            raise RequestError(f"{name} = {val!r} is not supported: this server returns one choice without "
-                               f"logprobs or penalties (allowed: {', '.join(map(repr, ok))})", name)
+            raise RequestError(f"{name} = {val!r} is not supported: this server {NOT_HONOURED[name]} (allowed: "
+                               f"{', '.join(map(repr, ok))})", name)
     if req.stream_options is not None and not req.stream:
         raise RequestError("stream_options is only allowed when stream is true", "stream_options")
     if req.stop not in (None, "", []):
@@ -239,8 +250,10 @@ def check_request(req: CompletionRequest | ChatRequest, served_model: str, max_m
         raise RequestError("logit_bias is not supported", "logit_bias")
     prompt = prompt_of(req)
     if len(prompt) >= max_model_len:
-        raise RequestError(f"prompt is {len(prompt)} tokens (bytes); this model's maximum context length is "
-                           f"{max_model_len} tokens, and at least one must be generated", "prompt")
+        what, field = ("messages render to a prompt of", "messages") if isinstance(req, ChatRequest) else \
+            ("prompt is", "prompt")
+        raise RequestError(f"{what} {len(prompt)} tokens (bytes); this model's maximum context length is "
+                           f"{max_model_len} tokens, and at least one must be generated", field)
     name, max_tokens = "max_tokens", req.max_tokens
     if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
         if max_tokens is not None:

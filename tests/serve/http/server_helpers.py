@@ -5,6 +5,9 @@ import asyncio
 import contextlib
 import re
 
+import pytest
+
+from serve.http.__main__ import parse_args
 from serve.http.app import create_app
 from serve.http.background import serve_in_thread
 from serve.http.model import EngineSpec, build_engine, load_model
@@ -30,6 +33,15 @@ def metric(text: str, name: str, **labels) -> float:
         if all(got.get(k) == v for k, v in labels.items()):
             return float(m.group(3))
     raise KeyError(f"{name} {labels} not in /metrics")
+
+
+def assert_exits_2(argv, message: str, capsys) -> None:
+    """``python -m serve.http argv`` ends with argparse's usage line and ``message`` on stderr, exit status 2."""
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert err.startswith("usage: python -m serve.http") and message in err, err
 
 
 def on_engine(app, fn, timeout: float = 30.0):

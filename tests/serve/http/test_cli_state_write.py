@@ -11,7 +11,7 @@ import pytest
 from serve.http.__main__ import engine_spec, parse_args
 from serve.http.model import EngineSpec, build_engine, load_model
 from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
-from tests.serve.http.server_helpers import MODEL, on_engine, reference_texts, running_server
+from tests.serve.http.server_helpers import MODEL, assert_exits_2, on_engine, reference_texts, running_server
 
 
 @pytest.mark.parametrize(("argv", "state_write", "ring_size"), [
@@ -35,11 +35,7 @@ def test_state_write_options_reach_the_engine(argv, state_write, ring_size):
     (["--max-model-len", "1"], "max_model_len must be an int >= 2, got 1"),
 ], ids=["unknown-write", "ring-on-default", "ring-on-slot", "ring-0", "ring-negative", "ring-float", "spec-value"])
 def test_bad_state_write_options_exit_with_the_argparse_message(argv, message, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        parse_args(argv)
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2
-    assert err.startswith("usage: python -m serve.http") and f"error: {message}" in err, err
+    assert_exits_2(argv, f"error: {message}", capsys)
 
 
 # Three prompts decoded together; 56 + 24 bytes cross the 64-token checkpoint (a publish materialises the state

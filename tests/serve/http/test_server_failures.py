@@ -8,7 +8,11 @@ import httpx
 import openai
 import pytest
 
-from serve.http.model import EngineSpec
+from serve.engine import ServeEngine
+from serve.http.app import create_app
+from serve.http.background import serve_in_thread
+from serve.http.model import EngineSpec, build_engine, load_model
+from serve.memory.pool import PagePool
 from tests.serve.http.server_helpers import MODEL, metric, on_engine, running_server
 
 
@@ -34,8 +38,15 @@ def test_non_streaming_client_that_leaves_is_aborted():
 
 
 def test_request_the_pool_can_never_hold_is_503():
+    """``python -m serve.http`` refuses to start on a pool smaller than one max-length request (as vLLM does);
+    an engine on such a pool, served anyway, answers 503 for a request that can never fit and serves the rest."""
     spec = EngineSpec(max_model_len=512, max_num_seqs=1, num_pages=20)      # 13 state pages + 7 KV blocks
-    with running_server(spec, max_queue=0) as (url, app):
+    model = load_model(spec.preset)
+    with pytest.raises(ValueError, match="num_pages=20 cannot hold one request of max_model_len=512"):
+        build_engine(spec, model)
+    engine = ServeEngine(model, PagePool(20, spec.config.page_bytes(model.cfg)), config=spec.config,
+                         max_num_seqs=1, batched=True)
+    with serve_in_thread(create_app(engine, MODEL, spec.max_model_len, 1, 0)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
         with pytest.raises(openai.InternalServerError) as err:
             client.completions.create(model=MODEL, prompt="x" * 200, max_tokens=10)

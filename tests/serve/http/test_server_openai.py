@@ -3,6 +3,7 @@ completion, chat, streaming, every error path, 429 with Retry-After, a mid-strea
 ``python -m serve.http`` command. Outputs are checked against a batch-1 run of the same prompt."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -138,6 +139,34 @@ def test_bad_utf8_and_bad_json_are_400(server, raw, param):
     assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_too_long_chat_names_messages_and_echo_is_refused_for_echo(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * MAX_LEN}])
+    assert err.value.body["param"] == "messages" and "messages render to a prompt of" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, echo=True)
+    assert err.value.body["param"] == "echo" and "does not echo the prompt" in err.value.body["message"]
+    assert "logprobs" not in err.value.body["message"] and "penalties" not in err.value.body["message"]
+
+
+@pytest.mark.parametrize("content_type, status", [
+    ("text/plain", 415), ("application/x-www-form-urlencoded", 415), ("application/json; charset=utf-8", 200),
+    (None, 415),
+], ids=["text-plain", "form", "json-charset", "none"])
+def test_a_json_body_under_another_content_type_is_415_naming_it(server, content_type, status):
+    """A valid JSON object sent as text/plain (or with no Content-Type) is refused for its Content-Type (vLLM's
+    415), not called "not a JSON object"."""
+    raw = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
+    r = httpx.post(server[0] + "/v1/completions", content=raw,
+                   headers={} if content_type is None else {"content-type": content_type})
+    assert r.status_code == status, r.text
+    if status == 415:
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["code"] == 415
+        got = "missing" if content_type is None else f"'{content_type}'"
+        assert f"Content-Type is {got}" in err["message"] and "application/json" in err["message"]
+
+
 def test_full_queue_is_429_with_retry_after_and_disconnect_frees_the_slot():
     with running_server(EngineSpec(max_model_len=MAX_LEN, max_num_seqs=1), max_queue=0) as (url, app):
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
@@ -206,6 +235,9 @@ def test_command_line_server_binds_localhost():
     finally:
         proc.terminate()
         proc.wait(20)
+    first = proc.stdout.read().decode().splitlines()[0]                  # the startup line, before uvicorn's
+    assert first.startswith(f"python -m serve.http: serving kda-demo on http://127.0.0.1:{port}/v1 | state dtype "
+                            "fp32, state write replay_ssm (ring 2) | pool "), first
 
 
 def test_prefix_cache_and_missing_checkpoint_counters():

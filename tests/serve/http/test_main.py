@@ -1,0 +1,73 @@
+"""``python -m serve.http``'s command line as a user meets it: the help states what holds only with fp32 states,
+``/v1/models`` says whether a prefix-cache hit is exact, and bad values exit 2 with argparse's message."""
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from serve.http.__main__ import build_parser, engine_spec, parse_args, startup_line
+from serve.http.app import create_app
+from serve.http.model import EngineSpec, build_engine, load_model
+from tests.serve.http.server_helpers import assert_exits_2
+
+
+def _help(option: str) -> str:
+    action = next(a for a in build_parser()._actions if option in a.option_strings)
+    return " ".join(action.help.split())
+
+
+def test_help_qualifies_what_holds_only_with_fp32_states():
+    assert "warm == cold holds only in fp32" in _help("--state-dtype")
+    assert "with fp32 states the tokens are the same" in _help("--state-write")
+
+
+@pytest.mark.parametrize(("argv", "exact"), [
+    ([], True), (["--state-dtype", "bf16"], False), (["--state-dtype", "bf16", "--no-prefix-cache"], None),
+], ids=["fp32", "bf16", "bf16-no-cache"])
+def test_models_reports_whether_a_prefix_hit_is_exact(argv, exact):
+    spec = engine_spec(parse_args(["--preset", "demo-tiny", "--max-model-len", "64", "--max-num-seqs", "2", *argv]))
+    with TestClient(create_app(build_engine(spec, load_model("demo-tiny")), "kda-demo-tiny", 64, 2, 2)) as client:
+        assert client.get("/v1/models").json()["data"][0]["prefix_hit_exact"] is exact
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--port", "99999"], "argument --port: must be an int in [1, 65535], got 99999"),
+    (["--port", "-1"], "argument --port: must be an int in [1, 65535], got -1"),
+    (["--max-queue", "-1"], "argument --max-queue: must be an int >= 0, got -1"),
+    (["--max-model-len", "99999999"], "exceeds this machine's memory"),
+    (["--step-trace", "/nonexistent/dir/x.jsonl"], "argument --step-trace: folder '/nonexistent/dir' does not exist"),
+    (["--num-pages", "1"], "num_pages=1 cannot hold one request of max_model_len=1024 tokens (13 state pages + 64 KV "
+                           "pages = 77 pages); raise num_pages to 77 or lower max_model_len"),
+    (["--num-pages", "76"], "raise num_pages to 77 or lower max_model_len to 1008"),
+], ids=["port-high", "port-negative", "queue-negative", "model-len-huge", "trace-folder", "pages-1", "pages-76"])
+def test_bad_values_exit_2_with_the_argparse_message(argv, message, capsys):
+    assert_exits_2(argv, message, capsys)
+
+
+def test_pool_check_holds_one_max_length_request_and_fits_in_memory():
+    """The boundary: a pool of exactly one max-length request serves; the memory bound names the bytes."""
+    model = load_model("demo-tiny")
+    spec = EngineSpec("demo-tiny", max_model_len=64, max_num_seqs=2)
+    need = spec.config.layout(model.cfg).state_pages + 64 // spec.block_size
+    engine = build_engine(EngineSpec("demo-tiny", max_model_len=64, max_num_seqs=2, num_pages=need), model)
+    assert engine.generate(list(range(1, 40)), 24).output_tokens                   # 63 tokens in the one request
+    with pytest.raises(ValueError, match=f"num_pages={need - 1} cannot hold one request"):
+        build_engine(EngineSpec("demo-tiny", max_model_len=64, max_num_seqs=2, num_pages=need - 1), model)
+    page_bytes = spec.config.page_bytes(model.cfg)
+    spec.check_pool(model.cfg, memory_bytes=spec.pool_pages(model.cfg) * page_bytes)   # exactly fits
+    with pytest.raises(ValueError, match="exceeds this machine's memory"):
+        spec.check_pool(model.cfg, memory_bytes=spec.pool_pages(model.cfg) * page_bytes - 1)
+
+
+@pytest.mark.parametrize(("argv", "warned"), [([], False), (["--state-dtype", "bf16"], True),
+                                              (["--state-dtype", "bf16", "--no-prefix-cache"], False)],
+                         ids=["fp32", "bf16", "bf16-no-cache"])
+def test_startup_line_names_model_address_states_and_pool(argv, warned):
+    args = parse_args(["--preset", "demo-tiny", "--max-model-len", "64", "--max-num-seqs", "2", "--port", "8123",
+                       *argv])
+    engine = build_engine(engine_spec(args), load_model("demo-tiny"))
+    line = startup_line(args, engine, "kda-demo-tiny")
+    assert line.startswith("python -m serve.http: serving kda-demo-tiny on http://127.0.0.1:8123/v1 | state dtype "
+                           f"{args.state_dtype}, state write slot | pool {engine.pool.num_pages:,} pages = ")
+    assert f"{engine.pool.num_pages // engine.layout.state_pages:,} state slots" in line
+    assert ("a prefix-cache hit may change greedy output" in line) is warned
