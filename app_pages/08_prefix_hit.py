@@ -54,9 +54,13 @@ reuse = pd.DataFrame([
     dict(kind="MLA KV pages (shared by reference)", bytes=warm.shared_kv_bytes),
     dict(kind="KDA state (copied from the checkpoint)", bytes=warm.restored_bytes),
 ])
-fig2 = go.Figure(go.Bar(x=reuse.kind, y=reuse.bytes / 1024, text=[f"{b / 1024:,.1f} KiB" for b in reuse.bytes]))
-fig2.update_layout(yaxis_title="bytes reused (KiB)", xaxis_title="cache kind")
-show_chart(fig2, reuse, key="p08_bytes_chart")
+if reuse.bytes.any():
+    fig2 = go.Figure(go.Bar(x=reuse.kind, y=reuse.bytes / 1024, text=[f"{b / 1024:,.1f} KiB" for b in reuse.bytes]))
+    fig2.update_layout(yaxis_title="bytes reused (KiB)", xaxis_title="cache kind")
+    show_chart(fig2, reuse, key="p08_bytes_chart")
+else:   # shared prefix under one block: no KV page and no checkpoint to reuse, so no chart of zeros
+    st.info(f"No whole {block}-token block shared (shared prefix {shared} tokens): nothing reused, 0 bytes of "
+            "either kind.")
 st.caption("What to notice: the KV bytes shared grow with b (one page per block); the state copied is the same for "
            "any b. Warm TTFT ≈ a fixed cost per forward + a cost per token × (L − b) + the restore and checkpoint "
            "copies (both costs fitted in section 1), not TTFT_cold · (L − b) / L, which leaves the fixed cost out.")
