@@ -94,8 +94,8 @@ show_table(cap[["model", "label", "tp", "slot_bytes", "slots_per_gb", "max_reque
             "slots_per_gb": num("Slots per GB", "%,.1f"), "max_requests": num("Max requests", "%,d"),
             "vs_fp32": num("× fp32", "%.2f")})
 kimi = slot_parts("kimi-linear-48b-a3b")
-st.caption("Slot = every KDA layer's recurrent state in the format (row scales and residual included) + its **bf16** "
-           "conv window, split over TP by heads (the real models' layout, as on page 03). Kimi-Linear fp32 at TP 1: "
+st.caption("Slot = every KDA layer's recurrent state in the format (with its scales) + its **bf16** "
+           "conv window, split over TP by heads (as on page 03). Kimi-Linear fp32 at TP 1: "
            f"{kimi.recurrent_fp32:,} B recurrent + {kimi.conv_bf16:,} B bf16 conv = "
            f"{kimi.recurrent_fp32 + kimi.conv_bf16:,} B ({(kimi.recurrent_fp32 + kimi.conv_bf16) / 2 ** 20:,.1f} MiB). "
            "Requests = (0.9 × HBM − weights / TP) ÷ (MLA KV at the context + slot).")

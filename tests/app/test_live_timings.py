@@ -91,7 +91,7 @@ def test_p08_shows_the_fitted_forward_cost():
     fit = _fit_caption(at)
     assert "Held out, not in the fit: the cold run, 144 tokens" in fit and "two-point estimate" in fit
     assert any("By this two-point estimate" in c.value and "held-out error" in c.value for c in at.caption)
-    assert any(c.value.startswith("Request 1 − cold, the same 144 tokens: ") and "lookup" in c.value
+    assert any(c.value.startswith("Request 1 − cold, the same 144 tokens: ") and "looks up" in c.value
                and "checkpoint(s)" in c.value for c in at.caption)   # what the cache-on run does extra, measured
     assert any(c.value.startswith("Warm, 16 tokens prefilled: measured ") for c in at.caption)
     assert any(c.proto.id.endswith("p08_fit_chart") for c in at.get("plotly_chart"))
