@@ -168,8 +168,12 @@ with timing_part:
               delta_color="inverse" if resolved else "off",
               delta_arrow="auto" if resolved and round(100 * summary['ttft_reduction']) else "off",   # none on "0%"
               help=PAIRED_RULE)
-    t2.metric("Fixed cost per forward a (fitted)", f"{fit.fixed_ms:.1f} ms", f"+ {fit.per_token_ms:.3f} ms per token",
-              delta_color="off", delta_arrow="off")
+    t2.metric(f"Fixed cost per forward a ({'two-point estimate' if fit.two_point else 'fitted'})", f"{fit.fixed_ms:.1f} ms", f"+ {fit.per_token_ms:.3f} ms per token",
+              delta_color="off", delta_arrow="off",
+              help=(f"A two-point estimate (the line through n = {', '.join(map(str, fit.fit_tokens))}); held-out "
+                    f"error on the cold run {fit.held_out_error:+.0%}." if fit.two_point else
+                    f"Least squares over n = {', '.join(map(str, fit.fit_tokens))}; largest residual "
+                    f"{fit.max_residual_ms:.1f} ms, held-out error {fit.held_out_error:+.0%}."))
     t3.metric("TTFT warm (predicted)", f"{fit.warm_predicted_ms:.1f} ms",
               f"fit error {fit.warm_error:+.0%} vs the measured median", delta_color="off", delta_arrow="off")
     if not resolved:

@@ -73,7 +73,9 @@ with part1:
     m1.metric("MLA KV per token (whole model)", f"{run.kv_bytes_per_token:,} B")
     m2.metric("KDA state per layer", f"{run.state_bytes_per_layer / 2 ** 20:,.2f} MiB",
               help=f"{run.state_bytes_per_layer:,} B = H × K × V × dtype bytes")
-    m3.metric("Fixed state per sequence", f"{run.fixed_state_bytes / 2 ** 20:,.1f} MiB")
+    m3.metric("Fixed state per sequence (recurrent + bf16 conv)", f"{run.fixed_state_bytes / 2 ** 20:,.1f} MiB",
+              help=f"{run.fixed_state_bytes:,} B: every KDA layer's recurrent state in {state_dt} + its conv window "
+                   f"in bf16 (page 17 section 1 counts the conv window the same way; the engine's own layout keeps the conv window in fp32).")
     m4.metric("Break-even context (recurrent + conv)", "∞" if not math.isfinite(be) else f"{be:,.0f} tokens",
               "∞ (recurrent only)" if not math.isfinite(be_rec) else f"{be_rec:,.0f} tokens recurrent only", delta_color="off", delta_arrow="off")
     st.caption(f"Break-even = fixed state ÷ MLA KV per token: {be:,.0f} tokens with the conv state, {be_rec:,.0f} for the "

@@ -7,8 +7,17 @@ from app_pages.charts import num, show_chart, show_table
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
 from app_pages.measurement import run_on_request
-from lab.state_capacity import CONTEXTS, DECAYS, FP16_MAX, GPU_NAMES, VALUE_SCALES, capacity_table, low_decay_probe
-from lab.state_dtype import shipped_run
+from lab.state_capacity import (
+    CONTEXTS,
+    DECAYS,
+    FP16_MAX,
+    GPU_NAMES,
+    VALUE_SCALES,
+    capacity_table,
+    low_decay_probe,
+    slot_parts,
+)
+from lab.state_dtype import divergence_text, shipped_run
 from lab.state_precision import (
     DRAFT_LENS,
     PAGE_CONTINUE,
@@ -22,8 +31,11 @@ from lab.state_precision import (
 st.title("State precision")
 st.write(
     "A KDA layer keeps one fixed state per request; storing it in fewer bytes admits more requests. The recurrence "
-    "still computes in fp32: only the **stored** slot changes (vLLM's `--mamba-ssm-cache-dtype`). After every token "
-    "the trained model's states are stored in each format and read back; what drifts, and what it buys, is below.")
+    "still computes in fp32: only the **stored** slot changes. vLLM offers that choice for Mamba2 and GDN states "
+    "(`--mamba-ssm-cache-dtype`) but pins KDA's recurrent state to fp32 (`MambaStateDtypeCalculator.kda_state_dtype`, "
+    "vllm/model_executor/layers/mamba/mamba_utils.py): this page measures what a 16-bit or 8-bit KDA state would "
+    "lose and buy. After every token the trained model's states are stored in each format and read back; what "
+    "drifts, and what it buys, is below.")
 
 SUMMARY_COLUMNS = {
     "label": "Format", "bytes_per_layer": num("Bytes per slot per layer", "%,d"),
@@ -81,8 +93,12 @@ show_table(cap[["model", "label", "tp", "slot_bytes", "slots_per_gb", "max_reque
            {"model": "Model", "label": "Format", "tp": num("TP", "%d"), "slot_bytes": num("Slot bytes per GPU", "%,.0f"),
             "slots_per_gb": num("Slots per GB", "%,.1f"), "max_requests": num("Max requests", "%,d"),
             "vs_fp32": num("× fp32", "%.2f")})
-st.caption("Slot = every KDA layer's state in the format (row scales and residual included) + its bf16 conv "
-           "state, split over TP by heads. Requests = (0.9 × HBM − weights / TP) ÷ (MLA KV at the context + slot).")
+kimi = slot_parts("kimi-linear-48b-a3b")
+st.caption("Slot = every KDA layer's recurrent state in the format (with its scales) + its **bf16** "
+           "conv window, split over TP by heads (as on page 03). Kimi-Linear fp32 at TP 1: "
+           f"{kimi.recurrent_fp32:,} B recurrent + {kimi.conv_bf16:,} B bf16 conv = "
+           f"{kimi.recurrent_fp32 + kimi.conv_bf16:,} B ({(kimi.recurrent_fp32 + kimi.conv_bf16) / 2 ** 20:,.1f} MiB). "
+           "Requests = (0.9 × HBM − weights / TP) ÷ (MLA KV at the context + slot).")
 
 st.subheader("2 · Drift on the trained model (shipped long run)")
 shipped = bench_run()
@@ -141,14 +157,14 @@ else:
     fig.update_layout(xaxis_title="generated tokens (log)", xaxis_type="log", yaxis_range=[0, 1.05],
                       yaxis_title="prompts whose tokens all equal the fp32 engine's (fraction)", legend=LEGEND_ON_TOP)
     show_chart(fig, engine_run.summary, key="p17_engine_agreement")
-    show_table(engine_run.summary, {
+    show_table(divergence_text(engine_run.summary), {
         "state_dtype": "Stored state", "length": num("Generated tokens", "%d"),
         "agreement": num("Prompts equal to fp32 (fraction)", "%.3f"),
-        "median_first_divergence": num("Median tokens before first divergence", "%.0f"),
-        "min_first_divergence": num("Fewest tokens before a divergence", "%d"),
+        "median_first_divergence": "Median tokens before first divergence (within the row's length)",
+        "min_first_divergence": "Fewest tokens before a divergence (within the row's length)",
         "median_max_logit_diff": num("Median max |Δ logit| (logits)", "%.4f")})
     show_table(engine_run.slots, {
-        "model": "Model (our engine's layout)", "state_dtype": "Stored state", "state_bytes": num("State bytes", "%,d"),
+        "model": "Model (our engine's layout)", "state_dtype": "Stored state", "state_bytes": num("State bytes (recurrent in the stored dtype + fp32 conv)", "%,d"),
         "state_pages": num("State pages", "%d"), "requests": num("Requests at 1,024 tokens", "%,d"),
         "requests_vs_fp32": num("× fp32", "%.2f"), "state_slots": num("State slots", "%,d"),
         "state_slots_vs_fp32": num("Slots × fp32", "%.2f")})
@@ -162,7 +178,10 @@ else:
             "- Same pool for every dtype (`python -m serve.http`'s fp32 sizing; its /metrics reports "
             "`kda:state_slots_capacity`, while `--max-num-seqs` caps the slots in use). Slots grow by the stored bytes: ×2 "
             "for the recurrent state, less overall while the fp32 conv windows stay (22 % of the demo's fp32 state, "
-            "7 % of Kimi-Linear's) and, per request, the fp32 MLA latents of its context.\n"
+            "7 % of Kimi-Linear's) and, per request, the fp32 MLA latents of its context. Kimi-Linear fp32 here: "
+            f"{kimi.recurrent_fp32:,} B recurrent + {kimi.conv_fp32:,} B **fp32** conv = "
+            f"{kimi.recurrent_fp32 + kimi.conv_fp32:,} B; section 1 and page 03 count the conv window in bf16 "
+            f"({kimi.recurrent_fp32 + kimi.conv_bf16:,} B).\n"
             "- vLLM keeps KDA's recurrent state fp32 whatever `--mamba-cache-dtype` says "
             "(`MambaStateDtypeCalculator.kda_state_dtype`, vllm/model_executor/layers/mamba/mamba_utils.py); "
             "`--mamba-ssm-cache-dtype` picks the SSM state dtype for Mamba2 and GDN (vllm/config/cache.py).\n"

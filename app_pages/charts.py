@@ -124,20 +124,26 @@ def show_forward_fit(fit, key: str) -> None:
                       xaxis_range=[0, top * 1.05], yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.3),
                       height=360)
     show_chart(fig, rows, key=key)
-    r2 = f"; R² {fit.r2:.2f}" if len(fit.fit_tokens) > 2 else ""       # a line through two points has R² = 1
-    st.caption(f"**Fixed cost per forward a = {fit.fixed_ms:.1f} ms** (fitted) + b = {fit.per_token_ms:.3f} ms per "
-               f"prefill token (fitted at n = {', '.join(map(str, fit.fit_tokens))}{r2}). Held out, not in "
-               f"the fit: the cold run, {fit.prompt_tokens} tokens, measured {fit.held_out_measured_ms:.1f} ms, fit "
+    sizes = ", ".join(map(str, fit.fit_tokens))
+    how = (f"two-point estimate: the line through the medians at n = {sizes}, so no residual tests it" if fit.two_point
+           else f"fitted at n = {sizes}; R² {fit.r2:.2f}, largest residual {fit.max_residual_ms:.1f} ms")
+    check = (f"held-out error {fit.held_out_error:+.0%} ({fit.held_out_error_ms:+.1f} ms) on the cold run, "
+             f"{fit.prompt_tokens} tokens")
+    st.caption(f"**Fixed cost per forward a = {fit.fixed_ms:.1f} ms** ({'estimated' if fit.two_point else 'fitted'}) "
+               f"+ b = {fit.per_token_ms:.3f} ms per prefill token ({how}). Held out, not in the fit: the cold run, "
+               f"{fit.prompt_tokens} tokens, measured {fit.held_out_measured_ms:.1f} ms, line "
                f"{fit.held_out_predicted_ms:.1f} ms ({fit.held_out_error:+.0%}).")
     st.caption(f"Warm, {fit.warm_prefill_tokens} tokens prefilled: measured {fit.warm_measured_ms:.1f} ms; predicted "
                f"a + b·(L − hit) + copies = {fit.warm_predicted_ms:.1f} ms ({fit.warm_error:+.0%}); without a, "
-               f"cold·(L − hit)/L + copies = {fit.proportional_ms:.1f} ms ({fit.proportional_error:+.0%}). The fixed "
-               f"cost is {fit.fixed_share:.0%} of the measured warm TTFT.")
+               f"cold·(L − hit)/L + copies = {fit.proportional_ms:.1f} ms ({fit.proportional_error:+.0%}). By this "
+               f"{'two-point estimate' if fit.two_point else 'fit'}, the fixed cost is {fit.fixed_share:.0%} of the "
+               f"measured warm TTFT ({check}: trust a no closer than that).")
     with st.expander("How the forward cost is fitted"):
         st.markdown(
             "- **Measured**: cache-off TTFT of the first n tokens of the same prompt at each fitted n, the cold run "
             "(all L tokens) and the warm run, in the same interleaved rounds on fresh engines.\n"
-            "- **Fitted**: a + b·n by least squares over the medians at the fitted n (never L).\n"
+            "- **Fitted**: a + b·n by least squares over the medians at the fitted n (never L); with two sizes "
+            "that is the line through both, an estimate with no residual, checked only on the held-out point.\n"
             "- **Held out**: the cold run is not in the fit; the fit's error there is how far to trust it.\n"
             f"- **Predicted**: warm = a + b·(L − hit) + the warm run's restore and checkpoint copies "
             f"({fit.warm_copies_ms:.2f} ms, measured). Without the fixed cost a, skipping most prefill tokens would "

@@ -12,8 +12,14 @@
   another widget (dependent widgets constrain each other instead of failing).
 - ``keep_page_links(prefix)``: called by ``app.py`` once the page is known; drops the keys of other pages' widgets
   from the URL (the address bar keeps the query string on a page switch).
+- ``drop_unknown_links(prefix, page_path)``: called by ``app.py`` before the page runs; a URL key that looks like
+  this page's (``p08_...``) but names none of its widgets (``?p08_prefix=0``) leaves the URL with a notice.
 """
 from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
 
 import streamlit as st
 
@@ -301,3 +307,41 @@ def persist_clamped(key: str, default: int, lo: int, hi: int) -> str:
     if type(stored) is type(default) and type(shown) is type(default) and stored == shown > hi:
         state[key] = hi                      # the value the widget showed; the other widget lowered the bound: follow
     return persist(key, min(default, hi), min_value=lo, max_value=hi)   # any other value above hi: noticed
+
+
+APP_KEY = re.compile(r"p\d\d_\w+")          # the shape of this app's URL keys: page number, then the widget's name
+_LITERAL_KEY = re.compile(r"[\"'](p\d\d_\w+)[\"']")
+_WORD_LITERAL = re.compile(r"[\"']([a-z][a-z0-9_]*)[\"']")
+_PREFIXED_KEY = re.compile(r"f[\"']\{prefix\}(_\w+)[\"']")   # a helper's key for the page that passes its prefix
+
+
+@functools.lru_cache(maxsize=64)
+def page_link_keys(page_path: str, prefix: str) -> frozenset[str]:
+    """Every URL key page file ``page_path`` (relative to the repository) can draw, read from the source: its key
+    literals starting with ``prefix`` (``"p08_shared"``), ``prefix`` + each word literal where the page builds keys
+    itself (``f"p13_{key}"`` with ``key`` one of its literals), and the keys the shared widget helpers in ``app_pages``
+    build from a page's prefix (``f"{prefix}_gpu"``), with ``prefix`` filled in. A superset of one run's widgets:
+    a widget drawn only for some settings (page 14's cache size for the A10G replica) counts as the page's."""
+    root = Path(__file__).resolve().parents[1]
+    source = (root / page_path).read_text()
+    keys = {k for k in _LITERAL_KEY.findall(source) if k.startswith(prefix)}
+    if f'f"{prefix}{{' in source or f"f'{prefix}{{" in source:   # a page helper's f"p13_{key}": any word literal
+        keys |= {prefix + word for word in _WORD_LITERAL.findall(source)}
+    for helper in Path(__file__).parent.glob("[a-z]*.py"):
+        keys |= {prefix.rstrip("_") + suffix for suffix in _PREFIXED_KEY.findall(helper.read_text())}
+    return frozenset(keys)
+
+
+def drop_unknown_links(prefix: str, page_path: str) -> None:
+    """Before the page at ``page_path`` runs: remove from the URL each key that looks like one of this page's
+    (:data:`APP_KEY`, starting with ``prefix``) but is none of its widgets (:func:`page_link_keys`, or a key this
+    session's widgets drew), with a notice per key, as for a bad value. Other pages' keys and keys of other shapes
+    are left alone (:func:`keep_page_links` handles the first; the second are not this app's)."""
+    known = page_link_keys(page_path, prefix) | st.session_state.get(PERSISTED_KEYS, set())
+    unknown = [k for k in st.query_params if k.startswith(prefix) and APP_KEY.fullmatch(k) and k not in known]
+    if not unknown:
+        return
+    st.query_params.from_dict({k: st.query_params.get_all(k) for k in st.query_params if k not in unknown})
+    for key in unknown:
+        st.toast(f"Unknown link setting {key} ignored: this page has no widget of that name.",
+                 icon=":material/link_off:")

@@ -194,8 +194,11 @@ def load_sweep(policies: Sequence[str], rates_rps: Sequence[float], *args,
     them) once per arrival rate in ``rates_rps`` (requests / s, fleet-wide), the same trace re-timed each time.
 
     Returns one row per (policy, rate): ``rate_rps``, ``ttft_p50_ms`` / ``ttft_p99_ms`` (all classes, ms),
-    ``hit_ratio``, ``throughput_rps`` (completed requests / s) and ``mean_in_flight`` (the fleet's in-flight requests
-    per replica at routing time, mean over requests: the load the replicas really held). Raises ValueError as
+    ``hit_ratio``, ``throughput_rps`` (completed requests ÷ (last finish − first arrival), requests / s: below the
+    offered rate even with no queue, by the drain tail of a finite run), ``drain_s`` (that tail: last finish − last
+    arrival, s), ``mean_in_flight`` (the fleet's in-flight requests per replica at routing time, mean over
+    requests: the load the replicas really held), ``wait_first_ms`` / ``wait_last_ms`` (median queue wait of the
+    first / last quarter of requests by arrival, ms) and ``saturated`` (:func:`queue_growing`). Raises ValueError as
     :func:`fleet_simulation` does, and for no or non-positive rates."""
     if not rates_rps:
         raise ValueError("rates_rps must name at least one arrival rate")
@@ -207,11 +210,29 @@ def load_sweep(policies: Sequence[str], rates_rps: Sequence[float], *args,
         load = run.in_flight.set_index("policy")
         for policy in policies:
             o = overall.loc[policy]
+            done = run.per_request[(run.per_request.policy == policy) & np.isfinite(run.per_request.finish_ms)]
+            done = done.sort_values("arrival_ms")
+            quarter = max(1, len(done) // 4)
+            first, last = (float(done.queue_wait_ms.iloc[s].median()) for s in (slice(None, quarter),
+                                                                                 slice(-quarter, None)))
             rows.append({"policy": policy, "rate_rps": float(rate), "ttft_p50_ms": float(o.ttft_p50_ms),
                          "ttft_p99_ms": float(o.ttft_p99_ms), "hit_ratio": float(o.hit_ratio),
                          "throughput_rps": float(o.throughput_rps),
-                         "mean_in_flight": float(load.loc[policy, "mean_in_flight"])})
+                         "drain_s": float(done.finish_ms.max() - done.arrival_ms.max()) / 1000,
+                         "mean_in_flight": float(load.loc[policy, "mean_in_flight"]),
+                         "wait_first_ms": first, "wait_last_ms": last, "saturated": queue_growing(first, last)})
     return pd.DataFrame(rows)
+
+
+QUEUE_GROWTH_MS = 100.0   # queue_growing: the least rise of the median queue wait (ms) that counts as growth
+
+
+def queue_growing(wait_first_ms: float, wait_last_ms: float) -> bool:
+    """Whether a run is saturated, judged by its queue: the median queue wait of the last quarter of arrivals is
+    over twice the first quarter's and over :data:`QUEUE_GROWTH_MS` above it. Below saturation the wait is
+    stationary (the same early and late); above it, the backlog and so the wait grow for the whole run. (The
+    completed rate is no criterion on a finite run: it falls below the offered one by the drain tail alone.)"""
+    return wait_last_ms > 2 * wait_first_ms and wait_last_ms - wait_first_ms > QUEUE_GROWTH_MS
 
 
 def cache_counters(sim) -> tuple[int, dict[str, tuple[dict, int, float]]]:

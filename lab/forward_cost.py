@@ -89,6 +89,22 @@ class ForwardFit(NamedTuple):
         return self.proportional_ms / self.warm_measured_ms - 1.0
 
     @property
+    def two_point(self) -> bool:
+        """True when the line passes through exactly two measured sizes: an estimate with no residual to test it
+        (its only check is :attr:`held_out_error`), not a fit over more points than parameters."""
+        return len(self.fit_tokens) == 2
+
+    @property
+    def held_out_error_ms(self) -> float:
+        """Predicted − measured at the held-out point (ms): how far the line is off where it was not fitted."""
+        return self.held_out_predicted_ms - self.held_out_measured_ms
+
+    @property
+    def max_residual_ms(self) -> float:
+        """Largest |median − (a + b·n)| over the fitted points (ms); 0 for a two-point line by construction."""
+        return max(abs(m - self.fixed_ms - self.per_token_ms * n) for n, m in zip(self.fit_tokens, self.fit_median_ms))
+
+    @property
     def fixed_share(self) -> float:
         """Share of the measured warm TTFT that is the fitted fixed cost (fraction)."""
         return self.fixed_ms / self.warm_measured_ms

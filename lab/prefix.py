@@ -401,6 +401,20 @@ class PrefixTimings:
     fit: ForwardFit
     phases: tuple = TIMING_PHASES
 
+    def cache_on_extra_ms(self, kind: str = "first") -> dict:
+        """What a cache-on run of ``kind`` ("first": request 1, which fills the cache; "warm") spends beyond the
+        cache-off cold run, phase by phase (median ms of ``kind`` − median ms of "cold", :data:`TIMING_PHASES`
+        keys), plus ``"ttft"`` (the same for the TTFT) and ``"checkpoints"`` (median KDA state checkpoints the run
+        wrote). lookup: hashing the prompt's blocks and matching them; checkpoint: copying the KDA state out to
+        the checkpoint pages and publishing it; prefill: the forward, which in a cache-on run also returns the
+        chunk states at the checkpoint boundaries and writes the latents of the blocks below them."""
+        by = self.phases_ms.set_index("kind")
+        out = {p: float(by.loc[kind, f"{p}_ms"] - by.loc["cold", f"{p}_ms"]) for p in self.phases}
+        med = self.ttft.set_index("kind").median_ms
+        out["ttft"] = float(med[kind] - med["cold"])
+        out["checkpoints"] = float(self.rows[self.rows.kind == kind].checkpoints_written.median())
+        return out
+
 
 def _check(run: ColdWarm) -> PrefixCheck:
     text = "".join(c if c.isprintable() or c == "\n" else "·" for c in bytes_to_text(run.warm_tokens))

@@ -10,6 +10,7 @@ or its readout can pass fp16's 65,504 (vllm#54146 saw a GDN readout overflow the
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import pandas as pd
 import torch
@@ -43,6 +44,29 @@ def slot_bytes(model: str, fmt: str, tp: int) -> float:
     conv = shape.kda_state_bytes_layer - fp32_state                              # 3 H K (W - 1) conv bytes
     state = state_format(fmt).state_bytes(shape.kda_heads, shape.kda_head_dim, shape.kda_head_dim)
     return shape.num_kda_layers * (state + conv) / tp
+
+
+class SlotParts(NamedTuple):
+    """One request's KDA state for a real model at TP 1, all KDA layers, by part (bytes): ``recurrent_fp32``
+    (H K V x 4 B per layer), ``conv_bf16`` and ``conv_fp32`` (the (2 H K + H V)(W - 1) conv window at 2 or 4 B).
+    The figures the pages show are sums of these: page 03 and section 1 here (the real models' layout) are
+    recurrent fp32 + bf16 conv; our engine's layout (section 4) is recurrent + fp32 conv."""
+
+    recurrent_fp32: int
+    conv_bf16: int
+    conv_fp32: int
+
+
+def slot_parts(model: str) -> SlotParts:
+    """:class:`SlotParts` of real model ``model`` (config: :func:`serve.scale.model_shape.preset`). Raises
+    ValueError for an unknown model."""
+    check_choice("model", model, list(REAL_MODELS))
+    shape = preset(model)
+    hk, hv = shape.kda_heads * shape.kda_head_dim, shape.kda_heads * shape.kda_head_dim   # K = V
+    conv_elems = (2 * hk + hv) * (shape.conv_kernel - 1)                          # per layer
+    n = shape.num_kda_layers
+    return SlotParts(recurrent_fp32=n * shape.kda_heads * shape.kda_head_dim ** 2 * 4, conv_bf16=n * conv_elems * 2,
+                     conv_fp32=n * conv_elems * 4)
 
 
 def smallest_tp(model: str, gpu: str) -> int:

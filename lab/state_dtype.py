@@ -116,6 +116,17 @@ def engine_agreement(num_prompts: int = 8, max_new_tokens: int = 64,
     return EngineAgreement(per, pd.DataFrame(summary).drop_duplicates(["state_dtype", "length"]))
 
 
+def divergence_text(summary: pd.DataFrame) -> pd.DataFrame:
+    """``summary`` (:func:`engine_agreement`'s, or a shipped one) with ``median_first_divergence`` and
+    ``min_first_divergence`` as text that applies to each row's generation length n: the number when it lies
+    within the n tokens (``< n``), else ``"none within n"`` (a divergence at token 33 is not one within 16 tokens;
+    a median at the run's cap means at least half the prompts never diverged). A new frame; ``summary`` is left as is."""
+    out = summary.copy()
+    for column in ("median_first_divergence", "min_first_divergence"):
+        out[column] = [f"{v:,.0f}" if v < n else f"none within {n:,}" for v, n in zip(summary[column], summary.length)]
+    return out
+
+
 def slot_table(max_model_len: int = 1024, max_num_seqs: int = 64) -> pd.DataFrame:
     """State slots per pool by stored state dtype, for the demo model and at Kimi-Linear-48B-A3B's shape (our
     engine's layout: fp32 conv windows and latents, 16-token KV-block pages). The pool is the one

@@ -138,3 +138,24 @@ def test_a_long_value_states_its_length_once():
     characters, over the 2,000-character limit")."""
     notices = _notices("app_pages/00_home.py", {"p00_first": "x" * 2_001}, "p00_first")
     assert len(notices) == 1 and notices[0].count("2,001") == 1, notices
+
+
+@pytest.mark.parametrize("path, params, unknown", [
+    pytest.param("app_pages/16_continuous_batching.py", {"p16_max_num_seqs": "64"}, "p16_max_num_seqs", id="p16"),
+    pytest.param("app_pages/08_prefix_hit.py", {"p08_prefix": "0", "p08_new": "1", "p04_draft": "3", "utm": "x"},
+                 "p08_prefix", id="p08"),
+])
+def test_an_unknown_key_of_the_page_is_reported_and_dropped(path, params, unknown):
+    """A key shaped like the page's own (pNN_...) that names none of its widgets stayed in the URL with no notice;
+    now it leaves the URL with a toast, as a bad value does. The page's real keys, another page's keys (kept for
+    that page, keep_page_links) and keys of other shapes stay."""
+    at = AppTest.from_file(APP, default_timeout=180)
+    at.switch_page(path)
+    for k, v in params.items():
+        at.query_params[k] = v
+    _run(at)
+    assert [t.value for t in at.toast if unknown in t.value] == [
+        f"Unknown link setting {unknown} ignored: this page has no widget of that name."]
+    assert unknown not in at.query_params
+    assert {k for k in params if k != unknown} <= set(at.query_params), at.query_params
+    assert len(at.toast) == 1, [t.value for t in at.toast]                  # the page's real keys raise nothing

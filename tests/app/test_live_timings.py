@@ -77,17 +77,22 @@ def test_home_warm_ttft_formula_has_the_fixed_cost():
     at.button(key="p00_measure_button").click().run()
     assert not at.exception, [e.value for e in at.exception]
     fit = _fit_caption(at)
-    assert "(fitted)" in fit and "Held out, not in the fit: the cold run" in fit and "measured" in fit
+    assert "(estimated)" in fit and "two-point estimate" in fit and "Held out, not in the fit: the cold run" in fit
+    assert any("By this two-point estimate, the fixed cost is" in c.value and "held-out error" in c.value
+               for c in at.caption)                           # the conclusion carries its only check beside it
     assert any(c.value.startswith("Warm, ") and "predicted a + b·(L − hit)" in c.value for c in at.caption)
     labels = {m.label: m.value for m in at.metric}
-    assert labels["Fixed cost per forward a (fitted)"].endswith(" ms")
+    assert labels["Fixed cost per forward a (two-point estimate)"].endswith(" ms")   # n = 18, 90: a line, not a fit
     assert labels["TTFT warm (predicted)"].endswith(" ms") and labels["TTFT warm (median, measured)"].endswith(" ms")
 
 
 def test_p08_shows_the_fitted_forward_cost():
     at = open_revealed("app_pages/08_prefix_hit.py")
     fit = _fit_caption(at)
-    assert "Held out, not in the fit: the cold run, 144 tokens" in fit
+    assert "Held out, not in the fit: the cold run, 144 tokens" in fit and "two-point estimate" in fit
+    assert any("By this two-point estimate" in c.value and "held-out error" in c.value for c in at.caption)
+    assert any(c.value.startswith("Request 1 − cold, the same 144 tokens: ") and "looks up" in c.value
+               and "checkpoint(s)" in c.value for c in at.caption)   # what the cache-on run does extra, measured
     assert any(c.value.startswith("Warm, 16 tokens prefilled: measured ") for c in at.caption)
     assert any(c.proto.id.endswith("p08_fit_chart") for c in at.get("plotly_chart"))
     text = " ".join(c.value for c in at.caption)

@@ -83,3 +83,16 @@ def test_home_caps_prompt_bytes(home_page):
     at.run()
     assert not at.exception and not at.error
     assert any("Type both prompts" in i.value for i in at.info)
+
+
+@pytest.mark.parametrize("shared", ["0", "1"])
+def test_prefix_hit_no_block_shared_shows_a_note_not_an_empty_chart(shared):
+    """Page 08 with a shared prefix under one 16-token block: nothing is reused, so section 2 says so in a note and
+    draws no bar chart of zeros (it drew an empty -1..1 KiB axis)."""
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params.update(p08_shared=shared, p08_new="1")
+    at.run()
+    at.switch_page("app_pages/08_prefix_hit.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not [c for c in at.get("plotly_chart") if c.proto.id.endswith("p08_bytes_chart")]
+    assert any("No whole 16-token block shared" in i.value and "nothing reused" in i.value for i in at.info)

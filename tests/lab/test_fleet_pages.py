@@ -261,3 +261,17 @@ def test_the_load_sweep_runs_at_values_the_rate_slider_offers():
     from lab.fleet_simulation import ARRIVAL_RATES, DEFAULT_ARRIVAL_RPS, SWEEP_RATES
 
     assert set(SWEEP_RATES) <= set(ARRIVAL_RATES) and DEFAULT_ARRIVAL_RPS in SWEEP_RATES
+
+
+def test_load_sweep_judges_saturation_by_queue_growth_not_the_completed_rate():
+    """Completed = completed ÷ (last finish − first arrival) sits below offered by the drain tail of a finite run:
+    ring hashing at 40 req/s on 8 real-model replicas completes ~34 req/s with a queue wait under a millisecond
+    throughout (not saturated); at 100 req/s the late arrivals wait far longer than the early ones (saturated)."""
+    from lab.fleet_simulation import load_sweep, queue_growing
+    n = 600
+    sweep = load_sweep(["ring"], (40, 100), n, 8, 2, "8000", "vtc", 10, "none", 8, "roofline").set_index("rate_rps")
+    calm, hot = sweep.loc[40.0], sweep.loc[100.0]
+    assert calm.throughput_rps < 0.9 * 40 and not calm.saturated and calm.wait_last_ms < 10
+    assert calm.throughput_rps == pytest.approx(n / ((n - 1) / 40 + calm.drain_s), rel=1e-3)   # the drain tail
+    assert hot.saturated and hot.wait_last_ms > 2 * hot.wait_first_ms
+    assert not queue_growing(0.0, 99.0) and queue_growing(0.0, 101.0) and not queue_growing(100.0, 199.0)

@@ -82,3 +82,15 @@ def test_engine_runs_give_the_fit_points_interleaved():
     assert fit.warm_predicted_ms == pytest.approx(fit.fixed_ms + fit.per_token_ms * fit.warm_prefill_tokens
                                                   + fit.warm_copies_ms)
     assert fit.fixed_ms > 0                          # a forward has a fixed cost on this engine
+
+
+def test_two_point_line_is_labelled_an_estimate_and_a_fit_has_residuals():
+    """Two sizes give a line through both (no residual, R² = 1 by construction): ``two_point`` says so and the held-out
+    error in ms is its only check; three noisy sizes give a least-squares fit with a non-zero residual."""
+    cold, warm = _t("cold", *[_line(256)] * 5), _t("warm", *[_line(64)] * 5)
+    two = forward_fit([(n, _t("p", _line(n))) for n in (32, 160)], cold, warm, 256, 192, 0.0)
+    assert two.two_point and two.max_residual_ms == pytest.approx(0, abs=1e-9)
+    assert two.held_out_error_ms == pytest.approx(two.held_out_predicted_ms - two.held_out_measured_ms)
+    three = forward_fit([(n, _t("p", _line(n) + d)) for n, d in ((32, 1.0), (96, -1.0), (160, 1.0))], cold, warm,
+                        256, 192, 0.0)
+    assert not three.two_point and three.max_residual_ms > 0.5

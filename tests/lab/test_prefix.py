@@ -151,3 +151,20 @@ def test_timed_warm_hit_equals_the_verified_hit(extends):
     assert hits == {verified.rows[2]["hit_tokens"]} and min(hits) > 0
     if extends:
         assert min(hits) > len(a)                   # the hit reaches into the first request's answer
+
+
+def test_cache_on_extra_names_what_request_1_does_beyond_the_cold_run():
+    """Request 1 (cache on) and the cold run (cache off) prefill the same prompt; request 1 also hashes its blocks
+    and copies KDA checkpoints: the extra per phase is its median minus the cold run's, and the checkpoints it
+    wrote are counted (the cold run writes none)."""
+    from lab.prefix import _timings
+    a, b = shared_prefix_prompts(64, 10, seed=3)
+    timed = _timings(time_cold_warm(a, b, max_new_tokens=2, config=ServeConfig(16, 32), repeats=5, preset="demo-tiny"))
+    extra = timed.cache_on_extra_ms("first")
+    rows = timed.rows
+    med = {k: rows[rows.kind == k].median(numeric_only=True) for k in ("first", "cold")}
+    assert extra["checkpoints"] == med["first"].checkpoints_written >= 2 and med["cold"].checkpoints_written == 0
+    for phase in ("lookup", "checkpoint", "prefill"):
+        assert extra[phase] == pytest.approx(med["first"][f"{phase}_ms"] - med["cold"][f"{phase}_ms"])
+    assert extra["checkpoint"] > 0                                   # the copies the cache-off run never makes
+    assert extra["ttft"] == pytest.approx(timed.ttft.set_index("kind").median_ms.diff().loc["first"])

@@ -1,7 +1,8 @@
 """lab.state_capacity: requests per GPU per state format at the real models' bytes, and the low-decay probe."""
 import pytest
 
-from lab.state_capacity import capacity_table, low_decay_probe, slot_bytes
+from lab.state_capacity import capacity_table, low_decay_probe, slot_bytes, slot_parts
+from lab.state_dtype import slot_table
 from serve.scale.model_shape import preset
 
 
@@ -31,3 +32,15 @@ def test_bad_input():
         capacity_table(4096, "TPU")
     with pytest.raises(ValueError, match="decay"):
         low_decay_probe(8, decay=1.5)
+
+
+def test_slot_parts_add_up_to_the_figures_the_pages_show():
+    """Kimi-Linear's fp32 state on pages 03 / 17: recurrent + bf16 conv is capacity_table's slot (43,417,600 B) and
+    recurrent + fp32 conv is our engine layout's (slot_table, 44,892,160 B), so the labelled parts agree."""
+    parts = slot_parts("kimi-linear-48b-a3b")
+    assert parts.recurrent_fp32 + parts.conv_bf16 == slot_bytes("kimi-linear-48b-a3b", "fp32", 1) == 43_417_600
+    engine = slot_table(max_model_len=256, max_num_seqs=4)
+    fp32 = engine[(engine.model == "kimi-linear-48b-a3b") & (engine.state_dtype == "fp32")].state_bytes.item()
+    assert parts.recurrent_fp32 + parts.conv_fp32 == fp32 == 44_892_160
+    with pytest.raises(ValueError, match="model"):
+        slot_parts("kimi-linear")

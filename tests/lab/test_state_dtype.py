@@ -1,10 +1,11 @@
 """``lab.state_dtype``: the engine's 16-bit stored states on the trained model (page 17 "In the engine")."""
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 
-from lab.state_dtype import engine_agreement, heldout_prompts, serve_greedy, shipped_run, slot_table
+from lab.state_dtype import divergence_text, engine_agreement, heldout_prompts, serve_greedy, shipped_run, slot_table
 from serve.config import ServeConfig
 from serve.runnable import demo_model
 
@@ -54,3 +55,15 @@ def test_shipped_run_loads_when_present(tmp_path):
     run = shipped_run()
     if run is not None:
         assert {"bf16", "fp16"} <= set(run.summary.state_dtype) and run.meta["conditions"]["torch_threads"] == 1
+
+
+def test_divergence_text_applies_to_each_rows_length():
+    """A first divergence at token 33 is not one within 1 or 16 generated tokens, and a median at the run's cap
+    (256: no divergence in most prompts) is not a token count: both read "none within n" there."""
+    summary = pd.DataFrame(dict(state_dtype="bf16", length=[1, 16, 64, 256], agreement=[1.0, 1.0, 0.98, 0.94],
+                                median_first_divergence=[256.0] * 4, min_first_divergence=[33] * 4))
+    text = divergence_text(summary)
+    assert list(text.min_first_divergence) == ["none within 1", "none within 16", "33", "33"]
+    assert list(text.median_first_divergence) == ["none within 1", "none within 16", "none within 64",
+                                                  "none within 256"]
+    assert summary.min_first_divergence.tolist() == [33] * 4               # the input is left as it was
