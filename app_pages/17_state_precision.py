@@ -7,6 +7,7 @@ from app_pages.charts import num, show_chart, show_table
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
 from app_pages.measurement import run_on_request
+from lab.shipped import missing_note
 from lab.state_capacity import (
     CONTEXTS,
     DECAYS,
@@ -103,7 +104,7 @@ st.caption("Slot = every KDA layer's recurrent state in the format (with its sca
 st.subheader("2 · Drift on the trained model (shipped long run)")
 shipped = bench_run()
 if shipped is None:
-    st.info("No shipped run: `python -m bench.state_precision` writes bench/results/state_precision.json.")
+    st.info(missing_note("state_precision"))
 else:
     m = shipped.meta
     st.write(f"`python -m bench.state_precision`: the whole held-out **{m['document']}** ({m['num_tokens']:,} "
@@ -143,7 +144,7 @@ st.caption(f"β = 1, random unit keys, H = 4, K = V = 32: max |S| ends at {probe
 st.subheader("4 · In the engine: bf16 / fp16 stored states")
 engine_run = shipped_run()
 if engine_run is None:
-    st.info("No shipped run: `python -m bench.state_dtype` writes bench/results/state_dtype.json.")
+    st.info(missing_note("state_dtype"))
 else:
     m = engine_run.meta
     st.write(f"`python -m bench.state_dtype`: the serving engine itself (`ServeEngine(state_dtype=...)`, "

@@ -54,6 +54,9 @@ class ChunkPrep(NamedTuple):
     ``[B, H, NT, K, 1]`` = ``exp(G_C)``, the whole-chunk decay; num_tokens: T before padding;
     out_dtype: v's dtype; scale: the query scale, applied to the outputs.
     Tensors are fp32 (fp64 for fp64 input), views in this order of chunk-major (``[NT, B, H, ...]``) tensors.
+    The six tensors are :class:`kda_core.wy.WY`'s per-unit ``[NT*B*H, ...]`` results in the chunk API's shapes
+    (kd transposed, decay_last with a trailing 1): the API KCP and the block summaries consume, kept apart from
+    the unit layout the kernel computes in.
     """
 
     qg: torch.Tensor

@@ -38,6 +38,7 @@ fleet budgets           lab/budgets.py           budget_page               13   
 fleet simulation        lab/fleet_simulation.py  fleet_simulation          14          tests/lab/test_fleet_pages.py
 fleet building blocks   lab/fleet.py             page_trace, routing_load  11-14       tests/lab/test_fleet.py
 one torch thread        lab/threads.py           one_thread                (all)       (used by every measured run)
+shipped bench results   lab/shipped.py           read_shipped              01-04, 17   tests/lab/test_shipped.py
 ======================  =======================  ========================  ==========  ==================================
 
 A page whose view includes a live timing makes that timing a second cached call (03-style "Re-measure" clears

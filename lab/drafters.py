@@ -24,7 +24,6 @@ prompt + output: a model stuck in a loop drives it to 1 and inflates prompt-look
 from __future__ import annotations
 
 import functools
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,6 +33,7 @@ import pandas as pd
 import torch
 
 from kda_core.model import HybridLM
+from lab.shipped import read_shipped, result_path
 from lab.threads import one_thread
 from serve.errors import check_choice, check_int
 from serve.runnable import demo_model
@@ -47,7 +47,7 @@ WEIGHTS = Path(__file__).resolve().parents[1] / "weights"
 TARGET_DIR, DRAFT_DIR = WEIGHTS / "kda-demo", WEIGHTS / "kda-draft"
 REPEAT_NGRAM = 8            # bytes per n-gram of the repetition rate
 STEP_COLUMNS = ["drafter", "kind", "prompt", "step", "budget", "num_drafted", "num_accepted", "num_emitted"]
-BENCH_RESULT = Path(__file__).resolve().parents[1] / "bench" / "results" / "drafters.json"
+BENCH_RESULT = result_path("drafters")
 
 
 class RunSize(NamedTuple):
@@ -74,10 +74,9 @@ class BenchDrafters(NamedTuple):
 
 def bench_drafters(path: Path = BENCH_RESULT) -> BenchDrafters | None:
     """The shipped bench result at ``path`` (``bench/results/drafters.json``), or None when there is none."""
-    path = Path(path)
-    if not path.is_file():
+    d = read_shipped(path)
+    if d is None:
         return None
-    d = json.loads(path.read_text())
     return BenchDrafters(pd.DataFrame(d["summary"]), pd.DataFrame(d["positions"]), d["conditions"])
 
 

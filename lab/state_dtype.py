@@ -11,7 +11,6 @@ Slots: every state dtype on the same pool, sized as ``python -m serve.http`` siz
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import NamedTuple
 
@@ -19,6 +18,7 @@ import pandas as pd
 import torch
 
 from kda_core.config import PRESETS
+from lab.shipped import read_shipped, result_path
 from lab.threads import one_thread
 from serve.config import STATE_DTYPES, ServeConfig
 from serve.engine import ServeEngine
@@ -28,7 +28,7 @@ from serve.memory.pool import PagePool
 from serve.request import RequestStatus
 from serve.runnable import demo_model
 
-BENCH_RESULT = Path(__file__).resolve().parents[1] / "bench" / "results" / "state_dtype.json"
+BENCH_RESULT = result_path("state_dtype")
 LENGTHS = (1, 16, 64, 256)        # generated tokens at which agreement with fp32 is reported
 SLOT_MODELS = ("demo", "kimi-linear-48b-a3b")
 
@@ -167,10 +167,9 @@ class ShippedRun(NamedTuple):
 
 def shipped_run(path: Path = BENCH_RESULT) -> ShippedRun | None:
     """The shipped ``python -m bench.state_dtype`` result at ``path``, or None when there is none."""
-    path = Path(path)
-    if not path.is_file():
+    d = read_shipped(path)
+    if d is None:
         return None
-    d = json.loads(path.read_text())
     meta = {k: v for k, v in d.items() if k not in ("summary", "per_prompt", "slots")}
     timing = pd.DataFrame(d["timing"]["rows"]).set_index("state_dtype")
     return ShippedRun(pd.DataFrame(d["summary"]), pd.DataFrame(d["per_prompt"]), pd.DataFrame(d["slots"]), timing, meta)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import math
 from pathlib import Path
 from typing import NamedTuple
@@ -36,6 +35,7 @@ import torch
 
 from kda_core.layer import KDACache
 from kda_core.model import HybridCache, HybridLM
+from lab.shipped import read_shipped, result_path
 from lab.state_capacity import FP16_MAX, REAL_MODELS, REFERENCE
 from lab.threads import one_thread
 from serve.errors import check_choice, check_int
@@ -78,7 +78,7 @@ PAGE_TOKENS = (32, 64, 128, 256, 512, 1024, 2048)       # the page's live run (t
 PAGE_CONTINUE = (16, 32, 64, 128)
 
 
-BENCH_RESULT = Path(__file__).resolve().parents[1] / "bench" / "results" / "state_precision.json"
+BENCH_RESULT = result_path("state_precision")
 
 
 class BenchRun(NamedTuple):
@@ -95,10 +95,9 @@ class BenchRun(NamedTuple):
 
 def bench_run(path: Path = BENCH_RESULT) -> BenchRun | None:
     """The shipped bench result at ``path``, or None when there is none."""
-    path = Path(path)
-    if not path.is_file():
+    d = read_shipped(path)
+    if d is None:
         return None
-    d = json.loads(path.read_text())
     meta = {k: d[k] for k in ("document", "num_tokens", "continue_tokens", "draft_len", "fp32_bitwise", "conditions")}
     shipped = hashlib.sha256((MODEL_PATH / "model.safetensors").read_bytes()).hexdigest()
     meta["weights_match"] = d.get("weights_sha256") == shipped        # measured on the weights shipped now
