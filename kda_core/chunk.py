@@ -14,8 +14,9 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kda_core import cpu_kernel
 from kda_core.kda import NonFiniteError, _check_inputs, _compute_dtype, check_gates, check_scale
-from kda_core.wy import wy_units
+from kda_core.wy import MAX_CHUNK_DECAY, wy_safe, wy_units
 
 CHUNK_SIZE = 64  # C of the chunked kernel (fla's chunk_kda uses BT = 64); the prefill grid of the layers
 PIECE_BYTES = 512 * 1024   # a piece's [B, H, piece, K] temporaries stay below this (see piece_tokens_for)
@@ -122,17 +123,34 @@ def _validate(q, k, v, g, beta, initial_state, scale, chunk_size) -> bool:
     return check_gates(g, beta)                      # g in [-inf, 0], beta in [0, 1], no NaN
 
 
+def _fused(dt: torch.dtype, device: torch.device, tensors=()) -> bool:
+    """Whether this call runs the fused C form (:mod:`kda_core.cpu_kernel`): fp32 compute on the CPU, no
+    autograd recording through ``tensors``, and the kernel available here."""
+    if dt != torch.float32 or device.type != "cpu":
+        return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
+        return False
+    return cpu_kernel.available()
+
+
+def _kernel_inputs(q, k, v, g, beta) -> list:
+    """The inputs as the fused kernel reads them: fp32, q, k, v, g with a contiguous last dim (views when they are)."""
+    xs = [x.to(torch.float32) for x in (q, k, v, g)]
+    return [x if x.stride(-1) == 1 else x.contiguous() for x in xs] + [beta.to(torch.float32)]
+
+
 def _prepare(q, k, v, g, beta, scale, chunk_size, may_forget: bool) -> ChunkPrep:
     """:func:`kda_chunk_prepare` on validated inputs. ``may_forget``: g may hold -inf (a unit without it
     gets the same result either way, so a whole call's flag serves each of its pieces).
 
     The units (chunk, batch row, head) are laid out chunk-major, ``[NT, B, H, ...]``: chunk j of every
     row and head is one contiguous block for the sequential scan; the fields are views in the
-    documented ``[B, H, NT, ...]`` order.
+    documented ``[B, H, NT, ...]`` order. The fused C form computes every unit within the chunk-level
+    bound; the others (and every unit under autograd or in fp64) go through :func:`kda_core.wy.wy_units`.
     """
     dt = _compute_dtype(v)
     B, T, H, K = q.shape
-    C = chunk_size
+    V, C = v.shape[-1], chunk_size
     if scale is None:
         scale = K ** -0.5
     NT = max(1, -(-T // C))
@@ -144,13 +162,34 @@ def _prepare(q, k, v, g, beta, scale, chunk_size, may_forget: bool) -> ChunkPrep
             x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad))
         return x.view(B, NT, C, H, -1).permute(1, 0, 3, 2, 4)
 
-    wy = wy_units(units(g), units(k), units(q), units(v), units(beta.unsqueeze(-1)), may_forget)
+    if _fused(dt, q.device, (q, k, v, g, beta)):
+        n = NT * B * H
+        xs = _kernel_inputs(q, k, v, g, beta)
+        wy = tuple(torch.empty(n, *shape, dtype=dt) for shape in ((C, K), (C, C), (C, K), (C, V), (C, K), (K,)))
+        slow = cpu_kernel.prepare(*xs, C, MAX_CHUNK_DECAY, wy)
+        if bool(slow.any()):                         # beyond the chunk-level bound, or g = -inf: the safe form
+            idx = slow.nonzero().squeeze(1)
+            flat = [units(x).reshape(n, C, -1)[idx] for x in (g, k, q, v, beta.unsqueeze(-1))]
+            for buf, part in zip(wy, wy_safe(*flat, may_forget)):
+                buf.index_copy_(0, idx, part)
+    else:
+        wy = wy_units(units(g), units(k), units(q), units(v), units(beta.unsqueeze(-1)), may_forget)
+    qg, Aqk, w, u, kd, decay_last = wy
 
     def fields(x):  # [NT*B*H, a, b] -> [B, H, NT, a, b] (a view)
         return x.view(NT, B, H, *x.shape[1:]).permute(1, 2, 0, 3, 4)
 
-    return ChunkPrep(fields(wy.qg), fields(wy.Aqk), fields(wy.w), fields(wy.u), fields(wy.kd).transpose(-1, -2),
-                     fields(wy.decay_last.unsqueeze(-1)), T, v.dtype, float(scale))
+    return ChunkPrep(fields(qg), fields(Aqk), fields(w), fields(u), fields(kd).transpose(-1, -2),
+                     fields(decay_last.unsqueeze(-1)), T, v.dtype, float(scale))
+
+
+def _unit_tensors(prep: ChunkPrep) -> tuple:
+    """The six WY fields of ``prep`` as the fused kernel's chunk-major unit tensors (qg, Aqk, w, u ``[NT, B,
+    H, C, *]``, kd ``[NT, B, H, C, K]``, decay_last ``[NT, B, H, K]``), contiguous: views for a prep of
+    :func:`_prepare`, copies otherwise."""
+    five = (prep.qg, prep.Aqk, prep.w, prep.u, prep.kd.transpose(-1, -2))
+    return (*(t.permute(2, 0, 1, 3, 4).contiguous() for t in five),
+            prep.decay_last.squeeze(-1).permute(2, 0, 1, 3).contiguous())
 
 
 def _chunk_major(x: torch.Tensor) -> torch.Tensor:
@@ -209,7 +248,11 @@ def kda_chunk_states(prep: ChunkPrep, initial_state: torch.Tensor | None = None)
     else:
         h = S.new_empty(NT + 1, B * H, K, V)
         h[0] = S
-        v_new = _scan_into(prep, h)
+        if _fused(S.dtype, S.device):
+            v_new = S.new_empty(NT, B * H, C, V)
+            cpu_kernel.scan_outputs(NT, B, H, K, V, C, 0, prep.scale, _unit_tensors(prep), h, v_new, None, True)
+        else:
+            v_new = _scan_into(prep, h)
         final, h = h[NT].clone(), h[:NT]
     return ChunkStates(h.view(NT, B, H, K, V).transpose(0, 1), v_new.view(NT, B, H, C, V).permute(1, 2, 0, 3, 4),
                        final.view(B, H, K, V))
@@ -234,7 +277,14 @@ def _token_major(o: torch.Tensor, B: int, H: int, num_tokens: int) -> torch.Tens
 def kda_chunk_outputs(prep: ChunkPrep, states: ChunkStates) -> torch.Tensor:
     """Outputs of :func:`kda_chunk` from the scanned states: ``o = scale ((q exp(G)) h + Aqk v_new)``,
     all chunks at once. Returns o ``[B, T, H, V]`` in v's dtype."""
-    B, H = prep.qg.shape[:2]
+    B, H, NT, C, K = prep.qg.shape
+    tensors = (prep.qg, prep.Aqk, states.h, states.v_new)
+    if _fused(prep.qg.dtype, prep.qg.device, tensors) and all(t.dtype == prep.qg.dtype for t in tensors):
+        V = states.v_new.shape[-1]
+        o = prep.qg.new_empty(B, prep.num_tokens, H, V)
+        cpu_kernel.scan_outputs(NT, B, H, K, V, C, prep.num_tokens, prep.scale, _unit_tensors(prep),
+                                states.h.transpose(0, 1).contiguous(), _chunk_major(states.v_new).contiguous(), o, False)
+        return o.to(prep.out_dtype)
     o = _output_units(prep, states.h.transpose(0, 1), _chunk_major(states.v_new))
     return _token_major(o, B, H, prep.num_tokens).to(prep.out_dtype).contiguous()
 
@@ -302,16 +352,26 @@ def kda_chunk(
     V, C = v.shape[-1], chunk_size
     dt = _compute_dtype(v)
     NT = max(1, -(-T // C))
-    o = torch.empty(B, T, H, V, dtype=v.dtype, device=v.device)             # [B, T, H, V]
+    fused = _fused(dt, v.device)
+    o = torch.empty(B, T, H, V, dtype=dt if fused else v.dtype, device=v.device)   # [B, T, H, V]
     h = torch.empty(NT + 1, B, H, K, V, dtype=dt, device=v.device)          # chunk-major; h[NT] = final state
     h[0] = _initial_state(initial_state, B, H, K, V, dt, v.device).view(B, H, K, V)
-    for s in range(0, max(T, 1), piece_tokens):
+    start = 0
+    if fused:                                       # one C pass; chunks from the first unit beyond the bound on below
+        xs = _kernel_inputs(q, k, v, g, beta)
+        start = C * cpu_kernel.forward(*xs, C, MAX_CHUNK_DECAY, K ** -0.5 if scale is None else scale, h, o)
+    for s in range(start, max(T, 1), piece_tokens):
         part = slice(s, s + piece_tokens)
         prep = _prepare(q[:, part], k[:, part], v[:, part], g[:, part], beta[:, part], scale, chunk_size, may_forget)
         j, nt = s // C, prep.w.shape[2]
+        if fused:                                   # scan and outputs in one C pass, o written in place
+            v_new = h.new_empty(nt, B * H, C, V)
+            cpu_kernel.scan_outputs(nt, B, H, K, V, C, prep.num_tokens, prep.scale, _unit_tensors(prep),
+                                    h[j: j + nt + 1], v_new, o[:, part], True)
+            continue
         v_new = _scan_into(prep, h[j: j + nt + 1].view(nt + 1, B * H, K, V))
         o[:, part] = _token_major(_output_units(prep, h[j: j + nt], v_new), B, H, prep.num_tokens)
-    return ChunkOutput(o, h[NT].clone(), h[:NT].transpose(0, 1))
+    return ChunkOutput(o.to(v.dtype), h[NT].clone(), h[:NT].transpose(0, 1))
 
 
 def _kda_chunk_autograd(q, k, v, g, beta, initial_state, scale, chunk_size, piece_tokens, may_forget) -> ChunkOutput:

@@ -1,6 +1,7 @@
 """kda_core.intra_chunk: the sub-chunk form of the in-chunk products equals the always-safe halving form,
-chunks past its decay bound (or with g = -inf) take the safe form chunk by chunk, and kda_chunk without
-autograd (the fused scan) is bitwise the autograd run."""
+chunks past its decay bound (or with g = -inf) take the safe form chunk by chunk, and kda_chunk's torch
+form without autograd (the in-place scan) is bitwise the autograd run (the fused C form agrees to rounding:
+tests/kda_core/test_cpu_kernel.py)."""
 import math
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import kda_core.intra_chunk as intra
+from kda_core import cpu_kernel
 from kda_core.chunk import kda_chunk, piece_tokens_for
 from kda_core.intra_chunk import (
     MAX_SUB_CHUNK_DECAY,
@@ -90,15 +92,16 @@ def test_kda_chunk_near_the_bound_matches_recurrent(rate):
 
 @pytest.mark.parametrize("T,piece", [(150, None), (150, 64), (64, None)])
 def test_no_grad_run_is_bitwise_the_autograd_run(T, piece):
-    """kda_chunk without autograd scans and writes outputs in one pass; with autograd it stacks per chunk.
-    Same per-matrix ops: o, final_state and h are bitwise equal."""
+    """kda_chunk's torch form without autograd scans and writes outputs in one pass; with autograd it stacks
+    per chunk. Same per-matrix ops: o, final_state and h are bitwise equal. (Without autograd the fused C
+    form runs where it is available: it agrees with this to fp32 rounding, tested in test_cpu_kernel.py.)"""
     gen = torch.Generator().manual_seed(4)
     B, H, V = 2, 2, 6
     q, k = (F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1) for _ in range(2))
     v, beta = torch.randn(B, T, H, V, generator=gen), torch.rand(B, T, H, generator=gen)
     g = -torch.rand(B, T, H, K, generator=gen) * torch.tensor([0.1, 9.0]).view(1, 1, H, 1)  # head 1: safe form
     s0 = torch.randn(B, H, K, V, generator=gen)
-    with torch.no_grad():
+    with torch.no_grad(), cpu_kernel.disabled():
         plain = kda_chunk(q, k, v, g, beta, s0, piece_tokens=piece)
     tracked = kda_chunk(q.requires_grad_(True), k, v, g, beta, s0, piece_tokens=piece)
     assert tracked.o.grad_fn is not None and plain.o.grad_fn is None
