@@ -19,6 +19,7 @@ from kda_core.kda import NonFiniteError, _check_inputs, _compute_dtype, check_ga
 from kda_core.wy import MAX_CHUNK_DECAY, wy_safe, wy_units
 
 CHUNK_SIZE = 64  # C of the chunked kernel (fla's chunk_kda uses BT = 64); the prefill grid of the layers
+cpu_kernel.prebuild()      # compile the fused form in the background (once per machine; cached)
 PIECE_BYTES = 512 * 1024   # a piece's [B, H, piece, K] temporaries stay below this (see piece_tokens_for)
 MIN_PIECE_CHUNKS = 4       # ... but a piece holds at least this many chunks (per-piece Python overhead)
 

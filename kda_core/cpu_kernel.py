@@ -47,7 +47,8 @@ _I = ctypes.c_int
 _F = ctypes.c_float
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
+    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -92,7 +93,7 @@ def _load():
         raise RuntimeError("turned off by KDA_CPU_KERNEL=0")
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise RuntimeError(f"needs x86-64 (this is {platform.machine()})")
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if not {"avx2", "fma"} <= flags:
         raise RuntimeError("needs a CPU with AVX2 and FMA")
     lib = ctypes.CDLL(str(_build()))
@@ -139,6 +140,23 @@ def library():
                 except Exception as exc:          # any failure: the torch form runs, and reason() says why
                     _state["lib"], _state["reason"] = None, str(exc) or type(exc).__name__
     return _state["lib"] if not getattr(_off, "depth", 0) else None
+
+
+def prebuild() -> threading.Thread | None:
+    """Start compiling the library in a background thread (a subprocess; ~3 s once per machine) so the
+    first :func:`kda_core.chunk.kda_chunk` call does not wait for it; None when there is nothing to do."""
+    if _state["tried"] or os.environ.get("KDA_CPU_KERNEL", "1") == "0":
+        return None
+
+    def run():
+        try:
+            _build()
+        except Exception:                        # library() tries again and records the reason
+            pass
+
+    t = threading.Thread(target=run, name="kda-kernel-build", daemon=True)
+    t.start()
+    return t
 
 
 def available() -> bool:

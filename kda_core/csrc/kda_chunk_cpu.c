@@ -158,7 +158,8 @@ static int unit_prepare(const Inputs *in, int b, int j, int h, int T, int C, int
             const float *gi = row(in, 3, b, t0 + i, h);
             if (i == 0) memcpy(Gi, gi, K * sizeof(float));
             else for (int d = 0; d < K; d++) Gi[d] = Gi[d - K] + gi[d];
-        } else memcpy(Gi, Gi - K, K * sizeof(float));
+        } else if (i == 0) memset(Gi, 0, K * sizeof(float));       /* T = 0: an all-padding unit */
+        else memcpy(Gi, Gi - K, K * sizeof(float));
     }
     const float *Glast = G + (C - 1) * K;
     for (int d = 0; d < K; d++)
@@ -221,15 +222,20 @@ static int unit_prepare(const Inputs *in, int b, int j, int h, int T, int C, int
         int width = (i + 8) & ~7;                      /* columns [0, i] rounded up to 8 (zeros beyond) */
         if (width > C) width = C;
         if (C % 8 == 0) {
-            __m256 acc[8];
             int nb = width / 8;
-            for (int x = 0; x < nb; x++) acc[x] = _mm256_setzero_ps();
-            for (int jj = 0; jj < i; jj++) {
-                __m256 coef = _mm256_set1_ps(bi * Akk[i * C + jj]);
-                const float *Tj = Tinv + jj * C;
-                for (int x = 0; x < nb; x++) acc[x] = _mm256_fmadd_ps(coef, _mm256_loadu_ps(Tj + 8 * x), acc[x]);
+            for (int x0 = 0; x0 < nb; x0 += 8) {       /* 8 column vectors at a time */
+                int nx = nb - x0 < 8 ? nb - x0 : 8;
+                __m256 acc[8];
+                for (int x = 0; x < nx; x++) acc[x] = _mm256_setzero_ps();
+                for (int jj = 0; jj < i; jj++) {
+                    __m256 coef = _mm256_set1_ps(bi * Akk[i * C + jj]);
+                    const float *Tj = Tinv + jj * C + 8 * x0;
+                    for (int x = 0; x < nx; x++) acc[x] = _mm256_fmadd_ps(coef, _mm256_loadu_ps(Tj + 8 * x), acc[x]);
+                }
+                for (int x = 0; x < nx; x++)
+                    _mm256_storeu_ps(Ti + 8 * (x0 + x), _mm256_sub_ps(_mm256_setzero_ps(), acc[x]));
             }
-            for (int x = 0; x < nb; x++) _mm256_storeu_ps(Ti + 8 * x, _mm256_sub_ps(_mm256_setzero_ps(), acc[x]));
+            for (int x = i + 1; x < width; x++) Ti[x] = 0.0f;   /* exact zeros above the diagonal, not -0 */
         } else {
             for (int jj = 0; jj < i; jj++) {
                 float coef = bi * Akk[i * C + jj];

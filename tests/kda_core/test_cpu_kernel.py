@@ -1,0 +1,185 @@
+"""kda_core.cpu_kernel, the fused C form of kda_chunk: equal to the torch form and to the recurrent reference
+to fp32 rounding over every code path (partial chunks, K / V not multiples of 16, units beyond the
+chunk-level bound or with g = -inf taken from their chunk on by the safe form, initial state, strided
+inputs, 16-bit values, other chunk sizes); bitwise self-consistent (chunk grid, split API == kda_chunk,
+piece sizes, threads); used where it should be and not where it must not (autograd, fp64); a failed build
+leaves the torch form running with the reason recorded.
+
+Tolerance FUSED_TOL: the two forms run the same algorithm in fp32 with different summation orders
+(register-tiled matmuls vs MKL, a sequential cumsum vs a matmul, a Cephes exp vs Sleef's), so they differ by a
+few ulps of the largest intermediate; 2e-5 absolute on unit-norm keys and queries, 1e-4 relative.
+"""
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kda_core import cpu_kernel
+from kda_core.chunk import kda_chunk, kda_chunk_outputs, kda_chunk_prepare, kda_chunk_states
+from kda_core.kda import kda_recurrent
+
+FUSED_TOL = dict(rtol=1e-4, atol=2e-5)
+# Skipped only where the kernel cannot run (not x86-64 with AVX2 and FMA); a build or self-check failure on a
+# machine that can run it fails test_kernel_is_built_on_this_machine (and the rest) instead.
+CAN_RUN = platform.machine() == "x86_64" and {"avx2", "fma"} <= cpu_kernel.cpu_flags()
+pytestmark = pytest.mark.skipif(not CAN_RUN, reason="the fused kernel needs x86-64 with AVX2 and FMA")
+
+
+def _inputs(B, T, H, K, V, seed=0, rate=0.3, slow=(), forget=()):
+    """Unit-norm q, k; mild gates (``rate`` nats per token at most); ``slow``: (b, t0, t1, h) token ranges
+    decaying 8 nats a token (their chunks exceed the chunk-level bound); ``forget``: (b, t, h) set to -inf."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = -torch.rand(B, T, H, K, generator=gen) * rate
+    for b, t0, t1, h in slow:
+        g[b, t0:t1, h] = -8.0
+    for b, t, h in forget:
+        g[b, t, h] = float("-inf")
+    beta = torch.rand(B, T, H, generator=gen)
+    return q, k, v, g, beta
+
+
+def _both(*args, **kw):
+    with torch.no_grad():
+        fused = kda_chunk(*args, **kw)
+        with cpu_kernel.disabled():
+            ref = kda_chunk(*args, **kw)
+    return fused, ref
+
+
+CASES = [  # B, T, H, K, V, chunk_size, slow, forget
+    (1, 256, 4, 128, 128, 64, (), ()),
+    (2, 150, 2, 24, 20, 64, (), ()),                       # partial last chunk, K and V not multiples of 16
+    (1, 200, 3, 8, 6, 64, ((0, 130, 140, 1),), ()),        # a unit past the bound in chunk 2 of 4
+    (2, 96, 2, 32, 32, 16, ((1, 0, 5, 0),), ((0, 40, 1),)),  # slow unit in the first chunk; full forgetting
+    (1, 1, 1, 16, 16, 64, (), ()),                         # one token
+    (1, 130, 2, 40, 17, 32, (), ((0, 129, 0),)),           # -inf on the last token
+    (1, 77, 2, 12, 9, 4, (), ()),                          # C = 4: the solve's scalar path
+]
+
+
+@pytest.mark.parametrize("B,T,H,K,V,C,slow,forget", CASES)
+def test_fused_equals_torch_form_and_reference(B, T, H, K, V, C, slow, forget):
+    q, k, v, g, beta = _inputs(B, T, H, K, V, slow=slow, forget=forget)
+    s0 = torch.randn(B, H, K, V, generator=torch.Generator().manual_seed(9)) * 0.3
+    fused, ref = _both(q, k, v, g, beta, s0, chunk_size=C)
+    for a, b in zip(fused, ref):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a, b, **FUSED_TOL)
+    o_r, s_r = kda_recurrent(q, k, v, g, beta, s0)
+    torch.testing.assert_close(fused.o, o_r, rtol=1e-4, atol=5e-5)
+    torch.testing.assert_close(fused.final_state, s_r, rtol=1e-4, atol=5e-5)
+
+
+def test_empty_call_returns_the_initial_state():
+    q, k, v, g, beta = _inputs(1, 0, 2, 16, 8)
+    s0 = torch.randn(1, 2, 16, 8)
+    fused, ref = _both(q, k, v, g, beta, s0)
+    assert fused.o.shape == (1, 0, 2, 8) and torch.equal(fused.final_state, s0)
+
+
+def test_strided_inputs_and_bf16_values():
+    """Permuted views (a [B, H, T, D] buffer read as [B, T, H, D]) and bf16 v: the kernel reads the strides
+    (no copy but of a non-contiguous last dim) and the outputs come back in v's dtype."""
+    q, k, v, g, beta = (x.transpose(1, 2).contiguous().transpose(1, 2) if x.dim() == 4 else x
+                        for x in _inputs(1, 150, 3, 32, 16))
+    assert not q.is_contiguous()
+    fused, ref = _both(q, k, v.to(torch.bfloat16), g, beta)
+    assert fused.o.dtype == torch.bfloat16
+    torch.testing.assert_close(fused.o.float(), ref.o.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fused.final_state, ref.final_state, **FUSED_TOL)
+
+
+@pytest.mark.parametrize("split", [64, 128, 192])
+def test_split_on_the_chunk_grid_is_bitwise(split):
+    """A call split at a multiple of C, the state carried, is bitwise the whole call, also when the slow
+    unit (chunk 2) falls in either half and the second half then starts on the safe path."""
+    q, k, v, g, beta = xs = _inputs(1, 300, 2, 32, 24, slow=((0, 140, 150, 1),))
+    with torch.no_grad():
+        whole = kda_chunk(*xs)
+        first = kda_chunk(*(x[:, :split] for x in xs))
+        rest = kda_chunk(*(x[:, split:] for x in xs), first.final_state)
+    assert torch.equal(torch.cat([first.o, rest.o], 1), whole.o)
+    assert torch.equal(rest.final_state, whole.final_state)
+    assert torch.equal(torch.cat([first.h, rest.h], 1), whole.h)
+
+
+@pytest.mark.parametrize("slow", [(), ((0, 70, 80, 1),)])
+def test_split_api_is_bitwise_kda_chunk(slow):
+    """kda_chunk_prepare / states / outputs (what KCP runs) give kda_chunk's bits, pieces of any size too."""
+    xs = _inputs(2, 200, 2, 24, 16, slow=slow)
+    s0 = torch.randn(2, 2, 24, 16)
+    with torch.no_grad():
+        whole = kda_chunk(*xs, s0)
+        prep = kda_chunk_prepare(*xs)
+        st = kda_chunk_states(prep, s0)
+        o = kda_chunk_outputs(prep, st)
+        pieces = kda_chunk(*xs, s0, piece_tokens=64)
+    assert torch.equal(o, whole.o) and torch.equal(st.final_state, whole.final_state) and torch.equal(st.h, whole.h)
+    for a, b in zip(pieces, whole):
+        assert torch.equal(a, b)
+
+
+def test_threads_do_not_change_the_bits():
+    xs = _inputs(2, 256, 4, 32, 32)
+    before = torch.get_num_threads()
+    try:
+        with torch.no_grad():
+            torch.set_num_threads(1)
+            one = kda_chunk(*xs)
+            torch.set_num_threads(2)
+            two = kda_chunk(*xs)
+    finally:
+        torch.set_num_threads(before)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+
+
+def test_autograd_and_fp64_run_the_torch_form(monkeypatch):
+    """The fused form has no backward and is fp32 only: under autograd or in fp64 kda_chunk must not call it."""
+    calls = []
+    real = cpu_kernel.forward
+    monkeypatch.setattr(cpu_kernel, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    q, k, v, g, beta = _inputs(1, 100, 2, 16, 8)
+    out = kda_chunk(q.requires_grad_(True), k, v, g, beta)
+    assert out.o.grad_fn is not None and not calls
+    with torch.no_grad():
+        kda_chunk(*(x.double() for x in (q, k, v, g, beta)))
+        assert not calls
+        kda_chunk(q, k, v, g, beta)
+    assert calls == [1]
+
+
+def test_disabled_runs_the_torch_form():
+    xs = _inputs(1, 128, 2, 16, 16)
+    with torch.no_grad(), cpu_kernel.disabled():
+        assert not cpu_kernel.available() and "disabled" in cpu_kernel.reason()
+        a = kda_chunk(*xs)
+    assert cpu_kernel.available()
+    with torch.no_grad():
+        b = kda_chunk(*xs)
+    assert not torch.equal(a.o, b.o)          # two forms, two roundings: the switch really switches
+
+
+def test_kernel_is_built_on_this_machine():
+    """CI's machine (x86-64, AVX2, gcc) must run the fused form: a build that silently broke would leave
+    every page on the slower torch form."""
+    assert cpu_kernel.available(), cpu_kernel.reason()
+
+
+def test_a_failed_build_falls_back_with_the_reason(tmp_path):
+    """No compiler: the torch form runs, kda_chunk still works, and reason() says what failed."""
+    code = ("import torch; from kda_core import cpu_kernel; from kda_core.chunk import kda_chunk;"
+            "x = torch.rand(1, 70, 1, 8); o = kda_chunk(x, x, x, -x, torch.rand(1, 70, 1)).o;"
+            "print(cpu_kernel.available(), '|', cpu_kernel.reason(), '|', tuple(o.shape))")
+    env = dict(os.environ, CC="/bin/false", KDA_KERNEL_CACHE=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr
+    avail, reason, shape = (s.strip() for s in out.stdout.split("|"))
+    assert avail == "False" and "false failed" in reason and shape == "(1, 70, 1, 8)"
