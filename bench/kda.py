@@ -3,8 +3,9 @@
 Part 1, the roofline ratio (what the kernel is judged by): at T = 4,096, B = 1, H = 4, K = V = 128, fp32,
 for torch threads 1 and this machine's default (``os.cpu_count()``), each of ``--repeats`` rounds runs,
 interleaved after a warm-up: this CPU's fp32 matmul (1,024 x 1,024 @ 1,024 x 1,024, the roofline
-reference), ``kda_chunk`` forward without autograd (what serving runs), forward with autograd (what
-training runs) and its backward. Each round's ratio is the kernel's GFLOP/s over that round's matmul
+reference), ``kda_chunk`` forward without autograd (what serving runs: the fused C form of
+:mod:`kda_core.cpu_kernel` where it is available), the same forward in the torch form (the baseline, in the
+same rounds), forward with autograd (what training runs; always the torch form) and its backward. Each round's ratio is the kernel's GFLOP/s over that round's matmul
 GFLOP/s; the median and the range over rounds are printed, with the load average before and after.
 Wall-clock times; with 1 thread the thread's CPU time too (what preemption by other processes on a
 shared machine does not inflate).
@@ -14,8 +15,9 @@ arXiv:2510.26692); backward = 2x forward (each matmul's backward is two matmuls 
 "2N forward, 4N backward" split of Kaplan et al., arXiv:2001.08361). Both are counts of the
 algorithm, not of what this implementation executes (it runs ~1.3x the paper's forward count).
 
-Then where the time goes at one thread (:func:`phases`): prepare / scan / outputs by thread CPU time, the
-matmul FLOPs each executes and the floor those FLOPs set at the matmul rate.
+Then where the torch form's time goes at one thread (:func:`phases`): prepare / scan / outputs by thread CPU
+time, the matmul FLOPs each executes and the floor those FLOPs set at the matmul rate (why an unfused form
+stays far from the matmul rate, and what the fused form removes).
 
 Part 2, tokens/s of ``kda_chunk``, ``kda_recurrent`` and fla's ``naive_chunk_kda`` (when fla-core is
 installed) at T in {1024, 4096, 16384} (``--table-threads``, default 1; medians of 3, the loops 1).
@@ -35,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kda_core import cpu_kernel
 from kda_core.chunk import (
     CHUNK_SIZE,
     kda_chunk,
@@ -116,9 +119,14 @@ def roofline(threads: int, T: int, repeats: int) -> dict:
         for t in leaves:
             t.grad = None
 
-    steps = {"matmul": lambda: a @ b, "fwd": lambda: kda_chunk(*xs), "fwd_autograd": fwd_graph, "bwd": bwd}
-    flops = {"matmul": 2 * MATMUL_N ** 3, "fwd": paper_flops(T, K), "fwd_autograd": paper_flops(T, K),
-             "bwd": 2 * paper_flops(T, K)}
+    def fwd_torch():
+        with cpu_kernel.disabled():
+            kda_chunk(*xs)
+
+    steps = {"matmul": lambda: a @ b, "fwd": lambda: kda_chunk(*xs), "fwd_torch": fwd_torch,
+             "fwd_autograd": fwd_graph, "bwd": bwd}
+    flops = {"matmul": 2 * MATMUL_N ** 3, "fwd": paper_flops(T, K), "fwd_torch": paper_flops(T, K),
+             "fwd_autograd": paper_flops(T, K), "bwd": 2 * paper_flops(T, K)}
     load_before = os.getloadavg()
     for fn in steps.values():                                   # warm-up round
         fn()
@@ -139,8 +147,9 @@ def roofline(threads: int, T: int, repeats: int) -> dict:
             res[n]["ratio"] = _spread([f / m for f, m in zip(gf, res["matmul"]["gflops_rounds"])])
         else:
             res[n]["gflops_rounds"] = gf
+    res["fwd"]["speedup_vs_torch_form"] = _spread([t / f for f, t in zip(wall["fwd"], wall["fwd_torch"])])
     if threads == 1:                                            # CPU-time ratio: immune to preemption
-        for n in ("fwd", "fwd_autograd", "bwd"):
+        for n in ("fwd", "fwd_torch", "fwd_autograd", "bwd"):
             res[n]["ratio_cpu"] = _spread([(flops[n] / c) / (flops["matmul"] / m)
                                            for c, m in zip(cpu[n], cpu["matmul"])])
     return res
@@ -167,6 +176,10 @@ def phases(T: int, repeats: int, matmul_gflops: float) -> dict:
     piece = piece_tokens_for(B, H, K, V)
 
     def run(acc):
+        with cpu_kernel.disabled():
+            run_torch_form(acc)
+
+    def run_torch_form(acc):
         S = None
         for s in range(0, T, piece):
             part = [x[:, s:s + piece] for x in xs]
@@ -199,7 +212,7 @@ def phases(T: int, repeats: int, matmul_gflops: float) -> dict:
 
 def _print_phases(p):
     total = sum(p[n]["cpu_ms"] for n in ("prepare", "scan", "outputs"))
-    print(f"where the time goes (1 thread, thread CPU time): kda_chunk's three phases run apart, piece by piece "
+    print(f"where the torch form's time goes (1 thread, thread CPU time): kda_chunk's three phases run apart, piece by piece "
           f"({p['piece_tokens']} tokens) as kda_chunk runs them: kda_chunk_prepare (in-chunk WY / UT work), "
           f"kda_chunk_states (the sequential scan over chunks), kda_chunk_outputs. Its matmuls execute "
           f"{p['executed_flops'] / 1e9:.2f} GFLOP, the paper counts {p['paper_flops'] / 1e9:.2f}:")
@@ -241,6 +254,9 @@ def _print_legend(T):
             "  'by CPU time': the same ratio from this thread's CPU time, which preemption by other processes does",
             "  not inflate. Medians over interleaved rounds after a warm-up; ranges are min-max over the rounds."):
         print(line)
+    print("forward (no autograd) runs " + ("the fused C form (kda_core/cpu_kernel); 'torch form' is the same call "
+          "with it turned off" if cpu_kernel.available() else f"the torch form: the fused C form is unavailable "
+          f"({cpu_kernel.reason()})") + "; with autograd it is always the torch form.")
 
 
 def _print_roofline(r):
@@ -248,7 +264,8 @@ def _print_roofline(r):
           f"{r['load_before'][0]:.1f} -> {r['load_after'][0]:.1f}")
     m = r["matmul"]["gflops"]
     print(f"  fp32 matmul {MATMUL_N}^2: {m['median']:.1f} GFLOP/s (range {m['min']:.1f}-{m['max']:.1f})")
-    for n, label in (("fwd", "forward (no autograd)"), ("fwd_autograd", "forward with autograd"), ("bwd", "backward")):
+    for n, label in (("fwd", "forward (no autograd)"), ("fwd_torch", "  the same, torch form"),
+                     ("fwd_autograd", "forward with autograd"), ("bwd", "backward")):
         x = r[n]
         line = (f"  {label:<22} {x['ms']['median']:7.1f} ms (range {x['ms']['min']:.1f}-{x['ms']['max']:.1f})  "
                 f"{x['gflops']['median']:6.1f} GFLOP/s  ratio {100 * x['ratio']['median']:5.1f} % "
@@ -258,6 +275,8 @@ def _print_roofline(r):
         if x["ms"]["max"] > NOISY * x["ms"]["min"]:
             line += "  [noisy: rounds differ > 1.5x, other processes ran]"
         print(line)
+    sp = r["fwd"]["speedup_vs_torch_form"]
+    print(f"  forward: {sp['median']:.2f}x the torch form's speed in the same rounds (range {sp['min']:.2f}-{sp['max']:.2f})")
 
 
 def main(argv=None):
@@ -278,7 +297,9 @@ def main(argv=None):
     cond = {"torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
             "cpu_count": default_threads, "B": B, "H": H, "K": K, "V": V, "C": CHUNK_SIZE, "dtype": "float32",
             "flops_forward": "Kimi Linear (arXiv:2510.26692): 6 T d^2 + 3 T C d + T C^2 per head",
-            "flops_backward": "2x forward (Kaplan et al., arXiv:2001.08361: 2N forward + 4N backward)"}
+            "flops_backward": "2x forward (Kaplan et al., arXiv:2001.08361: 2N forward + 4N backward)",
+            "forward_kernel": "fused C (kda_core/cpu_kernel)" if cpu_kernel.available() else
+            f"torch form (fused C unavailable: {cpu_kernel.reason()})"}
     _print_legend(args.ratio_T)
     ratios = [roofline(t, args.ratio_T, args.repeats) for t in sorted({1, default_threads})]
     for r in ratios:

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "kda_chunk_cpu.c"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno"]
 
 _lock = threading.Lock()
 _state: dict = {"lib": None, "reason": None, "tried": False}
@@ -98,11 +98,11 @@ def _load():
         raise RuntimeError("needs a CPU with AVX2 and FMA")
     lib = ctypes.CDLL(str(_build()))
     lib.kda_prepare.restype = _I
-    lib.kda_prepare.argtypes = [_I] * 6 + [_F] + [_P] * 6 + [_P] * 7
+    lib.kda_prepare.argtypes = [_I] * 6 + [_F] + [_P] * 6 + [_P] * 7 + [_I]
     lib.kda_forward.restype = _I
-    lib.kda_forward.argtypes = [_I] * 6 + [_F, _F] + [_P] * 6 + [_P] * 3
+    lib.kda_forward.argtypes = [_I] * 6 + [_F, _F] + [_P] * 6 + [_P] * 3 + [_I]
     lib.kda_scan_outputs.restype = None
-    lib.kda_scan_outputs.argtypes = [_I] * 7 + [_F] + [_P] * 6 + [_P] * 4 + [_I, _I]
+    lib.kda_scan_outputs.argtypes = [_I] * 7 + [_F] + [_P] * 6 + [_P] * 4 + [_I, _I, _I]
     return lib
 
 
@@ -192,7 +192,7 @@ def prepare(q, k, v, g, beta, C: int, max_decay: float, out: tuple) -> torch.Ten
     slow = torch.zeros(n, dtype=torch.uint8)
     strides = (ctypes.c_long * 15)(*[s for t in (q, k, v, g, beta) for s in t.stride()[:3]])
     nslow = lib.kda_prepare(B, T, H, K, V, C, float(max_decay), *(t.data_ptr() for t in (q, k, v, g, beta)),
-                            strides, *(t.data_ptr() for t in out), slow.data_ptr())
+                            strides, *(t.data_ptr() for t in out), slow.data_ptr(), torch.get_num_threads())
     if nslow < 0:
         raise MemoryError("kda_chunk: the fused kernel could not allocate its scratch")
     return slow.bool()
@@ -207,7 +207,8 @@ def scan_outputs(NT: int, B: int, H: int, K: int, V: int, C: int, T: int, scale:
     lib = library()
     so = (ctypes.c_long * 3)(*(o.stride()[:3] if o is not None else (0, 0, 0)))
     lib.kda_scan_outputs(NT, B, H, K, V, C, T, float(scale), *(t.data_ptr() for t in wy), h.data_ptr(),
-                         v_new.data_ptr(), o.data_ptr() if o is not None else None, so, int(scan), int(o is not None))
+                         v_new.data_ptr(), o.data_ptr() if o is not None else None, so, int(scan), int(o is not None),
+                         torch.get_num_threads())
 
 
 def forward(q, k, v, g, beta, C: int, max_decay: float, scale: float, h: torch.Tensor, o: torch.Tensor) -> int:
@@ -221,7 +222,7 @@ def forward(q, k, v, g, beta, C: int, max_decay: float, scale: float, h: torch.T
     strides = (ctypes.c_long * 15)(*[s for t in (q, k, v, g, beta) for s in t.stride()[:3]])
     so = (ctypes.c_long * 3)(*o.stride()[:3])
     j = lib.kda_forward(B, T, H, K, v.shape[-1], C, float(max_decay), float(scale),
-                        *(t.data_ptr() for t in (q, k, v, g, beta)), strides, h.data_ptr(), o.data_ptr(), so)
+                        *(t.data_ptr() for t in (q, k, v, g, beta)), strides, h.data_ptr(), o.data_ptr(), so, torch.get_num_threads())
     if j < 0:
         raise MemoryError("kda_chunk: the fused kernel could not allocate its scratch")
     return j

@@ -18,8 +18,11 @@ def test_main_writes_the_phases_and_a_legend(tmp_path, capsys):
     out = tmp_path / "kda.json"
     bk.main(["--no-table", "--repeats", "5", "--ratio-T", "128", "--out", str(out)])
     text = capsys.readouterr().out
-    assert "ratio = the kernel's GFLOP/s" in text and "where the time goes" in text
+    assert "ratio = the kernel's GFLOP/s" in text and "time goes" in text
     res = json.loads(out.read_text())
     ph = res["phases"]
     assert ph["T"] == 128 and all(ph[n]["cpu_ms"] > 0 for n in ("prepare", "scan", "outputs"))
     assert ph["floor_ms"] > 0 and res["roofline"][0]["threads"] == 1
+    r = res["roofline"][0]
+    assert r["fwd_torch"]["ms"]["median"] > 0 and r["fwd"]["speedup_vs_torch_form"]["median"] > 0
+    assert "torch form" in text and res["conditions"]["forward_kernel"]
