@@ -19,7 +19,6 @@ from kda_core.kda import NonFiniteError, _check_inputs, _compute_dtype, check_ga
 from kda_core.wy import MAX_CHUNK_DECAY, wy_safe, wy_units
 
 CHUNK_SIZE = 64  # C of the chunked kernel (fla's chunk_kda uses BT = 64); the prefill grid of the layers
-cpu_kernel.prebuild()      # compile the fused form in the background (once per machine; cached)
 PIECE_BYTES = 512 * 1024   # a piece's [B, H, piece, K] temporaries stay below this (see piece_tokens_for)
 MIN_PIECE_CHUNKS = 4       # ... but a piece holds at least this many chunks (per-piece Python overhead)
 
@@ -391,3 +390,27 @@ def _kda_chunk_autograd(q, k, v, g, beta, initial_state, scale, chunk_size, piec
         outs.append(o)
         hs.append(h)
     return ChunkOutput(torch.cat(outs, 1), state, torch.cat(hs, 1))
+
+
+def kernel_self_check() -> None:
+    """The fused C form against the torch form on a small call with a partial last chunk, a unit beyond the
+    chunk-level bound and K, V not multiples of 16 (every code path of the kernel), to fp32 rounding; raises
+    RuntimeError when they disagree (:mod:`kda_core.cpu_kernel` then keeps the torch form)."""
+    gen = torch.Generator().manual_seed(0)
+    B, T, H, K, V = 2, 150, 2, 24, 20
+    q, k = (F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen)
+    g = -torch.rand(B, T, H, K, generator=gen) * 0.5
+    g[0, 70:80, 1] = -8.0                           # one unit beyond the chunk-level bound
+    beta = torch.rand(B, T, H, generator=gen)
+    with torch.no_grad():
+        fused = kda_chunk(q, k, v, g, beta)
+        with cpu_kernel.disabled():
+            ref = kda_chunk(q, k, v, g, beta)
+    for a, b in zip(fused, ref):
+        if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+            raise RuntimeError(f"self-check failed: max |diff| {float((a - b).abs().max()):.3g}")
+
+
+cpu_kernel.register_self_check(kernel_self_check)
+cpu_kernel.prebuild()      # compile the fused form in the background (once per machine; cached)

@@ -266,6 +266,16 @@ static size_t scratch_floats(int C, int K, int V) { return (size_t)5 * C * K + (
 
 /* The WY quantities of every unit of a [B, T, H, *] call, chunk-major [NT, B, H, ...]; slow[n] = 1 for the
  * units left to the safe form. Returns their number (-1 when out of memory). */
+static int prepare_unit(const Inputs *in, long n, int B, int T, int H, int K, int V, int C, float max_decay,
+                        float *qg, float *Aqk, float *w, float *u, float *kd, float *dlast, unsigned char *slow,
+                        float *scratch) {
+    int j = (int)(n / ((long)B * H)), b = (int)(n / H % B), h = (int)(n % H);
+    int s = unit_prepare(in, b, j, h, T, C, K, V, max_decay, qg + n * C * K, Aqk + n * C * C,
+                         w + n * C * K, u + n * C * V, kd + n * C * K, dlast + n * K, scratch);
+    slow[n] = (unsigned char)s;
+    return s;
+}
+
 int kda_prepare(int B, int T, int H, int K, int V, int C, float max_decay,
                 const float *q, const float *k, const float *v, const float *g, const float *beta, const long *strides,
                 float *qg, float *Aqk, float *w, float *u, float *kd, float *dlast, unsigned char *slow, int nthreads) {
@@ -278,13 +288,14 @@ int kda_prepare(int B, int T, int H, int K, int V, int C, float max_decay,
     float *scratch = aligned_alloc(64, per * nthreads * sizeof(float));
     if (!scratch) return -1;
     int nslow = 0;
+    if (nthreads > 1) {
 #pragma omp parallel for num_threads(nthreads) schedule(static) reduction(+ : nslow)
-    for (long n = 0; n < n_units; n++) {
-        int j = (int)(n / ((long)B * H)), b = (int)(n / H % B), h = (int)(n % H);
-        int s = unit_prepare(&in, b, j, h, T, C, K, V, max_decay, qg + n * C * K, Aqk + n * C * C,
-                             w + n * C * K, u + n * C * V, kd + n * C * K, dlast + n * K, scratch + per * omp_get_thread_num());
-        slow[n] = (unsigned char)s;
-        nslow += s;
+        for (long n = 0; n < n_units; n++)
+            nslow += prepare_unit(&in, n, B, T, H, K, V, C, max_decay, qg, Aqk, w, u, kd, dlast, slow,
+                                  scratch + per * omp_get_thread_num());
+    } else {                       /* no OpenMP call at all on one thread: safe in a process forked after one */
+        for (long n = 0; n < n_units; n++)
+            nslow += prepare_unit(&in, n, B, T, H, K, V, C, max_decay, qg, Aqk, w, u, kd, dlast, slow, scratch);
     }
     free(scratch);
     return nslow;
@@ -319,6 +330,20 @@ static void unit_scan_out(int K, int V, int C, int Tc, float scale, const float 
     }
 }
 
+static void scan_sequence(long s, int NT, int B, int H, int K, int V, int C, int T, float scale,
+                          const float *qg, const float *Aqk, const float *w, const float *u, const float *kd,
+                          const float *dlast, float *h, float *v_new, float *o, const long *so, int do_scan, int do_out) {
+    long BH = (long)B * H;
+    int b = (int)(s / H), hh = (int)(s % H);
+    for (int j = 0; j < NT; j++) {
+        long n = (long)j * BH + s, t0 = (long)j * C;
+        int Tc = T - t0 < C ? (int)(T - t0) : C;
+        unit_scan_out(K, V, C, Tc, scale, qg + n * C * K, Aqk + n * C * C, w + n * C * K, u + n * C * V,
+                      kd + n * C * K, dlast + n * K, h + n * K * V, h + (n + BH) * K * V, v_new + n * C * V,
+                      do_out ? o + b * so[0] + t0 * so[1] + hh * so[2] : NULL, do_out ? so[1] : 0, do_scan, do_out);
+    }
+}
+
 /* The scan and / or the outputs over NT chunks of B * H sequences (chunk-major unit results).
  * do_scan: v_new = u - w S into v_new, S <- diag(decay_last) S + kd^T v_new into h[j + 1] (h[0] given).
  * do_out: o rows (the first T tokens) = scale (qg S + Aqk v_new) with S = h[j]; o at (b, t, h) is
@@ -327,17 +352,30 @@ void kda_scan_outputs(int NT, int B, int H, int K, int V, int C, int T, float sc
                       const float *qg, const float *Aqk, const float *w, const float *u, const float *kd,
                       const float *dlast, float *h, float *v_new, float *o, const long *so, int do_scan, int do_out, int nthreads) {
     long BH = (long)B * H;
+    if (nthreads > 1) {
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (long s = 0; s < BH; s++) {
-        int b = (int)(s / H), hh = (int)(s % H);
-        for (int j = 0; j < NT; j++) {
-            long n = (long)j * BH + s, t0 = (long)j * C;
-            int Tc = T - t0 < C ? (int)(T - t0) : C;
-            unit_scan_out(K, V, C, Tc, scale, qg + n * C * K, Aqk + n * C * C, w + n * C * K, u + n * C * V,
-                          kd + n * C * K, dlast + n * K, h + n * K * V, h + (n + BH) * K * V, v_new + n * C * V,
-                          do_out ? o + b * so[0] + t0 * so[1] + hh * so[2] : NULL, do_out ? so[1] : 0, do_scan, do_out);
-        }
+        for (long s = 0; s < BH; s++)
+            scan_sequence(s, NT, B, H, K, V, C, T, scale, qg, Aqk, w, u, kd, dlast, h, v_new, o, so, do_scan, do_out);
+    } else {
+        for (long s = 0; s < BH; s++)
+            scan_sequence(s, NT, B, H, K, V, C, T, scale, qg, Aqk, w, u, kd, dlast, h, v_new, o, so, do_scan, do_out);
     }
+}
+
+/* Unit (chunk j, sequence s) of kda_forward: its WY quantities in scratch, then its scan step and outputs.
+ * Returns 1 (nothing written) when the unit is beyond the chunk-level bound. */
+static int forward_unit(const Inputs *in, int j, long s, int B, int T, int H, int K, int V, int C, float max_decay,
+                        float scale, float *h, float *o, const long *so, float *mine) {
+    long BH = (long)B * H;
+    float *qg = mine + scratch_floats(C, K, V), *kd = qg + C * K, *w = kd + C * K, *Aqk = w + C * K;
+    float *u = Aqk + C * C, *vn = u + C * V, *dl = vn + C * V;
+    if (unit_prepare(in, (int)(s / H), j, (int)(s % H), T, C, K, V, max_decay, qg, Aqk, w, u, kd, dl, mine))
+        return 1;
+    long n = (long)j * BH + s, t0 = (long)j * C;
+    int Tc = T - t0 < C ? (int)(T - t0) : C;
+    unit_scan_out(K, V, C, Tc, scale, qg, Aqk, w, u, kd, dl, h + n * K * V, h + (n + BH) * K * V, vn,
+                  o + (s / H) * so[0] + t0 * so[1] + (s % H) * so[2], so[1], 1, 1);
+    return 0;
 }
 
 /* The whole forward, chunk by chunk: each unit's WY quantities in scratch, then its scan step and outputs
@@ -358,25 +396,26 @@ int kda_forward(int B, int T, int H, int K, int V, int C, float max_decay, float
     float *scratch = aligned_alloc(64, per * nthreads * sizeof(float));
     if (!scratch) return -1;
     int stop = NT;          /* the first chunk holding a unit beyond the bound (only ever lowered) */
+    if (nthreads <= 1) {    /* no OpenMP call at all on one thread: safe in a process forked after one */
+        for (int j = 0; j < NT && stop == NT; j++)
+            for (long s = 0; s < BH; s++)
+                if (forward_unit(&in, j, s, B, T, H, K, V, C, max_decay, scale, h, o, so, scratch)) {
+                    stop = j;      /* a chunk left part-done is redone whole by the caller, to the same bits */
+                    break;
+                }
+        free(scratch);
+        return stop;
+    }
 #pragma omp parallel num_threads(nthreads)
     {
         float *mine = scratch + per * omp_get_thread_num();
-        float *qg = mine + scratch_floats(C, K, V), *kd = qg + C * K, *w = kd + C * K, *Aqk = w + C * K;
-        float *u = Aqk + C * C, *vn = u + C * V, *dl = vn + C * V;
         for (int j = 0; j < NT; j++) {
 #pragma omp for schedule(static)
-            for (long s = 0; s < BH; s++) {
-                /* a chunk left part-done is redone whole by the caller, to the same bits */
-                if (unit_prepare(&in, (int)(s / H), j, (int)(s % H), T, C, K, V, max_decay, qg, Aqk, w, u, kd, dl, mine)) {
+            for (long s = 0; s < BH; s++)
+                if (forward_unit(&in, j, s, B, T, H, K, V, C, max_decay, scale, h, o, so, mine)) {
 #pragma omp critical(kda_stop)
                     if (j < stop) stop = j;
-                    continue;
                 }
-                long n = (long)j * BH + s, t0 = (long)j * C;
-                int Tc = T - t0 < C ? (int)(T - t0) : C;
-                unit_scan_out(K, V, C, Tc, scale, qg, Aqk, w, u, kd, dl, h + n * K * V, h + (n + BH) * K * V, vn,
-                              o + (s / H) * so[0] + t0 * so[1] + (s % H) * so[2], so[1], 1, 1);
-            }
             /* after the loop's barrier every thread sees the flags of chunks <= j (later ones are > j) */
             int st;
 #pragma omp critical(kda_stop)
