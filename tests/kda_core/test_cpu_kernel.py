@@ -26,7 +26,8 @@ FUSED_TOL = dict(rtol=1e-4, atol=2e-5)
 # Skipped only where the kernel cannot run (not x86-64 with AVX2 and FMA); a build or self-check failure on a
 # machine that can run it fails test_kernel_is_built_on_this_machine (and the rest) instead.
 CAN_RUN = platform.machine() == "x86_64" and {"avx2", "fma"} <= cpu_kernel.cpu_flags()
-pytestmark = pytest.mark.skipif(not CAN_RUN, reason="the fused kernel needs x86-64 with AVX2 and FMA")
+pytestmark = [pytest.mark.skipif(not CAN_RUN, reason="the fused kernel needs x86-64 with AVX2 and FMA"),
+              pytest.mark.skipif(os.environ.get("KDA_CPU_KERNEL") == "0", reason="turned off by KDA_CPU_KERNEL=0")]
 
 
 def _inputs(B, T, H, K, V, seed=0, rate=0.3, slow=(), forget=()):
