@@ -392,6 +392,12 @@ def _kda_chunk_autograd(q, k, v, g, beta, initial_state, scale, chunk_size, piec
     return ChunkOutput(torch.cat(outs, 1), state, torch.cat(hs, 1))
 
 
+def kernel_in_use() -> str:
+    """The form :func:`kda_chunk` runs in fp32 without autograd here: ``"fused C"`` (:mod:`kda_core.cpu_kernel`)
+    or ``"torch form"`` (see ``cpu_kernel.reason()``)."""
+    return "fused C" if cpu_kernel.available() else "torch form"
+
+
 def kernel_self_check() -> None:
     """The fused C form against the torch form on a small call with a partial last chunk, a unit beyond the
     chunk-level bound and K, V not multiples of 16 (every code path of the kernel), to fp32 rounding; raises

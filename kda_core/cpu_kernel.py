@@ -119,6 +119,8 @@ def library():
     threads wait until the check is done (the checking thread itself gets the library to check)."""
     if getattr(_off, "depth", 0):
         return None
+    if _state["check"] is None:                    # never load unchecked: kda_core.chunk registers the check
+        return None
     if not _state["done"]:
         with _lock:                                # re-entrant: the self-check calls back in here
             if _state["checking"]:
@@ -162,7 +164,11 @@ def available() -> bool:
 def reason() -> str | None:
     """Why the fused form is not used (None when it is)."""
     library()
-    return "turned off for this block (disabled())" if getattr(_off, "depth", 0) else _state["reason"]
+    if getattr(_off, "depth", 0):
+        return "turned off for this block (disabled())"
+    if _state["check"] is None:
+        return "kda_core.chunk (which registers the self-check) is not imported yet"
+    return _state["reason"]
 
 
 @contextlib.contextmanager

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kda_core.chunk import kernel_in_use
 from serve.errors import check_int
 
 MIN_REPEATS = 5
@@ -46,7 +47,9 @@ class Timing(NamedTuple):
 class Conditions(NamedTuple):
     """When and how a measurement was taken: ``measured_at`` (UTC, ISO 8601 to the second), ``repeats`` and
     ``warmup`` per case, ``torch_threads`` (intra-op threads during the runs), ``cores`` (CPUs this process
-    may use), ``load_avg_1m`` (the machine's 1-minute load average at the start, NaN where unknown)."""
+    may use), ``load_avg_1m`` (the machine's 1-minute load average at the start, NaN where unknown),
+    ``chunk_kernel`` (the form ``kda_chunk`` runs without autograd here: "fused C" or "torch form",
+    :mod:`kda_core.cpu_kernel`)."""
 
     measured_at: str
     repeats: int
@@ -54,13 +57,14 @@ class Conditions(NamedTuple):
     torch_threads: int
     cores: int
     load_avg_1m: float
+    chunk_kernel: str = "torch form"
 
     def stamp(self) -> str:
         """One line for under a chart."""
         load = "n/a" if self.load_avg_1m != self.load_avg_1m else f"{self.load_avg_1m:.2f}"
         return (f"Measured {self.measured_at} UTC · median of {self.repeats} interleaved repeats after "
                 f"{self.warmup} warm-up · {self.torch_threads} torch thread(s) · {self.cores} core(s) · "
-                f"load average {load}")
+                f"load average {load} · chunk kernel {self.chunk_kernel}")
 
 
 def conditions(repeats: int, warmup: int) -> Conditions:
@@ -75,7 +79,7 @@ def conditions(repeats: int, warmup: int) -> Conditions:
         load = float("nan")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
-    return Conditions(now, repeats, warmup, torch.get_num_threads(), cores, load)
+    return Conditions(now, repeats, warmup, torch.get_num_threads(), cores, load, kernel_in_use())
 
 
 def summarize(label: str, samples_s: Sequence[float]) -> Timing:

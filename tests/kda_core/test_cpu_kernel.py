@@ -184,3 +184,15 @@ def test_a_failed_build_falls_back_with_the_reason(tmp_path):
     assert out.returncode == 0, out.stderr
     avail, reason, shape = (s.strip() for s in out.stdout.split("|"))
     assert avail == "False" and "false failed" in reason and shape == "(1, 70, 1, 8)"
+
+
+def test_never_loaded_without_its_self_check():
+    """cpu_kernel alone (kda_core.chunk, which registers the self-check, not imported) does not load the
+    library, and says why; importing kda_core.chunk makes it available."""
+    code = ("from kda_core import cpu_kernel; a = (cpu_kernel.available(), cpu_kernel.reason());"
+            "import kda_core.chunk; print(a[0], '|', a[1], '|', cpu_kernel.available())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr
+    before, why, after = (s.strip() for s in out.stdout.split("|"))
+    assert before == "False" and "not imported" in why and after == "True"

@@ -17,6 +17,8 @@ def test_measure_interleaves_after_warmup():
     assert [t.label for t in timings] == list("abc") and all(len(t.samples_s) == 5 for t in timings)
     assert cond.repeats == 5 and cond.warmup == 2 and cond.cores >= 1 and cond.torch_threads >= 1
     assert "median of 5 interleaved repeats" in cond.stamp()
+    # the stamp names the form kda_chunk ran in (a timing from the torch form is ~2x slower)
+    assert cond.chunk_kernel in ("fused C", "torch form") and cond.stamp().endswith(f"chunk kernel {cond.chunk_kernel}")
 
 
 def test_measure_times_what_runs():
