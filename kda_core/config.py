@@ -46,8 +46,17 @@ class ModelConfig:
         hidden_size: d_model. num_heads / head_k_dim / head_v_dim: KDA heads H and dims K, V.
         kv_lora_rank / qk_rope_head_dim: MLA latent (c_kv) width and shared rope-key width.
         gate: "softplus" (Kimi-Linear) or "lower_bound" (Kimi K3); lower_bound: e.g. -5.0.
-        conv_kernel: short-conv width W. The remaining fields only size the runnable demo
-        ``HybridLM`` (vocab, MLA heads, MLP width, seed); for real presets they are unused.
+        conv_kernel: short-conv width W. The remaining fields only size the runnable model
+        ``HybridLM`` (vocab, MLA heads, MLP / MoE widths, norms, seed); for real presets they are unused.
+        rms_norm_eps: epsilon of every RMSNorm (Kimi-Linear: 1e-5). mla_use_nope: MLA without rotary
+            embedding (Kimi-Linear's ``mla_use_nope``: the shared ``qk_rope_head_dim`` key part is kept, unrotated).
+        num_experts: routed experts per MoE layer (0 = a dense SwiGLU MLP of ``intermediate_size`` in every
+            layer); num_experts_per_token: top-k; moe_intermediate_size: width of one expert (and of each shared
+            expert); num_shared_experts: shared experts (their widths add up into one SwiGLU MLP);
+            routed_scaling_factor: multiplies the routed weights; moe_renormalize: top-k weights divided by
+            their sum first; num_expert_group / topk_group: grouped top-k (DeepSeek-V3); first_k_dense_replace:
+            the first layers that keep a dense MLP. The router is sigmoid with ``e_score_correction_bias``
+            (Kimi-Linear's ``moe_router_activation_func`` "sigmoid").
         source: where the numbers come from.
     """
 
@@ -68,6 +77,17 @@ class ModelConfig:
     qk_nope_head_dim: int = 32
     v_head_dim: int = 32
     intermediate_size: int = 256
+    rms_norm_eps: float = 1e-6
+    mla_use_nope: bool = False
+    num_experts: int = 0
+    num_experts_per_token: int = 1
+    moe_intermediate_size: int = 64
+    num_shared_experts: int = 1
+    routed_scaling_factor: float = 1.0
+    moe_renormalize: bool = True
+    num_expert_group: int = 1
+    topk_group: int = 1
+    first_k_dense_replace: int = 0
     seed: int = 0
     source: str = field(default="", compare=False)
 
@@ -85,6 +105,27 @@ class ModelConfig:
         if len(set(self.mla_layers)) != len(self.mla_layers) or any(
                 not 0 <= i < self.num_layers for i in self.mla_layers):
             raise ValueError(f"mla_layers must be distinct indices in [0, {self.num_layers}), got {self.mla_layers}")
+        if not (isinstance(self.rms_norm_eps, float) and 0 < self.rms_norm_eps < 1):
+            raise ValueError(f"rms_norm_eps must be a float in (0, 1), got {self.rms_norm_eps!r}")
+        for name in ("num_experts", "num_shared_experts", "first_k_dense_replace"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {val!r}")
+        for name in ("num_experts_per_token", "moe_intermediate_size", "num_expert_group", "topk_group"):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, int) or val <= 0:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if self.num_experts:
+            if self.num_experts_per_token > self.num_experts:
+                raise ValueError(f"num_experts_per_token must be <= num_experts = {self.num_experts}, "
+                                 f"got {self.num_experts_per_token}")
+            if self.num_experts % self.num_expert_group or self.topk_group > self.num_expert_group:
+                raise ValueError(f"num_experts ({self.num_experts}) must split into num_expert_group "
+                                 f"({self.num_expert_group}) groups and topk_group ({self.topk_group}) <= groups")
+            if self.num_expert_group > 1 and self.num_experts // self.num_expert_group < 2:
+                raise ValueError("grouped top-k scores each group by its top 2 experts: need >= 2 experts per group")
+        if not (isinstance(self.routed_scaling_factor, (int, float)) and 0 < self.routed_scaling_factor < math.inf):
+            raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {self.routed_scaling_factor!r}")
         if self.gate not in GATES:
             raise ValueError(f"gate must be one of {GATES}, got {self.gate!r}")
         if self.gate == "lower_bound" and (self.lower_bound is None or self.lower_bound >= 0):
@@ -107,6 +148,10 @@ class ModelConfig:
     def latent_dim(self) -> int:
         """Per-token MLA cache width per layer: kv_lora_rank + qk_rope_head_dim (elements)."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer ``i`` (0-based) has the MoE feed-forward (else a dense SwiGLU MLP)."""
+        return self.num_experts > 0 and i >= self.first_k_dense_replace
 
     @property
     def conv_dim(self) -> int:
@@ -146,15 +191,20 @@ PRESETS: dict[str, ModelConfig] = {
     "demo": ModelConfig(
         name="demo", num_layers=8, mla_layers=kimi_pattern(8), hidden_size=128, num_heads=4,
         head_k_dim=32, head_v_dim=32, kv_lora_rank=64, qk_rope_head_dim=16, num_mla_heads=4,
-        qk_nope_head_dim=32, v_head_dim=32, intermediate_size=256, source="runnable demo (this repo)"),
+        qk_nope_head_dim=32, v_head_dim=32, intermediate_size=256,
+        rms_norm_eps=1e-5, mla_use_nope=True, num_experts=8, num_experts_per_token=2, moe_intermediate_size=64,
+        num_shared_experts=1, routed_scaling_factor=2.446, first_k_dense_replace=1, source="runnable demo (this repo)"),
     "demo-k3gate": ModelConfig(
         name="demo-k3gate", num_layers=8, mla_layers=kimi_pattern(8), hidden_size=128, num_heads=4,
         head_k_dim=32, head_v_dim=32, kv_lora_rank=64, qk_rope_head_dim=16, gate="lower_bound",
-        lower_bound=-5.0, source="runnable demo with the K3 lower-bound gate (this repo)"),
+        lower_bound=-5.0, rms_norm_eps=1e-5, mla_use_nope=True, num_experts=8, num_experts_per_token=2, moe_intermediate_size=64,
+        num_shared_experts=1, routed_scaling_factor=2.446, first_k_dense_replace=1, source="runnable demo with the K3 lower-bound gate (this repo)"),
     "demo-tiny": ModelConfig(
         name="demo-tiny", num_layers=4, mla_layers=kimi_pattern(4), hidden_size=32, num_heads=2,
         head_k_dim=16, head_v_dim=12, kv_lora_rank=16, qk_rope_head_dim=8, num_mla_heads=2,
-        qk_nope_head_dim=8, v_head_dim=8, intermediate_size=64, source="test model (this repo), K != V"),
+        qk_nope_head_dim=8, v_head_dim=8, intermediate_size=64, rms_norm_eps=1e-5,
+        mla_use_nope=True, num_experts=4, num_experts_per_token=2, moe_intermediate_size=16, num_shared_experts=1,
+        routed_scaling_factor=2.446, first_k_dense_replace=1, source="test model (this repo), K != V"),
 }
 REAL_PRESETS = ("kimi-linear-48b-a3b", "kimi-k3")
 PRESET_TITLES = {"kimi-linear-48b-a3b": "Kimi-Linear-48B-A3B", "kimi-k3": "Kimi K3", "demo": "demo hybrid",

@@ -56,9 +56,9 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * pointwise(torch.rsqrt, (x * x).sum(-1) + L2_EPS).unsqueeze(-1)
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """RMSNorm over the last dim: ``x / sqrt(mean x^2 + 1e-6) * weight``."""
-    return x * pointwise(torch.rsqrt, (x * x).mean(-1) + RMS_EPS).unsqueeze(-1) * weight
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = RMS_EPS) -> torch.Tensor:
+    """RMSNorm over the last dim: ``x / sqrt(mean x^2 + eps) * weight`` (eps: the config's ``rms_norm_eps``)."""
+    return x * pointwise(torch.rsqrt, (x * x).mean(-1) + eps).unsqueeze(-1) * weight
 
 
 def _init(gen: torch.Generator, out_dim: int, in_dim: int) -> nn.Parameter:
@@ -168,7 +168,7 @@ class KDALayer(nn.Module):
     def output(self, o: torch.Tensor, out_gate: torch.Tensor) -> torch.Tensor:
         """Gated RMSNorm per head then o_proj: ``o_proj(rmsnorm(o) * sigmoid(gate))``; o ``[B, T, H, V]``."""
         B, T = o.shape[:2]
-        y = rmsnorm(o, self.o_norm) * pointwise(torch.sigmoid, out_gate)  # [B, T, H, V]
+        y = rmsnorm(o, self.o_norm, self.cfg.rms_norm_eps) * pointwise(torch.sigmoid, out_gate)  # [B, T, H, V]
         return linear(y.reshape(B, T, -1), self.o_proj)                  # [B, T, D]
 
     def forward(self, x: torch.Tensor, cache: KDACache | None = None, mode: str = "chunk",
@@ -270,9 +270,11 @@ def latent_attention(q_cat: torch.Tensor, cache: torch.Tensor, kv_lora_rank: int
 
 
 class MLALayer(nn.Module):
-    """Multi-head latent attention (DeepSeek-V2 MLA, as used by Kimi Linear / K3).
+    """Multi-head latent attention (DeepSeek-V2 MLA, as used by Kimi Linear / K3; with ``mla_use_nope`` no
+    rotary embedding, as Kimi-Linear: Moonshot's ``modeling_kimi.py``, transformers' ``KimiLinearAttention``).
 
-    The cache keeps per token ``kv_lora_rank + qk_rope_head_dim`` values: the normalised compressed
+    Weights (Moonshot's names): ``q_proj`` (``q_lora_rank`` null), ``kv_a`` = ``kv_a_proj_with_mqa``,
+    ``kv_norm`` = ``kv_a_layernorm``, ``kv_b`` = ``kv_b_proj``, ``o_proj``. The cache keeps per token ``kv_lora_rank + qk_rope_head_dim`` values: the normalised compressed
     ``c_kv`` and the shared roped key. Keys/values are expanded from ``c_kv`` by ``kv_b``;
     :meth:`decode_absorbed` is the weight-absorbed decode that reads only the latents.
     """
@@ -292,19 +294,33 @@ class MLALayer(nn.Module):
     def empty_cache(self, batch: int) -> torch.Tensor:
         return torch.zeros(batch, 0, self.cfg.latent_dim)
 
-    def latents(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Per-token latent cache entries ``[B, T, r + rope]`` for tokens at positions start.."""
+    def position(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The positional part of a key or query ``[B, T, ..., rope]`` at ``positions [T]``: unchanged with
+        ``mla_use_nope`` (Kimi-Linear's MLA has no positional encoding), else rotary embedding."""
+        return x if self.cfg.mla_use_nope else rope(x, positions)
+
+    def latents_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Per-token latent cache entries ``[B, T, r + rope]`` of x ``[B, T, D]`` at ``positions [T]``:
+        ``kv_a_layernorm(c_kv)`` and the shared key part."""
         r = self.cfg.kv_lora_rank
         ckv = linear(x, self.kv_a)                                          # [B, T, r + rope]
-        pos = torch.arange(start, start + x.shape[1])
-        return torch.cat([rmsnorm(ckv[..., :r], self.kv_norm), rope(ckv[..., r:], pos)], dim=-1)
+        return torch.cat([rmsnorm(ckv[..., :r], self.kv_norm, self.cfg.rms_norm_eps),
+                          self.position(ckv[..., r:], positions)], dim=-1)
 
-    def _queries(self, x: torch.Tensor, start: int):
+    def latents(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Per-token latent cache entries ``[B, T, r + rope]`` for tokens at positions start.."""
+        return self.latents_at(x, torch.arange(start, start + x.shape[1]))
+
+    def queries_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Queries ``[B, T, Hm, nope + rope]`` of x ``[B, T, D]`` at ``positions [T]``."""
         cfg = self.cfg
         B, T, _ = x.shape
         q = linear(x, self.q_proj).view(B, T, cfg.num_mla_heads, -1)       # [B, T, Hm, nope+rope]
-        pos = torch.arange(start, start + T)
-        return torch.cat([q[..., : cfg.qk_nope_head_dim], rope(q[..., cfg.qk_nope_head_dim:], pos)], dim=-1)
+        return torch.cat([q[..., : cfg.qk_nope_head_dim], self.position(q[..., cfg.qk_nope_head_dim:], positions)],
+                         dim=-1)
+
+    def _queries(self, x: torch.Tensor, start: int):
+        return self.queries_at(x, torch.arange(start, start + x.shape[1]))
 
     def _keys_values(self, lat: torch.Tensor):
         cfg = self.cfg

@@ -1,9 +1,15 @@
-"""``HybridLM``: a small byte-level Kimi-pattern hybrid language model (KDA + MLA), pure torch.
+"""``HybridLM``: the Kimi-Linear architecture (KDA + MLA hybrid, MoE feed-forward), pure torch.
 
-Vocab 256 (one token per UTF-8 byte), layers in the Kimi pattern (every 4th layer MLA plus the last,
-``kda_core.config.kimi_pattern``), pre-norm residual blocks ``x + mixer(norm(x))`` then
-``x + SwiGLU(norm(x))``, weights generated deterministically from ``cfg.seed`` (no downloads).
-The per-request cache is an immutable :class:`HybridCache`; every call returns a new one.
+The model of Moonshot's ``modeling_kimi.py`` (``KimiLinearForCausalLM``; transformers'
+``models/kimi_linear/``): layers in the Kimi pattern (``linear_attn_config.full_attn_layers``: every 4th layer
+MLA plus the last, ``kda_core.config.kimi_pattern``), pre-norm residual blocks
+``x + self_attn(input_layernorm(x))`` then ``x + ffn(post_attention_layernorm(x))``, where the feed-forward is a
+dense SwiGLU MLP in the first ``first_k_dense_replace`` layers and an MoE (:mod:`kda_core.moe`) after them,
+then the final ``norm`` and an untied ``lm_head``. A config with ``num_experts = 0`` keeps a dense MLP
+everywhere. Weights are generated deterministically from ``cfg.seed`` (no downloads) or read from a checkpoint
+folder in Moonshot's format (:mod:`kda_core.pretrained`). The shipped models use a byte vocabulary (256 ids,
+one per UTF-8 byte); any ``vocab_size`` works. The per-request cache is an immutable :class:`HybridCache`;
+every call returns a new one.
 """
 from __future__ import annotations
 
@@ -15,8 +21,9 @@ from torch import nn
 
 from kda_core import pretrained
 from kda_core.config import PRESETS, ModelConfig
-from kda_core.invariant import linear, pointwise
+from kda_core.invariant import linear
 from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _check_mode, _check_state_at, rmsnorm
+from kda_core.moe import DenseMLP, MoE
 
 
 class HybridCache(NamedTuple):
@@ -28,7 +35,7 @@ class HybridCache(NamedTuple):
 
 
 class ForwardOutput(NamedTuple):
-    """logits ``[B, T, 256]`` fp32; cache after the T tokens; aux: per layer index a
+    """logits ``[B, T, vocab]`` fp32; cache after the T tokens; aux: per layer index a
     :class:`KDAAux` for KDA layers (only with ``output_aux=True``, else None); states_at: with
     ``state_at``, ``{t: {layer index: KDACache}}``, every KDA layer's cache after exactly t tokens of
     the call (else None; MLA latents need no copy: the latent cache holds every token)."""
@@ -60,47 +67,51 @@ def _no_grad_unless_training(fn):
 
 
 class HybridLM(nn.Module):
-    """Byte-level hybrid LM. ``HybridLM()`` uses ``PRESETS["demo"]`` (8 layers, d = 128).
+    """The Kimi-Linear model. ``HybridLM()`` uses ``PRESETS["demo"]`` (8 layers, d = 128, 8 experts).
 
-    Raises ValueError for a config whose vocab is not 256, bad token ids or shapes.
+    Parameters (Moonshot's names in :mod:`kda_core.pretrained`): ``embed`` ``[vocab, D]`` (``embed_tokens``),
+    ``mixers[i]`` (``self_attn``), ``norm1[i]`` / ``norm2[i]`` (``input_layernorm`` / ``post_attention_layernorm``),
+    ``ffn[i]`` (``mlp``: :class:`DenseMLP`, or ``block_sparse_moe``: :class:`MoE`), ``norm_f`` (``norm``),
+    ``lm_head`` ``[vocab, D]``.
+
+    Raises ValueError for bad token ids or shapes.
     """
 
     def __init__(self, cfg: ModelConfig | None = None):
         super().__init__()
         cfg = PRESETS["demo"] if cfg is None else cfg
-        if cfg.vocab_size != 256:
-            raise ValueError(f"cfg.vocab_size must be 256 (byte-level), got {cfg.vocab_size}")
         self.cfg = cfg
         gen = torch.Generator().manual_seed(cfg.seed)
         d, f = cfg.hidden_size, cfg.intermediate_size
-        self.embed = nn.Parameter(torch.randn(256, d, generator=gen), requires_grad=False)
+        self.embed = nn.Parameter(torch.randn(cfg.vocab_size, d, generator=gen), requires_grad=False)
         self.mixers = nn.ModuleList(
             MLALayer(cfg, gen) if i in cfg.mla_layers else KDALayer(cfg, gen) for i in range(cfg.num_layers))
         self.norm1 = nn.Parameter(torch.ones(cfg.num_layers, d), requires_grad=False)
         self.norm2 = nn.Parameter(torch.ones(cfg.num_layers, d), requires_grad=False)
-        self.mlp_up = nn.ParameterList(nn.Parameter(torch.randn(2 * f, d, generator=gen) * d ** -0.5,
-                                                    requires_grad=False) for _ in range(cfg.num_layers))
-        self.mlp_down = nn.ParameterList(nn.Parameter(torch.randn(d, f, generator=gen) * f ** -0.5,
-                                                      requires_grad=False) for _ in range(cfg.num_layers))
+        self.ffn = nn.ModuleList(MoE(cfg, gen) if cfg.is_moe_layer(i) else DenseMLP(d, f, gen)
+                                 for i in range(cfg.num_layers))
         self.norm_f = nn.Parameter(torch.ones(d), requires_grad=False)
-        self.lm_head = nn.Parameter(torch.randn(256, d, generator=gen) * d ** -0.5, requires_grad=False)
+        self.lm_head = nn.Parameter(torch.randn(cfg.vocab_size, d, generator=gen) * d ** -0.5, requires_grad=False)
         self.eval()
 
     @classmethod
     def from_pretrained(cls, path) -> HybridLM:
-        """Load trained weights from a model folder (``model.safetensors`` + ``config.json``, see
-        :mod:`kda_core.pretrained`) into fp32. Raises ValueError when the folder, a file or a config key is
-        missing, or a tensor name or shape differs from the model the config describes."""
+        """Load a checkpoint folder in Kimi-Linear's format (``config.json`` + safetensors, one file or shards;
+        see :mod:`kda_core.pretrained`) into fp32. Raises ValueError when the folder, a file or a config field is
+        missing or unsupported, or a tensor is missing, unexpected or mis-shaped."""
         cfg, state = pretrained.load(path)
-        model = cls(cfg)
+        with torch.device("meta"):
+            model = cls(cfg)
         pretrained.check_state(model.state_dict(), state)
+        model = model.to_empty(device="cpu")
         model.load_state_dict(state)
-        return model
+        return model.eval()
 
-    def save_pretrained(self, path, dtype: torch.dtype = torch.float16) -> dict:
-        """Write the weights (cast to ``dtype``, fp16 or bf16) and ``config.json`` to folder ``path``; returns
-        the config dict (see :func:`kda_core.pretrained.save`)."""
-        return pretrained.save(self, path, dtype)
+    def save_pretrained(self, path, dtype: torch.dtype = torch.float32,
+                        max_shard_bytes: int = pretrained.MAX_SHARD_BYTES) -> dict:
+        """Write the model to folder ``path`` in Kimi-Linear's format (weights cast to ``dtype``, sharded above
+        ``max_shard_bytes``); returns the config dict (see :func:`kda_core.pretrained.save`)."""
+        return pretrained.save(self, path, dtype, max_shard_bytes)
 
     @property
     def kda_layers(self) -> tuple[int, ...]:
@@ -117,14 +128,25 @@ class HybridLM(nn.Module):
             tokens = tokens.unsqueeze(0)
         if tokens.dim() != 2 or tokens.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"tokens must be an integer tensor [B, T] or [T], got {tuple(tokens.shape)} {tokens.dtype}")
-        if tokens.numel() and (tokens.min() < 0 or tokens.max() > 255):
-            raise ValueError("tokens must be byte ids in [0, 255]")
+        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.cfg.vocab_size):
+            raise ValueError(f"tokens must be ids in [0, {self.cfg.vocab_size - 1}]")
         return tokens.long()
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        """SwiGLU MLP of layer i on ``x [B, T, D]``."""
-        a, b = linear(x, self.mlp_up[i]).chunk(2, dim=-1)                 # [B, T, F] each
-        return linear(pointwise(torch.nn.functional.silu, a) * b, self.mlp_down[i])  # [B, T, D]
+        """Feed-forward of layer i (dense SwiGLU or MoE) on ``x [B, T, D]``."""
+        return self.ffn[i](x)
+
+    def input_norm(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """``input_layernorm`` of layer i on ``x [..., D]``."""
+        return rmsnorm(x, self.norm1[i], self.cfg.rms_norm_eps)
+
+    def post_attention_norm(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """``post_attention_layernorm`` of layer i on ``x [..., D]``."""
+        return rmsnorm(x, self.norm2[i], self.cfg.rms_norm_eps)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final ``norm`` then ``lm_head``: hidden ``[..., D]`` -> logits ``[..., vocab]``."""
+        return linear(rmsnorm(x, self.norm_f, self.cfg.rms_norm_eps), self.lm_head)
 
     @_no_grad_unless_training
     def forward(self, tokens: torch.Tensor, cache: HybridCache | None = None, mode: str = "chunk",
@@ -156,7 +178,7 @@ class HybridLM(nn.Module):
         state_at = tuple(sorted(set(state_at)))
         states_at = {t: {} for t in state_at} if state_at else None
         for i in range(stop):
-            m, h = self.mixers[i], rmsnorm(x, self.norm1[i])
+            m, h = self.mixers[i], self.input_norm(i, x)
             if isinstance(m, KDALayer):
                 out = m(h, cache.layers[i], mode=mode, output_aux=output_aux, state_at=state_at)
                 if output_aux:
@@ -167,17 +189,17 @@ class HybridLM(nn.Module):
             else:
                 y, new_layers[i] = m(h, cache.layers[i], mode=mode)
             x = x + y
-            x = x + self.mlp(i, rmsnorm(x, self.norm2[i]))
-        logits = linear(rmsnorm(x, self.norm_f), self.lm_head) if stop == self.cfg.num_layers else None
+            x = x + self.ffn[i](self.post_attention_norm(i, x))
+        logits = self.head(x) if stop == self.cfg.num_layers else None
         return ForwardOutput(logits, HybridCache(tuple(new_layers), cache.num_tokens + T), aux, states_at)
 
     def prefill(self, tokens: torch.Tensor, cache: HybridCache | None = None, mode: str = "chunk"):
-        """Prefill tokens ``[B, T]``; returns (logits ``[B, T, 256]``, new cache)."""
+        """Prefill tokens ``[B, T]``; returns (logits ``[B, T, vocab]``, new cache)."""
         out = self.forward(tokens, cache, mode=mode)
         return out.logits, out.cache
 
     def decode_step(self, token: torch.Tensor, cache: HybridCache):
-        """One decode token ``[B]`` (or a scalar/int); returns (logits ``[B, 256]``, new cache)."""
+        """One decode token ``[B]`` (or a scalar/int); returns (logits ``[B, vocab]``, new cache)."""
         token = torch.as_tensor(token, dtype=torch.long).reshape(-1, 1)   # [B, 1]
         out = self.forward(token, cache, mode="recurrent")
         return out.logits[:, -1], out.cache

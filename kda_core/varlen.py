@@ -31,7 +31,7 @@ import torch
 from kda_core.chunk import CHUNK_SIZE, kda_chunk
 from kda_core.invariant import linear
 from kda_core.kda import _step, kda_recurrent
-from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _block_causal_attention, rmsnorm, rope
+from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _block_causal_attention
 
 PAD_SLOT = -1
 
@@ -264,16 +264,12 @@ def make_meta(row_lens, num_decode: int, slot_idx, has_initial_state, context_le
 
 def _mla_latents(m: MLALayer, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """``MLALayer.latents`` with per-token positions ``pos [T_total]``: h ``[1, T_total, D]``."""
-    r = m.cfg.kv_lora_rank
-    ckv = linear(h, m.kv_a)                                             # [1, T_total, r + rope]
-    return torch.cat([rmsnorm(ckv[..., :r], m.kv_norm), rope(ckv[..., r:], pos)], dim=-1)
+    return m.latents_at(h, pos)                                         # [1, T_total, r + rope]
 
 
 def _mla_queries(m: MLALayer, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """``MLALayer._queries`` with per-token positions: ``[1, T_total, Hm, nope + rope]``."""
-    cfg = m.cfg
-    q = linear(h, m.q_proj).view(1, h.shape[1], cfg.num_mla_heads, -1)   # [1, T_total, Hm, nope+rope]
-    return torch.cat([q[..., : cfg.qk_nope_head_dim], rope(q[..., cfg.qk_nope_head_dim:], pos)], dim=-1)
+    return m.queries_at(h, pos)                                         # [1, T_total, Hm, nope+rope]
 
 
 def read_latents(kv_cache: torch.Tensor, m_idx: int, block_table, num_tokens: int) -> torch.Tensor:
@@ -333,8 +329,8 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     n = meta.slot_idx.shape[0]
     total = tokens.shape[0]
     _check_cu(meta.query_start_loc, total, n)
-    if tokens.numel() and (tokens.min() < 0 or tokens.max() > 255):
-        raise ValueError("tokens must be byte ids in [0, 255]")
+    if tokens.numel() and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
+        raise ValueError(f"tokens must be ids in [0, {cfg.vocab_size - 1}]")
     qsl = meta.query_start_loc.tolist()
     slots = meta.slot_idx.tolist()
     pad_tok = torch.zeros(total, dtype=torch.bool)
@@ -357,19 +353,19 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     packed = _pack_latents(meta, qsl, slots, pools.kv_cache.shape[2]) if cfg.mla_layers else None
     records = {} if decode_records else None
     for li in range(cfg.num_layers):
-        m, h = model.mixers[li], rmsnorm(x, model.norm1[li])
+        m, h = model.mixers[li], model.input_norm(li, x)
         if isinstance(m, KDALayer):
             y = _kda_layer(m, h, meta, qsl, slots, pools.kda[li], states_at, li, dec_rows, verify, records)
         else:
             y = _mla_layer(m, h, meta, qsl, slots, pos, pools.kv_cache, mla_index[li], kv_pages, kv_offs, kv_live,
                            packed, verify, li)
         x = x + y
-        x = x + model.mlp(li, rmsnorm(x, model.norm2[li]))
+        x = x + model.ffn[li](model.post_attention_norm(li, x))
     last = torch.tensor([qsl[i + 1] - 1 for i in range(n)], dtype=torch.long)
-    logits = linear(rmsnorm(x[0, last], model.norm_f), model.lm_head)      # [N, 256]
+    logits = model.head(x[0, last])                                        # [N, vocab]
     for i in verify:
         rows = x[:, qsl[i]: qsl[i + 1]]                                    # [1, T, D]
-        verify[i] = verify[i]._replace(logits=linear(rmsnorm(rows, model.norm_f), model.lm_head))  # [1, T, 256]
+        verify[i] = verify[i]._replace(logits=model.head(rows))             # [1, T, vocab]
     return BatchOutput(logits, states_at, verify, records)
 
 

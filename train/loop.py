@@ -22,10 +22,12 @@ import torch
 
 from kda_core.config import ModelConfig
 from kda_core.model import HybridLM
+from kda_core.moe import MoE
 from train import checkpoint
 from train.batches import BatchSampler, as_tensor, eval_windows
 from train.corpus import Split
 from train.evaluate import evaluate, loss_of
+from train.upcycle import upcycle
 
 LOSS_FIELDS = ("step", "tokens", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s")
 EVAL_FIELDS = ("step", "tokens", "code_nats_per_byte", "prose_nats_per_byte", "code_top1", "prose_top1",
@@ -50,6 +52,8 @@ class TrainArgs:
     eval_windows: int = 16
     checkpoint_every_s: float = 300.0
     device: str = "cpu"
+    bias_update_rate: float = 1e-3
+    init_from: str = ""
 
     def __post_init__(self):
         for name in ("batch_size", "seq_len", "max_steps", "log_every", "eval_every", "eval_windows"):
@@ -60,6 +64,8 @@ class TrainArgs:
                              f"{self.min_lr_ratio}, {self.warmup_steps}")
         if not self.checkpoint_every_s > 0:
             raise ValueError(f"checkpoint_every_s must be > 0, got {self.checkpoint_every_s}")
+        if not 0 <= self.bias_update_rate < 1:
+            raise ValueError(f"bias_update_rate must be in [0, 1), got {self.bias_update_rate}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
 
@@ -141,6 +147,8 @@ def train(cfg: ModelConfig, data: Split, args: TrainArgs, out_dir, quiet: bool =
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     model = HybridLM(cfg)
+    if args.init_from:
+        upcycle(model, args.init_from, seed=args.seed)
     model.requires_grad_(True)
     opt = make_optimizer(model, args)
     sampler = BatchSampler(as_tensor(data.train), args.batch_size, args.seq_len, args.seed)
@@ -206,6 +214,9 @@ def train(cfg: ModelConfig, data: Split, args: TrainArgs, out_dir, quiet: bool =
             loss.backward()
             gnorm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip))
             opt.step()
+            for ffn in model.ffn:                     # MoE layers: auxiliary-loss-free load balancing
+                if isinstance(ffn, MoE):
+                    ffn.update_bias(args.bias_update_rate)
             step += 1
             tokens += x.numel()
             win_loss, win_n = win_loss + loss.item(), win_n + 1

@@ -1,0 +1,115 @@
+"""The feed-forward blocks of Kimi-Linear: a dense SwiGLU MLP in the first ``first_k_dense_replace`` layers,
+a sparse mixture of experts (MoE) with shared experts in the others (pure torch, fp32, row-invariant).
+
+Router (DeepSeek-V3's, which Kimi-Linear keeps: Moonshot's ``modeling_kimi.py`` ``KimiMoEGate``, transformers'
+``KimiLinearTopkRouter``; arXiv:2412.19437 section 2.1.2):
+
+- ``s = sigmoid(x W_r^T)`` ``[N, E]`` in fp32 (``moe_router_activation_func`` "sigmoid");
+- the choice adds the load-balancing bias: ``c = s + e_score_correction_bias``; with ``num_expert_group`` G > 1
+  each group is scored by the sum of its top-2 ``c`` and only the best ``topk_group`` groups stay;
+- the top-k experts of ``c``; their weights are the *unbiased* ``s``, divided by their sum when
+  ``moe_renormalize`` (+ 1e-20), times ``routed_scaling_factor``;
+- ``y = sum_k w_k expert_k(x) + shared(x)``, each expert a SwiGLU ``w2(silu(w1 x) * w3 x)``.
+
+Every row's result depends on that row alone (``kda_core.invariant``: ``linear`` / ``pointwise``, the top-k
+sum in a fixed order), so a batched forward equals each row's forward alone, bitwise.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kda_core.config import ModelConfig
+from kda_core.invariant import linear, pointwise
+
+
+def _init(gen: torch.Generator, *shape: int) -> nn.Parameter:
+    w = torch.randn(*shape, generator=gen) * shape[-1] ** -0.5
+    return nn.Parameter(w, requires_grad=False)
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """``down(silu(gate x) * up x)``; x ``[..., D]``, gate_up ``[2F, D]`` (gate rows then up rows), down ``[D, F]``."""
+    a, b = linear(x, gate_up).chunk(2, dim=-1)                             # [..., F] each
+    return linear(pointwise(F.silu, a) * b, down)                           # [..., D]
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP: ``gate_up`` ``[2F, D]`` (Moonshot's ``gate_proj`` then ``up_proj``), ``down`` ``[D, F]``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, gen: torch.Generator):
+        super().__init__()
+        self.gate_up = _init(gen, 2 * intermediate_size, hidden_size)
+        self.down = _init(gen, hidden_size, intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[..., D]`` -> ``[..., D]``."""
+        return swiglu(x, self.gate_up, self.down)
+
+
+class MoE(nn.Module):
+    """Routed experts + shared experts (see the module docstring for the router).
+
+    Parameters: ``router`` ``[E, D]`` (``gate.weight``), buffer ``router_bias`` ``[E]``
+    (``gate.e_score_correction_bias``: not trained by gradient; :meth:`update_bias` moves it),
+    ``experts_gate_up`` ``[E, 2F, D]`` (w1 then w3 of each expert), ``experts_down`` ``[E, D, F]`` (w2),
+    ``shared`` a :class:`DenseMLP` of width ``F * num_shared_experts`` (or None without shared experts).
+    In training mode the last forward's expert loads are kept in ``last_load`` ``[E]`` (tokens routed to each).
+    """
+
+    def __init__(self, cfg: ModelConfig, gen: torch.Generator):
+        super().__init__()
+        if cfg.num_experts < 1:
+            raise ValueError(f"cfg.num_experts must be >= 1 for an MoE layer, got {cfg.num_experts}")
+        self.cfg = cfg
+        E, D, F_ = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.router = _init(gen, E, D)
+        self.register_buffer("router_bias", torch.zeros(E))
+        self.experts_gate_up = _init(gen, E, 2 * F_, D)
+        self.experts_down = _init(gen, E, D, F_)
+        self.shared = DenseMLP(D, F_ * cfg.num_shared_experts, gen) if cfg.num_shared_experts else None
+        self.last_load: torch.Tensor | None = None
+
+    def route(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k routing of rows ``[N, D]``: (weights ``[N, k]`` fp32, expert ids ``[N, k]`` int64, best first)."""
+        cfg = self.cfg
+        N, E, G = rows.shape[0], cfg.num_experts, cfg.num_expert_group
+        scores = pointwise(torch.sigmoid, linear(rows.float(), self.router.float()))   # [N, E]
+        choice = scores + self.router_bias
+        if G > 1:
+            group = choice.view(N, G, E // G).topk(2, dim=-1).values.sum(-1)            # [N, G]
+            keep = torch.zeros_like(group, dtype=torch.bool).scatter_(
+                1, group.topk(cfg.topk_group, dim=-1).indices, True)                    # [N, G]
+            choice = choice.masked_fill(~keep.repeat_interleave(E // G, dim=1), float("-inf"))
+        idx = choice.topk(cfg.num_experts_per_token, dim=-1, sorted=True).indices      # [N, k]
+        w = scores.gather(1, idx)                                                        # [N, k]
+        if cfg.moe_renormalize:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        return w * cfg.routed_scaling_factor, idx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x ``[..., D]`` -> ``[..., D]``: the routed experts' weighted sum plus the shared experts."""
+        rows = x.reshape(-1, x.shape[-1])                                   # [N, D]
+        w, idx = self.route(rows)
+        per_k = rows.new_zeros(rows.shape[0], idx.shape[1], rows.shape[1])  # [N, k, D]
+        for e in torch.unique(idx).tolist():
+            r, s = (idx == e).nonzero(as_tuple=True)                        # rows and top-k positions on expert e
+            per_k = per_k.index_put((r, s), swiglu(rows[r], self.experts_gate_up[e], self.experts_down[e]))
+        y = per_k[:, 0] * w[:, :1]
+        for j in range(1, idx.shape[1]):                                    # fixed order: row-invariant
+            y = y + per_k[:, j] * w[:, j: j + 1]
+        if self.training:
+            self.last_load = torch.bincount(idx.flatten(), minlength=self.cfg.num_experts).detach()
+        y = y.view(x.shape)
+        return y + self.shared(x) if self.shared is not None else y
+
+    @torch.no_grad()
+    def update_bias(self, rate: float) -> None:
+        """Auxiliary-loss-free load balancing (DeepSeek-V3, arXiv:2412.19437 eq. 16; Wang et al. 2024,
+        arXiv:2408.15664): after a training step, ``b_e += rate * sign(mean load - load_e)``, so an
+        overloaded expert is chosen less. Uses ``last_load``; does nothing before a training forward."""
+        if self.last_load is None:
+            return
+        load = self.last_load.float()
+        self.router_bias += rate * torch.sign(load.mean() - load)
