@@ -1,10 +1,11 @@
 """``python -m train.export --run DIR --out weights/kda-demo``: ship a run's current weights.
 
-Writes into ``--out``: ``model.safetensors`` (fp16) + ``config.json`` (:mod:`kda_core.pretrained`), the loss
+Writes into ``--out``: the checkpoint in Kimi-Linear's format (``model.safetensors`` in fp32 + ``config.json``,
+:mod:`kda_core.pretrained`; ``tokenizer.json`` + ``tokenizer_config.json``, :mod:`kda_core.tokenizer`), the loss
 curve (``loss.csv``, ``eval.csv`` copied from the run) and ``manifest.json``: sha256 and size of each shipped
 file, the training summary (step, bytes trained, hours, where), the held-out quality table (nats per byte
 and greedy top-1 on code and prose beside xz's nats per byte on the same bytes) and the CI record: a held-out
-code and a prose sample with the loss and the last-position logits that the shipped (fp16) weights give.
+code and a prose sample with the loss and the last-position logits that the shipped weights give.
 The tests compare against this record, so they hold for whichever export is committed. ``greedy``: what the
 weights write after the first half of each sample (informational).
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from kda_core.model import HybridLM
+from kda_core.tokenizer import write_tokenizer
 from train import checkpoint
 from train.batches import as_tensor, eval_windows
 from train.corpus import KINDS, check_against_manifest, documents, join, load_manifest, xz_nats_per_byte
@@ -31,7 +33,8 @@ SAMPLE_BYTES = 512          # bytes of each CI sample (from the start of a held-
 LOGIT_POSITIONS = 4         # last positions of a sample whose logits are recorded
 QUALITY_WINDOWS = 32        # held-out windows of 512 bytes per kind in the quality table
 GREEDY_BYTES = 160         # bytes of each greedy continuation recorded in the manifest
-SHIPPED_FILES = ("model.safetensors", "config.json", "loss.csv", "eval.csv")
+SHIPPED_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "loss.csv", "eval.csv")
+STORE_DTYPE = torch.float32   # fp32: the trained values themselves (4 M parameters: 16 MB), as every peer loads them
 
 
 def sha256_file(path) -> str:
@@ -69,11 +72,12 @@ def export(run_dir, out_dir, where: str) -> dict:
     model = HybridLM(config_from_dict(ckpt["config"]))
     model.load_state_dict(ckpt["model"])
     out = Path(out_dir)
-    model.save_pretrained(out, torch.float16)
+    model.save_pretrained(out, STORE_DTYPE)
+    write_tokenizer(out)
     for name in ("loss.csv", "eval.csv"):                                 # the run may be ahead of its checkpoint
         lines = (Path(run_dir) / name).read_text().splitlines(keepends=True)
         (out / name).write_text("".join(lines[:1] + [ln for ln in lines[1:] if int(ln.split(",")[0]) <= ckpt["step"]]))
-    shipped = HybridLM.from_pretrained(out)                               # the fp16 weights, as loaded
+    shipped = HybridLM.from_pretrained(out)                               # the stored weights, as loaded
     docs = documents()
     check_against_manifest(docs, load_manifest())
     data = join(docs)
@@ -84,7 +88,7 @@ def export(run_dir, out_dir, where: str) -> dict:
                          "xz_nats_per_byte": xz_nats_per_byte(raw), "heldout_bytes": len(raw)}
     manifest = {
         "model": model.cfg.name, "num_parameters": sum(p.numel() for p in model.parameters()),
-        "weights_dtype": "float16",
+        "weights_dtype": str(STORE_DTYPE).removeprefix("torch."),
         "files": {name: {"sha256": sha256_file(out / name), "num_bytes": (out / name).stat().st_size}
                   for name in SHIPPED_FILES},
         "training": {"step": ckpt["step"], "max_steps": ckpt["args"]["max_steps"], "bytes_trained": ckpt["tokens"],
