@@ -39,16 +39,17 @@ SLOW_CHUNK, SLOW_HEAD = 2, 1                  # the edge unit: chunk 2 (tokens 1
 
 def inputs(dim: int, kind: str):
     """Unit-norm q, k, mild gates (at most 0.3 nats a token: 19 per chunk); in key dim ``dim`` of the edge unit
-    only, ``kind`` "bound": 10 tokens decaying 8 nats (80 > the 60-nat bound), or "-inf": one token forgets."""
+    only, ``kind`` "bound": 20 tokens decaying 8 nats (160 > the 60-nat bound; exp(160) overflows fp32), or "-inf":
+    one token forgets."""
     gen = torch.Generator().manual_seed(dim)
     q, k = (F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1) for _ in range(2))
     v = torch.randn(B, T, H, V, generator=gen)
     g = -torch.rand(B, T, H, K, generator=gen) * 0.3
     t0 = SLOW_CHUNK * C
     if kind == "bound":
-        g[0, t0 + 2: t0 + 12, SLOW_HEAD, dim] = -8.0
+        g[0, t0 + 2: t0 + 22, SLOW_HEAD, dim] = -8.0
     else:
-        g[0, t0 + 22, SLOW_HEAD, dim] = float("-inf")
+        g[0, t0 + 30, SLOW_HEAD, dim] = float("-inf")
     beta = torch.rand(B, T, H, generator=gen)
     return q, k, v, g, beta
 
