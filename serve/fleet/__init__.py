@@ -11,5 +11,5 @@ Sub-package → concept → main types (each sub-package's docstring has its con
 Imports go one way: ``sim`` → ``scaling`` → ``routing`` (the layer test pins it). The pages' experiments on this
 layer live in ``lab/fleet*.py`` and ``lab/budgets.py``. Tests: ``tests/serve/fleet/`` (``test_fleet_routers.py``,
 ``test_fleet_simulation.py``, ``test_fleet_policy_cache.py``, ``test_replay_policy_cache.py``,
-``test_replay_refresh.py``); lab: ``tests/lab/test_fleet.py``, ``test_budgets.py``; bench: ``python -m bench.fleet``.
+``test_replay_refresh.py``, ``test_service_model_scaling.py``, ``test_fleet_sim_policy.py``); lab: ``tests/lab/test_fleet.py``, ``test_budgets.py``; bench: ``python -m bench.fleet``.
 """

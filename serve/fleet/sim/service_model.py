@@ -133,7 +133,10 @@ class ServiceModel:
     def scaled(self, prefill_x: float, decode_x: float, kv_capacity_tokens: int | None = None,
                max_batch_requests: int | None = None) -> ServiceModel:
         """A replica ``prefill_x`` times faster at prefill and ``decode_x`` times faster per decode
-        step (an assumption, recorded in ``source``); optional new KV capacity / batch limit."""
+        step (an assumption, recorded in ``source``); optional new KV capacity / batch limit. Every prefill
+        time term (fixed, per token, per row, per attention pair, off the grid) is divided by ``prefill_x``, every
+        decode term (base, per row, per context token) by ``decode_x``; ``per_output_row_ms``, the server's own
+        work per emitted token, stays as it is. Raises ValueError for a factor <= 0."""
         if not (prefill_x > 0 and decode_x > 0):
             raise ValueError("speed-up factors must be > 0")
         return replace(

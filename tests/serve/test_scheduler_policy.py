@@ -1,0 +1,133 @@
+"""The scheduler's policies, pinned by what it chooses (not by outputs: batch invariance makes every request's
+tokens bitwise the same whatever the order, the padding or the queue position, so an output test cannot see
+a policy bug).
+
+- decode first (vLLM's ``reorder_batch_threshold = 1``): a decoding request gets its token every step, whatever
+  prompt arrives under the token budget;
+- prefill chunks: oldest first, cut on the 64-token grid when the state is exact (fp32), never cut with a
+  16-bit state;
+- admission FCFS without overtaking (vLLM / nano-vllm): a request that fits only LATER holds back the ones
+  behind it;
+- preemption by recompute (nano-vllm's ``preempt`` -> ``waiting.appendleft``): the preempted request goes back
+  to the HEAD of the queue and runs before the requests that were already waiting.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from serve.config import ServeConfig
+from serve.engine import ServeEngine
+from serve.memory.pool import PagePool
+from serve.request import RequestStatus
+from tests.serve.prefix.helpers import tiny_model, tokens
+
+
+def engine(num_pages: int = 96, state_dtype=torch.float32, **kw) -> ServeEngine:
+    """A cache-off engine on a poisoned pool (64-token blocks), with the scheduler caps in ``kw``."""
+    model = tiny_model()
+    config = ServeConfig(64, 64, page_policy="unified", state_dtype=state_dtype)
+    pool = PagePool(num_pages, config.page_bytes(model.cfg), poison=True)
+    return ServeEngine(model, pool, None, config=config, **kw)
+
+
+def step_to(eng: ServeEngine, rid: int, status: RequestStatus, max_steps: int = 50) -> int:
+    """Step (integrity checked each step) until request ``rid`` has ``status``; returns the steps taken."""
+    for n in range(max_steps):
+        if eng.requests[rid].status is status:
+            return n
+        eng.step()
+        eng.check_integrity()
+    raise AssertionError(f"request {rid} not {status} after {max_steps} steps")
+
+
+def test_decode_first_a_long_prompt_never_takes_a_step_from_the_decoder():
+    """64-token budget, one request decoding, a 200-token prompt arrives: every step runs the decode row (1
+    token) first; the prompt's 64-token chunk does not fit the 63 left (and 63 is not on the grid), so it waits.
+    The decoder finishes in exactly as many steps as it has tokens left, one token per step."""
+    eng = engine(max_num_batched_tokens=64)
+    dec = eng.submit(tokens(1, 40), 12)
+    step_to(eng, dec, RequestStatus.DECODE)
+    before = len(eng.requests[dec].output)
+    long = eng.submit(tokens(2, 200), 3)
+    steps = 0
+    while eng.requests[dec].status is RequestStatus.DECODE:
+        eng.step()
+        eng.check_integrity()
+        steps += 1
+        b = eng.last_batch
+        assert b.num_decode == 1 and b.rows[0].req.rid == dec, f"step {steps}: the decoder has no row"
+        assert b.num_prefill_tokens + b.num_decode <= 64, "the step went over the token budget"
+        assert len(eng.requests[dec].output) == before + steps, f"step {steps}: the decoder lost a token"
+    assert steps == 12 - before
+    assert eng.requests[long].computed == 0                      # it waited for the budget the decoder left
+    eng.run_until_idle()
+    assert eng.result(long).status is RequestStatus.FINISHED
+
+
+@pytest.mark.parametrize("state_dtype,chunk", [(torch.float32, 64), (torch.bfloat16, 0)], ids=["fp32-cut", "bf16-waits"])
+def test_a_chunk_that_does_not_fit_is_cut_on_the_grid_only_with_an_exact_state(state_dtype, chunk):
+    """Budget 128, one decoder: 127 tokens left for a 200-token prompt whose chunk is 128. An fp32 state cuts
+    it on the 64-token grid (64 tokens, bitwise the uncut chunk); a bf16 state is rounded at every chunk end,
+    so the row waits rather than compute other chunks than it would alone."""
+    eng = engine(max_num_batched_tokens=128, state_dtype=state_dtype)
+    dec = eng.submit(tokens(3, 30), 8)
+    step_to(eng, dec, RequestStatus.DECODE)
+    long = eng.submit(tokens(4, 200), 2)
+    eng.step()
+    b = eng.last_batch
+    assert b.num_decode == 1 and b.num_prefill_tokens == chunk
+    assert eng.requests[long].computed == chunk
+
+
+def test_prefill_chunks_go_to_the_oldest_request_first():
+    """Budget 64, two prompts admitted in the same step: the older one's chunks fill every step until its
+    prompt is done (the 42 tokens its last 22-token chunk leaves are off the grid, and the next step's decode
+    row leaves 63); the younger one prefills once the older has finished."""
+    eng = engine(max_num_batched_tokens=64)
+    old, young = eng.submit(tokens(5, 150), 2), eng.submit(tokens(6, 150), 2)
+    seen = []
+    while eng.requests[young].computed == 0:
+        eng.step()
+        eng.check_integrity()
+        seen.append(tuple((r.req.rid, len(r.tokens)) for r in eng.last_batch.rows if not r.decode))
+    assert seen == [((old, 64),), ((old, 64),), ((old, 22),), (), ((young, 64),)]
+
+
+def test_admission_is_fcfs_a_request_that_fits_later_is_not_overtaken():
+    """The head of the queue needs more pages than are free while another request runs (it fits LATER); a
+    small request behind it would fit NOW but must not overtake it (FCFS: admission stops at the head)."""
+    eng = engine(num_pages=40)
+    per_state = eng.layout.state_pages
+    big_kv = 40 - per_state - 1                                  # fits the pool alone, not beside anyone
+    first = eng.submit(tokens(7, 60), 4)
+    eng.step()
+    big = eng.submit(tokens(8, big_kv * 64 - 8), 4)
+    small = eng.submit(tokens(9, 10), 2)
+    eng.step()
+    assert eng.waiting == [big, small], "a small request overtook the head of the queue"
+    assert eng.requests[small].status is RequestStatus.WAITING
+    eng.run_until_idle()
+    order = sorted((first, big, small), key=lambda r: eng.requests[r].first_token_t)
+    assert order == [first, big, small]
+
+
+def test_preempted_request_goes_back_to_the_head_of_the_queue_and_finishes_first():
+    """Two slots run A and B, C waits. Preempting the newest (B) puts it at the head of the queue, before
+    C: it is admitted again at once (A still runs) and finishes before C starts (nano-vllm's appendleft)."""
+    eng = engine(max_num_seqs=2)
+    a, b, c = (eng.submit(tokens(10 + i, 30), 6) for i in range(3))
+    step_to(eng, b, RequestStatus.DECODE)
+    assert eng.running == [a, b] and eng.waiting == [c]
+    assert eng.preempt_newest() == b
+    assert eng.waiting == [b, c], "the preempted request did not go back to the head of the queue"
+    eng.step()
+    eng.check_integrity()
+    assert eng.running == [a, b] and eng.waiting == [c]
+    finished = []
+    while eng.running or eng.waiting:
+        eng.step()
+        eng.check_integrity()
+        finished += [r for r in (a, b, c) if eng.requests[r].status is RequestStatus.FINISHED and r not in finished]
+    assert finished == [a, b, c]
+    assert eng.pool.num_free == eng.pool.num_pages
