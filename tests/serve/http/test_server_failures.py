@@ -19,6 +19,8 @@ from serve.http.app import create_app
 from serve.http.background import serve_in_thread
 from serve.http.model import EngineSpec, build_engine, load_model
 from serve.memory.pool import PagePool
+from serve.spec_decode.draft import NgramProposer
+from serve.spec_decode.verify import Speculation
 from tests.serve.http.server_helpers import MODEL, metric, on_engine, reference_texts, running_server
 
 
@@ -173,3 +175,20 @@ def test_command_line_server_exits_non_zero_when_the_model_fails(monkeypatch):
     assert health.status_code == 503 and "EngineFailure" in health.json()["error"]["message"]
     thread.join(15)
     assert not thread.is_alive() and exit_code["code"] == ENGINE_DIED
+
+
+def test_a_request_the_engine_refuses_at_submit_ends_alone():
+    """An engine with speculation accepts drafts greedily, so its submit() refuses a sampled request; that ValueError
+    escaped the engine thread and killed the loop (every later request 503). Now that request ends with a 503 naming
+    the reason and the server goes on."""
+    spec = EngineSpec("demo-tiny", max_model_len=64, max_num_seqs=2)
+    model = load_model("demo-tiny")
+    engine = ServeEngine(model, PagePool(64, spec.config.page_bytes(model.cfg)), config=spec.config, max_num_seqs=2,
+                         speculation=Speculation.named(lambda prompt: NgramProposer(), "snapshot", 2))
+    with serve_in_thread(create_app(engine, MODEL, 64, 2, 2)) as url:
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "temperature": 0.7},
+                       timeout=30)
+        assert r.status_code == 503 and "not supported with speculation" in r.json()["error"]["message"], r.text
+        assert httpx.get(url + "/health").status_code == 200
+        ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=30)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
