@@ -17,6 +17,7 @@
 """
 from __future__ import annotations
 
+import ast
 import functools
 import re
 from pathlib import Path
@@ -105,7 +106,7 @@ def _read_one(text: str, default, options, min_value, max_value, format_func):
 def _read_link(raw: list[str], default, options, min_value, max_value, format_func=None, max_chars=None):
     """The widget value the URL values ``raw`` (the key's values, in order) ask for. Raises :class:`_Unreadable`
     saying why the widget cannot take it: a one-value widget given the key more than once, a range (tuple
-    ``default``) not given exactly two values, an empty multiselect, a text longer than ``max_chars`` (Streamlit
+    ``default``) not given exactly two values, an empty multiselect or one naming an option twice, a text longer than ``max_chars`` (Streamlit
     would cut it silently), or a value :func:`_read_one` cannot read. With a ``format_func`` the URL carries the
     option's label (as the widget shows it), not the option itself."""
     def one(text, like):
@@ -117,6 +118,9 @@ def _read_link(raw: list[str], default, options, min_value, max_value, format_fu
     if isinstance(default, list):            # a multiselect
         if raw in ([], [""]):
             raise _Unreadable("an empty selection")
+        repeated = sorted({t for t in raw if raw.count(t) > 1})
+        if repeated:                         # a widget value is a set of options: one of them twice means nothing
+            raise _Unreadable(f"a selection that names {', '.join(repeated)} more than once")
         return [one(t, None) for t in raw]
     if len(raw) > 1:
         raise _Unreadable(f"given {len(raw)} times")
@@ -310,25 +314,52 @@ def persist_clamped(key: str, default: int, lo: int, hi: int) -> str:
 
 
 APP_KEY = re.compile(r"p\d\d_\w+")          # the shape of this app's URL keys: page number, then the widget's name
-_LITERAL_KEY = re.compile(r"[\"'](p\d\d_\w+)[\"']")
+WIDGET_CALLS = frozenset({"url_widget", "persist", "persist_within", "persist_clamped"})   # draw a URL-bound widget
 _WORD_LITERAL = re.compile(r"[\"']([a-z][a-z0-9_]*)[\"']")
-_PREFIXED_KEY = re.compile(r"f[\"']\{prefix\}(_\w+)[\"']")   # a helper's key for the page that passes its prefix
+
+
+def _callee(call: ast.Call) -> str | None:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+
+
+def _widget_functions(trees: list) -> set[str]:
+    """The functions that draw a URL-bound widget: :data:`WIDGET_CALLS` and every function of ``trees`` (parsed
+    modules) whose body calls one of them (``real_replica``, a page's own slider helper), to a fixpoint."""
+    found, defs = set(WIDGET_CALLS), [d for t in trees for d in ast.walk(t) if isinstance(d, ast.FunctionDef)]
+    while more := {d.name for d in defs if d.name not in found
+                   and any(isinstance(n, ast.Call) and _callee(n) in found for n in ast.walk(d))}:
+        found |= more
+    return found
 
 
 @functools.lru_cache(maxsize=64)
 def page_link_keys(page_path: str, prefix: str) -> frozenset[str]:
-    """Every URL key page file ``page_path`` (relative to the repository) can draw, read from the source: its key
-    literals starting with ``prefix`` (``"p08_shared"``), ``prefix`` + each word literal where the page builds keys
-    itself (``f"p13_{key}"`` with ``key`` one of its literals), and the keys the shared widget helpers in ``app_pages``
-    build from a page's prefix (``f"{prefix}_gpu"``), with ``prefix`` filled in. A superset of one run's widgets:
-    a widget drawn only for some settings (page 14's cache size for the A10G replica) counts as the page's."""
+    """Every URL key page file ``page_path`` (relative to the repository) can draw, read from the source: the string
+    literals starting with ``prefix`` in its calls to a function that draws a URL-bound widget (``url_widget(...,
+    "p08_shared", ...)``, ``real_replica("p14", model_key="p14_real_model")``: :func:`_widget_functions`), ``prefix``
+    + each word literal where the page builds keys itself (``f"p13_{key}"`` with ``key`` one of its literals), and the
+    keys the shared widget helpers in ``app_pages`` build from a page's prefix (``f"{prefix}_gpu"``), with ``prefix``
+    filled in. A superset of one run's widgets: a widget drawn only for some settings (page 14's cache size for the
+    A10G replica) counts as the page's. A chart's, a button's or a file uploader's key (``"p17_bench"``) is not
+    one: nothing reads it from the URL."""
     root = Path(__file__).resolve().parents[1]
     source = (root / page_path).read_text()
-    keys = {k for k in _LITERAL_KEY.findall(source) if k.startswith(prefix)}
+    page, helpers = ast.parse(source), [ast.parse(h.read_text()) for h in Path(__file__).parent.glob("[a-z]*.py")]
+    drawing = _widget_functions([page, *helpers])
+
+    def in_drawing_calls(tree):
+        return [n for call in ast.walk(tree) if isinstance(call, ast.Call) and _callee(call) in drawing
+                for n in ast.walk(call)]
+    keys = {c.value for c in in_drawing_calls(page) if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            and APP_KEY.fullmatch(c.value) and c.value.startswith(prefix)}
     if f'f"{prefix}{{' in source or f"f'{prefix}{{" in source:   # a page helper's f"p13_{key}": any word literal
         keys |= {prefix + word for word in _WORD_LITERAL.findall(source)}
-    for helper in Path(__file__).parent.glob("[a-z]*.py"):
-        keys |= {prefix.rstrip("_") + suffix for suffix in _PREFIXED_KEY.findall(helper.read_text())}
+    for helper in helpers:                            # a helper's f"{prefix}_gpu", for the page that passes its prefix
+        keys |= {prefix.rstrip("_") + f.values[1].value for f in in_drawing_calls(helper)
+                 if isinstance(f, ast.JoinedStr) and len(f.values) == 2 and isinstance(f.values[0], ast.FormattedValue)
+                 and isinstance(f.values[0].value, ast.Name) and f.values[0].value.id == "prefix"
+                 and isinstance(f.values[1], ast.Constant) and re.fullmatch(r"_\w+", str(f.values[1].value))}
     return frozenset(keys)
 
 

@@ -119,10 +119,13 @@ def fleet_simulation(policies: Sequence[str], num_requests: int, num_replicas: i
     time. ``arrival_rps`` (requests / s, fleet-wide): the offered load, the trace re-timed to that mean rate
     (:func:`retime`); None keeps the trace's own timestamps. ``progress(fraction)`` is called as the runs advance.
 
-    Raises: ValueError for no or unknown policies, an unknown option, a non-positive ``arrival_rps``, or a bad
-    upload (TraceFormatError)."""
+    Raises: ValueError for no, unknown or repeated policies (each policy's rows are keyed by its name), an unknown
+    option, a non-positive ``arrival_rps``, or a bad upload (TraceFormatError)."""
     if not policies or any(p not in ROUTING_POLICIES for p in policies):
         raise ValueError(f"policies must be a non-empty subset of {ROUTING_POLICIES}, got {list(policies)}")
+    repeated = sorted({p for p in policies if list(policies).count(p) > 1})
+    if repeated:
+        raise ValueError(f"policies must not repeat a policy, got {', '.join(map(repr, repeated))} more than once")
     for name, value, allowed in (("capacity", capacity, CAPACITIES), ("scheduler", scheduler, SCHEDULERS),
                                  ("scale", scale, SCALE_EVENTS), ("service_model", service_model,
                                                                   tuple(SERVICE_MODELS.values()))):

@@ -23,11 +23,20 @@ Request flow:
              committed to the request first; when the cache reaches its
              final last full block, that block and its checkpoint are
              published; then the request finishes if it is complete     FINISHED
-  abort / reject -> every page and pin the request held is released; a publish
-             that raises aborts its request (with the error as its reason), and
-             so do non-finite logits or a non-finite state / cache page met in a
-             forward (NaN would emit token 0 as if it were a prediction: nothing
-             of that forward is written, published or emitted).
+  abort / reject -> every page and pin the request held is released.
+
+Fault isolation (as vLLM's and SGLang's engines abort one request and keep serving): an exception raised
+while building, running or post-processing one request's row (its drafts, its forward, its sampler, a
+publish), non-finite logits, or a non-finite state / cache page met in a forward (NaN would emit token 0
+as if it were a prediction) aborts THAT request, with the error as its ``reason``, through the one abort
+path (its slot, pages and pins released; nothing of the failed part written, published or emitted), and
+the step goes on for the others. A forward that raises is run again row by row to find the rows that
+fail alone (:meth:`ServeEngine._run_isolating`); the others run together, bitwise as before (batch
+invariance). A failure is the request's if the model still runs a one-token probe from an empty cache
+(:meth:`ServeEngine.model_runs`); if it does not, or the batch fails while each of its rows runs alone,
+the failure is the engine's: :meth:`ServeEngine.step` raises :class:`EngineFailure` and the engine must
+not be stepped again (the server exits so that a supervisor restarts it). A restore that raises at
+admission rejects its request with the error as the reason.
 
 State write of a decode step (``state_write``): "slot" writes the request's whole KDA state back to its pages
 every step; "replay_ssm" (vllm#47572) appends a ``(k, u, g)`` record per KDA layer to the request's ring and
@@ -53,12 +62,12 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import time
 from itertools import islice
 
 import torch
 
-from kda_core.kda import NonFiniteError
 from kda_core.model import ForwardOutput, HybridCache, HybridLM
 from serve.config import ServeConfig
 from serve.errors import check_choice, check_int
@@ -77,6 +86,12 @@ from serve.spec_decode.verify import Speculation, draft_budget, greedy_accept, s
 
 DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
 STATE_WRITES = ("slot", "replay_ssm")
+log = logging.getLogger("serve.engine")
+
+
+class EngineFailure(RuntimeError):
+    """Raised by :meth:`ServeEngine.step` for a failure that is no one request's: the model fails its probe,
+    or a batch fails although each of its rows runs alone. The engine must not be stepped again."""
 
 
 class Fit(enum.Enum):
@@ -208,19 +223,15 @@ class ServeEngine:
         with its reason), then run one forward over every decoding request (one token each, decode rows
         first) and the prefill chunks that fit the token budget. Returns False when there was nothing to
         do (admitting or rejecting counts as work). With ``batched=False`` the previous path runs: one
-        prefill chunk of the oldest prefilling request, or else each decoding request alone."""
+        prefill chunk of the oldest prefilling request, or else each decoding request alone. A failure of
+        one request's row aborts that request (its ``reason``) and the others go on; raises
+        :class:`EngineFailure` for a failure that is no one request's (see "Fault isolation" above)."""
         if not self.batched:
             return self._step_unbatched()
         sched = self.scheduler.schedule(Fit.NOW, Fit.NEVER)
         if sched.empty:
             return sched.admitted
-        errors = []
-        decode, verify = sched.decode, []
-        if self.speculation is not None:               # every decoding row verifies its own drafts
-            verify, decode = [self._drafts(req) for req in decode], []
-        self._run_batch(decode, sched.prefill, errors, verify)
-        if errors:
-            raise errors[0]
+        self._run_batch(sched.decode, sched.prefill)
         return True
 
     def _drafts(self, req: Request) -> Row:
@@ -233,19 +244,34 @@ class ServeEngine:
         drafts = [int(t) for t in req.proposer.propose(req.tokens(), n)[:n]]
         return Row(req, [req.output[-1], *drafts], req.computed, False, verify=True)
 
-    def _run_batch(self, decode: list, prefill: list, errors: list, verify: list = ()) -> None:
-        """Build the rows, run one forward, then postprocess (checkpoints inside prefill chunks, commit
-        the states, then per row: publish, append the token, finish; a verify row commits through its
-        rollback strategy: vLLM's per-row ``num_accepted_tokens``)."""
-        bases = {row.req.rid: read_request_cache(self.layout, self.pool, row.req) for row in verify}
-        rows = [Row(req, [req.output[-1]], req.computed, True) for req in decode]
-        prefill_rows = []
-        for req, n in prefill:
-            p = req.computed
-            inner = tuple(b - p for b in self.checkpoint_boundaries(len(req.prompt)) if p < b < p + n)
-            prefill_rows.append(Row(req, req.prompt[p: p + n], p, False, inner))
+    def _row(self, req: Request, n: int | None) -> Row:
+        """This step's row of ``req``: a decode row (``n`` None; a verify row with speculation) or a prefill
+        row of its next ``n`` prompt tokens (with the checkpoint offsets inside them)."""
+        if n is None:
+            if self.speculation is not None:           # every decoding row verifies its own drafts
+                return self._drafts(req)
+            return Row(req, [req.output[-1]], req.computed, True)
+        p = req.computed
+        inner = tuple(b - p for b in self.checkpoint_boundaries(len(req.prompt)) if p < b < p + n)
+        return Row(req, req.prompt[p: p + n], p, False, inner)
+
+    def _run_batch(self, decode: list, prefill: list) -> None:
+        """Build the rows (one request at a time), run one forward, then postprocess (checkpoints inside
+        prefill chunks, commit the states, then per row: publish, append the token, finish; a verify row
+        commits through its rollback strategy: vLLM's per-row ``num_accepted_tokens``). A row that fails
+        in any of these aborts its request only (:meth:`_fail_row`)."""
+        rows, prefill_rows, verify, bases = [], [], [], {}
+        for req, n in [(req, None) for req in decode] + list(prefill):
+            try:
+                row = self._row(req, n)
+                if row.verify:
+                    bases[req.rid] = read_request_cache(self.layout, self.pool, req)
+            except Exception as err:                     # noqa: BLE001 - that request is aborted
+                self._fail_row(req, "building its row for this step", err)
+                continue
+            (verify if row.verify else rows if row.decode else prefill_rows).append(row)
         t0 = time.perf_counter()
-        batch = self._run_isolating_non_finite(rows, prefill_rows, list(verify))
+        batch = self._run_isolating(rows, prefill_rows, verify)
         if batch is None:
             return
         self.last_batch = batch
@@ -253,22 +279,22 @@ class ServeEngine:
         finite = torch.isfinite(batch.logits).all(dim=-1).tolist()      # [N]: one check for every row
         for i, row in enumerate(batch.rows):             # 0. non-finite logits abort their row only
             if row.req is not None and (row.verify or not finite[i]):
-                logits = batch.verify[i].logits if row.verify else batch.logits[i]
-                self._abort_non_finite(row.req, self._where(row), logits=logits)
+                bad = _non_finite(batch.verify[i].logits if row.verify else batch.logits[i])
+                if bad is not None:
+                    self._fail_row(row.req, self._where(row), bad)
         for i, row in enumerate(batch.rows):             # 1. checkpoints inside each prefill chunk
             if row.req is None or row.decode or row.verify or row.req.status is RequestStatus.ABORTED:
                 continue
             req = row.req
             req.timings_ms["prefill"] += fwd_ms
             t1 = time.perf_counter()
-            for t in row.state_at:
-                write_state(self.layout, self.pool, req.state_pages, batch.states_at[i][t])
-                req.computed = row.start + t
-                try:
+            try:
+                for t in row.state_at:
+                    write_state(self.layout, self.pool, req.state_pages, batch.states_at[i][t])
+                    req.computed = row.start + t
                     self._publish(req, row.start + t, True)
-                except Exception as err:                 # noqa: BLE001 - the request is aborted; re-raised later
-                    errors.append(err)
-                    break
+            except Exception as err:                     # noqa: BLE001 - that request is aborted
+                self._fail_row(req, self._where(row), err)
             req.timings_ms["checkpoint"] += _ms(t1)
         publish = {row.req.rid for row in batch.rows if row.decode and row.req is not None
                    and row.req.computed + 1 == self._final_boundary(row.req)}   # these must materialise
@@ -285,8 +311,8 @@ class ServeEngine:
                     self._postprocess_decode(req, batch.logits[i])
                 else:
                     self._postprocess_prefill(req, row, batch.logits[i])
-            except Exception as err:                     # noqa: BLE001 - re-raised after the other rows
-                errors.append(err)
+            except Exception as err:                     # noqa: BLE001 - that request is aborted
+                self._fail_row(req, self._where(row), err)
 
     @staticmethod
     def _where(row: Row) -> str:
@@ -294,14 +320,17 @@ class ServeEngine:
             return f"decode of output token {len(row.req.output)}"
         return f"prefill of tokens [{row.start}, {row.start + len(row.tokens)})"
 
-    def _run_isolating_non_finite(self, decode: list, prefill: list, verify: list):
-        """Run the batch. If a row's state or cache page is non-finite (NonFiniteError from the chunk
-        kernel), find it by running each row alone, abort it (nothing of it written, published or
-        emitted) and run the others together. Returns the run StepBatch, or None if no row is left."""
+    def _run_isolating(self, decode: list, prefill: list, verify: list):
+        """Build and run the batch. If that raises (a row's non-finite state or cache page, NonFiniteError
+        from the chunk kernel; any other error of one row), find the rows that fail by running each alone,
+        abort them (:meth:`_fail_row`: nothing of them written, published or emitted) and run the others
+        together. Returns the run StepBatch, or None if no row is left. Raises EngineFailure if the batch
+        of the rows that each ran alone fails again (a failure of no one row)."""
         try:
             return self.runner.run(self.runner.build(decode, prefill, verify))
-        except NonFiniteError:
-            pass
+        except Exception as err:                         # noqa: BLE001 - isolated below
+            log.warning("a batch of %d rows raised %s: %s; running its rows one at a time", len(decode) +
+                        len(prefill) + len(verify), type(err).__name__, err)
         keep = {"decode": [], "prefill": [], "verify": []}
         for kind, rows in (("decode", decode), ("prefill", prefill), ("verify", verify)):
             for row in rows:
@@ -309,11 +338,39 @@ class ServeEngine:
                 try:
                     self.runner.run(self.runner.build(one["decode"], one["prefill"], one["verify"]))
                     keep[kind].append(row)
-                except NonFiniteError as err:
-                    self._abort_non_finite(row.req, self._where(row), str(err))
+                except Exception as err:                 # noqa: BLE001 - that request is aborted
+                    self._fail_row(row.req, self._where(row), err)
         if not any(keep.values()):
             return None
-        return self.runner.run(self.runner.build(keep["decode"], keep["prefill"], keep["verify"]))
+        try:
+            return self.runner.run(self.runner.build(keep["decode"], keep["prefill"], keep["verify"]))
+        except Exception as err:
+            raise EngineFailure(f"a batch fails although each of its rows runs alone: {type(err).__name__}: "
+                                f"{err}") from err
+
+    def model_runs(self) -> bool:
+        """Whether the model still runs: one token from an empty cache gives finite logits. What tells a
+        request's failure (the model runs: abort the request) from the model's (it does not)."""
+        try:
+            out = self.model.forward(torch.zeros(1, 1, dtype=torch.long))
+            return bool(torch.isfinite(out.logits).all())
+        except Exception:                                # noqa: BLE001 - the answer is "no"
+            return False
+
+    def _fail_row(self, req: Request, where: str, error: BaseException | str) -> None:
+        """A failure met in ``req``'s row at ``where`` (an exception, or a message such as non-finite logits):
+        abort the request (:meth:`abort`: ABORTED, its slot, pages and pins released; ``reason`` names
+        ``where`` and the error) if the model still runs (:meth:`model_runs`). Raises EngineFailure if it
+        does not: the failure is the model's, not the request's."""
+        detail = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        if not self.model_runs():
+            raise EngineFailure(f"the model fails a one-token probe from an empty cache (after request "
+                                f"{req.rid}'s {where} failed: {detail})") from (None if isinstance(error, str)
+                                                                                  else error)
+        log.warning("request %d aborted: %s: %s", req.rid, where, detail,
+                    exc_info=None if isinstance(error, str) else error)
+        if self.abort(req.rid):
+            req.reason = f"{where}: {detail}"
 
     def _postprocess_prefill(self, req: Request, row: Row, logits: torch.Tensor) -> None:
         end, L = row.start + len(row.tokens), len(req.prompt)
@@ -375,12 +432,19 @@ class ServeEngine:
                 self._reject(req, self._shortfall(req))
             admitted = True
         for rid in self.running:
-            if self.requests[rid].status is RequestStatus.PREFILL:
-                self._prefill_chunk(self.requests[rid])
+            req = self.requests[rid]
+            if req.status is RequestStatus.PREFILL:
+                try:
+                    self._prefill_chunk(req)
+                except Exception as err:                 # noqa: BLE001 - that request is aborted
+                    self._fail_row(req, f"prefill of tokens [{req.computed}, {self._prefill_end(req)})", err)
                 return True
         decoding = [self.requests[r] for r in self.running if self.requests[r].status is RequestStatus.DECODE]
         for req in decoding:
-            self._decode_one(req)
+            try:
+                self._decode_one(req)
+            except Exception as err:                     # noqa: BLE001 - that request is aborted
+                self._fail_row(req, f"decode of output token {len(req.output)}", err)
         return bool(decoding) or admitted
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> int:
@@ -491,8 +555,8 @@ class ServeEngine:
         """Admit a request :meth:`can_admit` said fits NOW: allocate its state and KV pages (evicting
         unpinned cache entries), restore its hit's checkpoint into its state (copy-on-write) or zero
         it, and move it to PREFILL. If the allocation still fails (PoolExhausted) it is REJECTED; if
-        the restore raises (e.g. CheckpointError) it is REJECTED and the error re-raised. Either way
-        nothing it held leaks."""
+        the restore raises (e.g. CheckpointError) it is REJECTED with the error as its reason (logged). Either
+        way nothing it held leaks."""
         t0 = time.perf_counter()
         cache, lay = self.cache, self.layout
         num_state, num_kv = req.pages_needed(lay)
@@ -516,9 +580,10 @@ class ServeEngine:
                 cache.release_checkpoint(req.rid)
             else:
                 zero_state(lay, self.pool, req.state_pages)
-        except Exception as err:
-            self._reject(req, f"restore failed: {err}")
-            raise
+        except Exception as err:                         # noqa: BLE001 - that request is rejected
+            log.warning("request %d rejected: its restore raised", req.rid, exc_info=err)
+            self._reject(req, f"restore failed: {type(err).__name__}: {err}")
+            return
         req.timings_ms["restore"] = _ms(t1)
         req.computed = req.hit_blocks * lay.block_size
         req.shared_kv_bytes = req.hit_blocks * lay.kv_block_bytes
@@ -560,18 +625,15 @@ class ServeEngine:
         is a multiple of 64 computes every token bitwise as the cache-off run does (which starts at 0),
         provided ``max_prefill_chunk`` is None or a multiple of 64; from any other b it differs by
         rounding (the grid moves; a few 1e-6 in the logits of the demo model)."""
-        L, p = len(req.prompt), req.computed
+        L, p, end = len(req.prompt), req.computed, self._prefill_end(req)
         marks = [b for b in self.checkpoint_boundaries(L) if b > p]
-        end = L if self.max_prefill_chunk is None else min(L, p + self.max_prefill_chunk)
         inner = [b - p for b in marks if b < end]
         t0 = time.perf_counter()
-        try:
-            out = self.model.forward(torch.tensor([req.prompt[p:end]]), read_request_cache(self.layout, self.pool, req),
-                                     mode="chunk", state_at=tuple(inner))
-        except NonFiniteError as err:              # a NaN / inf state or KV page reached the chunk kernel
-            self._abort_non_finite(req, f"prefill of tokens [{p}, {end})", str(err))
-            return
-        if self._abort_non_finite(req, f"prefill of tokens [{p}, {end})", logits=out.logits[0, -1]):
+        out = self.model.forward(torch.tensor([req.prompt[p:end]]), read_request_cache(self.layout, self.pool, req),
+                                 mode="chunk", state_at=tuple(inner))
+        bad = _non_finite(out.logits[0, -1])
+        if bad is not None:
+            self._fail_row(req, f"prefill of tokens [{p}, {end})", bad)
             return
         if inner:  # latents first (blocks below each boundary), then each boundary's state
             write_kv(self.layout, self.pool, req.page_table, p,
@@ -595,6 +657,12 @@ class ServeEngine:
             self._append(req, sample_token(out.logits[0, -1], req.sampling, req.generator), out.logits[0, -1])
             self._finish_if_done(req)
 
+    def _prefill_end(self, req: Request) -> int:
+        """Where the unbatched path's next prefill chunk of ``req`` ends: the prompt's end, or
+        ``max_prefill_chunk`` tokens on."""
+        L, p = len(req.prompt), req.computed
+        return L if self.max_prefill_chunk is None else min(L, p + self.max_prefill_chunk)
+
     def _decode_one(self, req: Request) -> None:
         """One decode step (a verify step with speculation) in three transitions, in this order:
 
@@ -613,12 +681,10 @@ class ServeEngine:
         cache = read_request_cache(self.layout, self.pool, req)
         where = f"decode of output token {len(req.output)}"
         if self.speculation is None:
-            try:
-                logits, new = self.model.decode_step(req.output[-1], cache)
-            except NonFiniteError as err:          # NaN gates from a NaN state in an earlier layer
-                self._abort_non_finite(req, where, str(err))
-                return
-            if self._abort_non_finite(req, where, logits=logits):
+            logits, new = self.model.decode_step(req.output[-1], cache)
+            bad = _non_finite(logits)
+            if bad is not None:
+                self._fail_row(req, where, bad)
                 return
             write_request_cache(self.layout, self.pool, req, new, req.computed)
             emitted, rows = [sample_token(logits[0], req.sampling, req.generator)], [logits[0]]
@@ -627,12 +693,10 @@ class ServeEngine:
             if req.strategy is None:
                 req.proposer, req.strategy = spec.proposer(list(req.prompt)), spec.strategy()
             n = draft_budget(spec.num_draft_tokens, req.computed, req.max_new_tokens - len(req.output), b_end)
-            try:
-                res = speculative_step(self.model, cache, req.tokens(), req.proposer, req.strategy, n)
-            except NonFiniteError as err:
-                self._abort_non_finite(req, where, str(err))
-                return
-            if self._abort_non_finite(req, where, logits=res.logits):
+            res = speculative_step(self.model, cache, req.tokens(), req.proposer, req.strategy, n)
+            bad = _non_finite(res.logits)
+            if bad is not None:
+                self._fail_row(req, where, bad)
                 return
             write_request_cache(self.layout, self.pool, req, res.state.cache, req.computed)
             emitted, rows = list(res.emitted_tokens), list(res.logits)      # rows: a + 1 of [256]
@@ -643,21 +707,6 @@ class ServeEngine:
         if b_end is not None and req.computed == b_end:
             self._publish(req, b_end, True)
         self._finish_if_done(req)
-
-    def _abort_non_finite(self, req: Request, where: str, error: str | None = None,
-                          logits: torch.Tensor | None = None) -> bool:
-        """Abort ``req`` (ABORTED, pages and pins released through :meth:`abort`, the cause in its
-        ``reason``) if ``error`` is given or ``logits`` hold NaN / inf; returns whether it did. Called
-        before anything of the forward is written, published or emitted: NaN logits would otherwise
-        emit token 0 (argmax of all-NaN), and the request would go on from a poisoned state."""
-        if error is None:
-            if logits is None or bool(torch.isfinite(logits).all()):
-                return False
-            error = (f"the logits hold {int((~torch.isfinite(logits)).sum())} NaN/inf value(s) of {logits.numel()} "
-                     "(a non-finite state or cache page); no token was emitted")
-        if self.abort(req.rid):
-            req.reason = f"{where}: {error}"
-        return True
 
     def _append(self, req: Request, token: int, logits: torch.Tensor | None) -> None:
         """Commit one emitted token (and its ``logits [256]`` fp32 if recorded); the first sets TTFT and
@@ -680,10 +729,10 @@ class ServeEngine:
         """Publish the request's full blocks below ``upto`` tokens and, if asked, its checkpoint there
         (then ``upto`` must equal ``computed``, so the state is the state after exactly ``upto``).
 
-        Block keys come from the committed tokens ``tokens()[:computed]`` only. If the committed tokens
-        do not cover ``upto`` (RuntimeError) or the cache raises, the request is aborted with the error as
-        its reason (pages and pins released, out of the running list) and the error is re-raised: a
-        failed publish never leaves a request mid-flight, and the engine keeps serving the others.
+        Block keys come from the committed tokens ``tokens()[:computed]`` only. Raises RuntimeError
+        naming ``upto`` if the committed tokens do not cover it or the cache raises (the caller aborts the
+        request through :meth:`_fail_row`: a failed publish never leaves a request mid-flight, and the
+        engine keeps serving the others).
         """
         N = self.layout.block_size
         nb = upto // N
@@ -699,9 +748,7 @@ class ServeEngine:
                 ok = self.cache.publish_checkpoint(req.keys, nb, req.state_pages, req.computed, req.rid)
                 req.checkpoints_written += ok
         except Exception as err:
-            if self.abort(req.rid):
-                req.reason = f"publish at {upto} tokens failed: {type(err).__name__}: {err}"
-            raise
+            raise RuntimeError(f"publish at {upto} tokens failed: {type(err).__name__}: {err}") from err
 
     # ---- integrity ---------------------------------------------------------------------------------
     def check_integrity(self) -> None:
@@ -741,3 +788,12 @@ class ServeEngine:
                 owned.update(p for c in node.ckpts.values() for p in c.payload)
         used = {p for p, (kind, _, _) in enumerate(pool.page_table()) if kind is not PageKind.FREE}
         assert used <= owned, f"leaked pages (used, owned by nobody): {sorted(used - owned)}"
+
+
+def _non_finite(logits: torch.Tensor) -> str | None:
+    """Why ``logits`` cannot be sampled (NaN / inf values: a non-finite state or cache page met in the
+    forward; argmax of all-NaN would emit token 0 as if it were a prediction), or None if they are finite."""
+    if bool(torch.isfinite(logits).all()):
+        return None
+    return (f"the logits hold {int((~torch.isfinite(logits)).sum())} NaN/inf value(s) of {logits.numel()} "
+            "(a non-finite state or cache page); no token was emitted")

@@ -20,6 +20,7 @@ import torch
 
 MAX_TEMPERATURE = 2.0                       # the OpenAI API's range for temperature: [0, 2]
 SEED_MIN, SEED_MAX = -2**63, 2**63 - 1      # a 64-bit signed int, vLLM's bounds (torch.iinfo(torch.long))
+MIN_TEMPERATURE = torch.finfo(torch.float32).tiny   # 1.18e-38: smaller temperatures are sampled at it (the greedy limit)
 
 
 @dataclass(frozen=True)
@@ -83,12 +84,24 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     """The next token from one row's ``logits`` ``[V]`` (fp32): argmax when greedy, else one draw with
     ``generator`` from the temperature-scaled softmax cut to the ``top_k`` most likely tokens (ties with the
     k-th kept, as vLLM keeps them) and then to the top-p nucleus (the most likely token always stays in).
-    Raises ValueError for logits that are not one finite row."""
+
+    Total over :class:`SamplingParams`: the logits are shifted by their maximum before the division
+    (softmax is shift-invariant), so ``(logits - max) / temperature`` is 0 at the argmax and at most 0
+    elsewhere, and its softmax is finite whatever the temperature; a temperature below the smallest
+    normal fp32 (:data:`MIN_TEMPERATURE`, 1.18e-38: subnormals, or values fp32 rounds to 0) is sampled at
+    it, where every token whose logit is below the maximum has probability 0 (up to logits within ~1e-38
+    of it) — the greedy limit, ties split evenly. ``top_p`` compares in fp32, where a tiny ``top_p``
+    rounds to 0: the most likely token is kept explicitly. Raises ValueError for logits that are not one
+    finite row."""
     if logits.dim() != 1:
         raise ValueError(f"logits must be one row [V], got shape {tuple(logits.shape)}")
+    if not bool(torch.isfinite(logits).all()):
+        raise ValueError(f"logits must be finite, got {int((~torch.isfinite(logits)).sum())} NaN/inf value(s)")
     if params.greedy:
         return int(logits.argmax())
-    scaled = logits.float() / params.temperature                                              # [V]
+    logits = logits.float()
+    gap = logits - logits.max()                                   # [V] <= 0, 0 at the argmax (-inf on overflow)
+    scaled = gap / max(params.temperature, MIN_TEMPERATURE)                                   # [V]
     if 0 < params.top_k < scaled.numel():
         kth = scaled.topk(params.top_k).values[-1]                                            # the k-th largest
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
@@ -96,6 +109,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)                                         # [V], [V]
         outside = sorted_p.cumsum(-1) - sorted_p >= params.top_p       # the mass before a token already reaches p
+        outside[0] = False                                             # the most likely token stays in
         sorted_p = sorted_p.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)                          # [V]
     return int(torch.multinomial(probs, 1, generator=generator))

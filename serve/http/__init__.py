@@ -7,7 +7,8 @@ Concept → file → main type:
   ``RequestError``, ``TextDecoder``
 - the engine's thread (join / leave, admission) .. loop.py ...... ``EngineLoop``, ``Stream``, ``QueueFull``
 - Prometheus metrics (vLLM / SGLang names) ....... metrics.py ... ``ServerMetrics``
-- routes, SSE, disconnects ....................... app.py ....... ``create_app``
+- routes, SSE, disconnects, error statuses ....... app.py ....... ``create_app``
+- read deadlines, keep-alive, connection cap ..... door.py ...... ``DoorLimits``, ``DeadlineProtocol``
 - command line ................................... __main__.py .. ``main``
 - serve an app from a background thread ........... background.py  ``serve_in_thread``
 - per-step and per-request timeline log ........... step_trace.py  ``StepTrace``, ``read_step_trace``
@@ -16,6 +17,9 @@ Tests: ``tests/serve/http/test_server_openai.py`` (the ``openai`` client: comple
 ``tests/serve/http/test_server_load.py`` (64+ concurrent streams, random cancels, outputs vs batch-1 runs,
 slots and pages back to baseline), ``tests/serve/http/test_cli_state_write.py`` (``--state-write`` /
 ``--ring-size``: reach the engine, argparse errors, ReplaySSM serves the slot write's bytes),
-``tests/serve/http/test_main.py`` (the command line: help, bad values exit 2, the startup line),
+``tests/serve/http/test_main.py`` (the command line: help, bad values exit 2, the startup line, door options,
+``--docs``), ``tests/serve/http/test_server_failures.py`` (one request cannot take the server down: the 1e-38
+request, a failing row is a 500 while the others are served, an engine failure exits non-zero),
+``tests/serve/http/test_door.py`` (slow-loris clients dropped within the deadlines, normal ones not),
 ``tests/serve/http/test_engine_spec.py`` (the engine and default pool a spec builds).
 """

@@ -4,10 +4,22 @@ A bad option (a port outside [1, 65535], a negative queue, a trace file whose fo
 contradict each other (``--ring-size`` without ``--state-write replay_ssm``), values the engine spec refuses, or a
 pool that cannot serve one request of ``--max-model-len`` or does not fit in this machine's memory
 (:meth:`serve.http.model.EngineSpec.check_pool`) end the command with argparse's usage line and message (exit
-status 2) before the model is loaded."""
+status 2) before the model is loaded.
+
+At the door (:mod:`serve.http.door`): a request's headers must arrive within ``--header-timeout`` s and its body
+within ``--body-timeout`` s (else 408 and the connection is closed), an idle keep-alive connection is closed after
+``--timeout-keep-alive`` s, and a request arriving while ``--max-connections`` connections are open gets 503.
+
+If the engine fails in a way that is no one request's (:class:`serve.engine.EngineFailure`: the model itself), every
+request ends, ``/health`` answers 503 with the cause for :data:`DEATH_GRACE_S` s, and the command exits with status 1
+(:data:`ENGINE_DIED`) so that a supervisor (systemd ``Restart=on-failure``, a Kubernetes restart policy) starts it
+again, rather than leaving a live process that answers 503 for ever."""
 from __future__ import annotations
 
 import argparse
+import math
+import sys
+import threading
 from pathlib import Path
 
 import uvicorn
@@ -16,11 +28,15 @@ from kda_core.config import PRESETS
 from serve.config import STATE_DTYPES
 from serve.engine import STATE_WRITES, ServeEngine
 from serve.http.app import create_app
+from serve.http.door import DoorLimits
 from serve.http.model import EngineSpec, build_engine, pool_capacity
 from serve.http.step_trace import StepTrace
 from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
 
 MAX_PORT = 65535     # TCP ports are 16-bit
+ENGINE_DIED = 1      # exit status when the engine loop died
+DEATH_GRACE_S = 1.0  # /health says why for this long before the server shuts down
+SPARE_CONNECTIONS = 64   # --max-connections default: outstanding requests (max-num-seqs + max-queue) + this many
 
 
 def _int_in(minimum: int, maximum: int | None = None):
@@ -37,6 +53,17 @@ def _int_in(minimum: int, maximum: int | None = None):
             raise argparse.ArgumentTypeError(f"must be {want}, got {value}")
         return value
     return parse
+
+
+def _seconds(text: str) -> float:
+    """An argparse ``type``: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
 
 
 def _new_file(text: str) -> str:
@@ -88,7 +115,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-trace", type=_new_file, default=None, metavar="PATH",
                    help="write every engine step and request timeline to PATH (JSON lines, serve/http/step_trace.py) "
                    "(default: off)")
+    limits = DoorLimits()
+    p.add_argument("--header-timeout", type=_seconds, default=limits.header_timeout_s, metavar="S",
+                   help="a request's headers must arrive within S seconds of the connection opening or of the previous "
+                   "response ending, else 408 and the connection is closed (nginx's client_header_timeout; a slow-loris "
+                   "client is dropped) (default: %(default)s)")
+    p.add_argument("--body-timeout", type=_seconds, default=limits.body_timeout_s, metavar="S",
+                   help="a request's body must arrive within S seconds of its headers, else 408 and the connection is "
+                   "closed (default: %(default)s)")
+    p.add_argument("--timeout-keep-alive", type=_seconds, default=limits.keep_alive_s, metavar="S",
+                   help="close an idle keep-alive connection after S seconds (uvicorn's timeout_keep_alive) "
+                   "(default: %(default)s)")
+    p.add_argument("--max-connections", type=_int_in(1), default=None,
+                   help="a request arriving while this many connections are open gets 503 (uvicorn's "
+                   f"limit_concurrency) (default: max-num-seqs + max-queue + {SPARE_CONNECTIONS})")
+    p.add_argument("--docs", action="store_true",
+                   help="serve FastAPI's /docs and /openapi.json (the docs page loads its scripts from a CDN) "
+                   "(default: off)")
     return p
+
+
+def door_limits(args: argparse.Namespace) -> DoorLimits:
+    """The :class:`DoorLimits` the options ask for."""
+    cap = args.max_connections or args.max_num_seqs + args.max_queue + SPARE_CONNECTIONS
+    return DoorLimits(args.header_timeout, args.body_timeout, args.timeout_keep_alive, cap)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -132,13 +182,26 @@ def startup_line(args: argparse.Namespace, engine: ServeEngine, model_name: str)
 
 
 def main(argv=None) -> None:
+    """Serve until stopped (Ctrl-C, SIGTERM); exits with status :data:`ENGINE_DIED` if the engine loop died."""
     args = parse_args(argv)
     spec = engine_spec(args)
     engine, model_name = build_engine(spec), args.served_model_name or f"kda-{args.preset}"
+    server: uvicorn.Server | None = None
+
+    def shut_down(err: BaseException) -> None:         # on the engine thread, after every request has ended
+        threading.Timer(DEATH_GRACE_S, setattr, (server, "should_exit", True)).start()
+
     app = create_app(engine, model_name, spec.max_model_len, spec.max_num_seqs, args.max_queue,
-                     StepTrace(args.step_trace) if args.step_trace else None)
+                     StepTrace(args.step_trace) if args.step_trace else None, docs=args.docs, on_death=shut_down)
+    server = uvicorn.Server(door_limits(args).uvicorn_config(app, host=args.host, port=args.port,
+                                                             log_level=args.log_level))
     print(startup_line(args, engine, model_name), flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    server.run()
+    err = app.state.loop.error
+    if err is not None:
+        print(f"python -m serve.http: the engine died ({type(err).__name__}: {err}); exiting with status "
+              f"{ENGINE_DIED} so that a supervisor restarts the server", file=sys.stderr, flush=True)
+        raise SystemExit(ENGINE_DIED)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,18 @@
 """The FastAPI app: ``/v1/completions``, ``/v1/chat/completions`` (SSE streaming or not), ``/v1/models``,
-``/health``, ``/metrics``, over one :class:`serve.http.loop.EngineLoop`.
+``/health`` (GET and HEAD), ``/metrics``, over one :class:`serve.http.loop.EngineLoop`.
 
 Errors are OpenAI-style bodies (:class:`serve.http.protocol.RequestError`, ``param`` the field's path as the
 client wrote it, e.g. ``messages[0].content``): 400 for a body that is not JSON or not UTF-8, an unknown field, a
-wrong type or a value out of range; 404 for another model; 415 for a body sent with a Content-Type other than
-application/json (:func:`require_json`); 429 with ``Retry-After`` when ``max_num_seqs +
-max_queue`` requests are outstanding; 503 with ``Retry-After`` when the engine rejects a request it can never fit
-or the engine loop is down. A streaming response starts only after
-the request's first token (so an error before it still gets its status code); a client that disconnects,
-before or during its stream, has its request aborted on the engine thread, which frees its slot and pages.
+wrong type (at any depth: ``messages[0]`` that is not an object) or a value out of range; 404 for another model or
+path (a trailing slash is not redirected: a redirect would be built from the request's Host header); 415 for a body
+sent with a Content-Type other than application/json (:func:`require_json`); 429 with ``Retry-After`` when
+``max_num_seqs + max_queue`` requests are outstanding; 500 when the engine aborted the request because its row failed
+(its reason in the message; the server goes on serving the others); 503 with ``Retry-After`` when the engine rejects
+a request it can never fit or the engine loop is down. A streaming response starts only after the request's first
+token (so an error before it still gets its status code); a failure after it ends the stream with an ``error``
+event (as vLLM's streaming error) and ``[DONE]``. A client that disconnects, before or during its stream, has its
+request aborted on the engine thread, which frees its slot and pages. FastAPI's ``/docs`` (which loads its scripts
+from a CDN) and ``/openapi.json`` are served only with ``docs=True`` (``--docs``).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -66,11 +71,13 @@ def error_response(err: RequestError, retry_after: int | None = None) -> JSONRes
 
 
 def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num_seqs: int,
-               max_queue: int, trace: StepTrace | None = None) -> FastAPI:
+               max_queue: int, trace: StepTrace | None = None, *, docs: bool = False,
+               on_death: Callable[[BaseException], None] | None = None) -> FastAPI:
     """The server app over ``engine`` (whose thread starts and stops with the app). ``max_model_len``:
     prompt + output tokens per request; ``max_num_seqs``: requests inside the engine at once; ``max_queue``:
     requests queued in front of it before a 429; ``trace``: an optional :class:`StepTrace` of every step and
-    request. ``app.state.loop`` is the :class:`EngineLoop`. ``/v1/models`` reports, besides vLLM's
+    request; ``docs``: serve FastAPI's ``/docs`` and ``/openapi.json``; ``on_death``: called with the error if the
+    engine loop dies (:class:`EngineLoop`). ``app.state.loop`` is the :class:`EngineLoop`. ``/v1/models`` reports, besides vLLM's
     ``max_model_len``, the engine's decode-time ``state_write``, its ``ring_size`` (null under "slot") and the
     stored dtype of its KDA recurrent states, ``state_dtype`` ("fp32", "bf16" or "fp16"), and
     ``prefix_hit_exact``: whether a prefix-cache hit serves bitwise the tokens of the same request run cold (true
@@ -78,7 +85,7 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
     prefix cache)."""
     metrics = ServerMetrics(model_name, engine.layout.block_size)
     metrics.pool_capacity(pool_capacity(engine, max_model_len))
-    loop = EngineLoop(engine, metrics, max_num_seqs, max_queue, trace)
+    loop = EngineLoop(engine, metrics, max_num_seqs, max_queue, trace, on_death)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -86,7 +93,9 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
         yield
         loop.stop()
 
-    app = FastAPI(title="KDA Serve Lab OpenAI-compatible server", lifespan=lifespan)
+    app = FastAPI(title="KDA Serve Lab OpenAI-compatible server", lifespan=lifespan, redirect_slashes=False,
+                  docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
     app.state.loop, app.state.metrics, app.state.created = loop, metrics, int(time.time())
 
     @app.exception_handler(RequestValidationError)
@@ -95,9 +104,11 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
         errors = [(e, client_path(model, e.get("loc", ())[1:])) for e in exc.errors()]
         # a union field gets one error per member tried: report the member that got furthest into the value
         first, where = max(errors, key=lambda ew: len(ew[0].get("loc", ())), default=({}, None))
-        kind = first.get("type", "")
-        if kind in ("json_invalid", "model_attributes_type") or first.get("loc", ("",))[0] != "body":
+        kind, loc = first.get("type", ""), tuple(first.get("loc", ("",)))
+        if kind == "json_invalid" or loc[0] != "body" or len(loc) == 1:
             where, msg = None, f"the body is not a JSON object: {first.get('msg', 'invalid JSON')}"
+        elif kind in ("model_attributes_type", "model_type"):          # a nested value that must be an object
+            msg = f"{where} must be a JSON object, got {json.dumps(first.get('input'), default=repr)}"
         elif kind == "extra_forbidden":
             msg = f"unknown field {where!r}"
         elif kind == "missing":
@@ -117,8 +128,11 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
     async def health():
         if loop.alive:
             return Response(status_code=200)
-        return error_response(RequestError("the engine loop is down", None, 503, "service_unavailable"),
+        why = "" if loop.error is None else f": {type(loop.error).__name__}: {loop.error}"
+        return error_response(RequestError(f"the engine loop is down{why}", None, 503, "service_unavailable"),
                               RETRY_AFTER_S)
+
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)   # load balancers' probe
 
     @app.get("/metrics")
     async def prom():
@@ -173,8 +187,7 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
             loop.abort(stream)
             raise
         if isinstance(first, RequestResult) and first.status is not RequestStatus.FINISHED:
-            return error_response(RequestError(f"request not served: {first.reason or first.status.value}", None,
-                                               503, "service_unavailable"), RETRY_AFTER_S)
+            return _ended_early(first, "request not served")
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(_sse(stream, first, rid, chat, include_usage), media_type="text/event-stream")
@@ -191,12 +204,23 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
             loop.abort(stream)
             raise
         if first.status is not RequestStatus.FINISHED:
-            return error_response(RequestError(f"request ended early: {first.reason or first.status.value}", None,
-                                               503, "service_unavailable"), RETRY_AFTER_S)
+            return _ended_early(first, "request ended early")
         use = usage(len(prompt), len(ids), first.hit_tokens)
         text = decode_all(ids)
         return chat_body(rid, model_name, text, "length", use, False) if chat else \
             completion_body(rid, model_name, text, "length", use)
+
+    def _failure(res: RequestResult, what: str) -> tuple[RequestError, int | None]:
+        """The error of a request the engine ended unfinished, and its Retry-After: 500 if the engine aborted it
+        for its own failure while serving on (a retry would fail the same way), else 503 (rejected: it can never
+        fit; or the engine loop is down)."""
+        if res.status is RequestStatus.ABORTED and loop.alive:
+            return RequestError(f"{what}: the request failed in the engine: {res.reason or 'aborted'}", None, 500,
+                                "server_error"), None
+        return RequestError(f"{what}: {res.reason or res.status.value}", None, 503, "service_unavailable"), RETRY_AFTER_S
+
+    def _ended_early(res: RequestResult, what: str) -> JSONResponse:
+        return error_response(*_failure(res, what))
 
     async def _sse(stream: Stream, first, rid: str, chat: bool, include_usage: bool):
         """The SSE body: one chunk per engine push, the last with ``finish_reason``, usage if asked, [DONE]."""
@@ -214,7 +238,11 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
                     yield _event(chat_body(rid, model_name, text, None, None, True) if chat else
                                  completion_body(rid, model_name, text, None, None))
                 item = await stream.events.get()
-            tail, finish = dec.feed([], final=True), "length" if item.status is RequestStatus.FINISHED else "abort"
+            if item.status is not RequestStatus.FINISHED:            # the engine ended it: say why, as an error
+                yield f"data: {json.dumps(_failure(item, 'stream ended early')[0].body())}\n\n"
+                yield "data: [DONE]\n\n"
+                return
+            tail, finish = dec.feed([], final=True), "length"
             yield _event(chat_body(rid, model_name, tail, finish, None, True, first=not started) if chat else
                          completion_body(rid, model_name, tail, finish, None))
             if include_usage:

@@ -9,15 +9,19 @@ import time
 
 import uvicorn
 
+from serve.http.door import DoorLimits
+
 
 @contextlib.contextmanager
-def serve_in_thread(app, host: str = "127.0.0.1", start_timeout_s: float = 30.0):
-    """Yield the base URL (``http://127.0.0.1:<port>``) of ``app`` served by uvicorn in a daemon thread; the
-    server (and with it the app's engine loop) stops on exit. Raises RuntimeError if it does not start."""
+def serve_in_thread(app, host: str = "127.0.0.1", start_timeout_s: float = 30.0, limits: DoorLimits | None = None):
+    """Yield the base URL (``http://127.0.0.1:<port>``) of ``app`` served by uvicorn in a daemon thread, with the
+    deadlines and limits of ``limits`` (:class:`serve.http.door.DoorLimits`; None: its defaults); the server (and
+    with it the app's engine loop) stops on exit. Raises RuntimeError if it does not start."""
     sock = socket.socket()
     sock.bind((host, 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    limits = DoorLimits() if limits is None else limits
+    server = uvicorn.Server(limits.uvicorn_config(app, log_level="warning", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout_s

@@ -7,8 +7,13 @@ server's event loop, fed with ``call_soon_threadsafe``). The thread's loop, whil
     drain commands -> hand queued requests to the engine while it holds < max_num_seqs
     -> engine.step() -> push each request's new tokens; a finished / aborted / rejected one gets its end
 
-and sleeps on an event when idle. If ``step()`` raises :data:`MAX_STEP_FAILURES` times in a row the loop stops:
-every request ends (the handlers answer 503) and :attr:`EngineLoop.alive` turns False. Admission control is here, not in the engine: at most
+and sleeps on an event when idle. A failure of one request (its row raised, its logits were NaN) is the engine's to
+isolate: that request ends ABORTED with the error as its reason and the others go on (:mod:`serve.engine`, "Fault
+isolation"); so ``step()`` raises only for a failure that is no one request's (:class:`serve.engine.EngineFailure`:
+the model itself), and then the loop stops at once, as vLLM's engine core does on an error it cannot pin on a request:
+every request ends (the handlers answer 503), :attr:`EngineLoop.alive` turns False, :attr:`EngineLoop.error` holds
+the cause and ``on_death`` is called (``python -m serve.http`` then exits non-zero so that a supervisor restarts
+it). Admission control is here, not in the engine: at most
 ``max_num_seqs + max_queue`` requests are outstanding; one more raises :class:`QueueFull` at once (the
 handler answers 429 with Retry-After), so a client never waits on a queue it cannot join. Uses only the
 engine's public API (``submit``, ``step``, ``abort``, ``result``, ``running``, ``waiting``,
@@ -21,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,10 +41,6 @@ from serve.sampling import GREEDY, SamplingParams
 log = logging.getLogger("serve.http")
 
 GAUGE_PERIOD_S = 0.05
-MAX_STEP_FAILURES = 3
-"""Consecutive ``engine.step()`` errors after which the loop declares the engine dead (every request ends,
-/health answers 503): one error is a request the engine aborted (a failed publish); a step that keeps
-raising would otherwise spin forever with its clients waiting."""
 
 
 class QueueFull(RuntimeError):
@@ -74,11 +76,12 @@ class Stream:
 class EngineLoop:
     """The engine's thread. ``max_num_seqs``: requests inside the engine at once (state slots);
     ``max_queue``: requests queued in front of it; ``trace``: an optional :class:`StepTrace` that logs every
-    step and request (closed when the loop ends). Raises ValueError for bad sizes."""
+    step and request (closed when the loop ends); ``on_death``: called once, on the engine thread, with the
+    error if the loop dies (an engine failure), after every request has ended. Raises ValueError for bad sizes."""
 
     def __init__(self, engine: ServeEngine, metrics: ServerMetrics, max_num_seqs: int, max_queue: int,
-                 trace: StepTrace | None = None):
-        self.engine, self.metrics, self.trace = engine, metrics, trace
+                 trace: StepTrace | None = None, on_death: Callable[[BaseException], None] | None = None):
+        self.engine, self.metrics, self.trace, self.on_death = engine, metrics, trace, on_death
         self.max_num_seqs = check_int("max_num_seqs", max_num_seqs)
         self.max_queue = check_int("max_queue", max_queue, 0)
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
@@ -139,7 +142,6 @@ class EngineLoop:
 
     # ---- engine thread --------------------------------------------------------------------------------
     def _run(self) -> None:
-        failures = 0
         try:
             with torch.inference_mode():
                 while not self._stop:
@@ -150,15 +152,7 @@ class EngineLoop:
                     if eng.running or eng.waiting:
                         prev, cpu0, proc0 = eng.last_batch, time.thread_time(), time.process_time()
                         t0 = time.perf_counter()
-                        try:
-                            eng.step()
-                            failures = 0
-                        except Exception as err:          # a failed publish aborts its request, others go on
-                            failures += 1
-                            log.warning("engine step raised %s: %s", type(err).__name__, err)
-                            if failures >= MAX_STEP_FAILURES:
-                                raise RuntimeError(f"engine.step() raised {failures} times in a row; last: "
-                                                   f"{type(err).__name__}: {err}") from err
+                        eng.step()                        # raises only for a failure of no one request: fatal
                         t1, cpu_s = time.perf_counter(), time.thread_time() - cpu0
                         others_cpu_s = time.process_time() - proc0 - cpu_s     # the event loop's threads
                         self.metrics.step_seconds.observe(t1 - t0)
@@ -179,6 +173,8 @@ class EngineLoop:
             self._shutdown()
             if self.trace is not None:
                 self.trace.close()
+        if self.error is not None and self.on_death is not None:
+            self.on_death(self.error)
 
     def _drain(self) -> None:
         while True:
@@ -200,10 +196,17 @@ class EngineLoop:
                     fut.get_loop().call_soon_threadsafe(_set, fut, out, None)
 
     def _feed(self) -> None:
+        """Hand queued requests to the engine while it holds fewer than ``max_num_seqs``; one the engine refuses
+        (its ``submit`` raises) ends REJECTED with the error, and the others go on."""
         eng = self.engine
         while self._pending and len(eng.running) + len(eng.waiting) < self.max_num_seqs:
             s = self._pending.pop(0)
-            s.rid = eng.submit(s.prompt, s.max_tokens, sampling=s.sampling)
+            try:
+                s.rid = eng.submit(s.prompt, s.max_tokens, sampling=s.sampling)
+            except Exception as err:                       # noqa: BLE001 - that request ends, others go on
+                log.warning("the engine refused a request: %s: %s", type(err).__name__, err)
+                self._end(s, _ended(s, RequestStatus.REJECTED, f"the engine refused it: {type(err).__name__}: {err}"))
+                continue
             s.feed_t = time.perf_counter()
             self._active[s.rid] = s
 
@@ -241,8 +244,7 @@ class EngineLoop:
         if self.trace is not None:
             self.trace.request(s, res, time.perf_counter())
         if res is None:
-            res = RequestResult(-1, RequestStatus.ABORTED, len(s.prompt), (), None, 0, 0, 0, 0, 0, 0, {}, None,
-                                "aborted while queued")
+            res = _ended(s, RequestStatus.ABORTED, "aborted while queued")
         s.push(res)
         with self._lock:
             self._outstanding -= 1
@@ -277,6 +279,11 @@ class EngineLoop:
                 cmd[2].get_loop().call_soon_threadsafe(_set, cmd[2], None, LoopStopped("engine loop stopped"))
             elif cmd[0] == "submit" and not cmd[1].done:
                 self._end(cmd[1], None)
+
+
+def _ended(s: Stream, status: RequestStatus, reason: str) -> RequestResult:
+    """The result of a request that never ran in the engine."""
+    return RequestResult(-1, status, len(s.prompt), (), None, 0, 0, 0, 0, 0, 0, {}, None, reason)
 
 
 def _set(fut: asyncio.Future, value, err) -> None:

@@ -9,7 +9,7 @@ multi-threaded caller such as a Streamlit server is safe here because a rank tou
 with one intra-op thread (no OpenMP pool to inherit), gloo over fresh sockets, and the result
 queue; a rank that hangs anyway is stopped at the deadline.) Calls in one process run one at a
 time (a lock): ranks of concurrent calls would share the same cores and add up in memory. Ranks meet over TCP on
-127.0.0.1 at a free port, with the gloo backend (nccl selectable when CUDA is present) and a timeout
+127.0.0.1 at a free port (c10d's store listens there only: :func:`local_store`), with the gloo backend (nccl selectable when CUDA is present) and a timeout
 on every collective. Every rank sends back one picklable result (tensors converted to numpy so
 nothing depends on shared memory outliving the rank). If any rank raises, exits or the run passes
 its deadline, the remaining ranks are terminated (then killed) and joined, and a ``RuntimeError``
@@ -123,12 +123,31 @@ def from_host(value: Any) -> Any:
     return _map_leaves(value, np.ndarray, torch.from_numpy)
 
 
+def local_store(host: str, port: int, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The ranks' c10d key-value store at ``host:port``: rank 0 serves it, the others connect. torch's ``TCPStore``
+    server listens on every interface whatever ``host`` says (it uses ``host`` only to connect), so rank 0 binds
+    the listening socket to ``host`` itself and hands it over (``master_listen_fd``). Raises OSError if rank 0
+    cannot bind ``host:port``, torch.distributed.DistError if the store does not form within ``timeout``."""
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, False, timeout)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen()
+    except OSError:
+        sock.close()
+        raise
+    return dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=sock.detach())  # the store owns it
+
+
 def _rank_main(rank, fn, world_size, port, backend, timeout_s, threads, args, results):
     """Entry point of one rank process (``torch.multiprocessing`` passes ``rank`` first)."""
     torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, store=local_store("127.0.0.1", port, rank, world_size, timeout), rank=rank,
+                                world_size=world_size, timeout=timeout)
         out = fn(rank, world_size, *args)
         try:  # pickle here, not in the queue's feeder thread, whose errors never reach the parent
             payload = pickle.dumps(to_host(out), protocol=pickle.HIGHEST_PROTOCOL)

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from app_pages.links import page_link_keys
+
 REPO = Path(__file__).resolve().parents[2]
 APP = str(REPO / "app.py")
 PUBLIC_MODULES = {"streamlit", "streamlit.components.v1"}
@@ -133,6 +135,20 @@ def test_an_option_not_offered_names_the_values_taken():
     assert len(notices) == 1 and "takes now (2, 4, 8, 16)" in notices[0], notices
 
 
+def test_a_multiselect_link_naming_an_option_twice_is_ignored_with_a_notice():
+    """``?p14_policies=round+robin&p14_policies=round+robin`` reached the simulation as the same policy twice and the
+    page showed ``TypeError: float() argument must be a string or a real number, not 'Series'``; now the link is
+    ignored with a notice and the page runs with its default policies."""
+    at = AppTest.from_file(APP, default_timeout=300)
+    at.switch_page("app_pages/14_fleet_simulation.py")
+    at.query_params["p14_policies"] = ["round robin", "round robin"]
+    _run(at)
+    notices = [t.value for t in at.toast if "link's p14_policies=" in t.value]
+    assert notices == ["The link's p14_policies=round robin, round robin is a selection that names round robin more "
+                       "than once; it was ignored."], [t.value for t in at.toast]
+    assert "p14_policies" not in at.query_params and not at.exception
+
+
 def test_a_long_value_states_its_length_once():
     """Regression: the notice for a text over its limit gave the length twice ("… (2,001 characters) is 2,001
     characters, over the 2,000-character limit")."""
@@ -144,6 +160,7 @@ def test_a_long_value_states_its_length_once():
     pytest.param("app_pages/16_continuous_batching.py", {"p16_max_num_seqs": "64"}, "p16_max_num_seqs", id="p16"),
     pytest.param("app_pages/08_prefix_hit.py", {"p08_prefix": "0", "p08_new": "1", "p04_draft": "3", "utm": "x"},
                  "p08_prefix", id="p08"),
+    pytest.param("app_pages/17_state_precision.py", {"p17_bench": "9" * 20_000}, "p17_bench", id="p17-chart-key"),
 ])
 def test_an_unknown_key_of_the_page_is_reported_and_dropped(path, params, unknown):
     """A key shaped like the page's own (pNN_...) that names none of its widgets stayed in the URL with no notice;
@@ -159,3 +176,15 @@ def test_an_unknown_key_of_the_page_is_reported_and_dropped(path, params, unknow
     assert unknown not in at.query_params
     assert {k for k in params if k != unknown} <= set(at.query_params), at.query_params
     assert len(at.toast) == 1, [t.value for t in at.toast]                  # the page's real keys raise nothing
+
+
+def test_only_keys_of_url_widgets_are_link_settings():
+    """A chart's, a button's or an uploader's key is not a link setting: ``?p17_bench=<20,000 nines>`` (page 17's
+    chart key) stayed in the URL with no notice because every ``"p17_..."`` literal of the page counted. Widgets drawn
+    through a helper (``real_replica(..., model_key="p14_real_model")``, ``f"{prefix}_gpu"``) still count."""
+    p17 = page_link_keys("app_pages/17_state_precision.py", "p17_")
+    assert not {"p17_bench", "p17_bench_agreement", "p17_run_button", "p17_run_on"} & p17, p17
+    assert {"p17_context", "p17_tokens", "p17_gpu"} <= p17
+    p14 = page_link_keys("app_pages/14_fleet_simulation.py", "p14_")
+    assert {"p14_real_model", "p14_policies", "p14_gpu", "p14_tp"} <= p14 and "p14_ttft_chart" not in p14
+    assert "p13_azure" not in page_link_keys("app_pages/13_fleet_budgets.py", "p13_")          # a file uploader

@@ -137,6 +137,8 @@ def test_fleet_simulation_policies_and_progress():
     assert seen == sorted(seen) and seen[-1] == pytest.approx(1.0)
     with pytest.raises(ValueError, match="policies"):
         fleet_simulation([], 300, 4, 2, "8000", "vtc", 10, "none", 8, "a10g")
+    with pytest.raises(ValueError, match="policies must not repeat a policy, got 'round_robin' more than once"):
+        fleet_simulation(["round_robin", "ring", "round_robin"], 300, 4, 2, "8000", "vtc", 10, "none", 8, "roofline")
 
 
 def test_bounded_load_never_routes_above_its_in_flight_cap():

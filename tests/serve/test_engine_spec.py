@@ -182,9 +182,9 @@ def test_failed_publish_aborts_the_request_and_strands_nothing(monkeypatch, prom
     rid = eng.submit(prompt, max_new)
     rid_other = eng.submit(other, 30)
     _inject_publish_failure(monkeypatch, where, rid, boundary // 16)
-    with pytest.raises(RuntimeError, match="injected"):
-        while eng.step():
-            eng.check_integrity()
+    while eng.requests[rid].status is not RequestStatus.ABORTED:     # step() does not raise: the step goes on
+        assert eng.step()
+        eng.check_integrity()
     req = eng.requests[rid]
     assert req.status is RequestStatus.ABORTED and rid not in eng.running
     assert f"publish at {boundary} tokens failed" in req.reason and "injected" in req.reason

@@ -1,14 +1,19 @@
-"""Per-request sampling (serve/sampling.py): the top-p nucleus by hand, draws reproducible per seed, and in the
-engine a sampled request's tokens equal its batch-1 run's whatever its neighbours (and after a preemption)."""
+"""Per-request sampling (serve/sampling.py): the top-p nucleus by hand, draws reproducible per seed, the sampler
+total over everything the request schema admits (hypothesis), and in the engine a sampled request's tokens equal its
+batch-1 run's whatever its neighbours (and after a preemption)."""
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from serve.http.model import EngineSpec, build_engine, load_model
-from serve.sampling import SamplingParams, sample_token
+from serve.http.protocol import CompletionRequest, RequestError, check_request
+from serve.request import RequestStatus
+from serve.sampling import MIN_TEMPERATURE, SEED_MAX, SEED_MIN, SamplingParams, sample_token
 
 
 def test_top_p_keeps_the_smallest_nucleus_and_seeds_reproduce():
@@ -66,3 +71,58 @@ def test_sampled_requests_in_a_batch_equal_their_batch1_runs_and_survive_preempt
     assert refs[0] != greedy
     with pytest.raises(TypeError, match="sampling"):
         engine.submit(prompts[0], 2, sampling={"temperature": 1.0})
+
+
+# the edges of what the schema admits: subnormals, the smallest positive double and fp32, 1 - eps, the range ends
+TINY = [5e-324, 1e-320, 1e-45, 1.4e-45, 1e-38, MIN_TEMPERATURE, 1e-300, 1e-46]
+temperatures = st.one_of(st.floats(0.0, 2.0), st.sampled_from(TINY + [0.0, 2.0, 2.0 - 2**-52, 1.0 - 2**-53]),
+                         st.integers(0, 2), st.floats(allow_nan=False, allow_infinity=False))
+top_ps = st.one_of(st.floats(0.0, 1.0, exclude_min=True), st.sampled_from(TINY + [1.0, 1.0 - 2**-53]),
+                   st.just(1), st.floats(allow_nan=False, allow_infinity=False))
+top_ks = st.one_of(st.integers(-1, 300), st.integers(301, 2**70), st.integers(-2**70, -2))
+seeds = st.one_of(st.integers(SEED_MIN, SEED_MAX), st.sampled_from([SEED_MIN, SEED_MAX, 0]), st.integers())
+logit_rows = st.one_of(
+    st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=300),  # any finite fp32
+    st.lists(st.floats(-30, 30, width=32), min_size=1, max_size=300),         # a model's range
+    st.integers(1, 300).map(lambda n: [0.5] * n))                              # all tied
+
+
+@given(temperature=temperatures, top_p=top_ps, top_k=top_ks, seed=seeds, logits=logit_rows)
+@example(temperature=1e-38, top_p=1.0, top_k=0, seed=1, logits=[0.0, 3.0, 2.9, -1.0])      # the server-killing request
+@example(temperature=5e-324, top_p=1.0, top_k=0, seed=1, logits=[1.0, 2.0])
+@example(temperature=1.0, top_p=1e-300, top_k=0, seed=1, logits=[1.0, 2.0, 0.5])
+@example(temperature=1.0, top_p=1e-46, top_k=0, seed=1, logits=[1.0, 2.0, 0.5])
+@example(temperature=2.0, top_p=1.0 - 2**-53, top_k=2**70, seed=SEED_MIN, logits=[-3e38, 3e38, 0.0])
+def test_sampler_is_total_over_what_the_schema_admits(temperature, top_p, top_k, seed, logits):
+    """Whatever the request schema accepts (``check_request`` does not raise) gives a token: a kept one (inside top-k,
+    an argmax at the greedy limit); whatever it does not accept is a 400 naming the field. Temperatures at or below
+    ~1e-38 and top_p at or below ~1e-46 used to pass the schema and then raise in the sampler, killing the engine."""
+    body = {"model": "m", "prompt": "x", "max_tokens": 1, "temperature": temperature, "top_p": top_p,
+            "top_k": top_k, "seed": seed}
+    try:
+        params = check_request(CompletionRequest.model_validate(body), "m", 8).sampling
+    except RequestError as err:
+        assert err.status == 400 and err.param in ("temperature", "top_p", "top_k", "seed"), err.body()
+        return
+    row = torch.tensor(logits, dtype=torch.float32)                                       # [V]
+    draw = [sample_token(row, params.seeded(), params.seeded().generator()) for _ in range(2)]
+    assert 0 <= draw[0] < row.numel()
+    if params.seed is not None:
+        assert draw[0] == draw[1]                                                          # reproducible per seed
+    if 0 < params.top_k < row.numel():
+        assert row[draw[0]] >= row.topk(params.top_k).values[-1]
+    if params.temperature <= MIN_TEMPERATURE and row.abs().max() >= 1e-30:
+        assert row[draw[0]] == row.max()
+
+
+def test_poison_temperature_request_finishes_beside_a_normal_one():
+    """A request at temperature 1e-38 raised in the sampler at its first token, was left in PREFILL with no token
+    and every later step raised: now it finishes (its greedy limit) and so does its neighbour."""
+    model = load_model("demo")
+    engine = build_engine(EngineSpec("demo", max_num_seqs=4), model)
+    normal = engine.submit(list(b"hello"), 4)
+    poison = engine.submit(list(b"x"), 4, sampling=SamplingParams(temperature=1e-38, seed=1))
+    engine.run_until_idle()
+    engine.check_integrity()
+    assert engine.result(normal).status is engine.result(poison).status is RequestStatus.FINISHED
+    assert engine.result(poison).output_tokens == engine.generate(list(b"x"), 4).output_tokens   # greedy limit

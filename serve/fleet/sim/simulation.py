@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
+from numbers import Integral, Real
 
 import simpy
 
@@ -30,6 +31,7 @@ from serve.fleet.routing.router import RouteQuery
 from serve.fleet.scaling.budgets import TokenBucket
 from serve.fleet.sim.replica import Job, Replica
 from serve.fleet.sim.types import Admission, FleetConfig, FleetRequest, FleetSimResult
+from serve.traces.limits import MAX_INPUT_TOKENS, MAX_OUTPUT_TOKENS
 
 
 class FleetSim:
@@ -39,6 +41,8 @@ class FleetSim:
         ids = [r.request_id for r in requests]
         if len(set(ids)) != len(ids):
             raise ValueError("request_id values must be unique")
+        for r in requests:
+            check_request(r)
         self.cfg = cfg
         self.env = simpy.Environment()
         names = replica_names(cfg.num_replicas)
@@ -174,10 +178,25 @@ class FleetSim:
             bucket.check_integrity(self.env.now)
 
 
+def check_request(r: FleetRequest) -> None:
+    """Refuse, before anything runs, a request the simulation could not finish in any sane time or whose sizes are
+    not token counts: ``input_length`` / ``output_length`` must be ints in [0, :data:`serve.traces.limits.
+    MAX_INPUT_TOKENS`] / [0, :data:`serve.traces.limits.MAX_OUTPUT_TOKENS`] (the limits every trace loader applies;
+    a 10^12-token output was "completed" some 200 years of simulated time later, and every request behind it
+    waited), ``arrival_ms`` a finite number. Raises ValueError naming the request, the field and the limit."""
+    for name, value, limit in (("input_length", r.input_length, MAX_INPUT_TOKENS),
+                               ("output_length", r.output_length, MAX_OUTPUT_TOKENS)):
+        if isinstance(value, bool) or not isinstance(value, Integral) or not 0 <= value <= limit:
+            raise ValueError(f"request {r.request_id}: {name} must be an int in [0, {limit:,}] tokens (the limit every "
+                             f"trace loader applies to one request), got {value!r}: refused before the simulation runs")
+    if not isinstance(r.arrival_ms, Real) or not math.isfinite(r.arrival_ms):
+        raise ValueError(f"request {r.request_id}: arrival_ms must be a finite number of ms, got {r.arrival_ms!r}")
+
+
 def simulate(requests: Sequence[FleetRequest], cfg: FleetConfig,
              progress: Callable[[float], None] | None = None) -> FleetSimResult:
     """Run the fleet simulation; ``progress(fraction)`` is called as arrivals are processed.
 
-    Raises ValueError for duplicate request ids or an invalid config; RuntimeError if the
-    bookkeeping breaks (a request finishing twice)."""
+    Raises ValueError for duplicate request ids, a request outside the limits (:func:`check_request`, before
+    anything runs) or an invalid config; RuntimeError if the bookkeeping breaks (a request finishing twice)."""
     return FleetSim(requests, cfg).run(progress)

@@ -20,6 +20,7 @@ from serve.fleet.sim.service_model import ServiceModel, attention_pairs, saturat
 from serve.fleet.sim.simulation import simulate
 from serve.fleet.sim.types import FleetConfig, FleetRequest, ScaleAt, requests_from_trace
 from serve.fleet.sim.vtc import replay_vtc_suite
+from serve.traces.limits import MAX_OUTPUT_TOKENS
 from serve.traces.mooncake import synthesize
 from serve.traces.vtc_artifact import load_vtc_artifact
 
@@ -262,6 +263,22 @@ def test_config_validation():
         ServiceModel(prefill_tokens_per_s=0, decode_step_base_ms=1)
     with pytest.raises(ValueError, match="unique"):
         simulate([FleetRequest(0, 0, 1, 1, (1,)), FleetRequest(0, 1, 1, 1, (1,))], FleetConfig(service=SERVICE))
+
+
+def test_a_request_that_could_not_finish_is_refused_up_front():
+    """A request of 10^12 output tokens was "completed" at 6.69e12 ms (two centuries of simulated time) and the next
+    request served after it, with no error; now simulate() refuses it before anything runs, naming the request, the
+    field and the limit every trace loader applies. A request at the limit still runs."""
+    cfg = FleetConfig(service=SERVICE, num_replicas=1)
+    huge = [FleetRequest(0, 0.0, 100, 10**12, (1,)), FleetRequest(1, 1.0, 100, 5, (2,))]
+    with pytest.raises(ValueError, match=r"request 0: output_length must be an int in \[0, 131,072\] tokens"):
+        simulate(huge, cfg)
+    for bad, field in ((FleetRequest(2, 0.0, 2**21, 5, (1,)), "input_length"), (FleetRequest(3, 0.0, 10, 2.5, (1,)),
+                       "output_length"), (FleetRequest(4, math.nan, 10, 5, (1,)), "arrival_ms")):
+        with pytest.raises(ValueError, match=f"request {bad.request_id}: {field}"):
+            simulate([bad], cfg)
+    (r,) = simulate([FleetRequest(5, 0.0, 100, MAX_OUTPUT_TOKENS, (1,))], cfg).results
+    assert r.status == "completed"
 
 
 def test_on_off_less_rebuilt_without_files_equals_artifact(traces_dir):

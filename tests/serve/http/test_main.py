@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from serve.http.__main__ import build_parser, engine_spec, parse_args, startup_line
+from serve.http.__main__ import SPARE_CONNECTIONS, build_parser, door_limits, engine_spec, parse_args, startup_line
 from serve.http.app import create_app
 from serve.http.model import EngineSpec, build_engine, load_model
 from tests.serve.http.server_helpers import assert_exits_2
@@ -39,7 +39,12 @@ def test_models_reports_whether_a_prefix_hit_is_exact(argv, exact):
     (["--num-pages", "1"], "num_pages=1 cannot hold one request of max_model_len=1024 tokens (13 state pages + 64 KV "
                            "pages = 77 pages); raise num_pages to 77 or lower max_model_len"),
     (["--num-pages", "76"], "raise num_pages to 77 or lower max_model_len to 1008"),
-], ids=["port-high", "port-negative", "queue-negative", "model-len-huge", "trace-folder", "pages-1", "pages-76"])
+    (["--header-timeout", "0"], "argument --header-timeout: must be a finite number of seconds > 0, got 0"),
+    (["--body-timeout", "inf"], "argument --body-timeout: must be a finite number of seconds > 0, got inf"),
+    (["--timeout-keep-alive", "soon"], "argument --timeout-keep-alive: must be a number of seconds > 0, got 'soon'"),
+    (["--max-connections", "0"], "argument --max-connections: must be an int >= 1, got 0"),
+], ids=["port-high", "port-negative", "queue-negative", "model-len-huge", "trace-folder", "pages-1", "pages-76",
+        "header-timeout-0", "body-timeout-inf", "keep-alive-word", "connections-0"])
 def test_bad_values_exit_2_with_the_argparse_message(argv, message, capsys):
     assert_exits_2(argv, message, capsys)
 
@@ -71,3 +76,16 @@ def test_startup_line_names_model_address_states_and_pool(argv, warned):
                            f"{args.state_dtype}, state write slot | pool {engine.pool.num_pages:,} pages = ")
     assert f"{engine.pool.num_pages // engine.layout.state_pages:,} state slots" in line
     assert ("a prefix-cache hit may change greedy output" in line) is warned
+
+
+def test_door_options_reach_the_limits_and_docs_are_off_unless_asked():
+    args = parse_args(["--preset", "demo-tiny", "--max-model-len", "64", "--max-num-seqs", "2", "--max-queue", "3"])
+    limits = door_limits(args)
+    assert (limits.header_timeout_s, limits.body_timeout_s, limits.keep_alive_s) == (10.0, 30.0, 5.0)
+    assert limits.max_connections == 2 + 3 + SPARE_CONNECTIONS
+    args = parse_args(["--preset", "demo-tiny", "--header-timeout", "2.5", "--max-connections", "9", "--docs"])
+    assert (door_limits(args).header_timeout_s, door_limits(args).max_connections, args.docs) == (2.5, 9, True)
+    spec = EngineSpec("demo-tiny", max_model_len=64, max_num_seqs=2)
+    for docs, status in ((False, 404), (True, 200)):
+        with TestClient(create_app(build_engine(spec, load_model("demo-tiny")), "m", 64, 2, 2, docs=docs)) as client:
+            assert client.get("/docs").status_code == client.get("/openapi.json").status_code == status

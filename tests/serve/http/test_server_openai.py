@@ -317,14 +317,29 @@ def test_greedy_accepts_top_p_and_top_k_and_top_k_one_is_greedy(client):
      "messages[0].content[0].text"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x", "colour": 1}]}, "messages[0].colour"),
     ("completions", {"prompt": [[1, "a"]]}, "prompt[0][1]"),
+    ("chat/completions", {"messages": ["hello"]}, "messages[0]"),               # nested values that must be objects:
+    ("chat/completions", {"messages": [None]}, "messages[0]"),                  # were "the body is not a JSON object"
+    ("chat/completions", {"messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content[0]"),
+    ("completions", {"prompt": "x", "stream": True, "stream_options": [1]}, "stream_options"),
 ])
 def test_bad_field_param_is_the_path_the_client_wrote(server, path, body, param):
     """pydantic's union member names (``str``, ``list[TextPart]``) stay out of ``param``; the message lists what
-    each member wanted."""
+    each member wanted. A nested value of the wrong type is named too."""
     r = httpx.post(f"{server[0]}/v1/{path}", json={"model": MODEL, "max_tokens": 1, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
     assert param in r.json()["error"]["message"] and ".str" not in r.json()["error"]["message"]
+
+
+def test_no_redirect_built_from_host_head_health_and_no_docs(server):
+    """A trailing slash was a 307 to a Location built from the request's Host header; HEAD /health was 405; /docs
+    loaded its scripts from a CDN without being asked for (``--docs`` turns it on: tests/serve/http/test_main.py)."""
+    url = server[0]
+    r = httpx.post(url + "/v1/completions/", json={"model": MODEL, "prompt": "x", "max_tokens": 1},
+                   headers={"host": "evil.example"})
+    assert r.status_code == 404 and "location" not in r.headers and r.json()["error"]["code"] == 404
+    assert httpx.head(url + "/health").status_code == 200
+    assert [httpx.get(url + p).status_code for p in ("/docs", "/redoc", "/openapi.json")] == [404] * 3
 
 
 def test_help_shows_every_default(capsys):

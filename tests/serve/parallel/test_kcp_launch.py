@@ -1,4 +1,6 @@
-"""serve.parallel.launch and serve.parallel.torchrun: spawned ranks, clear errors, timeouts, no process left behind, and torchrun's environment checked."""
+"""serve.parallel.launch and serve.parallel.torchrun: spawned ranks, clear errors, timeouts, no process left behind,
+the c10d store on 127.0.0.1 only, and torchrun's environment checked."""
+import contextlib
 import os
 import threading
 import time
@@ -43,6 +45,34 @@ def _die_on_rank_1(rank, world_size, code):
 def _state_on_every_rank(rank, world_size):
     x = torch.zeros(1, 4, 1, 2)
     return kcp_kda(x, x, x, x, x[..., 0], initial_state=torch.zeros(1, 1, 2, 2)).o
+
+
+def _listening(rank, world_size):
+    """The addresses this rank's process listens on (hex ``addr:port`` from /proc/net/tcp and tcp6, matched to the
+    sockets among its file descriptors), after the group has formed."""
+    dist.barrier()
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{fd}")
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/net/{table}") as f:
+            rows = [line.split() for line in f.readlines()[1:]]
+        out += [(table, r[1]) for r in rows if r[3] == "0A" and r[9] in inodes]       # state 0A: LISTEN
+    return out
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net/tcp")
+def test_the_c10d_store_listens_on_127_0_0_1_only(ranks_gone):
+    """The init method said tcp://127.0.0.1 but rank 0's c10d store listened on every interface ([::], dual stack);
+    now every listening socket of every rank is on 127.0.0.1."""
+    out = run_ranks(_listening, 2, start_method="fork", timeout_s=60)
+    ranks_gone(out.pids)
+    listening = [addr for rank in out.results for addr in rank]
+    assert listening and all(table == "tcp" and addr.startswith("0100007F:") for table, addr in listening), listening
 
 
 def test_spawn_run_is_exact_and_leaves_nothing(ranks_gone):
