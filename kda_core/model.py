@@ -189,7 +189,7 @@ class HybridLM(nn.Module):
             else:
                 y, new_layers[i] = m(h, cache.layers[i], mode=mode)
             x = x + y
-            x = x + self.ffn[i](self.post_attention_norm(i, x))
+            x = x + self.mlp(i, self.post_attention_norm(i, x))
         logits = self.head(x) if stop == self.cfg.num_layers else None
         return ForwardOutput(logits, HybridCache(tuple(new_layers), cache.num_tokens + T), aux, states_at)
 

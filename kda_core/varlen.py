@@ -360,7 +360,7 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
             y = _mla_layer(m, h, meta, qsl, slots, pos, pools.kv_cache, mla_index[li], kv_pages, kv_offs, kv_live,
                            packed, verify, li)
         x = x + y
-        x = x + model.ffn[li](model.post_attention_norm(li, x))
+        x = x + model.mlp(li, model.post_attention_norm(li, x))
     last = torch.tensor([qsl[i + 1] - 1 for i in range(n)], dtype=torch.long)
     logits = model.head(x[0, last])                                        # [N, vocab]
     for i in verify:

@@ -198,7 +198,7 @@ class ServeEngine:
         cache, the prompt is matched and its hit pinned now. Raises ValueError on bad input, or for sampling
         with speculation (its verify step accepts drafts greedily); TypeError for ``sampling`` of another type."""
         t0 = time.perf_counter()
-        prompt = prompt_ids(tokens)
+        prompt = prompt_ids(tokens, self.model.cfg.vocab_size)
         check_int("max_new_tokens", max_new_tokens)
         sampling = GREEDY if sampling is None else sampling
         if not isinstance(sampling, SamplingParams):

@@ -135,11 +135,12 @@ class Request:
                              self.drafted_tokens, self.accepted_tokens)
 
 
-def prompt_ids(tokens) -> list[int]:
-    """A prompt as a list of byte ids: a 1-D integer tensor / array, ``bytes``, or a sequence of ints
+def prompt_ids(tokens, vocab_size: int = 256) -> list[int]:
+    """A prompt as a list of token ids: a 1-D integer tensor / array, ``bytes``, or a sequence of ints
     (not bools). Raises ValueError naming ``tokens`` for anything else, an empty prompt or ids
-    outside [0, 255]."""
-    expected = "tokens must be a non-empty 1-D sequence of byte ids (ints in [0, 255])"
+    outside [0, vocab_size) (the shipped byte models: [0, 255])."""
+    what = "byte ids" if vocab_size == 256 else "token ids"
+    expected = f"tokens must be a non-empty 1-D sequence of {what} (ints in [0, {vocab_size - 1}])"
     if hasattr(tokens, "tolist") and hasattr(tokens, "ndim"):          # torch tensor / numpy array
         if tokens.ndim != 1:
             raise ValueError(f"{expected}, got an array of shape {tuple(tokens.shape)}")
@@ -154,7 +155,7 @@ def prompt_ids(tokens) -> list[int]:
             i = None if isinstance(t, bool) else operator.index(t)   # ints incl. numpy ints; not 1.0, not True
         except TypeError:
             i = None
-        if i is None or not 0 <= i <= 255:
+        if i is None or not 0 <= i < vocab_size:
             raise ValueError(f"{expected}, got {t!r} at position {len(prompt)}")
         prompt.append(i)
     return prompt

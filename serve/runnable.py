@@ -2,18 +2,19 @@
 
 | preset | weights | parameters |
 |---|---|---|
-| ``demo`` | trained, shipped in ``weights/kda-demo`` (fp16 ``safetensors``, computed in fp32) | 2.28 M |
-| ``demo-k3gate`` | seeded random init (no trained weights ship for the K3 lower-bound gate) | 1.49 M |
-| ``demo-tiny`` | seeded random init (test-sized: 4 layers, d = 32) | 0.06 M |
+| ``demo`` | trained, shipped in ``weights/kda-demo`` (Kimi-Linear's format, fp32) | 4.0 M (1.9 M active) |
+| ``demo-k3gate`` | seeded random init (no trained weights ship for the K3 lower-bound gate) | 2.36 M |
+| ``demo-tiny`` | seeded random init (test-sized: 4 layers, d = 32) | 0.07 M |
 
 The trained ``demo`` model has the ``demo`` preset's every cache and state shape (KDA state ``[H, K, V]``,
-conv window, MLA latent width), so byte counts of the preset hold for it; only its MLP is wider (512 vs 256,
-``train.model_config``). The lab (``lab.prefix.demo_model`` is this function), the HTTP server
+conv window, MLA latent width), so byte counts of the preset hold for it; only its feed-forward widths differ
+(dense 512 vs 256, experts 128 vs 64, ``train.model_config``). The lab (``lab.prefix.demo_model`` is this function), the HTTP server
 (:mod:`serve.http.model`) and the fleet simulator's measured service model all load through :func:`demo_model`.
 """
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,7 +26,19 @@ if TYPE_CHECKING:    # torch loads on the first model: Home reads this table (la
 RUNNABLE = ("demo", "demo-k3gate", "demo-tiny")
 WEIGHTS_ROOT = Path(__file__).resolve().parents[1] / "weights"
 TRAINED_WEIGHTS = {"demo": WEIGHTS_ROOT / "kda-demo"}
-"""Model folder (``config.json`` + ``model.safetensors``) of each runnable preset that ships trained weights."""
+"""Model folder (Kimi-Linear's format, :mod:`kda_core.pretrained`) of each runnable preset that ships trained weights."""
+MODEL_PATH_ENV = "KDA_LAB_MODEL_PATH"
+"""Environment variable (or a Streamlit root-level secret of that name) naming another checkpoint folder for the
+``demo`` preset: any Kimi-Linear checkpoint of the byte vocabulary (256 ids; the pages type text as bytes)."""
+
+
+def trained_folder(preset: str = "demo") -> Path:
+    """The folder the trained ``preset`` loads: ``$KDA_LAB_MODEL_PATH`` when set (``demo`` only), else the shipped
+    one. Raises ValueError for a preset without trained weights."""
+    if preset not in TRAINED_WEIGHTS:
+        raise ValueError(f"preset {preset!r} has no trained weights (those that do: {sorted(TRAINED_WEIGHTS)})")
+    override = os.environ.get(MODEL_PATH_ENV)
+    return Path(override) if override and preset == "demo" else TRAINED_WEIGHTS[preset]
 
 
 def is_trained(preset: str) -> bool:
@@ -38,7 +51,7 @@ def is_trained(preset: str) -> bool:
 @functools.lru_cache(maxsize=len(RUNNABLE))   # bounded: one model per runnable preset, built once per process
 def demo_model(preset: str = "demo") -> HybridLM:
     """The runnable model of a demo preset, fp32, eval mode, no autograd: ``demo`` loads the shipped trained
-    weights (``HybridLM.from_pretrained``; fp16 on disk, fp32 in memory), the others their seeded random
+    weights (``HybridLM.from_pretrained``, or the folder ``$KDA_LAB_MODEL_PATH`` names), the others their seeded random
     init (see the table above). The same object is returned on every call: do not modify it.
 
     Raises ValueError naming ``preset`` unless it is one of :data:`RUNNABLE`, or (from ``from_pretrained``)
@@ -47,5 +60,10 @@ def demo_model(preset: str = "demo") -> HybridLM:
     from kda_core.model import HybridLM
 
     if is_trained(preset):
-        return HybridLM.from_pretrained(TRAINED_WEIGHTS[preset]).eval()
+        model = HybridLM.from_pretrained(trained_folder(preset)).eval()
+        if model.cfg.vocab_size != 256:
+            raise ValueError(f"{MODEL_PATH_ENV}={trained_folder(preset)} has a vocabulary of {model.cfg.vocab_size} "
+                             "ids; the lab's pages need the byte vocabulary (256): serve it with "
+                             "python -m serve.http --model-path instead")
+        return model
     return HybridLM(PRESETS[preset]).eval()

@@ -25,11 +25,12 @@ from pathlib import Path
 import uvicorn
 
 from kda_core.config import PRESETS
+from kda_core.pretrained import read_config
 from serve.config import STATE_DTYPES
 from serve.engine import STATE_WRITES, ServeEngine
 from serve.http.app import create_app
 from serve.http.door import DoorLimits
-from serve.http.model import EngineSpec, build_engine, pool_capacity
+from serve.http.model import EngineSpec, build_engine, model_codec, pool_capacity, served_name
 from serve.http.step_trace import StepTrace
 from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
 
@@ -83,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_int_in(1, MAX_PORT), default=8000, help="TCP port (default: %(default)s)")
     p.add_argument("--preset", default="demo", help="runnable model preset: demo (the trained weights of "
                    "weights/kda-demo), demo-k3gate or demo-tiny (seeded init) (default: %(default)s)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: kda-<preset>)")
+    p.add_argument("--model-path", default=None, metavar="DIR",
+                   help="serve a checkpoint folder in Kimi-Linear's format (config.json, safetensors in Moonshot's "
+                        "names, tokenizer.json) instead of --preset, e.g. weights/kda-demo or the real 48B folder")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send (default: kda-<preset>, or the --model-path folder's name)")
     p.add_argument("--max-model-len", type=int, default=1024,
                    help="prompt + output tokens (bytes) per request (default: %(default)s)")
     p.add_argument("--max-num-seqs", type=int, default=64,
@@ -152,7 +157,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.ring_size is not None and args.state_write != "replay_ssm":
         p.error(f"--ring-size applies to --state-write replay_ssm only (got --state-write {args.state_write})")
     try:
-        engine_spec(args).check_pool(PRESETS[args.preset])   # a runnable preset's cache shapes are its model's
+        spec = engine_spec(args)
+        spec.check_pool(read_config(args.model_path) if args.model_path else PRESETS[args.preset])
     except ValueError as exc:
         p.error(str(exc))
     return args
@@ -162,7 +168,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
     """The :class:`EngineSpec` the options ask for (raises its ValueError for a bad value)."""
     return EngineSpec(args.preset, args.max_model_len, args.max_num_seqs, args.num_pages, args.block_size,
                       args.checkpoint_interval, not args.no_prefix_cache, args.state_write, args.ring_size,
-                      args.state_dtype)
+                      args.state_dtype, args.model_path)
 
 
 def startup_line(args: argparse.Namespace, engine: ServeEngine, model_name: str) -> str:
@@ -185,14 +191,15 @@ def main(argv=None) -> None:
     """Serve until stopped (Ctrl-C, SIGTERM); exits with status :data:`ENGINE_DIED` if the engine loop died."""
     args = parse_args(argv)
     spec = engine_spec(args)
-    engine, model_name = build_engine(spec), args.served_model_name or f"kda-{args.preset}"
+    engine, model_name = build_engine(spec), args.served_model_name or served_name(spec)
     server: uvicorn.Server | None = None
 
     def shut_down(err: BaseException) -> None:         # on the engine thread, after every request has ended
         threading.Timer(DEATH_GRACE_S, setattr, (server, "should_exit", True)).start()
 
     app = create_app(engine, model_name, spec.max_model_len, spec.max_num_seqs, args.max_queue,
-                     StepTrace(args.step_trace) if args.step_trace else None, docs=args.docs, on_death=shut_down)
+                     StepTrace(args.step_trace) if args.step_trace else None, docs=args.docs, on_death=shut_down,
+                     codec=model_codec(spec))
     server = uvicorn.Server(door_limits(args).uvicorn_config(app, host=args.host, port=args.port,
                                                              log_level=args.log_level))
     print(startup_line(args, engine, model_name), flush=True)

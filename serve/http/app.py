@@ -48,6 +48,7 @@ from serve.http.protocol import (
 )
 from serve.http.step_trace import StepTrace
 from serve.request import RequestResult, RequestStatus
+from serve.text_codec import BYTES
 
 RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.2
@@ -72,17 +73,19 @@ def error_response(err: RequestError, retry_after: int | None = None) -> JSONRes
 
 def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num_seqs: int,
                max_queue: int, trace: StepTrace | None = None, *, docs: bool = False,
-               on_death: Callable[[BaseException], None] | None = None) -> FastAPI:
+               on_death: Callable[[BaseException], None] | None = None, codec=BYTES) -> FastAPI:
     """The server app over ``engine`` (whose thread starts and stops with the app). ``max_model_len``:
     prompt + output tokens per request; ``max_num_seqs``: requests inside the engine at once; ``max_queue``:
     requests queued in front of it before a 429; ``trace``: an optional :class:`StepTrace` of every step and
     request; ``docs``: serve FastAPI's ``/docs`` and ``/openapi.json``; ``on_death``: called with the error if the
-    engine loop dies (:class:`EngineLoop`). ``app.state.loop`` is the :class:`EngineLoop`. ``/v1/models`` reports, besides vLLM's
+    engine loop dies (:class:`EngineLoop`); ``codec``: the served model's text codec (:mod:`serve.text_codec`; the
+    byte vocabulary by default). ``app.state.loop`` is the :class:`EngineLoop`. ``/v1/models`` reports, besides vLLM's
     ``max_model_len``, the engine's decode-time ``state_write``, its ``ring_size`` (null under "slot") and the
     stored dtype of its KDA recurrent states, ``state_dtype`` ("fp32", "bf16" or "fp16"), and
     ``prefix_hit_exact``: whether a prefix-cache hit serves bitwise the tokens of the same request run cold (true
     with fp32 states only: a 16-bit checkpoint is rounded where the cold run's state is not; null without a
     prefix cache)."""
+    vocab_size = engine.model.cfg.vocab_size
     metrics = ServerMetrics(model_name, engine.layout.block_size)
     metrics.pool_capacity(pool_capacity(engine, max_model_len))
     loop = EngineLoop(engine, metrics, max_num_seqs, max_queue, trace, on_death)
@@ -160,7 +163,7 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
 
     async def _serve(body, request: Request, chat: bool):
         try:
-            prompt, max_tokens, sampling = check_request(body, model_name, max_model_len)
+            prompt, max_tokens, sampling = check_request(body, model_name, max_model_len, codec, vocab_size)
             stream = loop.submit(prompt, max_tokens, sampling)
         except RequestError as err:
             return error_response(err)
@@ -206,7 +209,7 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
         if first.status is not RequestStatus.FINISHED:
             return _ended_early(first, "request ended early")
         use = usage(len(prompt), len(ids), first.hit_tokens)
-        text = decode_all(ids)
+        text = decode_all(ids, codec)
         return chat_body(rid, model_name, text, "length", use, False) if chat else \
             completion_body(rid, model_name, text, "length", use)
 
@@ -224,7 +227,7 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
 
     async def _sse(stream: Stream, first, rid: str, chat: bool, include_usage: bool):
         """The SSE body: one chunk per engine push, the last with ``finish_reason``, usage if asked, [DONE]."""
-        dec, n, item, started = TextDecoder(), 0, first, False
+        dec, n, item, started = TextDecoder(codec), 0, first, False
         try:
             if chat:
                 yield _event(chat_body(rid, model_name, "", None, None, True, first=True))

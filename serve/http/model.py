@@ -2,17 +2,22 @@
 
 The served model is a runnable preset loaded by :func:`serve.runnable.demo_model`, the model the lab's pages run:
 by default ``demo``, the trained weights shipped in ``weights/kda-demo``, served under the model id ``kda-demo``
-(``python -m serve.http`` names a preset's model ``kda-<preset>``). The engine is :class:`serve.engine.ServeEngine`
+(``python -m serve.http`` names a preset's model ``kda-<preset>``); or, with ``model_path``, any checkpoint folder
+in Kimi-Linear's format (``config.json`` + safetensors in Moonshot's names + ``tokenizer.json``,
+:mod:`kda_core.pretrained`), served under the folder's name, its text through the folder's tokenizer
+(:mod:`serve.text_codec`). The engine is :class:`serve.engine.ServeEngine`
 built through its public constructor only, so a batching engine with the same API is served unchanged.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import NamedTuple
 
 from kda_core.config import ModelConfig
 from kda_core.model import HybridLM
+from kda_core.pretrained import CONFIG_NAME
 from serve.config import STATE_DTYPES, ServeConfig
 from serve.engine import STATE_WRITES, ServeEngine
 from serve.errors import check_choice, check_int
@@ -20,23 +25,39 @@ from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
 from serve.runnable import RUNNABLE, demo_model
 from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
+from serve.text_codec import BYTES, load_codec
 
 SERVABLE = RUNNABLE
 
 
-def load_model(preset: str = "demo") -> HybridLM:
-    """The served :class:`HybridLM` (fp32, eval mode) of a runnable demo preset: ``demo`` runs the shipped
-    trained weights (:func:`serve.runnable.demo_model`, loaded once per process and shared, never modified).
-    Raises ValueError naming ``preset`` for anything else."""
+def load_model(preset: str = "demo", model_path: str | None = None) -> HybridLM:
+    """The served :class:`HybridLM` (fp32, eval mode): the checkpoint folder ``model_path`` when given
+    (``HybridLM.from_pretrained``), else the runnable demo preset: ``demo`` runs the shipped trained weights
+    (:func:`serve.runnable.demo_model`, loaded once per process and shared, never modified). Raises ValueError
+    naming ``preset`` for anything else, or the loader's error for a bad folder."""
     check_choice("preset", preset, SERVABLE)
+    if model_path is not None:
+        return HybridLM.from_pretrained(model_path)
     return demo_model(preset)
+
+
+def model_codec(spec: EngineSpec):
+    """The text codec of the served model (:func:`serve.text_codec.load_codec`): the folder's tokenizer with
+    ``model_path``, else the shipped byte vocabulary."""
+    return BYTES if spec.model_path is None else load_codec(spec.model_path)
+
+
+def served_name(spec: EngineSpec) -> str:
+    """The model id clients send by default: the folder's name with ``model_path``, else ``kda-<preset>``."""
+    return Path(spec.model_path).resolve().name if spec.model_path is not None else f"kda-{spec.preset}"
 
 
 @dataclass(frozen=True)
 class EngineSpec:
     """How the server's engine is sized. Frozen; validated in ``__post_init__``.
 
-    preset: the model (:data:`SERVABLE`); max_model_len: prompt + output tokens (bytes) one request may
+    preset: the model (:data:`SERVABLE`); model_path: a checkpoint folder to serve instead of the preset (None:
+    the preset); max_model_len: prompt + output tokens (bytes) one request may
     reach; max_num_seqs: requests the engine holds at once (each one private KDA state: a "state slot");
     num_pages: pool pages (None: :meth:`pool_pages`' fp32 sizing, the same bytes for every state dtype);
     block_size / checkpoint_interval: the :class:`ServeConfig`; prefix_cache: share prefixes or not;
@@ -60,9 +81,12 @@ class EngineSpec:
     state_write: str = "slot"
     ring_size: int | None = None
     state_dtype: str = "fp32"
+    model_path: str | None = None
 
     def __post_init__(self):
         check_choice("preset", self.preset, SERVABLE)
+        if self.model_path is not None and not (Path(self.model_path) / CONFIG_NAME).is_file():
+            raise ValueError(f"model_path must be a checkpoint folder holding {CONFIG_NAME}, got {self.model_path!r}")
         check_int("max_model_len", self.max_model_len, 2)
         check_int("max_num_seqs", self.max_num_seqs)
         if self.num_pages is not None:
@@ -132,7 +156,7 @@ def build_engine(spec: EngineSpec, model: HybridLM | None = None) -> ServeEngine
     running requests: every step runs their decode rows and the admitted prompts' prefill rows together; its
     decode steps write the KDA state as ``spec.state_write`` says. Raises ValueError for a bad spec or a pool
     that cannot serve it (:meth:`EngineSpec.check_pool`)."""
-    model = load_model(spec.preset) if model is None else model
+    model = load_model(spec.preset, spec.model_path) if model is None else model
     spec.check_pool(model.cfg)
     config = spec.config
     pool = PagePool(spec.pool_pages(model.cfg), config.page_bytes(model.cfg))

@@ -19,7 +19,6 @@ one prompt by :func:`chat_prompt`.
 """
 from __future__ import annotations
 
-import codecs
 import time
 import uuid
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from typing import Literal, NamedTuple, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, Field
 
 from serve.sampling import SamplingParams
+from serve.text_codec import BYTES
 
 
 class RequestError(ValueError):
@@ -145,11 +145,11 @@ def _tag(tp) -> str:
     return f"{name}[{','.join(map(_tag, args))}]" if args else name
 
 
-def text_ids(text: str, param: str) -> list[int]:
-    """UTF-8 bytes of ``text`` as ids. Raises RequestError naming ``param`` for text that is not valid
-    UTF-8 (a lone surrogate)."""
+def text_ids(text: str, param: str, codec=BYTES) -> list[int]:
+    """The ids of ``text`` by the served model's ``codec`` (:mod:`serve.text_codec`; the shipped models: its UTF-8
+    bytes). Raises RequestError naming ``param`` for text that is not valid UTF-8 (a lone surrogate)."""
     try:
-        return list(text.encode("utf-8"))
+        return codec.encode(text)
     except UnicodeEncodeError as err:
         raise RequestError(f"{param} is not valid UTF-8 ({err.reason} at character {err.start})", param) from None
 
@@ -163,22 +163,23 @@ def chat_prompt(messages: list[ChatMessage]) -> str:
     return "".join(parts) + "<|assistant|>"
 
 
-def prompt_of(req: CompletionRequest | ChatRequest) -> list[int]:
-    """The request's prompt as byte ids. Raises RequestError for an empty or batched prompt, ids outside
-    [0, 255] or text that is not valid UTF-8."""
+def prompt_of(req: CompletionRequest | ChatRequest, codec=BYTES, vocab_size: int = 256) -> list[int]:
+    """The request's prompt as token ids (text through ``codec``; token ids as given). Raises RequestError for an
+    empty or batched prompt, ids outside [0, vocab_size) or text that is not valid UTF-8."""
     if isinstance(req, ChatRequest):
-        return text_ids(chat_prompt(req.messages), "messages")
+        return text_ids(chat_prompt(req.messages), "messages", codec)
     p = req.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         if len(p) != 1:
             raise RequestError(f"prompt: one prompt per request (n = 1), got a batch of {len(p)}", "prompt")
         p = p[0]
-    ids = text_ids(p, "prompt") if isinstance(p, str) else list(p)
+    ids = text_ids(p, "prompt", codec) if isinstance(p, str) else list(p)
     if not ids:
         raise RequestError("prompt must not be empty", "prompt")
-    bad = [t for t in ids if not 0 <= t <= 255]
+    bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
-        raise RequestError(f"prompt token ids must be bytes in [0, 255], got {bad[0]}", "prompt")
+        what = "bytes in [0, 255]" if vocab_size == 256 else f"ids of the model's vocabulary, in [0, {vocab_size - 1}]"
+        raise RequestError(f"prompt token ids must be {what}, got {bad[0]}", "prompt")
     return ids
 
 
@@ -217,9 +218,11 @@ NOT_HONOURED = {
 server does not echo the prompt back ...``)."""
 
 
-def check_request(req: CompletionRequest | ChatRequest, served_model: str, max_model_len: int) -> Checked:
-    """The :class:`Checked` prompt, ``max_tokens`` and sampling of a valid request. Raises RequestError (404 for
-    another model, else 400 naming the field) for what this server cannot do or a length over ``max_model_len``."""
+def check_request(req: CompletionRequest | ChatRequest, served_model: str, max_model_len: int, codec=BYTES,
+                  vocab_size: int = 256) -> Checked:
+    """The :class:`Checked` prompt, ``max_tokens`` and sampling of a valid request (text through the served model's
+    ``codec``, token ids in [0, vocab_size)). Raises RequestError (404 for another model, else 400 naming the
+    field) for what this server cannot do or a length over ``max_model_len``."""
     if req.model != served_model:
         raise RequestError(f"The model `{req.model}` does not exist; this server serves `{served_model}`.",
                            "model", 404, "NotFoundError")
@@ -248,7 +251,7 @@ def check_request(req: CompletionRequest | ChatRequest, served_model: str, max_m
         raise RequestError("stop sequences are not supported (the demo model runs to max_tokens)", "stop")
     if req.logit_bias:
         raise RequestError("logit_bias is not supported", "logit_bias")
-    prompt = prompt_of(req)
+    prompt = prompt_of(req, codec, vocab_size)
     if len(prompt) >= max_model_len:
         what, field = ("messages render to a prompt of", "messages") if isinstance(req, ChatRequest) else \
             ("prompt is", "prompt")
@@ -271,20 +274,20 @@ def check_request(req: CompletionRequest | ChatRequest, served_model: str, max_m
 
 
 class TextDecoder:
-    """Incremental UTF-8 decoding of output bytes: a character split across tokens waits for its last
-    byte; an invalid sequence becomes U+FFFD (``errors="replace"``), the same text one ``bytes.decode`` of
-    the whole output gives."""
+    """Incremental decoding of output ids by the served model's codec: a character split across tokens waits for
+    its last token; an invalid sequence becomes U+FFFD (``errors="replace"``), the same text one decode of the
+    whole output gives."""
 
-    def __init__(self):
-        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    def __init__(self, codec=BYTES):
+        self._dec = codec.decoder()
 
     def feed(self, ids: list[int], final: bool = False) -> str:
-        return self._dec.decode(bytes(ids), final=final)
+        return self._dec.feed(ids, final=final)
 
 
-def decode_all(ids) -> str:
+def decode_all(ids, codec=BYTES) -> str:
     """The text of a whole output (invalid UTF-8 replaced by U+FFFD)."""
-    return bytes(ids).decode("utf-8", errors="replace")
+    return codec.decode(ids)
 
 
 def new_id(prefix: str) -> str:
