@@ -24,15 +24,14 @@ from lab.drafters import (
     QUICK_SIZE,
     RunSize,
     bench_drafters,
-    draft_model,
     measure_drafters,
-    target_model,
 )
+from lab.models import demo_model, draft_model
 
 KIND_COLORS = {"code": "#1f77b4", "prose": "#ff7f0e"}
 ORACLE_HELP = ("Controlled experiment, not a real drafter: the target's own greedy token, replaced by a wrong one "
                "with probability 1 − p, each draft independently.")
-target = st.cache_resource(target_model, validate=built_by_loaded_code, max_entries=1)
+target = st.cache_resource(demo_model, validate=built_by_loaded_code, max_entries=1)
 draft = st.cache_resource(draft_model, validate=built_by_loaded_code, max_entries=1)
 
 
@@ -56,7 +55,7 @@ def drafter_selector(col, prefix: str, oracle_keys: tuple[str, ...] = ()) -> tup
 
 @st.cache_data(show_spinner="Speculative decoding of held-out code and prose…", max_entries=8, ttl="1h")
 def _measure(drafter: str, p: float, num_draft: int, size: RunSize):
-    run = measure_drafters(target(), draft(), (drafter,), num_prompts=size.num_prompts,
+    run = measure_drafters(target("demo"), draft(), (drafter,), num_prompts=size.num_prompts,
                            prompt_bytes=size.prompt_bytes, new_tokens=size.new_tokens, num_draft=num_draft,
                            corrupt_prob=1.0 - p)
     return run.positions, run.summary, run.conditions

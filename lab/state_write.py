@@ -20,7 +20,8 @@ from typing import NamedTuple
 import torch
 
 from kda_core.config import PRESETS
-from lab.prefix import demo_model
+from lab.batching import decoding_engine, time_steps
+from lab.models import demo_model
 from lab.timing import Conditions, conditions
 from serve.errors import check_int
 from serve.spec_decode.replay_state_write import decode_write_bytes
@@ -62,7 +63,6 @@ def state_write_sweep(batches=(1, 4, 16), ring_sizes=(4, 16), window: int = 4, r
     """Measure decode step time and count bytes written per decode step, slot write vs ReplaySSM (see the
     module docstring). ``progress(fraction)`` is called as it goes. Raises ValueError for an empty or bad
     ``batches`` / ``ring_sizes``, ``window`` < 1 or ``repeats`` < 5."""
-    from bench.batch import decoding_engine, time_steps
     if not batches or not ring_sizes:
         raise ValueError("batches and ring_sizes must each name at least one size")
     for b in batches:

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from kda_core.chunk import CHUNK_SIZE
-from lab.prefix import WARM_TOLERANCE, Comparison, build_engine, compare, demo_model, shared_prefix_prompts
+from lab.prefix import WARM_TOLERANCE, Comparison, build_engine, compare, shared_prefix_prompts
 from lab.threads import one_thread
 from serve.config import ServeConfig
+from serve.runnable import demo_model
 
 
 def _cold_warm(first, second, block_size, interval, preset="demo", max_new_tokens=4):
