@@ -345,7 +345,8 @@ def test_every_module_is_in_its_package_table(package):
 
 def test_the_old_flat_modules_are_gone():
     for old in ("serve/traces.py", "serve/azure_trace.py", "serve/trace_limits.py", "serve/vtc_artifact.py",
-                "serve/spec", "serve/fleet/simulation.py", "serve/fleet/router.py"):
+                "serve/spec", "serve/fleet/simulation.py", "serve/fleet/router.py",
+                "serve/spec_decode/replay_state_write.py"):
         assert not (REPO / old).exists(), old
 
 
