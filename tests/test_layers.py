@@ -23,6 +23,7 @@ the only module that defines ``demo_model`` / ``draft_model`` and calls ``Hybrid
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -49,10 +50,16 @@ class Import(NamedTuple):
     line: int
 
 
+@functools.lru_cache(maxsize=4096)   # every test here walks the same few hundred files: parse each once
+def nodes_of(source: str) -> tuple[ast.AST, ...]:
+    """Every node of ``source``'s syntax tree (``ast.walk`` order)."""
+    return tuple(ast.walk(ast.parse(source)))
+
+
 def imports_of(source: str) -> list[Import]:
     """Every import statement of ``source``, at any depth (functions too)."""
     out = []
-    for node in ast.walk(ast.parse(source)):
+    for node in nodes_of(source):
         if isinstance(node, ast.Import):
             out += [Import(alias.name, None, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -199,7 +206,7 @@ def model_source_violations(path: Path, source: str) -> list[str]:
     serve_side = package_of(me).split(".")[0] == "serve"           # serve/ and tests/serve/
     want = MODEL_HOME if serve_side or me == MODEL_DOOR else MODEL_DOOR
     errors = []
-    for node in ast.walk(ast.parse(source)):
+    for node in nodes_of(source):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in LOADERS and not home:
             errors.append(f"{rel}:{node.lineno}: defines {node.name} (only {MODEL_HOME} defines the shipped models)")
         if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "from_pretrained"
