@@ -4,7 +4,7 @@
 oracle as a labelled controlled experiment whose correctness slider shows only when it is chosen) in a column;
 ``acceptance_section`` measures acceptance per draft position on held-out code and prose prompts against the
 trained target, behind a button (seconds to a minute of CPU: kept off the first render), and draws it, with the
-page's run conditions beside the bench's (``python -m bench.drafters``, the README's table). The measurement is
+page's run conditions beside the bench's (``python -m bench.drafters``, bench/README.md's table). The measurement is
 :func:`lab.drafters.measure_drafters`, cached (bounded) and shared by the three pages; it defaults to the bench's
 prompts and bytes (:data:`lab.drafters.BENCH_SIZE`), with a quick option too small to rank drafters.
 """
@@ -64,7 +64,7 @@ def _measure(drafter: str, p: float, num_draft: int, size: RunSize):
 SIZES = {"bench": BENCH_SIZE, "quick": QUICK_SIZE}
 SIZE_LABELS = {"bench": f"the bench's: {BENCH_SIZE.num_prompts} prompts per kind × {BENCH_SIZE.new_tokens} bytes",
                "quick": f"quick: {QUICK_SIZE.num_prompts} prompts per kind × {QUICK_SIZE.new_tokens} bytes"}
-SIZE_HELP = ("The bench's prompts and bytes (`python -m bench.drafters`, the README's table) take about 20–60 s on "
+SIZE_HELP = ("The bench's prompts and bytes (`python -m bench.drafters`, bench/README.md's table) take about 20–60 s on "
              "this CPU; the quick run about 10 s, but with so few bytes the target's loops decide the ranking: too "
              "small to rank drafters.")
 
@@ -75,8 +75,8 @@ def label(drafter: str, p: float) -> str:
 
 
 def conditions_caption(drafter: str, num_draft: int, cond: dict, summary) -> str:
-    """This run's conditions beside the bench's (the README's table), and the bench's accepted drafts per verify
-    for ``drafter``, so the page and the README can be read side by side."""
+    """This run's conditions beside the bench's (bench/README.md's table), and the bench's accepted drafts per verify
+    for ``drafter``, so the page and bench/README.md can be read side by side."""
     own = (f"This page's run: {cond['prompts_per_kind']} prompts per kind of ≤ {cond['prompt_bytes_max']} bytes, "
            f"{cond['new_bytes_per_prompt']} bytes generated after each, n = {num_draft}")
     rep = summary.set_index("kind").repetition_rate
@@ -92,7 +92,7 @@ def conditions_caption(drafter: str, num_draft: int, cond: dict, summary) -> str
     rival = {"n-gram": "draft model", "draft model": "n-gram"}.get(drafter)
     versus = (f" vs {DRAFTER_LABELS[rival]}'s " + ", ".join(f"{k} {acc[(rival, k)]:.2f}" for k in kinds)
               if rival else "")
-    return (f"{own}; the bench's (`bench/results/drafters.json`, the README's table): {b['prompts_per_kind']} prompts "
+    return (f"{own}; the bench's (`bench/results/drafters.json`, bench/README.md's table): {b['prompts_per_kind']} prompts "
             f"per kind of ≤ {b['prompt_bytes_max']} bytes, {b['new_bytes_per_prompt']} bytes each, n = "
             f"{b['num_draft']}, where {label(drafter, 1.0 - b['noisy_oracle_corrupt_prob'])} accepted {there} "
             f"drafts per verify{versus}. {loops}")

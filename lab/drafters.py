@@ -56,7 +56,7 @@ class RunSize(NamedTuple):
     new_tokens: int
 
 
-BENCH_SIZE = RunSize(6, 256, 96)   # python -m bench.drafters (README table); pages 01, 02, 04 default to it
+BENCH_SIZE = RunSize(6, 256, 96)   # python -m bench.drafters (bench/README.md); pages 01, 02, 04 default to it
 QUICK_SIZE = RunSize(2, 192, 32)   # the pages' quick option: too few bytes to rank drafters (the target loops)
 
 

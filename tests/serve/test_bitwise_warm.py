@@ -1,6 +1,6 @@
 """A warm run that restores a checkpoint on the 64-token chunk grid is bitwise the cache-off run.
 
-Rule (``serve.engine``, README): the warm prefill starts at the hit boundary b; when b is a multiple of
+Rule (``serve.engine``, docs/exactness.md): the warm prefill starts at the hit boundary b; when b is a multiple of
 ``kda_core.chunk.CHUNK_SIZE`` (64) and the checkpoint there was taken by a prefill that started on the grid,
 logits and tokens are bitwise equal to the cache-off run. Off the grid they agree within ``WARM_TOLERANCE``.
 """
