@@ -68,9 +68,9 @@ def ranks_gone():
 
 
 # --- the fast unit run: ``pytest --unit`` ------------------------------------------------------------------
-UNIT = ("test_layers.py", "kda_core", "serve/memory", "serve/prefix", "serve/spec_decode", "serve/traces",
-        "serve/test_config.py", "serve/test_errors.py", "serve/test_sampling.py")
-"""What ``pytest --unit`` collects, under tests/: the layer rules, the maths and serve's data structures (pool,
+UNIT = ("test_layers.py", "test_docs.py", "test_bench_readme.py", "kda_core", "serve/memory", "serve/prefix",
+        "serve/spec_decode", "serve/traces", "serve/test_config.py", "serve/test_errors.py", "serve/test_sampling.py")
+"""What ``pytest --unit`` collects, under tests/: the layer and document rules, the maths and serve's data structures (pool,
 layout, prefix cache, rollback strategies, trace loaders). No engine run, server, ranks, fleet or real-scale
 simulation, lab, page or browser; tests marked ``slow`` are left out too. The full suite runs everything."""
 
@@ -78,6 +78,15 @@ simulation, lab, page or browser; tests marked ``slow`` are left out too. The fu
 def pytest_addoption(parser):
     parser.addoption("--unit", action="store_true",
                      help="only the unit layers (tests/conftest.py UNIT), without tests marked slow")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """``--unit`` runs in this process: on two cores, starting xdist's workers (each imports torch) costs more than
+    splitting a run this short saves."""
+    if config.getoption("--unit") and getattr(config.option, "numprocesses", None):
+        config.option.numprocesses = 0
+        config.option.dist = "no"
 
 
 def _in_unit(path: Path) -> bool:
