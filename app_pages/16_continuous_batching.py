@@ -7,7 +7,7 @@ import streamlit as st
 from app_pages.charts import int_tick_step, show_chart
 from app_pages.errors import engine_call
 from app_pages.links import url_widget
-from app_pages.measurement import measured_stamp, run_on_request
+from app_pages.measurement import measured_stamp, remeasure_button, run_on_request
 from lab.batching import DEFAULTS, OUTPUT_TOKENS, PROMPT_TOKENS, batching_run, decode_throughput
 
 st.title("Continuous batching")
@@ -75,6 +75,7 @@ fig = go.Figure([go.Box(y=reqs["TTFT ms"], name="TTFT (ms)", boxpoints="all"),
 fig.update_layout(yaxis_title="wall-clock time (ms)", yaxis_type="log")
 show_chart(fig, reqs, key="p16_latency")
 st.caption(run.stamp)
+remeasure_button(_p16_run, key="p16_remeasure")   # the replay is kept an hour for every visitor with these settings
 
 st.subheader("4 · Decode throughput against the batch size, measured")
 run_on_request("p16_sweep", "p16_sweep_button", "Measure decode tokens/s at batch 1 … 32",

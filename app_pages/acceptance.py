@@ -4,7 +4,7 @@
 oracle as a labelled controlled experiment whose correctness slider shows only when it is chosen) in a column;
 ``acceptance_section`` measures acceptance per draft position on held-out code and prose prompts against the
 trained target, behind a button (seconds to a minute of CPU: kept off the first render), and draws it, with the
-page's run conditions beside the bench's (``python -m bench.drafters``, the README's table). The measurement is
+page's run conditions beside the bench's (``python -m bench.drafters``, bench/README.md's table). The measurement is
 :func:`lab.drafters.measure_drafters`, cached (bounded) and shared by the three pages; it defaults to the bench's
 prompts and bytes (:data:`lab.drafters.BENCH_SIZE`), with a quick option too small to rank drafters.
 """
@@ -24,15 +24,14 @@ from lab.drafters import (
     QUICK_SIZE,
     RunSize,
     bench_drafters,
-    draft_model,
     measure_drafters,
-    target_model,
 )
+from lab.models import demo_model, draft_model
 
 KIND_COLORS = {"code": "#1f77b4", "prose": "#ff7f0e"}
 ORACLE_HELP = ("Controlled experiment, not a real drafter: the target's own greedy token, replaced by a wrong one "
                "with probability 1 − p, each draft independently.")
-target = st.cache_resource(target_model, validate=built_by_loaded_code, max_entries=1)
+target = st.cache_resource(demo_model, validate=built_by_loaded_code, max_entries=1)
 draft = st.cache_resource(draft_model, validate=built_by_loaded_code, max_entries=1)
 
 
@@ -56,7 +55,7 @@ def drafter_selector(col, prefix: str, oracle_keys: tuple[str, ...] = ()) -> tup
 
 @st.cache_data(show_spinner="Speculative decoding of held-out code and prose…", max_entries=8, ttl="1h")
 def _measure(drafter: str, p: float, num_draft: int, size: RunSize):
-    run = measure_drafters(target(), draft(), (drafter,), num_prompts=size.num_prompts,
+    run = measure_drafters(target("demo"), draft(), (drafter,), num_prompts=size.num_prompts,
                            prompt_bytes=size.prompt_bytes, new_tokens=size.new_tokens, num_draft=num_draft,
                            corrupt_prob=1.0 - p)
     return run.positions, run.summary, run.conditions
@@ -65,7 +64,7 @@ def _measure(drafter: str, p: float, num_draft: int, size: RunSize):
 SIZES = {"bench": BENCH_SIZE, "quick": QUICK_SIZE}
 SIZE_LABELS = {"bench": f"the bench's: {BENCH_SIZE.num_prompts} prompts per kind × {BENCH_SIZE.new_tokens} bytes",
                "quick": f"quick: {QUICK_SIZE.num_prompts} prompts per kind × {QUICK_SIZE.new_tokens} bytes"}
-SIZE_HELP = ("The bench's prompts and bytes (`python -m bench.drafters`, the README's table) take about 20–60 s on "
+SIZE_HELP = ("The bench's prompts and bytes (`python -m bench.drafters`, bench/README.md's table) take about 20–60 s on "
              "this CPU; the quick run about 10 s, but with so few bytes the target's loops decide the ranking: too "
              "small to rank drafters.")
 
@@ -76,8 +75,8 @@ def label(drafter: str, p: float) -> str:
 
 
 def conditions_caption(drafter: str, num_draft: int, cond: dict, summary) -> str:
-    """This run's conditions beside the bench's (the README's table), and the bench's accepted drafts per verify
-    for ``drafter``, so the page and the README can be read side by side."""
+    """This run's conditions beside the bench's (bench/README.md's table), and the bench's accepted drafts per verify
+    for ``drafter``, so the page and bench/README.md can be read side by side."""
     own = (f"This page's run: {cond['prompts_per_kind']} prompts per kind of ≤ {cond['prompt_bytes_max']} bytes, "
            f"{cond['new_bytes_per_prompt']} bytes generated after each, n = {num_draft}")
     rep = summary.set_index("kind").repetition_rate
@@ -93,7 +92,7 @@ def conditions_caption(drafter: str, num_draft: int, cond: dict, summary) -> str
     rival = {"n-gram": "draft model", "draft model": "n-gram"}.get(drafter)
     versus = (f" vs {DRAFTER_LABELS[rival]}'s " + ", ".join(f"{k} {acc[(rival, k)]:.2f}" for k in kinds)
               if rival else "")
-    return (f"{own}; the bench's (`bench/results/drafters.json`, the README's table): {b['prompts_per_kind']} prompts "
+    return (f"{own}; the bench's (`bench/results/drafters.json`, bench/README.md's table): {b['prompts_per_kind']} prompts "
             f"per kind of ≤ {b['prompt_bytes_max']} bytes, {b['new_bytes_per_prompt']} bytes each, n = "
             f"{b['num_draft']}, where {label(drafter, 1.0 - b['noisy_oracle_corrupt_prob'])} accepted {there} "
             f"drafts per verify{versus}. {loops}")

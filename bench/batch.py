@@ -23,36 +23,13 @@ from pathlib import Path
 import torch
 
 from kda_core.model import HybridLM
+from lab.batching import DECODE_PROMPT_TOKENS, decoding_engine, time_steps
 from serve.config import ServeConfig
 from serve.engine import ServeEngine
 from serve.memory.pool import PagePool
-from serve.request import RequestStatus
 
 OUT = Path(__file__).parent / "results" / "batch.json"
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
-PROMPT_TOKENS = 32
-
-
-def decoding_engine(model: HybridLM, batch: int, max_new_tokens: int, batched: bool = True, **engine_kw) -> ServeEngine:
-    """An engine (no prefix cache, 16-token blocks) with ``batch`` requests already all decoding; ``engine_kw``
-    go to :class:`ServeEngine` (e.g. ``state_write``, ``ring_size``)."""
-    config = ServeConfig(16, 16, page_policy="unified")
-    pages_per_req = 1 + -(-(PROMPT_TOKENS + max_new_tokens) // 16) + 1
-    pool = PagePool(batch * pages_per_req + 8, config.page_bytes(model.cfg))
-    eng = ServeEngine(model, pool, None, config=config, batched=batched, **engine_kw)
-    for i in range(batch):
-        eng.submit([(i * 7 + j) % 256 for j in range(PROMPT_TOKENS)], max_new_tokens)
-    while any(eng.requests[r].status is not RequestStatus.DECODE for r in eng.running) or eng.waiting:
-        eng.step()
-    return eng
-
-
-def time_steps(eng: ServeEngine, steps: int) -> float:
-    """Wall seconds of ``steps`` decode steps."""
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        eng.step()
-    return time.perf_counter() - t0
 
 
 def run(batches=BATCHES, steps: int = 5, repeats: int = 5, warmup: int = 2) -> dict:
@@ -85,9 +62,9 @@ def run(batches=BATCHES, steps: int = 5, repeats: int = 5, warmup: int = 2) -> d
             "batch1_new_over_old_time": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
                                          "best_over_best": min(secs[("new", 1)]) / min(secs[("old", 1)])},
             "fit_ms_per_step": {"fixed_ms": my - per_row * mx, "per_row_ms": per_row, "kind": "fitted"},
-            "conditions": {"model": "demo", "prompt_tokens": PROMPT_TOKENS, "steps_per_repeat": steps,
+            "conditions": {"model": "demo", "prompt_tokens": DECODE_PROMPT_TOKENS, "steps_per_repeat": steps,
                            "repeats": repeats, "warmup_steps": warmup, "torch_threads": 1,
-                           "context_tokens": [PROMPT_TOKENS + warmup, PROMPT_TOKENS + budget],
+                           "context_tokens": [DECODE_PROMPT_TOKENS + warmup, DECODE_PROMPT_TOKENS + budget],
                            "machine": platform.processor() or platform.machine(), "torch": torch.__version__}}
 
 

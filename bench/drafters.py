@@ -16,7 +16,8 @@ import argparse
 import json
 import time
 
-from lab.drafters import BENCH_RESULT, BENCH_SIZE, DRAFTERS, draft_model, measure_drafters, target_model
+from lab.drafters import BENCH_RESULT, BENCH_SIZE, DRAFTERS, measure_drafters
+from lab.models import demo_model, draft_model
 from lab.threads import one_thread
 
 OUT = BENCH_RESULT
@@ -31,7 +32,7 @@ def main(argv=None) -> None:
     ns = p.parse_args(argv)
     t0 = time.time()
     with one_thread():
-        run = measure_drafters(target_model(), draft_model(), DRAFTERS, num_prompts=ns.prompts,
+        run = measure_drafters(demo_model("demo"), draft_model(), DRAFTERS, num_prompts=ns.prompts,
                                prompt_bytes=ns.prompt_bytes, new_tokens=ns.new_bytes, num_draft=ns.num_draft)
     for (drafter, kind), part in run.positions.groupby(["drafter", "kind"], sort=False):
         s = run.summary.set_index(["drafter", "kind"]).loc[(drafter, kind)]

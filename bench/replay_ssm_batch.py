@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from bench.batch import decoding_engine
 from bench.replay_ssm import bytes_written
-from lab.prefix import demo_model
+from lab.batching import decoding_engine
+from lab.models import demo_model
 from lab.ring import prompt_state
 from lab.state_write import BATCHES, RING_SIZES, predicted_bytes, replay_read_ms, state_write_sweep
 from lab.threads import one_thread

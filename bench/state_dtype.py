@@ -24,8 +24,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from lab.models import TRAINED_WEIGHTS
 from lab.state_dtype import BENCH_RESULT, engine_agreement, heldout_prompts, serve_greedy, slot_table
-from serve.runnable import TRAINED_WEIGHTS
 
 DTYPES = ("fp32", "bf16", "fp16")
 

@@ -24,6 +24,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from lab.models import TRAINED_WEIGHTS
 from lab.state_capacity import capacity_table, low_decay_probe
 from lab.state_precision import precision_run
 
@@ -72,7 +73,7 @@ def main() -> None:
     print(pd.DataFrame(probe).to_string(index=False))
     cap = pd.concat([capacity_table(c) for c in CONTEXTS])
     print(cap.to_string(index=False))
-    weights = Path(__file__).resolve().parents[1] / "weights" / "kda-demo" / "model.safetensors"
+    weights = TRAINED_WEIGHTS["demo"] / "model.safetensors"
     result = dict(
         weights_sha256=hashlib.sha256(weights.read_bytes()).hexdigest(),
         document=run.document, num_tokens=n, continue_tokens=args.cont, draft_len=args.draft_len, seed=args.seed,

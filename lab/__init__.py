@@ -2,7 +2,8 @@
 
 Each page makes ONE (cached) call into its module, which runs the real ``kda_core`` / ``serve`` code and
 returns plain data (pandas frames, frozen dataclasses, NamedTuples) for all of the page's charts. A lab
-module never imports Streamlit or a page; ``serve`` never imports ``lab`` (``tests/test_layers.py`` pins it).
+module never imports Streamlit, a page or ``bench/``; ``serve`` never imports ``lab`` (``tests/test_layers.py`` pins it).
+The shipped models come from :mod:`lab.models` only.
 Progress is reported through a callback argument, never through module-global state.
 
 ======================  =======================  ========================  ==========  ==================================
@@ -37,6 +38,7 @@ fleet scaling           lab/fleet_scaling.py     fleet_scaling             12   
 fleet budgets           lab/budgets.py           budget_page               13          tests/lab/test_fleet.py
 fleet simulation        lab/fleet_simulation.py  fleet_simulation          14          tests/lab/test_fleet_pages.py
 fleet building blocks   lab/fleet.py             page_trace, routing_load  11-14       tests/lab/test_fleet.py
+shipped models          lab/models.py            demo_model, draft_model   (all)       tests/serve/test_runnable.py
 one torch thread        lab/threads.py           one_thread                (all)       (used by every measured run)
 shipped bench results   lab/shipped.py           read_shipped              01-04, 17   tests/lab/test_shipped.py
 ======================  =======================  ========================  ==========  ==================================

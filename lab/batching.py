@@ -6,7 +6,8 @@
 ceiling, each request's measured TTFT and TPOT, and then reruns every request alone on a fresh engine
 with the same token budget and speculation (:func:`alone_run`): the verdict is whether every request's tokens AND
 logits are bitwise its batch-1 run. :func:`decode_throughput` measures decode tokens/s against the batch size (interleaved
-repeats, one run; the same method as ``bench/batch.py``).
+repeats, one run), on :func:`decoding_engine` (B requests already all decoding) timed by :func:`time_steps`; page 01's
+state-write sweep (:mod:`lab.state_write`), ``bench/batch.py`` and ``bench/replay_ssm_batch.py`` time the same engine.
 """
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from typing import NamedTuple
 import pandas as pd
 import torch
 
-from lab.prefix import demo_model
+from kda_core.model import HybridLM
+from lab.models import demo_model
 from lab.timing import Conditions, conditions
 from serve.config import ServeConfig
 from serve.engine import ServeEngine
@@ -36,6 +38,7 @@ DEFAULTS = {"max_num_seqs": 8, "max_num_batched_tokens": 128, "num_state_slots":
 PROMPT_TOKENS = (8, 90)    # each request's prompt length range (tokens)
 OUTPUT_TOKENS = (4, 10)    # each request's max_new_tokens range
 BLOCK = 16
+DECODE_PROMPT_TOKENS = 32  # each request's prompt in :func:`decoding_engine` (tokens)
 
 
 class BatchingRun(NamedTuple):
@@ -137,6 +140,31 @@ def batching_run(max_num_seqs: int = DEFAULTS["max_num_seqs"],
     return BatchingRun(pd.DataFrame(steps), pd.DataFrame(rows), num_state_slots, all_ok, stamp)
 
 
+def decoding_engine(model: HybridLM, batch: int, max_new_tokens: int, batched: bool = True,
+                    **engine_kw) -> ServeEngine:
+    """An engine of ``model`` (no prefix cache, 16-token blocks, unified pages) with ``batch`` requests of
+    :data:`DECODE_PROMPT_TOKENS`-token prompts already all decoding, each with ``max_new_tokens`` to go at most;
+    ``batched=False`` runs the one-request-per-forward baseline; ``engine_kw`` go to :class:`ServeEngine` (e.g.
+    ``state_write``, ``ring_size``)."""
+    config = ServeConfig(BLOCK, BLOCK, page_policy="unified")
+    pages_per_req = 1 + -(-(DECODE_PROMPT_TOKENS + max_new_tokens) // BLOCK) + 1   # state + KV blocks + one spare
+    pool = PagePool(batch * pages_per_req + 8, config.page_bytes(model.cfg))
+    eng = ServeEngine(model, pool, None, config=config, batched=batched, **engine_kw)
+    for i in range(batch):
+        eng.submit([(i * 7 + j) % 256 for j in range(DECODE_PROMPT_TOKENS)], max_new_tokens)
+    while any(eng.requests[r].status is not RequestStatus.DECODE for r in eng.running) or eng.waiting:
+        eng.step()
+    return eng
+
+
+def time_steps(eng: ServeEngine, steps: int) -> float:
+    """Wall seconds (``time.perf_counter``) of ``steps`` engine steps of ``eng``."""
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    return time.perf_counter() - t0
+
+
 class Throughput(NamedTuple):
     """table: batch, tokens_per_s (median), min, max, ms_per_step, speedup (vs batch 1, same run);
     conditions: the measurement's :class:`lab.timing.Conditions`."""
@@ -150,7 +178,6 @@ def decode_throughput(batches=(1, 2, 4, 8, 16, 32), steps: int = 4, repeats: int
     each per step): median and min / max over ``repeats`` interleaved repeats after a warm-up step.
     ``progress(fraction)`` is called as it goes. Columns: batch, tokens_per_s, min, max, ms_per_step,
     speedup (vs batch 1, same run)."""
-    from bench.batch import decoding_engine, time_steps
     torch.set_num_threads(1)
     cond = conditions(repeats, 1)
     model = demo_model("demo")

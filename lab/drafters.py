@@ -36,15 +36,12 @@ from kda_core.model import HybridLM
 from lab.shipped import read_shipped, result_path
 from lab.threads import one_thread
 from serve.errors import check_choice, check_int
-from serve.runnable import demo_model
 from serve.spec_decode.draft import DraftModelProposer, DraftProposer, NgramProposer, NoisyOracleProposer
 from serve.spec_decode.verify import draft_budget, make_strategy, speculative_generate
 from train.corpus import KINDS, documents
 
 DRAFTERS = ("n-gram", "draft model", "noisy oracle")
 DRAFTER_LABELS = {"n-gram": "prompt lookup (n-gram)", "draft model": "draft model", "noisy oracle": "noisy oracle"}
-WEIGHTS = Path(__file__).resolve().parents[1] / "weights"
-TARGET_DIR, DRAFT_DIR = WEIGHTS / "kda-demo", WEIGHTS / "kda-draft"
 REPEAT_NGRAM = 8            # bytes per n-gram of the repetition rate
 STEP_COLUMNS = ["drafter", "kind", "prompt", "step", "budget", "num_drafted", "num_accepted", "num_emitted"]
 BENCH_RESULT = result_path("drafters")
@@ -59,7 +56,7 @@ class RunSize(NamedTuple):
     new_tokens: int
 
 
-BENCH_SIZE = RunSize(6, 256, 96)   # python -m bench.drafters (README table); pages 01, 02, 04 default to it
+BENCH_SIZE = RunSize(6, 256, 96)   # python -m bench.drafters (bench/README.md); pages 01, 02, 04 default to it
 QUICK_SIZE = RunSize(2, 192, 32)   # the pages' quick option: too few bytes to rank drafters (the target loops)
 
 
@@ -78,17 +75,6 @@ def bench_drafters(path: Path = BENCH_RESULT) -> BenchDrafters | None:
     if d is None:
         return None
     return BenchDrafters(pd.DataFrame(d["summary"]), pd.DataFrame(d["positions"]), d["conditions"])
-
-
-def target_model() -> HybridLM:
-    """The trained target (``weights/kda-demo``, fp16 weights loaded as fp32): the process's one copy, the
-    ``demo`` preset's runnable model (:func:`serve.runnable.demo_model`)."""
-    return demo_model("demo")
-
-
-def draft_model() -> HybridLM:
-    """The trained 2-layer draft model (``weights/kda-draft``)."""
-    return HybridLM.from_pretrained(DRAFT_DIR)
 
 
 @functools.lru_cache(maxsize=8)

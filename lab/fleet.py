@@ -243,7 +243,7 @@ def default_service(base: ServiceModel, prefill_x: float, decode_x: float, kv_ca
 
 
 SYNTHETIC_RATE_RPS = 3.4  # page_trace's synthetic arrival rate: the Mooncake conversation trace's
-PAGE_TRACE_BLOCKS = 131_072  # blocks of an upload pages 11, 12 and 14 replay (README, "Inputs and limits")
+PAGE_TRACE_BLOCKS = 131_072  # blocks of an upload pages 11, 12 and 14 replay (serve/traces/README.md)
 PREFIX_SIM_TRACE_BLOCKS = 49_152  # page 09 replays its trace 16 times through serve.prefix.sim
 
 

@@ -19,6 +19,7 @@ import torch
 from kda_core.chunk import CHUNK_SIZE
 from kda_core.model import HybridLM, bytes_to_text
 from lab.forward_cost import ForwardFit, fit_lengths, forward_fit
+from lab.models import demo_model
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, measure, summarize
 from serve.config import ServeConfig
@@ -28,7 +29,6 @@ from serve.memory.layout import CacheLayout
 from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
 from serve.request import TIMING_PHASES, RequestResult
-from serve.runnable import RUNNABLE, demo_model  # noqa: F401  (the lab's model: trained weights for "demo")
 
 if TYPE_CHECKING:     # pandas is imported where a frame is built: Home's first run on a fresh server skips it
     import pandas as pd

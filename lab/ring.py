@@ -16,12 +16,12 @@ from kda_core.config import PRESETS
 from kda_core.layer import KDAAux, KDACache
 from kda_core.model import ForwardOutput, HybridCache, HybridLM, encode
 from lab.drafters import make_proposer
+from lab.models import demo_model
 from lab.rollback import strategies_for
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, LinearFit, conditions, fit_linear, summarize
 from lab.verify import PROMPT_TEXT
 from serve.errors import check_choice, check_int
-from serve.runnable import demo_model
 from serve.spec_decode.raw_input_ring import RawInputRing
 from serve.spec_decode.reference import greedy_decode
 from serve.spec_decode.rollback import conv_window_after
@@ -35,7 +35,7 @@ RUN_TOKENS = 24   # page 04's run: at the default 16 slots the ring wraps and fo
 
 def ring_model(width: int) -> HybridLM:
     """The demo hybrid at hidden size ``width`` with ``width / 32`` KDA heads of K = V = 32: the trained demo
-    model (:func:`serve.runnable.demo_model`, shared, not to be modified) at the demo width, a seeded random
+    model (:func:`lab.models.demo_model`, shared, not to be modified) at the demo width, a seeded random
     init at the others (:func:`is_trained_width`).
 
     Raises ValueError unless width is one of ``WIDTHS``."""

@@ -18,6 +18,7 @@ import pandas as pd
 import torch
 
 from kda_core.config import PRESETS
+from lab.models import demo_model
 from lab.shipped import read_shipped, result_path
 from lab.threads import one_thread
 from serve.config import STATE_DTYPES, ServeConfig
@@ -26,7 +27,6 @@ from serve.errors import check_choice, check_int
 from serve.http.model import EngineSpec
 from serve.memory.pool import PagePool
 from serve.request import RequestStatus
-from serve.runnable import demo_model
 
 BENCH_RESULT = result_path("state_dtype")
 LENGTHS = (1, 16, 64, 256)        # generated tokens at which agreement with fp32 is reported

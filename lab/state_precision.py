@@ -35,6 +35,7 @@ import torch
 
 from kda_core.layer import KDACache
 from kda_core.model import HybridCache, HybridLM
+from lab.models import TRAINED_WEIGHTS, demo_model
 from lab.shipped import read_shipped, result_path
 from lab.state_capacity import FP16_MAX, REAL_MODELS, REFERENCE
 from lab.threads import one_thread
@@ -42,15 +43,9 @@ from serve.errors import check_choice, check_int
 from serve.memory.state_precision import FORMATS, round_trip, state_format
 from train.corpus import documents, load_manifest
 
-MODEL_PATH = Path(__file__).resolve().parents[1] / "weights" / "kda-demo"
+MODEL_PATH = TRAINED_WEIGHTS["demo"]
 DRAFT_LENS = (1, 2, 4, 8)
 MAX_TOKENS = 16384               # teacher-forced tokens a run may ask for (MLA decode is O(T) per token)
-
-
-@functools.lru_cache(maxsize=1)
-def trained_model() -> HybridLM:
-    """The trained demo model (``weights/kda-demo``: 6 KDA layers H = 4, K = V = 32, 2 MLA layers), fp32."""
-    return HybridLM.from_pretrained(MODEL_PATH)
 
 
 @functools.lru_cache(maxsize=1)
@@ -205,7 +200,7 @@ def precision_run(document: str | None = None, num_tokens: int = 256, continue_t
         raise ValueError(f"draft_len must be <= continue_tokens = {continue_tokens}, got {draft_len}")
     check_int("seed", seed, 0)
     formats = _check_formats(formats)
-    model = trained_model()
+    model = demo_model("demo")
     kda = model.kda_layers
     B = len(formats)
     tokens = torch.tensor(list(data[:num_tokens]), dtype=torch.long)

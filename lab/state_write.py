@@ -8,7 +8,7 @@ decode row wrote (state, conv window, records) are COUNTED by the engine's model
 windows; the step time is MEASURED (wall, one torch thread). ``window x repeats`` should be a multiple of
 every ring size, so each ring's measured steps cover whole flush periods (the rows start in phase and all
 flush on the same step; staggered arrivals spread the flushes but keep the mean per period).
-:func:`predicted_bytes` gives the formula (:func:`serve.spec_decode.replay_state_write.decode_write_bytes`)
+:func:`predicted_bytes` gives the formula (:func:`serve.memory.replay_state_write.decode_write_bytes`)
 for the demo model and Kimi K3 (fp32) at each ring size, for the first render.
 """
 from __future__ import annotations
@@ -20,10 +20,11 @@ from typing import NamedTuple
 import torch
 
 from kda_core.config import PRESETS
-from lab.prefix import demo_model
+from lab.batching import decoding_engine, time_steps
+from lab.models import demo_model
 from lab.timing import Conditions, conditions
 from serve.errors import check_int
-from serve.spec_decode.replay_state_write import decode_write_bytes
+from serve.memory.replay_state_write import decode_write_bytes
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
 RING_SIZES = (4, 8, 16, 32, 64)
@@ -62,7 +63,6 @@ def state_write_sweep(batches=(1, 4, 16), ring_sizes=(4, 16), window: int = 4, r
     """Measure decode step time and count bytes written per decode step, slot write vs ReplaySSM (see the
     module docstring). ``progress(fraction)`` is called as it goes. Raises ValueError for an empty or bad
     ``batches`` / ``ring_sizes``, ``window`` < 1 or ``repeats`` < 5."""
-    from bench.batch import decoding_engine, time_steps
     if not batches or not ring_sizes:
         raise ValueError("batches and ring_sizes must each name at least one size")
     for b in batches:
@@ -105,7 +105,7 @@ def state_write_sweep(batches=(1, 4, 16), ring_sizes=(4, 16), window: int = 4, r
 def replay_read_ms(batch: int, ring_size: int, repeats: int = 5) -> float:
     """Measured median ms of the ReplaySSM read at its worst step (every row replays ``ring_size - 1``
     records onto its checkpoint, all KDA layers of the demo model), after a warm-up; one torch thread."""
-    from serve.spec_decode.replay_state_write import ReplayStateWrite
+    from serve.memory.replay_state_write import ReplayStateWrite
     check_int("batch", batch)
     cfg = demo_model("demo").cfg
     gen = torch.Generator().manual_seed(0)

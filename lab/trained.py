@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import NamedTuple
 
-from serve.runnable import TRAINED_WEIGHTS
+from lab.models import TRAINED_WEIGHTS
 from train.prompts import load_prompts
 
 

@@ -41,7 +41,7 @@ admission rejects its request with the error as the reason.
 State write of a decode step (``state_write``): "slot" writes the request's whole KDA state back to its pages
 every step; "replay_ssm" (vllm#47572) appends a ``(k, u, g)`` record per KDA layer to the request's ring and
 writes the state every ``ring_size`` steps or when a checkpoint is published at that step
-(:mod:`serve.spec_decode.replay_state_write`); the ring is released with the request's pages.
+(:mod:`serve.memory.replay_state_write`); the ring is released with the request's pages.
 
 16-bit states (``state_dtype`` bf16 / fp16): a request's state is rounded wherever it is written, so its output
 depends on where that happens. Bitwise facts that still hold with the same state dtype and settings: a request
@@ -74,6 +74,7 @@ from serve.errors import check_choice, check_int
 from serve.memory.layout import ENGINE_STATE_DTYPES
 from serve.memory.pages import write_kv, write_state, zero_state
 from serve.memory.pool import PageKind, PagePool, PoolExhausted
+from serve.memory.replay_state_write import ReplayStateWrite
 from serve.model_runner import ModelRunner, Row
 from serve.prefix.cache import PrefixCache
 from serve.prefix.index import block_keys
@@ -81,7 +82,6 @@ from serve.request import Request, RequestResult, RequestStatus, prompt_ids, rea
 from serve.sampling import GREEDY, SamplingParams, sample_token
 from serve.scheduler import Scheduler, SchedulerConfig
 from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
-from serve.spec_decode.replay_state_write import ReplayStateWrite
 from serve.spec_decode.verify import Speculation, draft_budget, greedy_accept, speculative_step
 
 DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
@@ -125,7 +125,7 @@ class ServeEngine:
         state_write: how a plain decode step writes a request's KDA state: "slot" (the whole state back
             to its pages every step) or "replay_ssm" (a ``(k, u, g)`` record per step into the request's
             ring, the state materialised every ``ring_size`` steps or at a checkpoint publish; vllm#47572,
-            :mod:`serve.spec_decode.replay_state_write`). Tokens and logits are bitwise the same.
+            :mod:`serve.memory.replay_state_write`). Tokens and logits are bitwise the same.
         ring_size: decode steps per state write under "replay_ssm" (an int >= 1; SGLang's default 16).
         state_dtype: the stored dtype of the KDA recurrent states (request slots and checkpoints): None keeps
             the config's (``ServeConfig.state_dtype``, fp32 by default), else torch.float32, torch.bfloat16 or

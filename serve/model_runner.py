@@ -14,7 +14,7 @@ Decode rows are padded to a bucket size in :data:`DECODE_BUCKETS` (what CUDA-gra
 GPU engines); a pad row has slot ``-1``, NaN hidden states, and is never read from or written to a slot.
 
 State write of a plain decode row: the slot write (the whole state back to its pages every step), or, with
-a :class:`serve.spec_decode.replay_state_write.ReplayStateWrite`, ReplaySSM (vllm#47572): the pages hold a
+a :class:`serve.memory.replay_state_write.ReplayStateWrite`, ReplaySSM (vllm#47572): the pages hold a
 checkpoint the row's records are replayed onto before the forward, the step appends a record and writes
 only the conv window, and the whole state only when it materialises. ``decode_bytes`` counts what the
 decode rows wrote (state, conv window, records).
@@ -31,7 +31,7 @@ from kda_core.varlen import PAD_SLOT, BatchMeta, SlotPools, forward_batch, make_
 from serve.memory.layout import FP32_BYTES, CacheLayout
 from serve.memory.pages import stored_words
 from serve.memory.pool import PagePool
-from serve.spec_decode.replay_state_write import ReplayStateWrite
+from serve.memory.replay_state_write import ReplayStateWrite
 
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 

@@ -1,4 +1,5 @@
-"""The runnable demo models: which weights each runnable preset runs, loaded once per process.
+"""The shipped models, loaded in this one module, once per process: which weights each runnable preset runs, and
+the trained draft model.
 
 | preset | weights | parameters |
 |---|---|---|
@@ -8,8 +9,12 @@
 
 The trained ``demo`` model has the ``demo`` preset's every cache and state shape (KDA state ``[H, K, V]``,
 conv window, MLA latent width), so byte counts of the preset hold for it; only its feed-forward widths differ
-(dense 512 vs 256, experts 128 vs 64, ``train.model_config``). The lab (``lab.prefix.demo_model`` is this function), the HTTP server
-(:mod:`serve.http.model`) and the fleet simulator's measured service model all load through :func:`demo_model`.
+(dense 512 vs 256, experts 128 vs 64, ``train.model_config``). ``weights/kda-draft`` holds the target's trained
+2-layer draft model (:func:`draft_model`).
+
+Nothing else loads shipped weights: the HTTP server (:mod:`serve.http.model`) and the fleet simulator's measured
+service model call :func:`demo_model`; the lab, the benches and the pages take both models from :mod:`lab.models`,
+which re-exports this module's (``tests/test_layers.py`` pins both).
 """
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ def trained_folder(preset: str = "demo") -> Path:
         raise ValueError(f"preset {preset!r} has no trained weights (those that do: {sorted(TRAINED_WEIGHTS)})")
     override = os.environ.get(MODEL_PATH_ENV)
     return Path(override) if override and preset == "demo" else TRAINED_WEIGHTS[preset]
+DRAFT_WEIGHTS = WEIGHTS_ROOT / "kda-draft"
+"""Model folder of the trained draft model of the ``demo`` target (speculative decoding)."""
 
 
 def is_trained(preset: str) -> bool:
@@ -67,3 +74,15 @@ def demo_model(preset: str = "demo") -> HybridLM:
                              "python -m serve.http --model-path instead")
         return model
     return HybridLM(PRESETS[preset]).eval()
+
+
+@functools.lru_cache(maxsize=1)
+def draft_model() -> HybridLM:
+    """The trained 2-layer draft model of the ``demo`` target (``weights/kda-draft``: 1 KDA + 1 MLA layer, the
+    target's widths), fp32, eval mode, no autograd; the same object on every call: do not modify it.
+
+    Raises ValueError (from ``from_pretrained``) when the shipped folder is missing a file or its tensors do not
+    match its config."""
+    from kda_core.model import HybridLM
+
+    return HybridLM.from_pretrained(DRAFT_WEIGHTS).eval()

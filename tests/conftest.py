@@ -65,3 +65,49 @@ def ranks_gone():
         assert os.getpid() not in pids
 
     return check
+
+
+# --- the fast unit run: ``pytest --unit`` ------------------------------------------------------------------
+UNIT = ("test_layers.py", "test_docs.py", "test_bench_readme.py", "kda_core", "serve/memory", "serve/prefix",
+        "serve/spec_decode", "serve/traces", "serve/test_config.py", "serve/test_errors.py", "serve/test_sampling.py")
+"""What ``pytest --unit`` collects, under tests/: the layer and document rules, the maths and serve's data structures (pool,
+layout, prefix cache, rollback strategies, trace loaders). No engine run, server, ranks, fleet or real-scale
+simulation, lab, page or browser; tests marked ``slow`` are left out too. The full suite runs everything."""
+
+
+def pytest_addoption(parser):
+    parser.addoption("--unit", action="store_true",
+                     help="only the unit layers (tests/conftest.py UNIT), without tests marked slow")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """``--unit`` runs in this process: on two cores, starting xdist's workers (each imports torch) costs more than
+    splitting a run this short saves."""
+    if config.getoption("--unit") and getattr(config.option, "numprocesses", None):
+        config.option.numprocesses = 0
+        config.option.dist = "no"
+
+
+def _in_unit(path: Path) -> bool:
+    rel = path.resolve().relative_to(REPO / "tests").as_posix()
+    return any(rel == u or rel.startswith(u + "/") or u.startswith(rel + "/") for u in UNIT)
+
+
+def pytest_ignore_collect(collection_path, config):
+    """Under ``--unit``, nothing outside :data:`UNIT` is even imported (None: pytest's own rules decide)."""
+    tests = REPO / "tests"
+    if not config.getoption("--unit") or collection_path.resolve() == tests:
+        return None
+    if tests not in collection_path.resolve().parents:
+        return None
+    return True if not _in_unit(collection_path) else None
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--unit"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]

@@ -2,7 +2,7 @@
 
     kda_core/  maths: imports nothing of ours
     serve/       infra: no lab, no app_pages, no Streamlit
-    lab/         experiments for the pages: no app_pages, no Streamlit
+    lab/         experiments for the pages: no app_pages, no Streamlit, no bench (bench imports lab, never back)
     train/       corpus, training and export of the demo model: ours only kda_core (no serve, lab, app_pages,
                  Streamlit)
     app_pages/   thin Streamlit pages: ours only through lab.* and the pages' own helper modules (+ Streamlit,
@@ -15,10 +15,15 @@ plus its first subpackage: ``serve.memory``, ``serve.prefix``, ``kda_core``, ``l
 with the tab number (``links.py``, ``charts.py``, ``errors.py``, ``registry.py``, ...; see ``app_pages/__init__.py``).
 No import cycle among the app's modules, function-level imports included (:func:`test_no_import_cycle`); every
 package's docstring table names its modules; the fleet's sub-packages import one way (routing <- scaling <- sim).
+
+The shipped models come from one place (:func:`test_shipped_models_come_from_one_place`): ``serve/runnable.py`` is
+the only module that defines ``demo_model`` / ``draft_model`` and calls ``HybridLM.from_pretrained`` (outside
+``kda_core``, ``train`` and the tests); ``serve/`` imports them from it, everything else from ``lab.models``.
 """
 from __future__ import annotations
 
 import ast
+import functools
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -45,10 +50,16 @@ class Import(NamedTuple):
     line: int
 
 
+@functools.lru_cache(maxsize=4096)   # every test here walks the same few hundred files: parse each once
+def nodes_of(source: str) -> tuple[ast.AST, ...]:
+    """Every node of ``source``'s syntax tree (``ast.walk`` order)."""
+    return tuple(ast.walk(ast.parse(source)))
+
+
 def imports_of(source: str) -> list[Import]:
     """Every import statement of ``source``, at any depth (functions too)."""
     out = []
-    for node in ast.walk(ast.parse(source)):
+    for node in nodes_of(source):
         if isinstance(node, ast.Import):
             out += [Import(alias.name, None, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -104,8 +115,8 @@ def layer_violations(path: Path, source: str) -> list[str]:
             errors.append(f"{where} (kda_core imports nothing of ours)")
         if top == "serve" and root in ("lab", "app_pages", "streamlit"):
             errors.append(f"{where} (serve imports no lab, app_pages or Streamlit)")
-        if top == "lab" and root in ("app_pages", "streamlit"):
-            errors.append(f"{where} (lab imports no app_pages or Streamlit)")
+        if top == "lab" and root in ("app_pages", "streamlit", "bench"):
+            errors.append(f"{where} (lab imports no app_pages, Streamlit or bench)")
         if top == "train" and (root == "streamlit" or ours and root not in ("kda_core", "train")):
             errors.append(f"{where} (train imports of ours only kda_core, and no Streamlit)")
         if top == "app_pages":
@@ -141,6 +152,8 @@ BAD = {  # a deliberately bad import per rule, in a file of that layer: each mus
     "serve/memory/pool.py": "import streamlit as st",
     "lab/fleet.py": "from app_pages.links import persist",
     "lab/kcp.py": "import streamlit",
+    "lab/batching.py": "def f():\n    from bench.batch import run",                  # lab never imports bench
+    "lab/state_write.py": "import bench.replay_ssm_batch",
     "app_pages/08_prefix_hit.py": "from serve.engine import ServeEngine",
     "app_pages/11_fleet_hashing.py": "from kda_core.chunk import CHUNK_SIZE",
     "app_pages/12_fleet_scaling.py": "import torch",
@@ -172,6 +185,67 @@ def test_private_names_within_a_package_are_allowed():
     assert layer_violations(REPO / "serve" / "memory" / "layout.py", "from serve.memory.pool import _x\n") == []
     assert package_of("tests.serve.memory.test_pool") == "serve.memory"
     assert layer_violations(REPO / "tests" / "lab" / "test_pool.py", "from lab.pool import _x\n") == []
+
+
+# --- the shipped models: one place ------------------------------------------------------------------------
+MODEL_HOME = "serve.runnable"       # loads the shipped weights; serve/ imports them from it
+MODEL_DOOR = "lab.models"           # everything outside serve/ imports them from here
+SHIPPED = {"demo_model", "draft_model", "RUNNABLE", "TRAINED_WEIGHTS", "DRAFT_WEIGHTS", "is_trained"}
+LOADERS = ("demo_model", "draft_model")
+LOADING_LAYERS = ("serve", "lab", "app_pages", "bench", "app")   # kda_core defines from_pretrained; train exports
+
+
+def model_source_violations(path: Path, source: str) -> list[str]:
+    """Every place in the file at ``path`` (relative to the repo) with ``source`` where a shipped model does not
+    come from its one home: a definition of :data:`LOADERS` or a ``HybridLM.from_pretrained`` call outside
+    ``serve/runnable.py``, ``serve.runnable`` imported outside ``serve/`` (and ``lab/models.py``), or a name of
+    :data:`SHIPPED` imported from any module but ``serve.runnable`` (in ``serve/``) or ``lab.models`` (elsewhere)."""
+    me = module_of(path)
+    rel = path.relative_to(REPO)
+    home = me == MODEL_HOME
+    serve_side = package_of(me).split(".")[0] == "serve"           # serve/ and tests/serve/
+    want = MODEL_HOME if serve_side or me == MODEL_DOOR else MODEL_DOOR
+    errors = []
+    for node in nodes_of(source):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in LOADERS and not home:
+            errors.append(f"{rel}:{node.lineno}: defines {node.name} (only {MODEL_HOME} defines the shipped models)")
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "from_pretrained"
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "HybridLM" and not home
+                and me.split(".")[0] in LOADING_LAYERS):
+            errors.append(f"{rel}:{node.lineno}: calls HybridLM.from_pretrained (only {MODEL_HOME} loads weights)")
+    for imp in imports_of(source):
+        if imp.module == MODEL_HOME and want != MODEL_HOME:
+            errors.append(f"{rel}:{imp.line}: imports {MODEL_HOME} (outside serve/, the models come from {want})")
+        elif imp.name in SHIPPED and imp.module != want:
+            errors.append(f"{rel}:{imp.line}: imports {imp.name} from {imp.module} (it comes from {want})")
+    return list(dict.fromkeys(errors))          # one line per import statement, not per name in it
+
+
+def test_shipped_models_come_from_one_place():
+    """``demo_model`` is defined once (``serve/runnable.py``) and reached through one door per side: lab/prefix.py
+    re-exported it and lab.batching, lab.state_write and bench.replay_ssm_batch imported it from there;
+    lab.state_precision and lab.drafters loaded the trained weights a second time with their own from_pretrained."""
+    errors = [e for path in _files() for e in model_source_violations(path, path.read_text())]
+    assert not errors, "\n".join(errors)
+
+
+MODEL_BAD = {   # a second source of a model per kind, in a file that has none: each must be reported once
+    "lab/batching.py": "from lab.prefix import demo_model",                       # the old hub
+    "lab/prefix.py": "def demo_model(preset):\n    return None",                   # a second definition
+    "lab/state_precision.py": "def f():\n    return HybridLM.from_pretrained(MODEL_PATH)",   # a second loader
+    "app_pages/acceptance.py": "from lab.drafters import draft_model",
+    "bench/batch.py": "from serve.runnable import demo_model",                    # bench goes through lab.models
+    "lab/ring.py": "import serve.runnable",
+    "serve/fleet/sim/service_model.py": "from lab.models import demo_model",      # serve's home is serve.runnable
+}
+
+
+@pytest.mark.parametrize("path", list(MODEL_BAD))
+def test_a_second_model_source_is_caught(path):
+    file = REPO / path
+    assert model_source_violations(file, file.read_text()) == []
+    found = model_source_violations(file, file.read_text() + "\n" + MODEL_BAD[path] + "\n")
+    assert len(found) == 1, found
 
 
 # --- import cycles ----------------------------------------------------------------------------------------
@@ -278,7 +352,8 @@ def test_every_module_is_in_its_package_table(package):
 
 def test_the_old_flat_modules_are_gone():
     for old in ("serve/traces.py", "serve/azure_trace.py", "serve/trace_limits.py", "serve/vtc_artifact.py",
-                "serve/spec", "serve/fleet/simulation.py", "serve/fleet/router.py"):
+                "serve/spec", "serve/fleet/simulation.py", "serve/fleet/router.py",
+                "serve/spec_decode/replay_state_write.py"):
         assert not (REPO / old).exists(), old
 
 

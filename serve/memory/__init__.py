@@ -21,6 +21,11 @@ Concept → file → main type → test:
   int8 + error feedback): store to bytes, load to fp32, bytes per slot (page 17)
   ......................................... state_precision.py .. ``store``, ``load``, ``round_trip``, ``FORMATS``,
   ``StoredState`` → ``test_state_precision.py``
+- the decode-time state write of ReplaySSM (``ServeEngine(state_write="replay_ssm")``: a ``(k, u, g)`` record per
+  decode step in a per-request ring, the state written every ``ring_size`` steps or at a checkpoint publish; bytes
+  per decode step against the slot write)
+  ......................................... replay_state_write.py .. ``ReplayStateWrite``, ``decode_write_bytes``
+  → ``test_replay_state_write.py``, ``tests/serve/test_engine_replay_ssm.py``
 - what vLLM's hybrid allocator picks, beside our policy (page 05, fleet capacity policies)
   ......................................... vllm_block.py .. ``vllm_block_pick``, ``vllm_vs_ours`` → ``test_vllm_block_pick.py``
 

@@ -12,7 +12,7 @@
 | one run: config, rank job | ``run.py`` | ``KCPConfig``, ``run_kcp``, ``KCPRun`` | ``test_kcp.py``, ``test_kcp_halo.py`` |
 | memory a rank needs vs the machine | ``memory.py`` | ``rank_bytes``, ``check_rank_memory`` | ``test_kcp_launch.py`` |
 | seeded inputs per token range | ``inputs.py`` | ``kda_inputs``, ``layer_inputs`` | (through the above) |
-| command line | ``cli.py`` | ``main`` | README commands |
+| command line | ``cli.py`` | ``main`` | serve/README.md commands |
 
 Page 10's numbers and projection (``compare_with``, ``project``, ``bytes_vs_context``) are experiments on this
 layer: ``lab/kcp.py``, tested in ``tests/lab/test_kcp.py``.

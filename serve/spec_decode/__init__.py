@@ -18,9 +18,6 @@ Concept → file → main type → test:
   ... ``tests/serve/spec_decode/test_raw_input_ring.py``
 - ReplaySSM (checkpoint + ring of k, u, g records) replay_ssm.py ...... ``ReplaySSM``, ``replay_records``
   ... ``tests/serve/spec_decode/test_replay_ssm.py``
-- ReplaySSM as the engine's decode-time state write (rings of the running requests, replay, materialise)
-  ................................................. replay_state_write.py ``ReplayStateWrite``, ``decode_write_bytes``
-  ... ``tests/serve/spec_decode/test_replay_state_write.py``, ``tests/serve/test_engine_replay_ssm.py``
 - verify / accept / commit ........................ verify.py .......... ``verify``, ``greedy_accept``,
   ``verify_and_replay``, ``VerifyResult``, ``DecodeState`` ... ``tests/serve/spec_decode/test_verify.py``
 - the one loop (propose -> verify_and_replay -> extend), its draft budget, one step
@@ -32,6 +29,9 @@ Concept → file → main type → test:
 - references: sequential decode, greedy decode, closed-form state
   ................................................. reference.py ....... ``sequential_decode``, ``greedy_decode``,
   ``closed_form_states`` ... ``tests/serve/spec_decode/test_verify.py``, ``test_reference.py``
+
+ReplaySSM as the engine's plain-decode state write (no speculation: a record per step, the state every R steps) is a
+policy of the state's memory: :mod:`serve.memory.replay_state_write`.
 
 Experiments on top (pages 01, 02, 04): ``lab/rollback.py`` (``rollback_page``), ``lab/verify.py``
 (``run_verify_lab``), ``lab/ring.py`` (``ring_view``, ``commit_timing``); tests ``tests/lab/test_rollback.py``,

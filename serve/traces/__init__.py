@@ -9,7 +9,7 @@ Concept → file → main type → test:
 - VTC artifact (S-LoRA latencies under FCFS / VTC)
   ......................................... vtc_artifact.py . ``VTCRun``, ``VTCRecord``, ``load_vtc_artifact``
   → ``test_traces.py``, ``test_traces_limits.py``
-- limits on uploads and the checks every loader shares (README, "Inputs and limits")
+- limits on uploads and the checks every loader shares (``serve/traces/README.md``)
   ......................................... limits.py ....... ``TraceFormatError``, ``LoadedTrace``, ``MAX_INPUT_TOKENS``
   → ``test_traces_limits.py``, ``test_traces_fuzz.py``
 

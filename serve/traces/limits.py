@@ -6,7 +6,7 @@ budget is either an error (``load_*``) or cut after the last request that fits (
 pages use and whose :class:`LoadedTrace` says what was cut). Nothing allocates in proportion to a
 number written in the file: a record's size is checked before anything is built from it.
 
-Limits (README, "Inputs and limits"):
+Limits (serve/traces/README.md, "Inputs and limits"):
 
 | limit | value | why |
 |---|---|---|

@@ -15,7 +15,7 @@ def test_pages_default_to_prompt_lookup_without_the_oracle_slider(path, prefix):
     at = open_page(path)
     assert at.selectbox(key=f"{prefix}_drafter").value == "n-gram"
     assert at.selectbox(key=f"{prefix}_drafter").options[0] == "prompt lookup (n-gram)"   # one name, as the text has it
-    assert at.radio(key=f"{prefix}_acceptance_size").value == "bench"                   # the README's conditions
+    assert at.radio(key=f"{prefix}_acceptance_size").value == "bench"                   # the bench's conditions (bench/README.md)
     assert all(s.key != f"{prefix}_accept" for s in at.slider)
     if path == P01:                                  # page 02's oracle: the link test below
         at.selectbox(key=f"{prefix}_drafter").set_value("noisy oracle").run()
@@ -34,8 +34,8 @@ def test_an_old_oracle_link_still_sets_the_oracle():
 
 def test_acceptance_section_behind_its_button():
     """The quick run (the bench's prompts take 30-60 s) behind the button; its caption states this run's conditions
-    beside the bench's (the README's table) and the bench's accepted drafts of both real drafters, so the page and
-    the README never read as a contradiction; the y title is short enough not to be cut (it was cut at "dra")."""
+    beside the bench's (bench/README.md's table) and the bench's accepted drafts of both real drafters, so the page and
+    bench/README.md never read as a contradiction; the y title is short enough not to be cut (it was cut at "dra")."""
     at = open_page(P01, p01_draft=3, p01_acceptance_size="quick")
     assert at.radio(key="p01_acceptance_size").value == "quick"
     assert not any(c.proto.id.endswith("p01_acceptance_chart") for c in at.get("plotly_chart"))
@@ -47,7 +47,7 @@ def test_acceptance_section_behind_its_button():
     shipped = bench_drafters().summary.set_index(["drafter", "kind"]).mean_accepted
     caption = next(c.value for c in at.caption if c.value.startswith("This page's run:"))
     assert caption.startswith("This page's run: 2 prompts per kind of ≤ 192 bytes, 32 bytes generated after each, "
-                              "n = 3; the bench's (`bench/results/drafters.json`, the README's table): 6 prompts per "
+                              "n = 3; the bench's (`bench/results/drafters.json`, bench/README.md's table): 6 prompts per "
                               "kind of ≤ 256 bytes, 96 bytes each, n = 6, where prompt lookup (n-gram) accepted "
                               f"code {shipped['n-gram', 'code']:.2f}, prose {shipped['n-gram', 'prose']:.2f} drafts "
                               f"per verify vs draft model's code {shipped['draft model', 'code']:.2f}"), caption

@@ -1,5 +1,6 @@
-"""The README's "Links to a view" examples open the view they describe: numbers, an option's label, a range given
-as a repeated key, and a checkbox's true."""
+"""The "Links to a view" examples of ``app_pages/README.md`` (the README shows the first) open the view they describe:
+numbers, an option's label, a range given as a repeated key, and a checkbox's true; the README's counts are the
+app's."""
 from pathlib import Path
 
 from streamlit.testing.v1 import AppTest
@@ -18,8 +19,9 @@ def _open(page: str, params: dict) -> AppTest:
 
 
 def test_readme_link_examples():
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "app_pages" / "README.md").read_text()
     assert "/kda_state_vs_kv?p03_meas_heads=2&p03_meas_max=2048" in readme
+    assert "/kda_state_vs_kv?p03_meas_heads=2&p03_meas_max=2048" in (REPO / "README.md").read_text()
     assert "?p03_preset=Kimi%20K3" in readme and "?p03_context=4096&p03_context=65536" in readme
     assert "/prefix_anatomy?p07_drop=true" in readme
     at = _open("03_kda_state_vs_kv.py", {"p03_meas_heads": "2", "p03_meas_max": "2048", "p03_preset": "Kimi K3",
@@ -33,12 +35,15 @@ def test_readme_link_examples():
 
 def test_readme_counts_match_the_app():
     """The README said "Home and 15 tabs" (the registry has 17) and "Home's TTFT repeats (12 engine runs)" while Home
-    says 30: its counts are read from the registry and from Home's own text."""
+    says 30: its counts (and app_pages/README.md's) are read from the registry and from Home's own text, and its tab
+    table has one row per tab."""
     import re
 
     from app_pages.registry import TABS
     readme = " ".join((REPO / "README.md").read_text().split())          # lines joined: a count may wrap
     assert f"Home and {len(TABS)} tabs run" in readme
+    assert all(f"| {tab.title} |" in readme for tab in TABS), [t.title for t in TABS if f"| {t.title} |" not in readme]
+    pages = " ".join((REPO / "app_pages" / "README.md").read_text().split())
     home = (REPO / "app_pages" / "00_home.py").read_text()
     runs = re.search(r"\((\d+) engine runs,", home).group(1)
-    assert f"Home's TTFT repeats ({runs} engine runs" in readme
+    assert f"Home's TTFT repeats ({runs} engine runs" in pages

@@ -88,7 +88,7 @@ def test_upload_parts_keeps_empty_uploads():
 @pytest.mark.parametrize("page", [*TRACE_PAGES, "app_pages/15_real_scale.py"])
 def test_a_zero_length_request_is_taken_as_the_readme_says(monkeypatch, page):
     """Regression: page 15 showed ``ValueError: new_tokens must be an int >= 1, got 0`` for a trace holding a
-    request with ``input_length`` 0 (the README accepts it; pages 09, 11, 12 and 14 take the same file): such a
+    request with ``input_length`` 0 (serve/traces/README.md accepts it; pages 09, 11, 12 and 14 take the same file): such a
     request still prefills one token (its first decode input), as the fleet simulator charges it."""
     lines = [_line(i, 2) for i in range(3)] + [json.dumps({"timestamp": 3, "input_length": 0, "output_length": 10,
                                                            "hash_ids": []})] + [_line(i, 2) for i in range(4, 8)]

@@ -186,6 +186,7 @@ def test_prefill_T_equals_prefill_T_minus_k_then_k_decodes(model, T, k, seed):
     assert torch.equal(b.kda[0][1][1], a.kda[0][1][1])      # layer 0's raw inputs see no KDA rounding: exact
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [1, 3, 17, 63, 64, 65, 100, 128])
 def test_chunked_prefill_carries_the_state(model, chunk):
     """A prefill split into pieces of ``chunk`` tokens, the slot's state carried between them

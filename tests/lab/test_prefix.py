@@ -5,13 +5,13 @@ import statistics
 
 import pytest
 
+from lab.models import demo_model
 from lab.prefix import (
     PHASE_RUNS,
     anatomy,
     as_tokens,
     build_engine,
     cold_vs_warm,
-    demo_model,
     miss_then_hit,
     shared_prefix_prompts,
     time_cold_warm,

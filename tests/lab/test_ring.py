@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kda_core.model import cache_equal, encode
+from lab.models import demo_model
 from lab.ring import (
     WIDTHS,
     bytes_vs_draft,
@@ -21,7 +22,6 @@ from lab.ring import (
     verify_prefix,
 )
 from lab.verify import PROMPT_TEXT
-from serve.runnable import demo_model
 from serve.spec_decode.raw_input_ring import RawInputRing
 from serve.spec_decode.replay_ssm import replay_ssm_bytes_per_token
 from serve.spec_decode.rollback import (

@@ -5,9 +5,9 @@ import pandas as pd
 import pytest
 import torch
 
+from lab.models import demo_model
 from lab.state_dtype import divergence_text, engine_agreement, heldout_prompts, serve_greedy, shipped_run, slot_table
 from serve.config import ServeConfig
-from serve.runnable import demo_model
 
 
 def test_engine_agreement_compares_each_dtype_with_the_fp32_engine():

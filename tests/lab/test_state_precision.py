@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kda_core.model import cache_equal
+from lab.models import demo_model
 from lab.state_capacity import capacity_table
 from lab.state_precision import (
     _store_all,
@@ -13,7 +14,6 @@ from lab.state_precision import (
     field_claims,
     heldout_documents,
     precision_run,
-    trained_model,
 )
 
 DOC = "secrets.py"             # a short held-out code file
@@ -27,7 +27,7 @@ def run():
 
 def test_fp32_storage_is_bitwise_todays_decode(run):
     """Tokens and logits of the fp32-stored row equal a plain decode_step loop (no storage) bitwise."""
-    model = trained_model()
+    model = demo_model("demo")
     tokens = torch.tensor(list(heldout_documents()[DOC][:N]))
     cache = model.empty_cache(1)
     for t in tokens:

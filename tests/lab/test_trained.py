@@ -3,8 +3,8 @@ import json
 import subprocess
 import sys
 
+from lab.models import TRAINED_WEIGHTS
 from lab.trained import home_prompts, model_card
-from serve.runnable import TRAINED_WEIGHTS
 from train.prompts import load_prompts
 
 

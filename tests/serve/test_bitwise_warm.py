@@ -1,6 +1,6 @@
 """A warm run that restores a checkpoint on the 64-token chunk grid is bitwise the cache-off run.
 
-Rule (``serve.engine``, README): the warm prefill starts at the hit boundary b; when b is a multiple of
+Rule (``serve.engine``, docs/exactness.md): the warm prefill starts at the hit boundary b; when b is a multiple of
 ``kda_core.chunk.CHUNK_SIZE`` (64) and the checkpoint there was taken by a prefill that started on the grid,
 logits and tokens are bitwise equal to the cache-off run. Off the grid they agree within ``WARM_TOLERANCE``.
 """
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from kda_core.chunk import CHUNK_SIZE
-from lab.prefix import WARM_TOLERANCE, Comparison, build_engine, compare, demo_model, shared_prefix_prompts
+from lab.prefix import WARM_TOLERANCE, Comparison, build_engine, compare, shared_prefix_prompts
 from lab.threads import one_thread
 from serve.config import ServeConfig
+from serve.runnable import demo_model
 
 
 def _cold_warm(first, second, block_size, interval, preset="demo", max_new_tokens=4):

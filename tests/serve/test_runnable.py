@@ -8,7 +8,7 @@ import torch
 from kda_core.config import PRESETS
 from kda_core.model import HybridLM
 from serve.http.model import load_model
-from serve.runnable import RUNNABLE, TRAINED_WEIGHTS, demo_model, is_trained
+from serve.runnable import RUNNABLE, TRAINED_WEIGHTS, demo_model, draft_model, is_trained
 
 
 def _recorded_logits(model, kind: str):
@@ -55,3 +55,11 @@ def test_unknown_preset_is_a_value_error_naming_it(bad):
         demo_model(bad)
     with pytest.raises(ValueError, match="preset must be one of"):
         is_trained(bad)
+
+
+def test_draft_model_is_the_shipped_draft_loaded_once():
+    """The draft model is loaded here, once per process, like the target (lab.drafters loaded it anew per call)."""
+    draft = draft_model()
+    assert draft is draft_model() and draft_model.cache_info().maxsize == 1
+    assert draft.cfg.num_layers == 2 and not draft.training
+    assert draft.cfg.hidden_size == demo_model("demo").cfg.hidden_size      # the target's widths

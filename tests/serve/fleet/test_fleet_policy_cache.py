@@ -157,6 +157,7 @@ def test_precise_routers_by_hand():
         PrefixScoreRouter(["a", "b", "c"])  # type: ignore[call-arg]
 
 
+@pytest.mark.slow
 def test_fleet_of_eight_on_the_real_trace(conversation):
     """8 replicas, KV-only vs checkpoint-aware precise routing on 2,000 conversation requests: budgets hold,
     every hit is within what the serving replica cached, and no run beats the block ideal."""

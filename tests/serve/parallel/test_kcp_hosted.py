@@ -52,7 +52,7 @@ def test_kcp_limits_from_the_forked_rank_estimate(monkeypatch):
     fresh = rank_bytes(2048, 1, 1, 4, 128, 128, 4, 64, None)
     assert rank_bytes(2048, 1, 1, 4, 128, 128, 4, 64, None, base_bytes=FORK_OVERHEAD_BYTES) == \
         fresh - TORCH_BASE_BYTES + FORK_OVERHEAD_BYTES
-    monkeypatch.setenv("KDA_LAB_MEMORY_MIB", "690")      # the hosted box: 190 MiB left for ranks (README)
+    monkeypatch.setenv("KDA_LAB_MEMORY_MIB", "690")      # the hosted box: 190 MiB left for ranks (app_pages/README.md)
     assert kcp_limits().seq_options == (512, 1024, 2048)
     monkeypatch.setenv("KDA_LAB_MEMORY_MIB", "900")
     assert kcp_limits().seq_options == (512, 1024, 2048, 4096)

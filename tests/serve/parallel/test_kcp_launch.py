@@ -204,7 +204,7 @@ def test_config_rejects_a_seq_len_beyond_memory_up_front(capsys):
     assert cli_main(["--seq-len", str(10**8), "--world-size", "2"]) == 2
     assert "error: seq_len=100,000,000 needs about" in capsys.readouterr().err
     assert time.monotonic() - t0 < 5                       # no rank was started
-    KCPConfig(seq_len=65536)                               # the README's example still fits
+    KCPConfig(seq_len=65536)                               # serve/README.md's example still fits
 
 
 def test_rank_memory_estimate_scales_and_checks():

@@ -18,6 +18,7 @@ def replay_config(N: int, C: int, kv_block_bytes: int, group_bytes: tuple, capac
     return TraceReplayConfig(ServeConfig(N, C, len(group_bytes)), kv_block_bytes, group_bytes, capacity_bytes)
 
 
+@pytest.mark.slow
 def test_unlimited_cache_with_a_checkpoint_every_block_is_the_ideal(traces_dir):
     trace = load_mooncake(traces_dir / "mooncake_conversation_trace.jsonl")
     ideal = ideal_hit_ratio(trace)

@@ -173,6 +173,7 @@ def _small_policies():
             vllm("align"), vllm("align", replay_stop=True), vllm("all"), vllm("none")]
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), budget_states=st.floats(3.0, 40.0))
 def test_hits_within_ideal_and_bytes_within_budget(seed, budget_states):
@@ -206,6 +207,7 @@ def test_bad_input():
 
 
 # ---- the real trace -----------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_mooncake_conversation_all_policies(traces_dir):
     """Kimi-Linear on an H200 x TP8 replica with 300 GB left for the cache: every policy replays the real
     conversation trace (12,031 requests) in <= 5 s, stays within its ideal and its budget."""

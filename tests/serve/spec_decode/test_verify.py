@@ -115,6 +115,7 @@ def test_verify_and_replay_stale_slot_sequence(model, start, kind):
     assert cache_equal(res.state.cache, ref_caches[7])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "proposer"), [(k, p) for p in ("ngram", "oracle") for k in STRATEGY_IDS]
                          + [("projection", "draft-model"), ("replayssm", "draft-model")])   # the draft model costs most
 def test_speculative_generate_equals_plain_greedy(model, kind, proposer):
@@ -229,6 +230,7 @@ def test_strategy_misuse_raises(model, start):
         speculative_generate(model, PROMPT, 4, NgramProposer(), ProjectionReplay(), -1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", STRATEGY_IDS)
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(plan=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4), st.booleans()), min_size=1, max_size=6))

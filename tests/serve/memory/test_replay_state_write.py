@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kda_core.config import PRESETS
-from serve.spec_decode.replay_state_write import ReplayStateWrite
+from serve.memory.replay_state_write import ReplayStateWrite
 
 CFG = PRESETS["demo-tiny"]                     # 3 KDA layers, H = 2, K = 16, V = 12
 H, K, V = CFG.num_heads, CFG.head_k_dim, CFG.head_v_dim
