@@ -66,17 +66,22 @@ def upcycle(model: HybridLM, path, seed: int = 0) -> list[str]:
                 raise ValueError(f"the dense MLP width {F} must be a multiple >= 2x of the expert width {Fe}")
             slices = F // Fe
 
-            def part(s: int) -> tuple[torch.Tensor, torch.Tensor]:
-                rows = torch.cat([up[s * Fe:(s + 1) * Fe], up[F + s * Fe: F + (s + 1) * Fe]])   # [2 Fe, D]
-                return rows, down[:, s * Fe:(s + 1) * Fe]                                       # [D, Fe]
-
             if ffn.shared is not None:
-                ffn.shared.gate_up.copy_(part(0)[0])
-                ffn.shared.down.copy_(part(0)[1])
+                gu, dn = _slice(up, down, 0, Fe)
+                ffn.shared.gate_up.copy_(gu)
+                ffn.shared.down.copy_(dn)
             for e in range(cfg.num_experts):
-                gu, dn = part(1 + e % (slices - 1))
+                gu, dn = _slice(up, down, 1 + e % (slices - 1), Fe)
                 ffn.experts_gate_up[e].copy_(gu)
                 ffn.experts_down[e].copy_(dn)
             ffn.router.copy_(torch.randn(ffn.router.shape, generator=gen) * 0.02)
             filled += [f"ffn.{i}.{n}" for n, _ in ffn.named_parameters()]
     return filled
+
+
+def _slice(up: torch.Tensor, down: torch.Tensor, s: int, Fe: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden units ``[s Fe, (s + 1) Fe)`` of a dense SwiGLU MLP (``up`` ``[2F, D]`` gate rows then up rows,
+    ``down`` ``[D, F]``) as an expert's (gate_up ``[2 Fe, D]``, down ``[D, Fe]``)."""
+    F = up.shape[0] // 2
+    rows = torch.cat([up[s * Fe:(s + 1) * Fe], up[F + s * Fe: F + (s + 1) * Fe]])   # [2 Fe, D]
+    return rows, down[:, s * Fe:(s + 1) * Fe]                                       # [D, Fe]
