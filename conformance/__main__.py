@@ -81,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=_positive(float), default=120.0, help="seconds per request "
                    "(default: %(default)s)")
     p.add_argument("--json", type=Path, default=None, help="write the report here")
+    p.add_argument("--log-dir", type=Path, default=None, help="with --launch: keep each setting's server log here "
+                   "as <setting>.log (default: discarded)")
     p.add_argument("--note", action="append", default=[], metavar="KEY=VALUE",
                    help="recorded in the report's settings (the engine's version, the date); repeatable")
     return p
@@ -101,12 +103,14 @@ def main(argv=None) -> int:
         p.error("--model is required with --base-url")
     if args.json is not None and not args.json.parent.is_dir():
         p.error(f"--json: folder {str(args.json.parent)!r} does not exist")
+    if args.log_dir is not None and not args.log_dir.is_dir():
+        p.error(f"--log-dir: {str(args.log_dir)!r} is not a folder")
     notes = dict(n.split("=", 1) for n in args.note if "=" in n)
     if len(notes) != len(args.note):
         p.error("--note must be KEY=VALUE")
     adapter = ENGINES[args.engine]()
     target = (Attached(adapter, args.base_url, args.model) if args.base_url else
-              Launched(adapter, args.launch, args.model, args.start_timeout))
+              Launched(adapter, args.launch, args.model, args.start_timeout, log_dir=args.log_dir))
     settings = RunSettings(tuple(c.id for c in checks), args.max_tokens, args.logprobs, args.match, args.atol,
                            args.chunk_sizes, args.concurrency, args.seed, args.grid, args.request_timeout, notes)
     report = run_suite(target, checks, settings)

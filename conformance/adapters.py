@@ -167,7 +167,8 @@ class LlamaCpp(Adapter):
         return super().variant_fields(variant)
 
     def request_fields(self, logprobs: int) -> dict:
-        return {"n_probs": logprobs}
+        # ignore_eos: a byte vocabulary's GGUF gets id 11 as its end-of-generation token (llama-vocab.cpp)
+        return {"n_probs": logprobs, "ignore_eos": True}
 
     def parse_completion(self, body: dict) -> Completion:
         choice = body["choices"][0]

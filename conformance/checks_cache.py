@@ -39,17 +39,23 @@ def _prefix_judge(results: dict, ctx: Ctx) -> list:
     base, ref = results.get("base"), results.get("no_prefix_cache")
     if (part := blocked("repeat", base)) is not None:
         return [part]
-    repeat = ctx.same("repeat", base["cold"], base["warm"], "the same prompt again (a full hit) vs its cold run",
-                      _hit_note(base["warm"]))
-    if repeat.status is Status.PASS and base["warm"].cached_tokens == 0:
-        repeat = Part("repeat", Status.NA, "not applicable: the repeat was not served from the cache (cached_tokens "
-                      "0), so nothing was restored", repeat.evidence)
-    parts = [repeat]
+    parts = [_unless_cold(ctx.same("repeat", base["cold"], base["warm"], "the same prompt again vs its cold run",
+                                   _hit_note(base["warm"])), base["warm"])]
     part = blocked("shared prefix", ref)
-    parts.append(part or ctx.same("shared prefix", ref["shared"], base["shared"],
-                                  f"{SHARED_LEN} shared tokens then a new tail, warm vs the cache-off run",
-                                  _hit_note(base["shared"])))
+    parts.append(part or _unless_cold(ctx.same(
+        "shared prefix", ref["shared"], base["shared"],
+        f"{SHARED_LEN} shared tokens then a new tail, warm vs the cache-off run", _hit_note(base["shared"])),
+        base["shared"]))
     return parts
+
+
+def _unless_cold(part: Part, warm) -> Part:
+    """A passing comparison whose 'warm' run was not served from the cache (the engine reports 0 cached tokens)
+    compared two cold runs: not applicable."""
+    if part.status is Status.PASS and warm.cached_tokens == 0:
+        return Part(part.name, Status.NA, "not applicable: not served from the cache (cached_tokens 0), so nothing "
+                    "was restored", part.evidence)
+    return part
 
 
 PREFIX_HIT = Check(
@@ -86,6 +92,13 @@ def _order_judge(results: dict, ctx: Ctx) -> list:
     if (part := blocked("cache on", on)) is not None:
         return [part]
     parts = [ctx.same("A again, cache on", on[0], on[2], "A after B vs A before it", _hit_note(on[2]))]
+    hits = {"B": on[1].cached_tokens, "A again": on[2].cached_tokens}
+    if all(h is not None for h in hits.values()):
+        served = any(hits.values())
+        parts.insert(0, Part("hits", Status.PASS if served else Status.NA,
+                             ("cached tokens: " + ", ".join(f"{k} {v}" for k, v in hits.items())) if served else
+                             "not applicable: neither B nor A again was served from the cache (cached_tokens 0)",
+                             {"cached_tokens": hits}, premise=True))
     if (part := blocked("cache off", off)) is not None:
         return parts + [part]
     for i, name in enumerate(("A", "B", "A again")):

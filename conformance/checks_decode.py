@@ -50,9 +50,8 @@ def _spec_judge(results: dict, ctx: Ctx) -> list:
     if spec["drafted"] is None:
         drafts = Part("drafts", Status.NA, "drafts not counted (the engine exposes no speculative metrics)", counts)
     elif spec["drafted"] == 0:
-        if all(p.status is Status.PASS for p in parts):
-            return [Part("drafts", Status.NA, "not applicable: no draft was proposed, so no rollback ran", counts)]
-        drafts = Part("drafts", Status.NA, "no draft was proposed", counts)
+        drafts = Part("drafts", Status.NA, "not applicable: no draft was proposed, so no rollback ran", counts,
+                      premise=True)
     else:
         drafts = Part("drafts", Status.PASS, f"{spec['drafted']:g} drafts proposed, {spec['accepted']:g} accepted "
                       "(rollbacks after accepted and rejected drafts ran)", counts)
@@ -91,10 +90,10 @@ def _chunk_judge(results: dict, ctx: Ctx) -> list:
     how = (f"token {matters.first_diff} differs" if matters.first_diff is not None else
            f"its logprobs move by up to {matters.max_dlogprob:.2e}")
     premise = Part("needle", Status.PASS, f"another needle in the first {span} tokens changes the output ({how})",
-                   {**matters.evidence(), "needle_tokens": span})
+                   {**matters.evidence(), "needle_tokens": span}, premise=True)
     if matters.match:
         premise = Part("needle", Status.NA, "not applicable: another needle gives the same output, so a state "
-                       "lost at a chunk boundary need not show", matters.evidence())
+                       "lost at a chunk boundary need not show", matters.evidence(), premise=True)
     parts = [premise]
     for n in ctx.chunk_sizes:
         got = results.get(f"chunk_{n}")

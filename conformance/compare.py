@@ -38,7 +38,8 @@ class Diff(NamedTuple):
 
 def compare(a: Completion, b: Completion, rule: str = "exact", atol: float = 1e-3) -> Diff:
     """Compare completion ``a`` (the reference) with ``b``. A failed request is never a match. Without token
-    lists (an engine that returned no logprobs) the texts are compared. Raises ValueError for an unknown rule."""
+    lists (an engine that returned no logprobs) the texts are compared; with them, the texts must agree too (an
+    engine may list logprobs for only some tokens). Raises ValueError for an unknown rule."""
     if rule not in MATCH_RULES:
         raise ValueError(f"rule must be one of {MATCH_RULES}, got {rule!r}")
     for name, c in (("reference", a), ("compared", b)):
@@ -65,6 +66,9 @@ def compare(a: Completion, b: Completion, rule: str = "exact", atol: float = 1e-
         return Diff(False, first, pair, dlp, upto,
                     f"token {first} differs: {pair[0]!r} vs {pair[1]!r}" if pair else
                     f"lengths differ: {len(a.tokens)} vs {len(b.tokens)} tokens")
+    if a.text != b.text:                            # tokens listed for only some positions (llama.cpp) agree
+        return Diff(False, None, (), dlp, upto, f"the {upto} listed tokens agree but the texts differ: "
+                    f"{a.text[:40]!r} vs {b.text[:40]!r}")
     if rule == "exact" and dlp is not None and dlp > atol:
         return Diff(False, None, (), dlp, upto, f"same {upto} tokens but max |dlogprob| {dlp:.2e} > atol {atol:g}")
     return Diff(True, None, (), dlp, upto, "")

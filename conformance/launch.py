@@ -19,6 +19,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 
@@ -94,13 +95,14 @@ def wait_healthy(url: str, alive: Callable[[], bool], timeout_s: float) -> None:
 
 class Launched(Target):
     """The engine started by the suite: ``command`` (a shell-style string or a list, without host and port),
-    ``model`` (None: the first id of ``/v1/models``), ``start_timeout_s`` to wait for ``/health``."""
+    ``model`` (None: the first id of ``/v1/models``), ``start_timeout_s`` to wait for ``/health``, ``log_dir``:
+    where each setting's server log is kept as ``<setting>.log`` (None: discarded)."""
 
     can_launch = True
 
     def __init__(self, adapter: Adapter, command, model: str | None = None, start_timeout_s: float = 300.0,
-                 stop_timeout_s: float = 15.0):
-        self.adapter = adapter
+                 stop_timeout_s: float = 15.0, log_dir: Path | None = None):
+        self.adapter, self.log_dir = adapter, log_dir
         self.command = shlex.split(command) if isinstance(command, str) else list(command)
         if not self.command:
             raise ValueError("the launch command is empty")
@@ -113,7 +115,8 @@ class Launched(Target):
         port = free_port()
         argv = [*self.command, *self.adapter.always_args, *self.adapter.port_args(port),
                 *self.adapter.variant_args(variant)]
-        with tempfile.TemporaryFile("w+") as log:
+        keep = self.log_dir is not None
+        with (open(self.log_dir / f"{variant.name}.log", "w+") if keep else tempfile.TemporaryFile("w+")) as log:
             try:
                 proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             except OSError as err:

@@ -42,12 +42,14 @@ class Part:
     status: Status
     summary: str
     evidence: dict = field(default_factory=dict)
+    premise: bool = False        # a condition that makes the check meaningful: n/a here makes the check n/a
 
 
 @dataclass
 class CheckResult:
     """One check: ``id``, ``title``, the ``invariant`` it asserts, the ``bug`` class it comes from, ``sources``,
-    its ``parts`` and the overall ``status``: FAIL if any part failed, else PASS if any part passed, else NA."""
+    its ``parts`` and the overall ``status``: FAIL if any part failed, else NA if a premise part is n/a (the run
+    could not exercise what the check is about: no prefix hit, no draft), else PASS if any part passed, else NA."""
 
     id: str
     title: str
@@ -61,6 +63,8 @@ class CheckResult:
         statuses = {p.status for p in self.parts}
         if Status.FAIL in statuses:
             return Status.FAIL
+        if any(p.premise and p.status is Status.NA for p in self.parts):
+            return Status.NA
         return Status.PASS if Status.PASS in statuses else Status.NA
 
     @property
@@ -70,7 +74,11 @@ class CheckResult:
         failing = [p for p in self.parts if p.status is Status.FAIL]
         if failing:
             return failing[0].summary
-        compared = [p for p in self.parts if "positions_compared" in p.evidence and p.status is Status.PASS]
+        unmet = [p for p in self.parts if p.premise and p.status is Status.NA]
+        if unmet:
+            return unmet[0].summary
+        compared = [p for p in self.parts if "positions_compared" in p.evidence and p.status is Status.PASS
+                    and not p.premise]
         out = [p.summary for p in self.parts if p not in compared]
         if len(compared) == 1:
             out.append(compared[0].summary)

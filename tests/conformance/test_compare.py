@@ -91,3 +91,23 @@ def test_prompts_are_seeded_and_the_needles_alike():
     differ = [i for i, (x, y) in enumerate(zip(n0, n1)) if x != y]
     assert max(differ) < a.needle_span("n")                                 # only the first line differs
     assert len(a.repetitive("r", 90)) == 90
+
+
+def test_listed_tokens_that_agree_do_not_hide_a_different_text():
+    """llama.cpp lists no logprob for a token that ends inside a UTF-8 sequence: two runs can list the same tokens
+    and still differ at an unlisted one; the texts decide."""
+    a = Completion((104, 105), (-0.5, -0.2), None, "hi\u00e9")
+    assert compare(a, a._replace(text="hi\u00e8")).reason.startswith("the 2 listed tokens agree but the texts differ")
+
+
+def test_an_unmet_premise_makes_the_check_not_applicable():
+    from conformance.report import CheckResult, Part, Status
+
+    compared = Part("A again", Status.PASS, "6 tokens equal", {"positions_compared": 6, "max_abs_dlogprob": 0.0})
+    hits = Part("hits", Status.NA, "not applicable: nothing was served from the cache", premise=True)
+    result = CheckResult("x", "t", "i", "b", (), [hits, compared])
+    assert result.status is Status.NA and result.summary.startswith("not applicable: nothing was served")
+    result.parts[0] = Part("hits", Status.PASS, "cached tokens: 64", premise=True)
+    assert result.status is Status.PASS and result.summary == "cached tokens: 64; 6 tokens equal"
+    result.parts.append(Part("B", Status.FAIL, "token 2 differs: 5 vs 6"))
+    assert result.status is Status.FAIL and result.summary == "token 2 differs: 5 vs 6"
