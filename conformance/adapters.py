@@ -149,6 +149,7 @@ class LlamaCpp(Adapter):
     docs = "https://github.com/ggml-org/llama.cpp/blob/master/tools/server/README.md"
     always_args = ("--metrics",)
     metric_names = MetricNames(busy=("llamacpp:requests_processing", "llamacpp:requests_deferred"),
+                               hits="llamacpp:prompt_tokens_cached_total",
                                drafted="llamacpp:spec_decode_num_draft_tokens_total",
                                accepted="llamacpp:spec_decode_num_accepted_tokens_total")
     SPEC_ARGS = ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "4",

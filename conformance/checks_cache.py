@@ -152,8 +152,13 @@ def _metrics_judge(results: dict, ctx: Ctx) -> list:
         return [part]
     lengths = _metrics_lengths(ctx)
     if base is None:
-        why = ("the engine's state grid is unknown (pass --grid BLOCK:INTERVAL)" if lengths is None else
-               "the engine counts one prefix-cache hit, no state-cache miss apart from it")
+        names = ctx.adapter.metric_names
+        if not names.state_miss_tokens:
+            one = f" ({names.hits})" if names.hits else ""
+            why = (f"the engine counts reused prompt tokens in one counter{one}, no state-cache miss apart from the "
+                   "KV hit: a KV-only hit cannot be told from a state hit")
+        else:
+            why = "the engine's state grid is unknown (pass --grid BLOCK:INTERVAL)"
         return [Part("counters", Status.NA, f"not applicable: {why}")]
     if base["b"].error is not None:
         return [Part("counters", Status.FAIL, f"the request failed: {base['b'].error}")]
