@@ -172,12 +172,18 @@ class LlamaCpp(Adapter):
         return {"n_probs": logprobs, "ignore_eos": True}
 
     def parse_completion(self, body: dict) -> Completion:
+        """``logprobs.content``; a token with logprob 0 and no alternatives is one llama-server did not compute
+        (a token of a speculative step: ``result.prob = 1.0f; // set later`` and ``// TODO: set result.probs``
+        in ``tools/server/server-context.cpp``), read as None (not reported), not as probability 1."""
         choice = body["choices"][0]
         content = (choice.get("logprobs") or {}).get("content")
         if not content:
             return Completion(None, None, None, choice["text"], cached_tokens(body))
-        return Completion(tuple(c["id"] for c in content), tuple(c["logprob"] for c in content),
-                          tuple({t["id"]: t["logprob"] for t in c.get("top_logprobs", ())} for c in content),
+        unset = [c["logprob"] == 0.0 and not c.get("top_logprobs") for c in content]
+        return Completion(tuple(c["id"] for c in content),
+                          tuple(None if u else c["logprob"] for c, u in zip(content, unset)),
+                          tuple(None if u else {t["id"]: t["logprob"] for t in c.get("top_logprobs", ())}
+                                for c, u in zip(content, unset)),
                           choice["text"], cached_tokens(body))
 
     def tokenize(self, http: httpx.Client, base_url: str, model: str, text: str) -> list[int]:

@@ -12,8 +12,8 @@ import httpx
 
 class Completion(NamedTuple):
     """One greedy completion: ``tokens`` (ids, or the engine's token strings when it gives no ids; None without
-    logprobs), ``logprobs`` (the chosen tokens' natural-log probabilities, or None), ``top`` (per position, a dict
-    of the most likely tokens to their logprobs, or None), ``text``, ``cached_tokens`` (the prompt tokens the engine
+    logprobs), ``logprobs`` (the chosen tokens' natural-log probabilities, None at a position the engine did not
+    compute, or None), ``top`` (per position, a dict of the most likely tokens to their logprobs, or None), ``text``, ``cached_tokens`` (the prompt tokens the engine
     says it served from its cache, ``usage.prompt_tokens_details.cached_tokens``; None if not reported), ``error``
     (the HTTP status and message of a failed request, else None)."""
 

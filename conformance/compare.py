@@ -16,7 +16,8 @@ class Diff(NamedTuple):
     """``match`` under the rule; ``first_diff``: the first position whose token differs (None: none);
     ``tokens``: the two tokens there; ``max_dlogprob``: max |delta logprob| of the chosen token over the
     positions before ``first_diff`` (None without logprobs); ``compared``: positions compared; ``reason``: why
-    not a match ('' when it is)."""
+    not a match ('' when it is); ``unreported``: compared positions where a run has no logprob (the engine did not
+    compute it), whose tokens alone were compared."""
 
     match: bool
     first_diff: int | None
@@ -24,15 +25,18 @@ class Diff(NamedTuple):
     max_dlogprob: float | None
     compared: int
     reason: str
+    unreported: int = 0
 
     def evidence(self) -> dict:
         return {"first_diff": self.first_diff, "tokens_at_first_diff": list(self.tokens),
-                "max_abs_dlogprob": self.max_dlogprob, "positions_compared": self.compared}
+                "max_abs_dlogprob": self.max_dlogprob, "positions_compared": self.compared,
+                "positions_without_logprobs": self.unreported}
 
     def summary(self) -> str:
         if self.match:
             lp = "" if self.max_dlogprob is None else f", max |dlogprob| {self.max_dlogprob:.2e}"
-            return f"{self.compared} tokens equal{lp}"
+            missing = f" ({self.unreported} without logprobs: tokens only)" if self.unreported else ""
+            return f"{self.compared} tokens equal{lp}{missing}"
         return self.reason
 
 
@@ -56,26 +60,30 @@ def compare(a: Completion, b: Completion, rule: str = "exact", atol: float = 1e-
     if first is None and len(a.tokens) != len(b.tokens):
         first = n
     upto = n if first is None else first
-    dlp = None
+    dlp, unreported = None, 0
     if a.logprobs is not None and b.logprobs is not None and upto:
-        dlp = max(abs(x - y) for x, y in zip(a.logprobs[:upto], b.logprobs[:upto]))
+        pairs = list(zip(a.logprobs[:upto], b.logprobs[:upto]))
+        both = [abs(x - y) for x, y in pairs if x is not None and y is not None]
+        unreported = len(pairs) - len(both)
+        dlp = max(both) if both else None
     pair = () if first is None or first >= n else (a.tokens[first], b.tokens[first])
     if first is not None:
         if rule == "close" and first < n and _in_top(a, b, first):
-            return Diff(True, first, pair, dlp, upto, "")
+            return Diff(True, first, pair, dlp, upto, "", unreported)
         return Diff(False, first, pair, dlp, upto,
                     f"token {first} differs: {pair[0]!r} vs {pair[1]!r}" if pair else
-                    f"lengths differ: {len(a.tokens)} vs {len(b.tokens)} tokens")
+                    f"lengths differ: {len(a.tokens)} vs {len(b.tokens)} tokens", unreported)
     if a.text != b.text:                            # tokens listed for only some positions (llama.cpp) agree
         return Diff(False, None, (), dlp, upto, f"the {upto} listed tokens agree but the texts differ: "
-                    f"{a.text[:40]!r} vs {b.text[:40]!r}")
+                    f"{a.text[:40]!r} vs {b.text[:40]!r}", unreported)
     if rule == "exact" and dlp is not None and dlp > atol:
-        return Diff(False, None, (), dlp, upto, f"same {upto} tokens but max |dlogprob| {dlp:.2e} > atol {atol:g}")
-    return Diff(True, None, (), dlp, upto, "")
+        return Diff(False, None, (), dlp, upto, f"same {upto} tokens but max |dlogprob| {dlp:.2e} > atol {atol:g}",
+                    unreported)
+    return Diff(True, None, (), dlp, upto, "", unreported)
 
 
 def _in_top(a: Completion, b: Completion, i: int) -> bool:
     """vLLM's rule at the first difference: each run's token is among the other's top logprobs."""
-    if a.top is None or b.top is None:
+    if a.top is None or b.top is None or a.top[i] is None or b.top[i] is None:
         return False
     return a.tokens[i] in b.top[i] and b.tokens[i] in a.top[i]

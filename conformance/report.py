@@ -69,8 +69,9 @@ class CheckResult:
 
     @property
     def summary(self) -> str:
-        """The first failing part's summary; else the other parts' summaries, then the comparisons (parts whose
-        evidence has ``positions_compared``) counted with their largest |delta logprob|."""
+        """The first failing part's summary; else an unmet premise's; else the other parts' summaries, the
+        comparisons (parts whose evidence has ``positions_compared``) counted with their largest |delta logprob|,
+        then the parts that were not applicable, by name."""
         failing = [p for p in self.parts if p.status is Status.FAIL]
         if failing:
             return failing[0].summary
@@ -79,12 +80,14 @@ class CheckResult:
             return unmet[0].summary
         compared = [p for p in self.parts if "positions_compared" in p.evidence and p.status is Status.PASS
                     and not p.premise]
-        out = [p.summary for p in self.parts if p not in compared]
+        skipped = [p for p in self.parts if p.status is Status.NA]
+        out = [p.summary for p in self.parts if p not in compared and p not in skipped]
         if len(compared) == 1:
             out.append(compared[0].summary)
         elif compared:
             dl = [p.evidence["max_abs_dlogprob"] for p in compared if p.evidence.get("max_abs_dlogprob") is not None]
             out.append(f"{len(compared)} comparisons equal" + (f", max |dlogprob| {max(dl):.1e}" if dl else ""))
+        out += [f"{p.name}: {p.summary}" for p in skipped]
         return "; ".join(out) or "no part ran"
 
     def to_json(self) -> dict:

@@ -111,3 +111,16 @@ def test_an_unmet_premise_makes_the_check_not_applicable():
     assert result.status is Status.PASS and result.summary == "cached tokens: 64; 6 tokens equal"
     result.parts.append(Part("B", Status.FAIL, "token 2 differs: 5 vs 6"))
     assert result.status is Status.FAIL and result.summary == "token 2 differs: 5 vs 6"
+
+
+def test_a_logprob_llama_cpp_did_not_compute_is_not_reported():
+    """llama-server sends logprob 0 with no alternatives for a token of a speculative step (its TODO): read as
+    not reported, so those positions are compared on tokens only."""
+    body = {"choices": [{"text": "ab", "logprobs": {"content": [
+        {"id": 97, "logprob": -0.5, "top_logprobs": [{"id": 97, "logprob": -0.5}]},
+        {"id": 98, "logprob": 0.0, "top_logprobs": []}]}}]}
+    spec = LlamaCpp().parse_completion(body)
+    assert spec.logprobs == (-0.5, None) and spec.top == ({97: -0.5}, None)
+    plain = spec._replace(logprobs=(-0.5, -0.7))
+    d = compare(plain, spec)
+    assert d.match and d.unreported == 1 and "1 without logprobs" in d.summary()
