@@ -159,7 +159,7 @@ def run_suite(target: Target, checks: list[Check], settings: RunSettings) -> Rep
                     if v in plans[c.id] and v.name not in results[c.id]:
                         results[c.id][v.name] = Failed(f"the engine did not start for {v.name}: {err}")
     out = [CheckResult(c.id, c.title, c.invariant, c.bug, c.sources, _judge(c, results[c.id], ctx)) for c in checks]
-    meta = {"seed": seed, "nonce": ctx.prompts.nonce, "max_tokens": ctx.max_tokens, "logprobs": ctx.logprobs,
+    meta = {"adapter_run_here": adapter.run_here, "seed": seed, "nonce": ctx.prompts.nonce, "max_tokens": ctx.max_tokens, "logprobs": ctx.logprobs,
             "rule": ctx.rule, "atol": ctx.atol, "chunk_sizes": list(ctx.chunk_sizes),
             "grid": None if ctx.grid is None else ctx.grid._asdict(), "concurrency": ctx.concurrency,
             "settings": {v.name: (routes[v] if isinstance(routes[v], str) else

@@ -69,3 +69,12 @@ def test_an_engine_that_does_not_start_fails_its_checks_with_its_exit_status():
     result = run_suite(target, select_checks(["cache_order"]), RunSettings(seed=1)).results[0]
     assert result.status is Status.FAIL
     assert "did not start" in result.summary and "exit status 3" in result.summary and "no such model" in result.summary
+
+
+def test_an_adapter_not_run_here_says_so(capsys):
+    """vLLM's and SGLang's adapters are written from their docs and code: a report through them says so first."""
+    with serve_in_process(SERVER) as (url, model):
+        assert main(["--engine", "vllm", "--base-url", url, "--model", model, "--checks", "state_hit_metrics"]) == 0
+    out = capsys.readouterr().out
+    assert "note: the vllm adapter is written from its docs and code and has not been run against it here" in out
+    assert "n/a     state_hit_metrics" in out                # vLLM counts one prefix-cache hit
