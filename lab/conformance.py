@@ -4,6 +4,7 @@ and its sources, our engine put through every check live (our server started in 
 suite against another engine."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import NamedTuple
 
@@ -16,6 +17,7 @@ from conformance.suite import RunSettings, run_suite
 from lab.shipped import read_shipped, result_path
 
 LLAMA_CPP_BENCH = "conformance_llama_cpp"            # bench/results/conformance_llama_cpp.json
+CHECK_IDS = tuple(CHECKS)
 LIVE_SERVER = ("--max-model-len", "512", "--max-num-seqs", "4")
 LIVE_SETTINGS = RunSettings(max_tokens=6, chunk_sizes=(16, 100), concurrency=3, seed=0)
 
@@ -47,11 +49,13 @@ class LiveRun(NamedTuple):
     server: str
 
 
-def live_run(settings: RunSettings | None = None) -> LiveRun:
-    """Put our server through the checks of ``settings`` (None: :data:`LIVE_SETTINGS`, every check) now: started
-    in this process (small pool, ``LIVE_SERVER``), once per setting (the deployment, prefix cache off,
-    speculative decoding, each chunk size), short prompts and few tokens."""
+def live_run(checks=(), settings: RunSettings | None = None) -> LiveRun:
+    """Put our server through ``checks`` (ids; empty: every check) now, with ``settings`` (None:
+    :data:`LIVE_SETTINGS`): started in this process (small pool, ``LIVE_SERVER``), once per setting the checks need
+    (the deployment, prefix cache off, speculative decoding, each chunk size), short prompts and few tokens.
+    Raises ValueError naming an unknown check."""
     settings = LIVE_SETTINGS if settings is None else settings
+    settings = dataclasses.replace(settings, checks=tuple(checks))
     t0 = time.perf_counter()
     report = run_suite(InProcess(Ours(), list(LIVE_SERVER)), select_checks(settings.checks), settings)
     return LiveRun(results_table(report.to_json()), report.to_json(), report.dumps(), time.perf_counter() - t0,

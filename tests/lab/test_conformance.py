@@ -19,9 +19,11 @@ def test_invariants_name_every_check_with_its_sources():
 
 
 def test_live_run_of_one_check():
-    run = lc.live_run(RunSettings(checks=("state_hit_metrics",), max_tokens=2, seed=0))
+    run = lc.live_run(["state_hit_metrics"], RunSettings(max_tokens=2, seed=0))
     assert list(run.table["check"]) == ["state_hit_metrics"] and list(run.table["status"]) == ["pass"]
     assert json.loads(run.report_json)["checks"][0]["id"] == "state_hit_metrics" and run.seconds > 0
+    with pytest.raises(ValueError, match="unknown check"):
+        lc.live_run(["nope"])
 
 
 def test_recorded_run_absent_present_and_malformed(tmp_path, monkeypatch):
