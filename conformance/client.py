@@ -114,7 +114,7 @@ class EngineClient:
         return parse_metrics(r.text) if r.status_code == 200 else None
 
     def wait_idle(self, timeout_s: float = 20.0) -> bool:
-        """Wait until the engine's running and waiting gauges read 0 (its adapter's :attr:`idle_gauges`);
+        """Wait until the engine's running and waiting gauges read 0 (its adapter's ``metric_names.busy``);
         returns False at the timeout or without metrics (then after a fixed 1 s)."""
         gauges = self.adapter.metric_names.busy
         deadline = time.monotonic() + timeout_s

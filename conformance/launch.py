@@ -37,6 +37,7 @@ class Target:
     adapter: Adapter
     description: str
     launch_args: list[str] | None = None        # the deployment's flags, when known (for the adapter's grid)
+    can_launch = False                          # True: it starts servers with a setting's flags
 
     def route(self, variant: Variant) -> tuple[Variant, Callable[[], dict]] | str:
         """``(server setting, request fields)`` that serve ``variant``, or why it cannot be served. Prefers a
@@ -51,8 +52,6 @@ class Target:
         flags = " ".join(self.adapter.variant_args(variant))
         return (f"{self.adapter.name}'s {variant.name} is a start-up setting ({flags}): run the suite with --launch "
                 "so that it starts the engine with it")
-
-    can_launch = False
 
     @contextlib.contextmanager
     def server(self, variant: Variant) -> Iterator[tuple[str, str]]:
