@@ -65,6 +65,8 @@ TABS: list[Tab] = [
     Tab("Engine", "app_pages/16_continuous_batching.py", "continuous_batching", "16 Continuous batching",
         ":material/view_agenda:",
         "a trace through the batched engine: batch composition, state slots, TTFT / TPOT, bitwise vs alone"),
+    Tab("Engine", "app_pages/18_conformance.py", "conformance", "18 Conformance", ":material/rule:",
+        "the invariants a recurrent state must keep in any serving engine: ours checked live, llama.cpp recorded"),
 ]
 
 SECTIONS = ["Overview", "Speculative decoding", "Memory", "Prefix cache", "Parallel & fleet", "At real scale",

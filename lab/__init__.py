@@ -32,6 +32,8 @@ state capacity, range   lab/state_capacity.py    capacity_table,           17   
                                                  low_decay_probe
 16-bit engine states    lab/state_dtype.py       engine_agreement,         17          tests/lab/test_state_dtype.py
                                                  slot_table
+conformance suite       lab/conformance.py       invariants, live_run,     18          tests/lab/test_conformance.py
+                                                 recorded_llama_cpp
 KCP context parallel    lab/kcp.py               kcp_experiment            10          tests/lab/test_kcp.py
 fleet hashing           lab/fleet_hashing.py     fleet_hashing             11          tests/lab/test_fleet_pages.py
 fleet scaling           lab/fleet_scaling.py     fleet_scaling             12          tests/lab/test_fleet_pages.py
@@ -40,7 +42,8 @@ fleet simulation        lab/fleet_simulation.py  fleet_simulation          14   
 fleet building blocks   lab/fleet.py             page_trace, routing_load  11-14       tests/lab/test_fleet.py
 shipped models          lab/models.py            demo_model, draft_model   (all)       tests/serve/test_runnable.py
 one torch thread        lab/threads.py           one_thread                (all)       (used by every measured run)
-shipped bench results   lab/shipped.py           read_shipped              01-04, 17   tests/lab/test_shipped.py
+shipped bench results   lab/shipped.py           read_shipped              01-04,      tests/lab/test_shipped.py
+                                                                           17, 18
 ======================  =======================  ========================  ==========  ==================================
 
 A page whose view includes a live timing makes that timing a second cached call (03-style "Re-measure" clears

@@ -5,6 +5,9 @@
     lab/         experiments for the pages: no app_pages, no Streamlit, no bench (bench imports lab, never back)
     train/       corpus, training and export of the demo model: ours only kda_core (no serve, lab, app_pages,
                  Streamlit)
+    conformance/ the conformance suite, a client tool: ours only conformance (no kda_core, lab, app_pages,
+                 Streamlit), except conformance/ours.py, which starts our server (serve.http); nothing of serve
+                 or kda_core imports it
     app_pages/   thin Streamlit pages: ours only through lab.* and the pages' own helper modules (+ Streamlit,
                  Plotly, pandas, numpy, stdlib)
 
@@ -31,7 +34,8 @@ from typing import NamedTuple
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = ("kda_core", "serve", "lab", "app_pages", "bench", "app", "tests", "train")
+OURS = ("kda_core", "serve", "lab", "app_pages", "bench", "app", "tests", "train", "conformance")
+CONFORMANCE_SERVER = ("conformance.ours", ("serve.http",))   # the suite's one module that starts our server
 # Third-party libraries a page may use directly (drawing and tables; no maths, no engine).
 PAGE_LIBRARIES = {"streamlit", "plotly", "pandas", "numpy"}
 # What pages may import of ours: the lab layer and the pages' own helper modules. app_pages.errors shows the
@@ -119,6 +123,13 @@ def layer_violations(path: Path, source: str) -> list[str]:
             errors.append(f"{where} (lab imports no app_pages, Streamlit or bench)")
         if top == "train" and (root == "streamlit" or ours and root not in ("kda_core", "train")):
             errors.append(f"{where} (train imports of ours only kda_core, and no Streamlit)")
+        if top == "conformance" and (root == "streamlit" or ours and root != "conformance"):
+            server, allowed_mods = CONFORMANCE_SERVER
+            if not (me == server and any(imp.module == a or imp.module.startswith(a + ".") for a in allowed_mods)):
+                errors.append(f"{where} (conformance is a client: of ours it imports only conformance, and "
+                              "conformance.ours serve.http)")
+        if top in ("kda_core", "serve") and root == "conformance":
+            errors.append(f"{where} (the engine imports no conformance suite)")
         if top == "app_pages":
             extra = ERRORS_EXTRA if me == "app_pages.errors" else ()
             allowed = (root == "lab" or is_page_helper(imp.module)
@@ -137,7 +148,8 @@ def _files() -> list[Path]:
     return sorted(p for p in REPO.rglob("*.py") if not skip & set(p.relative_to(REPO).parts))
 
 
-@pytest.mark.parametrize("top", ["kda_core", "serve", "lab", "app_pages", "bench", "app", "tests", "train"])
+@pytest.mark.parametrize("top", ["kda_core", "serve", "lab", "app_pages", "bench", "app", "tests", "train",
+                                 "conformance"])
 def test_layers(top):
     errors = []
     for path in _files():
@@ -166,6 +178,11 @@ BAD = {  # a deliberately bad import per rule, in a file of that layer: each mus
     "tests/serve/memory/test_pool.py": "from serve.prefix.cache import _x",
     "train/loop.py": "from serve.engine import ServeEngine",
     "train/export.py": "import lab.prefix",
+    "conformance/suite.py": "from serve.http.app import create_app",
+    "conformance/client.py": "def f():\n    import kda_core.model",
+    "conformance/ours.py": "from serve.engine import ServeEngine",           # ours.py: serve.http only
+    "conformance/report.py": "import streamlit",
+    "serve/http/app.py": "from conformance.client import EngineClient",
 }
 
 
@@ -249,7 +266,7 @@ def test_a_second_model_source_is_caught(path):
 
 
 # --- import cycles ----------------------------------------------------------------------------------------
-CYCLE_LAYERS = ("kda_core", "serve", "lab", "pages", "app_pages", "app")   # the app's code (not tests, bench)
+CYCLE_LAYERS = ("kda_core", "serve", "lab", "pages", "app_pages", "app", "conformance")   # the app's code (not tests, bench)
 
 
 def _module_file(module: str) -> Path | None:

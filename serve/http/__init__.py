@@ -2,10 +2,10 @@
 
 Concept → file → main type:
 - model and engine construction (the one place) .. model.py ..... ``load_model``, ``EngineSpec``, ``build_engine``,
-  ``PoolCapacity``
+  ``PoolCapacity``, ``SpeculativeConfig``
 - request / response schema, checks, UTF-8 ...... protocol.py .. ``CompletionRequest``, ``ChatRequest``,
   ``RequestError``, ``TextDecoder``
-- the engine's thread (join / leave, admission) .. loop.py ...... ``EngineLoop``, ``Stream``, ``QueueFull``
+- the engine's thread (join / leave, admission) .. loop.py ...... ``EngineLoop``, ``Stream``, ``Tokens``, ``QueueFull``
 - Prometheus metrics (vLLM / SGLang names) ....... metrics.py ... ``ServerMetrics``
 - routes, SSE, disconnects, error statuses ....... app.py ....... ``create_app``
 - read deadlines, keep-alive, connection cap ..... door.py ...... ``DoorLimits``, ``DeadlineProtocol``
@@ -21,5 +21,8 @@ slots and pages back to baseline), ``tests/serve/http/test_cli_state_write.py`` 
 ``--docs``), ``tests/serve/http/test_server_failures.py`` (one request cannot take the server down: the 1e-38
 request, a failing row is a 500 while the others are served, an engine failure exits non-zero),
 ``tests/serve/http/test_door.py`` (slow-loris clients dropped within the deadlines, normal ones not),
-``tests/serve/http/test_engine_spec.py`` (the engine and default pool a spec builds).
+``tests/serve/http/test_engine_spec.py`` (the engine and default pool a spec builds),
+``tests/serve/http/test_cli_speculative_chunked.py`` (``--speculative-config`` / ``--chunked-prefill-size``: reach
+the engine, argparse errors, the plain server's bytes), ``tests/serve/http/test_server_logprobs.py`` (completions'
+``logprobs``: the log-softmax of the sampled logits, streamed alike, 400s).
 """

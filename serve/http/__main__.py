@@ -30,7 +30,7 @@ from serve.config import STATE_DTYPES
 from serve.engine import STATE_WRITES, ServeEngine
 from serve.http.app import create_app
 from serve.http.door import DoorLimits
-from serve.http.model import EngineSpec, build_engine, model_codec, pool_capacity, served_name
+from serve.http.model import EngineSpec, SpeculativeConfig, build_engine, model_codec, pool_capacity, served_name
 from serve.http.step_trace import StepTrace
 from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
 
@@ -77,6 +77,14 @@ def _new_file(text: str) -> str:
     return text
 
 
+def _speculative_config(text: str) -> SpeculativeConfig:
+    """``--speculative-config``: a JSON object of :class:`SpeculativeConfig` fields."""
+    try:
+        return SpeculativeConfig.from_json(text)
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command line; every option's help ends with its default."""
     p = argparse.ArgumentParser(prog="python -m serve.http", description=__doc__)
@@ -116,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
                    "vLLM's --mamba-ssm-cache-dtype. bf16 / fp16 round the state on every write, so greedy output may "
                    "differ from fp32's, and a prefix-cache hit may differ from the same request run cold (warm == "
                    "cold holds only in fp32; README, page 17) (default: %(default)s)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM\'s option: \'{"method": "ngram", "num_speculative_tokens": 3, '
+                   '"prompt_lookup_max": 3, "prompt_lookup_min": 1}\' (prompt lookup; drafts verified in the decode step '
+                   'and accepted greedily, so temperature 0 only; the KDA state rolled back from per-token snapshots) '
+                   '(default: off)')
+    p.add_argument("--chunked-prefill-size", type=_int_in(1), default=None, metavar="N",
+                   help="most prompt tokens one prefill forward computes (SGLang's option of that name; a longer "
+                   "prompt is prefilled in chunks, its KDA state carried from chunk to chunk) (default: the whole "
+                   "prompt at once)")
     p.add_argument("--log-level", default="warning", help="uvicorn's log level (default: %(default)s)")
     p.add_argument("--step-trace", type=_new_file, default=None, metavar="PATH",
                    help="write every engine step and request timeline to PATH (JSON lines, serve/http/step_trace.py) "
@@ -156,6 +173,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.ring_size is not None and args.state_write != "replay_ssm":
         p.error(f"--ring-size applies to --state-write replay_ssm only (got --state-write {args.state_write})")
+    if args.speculative_config is not None and args.state_write != "slot":
+        p.error(f"--speculative-config needs --state-write slot (got --state-write {args.state_write}): with "
+                "speculation every decode row is a verify row, rolled back from snapshots")
     try:
         spec = engine_spec(args)
         spec.check_pool(read_config(args.model_path) if args.model_path else PRESETS[args.preset])
@@ -168,7 +188,7 @@ def engine_spec(args: argparse.Namespace) -> EngineSpec:
     """The :class:`EngineSpec` the options ask for (raises its ValueError for a bad value)."""
     return EngineSpec(args.preset, args.max_model_len, args.max_num_seqs, args.num_pages, args.block_size,
                       args.checkpoint_interval, not args.no_prefix_cache, args.state_write, args.ring_size,
-                      args.state_dtype, args.model_path)
+                      args.state_dtype, args.speculative_config, args.chunked_prefill_size, args.model_path)
 
 
 def startup_line(args: argparse.Namespace, engine: ServeEngine, model_name: str) -> str:
@@ -181,6 +201,12 @@ def startup_line(args: argparse.Namespace, engine: ServeEngine, model_name: str)
             f"{args.state_dtype}, state write {write} | pool {cap.num_pages:,} pages = {cap.pool_bytes / 2**20:,.1f} "
             f"MiB: {cap.state_slots:,} state slots, {cap.requests:,} requests of {args.max_model_len:,} tokens; at "
             f"most {args.max_num_seqs} running (--max-num-seqs) | prefix cache {'off' if engine.cache is None else 'on'}")
+    if args.speculative_config is not None:
+        sc = args.speculative_config
+        line += (f" | speculative {sc.method}, {sc.num_speculative_tokens} drafts (n-grams {sc.prompt_lookup_min}.."
+                 f"{sc.prompt_lookup_max})")
+    if args.chunked_prefill_size is not None:
+        line += f" | prefill chunks of {args.chunked_prefill_size} tokens"
     if args.state_dtype != "fp32" and engine.cache is not None:
         line += (f" ({args.state_dtype} states: a prefix-cache hit may change greedy output; warm == cold holds "
                  "only in fp32)")

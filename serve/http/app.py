@@ -43,6 +43,7 @@ from serve.http.protocol import (
     client_path,
     completion_body,
     decode_all,
+    logprobs_body,
     new_id,
     usage,
 )
@@ -163,8 +164,13 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
 
     async def _serve(body, request: Request, chat: bool):
         try:
-            prompt, max_tokens, sampling = check_request(body, model_name, max_model_len, codec, vocab_size)
-            stream = loop.submit(prompt, max_tokens, sampling)
+            checked = check_request(body, model_name, max_model_len, codec, vocab_size)
+            if engine.speculation is not None and not checked.sampling.greedy:
+                raise RequestError("temperature > 0 is not supported by this server: it decodes speculatively "
+                                   "(--speculative-config), accepting drafts greedily; send temperature 0",
+                                   "temperature")
+            prompt = checked.prompt
+            stream = loop.submit(prompt, checked.max_tokens, checked.sampling, checked.logprobs)
         except RequestError as err:
             return error_response(err)
         except QueueFull as err:
@@ -193,13 +199,17 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
             return _ended_early(first, "request not served")
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_sse(stream, first, rid, chat, include_usage), media_type="text/event-stream")
+            return StreamingResponse(_sse(stream, first, rid, chat, include_usage,
+                                          getattr(body, "return_tokens_as_token_ids", False)),
+                                     media_type="text/event-stream")
         ids = [] if isinstance(first, RequestResult) else list(first)
+        lps = [] if isinstance(first, RequestResult) else list(first.logprobs or ())
         try:
             while not isinstance(first, RequestResult):
                 first = await _next_or_disconnect(stream, watcher)
                 if not isinstance(first, RequestResult):
                     ids += first
+                    lps += first.logprobs or ()
         except _Disconnected:
             loop.abort(stream)
             return Response(status_code=499)
@@ -210,8 +220,11 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
             return _ended_early(first, "request ended early")
         use = usage(len(prompt), len(ids), first.hit_tokens)
         text = decode_all(ids, codec)
-        return chat_body(rid, model_name, text, "length", use, False) if chat else \
-            completion_body(rid, model_name, text, "length", use)
+        if chat:
+            return chat_body(rid, model_name, text, "length", use, False)
+        as_ids = body.return_tokens_as_token_ids
+        return completion_body(rid, model_name, text, "length", use,
+                               None if stream.logprobs is None else logprobs_body(ids, lps, as_ids))
 
     def _failure(res: RequestResult, what: str) -> tuple[RequestError, int | None]:
         """The error of a request the engine ended unfinished, and its Retry-After: 500 if the engine aborted it
@@ -225,9 +238,10 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
     def _ended_early(res: RequestResult, what: str) -> JSONResponse:
         return error_response(*_failure(res, what))
 
-    async def _sse(stream: Stream, first, rid: str, chat: bool, include_usage: bool):
+    async def _sse(stream: Stream, first, rid: str, chat: bool, include_usage: bool, body_as_ids: bool = False):
         """The SSE body: one chunk per engine push, the last with ``finish_reason``, usage if asked, [DONE]."""
-        dec, n, item, started = TextDecoder(codec), 0, first, False
+        dec, n, item, started, sent = TextDecoder(codec), 0, first, False, []
+        as_ids = not chat and stream.logprobs is not None and body_as_ids
         try:
             if chat:
                 yield _event(chat_body(rid, model_name, "", None, None, True, first=True))
@@ -237,9 +251,13 @@ def create_app(engine: ServeEngine, model_name: str, max_model_len: int, max_num
                     break
                 n += len(item)
                 text = dec.feed(item)
-                if text:
+                if item.logprobs is not None:            # every token's logprob, even before its text completes
+                    yield _event(completion_body(rid, model_name, text, None, None,
+                                                 logprobs_body(list(item), item.logprobs, as_ids, sent)))
+                elif text:
                     yield _event(chat_body(rid, model_name, text, None, None, True) if chat else
                                  completion_body(rid, model_name, text, None, None))
+                sent += item
                 item = await stream.events.get()
             if item.status is not RequestStatus.FINISHED:            # the engine ended it: say why, as an error
                 yield f"data: {json.dumps(_failure(item, 'stream ended early')[0].body())}\n\n"

@@ -34,6 +34,7 @@ import torch
 from serve.engine import DONE, ServeEngine
 from serve.errors import check_int
 from serve.http.metrics import ServerMetrics
+from serve.http.protocol import TokenLogprob
 from serve.http.step_trace import StepTrace
 from serve.request import RequestResult, RequestStatus
 from serve.sampling import GREEDY, SamplingParams
@@ -41,6 +42,24 @@ from serve.sampling import GREEDY, SamplingParams
 log = logging.getLogger("serve.http")
 
 GAUGE_PERIOD_S = 0.05
+
+
+class Tokens(list):
+    """New token ids pushed to a :class:`Stream` (a list of ids), with ``logprobs``: one
+    :class:`serve.http.protocol.TokenLogprob` per id when the request asked for them, else None."""
+
+    def __init__(self, ids, logprobs: list | None = None):
+        super().__init__(ids)
+        self.logprobs = logprobs
+
+
+def token_logprobs(logits: torch.Tensor, ids, k: int) -> list[TokenLogprob]:
+    """The :class:`TokenLogprob` of each emitted id from its logits row ``[T, V]`` (fp32): log-softmax (natural
+    log) and the ``k`` most likely ids."""
+    lp = torch.log_softmax(logits.to(torch.float32), dim=-1)                  # [T, V]
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())  # [T, k]
+    return [TokenLogprob(int(t), float(lp[j, t]), tuple(zip(top_i[j].tolist(), top_v[j].tolist())))
+            for j, t in enumerate(ids)]
 
 
 class QueueFull(RuntimeError):
@@ -53,14 +72,16 @@ class LoopStopped(RuntimeError):
 
 @dataclass
 class Stream:
-    """One request as the handler sees it. ``events`` yields lists of new token ids, then one
-    :class:`RequestResult` (the end: FINISHED, ABORTED or REJECTED). Times are ``perf_counter`` seconds."""
+    """One request as the handler sees it. ``events`` yields :class:`Tokens` (lists of new token ids, with their
+    logprobs when ``logprobs``, the alternatives per token, is not None), then one :class:`RequestResult` (the end:
+    FINISHED, ABORTED or REJECTED). Times are ``perf_counter`` seconds."""
 
     prompt: list
     max_tokens: int
     events: asyncio.Queue
     aio_loop: asyncio.AbstractEventLoop
     sampling: SamplingParams = GREEDY
+    logprobs: int | None = None
     arrival_t: float = field(default_factory=time.perf_counter)
     rid: int | None = None
     feed_t: float | None = None
@@ -109,9 +130,10 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop and self.error is None
 
-    def submit(self, prompt: list, max_tokens: int, sampling: SamplingParams = GREEDY) -> Stream:
-        """Queue a prompt (byte ids) for ``max_tokens`` tokens drawn with ``sampling`` (default greedy); returns
-        its :class:`Stream`. Raises
+    def submit(self, prompt: list, max_tokens: int, sampling: SamplingParams = GREEDY,
+               logprobs: int | None = None) -> Stream:
+        """Queue a prompt (byte ids) for ``max_tokens`` tokens drawn with ``sampling`` (default greedy), each with
+        its logprob and ``logprobs`` alternatives (None: none); returns its :class:`Stream`. Raises
         QueueFull when the server holds ``max_num_seqs + max_queue`` requests, LoopStopped when stopped."""
         if not self.alive:
             raise LoopStopped("the engine loop is not running")
@@ -120,7 +142,7 @@ class EngineLoop:
                 raise QueueFull(f"{self._outstanding} requests outstanding (max_num_seqs {self.max_num_seqs} "
                                 f"+ max_queue {self.max_queue})")
             self._outstanding += 1
-        stream = Stream(prompt, max_tokens, asyncio.Queue(), asyncio.get_running_loop(), sampling)
+        stream = Stream(prompt, max_tokens, asyncio.Queue(), asyncio.get_running_loop(), sampling, logprobs)
         self._send(("submit", stream))
         return stream
 
@@ -202,7 +224,7 @@ class EngineLoop:
         while self._pending and len(eng.running) + len(eng.waiting) < self.max_num_seqs:
             s = self._pending.pop(0)
             try:
-                s.rid = eng.submit(s.prompt, s.max_tokens, sampling=s.sampling)
+                s.rid = eng.submit(s.prompt, s.max_tokens, s.logprobs is not None, sampling=s.sampling)
             except Exception as err:                       # noqa: BLE001 - that request ends, others go on
                 log.warning("the engine refused a request: %s: %s", type(err).__name__, err)
                 self._end(s, _ended(s, RequestStatus.REJECTED, f"the engine refused it: {type(err).__name__}: {err}"))
@@ -227,9 +249,10 @@ class EngineLoop:
             res = self.engine.result(s.rid)
             new = res.output_tokens[s.sent:]
             if new:
+                lps = None if s.logprobs is None else token_logprobs(res.logits[s.sent:], new, s.logprobs)
                 self.metrics.tokens(s, len(new), now)
                 s.sent += len(new)
-                s.push(list(new))
+                s.push(Tokens(new, lps))
             if res.status in DONE:
                 self._end(s, res)
 

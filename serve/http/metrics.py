@@ -21,6 +21,8 @@ only: 0 when idle), ``kda:checkpoints_held`` (stored state checkpoints, counted 
 to a missing checkpoint, named as SGLang names them (sgl-project/sglang PR #38018):
 ``sglang:mamba_cache_miss_requests_total`` / ``sglang:mamba_cache_miss_tokens_total``: a request whose cached
 KV blocks reach further than its restored checkpoint, and by how many tokens (block-aligned KV hit - b).
+With speculative decoding, vLLM's ``vllm:spec_decode_num_draft_tokens_total`` / ``vllm:spec_decode_num_accepted_tokens_total``
+(draft tokens proposed / accepted; counted when a request ends, where vLLM counts each step).
 """
 from __future__ import annotations
 
@@ -93,9 +95,11 @@ class ServerMetrics:
                                "Requests whose KV hit reached past their restored checkpoint.")
         self.miss_tokens = c("sglang:mamba_cache_miss_tokens",
                              "Prompt tokens cached as KV but recomputed for want of a checkpoint.")
+        self.draft_tokens = c("vllm:spec_decode_num_draft_tokens", "Speculative draft tokens proposed.")
+        self.accepted_tokens = c("vllm:spec_decode_num_accepted_tokens", "Speculative draft tokens accepted.")
 
         for counter in (self.queries, self.hits, self.prompt_tokens, self.generation_tokens, self.aborted,
-                        self.miss_requests, self.miss_tokens):
+                        self.miss_requests, self.miss_tokens, self.draft_tokens, self.accepted_tokens):
             counter.labels(model_name)                    # every series present from the start, at 0
         for reason in REJECT_REASONS:
             self.rejected.labels(model_name, reason)
@@ -138,6 +142,9 @@ class ServerMetrics:
             self.e2e.observe(stream.last_t - stream.arrival_t)
             if stream.sent > 1:
                 self.tpot.observe((stream.last_t - stream.first_t) / (stream.sent - 1))
+        if res is not None and res.drafted_tokens:
+            self.draft_tokens.labels(m).inc(res.drafted_tokens)
+            self.accepted_tokens.labels(m).inc(res.accepted_tokens)
         if res is None or res.status is RequestStatus.REJECTED or (res.prefill_tokens == 0 and not res.hit_tokens):
             return                                            # never admitted: no lookup counted
         self.prompt_tokens.labels(m).inc(res.prompt_tokens)

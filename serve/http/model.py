@@ -10,6 +10,8 @@ built through its public constructor only, so a batching engine with the same AP
 """
 from __future__ import annotations
 
+import functools
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,9 @@ from serve.errors import check_choice, check_int
 from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
 from serve.runnable import RUNNABLE, demo_model
+from serve.spec_decode.draft import NgramProposer
 from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
+from serve.spec_decode.verify import Speculation
 from serve.text_codec import BYTES, load_codec
 
 SERVABLE = RUNNABLE
@@ -53,6 +57,51 @@ def served_name(spec: EngineSpec) -> str:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding of the served engine, in vLLM's ``--speculative-config`` terms (``vllm/config/
+    speculative.py``): ``method`` "ngram" (prompt lookup, :class:`serve.spec_decode.draft.NgramProposer`),
+    ``num_speculative_tokens`` drafts per step, the n-gram lengths ``prompt_lookup_min`` .. ``prompt_lookup_max``
+    tried (longest first). Drafts are verified in the decode step and accepted greedily; the KDA state is rolled
+    back to the accepted length from per-token snapshots (:class:`serve.spec_decode.snapshot.SnapshotRollback`).
+    Raises ValueError naming the first bad field."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self):
+        check_choice("method", self.method, ("ngram",))
+        check_int("num_speculative_tokens", self.num_speculative_tokens)
+        check_int("prompt_lookup_min", self.prompt_lookup_min)
+        check_int("prompt_lookup_max", self.prompt_lookup_max, self.prompt_lookup_min)
+
+    @classmethod
+    def from_json(cls, text: str) -> SpeculativeConfig:
+        """The config of a JSON object (``'{"method": "ngram", "num_speculative_tokens": 3}'``). Raises ValueError
+        for text that is not a JSON object, an unknown key or a bad value."""
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"not JSON: {err.msg} at character {err.pos}") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"must be a JSON object, got {text!r}")
+        unknown = sorted(set(obj) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown}; known: {sorted(cls.__dataclass_fields__)}")
+        return cls(**obj)
+
+    def speculation(self) -> Speculation:
+        """The engine's :class:`Speculation` (one n-gram proposer and one snapshot rollback per request)."""
+        proposer = functools.partial(_ngram_proposer, self.prompt_lookup_max, self.prompt_lookup_min)
+        return Speculation.named(proposer, "snapshot", self.num_speculative_tokens)
+
+
+def _ngram_proposer(max_ngram: int, min_ngram: int, prompt) -> NgramProposer:
+    return NgramProposer(max_ngram, min_ngram)
+
+
+@dataclass(frozen=True)
 class EngineSpec:
     """How the server's engine is sized. Frozen; validated in ``__post_init__``.
 
@@ -66,9 +115,11 @@ class EngineSpec:
     vllm#47572); ring_size: decode steps per state write under "replay_ssm" (an int >= 1; None: SGLang's
     default :data:`DEFAULT_RING_SIZE`), None under "slot"; state_dtype: the stored dtype of the KDA recurrent
     states by name, a key of :data:`serve.config.STATE_DTYPES` ("fp32", "bf16", "fp16"; ``ServeConfig.state_dtype``,
-    vLLM's ``--mamba-ssm-cache-dtype``).
+    vLLM's ``--mamba-ssm-cache-dtype``); speculative: a :class:`SpeculativeConfig` (None: plain decoding);
+    chunked_prefill_size: most prompt tokens one prefill forward computes (the engine's ``max_prefill_chunk``,
+    SGLang's ``--chunked-prefill-size``; None: the whole rest of the prompt).
     Raises ValueError naming the first bad field (a ``ring_size`` with ``state_write="slot"`` too: it would be
-    ignored).
+    ignored; speculation with ``state_write="replay_ssm"``: its decode rows are verify rows).
     """
 
     preset: str = "demo"
@@ -81,6 +132,8 @@ class EngineSpec:
     state_write: str = "slot"
     ring_size: int | None = None
     state_dtype: str = "fp32"
+    speculative: SpeculativeConfig | None = None
+    chunked_prefill_size: int | None = None
     model_path: str | None = None
 
     def __post_init__(self):
@@ -99,6 +152,14 @@ class EngineSpec:
                 raise ValueError(f"ring_size is the replay_ssm state write's ring, got ring_size={self.ring_size!r} "
                                  f"with state_write={self.state_write!r}")
             check_int("ring_size", self.ring_size)
+        if self.speculative is not None:
+            if not isinstance(self.speculative, SpeculativeConfig):
+                raise ValueError(f"speculative must be a SpeculativeConfig or None, got {self.speculative!r}")
+            if self.state_write != "slot":
+                raise ValueError("speculative decoding needs state_write='slot' (its decode rows are verify rows, "
+                                 f"rolled back from snapshots), got state_write={self.state_write!r}")
+        if self.chunked_prefill_size is not None:
+            check_int("chunked_prefill_size", self.chunked_prefill_size)
 
     @property
     def engine_ring_size(self) -> int:
@@ -153,16 +214,19 @@ def _machine_memory_bytes() -> int:
 
 def build_engine(spec: EngineSpec, model: HybridLM | None = None) -> ServeEngine:
     """A fresh engine for ``spec`` on a fresh pool of :meth:`EngineSpec.pool_pages` pages. The engine is the batched one, its scheduler capped at ``max_num_seqs``
-    running requests: every step runs their decode rows and the admitted prompts' prefill rows together; its
-    decode steps write the KDA state as ``spec.state_write`` says. Raises ValueError for a bad spec or a pool
+    running requests: every step runs their decode rows and the admitted prompts' prefill rows together (prompts
+    in chunks of at most ``spec.chunked_prefill_size`` tokens); its decode steps write the KDA state as
+    ``spec.state_write`` says, or verify ``spec.speculative``'s drafts. Raises ValueError for a bad spec or a pool
     that cannot serve it (:meth:`EngineSpec.check_pool`)."""
     model = load_model(spec.preset, spec.model_path) if model is None else model
     spec.check_pool(model.cfg)
     config = spec.config
     pool = PagePool(spec.pool_pages(model.cfg), config.page_bytes(model.cfg))
     cache = PrefixCache(pool, config, cfg=model.cfg) if spec.prefix_cache else None
-    return ServeEngine(model, pool, cache, config=config, max_num_seqs=spec.max_num_seqs, batched=True,
-                       state_write=spec.state_write, ring_size=spec.engine_ring_size)
+    speculation = None if spec.speculative is None else spec.speculative.speculation()
+    return ServeEngine(model, pool, cache, spec.chunked_prefill_size, config=config, speculation=speculation,
+                       max_num_seqs=spec.max_num_seqs, batched=True, state_write=spec.state_write,
+                       ring_size=spec.engine_ring_size)
 
 
 class PoolCapacity(NamedTuple):

@@ -5,9 +5,12 @@ string for ``max_tokens``, a bool for an int) is a 400, never a silent coercion;
 path as the client wrote it (``messages[0].content``, :func:`client_path`). ``temperature`` (0 to 2), ``top_p`` (0
 to 1], ``seed`` (a 64-bit signed int) and vLLM's ``top_k`` (0 or -1: off, else >= 1) are honoured per request
 (:class:`serve.sampling.SamplingParams`: a seeded request's output is reproducible and equal to its batch-1 run);
-``top_p`` / ``top_k`` are accepted at temperature 0, where they cannot change the argmax (as vLLM does). Fields a
-byte-level engine cannot honour are accepted only at their neutral value (``n`` 1, penalties 0, no ``stop``, no
-``logprobs``, no ``echo``), else a 400 that says why; ``tools`` / ``tool_choice`` / ``functions`` get a 400 saying
+``top_p`` / ``top_k`` are accepted at temperature 0, where they cannot change the argmax (as vLLM does).
+``/v1/completions`` returns ``logprobs`` (an int in [0, :data:`MAX_LOGPROBS`]: each emitted token's natural-log
+probability under the model's raw softmax and that many most likely alternatives, in the OpenAI completions format;
+token strings are the byte's character, ``bytes:\\xNN`` for a byte that is not ASCII, or ``token_id:N`` with vLLM's
+``return_tokens_as_token_ids``). Fields a byte-level engine cannot honour are accepted only at their neutral value
+(``n`` 1, penalties 0, no ``stop``, no chat ``logprobs``, no ``echo``), else a 400 that says why; ``tools`` / ``tool_choice`` / ``functions`` get a 400 saying
 tool calls are not supported (not "unknown field"). A few vLLM extensions that load generators send
 (``ignore_eos``, ``min_tokens``, ``repetition_penalty`` 1) are accepted: the demo model has no end-of-sequence
 token, so every request runs to ``max_tokens`` and finishes with ``finish_reason`` "length".
@@ -84,6 +87,7 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    return_tokens_as_token_ids: bool = False          # vLLM's extension: logprobs' tokens as "token_id:N"
 
 
 class TextPart(_Strict):
@@ -113,6 +117,34 @@ class ChatRequest(_Sampling):
 
 
 DEFAULT_MAX_TOKENS = 16                       # OpenAI's default for /v1/completions
+MAX_LOGPROBS = 20                             # vLLM's default --max-logprobs
+
+
+class TokenLogprob(NamedTuple):
+    """One emitted token's log-probability: ``token`` (id), ``logprob`` (natural log, raw softmax of the logits)
+    and ``top``: the most likely ``(id, logprob)`` pairs, most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple
+
+
+def token_string(token: int, as_id: bool) -> str:
+    """How a logprobs entry names a byte token: ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``), the
+    character of an ASCII byte, else ``bytes:\\xNN`` (OpenAI's form for a token that is not whole UTF-8)."""
+    if as_id:
+        return f"token_id:{token}"
+    return chr(token) if token < 128 else f"bytes:\\x{token:02x}"
+
+
+def logprobs_body(ids: list, lps: list, as_ids: bool, before: list = ()) -> dict:
+    """The OpenAI completions ``logprobs`` object of the emitted ``ids`` (after the ``before`` ids already sent in
+    earlier stream chunks) and their :class:`TokenLogprob` ``lps``: ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (one dict per token) and ``text_offset`` (characters of the output text before each token)."""
+    prev = list(before)
+    offsets = [len(decode_all(prev + list(ids[:i]))) for i in range(len(ids))]
+    return {"tokens": [token_string(t, as_ids) for t in ids], "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [{token_string(t, as_ids): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
 
 
 def client_path(model: type[BaseModel], loc: Sequence[str | int]) -> str | None:
@@ -184,11 +216,13 @@ def prompt_of(req: CompletionRequest | ChatRequest, codec=BYTES, vocab_size: int
 
 
 class Checked(NamedTuple):
-    """A valid request: ``prompt`` byte ids, ``max_tokens``, ``sampling`` (:class:`SamplingParams`)."""
+    """A valid request: ``prompt`` byte ids, ``max_tokens``, ``sampling`` (:class:`SamplingParams`), ``logprobs``:
+    alternatives per token to return (None: no logprobs)."""
 
     prompt: list
     max_tokens: int
     sampling: SamplingParams
+    logprobs: int | None = None
 
 
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "functions", "function_call")
@@ -211,7 +245,7 @@ NOT_HONOURED = {
     "n": "returns one choice per request", "best_of": "returns one choice per request",
     "presence_penalty": "applies no penalties", "frequency_penalty": "applies no penalties",
     "repetition_penalty": "applies no penalties", "echo": "does not echo the prompt back in the completion",
-    "logprobs": "returns no logprobs", "top_logprobs": "returns no logprobs",
+    "logprobs": "returns no chat logprobs (/v1/completions does)", "top_logprobs": "returns no chat logprobs (/v1/completions does)",
     "suffix": "does not insert text before a suffix",
 }
 """Why each field is accepted only at its neutral value (the 400's message: ``echo = True is not supported: this
@@ -237,8 +271,9 @@ def check_request(req: CompletionRequest | ChatRequest, served_model: str, max_m
                "frequency_penalty": (req.frequency_penalty, (None, 0.0)),
                "repetition_penalty": (req.repetition_penalty, (None, 1.0))}
     if isinstance(req, CompletionRequest):
-        neutral |= {"echo": (req.echo, (False,)), "logprobs": (req.logprobs, (None, 0)),
-                    "best_of": (req.best_of, (None, 1)), "suffix": (req.suffix, (None, ""))}
+        neutral |= {"echo": (req.echo, (False,)), "best_of": (req.best_of, (None, 1)), "suffix": (req.suffix, (None, ""))}
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+            raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}", "logprobs")
     else:
         neutral |= {"logprobs": (req.logprobs, (False,)), "top_logprobs": (req.top_logprobs, (None, 0))}
     for name, (val, ok) in neutral.items():
@@ -270,7 +305,7 @@ def check_request(req: CompletionRequest | ChatRequest, served_model: str, max_m
                            f"tokens), got {max_tokens}", name)
     if not 0 <= req.min_tokens <= max_tokens:
         raise RequestError(f"min_tokens must be in [0, max_tokens = {max_tokens}], got {req.min_tokens}", "min_tokens")
-    return Checked(prompt, max_tokens, sampling)
+    return Checked(prompt, max_tokens, sampling, req.logprobs if isinstance(req, CompletionRequest) else None)
 
 
 class TextDecoder:
@@ -300,10 +335,12 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def completion_body(rid: str, model: str, text: str, finish: str | None, use: dict | None) -> dict:
-    """A ``text_completion`` object (or stream chunk: ``finish`` None until the last)."""
+def completion_body(rid: str, model: str, text: str, finish: str | None, use: dict | None,
+                    logprobs: dict | None = None) -> dict:
+    """A ``text_completion`` object (or stream chunk: ``finish`` None until the last); ``logprobs``: its
+    :func:`logprobs_body` (None: null)."""
     body = {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
     if use is not None:
         body["usage"] = use
     return body

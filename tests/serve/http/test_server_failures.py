@@ -177,17 +177,28 @@ def test_command_line_server_exits_non_zero_when_the_model_fails(monkeypatch):
     assert not thread.is_alive() and exit_code["code"] == ENGINE_DIED
 
 
-def test_a_request_the_engine_refuses_at_submit_ends_alone():
+def test_a_request_the_engine_refuses_at_submit_ends_alone(monkeypatch):
     """An engine with speculation accepts drafts greedily, so its submit() refuses a sampled request; that ValueError
-    escaped the engine thread and killed the loop (every later request 503). Now that request ends with a 503 naming
-    the reason and the server goes on."""
+    escaped the engine thread and killed the loop (every later request 503). The door now answers a sampled request
+    to such a server with a 400 naming ``temperature``; a request the engine's submit() still refuses (here one
+    prompt, refused on purpose) ends with a 503 naming the reason and the server goes on."""
     spec = EngineSpec("demo-tiny", max_model_len=64, max_num_seqs=2)
     model = load_model("demo-tiny")
     engine = ServeEngine(model, PagePool(64, spec.config.page_bytes(model.cfg)), config=spec.config, max_num_seqs=2,
                          speculation=Speculation.named(lambda prompt: NgramProposer(), "snapshot", 2))
+    submit = engine.submit
+
+    def refuse_one(tokens, *args, **kwargs):
+        if list(tokens) == list(b"refuse me"):
+            raise ValueError("sampling (temperature > 0) is not supported with speculation: drafts are accepted greedily")
+        return submit(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "submit", refuse_one)
     with serve_in_thread(create_app(engine, MODEL, 64, 2, 2)) as url:
         r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "temperature": 0.7},
                        timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "refuse me", "max_tokens": 2}, timeout=30)
         assert r.status_code == 503 and "not supported with speculation" in r.json()["error"]["message"], r.text
         assert httpx.get(url + "/health").status_code == 200
         ok = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=30)
