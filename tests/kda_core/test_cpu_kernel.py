@@ -3,12 +3,14 @@ to fp32 rounding over every code path (partial chunks, K / V not multiples of 16
 chunk-level bound or with g = -inf taken from their chunk on by the safe form, initial state, strided
 inputs, 16-bit values, other chunk sizes); bitwise self-consistent (chunk grid, split API == kda_chunk,
 piece sizes, threads); used where it should be and not where it must not (autograd, fp64); a failed build
-leaves the torch form running with the reason recorded.
+leaves the torch form running with the reason recorded; importing kda_core builds and loads nothing, and the
+first use loads and self-checks the library once, whichever threads ask.
 
 Tolerance FUSED_TOL: the two forms run the same algorithm in fp32 with different summation orders
 (register-tiled matmuls vs MKL, a sequential cumsum vs a matmul, a Cephes exp vs Sleef's), so they differ by a
 few ulps of the largest intermediate; 2e-5 absolute on unit-norm keys and queries, 1e-4 relative.
 """
+import json
 import os
 import platform
 import subprocess
@@ -47,10 +49,7 @@ def _inputs(B, T, H, K, V, seed=0, rate=0.3, slow=(), forget=()):
 
 def _both(*args, **kw):
     with torch.no_grad():
-        fused = kda_chunk(*args, **kw)
-        with cpu_kernel.disabled():
-            ref = kda_chunk(*args, **kw)
-    return fused, ref
+        return kda_chunk(*args, **kw), kda_chunk(*args, **kw, backend="torch")
 
 
 CASES = [  # B, T, H, K, V, chunk_size, slow, forget
@@ -144,8 +143,8 @@ def test_threads_do_not_change_the_bits():
 def test_autograd_and_fp64_run_the_torch_form(monkeypatch):
     """The fused form has no backward and is fp32 only: under autograd or in fp64 kda_chunk must not call it."""
     calls = []
-    real = cpu_kernel.forward
-    monkeypatch.setattr(cpu_kernel, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = cpu_kernel.FusedChunk.forward
+    monkeypatch.setattr(cpu_kernel.FusedChunk, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     q, k, v, g, beta = _inputs(1, 100, 2, 16, 8)
     out = kda_chunk(q.requires_grad_(True), k, v, g, beta)
     assert out.o.grad_fn is not None and not calls
@@ -156,15 +155,19 @@ def test_autograd_and_fp64_run_the_torch_form(monkeypatch):
     assert calls == [1]
 
 
-def test_disabled_runs_the_torch_form():
+def test_backend_argument_picks_the_form():
+    """"auto" runs the fused form here, "torch" the torch form (two forms, two roundings: the switch really
+    switches), "fused" is the auto bits; "fused" on a call it cannot run and an unknown name are ValueErrors."""
     xs = _inputs(1, 128, 2, 16, 16)
-    with torch.no_grad(), cpu_kernel.disabled():
-        assert not cpu_kernel.available() and "disabled" in cpu_kernel.reason()
-        a = kda_chunk(*xs)
-    assert cpu_kernel.available()
     with torch.no_grad():
-        b = kda_chunk(*xs)
-    assert not torch.equal(a.o, b.o)          # two forms, two roundings: the switch really switches
+        auto, torch_form, fused = (kda_chunk(*xs, backend=b) for b in ("auto", "torch", "fused"))
+        assert torch.equal(auto.o, fused.o) and not torch.equal(auto.o, torch_form.o)
+        with pytest.raises(ValueError, match="backend='fused' runs fp32"):
+            kda_chunk(*(x.double() for x in xs), backend="fused")
+        with pytest.raises(ValueError, match="backend must be one of"):
+            kda_chunk(*xs, backend="cuda")
+    with pytest.raises(ValueError, match="with autograd"):
+        kda_chunk(xs[0].clone().requires_grad_(True), *xs[1:], backend="fused")
 
 
 def test_kernel_is_built_on_this_machine():
@@ -175,24 +178,73 @@ def test_kernel_is_built_on_this_machine():
 
 def test_a_failed_build_falls_back_with_the_reason(tmp_path):
     """No compiler: the torch form runs, kda_chunk still works, and reason() says what failed."""
-    code = ("import torch; from kda_core import cpu_kernel; from kda_core.chunk import kda_chunk;"
+    code = ("import torch; from kda_core import cpu_kernel; from kda_core.chunk import kda_chunk, kernel_in_use;"
             "x = torch.rand(1, 70, 1, 8); o = kda_chunk(x, x, x, -x, torch.rand(1, 70, 1)).o;"
-            "print(cpu_kernel.available(), '|', cpu_kernel.reason(), '|', tuple(o.shape))")
+            "print(cpu_kernel.available(), '|', cpu_kernel.reason(), '|', tuple(o.shape), '|', kernel_in_use())")
     env = dict(os.environ, CC="/bin/false", KDA_KERNEL_CACHE=str(tmp_path))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr
-    avail, reason, shape = (s.strip() for s in out.stdout.split("|"))
-    assert avail == "False" and "false failed" in reason and shape == "(1, 70, 1, 8)"
+    avail, reason, shape, in_use = (s.strip() for s in out.stdout.split("|"))
+    assert avail == "False" and "false failed" in reason and shape == "(1, 70, 1, 8)" and in_use == "torch form"
 
 
-def test_never_loaded_without_its_self_check():
-    """cpu_kernel alone (kda_core.chunk, which registers the self-check, not imported) does not load the
-    library, and says why; importing kda_core.chunk makes it available."""
-    code = ("from kda_core import cpu_kernel; a = (cpu_kernel.available(), cpu_kernel.reason());"
-            "import kda_core.chunk; print(a[0], '|', a[1], '|', cpu_kernel.available())")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+IMPORT_ONLY = """
+import importlib, json, os, pkgutil, threading, time
+import kda_core
+for m in pkgutil.iter_modules(kda_core.__path__):
+    importlib.import_module("kda_core." + m.name)
+time.sleep(0.5)                                   # a compile started in the background would have begun by now
+pid = str(os.getpid())
+children = [p for p in os.listdir("/proc") if p.isdigit() and os.path.exists(f"/proc/{p}/stat")
+            and open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()[1] == pid]
+before = dict(threads=[t.name for t in threading.enumerate()], children=children,
+              mapped="kda_chunk_cpu" in open("/proc/self/maps").read(),
+              cache=os.listdir(os.environ["KDA_KERNEL_CACHE"]), compiled=os.path.exists(os.environ["SPY"]))
+from kda_core import cpu_kernel
+fused = cpu_kernel.backend()                      # the explicit start-up call: now the compiler runs
+print(json.dumps(dict(before=before, after=dict(compiled=os.path.exists(os.environ["SPY"]), fused=fused is not None,
+                                                reason=cpu_kernel.reason()))))
+"""
+
+
+def test_importing_kda_core_builds_and_loads_nothing(tmp_path):
+    """Importing every kda_core module (what a training process or a KCP rank does) starts no thread, no
+    process, calls no compiler and maps no library; the first backend() call does build (a compiler that records
+    its calls and fails stands in for cc, so the positive control also shows the spy works)."""
+    spy, cache = tmp_path / "cc-called", tmp_path / "cache"
+    cc = tmp_path / "cc"
+    cc.write_text(f"#!/bin/sh\necho \"$@\" >> {spy}\nexit 1\n")
+    cc.chmod(0o755)
+    cache.mkdir()
+    env = dict(os.environ, CC=str(cc), SPY=str(spy), KDA_KERNEL_CACHE=str(cache), KDA_CPU_KERNEL="1")
+    out = subprocess.run([sys.executable, "-c", IMPORT_ONLY], capture_output=True, text=True, env=env, timeout=120,
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert out.returncode == 0, out.stderr
-    before, why, after = (s.strip() for s in out.stdout.split("|"))
-    assert before == "False" and "not imported" in why and after == "True"
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["before"] == dict(threads=["MainThread"], children=[], mapped=False, cache=[], compiled=False)
+    assert got["after"]["compiled"] and not got["after"]["fused"] and "cc failed" in got["after"]["reason"]
+
+
+LOAD_ONCE = """
+import json, threading
+from kda_core import cpu_kernel
+checks, real = [], cpu_kernel.self_check
+cpu_kernel.self_check = lambda fused: checks.append(threading.current_thread().name) or real(fused)
+got = []
+threads = [threading.Thread(target=lambda: got.append(cpu_kernel.backend()), name=f"t{i}") for i in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps(dict(checks=len(checks), same=len({id(b) for b in got}) == 1, fused=got[0] is not None)))
+"""
+
+
+def test_first_use_loads_and_checks_once_whichever_threads_ask():
+    """Four threads ask for the backend at once: one builds, loads and self-checks it, the others wait and get
+    the same object (the check calls the backend directly, never the loader)."""
+    out = subprocess.run([sys.executable, "-c", LOAD_ONCE], capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == dict(checks=1, same=True, fused=True)
