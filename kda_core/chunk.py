@@ -23,6 +23,7 @@ import torch
 
 from kda_core import cpu_kernel
 from kda_core.chunk_torch import TORCH
+from kda_core.cpu_build import ISAS
 from kda_core.kda import NonFiniteError, _check_inputs, _compute_dtype, check_gates, check_scale
 from kda_core.wy import WY
 
@@ -106,25 +107,27 @@ def _check_chunk_size(chunk_size) -> None:
         raise ValueError(f"chunk_size must be a positive power of two, got {chunk_size!r}")
 
 
-BACKENDS = ("auto", "torch", "fused")
+BACKENDS = ("auto", "torch", "fused", *(f"fused-{isa}" for isa in ISAS))   # "fused-avx512", "fused-avx2"
 
 
 def _choose(backend: str, dt: torch.dtype | None, device: torch.device, tensors=()):
     """The backend a call runs in, chosen here and nowhere else: the fused C backend for fp32 compute (``dt``;
     None: operands of mixed dtypes) on the CPU with no autograd recording through ``tensors`` (``backend`` "auto"
-    where :func:`kda_core.cpu_kernel.backend` is available, "fused" always), else the torch backend. Raises
-    ValueError for an unknown ``backend`` or "fused" on a call it cannot run, RuntimeError for "fused" where it is
-    unavailable."""
+    where :func:`kda_core.cpu_kernel.backend` is available, "fused" always, "fused-<path>" on that vector path),
+    else the torch backend. Raises ValueError for an unknown ``backend`` or a fused one on a call it cannot run,
+    RuntimeError for a fused one that is unavailable here."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "torch":
         return TORCH
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     if dt != torch.float32 or device.type != "cpu" or grad:
-        if backend == "fused":
-            raise ValueError(f"backend='fused' runs fp32 on the CPU without autograd; this call computes in "
+        if backend != "auto":
+            raise ValueError(f"backend={backend!r} runs fp32 on the CPU without autograd; this call computes in "
                              f"{dt or 'mixed dtypes'} on {device.type}{' with autograd' if grad else ''}")
         return TORCH
+    if backend.startswith("fused-"):
+        return cpu_kernel.load(backend.removeprefix("fused-"))
     fused = cpu_kernel.backend()
     if fused is None and backend == "fused":
         raise RuntimeError(f"the fused C form is unavailable here: {cpu_kernel.reason()}")
@@ -255,7 +258,9 @@ def kda_chunk(
             None: :func:`piece_tokens_for` (a piece's ``[B, H, piece, max(K, V)]`` tensors stay
             within ``PIECE_BYTES``).
         backend: the form to run (:data:`BACKENDS`): "auto" (the fused C form where the call can use it,
-            else the torch form), "torch", or "fused" (a RuntimeError where it is unavailable here).
+            else the torch form), "torch", "fused" (this host's widest vector path) or "fused-avx512" /
+            "fused-avx2" (that path; A/B benchmarks, tests); a fused one raises RuntimeError where it is
+            unavailable here.
 
     Returns:
         :class:`ChunkOutput` (o ``[B, T, H, V]``, final_state ``[B, H, K, V]``,
@@ -270,7 +275,7 @@ def kda_chunk(
             (:func:`kda_core.kda.check_gates`: g in [-inf, 0], ``-inf`` being full forgetting with
             the recurrent result; beta in [0, 1]), an unknown backend, or backend "fused" for a call it
             cannot run (autograd, not fp32, not on the CPU).
-        RuntimeError: backend "fused" where the fused form is unavailable (``cpu_kernel.reason()``).
+        RuntimeError: a fused backend that is unavailable here (``cpu_kernel.reason()``).
 
     It is :func:`kda_chunk_prepare` (intra-chunk, parallel), :func:`kda_chunk_states` (the sequential
     scan) and :func:`kda_chunk_outputs`; context parallel (``serve.parallel.kcp``) runs them apart.
@@ -317,6 +322,6 @@ def _kda_chunk_autograd(form, q, k, v, g, beta, initial_state, scale, chunk_size
 
 def kernel_in_use() -> str:
     """The name of the form :func:`kda_chunk` runs in fp32 on the CPU without autograd here (the fused C backend
-    is loaded by this call if it was not yet): ``"fused C"`` or ``"torch form"`` (``cpu_kernel.reason()`` says
-    why)."""
+    is loaded by this call if it was not yet): ``"fused C (AVX-512)"``, ``"fused C (AVX2)"`` or ``"torch form"``
+    (``cpu_kernel.reason()`` says why)."""
     return _choose("auto", torch.float32, torch.device("cpu")).name

@@ -1,35 +1,33 @@
 """The fused C backend of :mod:`kda_core.chunk` (fp32, CPU, no autograd): ``csrc/kda_chunk_cpu.c``, built with the
-system's C compiler, loaded with :mod:`ctypes` and checked against the torch form before it is used.
+system's C compiler (:mod:`kda_core.cpu_build`), loaded with :mod:`ctypes` and checked against the torch form
+before it is used.
 
 The torch form runs each step of the chunk algorithm as a separate op over every unit (chunk, batch row,
 head), so most of its time goes to elementwise passes and layout copies between matmuls. The C form
 computes a unit's WY / UT quantities in one pass over data that stays in cache (cumsum, both exps, the
 scaled keys and queries, the two in-chunk products, the triangular solve, ``w`` and ``u``), and the scan
-writes each chunk's outputs straight into ``o``; its matmuls are a 6 x 16 register-blocked AVX2/FMA kernel
-that skips the zero blocks of triangular factors. Same algorithm and unit layout as :mod:`kda_core.wy`:
+writes each chunk's outputs straight into ``o``; its matmuls are register-blocked tiles (8 x 32 on AVX-512's
+zmm registers, 6 x 16 on AVX2's ymm: the path is chosen when the library is built, and both give the same
+bits) that skip the zero blocks of triangular factors. Same algorithm and unit layout as :mod:`kda_core.wy`:
 units that decay by more than ``MAX_CHUNK_DECAY`` nats (or hold ``g = -inf``) are flagged by the C pass
 and computed by :func:`kda_core.wy.wy_safe`.
 
-The two forms agree to fp32 rounding, not bitwise (different summation orders and exp); each is bitwise
+The C and torch forms agree to fp32 rounding, not bitwise (different summation orders and exp); each is bitwise
 self-consistent (a unit's result never depends on where it sits in a call or on the thread count), so every
 chunk-grid fact holds for either.
 
-Life cycle: nothing happens on import. :func:`backend` builds the library (once per machine: cached in
-``$KDA_KERNEL_CACHE``, default ``~/.cache/kda-serve-lab``, named by the hash of the source, flags and compiler),
-loads it and runs :func:`self_check`, once per process, the first time it is called: by the app's and the
-server's start-up (ahead of the first request), else by the first ``kda_chunk`` call that can use it. It needs
-x86-64 with AVX2 and FMA, a C compiler (``$CC`` or ``cc``) and ``KDA_CPU_KERNEL`` not ``0``; where any is
-missing, or the self-check fails, :func:`backend` is None, :func:`reason` says why and the torch form runs.
+Life cycle: nothing happens on import. :func:`backend` (the path :func:`kda_core.cpu_build.default_isa` picks:
+the widest this CPU runs, or ``$KDA_CPU_ISA``) and :func:`load` (any path) build the library (once per machine
+and path: cached), load it and run :func:`self_check`, once per process, the first time they are called: by the
+app's and the server's start-up (ahead of the first request), else by the first ``kda_chunk`` call that can use
+it. It needs x86-64 with AVX2 and FMA (AVX-512F for the wider path), a C compiler (``$CC`` or ``cc``) and
+``KDA_CPU_KERNEL`` not ``0``; where any is missing, or the self-check fails, :func:`backend` is None,
+:func:`reason` says why and the torch form runs.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
@@ -37,56 +35,14 @@ import torch
 import torch.nn.functional as F
 
 from kda_core.chunk_torch import TORCH, units
+from kda_core.cpu_build import ISAS, build, cpu_flags, default_isa
 from kda_core.wy import MAX_CHUNK_DECAY, WY, wy_safe
 
-SOURCE = Path(__file__).parent / "csrc" / "kda_chunk_cpu.c"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fno-math-errno"]
 SELF_CHECK_TOL = dict(rtol=1e-4, atol=1e-5)   # fp32, two summation orders (tests/kda_core/test_cpu_kernel.py)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _lock = threading.Lock()          # one loader at a time; the others wait for its result
-_loaded: dict = {}                # "backend": the FusedChunk, or "reason": why there is none (set once)
-
-
-def cpu_flags() -> set[str]:
-    """The CPU feature flags of /proc/cpuinfo (empty where there is none)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def build() -> Path:
-    """Compile :data:`SOURCE` into the cache and return the library's path (nothing to do when it is there;
-    atomic rename, so concurrent builders are harmless). Raises RuntimeError when no compiler builds it."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise RuntimeError("no C compiler (cc / gcc) on PATH")
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + version.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("KDA_KERNEL_CACHE") or Path.home() / ".cache" / "kda-serve-lab")
-    try:
-        cache.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        cache = Path(tempfile.gettempdir()) / "kda-serve-lab"
-        cache.mkdir(parents=True, exist_ok=True)
-    out = cache / f"kda_chunk_cpu-{key}.so"
-    if out.exists():
-        return out
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-    os.close(fd)
-    try:
-        res = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
-        if res.returncode != 0:
-            raise RuntimeError(f"{Path(cc).name} failed: {res.stderr.strip()[:500]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
+_loaded: dict = {}                # path name (None: backend()'s) -> its FusedChunk, or why it has none (set once)
 
 
 def kernel_inputs(q, k, v, g, beta) -> list:
@@ -101,20 +57,25 @@ def _strides(*ts) -> ctypes.Array:
 
 
 class FusedChunk:
-    """The fused C form of one loaded library: the four steps of :mod:`kda_core.chunk_torch` (fp32, CPU, no
-    autograd) and the three C entry points they are made of (``c_prepare``, ``c_scan_outputs``, ``c_forward``)."""
+    """The fused C form of one loaded library, built for path ``isa`` (:data:`kda_core.cpu_build.ISAS`): the four
+    steps of :mod:`kda_core.chunk_torch` (fp32, CPU, no autograd) and the three C entry points they are made of
+    (``c_prepare``, ``c_scan_outputs``, ``c_forward``). ``name``: "fused C (AVX-512)" or "fused C (AVX2)".
+    Raises RuntimeError when the library was not built for ``isa`` (its vector width differs)."""
 
-    name = "fused C"
-
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, isa: str):
         lib = ctypes.CDLL(str(path))
+        lib.kda_vector_bits.restype = _I
+        if lib.kda_vector_bits() != ISAS[isa].vector_bits:
+            raise RuntimeError(f"{path.name} runs {lib.kda_vector_bits()}-bit vectors, not {ISAS[isa].label}'s "
+                               f"{ISAS[isa].vector_bits}: built without its flags")
         lib.kda_prepare.restype = _I
         lib.kda_prepare.argtypes = [_I] * 6 + [_F] + [_P] * 6 + [_P] * 7 + [_I]
         lib.kda_forward.restype = _I
         lib.kda_forward.argtypes = [_I] * 6 + [_F, _F] + [_P] * 6 + [_P] * 3 + [_I]
         lib.kda_scan_outputs.restype = None
         lib.kda_scan_outputs.argtypes = [_I] * 7 + [_F] + [_P] * 6 + [_P] * 4 + [_I, _I, _I]
-        self.lib, self.path = lib, path
+        self.lib, self.path, self.isa = lib, path, isa
+        self.name = f"fused C ({ISAS[isa].label})"
 
     # ---- the C entry points ----
     def c_prepare(self, q, k, v, g, beta, C: int, max_decay: float, out: tuple) -> torch.Tensor:
@@ -237,31 +198,46 @@ def self_check(fused: FusedChunk) -> None:
             raise RuntimeError(f"self-check failed: {name} differs from the torch form by up to {diff:.3g}")
 
 
-def _load() -> FusedChunk:
-    """Build, load and check the library (raises RuntimeError or OSError saying what failed)."""
-    if os.environ.get("KDA_CPU_KERNEL", "1") == "0":
-        raise RuntimeError("turned off by KDA_CPU_KERNEL=0")
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise RuntimeError(f"needs x86-64 (this is {platform.machine()})")
-    if not {"avx2", "fma"} <= cpu_flags():
-        raise RuntimeError("needs a CPU with AVX2 and FMA")
-    fused = FusedChunk(build())
-    self_check(fused)
-    return fused
+def load(isa: str) -> FusedChunk:
+    """The fused backend of path ``isa`` (:data:`kda_core.cpu_build.ISAS`), built (when not cached), loaded and
+    self-checked on the first call in this process; calls from other threads meanwhile wait for it, later calls
+    return the same object. Raises RuntimeError saying why it cannot run (turned off by ``KDA_CPU_KERNEL=0``,
+    a CPU without the path's instructions, no compiler, a failed self-check), the same on every call."""
+    if isa not in _loaded:
+        with _lock:
+            if isa not in _loaded:
+                try:
+                    if os.environ.get("KDA_CPU_KERNEL", "1") == "0":
+                        raise RuntimeError("turned off by KDA_CPU_KERNEL=0")
+                    if isa not in ISAS:
+                        raise RuntimeError(f"unknown path {isa!r} (one of {sorted(ISAS)})")
+                    missing = ISAS[isa].needs - cpu_flags()
+                    if missing:
+                        raise RuntimeError(f"the {ISAS[isa].label} path needs a CPU with {' '.join(sorted(missing))}")
+                    fused = FusedChunk(build(isa), isa)
+                    self_check(fused)
+                    _loaded[isa] = fused
+                except Exception as exc:          # any failure: the torch form runs, and the reason is kept
+                    _loaded[isa] = str(exc) or type(exc).__name__
+    got = _loaded[isa]
+    if isinstance(got, str):
+        raise RuntimeError(got)
+    return got
 
 
 def backend() -> FusedChunk | None:
-    """The fused backend of this process, or None where it cannot run (:func:`reason` says why). The first call
-    builds (when not cached), loads and self-checks the library; calls from other threads meanwhile wait for
-    it, later calls return the same result. Start-up code calls it ahead of the first request."""
-    if not _loaded:
-        with _lock:
-            if not _loaded:
-                try:
-                    _loaded["backend"] = _load()
-                except Exception as exc:          # any failure: the torch form runs, and reason() says why
-                    _loaded["reason"] = str(exc) or type(exc).__name__
-    return _loaded.get("backend")
+    """The fused backend ``kda_chunk`` uses here: path :func:`kda_core.cpu_build.default_isa` (the widest this
+    CPU runs, or ``$KDA_CPU_ISA``) through :func:`load`, chosen on the first call in this process (later calls
+    are a dict lookup: every ``kda_chunk`` call asks); None where it cannot run (:func:`reason` says why).
+    Start-up code calls it ahead of the first request."""
+    if None not in _loaded:
+        try:
+            got = load(default_isa())
+        except RuntimeError as exc:
+            got = str(exc)
+        _loaded.setdefault(None, got)     # threads racing here got the same result from load()
+    got = _loaded[None]
+    return None if isinstance(got, str) else got
 
 
 def load_in_background() -> threading.Thread:
@@ -275,7 +251,8 @@ def load_in_background() -> threading.Thread:
 def reason() -> str | None:
     """Why :func:`backend` is None (None when it is not); loads the backend first, as :func:`backend` does."""
     backend()
-    return _loaded.get("reason")
+    got = _loaded[None]
+    return got if isinstance(got, str) else None
 
 
 def available() -> bool:
