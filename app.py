@@ -8,8 +8,11 @@ import streamlit as st
 
 from app_pages.links import drop_unknown_links, keep_page_links
 from app_pages.registry import HOME, SECTIONS, TABS
+from kda_core import cpu_kernel
 
 st.set_page_config(page_title="KDA Serve Lab", page_icon="assets/icon.png", layout="wide")
+# build / load / self-check the fused chunk kernel once per server process, overlapping the first page's imports
+st.cache_resource(show_spinner=False)(cpu_kernel.load_in_background)()
 
 nav = {section: [] for section in SECTIONS}
 tab_of = []   # (st.Page, Tab)

@@ -24,6 +24,7 @@ import os
 import statistics
 from pathlib import Path
 
+from kda_core import cpu_kernel
 from serve.parallel.comm import PHASES
 from serve.parallel.run import KCPConfig, run_kcp
 
@@ -87,6 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=OUT)
     a = ap.parse_args(argv)
     cores = os.cpu_count() or 1
+    cpu_kernel.backend()      # build the fused chunk kernel once here, not in every rank (each loads it in its warm-up)
     load_before = os.getloadavg()
     base = dict(num_heads=a.heads, head_k_dim=a.head_dim, head_v_dim=a.head_dim, start_method="forkserver",
                 timeout_s=1800)

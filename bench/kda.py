@@ -4,9 +4,11 @@ Part 1, the roofline ratio (what the kernel is judged by): at T = 4,096, B = 1, 
 for torch threads 1 and this machine's default (``os.cpu_count()``), each of ``--repeats`` rounds runs,
 interleaved after a warm-up: this CPU's fp32 matmul (1,024 x 1,024 @ 1,024 x 1,024, the roofline
 reference), ``kda_chunk`` forward without autograd (what serving runs: the fused C form of
-:mod:`kda_core.cpu_kernel` where it is available), the same forward in the torch form (the baseline, in the
-same rounds), forward with autograd (what training runs; always the torch form) and its backward. Each round's ratio is the kernel's GFLOP/s over that round's matmul
-GFLOP/s; the median and the range over rounds are printed, with the load average before and after.
+:mod:`kda_core.cpu_kernel` where it is available, on the widest vector path this CPU runs or ``$KDA_CPU_ISA``),
+the same forward on every other fused path this CPU runs (AVX2 on an AVX-512 host) and in the torch form (the
+baseline), forward with autograd (what training runs; always the torch form) and its backward. Each round's
+ratio is the kernel's GFLOP/s over that round's matmul GFLOP/s; the median and the range over rounds are
+printed, with the load average before and after. The legend names the path that ran and the CPU's vector width.
 Wall-clock times; with 1 thread the thread's CPU time too (what preemption by other processes on a
 shared machine does not inflate).
 
@@ -44,13 +46,26 @@ from kda_core.chunk import (
     kda_chunk_outputs,
     kda_chunk_prepare,
     kda_chunk_states,
+    kernel_in_use,
     piece_tokens_for,
 )
+from kda_core.cpu_build import ISAS, cpu_vector_bits, host_isas
 from kda_core.kda import kda_recurrent
 
 OUT = Path(__file__).parent / "results" / "kda.json"
 B, H, K, V = 1, 4, 128, 128
 MATMUL_N = 1024
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; the platform's processor string elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _median_s(fn, repeats):
@@ -101,9 +116,16 @@ def _spread(xs):
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
+def other_paths() -> list[str]:
+    """The fused vector paths this host runs besides the one ``kda_chunk`` uses (timed in the same rounds)."""
+    fused = cpu_kernel.backend()
+    return [isa for isa in host_isas() if fused is not None and isa != fused.isa]
+
+
 def roofline(threads: int, T: int, repeats: int) -> dict:
-    """Matmul, forward, forward with autograd and backward, interleaved in ``repeats`` rounds (one warm-up
-    round first) at ``threads`` torch threads. Returns per-measure spreads of ms, GFLOP/s and ratio."""
+    """Matmul, forward (the path ``kda_chunk`` runs, every other fused path this host runs as ``fwd_<path>``, the
+    torch form), forward with autograd and backward, interleaved in ``repeats`` rounds (one warm-up round first)
+    at ``threads`` torch threads. Returns per-measure spreads of ms, GFLOP/s and ratio."""
     torch.set_num_threads(threads)
     a, b = torch.randn(MATMUL_N, MATMUL_N), torch.randn(MATMUL_N, MATMUL_N)
     xs = inputs(T)
@@ -120,13 +142,13 @@ def roofline(threads: int, T: int, repeats: int) -> dict:
             t.grad = None
 
     def fwd_torch():
-        with cpu_kernel.disabled():
-            kda_chunk(*xs)
+        kda_chunk(*xs, backend="torch")
 
-    steps = {"matmul": lambda: a @ b, "fwd": lambda: kda_chunk(*xs), "fwd_torch": fwd_torch,
+    paths = {f"fwd_{isa}": (lambda isa=isa: kda_chunk(*xs, backend=f"fused-{isa}")) for isa in other_paths()}
+    steps = {"matmul": lambda: a @ b, "fwd": lambda: kda_chunk(*xs), **paths, "fwd_torch": fwd_torch,
              "fwd_autograd": fwd_graph, "bwd": bwd}
-    flops = {"matmul": 2 * MATMUL_N ** 3, "fwd": paper_flops(T, K), "fwd_torch": paper_flops(T, K),
-             "fwd_autograd": paper_flops(T, K), "bwd": 2 * paper_flops(T, K)}
+    flops = {"matmul": 2 * MATMUL_N ** 3, "bwd": 2 * paper_flops(T, K),
+             **{n: paper_flops(T, K) for n in ("fwd", *paths, "fwd_torch", "fwd_autograd")}}
     load_before = os.getloadavg()
     for fn in steps.values():                                   # warm-up round
         fn()
@@ -147,9 +169,10 @@ def roofline(threads: int, T: int, repeats: int) -> dict:
             res[n]["ratio"] = _spread([f / m for f, m in zip(gf, res["matmul"]["gflops_rounds"])])
         else:
             res[n]["gflops_rounds"] = gf
-    res["fwd"]["speedup_vs_torch_form"] = _spread([t / f for f, t in zip(wall["fwd"], wall["fwd_torch"])])
+    for n in ("fwd", *paths):
+        res[n]["speedup_vs_torch_form"] = _spread([t / f for f, t in zip(wall[n], wall["fwd_torch"])])
     if threads == 1:                                            # CPU-time ratio: immune to preemption
-        for n in ("fwd", "fwd_torch", "fwd_autograd", "bwd"):
+        for n in ("fwd", *paths, "fwd_torch", "fwd_autograd", "bwd"):
             res[n]["ratio_cpu"] = _spread([(flops[n] / c) / (flops["matmul"] / m)
                                            for c, m in zip(cpu[n], cpu["matmul"])])
     return res
@@ -176,19 +199,15 @@ def phases(T: int, repeats: int, matmul_gflops: float) -> dict:
     piece = piece_tokens_for(B, H, K, V)
 
     def run(acc):
-        with cpu_kernel.disabled():
-            run_torch_form(acc)
-
-    def run_torch_form(acc):
         S = None
         for s in range(0, T, piece):
             part = [x[:, s:s + piece] for x in xs]
             c0 = time.thread_time()
-            prep = kda_chunk_prepare(*part)
+            prep = kda_chunk_prepare(*part, backend="torch")
             c1 = time.thread_time()
-            st = kda_chunk_states(prep, S)
+            st = kda_chunk_states(prep, S, backend="torch")
             c2 = time.thread_time()
-            kda_chunk_outputs(prep, st)
+            kda_chunk_outputs(prep, st, backend="torch")
             c3 = time.thread_time()
             S = st.final_state
             for name, dt in (("prepare", c1 - c0), ("scan", c2 - c1), ("outputs", c3 - c2)):
@@ -254,9 +273,12 @@ def _print_legend(T):
             "  'by CPU time': the same ratio from this thread's CPU time, which preemption by other processes does",
             "  not inflate. Medians over interleaved rounds after a warm-up; ranges are min-max over the rounds."):
         print(line)
-    print("forward (no autograd) runs " + ("the fused C form (kda_core/cpu_kernel); 'torch form' is the same call "
-          "with it turned off" if cpu_kernel.available() else f"the torch form: the fused C form is unavailable "
-          f"({cpu_kernel.reason()})") + "; with autograd it is always the torch form.")
+    print("forward (no autograd) runs " + (f"the {kernel_in_use()} form (kda_core/cpu_kernel); 'torch form' is the "
+          "same call with backend='torch'" if cpu_kernel.available() else f"the torch form: the fused C form is "
+          f"unavailable ({cpu_kernel.reason()})") + "; with autograd it is always the torch form.")
+    print(f"this CPU: {cpu_model()}, {cpu_vector_bits()}-bit vector registers; fused paths it runs: "
+          f"{', '.join(ISAS[i].label for i in host_isas()) or 'none'} (the path is chosen when the library is built: "
+          f"the widest, or $KDA_CPU_ISA; the others are timed in the same rounds as 'forward, <path> path').")
 
 
 def _print_roofline(r):
@@ -264,10 +286,11 @@ def _print_roofline(r):
           f"{r['load_before'][0]:.1f} -> {r['load_after'][0]:.1f}")
     m = r["matmul"]["gflops"]
     print(f"  fp32 matmul {MATMUL_N}^2: {m['median']:.1f} GFLOP/s (range {m['min']:.1f}-{m['max']:.1f})")
-    for n, label in (("fwd", "forward (no autograd)"), ("fwd_torch", "  the same, torch form"),
+    paths = [(n, f"  the same, {ISAS[n[4:]].label} path") for n in r if n.startswith("fwd_") and n[4:] in ISAS]
+    for n, label in (("fwd", f"forward, {kernel_in_use()}"), *paths, ("fwd_torch", "  the same, torch form"),
                      ("fwd_autograd", "forward with autograd"), ("bwd", "backward")):
         x = r[n]
-        line = (f"  {label:<22} {x['ms']['median']:7.1f} ms (range {x['ms']['min']:.1f}-{x['ms']['max']:.1f})  "
+        line = (f"  {label:<30} {x['ms']['median']:7.1f} ms (range {x['ms']['min']:.1f}-{x['ms']['max']:.1f})  "
                 f"{x['gflops']['median']:6.1f} GFLOP/s  ratio {100 * x['ratio']['median']:5.1f} % "
                 f"(range {100 * x['ratio']['min']:.1f}-{100 * x['ratio']['max']:.1f} %)")
         if "ratio_cpu" in x:
@@ -275,8 +298,10 @@ def _print_roofline(r):
         if x["ms"]["max"] > NOISY * x["ms"]["min"]:
             line += "  [noisy: rounds differ > 1.5x, other processes ran]"
         print(line)
-    sp = r["fwd"]["speedup_vs_torch_form"]
-    print(f"  forward: {sp['median']:.2f}x the torch form's speed in the same rounds (range {sp['min']:.2f}-{sp['max']:.2f})")
+    for n, label in (("fwd", kernel_in_use()), *((n, f"the {ISAS[n[4:]].label} path") for n, _ in paths)):
+        sp = r[n]["speedup_vs_torch_form"]
+        print(f"  {label}: {sp['median']:.2f}x the torch form's speed in the same rounds "
+              f"(range {sp['min']:.2f}-{sp['max']:.2f})")
 
 
 def main(argv=None):
@@ -294,12 +319,15 @@ def main(argv=None):
     if args.repeats < 5:
         ap.error("--repeats must be >= 5")
     default_threads = os.cpu_count() or 1
+    cpu_kernel.backend()          # build / load / self-check the fused form now, outside every timed region
     cond = {"torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
             "cpu_count": default_threads, "B": B, "H": H, "K": K, "V": V, "C": CHUNK_SIZE, "dtype": "float32",
             "flops_forward": "Kimi Linear (arXiv:2510.26692): 6 T d^2 + 3 T C d + T C^2 per head",
             "flops_backward": "2x forward (Kaplan et al., arXiv:2001.08361: 2N forward + 4N backward)",
-            "forward_kernel": "fused C (kda_core/cpu_kernel)" if cpu_kernel.available() else
-            f"torch form (fused C unavailable: {cpu_kernel.reason()})"}
+            "forward_kernel": f"{kernel_in_use()} (kda_core/cpu_kernel)" if cpu_kernel.available() else
+            f"torch form (fused C unavailable: {cpu_kernel.reason()})",
+            "cpu_model": cpu_model(), "cpu_vector_bits": cpu_vector_bits(), "fused_paths": host_isas(),
+            "other_paths_timed": other_paths()}
     _print_legend(args.ratio_T)
     ratios = [roofline(t, args.ratio_T, args.repeats) for t in sorted({1, default_threads})]
     for r in ratios:

@@ -48,8 +48,8 @@ class Conditions(NamedTuple):
     """When and how a measurement was taken: ``measured_at`` (UTC, ISO 8601 to the second), ``repeats`` and
     ``warmup`` per case, ``torch_threads`` (intra-op threads during the runs), ``cores`` (CPUs this process
     may use), ``load_avg_1m`` (the machine's 1-minute load average at the start, NaN where unknown),
-    ``chunk_kernel`` (the form ``kda_chunk`` runs without autograd here: "fused C" or "torch form",
-    :mod:`kda_core.cpu_kernel`)."""
+    ``chunk_kernel`` (the form ``kda_chunk`` runs without autograd here: "fused C (AVX-512)", "fused C (AVX2)" or
+    "torch form", :func:`kda_core.chunk.kernel_in_use`)."""
 
     measured_at: str
     repeats: int

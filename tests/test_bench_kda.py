@@ -2,6 +2,7 @@
 import json
 
 import bench.kda as bk
+from kda_core.chunk import kernel_in_use
 
 
 def test_executed_flops_count_each_phase():
@@ -26,3 +27,9 @@ def test_main_writes_the_phases_and_a_legend(tmp_path, capsys):
     r = res["roofline"][0]
     assert r["fwd_torch"]["ms"]["median"] > 0 and r["fwd"]["speedup_vs_torch_form"]["median"] > 0
     assert "torch form" in text and res["conditions"]["forward_kernel"]
+    # it names the path that ran and the CPU's vector width, and times every other path this CPU runs beside it
+    cond = res["conditions"]
+    assert f"this CPU: {cond['cpu_model']}, {cond['cpu_vector_bits']}-bit vector registers" in text
+    assert f"forward, {kernel_in_use()} " in text
+    for path in cond["other_paths_timed"]:
+        assert r[f"fwd_{path}"]["ratio"]["median"] > 0 and r[f"fwd_{path}"]["speedup_vs_torch_form"]["median"] > 0

@@ -11,8 +11,12 @@
  *
  * Every product of a unit is computed the same way wherever the unit sits in a call (fixed loop order, no
  * dependence on the other units, on alignment or on threads): the chunk-grid facts of the Python form hold.
- * Matmuls: a 6 x 16 register-blocked AVX2/FMA kernel; products whose left factor is lower triangular skip
- * the zero blocks (adding exact zeros changes nothing, so this is bitwise the full product).
+ * Two paths, chosen when the library is built: AVX-512F (built with -mavx512f: 8 x 32 matmul tiles on zmm
+ * registers, elementwise passes 16 lanes wide) and AVX2/FMA (6 x 16 tiles on ymm, 8 lanes). Every output
+ * element is the same sequence of operations on both (a matmul entry is one FMA chain over the inner index in
+ * the same order; an elementwise lane the same ops), so the two paths give the same bits; only how many
+ * elements run at once differs. Products whose left factor is lower triangular skip the zero blocks (adding
+ * exact zeros changes nothing, so this is bitwise the full product).
  * Layouts: inputs [B, T, H, D] with any strides for B, T, H (D contiguous); unit results chunk-major
  * [NT, B, H, rows, cols] contiguous; h [NT + 1, B, H, K, V]; o [B, T, H, V] with any strides for B, T, H.
  */
@@ -22,8 +26,21 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The matmul tile (MR rows x NR columns, two vectors per row), chosen when the library is built. Its shapes: all
+ * NR columns; nv < NR columns in two vectors (masked); nv <= NR / 2 columns in one vector (masked). */
+enum { TILE_FULL, TILE_TWO, TILE_ONE };
+#if defined(__AVX512F__)
+#define VECTOR_BITS 512
+#define MR 8
+#define NR 32
+#else
+#define VECTOR_BITS 256
 #define MR 6
 #define NR 16
+#endif
+
+/* The vector width (bits) of the path this library was built with (the loader checks it against the flags). */
+int kda_vector_bits(void) { return VECTOR_BITS; }
 
 /* ---- exp on 8 floats (Cephes expf: range reduction by ln 2 in two parts, degree-5 polynomial; ~1 ulp) ---- */
 static inline __m256 exp8(__m256 x) {
@@ -45,11 +62,49 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
 }
 
-static float exp1(float x) {           /* the same formula on one float (tails of rows not a multiple of 8) */
+static float exp1(float x) {           /* the same formula on one float (tails of rows not a multiple of VW) */
     float buf[8] = {x, x, x, x, x, x, x, x};
     _mm256_storeu_ps(buf, exp8(_mm256_loadu_ps(buf)));
     return buf[0];
 }
+
+/* ---- the elementwise passes on VW floats at a time: 16 (zmm) on the AVX-512 path, else 8 (ymm). Each lane
+ * runs the same operations in the same order on both paths, so the results are bitwise the same. ---- */
+#if defined(__AVX512F__)
+#define VW 16
+typedef __m512 vfloat;
+static inline vfloat vexp(vfloat x) {  /* exp8's steps on 16 lanes */
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.3762626647949f)), _mm512_set1_ps(88.3762626647949f));
+    __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+    fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 z = _mm512_mul_ps(x, x);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, z, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i n = _mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127));
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(_mm512_slli_epi32(n, 23)));
+}
+#define vload _mm512_loadu_ps
+#define vstore _mm512_storeu_ps
+#define vset1 _mm512_set1_ps
+#define vmul _mm512_mul_ps
+#define vneg(x) _mm512_sub_ps(_mm512_setzero_ps(), (x))
+#else
+#define VW 8
+typedef __m256 vfloat;
+#define vexp exp8
+#define vload _mm256_loadu_ps
+#define vstore _mm256_storeu_ps
+#define vset1 _mm256_set1_ps
+#define vmul _mm256_mul_ps
+#define vneg(x) _mm256_sub_ps(_mm256_setzero_ps(), (x))
+#endif
 
 /* ---- matmul ----
  * acc[i][j] = sum_p A1[i*rs1 + p*cs1] B1[p*ld1 + j]  (p < k1, or p <= i's block end when tri1)
@@ -59,14 +114,72 @@ typedef struct {
     const float *A; long rs, cs; const float *B; long ld; int k; int tri;
 } Prod;
 
+#if defined(__AVX512F__)
+static inline __mmask16 tail_mask16(int nv) {  /* lanes [0, nv) of 16 */
+    return nv <= 0 ? 0 : nv >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nv) - 1);
+}
+
+/* acc[r] over the products as below, two zmm per row: each output element is the same sequential chain of
+ * FMAs over p as on the AVX2 path (same order, same rounding), only more of them at a time. */
+static inline __attribute__((always_inline)) void tile(
+        const int mr, const int shape, int nv, int r0, const Prod *p, int nprod,
+        float *C, long ldc, float alpha, int mode) {
+    const int full = shape == TILE_FULL, two = shape != TILE_ONE;
+    __m512 c0[MR], c1[MR];
+    for (int r = 0; r < mr; r++) { c0[r] = _mm512_setzero_ps(); c1[r] = _mm512_setzero_ps(); }
+    __mmask16 m0 = 0xFFFF, m1 = 0xFFFF;
+    if (!full) { m0 = tail_mask16(nv); m1 = tail_mask16(nv - 16); }
+    for (int q = 0; q < nprod; q++) {
+        const Prod *P = p + q;
+        int kk = P->k;
+        if (P->tri && r0 + mr < kk) kk = r0 + mr;
+        const float *A = P->A + r0 * P->rs;
+        const float *B = P->B;
+        for (int s = 0; s < kk; s++) {
+            __m512 b0, b1 = _mm512_setzero_ps();
+            if (full) { b0 = _mm512_loadu_ps(B); b1 = _mm512_loadu_ps(B + 16); }
+            else {
+                b0 = _mm512_maskz_loadu_ps(m0, B);
+                if (two) b1 = _mm512_maskz_loadu_ps(m1, B + 16);
+            }
+#pragma GCC unroll 16
+            for (int r = 0; r < mr; r++) {
+                __m512 a = _mm512_set1_ps(A[r * P->rs]);
+                c0[r] = _mm512_fmadd_ps(a, b0, c0[r]);
+                if (two) c1[r] = _mm512_fmadd_ps(a, b1, c1[r]);
+            }
+            A += P->cs;
+            B += P->ld;
+        }
+    }
+    __m512 al = _mm512_set1_ps(alpha);
+    for (int r = 0; r < mr; r++) {
+        float *Cr = C + (long)(r0 + r) * ldc;
+        __m512 x0 = _mm512_mul_ps(al, c0[r]), x1 = _mm512_mul_ps(al, c1[r]);
+        if (full) {
+            if (mode) { x0 = _mm512_add_ps(_mm512_loadu_ps(Cr), x0); x1 = _mm512_add_ps(_mm512_loadu_ps(Cr + 16), x1); }
+            _mm512_storeu_ps(Cr, x0);
+            _mm512_storeu_ps(Cr + 16, x1);
+        } else {
+            if (mode) x0 = _mm512_add_ps(_mm512_maskz_loadu_ps(m0, Cr), x0);
+            _mm512_mask_storeu_ps(Cr, m0, x0);
+            if (two) {
+                if (mode) x1 = _mm512_add_ps(_mm512_maskz_loadu_ps(m1, Cr + 16), x1);
+                _mm512_mask_storeu_ps(Cr + 16, m1, x1);
+            }
+        }
+    }
+}
+#else
 static inline __m256i tail_mask(int nv) {  /* lanes [0, nv) of 8 */
     const int idx[8] = {0, 1, 2, 3, 4, 5, 6, 7};
     return _mm256_cmpgt_epi32(_mm256_set1_epi32(nv), _mm256_loadu_si256((const __m256i *)idx));
 }
 
 static inline __attribute__((always_inline)) void tile(
-        const int mr, const int full, int nv, int r0, const Prod *p, int nprod,
+        const int mr, const int shape, int nv, int r0, const Prod *p, int nprod,
         float *C, long ldc, float alpha, int mode) {
+    const int full = shape == TILE_FULL, two = shape != TILE_ONE;
     __m256 c0[MR], c1[MR];
     for (int r = 0; r < mr; r++) { c0[r] = _mm256_setzero_ps(); c1[r] = _mm256_setzero_ps(); }
     __m256i m0 = _mm256_setzero_si256(), m1 = _mm256_setzero_si256();
@@ -78,14 +191,17 @@ static inline __attribute__((always_inline)) void tile(
         const float *A = P->A + r0 * P->rs;
         const float *B = P->B;
         for (int s = 0; s < kk; s++) {
-            __m256 b0, b1;
+            __m256 b0, b1 = _mm256_setzero_ps();
             if (full) { b0 = _mm256_loadu_ps(B); b1 = _mm256_loadu_ps(B + 8); }
-            else { b0 = _mm256_maskload_ps(B, m0); b1 = _mm256_maskload_ps(B + 8, m1); }
+            else {
+                b0 = _mm256_maskload_ps(B, m0);
+                if (two) b1 = _mm256_maskload_ps(B + 8, m1);
+            }
 #pragma GCC unroll 6
             for (int r = 0; r < mr; r++) {
                 __m256 a = _mm256_broadcast_ss(A + r * P->rs);
                 c0[r] = _mm256_fmadd_ps(a, b0, c0[r]);
-                c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
+                if (two) c1[r] = _mm256_fmadd_ps(a, b1, c1[r]);
             }
             A += P->cs;
             B += P->ld;
@@ -100,38 +216,51 @@ static inline __attribute__((always_inline)) void tile(
             _mm256_storeu_ps(Cr, x0);
             _mm256_storeu_ps(Cr + 8, x1);
         } else {
-            if (mode) {
-                x0 = _mm256_add_ps(_mm256_maskload_ps(Cr, m0), x0);
-                x1 = _mm256_add_ps(_mm256_maskload_ps(Cr + 8, m1), x1);
-            }
+            if (mode) x0 = _mm256_add_ps(_mm256_maskload_ps(Cr, m0), x0);
             _mm256_maskstore_ps(Cr, m0, x0);
-            _mm256_maskstore_ps(Cr + 8, m1, x1);
+            if (two) {
+                if (mode) x1 = _mm256_add_ps(_mm256_maskload_ps(Cr + 8, m1), x1);
+                _mm256_maskstore_ps(Cr + 8, m1, x1);
+            }
         }
     }
 }
+#endif
 
-#define TILE_CASES(FULL)                                                                  \
-    switch (mr) {                                                                         \
-        case 6: tile(6, FULL, nv, r0, pp, nprod, Cc, ldc, alpha, mode); break;            \
-        case 5: tile(5, FULL, nv, r0, pp, nprod, Cc, ldc, alpha, mode); break;            \
-        case 4: tile(4, FULL, nv, r0, pp, nprod, Cc, ldc, alpha, mode); break;            \
-        case 3: tile(3, FULL, nv, r0, pp, nprod, Cc, ldc, alpha, mode); break;            \
-        case 2: tile(2, FULL, nv, r0, pp, nprod, Cc, ldc, alpha, mode); break;            \
-        default: tile(1, FULL, nv, r0, pp, nprod, Cc, ldc, alpha, mode); break;           \
+/* tile() with the row count mr (1..MR) and the shape constants: every loop over rows is fixed-length, so the
+ * accumulators stay in registers (expanded inside gemm: a call through a separate function here made the AVX2
+ * path 2x slower). */
+#define TILE_CASE(M, SHAPE) case M: tile(M, SHAPE, nv, r0, pp, nprod, Cc, ldc, alpha, mode); break;
+#if MR == 8
+#define TILE_CASES(SHAPE)                                                                                   \
+    switch (mr) {                                                                                           \
+        TILE_CASE(8, SHAPE) TILE_CASE(7, SHAPE) TILE_CASE(6, SHAPE) TILE_CASE(5, SHAPE) TILE_CASE(4, SHAPE) \
+        TILE_CASE(3, SHAPE) TILE_CASE(2, SHAPE) default: tile(1, SHAPE, nv, r0, pp, nprod, Cc, ldc, alpha, mode); \
     }
+#elif MR == 6
+#define TILE_CASES(SHAPE)                                                                                   \
+    switch (mr) {                                                                                           \
+        TILE_CASE(6, SHAPE) TILE_CASE(5, SHAPE) TILE_CASE(4, SHAPE) TILE_CASE(3, SHAPE) TILE_CASE(2, SHAPE) \
+        default: tile(1, SHAPE, nv, r0, pp, nprod, Cc, ldc, alpha, mode);                                   \
+    }
+#else
+#error "MR must be 6 or 8"
+#endif
 
-/* lower_out: only the column blocks that hold some j <= i are computed (the result's lower triangle incl.
- * the diagonal is exact; entries above it in those blocks are computed too, the rest left untouched). */
+/* lower_out: only the columns up to the row block's last diagonal entry are computed, rounded up to a whole
+ * vector (the result's lower triangle incl. the diagonal is exact; some entries above it are computed too, the
+ * rest left untouched). */
 static void gemm(int m, int n, const Prod *prods, int nprod, float *C, long ldc, float alpha, int mode, int lower_out) {
     for (int r0 = 0; r0 < m; r0 += MR) {
         int mr = m - r0 < MR ? m - r0 : MR;
         int nlim = lower_out && r0 + mr < n ? r0 + mr : n;
         for (int j0 = 0; j0 < nlim; j0 += NR) {
             int nv = n - j0 < NR ? n - j0 : NR;
+            if (nlim - j0 < nv) nv = nlim - j0;
             Prod pp[2];
             for (int q = 0; q < nprod; q++) { pp[q] = prods[q]; pp[q].B += j0; }
             float *Cc = C + j0;
-            if (nv == NR) { TILE_CASES(1) } else { TILE_CASES(0) }
+            if (nv == NR) { TILE_CASES(TILE_FULL) } else if (nv > NR / 2) { TILE_CASES(TILE_TWO) } else { TILE_CASES(TILE_ONE) }
         }
     }
 }
@@ -173,11 +302,11 @@ static int unit_prepare(const Inputs *in, int b, int j, int h, int T, int C, int
     const float *Glast = G + (C - 1) * K;
     for (int d = 0; d < K; d++)
         if (!(Glast[d] >= -max_decay)) return 1;
-    int K8 = K & ~7;
+    int KV = K / VW * VW;                              /* key dims done VW at a time; the rest one by one */
     for (int i = 0; i < C; i++) {
         float *Gi = G + i * K, *ei = eG + i * K;
         int d = 0;
-        for (; d < K8; d += 8) _mm256_storeu_ps(ei + d, exp8(_mm256_loadu_ps(Gi + d)));
+        for (; d < KV; d += VW) vstore(ei + d, vexp(vload(Gi + d)));
         for (; d < K; d++) ei[d] = exp1(Gi[d]);
     }
     const float *eGlast = eG + (C - 1) * K;
@@ -194,19 +323,19 @@ static int unit_prepare(const Inputs *in, int b, int j, int h, int T, int C, int
         }
         const float *qi = row(in, 0, b, t0 + i, h), *ki = row(in, 1, b, t0 + i, h), *vi = row(in, 2, b, t0 + i, h);
         float bi = *row(in, 4, b, t0 + i, h);
-        __m256 bb = _mm256_set1_ps(bi);
+        vfloat bb = vset1(bi);
         int d = 0;
-        for (; d < K8; d += 8) {
-            __m256 e = _mm256_loadu_ps(ei + d), kk = _mm256_loadu_ps(ki + d);
-            __m256 en = exp8(_mm256_sub_ps(_mm256_setzero_ps(), _mm256_loadu_ps(Gi + d)));   /* exp(-G) */
-            __m256 kgv = _mm256_mul_ps(kk, e), c = _mm256_mul_ps(kk, en);
-            _mm256_storeu_ps(qgi + d, _mm256_mul_ps(_mm256_loadu_ps(qi + d), e));
-            _mm256_storeu_ps(kgi + d, kgv);
-            _mm256_storeu_ps(kgbi + d, _mm256_mul_ps(bb, kgv));
-            _mm256_storeu_ps(kdi + d, _mm256_mul_ps(c, _mm256_loadu_ps(eGlast + d)));
-            float cc[8];
-            _mm256_storeu_ps(cc, c);
-            for (int x = 0; x < 8; x++) colsT[(d + x) * C + i] = cc[x];
+        for (; d < KV; d += VW) {
+            vfloat e = vload(ei + d), kk = vload(ki + d);
+            vfloat en = vexp(vneg(vload(Gi + d)));                                       /* exp(-G) */
+            vfloat kgv = vmul(kk, e), c = vmul(kk, en);
+            vstore(qgi + d, vmul(vload(qi + d), e));
+            vstore(kgi + d, kgv);
+            vstore(kgbi + d, vmul(bb, kgv));
+            vstore(kdi + d, vmul(c, vload(eGlast + d)));
+            float cc[VW];
+            vstore(cc, c);
+            for (int x = 0; x < VW; x++) colsT[(d + x) * C + i] = cc[x];
         }
         for (; d < K; d++) {
             float e = ei[d], c = ki[d] * exp1(-Gi[d]);
@@ -318,11 +447,11 @@ static void unit_scan_out(int K, int V, int C, int Tc, float scale, const float 
     }
     if (do_scan) {
         for (int r = 0; r < K; r++) {
-            __m256 d8 = _mm256_set1_ps(dl[r]);
+            vfloat dr = vset1(dl[r]);
             const float *Sr = S + (long)r * V;
             float *Snr = Sn + (long)r * V;
             int c = 0;
-            for (; c + 8 <= V; c += 8) _mm256_storeu_ps(Snr + c, _mm256_mul_ps(d8, _mm256_loadu_ps(Sr + c)));
+            for (; c + VW <= V; c += VW) vstore(Snr + c, vmul(dr, vload(Sr + c)));
             for (; c < V; c++) Snr[c] = dl[r] * Sr[c];
         }
         Prod ps = {kd, 1, K, vn, V, C, 0};                      /* kd^T: A[r][p] = kd[p][r] */

@@ -4,6 +4,7 @@ import time
 import numpy as np
 import pytest
 
+from kda_core.chunk import kernel_in_use
 from lab.timing import MIN_REPEATS, fit_linear, measure, summarize
 
 
@@ -18,7 +19,8 @@ def test_measure_interleaves_after_warmup():
     assert cond.repeats == 5 and cond.warmup == 2 and cond.cores >= 1 and cond.torch_threads >= 1
     assert "median of 5 interleaved repeats" in cond.stamp()
     # the stamp names the form kda_chunk ran in (a timing from the torch form is ~2x slower)
-    assert cond.chunk_kernel in ("fused C", "torch form") and cond.stamp().endswith(f"chunk kernel {cond.chunk_kernel}")
+    assert cond.chunk_kernel in ("fused C (AVX-512)", "fused C (AVX2)", "torch form")
+    assert cond.chunk_kernel == kernel_in_use() and cond.stamp().endswith(f"chunk kernel {cond.chunk_kernel}")
 
 
 def test_measure_times_what_runs():
