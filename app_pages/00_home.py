@@ -30,7 +30,7 @@ MAX_PROMPT_BYTES = 2_000  # = tokens (byte-level model): bounds the prefills bel
 links = declare(
     Text("p00_first", FIRST, max_chars=MAX_PROMPT_BYTES),
     Text("p00_second", SECOND, max_chars=MAX_PROMPT_BYTES),
-    Int("p00_new", 24, 1, 64),   # 24 of the 48 bytes the prompt rule judged; three engine runs decode every token
+    Int("p00_new", 24, 1, 64),   # 24 of the 48 bytes the prompt rule judged; 3 runs (cold, fill, warm) decode each
     Choice("p00_block", 16, [8, 16, 32, 64]),
     Choice("p00_interval_c", 64, [64, 128, 256, 512]),
 )
