@@ -6,7 +6,7 @@ a folder of that name next to the entry file switches Streamlit to its legacy au
 """
 import streamlit as st
 
-from app_pages.links import drop_unknown_links, keep_page_links
+from app_pages.links import keep_page_links
 from app_pages.registry import HOME, SECTIONS, TABS
 from kda_core import cpu_kernel
 
@@ -24,5 +24,4 @@ for tab in [HOME, *TABS]:
 page = st.navigation({section: pages for section, pages in nav.items() if pages}, expanded=True)
 tab = next(tab for p, tab in tab_of if p is page)
 keep_page_links(tab.link_prefix)   # other tabs' keys leave the URL
-drop_unknown_links(tab.link_prefix, tab.path)   # a key shaped like this tab's that none of its widgets has: noticed
-page.run()
+page.run()   # its first call, declare(...), checks the URL against the parameters it declares

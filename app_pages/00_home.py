@@ -4,8 +4,9 @@ import streamlit as st
 
 from app_pages.charts import show_chart, show_forward_fit
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
 from app_pages.measurement import measured_stamp, remeasure_button, run_on_request
+from app_pages.params import Choice, Int, Text
 from app_pages.registry import SECTIONS, TABS
 from lab.trained import home_prompts, model_card
 
@@ -26,14 +27,20 @@ LOGIT_TOL = 5e-5   # = lab.prefix.WARM_TOLERANCE (read here without importing to
 FIRST, SECOND = PROMPTS.first, PROMPTS.second
 TOL_TEXT = f"{LOGIT_TOL:.0e}".replace("e-0", "e-")  # 5e-5
 MAX_PROMPT_BYTES = 2_000  # = tokens (byte-level model): bounds the prefills below
+links = declare(
+    Text("p00_first", FIRST, max_chars=MAX_PROMPT_BYTES),
+    Text("p00_second", SECOND, max_chars=MAX_PROMPT_BYTES),
+    Int("p00_new", 24, 1, 64),   # 24 of the 48 bytes the prompt rule judged; 3 runs (cold, fill, warm) decode each
+    Choice("p00_block", 16, [8, 16, 32, 64]),
+    Choice("p00_interval_c", 64, [64, 128, 256, 512]),
+)
 c1, c2 = st.columns(2)
-first = url_widget(c1.text_area, "Request 1 (fills the cache)", "p00_first", FIRST, height=170, max_chars=MAX_PROMPT_BYTES)
-second = url_widget(c2.text_area, "Request 2 (cold vs warm)", "p00_second", SECOND, height=170, max_chars=MAX_PROMPT_BYTES)
+first = links.text_area(c1, "Request 1 (fills the cache)", "p00_first", height=170)
+second = links.text_area(c2, "Request 2 (cold vs warm)", "p00_second", height=170)
 d1, d2, d3 = st.columns(3)
-# 24 of the 48 bytes the prompt rule judged; three engine runs (cold, fill, warm) decode every token
-max_new = url_widget(d1.slider, "Tokens to generate", "p00_new", 24, 1, 64)
-block = url_widget(d2.select_slider, "Block size N (tokens)", "p00_block", 16, [8, 16, 32, 64])
-interval = url_widget(d3.select_slider, "Checkpoint interval C (tokens)", "p00_interval_c", 64, [64, 128, 256, 512])
+max_new = links.slider(d1, "Tokens to generate", "p00_new")
+block = links.select_slider(d2, "Block size N (tokens)", "p00_block")
+interval = links.select_slider(d3, "Checkpoint interval C (tokens)", "p00_interval_c")
 sizes = {name: len(prompt.encode()) for name, prompt in (("Request 1", first), ("Request 2", second))}
 st.caption(f"Each prompt is capped at {MAX_PROMPT_BYTES:,} bytes (bytes are tokens; in UTF-8 an accent takes 2 bytes, "
            "an emoji 4): the page runs one verified cold / warm pair (and, on request, times both over repeats); the cap bounds "

@@ -5,11 +5,12 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from app_pages.acceptance import acceptance_section, drafter_selector
+from app_pages.acceptance import acceptance_params, acceptance_section, drafter_params, drafter_selector
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
 from app_pages.measurement import measured_stamp, run_on_request
+from app_pages.params import Choice, Int
 from lab.rollback import DTYPES, LAYER_PRESETS, preset_title, rollback_page
 from lab.state_write import predicted_bytes, state_write_sweep
 
@@ -23,16 +24,28 @@ st.write(
     "ring** keeps one hidden vector per token and re-projects. Bytes below are read "
     "with `nbytes()` from the buffers each strategy filled after a real one-layer verify run now on this CPU.")
 
+links = declare(
+    Choice("p01_preset", list(LAYER_PRESETS)[2], [*LAYER_PRESETS, "Custom"]),
+    Int("p01_draft", 4, 1, 16),
+    Choice("p01_dtype", "fp32", DTYPES),
+    Int("p01_heads", 8, 1, 96),
+    Choice("p01_k", 64, [16, 32, 64, 128]),
+    Choice("p01_v", 64, [16, 32, 64, 128]),
+    Choice("p01_d", 1024, [64, 256, 1024, 2304, 4096, 7168]),
+    *drafter_params("p01"),
+    *acceptance_params("p01"),
+    Choice("p01_ring", 16, [4, 8, 16, 32, 64]),
+)
 c1, c2, c3 = st.columns(3)
-preset = url_widget(c1.selectbox, "Layer size", "p01_preset", list(LAYER_PRESETS)[2], [*LAYER_PRESETS, "Custom"])
-num_draft = url_widget(c2.slider, "Draft length n (verify = 1 + n tokens)", "p01_draft", 4, 1, 16)
-dtype_name = url_widget(c3.selectbox, "Stored dtype s", "p01_dtype", "fp32", list(DTYPES))
+preset = links.selectbox(c1, "Layer size", "p01_preset")
+num_draft = links.slider(c2, "Draft length n (verify = 1 + n tokens)", "p01_draft")
+dtype_name = links.selectbox(c3, "Stored dtype s", "p01_dtype")
 if preset == "Custom":
     d1, d2, d3, d4 = st.columns(4)
-    heads = url_widget(d1.slider, "Heads H", "p01_heads", 8, 1, 96)
-    k_dim = url_widget(d2.select_slider, "Key dim K", "p01_k", 64, [16, 32, 64, 128])
-    v_dim = url_widget(d3.select_slider, "Value dim V", "p01_v", 64, [16, 32, 64, 128])
-    width = url_widget(d4.select_slider, "Layer input width d", "p01_d", 1024, [64, 256, 1024, 2304, 4096, 7168])
+    heads = links.slider(d1, "Heads H", "p01_heads")
+    k_dim = links.select_slider(d2, "Key dim K", "p01_k")
+    v_dim = links.select_slider(d3, "Value dim V", "p01_v")
+    width = links.select_slider(d4, "Layer input width d", "p01_d")
     shape = (heads, k_dim, v_dim, 4, width)
 else:
     shape = tuple(LAYER_PRESETS[preset])
@@ -104,8 +117,8 @@ st.write("Every strategy above records all 1 + n verify tokens, but only the acc
          "bytes spent on rejected drafts are the price of speculation. How long that prefix is depends on the drafter "
          "and the text, measured here with the trained target at the draft length n above.")
 a1, _ = st.columns(2)
-drafter, acceptance = drafter_selector(a1, "p01")
-acceptance_section("p01", drafter, acceptance, num_draft, "Acceptance per draft position: held-out code vs prose")
+drafter, acceptance = drafter_selector(links, a1)
+acceptance_section(links, drafter, acceptance, num_draft, "Acceptance per draft position: held-out code vs prose")
 
 st.subheader("4 · In the batched engine: ReplaySSM as the decode-time state write")
 st.write(
@@ -115,7 +128,7 @@ st.write(
     "its records replayed, and the whole state is written once every R steps (or when a prefix-cache checkpoint is "
     "published). With fp32 states, the engine's default, tokens and logits are bitwise those of the slot write "
     "(`tests/serve/test_engine_replay_ssm.py`); with bf16 / fp16 states they may differ (fewer roundings).")
-ring = url_widget(st.select_slider, "Ring size R (decode steps per state write)", "p01_ring", 16, [4, 8, 16, 32, 64])
+ring = links.select_slider(st, "Ring size R (decode steps per state write)", "p01_ring")
 pb = pd.DataFrame(engine_call(predicted_bytes))
 fig3 = go.Figure([go.Scatter(x=d.ring_size[d.ring_size > 0], y=d.vs_slot[d.ring_size > 0], mode="lines+markers",
                              name=preset_title(m)) for m, d in pb.groupby("model", sort=False)])

@@ -4,11 +4,20 @@ import plotly.graph_objects as go
 import streamlit as st
 from plotly.subplots import make_subplots
 
-from app_pages.acceptance import acceptance_section, draft, drafter_selector, label, target
+from app_pages.acceptance import (
+    acceptance_params,
+    acceptance_section,
+    draft,
+    drafter_params,
+    drafter_selector,
+    label,
+    target,
+)
 from app_pages.charts import show_chart
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
 from app_pages.measurement import remeasure_button
+from app_pages.params import Choice, Int, Toggle
 from lab.drafters import KINDS, acceptance_by_position, heldout_prompts
 from lab.verify import MODES, STRATEGIES, run_verify_lab
 
@@ -22,32 +31,42 @@ st.write(
     "every step the committed KDA states, conv states and MLA latents are compared with plain one-token-at-a-time "
     "decoding of the same tokens: the difference must be exactly zero.")
 
+links = declare(
+    Choice("p02_mode", MODES[0], MODES),
+    Choice("p02_strategy", STRATEGIES[1], STRATEGIES),
+    Int("p02_draft", 4, 1, 8),
+    *drafter_params("p02"),
+    Choice("p02_prompt", KINDS[0], KINDS),
+    Int("p02_seed", 0, 0, 20),
+    Int("p02_abort_layers", 3, 0, 8),
+    Int("p02_abort_tokens", 2, 1, 9),      # at most 1 + n verify tokens
+    Int("p02_corrupt_at", 2, 1, 8),        # at most n
+    Toggle("p02_poison", True),
+    *acceptance_params("p02"),
+)
 c1, c2, c3, c4, c5 = st.columns(5)
-mode = url_widget(c1.selectbox, "Mode", "p02_mode", MODES[0], list(MODES))
-strategy = url_widget(c2.selectbox, "Strategy", "p02_strategy", STRATEGIES[1], list(STRATEGIES))
-num_draft = url_widget(c3.slider, "Draft length n", "p02_draft", 4, 1, 8)
-drafter, acceptance = drafter_selector(c4, "p02", oracle_keys=("p02_seed",))
-kind = url_widget(c5.selectbox, "Prompt (held-out file)", "p02_prompt", KINDS[0], list(KINDS),
-                  help="The first of the held-out code or prose prompts (train/corpus_manifest.json's held-out split).")
+mode = links.selectbox(c1, "Mode", "p02_mode")
+strategy = links.selectbox(c2, "Strategy", "p02_strategy")
+num_draft = links.slider(c3, "Draft length n", "p02_draft")
+drafter, acceptance = drafter_selector(links, c4, oracle_keys=("p02_seed",))
+kind = links.selectbox(c5, "Prompt (held-out file)", "p02_prompt",
+                       help="The first of the held-out code or prose prompts (train/corpus_manifest.json's held-out split).")
 seed = 0
 if drafter == "noisy oracle":
-    seed = url_widget(c5.slider, "Seed", "p02_seed", 0, 0, 20)
+    seed = links.slider(c5, "Seed", "p02_seed")
 
 
 abort_layers, abort_tokens, corrupt_at, poison = None, 1, 1, False
 if mode == "interrupted":
     e1, e2 = st.columns(2)
-    layers = url_widget(e1.slider, "Abort the first verify after this many layers (8 = all)", "p02_abort_layers", 3, 0, 8)
-    abort_tokens = url_widget(e2.slider, "…having fed this many verify tokens", "p02_abort_tokens", 2, 1, num_draft + 1,
-                              clamp=True)
+    layers = links.slider(e1, "Abort the first verify after this many layers (8 = all)", "p02_abort_layers")
+    abort_tokens = links.slider(e2, "…having fed this many verify tokens", "p02_abort_tokens", max_value=num_draft + 1)
     abort_layers = None if layers == 8 else layers
 elif mode == "injected deviation":
     e1, e2 = st.columns(2)
-    corrupt_at = url_widget(e1.slider, "Corrupt the draft at position", "p02_corrupt_at", 2, 1, max(2, num_draft),
-                            clamp=num_draft, disabled=num_draft < 2,
-                            help="With one draft, position 1 is the only one to corrupt.")
-    poison = url_widget(e2.checkbox, "Also overwrite the stored data of rejected tokens with NaN (control)", "p02_poison",
-                        True)
+    corrupt_at = links.slider(e1, "Corrupt the draft at position", "p02_corrupt_at", max_value=num_draft,
+                              disabled=num_draft < 2, help="With one draft, position 1 is the only one to corrupt.")
+    poison = links.checkbox(e2, "Also overwrite the stored data of rejected tokens with NaN (control)", "p02_poison")
 
 
 @st.cache_data(show_spinner="Generating with speculation…", max_entries=16, ttl="1h")
@@ -172,4 +191,4 @@ st.write(
     "4·(1 + n) records (k, u = β(v − S'ᵀk), g, conv inputs) plus one checkpoint: a rejected draft is a cursor move, "
     "the state is replayed from the checkpoint, and its forced commits are the materialisations of a full ring.")
 
-acceptance_section("p02", drafter, acceptance, num_draft, "Acceptance per draft position: held-out code vs prose")
+acceptance_section(links, drafter, acceptance, num_draft, "Acceptance per draft position: held-out code vs prose")

@@ -6,8 +6,9 @@ import streamlit as st
 
 from app_pages.charts import num, show_chart, show_table
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
 from app_pages.measurement import measured_stamp, remeasure_button
+from app_pages.params import Choice, Int, Range
 from lab.state_vs_kv import (
     CONTEXTS,
     KV_DTYPES,
@@ -25,24 +26,36 @@ st.write(
     "**fixed** recurrent state (H x K x V) plus a short-conv window per sequence. Kimi hybrids put 3 KDA layers "
     "per MLA layer. Below: exact byte counts for the real configs, then decode cost measured live on this CPU.")
 
+links = declare(
+    Choice("p03_preset", next(iter(MODELS)), MODELS),
+    Choice("p03_state_dtype", next(iter(STATE_DTYPES)), STATE_DTYPES),
+    Choice("p03_kv_dtype", next(iter(KV_DTYPES)), KV_DTYPES),
+    Int("p03_layers", 48, 4, 128),
+    Int("p03_ratio", 3, 0, 7),
+    Int("p03_heads", 32, 1, 128),
+    Choice("p03_head_dim", 128, [32, 64, 128, 256]),
+    Range("p03_context", (1024, 2 ** 20), CONTEXTS),
+    Int("p03_meas_heads", 4, 1, 16),
+    Choice("p03_meas_max", 16384, MEASURED_CONTEXTS),
+    Choice("p03_table_ctx", 131072, CONTEXTS),
+)
 c1, c2, c3 = st.columns(3)
-preset = MODELS[url_widget(c1.selectbox, "Model", "p03_preset", next(iter(MODELS)), list(MODELS))]
-state_dt = url_widget(c2.selectbox, "KDA state dtype", "p03_state_dtype", next(iter(STATE_DTYPES)), list(STATE_DTYPES))
-kv_dt = url_widget(c3.selectbox, "MLA KV dtype", "p03_kv_dtype", next(iter(KV_DTYPES)), list(KV_DTYPES))
+preset = MODELS[links.selectbox(c1, "Model", "p03_preset")]
+state_dt = links.selectbox(c2, "KDA state dtype", "p03_state_dtype")
+kv_dt = links.selectbox(c3, "MLA KV dtype", "p03_kv_dtype")
 custom = None
 if preset == "custom":
     d1, d2, d3, d4 = st.columns(4)
-    custom = (url_widget(d1.slider, "Layers", "p03_layers", 48, 4, 128),
-              url_widget(d2.slider, "KDA layers per MLA layer", "p03_ratio", 3, 0, 7),
-              url_widget(d3.slider, "KDA heads", "p03_heads", 32, 1, 128),
-              url_widget(d4.select_slider, "Head dim", "p03_head_dim", 128, [32, 64, 128, 256]))
-lo, hi = url_widget(st.select_slider, "Context range (tokens)", "p03_context", (1024, 2 ** 20), list(CONTEXTS))
+    custom = (links.slider(d1, "Layers", "p03_layers"),
+              links.slider(d2, "KDA layers per MLA layer", "p03_ratio"),
+              links.slider(d3, "KDA heads", "p03_heads"),
+              links.select_slider(d4, "Head dim", "p03_head_dim"))
+lo, hi = links.select_slider(st, "Context range (tokens)", "p03_context")
 part1, part2 = st.container(), st.container()
 part2.subheader("2 · Decode cost per token, measured on this CPU")
 e1, e2 = part2.columns(2)
-heads_meas = url_widget(e1.slider, "Heads in the measurement (scaled down from the model)", "p03_meas_heads", 4, 1, 16)
-max_meas = url_widget(e2.select_slider, "Largest measured context (tokens)", "p03_meas_max", 16384,
-                      list(MEASURED_CONTEXTS))
+heads_meas = links.slider(e1, "Heads in the measurement (scaled down from the model)", "p03_meas_heads")
+max_meas = links.select_slider(e2, "Largest measured context (tokens)", "p03_meas_max")
 _p03_measure = st.cache_data(state_vs_kv, show_spinner="Measuring on this CPU…", max_entries=32, ttl="1h")
 run = engine_call(_p03_measure, preset, state_dt, kv_dt, (lo, hi), heads_meas, max_meas, custom)
 cfg, df, be, be_rec = run.cfg, run.bytes, run.break_even_tokens, run.recurrent_break_even_tokens
@@ -90,7 +103,7 @@ with part1:
             "calculators did before fixing it (LMCache PR #4278; inference-sim issue #1635, Kimi K3).")
 
     with st.expander("Per-layer table"):
-        n_table = url_widget(st.select_slider, "Context for the table (tokens)", "p03_table_ctx", 131072, list(CONTEXTS))
+        n_table = links.select_slider(st, "Context for the table (tokens)", "p03_table_ctx")
         tdf = run.layers[run.layers.context_tokens == n_table].drop(columns="context_tokens")
         show_table(tdf, {"layer": num("Layer", "%d"), "kind": "Kind", "bytes_per_token": num("Per token (B)"),
                          "fixed_bytes": num("Fixed state (B)"),

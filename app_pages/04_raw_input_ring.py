@@ -3,12 +3,13 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
-from app_pages.acceptance import acceptance_section, draft, drafter_selector, label
+from app_pages.acceptance import acceptance_params, acceptance_section, draft, drafter_params, drafter_selector, label
 from app_pages.caching import built_by_loaded_code
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
 from app_pages.measurement import measured_stamp, remeasure_button, requested
+from app_pages.params import Choice, Int
 from lab.ring import DEMO, RUN_TOKENS, WIDTHS, commit_timing, is_trained_width, ring_model, ring_view
 from lab.timing import MIN_REPEATS
 
@@ -22,17 +23,25 @@ st.write(
     f"({DEMO.num_kda_layers} KDA + {DEMO.num_mla_layers} MLA layers) at the chosen width; the commit times on "
     "request.")
 
+links = declare(
+    Int("p04_capacity", 16, 1, 32),
+    Int("p04_window", 6, 1, 16),   # at most the capacity
+    Int("p04_draft", 4, 1, 15),    # a verify of 1 + n fits a window <= 16
+    *drafter_params("p04"),
+    Choice("p04_width", 128, WIDTHS),
+    *acceptance_params("p04"),
+)
 c1, c2, c3, c4 = st.columns(4)
-capacity = url_widget(c2.slider, "Ring capacity (slots)", "p04_capacity", 16, 1, 32)
-window = url_widget(c1.slider, "Rollback window (verify tokens, ≤ capacity)", "p04_window", 6, 1,
-                    max(2, min(16, capacity)), clamp=min(16, capacity), disabled=capacity < 2,
-                    help="A 1-slot ring rolls back one verify token at most (the slider stays, disabled, so the "
-                         "window it had comes back clamped when the ring grows again).")
-num_draft = url_widget(c3.slider, "Draft length n", "p04_draft", 4, 1, 15,   # a verify of 1 + n fits a window <= 16
-                       help="A verify is 1 + n tokens and the rollback window holds at most 16, so n <= 15.")
+capacity = links.slider(c2, "Ring capacity (slots)", "p04_capacity")
+window = links.slider(c1, "Rollback window (verify tokens, ≤ capacity)", "p04_window", max_value=min(16, capacity),
+                      disabled=capacity < 2,
+                      help="A 1-slot ring rolls back one verify token at most (the slider stays, disabled, so the "
+                           "window it had comes back clamped when the ring grows again).")
+num_draft = links.slider(c3, "Draft length n", "p04_draft",
+                         help="A verify is 1 + n tokens and the rollback window holds at most 16, so n <= 15.")
 d1, _ = st.columns(2)                                                  # a row below the four above
-drafter, acceptance = drafter_selector(d1, "p04")
-width = url_widget(c4.select_slider, "Model width d (H = d / 32 heads)", "p04_width", 128, list(WIDTHS))
+drafter, acceptance = drafter_selector(links, d1)
+width = links.select_slider(c4, "Model width d (H = d / 32 heads)", "p04_width")
 _model = st.cache_resource(ring_model, validate=built_by_loaded_code, max_entries=4)   # rebuilt after a source reload
 st.caption(f"At d = {DEMO.hidden_size} the model is the trained demo model; no trained weights ship at d = "
            f"{' or '.join(str(w) for w in WIDTHS if not is_trained_width(w))}, so those widths run a seeded random "
@@ -168,4 +177,4 @@ st.write(
     "raw inputs d·s per token per KDA layer. The checkpoint-plus-ring layout follows ReplaySSM (vLLM RFC #46187), "
     "but the ring here caches layer inputs, not ReplaySSM's post-projection records; the ring itself is `serve/spec_decode/raw_input_ring.py`.")
 
-acceptance_section("p04", drafter, acceptance, num_draft, "5 · Acceptance per draft position: held-out code vs prose")
+acceptance_section(links, drafter, acceptance, num_draft, "5 · Acceptance per draft position: held-out code vs prose")

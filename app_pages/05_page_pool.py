@@ -7,8 +7,9 @@ from plotly.subplots import make_subplots
 
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
 from app_pages.measurement import measured_stamp, remeasure_button, requested
+from app_pages.params import Choice, Float, Int
 from lab.pool import LATENCY_REPEATS, call_latency, page05
 
 st.title("Unified page pool")
@@ -20,19 +21,27 @@ st.write(
     "a static split of the same bytes.")
 
 POLICY = {"multi-page state": "multi_page", "unified page size": "unified"}
-c1, c2, c3 = st.columns(3)
 # Defaults where the flip shows the claim below (measured, seed 0): a long-heavy first half sizes the static split
 # for few states; after the flip to short requests the unified pool admits 210 of 211 while the static split admits
 # 130 (its state pages run dry, its KV pages idle). From a short-heavy start (10 % long) both pools reject alike.
-pool_mib = url_widget(c1.slider, "Pool size (MiB)", "p05_pool_mib", 64, 4, 128)
-policy = POLICY[url_widget(c2.selectbox, "Page-size policy", "p05_policy", "multi-page state", list(POLICY))]
-arrival = url_widget(c3.selectbox, "Arrival pattern", "p05_arrival", "steady", ["steady", "bursty"])
+links = declare(
+    Int("p05_pool_mib", 64, 4, 128),
+    Choice("p05_policy", "multi-page state", POLICY),
+    Choice("p05_arrival", "steady", ["steady", "bursty"]),
+    Float("p05_long_share", 0.8, 0.0, 1.0, step=0.05),
+    Int("p05_groups", 1, 1, 6),
+    Int("p05_seed", 0, 0, 9999),
+    Int("p05_step", 60, 0, 199),
+)
+c1, c2, c3 = st.columns(3)
+pool_mib = links.slider(c1, "Pool size (MiB)", "p05_pool_mib")
+policy = POLICY[links.selectbox(c2, "Page-size policy", "p05_policy")]
+arrival = links.selectbox(c3, "Arrival pattern", "p05_arrival")
 d1, d2, d3, d4 = st.columns(4)
-long_share = url_widget(d1.slider, "Long requests, first half (share; the second half has the rest)",
-                        "p05_long_share", 0.8, 0.0, 1.0, step=0.05)
-groups = url_widget(d2.slider, "KDA groups G", "p05_groups", 1, 1, 6)
-seed = url_widget(d3.number_input, "Seed", "p05_seed", 0, 0, 9999)
-step = url_widget(d4.slider, "Grid at step", "p05_step", 60, 0, 199)
+long_share = links.slider(d1, "Long requests, first half (share; the second half has the rest)", "p05_long_share")
+groups = links.slider(d2, "KDA groups G", "p05_groups")
+seed = links.number_input(d3, "Seed", "p05_seed")
+step = links.slider(d4, "Grid at step", "p05_step")
 _run = st.cache_data(page05, show_spinner="Running the request stream on the pool…", max_entries=16, ttl="1h")
 _p05_latency = st.cache_data(call_latency,
                              show_spinner=f"Timing alloc / free calls: {LATENCY_REPEATS} runs of the stream after a warm-up…",

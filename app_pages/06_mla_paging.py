@@ -5,8 +5,9 @@ import streamlit as st
 
 from app_pages.charts import show_chart
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
 from app_pages.measurement import measured_stamp, remeasure_button
+from app_pages.params import Choice, Int
 from lab.mla_paging import DEMO_LATENT, DEMO_LAYERS, GATHER_REPEATS, KIMI, gather_grid, page06
 
 st.title("MLA paging")
@@ -18,21 +19,31 @@ st.write(
     "and the bytes that reference-counted prefix sharing saves.")
 
 BLOCKS = [1, 2, 4, 8, 16, 32, 64]
+links = declare(
+    Choice("p06_block_size", 16, BLOCKS),
+    Int("p06_tokens_a", 100, 8, 256),
+    Int("p06_shared_pct", 50, 0, 100),
+    Int("p06_own_b", 30, 0, 128),
+    Choice("p06_max_ctx", 1024, [1024, 4096, 16384]),
+    Int("p06_requests", 16, 1, 64),
+    Int("p06_prefix", 2048, 0, 8192, step=64),
+    Int("p06_unique", 128, 0, 2048, step=16),
+)
 st.subheader("1 · A request's page table (logical block → physical page)")
 c1, c2, c3, c4 = st.columns(4)
-bs = url_widget(c1.select_slider, "Block size N (tokens)", "p06_block_size", 16, BLOCKS)
-tokens_a = url_widget(c2.slider, "Request A (tokens)", "p06_tokens_a", 100, 8, 256)
-shared_pct = url_widget(c3.slider, "B shares A's first (%)", "p06_shared_pct", 50, 0, 100)
-own_b = url_widget(c4.slider, "B's own tokens", "p06_own_b", 30, 0, 128)
+bs = links.select_slider(c1, "Block size N (tokens)", "p06_block_size")
+tokens_a = links.slider(c2, "Request A (tokens)", "p06_tokens_a")
+shared_pct = links.slider(c3, "B shares A's first (%)", "p06_shared_pct")
+own_b = links.slider(c4, "B's own tokens", "p06_own_b")
 
 
 shared_tokens = tokens_a * shared_pct // 100
 st.caption("Settings of sections 3 (gather measurement) and 4 (prefix sharing):")
 e1, e2, e3, e4 = st.columns(4)
-max_ctx = url_widget(e1.select_slider, "Longest context measured (tokens)", "p06_max_ctx", 1024, [1024, 4096, 16384])
-n_req = url_widget(e2.slider, "Requests sharing the prefix", "p06_requests", 16, 1, 64)
-prefix = url_widget(e3.slider, "Shared prefix (tokens)", "p06_prefix", 2048, 0, 8192, step=64)
-unique = url_widget(e4.slider, "Unique tail per request (tokens)", "p06_unique", 128, 0, 2048, step=16)
+max_ctx = links.select_slider(e1, "Longest context measured (tokens)", "p06_max_ctx")
+n_req = links.slider(e2, "Requests sharing the prefix", "p06_requests")
+prefix = links.slider(e3, "Shared prefix (tokens)", "p06_prefix")
+unique = links.slider(e4, "Unique tail per request (tokens)", "p06_unique")
 
 _run = st.cache_data(page06, show_spinner="Building page tables…", max_entries=16, ttl="1h")
 _p06_gather = st.cache_data(gather_grid,

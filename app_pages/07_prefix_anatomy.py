@@ -4,7 +4,8 @@ import streamlit as st
 
 from app_pages.charts import num, show_chart, show_table
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
+from app_pages.params import Choice, Int, Text, Toggle
 from lab.prefix_anatomy import (
     MAX_INTERVALS,
     MAX_PROMPTS,
@@ -25,12 +26,21 @@ st.write(
 DEFAULT = ("System: you are a terse assistant for inference engineers; always give units.\n"
            "System: you are a terse assistant for inference engineers; always give units. User: size of a KV block?\n"
            "System: you are a terse assistant for inference engineers; always give units. User: size of a KDA state?")
-text = url_widget(st.text_area, "Prompts, one per line (the last one is looked up)", "p07_prompts", DEFAULT, height=110,
-                  max_chars=MAX_TEXT_CHARS)
+MAX_GROUPS = 4
+links = declare(
+    Text("p07_prompts", DEFAULT, max_chars=MAX_TEXT_CHARS),
+    Choice("p07_block", 16, [4, 8, 16, 32]),
+    Choice("p07_every", 2, [1, 2, 4]),
+    Int("p07_groups", 2, 1, MAX_GROUPS),
+    Toggle("p07_drop", False),
+    Choice("p07_drop_at", 0, range(MAX_TEXT_BYTES + 1)),   # a checkpoint boundary: tokens of the previous prompt
+    Choice("p07_drop_group", 0, range(MAX_GROUPS)),        # a group below G
+)
+text = links.text_area(st, "Prompts, one per line (the last one is looked up)", "p07_prompts", height=110)
 c1, c2, c3 = st.columns(3)
-block = url_widget(c1.select_slider, "Block size N (tokens)", "p07_block", 16, [4, 8, 16, 32])
-every = url_widget(c2.select_slider, "Checkpoint every C / N blocks", "p07_every", 2, [1, 2, 4])
-groups = url_widget(c3.slider, "KDA groups G", "p07_groups", 2, 1, 4)
+block = links.select_slider(c1, "Block size N (tokens)", "p07_block")
+every = links.select_slider(c2, "Checkpoint every C / N blocks", "p07_every")
+groups = links.slider(c3, "KDA groups G", "p07_groups")
 lines = text.splitlines()
 prompts = [line for line in lines if line.strip()]
 st.caption(f"At most {MAX_PROMPTS} prompts, {MAX_TEXT_BYTES:,} bytes and {MAX_INTERVALS} checkpoint intervals in all "
@@ -50,12 +60,11 @@ base = engine_call(_anatomy, prompts, block, block * every, groups, None)  # the
 options = base.droppable
 drop = None
 d1, d2, d3 = st.columns(3)
-if options and url_widget(d1.checkbox, "What if: drop one group's checkpoint", "p07_drop", False):
-    boundaries = [str(b) for b in options]
+if options and links.checkbox(d1, "What if: drop one group's checkpoint", "p07_drop"):
     hit_at = max((b for b in options if b <= base.num_tokens), default=options[-1])   # the one the lookup stops at
-    boundary = int(url_widget(d2.selectbox, "at boundary (tokens of the previous prompt)", "p07_drop_at", str(hit_at),
-                              boundaries))
-    drop = (boundary, int(url_widget(d3.selectbox, "group", "p07_drop_group", "0", [str(g) for g in range(groups)])))
+    boundary = links.selectbox(d2, "at boundary (tokens of the previous prompt)", "p07_drop_at", options=options,
+                               default=hit_at)
+    drop = (boundary, links.selectbox(d3, "group", "p07_drop_group", options=range(groups)))
 res = engine_call(_anatomy, prompts, block, block * every, groups, drop) if drop else base
 
 st.subheader("1 · Blocks and checkpoints along the token axis")

@@ -5,8 +5,9 @@ import streamlit as st
 
 from app_pages.charts import show_chart, show_forward_fit
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
 from app_pages.measurement import measured_stamp, remeasure_button, run_on_request
+from app_pages.params import Choice, Int
 from lab.prefix import WARM_TOLERANCE, paired_spread, prefix_hit, prefix_hit_timing
 
 st.title("Prefix hit")
@@ -18,14 +19,22 @@ st.write(
     "shares the MLA KV blocks, so only the tokens after the hit boundary b are prefilled.")
 
 REPEATS = 5
+links = declare(
+    Int("p08_shared", 128, 0, 512, step=32),
+    Int("p08_unique", 16, 16, 256, step=16),
+    Int("p08_new", 4, 1, 8),
+    Choice("p08_block", 16, [8, 16, 32]),
+    Choice("p08_interval", 64, [32, 64, 128, 256]),
+    Int("p08_groups", 1, 1, 3),
+)
 c1, c2, c3 = st.columns(3)
-shared = url_widget(c1.slider, "Shared prefix (tokens)", "p08_shared", 128, 0, 512, step=32)
-unique = url_widget(c2.slider, "Unique tail (tokens)", "p08_unique", 16, 16, 256, step=16)
-new_tokens = url_widget(c3.slider, "Tokens to generate", "p08_new", 4, 1, 8)
+shared = links.slider(c1, "Shared prefix (tokens)", "p08_shared")
+unique = links.slider(c2, "Unique tail (tokens)", "p08_unique")
+new_tokens = links.slider(c3, "Tokens to generate", "p08_new")
 d1, d2, d3 = st.columns(3)
-block = url_widget(d1.select_slider, "Block size N (tokens)", "p08_block", 16, [8, 16, 32])
-interval = url_widget(d2.select_slider, "Checkpoint interval C (tokens)", "p08_interval", 64, [32, 64, 128, 256])
-groups = url_widget(d3.slider, "KDA groups G", "p08_groups", 1, 1, 3)
+block = links.select_slider(d1, "Block size N (tokens)", "p08_block")
+interval = links.select_slider(d2, "Checkpoint interval C (tokens)", "p08_interval")
+groups = links.slider(d3, "KDA groups G", "p08_groups")
 _p08_verdict = st.cache_data(prefix_hit, show_spinner="Running the cold and warm requests…", max_entries=32, ttl="1h")
 
 

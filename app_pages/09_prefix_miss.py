@@ -7,8 +7,9 @@ from plotly.subplots import make_subplots
 from app_pages.caching import upload_parts
 from app_pages.charts import pct, show_chart, show_table
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
 from app_pages.measurement import run_on_request
+from app_pages.params import Choice, Int
 from lab.fleet import synthetic_trace_description
 from lab.prefix_miss import CAPACITY_FRACTIONS, MODELS, prefix_miss, preset_title
 
@@ -19,22 +20,34 @@ st.write(
     "by default, or your Mooncake JSONL) through capacity-limited caches sized with a real preset's bytes: one hash "
     "id = one 512-token KV block, a checkpoint = the whole KDA state of a group.")
 
+links = declare(
+    Int("p09_prompt", 256, 64, 512, step=32),
+    Int("p09_next", 200, 0, 512, step=16),
+    Choice("p09_block", 16, [8, 16, 32]),
+    Choice("p09_interval", 64, [32, 64, 128]),
+    Int("p09_groups", 2, 1, 3),
+    Choice("p09_preset", MODELS[0], MODELS, format_func=preset_title),
+    Choice("p09_every", 1, [1, 2, 4, 8]),
+    Int("p09_tgroups", 1, 1, 4),
+    Int("p09_requests", 1500, 500, 3000, step=250),
+)
+
 st.subheader("1 · A miss, what it writes, and the next request's hit")
 c1, c2, c3, c4, c5 = st.columns(5)
-prompt_tokens = url_widget(c1.slider, "Prompt (tokens)", "p09_prompt", 256, 64, 512, step=32)
-next_shared = url_widget(c2.slider, "Next request shares (tokens)", "p09_next", 200, 0, 512, step=16)
-block = url_widget(c3.select_slider, "Block size N", "p09_block", 16, [8, 16, 32])
-interval = url_widget(c4.select_slider, "Interval C (tokens)", "p09_interval", 64, [32, 64, 128])
-groups = url_widget(c5.slider, "KDA groups G", "p09_groups", 2, 1, 3)
+prompt_tokens = links.slider(c1, "Prompt (tokens)", "p09_prompt")
+next_shared = links.slider(c2, "Next request shares (tokens)", "p09_next")
+block = links.select_slider(c3, "Block size N", "p09_block")
+interval = links.select_slider(c4, "Interval C (tokens)", "p09_interval")
+groups = links.slider(c5, "KDA groups G", "p09_groups")
 part1, part2 = st.container(), st.container()
 part2.subheader("2 · A trace through capacity-limited caches")
 d1, d2, d3, d4 = part2.columns(4)
-preset = url_widget(d1.selectbox, "Byte sizes of", "p09_preset", MODELS[0], list(MODELS), format_func=preset_title)
-every = url_widget(d2.select_slider, "Checkpoint interval (blocks)", "p09_every", 1, [1, 2, 4, 8],
-                   help="A checkpoint every this many of the trace's 512-token blocks: 1 = at every block boundary "
-                        "(C = 512 tokens), 8 = every 4,096 tokens.")
-tgroups = url_widget(d3.slider, "Groups G", "p09_tgroups", 1, 1, 4)
-num_requests = url_widget(d4.slider, "Requests (cap)", "p09_requests", 1500, 500, 3000, step=250)
+preset = links.selectbox(d1, "Byte sizes of", "p09_preset")
+every = links.select_slider(d2, "Checkpoint interval (blocks)", "p09_every",
+                            help="A checkpoint every this many of the trace's 512-token blocks: 1 = at every block "
+                                 "boundary (C = 512 tokens), 8 = every 4,096 tokens.")
+tgroups = links.slider(d3, "Groups G", "p09_tgroups")
+num_requests = links.slider(d4, "Requests (cap)", "p09_requests")
 data, upload_name = upload_parts(part2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p09_upload"))
 
 

@@ -5,8 +5,9 @@ import streamlit as st
 
 from app_pages.charts import num, show_chart, show_table
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
 from app_pages.measurement import measured_stamp, remeasure_button
+from app_pages.params import Choice, Int, Toggle
 from lab.kcp import (
     BANDWIDTHS_GBPS,
     MODELS,
@@ -34,17 +35,27 @@ st.info(
     "(copy-on-write: they share its loaded torch; nothing stays behind after the run), one run at a time per "
     "server. Same code across machines: `torchrun --nproc-per-node 2 -m serve.parallel --seq-len 65536`.")
 
+links = declare(
+    Choice("p10_seq_len", 512, limits.seq_options),   # the T this host's memory fits (512 always)
+    Int("p10_world", 2, 1, 4),                         # at most one rank per core of this host
+    Int("p10_heads", 4, 1, 4),
+    Choice("p10_head_k", 128, [32, 64, 128]),
+    Choice("p10_head_v", 128, [32, 64, 128]),
+    Choice("p10_variant", next(iter(VARIANTS)), VARIANTS),
+    Toggle("p10_prefix", False),
+    Choice("p10_model", next(iter(MODELS)), MODELS),
+    Choice("p10_bandwidth", 25, BANDWIDTHS_GBPS),
+)
 c1, c2, c3, c4, c5 = st.columns(5)
-seq_options = list(limits.seq_options)
-seq_len = url_widget(c1.select_slider, "Sequence length T (tokens)", "p10_seq_len", min(512, seq_options[-1]), seq_options)
-world = url_widget(c2.slider, "World size (ranks)", "p10_world", min(2, limits.max_world), 1, max(limits.max_world, 2),
-                   clamp=limits.max_world, disabled=limits.max_world < 2)
-heads = url_widget(c3.slider, "Heads H", "p10_heads", 4, 1, 4)
-head_k = url_widget(c4.select_slider, "Key dim K", "p10_head_k", 128, [32, 64, 128])
-head_v = url_widget(c5.select_slider, "Value dim V", "p10_head_v", 128, [32, 64, 128])
+seq_len = links.select_slider(c1, "Sequence length T (tokens)", "p10_seq_len")
+world = links.slider(c2, "World size (ranks)", "p10_world", max_value=limits.max_world,
+                     disabled=limits.max_world < 2)
+heads = links.slider(c3, "Heads H", "p10_heads")
+head_k = links.select_slider(c4, "Key dim K", "p10_head_k")
+head_v = links.select_slider(c5, "Value dim V", "p10_head_v")
 d1, d2 = st.columns(2)
-variant = VARIANTS[url_widget(d1.selectbox, "Exchange variant", "p10_variant", next(iter(VARIANTS)), list(VARIANTS))]
-prefix = url_widget(d2.checkbox, "Seed rank 0 with a prefix-cache state", "p10_prefix", False)
+variant = VARIANTS[links.selectbox(d1, "Exchange variant", "p10_variant")]
+prefix = links.checkbox(d2, "Seed rank 0 with a prefix-cache state", "p10_prefix")
 
 @st.cache_data(show_spinner=f"Running one rank, then the ranks, {REPEATS} timed repeats each, on this CPU…",
                max_entries=16, ttl="1h")
@@ -161,7 +172,7 @@ with st.expander("What each phase does"):
         "- **scan + output**: the ordinary chunk kernel from the true initial state.")
 
 st.subheader("3 · Bytes each rank receives vs context: KCP against MLA's KV all-gather")
-model = MODELS[url_widget(st.selectbox, "Model for the byte comparison", "p10_model", next(iter(MODELS)), list(MODELS))]
+model = MODELS[links.selectbox(st, "Model for the byte comparison", "p10_model")]
 cfg, w_bytes = run.models[model], run.bytes_world_size
 bdf = run.bytes[run.bytes.model == model].drop(columns="model")
 fig3 = go.Figure()
@@ -182,8 +193,7 @@ with st.expander("Byte formulas"):
         f"- Model: {cfg.source}.")
 
 st.subheader("4 · Speedup vs one rank: measured, and a projection to more ranks")
-bw = url_widget(st.select_slider, "Interconnect bandwidth for the projection (GB/s)", "p10_bandwidth", 25,
-                list(BANDWIDTHS_GBPS))
+bw = links.select_slider(st, "Interconnect bandwidth for the projection (GB/s)", "p10_bandwidth")
 if world < 2:
     st.info("The projection needs the summary and fold costs of a run with at least 2 ranks: move the world size.")
 else:

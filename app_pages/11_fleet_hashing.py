@@ -5,9 +5,10 @@ import streamlit as st
 from app_pages.caching import upload_parts
 from app_pages.charts import num, show_chart, show_table
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
 from app_pages.measurement import measured_stamp, remeasure_button
-from app_pages.replica import real_replica
+from app_pages.params import Choice, Int
+from app_pages.replica import real_replica, replica_params
 from lab.fleet import LOOKUP_KEYS, REPLICA_CACHES, display_name
 from lab.fleet_hashing import ALGORITHMS, VNODES, fleet_hashing, lookup_cost
 from lab.fleet_simulation import RealReplica, replica_title
@@ -22,18 +23,29 @@ st.write(
     "Mooncake JSONL file to use your own.")
 
 LABELS = {display_name(a): a for a in ALGORITHMS}
-c1, c2, c3, c4 = st.columns(4)
-replicas = url_widget(c1.slider, "Replicas", "p11_replicas", 8, 2, 32)
-vnodes = url_widget(c2.select_slider, "Virtual nodes per replica (ring)", "p11_vnodes", 160, list(VNODES))
-algorithm = LABELS[url_widget(c3.selectbox, "Algorithm", "p11_algorithm", display_name("ring"), list(LABELS))]
-k = url_widget(c4.slider, "Routing prefix depth k (blocks)", "p11_k", 2, 1, 8)
-
 CACHES = list(REPLICA_CACHES)
-cache_label = url_widget(st.selectbox, "Replica cache", "p11_cache", CACHES[0], CACHES)
+MAX_REQUESTS = 5000
+links = declare(
+    Int("p11_replicas", 8, 2, 32),
+    Choice("p11_vnodes", 160, VNODES),
+    Choice("p11_algorithm", display_name("ring"), LABELS),
+    Int("p11_k", 2, 1, 8),
+    Choice("p11_cache", CACHES[0], CACHES),
+    *replica_params("p11"),
+    Int("p11_requests", 2000, 200, MAX_REQUESTS, step=100),
+    Int("p11_index", 1, 0, MAX_REQUESTS - 1),   # a request of the trace (at most the cap)
+)
+c1, c2, c3, c4 = st.columns(4)
+replicas = links.slider(c1, "Replicas", "p11_replicas")
+vnodes = links.select_slider(c2, "Virtual nodes per replica (ring)", "p11_vnodes")
+algorithm = LABELS[links.selectbox(c3, "Algorithm", "p11_algorithm")]
+k = links.slider(c4, "Routing prefix depth k (blocks)", "p11_k")
+
+cache_label = links.selectbox(st, "Replica cache", "p11_cache")
 real = REPLICA_CACHES[cache_label] == "policy"
-replica = real_replica("p11") if real else RealReplica()
+replica = real_replica(links) if real else RealReplica()
 d1, d2 = st.columns([1, 2])
-num_requests = url_widget(d1.slider, "Requests (cap)", "p11_requests", 2000, 200, 5000, step=100)
+num_requests = links.slider(d1, "Requests (cap)", "p11_requests")
 upload = d2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p11_upload")
 
 
@@ -105,7 +117,7 @@ st.caption(f"Each repeat routes {LOOKUP_KEYS:,} random keys; time per lookup = t
            "O(log n) loop; Maglev = one table read; bounded loads walks the ring past full replicas.")
 
 st.subheader("4 · Where one request's prefix lands")
-idx = url_widget(st.number_input, "Request index", "p11_index", 1, 0, n_trace - 1, clamp=True)  # the cap may shrink
+idx = links.number_input(st, "Request index", "p11_index", max_value=n_trace - 1)   # the cap may shrink
 where = run.landing[run.landing.request == idx].assign(algorithm=lambda d: d.algorithm.map(display_name))
 show_table(where, {"algorithm": "Algorithm", "replica": "Replica", "routing_key": "Routing key (hex)",
                    "prefix_blocks": num("Prefix (blocks)"), "requests_sharing_prefix": num("Requests sharing the prefix")})

@@ -5,8 +5,9 @@ import streamlit as st
 from app_pages.caching import upload_parts
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
-from app_pages.replica import real_replica
+from app_pages.links import declare
+from app_pages.params import Choice, Float, Int, Multi
+from app_pages.replica import real_replica, replica_params
 from lab.fleet import REPLICA_CACHES, display_name
 from lab.fleet_scaling import ACTIONS, CAPACITIES, KEY_ROUTERS, MAX_SEEDS, SMOOTH_WINDOWS, TRACE_SEEDS, fleet_scaling
 from lab.fleet_simulation import RealReplica, replica_title
@@ -19,33 +20,46 @@ st.write(
     "and how fast the caches refill. By default each replica's cache is Kimi-Linear's prefix cache at real bytes "
     "on 8 × H200, where a hit needs a KDA state.")
 
+LABELS = {display_name(a): a for a in KEY_ROUTERS}
+CACHES = list(REPLICA_CACHES)
+links = declare(
+    Int("p12_replicas", 8, 2, 32),
+    Choice("p12_action", "add", ACTIONS),
+    Choice("p12_vnodes", 160, [10, 40, 160, 400, 1000]),
+    Choice("p12_keys", 30_000, [10_000, 30_000, 100_000]),
+    Int("p12_requests", 800, 200, 3000, step=100),
+    Int("p12_k", 2, 1, 4),
+    Float("p12_at", 0.5, 0.1, 0.9, step=0.05),
+    Int("p12_window", 50, 50, 500, step=50),
+    Int("p12_seeds", TRACE_SEEDS, 1, MAX_SEEDS),
+    Multi("p12_algorithms", [display_name(a) for a in ("ring", "mod_n")], LABELS),
+    Choice("p12_cache", CACHES[0], CACHES),
+    *replica_params("p12"),
+    Choice("p12_capacity", "unlimited", CAPACITIES),
+)
 c1, c2, c3, c4 = st.columns(4)
-replicas = url_widget(c1.slider, "Replicas before the event", "p12_replicas", 8, 2, 32)
-action = url_widget(c2.selectbox, "Event", "p12_action", "add", list(ACTIONS))
-vnodes = url_widget(c3.select_slider, "Ring vnodes", "p12_vnodes", 160, [10, 40, 160, 400, 1000])
-num_keys = url_widget(c4.select_slider, "Random keys", "p12_keys", 30_000, [10_000, 30_000, 100_000])
+replicas = links.slider(c1, "Replicas before the event", "p12_replicas")
+action = links.selectbox(c2, "Event", "p12_action")
+vnodes = links.select_slider(c3, "Ring vnodes", "p12_vnodes")
+num_keys = links.select_slider(c4, "Random keys", "p12_keys")
 
 part1, part2 = st.container(), st.container()
 part2.subheader("2 · Hit ratio across the scale event (trace replay)")
 d1, d2, d3, d4, d5 = part2.columns(5)
-num_requests = url_widget(d1.slider, "Requests (cap)", "p12_requests", 800, 200, 3000, step=100)
-k = url_widget(d2.slider, "Routing prefix depth k (blocks)", "p12_k", 2, 1, 4)
-at = url_widget(d3.slider, "Event at (fraction of the trace)", "p12_at", 0.5, 0.1, 0.9, step=0.05)
-window = url_widget(d4.slider, "Window (requests)", "p12_window", 50, 50, 500, step=50)
-seeds = url_widget(d5.slider, "Synthetic traces averaged", "p12_seeds", TRACE_SEEDS, 1, MAX_SEEDS)
-LABELS = {display_name(a): a for a in KEY_ROUTERS}
-algo_labels = url_widget(part2.multiselect, "Algorithms replayed (each costs a replay per trace)", "p12_algorithms",
-                         [display_name(a) for a in ("ring", "mod_n")], list(LABELS))
-CACHES = list(REPLICA_CACHES)
-cache_label = url_widget(part2.selectbox, "Replica cache", "p12_cache", CACHES[0], CACHES)
+num_requests = links.slider(d1, "Requests (cap)", "p12_requests")
+k = links.slider(d2, "Routing prefix depth k (blocks)", "p12_k")
+at = links.slider(d3, "Event at (fraction of the trace)", "p12_at")
+window = links.slider(d4, "Window (requests)", "p12_window")
+seeds = links.slider(d5, "Synthetic traces averaged", "p12_seeds")
+algo_labels = links.multiselect(part2, "Algorithms replayed (each costs a replay per trace)", "p12_algorithms")
+cache_label = links.selectbox(part2, "Replica cache", "p12_cache")
 real = REPLICA_CACHES[cache_label] == "policy"
 replica = RealReplica()
 capacity = "unlimited"
 if real:   # the GPUs and TP sizes offered are those the model's weights fit in
-    replica = real_replica("p12", part2)
+    replica = real_replica(links, part2)
 else:
-    capacity = url_widget(part2.select_slider, "Cache per replica (blocks of 512 tokens)", "p12_capacity", "unlimited",
-                          list(CAPACITIES))
+    capacity = links.select_slider(part2, "Cache per replica (blocks of 512 tokens)", "p12_capacity")
 upload = part2.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p12_upload")
 if not algo_labels:
     part2.info("Pick at least one algorithm to replay.")

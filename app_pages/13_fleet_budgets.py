@@ -8,8 +8,9 @@ import streamlit as st
 from app_pages.caching import upload_parts
 from app_pages.charts import num, show_chart, show_table
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
-from app_pages.replica import real_replica
+from app_pages.links import declare
+from app_pages.params import Choice, Int
+from app_pages.replica import real_replica, replica_params
 from lab.budgets import (
     BATCH_BUDGET,
     BATCH_LOAD,
@@ -41,38 +42,49 @@ st.write(
     "H200), so another GPU or TP gets the same requests/s and its roofline service times set the seconds.")
 
 
-def _slider(col, label, lo, hi, step, key, percent=False):
-    d = round(100 * DEFAULTS[key]) if percent else DEFAULTS[key]   # loads and budgets: shown in % of capacity
-    return url_widget(col.slider, label, f"p13_{key}", d, lo, hi, step=step)
+def _pct(key: str) -> int:
+    return round(100 * DEFAULTS[key])   # loads and budgets: shown in % of capacity
 
 
 REPLICAS = list(REPLICA_MODELS)
-replica_label = url_widget(st.selectbox, "Replica", "p13_replica", REPLICAS[0], REPLICAS)
+BASES = list(LOAD_BASES)
+BURST_LABELS = [CLASS_LABELS[k] for k in BURST_CLASSES]
+links = declare(
+    Choice("p13_replica", REPLICAS[0], REPLICAS),
+    *replica_params("p13", policy=False),
+    Choice("p13_load_basis", BASES[0], BASES, format_func=LOAD_BASES.get),
+    Int("p13_vip_load", _pct("vip_load"), 1, 20),
+    Int("p13_standard_load", _pct("standard_load"), 5, 50, step=5),
+    Int("p13_vip_weight", DEFAULTS["vip_weight"], 1, 8),
+    Int("p13_standard_budget", _pct("standard_budget"), 10, 100, step=5),
+    Choice("p13_burst_class", BURST_LABELS[0], BURST_LABELS),
+    Int("p13_burst_load", _pct("burst_load"), 0, 400, step=25),
+    Int("p13_burst_duration_s", DEFAULTS["burst_duration_s"], 5, 30, step=5),
+    Int("p13_num_replicas", DEFAULTS["num_replicas"], 1, 8),
+)
+replica_label = links.selectbox(st, "Replica", "p13_replica")
 service_model = REPLICA_MODELS[replica_label]
 replica = RealReplica()
-BASES = list(LOAD_BASES)
 load_basis = "own"   # the A10G replica has no hardware choice: its loads are shares of its own capacity
 if service_model == "roofline":   # the GPUs and TP sizes offered are those the model's weights fit in
-    replica = real_replica("p13", policy=False)
-    load_basis = url_widget(st.radio, "Loads are shares of", "p13_load_basis", BASES[0], BASES,
-                            format_func=LOAD_BASES.get, horizontal=True)
+    replica = real_replica(links, policy=False)
+    load_basis = links.radio(st, "Loads are shares of", "p13_load_basis", horizontal=True)
 else:
     st.caption(f"This replica's speed is **assumed**, not derived: the VTC artifact's A10G calibration (Llama-7B, "
                f"measured) sped up by prefill × {PREFILL_SPEEDUP:g} and decode × {DECODE_SPEEDUP:g}. The roofline "
                "cannot set it (it has neither Llama-7B's shape nor an A10G preset), so no GPU is offered and the loads "
                "are shares of this replica's own capacity.")
 c1, c2, c3, c4 = st.columns(4)
-vip_load = _slider(c1, "VIP load (% of capacity)", 1, 20, 1, "vip_load", percent=True)
-std_load = _slider(c2, "Standard load (% of capacity)", 5, 50, 5, "standard_load", percent=True)
-vip_weight = _slider(c3, "VIP weight", 1, 8, 1, "vip_weight")
-std_budget = _slider(c4, "Standard budget (% of capacity)", 10, 100, 5, "standard_budget", percent=True)
+vip_load = links.slider(c1, "VIP load (% of capacity)", "p13_vip_load")
+std_load = links.slider(c2, "Standard load (% of capacity)", "p13_standard_load")
+vip_weight = links.slider(c3, "VIP weight", "p13_vip_weight")
+std_budget = links.slider(c4, "Standard budget (% of capacity)", "p13_standard_budget")
 b1, b2, b3, b4 = st.columns(4)
-BURST_LABELS = [CLASS_LABELS[k] for k in BURST_CLASSES]
-burst_label = url_widget(b1.selectbox, "Burst class", "p13_burst_class", BURST_LABELS[0], BURST_LABELS)
+burst_label = links.selectbox(b1, "Burst class", "p13_burst_class")
 burst_class = BURST_CLASSES[BURST_LABELS.index(burst_label)]
-burst_load = _slider(b2, "Burst load (% of capacity)", 0, 400, 25, "burst_load", percent=True)
-burst_s = _slider(b3, "Burst duration (s)", 5, 30, 5, "burst_duration_s")
-replicas = _slider(b4, "Replicas", 1, 8, 1, "num_replicas")
+burst_load = links.slider(b2, "Burst load (% of capacity)", "p13_burst_load")
+burst_s = links.slider(b3, "Burst duration (s)", "p13_burst_duration_s")
+replicas = links.slider(b4, "Replicas", "p13_num_replicas")
 azure = st.file_uploader("Burst shape from an Azure LLM trace CSV (optional; default: uniform generator)",
                          type=["csv"], key="p13_azure")
 

@@ -7,9 +7,10 @@ import streamlit as st
 from app_pages.caching import upload_parts
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
 from app_pages.measurement import run_on_request
-from app_pages.replica import real_replica
+from app_pages.params import Choice, Int, Multi
+from app_pages.replica import real_replica, replica_params
 from lab.fleet import DISPLAY_NAMES
 from lab.fleet_simulation import (
     ARRIVAL_RATES,
@@ -46,35 +47,47 @@ st.write(
     "default load is where queues form and routing decides TTFT.")
 
 SERVICES = list(SERVICE_MODELS)
-service_label = url_widget(st.selectbox, "Replica", "p14_model", SERVICES[0], SERVICES)
-real = SERVICE_MODELS[service_label] == "roofline"
-if real:   # the GPUs and TP sizes offered are those the model's weights fit in
-    replica = real_replica("p14", model_key="p14_real_model")
-else:
-    replica = RealReplica()
 TRACE_RATE = "trace's own"
 RATE_OPTIONS = [TRACE_RATE] + [str(r) for r in ARRIVAL_RATES]
-rate_label = url_widget(st.select_slider, "Offered load (requests / s across the fleet)", "p14_rate",
-                        str(DEFAULT_ARRIVAL_RPS), RATE_OPTIONS)
+SCHEDULER_NAMES = [SCHEDULER_LABELS[s] for s in SCHEDULERS]
+POLICY_NAMES = [DISPLAY_NAMES[p] for p in ROUTING_POLICIES]
+links = declare(
+    Choice("p14_model", SERVICES[0], SERVICES),
+    *replica_params("p14", model_key="p14_real_model"),
+    Choice("p14_rate", str(DEFAULT_ARRIVAL_RPS), RATE_OPTIONS),
+    Int("p14_requests", 600, 200, 5000, step=100),
+    Int("p14_replicas", 8, 1, 16),
+    Int("p14_k", 2, 1, 4),
+    Choice("p14_capacity", "8000", CAPACITIES),
+    Choice("p14_scheduler", SCHEDULER_LABELS["vtc"], SCHEDULER_NAMES),
+    Int("p14_vip", 10, 0, 50, step=5),
+    Choice("p14_scale", "none", SCALE_EVENTS),
+    Int("p14_speed", 8, 1, 20),
+    Multi("p14_policies", [DISPLAY_NAMES[p] for p in ("ring", "round_robin", "cache_aware", "bounded_load")],
+          POLICY_NAMES),
+)
+service_label = links.selectbox(st, "Replica", "p14_model")
+real = SERVICE_MODELS[service_label] == "roofline"
+if real:   # the GPUs and TP sizes offered are those the model's weights fit in
+    replica = real_replica(links, model_key="p14_real_model")
+else:
+    replica = RealReplica()
+rate_label = links.select_slider(st, "Offered load (requests / s across the fleet)", "p14_rate")
 arrival_rps = None if rate_label == TRACE_RATE else float(rate_label)
 c1, c2, c3, c4 = st.columns(4)
-num_requests = url_widget(c1.slider, "Requests (cap)", "p14_requests", 600, 200, 5000, step=100)
-replicas = url_widget(c2.slider, "Replicas", "p14_replicas", 8, 1, 16)
-k = url_widget(c3.slider, "Routing prefix depth k (blocks)", "p14_k", 2, 1, 4)
-capacity = "8000" if real else url_widget(  # a real-model replica's cache is its byte budget (above)
-    c4.select_slider, "Cache per replica (blocks of 512 tokens)", "p14_capacity", "8000", list(CAPACITIES))
+num_requests = links.slider(c1, "Requests (cap)", "p14_requests")
+replicas = links.slider(c2, "Replicas", "p14_replicas")
+k = links.slider(c3, "Routing prefix depth k (blocks)", "p14_k")
+capacity = "8000" if real else links.select_slider(  # a real-model replica's cache is its byte budget (above)
+    c4, "Cache per replica (blocks of 512 tokens)", "p14_capacity")
 d1, d2, d3, d4 = st.columns(4)
-SCHEDULER_NAMES = [SCHEDULER_LABELS[s] for s in SCHEDULERS]
-scheduler = SCHEDULERS[SCHEDULER_NAMES.index(url_widget(d1.selectbox, "Replica scheduler", "p14_scheduler",
-                                                        SCHEDULER_LABELS["vtc"], SCHEDULER_NAMES))]
-vip_pct = url_widget(d2.slider, "VIP share of requests (%)", "p14_vip", 10, 0, 50, step=5)
-scale = url_widget(d3.selectbox, "Scale event at half time", "p14_scale", "none", list(SCALE_EVENTS))
-speed = 8 if real else url_widget(  # an assumption for the A10G / CPU replicas; a real model's times: the roofline
-    d4.slider, "Replica speed-up, assumed (prefill ×; decode × 5/8 of it)", "p14_speed", 8, 1, 20)
-POLICY_NAMES = [DISPLAY_NAMES[p] for p in ROUTING_POLICIES]
-policies = [ROUTING_POLICIES[POLICY_NAMES.index(name)] for name in url_widget(
-    st.multiselect, "Routing policies", "p14_policies",
-    [DISPLAY_NAMES[p] for p in ("ring", "round_robin", "cache_aware", "bounded_load")], POLICY_NAMES)]
+scheduler = SCHEDULERS[SCHEDULER_NAMES.index(links.selectbox(d1, "Replica scheduler", "p14_scheduler"))]
+vip_pct = links.slider(d2, "VIP share of requests (%)", "p14_vip")
+scale = links.selectbox(d3, "Scale event at half time", "p14_scale")
+speed = 8 if real else links.slider(  # an assumption for the A10G / CPU replicas; a real model's times: the roofline
+    d4, "Replica speed-up, assumed (prefill ×; decode × 5/8 of it)", "p14_speed")
+policies = [ROUTING_POLICIES[POLICY_NAMES.index(name)] for name in links.multiselect(st, "Routing policies",
+                                                                                     "p14_policies")]
 upload = st.file_uploader("Mooncake trace (JSONL, optional)", type=["jsonl", "json"], key="p14_upload")
 if not policies:
     st.info("Pick at least one routing policy.")

@@ -6,9 +6,10 @@ import streamlit as st
 from app_pages.caching import upload_parts
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
 from app_pages.measurement import run_on_request
-from app_pages.replica import real_replica
+from app_pages.params import Int, Multi
+from app_pages.replica import real_replica, replica_params
 from lab.real_scale import (
     BUDGET_FRACTIONS,
     CACHE_POLICIES,
@@ -32,7 +33,12 @@ st.write(
     "TP group. Part 1 puts Kimi Linear beside its all-MLA counterfactual (same layers and heads, every layer MLA) "
     "with the Kimi Linear report's published points. Part 2 replays a trace through the prefix caches of our "
     "engine, SGLang and vLLM, each counted in the chosen model's bytes under one memory budget per replica.")
-replica = real_replica("p15", policy=False)   # only the GPUs and TP sizes the weights fit in
+links = declare(
+    *replica_params("p15", policy=False),
+    Int("p15_requests", 3000, 1000, 6000, step=500),
+    Multi("p15_policies", DEFAULT_POLICIES, CACHE_POLICIES + EXTRA_CACHE_POLICIES, format_func=policy_title),
+)
+replica = real_replica(links, policy=False)   # only the GPUs and TP sizes the weights fit in
 model, hw, tp = replica.model, replica.gpu, replica.tp
 _roofline = st.cache_data(roofline_view, show_spinner=False, max_entries=64, ttl="1h")
 view = engine_call(_roofline, replica)
@@ -191,9 +197,8 @@ st.markdown(
 
 st.subheader("2 · Policy comparison at real scale")
 d1, d2 = st.columns([1, 2])
-num_requests = url_widget(d1.slider, "Requests (cap)", "p15_requests", 3000, 1000, 6000, step=500)
-policies = url_widget(d2.multiselect, "Policies", "p15_policies", list(DEFAULT_POLICIES),
-                      list(CACHE_POLICIES + EXTRA_CACHE_POLICIES), format_func=policy_title)
+num_requests = links.slider(d1, "Requests (cap)", "p15_requests")
+policies = links.multiselect(d2, "Policies", "p15_policies")
 data, upload_name = upload_parts(st.file_uploader("Mooncake trace (JSONL, optional; the synthetic generator "
                                                   "otherwise)", type=["jsonl", "json"], key="p15_upload"))
 fractions = ", ".join(f"1/{round(1 / f)}" if f < 1 else "1" for f in BUDGET_FRACTIONS)

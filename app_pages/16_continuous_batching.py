@@ -6,8 +6,9 @@ import streamlit as st
 
 from app_pages.charts import int_tick_step, show_chart
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
 from app_pages.measurement import measured_stamp, remeasure_button, run_on_request
+from app_pages.params import Choice, Int, Toggle
 from lab.batching import DEFAULTS, OUTPUT_TOKENS, PROMPT_TOKENS, batching_run, decode_throughput
 
 st.title("Continuous batching")
@@ -23,13 +24,18 @@ st.caption(f"The trace: {DEFAULTS['num_requests']} seeded requests, prompts of {
            "is kept small because every request runs twice on this CPU, batched and alone; a request's run alone "
            "depends only on the budget and speculation, so it is reused when the other settings change.")
 
+links = declare(
+    Int("p16_seqs", DEFAULTS["max_num_seqs"], 1, 16),
+    Choice("p16_budget", DEFAULTS["max_num_batched_tokens"], [64, 128, 256, 512]),
+    Int("p16_slots", DEFAULTS["num_state_slots"], 1, 16),
+    Toggle("p16_spec", DEFAULTS["speculation"]),
+)
 c1, c2, c3, c4 = st.columns(4)
-seqs = url_widget(c1.slider, "max_num_seqs", "p16_seqs", DEFAULTS["max_num_seqs"], 1, 16)
-budget = url_widget(c2.select_slider, "Token budget per step (tokens)", "p16_budget",
-                    DEFAULTS["max_num_batched_tokens"], [64, 128, 256, 512])
-slots = url_widget(c3.slider, "State slots", "p16_slots", DEFAULTS["num_state_slots"], 1, 16)
-spec = url_widget(c4.toggle, "Speculation", "p16_spec", DEFAULTS["speculation"],
-                  help="prompt lookup (n-gram) drafts, verified in the batch alongside decode and prefill rows.")
+seqs = links.slider(c1, "max_num_seqs", "p16_seqs")
+budget = links.select_slider(c2, "Token budget per step (tokens)", "p16_budget")
+slots = links.slider(c3, "State slots", "p16_slots")
+spec = links.toggle(c4, "Speculation", "p16_spec",
+                    help="prompt lookup (n-gram) drafts, verified in the batch alongside decode and prefill rows.")
 
 
 @st.cache_data(show_spinner="Replaying the trace, then every request alone…", max_entries=32, ttl="1h")

@@ -5,8 +5,9 @@ import streamlit as st
 
 from app_pages.charts import num, show_chart, show_table
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
 from app_pages.measurement import run_on_request
+from app_pages.params import Choice
 from lab.shipped import missing_note
 from lab.state_capacity import (
     CONTEXTS,
@@ -77,11 +78,21 @@ def agreement_chart(summary, key: str) -> None:
     show_chart(fig, summary, key=key)
 
 
+links = declare(
+    Choice("p17_gpu", "H200", GPU_NAMES),
+    Choice("p17_context", 4096, CONTEXTS),
+    Choice("p17_decay", 1e-4, DECAYS),
+    Choice("p17_vscale", 1.0, VALUE_SCALES),
+    Choice("p17_doc", PAGE_DOCUMENTS[0], PAGE_DOCUMENTS),
+    Choice("p17_tokens", 64, PAGE_TOKENS),
+    Choice("p17_continue", 16, PAGE_CONTINUE),
+    Choice("p17_draft", 4, DRAFT_LENS),
+)
+
 st.subheader("1 · Requests per GPU at real bytes")
 c1, c2 = st.columns(2)
-gpu = url_widget(c1.selectbox, "GPU", "p17_gpu", "H200", list(GPU_NAMES))
-context = url_widget(c2.select_slider, "Context beside each slot (tokens of MLA latent KV)", "p17_context", 4096,
-                     list(CONTEXTS))
+gpu = links.selectbox(c1, "GPU", "p17_gpu")
+context = links.select_slider(c2, "Context beside each slot (tokens of MLA latent KV)", "p17_context")
 cap = engine_call(st.cache_data(capacity_table, show_spinner=False, max_entries=32, ttl="1h"), context, gpu)
 fig = go.Figure()
 for model, c in cap.groupby("model", sort=False):
@@ -125,8 +136,8 @@ else:
 
 st.subheader("3 · Can the state outgrow fp16? (constructed low-decay input)")
 e1, e2 = st.columns(2)
-decay = url_widget(e1.select_slider, "Decay per token, 1 − exp(g)", "p17_decay", 1e-4, list(DECAYS))
-vscale = url_widget(e2.select_slider, "Value scale σ of v ~ N(0, σ²)", "p17_vscale", 1.0, list(VALUE_SCALES))
+decay = links.select_slider(e1, "Decay per token, 1 − exp(g)", "p17_decay")
+vscale = links.select_slider(e2, "Value scale σ of v ~ N(0, σ²)", "p17_vscale")
 probe = engine_call(st.cache_data(low_decay_probe, show_spinner=False, max_entries=16, ttl="1h"), 1024, decay, vscale)
 fig = go.Figure()
 for column, name in (("max_abs_state", "max |S|"), ("max_abs_readout", "max |o| (readout)"),
@@ -191,10 +202,10 @@ else:
 
 st.subheader("5 · Your run")
 d1, d2, d3, d4 = st.columns(4)
-doc = url_widget(d1.selectbox, "Held-out file", "p17_doc", PAGE_DOCUMENTS[0], list(PAGE_DOCUMENTS))
-tokens = url_widget(d2.select_slider, "Teacher-forced tokens", "p17_tokens", 64, list(PAGE_TOKENS))
-cont = url_widget(d3.select_slider, "Free-running tokens", "p17_continue", 16, list(PAGE_CONTINUE))
-draft = url_widget(d4.select_slider, "Drafts per verify", "p17_draft", 4, list(DRAFT_LENS))
+doc = links.selectbox(d1, "Held-out file", "p17_doc")
+tokens = links.select_slider(d2, "Teacher-forced tokens", "p17_tokens")
+cont = links.select_slider(d3, "Free-running tokens", "p17_continue")
+draft = links.select_slider(d4, "Drafts per verify", "p17_draft")
 run_on_request("p17_run_on", "p17_run_button", "Decode with every format",
                "Decodes the file token by token once per format on this CPU (a few seconds at the defaults; longer runs grow as tokens squared).")
 run = engine_call(st.cache_data(precision_run, show_spinner="Decoding with every format…", max_entries=8, ttl="1h"),

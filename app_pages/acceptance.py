@@ -1,6 +1,7 @@
 """Measured draft acceptance on pages 01, 02 and 04: the drafter selector and the per-position chart.
 
-``drafter_selector`` puts the drafter (prompt lookup (n-gram) by default, the trained draft model, or the noisy
+``drafter_params(prefix)`` and ``acceptance_params(prefix)`` are the URL parameters of the two, for the page's
+``declare(...)``; ``drafter_selector`` puts the drafter (prompt lookup (n-gram) by default, the trained draft model, or the noisy
 oracle as a labelled controlled experiment whose correctness slider shows only when it is chosen) in a column;
 ``acceptance_section`` measures acceptance per draft position on held-out code and prose prompts against the
 trained target, behind a button (seconds to a minute of CPU: kept off the first render), and draws it, with the
@@ -16,7 +17,8 @@ import streamlit as st
 from app_pages.caching import built_by_loaded_code
 from app_pages.charts import num, pct, show_chart, show_table
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import PageLinks
+from app_pages.params import Choice, Float, Param
 from lab.drafters import (
     BENCH_SIZE,
     DRAFTER_LABELS,
@@ -35,21 +37,26 @@ target = st.cache_resource(demo_model, validate=built_by_loaded_code, max_entrie
 draft = st.cache_resource(draft_model, validate=built_by_loaded_code, max_entries=1)
 
 
-def drafter_selector(col, prefix: str, oracle_keys: tuple[str, ...] = ()) -> tuple[str, float]:
-    """The drafter selectbox (URL key ``{prefix}_drafter``) in ``col``, and for the noisy oracle only its
-    correctness slider (``{prefix}_accept``). A link that sets ``{prefix}_accept`` or one of ``oracle_keys`` (the
-    oracle's other widgets: links made when the oracle was the only drafter) picks the oracle. Returns (drafter, p)."""
-    linked = any(k in st.query_params for k in (f"{prefix}_accept", *oracle_keys))
-    default = "noisy oracle" if linked else DRAFTERS[0]
-    drafter = url_widget(col.selectbox, "Drafter", f"{prefix}_drafter", default, list(DRAFTERS),
-                         format_func=DRAFTER_LABELS.__getitem__,
-                         help="prompt lookup (n-gram): copy what followed the last n bytes earlier in the text. "
-                              "draft model: the trained 2-layer model (1 KDA + 1 MLA) drafts greedily. noisy oracle: "
-                              + ORACLE_HELP)
+def drafter_params(prefix: str) -> tuple[Param, ...]:
+    """The drafter selector's parameters on page ``prefix`` (``"p02"``): ``{prefix}_drafter`` (prompt lookup by
+    default) and the noisy oracle's correctness ``{prefix}_accept``."""
+    return (Choice(f"{prefix}_drafter", DRAFTERS[0], DRAFTERS, format_func=DRAFTER_LABELS.__getitem__),
+            Float(f"{prefix}_accept", 0.7, 0.0, 1.0, step=0.05))
+
+
+def drafter_selector(links: PageLinks, col, oracle_keys: tuple[str, ...] = ()) -> tuple[str, float]:
+    """The drafter selectbox of :func:`drafter_params` in ``col``, and for the noisy oracle only its correctness
+    slider. A link that sets ``{prefix}_accept`` or one of ``oracle_keys`` (the oracle's other widgets: links made
+    when the oracle was the only drafter) picks the oracle. Returns (drafter, p)."""
+    accept = links.prefix + "accept"
+    linked = any(k in st.query_params for k in (accept, *oracle_keys))
+    drafter = links.selectbox(col, "Drafter", links.prefix + "drafter", default="noisy oracle" if linked else None,
+                              help="prompt lookup (n-gram): copy what followed the last n bytes earlier in the text. "
+                                   "draft model: the trained 2-layer model (1 KDA + 1 MLA) drafts greedily. noisy "
+                                   "oracle: " + ORACLE_HELP)
     p = 0.7
     if drafter == "noisy oracle":
-        p = url_widget(col.slider, "Draft correctness p (controlled experiment)", f"{prefix}_accept", 0.7, 0.0, 1.0,
-                       step=0.05, help=ORACLE_HELP)
+        p = links.slider(col, "Draft correctness p (controlled experiment)", accept, help=ORACLE_HELP)
     return drafter, p
 
 
@@ -67,6 +74,11 @@ SIZE_LABELS = {"bench": f"the bench's: {BENCH_SIZE.num_prompts} prompts per kind
 SIZE_HELP = ("The bench's prompts and bytes (`python -m bench.drafters`, bench/README.md's table) take about 20–60 s on "
              "this CPU; the quick run about 10 s, but with so few bytes the target's loops decide the ranking: too "
              "small to rank drafters.")
+
+
+def acceptance_params(prefix: str) -> tuple[Param, ...]:
+    """The acceptance section's parameter on page ``prefix``: its run size ``{prefix}_acceptance_size``."""
+    return (Choice(f"{prefix}_acceptance_size", "bench", SIZES, format_func=SIZE_LABELS.__getitem__),)
 
 
 def label(drafter: str, p: float) -> str:
@@ -98,15 +110,16 @@ def conditions_caption(drafter: str, num_draft: int, cond: dict, summary) -> str
             f"drafts per verify{versus}. {loops}")
 
 
-def acceptance_section(prefix: str, drafter: str, p: float, num_draft: int, title: str) -> None:
-    """Section ``title``: behind a button (session flag ``{prefix}_acceptance_on``, set in the button's callback
+def acceptance_section(links: PageLinks, drafter: str, p: float, num_draft: int, title: str) -> None:
+    """Section ``title`` of the page whose parameters are ``links`` (with :func:`acceptance_params`): behind a
+    button (session flag ``{prefix}_acceptance_on``, set in the button's callback
     so the click is never lost to a rerun), acceptance per draft position of ``drafter`` at ``num_draft`` drafts
     on held-out code vs prose, and the summary table. Until the click it shows the button and returns: the
     rest of the page still renders (unlike ``run_on_request``, which stops the page)."""
     st.subheader(title)
+    prefix = links.prefix.rstrip("_")
     flag = f"{prefix}_acceptance_on"
-    size = url_widget(st.radio, "Run size", f"{prefix}_acceptance_size", "bench", list(SIZES),
-                      format_func=SIZE_LABELS.__getitem__, horizontal=True, help=SIZE_HELP)
+    size = links.radio(st, "Run size", f"{prefix}_acceptance_size", horizontal=True, help=SIZE_HELP)
     if not st.session_state.get(flag):
         st.caption(f"Generates {SIZES[size].new_tokens} bytes after {SIZES[size].num_prompts} held-out code and "
                    f"{SIZES[size].num_prompts} held-out prose prompts with the trained target and the "

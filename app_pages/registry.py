@@ -17,7 +17,7 @@ class Tab(NamedTuple):
 
     @property
     def link_prefix(self) -> str:
-        """The prefix of the tab's URL keys: ``p05_`` for ``05_page_pool.py`` (``app_pages.links.url_widget``)."""
+        """The prefix of the tab's URL keys: ``p05_`` for ``05_page_pool.py`` (``app_pages.links.declare``)."""
         return f"p{self.path.rsplit('/', 1)[-1][:2]}_"
 
 

@@ -243,7 +243,7 @@ def test_a_bad_number_in_a_link_is_ignored_in_the_browser(server, link, key, def
 
 
 def test_back_and_forward_step_through_the_views(server):
-    """A moved widget goes into the address bar (``app_pages.links.url_widget`` writes ``st.query_params``); the
+    """A moved widget goes into the address bar (``app_pages.links`` writes ``st.query_params``); the
     browser's back and forward give the previous and next values back, and a page switch there and back keeps the
     value, its key off the other page's URL."""
     from playwright.sync_api import sync_playwright

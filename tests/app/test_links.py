@@ -3,10 +3,13 @@
 - No file of the app (``app.py``, ``app_pages/``, ``lab/``) imports Streamlit's internals (``streamlit.runtime``,
   any ``streamlit.*`` module but the public ``streamlit.components.v1``) or reads a private attribute (``._name``)
   of ``st`` / ``streamlit`` or of an object reached from it (``st.query_params._initial_query_params``).
-- ``url_widget`` writes a widget's value to the URL after it is drawn (no key at the default), reads it back when
-  the link changes (the browser's back / forward), and ``app.py`` keeps only the open page's keys in the URL while
+- A drawn parameter writes its widget's value to the URL after it is drawn (no key at the default), reads it back
+  when the link changes (the browser's back / forward), and ``app.py`` keeps only the open page's keys in the URL while
   the widgets keep their values across page switches.
 - A link's notice names the values a widget takes and states a long value's length once.
+- A page's URL whitelist is its declared parameters (``declare(...)``), nothing read from its source: a declared key
+  stays in the URL even in a run that does not draw its widget, any other key of the page's shape leaves it with a
+  notice, and a widget drawn for a key the page did not declare fails loudly.
 """
 import ast
 from pathlib import Path
@@ -14,7 +17,9 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from app_pages.links import page_link_keys
+from app_pages.links import DECLARED
+from app_pages.params import APP_KEY
+from app_pages.registry import HOME, TABS
 
 REPO = Path(__file__).resolve().parents[2]
 APP = str(REPO / "app.py")
@@ -81,7 +86,7 @@ def _run(at: AppTest) -> AppTest:
     return at
 
 
-def test_url_widget_keeps_the_url_in_step():
+def test_a_drawn_parameter_keeps_the_url_in_step():
     """Page 05: a link's value is taken; a moved widget goes into the URL and leaves it at its default; a URL that
     changes under the session (back / forward) sets the widget, but not in a rerun started by moving a widget (the
     address bar may lag behind); another page's URL carries none of page 05's keys,
@@ -178,13 +183,127 @@ def test_an_unknown_key_of_the_page_is_reported_and_dropped(path, params, unknow
     assert len(at.toast) == 1, [t.value for t in at.toast]                  # the page's real keys raise nothing
 
 
-def test_only_keys_of_url_widgets_are_link_settings():
-    """A chart's, a button's or an uploader's key is not a link setting: ``?p17_bench=<20,000 nines>`` (page 17's
-    chart key) stayed in the URL with no notice because every ``"p17_..."`` literal of the page counted. Widgets drawn
-    through a helper (``real_replica(..., model_key="p14_real_model")``, ``f"{prefix}_gpu"``) still count."""
-    p17 = page_link_keys("app_pages/17_state_precision.py", "p17_")
-    assert not {"p17_bench", "p17_bench_agreement", "p17_run_button", "p17_run_on"} & p17, p17
-    assert {"p17_context", "p17_tokens", "p17_gpu"} <= p17
-    p14 = page_link_keys("app_pages/14_fleet_simulation.py", "p14_")
-    assert {"p14_real_model", "p14_policies", "p14_gpu", "p14_tp"} <= p14 and "p14_ttft_chart" not in p14
-    assert "p13_azure" not in page_link_keys("app_pages/13_fleet_budgets.py", "p13_")          # a file uploader
+def _declaring_page():
+    """A page of three parameters; the mode's widget shows only with "more" on."""
+    import streamlit as st
+
+    from app_pages.links import declare
+    from app_pages.params import Choice, Int, Toggle
+
+    links = declare(Int("p99_n", 3, 0, 9), Toggle("p99_more", False), Choice("p99_mode", "a", ["a", "b"]))
+    n = links.slider(st, "n", "p99_n")
+    if links.checkbox(st, "more", "p99_more"):
+        links.selectbox(st, "mode", "p99_mode")
+    st.write(f"n = {n}")
+
+
+def test_the_url_whitelist_is_the_declared_keys():
+    """Every declared key is a link setting, drawn this run or not (``p99_mode`` is hidden with "more" off: its link
+    value waits in the URL); an undeclared key of the page's shape leaves the URL with a notice; other pages' keys
+    and keys of other shapes stay."""
+    at = AppTest.from_function(_declaring_page, default_timeout=30)
+    for key, value in {"p99_n": "5", "p99_mode": "b", "p99_ghost": "1", "p98_n": "1", "utm": "x"}.items():
+        at.query_params[key] = value
+    _run(at)
+    assert at.session_state[DECLARED].keys == {"p99_n", "p99_more", "p99_mode"}
+    assert [t.value for t in at.toast] == ["Unknown link setting p99_ghost ignored: this page has no widget of that "
+                                           "name."]
+    assert set(at.query_params) == {"p99_n", "p99_mode", "p98_n", "utm"} and at.slider(key="p99_n").value == 5
+    at.checkbox(key="p99_more").check()
+    _run(at)
+    assert at.selectbox(key="p99_mode").value == "b"
+
+
+def _undeclared_page():
+    import streamlit as st
+
+    from app_pages.links import declare
+    from app_pages.params import Int
+
+    links = declare(Int("p99_n", 3, 0, 9))
+    links.slider(st, "n", "p99_n")
+    links.slider(st, "m", "p99_m")
+
+
+def _wrong_widget_page():
+    import streamlit as st
+
+    from app_pages.links import declare
+    from app_pages.params import Int
+
+    links = declare(Int("p99_n", 3, 0, 9))
+    links.selectbox(st, "n", "p99_n")
+
+
+def _two_pages_page():
+    from app_pages.links import declare
+    from app_pages.params import Int
+
+    declare(Int("p99_n", 3, 0, 9), Int("p98_n", 3, 0, 9))
+
+
+@pytest.mark.parametrize(("page", "error"), [
+    (_undeclared_page, "p99_m is drawn but not declared: add it to the page's declare(...) call (declared: p99_n)"),
+    (_wrong_widget_page, "p99_n is declared as a Int; a selectbox draws Choice"),
+    (_two_pages_page, "keys of more than one page declared together: ['p98_', 'p99_']"),
+], ids=["undeclared", "wrong-widget", "two-prefixes"])
+def test_a_widget_the_page_did_not_declare_fails_loudly(page, error):
+    at = AppTest.from_function(page, default_timeout=30)
+    at.run()
+    assert [e.message for e in at.exception] == [error]
+
+
+PAGES = [HOME, *TABS]
+INPUTS = ("slider", "select_slider", "number_input", "selectbox", "multiselect", "radio", "checkbox", "toggle",
+          "text_input", "text_area")
+
+
+@pytest.mark.parametrize("tab", PAGES, ids=[Path(t.path).stem for t in PAGES])
+def test_each_page_links_exactly_what_it_declares(tab):
+    """Each tab declares its parameters under its own prefix and draws no input widget of that shape outside them
+    (a raw ``st.slider(key="p05_x")`` would not be in the URL); opened with every declared key at its default plus
+    one undeclared key, only the undeclared key is reported, and the declared keys whose widgets this run does not
+    draw stay in the URL for the run that does."""
+    at = AppTest.from_file(APP, default_timeout=180)
+    at.switch_page(tab.path)
+    _run(at)
+    links = at.session_state[DECLARED]
+    assert links.prefix == tab.link_prefix
+    drawn = {w.key for kind in INPUTS for w in at.get(kind) if w.key and APP_KEY.fullmatch(w.key)}
+    assert drawn <= links.keys, f"drawn but not declared: {sorted(drawn - links.keys)}"
+    ghost = tab.link_prefix + "not_declared"
+    params = {key: links[key].format(links[key].default) for key in links.keys}
+    at = AppTest.from_file(APP, default_timeout=180)
+    at.switch_page(tab.path)
+    for key, value in {**params, ghost: ["1"]}.items():
+        at.query_params[key] = value
+    _run(at)
+    assert [t.value for t in at.toast] == [f"Unknown link setting {ghost} ignored: this page has no widget of that "
+                                           "name."]
+    hidden = links.keys - {w.key for kind in INPUTS for w in at.get(kind)}
+    assert hidden <= set(at.query_params) and ghost not in at.query_params, (hidden, dict(at.query_params))
+
+
+def test_a_link_the_app_wrote_opens_its_view():
+    """Regression: page 17 wrote the value scale 100.0 to the URL as ``p17_vscale=100`` (a slider's whole-number form)
+    but read back only the option's label ``100.0``: reopening the app's own link said "not one of the values this
+    widget takes now" and showed the default."""
+    at = AppTest.from_file(APP, default_timeout=180)
+    at.switch_page("app_pages/17_state_precision.py")
+    _run(at)
+    at.select_slider(key="p17_vscale").set_value(100.0)
+    _run(at)
+    link = at.query_params["p17_vscale"]
+    assert link == "100.0", link
+    again = AppTest.from_file(APP, default_timeout=180)
+    again.switch_page("app_pages/17_state_precision.py")
+    again.query_params["p17_vscale"] = link
+    _run(again)
+    assert again.select_slider(key="p17_vscale").value == 100.0 and not again.toast, [t.value for t in again.toast]
+
+
+def test_a_range_given_high_end_first_is_ignored_with_a_notice():
+    """Regression: ``?p03_context=65536&p03_context=4096`` was applied with no notice and page 03 showed "ValueError:
+    context_range must be (lo, hi) with 1 <= lo <= hi, got (65536, 4096)"."""
+    notices = _notices("app_pages/03_kda_state_vs_kv.py", {"p03_context": ["65536", "4096"]}, "p03_context")
+    assert notices == ["The link's p03_context=65536, 4096 is a range whose low end comes second; it was ignored."]

@@ -1,6 +1,6 @@
 """Live timings on Home, page 03 and page 08: a Re-measure button clears only its own page's cached
 measurement (cached measurements are shared by every visitor), each measured chart carries its stamp,
-and the view's parameters come from the URL (``app_pages.links.url_widget``).
+and the view's parameters come from the URL (``app_pages.links``: declared parameters).
 
 Cache entries are counted per cached function through Streamlit's cache statistics (the function names
 are unique per page: ``_p00_timing``, ``_p03_measure``, ``_p08_verdict``, ...), and by the data itself:

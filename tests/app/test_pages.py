@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from app_pages.links import PERSISTED_KEYS
+from app_pages.links import DECLARED
 from app_pages.registry import HOME, TABS
 from tests.app.allowed_errors import allowed
 from tests.app.verdicts import VERDICTS
@@ -112,7 +112,7 @@ def test_page(path):
 def test_widget_values_survive_page_switch(path):
     """Move the page's first persisted slider-like widget, visit Home, come back: value kept."""
     at = _fresh(path)
-    persisted = at.session_state[PERSISTED_KEYS] if PERSISTED_KEYS in at.session_state else set()
+    persisted = at.session_state[DECLARED].keys if DECLARED in at.session_state else set()
     widgets = [w for w in _sliders(at) if w.key in persisted and _extremes(w) is not None]
     if not widgets:
         pytest.skip(f"{path} has no persisted slider-like widget")

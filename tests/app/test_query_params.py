@@ -1,8 +1,8 @@
-"""Shareable views: every page keeps the widgets that define its view in the URL (``app_pages.links.url_widget``:
-``?key=value``, synced through the public ``st.query_params``), so a pasted link reproduces the view.
+"""Shareable views: every page keeps the widgets that define its view in the URL (``app_pages.links``: declared
+parameters, ``?key=value``, synced through the public ``st.query_params``), so a pasted link reproduces the view.
 
-For every tab in app_pages/registry.py the URL widgets are found by their keys (every key ``url_widget`` hands
-out is listed in ``st.session_state[PERSISTED_KEYS]``), then the page is opened three more times with query
+For every tab in app_pages/registry.py the URL widgets are found by their keys (the page's declaration is
+``st.session_state[DECLARED]``), then the page is opened three more times with query
 params set before its first run, as a deep link does:
 
 - a valid non-default value per bound widget: every widget takes it;
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from app_pages.links import PERSISTED_KEYS
+from app_pages.links import DECLARED
 from app_pages.registry import HOME, TABS
 from tests.app.allowed_errors import allowed
 
@@ -36,7 +36,7 @@ NUMERIC = {"slider", "number_input"}
 
 def _bound(at: AppTest) -> dict[str, tuple[str, object]]:
     """``{query param key: (widget type, widget)}`` of every widget kept in the URL (its key is the param)."""
-    keys = at.session_state[PERSISTED_KEYS] if PERSISTED_KEYS in at.session_state else set()
+    keys = at.session_state[DECLARED].keys if DECLARED in at.session_state else set()
     return {w.key: (kind, w) for kind in WIDGET_TYPES for w in at.get(kind) if w.key in keys}
 
 
@@ -132,7 +132,7 @@ def test_query_params(tab) -> None:
     if not bound:
         if pending:
             pytest.skip(f"{path}: binding pending on another branch")
-        pytest.fail(f"{path}: no widget is kept in the URL (app_pages.links.url_widget)")
+        pytest.fail(f"{path}: no widget is kept in the URL (app_pages.links.declare)")
     defaults = {key: _normal(kind, _shown(kind, w)) for key, (kind, w) in bound.items()}
 
     valid = {key: _valid_other(kind, w) for key, (kind, w) in bound.items()}
@@ -182,7 +182,7 @@ def test_query_params(tab) -> None:
     ("app_pages/10_kcp.py", {"p10_world": "64"}, "p10_world"),
 ])
 def test_a_dependent_sliders_link_value_out_of_its_bounds_is_reported(path, params, key):
-    """A slider whose upper bound follows another widget (persist_clamped) reports a link's value outside its
+    """A slider whose upper bound follows another widget (drawn with ``max_value=``) reports a link's value outside its
     current bounds, naming both bounds, instead of dropping it silently (or printing "None" for the bound)."""
     at = _open(path, params)
     notices = [t.value for t in at.toast if f"link's {key}=" in t.value]
@@ -191,11 +191,11 @@ def test_a_dependent_sliders_link_value_out_of_its_bounds_is_reported(path, para
 
 @pytest.mark.parametrize("tab", PAGES, ids=[Path(t.path).stem for t in PAGES])
 def test_every_url_widget_states_its_default_once(tab) -> None:
-    """A page binds its widgets to the URL only through ``app_pages.links.url_widget``, which gives the default,
-    options and bounds to the widget and to the value check alike: a page that writes ``bind=`` or ``persist(``
-    itself states them twice, and the two copies can drift apart."""
+    """A page binds its widgets to the URL only through its declared parameters (``app_pages.links``), which give
+    the default, options and bounds to the widget and to the value check alike: a page that writes ``bind=`` or
+    ``persist_state=`` itself states them twice, and the two copies can drift apart."""
     source = Path(tab.path).read_text()
-    assert "bind=" not in source and "persist(" not in source and "persist_clamped(" not in source, tab.path
+    assert "bind=" not in source and "persist_state=" not in source, tab.path
 
 
 @pytest.mark.parametrize(("path", "params", "bound", "lowered", "key"), [

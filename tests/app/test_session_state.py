@@ -1,5 +1,5 @@
 """Persisted widget values that are None, of the wrong type or not a valid option (e.g. a session
-written by another version of a page) must not crash any page: ``persist`` falls back to the
+written by another version of a page) must not crash any page: the page's links (``app_pages.links``) fall back to the
 widget's default with a toast. For every tab, every persisted key is poisoned at once, then the page
 runs; its widgets must show exactly the values of a fresh session."""
 import functools
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from app_pages.links import PERSISTED_KEYS
+from app_pages.links import DECLARED
 from app_pages.registry import HOME, TABS
 
 APP = str(Path(__file__).resolve().parents[2] / "app.py")
@@ -37,7 +37,7 @@ def _fresh(path: str) -> tuple[dict, frozenset, frozenset]:
     """(widget values of a fresh session, the persisted keys, the free-text keys) of the page at ``path``."""
     at = _run(path)
     prefix = f"p{Path(path).name[:2]}_"                      # page-prefixed widget keys
-    keys = {k for k in at.session_state[PERSISTED_KEYS] if k.startswith(prefix)}
+    keys = {k for k in at.session_state[DECLARED].keys if k.startswith(prefix)}
     return _values(at, keys), frozenset(keys), frozenset(w.key for w in at.text_area)
 
 
