@@ -4,10 +4,13 @@ import streamlit as st
 
 from app_pages.charts import show_table
 from app_pages.errors import engine_call
-from app_pages.links import url_widget
+from app_pages.links import declare
 from app_pages.measurement import remeasure_button, requested
+from app_pages.params import Multi
 from lab.conformance import CHECK_IDS, HOW_TO, LLAMA_CPP_BENCH, invariants, live_run, recorded_llama_cpp
 from lab.shipped import missing_note
+
+links = declare(Multi("p18_checks", list(CHECK_IDS), list(CHECK_IDS)))
 
 st.title("Conformance")
 st.write(
@@ -28,7 +31,7 @@ st.caption("Our server started in this process once per setting (as deployed, pr
            "against our engine with a bug of its class put in (tests/conformance/test_suite.py).")
 
 
-checks = url_widget(st.multiselect, "Checks to run", "p18_checks", list(CHECK_IDS), list(CHECK_IDS))
+checks = links.multiselect(st, "Checks to run", "p18_checks")
 
 
 @st.cache_data(show_spinner="Running the checks against our server…", max_entries=4, ttl=3600)
