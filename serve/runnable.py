@@ -76,6 +76,15 @@ def demo_model(preset: str = "demo") -> HybridLM:
     return HybridLM(PRESETS[preset]).eval()
 
 
+def folder_model(path) -> HybridLM:
+    """A checkpoint folder in Kimi-Linear's format (``python -m serve.http --model-path``: the user's folder, not a
+    shipped one), fp32, eval mode; loaded afresh on every call. Raises ValueError (from ``from_pretrained``) for a
+    folder that is not one, an unsupported config, or mismatched tensors."""
+    from kda_core.model import HybridLM
+
+    return HybridLM.from_pretrained(path).eval()
+
+
 @functools.lru_cache(maxsize=1)
 def draft_model() -> HybridLM:
     """The trained 2-layer draft model of the ``demo`` target (``weights/kda-draft``: 1 KDA + 1 MLA layer, the

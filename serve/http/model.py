@@ -25,7 +25,7 @@ from serve.engine import STATE_WRITES, ServeEngine
 from serve.errors import check_choice, check_int
 from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
-from serve.runnable import RUNNABLE, demo_model
+from serve.runnable import RUNNABLE, demo_model, folder_model
 from serve.spec_decode.draft import NgramProposer
 from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
 from serve.spec_decode.verify import Speculation
@@ -41,7 +41,7 @@ def load_model(preset: str = "demo", model_path: str | None = None) -> HybridLM:
     naming ``preset`` for anything else, or the loader's error for a bad folder."""
     check_choice("preset", preset, SERVABLE)
     if model_path is not None:
-        return HybridLM.from_pretrained(model_path)
+        return folder_model(model_path)
     return demo_model(preset)
 
 
