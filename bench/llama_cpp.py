@@ -3,7 +3,7 @@
     python -m bench.llama_cpp build              # llama-cpp-python 0.3.36's vendored llama.cpp, cmake (reused)
     python -m bench.llama_cpp tiny [FOLDER]      # the tiny random Kimi-Linear (bench.tiny_kimi), real format
     python -m bench.llama_cpp convert FOLDER     # -> f32 GGUF in the cache, with llama.cpp's convert_hf_to_gguf.py
-    python -m bench.llama_cpp agree [FOLDER]     # ours vs transformers vs llama.cpp (bench.kimi_agreement)
+    python -m bench.llama_cpp agree [FOLDER] [--ours MODULE:FUNCTION]   # ours vs transformers vs llama.cpp
 
 The cache (``$KDA_LAB_CACHE``, default ``~/.cache/kda-lab``) holds the sdist's tree, its ``build/`` and the GGUFs;
 nothing of llama.cpp enters the repo. :func:`build` fetches the sdist with ``pip download --no-binary`` and
@@ -287,6 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     agree = sub.add_parser("agree", help="ours vs transformers vs llama.cpp on held-out prompts")
     agree.add_argument("folder", nargs="?", default=None, help="model folder (default: the tiny random model)")
     agree.add_argument("--n", type=int, default=256, help="greedy tokens per prompt")
+    agree.add_argument("--ours", default=None, metavar="MODULE:FUNCTION",
+                       help="our engine: ours_fn(folder, prompt_ids, n) -> (logprobs [n, V], tokens)")
     agree.add_argument("--out", default=str(REPO / "bench" / "results" / "llama_cpp_agreement.json"))
     args = p.parse_args(argv)
     if args.cmd == "build":
@@ -297,8 +299,17 @@ def main(argv: list[str] | None = None) -> None:
     elif args.cmd == "convert":
         print(convert(args.folder))
     else:
+        import importlib
+
         from bench.kimi_agreement import run_cli
-        run_cli(args.folder, args.n, Path(args.out))
+        ours_fn = None
+        if args.ours:
+            module, _, name = args.ours.partition(":")
+            try:
+                ours_fn = getattr(importlib.import_module(module), name)
+            except (ImportError, AttributeError, ValueError) as e:
+                p.error(f"--ours {args.ours!r}: not an importable MODULE:FUNCTION ({e})")
+        run_cli(args.folder, args.n, Path(args.out), ours_fn)
 
 
 if __name__ == "__main__":
