@@ -232,3 +232,16 @@ def run_cli(folder: str | None, n: int, out: Path, ours_fn: OursFn | None = None
     out.write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps(res["summary"]), "->", out)
     return res
+
+
+def ours_engine(folder: Path, prompt_ids: list[int], n: int) -> tuple[torch.Tensor, list[int]]:
+    """The ``ours_fn`` hook on our serving engine: the folder served as ``python -m serve.http --model-path``
+    builds it (:func:`serve.http.model.build_engine`, prefix cache on, one request), greedy ``n`` tokens with each
+    emitted token's logits recorded; returns (log-softmax ``[n, V]`` fp32, the ``n`` token ids)."""
+    from serve.http.model import EngineSpec, build_engine
+
+    spec = EngineSpec(max_model_len=len(prompt_ids) + n + 1, max_num_seqs=1, model_path=str(folder))
+    res = build_engine(spec).generate(prompt_ids, n, record_logits=True)
+    if res.logits is None or len(res.output_tokens) != n:
+        raise RuntimeError(f"our engine did not finish the request: {res.status} {res.reason}")
+    return torch.log_softmax(res.logits.float(), dim=-1), list(res.output_tokens)
