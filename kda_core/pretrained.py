@@ -29,8 +29,8 @@ Moonshot name (``model.layers.{i}.`` prefix)               ours (``HybridLM``)
 A dense layer's ``mlp.*`` is also read under ``block_sparse_moe.*``, the name transformers' ``save_pretrained``
 gives it (:func:`transformers_dense_name`).
 
-:func:`load` reads tensor by tensor (``safetensors.safe_open``), keeps each stored dtype until the model takes
-it (fp32), and raises ValueError naming every missing, unexpected or mis-shaped tensor, and every config field
+:func:`read_config` reads ``config.json``; :func:`load` reads the tensors one at a time (``safetensors.safe_open``)
+into fp32, and they raise ValueError naming every missing, unexpected or mis-shaped tensor, and every config field
 whose value this engine does not support (``q_lora_rank`` not null, a router other than sigmoid, tied
 embeddings, ``moe_layer_freq`` other than 1, ...). :func:`save` writes the same format (sharded above
 ``max_shard_bytes``).
@@ -344,21 +344,18 @@ def read_config(path) -> ModelConfig:
     return config_from_hf(d, name=folder.name, source=f"checkpoint folder {folder.name}")
 
 
-def load(path) -> tuple[ModelConfig, dict]:
-    """Read a model folder: (config, our state dict). Tensors are read one at a time; each keeps its stored dtype
-    (the model casts it to fp32 when it takes it).
+def load(path, cfg: ModelConfig, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Read the weights of model folder ``path``, whose config is ``cfg`` (:func:`read_config`), into our state dict:
+    fp32 tensors of the names and shapes of ``expected`` (the state dict of a ``HybridLM`` of ``cfg``, e.g. built on
+    the meta device; the caller passes it, so this module does not import the model). Tensors are read one at a
+    time (``safe_open``), each cast from its stored dtype as it is copied in.
 
-    Raises ValueError for a missing folder or file, an unsupported config, and every missing, unexpected or
-    mis-shaped tensor (all named, the first few of each kind)."""
+    Raises ValueError for a missing weights file or a bad index, and every missing, unexpected or mis-shaped
+    tensor (all named, the first few of each kind)."""
     from safetensors import safe_open
 
-    from kda_core.model import HybridLM
-
     folder = Path(path)
-    cfg = read_config(folder)
     files = _weight_files(folder)
-    with torch.device("meta"):
-        expected = HybridLM(cfg).state_dict()
     entries = name_map(cfg)
     stored = {}                                                           # Moonshot name -> name in the files
     for theirs, _, _ in entries:
@@ -391,20 +388,8 @@ def load(path) -> tuple[ModelConfig, dict]:
         handles.clear()
     if bad:
         raise ValueError(f"weights in {folder} have the wrong shape or dtype for its config.json: {_few(bad)}")
-    return cfg, state
+    return state
 
 
 def _few(names: list[str], n: int = 5) -> str:
     return "[]" if not names else "[" + ", ".join(names[:n]) + (", ..." if len(names) > n else "") + "]"
-
-
-def check_state(expected: dict, got: dict) -> None:
-    """Raise ValueError unless ``got`` has exactly the names of ``expected`` with the same shapes."""
-    missing = sorted(set(expected) - set(got))
-    extra = sorted(set(got) - set(expected))
-    if missing or extra:
-        raise ValueError(f"weights do not match the config's model: missing {missing[:5]}, unexpected {extra[:5]}")
-    for name, t in expected.items():
-        if tuple(got[name].shape) != tuple(t.shape):
-            raise ValueError(f"weight {name!r} must have shape {tuple(t.shape)}, got {tuple(got[name].shape)}")
-
