@@ -99,10 +99,10 @@ class HybridLM(nn.Module):
         """Load a checkpoint folder in Kimi-Linear's format (``config.json`` + safetensors, one file or shards;
         see :mod:`kda_core.pretrained`) into fp32. Raises ValueError when the folder, a file or a config field is
         missing or unsupported, or a tensor is missing, unexpected or mis-shaped."""
-        cfg, state = pretrained.load(path)
+        cfg = pretrained.read_config(path)
         with torch.device("meta"):
             model = cls(cfg)
-        pretrained.check_state(model.state_dict(), state)
+        state = pretrained.load(path, cfg, model.state_dict())
         model = model.to_empty(device="cpu")
         model.load_state_dict(state)
         return model.eval()

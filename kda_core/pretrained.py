@@ -26,8 +26,11 @@ Moonshot name (``model.layers.{i}.`` prefix)               ours (``HybridLM``)
 ``model.embed_tokens``, ``model.norm``, ``lm_head``        ``embed``, ``norm_f``, ``lm_head``
 =========================================================  ============================================
 
-:func:`load` reads tensor by tensor (``safetensors.safe_open``), keeps each stored dtype until the model takes
-it (fp32), and raises ValueError naming every missing, unexpected or mis-shaped tensor, and every config field
+A dense layer's ``mlp.*`` is also read under ``block_sparse_moe.*``, the name transformers' ``save_pretrained``
+gives it (:func:`transformers_dense_name`).
+
+:func:`read_config` reads ``config.json``; :func:`load` reads the tensors one at a time (``safetensors.safe_open``)
+into fp32, and they raise ValueError naming every missing, unexpected or mis-shaped tensor, and every config field
 whose value this engine does not support (``q_lora_rank`` not null, a router other than sigmoid, tied
 embeddings, ``moe_layer_freq`` other than 1, ...). :func:`save` writes the same format (sharded above
 ``max_shard_bytes``).
@@ -206,6 +209,17 @@ def _layer_names(cfg: ModelConfig, i: int) -> list[tuple[str, str, tuple]]:
     return out
 
 
+def transformers_dense_name(name: str) -> str:
+    """The name transformers' ``KimiLinearForCausalLM.save_pretrained`` gives a dense layer's MLP tensor
+    ``model.layers.{i}.mlp.*``: ``model.layers.{i}.block_sparse_moe.*``. Its ``conversion_mapping.py`` renames
+    ``.block_sparse_moe.`` to ``.mlp.`` on load (its MoE and MLP modules share the ``mlp`` attribute) and reverses
+    every rename on save, so the first ``first_k_dense_replace`` layers' dense MLP comes out under the MoE's prefix
+    (seen with transformers 5.25). Moonshot's checkpoints and llama.cpp's converter use ``mlp.``: :func:`save`
+    writes ``mlp.``, :func:`load` reads either. Other names are returned unchanged."""
+    p, sep, rest = name.partition(".mlp.")
+    return f"{p}.block_sparse_moe.{rest}" if sep and p.startswith("model.layers.") else name
+
+
 def name_map(cfg: ModelConfig) -> list[tuple[str, str, tuple]]:
     """Every tensor of the checkpoint format of ``cfg``: (Moonshot name, our state-dict name, slice spec)."""
     out = [("model.embed_tokens.weight", "embed", ()), ("model.norm.weight", "norm_f", ()), ("lm_head.weight", "lm_head", ())]
@@ -278,25 +292,43 @@ def save(model, path, dtype: torch.dtype = torch.float32, max_shard_bytes: int =
     return conf
 
 
-def _weight_files(folder: Path) -> dict[str, Path]:
-    """Tensor name -> file, from the index when there is one, else from ``model.safetensors``."""
+def _keys(path: Path) -> list[str]:
+    """Tensor names in a safetensors file (its header only). Raises ValueError for a file that is not one."""
     from safetensors import safe_open
 
-    if (folder / INDEX_NAME).is_file():
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return list(f.keys())
+    except Exception as e:                                                # safetensors' own error type varies
+        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """Tensor name -> file, from the index when there is one, else from ``model.safetensors``. Raises ValueError
+    for an index that is not JSON, has no ``weight_map`` object, or maps a tensor to a file that is missing or does
+    not hold it."""
+    index = folder / INDEX_NAME
+    if index.is_file():
         try:
-            weight_map = json.loads((folder / INDEX_NAME).read_text())["weight_map"]
+            weight_map = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{folder / INDEX_NAME} must be JSON with a 'weight_map' object ({e})") from None
-        files = {}
+            raise ValueError(f"{index} must be JSON with a 'weight_map' object ({e!r})") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} field 'weight_map' must be an object (tensor name -> file), "
+                             f"got {type(weight_map).__name__}")
+        files, held = {}, {}
         for n, f in weight_map.items():
             if not isinstance(f, str) or "/" in f or not (folder / f).is_file():
-                raise ValueError(f"{folder / INDEX_NAME} maps {n!r} to {f!r}, which is not a file in the folder")
+                raise ValueError(f"{index} maps {n!r} to {f!r}, which is not a file in the folder")
+            if f not in held:
+                held[f] = set(_keys(folder / f))
+            if n not in held[f]:
+                raise ValueError(f"{index} maps {n!r} to {f!r}, which does not hold that tensor")
             files[n] = folder / f
         return files
     if not (folder / WEIGHTS_NAME).is_file():
         raise ValueError(f"path must be a model folder holding {WEIGHTS_NAME} or {INDEX_NAME}; neither is in {folder}")
-    with safe_open(str(folder / WEIGHTS_NAME), framework="pt") as f:
-        return dict.fromkeys(f.keys(), folder / WEIGHTS_NAME)
+    return dict.fromkeys(_keys(folder / WEIGHTS_NAME), folder / WEIGHTS_NAME)
 
 
 def read_config(path) -> ModelConfig:
@@ -312,25 +344,25 @@ def read_config(path) -> ModelConfig:
     return config_from_hf(d, name=folder.name, source=f"checkpoint folder {folder.name}")
 
 
-def load(path) -> tuple[ModelConfig, dict]:
-    """Read a model folder: (config, our state dict). Tensors are read one at a time; each keeps its stored dtype
-    (the model casts it to fp32 when it takes it).
+def load(path, cfg: ModelConfig, expected: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Read the weights of model folder ``path``, whose config is ``cfg`` (:func:`read_config`), into our state dict:
+    fp32 tensors of the names and shapes of ``expected`` (the state dict of a ``HybridLM`` of ``cfg``, e.g. built on
+    the meta device; the caller passes it, so this module does not import the model). Tensors are read one at a
+    time (``safe_open``), each cast from its stored dtype as it is copied in.
 
-    Raises ValueError for a missing folder or file, an unsupported config, and every missing, unexpected or
-    mis-shaped tensor (all named, the first few of each kind)."""
+    Raises ValueError for a missing weights file or a bad index, and every missing, unexpected or mis-shaped
+    tensor (all named, the first few of each kind)."""
     from safetensors import safe_open
 
-    from kda_core.model import HybridLM
-
     folder = Path(path)
-    cfg = read_config(folder)
     files = _weight_files(folder)
-    with torch.device("meta"):
-        expected = HybridLM(cfg).state_dict()
     entries = name_map(cfg)
-    wanted = {theirs for theirs, _, _ in entries}
-    missing = sorted(wanted - set(files))
-    unexpected = sorted(set(files) - wanted)
+    stored = {}                                                           # Moonshot name -> name in the files
+    for theirs, _, _ in entries:
+        alias = transformers_dense_name(theirs)
+        stored[theirs] = alias if theirs not in files and alias in files else theirs
+    missing = sorted(theirs for theirs, n in stored.items() if n not in files)
+    unexpected = sorted(set(files) - set(stored.values()))
     if missing or unexpected:
         raise ValueError(f"weights in {folder} do not match its config.json: missing {len(missing)} "
                          f"{_few(missing)}, unexpected {len(unexpected)} {_few(unexpected)}")
@@ -339,36 +371,25 @@ def load(path) -> tuple[ModelConfig, dict]:
     handles = {}
     try:
         for theirs, name, spec in entries:
-            fpath = files[theirs]
+            key = stored[theirs]
+            fpath = files[key]
             if fpath not in handles:
                 handles[fpath] = safe_open(str(fpath), framework="pt")
-            t = handles[fpath].get_tensor(theirs)
+            t = handles[fpath].get_tensor(key)
             target = _part(state[name], spec)
             if tuple(t.shape) != tuple(target.shape):
-                bad.append(f"{theirs} {tuple(t.shape)} (need {tuple(target.shape)})")
+                bad.append(f"{key} {tuple(t.shape)} (need {tuple(target.shape)})")
                 continue
             if not t.is_floating_point():
-                bad.append(f"{theirs} dtype {t.dtype} (need a float)")
+                bad.append(f"{key} dtype {t.dtype} (need a float)")
                 continue
             target.copy_(t.reshape(target.shape))
     finally:
         handles.clear()
     if bad:
         raise ValueError(f"weights in {folder} have the wrong shape or dtype for its config.json: {_few(bad)}")
-    return cfg, state
+    return state
 
 
 def _few(names: list[str], n: int = 5) -> str:
     return "[]" if not names else "[" + ", ".join(names[:n]) + (", ..." if len(names) > n else "") + "]"
-
-
-def check_state(expected: dict, got: dict) -> None:
-    """Raise ValueError unless ``got`` has exactly the names of ``expected`` with the same shapes."""
-    missing = sorted(set(expected) - set(got))
-    extra = sorted(set(got) - set(expected))
-    if missing or extra:
-        raise ValueError(f"weights do not match the config's model: missing {missing[:5]}, unexpected {extra[:5]}")
-    for name, t in expected.items():
-        if tuple(got[name].shape) != tuple(t.shape):
-            raise ValueError(f"weight {name!r} must have shape {tuple(t.shape)}, got {tuple(got[name].shape)}")
-

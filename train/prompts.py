@@ -3,7 +3,7 @@
 
 Home sends two completion requests on one held-out file, as an editor does: request 1 is the file up to the
 body of one function, request 2 the file up to the body of the next (so request 2 starts with all of
-request 1), and shows the model's greedy continuation of request 2. The trained model is small (2.3 M
+request 1), and shows the model's greedy continuation of request 2. The trained model is small (about 4 M
 parameters, byte-level): after some prompts its greedy bytes are spaces, a docstring or a loop. The rule
 picks the first cut, in a fixed order, whose continuation reads as code, and records how many it passed over.
 

@@ -1,4 +1,6 @@
 """kda_core.layer / conv / model: split invariance, padding no-op, decode == prefill, validation."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -104,12 +106,24 @@ def test_generate_deterministic_and_text_roundtrip(model):
 
 
 def test_model_validation(model):
-    with pytest.raises(ValueError, match="byte ids"):
-        model.prefill(torch.tensor([1, 300]))
+    V = CFG.vocab_size
+    with pytest.raises(ValueError, match=rf"tokens must be ids in \[0, {V - 1}\]"):
+        model.prefill(torch.tensor([1, V]))
+    with pytest.raises(ValueError, match="tokens must be ids"):
+        model.prefill(torch.tensor([-1, 1]))
     with pytest.raises(ValueError, match="mode"):
         model.forward(torch.tensor([1]), mode="fast")
     with pytest.raises(ValueError, match="at least one token"):
         model.forward(torch.zeros(1, 0, dtype=torch.long))
+
+
+def test_model_takes_every_id_of_its_vocabulary():
+    """The id bound is the config's vocab_size, not the byte range: a 300-id model runs ids 256..299."""
+    big = HybridLM(dataclasses.replace(CFG, vocab_size=300))
+    logits, _ = big.prefill(torch.tensor([0, 255, 256, 299]))
+    assert logits.shape == (1, 4, 300) and torch.isfinite(logits).all()
+    with pytest.raises(ValueError, match=r"\[0, 299\]"):
+        big.prefill(torch.tensor([300]))
 
 
 @pytest.mark.parametrize("offsets", [(64,), (16, 48, 96), (32, 64)], ids=str)
