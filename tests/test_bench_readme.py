@@ -20,7 +20,8 @@ def test_every_result_file_has_its_section_and_command():
     assert sorted(sections) == results
     table = README.read_text().split("\n## ", 1)[0]
     for name in results:
-        module = "state_precision" if name == "state_precision_sr.json" else name.removesuffix(".json")
+        module = {"state_precision_sr.json": "state_precision", "llama_cpp_agreement.json": "llama_cpp"}.get(
+            name, name.removesuffix(".json"))
         assert (REPO / "bench" / f"{module}.py").is_file(), module
         assert f"`python -m bench.{module}" in sections[name], f"{name}: no `python -m bench.{module}` command"
         assert f"| `{name}` | `python -m bench.{module}" in table, f"{name} is not in the summary table"
