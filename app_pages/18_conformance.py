@@ -7,7 +7,16 @@ from app_pages.errors import engine_call
 from app_pages.links import declare
 from app_pages.measurement import remeasure_button, requested
 from app_pages.params import Multi
-from lab.conformance import CHECK_IDS, HOW_TO, LLAMA_CPP_BENCH, invariants, live_run, recorded_llama_cpp
+from lab.conformance import (
+    AGREEMENT_BENCH,
+    CHECK_IDS,
+    HOW_TO,
+    LLAMA_CPP_BENCH,
+    invariants,
+    live_run,
+    recorded_agreement,
+    recorded_llama_cpp,
+)
 from lab.shipped import missing_note
 
 links = declare(Multi("p18_checks", list(CHECK_IDS), list(CHECK_IDS)))
@@ -64,7 +73,20 @@ else:
     for line in rec.findings:
         st.markdown(f"- {line}")
 
-st.subheader("4 · Put your own engine through it")
+st.subheader("4 · The same weights in three implementations, recorded")
+agree = engine_call(recorded_agreement)
+if agree is None:
+    st.info(missing_note(AGREEMENT_BENCH))
+else:
+    st.caption(f"`weights/{agree.model}` (Kimi-Linear's format) run {agree.date}: {agree.versions}; 1 thread, fp32. "
+               "Each engine against transformers' `KimiLinearForCausalLM`: the largest |Δ logprob| of its top 5 "
+               "tokens over 256 greedy positions (nats), and where its greedy continuation first differs.")
+    show_table(agree.table, {c: c[0].upper() + c[1:] for c in agree.table.columns})
+    st.markdown("A difference of about 1e-3 nats is llama.cpp's KDA L2-norm eps (1e-5 where fla and transformers "
+                "use 1e-6: `python -m bench.llama_cpp_findings`); a greedy split after it sits where two experts' "
+                "router scores nearly tie. Ours runs the same maths as transformers in another summation order.")
+
+st.subheader("5 · Put your own engine through it")
 for what, cmd in HOW_TO:
     st.markdown(what)
     st.code(cmd, language="bash")

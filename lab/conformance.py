@@ -104,3 +104,49 @@ HOW_TO = (
      'python -m conformance --engine sglang --launch "python -m sglang.launch_server --model-path MODEL '
      '--mamba-radix-cache-strategy extra_buffer --page-size 64 --mamba-track-interval 256" --atol 0.02'),
 )
+
+
+AGREEMENT_BENCH = "llama_cpp_agreement"            # bench/results/llama_cpp_agreement.json
+
+
+class Agreement(NamedTuple):
+    """The recorded three-implementation run (``bench/results/llama_cpp_agreement.json``): ``table`` one row per
+    held-out prompt (prompt, tokens, for each engine against transformers: max |delta logprob| of its top 5 tokens
+    over 256 greedy positions, nats, and the first greedy position that differs, "all 256" when none);
+    ``model`` the folder's name; ``date``; ``versions`` a one-line string."""
+
+    table: pd.DataFrame
+    model: str
+    date: str
+    versions: str
+
+
+def _first_diff(e: dict | None) -> str:
+    if e is None:
+        return "not run"
+    d = e["greedy_first_difference"]
+    return f"all {e['n']}" if d is None else f"differs at {d}"
+
+
+def recorded_agreement() -> Agreement | None:
+    """Our engine, transformers and llama.cpp on the same weights (:data:`AGREEMENT_BENCH`), or None while the file
+    is absent. Raises ValueError naming the file if it is not such a run."""
+    path = result_path(AGREEMENT_BENCH)
+    d = read_shipped(path)
+    if d is None:
+        return None
+    try:
+        rows = []
+        for p in d["prompts"]:
+            ours, llama = p.get("ours"), p["llama_cpp"]
+            rows.append({"prompt": p["prompt"], "tokens": p["prompt_tokens"],
+                         "ours max |Δ logprob|": None if ours is None else ours["max_abs_dlogprob"],
+                         "ours greedy": _first_diff(ours),
+                         "llama.cpp max |Δ logprob|": llama["max_abs_dlogprob"],
+                         "llama.cpp greedy": _first_diff(llama)})
+        v = d["versions"]
+        versions = (f"llama.cpp {v['llama_cpp']['server_version']} ({v['llama_cpp']['sdist']}), transformers "
+                    f"{v['transformers']}, torch {v['torch']}")
+        return Agreement(pd.DataFrame(rows), d["model"]["folder"], d["date"], versions)
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{path} is not an agreement run ({type(err).__name__}: {err})") from None

@@ -42,3 +42,24 @@ def test_recorded_run_absent_present_and_malformed(tmp_path, monkeypatch):
     path.write_text(json.dumps({"engine": "x"}))
     with pytest.raises(ValueError, match="is not a conformance report"):
         lc.recorded_llama_cpp()
+
+
+def test_recorded_agreement_reads_the_committed_run(tmp_path, monkeypatch):
+    """The three-implementation table: one row per prompt of the committed file; a file of another shape is a
+    ValueError naming it, an absent one None."""
+    import json
+
+    import lab.conformance as conf
+
+    rec = conf.recorded_agreement()
+    assert rec is not None and len(rec.table) == len(json.loads(conf.result_path(conf.AGREEMENT_BENCH).read_text())[
+        "prompts"])
+    assert set(rec.table["llama.cpp greedy"]) <= {f"all {n}" for n in range(1, 257)} | {
+        f"differs at {i}" for i in range(256)}
+    bad = tmp_path / f"{conf.AGREEMENT_BENCH}.json"
+    bad.write_text(json.dumps({"prompts": [{"prompt": "x"}]}))
+    monkeypatch.setattr(conf, "result_path", lambda name: tmp_path / f"{name}.json")
+    with pytest.raises(ValueError, match=conf.AGREEMENT_BENCH):
+        conf.recorded_agreement()
+    bad.unlink()
+    assert conf.recorded_agreement() is None
