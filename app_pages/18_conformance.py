@@ -82,9 +82,10 @@ else:
                "Each engine against transformers' `KimiLinearForCausalLM`: the largest |Δ logprob| of its top 5 "
                "tokens over 256 greedy positions (nats), and where its greedy continuation first differs.")
     show_table(agree.table, {c: c[0].upper() + c[1:] for c in agree.table.columns})
-    st.markdown("A difference of about 1e-3 nats is llama.cpp's KDA L2-norm eps (1e-5 where fla and transformers "
-                "use 1e-6: `python -m bench.llama_cpp_findings`); a greedy split after it sits where two experts' "
-                "router scores nearly tie. Ours runs the same maths as transformers in another summation order.")
+    st.markdown("What to notice: the three agree to fp32 rounding (ours runs the same maths as transformers in "
+                "another summation order). llama.cpp normalises KDA's q and k with eps 1e-5 where fla and transformers "
+                "use 1e-6 (`python -m bench.llama_cpp_findings`): on a tiny random model that moved log-probs by about "
+                "1e-3 nats and split a greedy run where two experts' router scores nearly tied.")
 
 st.subheader("5 · Put your own engine through it")
 for what, cmd in HOW_TO:
