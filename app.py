@@ -12,7 +12,12 @@ from kda_core import cpu_kernel
 
 st.set_page_config(page_title="KDA Serve Lab", page_icon="assets/icon.png", layout="wide")
 # build / load / self-check the fused chunk kernel once per server process, overlapping the first page's imports
-st.cache_resource(show_spinner=False)(cpu_kernel.load_in_background)()
+@st.cache_resource(show_spinner=False, max_entries=1)
+def _start_kernel_load():
+    return cpu_kernel.load_in_background()
+
+
+_start_kernel_load()
 
 nav = {section: [] for section in SECTIONS}
 tab_of = []   # (st.Page, Tab)

@@ -2,7 +2,7 @@
 recorded run, and how to put your own engine through the same checks."""
 import streamlit as st
 
-from app_pages.charts import show_table
+from app_pages.charts import num, show_table
 from app_pages.errors import engine_call
 from app_pages.links import declare
 from app_pages.measurement import remeasure_button, requested
@@ -78,10 +78,15 @@ agree = engine_call(recorded_agreement)
 if agree is None:
     st.info(missing_note(AGREEMENT_BENCH))
 else:
-    st.caption(f"`weights/{agree.model}` (Kimi-Linear's format) run {agree.date}: {agree.versions}; 1 thread, fp32. "
-               "Each engine against transformers' `KimiLinearForCausalLM`: the largest |Δ logprob| of its top 5 "
-               "tokens over 256 greedy positions (nats), and where its greedy continuation first differs.")
-    show_table(agree.table, {c: c[0].upper() + c[1:] for c in agree.table.columns})
+    st.caption(f"`weights/{agree.model}` run {agree.date[:10]}, fp32, 1 thread: each engine against transformers' "
+               "`KimiLinearForCausalLM`, the largest |Δ logprob| of its top 5 tokens over 256 greedy positions, and "
+               "where its greedy run first differs.")
+    st.caption(agree.versions)
+    show_table(agree.table, {"prompt": "Prompt", "tokens": num("Prompt tokens", "%d"),
+                             "ours max |Δ logprob|": num("Ours: max |Δ logprob| (nats)", "%.1e"),
+                             "ours greedy": "Ours: greedy 256",
+                             "llama.cpp max |Δ logprob|": num("llama.cpp: max |Δ logprob| (nats)", "%.1e"),
+                             "llama.cpp greedy": "llama.cpp: greedy 256"})
     st.markdown("What to notice: the three agree to fp32 rounding (ours runs the same maths as transformers in "
                 "another summation order). llama.cpp normalises KDA's q and k with eps 1e-5 where fla and transformers "
                 "use 1e-6 (`python -m bench.llama_cpp_findings`): on a tiny random model that moved log-probs by about "

@@ -41,7 +41,7 @@ ISAS = {   # widest first: the default path is the first one the CPU runs
 }
 
 
-@functools.cache
+@functools.lru_cache(maxsize=1)   # one answer per process
 def cpu_flags() -> frozenset[str]:
     """The CPU feature flags of /proc/cpuinfo (empty where there is none); read once per process."""
     try:
