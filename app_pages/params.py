@@ -26,6 +26,7 @@ Nothing here imports Streamlit: ``tests/app/test_params.py`` checks each kind wi
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
@@ -59,8 +60,8 @@ def _wrong_type(value, like: type) -> str | None:
 
 
 @dataclass(frozen=True)
-class Param:
-    """A URL parameter: ``key`` (``p<NN>_<name>``: the page number, then the widget's name) and ``default``.
+class Param(abc.ABC):
+    """A URL parameter (abstract: each kind below implements parse / check / format): ``key`` (``p<NN>_<name>``: the page number, then the widget's name) and ``default``.
     Raises ValueError for a malformed key or a default the parameter itself would refuse."""
 
     key: str
@@ -78,14 +79,17 @@ class Param:
         """The page's key prefix: ``p05_`` for ``p05_seed``."""
         return self.key[:4]
 
+    @abc.abstractmethod
     def parse(self, raw: Sequence[str]) -> Any:
-        raise NotImplementedError
+        """The value of the URL's strings for this key; raises ``Unreadable`` with the reason."""
 
+    @abc.abstractmethod
     def check(self, value) -> str | None:
-        raise NotImplementedError
+        """Why ``value`` is not one this widget takes (None: it is)."""
 
+    @abc.abstractmethod
     def format(self, value) -> list[str]:
-        raise NotImplementedError
+        """The URL's strings for ``value`` (one per repeated key)."""
 
     def narrowed(self, **bounds) -> Param:
         """This parameter within bounds narrower than the declared ones; kinds that have none raise TypeError."""

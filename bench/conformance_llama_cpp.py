@@ -57,7 +57,7 @@ FINDINGS: dict[str, tuple[str, str]] = {
                     "restoring a checkpoint ('speculative decoding will use checkpoints'); every greedy token equals "
                     "plain decoding. A first run failed (max |dlogprob| 2.01): llama-server sends logprob 0 with no "
                     "alternatives for every token of a speculative step (server-context.cpp: 'result.prob = 1.0f; // "
-                    "set later', '// TODO: set result.probs'), which the suite read as probability 1: the check's "
+                    "set later', and a to-do note to set result.probs), which the suite read as probability 1: the check's "
                     "error over a documented limitation; such positions are now compared on their tokens only "
                     "(positions_without_logprobs: 14, 2, 2). Minimal reproduction: llama-server --spec-type "
                     "ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 4 --spec-draft-n-max 4; "

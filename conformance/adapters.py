@@ -173,7 +173,7 @@ class LlamaCpp(Adapter):
 
     def parse_completion(self, body: dict) -> Completion:
         """``logprobs.content``; a token with logprob 0 and no alternatives is one llama-server did not compute
-        (a token of a speculative step: ``result.prob = 1.0f; // set later`` and ``// TODO: set result.probs``
+        (a token of a speculative step: ``result.prob = 1.0f; // set later`` and a to-do note to set ``result.probs``
         in ``tools/server/server-context.cpp``), read as None (not reported), not as probability 1."""
         choice = body["choices"][0]
         content = (choice.get("logprobs") or {}).get("content")
