@@ -10,6 +10,7 @@ starts and stops servers.
 """
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 import shlex
@@ -31,7 +32,7 @@ class StartError(RuntimeError):
     """The engine did not start with a setting's flags (its exit status or the timeout, and its log's tail)."""
 
 
-class Target:
+class Target(abc.ABC):
     """The engine under test. ``adapter``: its :class:`Adapter`; ``description``: the URL or command."""
 
     adapter: Adapter
@@ -53,10 +54,10 @@ class Target:
         return (f"{self.adapter.name}'s {variant.name} is a start-up setting ({flags}): run the suite with --launch "
                 "so that it starts the engine with it")
 
-    @contextlib.contextmanager
-    def server(self, variant: Variant) -> Iterator[tuple[str, str]]:
-        """Yield ``(base_url, model)`` of a server in ``variant``; raises StartError if it does not start."""
-        raise NotImplementedError
+    @abc.abstractmethod
+    def server(self, variant: Variant) -> contextlib.AbstractContextManager[tuple[str, str]]:
+        """A context manager yielding ``(base_url, model)`` of a server in ``variant``; raises StartError if it does
+        not start."""
 
 
 class Attached(Target):
