@@ -14,10 +14,10 @@ import torch
 
 from bench.engine_timeline import predicted_step_ms
 from kda_core.chunk import CHUNK_SIZE
+from serve.engine.model_runner import DECODE_BUCKETS
+from serve.engine.request import RequestStatus
 from serve.fleet.sim.service_model import ServiceModel, attention_pairs
 from serve.http.model import EngineSpec, build_engine
-from serve.model_runner import DECODE_BUCKETS
-from serve.request import RequestStatus
 
 REPEATS = 5
 PREFILL = ((32, 0, 1), (128, 0, 1), (256, 0, 1), (512, 0, 1), (1000, 0, 1), (256, 512, 1), (32, 0, 8), (128, 0, 4),

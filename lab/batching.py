@@ -25,9 +25,9 @@ from lab.models import demo_model
 from lab.timing import Conditions, conditions
 from serve.config import ServeConfig
 from serve.engine import ServeEngine
+from serve.engine.request import RequestStatus
 from serve.errors import check_int
 from serve.memory.pool import PagePool
-from serve.request import RequestStatus
 from serve.spec_decode.draft import NgramProposer
 from serve.spec_decode.verify import Speculation
 

@@ -24,11 +24,11 @@ from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, measure, summarize
 from serve.config import ServeConfig
 from serve.engine import ServeEngine
+from serve.engine.request import TIMING_PHASES, RequestResult
 from serve.errors import check_int
 from serve.memory.layout import CacheLayout
 from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
-from serve.request import TIMING_PHASES, RequestResult
 
 if TYPE_CHECKING:     # pandas is imported where a frame is built: Home's first run on a fresh server skips it
     import pandas as pd
@@ -388,7 +388,7 @@ class PrefixTimings:
 
     rows: one row per (repeat, kind) (:class:`TtftTimes`); ttft: one row per kind in :data:`PHASE_RUNS` with
     ``median_ms``, ``q1_ms``, ``q3_ms``, ``min_ms``, ``max_ms`` and ``repeats``; phases_ms: median ms per
-    timing phase (columns ``<phase>_ms`` of :data:`serve.request.TIMING_PHASES`) per kind; summary:
+    timing phase (columns ``<phase>_ms`` of :data:`serve.engine.request.TIMING_PHASES`) per kind; summary:
     :func:`ttft_summary`; conditions: :class:`lab.timing.Conditions`; fit: the fixed + per-token cost of a
     forward fitted to cache-off runs in the same rounds, validated on the cold run (held out) and predicting
     the warm run (:class:`lab.forward_cost.ForwardFit`); phases: the phase names."""

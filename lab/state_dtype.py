@@ -23,10 +23,10 @@ from lab.shipped import read_shipped, result_path
 from lab.threads import one_thread
 from serve.config import STATE_DTYPES, ServeConfig
 from serve.engine import ServeEngine
+from serve.engine.request import RequestStatus
 from serve.errors import check_choice, check_int
 from serve.http.model import EngineSpec
 from serve.memory.pool import PagePool
-from serve.request import RequestStatus
 
 BENCH_RESULT = result_path("state_dtype")
 LENGTHS = (1, 16, 64, 256)        # generated tokens at which agreement with fp32 is reported

@@ -13,7 +13,7 @@
 
 and nothing imports a private name (``_x``) from another package. A package is the top-level directory
 plus its first subpackage: ``serve.memory``, ``serve.prefix``, ``kda_core``, ``lab``, ``app_pages``; so
-``kda_core/chunk.py`` may import ``kda_core.kda._check_inputs``, ``serve/engine.py`` may not import
+``kda_core/chunk.py`` may import ``kda_core.kda._check_inputs``, ``serve/engine/engine.py`` may not import
 ``serve.memory.pool._x``. The pages' helper modules are the files of ``app_pages/`` whose name does not start
 with the tab number (``links.py``, ``charts.py``, ``errors.py``, ``registry.py``, ...; see ``app_pages/__init__.py``).
 No import cycle among the app's modules, function-level imports included (:func:`test_no_import_cycle`); every
@@ -79,7 +79,7 @@ def module_of(path: Path) -> str:
 
 def package_of(module: str) -> str:
     """Top-level directory plus first subpackage: ``serve.memory.pool`` -> ``serve.memory``,
-    ``serve.engine`` -> ``serve``, ``kda_core.kda`` -> ``kda_core``. A test belongs to the package its
+    ``serve.config`` -> ``serve``, ``kda_core.kda`` -> ``kda_core``. A test belongs to the package its
     directory mirrors (``tests.serve.memory.test_pool`` -> ``serve.memory``), so it may test private helpers."""
     parts = module.split(".")
     if parts[0] == "tests" and len(parts) > 2:
@@ -160,7 +160,7 @@ def test_layers(top):
 
 BAD = {  # a deliberately bad import per rule, in a file of that layer: each must be reported
     "kda_core/kda.py": "from serve.engine import ServeEngine",
-    "serve/engine.py": "import lab.prefix",
+    "serve/engine/engine.py": "import lab.prefix",
     "serve/memory/pool.py": "import streamlit as st",
     "lab/fleet.py": "from app_pages.links import persist",
     "lab/kcp.py": "import streamlit",
@@ -172,7 +172,7 @@ BAD = {  # a deliberately bad import per rule, in a file of that layer: each mus
     "app_pages/13_fleet_budgets.py": "from app_pages.registry import TABS\nfrom serve.x import y",
     "app_pages/charts.py": "from serve.errors import UserFacingErrors",          # only app_pages.errors shows them
     "app_pages/links.py": "from app_pages.charts import show_chart\nimport app_pages.x.y",
-    "serve/engine.py ": "from serve.memory.pool import _poison",
+    "serve/engine/engine.py ": "from serve.memory.pool import _poison",
     "lab/prefix.py": "def f():\n    from serve.prefix.cache import _walk",
     "bench/prefix.py": "from kda_core.kda import _check_inputs",
     "tests/serve/memory/test_pool.py": "from serve.prefix.cache import _x",
@@ -198,7 +198,7 @@ def test_a_bad_import_is_caught(path):
 def test_private_names_within_a_package_are_allowed():
     chunk = REPO / "kda_core" / "chunk.py"
     assert layer_violations(chunk, "from kda_core.kda import _check_inputs\n") == []
-    assert package_of("serve.memory.pool") == "serve.memory" and package_of("serve.engine") == "serve"
+    assert package_of("serve.memory.pool") == "serve.memory" and package_of("serve.config") == "serve"
     assert layer_violations(REPO / "serve" / "memory" / "layout.py", "from serve.memory.pool import _x\n") == []
     assert package_of("tests.serve.memory.test_pool") == "serve.memory"
     assert layer_violations(REPO / "tests" / "lab" / "test_pool.py", "from lab.pool import _x\n") == []
@@ -370,7 +370,8 @@ def test_every_module_is_in_its_package_table(package):
 def test_the_old_flat_modules_are_gone():
     for old in ("serve/traces.py", "serve/azure_trace.py", "serve/trace_limits.py", "serve/vtc_artifact.py",
                 "serve/spec", "serve/fleet/simulation.py", "serve/fleet/router.py",
-                "serve/spec_decode/replay_state_write.py"):
+                "serve/spec_decode/replay_state_write.py", "serve/engine.py", "serve/scheduler.py",
+                "serve/model_runner.py", "serve/request.py", "serve/sampling.py"):
         assert not (REPO / old).exists(), old
 
 

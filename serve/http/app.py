@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.config import STATE_DTYPES
 from serve.engine import ServeEngine
+from serve.engine.request import RequestResult, RequestStatus
 from serve.http.loop import EngineLoop, LoopStopped, QueueFull, Stream
 from serve.http.metrics import ServerMetrics
 from serve.http.model import pool_capacity
@@ -48,7 +49,6 @@ from serve.http.protocol import (
     usage,
 )
 from serve.http.step_trace import StepTrace
-from serve.request import RequestResult, RequestStatus
 from serve.text_codec import BYTES
 
 RETRY_AFTER_S = 1

@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 import torch
 
 from serve.engine import DONE, ServeEngine
+from serve.engine.request import RequestResult, RequestStatus
+from serve.engine.sampling import GREEDY, SamplingParams
 from serve.errors import check_int
 from serve.http.metrics import ServerMetrics
 from serve.http.protocol import TokenLogprob
 from serve.http.step_trace import StepTrace
-from serve.request import RequestResult, RequestStatus
-from serve.sampling import GREEDY, SamplingParams
 
 log = logging.getLogger("serve.http")
 

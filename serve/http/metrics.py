@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from serve.engine.request import RequestResult, RequestStatus
 from serve.memory.pool import PageKind
-from serve.request import RequestResult, RequestStatus
 
 disable_created_metrics()          # as vLLM does: no *_created series beside each counter / histogram
 

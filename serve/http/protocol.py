@@ -4,7 +4,7 @@ Requests are pydantic models with ``extra="forbid"`` and ``strict=True``: an unk
 string for ``max_tokens``, a bool for an int) is a 400, never a silent coercion; its ``param`` is the field's
 path as the client wrote it (``messages[0].content``, :func:`client_path`). ``temperature`` (0 to 2), ``top_p`` (0
 to 1], ``seed`` (a 64-bit signed int) and vLLM's ``top_k`` (0 or -1: off, else >= 1) are honoured per request
-(:class:`serve.sampling.SamplingParams`: a seeded request's output is reproducible and equal to its batch-1 run);
+(:class:`serve.engine.sampling.SamplingParams`: a seeded request's output is reproducible and equal to its batch-1 run);
 ``top_p`` / ``top_k`` are accepted at temperature 0, where they cannot change the argmax (as vLLM does).
 ``/v1/completions`` returns ``logprobs`` (an int in [0, :data:`MAX_LOGPROBS`]: each emitted token's natural-log
 probability under the model's raw softmax and that many most likely alternatives, in the OpenAI completions format;
@@ -30,7 +30,7 @@ from typing import Literal, NamedTuple, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serve.sampling import SamplingParams
+from serve.engine.sampling import SamplingParams
 from serve.text_codec import BYTES
 
 

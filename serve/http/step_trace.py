@@ -39,7 +39,7 @@ class StepTrace:
 
     def step(self, loop_t: float, t0: float, t1: float, emit_t: float, cpu_s: float, others_cpu_s: float, batch,
              running: int, waiting: int, queued: int) -> None:
-        """One ``engine.step()``; ``batch`` is the :class:`serve.model_runner.StepBatch` it ran (None: no forward)."""
+        """One ``engine.step()``; ``batch`` is the :class:`serve.engine.model_runner.StepBatch` it ran (None: no forward)."""
         decode = pads = context = 0
         prefill = []
         for row in (batch.rows if batch is not None else ()):
@@ -56,7 +56,7 @@ class StepTrace:
                      "queued": queued})
 
     def request(self, stream, res, end_t: float) -> None:
-        """A request's end: its :class:`serve.http.loop.Stream` and :class:`serve.request.RequestResult` (None:
+        """A request's end: its :class:`serve.http.loop.Stream` and :class:`serve.engine.request.RequestResult` (None:
         it never reached the engine)."""
         self._write({"kind": "request", "rid": stream.rid, "arrival_t": stream.arrival_t, "feed_t": stream.feed_t,
                      "first_t": stream.first_t, "last_t": stream.last_t, "end_t": end_t,

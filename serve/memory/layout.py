@@ -128,7 +128,7 @@ class CacheLayout:
 
     def check_engine_dtypes(self) -> None:
         """Raise ValueError unless the engine can read and write this layout (:mod:`serve.memory.pages`,
-        :class:`serve.model_runner.ModelRunner`): fp32 latents and conv windows, a recurrent state in
+        :class:`serve.engine.model_runner.ModelRunner`): fp32 latents and conv windows, a recurrent state in
         :data:`ENGINE_STATE_DTYPES` whose bytes per layer (H K V s_state) are a multiple of 4, so every conv
         window starts on an fp32 word."""
         if self.kv_dtype != torch.float32 or self.conv_dtype != torch.float32:

@@ -9,11 +9,11 @@ import torch
 import kda_core.varlen as varlen
 from kda_core.layer import KDACache
 from serve.engine import DONE, ServeEngine
+from serve.engine.model_runner import ModelRunner
+from serve.engine.request import RequestStatus
 from serve.http.metrics import ServerMetrics
 from serve.memory.pages import zero_state
-from serve.model_runner import ModelRunner
 from serve.prefix.cache import PrefixCache
-from serve.request import RequestStatus
 from serve.spec_decode.snapshot import SnapshotRollback
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from serve.engine.request import RequestStatus
 from serve.memory.kinds import POISON_BYTE
 from serve.memory.pages import read_state, write_state
 from serve.prefix.cache import CheckpointError, PrefixCache
 from serve.prefix.index import PrefixIndex
-from serve.request import RequestStatus
 from tests.serve.engine_helpers import poison_state, step_until
 from tests.serve.prefix.helpers import (
     LOGITS_ATOL,

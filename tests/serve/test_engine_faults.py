@@ -10,9 +10,9 @@ import torch
 
 from serve.config import ServeConfig
 from serve.engine import EngineFailure, ServeEngine
+from serve.engine.request import RequestStatus
 from serve.memory.pool import PagePool
 from serve.prefix.cache import PrefixCache
-from serve.request import RequestStatus
 from tests.serve.engine_helpers import STRATEGIES, oracle_speculation
 from tests.serve.prefix.helpers import tiny_model, tokens
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from serve.request import RequestStatus
+from serve.engine.request import RequestStatus
 from tests.serve.prefix.helpers import assert_equal_to_reference, make_engine, tokens
 
 torch.set_num_threads(1)

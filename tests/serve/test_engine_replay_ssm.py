@@ -11,10 +11,10 @@ import torch
 
 from serve.config import ServeConfig
 from serve.engine import ServeEngine
+from serve.engine.request import RequestStatus
 from serve.memory.pool import PagePool
 from serve.memory.replay_state_write import decode_write_bytes
 from serve.prefix.cache import PrefixCache
-from serve.request import RequestStatus
 from tests.serve.engine_helpers import check_checkpoints, oracle_speculation
 from tests.serve.prefix.helpers import tiny_model, tokens
 

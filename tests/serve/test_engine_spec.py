@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import serve.engine as engine_module
+from serve.engine.request import RequestStatus
 from serve.memory.pages import read_state
 from serve.prefix.cache import PrefixCache
-from serve.request import RequestStatus
 from serve.spec_decode.draft import DraftModelProposer
 from serve.spec_decode.verify import Speculation, draft_budget
 from tests.serve.engine_helpers import (

@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from serve.request import RequestStatus
+from serve.engine.request import RequestStatus
 from tests.serve.engine_helpers import STRATEGIES, check_checkpoints, oracle_speculation, spec_engine
 from tests.serve.prefix.helpers import LOGITS_ATOL, make_engine, tokens
 

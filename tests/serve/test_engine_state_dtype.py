@@ -14,6 +14,7 @@ from kda_core.layer import KDACache
 from kda_core.model import HybridCache
 from serve.config import ServeConfig
 from serve.engine import ServeEngine
+from serve.engine.request import RequestStatus
 from serve.http.__main__ import engine_spec, parse_args
 from serve.http.app import create_app
 from serve.http.model import EngineSpec, build_engine
@@ -21,7 +22,6 @@ from serve.memory.layout import CacheLayout
 from serve.memory.pages import read_state, write_state
 from serve.memory.pool import PageKind, PagePool
 from serve.prefix.cache import PrefixCache
-from serve.request import RequestStatus
 from tests.serve.prefix.helpers import tiny_model, tokens
 
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16"),

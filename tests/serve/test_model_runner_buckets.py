@@ -8,9 +8,9 @@ import pytest
 
 from serve.config import ServeConfig
 from serve.engine import ServeEngine
+from serve.engine.model_runner import DECODE_BUCKETS, decode_bucket
+from serve.engine.request import RequestStatus
 from serve.memory.pool import PagePool
-from serve.model_runner import DECODE_BUCKETS, decode_bucket
-from serve.request import RequestStatus
 from tests.serve.prefix.helpers import tiny_model, tokens
 
 

@@ -12,9 +12,9 @@ import torch
 
 from kda_core.layer import KDACache
 from serve.config import ServeConfig
+from serve.engine.model_runner import ModelRunner
 from serve.memory.pages import read_state, write_state
 from serve.memory.pool import PageKind, PagePool
-from serve.model_runner import ModelRunner
 from tests.serve.prefix.helpers import tiny_model
 
 NUM_REQUESTS = 4

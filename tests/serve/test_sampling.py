@@ -1,4 +1,4 @@
-"""Per-request sampling (serve/sampling.py): the top-p nucleus by hand, draws reproducible per seed, the sampler
+"""Per-request sampling (serve/engine/sampling.py): the top-p nucleus by hand, draws reproducible per seed, the sampler
 total over everything the request schema admits (hypothesis), and in the engine a sampled request's tokens equal its
 batch-1 run's whatever its neighbours (and after a preemption)."""
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from serve.engine.request import RequestStatus
+from serve.engine.sampling import MIN_TEMPERATURE, SEED_MAX, SEED_MIN, SamplingParams, sample_token
 from serve.http.model import EngineSpec, build_engine, load_model
 from serve.http.protocol import CompletionRequest, RequestError, check_request
-from serve.request import RequestStatus
-from serve.sampling import MIN_TEMPERATURE, SEED_MAX, SEED_MIN, SamplingParams, sample_token
 
 
 def test_top_p_keeps_the_smallest_nucleus_and_seeds_reproduce():

@@ -18,8 +18,8 @@ import torch
 
 from serve.config import ServeConfig
 from serve.engine import ServeEngine
+from serve.engine.request import RequestStatus
 from serve.memory.pool import PagePool
-from serve.request import RequestStatus
 from tests.serve.prefix.helpers import tiny_model, tokens
 
 

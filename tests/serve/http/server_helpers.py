@@ -55,7 +55,7 @@ def on_engine(app, fn, timeout: float = 30.0):
 
 def reference_texts(prompts, max_tokens, preset: str = "demo", sampling=None) -> list[bytes]:
     """Each prompt's output bytes from a batch-1 run on a fresh cache-off engine (the reference); ``sampling``:
-    one :class:`serve.sampling.SamplingParams` per prompt (None: greedy)."""
+    one :class:`serve.engine.sampling.SamplingParams` per prompt (None: greedy)."""
     engine = build_engine(EngineSpec(preset, prefix_cache=False, max_num_seqs=1), load_model(preset))
     sampling = sampling or [None] * len(prompts)
     return [bytes(engine.generate(p, n, sampling=sp).output_tokens) for p, n, sp in zip(prompts, max_tokens, sampling)]

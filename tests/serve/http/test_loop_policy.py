@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 
+from serve.engine.request import RequestResult, RequestStatus
 from serve.http.loop import EngineLoop
 from serve.http.metrics import ServerMetrics
 from serve.http.model import EngineSpec, build_engine
 from serve.http.step_trace import StepTrace, read_step_trace
-from serve.request import RequestResult, RequestStatus
 
 NUM = 4
 

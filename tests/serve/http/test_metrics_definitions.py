@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from serve.engine.request import RequestResult, RequestStatus
 from serve.http.metrics import ServerMetrics
-from serve.request import RequestResult, RequestStatus
 
 M = "m"
 

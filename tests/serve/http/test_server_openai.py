@@ -264,7 +264,7 @@ def test_seeded_sampling_is_reproducible_and_equals_its_batch1_run(client):
     from its own generator; rows are batch-invariant); temperature 0 and a top_p nucleus of one token are greedy."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from serve.sampling import SamplingParams
+    from serve.engine.sampling import SamplingParams
 
     prompts = ["Sampling: ", "Another prompt, longer than the first one. ", "x"]
     seeds, n = [7, 8, 9], 12

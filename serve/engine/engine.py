@@ -1,8 +1,8 @@
 """``ServeEngine``: requests through a :class:`HybridLM` with every cache in a :class:`PagePool`,
 continuously batched.
 
-``step()`` reads like nano-vllm's ``LLMEngine.step``: schedule (:class:`serve.scheduler.Scheduler`:
-admission, decode rows first, prefill chunks in the token budget) -> run (:class:`serve.model_runner.
+``step()`` reads like nano-vllm's ``LLMEngine.step``: schedule (:class:`serve.engine.scheduler.Scheduler`:
+admission, decode rows first, prefill chunks in the token budget) -> run (:class:`serve.engine.model_runner.
 ModelRunner`: one packed forward over every row, each row's KDA state read and written by slot) ->
 postprocess (append tokens, publish blocks and checkpoints, free finished requests). Every request's
 tokens and logits are bitwise those of the same request run alone (``kda_core.varlen``: batch
@@ -46,7 +46,7 @@ writes the state every ``ring_size`` steps or when a checkpoint is published at 
 16-bit states (``state_dtype`` bf16 / fp16): a request's state is rounded wherever it is written, so its output
 depends on where that happens. Bitwise facts that still hold with the same state dtype and settings: a request
 in any batch == its batch-1 run (its prefill chunks do not depend on its neighbours: the scheduler never cuts a
-chunk to fit the token budget, :class:`serve.scheduler.SchedulerConfig` ``exact_state``); a preempted request ==
+chunk to fit the token budget, :class:`serve.engine.scheduler.SchedulerConfig` ``exact_state``); a preempted request ==
 its uninterrupted run (when its recompute restarts cold); the batched engine == ``batched=False``; a cache-on
 cold run == the cache-off run.
 Facts that hold only in fp32: a warm run from a hit at b == the cold run (the restored checkpoint is rounded at
@@ -70,17 +70,24 @@ import torch
 
 from kda_core.model import ForwardOutput, HybridCache, HybridLM
 from serve.config import ServeConfig
+from serve.engine.model_runner import ModelRunner, Row
+from serve.engine.request import (
+    Request,
+    RequestResult,
+    RequestStatus,
+    prompt_ids,
+    read_request_cache,
+    write_request_cache,
+)
+from serve.engine.sampling import GREEDY, SamplingParams, sample_token
+from serve.engine.scheduler import Scheduler, SchedulerConfig
 from serve.errors import check_choice, check_int
 from serve.memory.layout import ENGINE_STATE_DTYPES
 from serve.memory.pages import write_kv, write_state, zero_state
 from serve.memory.pool import PageKind, PagePool, PoolExhausted
 from serve.memory.replay_state_write import ReplayStateWrite
-from serve.model_runner import ModelRunner, Row
 from serve.prefix.cache import PrefixCache
 from serve.prefix.index import block_keys
-from serve.request import Request, RequestResult, RequestStatus, prompt_ids, read_request_cache, write_request_cache
-from serve.sampling import GREEDY, SamplingParams, sample_token
-from serve.scheduler import Scheduler, SchedulerConfig
 from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
 from serve.spec_decode.verify import Speculation, draft_budget, greedy_accept, speculative_step
 
@@ -119,7 +126,7 @@ class ServeEngine:
             from ``config`` on the pool's page size.
         speculation: optional :class:`serve.spec_decode.verify.Speculation` (drafts verified each decode step).
         max_num_seqs / max_num_batched_tokens / num_state_slots: the scheduler's caps
-            (:class:`serve.scheduler.SchedulerConfig`; None = no cap).
+            (:class:`serve.engine.scheduler.SchedulerConfig`; None = no cap).
         batched: False runs the previous one-request-per-forward path (the baseline ``bench.batch``
             measures against); pad_decode: pad decode rows to the bucket sizes (slot -1 rows).
         state_write: how a plain decode step writes a request's KDA state: "slot" (the whole state back
@@ -192,7 +199,7 @@ class ServeEngine:
     def submit(self, tokens, max_new_tokens: int, record_logits: bool = False,
                sampling: SamplingParams | None = None) -> int:
         """Queue a prompt ``[T]`` of byte ids for ``max_new_tokens`` tokens; returns its id. ``sampling``:
-        a :class:`serve.sampling.SamplingParams` (None: greedy); the request draws from its own generator, so
+        a :class:`serve.engine.sampling.SamplingParams` (None: greedy); the request draws from its own generator, so
         a seeded request's tokens equal its batch-1 run's. ``record_logits`` keeps each emitted token's
         logits ``[256]`` fp32 (with speculation: the verify rows of the accepted drafts and the bonus). With a
         cache, the prompt is matched and its hit pinned now. Raises ValueError on bad input, or for sampling

@@ -99,7 +99,7 @@ class Scheduler:
 
     def schedule(self, fit_now, fit_never) -> Schedule:
         """Admit, then choose the rows of this step (decode first, then prefill chunks)."""
-        from serve.request import RequestStatus  # local: request imports nothing from here
+        from serve.engine.request import RequestStatus  # local: request imports nothing from here
         sched = Schedule()
         while self.waiting and self.can_run_another():
             req = self.requests[self.waiting[0]]

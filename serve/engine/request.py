@@ -11,11 +11,11 @@ from typing import NamedTuple
 import torch
 
 from kda_core.model import HybridCache
+from serve.engine.sampling import GREEDY, SamplingParams
 from serve.memory.layout import CacheLayout
 from serve.memory.pages import read_kv, read_state, write_kv, write_state
 from serve.memory.pool import PagePool
 from serve.prefix.hit import PrefixHit
-from serve.sampling import GREEDY, SamplingParams
 
 TIMING_PHASES = ("lookup", "queue", "admit", "restore", "prefill", "checkpoint")
 
