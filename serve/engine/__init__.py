@@ -3,10 +3,17 @@ every cache in a :class:`serve.memory.pool.PagePool`, continuously batched.
 
 Concept → file → main type → test:
 - the engine: ``submit`` / ``step`` (schedule -> run -> postprocess) / ``abort`` / ``result``, fault isolation
-  ......................................... engine.py ...... ``ServeEngine``, ``EngineFailure``, ``Fit``
+  ......................................... engine.py ...... ``ServeEngine``, ``EngineFailure``
   → ``tests/serve/test_engine.py``, ``test_engine_batch.py``, ``test_engine_faults.py``, ``test_engine_property.py``
-- the waiting / running queues and each step's rows (admission FCFS, decode first, grid-safe prefill chunks,
-  preemption by recompute) ............... scheduler.py ... ``Scheduler``, ``SchedulerConfig``, ``Schedule``
+- the memory of requests: match / rematch a prefix hit, ask (``can_admit`` -> ``Fit``) then act (``admit``),
+  ``reject``, ``publish`` blocks and checkpoints, ``release`` (the one path; ``preempt`` goes through it)
+  ......................................... request_memory.py  ``RequestMemory``, ``Fit``
+  → ``tests/serve/test_engine.py``, ``tests/serve/test_engine_property.py``
+- the postprocess stage of a step (non-finite rows, checkpoints inside prefill chunks, commit, publish, append,
+  finish) ................................. postprocess.py . ``Postprocessor``
+  → ``tests/serve/test_engine_batch.py``, ``tests/serve/test_engine_spec.py``
+- the requests and their waiting / running queues, each step's rows (admission FCFS through the memory, decode
+  first, grid-safe prefill chunks, finish, abort, preemption by recompute) ... scheduler.py ... ``Scheduler``, ``SchedulerConfig``, ``Schedule``
   → ``tests/serve/test_scheduler_policy.py``, ``tests/serve/test_engine_batch.py``
 - one step's batch as data and its packed forward (decode rows padded to buckets with slot -1, prefill rows,
   verify rows) ............................ model_runner.py  ``ModelRunner``, ``Row``, ``StepBatch``
@@ -18,8 +25,11 @@ Concept → file → main type → test:
   ......................................... sampling.py .... ``SamplingParams``, ``sample_token``
   → ``tests/serve/test_sampling.py``
 """
-from serve.engine.engine import DONE, STATE_WRITES, EngineFailure, Fit, ServeEngine
+from serve.engine.engine import STATE_WRITES, EngineFailure, ServeEngine
 from serve.engine.request import RequestResult, RequestStatus
+from serve.engine.request_memory import Fit, RequestMemory
 from serve.engine.sampling import SamplingParams
+from serve.engine.scheduler import DONE, Scheduler, SchedulerConfig
 
-__all__ = ["DONE", "STATE_WRITES", "EngineFailure", "Fit", "RequestResult", "RequestStatus", "SamplingParams", "ServeEngine"]
+__all__ = ["DONE", "STATE_WRITES", "EngineFailure", "Fit", "RequestMemory", "RequestResult", "RequestStatus",
+           "SamplingParams", "Scheduler", "SchedulerConfig", "ServeEngine"]

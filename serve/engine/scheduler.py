@@ -2,8 +2,8 @@
 ``nanovllm/engine/scheduler.py`` seam; vLLM's decode-first order, ``reorder_batch_threshold = 1``).
 
 Each step:
-1. admission, FCFS from the head of the waiting queue: ask first (``memory.can_admit``: KV pages AND a
-   state slot AND the hit's checkpoint pages), then act (``memory.admit``); a request that can NEVER fit
+1. admission, FCFS from the head of the waiting queue: ask first (:meth:`RequestMemory.can_admit`: KV pages AND
+   a state slot AND the hit's checkpoint pages), then act (:meth:`RequestMemory.admit`); a request that can NEVER fit
    is rejected with its reason; the first that fits only LATER stops admission (no overtaking). At most
    ``max_num_seqs`` requests run at once, and never more than ``num_state_slots`` (each running request
    holds one KDA state slot; sglang#40706: the state pool caps the running requests);
@@ -16,7 +16,7 @@ Each step:
    if the chunk sizes are on the grid and the state is fp32, else the row waits for a later step (a 16-bit
    state is rounded at each chunk end, so a cut would make the output depend on the neighbours).
 
-Preemption by recompute (nano-vllm's ``preempt``): :meth:`preempt` frees the newest running request's
+Preemption by recompute (nano-vllm's ``preempt``): :meth:`Scheduler.preempt_newest` frees the newest running request's
 slot and pages and puts it back at the head of the waiting queue with its progress dropped; its output,
 recomputed, is bitwise the uninterrupted one. Admission reserves a request's final pages, so a running
 request never runs out of pages mid-decode: preemption is an explicit call (memory pressure from outside,
@@ -24,10 +24,15 @@ e.g. a higher-priority arrival), never forced by a decode step.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from kda_core.chunk import CHUNK_SIZE
+from serve.engine.request import Request, RequestStatus
+from serve.engine.request_memory import Fit, RequestMemory
 from serve.errors import check_int
+
+DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
 
 
 @dataclass
@@ -83,38 +88,46 @@ class Schedule:
 
 
 class Scheduler:
-    """Owns ``waiting`` and ``running`` (request ids, shared with the engine) and picks each step's rows.
+    """Owns the requests (``requests``: id -> :class:`Request`, every status until :meth:`pop`), the ``waiting``
+    and ``running`` queues (request ids, oldest first) and their :class:`RequestMemory`; picks each step's rows.
+    The engine reads the queues through it and never writes them."""
 
-    ``memory`` answers and acts for admission: ``rematch(req)``, ``can_admit(req) -> Fit``,
-    ``admit(req)``, ``reject(req, reason)``, ``preempt(req)`` (the engine's page bookkeeping).
-    """
+    def __init__(self, config: SchedulerConfig, memory: RequestMemory):
+        self.config, self.memory = config, memory
+        self.requests: dict[int, Request] = {}
+        self.waiting: list[int] = []
+        self.running: list[int] = []
 
-    def __init__(self, config: SchedulerConfig, memory, requests: dict, waiting: list, running: list):
-        self.config, self.memory, self.requests = config, memory, requests
-        self.waiting, self.running = waiting, running
+    def add(self, req: Request) -> None:
+        """Queue a new (matched) request at the tail of ``waiting``."""
+        self.requests[req.rid] = req
+        self.waiting.append(req.rid)
+
+    def get(self, rid: int) -> Request:
+        """The request ``rid`` (any status). Raises ValueError for an unknown id."""
+        if rid not in self.requests:
+            raise ValueError(f"unknown request id {rid!r}")
+        return self.requests[rid]
 
     def can_run_another(self) -> bool:
         cap = self.config.max_running
         return cap is None or len(self.running) < cap
 
-    def schedule(self, fit_now, fit_never) -> Schedule:
+    def schedule(self) -> Schedule:
         """Admit, then choose the rows of this step (decode first, then prefill chunks)."""
-        from serve.engine.request import RequestStatus  # local: request imports nothing from here
         sched = Schedule()
         while self.waiting and self.can_run_another():
             req = self.requests[self.waiting[0]]
             self.memory.rematch(req)
-            fit = self.memory.can_admit(req)
-            if fit is fit_now:
-                self.waiting.pop(0)
-                self.memory.admit(req)
-                sched.admitted = True
-            elif fit is fit_never:
-                self.waiting.pop(0)
-                self.memory.reject(req)
-                sched.admitted = True
-            else:
+            fit = self.memory.can_admit(req, bool(self.running))
+            if fit is Fit.LATER:
                 break
+            self.waiting.pop(0)
+            sched.admitted = True
+            if fit is Fit.NEVER:
+                self.memory.reject(req)
+            elif self.memory.admit(req):
+                self.running.append(req.rid)
         budget = self.config.max_num_batched_tokens
         left = float("inf") if budget is None else budget
         for rid in self.running:
@@ -136,12 +149,38 @@ class Scheduler:
             left -= n
         return sched
 
-    def preempt_newest(self):
-        """Preempt the newest running request by recompute; returns it, or None if nothing runs."""
+    def finish(self, req: Request) -> None:
+        """FINISHED (``finish_t`` now): out of the running queue, everything it held released
+        (:meth:`RequestMemory.release`)."""
+        self.running.remove(req.rid)
+        self.memory.release(req)
+        req.status, req.finish_t = RequestStatus.FINISHED, time.perf_counter()
+
+    def abort(self, rid: int) -> bool:
+        """ABORTED: out of its queue, everything it held released. Returns False if it had already ended.
+        Raises ValueError for an unknown id."""
+        req = self.get(rid)
+        if req.status in DONE:
+            return False
+        (self.waiting if req.status is RequestStatus.WAITING else self.running).remove(rid)
+        self.memory.release(req)
+        req.status = RequestStatus.ABORTED
+        return True
+
+    def pop(self, rid: int) -> Request:
+        """Forget an ended request (FINISHED, ABORTED or REJECTED) and return it. Raises ValueError for an
+        unknown id or one still waiting or running."""
+        req = self.get(rid)
+        if req.status not in DONE:
+            raise ValueError(f"request {rid} is still {req.status}: abort it before releasing it")
+        return self.requests.pop(rid)
+
+    def preempt_newest(self) -> Request | None:
+        """Preempt the newest running request by recompute (:meth:`RequestMemory.preempt`) and put it back at
+        the head of the waiting queue; returns it, or None if nothing runs."""
         if not self.running:
             return None
-        req = self.requests[self.running[-1]]
-        self.running.remove(req.rid)
+        req = self.requests[self.running.pop()]
         self.memory.preempt(req)
         self.waiting.insert(0, req.rid)
         return req

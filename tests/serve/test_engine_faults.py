@@ -44,9 +44,10 @@ def plant(monkeypatch, eng: ServeEngine, phase: str, rid: int) -> None:
         monkeypatch.setattr(eng.runner, "run", lambda batch: boom() if any(
             r.req is not None and r.req.rid == rid for r in batch.rows) else real_run(batch))
     else:
-        for name in ("_postprocess_decode", "_postprocess_prefill", "_postprocess_verify"):
-            real = getattr(eng, name)
-            monkeypatch.setattr(eng, name, lambda req, *a, _real=real: boom() if req.rid == rid else _real(req, *a))
+        for name in ("decode", "prefill", "verify"):
+            real = getattr(eng.postprocess, name)
+            monkeypatch.setattr(eng.postprocess, name,
+                                lambda req, *a, _real=real: boom() if req.rid == rid else _real(req, *a))
 
 
 @pytest.mark.parametrize("phase", ["build", "run", "postprocess"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import serve.engine as engine_module
+from serve.engine.postprocess import Postprocessor
 from serve.engine.request import RequestStatus
 from serve.memory.pages import read_state
 from serve.prefix.cache import PrefixCache
@@ -109,14 +109,14 @@ def test_draft_model_speculation_equals_plain_engine():
 
 def _spy_commits(monkeypatch) -> list:
     """Record ``(tokens consumed after the commit, drafts accepted)`` for every verify step."""
-    commits, real = [], engine_module.ServeEngine._postprocess_verify
+    commits, real = [], Postprocessor.verify
 
     def spy(self, req, *args):          # the batched engine commits each verify row here
         before = req.accepted_tokens
         real(self, req, *args)
         commits.append((req.computed, req.accepted_tokens - before))
 
-    monkeypatch.setattr(engine_module.ServeEngine, "_postprocess_verify", spy)
+    monkeypatch.setattr(Postprocessor, "verify", spy)
     return commits
 
 

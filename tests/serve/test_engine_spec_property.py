@@ -84,7 +84,7 @@ def _drive(eng, seqs, checked) -> None:
 
 def _count_landings(eng, events: list) -> None:
     """Wrap the engine's verify commit to note verify steps that accept drafts onto the end boundary."""
-    commit_verify = eng._postprocess_verify
+    commit_verify = eng.postprocess.verify
 
     def spy(req, *args):
         before = req.accepted_tokens
@@ -93,7 +93,7 @@ def _count_landings(eng, events: list) -> None:
         if req.computed == b_end and req.accepted_tokens > before:
             events.append(req.rid)
 
-    eng._postprocess_verify = spy
+    eng.postprocess.verify = spy
 
 
 @settings(settings.get_profile("engine_spec"))

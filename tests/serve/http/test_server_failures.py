@@ -105,13 +105,13 @@ def test_a_request_whose_row_fails_is_a_500_and_the_others_are_served():
     are freed, and a request beside it gets its batch-1 output; /health stays 200."""
     with running_server(EngineSpec(max_model_len=256, max_num_seqs=4), max_queue=4) as (url, app):
         def plant(engine):
-            real = engine._postprocess_decode
+            real = engine.postprocess.decode
 
             def failing(req, logits):
                 if bytes(req.prompt) == b"poison-me" and len(req.output) >= 3:
                     raise RuntimeError("planted row failure")
                 return real(req, logits)
-            engine._postprocess_decode = failing
+            engine.postprocess.decode = failing
 
         on_engine(app, plant)
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)

@@ -1,0 +1,274 @@
+"""``RequestMemory``: the pages and prefix-cache pins of every request, owned by the :class:`Scheduler`
+(nano-vllm's ``BlockManager`` seam: ask, then act; free through one path).
+
+Request flow, as the memory sees it:
+
+  match   -> lookup + pin the hit (pins before anything is allocated)     WAITING
+  rematch -> a longer hit the cache gained since, swapped in (old pins released)
+  admit   -> allocate private KDA_STATE pages + own KV pages (evicting
+             unpinned cache entries), restore the checkpoint into the
+             private pages (copy-on-write), drop the checkpoint pin      PREFILL
+  publish -> full blocks below a boundary, and the checkpoint there (the
+             state after exactly that many committed tokens)
+  release -> every page and pin the request held (finish, abort, reject,
+             preempt: the one path)
+
+Checkpoint placement (C = interval, N = block size, L = prompt length): every multiple of C reached during
+prefill, the replay boundary floor((L - 1) / N) N, the end of the prompt floor(L / N) N
+(:meth:`checkpoint_boundaries`), and at the request's end the last full block of prompt + output
+(:meth:`final_boundary`). Without a prefix cache the engine runs the same pages with no sharing: the reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+from itertools import islice
+
+import torch
+
+from kda_core.model import HybridLM
+from serve.config import ServeConfig
+from serve.engine.request import Request, RequestStatus
+from serve.errors import check_choice
+from serve.memory.layout import ENGINE_STATE_DTYPES, CacheLayout
+from serve.memory.pages import zero_state
+from serve.memory.pool import PageKind, PagePool, PoolExhausted
+from serve.memory.replay_state_write import ReplayStateWrite
+from serve.prefix.cache import PrefixCache
+from serve.prefix.index import block_keys
+
+log = logging.getLogger("serve.engine")
+
+
+class Fit(enum.Enum):
+    """The answer of :meth:`RequestMemory.can_admit`: the request's pages fit NOW (free + evictable),
+    LATER (once running requests finish), or NEVER (not even in an otherwise idle pool)."""
+
+    NOW = "now"
+    LATER = "later"
+    NEVER = "never"
+
+
+def resolve_layout(model: HybridLM, pool: PagePool, prefix_cache: PrefixCache | None, config: ServeConfig | None,
+                   state_dtype: torch.dtype | None) -> tuple[ServeConfig, CacheLayout]:
+    """The engine's ``(ServeConfig, CacheLayout)``, decided once: the prefix cache's when there is one, else
+    ``config`` (None: ``ServeConfig()``) with ``state_dtype`` (None: the config's) and its layout on the pool's
+    page size. Raises ValueError for a cache on another pool or model config, a ``config`` or ``state_dtype``
+    unlike the cache's, a ``config`` that is not a ServeConfig, or a ``state_dtype`` not in
+    :data:`serve.memory.layout.ENGINE_STATE_DTYPES`."""
+    if state_dtype is not None:
+        check_choice("state_dtype", state_dtype, ENGINE_STATE_DTYPES)
+    if prefix_cache is not None:
+        if prefix_cache.pool is not pool:
+            raise ValueError("prefix_cache must be built on the engine's pool")
+        if prefix_cache.layout.cfg != model.cfg:
+            raise ValueError("prefix_cache was built for another model config")
+        if config is not None and config != prefix_cache.config:
+            raise ValueError(f"config {config} differs from the prefix cache's {prefix_cache.config}")
+        if state_dtype is not None and state_dtype != prefix_cache.config.state_dtype:
+            raise ValueError(f"state_dtype {state_dtype} differs from the prefix cache's "
+                             f"{prefix_cache.config.state_dtype} (build it on ServeConfig(state_dtype=...))")
+        return prefix_cache.config, prefix_cache.layout
+    config = ServeConfig() if config is None else config
+    if not isinstance(config, ServeConfig):
+        raise ValueError(f"config must be a ServeConfig or None, got {type(config).__name__}")
+    if state_dtype is not None:
+        config = dataclasses.replace(config, state_dtype=state_dtype)
+    return config, config.layout(model.cfg, pool.page_bytes)
+
+
+def _ms(t0: float) -> float:
+    return (time.perf_counter() - t0) * 1e3
+
+
+class RequestMemory:
+    """What every request holds of ``pool`` (its state pages and page table) and of ``cache`` (its pins).
+
+    Args: pool: the :class:`PagePool`; layout: the :class:`CacheLayout` of a request's cache in it; cache: the
+    :class:`PrefixCache` on ``pool`` or None (no sharing); config: the :class:`ServeConfig` (checkpoint grid);
+    replay: the ReplaySSM rings (:class:`ReplayStateWrite`; a request's ring goes with its pages) or None.
+    Mutates only the requests it is given and the pool / cache; it never touches a queue."""
+
+    def __init__(self, pool: PagePool, layout: CacheLayout, cache: PrefixCache | None, config: ServeConfig,
+                 replay: ReplayStateWrite | None = None):
+        self.pool, self.layout, self.cache, self.config, self.replay = pool, layout, cache, config, replay
+
+    # ---- the checkpoint grid ----------------------------------------------------------------------
+    def checkpoint_boundaries(self, num_prompt_tokens: int) -> list[int]:
+        """Prefill checkpoint boundaries of a prompt (:meth:`ServeConfig.prefill_checkpoints`); empty
+        without a prefix cache."""
+        return [] if self.cache is None else self.config.prefill_checkpoints(num_prompt_tokens)
+
+    def final_boundary(self, req: Request) -> int | None:
+        """b_end: where ``req`` publishes its final checkpoint (:meth:`ServeConfig.final_checkpoint` of its
+        prompt and final tokens); None without a cache or if it has none."""
+        return None if self.cache is None else self.config.final_checkpoint(len(req.prompt), req.final_tokens)
+
+    # ---- ask ----------------------------------------------------------------------------------------
+    def match(self, req: Request) -> None:
+        """Look ``req``'s prompt up in the cache and pin the hit (``req.hit``; None without a cache)."""
+        req.hit = None
+        if self.cache is not None:
+            req.hit = self.cache.lookup(req.prompt)
+            self.cache.acquire(req.hit, req.rid)
+
+    def rematch(self, req: Request) -> None:
+        """Swap a waiting request to a longer hit if the cache gained one since it was matched (release the
+        old pins, pin the new); a no-op without a cache."""
+        if self.cache is None:
+            return
+        better = self.cache.lookup(req.prompt)
+        if better.num_tokens > req.hit.num_tokens:
+            old = req.hit
+            self.release(req)
+            self.cache.acquire(better, req.rid, replaces=old)
+            req.hit = better
+
+    def can_admit(self, req: Request, anything_running: bool) -> Fit:
+        """Whether the waiting request's pages (:meth:`Request.pages_needed`: a state slot and its KV pages)
+        fit: NOW in free + evictable pages; LATER once running requests release theirs (``anything_running``);
+        NEVER if they exceed the pool with its pinned hit counted. Pure (the caps on running requests are the
+        scheduler's)."""
+        need = sum(req.pages_needed(self.layout))
+        if need <= self.pool.num_free + (0 if self.cache is None else self.cache.evictable_pages()):
+            return Fit.NOW
+        return Fit.LATER if anything_running and need + req.hit_pages <= self.pool.num_pages else Fit.NEVER
+
+    def shortfall(self, req: Request) -> str:
+        """Why ``req`` can never fit: the pages it needs against the free and evictable ones."""
+        (state, kv), free = req.pages_needed(self.layout), self.pool.num_free
+        evictable = 0 if self.cache is None else self.cache.evictable_pages()
+        return (f"needs {state + kv} pages ({state} state + {kv} KV) but only {free} are free and {evictable} "
+                f"evictable; its {req.hit_blocks} hit blocks stay pinned")
+
+    # ---- act ----------------------------------------------------------------------------------------
+    def admit(self, req: Request) -> bool:
+        """Admit a request :meth:`can_admit` said fits NOW: allocate its state and KV pages (evicting unpinned
+        cache entries), restore its hit's checkpoint into its state (copy-on-write) or zero it; status PREFILL.
+        Returns False if it was REJECTED instead (:meth:`reject`): the allocation still failed (PoolExhausted)
+        or the restore raised (e.g. CheckpointError; the error is its reason, logged). Nothing it held leaks."""
+        t0 = time.perf_counter()
+        cache, lay = self.cache, self.layout
+        num_state, num_kv = req.pages_needed(lay)
+        alloc = self.pool.alloc if cache is None else cache.alloc
+        try:
+            state = alloc(PageKind.KDA_STATE, num_state, req.rid)
+            it = iter(state)                                # held by the request from here (release)
+            req.state_pages = [tuple(islice(it, lay.group_pages(g))) for g in range(lay.num_groups)]
+            req.page_table = ([] if req.hit is None else list(req.hit.kv_pages))
+            req.page_table += alloc(PageKind.MLA_KV, num_kv, req.rid)
+        except PoolExhausted as err:                        # evictable count was stale: reject cleanly
+            self.reject(req, f"pool exhausted at admission: {err}")
+            return False
+        req.keys = [] if req.hit is None else list(req.hit.keys)
+        req.timings_ms["queue"] = (t0 - req.submit_t) * 1e3 - req.timings_ms["lookup"]
+        req.timings_ms["admit"] = _ms(t0)
+        t1 = time.perf_counter()
+        try:
+            if req.hit_blocks:
+                req.restored_bytes = cache.restore(req.hit, req.rid, req.state_pages)
+                cache.release_checkpoint(req.rid)
+            else:
+                zero_state(lay, self.pool, req.state_pages)
+        except Exception as err:                         # noqa: BLE001 - that request is rejected
+            log.warning("request %d rejected: its restore raised", req.rid, exc_info=err)
+            self.reject(req, f"restore failed: {type(err).__name__}: {err}")
+            return False
+        req.timings_ms["restore"] = _ms(t1)
+        req.computed = req.hit_blocks * lay.block_size
+        req.shared_kv_bytes = req.hit_blocks * lay.kv_block_bytes
+        req.status = RequestStatus.PREFILL
+        return True
+
+    def reject(self, req: Request, reason: str | None = None) -> None:
+        """REJECTED with ``reason`` (None: its :meth:`shortfall`), everything it held released."""
+        reason = self.shortfall(req) if reason is None else reason
+        self.release(req)
+        req.status, req.reason = RequestStatus.REJECTED, reason
+
+    def release(self, req: Request) -> None:
+        """THE path that frees a request's pages (any status): its state pages, its page table (or, before
+        admission, the hit's KV pages it references), its ReplaySSM ring and its pins in the cache."""
+        pool, rid = self.pool, req.rid
+        if req.state_pages:
+            pool.decref([p for grp in req.state_pages for p in grp], rid)
+        pages = req.page_table if req.page_table else ([] if req.hit is None else list(req.hit.kv_pages))
+        pool.decref(pages, rid)
+        req.state_pages, req.page_table = [], []
+        if self.replay is not None:                         # the ring goes with the state (nothing to materialise)
+            self.replay.release(rid)
+        if self.cache is not None:
+            self.cache.release(rid)
+
+    def preempt(self, req: Request) -> None:
+        """Preempt by recompute: :meth:`release` everything, drop the request's progress and match it again
+        (status WAITING). Its output, recomputed, is bitwise the uninterrupted one (batch-invariant; a sampling
+        request's generator restarts at its seed)."""
+        self.release(req)
+        req.generator = req.sampling.generator()
+        req.status, req.computed, req.output, req.logits = RequestStatus.WAITING, 0, [], []
+        req.first_token_t, req.keys, req.prefill_tokens = None, [], 0
+        req.restored_bytes = req.shared_kv_bytes = 0
+        req.proposer = req.strategy = None
+        self.match(req)
+
+    def publish(self, req: Request, upto: int, checkpoint: bool) -> None:
+        """Publish the request's full blocks below ``upto`` tokens and, if asked, its checkpoint there
+        (then ``upto`` must equal ``computed``, so the state is the state after exactly ``upto``).
+
+        Block keys come from the committed tokens ``tokens()[:computed]`` only. Raises RuntimeError
+        naming ``upto`` if the committed tokens do not cover it or the cache raises (the engine aborts the
+        request: a failed publish never leaves a request mid-flight, and the engine keeps serving the others).
+        """
+        N = self.layout.block_size
+        nb = upto // N
+        try:
+            committed = req.tokens()[: req.computed]
+            if not upto <= req.computed == len(committed):
+                raise RuntimeError(f"request {req.rid}: cannot publish {upto} tokens: the cache consumed "
+                                   f"{req.computed} but only {len(committed)} are committed")
+            if nb > len(req.keys):
+                req.keys = block_keys(committed[: nb * N], N)
+            self.cache.publish_blocks(req.keys, req.page_table, nb, req.rid)
+            if checkpoint and nb:
+                ok = self.cache.publish_checkpoint(req.keys, nb, req.state_pages, req.computed, req.rid)
+                req.checkpoints_written += ok
+        except Exception as err:
+            raise RuntimeError(f"publish at {upto} tokens failed: {type(err).__name__}: {err}") from err
+
+    # ---- integrity ----------------------------------------------------------------------------------
+    def check_integrity(self, running: list[Request], waiting: list[Request]) -> None:
+        """Assert (AssertionError) the cache's and pool's own invariants; every running request holds its state
+        pages and page table with one reference each, enough pages for its tokens; every used page belongs to
+        the cache or a live request (no leak: an idle engine holds only cache pages); with ReplaySSM, every ring
+        belongs to a running request (:meth:`ReplayStateWrite.check_integrity`)."""
+        pool, lay = self.pool, self.layout
+        if self.cache is not None:
+            self.cache.check_integrity()
+        else:
+            pool.check_integrity()
+        if self.replay is not None:
+            self.replay.check_integrity([r.rid for r in running])
+        owned = set()
+        for req in running:
+            rid = req.rid
+            assert req.status in (RequestStatus.PREFILL, RequestStatus.DECODE), f"running request {rid} is {req.status}"
+            pages = [p for grp in req.state_pages for p in grp]
+            assert len(pages) == lay.state_pages, f"request {rid} holds {len(pages)} state pages"
+            assert len(req.page_table) * lay.block_size >= req.final_tokens, f"request {rid}: page table too short"
+            for p in pages + req.page_table:
+                assert pool.holders(p).get(rid) == 1, f"request {rid} does not hold one reference to page {p}"
+            owned.update(pages + req.page_table)
+        for req in waiting:
+            assert req.status is RequestStatus.WAITING and not req.state_pages, f"waiting request {req.rid} holds pages"
+            if req.hit is not None:
+                owned.update(req.hit.kv_pages)
+                owned.update(p for grp in req.hit.checkpoint_pages for p in grp)
+        if self.cache is not None:
+            for node in self.cache.index.nodes.values():
+                owned.add(node.payload)
+                owned.update(p for c in node.ckpts.values() for p in c.payload)
+        used = {p for p, (kind, _, _) in enumerate(pool.page_table()) if kind is not PageKind.FREE}
+        assert used <= owned, f"leaked pages (used, owned by nobody): {sorted(used - owned)}"
