@@ -140,16 +140,15 @@ def batching_run(max_num_seqs: int = DEFAULTS["max_num_seqs"],
     return BatchingRun(pd.DataFrame(steps), pd.DataFrame(rows), num_state_slots, all_ok, stamp)
 
 
-def decoding_engine(model: HybridLM, batch: int, max_new_tokens: int, batched: bool = True,
-                    **engine_kw) -> ServeEngine:
+def decoding_engine(model: HybridLM, batch: int, max_new_tokens: int, **engine_kw) -> ServeEngine:
     """An engine of ``model`` (no prefix cache, 16-token blocks, unified pages) with ``batch`` requests of
     :data:`DECODE_PROMPT_TOKENS`-token prompts already all decoding, each with ``max_new_tokens`` to go at most;
-    ``batched=False`` runs the one-request-per-forward baseline; ``engine_kw`` go to :class:`ServeEngine` (e.g.
-    ``state_write``, ``ring_size``)."""
+    ``engine_kw`` go to :class:`ServeEngine` (e.g. ``state_write``, ``ring_size``, or ``rows_per_forward=1``: the
+    batch-1 baseline, each row in its own forward)."""
     config = ServeConfig(BLOCK, BLOCK, page_policy="unified")
     pages_per_req = 1 + -(-(DECODE_PROMPT_TOKENS + max_new_tokens) // BLOCK) + 1   # state + KV blocks + one spare
     pool = PagePool(batch * pages_per_req + 8, config.page_bytes(model.cfg))
-    eng = ServeEngine(model, pool, None, config=config, batched=batched, **engine_kw)
+    eng = ServeEngine(model, pool, None, config=config, **engine_kw)
     for i in range(batch):
         eng.submit([(i * 7 + j) % 256 for j in range(DECODE_PROMPT_TOKENS)], max_new_tokens)
     while any(eng.requests[r].status is not RequestStatus.DECODE for r in eng.running) or eng.waiting:

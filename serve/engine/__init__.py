@@ -24,6 +24,21 @@ Concept → file → main type → test:
 - per-request sampling (temperature, top-p, top-k, seed; one generator per request)
   ......................................... sampling.py .... ``SamplingParams``, ``sample_token``
   → ``tests/serve/test_sampling.py``
+
+State write of a decode step (``state_write``): "slot" writes the request's whole KDA state back to its pages
+every step; "replay_ssm" (vllm#47572) appends a ``(k, u, g)`` record per KDA layer to the request's ring and
+writes the state every ``ring_size`` steps or when a checkpoint is published at that step
+(:mod:`serve.memory.replay_state_write`); the ring is released with the request's pages.
+
+16-bit states (``state_dtype`` bf16 / fp16): a request's state is rounded wherever it is written, so its output
+depends on where that happens. Bitwise facts that still hold with the same state dtype and settings: a request
+in any batch == its batch-1 run (its prefill chunks do not depend on its neighbours: the scheduler never cuts a
+chunk to fit the token budget, :class:`serve.engine.scheduler.SchedulerConfig` ``exact_state``); a preempted request ==
+its uninterrupted run (when its recompute restarts cold); the engine == the same engine with ``rows_per_forward=1``; a cache-on
+cold run == the cache-off run.
+Facts that hold only in fp32: a warm run from a hit at b == the cold run (the restored checkpoint is rounded at
+b; it equals the cache-off run whose prefill is split at b); a chunked prefill == the unchunked one;
+``replay_ssm`` == ``slot`` (ReplaySSM rounds at materialisation only, every ``ring_size`` steps, so fewer times).
 """
 from serve.engine.engine import STATE_WRITES, EngineFailure, ServeEngine
 from serve.engine.request import RequestResult, RequestStatus

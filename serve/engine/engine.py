@@ -25,24 +25,11 @@ the failure is the engine's: :meth:`ServeEngine.step` raises :class:`EngineFailu
 not be stepped again (the server exits so that a supervisor restarts it). A restore that raises at
 admission rejects its request with the error as the reason.
 
-State write of a decode step (``state_write``): "slot" writes the request's whole KDA state back to its pages
-every step; "replay_ssm" (vllm#47572) appends a ``(k, u, g)`` record per KDA layer to the request's ring and
-writes the state every ``ring_size`` steps or when a checkpoint is published at that step
-(:mod:`serve.memory.replay_state_write`); the ring is released with the request's pages.
-
-16-bit states (``state_dtype`` bf16 / fp16): a request's state is rounded wherever it is written, so its output
-depends on where that happens. Bitwise facts that still hold with the same state dtype and settings: a request
-in any batch == its batch-1 run (its prefill chunks do not depend on its neighbours: the scheduler never cuts a
-chunk to fit the token budget, :class:`serve.engine.scheduler.SchedulerConfig` ``exact_state``); a preempted request ==
-its uninterrupted run (when its recompute restarts cold); the batched engine == ``batched=False``; a cache-on
-cold run == the cache-off run.
-Facts that hold only in fp32: a warm run from a hit at b == the cold run (the restored checkpoint is rounded at
-b; it equals the cache-off run whose prefill is split at b); a chunked prefill == the unchunked one;
-``replay_ssm`` == ``slot`` (ReplaySSM rounds at materialisation only, every ``ring_size`` steps, so fewer times).
+The state write of a decode step (``state_write``) and what stays bitwise with 16-bit states are in the
+package docstring (:mod:`serve.engine`).
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -51,28 +38,18 @@ import torch
 from kda_core.model import HybridLM
 from serve.config import ServeConfig
 from serve.engine.model_runner import ModelRunner, Row
-from serve.engine.postprocess import Postprocessor, non_finite, where
-from serve.engine.request import (
-    Request,
-    RequestResult,
-    RequestStatus,
-    prompt_ids,
-    read_request_cache,
-    write_request_cache,
-)
-from serve.engine.request_memory import Fit, RequestMemory
-from serve.engine.sampling import GREEDY, SamplingParams, sample_token
-from serve.engine.scheduler import DONE, Scheduler, SchedulerConfig
+from serve.engine.postprocess import Postprocessor, where
+from serve.engine.request import Request, RequestResult, prompt_ids, read_request_cache
+from serve.engine.request_memory import RequestMemory, resolve_layout
+from serve.engine.sampling import GREEDY, SamplingParams
+from serve.engine.scheduler import Scheduler, SchedulerConfig
 from serve.errors import check_choice, check_int
-from serve.memory.layout import ENGINE_STATE_DTYPES
-from serve.memory.pages import write_kv, write_state
 from serve.memory.pool import PagePool
 from serve.memory.replay_state_write import ReplayStateWrite
 from serve.prefix.cache import PrefixCache
 from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
-from serve.spec_decode.verify import Speculation, draft_budget, speculative_step
+from serve.spec_decode.verify import Speculation, draft_budget
 
-__all__ = ["DONE", "STATE_WRITES", "EngineFailure", "Fit", "ServeEngine"]
 STATE_WRITES = ("slot", "replay_ssm")
 log = logging.getLogger("serve.engine")
 
@@ -99,8 +76,10 @@ class ServeEngine:
         speculation: optional :class:`serve.spec_decode.verify.Speculation` (drafts verified each decode step).
         max_num_seqs / max_num_batched_tokens / num_state_slots: the scheduler's caps
             (:class:`serve.engine.scheduler.SchedulerConfig`; None = no cap).
-        batched: False runs the previous one-request-per-forward path (the baseline ``bench.batch``
-            measures against); pad_decode: pad decode rows to the bucket sizes (slot -1 rows).
+        rows_per_forward: most rows one forward holds (None: every row of the step in one forward); 1 runs each
+            row in its own forward, one after the other: the batch-1 baseline ``bench.batch`` and
+            ``lab.batching`` measure batching against (same scheduler, same rows, same tokens and logits).
+        pad_decode: pad decode rows to the bucket sizes (slot -1 rows).
         state_write: how a plain decode step writes a request's KDA state: "slot" (the whole state back
             to its pages every step) or "replay_ssm" (a ``(k, u, g)`` record per step into the request's
             ring, the state materialised every ``ring_size`` steps or at a checkpoint publish; vllm#47572,
@@ -111,39 +90,21 @@ class ServeEngine:
             torch.float16 replaces it (with a prefix cache it must equal the cache's). Compute stays fp32: a
             state is upcast when gathered and rounded to nearest on every write (prefill end and chunk ends,
             decode, verify commit, ReplaySSM materialisation, prefill checkpoints), so a 16-bit state holds
-            about twice the slots of fp32 (conv windows and latents stay fp32). See "16-bit states" below.
+            about twice the slots of fp32 (conv windows and latents stay fp32); what stays bitwise:
+            :mod:`serve.engine`.
     Raises ValueError for a cache on another pool, model config or serving config, or bad sizes; for a
     ``state_dtype`` not in :data:`serve.memory.layout.ENGINE_STATE_DTYPES` or unlike the cache's; for
     ``state_write="replay_ssm"`` with speculation (every decode row is then a verify row: use the
-    ``ReplaySSM`` rollback strategy) or with ``batched=False``.
+    ``ReplaySSM`` rollback strategy); for ``rows_per_forward`` not None or an int >= 1.
     """
 
     def __init__(self, model: HybridLM, pool: PagePool, prefix_cache: PrefixCache | None = None,
                  max_prefill_chunk: int | None = None, *, config: ServeConfig | None = None,
                  speculation: Speculation | None = None, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, num_state_slots: int | None = None,
-                 batched: bool = True, pad_decode: bool = True, state_write: str = "slot",
+                 rows_per_forward: int | None = None, pad_decode: bool = True, state_write: str = "slot",
                  ring_size: int = DEFAULT_RING_SIZE, state_dtype: torch.dtype | None = None):
-        if state_dtype is not None:
-            check_choice("state_dtype", state_dtype, ENGINE_STATE_DTYPES)
-        if prefix_cache is not None:
-            if prefix_cache.pool is not pool:
-                raise ValueError("prefix_cache must be built on the engine's pool")
-            if prefix_cache.layout.cfg != model.cfg:
-                raise ValueError("prefix_cache was built for another model config")
-            if config is not None and config != prefix_cache.config:
-                raise ValueError(f"config {config} differs from the prefix cache's {prefix_cache.config}")
-            if state_dtype is not None and state_dtype != prefix_cache.config.state_dtype:
-                raise ValueError(f"state_dtype {state_dtype} differs from the prefix cache's "
-                                 f"{prefix_cache.config.state_dtype} (build it on ServeConfig(state_dtype=...))")
-            self.config, self.layout = prefix_cache.config, prefix_cache.layout
-        else:
-            self.config = ServeConfig() if config is None else config
-            if not isinstance(self.config, ServeConfig):
-                raise ValueError(f"config must be a ServeConfig or None, got {type(config).__name__}")
-            if state_dtype is not None:
-                self.config = dataclasses.replace(self.config, state_dtype=state_dtype)
-            self.layout = self.config.layout(model.cfg, pool.page_bytes)
+        self.config, self.layout = resolve_layout(model, pool, prefix_cache, config, state_dtype)
         if max_prefill_chunk is not None and (not isinstance(max_prefill_chunk, int) or max_prefill_chunk < 1):
             raise ValueError(f"max_prefill_chunk must be None or a positive int, got {max_prefill_chunk!r}")
         self.model, self.pool, self.cache = model, pool, prefix_cache
@@ -151,10 +112,11 @@ class ServeEngine:
         self._next_rid = 0
         check_choice("state_write", state_write, STATE_WRITES)
         check_int("ring_size", ring_size)
-        if state_write == "replay_ssm" and (speculation is not None or not batched):
-            raise ValueError("state_write='replay_ssm' is the plain-decode state write of the batched engine: it "
-                             "needs batched=True and no speculation (with speculation, pick the 'ReplaySSM' "
-                             "rollback strategy)")
+        if state_write == "replay_ssm" and speculation is not None:
+            raise ValueError("state_write='replay_ssm' is the plain-decode state write: it needs no speculation "
+                             "(with speculation, pick the 'ReplaySSM' rollback strategy)")
+        if rows_per_forward is not None:
+            check_int("rows_per_forward", rows_per_forward)
         self.state_write = state_write
         self.replay = ReplayStateWrite(model.cfg, ring_size) if state_write == "replay_ssm" else None
         self.runner = ModelRunner(model, pool, self.layout, pad_decode=pad_decode, replay=self.replay)
@@ -163,7 +125,7 @@ class ServeEngine:
                                             exact_state=self.config.state_dtype == torch.float32)
         self.scheduler = Scheduler(self.sched_config, self.memory)
         self.postprocess = Postprocessor(model, self.runner, self.scheduler, self._fail_row)
-        self.batched = bool(batched)
+        self.rows_per_forward = rows_per_forward
         self.last_batch = None          # the last step's StepBatch (rows, metadata): for pages and tests
 
     # ---- the queues, read through the scheduler ----------------------------------------------------
@@ -213,21 +175,20 @@ class ServeEngine:
         """schedule -> run -> postprocess. Admit what fits (FCFS; a request that can never fit is REJECTED
         with its reason), then run one forward over every decoding request (one token each, decode rows
         first) and the prefill chunks that fit the token budget. Returns False when there was nothing to
-        do (admitting or rejecting counts as work). With ``batched=False`` the previous path runs: one
-        prefill chunk of the oldest prefilling request, or else each decoding request alone. A failure of
-        one request's row aborts that request (its ``reason``) and the others go on; raises
-        :class:`EngineFailure` for a failure that is no one request's (see "Fault isolation" above)."""
-        if not self.batched:
-            return self._step_unbatched()
+        do (admitting or rejecting counts as work). With ``rows_per_forward`` the rows run in forwards of at
+        most that many rows, each postprocessed before the next runs. A failure of one request's row aborts that
+        request (its ``reason``) and the others go on; raises :class:`EngineFailure` for a failure that is no one
+        request's (see "Fault isolation" above)."""
         sched = self.scheduler.schedule()
         if sched.empty:
             return sched.admitted
         rows, bases = self._rows(sched.decode, sched.prefill)
-        t0 = time.perf_counter()
-        batch = self._run_isolating(*rows)
-        if batch is not None:
-            self.last_batch = batch
-            self.postprocess(batch, bases, _ms(t0))
+        for part in self._forwards(*rows):
+            t0 = time.perf_counter()
+            batch = self._run_isolating(*part)
+            if batch is not None:
+                self.last_batch = batch
+                self.postprocess(batch, bases, _ms(t0))
         return True
 
     # ---- run ----------------------------------------------------------------------------------------
@@ -263,6 +224,21 @@ class ServeEngine:
                 continue
             (verify if row.verify else rows if row.decode else prefill_rows).append(row)
         return (rows, prefill_rows, verify), bases
+
+    def _forwards(self, decode: list, prefill: list, verify: list) -> list[tuple[list, list, list]]:
+        """The step's rows split into forwards of at most ``rows_per_forward`` rows (one forward when None),
+        each ``(decode, prefill, verify)``, in row order (decode, verify, then prefill)."""
+        k = self.rows_per_forward
+        if k is None:
+            return [(decode, prefill, verify)]
+        tagged = [(0, r) for r in decode] + [(2, r) for r in verify] + [(1, r) for r in prefill]
+        parts = []
+        for i in range(0, len(tagged), k):
+            part = ([], [], [])
+            for kind, row in tagged[i: i + k]:
+                part[kind].append(row)
+            parts.append(part)
+        return parts
 
     def _run_isolating(self, decode: list, prefill: list, verify: list):
         """Build and run the batch. If that raises (a row's non-finite state or cache page, NonFiniteError
@@ -316,37 +292,6 @@ class ServeEngine:
         if self.abort(req.rid):
             req.reason = f"{where}: {detail}"
 
-    def _step_unbatched(self) -> bool:
-        """The previous engine's step (batch 1 per forward), kept as the measured baseline."""
-        admitted = False
-        while self.waiting:
-            req = self.requests[self.waiting[0]]
-            self.memory.rematch(req)
-            fit = self.memory.can_admit(req, bool(self.running))
-            if fit is Fit.LATER:
-                break
-            self.scheduler.waiting.pop(0)
-            if fit is Fit.NEVER:
-                self.memory.reject(req)
-            elif self.memory.admit(req):
-                self.scheduler.running.append(req.rid)
-            admitted = True
-        for rid in self.running:
-            req = self.requests[rid]
-            if req.status is RequestStatus.PREFILL:
-                try:
-                    self._prefill_chunk(req)
-                except Exception as err:                 # noqa: BLE001 - that request is aborted
-                    self._fail_row(req, f"prefill of tokens [{req.computed}, {self._prefill_end(req)})", err)
-                return True
-        decoding = [self.requests[r] for r in self.running if self.requests[r].status is RequestStatus.DECODE]
-        for req in decoding:
-            try:
-                self._decode_one(req)
-            except Exception as err:                     # noqa: BLE001 - that request is aborted
-                self._fail_row(req, f"decode of output token {len(req.output)}", err)
-        return bool(decoding) or admitted
-
     def run_until_idle(self, max_steps: int = 1_000_000) -> int:
         """Step until every request is FINISHED, ABORTED or REJECTED (a rejected request's reason is in
         its :meth:`result`); returns the steps taken. Raises RuntimeError if ``max_steps`` is reached or
@@ -365,6 +310,12 @@ class ServeEngine:
         already ended. Raises ValueError for an unknown id."""
         return self.scheduler.abort(rid)
 
+    def release(self, rid: int) -> RequestResult:
+        """Forget an ended request (FINISHED, ABORTED or REJECTED): it leaves :attr:`requests` and its final
+        :class:`RequestResult` is returned (a long-running server calls this once it has sent the result).
+        Raises ValueError for an unknown id or one still waiting or running (:meth:`abort` it first)."""
+        return self.scheduler.pop(rid).result()
+
     def result(self, rid: int) -> RequestResult:
         """The :class:`RequestResult` of a request (any status). Raises ValueError for an unknown id."""
         return self.scheduler.get(rid).result()
@@ -382,100 +333,6 @@ class ServeEngine:
         and pages are freed and it goes back to the head of the waiting queue. Returns its id, or None."""
         req = self.scheduler.preempt_newest()
         return None if req is None else req.rid
-
-    # ---- the batch-1 path --------------------------------------------------------------------------
-
-    def _prefill_chunk(self, req: Request) -> None:
-        """One prefill forward over ``[p, end)`` (the whole rest of the prompt unless
-        ``max_prefill_chunk`` caps it). Every checkpoint boundary inside it comes from the same forward
-        (``state_at``: the state after exactly b tokens), which runs on the 64-token chunk grid from p
-        (``kda_core.chunk.CHUNK_SIZE``) whatever the boundaries are. So a warm prefill from a hit b that
-        is a multiple of 64 computes every token bitwise as the cache-off run does (which starts at 0),
-        provided ``max_prefill_chunk`` is None or a multiple of 64; from any other b it differs by
-        rounding (the grid moves; a few 1e-6 in the logits of the demo model)."""
-        L, p, end = len(req.prompt), req.computed, self._prefill_end(req)
-        marks = [b for b in self.memory.checkpoint_boundaries(L) if b > p]
-        inner = [b - p for b in marks if b < end]
-        t0 = time.perf_counter()
-        out = self.model.forward(torch.tensor([req.prompt[p:end]]), read_request_cache(self.layout, self.pool, req),
-                                 mode="chunk", state_at=tuple(inner))
-        bad = non_finite(out.logits[0, -1])
-        if bad is not None:
-            self._fail_row(req, f"prefill of tokens [{p}, {end})", bad)
-            return
-        if inner:  # latents first (blocks below each boundary), then each boundary's state
-            write_kv(self.layout, self.pool, req.page_table, p,
-                     [out.cache.layers[i][:, p:] for i in self.model.cfg.mla_layers])
-        req.timings_ms["prefill"] += _ms(t0)
-        t1 = time.perf_counter()
-        for t in inner:
-            write_state(self.layout, self.pool, req.state_pages, out.states_at[t])
-            req.computed = p + t
-            self.memory.publish(req, p + t, True)
-        req.timings_ms["checkpoint"] += _ms(t1)
-        t0 = time.perf_counter()
-        write_request_cache(self.layout, self.pool, req, out.cache, p)
-        req.prefill_tokens += end - p
-        req.timings_ms["prefill"] += _ms(t0)
-        if self.cache is not None:
-            t1 = time.perf_counter()
-            self.memory.publish(req, end, end in marks)
-            req.timings_ms["checkpoint"] += _ms(t1)
-        if end == L:
-            self.postprocess.append(req, sample_token(out.logits[0, -1], req.sampling, req.generator),
-                                    out.logits[0, -1])
-            self.postprocess.finish_if_done(req)
-
-    def _prefill_end(self, req: Request) -> int:
-        """Where the unbatched path's next prefill chunk of ``req`` ends: the prompt's end, or
-        ``max_prefill_chunk`` tokens on."""
-        L, p = len(req.prompt), req.computed
-        return L if self.max_prefill_chunk is None else min(L, p + self.max_prefill_chunk)
-
-    def _decode_one(self, req: Request) -> None:
-        """One decode step (a verify step with speculation) in three transitions, in this order:
-
-        1. compute: the new cache is written to the request's pages (``computed`` advances by the
-           tokens consumed: the fed-back token plus the accepted drafts);
-        2. commit: every emitted token is appended to ``output`` (accepted drafts, then the bonus), so
-           ``tokens()[:computed]`` is again exactly what the cache consumed;
-        3. publish, if the cache landed on the end boundary ``b_end``, then finish if the request has all
-           its tokens (finishing releases the pages the publish reads).
-
-        Publishing before step 2 built the block keys from fewer tokens than the cache had consumed
-        whenever a verify accepted drafts onto the boundary (the class of bug in vllm-project/vllm#53505: a commit
-        landing on a boundary must publish the state after exactly that many tokens).
-        """
-        b_end = self.memory.final_boundary(req)
-        cache = read_request_cache(self.layout, self.pool, req)
-        where = f"decode of output token {len(req.output)}"
-        if self.speculation is None:
-            logits, new = self.model.decode_step(req.output[-1], cache)
-            bad = non_finite(logits)
-            if bad is not None:
-                self._fail_row(req, where, bad)
-                return
-            write_request_cache(self.layout, self.pool, req, new, req.computed)
-            emitted, rows = [sample_token(logits[0], req.sampling, req.generator)], [logits[0]]
-        else:
-            spec = self.speculation
-            if req.strategy is None:
-                req.proposer, req.strategy = spec.proposer(list(req.prompt)), spec.strategy()
-            n = draft_budget(spec.num_draft_tokens, req.computed, req.max_new_tokens - len(req.output), b_end)
-            res = speculative_step(self.model, cache, req.tokens(), req.proposer, req.strategy, n)
-            bad = non_finite(res.logits)
-            if bad is not None:
-                self._fail_row(req, where, bad)
-                return
-            write_request_cache(self.layout, self.pool, req, res.state.cache, req.computed)
-            emitted, rows = list(res.emitted_tokens), list(res.logits)      # rows: a + 1 of [256]
-            req.drafted_tokens += len(res.draft_tokens)
-            req.accepted_tokens += res.num_accepted
-        for tok, row in zip(emitted, rows):
-            self.postprocess.append(req, tok, row)
-        if b_end is not None and req.computed == b_end:
-            self.memory.publish(req, b_end, True)
-        self.postprocess.finish_if_done(req)
 
     # ---- integrity ---------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -257,20 +257,21 @@ class EngineLoop:
                 self._end(s, res)
 
     def _end(self, s: Stream, res: RequestResult | None) -> None:
-        """The one exit of a request: metrics, its end event, its engine record dropped, a slot freed."""
+        """The one exit of a request: metrics, its engine record released (the engine keeps an ended request's
+        record for ``result()`` until :meth:`ServeEngine.release`), its slot freed, then its end event."""
         s.done = True
         if s.rid is not None:
             self._active.pop(s.rid, None)
-            # the engine keeps every request's record for result(); a long-running server drops it at the end
-            getattr(self.engine, "requests", {}).pop(s.rid, None)
+            if res is not None and res.status in DONE:     # ended in the engine (an abort that raised leaves it)
+                self.engine.release(s.rid)
         self.metrics.finished(s, res)
         if self.trace is not None:
             self.trace.request(s, res, time.perf_counter())
         if res is None:
             res = _ended(s, RequestStatus.ABORTED, "aborted while queued")
+        with self._lock:                                   # the slot is free before the client hears the end:
+            self._outstanding -= 1                         # it may send its next request at once (no 429)
         s.push(res)
-        with self._lock:
-            self._outstanding -= 1
 
     def _gauges(self, force: bool = False) -> None:
         """Refresh the state gauges: when idle (``force``), else at most every GAUGE_PERIOD_S (the prefix

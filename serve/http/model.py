@@ -225,7 +225,7 @@ def build_engine(spec: EngineSpec, model: HybridLM | None = None) -> ServeEngine
     cache = PrefixCache(pool, config, cfg=model.cfg) if spec.prefix_cache else None
     speculation = None if spec.speculative is None else spec.speculative.speculation()
     return ServeEngine(model, pool, cache, spec.chunked_prefill_size, config=config, speculation=speculation,
-                       max_num_seqs=spec.max_num_seqs, batched=True, state_write=spec.state_write,
+                       max_num_seqs=spec.max_num_seqs, state_write=spec.state_write,
                        ring_size=spec.engine_ring_size)
 
 

@@ -239,6 +239,27 @@ def test_abort_mid_prefill_and_mid_decode_leaks_nothing():
     assert eng.pool.num_free == eng.pool.num_pages
 
 
+def test_release_forgets_an_ended_request_only():
+    """``release`` hands back an ended request's final result and forgets it; a live or unknown id is refused
+    (ValueError naming it), so a server that releases what it has answered holds no record of it."""
+    eng = make_engine(block_size=16, interval=16, num_pages=16)
+    done, live = eng.submit(tokens(15, 20), 3), eng.submit(tokens(16, 20), 3)
+    eng.step()
+    with pytest.raises(ValueError, match=f"request {live} is still"):
+        eng.release(live)
+    eng.run_until_idle()
+    res = eng.release(done)
+    assert res.status is RequestStatus.FINISHED and len(res.output_tokens) == 3
+    assert done not in eng.requests and live in eng.requests
+    for rid in (done, 99):
+        with pytest.raises(ValueError, match="unknown request id"):
+            eng.release(rid)
+    assert not eng.abort(live)                     # it finished too: nothing to abort
+    eng.release(live)
+    assert not eng.requests
+    eng.check_integrity()
+
+
 def _checkpointed_turns(eng, prompts):
     return [run_checked(eng, p, 1) for p in prompts]
 

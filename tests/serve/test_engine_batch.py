@@ -118,9 +118,9 @@ def test_batched_equals_alone_bitwise(reqs, max_num_seqs, budget, cache, shared,
     assert eng.pool.num_free == eng.pool.num_pages, "pages leaked"
 
 
-def test_decode_batch_holds_pad_rows_and_matches_the_old_engine():
-    """Three decoding requests run as one bucket of 4 rows (one pad row, slot -1); each equals the
-    previous one-request-per-forward engine (``batched=False``) bitwise."""
+def test_decode_batch_holds_pad_rows_and_matches_one_row_per_forward():
+    """Three decoding requests run as one bucket of 4 rows (one pad row, slot -1); each equals the same
+    request on the batch-1 baseline (``rows_per_forward=1``: every forward holds one row, no pad) bitwise."""
     prompts = [tokens(40 + i, 20 + 7 * i) for i in range(3)]
     eng = engine(False)
     rids = [eng.submit(p, 5, record_logits=True) for p in prompts]
@@ -130,9 +130,12 @@ def test_decode_batch_holds_pad_rows_and_matches_the_old_engine():
     assert (b.num_decode, b.num_pad, len(b.rows)) == (3, 1, 4)
     assert b.meta.slot_idx.tolist() == [0, 1, 2, -1]
     eng.run_until_idle()
-    for rid, p in zip(rids, prompts):
-        old = engine(False, batched=False).generate(p, 5, record_logits=True)
-        res = eng.result(rid)
+    one = engine(False, rows_per_forward=1)
+    one_rids = [one.submit(p, 5, record_logits=True) for p in prompts]
+    while one.step():
+        assert (len(one.last_batch.rows), one.last_batch.num_pad) == (1, 0), "a forward held more than one row"
+    for rid, one_rid in zip(rids, one_rids):
+        res, old = eng.result(rid), one.result(one_rid)
         assert res.output_tokens == old.output_tokens and torch.equal(res.logits, old.logits)
 
 
@@ -186,11 +189,11 @@ def test_speculation_through_the_batched_engine_equals_alone(strategy, state_dty
     prompts = [tokens(120 + i, 20 + 23 * i) for i in range(3)]
     refs = {tuple(p): alone(p, 12, cache=False, state_dtype=state_dtype).output_tokens for p in prompts}
 
-    def spec_eng(batched=True):
+    def spec_eng(rows_per_forward=None):
         model = tiny_model()
         config = ServeConfig(16, 16, page_policy="unified", state_dtype=state_dtype)
         pool = PagePool(96, config.page_bytes(model.cfg), poison=True)
-        return ServeEngine(model, pool, None, config=config, max_num_seqs=4, batched=batched,
+        return ServeEngine(model, pool, None, config=config, max_num_seqs=4, rows_per_forward=rows_per_forward,
                            speculation=oracle_speculation(refs, strategy, 0.3, 3))
 
     eng = spec_eng()
@@ -198,7 +201,7 @@ def test_speculation_through_the_batched_engine_equals_alone(strategy, state_dty
     assert drive.max_live_rows >= 2, "the verify rows never shared a forward"
     drive.max_live_rows = 0
     for rid, p in rids.items():
-        res, ref = eng.result(rid), spec_eng(batched=False).generate(p, 12, record_logits=True)
+        res, ref = eng.result(rid), spec_eng(rows_per_forward=1).generate(p, 12, record_logits=True)
         assert res.output_tokens == ref.output_tokens
         if state_dtype == torch.float32:   # lossless: a 16-bit state is rounded after each verify, not each token
             assert res.output_tokens == refs[tuple(p)]

@@ -20,7 +20,7 @@ PROMPTS = {"d1": tokens(301, 10), "d2": tokens(302, 13), "p": tokens(303, 70)}  
 NEW = 8
 
 
-def make(refs: dict | None = None, batched: bool = True) -> ServeEngine:
+def make(refs: dict | None = None, rows_per_forward: int | None = None) -> ServeEngine:
     """A cache-on engine on a poisoned pool, prefill chunks of 16 tokens; ``refs`` (prompt -> greedy tokens):
     speculation with oracle drafts (every decode row a verify row)."""
     model = tiny_model()
@@ -28,7 +28,7 @@ def make(refs: dict | None = None, batched: bool = True) -> ServeEngine:
     pool = PagePool(128, config.page_bytes(model.cfg), poison=True)
     spec = None if refs is None else oracle_speculation(refs, next(iter(STRATEGIES)), 0.3, 3)
     return ServeEngine(model, pool, PrefixCache(pool, config, cfg=model.cfg), 16, config=config, speculation=spec,
-                       max_num_seqs=4, batched=batched)
+                       max_num_seqs=4, rows_per_forward=rows_per_forward)
 
 
 def plant(monkeypatch, eng: ServeEngine, phase: str, rid: int) -> None:
@@ -87,13 +87,13 @@ def test_a_failing_row_aborts_its_request_and_the_others_are_bitwise_alone(monke
     assert eng.pool.num_free == eng.pool.num_pages, "pages leaked"
 
 
-def test_the_unbatched_path_isolates_a_failing_request_too(monkeypatch):
-    alone = make(batched=False).generate(PROMPTS["d2"], NEW, record_logits=True)
-    eng = make(batched=False)
+def test_one_row_per_forward_isolates_a_failing_request_too(monkeypatch):
+    alone = make(rows_per_forward=1).generate(PROMPTS["d2"], NEW, record_logits=True)
+    eng = make(rows_per_forward=1)
     bad, good = (eng.submit(PROMPTS[n], NEW, record_logits=True) for n in ("d1", "d2"))
-    real = eng._decode_one
-    monkeypatch.setattr(eng, "_decode_one", lambda req: (_ for _ in ()).throw(ValueError("planted"))
-                        if req.rid == bad else real(req))
+    real = eng.postprocess.decode
+    monkeypatch.setattr(eng.postprocess, "decode", lambda req, logits: (_ for _ in ()).throw(ValueError("planted"))
+                        if req.rid == bad else real(req, logits))
     while eng.step():
         eng.check_integrity()
     assert eng.result(bad).status is RequestStatus.ABORTED and "ValueError: planted" in eng.result(bad).reason
@@ -101,11 +101,11 @@ def test_the_unbatched_path_isolates_a_failing_request_too(monkeypatch):
     assert torch.equal(eng.result(good).logits, alone.logits)
 
 
-@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
-def test_a_model_that_fails_on_its_own_stops_the_engine(monkeypatch, batched):
+@pytest.mark.parametrize("rows_per_forward", [None, 1], ids=["one-forward", "one-row-per-forward"])
+def test_a_model_that_fails_on_its_own_stops_the_engine(monkeypatch, rows_per_forward):
     """Not any one request's failure: the model's MLP raises for every input, so the one-token probe fails
     too and step() raises EngineFailure (the server then exits for a supervisor to restart it)."""
-    eng = make(batched=batched)
+    eng = make(rows_per_forward=rows_per_forward)
     eng.submit(PROMPTS["d1"], NEW)
     eng.step()
     assert eng.model_runs()

@@ -145,8 +145,9 @@ def test_replay_ssm_bad_input():
     for bad in (0, -2, 2.5, True):
         with pytest.raises(ValueError, match="ring_size"):
             engine("replay_ssm", bad)
-    with pytest.raises(ValueError, match="batched=True"):
-        engine("replay_ssm", batched=False)
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="rows_per_forward"):
+            engine("replay_ssm", rows_per_forward=bad)
     spec = oracle_speculation({}, "snapshot", 0.0, 2)
     with pytest.raises(ValueError, match="ReplaySSM"):
         engine("replay_ssm", speculation=spec)

@@ -63,18 +63,19 @@ def oracle(prompt, new: int, dtype, period: int = 1):
     return tuple(out), torch.stack(rows)
 
 
-@pytest.mark.parametrize("batched", [True, False], ids=["batched", "unbatched"])
+@pytest.mark.parametrize("rows_per_forward", [None, 1], ids=["one-forward", "one-row-per-forward"])
 @pytest.mark.parametrize("state_dtype", DTYPES)
-def test_engine_equals_the_model_with_its_state_rounded_at_every_write(state_dtype, batched):
+def test_engine_equals_the_model_with_its_state_rounded_at_every_write(state_dtype, rows_per_forward):
     """Tokens and logits bitwise the oracle: fp32 (the default) is the model straight, unchanged; bf16 / fp16
     round the state after the prefill and after every decode step, exactly as the oracle does."""
     prompts = [tokens(1, 40), tokens(2, 75)]
     if state_dtype == torch.float32:
-        eng = engine(None, batched=batched)                            # every default
+        eng = engine(None, rows_per_forward=rows_per_forward)                            # every default
     else:                                                              # the engine's keyword on a default config
         model, config = tiny_model(), ServeConfig(16, 16, page_policy="unified")
         pool = PagePool(64, config.page_bytes(model.cfg), poison=True)
-        eng = ServeEngine(model, pool, None, config=config, batched=batched, state_dtype=state_dtype)
+        eng = ServeEngine(model, pool, None, config=config, rows_per_forward=rows_per_forward,
+                          state_dtype=state_dtype)
         assert eng.config.state_dtype == eng.layout.state_dtype == state_dtype
     rids = [eng.submit(p, 8, record_logits=True) for p in prompts]
     eng.run_until_idle()

@@ -12,7 +12,7 @@ from tests.serve.http.server_helpers import metric
 def test_server_engine_is_batched_with_the_specs_max_num_seqs():
     model = load_model("demo-tiny")
     engine = build_engine(EngineSpec("demo-tiny", max_model_len=64, max_num_seqs=6), model)
-    assert engine.batched and engine.sched_config.max_num_seqs == 6
+    assert engine.rows_per_forward is None and engine.sched_config.max_num_seqs == 6
     rids = [engine.submit([1 + i, 2, 3], 4) for i in range(8)]
     engine.step()
     assert len(engine.running) == 6 and len(engine.waiting) == 2       # the engine itself caps the running batch

@@ -73,6 +73,7 @@ def test_a_client_that_gives_up_while_queued_is_aborted_unserved_and_the_waiting
             release.set()
             holder.join(60)
         assert poll(url, "kda:requests_aborted_total", lambda v: v == 2) == 2     # the holder, closed mid-stream
+        assert on_engine(app, lambda e: dict(e.requests)) == {}, "the loop left an ended request in the engine"
         text = httpx.get(url + "/metrics").text
     _, reqs = read_step_trace(path)
     queued = [r for r in reqs if r["prompt_tokens"] == len(b"queued")]

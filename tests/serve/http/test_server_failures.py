@@ -53,7 +53,7 @@ def test_request_the_pool_can_never_hold_is_503():
     with pytest.raises(ValueError, match="num_pages=20 cannot hold one request of max_model_len=512"):
         build_engine(spec, model)
     engine = ServeEngine(model, PagePool(20, spec.config.page_bytes(model.cfg)), config=spec.config,
-                         max_num_seqs=1, batched=True)
+                         max_num_seqs=1)
     with serve_in_thread(create_app(engine, MODEL, spec.max_model_len, 1, 0)) as url:
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=30)
         with pytest.raises(openai.InternalServerError) as err:
