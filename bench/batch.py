@@ -26,8 +26,7 @@ import torch
 from kda_core.model import HybridLM
 from lab.batching import DECODE_PROMPT_TOKENS, decoding_engine, time_steps
 from serve.config import ServeConfig
-from serve.engine import ServeEngine
-from serve.memory.pool import PagePool
+from serve.engine import EngineArgs, build_engine
 
 OUT = Path(__file__).parent / "results" / "batch.json"
 BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -89,9 +88,8 @@ def run_trace(model: HybridLM, trace, prompts, max_num_seqs: int, num_state_slot
               time_scale: float = 1.0) -> dict:
     """Replay ``trace`` in wall-clock time (arrival ms x ``time_scale``) through a batched engine;
     returns requests/s, TTFT and TPOT P50 / P99 (ms, measured) and the peak running requests."""
-    config = ServeConfig(16, 16, page_policy="unified")
-    pool = PagePool(4096, config.page_bytes(model.cfg))
-    eng = ServeEngine(model, pool, None, config=config, max_num_seqs=max_num_seqs, num_state_slots=num_state_slots)
+    eng = build_engine(EngineArgs(model, 4096, ServeConfig(16, 16, page_policy="unified"), max_num_seqs=max_num_seqs,
+                                  num_state_slots=num_state_slots))
     pending = sorted(zip((r.timestamp_ms * time_scale for r in trace), prompts, (r.output_length for r in trace)),
                      key=lambda x: x[0])
     t0, rids, peak = time.perf_counter(), [], 0

@@ -24,10 +24,9 @@ from kda_core.model import HybridLM
 from lab.models import demo_model
 from lab.timing import Conditions, conditions
 from serve.config import ServeConfig
-from serve.engine import ServeEngine
+from serve.engine import EngineArgs, ServeEngine, build_engine
 from serve.engine.request import RequestStatus
 from serve.errors import check_int
-from serve.memory.pool import PagePool
 from serve.spec_decode.draft import NgramProposer
 from serve.spec_decode.verify import Speculation
 
@@ -71,13 +70,10 @@ def demo_engine(max_num_seqs: int, max_num_batched_tokens: int, num_state_slots:
                 speculation: bool) -> ServeEngine:
     """A fresh batched engine on the demo model with page 16's settings: 16-token blocks, unified pages, a pool of
     1,024 pages, prompt-lookup speculation (3 drafts, snapshot rollback) when ``speculation``."""
-    model = demo_model("demo")
-    config = ServeConfig(BLOCK, BLOCK, page_policy="unified")
-    pool = PagePool(1024, config.page_bytes(model.cfg))
     spec = Speculation.named(lambda p: NgramProposer(), "snapshot", 3) if speculation else None
-    return ServeEngine(model, pool, None, config=config, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens, num_state_slots=num_state_slots,
-                       speculation=spec)
+    return build_engine(EngineArgs(demo_model("demo"), 1024, ServeConfig(BLOCK, BLOCK, page_policy="unified"),
+                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                   num_state_slots=num_state_slots, speculation=spec))
 
 
 @functools.lru_cache(maxsize=256)   # ~16 KiB of logits per entry: a few MiB at most
@@ -143,12 +139,11 @@ def batching_run(max_num_seqs: int = DEFAULTS["max_num_seqs"],
 def decoding_engine(model: HybridLM, batch: int, max_new_tokens: int, **engine_kw) -> ServeEngine:
     """An engine of ``model`` (no prefix cache, 16-token blocks, unified pages) with ``batch`` requests of
     :data:`DECODE_PROMPT_TOKENS`-token prompts already all decoding, each with ``max_new_tokens`` to go at most;
-    ``engine_kw`` go to :class:`ServeEngine` (e.g. ``state_write``, ``ring_size``, or ``rows_per_forward=1``: the
-    batch-1 baseline, each row in its own forward)."""
+    ``engine_kw`` go to :class:`serve.engine.EngineArgs` (e.g. ``state_write``, ``ring_size``, or
+    ``rows_per_forward=1``: the batch-1 baseline, each row in its own forward)."""
     config = ServeConfig(BLOCK, BLOCK, page_policy="unified")
     pages_per_req = 1 + -(-(DECODE_PROMPT_TOKENS + max_new_tokens) // BLOCK) + 1   # state + KV blocks + one spare
-    pool = PagePool(batch * pages_per_req + 8, config.page_bytes(model.cfg))
-    eng = ServeEngine(model, pool, None, config=config, **engine_kw)
+    eng = build_engine(EngineArgs(model, batch * pages_per_req + 8, config, **engine_kw))
     for i in range(batch):
         eng.submit([(i * 7 + j) % 256 for j in range(DECODE_PROMPT_TOKENS)], max_new_tokens)
     while any(eng.requests[r].status is not RequestStatus.DECODE for r in eng.running) or eng.waiting:

@@ -23,12 +23,10 @@ from lab.models import demo_model
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, measure, summarize
 from serve.config import ServeConfig
-from serve.engine import ServeEngine
+from serve.engine import EngineArgs, build_engine
 from serve.engine.request import TIMING_PHASES, RequestResult
 from serve.errors import check_int
 from serve.memory.layout import CacheLayout
-from serve.memory.pool import PagePool
-from serve.prefix.cache import PrefixCache
 
 if TYPE_CHECKING:     # pandas is imported where a frame is built: Home's first run on a fresh server skips it
     import pandas as pd
@@ -39,13 +37,6 @@ def as_tokens(prompt: str | Sequence[int]) -> list[int]:
     if not ids:
         raise ValueError("prompt must not be empty")
     return ids
-
-
-def build_engine(model: HybridLM, config: ServeConfig, num_pages: int = 512, cache: bool = True) -> ServeEngine:
-    """An engine of ``config`` on a fresh pool of ``num_pages`` pages, with or without a prefix cache."""
-    pool = PagePool(num_pages, config.page_bytes(model.cfg))
-    pc = PrefixCache(pool, config, cfg=model.cfg) if cache else None
-    return ServeEngine(model, pool, pc, config=config)
 
 
 def _pages_for(model: HybridLM, config: ServeConfig, tokens: int) -> int:
@@ -151,9 +142,9 @@ def cold_vs_warm(first: str | Sequence[int], second: str | Sequence[int], max_ne
     bad sizes or prompts."""
     a, b, model, pages = _sizes(first, second, max_new_tokens, config, preset)
     with one_thread():
-        cold = build_engine(model, config, pages, cache=False).generate(
+        cold = build_engine(EngineArgs(model, pages, config)).generate(
             b, max_new_tokens, record_logits=True)
-        eng = build_engine(model, config, pages)
+        eng = build_engine(EngineArgs(model, pages, config, prefix_cache=True))
         fill = eng.generate(a, max_new_tokens)
         warm = eng.generate(b, max_new_tokens, record_logits=True)
         eng.check_integrity()
@@ -201,16 +192,15 @@ def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_
         prompt = (b * -(-n // len(b)))[:n]                  # the first n tokens of `second` (repeated past its end)
 
         def run() -> None:
-            eng = build_engine(model, config, fit_pages, cache=False)
+            eng = build_engine(EngineArgs(model, fit_pages, config))
             ttft_ms[n].append(eng.generate(prompt, 1).ttft_ms)
         return run
 
     def cold() -> None:
-        runs["cold"].append(_row("cold", build_engine(model, config, pages,
-                                                      cache=False).generate(b, 1)))
+        runs["cold"].append(_row("cold", build_engine(EngineArgs(model, pages, config)).generate(b, 1)))
 
     def warm() -> None:
-        eng = build_engine(model, config, pages)
+        eng = build_engine(EngineArgs(model, pages, config, prefix_cache=True))
         fill = eng.generate(a, fill_tokens)
         runs["warm"].append((_row("first", fill), _row("warm", eng.generate(b, 1))))
 
@@ -314,7 +304,7 @@ def anatomy(prompts: Sequence[str | Sequence[int]], config: ServeConfig = ServeC
         raise ValueError("give at least two prompts (the last one is looked up)")
     model = demo_model(preset)
     pages = sum(_pages_for(model, config, len(p) + 1) for p in ids)
-    eng = build_engine(model, config, pages)
+    eng = build_engine(EngineArgs(model, pages, config, prefix_cache=True))
     with one_thread():
         for p in ids[:-1]:
             eng.generate(p, 1)
@@ -354,11 +344,11 @@ def miss_then_hit(prompt_tokens: int, next_shared: int, config: ServeConfig = Se
     model = demo_model(preset)
     pages = _pages_for(model, config, prompt_tokens + 16 + max_new_tokens)
     with one_thread():
-        eng = build_engine(model, config, pages)
+        eng = build_engine(EngineArgs(model, pages, config, prefix_cache=True))
         miss = eng.generate(first, max_new_tokens)
         written = [c._asdict() for c in eng.cache.checkpoints()]
         warm = eng.generate(second, max_new_tokens, record_logits=True)
-        cold = build_engine(model, config, pages, cache=False).generate(
+        cold = build_engine(EngineArgs(model, pages, config)).generate(
             second, max_new_tokens, record_logits=True)
     return MissThenHit(_row("miss", miss), written, _row("next", warm), compare(warm, cold))
 

@@ -22,11 +22,10 @@ from lab.models import demo_model
 from lab.shipped import read_shipped, result_path
 from lab.threads import one_thread
 from serve.config import STATE_DTYPES, ServeConfig
-from serve.engine import ServeEngine
+from serve.engine import EngineArgs, build_engine
 from serve.engine.request import RequestStatus
 from serve.errors import check_choice, check_int
 from serve.http.model import EngineSpec
-from serve.memory.pool import PagePool
 
 BENCH_RESULT = result_path("state_dtype")
 LENGTHS = (1, 16, 64, 256)        # generated tokens at which agreement with fp32 is reported
@@ -58,8 +57,8 @@ def serve_greedy(prompts: list[list[int]], max_new_tokens: int, state_dtype: str
     config = ServeConfig(state_dtype=STATE_DTYPES[state_dtype])
     layout = config.layout(model.cfg)
     need = [layout.state_pages + -(-(len(p) + max_new_tokens) // layout.block_size) for p in prompts]
-    pool = PagePool(sum(sorted(need)[-max_num_seqs:]), layout.page_bytes)   # the max_num_seqs largest fit at once
-    engine = ServeEngine(model, pool, None, config=config, max_num_seqs=max_num_seqs)
+    num_pages = sum(sorted(need)[-max_num_seqs:])                          # the max_num_seqs largest fit at once
+    engine = build_engine(EngineArgs(model, num_pages, config, max_num_seqs=max_num_seqs))
     with one_thread():
         rids = [engine.submit(p, max_new_tokens, record_logits=True) for p in prompts]
         engine.run_until_idle()

@@ -5,6 +5,9 @@ Concept → file → main type → test:
 - the engine: ``submit`` / ``step`` (schedule -> run -> postprocess) / ``abort`` / ``result``, fault isolation
   ......................................... engine.py ...... ``ServeEngine``, ``EngineFailure``
   → ``tests/serve/test_engine.py``, ``test_engine_batch.py``, ``test_engine_faults.py``, ``test_engine_property.py``
+- the one way to build an engine: a frozen spec of every setting, a fresh pool (+ prefix cache) and the engine
+  ......................................... build.py ....... ``EngineArgs``, ``build_engine``
+  → ``tests/serve/test_engine.py``, ``tests/serve/http/test_engine_spec.py``
 - the memory of requests: match / rematch a prefix hit, ask (``can_admit`` -> ``Fit``) then act (``admit``),
   ``reject``, ``publish`` blocks and checkpoints, ``release`` (the one path; ``preempt`` goes through it)
   ......................................... request_memory.py  ``RequestMemory``, ``Fit``
@@ -40,11 +43,12 @@ Facts that hold only in fp32: a warm run from a hit at b == the cold run (the re
 b; it equals the cache-off run whose prefill is split at b); a chunked prefill == the unchunked one;
 ``replay_ssm`` == ``slot`` (ReplaySSM rounds at materialisation only, every ``ring_size`` steps, so fewer times).
 """
+from serve.engine.build import EngineArgs, build_engine
 from serve.engine.engine import STATE_WRITES, EngineFailure, ServeEngine
 from serve.engine.request import RequestResult, RequestStatus
 from serve.engine.request_memory import Fit, RequestMemory
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import DONE, Scheduler, SchedulerConfig
 
-__all__ = ["DONE", "STATE_WRITES", "EngineFailure", "Fit", "RequestMemory", "RequestResult", "RequestStatus",
-           "SamplingParams", "Scheduler", "SchedulerConfig", "ServeEngine"]
+__all__ = ["DONE", "STATE_WRITES", "EngineArgs", "EngineFailure", "Fit", "RequestMemory", "RequestResult", "RequestStatus",
+           "SamplingParams", "Scheduler", "SchedulerConfig", "ServeEngine", "build_engine"]

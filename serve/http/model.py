@@ -21,10 +21,9 @@ from kda_core.config import ModelConfig
 from kda_core.model import HybridLM
 from kda_core.pretrained import CONFIG_NAME
 from serve.config import STATE_DTYPES, ServeConfig
-from serve.engine import STATE_WRITES, ServeEngine
+from serve.engine import STATE_WRITES, EngineArgs, ServeEngine
+from serve.engine.build import build_engine as build_from_args
 from serve.errors import check_choice, check_int
-from serve.memory.pool import PagePool
-from serve.prefix.cache import PrefixCache
 from serve.runnable import RUNNABLE, demo_model, folder_model
 from serve.spec_decode.draft import NgramProposer
 from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
@@ -213,20 +212,19 @@ def _machine_memory_bytes() -> int:
 
 
 def build_engine(spec: EngineSpec, model: HybridLM | None = None) -> ServeEngine:
-    """A fresh engine for ``spec`` on a fresh pool of :meth:`EngineSpec.pool_pages` pages. The engine is the batched one, its scheduler capped at ``max_num_seqs``
+    """A fresh engine for ``spec`` (:func:`serve.engine.build_engine`) on a fresh pool of :meth:`EngineSpec.pool_pages`
+    pages, its scheduler capped at ``max_num_seqs``
     running requests: every step runs their decode rows and the admitted prompts' prefill rows together (prompts
     in chunks of at most ``spec.chunked_prefill_size`` tokens); its decode steps write the KDA state as
     ``spec.state_write`` says, or verify ``spec.speculative``'s drafts. Raises ValueError for a bad spec or a pool
     that cannot serve it (:meth:`EngineSpec.check_pool`)."""
     model = load_model(spec.preset, spec.model_path) if model is None else model
     spec.check_pool(model.cfg)
-    config = spec.config
-    pool = PagePool(spec.pool_pages(model.cfg), config.page_bytes(model.cfg))
-    cache = PrefixCache(pool, config, cfg=model.cfg) if spec.prefix_cache else None
     speculation = None if spec.speculative is None else spec.speculative.speculation()
-    return ServeEngine(model, pool, cache, spec.chunked_prefill_size, config=config, speculation=speculation,
-                       max_num_seqs=spec.max_num_seqs, state_write=spec.state_write,
-                       ring_size=spec.engine_ring_size)
+    return build_from_args(EngineArgs(
+        model, spec.pool_pages(model.cfg), spec.config, prefix_cache=spec.prefix_cache,
+        max_prefill_chunk=spec.chunked_prefill_size, speculation=speculation, max_num_seqs=spec.max_num_seqs,
+        state_write=spec.state_write, ring_size=spec.engine_ring_size))
 
 
 class PoolCapacity(NamedTuple):

@@ -10,7 +10,6 @@ from lab.prefix import (
     PHASE_RUNS,
     anatomy,
     as_tokens,
-    build_engine,
     cold_vs_warm,
     miss_then_hit,
     shared_prefix_prompts,
@@ -20,6 +19,7 @@ from lab.prefix import (
 )
 from lab.timing import Conditions
 from serve.config import ServeConfig
+from serve.engine import EngineArgs, build_engine
 
 
 def test_cold_vs_warm_rows_and_check():
@@ -143,7 +143,7 @@ def test_timed_warm_hit_equals_the_verified_hit(extends):
     way the timed warm runs hit exactly where the verification run (``max_new_tokens`` fill) hits."""
     a, b = shared_prefix_prompts(42, 20, seed=5)
     if extends:
-        answer = build_engine(demo_model("demo-tiny"), ServeConfig(8, 16), cache=False).generate(a, 6).output_tokens
+        answer = build_engine(EngineArgs(demo_model("demo-tiny"), 512, ServeConfig(8, 16))).generate(a, 6).output_tokens
         b = a + list(answer) + b[42:]
     verified = cold_vs_warm(a, b, max_new_tokens=6, config=ServeConfig(8, 16), preset="demo-tiny")
     timed = time_cold_warm(a, b, max_new_tokens=6, config=ServeConfig(8, 16), preset="demo-tiny")

@@ -6,11 +6,9 @@ from __future__ import annotations
 import torch
 
 from serve.config import ServeConfig
-from serve.engine import ServeEngine
+from serve.engine import EngineArgs, ServeEngine, build_engine
 from serve.memory.kinds import POISON_BYTE
 from serve.memory.pages import read_state
-from serve.memory.pool import PagePool
-from serve.prefix.cache import PrefixCache
 from serve.prefix.index import block_keys
 from serve.spec_decode.draft import NoisyOracleProposer
 from serve.spec_decode.verify import Speculation
@@ -36,11 +34,9 @@ def spec_engine(speculation: Speculation, block_size: int = 16, interval: int | 
     """An engine with ``speculation`` and (unless ``prefix_cache`` is False) a prefix cache (one group,
     checkpoint every ``interval`` tokens, default one block) on a poisoned pool (a never-written page
     reads as NaN)."""
-    model = tiny_model()
     config = ServeConfig(block_size, interval or block_size, page_policy="unified")
-    pool = PagePool(num_pages, config.page_bytes(model.cfg), poison=True)
-    cache = PrefixCache(pool, config, cfg=model.cfg) if prefix_cache else None
-    return ServeEngine(model, pool, cache, config=config, speculation=speculation)
+    return build_engine(EngineArgs(tiny_model(), num_pages, config, prefix_cache=prefix_cache, poison=True,
+                                   speculation=speculation))
 
 
 def kda_state_after(seq, n: int) -> dict:

@@ -8,17 +8,18 @@ import pytest
 import torch
 
 from kda_core.chunk import CHUNK_SIZE
-from lab.prefix import WARM_TOLERANCE, Comparison, build_engine, compare, shared_prefix_prompts
+from lab.prefix import WARM_TOLERANCE, Comparison, compare, shared_prefix_prompts
 from lab.threads import one_thread
 from serve.config import ServeConfig
+from serve.engine import EngineArgs, build_engine
 from serve.runnable import demo_model
 
 
 def _cold_warm(first, second, block_size, interval, preset="demo", max_new_tokens=4):
     model = demo_model(preset)
     with one_thread():
-        cold = build_engine(model, ServeConfig(block_size, interval), cache=False).generate(second, max_new_tokens, record_logits=True)
-        eng = build_engine(model, ServeConfig(block_size, interval))
+        cold = build_engine(EngineArgs(model, 512, ServeConfig(block_size, interval))).generate(second, max_new_tokens, record_logits=True)
+        eng = build_engine(EngineArgs(model, 512, ServeConfig(block_size, interval), prefix_cache=True))
         eng.generate(first, max_new_tokens)
         warm = eng.generate(second, max_new_tokens, record_logits=True)
         eng.check_integrity()
@@ -80,11 +81,11 @@ def test_checkpoint_written_during_decode_is_on_grid_but_not_a_prefill_state():
     model = demo_model("demo")
     first, _ = shared_prefix_prompts(320, 0, seed=5)
     with one_thread():
-        eng = build_engine(model, ServeConfig(64, 64))
+        eng = build_engine(EngineArgs(model, 512, ServeConfig(64, 64), prefix_cache=True))
         out = eng.generate(first, 70).output_tokens
         second = first + list(out[:64]) + shared_prefix_prompts(0, 20, seed=9)[0]
         warm = eng.generate(second, 4, record_logits=True)
-        cold = build_engine(model, ServeConfig(64, 64), cache=False).generate(second, 4, record_logits=True)
+        cold = build_engine(EngineArgs(model, 512, ServeConfig(64, 64))).generate(second, 4, record_logits=True)
     check = compare(warm, cold)
     assert check.hit_tokens == 384 and check.on_grid and check.outputs_identical
     assert check.max_logit_diff <= WARM_TOLERANCE and not check.bitwise   # 6.7e-6 here (trained)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from serve.config import ServeConfig
+from serve.engine import EngineArgs, build_engine
 from serve.engine.request import RequestStatus
 from serve.memory.kinds import POISON_BYTE
 from serve.memory.pages import read_state, write_state
@@ -429,3 +431,23 @@ def test_nan_logits_abort_the_request_before_a_token_is_emitted():
     assert res.reason == ("decode of output token 1: the logits hold 256 NaN/inf value(s) of 256 (a non-finite "
                           "state or cache page); no token was emitted"), res.reason
     assert eng.pool.num_free == eng.pool.num_pages
+
+
+def test_build_engine_builds_what_its_args_say_and_refuses_bad_args():
+    """``build_engine(EngineArgs)``: a fresh pool of ``num_pages`` pages of the config's size (poisoned when asked),
+    a prefix cache on it when asked, the caps in the scheduler; the same tokens as the engine built by hand. Bad
+    args are refused naming the field."""
+    model, config = tiny_model(), ServeConfig(16, 16, page_policy="unified")
+    eng = build_engine(EngineArgs(model, 40, config, prefix_cache=True, poison=True, max_num_seqs=3,
+                                  rows_per_forward=1))
+    assert (eng.pool.num_pages, eng.pool.page_bytes, eng.pool.poison) == (40, config.page_bytes(model.cfg), True)
+    assert eng.cache is not None and eng.cache.pool is eng.pool and eng.config is eng.cache.config
+    assert eng.sched_config.max_num_seqs == 3 and eng.rows_per_forward == 1
+    by_hand = make_engine(block_size=16, interval=16, num_pages=40)
+    assert eng.generate(tokens(17, 30), 4).output_tokens == by_hand.generate(tokens(17, 30), 4).output_tokens
+    assert build_engine(EngineArgs(model, 8, config)).cache is None
+    for bad, match in ((dict(model="tiny"), "model must be a HybridLM"), (dict(num_pages=0), "num_pages"),
+                       (dict(config={}), "config must be a ServeConfig"), (dict(prefix_cache=1), "prefix_cache"),
+                       (dict(rows_per_forward=0), "rows_per_forward")):
+        with pytest.raises(ValueError, match=match):
+            build_engine(EngineArgs(**{"model": model, "num_pages": 8, "config": config, **bad}))

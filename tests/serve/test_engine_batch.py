@@ -9,10 +9,9 @@ from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from serve.config import ServeConfig
-from serve.engine import ServeEngine
+from serve.engine import EngineArgs, ServeEngine, build_engine
 from serve.engine.request import RequestStatus
 from serve.memory.pool import PagePool
-from serve.prefix.cache import PrefixCache
 from tests.serve.engine_helpers import STRATEGIES, oracle_speculation
 from tests.serve.prefix.helpers import tiny_model, tokens
 
@@ -23,11 +22,8 @@ def engine(cache: bool, block: int = 64, num_pages: int = 160, state_dtype=torch
     """An engine on a poisoned pool (never-written pages read NaN) storing states in ``state_dtype``; the
     cache's blocks and checkpoint interval are 64 tokens, so a hit lies on the 64-token grid and (fp32) a
     warm prefill is bitwise cold."""
-    model = tiny_model()
     config = ServeConfig(block, block, page_policy="unified", state_dtype=state_dtype)
-    pool = PagePool(num_pages, config.page_bytes(model.cfg), poison=True)
-    pc = PrefixCache(pool, config, cfg=model.cfg) if cache else None
-    return ServeEngine(model, pool, pc, config=config, **kw)
+    return build_engine(EngineArgs(tiny_model(), num_pages, config, prefix_cache=cache, poison=True, **kw))
 
 
 def alone(prompt, new, cache: bool, **kw):

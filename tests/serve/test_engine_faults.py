@@ -9,10 +9,8 @@ import pytest
 import torch
 
 from serve.config import ServeConfig
-from serve.engine import EngineFailure, ServeEngine
+from serve.engine import EngineArgs, EngineFailure, ServeEngine, build_engine
 from serve.engine.request import RequestStatus
-from serve.memory.pool import PagePool
-from serve.prefix.cache import PrefixCache
 from tests.serve.engine_helpers import STRATEGIES, oracle_speculation
 from tests.serve.prefix.helpers import tiny_model, tokens
 
@@ -23,12 +21,10 @@ NEW = 8
 def make(refs: dict | None = None, rows_per_forward: int | None = None) -> ServeEngine:
     """A cache-on engine on a poisoned pool, prefill chunks of 16 tokens; ``refs`` (prompt -> greedy tokens):
     speculation with oracle drafts (every decode row a verify row)."""
-    model = tiny_model()
-    config = ServeConfig(16, 16, page_policy="unified")
-    pool = PagePool(128, config.page_bytes(model.cfg), poison=True)
     spec = None if refs is None else oracle_speculation(refs, next(iter(STRATEGIES)), 0.3, 3)
-    return ServeEngine(model, pool, PrefixCache(pool, config, cfg=model.cfg), 16, config=config, speculation=spec,
-                       max_num_seqs=4, rows_per_forward=rows_per_forward)
+    return build_engine(EngineArgs(tiny_model(), 128, ServeConfig(16, 16, page_policy="unified"), prefix_cache=True,
+                                   poison=True, max_prefill_chunk=16, speculation=spec, max_num_seqs=4,
+                                   rows_per_forward=rows_per_forward))
 
 
 def plant(monkeypatch, eng: ServeEngine, phase: str, rid: int) -> None:

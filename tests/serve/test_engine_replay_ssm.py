@@ -10,11 +10,9 @@ import pytest
 import torch
 
 from serve.config import ServeConfig
-from serve.engine import ServeEngine
+from serve.engine import EngineArgs, ServeEngine, build_engine
 from serve.engine.request import RequestStatus
-from serve.memory.pool import PagePool
 from serve.memory.replay_state_write import decode_write_bytes
-from serve.prefix.cache import PrefixCache
 from tests.serve.engine_helpers import check_checkpoints, oracle_speculation
 from tests.serve.prefix.helpers import tiny_model, tokens
 
@@ -23,11 +21,9 @@ def engine(state_write: str, ring_size: int = 16, cache: bool = False, block: in
            page_policy: str = "unified", num_groups: int = 1, **kw) -> ServeEngine:
     """An engine on a poisoned pool (never-written pages read NaN), optionally with a prefix cache; "unified"
     pages hold a whole state each, "multi_page" pages one KV block (a state then spans several pages)."""
-    model = tiny_model()
     config = ServeConfig(block, block, num_groups=num_groups, page_policy=page_policy)
-    pool = PagePool(num_pages, config.page_bytes(model.cfg), poison=True)
-    pc = PrefixCache(pool, config, cfg=model.cfg) if cache else None
-    return ServeEngine(model, pool, pc, config=config, state_write=state_write, ring_size=ring_size, **kw)
+    return build_engine(EngineArgs(tiny_model(), num_pages, config, prefix_cache=cache, poison=True,
+                                   state_write=state_write, ring_size=ring_size, **kw))
 
 
 def drive(eng: ServeEngine, arrivals, abort_at=None, preempt_at=None) -> dict:
