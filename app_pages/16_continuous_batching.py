@@ -100,4 +100,4 @@ fig.update_layout(xaxis_title="decode batch (requests)", yaxis_title="decode thr
 show_chart(fig, tab, key="p16_throughput")
 measured_stamp(tp.conditions)
 st.caption(f"Batch {int(tab['batch'].iloc[-1])} decodes {tab['speedup'].iloc[-1]:.1f}× the tokens/s of batch 1 "
-           "in the same run: the per-step fixed cost (Python, weights read once per layer) is shared by the rows.")
+           "(one request on the same engine) in the same run: the per-step fixed cost (Python, weights read once per layer) is shared by the rows.")

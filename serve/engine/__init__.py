@@ -11,7 +11,7 @@ Concept → file → main type → test:
 - the memory of requests: match / rematch a prefix hit, ask (``can_admit`` -> ``Fit``) then act (``admit``),
   ``reject``, ``publish`` blocks and checkpoints, ``release`` (the one path; ``preempt`` goes through it)
   ......................................... request_memory.py  ``RequestMemory``, ``Fit``
-  → ``tests/serve/test_engine.py``, ``tests/serve/test_engine_property.py``
+  → ``tests/serve/test_request_memory.py``, ``tests/serve/test_engine_property.py``
 - the postprocess stage of a step (non-finite rows, checkpoints inside prefill chunks, commit, publish, append,
   finish) ................................. postprocess.py . ``Postprocessor``
   → ``tests/serve/test_engine_batch.py``, ``tests/serve/test_engine_spec.py``

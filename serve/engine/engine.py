@@ -95,7 +95,7 @@ class ServeEngine:
     Raises ValueError for a cache on another pool, model config or serving config, or bad sizes; for a
     ``state_dtype`` not in :data:`serve.memory.layout.ENGINE_STATE_DTYPES` or unlike the cache's; for
     ``state_write="replay_ssm"`` with speculation (every decode row is then a verify row: use the
-    ``ReplaySSM`` rollback strategy); for ``rows_per_forward`` not None or an int >= 1.
+    ``ReplaySSM`` rollback strategy); for a ``rows_per_forward`` that is neither None nor an int >= 1.
     """
 
     def __init__(self, model: HybridLM, pool: PagePool, prefix_cache: PrefixCache | None = None,
@@ -178,7 +178,7 @@ class ServeEngine:
         do (admitting or rejecting counts as work). With ``rows_per_forward`` the rows run in forwards of at
         most that many rows, each postprocessed before the next runs. A failure of one request's row aborts that
         request (its ``reason``) and the others go on; raises :class:`EngineFailure` for a failure that is no one
-        request's (see "Fault isolation" above)."""
+        request's (see "Fault isolation" in the module docstring)."""
         sched = self.scheduler.schedule()
         if sched.empty:
             return sched.admitted
