@@ -16,7 +16,8 @@ Concept → file → main type → test:
   finish) ................................. postprocess.py . ``Postprocessor``
   → ``tests/serve/test_engine_batch.py``, ``tests/serve/test_engine_spec.py``
 - the requests and their waiting / running queues, each step's rows (admission FCFS through the memory, decode
-  first, grid-safe prefill chunks, finish, abort, preemption by recompute) ... scheduler.py ... ``Scheduler``, ``SchedulerConfig``, ``Schedule``
+  first, grid-safe prefill chunks, finish, abort, preemption by recompute)
+  ......................................... scheduler.py ... ``Scheduler``, ``SchedulerConfig``, ``Schedule``
   → ``tests/serve/test_scheduler_policy.py``, ``tests/serve/test_engine_batch.py``
 - one step's batch as data and its packed forward (decode rows padded to buckets with slot -1, prefill rows,
   verify rows) ............................ model_runner.py  ``ModelRunner``, ``Row``, ``StepBatch``
@@ -36,9 +37,9 @@ writes the state every ``ring_size`` steps or when a checkpoint is published at 
 16-bit states (``state_dtype`` bf16 / fp16): a request's state is rounded wherever it is written, so its output
 depends on where that happens. Bitwise facts that still hold with the same state dtype and settings: a request
 in any batch == its batch-1 run (its prefill chunks do not depend on its neighbours: the scheduler never cuts a
-chunk to fit the token budget, :class:`serve.engine.scheduler.SchedulerConfig` ``exact_state``); a preempted request ==
-its uninterrupted run (when its recompute restarts cold); the engine == the same engine with ``rows_per_forward=1``; a cache-on
-cold run == the cache-off run.
+chunk to fit the token budget, :class:`serve.engine.scheduler.SchedulerConfig` ``exact_state``); a preempted
+request == its uninterrupted run (when its recompute restarts cold); the engine == the same engine with
+``rows_per_forward=1``; a cache-on cold run == the cache-off run.
 Facts that hold only in fp32: a warm run from a hit at b == the cold run (the restored checkpoint is rounded at
 b; it equals the cache-off run whose prefill is split at b); a chunked prefill == the unchunked one;
 ``replay_ssm`` == ``slot`` (ReplaySSM rounds at materialisation only, every ``ring_size`` steps, so fewer times).
@@ -50,5 +51,5 @@ from serve.engine.request_memory import Fit, RequestMemory
 from serve.engine.sampling import SamplingParams
 from serve.engine.scheduler import DONE, Scheduler, SchedulerConfig
 
-__all__ = ["DONE", "STATE_WRITES", "EngineArgs", "EngineFailure", "Fit", "RequestMemory", "RequestResult", "RequestStatus",
-           "SamplingParams", "Scheduler", "SchedulerConfig", "ServeEngine", "build_engine"]
+__all__ = ["DONE", "STATE_WRITES", "EngineArgs", "EngineFailure", "Fit", "RequestMemory", "RequestResult",
+           "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig", "ServeEngine", "build_engine"]
