@@ -119,8 +119,8 @@ def test_batched_equals_alone_bitwise(reqs, max_num_seqs, budget, cache, shared,
 
 
 def test_decode_batch_holds_pad_rows_and_matches_the_old_engine():
-    """Three decoding requests run as one bucket of 4 rows (one pad row, slot -1); each equals the
-    previous one-request-per-forward engine (``batched=False``) bitwise."""
+    """Three decoding requests run as one bucket of 4 rows (one pad row, slot -1; a live row's slot is its state
+    page); each equals the previous one-request-per-forward engine (``batched=False``) bitwise."""
     prompts = [tokens(40 + i, 20 + 7 * i) for i in range(3)]
     eng = engine(False)
     rids = [eng.submit(p, 5, record_logits=True) for p in prompts]
@@ -128,7 +128,7 @@ def test_decode_batch_holds_pad_rows_and_matches_the_old_engine():
     eng.step()                                           # one decode step for all three
     b = eng.last_batch
     assert (b.num_decode, b.num_pad, len(b.rows)) == (3, 1, 4)
-    assert b.meta.slot_idx.tolist() == [0, 1, 2, -1]
+    assert b.meta.slot_idx.tolist() == [eng.requests[rid].state_pages[0][0] for rid in rids] + [-1]
     eng.run_until_idle()
     for rid, p in zip(rids, prompts):
         old = engine(False, batched=False).generate(p, 5, record_logits=True)
