@@ -249,7 +249,7 @@ class ModelRunner:
         if self.replay is not None and batch.num_decode:                  # checkpoint + records -> state
             rids = [r.req.rid for r in batch.rows[: batch.num_decode]]    # live decode rows: dense slots 0..nd-1
             self.replay.read(rids, {i: rec for i, (rec, _) in batch.dense.items()})
-        groups = batch.slot_idx                                            # [G, N]
+        groups = batch.slot_idx.unbind(0)                                  # G x [N]: one tensor per group, shared
         kda = {li: LayerSlots(*(batch.dense[li] if li in batch.dense else self._views[li]),
                               groups[self._group_of[li]]) for li in self.model.cfg.kda_layers}
         kv = self.pool.typed_arena(torch.float32, lay.kv_block_shape)     # [P, M, NB, R]
@@ -278,7 +278,8 @@ class ModelRunner:
         rec_bytes, conv_bytes = self._w_rec * FP32_BYTES, self._w_conv * FP32_BYTES   # per layer, as stored
         if self.replay is None:
             if batch.writes:
-                kda = {li: LayerSlots(*self._views[li], batch.slot_idx[self._group_of[li]]) for li in batch.writes}
+                groups = batch.slot_idx.unbind(0)                          # G x [N]
+                kda = {li: LayerSlots(*self._views[li], groups[self._group_of[li]]) for li in batch.writes}
                 write_states(SlotPools(kda, None), batch.meta, batch.writes,
                              None if all(kept_row) else torch.tensor(kept_row))
             self.scatter_states(batch.live_pages, batch.dense, kept, self._dense_groups)
