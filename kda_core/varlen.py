@@ -251,7 +251,9 @@ class BatchOutput(NamedTuple):
     states_at: ``{row: {t: {layer: KDACache [1, ...]}}}`` for the rows that asked; verify:
     ``{row: VerifyRow}`` for the verify rows; decode_records (when asked): ``{layer: (k [nd, H, K],
     u [nd, H, V], g [nd, H, K])}`` fp32 of the decode rows (pad rows included, last), the ReplaySSM record
-    of each row's step (``u = beta (v - S'^T k)``, vllm#47576), bitwise the operands of its state update."""
+    of each row's step (``u = beta (v - S'^T k)``, vllm#47576), bitwise the operands of its state update;
+    state_writes (``forward_batch(write=False)``): ``{layer: [StateWrite]}``, the new KDA states for
+    :func:`write_states` (None when the forward wrote them)."""
 
     logits: torch.Tensor
     states_at: dict
