@@ -7,6 +7,15 @@ then prefill rows; ``query_start_loc`` (fla's ``cu_seqlens``) ``[N + 1]`` splits
 into the N rows; ``slot_idx [N]`` names each row's state slot in the pools; ``has_initial_state [N]``
 says whether the slot holds a state to continue (else the row starts from zeros).
 
+A slot is an index, a row a position in this step's batch (mini-sglang's ``TableManager``, vLLM's
+``ssm_state_indices``): each KDA layer's states live in a pool ``[S, ...]`` (:class:`LayerSlots`; the
+engine's is a strided view of its page arena, slot = page id) and :func:`forward_batch` reads the live rows'
+states from it by slot. It writes the new states back by slot (:func:`write_states`, one ``index_copy_``
+per layer and piece) once every layer has run, or hands them to the caller (``write=False``,
+:class:`StateWrite`) to write when it commits the step; no dense copy of the pool is made. A decode kernel
+gets a layer's ``recurrent`` / ``conv`` pools and the decode rows' slots (``_Rows``) and returns the new
+states.
+
 Rules every function here keeps:
 - No chunk crosses a sequence: each prefill row runs :func:`kda_core.chunk.kda_chunk` on its own
   64-token grid from its own first token (fla's varlen ``chunk_kda`` does the same with
@@ -88,24 +97,36 @@ def _rows(slot_idx: torch.Tensor, num_slots: int) -> _Rows:
 
 
 def _gather(pool: torch.Tensor, r: _Rows) -> torch.Tensor:
+    """The rows' states ``[n, ...]`` fp32 read from ``pool [S, ...]`` by slot (a 16-bit pool upcast exactly);
+    a pad row gets NaN, never slot 0. ``pool`` may be a strided view (the page arena): only the live rows'
+    slots are read."""
     if r.identity:
-        return pool
-    out = pool.new_full((r.n,) + tuple(pool.shape[1:]), float("nan"))   # pad rows: NaN, never slot 0
+        return pool.float()
+    if r.rows.numel() == r.n:                                            # no pad row: one read, no NaN fill
+        return pool.index_select(0, r.slots).float()
+    out = pool.new_full((r.n,) + tuple(pool.shape[1:]), float("nan"), dtype=torch.float32)  # pad rows: NaN
     if r.rows.numel():
-        out[r.rows] = pool.index_select(0, r.slots)
+        out[r.rows] = pool.index_select(0, r.slots).float()
     return out
 
 
 def _scatter(pool: torch.Tensor, r: _Rows, values: torch.Tensor) -> None:
+    """Write the live rows of ``values [n, ...]`` into ``pool`` at their slots, in place (rounded to nearest
+    into a 16-bit pool); pad rows are never written."""
     if r.identity:
         pool.copy_(values)
+    elif r.rows.numel() == r.n:
+        pool.index_copy_(0, r.slots, values.to(pool.dtype))
     elif r.rows.numel():
         pool.index_copy_(0, r.slots, values[r.rows].to(pool.dtype))
 
 
 def _initial(pool: torch.Tensor, slot: int, has_initial: bool) -> torch.Tensor:
-    """One row's initial state ``[1, ...]``: the slot's, or zeros for a row that starts a sequence."""
-    return pool[slot: slot + 1].clone() if has_initial else pool.new_zeros((1,) + tuple(pool.shape[1:]))
+    """One row's initial state ``[1, ...]`` fp32: a copy of the slot's (upcast exactly), or zeros for a row
+    that starts a sequence (its slot is then not read)."""
+    if has_initial:
+        return pool[slot: slot + 1].to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+    return torch.zeros((1,) + tuple(pool.shape[1:]), dtype=torch.float32)
 
 
 # ---- the two KDA kernels by slot ------------------------------------------------------------------
@@ -130,18 +151,21 @@ def kda_decode_slots(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                          f"{tuple(q.shape)}, {tuple(state_pool.shape)}")
     if slot_idx.shape[0] != q.shape[0]:
         raise ValueError(f"slot_idx must have B = {q.shape[0]} entries, got {slot_idx.shape[0]}")
-    return _decode(q, k, v, g, beta, state_pool, _rows(slot_idx, state_pool.shape[0]), scale)[0]
+    r = _rows(slot_idx, state_pool.shape[0])
+    o, state, _ = _decode(q, k, v, g, beta, state_pool, r, scale)
+    _scatter(state_pool, r, state)
+    return o
 
 
 def _decode(q, k, v, g, beta, state_pool, r: _Rows, scale=None):
-    """One step by slot; returns ``(o [B, H, V], record)`` with record = ``(k [B, H, K], u [B, H, V],
-    g [B, H, K])`` fp32, the exact operands of the step's rank-1 write and decay (a ReplaySSM record)."""
+    """One step by slot, reading ``state_pool`` (not writing it); returns ``(o [B, H, V], new state
+    [B, H, K, V] fp32 (pad rows: NaN), record)`` with record = ``(k [B, H, K], u [B, H, V], g [B, H, K])`` fp32,
+    the exact operands of the step's rank-1 write and decay (a ReplaySSM record)."""
     S = _gather(state_pool, r)                                           # [B, H, K, V]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k, v, g, beta = (x.float().contiguous() for x in (q, k, v, g, beta))
     o, S, u = _step(q, k, v, g, beta, S, scale)
-    _scatter(state_pool, r, S)
-    return o, (k, u, g)
+    return o, S, (k, u, g)
 
 
 def kda_varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -227,21 +251,92 @@ class BatchOutput(NamedTuple):
     states_at: ``{row: {t: {layer: KDACache [1, ...]}}}`` for the rows that asked; verify:
     ``{row: VerifyRow}`` for the verify rows; decode_records (when asked): ``{layer: (k [nd, H, K],
     u [nd, H, V], g [nd, H, K])}`` fp32 of the decode rows (pad rows included, last), the ReplaySSM record
-    of each row's step (``u = beta (v - S'^T k)``, vllm#47576), bitwise the operands of its state update."""
+    of each row's step (``u = beta (v - S'^T k)``, vllm#47576), bitwise the operands of its state update;
+    state_writes (``forward_batch(write=False)``): ``{layer: [StateWrite]}``, the new KDA states for
+    :func:`write_states` (None when the forward wrote them)."""
 
     logits: torch.Tensor
     states_at: dict
     verify: dict = {}
     decode_records: dict | None = None
+    state_writes: dict | None = None
+
+
+class LayerSlots(NamedTuple):
+    """One KDA layer's state storage and each row's slot in it (vLLM's ``ssm_state_indices``).
+
+    recurrent ``[S, H, K, V]`` (fp32, or bf16 / fp16: read upcast exactly, written rounded to nearest) and conv
+    ``[S, 2HK + HV, W-1]`` fp32: S slots, each possibly a strided view whose stride(0) is a page of the engine's
+    arena (slot = page id). slot_idx ``[N]`` int64: row i's slot, ``-1`` for a pad row (the same rows as
+    :attr:`BatchMeta.slot_idx`); None: use :attr:`BatchMeta.slot_idx`. Layers of one page group share one
+    slot_idx tensor."""
+
+    recurrent: torch.Tensor
+    conv: torch.Tensor
+    slot_idx: torch.Tensor | None = None
+
+
+class StateWrite(NamedTuple):
+    """New KDA states of the consecutive rows ``[first_row, first_row + n)`` of a batch, for one layer:
+    recurrent ``[n, H, K, V]`` and conv ``[n, 2HK + HV, W-1]`` fp32 (a pad row's entries are garbage and never
+    written). Written at the rows' slots by :func:`write_states`."""
+
+    first_row: int
+    recurrent: torch.Tensor
+    conv: torch.Tensor
 
 
 class SlotPools(NamedTuple):
-    """Where a batch's caches live. kda: ``{layer: (recurrent [S, H, K, V], conv [S, 2HK + HV, W-1])}``,
-    mutated at live slots; kv_cache: ``[P, M, NB, R]`` paged MLA latents (the pool's arena viewed typed),
-    mutated at the new tokens' positions of live rows."""
+    """Where a batch's caches live. kda: ``{layer: LayerSlots}`` (a plain ``(recurrent, conv)`` pair is
+    ``LayerSlots(recurrent, conv)``), read and written at live slots only; kv_cache: ``[P, M, NB, R]`` paged MLA
+    latents (the pool's arena viewed typed), mutated at the new tokens' positions of live rows."""
 
     kda: dict
     kv_cache: torch.Tensor
+
+
+def write_states(pools: SlotPools, meta: BatchMeta, writes: dict, keep: torch.Tensor | None = None) -> None:
+    """Write a forward's new KDA states (:attr:`BatchOutput.state_writes`, ``{layer: [StateWrite]}``) into
+    ``pools`` in place, each live row at its slot (one ``index_copy_`` per layer and piece; a 16-bit recurrent
+    pool rounded to nearest). Pad rows (slot ``-1``) are never written, never clamped to slot 0.
+
+    keep ``[N]`` bool: write only these rows (None: every live row). Raises ValueError for bad slots."""
+    targets = {}                                                          # per slot tensor and piece: where to
+    for li, pieces in writes.items():
+        ls = _layer_slots(pools.kda[li])
+        idx = meta.slot_idx if ls.slot_idx is None else ls.slot_idx
+        if (id(idx), ls.recurrent.shape[0]) not in targets:
+            _check_slots(idx, ls.recurrent.shape[0])
+            targets[id(idx), ls.recurrent.shape[0]] = {}
+        where = targets[id(idx), ls.recurrent.shape[0]]
+        for w in pieces:
+            key = (w.first_row, w.recurrent.shape[0])
+            if key not in where:                                          # same rows in every layer of a group
+                where[key] = _write_target(idx, keep, *key)
+            t = where[key]
+            if t is None:
+                continue
+            slots, live = t
+            rec, conv = (w.recurrent, w.conv) if live is None else (w.recurrent[live], w.conv[live])
+            ls.recurrent.index_copy_(0, slots, rec.to(ls.recurrent.dtype))
+            ls.conv.index_copy_(0, slots, conv.to(ls.conv.dtype))
+
+
+def _write_target(idx: torch.Tensor, keep: torch.Tensor | None, first: int, n: int):
+    """Rows ``[first, first + n)``: ``(slots [n'], live rows [n'] or None when all n are written)``, or None when
+    none is (pad rows and rows not kept)."""
+    slots = idx[first: first + n]                                         # [n]
+    sel = slots != PAD_SLOT
+    if keep is not None:
+        sel &= keep[first: first + n]
+    if bool(sel.all()):
+        return slots, None
+    live = sel.nonzero().flatten()                                        # [n']
+    return (slots[live], live) if live.numel() else None
+
+
+def _layer_slots(entry) -> LayerSlots:
+    return entry if isinstance(entry, LayerSlots) else LayerSlots(*entry)
 
 
 def make_meta(row_lens, num_decode: int, slot_idx, has_initial_state, context_lens, block_tables,
@@ -307,15 +402,20 @@ def _slot_mapping(meta: BatchMeta, block_size: int):
 
 @torch.no_grad()
 def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools,
-                  decode_records: bool = False) -> BatchOutput:
+                  decode_records: bool = False, write: bool = True) -> BatchOutput:
     """One forward of ``model`` (:class:`HybridLM`) over a mixed batch of decode and prefill rows.
 
     Args:
         model: the HybridLM. tokens ``[T_total]`` int64 packed new tokens (pad rows: any id; their
             hidden states are NaN from the embedding on, as a ``torch.empty`` pad row on a GPU).
-        meta: the :class:`BatchMeta`. pools: the :class:`SlotPools`, mutated at live rows only.
+        meta: the :class:`BatchMeta`. pools: the :class:`SlotPools`; each KDA layer's states are read by slot
+            in place (only the live rows' slots), its latents written in place at the new tokens' positions.
         decode_records: also return each decode row's ReplaySSM record per KDA layer
             (:attr:`BatchOutput.decode_records`).
+        write: write the new KDA states into their slots once every layer has run (:func:`write_states`), so
+            a forward that raises writes no state; False: write none and return them
+            (:attr:`BatchOutput.state_writes`) for the caller to write later (the engine does at commit, so a
+            row it drops or probes writes nothing).
 
     Returns:
         :class:`BatchOutput`. Each live row's logits, states and latents are bitwise those of
@@ -345,17 +445,19 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     x[0, pad_tok] = float("nan")
     states_at = {i: {t: {} for t in meta.state_at[i]} for i in range(n) if meta.state_at[i]}
     verify = {i: VerifyRow(None, {}, {}) for i in range(meta.num_decode, meta.num_decode + meta.num_verify)}
-    some = next(iter(pools.kda.values()), None)                           # no KDA layer: slots index nothing
-    num_slots = n if some is None else some[0].shape[0]
-    dec_rows = _rows(meta.slot_idx[: meta.num_decode], num_slots)
-    _check_slots(meta.slot_idx, num_slots)
+    kda = {li: _layer_slots(e) for li, e in pools.kda.items()}
+    if not kda:
+        _check_slots(meta.slot_idx, n)                                    # no KDA layer: slots index nothing
+    by_slots = _slot_lists(kda, meta, slots)                             # {layer: (slots list, decode _Rows)}
+    writes = {}
     mla_index = {layer: j for j, layer in enumerate(cfg.mla_layers)}
     packed = _pack_latents(meta, qsl, slots, pools.kv_cache.shape[2]) if cfg.mla_layers else None
     records = {} if decode_records else None
     for li in range(cfg.num_layers):
         m, h = model.mixers[li], model.input_norm(li, x)
         if isinstance(m, KDALayer):
-            y = _kda_layer(m, h, meta, qsl, slots, pools.kda[li], states_at, li, dec_rows, verify, records)
+            writes[li] = []
+            y = _kda_layer(m, h, meta, qsl, *by_slots[li], kda[li], states_at, li, verify, records, writes[li])
         else:
             y = _mla_layer(m, h, meta, qsl, slots, pos, pools.kv_cache, mla_index[li], kv_pages, kv_offs, kv_live,
                            packed, verify, li)
@@ -366,22 +468,45 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     for i in verify:
         rows = x[:, qsl[i]: qsl[i + 1]]                                    # [1, T, D]
         verify[i] = verify[i]._replace(logits=model.head(rows))             # [1, T, vocab]
-    return BatchOutput(logits, states_at, verify, records)
+    if write:
+        write_states(SlotPools(kda, pools.kv_cache), meta, writes)
+    return BatchOutput(logits, states_at, verify, records, None if write else writes)
 
 
-def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool, states_at, li, dec_rows: _Rows, verify,
-               records: dict | None = None):
-    rec_pool, conv_pool = pool
+def _slot_lists(kda: dict, meta: BatchMeta, meta_slots: list) -> dict:
+    """Per KDA layer ``(slots, decode rows)``: its rows' slots as a list and the decode rows' :class:`_Rows`,
+    each distinct slot tensor checked once (:func:`_check_slots`; pad rows where ``meta.slot_idx`` has them).
+    Raises ValueError for bad slots."""
+    out, seen, pads = {}, {}, meta.slot_idx == PAD_SLOT
+    for li, ls in kda.items():
+        idx = meta.slot_idx if ls.slot_idx is None else ls.slot_idx
+        key = (id(idx), ls.recurrent.shape[0])
+        if key not in seen:
+            _check_slots(idx, ls.recurrent.shape[0])
+            if idx.shape != meta.slot_idx.shape or not torch.equal(idx == PAD_SLOT, pads):
+                raise ValueError(f"a layer's slot_idx must mark the pad rows of meta.slot_idx with {PAD_SLOT}, got "
+                                 f"{idx.tolist()} for {meta.slot_idx.tolist()}")
+            seen[key] = (meta_slots if idx is meta.slot_idx else idx.tolist(),
+                         _rows(idx[: meta.num_decode], ls.recurrent.shape[0]))
+        out[li] = seen[key]
+    return out
+
+
+def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, dec_rows: _Rows, pool: LayerSlots, states_at, li,
+               verify, records: dict | None, writes: list):
+    """One KDA layer over the batch: reads each live row's state from ``pool`` by its slot (``slots``, a list,
+    ``-1`` = pad) and appends the rows' new states to ``writes`` (:class:`StateWrite`; nothing is written here)."""
+    rec_pool, conv_pool = pool.recurrent, pool.conv
     raw, g, beta, out_gate = m.project(h)                                 # [1, T_total, *]
     nd = meta.num_decode
     o_parts = []
     if nd:
         conv0 = _gather(conv_pool, dec_rows)                              # [nd, D_conv, W-1]
         q, k, v, conv = m.activate(raw[0, :nd].unsqueeze(1), conv0)       # [nd, 1, H, K] ...
-        o, rec = _decode(q[:, 0], k[:, 0], v[:, 0], g[0, :nd], beta[0, :nd], rec_pool, dec_rows)  # [nd, H, V]
+        o, state, rec = _decode(q[:, 0], k[:, 0], v[:, 0], g[0, :nd], beta[0, :nd], rec_pool, dec_rows)  # [nd, H, V]
         if records is not None:
             records[li] = rec
-        _scatter(conv_pool, dec_rows, conv)
+        writes.append(StateWrite(0, state, conv))                         # [nd, H, K, V], [nd, D_conv, W-1]
         o_parts.append(o.unsqueeze(0))                                    # [1, nd, H, V]
     C, W1 = CHUNK_SIZE, m.cfg.conv_kernel - 1
     for i in range(nd, len(slots)):
@@ -397,8 +522,7 @@ def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool, states_at, li,
             o, state, sts = kda_recurrent(q, k, v, g[:, a:b], beta[:, a:b], rec0, output_states=True)
             verify[i].layers[li] = KDACache(state, conv)
             verify[i].aux[li] = KDAAux(h[:, a:b], raw[:, a:b], q, k, v, g[:, a:b], beta[:, a:b], sts)
-            rec_pool[slot] = state[0]
-            conv_pool[slot] = conv[0]
+            writes.append(StateWrite(i, state, conv))                     # [1, H, K, V], [1, D_conv, W-1]
             o_parts.append(o)
             continue
         o, state, hs = kda_chunk(q, k, v, g[:, a:b], beta[:, a:b], rec0, chunk_size=C)
@@ -411,8 +535,7 @@ def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool, states_at, li,
                                 chunk_size=C).final_state
             full = torch.cat([conv0, raw[:, a:b].transpose(1, 2)], dim=-1)  # [1, D_conv, W-1+T]
             states_at[i][t][li] = KDACache(rec, full[..., t: t + W1].clone())
-        rec_pool[slot] = state[0]
-        conv_pool[slot] = conv[0]
+        writes.append(StateWrite(i, state, conv))                         # [1, H, K, V], [1, D_conv, W-1]
         o_parts.append(o)
     return m.output(torch.cat(o_parts, dim=1), out_gate)                 # [1, T_total, D]
 

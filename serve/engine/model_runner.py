@@ -3,12 +3,30 @@
 ``vllm/v1/attention/backends/gdn_attn.py`` metadata builder: decode rows first, ``query_start_loc``,
 per-row state indices, ``has_initial_state``, block tables and the slot mapping).
 
-A row's state slot is the request's KDA_STATE pages in the unified :class:`PagePool`. Per step the
-runner gathers the live rows' state pages (one ``index_select`` per group) into dense per-layer
-tensors ``[S, ...]`` (slot j = live row j), runs :func:`kda_core.varlen.forward_batch`, which reads and
-writes them by slot index, and :meth:`StepBatch.commit` scatters them back (one ``index_copy_`` per
-group). MLA latents are read and written in place through the pool's arena by block table. A state stored in
-bf16 / fp16 (``layout.state_dtype``) is upcast exactly on gather and rounded to nearest on scatter; compute is fp32.
+Three words (mini-sglang's ``TableManager``, vLLM's ``ssm_state_indices``): a **page** is storage in the unified
+:class:`PagePool`; a request's **slot** of a page group is the index its state has there for its whole life; a
+**row** is its position in this step's batch. When a group's state fits one page (``layout.group_pages(g) == 1``,
+the "unified" page policy), the slot IS that page's id: the runner hands
+:func:`kda_core.varlen.forward_batch` per-layer strided views of the arena (:func:`serve.memory.pages.slot_views`:
+recurrent ``[P, H, K, V]``, conv ``[P, 2HK + HV, W-1]``) and each row's slot, built once per step as one int64
+tensor ``[G, N]`` (pad rows ``-1``, never clamped); the forward reads each live row's state there by slot, and
+:meth:`ModelRunner.commit` writes the new states there by slot (one ``index_copy_`` per layer and piece; a bf16 /
+fp16 ``layout.state_dtype`` rounded to nearest on that write, upcast exactly on read). No step copies the live
+states into a dense pool and back. The writes wait for commit (not inside the forward) so that a forward that
+raises, a probe run of the engine's fault isolation, and a row the engine drops write no state, and so that the
+engine's checkpoints of a prefill row can pass through the request's pages before its final state lands there.
+
+The prefix cache restores a checkpoint by copying it into the request's own state pages at admission
+(:meth:`serve.prefix.cache.PrefixCache.restore`), i.e. into its slot, and admission zeroes the slot of a request
+without a hit (:func:`serve.memory.pages.zero_state`), so a request never reads the state of the one that held the
+page before it.
+
+The dense path (slot j = live row j: :meth:`ModelRunner.gather_states` before the forward, the new states written
+into that copy, :meth:`ModelRunner.scatter_states` at commit) runs for a group whose state spans several pages
+(the "multi_page" policy: a slot is not one page) and for every group with ReplaySSM (its decode rows read a
+replayed state, not the pages, and write only the conv window unless they materialise).
+:attr:`ModelRunner.in_place` says which groups run in place. MLA latents are read and written in place through
+the pool's arena by block table.
 
 Decode rows are padded to a bucket size in :data:`DECODE_BUCKETS` (what CUDA-graph capture forces on
 GPU engines); a pad row has slot ``-1``, NaN hidden states, and is never read from or written to a slot.
@@ -27,9 +45,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kda_core.model import HybridLM
-from kda_core.varlen import PAD_SLOT, BatchMeta, SlotPools, forward_batch, make_meta
+from kda_core.varlen import PAD_SLOT, BatchMeta, LayerSlots, SlotPools, forward_batch, make_meta, write_states
 from serve.memory.layout import FP32_BYTES, CacheLayout
-from serve.memory.pages import stored_words
+from serve.memory.pages import slot_views, stored_words
 from serve.memory.pool import PagePool
 from serve.memory.replay_state_write import ReplayStateWrite
 
@@ -58,15 +76,20 @@ class Row:
 
 @dataclass
 class StepBatch:
-    """A built and run batch: rows (decode first), the metadata, the logits ``[N, 256]`` and the
-    states at checkpoints ``{row: {t: {layer: KDACache}}}``; ``dense`` holds the live rows' states until
-    :meth:`commit` writes them to their pages."""
+    """A built and run batch: rows (decode first), the metadata, ``slot_idx [G, N]`` int64 (row i's slot in
+    group g's storage: its state page in an in-place group, its live-row number in a dense one; ``-1`` for a pad
+    row; ``meta.slot_idx`` is row 0 of it), the logits ``[N, 256]`` and the states at checkpoints
+    ``{row: {t: {layer: KDACache}}}``; ``writes`` holds the in-place layers' new states
+    (:class:`kda_core.varlen.StateWrite` pieces) and ``dense`` the dense groups' states until :meth:`commit`
+    writes them to their pages."""
 
     rows: list
     meta: BatchMeta
+    slot_idx: torch.Tensor | None = None
     logits: torch.Tensor | None = None
     states_at: dict = field(default_factory=dict)
     dense: dict = field(default_factory=dict)
+    writes: dict = field(default_factory=dict)
     verify: dict = field(default_factory=dict)
     live_pages: list = field(default_factory=list)
     decode_records: dict | None = None
@@ -89,13 +112,16 @@ class ModelRunner:
 
     Args: model; pool: the unified PagePool; layout: the :class:`CacheLayout` (fp32 latents and conv windows,
     the recurrent state in ``layout.state_dtype``: fp32, bf16 or fp16); pad_decode: pad the decode rows to
-    :func:`decode_bucket` (default True); replay: the decode rows' ReplaySSM rings (None: the slot write).
-    Compute is fp32: a 16-bit state is upcast exactly when gathered and rounded to nearest when scattered.
+    :func:`decode_bucket` (default True); replay: the decode rows' ReplaySSM rings (None: the slot write);
+    in_place: False runs every group on the dense path (the reference the in-place path is tested against).
+    Compute is fp32: a 16-bit state is upcast exactly when read and rounded to nearest when written.
+    ``in_place[g]``: group g's states are read and written in place by slot (its state is one page, no ReplaySSM);
+    else by the dense path (module docstring).
     Raises ValueError for a layout the engine cannot store (:meth:`CacheLayout.check_engine_dtypes`).
     """
 
     def __init__(self, model: HybridLM, pool: PagePool, layout: CacheLayout, pad_decode: bool = True,
-                 replay: ReplayStateWrite | None = None):
+                 replay: ReplayStateWrite | None = None, in_place: bool = True):
         layout.check_engine_dtypes()
         self.model, self.pool, self.layout, self.pad_decode = model, pool, layout, pad_decode
         self.replay = replay
@@ -105,19 +131,26 @@ class ModelRunner:
         self._conv_shape = (cfg.conv_dim, cfg.conv_kernel - 1)
         self._n_record = cfg.num_heads * (2 * cfg.head_k_dim + cfg.head_v_dim)   # k, u, g elements
         self.decode_bytes = dict.fromkeys(("state", "conv", "records"), 0)     # written by decode rows (stored bytes)
+        self.in_place = tuple(in_place and replay is None and layout.group_pages(g) == 1
+                              for g in range(layout.num_groups))
+        self._dense_groups = [g for g, ip in enumerate(self.in_place) if not ip]
+        self._views = {li: v for g, ip in enumerate(self.in_place) if ip
+                       for li, v in slot_views(layout, pool, g).items()}   # {layer: (rec [P, H, K, V], conv)}
+        self._group_of = {li: g for g, layers in enumerate(layout.groups) for li in layers}
 
     # ---- state slots: gather / scatter the rows' state pages --------------------------------------
     def _flat_arena(self) -> torch.Tensor:
         return self.pool.typed_arena(torch.float32, (self.pool.page_bytes // FP32_BYTES,))  # [P, E] words
 
-    def gather_states(self, state_pages: list) -> dict:
+    def gather_states(self, state_pages: list, groups=None) -> dict:
         """Dense fp32 states of ``len(state_pages)`` requests: ``{layer: (recurrent [S, H, K, V], conv
         [S, 2HK + HV, W-1])}``, slot j = ``state_pages[j]`` (a request's pages by group); a 16-bit recurrent
-        state is upcast exactly."""
+        state is upcast exactly. ``groups``: only these groups' layers (default all)."""
         arena, S = self._flat_arena(), len(state_pages)
         out = {}
         per, dt = self._w_rec + self._w_conv, self.layout.state_dtype
-        for g, layers in enumerate(self.layout.groups):
+        for g in range(self.layout.num_groups) if groups is None else groups:
+            layers = self.layout.groups[g]
             idx = torch.tensor([list(sp[g]) for sp in state_pages], dtype=torch.long).reshape(-1)  # [S * P_g]
             used = len(layers) * per
             if idx.numel() == S:                                          # one page per state: read the used part
@@ -130,14 +163,16 @@ class ModelRunner:
                 out[layer] = (rec.reshape(S, *self._rec_shape), conv.contiguous())
         return out
 
-    def scatter_states(self, state_pages: list, dense: dict, keep: list) -> None:
+    def scatter_states(self, state_pages: list, dense: dict, keep: list, groups=None) -> None:
         """Write the dense states of the slots ``keep`` back into their requests' pages (in place); the
-        recurrent state rounded to nearest into ``layout.state_dtype``."""
+        recurrent state rounded to nearest into ``layout.state_dtype``. ``groups``: only these groups (default
+        all)."""
         if not keep:
             return
         arena = self._flat_arena()
         E = arena.shape[1]
-        for g, layers in enumerate(self.layout.groups):
+        for g in range(self.layout.num_groups) if groups is None else groups:
+            layers = self.layout.groups[g]
             idx = torch.tensor([list(state_pages[j][g]) for j in keep], dtype=torch.long).reshape(-1)
             sel = torch.tensor(keep, dtype=torch.long)
             parts = []
@@ -177,57 +212,80 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------------
     def build(self, decode_rows: list, prefill_rows: list, verify_rows: list = ()) -> StepBatch:
         """The batch as data: decode rows (padded to a bucket), then verify rows (speculative decoding,
-        ``1 + n`` tokens each), then prefill rows; live row j gets slot j."""
+        ``1 + n`` tokens each), then prefill rows; row i's slot in group g is ``slot_idx[g, i]``: its request's
+        state page of that group (in-place group) or its live-row number (dense group), ``-1`` for a pad row.
+        Raises ValueError (from :func:`kda_core.varlen.make_meta`) for malformed rows."""
         rows = list(decode_rows)
         if self.pad_decode and rows:
             rows += [Row(None, [0], 0, True) for _ in range(decode_bucket(len(rows)) - len(rows))]
         rows += list(verify_rows) + list(prefill_rows)
-        slots, slot = [], 0
+        per_row, j = [], 0                                                 # [N][G]
         for r in rows:
             if r.req is None:
-                slots.append(PAD_SLOT)
+                per_row.append([PAD_SLOT] * len(self.in_place))
             else:
-                slots.append(slot)
-                slot += 1
+                per_row.append([r.req.state_pages[g][0] if ip else j for g, ip in enumerate(self.in_place)])
+                j += 1
+        slot_idx = torch.tensor(per_row, dtype=torch.long).reshape(len(rows), -1).t().contiguous()   # [G, N]
         nd = sum(r.decode for r in rows)
-        meta = make_meta([len(r.tokens) for r in rows], nd, slots,
+        meta = make_meta([len(r.tokens) for r in rows], nd, slot_idx[0],
                          [r.req is not None and (r.start > 0 or r.decode) for r in rows],
                          [r.start for r in rows], [r.req.page_table if r.req is not None else [] for r in rows],
                          [r.state_at for r in rows], num_verify=len(verify_rows))
-        return StepBatch(rows, meta)
+        return StepBatch(rows, meta, slot_idx)
 
     def run(self, batch: StepBatch) -> StepBatch:
-        """One forward over ``batch``: KV latents written in place; KDA states held dense until commit."""
+        """One forward over ``batch``: KV latents written in place; the in-place groups' states read from
+        their slots (their new states in ``batch.writes`` until :meth:`commit`), the dense groups' gathered into
+        ``batch.dense`` and their new states written there. Writes no KDA state to the pool."""
         lay = self.layout
         live = [r.req for r in batch.rows if r.req is not None]
         batch.live_pages = [req.state_pages for req in live]
-        batch.dense = self.gather_states(batch.live_pages) if live else {
-            i: (torch.zeros(0, *self._rec_shape), torch.zeros(0, *self._conv_shape)) for i in self.model.cfg.kda_layers}
+        batch.dense = {}
+        if self._dense_groups:
+            batch.dense = self.gather_states(batch.live_pages, self._dense_groups) if live else {
+                i: (torch.zeros(0, *self._rec_shape), torch.zeros(0, *self._conv_shape))
+                for g in self._dense_groups for i in lay.groups[g]}
         if self.replay is not None and batch.num_decode:                  # checkpoint + records -> state
-            rids = [r.req.rid for r in batch.rows[: batch.num_decode]]    # live decode rows: slots 0..nd-1
+            rids = [r.req.rid for r in batch.rows[: batch.num_decode]]    # live decode rows: dense slots 0..nd-1
             self.replay.read(rids, {i: rec for i, (rec, _) in batch.dense.items()})
+        groups = batch.slot_idx.unbind(0)                                  # G x [N]: one tensor per group, shared
+        kda = {li: LayerSlots(*(batch.dense[li] if li in batch.dense else self._views[li]),
+                              groups[self._group_of[li]]) for li in self.model.cfg.kda_layers}
         kv = self.pool.typed_arena(torch.float32, lay.kv_block_shape)     # [P, M, NB, R]
         toks = torch.tensor([t for r in batch.rows for t in r.tokens], dtype=torch.long)
-        out = forward_batch(self.model, toks, batch.meta, SlotPools(batch.dense, kv),
-                            decode_records=self.replay is not None)
+        out = forward_batch(self.model, toks, batch.meta, SlotPools(kda, kv),
+                            decode_records=self.replay is not None, write=False)
         batch.logits, batch.states_at, batch.verify = out.logits, out.states_at, out.verify
         batch.decode_records = out.decode_records
+        dense = {li: w for li, w in out.state_writes.items() if li in batch.dense}
+        if dense:                                                          # the private copy: written now
+            write_states(SlotPools(kda, kv), batch.meta, dense)
+        batch.writes = {li: w for li, w in out.state_writes.items() if li not in batch.dense}
         return batch
 
     def commit(self, batch: StepBatch, keep, publish=frozenset()) -> None:
-        """Scatter the states of the live rows whose request ``keep(req)`` says is still running. With
-        ReplaySSM a kept decode row writes its whole state only if it materialises (its ring is full, or
-        its request id is in ``publish``: a checkpoint is published at this step), else its conv window,
-        and appends its record."""
+        """Write the new states of the live rows whose request ``keep(req)`` says is still running into their
+        slots: in place by slot for the in-place groups (:func:`kda_core.varlen.write_states`), by
+        :meth:`scatter_states` for the dense ones. With ReplaySSM a kept decode row writes its whole state only if
+        it materialises (its ring is full, or its request id is in ``publish``: a checkpoint is published at this
+        step), else its conv window, and appends its record."""
+        kept_row = [r.req is None or bool(keep(r.req)) for r in batch.rows]   # [N]; a pad row writes nothing anyway
         live = [r.req for r in batch.rows if r.req is not None]
-        kept = [j for j, req in enumerate(live) if keep(req)]
-        nd = batch.num_decode                                              # live decode rows: slots 0..nd-1
+        kept = [j for j, k in enumerate(k for r, k in zip(batch.rows, kept_row) if r.req is not None) if k]
+        nd = batch.num_decode                                              # live decode rows: live rows 0..nd-1
         dec = [j for j in kept if j < nd]
         rec_bytes, conv_bytes = self._w_rec * FP32_BYTES, self._w_conv * FP32_BYTES   # per layer, as stored
         if self.replay is None:
-            self.scatter_states(batch.live_pages, batch.dense, kept)
-            self.decode_bytes["state"] += len(dec) * len(batch.dense) * rec_bytes
-            self.decode_bytes["conv"] += len(dec) * len(batch.dense) * conv_bytes
+            if batch.writes:
+                groups = batch.slot_idx.unbind(0)                          # G x [N]
+                kda = {li: LayerSlots(*self._views[li], groups[self._group_of[li]]) for li in batch.writes}
+                write_states(SlotPools(kda, None), batch.meta, batch.writes,
+                             None if all(kept_row) else torch.tensor(kept_row))
+            self.scatter_states(batch.live_pages, batch.dense, kept, self._dense_groups)
+            L = len(self.model.cfg.kda_layers)
+            self.decode_bytes["state"] += len(dec) * L * rec_bytes
+            self.decode_bytes["conv"] += len(dec) * L * conv_bytes
             return
         rids = [live[j].rid for j in dec]
         mat = [self.replay.must_materialise(rid) or rid in publish for rid in rids]

@@ -13,8 +13,9 @@ Concept → file → main type → test:
 - reading / writing a request's state and KV over page lists (the engine's and the prefix cache's path; a 16-bit
   state rounded to nearest on write, upcast on read)
   ......................................... pages.py ....... ``read_state``, ``write_state``, ``stored_words``,
-  ``zero_state``, ``copy_state``, ``read_kv``, ``write_kv`` → ``test_pages.py`` (decode from the pool is bitwise
-  equal), ``tests/serve/test_engine_state_dtype.py`` (16-bit round trip)
+  ``zero_state``, ``copy_state``, ``read_kv``, ``write_kv``, ``slot_views`` (every page as a state slot: strided views
+  of the arena the engine reads and writes in place) → ``test_pages.py`` (decode from the pool is bitwise
+  equal), ``tests/serve/test_engine_state_dtype.py`` (16-bit round trip), ``tests/serve/test_model_runner_in_place.py``
 - a request's page table with prefix sharing and copy-on-write (page 06), on layout.py + pages.py
   ......................................... paged_mla.py ... ``PagedMLACache`` → ``test_paged_mla.py``, ``test_pool_stateful.py``
 - a KDA state slot's storage format (fp32, bf16, fp16, fp8 e4m3 +- stochastic rounding, int8 per head / per head row,

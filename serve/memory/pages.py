@@ -66,6 +66,32 @@ def write_state(layout: CacheLayout, pool: PagePool, pages_by_group, caches: dic
             pool.view(p, torch.float32, (chunk.numel(),)).copy_(chunk)
 
 
+def slot_views(layout: CacheLayout, pool: PagePool, group: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """Every page of the pool as a state slot of ``group``, for reading and writing states in place by page id
+    (a request's slot of a group is its one state page of that group; vLLM's ``ssm_state_indices``).
+
+    Returns ``{layer: (recurrent [P, H, K, V] in layout.state_dtype, conv [P, 2HK + HV, W-1] fp32)}`` for the
+    group's layers: strided views of the pool's arena (stride(0) = one page), so ``view[p]`` aliases the bytes of
+    layer's state in page p, exactly where :func:`read_state` / :func:`write_state` put them. Valid for the pool's
+    life (the arena is never reallocated); only a KDA_STATE page of ``group`` holds that group's state.
+    Raises ValueError if the group's state spans several pages (:meth:`CacheLayout.group_pages`), for a layout
+    the engine cannot store, or whose page size differs from the pool's."""
+    _check(layout, pool)
+    if layout.group_pages(group) != 1:
+        raise ValueError(f"group {group}'s state spans {layout.group_pages(group)} pages: a slot must be one page "
+                         "(use the page_policy 'unified')")
+    cfg, P = layout.cfg, pool.num_pages
+    w_rec, w_conv = layout.state_words()
+    words = pool.typed_arena(torch.float32, (pool.page_bytes // FP32_BYTES,))    # [P, E] fp32 words
+    out = {}
+    for j, layer in enumerate(layout.groups[group]):
+        a = j * (w_rec + w_conv)                                           # layer j: recurrent, then conv window
+        rec = words[:, a: a + w_rec].view(layout.state_dtype)             # [P, H K V] (stored dtype)
+        out[layer] = (rec.view(P, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim),             # [P, H, K, V]
+                      words[:, a + w_rec: a + w_rec + w_conv].view(P, cfg.conv_dim, cfg.conv_kernel - 1))  # [P, C, W-1]
+    return out
+
+
 def zero_state(layout: CacheLayout, pool: PagePool, pages_by_group) -> None:
     """Write the empty-sequence state (all zeros) into every group's state pages."""
     _check(layout, pool)

@@ -140,7 +140,8 @@ class PrefixCache:
 
     def restore(self, hit: PrefixHit, owner: Hashable, dst_pages_by_group) -> int:
         """Copy the pinned checkpoint of ``hit`` into ``dst_pages_by_group`` (the owner's private state
-        pages, copy-on-write). Returns the bytes restored (the state's bytes, not page padding).
+        pages, copy-on-write: its state slot, which the engine then reads and writes in place). Returns the bytes
+        restored (the state's bytes, not page padding).
         Raises CheckpointError if a group's checkpoint was written at another length than b."""
         holds = self._holds.get(owner)
         if holds is None or holds.ckpt is None or holds.ckpt[0] != hit.checkpoint_key:

@@ -83,18 +83,21 @@ def pad_slot_clamped_to_zero(mp) -> None:
     """A decode pad row's slot ``-1`` clamped to 0: the pad row reads and writes slot 0, a live request's state
     (tokenspeed#700, as STYLE.md recounts; tpu-inference PR #2469's padded positions holding live slot ids). The
     pad row's input is zeros here (garbage on a GPU), so the corruption is silent."""
-    layer = varlen._kda_layer
-    rows_type = varlen._Rows
+    layer, rows, target, rows_type = varlen._kda_layer, varlen._rows, varlen._write_target, varlen._Rows
 
-    def buggy(m, h, meta, qsl, slots, pool, states_at, li, dec_rows, verify, records=None):
-        nd = meta.num_decode
-        if varlen.PAD_SLOT not in slots[:nd]:
-            return layer(m, h, meta, qsl, slots, pool, states_at, li, dec_rows, verify, records)
-        clamped = [0 if s == varlen.PAD_SLOT else s for s in slots]
-        rows = rows_type(torch.arange(nd), torch.tensor(clamped[:nd], dtype=torch.long), nd, False)
-        return layer(m, torch.nan_to_num(h, nan=0.0), meta, qsl, clamped, pool, states_at, li, rows, verify, records)
+    def buggy_layer(m, h, *args):
+        return layer(m, torch.nan_to_num(h, nan=0.0), *args)            # only pad rows hold NaN
 
-    mp.setattr(varlen, "_kda_layer", buggy)
+    def buggy_rows(slot_idx, num_slots):                                 # reads: every row, -1 read as 0
+        rows(slot_idx, num_slots)
+        return rows_type(torch.arange(slot_idx.shape[0]), slot_idx.clamp(min=0), slot_idx.shape[0], False)
+
+    def buggy_target(idx, keep, first, n):                               # writes: -1 written as 0
+        return target(idx.clamp(min=0), keep, first, n)
+
+    mp.setattr(varlen, "_kda_layer", buggy_layer)
+    mp.setattr(varlen, "_rows", buggy_rows)
+    mp.setattr(varlen, "_write_target", buggy_target)
 
 
 def abort_keeps_pages(mp) -> None:

@@ -115,7 +115,7 @@ def test_batched_equals_alone_bitwise(reqs, max_num_seqs, budget, cache, shared,
 
 
 def test_decode_batch_holds_pad_rows_and_matches_one_row_per_forward():
-    """Three decoding requests run as one bucket of 4 rows (one pad row, slot -1); each equals the same
+    """Three decoding requests run as one bucket of 4 rows (one pad row, slot -1; a live row's slot is its state page); each equals the same
     request on the batch-1 baseline (``rows_per_forward=1``: every forward holds one row, no pad) bitwise."""
     prompts = [tokens(40 + i, 20 + 7 * i) for i in range(3)]
     eng = engine(False)
@@ -124,7 +124,7 @@ def test_decode_batch_holds_pad_rows_and_matches_one_row_per_forward():
     eng.step()                                           # one decode step for all three
     b = eng.last_batch
     assert (b.num_decode, b.num_pad, len(b.rows)) == (3, 1, 4)
-    assert b.meta.slot_idx.tolist() == [0, 1, 2, -1]
+    assert b.meta.slot_idx.tolist() == [eng.requests[rid].state_pages[0][0] for rid in rids] + [-1]
     eng.run_until_idle()
     one = engine(False, rows_per_forward=1)
     one_rids = [one.submit(p, 5, record_logits=True) for p in prompts]

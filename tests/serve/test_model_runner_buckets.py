@@ -1,7 +1,8 @@
 """The model runner's batch layout, pinned by the batch it builds (pad rows leave every output bitwise equal,
 so only the layout shows a padding bug): decode rows padded up to the smallest bucket of
 ``DECODE_BUCKETS`` holding them and never further (a batch whose size is a bucket has no pad row), pad rows
-right after the decode rows with slot -1, then the prefill rows; live rows get slots 0, 1, ... in row order."""
+right after the decode rows with slot -1, then the prefill rows; a live row's slot is its request's state page
+(unified pages: one page per state, read and written in place)."""
 from __future__ import annotations
 
 import pytest
@@ -44,7 +45,7 @@ def test_decode_rows_padded_to_their_bucket_only(n, rows):
     eng.step()
     b = eng.last_batch
     assert (b.num_decode, b.num_pad, len(b.rows)) == (n, rows - n, rows)
-    assert b.meta.slot_idx.tolist() == list(range(n)) + [-1] * (rows - n)
+    assert b.meta.slot_idx.tolist() == [r.req.state_pages[0][0] for r in b.rows[:n]] + [-1] * (rows - n)
     assert [r.req.rid for r in b.rows[:n]] == rids
 
 
@@ -57,7 +58,7 @@ def test_no_padding_when_turned_off():
 
 def test_mixed_batch_layout_decode_then_pads_then_prefill():
     """Three decoders and a new prompt in one step: rows = 3 decode, 1 pad, 1 prefill; the metadata's decode
-    part covers the pad row; the prefill row gets the next live slot (3), starts from zeros and owns the
+    part covers the pad row; the prefill row's slot is its state page, it starts from zeros and owns the
     prompt's tokens in query_start_loc."""
     eng = engine()
     decoding(eng, 3)
@@ -66,6 +67,7 @@ def test_mixed_batch_layout_decode_then_pads_then_prefill():
     b = eng.last_batch
     assert [(r.req.rid if r.req else None, r.decode) for r in b.rows] == [(0, True), (1, True), (2, True),
                                                                         (None, True), (new, False)]
-    assert b.meta.num_decode == 4 and b.meta.slot_idx.tolist() == [0, 1, 2, -1, 3]
+    pages = [eng.requests[rid].state_pages[0][0] for rid in (0, 1, 2, new)]
+    assert b.meta.num_decode == 4 and b.meta.slot_idx.tolist() == pages[:3] + [-1] + pages[3:]
     assert b.meta.has_initial_state.tolist() == [True, True, True, False, False]
     assert b.meta.query_start_loc.tolist() == [0, 1, 2, 3, 4, 54]

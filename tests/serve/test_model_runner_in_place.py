@@ -1,0 +1,227 @@
+"""Persistent state slots read and written in place (``serve.engine.model_runner`` on unified pages): a request's slot
+is its state page; the forward reads the arena by slot and commit writes it back by slot. Pinned here: a pad row
+(slot -1, NaN inputs) writes no slot, not even slot 0 (tokenspeed#700, sglang#30974); a request admitted onto a
+finished one's page never sees its state (tpu-inference#3412); decode, verify and prefill rows all go through the
+arena views and a step moves each live state about once each way (no dense copy and back); and the dense path
+still runs where a slot is not one page."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import serve.engine.model_runner as model_runner
+from serve.config import ServeConfig
+from serve.engine import ServeEngine
+from serve.memory.pages import read_state, write_state
+from serve.memory.pool import PageKind, PagePool
+from serve.engine.model_runner import ModelRunner
+from serve.prefix.cache import PrefixCache
+from serve.engine.request import RequestStatus
+from tests.serve.engine_helpers import STRATEGIES, oracle_speculation
+from tests.serve.prefix.helpers import tiny_model, tokens
+from tests.serve.test_model_runner_slots import random_states
+
+
+def engine(cache: bool = False, num_pages: int = 64, poison: bool = True, policy: str = "unified",
+           state_dtype=torch.float32, speculation=None) -> ServeEngine:
+    model = tiny_model()
+    config = ServeConfig(16, 16, page_policy=policy, state_dtype=state_dtype)
+    pool = PagePool(num_pages, config.page_bytes(model.cfg), poison=poison)
+    pc = PrefixCache(pool, config, cfg=model.cfg) if cache else None
+    return ServeEngine(model, pool, pc, config=config, speculation=speculation)
+
+
+def alone(prompt, n: int, **kw):
+    return engine(**kw).generate(prompt, n, record_logits=True)
+
+
+def test_pad_rows_fed_nan_write_no_slot_not_even_slot_0():
+    """Three decoders run as a bucket of 4 rows: the pad row (slot -1, NaN hidden states) must write nothing.
+    Page 0 is a live state slot outside the batch (a bystander's), so a -1 clamped to 0 anywhere in the
+    reads or writes by slot would overwrite it with NaN; every page but the rows' own stays bitwise unchanged."""
+    eng = engine()
+    lay, pool = eng.layout, eng.pool
+    (bystander,) = pool.alloc(PageKind.KDA_STATE, 1, "bystander")
+    assert bystander == 0
+    write_state(lay, pool, [(0,)], random_states(eng.model, torch.Generator().manual_seed(5)))
+    prompts = [tokens(70 + i, 12 + 5 * i) for i in range(3)]
+    rids = [eng.submit(p, 6, record_logits=True) for p in prompts]
+    eng.step()                                                           # all three prefilled, decoding
+    for _ in range(4):
+        before = pool.arena.clone()
+        eng.step()
+        b = eng.last_batch
+        assert (b.num_decode, b.num_pad) == (3, 1) and b.meta.slot_idx.tolist()[-1] == -1
+        assert b.slot_idx.dtype == torch.long and b.slot_idx.shape == (1, 4)
+        own = {p for rid in rids for grp in eng.requests[rid].state_pages for p in grp}
+        own |= {p for rid in rids for p in eng.requests[rid].page_table}
+        changed = (pool.arena != before).any(dim=1).nonzero().flatten().tolist()
+        assert 0 not in changed and set(changed) <= own, f"pages written outside the batch's rows: {changed}"
+    assert torch.isfinite(read_state(lay, pool, [(0,)])[eng.model.cfg.kda_layers[0]].recurrent).all()
+    eng.run_until_idle()
+    for rid, p in zip(rids, prompts):
+        ref = alone(p, 6)
+        assert eng.result(rid).output_tokens == ref.output_tokens and torch.equal(eng.result(rid).logits, ref.logits)
+
+
+def finished_then_planted(eng: ServeEngine, prompt) -> None:
+    """Run ``prompt`` to the end, then fill every free page with its last state page's bytes: whatever page the
+    next request gets holds the finished request's state (a page reused without zeroing or restoring)."""
+    rid = eng.submit(prompt, 4)
+    while eng.requests[rid].status is not RequestStatus.FINISHED:
+        if len(eng.requests[rid].output) == 3:
+            last = eng.pool.arena[eng.requests[rid].state_pages[0][0]].clone()
+        eng.step()
+    for p in range(eng.pool.num_pages):
+        if eng.pool.refcount(p) == 0:
+            eng.pool.arena[p] = last
+
+
+def test_a_fresh_request_on_a_finished_ones_page_starts_from_zeros(monkeypatch):
+    """tpu-inference#3412: a request admitted after a finished one must not see its state. Cold admission zeroes
+    the slot (seen by the first forward that holds the new request) and the request equals its run alone."""
+    eng = engine(poison=False)
+    finished_then_planted(eng, tokens(80, 40))
+    seen, real_run = [], eng.runner.run
+
+    def spy(batch):
+        for r in batch.rows:
+            if r.req is not None and r.req.rid == rid and not seen:
+                seen.append(read_state(eng.layout, eng.pool, r.req.state_pages))
+        return real_run(batch)
+
+    monkeypatch.setattr(eng.runner, "run", spy)
+    prompt = tokens(81, 30)
+    rid = eng.submit(prompt, 5, record_logits=True)
+    eng.run_until_idle()
+    assert all(not c.recurrent.any() and not c.conv.any() for c in seen[0].values()), "slot not zeroed at admission"
+    ref = alone(prompt, 5)
+    assert eng.result(rid).output_tokens == ref.output_tokens and torch.equal(eng.result(rid).logits, ref.logits)
+
+
+def test_a_prefix_hit_on_a_finished_ones_page_restores_its_checkpoint():
+    """With a prefix hit the checkpoint is copied into the new request's own state page (its slot) at admission;
+    skipping that restore leaves the finished request's state there and changes the logits."""
+    prompt_a, prompt_b = tokens(90, 40), tokens(90, 40)[:33] + tokens(91, 9)
+    eng = engine(cache=True, poison=False)
+    finished_then_planted(eng, prompt_a)
+    rid = eng.submit(prompt_b, 5, record_logits=True)
+    eng.run_until_idle()
+    assert eng.result(rid).hit_tokens == 32
+    ref_eng = engine(cache=True, poison=False)                           # the same history, nothing planted
+    ref_eng.generate(prompt_a, 4)
+    ref = ref_eng.generate(prompt_b, 5, record_logits=True)
+    assert ref.hit_tokens == 32
+    assert eng.result(rid).output_tokens == ref.output_tokens and torch.equal(eng.result(rid).logits, ref.logits)
+
+
+class MovedBytes(TorchDispatchMode):
+    """Bytes written by data-movement ops (gathers, scatters, copies, concatenations): an out-of-place op's
+    output, an in-place one's source (not its whole destination, e.g. the arena)."""
+
+    OUT = {"index_select", "index", "cat", "stack", "clone", "_to_copy", "contiguous"}
+    SOURCE = {"index_copy_": 3, "index_copy": 3, "index_put_": 2, "index_put": 2, "copy_": 1}
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        t = out if name in self.OUT else args[self.SOURCE[name]] if name in self.SOURCE else None
+        if isinstance(t, torch.Tensor):
+            self.bytes += t.numel() * t.element_size()
+        return out
+
+
+PROMPTS = [tokens(100 + i, 18 + 9 * i) for i in range(3)]
+
+
+NEW = 5                                                                  # output tokens per request here
+
+
+@functools.cache
+def greedy_refs() -> dict:
+    return {tuple(p): engine().generate(p, NEW).output_tokens for p in PROMPTS}
+
+
+def speculation():
+    """Noisy-oracle drafts for :data:`PROMPTS` (every decoding row is a verify row)."""
+    return oracle_speculation(greedy_refs(), next(iter(STRATEGIES)), 0.3, 3)
+
+
+def mixed_step(monkeypatch, mode: str, in_place: bool):
+    """Two requests decoding (``mode`` "verify+prefill": verifying drafts) and a third arriving: run the mixed
+    step, counting the bytes its run and commit move (:class:`MovedBytes`) and the storage of the KDA states
+    forward_batch gets. Returns the engine, its request ids, the bytes and those storages."""
+    eng = engine(speculation=speculation() if mode == "verify+prefill" else None)
+    if not in_place:                                                     # the dense path, as the reference
+        eng.runner = ModelRunner(eng.model, eng.pool, eng.layout, in_place=False)
+    rids = [eng.submit(p, NEW, record_logits=True) for p in PROMPTS[:2]]
+    eng.step()
+    rids.append(eng.submit(PROMPTS[2], NEW, record_logits=True))
+    got, real_fb = [], model_runner.forward_batch
+
+    def spy(model, toks, meta, pools, **kw):
+        got.append({ls.recurrent.untyped_storage().data_ptr() for ls in pools.kda.values()}
+                   | {ls.conv.untyped_storage().data_ptr() for ls in pools.kda.values()})
+        return real_fb(model, toks, meta, pools, **kw)
+
+    monkeypatch.setattr(model_runner, "forward_batch", spy)
+    runner, moved = eng.runner, MovedBytes()
+    real_run, real_commit = runner.run, runner.commit
+    monkeypatch.setattr(runner, "run", lambda batch: _counted(moved, real_run, batch))
+    monkeypatch.setattr(runner, "commit", lambda *a, **kw: _counted(moved, real_commit, *a, **kw))
+    eng.step()
+    monkeypatch.undo()
+    kinds = {"verify" if r.verify else "decode" if r.decode else "prefill" for r in eng.last_batch.rows if r.req}
+    assert kinds == {mode.split("+")[0], "prefill"}, kinds
+    return eng, rids, moved.bytes, got[-1]
+
+
+@pytest.mark.parametrize("mode", ["decode+prefill", "verify+prefill"])
+def test_a_step_reads_and_writes_the_arena_in_place_and_copies_no_live_state(monkeypatch, mode):
+    """A mixed step (decode or verify rows beside a prefill row): forward_batch gets views of the pool's arena
+    for every KDA layer, each row's slot is its state page, and the step moves at least 2.5 live states fewer
+    bytes than the dense path (which gathers the states into a dense copy and scatters them back: measured 3
+    states more per step here); every request still equals its run alone bitwise."""
+    eng, rids, moved, storages = mixed_step(monkeypatch, mode, True)
+    assert eng.runner.in_place == (True,)
+    assert storages == {eng.pool.arena.untyped_storage().data_ptr()}, "a KDA layer's state is not the arena"
+    b = eng.last_batch
+    live = [r.req for r in b.rows if r.req is not None]
+    assert b.meta.slot_idx[b.meta.slot_idx >= 0].tolist() == [req.state_pages[0][0] for req in live]
+    _, _, moved_dense, storages_dense = mixed_step(monkeypatch, mode, False)
+    assert eng.pool.arena.untyped_storage().data_ptr() not in storages_dense
+    state_bytes = eng.layout.state_bytes * len(live)
+    assert moved <= moved_dense - 2.5 * state_bytes, \
+        f"in place moved {moved} bytes, the dense path {moved_dense}, for {state_bytes} bytes of live state"
+    eng.run_until_idle()
+    for rid, p in zip(rids, PROMPTS):
+        ref = alone(p, NEW, speculation=speculation() if mode == "verify+prefill" else None)
+        assert eng.result(rid).output_tokens == ref.output_tokens and torch.equal(eng.result(rid).logits, ref.logits)
+
+
+def _counted(mode: MovedBytes, fn, *a, **kw):
+    with mode:
+        return fn(*a, **kw)
+
+
+@pytest.mark.parametrize("policy,state_dtype,in_place", [
+    pytest.param("unified", torch.bfloat16, (True,), id="unified-bf16-in-place"),
+    pytest.param("multi_page", torch.float32, (False,), id="multipage-dense")])
+def test_sixteen_bit_states_in_place_and_multi_page_dense_equal_alone(policy, state_dtype, in_place):
+    """A bf16 state is read and written in place (rounded to nearest on the write); a state spanning several
+    pages runs the dense path. Either way each request equals its run alone, bitwise."""
+    prompts = [tokens(110 + i, 15 + 11 * i) for i in range(3)]
+    eng = engine(policy=policy, state_dtype=state_dtype, num_pages=200)
+    assert eng.runner.in_place == in_place
+    rids = [eng.submit(p, 6, record_logits=True) for p in prompts]
+    eng.run_until_idle()
+    for rid, p in zip(rids, prompts):
+        ref = alone(p, 6, policy=policy, state_dtype=state_dtype, num_pages=200)
+        assert eng.result(rid).output_tokens == ref.output_tokens and torch.equal(eng.result(rid).logits, ref.logits)
