@@ -160,7 +160,7 @@ def mixed_step(monkeypatch, mode: str, in_place: bool):
     forward_batch gets. Returns the engine, its request ids, the bytes and those storages."""
     eng = engine(speculation=speculation() if mode == "verify+prefill" else None)
     if not in_place:                                                     # the dense path, as the reference
-        eng.runner = ModelRunner(eng.model, eng.pool, eng.layout, in_place=False)
+        eng.runner = eng.postprocess.runner = ModelRunner(eng.model, eng.pool, eng.layout, in_place=False)
     rids = [eng.submit(p, NEW, record_logits=True) for p in PROMPTS[:2]]
     eng.step()
     rids.append(eng.submit(PROMPTS[2], NEW, record_logits=True))
