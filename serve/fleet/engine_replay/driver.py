@@ -30,9 +30,14 @@ MAX_MODEL_LEN = 512             # the longest replayed prompt (384) + output (24
 def build_replay_engine(num_state_slots: int, model=None):
     """The engine a replay drives: the server's batched engine (prefix cache on, whole-prompt prefill, fp32
     states) with ``num_state_slots`` running requests at most (each holds one KDA state slot), its pool sized so
-    that cached prefixes are never evicted during a replay (the simulator's cache is unbounded)."""
+    that cached prefixes are never evicted during a replay (the simulator's cache is unbounded). The pool's
+    memory is written once here, outside any clock: a fresh ``torch.empty`` arena page-faults on first touch,
+    which made a fresh engine's first steps 20-40 % slower than the same steps later (a server's pool is warm
+    after its first requests)."""
     spec = EngineSpec(max_num_seqs=num_state_slots, max_model_len=MAX_MODEL_LEN, num_pages=4096)
-    return build_engine(spec, model)
+    engine = build_engine(spec, model)
+    engine.pool.arena.zero_()
+    return engine
 
 
 class StepRecord(NamedTuple):
@@ -60,57 +65,114 @@ class ReplayRun(NamedTuple):
     clock: str
 
 
-def replay(requests: Sequence[ReplayRequest], num_state_slots: int, clock: str = "cpu", model=None,
-           engine=None) -> ReplayRun:
-    """Run ``requests`` (sorted by arrival) through a fresh engine (:func:`build_replay_engine`, or ``engine``)
-    on a ``clock`` ("cpu" strict, "wall"); torch runs on 1 thread (restored after). Raises ValueError for an
-    unknown clock or unsorted arrivals; RuntimeError if a request does not finish (rejected or aborted)."""
-    if clock not in CLOCKS:
-        raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
-    if any(b.arrival_ms < a.arrival_ms for a, b in zip(requests, requests[1:])):
-        raise ValueError("requests must be sorted by arrival_ms")
-    engine = build_replay_engine(num_state_slots, model) if engine is None else engine
-    clk, threads = CLOCKS[clock](), torch.get_num_threads()
+class Replayer:
+    """One replay in progress: ``requests`` (sorted by arrival) on a fresh engine (:func:`build_replay_engine`,
+    or ``engine``) and a ``clock`` ("cpu" strict, "wall"). :meth:`boundary` runs one step boundary; :meth:`run`
+    (the result) once :attr:`done`. Raises ValueError for an unknown clock or unsorted arrivals."""
+
+    def __init__(self, requests: Sequence[ReplayRequest], num_state_slots: int, clock: str = "cpu", model=None,
+                 engine=None):
+        if clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
+        if any(b.arrival_ms < a.arrival_ms for a, b in zip(requests, requests[1:])):
+            raise ValueError("requests must be sorted by arrival_ms")
+        self.requests, self.clock = list(requests), CLOCKS[clock]()
+        self.engine = build_replay_engine(num_state_slots, model) if engine is None else engine
+        self.rid_of, self.first, self.finish, self.steps, self.next = {}, {}, {}, [], 0
+        self.emitted, self.total_tokens = 0, sum(r.max_new_tokens for r in self.requests)
+
+    @property
+    def done(self) -> bool:
+        return len(self.finish) == len(self.requests)
+
+    @property
+    def progress(self) -> float:
+        """Share of the replay's output tokens emitted so far, in [0, 1]."""
+        return self.emitted / self.total_tokens
+
+    def boundary(self) -> None:
+        """Submit what has arrived, run one step, stamp first tokens and finishes, log the step (call with torch
+        on 1 thread, under ``torch.inference_mode``). Raises RuntimeError if a request ends rejected or aborted."""
+        engine, clk, reqs = self.engine, self.clock, self.requests
+        if len(self.rid_of) == len(self.finish):                    # idle: wait for the next arrival
+            clk.wait_until(reqs[self.next].arrival_ms)
+        now = clk.now_ms()
+        due = []
+        while self.next < len(reqs) and reqs[self.next].arrival_ms <= now:
+            due.append(reqs[self.next])
+            self.next += 1
+        before = {r: engine.result(rid) for r, rid in self.rid_of.items() if r not in self.finish}
+
+        def work():
+            for r in due:
+                self.rid_of[r.request_id] = engine.submit(list(r.prompt), r.max_new_tokens)
+            engine.step()
+
+        cpu_ms, wall_ms = clk.run(work)
+        end = clk.now_ms()
+        prefill, rows, context = [], 0, 0
+        for r in list(before) + [q.request_id for q in due]:
+            res, old = engine.result(self.rid_of[r]), before.get(r)
+            self.emitted += len(res.output_tokens) - (len(old.output_tokens) if old is not None else 0)
+            if old is not None and old.status is RequestStatus.DECODE:
+                rows += 1
+                context += old.prompt_tokens + len(old.output_tokens)
+            elif res.prefill_tokens > (old.prefill_tokens if old is not None else 0):
+                prefill.append((res.prefill_tokens - (old.prefill_tokens if old is not None else 0), res.hit_tokens))
+            if res.output_tokens and r not in self.first:
+                self.first[r] = end
+            if res.status in DONE:
+                if res.status is not RequestStatus.FINISHED:
+                    raise RuntimeError(f"request {r} ended {res.status.value}: {res.reason}")
+                self.finish[r] = end
+        self.steps.append(StepRecord(now, cpu_ms, wall_ms, end - now, tuple(prefill), rows, context, len(due)))
+
+    def run(self) -> ReplayRun:
+        """The finished replay's :class:`ReplayRun`. Raises RuntimeError if it is not done."""
+        if not self.done:
+            raise RuntimeError(f"replay not done: {len(self.finish)} of {len(self.requests)} requests finished")
+        times = [RequestTimes(r.arrival_ms, self.first[r.request_id], self.finish[r.request_id], r.max_new_tokens)
+                 for r in self.requests]
+        hits = [self.engine.result(self.rid_of[r.request_id]).hit_tokens for r in self.requests]
+        return ReplayRun(times, self.steps, hits, self.clock.name)
+
+
+def _one_thread(fn):
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    rid_of, first, finish, steps, nxt = {}, {}, {}, [], 0
     try:
         with torch.inference_mode():
-            while len(finish) < len(requests):
-                if len(rid_of) == len(finish):                     # idle: wait for the next arrival
-                    clk.wait_until(requests[nxt].arrival_ms)
-                now = clk.now_ms()
-                due = []
-                while nxt < len(requests) and requests[nxt].arrival_ms <= now:
-                    due.append(requests[nxt])
-                    nxt += 1
-                before = {r: engine.result(rid) for r, rid in rid_of.items() if r not in finish}
-
-                def work(due=due):
-                    for r in due:
-                        rid_of[r.request_id] = engine.submit(list(r.prompt), r.max_new_tokens)
-                    engine.step()
-
-                cpu_ms, wall_ms = clk.run(work)
-                end = clk.now_ms()
-                prefill, rows, context = [], 0, 0
-                for r in list(before) + [q.request_id for q in due]:
-                    res, old = engine.result(rid_of[r]), before.get(r)
-                    if old is not None and old.status is RequestStatus.DECODE:
-                        rows += 1
-                        context += old.prompt_tokens + len(old.output_tokens)
-                    elif res.prefill_tokens > (old.prefill_tokens if old is not None else 0):
-                        prefill.append((res.prefill_tokens - (old.prefill_tokens if old is not None else 0),
-                                        res.hit_tokens))
-                    if res.output_tokens and r not in first:
-                        first[r] = end
-                    if res.status in DONE:
-                        if res.status is not RequestStatus.FINISHED:
-                            raise RuntimeError(f"request {r} ended {res.status.value}: {res.reason}")
-                        finish[r] = end
-                steps.append(StepRecord(now, cpu_ms, wall_ms, end - now, tuple(prefill), rows, context, len(due)))
+            return fn()
     finally:
         torch.set_num_threads(threads)
-    times = [RequestTimes(r.arrival_ms, first[r.request_id], finish[r.request_id], r.max_new_tokens)
-             for r in requests]
-    hits = [engine.result(rid_of[r.request_id]).hit_tokens for r in requests]
-    return ReplayRun(times, steps, hits, clock)
+
+
+def replay(requests: Sequence[ReplayRequest], num_state_slots: int, clock: str = "cpu", model=None,
+           engine=None) -> ReplayRun:
+    """Run ``requests`` (sorted by arrival) to the end on a fresh engine (:class:`Replayer`) on ``clock``; torch
+    on 1 thread (restored after). Raises as :class:`Replayer` does."""
+    rep = Replayer(requests, num_state_slots, clock, model, engine)
+
+    def go():
+        while not rep.done:
+            rep.boundary()
+        return rep.run()
+
+    return _one_thread(go)
+
+
+def replay_lockstep(workloads: Sequence[Sequence[ReplayRequest]], num_state_slots: int,
+                    model=None) -> list[ReplayRun]:
+    """Strict replays of several ``workloads`` at once, each on its own engine and its own CPU-time clock; the
+    next step boundary is always the one of the replay least far along (:attr:`Replayer.progress`), so every
+    replay spreads over the whole run: whatever the host does to this thread's CPU speed over time (other jobs
+    on the shared cores and caches), it does to every replay alike (calibration and scored replays see the same
+    host). Each result equals a :func:`replay` of that workload but for the CPU times themselves."""
+    reps = [Replayer(w, num_state_slots, "cpu", model) for w in workloads]
+
+    def go():
+        while not all(r.done for r in reps):
+            min((r for r in reps if not r.done), key=lambda r: r.progress).boundary()
+        return [r.run() for r in reps]
+
+    return _one_thread(go)

@@ -16,7 +16,8 @@ attention pairs of the prompts        ``prefill_per_token_pair_ms``       MLA pr
 new tokens after an off-grid hit      ``prefill_off_grid_per_token_ms``   KDA chunks off the 64-token grid
 decode rows padded to a bucket        ``decode_step_per_seq_ms``          per decode row (pad rows included)
 decode rows x their context           ``decode_per_context_token_ms``     MLA decode reading the cache
-prompt tokens / checkpoint interval   ``prefill_per_checkpoint_ms``       checkpoint publish (state copy)
+checkpoints the prompts publish       ``prefill_per_checkpoint_ms``       checkpoint publish (state copy)
+rows that emit a token                ``per_output_row_ms``               sampling, append, a slot's state write
 ====================================  ==================================  ==========================================
 Coefficients are non-negative (an active-set least squares: a column whose coefficient comes out negative is
 dropped and the rest refitted).
@@ -32,8 +33,9 @@ from serve.model_runner import DECODE_BUCKETS
 
 TERMS = ("prefill_overhead_ms", "decode_step_base_ms", "ms_per_prefill_token", "prefill_per_row_ms",
          "prefill_per_token_pair_ms", "prefill_off_grid_per_token_ms", "decode_step_per_seq_ms",
-         "decode_per_context_token_ms", "prefill_per_checkpoint_ms")
+         "decode_per_context_token_ms", "prefill_per_checkpoint_ms", "per_output_row_ms")
 GRID_TOKENS = 64                  # the KDA chunk grid = the engine's checkpoint interval
+PASSES = 1
 
 
 def _padded(rows: int) -> int:
@@ -54,7 +56,8 @@ def features(prefill: Sequence[tuple[int, int]], decode_rows: int, decode_contex
                prefill_per_token_pair_ms=sum(attention_pairs(n, c) for n, c in prefill),
                prefill_off_grid_per_token_ms=sum(n for n, c in prefill if c % GRID_TOKENS),
                decode_step_per_seq_ms=_padded(decode_rows), decode_per_context_token_ms=decode_context,
-               prefill_per_checkpoint_ms=sum(checkpoints(n, c) for n, c in prefill))
+               prefill_per_checkpoint_ms=sum(checkpoints(n, c) for n, c in prefill),
+               per_output_row_ms=decode_rows + len(prefill))
     return np.array([col[t] for t in terms], dtype=float)
 
 
@@ -66,7 +69,7 @@ def fit_terms(steps, terms: Sequence[str] = TERMS) -> dict[str, float]:
     a = np.stack([features(s.prefill, s.decode_rows, s.decode_context, terms) for s in steps])
     y = np.array([s.cpu_ms for s in steps])
     rows = np.ones(len(y), dtype=bool)
-    for _ in range(3):                       # refit without the outliers (> 3 scaled MADs: a descheduled step)
+    for _ in range(PASSES):                  # refit without the outliers (> 3 scaled MADs: a descheduled step)
         keep = [j for j in range(len(terms)) if a[rows, j].any()]
         while True:
             coef, *_ = np.linalg.lstsq(a[rows][:, keep], y[rows], rcond=None)
@@ -93,7 +96,8 @@ def service_model(terms: dict[str, float], num_state_slots: int, source: str) ->
                         prefill_per_row_ms=terms["prefill_per_row_ms"],
                         prefill_off_grid_per_token_ms=terms["prefill_off_grid_per_token_ms"],
                         prefill_grid_tokens=GRID_TOKENS, prefill_per_checkpoint_ms=terms["prefill_per_checkpoint_ms"],
-                        checkpoint_interval_tokens=GRID_TOKENS, source=source)
+                        checkpoint_interval_tokens=GRID_TOKENS, per_output_row_ms=terms["per_output_row_ms"],
+                        source=source)
 
 
 def predicted_step_ms(svc: ServiceModel, prefill, decode_rows: int, decode_context: int) -> float:

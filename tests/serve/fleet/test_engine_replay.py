@@ -101,7 +101,7 @@ def test_fit_terms_recovers_the_step_model_and_predicts_held_out_steps():
     truth = service_model(dict(prefill_overhead_ms=5.0, decode_step_base_ms=3.0, ms_per_prefill_token=0.1,
                                prefill_per_row_ms=2.0, prefill_per_token_pair_ms=0.0, prefill_off_grid_per_token_ms=0.0,
                                decode_step_per_seq_ms=0.5, decode_per_context_token_ms=0.001,
-                               prefill_per_checkpoint_ms=1.5), 8, "truth")
+                               prefill_per_checkpoint_ms=1.5, per_output_row_ms=0.3), 8, "truth")
 
     def step(prefill, rows, ctx):
         return StepRecord(0.0, predicted_step_ms(truth, prefill, rows, ctx), 0.0, 0.0, prefill, rows, ctx, 0)
