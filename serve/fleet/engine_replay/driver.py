@@ -43,7 +43,8 @@ def build_replay_engine(num_state_slots: int, model=None):
 class StepRecord(NamedTuple):
     """One step boundary: ``start_ms`` on the clock; ``cpu_ms`` / ``wall_ms`` of its work; ``clock_ms`` how
     far it moved the clock; ``prefill`` ``((new tokens, cached tokens), ...)`` per prompt computed;
-    ``decode_rows``; ``decode_context`` the decode rows' tokens in cache, summed; ``submitted`` requests."""
+    ``decode_rows``; ``decode_context`` the decode rows' tokens in cache, summed; ``submitted`` requests;
+    ``in_flight`` requests submitted and not finished after it (0: the clock may wait before the next boundary)."""
 
     start_ms: float
     cpu_ms: float
@@ -53,6 +54,7 @@ class StepRecord(NamedTuple):
     decode_rows: int
     decode_context: int
     submitted: int
+    in_flight: int = 0
 
 
 class ReplayRun(NamedTuple):
@@ -125,7 +127,8 @@ class Replayer:
                 if res.status is not RequestStatus.FINISHED:
                     raise RuntimeError(f"request {r} ended {res.status.value}: {res.reason}")
                 self.finish[r] = end
-        self.steps.append(StepRecord(now, cpu_ms, wall_ms, end - now, tuple(prefill), rows, context, len(due)))
+        self.steps.append(StepRecord(now, cpu_ms, wall_ms, end - now, tuple(prefill), rows, context, len(due),
+                                     len(self.rid_of) - len(self.finish)))
 
     def run(self) -> ReplayRun:
         """The finished replay's :class:`ReplayRun`. Raises RuntimeError if it is not done."""

@@ -115,3 +115,18 @@ def step_errors_pct(svc: ServiceModel, steps) -> np.ndarray:
     """|predicted − measured CPU ms| / measured × 100 per step (the held-out check of the terms)."""
     return np.array([abs(predicted_step_ms(svc, s.prefill, s.decode_rows, s.decode_context) / s.cpu_ms - 1) * 100
                      for s in steps])
+
+
+def wall_per_cpu(steps) -> float:
+    """Wall ms the clock moved per CPU ms of the engine's work, over a wall-clock replay's back-to-back boundaries
+    (a step with requests still in flight, to the next step's start: its own wall time plus the driver's
+    bookkeeping between steps, both slowed by the other jobs on the cores). Raises ValueError with no such step."""
+    pairs = [(b.start_ms - a.start_ms, a.cpu_ms) for a, b in zip(steps, steps[1:]) if a.in_flight > 0]
+    if not pairs:
+        raise ValueError("wall_per_cpu needs back-to-back steps of a wall-clock replay")
+    return sum(p for p, _ in pairs) / sum(c for _, c in pairs)
+
+
+def scaled_terms(terms: dict[str, float], factor: float) -> dict[str, float]:
+    """Every term (all in ms) times ``factor``: the CPU-time terms as the wall clock sees them."""
+    return {t: v * factor for t, v in terms.items()}

@@ -8,7 +8,7 @@ import pytest
 
 from serve.fleet.engine_replay.clock import CpuClock
 from serve.fleet.engine_replay.driver import StepRecord, replay
-from serve.fleet.engine_replay.fit import fit_terms, predicted_step_ms, service_model
+from serve.fleet.engine_replay.fit import fit_terms, predicted_step_ms, service_model, wall_per_cpu
 from serve.fleet.engine_replay.metrics import RequestTimes, replay_metrics
 from serve.fleet.engine_replay.predict import predict
 from serve.fleet.engine_replay.workload import ReplayRequest, mooncake_requests
@@ -52,7 +52,8 @@ def test_strict_clock_advances_by_step_cpu_time(strict_run):
     for a, b in zip(steps, steps[1:]):
         end = a.start_ms + a.clock_ms
         assert b.start_ms == pytest.approx(end, abs=1e-9) or b.start_ms == LATE_MS > end
-    assert any(s.start_ms == LATE_MS for s in steps)        # the idle gap jumped to the late arrival
+    late = next(i for i, s in enumerate(steps) if s.start_ms == LATE_MS)   # the idle gap jumped to the late arrival
+    assert steps[late - 1].in_flight == 0 and all(s.in_flight > 0 for s in steps[: late - 1])
 
 
 def test_arrivals_submitted_at_first_boundary_at_or_after_them(strict_run):
@@ -122,3 +123,13 @@ def test_mooncake_requests_share_the_system_prefix_and_keep_the_rate():
     assert reqs[-1].arrival_ms == pytest.approx(12 / 4.0 * 1e3)
     with pytest.raises(ValueError, match="rate_rps"):
         mooncake_requests(0, 12, 0.0)
+
+
+def test_wall_per_cpu_counts_back_to_back_boundaries_only():
+    """Two back-to-back boundaries (25 ms and 30 ms of clock for 10 ms of CPU each); the idle wait after the second
+    (nothing in flight) is not the engine's: 55 / 20."""
+    rec = lambda start, cpu, in_flight: StepRecord(start, cpu, 0.0, 0.0, (), 1, 0, 0, in_flight)   # noqa: E731
+    steps = [rec(0.0, 10.0, 1), rec(25.0, 10.0, 1), rec(55.0, 10.0, 0), rec(1000.0, 5.0, 1)]
+    assert wall_per_cpu(steps) == pytest.approx(55.0 / 20.0)
+    with pytest.raises(ValueError, match="back-to-back"):
+        wall_per_cpu(steps[2:3])
