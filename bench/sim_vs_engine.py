@@ -9,8 +9,10 @@ calibrate -> replay -> score, re-runnable on any engine (:mod:`serve.fleet.engin
    steps only; check them step by step on the held-out and the scored replays (never fitted on them).
 4. Predict each scored replay with the simulator (:mod:`serve.fleet.engine_replay.predict`) on the same clock;
    error per metric and rate, MAPE over the rates.
-5. Wall-clock replays: the same scored traces on ``time.perf_counter``, ``--wall-repeats`` rounds interleaved
-   over the rates; the simulator predicts them with the same terms fitted to the calibration steps' WALL time.
+5. Wall-clock replays: the first ``--wall-requests`` of the scored traces on ``time.perf_counter``,
+   ``--wall-repeats`` rounds, each a wall-clock CALIBRATION replay (another window) and then every rate once; the
+   simulator predicts them with the CPU-time terms times the wall / CPU ratio of the calibration replays (the
+   host's share of the cores in those minutes, and the driver's bookkeeping between steps).
    Reported: the measured spread over the repeats, the error of the prediction against the median and each
    repeat, the load average, and the host's noise (each step's wall / CPU time).
 Writes ``bench/results/sim_vs_engine.json`` and its section of ``bench/README.md`` (``--readme-only`` rewrites
@@ -29,7 +31,14 @@ from pathlib import Path
 import numpy as np
 
 from serve.fleet.engine_replay.driver import replay, replay_lockstep
-from serve.fleet.engine_replay.fit import TERMS, fit_terms, service_model, step_errors_pct
+from serve.fleet.engine_replay.fit import (
+    TERMS,
+    fit_terms,
+    scaled_terms,
+    service_model,
+    step_errors_pct,
+    wall_per_cpu,
+)
 from serve.fleet.engine_replay.metrics import METRICS, abs_pct_error, replay_metrics
 from serve.fleet.engine_replay.predict import predict
 from serve.fleet.engine_replay.workload import mooncake_requests
@@ -37,8 +46,9 @@ from serve.http.model import load_model
 
 OUT = Path(__file__).parent / "results" / "sim_vs_engine.json"
 README = Path(__file__).parent / "README.md"
-CALIBRATION = ((400, 3.0), (600, 12.0), (800, 6.0))     # (trace window start, rate req/s): fitted on
+CALIBRATION = ((400, 3.0), (600, 12.0), (800, 6.0), (1400, 20.0))   # (trace window start, rate req/s): fitted on
 HELD_OUT = ((1000, 5.0),)                                 # checked on, never fitted
+WALL_CALIBRATION = (1200, 10.0)                           # wall clock: the host's wall / CPU, each round
 SCORED_START = 0
 
 
@@ -50,10 +60,6 @@ def _summary(x) -> dict:
     x = np.asarray(x, dtype=float)
     return dict(median=float(np.median(x)), p10=float(np.percentile(x, 10)), p90=float(np.percentile(x, 90)),
                 min=float(x.min()), max=float(x.max()), n=int(len(x)))
-
-
-def _fit_steps(steps, field: str):
-    return [s._replace(cpu_ms=getattr(s, field)) for s in steps]
 
 
 def run(requests: int, rates: list[float], slots: int, strict_repeats: int, wall_repeats: int,
@@ -76,8 +82,6 @@ def run(requests: int, rates: list[float], slots: int, strict_repeats: int, wall
     cal_steps = [s for (role, _), r in strict.items() if role == "calibration" for s in r.steps]
     terms = fit_terms(cal_steps)
     svc = service_model(terms, slots, "fitted to the thread CPU time of the calibration replays' steps")
-    wall_terms = fit_terms(_fit_steps(cal_steps, "wall_ms"))
-    wall_svc = service_model(wall_terms, slots, "fitted to the wall time of the calibration replays' steps")
     step_check = {}
     for (role, key), r in strict.items():
         name = f"{role} {key[0]:g} #{key[1]}" if role == "scored" else f"{role} {key}"
@@ -92,15 +96,22 @@ def run(requests: int, rates: list[float], slots: int, strict_repeats: int, wall
                          measured_spread={k: [min(x[k] for x in ms), max(x[k] for x in ms)] for k in METRICS},
                          hit_tokens={"measured": sum(reps[0].hit_tokens), "predicted": sum(pred.hit_tokens)},
                          steps=len(reps[0].steps), busy_cpu_s=sum(s.cpu_ms for s in reps[0].steps) / 1e3))
-    wall_runs = {r: [] for r in rates}
+    wall_runs, wall_cal = {r: [] for r in rates}, []
     wall_scored = {r: q[:wall_requests] for r, q in scored.items()}
-    for k in range(wall_repeats):                       # round k: every rate once
+    wall_cal_reqs = mooncake_requests(WALL_CALIBRATION[0], wall_requests, WALL_CALIBRATION[1])
+    for k in range(wall_repeats):                       # round k: a calibration replay, then every rate once
+        wall_cal.append(replay(wall_cal_reqs, slots, "wall", model=model))
         for rate in rates:
             load = _load()
             run_ = replay(wall_scored[rate], slots, "wall", model=model)
             wall_runs[rate].append(dict(metrics=replay_metrics(run_.times), load=load,
                                         wall_per_cpu=[s.wall_ms / s.cpu_ms for s in run_.steps if s.cpu_ms > 0]))
             log(f"wall round {k + 1} rate {rate}: load {load}")
+    factor = wall_per_cpu([s for r in wall_cal for s in r.steps])
+    wall_terms = scaled_terms(terms, factor)
+    wall_svc = service_model(wall_terms, slots, f"the CPU-time terms x {factor:.3f}, the wall / CPU of the wall-clock "
+                             "calibration replays")
+    log(f"wall / CPU of the wall-clock calibration replays: {factor:.3f}")
     wall_rows = []
     for rate in rates:
         reps = wall_runs[rate]
@@ -127,7 +138,8 @@ def run(requests: int, rates: list[float], slots: int, strict_repeats: int, wall
                         "system prefix, arrivals stretched to the rate",
                   calibration=[dict(window=s, rate=r) for s, r in CALIBRATION],
                   held_out=[dict(window=s, rate=r) for s, r in HELD_OUT]),
-        terms=dict(cpu=terms, wall=wall_terms, names=list(TERMS)),
+        terms=dict(cpu=terms, wall=wall_terms, names=list(TERMS), wall_per_cpu=factor,
+                   wall_calibration=dict(window=WALL_CALIBRATION[0], rate=WALL_CALIBRATION[1])),
         step_check_pct=step_check,
         strict=dict(rows=rows, mape_pct=mape(rows)),
         wall=dict(rows=wall_rows, mape_pct=mape(wall_rows),
