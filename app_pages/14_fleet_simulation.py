@@ -251,7 +251,9 @@ with st.expander("Conditions of the recorded run"):
         "replays so the host's drift hits all alike. **Wall-clock replay**: the first "
         f"{meta.get('wall_requests', '?')} requests on `time.perf_counter`, {meta.get('wall_repeats', '?')} "
         "repeats per rate interleaved over the rates; the spread is the min–max columns. The simulator's step-time "
-        "terms are fitted on calibration replays (other trace windows and rates), never on the scored ones.")
+        "terms are fitted on calibration replays (other trace windows and rates), never on the scored ones. "
+        "Slot limits are in play (past 4 running requests arrivals queue for a state slot); preemption is not: the "
+        "engine reserves a request's final pages when it admits it and preempts only when asked.")
 mape = record["mape"]
 fig_mape = go.Figure([go.Bar(name=CLOCK_TITLES[c], x=g.label, y=g.worst_rate_pct,
                              text=[f"{v:.1f} %" for v in g.worst_rate_pct]) for c, g in mape.groupby("clock", sort=False)])

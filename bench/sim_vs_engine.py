@@ -186,7 +186,9 @@ def write_readme_section(rec: dict, path: Path = README) -> None:
             "(each step's thread CPU time) and on the wall clock, and predicts the same replays with the fleet "
             "simulator. The simulator's step-time terms are fitted on calibration replays (other trace windows and "
             f"rates) and checked step by step on a held-out replay (median step error {held}), never on the "
-            "scored replays.\n\n" + tables(rec) + "\n")
+            f"scored replays. Prefix-cache hits and the {meta['state_slots']} state slots are in play; preemption "
+            "is not (the engine reserves a request's final pages at admission and preempts only when asked).\n\n"
+            + tables(rec) + "\n")
     text = path.read_text()
     head, rest = text.split("## sim_vs_engine.json\n", 1)
     tail = rest.split("\n## ", 1)[1]
