@@ -39,6 +39,7 @@ fleet hashing           lab/fleet_hashing.py     fleet_hashing             11   
 fleet scaling           lab/fleet_scaling.py     fleet_scaling             12          tests/lab/test_fleet_pages.py
 fleet budgets           lab/budgets.py           budget_page               13          tests/lab/test_fleet.py
 fleet simulation        lab/fleet_simulation.py  fleet_simulation          14          tests/lab/test_fleet_pages.py
+simulator vs engine     lab/sim_vs_engine.py     sim_vs_engine_record      14          tests/lab/test_sim_vs_engine.py
 fleet building blocks   lab/fleet.py             page_trace, routing_load  11-14       tests/lab/test_fleet.py
 shipped models          lab/models.py            demo_model, draft_model   (all)       tests/serve/test_runnable.py
 one torch thread        lab/threads.py           one_thread                (all)       (used by every measured run)

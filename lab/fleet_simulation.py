@@ -12,11 +12,9 @@ the trace re-timed (:func:`retime`); :func:`load_sweep` runs one setup at severa
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -306,113 +304,3 @@ def in_flight_at_routing(per_request: pd.DataFrame, replicas_at: Callable[[float
                           "p99_over_mean": float(np.percentile(ratios, 99)), "max_over_mean": float(ratios.max()),
                           "p99_in_flight": float(np.percentile(chosen or [float("nan")], 99)),
                           "mean_in_flight": float(np.mean(means or [float("nan")]))}])
-
-
-SIM_VS_ENGINE_JSON = Path(__file__).resolve().parents[1] / "bench" / "results" / "sim_vs_engine.json"
-SIM_METRICS = {"ttft_p50_ms": "TTFT P50 (ms)", "ttft_p99_ms": "TTFT P99 (ms)", "tpot_mean_ms": "TPOT mean (ms)",
-               "tpot_p50_ms": "TPOT P50 (ms)", "request_throughput_rps": "Throughput (req/s)"}
-SIM_GOAL_PCT = 10.0                    # the simulator's accuracy goal: MAPE over rates <= 10 % per metric
-UNINFORMATIVE = "uninformative below saturation: completed ≈ offered"
-
-
-def saturated(completed_rps, offered_rps, num_requests: int):
-    """Whether a replay of ``num_requests`` Poisson arrivals at ``offered_rps`` completed clearly below the offered
-    rate (the server fell behind). Below saturation the completed rate only echoes the arrivals: the N-th arrival
-    of a Poisson process at rate λ is Gamma(N, λ), so N / (its time) spreads by about 1 / √N around λ, and a
-    rate within 2 / √N of λ (29 % for N = 48) says nothing about the server. Works elementwise on arrays."""
-    return completed_rps < offered_rps * (1.0 - 2.0 / math.sqrt(num_requests))
-
-
-def sim_vs_engine_record(path: Path | str = SIM_VS_ENGINE_JSON) -> dict:
-    """The recorded ``python -m bench.sim_vs_engine`` run: the fleet simulator (one replica, its service model
-    fitted to steps of the batched engine) against the same trace replayed through the real HTTP server.
-
-    Returns ``{"meta": dict, "rows": DataFrame[rate_rps, metric, label, measured, predicted, error_pct,
-    informative], "mape": DataFrame[metric, label, mape_pct, rates, informative_rates, judged_mape_pct, verdict],
-    "steps": DataFrame}`` (steps: the calibration points,
-    fitted and held out: the run's calibration, or in older runs the first rate's) and the error's sources (:func:`_error_sources`: ``variants``,
-    ``variant_mape``, ``parts``, ``step_check``, ``server``). ``error_pct = |predicted - measured| / measured * 100`` and the
-    MAPE per metric is their mean over rates, both RECOMPUTED here from the recorded measured / predicted
-    values (the JSON's own summary is not trusted). A throughput row is ``informative`` only where the measured or
-    predicted completed rate is :func:`saturated` (below saturation both equal the offered rate, whatever the
-    simulator's service model); latency rows always are. ``judged_mape_pct`` is the MAPE over informative rates
-    and ``verdict`` "meets the goal" / "misses the goal" (:data:`SIM_GOAL_PCT`) or :data:`UNINFORMATIVE` where no
-    rate is. Raises ValueError naming ``path`` when it is missing or lacks the per-rate rows, has a metric outside
-    :data:`SIM_METRICS`, or throughput rows without ``meta.requests``."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-        raw = data["rows"]
-    except (OSError, ValueError, KeyError) as err:
-        raise ValueError(f"sim_vs_engine record {path}: unreadable or without per-rate rows ({err})") from None
-    rows = pd.DataFrame(raw, columns=["rate_rps", "metric", "measured", "predicted"])
-    unknown = set(rows.metric) - set(SIM_METRICS)
-    if unknown or rows.empty or not (rows.measured > 0).all():
-        raise ValueError(f"sim_vs_engine record {path}: unknown metrics {sorted(unknown)} or non-positive measured")
-    rows["label"] = rows.metric.map(SIM_METRICS)
-    rows["error_pct"] = (rows.predicted - rows.measured).abs() / rows.measured * 100.0
-    thr = rows.metric == "request_throughput_rps"
-    rows["informative"] = True
-    if thr.any():
-        n = data.get("meta", {}).get("requests")
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ValueError(f"sim_vs_engine record {path}: throughput rows need meta.requests (a positive int), "
-                             f"got {n!r}")
-        t = rows[thr]
-        rows.loc[thr, "informative"] = saturated(t.measured, t.rate_rps, n) | saturated(t.predicted, t.rate_rps, n)
-    rows["judged_error_pct"] = rows.error_pct.where(rows.informative)
-    mape = (rows.groupby("metric", sort=False).agg(mape_pct=("error_pct", "mean"), rates=("rate_rps", "count"),
-                                                   informative_rates=("informative", "sum"),
-                                                   judged_mape_pct=("judged_error_pct", "mean")).reset_index())
-    mape.insert(1, "label", mape.metric.map(SIM_METRICS))
-    mape["verdict"] = [UNINFORMATIVE if k == 0 else "meets the goal" if v <= SIM_GOAL_PCT else "misses the goal"
-                       for k, v in zip(mape.informative_rates, mape.judged_mape_pct)]
-    fits = data.get("meta", {}).get("fitted_service_model_per_rate", {})
-    first = data.get("meta", {}).get("calibration") or next(iter(fits.values()), {})
-    steps = pd.DataFrame(first.get("steps", []))
-    return {"meta": data.get("meta", {}), "rows": rows[["rate_rps", "metric", "label", "measured", "predicted",
-                                                       "error_pct", "informative"]], "mape": mape, "steps": steps,
-            **_error_sources(fits, rows)}
-
-
-PARTS = {"ingress": "ingress (send → server)", "feed_wait": "wait for the step in flight", "engine":
-         "engine (queue + prefill step)", "egress": "egress (first token → client)"}
-
-
-def _error_sources(fits: dict, rows: pd.DataFrame) -> dict:
-    """Where the simulator's error comes from, per rate of a recorded run (empty frames for a run without them):
-    ``variants`` (the same replay predicted with each modelled piece added in turn; error and MAPE recomputed
-    against the measured rows), ``parts`` (measured TTFT split: ingress, feed wait, engine, egress; p50 / p99
-    ms), ``step_check`` (replay steps: engine-thread CPU ms predicted for the same composition vs measured, and
-    wall / CPU) and ``server`` (the server's terms fitted on its calibration traffic, the load average)."""
-    measured = rows.set_index(["rate_rps", "metric"]).measured
-    variants, parts, checks, server = [], [], [], []
-    for rate_key, fit in fits.items():
-        rate = float(rate_key)
-        for name, pred in fit.get("variants", {}).items():
-            for m, label in SIM_METRICS.items():
-                if (rate, m) in measured.index and m in pred:
-                    meas = measured[(rate, m)]
-                    variants.append(dict(rate_rps=rate, variant=name, metric=m, label=label, measured=meas,
-                                         predicted=pred[m], error_pct=abs(pred[m] - meas) / meas * 100.0))
-        for part, label in PARTS.items():
-            v = fit.get("replay_request_parts_ms", {}).get(part)
-            if v:
-                parts.append(dict(rate_rps=rate, part=label, p50_ms=v["p50"], p99_ms=v["p99"]))
-        for kind, c in fit.get("replay_step_check", {}).items():
-            checks.append(dict(rate_rps=rate, kind=kind, steps=c["steps"], cpu_measured_p50_ms=c["measured_cpu_ms"]["p50"],
-                               cpu_predicted_p50_ms=c["predicted_cpu_ms"]["p50"],
-                               cpu_abs_error_p50_pct=c["cpu_abs_error_pct"]["p50"],
-                               wall_measured_p50_ms=c["measured_wall_ms"]["p50"], wall_per_cpu=c["wall_per_cpu"],
-                               step_wall_per_cpu_p99=c.get("step_wall_per_cpu", {}).get("p99", float("nan")),
-                               event_loop_cpu_share=c.get("event_loop_cpu_share", float("nan"))))
-        if "server_terms" in fit:
-            load = fit.get("load_average_1min", [float("nan")] * 2)
-            server.append(dict(rate_rps=rate, **fit["server_terms"], replay_wall_per_cpu=fit.get("replay_wall_per_cpu"),
-                               load_before=load[0], load_after=load[1]))
-    variants = pd.DataFrame(variants, columns=["rate_rps", "variant", "metric", "label", "measured", "predicted",
-                                               "error_pct"])
-    variant_mape = (variants.groupby(["variant", "label"], sort=False).error_pct.mean().unstack("label")
-                    .reindex(columns=[v for v in SIM_METRICS.values() if v in set(variants.label)]).reset_index())
-    return {"variants": variants, "variant_mape": variant_mape, "parts": pd.DataFrame(parts),
-            "step_check": pd.DataFrame(checks), "server": pd.DataFrame(server)}

@@ -7,6 +7,8 @@ Sub-package → concept → main types (each sub-package's docstring has its con
   ................ ``keys_moved``, ``TokenBucket``, ``PriorityClass``, ``FCFSScheduler``, ``VTCScheduler``
 - ``sim/`` ..... the simpy simulation, its replicas, step-time models, the step-by-step reference, VTC replay
   ................ ``simulate``, ``FleetConfig``, ``Replica``, ``ServiceModel``, ``RooflineService``, ``replay_vtc_suite``
+- ``engine_replay/`` the real engine replayed on a strict (thread CPU time) or wall clock, and the simulator's
+  ................ prediction of the same replay: ``replay``, ``CpuClock``, ``fit_terms``, ``predict``
 
 Imports go one way: ``sim`` → ``scaling`` → ``routing`` (the layer test pins it). The pages' experiments on this
 layer live in ``lab/fleet*.py`` and ``lab/budgets.py``. Tests: ``tests/serve/fleet/`` (``test_fleet_routers.py``,

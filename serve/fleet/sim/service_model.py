@@ -16,7 +16,7 @@ advances every running request by one token and lasts
 without admissions the step is a decode step as above. For such an engine ``prefill_overhead_ms`` is the fixed
 cost of a step that has prefill rows and ``decode_step_base_ms`` that of a decode-only step.
 
-Four optional terms (0 by default) fitted to a real engine (``bench/sim_vs_engine.py``):
+Five optional terms (0 by default) fitted to a real engine (``bench/sim_vs_engine.py``):
 ``prefill_off_grid_per_token_ms`` per new token of a prompt whose cached part ends off the
 ``prefill_grid_tokens`` grid (our engine's KDA chunk kernel runs such a prompt off its 64-token chunk grid:
 measured 40-50 % more time per token after a 16- or 48-token hit than after none or 64);
@@ -26,7 +26,9 @@ token against every cached and earlier new token: ``pairs = new · cached + new 
 the FLOP count of causal attention, FlashAttention paper §3 / Vidur's attention-prefill operator); and
 ``per_output_row_ms`` · rows for every row that emits a token (decode rows and prompts whose prefill ends):
 the server's own per-token work after each step (detokenise, hand the token to its stream, the event loop's
-share of the CPU and the GIL).
+share of the CPU and the GIL); and ``prefill_per_checkpoint_ms`` per checkpoint a prompt publishes (one every
+``checkpoint_interval_tokens`` of the prompt: the engine copies the KDA state out at each, fitted by
+:mod:`serve.fleet.engine_replay.fit`).
 
 Admission limits: at most ``max_batch_requests`` running; each running request reserves
 ``input_length + output_length`` KV tokens out of ``kv_capacity_tokens`` (S-LoRA reserves the full
@@ -73,17 +75,21 @@ class ServiceModel:
     prefill_per_row_ms: float = 0.0
     prefill_off_grid_per_token_ms: float = 0.0
     prefill_grid_tokens: int = 64
+    prefill_per_checkpoint_ms: float = 0.0
+    checkpoint_interval_tokens: int = 64
 
     def __post_init__(self):
         check_positive("prefill_tokens_per_s", self.prefill_tokens_per_s)
         if not self.decode_step_base_ms > 0 or min(self.decode_step_per_seq_ms, self.prefill_overhead_ms,
                                                    self.decode_per_context_token_ms, self.prefill_per_token_pair_ms,
                                                    self.per_output_row_ms, self.prefill_per_row_ms,
-                                                   self.prefill_off_grid_per_token_ms) < 0:
+                                                   self.prefill_off_grid_per_token_ms,
+                                                   self.prefill_per_checkpoint_ms) < 0:
             raise ValueError("decode_step_base_ms must be > 0; per-seq, per-context-token, per-pair, per-row and "
                              "overhead times must be >= 0")
         check_int("max_batch_requests", self.max_batch_requests)
         check_int("prefill_grid_tokens", self.prefill_grid_tokens)
+        check_int("checkpoint_interval_tokens", self.checkpoint_interval_tokens)
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be >= 1 or None, got {self.kv_capacity_tokens}")
         if self.decode_buckets is not None and (not self.decode_buckets or any(
@@ -103,7 +109,10 @@ class ServiceModel:
         interface :class:`serve.fleet.sim.roofline_service.RooflineService` shares)."""
         parts = list(parts)
         off_grid = sum(n for n, c in parts if c % self.prefill_grid_tokens)
-        return (self.prefill_ms(sum(n for n, _ in parts)) + (self.prefill_per_row_ms + self.per_output_row_ms) * len(parts)
+        C = self.checkpoint_interval_tokens
+        published = sum((c + n) // C - c // C for n, c in parts)          # checkpoints the prompts write
+        return (self.prefill_per_checkpoint_ms * published + self.prefill_ms(sum(n for n, _ in parts))
+                + (self.prefill_per_row_ms + self.per_output_row_ms) * len(parts)
                 + self.prefill_per_token_pair_ms * sum(attention_pairs(n, c) for n, c in parts)
                 + self.prefill_off_grid_per_token_ms * off_grid)
 
@@ -149,6 +158,7 @@ class ServiceModel:
             prefill_per_token_pair_ms=self.prefill_per_token_pair_ms / prefill_x,
             prefill_per_row_ms=self.prefill_per_row_ms / prefill_x,
             prefill_off_grid_per_token_ms=self.prefill_off_grid_per_token_ms / prefill_x,
+            prefill_per_checkpoint_ms=self.prefill_per_checkpoint_ms / prefill_x,
             kv_capacity_tokens=kv_capacity_tokens if kv_capacity_tokens is not None else self.kv_capacity_tokens,
             max_batch_requests=max_batch_requests or self.max_batch_requests,
             source=f"{self.source} × (prefill {prefill_x:g}, decode {decode_x:g}) — assumed speed-up",

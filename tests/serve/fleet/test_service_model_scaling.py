@@ -14,19 +14,19 @@ from serve.fleet.sim.service_model import ServiceModel
 
 PX, DX = 2.5, 4.0
 PREFILL_TERMS = ("prefill_overhead_ms", "prefill_per_row_ms", "prefill_per_token_pair_ms",
-                 "prefill_off_grid_per_token_ms")
+                 "prefill_off_grid_per_token_ms", "prefill_per_checkpoint_ms")
 DECODE_TERMS = ("decode_step_base_ms", "decode_step_per_seq_ms", "decode_per_context_token_ms")
 SERVER_TERMS = ("per_output_row_ms",)          # the server's own CPU work per emitted token: not the replica's
 RATES = ("prefill_tokens_per_s",)
 KEPT = ("max_batch_requests", "kv_capacity_tokens", "max_prefill_tokens_per_step", "mixed_steps", "decode_buckets",
-        "prefill_grid_tokens")
+        "prefill_grid_tokens", "checkpoint_interval_tokens")
 
 BASE = ServiceModel(prefill_tokens_per_s=800.0, decode_step_base_ms=12.0, decode_step_per_seq_ms=0.7,
                     prefill_overhead_ms=9.0, max_batch_requests=48, kv_capacity_tokens=20_000,
                     max_prefill_tokens_per_step=4096, source="hand", mixed_steps=True,
                     decode_per_context_token_ms=0.003, decode_buckets=(1, 2, 4, 8), prefill_per_token_pair_ms=2e-5,
                     per_output_row_ms=0.4, prefill_per_row_ms=1.5, prefill_off_grid_per_token_ms=0.02,
-                    prefill_grid_tokens=64)
+                    prefill_grid_tokens=64, prefill_per_checkpoint_ms=0.8)
 PARTS = [(100, 0), (37, 48), (300, 128)]        # (new, cached) prompts; 48 is off the 64-token grid
 DECODE = (5, 700)                               # 5 rows (padded to 8) of mean context 700
 
