@@ -13,6 +13,7 @@ from lab.prefix import (
     build_engine,
     cold_vs_warm,
     miss_then_hit,
+    paired_spread,
     shared_prefix_prompts,
     time_cold_warm,
     ttft_headline,
@@ -168,3 +169,30 @@ def test_cache_on_extra_names_what_request_1_does_beyond_the_cold_run():
         assert extra[phase] == pytest.approx(med["first"][f"{phase}_ms"] - med["cold"][f"{phase}_ms"])
     assert extra["checkpoint"] > 0                                   # the copies the cache-off run never makes
     assert extra["ttft"] == pytest.approx(timed.ttft.set_index("kind").median_ms.diff().loc["first"])
+
+
+def test_time_cold_warm_records_cpu_time_beside_the_wall_clock():
+    """Home states the CPU time of the same requests beside their TTFT: on a loaded host the wall clock includes the
+    time waiting for a core. CPU time is positive and never more than the request's own wall time allows (one thread);
+    the fill, which decodes further, has none; the summary pairs it by round as it does the TTFT."""
+    a, b = shared_prefix_prompts(96, 16, seed=3)
+    run = time_cold_warm(a, b, max_new_tokens=2, config=ServeConfig(16, 32), repeats=5, preset="demo-tiny", fit=False)
+    by_kind = {k: [r["cpu_ms"] for r in run.rows if r["kind"] == k] for k in ("cold", "first", "warm")}
+    assert all(c > 0 for c in by_kind["cold"] + by_kind["warm"]), by_kind
+    assert all(c != c for c in by_kind["first"]), by_kind["first"]                # NaN: not timed to its first token
+    s = ttft_summary(run.rows)
+    assert s["cpu_verdict"] in ("warm faster", "warm slower", "not resolved") and s["cold_cpu_ms"] > 0
+    assert s["cpu_saved_ms"] == statistics.median(
+        c - w for c, w in zip(by_kind["cold"], by_kind["warm"]))
+    assert "cpu_verdict" not in ttft_summary([r for r in _rows([1] * 5, [2] * 5)])   # rows without CPU time
+
+
+@pytest.mark.parametrize("cold_cpu, warm_cpu, verdict", [
+    pytest.param([100, 130, 90, 120, 110], [105, 95, 125, 100, 115], "not resolved", id="overlapping"),
+    pytest.param([120, 125, 118, 130, 122], [80, 85, 79, 90, 82], "warm faster", id="separated")])
+def test_ttft_summary_cpu_verdict(cold_cpu, warm_cpu, verdict):
+    rows = [dict(r, cpu_ms=(cold_cpu if r["kind"] == "cold" else warm_cpu)[r["repeat"]]) for r in _rows([9] * 5, [1] * 5)]
+    s = ttft_summary(rows)
+    assert (s["verdict"], s["cpu_verdict"]) == ("warm faster", verdict)
+    median = statistics.median(c - w for c, w in zip(cold_cpu, warm_cpu))
+    assert paired_spread(s, "cpu_").startswith(f"cold − warm {median:.1f} ms".replace("-", "−"))
