@@ -149,17 +149,28 @@ def _sizes(first, second, max_new_tokens: int, config: ServeConfig, preset: str)
     return a, b, model, _pages_for(model, config, max(len(a), len(b)) + max_new_tokens)
 
 
+def fill_tokens(first: list[int], second: list[int], max_new_tokens: int, block_size: int) -> int:
+    """Tokens request 1 (``first``) generates when it fills the cache for ``second``: ``max_new_tokens`` when they can
+    change ``second``'s hit, else 1 (the same cache, without the decode steps). Generated tokens enter the cache only
+    as blocks that complete (and their checkpoints), so they can matter only when ``second`` starts with all of
+    ``first`` (else a block past ``first``'s prompt covers the position where ``second`` differs) and decoding
+    crosses a block boundary: ``(len(first) + max_new_tokens) // N > len(first) // N``."""
+    n = len(first)
+    crosses = (n + max_new_tokens) // block_size > n // block_size
+    return max_new_tokens if second[:n] == first and crosses else 1
+
+
 def cold_vs_warm(first: str | Sequence[int], second: str | Sequence[int], max_new_tokens: int = 8,
                  config: ServeConfig = ServeConfig(), preset: str = "demo") -> ColdWarm:
-    """Run ``second`` cold (cache-off engine) and warm (after ``first`` filled the cache) once each on fresh
-    engines, ``max_new_tokens`` greedy tokens with logits recorded, and compare them. Raises ValueError for
-    bad sizes or prompts."""
+    """Run ``second`` cold (cache-off engine) and warm (after ``first`` filled the cache, generating
+    :func:`fill_tokens`) once each on fresh engines, ``max_new_tokens`` greedy tokens with logits recorded, and
+    compare them. Raises ValueError for bad sizes or prompts."""
     a, b, model, pages = _sizes(first, second, max_new_tokens, config, preset)
     with one_thread():
         cold = build_engine(model, config, pages, cache=False).generate(
             b, max_new_tokens, record_logits=True)
         eng = build_engine(model, config, pages)
-        fill = eng.generate(a, max_new_tokens)
+        fill = eng.generate(a, fill_tokens(a, b, max_new_tokens, config.block_size))
         warm = eng.generate(b, max_new_tokens, record_logits=True)
         eng.check_integrity()
     rows = [_row("cold", cold), _row("first", fill), _row("warm", warm)]
@@ -195,9 +206,7 @@ def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_
 
     Case "cold": a fresh cache-off engine runs ``second`` to its first token. Case "warm": a fresh engine
     runs ``first``, then ``second`` to its first token; the fill's own TTFT is the "first" kind. The fill
-    generates ``max_new_tokens`` (the cache the verification run leaves) when ``second`` starts with all
-    of ``first``; otherwise one token: a block or checkpoint past ``first``'s prompt covers the position
-    where ``second`` differs, so it can never be part of ``second``'s hit. The samples are the engine's
+    generates :func:`fill_tokens`, as in the verification run (the same cache). The samples are the engine's
     TTFT of each request, not the wall time of a case (which includes engine set-up and the fill).
     Cases "prefill <n>" (``fit=True``), for each n of :func:`lab.forward_cost.fit_lengths` (never len(second)):
     a fresh cache-off engine runs the first n tokens of ``second`` (repeated if n is longer) to its first
@@ -206,7 +215,7 @@ def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_
     RuntimeError if the warm runs' hit differs between repeats (the engine is deterministic)."""
     a, b, model, pages = _sizes(first, second, max_new_tokens, config, preset)
     runs: dict[str, list] = {"cold": [], "warm": []}     # cold: a row per run; warm: (first, warm) rows per run
-    fill_tokens = max_new_tokens if b[:len(a)] == a else 1
+    fill_n = fill_tokens(a, b, max_new_tokens, config.block_size)
     fit_ns = fit_lengths(len(b)) if fit else ()
     fit_pages = max([pages] + [_pages_for(model, config, n + 1) for n in fit_ns])
     ttft_ms: dict[int, list[float]] = {n: [] for n in fit_ns}
@@ -224,7 +233,7 @@ def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_
 
     def warm() -> None:
         eng = build_engine(model, config, pages)
-        fill = eng.generate(a, fill_tokens)
+        fill = eng.generate(a, fill_n)
         runs["warm"].append((dict(_row("first", fill), cpu_ms=float("nan")), _one_token("warm", eng, b)))
 
     with one_thread():

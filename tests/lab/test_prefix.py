@@ -4,6 +4,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
+import torch
 
 from lab.models import demo_model
 from lab.prefix import (
@@ -12,6 +13,7 @@ from lab.prefix import (
     as_tokens,
     build_engine,
     cold_vs_warm,
+    fill_tokens,
     miss_then_hit,
     paired_spread,
     shared_prefix_prompts,
@@ -196,3 +198,26 @@ def test_ttft_summary_cpu_verdict(cold_cpu, warm_cpu, verdict):
     assert (s["verdict"], s["cpu_verdict"]) == ("warm faster", verdict)
     median = statistics.median(c - w for c, w in zip(cold_cpu, warm_cpu))
     assert paired_spread(s, "cpu_").startswith(f"cold − warm {median:.1f} ms".replace("-", "−"))
+
+
+@pytest.mark.parametrize("first_len, max_new, want", [
+    pytest.param(100, 8, 1, id="no-block-completes"),        # 100 + 8 < 112: the fill's tokens form no block
+    pytest.param(108, 8, 8, id="a-block-completes"),         # 108 + 8 >= 112: they may extend the hit
+])
+def test_fill_tokens_leave_the_same_cache(first_len, max_new, want):
+    """Request 1 decodes only when its generated tokens can reach request 2's hit (a block completes): the warm
+    run's hit and logits are the same as after a fill that generates every token."""
+    a, _ = shared_prefix_prompts(first_len, 0, seed=5)
+    b = a + shared_prefix_prompts(40, 0, seed=6)[0]
+    config = ServeConfig(16, 32)
+    assert fill_tokens(a, b, max_new, config.block_size) == want
+    assert fill_tokens(a, [255 - a[0]] + b[1:], max_new, config.block_size) == 1      # differs inside request 1
+    model = demo_model("demo-tiny")
+    warm = {}
+    for n in {1, max_new}:
+        eng = build_engine(model, config, 256)
+        eng.generate(a, n)
+        warm[n] = eng.generate(b, 4, record_logits=True)
+    if want == 1:
+        assert warm[1].hit_tokens == warm[max_new].hit_tokens and torch.equal(warm[1].logits, warm[max_new].logits)
+    assert cold_vs_warm(a, b, max_new, config, preset="demo-tiny").rows[2]["hit_tokens"] == warm[want].hit_tokens
