@@ -170,8 +170,8 @@ with timing_part:
     run_on_request("p00_timing_on", "p00_measure_button", "Measure TTFT cold vs warm",
                    f"Times request 2 cold and warm on fresh engines, {REPEATS} interleaved rounds after a warm-up, "
                    "the CPU time of the same requests beside the wall clock, and two shorter cache-off prefills for "
-                   "the fixed + per-token cost fit (40 engine runs, about 10 s of CPU: longer on a loaded host), then keeps "
-                   "the result for every visitor with these settings.")
+                   "the fixed + per-token cost fit (40 engine runs, about 6 s of CPU: 20 s of wall clock at load average 10), "
+                   "then keeps the result for every visitor with these settings.")
     remeasure_button(_p00_timing, key="p00_remeasure")
     timed = engine_call(_p00_timing, first, second, max_new, block, interval)
     from lab.prefix import paired_spread  # torch is loaded by now (the verification run)
