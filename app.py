@@ -4,17 +4,29 @@ The tab list lives in ``app_pages.registry`` (``HOME``, ``TABS``: one file per t
 ``03_kda_state_vs_kv.py``), each with its URL path stated (``/kda_state_vs_kv``). The folder is not named ``pages``:
 a folder of that name next to the entry file switches Streamlit to its legacy auto-discovered navigation.
 """
+import threading
+
 import streamlit as st
 
 from app_pages.links import keep_page_links
 from app_pages.registry import HOME, SECTIONS, TABS
-from kda_core import cpu_kernel
 
 st.set_page_config(page_title="KDA Serve Lab", page_icon="assets/icon.png", layout="wide")
-# build / load / self-check the fused chunk kernel once per server process, overlapping the first page's imports
+
+
+def _load_kernel() -> None:
+    from kda_core import cpu_kernel  # imports torch: 1-4 s on a busy 2-core host, off the first page's script thread
+
+    cpu_kernel.backend()
+
+
+# import torch and build / load / self-check the fused chunk kernel once per server process, in the background: the
+# first page draws meanwhile (a page that needs torch waits on the import lock, then on the kernel's own lock)
 @st.cache_resource(show_spinner=False, max_entries=1)
-def _start_kernel_load():
-    return cpu_kernel.load_in_background()
+def _start_kernel_load() -> threading.Thread:
+    thread = threading.Thread(target=_load_kernel, name="kda-kernel-load", daemon=True)
+    thread.start()
+    return thread
 
 
 _start_kernel_load()

@@ -15,6 +15,9 @@ the first visitor after a wake-up, from the moment the server listens; the brows
 The tour then runs on that same server and browser: a warm server, as every later visitor meets it.
 Home's defaults are cached by then (``st.cache_data``, shared by visitors), so the tour also opens Home
 with non-default settings by deep link (``home_uncached_warm_s``: Home's own work on a warm server).
+Last, on the same warm server, every page's deep link is opened by a new visitor: a fresh browser context each
+(no HTTP cache, no cookies: the frontend's scripts, Plotly's included, load again), timed as a first render
+(``new_session_first_render_s`` per page: a new browser session's first page on a warm server).
 
 First render, measured: from the ``page.goto`` call (a deep link: the whole frontend loads, as for a
 visitor with a link) until the browser last saw the script go idle (``data-test-script-state`` turns
@@ -26,7 +29,8 @@ and counted, since its idle is the later one); that settle wait confirms the end
 Widget reruns are timed from the key press until idle again, settle wait included (an upper bound).
 
 Goals (hosted: about 1 GB per app, 690 MiB documented floor): PSS at the end <= 500 MiB, peak
-<= 690 MiB; first render at defaults <= 2 s per page on a warm server, Home <= 4 s on a fresh one.
+<= 690 MiB; first render at defaults <= 2 s per page on a warm server (in the tour, and for a new session),
+Home <= 4 s on a fresh one.
 """
 from __future__ import annotations
 
@@ -51,7 +55,9 @@ from bench.app_server import (
 )
 
 RESULTS = Path(__file__).resolve().parent / "results" / "app.json"
-GOALS = {"end_pss_mib": 500, "peak_pss_mib": 690, "home_first_render_s": 4.0, "page_first_render_s": 2.0}
+README = Path(__file__).resolve().parent / "README.md"
+GOALS = {"end_pss_mib": 500, "peak_pss_mib": 690, "home_first_render_s": 4.0, "page_first_render_s": 2.0,
+         "new_session_first_render_s": 2.0}
 ERROR_ALERT = "[data-testid='stAlertContentError']"
 IGNORED = re.compile(r"(fonts|\.woff2?|_stcore/health|_stcore/host-config|favicon)", re.I)   # offline, as the browser test
 
@@ -145,6 +151,20 @@ def _open(page, url: str, path: str) -> float:
 HOME_UNCACHED = "/?p00_new=2"   # Home with a setting neither its default nor set by the tour: not cached
 
 
+def new_sessions(browser, url: str) -> dict:
+    """Each page's deep link opened by a new visitor on the warm server: a fresh browser context per page (no HTTP
+    cache); ``{page title: first render s}`` (module doc)."""
+    out = {}
+    for tab in [HOME] + TABS:
+        ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
+        page = ctx.new_page()
+        page.add_init_script(TIMELINE)
+        out[tab.title] = round(_open(page, url, "/" if tab is HOME else "/" + tab.url_path), 2)
+        ctx.close()
+        print(f"{tab.title:36s} new session {out[tab.title]:6.2f} s  load {os.getloadavg()[0]:.2f}", flush=True)
+    return out
+
+
 def tour(env: dict) -> tuple[dict, contextlib.ExitStack, str, int]:
     """Start the server; open Home at once in a fresh browser (the first visitor after a wake-up), then
     visit Home and every tab on that warm server, change widgets, and open Home uncached. Return the
@@ -181,6 +201,8 @@ def tour(env: dict) -> tuple[dict, contextlib.ExitStack, str, int]:
                   f"  procs {mem.processes}", flush=True)
         uncached = _open(page, url, HOME_UNCACHED)
         print(f"{'Home uncached (' + HOME_UNCACHED + ')':36s} first {uncached:6.2f} s", flush=True)
+        load_new = os.getloadavg()[0]
+        fresh_visitors = new_sessions(browser, url)
         browser.close()
         p.stop()
     except BaseException:
@@ -191,9 +213,51 @@ def tour(env: dict) -> tuple[dict, contextlib.ExitStack, str, int]:
     sampler.stop()
     return dict(pages=rows, home_first_render_fresh_s=round(fresh, 2), home_fresh_console_errors=fresh_console,
                 home_uncached_warm_s=round(uncached, 2),
-                home_uncached_path=HOME_UNCACHED, peak_pss_mib=round(sampler.peak_pss_mib),
+                home_uncached_path=HOME_UNCACHED, new_session_first_render_s=fresh_visitors,
+                new_session_load_average_1m=[round(load_new, 2), round(os.getloadavg()[0], 2)], peak_pss_mib=round(sampler.peak_pss_mib),
                 max_processes=sampler.max_processes, end_rss_mib=round(end.rss_mib), end_pss_mib=round(end.pss_mib),
                 end_processes=end.processes, widget_changes=sum(len(r["rerun_s"]) for r in rows)), server, url, pid
+
+
+def write_readme_section(name: str, body: str, readme: Path = README) -> None:
+    """Replace the text of section ``## <name>`` of ``readme`` (up to the next ``## `` heading) with ``body``.
+    Raises ValueError if the section is missing."""
+    text = readme.read_text()
+    head = f"## {name}\n"
+    if head not in text:
+        raise ValueError(f"{readme} has no section {head.strip()!r}")
+    before, rest = text.split(head, 1)
+    after = rest[rest.index("\n## "):] if "\n## " in rest else "\n"
+    readme.write_text(before + head + "\n" + body.strip() + "\n" + after)
+
+
+def readme_section(result: dict) -> str:
+    """bench/README.md's ``app.json`` section for ``result`` (the command, what it measures, the latest run)."""
+    pages = result["pages"]
+    goal = GOALS["page_first_render_s"]
+    titles = [r["page"] for r in pages]
+    short = ["Home" if t == HOME.title else t.split()[0] for t in titles]
+    new = result["new_session_first_render_s"]
+    over = lambda xs: [s for s, x in zip(short, xs) if x > goal]   # noqa: E731
+    row = lambda xs: "| " + " | ".join(f"{x:.2f}" for x in xs) + " |"   # noqa: E731
+    tour, fresh = [r["first_render_s"] for r in pages], [new[t] for t in titles]
+    lb, la = result["load_average_before"], result["load_average_after"]
+    return f"""`python -m bench.app` (`--memory-mib 690`: the hosted budget, Streamlit Community Cloud's documented floor) starts
+`streamlit run app.py` on 127.0.0.1, drives Debian's Chromium through Home and every tab, and records per page the
+first render (from navigation until the script is idle or a chart has drawn), the rerun time of up to 3 widget
+changes (settle wait included: an upper bound), console errors and the server tree's RSS / PSS; then every page's
+deep link opened by a new visitor (a fresh browser context: no HTTP cache) on the same warm server; then three heavy
+pages at once and three simultaneous deep links on a fresh server. Goals: PSS ≤ 500 MiB at the end, ≤ 690 MiB
+peak, Home ≤ 4 s on a fresh server, each page ≤ 2 s on a warm one (in the tour and for a new session). This
+section is written by the command.
+
+Latest run ({result['cores']} cores, load average {lb[0]:.1f} / {lb[1]:.1f} / {lb[2]:.1f} (1 / 5 / 15 min) before, {la[0]:.1f} / {la[1]:.1f} / {la[2]:.1f} after; new sessions at 1-minute load {result['new_session_load_average_1m'][0]:.1f} → {result['new_session_load_average_1m'][1]:.1f}): PSS {result['end_pss_mib']} MiB at the end (goal ≤ {GOALS['end_pss_mib']}), peak {result['peak_pss_mib']} MiB (goal ≤ {GOALS['peak_pss_mib']}); {result['widget_changes']} widget changes; concurrent heavy pages: {'; '.join(result['concurrent_heavy_pages_problems']) or 'no problem'}; deep-link race: {'; '.join(result['deep_link_race_problems']) or 'no problem'}; {sum(r['error_alerts'] + r['tracebacks'] for r in pages)} error alerts, {sum(len(r['console_errors']) for r in pages) + len(result['home_fresh_console_errors'])} console errors. **Home on a fresh server {result['home_first_render_fresh_s']:.2f} s** (goal ≤ {GOALS['home_first_render_s']:g} s); Home off its defaults on the warm server {result['home_uncached_warm_s']:.2f} s. First render per page on the warm server, in the tour (same browser) and **for a new session** (s; over {goal:g} s: tour {', '.join(over(tour)) or 'none'}; new session {', '.join(over(fresh)) or 'none'}):
+
+| | {' | '.join(short)} |
+|---|{'---|' * len(short)}
+| tour {row(tour)}
+| new session {row(fresh)}
+"""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,11 +281,16 @@ def main(argv: list[str] | None = None) -> int:
                   load_average_after=[round(x, 2) for x in os.getloadavg()])
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=1))
+    write_readme_section(RESULTS.name, readme_section(result))
     print(f"\n{'page':36s} {'first s':>8s} {'reruns s':>20s} {'PSS MiB':>8s} {'alerts':>6s} {'console':>7s}")
     for r in result["pages"]:
         print(f"{r['page']:36s} {r['first_render_s']:8.2f} {str(r['rerun_s']):>20s} {r['pss_mib']:8d} "
               f"{r['error_alerts'] + r['tracebacks']:6d} {len(r['console_errors']):7d}")
-    print(f"\nHome on a fresh server: {result['home_first_render_fresh_s']:.2f} s (goal <= "
+    new = result["new_session_first_render_s"]
+    print(f"\nnew session on the warm server: {min(new.values()):.2f}-{max(new.values()):.2f} s per page, "
+          f"{sum(v <= GOALS['new_session_first_render_s'] for v in new.values())} of {len(new)} within "
+          f"{GOALS['new_session_first_render_s']} s (load average {result['new_session_load_average_1m']})")
+    print(f"Home on a fresh server: {result['home_first_render_fresh_s']:.2f} s (goal <= "
           f"{GOALS['home_first_render_s']} s); Home uncached on the warm server: {result['home_uncached_warm_s']:.2f} s")
     print(f"PSS at the end {result['end_pss_mib']} MiB (goal <= {GOALS['end_pss_mib']}), peak {result['peak_pss_mib']} MiB "
           f"(goal <= {GOALS['peak_pss_mib']}), {result['widget_changes']} widget changes, "

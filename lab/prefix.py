@@ -1,15 +1,20 @@
 """Measured engine runs behind the home page, pages 07-09 and ``bench.prefix``. The home page and page 08
 each make two calls, drawn progressively: :func:`home` / :func:`prefix_hit` (one cold and one warm run:
 the output verdict and what the hit reused, fast) and :func:`home_timing` / :func:`prefix_hit_timing`
-(engine TTFT over interleaved repeats with :func:`lab.timing.measure`, slower). Page 07's call is
+(engine TTFT and the CPU time of the same requests over interleaved repeats with :func:`lab.timing.measure`,
+slower). Page 07's call is
 :func:`lab.prefix_anatomy.anatomy_view`.
 
 Every function builds fresh engines on the runnable demo model, runs real requests through
 :class:`serve.engine.ServeEngine` single-threaded (2 shared cores: stable timings), and returns plain
-rows (lists of dicts) for the UI. TTFT is measured by the engine (submit -> first token, ms).
+rows (lists of dicts) for the UI. TTFT is measured by the engine (submit -> first token, ms); beside it, the
+timed runs record the CPU time of the same one-token request (``time.thread_time``: the engine runs on the
+calling thread with one torch thread, so it counts the forward's work and not the time spent waiting for a core,
+which a loaded 2-core host adds to the wall clock).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -135,26 +140,46 @@ def _sizes(first, second, max_new_tokens: int, config: ServeConfig, preset: str)
     return a, b, model, _pages_for(model, config, max(len(a), len(b)) + max_new_tokens)
 
 
+def fill_tokens(first: list[int], second: list[int], max_new_tokens: int, block_size: int) -> int:
+    """Tokens request 1 (``first``) generates when it fills the cache for ``second``: ``max_new_tokens`` when they can
+    change ``second``'s hit, else 1 (the same cache, without the decode steps). Generated tokens enter the cache only
+    as blocks that complete (and their checkpoints), so they can matter only when ``second`` starts with all of
+    ``first`` (else a block past ``first``'s prompt covers the position where ``second`` differs) and decoding
+    crosses a block boundary: ``(len(first) + max_new_tokens) // N > len(first) // N``."""
+    n = len(first)
+    crosses = (n + max_new_tokens) // block_size > n // block_size
+    return max_new_tokens if second[:n] == first and crosses else 1
+
+
 def cold_vs_warm(first: str | Sequence[int], second: str | Sequence[int], max_new_tokens: int = 8,
                  config: ServeConfig = ServeConfig(), preset: str = "demo") -> ColdWarm:
-    """Run ``second`` cold (cache-off engine) and warm (after ``first`` filled the cache) once each on fresh
-    engines, ``max_new_tokens`` greedy tokens with logits recorded, and compare them. Raises ValueError for
-    bad sizes or prompts."""
+    """Run ``second`` cold (cache-off engine) and warm (after ``first`` filled the cache, generating
+    :func:`fill_tokens`) once each on fresh engines, ``max_new_tokens`` greedy tokens with logits recorded, and
+    compare them. Raises ValueError for bad sizes or prompts."""
     a, b, model, pages = _sizes(first, second, max_new_tokens, config, preset)
     with one_thread():
         cold = build_engine(EngineArgs(model, pages, config)).generate(
             b, max_new_tokens, record_logits=True)
         eng = build_engine(EngineArgs(model, pages, config, prefix_cache=True))
-        fill = eng.generate(a, max_new_tokens)
+        fill = eng.generate(a, fill_tokens(a, b, max_new_tokens, config.block_size))
         warm = eng.generate(b, max_new_tokens, record_logits=True)
         eng.check_integrity()
     rows = [_row("cold", cold), _row("first", fill), _row("warm", warm)]
     return ColdWarm(rows, compare(warm, cold), warm.output_tokens, eng.layout)
 
 
+def _one_token(kind: str, eng: ServeEngine, prompt: list[int]) -> dict:
+    """Row of ``prompt`` run to its first token on ``eng`` (as :func:`_row`), plus ``cpu_ms``: the calling thread's
+    CPU time over the whole request (submit -> its one token, finished; ``time.thread_time``, ms)."""
+    c0 = time.thread_time()
+    res = eng.generate(prompt, 1)
+    return dict(_row(kind, res), cpu_ms=(time.thread_time() - c0) * 1e3)
+
+
 class TtftTimes(NamedTuple):
     """Engine-measured TTFT of :func:`time_cold_warm`: rows: one dict per (timed repeat, run kind) as in
-    :class:`ColdWarm` (warm-up runs left out); timings: one :class:`lab.timing.Timing` (seconds) per kind
+    :class:`ColdWarm` (warm-up runs left out) plus ``cpu_ms``, the CPU time of the cold and warm requests
+    (:func:`_one_token`; NaN for the fill, which decodes further); timings: one :class:`lab.timing.Timing` (seconds) per kind
     in :data:`PHASE_RUNS` over the ``repeats`` samples of the engine's TTFT (submit -> first token);
     conditions: when and how it was measured; prefill: ``(n, Timing)`` per length of
     :func:`lab.forward_cost.fit_lengths` (cache-off TTFT of the first n tokens of ``second``, same rounds)."""
@@ -172,9 +197,7 @@ def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_
 
     Case "cold": a fresh cache-off engine runs ``second`` to its first token. Case "warm": a fresh engine
     runs ``first``, then ``second`` to its first token; the fill's own TTFT is the "first" kind. The fill
-    generates ``max_new_tokens`` (the cache the verification run leaves) when ``second`` starts with all
-    of ``first``; otherwise one token: a block or checkpoint past ``first``'s prompt covers the position
-    where ``second`` differs, so it can never be part of ``second``'s hit. The samples are the engine's
+    generates :func:`fill_tokens`, as in the verification run (the same cache). The samples are the engine's
     TTFT of each request, not the wall time of a case (which includes engine set-up and the fill).
     Cases "prefill <n>" (``fit=True``), for each n of :func:`lab.forward_cost.fit_lengths` (never len(second)):
     a fresh cache-off engine runs the first n tokens of ``second`` (repeated if n is longer) to its first
@@ -183,7 +206,7 @@ def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_
     RuntimeError if the warm runs' hit differs between repeats (the engine is deterministic)."""
     a, b, model, pages = _sizes(first, second, max_new_tokens, config, preset)
     runs: dict[str, list] = {"cold": [], "warm": []}     # cold: a row per run; warm: (first, warm) rows per run
-    fill_tokens = max_new_tokens if b[:len(a)] == a else 1
+    fill_n = fill_tokens(a, b, max_new_tokens, config.block_size)
     fit_ns = fit_lengths(len(b)) if fit else ()
     fit_pages = max([pages] + [_pages_for(model, config, n + 1) for n in fit_ns])
     ttft_ms: dict[int, list[float]] = {n: [] for n in fit_ns}
@@ -197,12 +220,12 @@ def time_cold_warm(first: str | Sequence[int], second: str | Sequence[int], max_
         return run
 
     def cold() -> None:
-        runs["cold"].append(_row("cold", build_engine(EngineArgs(model, pages, config)).generate(b, 1)))
+        runs["cold"].append(_one_token("cold", build_engine(EngineArgs(model, pages, config)), b))
 
     def warm() -> None:
         eng = build_engine(EngineArgs(model, pages, config, prefix_cache=True))
-        fill = eng.generate(a, fill_tokens)
-        runs["warm"].append((_row("first", fill), _row("warm", eng.generate(b, 1))))
+        fill = eng.generate(a, fill_n)
+        runs["warm"].append((dict(_row("first", fill), cpu_ms=float("nan")), _one_token("warm", eng, b)))
 
     with one_thread():
         _, cond = measure({"cold": cold, "warm": warm} | {f"prefill {n}": prefill(n) for n in fit_ns},
@@ -229,6 +252,28 @@ def shared_prefix_prompts(shared_tokens: int, unique_tokens: int, seed: int = 0)
     return shared + tail_a, shared + tail_b
 
 
+def _paired(rows: list, column: str) -> tuple[dict, dict]:
+    """Cold and warm medians / IQRs of ``column`` and the quartiles of its paired differences cold - warm per
+    repeat (see :func:`ttft_summary`), as two dicts: ``{kind: Timing}`` and the differences' Timing."""
+    by_repeat: dict[str, dict] = {}
+    per_kind = {}
+    for kind in ("cold", "warm"):
+        kind_rows = [r for r in rows if r["kind"] == kind]
+        per_kind[kind] = summarize(kind, [r[column] for r in kind_rows])
+        by_repeat[kind] = {r["repeat"]: r[column] for r in kind_rows}
+        if len(by_repeat[kind]) != len(kind_rows):
+            raise ValueError(f"rows: two {kind} rows share a repeat index")
+    if by_repeat["cold"].keys() != by_repeat["warm"].keys():
+        raise ValueError(f"rows: cold repeats {sorted(by_repeat['cold'])} and warm repeats "
+                         f"{sorted(by_repeat['warm'])} do not pair up")
+    saved = summarize("cold - warm", [by_repeat["cold"][r] - by_repeat["warm"][r] for r in sorted(by_repeat["cold"])])
+    return per_kind, saved
+
+
+def _verdict(saved) -> str:
+    return "warm faster" if saved.q1_s > 0 else "warm slower" if saved.q3_s < 0 else "not resolved"
+
+
 def ttft_summary(rows: list) -> dict:
     """Cold vs warm TTFT of :func:`time_cold_warm`'s rows (dicts with ``kind``, ``repeat``, ``ttft_ms``).
 
@@ -238,31 +283,31 @@ def ttft_summary(rows: list) -> dict:
     ``cold - warm`` of each repeat (both ran in the same interleaved round, so a slow phase of the machine
     hits both and cancels), and ``verdict``: "warm faster" when the paired differences' first quartile is
     > 0, "warm slower" when their third quartile is < 0, else "not resolved" (the spread covers zero: the
-    medians' difference is noise at this load). Quartiles as :func:`lab.timing.summarize` (numpy's linear
+    medians' difference is noise at this load). When every cold and warm row has ``cpu_ms`` (the CPU time of
+    the same request), the same keys for it with ``cpu`` in place of ``ttft`` (``cold_cpu_ms``,
+    ``cold_cpu_iqr_ms``, ``cpu_reduction``) and a ``cpu_`` prefix (``cpu_saved_ms``, ``cpu_saved_q1_ms``,
+    ``cpu_saved_q3_ms``, ``cpu_verdict``). Quartiles as :func:`lab.timing.summarize` (numpy's linear
     percentiles). Raises ValueError without a cold or a warm row, or when the cold and warm rows do not
     pair up one to one by ``repeat``."""
     out = {}
-    by_repeat: dict[str, dict] = {}
-    for kind in ("cold", "warm"):
-        kind_rows = [r for r in rows if r["kind"] == kind]
-        t = summarize(kind, [r["ttft_ms"] for r in kind_rows])
-        out |= {f"{kind}_ttft_ms": t.median_s, f"{kind}_ttft_iqr_ms": t.iqr_s}
-        by_repeat[kind] = {r["repeat"]: r["ttft_ms"] for r in kind_rows}
-        if len(by_repeat[kind]) != len(kind_rows):
-            raise ValueError(f"rows: two {kind} rows share a repeat index")
-    if by_repeat["cold"].keys() != by_repeat["warm"].keys():
-        raise ValueError(f"rows: cold repeats {sorted(by_repeat['cold'])} and warm repeats "
-                         f"{sorted(by_repeat['warm'])} do not pair up")
-    saved = summarize("cold - warm", [by_repeat["cold"][r] - by_repeat["warm"][r] for r in sorted(by_repeat["cold"])])
-    verdict = "warm faster" if saved.q1_s > 0 else "warm slower" if saved.q3_s < 0 else "not resolved"
-    return out | dict(ttft_reduction=1.0 - out["warm_ttft_ms"] / out["cold_ttft_ms"], saved_ms=saved.median_s,
-                      saved_q1_ms=saved.q1_s, saved_q3_ms=saved.q3_s, verdict=verdict)
+    timed = [r for r in rows if r["kind"] in ("cold", "warm")]
+    with_cpu = bool(timed) and all("cpu_ms" in r for r in timed)
+    columns = [("ttft_ms", "ttft", "")] + ([("cpu_ms", "cpu", "cpu_")] if with_cpu else [])
+    for column, name, prefix in columns:
+        per_kind, saved = _paired(rows, column)
+        for kind, t in per_kind.items():
+            out |= {f"{kind}_{name}_ms": t.median_s, f"{kind}_{name}_iqr_ms": t.iqr_s}
+        out |= {f"{name}_reduction": 1.0 - out[f"warm_{name}_ms"] / out[f"cold_{name}_ms"],
+                f"{prefix}saved_ms": saved.median_s, f"{prefix}saved_q1_ms": saved.q1_s,
+                f"{prefix}saved_q3_ms": saved.q3_s, f"{prefix}verdict": _verdict(saved)}
+    return out
 
 
-def paired_spread(summary: dict) -> str:
-    """``"cold − warm 12.7 ms (paired IQR −8.1 to 30.0 ms)"`` from a :func:`ttft_summary` dict."""
-    return (f"cold − warm {summary['saved_ms']:.1f} ms (paired IQR {summary['saved_q1_ms']:.1f} to "
-            f"{summary['saved_q3_ms']:.1f} ms)").replace("-", "−")
+def paired_spread(summary: dict, prefix: str = "") -> str:
+    """``"cold − warm 12.7 ms (paired IQR −8.1 to 30.0 ms)"`` from a :func:`ttft_summary` dict; ``prefix="cpu_"``
+    for the CPU time's."""
+    return (f"cold − warm {summary[prefix + 'saved_ms']:.1f} ms (paired IQR {summary[prefix + 'saved_q1_ms']:.1f} to "
+            f"{summary[prefix + 'saved_q3_ms']:.1f} ms)").replace("-", "−")
 
 
 def ttft_headline(summary: dict) -> str:
@@ -377,7 +422,8 @@ class PrefixTimings:
     """Engine TTFT of cold vs warm runs, ready to draw (home page and page 08; the measured part).
 
     rows: one row per (repeat, kind) (:class:`TtftTimes`); ttft: one row per kind in :data:`PHASE_RUNS` with
-    ``median_ms``, ``q1_ms``, ``q3_ms``, ``min_ms``, ``max_ms`` and ``repeats``; phases_ms: median ms per
+    ``median_ms``, ``q1_ms``, ``q3_ms``, ``min_ms``, ``max_ms`` and ``repeats`` of the TTFT (wall clock) and
+    ``cpu_median_ms``, ``cpu_q1_ms``, ``cpu_q3_ms`` of the same requests' CPU time (NaN for the fill); phases_ms: median ms per
     timing phase (columns ``<phase>_ms`` of :data:`serve.engine.request.TIMING_PHASES`) per kind; summary:
     :func:`ttft_summary`; conditions: :class:`lab.timing.Conditions`; fit: the fixed + per-token cost of a
     forward fitted to cache-off runs in the same rounds, validated on the cold run (held out) and predicting
@@ -418,8 +464,11 @@ def _timings(run: TtftTimes) -> PrefixTimings:
 
     rows = pd.DataFrame(run.rows)
     phases = rows.groupby("kind")[[f"{p}_ms" for p in TIMING_PHASES]].median().reindex(list(PHASE_RUNS))
+    cpu = rows.groupby("kind").cpu_ms.quantile([0.25, 0.5, 0.75]).unstack()   # numpy's linear quartiles, as summarize
     ttft = pd.DataFrame([dict(kind=t.label, median_ms=t.median_s * 1e3, q1_ms=t.q1_s * 1e3, q3_ms=t.q3_s * 1e3,
-                              min_ms=t.min_s * 1e3, max_ms=t.max_s * 1e3, repeats=len(t.samples_s))
+                              min_ms=t.min_s * 1e3, max_ms=t.max_s * 1e3, repeats=len(t.samples_s),
+                              cpu_median_ms=cpu.loc[t.label, 0.5], cpu_q1_ms=cpu.loc[t.label, 0.25],
+                              cpu_q3_ms=cpu.loc[t.label, 0.75])
                          for t in run.timings])
     by_kind = {t.label: t for t in run.timings}
     warm = rows[rows.kind == "warm"]

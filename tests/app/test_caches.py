@@ -92,10 +92,12 @@ def test_unbounded_caches_detects(source, bad):
 def test_home_first_run_imports_no_pandas():
     """A fresh server's first render is Home's, and it needs torch but not pandas (0.3 s of import): Home builds no
     frame (``app_pages.charts.show_chart`` takes row dicts) and its caches take their ttl in seconds (a ttl of "1h"
-    makes Streamlit parse it with pandas). Run in a fresh interpreter: this test process has pandas already."""
+    makes Streamlit parse it with pandas). Nor torch._dynamo (2-3 s of import on a loaded host): loading the model
+    built it under ``torch.device("meta")``, whose random factories go through torch._refs, which imports it. Run in a
+    fresh interpreter: this test process has pandas already."""
     code = ("import sys; from streamlit.testing.v1 import AppTest; at = AppTest.from_file(sys.argv[1], "
             "default_timeout=120); at.run(); assert not at.exception, at.exception; "
-            "print(sorted(m for m in ('pandas', 'torch') if m in sys.modules))")
+            "print(sorted(m for m in ('pandas', 'torch', 'torch._dynamo') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code, str(REPO / "app.py")], capture_output=True, text=True,
                          timeout=180, cwd=REPO)
     assert out.returncode == 0, out.stderr[-2000:]

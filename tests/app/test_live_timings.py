@@ -82,8 +82,8 @@ def test_home_warm_ttft_formula_has_the_fixed_cost():
                for c in at.caption)                           # the conclusion carries its only check beside it
     assert any(c.value.startswith("Warm, ") and "predicted a + b·(L − hit)" in c.value for c in at.caption)
     labels = {m.label: m.value for m in at.metric}
-    assert labels["Fixed cost per forward a (two-point estimate)"].endswith(" ms")   # n = 18, 90: a line, not a fit
-    assert labels["TTFT warm (predicted)"].endswith(" ms") and labels["TTFT warm (median, measured)"].endswith(" ms")
+    assert labels["Fixed cost per forward a"].endswith(" ms") and labels["Saved per request (wall)"].endswith(" ms")
+    assert all(re.fullmatch(r"\d+ → \d+ ms", labels[k]) for k in ("TTFT, wall clock", "CPU time, same runs")), labels
 
 
 def test_p08_shows_the_fitted_forward_cost():

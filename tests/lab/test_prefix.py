@@ -4,6 +4,7 @@ from __future__ import annotations
 import statistics
 
 import pytest
+import torch
 
 from lab.models import demo_model
 from lab.prefix import (
@@ -11,7 +12,9 @@ from lab.prefix import (
     anatomy,
     as_tokens,
     cold_vs_warm,
+    fill_tokens,
     miss_then_hit,
+    paired_spread,
     shared_prefix_prompts,
     time_cold_warm,
     ttft_headline,
@@ -168,3 +171,53 @@ def test_cache_on_extra_names_what_request_1_does_beyond_the_cold_run():
         assert extra[phase] == pytest.approx(med["first"][f"{phase}_ms"] - med["cold"][f"{phase}_ms"])
     assert extra["checkpoint"] > 0                                   # the copies the cache-off run never makes
     assert extra["ttft"] == pytest.approx(timed.ttft.set_index("kind").median_ms.diff().loc["first"])
+
+
+def test_time_cold_warm_records_cpu_time_beside_the_wall_clock():
+    """Home states the CPU time of the same requests beside their TTFT: on a loaded host the wall clock includes the
+    time waiting for a core. CPU time is positive and never more than the request's own wall time allows (one thread);
+    the fill, which decodes further, has none; the summary pairs it by round as it does the TTFT."""
+    a, b = shared_prefix_prompts(96, 16, seed=3)
+    run = time_cold_warm(a, b, max_new_tokens=2, config=ServeConfig(16, 32), repeats=5, preset="demo-tiny", fit=False)
+    by_kind = {k: [r["cpu_ms"] for r in run.rows if r["kind"] == k] for k in ("cold", "first", "warm")}
+    assert all(c > 0 for c in by_kind["cold"] + by_kind["warm"]), by_kind
+    assert all(c != c for c in by_kind["first"]), by_kind["first"]                # NaN: not timed to its first token
+    s = ttft_summary(run.rows)
+    assert s["cpu_verdict"] in ("warm faster", "warm slower", "not resolved") and s["cold_cpu_ms"] > 0
+    assert s["cpu_saved_ms"] == statistics.median(
+        c - w for c, w in zip(by_kind["cold"], by_kind["warm"]))
+    assert "cpu_verdict" not in ttft_summary([r for r in _rows([1] * 5, [2] * 5)])   # rows without CPU time
+
+
+@pytest.mark.parametrize("cold_cpu, warm_cpu, verdict", [
+    pytest.param([100, 130, 90, 120, 110], [105, 95, 125, 100, 115], "not resolved", id="overlapping"),
+    pytest.param([120, 125, 118, 130, 122], [80, 85, 79, 90, 82], "warm faster", id="separated")])
+def test_ttft_summary_cpu_verdict(cold_cpu, warm_cpu, verdict):
+    rows = [dict(r, cpu_ms=(cold_cpu if r["kind"] == "cold" else warm_cpu)[r["repeat"]]) for r in _rows([9] * 5, [1] * 5)]
+    s = ttft_summary(rows)
+    assert (s["verdict"], s["cpu_verdict"]) == ("warm faster", verdict)
+    median = statistics.median(c - w for c, w in zip(cold_cpu, warm_cpu))
+    assert paired_spread(s, "cpu_").startswith(f"cold − warm {median:.1f} ms".replace("-", "−"))
+
+
+@pytest.mark.parametrize("first_len, max_new, want", [
+    pytest.param(100, 8, 1, id="no-block-completes"),        # 100 + 8 < 112: the fill's tokens form no block
+    pytest.param(108, 8, 8, id="a-block-completes"),         # 108 + 8 >= 112: they may extend the hit
+])
+def test_fill_tokens_leave_the_same_cache(first_len, max_new, want):
+    """Request 1 decodes only when its generated tokens can reach request 2's hit (a block completes): the warm
+    run's hit and logits are the same as after a fill that generates every token."""
+    a, _ = shared_prefix_prompts(first_len, 0, seed=5)
+    b = a + shared_prefix_prompts(40, 0, seed=6)[0]
+    config = ServeConfig(16, 32)
+    assert fill_tokens(a, b, max_new, config.block_size) == want
+    assert fill_tokens(a, [255 - a[0]] + b[1:], max_new, config.block_size) == 1      # differs inside request 1
+    model = demo_model("demo-tiny")
+    warm = {}
+    for n in {1, max_new}:
+        eng = build_engine(model, config, 256)
+        eng.generate(a, n)
+        warm[n] = eng.generate(b, 4, record_logits=True)
+    if want == 1:
+        assert warm[1].hit_tokens == warm[max_new].hit_tokens and torch.equal(warm[1].logits, warm[max_new].logits)
+    assert cold_vs_warm(a, b, max_new, config, preset="demo-tiny").rows[2]["hit_tokens"] == warm[want].hit_tokens
