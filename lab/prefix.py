@@ -28,7 +28,7 @@ from lab.models import demo_model
 from lab.threads import one_thread
 from lab.timing import MIN_REPEATS, Conditions, measure, summarize
 from serve.config import ServeConfig
-from serve.engine import EngineArgs, build_engine
+from serve.engine import EngineArgs, ServeEngine, build_engine
 from serve.engine.request import TIMING_PHASES, RequestResult
 from serve.errors import check_int
 from serve.memory.layout import CacheLayout
