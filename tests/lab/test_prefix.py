@@ -215,7 +215,7 @@ def test_fill_tokens_leave_the_same_cache(first_len, max_new, want):
     model = demo_model("demo-tiny")
     warm = {}
     for n in {1, max_new}:
-        eng = build_engine(model, config, 256)
+        eng = build_engine(EngineArgs(model, 256, config, prefix_cache=True))
         eng.generate(a, n)
         warm[n] = eng.generate(b, 4, record_logits=True)
     if want == 1:
