@@ -55,6 +55,8 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     Args: fn: elementwise function; x: ``[..., n]``. Returns ``fn(x)`` with x's shape.
     """
     n = x.shape[-1]
+    if n % VEC_ROW == 0 and 0 < x.numel() <= MAX_BLOCK:     # one block, no padding: the same call, fewer ops
+        return fn(x.contiguous())
     rows = x.reshape(-1, n)                                  # [R, n]
     n_pad = -(-n // VEC_ROW) * VEC_ROW
     if n_pad != n:
@@ -63,5 +65,5 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     step = max(1, MAX_BLOCK // n_pad)
     # split, not a loop of slices: the same blocks, but autograd's backward is one cat, where each slice's
     # backward would write a zero tensor of the whole input (quadratic in the number of blocks when training)
-    out = torch.cat([fn(r) for r in rows.split(step)]) if rows.shape[0] else fn(rows)
+    out = torch.cat([fn(r) for r in rows.split(step)]) if rows.shape[0] > step else fn(rows)
     return out[:, :n].reshape(x.shape)
