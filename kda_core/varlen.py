@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from kda_core.chunk import CHUNK_SIZE, kda_chunk
+from kda_core.decode import kda_decode
 from kda_core.invariant import linear
 from kda_core.kda import _step, kda_recurrent
 from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _block_causal_attention
@@ -375,14 +376,12 @@ def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool, states_at, li,
     raw, g, beta, out_gate = m.project(h)                                 # [1, T_total, *]
     nd = meta.num_decode
     o_parts = []
-    if nd:
-        conv0 = _gather(conv_pool, dec_rows)                              # [nd, D_conv, W-1]
-        q, k, v, conv = m.activate(raw[0, :nd].unsqueeze(1), conv0)       # [nd, 1, H, K] ...
-        o, rec = _decode(q[:, 0], k[:, 0], v[:, 0], g[0, :nd], beta[0, :nd], rec_pool, dec_rows)  # [nd, H, V]
+    if nd:                                                                # in place by slot (kda_core.decode)
+        res = kda_decode(m, raw[0, :nd], g[0, :nd], beta[0, :nd], rec_pool, conv_pool, meta.slot_idx[:nd],
+                         check=False)                                     # slots checked once per forward
         if records is not None:
-            records[li] = rec
-        _scatter(conv_pool, dec_rows, conv)
-        o_parts.append(o.unsqueeze(0))                                    # [1, nd, H, V]
+            records[li] = (res.k, res.u, res.g)
+        o_parts.append(res.o.unsqueeze(0))                                # [1, nd, H, V]
     C, W1 = CHUNK_SIZE, m.cfg.conv_kernel - 1
     for i in range(nd, len(slots)):
         a, b = qsl[i], qsl[i + 1]
