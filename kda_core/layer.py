@@ -165,10 +165,9 @@ class KDALayer(nn.Module):
         B, T, _ = y.shape
         H, K, V = cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
         y = pointwise(F.silu, y)
-        q = l2norm(y[..., : H * K].reshape(B, T, H, K))                  # [B, T, H, K]
-        k = l2norm(y[..., H * K: 2 * H * K].reshape(B, T, H, K))         # [B, T, H, K]
+        qk = l2norm(y[..., : 2 * H * K].reshape(B, T, 2 * H, K))         # [B, T, 2H, K]: q heads, then k heads
         v = y[..., 2 * H * K:].reshape(B, T, H, V)                       # [B, T, H, V]
-        return q, k, v
+        return qk[:, :, :H], qk[:, :, H:], v
 
     def output(self, o: torch.Tensor, out_gate: torch.Tensor) -> torch.Tensor:
         """Gated RMSNorm per head then o_proj: ``o_proj(rmsnorm(o) * sigmoid(gate))``; o ``[B, T, H, V]``."""

@@ -195,3 +195,19 @@ def test_fused_decode_is_row_invariant():
         one = fused_decode(layer, raw[i: i + 1], g[i: i + 1], beta[i: i + 1], *singles, slots[i: i + 1])
         assert torch.equal(out.o[i], one.o[0]) and torch.equal(out.u[i], one.u[0])
     assert all(torch.equal(a, b) for a, b in zip(p, singles))
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (2, 70)])
+def test_split_qkv_normalises_q_and_k_as_two_calls(B, T):
+    """q and k normalised in one call over their 2H heads: bitwise the two separate L2 norms (each head's sum and
+    rsqrt depend on that head alone), q from the first HK channels, k from the next HK, v the rest."""
+    from kda_core.invariant import pointwise
+    from kda_core.layer import l2norm
+    layer = make_layer()
+    H, K, V = layer.cfg.num_heads, layer.cfg.head_k_dim, layer.cfg.head_v_dim
+    y = torch.randn(B, T, layer.cfg.conv_dim, generator=torch.Generator().manual_seed(B * T))
+    q, k, v = layer.split_qkv(y)
+    act = pointwise(torch.nn.functional.silu, y)
+    assert torch.equal(q, l2norm(act[..., : H * K].reshape(B, T, H, K)))
+    assert torch.equal(k, l2norm(act[..., H * K: 2 * H * K].reshape(B, T, H, K)))
+    assert torch.equal(v, act[..., 2 * H * K:].reshape(B, T, H, V))
