@@ -93,6 +93,12 @@ class MoE(nn.Module):
         rows = x.reshape(-1, x.shape[-1])                                   # [N, D]
         w, idx = self.route(rows)
         N, k = idx.shape
+        if N == 1:                                                          # one row (batch-1 decode): no dispatch
+            e = idx[0].tolist()
+            y = swiglu(rows, self.experts_gate_up[e[0]], self.experts_down[e[0]]) * w[:, :1]
+            for j in range(1, k):                                           # the same order as below
+                y = y + swiglu(rows, self.experts_gate_up[e[j]], self.experts_down[e[j]]) * w[:, j: j + 1]
+            return self._finish(x, y, idx)
         flat = idx.flatten()                                                # [N k] (row, top-k position) pairs
         order = flat.argsort(stable=True)                                   # the pairs grouped by expert
         sorted_rows = rows.index_select(0, order // k)                      # [N k, D]
@@ -107,6 +113,10 @@ class MoE(nn.Module):
         y = per_k[:, 0] * w[:, :1]
         for j in range(1, idx.shape[1]):                                    # fixed order: row-invariant
             y = y + per_k[:, j] * w[:, j: j + 1]
+        return self._finish(x, y, idx)
+
+    def _finish(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The routed sum ``y [N, D]`` in x's shape plus the shared experts (and the load, in training)."""
         if self.training:
             self.last_load = torch.bincount(idx.flatten(), minlength=self.cfg.num_experts).detach()
         y = y.view(x.shape)
