@@ -25,7 +25,7 @@ parts more than the torch ops, so the shares are approximate):
 - engine: the rest of ``ServeEngine.step`` (scheduling, state gather / scatter, sampling).
 
 Writes ``bench/results/decode_step.json``; ``bench/README.md`` (section ``decode_step.json``) gives its tables: at
-B = 1 the step is ~1,850 torch ops (2,418 before the fused decode step, the MoE dispatch and the batched MLA
+B = 1 the step is ~1,700 torch ops (2,418 before the fused decode step, the MoE dispatch and the batched MLA
 decode rows), 102 of them GEMMs padded to 16 rows for row invariance; at B = 64 the MLA mixers' per-step
 re-expansion of every cached latent dominates.
 """
