@@ -460,11 +460,11 @@ def _pack_latents(meta: BatchMeta, qsl, slots, NB: int) -> _Packed:
 
 
 def _mla_decode_rows(meta: BatchMeta, qsl, packed: _Packed, qall, k_all, v_all, scale) -> list:
-    """The decode rows' attention outputs as a list of one ``[1, nd, Hm vd]`` (none without decode rows), in
-    row order: rows with the same context
-    length L run as one batched product (each row and head its own ``[1, dq] @ [dq, L + 1]`` product, softmax
-    and ``P V`` over exactly its L + 1 latents: the shapes and layouts of ``MLALayer.forward(mode="recurrent")``
-    on that row alone, so the same bits), instead of ~15 ops per row."""
+    """The decode rows' attention outputs as a list of one ``[1, nd, Hm vd]`` (empty without decode rows), in row
+    order. Rows with the same context length L run as one batched product instead of ~15 ops per row: each row
+    and head is its own ``[1, dq] @ [dq, L + 1]`` product, softmax and ``P V`` over exactly its L + 1 latents,
+    with the shapes and layouts ``MLALayer.forward(mode="recurrent")`` gives that row alone, and the batched
+    matmul computes each item as it computes one alone (bitwise: ``tests/kda_core/test_varlen_decode.py``)."""
     if not meta.num_decode:
         return []
     by_len: dict = {}
