@@ -161,7 +161,10 @@ def _why_not(layer, raw, rec, conv) -> str | None:
     return runs(layer)
 
 
-def _load():
+def load():
+    """Build (once per machine: cached) and load the C library, once per process; returns it, or a string saying
+    why there is none (no compiler, not x86-64, ``KDA_CPU_KERNEL=0``). Start-up code may call it ahead of the first
+    request; else the first decode that can use it does. Importing this module builds nothing."""
     if not _lib:
         with _lock:
             if not _lib:
@@ -185,7 +188,7 @@ def runs(layer) -> str | None:
     cfg = layer.cfg
     shape = (cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.conv_dim, cfg.conv_kernel)
     if shape not in _shapes:
-        lib = _load()
+        lib = load()
         if isinstance(lib, str):
             got = lib
         else:

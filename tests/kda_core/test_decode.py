@@ -13,7 +13,7 @@ from kda_core.layer import KDALayer
 
 # skipped only where the library cannot be built or loaded (no compiler, not x86-64): a kernel that builds but
 # fails its self-check makes these tests fail, not skip
-needs_fused = pytest.mark.skipif(isinstance(decode._load(), str), reason="the fused decode cannot be built here")
+needs_fused = pytest.mark.skipif(isinstance(decode.load(), str), reason="the fused decode cannot be built here")
 
 
 def make_layer(**cfg):
