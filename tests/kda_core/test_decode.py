@@ -211,3 +211,12 @@ def test_split_qkv_normalises_q_and_k_as_two_calls(B, T):
     assert torch.equal(q, l2norm(act[..., : H * K].reshape(B, T, H, K)))
     assert torch.equal(k, l2norm(act[..., H * K: 2 * H * K].reshape(B, T, H, K)))
     assert torch.equal(v, act[..., 2 * H * K:].reshape(B, T, H, V))
+
+
+def test_a_conv_width_the_kernel_refuses_runs_the_torch_form(monkeypatch):
+    """The C conv takes windows up to 64; a wider one fails the self-check and the torch form runs."""
+    monkeypatch.setattr(decode, "_shapes", {})
+    layer = make_layer(conv_kernel=65)
+    if isinstance(decode.load(), str):
+        pytest.skip(decode.load())
+    assert "bad sizes" in decode.reason(layer) and decode.backend(layer) == "torch"
