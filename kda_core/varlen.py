@@ -420,7 +420,8 @@ def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool, states_at, li,
         rec_pool[slot] = state[0]
         conv_pool[slot] = conv[0]
         o_parts.append(o)
-    return m.output(torch.cat(o_parts, dim=1), out_gate)                 # [1, T_total, D]
+    o = o_parts[0] if len(o_parts) == 1 else torch.cat(o_parts, dim=1)    # [1, T_total, H, V]
+    return m.output(o, out_gate)                                          # [1, T_total, D]
 
 
 class _Packed(NamedTuple):
@@ -521,4 +522,5 @@ def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx
                 verify[i].layers[li] = full[s0:s1].unsqueeze(0).clone()  # [1, L+T, R]
         o_rows.append(o.transpose(1, 2).reshape(1, T, -1))                # [1, T, Hm vd]
     _write_latents(kv_cache, m_idx, kv_pages, kv_offs, lat_new[0, kv_live])
-    return linear(torch.cat(o_rows, dim=1), m.o_proj)                     # [1, T_total, D]
+    o = o_rows[0] if len(o_rows) == 1 else torch.cat(o_rows, dim=1)       # [1, T_total, Hm vd]
+    return linear(o, m.o_proj)                                            # [1, T_total, D]
