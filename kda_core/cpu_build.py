@@ -89,29 +89,30 @@ def default_isa() -> str:
     return runs[0]
 
 
-def build(isa: str) -> Path:
-    """Compile :data:`SOURCE` for path ``isa`` into the cache and return the library's path (nothing to do when
-    it is there; atomic rename, so concurrent builders are harmless). Raises RuntimeError when no compiler builds
-    it, KeyError for an unknown ``isa``."""
-    flags = [*COMMON_FLAGS, *ISAS[isa].flags]
+def build(isa: str, source: Path = SOURCE, extra_flags: tuple = ()) -> Path:
+    """Compile ``source`` (default :data:`SOURCE`) for path ``isa``, with ``extra_flags`` after the common and the
+    path's flags, into the cache and return the library's path (nothing to do when it is there; atomic rename, so
+    concurrent builders are harmless). Raises RuntimeError when no compiler builds it, KeyError for an unknown
+    ``isa``."""
+    flags = [*COMMON_FLAGS, *ISAS[isa].flags, *extra_flags]
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (cc / gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("KDA_KERNEL_CACHE") or Path.home() / ".cache" / "kda-serve-lab")
     try:
         cache.mkdir(parents=True, exist_ok=True)
     except OSError:
         cache = Path(tempfile.gettempdir()) / "kda-serve-lab"
         cache.mkdir(parents=True, exist_ok=True)
-    out = cache / f"kda_chunk_cpu-{isa}-{key}.so"
+    out = cache / f"{source.stem}-{isa}-{key}.so"
     if out.exists():
         return out
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        res = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+        res = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
         if res.returncode != 0:
             raise RuntimeError(f"{Path(cc).name} failed: {res.stderr.strip()[:500]}")
         os.replace(tmp, out)

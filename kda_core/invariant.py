@@ -30,13 +30,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"x must have last dim D_in = {weight.shape[-1]}, got shape {tuple(x.shape)}")
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, x.shape[-1])                        # [M, D_in]
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, D_in]
     m = rows.shape[0]
     if m < MIN_ROWS:
-        rows = F.pad(rows, (0, 0, 0, MIN_ROWS - m))          # [MIN_ROWS, D_in]
-    out = F.linear(rows, weight)[:m]                         # [M, D_out]
-    return out.reshape(*lead, weight.shape[0])
+        out = F.linear(F.pad(rows, (0, 0, 0, MIN_ROWS - m)), weight)[:m]   # [MIN_ROWS, D_in] in, [M, D_out] out
+    else:
+        out = F.linear(rows, weight)                         # [M, D_out]
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 VEC_ROW = 32          # 2 x AVX-512 float lanes: ATen's vectorised loop step
@@ -55,6 +55,8 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     Args: fn: elementwise function; x: ``[..., n]``. Returns ``fn(x)`` with x's shape.
     """
     n = x.shape[-1]
+    if n % VEC_ROW == 0 and 0 < x.numel() <= MAX_BLOCK:     # one block, no padding: the same call, fewer ops
+        return fn(x.contiguous())
     rows = x.reshape(-1, n)                                  # [R, n]
     n_pad = -(-n // VEC_ROW) * VEC_ROW
     if n_pad != n:
@@ -63,5 +65,5 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     step = max(1, MAX_BLOCK // n_pad)
     # split, not a loop of slices: the same blocks, but autograd's backward is one cat, where each slice's
     # backward would write a zero tensor of the whole input (quadratic in the number of blocks when training)
-    out = torch.cat([fn(r) for r in rows.split(step)]) if rows.shape[0] else fn(rows)
+    out = torch.cat([fn(r) for r in rows.split(step)]) if rows.shape[0] > step else fn(rows)
     return out[:, :n].reshape(x.shape)

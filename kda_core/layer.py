@@ -155,15 +155,19 @@ class KDALayer(nn.Module):
         """Short conv + SiLU on raw q|k|v, then split and L2-normalise q and k.
 
         Returns (q ``[B, T, H, K]``, k ``[B, T, H, K]``, v ``[B, T, H, V]``, new conv state)."""
-        cfg = self.cfg
-        B, T, _ = raw.shape
-        H, K, V = cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
         y, conv = short_conv(raw, self.conv_weight, conv_state, apply_silu=False)  # [B, T, H(2K+V)]
+        return (*self.split_qkv(y), conv)
+
+    def split_qkv(self, y: torch.Tensor):
+        """SiLU on the conv output ``y [B, T, 2HK + HV]``, then split and L2-normalise q and k (the part of
+        :meth:`activate` after the conv). Returns (q ``[B, T, H, K]``, k ``[B, T, H, K]``, v ``[B, T, H, V]``)."""
+        cfg = self.cfg
+        B, T, _ = y.shape
+        H, K, V = cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
         y = pointwise(F.silu, y)
-        q = l2norm(y[..., : H * K].reshape(B, T, H, K))                  # [B, T, H, K]
-        k = l2norm(y[..., H * K: 2 * H * K].reshape(B, T, H, K))         # [B, T, H, K]
+        qk = l2norm(y[..., : 2 * H * K].reshape(B, T, 2 * H, K))         # [B, T, 2H, K]: q heads, then k heads
         v = y[..., 2 * H * K:].reshape(B, T, H, V)                       # [B, T, H, V]
-        return q, k, v, conv
+        return qk[:, :, :H], qk[:, :, H:], v
 
     def output(self, o: torch.Tensor, out_gate: torch.Tensor) -> torch.Tensor:
         """Gated RMSNorm per head then o_proj: ``o_proj(rmsnorm(o) * sigmoid(gate))``; o ``[B, T, H, V]``."""

@@ -92,13 +92,31 @@ class MoE(nn.Module):
         """x ``[..., D]`` -> ``[..., D]``: the routed experts' weighted sum plus the shared experts."""
         rows = x.reshape(-1, x.shape[-1])                                   # [N, D]
         w, idx = self.route(rows)
-        per_k = rows.new_zeros(rows.shape[0], idx.shape[1], rows.shape[1])  # [N, k, D]
-        for e in torch.unique(idx).tolist():
-            r, s = (idx == e).nonzero(as_tuple=True)                        # rows and top-k positions on expert e
-            per_k = per_k.index_put((r, s), swiglu(rows[r], self.experts_gate_up[e], self.experts_down[e]))
+        N, k = idx.shape
+        if N == 1:                                                          # one row (batch-1 decode): no dispatch
+            e = idx[0].tolist()
+            y = swiglu(rows, self.experts_gate_up[e[0]], self.experts_down[e[0]]) * w[:, :1]
+            for j in range(1, k):                                           # the same order as below
+                y = y + swiglu(rows, self.experts_gate_up[e[j]], self.experts_down[e[j]]) * w[:, j: j + 1]
+            return self._finish(x, y, idx)
+        flat = idx.flatten()                                                # [N k] (row, top-k position) pairs
+        order = flat.argsort(stable=True)                                   # the pairs grouped by expert
+        sorted_rows = rows.index_select(0, order // k)                      # [N k, D]
+        outs, start = [], 0
+        for e, count in enumerate(torch.bincount(flat, minlength=self.cfg.num_experts).tolist()):
+            if count:                                                       # expert e's rows: one contiguous run
+                part = sorted_rows[start: start + count]
+                outs.append(swiglu(part, self.experts_gate_up[e], self.experts_down[e]))
+                start += count
+        per_k = rows.new_empty(N * k, rows.shape[1]).index_copy_(0, order, torch.cat(outs))  # [N k, D]
+        per_k = per_k.view(N, k, -1)                                        # [N, k, D]
         y = per_k[:, 0] * w[:, :1]
         for j in range(1, idx.shape[1]):                                    # fixed order: row-invariant
             y = y + per_k[:, j] * w[:, j: j + 1]
+        return self._finish(x, y, idx)
+
+    def _finish(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The routed sum ``y [N, D]`` in x's shape plus the shared experts (and the load, in training)."""
         if self.training:
             self.last_load = torch.bincount(idx.flatten(), minlength=self.cfg.num_experts).detach()
         y = y.view(x.shape)

@@ -38,6 +38,7 @@ from typing import NamedTuple
 import torch
 
 from kda_core.chunk import CHUNK_SIZE, kda_chunk
+from kda_core.decode import kda_decode
 from kda_core.invariant import linear
 from kda_core.kda import _step, kda_recurrent
 from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _block_causal_attention
@@ -400,6 +401,18 @@ def _slot_mapping(meta: BatchMeta, block_size: int):
     return as_t(pages), as_t(offs), as_t(live)
 
 
+def _positions(meta: BatchMeta, qsl: list):
+    """Per packed token: its position in its sequence ``[T_total]`` int64 and whether its row is a pad row
+    ``[T_total]`` bool; built with no loop over rows (all-decode steps: the context lengths themselves)."""
+    ctx = torch.tensor(meta.context_lens, dtype=torch.long)               # [N]
+    pad_row = meta.slot_idx == PAD_SLOT                                   # [N]
+    if qsl == list(range(len(qsl))):                                      # one token per row
+        return ctx, pad_row
+    lens = meta.query_start_loc.diff()                                    # [N] new tokens per row
+    row = torch.repeat_interleave(torch.arange(ctx.shape[0]), lens)       # [T_total] row of each token
+    return ctx[row] + torch.arange(qsl[-1]) - meta.query_start_loc[row], pad_row[row]
+
+
 @torch.no_grad()
 def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools,
                   decode_records: bool = False, write: bool = True) -> BatchOutput:
@@ -433,12 +446,7 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
         raise ValueError(f"tokens must be ids in [0, {cfg.vocab_size - 1}]")
     qsl = meta.query_start_loc.tolist()
     slots = meta.slot_idx.tolist()
-    pad_tok = torch.zeros(total, dtype=torch.bool)
-    pos = torch.empty(total, dtype=torch.long)
-    for i in range(n):
-        pos[qsl[i]: qsl[i + 1]] = torch.arange(meta.context_lens[i], meta.context_lens[i] + qsl[i + 1] - qsl[i])
-        if slots[i] == PAD_SLOT:
-            pad_tok[qsl[i]: qsl[i + 1]] = True
+    pos, pad_tok = _positions(meta, qsl)
     NB = pools.kv_cache.shape[2]
     kv_pages, kv_offs, kv_live = _slot_mapping(meta, NB)
     x = model.embed[tokens].unsqueeze(0).clone()                          # [1, T_total, D]
@@ -463,7 +471,7 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
                            packed, verify, li)
         x = x + y
         x = x + model.mlp(li, model.post_attention_norm(li, x))
-    last = torch.tensor([qsl[i + 1] - 1 for i in range(n)], dtype=torch.long)
+    last = meta.query_start_loc[1:] - 1                                    # [N] each row's last token
     logits = model.head(x[0, last])                                        # [N, vocab]
     for i in verify:
         rows = x[:, qsl[i]: qsl[i + 1]]                                    # [1, T, D]
@@ -500,14 +508,17 @@ def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, dec_rows: _Rows, poo
     raw, g, beta, out_gate = m.project(h)                                 # [1, T_total, *]
     nd = meta.num_decode
     o_parts = []
-    if nd:
-        conv0 = _gather(conv_pool, dec_rows)                              # [nd, D_conv, W-1]
-        q, k, v, conv = m.activate(raw[0, :nd].unsqueeze(1), conv0)       # [nd, 1, H, K] ...
-        o, state, rec = _decode(q[:, 0], k[:, 0], v[:, 0], g[0, :nd], beta[0, :nd], rec_pool, dec_rows)  # [nd, H, V]
+    if nd:                                                                # read by slot (kda_core.decode)
+        cfg = m.cfg
+        idx = meta.slot_idx if pool.slot_idx is None else pool.slot_idx
+        state = raw.new_empty(nd, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim)   # [nd, H, K, V] new states
+        conv = raw.new_empty(nd, cfg.conv_dim, cfg.conv_kernel - 1)                  # [nd, D_conv, W-1]
+        res = kda_decode(m, raw[0, :nd], g[0, :nd], beta[0, :nd], rec_pool, conv_pool, idx[:nd],
+                         check=False, out=(state, conv))                  # slots checked once per forward
         if records is not None:
-            records[li] = rec
-        writes.append(StateWrite(0, state, conv))                         # [nd, H, K, V], [nd, D_conv, W-1]
-        o_parts.append(o.unsqueeze(0))                                    # [1, nd, H, V]
+            records[li] = (res.k, res.u, res.g)
+        writes.append(StateWrite(0, state, conv))                         # written by slot at commit
+        o_parts.append(res.o.unsqueeze(0))                                # [1, nd, H, V]
     C, W1 = CHUNK_SIZE, m.cfg.conv_kernel - 1
     for i in range(nd, len(slots)):
         a, b = qsl[i], qsl[i + 1]
@@ -537,7 +548,8 @@ def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, dec_rows: _Rows, poo
             states_at[i][t][li] = KDACache(rec, full[..., t: t + W1].clone())
         writes.append(StateWrite(i, state, conv))                         # [1, H, K, V], [1, D_conv, W-1]
         o_parts.append(o)
-    return m.output(torch.cat(o_parts, dim=1), out_gate)                 # [1, T_total, D]
+    o = o_parts[0] if len(o_parts) == 1 else torch.cat(o_parts, dim=1)    # [1, T_total, H, V]
+    return m.output(o, out_gate)                                          # [1, T_total, D]
 
 
 class _Packed(NamedTuple):
@@ -576,6 +588,33 @@ def _pack_latents(meta: BatchMeta, qsl, slots, NB: int) -> _Packed:
     return _Packed(starts, total, old_page, within, old_dst, new_src, new_src + torch.repeat_interleave(shift, lens))
 
 
+def _mla_decode_rows(meta: BatchMeta, qsl, packed: _Packed, qall, k_all, v_all, scale) -> list:
+    """The decode rows' attention outputs as a list of one ``[1, nd, Hm vd]`` (empty without decode rows), in row
+    order. Rows with the same context length L run as one batched product instead of ~15 ops per row: each row
+    and head is its own ``[1, dq] @ [dq, L + 1]`` product, softmax and ``P V`` over exactly its L + 1 latents,
+    with the shapes and layouts ``MLALayer.forward(mode="recurrent")`` gives that row alone, and the batched
+    matmul computes each item as it computes one alone (bitwise: ``tests/kda_core/test_varlen_decode.py``)."""
+    if not meta.num_decode:
+        return []
+    by_len: dict = {}
+    for i in range(meta.num_decode):
+        by_len.setdefault(meta.context_lens[i], []).append(i)
+    outs, order = [], []
+    for L, rows in by_len.items():
+        idx = torch.tensor([packed.start[i] for i in rows])[:, None] + torch.arange(L + 1)   # [R, L+1]
+        k = k_all[0, idx].transpose(1, 2).contiguous()                    # [R, Hm, L+1, dq]
+        v = v_all[0, idx].transpose(1, 2).contiguous()                    # [R, Hm, L+1, vd]
+        q = qall[0, [qsl[i] for i in rows]].unsqueeze(2)                  # [R, Hm, 1, dq]
+        s = (q @ k.transpose(-1, -2)) * scale                             # [R, Hm, 1, L+1]
+        o = torch.softmax(s, dim=-1) @ v                                  # [R, Hm, 1, vd]
+        outs.append(o.transpose(1, 2).reshape(len(rows), -1))             # [R, Hm vd]
+        order += rows
+    o = outs[0] if len(outs) == 1 else torch.cat(outs)                   # [nd, Hm vd], rows grouped by length
+    if order != sorted(order):
+        o = o[torch.tensor(order).argsort()]                              # back to row order
+    return [o.unsqueeze(0)]                                               # [1, nd, Hm vd]
+
+
 def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx, kv_pages, kv_offs, kv_live,
                packed: _Packed, verify, li):
     cfg = m.cfg
@@ -590,8 +629,8 @@ def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx
     k_rope = full[None, :, None, r:].expand(1, packed.total, Hm, -1)       # [1, sum, Hm, rope]
     k_all = torch.cat([kv_all[..., :nope], k_rope], dim=-1)               # [1, sum, Hm, dq]
     v_all = kv_all[..., nope:]                                            # [1, sum, Hm, vd]
-    o_rows = []
-    for i in range(len(slots)):
+    o_rows = _mla_decode_rows(meta, qsl, packed, qall, k_all, v_all, m.scale)   # decode rows, grouped by length
+    for i in range(meta.num_decode, len(slots)):
         a, b = qsl[i], qsl[i + 1]
         L, T = meta.context_lens[i], b - a
         s0, s1 = packed.start[i], packed.start[i] + L + T
@@ -611,4 +650,5 @@ def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx
                 verify[i].layers[li] = full[s0:s1].unsqueeze(0).clone()  # [1, L+T, R]
         o_rows.append(o.transpose(1, 2).reshape(1, T, -1))                # [1, T, Hm vd]
     _write_latents(kv_cache, m_idx, kv_pages, kv_offs, lat_new[0, kv_live])
-    return linear(torch.cat(o_rows, dim=1), m.o_proj)                     # [1, T_total, D]
+    o = o_rows[0] if len(o_rows) == 1 else torch.cat(o_rows, dim=1)       # [1, T_total, Hm vd]
+    return linear(o, m.o_proj)                                            # [1, T_total, D]

@@ -89,3 +89,14 @@ def test_pointwise_grad():
         torch.autograd.grad((pointwise(F.silu, x) * w).sum(), x)
     # one slice_backward remains: trimming the padded last dim (70 of 96) once, for the whole input
     assert sum(e.count for e in prof.key_averages() if e.key == "aten::slice_backward") == 1
+
+
+@pytest.mark.parametrize("fn", [torch.exp, F.silu, torch.sigmoid])
+def test_pointwise_row_invariant_across_the_one_block_path(fn):
+    """Rows of a last dim that is a multiple of VEC_ROW: a call of one block (no padding, one ``fn`` call) and
+    a call of several blocks give each row the same bits."""
+    x = torch.randn(300, 64, generator=torch.Generator().manual_seed(3))   # 19,200 elements: two blocks
+    full = pointwise(fn, x)
+    for m in [1, 2, 255, 256, 257, 300]:                                  # 256 rows = MAX_BLOCK: the last one-block call
+        assert torch.equal(pointwise(fn, x[:m]), full[:m]), m
+    assert torch.equal(pointwise(fn, x[:1, None]), full[:1, None])          # leading dims kept

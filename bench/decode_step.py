@@ -1,0 +1,192 @@
+"""Where a decode step's time goes, and the step before / after: ``python -m bench.decode_step``.
+
+The engine's batched decode step (``lab.batching.decoding_engine`` + ``time_steps``: B requests of 32-token
+prompts all decoding, one token each per step) on the shipped demo model (``weights/kda-demo``: 8 layers =
+6 KDA + 2 MLA, d = 128, MoE 8 experts top-2 + 1 shared), one torch thread, at B = 1, 8, 32, 64.
+
+Each tree (this one, and with ``--baseline DIR`` another checkout of the repo, e.g. ``git archive <rev>``
+extracted there) runs in its own worker process that loads the model, builds one engine per batch size and
+warms up; then every repeat asks each worker in turn for ``--steps`` steps of every batch size (interleaved:
+a slow phase of the machine hits both trees). Reported per (tree, batch): wall ms per step and tokens/s
+(median, min, max over the repeats) and the worker's CPU ms per step (``time.thread_time``: what the step
+cost this thread, less sensitive to the other jobs of a shared machine than wall time) and the torch ops
+per step (top-level ops of a ``torch.profiler`` run of 5 steps: a count, the same under any load), with the
+load average before and after.
+
+The breakdown: one cProfile run of 20 steps per (tree, batch), cumulative time of each part as a share of
+the profiled step, scaled to the median CPU ms per step of that tree and batch (cProfile slows Python-heavy
+parts more than the torch ops, so the shares are approximate):
+
+- kda mixers: ``varlen._kda_layer`` (projections, conv, step, gated norm, o_proj) of the 6 KDA layers;
+- mla mixers: ``varlen._mla_layer`` of the 2 MLA layers (latents, per-row attention, o_proj);
+- ffn: ``HybridLM.mlp`` (layer 0 dense SwiGLU, the 7 MoE layers);
+- norms + head: the pre-norms and the final norm + lm_head;
+- batch metadata: the rest of ``forward_batch`` (positions, slot mapping, packed latents, checks);
+- engine: the rest of ``ServeEngine.step`` (scheduling, state gather / scatter, sampling).
+
+Writes ``bench/results/decode_step.json``; ``bench/README.md`` (section ``decode_step.json``) gives its tables: at
+B = 1 the step is ~1,700 torch ops (2,418 before the fused decode step, the MoE dispatch and the batched MLA
+decode rows), 102 of them GEMMs padded to 16 rows for row invariance; at B = 64 the MLA mixers' per-step
+re-expansion of every cached latent dominates.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+OUT = REPO / "bench" / "results" / "decode_step.json"
+BATCHES = (1, 8, 32, 64)
+
+# Runs in a worker process with the tree under test on sys.path; uses only APIs both trees have.
+WORKER = r'''
+import cProfile, json, pstats, sys, time
+import torch
+from kda_core.model import HybridLM
+from lab.batching import decoding_engine, time_steps
+torch.set_num_threads(1)
+batches, steps, budget = json.loads(sys.argv[1])
+model = HybridLM.from_pretrained("weights/kda-demo")
+engines = {b: decoding_engine(model, b, budget) for b in batches}
+for e in engines.values():
+    time_steps(e, 2)
+PARTS = {"kda mixers": ("varlen.py", "_kda_layer"), "mla mixers": ("varlen.py", "_mla_layer"),
+         "ffn": ("model.py", "mlp"), "norms + head": [("model.py", "input_norm"), ("model.py", "post_attention_norm"),
+         ("model.py", "head")], "forward": ("varlen.py", "forward_batch"), "step": ("engine.py", "step")}
+def profile(b):
+    pr = cProfile.Profile()
+    pr.enable()
+    time_steps(engines[b], 20)
+    pr.disable()
+    stats = pstats.Stats(pr).stats
+    cum = lambda f, n: sum(v[3] for k, v in stats.items() if k[0].endswith(f) and k[2] == n)
+    got = {p: sum(cum(*x) for x in (w if isinstance(w, list) else [w])) for p, w in PARTS.items()}
+    inner = sum(got[p] for p in ("kda mixers", "mla mixers", "ffn", "norms + head"))
+    parts = {p: got[p] for p in ("kda mixers", "mla mixers", "ffn", "norms + head")}
+    parts["batch metadata"] = got["forward"] - inner
+    parts["engine"] = got["step"] - got["forward"]
+    total = sum(parts.values())
+    return {p: v / total for p, v in parts.items()}
+def ops(b):
+    from torch.profiler import ProfilerActivity, profile as tprofile
+    with tprofile(activities=[ProfilerActivity.CPU]) as p:
+        time_steps(engines[b], 5)
+    return sum(e.cpu_parent is None for e in p.events()) / 5
+print("ready", flush=True)
+for line in sys.stdin:
+    if line.startswith("time"):
+        out = {}
+        for b in batches:
+            w0, c0 = time.perf_counter(), time.thread_time()
+            time_steps(engines[b], steps)
+            out[b] = [time.perf_counter() - w0, time.thread_time() - c0]
+    elif line.startswith("ops"):
+        out = {b: ops(b) for b in batches}
+    else:
+        out = {b: profile(b) for b in batches}
+    print(json.dumps(out), flush=True)
+'''
+
+
+class Worker:
+    """A worker process of one tree (see :data:`WORKER`)."""
+
+    def __init__(self, tree: Path, batches, steps: int, budget: int):
+        env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps([list(batches), steps, budget])],
+                                     cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the worker of {tree} did not start (exit code {self.proc.wait()})")
+
+    def ask(self, what: str) -> dict:
+        self.proc.stdin.write(what + "\n")
+        self.proc.stdin.flush()
+        return {int(k): v for k, v in json.loads(self.proc.stdout.readline()).items()}
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def run(batches=BATCHES, steps: int = 5, repeats: int = 5, baseline: Path | None = None,
+        baseline_label: str | None = None) -> dict:
+    trees = {"this tree": REPO} | ({"baseline": Path(baseline).resolve()} if baseline else {})
+    load_before = os.getloadavg()
+    budget = 2 + steps * repeats + 20 + 5 + 4                               # warm-up, timed, profiled, counted, spare
+    workers = {name: Worker(tree, batches, steps, budget) for name, tree in trees.items()}
+    samples = {name: {b: [] for b in batches} for name in trees}
+    try:
+        for r in range(repeats):                                           # interleaved, order alternating
+            for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
+                for b, wc in workers[name].ask("time").items():
+                    samples[name][b].append(wc)
+        shares = {name: w.ask("profile") for name, w in workers.items()}
+        op_counts = {name: w.ask("ops") for name, w in workers.items()}
+    finally:
+        for w in workers.values():
+            w.close()
+    load_after = os.getloadavg()
+    rows, profile = [], {}
+    for name in trees:
+        for b in batches:
+            wall = [s[0] / steps * 1e3 for s in samples[name][b]]
+            cpu = [s[1] / steps * 1e3 for s in samples[name][b]]
+            tps = [b * 1e3 / w for w in wall]
+            rows.append({"tree": name, "batch": b, "ms_per_step": statistics.median(wall), "ms_min": min(wall),
+                         "ms_max": max(wall), "tokens_per_s": statistics.median(tps), "tokens_per_s_min": min(tps),
+                         "tokens_per_s_max": max(tps), "cpu_ms_per_step": statistics.median(cpu),
+                         "cpu_ms_min": min(cpu), "torch_ops_per_step": op_counts[name][b]})
+            med = statistics.median(cpu)
+            profile.setdefault(name, {})[b] = {p: round(f * med, 3) for p, f in shares[name][b].items()}
+    return {"rows": rows, "profile_ms": profile, "decode_backend": _backend(),
+            "conditions": {"model": "weights/kda-demo", "batches": list(batches), "steps_per_repeat": steps,
+                           "repeats": repeats, "warmup_steps": 2, "torch_threads": 1,
+                           "load_avg_before": load_before, "load_avg_after": load_after,
+                           "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
+                           "baseline": (baseline_label or str(baseline)) if baseline else None}}
+
+
+def _backend() -> str:
+    from kda_core import decode
+    from kda_core.model import HybridLM
+    model = HybridLM.from_pretrained(REPO / "weights" / "kda-demo")
+    layer = model.mixers[model.cfg.kda_layers[0]]
+    return decode.backend(layer) + ("" if decode.reason(layer) is None else f" ({decode.reason(layer)})")
+
+
+def report(res: dict) -> str:
+    c = res["conditions"]
+    lines = [f"load average {c['load_avg_before'][0]:.2f} -> {c['load_avg_after'][0]:.2f}, {c['cpu_count']} CPUs, "
+             f"1 torch thread, KDA decode: {res['decode_backend']}",
+             "tree        batch  ms/step (min-max)      tokens/s (min-max)     CPU ms/step  torch ops/step"]
+    for r in res["rows"]:
+        lines.append(f"{r['tree']:<11} {r['batch']:>5}  {r['ms_per_step']:6.2f} ({r['ms_min']:.2f}-{r['ms_max']:.2f})"
+                     f"  {r['tokens_per_s']:8.0f} ({r['tokens_per_s_min']:.0f}-{r['tokens_per_s_max']:.0f})"
+                     f"  {r['cpu_ms_per_step']:6.2f}  {r['torch_ops_per_step']:8.0f}")
+    for tree, by_batch in res["profile_ms"].items():
+        for b, parts in by_batch.items():
+            lines.append(f"{tree} B={b}: " + ", ".join(f"{p} {v:.2f}" for p, v in parts.items()) + " (CPU ms, cProfile shares)")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--baseline", type=Path, default=None, help="another checkout of the repo to time beside this one")
+    ap.add_argument("--baseline-label", default=None, help="what the baseline is (e.g. 'main at 87924d0')")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    res = run(steps=args.steps, repeats=args.repeats, baseline=args.baseline, baseline_label=args.baseline_label)
+    print(report(res))
+    args.out.write_text(json.dumps(res, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""forward_batch's decode rows: rows of the same context length run as one batched MLA product and the KDA
+layers' fused decode step; a batch whose rows interleave context lengths (A, B, A, ...) and holds a pad row
+still gives every live row bitwise the logits, states and latents of ``model.decode_step`` on that row alone."""
+from pathlib import Path
+
+import pytest
+import torch
+
+from kda_core.model import HybridLM
+from kda_core.varlen import PAD_SLOT, SlotPools, forward_batch, make_meta, read_latents
+
+NB = 16
+
+
+@pytest.fixture(scope="module")
+def model():
+    return HybridLM.from_pretrained(Path(__file__).resolve().parents[2] / "weights" / "kda-demo")
+
+
+@pytest.mark.parametrize("contexts", [pytest.param((5, 20, 5, 33, 20), id="L5-20-5-33-20"),
+                                      pytest.param((9, 9, 9), id="L9x3")])
+def test_decode_rows_grouped_by_length_equal_alone(model, contexts):
+    cfg = model.cfg
+    S, pages = len(contexts) + 2, list(range(40))
+    kda = {i: (torch.full((S, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim), float("nan")),
+               torch.full((S, cfg.conv_dim, cfg.conv_kernel - 1), float("nan"))) for i in cfg.kda_layers}
+    pools = SlotPools(kda, torch.full((40, len(cfg.mla_layers), NB, cfg.latent_dim), float("nan")))
+    slots, tables, toks, alone = [], [], [], []
+    for r, L in enumerate(contexts):
+        seq = torch.randint(0, 256, (L + 1,), generator=torch.Generator().manual_seed(r))
+        cache = model.forward(seq[:L].unsqueeze(0), mode="chunk").cache
+        slot, table = S - 1 - r, [pages.pop() for _ in range(-(-(L + 1) // NB))]
+        for i in cfg.kda_layers:
+            kda[i][0][slot], kda[i][1][slot] = cache.layers[i].recurrent[0], cache.layers[i].conv[0]
+        for j, i in enumerate(cfg.mla_layers):
+            for p in range(L):
+                pools.kv_cache[table[p // NB], j, p % NB] = cache.layers[i][0, p]
+        alone.append(model.decode_step(seq[L:], cache))
+        slots.append(slot)
+        tables.append(table)
+        toks.append(seq[L:])
+    n = len(contexts)
+    meta = make_meta([1] * (n + 1), n + 1, slots + [PAD_SLOT], [True] * n + [False], list(contexts) + [0],
+                     tables + [[]])
+    out = forward_batch(model, torch.cat(toks + [torch.tensor([3])]), meta, pools)
+    for r, (logits, cache) in enumerate(alone):
+        assert torch.equal(out.logits[r], logits[0]), f"row {r}"
+        for i in cfg.kda_layers:
+            assert torch.equal(kda[i][0][slots[r]], cache.layers[i].recurrent[0])
+            assert torch.equal(kda[i][1][slots[r]], cache.layers[i].conv[0])
+        for j, i in enumerate(cfg.mla_layers):
+            assert torch.equal(read_latents(pools.kv_cache, j, tables[r], contexts[r] + 1), cache.layers[i])
+    assert all(kda[i][0][:S - n].isnan().all() for i in cfg.kda_layers)   # unused slots never written
+
+
+@pytest.mark.parametrize("lens,num_decode", [pytest.param([1, 1, 1], 3, id="decode"),
+                                             pytest.param([1, 1, 5, 1, 70], 2, id="mixed")])
+def test_positions_are_each_tokens_place_in_its_sequence(lens, num_decode):
+    """``_positions`` (no loop over rows) against the per-row loop it replaced."""
+    from kda_core.varlen import _positions
+    ctx = [4, 0, 17, 3, 64][: len(lens)]
+    slots = [2, PAD_SLOT, 0, 1, 3][: len(lens)]
+    meta = make_meta(lens, num_decode, slots, [c > 0 for c in ctx], ctx, [[0] * 9] * len(lens))
+    qsl = meta.query_start_loc.tolist()
+    want_pos = torch.cat([torch.arange(c, c + t) for c, t in zip(ctx, lens)])
+    want_pad = torch.cat([torch.full((t,), s == PAD_SLOT) for s, t in zip(slots, lens)])
+    pos, pad = _positions(meta, qsl)
+    assert torch.equal(pos, want_pos) and torch.equal(pad, want_pad)
