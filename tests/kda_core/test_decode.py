@@ -220,3 +220,41 @@ def test_a_conv_width_the_kernel_refuses_runs_the_torch_form(monkeypatch):
     if isinstance(decode.load(), str):
         pytest.skip(decode.load())
     assert "bad sizes" in decode.reason(layer) and decode.backend(layer) == "torch"
+
+
+@pytest.mark.parametrize("backend", [pytest.param("torch"), pytest.param("fused", marks=needs_fused)])
+@pytest.mark.parametrize("spare", [pytest.param(0, id="dense"), pytest.param(13, id="strided")])
+def test_out_leaves_the_pools_untouched_and_holds_what_in_place_writes(backend, spare):
+    """With ``out`` (the engine's mode: the step's states are written by slot when it commits) the pools are only
+    read, each live row's new states land in its row of ``out`` bitwise as the in-place call writes them at its
+    slot, the outputs are the same bits, and a pad row's ``out`` row is left as it was."""
+    layer = make_layer()
+    slot_idx = torch.tensor([4, PAD_SLOT, 0, 2])
+    live = slot_idx != PAD_SLOT
+    raw, g, beta = inputs(layer, 4, 3)
+    read_only, in_place = pools(layer, 6, 0, spare), pools(layer, 6, 0, spare)
+    before = clone(read_only)
+    cfg = layer.cfg
+    out = (torch.full((4, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim), 7.0),
+           torch.full((4, cfg.conv_dim, cfg.conv_kernel - 1), 7.0))
+    got = kda_decode(layer, raw, g, beta, *read_only, slot_idx, backend=backend, out=out)
+    want = kda_decode(layer, raw, g, beta, *in_place, slot_idx, backend=backend)
+    assert_same(got, want, live)
+    assert all(torch.equal(a, b) for a, b in zip(read_only, before)), "a pool was written"
+    slots = slot_idx[live]
+    assert torch.equal(out[0][live], in_place[0][slots]) and torch.equal(out[1][live], in_place[1][slots])
+    assert bool((out[0][~live] == 7.0).all()) and bool((out[1][~live] == 7.0).all()), "a pad row's out was written"
+
+
+def test_a_sixteen_bit_pool_is_upcast_when_read():
+    """A bf16 state pool (a 16-bit stored state) runs the torch form on its exact fp32 upcast."""
+    layer = make_layer()
+    slot_idx = torch.tensor([1, 0])
+    raw, g, beta = inputs(layer, 2, 4)
+    rec, conv = pools(layer, 3, 1)
+    rec16 = rec.to(torch.bfloat16)
+    cfg = layer.cfg
+    out = (torch.empty(2, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim), torch.empty(2, cfg.conv_dim, cfg.conv_kernel - 1))
+    got = kda_decode(layer, raw, g, beta, rec16, conv, slot_idx, out=out)
+    want = kda_decode(layer, raw, g, beta, rec16.float(), conv.clone(), slot_idx, backend="torch")
+    assert_same(got, want, torch.ones(2, dtype=torch.bool))
