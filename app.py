@@ -15,9 +15,10 @@ st.set_page_config(page_title="KDA Serve Lab", page_icon="assets/icon.png", layo
 
 
 def _load_kernel() -> None:
-    from kda_core import cpu_kernel  # imports torch: 1-4 s on a busy 2-core host, off the first page's script thread
+    from kda_core import cpu_kernel, decode  # imports torch: 1-4 s on a busy 2-core host, off the first page's thread
 
     cpu_kernel.backend()
+    decode.load()                    # the fused decode step's library (built once per machine, loaded once here)
 
 
 # import torch and build / load / self-check the fused chunk kernel once per server process, in the background: the
