@@ -44,7 +44,7 @@ links = declare(
     Toggle("p02_poison", True),
     *acceptance_params("p02"),
 )
-c1, c2, c3, c4, c5 = st.columns(5)
+c1, c2, c3, c4, c5 = st.columns([1, 1.1, 1, 1.5, 1])   # the drafter's "prompt lookup (n-gram)" needs the room
 mode = links.selectbox(c1, "Mode", "p02_mode")
 strategy = links.selectbox(c2, "Strategy", "p02_strategy")
 num_draft = links.slider(c3, "Draft length n", "p02_draft")
@@ -105,7 +105,9 @@ if mode == "interrupted":
 elif mode == "injected deviation":
     m4.metric("Rejected tokens poisoned", f"{int(df.poisoned_tokens.sum())}")
 else:
-    m4.metric("Forced commits (ring write-backs / ReplaySSM materialisations)", f"{int(df.forced_commit.sum())}")
+    m4.metric("Forced commits", f"{int(df.forced_commit.sum())}",
+              help="Steps where the strategy had to commit before the verify: a RawInputRing write-back (the ring was "
+                   "full) or a ReplaySSM materialisation.")
 
 STATUS = {"accepted": "#2ca02c", "first wrong (rejected)": "#d62728", "dropped after the rejection": "#c7c7c7",
           "bonus (target's token)": "#1f77b4"}

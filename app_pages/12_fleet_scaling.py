@@ -133,7 +133,8 @@ with part2:
         columns["lost_no_event"] = pct("KV without state")
     show_table(table, columns)
     m1, m2 = st.columns(2)
-    m1.metric("block ideal (one shared infinite cache)", f"{run.ideal_ratio:.1%}")
+    m1.metric("block ideal", f"{run.ideal_ratio:.1%}", help="The token hit ratio of one shared, infinite block "
+          "cache: the most any routing can reach on this trace.")
     m2.metric("cache per replica", f"{run.budget_gb:,.0f} GB" if real else
               ("unlimited" if capacity == "unlimited" else f"{int(capacity):,} blocks"))
     st.caption(f"{n_trace:,} requests per trace (cap {num_requests:,}); the trace ends {n_trace - at_request:,} requests "

@@ -5,7 +5,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from app_pages.caching import upload_parts
-from app_pages.charts import num, pct, show_chart, show_table
+from app_pages.charts import inside_if_tall, num, pct, show_chart, show_table
 from app_pages.errors import engine_call
 from app_pages.links import declare
 from app_pages.measurement import run_on_request
@@ -134,7 +134,8 @@ def _labelled(df):
 overall = summary[summary["class"] == "all"]
 st.subheader("1 · Prefix-cache hit ratio per policy")
 fig = go.Figure(go.Bar(x=overall.policy.map(DISPLAY_NAMES), y=overall.hit_ratio, name="measured here",
-                       text=[f"{v:.1%}" for v in overall.hit_ratio], textposition="inside", insidetextanchor="end"))   # clear of the ideal line above
+                       text=[f"{v:.1%}" for v in overall.hit_ratio], insidetextanchor="end",   # clear of the ideal line
+                       textposition=inside_if_tall(overall.hit_ratio, max(ideal, overall.hit_ratio.max()))))
 fig.add_hline(y=ideal, line_dash="dash", annotation_text=f"ideal (one infinite shared cache) {ideal:.1%}")
 fig.update_layout(xaxis_title="routing policy", yaxis_title="token hit ratio (cached ÷ prompt tokens)",
                   yaxis_tickformat=".0%", yaxis_range=[0, max(ideal, overall.hit_ratio.max(), 0.05) * 1.15])
@@ -254,6 +255,7 @@ judged = mape.verdict != UNINFORMATIVE
 colour = {"meets the goal": "#2ca02c", "misses the goal": "#d62728", UNINFORMATIVE: "#9e9e9e"}
 fig_mape = go.Figure(go.Bar(x=mape.label, y=mape.judged_mape_pct.fillna(mape.mape_pct),
                             text=[f"{v:.1f} %" if ok else "uninformative" for v, ok in zip(mape.judged_mape_pct, judged)],
+                            textposition=inside_if_tall(mape.judged_mape_pct.fillna(mape.mape_pct)),
                             marker_color=mape.verdict.map(colour).tolist()))
 fig_mape.add_hline(y=SIM_GOAL_PCT, line_dash="dot", annotation_text=f"{SIM_GOAL_PCT:.0f} % goal")
 fig_mape.update_layout(xaxis_title="metric", yaxis_title="MAPE over informative rates (%)", height=320)
@@ -273,7 +275,7 @@ if not record["variant_mape"].empty:
     st.markdown("**Where the error comes from.** The same replay predicted with each modelled piece added in turn "
                 "(MAPE over rates, %); the last row is a diagnostic, not a prediction.")
     vm = record["variant_mape"]
-    show_table(vm, {"variant": "Simulator", **{c: num(c, "%.1f") for c in vm.columns if c != "variant"}})
+    show_table(vm, {"variant": "Simulator", **{c: num(c, "%.1f") for c in vm.columns if c != "variant"}}, wrap=True)
     parts = record["parts"]
     fig_parts = go.Figure([go.Bar(name=part, x=[f"{r:g}" for r in g.rate_rps], y=g.p50_ms)
                            for part, g in parts.groupby("part", sort=False)])

@@ -53,8 +53,8 @@ m1, m2, m3, m4, m5 = st.columns(5)
 m1.metric("Weights (GB)", f"{view.weights_gb:,.0f}")
 m2.metric(f"HBM of {tp} × {hw} (GB)", f"{view.hbm_gb:,.0f}")
 m3.metric("Left after weights (GB)", f"{view.free_gb:,.0f}")
-m4.metric(f"Prefill scales α · β (fitted on {view.fit_setup})", f"{view.fit.alpha:.2f} · {view.fit.beta:.2f}",
-          help="Roofline time × α for attention, × β for every other layer kind (1 = at peak), least squares on "
+m4.metric("Prefill scales α · β", f"{view.fit.alpha:.2f} · {view.fit.beta:.2f}", f"fitted on {view.fit_setup}",
+          delta_color="off", delta_arrow="off", help="Roofline time × α for attention, × β for every other layer kind (1 = at peak), least squares on "
                f"the nine published Kimi Linear prefill points on {view.fit_setup}, and carried unchanged to every "
                "other GPU and TP; see \"How the roofline is fitted\".")
 errors = view.errors.set_index("group").max_abs_error

@@ -132,7 +132,7 @@ else:
     show_table(shipped.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS)
     st.markdown("**What the field reports, on our model** (verdicts by top-1 on the file: a drop over 5 points is a "
                 "collapse, within 1 point a match)")
-    show_table(field_claims(shipped.summary, cap), CLAIM_COLUMNS)
+    show_table(field_claims(shipped.summary, cap), CLAIM_COLUMNS, wrap=True)
 
 st.subheader("3 · Can the state outgrow fp16? (constructed low-decay input)")
 e1, e2 = st.columns(2)

@@ -2,12 +2,15 @@
 
 - ``show_chart(fig, df, key)``: a Plotly chart with a stable key plus a CSV download of its data; log axes get
   labelled ticks between the powers of ten and their reference lines' labels on the lines.
+- ``inside_if_tall(values)``: a bar's label inside it when the bar is tall enough, above it when not.
 - ``show_forward_fit(fit, key)``: Home's and page 08's fitted forward cost, measured vs fitted vs predicted.
 - ``show_table(df, columns)``: ``st.dataframe`` of the named columns, each with its header and number
-  format; booleans read yes / no. ``num(label, fmt)`` and ``pct(label)`` build the number columns.
+  format; booleans read yes / no. ``num(label, fmt)`` and ``pct(label)`` build the number columns. With
+  ``wrap=True`` (a table whose sentences a grid would cut) a static ``st.table`` of the same, its text wrapped.
 """
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -150,6 +153,14 @@ def show_forward_fit(fit, key: str) -> None:
             "cut TTFT in proportion; it does not.")
 
 
+def inside_if_tall(values, top: float | None = None, share: float = 0.12) -> list[str]:
+    """A bar chart's per-bar ``textposition``: "inside" for a bar at least ``share`` of ``top`` (default: the largest
+    value) tall, "outside" for a shorter one, whose label inside would be shrunk into a sliver."""
+    values = [float(v) for v in values]
+    top = max([v for v in values if v == v] + [0.0]) if top is None else float(top)
+    return ["inside" if v == v and top > 0 and v >= share * top else "outside" for v in values]
+
+
 def int_tick_step(max_value: int, max_ticks: int = 8) -> int:
     """The smallest 1-2-5 step (1, 2, 5, 10, 20, ...) that puts at most ``max_ticks`` integer ticks on an axis from 0
     to ``max_value`` (a count: rows, tokens, requests), so no tick reads a fraction or a negative count."""
@@ -172,16 +183,53 @@ def pct(label: str, decimals: int = 1, **kwargs):
     return st.column_config.NumberColumn(label, format=f"%.{decimals}f%%", **kwargs)
 
 
-def show_table(df: pd.DataFrame, columns: dict, **kwargs) -> None:
+WRAP_CHARS = 60   # a text cell longer than this is cut in st.dataframe's grid at its default column width
+
+
+def formatted(value, fmt: str) -> str:
+    """``value`` as a :func:`num` column with printf format ``fmt`` shows it (``"%,.2f"``, ``"%d"``, ``"%.1f%%"``,
+    ``"localized"``); ``""`` for NaN / None. A format without a ``%`` directive gives ``str(value)``."""
+    if value is None or value != value:
+        return ""
+    if fmt == "localized":
+        return f"{value:,}" if float(value).is_integer() else f"{value:,.2f}"
+
+    def one(m: re.Match) -> str:
+        comma, precision, kind = m.group(1), m.group(2) or "", m.group(3)
+        number = round(value) if kind in "di" else value
+        return format(number, f"{comma}{precision}{'d' if kind in 'di' else kind}")
+
+    return re.sub(r"%(,?)(\.\d+)?([dife])", one, fmt).replace("%%", "%") if "%" in fmt else str(value)
+
+
+def show_table(df: pd.DataFrame, columns: dict, wrap: bool = False, **kwargs) -> None:
     """``st.dataframe`` of ``df``'s columns named in ``columns``, in that order, without the index. Each value is the
     column's header (a string) or a ``st.column_config`` column (:func:`num`, :func:`pct`: its fractions are
     shown ×100); booleans read "yes" / "no". Only the display changes: ``df`` and any CSV of it keep the raw,
-    machine-readable frame."""
-    from pandas.api.types import is_bool_dtype  # here, not at import: Home's first run builds no frame
+    machine-readable frame. ``wrap=True``: a static ``st.table`` instead, numbers formatted as their columns say
+    and long text wrapped in its cell (a grid cuts a sentence at its column's width; see :data:`WRAP_CHARS`)."""
+    if wrap:
+        shown = df[list(columns)].copy()
+        for col, cfg in columns.items():
+            fmt = cfg.get("type_config", {}).get("format") if isinstance(cfg, dict) else None
+            if _is_bool(shown[col]):
+                shown[col] = shown[col].map({True: "yes", False: "no"})
+            elif fmt:
+                scale = 100 if str(fmt).endswith("%%") else 1
+                shown[col] = [formatted(v * scale if v == v else v, fmt) for v in shown[col]]
+        shown.columns = [cfg["label"] if isinstance(cfg, dict) else cfg for cfg in columns.values()]
+        st.table(shown, hide_index=True, **kwargs)
+        return
     shown = df[list(columns)].copy()
     for col, cfg in columns.items():
-        if is_bool_dtype(shown[col]):
+        if _is_bool(shown[col]):
             shown[col] = shown[col].map({True: "yes", False: "no"})
         elif isinstance(cfg, dict) and str(cfg.get("type_config", {}).get("format", "")).endswith("%%"):
             shown[col] = shown[col] * 100
     st.dataframe(shown, hide_index=True, width="stretch", column_config=columns, **kwargs)
+
+
+def _is_bool(series) -> bool:
+    """Whether ``series`` holds booleans (pandas imported here, not at import: Home's first run builds no frame)."""
+    from pandas.api.types import is_bool_dtype
+    return is_bool_dtype(series)
