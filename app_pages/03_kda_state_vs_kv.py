@@ -155,12 +155,13 @@ with part2:
     st.markdown(f"**MLA decode vs heads, at N = {hs.context_tokens:,}, all head counts in one run**")
     fig3 = go.Figure()
     fig3.add_trace(go.Scatter(
-        x=hdf.num_heads, y=hdf.mla_decode_us, name="measured (median, bars = IQR)", mode="markers+lines",
-        marker=dict(color="#ef553b"), error_y=dict(type="data", symmetric=False, array=hdf.mla_q3_us - hdf.mla_decode_us,
-                                                   arrayminus=hdf.mla_decode_us - hdf.mla_q1_us)))
-    fig3.add_trace(go.Scatter(x=hdf.num_heads, y=one.mla_decode_us * hdf.num_heads, mode="lines", name="H × the 1-head time",
-                              line=dict(dash="dot", color="gray")))
-    fig3.update_layout(xaxis_title="MLA heads H (all reading the same N latents)", yaxis_title="time per decode (µs)",
+        x=hdf.num_heads, y=hdf.mla_decode_us / 1e3, name="measured (median, bars = IQR)", mode="markers+lines",
+        marker=dict(color="#ef553b"), error_y=dict(type="data", symmetric=False,
+                                                   array=(hdf.mla_q3_us - hdf.mla_decode_us) / 1e3,
+                                                   arrayminus=(hdf.mla_decode_us - hdf.mla_q1_us) / 1e3)))
+    fig3.add_trace(go.Scatter(x=hdf.num_heads, y=one.mla_decode_us / 1e3 * hdf.num_heads, mode="lines",
+                              name="H × the 1-head time", line=dict(dash="dot", color="gray")))
+    fig3.update_layout(xaxis_title="MLA heads H (all reading the same N latents)", yaxis_title="time per decode (ms)",
                        legend=dict(orientation="h", y=-0.3), height=360)
     fig3.update_xaxes(tickvals=list(hdf.num_heads))
     show_chart(fig3, hdf, key="p03_heads_chart")

@@ -107,12 +107,11 @@ for row, col, kind, color, cap, cap_name in PANELS:
     fig2.add_trace(go.Scatter(x=spl.step, y=100 * spl[col] / n, name=f"static split: {cap_name} used",
                               line=dict(color=color, dash="dot")), row=row, col=1)
     fig2.add_hline(y=100 * cap / n, line_dash="dash", line_color=color, row=row, col=1)
-    labels = row == 1                                                    # name the vertical lines once
-    fig2.add_vline(x=100, line_dash="dash", line_color="gray", row=row, col=1,
-                   **({"annotation_text": "mix flips"} if labels else {}))
-    fig2.add_vline(x=step, line_color="black", row=row, col=1, **({"annotation_text": "grid"} if labels else {}))
+    fig2.add_vline(x=100, line_dash="dash", line_color="gray", row=row, col=1)
+    fig2.add_vline(x=step, line_color="black", row=row, col=1)
     fig2.update_yaxes(title_text="% of the whole pool", rangemode="tozero", row=row, col=1)
-fig2.update_xaxes(title_text="step", row=2, col=1)
+fig2.update_xaxes(title_text=f"step (black: step {step}, the grid above; grey dashed: step 100, the mix flips)",
+                  row=2, col=1)                                          # named here, not written over the data
 fig2.update_layout(height=560, legend=dict(orientation="h", y=-0.18))
 show_chart(fig2, tl, key="p05_util")
 st.caption(f"Both panels count pages as a share of all {n:,} pages, for both pools. A static pool cannot go above "

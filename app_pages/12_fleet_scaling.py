@@ -80,11 +80,11 @@ moved, n_after, anchors = run.moved, run.replicas_after, run.anchors
 with part1:
     st.subheader(f"1 · Keys moved going from {replicas} to {n_after} replicas")
     fig = go.Figure(go.Bar(x=moved.algorithm.map(display_name), y=moved.moved_fraction, name="measured here"))
-    big = max(replicas, n_after)   # ideal 1/big and mod-N 1 - 1/big meet at big = 2: labels on opposite ends
-    fig.add_hline(y=moved.ideal.iloc[0], line_dash="dash", annotation_text=f"ideal 1/{big}",
-                  annotation_position="top left")
+    big = max(replicas, n_after)   # ideal 1/big and mod-N 1 - 1/big meet at big = 2: labels on opposite ends,
+    fig.add_hline(y=moved.ideal.iloc[0], line_dash="dash", annotation_text=f"ideal 1/{big}",   # each above the end
+                  annotation_position="top right")            # whose bar stops at its line (on the mod-N bar: hidden)
     fig.add_hline(y=moved.mod_n_expected.iloc[0], line_dash="dot", annotation_text=f"mod-N expected 1 − 1/{big}",
-                  annotation_position="top right")
+                  annotation_position="top left")
     fig.update_layout(xaxis_title="algorithm", yaxis_title="keys that change replica (% of keys)",
                       yaxis_tickformat=".0%")
     show_chart(fig, moved, key="p12_moved_chart")

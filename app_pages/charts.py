@@ -44,13 +44,15 @@ def _log_data_range(fig: go.Figure, axis) -> tuple[float, float] | None:
 def _decade_ticks(axis, data_range: tuple[float, float] | None = None) -> None:
     """Readable labels on a log axis without explicit ticks (Plotly's default minor labels read as a
     bare "2" or "5", which can mean 2,000 or 20,000). Over ``data_range`` (min, max > 0) spanning
-    <= 1 decade: ticks at 1, 1.5, 2, 3, 5, 7 x 10^k; <= 3 decades: 1-2-5 x 10^k; wider (or unknown):
-    the powers of ten only. Every tick is labelled with its full value."""
+    <= 1 decade: ticks at 1, 1.5, 2, 3, 5, 7 x 10^k; <= 3 decades: 1-2-5 x 10^k; <= 5 decades: 1-3 x 10^k (with
+    the powers alone, data up to 4 x 10^k ran past the last label); wider (or unknown): the powers of ten only.
+    Every tick is labelled with its full value."""
     if axis.type != "log" or axis.dtick is not None or axis.tickvals is not None:
         return
     if data_range is not None and data_range[0] > 0 and data_range[1] >= data_range[0]:
         lo, hi = np.log10(data_range[0]), np.log10(data_range[1])
-        mantissas = (1, 1.5, 2, 3, 5, 7) if hi - lo <= 1 else (1, 2, 5) if hi - lo <= 3 else None
+        mantissas = ((1, 1.5, 2, 3, 5, 7) if hi - lo <= 1 else (1, 2, 5) if hi - lo <= 3 else (1, 3) if hi - lo <= 5
+                     else None)
         if mantissas is not None:
             ticks = [m * 10.0 ** e for e in range(int(np.floor(lo)) - 1, int(np.ceil(hi)) + 1) for m in mantissas]
             below = [t for t in ticks if t <= data_range[0]]

@@ -132,11 +132,13 @@ def test_p04_coinciding_lines_both_visible():
 
 
 def test_p05_pool_sizes_named_above_the_panels():
-    """Was: "static state pool size: 303 pages" written on the plot, under the plotted line."""
+    """Was: "static state pool size: 303 pages" written on the plot, under the plotted line ("grid" and "mix flips"
+    too, over the filled area)."""
     at = _page("app_pages/05_page_pool.py")
-    notes = [a["text"] for a in chart_spec(at, "p05_util")["layout"]["annotations"]]
-    assert not [t for t in notes if t.startswith("static")], notes
-    assert sum("dashed: static" in t and "pages" in t for t in notes) == 2, notes    # the two subplot titles
+    spec = chart_spec(at, "p05_util")
+    notes = [a["text"] for a in spec["layout"]["annotations"]]
+    assert len(notes) == 2 and all("(dashed: static" in t and t.endswith(" pages)") for t in notes), notes   # titles
+    assert "the mix flips" in spec["layout"]["xaxis2"]["title"]["text"]        # the vertical lines named off the data
 
 
 def test_p06_settings_beside_their_sections_and_gather_has_points():
