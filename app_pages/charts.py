@@ -204,6 +204,15 @@ def formatted(value, fmt: str) -> str:
     return re.sub(r"%(,?)(\.\d+)?([dife])", one, fmt).replace("%%", "%") if "%" in fmt else str(value)
 
 
+MARKDOWN_SIGNS = re.compile(r"([\\`*_\[\]<>#+\-|~$!])")
+
+
+def _literal(text: str) -> str:
+    """``text`` shown as written in a ``st.table`` cell, which renders Markdown: each Markdown sign backslash-escaped
+    (a simulator variant "+ the engine's checkpoint placement" became a bullet point, its "+" lost)."""
+    return MARKDOWN_SIGNS.sub(r"\\\1", text)
+
+
 def show_table(df: pd.DataFrame, columns: dict, wrap: bool = False, **kwargs) -> None:
     """``st.dataframe`` of ``df``'s columns named in ``columns``, in that order, without the index. Each value is the
     column's header (a string) or a ``st.column_config`` column (:func:`num`, :func:`pct`: its fractions are
@@ -219,7 +228,8 @@ def show_table(df: pd.DataFrame, columns: dict, wrap: bool = False, **kwargs) ->
             elif fmt:
                 scale = 100 if str(fmt).endswith("%%") else 1
                 shown[col] = [formatted(v * scale if v == v else v, fmt) for v in shown[col]]
-        shown.columns = [cfg["label"] if isinstance(cfg, dict) else cfg for cfg in columns.values()]
+        shown = shown.map(lambda v: _literal(v) if isinstance(v, str) else v)
+        shown.columns = [_literal(cfg["label"] if isinstance(cfg, dict) else cfg) for cfg in columns.values()]
         st.table(shown, hide_index=True, **kwargs)
         return
     shown = df[list(columns)].copy()

@@ -177,6 +177,22 @@ def test_p10_one_rank_is_not_a_speedup():
     assert any(m.label == "KCP path vs best one rank" for m in at.metric)
 
 
+def test_wrapped_table_shows_text_as_written():
+    """st.table renders Markdown: page 14's "+ the engine's checkpoint placement" showed as a bullet, "+" lost."""
+    def script():
+        import pandas as pd
+
+        from app_pages.charts import num, show_table
+        show_table(pd.DataFrame({"v": ["+ a step", "a_b < c"], "x": [1234.5, float("nan")]}),
+                   {"v": "Variant", "x": num("Time (ms)", "%,.1f")}, wrap=True)
+
+    at = AppTest.from_function(script).run()
+    (table,) = at.table
+    assert list(table.value.columns) == ["Variant", "Time (ms)"]
+    assert table.value["Variant"].tolist() == ["\\+ a step", "a\\_b \\< c"]     # escaped: shown as written
+    assert table.value["Time (ms)"].tolist() == ["1,234.5", ""]
+
+
 def test_short_bars_label_above_not_inside():
     """Was: "1.8 %" shrunk into a sliver of a bar on page 14 (Plotly fits an inside label to its bar)."""
     assert inside_if_tall([30.0, 25.0, 1.8, float("nan")]) == ["inside", "inside", "outside", "outside"]
