@@ -183,7 +183,7 @@ show_table(_labelled(balance), {
     "p99_in_flight": num("Chosen replica's in-flight, P99 (requests)", "%.0f"),
     "mean_in_flight": num("Fleet in-flight per replica, mean", "%.2f"),
     "max_over_mean_requests": num("Requests per replica, max ÷ mean", "%.2f"),
-    "throughput_rps": num("Throughput (req/s)", "%.2f")})
+    "throughput_rps": num("Throughput (req/s)", "%.2f")}, wrap=True)   # six long headers: the grid cut the last
 st.caption(f"The load cap is bounded loads' ⌈c × fleet in-flight ÷ replicas⌉, c = {BOUND_C} (requests routed, not "
            "finished); the bars count, per policy, how often a request landed above it"
            + (" (requests routed after the removal)." if scale == "remove" else "."))
