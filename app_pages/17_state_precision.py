@@ -39,7 +39,7 @@ st.write(
     "lose and buy. After every token the trained model's states are stored in each format and read back; what "
     "drifts, and what it buys, is below.")
 
-SUMMARY_COLUMNS = {
+SUMMARY_COLUMNS = {   # 12 columns: shown wrapped (show_table(..., wrap=True)); a grid cut the last ones
     "label": "Format", "bytes_per_layer": num("Bytes per slot per layer", "%,d"),
     "capacity_vs_fp32": num("Slots vs fp32 (×)", "%.2f"), "agreement": num("Greedy agreement with fp32", "%.4f"),
     "top1": num("Top-1 on the file", "%.4f"), "final_state_rel_err": num("State drift at the end", "%.2e"),
@@ -129,7 +129,7 @@ else:
         st.warning("These figures were measured on other weights than weights/kda-demo holds now: rerun the bench.")
     drift_charts(shipped.curves, "p17_bench")
     agreement_chart(shipped.summary, "p17_bench_agreement")
-    show_table(shipped.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS)
+    show_table(shipped.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS, wrap=True)
     st.markdown("**What the field reports, on our model** (verdicts by top-1 on the file: a drop over 5 points is a "
                 "collapse, within 1 point a match)")
     show_table(field_claims(shipped.summary, cap), CLAIM_COLUMNS, wrap=True)
@@ -217,7 +217,7 @@ else:
     st.error("fp32 storage differs from plain decode: a bug in the storage path.")
 drift_charts(run.curves, "p17_run")
 agreement_chart(run.summary, "p17_run_agreement")
-show_table(run.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS)
+show_table(run.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS, wrap=True)
 with st.expander("Free-running text per format"):
     st.code("\n".join(f"{f:12s} {t!r}" for f, t in run.continuations.items()), language=None)
 

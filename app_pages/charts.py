@@ -22,7 +22,8 @@ if TYPE_CHECKING:      # annotations only: a page that builds no frame (Home's f
 
 
 def _log_data_range(fig: go.Figure, axis) -> tuple[float, float] | None:
-    """(min, max) of the positive finite data plotted on ``axis`` (a layout xaxis/yaxis), or None."""
+    """(min, max) of the positive finite data plotted on ``axis`` (a layout xaxis/yaxis) and of its reference lines
+    (page 17's fp16 limit at 65,504 above data up to 5 left four decades unlabelled), or None."""
     letter = axis.plotly_name[0]                          # "x" or "y"
     ref = letter + axis.plotly_name[5:]                   # "xaxis2" -> "x2"
     values = []
@@ -37,6 +38,10 @@ def _log_data_range(fig: go.Figure, axis) -> tuple[float, float] | None:
         except (TypeError, ValueError):
             continue
         values.append(arr[np.isfinite(arr) & (arr > 0)])
+    for shape in fig.layout.shapes or ():     # a reference line (add_hline / add_vline) widens the axis too
+        v0, v1 = getattr(shape, letter + "0"), getattr(shape, letter + "1")
+        if getattr(shape, letter + "ref") == ref and v0 is not None and v0 == v1 and v0 > 0:
+            values.append(np.array([float(v0)]))
     values = np.concatenate(values) if values else np.empty(0)
     return (float(values.min()), float(values.max())) if values.size else None
 

@@ -79,3 +79,12 @@ def test_pages_label_their_log_reference_lines() -> None:
               if a["text"].startswith("break-even"))
     tokens = float(be["text"].split("≈ ")[1].split(" tokens")[0].replace(",", ""))
     assert be["x"] == pytest.approx(math.log10(tokens), abs=1e-3), be
+
+
+def test_reference_line_counts_in_the_tick_range() -> None:
+    """Page 17: data 0.1-5 under an fp16 limit line at 65,504 got ticks up to 5 only, four decades unlabelled."""
+    fig = go.Figure(go.Scatter(x=[1, 2, 3], y=[0.1, 1.0, 5.0]))
+    fig.update_layout(yaxis_type="log")
+    fig.add_hline(y=65_504, line_dash="dash", annotation_text="fp16 max")
+    show_chart(fig, pd.DataFrame({"y": [0.1, 1.0, 5.0]}), key="log_ticks_test3")
+    assert fig.layout.yaxis.dtick == 1 and fig.layout.yaxis.tickvals is None        # 0.1 .. 65,504: > 5 decades
