@@ -174,12 +174,12 @@ else:
         "agreement": num("Prompts equal to fp32 (fraction)", "%.3f"),
         "median_first_divergence": "Median tokens before first divergence (within the row's length)",
         "min_first_divergence": "Fewest tokens before a divergence (within the row's length)",
-        "median_max_logit_diff": num("Median max |Δ logit| (logits)", "%.4f")})
+        "median_max_logit_diff": num("Median max |Δ logit| (logits)", "%.4f")}, wrap=True)   # long headers
     show_table(engine_run.slots, {
         "model": "Model (our engine's layout)", "state_dtype": "Stored state", "state_bytes": num("State bytes (recurrent in the stored dtype + fp32 conv)", "%,d"),
         "state_pages": num("State pages", "%d"), "requests": num("Requests at 1,024 tokens", "%,d"),
         "requests_vs_fp32": num("× fp32", "%.2f"), "state_slots": num("State slots", "%,d"),
-        "state_slots_vs_fp32": num("Slots × fp32", "%.2f")})
+        "state_slots_vs_fp32": num("Slots × fp32", "%.2f")}, wrap=True)   # 8 columns: the grid cut the last
     cond, t = m["conditions"], engine_run.timing
     st.caption(f"Serving wall time vs fp32, same run: bf16 {t.vs_fp32['bf16']:.2f}×, fp16 {t.vs_fp32['fp16']:.2f}× "
                f"(median of {int(t.repeats['fp32'])} interleaved repeats, {m['timing']['num_prompts']} prompts × "

@@ -204,7 +204,8 @@ def formatted(value, fmt: str) -> str:
     def one(m: re.Match) -> str:
         comma, precision, kind = m.group(1), m.group(2) or "", m.group(3)
         number = round(value) if kind in "di" else value
-        return format(number, f"{comma}{precision}{'d' if kind in 'di' else kind}")
+        text = format(number, f"{comma}{precision}{'d' if kind in 'di' else kind}")
+        return re.sub(r"e([+-])0(\d)", r"e\1\2", text)      # 5.2e-5, as the grid's printf writes it
 
     return re.sub(r"%(,?)(\.\d+)?([dife])", one, fmt).replace("%%", "%") if "%" in fmt else str(value)
 
