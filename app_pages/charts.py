@@ -6,7 +6,8 @@
 - ``show_forward_fit(fit, key)``: Home's and page 08's fitted forward cost, measured vs fitted vs predicted.
 - ``show_table(df, columns)``: ``st.dataframe`` of the named columns, each with its header and number
   format; booleans read yes / no. ``num(label, fmt)`` and ``pct(label)`` build the number columns. With
-  ``wrap=True`` (a table whose sentences a grid would cut) a static ``st.table`` of the same, its text wrapped.
+  ``wrap=True`` (a table whose sentences a grid would cut) a static ``st.table`` of the same, its text wrapped
+  and shown as written (``literal``: Markdown signs escaped).
 """
 from __future__ import annotations
 
@@ -213,7 +214,7 @@ def formatted(value, fmt: str) -> str:
 MARKDOWN_SIGNS = re.compile(r"([\\`*_\[\]<>#+\-|~$!])")
 
 
-def _literal(text: str) -> str:
+def literal(text: str) -> str:
     """``text`` shown as written in a ``st.table`` cell, which renders Markdown: each Markdown sign backslash-escaped
     (a simulator variant "+ the engine's checkpoint placement" became a bullet point, its "+" lost)."""
     return MARKDOWN_SIGNS.sub(r"\\\1", text)
@@ -234,8 +235,8 @@ def show_table(df: pd.DataFrame, columns: dict, wrap: bool = False, **kwargs) ->
             elif fmt:
                 scale = 100 if str(fmt).endswith("%%") else 1
                 shown[col] = [formatted(v * scale if v == v else v, fmt) for v in shown[col]]
-        shown = shown.map(lambda v: _literal(v) if isinstance(v, str) else v)
-        shown.columns = [_literal(cfg["label"] if isinstance(cfg, dict) else cfg) for cfg in columns.values()]
+        shown = shown.map(lambda v: literal(v) if isinstance(v, str) else v)
+        shown.columns = [literal(cfg["label"] if isinstance(cfg, dict) else cfg) for cfg in columns.values()]
         st.table(shown, hide_index=True, **kwargs)
         return
     shown = df[list(columns)].copy()
