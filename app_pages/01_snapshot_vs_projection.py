@@ -95,7 +95,7 @@ show_table(tdf, {"model": "Model", "KDA layers": num("KDA layers", "%d"),
                  "snapshot conv window MiB": num("Snapshot conv (MiB)", "%,.3f"),
                  "projections k,v,g,beta MiB": num("Projections (MiB)", "%,.3f"),
                  "conv inputs MiB": num("Conv inputs (MiB)", "%,.3f"), "raw inputs MiB": num("Raw inputs (MiB)", "%,.3f"),
-                 "ReplaySSM k,u,g MiB": num("ReplaySSM k, u, g (MiB)", "%,.3f")})
+                 "ReplaySSM k,u,g MiB": num("ReplaySSM k, u, g (MiB)", "%,.3f")}, wrap=True)   # 8 columns: the grid cut the last
 st.caption("Per draft token, all KDA layers; snapshot state in fp32, everything else in bf16. Snapshot ÷ projections: "
            + ", ".join(f"{r['snapshot / projections']:.0f}× ({r.model})" for _, r in tdf.iterrows())
            + "; snapshot ÷ raw inputs: " + ", ".join(f"{r['snapshot / raw inputs']:.0f}×" for _, r in tdf.iterrows()) + ".")

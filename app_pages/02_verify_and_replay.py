@@ -13,7 +13,7 @@ from app_pages.acceptance import (
     label,
     target,
 )
-from app_pages.charts import show_chart
+from app_pages.charts import int_tick_step, show_chart
 from app_pages.errors import engine_call
 from app_pages.links import declare
 from app_pages.measurement import remeasure_button
@@ -44,7 +44,7 @@ links = declare(
     Toggle("p02_poison", True),
     *acceptance_params("p02"),
 )
-c1, c2, c3, c4, c5 = st.columns(5)
+c1, c2, c3, c4, c5 = st.columns([1, 1.1, 1, 1.5, 1])   # the drafter's "prompt lookup (n-gram)" needs the room
 mode = links.selectbox(c1, "Mode", "p02_mode")
 strategy = links.selectbox(c2, "Strategy", "p02_strategy")
 num_draft = links.slider(c3, "Draft length n", "p02_draft")
@@ -105,7 +105,9 @@ if mode == "interrupted":
 elif mode == "injected deviation":
     m4.metric("Rejected tokens poisoned", f"{int(df.poisoned_tokens.sum())}")
 else:
-    m4.metric("Forced commits (ring write-backs / ReplaySSM materialisations)", f"{int(df.forced_commit.sum())}")
+    m4.metric("Forced commits", f"{int(df.forced_commit.sum())}",
+              help="Steps where the strategy had to commit before the verify: a RawInputRing write-back (the ring was "
+                   "full) or a ReplaySSM materialisation.")
 
 STATUS = {"accepted": "#2ca02c", "first wrong (rejected)": "#d62728", "dropped after the rejection": "#c7c7c7",
           "bonus (target's token)": "#1f77b4"}
@@ -135,8 +137,9 @@ fig.add_trace(go.Scatter(x=df.step, y=[0] * len(df), mode="markers", name="commi
                                      color=["#2ca02c" if d == 0 else "#d62728" for d in df.max_abs_diff]),
                          text=["bitwise equal" if d == 0 else f"max |Δ| = {d:.1e}" for d in df.max_abs_diff],
                          hovertemplate="step %{x}: %{text}<extra></extra>"))
+step_ticks = dict(tick0=0, dtick=int_tick_step(int(df.step.max())))   # whole steps: no "0.5" tick on a short run
 fig.update_layout(xaxis_title="speculative step", yaxis_title="verify position (1..n drafts; row 0: state check)",
-                  yaxis_dtick=1, legend=dict(orientation="h", y=-0.3), height=360)
+                  xaxis=step_ticks, yaxis_dtick=1, legend=dict(orientation="h", y=-0.3), height=360)
 show_chart(fig, df, key="p02_timeline_chart")
 st.caption("Each column is one verify: green drafts were accepted, the red one was the first wrong draft (rejected), "
            "grey drafts after it were dropped unchecked, and the blue ring is where the target's own token went. "
@@ -152,8 +155,8 @@ fig2.add_trace(go.Scatter(x=df.step, y=df.rollback_bytes / 1024, name="bytes hel
 fig2.add_trace(go.Scatter(x=df.step, y=df.verify_ms, name="verify ms", mode="lines+markers"), row=1, col=3)
 fig2.add_trace(go.Scatter(x=df.step, y=df.commit_ms, name="commit ms", mode="lines+markers"), row=1, col=3)
 fig2.update_layout(barmode="overlay", legend=dict(orientation="h", y=-0.3))
-fig2.update_xaxes(title_text="speculative step")
-fig2.update_yaxes(title_text="tokens", row=1, col=1)
+fig2.update_xaxes(title_text="speculative step", **step_ticks)
+fig2.update_yaxes(title_text="tokens", tick0=0, dtick=int_tick_step(int(df.num_drafted.max())), row=1, col=1)
 fig2.update_yaxes(title_text="KiB", row=1, col=2)
 fig2.update_yaxes(title_text="ms", row=1, col=3)
 show_chart(fig2, df, key="p02_steps_chart")

@@ -1,6 +1,7 @@
 """03 KDA state vs KV cache: bytes per sequence vs context, and measured decode cost per token."""
 import math
 
+import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
@@ -16,6 +17,7 @@ from lab.state_vs_kv import (
     MEASURED_CONTEXTS,
     MODELS,
     STATE_DTYPES,
+    HeadCost,
     fit_table,
     state_vs_kv,
 )
@@ -86,11 +88,13 @@ with part1:
     m1.metric("MLA KV per token (whole model)", f"{run.kv_bytes_per_token:,} B")
     m2.metric("KDA state per layer", f"{run.state_bytes_per_layer / 2 ** 20:,.2f} MiB",
               help=f"{run.state_bytes_per_layer:,} B = H × K × V × dtype bytes")
-    m3.metric("Fixed state per sequence (recurrent + bf16 conv)", f"{run.fixed_state_bytes / 2 ** 20:,.1f} MiB",
-              help=f"{run.fixed_state_bytes:,} B: every KDA layer's recurrent state in {state_dt} + its conv window "
+    m3.metric("Fixed state per sequence", f"{run.fixed_state_bytes / 2 ** 20:,.1f} MiB",
+              help=f"Recurrent state + bf16 conv window. {run.fixed_state_bytes:,} B: every KDA layer's recurrent state in {state_dt} + its conv window "
                    f"in bf16 (page 17 section 1 counts the conv window the same way; the engine's own layout keeps the conv window in fp32).")
-    m4.metric("Break-even context (recurrent + conv)", "∞" if not math.isfinite(be) else f"{be:,.0f} tokens",
-              "∞ (recurrent only)" if not math.isfinite(be_rec) else f"{be_rec:,.0f} tokens recurrent only", delta_color="off", delta_arrow="off")
+    m4.metric("Break-even context", "∞" if not math.isfinite(be) else f"{be:,.0f} tokens",
+              "∞ (recurrent only)" if not math.isfinite(be_rec) else f"{be_rec:,.0f} tokens recurrent only",
+              delta_color="off", delta_arrow="off",
+              help="Fixed state (recurrent + conv) ÷ MLA KV per token; the recurrent state alone below it.")
     st.caption(f"Break-even = fixed state ÷ MLA KV per token: {be:,.0f} tokens with the conv state, {be_rec:,.0f} for the "
                "recurrent state only. Dotted: every layer at MLA width, a counterfactual. Source: " + cfg.source + ".")
     with st.expander("How the bytes are computed"):
@@ -139,12 +143,43 @@ with part2:
     show_table(fit_table(fits), {"kind": "Fitted line", "a_us": num("a (µs)", "%,.2f"),
                                  "b_ns": num("b (ns per context token)", "%,.3f"),
                                  "b_se_ns": num("± b (standard error, ns)", "%,.3f"), "r2": num("R²", "%.3f"),
-                                 "reading": "What it means"})
+                                 "reading": "What it means"}, wrap=True)
     st.caption(
-        f"Measured now with {heads_meas} heads (the model has {cfg.num_heads}; scaled down to keep the run under a "
+        f"Measured now with {heads_meas} head{'' if heads_meas == 1 else 's'} (the model has {cfg.num_heads}; scaled down to keep the run under a "
         f"second). At N = {int(last.context_tokens):,}: KDA {last.kda_step_us:,.0f} µs vs MLA {last.mla_decode_us:,.0f} µs "
         "(medians). KDA's step touches only its state, so its b ≈ 0; MLA reads all N latents, so its b is the cache's "
         "per-token cost.")
+    hs = run.heads
+    hdf = pd.DataFrame(hs.rows, columns=HeadCost._fields)
+    one = hdf.iloc[0]
+    st.markdown(f"**MLA decode vs heads, at N = {hs.context_tokens:,}, all head counts in one run**")
+    fig3 = go.Figure()
+    fig3.add_trace(go.Scatter(
+        x=hdf.num_heads, y=hdf.mla_decode_us / 1e3, name="measured (median, bars = IQR)", mode="markers+lines",
+        marker=dict(color="#ef553b"), error_y=dict(type="data", symmetric=False,
+                                                   array=(hdf.mla_q3_us - hdf.mla_decode_us) / 1e3,
+                                                   arrayminus=(hdf.mla_decode_us - hdf.mla_q1_us) / 1e3)))
+    fig3.add_trace(go.Scatter(x=hdf.num_heads, y=one.mla_decode_us / 1e3 * hdf.num_heads, mode="lines",
+                              name="H × the 1-head time", line=dict(dash="dot", color="gray")))
+    fig3.update_layout(xaxis_title="MLA heads H (all reading the same N latents)", yaxis_title="time per decode (ms)",
+                       legend=dict(orientation="h", y=-0.3), height=360)
+    fig3.update_xaxes(tickvals=list(hdf.num_heads))
+    show_chart(fig3, hdf, key="p03_heads_chart")
+    measured_stamp(hs.conditions)
+    top = int(hdf.num_heads.max())
+    h1, h2 = st.columns(2)
+    k = max(heads_meas, 2)                              # the measured head count (2 when it is 1) against one head
+    h1.metric(f"{k} heads ÷ 1 head", f"{hs.ratio(k):,.2f}×",
+              help="Medians of the same run (head counts interleaved), so a change of load moves both alike.")
+    h2.metric(f"{top} heads ÷ 2 heads", f"{hs.ratio(top, 2):,.2f}×", f"{top // 2}× as many heads", delta_color="off",
+              delta_arrow="off", help="If every head cost a full decode, this would be the heads' ratio.")
+    st.caption(
+        f"Absorbed MLA's heads share one latent cache: a decode reads the {hs.context_tokens:,} latents "
+        f"({hs.latent_bytes / 2 ** 20:,.1f} MiB in fp32) once whatever H, and each head adds only its own dot "
+        f"products, so the time grows far slower than H (dotted: H × the 1-head time). In this run 1 → 2 heads took "
+        f"{hs.ratio(2):,.2f}×" + (" (one head is a matrix-vector product, two a matrix product: another kernel)"
+                                  if hs.ratio(2) > 1.3 else "") + f" and 2 → {top} heads {hs.ratio(top, 2):,.2f}×. Timings of different runs on a "
+        "shared machine are not comparable: compare head counts here, in one run.")
     with st.expander("How the decode cost is measured and fitted"):
         st.markdown(
             f"- Real dims K = {cfg.head_k_dim}, V = {cfg.head_v_dim}, latent {cfg.latent_dim}; MLA reads N × "

@@ -61,15 +61,22 @@ def _p04_timing(width: int, num_draft: int):   # the ring's capacity, window and
 
 
 COLORS = {"snapshot": "#d62728", "raw-input ring": "#1f77b4", "projection replay": "#2ca02c", "ReplaySSM": "#9467bd"}
+# projection replay and ReplaySSM hold the same bytes: ReplaySSM is drawn first, wide and pale, projection replay
+# dashed with open diamonds on top of it, so both stay visible where they coincide
+DRAW_ORDER = ["snapshot", "raw-input ring", "ReplaySSM", "projection replay"]
+LINES = {"ReplaySSM": dict(width=7, color="rgba(148, 103, 189, 0.45)"), "projection replay": dict(dash="dash", width=2)}
+MARKERS = {"ReplaySSM": dict(size=11, opacity=0.5), "projection replay": dict(symbol="diamond-open", size=10)}
 page = engine_call(_view, width, capacity, window, num_draft, drafter, acceptance)
 bdf = pd.DataFrame(page.bytes_rows)
 sdf, slots, run = pd.DataFrame(page.run.steps), pd.DataFrame(page.run.slots), page.run
 left, right = st.columns(2)
 with left:
     st.subheader("1 · Bytes held per verify")
-    fig = go.Figure([go.Scatter(x=part.draft_tokens, y=part.bytes, mode="lines+markers", line_color=COLORS[name],
+    parts = dict(list(bdf.groupby("strategy", sort=False)))
+    fig = go.Figure([go.Scatter(x=parts[name].draft_tokens, y=parts[name].bytes, mode="lines+markers",
+                                line=dict(color=COLORS[name]) | LINES.get(name, {}), marker=MARKERS.get(name, {}),
                                 name="snapshot (hypothetical per-position)" if name == "snapshot" else name)
-                     for name, part in bdf.groupby("strategy", sort=False)])
+                     for name in sorted(parts, key=lambda n: DRAW_ORDER.index(n) if n in DRAW_ORDER else -1)])
     fig.update_layout(xaxis_title="draft length n (verify = 1 + n tokens)", yaxis_title="bytes, all KDA layers (log)",
                       yaxis_type="log", legend=dict(orientation="h", y=-0.3))
     show_chart(fig, bdf, key="p04_bytes_chart")

@@ -96,8 +96,9 @@ st.subheader("2 · Utilisation by kind over time")
 tl = r.timeline
 uni, spl = tl[tl.variant == "unified"], tl[tl.variant == "static split"]
 n, kv_static = r.num_pages, r.kv_pages_static
-fig2 = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12,
-                     subplot_titles=("MLA_KV pages", "KDA_STATE pages"))
+fig2 = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.12, subplot_titles=(   # the dashed lines
+    f"MLA_KV pages (dashed: static KV pool size, {kv_static:,} pages)",                    # named above the panel,
+    f"KDA_STATE pages (dashed: static state pool size, {n - kv_static:,} pages)"))         # not over its data
 PANELS = ((1, "mla_kv_pages", "MLA_KV", "#2171b5", kv_static, "KV pool"),
           (2, "kda_state_pages", "KDA_STATE", "#f16913", n - kv_static, "state pool"))
 for row, col, kind, color, cap, cap_name in PANELS:
@@ -105,14 +106,12 @@ for row, col, kind, color, cap, cap_name in PANELS:
                               line=dict(color=color)), row=row, col=1)
     fig2.add_trace(go.Scatter(x=spl.step, y=100 * spl[col] / n, name=f"static split: {cap_name} used",
                               line=dict(color=color, dash="dot")), row=row, col=1)
-    fig2.add_hline(y=100 * cap / n, line_dash="dash", line_color=color, row=row, col=1,
-                   annotation_text=f"static {cap_name} size: {cap:,} pages", annotation_position="top left")
-    labels = row == 1                                                    # name the vertical lines once
-    fig2.add_vline(x=100, line_dash="dash", line_color="gray", row=row, col=1,
-                   **({"annotation_text": "mix flips"} if labels else {}))
-    fig2.add_vline(x=step, line_color="black", row=row, col=1, **({"annotation_text": "grid"} if labels else {}))
+    fig2.add_hline(y=100 * cap / n, line_dash="dash", line_color=color, row=row, col=1)
+    fig2.add_vline(x=100, line_dash="dash", line_color="gray", row=row, col=1)
+    fig2.add_vline(x=step, line_color="black", row=row, col=1)
     fig2.update_yaxes(title_text="% of the whole pool", rangemode="tozero", row=row, col=1)
-fig2.update_xaxes(title_text="step", row=2, col=1)
+fig2.update_xaxes(title_text=f"step (black: step {step}, the grid above; grey dashed: step 100, the mix flips)",
+                  row=2, col=1)                                          # named here, not written over the data
 fig2.update_layout(height=560, legend=dict(orientation="h", y=-0.18))
 show_chart(fig2, tl, key="p05_util")
 st.caption(f"Both panels count pages as a share of all {n:,} pages, for both pools. A static pool cannot go above "

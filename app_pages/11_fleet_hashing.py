@@ -68,7 +68,8 @@ show_chart(fig, load, key="p11_load_chart")
 m1, m2, m3, m4 = st.columns(4)
 m1.metric("max / mean load", f"{load.requests.max() / load.requests.mean():.2f}")
 m2.metric("token hit ratio (per-replica caches)", f"{hit:.1%}")
-m3.metric("block ideal (one shared infinite cache)", f"{ideal:.1%}")
+m3.metric("block ideal", f"{ideal:.1%}", help="The token hit ratio of one shared, infinite block cache: the most "
+          "any routing can reach on this trace.")
 if real:
     m4.metric("KV cached, no state to reuse it", f"{run.lost_ratio:.1%}",
               help="Prompt tokens whose KV the serving replica held but that no KDA state let it skip, as a share "

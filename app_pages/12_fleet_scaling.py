@@ -80,11 +80,11 @@ moved, n_after, anchors = run.moved, run.replicas_after, run.anchors
 with part1:
     st.subheader(f"1 · Keys moved going from {replicas} to {n_after} replicas")
     fig = go.Figure(go.Bar(x=moved.algorithm.map(display_name), y=moved.moved_fraction, name="measured here"))
-    big = max(replicas, n_after)   # ideal 1/big and mod-N 1 - 1/big meet at big = 2: labels on opposite ends
-    fig.add_hline(y=moved.ideal.iloc[0], line_dash="dash", annotation_text=f"ideal 1/{big}",
-                  annotation_position="top left")
+    big = max(replicas, n_after)   # ideal 1/big and mod-N 1 - 1/big meet at big = 2: labels on opposite ends,
+    fig.add_hline(y=moved.ideal.iloc[0], line_dash="dash", annotation_text=f"ideal 1/{big}",   # each above the end
+                  annotation_position="top right")            # whose bar stops at its line (on the mod-N bar: hidden)
     fig.add_hline(y=moved.mod_n_expected.iloc[0], line_dash="dot", annotation_text=f"mod-N expected 1 − 1/{big}",
-                  annotation_position="top right")
+                  annotation_position="top left")
     fig.update_layout(xaxis_title="algorithm", yaxis_title="keys that change replica (% of keys)",
                       yaxis_tickformat=".0%")
     show_chart(fig, moved, key="p12_moved_chart")
@@ -133,7 +133,8 @@ with part2:
         columns["lost_no_event"] = pct("KV without state")
     show_table(table, columns)
     m1, m2 = st.columns(2)
-    m1.metric("block ideal (one shared infinite cache)", f"{run.ideal_ratio:.1%}")
+    m1.metric("block ideal", f"{run.ideal_ratio:.1%}", help="The token hit ratio of one shared, infinite block "
+          "cache: the most any routing can reach on this trace.")
     m2.metric("cache per replica", f"{run.budget_gb:,.0f} GB" if real else
               ("unlimited" if capacity == "unlimited" else f"{int(capacity):,} blocks"))
     st.caption(f"{n_trace:,} requests per trace (cap {num_requests:,}); the trace ends {n_trace - at_request:,} requests "

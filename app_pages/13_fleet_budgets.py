@@ -150,8 +150,15 @@ for label in (WITHOUT, WITH):
     fig.add_trace(go.Box(x=[CLASS_LABELS[k] for k in ORDER], name=label, q1=s.ttft_p25_ms / 1000,
                          median=s.ttft_p50_ms / 1000, q3=s.ttft_p75_ms / 1000, lowerfence=s.ttft_min_ms / 1000,
                          upperfence=s.ttft_p99_ms / 1000))
-fig.update_layout(boxmode="group", xaxis_title="Class", yaxis_title="TTFT (s, log)", yaxis=dict(type="log"),
-                  legend=dict(orientation="h", y=-0.25))
+fences = summary[summary["class"].isin(ORDER)]
+lo_s, hi_s = fences.ttft_min_ms.min() / 1000, fences.ttft_p99_ms.max() / 1000
+BOX_TICKS_S = [m * 10.0 ** e for e in range(-4, 5) for m in (1, 3)]   # 1-3-10: a label in every half decade
+bottom = max([t for t in BOX_TICKS_S if t <= lo_s], default=BOX_TICKS_S[0])       # the ticks bracket the data
+top_s = min([t for t in BOX_TICKS_S if t >= hi_s], default=BOX_TICKS_S[-1])
+shown = [t for t in BOX_TICKS_S if bottom <= t <= top_s]
+fig.update_layout(boxmode="group", xaxis_title="Class", legend=dict(orientation="h", y=-0.25),
+                  yaxis=dict(type="log", title="TTFT (s, log)", tickvals=shown, ticktext=[f"{t:g} s" for t in shown],
+                             range=[math.log10(shown[0]), math.log10(shown[-1])]))
 show_chart(fig, run.per_request[["isolation", "klass", "request_id", "arrival_ms", "status", "queue_wait_ms", "ttft_ms",
                                   "e2e_ms"]], key="p13_ttft_chart")
 missing = [k for k in TOKENS if k not in ORDER]

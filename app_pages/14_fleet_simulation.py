@@ -5,7 +5,7 @@ import plotly.graph_objects as go
 import streamlit as st
 
 from app_pages.caching import upload_parts
-from app_pages.charts import num, pct, show_chart, show_table
+from app_pages.charts import inside_if_tall, num, pct, show_chart, show_table
 from app_pages.errors import engine_call
 from app_pages.links import declare
 from app_pages.measurement import run_on_request
@@ -132,7 +132,8 @@ def _labelled(df):
 overall = summary[summary["class"] == "all"]
 st.subheader("1 · Prefix-cache hit ratio per policy")
 fig = go.Figure(go.Bar(x=overall.policy.map(DISPLAY_NAMES), y=overall.hit_ratio, name="measured here",
-                       text=[f"{v:.1%}" for v in overall.hit_ratio], textposition="inside", insidetextanchor="end"))   # clear of the ideal line above
+                       text=[f"{v:.1%}" for v in overall.hit_ratio], insidetextanchor="end",   # clear of the ideal line
+                       textposition=inside_if_tall(overall.hit_ratio, max(ideal, overall.hit_ratio.max()))))
 fig.add_hline(y=ideal, line_dash="dash", annotation_text=f"ideal (one infinite shared cache) {ideal:.1%}")
 fig.update_layout(xaxis_title="routing policy", yaxis_title="token hit ratio (cached ÷ prompt tokens)",
                   yaxis_tickformat=".0%", yaxis_range=[0, max(ideal, overall.hit_ratio.max(), 0.05) * 1.15])
@@ -180,7 +181,7 @@ show_table(_labelled(balance), {
     "p99_in_flight": num("Chosen replica's in-flight, P99 (requests)", "%.0f"),
     "mean_in_flight": num("Fleet in-flight per replica, mean", "%.2f"),
     "max_over_mean_requests": num("Requests per replica, max ÷ mean", "%.2f"),
-    "throughput_rps": num("Throughput (req/s)", "%.2f")})
+    "throughput_rps": num("Throughput (req/s)", "%.2f")}, wrap=True)   # six long headers: the grid cut the last
 st.caption(f"The load cap is bounded loads' ⌈c × fleet in-flight ÷ replicas⌉, c = {BOUND_C} (requests routed, not "
            "finished); the bars count, per policy, how often a request landed above it"
            + (" (requests routed after the removal)." if scale == "remove" else "."))
@@ -256,7 +257,8 @@ with st.expander("Conditions of the recorded run"):
         "engine reserves a request's final pages when it admits it and preempts only when asked.")
 mape = record["mape"]
 fig_mape = go.Figure([go.Bar(name=CLOCK_TITLES[c], x=g.label, y=g.worst_rate_pct,
-                             text=[f"{v:.1f} %" for v in g.worst_rate_pct]) for c, g in mape.groupby("clock", sort=False)])
+                             text=[f"{v:.1f} %" for v in g.worst_rate_pct], textposition=inside_if_tall(g.worst_rate_pct))
+                      for c, g in mape.groupby("clock", sort=False)])
 for clock, goal in GOAL_PCT.items():
     fig_mape.add_hline(y=goal, line_dash="dot", annotation_text=f"{goal:.0f} % goal ({clock})")
 fig_mape.update_layout(barmode="group", xaxis_title="metric", yaxis_title="worst rate's error (%)", height=340,

@@ -39,7 +39,7 @@ st.write(
     "lose and buy. After every token the trained model's states are stored in each format and read back; what "
     "drifts, and what it buys, is below.")
 
-SUMMARY_COLUMNS = {
+SUMMARY_COLUMNS = {   # 12 columns: shown wrapped (show_table(..., wrap=True)); a grid cut the last ones
     "label": "Format", "bytes_per_layer": num("Bytes per slot per layer", "%,d"),
     "capacity_vs_fp32": num("Slots vs fp32 (×)", "%.2f"), "agreement": num("Greedy agreement with fp32", "%.4f"),
     "top1": num("Top-1 on the file", "%.4f"), "final_state_rel_err": num("State drift at the end", "%.2e"),
@@ -129,10 +129,10 @@ else:
         st.warning("These figures were measured on other weights than weights/kda-demo holds now: rerun the bench.")
     drift_charts(shipped.curves, "p17_bench")
     agreement_chart(shipped.summary, "p17_bench_agreement")
-    show_table(shipped.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS)
+    show_table(shipped.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS, wrap=True)
     st.markdown("**What the field reports, on our model** (verdicts by top-1 on the file: a drop over 5 points is a "
                 "collapse, within 1 point a match)")
-    show_table(field_claims(shipped.summary, cap), CLAIM_COLUMNS)
+    show_table(field_claims(shipped.summary, cap), CLAIM_COLUMNS, wrap=True)
 
 st.subheader("3 · Can the state outgrow fp16? (constructed low-decay input)")
 e1, e2 = st.columns(2)
@@ -174,12 +174,12 @@ else:
         "agreement": num("Prompts equal to fp32 (fraction)", "%.3f"),
         "median_first_divergence": "Median tokens before first divergence (within the row's length)",
         "min_first_divergence": "Fewest tokens before a divergence (within the row's length)",
-        "median_max_logit_diff": num("Median max |Δ logit| (logits)", "%.4f")})
+        "median_max_logit_diff": num("Median max |Δ logit| (logits)", "%.4f")}, wrap=True)   # long headers
     show_table(engine_run.slots, {
         "model": "Model (our engine's layout)", "state_dtype": "Stored state", "state_bytes": num("State bytes (recurrent in the stored dtype + fp32 conv)", "%,d"),
         "state_pages": num("State pages", "%d"), "requests": num("Requests at 1,024 tokens", "%,d"),
         "requests_vs_fp32": num("× fp32", "%.2f"), "state_slots": num("State slots", "%,d"),
-        "state_slots_vs_fp32": num("Slots × fp32", "%.2f")})
+        "state_slots_vs_fp32": num("Slots × fp32", "%.2f")}, wrap=True)   # 8 columns: the grid cut the last
     cond, t = m["conditions"], engine_run.timing
     st.caption(f"Serving wall time vs fp32, same run: bf16 {t.vs_fp32['bf16']:.2f}×, fp16 {t.vs_fp32['fp16']:.2f}× "
                f"(median of {int(t.repeats['fp32'])} interleaved repeats, {m['timing']['num_prompts']} prompts × "
@@ -217,7 +217,7 @@ else:
     st.error("fp32 storage differs from plain decode: a bug in the storage path.")
 drift_charts(run.curves, "p17_run")
 agreement_chart(run.summary, "p17_run_agreement")
-show_table(run.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS)
+show_table(run.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS, wrap=True)
 with st.expander("Free-running text per format"):
     st.code("\n".join(f"{f:12s} {t!r}" for f, t in run.continuations.items()), language=None)
 

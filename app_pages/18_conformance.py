@@ -56,8 +56,8 @@ elif requested("p18_live_on", "p18_live_button", "Run the checks against our eng
     failed = (live.table["status"] == "fail").sum()
     (st.error if failed else st.success)(f"{len(live.table) - failed} of {len(live.table)} checks pass "
                                          f"({live.seconds:.0f} s; python -m serve.http {live.server}).")
-    show_table(live.table, {"check": "Check", "status": "Status", "summary": "Evidence",
-                            "parts pass / fail / n/a": "Parts pass / fail / n/a"})
+    show_table(live.table, {"check": "Check", "status": "Status", "summary": "Evidence",   # sentences: wrapped
+                            "parts pass / fail / n/a": "Parts pass / fail / n/a"}, wrap=True)
     st.download_button("Download the JSON report", live.report_json, file_name="conformance_ours.json",
                        key="p18_json_button")
     remeasure_button(_p18_live, "p18_rerun", "Run again")
@@ -69,7 +69,7 @@ if rec is None:
 else:
     st.caption(f"llama.cpp {rec.version}, run {rec.date}: `{rec.command}`")
     show_table(rec.table, {"check": "Check", "status": "Status", "summary": "Evidence",
-                           "parts pass / fail / n/a": "Parts pass / fail / n/a"})
+                           "parts pass / fail / n/a": "Parts pass / fail / n/a"}, wrap=True)
     for line in rec.findings:
         st.markdown(f"- {line}")
 
@@ -86,7 +86,7 @@ else:
                              "ours max |Δ logprob|": num("Ours: max |Δ logprob| (nats)", "%.1e"),
                              "ours greedy": "Ours: greedy 256",
                              "llama.cpp max |Δ logprob|": num("llama.cpp: max |Δ logprob| (nats)", "%.1e"),
-                             "llama.cpp greedy": "llama.cpp: greedy 256"})
+                             "llama.cpp greedy": "llama.cpp: greedy 256"}, wrap=True)   # 6 columns: last one cut
     st.markdown("What to notice: the three agree to fp32 rounding (ours runs the same maths as transformers in "
                 "another summation order). llama.cpp normalises KDA's q and k with eps 1e-5 where fla and transformers "
                 "use 1e-6 (`python -m bench.llama_cpp_findings`): on a tiny random model that moved log-probs by about "

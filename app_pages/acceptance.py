@@ -128,13 +128,15 @@ def acceptance_section(links: PageLinks, drafter: str, p: float, num_draft: int,
                   on_click=st.session_state.update, kwargs={flag: True})
         return
     positions, summary, cond = engine_call(_measure, drafter, p, num_draft, SIZES[size])
+    crowded = num_draft > 8                    # two labels per position would run together ("100%100%"): upright
     fig = go.Figure([go.Bar(x=part.position, y=100 * part.rate, name=kind, marker_color=KIND_COLORS[kind],
                             text=[f"{r:.0%}" for r in part.rate], textposition="outside",
+                            textangle=-90 if crowded else 0,
                             customdata=100 * part.conditional_rate,
                             hovertemplate="position %{x}: %{y:.0f} % of drafts; %{customdata:.0f} % given "
                                           "position − 1 accepted<extra>" + kind + "</extra>")
                      for kind, part in positions.groupby("kind", sort=False)])
-    fig.update_layout(barmode="group", xaxis_title="draft position i", xaxis_dtick=1, yaxis_range=[0, 115],
+    fig.update_layout(barmode="group", xaxis_title="draft position i", xaxis_dtick=1, yaxis_range=[0, 130 if crowded else 115],
                       yaxis_title="P(draft i accepted) (%)",   # of verify steps with drafts: the caption
                       legend=dict(orientation="h", y=-0.3), height=340)
     show_chart(fig, positions, key=f"{prefix}_acceptance_chart")

@@ -2,12 +2,16 @@
 
 - ``show_chart(fig, df, key)``: a Plotly chart with a stable key plus a CSV download of its data; log axes get
   labelled ticks between the powers of ten and their reference lines' labels on the lines.
+- ``inside_if_tall(values)``: a bar's label inside it when the bar is tall enough, above it when not.
 - ``show_forward_fit(fit, key)``: Home's and page 08's fitted forward cost, measured vs fitted vs predicted.
 - ``show_table(df, columns)``: ``st.dataframe`` of the named columns, each with its header and number
-  format; booleans read yes / no. ``num(label, fmt)`` and ``pct(label)`` build the number columns.
+  format; booleans read yes / no. ``num(label, fmt)`` and ``pct(label)`` build the number columns. With
+  ``wrap=True`` (a table whose sentences a grid would cut) a static ``st.table`` of the same, its text wrapped
+  and shown as written (``literal``: Markdown signs escaped).
 """
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,7 +23,8 @@ if TYPE_CHECKING:      # annotations only: a page that builds no frame (Home's f
 
 
 def _log_data_range(fig: go.Figure, axis) -> tuple[float, float] | None:
-    """(min, max) of the positive finite data plotted on ``axis`` (a layout xaxis/yaxis), or None."""
+    """(min, max) of the positive finite data plotted on ``axis`` (a layout xaxis/yaxis) and of its reference lines
+    (page 17's fp16 limit at 65,504 above data up to 5 left four decades unlabelled), or None."""
     letter = axis.plotly_name[0]                          # "x" or "y"
     ref = letter + axis.plotly_name[5:]                   # "xaxis2" -> "x2"
     values = []
@@ -34,6 +39,10 @@ def _log_data_range(fig: go.Figure, axis) -> tuple[float, float] | None:
         except (TypeError, ValueError):
             continue
         values.append(arr[np.isfinite(arr) & (arr > 0)])
+    for shape in fig.layout.shapes or ():     # a reference line (add_hline / add_vline) widens the axis too
+        v0, v1 = getattr(shape, letter + "0"), getattr(shape, letter + "1")
+        if getattr(shape, letter + "ref") == ref and v0 is not None and v0 == v1 and v0 > 0:
+            values.append(np.array([float(v0)]))
     values = np.concatenate(values) if values else np.empty(0)
     return (float(values.min()), float(values.max())) if values.size else None
 
@@ -41,13 +50,15 @@ def _log_data_range(fig: go.Figure, axis) -> tuple[float, float] | None:
 def _decade_ticks(axis, data_range: tuple[float, float] | None = None) -> None:
     """Readable labels on a log axis without explicit ticks (Plotly's default minor labels read as a
     bare "2" or "5", which can mean 2,000 or 20,000). Over ``data_range`` (min, max > 0) spanning
-    <= 1 decade: ticks at 1, 1.5, 2, 3, 5, 7 x 10^k; <= 3 decades: 1-2-5 x 10^k; wider (or unknown):
-    the powers of ten only. Every tick is labelled with its full value."""
+    <= 1 decade: ticks at 1, 1.5, 2, 3, 5, 7 x 10^k; <= 3 decades: 1-2-5 x 10^k; <= 5 decades: 1-3 x 10^k (with
+    the powers alone, data up to 4 x 10^k ran past the last label); wider (or unknown): the powers of ten only.
+    Every tick is labelled with its full value."""
     if axis.type != "log" or axis.dtick is not None or axis.tickvals is not None:
         return
     if data_range is not None and data_range[0] > 0 and data_range[1] >= data_range[0]:
         lo, hi = np.log10(data_range[0]), np.log10(data_range[1])
-        mantissas = (1, 1.5, 2, 3, 5, 7) if hi - lo <= 1 else (1, 2, 5) if hi - lo <= 3 else None
+        mantissas = ((1, 1.5, 2, 3, 5, 7) if hi - lo <= 1 else (1, 2, 5) if hi - lo <= 3 else (1, 3) if hi - lo <= 5
+                     else None)
         if mantissas is not None:
             ticks = [m * 10.0 ** e for e in range(int(np.floor(lo)) - 1, int(np.ceil(hi)) + 1) for m in mantissas]
             below = [t for t in ticks if t <= data_range[0]]
@@ -150,6 +161,14 @@ def show_forward_fit(fit, key: str) -> None:
             "cut TTFT in proportion; it does not.")
 
 
+def inside_if_tall(values, top: float | None = None, share: float = 0.12) -> list[str]:
+    """A bar chart's per-bar ``textposition``: "inside" for a bar at least ``share`` of ``top`` (default: the largest
+    value) tall, "outside" for a shorter one, whose label inside would be shrunk into a sliver."""
+    values = [float(v) for v in values]
+    top = max([v for v in values if v == v] + [0.0]) if top is None else float(top)
+    return ["inside" if v == v and top > 0 and v >= share * top else "outside" for v in values]
+
+
 def int_tick_step(max_value: int, max_ticks: int = 8) -> int:
     """The smallest 1-2-5 step (1, 2, 5, 10, 20, ...) that puts at most ``max_ticks`` integer ticks on an axis from 0
     to ``max_value`` (a count: rows, tokens, requests), so no tick reads a fraction or a negative count."""
@@ -172,16 +191,64 @@ def pct(label: str, decimals: int = 1, **kwargs):
     return st.column_config.NumberColumn(label, format=f"%.{decimals}f%%", **kwargs)
 
 
-def show_table(df: pd.DataFrame, columns: dict, **kwargs) -> None:
+WRAP_CHARS = 60   # a text cell longer than this is cut in st.dataframe's grid at its default column width
+
+
+def formatted(value, fmt: str) -> str:
+    """``value`` as a :func:`num` column with printf format ``fmt`` shows it (``"%,.2f"``, ``"%d"``, ``"%.1f%%"``,
+    ``"localized"``); ``""`` for NaN / None. A format without a ``%`` directive gives ``str(value)``."""
+    if value is None or value != value:
+        return ""
+    if fmt == "localized":
+        return f"{value:,}" if float(value).is_integer() else f"{value:,.2f}"
+
+    def one(m: re.Match) -> str:
+        comma, precision, kind = m.group(1), m.group(2) or "", m.group(3)
+        number = round(value) if kind in "di" else value
+        text = format(number, f"{comma}{precision}{'d' if kind in 'di' else kind}")
+        return re.sub(r"e([+-])0(\d)", r"e\1\2", text)      # 5.2e-5, as the grid's printf writes it
+
+    return re.sub(r"%(,?)(\.\d+)?([dife])", one, fmt).replace("%%", "%") if "%" in fmt else str(value)
+
+
+MARKDOWN_SIGNS = re.compile(r"([\\`*_\[\]<>#+\-|~$!])")
+
+
+def literal(text: str) -> str:
+    """``text`` shown as written in a ``st.table`` cell, which renders Markdown: each Markdown sign backslash-escaped
+    (a simulator variant "+ the engine's checkpoint placement" became a bullet point, its "+" lost)."""
+    return MARKDOWN_SIGNS.sub(r"\\\1", text)
+
+
+def show_table(df: pd.DataFrame, columns: dict, wrap: bool = False, **kwargs) -> None:
     """``st.dataframe`` of ``df``'s columns named in ``columns``, in that order, without the index. Each value is the
     column's header (a string) or a ``st.column_config`` column (:func:`num`, :func:`pct`: its fractions are
     shown ×100); booleans read "yes" / "no". Only the display changes: ``df`` and any CSV of it keep the raw,
-    machine-readable frame."""
-    from pandas.api.types import is_bool_dtype  # here, not at import: Home's first run builds no frame
+    machine-readable frame. ``wrap=True``: a static ``st.table`` instead, numbers formatted as their columns say
+    and long text wrapped in its cell (a grid cuts a sentence at its column's width; see :data:`WRAP_CHARS`)."""
+    if wrap:
+        shown = df[list(columns)].copy()
+        for col, cfg in columns.items():
+            fmt = cfg.get("type_config", {}).get("format") if isinstance(cfg, dict) else None
+            if _is_bool(shown[col]):
+                shown[col] = shown[col].map({True: "yes", False: "no"})
+            elif fmt:
+                scale = 100 if str(fmt).endswith("%%") else 1
+                shown[col] = [formatted(v * scale if v == v else v, fmt) for v in shown[col]]
+        shown = shown.map(lambda v: literal(v) if isinstance(v, str) else v)
+        shown.columns = [literal(cfg["label"] if isinstance(cfg, dict) else cfg) for cfg in columns.values()]
+        st.table(shown, hide_index=True, **kwargs)
+        return
     shown = df[list(columns)].copy()
     for col, cfg in columns.items():
-        if is_bool_dtype(shown[col]):
+        if _is_bool(shown[col]):
             shown[col] = shown[col].map({True: "yes", False: "no"})
         elif isinstance(cfg, dict) and str(cfg.get("type_config", {}).get("format", "")).endswith("%%"):
             shown[col] = shown[col] * 100
     st.dataframe(shown, hide_index=True, width="stretch", column_config=columns, **kwargs)
+
+
+def _is_bool(series) -> bool:
+    """Whether ``series`` holds booleans (pandas imported here, not at import: Home's first run builds no frame)."""
+    from pandas.api.types import is_bool_dtype
+    return is_bool_dtype(series)

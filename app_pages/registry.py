@@ -1,5 +1,8 @@
 """The tabs of the app, in order: (section, page file, URL path, title, icon, one-line description).
 
+The sidebar lists them by section (``SECTIONS`` order), so each section holds the next pages by number and the
+sidebar reads 01, 02, ... 18 (the state-precision page, 17, sits with the engine it measures, before conformance).
+
 ``app.py`` builds ``st.navigation`` from this list and the home page links to every entry, so a tab
 is added in exactly one place. Only pages that exist and work are listed. The URL path is stated, not
 derived from the file name: a deep link (``/kcp?p10_world=4``) keeps working when a file is renamed.
@@ -39,8 +42,6 @@ TABS: list[Tab] = [
         "one pool of MLA_KV and KDA_STATE pages under a shifting request mix; page-size policies; alloc latency"),
     Tab("Memory", "app_pages/06_mla_paging.py", "mla_paging", "06 MLA paging", ":material/account_tree:",
         "page tables, fragmentation vs block size, measured paged gather vs contiguous, prefix sharing by refcount"),
-    Tab("Memory", "app_pages/17_state_precision.py", "state_precision", "17 State precision", ":material/tune:",
-        "KDA state stored in fp32 / bf16 / fp16 / fp8 / int8: drift and agreement on the trained model, requests per GPU"),
     Tab("Prefix cache", "app_pages/07_prefix_anatomy.py", "prefix_anatomy",
         "07 Prefix cache anatomy", ":material/account_tree:",
         "blocks, chained keys, per-group checkpoints; the two-phase lookup step by step"),
@@ -65,6 +66,8 @@ TABS: list[Tab] = [
     Tab("Engine", "app_pages/16_continuous_batching.py", "continuous_batching", "16 Continuous batching",
         ":material/view_agenda:",
         "a trace through the batched engine: batch composition, state slots, TTFT / TPOT, bitwise vs alone"),
+    Tab("Engine", "app_pages/17_state_precision.py", "state_precision", "17 State precision", ":material/tune:",
+        "KDA state stored in fp32 / bf16 / fp16 / fp8 / int8: drift and agreement on the trained model, requests per GPU"),
     Tab("Engine", "app_pages/18_conformance.py", "conformance", "18 Conformance", ":material/rule:",
         "the invariants a recurrent state must keep in any serving engine: ours checked live, llama.cpp recorded"),
 ]

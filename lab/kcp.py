@@ -299,6 +299,9 @@ def phase_gap(single: list[RankRow], ranks: list[RankRow]) -> list[PhaseGap]:
 
 
 VARIANTS = {"all-gather (one collective)": "allgather", "ring (W−1 serial hops)": "ring"}
+# page 10's default: at the 2 ranks a small host offers, the ring's one hop costs less than the all-gather's summary
+# (chaining K x K transitions per chunk, several times a scan), so it is the variant the projection favours there
+DEFAULT_VARIANT = "ring (W−1 serial hops)"
 MODELS = {"Kimi-Linear-48B-A3B": "kimi-linear-48b-a3b", "Kimi K3": "kimi-k3"}  # byte comparison models
 BANDWIDTHS_GBPS = (1, 5, 10, 25, 50, 100, 200, 400)  # interconnect options of the projection (GB/s)
 PROJECTED_WORLD_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)

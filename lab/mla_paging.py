@@ -166,7 +166,7 @@ def prefix_sharing_bytes(max_requests: int, prefix_tokens: int, unique_tokens: i
 
 
 GATHER_BLOCKS = (1, 4, 16, 64, 256)
-GATHER_CONTEXTS = (256, 1024, 4096, 16384)
+GATHER_CONTEXTS = tuple(2 ** i for i in range(8, 15))   # 256 .. 16,384 tokens, every power of two
 GATHER_REPEATS = 7
 
 

@@ -59,7 +59,34 @@ class DecodeCosts(NamedTuple):
     conditions: Conditions
 
 
+class HeadCost(NamedTuple):
+    """One head count H: microseconds of one absorbed MLA decode over the same N latents, median and interquartile
+    range (q1, q3) over the repeats."""
+
+    num_heads: int
+    mla_decode_us: float
+    mla_q1_us: float
+    mla_q3_us: float
+
+
+class HeadScaling(NamedTuple):
+    """:func:`measure_head_scaling`'s result: ``rows`` (one :class:`HeadCost` per head count, ascending),
+    ``context_tokens`` (the N every row decodes over), ``latent_bytes`` (the N x (r + rope) fp32 latents one decode
+    reads, whatever H), ``conditions`` of the run."""
+
+    rows: list
+    context_tokens: int
+    latent_bytes: int
+    conditions: Conditions
+
+    def ratio(self, heads: int, base: int = 1) -> float:
+        """The median time with ``heads`` heads ÷ with ``base`` heads (both must be rows). Raises KeyError."""
+        medians = {r.num_heads: r.mla_decode_us for r in self.rows}
+        return medians[heads] / medians[base]
+
+
 MAX_MEASURED_CONTEXT = 262_144
+HEAD_COUNTS = (1, 2, 4, 8, 16)   # head counts of the head-scaling run (the page's measured heads joins them)
 GOOD_FIT_R2 = 0.9   # below this the line explains too little of the medians' spread to be read as a + b·N
 
 
@@ -128,6 +155,47 @@ def measure_decode_cost(cfg: ModelConfig, contexts: list[int], num_heads: int = 
                        fit_linear(contexts, [t.median_s for t in mla]), cond)
 
 
+def measure_head_scaling(cfg: ModelConfig, context_tokens: int, heads: tuple[int, ...] = HEAD_COUNTS,
+                         repeats: int = MIN_REPEATS, seed: int = 0) -> HeadScaling:
+    """Time one absorbed MLA decode (:func:`kda_core.layer.latent_attention`) over the same ``context_tokens``
+    latents with each head count in ``heads``, all in one run: the head counts interleaved in rotating order
+    (:func:`lab.timing.measure`), one torch thread, so a change of load moves every count alike.
+
+    Absorbed MLA's heads share one latent cache: each step reads the N x (r + rope) latents once, whatever H, and
+    each head adds 2 N (r + rope) + 2 N r flops (its scores, then its weighted sum of latents). While reading the
+    latents dominates, the time grows far slower than H; H-fold only where the arithmetic dominates. Timings from
+    different runs on a shared machine differ by more than that (the load changes), hence one run.
+
+    Args:
+        cfg: model config (latent width r + rope and the softmax scale come from it).
+        context_tokens: N, in [1, 262,144].
+        heads: distinct head counts, each >= 1, at least two (for the fit).
+        repeats: timed rounds per head count (>= :data:`lab.timing.MIN_REPEATS`).
+
+    Returns: :class:`HeadScaling`, rows in ascending head count.
+
+    Raises: ValueError for N out of range, fewer than two distinct head counts, a head count < 1, or repeats
+    below :data:`lab.timing.MIN_REPEATS`.
+    """
+    check_int("context_tokens", context_tokens)
+    if context_tokens > MAX_MEASURED_CONTEXT:
+        raise ValueError(f"context_tokens must be <= {MAX_MEASURED_CONTEXT}, got {context_tokens}")
+    counts = sorted(set(heads))
+    if len(counts) < 2 or len(counts) != len(heads):
+        raise ValueError(f"heads must be at least two distinct head counts, got {heads}")
+    for h in counts:
+        check_int("heads", h)
+    gen = torch.Generator().manual_seed(seed)
+    latents = torch.randn(1, context_tokens, cfg.latent_dim, generator=gen)        # [1, N, r + rope]
+    queries = {h: torch.randn(1, h, cfg.latent_dim, generator=gen) for h in counts}  # [1, H, r + rope]
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    with one_thread():
+        timings, cond = measure({str(h): lambda q=queries[h]: latent_attention(q, latents, cfg.kv_lora_rank, scale)
+                                 for h in counts}, repeats=repeats)
+    rows = [HeadCost(h, t.median_s * 1e6, t.q1_s * 1e6, t.q3_s * 1e6) for h, t in zip(counts, timings)]
+    return HeadScaling(rows, context_tokens, latents.numel() * latents.element_size(), cond)
+
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8 (e4m3)": torch.float8_e4m3fn}
 STATE_DTYPES = ("fp32", "bf16")
 KV_DTYPES = ("bf16", "fp8 (e4m3)", "fp16", "fp32")
@@ -146,7 +214,8 @@ class StateVsKv:
     cfg: the model. bytes: :class:`kda_core.config.SequenceBytes` columns per context (bytes per sequence);
     layers: :func:`kda_core.config.layer_table` rows for every context in :data:`CONTEXTS` (column
     ``context_tokens``); decode: :class:`DecodeCost` columns (µs); kda_fit / mla_fit: t(N) = a + b N of the
-    medians (s); conditions: of the measurement (:class:`lab.timing.Conditions`). Scalars in bytes (per token / layer /
+    medians (s); conditions: of the measurement (:class:`lab.timing.Conditions`); heads: the MLA decode at the
+    largest measured context with 1, 2, 4, 8, 16 and the measured head count, in one run (:class:`HeadScaling`). Scalars in bytes (per token / layer /
     sequence) and tokens (break-even; inf when the model has no MLA layer); ``*_dtype_bytes`` element sizes."""
 
     cfg: ModelConfig
@@ -156,6 +225,7 @@ class StateVsKv:
     kda_fit: LinearFit
     mla_fit: LinearFit
     conditions: Conditions
+    heads: HeadScaling
     kv_bytes_per_token: int
     all_mla_kv_bytes_per_token: int
     state_bytes_per_layer: int
@@ -197,7 +267,8 @@ def state_vs_kv(model: str, state_dtype: str, kv_dtype: str, context_range: tupl
     measured = [2 ** i for i in range(8, int(np.log2(measure_max_tokens)) + 1)]
     costs = measure_decode_cost(cfg, measured, num_heads=measure_heads, repeats=repeats)
     decode = pd.DataFrame(costs.rows, columns=DecodeCost._fields)
-    return StateVsKv(cfg, curve, layers, decode, costs.kda_fit, costs.mla_fit, costs.conditions,
+    heads = measure_head_scaling(cfg, measured[-1], tuple(sorted({*HEAD_COUNTS, measure_heads})), repeats=repeats)
+    return StateVsKv(cfg, curve, layers, decode, costs.kda_fit, costs.mla_fit, costs.conditions, heads,
                      kc.mla_kv_bytes_per_token(cfg, kd),
                      kc.all_mla_kv_bytes_per_token(cfg, kd), kc.kda_state_bytes_per_layer(cfg, sd),
                      kc.fixed_state_bytes_per_sequence(cfg, sd), kc.break_even_tokens(cfg, sd, kd),

@@ -1,7 +1,8 @@
 """Real-browser test: Playwright drives Debian's Chromium against ``streamlit run app.py``.
 
 Visits every page in the navigation, waits until the script has finished and the charts are drawn,
-fails on any ``stException`` element, any ``st.error`` alert (``stAlertContentError``; only the texts
+fails on any ``stException`` element, any metric label or value shown cut (``bench.screens.CUT_TEXT``), any
+``st.error`` alert (``stAlertContentError``; only the texts
 allow-listed in tests/app/allowed_errors.py pass) or browser console error (ignoring only the offline 404s for
 fonts and ``_stcore/health``/``host-config``), and saves a screenshot of each page (the README's
 screenshot is the home page's) and a full-length one (``<page>_full.png``, to review every table and chart).
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from app_pages.registry import HOME, SECTIONS, TABS
+from bench.screens import CUT_TEXT
 from tests.app.allowed_errors import allowed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,6 +156,9 @@ def test_every_page_in_browser(server):
             if exc.count():
                 errors.append(f"{tab.path}: stException: {exc.first.inner_text()[:500]}")
             errors += _error_alerts(page, tab.path)
+            cut = page.evaluate(CUT_TEXT)             # a metric label or value wider than its box: shown cut
+            if cut:
+                errors.append(f"{tab.path}: metric text cut off: {cut}")
             if tab.path in SUCCESS:
                 shown = [a.inner_text() for a in page.locator("[data-testid='stAlertContentSuccess']").all()]
                 if not any(t.strip().startswith(SUCCESS[tab.path]) for t in shown):

@@ -18,5 +18,5 @@ def test_decode_metrics_are_measured_and_the_fit_is_read():
                                         for n in (256, 1024)]
     assert all(m.value.endswith(" µs") for m in decode)
     assert not [m.label for m in at.metric if "fixed cost" in m.label or "R²" in str(m.delta)]
-    fits = next(d.value for d in at.dataframe if "reading" in d.value.columns)
-    assert list(fits.kind) == ["KDA", "MLA"] and fits.reading.str.len().gt(20).all()
+    fits = next(t.value for t in at.table if "What it means" in t.value.columns)   # wrapped: a sentence per line
+    assert list(fits["Fitted line"]) == ["KDA", "MLA"] and fits["What it means"].str.len().gt(20).all()

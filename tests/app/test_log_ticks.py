@@ -29,6 +29,12 @@ def test_wide_range_labels_powers_of_ten() -> None:
     assert fig.layout.yaxis.dtick == 1 and fig.layout.yaxis.tickvals is None
 
 
+def test_four_decades_get_1_3_ticks() -> None:
+    """Page 03's bytes chart reached 40,000 MiB above its last label (10,000 MiB) with the powers of ten alone."""
+    fig = _shown([1, 2], [8.2, 41_000.0], yaxis_type="log")
+    assert list(fig.layout.yaxis.tickvals) == pytest.approx([3, 10, 30, 100, 300, 1000, 3000, 10_000, 30_000, 100_000])
+
+
 def test_x_axis_of_second_subplot_uses_its_own_data() -> None:
     fig = go.Figure([go.Scatter(x=[1, 1e6], y=[1, 2]), go.Scatter(x=[30, 400], y=[1, 2], xaxis="x2")])
     fig.update_layout(xaxis=dict(type="log", domain=[0, 0.45]), xaxis2=dict(type="log", domain=[0.55, 1]))
@@ -73,3 +79,12 @@ def test_pages_label_their_log_reference_lines() -> None:
               if a["text"].startswith("break-even"))
     tokens = float(be["text"].split("≈ ")[1].split(" tokens")[0].replace(",", ""))
     assert be["x"] == pytest.approx(math.log10(tokens), abs=1e-3), be
+
+
+def test_reference_line_counts_in_the_tick_range() -> None:
+    """Page 17: data 0.1-5 under an fp16 limit line at 65,504 got ticks up to 5 only, four decades unlabelled."""
+    fig = go.Figure(go.Scatter(x=[1, 2, 3], y=[0.1, 1.0, 5.0]))
+    fig.update_layout(yaxis_type="log")
+    fig.add_hline(y=65_504, line_dash="dash", annotation_text="fp16 max")
+    show_chart(fig, pd.DataFrame({"y": [0.1, 1.0, 5.0]}), key="log_ticks_test3")
+    assert fig.layout.yaxis.dtick == 1 and fig.layout.yaxis.tickvals is None        # 0.1 .. 65,504: > 5 decades

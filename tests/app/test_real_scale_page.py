@@ -51,7 +51,8 @@ def test_sweep_shows_ttft_against_the_interval_and_a_choice():
 def _fit_metrics(at) -> tuple[str, str]:
     scales = next(m for m in at.metric if m.label.startswith("Prefill scales"))
     held = next(m for m in at.metric if m.label == "Prefill error, held out")
-    return f"{scales.label}: {scales.value}", f"{held.label}: {held.value} ({held.proto.delta})"
+    return (f"{scales.label} ({scales.proto.delta}): {scales.value}",
+            f"{held.label}: {held.value} ({held.proto.delta})")
 
 
 def test_roofline_at_defaults_keeps_fitted_predicted_published_apart():

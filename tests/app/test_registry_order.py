@@ -1,6 +1,6 @@
-"""The sidebar reads in order: app.py groups app_pages/registry.py's tabs by section (SECTIONS order),
-so that grouping must list the pages 01..14 by ascending number. Pages added later (number > 14)
-sit in their topic's section and are exempt."""
+"""The sidebar reads in order: app.py groups app_pages/registry.py's tabs by section (SECTIONS order), so that
+grouping must list every page by ascending number (it read 01 ... 06, 17, 07 ... with page 17 under Memory),
+with the conformance page last."""
 from pathlib import Path
 
 from app_pages.registry import HOME, SECTIONS, TABS
@@ -10,9 +10,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 def test_sidebar_lists_pages_in_number_order() -> None:
     sidebar = [tab for section in SECTIONS for tab in TABS if tab.section == section]
-    numbers = [n for n in (int(Path(tab.path).stem[:2]) for tab in sidebar) if n <= 14]   # later pages: exempt
+    numbers = [int(Path(tab.path).stem[:2]) for tab in sidebar]
     assert numbers == sorted(numbers), f"sidebar order {numbers}"
+    assert [tab.path for tab in sidebar] == [tab.path for tab in TABS], "TABS is not in sidebar order"
     assert {tab.section for tab in TABS} <= set(SECTIONS)
+    assert Path(sidebar[-1].path).stem == "18_conformance"
+
+
+def test_tab_titles_carry_their_page_number() -> None:
+    """The number a visitor reads in the sidebar is the page's file number, its URL keys' prefix (p17_) too."""
+    for tab in TABS:
+        assert tab.title.startswith(Path(tab.path).stem[:2] + " "), tab
+        assert tab.link_prefix == f"p{tab.title[:2]}_", tab
 
 
 # Every tab's URL path as the deep links already handed out use it (README, bookmarks, the browser test):

@@ -170,7 +170,7 @@ def _p11(at: AppTest) -> None:
     """The replicas' caches never beat one infinite shared cache; with policy caches, neither do their hits plus
     the KV they held without a state to reuse it."""
     hit = _percent(_metric(at, "token hit ratio (per-replica caches)").value)
-    ideal = _percent(_metric(at, "block ideal (one shared infinite cache)").value)
+    ideal = _percent(_metric(at, "block ideal").value)
     assert hit <= ideal, f"11: per-replica hit {hit} above the one-shared-cache ideal {ideal}"
     lost = [m for m in at.metric if m.label == "KV cached, no state to reuse it"]
     if lost:
@@ -187,7 +187,7 @@ def _p12(at: AppTest) -> None:
         window = xs[1] - xs[0] if len(xs) > 1 else math.inf
         before = [y for x, y in zip(xs, ys) if x + window <= at_request]   # windows that end before the event
         assert all(y == 0 for y in before), f"12: {t['name']} changes before the event: {before[:5]}"
-    ideal = _percent(_metric(at, "block ideal (one shared infinite cache)").value)
+    ideal = _percent(_metric(at, "block ideal").value)
     table = next(d.value for d in at.dataframe if "hit_ratio_no_event" in d.value.columns)
     shown = table.hit_ratio_no_event / 100 + (table.lost_no_event / 100 if "lost_no_event" in table else 0)
     assert (shown <= ideal + SHOWN_PCT_TOL).all(), f"12: no-event hit ratios {list(shown)} above the ideal {ideal}"

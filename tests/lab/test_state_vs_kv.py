@@ -31,6 +31,25 @@ def test_measure_decode_cost_validation(kwargs, match):
         measure_decode_cost(PRESETS["kimi-k3"], **kwargs)
 
 
+def test_measure_head_scaling_one_run():
+    """Page 03 showed MLA decode at 1 and at 4 heads only from different runs (3.5 vs 14.2 ms at different loads):
+    every head count is now timed in one interleaved run over the same latents."""
+    from lab.state_vs_kv import HeadCost, measure_head_scaling
+
+    cfg = PRESETS["kimi-linear-48b-a3b"]
+    hs = measure_head_scaling(cfg, 512, heads=(4, 1, 2), repeats=5)
+    assert [r.num_heads for r in hs.rows] == [1, 2, 4] and all(isinstance(r, HeadCost) for r in hs.rows)
+    assert all(0 < r.mla_q1_us <= r.mla_decode_us <= r.mla_q3_us for r in hs.rows)
+    assert hs.context_tokens == 512 and hs.latent_bytes == 512 * cfg.latent_dim * 4       # fp32 latents
+    assert hs.conditions.repeats == 5 and hs.conditions.torch_threads == 1
+    assert hs.ratio(4) == hs.rows[2].mla_decode_us / hs.rows[0].mla_decode_us and hs.ratio(2, 2) == 1
+    for kwargs, match in ((dict(heads=(1,)), "two distinct"), (dict(heads=(1, 1, 2)), "two distinct"),
+                          (dict(heads=(0, 2)), "heads"), (dict(context_tokens=0), "context_tokens"),
+                          (dict(context_tokens=2 ** 19), "context_tokens"), (dict(repeats=2), "repeats")):
+        with pytest.raises(ValueError, match=match):
+            measure_head_scaling(cfg, **({"context_tokens": 64} | kwargs))
+
+
 def test_state_vs_kv_one_call():
     from kda_core import config as kc
     from lab.state_vs_kv import CONTEXTS, state_vs_kv
@@ -43,6 +62,7 @@ def test_state_vs_kv_one_call():
     assert list(run.decode.context_tokens) == [256, 512, 1024]
     assert list(run.decode.columns) == list(DecodeCost._fields) and run.conditions.repeats == 5
     assert run.mla_fit.b_s > 0 and run.kda_fit.a_s > 0
+    assert [r.num_heads for r in run.heads.rows] == [1, 2, 4, 8, 16] and run.heads.context_tokens == 1024
     custom = state_vs_kv("custom", "bf16", "fp8 (e4m3)", (64, 64), 1, 1024, custom=(8, 3, 2, 32), repeats=5)
     assert custom.cfg.num_layers == 8 and custom.kv_dtype_bytes == 1 and len(custom.bytes) == 2
     for kwargs, match in ((dict(model="custom"), "custom"), (dict(model="x"), "model"), (dict(kv_dtype="int4"), "kv_dtype")):
