@@ -154,8 +154,8 @@ def run(batches=BATCHES, steps: int = 5, repeats: int = 5, baseline: Path | None
 
 def _backend() -> str:
     from kda_core import decode
-    from kda_core.model import HybridLM
-    model = HybridLM.from_pretrained(REPO / "weights" / "kda-demo")
+    from lab.models import demo_model
+    model = demo_model("demo")
     layer = model.mixers[model.cfg.kda_layers[0]]
     return decode.backend(layer) + ("" if decode.reason(layer) is None else f" ({decode.reason(layer)})")
 
