@@ -10,6 +10,8 @@ from app_pages.links import declare
 from app_pages.measurement import measured_stamp, remeasure_button, run_on_request
 from app_pages.params import Choice, Int, Toggle
 from lab.batching import DEFAULTS, OUTPUT_TOKENS, PROMPT_TOKENS, batching_run, decode_throughput
+from lab.peers import recorded_peers
+from lab.shipped import missing_note
 
 st.title("Continuous batching")
 st.write(
@@ -101,3 +103,18 @@ show_chart(fig, tab, key="p16_throughput")
 measured_stamp(tp.conditions)
 st.caption(f"Batch {int(tab['batch'].iloc[-1])} decodes {tab['speedup'].iloc[-1]:.1f}× the tokens/s of batch 1 "
            "in the same run: the per-step fixed cost (Python, weights read once per layer) is shared by the rows.")
+
+st.subheader("5 · Beside llama.cpp and transformers, recorded")
+peers = recorded_peers()
+if peers is None:
+    st.info(missing_note("peers"))
+else:
+    st.write("The same checkpoint (`weights/kda-demo`, fp32) in our engine, llama.cpp and transformers on one "
+             "machine in one run, recorded by `python -m bench.peers`, not measured now. Tokens/s, median (min–max); "
+             "ratios are ours ÷ the peer; the limit is the machine's fp32 matmul rate over the model's FLOPs per "
+             "token, each row judged against the engine's goals.")
+    st.caption(peers.stamp)
+    st.dataframe(peers.table, hide_index=True, key="p16_peers")
+    met = peers.verdicts[peers.verdicts["status"] != "not run"]
+    st.caption(f"Goals met in the recorded run: {(met['status'] == 'met').sum()} of {len(met)}. How each engine "
+               "ran: " + " ".join(peers.conditions))
