@@ -145,15 +145,30 @@ def stamp(result: dict) -> str:
             + ("; --quick sizes" if result.get("quick") else ""))
 
 
+def caveats(result: dict) -> list[str]:
+    """What the reader must know to read the table: the machine was busy (a load average at or above its cores,
+    where a 2-thread row measures contention for the cores more than the engine), or a ``--quick`` run."""
+    out = []
+    load, cores = result["load_avg_1m"], result["host"]["cores"]
+    if max(load["before"], load["after"]) >= cores:
+        out.append(f"The machine was busy: load average {load['before']:.1f} → {load['after']:.1f} on {cores} cores, "
+                   "so other processes held the cores; rows at 2 threads then time the engines' threads waiting for "
+                   "one another (oversubscription) more than their arithmetic. Compare rows at the same thread count.")
+    if result.get("quick"):
+        out.append("A --quick run: fewer decode steps per repeat and transformers' prefill at 128 tokens only.")
+    return out
+
+
 class Recorded(NamedTuple):
     """The recorded run: ``table`` (:func:`peers_table`), ``verdicts`` (:func:`verdicts` as a frame: row, threads,
     goal, ratio, status), ``stamp`` (:func:`stamp`), ``conditions`` (the bench's sizes and flags, one line each),
-    ``result`` (the file's JSON)."""
+    ``caveats`` (:func:`caveats`), ``result`` (the file's JSON)."""
 
     table: pd.DataFrame
     verdicts: pd.DataFrame
     stamp: str
     conditions: list[str]
+    caveats: list[str]
     result: dict
 
 
@@ -161,7 +176,7 @@ def recorded(result: dict) -> Recorded:
     """:class:`Recorded` of a results dict. Raises ValueError naming the missing key if it is not one."""
     try:
         return Recorded(peers_table(result), pd.DataFrame(verdicts(result), columns=Verdict._fields),
-                        stamp(result), list(result.get("notes", [])), result)
+                        stamp(result), list(result.get("notes", [])), caveats(result), result)
     except (KeyError, TypeError) as err:
         raise ValueError(f"not a bench.peers result ({type(err).__name__}: {err})") from None
 

@@ -9,7 +9,7 @@ PAGE = "app_pages/16_continuous_batching.py"
 def test_p16_shows_the_recorded_peers_table():
     rec = recorded_peers()
     at = open_page(PAGE)
-    assert any(s.value == "5 · Beside llama.cpp and transformers, recorded" for s in at.subheader)
+    assert any(s.value == "4 · Beside llama.cpp and transformers, recorded" for s in at.subheader)
     captions = [c.value for c in at.caption]
     assert rec.stamp in captions and rec.stamp.startswith("Recorded ")
     assert not any("live" in c.lower() for c in captions if c.startswith("Recorded"))

@@ -2,7 +2,7 @@
 import pandas as pd
 import pytest
 
-from lab.peers import GOALS, markdown, peers_table, recorded, recorded_peers, stamp, verdicts
+from lab.peers import GOALS, caveats, markdown, peers_table, recorded, recorded_peers, stamp, verdicts
 
 
 def _spread(median):
@@ -60,6 +60,16 @@ def test_markdown_and_stamp():
     s = stamp(_result())
     assert s.startswith("Recorded 2026-12-07 19:00 UTC on AMD EPYC (2 cores, shared), load average 1.50 → 2.25")
     assert "live" not in s.lower()
+
+
+def test_caveats_name_a_busy_machine_and_a_quick_run():
+    busy = _result()                                                   # load 1.5 -> 2.25 on 2 cores
+    (note,) = caveats(busy)
+    assert note.startswith("The machine was busy: load average 1.5 → 2.2 on 2 cores")
+    quiet = {**busy, "load_avg_1m": {"before": 0.4, "after": 1.9}}
+    assert caveats(quiet) == []
+    assert caveats({**quiet, "quick": True}) == ["A --quick run: fewer decode steps per repeat and transformers' "
+                                                 "prefill at 128 tokens only."]
 
 
 def test_recorded_rejects_other_json():
