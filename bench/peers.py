@@ -1,8 +1,12 @@
 """Ours beside llama.cpp and transformers on the shipped checkpoint: ``python -m bench.peers``.
 
-    python -m bench.peers              # the full run (about 5-8 min here): bench/results/peers.json + README sections
-    python -m bench.peers --quick      # about 1-2 min: fewer steps, transformers' prefill at 128 tokens only
+    python -m bench.peers              # the full run: bench/results/peers.json + README sections
+    python -m bench.peers --quick      # fewer steps, transformers' prefill at 128 tokens only (a temp file)
     python -m bench.peers --readme     # regenerate the README sections from the committed results, no measuring
+
+Wall time depends on the machine's load more than on the sizes: the rows at 2 threads on a 2-core machine shared with
+other work oversubscribe the cores, and a step then waits for a descheduled thread. ``--quick`` took 18 min at load
+average 5-14 on the shared 2-core development VM.
 
 Same checkpoint (``weights/kda-demo``: real Kimi-Linear format, fp32, byte tokenizer), same machine, one run:
 prefill tokens/s at 128 and 1,024-token prompts (one request) and decode tokens/s at batch 1, 8, 32 and 64, at 1
@@ -228,7 +232,7 @@ def bench_readme_section(result: dict) -> str:
     met = [v for v in verdicts(result) if v.status != "not run"]
     return "\n".join([
         "## peers.json", "",
-        "`python -m bench.peers` (`--quick`: about 1-2 min, fewer steps; `--readme`: rewrite this section "
+        "`python -m bench.peers` (`--quick`: fewer steps; `--readme`: rewrite this section "
         "and the README's from the file): ours, llama.cpp and transformers on the shipped weights, same machine, one "
         "run. " + stamp(result) + ".", "",
         *[f"- {c}" for c in result["notes"]], "",
@@ -275,8 +279,7 @@ def write_readmes(result: dict, repo: Path = REPO) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="about 1-2 min: fewer steps, transformers' prefill at 128 tokens only")
+    p.add_argument("--quick", action="store_true", help="fewer steps, transformers' prefill at 128 tokens only")
     p.add_argument("--repeats", type=int, default=5, help="measured rounds after the warm-up (>= 5)")
     p.add_argument("--engines", default="ours,llama.cpp,transformers", help="comma-separated subset")
     p.add_argument("--out", default=None, help="results file (default: bench/results/peers.json; --quick: a temp "
