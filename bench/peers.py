@@ -5,8 +5,8 @@
     python -m bench.peers --readme     # regenerate the README sections from the committed results, no measuring
 
 Wall time depends on the machine's load more than on the sizes: the rows at 2 threads on a 2-core machine shared with
-other work oversubscribe the cores, and a step then waits for a descheduled thread. ``--quick`` took 18 min at load
-average 5-14 on the shared 2-core development VM.
+other work oversubscribe the cores, and a step then waits for a descheduled thread. On the shared 2-core development
+VM the full run took 4.5 min at load average 4 -> 2.6, ``--quick`` 18 min at load average 5-14.
 
 Same checkpoint (``weights/kda-demo``: real Kimi-Linear format, fp32, byte tokenizer), same machine, one run:
 prefill tokens/s at 128 and 1,024-token prompts (one request) and decode tokens/s at batch 1, 8, 32 and 64, at 1
