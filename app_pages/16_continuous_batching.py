@@ -10,6 +10,8 @@ from app_pages.links import declare
 from app_pages.measurement import measured_stamp, remeasure_button, run_on_request
 from app_pages.params import Choice, Int, Toggle
 from lab.batching import DEFAULTS, OUTPUT_TOKENS, PROMPT_TOKENS, batching_run, decode_throughput
+from lab.peers import recorded_peers
+from lab.shipped import missing_note
 
 st.title("Continuous batching")
 st.write(
@@ -83,7 +85,24 @@ show_chart(fig, reqs, key="p16_latency")
 st.caption(run.stamp)
 remeasure_button(_p16_run, key="p16_remeasure")   # the replay is kept an hour for every visitor with these settings
 
-st.subheader("4 · Decode throughput against the batch size, measured")
+st.subheader("4 · Beside llama.cpp and transformers, recorded")
+peers = recorded_peers()
+if peers is None:
+    st.info(missing_note("peers"))
+else:
+    st.write("The same checkpoint (`weights/kda-demo`, fp32) in our engine, llama.cpp and transformers on one "
+             "machine in one run, recorded by `python -m bench.peers`, not measured now. Tokens/s, median (min–max); "
+             "ratios are ours ÷ the peer; the limit is the machine's fp32 matmul rate over the model's FLOPs per "
+             "token, each row judged against the engine's goals.")
+    st.caption(peers.stamp)
+    for caveat in peers.caveats:
+        st.warning(caveat)
+    st.dataframe(peers.table, hide_index=True, key="p16_peers")
+    met = peers.verdicts[peers.verdicts["status"] != "not run"]
+    st.caption(f"Goals met in the recorded run: {(met['status'] == 'met').sum()} of {len(met)}. How each engine "
+               "ran: " + " ".join(peers.conditions))
+
+st.subheader("5 · Decode throughput against the batch size, measured")
 run_on_request("p16_sweep", "p16_sweep_button", "Measure decode tokens/s at batch 1 … 32",
                "About 10 s: B requests all decoding, 5 interleaved repeats of 4 steps each after a warm-up.")
 bar = st.progress(0.0, text="Measuring…")

@@ -34,6 +34,7 @@ state capacity, range   lab/state_capacity.py    capacity_table,           17   
                                                  slot_table
 conformance suite       lab/conformance.py       invariants, live_run,     18          tests/lab/test_conformance.py
                                                  recorded_llama_cpp
+peers, recorded         lab/peers.py             recorded_peers            16          tests/lab/test_peers.py
 KCP context parallel    lab/kcp.py               kcp_experiment            10          tests/lab/test_kcp.py
 fleet hashing           lab/fleet_hashing.py     fleet_hashing             11          tests/lab/test_fleet_pages.py
 fleet scaling           lab/fleet_scaling.py     fleet_scaling             12          tests/lab/test_fleet_pages.py
