@@ -175,11 +175,10 @@ with part2:
               delta_arrow="off", help="If every head cost a full decode, this would be the heads' ratio.")
     st.caption(
         f"Absorbed MLA's heads share one latent cache: a decode reads the {hs.context_tokens:,} latents "
-        f"({hs.latent_bytes / 2 ** 20:,.1f} MiB in fp32) once whatever H, and each head adds only its own dot "
-        f"products, so the time grows far slower than H (dotted: H × the 1-head time). In this run 1 → 2 heads took "
-        f"{hs.ratio(2):,.2f}×" + (" (one head is a matrix-vector product, two a matrix product: another kernel)"
-                                  if hs.ratio(2) > 1.3 else "") + f" and 2 → {top} heads {hs.ratio(top, 2):,.2f}×. Timings of different runs on a "
-        "shared machine are not comparable: compare head counts here, in one run.")
+        f"({hs.latent_bytes / 2 ** 20:,.1f} MiB fp32) once whatever H; a head adds only its dot products, so the "
+        f"time grows far slower than H (dotted: H × 1 head). Here 1 → 2 heads took {hs.ratio(2):,.2f}×"
+        + (" (a matrix-vector product becomes a matrix product)" if hs.ratio(2) > 1.3 else "")
+        + f", 2 → {top} heads {hs.ratio(top, 2):,.2f}×. Compare head counts within one run only.")
     with st.expander("How the decode cost is measured and fitted"):
         st.markdown(
             f"- Real dims K = {cfg.head_k_dim}, V = {cfg.head_v_dim}, latent {cfg.latent_dim}; MLA reads N × "

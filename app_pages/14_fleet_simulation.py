@@ -241,7 +241,7 @@ st.caption(f"Recorded bench run (`python -m bench.sim_vs_engine`, {meta.get('mea
            f"this render. The real engine replays {meta.get('requests', '?')} Mooncake-shaped requests (a shared "
            f"64-token system prefix: prefix-cache hits) with {meta.get('state_slots', '?')} state slots at "
            f"{', '.join(f'{r:g}' for r in meta.get('rates_rps', []))} req/s, from light load to past saturation; "
-           "the fleet simulator predicts the same replays on the same clock.")
+           "the simulator predicts them on the same clock.")
 with st.expander("Conditions of the recorded run"):
     load = meta.get("load_average_1min", ["?", "?"])
     st.markdown(

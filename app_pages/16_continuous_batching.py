@@ -99,8 +99,9 @@ else:
         st.warning(caveat)
     st.dataframe(peers.table, hide_index=True, key="p16_peers")
     met = peers.verdicts[peers.verdicts["status"] != "not run"]
-    st.caption(f"Goals met in the recorded run: {(met['status'] == 'met').sum()} of {len(met)}. How each engine "
-               "ran: " + " ".join(peers.conditions))
+    st.caption(f"Goals met in the recorded run: {(met['status'] == 'met').sum()} of {len(met)}.")
+    with st.expander("How each engine ran"):
+        st.markdown("\n".join(f"- {c}" for c in peers.conditions))
 
 st.subheader("5 · Decode throughput against the batch size, measured")
 run_on_request("p16_sweep", "p16_sweep_button", "Measure decode tokens/s at batch 1 … 32",

@@ -8,7 +8,7 @@ from lab.fleet import DISPLAY_NAMES
 from tests.app.page_helpers import chart_spec, plotly_values
 
 PAGE = str(Path(__file__).resolve().parents[2] / "app_pages" / "14_fleet_simulation.py")
-IN_FLIGHT = "mean_in_flight"   # the balance table's column (its header: "Fleet in-flight per replica, mean")
+IN_FLIGHT = "Fleet in\\-flight per replica, mean"   # the balance table's column (a wrapped st.table: Markdown-escaped)
 
 
 def _keys(at: AppTest) -> set[str]:
@@ -18,8 +18,8 @@ def _keys(at: AppTest) -> set[str]:
 def test_default_load_is_where_routing_matters_and_the_sweep_runs_on_request():
     at = AppTest.from_file(PAGE, default_timeout=300).run()
     assert not at.exception, [e.value for e in at.exception]
-    balance = next(d.value for d in at.dataframe if IN_FLIGHT in d.value.columns)
-    assert balance[IN_FLIGHT].min() > 1.0, f"the default fleet is idle: {balance[IN_FLIGHT].tolist()} in flight"
+    balance = next(t.value for t in at.table if IN_FLIGHT in t.value.columns)
+    assert balance[IN_FLIGHT].astype(float).min() > 1.0, f"the default fleet is idle: {balance[IN_FLIGHT].tolist()} in flight"
     assert "p14_load_chart" not in _keys(at) and [b.label for b in at.button] == ["Sweep the load"]
     from lab.fleet_simulation import SWEEP_RATES  # here: the idle assertion above is the one red on the old page
     at.button(key="p14_sweep_button").click().run()
