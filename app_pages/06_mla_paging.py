@@ -24,7 +24,7 @@ links = declare(
     Int("p06_tokens_a", 100, 8, 256),
     Int("p06_shared_pct", 50, 0, 100),
     Int("p06_own_b", 30, 0, 128),
-    Choice("p06_max_ctx", 4096, [1024, 2048, 4096, 8192, 16384]),
+    Choice("p06_max_ctx", 2048, [1024, 2048, 4096, 8192, 16384]),
     Int("p06_requests", 16, 1, 64),
     Int("p06_prefix", 2048, 0, 8192, step=64),
     Int("p06_unique", 128, 0, 2048, step=16),
