@@ -99,7 +99,7 @@ def _settle(page, timeout_ms: int) -> None:
         page.wait_for_timeout(800)
 
 
-def _full_length_screenshot(page, path: Path) -> None:
+def full_length_screenshot(page, path: Path) -> None:
     """The whole page: Streamlit scrolls inside its main container, so the viewport is stretched to the content's
     height (capped at ``FULL_MAX_PX``) for the shot, then restored."""
     size = page.viewport_size
@@ -124,7 +124,7 @@ def visit(page, url: str, shot: Path, click: bool, timeout_ms: int) -> dict:
         _settle(page, timeout_ms)
     if page.locator("[data-testid='stPlotlyChart']").count():
         page.wait_for_selector("[data-testid='stPlotlyChart'] .main-svg", timeout=60_000)
-    _full_length_screenshot(page, shot)
+    full_length_screenshot(page, shot)
     alerts = page.locator("[data-testid='stException'], [data-testid='stAlertContentError']")
     return {"url": url, "shot": shot.name, "seconds": round(time.perf_counter() - t0, 1), "clicked": clicked,
             "errors": [alerts.nth(i).inner_text()[:300] for i in range(alerts.count())],

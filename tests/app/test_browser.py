@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from app_pages.registry import HOME, SECTIONS, TABS
-from bench.screens import CUT_TEXT
+from bench.screens import CUT_TEXT, full_length_screenshot
 from tests.app.allowed_errors import allowed
 
 REPO = Path(__file__).resolve().parents[2]
@@ -100,23 +100,6 @@ def _error_alerts(page, path: str) -> list[str]:
     return [f"{path}: st.error: {t[:500]}" for t in texts if allowed(path, t.strip()) is None]
 
 
-FULL_MAX_PX = 14_000   # cap on a full-length screenshot's height
-
-
-def _full_length_screenshot(page, path: Path) -> None:
-    """Screenshot the whole page, not just the viewport: Streamlit scrolls inside its main container, so
-    ``full_page=True`` stops at the window; the viewport is stretched to the content's height (capped at
-    ``FULL_MAX_PX``) for the shot, then restored."""
-    size = page.viewport_size
-    height = page.evaluate("""() => Math.max(...Array.from(document.querySelectorAll(
-        "[data-testid='stMain'], [data-testid='stAppViewContainer'], [data-testid='stMainBlockContainer']"))
-        .map(e => e.scrollHeight), document.body.scrollHeight)""")
-    page.set_viewport_size({"width": size["width"], "height": min(FULL_MAX_PX, max(size["height"], int(height)))})
-    page.wait_for_timeout(800)                       # charts re-layout to the taller window
-    page.screenshot(path=str(path))
-    page.set_viewport_size(size)
-
-
 def test_every_page_in_browser(server):
     from playwright.sync_api import sync_playwright
 
@@ -166,7 +149,7 @@ def test_every_page_in_browser(server):
             title = page.locator("h1").first.inner_text(timeout=10_000) if page.locator("h1").count() else ""
             assert title, f"{tab.path}: no title rendered"
             page.screenshot(path=str(SHOTS / f"{Path(tab.path).stem}.png"), full_page=True)
-            _full_length_screenshot(page, SHOTS / f"{Path(tab.path).stem}_full.png")
+            full_length_screenshot(page, SHOTS / f"{Path(tab.path).stem}_full.png")
         browser.close()
     assert not errors, "\n".join(errors)
 
