@@ -2,18 +2,59 @@
 
 Why: speculative decoding verifies ``1 + n`` tokens in one call and must be *bitwise* equal to
 decoding them one at a time, and a warm prefill from a prefix-cache hit on the 64-token chunk grid
-must be bitwise the cache-off prefill of the same rows (``kda_core.layer``). On this CPU, MKL's sgemm picks a different kernel (with a
-different summation order) for fewer than 16 rows, so ``linear(x[:1])`` and ``linear(x)[:1]``
-differ in the last bits (measured up to ~1e-4 at d = 2304). Padding the row count to at least
-``MIN_ROWS`` makes every call take the same GEMM path; ``tests/kda_core/test_invariant.py``
-asserts the property on this machine for 1..600 rows.
+must be bitwise the cache-off prefill of the same rows (``kda_core.layer``).
+
+Two forms, one chosen per process (:func:`kda_core.cpu_invariant.backend`, on the first call):
+
+- the C GEMM (:mod:`kda_core.cpu_invariant`, fp32 on the CPU): each output accumulates its K products in order
+  with fused multiply-adds, so it is row-invariant by construction for any number of rows;
+- the torch form (no compiler, ``KDA_CPU_GEMM=0``, other dtypes or devices): MKL's sgemm picks a different
+  kernel (with a different summation order) for fewer than 16 rows, so ``linear(x[:1])`` and
+  ``linear(x)[:1]`` would differ in the last bits (measured up to ~1e-4 at d = 2304); padding the row
+  count to at least ``MIN_ROWS`` makes every call take the same GEMM path.
+
+``tests/kda_core/test_invariant.py`` asserts the property of both forms for 1..600 rows.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from kda_core import cpu_invariant
+
 MIN_ROWS = 16
+_F32 = torch.float32
+_GEMM: list = []      # [cpu_invariant.backend()], read on every call once it is chosen
+
+
+def _choose():
+    _GEMM.append(cpu_invariant.backend())
+    return _GEMM[0]
+
+
+class _CLinear(torch.autograd.Function):
+    """The C GEMM forward with torch's backward (``dx = dy W``, ``dW = dy^T x``): training sees the same
+    forward bits as inference."""
+
+    @staticmethod
+    def forward(ctx, rows, weight):                                       # rows [M, D_in], weight [D_out, D_in]
+        ctx.save_for_backward(rows, weight)
+        return cpu_invariant.backend().linear(rows, weight)                    # [M, D_out]
+
+    @staticmethod
+    def backward(ctx, dy):                                                # dy [M, D_out]
+        rows, weight = ctx.saved_tensors
+        dx = dy @ weight if ctx.needs_input_grad[0] else None             # [M, D_in]
+        dw = dy.T @ rows if ctx.needs_input_grad[1] else None             # [D_out, D_in]
+        return dx, dw
+
+
+def torch_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The torch form: rows ``[M, D_in]`` padded to at least ``MIN_ROWS`` rows -> ``[M, D_out]``."""
+    m = rows.shape[0]
+    if m < MIN_ROWS:
+        return F.linear(F.pad(rows, (0, 0, 0, MIN_ROWS - m)), weight)[:m]  # [MIN_ROWS, D_in] in, [M, D_out] out
+    return F.linear(rows, weight)                                          # [M, D_out]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -31,11 +72,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"x must have last dim D_in = {weight.shape[-1]}, got shape {tuple(x.shape)}")
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, D_in]
-    m = rows.shape[0]
-    if m < MIN_ROWS:
-        out = F.linear(F.pad(rows, (0, 0, 0, MIN_ROWS - m)), weight)[:m]   # [MIN_ROWS, D_in] in, [M, D_out] out
+    gemm = _GEMM[0] if _GEMM else _choose()
+    if gemm is None or x.dtype is not _F32 or weight.dtype is not _F32 or not x.is_cpu or not weight.is_cpu:
+        out = torch_linear(rows, weight)                     # [M, D_out]
+    elif (x.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
+        out = _CLinear.apply(rows, weight)                   # [M, D_out]
     else:
-        out = F.linear(rows, weight)                         # [M, D_out]
+        out = gemm.linear(rows, weight)                      # [M, D_out]
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -1,19 +1,52 @@
 """kda_core.invariant: row i of the result does not depend on how many rows are computed, and the values
-are those of the plain ops (``x @ W^T``, ``fn(x)``)."""
+are those of the plain ops (``x @ W^T``, ``fn(x)``). ``linear`` is checked in each of its forms: the one this
+process chose, the torch (padded MKL) form, and the C GEMM of every vector path this CPU runs."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kda_core.invariant import linear, pointwise
+from kda_core import cpu_build, cpu_invariant
+from kda_core.invariant import linear, pointwise, torch_linear
 
 
-@pytest.mark.parametrize("d_in,d_out", [(128, 128), (128, 384), (32, 4), (2304, 64)])
-def test_linear_row_invariant(d_in, d_out):
+def _c_form(isa):
+    def run(x, w):
+        rows = x.reshape(-1, x.shape[-1])
+        return _loaded(isa).linear(rows, w).reshape(*x.shape[:-1], w.shape[0])
+    return run
+
+
+_GEMMS: dict = {}
+
+
+def _loaded(isa):
+    if isa not in _GEMMS:
+        try:
+            _GEMMS[isa] = cpu_invariant.load(isa, check=False)
+        except RuntimeError as exc:          # not built (no compiler): the C forms are skipped, the torch form runs
+            pytest.skip(f"the C GEMM cannot run here: {exc}")
+    return _GEMMS[isa]
+
+
+def _torch_form(x, w):
+    return torch_linear(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
+
+
+LINEAR_FORMS = [pytest.param(linear, id="chosen"), pytest.param(_torch_form, id="torch")] + [
+    pytest.param(_c_form(isa), id=f"c-{isa}") for isa in cpu_build.host_isas()]
+
+
+@pytest.mark.parametrize("form", LINEAR_FORMS)
+@pytest.mark.parametrize("d_in,d_out", [(128, 128), (128, 384), (32, 4), (2304, 64), (37, 75)])
+def test_linear_row_invariant(form, d_in, d_out):
+    """Every row count, every form: below and above the 16 rows of MKL's kernel switch, and every C tile height
+    (1-6 rows) and N tail (75 = 4 panels + 11 columns)."""
     gen = torch.Generator().manual_seed(0)
     w, x = torch.randn(d_out, d_in, generator=gen), torch.randn(600, d_in, generator=gen)
-    full = linear(x, w)
-    for m in [1, 2, 3, 5, 9, 15, 16, 17, 63, 64, 65, 128, 511, 600]:
-        assert torch.equal(linear(x[:m], w), full[:m]), m
+    full = form(x, w)
+    for m in [1, 2, 3, 4, 5, 6, 7, 9, 13, 15, 16, 17, 63, 64, 65, 128, 511, 600]:
+        assert torch.equal(form(x[:m], w), full[:m]), m
+        assert torch.equal(form(x[m - 1: m], w), full[m - 1: m]), m      # the row alone, at offset m - 1
 
 
 @pytest.mark.parametrize("fn", [torch.exp, torch.sigmoid, F.softplus, F.silu, torch.rsqrt, torch.cos])
@@ -30,6 +63,7 @@ def test_pointwise_row_invariant(fn):
 GEMM_RTOL = 1e-5
 
 
+@pytest.mark.parametrize("form", LINEAR_FORMS)
 @pytest.mark.parametrize("shape,d_out", [
     pytest.param((1, 128), 384, id="M1-K128-N384"),
     pytest.param((5, 32), 4, id="M5-K32-N4"),
@@ -38,12 +72,12 @@ GEMM_RTOL = 1e-5
     pytest.param((3, 200, 64), 96, id="B3-T200-K64-N96"),
     pytest.param((7, 2304), 64, id="M7-K2304-N64"),
 ])
-def test_linear_values(shape, d_out):
+def test_linear_values(form, shape, d_out):
     """Values equal ``x @ W^T`` (fp32 and fp64 references) for row counts below and above MIN_ROWS and
     leading dims [B, T]; not only the same value for every row count."""
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(*shape, generator=gen), torch.randn(d_out, shape[-1], generator=gen)
-    out = linear(x, w)
+    out = form(x, w)
     assert out.shape == (*shape[:-1], d_out) and out.dtype == torch.float32
     scale = (x.abs().double() @ w.abs().double().T).float()               # sum_i |x_i w_i| per output
     for ref in (x @ w.T, (x.double() @ w.double().T).float()):

@@ -1,0 +1,155 @@
+"""The row-invariant C GEMM behind :func:`kda_core.invariant.linear` (fp32, CPU): ``csrc/invariant_cpu.c``, built
+with the system's C compiler (:mod:`kda_core.cpu_build`, the same vector paths as the chunk kernel) and loaded
+with :mod:`ctypes`.
+
+Every output ``out[m, n]`` is one accumulator that takes ``x[m, k] * W[n, k]`` for k = 0 .. K-1 in that order,
+each step a fused multiply-add: no split of K, no reassociation. An FMA is exactly rounded, so every tile size,
+the masked tails, the AVX-512 and AVX2 paths and the scalar ``fmaf`` loop (:meth:`CGemm.reference`) give the
+same bits, and row m's result never depends on how many rows the call holds, with no padding (MKL's sgemm
+switches kernels below 16 rows, so the torch form pads every call to 16 rows). The weight is packed once into
+16-column panels (:meth:`CGemm.packed`: cached on the weight, repacked when it is written in place).
+
+Chosen once per process (:func:`backend`, on the first ``linear`` call or by start-up code), never switched:
+a checkpoint computed on one path and reused on the other would not be bitwise. It needs x86-64 with AVX2 and
+FMA, a C compiler, and neither ``KDA_CPU_GEMM=0`` nor ``KDA_CPU_KERNEL=0``; then, and when the self-check
+passes, it runs every fp32 CPU ``linear``; else the torch form does and :func:`reason` says why.
+
+Shapes: M rows, N output features (``D_out``), K input features (``D_in``); panels ``NP = ceil(N / 16)``.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from kda_core.cpu_build import ISAS, build, default_isa
+
+SOURCE = Path(__file__).parent / "csrc" / "invariant_cpu.c"
+FLAGS = ("-ffp-contract=off",)     # the scalar reference's fmaf stays one FMA; nothing else is contracted
+ENV = "KDA_CPU_GEMM"               # "0": the torch form (padded MKL) in this process
+PANEL = 16                         # output columns per packed panel
+_CACHE_ATTR = "_kda_gemm_packed"   # on the weight's base tensor: {(data_ptr, shape): (version, packed)}
+
+_P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
+_lock = threading.Lock()
+_chosen: list = []                 # [the CGemm, or why there is none] (set once per process)
+
+
+_threads = torch.get_num_threads
+
+
+class CGemm:
+    """One loaded library of path ``isa`` (:data:`kda_core.cpu_build.ISAS`). Raises RuntimeError when the
+    library was not built for it (its vector width differs)."""
+
+    def __init__(self, path: Path, isa: str):
+        lib = ctypes.CDLL(str(path))
+        lib.linear_vector_bits.restype = _I
+        if lib.linear_vector_bits() != ISAS[isa].vector_bits:
+            raise RuntimeError(f"{path.name} runs {lib.linear_vector_bits()}-bit vectors, not "
+                               f"{ISAS[isa].label}'s {ISAS[isa].vector_bits}: built without its flags")
+        lib.linear_pack_f32.restype = None
+        lib.linear_pack_f32.argtypes = [_I, _I, _P, _L, _P]
+        lib.linear_ref_f32.restype = None
+        lib.linear_ref_f32.argtypes = [_I, _I, _I, _P, _L, _P, _L, _P, _L]
+        lib.linear_f32.restype = _I
+        lib.linear_f32.argtypes = [_I, _I, _I, _P, _L, _P, _P, _L, _I]
+        self.lib, self.path, self.isa = lib, path, isa
+        self._run = lib.linear_f32
+        self.name = f"C GEMM ({ISAS[isa].label})"
+
+    def pack(self, w: torch.Tensor) -> torch.Tensor:
+        """w ``[N, K]`` fp32 -> packed ``[NP, K, 16]``: ``packed[p, k, j] = w[16 p + j, k]``, 0 past N."""
+        w = w if w.stride(-1) == 1 else w.contiguous()
+        N, K = w.shape
+        packed = torch.empty(-(-N // PANEL), K, PANEL)                      # [NP, K, 16]
+        self.lib.linear_pack_f32(N, K, w.data_ptr(), w.stride(0), packed.data_ptr())
+        return packed
+
+    def packed(self, w: torch.Tensor) -> tuple:
+        """(packed ``[NP, K, 16]`` = :meth:`pack` of w, its address), cached on w's base tensor (views of one
+        parameter, e.g. an expert's slice, share it) by (address, shape, strides) and repacked when the
+        tensor's version counter moved (an in-place write)."""
+        base = w._base
+        owner = w if base is None else base
+        cache = owner.__dict__.get(_CACHE_ATTR)
+        if cache is None:
+            cache = owner.__dict__[_CACHE_ATTR] = {}
+        key = (w.data_ptr(), w.shape, w.stride())
+        hit = cache.get(key)
+        if hit is None or hit[0] != w._version:
+            packed = self.pack(w)
+            hit = cache[key] = (w._version, packed, packed.data_ptr())
+        return hit[1], hit[2]
+
+    def linear(self, rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """rows ``[M, K]`` @ w ``[N, K]``^T -> ``[M, N]``, fp32 (unchecked: the caller checks shapes and dtypes)."""
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        _, packed_ptr = self.packed(w)
+        M, K = rows.shape
+        N = w.shape[0]
+        out = rows.new_empty((M, N))                                        # [M, N]
+        self._run(M, N, K, rows.data_ptr(), rows.stride(0), packed_ptr, out.data_ptr(), N, _threads())
+        return out
+
+    def reference(self, rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The scalar form: one ``fmaf`` per step in the same order (tests and the self-check). rows ``[M, K]``,
+        w ``[N, K]`` fp32 with contiguous last dims -> ``[M, N]``."""
+        out = torch.empty(rows.shape[0], w.shape[0])
+        self.lib.linear_ref_f32(rows.shape[0], w.shape[0], rows.shape[1], rows.data_ptr(), rows.stride(0),
+                                w.data_ptr(), w.stride(0), out.data_ptr(), w.shape[0])
+        return out
+
+
+def self_check(gemm: CGemm) -> None:
+    """``gemm`` against its scalar form, bitwise, on sizes that reach every tile and tail (M 1..13, N not a
+    multiple of 16, K odd), and each row alone against the whole call. Raises RuntimeError when they differ."""
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(13, 37, generator=gen), torch.randn(75, 37, generator=gen)
+    full = gemm.linear(x, w)
+    if not torch.equal(full, gemm.reference(x, w)):
+        raise RuntimeError("self-check failed: the C GEMM differs from its scalar fmaf form")
+    for m in range(1, 13):
+        if not torch.equal(gemm.linear(x[m - 1: m], w), full[m - 1: m]) or not torch.equal(gemm.linear(x[:m], w),
+                                                                                            full[:m]):
+            raise RuntimeError(f"self-check failed: rows of a {m}-row call differ from the 13-row call's")
+
+
+def load(isa: str, check: bool = True) -> CGemm:
+    """Build (when not cached), load and (``check``) self-check the C GEMM of path ``isa`` (a new object each
+    call: tests and benches compare paths; tests load unchecked, to see a wrong kernel fail rather than skip).
+    Raises RuntimeError saying why it cannot run."""
+    if isa not in ISAS:
+        raise RuntimeError(f"unknown path {isa!r} (one of {sorted(ISAS)})")
+    gemm = CGemm(build(isa, SOURCE, FLAGS), isa)
+    if check:
+        self_check(gemm)
+    return gemm
+
+
+def backend() -> CGemm | None:
+    """The C GEMM every fp32 CPU :func:`kda_core.invariant.linear` call of this process runs, chosen on the first
+    call (later calls return the same answer): path :func:`kda_core.cpu_build.default_isa`; None where it is
+    turned off (``KDA_CPU_GEMM=0`` or ``KDA_CPU_KERNEL=0``) or cannot run (:func:`reason` says why)."""
+    if not _chosen:
+        with _lock:
+            if not _chosen:
+                try:
+                    if os.environ.get(ENV, "1") == "0" or os.environ.get("KDA_CPU_KERNEL", "1") == "0":
+                        raise RuntimeError(f"turned off by {ENV}=0 or KDA_CPU_KERNEL=0")
+                    got = load(default_isa())
+                except Exception as exc:          # any failure: the torch form runs, and the reason is kept
+                    got = str(exc) or type(exc).__name__
+                _chosen.append(got)
+    got = _chosen[0]
+    return None if isinstance(got, str) else got
+
+
+def reason() -> str | None:
+    """Why :func:`backend` is None (None when it is not); chooses first, as :func:`backend` does."""
+    backend()
+    return _chosen[0] if isinstance(_chosen[0], str) else None
