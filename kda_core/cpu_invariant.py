@@ -1,18 +1,21 @@
-"""The row-invariant C GEMM behind :func:`kda_core.invariant.linear` (fp32, CPU): ``csrc/invariant_cpu.c``, built
-with the system's C compiler (:mod:`kda_core.cpu_build`, the same vector paths as the chunk kernel) and loaded
-with :mod:`ctypes`.
+"""The C forms of :mod:`kda_core.invariant`'s row-invariant ops (fp32, CPU): the GEMM of ``linear`` and the RMSNorm
+of ``rmsnorm``, ``csrc/invariant_cpu.c``, built with the system's C compiler (:mod:`kda_core.cpu_build`, the same
+vector paths as the chunk kernel) and loaded with :mod:`ctypes`.
 
 Every output ``out[m, n]`` is one accumulator that takes ``x[m, k] * W[n, k]`` for k = 0 .. K-1 in that order,
 each step a fused multiply-add: no split of K, no reassociation. An FMA is exactly rounded, so every tile size,
-the masked tails, the AVX-512 and AVX2 paths and the scalar ``fmaf`` loop (:meth:`CGemm.reference`) give the
+the masked tails, the AVX-512 and AVX2 paths and the scalar ``fmaf`` loop (:meth:`CInvariant.reference`) give the
 same bits, and row m's result never depends on how many rows the call holds, with no padding (MKL's sgemm
 switches kernels below 16 rows, so the torch form pads every call to 16 rows). The weight is packed once into
-16-column panels (:meth:`CGemm.packed`: cached on the weight, repacked when it is written in place).
+16-column panels (:meth:`CInvariant.packed`: cached on the weight, repacked when it is written in place).
+
+The RMSNorm sums each row's squares in a fixed order (16 fmaf lanes, then a fixed tree), one row at a time:
+row-invariant too, and one call where the torch form takes five ops plus the padding of ``pointwise``.
 
 Chosen once per process (:func:`backend`, on the first ``linear`` call or by start-up code), never switched:
 a checkpoint computed on one path and reused on the other would not be bitwise. It needs x86-64 with AVX2 and
 FMA, a C compiler, and neither ``KDA_CPU_GEMM=0`` nor ``KDA_CPU_KERNEL=0``; then, and when the self-check
-passes, it runs every fp32 CPU ``linear``; else the torch form does and :func:`reason` says why.
+passes, it runs every fp32 CPU ``linear`` and ``rmsnorm``; else the torch form does and :func:`reason` says why.
 
 Shapes: M rows, N output features (``D_out``), K input features (``D_in``); panels ``NP = ceil(N / 16)``.
 """
@@ -35,13 +38,13 @@ _CACHE_ATTR = "_kda_gemm_packed"   # on the weight's base tensor: {(data_ptr, sh
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 _lock = threading.Lock()
-_chosen: list = []                 # [the CGemm, or why there is none] (set once per process)
+_chosen: list = []                 # [the CInvariant, or why there is none] (set once per process)
 
 
 _threads = torch.get_num_threads
 
 
-class CGemm:
+class CInvariant:
     """One loaded library of path ``isa`` (:data:`kda_core.cpu_build.ISAS`). Raises RuntimeError when the
     library was not built for it (its vector width differs)."""
 
@@ -57,6 +60,9 @@ class CGemm:
         lib.linear_ref_f32.argtypes = [_I, _I, _I, _P, _L, _P, _L, _P, _L]
         lib.linear_f32.restype = _I
         lib.linear_f32.argtypes = [_I, _I, _I, _P, _L, _P, _P, _L, _I]
+        lib.rmsnorm_f32.restype = None
+        lib.rmsnorm_f32.argtypes = [_I, _I, _P, _L, _P, ctypes.c_float, _P, _L]
+        self._rms = lib.rmsnorm_f32
         self.lib, self.path, self.isa = lib, path, isa
         self._run = lib.linear_f32
         self.name = f"C GEMM ({ISAS[isa].label})"
@@ -85,16 +91,54 @@ class CGemm:
             hit = cache[key] = (w._version, packed, packed.data_ptr())
         return hit[1], hit[2]
 
-    def linear(self, rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """rows ``[M, K]`` @ w ``[N, K]``^T -> ``[M, N]``, fp32 (unchecked: the caller checks shapes and dtypes)."""
+    def packed_cat(self, ws: tuple) -> tuple:
+        """:meth:`packed` of the weights ``ws`` concatenated along their output dim (``[sum N, K]``), cached on
+        the first weight's base tensor by every weight's (address, shape, strides), repacked when any of their
+        version counters moved."""
+        w0 = ws[0]
+        owner = w0 if w0._base is None else w0._base
+        cache = owner.__dict__.get(_CACHE_ATTR)
+        if cache is None:
+            cache = owner.__dict__[_CACHE_ATTR] = {}
+        key = tuple((w.data_ptr(), w.shape, w.stride()) for w in ws)
+        versions = tuple(w._version for w in ws)
+        hit = cache.get(key)
+        if hit is None or hit[0] != versions:
+            packed = self.pack(torch.cat(ws))
+            hit = cache[key] = (versions, packed, packed.data_ptr())
+        return hit[1], hit[2]
+
+    def linear(self, x: torch.Tensor, w) -> torch.Tensor:
+        """x ``[..., K]`` @ w ``[N, K]``^T -> ``[..., N]``, fp32; w may be a tuple of weights ``[N_i, K]``, read as
+        their concatenation (``N = sum N_i``: one call; each output's bits are those of its own weight's call).
+        ``[M, K]`` and ``[1, M, K]`` inputs with a row stride are read in place. Unchecked: the caller checks
+        shapes and dtypes."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        shape = x.shape
+        if x.dim() == 2 or x.dim() == 3 and shape[0] == 1:
+            M, ldx = shape[-2], x.stride(-2)
+        else:
+            x = x.reshape(-1, shape[-1])                                    # [M, K]
+            M, ldx = x.shape[0], x.stride(0)
+        single = isinstance(w, torch.Tensor)
+        _, packed_ptr = self.packed(w) if single else self.packed_cat(w)
+        N = w.shape[0] if single else sum(t.shape[0] for t in w)
+        out = x.new_empty((*shape[:-1], N))                                 # [..., N]
+        self._run(M, N, shape[-1], x.data_ptr(), ldx, packed_ptr, out.data_ptr(), N, _threads())
+        return out
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of x ``[..., D]`` fp32 with weight ``[D]`` fp32 -> ``[..., D]`` (unchecked)."""
+        D = x.shape[-1]
+        rows = x.reshape(-1, D)                                             # [M, D]
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        _, packed_ptr = self.packed(w)
-        M, K = rows.shape
-        N = w.shape[0]
-        out = rows.new_empty((M, N))                                        # [M, N]
-        self._run(M, N, K, rows.data_ptr(), rows.stride(0), packed_ptr, out.data_ptr(), N, _threads())
-        return out
+        if not weight.is_contiguous():
+            weight = weight.contiguous()
+        out = rows.new_empty(rows.shape)                                    # [M, D]
+        self._rms(rows.shape[0], D, rows.data_ptr(), rows.stride(0), weight.data_ptr(), eps, out.data_ptr(), D)
+        return out.view(x.shape)
 
     def reference(self, rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The scalar form: one ``fmaf`` per step in the same order (tests and the self-check). rows ``[M, K]``,
@@ -105,9 +149,10 @@ class CGemm:
         return out
 
 
-def self_check(gemm: CGemm) -> None:
+def self_check(gemm: CInvariant) -> None:
     """``gemm`` against its scalar form, bitwise, on sizes that reach every tile and tail (M 1..13, N not a
-    multiple of 16, K odd), and each row alone against the whole call. Raises RuntimeError when they differ."""
+    multiple of 16, K odd), each row alone against the whole call, and its RMSNorm against the torch form
+    (fp32 rounding). Raises RuntimeError when they differ."""
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(13, 37, generator=gen), torch.randn(75, 37, generator=gen)
     full = gemm.linear(x, w)
@@ -117,21 +162,28 @@ def self_check(gemm: CGemm) -> None:
         if not torch.equal(gemm.linear(x[m - 1: m], w), full[m - 1: m]) or not torch.equal(gemm.linear(x[:m], w),
                                                                                             full[:m]):
             raise RuntimeError(f"self-check failed: rows of a {m}-row call differ from the 13-row call's")
+    norm_w = torch.rand(37, generator=gen) + 0.5
+    ref = x * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6) * norm_w
+    normed = gemm.rmsnorm(x, norm_w, 1e-6)
+    if not torch.allclose(normed, ref, rtol=1e-5, atol=1e-6):
+        raise RuntimeError("self-check failed: the C RMSNorm differs from the torch form")
+    if not all(torch.equal(gemm.rmsnorm(x[m - 1: m], norm_w, 1e-6), normed[m - 1: m]) for m in range(1, 13)):
+        raise RuntimeError("self-check failed: the C RMSNorm of a row alone differs from the 13-row call's")
 
 
-def load(isa: str, check: bool = True) -> CGemm:
+def load(isa: str, check: bool = True) -> CInvariant:
     """Build (when not cached), load and (``check``) self-check the C GEMM of path ``isa`` (a new object each
     call: tests and benches compare paths; tests load unchecked, to see a wrong kernel fail rather than skip).
     Raises RuntimeError saying why it cannot run."""
     if isa not in ISAS:
         raise RuntimeError(f"unknown path {isa!r} (one of {sorted(ISAS)})")
-    gemm = CGemm(build(isa, SOURCE, FLAGS), isa)
+    gemm = CInvariant(build(isa, SOURCE, FLAGS), isa)
     if check:
         self_check(gemm)
     return gemm
 
 
-def backend() -> CGemm | None:
+def backend() -> CInvariant | None:
     """The C GEMM every fp32 CPU :func:`kda_core.invariant.linear` call of this process runs, chosen on the first
     call (later calls return the same answer): path :func:`kda_core.cpu_build.default_isa`; None where it is
     turned off (``KDA_CPU_GEMM=0`` or ``KDA_CPU_KERNEL=0``) or cannot run (:func:`reason` says why)."""

@@ -71,15 +71,75 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """
     if x.shape[-1] != weight.shape[-1]:
         raise ValueError(f"x must have last dim D_in = {weight.shape[-1]}, got shape {tuple(x.shape)}")
-    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, D_in]
     gemm = _GEMM[0] if _GEMM else _choose()
+    grad = (x.requires_grad or weight.requires_grad) and torch.is_grad_enabled()
+    if gemm is not None and not grad and x.dtype is _F32 and weight.dtype is _F32 and x.is_cpu and weight.is_cpu:
+        return gemm.linear(x, weight)                        # [..., D_out], no reshape op
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # [M, D_in]
     if gemm is None or x.dtype is not _F32 or weight.dtype is not _F32 or not x.is_cpu or not weight.is_cpu:
         out = torch_linear(rows, weight)                     # [M, D_out]
-    elif (x.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
-        out = _CLinear.apply(rows, weight)                   # [M, D_out]
     else:
-        out = gemm.linear(rows, weight)                      # [M, D_out]
+        out = _CLinear.apply(rows, weight)                   # [M, D_out]
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class _CRmsNorm(torch.autograd.Function):
+    """The C RMSNorm forward with the torch form's backward (recomputed): training sees the inference bits."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return cpu_invariant.backend().rmsnorm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x, weight = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            dx, dw = torch.autograd.grad(torch_rmsnorm(x, weight, ctx.eps), (x, weight), dy)
+        return dx, dw, None
+
+
+def torch_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The torch form of :func:`rmsnorm` (its rsqrt through :func:`pointwise`)."""
+    return x * pointwise(torch.rsqrt, (x * x).mean(-1) + eps).unsqueeze(-1) * weight
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, each row on its own: ``x / sqrt(mean x^2 + eps) * weight``.
+
+    Args: x ``[..., D]``; weight ``[D]``; eps: the config's ``rms_norm_eps``. Returns ``[..., D]``.
+    Runs the C form where :func:`linear` runs the C GEMM (fp32 CPU tensors), else :func:`torch_rmsnorm`.
+    """
+    gemm = _GEMM[0] if _GEMM else _choose()
+    if gemm is None or x.dtype is not _F32 or weight.dtype is not _F32 or not x.is_cpu or not weight.is_cpu \
+            or weight.shape != x.shape[-1:]:
+        return torch_rmsnorm(x, weight, eps)
+    if (x.requires_grad or weight.requires_grad) and torch.is_grad_enabled():
+        return _CRmsNorm.apply(x, weight, eps)
+    return gemm.rmsnorm(x, weight, eps)
+
+
+def linear_cat(x: torch.Tensor, weights: tuple) -> tuple:
+    """``linear(x, w)`` for each weight of ``weights`` from one GEMM over their concatenation (fewer calls per
+    step: a KDA layer's four input projections, an MLA layer's latent and query projections).
+
+    Args: x ``[..., D_in]``; weights: ``[D_out_i, D_in]`` each. Returns a tuple of ``[..., D_out_i]`` views of
+    one ``[..., sum D_out_i]`` tensor. Each is bitwise ``linear(x, w_i)`` (the C GEMM computes every output
+    column alone; the torch form runs the separate calls). Raises ValueError like :func:`linear`.
+    """
+    D = x.shape[-1]
+    for w in weights:
+        if w.shape[-1] != D:
+            raise ValueError(f"x must have last dim D_in = {w.shape[-1]}, got shape {tuple(x.shape)}")
+    gemm = _GEMM[0] if _GEMM else _choose()
+    if gemm is None or x.dtype is not _F32 or not x.is_cpu or torch.is_grad_enabled() and (
+            x.requires_grad or any(w.requires_grad for w in weights)) or \
+            any(w.dtype is not _F32 or not w.is_cpu for w in weights):
+        return tuple(linear(x, w) for w in weights)
+    out = gemm.linear(x, tuple(weights))                     # [..., sum D_out_i]
+    return tuple(out.split([w.shape[0] for w in weights], dim=-1))
 
 
 VEC_ROW = 32          # 2 x AVX-512 float lanes: ATen's vectorised loop step

@@ -20,7 +20,8 @@ from torch import nn
 from kda_core.chunk import CHUNK_SIZE, kda_chunk
 from kda_core.config import ModelConfig
 from kda_core.conv import short_conv
-from kda_core.invariant import linear, pointwise
+from kda_core.invariant import linear, linear_cat, pointwise
+from kda_core.invariant import rmsnorm as invariant_rmsnorm
 from kda_core.kda import kda_gate, kda_recurrent
 
 MODES = ("chunk", "recurrent")
@@ -57,8 +58,9 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float = RMS_EPS) -> torch.Tensor:
-    """RMSNorm over the last dim: ``x / sqrt(mean x^2 + eps) * weight`` (eps: the config's ``rms_norm_eps``)."""
-    return x * pointwise(torch.rsqrt, (x * x).mean(-1) + eps).unsqueeze(-1) * weight
+    """RMSNorm over the last dim: ``x / sqrt(mean x^2 + eps) * weight`` (eps: the config's ``rms_norm_eps``), row-invariant
+    (:func:`kda_core.invariant.rmsnorm`)."""
+    return invariant_rmsnorm(x, weight, eps)
 
 
 def _init(gen: torch.Generator, out_dim: int, in_dim: int) -> nn.Parameter:
@@ -139,16 +141,17 @@ class KDALayer(nn.Module):
     def project(self, x: torch.Tensor):
         """Per-token projections of ``x [B, T, D]`` that do not depend on the cache.
 
-        Returns (raw_qkv ``[B, T, 2HK + HV]``, g ``[B, T, H, K]``, beta ``[B, T, H]``,
-        out_gate ``[B, T, H, V]``)."""
+        Returns (raw_qkv ``[B, T, 2HK + HV]`` (a view with a row stride past its last dim), g ``[B, T, H, K]``,
+        beta ``[B, T, H]``, out_gate ``[B, T, H, V]``)."""
         cfg = self.cfg
         B, T, _ = x.shape
         H, K, V = cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
-        raw = linear(x, self.qkv_proj)                                   # [B, T, H(2K+V)]
-        f = linear(linear(x, self.f_a), self.f_b).view(B, T, H, K)       # [B, T, H, K]
+        # one GEMM for the four projections of x (views of one [B, T, H(2K+V) + r + H + r] tensor)
+        raw, f_low, b, g_low = linear_cat(x, (self.qkv_proj, self.f_a, self.b_proj, self.g_a))
+        f = linear(f_low, self.f_b).view(B, T, H, K)                     # [B, T, H, K]
         g = kda_gate(f, self.A_log, self.dt_bias, cfg.lower_bound if cfg.gate == "lower_bound" else None)
-        beta = pointwise(torch.sigmoid, linear(x, self.b_proj))          # [B, T, H]
-        out_gate = linear(linear(x, self.g_a), self.g_b).view(B, T, H, V)  # [B, T, H, V]
+        beta = pointwise(torch.sigmoid, b)                               # [B, T, H]
+        out_gate = linear(g_low, self.g_b).view(B, T, H, V)              # [B, T, H, V]
         return raw, g, beta, out_gate
 
     def activate(self, raw: torch.Tensor, conv_state: torch.Tensor):
@@ -314,6 +317,17 @@ class MLALayer(nn.Module):
     def latents(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Per-token latent cache entries ``[B, T, r + rope]`` for tokens at positions start.."""
         return self.latents_at(x, torch.arange(start, start + x.shape[1]))
+
+    def latents_and_queries_at(self, x: torch.Tensor, positions: torch.Tensor) -> tuple:
+        """(:meth:`latents_at`, :meth:`queries_at`) of x ``[B, T, D]`` from one GEMM (bitwise the two calls)."""
+        cfg = self.cfg
+        B, T, _ = x.shape
+        r, nope = cfg.kv_lora_rank, cfg.qk_nope_head_dim
+        ckv, q = linear_cat(x, (self.kv_a, self.q_proj))                    # [B, T, r + rope], [B, T, Hm dq]
+        q = q.reshape(B, T, cfg.num_mla_heads, -1)                          # [B, T, Hm, nope+rope]
+        lat = torch.cat([rmsnorm(ckv[..., :r], self.kv_norm, cfg.rms_norm_eps), self.position(ckv[..., r:], positions)],
+                        dim=-1)                                             # [B, T, r + rope]
+        return lat, torch.cat([q[..., :nope], self.position(q[..., nope:], positions)], dim=-1)
 
     def queries_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Queries ``[B, T, Hm, nope + rope]`` of x ``[B, T, D]`` at ``positions [T]``."""

@@ -21,7 +21,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kda_core.config import ModelConfig
-from kda_core.invariant import linear, pointwise
+from kda_core.invariant import linear, linear_cat, pointwise
+
+
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype is torch.float32 else t.float()
 
 
 def _init(gen: torch.Generator, *shape: int) -> nn.Parameter:
@@ -31,7 +35,12 @@ def _init(gen: torch.Generator, *shape: int) -> nn.Parameter:
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """``down(silu(gate x) * up x)``; x ``[..., D]``, gate_up ``[2F, D]`` (gate rows then up rows), down ``[D, F]``."""
-    a, b = linear(x, gate_up).chunk(2, dim=-1)                             # [..., F] each
+    return swiglu_down(linear(x, gate_up), down)
+
+
+def swiglu_down(gu: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """The part of :func:`swiglu` after the gate_up projection: ``gu [..., 2F]`` (gate then up) -> ``[..., D]``."""
+    a, b = gu.chunk(2, dim=-1)                                              # [..., F] each
     return linear(pointwise(F.silu, a) * b, down)                           # [..., D]
 
 
@@ -71,11 +80,14 @@ class MoE(nn.Module):
         self.shared = DenseMLP(D, F_ * cfg.num_shared_experts, gen) if cfg.num_shared_experts else None
         self.last_load: torch.Tensor | None = None
 
-    def route(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k routing of rows ``[N, D]``: (weights ``[N, k]`` fp32, expert ids ``[N, k]`` int64, best first)."""
+    def route(self, rows: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k routing of rows ``[N, D]`` (or of their router ``logits [N, E]`` fp32 when given): (weights
+        ``[N, k]`` fp32, expert ids ``[N, k]`` int64, best first)."""
         cfg = self.cfg
         N, E, G = rows.shape[0], cfg.num_experts, cfg.num_expert_group
-        scores = pointwise(torch.sigmoid, linear(rows.float(), self.router.float()))   # [N, E]
+        if logits is None:
+            logits = linear(_fp32(rows), _fp32(self.router))                               # [N, E]
+        scores = pointwise(torch.sigmoid, logits)                                        # [N, E]
         choice = scores + self.router_bias
         if G > 1:
             group = choice.view(N, G, E // G).topk(2, dim=-1).values.sum(-1)            # [N, G]
@@ -91,14 +103,20 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x ``[..., D]`` -> ``[..., D]``: the routed experts' weighted sum plus the shared experts."""
         rows = x.reshape(-1, x.shape[-1])                                   # [N, D]
-        w, idx = self.route(rows)
+        shared_gu = None
+        if self.shared is not None and rows.dtype is torch.float32 and self.router.dtype is torch.float32:
+            # the router and the shared experts' gate_up read the same rows: one GEMM (bitwise the two calls)
+            logits, shared_gu = linear_cat(rows, (self.router, self.shared.gate_up))   # [N, E], [N, 2 F_s]
+            w, idx = self.route(rows, logits)
+        else:
+            w, idx = self.route(rows)
         N, k = idx.shape
         if N == 1:                                                          # one row (batch-1 decode): no dispatch
             e = idx[0].tolist()
             y = swiglu(rows, self.experts_gate_up[e[0]], self.experts_down[e[0]]) * w[:, :1]
             for j in range(1, k):                                           # the same order as below
                 y = y + swiglu(rows, self.experts_gate_up[e[j]], self.experts_down[e[j]]) * w[:, j: j + 1]
-            return self._finish(x, y, idx)
+            return self._finish(x, y, idx, shared_gu)
         flat = idx.flatten()                                                # [N k] (row, top-k position) pairs
         order = flat.argsort(stable=True)                                   # the pairs grouped by expert
         sorted_rows = rows.index_select(0, order // k)                      # [N k, D]
@@ -113,14 +131,19 @@ class MoE(nn.Module):
         y = per_k[:, 0] * w[:, :1]
         for j in range(1, idx.shape[1]):                                    # fixed order: row-invariant
             y = y + per_k[:, j] * w[:, j: j + 1]
-        return self._finish(x, y, idx)
+        return self._finish(x, y, idx, shared_gu)
 
-    def _finish(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """The routed sum ``y [N, D]`` in x's shape plus the shared experts (and the load, in training)."""
+    def _finish(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, shared_gu: torch.Tensor | None) -> torch.Tensor:
+        """The routed sum ``y [N, D]`` in x's shape plus the shared experts (their gate_up output ``shared_gu
+        [N, 2 F_s]`` when the router's GEMM computed it), and the load, in training."""
         if self.training:
             self.last_load = torch.bincount(idx.flatten(), minlength=self.cfg.num_experts).detach()
         y = y.view(x.shape)
-        return y + self.shared(x) if self.shared is not None else y
+        if self.shared is None:
+            return y
+        if shared_gu is None:
+            return y + self.shared(x)
+        return y + swiglu_down(shared_gu, self.shared.down).view(x.shape)
 
     @torch.no_grad()
     def update_bias(self, rate: float) -> None:

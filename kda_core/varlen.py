@@ -358,16 +358,6 @@ def make_meta(row_lens, num_decode: int, slot_idx, has_initial_state, context_le
                      tuple(tuple(t) for t in block_tables), tuple(state_at or ((),) * n), num_verify)
 
 
-def _mla_latents(m: MLALayer, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """``MLALayer.latents`` with per-token positions ``pos [T_total]``: h ``[1, T_total, D]``."""
-    return m.latents_at(h, pos)                                         # [1, T_total, r + rope]
-
-
-def _mla_queries(m: MLALayer, h: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """``MLALayer._queries`` with per-token positions: ``[1, T_total, Hm, nope + rope]``."""
-    return m.queries_at(h, pos)                                         # [1, T_total, Hm, nope+rope]
-
-
 def read_latents(kv_cache: torch.Tensor, m_idx: int, block_table, num_tokens: int) -> torch.Tensor:
     """The first ``num_tokens`` latents ``[1, num_tokens, R]`` of MLA layer ``m_idx`` through a block table."""
     _, _, NB, R = kv_cache.shape
@@ -619,8 +609,7 @@ def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx
                packed: _Packed, verify, li):
     cfg = m.cfg
     r, nope, Hm = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.num_mla_heads
-    lat_new = _mla_latents(m, h, pos)                                     # [1, T_total, R]
-    qall = _mla_queries(m, h, pos)                                        # [1, T_total, Hm, dq]
+    lat_new, qall = m.latents_and_queries_at(h, pos)                      # [1, T_total, R], [1, T_total, Hm, dq]
     full = lat_new.new_full((packed.total, lat_new.shape[-1]), float("nan"))  # [sum, R]
     if packed.old_dst.numel():
         full[packed.old_dst] = kv_cache[packed.old_page, m_idx, packed.old_off]

@@ -1,6 +1,6 @@
-/* The C forms of kda_core.invariant's row-invariant ops (fp32).
+/* The C forms of kda_core.invariant's row-invariant ops (fp32): the GEMM of linear and the RMSNorm of rmsnorm.
  *
- * GEMM (linear): out[m, n] = sum_k x[m, k] * W[n, k].
+ * GEMM: out[m, n] = sum_k x[m, k] * W[n, k].
  *
  * Every output is ONE accumulator that starts at +0 and takes x[m, k] * W[n, k] for k = 0, 1, ..., K - 1 in
  * that order, each step a fused multiply-add (rounded once). The order never depends on M, N, the tile, the
@@ -14,6 +14,10 @@
  * packed[p][k][j] = W[16 p + j, k] (0 past N), so a tile's step k reads 16 consecutive floats per panel and
  * broadcasts x[m, k]: a register-blocked microkernel of MR rows x J panels (AVX-512: up to 6 x 4 zmm
  * accumulators; AVX2: up to 4 x 2 panels of 2 ymm each).
+ *
+ * RMSNorm: y[m, :] = (x[m, :] * r) * w with r = 1 / sqrt(ss / D + eps); ss = sum_d x[m, d]^2 in a fixed order: 16
+ * partial sums (lane j takes d = j, j + 16, ... by fmaf from +0), then added pairwise in a fixed tree. One row at a
+ * time, the same order for any number of rows and on either path.
  */
 #include <math.h>
 #include <stddef.h>
@@ -163,3 +167,20 @@ int linear_f32(int M, int N, int K, const float *x, long ldx, const float *packe
     return 0;
 }
 
+/* y [M, D] (row stride ldy) = RMSNorm of x [M, D] (row stride ldx) with weight w [D]. */
+void rmsnorm_f32(int M, int D, const float *x, long ldx, const float *w, float eps, float *y, long ldy) {
+    for (int m = 0; m < M; m++) {
+        const float *xr = x + (long)m * ldx;
+        float *yr = y + (long)m * ldy;
+        float acc[16] = {0};
+        int d = 0;
+        for (; d + 16 <= D; d += 16)
+            for (int j = 0; j < 16; j++) acc[j] = fmaf(xr[d + j], xr[d + j], acc[j]);
+        for (int j = 0; d + j < D; j++) acc[j] = fmaf(xr[d + j], xr[d + j], acc[j]);
+        for (int h = 8; h >= 1; h /= 2)
+            for (int j = 0; j < h; j++) acc[j] = acc[j] + acc[j + h];
+        float ss = acc[0];
+        float r = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int e = 0; e < D; e++) yr[e] = (xr[e] * r) * w[e];
+    }
+}

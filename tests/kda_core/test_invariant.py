@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_core import cpu_build, cpu_invariant
-from kda_core.invariant import linear, pointwise, torch_linear
+from kda_core.invariant import linear, pointwise, rmsnorm, torch_linear, torch_rmsnorm
 
 
 def _c_form(isa):
@@ -134,3 +134,39 @@ def test_pointwise_row_invariant_across_the_one_block_path(fn):
     for m in [1, 2, 255, 256, 257, 300]:                                  # 256 rows = MAX_BLOCK: the last one-block call
         assert torch.equal(pointwise(fn, x[:m]), full[:m]), m
     assert torch.equal(pointwise(fn, x[:1, None]), full[:1, None])          # leading dims kept
+
+
+RMS_FORMS = [pytest.param(rmsnorm, id="chosen"), pytest.param(torch_rmsnorm, id="torch")] + [
+    pytest.param(lambda x, w, eps, isa=isa: _loaded(isa).rmsnorm(x, w, eps), id=f"c-{isa}")
+    for isa in cpu_build.host_isas()]
+
+
+@pytest.mark.parametrize("form", RMS_FORMS)
+@pytest.mark.parametrize("d", [128, 37, 16, 1])
+def test_rmsnorm_row_invariant_and_values(form, d):
+    """Each row's bits do not depend on the other rows (1..300 rows; D = 37 has a tail past the 16 lanes of
+    the C form), and the values are the fp64 formula's to fp32 rounding (rtol 1e-5: a few ulps of the sum,
+    the rsqrt and the two products)."""
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(300, d, generator=gen) * 3, torch.rand(d, generator=gen) + 0.5
+    full = form(x, w, 1e-6)
+    for m in [1, 2, 3, 7, 16, 17, 64, 299, 300]:
+        assert torch.equal(form(x[:m], w, 1e-6), full[:m]), m
+        assert torch.equal(form(x[m - 1: m], w, 1e-6), full[m - 1: m]), m
+    x64 = x.double()
+    ref = x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + 1e-6) * w.double()
+    torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-6)
+    assert torch.equal(form(x.view(3, 100, d), w, 1e-6), full.view(3, 100, d))    # leading dims [B, T]
+
+
+def test_rmsnorm_grad_matches_torch_form():
+    """Training backpropagates through ``rmsnorm`` (the C forward, the torch form's backward): gradients equal
+    the torch form's."""
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(4, 6, 24, generator=gen, requires_grad=True)
+    w = (torch.rand(24, generator=gen) + 0.5).requires_grad_(True)
+    dy = torch.randn(4, 6, 24, generator=gen)
+    got = torch.autograd.grad((rmsnorm(x, w, 1e-6) * dy).sum(), (x, w))
+    want = torch.autograd.grad((torch_rmsnorm(x, w, 1e-6) * dy).sum(), (x, w))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
