@@ -363,19 +363,49 @@ class MLALayer(nn.Module):
             raise ValueError(f"cache must have shape [B, L, {self.cfg.latent_dim}], got {tuple(cache.shape)}")
         L = cache.shape[1]
         lat = torch.cat([cache, self.latents(x, L)], dim=1)                 # [B, L+T, r+rope]
-        q = self._queries(x, L).transpose(1, 2)                             # [B, Hm, T, dq]
-        k, v = self._keys_values(lat)                                       # [B, Hm, L+T, *]
         if mode == "chunk":
+            q = self._queries(x, L).transpose(1, 2)                         # [B, Hm, T, dq]
+            k, v = self._keys_values(lat)                                   # [B, Hm, L+T, *]
             o = _block_causal_attention(q, k, v, L, self.scale)            # [B, Hm, T, vd]
+            o = o.transpose(1, 2).reshape(B, T, -1)                         # [B, T, Hm vd]
         else:
-            rows = []
-            for t in range(T):  # each query over exactly its causal prefix: same shapes as decode
-                kt, vt = k[:, :, : L + t + 1].contiguous(), v[:, :, : L + t + 1].contiguous()
-                s = (q[:, :, t: t + 1] @ kt.transpose(-1, -2)) * self.scale  # [B, Hm, 1, L+t+1]
-                rows.append(torch.softmax(s, dim=-1) @ vt)                   # [B, Hm, 1, vd]
-            o = torch.cat(rows, dim=2)                                      # [B, Hm, T, vd]
-        y = linear(o.transpose(1, 2).reshape(B, T, -1), self.o_proj)        # [B, T, D]
-        return y, lat
+            o = self.attend_absorbed(self._queries(x, L), lat, L)           # [B, T, Hm vd]
+        return linear(o, self.o_proj), lat                                  # [B, T, D]
+
+    def absorb_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """Queries ``[..., Hm, nope + rope]`` -> ``[..., Hm, r + rope]``: each head's ``q_nope`` taken into the
+        latent space (``q_nope W_uk[h]``, W_uk the key half of ``kv_b``), then its rope part. Row-invariant (one
+        :func:`linear` per head)."""
+        cfg = self.cfg
+        r, nope, Hm = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.num_mla_heads
+        w_uk = self.kv_b.view(Hm, nope + cfg.v_head_dim, r)[:, :nope]      # [Hm, nope, r]
+        q_lat = torch.stack([linear(q[..., h, :nope], w_uk[h].T) for h in range(Hm)], dim=-2)   # [..., Hm, r]
+        return torch.cat([q_lat, q[..., nope:]], dim=-1)                    # [..., Hm, r + rope]
+
+    def absorbed_output(self, o_lat: torch.Tensor) -> torch.Tensor:
+        """Latent outputs ``[..., Hm, r]`` -> ``[..., Hm vd]``: each head's ``o_lat W_uv[h]^T`` (W_uv the value half
+        of ``kv_b``), heads side by side. Row-invariant (one :func:`linear` per head)."""
+        cfg = self.cfg
+        r, nope, Hm = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.num_mla_heads
+        w_uv = self.kv_b.view(Hm, nope + cfg.v_head_dim, r)[:, nope:]      # [Hm, vd, r]
+        return torch.cat([linear(o_lat[..., h, :], w_uv[h]) for h in range(Hm)], dim=-1)   # [..., Hm vd]
+
+    def attend_absorbed(self, q: torch.Tensor, lat: torch.Tensor, L: int) -> torch.Tensor:
+        """Token-by-token attention in the absorbed form (DeepSeek-V2's MLA with ``W_uk`` / ``W_uv`` folded into
+        the query and the output, as vLLM's MLA decode backends do: ``vllm/v1/attention/backends/mla/common.py``):
+        query t of q ``[B, T, Hm, nope + rope]`` over exactly the latents ``lat[:, :L + t + 1]`` (``lat`` ``[B,
+        L + T, r + rope]``), never expanding a latent through ``kv_b``. Returns ``[B, T, Hm vd]``.
+
+        Every decode and verify query of the engine runs these very ops with the same shapes
+        (:func:`latent_attention` per query, :meth:`absorb_queries` / :meth:`absorbed_output` per row), so they
+        are bitwise this; against the expanded form of prefill (chunk mode) they agree to fp32 rounding
+        (``(q W_uk) . c`` vs ``q . (W_uk c)``: reassociated sums, ~1e-6 relative)."""
+        B, T = q.shape[:2]
+        q_cat = self.absorb_queries(q)                                      # [B, T, Hm, r + rope]
+        r = self.cfg.kv_lora_rank
+        o_lat = torch.stack([latent_attention(q_cat[:, t], lat[:, : L + t + 1].contiguous(), r, self.scale)
+                             for t in range(T)], dim=1)                     # [B, T, Hm, r]
+        return self.absorbed_output(o_lat)                                  # [B, T, Hm vd]
 
     def decode_absorbed(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
         """One-token decode reading only the latent cache (weights absorbed, as FlashMLA does).

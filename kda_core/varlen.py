@@ -41,7 +41,7 @@ from kda_core.chunk import CHUNK_SIZE, kda_chunk
 from kda_core.decode import kda_decode
 from kda_core.invariant import linear
 from kda_core.kda import _step, kda_recurrent
-from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _block_causal_attention
+from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _block_causal_attention, latent_attention
 
 PAD_SLOT = -1
 
@@ -578,35 +578,37 @@ def _pack_latents(meta: BatchMeta, qsl, slots, NB: int) -> _Packed:
     return _Packed(starts, total, old_page, within, old_dst, new_src, new_src + torch.repeat_interleave(shift, lens))
 
 
-def _mla_decode_rows(meta: BatchMeta, qsl, packed: _Packed, qall, k_all, v_all, scale) -> list:
+def _mla_decode_rows(m: MLALayer, meta: BatchMeta, packed: _Packed, q_cat, full) -> list:
     """The decode rows' attention outputs as a list of one ``[1, nd, Hm vd]`` (empty without decode rows), in row
-    order. Rows with the same context length L run as one batched product instead of ~15 ops per row: each row
-    and head is its own ``[1, dq] @ [dq, L + 1]`` product, softmax and ``P V`` over exactly its L + 1 latents,
-    with the shapes and layouts ``MLALayer.forward(mode="recurrent")`` gives that row alone, and the batched
-    matmul computes each item as it computes one alone (bitwise: ``tests/kda_core/test_varlen_decode.py``)."""
-    if not meta.num_decode:
+    order, in the absorbed form (:meth:`MLALayer.attend_absorbed`: no latent expanded through ``kv_b``). Rows
+    with the same context length L run as one batched product: each row is its own ``[Hm, r + rope] @
+    [r + rope, L + 1]`` product, softmax and ``P C`` over exactly its L + 1 latents, with the shapes and layouts
+    ``MLALayer.forward(mode="recurrent")`` gives that row alone, and the batched matmul computes each item as it
+    computes one alone (bitwise: ``tests/kda_core/test_varlen_decode.py``). q_cat ``[>= nd, Hm, r + rope]``."""
+    nd = meta.num_decode
+    if not nd:
         return []
+    r = m.cfg.kv_lora_rank
     by_len: dict = {}
-    for i in range(meta.num_decode):
+    for i in range(nd):
         by_len.setdefault(meta.context_lens[i], []).append(i)
-    outs, order = [], []
+    o_lat = q_cat.new_empty(nd, q_cat.shape[1], r)                        # [nd, Hm, r]
     for L, rows in by_len.items():
         idx = torch.tensor([packed.start[i] for i in rows])[:, None] + torch.arange(L + 1)   # [R, L+1]
-        k = k_all[0, idx].transpose(1, 2).contiguous()                    # [R, Hm, L+1, dq]
-        v = v_all[0, idx].transpose(1, 2).contiguous()                    # [R, Hm, L+1, vd]
-        q = qall[0, [qsl[i] for i in rows]].unsqueeze(2)                  # [R, Hm, 1, dq]
-        s = (q @ k.transpose(-1, -2)) * scale                             # [R, Hm, 1, L+1]
-        o = torch.softmax(s, dim=-1) @ v                                  # [R, Hm, 1, vd]
-        outs.append(o.transpose(1, 2).reshape(len(rows), -1))             # [R, Hm vd]
-        order += rows
-    o = outs[0] if len(outs) == 1 else torch.cat(outs)                   # [nd, Hm vd], rows grouped by length
-    if order != sorted(order):
-        o = o[torch.tensor(order).argsort()]                              # back to row order
-    return [o.unsqueeze(0)]                                               # [1, nd, Hm vd]
+        sel = torch.tensor(rows) if len(rows) < nd else None
+        q = q_cat[:nd] if sel is None else q_cat[sel]                     # [R, Hm, r + rope]
+        part = latent_attention(q, full[idx], r, m.scale)                 # [R, Hm, r]
+        if sel is None:
+            o_lat = part
+        else:
+            o_lat[sel] = part
+    return [m.absorbed_output(o_lat).unsqueeze(0)]                        # [1, nd, Hm vd]
 
 
 def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx, kv_pages, kv_offs, kv_live,
                packed: _Packed, verify, li):
+    """One MLA layer over the batch: decode and verify rows in the absorbed form (as ``MLALayer.forward(mode=
+    "recurrent")``), prefill rows with keys and values expanded from their own latents (as chunk mode)."""
     cfg = m.cfg
     r, nope, Hm = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.num_mla_heads
     lat_new, qall = m.latents_and_queries_at(h, pos)                      # [1, T_total, R], [1, T_total, Hm, dq]
@@ -614,30 +616,28 @@ def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx
     if packed.old_dst.numel():
         full[packed.old_dst] = kv_cache[packed.old_page, m_idx, packed.old_off]
     full[packed.new_dst] = lat_new[0, packed.new_src]
-    kv_all = linear(full[None, :, :r], m.kv_b).view(1, packed.total, Hm, -1)   # [1, sum, Hm, nope+vd]: row-invariant
-    k_rope = full[None, :, None, r:].expand(1, packed.total, Hm, -1)       # [1, sum, Hm, rope]
-    k_all = torch.cat([kv_all[..., :nope], k_rope], dim=-1)               # [1, sum, Hm, dq]
-    v_all = kv_all[..., nope:]                                            # [1, sum, Hm, vd]
-    o_rows = _mla_decode_rows(meta, qsl, packed, qall, k_all, v_all, m.scale)   # decode rows, grouped by length
-    for i in range(meta.num_decode, len(slots)):
+    nd, n_dv = meta.num_decode, meta.num_decode + meta.num_verify
+    q_cat = m.absorb_queries(qall[0, : qsl[n_dv]]) if n_dv else None     # [T_dv, Hm, r + rope] decode + verify tokens
+    o_rows = _mla_decode_rows(m, meta, packed, q_cat, full)              # decode rows, absorbed
+    for i in range(nd, len(slots)):
         a, b = qsl[i], qsl[i + 1]
         L, T = meta.context_lens[i], b - a
         s0, s1 = packed.start[i], packed.start[i] + L + T
-        k = k_all[:, s0:s1].transpose(1, 2).contiguous()                  # [1, Hm, L+T, dq]
-        v = v_all[:, s0:s1].transpose(1, 2).contiguous()                  # [1, Hm, L+T, vd]
-        q = qall[:, a:b].transpose(1, 2)                                  # [1, Hm, T, dq]
-        if i >= meta.num_decode + meta.num_verify:
-            o = _block_causal_attention(q, k, v, L, m.scale)             # [1, Hm, T, vd]
-        else:                                                             # as MLALayer.forward(mode="recurrent")
-            rows = []
-            for t in range(T):
-                kt, vt = k[:, :, : L + t + 1].contiguous(), v[:, :, : L + t + 1].contiguous()
-                s = (q[:, :, t: t + 1] @ kt.transpose(-1, -2)) * m.scale  # [1, Hm, 1, L+t+1]
-                rows.append(torch.softmax(s, dim=-1) @ vt)                # [1, Hm, 1, vd]
-            o = rows[0] if T == 1 else torch.cat(rows, dim=2)             # [1, Hm, T, vd]
-            if i in verify:
-                verify[i].layers[li] = full[s0:s1].unsqueeze(0).clone()  # [1, L+T, R]
-        o_rows.append(o.transpose(1, 2).reshape(1, T, -1))                # [1, T, Hm vd]
+        if i >= n_dv:                                                     # prefill: as MLALayer.forward(mode="chunk")
+            kv = linear(full[s0:s1, :r], m.kv_b).view(1, L + T, Hm, -1)  # [1, L+T, Hm, nope+vd]
+            k_rope = full[None, s0:s1, None, r:].expand(1, L + T, Hm, -1)  # [1, L+T, Hm, rope]
+            k = torch.cat([kv[..., :nope], k_rope], dim=-1).transpose(1, 2).contiguous()   # [1, Hm, L+T, dq]
+            v = kv[..., nope:].transpose(1, 2).contiguous()               # [1, Hm, L+T, vd]
+            q = qall[:, a:b].transpose(1, 2)                              # [1, Hm, T, dq]
+            o = _block_causal_attention(q, k, v, L, m.scale)              # [1, Hm, T, vd]
+            o_rows.append(o.transpose(1, 2).reshape(1, T, -1))            # [1, T, Hm vd]
+            continue
+        lat = full[s0:s1].unsqueeze(0)                                    # [1, L+T, R]: as MLALayer.attend_absorbed
+        o_lat = torch.stack([latent_attention(q_cat[a + t][None], lat[:, : L + t + 1].contiguous(), r, m.scale)
+                             for t in range(T)], dim=1)                   # [1, T, Hm, r]
+        o_rows.append(m.absorbed_output(o_lat))                           # [1, T, Hm vd]
+        if i in verify:
+            verify[i].layers[li] = lat.clone()                            # [1, L+T, R]
     _write_latents(kv_cache, m_idx, kv_pages, kv_offs, lat_new[0, kv_live])
     o = o_rows[0] if len(o_rows) == 1 else torch.cat(o_rows, dim=1)       # [1, T_total, Hm vd]
     return linear(o, m.o_proj)                                            # [1, T_total, D]

@@ -17,9 +17,9 @@ def model():
     return HybridLM.from_pretrained(Path(__file__).resolve().parents[2] / "weights" / "kda-demo")
 
 
-@pytest.mark.parametrize("contexts", [pytest.param((5, 20, 5, 33, 20), id="L5-20-5-33-20"),
-                                      pytest.param((9, 9, 9), id="L9x3")])
-def test_decode_rows_grouped_by_length_equal_alone(model, contexts):
+def _decode_batch(model, contexts):
+    """Pools holding each row's prefilled context (KDA states by slot, MLA latents by page), the decode metadata
+    with a pad row at the end, the packed tokens, and each row's ``model.decode_step`` alone."""
     cfg = model.cfg
     S, pages = len(contexts) + 2, list(range(40))
     kda = {i: (torch.full((S, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim), float("nan")),
@@ -42,7 +42,16 @@ def test_decode_rows_grouped_by_length_equal_alone(model, contexts):
     n = len(contexts)
     meta = make_meta([1] * (n + 1), n + 1, slots + [PAD_SLOT], [True] * n + [False], list(contexts) + [0],
                      tables + [[]])
-    out = forward_batch(model, torch.cat(toks + [torch.tensor([3])]), meta, pools)
+    return pools, meta, torch.cat(toks + [torch.tensor([3])]), alone, slots, tables
+
+
+@pytest.mark.parametrize("contexts", [pytest.param((5, 20, 5, 33, 20), id="L5-20-5-33-20"),
+                                      pytest.param((9, 9, 9), id="L9x3")])
+def test_decode_rows_grouped_by_length_equal_alone(model, contexts):
+    cfg = model.cfg
+    pools, meta, tokens, alone, slots, tables = _decode_batch(model, contexts)
+    kda, S, n = pools.kda, len(contexts) + 2, len(contexts)
+    out = forward_batch(model, tokens, meta, pools)
     for r, (logits, cache) in enumerate(alone):
         assert torch.equal(out.logits[r], logits[0]), f"row {r}"
         for i in cfg.kda_layers:
@@ -51,6 +60,43 @@ def test_decode_rows_grouped_by_length_equal_alone(model, contexts):
         for j, i in enumerate(cfg.mla_layers):
             assert torch.equal(read_latents(pools.kv_cache, j, tables[r], contexts[r] + 1), cache.layers[i])
     assert all(kda[i][0][:S - n].isnan().all() for i in cfg.kda_layers)   # unused slots never written
+
+
+def test_decode_rows_never_expand_cached_latents(model, monkeypatch):
+    """A decode step reads each row's latents in the absorbed form: no GEMM through the whole ``kv_b`` (the
+    expanded form re-expanded every cached latent of every row, every step: O(sum L) GEMM rows per MLA layer)."""
+    import kda_core.layer as layer_mod
+    import kda_core.varlen as varlen_mod
+    kv_b = {id(model.mixers[i].kv_b) for i in model.cfg.mla_layers}
+    rows_through_kv_b = []
+
+    def spy(real):
+        def linear(x, w):
+            if id(w) in kv_b:
+                rows_through_kv_b.append(x.numel() // x.shape[-1])
+            return real(x, w)
+        return linear
+
+    pools, meta, tokens, *_ = _decode_batch(model, (5, 20, 33))
+    for mod in (layer_mod, varlen_mod):
+        monkeypatch.setattr(mod, "linear", spy(mod.linear))
+    forward_batch(model, tokens, meta, pools)
+    assert rows_through_kv_b == []
+
+
+def test_absorbed_recurrent_agrees_with_expanded_chunk(model):
+    """Decode and verify (``mode="recurrent"``, absorbed) against prefill (``mode="chunk"``, keys and values
+    expanded through ``kv_b``) on one MLA layer: the same maths summed in another order, ``(q W_uk) . c`` against
+    ``q . (W_uk c)``; each output within 1e-5 of the largest (fp32 sums of <= 64 terms: ~1e-6)."""
+    layer = model.mixers[model.cfg.mla_layers[0]]
+    gen = torch.Generator().manual_seed(11)
+    x, cache = torch.randn(2, 9, model.cfg.hidden_size, generator=gen), torch.randn(2, 5, model.cfg.latent_dim,
+                                                                                     generator=gen)
+    with torch.no_grad():
+        y_rec, lat_rec = layer(x, cache, mode="recurrent")
+        y_chunk, lat_chunk = layer(x, cache, mode="chunk")
+    assert torch.equal(lat_rec, lat_chunk)
+    assert (y_rec - y_chunk).abs().max() <= 1e-5 * y_chunk.abs().max()
 
 
 @pytest.mark.parametrize("lens,num_decode", [pytest.param([1, 1, 1], 3, id="decode"),
