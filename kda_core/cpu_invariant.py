@@ -35,6 +35,7 @@ FLAGS = ("-ffp-contract=off",)     # the scalar reference's fmaf stays one FMA; 
 ENV = "KDA_CPU_GEMM"               # "0": the torch form (padded MKL) in this process
 PANEL = 16                         # output columns per packed panel
 _CACHE_ATTR = "_kda_gemm_packed"   # on the weight's base tensor: {(data_ptr, shape): (version, packed)}
+_EXPERTS_ATTR = "_kda_gemm_experts"  # on an expert stack: ((data_ptr, version), C array of its packed addresses)
 
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 _lock = threading.Lock()
@@ -60,6 +61,8 @@ class CInvariant:
         lib.linear_ref_f32.argtypes = [_I, _I, _I, _P, _L, _P, _L, _P, _L]
         lib.linear_f32.restype = _I
         lib.linear_f32.argtypes = [_I, _I, _I, _P, _L, _P, _P, _L, _I]
+        lib.linear_f32_pairs.restype = _I
+        lib.linear_f32_pairs.argtypes = [_I, _I, _I, _P, _L, _P, _P, _P, _I, _P, _L]
         lib.rmsnorm_f32.restype = None
         lib.rmsnorm_f32.argtypes = [_I, _I, _P, _L, _P, ctypes.c_float, _P, _L]
         self._rms = lib.rmsnorm_f32
@@ -126,6 +129,26 @@ class CInvariant:
         N = w.shape[0] if single else sum(t.shape[0] for t in w)
         out = x.new_empty((*shape[:-1], N))                                 # [..., N]
         self._run(M, N, shape[-1], x.data_ptr(), ldx, packed_ptr, out.data_ptr(), N, _threads())
+        return out
+
+    def packed_experts(self, ws: torch.Tensor) -> ctypes.Array:
+        """The packed copies (:meth:`packed`) of each ``ws[e]`` of an expert stack ``ws [E, N, K]``, as a C array
+        of their addresses, cached on ``ws`` and rebuilt when its version counter moved."""
+        hit = ws.__dict__.get(_EXPERTS_ATTR)
+        if hit is None or hit[0] != (ws.data_ptr(), ws._version):
+            ptrs = (_L * ws.shape[0])(*(self.packed(ws[e])[1] for e in range(ws.shape[0])))
+            hit = ws.__dict__[_EXPERTS_ATTR] = ((ws.data_ptr(), ws._version), ptrs)
+        return hit[1]
+
+    def linear_pairs(self, x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+        """``out[p] = x[rows[p]] @ ws[experts[p]]^T`` for P pairs: x ``[R, K]`` fp32 (contiguous last dim), rows and
+        experts ``[P]`` int64 (contiguous), ws ``[E, N, K]`` -> ``[P, N]``; each pair computed as its row alone.
+        Unchecked, except that an expert outside [0, E) raises ValueError."""
+        P, N = rows.shape[0], ws.shape[1]
+        out = x.new_empty((P, N))                                           # [P, N]
+        if self.lib.linear_f32_pairs(P, N, x.shape[1], x.data_ptr(), x.stride(0), rows.data_ptr(), experts.data_ptr(),
+                                     self.packed_experts(ws), ws.shape[0], out.data_ptr(), N):
+            raise ValueError(f"experts must be in [0, {ws.shape[0]}), got {experts.tolist()}")
         return out
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

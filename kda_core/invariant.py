@@ -83,6 +83,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
 
 
+def linear_pairs(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
+    """``out[p] = linear(x[rows[p]], weights[experts[p]])`` for P (row, expert) pairs in one C call (the routed
+    experts of a few tokens: no sort, no per-expert dispatch), each bitwise that row's :func:`linear` with that
+    expert. x ``[R, D_in]``, rows / experts ``[P]`` int64, weights ``[E, D_out, D_in]`` -> ``[P, D_out]``; None
+    where the C GEMM does not run these tensors (the torch form, autograd, other dtypes): the caller dispatches."""
+    gemm = _GEMM[0] if _GEMM else _choose()
+    if gemm is None or x.dim() != 2 or x.dtype is not _F32 or weights.dtype is not _F32 or not x.is_cpu \
+            or not weights.is_cpu or x.shape[-1] != weights.shape[-1] or \
+            (torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad)):
+        return None
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    return gemm.linear_pairs(x, rows.contiguous(), experts.contiguous(), weights)
+
+
 class _CRmsNorm(torch.autograd.Function):
     """The C RMSNorm forward with the torch form's backward (recomputed): training sees the inference bits."""
 

@@ -21,7 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kda_core.config import ModelConfig
-from kda_core.invariant import linear, linear_cat, pointwise
+from kda_core.invariant import linear, linear_cat, linear_pairs, pointwise
+
+PAIRS_MAX = 128   # (row, expert) pairs up to which MoE.forward runs every pair alone (a decode step up to 64 rows)
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -111,6 +113,10 @@ class MoE(nn.Module):
         else:
             w, idx = self.route(rows)
         N, k = idx.shape
+        if N * k <= PAIRS_MAX:                                              # a few tokens: every (row, expert) pair
+            y = self._pairs(rows, w, idx)                                   # in one C call each way, no dispatch
+            if y is not None:
+                return self._finish(x, y, idx, shared_gu)
         if N == 1:                                                          # one row (batch-1 decode): no dispatch
             e = idx[0].tolist()
             y = swiglu(rows, self.experts_gate_up[e[0]], self.experts_down[e[0]]) * w[:, :1]
@@ -132,6 +138,23 @@ class MoE(nn.Module):
         for j in range(1, idx.shape[1]):                                    # fixed order: row-invariant
             y = y + per_k[:, j] * w[:, j: j + 1]
         return self._finish(x, y, idx, shared_gu)
+
+    def _pairs(self, rows: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
+        """The routed sum ``[N, D]`` of rows ``[N, D]`` with routing weights w and expert ids idx ``[N, k]`` through
+        :func:`kda_core.invariant.linear_pairs` (None where it does not run): bitwise the dispatch below, as each
+        pair's GEMM, SiLU and product are those of its row alone."""
+        N, k = idx.shape
+        F_ = self.cfg.moe_intermediate_size
+        flat = idx.flatten()                                                # [N k] (row, top-k position) pairs
+        gu = linear_pairs(rows, torch.arange(N).repeat_interleave(k), flat, self.experts_gate_up)   # [N k, 2F]
+        if gu is None:
+            return None
+        h = pointwise(F.silu, gu[:, :F_]) * gu[:, F_:]                      # [N k, F]
+        per_k = linear_pairs(h, torch.arange(N * k), flat, self.experts_down).view(N, k, -1)      # [N, k, D]
+        y = per_k[:, 0] * w[:, :1]
+        for j in range(1, k):                                               # the same order as below
+            y = y + per_k[:, j] * w[:, j: j + 1]
+        return y
 
     def _finish(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, shared_gu: torch.Tensor | None) -> torch.Tensor:
         """The routed sum ``y [N, D]`` in x's shape plus the shared experts (their gate_up output ``shared_gu

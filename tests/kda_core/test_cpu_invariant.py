@@ -113,3 +113,16 @@ def test_choice_is_made_once(gemm):
     assert cpu_invariant.backend() is cpu_invariant.backend()
     if os.environ.get("KDA_CPU_GEMM", "1") != "0" and os.environ.get("KDA_CPU_KERNEL", "1") != "0":
         assert cpu_invariant.backend() is not None, cpu_invariant.reason()
+
+
+def test_linear_pairs_is_each_row_alone(gemm):
+    """``out[p] = x[rows[p]] @ W[experts[p]]^T``: each pair bitwise its row's GEMM with that expert alone (any order
+    of pairs, a row or an expert used twice); an expert outside [0, E) is refused, not read out of bounds."""
+    gen = torch.Generator().manual_seed(10)
+    x, ws = torch.randn(5, 40, generator=gen), torch.randn(3, 24, 40, generator=gen)
+    rows, experts = torch.tensor([4, 0, 0, 2, 4]), torch.tensor([2, 2, 1, 0, 2])
+    out = gemm.linear_pairs(x, rows, experts, ws)
+    for p in range(5):
+        assert torch.equal(out[p], gemm.linear(x[rows[p]: rows[p] + 1], ws[experts[p]])[0]), p
+    with pytest.raises(ValueError, match="experts"):
+        gemm.linear_pairs(x, rows, torch.tensor([0, 1, 3, 0, 0]), ws)

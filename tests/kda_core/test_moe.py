@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kda_core import moe as moe_mod
 from kda_core.model import HybridLM
 from kda_core.moe import swiglu
 
@@ -30,8 +31,12 @@ def reference(moe, x):
     return y + moe.shared(x)
 
 
-@pytest.mark.parametrize("n", [pytest.param(n, id=f"N{n}") for n in (1, 2, 7, 33)])
-def test_moe_dispatch_equals_row_by_row_bitwise(moe, n):
+@pytest.mark.parametrize("pairs_max", [pytest.param(0, id="dispatch"), pytest.param(10 ** 6, id="pairs")])
+@pytest.mark.parametrize("n", [pytest.param(n, id=f"N{n}") for n in (1, 2, 7, 33, 70)])
+def test_moe_dispatch_equals_row_by_row_bitwise(moe, n, pairs_max, monkeypatch):
+    """Both ways of running the routed experts (every (row, expert) pair in one C call, the default up to
+    ``PAIRS_MAX`` pairs; the per-expert dispatch) equal the row-by-row reference bitwise."""
+    monkeypatch.setattr(moe_mod, "PAIRS_MAX", pairs_max)
     x = torch.randn(1, n, moe.cfg.hidden_size, generator=torch.Generator().manual_seed(n))
     with torch.no_grad():
         got = moe(x)
