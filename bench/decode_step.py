@@ -24,10 +24,8 @@ parts more than the torch ops, so the shares are approximate):
 - batch metadata: the rest of ``forward_batch`` (positions, slot mapping, packed latents, checks);
 - engine: the rest of ``ServeEngine.step`` (scheduling, state gather / scatter, sampling).
 
-Writes ``bench/results/decode_step.json``; ``bench/README.md`` (section ``decode_step.json``) gives its tables: at
-B = 1 the step is ~1,700 torch ops (2,418 before the fused decode step, the MoE dispatch and the batched MLA
-decode rows), 102 of them GEMMs padded to 16 rows for row invariance; at B = 64 the MLA mixers' per-step
-re-expansion of every cached latent dominates.
+Writes ``bench/results/decode_step.json`` (with the forms of ``invariant.linear`` and of the KDA decode step that
+ran); ``bench/README.md`` (section ``decode_step.json``) gives its tables.
 """
 from __future__ import annotations
 
@@ -144,7 +142,7 @@ def run(batches=BATCHES, steps: int = 5, repeats: int = 5, baseline: Path | None
                          "cpu_ms_min": min(cpu), "torch_ops_per_step": op_counts[name][b]})
             med = statistics.median(cpu)
             profile.setdefault(name, {})[b] = {p: round(f * med, 3) for p, f in shares[name][b].items()}
-    return {"rows": rows, "profile_ms": profile, "decode_backend": _backend(),
+    return {"rows": rows, "profile_ms": profile, "decode_backend": _backend(), "linear_backend": _linear_backend(),
             "conditions": {"model": "weights/kda-demo", "batches": list(batches), "steps_per_repeat": steps,
                            "repeats": repeats, "warmup_steps": 2, "torch_threads": 1,
                            "load_avg_before": load_before, "load_avg_after": load_after,
@@ -160,10 +158,16 @@ def _backend() -> str:
     return decode.backend(layer) + ("" if decode.reason(layer) is None else f" ({decode.reason(layer)})")
 
 
+def _linear_backend() -> str:
+    from kda_core import cpu_invariant
+    gemm = cpu_invariant.backend()
+    return gemm.name if gemm is not None else f"torch (MKL padded to 16 rows: {cpu_invariant.reason()})"
+
+
 def report(res: dict) -> str:
     c = res["conditions"]
     lines = [f"load average {c['load_avg_before'][0]:.2f} -> {c['load_avg_after'][0]:.2f}, {c['cpu_count']} CPUs, "
-             f"1 torch thread, KDA decode: {res['decode_backend']}",
+             f"1 torch thread, KDA decode: {res['decode_backend']}, linear: {res.get('linear_backend', '?')}",
              "tree        batch  ms/step (min-max)      tokens/s (min-max)     CPU ms/step  torch ops/step"]
     for r in res["rows"]:
         lines.append(f"{r['tree']:<11} {r['batch']:>5}  {r['ms_per_step']:6.2f} ({r['ms_min']:.2f}-{r['ms_max']:.2f})"
