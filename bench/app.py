@@ -1,6 +1,6 @@
 """The app as a visitor meets it: real server, Debian's Chromium, every page, memory from /proc.
 
-``python -m bench.app`` starts ``streamlit run app.py`` on 127.0.0.1 with the hosted memory budget
+``python -m bench.app`` starts ``streamlit run streamlit_app.py`` (as the README) on 127.0.0.1 with the hosted memory budget
 (``KDA_LAB_MEMORY_MIB``, default 690: Streamlit Community Cloud's documented floor), drives Chromium
 (Playwright, the system binary; never ``playwright install``) through Home and every tab, and per
 page records the first render time, the rerun time of each of up to 3 widget changes (slider/select-slider
@@ -150,11 +150,11 @@ def _change_widgets(page, max_changes: int = 3) -> list[float]:
     return times
 
 
-def _open(page, url: str, path: str, t0: float | None = None) -> float:
+def open_timed(page, url: str, path: str, t0: float | None = None) -> float:
     """Open ``url + path`` (a deep link), wait until idle; return the first render time (module doc) from ``t0``
     (wall clock, s since the epoch; default now)."""
     t0 = time.time() if t0 is None else t0
-    page.goto(url + path, wait_until="domcontentloaded")
+    page.goto(url + path, wait_until="domcontentloaded", timeout=120_000)   # a loaded host: 30 s is not enough
     _wait_idle(page)
     return _first_render_s(page, t0)
 
@@ -162,7 +162,7 @@ def _open(page, url: str, path: str, t0: float | None = None) -> float:
 HOME_UNCACHED = "/?p00_new=2"   # Home with a setting neither its default nor set by the tour: not cached
 
 
-def _phases(page, t0_epoch_s: float) -> dict:
+def render_phases(page, t0_epoch_s: float) -> dict:
     """A first render's parts, from the browser's timeline (s since ``t0_epoch_s``): ``frontend_s`` until the script
     starts (the frontend's scripts, the websocket, the session), ``script_s`` while it runs (as the browser sees it:
     the script and the drawing of what it sends), ``after_idle_s`` from idle to the last chart drawn (lazily loaded
@@ -184,7 +184,7 @@ def _client_cpu_s() -> float:
 def new_sessions(browser, url: str, server_pid: int) -> tuple[dict, dict]:
     """Each page's deep link opened by a new visitor on the warm server: a fresh browser context per page (no HTTP
     cache). Returns ``{page title: first render s}`` (module doc) and ``{page title: split}``: the first render's
-    phases (:func:`_phases`), the CPU seconds of the browser (``browser_cpu_s``: :func:`_client_cpu_s`) and of
+    phases (:func:`render_phases`), the CPU seconds of the browser (``browser_cpu_s``: :func:`_client_cpu_s`) and of
     the server tree over the visit (``server_cpu_s``: the script run, the static files, the
     websocket), which depend on the load much less than the wall clock."""
     out, split = {}, {}
@@ -194,8 +194,8 @@ def new_sessions(browser, url: str, server_pid: int) -> tuple[dict, dict]:
         page.add_init_script(TIMELINE)
         cpu0, client0 = tree_cpu_s(server_pid), _client_cpu_s()
         t0 = time.time()
-        out[tab.title] = round(_open(page, url, "/" if tab is HOME else "/" + tab.url_path, t0), 2)
-        split[tab.title] = dict(_phases(page, t0), browser_cpu_s=round(_client_cpu_s() - client0, 2),
+        out[tab.title] = round(open_timed(page, url, "/" if tab is HOME else "/" + tab.url_path, t0), 2)
+        split[tab.title] = dict(render_phases(page, t0), browser_cpu_s=round(_client_cpu_s() - client0, 2),
                                 server_cpu_s=round(tree_cpu_s(server_pid) - cpu0, 2))
         ctx.close()
         print(f"{tab.title:36s} new session {out[tab.title]:6.2f} s  {split[tab.title]}  load {os.getloadavg()[0]:.2f}",
@@ -221,12 +221,12 @@ def tour(env: dict) -> tuple[dict, contextlib.ExitStack, str, int]:
         url, pid = server.enter_context(streamlit_server(env=env))
         sampler = PeakSampler(pid)
         sampler.start()
-        fresh = _open(page, url, "/")
+        fresh = open_timed(page, url, "/")
         fresh_console = list(console)
         print(f"{'Home on a fresh server':36s} first {fresh:6.2f} s", flush=True)
         for tab in [HOME] + TABS:
             n_console = len(console)
-            first = _open(page, url, "/" if tab is HOME else "/" + tab.url_path)
+            first = open_timed(page, url, "/" if tab is HOME else "/" + tab.url_path)
             reruns = _change_widgets(page)
             mem = tree_memory(pid)
             rows.append(dict(page=tab.title, first_render_s=round(first, 2),
@@ -237,7 +237,7 @@ def tour(env: dict) -> tuple[dict, contextlib.ExitStack, str, int]:
                              rss_mib=round(mem.rss_mib), pss_mib=round(mem.pss_mib), processes=mem.processes))
             print(f"{tab.title:36s} first {first:6.2f} s  reruns {rows[-1]['rerun_s']}  PSS {mem.pss_mib:6.0f} MiB"
                   f"  procs {mem.processes}", flush=True)
-        uncached = _open(page, url, HOME_UNCACHED)
+        uncached = open_timed(page, url, HOME_UNCACHED)
         print(f"{'Home uncached (' + HOME_UNCACHED + ')':36s} first {uncached:6.2f} s", flush=True)
         load_new = os.getloadavg()[0]
         fresh_visitors, fresh_split = new_sessions(browser, url, pid)
@@ -286,7 +286,7 @@ def readme_section(result: dict) -> str:
     split_rows = "\n".join(f"| {name} {row([result['new_session_split'][t][k] for t in titles])}"
                            for k, name in parts.items())
     return f"""`python -m bench.app` (`--memory-mib 690`: the hosted budget, Streamlit Community Cloud's documented floor) starts
-`streamlit run app.py` on 127.0.0.1, drives Debian's Chromium through Home and every tab, and records per page the
+`streamlit run streamlit_app.py` on 127.0.0.1, drives Debian's Chromium through Home and every tab, and records per page the
 first render (from navigation until the script is idle or a chart has drawn), the rerun time of up to 3 widget
 changes (settle wait included: an upper bound), console errors and the server tree's RSS / PSS; then every page's
 deep link opened by a new visitor (a fresh browser context: no HTTP cache) on the same warm server; then three heavy

@@ -1,5 +1,5 @@
-"""A real ``streamlit run app.py`` server for ``bench.app`` and the browser tests, its memory, and the
-concurrent deep-link check.
+"""A real ``streamlit run streamlit_app.py`` server (the served entry point) for ``bench.app`` and the browser tests,
+its memory, and the concurrent deep-link check.
 
 - ``streamlit_server()``: start the server on 127.0.0.1 (free port), yield ``(url, pid)``, stop it.
 - ``tree_cpu_s(pid)``: CPU seconds used so far by the server plus its live descendants (``/proc/*/stat``).
@@ -36,8 +36,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def streamlit_server(timeout_s: float = 60.0, env: dict | None = None, script: str = "app.py"):
-    """Start ``streamlit run <script>`` (default the app) from the repository root; yield ``(url, pid)``.
+def streamlit_server(timeout_s: float = 60.0, env: dict | None = None, script: str = "streamlit_app.py"):
+    """Start ``streamlit run <script>`` (default the served entry point, as the README runs it) from the repository
+    root; yield ``(url, pid)``.
 
     Raises RuntimeError if the server exits or does not listen within ``timeout_s`` seconds."""
     port = _free_port()

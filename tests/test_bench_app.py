@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 
-from bench.app import ALL_DRAWN, TIMELINE, _open, _phases
+from bench.app import ALL_DRAWN, TIMELINE, open_timed, render_phases
 from bench.app_server import CHROMIUM, FLAGS, streamlit_server
 
 pytestmark = pytest.mark.browser
@@ -48,11 +48,11 @@ def test_open_waits_for_a_new_sessions_lazily_loaded_chart(browser, tmp_path):
         cdp.send("Network.enable")
         cdp.send("Network.emulateNetworkConditions", {"offline": False, "latency": 0, "downloadThroughput": 4e6,
                                                       "uploadThroughput": 4e6})   # bytes/s: Plotly's chunk ~1.2 s
-        first_render_s = _open(page, url, "/")
+        first_render_s = open_timed(page, url, "/")
         assert page.locator("[data-testid='stPlotlyChart'] .main-svg").count() > 0, "returned before the chart drew"
         assert page.evaluate(ALL_DRAWN)
         drawn = [t for t, _, n in page.evaluate("window.__kdaTimeline") if n]
-        phases = _phases(page, page.evaluate("performance.timeOrigin") / 1e3)
+        phases = render_phases(page, page.evaluate("performance.timeOrigin") / 1e3)
         ctx.close()
     assert drawn, "the timeline saw no chart drawn"
     assert first_render_s > 0
