@@ -1,6 +1,6 @@
 """The app as a visitor meets it: real server, Debian's Chromium, every page, memory from /proc.
 
-``python -m bench.app`` starts ``streamlit run app.py`` on 127.0.0.1 with the hosted memory budget
+``python -m bench.app`` starts ``streamlit run streamlit_app.py`` (as the README) on 127.0.0.1 with the hosted memory budget
 (``KDA_LAB_MEMORY_MIB``, default 690: Streamlit Community Cloud's documented floor), drives Chromium
 (Playwright, the system binary; never ``playwright install``) through Home and every tab, and per
 page records the first render time, the rerun time of each of up to 3 widget changes (slider/select-slider
@@ -21,7 +21,8 @@ Last, on the same warm server, every page's deep link is opened by a new visitor
 
 First render, measured: from the ``page.goto`` call (a deep link: the whole frontend loads, as for a
 visitor with a link) until the browser last saw the script go idle (``data-test-script-state`` turns
-``notRunning``) or a Plotly chart finish drawing (its ``.main-svg``), whichever is later. A
+``notRunning``) or a Plotly chart finish drawing (its ``.main-svg``), whichever is later; a new session's charts
+mount only once Plotly's lazily loaded chunk is in, often after the script went idle, and are waited for. A
 MutationObserver installed before the page loads stamps these events with the browser's clock
 (``performance.timeOrigin + performance.now()``, the same wall clock as the bench). The bench then waits
 until the page is idle, 300 ms more, and idle again (a rerun that follows the first run is waited for
@@ -51,6 +52,7 @@ from bench.app_server import (
     open_deep_links_together,
     sectioned_navigation_problems,
     streamlit_server,
+    tree_cpu_s,
     tree_memory,
 )
 
@@ -109,12 +111,20 @@ def _first_render_s(page, t0_epoch_s: float) -> float:
     return max([idle[-1], *drawn]) / 1e3 - t0_epoch_s
 
 
+# True once no element waits for its lazily loaded frontend chunk (Streamlit shows an ``stSkeleton`` meanwhile: a new
+# session's first Plotly chart mounts only once Plotly's 4.7 MB chunk is in, which can end after the script went
+# idle) and every Plotly chart on the page has drawn (its ``.main-svg``)
+ALL_DRAWN = """() => !document.querySelector("[data-testid='stMain'] [data-testid='stSkeleton']") &&
+  [...document.querySelectorAll("[data-testid='stPlotlyChart']")].every(c => c.querySelector('.main-svg'))"""
+
+
 def _wait_idle(page, timeout_ms: int = 600_000) -> None:
+    """Wait until the script is idle (twice, 300 ms apart: a rerun may follow the first run at once), no element
+    waits for its frontend chunk and every chart has drawn (:data:`ALL_DRAWN`)."""
     page.wait_for_selector(IDLE, timeout=timeout_ms)
     page.wait_for_timeout(300)                    # a rerun may follow the first run immediately
     page.wait_for_selector(IDLE, timeout=timeout_ms)
-    if page.locator("[data-testid='stPlotlyChart']").count():
-        page.wait_for_selector("[data-testid='stPlotlyChart'] .main-svg", timeout=60_000)
+    page.wait_for_function(ALL_DRAWN, timeout=120_000, polling=50)
 
 
 def _change_widgets(page, max_changes: int = 3) -> list[float]:
@@ -140,10 +150,11 @@ def _change_widgets(page, max_changes: int = 3) -> list[float]:
     return times
 
 
-def _open(page, url: str, path: str) -> float:
-    """Open ``url + path`` (a deep link), wait until idle; return the first render time (module doc)."""
-    t0 = time.time()
-    page.goto(url + path, wait_until="domcontentloaded")
+def open_timed(page, url: str, path: str, t0: float | None = None) -> float:
+    """Open ``url + path`` (a deep link), wait until idle; return the first render time (module doc) from ``t0``
+    (wall clock, s since the epoch; default now)."""
+    t0 = time.time() if t0 is None else t0
+    page.goto(url + path, wait_until="domcontentloaded", timeout=120_000)   # a loaded host: 30 s is not enough
     _wait_idle(page)
     return _first_render_s(page, t0)
 
@@ -151,18 +162,45 @@ def _open(page, url: str, path: str) -> float:
 HOME_UNCACHED = "/?p00_new=2"   # Home with a setting neither its default nor set by the tour: not cached
 
 
-def new_sessions(browser, url: str) -> dict:
+def render_phases(page, t0_epoch_s: float) -> dict:
+    """A first render's parts, from the browser's timeline (s since ``t0_epoch_s``): ``frontend_s`` until the script
+    starts (the frontend's scripts, the websocket, the session), ``script_s`` while it runs (as the browser sees it:
+    the script and the drawing of what it sends), ``after_idle_s`` from idle to the last chart drawn (lazily loaded
+    chunks, Plotly's above all); they add up to the first render."""
+    stamps = [(t / 1e3 - t0_epoch_s, state) for t, state, _ in page.evaluate("window.__kdaTimeline")]
+    running = [t for t, state in stamps if state == "running"]
+    idle = next(t for t, state in stamps if state == "notRunning" and t >= running[-1])   # the last run's end
+    end = _first_render_s(page, t0_epoch_s)
+    return dict(frontend_s=round(running[0], 2), script_s=round(idle - running[0], 2),
+                after_idle_s=round(end - idle, 2))
+
+
+def _client_cpu_s() -> float:
+    """CPU seconds used so far by this process's descendants: Chromium's processes and Playwright's driver (which
+    only relays commands; this process's own polling is left out)."""
+    return tree_cpu_s(os.getpid()) - time.process_time()
+
+
+def new_sessions(browser, url: str, server_pid: int) -> tuple[dict, dict]:
     """Each page's deep link opened by a new visitor on the warm server: a fresh browser context per page (no HTTP
-    cache); ``{page title: first render s}`` (module doc)."""
-    out = {}
+    cache). Returns ``{page title: first render s}`` (module doc) and ``{page title: split}``: the first render's
+    phases (:func:`render_phases`), the CPU seconds of the browser (``browser_cpu_s``: :func:`_client_cpu_s`) and of
+    the server tree over the visit (``server_cpu_s``: the script run, the static files, the
+    websocket), which depend on the load much less than the wall clock."""
+    out, split = {}, {}
     for tab in [HOME] + TABS:
         ctx = browser.new_context(viewport={"width": 1400, "height": 1000})
         page = ctx.new_page()
         page.add_init_script(TIMELINE)
-        out[tab.title] = round(_open(page, url, "/" if tab is HOME else "/" + tab.url_path), 2)
+        cpu0, client0 = tree_cpu_s(server_pid), _client_cpu_s()
+        t0 = time.time()
+        out[tab.title] = round(open_timed(page, url, "/" if tab is HOME else "/" + tab.url_path, t0), 2)
+        split[tab.title] = dict(render_phases(page, t0), browser_cpu_s=round(_client_cpu_s() - client0, 2),
+                                server_cpu_s=round(tree_cpu_s(server_pid) - cpu0, 2))
         ctx.close()
-        print(f"{tab.title:36s} new session {out[tab.title]:6.2f} s  load {os.getloadavg()[0]:.2f}", flush=True)
-    return out
+        print(f"{tab.title:36s} new session {out[tab.title]:6.2f} s  {split[tab.title]}  load {os.getloadavg()[0]:.2f}",
+              flush=True)
+    return out, split
 
 
 def tour(env: dict) -> tuple[dict, contextlib.ExitStack, str, int]:
@@ -183,12 +221,12 @@ def tour(env: dict) -> tuple[dict, contextlib.ExitStack, str, int]:
         url, pid = server.enter_context(streamlit_server(env=env))
         sampler = PeakSampler(pid)
         sampler.start()
-        fresh = _open(page, url, "/")
+        fresh = open_timed(page, url, "/")
         fresh_console = list(console)
         print(f"{'Home on a fresh server':36s} first {fresh:6.2f} s", flush=True)
         for tab in [HOME] + TABS:
             n_console = len(console)
-            first = _open(page, url, "/" if tab is HOME else "/" + tab.url_path)
+            first = open_timed(page, url, "/" if tab is HOME else "/" + tab.url_path)
             reruns = _change_widgets(page)
             mem = tree_memory(pid)
             rows.append(dict(page=tab.title, first_render_s=round(first, 2),
@@ -199,10 +237,10 @@ def tour(env: dict) -> tuple[dict, contextlib.ExitStack, str, int]:
                              rss_mib=round(mem.rss_mib), pss_mib=round(mem.pss_mib), processes=mem.processes))
             print(f"{tab.title:36s} first {first:6.2f} s  reruns {rows[-1]['rerun_s']}  PSS {mem.pss_mib:6.0f} MiB"
                   f"  procs {mem.processes}", flush=True)
-        uncached = _open(page, url, HOME_UNCACHED)
+        uncached = open_timed(page, url, HOME_UNCACHED)
         print(f"{'Home uncached (' + HOME_UNCACHED + ')':36s} first {uncached:6.2f} s", flush=True)
         load_new = os.getloadavg()[0]
-        fresh_visitors = new_sessions(browser, url)
+        fresh_visitors, fresh_split = new_sessions(browser, url, pid)
         browser.close()
         p.stop()
     except BaseException:
@@ -214,6 +252,7 @@ def tour(env: dict) -> tuple[dict, contextlib.ExitStack, str, int]:
     return dict(pages=rows, home_first_render_fresh_s=round(fresh, 2), home_fresh_console_errors=fresh_console,
                 home_uncached_warm_s=round(uncached, 2),
                 home_uncached_path=HOME_UNCACHED, new_session_first_render_s=fresh_visitors,
+                new_session_split=fresh_split,
                 new_session_load_average_1m=[round(load_new, 2), round(os.getloadavg()[0], 2)], peak_pss_mib=round(sampler.peak_pss_mib),
                 max_processes=sampler.max_processes, end_rss_mib=round(end.rss_mib), end_pss_mib=round(end.pss_mib),
                 end_processes=end.processes, widget_changes=sum(len(r["rerun_s"]) for r in rows)), server, url, pid
@@ -242,8 +281,12 @@ def readme_section(result: dict) -> str:
     row = lambda xs: "| " + " | ".join(f"{x:.2f}" for x in xs) + " |"   # noqa: E731
     tour, fresh = [r["first_render_s"] for r in pages], [new[t] for t in titles]
     lb, la = result["load_average_before"], result["load_average_after"]
+    parts = {"frontend_s": "until the script starts", "script_s": "script running", "after_idle_s": "idle → charts drawn",
+             "browser_cpu_s": "browser CPU s", "server_cpu_s": "server CPU s"}
+    split_rows = "\n".join(f"| {name} {row([result['new_session_split'][t][k] for t in titles])}"
+                           for k, name in parts.items())
     return f"""`python -m bench.app` (`--memory-mib 690`: the hosted budget, Streamlit Community Cloud's documented floor) starts
-`streamlit run app.py` on 127.0.0.1, drives Debian's Chromium through Home and every tab, and records per page the
+`streamlit run streamlit_app.py` on 127.0.0.1, drives Debian's Chromium through Home and every tab, and records per page the
 first render (from navigation until the script is idle or a chart has drawn), the rerun time of up to 3 widget
 changes (settle wait included: an upper bound), console errors and the server tree's RSS / PSS; then every page's
 deep link opened by a new visitor (a fresh browser context: no HTTP cache) on the same warm server; then three heavy
@@ -257,6 +300,11 @@ Latest run ({result['cores']} cores, load average {lb[0]:.1f} / {lb[1]:.1f} / {l
 |---|{'---|' * len(short)}
 | tour {row(tour)}
 | new session {row(fresh)}
+{split_rows}
+A new session's first render in parts (s): until the script starts (the frontend's ~100 scripts, the websocket, the
+session), while it runs (as the browser sees it), and after it went idle until the last chart drew (the lazily loaded
+chunks: Plotly's is 4.7 MB); then the CPU seconds the visit cost the browser (Chromium's processes) and the server
+(script run, static files, websocket), which depend on the load much less than the wall clock does.
 """
 
 

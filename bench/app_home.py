@@ -1,6 +1,6 @@
 """Does Home's default measurement resolve on a loaded host? ``python -m bench.app_home`` asks a fresh server each time.
 
-Each run starts a fresh ``streamlit run app.py`` (127.0.0.1, the hosted memory budget as in :mod:`bench.app`), opens
+Each run starts a fresh ``streamlit run streamlit_app.py`` (127.0.0.1, the hosted memory budget as in :mod:`bench.app`), opens
 Home at its defaults in a fresh Chromium context (the first visitor after a wake-up: its first render is timed as
 ``bench.app`` times it), checks the verification run's verdict (the hit on the 64-token chunk grid must be bitwise
 equal to the cold run), presses "Measure TTFT cold vs warm" and reads what the page says: the wall-clock and
@@ -86,7 +86,7 @@ def readme_section(result: dict) -> str:
         f"{r['metrics'][METRICS[2]][0]} ({r['metrics'][METRICS[2]][1]}) | {r['measure_s']:.0f} |"
         for i, r in enumerate(result["runs"]))
     n = len(result["runs"])
-    return f"""`python -m bench.app_home` (`--runs 5`) starts a fresh `streamlit run app.py` for each run, opens Home at its
+    return f"""`python -m bench.app_home` (`--runs 5`) starts a fresh `streamlit run streamlit_app.py` for each run, opens Home at its
 defaults in a fresh Chromium context, checks that the verification run's hit (b = 832 of 1,114 tokens, on the
 64-token chunk grid) is bitwise equal to the cold run, presses "Measure TTFT cold vs warm" (7 interleaved rounds)
 and reads the page's wall-clock and CPU-time metrics: a change when the paired cold − warm quartiles clear zero,

@@ -1,7 +1,8 @@
-"""A real ``streamlit run app.py`` server for ``bench.app`` and the browser tests, its memory, and the
-concurrent deep-link check.
+"""A real ``streamlit run streamlit_app.py`` server (the served entry point) for ``bench.app`` and the browser tests,
+its memory, and the concurrent deep-link check.
 
 - ``streamlit_server()``: start the server on 127.0.0.1 (free port), yield ``(url, pid)``, stop it.
+- ``tree_cpu_s(pid)``: CPU seconds used so far by the server plus its live descendants (``/proc/*/stat``).
 - ``tree_memory(pid)``: RSS and PSS of the server plus all its descendants, in MiB, from
   ``/proc/<pid>/smaps_rollup`` (PSS shares each shared page among the processes mapping it, so
   the sum over a process tree is what the tree costs the host; Streamlit Community Cloud limits a
@@ -35,13 +36,14 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def streamlit_server(timeout_s: float = 60.0, env: dict | None = None):
-    """Start ``streamlit run app.py`` from the repository root; yield ``(url, pid)``.
+def streamlit_server(timeout_s: float = 60.0, env: dict | None = None, script: str = "streamlit_app.py"):
+    """Start ``streamlit run <script>`` (default the served entry point, as the README runs it) from the repository
+    root; yield ``(url, pid)``.
 
     Raises RuntimeError if the server exits or does not listen within ``timeout_s`` seconds."""
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "streamlit", "run", "app.py", "--server.headless", "true",
+        [sys.executable, "-m", "streamlit", "run", script, "--server.headless", "true",
          "--server.address", "127.0.0.1", "--server.port", str(port), "--browser.gatherUsageStats", "false"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     try:
@@ -105,6 +107,19 @@ def tree_memory(pid: int) -> TreeMemory:
             elif line.startswith("Pss:"):
                 pss += int(line.split()[1])
     return TreeMemory(rss / 1024, pss / 1024, n)
+
+
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by ``pid`` and its live descendants, from ``/proc/*/stat``."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for p in _descendants(pid):
+        try:
+            fields = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue                      # exited between listing and reading
+        total += int(fields[11]) + int(fields[12])       # utime, stime: fields 14 and 15 of proc(5)
+    return total / ticks
 
 
 class SessionView(NamedTuple):
