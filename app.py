@@ -15,9 +15,11 @@ st.set_page_config(page_title="KDA Serve Lab", page_icon="assets/icon.png", layo
 
 
 def _load_kernel() -> None:
-    from kda_core import cpu_kernel, decode  # imports torch: 1-4 s on a busy 2-core host, off the first page's thread
+    # imports torch: 1-4 s on a busy 2-core host, off the first page's thread
+    from kda_core import cpu_invariant, cpu_kernel, decode
 
     cpu_kernel.backend()
+    cpu_invariant.backend()          # the row-invariant GEMM every linear runs (chosen once per process)
     decode.load()                    # the fused decode step's library (built once per machine, loaded once here)
 
 
