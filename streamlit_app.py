@@ -5,7 +5,8 @@ The start-up work (:func:`start_up`: torch's import, the fused chunk kernel buil
 self-checked, the row-invariant GEMM's and the decode step's libraries, the demo model) takes 2-4 s of a fresh
 server on a busy 2-core host. Started with the server, it runs while the first visitor's browser loads the frontend
 (about 1 s before the first script run), instead of after it: Home's first render on a fresh server went from 4.43
-to 3.70 s (median of 3 interleaved fresh-server pairs, load average 3.6-4.3). Home's verification run itself still runs when the visitor opens it.
+to 3.70 s (median of 3 interleaved fresh-server pairs, load average 3.6-4.3). Home's verification run itself still
+runs when the visitor opens it.
 ``streamlit run app.py`` serves the same app; its first visitor then waits for the start-up work as well (``app.py``
 starts the kernel's part in the background on its first run, as before).
 """
