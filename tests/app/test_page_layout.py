@@ -12,9 +12,12 @@
 from __future__ import annotations
 
 import ast
+import json
+import math
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -198,3 +201,232 @@ def test_short_bars_label_above_not_inside():
     assert inside_if_tall([30.0, 25.0, 1.8, float("nan")]) == ["inside", "inside", "outside", "outside"]
     assert inside_if_tall([0.02, 0.35], top=0.38) == ["outside", "inside"]
     assert inside_if_tall([0.0, 0.0]) == ["outside", "outside"]
+
+
+# --- Rules every Plotly chart keeps: tests/app/test_pages.py applies figure_problems to every chart of every page
+# --- after every run (defaults and each widget's extremes); the browser tour (bench.screens) checks the drawn ones.
+
+def _axis_values(trace: dict, letter: str) -> list[float]:
+    """The numbers ``trace`` plots along ``letter`` ("x" / "y"): points, box samples, a bar's end (not its category)
+    and error bars' ends; [] for categories."""
+    if trace.get("type", "scatter") not in ("scatter", "bar", "box") or trace.get("visible", True) is not True:
+        return []
+    if trace.get("type") == "bar" and letter == ("y" if trace.get("orientation") == "h" else "x"):
+        return []
+    try:
+        values = np.asarray(plotly_values(trace.get(letter, [])), dtype=float)
+    except (TypeError, ValueError):
+        return []
+    bars = trace.get(f"error_{letter}") or {}
+    if bars.get("type") == "data" and bars.get("visible", True) and "array" in bars:
+        up = np.asarray(plotly_values(bars["array"]), dtype=float)
+        down = np.asarray(plotly_values(bars.get("arrayminus", bars["array"])), dtype=float) \
+            if bars.get("symmetric") is False else up
+        if up.shape == down.shape == values.shape:
+            values = np.concatenate([values, values + up, values - down])
+    return values[np.isfinite(values)].tolist()
+
+
+def figure_problems(spec: dict) -> list[str]:
+    """What a visitor could not see in the Plotly figure ``spec`` (data + layout, as Streamlit sends it):
+
+    - a plotted point outside an axis's set range (a log axis's range is in log10 units), or, on a log axis, outside
+      its labelled ticks (page 16's box points above the last label);
+    - a horizontal legend below the plot placed at a share of the plot's height (``yref`` paper): long or rotated
+      tick labels reach into it (page 14's eleven policies);
+    - a legend placed inside the plot area (both ``x`` and ``y`` in 0..1), over the data;
+    - two lines of the same style drawn on each other (page 15's policies with equal hit ratios), one hidden."""
+    layout, data, problems = spec.get("layout", {}), spec.get("data", []), []
+    for name, axis in layout.items():
+        if not re.fullmatch(r"[xy]axis\d*", name) or not isinstance(axis, dict):
+            continue
+        letter, ref = name[0], name[0] + name[5:]
+        log = axis.get("type") == "log"
+        values = [v for t in data if (t.get(f"{letter}axis") or letter) == ref for v in _axis_values(t, letter)]
+        values = [math.log10(v) for v in values if v > 0] if log else values
+        if not values:
+            continue
+        if isinstance(axis.get("range"), list) and None not in axis["range"]:
+            lo, hi = sorted(float(r) for r in axis["range"])
+            if log or layout.get("barmode") != "stack":       # a stack's total is its bars' sum, not a point
+                out = [v for v in values if not lo - 1e-9 <= v <= hi + 1e-9]
+                if out:
+                    problems.append(f"{name}: {len(out)} point(s) outside its range [{lo:.4g}, {hi:.4g}]")
+        if log and axis.get("tickvals") is not None:
+            ticks = [math.log10(t) for t in plotly_values(axis["tickvals"]) if t > 0]
+            if ticks and (min(ticks) > min(values) + 1e-9 or max(ticks) < max(values) - 1e-9):
+                problems.append(f"{name}: points beyond its labelled ticks")
+    legend = layout.get("legend", {})
+    if (legend.get("orientation") == "h" and (legend.get("y") or 0) < 0
+            and legend.get("yref", "paper") == "paper"):
+        problems.append("a legend below the plot at a share of its height (under the tick labels: yref container)")
+    if (legend.get("x") is not None and legend.get("y") is not None and legend.get("yref", "paper") == "paper"
+            and 0 <= legend["x"] <= 1 and 0 <= legend["y"] <= 1 and layout.get("showlegend", True)):
+        problems.append("the legend inside the plot area, over the data")
+    lines = [t for t in data if t.get("type", "scatter") == "scatter" and "lines" in t.get("mode", "lines")
+             and "x" in t and "y" in t]
+    points = [_line(t, layout.get("yaxis" + (t.get("yaxis") or "y")[1:], {}).get("type") == "log") for t in lines]
+    ys = [y[np.isfinite(y)] for p in points if p is not None for y in [p[1]]]
+    ys = np.concatenate(ys) if ys else np.empty(0)
+    tol = 0.005 * float(ys.max() - ys.min()) if ys.size else 0.0      # half a percent of the chart's height
+    for i, (a, pa) in enumerate(zip(lines, points)):
+        for b, pb in zip(lines[i + 1:], points[i + 1:]):
+            same_axes = (a.get("xaxis"), a.get("yaxis")) == (b.get("xaxis"), b.get("yaxis"))
+            same_style = (a.get("line", {}).get("dash", "solid") == b.get("line", {}).get("dash", "solid"))
+            if (same_axes and same_style and pa is not None and pb is not None and pa[0] == pb[0]
+                    and bool(np.allclose(pa[1], pb[1], rtol=0, atol=tol, equal_nan=True))):
+                problems.append(f"line {b.get('name')!r} drawn on {a.get('name')!r} in the same style")
+    return problems
+
+
+def _line(trace: dict, log: bool) -> tuple[list, np.ndarray] | None:
+    try:
+        x, y = plotly_values(trace["x"]), np.asarray(plotly_values(trace["y"]), dtype=float)
+    except (TypeError, ValueError):
+        return None
+    if log:
+        y = np.log10(np.where(y > 0, y, np.nan))
+    return (x, y) if len(x) == len(y) > 0 else None
+
+
+def _shown(build) -> dict:
+    """The spec of the figure ``build()`` returns, as ``show_chart`` renders it."""
+    def script(build):
+        from app_pages.charts import show_chart
+        show_chart(build(), [{"a": 1}], key="fig")
+
+    at = AppTest.from_function(script, args=(build,)).run()
+    assert not at.exception, [e.value for e in at.exception]
+    return chart_spec(at, "fig")
+
+
+def test_figure_problems_sees_each_rule():
+    import plotly.graph_objects as go
+    ok = go.Figure(go.Scatter(x=[1, 2], y=[1, 5], mode="lines"), layout=dict(yaxis_range=[0, 6])).to_plotly_json()
+    assert figure_problems(json.loads(json.dumps(ok, default=list))) == []
+    for layout, data, expected in (
+            (dict(yaxis_range=[0, 4]), [go.Scatter(x=[1, 2], y=[1, 5])], "outside its range"),
+            (dict(yaxis=dict(type="log", tickvals=[1, 2, 5])), [go.Box(y=[1, 9])], "beyond its labelled ticks"),
+            (dict(legend=dict(orientation="h", y=-0.3)), [go.Bar(x=["a"], y=[1])], "below the plot"),
+            (dict(legend=dict(x=0.02, y=0.98)), [go.Bar(x=["a"], y=[1])], "inside the plot"),
+            ({}, [go.Scatter(x=[1, 2], y=[1, 2], name="a"), go.Scatter(x=[1, 2], y=[1, 2.002], name="b")],
+             "'b' drawn on 'a'")):
+        spec = json.loads(go.Figure(data, layout=layout).to_json())
+        assert any(expected in p for p in figure_problems(spec)), (expected, figure_problems(spec))
+
+
+def test_show_chart_log_axis_spans_every_point():
+    """Was: page 16's TTFT box points above the last labelled tick, at the plot's edge (Plotly's autorange on a log
+    axis with ticks at 20 ... 100 ms while points reached 160 ms)."""
+    import plotly.graph_objects as go
+    spec = _shown(lambda: go.Figure([go.Box(y=[17.0, 40, 55, 60, 161], boxpoints="all")],
+                                    layout=dict(yaxis_type="log")))
+    assert figure_problems(spec) == []
+    lo, hi = spec["layout"]["yaxis"]["range"]
+    ticks = plotly_values(spec["layout"]["yaxis"]["tickvals"])
+    assert lo <= math.log10(min(ticks)) <= math.log10(17) and math.log10(161) <= math.log10(max(ticks)) <= hi
+
+
+def test_show_chart_legend_under_the_tick_labels():
+    """Was: page 14's legend at y = -0.25 of the plot's height, over the eleven policies' rotated tick labels."""
+    import plotly.graph_objects as go
+    spec = _shown(lambda: go.Figure([go.Bar(x=[f"policy number {i}" for i in range(11)], y=list(range(11)))],
+                                    layout=dict(legend=dict(orientation="h", y=-0.25))))
+    assert spec["layout"]["legend"]["yref"] == "container" and spec["layout"]["legend"]["y"] == 0
+    assert figure_problems(spec) == []
+
+
+def test_show_chart_coinciding_lines_both_visible():
+    """Was: page 15's policies with the same hit ratio at every budget, one line exactly over the other."""
+    import plotly.graph_objects as go
+    spec = _shown(lambda: go.Figure([go.Scatter(x=[1, 2, 4], y=[0.2, 0.4, 0.5], name="cache-aware", mode="lines+markers"),
+                                     go.Scatter(x=[1, 2, 4], y=[0.2, 0.4, 0.5], name="bounded load", mode="lines+markers"),
+                                     go.Scatter(x=[1, 2, 4], y=[0.1, 0.1, 0.1], name="round robin")]))
+    first, second, third = spec["data"]     # round robin 0.1 below: the span is 0.4, so 1 % apart is not on it
+    assert second["line"]["dash"] == "dash" and second["marker"]["symbol"] == "circle-open"
+    assert second["name"] == "bounded load (on the cache-aware line)" and "dash" not in third.get("line", {})
+    assert figure_problems(spec) == []
+
+
+def test_show_chart_close_values_are_not_coinciding_lines():
+    """Close in value is not on each other: page 15's mean TTFT of two policies, 6,960 vs 6,990 ms on a chart 40 ms
+    high, are apart on the screen (a first rule, 1 % of the value, dashed one of them)."""
+    import plotly.graph_objects as go
+    spec = _shown(lambda: go.Figure([go.Scatter(x=[1, 2, 4], y=[6970.0, 6960, 6955], name="ours"),
+                                     go.Scatter(x=[1, 2, 4], y=[6990.0, 6961, 6985], name="extra_buffer")]))
+    assert "dash" not in spec["data"][1].get("line", {}) and spec["data"][1]["name"] == "extra_buffer"
+    assert figure_problems(spec) == []
+
+
+def _readable(at: AppTest) -> dict:
+    """Every chart's spec of ``at`` by key, each asserted free of :func:`figure_problems`."""
+    specs = {c.proto.id.rsplit("-", 1)[-1]: json.loads(c.proto.spec) for c in at.get("plotly_chart")}
+    problems = {key: p for key, spec in specs.items() if (p := figure_problems(spec))}
+    assert not problems, problems
+    return specs
+
+
+@pytest.mark.parametrize("block", ["16", "4"], ids=["default", "lines-coincide"])
+def test_p07_lookup_lines_clear_of_the_checkpoints(block):
+    """Was: the phase lines drawn through the last prompt's checkpoint diamonds (hit b = 64 on the markers at 64),
+    group 0's diamonds half under group 1's, and at N = 4 the KV run's dotted line hidden under the hit's (both 92)."""
+    at = _page("app_pages/07_prefix_anatomy.py", p07_block=block, p07_groups="4")
+    data = _readable(at)["p07_blocks_chart"]["data"]
+    lines = [t for t in data if t.get("mode") == "lines"]
+    markers = [t for t in data if t.get("mode") == "markers"]
+    last = max(plotly_values(markers[0]["y"]))                     # the top row's markers lie above the last prompt
+    lowest = min(v for t in markers for v in plotly_values(t["y"]) if v > int(last))
+    assert all(max(plotly_values(t["y"])) < lowest - 0.05 for t in lines), "a phase line reaches the markers"
+    rows = sorted({round(v - int(v), 3) for t in markers for v in plotly_values(t["y"])})
+    assert len(rows) == 4 and min(b - a for a, b in zip(rows, rows[1:])) >= 0.15 - 1e-9, rows
+    hit, run = lines                                                # the hit's wide line first, the run dotted on it
+    assert hit["line"]["width"] > run["line"]["width"] and run["line"]["dash"] == "dot"
+    if plotly_values(hit["x"]) == plotly_values(run["x"]):
+        assert all("(the lines coincide)" in t["name"] for t in lines)
+    assert data.index(lines[-1]) < data.index(markers[0])          # markers drawn over the lines, never under
+
+
+def test_p14_many_policies_readable():
+    """Was: eleven policies' 44 TTFT bars each labelled (shrunk to unreadable, over each other), and the simulator
+    chart's goal labels ("5 % goal (strict)") written over the bars' own labels."""
+    from lab.fleet import DISPLAY_NAMES
+    from lab.fleet_simulation import ROUTING_POLICIES
+    at = AppTest.from_file(str(REPO / "app_pages/14_fleet_simulation.py"), default_timeout=240)
+    at.query_params["p14_policies"] = [DISPLAY_NAMES[p] for p in ROUTING_POLICIES]
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    specs = _readable(at)
+    assert len(specs["p14_ttft_chart"]["data"]) == 4 and all(
+        "texttemplate" not in t for t in specs["p14_ttft_chart"]["data"]), "44 bars, each labelled"
+    mape = specs["p14_sim_engine_chart"]
+    assert not mape["layout"].get("annotations") and "goals" in mape["layout"]["yaxis"]["title"]["text"]
+    top = max(v for t in mape["data"] for v in plotly_values(t["y"]))
+    for trace in mape["data"]:
+        assert trace["textposition"] == inside_if_tall(plotly_values(trace["y"]), top)
+
+
+def test_p15_prediction_and_fit_both_visible():
+    """Was: the dashed prediction drawn on the solid fitted line of the same colour and width (they coincide on
+    H200 x TP8), and the budget line over the bars' tops (the running state slots' sliver)."""
+    at = _page("app_pages/15_real_scale.py", p15_requests="1000")
+    at.session_state["p15_sweep_on"] = True                        # the policy sweep's charts too
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    specs = _readable(at)
+    data = specs["p15_prefill_chart"]["data"]
+    for model in ("Kimi Linear", "all MLA"):
+        names = [t["name"] for t in data]
+        band = next(i for i, n in enumerate(names) if n.startswith(f"{model}: predicted"))
+        fitted = next(i for i, n in enumerate(names) if n.startswith(f"{model}: fit"))
+        assert band < fitted and data[band]["line"]["width"] > data[fitted].get("line", {}).get("width", 2)
+    assert all(s.get("layer") == "below" for s in specs["p15_bytes_chart"]["layout"]["shapes"])
+
+
+def test_p16_peers_grid_fits_and_log_axes_span_points():
+    """Was: the peers grid's ten columns ("limit (tokens/s)" and the goals cut at the right), the TTFT box points
+    above the last labelled tick."""
+    at = _page("app_pages/16_continuous_batching.py")
+    _readable(at)
+    (grid,) = [d.value for d in at.dataframe if "ours ÷ llama.cpp" in d.value.columns]
+    assert "goals" not in grid.columns and len(grid.columns) <= 9
+    assert any("Goals on the row" in t.value.columns for t in at.table)
