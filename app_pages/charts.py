@@ -188,20 +188,25 @@ def show_forward_fit(fit, key: str) -> None:
     run measured beside its two predictions; then one caption with the fixed cost and the errors."""
     rows = fit.points()
     top = max(r["prefill_tokens"] for r in rows)
-    style = {"measured, used in the fit": ("circle", "#1f77b4"), "measured, held out: cold run": ("square", "#d62728"),
-             "measured: warm run": ("circle", "#2ca02c"), "predicted: warm, a + b·n + copies": ("diamond-open", "#2ca02c"),
-             "predicted: warm, without a": ("x-open", "#6b7280")}
+    # The warm run and its two predictions share one n and lie a few ms apart: open markers of three sizes, the
+    # largest drawn first, so each shows around the next (at one size the "without a" cross hid under the others).
+    style = {"measured, used in the fit": ("circle", "#1f77b4", 11), "measured, held out: cold run": ("square", "#d62728", 11),
+             "predicted: warm, a + b·n + copies": ("diamond-open", "#2ca02c", 18),
+             "predicted: warm, without a": ("x-open", "#6b7280", 13), "measured: warm run": ("circle", "#2ca02c", 8)}
     fig = go.Figure(go.Scatter(x=[0, top], y=[fit.fixed_ms, fit.fixed_ms + fit.per_token_ms * top], mode="lines",
                                line=dict(dash="dash", color="#1f77b4"),
                                name=f"fitted: {fit.fixed_ms:.1f} ms + {fit.per_token_ms:.3f} ms/token × n"))
-    for role, (symbol, colour) in style.items():
+    for role, (symbol, colour, size) in style.items():
         pts = [r for r in rows if r["role"] == role]
         bars = dict(type="data", symmetric=False, array=[r["q3_ms"] - r["ttft_ms"] for r in pts],
                     arrayminus=[r["ttft_ms"] - r["q1_ms"] for r in pts]) if role.endswith("in the fit") else None
         fig.add_trace(go.Scatter(x=[r["prefill_tokens"] for r in pts], y=[r["ttft_ms"] for r in pts], mode="markers",
-                                 name=role, error_y=bars, marker=dict(symbol=symbol, size=11, color=colour)))
+                                 name=role, error_y=bars, marker=dict(symbol=symbol, size=size, color=colour)))
+    highest = max([fit.fixed_ms + fit.per_token_ms * top] + [r["ttft_ms"] for r in rows]
+                  + [r["q3_ms"] for r in rows if r["q3_ms"] == r["q3_ms"]])     # NaN where no IQR
     fig.update_layout(xaxis_title="prefill tokens computed n (tokens)", yaxis_title="TTFT (ms; median, bars = IQR)",
-                      xaxis_range=[0, top * 1.05], yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.3),
+                      xaxis_range=[0, top * 1.05], yaxis_range=[0, highest * 1.1],   # the cold run's square off the edge
+                      legend=dict(orientation="h", y=-0.3),
                       height=360)
     show_chart(fig, rows, key=key)
     sizes = ", ".join(map(str, fit.fit_tokens))

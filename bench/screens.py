@@ -35,10 +35,12 @@ from bench.app_server import CHROMIUM, FLAGS, IDLE, REPO, streamlit_server
 VIEWS = ("default", "low", "high")
 RUN_BUTTON = "[data-testid='stBaseButton-primary']"     # run_on_request's button (app_pages.measurement)
 FULL_MAX_PX = 16_000                                    # cap on a full-length shot's height
-# An element whose text is wider than its box is shown cut (ellipsis or clipped): metric labels and values.
+# An element whose text is wider than its box is shown cut (ellipsis, clipped or behind a scroll bar): metric labels,
+# values and deltas (page 08's "cold − warm 13.9 ms (paired IQR 1…"), code blocks (Home's warm output).
 CUT_TEXT = """() => Array.from(document.querySelectorAll(
-    "[data-testid='stMetricLabel'] p, [data-testid='stMetricLabel'] div, [data-testid='stMetricValue'] div"))
-    .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.innerText)"""
+    "[data-testid='stMetricLabel'] p, [data-testid='stMetricLabel'] div, [data-testid='stMetricValue'] div, "
+    + "[data-testid='stMetricDelta'] div, [data-testid='stMetricDelta'] span, [data-testid='stCode'] pre"))
+    .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.innerText.slice(0, 80))"""
 # A data grid (st.dataframe) wider than its box: the columns on the right are cut until the visitor scrolls.
 WIDE_TABLES = """() => Array.from(document.querySelectorAll("[data-testid='stDataFrame']")).map((t, i) => {
     const s = t.querySelector('.dvn-scroller');
@@ -65,7 +67,8 @@ PLOT_CHECK = """() => {
         const ax = fl[(t[letter + 'axis'] || letter).replace(/^([xy])/, '$1axis')];
         if (!ax || !['linear', 'log'].includes(ax.type) || !Array.isArray(ax.range)) return;
         if (t.type === 'bar' && letter === (t.orientation === 'h' ? 'y' : 'x')) return;
-        const vals = Array.from(t[letter] || []).map(Number).filter(v => Number.isFinite(v)
+        const vals = Array.from(t[letter] || []).filter(v => v !== null && v !== undefined && v !== '')
+                          .map(Number).filter(v => Number.isFinite(v)                         // null: a gap
                                                                       && (ax.type !== 'log' || v > 0));
         const [lo, hi] = [Math.min(...ax.range), Math.max(...ax.range)];
         const bad = vals.filter(v => { const u = ax.type === 'log' ? Math.log10(v) : v;

@@ -430,3 +430,17 @@ def test_p16_peers_grid_fits_and_log_axes_span_points():
     (grid,) = [d.value for d in at.dataframe if "ours ÷ llama.cpp" in d.value.columns]
     assert "goals" not in grid.columns and len(grid.columns) <= 9
     assert any("Goals on the row" in t.value.columns for t in at.table)
+
+
+def test_p08_headline_delta_fits_its_column():
+    """Was: "cold − warm 13.9 ms (paired IQR 1…" cut in a quarter of the row (a delta pill shows about 3 characters
+    fewer than a label of the same width)."""
+    at = _page("app_pages/08_prefix_hit.py")
+    at.session_state["p08_timing_on"] = True
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    delta = at.metric[0].proto.delta
+    tree = ast.parse((REPO / "app_pages/08_prefix_hit.py").read_text())
+    shares = next(_column_shares(n.value) for n in ast.walk(tree) if isinstance(n, ast.Assign)
+                  and isinstance(n.targets[0], ast.Tuple) and [e.id for e in n.targets[0].elts][:1] == ["m1"])
+    assert "paired IQR" in delta and len(delta) <= ROW_CHARS * shares[0] - 3, (delta, shares)
