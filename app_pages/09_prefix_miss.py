@@ -145,7 +145,7 @@ with part2:
     trade.add_trace(go.Scatter(x=labels, y=tr_cap.token_hit_ratio, mode="lines+markers",
                                name=f"token hit at {tr_cap.capacity_gb.iloc[0]:,.0f} GB"), secondary_y=True)
     trade.update_xaxes(type="category", title_text="checkpoint interval C (tokens)")
-    trade.update_yaxes(title_text="state held (GB)", secondary_y=False)
+    trade.update_yaxes(title_text="state held (GB)", tickformat=",", secondary_y=False)   # 16,000 GB, not "16k"
     trade.update_yaxes(title_text="token hit ratio (fraction)", secondary_y=True, showgrid=False, tickmode="auto", tickformat=".2f",
                        range=[0, 1.1 * max(tr_free.token_hit_ratio.max(), tr_cap.token_hit_ratio.max())])
     trade.update_layout(legend=dict(orientation="h", y=-0.3))
