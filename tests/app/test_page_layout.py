@@ -259,7 +259,9 @@ def figure_problems(spec: dict) -> list[str]:
                 problems.append(f"{name}: points beyond its labelled ticks")
         title = axis.get("title", {})
         title = title.get("text", "") if isinstance(title, dict) else str(title or "")
-        if (re.search(r"\b(B|KiB|MiB|GiB|KB|MB|GB|TB)\b", title) and max(abs(v) for v in values) >= (4 if log else 1e4)
+        ticks = plotly_values(axis["tickvals"]) if axis.get("tickvals") is not None else []
+        top = max([abs(v) for v in values] + [math.log10(t) if log else t for t in ticks if t > 0])
+        if (re.search(r"\b(B|KiB|MiB|GiB|KB|MB|GB|TB)\b", title) and top >= (4 if log else 1e4)
                 and not axis.get("tickformat") and axis.get("ticktext") is None):
             problems.append(f"{name}: SI ticks ('10k') on a byte axis, {title!r}: read as 10 k{title.split('(')[-1]}")
     legend = layout.get("legend", {})
@@ -458,3 +460,14 @@ def test_every_chart_readable_at_defaults(tab):
     """:func:`figure_problems` on every chart of every tab at its defaults (the sections behind a button stay
     closed; the tour, bench.screens, opens them in Chromium). Home runs through app.py (its page links need it)."""
     _readable(_page("app.py" if tab is HOME else tab.path))
+
+
+def test_show_chart_log_byte_axis_reads_thousands():
+    """Was: page 10's MiB axis labelled "10k" at its top tick (Plotly's SI format on the labelled decade ticks)."""
+    import plotly.graph_objects as go
+    spec = _shown(lambda: go.Figure([go.Scatter(x=[1, 2, 3], y=[3.5, 40.0, 4000.0])],
+                                    layout=dict(yaxis=dict(type="log", title="MiB received per rank (log)"))))
+    assert 10_000 in plotly_values(spec["layout"]["yaxis"]["tickvals"]) and spec["layout"]["yaxis"]["tickformat"] == ","
+    assert figure_problems(spec) == []
+    spec["layout"]["yaxis"].pop("tickformat")
+    assert any("SI ticks" in p for p in figure_problems(spec))
