@@ -471,3 +471,14 @@ def test_show_chart_log_byte_axis_reads_thousands():
     assert figure_problems(spec) == []
     spec["layout"]["yaxis"].pop("tickformat")
     assert any("SI ticks" in p for p in figure_problems(spec))
+
+
+@pytest.mark.parametrize("tab", [HOME, *TABS], ids=[Path(t.path).stem for t in [HOME, *TABS]])
+def test_code_blocks_wrap(tab):
+    """Was: Home's warm output ("Optional _class and strict are passed to the Pars") and page 18's vLLM / SGLang
+    commands cut at the column's edge behind a scroll bar: every ``st.code`` wraps its lines."""
+    calls = [n for n in ast.walk(ast.parse((REPO / tab.path).read_text())) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Attribute) and n.func.attr == "code"]
+    unwrapped = [c.lineno for c in calls if not any(k.arg == "wrap_lines" and getattr(k.value, "value", None) is True
+                                                   for k in c.keywords)]
+    assert not unwrapped, f"{tab.path}: st.code without wrap_lines=True on lines {unwrapped}"
