@@ -57,12 +57,15 @@ def _log_data_range(fig: go.Figure, axis) -> tuple[float, float] | None:
     return (float(values.min()), float(values.max())) if values.size else None
 
 
+BYTE_UNIT = re.compile(r"\b(B|KiB|MiB|GiB|KB|MB|GB|TB)\b")   # an axis title in bytes: SI ticks would read "10k MiB"
+
+
 def _decade_ticks(axis, data_range: tuple[float, float] | None = None) -> None:
     """Readable labels on a log axis without explicit ticks (Plotly's default minor labels read as a
     bare "2" or "5", which can mean 2,000 or 20,000). Over ``data_range`` (min, max > 0) spanning
     <= 1 decade: ticks at 1, 1.5, 2, 3, 5, 7 x 10^k; <= 3 decades: 1-2-5 x 10^k; <= 5 decades: 1-3 x 10^k (with
     the powers alone, data up to 4 x 10^k ran past the last label); wider (or unknown): the powers of ten only.
-    Every tick is labelled with its full value (thousands separated: "10,000", never "10k"), and an axis without a set range spans the ticks from the last one at
+    Every tick is labelled with its full value (on an axis in bytes "10,000", never "10k"), and an axis without a set range spans the ticks from the last one at
     or below the data to the first one at or above it (page 16's box points above the last label, at the plot's
     edge), so every plotted point lies between two labels."""
     if axis.type != "log" or axis.dtick is not None or axis.tickvals is not None:
@@ -77,7 +80,8 @@ def _decade_ticks(axis, data_range: tuple[float, float] | None = None) -> None:
             above = [t for t in ticks if t >= data_range[1]]
             first, last = (below[-1] if below else ticks[0]), (above[0] if above else ticks[-1])
             axis.update(tickvals=[t for t in ticks if first <= t <= last])   # labelled ticks are the grid
-            if axis.tickformat is None and axis.ticktext is None:   # 10,000 MiB, not Plotly's SI "10k" (kMiB?)
+            if (axis.tickformat is None and axis.ticktext is None   # 10,000 MiB, not Plotly's SI "10k" (kMiB?)
+                    and BYTE_UNIT.search(axis.title.text or "")):
                 axis.update(tickformat=",")
             if axis.range is None and axis.autorange in (None, True):
                 pad = max(0.03 * (np.log10(last) - np.log10(first)), 0.05)   # log10 units: clear of the edges
