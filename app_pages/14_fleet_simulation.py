@@ -312,7 +312,8 @@ show_table(_labelled(sweep), {
     "throughput_rps": num("Completed (req/s)", "%.1f"), "drain_s": num("Drain after the last arrival (s)", "%.2f"),
     "mean_in_flight": num("Fleet in-flight per replica, mean", "%.2f"),
     "wait_first_ms": num("Queue wait P50, first quarter (ms)", "%,.1f"),
-    "wait_last_ms": num("Queue wait P50, last quarter (ms)", "%,.1f"), "saturated": "Queue growing (saturated)"})
+    "wait_last_ms": num("Queue wait P50, last quarter (ms)", "%,.1f"), "saturated": "Queue growing (saturated)"},
+    wrap=True)   # eleven long headers: the grid cut the columns after "Drain after the last arrival (s)"
 hot = sweep[sweep.saturated]
 verdict = ("no policy's queue grows at these rates" if hot.empty else "; ".join(
     f"{DISPLAY_NAMES[p]} from {g.rate_rps.min():g} req/s" for p, g in hot.groupby("policy", sort=False)))

@@ -211,7 +211,8 @@ def show_forward_fit(fit, key: str) -> None:
     highest = max([fit.fixed_ms + fit.per_token_ms * top] + [r["ttft_ms"] for r in rows]
                   + [r["q3_ms"] for r in rows if r["q3_ms"] == r["q3_ms"]])     # NaN where no IQR
     fig.update_layout(xaxis_title="prefill tokens computed n (tokens)", yaxis_title="TTFT (ms; median, bars = IQR)",
-                      xaxis_range=[0, top * 1.05], yaxis_range=[0, highest * 1.1],   # the cold run's square off the edge
+                      xaxis_range=[0, top * 1.05],   # the cold run's square off the top edge, a < 0 above the bottom
+                      yaxis_range=[min(0.0, fit.fixed_ms) * 1.1 - 0.02 * highest, highest * 1.1],
                       legend=dict(orientation="h", y=-0.3),
                       height=360)
     show_chart(fig, rows, key=key)

@@ -482,3 +482,26 @@ def test_code_blocks_wrap(tab):
     unwrapped = [c.lineno for c in calls if not any(k.arg == "wrap_lines" and getattr(k.value, "value", None) is True
                                                    for k in c.keywords)]
     assert not unwrapped, f"{tab.path}: st.code without wrap_lines=True on lines {unwrapped}"
+
+
+@pytest.mark.parametrize("fixed_ms", [12.0, -17.6], ids=["a>0", "a<0"])
+def test_forward_fit_chart_holds_every_point(fixed_ms):
+    """Was: the held-out cold run's square on the chart's top edge (Home, page 08); then, with the range set from 0,
+    a fitted line with a < 0 (-17.6 ms on a loaded host) below the axis. The warm run's two predictions are open
+    markers of other sizes than the measured one, so none hides another."""
+    def script(fixed_ms):
+        from app_pages.charts import show_forward_fit
+        from lab.forward_cost import ForwardFit
+        show_forward_fit(ForwardFit(fixed_ms, 0.36, 1.0, (139, 696), (fixed_ms + 50, fixed_ms + 250),
+                                    (fixed_ms + 40, fixed_ms + 230), (fixed_ms + 60, fixed_ms + 300), 1114, 600.0,
+                                    fixed_ms + 401, 282, 1.5, 243.5, fixed_ms + 103, 153.4), key="fit")
+
+    at = AppTest.from_function(script, args=(fixed_ms,)).run()
+    assert not at.exception, [e.value for e in at.exception]
+    spec = chart_spec(at, "fit")
+    assert figure_problems(spec) == []
+    lo, hi = spec["layout"]["yaxis"]["range"]
+    assert hi > 600 * 1.05 and lo < min(0, fixed_ms)
+    sizes = {t["name"]: t["marker"]["size"] for t in spec["data"] if t.get("mode") == "markers"}
+    warm = [sizes["predicted: warm, a + b·n + copies"], sizes["predicted: warm, without a"], sizes["measured: warm run"]]
+    assert len(set(warm)) == 3, sizes
