@@ -115,6 +115,14 @@ def _legend_below_the_labels(fig: go.Figure) -> None:
     legend = fig.layout.legend
     if legend.orientation == "h" and legend.y is not None and legend.y < 0 and legend.yref in (None, "paper"):
         legend.update(yref="container", y=0, yanchor="bottom")
+        # The legend's rows come out of the figure's height: page 14's 22 entries left a 100-px plot. Add a row's
+        # height per row beyond the first, assuming a 900-px-wide chart, entries as wide as the longest name (Plotly
+        # lines them up in columns) and ~6 px per character.
+        names = [t.name for t in fig.data if t.showlegend is not False and t.name]
+        if names:
+            per_row = max(1, int(900 // (6 * max(map(len, names)) + 45)))
+            rows = -(-len(names) // per_row)
+            fig.layout.height = (fig.layout.height or 450) + 20 * (rows - 1)
 
 
 def _line_points(trace, log: bool) -> tuple[np.ndarray, np.ndarray] | None:

@@ -49,8 +49,8 @@ WIDE_TABLES = """() => Array.from(document.querySelectorAll("[data-testid='stDat
   }).filter(Boolean)"""
 # Each Plotly chart as drawn (its key, from the element's id): plotted points outside their axis's range (a numeric
 # x / y of a scatter, bar or box trace, log axes compared in log10), a legend over a plot area or over the axes'
-# tick labels or titles, an annotation over a legend, a tick label or a data label, data labels over each other, and
-# a log axis with fewer than two labels.
+# tick labels or titles, an annotation over a legend, a tick label or a data label, data labels over each other, a
+# plot area under 35 % of its chart's height (a long legend ate it), and a log axis with fewer than two labels.
 PLOT_CHECK = """() => {
   const box = e => e.getBoundingClientRect();
   const hit = (a, b) => a.width > 0 && b.width > 0 && a.left < b.right - 1 && b.left < a.right - 1
@@ -82,6 +82,9 @@ PLOT_CHECK = """() => {
       if (labels.length < 2) problems.push(`${k}: log axis with ${labels.length} label(s)`);
     });
     const legend = gd.querySelector('.legend'), plots = Array.from(gd.querySelectorAll('.nsewdrag'));
+    const tall = plots.reduce((h, p) => h + box(p).height, 0);      // a legend or margins eating the chart
+    if (plots.length && tall < 0.35 * box(gd).height) problems.push(`plot area ${Math.round(tall)} px of `
+                                                                 + `${Math.round(box(gd).height)} px`);
     const labels = Array.from(gd.querySelectorAll('[class$="tick"] text, [class^="g-x"][class$="title"] text, '
                                                   + '[class^="g-y"][class$="title"] text, .gtitle'));
     if (legend) {

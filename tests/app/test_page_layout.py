@@ -505,3 +505,16 @@ def test_forward_fit_chart_holds_every_point(fixed_ms):
     sizes = {t["name"]: t["marker"]["size"] for t in spec["data"] if t.get("mode") == "markers"}
     warm = [sizes["predicted: warm, a + b·n + copies"], sizes["predicted: warm, without a"], sizes["measured: warm run"]]
     assert len(set(warm)) == 3, sizes
+
+
+def test_show_chart_long_legend_adds_height():
+    """Was: page 14's TTFT-vs-load chart with eleven policies: 22 legend entries under the plot, in the figure's
+    450 px, left a plot area about 100 px high (10 ms to 10 s in a sliver)."""
+    import plotly.graph_objects as go
+    names = [f"policy number {i} P{q} (on the ring (consistent hashing) P50 line)" for i in range(11) for q in (50, 99)]
+    spec = _shown(lambda: go.Figure([go.Scatter(x=[1, 2], y=[i, i + 1], name=n) for i, n in enumerate(names)],
+                                    layout=dict(legend=dict(orientation="h", y=-0.25))))
+    assert spec["layout"]["height"] >= 450 + 20 * 10, spec["layout"].get("height")    # two a row: eleven rows
+    few = _shown(lambda: go.Figure([go.Scatter(x=[1, 2], y=[1, 2], name="one")],
+                                   layout=dict(legend=dict(orientation="h", y=-0.25))))
+    assert few["layout"].get("height", 450) == 450
