@@ -122,10 +122,10 @@ tail = "\n".join(second.split("\n")[-3:])          # the prompt's last lines, fo
 o1, o2 = st.columns(2)
 o1.markdown(f"**Request 2's warm output**: {run.num_generated} greedy bytes of {CARD.name} after the prompt's last "
             "lines (control bytes as ·)")
-o1.code(tail + run.warm_text, language="python")
+o1.code(tail + run.warm_text, language="python", wrap_lines=True)   # long lines cut at the column
 if (first, second) == (FIRST, SECOND):
     o2.markdown(f"**What `{PROMPTS.path}` really holds there** (held out from training; first {max_new} bytes)")
-    o2.code(tail + PROMPTS.file_continuation.encode()[:max_new].decode(errors="ignore"), language="python")
+    o2.code(tail + PROMPTS.file_continuation.encode()[:max_new].decode(errors="ignore"), language="python", wrap_lines=True)
 st.caption(f"The model: **{CARD.name}**, {CARD.num_parameters / 1e6:.2f} M parameters, one token per byte, trained "
            f"{CARD.hours:.1f} h on a CPU over {CARD.bytes_trained / 1e6:.1f} M bytes of the Python standard library. "
            f"Held-out code: {CARD.code_nats_per_byte:.3f} nats per byte, xz {CARD.code_xz:.3f} (prose "

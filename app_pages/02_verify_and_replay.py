@@ -157,7 +157,7 @@ fig2.add_trace(go.Scatter(x=df.step, y=df.commit_ms, name="commit ms", mode="lin
 fig2.update_layout(barmode="overlay", legend=dict(orientation="h", y=-0.3))
 fig2.update_xaxes(title_text="speculative step", **step_ticks)
 fig2.update_yaxes(title_text="tokens", tick0=0, dtick=int_tick_step(int(df.num_drafted.max())), row=1, col=1)
-fig2.update_yaxes(title_text="KiB", row=1, col=2)
+fig2.update_yaxes(title_text="KiB", rangemode="tozero", row=1, col=2)   # a constant held 647-649 KiB
 fig2.update_yaxes(title_text="ms", row=1, col=3)
 show_chart(fig2, df, key="p02_steps_chart")
 short = df[df.budget < num_draft]

@@ -5,7 +5,7 @@ import streamlit as st
 
 from app_pages.acceptance import acceptance_params, acceptance_section, draft, drafter_params, drafter_selector, label
 from app_pages.caching import built_by_loaded_code
-from app_pages.charts import num, pct, show_chart, show_table
+from app_pages.charts import int_tick_step, num, pct, show_chart, show_table
 from app_pages.errors import engine_call
 from app_pages.links import declare
 from app_pages.measurement import measured_stamp, remeasure_button, requested
@@ -169,6 +169,7 @@ fig4.add_trace(go.Scatter(x=wb.step, y=wb.slots_in_use, mode="markers", marker=d
 fig4.add_hline(y=capacity, line_dash="dot", annotation_text="capacity")
 fig4.update_layout(xaxis_title="speculative step", yaxis_title="ring slots in use (tokens)", yaxis_rangemode="tozero",
                    yaxis_tickformat="d", yaxis_dtick=max(1, capacity // 4),   # whole slots: no repeated rounded ticks
+                   xaxis=dict(tick0=0, dtick=int_tick_step(int(sdf.step.max()))),   # whole steps (two read 0, 0.2 …)
                    legend=dict(orientation="h", y=-0.3))
 show_chart(fig4, sdf, key="p04_occupancy_chart")
 if refused:

@@ -120,7 +120,7 @@ with part3:
     fig3.add_trace(go.Scatter(x=ndf.context_tokens, y=ndf.naive_ratio, name="naive torch.cat per token", mode="lines+markers",
                               line=dict(dash="dot", color="gray"), error_y=_bars(ndf, "naive_ratio")))
     fig3.update_layout(xaxis=dict(title="context length (tokens, log)", type="log",
-                                  tickvals=sorted(gdf.context_tokens.unique().tolist())),
+                                  tickvals=sorted(gdf.context_tokens.unique().tolist()), tickformat=","),  # not 16.384k
                        yaxis=dict(title="time ÷ contiguous copy (×; bars: IQR)"),   # longer: cut
                        legend=dict(orientation="h", y=-0.3))
     fig3.add_hline(y=1, line_dash="dash", line_color="gray", annotation_text="contiguous copy = 1×",

@@ -27,6 +27,7 @@ DEFAULT = ("System: you are a terse assistant for inference engineers; always gi
            "System: you are a terse assistant for inference engineers; always give units. User: size of a KV block?\n"
            "System: you are a terse assistant for inference engineers; always give units. User: size of a KDA state?")
 MAX_GROUPS = 4
+MARKER_ROW, MARKER_STEP = 0.3, 0.15   # checkpoint markers above a prompt's bar (rows), one row per group
 links = declare(
     Text("p07_prompts", DEFAULT, max_chars=MAX_TEXT_CHARS),
     Choice("p07_block", 16, [4, 8, 16, 32]),
@@ -78,7 +79,7 @@ for cached, colour in ((True, "#4292c6"), (False, "#d9d9d9")):
     part = blocks[blocks.cached == cached]
     fig.add_trace(go.Bar(x=[block] * len(part), base=part.start, y=part.prompt, orientation="h", width=0.35,
                          marker_color=colour, name="KV block cached" if cached else "block not cached",
-                         text=part.key, customdata=part.end,
+                         text=part.key, customdata=part.end, textposition="inside",   # hidden where too narrow
                          hovertemplate="prompt %{y} · tokens %{base}–%{customdata} · key %{text}<extra></extra>"))
 if len(tails):
     fig.add_trace(go.Bar(x=tails.tokens, base=tails.start, y=tails.prompt, orientation="h", width=0.35,
@@ -86,17 +87,24 @@ if len(tails):
                                      pattern=dict(shape="/", fgcolor="#969696")),
                          name="partial block (never cached)",
                          hovertemplate="prompt %{y} · partial block from token %{base}, %{x} tokens<extra></extra>"))
+last = len(prompts) - 1
+# The two phases' lines cross the last prompt's bar and stop below its checkpoint markers (drawn above the bar, one
+# row per group, further apart than a marker is wide); where they coincide, the dotted one is drawn over the wider.
+same = res.kv_tokens == res.num_tokens
+for x, name, line in ((res.num_tokens, "phase 2: hit b", dict(color="#ff7f0e", width=6)),
+                      (res.kv_tokens, "phase 1: KV run", dict(color="#252525", width=3, dash="dot"))):
+    fig.add_trace(go.Scatter(x=[x, x], y=[last - 0.4, last + MARKER_ROW - 0.08], mode="lines", line=line,
+                             name=f"{name} = {x}" + (" (the lines coincide)" if same else "")))
 for g in range(groups):
     sub = pts[pts.group == g]
-    fig.add_trace(go.Scatter(x=sub.boundary, y=sub.y, mode="markers", marker_symbol="diamond", marker_size=9,
-                             name=f"checkpoint, group {g}", text=sub.key, hovertemplate="boundary %{x} · key %{text}"))
-last = len(prompts) - 1
-for x, name, dash in ((res.kv_tokens, "phase 1: KV run", "dot"), (res.num_tokens, "phase 2: hit b", "solid")):
-    fig.add_trace(go.Scatter(x=[x, x], y=[last - 0.4, last + 0.7], mode="lines", name=f"{name} = {x}",
-                             line=dict(dash=dash, width=3)))
+    fig.add_trace(go.Scatter(x=sub.boundary, y=sub.prompt + MARKER_ROW + MARKER_STEP * g, mode="markers",
+                             marker_symbol="diamond", marker_size=9, name=f"checkpoint, group {g}", text=sub.key,
+                             hovertemplate="boundary %{x} · key %{text}"))
+top = max(block, *res.prompt_tokens)
 fig.update_layout(barmode="overlay", xaxis_title="token position (tokens)", yaxis_title="prompt (0 = first)",
-                  xaxis=dict(range=[0, 1.02 * max(block, *res.prompt_tokens)]),
-                  yaxis=dict(tickmode="array", tickvals=list(range(len(prompts)))), height=200 + 70 * len(prompts),
+                  xaxis=dict(range=[-0.01 * top, 1.02 * top]), uniformtext=dict(minsize=9, mode="hide"),   # b = 0 seen
+                  yaxis=dict(tickmode="array", tickvals=list(range(len(prompts)))),
+                  height=200 + (50 + 15 * groups) * len(prompts),       # a marker row per group between the bars
                   legend=dict(orientation="h", y=-0.3))
 show_chart(fig, blocks, key="p07_blocks_chart")
 

@@ -82,12 +82,16 @@ with part1:
               f"max |Δ logits| {run.check.max_logit_diff:.1e}", delta_color="off", delta_arrow="off")
     fig = go.Figure(go.Scatter(x=written.boundary, y=written.group, mode="markers", marker_symbol="diamond",
                                marker_size=12, name="checkpoint (written at = boundary)", text=written.written_at))
-    for x, name, pos in ((run.next_shared, "next request shares", "top right"),
-                         (run.hit["hit_tokens"], "its hit b =", "top left")):   # labels above the plot: no marker hidden
+    lines = ((run.next_shared, "next request shares", "top right"), (run.hit["hit_tokens"], "its hit b =", "top left"))
+    if run.next_shared == run.hit["hit_tokens"]:      # one line, one label (two labels at one x sat on each other)
+        lines = ((run.next_shared, "next request shares = its hit b =", "top right"),)
+    for x, name, pos in lines:                         # labels above the plot: no marker hidden
         fig.add_vline(x=x, line_dash="dot", annotation_text=f"{name} {x}", annotation_position=pos,
                       annotation_yanchor="bottom")
-    fig.update_layout(xaxis_title="boundary (tokens)", yaxis_title="KDA group", yaxis=dict(dtick=1),
-                      xaxis_range=[0, prompt_tokens + 8], height=160 + 40 * groups, margin=dict(t=40, b=10))
+    fig.update_layout(xaxis_title="boundary (tokens)", yaxis_title="KDA group",
+                      yaxis=dict(tickvals=list(range(groups)), range=[-0.6, groups - 0.4]),   # groups only, no -1
+                      xaxis_range=[-0.02 * (prompt_tokens + 8), prompt_tokens + 8],   # a line at 0 off the edge
+                      height=160 + 40 * groups, margin=dict(t=40, b=10))
     show_chart(fig, written, key="p09_written_chart")
 
 if run.capacity is None:
@@ -145,7 +149,7 @@ with part2:
     trade.add_trace(go.Scatter(x=labels, y=tr_cap.token_hit_ratio, mode="lines+markers",
                                name=f"token hit at {tr_cap.capacity_gb.iloc[0]:,.0f} GB"), secondary_y=True)
     trade.update_xaxes(type="category", title_text="checkpoint interval C (tokens)")
-    trade.update_yaxes(title_text="state held (GB)", secondary_y=False)
+    trade.update_yaxes(title_text="state held (GB)", tickformat=",", secondary_y=False)   # 16,000 GB, not "16k"
     trade.update_yaxes(title_text="token hit ratio (fraction)", secondary_y=True, showgrid=False, tickmode="auto", tickformat=".2f",
                        range=[0, 1.1 * max(tr_free.token_hit_ratio.max(), tr_cap.token_hit_ratio.max())])
     trade.update_layout(legend=dict(orientation="h", y=-0.3))

@@ -77,6 +77,11 @@ prefill = go.Figure()
 for name, colour in colours.items():
     pts, c = view.prefill_points[view.prefill_points.curve == name], view.curves[view.curves.model == name]
     seen = (pts.role == "fitted on").all()
+    if view.predicted_only:   # a wide, faint band under the fitted line it follows, so neither hides the other
+        prefill.add_trace(go.Scatter(x=c.context_tokens, y=c.prefill_s, mode="lines", opacity=0.45,
+                                     line=dict(color=colour, dash="dash", width=6),
+                                     name=f"{name}: predicted, α · β of {view.fit_setup}, no refit "
+                                          f"({preset_title(model)}, {view.setup})"))
     prefill.add_trace(go.Scatter(
         x=pts.context, y=pts.model, mode="lines", line=dict(color=colour),
         name=f"{name}: fitted on these points ({view.fit_setup})" if seen
@@ -86,10 +91,6 @@ for name, colour in colours.items():
     prefill.add_trace(go.Scatter(x=c.context_tokens, y=c.prefill_roofline_s, mode="lines",
                                  line=dict(color=colour, dash="dot"),
                                  name=f"{name}: physical roofline ({preset_title(model)}, {view.setup})"))
-    if view.predicted_only:
-        prefill.add_trace(go.Scatter(x=c.context_tokens, y=c.prefill_s, mode="lines", line=dict(color=colour, dash="dash"),
-                                     name=f"{name}: predicted, α · β of {view.fit_setup}, no refit "
-                                          f"({preset_title(model)}, {view.setup})"))
 prefill.update_layout(title="prefill latency (s)", xaxis_type="log", yaxis_type="log",
                       xaxis_title="context (tokens, log)", yaxis_title="prefill latency (s, log)",
                       legend=dict(orientation="h", y=-0.35))
@@ -244,7 +245,7 @@ show_chart(saved, b[["policy", "budget_gb", "mean_ttft_s", "prefill_saved"]], ke
 mid = b[b.budget_gb == b.budget_gb.unique()[len(b.budget_gb.unique()) // 2]]
 kinds = go.Figure([go.Bar(x=mid.policy.map(policy_title), y=mid[f"{k}_gb"], name=name) for k, name in
                    (("kv", "KV pages"), ("state", "state checkpoints"), ("running", "running state slots"))])
-kinds.add_hline(y=mid.budget_gb.iloc[0], line_dash="dash", annotation_text=f"budget: {mid.budget_gb.iloc[0]:,.0f} GB")
+kinds.add_hline(y=mid.budget_gb.iloc[0], line_dash="dash", layer="below", annotation_text=f"budget: {mid.budget_gb.iloc[0]:,.0f} GB")
 kinds.update_layout(barmode="stack", title=f"bytes held when the total peaked, {mid.budget_gb.iloc[0]:,.0f} GB budget",
                     xaxis_title="policy", yaxis_title="bytes held (GB)", legend=dict(orientation="h", y=-0.3))
 show_chart(kinds, mid[["policy", "budget_gb", "kv_gb", "state_gb", "running_gb", "peak_kv_gb", "peak_state_gb",

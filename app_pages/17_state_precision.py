@@ -219,7 +219,7 @@ drift_charts(run.curves, "p17_run")
 agreement_chart(run.summary, "p17_run_agreement")
 show_table(run.summary[list(SUMMARY_COLUMNS)], SUMMARY_COLUMNS, wrap=True)
 with st.expander("Free-running text per format"):
-    st.code("\n".join(f"{f:12s} {t!r}" for f, t in run.continuations.items()), language=None)
+    st.code("\n".join(f"{f:12s} {t!r}" for f, t in run.continuations.items()), language=None, wrap_lines=True)
 
 with st.expander("Formats, formulas and sources"):
     st.markdown(

@@ -95,7 +95,7 @@ else:
 st.subheader("5 · Put your own engine through it")
 for what, cmd in HOW_TO:
     st.markdown(what)
-    st.code(cmd, language="bash")
+    st.code(cmd, language="bash", wrap_lines=True)   # the vLLM and SGLang commands were cut
 st.info("What to notice: a check passes when every compared request gives the same greedy tokens and its "
         "logprobs agree within `--atol` (`--match close` takes vLLM's rule: at the first differing token each "
         "run's token is in the other's top logprobs). A check is n/a when the engine cannot be put in the state it "

@@ -1,7 +1,9 @@
 """Charts, their CSV downloads, and tables.
 
 - ``show_chart(fig, df, key)``: a Plotly chart with a stable key plus a CSV download of its data; log axes get
-  labelled ticks between the powers of ten and their reference lines' labels on the lines.
+  labelled ticks between the powers of ten (the range spanning them) and their reference lines' labels on the
+  lines; a horizontal legend below the plot sits under the x axis's labels; a line drawn over an earlier one of
+  the same style is dashed and named as on it.
 - ``inside_if_tall(values)``: a bar's label inside it when the bar is tall enough, above it when not.
 - ``show_forward_fit(fit, key)``: Home's and page 08's fitted forward cost, measured vs fitted vs predicted.
 - ``show_table(df, columns)``: ``st.dataframe`` of the named columns, each with its header and number
@@ -39,6 +41,14 @@ def _log_data_range(fig: go.Figure, axis) -> tuple[float, float] | None:
         except (TypeError, ValueError):
             continue
         values.append(arr[np.isfinite(arr) & (arr > 0)])
+        bars = getattr(trace, f"error_{letter}", None)     # error bars' ends are plotted too
+        if bars is not None and bars.visible is not False and bars.type == "data" and bars.array is not None:
+            up = np.asarray(bars.array, dtype=float).ravel()
+            down = np.asarray(bars.arrayminus if bars.arrayminus is not None and bars.symmetric is False
+                              else bars.array, dtype=float).ravel()
+            if up.shape == down.shape == arr.shape:
+                ends = np.concatenate([arr + up, arr - down])
+                values.append(ends[np.isfinite(ends) & (ends > 0)])
     for shape in fig.layout.shapes or ():     # a reference line (add_hline / add_vline) widens the axis too
         v0, v1 = getattr(shape, letter + "0"), getattr(shape, letter + "1")
         if getattr(shape, letter + "ref") == ref and v0 is not None and v0 == v1 and v0 > 0:
@@ -47,12 +57,17 @@ def _log_data_range(fig: go.Figure, axis) -> tuple[float, float] | None:
     return (float(values.min()), float(values.max())) if values.size else None
 
 
+BYTE_UNIT = re.compile(r"\b(B|KiB|MiB|GiB|KB|MB|GB|TB)\b")   # an axis title in bytes: SI ticks would read "10k MiB"
+
+
 def _decade_ticks(axis, data_range: tuple[float, float] | None = None) -> None:
     """Readable labels on a log axis without explicit ticks (Plotly's default minor labels read as a
     bare "2" or "5", which can mean 2,000 or 20,000). Over ``data_range`` (min, max > 0) spanning
     <= 1 decade: ticks at 1, 1.5, 2, 3, 5, 7 x 10^k; <= 3 decades: 1-2-5 x 10^k; <= 5 decades: 1-3 x 10^k (with
     the powers alone, data up to 4 x 10^k ran past the last label); wider (or unknown): the powers of ten only.
-    Every tick is labelled with its full value."""
+    Every tick is labelled with its full value (on an axis in bytes "10,000", never "10k"), and an axis without a set range spans the ticks from the last one at
+    or below the data to the first one at or above it (page 16's box points above the last label, at the plot's
+    edge), so every plotted point lies between two labels."""
     if axis.type != "log" or axis.dtick is not None or axis.tickvals is not None:
         return
     if data_range is not None and data_range[0] > 0 and data_range[1] >= data_range[0]:
@@ -65,6 +80,12 @@ def _decade_ticks(axis, data_range: tuple[float, float] | None = None) -> None:
             above = [t for t in ticks if t >= data_range[1]]
             first, last = (below[-1] if below else ticks[0]), (above[0] if above else ticks[-1])
             axis.update(tickvals=[t for t in ticks if first <= t <= last])   # labelled ticks are the grid
+            if (axis.tickformat is None and axis.ticktext is None   # 10,000 MiB, not Plotly's SI "10k" (kMiB?)
+                    and BYTE_UNIT.search(axis.title.text or "")):
+                axis.update(tickformat=",")
+            if axis.range is None and axis.autorange in (None, True):
+                pad = max(0.03 * (np.log10(last) - np.log10(first)), 0.05)   # log10 units: clear of the edges
+                axis.update(range=[float(np.log10(first) - pad), float(np.log10(last) + pad)])
             return
     axis.update(dtick=1, minor=dict(ticks="inside", showgrid=True, gridcolor="rgba(0, 0, 0, 0.035)"))  # faint: many decades
 
@@ -86,6 +107,64 @@ def _label_lines_on_log_axes(fig: go.Figure) -> None:
                 ann.update({letter: float(np.log10(value))})
 
 
+def _legend_below_the_labels(fig: go.Figure) -> None:
+    """A horizontal legend placed below the plot (``legend=dict(orientation="h", y=-0.3)``) moved to the bottom of
+    the figure, under the x axis's tick labels and title. ``y`` below the plot is a share of the plot's height, so
+    long or rotated category labels (page 14's eleven policies) reached into the legend; at ``yref="container"``,
+    ``y=0`` Plotly keeps a margin for the legend under everything else."""
+    legend = fig.layout.legend
+    if legend.orientation == "h" and legend.y is not None and legend.y < 0 and legend.yref in (None, "paper"):
+        legend.update(yref="container", y=0, yanchor="bottom")
+        # The legend's rows come out of the figure's height: page 14's 22 entries left a 100-px plot. Add a row's
+        # height per row beyond the first, assuming a 900-px-wide chart, entries as wide as the longest name (Plotly
+        # lines them up in columns) and ~6 px per character.
+        names = [t.name for t in fig.data if t.showlegend is not False and t.name]
+        if names:
+            per_row = max(1, int(900 // (6 * max(map(len, names)) + 45)))
+            rows = -(-len(names) // per_row)
+            fig.layout.height = (fig.layout.height or 450) + 20 * (rows - 1)
+
+
+def _line_points(trace, log: bool) -> tuple[np.ndarray, np.ndarray] | None:
+    """(x, y) of a scatter trace as arrays, y in log10 on a log axis; None when y is not numeric."""
+    try:
+        x, y = np.asarray(trace.x), np.asarray(trace.y, dtype=float)
+    except (TypeError, ValueError):
+        return None
+    if log:
+        y = np.log10(np.where(y > 0, y, np.nan))
+    return (x, y) if x.shape == y.shape and x.size else None
+
+
+def _show_coinciding_lines(fig: go.Figure) -> None:
+    """A line drawn on an earlier one of the same style (page 15's policies with the same hit ratio at every
+    budget) is hidden: at the same x, within 0.5 % of the chart's y span (log10 on a log axis), the later line is
+    drawn dashed, narrower and with open markers, and its legend entry names the line it lies on. Lines already
+    told apart by their dash are left as they are."""
+    lines = [t for t in fig.data if t.type == "scatter" and "lines" in (t.mode or "lines") and t.x is not None]
+    points = {}
+    for t in lines:
+        axis = fig.layout["yaxis" + (t.yaxis or "y")[1:]]
+        points[id(t)] = _line_points(t, axis.type == "log")
+    ys = [p[1][np.isfinite(p[1])] for p in points.values() if p is not None]
+    ys = np.concatenate(ys) if ys else np.empty(0)
+    tol = 0.005 * float(ys.max() - ys.min()) if ys.size else 0.0
+    for i, later in enumerate(lines):
+        b = points[id(later)]
+        under = next((t for t in lines[:i] if (t.line.dash or "solid") == (later.line.dash or "solid")
+                      and (t.xaxis, t.yaxis) == (later.xaxis, later.yaxis) and b is not None
+                      and (a := points[id(t)]) is not None and a[0].shape == b[0].shape
+                      and bool((a[0] == b[0]).all()) and bool(np.allclose(a[1], b[1], rtol=0, atol=tol,
+                                                                         equal_nan=True))), None)
+        if under is None:
+            continue
+        later.update(line=dict(dash="dash" if (under.line.dash or "solid") == "solid" else "solid",
+                               width=max(1.0, 0.6 * (under.line.width or 2))),
+                     name=f"{later.name} (on the {under.name} line)")
+        if "markers" in (later.mode or ""):
+            later.update(marker_symbol="circle-open", marker_size=10)
+
+
 def _csv_bytes(data: pd.DataFrame | list[dict]) -> bytes:
     """CSV of a frame (no index) or of a list of row dicts (header = the first row's keys), UTF-8."""
     if not isinstance(data, list):
@@ -103,8 +182,12 @@ def show_chart(fig: go.Figure, df: pd.DataFrame | list[dict], key: str, filename
     """Render ``fig`` with ``key`` and a CSV download button of ``df`` (the chart's data: a frame, or a list of
     row dicts where a page builds no frame, e.g. Home, whose first run on a fresh server imports no pandas).
     Log axes get enough labelled ticks to read the data range (:func:`_decade_ticks`), and their reference
-    lines' labels sit on the lines (:func:`_label_lines_on_log_axes`)."""
+    lines' labels sit on the lines (:func:`_label_lines_on_log_axes`); a horizontal legend below the plot goes under
+    the x axis's labels (:func:`_legend_below_the_labels`); a line hidden under an earlier one of the same style is
+    drawn dashed (:func:`_show_coinciding_lines`)."""
     fig.update_layout(margin=dict(l=10, r=10, t=40, b=10))
+    _legend_below_the_labels(fig)
+    _show_coinciding_lines(fig)
     _label_lines_on_log_axes(fig)
     fig.for_each_xaxis(lambda ax: _decade_ticks(ax, _log_data_range(fig, ax)))
     fig.for_each_yaxis(lambda ax: _decade_ticks(ax, _log_data_range(fig, ax)))
@@ -119,20 +202,26 @@ def show_forward_fit(fit, key: str) -> None:
     run measured beside its two predictions; then one caption with the fixed cost and the errors."""
     rows = fit.points()
     top = max(r["prefill_tokens"] for r in rows)
-    style = {"measured, used in the fit": ("circle", "#1f77b4"), "measured, held out: cold run": ("square", "#d62728"),
-             "measured: warm run": ("circle", "#2ca02c"), "predicted: warm, a + b·n + copies": ("diamond-open", "#2ca02c"),
-             "predicted: warm, without a": ("x-open", "#6b7280")}
+    # The warm run and its two predictions share one n and lie a few ms apart: open markers of three sizes, the
+    # largest drawn first, so each shows around the next (at one size the "without a" cross hid under the others).
+    style = {"measured, used in the fit": ("circle", "#1f77b4", 11), "measured, held out: cold run": ("square", "#d62728", 11),
+             "predicted: warm, a + b·n + copies": ("diamond-open", "#2ca02c", 18),
+             "predicted: warm, without a": ("x-open", "#6b7280", 13), "measured: warm run": ("circle", "#2ca02c", 8)}
     fig = go.Figure(go.Scatter(x=[0, top], y=[fit.fixed_ms, fit.fixed_ms + fit.per_token_ms * top], mode="lines",
                                line=dict(dash="dash", color="#1f77b4"),
                                name=f"fitted: {fit.fixed_ms:.1f} ms + {fit.per_token_ms:.3f} ms/token × n"))
-    for role, (symbol, colour) in style.items():
+    for role, (symbol, colour, size) in style.items():
         pts = [r for r in rows if r["role"] == role]
         bars = dict(type="data", symmetric=False, array=[r["q3_ms"] - r["ttft_ms"] for r in pts],
                     arrayminus=[r["ttft_ms"] - r["q1_ms"] for r in pts]) if role.endswith("in the fit") else None
         fig.add_trace(go.Scatter(x=[r["prefill_tokens"] for r in pts], y=[r["ttft_ms"] for r in pts], mode="markers",
-                                 name=role, error_y=bars, marker=dict(symbol=symbol, size=11, color=colour)))
+                                 name=role, error_y=bars, marker=dict(symbol=symbol, size=size, color=colour)))
+    highest = max([fit.fixed_ms + fit.per_token_ms * top] + [r["ttft_ms"] for r in rows]
+                  + [r["q3_ms"] for r in rows if r["q3_ms"] == r["q3_ms"]])     # NaN where no IQR
     fig.update_layout(xaxis_title="prefill tokens computed n (tokens)", yaxis_title="TTFT (ms; median, bars = IQR)",
-                      xaxis_range=[0, top * 1.05], yaxis_rangemode="tozero", legend=dict(orientation="h", y=-0.3),
+                      xaxis_range=[0, top * 1.05],   # the cold run's square off the top edge, a < 0 above the bottom
+                      yaxis_range=[min(0.0, fit.fixed_ms) * 1.1 - 0.02 * highest, highest * 1.1],
+                      legend=dict(orientation="h", y=-0.3),
                       height=360)
     show_chart(fig, rows, key=key)
     sizes = ", ".join(map(str, fit.fit_tokens))

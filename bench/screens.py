@@ -12,8 +12,10 @@ of ``app_pages.registry`` three times and saves a full-length PNG of each view:
 The parameters are the page's own declaration (its ``declare(...)`` call, read from the file, see
 :func:`declared_params`), carried in the URL as a deep link. Buttons that start a measurement on request are
 clicked (``--no-click`` leaves them), so the sections behind them are in the shot too. ``summary.json`` lists, per
-view, the seconds it took, any exception or error alert, and each metric label or value the browser shows cut
-(an element whose text is wider than its box). Screenshots go to ``--out`` only, never into the repository.
+view, the seconds it took, any exception or error alert, each metric label or value the browser shows cut (an
+element whose text is wider than its box), each data grid wider than its box (columns cut at the right), and each
+chart's drawn problems (:data:`PLOT_CHECK`: points outside the axis range; a legend or annotation over the plot, the
+tick labels or the data labels; an unlabelled log axis). Screenshots go to ``--out`` only, never into the repository.
 Needs Chromium at ``/usr/bin/chromium`` and the ``playwright`` package (no browser download).
 """
 from __future__ import annotations
@@ -33,10 +35,77 @@ from bench.app_server import CHROMIUM, FLAGS, IDLE, REPO, streamlit_server
 VIEWS = ("default", "low", "high")
 RUN_BUTTON = "[data-testid='stBaseButton-primary']"     # run_on_request's button (app_pages.measurement)
 FULL_MAX_PX = 16_000                                    # cap on a full-length shot's height
-# An element whose text is wider than its box is shown cut (ellipsis or clipped): metric labels and values.
+# An element whose text is wider than its box is shown cut (ellipsis, clipped or behind a scroll bar): metric labels,
+# values and deltas (page 08's "cold − warm 13.9 ms (paired IQR 1…"), code blocks (Home's warm output).
 CUT_TEXT = """() => Array.from(document.querySelectorAll(
-    "[data-testid='stMetricLabel'] p, [data-testid='stMetricLabel'] div, [data-testid='stMetricValue'] div"))
-    .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.innerText)"""
+    "[data-testid='stMetricLabel'] p, [data-testid='stMetricLabel'] div, [data-testid='stMetricValue'] div, "
+    + "[data-testid='stMetricDelta'] div, [data-testid='stMetricDelta'] span, [data-testid='stCode'] pre"))
+    .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.innerText.slice(0, 80))"""
+# A data grid (st.dataframe) wider than its box: the columns on the right are cut until the visitor scrolls.
+WIDE_TABLES = """() => Array.from(document.querySelectorAll("[data-testid='stDataFrame']")).map((t, i) => {
+    const s = t.querySelector('.dvn-scroller');
+    if (!s || s.scrollWidth <= s.clientWidth + 1) return null;
+    return (t.closest('[class*="st-key-"]')?.className.match(/st-key-([\\w-]+)/) || [])[1] || `table ${i + 1}`;
+  }).filter(Boolean)"""
+# Each Plotly chart as drawn (its key, from the element's id): plotted points outside their axis's range (a numeric
+# x / y of a scatter, bar or box trace, log axes compared in log10), a legend over a plot area or over the axes'
+# tick labels or titles, an annotation over a legend, a tick label or a data label, data labels over each other, a
+# plot area under 35 % of its chart's height (a long legend ate it), and a log axis with fewer than two labels.
+PLOT_CHECK = """() => {
+  const box = e => e.getBoundingClientRect();
+  const hit = (a, b) => a.width > 0 && b.width > 0 && a.left < b.right - 1 && b.left < a.right - 1
+                        && a.top < b.bottom - 1 && b.top < a.bottom - 1;
+  const out = [];
+  document.querySelectorAll("[data-testid='stPlotlyChart']").forEach(chart => {
+    const gd = chart.querySelector('.js-plotly-plot');
+    if (!gd || !gd._fullLayout) return;
+    const key = (chart.closest('[class*="st-key-"]')?.className.match(/st-key-([\\w-]+)/) || [])[1] || '?';
+    const fl = gd._fullLayout, problems = [];
+    (gd._fullData || []).forEach(t => {
+      if (t.visible !== true || !['scatter', 'bar', 'box'].includes(t.type)) return;
+      ['x', 'y'].forEach(letter => {
+        const ax = fl[(t[letter + 'axis'] || letter).replace(/^([xy])/, '$1axis')];
+        if (!ax || !['linear', 'log'].includes(ax.type) || !Array.isArray(ax.range)) return;
+        if (t.type === 'bar' && letter === (t.orientation === 'h' ? 'y' : 'x')) return;
+        const vals = Array.from(t[letter] || []).filter(v => v !== null && v !== undefined && v !== '')
+                          .map(Number).filter(v => Number.isFinite(v)                         // null: a gap
+                                                                      && (ax.type !== 'log' || v > 0));
+        const [lo, hi] = [Math.min(...ax.range), Math.max(...ax.range)];
+        const bad = vals.filter(v => { const u = ax.type === 'log' ? Math.log10(v) : v;
+                                      return u < lo - 1e-9 * Math.abs(lo) || u > hi + 1e-9 * Math.abs(hi); });
+        if (bad.length) problems.push(`${t.name || t.type}: ${bad.length} ${letter} outside ${ax._name} ` +
+                                      `[${ax.type === 'log' ? [10 ** lo, 10 ** hi].map(v => v.toPrecision(3)) : [lo, hi]}]`);
+      });
+    });
+    Object.keys(fl).filter(k => /^[xy]axis\\d*$/.test(k) && fl[k].type === 'log' && fl[k].visible).forEach(k => {
+      const labels = gd.querySelectorAll(`.${k.replace('axis', '')}tick text`);
+      if (labels.length < 2) problems.push(`${k}: log axis with ${labels.length} label(s)`);
+    });
+    const legend = gd.querySelector('.legend'), plots = Array.from(gd.querySelectorAll('.nsewdrag'));
+    const tall = plots.reduce((h, p) => h + box(p).height, 0);      // a legend or margins eating the chart
+    if (plots.length && tall < 0.35 * box(gd).height) problems.push(`plot area ${Math.round(tall)} px of `
+                                                                 + `${Math.round(box(gd).height)} px`);
+    const labels = Array.from(gd.querySelectorAll('[class$="tick"] text, [class^="g-x"][class$="title"] text, '
+                                                  + '[class^="g-y"][class$="title"] text, .gtitle'));
+    if (legend) {
+      const lb = box(legend.querySelector('.bg') || legend);
+      if (plots.some(p => hit(lb, box(p)))) problems.push('legend over the plot area');
+      const over = labels.filter(l => hit(lb, box(l))).map(l => l.textContent);
+      if (over.length) problems.push(`legend over ${over.slice(0, 3).join(' | ')}`);
+    }
+    const marks = Array.from(gd.querySelectorAll('.bartext, .textpoint')).filter(t => box(t).width > 0);
+    const clash = marks.filter((t, i) => marks.some((u, j) => j > i && hit(box(t), box(u))));
+    if (clash.length) problems.push(`${clash.length} data labels over each other (${clash[0].textContent})`);
+    gd.querySelectorAll('.annotation').forEach(a => {
+      const ab = box(a), txt = a.textContent.slice(0, 40);
+      if (legend && hit(ab, box(legend.querySelector('.bg') || legend))) problems.push(`annotation "${txt}" over the legend`);
+      const over = labels.concat(marks).filter(l => hit(ab, box(l))).map(l => l.textContent);
+      if (over.length) problems.push(`annotation "${txt}" over ${over.slice(0, 3).join(' | ')}`);
+    });
+    if (problems.length) out.push({chart: key, problems});
+  });
+  return out;
+}"""
 
 
 def declared_params(path: Path) -> list[Param]:
@@ -128,7 +197,8 @@ def visit(page, url: str, shot: Path, click: bool, timeout_ms: int) -> dict:
     alerts = page.locator("[data-testid='stException'], [data-testid='stAlertContentError']")
     return {"url": url, "shot": shot.name, "seconds": round(time.perf_counter() - t0, 1), "clicked": clicked,
             "errors": [alerts.nth(i).inner_text()[:300] for i in range(alerts.count())],
-            "cut_text": page.evaluate(CUT_TEXT)}
+            "cut_text": page.evaluate(CUT_TEXT), "wide_tables": page.evaluate(WIDE_TABLES),
+            "charts": page.evaluate(PLOT_CHECK)}
 
 
 def tour(out: Path, tabs: list[Tab], views: list[str], click: bool, width: int, timeout_s: float) -> list[dict]:
@@ -151,7 +221,8 @@ def tour(out: Path, tabs: list[Tab], views: list[str], click: bool, width: int, 
                     row = {"url": link, "shot": None, "errors": [f"{type(exc).__name__}: {exc}"[:300]]}
                 rows.append({"page": stem, "view": view, **row})
                 print(f"{stem:32s} {view:8s} {row.get('seconds', '-')!s:>6} s  errors {len(row['errors'])}  "
-                      f"cut {row.get('cut_text', [])}", flush=True)
+                      f"cut {row.get('cut_text', [])}  wide {row.get('wide_tables', [])}  "
+                      f"charts {row.get('charts', [])}", flush=True)
         browser.close()
     (out / "summary.json").write_text(json.dumps(rows, indent=1))
     return rows
@@ -174,8 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     if not tabs or not set(views) <= set(VIEWS):
         ap.error(f"no page among {args.pages!r}, or a view not among {VIEWS}")
     rows = tour(args.out, tabs, views, not args.no_click, args.width, args.timeout_s)
-    bad = [r for r in rows if r["errors"] or r.get("cut_text")]
-    print(f"{len(rows)} views, {len(bad)} with an error or cut text; shots in {args.out}")
+    bad = [r for r in rows if r["errors"] or r.get("cut_text") or r.get("wide_tables") or r.get("charts")]
+    print(f"{len(rows)} views, {len(bad)} with an error, cut text, a wide table or a chart problem; shots in {args.out}")
     return 1 if bad else 0
 
 
