@@ -7,7 +7,9 @@ each step a fused multiply-add: no split of K, no reassociation. An FMA is exact
 the masked tails, the AVX-512 and AVX2 paths and the scalar ``fmaf`` loop (:meth:`CInvariant.reference`) give the
 same bits, and row m's result never depends on how many rows the call holds, with no padding (MKL's sgemm
 switches kernels below 16 rows, so the torch form pads every call to 16 rows). The weight is packed once into
-16-column panels (:meth:`CInvariant.packed`: cached on the weight, repacked when it is written in place).
+16-column panels (:meth:`CInvariant.packed`: cached on the weight, repacked when it is written in place). An
+in-place write is seen through autograd's version counter (``copy_``, ``mul_``, ``load_state_dict``, optimizers);
+a write that bypasses it (through ``w.data`` or a NumPy view) is not, and must be followed by :func:`forget`.
 
 The RMSNorm sums each row's squares in a fixed order (16 fmaf lanes, then a fixed tree), one row at a time:
 row-invariant too, and one call where the torch form takes five ops plus the padding of ``pointwise``.
@@ -62,7 +64,7 @@ class CInvariant:
         lib.linear_f32.restype = _I
         lib.linear_f32.argtypes = [_I, _I, _I, _P, _L, _P, _P, _L, _I]
         lib.linear_f32_pairs.restype = _I
-        lib.linear_f32_pairs.argtypes = [_I, _I, _I, _P, _L, _P, _P, _P, _I, _P, _L]
+        lib.linear_f32_pairs.argtypes = [_I, _I, _I, _P, _L, _L, _P, _P, _P, _I, _P, _L]
         lib.rmsnorm_f32.restype = None
         lib.rmsnorm_f32.argtypes = [_I, _I, _P, _L, _P, ctypes.c_float, _P, _L]
         self._rms = lib.rmsnorm_f32
@@ -143,12 +145,18 @@ class CInvariant:
     def linear_pairs(self, x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
         """``out[p] = x[rows[p]] @ ws[experts[p]]^T`` for P pairs: x ``[R, K]`` fp32 (contiguous last dim), rows and
         experts ``[P]`` int64 (contiguous), ws ``[E, N, K]`` -> ``[P, N]``; each pair computed as its row alone.
-        Unchecked, except that an expert outside [0, E) raises ValueError."""
+        Shapes and dtypes unchecked; an index outside its range (an expert outside [0, E), a row outside [0, R))
+        raises ValueError before any pair runs."""
         P, N = rows.shape[0], ws.shape[1]
         out = x.new_empty((P, N))                                           # [P, N]
-        if self.lib.linear_f32_pairs(P, N, x.shape[1], x.data_ptr(), x.stride(0), rows.data_ptr(), experts.data_ptr(),
-                                     self.packed_experts(ws), ws.shape[0], out.data_ptr(), N):
+        rc = self.lib.linear_f32_pairs(P, N, x.shape[1], x.data_ptr(), x.shape[0], x.stride(0), rows.data_ptr(),
+                                       experts.data_ptr(), self.packed_experts(ws), ws.shape[0], out.data_ptr(), N)
+        if rc == 2:
             raise ValueError(f"experts must be in [0, {ws.shape[0]}), got {experts.tolist()}")
+        if rc == 3:
+            raise ValueError(f"rows must be in [0, {x.shape[0]}) (rows of x), got {rows.tolist()}")
+        if rc:
+            raise RuntimeError(f"linear_f32_pairs failed with code {rc}")
         return out
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -222,6 +230,17 @@ def backend() -> CInvariant | None:
                 _chosen.append(got)
     got = _chosen[0]
     return None if isinstance(got, str) else got
+
+
+def forget(*tensors: torch.Tensor) -> None:
+    """Drop the packed copies cached for ``tensors`` (weights, or any view of them: the cache lives on the base
+    tensor), so the next call packs them again. Needed only after a write that autograd's version counter does not
+    see (``w.data.copy_(...)``, a NumPy view). Weights packed together (one GEMM over several projections) are cached
+    on the first of them, so pass all of a module's: ``forget(*model.parameters())``."""
+    for t in tensors:
+        for u in (t, t._base) if t._base is not None else (t,):
+            u.__dict__.pop(_CACHE_ATTR, None)
+            u.__dict__.pop(_EXPERTS_ATTR, None)
 
 
 def reason() -> str | None:

@@ -297,9 +297,9 @@ def check_request(req: CompletionRequest | ChatRequest, served_model: str, max_m
         if max_tokens is not None:
             raise RequestError("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
         name, max_tokens = "max_completion_tokens", req.max_completion_tokens
-    if max_tokens is None:
-        max_tokens = DEFAULT_MAX_TOKENS if isinstance(req, CompletionRequest) else max_model_len - len(prompt)
     room = max_model_len - len(prompt)
+    if max_tokens is None:   # a default the client never sent fits the room left, as vLLM's get_max_tokens does
+        max_tokens = min(DEFAULT_MAX_TOKENS, room) if isinstance(req, CompletionRequest) else room
     if not 1 <= max_tokens <= room:
         raise RequestError(f"{name} must be in [1, {room}] (max_model_len {max_model_len} - prompt {len(prompt)} "
                            f"tokens), got {max_tokens}", name)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kda_core import cpu_build, cpu_invariant
+from kda_core import cpu_build, cpu_invariant, invariant
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -126,3 +126,43 @@ def test_linear_pairs_is_each_row_alone(gemm):
         assert torch.equal(out[p], gemm.linear(x[rows[p]: rows[p] + 1], ws[experts[p]])[0]), p
     with pytest.raises(ValueError, match="experts"):
         gemm.linear_pairs(x, rows, torch.tensor([0, 1, 3, 0, 0]), ws)
+
+
+def test_forget_repacks_after_a_write_the_version_counter_misses():
+    """A write through ``.data`` does not move the weight's version counter, so the packed copy would be stale;
+    :func:`cpu_invariant.forget` drops it and the next call follows the new weight."""
+    gemm = cpu_invariant.backend()
+    if gemm is None:
+        pytest.skip(f"no C GEMM on this host: {cpu_invariant.reason()}")
+    x, w = torch.randn(5, 48), torch.randn(33, 48)
+    first = invariant.linear(x, w)
+    w.data.copy_(w * 2)
+    stale = invariant.linear(x, w)
+    assert torch.equal(stale, first), "the version counter saw the .data write: forget is not needed"
+    cpu_invariant.forget(w)
+    assert torch.equal(invariant.linear(x, w), 2 * first)      # x 2 is exact in fp32
+
+
+def test_linear_pairs_refuses_bad_indices_without_writing():
+    """Rows or experts out of range, of another dtype or length: a ValueError naming them, never a read outside x."""
+    x, ws = torch.randn(3, 64), torch.randn(4, 32, 64)
+    good = torch.tensor([0, 1])
+    if invariant.linear_pairs(x, good, good, ws) is None:
+        pytest.skip("the C GEMM does not run here")
+    for rows, experts, match in [(torch.tensor([0, 5]), good, "rows must be in"),
+                                 (torch.tensor([0, 1_000_000]), good, "rows must be in"),
+                                 (torch.tensor([-1, 0]), good, "rows must be in"),
+                                 (good, torch.tensor([0, 4]), "experts must be in"),
+                                 (good.int(), good, "rows must be a 1-D int64"),
+                                 (good, good.int(), "experts must be a 1-D int64"),
+                                 (good, torch.tensor([0]), "one entry per pair")]:
+        with pytest.raises(ValueError, match=match):
+            invariant.linear_pairs(x, rows, experts, ws)
+    with pytest.raises(ValueError, match="weights must be"):
+        invariant.linear_pairs(x, good, good, ws[0])
+
+
+@pytest.mark.parametrize("shape", [(48,), (2, 33, 48)])
+def test_linear_refuses_a_weight_that_is_not_2d(shape):
+    with pytest.raises(ValueError, match=r"weight must be \[D_out, D_in\]"):
+        invariant.linear(torch.randn(5, 48), torch.randn(*shape))

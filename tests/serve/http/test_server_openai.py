@@ -379,3 +379,15 @@ def _poll_metric(url: str, name: str, ok, timeout_s: float = 10.0) -> float:
         if ok(value) or time.perf_counter() > deadline:
             return value
         time.sleep(0.05)
+
+
+def test_the_default_max_tokens_fits_the_room_left_and_an_explicit_one_does_not_shrink():
+    """A completion without max_tokens near the context's end gets the room left (OpenAI's default 16 would be over
+    it: the client was told "got 16" for a number it never sent); an explicit max_tokens over the room stays a 400."""
+    from serve.http.protocol import DEFAULT_MAX_TOKENS, CompletionRequest, RequestError, check_request
+
+    prompt = "x" * (MAX_LEN - 5)                                          # 5 tokens (bytes) of room
+    assert check_request(CompletionRequest(model="m", prompt=prompt), "m", MAX_LEN).max_tokens == 5
+    assert check_request(CompletionRequest(model="m", prompt="x"), "m", MAX_LEN).max_tokens == DEFAULT_MAX_TOKENS
+    with pytest.raises(RequestError, match=r"max_tokens must be in \[1, 5\]"):
+        check_request(CompletionRequest(model="m", prompt=prompt, max_tokens=6), "m", MAX_LEN)
