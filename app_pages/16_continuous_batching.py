@@ -58,12 +58,13 @@ else:
 
 st.subheader("1 · What each step's forward holds")
 fig = go.Figure([go.Bar(x=steps["step"], y=steps["decode rows"], name="decode rows"),
+                 go.Bar(x=steps["step"], y=steps["verify rows"], name="verify rows (1 + drafts each)"),
                  go.Bar(x=steps["step"], y=steps["pad rows"], name="pad rows (slot −1)")])
 fig.add_trace(go.Scatter(x=steps["step"], y=steps["prefill tokens"], name="prefill tokens", yaxis="y2",
                          mode="lines+markers"))
-rows_max = int((steps["decode rows"] + steps["pad rows"]).max())
+rows_max = int((steps["decode rows"] + steps["verify rows"] + steps["pad rows"]).max())
 fig.update_layout(barmode="stack", xaxis_title="engine step", legend=dict(orientation="h", y=-0.25),
-                  yaxis=dict(title="decode rows (rows)", rangemode="tozero", tick0=0, dtick=int_tick_step(rows_max)),
+                  yaxis=dict(title="rows in the forward (rows)", rangemode="tozero", tick0=0, dtick=int_tick_step(rows_max)),
                   yaxis2=dict(title="prefill tokens (tokens)", overlaying="y", side="right", rangemode="tozero",
                               tick0=0, dtick=int_tick_step(int(steps["prefill tokens"].max())), showgrid=False))
 show_chart(fig, steps, key="p16_composition")

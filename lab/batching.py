@@ -41,7 +41,8 @@ DECODE_PROMPT_TOKENS = 32  # each request's prompt in :func:`decoding_engine` (t
 
 
 class BatchingRun(NamedTuple):
-    """steps: one row per engine step (step, decode rows, pad rows, prefill tokens, running = state slots
+    """steps: one row per engine step (step, decode rows, verify rows (speculation: the last token + its drafts,
+    one row per request), pad rows, prefill tokens (prompt tokens only), running = state slots
     held, waiting, step_ms). requests: one row per request (rid, arrival step, prompt tokens, output
     tokens, TTFT ms, TPOT ms, bitwise equal to alone). slot_ceiling: the state slots (the cap on running
     requests). all_bitwise: every request's tokens and logits equal its run alone. conditions: when / how."""
@@ -113,6 +114,7 @@ def batching_run(max_num_seqs: int = DEFAULTS["max_num_seqs"],
         ms = (time.perf_counter() - t0) * 1e3
         b = eng.last_batch if eng.last_batch is not before else None
         steps.append({"step": k, "decode rows": 0 if b is None else b.num_decode,
+                      "verify rows": 0 if b is None else b.num_verify,
                       "pad rows": 0 if b is None else b.num_pad,
                       "prefill tokens": 0 if b is None else b.num_prefill_tokens,
                       "running (state slots held)": len(eng.running), "waiting": len(eng.waiting), "step_ms": ms})

@@ -103,8 +103,14 @@ class StepBatch:
         return sum(r.decode and r.req is not None for r in self.rows)
 
     @property
+    def num_verify(self) -> int:
+        """Verify rows (speculative decoding: the last token and its drafts, one row per request)."""
+        return sum(r.verify for r in self.rows)
+
+    @property
     def num_prefill_tokens(self) -> int:
-        return sum(len(r.tokens) for r in self.rows if not r.decode)
+        """Prompt tokens prefilled in this forward (verify rows are not prefill)."""
+        return sum(len(r.tokens) for r in self.rows if not r.decode and not r.verify)
 
 
 class ModelRunner:

@@ -17,6 +17,17 @@ def test_replay_is_bitwise_and_respects_the_slot_ceiling():
     assert len(run.requests) == 6 and (run.requests["TTFT ms"] > 0).all()
 
 
+def test_speculation_counts_verify_rows_not_prefill_tokens():
+    """With speculation every decoding request verifies in a verify row (its last token + drafts): those are counted
+    as verify rows, and prefill tokens are only the prompts' (their sum is every prompt token, each prefilled once);
+    the chart once drew verify tokens as prefill tokens and 0 decode rows throughout."""
+    run = batching_run(max_num_seqs=4, max_num_batched_tokens=64, num_state_slots=2, num_requests=3, speculation=True)
+    assert run.all_bitwise
+    steps = run.steps
+    assert steps["verify rows"].sum() > 0 and (steps["verify rows"] <= 2).all()
+    assert steps["prefill tokens"].sum() == run.requests["prompt tokens"].sum()
+
+
 def test_bad_settings_name_the_input():
     with pytest.raises(ValueError, match="num_state_slots"):
         batching_run(num_state_slots=0)
