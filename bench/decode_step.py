@@ -181,11 +181,12 @@ def report(res: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5, help="decode steps per batch size in each repeat (default 5)")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved repeats after the warm-up (default 5)")
     ap.add_argument("--baseline", type=Path, default=None, help="another checkout of the repo to time beside this one")
     ap.add_argument("--baseline-label", default=None, help="what the baseline is (e.g. 'main at 87924d0')")
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=OUT, help="results file (default: the tracked "
+                    "bench/results/decode_step.json, overwritten)")
     args = ap.parse_args()
     res = run(steps=args.steps, repeats=args.repeats, baseline=args.baseline, baseline_label=args.baseline_label)
     print(report(res))
