@@ -105,8 +105,9 @@ m1.metric("Prefill tokens skipped (warm)", f"{warm['hit_tokens']:,} of {warm['pr
           f"{warm['hit_tokens'] / warm['prompt_tokens']:.0%} of the prompt, output verified", delta_color="off",
           delta_arrow="off", help="Counted by the engine in the verification run below; TTFT is timed on request "
                                   "(section 'Where the time goes').")
-m2.metric("Prefill tokens computed", f"{warm['prefill_tokens']:,}", f"{saved_tokens:,} vs cold", delta_color="inverse",
-          delta_arrow="auto" if saved_tokens else "off")   # Streamlit points a string "0 …" up
+m2.metric("Prefill tokens computed", f"{warm['prefill_tokens']:,}", f"{saved_tokens:,} vs cold",
+          delta_color="inverse" if saved_tokens else "off",   # no change: grey, no arrow (a string "0 …" reads as up)
+          delta_arrow="auto" if saved_tokens else "off")
 m3.metric("Restored from checkpoint", f"{warm['restored_bytes'] / 1024:,.1f} KiB", "KDA state, copied", delta_color="off", delta_arrow="off")
 m4.metric("Shared through KV pages", f"{warm['shared_kv_bytes'] / 1024:,.1f} KiB", "MLA latents, by reference",
           delta_color="off", delta_arrow="off")

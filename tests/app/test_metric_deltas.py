@@ -55,5 +55,6 @@ def test_home_without_a_hit_shows_no_arrow():
     assert not at.exception, [e.value for e in at.exception]
     prefill = next(m.proto for m in at.metric if m.label == "Prefill tokens computed")
     assert prefill.delta.startswith("0"), prefill.delta
+    assert prefill.color == Metric.GRAY, "no change painted as a change (red: 'inverse' reads the string '0' as up)"
     problems = [p for p in (delta_problem(m.proto) for m in at.metric) if p]
     assert not problems, problems
