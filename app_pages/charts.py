@@ -80,9 +80,11 @@ def _decade_ticks(axis, data_range: tuple[float, float] | None = None) -> None:
             above = [t for t in ticks if t >= data_range[1]]
             first, last = (below[-1] if below else ticks[0]), (above[0] if above else ticks[-1])
             axis.update(tickvals=[t for t in ticks if first <= t <= last])   # labelled ticks are the grid
-            if (axis.tickformat is None and axis.ticktext is None   # 10,000 MiB, not Plotly's SI "10k" (kMiB?)
-                    and BYTE_UNIT.search(axis.title.text or "")):
-                axis.update(tickformat=",")
+            if axis.tickformat is None and axis.ticktext is None:
+                if BYTE_UNIT.search(axis.title.text or ""):        # 10,000 MiB, not Plotly's SI "10k" (kMiB?)
+                    axis.update(tickformat=",")
+                elif first >= 1 and last >= 1e4:   # one style: Plotly writes 2000 in full and 10000 as "10k"
+                    axis.update(tickformat="~s")
             if axis.range is None and axis.autorange in (None, True):
                 pad = max(0.03 * (np.log10(last) - np.log10(first)), 0.05)   # log10 units: clear of the edges
                 axis.update(range=[float(np.log10(first) - pad), float(np.log10(last) + pad)])

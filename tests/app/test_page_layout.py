@@ -473,6 +473,17 @@ def test_show_chart_log_byte_axis_reads_thousands():
     assert any("SI ticks" in p for p in figure_problems(spec))
 
 
+def test_show_chart_log_token_axis_reads_one_style():
+    """Was: page 15's context axis read "2000" beside "10k" (Plotly writes ticks below 10,000 in full and above in
+    SI); a log axis in tokens reaching 10,000 reads 2k, 5k, 10k, while one in seconds keeps 0.01 (not "10m")."""
+    import plotly.graph_objects as go
+    spec = _shown(lambda: go.Figure([go.Scatter(x=[1_000, 4_000, 32_000], y=[0.01, 0.1, 1.0])],
+                                    layout=dict(xaxis=dict(type="log", title="context (tokens, log)"),
+                                                yaxis=dict(type="log", title="prefill latency (s, log)"))))
+    assert spec["layout"]["xaxis"]["tickformat"] == "~s"
+    assert "tickformat" not in spec["layout"]["yaxis"]
+
+
 @pytest.mark.parametrize("tab", [HOME, *TABS], ids=[Path(t.path).stem for t in [HOME, *TABS]])
 def test_code_blocks_wrap(tab):
     """Was: Home's warm output ("Optional _class and strict are passed to the Pars") and page 18's vLLM / SGLang
