@@ -219,6 +219,31 @@ def one_mla_layout(block_size: int, latent_dim: int = 576, kv_lora_rank: int = 5
     return CacheLayout.for_policy(cfg, block_size, 1, "multi_page")
 
 
+def _gather_cases(context_tokens: int, block_size: int, latent_dim: int, kv_lora_rank: int, num_heads: int,
+                  seed: int, scatter: bool) -> list:
+    """The callables of :func:`gather_timing`, one per case of :data:`GATHER_CASES`, over one request's seeded
+    latents ``[1, L, D]`` written into a pool through its page table."""
+    lay = one_mla_layout(block_size, latent_dim, kv_lora_rank)
+    gen = torch.Generator().manual_seed(seed)
+    lat = torch.randn(1, context_tokens, latent_dim, generator=gen)       # [1, L, D]
+    nb = -(-context_tokens // block_size)
+    pool = PagePool(2 * nb if scatter else nb, lay.page_bytes)
+    if scatter:  # hold every page, release every other one: our blocks land on every other page
+        held = pool.alloc(PageKind.MLA_KV, 2 * nb, "other")
+        pool.decref(held[1::2], "other")
+    table = pool.alloc(PageKind.MLA_KV, nb, "r")
+    write_kv(lay, pool, table, 0, [lat])
+    tokens = lat[0].unbind(0)                                             # L views [D], one per token
+    q = torch.randn(1, num_heads, latent_dim, generator=gen)
+    scale = latent_dim ** -0.5
+
+    def attn_paged():
+        return latent_attention(q, read_kv(lay, pool, table, context_tokens)[0], kv_lora_rank, scale)
+
+    return [lat.clone, lambda: read_kv(lay, pool, table, context_tokens), lambda: torch.cat(tokens),
+            lambda: latent_attention(q, lat, kv_lora_rank, scale), attn_paged]
+
+
 def gather_timing(context_tokens: int, block_size: int, latent_dim: int = 576, kv_lora_rank: int = 512,
                   num_heads: int = 8, repeats: int = 7, seed: int = 0, scatter: bool = True) -> GatherTiming:
     """Time the engine's paged read (:func:`serve.memory.pages.read_kv`) vs a contiguous copy vs a naive
@@ -233,26 +258,8 @@ def gather_timing(context_tokens: int, block_size: int, latent_dim: int = 576, k
     if context_tokens <= 0 or block_size <= 0 or latent_dim <= kv_lora_rank:
         raise ValueError(f"need context_tokens > 0, block_size > 0, latent_dim > kv_lora_rank; got "
                          f"{context_tokens}, {block_size}, {latent_dim}, {kv_lora_rank}")
-    lay = one_mla_layout(block_size, latent_dim, kv_lora_rank)
-    gen = torch.Generator().manual_seed(seed)
-    lat = torch.randn(1, context_tokens, latent_dim, generator=gen)       # [1, L, D]
-    nb = -(-context_tokens // block_size)
-    pool = PagePool(2 * nb if scatter else nb, lay.page_bytes)
-    if scatter:  # hold every page, release every other one: our blocks land on every other page
-        held = pool.alloc(PageKind.MLA_KV, 2 * nb, "other")
-        pool.decref(held[1::2], "other")
-    table = pool.alloc(PageKind.MLA_KV, nb, "r")
-    write_kv(lay, pool, table, 0, [lat])
-    tokens = [lat[0, i] for i in range(context_tokens)]
-    q = torch.randn(1, num_heads, latent_dim, generator=gen)
-    scale = latent_dim ** -0.5
-
-    def attn_paged():
-        return latent_attention(q, read_kv(lay, pool, table, context_tokens)[0], kv_lora_rank, scale)
-
-    fns = [lat.clone, lambda: read_kv(lay, pool, table, context_tokens), lambda: torch.cat(tokens),
-           lambda: latent_attention(q, lat, kv_lora_rank, scale), attn_paged]
-    with one_thread():
+    with one_thread():   # the set-up too: a two-thread copy of one page stalls for ms on the shared cores
+        fns = _gather_cases(context_tokens, block_size, latent_dim, kv_lora_rank, num_heads, seed, scatter)
         timings, _ = measure(dict(zip(GATHER_CASES, fns)), repeats=repeats)
     return GatherTiming(context_tokens, block_size, *(t.median_s * 1e6 for t in timings),
                         {t.label: t for t in timings})

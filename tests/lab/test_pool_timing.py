@@ -56,6 +56,26 @@ def test_measurements_shapes_and_thread_restore():
     assert lay.kv_block_shape == (1, 16, 12) and lay.page_bytes == 16 * 12 * 4
 
 
+
+def test_gather_timing_sets_up_on_one_thread(monkeypatch):
+    """The set-up (writing the latents into the pages) runs single-threaded too: on two threads each page's
+    small copy waited for a descheduled worker on the shared cores (page 06's first render, 2x slower)."""
+    import lab.pool_timing as pool_timing
+    threads_at_write, engine_write_kv = [], pool_timing.write_kv
+
+    def write_kv(*args):
+        threads_at_write.append(torch.get_num_threads())
+        return engine_write_kv(*args)
+
+    monkeypatch.setattr(pool_timing, "write_kv", write_kv)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gather_timing(40, 16, latent_dim=12, kv_lora_rank=8, repeats=5)
+        assert threads_at_write == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
 def _naive_bin(x: float, edges: list[float]) -> int:
     """Index i with edges[i] <= x < edges[i + 1] (the last bin closed), by a scan."""
     for i in range(len(edges) - 1):
