@@ -8,6 +8,7 @@ compiler's version; :mod:`kda_core.cpu_kernel` loads it.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -120,3 +121,16 @@ def build(isa: str, source: Path = SOURCE, extra_flags: tuple = ()) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return out
+
+
+def open_library(path: Path, isa: str, bits_symbol: str) -> ctypes.CDLL:
+    """Load the library at ``path`` built for path ``isa`` (:data:`ISAS`) and check that its ``bits_symbol()`` (an
+    ``int`` function returning the vector width it was compiled for) equals the path's. Raises RuntimeError when it
+    differs: the library was built without the path's flags."""
+    lib = ctypes.CDLL(str(path))
+    bits = getattr(lib, bits_symbol)
+    bits.restype = ctypes.c_int
+    if bits() != ISAS[isa].vector_bits:
+        raise RuntimeError(f"{path.name} runs {bits()}-bit vectors, not {ISAS[isa].label}'s "
+                           f"{ISAS[isa].vector_bits}: built without its flags")
+    return lib

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from kda_core.cpu_build import ISAS, build, default_isa
+from kda_core.cpu_build import ISAS, build, default_isa, open_library
 
 SOURCE = Path(__file__).parent / "csrc" / "invariant_cpu.c"
 FLAGS = ("-ffp-contract=off",)     # the scalar reference's fmaf stays one FMA; nothing else is contracted
@@ -52,11 +52,7 @@ class CInvariant:
     library was not built for it (its vector width differs)."""
 
     def __init__(self, path: Path, isa: str):
-        lib = ctypes.CDLL(str(path))
-        lib.linear_vector_bits.restype = _I
-        if lib.linear_vector_bits() != ISAS[isa].vector_bits:
-            raise RuntimeError(f"{path.name} runs {lib.linear_vector_bits()}-bit vectors, not "
-                               f"{ISAS[isa].label}'s {ISAS[isa].vector_bits}: built without its flags")
+        lib = open_library(path, isa, "linear_vector_bits")
         lib.linear_pack_f32.restype = None
         lib.linear_pack_f32.argtypes = [_I, _I, _P, _L, _P]
         lib.linear_ref_f32.restype = None

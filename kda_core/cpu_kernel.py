@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_core.chunk_torch import TORCH, units
-from kda_core.cpu_build import ISAS, build, cpu_flags, default_isa
+from kda_core.cpu_build import ISAS, build, cpu_flags, default_isa, open_library
 from kda_core.wy import MAX_CHUNK_DECAY, WY, wy_safe
 
 SELF_CHECK_TOL = dict(rtol=1e-4, atol=1e-5)   # fp32, two summation orders (tests/kda_core/test_cpu_kernel.py)
@@ -63,11 +63,7 @@ class FusedChunk:
     Raises RuntimeError when the library was not built for ``isa`` (its vector width differs)."""
 
     def __init__(self, path: Path, isa: str):
-        lib = ctypes.CDLL(str(path))
-        lib.kda_vector_bits.restype = _I
-        if lib.kda_vector_bits() != ISAS[isa].vector_bits:
-            raise RuntimeError(f"{path.name} runs {lib.kda_vector_bits()}-bit vectors, not {ISAS[isa].label}'s "
-                               f"{ISAS[isa].vector_bits}: built without its flags")
+        lib = open_library(path, isa, "kda_vector_bits")
         lib.kda_prepare.restype = _I
         lib.kda_prepare.argtypes = [_I] * 6 + [_F] + [_P] * 6 + [_P] * 7 + [_I]
         lib.kda_forward.restype = _I

@@ -45,3 +45,14 @@ def test_each_path_builds_a_library_of_its_width(isa):
     path = cpu_build.build(isa)
     lib = ctypes.CDLL(str(path))
     assert lib.kda_vector_bits() == ISAS[isa].vector_bits and f"-{isa}-" in path.name
+
+
+@pytest.mark.skipif(os.environ.get("KDA_CPU_KERNEL") == "0", reason="turned off by KDA_CPU_KERNEL=0")
+@pytest.mark.skipif("avx2" not in host_isas(), reason="no AVX2 here")
+def test_open_library_refuses_a_library_of_another_width():
+    """A library opened as a path it was not built for (its vector width differs) is refused, naming both widths."""
+    path = cpu_build.build("avx2")
+    assert cpu_build.open_library(path, "avx2", "kda_vector_bits").kda_vector_bits() == 256
+    other = next(i for i in ISAS if ISAS[i].vector_bits != 256)
+    with pytest.raises(RuntimeError, match=r"runs 256-bit vectors, not .*built without its flags"):
+        cpu_build.open_library(path, other, "kda_vector_bits")
