@@ -25,7 +25,8 @@ parts more than the torch ops, so the shares are approximate):
 - engine: the rest of ``ServeEngine.step`` (scheduling, state gather / scatter, sampling).
 
 Writes ``bench/results/decode_step.json`` (with the forms of ``invariant.linear`` and of the KDA decode step that
-ran); ``bench/README.md`` (section ``decode_step.json``) gives its tables.
+ran) and, when it writes that tracked file, the tables of ``bench/README.md``'s section ``decode_step.json``
+(``--readme`` rewrites the section from the file alone).
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from bench.readme import write_section
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "bench" / "results" / "decode_step.json"
@@ -179,6 +182,53 @@ def report(res: dict) -> str:
     return "\n".join(lines)
 
 
+PART_NAMES = {"kda mixers": "KDA mixers", "mla mixers": "MLA mixers", "ffn": "feed-forward",
+              "norms + head": "norms + head", "batch metadata": "batch metadata",
+              "engine": "engine (schedule, state writes, sampling)"}
+
+
+def readme_section(res: dict) -> str:
+    """The body of bench/README.md's ``decode_step.json`` section for ``res`` (a results dict of :func:`run`)."""
+    c = res["conditions"]
+    trees = list(dict.fromkeys(r["tree"] for r in res["rows"]))
+    batches = sorted({r["batch"] for r in res["rows"]})
+    row = {(r["tree"], r["batch"]): r for r in res["rows"]}
+    label = {t: (f"baseline ({c['baseline']})" if t == "baseline" else t) for t in trees}
+
+    specs = [("CPU ms per step, {} (median / min)", lambda r: f"{r['cpu_ms_per_step']:.2f} / {r['cpu_ms_min']:.2f}"),
+             ("torch ops per step, {}", lambda r: f"{r['torch_ops_per_step']:,.0f}"),
+             ("wall ms per step, {} (median, min-max)",
+              lambda r: f"{r['ms_per_step']:.1f} ({r['ms_min']:.1f}-{r['ms_max']:.1f})"),
+             ("tokens/s from CPU ms, {}", lambda r: f"{1000 * r['batch'] / r['cpu_ms_per_step']:,.0f}")]
+
+    out = [f"`python -m bench.decode_step --steps {c['steps_per_repeat']} --repeats {c['repeats']}"
+           + (" --baseline DIR --baseline-label LABEL" if "baseline" in trees else "") + "`: the engine's "
+           "batched decode step on the shipped weights (`weights/kda-demo`), B requests of 32-token prompts all "
+           "decoding, one torch thread, each tree in its own worker process, "
+           f"{c['repeats']} repeats of {c['steps_per_repeat']} steps of every B interleaved after "
+           f"{c['warmup_steps']} warm-up steps. The CPU time of the step's thread (`time.thread_time`) and the torch "
+           "op count (the same under any load) are the comparable figures. This section is written by the command.",
+           "",
+           f"Latest run: load average {c['load_avg_before'][0]:.2f} -> {c['load_avg_after'][0]:.2f} (1 min), "
+           f"{c['cpu_count']} CPUs ({c['machine']}); `invariant.linear` ran on {res.get('linear_backend', '?')}, "
+           f"the KDA decode on {res['decode_backend']}.", "",
+           "| B | " + " | ".join(str(b) for b in batches) + " |", "|---|" + "---|" * len(batches)]
+    for name, cell in specs:
+        out += [f"| {name.format(label[t])} | " + " | ".join(cell(row[t, b]) for b in batches) + " |" for t in trees]
+    t0, first = trees[0], batches[0]
+    per_s = {b: 1000 * b / row[t0, b]["cpu_ms_per_step"] for b in batches}
+    out += ["", f"Tokens/s (from CPU ms, {label[t0]}) against batch {first}'s: "
+            + ", ".join(f"batch {b} {per_s[b] / per_s[first]:.1f}x" for b in batches[1:]) + ".", "",
+            "Where the CPU time goes (ms per step, cProfile shares of one 20-step run scaled to the median CPU ms; "
+            "approximate and noisy):", ""]
+    cols = [(t, b) for b in batches for t in trees]
+    out += ["| part | " + " | ".join(f"B = {b}, {t}" for t, b in cols) + " |", "|---|" + "---|" * len(cols)]
+    for part, name in PART_NAMES.items():
+        shares = [res["profile_ms"][t].get(str(b), res["profile_ms"][t].get(b)) for t, b in cols]
+        out.append(f"| {name} | " + " | ".join(f"{p[part]:.2f}" for p in shares) + " |")
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=5, help="decode steps per batch size in each repeat (default 5)")
@@ -187,10 +237,18 @@ def main() -> None:
     ap.add_argument("--baseline-label", default=None, help="what the baseline is (e.g. 'main at 87924d0')")
     ap.add_argument("--out", type=Path, default=OUT, help="results file (default: the tracked "
                     "bench/results/decode_step.json, overwritten)")
+    ap.add_argument("--readme", action="store_true", help="only rewrite bench/README.md's section from --out")
     args = ap.parse_args()
+    if args.readme:
+        res = json.loads(args.out.read_text())
+        write_section("## decode_step.json", readme_section(res), "## drafters.json")
+        print(report(res))
+        return
     res = run(steps=args.steps, repeats=args.repeats, baseline=args.baseline, baseline_label=args.baseline_label)
     print(report(res))
     args.out.write_text(json.dumps(res, indent=1) + "\n")
+    if args.out == OUT:
+        write_section("## decode_step.json", readme_section(res), "## drafters.json")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ import json
 import math
 import os
 import platform
-import re
 import statistics
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import torch
 from bench import llama_cpp
 from bench.kda import cpu_model
 from bench.peer_engines import HF, HF_DECODE_PROMPT_TOKENS, LlamaCpp, Ours, cached_gguf, llama_cpp_missing
+from bench.readme import replace_section
 from lab.batching import DECODE_PROMPT_TOKENS
 from lab.models import TRAINED_WEIGHTS
 from lab.peers import caveats, markdown, peers_table, stamp, verdicts
@@ -254,18 +254,6 @@ def readme_section(result: dict) -> str:
         "`bench/README.md`); page 16 shows it.", "",
         markdown(peers_table(result)), "",
         *[f"{c}\n" for c in caveats(result)]])
-
-
-def replace_section(text: str, heading: str, section: str, before: str) -> str:
-    """``text`` with the section starting at line ``heading`` (up to the next ``## `` line) replaced by
-    ``section``; if there is none, ``section`` goes in before the line ``before``. Raises ValueError if neither
-    is there."""
-    pat = re.compile(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", re.M | re.S)
-    if m := pat.search(text):
-        return text[:m.start()] + section + ("\n" if m.end() < len(text) else "") + text[m.end():]
-    if f"\n{before}\n" not in text:
-        raise ValueError(f"neither {heading!r} nor {before!r} is a line of the file")
-    return text.replace(f"\n{before}\n", f"\n{section}\n{before}\n", 1)
 
 
 def write_readmes(result: dict, repo: Path = REPO) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.readme import write_section
 from serve.fleet.engine_replay.driver import replay, replay_lockstep
 from serve.fleet.engine_replay.fit import (
     TERMS,
@@ -189,10 +190,7 @@ def write_readme_section(rec: dict, path: Path = README) -> None:
             f"scored replays. Prefix-cache hits and the {meta['state_slots']} state slots are in play; preemption "
             "is not (the engine reserves a request's final pages at admission and preempts only when asked).\n\n"
             + tables(rec) + "\n")
-    text = path.read_text()
-    head, rest = text.split("## sim_vs_engine.json\n", 1)
-    tail = rest.split("\n## ", 1)[1]
-    path.write_text(head + "## sim_vs_engine.json\n\n" + body + "\n## " + tail)
+    write_section("## sim_vs_engine.json", body, "## state_dtype.json", path)
 
 
 def main(argv=None) -> dict:

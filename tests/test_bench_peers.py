@@ -23,9 +23,9 @@ from bench.peers import (
     bench_readme_section,
     model_flops,
     readme_section,
-    replace_section,
     run,
 )
+from bench.readme import replace_section
 from lab.peers import peers_table, verdicts
 
 REPO = Path(__file__).resolve().parents[1]

@@ -25,3 +25,17 @@ def test_every_result_file_has_its_section_and_command():
         assert (REPO / "bench" / f"{module}.py").is_file(), module
         assert f"`python -m bench.{module}" in sections[name], f"{name}: no `python -m bench.{module}` command"
         assert f"| `{name}` | `python -m bench.{module}" in table, f"{name} is not in the summary table"
+
+
+def test_generated_sections_match_their_results_files():
+    """The sections a bench command writes are what its writer makes of the committed results file now: nobody
+    edited their figures by hand, and the file was not regenerated without them."""
+    import json
+
+    from bench import decode_step, peers
+
+    def result(name):
+        return json.loads((REPO / "bench" / "results" / name).read_text())
+    assert _sections()["decode_step.json"].strip() == decode_step.readme_section(result("decode_step.json")).strip()
+    assert _sections()["peers.json"].strip() == peers.bench_readme_section(result("peers.json")).split("\n", 1)[1].strip()
+    assert peers.readme_section(result("peers.json")).strip() in (REPO / "README.md").read_text()
