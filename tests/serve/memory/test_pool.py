@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from serve.memory.pool import PageError, PageKind, PagePool, PoolExhausted
+from serve.memory.pool import NoFreeRun, PageError, PageKind, PagePool, PoolExhausted
 
 MLA, KDA = PageKind.MLA_KV, PageKind.KDA_STATE
 
@@ -220,4 +220,37 @@ def test_decref_and_incref_reject_non_int_ids(pages):
         pool.incref(pages, "r1")
     assert pool.page_table() == snapshot and pool.num_free == 2
     pool.decref(held, "r1")
+    pool.check_integrity()
+
+
+def test_alloc_runs_takes_the_highest_free_run_and_single_pages_the_lowest():
+    """Runs (a multi-page state slot) come from the high end, single pages from the low end: the two kinds grow
+    towards each other; a freed run is refilled by the next run of its size."""
+    pool = PagePool(12, 64)
+    assert pool.alloc_run(KDA, 4, "a") == [8, 9, 10, 11]
+    assert pool.alloc(MLA, 2, "b") == [0, 1]
+    assert pool.alloc_runs(KDA, [3, 2], "c") == [[5, 6, 7], [3, 4]]
+    pool.decref([8, 9, 10, 11], "a")
+    assert pool.longest_free_run() == 4 and pool.alloc_run(KDA, 4, "d") == [8, 9, 10, 11]
+    assert pool.is_run([3, 4, 5]) and not pool.is_run([3, 5]) and not pool.is_run([])
+    pool.check_integrity()
+
+
+def test_no_free_run_when_enough_pages_are_free_changes_nothing():
+    """A fragmented pool (every other page held) has 6 free pages but no run of 2: alloc_runs raises NoFreeRun
+    (a PoolExhausted) naming the run and the longest free run, and the pool is unchanged."""
+    pool = PagePool(12, 64)
+    held = pool.alloc(MLA, 12, "a")
+    pool.decref(held[::2], "a")
+    before = pool.page_table(), sorted(pool._free)
+    assert not pool.can_alloc_runs([2]) and pool.can_alloc_runs([1] * 6) and not pool.can_alloc_runs([1] * 7)
+    with pytest.raises(NoFreeRun, match="no run of 2 consecutive free pages.*6 pages free, the longest run 1") as e:
+        pool.alloc_runs(KDA, [1, 2], "b")
+    assert isinstance(e.value, PoolExhausted) and (e.value.needed, e.value.free, e.value.longest) == (2, 6, 1)
+    assert (pool.page_table(), sorted(pool._free)) == before
+    with pytest.raises(PoolExhausted) as e:
+        pool.alloc_runs(KDA, [4, 3], "b")
+    assert not isinstance(e.value, NoFreeRun)
+    with pytest.raises(ValueError, match="size"):
+        pool.alloc_runs(KDA, [0], "b")
     pool.check_integrity()
