@@ -120,7 +120,8 @@ class ServeEngine:
         self.state_write = state_write
         self.replay = ReplayStateWrite(model.cfg, ring_size) if state_write == "replay_ssm" else None
         self.runner = ModelRunner(model, pool, self.layout, pad_decode=pad_decode, replay=self.replay)
-        self.memory = RequestMemory(pool, self.layout, prefix_cache, self.config, self.replay)
+        self.memory = RequestMemory(pool, self.layout, prefix_cache, self.config, self.replay,
+                                    runs=any(self.runner.in_place))
         self.sched_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, num_state_slots, max_prefill_chunk,
                                             exact_state=self.config.state_dtype == torch.float32)
         self.scheduler = Scheduler(self.sched_config, self.memory)
