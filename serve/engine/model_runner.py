@@ -31,6 +31,14 @@ replayed state, not the pages, and write only the conv window unless they materi
 run in place; :attr:`ModelRunner.num_dense_copies` counts the dense gathers and scatters. MLA latents are read and written in place through
 the pool's arena by block table.
 
+Snapshot speculation of k drafts (fp32 snapshots): a request holds k + 1 state slots for its life
+(``Request.spec_slots``, vLLM's ``num_speculative_blocks`` / ``spec_state_indices_tensor`` in
+``vllm/v1/attention/backends/gdn_attn.py``); its verify row reads the current slot in place like a decode row, and
+:meth:`ModelRunner.write_verify_states` writes the state after each of its ``1 + n`` tokens into slots ``0 .. n``
+by index; the commit makes slot a (a drafts accepted) the current one (``Request.state_pages``): no copy of the
+request's cache, no snapshot buffers. The other rollback strategies keep their copying path (the engine reads the
+request's cache, records, commits and writes it back).
+
 Decode rows are padded to a bucket size in :data:`DECODE_BUCKETS` (what CUDA-graph capture forces on
 GPU engines); a pad row has slot ``-1``, NaN hidden states, and is never read from or written to a slot.
 
@@ -148,6 +156,31 @@ class ModelRunner:
         self._views = {li: v for g, ip in enumerate(self.in_place) if ip
                        for li, v in slot_views(layout, pool, g).items()}   # {layer: (rec [P, H, K, V], conv)}
         self._group_of = {li: g for g, layers in enumerate(layout.groups) for li in layers}
+        self._verify_views = dict(self._views)                             # every layer's slot views, for verify
+
+    # ---- snapshot speculation: the verify row's states into the request's k + 1 slots ---------------
+    def write_verify_states(self, req, out, num_tokens: int) -> None:
+        """Write the state after each of a verify row's ``num_tokens`` tokens (``out``: its
+        :class:`kda_core.varlen.VerifyRow`; per KDA layer ``aux.states [1, T, H, K, V]`` and the conv windows
+        rebuilt from the current slot's window and ``aux.raw_qkv``, as :class:`SnapshotRollback` records them)
+        into the request's slots ``req.spec_slots[0 .. T-1]``, in place by slot (one ``index_copy_`` per layer and
+        piece; a 16-bit state rounded to nearest). Reads the current slot's conv window first: it may be
+        overwritten. Raises ValueError if the request holds fewer than T slots."""
+        if num_tokens > len(req.spec_slots):
+            raise ValueError(f"request {req.rid}: {num_tokens} verify tokens but {len(req.spec_slots)} state slots")
+        if len(self._verify_views) < len(self._group_of):                  # built once (the dense reference runner)
+            self._verify_views = {li: v for g in range(self.layout.num_groups)
+                                  for li, v in slot_views(self.layout, self.pool, g).items()}
+        slots = torch.tensor([[s[g][0] for s in req.spec_slots[:num_tokens]] for g in range(self.layout.num_groups)],
+                             dtype=torch.long)                             # [G, T]: token t's slot per group
+        for li, g in self._group_of.items():
+            rec, conv = self._verify_views[li]
+            aux, cur = out.aux[li], req.state_pages[g][0]
+            w1 = conv.shape[-1]
+            full = torch.cat([conv[cur].unsqueeze(0), aux.raw_qkv.transpose(1, 2)], dim=-1)   # [1, C, W-1+T]
+            windows = full.unfold(-1, w1, 1)[0, :, 1:].transpose(0, 1)    # [T, C, W-1]: after token t
+            conv.index_copy_(0, slots[g], windows)
+            rec.index_copy_(0, slots[g], aux.states[0].to(rec.dtype))      # [T, H, K, V]
 
     # ---- state slots: gather / scatter the rows' state pages --------------------------------------
     def _flat_arena(self) -> torch.Tensor:

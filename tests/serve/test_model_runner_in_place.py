@@ -275,3 +275,37 @@ def test_a_multi_page_state_lives_in_one_run_even_when_the_smallest_free_pages_a
     assert torch.equal(eng.result(rid).logits, ref.logits)
     assert torch.equal(pool.arena[theirs], before), "the request's state was written over the bystander's pages"
     assert pages == ([tuple(range(60 - n, 60))], [0, 2])
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_snapshot_speculation_verifies_into_k_plus_1_slots_held_for_life(monkeypatch, policy):
+    """Snapshot speculation of k = 3 drafts: every running request holds k + 1 = 4 state slots (runs under
+    multi_page) for its whole life; a verify row writes the state after each of its tokens into them by index
+    and the commit makes the accepted one current (it moves when drafts are accepted) -- no read of the request's
+    cache into tensors, no snapshot record, no copy back. Tokens and logits equal the copying path's (projection
+    replay) bitwise, and integrity (4 slots each, runs) holds after every step."""
+    import serve.engine.engine as engine_module
+    from serve.spec_decode.snapshot import SnapshotRollback
+
+    def never(*a, **kw):
+        raise AssertionError("the snapshot-in-slots path copied the request's cache or recorded a snapshot")
+
+    new = 14
+    refs = {tuple(p): engine().generate(p, new).output_tokens for p in PROMPTS}
+    eng = engine(speculation=oracle_speculation(refs, "snapshot", 0.3, 3), policy=policy)
+    monkeypatch.setattr(engine_module, "read_request_cache", never)
+    monkeypatch.setattr(SnapshotRollback, "record", never)
+    assert eng.memory.slots_per_request == 4
+    rids = [eng.submit(p, new, record_logits=True) for p in PROMPTS]
+    held, moved = {}, 0
+    while eng.step():
+        eng.memory.check_integrity([eng.requests[r] for r in eng.running], [eng.requests[r] for r in eng.waiting])
+        for r in eng.running:
+            req = eng.requests[r]
+            assert len(req.spec_slots) == 4 and held.setdefault(r, req.spec_slots) == req.spec_slots
+            moved += req.state_pages != req.spec_slots[0]
+    monkeypatch.undo()
+    for rid, p in zip(rids, PROMPTS):
+        ref = alone(p, new, speculation=oracle_speculation(refs, "projection", 0.3, 3), policy=policy)
+        assert eng.result(rid).output_tokens == ref.output_tokens and torch.equal(eng.result(rid).logits, ref.logits)
+    assert moved > 0, "no verify accepted a draft: the slot choice was never exercised"
