@@ -38,7 +38,7 @@ class NoFreeRun(PoolExhausted):
     (the arena is fragmented). Nothing was allocated.
 
     Attributes: as :class:`PoolExhausted` (``needed`` = the run's pages), plus ``longest`` (the longest run of
-    free pages at the time).
+    free pages left for it: after the earlier runs of the same allocation).
     """
 
     def __init__(self, kind: PageKind, needed: int, free: int, longest: int):

@@ -53,6 +53,11 @@ from serve.memory.kinds import (
 )
 
 
+def _longest_run(fmap: bytearray) -> int:
+    """Longest run of 1 bytes in a free map (0 when there is none)."""
+    return max(map(len, fmap.split(b"\x00")), default=0)
+
+
 def _check_owner(owner) -> None:
     """Raise ValueError unless ``owner`` can own pages: not None (None marks a free page) and hashable
     (it keys a shared page's holders; a list owner used to be stored, then fail as a raw TypeError at
@@ -162,7 +167,7 @@ class PagePool:
 
     def longest_free_run(self) -> int:
         """Pages of the longest run of consecutive free ids (0 when none is free)."""
-        return max(map(len, self._free_map.split(b"\x00")), default=0)
+        return _longest_run(self._free_map)
 
     def alloc_run(self, kind: PageKind, n: int, owner: Hashable) -> list[int]:
         """Allocate ``n`` consecutive page ids ``[first, first + n)`` of ``kind`` for ``owner`` (the highest free
@@ -187,7 +192,7 @@ class PagePool:
         for n in sizes:
             first = self._find_run(n, fmap)
             if first < 0:
-                raise NoFreeRun(kind, n, len(self._free), self.longest_free_run())
+                raise NoFreeRun(kind, n, len(self._free), _longest_run(fmap))   # after this call's earlier runs
             fmap[first: first + n] = bytes(n)
             runs.append(list(range(first, first + n)))
         taken = {p for run in runs for p in run}

@@ -254,3 +254,15 @@ def test_no_free_run_when_enough_pages_are_free_changes_nothing():
     with pytest.raises(ValueError, match="size"):
         pool.alloc_runs(KDA, [0], "b")
     pool.check_integrity()
+
+
+def test_no_free_run_names_the_longest_run_left_for_it():
+    """Free runs of 4 and 7 pages: runs of 6 and 5 do not fit (the first takes 6 of the 7); the error names the
+    longest run left for the second (4), not the 7 the pool had before the call."""
+    pool = PagePool(12, 64)
+    held = pool.alloc(MLA, 12, "a")
+    pool.decref(held[:4] + held[5:], "a")                                # free: 0..3 and 5..11
+    with pytest.raises(NoFreeRun, match="no run of 5 .* the longest run 4") as e:
+        pool.alloc_runs(KDA, [6, 5], "b")
+    assert e.value.longest == 4 and pool.longest_free_run() == 7
+    pool.check_integrity()
