@@ -4,9 +4,11 @@ Concept → file → main type → test:
 - page kinds, pool errors, stats ........ kinds.py ....... ``PageKind``, ``PoolExhausted``, ``NoFreeRun``, ``PageError``,
   ``PoolStats``
   → ``tests/serve/memory/test_pool.py``
-- the page pool (uint8 arena, ref counts, holders, copy-on-write, typed views, poison, integrity; single pages from
-  the low end, runs of consecutive pages for a multi-page state slot from the high end)
+- the page pool (uint8 arena, ref counts, holders, copy-on-write, typed views, poison, integrity; single pages and
+  runs of consecutive pages for a multi-page state slot)
   ......................................... pool.py ........ ``PagePool`` → ``test_pool.py``, ``test_pool_stateful.py``
+- the free page ids (a min-heap: single pages from the low end; a byte map: the highest run of n free ids, one
+  ``rfind``) .............................. free_pages.py .. ``FreePages`` → ``test_pool.py``, ``test_pool_stateful.py``
 - THE cache layout + page-size policy (KV blocks, KDA groups, "unified" / "multi_page", waste; the stored dtypes
   the engine reads and writes: fp32 latents and conv windows, an fp32 / bf16 / fp16 recurrent state)
   ......................................... layout.py ...... ``CacheLayout``, ``group_layers``, ``group_state_bytes``,

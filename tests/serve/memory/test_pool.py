@@ -203,9 +203,27 @@ def test_check_integrity_catches_corruption():
         pool.check_integrity()
     pool._count[MLA] -= 1
     pool.check_integrity()
-    pool._free.append(p)
-    with pytest.raises(AssertionError):
+    pool._free.push([p])                                                # a used page among the free ids
+    with pytest.raises(AssertionError, match="free list length"):
         pool.check_integrity()
+
+
+def test_free_pages_check_integrity_catches_a_broken_heap_or_map():
+    """The free ids' own invariants: a min-heap, each id once, the byte map marking exactly them."""
+    from serve.memory.free_pages import FreePages
+    free = FreePages(6)
+    assert free.pop_lowest(2) == [0, 1] and free.check_integrity() == {2, 3, 4, 5}
+    free._heap[0], free._heap[-1] = free._heap[-1], free._heap[0]
+    with pytest.raises(AssertionError, match="min-heap"):
+        free.check_integrity()
+    free = FreePages(6)
+    free._map[0] = 0
+    with pytest.raises(AssertionError, match="free map"):
+        free.check_integrity()
+    free = FreePages(6)
+    free._heap.append(5)
+    with pytest.raises(AssertionError, match="twice"):
+        free.check_integrity()
 
 
 @pytest.mark.parametrize("pages", [[True], [True, 0], [1.0], [0, 1.0]], ids=["True", "True-and-0", "1.0", "0-and-1.0"])
