@@ -1,7 +1,8 @@
 """Where a decode step's time goes, and the step before / after: ``python -m bench.decode_step``.
 
 The engine's batched decode step (``lab.batching.decoding_engine`` + ``time_steps``: B requests of 32-token
-prompts all decoding, one token each per step) on the shipped demo model (``weights/kda-demo``: 8 layers =
+prompts all decoding, one token each per step; ``--page-policy multi_page`` builds the same engine on the server's
+default pages instead of ``decoding_engine``'s unified ones) on the shipped demo model (``weights/kda-demo``: 8 layers =
 6 KDA + 2 MLA, d = 128, MoE 8 experts top-2 + 1 shared), one torch thread, at B = 1, 8, 32, 64.
 
 Each tree (this one, and with ``--baseline DIR`` another checkout of the repo, e.g. ``git archive <rev>``
@@ -50,11 +51,24 @@ WORKER = r'''
 import cProfile, json, pstats, sys, time
 import torch
 from kda_core.model import HybridLM
-from lab.batching import decoding_engine, time_steps
+from lab.batching import BLOCK, DECODE_PROMPT_TOKENS, decoding_engine, time_steps
+from serve.config import ServeConfig
+from serve.engine import EngineArgs, RequestStatus, build_engine
 torch.set_num_threads(1)
-batches, steps, budget = json.loads(sys.argv[1])
+batches, steps, budget, policy = json.loads(sys.argv[1])
 model = HybridLM.from_pretrained("weights/kda-demo")
-engines = {b: decoding_engine(model, b, budget) for b in batches}
+def engine(b):
+    if policy == "unified":
+        return decoding_engine(model, b, budget)
+    config = ServeConfig(BLOCK, BLOCK, page_policy=policy)                 # decoding_engine's, on other pages
+    per_req = config.layout(model.cfg).state_pages + -(-(DECODE_PROMPT_TOKENS + budget) // BLOCK) + 1
+    eng = build_engine(EngineArgs(model, b * per_req + 8, config))
+    for i in range(b):
+        eng.submit([(i * 7 + j) % 256 for j in range(DECODE_PROMPT_TOKENS)], budget)
+    while any(eng.requests[r].status is not RequestStatus.DECODE for r in eng.running) or eng.waiting:
+        eng.step()
+    return eng
+engines = {b: engine(b) for b in batches}
 for e in engines.values():
     time_steps(e, 2)
 PARTS = {"kda mixers": ("varlen.py", "_kda_layer"), "mla mixers": ("varlen.py", "_mla_layer"),
@@ -98,9 +112,10 @@ for line in sys.stdin:
 class Worker:
     """A worker process of one tree (see :data:`WORKER`)."""
 
-    def __init__(self, tree: Path, batches, steps: int, budget: int):
+    def __init__(self, tree: Path, batches, steps: int, budget: int, page_policy: str = "unified"):
         env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, json.dumps([list(batches), steps, budget])],
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER,
+                                      json.dumps([list(batches), steps, budget, page_policy])],
                                      cwd=tree, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"the worker of {tree} did not start (exit code {self.proc.wait()})")
@@ -116,11 +131,11 @@ class Worker:
 
 
 def run(batches=BATCHES, steps: int = 5, repeats: int = 5, baseline: Path | None = None,
-        baseline_label: str | None = None) -> dict:
+        baseline_label: str | None = None, page_policy: str = "unified") -> dict:
     trees = {"this tree": REPO} | ({"baseline": Path(baseline).resolve()} if baseline else {})
     load_before = os.getloadavg()
     budget = 2 + steps * repeats + 20 + 5 + 4                               # warm-up, timed, profiled, counted, spare
-    workers = {name: Worker(tree, batches, steps, budget) for name, tree in trees.items()}
+    workers = {name: Worker(tree, batches, steps, budget, page_policy) for name, tree in trees.items()}
     samples = {name: {b: [] for b in batches} for name in trees}
     try:
         for r in range(repeats):                                           # interleaved, order alternating
@@ -147,7 +162,7 @@ def run(batches=BATCHES, steps: int = 5, repeats: int = 5, baseline: Path | None
             profile.setdefault(name, {})[b] = {p: round(f * med, 3) for p, f in shares[name][b].items()}
     return {"rows": rows, "profile_ms": profile, "decode_backend": _backend(), "linear_backend": _linear_backend(),
             "conditions": {"model": "weights/kda-demo", "batches": list(batches), "steps_per_repeat": steps,
-                           "repeats": repeats, "warmup_steps": 2, "torch_threads": 1,
+                           "repeats": repeats, "warmup_steps": 2, "torch_threads": 1, "page_policy": page_policy,
                            "load_avg_before": load_before, "load_avg_after": load_after,
                            "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
                            "baseline": (baseline_label or str(baseline)) if baseline else None}}
@@ -170,7 +185,8 @@ def _linear_backend() -> str:
 def report(res: dict) -> str:
     c = res["conditions"]
     lines = [f"load average {c['load_avg_before'][0]:.2f} -> {c['load_avg_after'][0]:.2f}, {c['cpu_count']} CPUs, "
-             f"1 torch thread, KDA decode: {res['decode_backend']}, linear: {res.get('linear_backend', '?')}",
+             f"1 torch thread, {c.get('page_policy', 'unified')} pages, KDA decode: {res['decode_backend']}, "
+             f"linear: {res.get('linear_backend', '?')}",
              "tree        batch  ms/step (min-max)      tokens/s (min-max)     CPU ms/step  torch ops/step"]
     for r in res["rows"]:
         lines.append(f"{r['tree']:<11} {r['batch']:>5}  {r['ms_per_step']:6.2f} ({r['ms_min']:.2f}-{r['ms_max']:.2f})"
@@ -210,7 +226,7 @@ def readme_section(res: dict) -> str:
            "op count (the same under any load) are the comparable figures. This section is written by the command.",
            "",
            f"Latest run: load average {c['load_avg_before'][0]:.2f} -> {c['load_avg_after'][0]:.2f} (1 min), "
-           f"{c['cpu_count']} CPUs ({c['machine']}); `invariant.linear` ran on {res.get('linear_backend', '?')}, "
+           f"{c['cpu_count']} CPUs ({c['machine']}), {c.get('page_policy', 'unified')} pages; `invariant.linear` ran on {res.get('linear_backend', '?')}, "
            f"the KDA decode on {res['decode_backend']}.", "",
            "| B | " + " | ".join(str(b) for b in batches) + " |", "|---|" + "---|" * len(batches)]
     for name, cell in specs:
@@ -237,6 +253,8 @@ def main() -> None:
     ap.add_argument("--baseline-label", default=None, help="what the baseline is (e.g. 'main at 87924d0')")
     ap.add_argument("--out", type=Path, default=OUT, help="results file (default: the tracked "
                     "bench/results/decode_step.json, overwritten)")
+    ap.add_argument("--page-policy", choices=("unified", "multi_page"), default="unified",
+                    help="pages of the engines timed (default unified, decoding_engine's; the server runs multi_page)")
     ap.add_argument("--readme", action="store_true", help="only rewrite bench/README.md's section from --out")
     args = ap.parse_args()
     if args.readme:
@@ -244,7 +262,8 @@ def main() -> None:
         write_section("## decode_step.json", readme_section(res), "## drafters.json")
         print(report(res))
         return
-    res = run(steps=args.steps, repeats=args.repeats, baseline=args.baseline, baseline_label=args.baseline_label)
+    res = run(steps=args.steps, repeats=args.repeats, baseline=args.baseline, baseline_label=args.baseline_label,
+              page_policy=args.page_policy)
     print(report(res))
     args.out.write_text(json.dumps(res, indent=1) + "\n")
     if args.out == OUT:

@@ -8,7 +8,8 @@ Concept → file → main type → test:
 - the one way to build an engine: a frozen spec of every setting, a fresh pool (+ prefix cache) and the engine
   ......................................... build.py ....... ``EngineArgs``, ``build_engine``
   → ``tests/serve/test_engine.py``, ``tests/serve/http/test_engine_spec.py``
-- the memory of requests: match / rematch a prefix hit, ask (``can_admit`` -> ``Fit``) then act (``admit``),
+- the memory of requests: match / rematch a prefix hit, ask (``can_admit`` -> ``Fit``) then act (``admit``: its state
+  slot, one run of consecutive pages per group under multi_page, k + 1 slots with snapshot speculation),
   ``reject``, ``publish`` blocks and checkpoints, ``release`` (the one path; ``preempt`` goes through it)
   ......................................... request_memory.py  ``RequestMemory``, ``Fit``
   → ``tests/serve/test_request_memory.py``, ``tests/serve/test_engine_property.py``
@@ -20,8 +21,10 @@ Concept → file → main type → test:
   ......................................... scheduler.py ... ``Scheduler``, ``SchedulerConfig``, ``Schedule``
   → ``tests/serve/test_scheduler_policy.py``, ``tests/serve/test_engine_batch.py``
 - one step's batch as data and its packed forward (decode rows padded to buckets with slot -1, prefill rows,
-  verify rows) ............................ model_runner.py  ``ModelRunner``, ``Row``, ``StepBatch``
-  → ``tests/serve/test_model_runner_buckets.py``, ``tests/serve/test_model_runner_slots.py``
+  verify rows; states read and written in place by slot, a verify row's per-token states into the k + 1 slots)
+  ......................................... model_runner.py  ``ModelRunner``, ``Row``, ``StepBatch``
+  → ``tests/serve/test_model_runner_buckets.py``, ``tests/serve/test_model_runner_slots.py``,
+  ``tests/serve/test_model_runner_in_place.py``
 - a request: prompt ids, record (token ranges, pages needed), its cache through its pages, its result
   ......................................... request.py ..... ``Request``, ``RequestResult``, ``RequestStatus``,
   ``prompt_ids`` → ``tests/serve/test_engine.py``

@@ -5,11 +5,14 @@ per-row state indices, ``has_initial_state``, block tables and the slot mapping)
 
 Three words (mini-sglang's ``TableManager``, vLLM's ``ssm_state_indices``): a **page** is storage in the unified
 :class:`PagePool`; a request's **slot** of a page group is the index its state has there for its whole life; a
-**row** is its position in this step's batch. When a group's state fits one page (``layout.group_pages(g) == 1``,
-the "unified" page policy), the slot IS that page's id: the runner hands
-:func:`kda_core.varlen.forward_batch` per-layer strided views of the arena (:func:`serve.memory.pages.slot_views`:
-recurrent ``[P, H, K, V]``, conv ``[P, 2HK + HV, W-1]``) and each row's slot, built once per step as one int64
-tensor ``[G, N]`` (pad rows ``-1``, never clamped); the forward reads each live row's state there by slot, and
+**row** is its position in this step's batch. A request's state of group g lives in one run of
+``n = layout.group_pages(g)`` consecutive pages (one page under the "unified" page policy; a run of the pages of
+one KV block each under the server's default "multi_page": :meth:`serve.memory.pool.PagePool.alloc_runs`, asked
+for by :class:`serve.engine.request_memory.RequestMemory`), and its slot IS the run's first page id: the runner
+hands :func:`kda_core.varlen.forward_batch` per-layer strided views of the arena
+(:func:`serve.memory.pages.slot_views`: recurrent ``[S, H, K, V]``, conv ``[S, 2HK + HV, W-1]``, stride(0) = one
+page, S = P - n + 1) and each row's slot, built once per step as one int64 tensor ``[G, N]`` (pad rows ``-1``,
+never clamped); the forward reads each live row's state there by slot, and
 :meth:`ModelRunner.commit` writes the new states there by slot (one ``index_copy_`` per layer and piece; a bf16 /
 fp16 ``layout.state_dtype`` rounded to nearest on that write, upcast exactly on read). No step copies the live
 states into a dense pool and back. The writes wait for commit (not inside the forward) so that a forward that
@@ -22,11 +25,19 @@ without a hit (:func:`serve.memory.pages.zero_state`), so a request never reads 
 page before it.
 
 The dense path (slot j = live row j: :meth:`ModelRunner.gather_states` before the forward, the new states written
-into that copy, :meth:`ModelRunner.scatter_states` at commit) runs for a group whose state spans several pages
-(the "multi_page" policy: a slot is not one page) and for every group with ReplaySSM (its decode rows read a
-replayed state, not the pages, and write only the conv window unless they materialise).
-:attr:`ModelRunner.in_place` says which groups run in place. MLA latents are read and written in place through
+into that copy, :meth:`ModelRunner.scatter_states` at commit) runs only with ReplaySSM (its decode rows read a
+replayed state, not the pages, and write only the conv window unless they materialise) and as the reference
+(``in_place=False``); it reads and writes any pages, runs or not. :attr:`ModelRunner.in_place` says which groups
+run in place; :attr:`ModelRunner.num_dense_copies` counts the dense gathers and scatters. MLA latents are read and written in place through
 the pool's arena by block table.
+
+Snapshot speculation of k drafts (fp32 snapshots): a request holds k + 1 state slots for its life
+(``Request.spec_slots``, vLLM's ``num_speculative_blocks`` / ``spec_state_indices_tensor`` in
+``vllm/v1/attention/backends/gdn_attn.py``); its verify row reads the current slot in place like a decode row, and
+:meth:`ModelRunner.write_verify_states` writes the state after each of its ``1 + n`` tokens into slots ``0 .. n``
+by index; the commit makes slot a (a drafts accepted) the current one (``Request.state_pages``): no copy of the
+request's cache, no snapshot buffers. The other rollback strategies keep their copying path (the engine reads the
+request's cache, records, commits and writes it back).
 
 Decode rows are padded to a bucket size in :data:`DECODE_BUCKETS` (what CUDA-graph capture forces on
 GPU engines); a pad row has slot ``-1``, NaN hidden states, and is never read from or written to a slot.
@@ -77,7 +88,7 @@ class Row:
 @dataclass
 class StepBatch:
     """A built and run batch: rows (decode first), the metadata, ``slot_idx [G, N]`` int64 (row i's slot in
-    group g's storage: its state page in an in-place group, its live-row number in a dense one; ``-1`` for a pad
+    group g's storage: the first page of its state run in an in-place group, its live-row number in a dense one; ``-1`` for a pad
     row; ``meta.slot_idx`` is row 0 of it), the logits ``[N, 256]`` and the states at checkpoints
     ``{row: {t: {layer: KDACache}}}``; ``writes`` holds the in-place layers' new states
     (:class:`kda_core.varlen.StateWrite` pieces) and ``dense`` the dense groups' states until :meth:`commit`
@@ -121,8 +132,10 @@ class ModelRunner:
     :func:`decode_bucket` (default True); replay: the decode rows' ReplaySSM rings (None: the slot write);
     in_place: False runs every group on the dense path (the reference the in-place path is tested against).
     Compute is fp32: a 16-bit state is upcast exactly when read and rounded to nearest when written.
-    ``in_place[g]``: group g's states are read and written in place by slot (its state is one page, no ReplaySSM);
-    else by the dense path (module docstring).
+    ``in_place[g]``: group g's states are read and written in place by slot (no ReplaySSM; a request's state of
+    the group must then be one run of consecutive pages: ``RequestMemory(runs=True)``); else by the dense path
+    (module docstring). ``num_dense_copies``: calls of :meth:`gather_states`, :meth:`scatter_states` and
+    :meth:`scatter_conv` that moved states (0 for an engine that runs every group in place).
     Raises ValueError for a layout the engine cannot store (:meth:`CacheLayout.check_engine_dtypes`).
     """
 
@@ -137,12 +150,37 @@ class ModelRunner:
         self._conv_shape = (cfg.conv_dim, cfg.conv_kernel - 1)
         self._n_record = cfg.num_heads * (2 * cfg.head_k_dim + cfg.head_v_dim)   # k, u, g elements
         self.decode_bytes = dict.fromkeys(("state", "conv", "records"), 0)     # written by decode rows (stored bytes)
-        self.in_place = tuple(in_place and replay is None and layout.group_pages(g) == 1
-                              for g in range(layout.num_groups))
+        self.in_place = tuple(in_place and replay is None for _ in range(layout.num_groups))
+        self.num_dense_copies = 0
         self._dense_groups = [g for g, ip in enumerate(self.in_place) if not ip]
         self._views = {li: v for g, ip in enumerate(self.in_place) if ip
                        for li, v in slot_views(layout, pool, g).items()}   # {layer: (rec [P, H, K, V], conv)}
         self._group_of = {li: g for g, layers in enumerate(layout.groups) for li in layers}
+        self._verify_views = dict(self._views)                             # every layer's slot views, for verify
+
+    # ---- snapshot speculation: the verify row's states into the request's k + 1 slots ---------------
+    def write_verify_states(self, req, out, num_tokens: int) -> None:
+        """Write the state after each of a verify row's ``num_tokens`` tokens (``out``: its
+        :class:`kda_core.varlen.VerifyRow`; per KDA layer ``aux.states [1, T, H, K, V]`` and the conv windows
+        rebuilt from the current slot's window and ``aux.raw_qkv``, as :class:`SnapshotRollback` records them)
+        into the request's slots ``req.spec_slots[0 .. T-1]``, in place by slot (one ``index_copy_`` per layer and
+        piece; a 16-bit state rounded to nearest). Reads the current slot's conv window first: it may be
+        overwritten. Raises ValueError if the request holds fewer than T slots."""
+        if num_tokens > len(req.spec_slots):
+            raise ValueError(f"request {req.rid}: {num_tokens} verify tokens but {len(req.spec_slots)} state slots")
+        if len(self._verify_views) < len(self._group_of):                  # built once (the dense reference runner)
+            self._verify_views = {li: v for g in range(self.layout.num_groups)
+                                  for li, v in slot_views(self.layout, self.pool, g).items()}
+        slots = torch.tensor([[s[g][0] for s in req.spec_slots[:num_tokens]] for g in range(self.layout.num_groups)],
+                             dtype=torch.long)                             # [G, T]: token t's slot per group
+        for li, g in self._group_of.items():
+            rec, conv = self._verify_views[li]
+            aux, cur = out.aux[li], req.state_pages[g][0]
+            w1 = conv.shape[-1]
+            full = torch.cat([conv[cur].unsqueeze(0), aux.raw_qkv.transpose(1, 2)], dim=-1)   # [1, C, W-1+T]
+            windows = full.unfold(-1, w1, 1)[0, :, 1:].transpose(0, 1)    # [T, C, W-1]: after token t
+            conv.index_copy_(0, slots[g], windows)
+            rec.index_copy_(0, slots[g], aux.states[0].to(rec.dtype))      # [T, H, K, V]
 
     # ---- state slots: gather / scatter the rows' state pages --------------------------------------
     def _flat_arena(self) -> torch.Tensor:
@@ -152,6 +190,7 @@ class ModelRunner:
         """Dense fp32 states of ``len(state_pages)`` requests: ``{layer: (recurrent [S, H, K, V], conv
         [S, 2HK + HV, W-1])}``, slot j = ``state_pages[j]`` (a request's pages by group); a 16-bit recurrent
         state is upcast exactly. ``groups``: only these groups' layers (default all)."""
+        self.num_dense_copies += 1
         arena, S = self._flat_arena(), len(state_pages)
         out = {}
         per, dt = self._w_rec + self._w_conv, self.layout.state_dtype
@@ -173,8 +212,9 @@ class ModelRunner:
         """Write the dense states of the slots ``keep`` back into their requests' pages (in place); the
         recurrent state rounded to nearest into ``layout.state_dtype``. ``groups``: only these groups (default
         all)."""
-        if not keep:
+        if not keep or groups is not None and not groups:
             return
+        self.num_dense_copies += 1
         arena = self._flat_arena()
         E = arena.shape[1]
         for g in range(self.layout.num_groups) if groups is None else groups:
@@ -199,6 +239,7 @@ class ModelRunner:
         ReplaySSM decode write, which leaves the checkpoint in the pages untouched."""
         if not keep:
             return
+        self.num_dense_copies += 1
         arena = self._flat_arena()
         E, flat = arena.shape[1], arena.view(-1)                          # flat [P * E]
         per, sel = self._w_rec + self._w_conv, torch.tensor(keep, dtype=torch.long)
@@ -218,8 +259,9 @@ class ModelRunner:
     # ---- one step ---------------------------------------------------------------------------------
     def build(self, decode_rows: list, prefill_rows: list, verify_rows: list = ()) -> StepBatch:
         """The batch as data: decode rows (padded to a bucket), then verify rows (speculative decoding,
-        ``1 + n`` tokens each), then prefill rows; row i's slot in group g is ``slot_idx[g, i]``: its request's
-        state page of that group (in-place group) or its live-row number (dense group), ``-1`` for a pad row.
+        ``1 + n`` tokens each), then prefill rows; row i's slot in group g is ``slot_idx[g, i]``: the first page of
+        its request's state run of that group (in-place group) or its live-row number (dense group), ``-1`` for a
+        pad row.
         Raises ValueError (from :func:`kda_core.varlen.make_meta`) for malformed rows."""
         rows = list(decode_rows)
         if self.pad_decode and rows:

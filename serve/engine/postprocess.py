@@ -25,7 +25,7 @@ from serve.engine.model_runner import ModelRunner, Row, StepBatch
 from serve.engine.request import Request, RequestStatus, write_request_cache
 from serve.engine.sampling import sample_token
 from serve.engine.scheduler import Scheduler
-from serve.memory.pages import write_state
+from serve.memory.pages import write_kv, write_state
 from serve.spec_decode.verify import greedy_accept
 
 LIVE = (RequestStatus.PREFILL, RequestStatus.DECODE)
@@ -126,19 +126,28 @@ class Postprocessor:
             self.memory.publish(req, b_end, True)
         self.finish_if_done(req)
 
-    def verify(self, req: Request, row: Row, out, base: HybridCache) -> None:
+    def verify(self, req: Request, row: Row, out, base: HybridCache | None) -> None:
         """A verify row's end: accept greedily, commit the state after the accepted drafts + 1 through the
         request's strategy (as :func:`serve.spec_decode.verify.verify_and_replay`), write it, then append,
-        publish, finish."""
+        publish, finish. ``base`` None (snapshot speculation in slots): the states after each verify token go
+        into the request's k + 1 slots by index and the commit makes the accepted one current (no copy)."""
         memory = self.memory
         b_end = memory.final_boundary(req)
         drafts = tuple(row.tokens[1:])
-        layers = tuple(out.layers[i] for i in range(self.model.cfg.num_layers))
-        verified = ForwardOutput(out.logits, HybridCache(layers, base.num_tokens + len(row.tokens)), out.aux)
-        req.strategy.record(self.model, base, verified)
         target = tuple(int(t) for t in out.logits[0].argmax(-1))          # [1 + n] greedy tokens
         a = greedy_accept(drafts, target)
-        write_request_cache(memory.layout, memory.pool, req, req.strategy.commit(a), req.computed)
+        if base is None:
+            self.runner.write_verify_states(req, out, len(row.tokens))
+            req.state_pages = req.spec_slots[a]                           # the state after token a
+            start, cfg = req.computed, self.model.cfg
+            write_kv(memory.layout, memory.pool, req.page_table, start,
+                     [out.layers[i][:, start: start + a + 1] for i in cfg.mla_layers])   # accepted latents
+            req.computed = start + a + 1
+        else:
+            layers = tuple(out.layers[i] for i in range(self.model.cfg.num_layers))
+            verified = ForwardOutput(out.logits, HybridCache(layers, base.num_tokens + len(row.tokens)), out.aux)
+            req.strategy.record(self.model, base, verified)
+            write_request_cache(memory.layout, memory.pool, req, req.strategy.commit(a), req.computed)
         req.drafted_tokens += len(drafts)
         req.accepted_tokens += a
         for tok, logits in zip(target[: a + 1], out.logits[0, : a + 1]):

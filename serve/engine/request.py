@@ -82,6 +82,7 @@ class Request:
     keys: list = field(default_factory=list)
     page_table: list = field(default_factory=list)
     state_pages: list = field(default_factory=list)
+    spec_slots: list = field(default_factory=list)   # snapshot speculation: k + 1 slots' state pages; state_pages is one
     computed: int = 0
     output: list = field(default_factory=list)
     logits: list = field(default_factory=list)

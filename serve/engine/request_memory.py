@@ -5,12 +5,16 @@ Request flow, as the memory sees it:
 
   match   -> lookup + pin the hit (pins before anything is allocated)     WAITING
   rematch -> a longer hit the cache gained since, swapped in (old pins released)
-  admit   -> allocate private KDA_STATE pages + own KV pages (evicting
-             unpinned cache entries), restore the checkpoint into the
-             private pages (copy-on-write), drop the checkpoint pin      PREFILL
+  admit   -> allocate private KDA_STATE pages (its slot: one run of
+             consecutive pages per group when the runner reads the state
+             in place) + own KV pages (evicting unpinned cache entries),
+             restore the checkpoint into the slot's pages (a copy), drop
+             the checkpoint pin (or zero the slot)                       PREFILL
+             (no free run while something runs: stays WAITING); with
+             snapshot speculation k + 1 such slots, held for its life
   publish -> full blocks below a boundary, and the checkpoint there (the
              state after exactly that many committed tokens)
-  release -> every page and pin the request held (finish, abort, reject,
+  release -> every page and pin the request held (all its slots; finish, abort, reject,
              preempt: the one path)
 
 Checkpoint placement (C = interval, N = block size, L = prompt length): every multiple of C reached during
@@ -31,10 +35,10 @@ import torch
 from kda_core.model import HybridLM
 from serve.config import ServeConfig
 from serve.engine.request import Request, RequestStatus
-from serve.errors import check_choice
+from serve.errors import check_choice, check_int
 from serve.memory.layout import ENGINE_STATE_DTYPES, CacheLayout
 from serve.memory.pages import zero_state
-from serve.memory.pool import PageKind, PagePool, PoolExhausted
+from serve.memory.pool import NoFreeRun, PageKind, PagePool, PoolExhausted
 from serve.memory.replay_state_write import ReplayStateWrite
 from serve.prefix.cache import PrefixCache
 from serve.prefix.index import block_keys
@@ -88,12 +92,29 @@ class RequestMemory:
 
     Args: pool: the :class:`PagePool`; layout: the :class:`CacheLayout` of a request's cache in it; cache: the
     :class:`PrefixCache` on ``pool`` or None (no sharing); config: the :class:`ServeConfig` (checkpoint grid);
-    replay: the ReplaySSM rings (:class:`ReplayStateWrite`; a request's ring goes with its pages) or None.
+    replay: the ReplaySSM rings (:class:`ReplayStateWrite`; a request's ring goes with its pages) or None;
+    runs: a request's state of a group that spans several pages must be one run of consecutive pages
+    (:meth:`PagePool.alloc_runs`), as the model runner reads and writes it in place there
+    (:attr:`ModelRunner.in_place`); ``run_sizes`` then holds the pages per group (None: any pages will do);
+    spec_slots: with snapshot speculation of k drafts, k + 1: every request holds that many state slots for its life
+    (``Request.spec_slots``, each a state's pages by group; ``Request.state_pages`` is the one holding its current
+    state), the verify row writing the state after each of its tokens into one of them by index (vLLM's
+    ``num_speculative_blocks``); None: one slot, ``spec_slots`` empty.
     Mutates only the requests it is given and the pool / cache; it never touches a queue."""
 
     def __init__(self, pool: PagePool, layout: CacheLayout, cache: PrefixCache | None, config: ServeConfig,
-                 replay: ReplayStateWrite | None = None):
+                 replay: ReplayStateWrite | None = None, runs: bool = False, spec_slots: int | None = None):
         self.pool, self.layout, self.cache, self.config, self.replay = pool, layout, cache, config, replay
+        sizes = [layout.group_pages(g) for g in range(layout.num_groups)]
+        self.run_sizes = sizes if runs and max(sizes) > 1 else None
+        self.spec_slots = None if spec_slots is None else check_int("spec_slots", spec_slots)
+        self.slots_per_request = 1 if spec_slots is None else spec_slots
+
+    def pages_needed(self, req: Request) -> tuple[int, int]:
+        """``(state pages, KV pages)`` ``req`` allocates at admission: :meth:`Request.pages_needed` with its state
+        pages times :attr:`slots_per_request`."""
+        state, kv = req.pages_needed(self.layout)
+        return state * self.slots_per_request, kv
 
     # ---- the checkpoint grid ----------------------------------------------------------------------
     def checkpoint_boundaries(self, num_prompt_tokens: int) -> list[int]:
@@ -128,37 +149,63 @@ class RequestMemory:
 
     def can_admit(self, req: Request, anything_running: bool) -> Fit:
         """Whether the waiting request's pages (:meth:`Request.pages_needed`: a state slot and its KV pages)
-        fit: NOW in free + evictable pages; LATER once running requests release theirs (``anything_running``);
-        NEVER if they exceed the pool with its pinned hit counted. Pure (the caps on running requests are the
-        scheduler's)."""
-        need = sum(req.pages_needed(self.layout))
-        if need <= self.pool.num_free + (0 if self.cache is None else self.cache.evictable_pages()):
-            return Fit.NOW
+        fit: NOW in free + evictable pages (with ``run_sizes``: and a free run per group now, or evictable cache
+        pages that may open one); LATER once running requests release theirs (``anything_running``); NEVER if
+        they exceed the pool with its pinned hit counted, or if no run is free while nothing runs and nothing
+        is evictable (a fragmented idle pool). Pure (the caps on running requests are the scheduler's)."""
+        need = sum(self.pages_needed(req))
+        evictable = 0 if self.cache is None else self.cache.evictable_pages()
+        if need <= self.pool.num_free + evictable:
+            if self.run_sizes is None or evictable or self.pool.can_alloc_runs(self.run_sizes * self.slots_per_request):
+                return Fit.NOW
+            return Fit.LATER if anything_running else Fit.NEVER
         return Fit.LATER if anything_running and need + req.hit_pages <= self.pool.num_pages else Fit.NEVER
 
     def shortfall(self, req: Request) -> str:
-        """Why ``req`` can never fit: the pages it needs against the free and evictable ones."""
-        (state, kv), free = req.pages_needed(self.layout), self.pool.num_free
+        """Why ``req`` can never fit: the pages it needs against the free and evictable ones (or, when they
+        would do, the runs of consecutive pages its state needs against the longest free run)."""
+        (state, kv), free = self.pages_needed(req), self.pool.num_free
         evictable = 0 if self.cache is None else self.cache.evictable_pages()
+        if state + kv <= free + evictable and self.run_sizes is not None:
+            return (f"needs a run of {max(self.run_sizes)} consecutive free pages for its state slot but the "
+                    f"longest free run is {self.pool.longest_free_run()} pages ({free} free, fragmented by pages "
+                    f"that stay held)")
         return (f"needs {state + kv} pages ({state} state + {kv} KV) but only {free} are free and {evictable} "
                 f"evictable; its {req.hit_blocks} hit blocks stay pinned")
 
     # ---- act ----------------------------------------------------------------------------------------
-    def admit(self, req: Request) -> bool:
-        """Admit a request :meth:`can_admit` said fits NOW: allocate its state and KV pages (evicting unpinned
-        cache entries), restore its hit's checkpoint into its state (copy-on-write) or zero it; status PREFILL.
-        Returns False if it was REJECTED instead (:meth:`reject`): the allocation still failed (PoolExhausted)
-        or the restore raised (e.g. CheckpointError; the error is its reason, logged). Nothing it held leaks."""
+    def admit(self, req: Request, anything_running: bool = False) -> bool:
+        """Admit a request :meth:`can_admit` said fits NOW: allocate its state (one run per group with
+        ``run_sizes``) and KV pages (evicting unpinned cache entries), restore its hit's checkpoint into its
+        state (a copy) or zero it; status PREFILL. Returns False if it was not admitted: REJECTED (:meth:`reject`)
+        when the allocation still failed (PoolExhausted: the evictable count was stale, or no run opened while
+        nothing runs) or the restore raised (e.g. CheckpointError; the error is its reason, logged); still
+        WAITING, holding only its hit's pins, when no run of free pages opened (:class:`NoFreeRun`) while
+        ``anything_running`` (running requests will free theirs). Nothing it held leaks."""
         t0 = time.perf_counter()
         cache, lay = self.cache, self.layout
-        num_state, num_kv = req.pages_needed(lay)
+        num_state, num_kv = self.pages_needed(req)
         alloc = self.pool.alloc if cache is None else cache.alloc
+        G = lay.num_groups
         try:
-            state = alloc(PageKind.KDA_STATE, num_state, req.rid)
-            it = iter(state)                                # held by the request from here (release)
-            req.state_pages = [tuple(islice(it, lay.group_pages(g))) for g in range(lay.num_groups)]
+            if self.run_sizes is None:
+                it = iter(alloc(PageKind.KDA_STATE, num_state, req.rid))
+                flat = [tuple(islice(it, lay.group_pages(g % G))) for g in range(G * self.slots_per_request)]
+            else:                                           # slot = each run's first page (slot_views)
+                flat = [tuple(run) for run in (self.pool if cache is None else cache).alloc_runs(
+                    PageKind.KDA_STATE, self.run_sizes * self.slots_per_request, req.rid)]
+            slots = [flat[i: i + G] for i in range(0, len(flat), G)]   # [slot][group] -> pages
+            req.state_pages = slots[0]
+            req.spec_slots = slots if self.spec_slots is not None else []
+            # held by the request from here (release)
             req.page_table = ([] if req.hit is None else list(req.hit.kv_pages))
             req.page_table += alloc(PageKind.MLA_KV, num_kv, req.rid)
+        except NoFreeRun as err:
+            if anything_running and not req.state_pages:    # nothing allocated: wait for a run to free
+                log.info("request %d waits: %s", req.rid, err)
+                return False
+            self.reject(req, f"pool exhausted at admission: {err}")
+            return False
         except PoolExhausted as err:                        # evictable count was stale: reject cleanly
             self.reject(req, f"pool exhausted at admission: {err}")
             return False
@@ -193,10 +240,10 @@ class RequestMemory:
         admission, the hit's KV pages it references), its ReplaySSM ring and its pins in the cache."""
         pool, rid = self.pool, req.rid
         if req.state_pages:
-            pool.decref([p for grp in req.state_pages for p in grp], rid)
+            pool.decref([p for slot in (req.spec_slots or [req.state_pages]) for grp in slot for p in grp], rid)
         pages = req.page_table if req.page_table else ([] if req.hit is None else list(req.hit.kv_pages))
         pool.decref(pages, rid)
-        req.state_pages, req.page_table = [], []
+        req.state_pages, req.spec_slots, req.page_table = [], [], []
         if self.replay is not None:                         # the ring goes with the state (nothing to materialise)
             self.replay.release(rid)
         if self.cache is not None:
@@ -242,8 +289,9 @@ class RequestMemory:
     def check_integrity(self, running: list[Request], waiting: list[Request]) -> None:
         """Assert (AssertionError) the cache's and pool's own invariants; every running request holds its state
         pages and page table with one reference each, enough pages for its tokens; every used page belongs to
-        the cache or a live request (no leak: an idle engine holds only cache pages); with ReplaySSM, every ring
-        belongs to a running request (:meth:`ReplayStateWrite.check_integrity`)."""
+        the cache or a live request (no leak: an idle engine holds only cache pages); with ``run_sizes``, each
+        running request's state of a group is one run of that many consecutive pages (its slot, never shared);
+        with ReplaySSM, every ring belongs to a running request (:meth:`ReplayStateWrite.check_integrity`)."""
         pool, lay = self.pool, self.layout
         if self.cache is not None:
             self.cache.check_integrity()
@@ -255,8 +303,14 @@ class RequestMemory:
         for req in running:
             rid = req.rid
             assert req.status in (RequestStatus.PREFILL, RequestStatus.DECODE), f"running request {rid} is {req.status}"
-            pages = [p for grp in req.state_pages for p in grp]
-            assert len(pages) == lay.state_pages, f"request {rid} holds {len(pages)} state pages"
+            slots = req.spec_slots or [req.state_pages]
+            pages = [p for slot in slots for grp in slot for p in grp]
+            assert len(slots) == self.slots_per_request and req.state_pages in slots, \
+                f"request {rid} holds {len(slots)} state slots, not {self.slots_per_request} with its current one"
+            assert len(pages) == lay.state_pages * len(slots), f"request {rid} holds {len(pages)} state pages"
+            if self.run_sizes is not None:
+                assert all(pool.is_run(grp) and len(grp) == n for s in slots for grp, n in zip(s, self.run_sizes)), \
+                    f"request {rid}'s state pages {slots} are not one run per group of {self.run_sizes}"
             assert len(req.page_table) * lay.block_size >= req.final_tokens, f"request {rid}: page table too short"
             for p in pages + req.page_table:
                 assert pool.holders(p).get(rid) == 1, f"request {rid} does not hold one reference to page {p}"

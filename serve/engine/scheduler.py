@@ -4,7 +4,8 @@
 Each step:
 1. admission, FCFS from the head of the waiting queue: ask first (:meth:`RequestMemory.can_admit`: KV pages AND
    a state slot AND the hit's checkpoint pages), then act (:meth:`RequestMemory.admit`); a request that can NEVER fit
-   is rejected with its reason; the first that fits only LATER stops admission (no overtaking). At most
+   is rejected with its reason; the first that fits only LATER stops admission (no overtaking), and so does one
+   whose state finds no run of consecutive free pages while others run (it waits at the head). At most
    ``max_num_seqs`` requests run at once, and never more than ``num_state_slots`` (each running request
    holds one KDA state slot; sglang#40706: the state pool caps the running requests);
 2. decode rows first: every decoding request, one token each, counted against the token budget
@@ -123,11 +124,14 @@ class Scheduler:
             if fit is Fit.LATER:
                 break
             self.waiting.pop(0)
-            sched.admitted = True
             if fit is Fit.NEVER:
                 self.memory.reject(req)
-            elif self.memory.admit(req):
+            elif self.memory.admit(req, bool(self.running)):
                 self.running.append(req.rid)
+            elif req.status is RequestStatus.WAITING:     # no run of free pages for its state yet: wait
+                self.waiting.insert(0, req.rid)
+                break
+            sched.admitted = True
         budget = self.config.max_num_batched_tokens
         left = float("inf") if budget is None else budget
         for rid in self.running:

@@ -179,11 +179,12 @@ class EngineSpec:
         config = self.config
         layout, page_bytes = config.layout(model_cfg), config.page_bytes(model_cfg)
         num_pages = self.pool_pages(model_cfg)
-        need = layout.state_pages + -(-self.max_model_len // self.block_size)          # state + KV pages
+        state = layout.state_pages * self.state_slots_per_request
+        need = state + -(-self.max_model_len // self.block_size)                     # state + KV pages
         if num_pages < need:
-            fits = (num_pages - layout.state_pages) * self.block_size
+            fits = (num_pages - state) * self.block_size
             raise ValueError(f"num_pages={num_pages} cannot hold one request of max_model_len={self.max_model_len} "
-                             f"tokens ({layout.state_pages} state pages + {need - layout.state_pages} KV pages = "
+                             f"tokens ({state} state pages + {need - state} KV pages = "
                              f"{need} pages); raise num_pages to {need} or lower max_model_len"
                              + (f" to {fits}" if fits >= 2 else ""))
         memory_bytes = _machine_memory_bytes() if memory_bytes is None else memory_bytes
@@ -193,17 +194,23 @@ class EngineSpec:
                              f"({memory_bytes / 2**30:,.1f} GiB); lower max_model_len={self.max_model_len} or "
                              f"max_num_seqs={self.max_num_seqs}, or set num_pages")
 
+    @property
+    def state_slots_per_request(self) -> int:
+        """State slots a running request holds: 1, or k + 1 with snapshot speculation of k drafts (the verify row
+        writes the state after each token into its own slot: :class:`serve.engine.request_memory.RequestMemory`)."""
+        return 1 if self.speculative is None else self.speculative.num_speculative_tokens + 1
+
     def pool_pages(self, model_cfg: ModelConfig) -> int:
         """Pool pages for ``model_cfg``: ``num_pages`` or, by default, the fp32 sizing for every state dtype,
-        2 * max_num_seqs * (fp32 state pages + KV pages of ``max_model_len`` tokens), so every slot fits at full
-        length with the same again left for cached prefixes. The pages (one KV block each) have the same bytes
+        2 * max_num_seqs * (fp32 state pages x :attr:`state_slots_per_request` + KV pages of ``max_model_len``
+        tokens), so every slot fits at full length with the same again left for cached prefixes. The pages (one KV block each) have the same bytes
         for every dtype, so a 16-bit state gets the fp32 pool's bytes and holds more state slots in it (1.63x
         for the demo model, by the stored bytes), as vLLM sizes its KV cache by memory, not by slot count."""
         if self.num_pages is not None:
             return self.num_pages
         fp32_state_pages = ServeConfig(self.block_size, self.checkpoint_interval).layout(model_cfg).state_pages
         kv_pages = -(-self.max_model_len // self.block_size)                       # KV blocks of one request
-        return 2 * self.max_num_seqs * (fp32_state_pages + kv_pages)
+        return 2 * self.max_num_seqs * (fp32_state_pages * self.state_slots_per_request + kv_pages)
 
 
 def _machine_memory_bytes() -> int:
@@ -231,7 +238,8 @@ class PoolCapacity(NamedTuple):
     """What an engine's pool holds. num_pages: pool pages; pool_bytes: num_pages x page bytes; state_pages:
     pages of one request's KDA state (all layers, in the stored dtype); state_slots: states the pool could hold
     alone (num_pages // state_pages); requests: requests of ``max_model_len`` tokens it holds, state + KV pages
-    each. The engine runs at most ``max_num_seqs`` requests whatever these say."""
+    each (with snapshot speculation of k drafts, k + 1 states each). The engine runs at most ``max_num_seqs``
+    requests whatever these say."""
 
     num_pages: int
     pool_bytes: int
@@ -244,5 +252,6 @@ def pool_capacity(engine: ServeEngine, max_model_len: int) -> PoolCapacity:
     """The :class:`PoolCapacity` of ``engine``'s pool for requests of ``max_model_len`` tokens."""
     pool, layout = engine.pool, engine.layout
     kv_pages = -(-max_model_len // layout.block_size)                               # KV blocks of one request
+    state = layout.state_pages * engine.memory.slots_per_request                  # every slot a request holds
     return PoolCapacity(pool.num_pages, pool.num_pages * pool.page_bytes, layout.state_pages,
-                        pool.num_pages // layout.state_pages, pool.num_pages // (layout.state_pages + kv_pages))
+                        pool.num_pages // layout.state_pages, pool.num_pages // (state + kv_pages))

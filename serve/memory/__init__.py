@@ -1,10 +1,14 @@
 """Memory layer: one pool of equal-size pages and one layout of a request's hybrid cache in it.
 
 Concept → file → main type → test:
-- page kinds, pool errors, stats ........ kinds.py ....... ``PageKind``, ``PoolExhausted``, ``PageError``, ``PoolStats``
+- page kinds, pool errors, stats ........ kinds.py ....... ``PageKind``, ``PoolExhausted``, ``NoFreeRun``, ``PageError``,
+  ``PoolStats``
   → ``tests/serve/memory/test_pool.py``
-- the page pool (uint8 arena, ref counts, holders, copy-on-write, typed views, poison, integrity)
+- the page pool (uint8 arena, ref counts, holders, copy-on-write, typed views, poison, integrity; single pages and
+  runs of consecutive pages for a multi-page state slot)
   ......................................... pool.py ........ ``PagePool`` → ``test_pool.py``, ``test_pool_stateful.py``
+- the free page ids (a min-heap: single pages from the low end; a byte map: the highest run of n free ids, one
+  ``rfind``) .............................. free_pages.py .. ``FreePages`` → ``test_pool.py``, ``test_pool_stateful.py``
 - THE cache layout + page-size policy (KV blocks, KDA groups, "unified" / "multi_page", waste; the stored dtypes
   the engine reads and writes: fp32 latents and conv windows, an fp32 / bf16 / fp16 recurrent state)
   ......................................... layout.py ...... ``CacheLayout``, ``group_layers``, ``group_state_bytes``,
@@ -13,8 +17,8 @@ Concept → file → main type → test:
 - reading / writing a request's state and KV over page lists (the engine's and the prefix cache's path; a 16-bit
   state rounded to nearest on write, upcast on read)
   ......................................... pages.py ....... ``read_state``, ``write_state``, ``stored_words``,
-  ``zero_state``, ``copy_state``, ``read_kv``, ``write_kv``, ``slot_views`` (every page as a state slot: strided views
-  of the arena the engine reads and writes in place) → ``test_pages.py`` (decode from the pool is bitwise
+  ``zero_state``, ``copy_state``, ``read_kv``, ``write_kv``, ``slot_views`` (every page as the first page of a state
+  slot's run: strided views of the arena the engine reads and writes in place) → ``test_pages.py`` (decode from the pool is bitwise
   equal), ``tests/serve/test_engine_state_dtype.py`` (16-bit round trip), ``tests/serve/test_model_runner_in_place.py``
 - a request's page table with prefix sharing and copy-on-write (page 06), on layout.py + pages.py
   ......................................... paged_mla.py ... ``PagedMLACache`` → ``test_paged_mla.py``, ``test_pool_stateful.py``

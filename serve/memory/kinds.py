@@ -33,6 +33,20 @@ class PoolExhausted(RuntimeError):
         super().__init__(f"pool exhausted: {kind.name} needs {needed} pages, {free} free")
 
 
+class NoFreeRun(PoolExhausted):
+    """A run of consecutive pages was asked for and enough pages are free, but no run of that length is
+    (the arena is fragmented). Nothing was allocated.
+
+    Attributes: as :class:`PoolExhausted` (``needed`` = the run's pages), plus ``longest`` (the longest run of
+    free pages left for it: after the earlier runs of the same allocation).
+    """
+
+    def __init__(self, kind: PageKind, needed: int, free: int, longest: int):
+        RuntimeError.__init__(self, f"no run of {needed} consecutive free pages for {kind.name}: {free} pages "
+                                    f"free, the longest run {longest} (fragmented pool)")
+        self.kind, self.needed, self.free, self.longest = kind, needed, free, longest
+
+
 class PageError(ValueError):
     """Misuse of a page: double free, releasing a reference the caller does not hold, touching a free
     page, or a view that does not fit the page."""

@@ -67,28 +67,33 @@ def write_state(layout: CacheLayout, pool: PagePool, pages_by_group, caches: dic
 
 
 def slot_views(layout: CacheLayout, pool: PagePool, group: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """Every page of the pool as a state slot of ``group``, for reading and writing states in place by page id
-    (a request's slot of a group is its one state page of that group; vLLM's ``ssm_state_indices``).
+    """The pool's arena as state slots of ``group``, for reading and writing states in place by slot (vLLM's
+    ``ssm_state_indices``): slot s is the group state that starts at page s and spans the
+    ``n = layout.group_pages(group)`` consecutive pages ``[s, s + n)`` (one page under "unified"; a run of
+    pages from :meth:`PagePool.alloc_run` under "multi_page"), so a request's slot is its first state page.
 
-    Returns ``{layer: (recurrent [P, H, K, V] in layout.state_dtype, conv [P, 2HK + HV, W-1] fp32)}`` for the
-    group's layers: strided views of the pool's arena (stride(0) = one page), so ``view[p]`` aliases the bytes of
-    layer's state in page p, exactly where :func:`read_state` / :func:`write_state` put them. Valid for the pool's
-    life (the arena is never reallocated); only a KDA_STATE page of ``group`` holds that group's state.
-    Raises ValueError if the group's state spans several pages (:meth:`CacheLayout.group_pages`), for a layout
-    the engine cannot store, or whose page size differs from the pool's."""
+    Returns ``{layer: (recurrent [S, H, K, V] in layout.state_dtype, conv [S, 2HK + HV, W-1] fp32)}`` for the
+    group's layers, S = num_pages - n + 1 (every page a run can start at): strided views of the pool's arena
+    (stride(0) = one page), so ``view[s]`` aliases layer's state in the run starting at page s, exactly where
+    :func:`read_state` / :func:`write_state` put it over the pages ``(s, ..., s + n - 1)``. Slots of
+    overlapping runs alias each other: only the first page of a KDA_STATE run of ``group`` is a slot. Valid for
+    the pool's life (the arena is never reallocated). Raises ValueError for a layout the engine cannot store,
+    whose page size differs from the pool's, or whose group state needs more pages than the pool has."""
     _check(layout, pool)
-    if layout.group_pages(group) != 1:
-        raise ValueError(f"group {group}'s state spans {layout.group_pages(group)} pages: a slot must be one page "
-                         "(use the page_policy 'unified')")
-    cfg, P = layout.cfg, pool.num_pages
+    n = layout.group_pages(group)
+    if n > pool.num_pages:
+        raise ValueError(f"group {group}'s state spans {n} pages, the pool has {pool.num_pages}")
+    cfg, S, E = layout.cfg, pool.num_pages - n + 1, pool.page_bytes // FP32_BYTES
     w_rec, w_conv = layout.state_words()
-    words = pool.typed_arena(torch.float32, (pool.page_bytes // FP32_BYTES,))    # [P, E] fp32 words
+    words = pool.arena.view(torch.float32).view(-1)                          # [P E] fp32 words
+    per = FP32_BYTES // layout.state_dtype.itemsize                          # stored elements per word
+    elems = pool.arena.view(layout.state_dtype).view(-1)                     # [P E per] stored elements
+    H, K, V, C, W1 = cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.conv_dim, cfg.conv_kernel - 1
     out = {}
     for j, layer in enumerate(layout.groups[group]):
         a = j * (w_rec + w_conv)                                           # layer j: recurrent, then conv window
-        rec = words[:, a: a + w_rec].view(layout.state_dtype)             # [P, H K V] (stored dtype)
-        out[layer] = (rec.view(P, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim),             # [P, H, K, V]
-                      words[:, a + w_rec: a + w_rec + w_conv].view(P, cfg.conv_dim, cfg.conv_kernel - 1))  # [P, C, W-1]
+        out[layer] = (elems.as_strided((S, H, K, V), (E * per, K * V, V, 1), a * per),   # [S, H, K, V]
+                      words.as_strided((S, C, W1), (E, W1, 1), a + w_rec))             # [S, 2HK + HV, W-1]
     return out
 
 

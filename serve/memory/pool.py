@@ -9,7 +9,15 @@ memory pool. The bytes live in one real ``uint8`` tensor ``arena [num_pages, pag
 
 Per page the pool keeps a kind, a reference count, the owner that allocated it and the holders of
 its references (``{owner: count}``, summing to the reference count). A page is free iff its
-reference count is 0, iff its kind is ``PageKind.FREE``, iff it sits on the free list.
+reference count is 0, iff its kind is ``PageKind.FREE``, iff it is among the free ids
+(:class:`serve.memory.free_pages.FreePages`).
+
+Runs. A KDA group state that spans several pages (the "multi_page" policy) is read and written in place
+only if its pages are consecutive ids: :meth:`PagePool.alloc_runs` hands out such runs (a request's slot is
+then the run's first page; :func:`serve.memory.pages.slot_views`), from the high end of the arena while
+:meth:`PagePool.alloc` hands out the smallest free ids (:mod:`serve.memory.free_pages`). A shared arena can be
+fragmented: enough pages free but no run of the size asked; :meth:`PagePool.alloc_runs` then raises
+:class:`NoFreeRun` (a :class:`PoolExhausted`) and :meth:`PagePool.can_alloc_runs` answers beforehand.
 
 Contract (every public method): arguments are validated first, and a call that raises changes
 nothing (all-or-nothing). Page ids returned by :meth:`alloc` stay valid until the last reference is
@@ -20,16 +28,18 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Sequence
 from itertools import groupby
 from operator import itemgetter
 
 import torch
 
 from serve.errors import check_int
+from serve.memory.free_pages import FreePages
 from serve.memory.kinds import (
     POISON_BYTE,
     USED_KINDS,
+    NoFreeRun,
     PageError,
     PageKind,
     PoolExhausted,
@@ -73,7 +83,7 @@ class PagePool:
         self._ref = [0] * num_pages
         self._owner: list[Hashable | None] = [None] * num_pages
         self._holders: list[dict | None] = [None] * num_pages  # None: {owner: ref} (not shared)
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack; pops give low ids first
+        self._free = FreePages(num_pages)
         self._count = {PageKind.MLA_KV: 0, PageKind.KDA_STATE: 0}
 
     @property
@@ -109,18 +119,66 @@ class PagePool:
             raise PoolExhausted(kind, n, len(free))
         if n == 0:
             return []
-        pages = free[-n:]
-        del free[-n:]
-        pages.reverse()
+        pages = free.pop_lowest(n)                         # the n smallest free ids, ascending
+        self._take(pages, kind, owner)
+        return pages
+
+    def _take(self, pages: list[int], kind: PageKind, owner: Hashable) -> None:
+        """Mark ``pages`` (already taken off the free ids) used by ``owner``, one reference each."""
         kinds, refs, owners = self._kind, self._ref, self._owner
         for p in pages:  # holders stay None: the owner holds the only reference
             kinds[p] = kind
             refs[p] = 1
             owners[p] = owner
-        self._count[kind] += n
+        self._count[kind] += len(pages)
         if self.poison:
             self.arena.index_fill_(0, torch.tensor(pages), POISON_BYTE)
-        return pages
+
+    # ---- runs of consecutive pages (a multi-page state read in place) -----------------------------
+    def can_alloc_runs(self, sizes: Sequence[int]) -> bool:
+        """Whether :meth:`alloc_runs` of ``sizes`` (pages per run, each >= 1) would succeed now. Pure.
+        Raises ValueError for a size that is not an int >= 1."""
+        sizes = [check_int("size", n) for n in sizes]
+        if sum(sizes) > len(self._free):
+            return False
+        try:
+            self._free.find_runs(sizes, PageKind.KDA_STATE)
+        except NoFreeRun:
+            return False
+        return True
+
+    def longest_free_run(self) -> int:
+        """Pages of the longest run of consecutive free ids (0 when none is free)."""
+        return self._free.longest_run()
+
+    def alloc_run(self, kind: PageKind, n: int, owner: Hashable) -> list[int]:
+        """Allocate ``n`` consecutive page ids ``[first, first + n)`` of ``kind`` for ``owner`` (the highest free
+        run), each with reference count 1; :meth:`alloc_runs` of one run."""
+        return self.alloc_runs(kind, [n], owner)[0]
+
+    def alloc_runs(self, kind: PageKind, sizes: Sequence[int], owner: Hashable) -> list[list[int]]:
+        """Allocate one run of consecutive ids per entry of ``sizes`` (pages each, >= 1), each the highest
+        free run of its size at its turn, one reference each; all or nothing.
+
+        Mutates: the free ids, kind / ref count / owner of the pages (their bytes when ``poison``).
+        Returns each run's ids, ascending. Raises ValueError (unknown kind, a size not an int >= 1, owner None
+        or unhashable), :class:`PoolExhausted` (fewer free pages than ``sum(sizes)``) and :class:`NoFreeRun`
+        (enough free pages but no run of some size: fragmentation); on any error nothing changes."""
+        kind = check_used_kind(kind)
+        sizes = [check_int("size", n) for n in sizes]
+        _check_owner(owner)
+        need = sum(sizes)
+        if need > len(self._free):
+            raise PoolExhausted(kind, need, len(self._free))
+        runs = self._free.find_runs(sizes, kind)
+        pages = [p for run in runs for p in run]
+        self._free.take(pages)                             # O(free pages), once per admission
+        self._take(pages, kind, owner)
+        return runs
+
+    def is_run(self, pages: Sequence[int]) -> bool:
+        """Whether ``pages`` are consecutive ascending ids (a run; an empty list is not)."""
+        return bool(pages) and list(pages) == list(range(pages[0], pages[0] + len(pages)))
 
     def _check_used(self, pages: Iterable[int], what: str) -> list[int]:
         """Validate ids (ints in range) and that no page is free; returns the ids as a list."""
@@ -183,7 +241,7 @@ class PagePool:
                     and self._owner[p] == owner and self._kind[p] is not PageKind.FREE:
                 self._count[self._kind[p]] -= 1
                 self._kind[p], self._ref[p], self._owner[p] = PageKind.FREE, 0, None
-                self._free.append(p)
+                self._free.push((p,))
                 return [p]
         elif n > 1:  # fast path: every page private to owner with one reference (C-level tuple checks)
             try:
@@ -200,7 +258,7 @@ class PagePool:
                     kinds[p] = PageKind.FREE
                     refs[p] = 0
                     owners[p] = None
-                self._free.extend(pages)
+                self._free.push(pages)
                 freed_mla = ks.count(PageKind.MLA_KV)
                 self._count[PageKind.MLA_KV] -= freed_mla
                 self._count[PageKind.KDA_STATE] -= n - freed_mla
@@ -222,7 +280,7 @@ class PagePool:
                 if self._held(p, owner) < k:
                     raise PageError(f"decref: {owner!r} holds {self._held(p, owner)} references to "
                                     f"page {p}, asked to drop {k} (double free)")
-        refs, kinds, free = self._ref, self._kind, self._free
+        refs, kinds = self._ref, self._kind
         freed, freed_mla = [], 0
         for p in pages:
             h = holders[p]
@@ -238,8 +296,8 @@ class PagePool:
                 kinds[p] = PageKind.FREE
                 owners[p] = None
                 holders[p] = None
-                free.append(p)
                 freed.append(p)
+        self._free.push(freed)
         self._count[PageKind.MLA_KV] -= freed_mla
         self._count[PageKind.KDA_STATE] -= len(freed) - freed_mla
         return freed
@@ -365,12 +423,11 @@ class PagePool:
     def check_integrity(self) -> None:
         """Assert every invariant; raise AssertionError naming the first one broken.
 
-        Pages by kind + free = total; a page is free iff ref 0 iff kind FREE iff on the free list
-        (exactly once); ref counts >= 0 and equal to the sum of holders' counts; used pages have an
-        owner; per-kind counters match the pages.
+        Pages by kind + free = total; a page is free iff ref 0 iff kind FREE iff among the free ids (exactly once:
+        :meth:`FreePages.check_integrity`); ref counts >= 0 and equal to the sum of holders' counts; used pages have
+        an owner; per-kind counters match the pages.
         """
-        free_set = set(self._free)
-        assert len(free_set) == len(self._free), "a page sits on the free list twice"
+        free_set = self._free.check_integrity()
         counts = Counter(self._kind)
         assert counts[PageKind.FREE] == len(self._free), "FREE pages != free list length"
         for k in USED_KINDS:

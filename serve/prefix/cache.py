@@ -191,6 +191,17 @@ class PrefixCache:
             self._drop(evicted)
         return self.pool.alloc(kind, n, owner)
 
+    def alloc_runs(self, kind: PageKind, sizes: Sequence[int], owner: Hashable) -> list[list[int]]:
+        """:meth:`PagePool.alloc_runs` (one run of consecutive pages per size: a request's state slot), evicting
+        unpinned cache entries (LRU) until the runs fit. Raises PoolExhausted / NoFreeRun when even an empty
+        cache (minus pinned entries) cannot supply them; what was evicted stays evicted."""
+        while not self.pool.can_alloc_runs(sizes):
+            evicted = self.index.evict_one()
+            if not evicted:
+                break
+            self._drop(evicted)
+        return self.pool.alloc_runs(kind, sizes, owner)
+
     def evictable_pages(self) -> int:
         """Pages held only by unpinned cache entries (what :meth:`alloc` could free)."""
         nodes = self.index.nodes.values()

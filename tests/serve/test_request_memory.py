@@ -7,11 +7,12 @@ from __future__ import annotations
 import time
 
 import pytest
+import torch
 
 from serve.config import ServeConfig
 from serve.engine.request import Request, RequestStatus
 from serve.engine.request_memory import Fit, RequestMemory
-from serve.memory.pool import PagePool
+from serve.memory.pool import PageKind, PagePool
 from serve.prefix.cache import PrefixCache
 from tests.serve.prefix.helpers import tiny_model, tokens
 
@@ -72,3 +73,86 @@ def test_final_boundary_is_the_configs_and_none_without_a_cache():
     req = request(5, 40, 30)                                # final tokens 69: last full block ends at 64
     assert memory(16, cache=True).final_boundary(req) == ServeConfig(16, 16).final_checkpoint(40, 69) == 64
     assert memory(16, cache=False).final_boundary(req) is None
+
+
+# ---- state runs under multi_page: a fragmented pool ----------------------------------------------------
+def checkerboard(pool: PagePool, below: int) -> list[int]:
+    """Hold every free page for a bystander, then give back every other one below ``below``: free pages but
+    no run of 2 there. Returns the pages the bystander keeps."""
+    held = pool.alloc(PageKind.MLA_KV, pool.num_free, "bystander")
+    pool.decref([p for p in held if p < below and p % 2 == 0], "bystander")
+    return [p for p in held if pool.refcount(p)]
+
+
+def test_admit_without_a_free_run_waits_while_others_run_and_is_rejected_when_idle():
+    """RequestMemory with runs: 12 free pages, none consecutive. ``can_admit`` says LATER while anything runs
+    (and NEVER when idle, with the run in the reason); ``admit`` itself, asked anyway, leaves the request WAITING
+    holding nothing while others run, and rejects it when idle; the pool is unchanged either way."""
+    model, config = tiny_model(), ServeConfig(16, 16)                        # the server default: multi_page
+    pool = PagePool(40, config.page_bytes(model.cfg))
+    mem = RequestMemory(pool, config.layout(model.cfg, pool.page_bytes), None, config, runs=True)
+    assert mem.run_sizes == [6]
+    checkerboard(pool, 24)
+    req = request(1, 20, 4)                                                 # 6 state + 2 KV pages <= 12 free
+    mem.match(req)
+    before = pool.page_table()
+    assert mem.can_admit(req, anything_running=True) is Fit.LATER
+    assert mem.can_admit(req, anything_running=False) is Fit.NEVER
+    assert not mem.admit(req, anything_running=True)
+    assert req.status is RequestStatus.WAITING and req.state_pages == [] and req.page_table == []
+    assert pool.page_table() == before
+    assert not mem.admit(req, anything_running=False)
+    assert req.status is RequestStatus.REJECTED and "run of 6 consecutive free pages" in req.reason
+    assert pool.page_table() == before
+    pool.check_integrity()
+
+
+def test_a_request_waits_for_a_run_then_runs_in_the_one_a_finished_request_frees():
+    """The engine (multi_page, in place): A runs in the top run; a bystander leaves 16 free pages, none
+    consecutive; B (8 pages) waits at the head of the queue, holding nothing, while A runs; when A finishes B is
+    admitted into A's run and equals its run alone, bitwise. Integrity holds after every step."""
+    from tests.serve.test_model_runner_in_place import alone, engine
+    eng = engine(policy="multi_page", num_pages=40)
+    a = eng.submit(tokens(130, 20), 4)
+    eng.step()
+    run = eng.requests[a].state_pages[0]
+    assert run == tuple(range(34, 40))
+    checkerboard(eng.pool, 40)
+    prompt = tokens(131, 20)
+    b = eng.submit(prompt, 4, record_logits=True)
+    waited = 0
+    while True:
+        a_ran = eng.requests[a].status is not RequestStatus.FINISHED        # when this step began
+        if not eng.step():
+            break
+        eng.pool.check_integrity()
+        req_b = eng.requests[b]
+        if req_b.status is RequestStatus.WAITING:
+            assert a_ran and req_b.state_pages == [], "B waited although A had finished (its run was free)"
+            waited += 1
+        elif req_b.status is RequestStatus.PREFILL:
+            assert req_b.state_pages[0] == run
+    assert waited >= 3 and eng.result(a).reason == ""
+    ref = alone(prompt, 4, policy="multi_page")
+    assert eng.result(b).output_tokens == ref.output_tokens and torch.equal(eng.result(b).logits, ref.logits)
+
+
+def test_eviction_opens_a_run_for_the_state():
+    """With a prefix cache, the free pages are not consecutive but the cache's checkpoints (6 consecutive pages
+    each) are evictable: admission evicts (LRU) until a run is free, and the request runs there."""
+    from tests.serve.test_model_runner_in_place import alone, engine
+    eng = engine(cache=True, policy="multi_page", num_pages=40)
+    eng.generate(tokens(140, 40), 2)
+    assert eng.cache.stats().checkpoints >= 1 and not eng.running
+    checkerboard(eng.pool, 40)
+    assert not eng.pool.can_alloc_runs([6]) and eng.cache.evictable_pages() > 0
+    prompt = tokens(141, 10)
+    rid = eng.submit(prompt, 3, record_logits=True)
+    eng.step()
+    req = eng.requests[rid]
+    assert req.status is not RequestStatus.REJECTED and eng.pool.is_run(req.state_pages[0])
+    assert eng.cache.stats().evicted_checkpoints >= 1
+    eng.cache.check_integrity()
+    eng.run_until_idle()
+    ref = alone(prompt, 3, policy="multi_page")
+    assert eng.result(rid).output_tokens == ref.output_tokens and torch.equal(eng.result(rid).logits, ref.logits)

@@ -64,6 +64,29 @@ def test_pool_check_holds_one_max_length_request_and_fits_in_memory():
         spec.check_pool(model.cfg, memory_bytes=spec.pool_pages(model.cfg) * page_bytes - 1)
 
 
+def test_pool_check_counts_the_k_plus_1_state_slots_of_snapshot_speculation():
+    """With k = 2 speculative tokens a running request holds 3 state slots: the one-request boundary and the
+    default pool grow by 2 states, and a request at the boundary runs (before, a pool sized for one slot let it
+    through, and the request was then rejected: it could never fit)."""
+    from serve.http.model import SpeculativeConfig
+    model = load_model("demo-tiny")
+    plain = EngineSpec("demo-tiny", max_model_len=64, max_num_seqs=2)
+    spec = EngineSpec("demo-tiny", max_model_len=64, max_num_seqs=2, speculative=SpeculativeConfig(
+        num_speculative_tokens=2))
+    state = spec.config.layout(model.cfg).state_pages
+    assert spec.state_slots_per_request == 3
+    assert spec.pool_pages(model.cfg) == plain.pool_pages(model.cfg) + 2 * 2 * 2 * state
+    need = 3 * state + 64 // spec.block_size
+    with pytest.raises(ValueError, match=f"num_pages={need - 1} cannot hold one request .*{3 * state} state pages"):
+        build_engine(EngineSpec("demo-tiny", max_model_len=64, max_num_seqs=2, num_pages=need - 1,
+                                speculative=spec.speculative), model)
+    engine = build_engine(EngineSpec("demo-tiny", max_model_len=64, max_num_seqs=2, num_pages=need,
+                                     speculative=spec.speculative), model)
+    assert engine.memory.slots_per_request == 3
+    result = engine.generate(list(range(1, 40)), 24)
+    assert result.reason == "" and len(result.output_tokens) == 24
+
+
 @pytest.mark.parametrize(("argv", "warned"), [([], False), (["--state-dtype", "bf16"], True),
                                               (["--state-dtype", "bf16", "--no-prefix-cache"], False)],
                          ids=["fp32", "bf16", "bf16-no-cache"])

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from serve.memory.pool import PageError, PageKind, PagePool, PoolExhausted
+from serve.memory.pool import NoFreeRun, PageError, PageKind, PagePool, PoolExhausted
 
 MLA, KDA = PageKind.MLA_KV, PageKind.KDA_STATE
 
@@ -203,9 +203,27 @@ def test_check_integrity_catches_corruption():
         pool.check_integrity()
     pool._count[MLA] -= 1
     pool.check_integrity()
-    pool._free.append(p)
-    with pytest.raises(AssertionError):
+    pool._free.push([p])                                                # a used page among the free ids
+    with pytest.raises(AssertionError, match="free list length"):
         pool.check_integrity()
+
+
+def test_free_pages_check_integrity_catches_a_broken_heap_or_map():
+    """The free ids' own invariants: a min-heap, each id once, the byte map marking exactly them."""
+    from serve.memory.free_pages import FreePages
+    free = FreePages(6)
+    assert free.pop_lowest(2) == [0, 1] and free.check_integrity() == {2, 3, 4, 5}
+    free._heap[0], free._heap[-1] = free._heap[-1], free._heap[0]
+    with pytest.raises(AssertionError, match="min-heap"):
+        free.check_integrity()
+    free = FreePages(6)
+    free._map[0] = 0
+    with pytest.raises(AssertionError, match="free map"):
+        free.check_integrity()
+    free = FreePages(6)
+    free._heap.append(5)
+    with pytest.raises(AssertionError, match="twice"):
+        free.check_integrity()
 
 
 @pytest.mark.parametrize("pages", [[True], [True, 0], [1.0], [0, 1.0]], ids=["True", "True-and-0", "1.0", "0-and-1.0"])
@@ -220,4 +238,49 @@ def test_decref_and_incref_reject_non_int_ids(pages):
         pool.incref(pages, "r1")
     assert pool.page_table() == snapshot and pool.num_free == 2
     pool.decref(held, "r1")
+    pool.check_integrity()
+
+
+def test_alloc_runs_takes_the_highest_free_run_and_single_pages_the_lowest():
+    """Runs (a multi-page state slot) come from the high end, single pages from the low end: the two kinds grow
+    towards each other; a freed run is refilled by the next run of its size."""
+    pool = PagePool(12, 64)
+    assert pool.alloc_run(KDA, 4, "a") == [8, 9, 10, 11]
+    assert pool.alloc(MLA, 2, "b") == [0, 1]
+    assert pool.alloc_runs(KDA, [3, 2], "c") == [[5, 6, 7], [3, 4]]
+    pool.decref([8, 9, 10, 11], "a")
+    assert pool.longest_free_run() == 4 and pool.alloc_run(KDA, 4, "d") == [8, 9, 10, 11]
+    assert pool.is_run([3, 4, 5]) and not pool.is_run([3, 5]) and not pool.is_run([])
+    pool.check_integrity()
+
+
+def test_no_free_run_when_enough_pages_are_free_changes_nothing():
+    """A fragmented pool (every other page held) has 6 free pages but no run of 2: alloc_runs raises NoFreeRun
+    (a PoolExhausted) naming the run and the longest free run, and the pool is unchanged."""
+    pool = PagePool(12, 64)
+    held = pool.alloc(MLA, 12, "a")
+    pool.decref(held[::2], "a")
+    before = pool.page_table(), sorted(pool._free)
+    assert not pool.can_alloc_runs([2]) and pool.can_alloc_runs([1] * 6) and not pool.can_alloc_runs([1] * 7)
+    with pytest.raises(NoFreeRun, match="no run of 2 consecutive free pages.*6 pages free, the longest run 1") as e:
+        pool.alloc_runs(KDA, [1, 2], "b")
+    assert isinstance(e.value, PoolExhausted) and (e.value.needed, e.value.free, e.value.longest) == (2, 6, 1)
+    assert (pool.page_table(), sorted(pool._free)) == before
+    with pytest.raises(PoolExhausted) as e:
+        pool.alloc_runs(KDA, [4, 3], "b")
+    assert not isinstance(e.value, NoFreeRun)
+    with pytest.raises(ValueError, match="size"):
+        pool.alloc_runs(KDA, [0], "b")
+    pool.check_integrity()
+
+
+def test_no_free_run_names_the_longest_run_left_for_it():
+    """Free runs of 4 and 7 pages: runs of 6 and 5 do not fit (the first takes 6 of the 7); the error names the
+    longest run left for the second (4), not the 7 the pool had before the call."""
+    pool = PagePool(12, 64)
+    held = pool.alloc(MLA, 12, "a")
+    pool.decref(held[:4] + held[5:], "a")                                # free: 0..3 and 5..11
+    with pytest.raises(NoFreeRun, match="no run of 5 .* the longest run 4") as e:
+        pool.alloc_runs(KDA, [6, 5], "b")
+    assert e.value.longest == 4 and pool.longest_free_run() == 7
     pool.check_integrity()

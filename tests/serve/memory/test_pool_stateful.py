@@ -1,5 +1,6 @@
-"""Hypothesis stateful test: random alloc / incref / decref / fork / append / free on both page kinds,
-replayed against an obviously-correct oracle pool (a free set and a Counter of holders per page)."""
+"""Hypothesis stateful test: random alloc / alloc_runs / incref / decref / fork / append / free on both page kinds,
+replayed against an obviously-correct oracle pool (a free set and a Counter of holders per page; single pages are
+the smallest free ids, a run the highest run of free ids, found by scanning every start)."""
 import dataclasses
 from collections import Counter
 
@@ -14,7 +15,7 @@ from kda_core.layer import KDACache
 from serve.memory.layout import CacheLayout
 from serve.memory.paged_mla import PagedMLACache
 from serve.memory.pages import read_state, write_state
-from serve.memory.pool import PageError, PageKind, PagePool, PoolExhausted
+from serve.memory.pool import NoFreeRun, PageError, PageKind, PagePool, PoolExhausted
 
 LM, BS, D = 2, 4, 6                   # MLA layers, block size (tokens), latent width
 PAGE_BYTES = 1024                     # one fp32 KV block (192 B) + padding; a KDA state spans 8 or 9 pages
@@ -36,6 +37,11 @@ class OraclePool:
         for p in pages:
             self.free.remove(p)
             self.kind[p], self.holders[p] = kind, Counter({owner: 1})
+
+    def highest_run(self, n, free):
+        """First id of the highest run of ``n`` ids in ``free`` (None if none)."""
+        starts = [s for s in free if all(s + i in free for i in range(n))]
+        return max(starts, default=None)
 
     def incref(self, pages, owner):
         for p in pages:
@@ -77,7 +83,32 @@ class PoolMachine(RuleBasedStateMachine):
             assert (e.value.needed, e.value.free) == (n, len(self.oracle.free))
             assert self._snapshot() == before              # a failed alloc leaves the pool unchanged
         else:
-            self.oracle.alloc(self.pool.alloc(kind, n, owner), kind, owner)
+            pages = self.pool.alloc(kind, n, owner)
+            assert pages == sorted(self.oracle.free)[:n]     # single pages: the smallest free ids
+            self.oracle.alloc(pages, kind, owner)
+
+    @rule(kind=st.sampled_from(KINDS), sizes=st.lists(st.integers(1, 6), min_size=1, max_size=3),
+          owner=st.sampled_from(OWNERS))
+    def alloc_runs(self, kind, sizes, owner):
+        before = self._snapshot()
+        free, want = set(self.oracle.free), []
+        for n in sizes:                                    # each run the highest free run at its turn
+            first = self.oracle.highest_run(n, free)
+            if first is None:
+                break
+            want.append(list(range(first, first + n)))
+            free -= set(want[-1])
+        assert self.pool.can_alloc_runs(sizes) == (len(want) == len(sizes))
+        if len(want) < len(sizes):
+            with pytest.raises(PoolExhausted) as e:
+                self.pool.alloc_runs(kind, sizes, owner)
+            assert isinstance(e.value, NoFreeRun) == (sum(sizes) <= len(self.oracle.free))
+            assert self._snapshot() == before              # a failed alloc leaves the pool unchanged
+            return
+        runs = self.pool.alloc_runs(kind, sizes, owner)
+        assert runs == want and all(self.pool.is_run(r) for r in runs)
+        for r in runs:
+            self.oracle.alloc(r, kind, owner)
 
     def _raw_pages(self):  # pages held by the raw owners a / b / c
         return sorted((p, o) for p, h in self.oracle.holders.items() for o in h if o in OWNERS)
