@@ -48,7 +48,6 @@ from serve.memory.pool import PagePool
 from serve.memory.replay_state_write import ReplayStateWrite
 from serve.prefix.cache import PrefixCache
 from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
-from serve.spec_decode.snapshot import SnapshotRollback
 from serve.spec_decode.verify import Speculation, draft_budget
 
 STATE_WRITES = ("slot", "replay_ssm")
@@ -62,17 +61,6 @@ class EngineFailure(RuntimeError):
 
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
-
-
-def _snapshot_slots(speculation: Speculation | None) -> int | None:
-    """k + 1 state slots per request for snapshot speculation of k drafts stored in fp32 (the verify row writes
-    the state after each token into one by index; vLLM's speculative Mamba blocks), else None."""
-    if speculation is None:
-        return None
-    strategy = speculation.strategy()
-    if isinstance(strategy, SnapshotRollback) and strategy.store_dtype == torch.float32:
-        return speculation.num_draft_tokens + 1
-    return None
 
 
 class ServeEngine:
@@ -133,7 +121,7 @@ class ServeEngine:
         self.replay = ReplayStateWrite(model.cfg, ring_size) if state_write == "replay_ssm" else None
         self.runner = ModelRunner(model, pool, self.layout, pad_decode=pad_decode, replay=self.replay)
         self.memory = RequestMemory(pool, self.layout, prefix_cache, self.config, self.replay,
-                                    runs=any(self.runner.in_place), spec_slots=_snapshot_slots(speculation))
+                                    runs=any(self.runner.in_place), spec_slots=speculation and speculation.snapshot_slots())
         self.sched_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, num_state_slots, max_prefill_chunk,
                                             exact_state=self.config.state_dtype == torch.float32)
         self.scheduler = Scheduler(self.sched_config, self.memory)

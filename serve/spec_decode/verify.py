@@ -314,3 +314,11 @@ class Speculation(NamedTuple):
         make_strategy(strategy, num_draft_tokens + 1, capacity, store_dtype)
         return cls(proposer, functools.partial(make_strategy, strategy, num_draft_tokens + 1, capacity, store_dtype),
                    num_draft_tokens)
+
+    def snapshot_slots(self) -> int | None:
+        """k + 1 state slots per request for snapshot speculation of k drafts stored in fp32 (the verify row
+        writes the state after each token into one by index; vLLM's speculative Mamba blocks), else None."""
+        strategy = self.strategy()
+        if isinstance(strategy, SnapshotRollback) and strategy.store_dtype == torch.float32:
+            return self.num_draft_tokens + 1
+        return None
