@@ -1,15 +1,39 @@
 """Page 06's data: page tables under sharing, fragmentation vs block size, bytes saved by sharing."""
 import numpy as np
 import pytest
+import torch
 
 from lab.mla_paging import (
     GATHER_BLOCKS,
+    demo_layout,
     fragmentation_vs_block_size,
     gather_grid,
     page06,
     page_table_demo,
     prefix_sharing_bytes,
 )
+from serve.memory.pages import read_kv, write_kv
+from serve.memory.pool import PageKind, PagePool
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 48], ids=lambda t: f"L{t}")
+def test_read_kv_into_a_buffer(tokens):
+    """read_kv(out=) (the gathers page 06 times) equals read_kv into a new tensor bitwise for every MLA layer, and
+    aliases the buffer; a buffer of the wrong shape is refused by name."""
+    lay = demo_layout(16)                                                # 2 MLA layers: M = 2
+    M, N, R = lay.kv_block_shape
+    nb = -(-tokens // N)
+    pool = PagePool(2 * nb + 1, lay.page_bytes)
+    pool.alloc(PageKind.MLA_KV, 1, "other")                              # the table does not start at page 0
+    table = pool.alloc(PageKind.MLA_KV, nb, "r")[::-1]                   # and runs backwards
+    gen = torch.Generator().manual_seed(0)
+    write_kv(lay, pool, table, 0, [torch.randn(1, tokens, R, generator=gen) for _ in range(M)])
+    out = torch.full((M, nb * N, R), float("nan"))
+    got, want = read_kv(lay, pool, table, tokens, out=out), read_kv(lay, pool, table, tokens)
+    for m in range(M):
+        assert torch.equal(got[m], want[m]) and got[m].data_ptr() == out[m].data_ptr()
+    with pytest.raises(ValueError, match="out must be"):
+        read_kv(lay, pool, table, tokens, out=torch.empty(M, nb * N + 1, R))
 
 
 @pytest.mark.parametrize("bs, a, shared, own", [(16, 100, 40, 30), (4, 37, 37, 0), (8, 64, 0, 9), (1, 20, 7, 3)],
