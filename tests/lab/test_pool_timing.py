@@ -10,7 +10,9 @@ from lab.pool_timing import (
     alloc_free_throughput,
     call_latencies_ns,
     gather_cases,
+    gather_cases_by_context,
     gather_timing,
+    gather_timings,
     latency_histogram,
     one_mla_layout,
     one_thread,
@@ -97,6 +99,22 @@ def test_gather_cases_allocate_nothing_large_when_timed():
     lat = cases.buffers["contiguous"]
     assert torch.equal(cases.buffers["paged"][:, :L], lat) and torch.equal(cases.buffers["attn_paged"][:, :L], lat)
     assert torch.equal(cases.buffers["naive_cat"], lat.reshape(-1))
+
+
+def test_gather_cases_by_context_read_each_prefix():
+    """The contexts of one set-up (page 06's grid) each read exactly their first L tokens, through the page table, into
+    views of shared buffers; the timing of each context is its own."""
+    by_context = gather_cases_by_context([40, 7, 100], 16, 12, 8)
+    full = by_context[2].fns["contiguous"]().clone()                      # [1, 100, 12]
+    for L, cases in zip([40, 7, 100], by_context):
+        assert torch.equal(cases.fns["paged"]()[:, :L], full[:, :L])
+        assert torch.equal(cases.fns["naive_cat"](), full[0, :L].reshape(-1))
+        assert torch.equal(cases.fns["contiguous"](), full[:, :L])
+        assert cases.fns["attn_paged"]().shape == cases.fns["attn_contiguous"]().shape == (1, 8, 8)
+    timed = gather_timings([40, 7], 16, latent_dim=12, kv_lora_rank=8, repeats=5)
+    assert [g.context_tokens for g in timed] == [40, 7] and all(len(g.timings["paged"].samples_s) == 5 for g in timed)
+    with pytest.raises(ValueError, match="contexts"):
+        gather_timings([], 16)
 
 
 # Run in a child: mallopt is process-wide and the server's threshold would stay set for later tests.
