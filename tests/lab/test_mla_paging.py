@@ -102,6 +102,22 @@ def test_page06_is_one_call_of_plain_data():
     assert page06(8, 40, 20, 5, 3, 0, 0).sharing is None       # page 06 explains this case itself
 
 
+def test_gather_grid_sets_up_once_per_block_size(monkeypatch):
+    """Page 06's grid writes one request per block size and times every context on its first L tokens (the set-up
+    was per cell: 20 writes at the default 2,048 tokens, ~35 % of the page's script time); rows stay context-major."""
+    import lab.pool_timing as pool_timing
+    written, engine_write_kv = [], pool_timing.write_kv
+
+    def write_kv(layout, pool, table, start, latents):
+        written.append((layout.kv_block_shape[1], latents[0].shape[1]))
+        return engine_write_kv(layout, pool, table, start, latents)
+
+    monkeypatch.setattr(pool_timing, "write_kv", write_kv)
+    rows = gather_grid(512, repeats=5).rows
+    assert written == [(b, 512) for b in GATHER_BLOCKS]
+    assert list(zip(rows.context_tokens, rows.block_size)) == [(L, b) for L in (256, 512) for b in GATHER_BLOCKS]
+
+
 def test_gather_grid_medians_ratios_and_conditions():
     """Page 06's gathers follow the measurement rule: medians of interleaved repeats after a warm-up, a ratio
     of medians with the quartiles of the per-round ratio, one thread, and the conditions for the stamp (the
