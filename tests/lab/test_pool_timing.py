@@ -123,6 +123,9 @@ import statistics
 from lab.pool_timing import gather_timing
 from serve.process_memory import fix_mmap_threshold
 res = {1 << 20: [], 32 << 20: []}
+if not fix_mmap_threshold(1 << 20):     # no glibc mallopt here: nothing to compare
+    print("no-mallopt")
+    raise SystemExit
 for _ in range(5):                      # interleaved: the server's 1 MiB threshold, then glibc's 32 MiB maximum
     for threshold, rows in res.items():
         assert fix_mmap_threshold(threshold)
@@ -146,6 +149,8 @@ def test_gather_ratio_does_not_depend_on_the_mmap_threshold():
     out = subprocess.run([sys.executable, "-c", AB_UNDER_THRESHOLDS], capture_output=True, text=True, timeout=60,
                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
     assert out.returncode == 0, out.stderr[-2000:]
+    if out.stdout.strip() == "no-mallopt":
+        pytest.skip("no glibc mallopt on this platform: the server's mmap threshold is not set here either")
     ratio_server, copy_server, ratio_plain, copy_plain = map(float, out.stdout.split())
     assert 1 / 1.5 <= ratio_server / ratio_plain <= 1.5, (ratio_server, ratio_plain)
     assert 1 / 2 <= copy_server / copy_plain <= 2, (copy_server, copy_plain)
