@@ -128,12 +128,15 @@ with part3:
     show_chart(fig3, gdf, key="p06_gather")
     measured_stamp(grid.conditions)
     st.caption(f"Each point: the ratio of the medians; bars: the quartiles of the per-round ratio. One MLA layer's "
-               f"latents [L, {KIMI.latent_dim}] fp32 read into a new tensor: contiguous `clone` vs the "
-               "engine's `read_kv` (one `index_select` over a scattered page table) vs `torch.cat` of per-token tensors.")
+               f"latents [L, {KIMI.latent_dim}] fp32 read into a buffer allocated before the timing: contiguous `copy_` "
+               "vs the engine's `read_kv` (one `index_select` over a scattered page table) vs `torch.cat` of per-token "
+               "tensors.")
     with st.expander("How the gather is timed"):
         st.markdown(f"Latent width {KIMI.latent_dim} = Kimi's {KIMI.kv_lora_rank} + {KIMI.qk_rope_head_dim} (rope). "
                     f"Per cell, every contender runs once untimed, then {GATHER_REPEATS} rounds in a rotating order, "
-                    "single-threaded. A point is the ratio of the two medians; its bars span the quartiles of the "
+                    "single-threaded, each writing into its own buffer allocated and written beforehand (a fresh "
+                    "tensor of 1 MiB or more per call would time the allocator's page faults, not the copy). "
+                    "A point is the ratio of the two medians; its bars span the quartiles of the "
                     "per-round ratio (both contenders ran in the same round, so a slow phase of the shared CPU hits "
                     "both). The naive line pools the cells of every block size at a context (it does not depend on "
                     "N). The CSV holds the medians (µs) and decode attention over contiguous latents vs read + "

@@ -50,7 +50,7 @@ def main(argv=None):
         f"{k} p50 {r['p50_ns']:,.0f} ns, p99 {r['p99_ns']:,.0f} ns" for k, r in lat_row.items()))
 
     gat = [gather_timing(L, bs, repeats=args.repeats) for L in args.contexts for bs in args.block_sizes]
-    print("(c) read one layer's latents [L, 576] fp32 into a new tensor (us, median)")
+    print("(c) read one layer's latents [L, 576] fp32 into a buffer allocated before the timing (us, median)")
     print(f"{'L':>6} {'bs':>4} {'contig':>9} {'paged':>9} {'cat':>9} {'paged/contig':>12} "
           f"{'cat/contig':>10} {'attn paged/contig':>17}")
     for g in gat:

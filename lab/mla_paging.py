@@ -7,7 +7,7 @@
   each request's last block) and page-table entries, vs block size, for a set of context lengths.
 - :func:`prefix_sharing_bytes`: MLA_KV bytes held by N requests that share a prefix through reference
   counts vs the same requests with private copies, measured as pages in use in the pool.
-- :func:`gather_grid`: the engine's paged read vs a contiguous copy, measured (:func:`lab.pool_timing.gather_timing`);
+- :func:`gather_grid`: the engine's paged read vs a contiguous copy, measured (:func:`lab.pool_timing.gather_timings`);
   a call of its own, so a page can cache (and re-measure) it apart from the rest.
 - :func:`page06`: page 06's one call for everything that is not a timing, as plain data.
 Every cache is the engine's: :class:`serve.memory.layout.CacheLayout` of the demo model (2 MLA layers x
@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 
 from kda_core.config import PRESETS
-from lab.pool_timing import gather_timing, ratio_spread
+from lab.pool_timing import gather_timings, ratio_spread
 from lab.threads import one_thread
 from lab.timing import Conditions, conditions, summarize
 from serve.memory.layout import CacheLayout
@@ -187,13 +187,15 @@ class GatherGrid:
 def gather_grid(max_ctx: int, repeats: int = GATHER_REPEATS) -> GatherGrid:
     """Measure :func:`lab.pool_timing.gather_timing` (Kimi-Linear's latent, ``repeats`` interleaved rounds
     after a warm-up per cell) for contexts :data:`GATHER_CONTEXTS` up to ``max_ctx`` tokens and block sizes
-    :data:`GATHER_BLOCKS`. Raises ValueError for ``max_ctx`` < 256 or ``repeats`` < 5."""
+    :data:`GATHER_BLOCKS`; per block size the contexts share one set-up (:func:`lab.pool_timing.gather_timings`).
+    Raises ValueError for ``max_ctx`` < 256 or ``repeats`` < 5."""
     ctx = [c for c in GATHER_CONTEXTS if c <= max_ctx]
     if not ctx:
         raise ValueError(f"max_ctx must be >= 256, got {max_ctx}")
     with one_thread():
         cond = conditions(repeats, 1)
-    cells = [gather_timing(L, b, KIMI.latent_dim, KIMI.kv_lora_rank, repeats=repeats) for L in ctx for b in GATHER_BLOCKS]
+    by_block = [gather_timings(ctx, b, KIMI.latent_dim, KIMI.kv_lora_rank, repeats=repeats) for b in GATHER_BLOCKS]
+    cells = [by_block[j][i] for i in range(len(ctx)) for j in range(len(GATHER_BLOCKS))]   # context-major rows
     rows = []
     for g in cells:
         paged, naive, attn = g.spread(), g.spread("naive_cat"), g.spread("attn_paged", "attn_contiguous")

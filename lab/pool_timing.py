@@ -7,10 +7,11 @@
   :func:`latency_histogram`, their log-spaced histogram (a linear-bin histogram drawn on a log axis
   loses its first bin, which starts at 0 ns, i.e. most of the data).
 - Reading a request's MLA latents the way the engine does (:func:`serve.memory.pages.read_kv`: one
-  index over the page table, into a new tensor) against a contiguous copy into a new tensor
-  (``clone``, the floor for moving those bytes) and a naive ``torch.cat`` of per-token tensors; plus
-  absorbed decode attention (:func:`kda_core.layer.latent_attention`) over contiguous latents vs
-  read-then-attend.
+  index over the page table) against a contiguous copy (``copy_``, the floor for moving those bytes)
+  and a naive ``torch.cat`` of per-token tensors, each into a buffer allocated and written before the
+  timing (:func:`gather_cases`: a new >= 1 MiB tensor per call would time the allocator's page faults,
+  not the copy); plus absorbed decode attention (:func:`kda_core.layer.latent_attention`) over
+  contiguous latents vs read-then-attend.
 
 Every timing goes through :func:`lab.timing.measure`: a warm-up, then ``repeats`` interleaved rounds in a
 rotating order; times are medians, ratios are the ratio of two medians measured in the same call, and their
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -188,9 +190,9 @@ class GatherTiming(NamedTuple):
 
     context_tokens: int
     block_size: int
-    contiguous_us: float      # lat.clone(): one copy of the bytes into a new tensor
-    paged_us: float           # serve.memory.pages.read_kv: one index over the page table, into a new tensor
-    naive_cat_us: float       # torch.cat of L per-token [D] tensors (into a new tensor)
+    contiguous_us: float      # buffer.copy_(lat): one copy of the bytes (into a preallocated buffer, as all gathers)
+    paged_us: float           # serve.memory.pages.read_kv(out=buffer): one index over the page table
+    naive_cat_us: float       # torch.cat(out=buffer) of L per-token [D] tensors
     attn_contiguous_us: float  # latent_attention over the contiguous latents
     attn_paged_us: float      # read_kv + latent_attention
     timings: dict[str, Timing]  # per case in GATHER_CASES: median, quartiles, min / max and samples (s)
@@ -219,47 +221,97 @@ def one_mla_layout(block_size: int, latent_dim: int = 576, kv_lora_rank: int = 5
     return CacheLayout.for_policy(cfg, block_size, 1, "multi_page")
 
 
-def _gather_cases(context_tokens: int, block_size: int, latent_dim: int, kv_lora_rank: int, num_heads: int,
-                  seed: int, scatter: bool) -> list:
-    """The callables of :func:`gather_timing`, one per case of :data:`GATHER_CASES`, over one request's seeded
-    latents ``[1, L, D]`` written into a pool through its page table."""
+class GatherCases(NamedTuple):
+    """What :func:`gather_timing` times: ``fns`` one callable per case of :data:`GATHER_CASES`; ``buffers`` the
+    preallocated output of each gather case (``contiguous`` ``[1, L, D]``, ``paged`` ``[1, NB * N, D]``,
+    ``naive_cat`` ``[L * D]``, ``attn_paged`` ``[1, NB * N, D]``: the latents read before attending), every one
+    allocated and written before any timing. Each gather writes into its buffer instead of a new tensor: a new
+    tensor of >= 1 MiB is a fresh mmap under the server's threshold (:func:`serve.process_memory.fix_mmap_threshold`),
+    and its page faults would dominate the copy being measured."""
+
+    fns: dict[str, Callable[[], torch.Tensor]]
+    buffers: dict[str, torch.Tensor]
+
+
+def gather_cases(context_tokens: int, block_size: int, latent_dim: int = 576, kv_lora_rank: int = 512,
+                 num_heads: int = 8, seed: int = 0, scatter: bool = True) -> GatherCases:
+    """The :class:`GatherCases` of :func:`gather_timing` over one request's seeded latents ``[1, L, D]`` written into
+    a pool through its page table (``scatter``: every other page, as :func:`gather_timing`)."""
+    return gather_cases_by_context([context_tokens], block_size, latent_dim, kv_lora_rank, num_heads, seed,
+                                   scatter)[0]
+
+
+def gather_cases_by_context(contexts: Sequence[int], block_size: int, latent_dim: int = 576, kv_lora_rank: int = 512,
+                            num_heads: int = 8, seed: int = 0, scatter: bool = True) -> list[GatherCases]:
+    """One :class:`GatherCases` per context L in ``contexts``, over the first L tokens of one request of max(L)
+    seeded latents written once into a pool through its page table (``scatter``: every other page); the cases
+    of every context share the buffers (views of their first elements), allocated and written here."""
     lay = one_mla_layout(block_size, latent_dim, kv_lora_rank)
     gen = torch.Generator().manual_seed(seed)
-    lat = torch.randn(1, context_tokens, latent_dim, generator=gen)       # [1, L, D]
-    nb = -(-context_tokens // block_size)
-    pool = PagePool(2 * nb if scatter else nb, lay.page_bytes)
+    top = max(contexts)
+    lat_all = torch.randn(1, top, latent_dim, generator=gen)             # [1, L_max, D]
+    nb_top = -(-top // block_size)
+    pool = PagePool(2 * nb_top if scatter else nb_top, lay.page_bytes)
     if scatter:  # hold every page, release every other one: our blocks land on every other page
-        held = pool.alloc(PageKind.MLA_KV, 2 * nb, "other")
+        held = pool.alloc(PageKind.MLA_KV, 2 * nb_top, "other")
         pool.decref(held[1::2], "other")
-    table = pool.alloc(PageKind.MLA_KV, nb, "r")
-    write_kv(lay, pool, table, 0, [lat])
-    tokens = lat[0].unbind(0)                                             # L views [D], one per token
+    table = pool.alloc(PageKind.MLA_KV, nb_top, "r")
+    write_kv(lay, pool, table, 0, [lat_all])
     q = torch.randn(1, num_heads, latent_dim, generator=gen)
     scale = latent_dim ** -0.5
+    flat = {case: torch.full((nb_top * block_size * latent_dim,), float("nan"))   # full(): allocated and written now
+            for case in ("contiguous", "paged", "naive_cat", "attn_paged")}
 
-    def attn_paged():
-        return latent_attention(q, read_kv(lay, pool, table, context_tokens)[0], kv_lora_rank, scale)
+    def cases(L: int) -> GatherCases:
+        lat = lat_all[:, :L]                                              # [1, L, D], contiguous
+        tokens = lat[0].unbind(0)                                         # L views [D], one per token
+        padded = -(-L // block_size) * block_size                         # NB * N
+        buf = {"contiguous": flat["contiguous"][: L * latent_dim].view(1, L, latent_dim),        # [1, L, D]
+               "paged": flat["paged"][: padded * latent_dim].view(1, padded, latent_dim),        # [1, NB * N, D]
+               "naive_cat": flat["naive_cat"][: L * latent_dim],                                  # [L * D]
+               "attn_paged": flat["attn_paged"][: padded * latent_dim].view(1, padded, latent_dim)}
 
-    return [lat.clone, lambda: read_kv(lay, pool, table, context_tokens), lambda: torch.cat(tokens),
-            lambda: latent_attention(q, lat, kv_lora_rank, scale), attn_paged]
+        def attn_paged():
+            return latent_attention(q, read_kv(lay, pool, table, L, out=buf["attn_paged"])[0], kv_lora_rank, scale)
+
+        fns = {"contiguous": lambda: buf["contiguous"].copy_(lat),
+               "paged": lambda: read_kv(lay, pool, table, L, out=buf["paged"])[0],
+               "naive_cat": lambda: torch.cat(tokens, out=buf["naive_cat"]),
+               "attn_contiguous": lambda: latent_attention(q, lat, kv_lora_rank, scale),
+               "attn_paged": attn_paged}
+        return GatherCases({case: fns[case] for case in GATHER_CASES}, buf)
+
+    return [cases(L) for L in contexts]
 
 
 def gather_timing(context_tokens: int, block_size: int, latent_dim: int = 576, kv_lora_rank: int = 512,
                   num_heads: int = 8, repeats: int = 7, seed: int = 0, scatter: bool = True) -> GatherTiming:
     """Time the engine's paged read (:func:`serve.memory.pages.read_kv`) vs a contiguous copy vs a naive
     per-token ``torch.cat`` of ``context_tokens`` latents of width ``latent_dim`` (default Kimi's 512 + 64,
-    one MLA layer, :func:`one_mla_layout`) in fp32, and decode attention over them.
+    one MLA layer, :func:`one_mla_layout`) in fp32, and decode attention over them. Every gather writes into
+    its own buffer, allocated and written before the timing (:func:`gather_cases`).
 
     ``scatter=True`` allocates the request's pages interleaved with another request's, so the page
     table is not one consecutive run (the realistic case). Each case runs once untimed, then ``repeats``
     interleaved rounds (:func:`lab.timing.measure`), single-threaded. Raises ValueError on non-positive
     sizes or ``repeats`` < :data:`lab.timing.MIN_REPEATS`.
     """
-    if context_tokens <= 0 or block_size <= 0 or latent_dim <= kv_lora_rank:
-        raise ValueError(f"need context_tokens > 0, block_size > 0, latent_dim > kv_lora_rank; got "
-                         f"{context_tokens}, {block_size}, {latent_dim}, {kv_lora_rank}")
+    return gather_timings([context_tokens], block_size, latent_dim, kv_lora_rank, num_heads, repeats, seed,
+                          scatter)[0]
+
+
+def gather_timings(contexts: Sequence[int], block_size: int, latent_dim: int = 576, kv_lora_rank: int = 512,
+                   num_heads: int = 8, repeats: int = 7, seed: int = 0, scatter: bool = True) -> list[GatherTiming]:
+    """:func:`gather_timing` at each context of ``contexts`` (in order, each measured on its own), set up once:
+    the contexts read the first L tokens of one request of max(L) tokens (:func:`gather_cases_by_context`).
+    Raises ValueError as :func:`gather_timing`, or for no contexts."""
+    if not len(contexts) or min(contexts) <= 0 or block_size <= 0 or latent_dim <= kv_lora_rank:
+        raise ValueError(f"need contexts > 0 (at least one), block_size > 0, latent_dim > kv_lora_rank; got "
+                         f"{list(contexts)}, {block_size}, {latent_dim}, {kv_lora_rank}")
+    out = []
     with one_thread():   # the set-up too: a two-thread copy of one page stalls for ms on the shared cores
-        fns = _gather_cases(context_tokens, block_size, latent_dim, kv_lora_rank, num_heads, seed, scatter)
-        timings, _ = measure(dict(zip(GATHER_CASES, fns)), repeats=repeats)
-    return GatherTiming(context_tokens, block_size, *(t.median_s * 1e6 for t in timings),
-                        {t.label: t for t in timings})
+        for L, cases in zip(contexts, gather_cases_by_context(contexts, block_size, latent_dim, kv_lora_rank,
+                                                              num_heads, seed, scatter)):
+            timings, _ = measure(cases.fns, repeats=repeats)
+            out.append(GatherTiming(L, block_size, *(t.median_s * 1e6 for t in timings), {t.label: t for t in timings}))
+    return out

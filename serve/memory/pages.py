@@ -117,20 +117,33 @@ def copy_state(pool: PagePool, src_by_group, dst_by_group) -> None:
             pool.copy_page(s, d)
 
 
-def read_kv(layout: CacheLayout, pool: PagePool, page_table, num_tokens: int) -> list[torch.Tensor]:
+def read_kv(layout: CacheLayout, pool: PagePool, page_table, num_tokens: int,
+            out: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The first ``num_tokens`` latents of a request, per MLA layer ``[1, num_tokens, r + rope]``
-    (one gather over the page table)."""
+    (one gather over the page table). ``out``: an optional fp32 buffer ``[M, NB * N, r + rope]`` (M MLA
+    layers, NB = ceil(num_tokens / N) blocks of N tokens) gathered into instead of a new tensor, so a
+    caller reading again and again allocates nothing; the returned views then alias it. Raises ValueError
+    for an ``out`` of another shape or dtype, or not contiguous."""
     _check(layout, pool)
     M, N, R = layout.kv_block_shape
     nb = -(-num_tokens // N)
     if nb > len(page_table):
         raise ValueError(f"page table holds {len(page_table)} blocks, {nb} needed for {num_tokens} tokens")
+    if out is not None and (out.shape != (M, nb * N, R) or out.dtype != torch.float32 or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous fp32 tensor of shape {(M, nb * N, R)}, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     if nb == 0:
         return [torch.zeros(1, 0, R) for _ in range(M)]
     arena = pool.typed_arena(torch.float32, (M, N, R))                    # [num_pages, M, N, R]
-    # index_select, not arena[idx]: advanced indexing of the strided arena view is ~3x slower here
-    blocks = arena.index_select(0, torch.as_tensor(list(page_table[:nb]), dtype=torch.long))  # [nb, M, N, R]
-    lat = blocks.permute(1, 0, 2, 3).reshape(M, nb * N, R)[:, :num_tokens]  # [M, num_tokens, R]
+    idx = torch.as_tensor(list(page_table[:nb]), dtype=torch.long)       # [nb]
+    if out is None:
+        # index_select, not arena[idx]: advanced indexing of the strided arena view is ~3x slower here
+        blocks = arena.index_select(0, idx)                               # [nb, M, N, R]
+        lat = blocks.permute(1, 0, 2, 3).reshape(M, nb * N, R)[:, :num_tokens]  # [M, num_tokens, R]
+    else:
+        for m in range(M):
+            torch.index_select(arena[:, m], 0, idx, out=out[m].view(nb, N, R))  # [nb, N, R]
+        lat = out[:, :num_tokens]                                         # [M, num_tokens, R]
     return [lat[m: m + 1] for m in range(M)]
 
 

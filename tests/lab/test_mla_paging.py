@@ -1,15 +1,39 @@
 """Page 06's data: page tables under sharing, fragmentation vs block size, bytes saved by sharing."""
 import numpy as np
 import pytest
+import torch
 
 from lab.mla_paging import (
     GATHER_BLOCKS,
+    demo_layout,
     fragmentation_vs_block_size,
     gather_grid,
     page06,
     page_table_demo,
     prefix_sharing_bytes,
 )
+from serve.memory.pages import read_kv, write_kv
+from serve.memory.pool import PageKind, PagePool
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 48], ids=lambda t: f"L{t}")
+def test_read_kv_into_a_buffer(tokens):
+    """read_kv(out=) (the gathers page 06 times) equals read_kv into a new tensor bitwise for every MLA layer, and
+    aliases the buffer; a buffer of the wrong shape is refused by name."""
+    lay = demo_layout(16)                                                # 2 MLA layers: M = 2
+    M, N, R = lay.kv_block_shape
+    nb = -(-tokens // N)
+    pool = PagePool(2 * nb + 1, lay.page_bytes)
+    pool.alloc(PageKind.MLA_KV, 1, "other")                              # the table does not start at page 0
+    table = pool.alloc(PageKind.MLA_KV, nb, "r")[::-1]                   # and runs backwards
+    gen = torch.Generator().manual_seed(0)
+    write_kv(lay, pool, table, 0, [torch.randn(1, tokens, R, generator=gen) for _ in range(M)])
+    out = torch.full((M, nb * N, R), float("nan"))
+    got, want = read_kv(lay, pool, table, tokens, out=out), read_kv(lay, pool, table, tokens)
+    for m in range(M):
+        assert torch.equal(got[m], want[m]) and got[m].data_ptr() == out[m].data_ptr()
+    with pytest.raises(ValueError, match="out must be"):
+        read_kv(lay, pool, table, tokens, out=torch.empty(M, nb * N + 1, R))
 
 
 @pytest.mark.parametrize("bs, a, shared, own", [(16, 100, 40, 30), (4, 37, 37, 0), (8, 64, 0, 9), (1, 20, 7, 3)],
@@ -76,6 +100,22 @@ def test_page06_is_one_call_of_plain_data():
     assert r.demo == page_table_demo(8, 40, 20, 5, seed=0) and r.sharing_block_size == 16
     assert list(r.sharing.num_requests) == [1, 2, 3] and list(r.fragmentation.block_size) == [2 ** i for i in range(11)]
     assert page06(8, 40, 20, 5, 3, 0, 0).sharing is None       # page 06 explains this case itself
+
+
+def test_gather_grid_sets_up_once_per_block_size(monkeypatch):
+    """Page 06's grid writes one request per block size and times every context on its first L tokens (the set-up
+    was per cell: 20 writes at the default 2,048 tokens, ~35 % of the page's script time); rows stay context-major."""
+    import lab.pool_timing as pool_timing
+    written, engine_write_kv = [], pool_timing.write_kv
+
+    def write_kv(layout, pool, table, start, latents):
+        written.append((layout.kv_block_shape[1], latents[0].shape[1]))
+        return engine_write_kv(layout, pool, table, start, latents)
+
+    monkeypatch.setattr(pool_timing, "write_kv", write_kv)
+    rows = gather_grid(512, repeats=5).rows
+    assert written == [(b, 512) for b in GATHER_BLOCKS]
+    assert list(zip(rows.context_tokens, rows.block_size)) == [(L, b) for L in (256, 512) for b in GATHER_BLOCKS]
 
 
 def test_gather_grid_medians_ratios_and_conditions():
