@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 
+from kda_core import cpu_mla
 from kda_core.chunk import CHUNK_SIZE, kda_chunk
 from kda_core.decode import kda_decode
 from kda_core.invariant import linear
@@ -554,6 +555,8 @@ class _Packed(NamedTuple):
     old_dst: torch.Tensor
     new_src: torch.Tensor
     new_dst: torch.Tensor
+    q_off: torch.Tensor
+    q_len: torch.Tensor
 
 
 def _pack_latents(meta: BatchMeta, qsl, slots, NB: int) -> _Packed:
@@ -575,7 +578,13 @@ def _pack_latents(meta: BatchMeta, qsl, slots, NB: int) -> _Packed:
     lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(slots))], dtype=torch.long)
     shift = torch.tensor([starts[i] + meta.context_lens[i] - qsl[i] for i in range(len(slots))], dtype=torch.long)
     new_src = torch.arange(qsl[-1])
-    return _Packed(starts, total, old_page, within, old_dst, new_src, new_src + torch.repeat_interleave(shift, lens))
+    q_off, q_len = [], []                                                 # decode and verify tokens: their latents
+    for i in range(meta.num_decode + meta.num_verify):
+        for t in range(qsl[i + 1] - qsl[i]):                              # token t of row i reads [0, L_i + t]
+            q_off.append(starts[i])
+            q_len.append(meta.context_lens[i] + t + 1)
+    return _Packed(starts, total, old_page, within, old_dst, new_src, new_src + torch.repeat_interleave(shift, lens),
+                   torch.tensor(q_off, dtype=torch.long), torch.tensor(q_len, dtype=torch.long))
 
 
 def _mla_decode_rows(m: MLALayer, meta: BatchMeta, packed: _Packed, q_cat, full) -> list:
@@ -617,8 +626,12 @@ def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx
         full[packed.old_dst] = kv_cache[packed.old_page, m_idx, packed.old_off]
     full[packed.new_dst] = lat_new[0, packed.new_src]
     nd, n_dv = meta.num_decode, meta.num_decode + meta.num_verify
-    q_cat = m.absorb_queries(qall[0, : qsl[n_dv]]) if n_dv else None     # [T_dv, Hm, r + rope] decode + verify tokens
-    o_rows = _mla_decode_rows(m, meta, packed, q_cat, full)              # decode rows, absorbed
+    c = cpu_mla.runs(full, qall, m.kv_b) if n_dv else None
+    if c is not None:                                                     # decode + verify tokens: one C call
+        q_cat, o_rows = None, [c.attend(m, qall[0, : qsl[n_dv]], full, packed.q_off, packed.q_len)[None]]
+    else:
+        q_cat = m.absorb_queries(qall[0, : qsl[n_dv]]) if n_dv else None  # [T_dv, Hm, r + rope] decode + verify tokens
+        o_rows = _mla_decode_rows(m, meta, packed, q_cat, full)          # decode rows, absorbed
     for i in range(nd, len(slots)):
         a, b = qsl[i], qsl[i + 1]
         L, T = meta.context_lens[i], b - a
@@ -633,9 +646,10 @@ def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx
             o_rows.append(o.transpose(1, 2).reshape(1, T, -1))            # [1, T, Hm vd]
             continue
         lat = full[s0:s1].unsqueeze(0)                                    # [1, L+T, R]: as MLALayer.attend_absorbed
-        o_lat = torch.stack([latent_attention(q_cat[a + t][None], lat[:, : L + t + 1].contiguous(), r, m.scale)
-                             for t in range(T)], dim=1)                   # [1, T, Hm, r]
-        o_rows.append(m.absorbed_output(o_lat))                           # [1, T, Hm vd]
+        if c is None:                                                     # (the C call above did its tokens)
+            o_lat = torch.stack([latent_attention(q_cat[a + t][None], lat[:, : L + t + 1].contiguous(), r, m.scale)
+                                 for t in range(T)], dim=1)               # [1, T, Hm, r]
+            o_rows.append(m.absorbed_output(o_lat))                       # [1, T, Hm vd]
         if i in verify:
             verify[i].layers[li] = lat.clone()                            # [1, L+T, R]
     _write_latents(kv_cache, m_idx, kv_pages, kv_offs, lat_new[0, kv_live])

@@ -1,0 +1,134 @@
+"""The C form of the absorbed MLA decode attention (:meth:`kda_core.layer.MLALayer.attend_absorbed`,
+``csrc/mla_cpu.c``): Q queries (decode and verify tokens), each over its own run of latents, in one call: the
+absorption of ``q_nope`` through ``W_uk``, the scores, the softmax, the latent output and its projection through
+``W_uv``. Its GEMMs are the row-invariant GEMM of :mod:`kda_core.cpu_invariant` (bitwise
+:meth:`MLALayer.absorb_queries` / :meth:`MLALayer.absorbed_output`); its scores, softmax and weighted sum are
+fixed-order FMA chains with a Cephes ``exp``, within :data:`RTOL` / :data:`ATOL` of the torch form
+(:func:`kda_core.layer.latent_attention`), not bitwise. A query's bits depend on its own query and latents only, and
+every absorbed attention of the process (the engine's decode and verify rows, the model's ``forward(mode=
+"recurrent")``) runs this form where it runs, so those agree bitwise.
+
+Chosen once per process (:func:`backend`): where :func:`kda_core.cpu_invariant.backend` runs the C GEMM and this
+library builds; else None (the torch form runs) and :func:`reason` says why.
+
+Shapes: Q queries, Hm heads, dq = nope + rope query width, r latent rank, R = r + rope latent width, vd value dim.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import torch
+
+from kda_core import cpu_invariant
+from kda_core.cpu_build import build, open_library
+
+SOURCE = Path(__file__).parent / "csrc" / "mla_cpu.c"
+FLAGS = ("-ffp-contract=off",)     # products outside the FMA chains rounded on their own
+RTOL = 1e-5                        # C form vs torch form on outputs of order 1 (exp a few ulp apart, then sums)
+ATOL = 1e-5
+
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+_lock = threading.Lock()
+_chosen: list = []                 # [the CMLA, or why there is none] (set once per process)
+_MODULE_ATTR = "_kda_mla_block"    # on the MLA layer: ((id, address, version) of kv_b, the _Block)
+
+
+class _Block(ctypes.Structure):
+    """``struct mla_block`` of the source: an MLA layer's sizes and packed absorption weights."""
+
+    _fields_ = [(n, _I) for n in ("Hm", "nope", "rope", "r", "vd")] + [
+        ("scale", _F), ("uk", _P), ("uv", _P), ("linear", _P)]
+
+
+class CMLA:
+    """The loaded library for the C GEMM ``gemm``'s path. Raises RuntimeError when it was not built for it."""
+
+    def __init__(self, path: Path, gemm: cpu_invariant.CInvariant):
+        lib = open_library(path, gemm.isa, "mla_vector_bits")
+        lib.mla_absorbed_f32.restype = _I
+        lib.mla_absorbed_f32.argtypes = [_I, _P, _L, _P, _L, _L, _P, _P, _P, _L, _P, _I]
+        self.lib, self.path, self.gemm = lib, path, gemm
+        self._run = lib.mla_absorbed_f32
+        self._linear = ctypes.cast(gemm.lib.linear_f32, _P).value
+
+    def _block(self, m) -> _Block:
+        """``m``'s :class:`_Block`, cached on the layer, rebuilt when ``kv_b`` was replaced or written in place."""
+        kv_b = m._parameters["kv_b"]                                        # (not nn.Module.__getattr__: µs)
+        key = (id(kv_b), kv_b.data_ptr(), kv_b._version)
+        hit = m.__dict__.get(_MODULE_ATTR)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        cfg, g = m.cfg, self.gemm
+        Hm, nope, vd, r = cfg.num_mla_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        wkv = kv_b.view(Hm, nope + vd, r)                                   # [Hm, nope + vd, r]
+        uk = (_L * Hm)(*(g.packed(wkv[h, :nope].T)[1] for h in range(Hm)))  # W_uk[h]^T [r, nope], as absorb_queries
+        uv = (_L * Hm)(*(g.packed(wkv[h, nope:])[1] for h in range(Hm)))    # W_uv[h] [vd, r], as absorbed_output
+        block = _Block(Hm, nope, cfg.qk_rope_head_dim, r, vd, m.scale, ctypes.addressof(uk), ctypes.addressof(uv),
+                       self._linear)
+        block._keep = (uk, uv)                                              # the address arrays it points to
+        m.__dict__[_MODULE_ATTR] = (key, block)
+        return block
+
+    def attend(self, m, q: torch.Tensor, lat: torch.Tensor, off: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        """Absorbed attention of MLA layer ``m``: queries q ``[Q, Hm, dq]`` fp32 over latents lat ``[N_lat, R]`` fp32,
+        query i over rows ``[off[i], off[i] + lens[i])`` (off, lens ``[Q]`` int64) -> ``[Q, Hm vd]``.
+
+        Raises ValueError for a latent run that is empty or outside lat; shapes and dtypes are the caller's."""
+        if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
+            q = q.contiguous()
+        if lat.stride(-1) != 1:
+            lat = lat.contiguous()
+        Q = q.shape[0]
+        out = q.new_empty((Q, m.cfg.num_mla_heads * m.cfg.v_head_dim))    # [Q, Hm vd]
+        rc = self._run(Q, q.data_ptr(), q.stride(0), lat.data_ptr(), lat.stride(0), lat.shape[0], off.data_ptr(),
+                       lens.data_ptr(), out.data_ptr(), out.shape[1], ctypes.byref(self._block(m)), _threads())
+        if rc == 3:
+            raise ValueError(f"every query needs a non-empty run of latents inside [0, {lat.shape[0]}), got offsets "
+                             f"{off.tolist()} and lengths {lens.tolist()}")
+        if rc:
+            raise RuntimeError(f"mla_absorbed_f32 failed with code {rc}")
+        return out
+
+
+_threads = torch.get_num_threads
+
+
+def load(gemm: cpu_invariant.CInvariant) -> CMLA:
+    """Build (when not cached) and load the library for ``gemm``'s path. Raises RuntimeError saying why it cannot."""
+    return CMLA(build(gemm.isa, SOURCE, FLAGS), gemm)
+
+
+def backend() -> CMLA | None:
+    """The C form every fp32 CPU no-grad absorbed MLA attention of this process runs, chosen on the first call
+    (later calls return the same answer); None where the C GEMM does not run (``KDA_CPU_GEMM=0``,
+    ``KDA_CPU_KERNEL=0``, no compiler) or this library fails (:func:`reason` says why)."""
+    if not _chosen:
+        with _lock:
+            if not _chosen:
+                gemm = cpu_invariant.backend()
+                try:
+                    if gemm is None:
+                        raise RuntimeError(f"no C GEMM: {cpu_invariant.reason()}")
+                    got = load(gemm)
+                except Exception as exc:          # any failure: the torch form runs, and the reason is kept
+                    got = str(exc) or type(exc).__name__
+                _chosen.append(got)
+    got = _chosen[0]
+    return None if isinstance(got, str) else got
+
+
+def reason() -> str | None:
+    """Why :func:`backend` is None (None when it is not); chooses first, as :func:`backend` does."""
+    backend()
+    return _chosen[0] if isinstance(_chosen[0], str) else None
+
+
+def runs(*tensors: torch.Tensor) -> CMLA | None:
+    """:func:`backend` where it runs ``tensors`` (all fp32 CPU, no autograd), else None (the torch form runs)."""
+    c = backend()
+    if c is None or any(t.dtype is not torch.float32 or not t.is_cpu for t in tensors) or \
+            torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    return c

@@ -1,0 +1,158 @@
+/* The absorbed MLA decode attention of kda_core.layer.MLALayer.attend_absorbed in one call (fp32), for Q queries
+ * (decode tokens and verify tokens), each over its own run of latents. kda_core/cpu_mla.py loads it.
+ *
+ * Per query i and head h, with latents c_j (R = r + rope floats each, rows lat[off_i .. off_i + len_i)):
+ *   qc_h = [q_nope_h W_uk[h] | q_rope_h]                     (W_uk[h] [nope, r]: the key half of kv_b's head h)
+ *   s_j = (qc_h . c_j) * scale;  p_j = exp(s_j - max s) / sum_j exp(s_j - max s)
+ *   o_h = (sum_j p_j c_j[:r]) W_uv[h]^T                      (W_uv[h] [vd, r]: the value half of kv_b's head h)
+ * and out_i = [o_0 | ... | o_{Hm-1}] (Hm vd floats).
+ *
+ * The absorption and the output are the row-invariant GEMM of invariant_cpu.c (its linear_f32 on its packed
+ * copies of W_uk[h]^T and W_uv[h], called through the pointer the loader passes): bitwise MLALayer.absorb_queries /
+ * absorbed_output. The dot product s_j is one FMA chain over the R values in order; the sum of the exps and each
+ * output value sum_j p_j c_j[d] one chain over j in order (exp: the Cephes expf of csrc/moe_cpu.c on 8 lanes, every
+ * element through the same lanes). So a query's bits depend on its own q and latents only: not on the other
+ * queries of the call nor on where its latents sit. Built with -ffp-contract=off: the products outside those FMA
+ * chains are rounded on their own.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <immintrin.h>
+
+typedef int (*linear_fn)(int M, int N, int K, const float *x, long ldx, const float *packed, float *out, long ldo,
+                         int threads);
+
+int mla_vector_bits(void) {
+#if defined(__AVX512F__)
+    return 512;
+#else
+    return 256;
+#endif
+}
+
+static inline __m256 exp8(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
+    x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));      /* NaN stays NaN (the second operand is returned) */
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
+}
+
+/* Sizes and weights of one MLA layer, built once by the loader: uk[h] = packed W_uk[h]^T ([r, nope]), uv[h] =
+ * packed W_uv[h] ([vd, r]) (invariant_cpu.c's linear_pack_f32); linear: invariant_cpu.c's linear_f32. */
+struct mla_block {
+    int Hm, nope, rope, r, vd;
+    float scale;
+    const long *uk, *uv;
+    linear_fn linear;
+};
+
+/* dst[c] = sum_j p[j] lat[j][c] for the next blocks of 8 NB values c < r: one FMA chain over j per value, NB chains at
+ * a time. */
+#define OUT_BLOCKS(NB, dst)                                                                                           \
+    for (; c + 8 * NB <= r; c += 8 * NB) {                                                                         \
+        __m256 acc[NB];                                                                                            \
+        for (int u = 0; u < NB; u++) acc[u] = _mm256_setzero_ps();                                                 \
+        for (long j = 0; j < n; j++) {                                                                             \
+            __m256 pj = _mm256_set1_ps(p[j]);                                                                      \
+            for (int u = 0; u < NB; u++) acc[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(lat + j * ldl + c + 8 * u), acc[u]); \
+        }                                                                                                          \
+        for (int u = 0; u < NB; u++) _mm256_storeu_ps((dst) + c + 8 * u, acc[u]);                                 \
+    }
+
+/* One query over all its heads: qc [Hm, R], latents lat (row stride ldl) rows [0, n) -> ol [Hm, r]. s: scratch of
+ * Hm (n + 8) floats; blk: 8 R floats. */
+static void attend_query(int Hm, const float *qc, const float *lat, long ldl, long n, int R, int r, float scale,
+                         float *s, float *blk, float *ol) {
+    const long ns = n + 8;
+    for (long j0 = 0; j0 < n; j0 += 8) {               /* s_hj = qc_h . c_j, one FMA chain over c per lane */
+        int m = n - j0 < 8 ? (int)(n - j0) : 8;
+        for (int c = 0; c < R; c++)                    /* 8 latents transposed: blk[c * 8 + l] */
+            for (int l = 0; l < 8; l++) blk[c * 8 + l] = l < m ? lat[(j0 + l) * ldl + c] : 0.0f;
+        for (int h0 = 0; h0 < Hm; h0 += 4) {           /* 4 heads at a time: 4 independent chains */
+            const float *q0 = qc + (long)h0 * R, *q1 = h0 + 1 < Hm ? q0 + R : q0;
+            const float *q2 = h0 + 2 < Hm ? q0 + 2 * R : q0, *q3 = h0 + 3 < Hm ? q0 + 3 * R : q0;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (int c = 0; c < R; c++) {
+                __m256 v = _mm256_loadu_ps(blk + c * 8);
+                a0 = _mm256_fmadd_ps(_mm256_set1_ps(q0[c]), v, a0);
+                a1 = _mm256_fmadd_ps(_mm256_set1_ps(q1[c]), v, a1);
+                a2 = _mm256_fmadd_ps(_mm256_set1_ps(q2[c]), v, a2);
+                a3 = _mm256_fmadd_ps(_mm256_set1_ps(q3[c]), v, a3);
+            }
+            __m256 sc = _mm256_set1_ps(scale), a[4] = {a0, a1, a2, a3};
+            for (int u = 0; u < 4 && h0 + u < Hm; u++)   /* the padded lanes land in the slack of s */
+                _mm256_storeu_ps(s + (h0 + u) * ns + j0, _mm256_mul_ps(a[u], sc));
+        }
+    }
+    for (int h = 0; h < Hm; h++) {
+        float *p = s + h * ns, *olh = ol + (long)h * r;
+        float mx = p[0];
+        for (long j = 1; j < n; j++) mx = p[j] > mx ? p[j] : mx;
+        float sum = 0.0f;
+        for (long j0 = 0; j0 < n; j0 += 8) {           /* exp(s - max) on 8 lanes; the sum in order */
+            int m = n - j0 < 8 ? (int)(n - j0) : 8;
+            float e[8];
+            _mm256_storeu_ps(e, exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j0), _mm256_set1_ps(mx))));
+            for (int l = 0; l < m; l++) {
+                p[j0 + l] = e[l];
+                sum = sum + e[l];
+            }
+        }
+        for (long j = 0; j < n; j++) p[j] = p[j] / sum;
+        int c = 0;
+        OUT_BLOCKS(4, olh)
+        OUT_BLOCKS(1, olh)
+        for (; c < r; c++) {                           /* the same chain, one value at a time */
+            float acc = 0.0f;
+            for (long j = 0; j < n; j++) acc = fmaf(p[j], lat[j * ldl + c], acc);
+            olh[c] = acc;
+        }
+    }
+}
+
+/* out [Q, Hm vd] (row stride ldo) for queries q [Q, Hm, nope + rope] (row stride ldq; heads contiguous) over the
+ * latents lat [nlat, R] (row stride ldl): query i over rows [off[i], off[i] + len[i]). Returns 0; 1 for a bad size;
+ * 3 for a latent run outside [0, nlat) or empty (nothing written); 4 when out of memory. */
+int mla_absorbed_f32(int Q, const float *q, long ldq, const float *lat, long ldl, long nlat, const long *off,
+                     const long *len, float *out, long ldo, const struct mla_block *b, int threads) {
+    const int Hm = b->Hm, nope = b->nope, rope = b->rope, r = b->r, vd = b->vd, dq = nope + rope, R = r + rope;
+    if (Q < 0 || Hm < 1 || nope < 1 || rope < 0 || r < 1 || vd < 1) return 1;
+    long nmax = 0;
+    for (int i = 0; i < Q; i++) {
+        if (len[i] < 1 || off[i] < 0 || off[i] + len[i] > nlat) return 3;
+        if (len[i] > nmax) nmax = len[i];
+    }
+    if (Q == 0) return 0;
+    float *qc = malloc(sizeof(float) * ((size_t)Q * Hm * R + (size_t)Q * Hm * r + (size_t)Hm * (nmax + 8) + 8 * R));
+    if (!qc) return 4;
+    float *ol = qc + (size_t)Q * Hm * R, *s = ol + (size_t)Q * Hm * r, *blk = s + (size_t)Hm * (nmax + 8);
+    int rc = 0;
+    for (int h = 0; h < Hm; h++)                       /* q_nope W_uk[h] of every query: one GEMM per head */
+        if ((rc = b->linear(Q, r, nope, q + h * dq, ldq, (const float *)b->uk[h], qc + h * R, (long)Hm * R, threads)))
+            goto done;
+    for (int i = 0; i < Q; i++) {
+        for (int h = 0; h < Hm; h++)                   /* the rope part of the query as it is */
+            memcpy(qc + ((size_t)i * Hm + h) * R + r, q + i * ldq + h * dq + nope, sizeof(float) * rope);
+        attend_query(Hm, qc + (size_t)i * Hm * R, lat + off[i] * ldl, ldl, len[i], R, r, b->scale, s, blk,
+                     ol + (size_t)i * Hm * r);
+    }
+    for (int h = 0; h < Hm; h++)                       /* o_lat W_uv[h]^T of every query: one GEMM per head */
+        if ((rc = b->linear(Q, vd, r, ol + h * r, (long)Hm * r, (const float *)b->uv[h], out + h * vd, ldo, threads)))
+            goto done;
+done:
+    free(qc);
+    return rc;
+}
