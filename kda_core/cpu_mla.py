@@ -48,7 +48,7 @@ class CMLA:
     def __init__(self, path: Path, gemm: cpu_invariant.CInvariant):
         lib = open_library(path, gemm.isa, "mla_vector_bits")
         lib.mla_absorbed_f32.restype = _I
-        lib.mla_absorbed_f32.argtypes = [_I, _P, _L, _P, _L, _L, _P, _P, _P, _L, _P, _I]
+        lib.mla_absorbed_f32.argtypes = [_I, _P, _L, _P, _L, _I, _L, _L, _P, _L, _P, _L, _L, _P, _P, _L, _P, _I]
         self.lib, self.path, self.gemm = lib, path, gemm
         self._run = lib.mla_absorbed_f32
         self._linear = ctypes.cast(gemm.lib.linear_f32, _P).value
@@ -71,22 +71,41 @@ class CMLA:
         m.__dict__[_MODULE_ATTR] = (key, block)
         return block
 
-    def attend(self, m, q: torch.Tensor, lat: torch.Tensor, off: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    def attend(self, m, q: torch.Tensor, lat: torch.Tensor, first: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
         """Absorbed attention of MLA layer ``m``: queries q ``[Q, Hm, dq]`` fp32 over latents lat ``[N_lat, R]`` fp32,
-        query i over rows ``[off[i], off[i] + lens[i])`` (off, lens ``[Q]`` int64) -> ``[Q, Hm vd]``.
+        query i over rows ``[first[i], first[i] + lens[i])`` (first, lens ``[Q]`` int64) -> ``[Q, Hm vd]``.
 
         Raises ValueError for a latent run that is empty or outside lat; shapes and dtypes are the caller's."""
+        zeros = torch.zeros_like(first)
+        return self.attend_paged(m, q, lat, torch.stack([zeros, zeros, first, lens]), None, None)
+
+    def attend_paged(self, m, q: torch.Tensor, lat: torch.Tensor, qm: torch.Tensor, cache: torch.Tensor | None,
+                     pages: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`attend` with each query's first latents read in place from a paged cache: query i reads
+        ``qm[3, i]`` latents, the first ``qm[1, i]`` of them from cache ``[num_pages, NB, R]`` (any page stride;
+        latent j in page ``pages[qm[0, i] + j // NB]`` at offset ``j % NB``), the rest the rows ``[qm[2, i], ...)``
+        of lat ``[N_lat, R]``. qm ``[4, Q]`` int64 (contiguous), pages ``[n]`` int64 -> ``[Q, Hm vd]``.
+
+        Raises ValueError for a run that is empty, a page outside the cache or rows outside lat."""
         if q.stride(-1) != 1 or q.stride(-2) != q.shape[-1]:
             q = q.contiguous()
         if lat.stride(-1) != 1:
             lat = lat.contiguous()
         Q = q.shape[0]
         out = q.new_empty((Q, m.cfg.num_mla_heads * m.cfg.v_head_dim))    # [Q, Hm vd]
-        rc = self._run(Q, q.data_ptr(), q.stride(0), lat.data_ptr(), lat.stride(0), lat.shape[0], off.data_ptr(),
-                       lens.data_ptr(), out.data_ptr(), out.shape[1], ctypes.byref(self._block(m)), _threads())
+        if cache is None:
+            page = (None, 0, 1, 0, 0, None, 0)
+        else:
+            if cache.stride(-1) != 1:
+                raise ValueError("cache must have a contiguous last dim")
+            page = (cache.data_ptr(), cache.stride(0), cache.shape[1], cache.stride(1), cache.shape[0],
+                    pages.data_ptr(), pages.shape[0])
+        rc = self._run(Q, q.data_ptr(), q.stride(0), *page[:5], page[5], page[6], lat.data_ptr(), lat.stride(0),
+                       lat.shape[0], qm.data_ptr(), out.data_ptr(), out.shape[1], ctypes.byref(self._block(m)),
+                       _threads())
         if rc == 3:
-            raise ValueError(f"every query needs a non-empty run of latents inside [0, {lat.shape[0]}), got offsets "
-                             f"{off.tolist()} and lengths {lens.tolist()}")
+            raise ValueError(f"every query needs a non-empty run of latents inside its storage (lat has "
+                             f"{lat.shape[0]} rows), got (table start, cached, first, length) {qm.T.tolist()}")
         if rc:
             raise RuntimeError(f"mla_absorbed_f32 failed with code {rc}")
         return out

@@ -325,9 +325,11 @@ class MLALayer(nn.Module):
         B, T, _ = x.shape
         r, nope = cfg.kv_lora_rank, cfg.qk_nope_head_dim
         ckv, q = linear_cat(x, (self.kv_a, self.q_proj))                    # [B, T, r + rope], [B, T, Hm dq]
-        q = q.reshape(B, T, cfg.num_mla_heads, -1)                          # [B, T, Hm, nope+rope]
+        q = q.view(B, T, cfg.num_mla_heads, -1)                             # [B, T, Hm, nope+rope]
         lat = torch.cat([rmsnorm(ckv[..., :r], self.kv_norm, cfg.rms_norm_eps), self.position(ckv[..., r:], positions)],
                         dim=-1)                                             # [B, T, r + rope]
+        if cfg.mla_use_nope:                                                # no positional part: q as projected
+            return lat, q
         return lat, torch.cat([q[..., :nope], self.position(q[..., nope:], positions)], dim=-1)
 
     def queries_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

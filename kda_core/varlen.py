@@ -450,7 +450,7 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     by_slots = _slot_lists(kda, meta, slots)                             # {layer: (slots list, decode _Rows)}
     writes = {}
     mla_index = {layer: j for j, layer in enumerate(cfg.mla_layers)}
-    packed = _pack_latents(meta, qsl, slots, pools.kv_cache.shape[2]) if cfg.mla_layers else None
+    packed = _pack_latents(meta, qsl, slots, pools.kv_cache) if cfg.mla_layers else None
     records = {} if decode_records else None
     for li in range(cfg.num_layers):
         m, h = model.mixers[li], model.input_norm(li, x)
@@ -546,21 +546,50 @@ def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, dec_rows: _Rows, poo
 class _Packed(NamedTuple):
     """Where every row's MLA latents ``[0, L_i + T_i)`` sit in one packed ``[sum_i (L_i + T_i), R]`` tensor:
     row i at ``[start[i], start[i] + L_i + T_i)``; cached positions gathered from (old_page, old_off) to
-    old_dst (live rows only: a pad row's cached part stays NaN), new tokens from packed token new_src to new_dst."""
+    old_dst (live rows only: a pad row's cached part stays NaN), new tokens from packed token new_src to new_dst.
+    None but ``queries`` where no row needs the packed tensor (every row a decode row, read in place by the C
+    absorbed attention). ``queries``: the decode and verify tokens' latent runs for that attention."""
 
-    start: list
-    total: int
-    old_page: torch.Tensor
-    old_off: torch.Tensor
-    old_dst: torch.Tensor
-    new_src: torch.Tensor
-    new_dst: torch.Tensor
-    q_off: torch.Tensor
-    q_len: torch.Tensor
+    start: list | None
+    total: int | None
+    old_page: torch.Tensor | None
+    old_off: torch.Tensor | None
+    old_dst: torch.Tensor | None
+    new_src: torch.Tensor | None
+    new_dst: torch.Tensor | None
+    queries: _Queries
 
 
-def _pack_latents(meta: BatchMeta, qsl, slots, NB: int) -> _Packed:
-    """Index tensors of :class:`_Packed`, built once per forward from the block tables (vectorised per block)."""
+class _Queries(NamedTuple):
+    """The latent run of every decode and verify token (Q of them, in packed token order), as
+    :meth:`kda_core.cpu_mla.CMLA.attend_paged` reads it: ``qm [4, Q]`` int64 = (start of its row's block table in
+    ``pages``, cached latents read from the pages, its row's first new token, latents read), ``pages`` the decode
+    and verify rows' block tables, concatenated. Token t of row i reads its L_i cached latents then new tokens
+    ``[qsl[i], qsl[i] + t]``; a pad row reads only its own new (NaN) tokens."""
+
+    qm: torch.Tensor
+    pages: torch.Tensor
+
+
+def _queries(meta: BatchMeta, qsl, slots, NB: int) -> _Queries:
+    cols, pages = [], []
+    for i in range(meta.num_decode + meta.num_verify):
+        L = meta.context_lens[i] if slots[i] != PAD_SLOT else 0
+        start = len(pages)
+        pages.extend(meta.block_tables[i][: -(-L // NB)])
+        cols.extend((start, L, qsl[i], L + t + 1) for t in range(qsl[i + 1] - qsl[i]))
+    qm = torch.tensor(cols, dtype=torch.long).view(-1, 4).T.contiguous()  # [4, Q]
+    return _Queries(qm, torch.tensor(pages, dtype=torch.long))
+
+
+def _pack_latents(meta: BatchMeta, qsl, slots, kv_cache: torch.Tensor, full: bool = False) -> _Packed:
+    """Index tensors of :class:`_Packed`, built once per forward from the block tables (vectorised per block); those
+    of the packed tensor only where a row needs it (``full``, a verify or prefill row, or no C absorbed attention
+    for this cache)."""
+    NB = kv_cache.shape[2]
+    queries = _queries(meta, qsl, slots, NB)
+    if not full and meta.num_decode == len(slots) and cpu_mla.runs(kv_cache) is not None:
+        return _Packed(None, None, None, None, None, None, None, queries)
     starts, pages, dsts, counts, total = [], [], [], [], 0
     for i, slot in enumerate(slots):
         L, T = meta.context_lens[i], qsl[i + 1] - qsl[i]
@@ -578,13 +607,8 @@ def _pack_latents(meta: BatchMeta, qsl, slots, NB: int) -> _Packed:
     lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(slots))], dtype=torch.long)
     shift = torch.tensor([starts[i] + meta.context_lens[i] - qsl[i] for i in range(len(slots))], dtype=torch.long)
     new_src = torch.arange(qsl[-1])
-    q_off, q_len = [], []                                                 # decode and verify tokens: their latents
-    for i in range(meta.num_decode + meta.num_verify):
-        for t in range(qsl[i + 1] - qsl[i]):                              # token t of row i reads [0, L_i + t]
-            q_off.append(starts[i])
-            q_len.append(meta.context_lens[i] + t + 1)
     return _Packed(starts, total, old_page, within, old_dst, new_src, new_src + torch.repeat_interleave(shift, lens),
-                   torch.tensor(q_off, dtype=torch.long), torch.tensor(q_len, dtype=torch.long))
+                   queries)
 
 
 def _mla_decode_rows(m: MLALayer, meta: BatchMeta, packed: _Packed, q_cat, full) -> list:
@@ -621,14 +645,19 @@ def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx
     cfg = m.cfg
     r, nope, Hm = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.num_mla_heads
     lat_new, qall = m.latents_and_queries_at(h, pos)                      # [1, T_total, R], [1, T_total, Hm, dq]
-    full = lat_new.new_full((packed.total, lat_new.shape[-1]), float("nan"))  # [sum, R]
-    if packed.old_dst.numel():
-        full[packed.old_dst] = kv_cache[packed.old_page, m_idx, packed.old_off]
-    full[packed.new_dst] = lat_new[0, packed.new_src]
     nd, n_dv = meta.num_decode, meta.num_decode + meta.num_verify
-    c = cpu_mla.runs(full, qall, m.kv_b) if n_dv else None
-    if c is not None:                                                     # decode + verify tokens: one C call
-        q_cat, o_rows = None, [c.attend(m, qall[0, : qsl[n_dv]], full, packed.q_off, packed.q_len)[None]]
+    c = cpu_mla.runs(lat_new, qall, kv_cache, m.kv_b) if n_dv else None
+    if c is None and packed.start is None:                                # the C form does not run these tensors
+        packed = _pack_latents(meta, qsl, slots, kv_cache, full=True)
+    if packed.start is not None:
+        full = lat_new.new_full((packed.total, lat_new.shape[-1]), float("nan"))  # [sum, R]
+        if packed.old_dst.numel():
+            full[packed.old_dst] = kv_cache[packed.old_page, m_idx, packed.old_off]
+        full[packed.new_dst] = lat_new[0, packed.new_src]
+    if c is not None:                                                     # decode + verify tokens: one C call,
+        q_cat = None                                                      # cached latents read in place
+        o_rows = [c.attend_paged(m, qall[0, : qsl[n_dv]], lat_new[0], packed.queries.qm, kv_cache.select(1, m_idx),
+                                 packed.queries.pages)[None]]            # [1, T_dv, Hm vd]
     else:
         q_cat = m.absorb_queries(qall[0, : qsl[n_dv]]) if n_dv else None  # [T_dv, Hm, r + rope] decode + verify tokens
         o_rows = _mla_decode_rows(m, meta, packed, q_cat, full)          # decode rows, absorbed
@@ -652,6 +681,7 @@ def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx
             o_rows.append(m.absorbed_output(o_lat))                       # [1, T, Hm vd]
         if i in verify:
             verify[i].layers[li] = lat.clone()                            # [1, L+T, R]
-    _write_latents(kv_cache, m_idx, kv_pages, kv_offs, lat_new[0, kv_live])
+    live = lat_new[0] if kv_live.shape[0] == lat_new.shape[1] else lat_new[0, kv_live]   # [T_live, R] (no pad row:
+    _write_latents(kv_cache, m_idx, kv_pages, kv_offs, live)                               # every token, in order)
     o = o_rows[0] if len(o_rows) == 1 else torch.cat(o_rows, dim=1)       # [1, T_total, Hm vd]
     return linear(o, m.o_proj)                                            # [1, T_total, D]

@@ -1,5 +1,6 @@
 /* The absorbed MLA decode attention of kda_core.layer.MLALayer.attend_absorbed in one call (fp32), for Q queries
- * (decode tokens and verify tokens), each over its own run of latents. kda_core/cpu_mla.py loads it.
+ * (decode tokens and verify tokens), each over its own run of latents: the first ones read in place from the paged
+ * latent cache, the rest (this step's new latents) from a contiguous tensor. kda_core/cpu_mla.py loads it.
  *
  * Per query i and head h, with latents c_j (R = r + rope floats each, rows lat[off_i .. off_i + len_i)):
  *   qc_h = [q_nope_h W_uk[h] | q_rope_h]                     (W_uk[h] [nope, r]: the key half of kv_b's head h)
@@ -12,7 +13,7 @@
  * absorbed_output. The dot product s_j is one FMA chain over the R values in order; the sum of the exps and each
  * output value sum_j p_j c_j[d] one chain over j in order (exp: the Cephes expf of csrc/moe_cpu.c on 8 lanes, every
  * element through the same lanes). So a query's bits depend on its own q and latents only: not on the other
- * queries of the call nor on where its latents sit. Built with -ffp-contract=off: the products outside those FMA
+ * queries of the call nor on where its latents are stored. Built with -ffp-contract=off: the products outside those FMA
  * chains are rounded on their own.
  */
 #include <math.h>
@@ -59,7 +60,7 @@ struct mla_block {
     linear_fn linear;
 };
 
-/* dst[c] = sum_j p[j] lat[j][c] for the next blocks of 8 NB values c < r: one FMA chain over j per value, NB chains at
+/* dst[c] = sum_j p[j] rows[j][c] for the next blocks of 8 NB values c < r: one FMA chain over j per value, NB chains at
  * a time. */
 #define OUT_BLOCKS(NB, dst)                                                                                           \
     for (; c + 8 * NB <= r; c += 8 * NB) {                                                                         \
@@ -67,20 +68,20 @@ struct mla_block {
         for (int u = 0; u < NB; u++) acc[u] = _mm256_setzero_ps();                                                 \
         for (long j = 0; j < n; j++) {                                                                             \
             __m256 pj = _mm256_set1_ps(p[j]);                                                                      \
-            for (int u = 0; u < NB; u++) acc[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(lat + j * ldl + c + 8 * u), acc[u]); \
+            for (int u = 0; u < NB; u++) acc[u] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(rows[j] + c + 8 * u), acc[u]); \
         }                                                                                                          \
         for (int u = 0; u < NB; u++) _mm256_storeu_ps((dst) + c + 8 * u, acc[u]);                                 \
     }
 
-/* One query over all its heads: qc [Hm, R], latents lat (row stride ldl) rows [0, n) -> ol [Hm, r]. s: scratch of
- * Hm (n + 8) floats; blk: 8 R floats. */
-static void attend_query(int Hm, const float *qc, const float *lat, long ldl, long n, int R, int r, float scale,
+/* One query over all its heads: qc [Hm, R], its n latents at rows[0 .. n) (R floats each) -> ol [Hm, r]. s:
+ * scratch of Hm (n + 8) floats; blk: 8 R floats. */
+static void attend_query(int Hm, const float *qc, const float *const *rows, long n, int R, int r, float scale,
                          float *s, float *blk, float *ol) {
     const long ns = n + 8;
     for (long j0 = 0; j0 < n; j0 += 8) {               /* s_hj = qc_h . c_j, one FMA chain over c per lane */
         int m = n - j0 < 8 ? (int)(n - j0) : 8;
         for (int c = 0; c < R; c++)                    /* 8 latents transposed: blk[c * 8 + l] */
-            for (int l = 0; l < 8; l++) blk[c * 8 + l] = l < m ? lat[(j0 + l) * ldl + c] : 0.0f;
+            for (int l = 0; l < 8; l++) blk[c * 8 + l] = l < m ? rows[j0 + l][c] : 0.0f;
         for (int h0 = 0; h0 < Hm; h0 += 4) {           /* 4 heads at a time: 4 independent chains */
             const float *q0 = qc + (long)h0 * R, *q1 = h0 + 1 < Hm ? q0 + R : q0;
             const float *q2 = h0 + 2 < Hm ? q0 + 2 * R : q0, *q3 = h0 + 3 < Hm ? q0 + 3 * R : q0;
@@ -117,28 +118,39 @@ static void attend_query(int Hm, const float *qc, const float *lat, long ldl, lo
         OUT_BLOCKS(1, olh)
         for (; c < r; c++) {                           /* the same chain, one value at a time */
             float acc = 0.0f;
-            for (long j = 0; j < n; j++) acc = fmaf(p[j], lat[j * ldl + c], acc);
+            for (long j = 0; j < n; j++) acc = fmaf(p[j], rows[j][c], acc);
             olh[c] = acc;
         }
     }
 }
 
-/* out [Q, Hm vd] (row stride ldo) for queries q [Q, Hm, nope + rope] (row stride ldq; heads contiguous) over the
- * latents lat [nlat, R] (row stride ldl): query i over rows [off[i], off[i] + len[i]). Returns 0; 1 for a bad size;
- * 3 for a latent run outside [0, nlat) or empty (nothing written); 4 when out of memory. */
-int mla_absorbed_f32(int Q, const float *q, long ldq, const float *lat, long ldl, long nlat, const long *off,
-                     const long *len, float *out, long ldo, const struct mla_block *b, int threads) {
+/* out [Q, Hm vd] (row stride ldo) for queries q [Q, Hm, nope + rope] (row stride ldq; heads contiguous). Query i
+ * reads qm[i] = tstart, qm[Q + i] = cached, qm[2Q + i] = first, qm[3Q + i] = len: len latents, the first `cached` of
+ * them from the paged cache (latent j at cache + pages[tstart + j / NB] * page_stride + (j % NB) * ld_cache, pages of
+ * [0, num_pages); pages has npages entries), the rest the rows lat[first .. first + len - cached) (row stride ldl,
+ * nlat rows). Returns 0; 1 for a bad size; 3 for a latent run that is empty or outside its storage (nothing
+ * written); 4 when out of memory. */
+int mla_absorbed_f32(int Q, const float *q, long ldq, const float *cache, long page_stride, int NB, long ld_cache,
+                     long num_pages, const long *pages, long npages, const float *lat, long ldl, long nlat,
+                     const long *qm, float *out, long ldo, const struct mla_block *b, int threads) {
     const int Hm = b->Hm, nope = b->nope, rope = b->rope, r = b->r, vd = b->vd, dq = nope + rope, R = r + rope;
-    if (Q < 0 || Hm < 1 || nope < 1 || rope < 0 || r < 1 || vd < 1) return 1;
+    if (Q < 0 || Hm < 1 || nope < 1 || rope < 0 || r < 1 || vd < 1 || NB < 1) return 1;
+    const long *tstart = qm, *cached = qm + Q, *first = qm + 2L * Q, *len = qm + 3L * Q;
     long nmax = 0;
     for (int i = 0; i < Q; i++) {
-        if (len[i] < 1 || off[i] < 0 || off[i] + len[i] > nlat) return 3;
+        long nc = cached[i], nb = (nc + NB - 1) / NB;
+        if (len[i] < 1 || nc < 0 || nc > len[i] || first[i] < 0 || first[i] + len[i] - nc > nlat) return 3;
+        if (nc && (!cache || tstart[i] < 0 || tstart[i] + nb > npages)) return 3;
+        for (long t = 0; t < nb; t++)
+            if (pages[tstart[i] + t] < 0 || pages[tstart[i] + t] >= num_pages) return 3;
         if (len[i] > nmax) nmax = len[i];
     }
     if (Q == 0) return 0;
-    float *qc = malloc(sizeof(float) * ((size_t)Q * Hm * R + (size_t)Q * Hm * r + (size_t)Hm * (nmax + 8) + 8 * R));
-    if (!qc) return 4;
-    float *ol = qc + (size_t)Q * Hm * R, *s = ol + (size_t)Q * Hm * r, *blk = s + (size_t)Hm * (nmax + 8);
+    size_t floats = (size_t)Q * Hm * R + (size_t)Q * Hm * r + (size_t)Hm * (nmax + 8) + 8 * (size_t)R;
+    const float **rows = malloc(sizeof(float *) * nmax + sizeof(float) * floats);   /* the pointers first: aligned */
+    if (!rows) return 4;
+    float *qc = (float *)(rows + nmax), *ol = qc + (size_t)Q * Hm * R, *s = ol + (size_t)Q * Hm * r;
+    float *blk = s + (size_t)Hm * (nmax + 8);
     int rc = 0;
     for (int h = 0; h < Hm; h++)                       /* q_nope W_uk[h] of every query: one GEMM per head */
         if ((rc = b->linear(Q, r, nope, q + h * dq, ldq, (const float *)b->uk[h], qc + h * R, (long)Hm * R, threads)))
@@ -146,13 +158,15 @@ int mla_absorbed_f32(int Q, const float *q, long ldq, const float *lat, long ldl
     for (int i = 0; i < Q; i++) {
         for (int h = 0; h < Hm; h++)                   /* the rope part of the query as it is */
             memcpy(qc + ((size_t)i * Hm + h) * R + r, q + i * ldq + h * dq + nope, sizeof(float) * rope);
-        attend_query(Hm, qc + (size_t)i * Hm * R, lat + off[i] * ldl, ldl, len[i], R, r, b->scale, s, blk,
-                     ol + (size_t)i * Hm * r);
+        for (long j = 0; j < len[i]; j++)
+            rows[j] = j < cached[i] ? cache + pages[tstart[i] + j / NB] * page_stride + (j % NB) * ld_cache
+                                    : lat + (first[i] + j - cached[i]) * ldl;
+        attend_query(Hm, qc + (size_t)i * Hm * R, rows, len[i], R, r, b->scale, s, blk, ol + (size_t)i * Hm * r);
     }
     for (int h = 0; h < Hm; h++)                       /* o_lat W_uv[h]^T of every query: one GEMM per head */
         if ((rc = b->linear(Q, vd, r, ol + h * r, (long)Hm * r, (const float *)b->uv[h], out + h * vd, ldo, threads)))
             goto done;
 done:
-    free(qc);
+    free(rows);
     return rc;
 }

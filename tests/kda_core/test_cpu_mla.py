@@ -76,3 +76,33 @@ def test_attend_rejects_bad_latent_runs(demo, off, lens):
     q = torch.zeros(len(off), cfg.num_mla_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     with pytest.raises(ValueError, match="non-empty run of latents"):
         cpu_mla.backend().attend(demo, q, torch.zeros(30, cfg.latent_dim), torch.tensor(off), torch.tensor(lens))
+
+
+def test_attend_paged_equals_contiguous_bitwise(demo):
+    """Latents read in place from shuffled pages (the engine) and then from the new rows give the bits of the same
+    latents in one contiguous run (the model's own forward), for runs ending mid-page and on a page boundary."""
+    cfg, NB = demo.cfg, 4
+    gen = torch.Generator().manual_seed(8)
+    runs = [(7, 1), (8, 3), (0, 2)]                                      # (cached, new) per query
+    q = torch.randn(len(runs), cfg.num_mla_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, generator=gen)
+    cache = torch.full((9, 2, NB, cfg.latent_dim), float("nan"))         # [pages, MLA layers, NB, R]
+    new = torch.randn(6, cfg.latent_dim, generator=gen)
+    order = torch.randperm(9, generator=gen).tolist()
+    contiguous, cols, pages, first = [], [], [], 0
+    for L, T in runs:
+        lat = torch.randn(L, cfg.latent_dim, generator=gen)
+        table = [order.pop() for _ in range(-(-L // NB))]
+        for j in range(L):
+            cache[table[j // NB], 1, j % NB] = lat[j]
+        cols.append((len(pages), L, first, L + T))
+        pages += table
+        contiguous.append(torch.cat([lat, new[first: first + T]]))
+        first += T
+    c = cpu_mla.backend()
+    with torch.no_grad():
+        got = c.attend_paged(demo, q, new, torch.tensor(cols).T.contiguous(), cache.select(1, 1), torch.tensor(pages))
+        lens = torch.tensor([len(t) for t in contiguous])
+        want = c.attend(demo, q, torch.cat(contiguous), lens.cumsum(0) - lens, lens)
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="non-empty run of latents"):             # a page outside the cache
+        c.attend_paged(demo, q[:1], new, torch.tensor([[0], [5], [0], [6]]), cache.select(1, 1), torch.tensor([9, 0]))
