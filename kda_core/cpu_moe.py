@@ -53,12 +53,14 @@ class CMoE:
         lib = open_library(path, gemm.isa, "moe_vector_bits")
         lib.moe_forward_f32.restype = _I
         lib.moe_forward_f32.argtypes = [_I, _P, _L, _P, _L, _P, _P, _I]
+        lib.moe_dense_f32.restype = _I
+        lib.moe_dense_f32.argtypes = [_I, _I, _I, _P, _L, _P, _P, _P, _L, _P, _I]
         for name in ("moe_sigmoid_f32", "moe_silu_mul_f32"):
             getattr(lib, name).restype = None
         lib.moe_sigmoid_f32.argtypes = [_I, _P, _P]
         lib.moe_silu_mul_f32.argtypes = [_I, _P, _P, _P]
         self.lib, self.path, self.gemm = lib, path, gemm
-        self._run = lib.moe_forward_f32
+        self._run, self._dense = lib.moe_forward_f32, lib.moe_dense_f32
         self._linear = ctypes.cast(gemm.lib.linear_f32, _P).value    # the GEMM every linear() call runs
 
     def sigmoid(self, v: torch.Tensor) -> torch.Tensor:
@@ -115,6 +117,23 @@ class CMoE:
                        ctypes.byref(self._block(moe)), _threads())
         if rc:
             raise RuntimeError(f"moe_forward_f32 failed with code {rc}")
+        return out
+
+
+    def dense(self, mlp, x: torch.Tensor) -> torch.Tensor:
+        """The dense SwiGLU MLP ``mlp`` (:class:`kda_core.moe.DenseMLP`) of x ``[..., D]`` fp32 -> ``[..., D]``:
+        ``down(silu(gate x) * up x)`` in one call, each row on its own. Unchecked shapes and dtypes (the caller
+        checks); raises RuntimeError when the call fails (out of memory)."""
+        if not x.is_contiguous():
+            x = x.contiguous()
+        params = mlp._parameters                                            # (not nn.Module.__getattr__: µs)
+        gate_up, down = params["gate_up"], params["down"]
+        D = x.shape[-1]
+        out = x.new_empty(x.shape)                                          # [..., D]
+        rc = self._dense(x.numel() // D, D, down.shape[1], x.data_ptr(), D, self.gemm.packed(gate_up)[1],
+                         self.gemm.packed(down)[1], out.data_ptr(), D, self._linear, _threads())
+        if rc:
+            raise RuntimeError(f"moe_dense_f32 failed with code {rc}")
         return out
 
 

@@ -65,7 +65,17 @@ class DenseMLP(nn.Module):
         self.down = _init(gen, hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[..., D]`` -> ``[..., D]``."""
+        """x ``[..., D]`` -> ``[..., D]``: the C form (:meth:`kda_core.cpu_moe.CMoE.dense`, one call) for fp32 CPU
+        tensors without autograd where the process runs it, else :meth:`forward_torch` (within ``cpu_moe.RTOL`` /
+        ``ATOL`` of each other; each row on its own in both)."""
+        fused = _FUSED[0] if _FUSED else _choose()
+        if fused is not None and x.dtype is torch.float32 and x.is_cpu and self.gate_up.dtype is torch.float32 \
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.gate_up.requires_grad)):
+            return fused.dense(self, x)
+        return self.forward_torch(x)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch form: :func:`swiglu`; x ``[..., D]`` -> ``[..., D]``."""
         return swiglu(x, self.gate_up, self.down)
 
 
@@ -172,7 +182,7 @@ class MoE(nn.Module):
         if self.shared is None:
             return y
         if shared_gu is None:
-            return y + self.shared(x)
+            return y + self.shared.forward_torch(x)
         return y + swiglu_down(shared_gu, self.shared.down).view(x.shape)
 
     @torch.no_grad()

@@ -55,20 +55,25 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
 }
 
-/* out[i] = sigmoid(v[i]) (gate == NULL) or silu(v[i]) * gate[i]... see the two wrappers below. `silu`: v / (1 +
- * exp(-v)) times up[i]; else 1 / (1 + exp(-v)). n values; the tail runs the same 8 lanes on a padded copy. */
+/* One 8-lane step: sigmoid(x) = 1 / (1 + exp(-x)), or (silu) x / (1 + exp(-x)) * up. */
+static inline __m256 act8(__m256 x, __m256 up, int silu) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)));
+    return silu ? _mm256_mul_ps(_mm256_div_ps(x, den), up) : _mm256_div_ps(one, den);
+}
+
+/* out[i] = sigmoid(v[i]), or (silu) silu(v[i]) * up[i], for n values: 8 at a time, the tail on a zero-padded copy
+ * through the same 8 lanes. */
 static void act(int n, const float *v, const float *up, float *out, int silu) {
-    const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
-    for (int i = 0; i < n; i += 8) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, act8(_mm256_loadu_ps(v + i), up ? _mm256_loadu_ps(up + i) : _mm256_setzero_ps(), silu));
+    if (i < n) {
         float vb[8] = {0}, ub[8] = {0}, ob[8];
-        int m = n - i < 8 ? n - i : 8;
-        memcpy(vb, v + i, sizeof(float) * m);
-        if (up) memcpy(ub, up + i, sizeof(float) * m);
-        __m256 x = _mm256_loadu_ps(vb);
-        __m256 den = _mm256_add_ps(one, exp8(_mm256_sub_ps(zero, x)));
-        __m256 r = silu ? _mm256_mul_ps(_mm256_div_ps(x, den), _mm256_loadu_ps(ub)) : _mm256_div_ps(one, den);
-        _mm256_storeu_ps(ob, r);
-        memcpy(out + i, ob, sizeof(float) * m);
+        memcpy(vb, v + i, sizeof(float) * (n - i));
+        if (up) memcpy(ub, up + i, sizeof(float) * (n - i));
+        _mm256_storeu_ps(ob, act8(_mm256_loadu_ps(vb), _mm256_loadu_ps(ub), silu));
+        memcpy(out + i, ob, sizeof(float) * (n - i));
     }
 }
 
@@ -203,5 +208,24 @@ int moe_forward_f32(int M, const float *x, long ldx, float *out, long ldo, long 
     if (idx_out) memcpy(idx_out, idx, sizeof(long) * P);
 done:
     free(buf);
+    return rc;
+}
+
+/* The dense SwiGLU MLP: out [M, D] (row stride ldo) = down(silu(gate x) * up x) of x [M, D] (row stride ldx), gate_up
+ * packed ([2F, D], gate then up), down packed ([D, F]); the GEMMs through `linear` (invariant_cpu.c's linear_f32).
+ * Returns 0, 1 for a bad size, 4 when out of memory. */
+int moe_dense_f32(int M, int D, int F, const float *x, long ldx, const float *gate_up, const float *down, float *out,
+                  long ldo, linear_fn linear, int threads) {
+    if (M < 0 || D < 1 || F < 1) return 1;
+    if (M == 0) return 0;
+    float *gu = malloc(sizeof(float) * (size_t)M * 3 * F);
+    if (!gu) return 4;
+    float *h = gu + (size_t)M * 2 * F;
+    int rc = linear(M, 2 * F, D, x, ldx, gate_up, gu, 2L * F, threads);
+    if (!rc) {
+        for (int m = 0; m < M; m++) moe_silu_mul_f32(F, gu + (size_t)m * 2 * F, gu + (size_t)m * 2 * F + F, h + (size_t)m * F);
+        rc = linear(M, D, F, h, F, down, out, ldo, threads);
+    }
+    free(gu);
     return rc;
 }

@@ -33,7 +33,7 @@ def reference(moe, x):
             y = y + swiglu(r, moe.experts_gate_up[idx[i, j]], moe.experts_down[idx[i, j]]) * w[i: i + 1, j: j + 1]
         out.append(y)
     y = torch.cat(out).view(x.shape)
-    return y if moe.shared is None else y + moe.shared(x)
+    return y if moe.shared is None else y + moe.shared.forward_torch(x)
 
 
 def variant(moe, seed, **changes):
@@ -148,3 +148,18 @@ def test_moe_c_activations_within_tolerance():
     torch.testing.assert_close(c.sigmoid(v), torch.sigmoid(v), rtol=cpu_moe.ACT_RTOL, atol=0.0)
     torch.testing.assert_close(c.silu_mul(v, up), torch.nn.functional.silu(v) * up, rtol=2 * cpu_moe.ACT_RTOL,
                                atol=1e-30)
+
+
+@needs_c
+@pytest.mark.parametrize("n", [pytest.param(n, id=f"N{n}") for n in (1, 3, 40)])
+def test_dense_mlp_c_form_matches_torch_form(n):
+    """The dense SwiGLU MLP (the model's first layer) in one C call: within cpu_moe.RTOL / ATOL of the torch form,
+    each row alone bitwise its row of the batched call."""
+    model = HybridLM.from_pretrained(Path(__file__).resolve().parents[2] / "weights" / "kda-demo")
+    mlp = model.ffn[0]
+    x = torch.randn(1, n, model.cfg.hidden_size, generator=torch.Generator().manual_seed(n))
+    with torch.no_grad():
+        got = mlp(x)
+        torch.testing.assert_close(got, mlp.forward_torch(x), rtol=cpu_moe.RTOL, atol=cpu_moe.ATOL)
+        for i in range(n):
+            assert torch.equal(mlp(x[:, i: i + 1]), got[:, i: i + 1])
