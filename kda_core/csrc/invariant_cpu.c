@@ -184,20 +184,3 @@ void rmsnorm_f32(int M, int D, const float *x, long ldx, const float *w, float e
         for (int e = 0; e < D; e++) yr[e] = (xr[e] * r) * w[e];
     }
 }
-
-/* Routed experts, one (row, expert) pair at a time: out[p, :] = x[rows[p], :] @ W_e^T with e = experts[p] and W_e
- * packed at packed[e] (linear_pack_f32 of a [N, K] weight; E of them). Each pair is linear_f32 of one row, so its
- * bits are those of the row in any call of that expert. Returns 2 for an expert index outside [0, E). */
-int linear_f32_pairs(int P, int N, int K, const float *x, long R, long ldx, const long *rows, const long *experts,
-                     const long *packed, int E, float *out, long ldo) {
-    for (int p = 0; p < P; p++) {              /* every index checked before any pair runs: a bad one writes nothing */
-        if (experts[p] < 0 || experts[p] >= E) return 2;
-        if (rows[p] < 0 || rows[p] >= R) return 3;
-    }
-    for (int p = 0; p < P; p++) {
-        long e = experts[p];
-        int rc = linear_f32(1, N, K, x + rows[p] * ldx, ldx, (const float *)packed[e], out + (long)p * ldo, ldo, 1);
-        if (rc) return rc;
-    }
-    return 0;
-}
