@@ -39,7 +39,8 @@ class _Block(ctypes.Structure):
     """``struct mla_block`` of the source: an MLA layer's sizes and packed absorption weights."""
 
     _fields_ = [(n, _I) for n in ("Hm", "nope", "rope", "r", "vd")] + [
-        ("scale", _F), ("uk", _P), ("uv", _P), ("linear", _P)]
+        ("scale", _F), ("uk", _P), ("uv", _P), ("linear", _P), ("D", _I), ("eps", _F), ("proj", _P), ("norm", _P),
+        ("o", _P), ("rmsnorm", _P)]
 
 
 class CMLA:
@@ -49,25 +50,33 @@ class CMLA:
         lib = open_library(path, gemm.isa, "mla_vector_bits")
         lib.mla_absorbed_f32.restype = _I
         lib.mla_absorbed_f32.argtypes = [_I, _P, _L, _P, _L, _I, _L, _L, _P, _L, _P, _L, _L, _P, _P, _L, _P, _I]
+        lib.mla_decode_f32.restype = _I
+        lib.mla_decode_f32.argtypes = [_I, _P, _L, _P, _L, _I, _L, _L, _P, _L, _P, _P, _L, _P, _I]
         self.lib, self.path, self.gemm = lib, path, gemm
         self._run = lib.mla_absorbed_f32
         self._linear = ctypes.cast(gemm.lib.linear_f32, _P).value
+        self._rmsnorm = ctypes.cast(gemm.lib.rmsnorm_f32, _P).value        # the RMSNorm every rmsnorm() call runs
+        self._decode = lib.mla_decode_f32
 
     def _block(self, m) -> _Block:
-        """``m``'s :class:`_Block`, cached on the layer, rebuilt when ``kv_b`` was replaced or written in place."""
-        kv_b = m._parameters["kv_b"]                                        # (not nn.Module.__getattr__: µs)
-        key = (id(kv_b), kv_b.data_ptr(), kv_b._version)
+        """``m``'s :class:`_Block`, cached on the layer, rebuilt when a weight was replaced or written in place."""
+        params = m._parameters                                              # (not nn.Module.__getattr__: µs)
+        ws = (params["kv_b"], params["kv_a"], params["q_proj"], params["kv_norm"], params["o_proj"])
+        key = [(id(w), w.data_ptr(), w._version) for w in ws]
         hit = m.__dict__.get(_MODULE_ATTR)
         if hit is not None and hit[0] == key:
             return hit[1]
         cfg, g = m.cfg, self.gemm
+        kv_b, kv_a, q_proj, kv_norm, o_proj = ws
         Hm, nope, vd, r = cfg.num_mla_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         wkv = kv_b.view(Hm, nope + vd, r)                                   # [Hm, nope + vd, r]
         uk = (_L * Hm)(*(g.packed(wkv[h, :nope].T)[1] for h in range(Hm)))  # W_uk[h]^T [r, nope], as absorb_queries
         uv = (_L * Hm)(*(g.packed(wkv[h, nope:])[1] for h in range(Hm)))    # W_uv[h] [vd, r], as absorbed_output
+        norm = kv_norm if kv_norm.is_contiguous() else kv_norm.contiguous()
         block = _Block(Hm, nope, cfg.qk_rope_head_dim, r, vd, m.scale, ctypes.addressof(uk), ctypes.addressof(uv),
-                       self._linear)
-        block._keep = (uk, uv)                                              # the address arrays it points to
+                       self._linear, cfg.hidden_size, cfg.rms_norm_eps, g.packed_cat((kv_a, q_proj))[1],
+                       norm.data_ptr(), g.packed(o_proj)[1], self._rmsnorm)
+        block._keep = (uk, uv, norm)                                        # what it points to, beyond the caches
         m.__dict__[_MODULE_ATTR] = (key, block)
         return block
 
@@ -109,6 +118,32 @@ class CMLA:
         if rc:
             raise RuntimeError(f"mla_absorbed_f32 failed with code {rc}")
         return out
+
+
+    def decode(self, m, h: torch.Tensor, cache: torch.Tensor, qm: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+        """The whole MLA layer ``m`` for Q decode tokens (one per row) of hidden states h ``[Q, D]`` fp32, as
+        ``MLALayer.forward(mode="recurrent")`` computes a token (bitwise: the same GEMMs, RMSNorm and attention):
+        projections, the new latent written in place to cache ``[num_pages, NB, R]`` at page ``qm[4, i]``, offset
+        ``qm[5, i]`` (page < 0: not written), the absorbed attention of query i over the run ``qm[0:4, i]`` of
+        :meth:`attend_paged` (its new latents: the ones just formed, row i of them), ``o_proj``. qm ``[6, Q]`` int64
+        (contiguous) -> y ``[Q, D]``.
+
+        Raises ValueError for a bad run, page or offset (nothing written then)."""
+        if h.stride(-1) != 1:
+            h = h.contiguous()
+        if cache.stride(-1) != 1:
+            raise ValueError("cache must have a contiguous last dim")
+        Q, D = h.shape
+        y = h.new_empty((Q, D))                                             # [Q, D]
+        rc = self._decode(Q, h.data_ptr(), h.stride(0), cache.data_ptr(), cache.stride(0), cache.shape[1],
+                          cache.stride(1), cache.shape[0], pages.data_ptr(), pages.shape[0], qm.data_ptr(), y.data_ptr(),
+                          D, ctypes.byref(self._block(m)), _threads())
+        if rc == 3:
+            raise ValueError(f"every query needs a non-empty run of latents inside its storage and a write inside the "
+                             f"cache, got (table start, cached, first, length, page, offset) {qm.T.tolist()}")
+        if rc:
+            raise RuntimeError(f"mla_decode_f32 failed with code {rc}")
+        return y
 
 
 _threads = torch.get_num_threads

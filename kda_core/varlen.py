@@ -562,9 +562,10 @@ class _Packed(NamedTuple):
 
 class _Queries(NamedTuple):
     """The latent run of every decode and verify token (Q of them, in packed token order), as
-    :meth:`kda_core.cpu_mla.CMLA.attend_paged` reads it: ``qm [4, Q]`` int64 = (start of its row's block table in
-    ``pages``, cached latents read from the pages, its row's first new token, latents read), ``pages`` the decode
-    and verify rows' block tables, concatenated. Token t of row i reads its L_i cached latents then new tokens
+    :meth:`kda_core.cpu_mla.CMLA.attend_paged` and ``decode`` read it: ``qm [6, Q]`` int64 = (start of its row's
+    block table in ``pages``, cached latents read from the pages, its row's first new token, latents read, the page
+    and offset its own latent is written to: -1 and 0 for a pad row), ``pages`` the decode and verify rows' block
+    tables, concatenated. Token t of row i reads its L_i cached latents then new tokens
     ``[qsl[i], qsl[i] + t]``; a pad row reads only its own new (NaN) tokens."""
 
     qm: torch.Tensor
@@ -574,11 +575,14 @@ class _Queries(NamedTuple):
 def _queries(meta: BatchMeta, qsl, slots, NB: int) -> _Queries:
     cols, pages = [], []
     for i in range(meta.num_decode + meta.num_verify):
-        L = meta.context_lens[i] if slots[i] != PAD_SLOT else 0
+        live = slots[i] != PAD_SLOT
+        L = meta.context_lens[i] if live else 0
         start = len(pages)
         pages.extend(meta.block_tables[i][: -(-L // NB)])
-        cols.extend((start, L, qsl[i], L + t + 1) for t in range(qsl[i + 1] - qsl[i]))
-    qm = torch.tensor(cols, dtype=torch.long).view(-1, 4).T.contiguous()  # [4, Q]
+        for t in range(qsl[i + 1] - qsl[i]):                              # where its own latent is written
+            page, off = (meta.block_tables[i][(L + t) // NB], (L + t) % NB) if live else (PAD_SLOT, 0)
+            cols.append((start, L, qsl[i], L + t + 1, page, off))
+    qm = torch.tensor(cols, dtype=torch.long).view(-1, 6).T.contiguous()  # [6, Q]
     return _Queries(qm, torch.tensor(pages, dtype=torch.long))
 
 
@@ -644,9 +648,11 @@ def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx
     "recurrent")``), prefill rows with keys and values expanded from their own latents (as chunk mode)."""
     cfg = m.cfg
     r, nope, Hm = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.num_mla_heads
-    lat_new, qall = m.latents_and_queries_at(h, pos)                      # [1, T_total, R], [1, T_total, Hm, dq]
     nd, n_dv = meta.num_decode, meta.num_decode + meta.num_verify
-    c = cpu_mla.runs(lat_new, qall, kv_cache, m.kv_b) if n_dv else None
+    c = cpu_mla.runs(h, kv_cache, m.kv_b) if n_dv else None
+    if c is not None and nd == len(slots):                                # every row a decode row: one C call
+        return c.decode(m, h[0], kv_cache.select(1, m_idx), packed.queries.qm, packed.queries.pages)[None]
+    lat_new, qall = m.latents_and_queries_at(h, pos)                      # [1, T_total, R], [1, T_total, Hm, dq]
     if c is None and packed.start is None:                                # the C form does not run these tensors
         packed = _pack_latents(meta, qsl, slots, kv_cache, full=True)
     if packed.start is not None:

@@ -51,13 +51,21 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
 }
 
+typedef void (*rmsnorm_fn)(int M, int D, const float *x, long ldx, const float *w, float eps, float *y, long ldy);
+
 /* Sizes and weights of one MLA layer, built once by the loader: uk[h] = packed W_uk[h]^T ([r, nope]), uv[h] =
- * packed W_uv[h] ([vd, r]) (invariant_cpu.c's linear_pack_f32); linear: invariant_cpu.c's linear_f32. */
+ * packed W_uv[h] ([vd, r]) (invariant_cpu.c's linear_pack_f32); linear: invariant_cpu.c's linear_f32. For the whole
+ * decode layer (mla_decode_f32) also: proj = packed [kv_a; q_proj] ([R + Hm dq, D]), norm = kv_a_layernorm's weight
+ * [r] with eps, o = packed o_proj ([D, Hm vd]), rmsnorm: invariant_cpu.c's rmsnorm_f32. */
 struct mla_block {
     int Hm, nope, rope, r, vd;
     float scale;
     const long *uk, *uv;
     linear_fn linear;
+    int D;
+    float eps;
+    const float *proj, *norm, *o;
+    rmsnorm_fn rmsnorm;
 };
 
 /* dst[c] = sum_j p[j] rows[j][c] for the next blocks of 8 NB values c < r: one FMA chain over j per value, NB chains at
@@ -168,5 +176,40 @@ int mla_absorbed_f32(int Q, const float *q, long ldq, const float *cache, long p
             goto done;
 done:
     free(rows);
+    return rc;
+}
+
+/* A whole MLA layer for Q decode tokens (one per row) of hidden states h [Q, D] (row stride ldh), as
+ * MLALayer.forward(mode="recurrent") computes a token: [c_kv | k_rope | q] = h [kv_a; q_proj]^T (one GEMM), the
+ * latent [rmsnorm(c_kv) | k_rope] written to the cache at page wpage[i], offset woff[i] (wpage[i] < 0: not written,
+ * a pad row), the absorbed attention of query i over its qm run (mla_absorbed_f32; its new latent the one just
+ * formed), then y [Q, D] (row stride ldy) = o o_proj^T. qm [6, Q]: the 4 rows of mla_absorbed_f32, then wpage,
+ * woff. Every GEMM and the RMSNorm are invariant_cpu.c's (linear_f32, rmsnorm_f32): bitwise MLALayer's
+ * latents_and_queries_at and o_proj. Returns as mla_absorbed_f32 (3 also for a write outside the cache; nothing
+ * written then). */
+int mla_decode_f32(int Q, const float *h, long ldh, float *cache, long page_stride, int NB, long ld_cache,
+                   long num_pages, const long *pages, long npages, const long *qm, float *y, long ldy,
+                   const struct mla_block *b, int threads) {
+    const int Hm = b->Hm, r = b->r, R = r + b->rope, NQ = Hm * (b->nope + b->rope), NP = R + NQ, D = b->D;
+    if (Q < 0 || D < 1) return 1;
+    if (Q == 0) return 0;
+    const long *wpage = qm + 4L * Q, *woff = qm + 5L * Q;
+    for (int i = 0; i < Q; i++)
+        if (wpage[i] >= num_pages || (wpage[i] >= 0 && (woff[i] < 0 || woff[i] >= NB))) return 3;
+    float *proj = malloc(sizeof(float) * ((size_t)Q * NP + (size_t)Q * R + (size_t)Q * Hm * b->vd));
+    if (!proj) return 4;
+    float *lat = proj + (size_t)Q * NP, *att = lat + (size_t)Q * R;
+    int rc = b->linear(Q, NP, D, h, ldh, b->proj, proj, NP, threads);
+    if (rc) goto done;
+    b->rmsnorm(Q, r, proj, NP, b->norm, b->eps, lat, R);
+    for (int i = 0; i < Q; i++) memcpy(lat + (size_t)i * R + r, proj + (size_t)i * NP + r, sizeof(float) * b->rope);
+    rc = mla_absorbed_f32(Q, proj + R, NP, cache, page_stride, NB, ld_cache, num_pages, pages, npages, lat, R, Q, qm,
+                          att, (long)Hm * b->vd, b, threads);
+    if (rc) goto done;                                 /* (its runs end before the new latents: written after) */
+    for (int i = 0; i < Q; i++)
+        if (wpage[i] >= 0) memcpy(cache + wpage[i] * page_stride + woff[i] * ld_cache, lat + (size_t)i * R, sizeof(float) * R);
+    rc = b->linear(Q, D, Hm * b->vd, att, (long)Hm * b->vd, b->o, y, ldy, threads);
+done:
+    free(proj);
     return rc;
 }

@@ -106,3 +106,35 @@ def test_attend_paged_equals_contiguous_bitwise(demo):
     assert torch.equal(got, want)
     with pytest.raises(ValueError, match="non-empty run of latents"):             # a page outside the cache
         c.attend_paged(demo, q[:1], new, torch.tensor([[0], [5], [0], [6]]), cache.select(1, 1), torch.tensor([9, 0]))
+
+
+def test_decode_layer_is_the_recurrent_forward_bitwise(demo):
+    """The whole MLA layer in one call (projections, latent write, attention, o_proj) gives each row the bits of
+    ``MLALayer.forward(mode="recurrent")`` on that row alone, and writes its latent where asked; a write outside
+    the cache is refused with nothing written."""
+    cfg, NB = demo.cfg, 4
+    gen = torch.Generator().manual_seed(12)
+    contexts = (6, 0, 9)
+    cache = torch.full((8, 1, NB, cfg.latent_dim), float("nan"))          # [pages, MLA layers, NB, R]
+    h = torch.randn(len(contexts), cfg.hidden_size, generator=gen)
+    cols, pages, alone, free = [], [], [], list(range(8))
+    with torch.no_grad():
+        for i, L in enumerate(contexts):
+            prior = demo.forward(torch.randn(1, L, cfg.hidden_size, generator=gen), mode="chunk")[1] if L else None
+            table = [free.pop() for _ in range(-(-(L + 1) // NB))]
+            for j in range(L):
+                cache[table[j // NB], 0, j % NB] = prior[0, j]
+            cols.append((len(pages), L, i, L + 1, table[L // NB], L % NB))
+            pages += table
+            alone.append(demo.forward(h[i][None, None], prior, mode="recurrent"))
+        qm, pages = torch.tensor(cols).T.contiguous(), torch.tensor(pages)
+        before = cache.clone()
+        bad = qm.clone()
+        bad[4, 2] = 8                                                     # a page past the cache
+        with pytest.raises(ValueError, match="write inside the cache"):
+            cpu_mla.backend().decode(demo, h, cache.select(1, 0), bad, pages)
+        assert torch.equal(cache.nan_to_num(7.0), before.nan_to_num(7.0))
+        y = cpu_mla.backend().decode(demo, h, cache.select(1, 0), qm, pages)
+    for i, (y_alone, lat) in enumerate(alone):
+        assert torch.equal(y[i], y_alone[0, 0])
+        assert torch.equal(cache[cols[i][4], 0, cols[i][5]], lat[0, -1])
