@@ -10,8 +10,8 @@
  *
  * The absorption and the output are the row-invariant GEMM of invariant_cpu.c (its linear_f32 on its packed
  * copies of W_uk[h]^T and W_uv[h], called through the pointer the loader passes): bitwise MLALayer.absorb_queries /
- * absorbed_output. The dot product s_j is one FMA chain over the R values in order; the sum of the exps and each
- * output value sum_j p_j c_j[d] one chain over j in order (exp: the Cephes expf of csrc/moe_cpu.c on 8 lanes, every
+ * absorbed_output. The dot product s_j takes 8 partial sums (lane l: c = l, l + 8, ... by FMA in order, a masked
+ * tail) added in a fixed tree; the sum of the exps and each output value sum_j p_j c_j[d] one chain over j in order (exp: the Cephes expf of csrc/moe_cpu.c on 8 lanes, every
  * element through the same lanes). So a query's bits depend on its own q and latents only: not on the other
  * queries of the call nor on where its latents are stored. Built with -ffp-contract=off: the products outside those FMA
  * chains are rounded on their own.
@@ -82,28 +82,41 @@ struct mla_block {
     }
 
 /* One query over all its heads: qc [Hm, R], its n latents at rows[0 .. n) (R floats each) -> ol [Hm, r]. s:
- * scratch of Hm (n + 8) floats; blk: 8 R floats. */
+ * scratch of Hm (n + 8) floats. */
 static void attend_query(int Hm, const float *qc, const float *const *rows, long n, int R, int r, float scale,
-                         float *s, float *blk, float *ol) {
+                         float *s, float *ol) {
     const long ns = n + 8;
-    for (long j0 = 0; j0 < n; j0 += 8) {               /* s_hj = qc_h . c_j, one FMA chain over c per lane */
-        int m = n - j0 < 8 ? (int)(n - j0) : 8;
-        for (int c = 0; c < R; c++)                    /* 8 latents transposed: blk[c * 8 + l] */
-            for (int l = 0; l < 8; l++) blk[c * 8 + l] = l < m ? rows[j0 + l][c] : 0.0f;
-        for (int h0 = 0; h0 < Hm; h0 += 4) {           /* 4 heads at a time: 4 independent chains */
+    const int RB = R / 8, rt = R - 8 * RB;            /* full 8-lane blocks of a latent, and the tail */
+    const __m256i tail = _mm256_cmpgt_epi32(_mm256_set1_epi32(rt), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256 sc = _mm256_set1_ps(scale);
+    for (long j = 0; j < n; j++) {                     /* s_hj = qc_h . c_j: 8 partial sums (lane l takes c = l, l + 8,
+                                                          ... by FMA in order), then a fixed tree; 4 heads at a time */
+        const float *cj = rows[j];
+        for (int h0 = 0; h0 < Hm; h0 += 4) {
             const float *q0 = qc + (long)h0 * R, *q1 = h0 + 1 < Hm ? q0 + R : q0;
             const float *q2 = h0 + 2 < Hm ? q0 + 2 * R : q0, *q3 = h0 + 3 < Hm ? q0 + 3 * R : q0;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int c = 0; c < R; c++) {
-                __m256 v = _mm256_loadu_ps(blk + c * 8);
-                a0 = _mm256_fmadd_ps(_mm256_set1_ps(q0[c]), v, a0);
-                a1 = _mm256_fmadd_ps(_mm256_set1_ps(q1[c]), v, a1);
-                a2 = _mm256_fmadd_ps(_mm256_set1_ps(q2[c]), v, a2);
-                a3 = _mm256_fmadd_ps(_mm256_set1_ps(q3[c]), v, a3);
+            for (int c8 = 0; c8 < RB; c8++) {
+                __m256 v = _mm256_loadu_ps(cj + 8 * c8);
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + 8 * c8), v, a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q1 + 8 * c8), v, a1);
+                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q2 + 8 * c8), v, a2);
+                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q3 + 8 * c8), v, a3);
             }
-            __m256 sc = _mm256_set1_ps(scale), a[4] = {a0, a1, a2, a3};
-            for (int u = 0; u < 4 && h0 + u < Hm; u++)   /* the padded lanes land in the slack of s */
-                _mm256_storeu_ps(s + (h0 + u) * ns + j0, _mm256_mul_ps(a[u], sc));
+            if (rt) {
+                __m256 v = _mm256_maskload_ps(cj + 8 * RB, tail);
+                a0 = _mm256_fmadd_ps(_mm256_maskload_ps(q0 + 8 * RB, tail), v, a0);
+                a1 = _mm256_fmadd_ps(_mm256_maskload_ps(q1 + 8 * RB, tail), v, a1);
+                a2 = _mm256_fmadd_ps(_mm256_maskload_ps(q2 + 8 * RB, tail), v, a2);
+                a3 = _mm256_fmadd_ps(_mm256_maskload_ps(q3 + 8 * RB, tail), v, a3);
+            }
+            /* the tree: (l, l + 4) for 4 lanes, then (l, l + 2), then (0, 1); the 4 heads in one pass */
+            __m256 t01 = _mm256_hadd_ps(a0, a1), t23 = _mm256_hadd_ps(a2, a3);    /* pairs (0,1) (2,3) per 128 */
+            __m256 t = _mm256_hadd_ps(t01, t23);                                    /* per head, per 128-bit half */
+            __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));   /* heads 0..3 */
+            float out4[4];
+            _mm_storeu_ps(out4, _mm_mul_ps(sum4, _mm256_castps256_ps128(sc)));
+            for (int u = 0; u < 4 && h0 + u < Hm; u++) s[(h0 + u) * ns + j] = out4[u];
         }
     }
     for (int h = 0; h < Hm; h++) {
@@ -154,11 +167,10 @@ int mla_absorbed_f32(int Q, const float *q, long ldq, const float *cache, long p
         if (len[i] > nmax) nmax = len[i];
     }
     if (Q == 0) return 0;
-    size_t floats = (size_t)Q * Hm * R + (size_t)Q * Hm * r + (size_t)Hm * (nmax + 8) + 8 * (size_t)R;
+    size_t floats = (size_t)Q * Hm * R + (size_t)Q * Hm * r + (size_t)Hm * (nmax + 8);
     const float **rows = malloc(sizeof(float *) * nmax + sizeof(float) * floats);   /* the pointers first: aligned */
     if (!rows) return 4;
     float *qc = (float *)(rows + nmax), *ol = qc + (size_t)Q * Hm * R, *s = ol + (size_t)Q * Hm * r;
-    float *blk = s + (size_t)Hm * (nmax + 8);
     int rc = 0;
     for (int h = 0; h < Hm; h++)                       /* q_nope W_uk[h] of every query: one GEMM per head */
         if ((rc = b->linear(Q, r, nope, q + h * dq, ldq, (const float *)b->uk[h], qc + h * R, (long)Hm * R, threads)))
@@ -169,7 +181,7 @@ int mla_absorbed_f32(int Q, const float *q, long ldq, const float *cache, long p
         for (long j = 0; j < len[i]; j++)
             rows[j] = j < cached[i] ? cache + pages[tstart[i] + j / NB] * page_stride + (j % NB) * ld_cache
                                     : lat + (first[i] + j - cached[i]) * ldl;
-        attend_query(Hm, qc + (size_t)i * Hm * R, rows, len[i], R, r, b->scale, s, blk, ol + (size_t)i * Hm * r);
+        attend_query(Hm, qc + (size_t)i * Hm * R, rows, len[i], R, r, b->scale, s, ol + (size_t)i * Hm * r);
     }
     for (int h = 0; h < Hm; h++)                       /* o_lat W_uv[h]^T of every query: one GEMM per head */
         if ((rc = b->linear(Q, vd, r, ol + h * r, (long)Hm * r, (const float *)b->uv[h], out + h * vd, ldo, threads)))
