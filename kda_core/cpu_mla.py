@@ -128,7 +128,10 @@ class CMLA:
         :meth:`attend_paged` (its new latents: the ones just formed, row i of them), ``o_proj``. qm ``[6, Q]`` int64
         (contiguous) -> y ``[Q, D]``.
 
-        Raises ValueError for a bad run, page or offset (nothing written then)."""
+        Raises ValueError for a bad run, page or offset (nothing written then), or for a layer with rotary
+        embedding (``mla_use_nope`` false: this call rotates nothing)."""
+        if not m.cfg.mla_use_nope:
+            raise ValueError("decode runs MLA layers without rotary embedding (mla_use_nope) only")
         if h.stride(-1) != 1:
             h = h.contiguous()
         if cache.stride(-1) != 1:

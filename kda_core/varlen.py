@@ -644,13 +644,14 @@ def _mla_decode_rows(m: MLALayer, meta: BatchMeta, packed: _Packed, q_cat, full)
 
 def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx, kv_pages, kv_offs, kv_live,
                packed: _Packed, verify, li):
-    """One MLA layer over the batch: decode and verify rows in the absorbed form (as ``MLALayer.forward(mode=
+    """One MLA layer over the batch: an all-decode batch (without rotary embedding) in one C call where it runs
+    (:meth:`kda_core.cpu_mla.CMLA.decode`); else decode and verify rows in the absorbed form (as ``MLALayer.forward(mode=
     "recurrent")``), prefill rows with keys and values expanded from their own latents (as chunk mode)."""
     cfg = m.cfg
     r, nope, Hm = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.num_mla_heads
     nd, n_dv = meta.num_decode, meta.num_decode + meta.num_verify
     c = cpu_mla.runs(h, kv_cache, m.kv_b) if n_dv else None
-    if c is not None and nd == len(slots):                                # every row a decode row: one C call
+    if c is not None and nd == len(slots) and cfg.mla_use_nope:           # every row a decode row: one C call
         return c.decode(m, h[0], kv_cache.select(1, m_idx), packed.queries.qm, packed.queries.pages)[None]
     lat_new, qall = m.latents_and_queries_at(h, pos)                      # [1, T_total, R], [1, T_total, Hm, dq]
     if c is None and packed.start is None:                                # the C form does not run these tensors
