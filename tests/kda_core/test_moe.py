@@ -163,3 +163,12 @@ def test_dense_mlp_c_form_matches_torch_form(n):
         torch.testing.assert_close(got, mlp.forward_torch(x), rtol=cpu_moe.RTOL, atol=cpu_moe.ATOL)
         for i in range(n):
             assert torch.equal(mlp(x[:, i: i + 1]), got[:, i: i + 1])
+
+
+@needs_c
+def test_moe_c_form_refuses_more_experts_than_kept_groups_hold(moe):
+    """k larger than the experts of the topk_group groups kept (a config the torch form would fill with masked
+    experts): a ValueError naming the sizes, not a wrong answer."""
+    m = variant(moe, 2, num_expert_group=4, topk_group=1, num_experts_per_token=3)
+    with torch.no_grad(), pytest.raises(ValueError, match="num_experts_per_token"):
+        m(torch.randn(2, m.cfg.hidden_size))
