@@ -134,3 +134,21 @@ def test_forget_repacks_after_a_write_the_version_counter_misses():
 def test_linear_refuses_a_weight_that_is_not_2d(shape):
     with pytest.raises(ValueError, match=r"weight must be \[D_out, D_in\]"):
         invariant.linear(torch.randn(5, 48), torch.randn(*shape))
+
+
+def test_threads_split_columns_without_changing_bits(gemm):
+    """A GEMM large enough to share its column groups among OpenMP threads gives the one-thread bits (the one-thread
+    call skips OpenMP altogether), also for 1 and 2 rows."""
+    gen = torch.Generator().manual_seed(21)
+    x, w = torch.randn(64, 128, generator=gen), torch.randn(600, 128, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemm.linear(x, w)
+        torch.set_num_threads(3)
+        assert torch.equal(gemm.linear(x, w), one)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, gemm.reference(x, w))
+    for m in (1, 2):
+        assert torch.equal(gemm.linear(x[:m], w), one[:m])
