@@ -139,11 +139,15 @@ class CInvariant:
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of x ``[..., D]`` fp32 with weight ``[D]`` fp32 -> ``[..., D]`` (unchecked)."""
         D = x.shape[-1]
+        if not weight.is_contiguous():
+            weight = weight.contiguous()
+        if x.is_contiguous():                                               # read in place: no reshape, no view
+            out = x.new_empty(x.shape)                                      # [..., D]
+            self._rms(x.numel() // D if D else 0, D, x.data_ptr(), D, weight.data_ptr(), eps, out.data_ptr(), D)
+            return out
         rows = x.reshape(-1, D)                                             # [M, D]
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        if not weight.is_contiguous():
-            weight = weight.contiguous()
         out = rows.new_empty(rows.shape)                                    # [M, D]
         self._rms(rows.shape[0], D, rows.data_ptr(), rows.stride(0), weight.data_ptr(), eps, out.data_ptr(), D)
         return out.view(x.shape)
