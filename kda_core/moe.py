@@ -1,5 +1,5 @@
 """The feed-forward blocks of Kimi-Linear: a dense SwiGLU MLP in the first ``first_k_dense_replace`` layers,
-a sparse mixture of experts (MoE) with shared experts in the others (pure torch, fp32, row-invariant).
+a sparse mixture of experts (MoE) with shared experts in the others (fp32, row-invariant; a C form and a torch form).
 
 Router (DeepSeek-V3's, which Kimi-Linear keeps: Moonshot's ``modeling_kimi.py`` ``KimiMoEGate``, transformers'
 ``KimiLinearTopkRouter``; arXiv:2412.19437 section 2.1.2):
