@@ -77,6 +77,20 @@ def test_decode_rows_with_rotary_mla_equal_alone():
             assert torch.equal(read_latents(pools.kv_cache, j, tables[r], (5, 20, 33)[r] + 1), cache.layers[i])
 
 
+def test_decode_rows_when_the_c_attention_skips_the_layer(model, monkeypatch):
+    """The C absorbed attention runs the cache (the step packs no latent tensor) but not the layer's tensors (say,
+    another dtype): the layer packs its latents itself and runs the torch form, still bitwise the model alone."""
+    from kda_core import cpu_mla
+    real = cpu_mla.runs
+    monkeypatch.setattr(cpu_mla, "runs", lambda *t: real(*t) if len(t) == 1 else None)
+    pools, meta, tokens, alone, slots, tables = _decode_batch(model, (5, 20))
+    out = forward_batch(model, tokens, meta, pools)
+    for r, (logits, cache) in enumerate(alone):
+        assert torch.equal(out.logits[r], logits[0]), f"row {r}"
+        for j, i in enumerate(model.cfg.mla_layers):
+            assert torch.equal(read_latents(pools.kv_cache, j, tables[r], (5, 20)[r] + 1), cache.layers[i])
+
+
 def test_decode_rows_never_expand_cached_latents(model, monkeypatch):
     """A decode step reads each row's latents in the absorbed form: no GEMM through the whole ``kv_b`` (the
     expanded form re-expanded every cached latent of every row, every step: O(sum L) GEMM rows per MLA layer)."""
