@@ -59,8 +59,6 @@ class CInvariant:
         lib.linear_ref_f32.argtypes = [_I, _I, _I, _P, _L, _P, _L, _P, _L]
         lib.linear_f32.restype = _I
         lib.linear_f32.argtypes = [_I, _I, _I, _P, _L, _P, _P, _L, _I]
-        lib.linear_f32_pairs.restype = _I
-        lib.linear_f32_pairs.argtypes = [_I, _I, _I, _P, _L, _L, _P, _P, _P, _I, _P, _L]
         lib.rmsnorm_f32.restype = None
         lib.rmsnorm_f32.argtypes = [_I, _I, _P, _L, _P, ctypes.c_float, _P, _L]
         self._rms = lib.rmsnorm_f32
@@ -138,31 +136,18 @@ class CInvariant:
             hit = ws.__dict__[_EXPERTS_ATTR] = ((ws.data_ptr(), ws._version), ptrs)
         return hit[1]
 
-    def linear_pairs(self, x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
-        """``out[p] = x[rows[p]] @ ws[experts[p]]^T`` for P pairs: x ``[R, K]`` fp32 (contiguous last dim), rows and
-        experts ``[P]`` int64 (contiguous), ws ``[E, N, K]`` -> ``[P, N]``; each pair computed as its row alone.
-        Shapes and dtypes unchecked; an index outside its range (an expert outside [0, E), a row outside [0, R))
-        raises ValueError before any pair runs."""
-        P, N = rows.shape[0], ws.shape[1]
-        out = x.new_empty((P, N))                                           # [P, N]
-        rc = self.lib.linear_f32_pairs(P, N, x.shape[1], x.data_ptr(), x.shape[0], x.stride(0), rows.data_ptr(),
-                                       experts.data_ptr(), self.packed_experts(ws), ws.shape[0], out.data_ptr(), N)
-        if rc == 2:
-            raise ValueError(f"experts must be in [0, {ws.shape[0]}), got {experts.tolist()}")
-        if rc == 3:
-            raise ValueError(f"rows must be in [0, {x.shape[0]}) (rows of x), got {rows.tolist()}")
-        if rc:
-            raise RuntimeError(f"linear_f32_pairs failed with code {rc}")
-        return out
-
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of x ``[..., D]`` fp32 with weight ``[D]`` fp32 -> ``[..., D]`` (unchecked)."""
         D = x.shape[-1]
+        if not weight.is_contiguous():
+            weight = weight.contiguous()
+        if x.is_contiguous():                                               # read in place: no reshape, no view
+            out = x.new_empty(x.shape)                                      # [..., D]
+            self._rms(x.numel() // D if D else 0, D, x.data_ptr(), D, weight.data_ptr(), eps, out.data_ptr(), D)
+            return out
         rows = x.reshape(-1, D)                                             # [M, D]
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
-        if not weight.is_contiguous():
-            weight = weight.contiguous()
         out = rows.new_empty(rows.shape)                                    # [M, D]
         self._rms(rows.shape[0], D, rows.data_ptr(), rows.stride(0), weight.data_ptr(), eps, out.data_ptr(), D)
         return out.view(x.shape)

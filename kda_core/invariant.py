@@ -85,32 +85,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def linear_pairs(x: torch.Tensor, rows: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
-    """``out[p] = linear(x[rows[p]], weights[experts[p]])`` for P (row, expert) pairs in one C call (the routed
-    experts of a few tokens: no sort, no per-expert dispatch), each bitwise that row's :func:`linear` with that
-    expert. x ``[R, D_in]``, rows / experts ``[P]`` int64, weights ``[E, D_out, D_in]`` -> ``[P, D_out]``; None
-    where the C GEMM does not run these tensors (the torch form, autograd, other dtypes): the caller dispatches.
-
-    Raises ValueError if rows or experts is not a 1-D int64 tensor, their lengths differ, weights is not 3-D, or an
-    index is out of range (a row outside [0, R), an expert outside [0, E))."""
-    for name, idx in (("rows", rows), ("experts", experts)):
-        if not isinstance(idx, torch.Tensor) or idx.dim() != 1 or idx.dtype != torch.int64:
-            raise ValueError(f"{name} must be a 1-D int64 tensor, got "
-                             f"{tuple(idx.shape) if isinstance(idx, torch.Tensor) else type(idx).__name__}"
-                             f"{' ' + str(idx.dtype) if isinstance(idx, torch.Tensor) else ''}")
-    if rows.shape != experts.shape:
-        raise ValueError(f"rows and experts must have one entry per pair, got {rows.shape[0]} and {experts.shape[0]}")
-    if weights.dim() != 3:
-        raise ValueError(f"weights must be [E, D_out, D_in], got shape {tuple(weights.shape)}")
-    gemm = _GEMM[0] if _GEMM else _choose()
-    if gemm is None or x.dim() != 2 or x.dtype is not _F32 or weights.dtype is not _F32 or not x.is_cpu \
-            or not weights.is_cpu or x.shape[-1] != weights.shape[-1] or \
-            (torch.is_grad_enabled() and (x.requires_grad or weights.requires_grad)):
-        return None
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    return gemm.linear_pairs(x, rows.contiguous(), experts.contiguous(), weights)
-
-
 class _CRmsNorm(torch.autograd.Function):
     """The C RMSNorm forward with the torch form's backward (recomputed): training sees the inference bits."""
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kda_core import cpu_mla
 from kda_core.chunk import CHUNK_SIZE, kda_chunk
 from kda_core.config import ModelConfig
 from kda_core.conv import short_conv
@@ -324,9 +325,11 @@ class MLALayer(nn.Module):
         B, T, _ = x.shape
         r, nope = cfg.kv_lora_rank, cfg.qk_nope_head_dim
         ckv, q = linear_cat(x, (self.kv_a, self.q_proj))                    # [B, T, r + rope], [B, T, Hm dq]
-        q = q.reshape(B, T, cfg.num_mla_heads, -1)                          # [B, T, Hm, nope+rope]
+        q = q.view(B, T, cfg.num_mla_heads, -1)                             # [B, T, Hm, nope+rope]
         lat = torch.cat([rmsnorm(ckv[..., :r], self.kv_norm, cfg.rms_norm_eps), self.position(ckv[..., r:], positions)],
                         dim=-1)                                             # [B, T, r + rope]
+        if cfg.mla_use_nope:                                                # no positional part: q as projected
+            return lat, q
         return lat, torch.cat([q[..., :nope], self.position(q[..., nope:], positions)], dim=-1)
 
     def queries_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -396,11 +399,20 @@ class MLALayer(nn.Module):
         query t of q ``[B, T, Hm, nope + rope]`` over exactly the latents ``lat[:, :L + t + 1]`` (``lat`` ``[B,
         L + T, r + rope]``), never expanding a latent through ``kv_b``. Returns ``[B, T, Hm vd]``.
 
-        Every decode and verify query of the engine runs these very ops with the same shapes
-        (:func:`latent_attention` per query, :meth:`absorb_queries` / :meth:`absorbed_output` per row), so they
-        are bitwise this; against the expanded form of prefill (chunk mode) they agree to fp32 rounding
-        (``(q W_uk) . c`` vs ``q . (W_uk c)``: reassociated sums, ~1e-6 relative)."""
+        Two forms: fp32 CPU tensors without autograd run the C form (:mod:`kda_core.cpu_mla`: every query in one
+        call) where the process runs it, the rest the torch form below (:func:`latent_attention` per query,
+        :meth:`absorb_queries` / :meth:`absorbed_output`); they agree within ``cpu_mla.RTOL`` / ``ATOL``. Every
+        decode and verify query of the engine runs the same form with the same per-query operands, so they are
+        bitwise this; against the expanded form of prefill (chunk mode) they agree to fp32 rounding (``(q W_uk) .
+        c`` vs ``q . (W_uk c)``: reassociated sums, ~1e-6 relative)."""
         B, T = q.shape[:2]
+        c = cpu_mla.runs(q, lat, self.kv_b)
+        if c is not None:                                                   # one call: query (b, t) over its latents
+            n = lat.shape[1]
+            off = (torch.arange(B) * n).repeat_interleave(T)                # [B T] its first latent
+            lens = torch.arange(L + 1, L + T + 1).repeat(B)                 # [B T] how many it reads
+            o = c.attend(self, q.reshape(B * T, *q.shape[2:]), lat.reshape(B * n, -1), off, lens)   # [B T, Hm vd]
+            return o.view(B, T, -1)                                         # [B, T, Hm vd]
         q_cat = self.absorb_queries(q)                                      # [B, T, Hm, r + rope]
         r = self.cfg.kv_lora_rank
         o_lat = torch.stack([latent_attention(q_cat[:, t], lat[:, : L + t + 1].contiguous(), r, self.scale)

@@ -1,5 +1,5 @@
 """The feed-forward blocks of Kimi-Linear: a dense SwiGLU MLP in the first ``first_k_dense_replace`` layers,
-a sparse mixture of experts (MoE) with shared experts in the others (pure torch, fp32, row-invariant).
+a sparse mixture of experts (MoE) with shared experts in the others (fp32, row-invariant; a C form and a torch form).
 
 Router (DeepSeek-V3's, which Kimi-Linear keeps: Moonshot's ``modeling_kimi.py`` ``KimiMoEGate``, transformers'
 ``KimiLinearTopkRouter``; arXiv:2412.19437 section 2.1.2):
@@ -11,8 +11,12 @@ Router (DeepSeek-V3's, which Kimi-Linear keeps: Moonshot's ``modeling_kimi.py`` 
   ``moe_renormalize`` (+ 1e-20), times ``routed_scaling_factor``;
 - ``y = sum_k w_k expert_k(x) + shared(x)``, each expert a SwiGLU ``w2(silu(w1 x) * w3 x)``.
 
-Every row's result depends on that row alone (``kda_core.invariant``: ``linear`` / ``pointwise``, the top-k
-sum in a fixed order), so a batched forward equals each row's forward alone, bitwise.
+Two forms, one chosen per process: the C form (:mod:`kda_core.cpu_moe`: router, top-k, routed and shared experts and
+their combine in one call) runs every fp32 CPU forward without autograd where the C GEMM runs; the torch form
+(:meth:`MoE.forward_torch`) runs the rest and is the C form's reference (within ``cpu_moe.RTOL`` / ``ATOL``: their
+sigmoid and SiLU differ in the last bits). In both, every row's result depends on that row alone
+(``kda_core.invariant``'s GEMM, per-element activations, the top-k sum in a fixed order), so a batched forward equals
+each row's forward alone, bitwise.
 """
 from __future__ import annotations
 
@@ -20,10 +24,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kda_core import cpu_moe
 from kda_core.config import ModelConfig
-from kda_core.invariant import linear, linear_cat, linear_pairs, pointwise
+from kda_core.invariant import linear, linear_cat, pointwise
 
-PAIRS_MAX = 128   # (row, expert) pairs up to which MoE.forward runs every pair alone (a decode step up to 64 rows)
+_FUSED: list = []     # [cpu_moe.backend()], read on every call once it is chosen
+
+
+def _choose():
+    _FUSED.append(cpu_moe.backend())
+    return _FUSED[0]
 
 
 def _fp32(t: torch.Tensor) -> torch.Tensor:
@@ -55,7 +65,17 @@ class DenseMLP(nn.Module):
         self.down = _init(gen, hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[..., D]`` -> ``[..., D]``."""
+        """x ``[..., D]`` -> ``[..., D]``: the C form (:meth:`kda_core.cpu_moe.CMoE.dense`, one call) for fp32 CPU
+        tensors without autograd where the process runs it, else :meth:`forward_torch` (within ``cpu_moe.RTOL`` /
+        ``ATOL`` of each other; each row on its own in both)."""
+        fused = _FUSED[0] if _FUSED else _choose()
+        if fused is not None and x.dtype is torch.float32 and x.is_cpu and self.gate_up.dtype is torch.float32 \
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.gate_up.requires_grad)):
+            return fused.dense(self, x)
+        return self.forward_torch(x)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch form: :func:`swiglu`; x ``[..., D]`` -> ``[..., D]``."""
         return swiglu(x, self.gate_up, self.down)
 
 
@@ -103,7 +123,25 @@ class MoE(nn.Module):
         return w * cfg.routed_scaling_factor, idx
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x ``[..., D]`` -> ``[..., D]``: the routed experts' weighted sum plus the shared experts."""
+        """x ``[..., D]`` -> ``[..., D]``: the routed experts' weighted sum plus the shared experts.
+
+        fp32 CPU tensors without autograd run the C form (:mod:`kda_core.cpu_moe`: the whole block in one call)
+        where the process runs it, any other input :meth:`forward_torch`; the two agree within
+        ``cpu_moe.RTOL`` / ``cpu_moe.ATOL``. Either way a row's result does not depend on the other rows."""
+        fused = _FUSED[0] if _FUSED else _choose()
+        if fused is not None and x.dtype is torch.float32 and x.is_cpu and self.router.dtype is torch.float32 \
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.router.requires_grad)):
+            if not self.training:
+                return fused.forward(self, x)                               # [..., D]
+            idx = torch.empty(x.numel() // x.shape[-1], self.cfg.num_experts_per_token, dtype=torch.long)  # [N, k]
+            y = fused.forward(self, x, idx)                                 # [..., D]
+            self.last_load = torch.bincount(idx.flatten(), minlength=self.cfg.num_experts)
+            return y
+        return self.forward_torch(x)
+
+    def forward_torch(self, x: torch.Tensor) -> torch.Tensor:
+        """The torch form of :meth:`forward` (the reference of the C form; what runs in training, on other dtypes
+        and devices, and without the C library): x ``[..., D]`` -> ``[..., D]``."""
         rows = x.reshape(-1, x.shape[-1])                                   # [N, D]
         shared_gu = None
         if self.shared is not None and rows.dtype is torch.float32 and self.router.dtype is torch.float32:
@@ -113,10 +151,6 @@ class MoE(nn.Module):
         else:
             w, idx = self.route(rows)
         N, k = idx.shape
-        if N * k <= PAIRS_MAX:                                              # a few tokens: every (row, expert) pair
-            y = self._pairs(rows, w, idx)                                   # in one C call each way, no dispatch
-            if y is not None:
-                return self._finish(x, y, idx, shared_gu)
         if N == 1:                                                          # one row (batch-1 decode): no dispatch
             e = idx[0].tolist()
             y = swiglu(rows, self.experts_gate_up[e[0]], self.experts_down[e[0]]) * w[:, :1]
@@ -139,23 +173,6 @@ class MoE(nn.Module):
             y = y + per_k[:, j] * w[:, j: j + 1]
         return self._finish(x, y, idx, shared_gu)
 
-    def _pairs(self, rows: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor | None:
-        """The routed sum ``[N, D]`` of rows ``[N, D]`` with routing weights w and expert ids idx ``[N, k]`` through
-        :func:`kda_core.invariant.linear_pairs` (None where it does not run): bitwise the dispatch below, as each
-        pair's GEMM, SiLU and product are those of its row alone."""
-        N, k = idx.shape
-        F_ = self.cfg.moe_intermediate_size
-        flat = idx.flatten()                                                # [N k] (row, top-k position) pairs
-        gu = linear_pairs(rows, torch.arange(N).repeat_interleave(k), flat, self.experts_gate_up)   # [N k, 2F]
-        if gu is None:
-            return None
-        h = pointwise(F.silu, gu[:, :F_]) * gu[:, F_:]                      # [N k, F]
-        per_k = linear_pairs(h, torch.arange(N * k), flat, self.experts_down).view(N, k, -1)      # [N, k, D]
-        y = per_k[:, 0] * w[:, :1]
-        for j in range(1, k):                                               # the same order as below
-            y = y + per_k[:, j] * w[:, j: j + 1]
-        return y
-
     def _finish(self, x: torch.Tensor, y: torch.Tensor, idx: torch.Tensor, shared_gu: torch.Tensor | None) -> torch.Tensor:
         """The routed sum ``y [N, D]`` in x's shape plus the shared experts (their gate_up output ``shared_gu
         [N, 2 F_s]`` when the router's GEMM computed it), and the load, in training."""
@@ -165,7 +182,7 @@ class MoE(nn.Module):
         if self.shared is None:
             return y
         if shared_gu is None:
-            return y + self.shared(x)
+            return y + self.shared.forward_torch(x)
         return y + swiglu_down(shared_gu, self.shared.down).view(x.shape)
 
     @torch.no_grad()

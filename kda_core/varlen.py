@@ -37,6 +37,7 @@ from typing import NamedTuple
 
 import torch
 
+from kda_core import cpu_mla
 from kda_core.chunk import CHUNK_SIZE, kda_chunk
 from kda_core.decode import kda_decode
 from kda_core.invariant import linear
@@ -449,7 +450,7 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     by_slots = _slot_lists(kda, meta, slots)                             # {layer: (slots list, decode _Rows)}
     writes = {}
     mla_index = {layer: j for j, layer in enumerate(cfg.mla_layers)}
-    packed = _pack_latents(meta, qsl, slots, pools.kv_cache.shape[2]) if cfg.mla_layers else None
+    packed = _pack_latents(meta, qsl, slots, pools.kv_cache) if cfg.mla_layers else None
     records = {} if decode_records else None
     for li in range(cfg.num_layers):
         m, h = model.mixers[li], model.input_norm(li, x)
@@ -545,19 +546,54 @@ def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, dec_rows: _Rows, poo
 class _Packed(NamedTuple):
     """Where every row's MLA latents ``[0, L_i + T_i)`` sit in one packed ``[sum_i (L_i + T_i), R]`` tensor:
     row i at ``[start[i], start[i] + L_i + T_i)``; cached positions gathered from (old_page, old_off) to
-    old_dst (live rows only: a pad row's cached part stays NaN), new tokens from packed token new_src to new_dst."""
+    old_dst (live rows only: a pad row's cached part stays NaN), new tokens from packed token new_src to new_dst.
+    None but ``queries`` where no row needs the packed tensor (every row a decode row, read in place by the C
+    absorbed attention). ``queries``: the decode and verify tokens' latent runs for that attention."""
 
-    start: list
-    total: int
-    old_page: torch.Tensor
-    old_off: torch.Tensor
-    old_dst: torch.Tensor
-    new_src: torch.Tensor
-    new_dst: torch.Tensor
+    start: list | None
+    total: int | None
+    old_page: torch.Tensor | None
+    old_off: torch.Tensor | None
+    old_dst: torch.Tensor | None
+    new_src: torch.Tensor | None
+    new_dst: torch.Tensor | None
+    queries: _Queries
 
 
-def _pack_latents(meta: BatchMeta, qsl, slots, NB: int) -> _Packed:
-    """Index tensors of :class:`_Packed`, built once per forward from the block tables (vectorised per block)."""
+class _Queries(NamedTuple):
+    """The latent run of every decode and verify token (Q of them, in packed token order), as
+    :meth:`kda_core.cpu_mla.CMLA.attend_paged` and ``decode`` read it: ``qm [6, Q]`` int64 = (start of its row's
+    block table in ``pages``, cached latents read from the pages, its row's first new token, latents read, the page
+    and offset its own latent is written to: -1 and 0 for a pad row), ``pages`` the decode and verify rows' block
+    tables, concatenated. Token t of row i reads its L_i cached latents then new tokens
+    ``[qsl[i], qsl[i] + t]``; a pad row reads only its own new (NaN) tokens."""
+
+    qm: torch.Tensor
+    pages: torch.Tensor
+
+
+def _queries(meta: BatchMeta, qsl, slots, NB: int) -> _Queries:
+    cols, pages = [], []
+    for i in range(meta.num_decode + meta.num_verify):
+        live = slots[i] != PAD_SLOT
+        L = meta.context_lens[i] if live else 0
+        start = len(pages)
+        pages.extend(meta.block_tables[i][: -(-L // NB)])
+        for t in range(qsl[i + 1] - qsl[i]):                              # where its own latent is written
+            page, off = (meta.block_tables[i][(L + t) // NB], (L + t) % NB) if live else (PAD_SLOT, 0)
+            cols.append((start, L, qsl[i], L + t + 1, page, off))
+    qm = torch.tensor(cols, dtype=torch.long).view(-1, 6).T.contiguous()  # [6, Q]
+    return _Queries(qm, torch.tensor(pages, dtype=torch.long))
+
+
+def _pack_latents(meta: BatchMeta, qsl, slots, kv_cache: torch.Tensor, full: bool = False) -> _Packed:
+    """Index tensors of :class:`_Packed`, built once per forward from the block tables (vectorised per block); those
+    of the packed tensor only where a row needs it (``full``, a verify or prefill row, or no C absorbed attention
+    for this cache)."""
+    NB = kv_cache.shape[2]
+    queries = _queries(meta, qsl, slots, NB)
+    if not full and meta.num_decode == len(slots) and cpu_mla.runs(kv_cache) is not None:
+        return _Packed(None, None, None, None, None, None, None, queries)
     starts, pages, dsts, counts, total = [], [], [], [], 0
     for i, slot in enumerate(slots):
         L, T = meta.context_lens[i], qsl[i + 1] - qsl[i]
@@ -575,7 +611,8 @@ def _pack_latents(meta: BatchMeta, qsl, slots, NB: int) -> _Packed:
     lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(len(slots))], dtype=torch.long)
     shift = torch.tensor([starts[i] + meta.context_lens[i] - qsl[i] for i in range(len(slots))], dtype=torch.long)
     new_src = torch.arange(qsl[-1])
-    return _Packed(starts, total, old_page, within, old_dst, new_src, new_src + torch.repeat_interleave(shift, lens))
+    return _Packed(starts, total, old_page, within, old_dst, new_src, new_src + torch.repeat_interleave(shift, lens),
+                   queries)
 
 
 def _mla_decode_rows(m: MLALayer, meta: BatchMeta, packed: _Packed, q_cat, full) -> list:
@@ -607,18 +644,30 @@ def _mla_decode_rows(m: MLALayer, meta: BatchMeta, packed: _Packed, q_cat, full)
 
 def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx, kv_pages, kv_offs, kv_live,
                packed: _Packed, verify, li):
-    """One MLA layer over the batch: decode and verify rows in the absorbed form (as ``MLALayer.forward(mode=
+    """One MLA layer over the batch: an all-decode batch (without rotary embedding) in one C call where it runs
+    (:meth:`kda_core.cpu_mla.CMLA.decode`); else decode and verify rows in the absorbed form (as ``MLALayer.forward(mode=
     "recurrent")``), prefill rows with keys and values expanded from their own latents (as chunk mode)."""
     cfg = m.cfg
     r, nope, Hm = cfg.kv_lora_rank, cfg.qk_nope_head_dim, cfg.num_mla_heads
-    lat_new, qall = m.latents_and_queries_at(h, pos)                      # [1, T_total, R], [1, T_total, Hm, dq]
-    full = lat_new.new_full((packed.total, lat_new.shape[-1]), float("nan"))  # [sum, R]
-    if packed.old_dst.numel():
-        full[packed.old_dst] = kv_cache[packed.old_page, m_idx, packed.old_off]
-    full[packed.new_dst] = lat_new[0, packed.new_src]
     nd, n_dv = meta.num_decode, meta.num_decode + meta.num_verify
-    q_cat = m.absorb_queries(qall[0, : qsl[n_dv]]) if n_dv else None     # [T_dv, Hm, r + rope] decode + verify tokens
-    o_rows = _mla_decode_rows(m, meta, packed, q_cat, full)              # decode rows, absorbed
+    c = cpu_mla.runs(h, kv_cache, m.kv_b) if n_dv else None
+    if c is not None and nd == len(slots) and cfg.mla_use_nope:           # every row a decode row: one C call
+        return c.decode(m, h[0], kv_cache.select(1, m_idx), packed.queries.qm, packed.queries.pages)[None]
+    lat_new, qall = m.latents_and_queries_at(h, pos)                      # [1, T_total, R], [1, T_total, Hm, dq]
+    if c is None and packed.start is None:                                # the C form does not run these tensors
+        packed = _pack_latents(meta, qsl, slots, kv_cache, full=True)
+    if packed.start is not None:
+        full = lat_new.new_full((packed.total, lat_new.shape[-1]), float("nan"))  # [sum, R]
+        if packed.old_dst.numel():
+            full[packed.old_dst] = kv_cache[packed.old_page, m_idx, packed.old_off]
+        full[packed.new_dst] = lat_new[0, packed.new_src]
+    if c is not None:                                                     # decode + verify tokens: one C call,
+        q_cat = None                                                      # cached latents read in place
+        o_rows = [c.attend_paged(m, qall[0, : qsl[n_dv]], lat_new[0], packed.queries.qm, kv_cache.select(1, m_idx),
+                                 packed.queries.pages)[None]]            # [1, T_dv, Hm vd]
+    else:
+        q_cat = m.absorb_queries(qall[0, : qsl[n_dv]]) if n_dv else None  # [T_dv, Hm, r + rope] decode + verify tokens
+        o_rows = _mla_decode_rows(m, meta, packed, q_cat, full)          # decode rows, absorbed
     for i in range(nd, len(slots)):
         a, b = qsl[i], qsl[i + 1]
         L, T = meta.context_lens[i], b - a
@@ -633,11 +682,13 @@ def _mla_layer(m: MLALayer, h, meta: BatchMeta, qsl, slots, pos, kv_cache, m_idx
             o_rows.append(o.transpose(1, 2).reshape(1, T, -1))            # [1, T, Hm vd]
             continue
         lat = full[s0:s1].unsqueeze(0)                                    # [1, L+T, R]: as MLALayer.attend_absorbed
-        o_lat = torch.stack([latent_attention(q_cat[a + t][None], lat[:, : L + t + 1].contiguous(), r, m.scale)
-                             for t in range(T)], dim=1)                   # [1, T, Hm, r]
-        o_rows.append(m.absorbed_output(o_lat))                           # [1, T, Hm vd]
+        if c is None:                                                     # (the C call above did its tokens)
+            o_lat = torch.stack([latent_attention(q_cat[a + t][None], lat[:, : L + t + 1].contiguous(), r, m.scale)
+                                 for t in range(T)], dim=1)               # [1, T, Hm, r]
+            o_rows.append(m.absorbed_output(o_lat))                       # [1, T, Hm vd]
         if i in verify:
             verify[i].layers[li] = lat.clone()                            # [1, L+T, R]
-    _write_latents(kv_cache, m_idx, kv_pages, kv_offs, lat_new[0, kv_live])
+    live = lat_new[0] if kv_live.shape[0] == lat_new.shape[1] else lat_new[0, kv_live]   # [T_live, R] (no pad row:
+    _write_latents(kv_cache, m_idx, kv_pages, kv_offs, live)                               # every token, in order)
     o = o_rows[0] if len(o_rows) == 1 else torch.cat(o_rows, dim=1)       # [1, T_total, Hm vd]
     return linear(o, m.o_proj)                                            # [1, T_total, D]

@@ -142,8 +142,25 @@ static void tile_dispatch(int mr, int j, int K, const float *xr, long ldx, const
 #endif
 }
 
+/* Column group g (J_MAX panels from panel g J_MAX) of every row. */
+static void column_group(int g, int np, int M, int N, int K, const float *x, long ldx, const float *packed,
+                         float *out, long ldo) {
+    int p0 = g * J_MAX;
+    int j = np - p0 < J_MAX ? np - p0 : J_MAX;
+    int n0 = p0 * PANEL;
+    int last_valid = N - (p0 + j - 1) * PANEL;
+    if (last_valid > PANEL) last_valid = PANEL;
+    const float *pp = packed + (long)p0 * K * PANEL;
+    for (int m = 0; m < M; m += MR_MAX) {
+        int mr = M - m < MR_MAX ? M - m : MR_MAX;
+        tile_dispatch(mr, j, K, x + (long)m * ldx, ldx, pp, out + (long)m * ldo, ldo, n0, last_valid);
+    }
+}
+
 /* out [M, N] (row stride ldo) = x [M, K] (row stride ldx) @ W^T, W packed by linear_pack_f32. Column groups of
- * J_MAX panels are shared among `threads` OpenMP threads (any split: every output's order is the same). */
+ * J_MAX panels are shared among `threads` OpenMP threads (any split: every output's order is the same); one thread
+ * runs them without entering OpenMP (an inactive parallel region still costs ~0.7 us a call: a decode step's
+ * small GEMMs are a few us each). */
 int linear_f32(int M, int N, int K, const float *x, long ldx, const float *packed, float *out, long ldo,
                int threads) {
     if (M < 0 || N < 0 || K < 0) return 1;
@@ -151,19 +168,12 @@ int linear_f32(int M, int N, int K, const float *x, long ldx, const float *packe
     int np = (N + PANEL - 1) / PANEL;
     int ngroups = (np + J_MAX - 1) / J_MAX;
     if (threads < 1 || (double)M * N * K < 4.0e6) threads = 1;
-    #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
-    for (int g = 0; g < ngroups; g++) {
-        int p0 = g * J_MAX;
-        int j = np - p0 < J_MAX ? np - p0 : J_MAX;
-        int n0 = p0 * PANEL;
-        int last_valid = N - (p0 + j - 1) * PANEL;
-        if (last_valid > PANEL) last_valid = PANEL;
-        const float *pp = packed + (long)p0 * K * PANEL;
-        for (int m = 0; m < M; m += MR_MAX) {
-            int mr = M - m < MR_MAX ? M - m : MR_MAX;
-            tile_dispatch(mr, j, K, x + (long)m * ldx, ldx, pp, out + (long)m * ldo, ldo, n0, last_valid);
-        }
+    if (threads == 1) {
+        for (int g = 0; g < ngroups; g++) column_group(g, np, M, N, K, x, ldx, packed, out, ldo);
+        return 0;
     }
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int g = 0; g < ngroups; g++) column_group(g, np, M, N, K, x, ldx, packed, out, ldo);
     return 0;
 }
 
@@ -183,21 +193,4 @@ void rmsnorm_f32(int M, int D, const float *x, long ldx, const float *w, float e
         float r = 1.0f / sqrtf(ss / (float)D + eps);
         for (int e = 0; e < D; e++) yr[e] = (xr[e] * r) * w[e];
     }
-}
-
-/* Routed experts, one (row, expert) pair at a time: out[p, :] = x[rows[p], :] @ W_e^T with e = experts[p] and W_e
- * packed at packed[e] (linear_pack_f32 of a [N, K] weight; E of them). Each pair is linear_f32 of one row, so its
- * bits are those of the row in any call of that expert. Returns 2 for an expert index outside [0, E). */
-int linear_f32_pairs(int P, int N, int K, const float *x, long R, long ldx, const long *rows, const long *experts,
-                     const long *packed, int E, float *out, long ldo) {
-    for (int p = 0; p < P; p++) {              /* every index checked before any pair runs: a bad one writes nothing */
-        if (experts[p] < 0 || experts[p] >= E) return 2;
-        if (rows[p] < 0 || rows[p] >= R) return 3;
-    }
-    for (int p = 0; p < P; p++) {
-        long e = experts[p];
-        int rc = linear_f32(1, N, K, x + rows[p] * ldx, ldx, (const float *)packed[e], out + (long)p * ldo, ldo, 1);
-        if (rc) return rc;
-    }
-    return 0;
 }

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import uvicorn
 
-from kda_core import cpu_invariant, cpu_kernel, decode
+from kda_core import cpu_invariant, cpu_kernel, cpu_mla, cpu_moe, decode
 from kda_core.config import PRESETS
 from kda_core.pretrained import read_config
 from serve.config import STATE_DTYPES
@@ -221,6 +221,8 @@ def main(argv=None) -> None:
     cpu_kernel.backend()          # build / load / self-check the fused chunk kernel before the first request
     cpu_invariant.backend()       # the row-invariant GEMM every linear runs (chosen once per process, before any)
     decode.load()                 # and the fused decode step's library (its self-check runs per shape, at first use)
+    cpu_moe.backend()             # the feed-forward in one C call, and the absorbed MLA attention (on that GEMM)
+    cpu_mla.backend()
     engine, model_name = build_engine(spec), args.served_model_name or served_name(spec)
     server: uvicorn.Server | None = None
 

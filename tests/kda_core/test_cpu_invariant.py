@@ -115,19 +115,6 @@ def test_choice_is_made_once(gemm):
         assert cpu_invariant.backend() is not None, cpu_invariant.reason()
 
 
-def test_linear_pairs_is_each_row_alone(gemm):
-    """``out[p] = x[rows[p]] @ W[experts[p]]^T``: each pair bitwise its row's GEMM with that expert alone (any order
-    of pairs, a row or an expert used twice); an expert outside [0, E) is refused, not read out of bounds."""
-    gen = torch.Generator().manual_seed(10)
-    x, ws = torch.randn(5, 40, generator=gen), torch.randn(3, 24, 40, generator=gen)
-    rows, experts = torch.tensor([4, 0, 0, 2, 4]), torch.tensor([2, 2, 1, 0, 2])
-    out = gemm.linear_pairs(x, rows, experts, ws)
-    for p in range(5):
-        assert torch.equal(out[p], gemm.linear(x[rows[p]: rows[p] + 1], ws[experts[p]])[0]), p
-    with pytest.raises(ValueError, match="experts"):
-        gemm.linear_pairs(x, rows, torch.tensor([0, 1, 3, 0, 0]), ws)
-
-
 def test_forget_repacks_after_a_write_the_version_counter_misses():
     """A write through ``.data`` does not move the weight's version counter, so the packed copy would be stale;
     :func:`cpu_invariant.forget` drops it and the next call follows the new weight."""
@@ -143,26 +130,25 @@ def test_forget_repacks_after_a_write_the_version_counter_misses():
     assert torch.equal(invariant.linear(x, w), 2 * first)      # x 2 is exact in fp32
 
 
-def test_linear_pairs_refuses_bad_indices_without_writing():
-    """Rows or experts out of range, of another dtype or length: a ValueError naming them, never a read outside x."""
-    x, ws = torch.randn(3, 64), torch.randn(4, 32, 64)
-    good = torch.tensor([0, 1])
-    if invariant.linear_pairs(x, good, good, ws) is None:
-        pytest.skip("the C GEMM does not run here")
-    for rows, experts, match in [(torch.tensor([0, 5]), good, "rows must be in"),
-                                 (torch.tensor([0, 1_000_000]), good, "rows must be in"),
-                                 (torch.tensor([-1, 0]), good, "rows must be in"),
-                                 (good, torch.tensor([0, 4]), "experts must be in"),
-                                 (good.int(), good, "rows must be a 1-D int64"),
-                                 (good, good.int(), "experts must be a 1-D int64"),
-                                 (good, torch.tensor([0]), "one entry per pair")]:
-        with pytest.raises(ValueError, match=match):
-            invariant.linear_pairs(x, rows, experts, ws)
-    with pytest.raises(ValueError, match="weights must be"):
-        invariant.linear_pairs(x, good, good, ws[0])
-
-
 @pytest.mark.parametrize("shape", [(48,), (2, 33, 48)])
 def test_linear_refuses_a_weight_that_is_not_2d(shape):
     with pytest.raises(ValueError, match=r"weight must be \[D_out, D_in\]"):
         invariant.linear(torch.randn(5, 48), torch.randn(*shape))
+
+
+def test_threads_split_columns_without_changing_bits(gemm):
+    """A GEMM large enough to share its column groups among OpenMP threads gives the one-thread bits (the one-thread
+    call skips OpenMP altogether), also for 1 and 2 rows."""
+    gen = torch.Generator().manual_seed(21)
+    x, w = torch.randn(64, 128, generator=gen), torch.randn(600, 128, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemm.linear(x, w)
+        torch.set_num_threads(3)
+        assert torch.equal(gemm.linear(x, w), one)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, gemm.reference(x, w))
+    for m in (1, 2):
+        assert torch.equal(gemm.linear(x[:m], w), one[:m])

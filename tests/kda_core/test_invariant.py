@@ -157,6 +157,8 @@ def test_rmsnorm_row_invariant_and_values(form, d):
     ref = x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + 1e-6) * w.double()
     torch.testing.assert_close(full.double(), ref, rtol=1e-5, atol=1e-6)
     assert torch.equal(form(x.view(3, 100, d), w, 1e-6), full.view(3, 100, d))    # leading dims [B, T]
+    strided = torch.cat([x, x], dim=-1)[:, :d].view(3, 100, d)                     # a row stride of 2 D
+    assert torch.equal(form(strided, w, 1e-6), full.view(3, 100, d))
 
 
 def test_rmsnorm_grad_matches_torch_form():

@@ -1,11 +1,13 @@
 """forward_batch's decode rows: rows of the same context length run as one batched MLA product and the KDA
 layers' fused decode step; a batch whose rows interleave context lengths (A, B, A, ...) and holds a pad row
 still gives every live row bitwise the logits, states and latents of ``model.decode_step`` on that row alone."""
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
+from kda_core.config import PRESETS
 from kda_core.model import HybridLM
 from kda_core.varlen import PAD_SLOT, SlotPools, forward_batch, make_meta, read_latents
 
@@ -60,6 +62,33 @@ def test_decode_rows_grouped_by_length_equal_alone(model, contexts):
         for j, i in enumerate(cfg.mla_layers):
             assert torch.equal(read_latents(pools.kv_cache, j, tables[r], contexts[r] + 1), cache.layers[i])
     assert all(kda[i][0][:S - n].isnan().all() for i in cfg.kda_layers)   # unused slots never written
+
+
+def test_decode_rows_with_rotary_mla_equal_alone():
+    """An MLA with rotary embedding (``mla_use_nope`` false: the real presets' setting) through the same decode
+    batch: each live row's logits and latents still bitwise ``model.decode_step`` alone (the all-decode C layer
+    applies no rotation, so such a model takes the per-part path)."""
+    model = HybridLM(dataclasses.replace(PRESETS["demo-tiny"], mla_use_nope=False))
+    pools, meta, tokens, alone, slots, tables = _decode_batch(model, (5, 20, 33))
+    out = forward_batch(model, tokens, meta, pools)
+    for r, (logits, cache) in enumerate(alone):
+        assert torch.equal(out.logits[r], logits[0]), f"row {r}"
+        for j, i in enumerate(model.cfg.mla_layers):
+            assert torch.equal(read_latents(pools.kv_cache, j, tables[r], (5, 20, 33)[r] + 1), cache.layers[i])
+
+
+def test_decode_rows_when_the_c_attention_skips_the_layer(model, monkeypatch):
+    """The C absorbed attention runs the cache (the step packs no latent tensor) but not the layer's tensors (say,
+    another dtype): the layer packs its latents itself and runs the torch form, still bitwise the model alone."""
+    from kda_core import cpu_mla
+    real = cpu_mla.runs
+    monkeypatch.setattr(cpu_mla, "runs", lambda *t: real(*t) if len(t) == 1 else None)
+    pools, meta, tokens, alone, slots, tables = _decode_batch(model, (5, 20))
+    out = forward_batch(model, tokens, meta, pools)
+    for r, (logits, cache) in enumerate(alone):
+        assert torch.equal(out.logits[r], logits[0]), f"row {r}"
+        for j, i in enumerate(model.cfg.mla_layers):
+            assert torch.equal(read_latents(pools.kv_cache, j, tables[r], (5, 20)[r] + 1), cache.layers[i])
 
 
 def test_decode_rows_never_expand_cached_latents(model, monkeypatch):
