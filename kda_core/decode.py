@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 
 from kda_core.cpu_build import build, default_isa, open_library
-from kda_core.kda import _step
+from kda_core.kda import _step, check_gates, kda_recurrent
 
 SOURCE = Path(__file__).parent / "csrc" / "kda_decode_cpu.c"
 FLAGS = ("-ffp-contract=off",)     # only the explicit fmaf fuse: the state update stays a product then an add
@@ -283,6 +283,8 @@ def load():
                     lib = open_library(build(isa, SOURCE, FLAGS), isa, "kda_decode_vector_bits")
                     lib.kda_decode_layer.restype = _I
                     lib.kda_decode_layer.argtypes = ([_P, _I, _I] + [_P, _L] * 6 + [_P] + [_P, _L] * 2 + [_P, _P])
+                    lib.kda_decode_replay.restype = _I
+                    lib.kda_decode_replay.argtypes = [_I] * 5 + [_P] * 5
                     lib.kda_decode_exp.restype = None
                     lib.kda_decode_exp.argtypes = [_L, _P, _P]
                     _lib.append(lib)
@@ -371,6 +373,28 @@ def decay(cfg, g: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(g)
     _lib[0].kda_decode_exp(g.numel(), g.data_ptr(), out.data_ptr())
     return out
+
+
+def replay(layer, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           state: torch.Tensor) -> torch.Tensor:
+    """The state after replaying T steps of ``layer`` from what they consumed (a projection-replay commit): bitwise
+    the state :func:`kda_decode` wrote after those tokens, in the form it runs (:func:`backend`).
+
+    Args: k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]`` (any float dtype, used as fp32); state
+    ``[B, H, K, V]`` before them (not mutated). Returns the new state ``[B, H, K, V]`` fp32.
+    Raises ValueError (:class:`kda_core.kda.NonFiniteError` for NaN) for g or beta outside their domain
+    (:func:`kda_core.kda.check_gates`): a poisoned record is refused, not folded in."""
+    check_gates(g, beta)
+    if runs(layer) is not None or not all(t.is_cpu for t in (k, v, g, beta, state)):
+        q = torch.zeros_like(k)                                           # the state does not depend on q
+        return kda_recurrent(q, k, v, g, beta, state)[1]
+    k, v, g, beta = (t.to(torch.float32).contiguous() for t in (k, v, g, beta))
+    S = state.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
+    B, T, H, K = k.shape
+    if _lib[0].kda_decode_replay(B, T, H, K, v.shape[-1], k.data_ptr(), v.data_ptr(), g.data_ptr(),
+                                 beta.data_ptr(), S.data_ptr()):
+        raise ValueError("kda_decode_replay: bad sizes")
+    return S
 
 
 def backend(layer) -> str:

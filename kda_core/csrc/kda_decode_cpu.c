@@ -68,6 +68,22 @@ static void l2norm(float *x, int n) {
     for (int i = 0; i < n; ++i) x[i] = x[i] * r;
 }
 
+/* The delta rule's state update of one head: S' = S0 exp(g); u = beta (v - S'^T k); S = S' + k u^T (S may be S0;
+ * kv [V] scratch). */
+static void delta(int K, int V, const float *kh, const float *vh, const float *gh, float bt, const float *S0,
+                  float *S, float *kv, float *uh) {
+    for (int i = 0; i < K; ++i) {                               /* S' = S exp(g) */
+        const float d = expf(gh[i]);
+        for (int j = 0; j < V; ++j) S[(long)i * V + j] = S0[(long)i * V + j] * d;
+    }
+    for (int j = 0; j < V; ++j) kv[j] = 0.0f;                   /* S'^T k */
+    for (int i = 0; i < K; ++i)
+        for (int j = 0; j < V; ++j) kv[j] = fmaf(S[(long)i * V + j], kh[i], kv[j]);
+    for (int j = 0; j < V; ++j) uh[j] = bt * (vh[j] - kv[j]);
+    for (int i = 0; i < K; ++i)                                 /* S = S' + k u^T (rounded product, then add) */
+        for (int j = 0; j < V; ++j) S[(long)i * V + j] = S[(long)i * V + j] + kh[i] * uh[j];
+}
+
 /* One token of one live row. win: the conv window read ([C, W-1]); wdst: where the shifted window goes (may be
  * win); S0: the state read ([H, K, V]); S: where the new state goes (may be S0). a [C + 2 H K + H V + H] scratch. */
 static void token(const KdaWeights *p, const float *raw, const float *flow, const float *bp, const float *glow,
@@ -106,16 +122,7 @@ static void token(const KdaWeights *p, const float *raw, const float *flow, cons
         float *Sh = S + (long)h * K * V, *yh = y + (long)h * V, *uh = u_o ? u_o + (long)h * V : kv + V;
         const float bt = sigmoidf_(bp[h]);
         if (beta_o) beta_o[h] = bt;
-        for (int i = 0; i < K; ++i) {                           /* S' = S exp(g) */
-            const float d = expf(gh[i]);
-            for (int j = 0; j < V; ++j) Sh[(long)i * V + j] = Sa[(long)i * V + j] * d;
-        }
-        for (int j = 0; j < V; ++j) kv[j] = 0.0f;               /* S'^T k */
-        for (int i = 0; i < K; ++i)
-            for (int j = 0; j < V; ++j) kv[j] = fmaf(Sh[(long)i * V + j], kh[i], kv[j]);
-        for (int j = 0; j < V; ++j) uh[j] = bt * (vh[j] - kv[j]);
-        for (int i = 0; i < K; ++i)                             /* S = S' + k u^T (rounded product, then add) */
-            for (int j = 0; j < V; ++j) Sh[(long)i * V + j] = Sh[(long)i * V + j] + kh[i] * uh[j];
+        delta(K, V, kh, vh, gh, bt, Sa, Sh, kv, uh);
         for (int j = 0; j < V; ++j) yh[j] = 0.0f;               /* o = S^T (q scale) */
         for (int i = 0; i < K; ++i) {
             const float qs = qh[i] * p->scale;
@@ -172,6 +179,25 @@ int kda_decode_layer(const KdaWeights *p, int B, int T, const float *raw, long s
             for (long i = 0; st_o && i < HKV; ++i) st_o[i] = S[i];
         }
     }
+    free(scr);
+    return 0;
+}
+
+/* Replay kda_decode_layer's state updates from what its steps consumed: k, g [B, T, H, K], v [B, T, H, V], beta
+ * [B, T, H] (contiguous), onto S [B, H, K, V] (contiguous) in place, token by token: bitwise the states the layer
+ * wrote (the same delta()). Returns 0, -1 for bad sizes, -2 when out of memory. */
+int kda_decode_replay(int B, int T, int H, int K, int V, const float *k, const float *v, const float *g,
+                      const float *beta, float *S) {
+    if (B < 0 || T < 0 || H < 1 || K < 1 || V < 1) return -1;
+    float *scr = malloc(sizeof(float) * 2 * (size_t)V);
+    if (!scr) return -2;
+    for (int b = 0; b < B; ++b)
+        for (int t = 0; t < T; ++t)
+            for (int h = 0; h < H; ++h) {
+                const long n = ((long)b * T + t) * H + h;
+                float *Sh = S + ((long)b * H + h) * K * V;
+                delta(K, V, k + n * K, v + n * V, g + n * K, beta[n], Sh, Sh, scr, scr + V);
+            }
     free(scr);
     return 0;
 }

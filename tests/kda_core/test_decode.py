@@ -304,6 +304,23 @@ def test_decay_replays_the_records_bitwise():
     assert torch.equal(S, rec[[1, 0]])
 
 
+@pytest.mark.parametrize("backend", [pytest.param("torch"), pytest.param("fused", marks=needs_fused)])
+def test_replay_from_what_the_steps_consumed_is_bitwise(backend, monkeypatch):
+    """:func:`decode.replay` of the k, v, g, beta a T = 5 call consumed (``aux``) rebuilds the state it wrote,
+    bitwise, in the form that ran (the projection-replay commit of speculative decoding)."""
+    if backend == "torch":
+        monkeypatch.setattr(decode, "_shapes", {decode._shape_key(make_layer()): "forced torch"})
+    layer = make_layer()
+    ins = inputs(layer, 2, 10, T=5)
+    rec, conv = pools(layer, 2, 11)
+    S0 = rec.clone()
+    out = kda_decode(layer, *ins, rec, conv, torch.tensor([0, 1]), aux=True)
+    assert decode.backend(layer) == ("fused C" if backend == "fused" else "torch")
+    assert torch.equal(decode.replay(layer, out.k, out.v, out.g, out.beta, S0), rec)
+    assert torch.equal(decode.replay(layer, out.k[:, :3], out.v[:, :3], out.g[:, :3], out.beta[:, :3], S0),
+                       out.states[:, 2])
+
+
 @pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (2, 70)])
 def test_split_qkv_normalises_q_and_k_as_two_calls(B, T):
     """q and k normalised in one call over their 2H heads: bitwise the two separate L2 norms (each head's sum and
