@@ -305,6 +305,15 @@ def _shape_key(layer) -> tuple:
     return _cfg_key(layer.cfg)
 
 
+def _runs_cfg(cfg) -> str | None:
+    """:func:`runs` for the KDA layers of ``cfg``."""
+    if _cfg_key(cfg) not in _shapes:                                     # kda_core.layer imports this module
+        from kda_core.layer import KDALayer
+        return runs(KDALayer(cfg, torch.Generator().manual_seed(0)))
+    got = _shapes[_cfg_key(cfg)]
+    return None if got is True else got
+
+
 def runs(layer) -> str | None:
     """None when the C form runs ``layer``'s shape here (built, loaded, and :func:`self_check` passed on that
     shape and gate, once per process), else why not."""
@@ -363,11 +372,11 @@ def self_check(layer) -> None:
 
 def decay(cfg, g: torch.Tensor) -> torch.Tensor:
     """``exp(g)`` as :func:`kda_decode`'s step computes it for the KDA layers of ``cfg`` (a
-    :class:`kda_core.config.ModelConfig`): libm's expf where the C form runs that shape (self-checked when a layer
-    of it first ran) and g is fp32 on the CPU, else ATen's exp. Folding a step's records ``(k, u, g)`` with it
+    :class:`kda_core.config.ModelConfig`): libm's expf where the C form runs that shape (:func:`runs`; a layer of
+    ``cfg`` is built for its self-check if none ran yet) and g is fp32 on the CPU, else ATen's exp. Folding a step's records ``(k, u, g)`` with it
     (a ReplaySSM replay: ``S exp(g)``, then ``+ k u^T``, a rounded product then a rounded add, as the step)
     rebuilds the step's states bitwise. g any shape; returns its shape."""
-    if g.dtype != torch.float32 or not g.is_cpu or _shapes.get(_cfg_key(cfg)) is not True:
+    if g.dtype != torch.float32 or not g.is_cpu or _runs_cfg(cfg) is not None:
         return g.exp()
     g = g.contiguous()
     out = torch.empty_like(g)
