@@ -8,7 +8,8 @@ q|k|v, f_a, b, g_a) and its o_proj GEMM. Two forms:
 - the fused C form (``csrc/kda_decode_cpu.c``): all of it in ONE call per layer, the f_b / g_b GEMMs included
   (each output one fmaf chain in index order, as the row-invariant GEMM), in place by slot.
 
-The C form's transcendentals are libm's, not ATen's SLEEF forms, and its sums run in another fixed order, so it
+The C form's transcendentals are its own (Cephes' exp / log polynomials), not ATen's SLEEF forms, and its sums
+run in another fixed order, so it
 agrees with the torch form within :data:`TOLERANCE`, not bitwise. Every path that must be bitwise equal to an
 engine's decode rows therefore runs the same form: the engine's decode and verify rows (:mod:`kda_core.varlen`)
 and ``KDALayer.forward(mode="recurrent")`` (fp32, no autograd) all call :func:`kda_decode`, and a ReplaySSM
@@ -36,11 +37,12 @@ from kda_core.cpu_build import build, default_isa, open_library
 from kda_core.kda import _step, check_gates, kda_recurrent
 
 SOURCE = Path(__file__).parent / "csrc" / "kda_decode_cpu.c"
-FLAGS = ("-ffp-contract=off",)     # only the explicit fmaf fuse: the state update stays a product then an add
+FLAGS = ("-ffp-contract=off",      # only the explicit fmaf fuse: the state update stays a product then an add
+         "-fno-trapping-math")     # lets the exp / log loops vectorise (no value changes: no FP traps are used)
 PAD_SLOT = -1
 BACKENDS = ("auto", "torch", "fused")
-# fused vs torch form, per element, on the layer's output (o_proj's input, ~O(1)) and state: libm's expf / log1pf
-# / sqrtf are within 1 ulp of SLEEF's, and the fmaf sums skip roundings the torch sums make; through ~10 such ops
+# fused vs torch form, per element, on the layer's output (o_proj's input, ~O(1)) and state: the C exp / log and
+# sqrtf are within ~1 ulp of SLEEF's, and the fmaf sums skip roundings the torch sums make; through ~10 such ops
 # per token and a state that keeps a few hundred tokens' updates this measured <= 3e-6 (tests/kda_core/
 # test_decode.py, 64 tokens); 1e-4 leaves room for longer runs and larger K, and any wrong formula is >> 1e-3.
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
@@ -50,12 +52,14 @@ _lock = threading.Lock()
 _lib: list = []                    # [the loaded library, or why there is none] (set once)
 _shapes: dict = {}                 # (H, K, V, C, W, RF, RG, gate) -> True, or why the C form does not run it
 _WEIGHTS_ATTR = "_kda_decode_weights"
+_RUNS_ATTR = "_kda_decode_runs"
+_F32 = torch.float32
 
 
 class _Weights(ctypes.Structure):
     _fields_ = [("H", _I), ("K", _I), ("V", _I), ("C", _I), ("W", _I), ("RF", _I), ("RG", _I),
                 ("lower_bound", _F), ("rms_eps", _F), ("scale", _F),
-                ("conv_w", _P), ("f_b", _P), ("A_log", _P), ("dt_bias", _P), ("g_b", _P), ("o_norm", _P)]
+                ("conv_w", _P), ("f_bt", _P), ("A_log", _P), ("dt_bias", _P), ("g_bt", _P), ("o_norm", _P)]
 
 
 class _Aux(ctypes.Structure):
@@ -139,20 +143,22 @@ def torch_decode(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out=None, aux
 
 
 def _weights(layer) -> _Weights:
-    """The layer's weights for the C form, cached on the layer (rebuilt when a weight is replaced or written in
-    place: its address or autograd version changes)."""
-    ws = (layer.conv_weight, layer.f_b, layer.A_log, layer.dt_bias, layer.g_b, layer.o_norm)
-    key = tuple((w.data_ptr(), w._version) for w in ws)
-    got = getattr(layer, _WEIGHTS_ATTR, None)
+    """The layer's weights for the C form (f_b and g_b transposed), cached on the layer and rebuilt when a weight is
+    replaced or written in place (autograd's version counter; a write through ``.data`` is not seen)."""
+    p = layer._parameters
+    ws = (p["conv_weight"], p["f_b"], p["A_log"], p["dt_bias"], p["g_b"], p["o_norm"])
+    key = tuple(map(id, ws)) + tuple(w._version for w in ws)
+    got = layer.__dict__.get(_WEIGHTS_ATTR)
     if got is not None and got[0] == key:
         return got[1]
     cfg = layer.cfg
     keep = [w.detach().float().contiguous() for w in ws]                  # the struct points into these
+    keep[1], keep[4] = keep[1].T.contiguous(), keep[4].T.contiguous()     # [RF, H K], [RG, H V]
     s = _Weights(cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.conv_dim, cfg.conv_kernel, layer.f_b.shape[1],
                  layer.g_b.shape[1], cfg.lower_bound if cfg.gate == "lower_bound" else 0.0, cfg.rms_norm_eps,
                  cfg.head_k_dim ** -0.5, *(w.data_ptr() for w in keep))
-    s._keep = keep
-    object.__setattr__(layer, _WEIGHTS_ATTR, (key, s))                    # not an nn.Module attribute
+    s._keep = keep, ws                                                    # ws: the ids in the key stay theirs
+    layer.__dict__[_WEIGHTS_ATTR] = (key, s)                              # not an nn.Module attribute
     return s
 
 
@@ -261,12 +267,17 @@ def kda_decode(layer, raw: torch.Tensor, f_low: torch.Tensor, b: torch.Tensor, g
 def why_not(layer, *inputs: torch.Tensor) -> str | None:
     """None when the C form runs ``layer`` on these inputs (fp32 CPU tensors, no autograd; the shape checked once),
     else why not. The pools take any dtype and layout (:func:`kda_decode`)."""
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in inputs):
-        return "needs fp32 CPU inputs"
+    for t in inputs:
+        if t.dtype is not _F32 or not t.is_cpu:
+            return "needs fp32 CPU inputs"
     if torch.is_grad_enabled() and (any(t.requires_grad for t in inputs) or
                                     any(p.requires_grad for p in layer.parameters())):
         return "needs no autograd"
-    return runs(layer)
+    got = layer.__dict__.get(_RUNS_ATTR)                                 # runs(layer), cached on the layer
+    if got is None or got[0] is not _shapes:
+        got = (_shapes, runs(layer))
+        layer.__dict__[_RUNS_ATTR] = got
+    return got[1]
 
 
 def load():
@@ -372,7 +383,7 @@ def self_check(layer) -> None:
 
 def decay(cfg, g: torch.Tensor) -> torch.Tensor:
     """``exp(g)`` as :func:`kda_decode`'s step computes it for the KDA layers of ``cfg`` (a
-    :class:`kda_core.config.ModelConfig`): libm's expf where the C form runs that shape (:func:`runs`; a layer of
+    :class:`kda_core.config.ModelConfig`): the C form's exp where it runs that shape (:func:`runs`; a layer of
     ``cfg`` is built for its self-check if none ran yet) and g is fp32 on the CPU, else ATen's exp. Folding a step's records ``(k, u, g)`` with it
     (a ReplaySSM replay: ``S exp(g)``, then ``+ k u^T``, a rounded product then a rounded add, as the step)
     rebuilds the step's states bitwise. g any shape; returns its shape."""

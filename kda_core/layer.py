@@ -2,9 +2,11 @@
 
 Two execution modes share every projection (row-invariant ``kda_core.invariant.linear``):
 - ``mode="chunk"``: prefill; KDA via :func:`kda_core.chunk.kda_chunk`, MLA as batched causal attention.
-- ``mode="recurrent"``: KDA via a loop of :func:`kda_core.kda.kda_step`, MLA one query row at a time
-  over exactly its causal prefix. Verifying n tokens in one call is then *bitwise* equal to decoding
-  them one by one (speculative decoding verify). ``decode`` uses this mode.
+- ``mode="recurrent"``: KDA token by token (fp32 without autograd: the fused C form of
+  :func:`kda_core.decode.kda_decode`, as the engine's decode and verify rows; else a loop of
+  :func:`kda_core.kda.kda_step`), MLA one query row at a time over exactly its causal prefix. Verifying n
+  tokens in one call is then *bitwise* equal to decoding them one by one (speculative decoding verify).
+  ``decode`` uses this mode.
 
 Caches are immutable values: every call returns a new cache and never mutates its input.
 """

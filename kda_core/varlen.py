@@ -509,8 +509,8 @@ def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, dec_rows: _Rows, poo
     if nd:                                                                # read by slot (kda_core.decode)
         state = raw.new_empty(nd, H, cfg.head_k_dim, V)                   # [nd, H, K, V] new states
         conv = raw.new_empty(nd, cfg.conv_dim, cfg.conv_kernel - 1)       # [nd, D_conv, W-1]
-        res = kda_decode(m, *(t[0, :nd].unsqueeze(1) for t in (raw, f_low, b_in, g_low)), rec_pool, conv_pool,
-                         idx[:nd], check=False, out=(state, conv))       # slots checked once per forward
+        res = kda_decode(m, raw[0, :nd, None], f_low[0, :nd, None], b_in[0, :nd, None], g_low[0, :nd, None],
+                         rec_pool, conv_pool, idx[:nd], check=False, out=(state, conv))   # slots checked per forward
         if records is not None:
             records[li] = (res.k[:, 0], res.u[:, 0], res.g[:, 0])
         writes.append(StateWrite(0, state, conv))                         # written by slot at commit

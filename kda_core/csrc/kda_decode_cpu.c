@@ -13,7 +13,7 @@
  * The two small GEMMs (f_b, g_b) and every other sum run in one fixed order, each output one fmaf chain over its
  * inputs in index order (as kda_core/csrc/invariant_cpu.c), so a row's bits never depend on the other rows of the
  * call, on B or on T: a token of a verify row is bitwise the same token decoded alone. The transcendentals are
- * libm's (expf, log1pf, sqrtf), not ATen's SLEEF forms, so results differ from the torch form by a few ulp; the
+ * this file's exp_f / log_f (Cephes' polynomials, vectorisable) and sqrtf, not ATen's SLEEF forms, so results differ from the torch form by a few ulp; the
  * loader checks them against it within a tolerance (decode.py's TOLERANCE). The state update is a rounded
  * product then a rounded add (this file is built with -ffp-contract=off: no contraction except the explicit
  * fmaf), so folding records (k, u, exp(g)) in torch rebuilds the state bitwise (kda_decode_exp gives the decay).
@@ -28,6 +28,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define L2_EPS 1e-6f
 
@@ -36,10 +37,10 @@ typedef struct {
     float lower_bound;              /* 0: softplus gate; < 0: the lower-bound gate */
     float rms_eps, scale;
     const float *conv_w;            /* [C, W] */
-    const float *f_b;               /* [H K, RF] */
+    const float *f_bt;              /* f_b^T [RF, H K] */
     const float *A_log;             /* [H] */
     const float *dt_bias;           /* [H K] or NULL */
-    const float *g_b;               /* [H V, RG] */
+    const float *g_bt;              /* g_b^T [RG, H V] */
     const float *o_norm;            /* [V] */
 } KdaWeights;
 
@@ -47,16 +48,70 @@ typedef struct {
     float *q, *k, *v, *g, *beta, *u, *states;   /* optional per-token outputs (NULL: none) */
 } KdaAux;
 
-static inline float sigmoidf_(float x) { return 1.0f / (1.0f + expf(-x)); }
-static inline float softplusf_(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+/* exp and log as straight-line fp32 code (Cephes' expf / logf polynomials, within ~1 ulp of libm), so that the
+ * compiler vectorises the loops that call them; deterministic (no table, no library call): every call site of the
+ * layer and kda_decode_exp get the same bits. */
+static inline float bits_to_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+static inline unsigned int float_to_bits(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
 
-/* out[n] = sum_k x[k] w[n, k], one fmaf chain in k order per n. */
-static void gemv(int N, int R, const float *x, const float *w, float *out) {
-    for (int n = 0; n < N; ++n) {
-        const float *wn = w + (long)n * R;
-        float acc = 0.0f;
-        for (int k = 0; k < R; ++k) acc = fmaf(x[k], wn[k], acc);
-        out[n] = acc;
+static inline float exp_f(float x) {
+    const float hi = 88.0f, lo = -87.33654475f;
+    float c = x > hi ? hi : (x < lo ? lo : x);                 /* NaN stays NaN */
+    float n = floorf(fmaf(c, 1.44269504088896341f, 0.5f));    /* round(c / ln 2) */
+    float r = fmaf(n, -0.693359375f, c);                        /* c - n ln 2, in two parts */
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
+    float e = p * bits_to_float((unsigned int)((int)n + 127) << 23);   /* p 2^n, n in [-126, 127] */
+    return x < lo ? 0.0f : (x > hi ? INFINITY : e);
+}
+
+/* log(x) for a normal x > 0. */
+static inline float log_f(float x) {
+    unsigned int i = float_to_bits(x);
+    float e = (float)((int)((i >> 23) & 0xff) - 127);
+    float m = bits_to_float((i & 0x7fffffu) | 0x3f800000u);    /* x = m 2^e, m in [1, 2) */
+    int big = m > 1.41421356f;
+    m = big ? 0.5f * m : m;                                     /* m in [0.707, 1.414) */
+    e = big ? e + 1.0f : e;
+    float f = m - 1.0f, z = f * f;
+    float y = 7.0376836292e-2f;
+    y = fmaf(y, f, -1.1514610310e-1f);
+    y = fmaf(y, f, 1.1676998740e-1f);
+    y = fmaf(y, f, -1.2420140846e-1f);
+    y = fmaf(y, f, 1.4249322787e-1f);
+    y = fmaf(y, f, -1.6668057665e-1f);
+    y = fmaf(y, f, 2.0000714765e-1f);
+    y = fmaf(y, f, -2.4999993993e-1f);
+    y = fmaf(y, f, 3.3333331174e-1f);
+    y = y * f * z;
+    y = fmaf(e, -2.12194440e-4f, y);
+    y = fmaf(-0.5f, z, y);
+    return fmaf(e, 0.693359375f, f + y);
+}
+
+static inline float sigmoidf_(float x) { return 1.0f / (1.0f + exp_f(-x)); }
+
+/* ATen's softplus (beta 1, threshold 20): x above 20, else log1p(exp(x)); log1p(t) = log(u) t / (u - 1) with
+ * u = 1 + t (exact where u rounds to 1: then t), accurate for small t (Kahan's trick). */
+static inline float softplusf_(float x) {
+    float t = exp_f(x > 20.0f ? 20.0f : x), u = 1.0f + t;
+    float l = u == 1.0f ? t : log_f(u) * (t / (u - 1.0f));
+    return x > 20.0f ? x : l;
+}
+
+/* out[n] = sum_k x[k] w[n, k] from wt = w^T [R, N]: one fmaf chain in k order per n (the chains side by side, so
+ * the loop over n vectorises). */
+static void gemv(int N, int R, const float *x, const float *wt, float *out) {
+    for (int n = 0; n < N; ++n) out[n] = 0.0f;
+    for (int k = 0; k < R; ++k) {
+        const float xk = x[k], *wk = wt + (long)k * N;
+        for (int n = 0; n < N; ++n) out[n] = fmaf(xk, wk[n], out[n]);
     }
 }
 
@@ -69,13 +124,13 @@ static void l2norm(float *x, int n) {
 }
 
 /* The delta rule's state update of one head: S' = S0 exp(g); u = beta (v - S'^T k); S = S' + k u^T (S may be S0;
- * kv [V] scratch). */
+ * kv [V + K] scratch). */
 static void delta(int K, int V, const float *kh, const float *vh, const float *gh, float bt, const float *S0,
                   float *S, float *kv, float *uh) {
-    for (int i = 0; i < K; ++i) {                               /* S' = S exp(g) */
-        const float d = expf(gh[i]);
-        for (int j = 0; j < V; ++j) S[(long)i * V + j] = S0[(long)i * V + j] * d;
-    }
+    float *d = kv + V;                                          /* exp(g) [K] */
+    for (int i = 0; i < K; ++i) d[i] = exp_f(gh[i]);
+    for (int i = 0; i < K; ++i)                                 /* S' = S exp(g) */
+        for (int j = 0; j < V; ++j) S[(long)i * V + j] = S0[(long)i * V + j] * d[i];
     for (int j = 0; j < V; ++j) kv[j] = 0.0f;                   /* S'^T k */
     for (int i = 0; i < K; ++i)
         for (int j = 0; j < V; ++j) kv[j] = fmaf(S[(long)i * V + j], kh[i], kv[j]);
@@ -95,9 +150,9 @@ static void token(const KdaWeights *p, const float *raw, const float *flow, cons
         const float *wc = win + (long)c * W1, *kc = p->conv_w + (long)c * W;
         float acc = 0.0f;
         for (int j = 0; j < W1; ++j) acc = fmaf(wc[j], kc[j], acc);
-        acc = fmaf(raw[c], kc[W1], acc);
-        a[c] = acc / (1.0f + expf(-acc));
+        a[c] = fmaf(raw[c], kc[W1], acc);
     }
+    for (int c = 0; c < C; ++c) a[c] = a[c] / (1.0f + exp_f(-a[c]));   /* SiLU */
     for (int c = 0; c < C; ++c) {
         float *dc = wdst + (long)c * W1;
         const float *wc = win + (long)c * W1;
@@ -106,20 +161,22 @@ static void token(const KdaWeights *p, const float *raw, const float *flow, cons
     }
     float *q = a, *k = a + (long)H * K, *v = a + 2L * H * K;
     for (int h = 0; h < 2 * H; ++h) l2norm(a + (long)h * K, K);
-    gemv(H * K, p->RF, flow, p->f_b, g);                        /* forget gate */
+    gemv(H * K, p->RF, flow, p->f_bt, g);                        /* forget gate */
+    if (p->dt_bias)
+        for (long n = 0; n < (long)H * K; ++n) g[n] = g[n] + p->dt_bias[n];
     for (int h = 0; h < H; ++h) {
-        const float A = expf(p->A_log[h]);
-        for (int i = 0; i < K; ++i) {
-            long n = (long)h * K + i;
-            float x = p->dt_bias ? g[n] + p->dt_bias[n] : g[n];
-            g[n] = p->lower_bound < 0.0f ? p->lower_bound * sigmoidf_(A * x) : -A * softplusf_(x);
-        }
+        const float A = exp_f(p->A_log[h]), lb = p->lower_bound;
+        float *gh = g + (long)h * K;
+        if (lb < 0.0f)
+            for (int i = 0; i < K; ++i) gh[i] = lb * sigmoidf_(A * gh[i]);
+        else
+            for (int i = 0; i < K; ++i) gh[i] = -A * softplusf_(gh[i]);
     }
-    gemv(H * V, p->RG, glow, p->g_b, gate);                     /* output gate (pre-sigmoid) */
+    gemv(H * V, p->RG, glow, p->g_bt, gate);                     /* output gate (pre-sigmoid) */
     for (int h = 0; h < H; ++h) {
         const float *qh = q + (long)h * K, *kh = k + (long)h * K, *vh = v + (long)h * V, *gh = g + (long)h * K;
         const float *Sa = S0 + (long)h * K * V;
-        float *Sh = S + (long)h * K * V, *yh = y + (long)h * V, *uh = u_o ? u_o + (long)h * V : kv + V;
+        float *Sh = S + (long)h * K * V, *yh = y + (long)h * V, *uh = u_o ? u_o + (long)h * V : kv + V + K;
         const float bt = sigmoidf_(bp[h]);
         if (beta_o) beta_o[h] = bt;
         delta(K, V, kh, vh, gh, bt, Sa, Sh, kv, uh);
@@ -154,7 +211,7 @@ int kda_decode_layer(const KdaWeights *p, int B, int T, const float *raw, long s
         return -1;
     const int H = p->H, K = p->K, V = p->V, C = p->C;
     const long HK = (long)H * K, HV = (long)H * V, HKV = HK * V;
-    float *scr = malloc(sizeof(float) * ((size_t)C + HK + HV + 2 * (size_t)V));
+    float *scr = malloc(sizeof(float) * ((size_t)C + HK + HV + 2 * (size_t)V + K));   /* a, g, gate, kv, d, u */
     if (!scr) return -2;
     KdaAux none = {0};
     const KdaAux *x = aux ? aux : &none;
@@ -189,22 +246,22 @@ int kda_decode_layer(const KdaWeights *p, int B, int T, const float *raw, long s
 int kda_decode_replay(int B, int T, int H, int K, int V, const float *k, const float *v, const float *g,
                       const float *beta, float *S) {
     if (B < 0 || T < 0 || H < 1 || K < 1 || V < 1) return -1;
-    float *scr = malloc(sizeof(float) * 2 * (size_t)V);
+    float *scr = malloc(sizeof(float) * (2 * (size_t)V + K));                    /* kv, d, u */
     if (!scr) return -2;
     for (int b = 0; b < B; ++b)
         for (int t = 0; t < T; ++t)
             for (int h = 0; h < H; ++h) {
                 const long n = ((long)b * T + t) * H + h;
                 float *Sh = S + ((long)b * H + h) * K * V;
-                delta(K, V, k + n * K, v + n * V, g + n * K, beta[n], Sh, Sh, scr, scr + V);
+                delta(K, V, k + n * K, v + n * V, g + n * K, beta[n], Sh, Sh, scr, scr + V + K);
             }
     free(scr);
     return 0;
 }
 
-/* out[i] = expf(x[i]): the decay exp(g) of kda_decode_layer's step (for replaying its records bitwise). */
+/* out[i] = exp(x[i]) as kda_decode_layer's step computes its decay exp(g) (for replaying its records bitwise). */
 void kda_decode_exp(long n, const float *x, float *out) {
-    for (long i = 0; i < n; ++i) out[i] = expf(x[i]);
+    for (long i = 0; i < n; ++i) out[i] = exp_f(x[i]);
 }
 
 int kda_decode_vector_bits(void) {
