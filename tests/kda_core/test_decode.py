@@ -360,10 +360,10 @@ def test_recurrent_forward_runs_the_fused_decode():
     assert not torch.equal(trained.y.detach(), out.y)                      # the torch form, not the C one
 
 
-@needs_fused
 def test_model_recurrent_forward_equals_engine_decode_steps():
     """``HybridLM.forward(mode="recurrent")`` over 5 tokens (a verify's form) from a prefilled cache gives bitwise
-    the logits and KDA states of 5 engine decode steps (``forward_batch``, one token each, states by slot)."""
+    the logits and KDA states of 5 engine decode steps (``forward_batch``, one token each, states by slot), in
+    whichever form runs here (``KDA_CPU_KERNEL=0``: the torch form throughout)."""
     from kda_core.model import HybridLM
     from kda_core.varlen import SlotPools, forward_batch, make_meta
     model = HybridLM.from_pretrained(Path(__file__).resolve().parents[2] / "weights" / "kda-demo")
