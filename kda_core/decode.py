@@ -68,15 +68,16 @@ class _Aux(ctypes.Structure):
 
 class DecodeOut(NamedTuple):
     """What :func:`kda_decode` returns; pad rows hold NaN (to be dropped). y ``[B, T, H V]`` fp32: o_proj's input
-    (the gated RMSNorm of the step's output). The ReplaySSM record of each token: k ``[B, T, H, K]``, u ``[B, T, H,
-    V]`` (``beta (v - S'^T k)``), g ``[B, T, H, K]`` (log decay), bitwise the operands of its state update. With
+    (the gated RMSNorm of the step's output). The ReplaySSM record of each token (with ``records``, else None): k
+    ``[B, T, H, K]``, u ``[B, T, H, V]`` (``beta (v - S'^T k)``), g ``[B, T, H, K]`` (log decay), bitwise the
+    operands of its state update. With
     ``aux``: q ``[B, T, H, K]``, v ``[B, T, H, V]``, beta ``[B, T, H]`` and states ``[B, T, H, K, V]`` (the state
     after each token); else None."""
 
     y: torch.Tensor
-    k: torch.Tensor
-    u: torch.Tensor
-    g: torch.Tensor
+    k: torch.Tensor | None
+    u: torch.Tensor | None
+    g: torch.Tensor | None
     q: torch.Tensor | None = None
     v: torch.Tensor | None = None
     beta: torch.Tensor | None = None
@@ -85,12 +86,13 @@ class DecodeOut(NamedTuple):
 
 def _check(layer, raw, f_low, b, g_low, rec, conv, slot_idx) -> None:
     cfg = layer.cfg
-    if not isinstance(raw, torch.Tensor) or raw.dim() != 3:
-        raise ValueError(f"raw must have shape [B, T, {cfg.conv_dim}], got "
+    if not isinstance(raw, torch.Tensor) or raw.dim() not in (2, 3):
+        raise ValueError(f"raw must have shape [B, T, {cfg.conv_dim}] or [B, {cfg.conv_dim}], got "
                          f"{tuple(raw.shape) if isinstance(raw, torch.Tensor) else type(raw).__name__}")
-    B, T, H, K, V = raw.shape[0], raw.shape[1], cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
-    want = {"raw": (raw, (B, T, cfg.conv_dim)), "f_low": (f_low, (B, T, layer.f_b.shape[1])), "b": (b, (B, T, H)),
-            "g_low": (g_low, (B, T, layer.g_b.shape[1])), "rec": (rec, (rec.shape[0], H, K, V)),
+    lead = tuple(raw.shape[:-1])                                          # (B, T) or (B,)
+    B, T, H, K, V = raw.shape[0], lead[-1] if len(lead) == 2 else 1, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
+    want = {"raw": (raw, lead + (cfg.conv_dim,)), "f_low": (f_low, lead + (layer.f_b.shape[1],)),
+            "b": (b, lead + (H,)), "g_low": (g_low, lead + (layer.g_b.shape[1],)), "rec": (rec, (rec.shape[0], H, K, V)),
             "conv": (conv, (conv.shape[0], cfg.conv_dim, cfg.conv_kernel - 1)), "slot_idx": (slot_idx, (B,))}
     for name, (t, shape) in want.items():
         if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
@@ -116,10 +118,14 @@ def _gather(pool, slot_idx, live, slots):
     return rows
 
 
-def torch_decode(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out=None, aux=False) -> DecodeOut:
+def torch_decode(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out=None, aux=False, records=True) -> DecodeOut:
     """The reference (same contract as :func:`kda_decode`): :meth:`KDALayer.gates`, the live rows' states gathered
     by slot (pad rows read NaN), :meth:`KDALayer.activate`, :func:`kda_core.kda._step` per token,
     :meth:`KDALayer.gated_norm`; new states scattered back by slot or written to ``out``. Unchecked."""
+    if raw.dim() == 2:                                                    # one token per row: [B, *]
+        res = torch_decode(layer, *(t.unsqueeze(1) for t in (raw, f_low, b, g_low)), rec, conv, slot_idx, out, aux,
+                           records)
+        return DecodeOut(*(None if t is None else t[:, 0] for t in res))
     B, T = raw.shape[:2]
     live = (slot_idx != PAD_SLOT).nonzero().flatten()                     # [B_live]
     slots = slot_idx[live]
@@ -139,7 +145,7 @@ def torch_decode(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out=None, aux
         conv.index_copy_(0, slots, conv_new[live].to(conv.dtype))
     else:
         out[0][live], out[1][live] = S[live], conv_new[live]
-    return DecodeOut(y, k, u, g, *((q, v, beta, states) if aux else ()))
+    return DecodeOut(y, *((k, u, g) if records else (None,) * 3), *((q, v, beta, states) if aux else ()))
 
 
 def _weights(layer) -> _Weights:
@@ -163,54 +169,57 @@ def _weights(layer) -> _Weights:
 
 
 def _rows_ok(t: torch.Tensor) -> torch.Tensor:
-    """``t [B, T, X]`` as a tensor whose tokens sit at a uniform stride with X contiguous (a view when it is)."""
-    B, T, _ = t.shape
-    if t.stride(-1) == 1 and (B == 1 or T == 1 or t.stride(0) == T * t.stride(1)):
+    """``t [B, T, X]`` or ``[B, X]`` as a tensor whose tokens sit at a uniform stride with X contiguous (a view
+    when it is)."""
+    if t.stride(-1) == 1 and (t.dim() == 2 or t.shape[0] == 1 or t.shape[1] == 1 or t.stride(0) == t.shape[1] * t.stride(1)):
         return t
     return t.contiguous()
 
 
 def _token_stride(t: torch.Tensor) -> int:
-    return t.stride(1) if t.shape[1] > 1 or t.shape[0] == 1 else t.stride(0)
+    return t.stride(1) if t.dim() == 3 and (t.shape[1] > 1 or t.shape[0] == 1) else t.stride(0)
 
 
-def fused_decode(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out=None, aux=False) -> DecodeOut:
+def fused_decode(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out=None, aux=False, records=True) -> DecodeOut:
     """The C form (same contract as :func:`torch_decode`). Unchecked; needs :func:`runs`."""
-    if rec.dtype != torch.float32 or conv.dtype != torch.float32 or not _slots_contiguous(rec, conv):
-        return _fused_dense(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out, aux)
-    lib = _lib[0]
+    if rec.dtype is not _F32 or conv.dtype is not _F32 or not _slots_contiguous(rec, conv):
+        return _fused_dense(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out, aux, records)
     cfg = layer.cfg
-    B, T = raw.shape[:2]
+    lead = raw.shape[:-1]                                                 # (B, T) or (B,)
+    B, T = raw.shape[0], (lead[1] if raw.dim() == 3 else 1)
     H, K, V = cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
-    raw, f_low, b, g_low = (_rows_ok(t) for t in (raw, f_low, b, g_low))
-    slot_idx = slot_idx.contiguous()
-    y = raw.new_empty(B, T, H * V)                                        # [B, T, H V]
-    k, g = raw.new_empty(B, T, H, K), raw.new_empty(B, T, H, K)
-    u = raw.new_empty(B, T, H, V)
-    extra = (raw.new_empty(B, T, H, K), raw.new_empty(B, T, H, V), raw.new_empty(B, T, H),
-             raw.new_empty(B, T, H, K, V)) if aux else None               # q, v, beta, states
-    ptrs = {"k": k, "g": g, "u": u} | (dict(zip(("q", "v", "beta", "states"), extra)) if aux else {})
-    a = _Aux(**{name: t.data_ptr() for name, t in ptrs.items()})
-    rc = lib.kda_decode_layer(ctypes.byref(_weights(layer)), B, T,
-                              raw.data_ptr(), _token_stride(raw), f_low.data_ptr(), _token_stride(f_low),
-                              b.data_ptr(), _token_stride(b), g_low.data_ptr(), _token_stride(g_low),
-                              rec.data_ptr(), rec.stride(0), conv.data_ptr(), conv.stride(0), slot_idx.data_ptr(),
-                              None if out is None else out[0].data_ptr(), 0 if out is None else out[0].stride(0),
-                              None if out is None else out[1].data_ptr(), 0 if out is None else out[1].stride(0),
-                              y.data_ptr(), ctypes.byref(a))
+    raw, f_low, b, g_low = _rows_ok(raw), _rows_ok(f_low), _rows_ok(b), _rows_ok(g_low)
+    y = raw.new_empty(*lead, H * V)                                       # [B, (T,) H V]
+    rec_out = (raw.new_empty(*lead, H, K), raw.new_empty(*lead, H, V), raw.new_empty(*lead, H, K)) if records \
+        else (None, None, None)                                           # k, u, g
+    extra = (raw.new_empty(*lead, H, K), raw.new_empty(*lead, H, V), raw.new_empty(*lead, H),
+             raw.new_empty(*lead, H, K, V)) if aux else None               # q, v, beta, states
+    a = None
+    if records or aux:
+        ptrs = (dict(zip(("k", "u", "g"), rec_out)) if records else {}) | \
+            (dict(zip(("q", "v", "beta", "states"), extra)) if aux else {})
+        a = ctypes.byref(_Aux(**{name: t.data_ptr() for name, t in ptrs.items()}))
+    rc = _lib[0].kda_decode_layer(ctypes.byref(_weights(layer)), B, T,
+                                  raw.data_ptr(), _token_stride(raw), f_low.data_ptr(), _token_stride(f_low),
+                                  b.data_ptr(), _token_stride(b), g_low.data_ptr(), _token_stride(g_low),
+                                  rec.data_ptr(), rec.stride(0), conv.data_ptr(), conv.stride(0),
+                                  slot_idx.contiguous().data_ptr(),
+                                  None if out is None else out[0].data_ptr(), 0 if out is None else out[0].stride(0),
+                                  None if out is None else out[1].data_ptr(), 0 if out is None else out[1].stride(0),
+                                  y.data_ptr(), a)
     if rc:
         raise ValueError(f"kda_decode_layer: {'out of memory' if rc == -2 else 'bad sizes'}")
-    return DecodeOut(y, k, u, g, *(extra or ()))
+    return DecodeOut(y, *rec_out, *(extra or ()))
 
 
-def _fused_dense(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out, aux) -> DecodeOut:
+def _fused_dense(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out, aux, records) -> DecodeOut:
     """The C form on dense fp32 copies of the live rows' states (a 16-bit pool upcast exactly, written back
     rounded to nearest; or a pool whose slots are not contiguous)."""
     live = (slot_idx != PAD_SLOT).nonzero().flatten()
     slots = slot_idx[live]
     S, W = _gather(rec, slot_idx, live, slots), _gather(conv, slot_idx, live, slots)
     dense = torch.where(slot_idx == PAD_SLOT, PAD_SLOT, torch.arange(slot_idx.shape[0]))
-    res = fused_decode(layer, raw, f_low, b, g_low, S, W, dense, None, aux)
+    res = fused_decode(layer, raw, f_low, b, g_low, S, W, dense, None, aux, records)
     if out is None:
         rec.index_copy_(0, slots, S[live].to(rec.dtype))
         conv.index_copy_(0, slots, W[live].to(conv.dtype))
@@ -226,7 +235,7 @@ def _slots_contiguous(rec, conv) -> bool:
 def kda_decode(layer, raw: torch.Tensor, f_low: torch.Tensor, b: torch.Tensor, g_low: torch.Tensor,
                rec: torch.Tensor, conv: torch.Tensor, slot_idx: torch.Tensor, backend: str = "auto",
                check: bool = True, out: tuple[torch.Tensor, torch.Tensor] | None = None,
-               aux: bool = False) -> DecodeOut:
+               aux: bool = False, records: bool = True) -> DecodeOut:
     """T tokens of ``layer`` (a :class:`KDALayer`) for each of B rows, token by token, from the outputs of its input
     GEMM to o_proj's input; states read by slot and written in place by slot (or to ``out``).
 
@@ -241,6 +250,8 @@ def kda_decode(layer, raw: torch.Tensor, f_low: torch.Tensor, b: torch.Tensor, g
         tokens) into the pools at the slots; else ``(recurrent [B, H, K, V], conv [B, C, W-1])`` fp32 contiguous
         that receive row b's new states (pad rows untouched), and the pools are only read (an engine that writes a
         step's states when it commits it passes these). aux: also return q, v, beta and every token's state.
+        records: return the ReplaySSM records k, u, g (False: None, not computed into tensors).
+        Inputs of shape ``[B, *]`` (no T) are one token per row: every output then lacks the T dim too.
 
     Returns:
         :class:`DecodeOut`. Each live row is bitwise what the same form computes for the row alone, and token t of
@@ -255,13 +266,13 @@ def kda_decode(layer, raw: torch.Tensor, f_low: torch.Tensor, b: torch.Tensor, g
     if check:
         _check(layer, raw, f_low, b, g_low, rec, conv, slot_idx)
     if backend == "torch":
-        return torch_decode(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out, aux)
+        return torch_decode(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out, aux, records)
     why = why_not(layer, raw, f_low, b, g_low)
     if why is None:
-        return fused_decode(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out, aux)
+        return fused_decode(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out, aux, records)
     if backend == "fused":
         raise RuntimeError(f"the fused decode does not run this call: {why}")
-    return torch_decode(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out, aux)
+    return torch_decode(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out, aux, records)
 
 
 def why_not(layer, *inputs: torch.Tensor) -> str | None:

@@ -503,18 +503,22 @@ def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, dec_rows: _Rows, poo
     H, V, HV = cfg.num_heads, cfg.head_v_dim, cfg.num_heads * cfg.head_v_dim
     rec_pool, conv_pool = pool.recurrent, pool.conv
     idx = meta.slot_idx if pool.slot_idx is None else pool.slot_idx
-    raw, f_low, b_in, g_low = m.project_inputs(h)                         # [1, T_total, *]
+    ins = m.project_inputs(h[0])                                          # raw, f_low, b, g_low [T_total, *]
     nd, n_dv = meta.num_decode, meta.num_decode + meta.num_verify
     y_parts = []                                                          # o_proj's input, [tokens, H V] each
     if nd:                                                                # read by slot (kda_core.decode)
-        state = raw.new_empty(nd, H, cfg.head_k_dim, V)                   # [nd, H, K, V] new states
-        conv = raw.new_empty(nd, cfg.conv_dim, cfg.conv_kernel - 1)       # [nd, D_conv, W-1]
-        res = kda_decode(m, raw[0, :nd, None], f_low[0, :nd, None], b_in[0, :nd, None], g_low[0, :nd, None],
-                         rec_pool, conv_pool, idx[:nd], check=False, out=(state, conv))   # slots checked per forward
+        state = h.new_empty(nd, H, cfg.head_k_dim, V)                     # [nd, H, K, V] new states
+        conv = h.new_empty(nd, cfg.conv_dim, cfg.conv_kernel - 1)         # [nd, D_conv, W-1]
+        res = kda_decode(m, *(ins if nd == qsl[-1] else (t[:nd] for t in ins)), rec_pool, conv_pool,
+                         idx if nd == idx.shape[0] else idx[:nd], check=False, out=(state, conv),
+                         records=records is not None)                     # slots checked once per forward
         if records is not None:
-            records[li] = (res.k[:, 0], res.u[:, 0], res.g[:, 0])
+            records[li] = (res.k, res.u, res.g)                           # [nd, H, K], [nd, H, V], [nd, H, K]
         writes.append(StateWrite(0, state, conv))                         # written by slot at commit
-        y_parts.append(res.y[:, 0])                                       # [nd, H V]
+        y_parts.append(res.y)                                             # [nd, H V]
+    if nd == len(slots):                                                  # decode rows only
+        return linear(y_parts[0], m.o_proj).unsqueeze(0)                  # [1, nd, D]
+    raw, f_low, b_in, g_low = (t.unsqueeze(0) for t in ins)               # [1, T_total, *]
     for i in range(nd, n_dv):                                             # as KDALayer.forward(mode="recurrent", aux)
         a, b = qsl[i], qsl[i + 1]
         if slots[i] == PAD_SLOT:

@@ -142,7 +142,8 @@ def test_non_finite_input_stays_in_its_row():
 
 @pytest.mark.parametrize("bad,match", [
     (lambda a: a.update(raw=a["raw"][..., :-1]), "raw must have shape"),
-    (lambda a: a.update(raw=a["raw"][:, 0]), "raw must have shape"),
+    (lambda a: a.update(raw=a["raw"][None]), "raw must have shape"),
+    (lambda a: a.update(raw=a["raw"][:, 0]), "f_low must have shape"),
     (lambda a: a.update(f_low=a["f_low"][..., :-1]), "f_low must have shape"),
     (lambda a: a.update(b=a["b"][:1]), "b must have shape"),
     (lambda a: a.update(g_low=a["g_low"][:, :0]), "g_low must have shape"),
@@ -153,7 +154,7 @@ def test_non_finite_input_stays_in_its_row():
     (lambda a: a.update(slot_idx=torch.tensor([0, -2])), r"slots in \[0, 3\)"),
     (lambda a: a.update(slot_idx=torch.tensor([0, 1], dtype=torch.int32)), "int64"),
     (lambda a: a.update(backend="gpu"), "backend must be one of"),
-], ids=["raw", "raw-2d", "f_low", "b", "g_low", "rec", "S", "range", "twice", "minus2", "int32", "backend"])
+], ids=["raw", "raw-4d", "raw-2d-alone", "f_low", "b", "g_low", "rec", "S", "range", "twice", "minus2", "int32", "backend"])
 def test_bad_arguments_are_refused(bad, match):
     layer = make_layer()
     raw, f_low, b, g_low = inputs(layer, 2, 0)
@@ -247,6 +248,20 @@ def test_tokens_in_one_call_equal_one_call_per_token(backend):
             assert torch.equal(getattr(got, name)[[0, 2], t], getattr(one, name)[[0, 2], 0]), (name, t)
         assert torch.equal(got.states[0, t], steps[0][2]) and torch.equal(got.states[2, t], steps[0][0])
     assert all(torch.equal(a, b) for a, b in zip(whole, steps))
+
+
+@pytest.mark.parametrize("backend", [pytest.param("torch"), pytest.param("fused", marks=needs_fused)])
+def test_one_token_rows_without_a_T_dim(backend):
+    """Inputs ``[B, *]`` (the engine's decode rows, no T dim) give bitwise the ``[B, 1, *]`` call without its T dim;
+    ``records=False`` leaves out k, u, g and changes nothing else."""
+    layer = make_layer()
+    ins = pad(inputs(layer, 3, 12), 2)
+    slot_idx = torch.tensor([1, 0, PAD_SLOT])
+    p3, p2 = pools(layer, 2, 13), pools(layer, 2, 13)
+    want = kda_decode(layer, *ins, *p3, slot_idx, backend=backend)
+    got = kda_decode(layer, *(t[:, 0] for t in ins), *p2, slot_idx, backend=backend, records=False)
+    assert got.y.shape == (3, layer.cfg.num_heads * layer.cfg.head_v_dim) and got.k is got.u is got.g is None
+    assert torch.equal(got.y[:2], want.y[:2, 0]) and all(torch.equal(a, b) for a, b in zip(p2, p3))
 
 
 @pytest.mark.parametrize("backend", [pytest.param("torch"), pytest.param("fused", marks=needs_fused)])
