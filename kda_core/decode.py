@@ -5,7 +5,7 @@ q|k|v, f_a, b, g_a) and its o_proj GEMM. Two forms:
 - the torch form (the reference): :meth:`KDALayer.gates` (f_b GEMM, :func:`kda_core.kda.kda_gate`, sigmoid beta,
   g_b GEMM), :meth:`KDALayer.activate` (conv, SiLU, L2 norms), a loop of :func:`kda_core.kda._step`,
   :meth:`KDALayer.gated_norm`;
-- the fused C form (``csrc/kda_decode_cpu.c``): all of it in ONE call per layer, the f_b / g_b GEMMs included
+- the fused C form (``csrc/kda_decode_cpu.c``, bound in :mod:`kda_core.decode_cpu`): all of it in ONE call per layer, the f_b / g_b GEMMs included
   (each output one fmaf chain in index order, as the row-invariant GEMM), in place by slot.
 
 The C form's transcendentals are its own (Cephes' exp / log polynomials), not ATen's SLEEF forms, and its sums
@@ -25,21 +25,17 @@ width, RF / RG the ranks of the forget / output gate projections.
 """
 from __future__ import annotations
 
-import ctypes
-import os
-import threading
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
-from kda_core.cpu_build import build, default_isa, open_library
+from kda_core import decode_cpu
+from kda_core.decode_cpu import PAD_SLOT, gather, load
 from kda_core.kda import _step, check_gates, kda_recurrent
 
-SOURCE = Path(__file__).parent / "csrc" / "kda_decode_cpu.c"
-FLAGS = ("-ffp-contract=off",      # only the explicit fmaf fuse: the state update stays a product then an add
-         "-fno-trapping-math")     # lets the exp / log loops vectorise (no value changes: no FP traps are used)
-PAD_SLOT = -1
+__all__ = ["BACKENDS", "PAD_SLOT", "TOLERANCE", "DecodeOut", "backend", "decay", "fused_decode", "kda_decode", "load",
+           "reason", "replay", "runs", "self_check", "torch_decode", "why_not"]
+
 BACKENDS = ("auto", "torch", "fused")
 # fused vs torch form, per element, on the layer's output (o_proj's input, ~O(1)) and state: the C exp / log and
 # sqrtf are within ~1 ulp of SLEEF's, and the fmaf sums skip roundings the torch sums make; through ~10 such ops
@@ -47,23 +43,9 @@ BACKENDS = ("auto", "torch", "fused")
 # test_decode.py, 64 tokens); 1e-4 leaves room for longer runs and larger K, and any wrong formula is >> 1e-3.
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 
-_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-_lock = threading.Lock()
-_lib: list = []                    # [the loaded library, or why there is none] (set once)
 _shapes: dict = {}                 # (H, K, V, C, W, RF, RG, gate) -> True, or why the C form does not run it
-_WEIGHTS_ATTR = "_kda_decode_weights"
 _RUNS_ATTR = "_kda_decode_runs"
 _F32 = torch.float32
-
-
-class _Weights(ctypes.Structure):
-    _fields_ = [("H", _I), ("K", _I), ("V", _I), ("C", _I), ("W", _I), ("RF", _I), ("RG", _I),
-                ("lower_bound", _F), ("rms_eps", _F), ("scale", _F),
-                ("conv_w", _P), ("f_bt", _P), ("A_log", _P), ("dt_bias", _P), ("g_bt", _P), ("o_norm", _P)]
-
-
-class _Aux(ctypes.Structure):
-    _fields_ = [(name, _P) for name in ("q", "k", "v", "g", "beta", "u", "states")]
 
 
 class DecodeOut(NamedTuple):
@@ -111,13 +93,6 @@ def _check(layer, raw, f_low, b, g_low, rec, conv, slot_idx) -> None:
         raise ValueError(f"slot_idx holds a live slot twice: {slot_idx.tolist()}")
 
 
-def _gather(pool, slot_idx, live, slots):
-    """The rows' states ``[B, ...]`` fp32 read by slot (a 16-bit pool upcast exactly); pad rows NaN."""
-    rows = pool.new_full((slot_idx.shape[0],) + tuple(pool.shape[1:]), float("nan"), dtype=torch.float32)
-    rows[live] = pool.index_select(0, slots).float()
-    return rows
-
-
 def torch_decode(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out=None, aux=False, records=True) -> DecodeOut:
     """The reference (same contract as :func:`kda_decode`): :meth:`KDALayer.gates`, the live rows' states gathered
     by slot (pad rows read NaN), :meth:`KDALayer.activate`, :func:`kda_core.kda._step` per token,
@@ -130,8 +105,8 @@ def torch_decode(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out=None, aux
     live = (slot_idx != PAD_SLOT).nonzero().flatten()                     # [B_live]
     slots = slot_idx[live]
     g, beta, out_gate = layer.gates(f_low, b, g_low)                      # [B, T, H, K], [B, T, H], [B, T, H, V]
-    q, k, v, conv_new = layer.activate(raw, _gather(conv, slot_idx, live, slots))   # [B, T, H, K] ...
-    S = _gather(rec, slot_idx, live, slots)                               # [B, H, K, V]
+    q, k, v, conv_new = layer.activate(raw, gather(conv, slot_idx, live, slots))   # [B, T, H, K] ...
+    S = gather(rec, slot_idx, live, slots)                               # [B, H, K, V]
     o, u = v.new_empty(v.shape), v.new_empty(v.shape)                     # [B, T, H, V]
     states = S.new_empty((B, T) + tuple(S.shape[1:])) if aux else None    # [B, T, H, K, V]
     scale = layer.cfg.head_k_dim ** -0.5
@@ -148,88 +123,10 @@ def torch_decode(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out=None, aux
     return DecodeOut(y, *((k, u, g) if records else (None,) * 3), *((q, v, beta, states) if aux else ()))
 
 
-def _weights(layer) -> _Weights:
-    """The layer's weights for the C form (f_b and g_b transposed), cached on the layer and rebuilt when a weight is
-    replaced or written in place (autograd's version counter; a write through ``.data`` is not seen)."""
-    p = layer._parameters
-    ws = (p["conv_weight"], p["f_b"], p["A_log"], p["dt_bias"], p["g_b"], p["o_norm"])
-    key = tuple(map(id, ws)) + tuple(w._version for w in ws)
-    got = layer.__dict__.get(_WEIGHTS_ATTR)
-    if got is not None and got[0] == key:
-        return got[1]
-    cfg = layer.cfg
-    keep = [w.detach().float().contiguous() for w in ws]                  # the struct points into these
-    keep[1], keep[4] = keep[1].T.contiguous(), keep[4].T.contiguous()     # [RF, H K], [RG, H V]
-    s = _Weights(cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.conv_dim, cfg.conv_kernel, layer.f_b.shape[1],
-                 layer.g_b.shape[1], cfg.lower_bound if cfg.gate == "lower_bound" else 0.0, cfg.rms_norm_eps,
-                 cfg.head_k_dim ** -0.5, *(w.data_ptr() for w in keep))
-    s._keep = keep, ws                                                    # ws: the ids in the key stay theirs
-    layer.__dict__[_WEIGHTS_ATTR] = (key, s)                              # not an nn.Module attribute
-    return s
-
-
-def _rows_ok(t: torch.Tensor) -> torch.Tensor:
-    """``t [B, T, X]`` or ``[B, X]`` as a tensor whose tokens sit at a uniform stride with X contiguous (a view
-    when it is)."""
-    if t.stride(-1) == 1 and (t.dim() == 2 or t.shape[0] == 1 or t.shape[1] == 1 or t.stride(0) == t.shape[1] * t.stride(1)):
-        return t
-    return t.contiguous()
-
-
-def _token_stride(t: torch.Tensor) -> int:
-    return t.stride(1) if t.dim() == 3 and (t.shape[1] > 1 or t.shape[0] == 1) else t.stride(0)
-
-
 def fused_decode(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out=None, aux=False, records=True) -> DecodeOut:
-    """The C form (same contract as :func:`torch_decode`). Unchecked; needs :func:`runs`."""
-    if rec.dtype is not _F32 or conv.dtype is not _F32 or not _slots_contiguous(rec, conv):
-        return _fused_dense(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out, aux, records)
-    cfg = layer.cfg
-    lead = raw.shape[:-1]                                                 # (B, T) or (B,)
-    B, T = raw.shape[0], (lead[1] if raw.dim() == 3 else 1)
-    H, K, V = cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
-    raw, f_low, b, g_low = _rows_ok(raw), _rows_ok(f_low), _rows_ok(b), _rows_ok(g_low)
-    y = raw.new_empty(*lead, H * V)                                       # [B, (T,) H V]
-    rec_out = (raw.new_empty(*lead, H, K), raw.new_empty(*lead, H, V), raw.new_empty(*lead, H, K)) if records \
-        else (None, None, None)                                           # k, u, g
-    extra = (raw.new_empty(*lead, H, K), raw.new_empty(*lead, H, V), raw.new_empty(*lead, H),
-             raw.new_empty(*lead, H, K, V)) if aux else None               # q, v, beta, states
-    a = None
-    if records or aux:
-        ptrs = (dict(zip(("k", "u", "g"), rec_out)) if records else {}) | \
-            (dict(zip(("q", "v", "beta", "states"), extra)) if aux else {})
-        a = ctypes.byref(_Aux(**{name: t.data_ptr() for name, t in ptrs.items()}))
-    rc = _lib[0].kda_decode_layer(ctypes.byref(_weights(layer)), B, T,
-                                  raw.data_ptr(), _token_stride(raw), f_low.data_ptr(), _token_stride(f_low),
-                                  b.data_ptr(), _token_stride(b), g_low.data_ptr(), _token_stride(g_low),
-                                  rec.data_ptr(), rec.stride(0), conv.data_ptr(), conv.stride(0),
-                                  slot_idx.contiguous().data_ptr(),
-                                  None if out is None else out[0].data_ptr(), 0 if out is None else out[0].stride(0),
-                                  None if out is None else out[1].data_ptr(), 0 if out is None else out[1].stride(0),
-                                  y.data_ptr(), a)
-    if rc:
-        raise ValueError(f"kda_decode_layer: {'out of memory' if rc == -2 else 'bad sizes'}")
-    return DecodeOut(y, *rec_out, *(extra or ()))
-
-
-def _fused_dense(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out, aux, records) -> DecodeOut:
-    """The C form on dense fp32 copies of the live rows' states (a 16-bit pool upcast exactly, written back
-    rounded to nearest; or a pool whose slots are not contiguous)."""
-    live = (slot_idx != PAD_SLOT).nonzero().flatten()
-    slots = slot_idx[live]
-    S, W = _gather(rec, slot_idx, live, slots), _gather(conv, slot_idx, live, slots)
-    dense = torch.where(slot_idx == PAD_SLOT, PAD_SLOT, torch.arange(slot_idx.shape[0]))
-    res = fused_decode(layer, raw, f_low, b, g_low, S, W, dense, None, aux, records)
-    if out is None:
-        rec.index_copy_(0, slots, S[live].to(rec.dtype))
-        conv.index_copy_(0, slots, W[live].to(conv.dtype))
-    else:
-        out[0][live], out[1][live] = S[live], W[live]
-    return res
-
-
-def _slots_contiguous(rec, conv) -> bool:
-    return (not rec.shape[0] or rec[0].is_contiguous()) and (not conv.shape[0] or conv[0].is_contiguous())
+    """The C form (same contract as :func:`torch_decode`; :func:`kda_core.decode_cpu.run`). Unchecked; needs
+    :func:`runs`."""
+    return DecodeOut(*decode_cpu.run(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out, aux, records))
 
 
 def kda_decode(layer, raw: torch.Tensor, f_low: torch.Tensor, b: torch.Tensor, g_low: torch.Tensor,
@@ -291,30 +188,6 @@ def why_not(layer, *inputs: torch.Tensor) -> str | None:
     return got[1]
 
 
-def load():
-    """Build (once per machine: cached) and load the C library, once per process; returns it, or a string saying
-    why there is none (no compiler, not x86-64, ``KDA_CPU_KERNEL=0``). Start-up code may call it ahead of the first
-    request; else the first decode that can use it does. Importing this module builds nothing."""
-    if not _lib:
-        with _lock:
-            if not _lib:
-                try:
-                    if os.environ.get("KDA_CPU_KERNEL", "1") == "0":
-                        raise RuntimeError("turned off by KDA_CPU_KERNEL=0")
-                    isa = default_isa()
-                    lib = open_library(build(isa, SOURCE, FLAGS), isa, "kda_decode_vector_bits")
-                    lib.kda_decode_layer.restype = _I
-                    lib.kda_decode_layer.argtypes = ([_P, _I, _I] + [_P, _L] * 6 + [_P] + [_P, _L] * 2 + [_P, _P])
-                    lib.kda_decode_replay.restype = _I
-                    lib.kda_decode_replay.argtypes = [_I] * 5 + [_P] * 5
-                    lib.kda_decode_exp.restype = None
-                    lib.kda_decode_exp.argtypes = [_L, _P, _P]
-                    _lib.append(lib)
-                except Exception as exc:        # no compiler, no x86-64, turned off: the torch form runs
-                    _lib.append(str(exc) or type(exc).__name__)
-    return _lib[0]
-
-
 def _cfg_key(cfg) -> tuple:
     return (cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim, cfg.conv_dim, cfg.conv_kernel, cfg.gate)
 
@@ -325,15 +198,6 @@ def _shape_key(layer) -> tuple:
     if layer.f_b.shape[1] != layer.cfg.head_v_dim or layer.g_b.shape[1] != layer.cfg.head_v_dim:
         return _cfg_key(layer.cfg) + (layer.f_b.shape[1], layer.g_b.shape[1])
     return _cfg_key(layer.cfg)
-
-
-def _runs_cfg(cfg) -> str | None:
-    """:func:`runs` for the KDA layers of ``cfg``."""
-    if _cfg_key(cfg) not in _shapes:                                     # kda_core.layer imports this module
-        from kda_core.layer import KDALayer
-        return runs(KDALayer(cfg, torch.Generator().manual_seed(0)))
-    got = _shapes[_cfg_key(cfg)]
-    return None if got is True else got
 
 
 def runs(layer) -> str | None:
@@ -394,16 +258,14 @@ def self_check(layer) -> None:
 
 def decay(cfg, g: torch.Tensor) -> torch.Tensor:
     """``exp(g)`` as :func:`kda_decode`'s step computes it for the KDA layers of ``cfg`` (a
-    :class:`kda_core.config.ModelConfig`): the C form's exp where it runs that shape (:func:`runs`; a layer of
-    ``cfg`` is built for its self-check if none ran yet) and g is fp32 on the CPU, else ATen's exp. Folding a step's records ``(k, u, g)`` with it
-    (a ReplaySSM replay: ``S exp(g)``, then ``+ k u^T``, a rounded product then a rounded add, as the step)
-    rebuilds the step's states bitwise. g any shape; returns its shape."""
-    if g.dtype != torch.float32 or not g.is_cpu or _runs_cfg(cfg) is not None:
+    :class:`kda_core.config.ModelConfig`): the C form's exp where a layer of that shape runs the C form in this
+    process (its self-check passed: :func:`runs`; records come from a forward, which checked it) and g is fp32 on
+    the CPU, else ATen's exp. Folding a step's records ``(k, u, g)`` with it (a ReplaySSM replay: ``S exp(g)``, then
+    ``+ k u^T``, a rounded product then a rounded add, as the step) rebuilds the step's states bitwise. g any
+    shape; returns its shape."""
+    if g.dtype != torch.float32 or not g.is_cpu or _shapes.get(_cfg_key(cfg)) is not True:
         return g.exp()
-    g = g.contiguous()
-    out = torch.empty_like(g)
-    _lib[0].kda_decode_exp(g.numel(), g.data_ptr(), out.data_ptr())
-    return out
+    return decode_cpu.exp(g)
 
 
 def replay(layer, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -419,13 +281,7 @@ def replay(layer, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch
     if runs(layer) is not None or not all(t.is_cpu for t in (k, v, g, beta, state)):
         q = torch.zeros_like(k)                                           # the state does not depend on q
         return kda_recurrent(q, k, v, g, beta, state)[1]
-    k, v, g, beta = (t.to(torch.float32).contiguous() for t in (k, v, g, beta))
-    S = state.to(torch.float32, copy=True, memory_format=torch.contiguous_format)
-    B, T, H, K = k.shape
-    if _lib[0].kda_decode_replay(B, T, H, K, v.shape[-1], k.data_ptr(), v.data_ptr(), g.data_ptr(),
-                                 beta.data_ptr(), S.data_ptr()):
-        raise ValueError("kda_decode_replay: bad sizes")
-    return S
+    return decode_cpu.replay(k, v, g, beta, state)
 
 
 def backend(layer) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kda_core import decode
+from kda_core import decode, decode_cpu
 from kda_core.config import PRESETS
 from kda_core.decode import PAD_SLOT, TOLERANCE, fused_decode, kda_decode, torch_decode
 from kda_core.layer import KDALayer
@@ -209,7 +209,7 @@ def test_failing_self_check_runs_the_torch_form(monkeypatch):
 
 def test_turned_off_runs_the_torch_form(monkeypatch):
     monkeypatch.setattr(decode, "_shapes", {})
-    monkeypatch.setattr(decode, "_lib", [])
+    monkeypatch.setattr(decode_cpu, "_lib", [])
     monkeypatch.setenv("KDA_CPU_KERNEL", "0")
     layer = make_layer()
     assert decode.reason(layer) == "turned off by KDA_CPU_KERNEL=0" and decode.backend(layer) == "torch"
