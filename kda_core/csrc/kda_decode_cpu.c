@@ -146,12 +146,11 @@ static void token(const KdaWeights *p, const float *raw, const float *flow, cons
                   float *q_o, float *k_o, float *v_o, float *g_o, float *beta_o, float *u_o) {
     const int H = p->H, K = p->K, V = p->V, C = p->C, W = p->W, W1 = p->W - 1;
     float *a = scr, *g = scr + C, *gate = g + (long)H * K, *kv = gate + (long)H * V;
-    for (int c = 0; c < C; ++c) {                                /* conv, SiLU, window shift */
-        const float *wc = win + (long)c * W1, *kc = p->conv_w + (long)c * W;
-        float acc = 0.0f;
-        for (int j = 0; j < W1; ++j) acc = fmaf(wc[j], kc[j], acc);
-        a[c] = fmaf(raw[c], kc[W1], acc);
-    }
+    const float *cw = p->conv_w;                                 /* conv: per channel one fmaf chain over */
+    for (int c = 0; c < C; ++c) a[c] = 0.0f;                     /* [window, this token], the channels side */
+    for (int j = 0; j < W1; ++j)                                 /* by side so the loops over c vectorise */
+        for (int c = 0; c < C; ++c) a[c] = fmaf(win[(long)c * W1 + j], cw[(long)c * W + j], a[c]);
+    for (int c = 0; c < C; ++c) a[c] = fmaf(raw[c], cw[(long)c * W + W1], a[c]);
     for (int c = 0; c < C; ++c) a[c] = a[c] / (1.0f + exp_f(-a[c]));   /* SiLU */
     for (int c = 0; c < C; ++c) {
         float *dc = wdst + (long)c * W1;
