@@ -156,8 +156,18 @@ def _run_dense(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out, aux, recor
     return res
 
 
+def _slot_contiguous(t: torch.Tensor) -> bool:
+    """Whether each slot ``t[s]`` of a pool ``[S, ...]`` is contiguous (from the strides: no view made)."""
+    want = 1
+    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if size != 1 and stride != want:
+            return False
+        want *= size
+    return True
+
+
 def _slots_contiguous(rec, conv) -> bool:
-    return (not rec.shape[0] or rec[0].is_contiguous()) and (not conv.shape[0] or conv[0].is_contiguous())
+    return _slot_contiguous(rec) and _slot_contiguous(conv)
 
 
 def exp(g: torch.Tensor) -> torch.Tensor:
