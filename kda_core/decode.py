@@ -37,10 +37,11 @@ __all__ = ["BACKENDS", "PAD_SLOT", "TOLERANCE", "DecodeOut", "backend", "decay",
            "reason", "replay", "runs", "self_check", "torch_decode", "why_not"]
 
 BACKENDS = ("auto", "torch", "fused")
-# fused vs torch form, per element, on the layer's output (o_proj's input, ~O(1)) and state: the C exp / log and
-# sqrtf are within ~1 ulp of SLEEF's, and the fmaf sums skip roundings the torch sums make; through ~10 such ops
-# per token and a state that keeps a few hundred tokens' updates this measured <= 3e-6 (tests/kda_core/
-# test_decode.py, 64 tokens); 1e-4 leaves room for longer runs and larger K, and any wrong formula is >> 1e-3.
+# fused vs torch form, per element, absolute and relative: the C exp / log (Cephes polynomials) and sqrtf are within
+# ~1 ulp of ATen's SLEEF forms, and the fmaf sums skip roundings the torch sums make. Measured over 256 tokens from
+# random states (demo shape, both gates): y <= 1.4e-6, u <= 1e-6, g <= 5e-7, state <= 7.5e-7; the demo model's
+# recurrent logits stay 1.9e-5 from its chunk form over 200 tokens (1.6e-5 with the torch form). 1e-4 leaves room
+# for longer runs and larger K; a wrong formula (a gate, a norm, a missed decay) is off by >= 1e-3.
 TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
 
 _shapes: dict = {}                 # (H, K, V, C, W, RF, RG, gate) -> True, or why the C form does not run it
