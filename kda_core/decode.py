@@ -40,9 +40,10 @@ BACKENDS = ("auto", "torch", "fused")
 # fused vs torch form, per element, absolute and relative: the C exp / log (Cephes polynomials) and sqrtf are within
 # ~1 ulp of ATen's SLEEF forms, and the fmaf sums skip roundings the torch sums make. Measured over 256 tokens from
 # random states (demo shape, both gates): y <= 1.4e-6, u <= 1e-6, g <= 5e-7, state <= 7.5e-7; the demo model's
-# recurrent logits stay 1.9e-5 from its chunk form over 200 tokens (1.6e-5 with the torch form). 1e-4 leaves room
-# for longer runs and larger K; a wrong formula (a gate, a norm, a missed decay) is off by >= 1e-3.
-TOLERANCE = {"rtol": 1e-4, "atol": 1e-4}
+# recurrent logits stay 1.9e-5 from its chunk form over 200 tokens (1.6e-5 with the torch form); at K = V = 128 over
+# 300 tokens the worst element used 6% of this tolerance. A formula off by 1e-4 relative (the gated norm scaled by
+# 1.0001) already fails it; 1e-4 did not catch that.
+TOLERANCE = {"rtol": 2e-5, "atol": 2e-5}
 
 _shapes: dict = {}                 # (H, K, V, C, W, RF, RG, gate) -> True, or why the C form does not run it
 _RUNS_ATTR = "_kda_decode_runs"

@@ -71,7 +71,7 @@ def assert_same(got, want, live, fields=FIELDS):
 @pytest.mark.parametrize("spare", [pytest.param(0, id="dense"), pytest.param(13, id="strided")])
 def test_fused_decode_agrees_with_torch(shape, spare):
     """64 tokens (one at a time, then 5 in one call) from random states: every output, record and state of the live
-    rows within TOLERANCE of the torch form; measured <= 2e-6 on the demo shape."""
+    rows within TOLERANCE of the torch form; measured <= 1.5e-6 on the demo shape."""
     layer = make_layer(shape[0], **shape[1])
     assert decode.reason(layer) is None
     slot_idx = torch.tensor([4, PAD_SLOT, 0, 2])
