@@ -105,15 +105,27 @@ static inline float softplusf_(float x) {
     return x > 20.0f ? x : l;
 }
 
-/* out[n] = sum_k x[k] w[n, k] from wt = w^T [R, N]: one fmaf chain in k order per n (the chains side by side, so
- * the loop over n vectorises). */
-static void gemv(int N, int R, const float *x, const float *wt, float *out) {
-    for (int n = 0; n < N; ++n) out[n] = 0.0f;
-    for (int k = 0; k < R; ++k) {
-        const float xk = x[k], *wk = wt + (long)k * N;
-        for (int n = 0; n < N; ++n) out[n] = fmaf(xk, wk[n], out[n]);
+/* out[j] = sum_i S[i, j] (w[i] sc) for S [K, V]: one fmaf chain in i order per j, 16 chains at a time in
+ * registers (the chains side by side, so each block of 16 is one vector accumulator). sc = 1 leaves w exact. */
+static void colsum(int K, int V, const float *restrict S, const float *restrict w, float sc, float *restrict out) {
+    int j0 = 0;
+    for (; j0 + 16 <= V; j0 += 16) {
+        float acc[16] = {0.0f};
+        for (int i = 0; i < K; ++i) {
+            const float wi = w[i] * sc, *r = S + (long)i * V + j0;
+            for (int l = 0; l < 16; ++l) acc[l] = fmaf(r[l], wi, acc[l]);
+        }
+        for (int l = 0; l < 16; ++l) out[j0 + l] = acc[l];
+    }
+    for (int j = j0; j < V; ++j) {
+        float acc = 0.0f;
+        for (int i = 0; i < K; ++i) acc = fmaf(S[(long)i * V + j], w[i] * sc, acc);
+        out[j] = acc;
     }
 }
+
+/* out[n] = sum_k x[k] w[n, k] from wt = w^T [R, N]: one fmaf chain in k order per n. */
+static void gemv(int N, int R, const float *x, const float *wt, float *out) { colsum(R, N, wt, x, 1.0f, out); }
 
 /* x[0..n) *= 1 / sqrt(sum x^2 + eps), the sum one fmaf chain. */
 static void l2norm(float *x, int n) {
@@ -131,9 +143,7 @@ static void delta(int K, int V, const float *kh, const float *vh, const float *g
     for (int i = 0; i < K; ++i) d[i] = exp_f(gh[i]);
     for (int i = 0; i < K; ++i)                                 /* S' = S exp(g) */
         for (int j = 0; j < V; ++j) S[(long)i * V + j] = S0[(long)i * V + j] * d[i];
-    for (int j = 0; j < V; ++j) kv[j] = 0.0f;                   /* S'^T k */
-    for (int i = 0; i < K; ++i)
-        for (int j = 0; j < V; ++j) kv[j] = fmaf(S[(long)i * V + j], kh[i], kv[j]);
+    colsum(K, V, S, kh, 1.0f, kv);                              /* S'^T k */
     for (int j = 0; j < V; ++j) uh[j] = bt * (vh[j] - kv[j]);
     for (int i = 0; i < K; ++i)                                 /* S = S' + k u^T (rounded product, then add) */
         for (int j = 0; j < V; ++j) S[(long)i * V + j] = S[(long)i * V + j] + kh[i] * uh[j];
@@ -179,11 +189,7 @@ static void token(const KdaWeights *p, const float *raw, const float *flow, cons
         const float bt = sigmoidf_(bp[h]);
         if (beta_o) beta_o[h] = bt;
         delta(K, V, kh, vh, gh, bt, Sa, Sh, kv, uh);
-        for (int j = 0; j < V; ++j) yh[j] = 0.0f;               /* o = S^T (q scale) */
-        for (int i = 0; i < K; ++i) {
-            const float qs = qh[i] * p->scale;
-            for (int j = 0; j < V; ++j) yh[j] = fmaf(Sh[(long)i * V + j], qs, yh[j]);
-        }
+        colsum(K, V, Sh, qh, p->scale, yh);                     /* o = S^T (q scale) */
         float ss = 0.0f;                                        /* gated RMSNorm */
         for (int j = 0; j < V; ++j) ss = fmaf(yh[j], yh[j], ss);
         const float r = 1.0f / sqrtf(ss / (float)V + p->rms_eps);
