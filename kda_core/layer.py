@@ -2,9 +2,11 @@
 
 Two execution modes share every projection (row-invariant ``kda_core.invariant.linear``):
 - ``mode="chunk"``: prefill; KDA via :func:`kda_core.chunk.kda_chunk`, MLA as batched causal attention.
-- ``mode="recurrent"``: KDA via a loop of :func:`kda_core.kda.kda_step`, MLA one query row at a time
-  over exactly its causal prefix. Verifying n tokens in one call is then *bitwise* equal to decoding
-  them one by one (speculative decoding verify). ``decode`` uses this mode.
+- ``mode="recurrent"``: KDA token by token (fp32 without autograd: the fused C form of
+  :func:`kda_core.decode.kda_decode`, as the engine's decode and verify rows; else a loop of
+  :func:`kda_core.kda.kda_step`), MLA one query row at a time over exactly its causal prefix. Verifying n
+  tokens in one call is then *bitwise* equal to decoding them one by one (speculative decoding verify).
+  ``decode`` uses this mode.
 
 Caches are immutable values: every call returns a new cache and never mutates its input.
 """
@@ -17,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kda_core import cpu_mla
+from kda_core import cpu_mla, decode
 from kda_core.chunk import CHUNK_SIZE, kda_chunk
 from kda_core.config import ModelConfig
 from kda_core.conv import short_conv
@@ -93,7 +95,9 @@ class KDAAux(NamedTuple):
 
     x ``[B, T, D]`` layer input (after the pre-norm); raw_qkv ``[B, T, 2HK + HV]`` pre-conv inputs;
     q, k ``[B, T, H, K]`` and v ``[B, T, H, V]`` after conv/SiLU/L2 norm; g ``[B, T, H, K]`` log decay;
-    beta ``[B, T, H]``; states ``[B, T, H, K, V]`` state after each token (recurrent mode only, else None).
+    beta ``[B, T, H]``; states ``[B, T, H, K, V]`` state after each token (recurrent mode only, else None);
+    u ``[B, T, H, V]`` the delta correction ``beta (v - S'^T k)`` of each token, where the fused decode ran
+    (:mod:`kda_core.decode`; else None: recompute it with :func:`kda_core.kda.kda_step_with_correction`).
     """
 
     x: torch.Tensor
@@ -104,6 +108,7 @@ class KDAAux(NamedTuple):
     g: torch.Tensor
     beta: torch.Tensor
     states: torch.Tensor | None
+    u: torch.Tensor | None = None
 
 
 class KDALayer(nn.Module):
@@ -140,20 +145,31 @@ class KDALayer(nn.Module):
                         torch.zeros(batch, cfg.conv_dim, cfg.conv_kernel - 1))
 
     def project(self, x: torch.Tensor):
-        """Per-token projections of ``x [B, T, D]`` that do not depend on the cache.
+        """Per-token projections of ``x [B, T, D]`` that do not depend on the cache (:meth:`project_inputs`, then
+        :meth:`gates`).
 
         Returns (raw_qkv ``[B, T, 2HK + HV]`` (a view with a row stride past its last dim), g ``[B, T, H, K]``,
         beta ``[B, T, H]``, out_gate ``[B, T, H, V]``)."""
+        raw, f_low, b, g_low = self.project_inputs(x)
+        return (raw, *self.gates(f_low, b, g_low))
+
+    def project_inputs(self, x: torch.Tensor):
+        """The layer's input GEMM: the four projections of ``x [B, T, D]`` from one :func:`linear_cat` (views of one
+        ``[B, T, H(2K+V) + RF + H + RG]`` tensor). Returns (raw_qkv ``[B, T, 2HK + HV]``, f_low ``[B, T, RF]``,
+        b ``[B, T, H]`` (pre-sigmoid), g_low ``[B, T, RG]``); RF, RG the gate ranks."""
+        return linear_cat(x, (self.qkv_proj, self.f_a, self.b_proj, self.g_a))
+
+    def gates(self, f_low: torch.Tensor, b: torch.Tensor, g_low: torch.Tensor):
+        """The gates from :meth:`project_inputs`' outputs ``[B, T, *]``: (g ``[B, T, H, K]`` = :func:`kda_gate` of
+        the f_b GEMM, beta ``[B, T, H]`` = sigmoid(b), out_gate ``[B, T, H, V]`` = the g_b GEMM, pre-sigmoid)."""
         cfg = self.cfg
-        B, T, _ = x.shape
+        B, T, _ = f_low.shape
         H, K, V = cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
-        # one GEMM for the four projections of x (views of one [B, T, H(2K+V) + r + H + r] tensor)
-        raw, f_low, b, g_low = linear_cat(x, (self.qkv_proj, self.f_a, self.b_proj, self.g_a))
         f = linear(f_low, self.f_b).view(B, T, H, K)                     # [B, T, H, K]
         g = kda_gate(f, self.A_log, self.dt_bias, cfg.lower_bound if cfg.gate == "lower_bound" else None)
         beta = pointwise(torch.sigmoid, b)                               # [B, T, H]
         out_gate = linear(g_low, self.g_b).view(B, T, H, V)              # [B, T, H, V]
-        return raw, g, beta, out_gate
+        return g, beta, out_gate
 
     def activate(self, raw: torch.Tensor, conv_state: torch.Tensor):
         """Short conv + SiLU on raw q|k|v, then split and L2-normalise q and k.
@@ -176,8 +192,12 @@ class KDALayer(nn.Module):
     def output(self, o: torch.Tensor, out_gate: torch.Tensor) -> torch.Tensor:
         """Gated RMSNorm per head then o_proj: ``o_proj(rmsnorm(o) * sigmoid(gate))``; o ``[B, T, H, V]``."""
         B, T = o.shape[:2]
-        y = rmsnorm(o, self.o_norm, self.cfg.rms_norm_eps) * pointwise(torch.sigmoid, out_gate)  # [B, T, H, V]
-        return linear(y.reshape(B, T, -1), self.o_proj)                  # [B, T, D]
+        return linear(self.gated_norm(o, out_gate).reshape(B, T, -1), self.o_proj)   # [B, T, D]
+
+    def gated_norm(self, o: torch.Tensor, out_gate: torch.Tensor) -> torch.Tensor:
+        """``rmsnorm(o) * sigmoid(out_gate)`` per head: o_proj's input ``[B, T, H, V]`` from o, out_gate ``[B, T, H,
+        V]``."""
+        return rmsnorm(o, self.o_norm, self.cfg.rms_norm_eps) * pointwise(torch.sigmoid, out_gate)
 
     def forward(self, x: torch.Tensor, cache: KDACache | None = None, mode: str = "chunk",
                 output_aux: bool = False, state_at: tuple[int, ...] = ()) -> KDAOutput:
@@ -205,6 +225,8 @@ class KDALayer(nn.Module):
         if state_at and (mode != "chunk" or output_aux or any(not 0 < t < T for t in state_at)):
             raise ValueError(f"state_at must hold offsets in (0, {T}) and needs mode='chunk' without output_aux, "
                              f"got {state_at} (mode={mode!r}, output_aux={output_aux})")
+        if mode == "recurrent" and self._fused(x):
+            return self._forward_fused(x, cache, output_aux)
         raw, g, beta, out_gate = self.project(x)
         q, k, v, conv = self.activate(raw, cache.conv)
         states = None
@@ -229,6 +251,23 @@ class KDALayer(nn.Module):
             o, state = kda_recurrent(q, k, v, g, beta, cache.recurrent)
         aux = KDAAux(x, raw, q, k, v, g, beta, states) if output_aux else None
         return KDAOutput(self.output(o, out_gate), KDACache(state, conv), aux, states_at if state_at else None)
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether recurrent mode runs :func:`kda_core.decode.kda_decode`'s C form here, as the engine's decode and
+        verify rows do (fp32 CPU, no autograd, the C form built and self-checked for this shape)."""
+        return decode.why_not(self, x) is None
+
+    def _forward_fused(self, x: torch.Tensor, cache: KDACache, output_aux: bool) -> KDAOutput:
+        """Recurrent mode through the fused decode (:func:`kda_core.decode.kda_decode`): the B sequences as rows of
+        a dense pool (the cache, only read), slots ``arange(B)``, T tokens token by token in one call."""
+        B = x.shape[0]
+        raw, f_low, b, g_low = self.project_inputs(x)                    # [B, T, *]
+        rec, conv = (t.to(torch.float32).contiguous() for t in cache)  # [B, H, K, V], [B, C, W-1]
+        state, conv_new = torch.empty_like(rec), torch.empty_like(conv)
+        res = decode.kda_decode(self, raw, f_low, b, g_low, rec, conv, torch.arange(B), backend="fused",
+                                out=(state, conv_new), aux=output_aux)
+        aux = KDAAux(x, raw, res.q, res.k, res.v, res.g, res.beta, res.states, res.u) if output_aux else None
+        return KDAOutput(linear(res.y, self.o_proj), KDACache(state, conv_new), aux)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:

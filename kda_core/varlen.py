@@ -41,7 +41,7 @@ from kda_core import cpu_mla
 from kda_core.chunk import CHUNK_SIZE, kda_chunk
 from kda_core.decode import kda_decode
 from kda_core.invariant import linear
-from kda_core.kda import _step, kda_recurrent
+from kda_core.kda import _step
 from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _block_causal_attention, latent_attention
 
 PAD_SLOT = -1
@@ -494,25 +494,67 @@ def _slot_lists(kda: dict, meta: BatchMeta, meta_slots: list) -> dict:
 def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, dec_rows: _Rows, pool: LayerSlots, states_at, li,
                verify, records: dict | None, writes: list):
     """One KDA layer over the batch: reads each live row's state from ``pool`` by its slot (``slots``, a list,
-    ``-1`` = pad) and appends the rows' new states to ``writes`` (:class:`StateWrite`; nothing is written here)."""
+    ``-1`` = pad) and appends the rows' new states to ``writes`` (:class:`StateWrite`; nothing is written here).
+
+    One input GEMM over every token (:meth:`KDALayer.project_inputs`); the decode rows in one
+    :func:`kda_core.decode.kda_decode` call and each verify row in one (the fused C form where it runs: the same
+    per-token code, so verify == decode bitwise, and as ``KDALayer.forward(mode="recurrent")``); the prefill rows'
+    gates, chunked KDA and gated norm in torch; one o_proj GEMM over every token."""
+    cfg = m.cfg
+    H, V, HV = cfg.num_heads, cfg.head_v_dim, cfg.num_heads * cfg.head_v_dim
     rec_pool, conv_pool = pool.recurrent, pool.conv
-    raw, g, beta, out_gate = m.project(h)                                 # [1, T_total, *]
-    nd = meta.num_decode
-    o_parts = []
+    idx = meta.slot_idx if pool.slot_idx is None else pool.slot_idx
+    ins = m.project_inputs(h[0])                                          # raw, f_low, b, g_low [T_total, *]
+    nd, n_dv = meta.num_decode, meta.num_decode + meta.num_verify
+    y_parts = []                                                          # o_proj's input, [tokens, H V] each
     if nd:                                                                # read by slot (kda_core.decode)
-        cfg = m.cfg
-        idx = meta.slot_idx if pool.slot_idx is None else pool.slot_idx
-        state = raw.new_empty(nd, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim)   # [nd, H, K, V] new states
-        conv = raw.new_empty(nd, cfg.conv_dim, cfg.conv_kernel - 1)                  # [nd, D_conv, W-1]
-        res = kda_decode(m, raw[0, :nd], g[0, :nd], beta[0, :nd], rec_pool, conv_pool, idx[:nd],
-                         check=False, out=(state, conv))                  # slots checked once per forward
+        state = h.new_empty(nd, H, cfg.head_k_dim, V)                     # [nd, H, K, V] new states
+        conv = h.new_empty(nd, cfg.conv_dim, cfg.conv_kernel - 1)         # [nd, D_conv, W-1]
+        res = kda_decode(m, *(ins if nd == qsl[-1] else (t[:nd] for t in ins)), rec_pool, conv_pool,
+                         idx if nd == idx.shape[0] else idx[:nd], check=False, out=(state, conv),
+                         records=records is not None)                     # slots checked once per forward
         if records is not None:
-            records[li] = (res.k, res.u, res.g)
+            records[li] = (res.k, res.u, res.g)                           # [nd, H, K], [nd, H, V], [nd, H, K]
         writes.append(StateWrite(0, state, conv))                         # written by slot at commit
-        o_parts.append(res.o.unsqueeze(0))                                # [1, nd, H, V]
-    C, W1 = CHUNK_SIZE, m.cfg.conv_kernel - 1
-    for i in range(nd, len(slots)):
+        y_parts.append(res.y)                                             # [nd, H V]
+    if nd == len(slots):                                                  # decode rows only
+        return linear(y_parts[0], m.o_proj).unsqueeze(0)                  # [1, nd, D]
+    raw, f_low, b_in, g_low = (t.unsqueeze(0) for t in ins)               # [1, T_total, *]
+    for i in range(nd, n_dv):                                             # as KDALayer.forward(mode="recurrent", aux)
         a, b = qsl[i], qsl[i + 1]
+        if slots[i] == PAD_SLOT:
+            y_parts.append(raw.new_zeros(b - a, HV))
+            continue
+        if bool(meta.has_initial_state[i]):
+            src, slot = (rec_pool, conv_pool), idx[i: i + 1]
+        else:                                                             # starts from zeros: its slot is not read
+            src, slot = (_initial(rec_pool, 0, False), _initial(conv_pool, 0, False)), idx.new_zeros(1)
+        state, conv = torch.empty((1,) + rec_pool.shape[1:]), torch.empty((1,) + conv_pool.shape[1:])
+        res = kda_decode(m, raw[:, a:b], f_low[:, a:b], b_in[:, a:b], g_low[:, a:b], *src, slot, check=False,
+                         out=(state, conv), aux=True)
+        verify[i].layers[li] = KDACache(state, conv)                      # [1, H, K, V], [1, D_conv, W-1]
+        verify[i].aux[li] = KDAAux(h[:, a:b], raw[:, a:b], res.q, res.k, res.v, res.g, res.beta, res.states, res.u)
+        writes.append(StateWrite(i, state, conv))
+        y_parts.append(res.y[0])                                          # [T, H V]
+    if n_dv < len(slots):
+        y_parts.append(_kda_prefill(m, raw, f_low, b_in, g_low, meta, qsl, slots, rec_pool, conv_pool, states_at, li,
+                                    writes))
+    y = y_parts[0] if len(y_parts) == 1 else torch.cat(y_parts)          # [T_total, H V]
+    return linear(y.unsqueeze(0), m.o_proj)                               # [1, T_total, D]
+
+
+def _kda_prefill(m: KDALayer, raw, f_low, b_in, g_low, meta: BatchMeta, qsl, slots, rec_pool, conv_pool, states_at,
+                 li, writes: list) -> torch.Tensor:
+    """The prefill rows (after the decode and verify rows) of one KDA layer, each as ``KDALayer.forward(mode=
+    "chunk")`` of that row alone: gates, conv, :func:`kda_chunk` on its own 64-token grid, the ``state_at``
+    checkpoints, the gated norm. Returns o_proj's input ``[T_pre, H V]`` of their tokens."""
+    off = qsl[meta.num_decode + meta.num_verify]                          # the first prefill token
+    g, beta, out_gate = m.gates(f_low[:, off:], b_in[:, off:], g_low[:, off:])   # [1, T_pre, *]
+    C, W1 = CHUNK_SIZE, m.cfg.conv_kernel - 1
+    o_parts = []
+    for i in range(meta.num_decode + meta.num_verify, len(slots)):
+        a, b = qsl[i], qsl[i + 1]
+        ga, gb = a - off, b - off
         slot = slots[i]
         if slot == PAD_SLOT:
             o_parts.append(g.new_zeros(1, b - a, m.cfg.num_heads, m.cfg.head_v_dim))
@@ -520,27 +562,20 @@ def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, dec_rows: _Rows, poo
         has = bool(meta.has_initial_state[i])
         rec0, conv0 = _initial(rec_pool, slot, has), _initial(conv_pool, slot, has)
         q, k, v, conv = m.activate(raw[:, a:b], conv0)
-        if i in verify:                                                   # as KDALayer.forward(mode="recurrent", aux)
-            o, state, sts = kda_recurrent(q, k, v, g[:, a:b], beta[:, a:b], rec0, output_states=True)
-            verify[i].layers[li] = KDACache(state, conv)
-            verify[i].aux[li] = KDAAux(h[:, a:b], raw[:, a:b], q, k, v, g[:, a:b], beta[:, a:b], sts)
-            writes.append(StateWrite(i, state, conv))                     # [1, H, K, V], [1, D_conv, W-1]
-            o_parts.append(o)
-            continue
-        o, state, hs = kda_chunk(q, k, v, g[:, a:b], beta[:, a:b], rec0, chunk_size=C)
+        o, state, hs = kda_chunk(q, k, v, g[:, ga:gb], beta[:, ga:gb], rec0, chunk_size=C)
         for t in meta.state_at[i]:                                        # as KDALayer.forward(state_at=...)
             s0 = t // C * C
             rec = hs[:, t // C].clone()
             if t > s0:
                 part = slice(s0, t)
-                rec = kda_chunk(q[:, part], k[:, part], v[:, part], g[:, a:b][:, part], beta[:, a:b][:, part], rec,
-                                chunk_size=C).final_state
+                rec = kda_chunk(q[:, part], k[:, part], v[:, part], g[:, ga:gb][:, part], beta[:, ga:gb][:, part],
+                                rec, chunk_size=C).final_state
             full = torch.cat([conv0, raw[:, a:b].transpose(1, 2)], dim=-1)  # [1, D_conv, W-1+T]
             states_at[i][t][li] = KDACache(rec, full[..., t: t + W1].clone())
         writes.append(StateWrite(i, state, conv))                         # [1, H, K, V], [1, D_conv, W-1]
         o_parts.append(o)
-    o = o_parts[0] if len(o_parts) == 1 else torch.cat(o_parts, dim=1)    # [1, T_total, H, V]
-    return m.output(o, out_gate)                                          # [1, T_total, D]
+    o = o_parts[0] if len(o_parts) == 1 else torch.cat(o_parts, dim=1)    # [1, T_pre, H, V]
+    return m.gated_norm(o, out_gate)[0].flatten(1)                        # [T_pre, H V]
 
 
 class _Packed(NamedTuple):

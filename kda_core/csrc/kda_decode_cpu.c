@@ -1,110 +1,280 @@
-/* One KDA decode token per batch row on the CPU, fp32, reading and writing each row's state in place BY SLOT:
- * the fused form of kda_core.varlen's decode rows (kda_core/decode.py loads it and checks it before use).
+/* A KDA layer's token-by-token part on the CPU, fp32, in ONE call: everything between the layer's input GEMM
+ * (q|k|v, f_a, b, g_a of kda_core.layer.KDALayer) and its o_proj GEMM, for B rows of T tokens each, reading and
+ * writing each row's state in place BY SLOT. kda_core/decode.py loads it and checks it against the torch form.
  *
- * Two entry points, for the two parts of a decode step that are pure multiply / add (the transcendental parts,
- * SiLU, the L2 norm's rsqrt and exp(g), stay in torch between them):
- *   kda_decode_conv  the short causal depthwise conv over [conv window, this token] and the window's shift,
- *                    as kda_core.conv.short_conv: y = f_0 w_0, then y = y + f_j w_j for j = 1 .. W-1;
- *   kda_decode_step  the delta-rule step, as kda_core.kda._step: S' = S * exp(g); kv = sum_k S'[k] k[k];
- *                    u = beta (v - kv); S = S' + k u^T; o = sum_k S[k] (q[k] scale).
- * Bitwise what the torch form computes: every product is rounded before it is added (this file is built with
- * -ffp-contract=off, so no fused multiply-add), and the two sums over K follow ATen's cascade sum of a float
- * reduction over a strided dim (aten/src/ATen/native/cpu/SumKernel.cpp, multi_row_sum: partial sums of 16 terms
- * carried up 4 levels). The loader checks the bits against the torch form once and uses the torch form if they
- * differ (another ATen, another order).
+ * Per token of a live row (kda_core.layer.KDALayer, kda_core.kda._step; Kimi Linear, arXiv:2510.26692):
+ *   conv     y_c = sum_j f_j w_cj over [window, this token] (kda_core.conv.short_conv), the window shifted;
+ *   SiLU     y / (1 + exp(-y)); q, k L2-normalised per head: x / sqrt(sum x^2 + 1e-6);
+ *   gate     f = f_b f_low (+ dt_bias); softplus form g = -exp(A_log) softplus(f) (softplus(x) = x above 20,
+ *            else log1p(exp(x)), as ATen's), lower-bound form g = lb sigmoid(exp(A_log) f);
+ *   beta     sigmoid(b);
+ *   step     S' = S exp(g); u = beta (v - S'^T k); S = S' + k u^T; o = S^T (q scale);
+ *   output   per head o / sqrt(mean o^2 + eps) * o_norm * sigmoid(g_b g_low): o_proj's input.
+ * The two small GEMMs (f_b, g_b) and every other sum run in one fixed order, each output one fmaf chain over its
+ * inputs in index order (as kda_core/csrc/invariant_cpu.c), so a row's bits never depend on the other rows of the
+ * call, on B or on T: a token of a verify row is bitwise the same token decoded alone. The transcendentals are
+ * this file's exp_f / log_f (Cephes' polynomials, vectorisable) and sqrtf, not ATen's SLEEF forms, so results differ from the torch form by a few ulp; the
+ * loader checks them against it within a tolerance (decode.py's TOLERANCE). The state update is a rounded
+ * product then a rounded add (this file is built with -ffp-contract=off: no contraction except the explicit
+ * fmaf), so folding records (k, u, exp(g)) in torch rebuilds the state bitwise (kda_decode_exp gives the decay).
  *
- * Layouts (elements): a state pool rec [S, H, K, V] and conv pool [S, C, W-1] with any stride for S and the rest
- * contiguous; slots [B] int64, -1 = pad row: its state is neither read nor written and its outputs are NaN.
- * New states go back in place (out == NULL), or to row b of an output [B, ...] (out != NULL, row stride so), so
- * that the pool is only read: the engine writes them by slot when it commits the step.
- * Rows are independent: a row's bits never depend on the other rows of the call.
+ * Layouts (elements): token (b, t) of an input at x + (b T + t) sx (raw [C], f_low [RF], b [H], g_low [RG]); the
+ * pools rec [S, H, K, V] and conv [S, C, W-1] with slot stride sr / sc and the rest contiguous; slots [B] int64,
+ * -1 = pad row: its state is neither read nor written and its outputs are NaN. New states go to the pool in place
+ * (out NULL) or to row b of out [B, ...] (row stride so), the pool then only read. Optional per-token outputs
+ * (NULL: not written), all contiguous [B T, ...]: q, k, g [H K]; v, u [H V]; beta [H]; states [H K V] (the state
+ * after each token). y [B T, H V] is always written.
  */
 #include <math.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 
-/* ATen's multi_row_sum for one column: terms x[i * stride], i in [0, n). */
-static inline float cascade_sum(const float *x, long stride, int n) {
-    enum { LEVELS = 4 };
-    int power = 4, lg = 0;
-    while ((1L << lg) < n) lg++;                   /* ceil(log2 n) */
-    if (lg / LEVELS > power) power = lg / LEVELS;
-    const long step = 1L << power, mask = step - 1;
-    float acc[LEVELS] = {0.0f, 0.0f, 0.0f, 0.0f};
-    long i = 0;
-    while (i + step <= n) {
-        for (long j = 0; j < step; ++j, ++i) acc[0] += x[i * stride];
-        for (int j = 1; j < LEVELS; ++j) {
-            acc[j] += acc[j - 1];
-            acc[j - 1] = 0.0f;
-            if ((i & (mask << (j * power))) != 0) break;
-        }
-    }
-    for (; i < n; ++i) acc[0] += x[i * stride];
-    for (int j = 1; j < LEVELS; ++j) acc[0] += acc[j];
-    return acc[0];
+#define L2_EPS 1e-6f
+
+typedef struct {
+    int H, K, V, C, W, RF, RG;      /* heads, key dim, value dim, conv channels 2HK + HV, conv width, gate ranks */
+    float lower_bound;              /* 0: softplus gate; < 0: the lower-bound gate */
+    float rms_eps, scale;
+    const float *conv_w;            /* [C, W] */
+    const float *f_bt;              /* f_b^T [RF, H K] */
+    const float *A_log;             /* [H] */
+    const float *dt_bias;           /* [H K] or NULL */
+    const float *g_bt;              /* g_b^T [RG, H V] */
+    const float *o_norm;            /* [V] */
+} KdaWeights;
+
+typedef struct {
+    float *q, *k, *v, *g, *beta, *u, *states;   /* optional per-token outputs (NULL: none) */
+} KdaAux;
+
+/* exp and log as straight-line fp32 code (Cephes' expf / logf polynomials, within ~1 ulp of libm), so that the
+ * compiler vectorises the loops that call them; deterministic (no table, no library call): every call site of the
+ * layer and kda_decode_exp get the same bits. */
+static inline float bits_to_float(unsigned int u) { float f; memcpy(&f, &u, 4); return f; }
+static inline unsigned int float_to_bits(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
+
+static inline float exp_f(float x) {
+    const float hi = 88.0f, lo = -87.33654475f;
+    float c = x > hi ? hi : (x < lo ? lo : x);                 /* NaN stays NaN */
+    float n = floorf(fmaf(c, 1.44269504088896341f, 0.5f));    /* round(c / ln 2) */
+    float r = fmaf(n, -0.693359375f, c);                        /* c - n ln 2, in two parts */
+    r = fmaf(n, 2.12194440e-4f, r);
+    float p = 1.9875691500e-4f;
+    p = fmaf(p, r, 1.3981999507e-3f);
+    p = fmaf(p, r, 8.3334519073e-3f);
+    p = fmaf(p, r, 4.1665795894e-2f);
+    p = fmaf(p, r, 1.6666665459e-1f);
+    p = fmaf(p, r, 5.0000001201e-1f);
+    p = fmaf(p, r * r, r) + 1.0f;
+    float e = p * bits_to_float((unsigned int)((int)n + 127) << 23);   /* p 2^n, n in [-126, 127] */
+    return x < lo ? 0.0f : (x > hi ? INFINITY : e);
 }
 
-/* x [B, C] raw inputs of this token (row stride sx); w [C, W] (w[:, W-1] multiplies this token); conv pool at
- * conv + slot * sc, [C, W-1] per slot, oldest first. Writes y [B, C] (contiguous) and each live row's shifted
- * window in place (out NULL) or at out + b * so. Returns 0, or -1 for bad sizes. */
-int kda_decode_conv(int B, int C, int W, const float *x, long sx, const float *w, float *conv, long sc,
-                    const long *slots, float *y, float *out, long so) {
-    if (B < 0 || C < 1 || W < 1 || W > 64) return -1;
-    float f[64];
-    for (int b = 0; b < B; ++b) {
-        float *yb = y + (long)b * C;
-        if (slots[b] < 0) {
-            for (int c = 0; c < C; ++c) yb[c] = NAN;
-            continue;
-        }
-        float *win = conv + slots[b] * sc, *dst = out ? out + (long)b * so : win;
-        const float *xb = x + (long)b * sx;
-        for (int c = 0; c < C; ++c) {
-            float *wc = win + (long)c * (W - 1), *dc = dst + (long)c * (W - 1);
-            for (int j = 0; j < W - 1; ++j) f[j] = wc[j];
-            f[W - 1] = xb[c];
-            const float *k = w + (long)c * W;
-            float acc = f[0] * k[0];
-            for (int j = 1; j < W; ++j) acc = acc + f[j] * k[j];
-            yb[c] = acc;
-            for (int j = 0; j < W - 1; ++j) dc[j] = f[j + 1];
-        }
-    }
-    return 0;
+/* log(x) for a normal x > 0. */
+static inline float log_f(float x) {
+    unsigned int i = float_to_bits(x);
+    float e = (float)((int)((i >> 23) & 0xff) - 127);
+    float m = bits_to_float((i & 0x7fffffu) | 0x3f800000u);    /* x = m 2^e, m in [1, 2) */
+    int big = m > 1.41421356f;
+    m = big ? 0.5f * m : m;                                     /* m in [0.707, 1.414) */
+    e = big ? e + 1.0f : e;
+    float f = m - 1.0f, z = f * f;
+    float y = 7.0376836292e-2f;
+    y = fmaf(y, f, -1.1514610310e-1f);
+    y = fmaf(y, f, 1.1676998740e-1f);
+    y = fmaf(y, f, -1.2420140846e-1f);
+    y = fmaf(y, f, 1.4249322787e-1f);
+    y = fmaf(y, f, -1.6668057665e-1f);
+    y = fmaf(y, f, 2.0000714765e-1f);
+    y = fmaf(y, f, -2.4999993993e-1f);
+    y = fmaf(y, f, 3.3333331174e-1f);
+    y = y * f * z;
+    y = fmaf(e, -2.12194440e-4f, y);
+    y = fmaf(-0.5f, z, y);
+    return fmaf(e, 0.693359375f, f + y);
 }
 
-/* q, k, decay = exp(g) [B, H, K]; v [B, H, V]; beta [B, H] (all contiguous); the state pool at rec + slot * sr,
- * [H, K, V] per slot. Writes o and u [B, H, V] (contiguous) and each live row's new state in place (out NULL)
- * or at out + b * so; scratch holds K * V floats. Returns 0, or -1 for bad sizes. */
-int kda_decode_step(int B, int H, int K, int V, float scale, const float *q, const float *k, const float *v,
-                    const float *decay, const float *beta, float *rec, long sr, const long *slots,
-                    float *o, float *u, float *scratch, float *out, long so) {
-    if (B < 0 || H < 1 || K < 1 || V < 1) return -1;
+static inline float sigmoidf_(float x) { return 1.0f / (1.0f + exp_f(-x)); }
+
+/* ATen's softplus (beta 1, threshold 20): x above 20, else log1p(exp(x)); log1p(t) = log(u) t / (u - 1) with
+ * u = 1 + t (exact where u rounds to 1: then t), accurate for small t (Kahan's trick). */
+static inline float softplusf_(float x) {
+    float t = exp_f(x > 20.0f ? 20.0f : x), u = 1.0f + t;
+    float l = u == 1.0f ? t : log_f(u) * (t / (u - 1.0f));
+    return x > 20.0f ? x : l;
+}
+
+/* out[j] = sum_i S[i, j] (w[i] sc) for S [K, V]: one fmaf chain in i order per j, 16 chains at a time in
+ * registers (the chains side by side, so each block of 16 is one vector accumulator). sc = 1 leaves w exact. */
+static void colsum(int K, int V, const float *restrict S, const float *restrict w, float sc, float *restrict out) {
+    int j0 = 0;
+    for (; j0 + 16 <= V; j0 += 16) {
+        float acc[16] = {0.0f};
+        for (int i = 0; i < K; ++i) {
+            const float wi = w[i] * sc, *r = S + (long)i * V + j0;
+            for (int l = 0; l < 16; ++l) acc[l] = fmaf(r[l], wi, acc[l]);
+        }
+        for (int l = 0; l < 16; ++l) out[j0 + l] = acc[l];
+    }
+    for (int j = j0; j < V; ++j) {
+        float acc = 0.0f;
+        for (int i = 0; i < K; ++i) acc = fmaf(S[(long)i * V + j], w[i] * sc, acc);
+        out[j] = acc;
+    }
+}
+
+/* out[n] = sum_k x[k] w[n, k] from wt = w^T [R, N]: one fmaf chain in k order per n. */
+static void gemv(int N, int R, const float *x, const float *wt, float *out) { colsum(R, N, wt, x, 1.0f, out); }
+
+/* x[0..n) *= 1 / sqrt(sum x^2 + eps), the sum one fmaf chain. */
+static void l2norm(float *x, int n) {
+    float s = 0.0f;
+    for (int i = 0; i < n; ++i) s = fmaf(x[i], x[i], s);
+    const float r = 1.0f / sqrtf(s + L2_EPS);
+    for (int i = 0; i < n; ++i) x[i] = x[i] * r;
+}
+
+/* The delta rule's state update of one head: S' = S0 exp(g); u = beta (v - S'^T k); S = S' + k u^T (S may be S0;
+ * kv [V + K] scratch). */
+static void delta(int K, int V, const float *kh, const float *vh, const float *gh, float bt, const float *S0,
+                  float *S, float *kv, float *uh) {
+    float *d = kv + V;                                          /* exp(g) [K] */
+    for (int i = 0; i < K; ++i) d[i] = exp_f(gh[i]);
+    for (int i = 0; i < K; ++i)                                 /* S' = S exp(g) */
+        for (int j = 0; j < V; ++j) S[(long)i * V + j] = S0[(long)i * V + j] * d[i];
+    colsum(K, V, S, kh, 1.0f, kv);                              /* S'^T k */
+    for (int j = 0; j < V; ++j) uh[j] = bt * (vh[j] - kv[j]);
+    for (int i = 0; i < K; ++i)                                 /* S = S' + k u^T (rounded product, then add) */
+        for (int j = 0; j < V; ++j) S[(long)i * V + j] = S[(long)i * V + j] + kh[i] * uh[j];
+}
+
+/* One token of one live row. win: the conv window read ([C, W-1]); wdst: where the shifted window goes (may be
+ * win); S0: the state read ([H, K, V]); S: where the new state goes (may be S0). a [C + 2 H K + H V + H] scratch. */
+static void token(const KdaWeights *p, const float *raw, const float *flow, const float *bp, const float *glow,
+                  const float *win, float *wdst, const float *S0, float *S, float *y, float *scr,
+                  float *q_o, float *k_o, float *v_o, float *g_o, float *beta_o, float *u_o) {
+    const int H = p->H, K = p->K, V = p->V, C = p->C, W = p->W, W1 = p->W - 1;
+    float *a = scr, *g = scr + C, *gate = g + (long)H * K, *kv = gate + (long)H * V;
+    const float *cw = p->conv_w;                                 /* conv: per channel one fmaf chain over */
+    for (int c = 0; c < C; ++c) a[c] = 0.0f;                     /* [window, this token], the channels side */
+    for (int j = 0; j < W1; ++j)                                 /* by side so the loops over c vectorise */
+        for (int c = 0; c < C; ++c) a[c] = fmaf(win[(long)c * W1 + j], cw[(long)c * W + j], a[c]);
+    for (int c = 0; c < C; ++c) a[c] = fmaf(raw[c], cw[(long)c * W + W1], a[c]);
+    for (int c = 0; c < C; ++c) a[c] = a[c] / (1.0f + exp_f(-a[c]));   /* SiLU */
+    for (int c = 0; c < C; ++c) {
+        float *dc = wdst + (long)c * W1;
+        const float *wc = win + (long)c * W1;
+        for (int j = 0; j + 1 < W1; ++j) dc[j] = wc[j + 1];      /* in place: reads j + 1 before any write there */
+        if (W1 > 0) dc[W1 - 1] = raw[c];
+    }
+    float *q = a, *k = a + (long)H * K, *v = a + 2L * H * K;
+    for (int h = 0; h < 2 * H; ++h) l2norm(a + (long)h * K, K);
+    gemv(H * K, p->RF, flow, p->f_bt, g);                        /* forget gate */
+    if (p->dt_bias)
+        for (long n = 0; n < (long)H * K; ++n) g[n] = g[n] + p->dt_bias[n];
+    for (int h = 0; h < H; ++h) {
+        const float A = exp_f(p->A_log[h]), lb = p->lower_bound;
+        float *gh = g + (long)h * K;
+        if (lb < 0.0f)
+            for (int i = 0; i < K; ++i) gh[i] = lb * sigmoidf_(A * gh[i]);
+        else
+            for (int i = 0; i < K; ++i) gh[i] = -A * softplusf_(gh[i]);
+    }
+    gemv(H * V, p->RG, glow, p->g_bt, gate);                     /* output gate (pre-sigmoid) */
+    for (int h = 0; h < H; ++h) {
+        const float *qh = q + (long)h * K, *kh = k + (long)h * K, *vh = v + (long)h * V, *gh = g + (long)h * K;
+        const float *Sa = S0 + (long)h * K * V;
+        float *Sh = S + (long)h * K * V, *yh = y + (long)h * V, *uh = u_o ? u_o + (long)h * V : kv + V + K;
+        const float bt = sigmoidf_(bp[h]);
+        if (beta_o) beta_o[h] = bt;
+        delta(K, V, kh, vh, gh, bt, Sa, Sh, kv, uh);
+        colsum(K, V, Sh, qh, p->scale, yh);                     /* o = S^T (q scale) */
+        float ss = 0.0f;                                        /* gated RMSNorm */
+        for (int j = 0; j < V; ++j) ss = fmaf(yh[j], yh[j], ss);
+        const float r = 1.0f / sqrtf(ss / (float)V + p->rms_eps);
+        const float *gt = gate + (long)h * V;
+        for (int j = 0; j < V; ++j) yh[j] = yh[j] * r * p->o_norm[j] * sigmoidf_(gt[j]);
+    }
+    for (long i = 0; q_o && i < (long)H * K; ++i) q_o[i] = q[i];
+    for (long i = 0; k_o && i < (long)H * K; ++i) k_o[i] = k[i];
+    for (long i = 0; v_o && i < (long)H * V; ++i) v_o[i] = v[i];
+    for (long i = 0; g_o && i < (long)H * K; ++i) g_o[i] = g[i];
+}
+
+static void fill_nan(float *x, long n) {
+    for (long i = 0; x && i < n; ++i) x[i] = NAN;
+}
+
+/* B rows of T tokens (see the header). Returns 0, -1 for bad sizes, -2 when out of memory. */
+int kda_decode_layer(const KdaWeights *p, int B, int T, const float *raw, long sraw, const float *flow, long sflow,
+                     const float *bp, long sb, const float *glow, long sglow, float *rec, long sr, float *conv, long sc,
+                     const long *slots, float *out_rec, long sor, float *out_conv, long soc, float *y,
+                     const KdaAux *aux) {
+    if (B < 0 || T < 1 || p->H < 1 || p->K < 1 || p->V < 1 || p->W < 1 || p->RF < 1 || p->RG < 1
+        || p->C != 2 * p->H * p->K + p->H * p->V)
+        return -1;
+    const int H = p->H, K = p->K, V = p->V, C = p->C;
+    const long HK = (long)H * K, HV = (long)H * V, HKV = HK * V;
+    float *scr = malloc(sizeof(float) * ((size_t)C + HK + HV + 2 * (size_t)V + K));   /* a, g, gate, kv, d, u */
+    if (!scr) return -2;
+    KdaAux none = {0};
+    const KdaAux *x = aux ? aux : &none;
     for (int b = 0; b < B; ++b) {
-        for (int h = 0; h < H; ++h) {
-            long bh = (long)b * H + h;
-            float *ob = o + bh * V, *ub = u + bh * V;
+        for (int t = 0; t < T; ++t) {
+            const long n = (long)b * T + t;
+            float *q_o = x->q ? x->q + n * HK : NULL, *k_o = x->k ? x->k + n * HK : NULL;
+            float *v_o = x->v ? x->v + n * HV : NULL, *g_o = x->g ? x->g + n * HK : NULL;
+            float *b_o = x->beta ? x->beta + n * H : NULL, *u_o = x->u ? x->u + n * HV : NULL;
+            float *st_o = x->states ? x->states + n * HKV : NULL;
             if (slots[b] < 0) {
-                for (int j = 0; j < V; ++j) ob[j] = ub[j] = NAN;
+                fill_nan(y + n * HV, HV), fill_nan(q_o, HK), fill_nan(k_o, HK), fill_nan(v_o, HV);
+                fill_nan(g_o, HK), fill_nan(b_o, H), fill_nan(u_o, HV), fill_nan(st_o, HKV);
                 continue;
             }
-            const float *S0 = rec + slots[b] * sr + (long)h * K * V;
-            float *S = (out ? out + (long)b * so : rec + slots[b] * sr) + (long)h * K * V;
-            const float *qb = q + bh * K, *kb = k + bh * K, *db = decay + bh * K, *vb = v + bh * V;
-            const float bt = beta[bh];
-            for (int i = 0; i < K; ++i)                               /* S' = S * exp(g) */
-                for (int j = 0; j < V; ++j) S[(long)i * V + j] = S0[(long)i * V + j] * db[i];
-            for (int i = 0; i < K; ++i)                               /* S' * k, then its column sums */
-                for (int j = 0; j < V; ++j) scratch[(long)i * V + j] = S[(long)i * V + j] * kb[i];
-            for (int j = 0; j < V; ++j) ub[j] = bt * (vb[j] - cascade_sum(scratch + j, V, K));
-            for (int i = 0; i < K; ++i)                               /* S = S' + k u^T */
-                for (int j = 0; j < V; ++j) S[(long)i * V + j] = S[(long)i * V + j] + kb[i] * ub[j];
-            for (int i = 0; i < K; ++i) {                             /* S * (q scale), then its column sums */
-                const float qs = qb[i] * scale;
-                for (int j = 0; j < V; ++j) scratch[(long)i * V + j] = S[(long)i * V + j] * qs;
-            }
-            for (int j = 0; j < V; ++j) ob[j] = cascade_sum(scratch + j, V, K);
+            float *pool_rec = rec + slots[b] * sr, *pool_conv = conv + slots[b] * sc;
+            float *S = out_rec ? out_rec + (long)b * sor : pool_rec;
+            float *win = out_conv ? out_conv + (long)b * soc : pool_conv;
+            token(p, raw + n * sraw, flow + n * sflow, bp + n * sb, glow + n * sglow,
+                  t == 0 ? pool_conv : win, win, t == 0 ? pool_rec : S, S, y + n * HV, scr,
+                  q_o, k_o, v_o, g_o, b_o, u_o);
+            for (long i = 0; st_o && i < HKV; ++i) st_o[i] = S[i];
         }
     }
+    free(scr);
     return 0;
+}
+
+/* Replay kda_decode_layer's state updates from what its steps consumed: k, g [B, T, H, K], v [B, T, H, V], beta
+ * [B, T, H] (contiguous), onto S [B, H, K, V] (contiguous) in place, token by token: bitwise the states the layer
+ * wrote (the same delta()). Returns 0, -1 for bad sizes, -2 when out of memory. */
+int kda_decode_replay(int B, int T, int H, int K, int V, const float *k, const float *v, const float *g,
+                      const float *beta, float *S) {
+    if (B < 0 || T < 0 || H < 1 || K < 1 || V < 1) return -1;
+    float *scr = malloc(sizeof(float) * (2 * (size_t)V + K));                    /* kv, d, u */
+    if (!scr) return -2;
+    for (int b = 0; b < B; ++b)
+        for (int t = 0; t < T; ++t)
+            for (int h = 0; h < H; ++h) {
+                const long n = ((long)b * T + t) * H + h;
+                float *Sh = S + ((long)b * H + h) * K * V;
+                delta(K, V, k + n * K, v + n * V, g + n * K, beta[n], Sh, Sh, scr, scr + V + K);
+            }
+    free(scr);
+    return 0;
+}
+
+/* out[i] = exp(x[i]) as kda_decode_layer's step computes its decay exp(g) (for replaying its records bitwise). */
+void kda_decode_exp(long n, const float *x, float *out) {
+    for (long i = 0; i < n; ++i) out[i] = exp_f(x[i]);
+}
+
+int kda_decode_vector_bits(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__)
+    return 256;
+#else
+    return 128;
+#endif
 }

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from kda_core import decode
 from kda_core.config import ModelConfig
 from serve.errors import check_int
 
@@ -72,6 +73,7 @@ class ReplayStateWrite:
     def __init__(self, cfg: ModelConfig, ring_size: int = 16):
         self.ring_size = check_int("ring_size", ring_size)
         self.layers = tuple(cfg.kda_layers)
+        self.cfg = cfg                         # which form computes a step's decay exp(g) (kda_core.decode.decay)
         L, H, K, V = len(self.layers), cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
         self._shape = {"k": (H, K), "u": (H, V), "g": (H, K)}
         self._ring = {f: torch.full((L, ring_size - 1, 0, *self._shape[f]), float("nan")) for f in FIELDS}
@@ -138,7 +140,7 @@ class ReplayStateWrite:
             S = states[layer].index_select(0, order)                               # [n_live, H, K, V]
             for t, n in enumerate(rows_at):
                 k, u, g = (self._ring[f][j, t].index_select(0, rings[:n]) for f in FIELDS)  # [n, H, K] / [n, H, V]
-                S[:n].mul_(g.exp().unsqueeze(-1))                                    # decay        [n, H, K, V]
+                S[:n].mul_(decode.decay(self.cfg, g).unsqueeze(-1))                 # decay, as the step [n, H, K, V]
                 S[:n].add_(k.unsqueeze(-1) * u.unsqueeze(-2))                        # rank-1 write [n, H, K, V]
             states[layer].index_copy_(0, order, S)
 

@@ -1,8 +1,8 @@
 """Projection replay: keep what the KDA kernel consumed per verify token, replay the recurrence at commit.
 
 Per KDA layer and verify token the strategy keeps the tensors the kernel consumed — k, v, g, beta —
-and the raw conv inputs; the commit replays ``kda_step`` (through :func:`kda_core.kda.kda_recurrent`,
-the same per-token step as the verify) from the committed state over the accepted tokens and rolls
+and the raw conv inputs; the commit replays the per-token step (through :func:`kda_core.decode.replay`,
+the same step as the verify ran) from the committed state over the accepted tokens and rolls
 the conv window forward. Memory ``H(2K + V + 1) s + (2HK + HV) s`` per verify token per KDA layer
 (:func:`serve.spec_decode.rollback.projection_bytes_per_token`); commit cost one recurrence per accepted token.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kda_core.kda import kda_recurrent
+from kda_core import decode
 from kda_core.layer import KDAAux, KDACache, KDALayer
 from serve.spec_decode.rollback import (
     LayerShape,
@@ -48,8 +48,8 @@ class ProjectionReplay(RollbackStrategy):
 
     def _commit_layer(self, index: int, layer: KDALayer, base: KDACache, num_tokens: int) -> KDACache:
         p = {f: t[:, :num_tokens] for f, t in self._store[index].items()}     # accepted tokens only
-        # the state does not depend on q; kda_recurrent runs the same per-token _step as the verify
-        _, state = kda_recurrent(torch.zeros_like(p["k"]), p["k"], p["v"], p["g"], p["beta"], base.recurrent)
+        # the same per-token step as the verify ran (kda_core.decode: the fused C form or the torch one)
+        state = decode.replay(layer, p["k"], p["v"], p["g"], p["beta"], base.recurrent)
         return KDACache(state, conv_window_after(base.conv, p["raw_qkv"], num_tokens))
 
     def _release(self) -> None:

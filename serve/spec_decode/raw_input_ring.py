@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import torch
 
-from kda_core.kda import kda_recurrent
 from kda_core.layer import KDAAux, KDACache, KDALayer
 from kda_core.model import HybridCache, HybridLM
 from serve.spec_decode.rollback import LayerShape, RollbackStrategy, raw_input_bytes_per_token
@@ -36,12 +35,10 @@ from serve.spec_decode.rollback import LayerShape, RollbackStrategy, raw_input_b
 def replay_inputs(layer: KDALayer, cache: KDACache, x: torch.Tensor) -> KDACache:
     """Cache of ``layer`` after feeding inputs ``x [1, m, d]`` (fp32) from ``cache``: re-project, then replay.
 
-    Bitwise equal to the layer's own forward on the same x: the projections are row-invariant and
-    :func:`kda_recurrent` runs the same per-token step."""
-    raw, g, beta, _ = layer.project(x)                                    # [1, m, 2HK+HV], [1, m, H, K], [1, m, H]
-    q, k, v, conv = layer.activate(raw, cache.conv)
-    _, state = kda_recurrent(q, k, v, g, beta, cache.recurrent)          # [1, H, K, V]
-    return KDACache(state, conv)
+    The layer's own ``forward(mode="recurrent")``, so bitwise equal to the verify that consumed the same x: the
+    projections are row-invariant and the same per-token step runs (:mod:`kda_core.decode`)."""
+    with torch.no_grad():
+        return layer(x, cache, mode="recurrent").cache
 
 
 class RawInputRing(RollbackStrategy):

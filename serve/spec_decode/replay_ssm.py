@@ -47,6 +47,8 @@ from __future__ import annotations
 
 import torch
 
+from kda_core import decode
+from kda_core.config import ModelConfig
 from kda_core.kda import kda_step_with_correction
 from kda_core.layer import KDAAux, KDACache, KDALayer
 from kda_core.model import HybridCache, HybridLM
@@ -62,16 +64,19 @@ def replay_ssm_bytes_per_token(shape: LayerShape, elem_bytes: int) -> int:
     return H * (2 * K + V) * elem_bytes + shape.conv_dim * elem_bytes
 
 
-def replay_records(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+def replay_records(state: torch.Tensor, k: torch.Tensor, u: torch.Tensor, g: torch.Tensor,
+                   cfg: ModelConfig | None = None) -> torch.Tensor:
     """Fold records into a state: ``S = exp(g_t) ⊙ S + k_t ⊗ u_t`` for t = 0..m-1 (the op order of ``_step``).
 
-    Args: state ``[B, H, K, V]`` fp32; k, g ``[B, m, H, K]``; u ``[B, m, H, V]`` (any float dtype, cast to fp32).
+    Args: state ``[B, H, K, V]`` fp32; k, g ``[B, m, H, K]``; u ``[B, m, H, V]`` (any float dtype, cast to fp32);
+    cfg: the model's config: ``exp(g)`` as its decode step computes it (:func:`kda_core.decode.decay`; None: ATen's).
     Returns: the state after the m records ``[B, H, K, V]`` fp32 (``state`` when m = 0; never mutated).
     """
     S = state
     k, u, g = (t.to(state.dtype) for t in (k, u, g))
     for t in range(k.shape[1]):
-        S = S * g[:, t].contiguous().exp().unsqueeze(-1)                      # decay        [B, H, K, V]
+        gt = g[:, t].contiguous()
+        S = S * (gt.exp() if cfg is None else decode.decay(cfg, gt)).unsqueeze(-1)   # decay   [B, H, K, V]
         S = S + k[:, t].contiguous().unsqueeze(-1) * u[:, t].contiguous().unsqueeze(-2)  # rank-1 write
     return S
 
@@ -157,7 +162,7 @@ class ReplaySSM(RollbackStrategy):
         for i, c in self._checkpoint.items():
             j = self._kda_index(i)
             rec = {f: t[idx, j].unsqueeze(0) for f, t in self._ring.items()}   # [1, m, ...]
-            out[i] = KDACache(replay_records(c.recurrent, rec["k"], rec["u"], rec["g"]),
+            out[i] = KDACache(replay_records(c.recurrent, rec["k"], rec["u"], rec["g"], self._ring_model.cfg),
                               conv_window_after(c.conv, rec["raw_qkv"], stop - self.head))
         return out
 
@@ -184,11 +189,13 @@ class ReplaySSM(RollbackStrategy):
 
     def _record_layer(self, index: int, layer: KDALayer, base: KDACache, aux: KDAAux) -> None:
         j, T = self._kda_index(index), self._num_tokens
-        prev = [base.recurrent] + [aux.states[:, t] for t in range(T - 1)]       # state before token t
-        u = torch.stack([kda_step_with_correction(aux.q[:, t].contiguous(), aux.k[:, t].contiguous(),
-                                                  aux.v[:, t].contiguous(), aux.g[:, t].contiguous(),
-                                                  aux.beta[:, t].contiguous(), prev[t])[2]
-                         for t in range(T)], dim=1)                                 # [1, T, H, V]
+        u = aux.u                                                                  # [1, T, H, V] the step's own
+        if u is None:                                                              # the torch form: recompute it
+            prev = [base.recurrent] + [aux.states[:, t] for t in range(T - 1)]    # state before token t
+            u = torch.stack([kda_step_with_correction(aux.q[:, t].contiguous(), aux.k[:, t].contiguous(),
+                                                      aux.v[:, t].contiguous(), aux.g[:, t].contiguous(),
+                                                      aux.beta[:, t].contiguous(), prev[t])[2]
+                             for t in range(T)], dim=1)                             # [1, T, H, V]
         idx = self._slots(self.commit_end, self.commit_end + T)
         for f, src in (("k", aux.k), ("u", u), ("g", aux.g), ("raw_qkv", aux.raw_qkv)):
             self._ring[f][idx, j] = src[0].to(self.store_dtype)
@@ -197,7 +204,7 @@ class ReplaySSM(RollbackStrategy):
         c, j = self._checkpoint[index], self._kda_index(index)
         idx = self._slots(self.head, self.commit_end + num_tokens)
         rec = {f: t[idx, j].unsqueeze(0) for f, t in self._ring.items()}
-        return KDACache(replay_records(c.recurrent, rec["k"], rec["u"], rec["g"]),
+        return KDACache(replay_records(c.recurrent, rec["k"], rec["u"], rec["g"], layer.cfg),
                         conv_window_after(c.conv, rec["raw_qkv"], len(idx)))
 
     def commit(self, num_accepted: int) -> HybridCache:

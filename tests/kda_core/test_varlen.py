@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kda_core import decode
 from kda_core.chunk import CHUNK_SIZE, kda_chunk
 from kda_core.kda import kda_step
 from kda_core.layer import KDACache
@@ -250,7 +251,7 @@ def test_decode_records_replay_to_the_written_state(model):
     for i in cfg.kda_layers:
         k, u, g = out.decode_records[i]                                   # [4, H, K], [4, H, V], [4, H, K]
         for row, slot in ((0, 2), (1, 0), (3, 1)):
-            S = before[i][slot: slot + 1] * g[row: row + 1].exp().unsqueeze(-1)
+            S = before[i][slot: slot + 1] * decode.decay(cfg, g[row: row + 1]).unsqueeze(-1)
             S = S + k[row: row + 1].unsqueeze(-1) * u[row: row + 1].unsqueeze(-2)
             assert torch.equal(S[0], pools.kda[i][0][slot]), f"layer {i} row {row}: replay != written state"
     assert forward_batch(model, toks, meta, empty_pools(model, 3, 0.0)).decode_records is None

@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kda_core import decode
 from kda_core.config import PRESETS
 from serve.memory.replay_state_write import ReplayStateWrite
 
@@ -21,7 +22,7 @@ def oracle_replay(state: torch.Tensor, records: list) -> torch.Tensor:
     """One request's state ``[H, K, V]`` after its records, one at a time in ``_step``'s op order."""
     S = state.unsqueeze(0)
     for k, u, g in records:
-        S = S * g.unsqueeze(0).exp().unsqueeze(-1)
+        S = S * decode.decay(CFG, g.unsqueeze(0)).unsqueeze(-1)            # exp(g) as the decode step computes it
         S = S + k.unsqueeze(0).unsqueeze(-1) * u.unsqueeze(0).unsqueeze(-2)
     return S[0]
 
