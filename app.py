@@ -16,11 +16,9 @@ st.set_page_config(page_title="KDA Serve Lab", page_icon="assets/icon.png", layo
 
 def _load_kernel() -> None:
     # imports torch: 1-4 s on a busy 2-core host, off the first page's thread
-    from kda_core import cpu_invariant, cpu_kernel, decode
+    from kda_core import cpu_forms
 
-    cpu_kernel.backend()
-    cpu_invariant.backend()          # the row-invariant GEMM every linear runs (chosen once per process)
-    decode.load()                    # the fused decode step's library (built once per machine, loaded once here)
+    cpu_forms.start_up()             # every C form: chunk kernel, row-invariant GEMM, decode layer, MoE, MLA
 
 
 # import torch and build / load / self-check the fused chunk kernel once per server process, in the background: the

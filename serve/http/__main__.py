@@ -24,7 +24,7 @@ from pathlib import Path
 
 import uvicorn
 
-from kda_core import cpu_invariant, cpu_kernel, cpu_mla, cpu_moe, decode
+from kda_core import cpu_forms
 from kda_core.config import PRESETS
 from kda_core.pretrained import read_config
 from serve.config import STATE_DTYPES
@@ -218,11 +218,7 @@ def main(argv=None) -> None:
     """Serve until stopped (Ctrl-C, SIGTERM); exits with status :data:`ENGINE_DIED` if the engine loop died."""
     args = parse_args(argv)
     spec = engine_spec(args)
-    cpu_kernel.backend()          # build / load / self-check the fused chunk kernel before the first request
-    cpu_invariant.backend()       # the row-invariant GEMM every linear runs (chosen once per process, before any)
-    decode.load()                 # and the fused decode step's library (its self-check runs per shape, at first use)
-    cpu_moe.backend()             # the feed-forward in one C call, and the absorbed MLA attention (on that GEMM)
-    cpu_mla.backend()
+    cpu_forms.start_up()          # build / load / self-check every C form before the first request
     engine, model_name = build_engine(spec), args.served_model_name or served_name(spec)
     server: uvicorn.Server | None = None
 
