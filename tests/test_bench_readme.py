@@ -32,10 +32,12 @@ def test_generated_sections_match_their_results_files():
     edited their figures by hand, and the file was not regenerated without them."""
     import json
 
-    from bench import decode_step, peers
+    from bench import decode_step, kimi_agreement, peers
 
     def result(name):
         return json.loads((REPO / "bench" / "results" / name).read_text())
     assert _sections()["decode_step.json"].strip() == decode_step.readme_section(result("decode_step.json")).strip()
     assert _sections()["peers.json"].strip() == peers.bench_readme_section(result("peers.json")).split("\n", 1)[1].strip()
-    assert peers.readme_section(result("peers.json")).strip() in (REPO / "README.md").read_text()
+    top = (REPO / "README.md").read_text()
+    assert peers.readme_section(result("peers.json")).strip() in top
+    assert kimi_agreement.readme_section(result("llama_cpp_agreement.json")).strip() in top
