@@ -93,7 +93,7 @@ def test_admit_without_a_free_run_waits_while_others_run_and_is_rejected_when_id
     mem = RequestMemory(pool, config.layout(model.cfg, pool.page_bytes), None, config, runs=True)
     assert mem.run_sizes == [6]
     checkerboard(pool, 24)
-    req = request(1, 20, 4)                                                 # 6 state + 2 KV pages <= 12 free
+    req = request(1, 20, 4)                                                 # 6 state + 2 KV pages <= 11 free + 1
     mem.match(req)
     before = pool.page_table()
     assert mem.can_admit(req, anything_running=True) is Fit.LATER
@@ -156,3 +156,29 @@ def test_eviction_opens_a_run_for_the_state():
     eng.run_until_idle()
     ref = alone(prompt, 3, policy="multi_page")
     assert eng.result(rid).output_tokens == ref.output_tokens and torch.equal(eng.result(rid).logits, ref.logits)
+
+
+def test_no_eviction_in_vain_when_even_an_empty_cache_opens_no_run():
+    """RequestMemory with runs and a cache: 11 free pages, none consecutive, and one cached block whose page (an
+    evictable page beside held ones) cannot join a run of 6. ``can_admit`` says LATER while something runs (NOW
+    only when eviction can open the run), and ``admit``, asked anyway, leaves the request WAITING without evicting
+    that block: evicting what cannot open a run only empties the prefix cache (it wiped every evictable entry on
+    each such admission)."""
+    model, config = tiny_model(), ServeConfig(16, 16)                        # the server default: multi_page
+    pool = PagePool(40, config.page_bytes(model.cfg))
+    cache = PrefixCache(pool, config, cfg=model.cfg)
+    mem = RequestMemory(pool, config.layout(model.cfg, pool.page_bytes), cache, config, runs=True)
+    prompt = tokens(150, 16)
+    page = pool.alloc(PageKind.MLA_KV, 1, "writer")                          # page 0: one published block
+    cache.publish_blocks(cache.keys(prompt), page, 1, "writer")
+    cache.release("writer")
+    pool.decref(page, "writer")
+    checkerboard(pool, 24)                                                  # free: 2, 4, ..., 22; page 1 held
+    assert cache.evictable_pages() == 1 and not pool.can_alloc_runs([6])
+    req = request(2, 20, 4)                                                 # 6 state + 2 KV pages <= 11 free + 1
+    mem.match(req)
+    assert mem.can_admit(req, anything_running=True) is Fit.LATER
+    assert not mem.admit(req, anything_running=True)
+    assert req.status is RequestStatus.WAITING and req.state_pages == []
+    assert cache.stats().evicted_blocks == 0 and cache.lookup(prompt + [1]).kv_tokens == 16
+    cache.check_integrity()
