@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from serve.config import ServeConfig
+from serve.engine import EngineArgs, build_engine
 from serve.engine.request import Request, RequestStatus
 from serve.engine.request_memory import Fit, RequestMemory
 from serve.memory.pool import PageKind, PagePool
@@ -182,3 +183,25 @@ def test_no_eviction_in_vain_when_even_an_empty_cache_opens_no_run():
     assert req.status is RequestStatus.WAITING and req.state_pages == []
     assert cache.stats().evicted_blocks == 0 and cache.lookup(prompt + [1]).kv_tokens == 16
     cache.check_integrity()
+
+
+@pytest.mark.xfail(strict=True, reason="an idle engine rejects a request that fits its empty pool because the "
+                   "request's own prefix hit is pinned (4 blocks + a 6-page checkpoint that must sit beside the "
+                   "state it is restored into): the hit costs more pages than a miss and admission never falls back "
+                   "to a shorter hit or none; same under 'unified'; open")
+def test_a_prefix_hit_never_makes_a_request_that_fits_the_pool_rejected():
+    """The server default (multi_page), 17 pages: A (65 tokens) publishes 4 blocks and its checkpoint at 64 (10
+    pages). B = A's prompt + 30 tokens fits the pool on its own (6 state + 6 KV = 12 pages), but with its hit it
+    needs 8 new pages beside the 10 it pins while 7 are free. The cache must not turn B into a rejection: it
+    finishes, bitwise as on an empty engine."""
+    def make():
+        return build_engine(EngineArgs(tiny_model(), 17, ServeConfig(), prefix_cache=True, poison=True))
+    eng, shared = make(), tokens(180, 65)
+    assert eng.generate(shared, 1).checkpoints_written == 1 and eng.pool.num_used() == 10
+    prompt = shared + tokens(181, 30)
+    cold = make().generate(prompt, 1, record_logits=True)
+    assert cold.status is RequestStatus.FINISHED
+    got = eng.generate(prompt, 1, record_logits=True)
+    eng.check_integrity()
+    assert got.status is RequestStatus.FINISHED, got.reason
+    assert got.output_tokens == cold.output_tokens and torch.equal(got.logits, cold.logits)
