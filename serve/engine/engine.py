@@ -185,6 +185,8 @@ class ServeEngine:
             return sched.admitted
         rows, bases = self._rows(sched.decode, sched.prefill)
         for part in self._forwards(*rows):
+            if not any(part):                            # every row failed to build (aborted): no forward
+                continue
             t0 = time.perf_counter()
             batch = self._run_isolating(*part)
             if batch is not None:

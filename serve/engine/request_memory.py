@@ -149,14 +149,15 @@ class RequestMemory:
 
     def can_admit(self, req: Request, anything_running: bool) -> Fit:
         """Whether the waiting request's pages (:meth:`Request.pages_needed`: a state slot and its KV pages)
-        fit: NOW in free + evictable pages (with ``run_sizes``: and a free run per group now, or evictable cache
-        pages that may open one); LATER once running requests release theirs (``anything_running``); NEVER if
+        fit: NOW in free + evictable pages (with ``run_sizes``: and a free run per group now, or once every
+        evictable cache page is freed: :meth:`PrefixCache.evictable_page_ids`); LATER once running requests release theirs (``anything_running``); NEVER if
         they exceed the pool with its pinned hit counted, or if no run is free while nothing runs and nothing
         is evictable (a fragmented idle pool). Pure (the caps on running requests are the scheduler's)."""
         need = sum(self.pages_needed(req))
         evictable = 0 if self.cache is None else self.cache.evictable_pages()
         if need <= self.pool.num_free + evictable:
-            if self.run_sizes is None or evictable or self.pool.can_alloc_runs(self.run_sizes * self.slots_per_request):
+            if self.run_sizes is None or self.pool.can_alloc_runs(
+                    self.run_sizes * self.slots_per_request, [] if self.cache is None else self.cache.evictable_page_ids()):
                 return Fit.NOW
             return Fit.LATER if anything_running else Fit.NEVER
         return Fit.LATER if anything_running and need + req.hit_pages <= self.pool.num_pages else Fit.NEVER

@@ -58,11 +58,14 @@ class FreePages:
             heappush(heap, p)
             free_map[p] = 1
 
-    def find_runs(self, sizes: Sequence[int], kind: PageKind) -> list[list[int]]:
+    def find_runs(self, sizes: Sequence[int], kind: PageKind, also_free: Iterable[int] = ()) -> list[list[int]]:
         """Where :meth:`take` of one run per entry of ``sizes`` (pages each, >= 1; ``sum(sizes)`` <= len) would
-        put them: each the highest run of its size left at its turn, ids ascending. Pure. Raises
+        put them: each the highest run of its size left at its turn, ids ascending; ``also_free``: ids to count
+        as free too (pages an eviction would free: the answer is then "after that eviction"). Pure. Raises
         :class:`NoFreeRun` (for ``kind``, naming the longest run left for the size that did not fit)."""
         free_map, runs = bytearray(self._map), []
+        for p in also_free:
+            free_map[p] = 1
         for n in sizes:
             first = free_map.rfind(b"\x01" * n)
             if first < 0:

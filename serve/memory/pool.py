@@ -135,14 +135,16 @@ class PagePool:
             self.arena.index_fill_(0, torch.tensor(pages), POISON_BYTE)
 
     # ---- runs of consecutive pages (a multi-page state read in place) -----------------------------
-    def can_alloc_runs(self, sizes: Sequence[int]) -> bool:
-        """Whether :meth:`alloc_runs` of ``sizes`` (pages per run, each >= 1) would succeed now. Pure.
-        Raises ValueError for a size that is not an int >= 1."""
+    def can_alloc_runs(self, sizes: Sequence[int], also_free: Sequence[int] = ()) -> bool:
+        """Whether :meth:`alloc_runs` of ``sizes`` (pages per run, each >= 1) would succeed now, or once the used
+        pages ``also_free`` are freed too (what evicting a prefix cache would free). Pure.
+        Raises ValueError for a size that is not an int >= 1 or an ``also_free`` id outside the pool."""
         sizes = [check_int("size", n) for n in sizes]
-        if sum(sizes) > len(self._free):
+        also_free = [self._check_id(p) for p in also_free]
+        if sum(sizes) > len(self._free) + len(also_free):    # a quick no (find_runs is exact)
             return False
         try:
-            self._free.find_runs(sizes, PageKind.KDA_STATE)
+            self._free.find_runs(sizes, PageKind.KDA_STATE, also_free)
         except NoFreeRun:
             return False
         return True

@@ -194,7 +194,10 @@ class PrefixCache:
     def alloc_runs(self, kind: PageKind, sizes: Sequence[int], owner: Hashable) -> list[list[int]]:
         """:meth:`PagePool.alloc_runs` (one run of consecutive pages per size: a request's state slot), evicting
         unpinned cache entries (LRU) until the runs fit. Raises PoolExhausted / NoFreeRun when even an empty
-        cache (minus pinned entries) cannot supply them; what was evicted stays evicted."""
+        cache (minus pinned entries) cannot supply them, evicting nothing then (an eviction that opens no run only
+        empties the cache)."""
+        if not self.pool.can_alloc_runs(sizes, self.evictable_page_ids()):
+            return self.pool.alloc_runs(kind, sizes, owner)     # raises; nothing evicted
         while not self.pool.can_alloc_runs(sizes):
             evicted = self.index.evict_one()
             if not evicted:
@@ -208,6 +211,12 @@ class PrefixCache:
         kv = sum(1 for n in nodes if n.pins == 0)
         st = sum(len(c.payload) for n in nodes for c in n.ckpts.values() if c.pins == 0)
         return kv + st
+
+    def evictable_page_ids(self) -> list[int]:
+        """The ids of the :meth:`evictable_pages`: what evicting every unpinned entry would free. Pure."""
+        nodes = self.index.nodes.values()
+        return ([n.payload for n in nodes if n.pins == 0]
+                + [p for n in nodes for c in n.ckpts.values() if c.pins == 0 for p in c.payload])
 
     def clear(self) -> int:
         """Evict every unpinned entry; returns the number of entries removed."""

@@ -113,3 +113,20 @@ def test_a_model_that_fails_on_its_own_stops_the_engine(monkeypatch, rows_per_fo
     assert not eng.model_runs()
     with pytest.raises(EngineFailure, match="one-token probe.*the model's weights are gone"):
         eng.step()
+
+
+def test_a_step_whose_every_row_failed_to_build_runs_no_forward(monkeypatch, caplog):
+    """When every row of a step fails while it is built (its request aborted), the step runs no forward: no empty
+    batch is built and no warning claims that "a batch of 0 rows raised" (an empty batch cannot be built)."""
+    eng = make()
+    rid = eng.submit(PROMPTS["d1"], NEW)
+    plant(monkeypatch, eng, "build", rid)
+    runs = []
+    real_run = eng.runner.run
+    monkeypatch.setattr(eng.runner, "run", lambda batch: runs.append(batch) or real_run(batch))
+    with caplog.at_level("WARNING", logger="serve.engine"):
+        assert eng.step()
+    assert eng.result(rid).status is RequestStatus.ABORTED and "planted" in eng.result(rid).reason
+    assert runs == [] and not any("batch of 0 rows" in r.getMessage() for r in caplog.records), caplog.text
+    eng.check_integrity()
+    assert eng.pool.num_free == eng.pool.num_pages

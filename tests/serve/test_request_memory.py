@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from serve.config import ServeConfig
+from serve.engine import EngineArgs, build_engine
 from serve.engine.request import Request, RequestStatus
 from serve.engine.request_memory import Fit, RequestMemory
 from serve.memory.pool import PageKind, PagePool
@@ -93,7 +94,7 @@ def test_admit_without_a_free_run_waits_while_others_run_and_is_rejected_when_id
     mem = RequestMemory(pool, config.layout(model.cfg, pool.page_bytes), None, config, runs=True)
     assert mem.run_sizes == [6]
     checkerboard(pool, 24)
-    req = request(1, 20, 4)                                                 # 6 state + 2 KV pages <= 12 free
+    req = request(1, 20, 4)                                                 # 6 state + 2 KV pages <= 11 free + 1
     mem.match(req)
     before = pool.page_table()
     assert mem.can_admit(req, anything_running=True) is Fit.LATER
@@ -156,3 +157,51 @@ def test_eviction_opens_a_run_for_the_state():
     eng.run_until_idle()
     ref = alone(prompt, 3, policy="multi_page")
     assert eng.result(rid).output_tokens == ref.output_tokens and torch.equal(eng.result(rid).logits, ref.logits)
+
+
+def test_no_eviction_in_vain_when_even_an_empty_cache_opens_no_run():
+    """RequestMemory with runs and a cache: 11 free pages, none consecutive, and one cached block whose page (an
+    evictable page beside held ones) cannot join a run of 6. ``can_admit`` says LATER while something runs (NOW
+    only when eviction can open the run), and ``admit``, asked anyway, leaves the request WAITING without evicting
+    that block: evicting what cannot open a run only empties the prefix cache (it wiped every evictable entry on
+    each such admission)."""
+    model, config = tiny_model(), ServeConfig(16, 16)                        # the server default: multi_page
+    pool = PagePool(40, config.page_bytes(model.cfg))
+    cache = PrefixCache(pool, config, cfg=model.cfg)
+    mem = RequestMemory(pool, config.layout(model.cfg, pool.page_bytes), cache, config, runs=True)
+    prompt = tokens(150, 16)
+    page = pool.alloc(PageKind.MLA_KV, 1, "writer")                          # page 0: one published block
+    cache.publish_blocks(cache.keys(prompt), page, 1, "writer")
+    cache.release("writer")
+    pool.decref(page, "writer")
+    checkerboard(pool, 24)                                                  # free: 2, 4, ..., 22; page 1 held
+    assert cache.evictable_pages() == 1 and not pool.can_alloc_runs([6])
+    req = request(2, 20, 4)                                                 # 6 state + 2 KV pages <= 11 free + 1
+    mem.match(req)
+    assert mem.can_admit(req, anything_running=True) is Fit.LATER
+    assert not mem.admit(req, anything_running=True)
+    assert req.status is RequestStatus.WAITING and req.state_pages == []
+    assert cache.stats().evicted_blocks == 0 and cache.lookup(prompt + [1]).kv_tokens == 16
+    cache.check_integrity()
+
+
+@pytest.mark.xfail(strict=True, reason="an idle engine rejects a request that fits its empty pool because the "
+                   "request's own prefix hit is pinned (4 blocks + a 6-page checkpoint that must sit beside the "
+                   "state it is restored into): the hit costs more pages than a miss and admission never falls back "
+                   "to a shorter hit or none; same under 'unified'; open")
+def test_a_prefix_hit_never_makes_a_request_that_fits_the_pool_rejected():
+    """The server default (multi_page), 17 pages: A (65 tokens) publishes 4 blocks and its checkpoint at 64 (10
+    pages). B = A's prompt + 30 tokens fits the pool on its own (6 state + 6 KV = 12 pages), but with its hit it
+    needs 8 new pages beside the 10 it pins while 7 are free. The cache must not turn B into a rejection: it
+    finishes, bitwise as on an empty engine."""
+    def make():
+        return build_engine(EngineArgs(tiny_model(), 17, ServeConfig(), prefix_cache=True, poison=True))
+    eng, shared = make(), tokens(180, 65)
+    assert eng.generate(shared, 1).checkpoints_written == 1 and eng.pool.num_used() == 10
+    prompt = shared + tokens(181, 30)
+    cold = make().generate(prompt, 1, record_logits=True)
+    assert cold.status is RequestStatus.FINISHED
+    got = eng.generate(prompt, 1, record_logits=True)
+    eng.check_integrity()
+    assert got.status is RequestStatus.FINISHED, got.reason
+    assert got.output_tokens == cold.output_tokens and torch.equal(got.logits, cold.logits)

@@ -262,6 +262,9 @@ def test_no_free_run_when_enough_pages_are_free_changes_nothing():
     pool.decref(held[::2], "a")
     before = pool.page_table(), sorted(pool._free)
     assert not pool.can_alloc_runs([2]) and pool.can_alloc_runs([1] * 6) and not pool.can_alloc_runs([1] * 7)
+    assert pool.can_alloc_runs([3], also_free=[1]) and not pool.can_alloc_runs([4], also_free=[1])   # 0-2 once 1 is freed
+    with pytest.raises(ValueError, match="page"):
+        pool.can_alloc_runs([2], also_free=[12])
     with pytest.raises(NoFreeRun, match="no run of 2 consecutive free pages.*6 pages free, the longest run 1") as e:
         pool.alloc_runs(KDA, [1, 2], "b")
     assert isinstance(e.value, PoolExhausted) and (e.value.needed, e.value.free, e.value.longest) == (2, 6, 1)
