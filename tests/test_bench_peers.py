@@ -131,3 +131,16 @@ def test_transformers_at_tiny_sizes():
         pytest.skip(f"transformers without KimiLinearForCausalLM: {err}")
     assert hf.prefill(16, 1) > 0
     assert hf.decode(2, 1, 2) > 0
+
+
+def test_llama_cpp_decode_runs_again_when_a_batch_line_is_missing(monkeypatch):
+    """llama-batched-bench sometimes exits 0 without a batch's line: that run is repeated, never reported short."""
+    line = ('{{"pl": {pl}, "n_threads": 1, "speed_tg": 100.0}}')
+    outputs = iter([line.format(pl=1), line.format(pl=1) + "\n" + line.format(pl=2)])
+    monkeypatch.setattr(LlamaCpp, "_run", staticmethod(lambda cmd: next(outputs)))
+    eng = LlamaCpp.__new__(LlamaCpp)
+    monkeypatch.setattr(LlamaCpp, "decode_cmd", lambda self, *a: ["llama-batched-bench"])
+    assert set(eng.decode((1, 2), 1, 4)) == {(1, 1), (2, 1)}
+    outputs = iter([line.format(pl=1)] * 3)
+    with pytest.raises(RuntimeError, match=r"no result for batches \[2\] in 3 runs"):
+        eng.decode((1, 2), 1, 4)
