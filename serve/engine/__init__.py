@@ -8,7 +8,8 @@ Concept → file → main type → test:
 - the one way to build an engine: a frozen spec of every setting, a fresh pool (+ prefix cache) and the engine
   ......................................... build.py ....... ``EngineArgs``, ``build_engine``
   → ``tests/serve/test_engine.py``, ``tests/serve/http/test_engine_spec.py``
-- the memory of requests: match / rematch a prefix hit, ask (``can_admit`` -> ``Fit``) then act (``admit``: its state
+- the memory of requests: ask at the head of the queue (``match``: the hit that fits, else none; ``can_admit`` ->
+  ``Fit``) then act (``admit``: the hit's pins, its state
   slot, one run of consecutive pages per group under multi_page, k + 1 slots with snapshot speculation),
   ``reject``, ``publish`` blocks and checkpoints, ``release`` (the one path; ``preempt`` goes through it)
   ......................................... request_memory.py  ``RequestMemory``, ``Fit``

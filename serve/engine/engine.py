@@ -152,7 +152,7 @@ class ServeEngine:
         a :class:`serve.engine.sampling.SamplingParams` (None: greedy); the request draws from its own generator,
         so a seeded request's tokens equal its batch-1 run's. ``record_logits`` keeps each emitted token's
         logits ``[256]`` fp32 (with speculation: the verify rows of the accepted drafts and the bonus). With a
-        cache, the prompt is matched and its hit pinned now. Raises ValueError on bad input, or for sampling
+        cache, the prompt is looked up and its hit pinned at admission. Raises ValueError on bad input, or for sampling
         with speculation (its verify step accepts drafts greedily); TypeError for ``sampling`` of another type."""
         t0 = time.perf_counter()
         prompt = prompt_ids(tokens, self.model.cfg.vocab_size)
@@ -167,8 +167,6 @@ class ServeEngine:
         self._next_rid += 1
         req = Request(rid, prompt, max_new_tokens, record_logits, t0, sampling=sampling.seeded())
         req.generator = req.sampling.generator()
-        self.memory.match(req)
-        req.timings_ms["lookup"] = _ms(t0)
         self.scheduler.add(req)
         return rid
 

@@ -2,9 +2,11 @@
 ``nanovllm/engine/scheduler.py`` seam; vLLM's decode-first order, ``reorder_batch_threshold = 1``).
 
 Each step:
-1. admission, FCFS from the head of the waiting queue: ask first (:meth:`RequestMemory.can_admit`: KV pages AND
-   a state slot AND the hit's checkpoint pages), then act (:meth:`RequestMemory.admit`); a request that can NEVER fit
-   is rejected with its reason; the first that fits only LATER stops admission (no overtaking), and so does one
+1. admission, FCFS from the head of the waiting queue: ask first (:meth:`RequestMemory.match`: the prefix is
+   looked up only now, as vLLM does, and the hit chosen that fits: KV pages AND a state slot AND the hit's
+   checkpoint pages, else no hit), then act (:meth:`RequestMemory.admit`, which pins the hit). Waiting requests pin
+   nothing, so no page the head needs is held by a request behind it; a request that can NEVER fit (not even
+   without its hit, in a pool where nothing runs) is rejected with its reason; the first that fits only LATER stops admission (no overtaking), and so does one
    whose state finds no run of consecutive free pages while others run (it waits at the head). At most
    ``max_num_seqs`` requests run at once, and never more than ``num_state_slots`` (each running request
    holds one KDA state slot; sglang#40706: the state pool caps the running requests);
@@ -119,8 +121,7 @@ class Scheduler:
         sched = Schedule()
         while self.waiting and self.can_run_another():
             req = self.requests[self.waiting[0]]
-            self.memory.rematch(req)
-            fit = self.memory.can_admit(req, bool(self.running))
+            fit = self.memory.match(req, bool(self.running))
             if fit is Fit.LATER:
                 break
             self.waiting.pop(0)

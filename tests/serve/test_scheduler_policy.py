@@ -134,21 +134,20 @@ def test_preempted_request_goes_back_to_the_head_of_the_queue_and_finishes_first
     assert eng.pool.num_free == eng.pool.num_pages
 
 
-@pytest.mark.xfail(strict=True, reason="admission rejects the head of the queue as 'can never fit' counting the "
-                   "pages pinned by the prefix hits of requests queued BEHIND it (pinned at submit), although it "
-                   "fits the idle pool once those pins are dropped; open: drop or defer the waiting requests' pins "
-                   "(vLLM looks a prefix up only when it schedules the request)")
 def test_the_head_of_the_queue_is_not_rejected_for_pages_pinned_by_requests_behind_it():
     """An idle cache-on engine (the server default, multi_page) of 20 pages holds an 8-page prefix (2 blocks and
-    a 6-page checkpoint). B (13 pages, no hit) is queued, then C, whose hit pins those 8 pages: 12 are free. B fits
-    the idle pool (13 <= 20) and is at the head of the queue, so it must not be REJECTED; both finish."""
+    a 6-page checkpoint). B (13 pages, no hit) is queued, then C, whose hit would pin those 8 pages (it did, from
+    its submit, leaving 12 free pages and none evictable, and B was rejected as never fitting): 12 are free. B fits
+    the idle pool (13 <= 20) and is at the head of the queue, so it must not be REJECTED; both finish. A waiting
+    request pins nothing (its prefix is looked up at admission, as vLLM's scheduler does)."""
     eng = build_engine(EngineArgs(tiny_model(), 20, ServeConfig(), prefix_cache=True, poison=True))
     shared = tokens(170, 40)
     eng.generate(shared, 2)
     assert eng.pool.num_used() == 8 and not eng.running
     b = eng.submit(tokens(171, 100), 2)                       # 6 state + 7 KV pages
-    c = eng.submit(shared + tokens(172, 5), 2)                # pins the 2 blocks and the checkpoint at 32
-    assert eng.cache.evictable_pages() == 0 and eng.pool.num_free == 12
+    c = eng.submit(shared + tokens(172, 5), 2)                # would hit the 2 blocks and the checkpoint at 32
+    assert eng.cache.lookup(eng.requests[c].prompt).num_tokens == 32 and eng.requests[c].hit is None
+    assert eng.cache.evictable_pages() == 8 and eng.pool.num_free == 12
     eng.run_until_idle()
     eng.check_integrity()
     assert [eng.result(r).status for r in (b, c)] == [RequestStatus.FINISHED] * 2, eng.result(b).reason
