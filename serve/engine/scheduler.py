@@ -17,7 +17,10 @@ Each step:
    neighbours, so a request computes the same chunks in any batch (batch invariance). When that chunk
    does not fit the budget left, it is cut at a multiple of the 64-token grid (bitwise the uncut chunk)
    if the chunk sizes are on the grid and the state is fp32, else the row waits for a later step (a 16-bit
-   state is rounded at each chunk end, so a cut would make the output depend on the neighbours).
+   state is rounded at each chunk end, so a cut would make the output depend on the neighbours), and so do
+   the younger prefill rows behind it: FCFS, as vLLM's v1 ``Scheduler.schedule`` stops at the first waiting
+   request whose tokens exceed the budget when it cannot chunk them (``break``), so a stream of short prompts
+   never starves an older long one (their small chunks would otherwise take the budget it waits for).
 
 Preemption by recompute (nano-vllm's ``preempt``): :meth:`Scheduler.preempt_newest` frees the newest running request's
 slot and pages and puts it back at the head of the waiting queue with its progress dropped; its output,
@@ -142,13 +145,13 @@ class Scheduler:
                 left -= 1
         for rid in self.running:
             req = self.requests[rid]
-            if req.status is not RequestStatus.PREFILL or left < 1:
+            if req.status is not RequestStatus.PREFILL:
                 continue
             n = self.config.prefill_chunk(len(req.prompt) - req.computed)
             if n > left:
                 cut = int(left) // CHUNK_SIZE * CHUNK_SIZE
                 if not (self.config.on_grid and cut):
-                    continue
+                    break                                # FCFS: no younger chunk takes the budget it waits for
                 n = cut
             sched.prefill.append((req, n))
             left -= n

@@ -172,10 +172,6 @@ def test_the_token_budget_holds_verify_rows_with_their_drafts():
     assert most <= 8, f"a step ran {most} tokens under max_num_batched_tokens=8"
 
 
-@pytest.mark.xfail(strict=True, reason="a prefill chunk that does not fit what the decode rows leave of the budget "
-                   "waits (it is cut only on the 64-token grid with an exact state), and younger requests' small "
-                   "chunks take the budget meanwhile ('continue', not 'break'): under a steady stream of short "
-                   "requests the older long prompt never runs (starvation); open")
 def test_a_long_prompt_is_not_starved_by_a_stream_of_short_requests():
     """Budget of 48 tokens (off the 64 grid, so never cut), the server's default config otherwise. A short request
     decodes; a 200-token prompt A arrives; a 5-token request arrives every third step. Within 100 steps A must
