@@ -11,7 +11,10 @@ Each step:
    ``max_num_seqs`` requests run at once, and never more than ``num_state_slots`` (each running request
    holds one KDA state slot; sglang#40706: the state pool caps the running requests);
 2. decode rows first: every decoding request, one token each, counted against the token budget
-   ``max_num_batched_tokens``;
+   ``max_num_batched_tokens``; with speculation (``num_spec_tokens``) each decode row is a verify row of 1 +
+   its drafts, and its drafts count too (vLLM schedules 1 + the spec tokens of a decode request inside the
+   budget and trims the spec tokens to what is left): after every decode row has its token, each gets
+   :func:`serve.spec_decode.verify.draft_budget` drafts, oldest first, cut to what is left (never below 0);
 3. then prefill chunks, oldest first, in what is left of the budget. A prefill row's chunk is
    ``min(rest of the prompt, max_prefill_chunk, max_num_batched_tokens)``: it does not depend on the
    neighbours, so a request computes the same chunks in any batch (batch invariance). When that chunk
@@ -37,6 +40,7 @@ from kda_core.chunk import CHUNK_SIZE
 from serve.engine.request import Request, RequestStatus
 from serve.engine.request_memory import Fit, RequestMemory
 from serve.errors import check_int
+from serve.spec_decode.verify import draft_budget
 
 DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
 
@@ -47,20 +51,25 @@ class SchedulerConfig:
     tokens per step, decode and prefill together (None: no cap); num_state_slots: KDA state slots
     (None: as many as the pool's pages allow); max_prefill_chunk: tokens per prefill chunk (None: no cap);
     exact_state: the state round-trips its pages bitwise (fp32), so a chunk cut on the grid is bitwise the
-    uncut chunk; False (a 16-bit state, rounded at every chunk end) never cuts a chunk to fit the budget.
-    Raises ValueError for a non-positive or non-int value."""
+    uncut chunk; False (a 16-bit state, rounded at every chunk end) never cuts a chunk to fit the budget;
+    num_spec_tokens: drafts a decode row verifies at most with speculation (None: no speculation, plain decode
+    rows), counted in ``max_num_batched_tokens``.
+    Raises ValueError for a non-positive or non-int value (a negative one for ``num_spec_tokens``)."""
 
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     num_state_slots: int | None = None
     max_prefill_chunk: int | None = None
     exact_state: bool = True
+    num_spec_tokens: int | None = None
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "num_state_slots", "max_prefill_chunk"):
             v = getattr(self, name)
             if v is not None:
                 check_int(name, v, minimum=1)
+        if self.num_spec_tokens is not None:
+            check_int("num_spec_tokens", self.num_spec_tokens, minimum=0)
 
     @property
     def max_running(self) -> int | None:
@@ -81,11 +90,13 @@ class SchedulerConfig:
 
 @dataclass
 class Schedule:
-    """One step's choice: decode requests, prefill (request, num_tokens) pairs, and whether admission
-    or rejection happened (work even when no row runs)."""
+    """One step's choice: decode requests, prefill (request, num_tokens) pairs, with speculation the drafts of
+    each decode request's verify row (request id -> num drafts), and whether admission or rejection happened
+    (work even when no row runs)."""
 
     decode: list = field(default_factory=list)
     prefill: list = field(default_factory=list)
+    drafts: dict = field(default_factory=dict)
     admitted: bool = False
 
     @property
@@ -143,6 +154,12 @@ class Scheduler:
             if req.status is RequestStatus.DECODE and left >= 1:
                 sched.decode.append(req)
                 left -= 1
+        if self.config.num_spec_tokens is not None:
+            for req in sched.decode:                     # 1 + drafts per verify row, inside the budget
+                k = draft_budget(self.config.num_spec_tokens, req.computed, req.max_new_tokens - len(req.output),
+                                 self.memory.final_boundary(req))
+                sched.drafts[req.rid] = n = int(min(k, left))
+                left -= n
         for rid in self.running:
             req = self.requests[rid]
             if req.status is not RequestStatus.PREFILL:
