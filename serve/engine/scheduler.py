@@ -14,7 +14,8 @@ Each step:
    ``max_num_batched_tokens``; with speculation (``num_spec_tokens``) each decode row is a verify row of 1 +
    its drafts, and its drafts count too (vLLM schedules 1 + the spec tokens of a decode request inside the
    budget and trims the spec tokens to what is left): after every decode row has its token, each gets
-   :func:`serve.spec_decode.verify.draft_budget` drafts, oldest first, cut to what is left (never below 0);
+   :func:`serve.spec_decode.verify.draft_budget` drafts, oldest first, cut to what is left (never below 0)
+   with an fp32 state; with a 16-bit state a row that does not get its drafts waits, as a chunk does;
 3. then prefill chunks, oldest first, in what is left of the budget. A prefill row's chunk is
    ``min(rest of the prompt, max_prefill_chunk, max_num_batched_tokens)``: it does not depend on the
    neighbours, so a request computes the same chunks in any batch (batch invariance). When that chunk
@@ -155,11 +156,7 @@ class Scheduler:
                 sched.decode.append(req)
                 left -= 1
         if self.config.num_spec_tokens is not None:
-            for req in sched.decode:                     # 1 + drafts per verify row, inside the budget
-                k = draft_budget(self.config.num_spec_tokens, req.computed, req.max_new_tokens - len(req.output),
-                                 self.memory.final_boundary(req))
-                sched.drafts[req.rid] = n = int(min(k, left))
-                left -= n
+            left = self._drafts(sched, left)
         for rid in self.running:
             req = self.requests[rid]
             if req.status is not RequestStatus.PREFILL:
@@ -173,6 +170,28 @@ class Scheduler:
             sched.prefill.append((req, n))
             left -= n
         return sched
+
+    def _drafts(self, sched: Schedule, left: float) -> float:
+        """Give each verify row of ``sched`` its drafts (``sched.drafts``), oldest first, inside the ``left`` tokens
+        of the budget; returns what is left. A row's drafts are :func:`draft_budget`'s, at most what it would get
+        alone (``max_num_batched_tokens - 1``), cut to what is left when the state is exact (fp32: a verify row's
+        outputs do not depend on its number of drafts). A 16-bit state is rounded at each verify commit, so
+        there a row that does not get its drafts waits for a later step, with the rows behind it (FCFS), rather
+        than carry fewer drafts than alone (its output would depend on the neighbours)."""
+        cap, exact = self.config.max_num_batched_tokens, self.config.exact_state
+        if not exact:                                    # counted again below, each row with its drafts
+            left += len(sched.decode)
+        for i, req in enumerate(sched.decode):
+            k = draft_budget(self.config.num_spec_tokens, req.computed, req.max_new_tokens - len(req.output),
+                             self.memory.final_boundary(req))
+            k = k if cap is None else min(k, cap - 1)
+            if not exact and 1 + k > left:               # (the oldest row always fits: 1 + k <= cap)
+                del sched.decode[i:]
+                break
+            n = int(min(k, left)) if exact else k
+            sched.drafts[req.rid] = n
+            left -= n + (not exact)
+        return left
 
     def finish(self, req: Request) -> None:
         """FINISHED (``finish_t`` now): out of the running queue, everything it held released

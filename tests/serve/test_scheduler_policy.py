@@ -153,33 +153,39 @@ def test_the_head_of_the_queue_is_not_rejected_for_pages_pinned_by_requests_behi
     assert [eng.result(r).status for r in (b, c)] == [RequestStatus.FINISHED] * 2, eng.result(b).reason
 
 
-def test_the_token_budget_holds_verify_rows_with_their_drafts():
-    """Speculation of 4 exact drafts (every one accepted), 4 requests of 2-token prompts (prefilled together, then
-    decoding together), max_num_batched_tokens=8: no step's forward holds more than 8 tokens (it held up to 20:
-    verify rows of up to 5 tokens each); some step trims a row's drafts to what is left, and every request's
-    tokens and logits are bitwise those of the engine without a budget (a verify row's outputs do not depend on
-    how many drafts it carries)."""
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32-trims", "bf16-waits"])
+def test_the_token_budget_holds_verify_rows_with_their_drafts(state_dtype):
+    """Speculation of 4 oracle drafts, 4 requests of 2-token prompts (prefilled together, then decoding together),
+    max_num_batched_tokens=8: no step's forward holds more than 8 tokens (it held up to 20: verify rows of up to 5
+    tokens each), and every request's tokens and logits are bitwise those of the engine without a budget. fp32:
+    some step trims a row's drafts to what is left (a verify row's outputs do not depend on how many drafts it
+    carries); bf16 (the state rounded at each verify commit): no row is trimmed, a row that does not get its
+    drafts waits instead (some step runs fewer verify rows than there are decoding requests)."""
     prompts = [tokens(190 + i, 2) for i in range(4)]
-    refs = {tuple(p): engine(num_pages=64).generate(p, 12).output_tokens for p in prompts}
+    refs = {tuple(p): engine(num_pages=64, state_dtype=state_dtype).generate(p, 12).output_tokens for p in prompts}
 
     def run(budget):
-        eng = build_engine(EngineArgs(tiny_model(), 64, ServeConfig(64, 64, page_policy="unified"), poison=True,
-                                      speculation=oracle_speculation(refs, "snapshot", 0.0, 4),
-                                      max_num_batched_tokens=budget))
+        config = ServeConfig(64, 64, page_policy="unified", state_dtype=state_dtype)
+        eng = build_engine(EngineArgs(tiny_model(), 64, config, poison=True, max_num_batched_tokens=budget,
+                                      speculation=oracle_speculation(refs, "snapshot", 0.0, 4)))
         rids = [eng.submit(p, 12, record_logits=True) for p in prompts]
-        most, trimmed = 0, False
-        while eng.step():
+        most, trimmed, waited = 0, False, False
+        while True:
+            decoding = sum(eng.requests[r].status is RequestStatus.DECODE for r in rids)
+            if not eng.step():
+                break
             eng.check_integrity()
             rows = [r for r in eng.last_batch.rows if r.req is not None]
             most = max(most, sum(len(r.tokens) for r in rows))
             trimmed |= any(r.verify and 1 < len(r.tokens) < 5 and len(r.req.output) < 8 for r in rows)
-        return most, trimmed, [eng.result(r) for r in rids]
+            waited |= sum(r.verify for r in rows) < decoding
+        return most, trimmed, waited, [eng.result(r) for r in rids]
 
-    most, trimmed, got = run(8)
-    _, _, free = run(None)
+    most, trimmed, waited, got = run(8)
+    free = run(None)[3]
     assert most <= 8, f"a step ran {most} tokens under max_num_batched_tokens=8"
-    assert trimmed and all(g.output_tokens == f.output_tokens and torch.equal(g.logits, f.logits)
-                           for g, f in zip(got, free))
+    assert (trimmed, waited) == ((True, False) if state_dtype == torch.float32 else (False, True))
+    assert all(g.output_tokens == f.output_tokens and torch.equal(g.logits, f.logits) for g, f in zip(got, free))
 
 
 def test_a_long_prompt_is_not_starved_by_a_stream_of_short_requests():
