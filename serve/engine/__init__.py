@@ -8,7 +8,8 @@ Concept → file → main type → test:
 - the one way to build an engine: a frozen spec of every setting, a fresh pool (+ prefix cache) and the engine
   ......................................... build.py ....... ``EngineArgs``, ``build_engine``
   → ``tests/serve/test_engine.py``, ``tests/serve/http/test_engine_spec.py``
-- the memory of requests: match / rematch a prefix hit, ask (``can_admit`` -> ``Fit``) then act (``admit``: its state
+- the memory of requests: ask at the head of the queue (``match``: the hit that fits, else none; ``can_admit`` ->
+  ``Fit``) then act (``admit``: the hit's pins, its state
   slot, one run of consecutive pages per group under multi_page, k + 1 slots with snapshot speculation),
   ``reject``, ``publish`` blocks and checkpoints, ``release`` (the one path; ``preempt`` goes through it)
   ......................................... request_memory.py  ``RequestMemory``, ``Fit``
@@ -42,7 +43,11 @@ depends on where that happens. Bitwise facts that still hold with the same state
 in any batch == its batch-1 run (its prefill chunks do not depend on its neighbours: the scheduler never cuts a
 chunk to fit the token budget, :class:`serve.engine.scheduler.SchedulerConfig` ``exact_state``); a preempted
 request == its uninterrupted run (when its recompute restarts cold); the engine == the same engine with
-``rows_per_forward=1``; a cache-on cold run == the cache-off run.
+``rows_per_forward=1``; a cache-on cold run == the cache-off run under ``state_write="slot"``. Under "replay_ssm"
+the cache-on run also materialises (rounds) the state at the decode step that publishes its final checkpoint
+(vllm#55688: a published state must be in pages), which restarts the ring's period: it == the cache-off run up
+to that step's token, and after it == the model rounded there too (``test_engine_state_dtype.py``), within the
+rounding a 16-bit state already carries.
 Facts that hold only in fp32: a warm run from a hit at b == the cold run (the restored checkpoint is rounded at
 b; it equals the cache-off run whose prefill is split at b); a chunked prefill == the unchunked one;
 ``replay_ssm`` == ``slot`` (ReplaySSM rounds at materialisation only, every ``ring_size`` steps, so fewer times).

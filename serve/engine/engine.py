@@ -48,7 +48,7 @@ from serve.memory.pool import PagePool
 from serve.memory.replay_state_write import ReplayStateWrite
 from serve.prefix.cache import PrefixCache
 from serve.spec_decode.replay_ssm import DEFAULT_RING_SIZE
-from serve.spec_decode.verify import Speculation, draft_budget
+from serve.spec_decode.verify import Speculation
 
 STATE_WRITES = ("slot", "replay_ssm")
 log = logging.getLogger("serve.engine")
@@ -123,7 +123,8 @@ class ServeEngine:
         self.memory = RequestMemory(pool, self.layout, prefix_cache, self.config, self.replay,
                                     runs=any(self.runner.in_place), spec_slots=speculation and speculation.snapshot_slots())
         self.sched_config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, num_state_slots, max_prefill_chunk,
-                                            exact_state=self.config.state_dtype == torch.float32)
+                                            exact_state=self.config.state_dtype == torch.float32,
+                                            num_spec_tokens=None if speculation is None else speculation.num_draft_tokens)
         self.scheduler = Scheduler(self.sched_config, self.memory)
         self.postprocess = Postprocessor(model, self.runner, self.scheduler, self._fail_row)
         self.rows_per_forward = rows_per_forward
@@ -152,7 +153,7 @@ class ServeEngine:
         a :class:`serve.engine.sampling.SamplingParams` (None: greedy); the request draws from its own generator,
         so a seeded request's tokens equal its batch-1 run's. ``record_logits`` keeps each emitted token's
         logits ``[256]`` fp32 (with speculation: the verify rows of the accepted drafts and the bonus). With a
-        cache, the prompt is matched and its hit pinned now. Raises ValueError on bad input, or for sampling
+        cache, the prompt is looked up and its hit pinned at admission. Raises ValueError on bad input, or for sampling
         with speculation (its verify step accepts drafts greedily); TypeError for ``sampling`` of another type."""
         t0 = time.perf_counter()
         prompt = prompt_ids(tokens, self.model.cfg.vocab_size)
@@ -167,8 +168,6 @@ class ServeEngine:
         self._next_rid += 1
         req = Request(rid, prompt, max_new_tokens, record_logits, t0, sampling=sampling.seeded())
         req.generator = req.sampling.generator()
-        self.memory.match(req)
-        req.timings_ms["lookup"] = _ms(t0)
         self.scheduler.add(req)
         return rid
 
@@ -183,7 +182,7 @@ class ServeEngine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return sched.admitted
-        rows, bases = self._rows(sched.decode, sched.prefill)
+        rows, bases = self._rows(sched.decode, sched.prefill, sched.drafts)
         for part in self._forwards(*rows):
             if not any(part):                            # every row failed to build (aborted): no forward
                 continue
@@ -195,31 +194,30 @@ class ServeEngine:
         return True
 
     # ---- run ----------------------------------------------------------------------------------------
-    def _row(self, req: Request, n: int | None) -> Row:
+    def _row(self, req: Request, n: int | None, num_drafts: int = 0) -> Row:
         """This step's row of ``req``: a decode row (``n`` None), a verify row with speculation (the last token
-        and up to ``draft_budget`` drafts of its proposer) or a prefill row of its next ``n`` prompt tokens (with
-        the checkpoint offsets inside them)."""
+        and up to ``num_drafts`` drafts of its proposer: the scheduler's, inside the token budget) or a prefill
+        row of its next ``n`` prompt tokens (with the checkpoint offsets inside them)."""
         if n is None and self.speculation is None:
             return Row(req, [req.output[-1]], req.computed, True)
         if n is None:                                    # every decoding row verifies its own drafts
             spec = self.speculation
             if req.strategy is None:
                 req.proposer, req.strategy = spec.proposer(list(req.prompt)), spec.strategy()
-            n = draft_budget(spec.num_draft_tokens, req.computed, req.max_new_tokens - len(req.output),
-                             self.memory.final_boundary(req))
+            n = num_drafts
             drafts = [int(t) for t in req.proposer.propose(req.tokens(), n)[:n]]
             return Row(req, [req.output[-1], *drafts], req.computed, False, verify=True)
         p = req.computed
         inner = tuple(b - p for b in self.memory.checkpoint_boundaries(len(req.prompt)) if p < b < p + n)
         return Row(req, req.prompt[p: p + n], p, False, inner)
 
-    def _rows(self, decode: list, prefill: list) -> tuple[tuple[list, list, list], dict]:
+    def _rows(self, decode: list, prefill: list, drafts: dict) -> tuple[tuple[list, list, list], dict]:
         """The rows of this step, ``(decode, prefill, verify)``, built one request at a time (a request whose row
         fails to build is aborted), and the cache each verify row starts from (rid -> HybridCache)."""
         rows, prefill_rows, verify, bases = [], [], [], {}
         for req, n in [(req, None) for req in decode] + list(prefill):
             try:
-                row = self._row(req, n)
+                row = self._row(req, n, drafts.get(req.rid, 0))
                 if row.verify:                           # None: its states go into its k + 1 slots
                     bases[req.rid] = None if req.spec_slots else read_request_cache(self.layout, self.pool, req)
             except Exception as err:                     # noqa: BLE001 - that request is aborted

@@ -3,9 +3,10 @@
 
 Request flow, as the memory sees it:
 
-  match   -> lookup + pin the hit (pins before anything is allocated)     WAITING
-  rematch -> a longer hit the cache gained since, swapped in (old pins released)
-  admit   -> allocate private KDA_STATE pages (its slot: one run of
+  match   -> at the head of the queue: lookup, choose the hit (the
+             longest if it fits NOW, else none); pins nothing          WAITING
+  admit   -> pin the hit (before anything is allocated), allocate
+             private KDA_STATE pages (its slot: one run of
              consecutive pages per group when the runner reads the state
              in place) + own KV pages (evicting unpinned cache entries),
              restore the checkpoint into the slot's pages (a copy), drop
@@ -128,39 +129,48 @@ class RequestMemory:
         return None if self.cache is None else self.config.final_checkpoint(len(req.prompt), req.final_tokens)
 
     # ---- ask ----------------------------------------------------------------------------------------
-    def match(self, req: Request) -> None:
-        """Look ``req``'s prompt up in the cache and pin the hit (``req.hit``; None without a cache)."""
-        req.hit = None
-        if self.cache is not None:
-            req.hit = self.cache.lookup(req.prompt)
-            self.cache.acquire(req.hit, req.rid)
+    def match(self, req: Request, anything_running: bool = False) -> Fit:
+        """Admission's question, asked when ``req`` reaches the head of the waiting queue: look its prompt up
+        (pure) and choose the hit :meth:`admit` will pin (``req.hit``; None without a cache): the longest hit if
+        the request fits NOW beside it, else no hit (``num_tokens`` 0, ``kv_tokens`` kept). Returns
+        :meth:`can_admit`'s answer for that choice. Pins nothing: a waiting request holds no page and no pin, and
+        one that fits only LATER is matched again next time.
 
-    def rematch(self, req: Request) -> None:
-        """Swap a waiting request to a longer hit if the cache gained one since it was matched (release the
-        old pins, pin the new); a no-op without a cache."""
-        if self.cache is None:
-            return
-        better = self.cache.lookup(req.prompt)
-        if better.num_tokens > req.hit.num_tokens:
-            old = req.hit
-            self.release(req)
-            self.cache.acquire(better, req.rid, replaces=old)
-            req.hit = better
+        A hit pins its blocks and a checkpoint beside the state it is restored into, so it can cost more free
+        pages than a miss (the checkpoint's), and a request that fits the pool on its own must never be refused
+        for its hit. As in vLLM's v1 ``Scheduler.schedule``, the prefix is looked up (``get_computed_blocks``)
+        only when the request is scheduled, and hit pages that are eviction candidates are not counted as free
+        for it (``KVCacheManager.allocate_slots``: ``num_evictable_computed_blocks``). The fall back to no hit is
+        ours (a vLLM hit never costs more than a miss; ours copies a checkpoint); a shorter hit would cost the
+        same copy, so none is tried."""
+        t0 = time.perf_counter()
+        req.hit = None if self.cache is None else self.cache.lookup(req.prompt)
+        fit = self.can_admit(req, anything_running)
+        if fit is not Fit.NOW and req.hit_blocks:
+            req.hit = req.hit._replace(num_tokens=0, kv_pages=(), checkpoint_pages=())
+            fit = self.can_admit(req, anything_running)
+        req.timings_ms["lookup"] += _ms(t0)
+        return fit
 
     def can_admit(self, req: Request, anything_running: bool) -> Fit:
-        """Whether the waiting request's pages (:meth:`Request.pages_needed`: a state slot and its KV pages)
-        fit: NOW in free + evictable pages (with ``run_sizes``: and a free run per group now, or once every
-        evictable cache page is freed: :meth:`PrefixCache.evictable_page_ids`); LATER once running requests release theirs (``anything_running``); NEVER if
-        they exceed the pool with its pinned hit counted, or if no run is free while nothing runs and nothing
-        is evictable (a fragmented idle pool). Pure (the caps on running requests are the scheduler's)."""
-        need = sum(self.pages_needed(req))
-        evictable = 0 if self.cache is None else self.cache.evictable_pages()
-        if need <= self.pool.num_free + evictable:
-            if self.run_sizes is None or self.pool.can_alloc_runs(
-                    self.run_sizes * self.slots_per_request, [] if self.cache is None else self.cache.evictable_page_ids()):
+        """Whether the waiting request's pages (:meth:`Request.pages_needed`: a state slot and its KV pages beside
+        its chosen hit ``req.hit``, which admission pins) fit: NOW in free + evictable pages, the hit's own
+        pages not counted as evictable (with ``run_sizes``: and a free run per group now, or once every other
+        evictable cache page is freed: :meth:`PrefixCache.evictable_page_ids`); LATER once running requests
+        release theirs (``anything_running``) if the request without its hit fits the pool; NEVER if it exceeds
+        the pool even without its hit, or if it does not fit while nothing runs (waiting requests hold nothing,
+        so then only unpinned cache pages and holders outside the engine are in the way; e.g. no free run in a
+        fragmented idle pool). Pure (the caps on running requests are the scheduler's)."""
+        state, kv = self.pages_needed(req)
+        evictable = [] if self.cache is None else self.cache.evictable_page_ids()
+        if req.hit_blocks:                                  # pinned at admit: not evictable then
+            pinned = set(req.hit.kv_pages).union(*req.hit.checkpoint_pages)
+            evictable = [p for p in evictable if p not in pinned]
+        if state + kv <= self.pool.num_free + len(evictable):
+            if self.run_sizes is None or self.pool.can_alloc_runs(self.run_sizes * self.slots_per_request, evictable):
                 return Fit.NOW
             return Fit.LATER if anything_running else Fit.NEVER
-        return Fit.LATER if anything_running and need + req.hit_pages <= self.pool.num_pages else Fit.NEVER
+        return Fit.LATER if anything_running and state + kv + req.hit_blocks <= self.pool.num_pages else Fit.NEVER
 
     def shortfall(self, req: Request) -> str:
         """Why ``req`` can never fit: the pages it needs against the free and evictable ones (or, when they
@@ -171,23 +181,27 @@ class RequestMemory:
             return (f"needs a run of {max(self.run_sizes)} consecutive free pages for its state slot but the "
                     f"longest free run is {self.pool.longest_free_run()} pages ({free} free, fragmented by pages "
                     f"that stay held)")
-        return (f"needs {state + kv} pages ({state} state + {kv} KV) but only {free} are free and {evictable} "
-                f"evictable; its {req.hit_blocks} hit blocks stay pinned")
+        return (f"needs {state + kv} pages ({state} state + {kv} KV) but only {free} of the pool's "
+                f"{self.pool.num_pages} are free and {evictable} evictable")
 
     # ---- act ----------------------------------------------------------------------------------------
     def admit(self, req: Request, anything_running: bool = False) -> bool:
-        """Admit a request :meth:`can_admit` said fits NOW: allocate its state (one run per group with
-        ``run_sizes``) and KV pages (evicting unpinned cache entries), restore its hit's checkpoint into its
-        state (a copy) or zero it; status PREFILL. Returns False if it was not admitted: REJECTED (:meth:`reject`)
-        when the allocation still failed (PoolExhausted: the evictable count was stale, or no run opened while
-        nothing runs) or the restore raised (e.g. CheckpointError; the error is its reason, logged); still
-        WAITING, holding only its hit's pins, when no run of free pages opened (:class:`NoFreeRun`) while
-        ``anything_running`` (running requests will free theirs). Nothing it held leaks."""
+        """Admit a request :meth:`match` (or :meth:`can_admit`) said fits NOW, nothing changed since: pin its hit
+        (:meth:`PrefixCache.acquire`, before anything is allocated; its page table holds the hit's blocks from
+        then on), allocate its state (one run per group with ``run_sizes``) and KV pages (evicting unpinned cache
+        entries), restore its hit's checkpoint into its state (a copy) and unpin the checkpoint, or zero the state;
+        status PREFILL. Returns False if it was not admitted: REJECTED (:meth:`reject`) when the allocation still
+        failed (PoolExhausted: the evictable count was stale, or no run opened while nothing runs) or the restore
+        raised (e.g. CheckpointError; the error is its reason, logged); still WAITING, holding nothing, when no run
+        of free pages opened (:class:`NoFreeRun`) while ``anything_running`` (running requests will free theirs). Nothing it held leaks."""
         t0 = time.perf_counter()
         cache, lay = self.cache, self.layout
         num_state, num_kv = self.pages_needed(req)
         alloc = self.pool.alloc if cache is None else cache.alloc
         G = lay.num_groups
+        if cache is not None:                               # held by the request from here (release)
+            cache.acquire(req.hit, req.rid)
+            req.page_table = list(req.hit.kv_pages)
         try:
             if self.run_sizes is None:
                 it = iter(alloc(PageKind.KDA_STATE, num_state, req.rid))
@@ -198,12 +212,11 @@ class RequestMemory:
             slots = [flat[i: i + G] for i in range(0, len(flat), G)]   # [slot][group] -> pages
             req.state_pages = slots[0]
             req.spec_slots = slots if self.spec_slots is not None else []
-            # held by the request from here (release)
-            req.page_table = ([] if req.hit is None else list(req.hit.kv_pages))
             req.page_table += alloc(PageKind.MLA_KV, num_kv, req.rid)
         except NoFreeRun as err:
             if anything_running and not req.state_pages:    # nothing allocated: wait for a run to free
                 log.info("request %d waits: %s", req.rid, err)
+                self.release(req)
                 return False
             self.reject(req, f"pool exhausted at admission: {err}")
             return False
@@ -237,13 +250,13 @@ class RequestMemory:
         req.status, req.reason = RequestStatus.REJECTED, reason
 
     def release(self, req: Request) -> None:
-        """THE path that frees a request's pages (any status): its state pages, its page table (or, before
-        admission, the hit's KV pages it references), its ReplaySSM ring and its pins in the cache."""
+        """THE path that frees a request's pages (any status): its state pages, its page table (the hit's blocks
+        it pinned and its own KV pages), its ReplaySSM ring and its pins in the cache. A waiting request holds
+        none of them (:meth:`match` pins nothing)."""
         pool, rid = self.pool, req.rid
         if req.state_pages:
             pool.decref([p for slot in (req.spec_slots or [req.state_pages]) for grp in slot for p in grp], rid)
-        pages = req.page_table if req.page_table else ([] if req.hit is None else list(req.hit.kv_pages))
-        pool.decref(pages, rid)
+        pool.decref(req.page_table, rid)
         req.state_pages, req.spec_slots, req.page_table = [], [], []
         if self.replay is not None:                         # the ring goes with the state (nothing to materialise)
             self.replay.release(rid)
@@ -251,16 +264,15 @@ class RequestMemory:
             self.cache.release(rid)
 
     def preempt(self, req: Request) -> None:
-        """Preempt by recompute: :meth:`release` everything, drop the request's progress and match it again
-        (status WAITING). Its output, recomputed, is bitwise the uninterrupted one (batch-invariant; a sampling
+        """Preempt by recompute: :meth:`release` everything and drop the request's progress and its hit (status
+        WAITING; it is matched again when it reaches the head of the queue). Its output, recomputed, is bitwise the uninterrupted one (batch-invariant; a sampling
         request's generator restarts at its seed)."""
         self.release(req)
         req.generator = req.sampling.generator()
         req.status, req.computed, req.output, req.logits = RequestStatus.WAITING, 0, [], []
         req.first_token_t, req.keys, req.prefill_tokens = None, [], 0
         req.restored_bytes = req.shared_kv_bytes = 0
-        req.proposer = req.strategy = None
-        self.match(req)
+        req.proposer = req.strategy = req.hit = None
 
     def publish(self, req: Request, upto: int, checkpoint: bool) -> None:
         """Publish the request's full blocks below ``upto`` tokens and, if asked, its checkpoint there
@@ -317,10 +329,8 @@ class RequestMemory:
                 assert pool.holders(p).get(rid) == 1, f"request {rid} does not hold one reference to page {p}"
             owned.update(pages + req.page_table)
         for req in waiting:
-            assert req.status is RequestStatus.WAITING and not req.state_pages, f"waiting request {req.rid} holds pages"
-            if req.hit is not None:
-                owned.update(req.hit.kv_pages)
-                owned.update(p for grp in req.hit.checkpoint_pages for p in grp)
+            assert req.status is RequestStatus.WAITING and not req.state_pages and not req.page_table, \
+                f"waiting request {req.rid} holds pages"
         if self.cache is not None:
             for node in self.cache.index.nodes.values():
                 owned.add(node.payload)

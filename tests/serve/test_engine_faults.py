@@ -34,7 +34,7 @@ def plant(monkeypatch, eng: ServeEngine, phase: str, rid: int) -> None:
 
     if phase == "build":
         real_row = eng._row
-        monkeypatch.setattr(eng, "_row", lambda req, n: boom() if req.rid == rid else real_row(req, n))
+        monkeypatch.setattr(eng, "_row", lambda req, *a: boom() if req.rid == rid else real_row(req, *a))
     elif phase == "run":
         real_run = eng.runner.run
         monkeypatch.setattr(eng.runner, "run", lambda batch: boom() if any(

@@ -1,6 +1,6 @@
 """``RequestMemory`` (``serve/engine/request_memory.py``) on its own: ask (``can_admit``) answers NOW / LATER /
 NEVER from the pool alone and changes nothing; act (``admit``) takes exactly the pages asked for; ``release`` is the
-one path back (the pool ends as it started); ``preempt`` drops the progress and matches the prompt again; the
+one path back (the pool ends as it started); ``preempt`` drops the progress and the hit; the
 final boundary is the config's. The scheduler's queues never enter it."""
 from __future__ import annotations
 
@@ -55,17 +55,19 @@ def test_ask_then_act_then_release_through_one_path(cache):
     assert mem.pool.num_free == mem.pool.num_pages
 
 
-def test_preempt_drops_progress_and_matches_again():
+def test_preempt_drops_progress_and_its_hit():
+    """Preempted, a request holds nothing (no page, no pin, no hit) until it is matched again at the head."""
     mem = memory(16, cache=True)
     req = request(4, 40, 9)
-    mem.match(req)
+    assert mem.match(req) is Fit.NOW
     assert mem.admit(req)
     req.computed, req.output = 40, [7]
     mem.preempt(req)
-    assert (req.status, req.computed, req.output, req.state_pages, req.page_table) == (
-        RequestStatus.WAITING, 0, [], [], [])
-    assert req.hit is not None and req.hit.num_tokens == 0  # matched again (nothing was published)
+    assert (req.status, req.computed, req.output, req.state_pages, req.page_table, req.hit) == (
+        RequestStatus.WAITING, 0, [], [], [], None)
     mem.check_integrity([], [req])
+    assert mem.pool.num_free == mem.pool.num_pages
+    assert mem.match(req) is Fit.NOW and req.hit.num_tokens == 0    # matched again (nothing was published)
     mem.release(req)
     assert mem.pool.num_free == mem.pool.num_pages
 
@@ -185,10 +187,6 @@ def test_no_eviction_in_vain_when_even_an_empty_cache_opens_no_run():
     cache.check_integrity()
 
 
-@pytest.mark.xfail(strict=True, reason="an idle engine rejects a request that fits its empty pool because the "
-                   "request's own prefix hit is pinned (4 blocks + a 6-page checkpoint that must sit beside the "
-                   "state it is restored into): the hit costs more pages than a miss and admission never falls back "
-                   "to a shorter hit or none; same under 'unified'; open")
 def test_a_prefix_hit_never_makes_a_request_that_fits_the_pool_rejected():
     """The server default (multi_page), 17 pages: A (65 tokens) publishes 4 blocks and its checkpoint at 64 (10
     pages). B = A's prompt + 30 tokens fits the pool on its own (6 state + 6 KV = 12 pages), but with its hit it

@@ -134,49 +134,60 @@ def test_preempted_request_goes_back_to_the_head_of_the_queue_and_finishes_first
     assert eng.pool.num_free == eng.pool.num_pages
 
 
-@pytest.mark.xfail(strict=True, reason="admission rejects the head of the queue as 'can never fit' counting the "
-                   "pages pinned by the prefix hits of requests queued BEHIND it (pinned at submit), although it "
-                   "fits the idle pool once those pins are dropped; open: drop or defer the waiting requests' pins "
-                   "(vLLM looks a prefix up only when it schedules the request)")
 def test_the_head_of_the_queue_is_not_rejected_for_pages_pinned_by_requests_behind_it():
     """An idle cache-on engine (the server default, multi_page) of 20 pages holds an 8-page prefix (2 blocks and
-    a 6-page checkpoint). B (13 pages, no hit) is queued, then C, whose hit pins those 8 pages: 12 are free. B fits
-    the idle pool (13 <= 20) and is at the head of the queue, so it must not be REJECTED; both finish."""
+    a 6-page checkpoint). B (13 pages, no hit) is queued, then C, whose hit would pin those 8 pages (it did, from
+    its submit, leaving 12 free pages and none evictable, and B was rejected as never fitting): 12 are free. B fits
+    the idle pool (13 <= 20) and is at the head of the queue, so it must not be REJECTED; both finish. A waiting
+    request pins nothing (its prefix is looked up at admission, as vLLM's scheduler does)."""
     eng = build_engine(EngineArgs(tiny_model(), 20, ServeConfig(), prefix_cache=True, poison=True))
     shared = tokens(170, 40)
     eng.generate(shared, 2)
     assert eng.pool.num_used() == 8 and not eng.running
     b = eng.submit(tokens(171, 100), 2)                       # 6 state + 7 KV pages
-    c = eng.submit(shared + tokens(172, 5), 2)                # pins the 2 blocks and the checkpoint at 32
-    assert eng.cache.evictable_pages() == 0 and eng.pool.num_free == 12
+    c = eng.submit(shared + tokens(172, 5), 2)                # would hit the 2 blocks and the checkpoint at 32
+    assert eng.cache.lookup(eng.requests[c].prompt).num_tokens == 32 and eng.requests[c].hit is None
+    assert eng.cache.evictable_pages() == 8 and eng.pool.num_free == 12
     eng.run_until_idle()
     eng.check_integrity()
     assert [eng.result(r).status for r in (b, c)] == [RequestStatus.FINISHED] * 2, eng.result(b).reason
 
 
-@pytest.mark.xfail(strict=True, reason="the token budget counts a verify row as one token (a decode row), so with "
-                   "speculation a step runs up to 1 + k tokens per decoding request past max_num_batched_tokens; vLLM "
-                   "schedules 1 + num_spec_tokens per decode request inside the budget; open")
-def test_the_token_budget_holds_verify_rows_with_their_drafts():
-    """Speculation of 4 exact drafts (every one accepted), 4 decoding requests, max_num_batched_tokens=8: no
-    step's forward holds more than 8 tokens (it held 16: verify rows of up to 5 tokens each)."""
-    prompts = [tokens(190 + i, 5) for i in range(4)]
-    refs = {tuple(p): engine(num_pages=64).generate(p, 12).output_tokens for p in prompts}
-    spec = oracle_speculation(refs, "snapshot", 0.0, 4)
-    eng = build_engine(EngineArgs(tiny_model(), 64, ServeConfig(64, 64, page_policy="unified"), poison=True,
-                                  speculation=spec, max_num_batched_tokens=8))
-    for p in prompts:
-        eng.submit(p, 12)
-    most = 0
-    while eng.step():
-        most = max(most, sum(len(r.tokens) for r in eng.last_batch.rows if r.req is not None))
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32-trims", "bf16-waits"])
+def test_the_token_budget_holds_verify_rows_with_their_drafts(state_dtype):
+    """Speculation of 4 oracle drafts, 4 requests of 2-token prompts (prefilled together, then decoding together),
+    max_num_batched_tokens=8: no step's forward holds more than 8 tokens (it held up to 20: verify rows of up to 5
+    tokens each), and every request's tokens and logits are bitwise those of the engine without a budget. fp32:
+    some step trims a row's drafts to what is left (a verify row's outputs do not depend on how many drafts it
+    carries); bf16 (the state rounded at each verify commit): no row is trimmed, a row that does not get its
+    drafts waits instead (some step runs fewer verify rows than there are decoding requests)."""
+    prompts = [tokens(190 + i, 2) for i in range(4)]
+    refs = {tuple(p): engine(num_pages=64, state_dtype=state_dtype).generate(p, 12).output_tokens for p in prompts}
+
+    def run(budget):
+        config = ServeConfig(64, 64, page_policy="unified", state_dtype=state_dtype)
+        eng = build_engine(EngineArgs(tiny_model(), 64, config, poison=True, max_num_batched_tokens=budget,
+                                      speculation=oracle_speculation(refs, "snapshot", 0.0, 4)))
+        rids = [eng.submit(p, 12, record_logits=True) for p in prompts]
+        most, trimmed, waited = 0, False, False
+        while True:
+            decoding = sum(eng.requests[r].status is RequestStatus.DECODE for r in rids)
+            if not eng.step():
+                break
+            eng.check_integrity()
+            rows = [r for r in eng.last_batch.rows if r.req is not None]
+            most = max(most, sum(len(r.tokens) for r in rows))
+            trimmed |= any(r.verify and 1 < len(r.tokens) < 5 and len(r.req.output) < 8 for r in rows)
+            waited |= sum(r.verify for r in rows) < decoding
+        return most, trimmed, waited, [eng.result(r) for r in rids]
+
+    most, trimmed, waited, got = run(8)
+    free = run(None)[3]
     assert most <= 8, f"a step ran {most} tokens under max_num_batched_tokens=8"
+    assert (trimmed, waited) == ((True, False) if state_dtype == torch.float32 else (False, True))
+    assert all(g.output_tokens == f.output_tokens and torch.equal(g.logits, f.logits) for g, f in zip(got, free))
 
 
-@pytest.mark.xfail(strict=True, reason="a prefill chunk that does not fit what the decode rows leave of the budget "
-                   "waits (it is cut only on the 64-token grid with an exact state), and younger requests' small "
-                   "chunks take the budget meanwhile ('continue', not 'break'): under a steady stream of short "
-                   "requests the older long prompt never runs (starvation); open")
 def test_a_long_prompt_is_not_starved_by_a_stream_of_short_requests():
     """Budget of 48 tokens (off the 64 grid, so never cut), the server's default config otherwise. A short request
     decodes; a 200-token prompt A arrives; a 5-token request arrives every third step. Within 100 steps A must

@@ -1,8 +1,8 @@
 """The server never hangs and one request cannot take it down: the request that killed the engine (temperature
 1e-38) is served; a request whose row fails in the engine is a 500 (an error event mid-stream) while the others are
-served; a non-streaming client that gives up has its request aborted; a request the pool can never hold is a 503; an
-engine that fails on its own ends every request with 503, fails /health with the cause, and ``python -m serve.http``
-exits non-zero."""
+served; a non-streaming client that gives up has its request aborted; a request the pool can never hold is a 503 (and
+one that fits it is not, whatever its prefix hit); an engine that fails on its own ends every request with 503, fails
+/health with the cause, and ``python -m serve.http`` exits non-zero."""
 from __future__ import annotations
 
 import socket
@@ -61,6 +61,23 @@ def test_request_the_pool_can_never_hold_is_503():
         assert err.value.status_code == 503 and err.value.response.headers["retry-after"] == "1"
         assert "needs" in err.value.body["message"]                          # the engine's reason
         assert client.completions.create(model=MODEL, prompt="small", max_tokens=4).usage.completion_tokens == 4
+
+
+def test_a_request_that_fits_the_pool_is_not_a_503_for_its_prefix_hit():
+    """The smallest pool of max_model_len=512 (45 pages): a 300-byte prompt leaves 18 blocks and a 13-page
+    checkpoint cached (31 pages); the same prompt + 30 bytes for 100 tokens needs 40 pages alone but 22 beside its
+    pinned hit while 14 are free, and was answered 503 ("needs 22 pages ... its 18 hit blocks stay pinned"). It is
+    served, as the cache-off batch-1 run (admission falls back to no hit), and the engine holds no leak."""
+    prompt = "The quick brown fox jumps over the lazy dog. " * 7
+    first, second = prompt[:300], prompt[:300] + " and then some more text here."
+    with running_server(EngineSpec(max_model_len=512, max_num_seqs=1, num_pages=45), max_queue=2) as (url, app):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        client.completions.create(model=MODEL, prompt=first, max_tokens=2)
+        assert on_engine(app, lambda e: e.pool.num_used()) == 31
+        out = client.completions.create(model=MODEL, prompt=second, max_tokens=100)
+        ref = reference_texts([list(second.encode())], [100])[0].decode("utf-8", errors="replace")
+        assert out.usage.completion_tokens == 100 and out.choices[0].text == ref
+        on_engine(app, lambda e: e.check_integrity())
 
 
 def test_engine_that_keeps_failing_ends_requests_and_health():
