@@ -13,7 +13,7 @@ engine's is a strided view of its page arena, slot = page id) and :func:`forward
 states from it by slot. It writes the new states back by slot (:func:`write_states`, one ``index_copy_``
 per layer and piece) once every layer has run, or hands them to the caller (``write=False``,
 :class:`StateWrite`) to write when it commits the step; no dense copy of the pool is made. A decode kernel
-gets a layer's ``recurrent`` / ``conv`` pools and the decode rows' slots (``_Rows``) and returns the new
+gets a layer's ``recurrent`` / ``conv`` pools and the decode rows' slots (``slot_idx``) and returns the new
 states.
 
 Rules every function here keeps:
@@ -48,16 +48,18 @@ PAD_SLOT = -1
 
 
 # ---- slot gather / scatter ------------------------------------------------------------------------
-def _check_slots(slot_idx: torch.Tensor, num_slots: int, name: str = "slot_idx") -> None:
+def _check_slots(slot_idx: torch.Tensor, num_slots: int, name: str = "slot_idx", as_list: list | None = None) -> list:
+    """Check ``slot_idx`` (``as_list``: its ``tolist()``, when the caller has it) and return it as a list."""
     if not isinstance(slot_idx, torch.Tensor) or slot_idx.dim() != 1 or slot_idx.dtype != torch.long:
         raise ValueError(f"{name} must be a 1-D int64 tensor, got "
                          f"{getattr(slot_idx, 'dtype', type(slot_idx).__name__)}")
-    live = slot_idx[slot_idx != PAD_SLOT]
-    if live.numel() and (live.min() < 0 or live.max() >= num_slots):
-        raise ValueError(f"{name} must hold slots in [0, {num_slots}) or {PAD_SLOT} (pad), got {slot_idx.tolist()}")
-    if live.unique().numel() != live.numel():
-        raise ValueError(f"{name} holds a live slot twice (TRT-LLM#13151: duplicate state indices): "
-                         f"{slot_idx.tolist()}")
+    slots = slot_idx.tolist() if as_list is None else as_list
+    live = [s for s in slots if s != PAD_SLOT]
+    if live and (min(live) < 0 or max(live) >= num_slots):
+        raise ValueError(f"{name} must hold slots in [0, {num_slots}) or {PAD_SLOT} (pad), got {slots}")
+    if len(set(live)) != len(live):
+        raise ValueError(f"{name} holds a live slot twice (TRT-LLM#13151: duplicate state indices): {slots}")
+    return slots
 
 
 def gather_slots(pool: torch.Tensor, slot_idx: torch.Tensor) -> torch.Tensor:
@@ -440,30 +442,33 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     pos, pad_tok = _positions(meta, qsl)
     NB = pools.kv_cache.shape[2]
     kv_pages, kv_offs, kv_live = _slot_mapping(meta, NB)
-    x = model.embed[tokens].unsqueeze(0).clone()                          # [1, T_total, D]
-    x[0, pad_tok] = float("nan")
+    x = model.embed[tokens].unsqueeze(0)                                  # [1, T_total, D] (a copy: indexed)
+    if PAD_SLOT in slots:
+        x[0, pad_tok] = float("nan")
     states_at = {i: {t: {} for t in meta.state_at[i]} for i in range(n) if meta.state_at[i]}
     verify = {i: VerifyRow(None, {}, {}) for i in range(meta.num_decode, meta.num_decode + meta.num_verify)}
     kda = {li: _layer_slots(e) for li, e in pools.kda.items()}
     if not kda:
-        _check_slots(meta.slot_idx, n)                                    # no KDA layer: slots index nothing
-    by_slots = _slot_lists(kda, meta, slots)                             # {layer: (slots list, decode _Rows)}
+        _check_slots(meta.slot_idx, n, as_list=slots)                     # no KDA layer: slots index nothing
+    by_slots = _slot_lists(kda, meta, slots)                             # {layer: its slots as a list}
     writes = {}
     mla_index = {layer: j for j, layer in enumerate(cfg.mla_layers)}
     packed = _pack_latents(meta, qsl, slots, pools.kv_cache) if cfg.mla_layers else None
     records = {} if decode_records else None
-    for li in range(cfg.num_layers):
-        m, h = model.mixers[li], model.input_norm(li, x)
+    for li, m in enumerate(model.mixers):
+        h = model.input_norm(li, x)
         if isinstance(m, KDALayer):
             writes[li] = []
-            y = _kda_layer(m, h, meta, qsl, *by_slots[li], kda[li], states_at, li, verify, records, writes[li])
+            y = _kda_layer(m, h, meta, qsl, by_slots[li], kda[li], states_at, li, verify, records, writes[li])
         else:
             y = _mla_layer(m, h, meta, qsl, slots, pos, pools.kv_cache, mla_index[li], kv_pages, kv_offs, kv_live,
                            packed, verify, li)
-        x = x + y
-        x = x + model.mlp(li, model.post_attention_norm(li, x))
-    last = meta.query_start_loc[1:] - 1                                    # [N] each row's last token
-    logits = model.head(x[0, last])                                        # [N, vocab]
+        x += y                                                             # x is this forward's own tensor
+        x += model.mlp(li, model.post_attention_norm(li, x))
+    if qsl == list(range(n + 1)):                                          # one token per row: every token is last
+        logits = model.head(x[0])                                          # [N, vocab]
+    else:
+        logits = model.head(x[0, meta.query_start_loc[1:] - 1])            # [N, vocab] each row's last token
     for i in verify:
         rows = x[:, qsl[i]: qsl[i + 1]]                                    # [1, T, D]
         verify[i] = verify[i]._replace(logits=model.head(rows))             # [1, T, vocab]
@@ -473,25 +478,25 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
 
 
 def _slot_lists(kda: dict, meta: BatchMeta, meta_slots: list) -> dict:
-    """Per KDA layer ``(slots, decode rows)``: its rows' slots as a list and the decode rows' :class:`_Rows`,
-    each distinct slot tensor checked once (:func:`_check_slots`; pad rows where ``meta.slot_idx`` has them).
-    Raises ValueError for bad slots."""
-    out, seen, pads = {}, {}, meta.slot_idx == PAD_SLOT
+    """Per KDA layer its rows' slots as a list, each distinct slot tensor checked once (:func:`_check_slots`; pad
+    rows where ``meta.slot_idx`` has them, ``meta_slots`` its list). Raises ValueError for bad slots."""
+    out, seen = {}, {}
     for li, ls in kda.items():
         idx = meta.slot_idx if ls.slot_idx is None else ls.slot_idx
         key = (id(idx), ls.recurrent.shape[0])
         if key not in seen:
-            _check_slots(idx, ls.recurrent.shape[0])
-            if idx.shape != meta.slot_idx.shape or not torch.equal(idx == PAD_SLOT, pads):
+            same = idx is meta.slot_idx
+            slots = _check_slots(idx, ls.recurrent.shape[0], as_list=meta_slots if same else None)
+            if not same and (len(slots) != len(meta_slots) or any(
+                    (a == PAD_SLOT) != (b == PAD_SLOT) for a, b in zip(slots, meta_slots))):
                 raise ValueError(f"a layer's slot_idx must mark the pad rows of meta.slot_idx with {PAD_SLOT}, got "
-                                 f"{idx.tolist()} for {meta.slot_idx.tolist()}")
-            seen[key] = (meta_slots if idx is meta.slot_idx else idx.tolist(),
-                         _rows(idx[: meta.num_decode], ls.recurrent.shape[0]))
+                                 f"{slots} for {meta_slots}")
+            seen[key] = slots
         out[li] = seen[key]
     return out
 
 
-def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, dec_rows: _Rows, pool: LayerSlots, states_at, li,
+def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool: LayerSlots, states_at, li,
                verify, records: dict | None, writes: list):
     """One KDA layer over the batch: reads each live row's state from ``pool`` by its slot (``slots``, a list,
     ``-1`` = pad) and appends the rows' new states to ``writes`` (:class:`StateWrite`; nothing is written here).
