@@ -55,13 +55,16 @@ class CMoE:
         lib.moe_forward_f32.argtypes = [_I, _P, _L, _P, _L, _P, _P, _I]
         lib.moe_dense_f32.restype = _I
         lib.moe_dense_f32.argtypes = [_I, _I, _I, _P, _L, _P, _P, _P, _L, _P, _I]
+        lib.moe_residual_f32.restype = _I
+        lib.moe_residual_f32.argtypes = [_I, _I, _P, _L, _P, _F, _P, _P, _I, _P, _P, _P, _I]
         for name in ("moe_sigmoid_f32", "moe_silu_mul_f32"):
             getattr(lib, name).restype = None
         lib.moe_sigmoid_f32.argtypes = [_I, _P, _P]
         lib.moe_silu_mul_f32.argtypes = [_I, _P, _P, _P]
         self.lib, self.path, self.gemm = lib, path, gemm
-        self._run, self._dense = lib.moe_forward_f32, lib.moe_dense_f32
+        self._run, self._dense, self._residual = lib.moe_forward_f32, lib.moe_dense_f32, lib.moe_residual_f32
         self._linear = ctypes.cast(gemm.lib.linear_f32, _P).value    # the GEMM every linear() call runs
+        self._rmsnorm = ctypes.cast(gemm.lib.rmsnorm_f32, _P).value  # the RMSNorm every rmsnorm() call runs
 
     def sigmoid(self, v: torch.Tensor) -> torch.Tensor:
         """The C form's sigmoid of v (fp32, contiguous) -> v's shape."""
@@ -135,6 +138,26 @@ class CMoE:
         if rc:
             raise RuntimeError(f"moe_dense_f32 failed with code {rc}")
         return out
+
+
+    def residual(self, ffn, x: torch.Tensor, norm: torch.Tensor, eps: float) -> None:
+        """``x += ffn(rmsnorm(x, norm, eps))`` in place in one call (a decoder layer's post-attention sublayer), ffn a
+        :class:`kda_core.moe.MoE` (:meth:`forward`) or a :class:`kda_core.moe.DenseMLP` (:meth:`dense`): bitwise
+        :func:`kda_core.invariant.rmsnorm`, that call and torch's add. x ``[M, D]`` fp32 with a contiguous last dim,
+        norm ``[D]`` fp32 contiguous. Unchecked shapes and dtypes (the caller checks); raises RuntimeError when the
+        call fails (out of memory; x is then unchanged)."""
+        M, D = x.shape
+        params = ffn._parameters                                            # (not nn.Module.__getattr__: µs)
+        if "router" in params:
+            rc = self._residual(M, D, x.data_ptr(), x.stride(0), norm.data_ptr(), eps, self._rmsnorm,
+                                ctypes.byref(self._block(ffn)), 0, None, None, self._linear, _threads())
+        else:
+            gate_up, down = params["gate_up"], params["down"]
+            rc = self._residual(M, D, x.data_ptr(), x.stride(0), norm.data_ptr(), eps, self._rmsnorm, None,
+                                down.shape[1], self.gemm.packed(gate_up)[1], self.gemm.packed(down)[1], self._linear,
+                                _threads())
+        if rc:
+            raise RuntimeError(f"moe_residual_f32 failed with code {rc}")
 
 
 _threads = torch.get_num_threads

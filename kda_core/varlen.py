@@ -464,7 +464,7 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
             y = _mla_layer(m, h, meta, qsl, slots, pos, pools.kv_cache, mla_index[li], kv_pages, kv_offs, kv_live,
                            packed, verify, li)
         x += y                                                             # x is this forward's own tensor
-        x += model.mlp(li, model.post_attention_norm(li, x))
+        x = model.feed_forward(li, x)
     if qsl == list(range(n + 1)):                                          # one token per row: every token is last
         logits = model.head(x[0])                                          # [N, vocab]
     else:

@@ -172,3 +172,24 @@ def test_moe_c_form_refuses_more_experts_than_kept_groups_hold(moe):
     m = variant(moe, 2, num_expert_group=4, topk_group=1, num_experts_per_token=3)
     with torch.no_grad(), pytest.raises(ValueError, match="num_experts_per_token"):
         m(torch.randn(2, m.cfg.hidden_size))
+
+
+@needs_c
+@pytest.mark.parametrize("layer", [0, 1], ids=["dense", "moe"])
+@pytest.mark.parametrize("n", [1, 5, 33])
+def test_ffn_residual_one_call_equals_the_separate_calls_bitwise(layer, n):
+    """ffn_residual's one C call (norm, feed-forward, add) is bitwise rmsnorm, the module and torch's add, writes x in
+    place and returns it; with autograd on it returns a new tensor and leaves x alone."""
+    from kda_core.invariant import rmsnorm
+    from kda_core.moe import ffn_residual
+    model = HybridLM.from_pretrained(Path(__file__).resolve().parents[2] / "weights" / "kda-demo")
+    ffn, norm, eps = model.ffn[layer], model.norm2[layer], model.cfg.rms_norm_eps
+    x = torch.randn(1, n, model.cfg.hidden_size, generator=torch.Generator().manual_seed(n)) * 3
+    want = x + ffn(rmsnorm(x, norm, eps))
+    got = x.clone()
+    assert ffn_residual(ffn, got, norm, eps) is got
+    assert torch.equal(got, want)
+    x.requires_grad_(True)
+    with torch.enable_grad():
+        y = ffn_residual(ffn, x, norm, eps)
+    assert y is not x and torch.allclose(y, want, rtol=cpu_moe.RTOL, atol=cpu_moe.ATOL)

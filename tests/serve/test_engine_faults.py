@@ -109,7 +109,7 @@ def test_a_model_that_fails_on_its_own_stops_the_engine(monkeypatch, rows_per_fo
     def broken(i, x):
         raise RuntimeError("the model's weights are gone")
 
-    monkeypatch.setattr(eng.model, "mlp", broken)
+    monkeypatch.setattr(eng.model, "feed_forward", broken)
     assert not eng.model_runs()
     with pytest.raises(EngineFailure, match="one-token probe.*the model's weights are gone"):
         eng.step()

@@ -168,7 +168,7 @@ def test_command_line_server_exits_non_zero_when_the_model_fails(monkeypatch):
     def broken(i, x):
         raise RuntimeError("the model's weights are gone")
 
-    monkeypatch.setattr(model, "mlp", broken)
+    monkeypatch.setattr(model, "feed_forward", broken)
     r = httpx.post(url + "/v1/completions", json={"model": "kda-demo-tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
     assert r.status_code == 503 and "weights are gone" in r.json()["error"]["message"], r.text
     health = httpx.get(url + "/health")                    # within the grace before the server shuts down
