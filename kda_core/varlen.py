@@ -37,9 +37,9 @@ from typing import NamedTuple
 
 import torch
 
-from kda_core import cpu_mla
+from kda_core import cpu_mla, decode_cpu
 from kda_core.chunk import CHUNK_SIZE, kda_chunk
-from kda_core.decode import kda_decode
+from kda_core.decode import kda_decode, why_not
 from kda_core.invariant import linear
 from kda_core.kda import _step
 from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _block_causal_attention, latent_attention
@@ -455,7 +455,14 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     mla_index = {layer: j for j, layer in enumerate(cfg.mla_layers)}
     packed = _pack_latents(meta, qsl, slots, pools.kv_cache) if cfg.mla_layers else None
     records = {} if decode_records else None
+    decode_only = meta.num_decode == n > 0
     for li, m in enumerate(model.mixers):
+        if decode_only and isinstance(m, KDALayer):                        # the whole sublayer in one C call
+            got = _kda_decode_block(m, x[0], model.norm1[li], cfg.rms_norm_eps, meta, kda[li], records, li)
+            if got is not None:
+                writes[li] = got
+                x = model.feed_forward(li, x)
+                continue
         h = model.input_norm(li, x)
         if isinstance(m, KDALayer):
             writes[li] = []
@@ -494,6 +501,27 @@ def _slot_lists(kda: dict, meta: BatchMeta, meta_slots: list) -> dict:
             seen[key] = slots
         out[li] = seen[key]
     return out
+
+
+def _kda_decode_block(m: KDALayer, x, norm, eps: float, meta: BatchMeta, pool: LayerSlots, records: dict | None,
+                      li: int) -> list | None:
+    """An all-decode batch's KDA sublayer, ``x [N, D] += o_proj(layer(input_norm(x)))`` in place, in one C call
+    (:func:`kda_core.decode_cpu.block`: bitwise :func:`_kda_layer` and the add) where it runs; returns the rows' new
+    states (one :class:`StateWrite`, nothing written to the pools) and puts the records in ``records[li]``. None
+    (nothing done) where it does not run: then the caller runs :func:`_kda_layer`."""
+    rec_pool, conv_pool = pool.recurrent, pool.conv
+    gemm = decode_cpu.block_runs(rec_pool, conv_pool)
+    if gemm is None or norm.dtype is not torch.float32 or not norm.is_contiguous() or why_not(m, x) is not None:
+        return None
+    cfg, nd = m.cfg, x.shape[0]
+    idx = meta.slot_idx if pool.slot_idx is None else pool.slot_idx
+    state = x.new_empty(nd, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim)   # [nd, H, K, V] new states
+    conv = x.new_empty(nd, cfg.conv_dim, cfg.conv_kernel - 1)                # [nd, D_conv, W-1]
+    recs = decode_cpu.block(gemm, m, x, norm, eps, rec_pool, conv_pool, idx.contiguous(), (state, conv),
+                            records is not None)
+    if records is not None:
+        records[li] = recs                                                # [nd, H, K], [nd, H, V], [nd, H, K]
+    return [StateWrite(0, state, conv)]
 
 
 def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool: LayerSlots, states_at, li,
