@@ -32,7 +32,7 @@ ATOL = 1e-5
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _lock = threading.Lock()
 _chosen: list = []                 # [the CMLA, or why there is none] (set once per process)
-_MODULE_ATTR = "_kda_mla_block"    # on the MLA layer: ((id, address, version) of kv_b, the _Block)
+_MODULE_ATTR = "_kda_mla_block"    # on the MLA layer: ([(id, address, version) of its weights, forgets], _Block)
 
 
 class _Block(ctypes.Structure):
@@ -59,10 +59,11 @@ class CMLA:
         self._decode = lib.mla_decode_f32
 
     def _block(self, m) -> _Block:
-        """``m``'s :class:`_Block`, cached on the layer, rebuilt when a weight was replaced or written in place."""
+        """``m``'s :class:`_Block`, cached on the layer, rebuilt when a weight was replaced or written in place or
+        :func:`kda_core.cpu_invariant.forget` was called."""
         params = m._parameters                                              # (not nn.Module.__getattr__: µs)
         ws = (params["kv_b"], params["kv_a"], params["q_proj"], params["kv_norm"], params["o_proj"])
-        key = [(id(w), w.data_ptr(), w._version) for w in ws]
+        key = [(id(w), w.data_ptr(), w._version) for w in ws] + [cpu_invariant.forgets()]
         hit = m.__dict__.get(_MODULE_ATTR)
         if hit is not None and hit[0] == key:
             return hit[1]

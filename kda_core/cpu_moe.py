@@ -35,7 +35,7 @@ ACT_RTOL = 4e-7                    # the activations alone: sigmoid, silu(v) * u
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _lock = threading.Lock()
 _chosen: list = []                 # [the CMoE, or why there is none] (set once per process)
-_MODULE_ATTR = "_kda_moe_block"    # on the MoE module: ([(id, address, version) of its weights], the _Block)
+_MODULE_ATTR = "_kda_moe_block"    # on the MoE module: ([(id, address, version) of its weights, forgets], _Block)
 
 
 class _Block(ctypes.Structure):
@@ -80,13 +80,14 @@ class CMoE:
 
     def _block(self, moe) -> _Block:
         """``moe``'s :class:`_Block`, cached on the module and rebuilt when any of its weights (or the router bias)
-        was replaced or written in place (address or version counter moved: the GEMM's caches repack then). Keeps
-        the packed copies it points to alive through the GEMM's caches on the weights themselves."""
+        was replaced or written in place (address or version counter moved: the GEMM's caches repack then) or
+        :func:`kda_core.cpu_invariant.forget` was called. Keeps the packed copies it points to alive through the
+        GEMM's caches on the weights themselves."""
         params, shared = moe._parameters, moe._modules.get("shared")       # (not nn.Module.__getattr__: µs)
         ws = (params["router"], moe._buffers["router_bias"], params["experts_gate_up"], params["experts_down"])
         if shared is not None:
             ws += (shared._parameters["gate_up"], shared._parameters["down"])
-        key = [(id(w), w.data_ptr(), w._version) for w in ws]
+        key = [(id(w), w.data_ptr(), w._version) for w in ws] + [cpu_invariant.forgets()]
         hit = moe.__dict__.get(_MODULE_ATTR)
         if hit is not None and hit[0] == key:
             return hit[1]

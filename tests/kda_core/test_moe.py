@@ -128,6 +128,22 @@ def test_moe_c_form_sees_weight_writes(moe):
 
 
 @needs_c
+def test_moe_c_form_sees_a_data_write_after_forget(moe):
+    """A write the version counter does not see (through ``.data``) followed by ``cpu_invariant.forget``, as its
+    contract asks: the next call packs and uses the new weights (not the block cached before, whose packed copies
+    forget dropped)."""
+    from kda_core import cpu_invariant
+    m = variant(moe, 5)
+    x = torch.randn(3, m.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        m(x)
+        m.experts_down.data.mul_(2)
+        m.shared.down.data.mul_(2)
+        cpu_invariant.forget(*m.parameters())
+        torch.testing.assert_close(m(x), m.forward_torch(x), rtol=cpu_moe.RTOL, atol=cpu_moe.ATOL)
+
+
+@needs_c
 def test_moe_training_load_from_the_c_form(moe):
     """In training mode without autograd the C form runs and records each expert's load, as the torch form."""
     m = variant(moe, 6).train()
