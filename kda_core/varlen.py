@@ -322,14 +322,16 @@ def write_states(pools: SlotPools, meta: BatchMeta, writes: dict, keep: torch.Te
                 continue
             slots, live = t
             rec, conv = (w.recurrent, w.conv) if live is None else (w.recurrent[live], w.conv[live])
-            ls.recurrent.index_copy_(0, slots, rec.to(ls.recurrent.dtype))
-            ls.conv.index_copy_(0, slots, conv.to(ls.conv.dtype))
+            ls.recurrent.index_copy_(0, slots, rec if rec.dtype is ls.recurrent.dtype else rec.to(ls.recurrent.dtype))
+            ls.conv.index_copy_(0, slots, conv if conv.dtype is ls.conv.dtype else conv.to(ls.conv.dtype))
 
 
 def _write_target(idx: torch.Tensor, keep: torch.Tensor | None, first: int, n: int):
     """Rows ``[first, first + n)``: ``(slots [n'], live rows [n'] or None when all n are written)``, or None when
     none is (pad rows and rows not kept)."""
     slots = idx[first: first + n]                                         # [n]
+    if keep is None and PAD_SLOT not in slots.tolist():                   # every row written: no mask op
+        return slots, None
     sel = slots != PAD_SLOT
     if keep is not None:
         sel &= keep[first: first + n]
@@ -457,10 +459,15 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     records = {} if decode_records else None
     decode_only = meta.num_decode == n > 0
     for li, m in enumerate(model.mixers):
-        if decode_only and isinstance(m, KDALayer):                        # the whole sublayer in one C call
-            got = _kda_decode_block(m, x[0], model.norm1[li], cfg.rms_norm_eps, meta, kda[li], records, li)
+        if decode_only:                                                    # the whole sublayer in one C call
+            if isinstance(m, KDALayer):
+                got = _kda_decode_block(m, x[0], model.norm1[li], cfg.rms_norm_eps, meta, kda[li], records, li)
+                if got is not None:
+                    writes[li] = got
+            else:
+                got = _mla_decode_block(m, x[0], model.norm1[li], cfg.rms_norm_eps, pools.kv_cache, mla_index[li],
+                                        packed)
             if got is not None:
-                writes[li] = got
                 x = model.feed_forward(li, x)
                 continue
         h = model.input_norm(li, x)
@@ -522,6 +529,17 @@ def _kda_decode_block(m: KDALayer, x, norm, eps: float, meta: BatchMeta, pool: L
     if records is not None:
         records[li] = recs                                                # [nd, H, K], [nd, H, V], [nd, H, K]
     return [StateWrite(0, state, conv)]
+
+
+def _mla_decode_block(m: MLALayer, x, norm, eps: float, kv_cache, m_idx: int, packed: _Packed) -> bool | None:
+    """An all-decode batch's MLA sublayer, ``x [N, D] += layer(input_norm(x))`` in place, in one C call
+    (:meth:`kda_core.cpu_mla.CMLA.decode_residual`: bitwise :func:`_mla_layer` and the add) where it runs: True;
+    None (nothing done) where it does not."""
+    c = cpu_mla.runs(x, kv_cache, m.kv_b)
+    if c is None or not m.cfg.mla_use_nope or norm.dtype is not torch.float32 or not norm.is_contiguous():
+        return None
+    c.decode_residual(m, x, norm, eps, kv_cache.select(1, m_idx), packed.queries.qm, packed.queries.pages)
+    return True
 
 
 def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool: LayerSlots, states_at, li,
