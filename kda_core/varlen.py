@@ -356,9 +356,14 @@ def make_meta(row_lens, num_decode: int, slot_idx, has_initial_state, context_le
             raise ValueError(f"{name} must have one entry per row ({n}), got {len(x)}")
     if not 0 <= num_decode <= n or any(t != 1 for t in row_lens[:num_decode]) or any(t < 1 for t in row_lens):
         raise ValueError(f"rows [0, num_decode={num_decode}) must have 1 token and every row >= 1, got {list(row_lens)}")
-    qsl = torch.zeros(n + 1, dtype=torch.long)
-    qsl[1:] = torch.tensor(list(row_lens), dtype=torch.long).cumsum(0)
-    return BatchMeta(qsl, num_decode, torch.tensor(list(slot_idx), dtype=torch.long),
+    if num_decode == n:                                                   # one token per row
+        qsl = torch.arange(n + 1)
+    else:
+        qsl = torch.zeros(n + 1, dtype=torch.long)
+        qsl[1:] = torch.tensor(list(row_lens), dtype=torch.long).cumsum(0)
+    slot_idx = slot_idx.to(torch.long, copy=True) if isinstance(slot_idx, torch.Tensor) else \
+        torch.tensor(list(slot_idx), dtype=torch.long)                    # (a tensor: no 0-d tensor per row)
+    return BatchMeta(qsl, num_decode, slot_idx,
                      torch.tensor(list(has_initial_state), dtype=torch.bool), tuple(context_lens),
                      tuple(tuple(t) for t in block_tables), tuple(state_at or ((),) * n), num_verify)
 
@@ -441,12 +446,11 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
         raise ValueError(f"tokens must be ids in [0, {cfg.vocab_size - 1}]")
     qsl = meta.query_start_loc.tolist()
     slots = meta.slot_idx.tolist()
-    pos, pad_tok = _positions(meta, qsl)
     NB = pools.kv_cache.shape[2]
-    kv_pages, kv_offs, kv_live = _slot_mapping(meta, NB)
+    tok_map = None                                     # (positions, slot mapping): built when a layer needs them
     x = model.embed[tokens].unsqueeze(0)                                  # [1, T_total, D] (a copy: indexed)
     if PAD_SLOT in slots:
-        x[0, pad_tok] = float("nan")
+        x[0, _positions(meta, qsl)[1]] = float("nan")
     states_at = {i: {t: {} for t in meta.state_at[i]} for i in range(n) if meta.state_at[i]}
     verify = {i: VerifyRow(None, {}, {}) for i in range(meta.num_decode, meta.num_decode + meta.num_verify)}
     kda = {li: _layer_slots(e) for li, e in pools.kda.items()}
@@ -475,8 +479,10 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
             writes[li] = []
             y = _kda_layer(m, h, meta, qsl, by_slots[li], kda[li], states_at, li, verify, records, writes[li])
         else:
-            y = _mla_layer(m, h, meta, qsl, slots, pos, pools.kv_cache, mla_index[li], kv_pages, kv_offs, kv_live,
-                           packed, verify, li)
+            if tok_map is None:
+                tok_map = (_positions(meta, qsl)[0], *_slot_mapping(meta, NB))
+            y = _mla_layer(m, h, meta, qsl, slots, tok_map[0], pools.kv_cache, mla_index[li], *tok_map[1:], packed,
+                           verify, li)
         x += y                                                             # x is this forward's own tensor
         x = model.feed_forward(li, x)
     if qsl == list(range(n + 1)):                                          # one token per row: every token is last
