@@ -64,6 +64,8 @@ def load():
                     lib.kda_decode_block.restype = _I
                     lib.kda_decode_block.argtypes = ([_P, _P, _I, _P, _L, _P, _F] + [_P, _L] * 2 + [_P]
                                                      + [_P, _L] * 2 + [_P, _I])
+                    lib.kda_write_slots.restype = None
+                    lib.kda_write_slots.argtypes = [_I, _I] + [_P] * 5
                     lib.kda_decode_exp.restype = None
                     lib.kda_decode_exp.argtypes = [_L, _P, _P]
                     _lib.append(lib)
@@ -145,6 +147,23 @@ def block(gemm, layer, x, norm, eps, rec, conv, slot_idx, out, records) -> tuple
     if rc:
         raise ValueError(f"kda_decode_block: {'out of memory' if rc == -2 else 'bad sizes'}")
     return rec_out
+
+
+def copyable(pool: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether :func:`write_slots` can copy ``rows [n, ...]`` into ``pool [S, ...]``: the library loaded, both fp32,
+    rows contiguous, each slot of the pool contiguous, the same row shape."""
+    return bool(_lib) and not isinstance(_lib[0], str) and pool.dtype is _F32 and rows.dtype is _F32 and \
+        rows.is_contiguous() and pool.shape[1:] == rows.shape[1:] and _slot_contiguous(pool)
+
+
+def write_slots(row_slots: list, pairs: list) -> None:
+    """``pool[row_slots[i]] = rows[i]`` for every (pool, rows) of ``pairs`` and every row i whose slot is not -1, in
+    one ``kda_write_slots`` call (each pair :func:`copyable`; slots in range, checked by the caller)."""
+    L, n = len(pairs), len(row_slots)
+    _lib[0].kda_write_slots(L, n, (ctypes.c_long * n)(*row_slots), (_P * L)(*(d.data_ptr() for d, _ in pairs)),
+                            (ctypes.c_long * L)(*(d.stride(0) for d, _ in pairs)),
+                            (_P * L)(*(s.data_ptr() for _, s in pairs)),
+                            (ctypes.c_long * L)(*(s[0].numel() if n else 0 for _, s in pairs)))
 
 
 def _rows_ok(t: torch.Tensor) -> torch.Tensor:

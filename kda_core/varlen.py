@@ -304,8 +304,10 @@ def write_states(pools: SlotPools, meta: BatchMeta, writes: dict, keep: torch.Te
     ``pools`` in place, each live row at its slot (one ``index_copy_`` per layer and piece; a 16-bit recurrent
     pool rounded to nearest). Pad rows (slot ``-1``) are never written, never clamped to slot 0.
 
-    keep ``[N]`` bool: write only these rows (None: every live row). Raises ValueError for bad slots."""
-    targets = {}                                                          # per slot tensor and piece: where to
+    keep ``[N]`` bool: write only these rows (None: every live row). Raises ValueError for bad slots (before any
+    write). fp32 pieces into fp32 pools go in one C copy per slot group and piece (:func:`kda_core.decode_cpu.
+    write_slots`) where the library is loaded; the rest by ``index_copy_``."""
+    targets, copies = {}, {}                                              # per slot tensor and piece: where to
     for li, pieces in writes.items():
         ls = _layer_slots(pools.kda[li])
         idx = meta.slot_idx if ls.slot_idx is None else ls.slot_idx
@@ -320,10 +322,19 @@ def write_states(pools: SlotPools, meta: BatchMeta, writes: dict, keep: torch.Te
             t = where[key]
             if t is None:
                 continue
-            slots, live = t
-            rec, conv = (w.recurrent, w.conv) if live is None else (w.recurrent[live], w.conv[live])
-            ls.recurrent.index_copy_(0, slots, rec if rec.dtype is ls.recurrent.dtype else rec.to(ls.recurrent.dtype))
-            ls.conv.index_copy_(0, slots, conv if conv.dtype is ls.conv.dtype else conv.to(ls.conv.dtype))
+            for pool, rows in ((ls.recurrent, w.recurrent), (ls.conv, w.conv)):
+                if decode_cpu.copyable(pool, rows):                       # in one C copy below
+                    copies.setdefault(id(t), (t, key[1], []))[2].append((pool, rows))
+                    continue
+                slots, live = t
+                rows = rows if live is None else rows[live]
+                pool.index_copy_(0, slots, rows if rows.dtype is pool.dtype else rows.to(pool.dtype))
+    for (slots, live), n, pairs in copies.values():
+        row_slots = slots.tolist() if live is None else [PAD_SLOT] * n  # row i -> its slot, -1: not written
+        if live is not None:
+            for i, s in zip(live.tolist(), slots.tolist()):
+                row_slots[i] = s
+        decode_cpu.write_slots(row_slots, pairs)
 
 
 def _write_target(idx: torch.Tensor, keep: torch.Tensor | None, first: int, n: int):

@@ -288,6 +288,16 @@ int kda_decode_block(const KdaWeights *p, const KdaBlock *blk, int B, float *x, 
     return rc;
 }
 
+/* Write n rows of L state pieces into their slots: piece j's row i (len[j] floats at src[j] + i len[j]) to
+ * dst[j] + slots[i] sdst[j] for each i with slots[i] >= 0 (-1: not written). A copy (the bits unchanged): the
+ * commit of a step's staged states, one call for every layer of a slot group. */
+void kda_write_slots(int L, int n, const long *slots, float *const *dst, const long *sdst, const float *const *src,
+                     const long *len) {
+    for (int j = 0; j < L; ++j)
+        for (int i = 0; i < n; ++i)
+            if (slots[i] >= 0) memcpy(dst[j] + slots[i] * sdst[j], src[j] + (long)i * len[j], sizeof(float) * len[j]);
+}
+
 /* Replay kda_decode_layer's state updates from what its steps consumed: k, g [B, T, H, K], v [B, T, H, V], beta
  * [B, T, H] (contiguous), onto S [B, H, K, V] (contiguous) in place, token by token: bitwise the states the layer
  * wrote (the same delta()). Returns 0, -1 for bad sizes, -2 when out of memory. */
