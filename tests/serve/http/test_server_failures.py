@@ -107,10 +107,10 @@ def test_a_request_whose_row_fails_is_a_500_and_the_others_are_served():
         def plant(engine):
             real = engine.postprocess.decode
 
-            def failing(req, logits):
+            def failing(req, *args):
                 if bytes(req.prompt) == b"poison-me" and len(req.output) >= 3:
                     raise RuntimeError("planted row failure")
-                return real(req, logits)
+                return real(req, *args)
             engine.postprocess.decode = failing
 
         on_engine(app, plant)
