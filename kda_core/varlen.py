@@ -473,31 +473,34 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     packed = _pack_latents(meta, qsl, slots, pools.kv_cache) if cfg.mla_layers else None
     records = {} if decode_records else None
     decode_only = meta.num_decode == n > 0
+    norms = model.norm1.unbind(0) if decode_only else None               # L x [D]: the input norms' weights
+    x_rows = x[0]                                                         # [T_total, D]: a view of x
     for li, m in enumerate(model.mixers):
+        got = None
         if decode_only:                                                    # the whole sublayer in one C call
             if isinstance(m, KDALayer):
-                got = _kda_decode_block(m, x[0], model.norm1[li], cfg.rms_norm_eps, meta, kda[li], records, li)
+                got = _kda_decode_block(m, x_rows, norms[li], cfg.rms_norm_eps, meta, kda[li], records, li)
                 if got is not None:
                     writes[li] = got
             else:
-                got = _mla_decode_block(m, x[0], model.norm1[li], cfg.rms_norm_eps, pools.kv_cache, mla_index[li],
+                got = _mla_decode_block(m, x_rows, norms[li], cfg.rms_norm_eps, pools.kv_cache, mla_index[li],
                                         packed)
-            if got is not None:
-                x = model.feed_forward(li, x)
-                continue
-        h = model.input_norm(li, x)
-        if isinstance(m, KDALayer):
-            writes[li] = []
-            y = _kda_layer(m, h, meta, qsl, by_slots[li], kda[li], states_at, li, verify, records, writes[li])
-        else:
-            if tok_map is None:
-                tok_map = (_positions(meta, qsl)[0], *_slot_mapping(meta, NB))
-            y = _mla_layer(m, h, meta, qsl, slots, tok_map[0], pools.kv_cache, mla_index[li], *tok_map[1:], packed,
-                           verify, li)
-        x += y                                                             # x is this forward's own tensor
-        x = model.feed_forward(li, x)
+        if got is None:
+            h = model.input_norm(li, x)
+            if isinstance(m, KDALayer):
+                writes[li] = []
+                y = _kda_layer(m, h, meta, qsl, by_slots[li], kda[li], states_at, li, verify, records, writes[li])
+            else:
+                if tok_map is None:
+                    tok_map = (_positions(meta, qsl)[0], *_slot_mapping(meta, NB))
+                y = _mla_layer(m, h, meta, qsl, slots, tok_map[0], pools.kv_cache, mla_index[li], *tok_map[1:],
+                               packed, verify, li)
+            x += y                                                         # x is this forward's own tensor
+        y = model.feed_forward(li, x)
+        if y is not x:                                                     # (not written in place)
+            x, x_rows = y, y[0]
     if qsl == list(range(n + 1)):                                          # one token per row: every token is last
-        logits = model.head(x[0])                                          # [N, vocab]
+        logits = model.head(x_rows)                                        # [N, vocab]
     else:
         logits = model.head(x[0, meta.query_start_loc[1:] - 1])            # [N, vocab] each row's last token
     for i in verify:
