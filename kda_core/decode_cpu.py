@@ -163,7 +163,7 @@ def write_slots(row_slots: list, pairs: list) -> None:
     _lib[0].kda_write_slots(L, n, (ctypes.c_long * n)(*row_slots), (_P * L)(*(d.data_ptr() for d, _ in pairs)),
                             (ctypes.c_long * L)(*(d.stride(0) for d, _ in pairs)),
                             (_P * L)(*(s.data_ptr() for _, s in pairs)),
-                            (ctypes.c_long * L)(*(s[0].numel() if n else 0 for _, s in pairs)))
+                            (ctypes.c_long * L)(*(s.numel() // n if n else 0 for _, s in pairs)))
 
 
 def _rows_ok(t: torch.Tensor) -> torch.Tensor:
