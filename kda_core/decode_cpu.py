@@ -9,6 +9,7 @@ width, RF / RG the ranks of the forget / output gate projections.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 from pathlib import Path
@@ -152,7 +153,7 @@ def block(gemm, layer, x, norm, eps, rec, conv, slot_idx, out, records) -> tuple
 def copyable(pool: torch.Tensor, rows: torch.Tensor) -> bool:
     """Whether :func:`write_slots` can copy ``rows [n, ...]`` into ``pool [S, ...]``: the library loaded, both fp32,
     rows contiguous, each slot of the pool contiguous, the same row shape."""
-    return bool(_lib) and not isinstance(_lib[0], str) and pool.dtype is _F32 and rows.dtype is _F32 and \
+    return pool.dtype is _F32 and rows.dtype is _F32 and bool(_lib) and not isinstance(_lib[0], str) and \
         rows.is_contiguous() and pool.shape[1:] == rows.shape[1:] and _slot_contiguous(pool)
 
 
@@ -230,9 +231,14 @@ def _run_dense(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out, aux, recor
 
 def _slot_contiguous(t: torch.Tensor) -> bool:
     """Whether each slot ``t[s]`` of a pool ``[S, ...]`` is contiguous (from the strides: no view made)."""
+    return _rows_contiguous(t.shape, t.stride())
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_contiguous(shape: tuple, stride: tuple) -> bool:
     want = 1
-    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
-        if size != 1 and stride != want:
+    for size, step in zip(reversed(shape[1:]), reversed(stride[1:])):
+        if size != 1 and step != want:
             return False
         want *= size
     return True
