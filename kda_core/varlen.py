@@ -205,13 +205,15 @@ def kda_varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return o
 
 
-def _check_cu(cu: torch.Tensor, total: int, n: int) -> None:
+def _check_cu(cu: torch.Tensor, total: int, n: int) -> list:
+    """Check ``cu`` (query_start_loc) and return it as a list."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.shape[0] != n + 1:
         raise ValueError(f"query_start_loc must be a 1-D tensor of N + 1 = {n + 1} offsets, got "
                          f"{getattr(cu, 'shape', type(cu).__name__)}")
     c = cu.tolist()
     if c[0] != 0 or c[-1] != total or any(b < a for a, b in zip(c, c[1:])):
         raise ValueError(f"query_start_loc must rise from 0 to T_total = {total}, got {c}")
+    return c
 
 
 # ---- the packed model forward ---------------------------------------------------------------------
@@ -452,10 +454,10 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     cfg = model.cfg
     n = meta.slot_idx.shape[0]
     total = tokens.shape[0]
-    _check_cu(meta.query_start_loc, total, n)
-    if tokens.numel() and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
+    qsl = _check_cu(meta.query_start_loc, total, n)
+    ids = (tokens if tokens.dim() == 1 else tokens.flatten()).tolist()   # one op, not a min and a max
+    if ids and (min(ids) < 0 or max(ids) >= cfg.vocab_size):
         raise ValueError(f"tokens must be ids in [0, {cfg.vocab_size - 1}]")
-    qsl = meta.query_start_loc.tolist()
     slots = meta.slot_idx.tolist()
     NB = pools.kv_cache.shape[2]
     tok_map = None                                     # (positions, slot mapping): built when a layer needs them
