@@ -18,10 +18,13 @@ The breakdown: one cProfile run of 20 steps per (tree, batch), cumulative time o
 the profiled step, scaled to the median CPU ms per step of that tree and batch (cProfile slows Python-heavy
 parts more than the torch ops, so the shares are approximate):
 
-- kda mixers: ``varlen._kda_layer`` (projections, conv, step, gated norm, o_proj) of the 6 KDA layers;
-- mla mixers: ``varlen._mla_layer`` of the 2 MLA layers (latents, per-row attention, o_proj);
-- ffn: ``HybridLM.mlp`` (layer 0 dense SwiGLU, the 7 MoE layers);
-- norms + head: the pre-norms and the final norm + lm_head;
+- kda mixers: ``varlen._kda_layer`` (projections, conv, step, gated norm, o_proj) of the 6 KDA layers, or for an
+  all-decode batch ``varlen._kda_decode_block`` (the same and the pre-norm and residual add, one C call);
+- mla mixers: ``varlen._mla_layer`` of the 2 MLA layers (latents, per-row attention, o_proj), or
+  ``varlen._mla_decode_block`` (with the pre-norm and residual add, one C call);
+- ffn: ``HybridLM.mlp`` (layer 0 dense SwiGLU, the 7 MoE layers), or ``HybridLM.feed_forward`` (with the
+  post-attention norm and residual add, one C call);
+- norms + head: the pre-norms and post-attention norms the parts above do not run, and the final norm + lm_head;
 - batch metadata: the rest of ``forward_batch`` (positions, slot mapping, packed latents, checks);
 - engine: the rest of ``ServeEngine.step`` (scheduling, state gather / scatter, sampling).
 
@@ -71,9 +74,11 @@ def engine(b):
 engines = {b: engine(b) for b in batches}
 for e in engines.values():
     time_steps(e, 2)
-PARTS = {"kda mixers": ("varlen.py", "_kda_layer"), "mla mixers": ("varlen.py", "_mla_layer"),
-         "ffn": ("model.py", "mlp"), "norms + head": [("model.py", "input_norm"), ("model.py", "post_attention_norm"),
-         ("model.py", "head")], "forward": ("varlen.py", "forward_batch"), "step": ("engine.py", "step")}
+PARTS = {"kda mixers": [("varlen.py", "_kda_layer"), ("varlen.py", "_kda_decode_block")],
+         "mla mixers": [("varlen.py", "_mla_layer"), ("varlen.py", "_mla_decode_block")],
+         "ffn": [("model.py", "mlp"), ("model.py", "feed_forward")], "norms + head": [("model.py", "input_norm"),
+         ("model.py", "post_attention_norm"), ("model.py", "head")], "forward": ("varlen.py", "forward_batch"),
+         "step": ("engine.py", "step")}
 def profile(b):
     pr = cProfile.Profile()
     pr.enable()

@@ -42,6 +42,7 @@ _EXPERTS_ATTR = "_kda_gemm_experts"  # on an expert stack: ((data_ptr, version),
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 _lock = threading.Lock()
 _chosen: list = []                 # [the CInvariant, or why there is none] (set once per process)
+_forgets = [0]                     # forget() calls so far: what caches of packed addresses elsewhere key on
 
 
 _threads = torch.get_num_threads
@@ -218,10 +219,17 @@ def forget(*tensors: torch.Tensor) -> None:
     tensor), so the next call packs them again. Needed only after a write that autograd's version counter does not
     see (``w.data.copy_(...)``, a NumPy view). Weights packed together (one GEMM over several projections) are cached
     on the first of them, so pass all of a module's: ``forget(*model.parameters())``."""
+    _forgets[0] += 1
     for t in tensors:
         for u in (t, t._base) if t._base is not None else (t,):
             u.__dict__.pop(_CACHE_ATTR, None)
             u.__dict__.pop(_EXPERTS_ATTR, None)
+
+
+def forgets() -> int:
+    """How many :func:`forget` calls this process made: a cache of packed addresses (a C form's weight block) keys on
+    it, so that it is rebuilt after a forget (whose packed copies it pointed to are gone)."""
+    return _forgets[0]
 
 
 def reason() -> str | None:

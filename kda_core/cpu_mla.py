@@ -32,7 +32,7 @@ ATOL = 1e-5
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _lock = threading.Lock()
 _chosen: list = []                 # [the CMLA, or why there is none] (set once per process)
-_MODULE_ATTR = "_kda_mla_block"    # on the MLA layer: ((id, address, version) of kv_b, the _Block)
+_MODULE_ATTR = "_kda_mla_block"    # on the MLA layer: ([(id, address, version) of its weights, forgets], _Block)
 
 
 class _Block(ctypes.Structure):
@@ -57,12 +57,16 @@ class CMLA:
         self._linear = ctypes.cast(gemm.lib.linear_f32, _P).value
         self._rmsnorm = ctypes.cast(gemm.lib.rmsnorm_f32, _P).value        # the RMSNorm every rmsnorm() call runs
         self._decode = lib.mla_decode_f32
+        lib.mla_decode_residual_f32.restype = _I
+        lib.mla_decode_residual_f32.argtypes = [_I, _P, _L, _P, _F, _P, _L, _I, _L, _L, _P, _L, _P, _P, _I]
+        self._residual = lib.mla_decode_residual_f32
 
     def _block(self, m) -> _Block:
-        """``m``'s :class:`_Block`, cached on the layer, rebuilt when a weight was replaced or written in place."""
+        """``m``'s :class:`_Block`, cached on the layer, rebuilt when a weight was replaced or written in place or
+        :func:`kda_core.cpu_invariant.forget` was called."""
         params = m._parameters                                              # (not nn.Module.__getattr__: µs)
         ws = (params["kv_b"], params["kv_a"], params["q_proj"], params["kv_norm"], params["o_proj"])
-        key = [(id(w), w.data_ptr(), w._version) for w in ws]
+        key = [(id(w), w.data_ptr(), w._version) for w in ws] + [cpu_invariant.forgets()]
         hit = m.__dict__.get(_MODULE_ATTR)
         if hit is not None and hit[0] == key:
             return hit[1]
@@ -147,6 +151,25 @@ class CMLA:
         if rc:
             raise RuntimeError(f"mla_decode_f32 failed with code {rc}")
         return y
+
+
+    def decode_residual(self, m, x: torch.Tensor, norm: torch.Tensor, eps: float, cache: torch.Tensor,
+                        qm: torch.Tensor, pages: torch.Tensor) -> None:
+        """The MLA sublayer for Q decode tokens in place: ``x [Q, D] += decode(m, rmsnorm(x, norm, eps), ...)`` in
+        one call, bitwise :func:`kda_core.invariant.rmsnorm`, :meth:`decode` (same cache, qm, pages) and torch's add.
+        x fp32 with contiguous rows, norm ``[D]`` fp32 contiguous. Raises as :meth:`decode` (x then unchanged)."""
+        if not m.cfg.mla_use_nope:
+            raise ValueError("decode runs MLA layers without rotary embedding (mla_use_nope) only")
+        if cache.stride(-1) != 1:
+            raise ValueError("cache must have a contiguous last dim")
+        rc = self._residual(x.shape[0], x.data_ptr(), x.stride(0), norm.data_ptr(), eps, cache.data_ptr(),
+                            cache.stride(0), cache.shape[1], cache.stride(1), cache.shape[0], pages.data_ptr(),
+                            pages.shape[0], qm.data_ptr(), ctypes.byref(self._block(m)), _threads())
+        if rc == 3:
+            raise ValueError(f"every query needs a non-empty run of latents inside its storage and a write inside the "
+                             f"cache, got (table start, cached, first, length, page, offset) {qm.T.tolist()}")
+        if rc:
+            raise RuntimeError(f"mla_decode_residual_f32 failed with code {rc}")
 
 
 _threads = torch.get_num_threads

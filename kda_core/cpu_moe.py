@@ -35,7 +35,7 @@ ACT_RTOL = 4e-7                    # the activations alone: sigmoid, silu(v) * u
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _lock = threading.Lock()
 _chosen: list = []                 # [the CMoE, or why there is none] (set once per process)
-_MODULE_ATTR = "_kda_moe_block"    # on the MoE module: ([(id, address, version) of its weights], the _Block)
+_MODULE_ATTR = "_kda_moe_block"    # on the MoE module: ([(id, address, version) of its weights, forgets], _Block)
 
 
 class _Block(ctypes.Structure):
@@ -55,13 +55,16 @@ class CMoE:
         lib.moe_forward_f32.argtypes = [_I, _P, _L, _P, _L, _P, _P, _I]
         lib.moe_dense_f32.restype = _I
         lib.moe_dense_f32.argtypes = [_I, _I, _I, _P, _L, _P, _P, _P, _L, _P, _I]
+        lib.moe_residual_f32.restype = _I
+        lib.moe_residual_f32.argtypes = [_I, _I, _P, _L, _P, _F, _P, _P, _I, _P, _P, _P, _I]
         for name in ("moe_sigmoid_f32", "moe_silu_mul_f32"):
             getattr(lib, name).restype = None
         lib.moe_sigmoid_f32.argtypes = [_I, _P, _P]
         lib.moe_silu_mul_f32.argtypes = [_I, _P, _P, _P]
         self.lib, self.path, self.gemm = lib, path, gemm
-        self._run, self._dense = lib.moe_forward_f32, lib.moe_dense_f32
+        self._run, self._dense, self._residual = lib.moe_forward_f32, lib.moe_dense_f32, lib.moe_residual_f32
         self._linear = ctypes.cast(gemm.lib.linear_f32, _P).value    # the GEMM every linear() call runs
+        self._rmsnorm = ctypes.cast(gemm.lib.rmsnorm_f32, _P).value  # the RMSNorm every rmsnorm() call runs
 
     def sigmoid(self, v: torch.Tensor) -> torch.Tensor:
         """The C form's sigmoid of v (fp32, contiguous) -> v's shape."""
@@ -77,13 +80,14 @@ class CMoE:
 
     def _block(self, moe) -> _Block:
         """``moe``'s :class:`_Block`, cached on the module and rebuilt when any of its weights (or the router bias)
-        was replaced or written in place (address or version counter moved: the GEMM's caches repack then). Keeps
-        the packed copies it points to alive through the GEMM's caches on the weights themselves."""
+        was replaced or written in place (address or version counter moved: the GEMM's caches repack then) or
+        :func:`kda_core.cpu_invariant.forget` was called. Keeps the packed copies it points to alive through the
+        GEMM's caches on the weights themselves."""
         params, shared = moe._parameters, moe._modules.get("shared")       # (not nn.Module.__getattr__: µs)
         ws = (params["router"], moe._buffers["router_bias"], params["experts_gate_up"], params["experts_down"])
         if shared is not None:
             ws += (shared._parameters["gate_up"], shared._parameters["down"])
-        key = [(id(w), w.data_ptr(), w._version) for w in ws]
+        key = [(id(w), w.data_ptr(), w._version) for w in ws] + [cpu_invariant.forgets()]
         hit = moe.__dict__.get(_MODULE_ATTR)
         if hit is not None and hit[0] == key:
             return hit[1]
@@ -135,6 +139,26 @@ class CMoE:
         if rc:
             raise RuntimeError(f"moe_dense_f32 failed with code {rc}")
         return out
+
+
+    def residual(self, ffn, x: torch.Tensor, norm: torch.Tensor, eps: float) -> None:
+        """``x += ffn(rmsnorm(x, norm, eps))`` in place in one call (a decoder layer's post-attention sublayer), ffn a
+        :class:`kda_core.moe.MoE` (:meth:`forward`) or a :class:`kda_core.moe.DenseMLP` (:meth:`dense`): bitwise
+        :func:`kda_core.invariant.rmsnorm`, that call and torch's add. x ``[M, D]`` fp32 with a contiguous last dim,
+        norm ``[D]`` fp32 contiguous. Unchecked shapes and dtypes (the caller checks); raises RuntimeError when the
+        call fails (out of memory; x is then unchanged)."""
+        M, D = x.shape
+        params = ffn._parameters                                            # (not nn.Module.__getattr__: µs)
+        if "router" in params:
+            rc = self._residual(M, D, x.data_ptr(), x.stride(0), norm.data_ptr(), eps, self._rmsnorm,
+                                ctypes.byref(self._block(ffn)), 0, None, None, self._linear, _threads())
+        else:
+            gate_up, down = params["gate_up"], params["down"]
+            rc = self._residual(M, D, x.data_ptr(), x.stride(0), norm.data_ptr(), eps, self._rmsnorm, None,
+                                down.shape[1], self.gemm.packed(gate_up)[1], self.gemm.packed(down)[1], self._linear,
+                                _threads())
+        if rc:
+            raise RuntimeError(f"moe_residual_f32 failed with code {rc}")
 
 
 _threads = torch.get_num_threads

@@ -9,12 +9,14 @@ width, RF / RG the ranks of the forget / output gate projections.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
 from pathlib import Path
 
 import torch
 
+from kda_core import cpu_invariant
 from kda_core.cpu_build import build, default_isa, open_library
 
 SOURCE = Path(__file__).parent / "csrc" / "kda_decode_cpu.c"
@@ -26,6 +28,7 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 _lock = threading.Lock()
 _lib: list = []                    # [the loaded library, or why there is none] (set once)
 _WEIGHTS_ATTR = "_kda_decode_weights"
+_BLOCK_ATTR = "_kda_decode_block"     # on the layer: its _Block (the packed addresses refreshed per call)
 _F32 = torch.float32
 
 
@@ -59,6 +62,11 @@ def load():
                     lib.kda_decode_layer.argtypes = ([_P, _I, _I] + [_P, _L] * 6 + [_P] + [_P, _L] * 2 + [_P, _P])
                     lib.kda_decode_replay.restype = _I
                     lib.kda_decode_replay.argtypes = [_I] * 5 + [_P] * 5
+                    lib.kda_decode_block.restype = _I
+                    lib.kda_decode_block.argtypes = ([_P, _P, _I, _P, _L, _P, _F] + [_P, _L] * 2 + [_P]
+                                                     + [_P, _L] * 2 + [_P, _I])
+                    lib.kda_write_slots.restype = None
+                    lib.kda_write_slots.argtypes = [_I, _I] + [_P] * 5
                     lib.kda_decode_exp.restype = None
                     lib.kda_decode_exp.argtypes = [_L, _P, _P]
                     _lib.append(lib)
@@ -92,6 +100,71 @@ def weights(layer) -> _Weights:
     s._keep = keep, ws                                                    # ws: the ids in the key stay theirs
     layer.__dict__[_WEIGHTS_ATTR] = (key, s)                              # not an nn.Module attribute
     return s
+
+
+class _Block(ctypes.Structure):
+    """KdaBlock of the C source: the layer's packed input and o_proj GEMMs and the GEMM / RMSNorm it calls."""
+
+    _fields_ = [("D", _I), ("NP", _I), ("proj", _P), ("o_proj", _P), ("linear", _P), ("rmsnorm", _P)]
+
+
+def block_runs(rec: torch.Tensor, conv: torch.Tensor):
+    """The C GEMM (:func:`kda_core.cpu_invariant.backend`) where :func:`block` can run on these pools (fp32, each
+    slot contiguous), else None."""
+    gemm = cpu_invariant.backend()
+    if gemm is None or rec.dtype is not _F32 or conv.dtype is not _F32 or not _slots_contiguous(rec, conv):
+        return None
+    return gemm
+
+
+def block(gemm, layer, x, norm, eps, rec, conv, slot_idx, out, records) -> tuple:
+    """One ``kda_decode_block`` call: ``x [B, D] += o_proj(layer(rmsnorm(x, norm, eps)))`` in place for one decode
+    token per row (B rows, x fp32 with contiguous rows), bitwise :func:`kda_core.invariant.rmsnorm`,
+    :meth:`KDALayer.project_inputs`, :func:`run` (same pools, slot_idx, out, records), the o_proj
+    :func:`kda_core.invariant.linear` and torch's add. Returns the records (k, u, g) as :func:`run` does (None when
+    not asked). Unchecked; needs :func:`load` and :func:`block_runs`. Raises ValueError if the kernel refuses the
+    sizes (or is out of memory: x then unwritten)."""
+    p = layer._parameters                                                 # (not nn.Module.__getattr__: µs)
+    o_proj = p["o_proj"]
+    B, D = x.shape
+    s = layer.__dict__.get(_BLOCK_ATTR)
+    if s is None:
+        s = layer.__dict__[_BLOCK_ATTR] = _Block(linear=ctypes.cast(gemm.lib.linear_f32, _P).value,
+                                                 rmsnorm=ctypes.cast(gemm.lib.rmsnorm_f32, _P).value)
+    s.proj = gemm.packed_cat((p["qkv_proj"], p["f_a"], p["b_proj"], p["g_a"]))[1]   # the GEMMs' caches: repacked
+    s.o_proj = gemm.packed(o_proj)[1]                                     # on a write, dropped by forget()
+    s.D, s.NP = D, p["qkv_proj"].shape[0] + p["f_a"].shape[0] + p["b_proj"].shape[0] + p["g_a"].shape[0]
+    cfg = layer.cfg
+    H, K, V = cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim
+    rec_out = (x.new_empty(B, H, K), x.new_empty(B, H, V), x.new_empty(B, H, K)) if records else (None,) * 3
+    a = ctypes.byref(_Aux(k=rec_out[0].data_ptr(), u=rec_out[1].data_ptr(), g=rec_out[2].data_ptr())) \
+        if records else None
+    rc = _lib[0].kda_decode_block(ctypes.byref(weights(layer)), ctypes.byref(s), B, x.data_ptr(), x.stride(0),
+                                  norm.data_ptr(), eps, rec.data_ptr(), rec.stride(0), conv.data_ptr(), conv.stride(0),
+                                  slot_idx.data_ptr(),
+                                  None if out is None else out[0].data_ptr(), 0 if out is None else out[0].stride(0),
+                                  None if out is None else out[1].data_ptr(), 0 if out is None else out[1].stride(0),
+                                  a, torch.get_num_threads())
+    if rc:
+        raise ValueError(f"kda_decode_block: {'out of memory' if rc == -2 else 'bad sizes'}")
+    return rec_out
+
+
+def copyable(pool: torch.Tensor, rows: torch.Tensor) -> bool:
+    """Whether :func:`write_slots` can copy ``rows [n, ...]`` into ``pool [S, ...]``: the library loaded, both fp32,
+    rows contiguous, each slot of the pool contiguous, the same row shape."""
+    return pool.dtype is _F32 and rows.dtype is _F32 and bool(_lib) and not isinstance(_lib[0], str) and \
+        rows.is_contiguous() and pool.shape[1:] == rows.shape[1:] and _slot_contiguous(pool)
+
+
+def write_slots(row_slots: list, pairs: list) -> None:
+    """``pool[row_slots[i]] = rows[i]`` for every (pool, rows) of ``pairs`` and every row i whose slot is not -1, in
+    one ``kda_write_slots`` call (each pair :func:`copyable`; slots in range, checked by the caller)."""
+    L, n = len(pairs), len(row_slots)
+    _lib[0].kda_write_slots(L, n, (ctypes.c_long * n)(*row_slots), (_P * L)(*(d.data_ptr() for d, _ in pairs)),
+                            (ctypes.c_long * L)(*(d.stride(0) for d, _ in pairs)),
+                            (_P * L)(*(s.data_ptr() for _, s in pairs)),
+                            (ctypes.c_long * L)(*(s.numel() // n if n else 0 for _, s in pairs)))
 
 
 def _rows_ok(t: torch.Tensor) -> torch.Tensor:
@@ -158,9 +231,14 @@ def _run_dense(layer, raw, f_low, b, g_low, rec, conv, slot_idx, out, aux, recor
 
 def _slot_contiguous(t: torch.Tensor) -> bool:
     """Whether each slot ``t[s]`` of a pool ``[S, ...]`` is contiguous (from the strides: no view made)."""
+    return _rows_contiguous(t.shape, t.stride())
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_contiguous(shape: tuple, stride: tuple) -> bool:
     want = 1
-    for size, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
-        if size != 1 and stride != want:
+    for size, step in zip(reversed(shape[1:]), reversed(stride[1:])):
+        if size != 1 and step != want:
             return False
         want *= size
     return True

@@ -23,7 +23,7 @@ from kda_core import pretrained
 from kda_core.config import PRESETS, ModelConfig
 from kda_core.invariant import linear
 from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _check_mode, _check_state_at, rmsnorm
-from kda_core.moe import DenseMLP, MoE
+from kda_core.moe import DenseMLP, MoE, ffn_residual
 
 
 class HybridCache(NamedTuple):
@@ -144,6 +144,12 @@ class HybridLM(nn.Module):
         """``post_attention_layernorm`` of layer i on ``x [..., D]``."""
         return rmsnorm(x, self.norm2[i], self.cfg.rms_norm_eps)
 
+    def feed_forward(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Layer i's post-attention sublayer on the residual stream ``x [..., D]``: ``x + mlp(post_attention_norm(x))``,
+        written into x's own storage (and x returned) where the C form runs it in one call
+        (:func:`kda_core.moe.ffn_residual`, bitwise the separate calls)."""
+        return ffn_residual(self.ffn[i], x, self.norm2[i], self.cfg.rms_norm_eps)
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final ``norm`` then ``lm_head``: hidden ``[..., D]`` -> logits ``[..., vocab]``."""
         return linear(rmsnorm(x, self.norm_f, self.cfg.rms_norm_eps), self.lm_head)
@@ -189,7 +195,7 @@ class HybridLM(nn.Module):
             else:
                 y, new_layers[i] = m(h, cache.layers[i], mode=mode)
             x = x + y
-            x = x + self.mlp(i, self.post_attention_norm(i, x))
+            x = self.feed_forward(i, x)                                   # x is this forward's own
         logits = self.head(x) if stop == self.cfg.num_layers else None
         return ForwardOutput(logits, HybridCache(tuple(new_layers), cache.num_tokens + T), aux, states_at)
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from kda_core import cpu_moe
 from kda_core.config import ModelConfig
-from kda_core.invariant import linear, linear_cat, pointwise
+from kda_core.invariant import linear, linear_cat, pointwise, rmsnorm
 
 _FUSED: list = []     # [cpu_moe.backend()], read on every call once it is chosen
 
@@ -194,3 +194,19 @@ class MoE(nn.Module):
             return
         load = self.last_load.float()
         self.router_bias += rate * torch.sign(load.mean() - load)
+
+
+def ffn_residual(ffn: nn.Module, x: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+    """A decoder layer's post-attention sublayer: ``x + ffn(rmsnorm(x, norm, eps))``, ffn a :class:`MoE` or a
+    :class:`DenseMLP`, x ``[..., D]``, norm ``[D]``. Where the C form runs them (fp32 CPU tensors, x contiguous, no
+    autograd, a MoE not in training) one C call writes it into x and returns x (:meth:`kda_core.cpu_moe.CMoE.residual`,
+    bitwise the separate calls); else those calls return a new tensor. Raises what they raise."""
+    fused = _FUSED[0] if _FUSED else _choose()
+    w = ffn._parameters.get("router", ffn._parameters.get("gate_up"))
+    if fused is not None and x.dtype is torch.float32 and norm.dtype is torch.float32 and w.dtype is torch.float32 \
+            and x.is_cpu and norm.is_cpu and w.is_cpu and x.is_contiguous() and norm.is_contiguous() \
+            and norm.shape == x.shape[-1:] and not ffn.training \
+            and not (torch.is_grad_enabled() and (x.requires_grad or norm.requires_grad or w.requires_grad)):
+        fused.residual(ffn, x.view(-1, x.shape[-1]), norm, eps)            # [M, D]
+        return x
+    return x + ffn(rmsnorm(x, norm, eps))

@@ -13,7 +13,7 @@ engine's is a strided view of its page arena, slot = page id) and :func:`forward
 states from it by slot. It writes the new states back by slot (:func:`write_states`, one ``index_copy_``
 per layer and piece) once every layer has run, or hands them to the caller (``write=False``,
 :class:`StateWrite`) to write when it commits the step; no dense copy of the pool is made. A decode kernel
-gets a layer's ``recurrent`` / ``conv`` pools and the decode rows' slots (``_Rows``) and returns the new
+gets a layer's ``recurrent`` / ``conv`` pools and the decode rows' slots (``slot_idx``) and returns the new
 states.
 
 Rules every function here keeps:
@@ -37,9 +37,9 @@ from typing import NamedTuple
 
 import torch
 
-from kda_core import cpu_mla
+from kda_core import cpu_mla, decode_cpu
 from kda_core.chunk import CHUNK_SIZE, kda_chunk
-from kda_core.decode import kda_decode
+from kda_core.decode import kda_decode, why_not
 from kda_core.invariant import linear
 from kda_core.kda import _step
 from kda_core.layer import KDAAux, KDACache, KDALayer, MLALayer, _block_causal_attention, latent_attention
@@ -48,16 +48,18 @@ PAD_SLOT = -1
 
 
 # ---- slot gather / scatter ------------------------------------------------------------------------
-def _check_slots(slot_idx: torch.Tensor, num_slots: int, name: str = "slot_idx") -> None:
+def _check_slots(slot_idx: torch.Tensor, num_slots: int, name: str = "slot_idx", as_list: list | None = None) -> list:
+    """Check ``slot_idx`` (``as_list``: its ``tolist()``, when the caller has it) and return it as a list."""
     if not isinstance(slot_idx, torch.Tensor) or slot_idx.dim() != 1 or slot_idx.dtype != torch.long:
         raise ValueError(f"{name} must be a 1-D int64 tensor, got "
                          f"{getattr(slot_idx, 'dtype', type(slot_idx).__name__)}")
-    live = slot_idx[slot_idx != PAD_SLOT]
-    if live.numel() and (live.min() < 0 or live.max() >= num_slots):
-        raise ValueError(f"{name} must hold slots in [0, {num_slots}) or {PAD_SLOT} (pad), got {slot_idx.tolist()}")
-    if live.unique().numel() != live.numel():
-        raise ValueError(f"{name} holds a live slot twice (TRT-LLM#13151: duplicate state indices): "
-                         f"{slot_idx.tolist()}")
+    slots = slot_idx.tolist() if as_list is None else as_list
+    live = [s for s in slots if s != PAD_SLOT]
+    if live and (min(live) < 0 or max(live) >= num_slots):
+        raise ValueError(f"{name} must hold slots in [0, {num_slots}) or {PAD_SLOT} (pad), got {slots}")
+    if len(set(live)) != len(live):
+        raise ValueError(f"{name} holds a live slot twice (TRT-LLM#13151: duplicate state indices): {slots}")
+    return slots
 
 
 def gather_slots(pool: torch.Tensor, slot_idx: torch.Tensor) -> torch.Tensor:
@@ -203,13 +205,15 @@ def kda_varlen_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return o
 
 
-def _check_cu(cu: torch.Tensor, total: int, n: int) -> None:
+def _check_cu(cu: torch.Tensor, total: int, n: int) -> list:
+    """Check ``cu`` (query_start_loc) and return it as a list."""
     if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.shape[0] != n + 1:
         raise ValueError(f"query_start_loc must be a 1-D tensor of N + 1 = {n + 1} offsets, got "
                          f"{getattr(cu, 'shape', type(cu).__name__)}")
     c = cu.tolist()
     if c[0] != 0 or c[-1] != total or any(b < a for a, b in zip(c, c[1:])):
         raise ValueError(f"query_start_loc must rise from 0 to T_total = {total}, got {c}")
+    return c
 
 
 # ---- the packed model forward ---------------------------------------------------------------------
@@ -302,8 +306,10 @@ def write_states(pools: SlotPools, meta: BatchMeta, writes: dict, keep: torch.Te
     ``pools`` in place, each live row at its slot (one ``index_copy_`` per layer and piece; a 16-bit recurrent
     pool rounded to nearest). Pad rows (slot ``-1``) are never written, never clamped to slot 0.
 
-    keep ``[N]`` bool: write only these rows (None: every live row). Raises ValueError for bad slots."""
-    targets = {}                                                          # per slot tensor and piece: where to
+    keep ``[N]`` bool: write only these rows (None: every live row). Raises ValueError for bad slots (before any
+    write). fp32 pieces into fp32 pools go in one C copy per slot group and piece (:func:`kda_core.decode_cpu.
+    write_slots`) where the library is loaded; the rest by ``index_copy_``."""
+    targets, copies = {}, {}                                              # per slot tensor and piece: where to
     for li, pieces in writes.items():
         ls = _layer_slots(pools.kda[li])
         idx = meta.slot_idx if ls.slot_idx is None else ls.slot_idx
@@ -318,16 +324,27 @@ def write_states(pools: SlotPools, meta: BatchMeta, writes: dict, keep: torch.Te
             t = where[key]
             if t is None:
                 continue
-            slots, live = t
-            rec, conv = (w.recurrent, w.conv) if live is None else (w.recurrent[live], w.conv[live])
-            ls.recurrent.index_copy_(0, slots, rec.to(ls.recurrent.dtype))
-            ls.conv.index_copy_(0, slots, conv.to(ls.conv.dtype))
+            for pool, rows in ((ls.recurrent, w.recurrent), (ls.conv, w.conv)):
+                if decode_cpu.copyable(pool, rows):                       # in one C copy below
+                    copies.setdefault(id(t), (t, key[1], []))[2].append((pool, rows))
+                    continue
+                slots, live = t
+                rows = rows if live is None else rows[live]
+                pool.index_copy_(0, slots, rows if rows.dtype is pool.dtype else rows.to(pool.dtype))
+    for (slots, live), n, pairs in copies.values():
+        row_slots = slots.tolist() if live is None else [PAD_SLOT] * n  # row i -> its slot, -1: not written
+        if live is not None:
+            for i, s in zip(live.tolist(), slots.tolist()):
+                row_slots[i] = s
+        decode_cpu.write_slots(row_slots, pairs)
 
 
 def _write_target(idx: torch.Tensor, keep: torch.Tensor | None, first: int, n: int):
     """Rows ``[first, first + n)``: ``(slots [n'], live rows [n'] or None when all n are written)``, or None when
     none is (pad rows and rows not kept)."""
     slots = idx[first: first + n]                                         # [n]
+    if keep is None and PAD_SLOT not in slots.tolist():                   # every row written: no mask op
+        return slots, None
     sel = slots != PAD_SLOT
     if keep is not None:
         sel &= keep[first: first + n]
@@ -352,9 +369,14 @@ def make_meta(row_lens, num_decode: int, slot_idx, has_initial_state, context_le
             raise ValueError(f"{name} must have one entry per row ({n}), got {len(x)}")
     if not 0 <= num_decode <= n or any(t != 1 for t in row_lens[:num_decode]) or any(t < 1 for t in row_lens):
         raise ValueError(f"rows [0, num_decode={num_decode}) must have 1 token and every row >= 1, got {list(row_lens)}")
-    qsl = torch.zeros(n + 1, dtype=torch.long)
-    qsl[1:] = torch.tensor(list(row_lens), dtype=torch.long).cumsum(0)
-    return BatchMeta(qsl, num_decode, torch.tensor(list(slot_idx), dtype=torch.long),
+    if num_decode == n:                                                   # one token per row
+        qsl = torch.arange(n + 1)
+    else:
+        qsl = torch.zeros(n + 1, dtype=torch.long)
+        qsl[1:] = torch.tensor(list(row_lens), dtype=torch.long).cumsum(0)
+    slot_idx = slot_idx.to(torch.long, copy=True) if isinstance(slot_idx, torch.Tensor) else \
+        torch.tensor(list(slot_idx), dtype=torch.long)                    # (a tensor: no 0-d tensor per row)
+    return BatchMeta(qsl, num_decode, slot_idx,
                      torch.tensor(list(has_initial_state), dtype=torch.bool), tuple(context_lens),
                      tuple(tuple(t) for t in block_tables), tuple(state_at or ((),) * n), num_verify)
 
@@ -432,38 +454,57 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
     cfg = model.cfg
     n = meta.slot_idx.shape[0]
     total = tokens.shape[0]
-    _check_cu(meta.query_start_loc, total, n)
-    if tokens.numel() and (tokens.min() < 0 or tokens.max() >= cfg.vocab_size):
+    qsl = _check_cu(meta.query_start_loc, total, n)
+    ids = (tokens if tokens.dim() == 1 else tokens.flatten()).tolist()   # one op, not a min and a max
+    if ids and (min(ids) < 0 or max(ids) >= cfg.vocab_size):
         raise ValueError(f"tokens must be ids in [0, {cfg.vocab_size - 1}]")
-    qsl = meta.query_start_loc.tolist()
     slots = meta.slot_idx.tolist()
-    pos, pad_tok = _positions(meta, qsl)
     NB = pools.kv_cache.shape[2]
-    kv_pages, kv_offs, kv_live = _slot_mapping(meta, NB)
-    x = model.embed[tokens].unsqueeze(0).clone()                          # [1, T_total, D]
-    x[0, pad_tok] = float("nan")
+    tok_map = None                                     # (positions, slot mapping): built when a layer needs them
+    x = model.embed[tokens].unsqueeze(0)                                  # [1, T_total, D] (a copy: indexed)
+    if PAD_SLOT in slots:
+        x[0, _positions(meta, qsl)[1]] = float("nan")
     states_at = {i: {t: {} for t in meta.state_at[i]} for i in range(n) if meta.state_at[i]}
     verify = {i: VerifyRow(None, {}, {}) for i in range(meta.num_decode, meta.num_decode + meta.num_verify)}
     kda = {li: _layer_slots(e) for li, e in pools.kda.items()}
     if not kda:
-        _check_slots(meta.slot_idx, n)                                    # no KDA layer: slots index nothing
-    by_slots = _slot_lists(kda, meta, slots)                             # {layer: (slots list, decode _Rows)}
+        _check_slots(meta.slot_idx, n, as_list=slots)                     # no KDA layer: slots index nothing
+    by_slots = _slot_lists(kda, meta, slots)                             # {layer: its slots as a list}
     writes = {}
     mla_index = {layer: j for j, layer in enumerate(cfg.mla_layers)}
     packed = _pack_latents(meta, qsl, slots, pools.kv_cache) if cfg.mla_layers else None
     records = {} if decode_records else None
-    for li in range(cfg.num_layers):
-        m, h = model.mixers[li], model.input_norm(li, x)
-        if isinstance(m, KDALayer):
-            writes[li] = []
-            y = _kda_layer(m, h, meta, qsl, *by_slots[li], kda[li], states_at, li, verify, records, writes[li])
-        else:
-            y = _mla_layer(m, h, meta, qsl, slots, pos, pools.kv_cache, mla_index[li], kv_pages, kv_offs, kv_live,
-                           packed, verify, li)
-        x = x + y
-        x = x + model.mlp(li, model.post_attention_norm(li, x))
-    last = meta.query_start_loc[1:] - 1                                    # [N] each row's last token
-    logits = model.head(x[0, last])                                        # [N, vocab]
+    decode_only = meta.num_decode == n > 0
+    norms = model.norm1.unbind(0) if decode_only else None               # L x [D]: the input norms' weights
+    x_rows = x[0]                                                         # [T_total, D]: a view of x
+    for li, m in enumerate(model.mixers):
+        got = None
+        if decode_only:                                                    # the whole sublayer in one C call
+            if isinstance(m, KDALayer):
+                got = _kda_decode_block(m, x_rows, norms[li], cfg.rms_norm_eps, meta, kda[li], records, li)
+                if got is not None:
+                    writes[li] = got
+            else:
+                got = _mla_decode_block(m, x_rows, norms[li], cfg.rms_norm_eps, pools.kv_cache, mla_index[li],
+                                        packed)
+        if got is None:
+            h = model.input_norm(li, x)
+            if isinstance(m, KDALayer):
+                writes[li] = []
+                y = _kda_layer(m, h, meta, qsl, by_slots[li], kda[li], states_at, li, verify, records, writes[li])
+            else:
+                if tok_map is None:
+                    tok_map = (_positions(meta, qsl)[0], *_slot_mapping(meta, NB))
+                y = _mla_layer(m, h, meta, qsl, slots, tok_map[0], pools.kv_cache, mla_index[li], *tok_map[1:],
+                               packed, verify, li)
+            x += y                                                         # x is this forward's own tensor
+        y = model.feed_forward(li, x)
+        if y is not x:                                                     # (not written in place)
+            x, x_rows = y, y[0]
+    if qsl == list(range(n + 1)):                                          # one token per row: every token is last
+        logits = model.head(x_rows)                                        # [N, vocab]
+    else:
+        logits = model.head(x[0, meta.query_start_loc[1:] - 1])            # [N, vocab] each row's last token
     for i in verify:
         rows = x[:, qsl[i]: qsl[i + 1]]                                    # [1, T, D]
         verify[i] = verify[i]._replace(logits=model.head(rows))             # [1, T, vocab]
@@ -473,25 +514,57 @@ def forward_batch(model, tokens: torch.Tensor, meta: BatchMeta, pools: SlotPools
 
 
 def _slot_lists(kda: dict, meta: BatchMeta, meta_slots: list) -> dict:
-    """Per KDA layer ``(slots, decode rows)``: its rows' slots as a list and the decode rows' :class:`_Rows`,
-    each distinct slot tensor checked once (:func:`_check_slots`; pad rows where ``meta.slot_idx`` has them).
-    Raises ValueError for bad slots."""
-    out, seen, pads = {}, {}, meta.slot_idx == PAD_SLOT
+    """Per KDA layer its rows' slots as a list, each distinct slot tensor checked once (:func:`_check_slots`; pad
+    rows where ``meta.slot_idx`` has them, ``meta_slots`` its list). Raises ValueError for bad slots."""
+    out, seen = {}, {}
     for li, ls in kda.items():
         idx = meta.slot_idx if ls.slot_idx is None else ls.slot_idx
         key = (id(idx), ls.recurrent.shape[0])
         if key not in seen:
-            _check_slots(idx, ls.recurrent.shape[0])
-            if idx.shape != meta.slot_idx.shape or not torch.equal(idx == PAD_SLOT, pads):
+            same = idx is meta.slot_idx
+            slots = _check_slots(idx, ls.recurrent.shape[0], as_list=meta_slots if same else None)
+            if not same and (len(slots) != len(meta_slots) or any(
+                    (a == PAD_SLOT) != (b == PAD_SLOT) for a, b in zip(slots, meta_slots))):
                 raise ValueError(f"a layer's slot_idx must mark the pad rows of meta.slot_idx with {PAD_SLOT}, got "
-                                 f"{idx.tolist()} for {meta.slot_idx.tolist()}")
-            seen[key] = (meta_slots if idx is meta.slot_idx else idx.tolist(),
-                         _rows(idx[: meta.num_decode], ls.recurrent.shape[0]))
+                                 f"{slots} for {meta_slots}")
+            seen[key] = slots
         out[li] = seen[key]
     return out
 
 
-def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, dec_rows: _Rows, pool: LayerSlots, states_at, li,
+def _kda_decode_block(m: KDALayer, x, norm, eps: float, meta: BatchMeta, pool: LayerSlots, records: dict | None,
+                      li: int) -> list | None:
+    """An all-decode batch's KDA sublayer, ``x [N, D] += o_proj(layer(input_norm(x)))`` in place, in one C call
+    (:func:`kda_core.decode_cpu.block`: bitwise :func:`_kda_layer` and the add) where it runs; returns the rows' new
+    states (one :class:`StateWrite`, nothing written to the pools) and puts the records in ``records[li]``. None
+    (nothing done) where it does not run: then the caller runs :func:`_kda_layer`."""
+    rec_pool, conv_pool = pool.recurrent, pool.conv
+    gemm = decode_cpu.block_runs(rec_pool, conv_pool)
+    if gemm is None or norm.dtype is not torch.float32 or not norm.is_contiguous() or why_not(m, x) is not None:
+        return None
+    cfg, nd = m.cfg, x.shape[0]
+    idx = meta.slot_idx if pool.slot_idx is None else pool.slot_idx
+    state = x.new_empty(nd, cfg.num_heads, cfg.head_k_dim, cfg.head_v_dim)   # [nd, H, K, V] new states
+    conv = x.new_empty(nd, cfg.conv_dim, cfg.conv_kernel - 1)                # [nd, D_conv, W-1]
+    recs = decode_cpu.block(gemm, m, x, norm, eps, rec_pool, conv_pool, idx.contiguous(), (state, conv),
+                            records is not None)
+    if records is not None:
+        records[li] = recs                                                # [nd, H, K], [nd, H, V], [nd, H, K]
+    return [StateWrite(0, state, conv)]
+
+
+def _mla_decode_block(m: MLALayer, x, norm, eps: float, kv_cache, m_idx: int, packed: _Packed) -> bool | None:
+    """An all-decode batch's MLA sublayer, ``x [N, D] += layer(input_norm(x))`` in place, in one C call
+    (:meth:`kda_core.cpu_mla.CMLA.decode_residual`: bitwise :func:`_mla_layer` and the add) where it runs: True;
+    None (nothing done) where it does not."""
+    c = cpu_mla.runs(x, kv_cache, m.kv_b)
+    if c is None or not m.cfg.mla_use_nope or norm.dtype is not torch.float32 or not norm.is_contiguous():
+        return None
+    c.decode_residual(m, x, norm, eps, kv_cache.select(1, m_idx), packed.queries.qm, packed.queries.pages)
+    return True
+
+
+def _kda_layer(m: KDALayer, h, meta: BatchMeta, qsl, slots, pool: LayerSlots, states_at, li,
                verify, records: dict | None, writes: list):
     """One KDA layer over the batch: reads each live row's state from ``pool`` by its slot (``slots``, a list,
     ``-1`` = pad) and appends the rows' new states to ``writes`` (:class:`StateWrite`; nothing is written here).

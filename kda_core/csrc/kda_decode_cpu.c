@@ -245,6 +245,59 @@ int kda_decode_layer(const KdaWeights *p, int B, int T, const float *raw, long s
     return 0;
 }
 
+typedef int (*linear_fn)(int M, int N, int K, const float *x, long ldx, const float *packed, float *out, long ldo,
+                         int threads);
+typedef void (*rmsnorm_fn)(int M, int D, const float *x, long ldx, const float *w, float eps, float *y, long ldy);
+
+typedef struct {
+    int D, NP;                      /* hidden size; input GEMM outputs C + RF + H + RG */
+    const float *proj;              /* [qkv_proj; f_a; b_proj; g_a] packed for `linear` ([NP, D]) */
+    const float *o_proj;            /* o_proj packed for `linear` ([D, H V]) */
+    linear_fn linear;               /* invariant_cpu.c's linear_f32 and rmsnorm_f32 */
+    rmsnorm_fn rmsnorm;
+} KdaBlock;
+
+/* A KDA decoder sublayer for one decode token per row, in place: x [B, D] (row stride ldx) = x + o_proj(layer(
+ * rmsnorm(x))), the RMSNorm of weight norm [D] and eps, the input GEMM into [B, NP] (raw | f_low | b | g_low at row
+ * stride NP, as kda_core.layer.KDALayer.project_inputs' views), kda_decode_layer with T = 1 (the same pools, slots,
+ * out and aux), the o_proj GEMM and a rounded add: bitwise those calls and torch's add. Returns 0, -1 for bad sizes,
+ * -2 when out of memory (x then unwritten). */
+int kda_decode_block(const KdaWeights *p, const KdaBlock *blk, int B, float *x, long ldx, const float *norm, float eps,
+                     float *rec, long sr, float *conv, long sc, const long *slots, float *out_rec, long sor,
+                     float *out_conv, long soc, const KdaAux *aux, int threads) {
+    const int D = blk->D, NP = blk->NP, C = p->C, RF = p->RF, H = p->H;
+    if (B < 0 || D < 1 || NP != C + RF + H + p->RG) return -1;
+    if (B == 0) return 0;
+    const long HV = (long)p->H * p->V;
+    float *h = malloc(sizeof(float) * (size_t)B * (2 * (size_t)D + NP + HV));
+    if (!h) return -2;
+    float *proj = h + (size_t)B * D, *y = proj + (size_t)B * NP, *o = y + (size_t)B * HV;
+    blk->rmsnorm(B, D, x, ldx, norm, eps, h, D);
+    int rc = blk->linear(B, NP, D, h, D, blk->proj, proj, NP, threads) ? -2 : 0;
+    if (!rc)
+        rc = kda_decode_layer(p, B, 1, proj, NP, proj + C, NP, proj + C + RF, NP, proj + C + RF + H, NP, rec, sr, conv,
+                              sc, slots, out_rec, sor, out_conv, soc, y, aux);
+    if (!rc) rc = blk->linear(B, D, (int)HV, y, HV, blk->o_proj, o, D, threads) ? -2 : 0;
+    if (!rc)
+        for (int b = 0; b < B; ++b) {
+            float *xb = x + b * ldx;
+            const float *ob = o + (size_t)b * D;
+            for (int d = 0; d < D; ++d) xb[d] = xb[d] + ob[d];
+        }
+    free(h);
+    return rc;
+}
+
+/* Write n rows of L state pieces into their slots: piece j's row i (len[j] floats at src[j] + i len[j]) to
+ * dst[j] + slots[i] sdst[j] for each i with slots[i] >= 0 (-1: not written). A copy (the bits unchanged): the
+ * commit of a step's staged states, one call for every layer of a slot group. */
+void kda_write_slots(int L, int n, const long *slots, float *const *dst, const long *sdst, const float *const *src,
+                     const long *len) {
+    for (int j = 0; j < L; ++j)
+        for (int i = 0; i < n; ++i)
+            if (slots[i] >= 0) memcpy(dst[j] + slots[i] * sdst[j], src[j] + (long)i * len[j], sizeof(float) * len[j]);
+}
+
 /* Replay kda_decode_layer's state updates from what its steps consumed: k, g [B, T, H, K], v [B, T, H, V], beta
  * [B, T, H] (contiguous), onto S [B, H, K, V] (contiguous) in place, token by token: bitwise the states the layer
  * wrote (the same delta()). Returns 0, -1 for bad sizes, -2 when out of memory. */

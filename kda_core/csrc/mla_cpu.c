@@ -225,3 +225,27 @@ done:
     free(proj);
     return rc;
 }
+
+/* The MLA decoder sublayer in place: x [Q, D] (row stride ldx) = x + mla_decode_f32(rmsnorm(x)), the RMSNorm of
+ * weight norm [D] and eps through b->rmsnorm; each sum rounded on its own, as torch's add: bitwise the RMSNorm
+ * call, mla_decode_f32 and the add. Returns as mla_decode_f32 (x written only on 0). */
+int mla_decode_residual_f32(int Q, float *x, long ldx, const float *norm, float eps, float *cache, long page_stride,
+                            int NB, long ld_cache, long num_pages, const long *pages, long npages, const long *qm,
+                            const struct mla_block *b, int threads) {
+    const int D = b->D;
+    if (Q < 0 || D < 1) return 1;
+    if (Q == 0) return 0;
+    float *h = malloc(sizeof(float) * 2 * (size_t)Q * D);
+    if (!h) return 4;
+    float *y = h + (size_t)Q * D;
+    b->rmsnorm(Q, D, x, ldx, norm, eps, h, D);
+    int rc = mla_decode_f32(Q, h, D, cache, page_stride, NB, ld_cache, num_pages, pages, npages, qm, y, D, b, threads);
+    if (!rc)
+        for (int i = 0; i < Q; i++) {
+            float *xi = x + i * ldx;
+            const float *yi = y + (size_t)i * D;
+            for (int d = 0; d < D; d++) xi[d] = xi[d] + yi[d];
+        }
+    free(h);
+    return rc;
+}

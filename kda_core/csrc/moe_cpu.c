@@ -229,3 +229,31 @@ int moe_dense_f32(int M, int D, int F, const float *x, long ldx, const float *ga
     free(gu);
     return rc;
 }
+
+typedef void (*rmsnorm_fn)(int M, int D, const float *x, long ldx, const float *w, float eps, float *y, long ldy);
+
+/* A decoder layer's post-attention sublayer in place: x [M, D] (row stride ldx) = x + ffn(rmsnorm(x)), the RMSNorm of
+ * weight norm [D] and eps through `rmsnorm` (invariant_cpu.c's rmsnorm_f32), ffn the MoE of `b` (moe_forward_f32) or,
+ * b NULL, the dense MLP of gate_up / down and width F (moe_dense_f32); each sum rounded on its own, as torch's add:
+ * bitwise those three calls and the add. Returns what the feed-forward returns (x written only on 0), 1 for a bad
+ * size, 4 when out of memory. */
+int moe_residual_f32(int M, int D, float *x, long ldx, const float *norm, float eps, rmsnorm_fn rmsnorm,
+                     const struct moe_block *b, int F, const float *gate_up, const float *down, linear_fn linear,
+                     int threads) {
+    if (M < 0 || D < 1 || (b && b->D != D)) return 1;
+    if (M == 0) return 0;
+    float *h = malloc(sizeof(float) * 2 * (size_t)M * D);
+    if (!h) return 4;
+    float *y = h + (size_t)M * D;
+    rmsnorm(M, D, x, ldx, norm, eps, h, D);
+    int rc = b ? moe_forward_f32(M, h, D, y, D, NULL, b, threads)
+               : moe_dense_f32(M, D, F, h, D, gate_up, down, y, D, linear, threads);
+    if (!rc)
+        for (int m = 0; m < M; m++) {
+            float *xm = x + m * ldx;
+            const float *ym = y + (size_t)m * D;
+            for (int d = 0; d < D; d++) xm[d] = xm[d] + ym[d];
+        }
+    free(h);
+    return rc;
+}

@@ -157,6 +157,7 @@ class ModelRunner:
                        for li, v in slot_views(layout, pool, g).items()}   # {layer: (rec [P, H, K, V], conv)}
         self._group_of = {li: g for g, layers in enumerate(layout.groups) for li in layers}
         self._verify_views = dict(self._views)                             # every layer's slot views, for verify
+        self._kv = pool.typed_arena(torch.float32, layout.kv_block_shape)   # [P, M, NB, R] MLA latents, in place
 
     # ---- snapshot speculation: the verify row's states into the request's k + 1 slots ---------------
     def write_verify_states(self, req, out, num_tokens: int) -> None:
@@ -300,7 +301,7 @@ class ModelRunner:
         groups = batch.slot_idx.unbind(0)                                  # G x [N]: one tensor per group, shared
         kda = {li: LayerSlots(*(batch.dense[li] if li in batch.dense else self._views[li]),
                               groups[self._group_of[li]]) for li in self.model.cfg.kda_layers}
-        kv = self.pool.typed_arena(torch.float32, lay.kv_block_shape)     # [P, M, NB, R]
+        kv = self._kv                                                      # [P, M, NB, R]
         toks = torch.tensor([t for r in batch.rows for t in r.tokens], dtype=torch.long)
         out = forward_batch(self.model, toks, batch.meta, SlotPools(kda, kv),
                             decode_records=self.replay is not None, write=False)

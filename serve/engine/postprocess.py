@@ -66,6 +66,7 @@ class Postprocessor:
         from. See the module docstring for the order."""
         memory, layout, pool = self.memory, self.memory.layout, self.memory.pool
         finite = torch.isfinite(batch.logits).all(dim=-1).tolist()      # [N]: one check for every row
+        greedy = batch.logits.argmax(-1).tolist()                         # [N]: every row's argmax in one op
         for i, row in enumerate(batch.rows):             # 0. non-finite logits abort their row only
             if row.req is not None and (row.verify or not finite[i]):
                 bad = non_finite(batch.verify[i].logits if row.verify else batch.logits[i])
@@ -95,8 +96,8 @@ class Postprocessor:
             try:
                 if row.verify:
                     self.verify(req, row, batch.verify[i], bases[req.rid])
-                elif row.decode:
-                    self.decode(req, batch.logits[i])
+                elif row.decode:                         # a finite greedy row's token is its argmax
+                    self.decode(req, batch.logits[i], greedy[i] if finite[i] and req.sampling.greedy else None)
                 else:
                     self.prefill(req, row, batch.logits[i])
             except Exception as err:                     # noqa: BLE001 - that request is aborted
@@ -116,12 +117,12 @@ class Postprocessor:
             self.append(req, sample_token(logits, req.sampling, req.generator), logits)
             self.finish_if_done(req)
 
-    def decode(self, req: Request, logits: torch.Tensor) -> None:
-        """A decode row's end: one token sampled from ``logits [256]``, appended; publish at the final
-        boundary; finish."""
+    def decode(self, req: Request, logits: torch.Tensor, token: int | None = None) -> None:
+        """A decode row's end: one token sampled from ``logits [256]`` (``token``: already sampled, a greedy
+        row's argmax), appended; publish at the final boundary; finish."""
         b_end = self.memory.final_boundary(req)
         req.computed += 1
-        self.append(req, sample_token(logits, req.sampling, req.generator), logits)
+        self.append(req, sample_token(logits, req.sampling, req.generator) if token is None else token, logits)
         if b_end is not None and req.computed == b_end:
             self.memory.publish(req, b_end, True)
         self.finish_if_done(req)

@@ -128,6 +128,22 @@ def test_moe_c_form_sees_weight_writes(moe):
 
 
 @needs_c
+def test_moe_c_form_sees_a_data_write_after_forget(moe):
+    """A write the version counter does not see (through ``.data``) followed by ``cpu_invariant.forget``, as its
+    contract asks: the next call packs and uses the new weights (not the block cached before, whose packed copies
+    forget dropped)."""
+    from kda_core import cpu_invariant
+    m = variant(moe, 5)
+    x = torch.randn(3, m.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        m(x)
+        m.experts_down.data.mul_(2)
+        m.shared.down.data.mul_(2)
+        cpu_invariant.forget(*m.parameters())
+        torch.testing.assert_close(m(x), m.forward_torch(x), rtol=cpu_moe.RTOL, atol=cpu_moe.ATOL)
+
+
+@needs_c
 def test_moe_training_load_from_the_c_form(moe):
     """In training mode without autograd the C form runs and records each expert's load, as the torch form."""
     m = variant(moe, 6).train()
@@ -172,3 +188,24 @@ def test_moe_c_form_refuses_more_experts_than_kept_groups_hold(moe):
     m = variant(moe, 2, num_expert_group=4, topk_group=1, num_experts_per_token=3)
     with torch.no_grad(), pytest.raises(ValueError, match="num_experts_per_token"):
         m(torch.randn(2, m.cfg.hidden_size))
+
+
+@needs_c
+@pytest.mark.parametrize("layer", [0, 1], ids=["dense", "moe"])
+@pytest.mark.parametrize("n", [1, 5, 33])
+def test_ffn_residual_one_call_equals_the_separate_calls_bitwise(layer, n):
+    """ffn_residual's one C call (norm, feed-forward, add) is bitwise rmsnorm, the module and torch's add, writes x in
+    place and returns it; with autograd on it returns a new tensor and leaves x alone."""
+    from kda_core.invariant import rmsnorm
+    from kda_core.moe import ffn_residual
+    model = HybridLM.from_pretrained(Path(__file__).resolve().parents[2] / "weights" / "kda-demo")
+    ffn, norm, eps = model.ffn[layer], model.norm2[layer], model.cfg.rms_norm_eps
+    x = torch.randn(1, n, model.cfg.hidden_size, generator=torch.Generator().manual_seed(n)) * 3
+    want = x + ffn(rmsnorm(x, norm, eps))
+    got = x.clone()
+    assert ffn_residual(ffn, got, norm, eps) is got
+    assert torch.equal(got, want)
+    x.requires_grad_(True)
+    with torch.enable_grad():
+        y = ffn_residual(ffn, x, norm, eps)
+    assert y is not x and torch.allclose(y, want, rtol=cpu_moe.RTOL, atol=cpu_moe.ATOL)

@@ -91,6 +91,29 @@ def test_decode_rows_when_the_c_attention_skips_the_layer(model, monkeypatch):
             assert torch.equal(read_latents(pools.kv_cache, j, tables[r], (5, 20)[r] + 1), cache.layers[i])
 
 
+def test_decode_block_equals_the_layer_by_layer_calls(model, monkeypatch):
+    """An all-decode batch runs each KDA sublayer in one C call (kda_decode_block: input norm, input GEMM, decode,
+    o_proj, residual add) and each MLA sublayer in one (mla_decode_residual_f32); its logits, new states, latents and
+    ReplaySSM records are bitwise those of the separate calls (_kda_layer, _mla_layer), with a pad row in the batch."""
+    from kda_core import decode_cpu, varlen
+    if decode_cpu.block_runs(*next(iter(_decode_batch(model, (3,))[0].kda.values()))) is None:
+        pytest.skip("no C decode block here")
+    outs = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(varlen, "_kda_decode_block", lambda *a: None)
+            monkeypatch.setattr(varlen, "_mla_decode_block", lambda *a: None)
+        pools, meta, tokens, alone, slots, tables = _decode_batch(model, (5, 20, 9))
+        outs.append((forward_batch(model, tokens, meta, pools, decode_records=True, write=False), pools.kv_cache))
+    (got, got_kv), (want, want_kv) = outs
+    assert torch.equal(got.logits[:3], want.logits[:3])
+    assert torch.equal(got_kv.nan_to_num(7.0), want_kv.nan_to_num(7.0))
+    for i in model.cfg.kda_layers:
+        (g,), (w,) = got.state_writes[i], want.state_writes[i]
+        assert torch.equal(g.recurrent[:3], w.recurrent[:3]) and torch.equal(g.conv[:3], w.conv[:3])
+        assert all(torch.equal(a[:3], b[:3]) for a, b in zip(got.decode_records[i], want.decode_records[i]))
+
+
 def test_decode_rows_never_expand_cached_latents(model, monkeypatch):
     """A decode step reads each row's latents in the absorbed form: no GEMM through the whole ``kv_b`` (the
     expanded form re-expanded every cached latent of every row, every step: O(sum L) GEMM rows per MLA layer)."""

@@ -132,3 +132,29 @@ def test_bad_layer_slots_are_rejected(model, bad, match):
     kda = {li: ls._replace(slot_idx=idx[group[li]]) for li, ls in pools.kda.items()}
     with pytest.raises(ValueError, match=match):
         forward_batch(model, toks, meta, SlotPools(kda, pools.kv_cache))
+
+
+@pytest.mark.parametrize("keep", [None, [True, True, False, True]], ids=["all-kept", "row2-dropped"])
+def test_write_states_c_copy_equals_index_copy(monkeypatch, keep):
+    """write_states' one C copy per slot group (fp32 pieces into a strided arena) writes exactly what index_copy_
+    writes: every kept live row at its slot, a pad row and a row not kept nowhere (the pool's NaN stays)."""
+    from kda_core import decode_cpu, varlen
+    if isinstance(decode_cpu.load(), str):
+        pytest.skip("no C decode library here")
+    gen = torch.Generator().manual_seed(3)
+    idx = torch.tensor([5, PAD_SLOT, 2, 7])                               # [N]: row 1 a pad row
+    meta = make_meta([1] * 4, 4, idx, [True] * 4, [0] * 4, [[]] * 4)
+    writes = {i: [varlen.StateWrite(0, torch.randn(4, 2, 3, 5, generator=gen), torch.randn(4, 6, 3, generator=gen))]
+              for i in (0, 1)}
+    got = []
+    for c_copy in (True, False):
+        if not c_copy:
+            monkeypatch.setattr(decode_cpu, "copyable", lambda *a: False)
+        arena = torch.full((9, 2 * (30 + 18) + 4), float("nan"))          # [S, page words]: two layers a page
+        kda = {i: LayerSlots(arena[:, 48 * i: 48 * i + 30].view(9, 2, 3, 5), arena[:, 48 * i + 30: 48 * (i + 1)]
+                             .view(9, 6, 3)) for i in (0, 1)}
+        write_states(SlotPools(kda, None), meta, writes, None if keep is None else torch.tensor(keep))
+        got.append(arena)
+    assert torch.equal(got[0].nan_to_num(9.0), got[1].nan_to_num(9.0))
+    written = {5, 7} | ({2} if keep is None or keep[2] else set())
+    assert {s for s in range(9) if not got[0][s, :96].isnan().all()} == written

@@ -88,8 +88,8 @@ def test_one_row_per_forward_isolates_a_failing_request_too(monkeypatch):
     eng = make(rows_per_forward=1)
     bad, good = (eng.submit(PROMPTS[n], NEW, record_logits=True) for n in ("d1", "d2"))
     real = eng.postprocess.decode
-    monkeypatch.setattr(eng.postprocess, "decode", lambda req, logits: (_ for _ in ()).throw(ValueError("planted"))
-                        if req.rid == bad else real(req, logits))
+    monkeypatch.setattr(eng.postprocess, "decode", lambda req, *args: (_ for _ in ()).throw(ValueError("planted"))
+                        if req.rid == bad else real(req, *args))
     while eng.step():
         eng.check_integrity()
     assert eng.result(bad).status is RequestStatus.ABORTED and "ValueError: planted" in eng.result(bad).reason
@@ -109,7 +109,7 @@ def test_a_model_that_fails_on_its_own_stops_the_engine(monkeypatch, rows_per_fo
     def broken(i, x):
         raise RuntimeError("the model's weights are gone")
 
-    monkeypatch.setattr(eng.model, "mlp", broken)
+    monkeypatch.setattr(eng.model, "feed_forward", broken)
     assert not eng.model_runs()
     with pytest.raises(EngineFailure, match="one-token probe.*the model's weights are gone"):
         eng.step()

@@ -124,10 +124,10 @@ def test_a_request_whose_row_fails_is_a_500_and_the_others_are_served():
         def plant(engine):
             real = engine.postprocess.decode
 
-            def failing(req, logits):
+            def failing(req, *args):
                 if bytes(req.prompt) == b"poison-me" and len(req.output) >= 3:
                     raise RuntimeError("planted row failure")
-                return real(req, logits)
+                return real(req, *args)
             engine.postprocess.decode = failing
 
         on_engine(app, plant)
@@ -185,7 +185,7 @@ def test_command_line_server_exits_non_zero_when_the_model_fails(monkeypatch):
     def broken(i, x):
         raise RuntimeError("the model's weights are gone")
 
-    monkeypatch.setattr(model, "mlp", broken)
+    monkeypatch.setattr(model, "feed_forward", broken)
     r = httpx.post(url + "/v1/completions", json={"model": "kda-demo-tiny", "prompt": "x", "max_tokens": 2}, timeout=30)
     assert r.status_code == 503 and "weights are gone" in r.json()["error"]["message"], r.text
     health = httpx.get(url + "/health")                    # within the grace before the server shuts down
