@@ -53,13 +53,23 @@ def checkpoint_found_by_length(mp) -> None:
 
 def stale_state_after_rollback(mp) -> None:
     """A verify's commit keeps the state after its first token whatever was accepted: the accepted drafts' updates
-    are missing from the state (vLLM PR #52942 reads the state at column 0 after a step that accepted drafts)."""
+    are missing from the state (vLLM PR #52942 reads the state at column 0 after a step that accepted drafts).
+    Planted in both commit paths: the copying one (``SnapshotRollback``) and the k + 1 state slots (every slot gets
+    the state after token 0)."""
 
     def buggy(self, index, layer, base, num_tokens):
         return KDACache(self._states[index][:, 0].to(torch.float32).clone(),
                         self._convs[index][:, num_tokens - 1].to(torch.float32).clone())
 
     mp.setattr(SnapshotRollback, "_commit_layer", buggy)
+    write = ModelRunner.write_verify_states
+
+    def buggy_slots(self, req, out, num_tokens):      # the k + 1 slots: every slot gets the state after token 0
+        for li, aux in out.aux.items():
+            out.aux[li] = aux._replace(states=aux.states[:, :1].expand_as(aux.states).clone())
+        return write(self, req, out, num_tokens)
+
+    mp.setattr(ModelRunner, "write_verify_states", buggy_slots)
 
 
 def reset_at_chunk_boundary(mp) -> None:
