@@ -59,10 +59,11 @@ class CMLA:
         self._decode = lib.mla_decode_f32
 
     def _block(self, m) -> _Block:
-        """``m``'s :class:`_Block`, cached on the layer, rebuilt when a weight was replaced or written in place."""
+        """``m``'s :class:`_Block`, cached on the layer, rebuilt when a weight was replaced or written in
+        place or :func:`kda_core.cpu_invariant.forget` ran."""
         params = m._parameters                                              # (not nn.Module.__getattr__: µs)
         ws = (params["kv_b"], params["kv_a"], params["q_proj"], params["kv_norm"], params["o_proj"])
-        key = [(id(w), w.data_ptr(), w._version) for w in ws]
+        key = [cpu_invariant.forgets()] + [(id(w), w.data_ptr(), w._version) for w in ws]
         hit = m.__dict__.get(_MODULE_ATTR)
         if hit is not None and hit[0] == key:
             return hit[1]

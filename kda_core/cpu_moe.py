@@ -77,13 +77,14 @@ class CMoE:
 
     def _block(self, moe) -> _Block:
         """``moe``'s :class:`_Block`, cached on the module and rebuilt when any of its weights (or the router bias)
-        was replaced or written in place (address or version counter moved: the GEMM's caches repack then). Keeps
+        was replaced or written in place (address or version counter moved: the GEMM's caches repack then) or
+        :func:`kda_core.cpu_invariant.forget` ran. Keeps
         the packed copies it points to alive through the GEMM's caches on the weights themselves."""
         params, shared = moe._parameters, moe._modules.get("shared")       # (not nn.Module.__getattr__: µs)
         ws = (params["router"], moe._buffers["router_bias"], params["experts_gate_up"], params["experts_down"])
         if shared is not None:
             ws += (shared._parameters["gate_up"], shared._parameters["down"])
-        key = [(id(w), w.data_ptr(), w._version) for w in ws]
+        key = [cpu_invariant.forgets()] + [(id(w), w.data_ptr(), w._version) for w in ws]
         hit = moe.__dict__.get(_MODULE_ATTR)
         if hit is not None and hit[0] == key:
             return hit[1]
