@@ -124,6 +124,10 @@ class ModelConfig:
                                  f"({self.num_expert_group}) groups and topk_group ({self.topk_group}) <= groups")
             if self.num_expert_group > 1 and self.num_experts // self.num_expert_group < 2:
                 raise ValueError("grouped top-k scores each group by its top 2 experts: need >= 2 experts per group")
+            kept = self.topk_group * (self.num_experts // self.num_expert_group)      # experts of the kept groups
+            if self.num_experts_per_token > kept:
+                raise ValueError(f"num_experts_per_token ({self.num_experts_per_token}) must be <= the {kept} experts "
+                                 f"of the topk_group ({self.topk_group}) groups kept")
         if not (isinstance(self.routed_scaling_factor, (int, float)) and 0 < self.routed_scaling_factor < math.inf):
             raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {self.routed_scaling_factor!r}")
         if self.gate not in GATES:

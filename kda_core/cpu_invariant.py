@@ -42,7 +42,7 @@ _EXPERTS_ATTR = "_kda_gemm_experts"  # on an expert stack: ((data_ptr, version),
 _P, _I, _L = ctypes.c_void_p, ctypes.c_int, ctypes.c_long
 _lock = threading.Lock()
 _chosen: list = []                 # [the CInvariant, or why there is none] (set once per process)
-_forgets = [0]                     # forget() calls so far: what caches of packed addresses elsewhere key on
+_forgets = [0]                     # calls of forget() so far: part of the key of every C form's cached weights
 
 
 _threads = torch.get_num_threads
@@ -218,7 +218,10 @@ def forget(*tensors: torch.Tensor) -> None:
     """Drop the packed copies cached for ``tensors`` (weights, or any view of them: the cache lives on the base
     tensor), so the next call packs them again. Needed only after a write that autograd's version counter does not
     see (``w.data.copy_(...)``, a NumPy view). Weights packed together (one GEMM over several projections) are cached
-    on the first of them, so pass all of a module's: ``forget(*model.parameters())``."""
+    on the first of them, so pass all of a module's: ``forget(*model.parameters())``. Every C form's own cache of
+    a module's weights (:mod:`kda_core.cpu_moe`'s and :mod:`kda_core.cpu_mla`'s blocks, which point into the
+    packed copies; :mod:`kda_core.decode_cpu`'s transposed gates) keys on :func:`forgets`, so each is rebuilt on
+    its next use."""
     _forgets[0] += 1
     for t in tensors:
         for u in (t, t._base) if t._base is not None else (t,):
@@ -227,8 +230,7 @@ def forget(*tensors: torch.Tensor) -> None:
 
 
 def forgets() -> int:
-    """How many :func:`forget` calls this process made: a cache of packed addresses (a C form's weight block) keys on
-    it, so that it is rebuilt after a forget (whose packed copies it pointed to are gone)."""
+    """How many times :func:`forget` has run in this process (a cache keyed on it is rebuilt after each)."""
     return _forgets[0]
 
 

@@ -84,10 +84,11 @@ def gather(pool, slot_idx, live, slots):
 
 def weights(layer) -> _Weights:
     """The layer's weights for the C form (f_b and g_b transposed), cached on the layer and rebuilt when a weight is
-    replaced or written in place (autograd's version counter; a write through ``.data`` is not seen)."""
+    replaced (also under the same Parameter, ``p.data = new``: its address moves) or written in place (autograd's
+    version counter; a write through ``.data`` is not seen until :func:`kda_core.cpu_invariant.forget` runs)."""
     p = layer._parameters
     ws = (p["conv_weight"], p["f_b"], p["A_log"], p["dt_bias"], p["g_b"], p["o_norm"])
-    key = tuple(map(id, ws)) + tuple(w._version for w in ws)
+    key = tuple((id(w), w.data_ptr(), w._version) for w in ws) + (cpu_invariant.forgets(),)
     got = layer.__dict__.get(_WEIGHTS_ATTR)
     if got is not None and got[0] == key:
         return got[1]

@@ -50,11 +50,28 @@ class _CLinear(torch.autograd.Function):
 
 
 def torch_linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The torch form: rows ``[M, D_in]`` padded to at least ``MIN_ROWS`` rows -> ``[M, D_out]``."""
-    m = rows.shape[0]
-    if m < MIN_ROWS:
-        return F.linear(F.pad(rows, (0, 0, 0, MIN_ROWS - m)), weight)[:m]  # [MIN_ROWS, D_in] in, [M, D_out] out
-    return F.linear(rows, weight)                                          # [M, D_out]
+    """The torch form: rows ``[M, D_in]`` -> ``[M, D_out]``, every call on the same GEMM path whatever the rows are.
+
+    MKL's sgemm picks its kernel and summation order from the shapes and the operands' alignment, so three things
+    are padded (with zeros: a zero product adds +0 to a sum, which changes no value) before ``F.linear``: the row
+    count to at least ``MIN_ROWS`` (below 16 rows another kernel runs), ``D_in`` to a multiple of 16 in a fresh
+    64-byte-aligned copy whenever it is not one or the rows do not start on 64 bytes (else a row's bits depend on
+    where it sits: a request's rows packed at an odd offset of a batch differ from the same rows alone), and
+    ``D_out`` to at least 16 (one output feature runs MKL's GEMV, whose order depends on the row count)."""
+    m, d_in = rows.shape
+    d_out = weight.shape[0]
+    pad_k = -d_in % 16
+    if pad_k or rows.data_ptr() % 64 or (m > 1 and rows.stride(0) % 16) or rows.stride(-1) != 1 or m < MIN_ROWS:
+        x = rows.new_zeros(max(m, MIN_ROWS), d_in + pad_k)                    # [M', D_in'] aligned rows
+        x[:m, :d_in] = rows
+    else:
+        x = rows
+    w = weight
+    if pad_k or d_out < MIN_ROWS:
+        w = weight.new_zeros(max(d_out, MIN_ROWS), d_in + pad_k)             # [D_out', D_in']
+        w[:d_out, :d_in] = weight
+    out = F.linear(x, w)                                                    # [M', D_out']
+    return out[:m, :d_out] if out.shape != (m, d_out) else out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

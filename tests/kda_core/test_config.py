@@ -42,6 +42,8 @@ def test_sequence_bytes_and_table():
     (dict(mla_layers=(30,)), "mla_layers"),
     (dict(gate="relu"), "gate"),
     (dict(gate="lower_bound", lower_bound=None), "lower_bound"),
+    # 3 experts from the one kept group of 2: the torch form routed to a masked-out expert, the C form raised
+    (dict(num_experts=8, num_expert_group=4, topk_group=1, num_experts_per_token=3), "num_experts_per_token"),
 ])
 def test_validation(kwargs, match):
     base = dict(name="x", num_layers=8, mla_layers=(3, 7), hidden_size=64, num_heads=2, head_k_dim=16,

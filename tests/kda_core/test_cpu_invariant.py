@@ -152,3 +152,53 @@ def test_threads_split_columns_without_changing_bits(gemm):
     assert torch.equal(one, gemm.reference(x, w))
     for m in (1, 2):
         assert torch.equal(gemm.linear(x[:m], w), one[:m])
+
+
+def test_forget_reaches_every_c_form_of_a_model():
+    """After ``.data`` writes to every weight of a model (MoE layers, an MLA layer, KDA layers) and
+    ``forget(*model.parameters())``, prefill and decode give the logits of a model built with those weights: the
+    C forms' own caches (the MoE and MLA blocks, the decode layer's transposed gates) follow ``forget`` too, and
+    none keeps pointing at a packed copy that ``forget`` freed."""
+    if cpu_invariant.backend() is None:
+        pytest.skip(f"no C GEMM on this host: {cpu_invariant.reason()}")
+    from kda_core.config import ModelConfig
+    from kda_core.model import HybridLM
+    cfg = ModelConfig(name="forget", num_layers=3, mla_layers=(1,), hidden_size=32, num_heads=2, head_k_dim=8,
+                      head_v_dim=8, kv_lora_rank=8, qk_rope_head_dim=4, num_mla_heads=2, qk_nope_head_dim=8,
+                      v_head_dim=8, intermediate_size=32, mla_use_nope=True, num_experts=4, num_experts_per_token=2,
+                      moe_intermediate_size=8, first_k_dense_replace=1, seed=3)
+    model, other = HybridLM(cfg), HybridLM(ModelConfig(**{**cfg.__dict__, "seed": 9}))
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    model.decode_step(ids[0, -1], model.prefill(ids[:, :-1])[1])          # every cache filled
+    new = other.state_dict()
+    for name, t in model.state_dict().items():
+        t.data.copy_(new[name])                                            # unseen by the version counters
+    cpu_invariant.forget(*model.parameters())
+    (got, got_cache), (want, want_cache) = model.prefill(ids[:, :-1]), other.prefill(ids[:, :-1])
+    assert torch.equal(got, want), "prefill after forget"
+    assert torch.equal(model.decode_step(ids[0, -1], got_cache)[0], other.decode_step(ids[0, -1], want_cache)[0]), \
+        "decode after forget"
+
+
+def test_weights_replaced_through_data_reach_every_c_form():
+    """``p.data = new`` for every parameter (a new tensor under the same Parameter: its address moves, its version
+    counter need not): the GEMM, MoE and MLA caches key on the address and follow; the decode layer's cached gates
+    and conv weights must too, so decode gives the logits of a model built with the new weights."""
+    if cpu_invariant.backend() is None:
+        pytest.skip(f"no C GEMM on this host: {cpu_invariant.reason()}")
+    from kda_core.config import ModelConfig
+    from kda_core.model import HybridLM
+    cfg = ModelConfig(name="data", num_layers=3, mla_layers=(1,), hidden_size=32, num_heads=2, head_k_dim=8,
+                      head_v_dim=8, kv_lora_rank=8, qk_rope_head_dim=4, num_mla_heads=2, qk_nope_head_dim=8,
+                      v_head_dim=8, intermediate_size=32, mla_use_nope=True, num_experts=4, num_experts_per_token=2,
+                      moe_intermediate_size=8, seed=3)
+    model, other = HybridLM(cfg), HybridLM(ModelConfig(**{**cfg.__dict__, "seed": 9}))
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(0))
+    model.decode_step(ids[0, -1], model.prefill(ids[:, :-1])[1])          # every cache filled
+    new = dict(other.named_parameters())
+    for name, p in model.named_parameters():
+        p.data = new[name].data.clone()
+    (got, got_cache), (want, want_cache) = model.prefill(ids[:, :-1]), other.prefill(ids[:, :-1])
+    assert torch.equal(got, want), "prefill after .data replacement"
+    assert torch.equal(model.decode_step(ids[0, -1], got_cache)[0], other.decode_step(ids[0, -1], want_cache)[0]), \
+        "decode after .data replacement"

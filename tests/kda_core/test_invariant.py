@@ -49,6 +49,20 @@ def test_linear_row_invariant(form, d_in, d_out):
         assert torch.equal(form(x[m - 1: m], w), full[m - 1: m]), m      # the row alone, at offset m - 1
 
 
+def test_torch_linear_row_invariant_with_one_output_feature():
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(1, 32, generator=gen), torch.randn(200, 32, generator=gen)
+    full = _torch_form(x, w)
+    assert [m for m in range(17, 200) if not torch.equal(_torch_form(x[:m], w), full[:m])] == []
+
+
+def test_torch_linear_rows_at_any_offset():
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(8, 50, generator=gen), torch.randn(133, 50, generator=gen)
+    full = _torch_form(x, w)
+    assert [s for s in range(100) if not torch.equal(_torch_form(x[s: s + 20].clone(), w), full[s: s + 20])] == []
+
+
 @pytest.mark.parametrize("fn", [torch.exp, torch.sigmoid, F.softplus, F.silu, torch.rsqrt, torch.cos])
 def test_pointwise_row_invariant(fn):
     x = torch.rand(40, 48) + 0.1
