@@ -31,7 +31,7 @@ def poll(url: str, name: str, ok, timeout_s: float = 20.0) -> float:
 
 
 def test_a_client_that_gives_up_while_queued_is_aborted_unserved_and_the_waiting_gauge_counts_it(tmp_path):
-    spec = EngineSpec(max_model_len=1024, max_num_seqs=1)
+    spec = EngineSpec(max_model_len=8192, max_num_seqs=1)      # the holder's 8,000 tokens outlast the 2 s wait
     path = tmp_path / "steps.jsonl"
     app = create_app(build_engine(spec), MODEL, spec.max_model_len, spec.max_num_seqs, 2, StepTrace(path))
     holding, release = threading.Event(), threading.Event()
@@ -39,7 +39,7 @@ def test_a_client_that_gives_up_while_queued_is_aborted_unserved_and_the_waiting
         client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
         def hold():
-            stream = client.completions.create(model=MODEL, prompt=HOLD_PROMPT, max_tokens=1000, stream=True)
+            stream = client.completions.create(model=MODEL, prompt=HOLD_PROMPT, max_tokens=8000, stream=True)
             next(iter(stream))
             holding.set()
             release.wait(60)
