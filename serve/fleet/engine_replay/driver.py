@@ -17,11 +17,11 @@ from typing import NamedTuple
 
 import torch
 
+from serve.engine.request import RequestStatus
 from serve.fleet.engine_replay.clock import CLOCKS
 from serve.fleet.engine_replay.metrics import RequestTimes
 from serve.fleet.engine_replay.workload import ReplayRequest
 from serve.http.model import EngineSpec, build_engine
-from serve.engine.request import RequestStatus
 
 DONE = (RequestStatus.FINISHED, RequestStatus.ABORTED, RequestStatus.REJECTED)
 MAX_MODEL_LEN = 512             # the longest replayed prompt (384) + output (24), rounded up

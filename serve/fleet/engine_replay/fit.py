@@ -28,8 +28,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from serve.fleet.sim.service_model import ServiceModel, attention_pairs
 from serve.engine.model_runner import DECODE_BUCKETS
+from serve.fleet.sim.service_model import ServiceModel, attention_pairs
 
 TERMS = ("prefill_overhead_ms", "decode_step_base_ms", "ms_per_prefill_token", "prefill_per_row_ms",
          "prefill_per_token_pair_ms", "prefill_off_grid_per_token_ms", "decode_step_per_seq_ms",
