@@ -214,6 +214,25 @@ def backend() -> CInvariant | None:
     return None if isinstance(got, str) else got
 
 
+def form_on_gemm(chosen: list, lock: threading.Lock, load):
+    """A C form built on this GEMM (:mod:`kda_core.cpu_moe`, :mod:`kda_core.cpu_mla`), chosen once per process:
+    ``load(gemm)`` on the first call, its result (or why it failed: the torch form then runs) kept in ``chosen``
+    (a one-item list owned by that module) under ``lock``; None where :func:`backend` is None or ``load`` raised."""
+    if not chosen:
+        with lock:
+            if not chosen:
+                gemm = backend()
+                try:
+                    if gemm is None:
+                        raise RuntimeError(f"no C GEMM: {reason()}")
+                    got = load(gemm)
+                except Exception as exc:          # any failure: the torch form runs, and the reason is kept
+                    got = str(exc) or type(exc).__name__
+                chosen.append(got)
+    got = chosen[0]
+    return None if isinstance(got, str) else got
+
+
 def forget(*tensors: torch.Tensor) -> None:
     """Drop the packed copies cached for ``tensors`` (weights, or any view of them: the cache lives on the base
     tensor), so the next call packs them again. Needed only after a write that autograd's version counter does not

@@ -184,19 +184,7 @@ def backend() -> CMLA | None:
     """The C form every fp32 CPU no-grad absorbed MLA attention of this process runs, chosen on the first call
     (later calls return the same answer); None where the C GEMM does not run (``KDA_CPU_GEMM=0``,
     ``KDA_CPU_KERNEL=0``, no compiler) or this library fails (:func:`reason` says why)."""
-    if not _chosen:
-        with _lock:
-            if not _chosen:
-                gemm = cpu_invariant.backend()
-                try:
-                    if gemm is None:
-                        raise RuntimeError(f"no C GEMM: {cpu_invariant.reason()}")
-                    got = load(gemm)
-                except Exception as exc:          # any failure: the torch form runs, and the reason is kept
-                    got = str(exc) or type(exc).__name__
-                _chosen.append(got)
-    got = _chosen[0]
-    return None if isinstance(got, str) else got
+    return cpu_invariant.form_on_gemm(_chosen, _lock, load)
 
 
 def reason() -> str | None:
