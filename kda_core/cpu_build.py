@@ -93,14 +93,16 @@ def default_isa() -> str:
 def build(isa: str, source: Path = SOURCE, extra_flags: tuple = ()) -> Path:
     """Compile ``source`` (default :data:`SOURCE`) for path ``isa``, with ``extra_flags`` after the common and the
     path's flags, into the cache and return the library's path (nothing to do when it is there; atomic rename, so
-    concurrent builders are harmless). Raises RuntimeError when no compiler builds it, KeyError for an unknown
+    concurrent builders are harmless). The cache key covers the source, the ``*.h`` beside it, the flags and the
+    compiler's version. Raises RuntimeError when no compiler builds it, KeyError for an unknown
     ``isa``."""
     flags = [*COMMON_FLAGS, *ISAS[isa].flags, *extra_flags]
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise RuntimeError("no C compiler (cc / gcc) on PATH")
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))   # what a source may include
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode() + version.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("KDA_KERNEL_CACHE") or Path.home() / ".cache" / "kda-serve-lab")
     try:
         cache.mkdir(parents=True, exist_ok=True)

@@ -56,3 +56,17 @@ def test_open_library_refuses_a_library_of_another_width():
     other = next(i for i in ISAS if ISAS[i].vector_bits != 256)
     with pytest.raises(RuntimeError, match=r"runs 256-bit vectors, not .*built without its flags"):
         cpu_build.open_library(path, other, "kda_vector_bits")
+
+
+def test_a_changed_header_builds_again(tmp_path, monkeypatch):
+    """A library is rebuilt when a header beside its source changes (moe_cpu.c and mla_cpu.c include
+    cephes_exp.h): the cache key covers the headers, else the old library would load with the old function."""
+    monkeypatch.setenv("KDA_KERNEL_CACHE", str(tmp_path / "cache"))
+    src = tmp_path / "one.c"
+    src.write_text('#include "value.h"\nint one_value(void) { return VALUE; }\n')
+    (tmp_path / "value.h").write_text("#define VALUE 1\n")
+    first = cpu_build.build(default_isa(), src)
+    (tmp_path / "value.h").write_text("#define VALUE 2\n")
+    second = cpu_build.build(default_isa(), src)
+    assert first != second
+    assert ctypes.CDLL(str(second)).one_value() == 2
