@@ -42,25 +42,8 @@ enum { TILE_FULL, TILE_TWO, TILE_ONE };
 /* The vector width (bits) of the path this library was built with (the loader checks it against the flags). */
 int kda_vector_bits(void) { return VECTOR_BITS; }
 
-/* ---- exp on 8 floats (Cephes expf: range reduction by ln 2 in two parts, degree-5 polynomial; ~1 ulp) ---- */
-static inline __m256 exp8(__m256 x) {
-    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
-    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-    fx = _mm256_floor_ps(fx);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 z = _mm256_mul_ps(x, x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    __m256i n = _mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127));
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(_mm256_slli_epi32(n, 23)));
-}
+/* ---- exp on 8 floats: cephes_exp.h (Cephes expf; a NaN stays NaN) ---- */
+#include "cephes_exp.h"
 
 static float exp1(float x) {           /* the same formula on one float (tails of rows not a multiple of VW) */
     float buf[8] = {x, x, x, x, x, x, x, x};
