@@ -126,4 +126,3 @@ def test_a_library_whose_self_check_fails_is_refused_and_the_torch_form_runs(tmp
     assert "injected: the fused form disagrees" in got["reason"]
     assert got["calls"] == [], f"the refused library still ran: {got['calls']}"
     assert got["same"], "kda_chunk did not return the torch form's bits"
-
